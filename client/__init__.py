@@ -1,0 +1,1 @@
+"""Client library and the ``q6serve`` command line."""

@@ -1,0 +1,204 @@
+"""The backend API shared by the NumPy and CUDA backends.
+
+The service talks to a :class:`Backend` only through this module: arrays and plain dataclasses
+in, arrays out. Nothing here knows about gRPC, metrics or flags' sources.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import q6k
+from .errors import FailedPrecondition, FormatError
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# Activation/output dtypes accepted on the wire and by every backend.
+DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "f16": np.dtype(np.float16),
+    "bf16": BFLOAT16,
+}
+
+
+def dtype_name(dt: np.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dt:
+            return name
+    raise FormatError(f"unsupported dtype {dt}; use one of {', '.join(DTYPES)}")
+
+
+class Precision(enum.StrEnum):
+    """Numerics of one matmul call (see docs/KERNELS.md for the error contract)."""
+
+    AUTO = "auto"  # fastest path of this backend under the current flags
+    EXACT = "exact"  # f32 math on exactly dequantized weights
+    F16 = "f16"  # activations rounded to f16, tensor-core f16 MMA
+    Q8_1 = "q8_1"  # activations quantized to q8_1, int8 MMA (llama.cpp numerics)
+
+
+class Layout(enum.StrEnum):
+    SOA = "soa"
+    AOS = "aos"
+
+
+@dataclass(frozen=True)
+class KernelFlags:
+    """The kill-switches that reach the kernels (the service owns where they come from)."""
+
+    soa: bool = True  # Q6SERVE_Q6K_SOA: 0 = AoS everywhere
+    decode_mmq: bool = True  # Q6SERVE_DECODE_MMQ: 0 = no decode MMQ tile
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.SOA if self.soa else Layout.AOS
+
+
+@dataclass
+class KernelTiming:
+    """Kernel time of one call: host-timed (NumPy) or read later from device events (CUDA).
+
+    ``seconds()`` never forces a device sync on the hot path: the CUDA backend returns None
+    until its end event has completed and the service reads it after the reply is sent.
+    """
+
+    host_seconds: float | None = None
+    _events: Any = None  # (start, end) device events, backend-specific
+
+    def seconds(self, wait: bool = False) -> float | None:
+        if self._events is None:
+            return self.host_seconds
+        start, end = self._events
+        if not wait and not end.done:
+            return None
+        end.synchronize()
+        from cupy.cuda import get_elapsed_time  # only reached on the CUDA backend
+
+        return get_elapsed_time(start, end) / 1e3
+
+
+@dataclass
+class MatmulResult:
+    y: np.ndarray  # [N, rows] in the requested output dtype
+    kernel: str  # e.g. "numpy.exact", "cuda.matvec.soa"
+    layout: Layout
+    precision: Precision  # resolved (never AUTO)
+    timing: KernelTiming = field(default_factory=KernelTiming)
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Device (or host, on NumPy) memory figures in bytes."""
+
+    free: int
+    total: int
+    pool_used: int = 0  # bytes held by the backend's allocator pool
+    pool_total: int = 0
+
+
+@dataclass
+class ResidentWeight:
+    """A weight held by a backend. ``data`` is the backend's own storage."""
+
+    rows: int
+    k: int
+    layout: Layout
+    nbytes: int  # exactly what the backend allocated for it
+    data: Any = None
+
+    @property
+    def n_blocks(self) -> int:
+        return self.rows * (self.k // q6k.QK_K)
+
+
+AosChunks = Iterable[bytes | memoryview | np.ndarray]
+
+
+def iter_aos_chunks(aos: np.ndarray | bytes | memoryview, rows: int, k: int,
+                    chunk_bytes: int) -> Iterator[np.ndarray]:
+    """Split AoS bytes into chunks of whole rows no larger than ``chunk_bytes`` (>= 1 row)."""
+    blocks = q6k.as_blocks(aos, rows, k)
+    row_bytes = q6k.aos_nbytes(1, k)
+    rows_per = max(1, chunk_bytes // row_bytes)
+    per_row = k // q6k.QK_K
+    for r0 in range(0, rows, rows_per):
+        r1 = min(rows, r0 + rows_per)
+        yield blocks[r0 * per_row : r1 * per_row]
+
+
+class Backend(abc.ABC):
+    """What every backend implements. All arrays are host NumPy arrays."""
+
+    name: str
+
+    @abc.abstractmethod
+    def device_name(self) -> str: ...
+
+    @abc.abstractmethod
+    def memory(self) -> MemoryInfo: ...
+
+    @abc.abstractmethod
+    def weight_nbytes(self, rows: int, k: int, layout: Layout) -> int:
+        """Exact bytes :meth:`load` will allocate for such a weight (for reserve-before-alloc)."""
+
+    @abc.abstractmethod
+    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
+        """Peak transient bytes while loading (staging + repack scratch)."""
+
+    @abc.abstractmethod
+    def load(self, chunks: AosChunks, rows: int, k: int, layout: Layout,
+             chunk_bytes: int) -> ResidentWeight:
+        """Build a resident weight from AoS chunks of whole rows, in order."""
+
+    @abc.abstractmethod
+    def relayout(self, w: ResidentWeight, layout: Layout, chunk_bytes: int) -> ResidentWeight:
+        """Return ``w`` re-laid to ``layout`` (same bytes, bounded scratch)."""
+
+    @abc.abstractmethod
+    def free(self, w: ResidentWeight) -> None: ...
+
+    @abc.abstractmethod
+    def read_aos(self, w: ResidentWeight) -> np.ndarray:
+        """The weight's AoS bytes ``[n_blocks, 210]`` (for checks; not on the hot path)."""
+
+    @abc.abstractmethod
+    def plan(self, n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
+        """Dispatch: the kernel name and resolved precision for N rows (raises if refused)."""
+
+    @abc.abstractmethod
+    def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
+               flags: KernelFlags = KernelFlags(), out_dtype: np.dtype | None = None,
+               ) -> MatmulResult:
+        """``y = x @ W.T`` for x ``[N, K]`` f32/f16/bf16; y ``[N, rows]`` (default f32)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything the backend holds."""
+
+
+def check_activations(x: np.ndarray, k: int) -> np.ndarray:
+    """Validate x ``[N, K]`` (dtype, shape, K); return it C-contiguous."""
+    if not isinstance(x, np.ndarray):
+        raise FormatError(f"activations must be a numpy array, got {type(x).__name__}")
+    dtype_name(x.dtype)
+    if x.ndim != 2:
+        raise FormatError(f"activations must be 2-D [N, K], got shape {tuple(x.shape)}")
+    n, xk = x.shape
+    if n < 1:
+        raise FormatError("activations have N=0 rows")
+    if xk != k:
+        raise FormatError(f"activations have K={xk}, weight has K={k}")
+    return np.ascontiguousarray(x)
+
+
+def refuse_q8_1_without_mmq(precision: Precision, flags: KernelFlags) -> None:
+    if precision is Precision.Q8_1 and not flags.decode_mmq:
+        raise FailedPrecondition(
+            "precision q8_1 needs the decode MMQ kernels, which are disabled "
+            "(Q6SERVE_DECODE_MMQ=0); use auto, exact or f16")
