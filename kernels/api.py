@@ -61,6 +61,9 @@ class KernelFlags:
         return Layout.SOA if self.soa else Layout.AOS
 
 
+DEFAULT_FLAGS = KernelFlags()
+
+
 @dataclass
 class KernelTiming:
     """Kernel time of one call: host-timed (NumPy) or read later from device events (CUDA).
@@ -174,7 +177,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
-               flags: KernelFlags = KernelFlags(), out_dtype: np.dtype | None = None,
+               flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                ) -> MatmulResult:
         """``y = x @ W.T`` for x ``[N, K]`` f32/f16/bf16; y ``[N, rows]`` (default f32)."""
 

@@ -1,0 +1,281 @@
+"""The NumPy backend: the CPU twin of the CUDA backend (and what CI serves from).
+
+Weights are held as *slabs* of whole rows, each slab at most ``chunk_bytes`` and laid out
+as packed SoA (or AoS when the SOA flag is off). Slabs keep every transient bounded: a load
+never holds more than one chunk besides the weight, and a relayout swaps one slab at a time.
+
+Matmul dequantizes a few hundred rows at a time into a float32 tile and hands it to BLAS.
+To keep the unpacking to long contiguous uint64 operations, the tile's columns are in a
+*permuted* order inside each block (see :data:`PERM`) and the activations are permuted the
+same way once per call; the dot products are unchanged (up to f32 summation order).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import q6k
+from .api import (
+    DEFAULT_FLAGS,
+    AosChunks,
+    Backend,
+    KernelFlags,
+    KernelTiming,
+    Layout,
+    MatmulResult,
+    MemoryInfo,
+    Precision,
+    ResidentWeight,
+    check_activations,
+    refuse_q8_1_without_mmq,
+)
+from .errors import FormatError
+
+_M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
+_M2 = np.uint64(0x0303030303030303)
+
+
+def _perm() -> np.ndarray:
+    """Tile column o (0..255) of a block holds element PERM[o]: o = s*64 + h*32 + l."""
+    o = np.arange(q6k.QK_K)
+    s, h, lane = o // 64, (o // 32) % 2, o % 32
+    return h * 128 + s * 32 + lane
+
+
+PERM = _perm()
+# Group (0..15) of each 16-column run of the permuted tile.
+_PERM_GROUPS = PERM.reshape(-1, q6k.GROUP)[:, 0] // q6k.GROUP
+
+
+def unpack_q_permuted(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """6-bit quants ``[n, 256]`` in PERM order, using only whole-word column operations."""
+    n = ql.shape[0]
+    ql_t = np.ascontiguousarray(ql.view(np.uint64).T).reshape(2, 2, 4, n)  # h, m, word
+    qh_t = np.ascontiguousarray(qh.view(np.uint64).T).reshape(2, 4, n)  # h, word
+    out = np.empty((4, 2, 4, n), dtype=np.uint64)  # s, h, word
+    tmp = np.empty((2, 4, n), dtype=np.uint64)
+    for s in range(4):
+        # s selects ql's low (s<2) or high nibble of half m = s % 2, and qh bits 2s..2s+1.
+        o = out[s]
+        if s < 2:
+            np.bitwise_and(ql_t[:, s], _M4, out=o)
+        else:
+            np.right_shift(ql_t[:, s - 2], np.uint64(4), out=o)
+            o &= _M4
+        np.right_shift(qh_t, np.uint64(2 * s), out=tmp)
+        tmp &= _M2
+        tmp <<= np.uint64(4)
+        o |= tmp
+    return np.ascontiguousarray(out.reshape(32, n).T).view(np.uint8)
+
+
+def dequantize_permuted(f: dict[str, np.ndarray], out: np.ndarray) -> np.ndarray:
+    """float32 ``[n, 256]`` weights in PERM order; each value bit-identical to gguf's."""
+    n = f["ql"].shape[0]
+    q = unpack_q_permuted(f["ql"], f["qh"])
+    scales = q6k.group_scales(f["scales"], f["d"])[:, _PERM_GROUPS]  # [n, 16] runs
+    np.subtract(q, np.float32(32), out=out, dtype=np.float32)
+    out.reshape(n * 16, 16)[:] *= scales.reshape(n * 16, 1)
+    return out
+
+
+@dataclass
+class Slab:
+    row0: int
+    rows: int
+    data: np.ndarray  # packed SoA bytes, or AoS [blocks, 210]
+    layout: Layout
+
+    def fields(self, k: int) -> dict[str, np.ndarray]:
+        n = self.rows * (k // q6k.QK_K)
+        if self.layout is Layout.SOA:
+            return q6k.soa_fields(self.data, n)
+        return q6k.aos_fields(self.data)
+
+
+def _slab_bytes(rows: int, k: int, layout: Layout) -> int:
+    n = rows * (k // q6k.QK_K)
+    return q6k.SoaLayout.for_blocks(n).nbytes if layout is Layout.SOA else n * q6k.BLOCK_BYTES
+
+
+def _pack(blocks: np.ndarray, layout: Layout) -> np.ndarray:
+    return q6k.aos_to_soa(blocks) if layout is Layout.SOA else np.array(blocks, dtype=np.uint8)
+
+
+def _slice_fields(f: dict[str, np.ndarray], b0: int, b1: int) -> dict[str, np.ndarray]:
+    return {name: arr[b0:b1] for name, arr in f.items()}
+
+
+class NumpyBackend(Backend):
+    """Chunked dequantization + BLAS on the host. AUTO precision is EXACT here."""
+
+    name = "numpy"
+    TILE_ROWS_BYTES = 2 << 20  # float32 tile per thread, sized for L2
+    SLAB_BYTES = 64 << 20  # resident slab size: bounds load and relayout transients
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or max(1, min(4, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="q6-numpy")
+        self._held = 0
+        self._lock = threading.Lock()
+
+    # -- memory -----------------------------------------------------------------------------
+    def device_name(self) -> str:
+        return f"cpu ({os.cpu_count()} cores, NumPy {np.__version__})"
+
+    def memory(self) -> MemoryInfo:
+        total = free = 0
+        try:
+            with open("/proc/meminfo") as fh:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in fh}
+            total, free = info["MemTotal"], info["MemAvailable"]
+        except (OSError, KeyError, ValueError):
+            pass
+        return MemoryInfo(free=free, total=total, pool_used=self._held, pool_total=self._held)
+
+    def weight_nbytes(self, rows: int, k: int, layout: Layout) -> int:
+        return sum(_slab_bytes(r1 - r0, k, layout)
+                   for r0, r1 in self._slab_rows(rows, k, self.SLAB_BYTES))
+
+    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
+        return 0  # chunks come from the caller's mmap/stream; slabs are packed straight in
+
+    @staticmethod
+    def _slab_rows(rows: int, k: int, chunk_bytes: int) -> list[tuple[int, int]]:
+        per = max(1, chunk_bytes // q6k.aos_nbytes(1, k))
+        return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
+
+    def _adjust_held(self, delta: int) -> None:
+        with self._lock:
+            self._held += delta
+
+    # -- weights ----------------------------------------------------------------------------
+    def load(self, chunks: AosChunks, rows: int, k: int, layout: Layout,
+             chunk_bytes: int = 64 << 20) -> ResidentWeight:
+        per_row = q6k.check_k(k)
+        slabs: list[Slab] = []
+        row = 0
+        pending: list[np.ndarray] = []
+        pending_rows = 0
+        slab_plan = iter(self._slab_rows(rows, k, self.SLAB_BYTES))
+        want = next(slab_plan, None)
+        for chunk in chunks:
+            blocks = np.frombuffer(chunk, dtype=np.uint8) if not isinstance(
+                chunk, np.ndarray) else chunk.reshape(-1).view(np.uint8)
+            if blocks.size % (per_row * q6k.BLOCK_BYTES):
+                raise FormatError(f"chunk of {blocks.size} bytes is not whole rows of "
+                                  f"{per_row * q6k.BLOCK_BYTES} bytes")
+            pending.append(blocks.reshape(-1, q6k.BLOCK_BYTES))
+            pending_rows += blocks.size // (per_row * q6k.BLOCK_BYTES)
+            while want is not None and pending_rows >= want[1] - want[0]:
+                n_rows = want[1] - want[0]
+                allb = np.concatenate(pending) if len(pending) > 1 else pending[0]
+                take = n_rows * per_row
+                slabs.append(Slab(row, n_rows, _pack(allb[:take], layout), layout))
+                row += n_rows
+                rest = allb[take:]
+                pending = [rest] if rest.size else []
+                pending_rows -= n_rows
+                want = next(slab_plan, None)
+        if row != rows or pending_rows:
+            raise FormatError(f"weight {rows}x{k} got {row + pending_rows} rows of data")
+        nbytes = sum(s.data.nbytes for s in slabs)
+        self._adjust_held(nbytes)
+        return ResidentWeight(rows, k, layout, nbytes, slabs)
+
+    def relayout(self, w: ResidentWeight, layout: Layout,
+                 chunk_bytes: int = 64 << 20) -> ResidentWeight:
+        if w.layout is layout:
+            return w
+        slabs: list[Slab] = w.data
+        new = []
+        for s in slabs:  # one slab of scratch at a time
+            blocks = (q6k.soa_to_aos(s.data, s.rows * (w.k // q6k.QK_K))
+                      if s.layout is Layout.SOA else s.data)
+            new.append(Slab(s.row0, s.rows, _pack(blocks, layout), layout))
+        nbytes = sum(s.data.nbytes for s in new)
+        self._adjust_held(nbytes - w.nbytes)
+        return ResidentWeight(w.rows, w.k, layout, nbytes, new)
+
+    def free(self, w: ResidentWeight) -> None:
+        if w.data is not None:
+            self._adjust_held(-w.nbytes)
+            w.data = None
+
+    def read_aos(self, w: ResidentWeight) -> np.ndarray:
+        per_row = w.k // q6k.QK_K
+        parts = [q6k.soa_to_aos(s.data, s.rows * per_row) if s.layout is Layout.SOA
+                 else s.data for s in w.data]
+        return np.concatenate(parts)
+
+    # -- matmul -----------------------------------------------------------------------------
+    def plan(self, n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
+        refuse_q8_1_without_mmq(precision, flags)
+        resolved = Precision.EXACT if precision is Precision.AUTO else precision
+        return f"numpy.{resolved.value}", resolved
+
+    def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
+               flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
+               ) -> MatmulResult:
+        x = check_activations(x, w.k)
+        kernel, resolved = self.plan(x.shape[0], precision, flags)
+        slabs: list[Slab] | None = w.data
+        if slabs is None:
+            raise FormatError("weight was freed")
+        t0 = time.perf_counter()
+        if resolved is Precision.Q8_1:
+            y = self._matmul_q8_1(w, slabs, x)
+        else:
+            xf = x.astype(np.float16) if resolved is Precision.F16 else x
+            y = self._matmul_float(w, slabs, xf.astype(np.float32))
+        elapsed = time.perf_counter() - t0
+        if out_dtype is not None and np.dtype(out_dtype) != y.dtype:
+            y = y.astype(out_dtype)
+        return MatmulResult(y, kernel, w.layout, resolved, KernelTiming(host_seconds=elapsed))
+
+    def _tiles(self, w: ResidentWeight, slabs: list[Slab]):
+        """(slab, first block, last block, first output row) tiles of ~TILE_ROWS_BYTES."""
+        per_row = w.k // q6k.QK_K
+        tile_rows = max(1, self.TILE_ROWS_BYTES // (4 * w.k))
+        for s in slabs:
+            for r0 in range(0, s.rows, tile_rows):
+                r1 = min(s.rows, r0 + tile_rows)
+                yield s, r0 * per_row, r1 * per_row, s.row0 + r0, r1 - r0
+
+    def _matmul_float(self, w: ResidentWeight, slabs: list[Slab], x: np.ndarray) -> np.ndarray:
+        n = x.shape[0]
+        nb = w.k // q6k.QK_K
+        # Permute activations to the tile's column order once per call.
+        xp = np.ascontiguousarray(x.reshape(n, nb, q6k.QK_K)[:, :, PERM].reshape(n, w.k))
+        y = np.empty((n, w.rows), dtype=np.float32)
+
+        def run(tile) -> None:
+            s, b0, b1, row0, rows = tile
+            f = _slice_fields(s.fields(w.k), b0, b1)
+            wt = dequantize_permuted(f, np.empty((b1 - b0, q6k.QK_K), np.float32))
+            np.matmul(xp, wt.reshape(rows, w.k).T, out=y[:, row0 : row0 + rows])
+
+        list(self._pool.map(run, self._tiles(w, slabs)))
+        return y
+
+    def _matmul_q8_1(self, w: ResidentWeight, slabs: list[Slab], x: np.ndarray) -> np.ndarray:
+        from .reference import matmul_q8_1  # the reference *is* the CPU q8_1 kernel
+
+        y = np.empty((x.shape[0], w.rows), dtype=np.float32)
+
+        def run(tile) -> None:
+            s, b0, b1, row0, rows = tile
+            f = _slice_fields(s.fields(w.k), b0, b1)
+            y[:, row0 : row0 + rows] = matmul_q8_1(x, f, rows)
+
+        list(self._pool.map(run, self._tiles(w, slabs)))
+        return y
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
