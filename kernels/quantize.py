@@ -154,11 +154,11 @@ def _quantize_q6_k_blocks(xb: np.ndarray) -> np.ndarray:
 
     ql, qh = _pack(levels.reshape(n, q6k.QK_K))
     out = np.zeros((n, q6k.BLOCK_BYTES), np.uint8)
-    f = q6k.aos_fields(out)  # views (d is a copy: written through the raw bytes below)
+    f = q6k.aos_fields(out)  # views, except d (a copy): d is written as raw bytes below
     f["ql"][:] = ql
     f["qh"][:] = qh
     f["scales"][:] = sc
-    off_d = dict((name, off) for name, off, _ in q6k.FIELDS)["d"]
+    off_d = {name: off for name, off, _ in q6k.FIELDS}["d"]
     out[:, off_d : off_d + 2] = d16.view(np.uint8).reshape(n, 2)
     out[~live] = 0  # ggml memsets zero blocks
     return out
