@@ -1,0 +1,240 @@
+"""A synchronous q6serve client: numpy in, numpy out, one exception type.
+
+    from q6serve.client.client import Client
+    with Client("127.0.0.1:50061") as c:
+        c.load("model.gguf", tensors=["output.weight"])
+        y = c.matmul("output.weight", x)          # x: [N, K] f32/f16/bf16 -> y: [N, rows] f32
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ml_dtypes
+import numpy as np
+
+from q6serve.v1 import q6serve_pb2 as pb
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+          "bf16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+_DTYPE_FROM_PB = {pb.DTYPE_F32: "f32", pb.DTYPE_F16: "f16", pb.DTYPE_BF16: "bf16"}
+PRECISIONS = {"auto": pb.PRECISION_AUTO, "exact": pb.PRECISION_EXACT, "f16": pb.PRECISION_F16,
+              "q8_1": pb.PRECISION_Q8_1}
+_PRECISION_NAME = {v: k for k, v in PRECISIONS.items()}
+_LAYOUT_NAME = {pb.LAYOUT_SOA: "soa", pb.LAYOUT_AOS: "aos", pb.LAYOUT_UNSPECIFIED: ""}
+UPLOAD_FORMATS = {"q6_k": pb.UPLOAD_FORMAT_Q6_K, "f32": pb.UPLOAD_FORMAT_F32,
+                  "f16": pb.UPLOAD_FORMAT_F16}
+UPLOAD_CHUNK = 1 << 20
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Q6ServeError(Exception):
+    """Any failed call: ``code`` is the grpc.StatusCode, ``message`` the worker's details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str = "") -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id  # set for per-request failures of matmul_stream
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> Q6ServeError:
+        return cls(e.code(), e.details() or "")
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    rows: int
+    k: int
+    nbytes: int
+    layout: str
+    sha256: str
+    source: str
+    in_flight: int
+
+    @classmethod
+    def from_pb(cls, w: pb.WeightInfo) -> Weight:
+        return cls(w.name, w.rows, w.k, w.nbytes, _LAYOUT_NAME[w.layout], w.sha256, w.source,
+                   w.in_flight)
+
+
+@dataclass(frozen=True)
+class MatmulOutput:
+    y: np.ndarray
+    kernel: str
+    layout: str
+    precision: str
+    queue_seconds: float
+    kernel_seconds: float | None
+    batch_rows: int
+    batch_requests: int
+    request_id: str = ""
+
+
+def encode_tensor(a: np.ndarray) -> pb.Tensor:
+    a = np.ascontiguousarray(a)
+    name = next((n for n, d in DTYPES.items() if d == a.dtype), None)
+    if name is None:
+        raise ValueError(f"dtype {a.dtype} is not one of {', '.join(DTYPES)}")
+    return pb.Tensor(dtype=_DTYPE_TO_PB[name], shape=list(a.shape),
+                     data=a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def decode_tensor(t: pb.Tensor) -> np.ndarray:
+    dt = DTYPES[_DTYPE_FROM_PB[t.dtype]].newbyteorder("<")
+    return np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape))
+
+
+def _output(r: pb.MatmulResponse) -> MatmulOutput:
+    t = r.timing
+    return MatmulOutput(decode_tensor(r.y), r.kernel, _LAYOUT_NAME[r.layout],
+                        _PRECISION_NAME[r.precision], t.queue_seconds,
+                        t.kernel_seconds if t.HasField("kernel_seconds") else None,
+                        t.batch_rows, t.batch_requests, r.request_id)
+
+
+def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",
+                   out_dtype: str = "f32", request_id: str = "") -> pb.MatmulRequest:
+    return pb.MatmulRequest(weight=weight, x=encode_tensor(x), precision=PRECISIONS[precision],
+                            out_dtype=_DTYPE_TO_PB[out_dtype], request_id=request_id)
+
+
+def channel_for(target: str, *, root_certificates: bytes | None = None,
+                private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                tls: bool = False, max_message_bytes: int = 256 << 20) -> grpc.Channel:
+    opts = [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+    if tls or root_certificates is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+        return grpc.secure_channel(target, creds, options=opts)
+    return grpc.insecure_channel(target, options=opts)
+
+
+class Client:
+    """Blocking client. Every method raises :class:`Q6ServeError` on failure."""
+
+    def __init__(self, target: str, *, token: str | None = None, timeout: float | None = 60.0,
+                 channel: grpc.Channel | None = None, **channel_kw: object) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = channel or channel_for(target, **channel_kw)  # type: ignore[arg-type]
+        self._stub = pb_grpc.Q6ServeStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: object, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout if timeout is not None else self.timeout,
+                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise Q6ServeError.from_rpc(e) from None
+
+    # -- weights ----------------------------------------------------------------------------
+    def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
+             timeout: float | None = None) -> list[Weight]:
+        r = self._call("LoadWeights", pb.LoadWeightsRequest(
+            gguf_path=gguf_path, tensors=list(tensors), prefix=prefix), timeout)
+        return [Weight.from_pb(w) for w in r.weights]
+
+    def upload(self, name: str, data: np.ndarray | bytes, rows: int, k: int,
+               fmt: str = "q6_k", timeout: float | None = None,
+               sha256: str | None = None) -> Weight:
+        """Upload AoS Q6_K bytes (``fmt="q6_k"``) or f32/f16 rows quantized by the worker."""
+        raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+        digest = sha256 or hashlib.sha256(raw).hexdigest()
+        header = pb.UploadHeader(name=name, rows=rows, k=k, format=UPLOAD_FORMATS[fmt],
+                                 total_bytes=len(raw), sha256=digest)
+
+        def messages() -> Iterator[pb.UploadWeightRequest]:
+            yield pb.UploadWeightRequest(header=header)
+            for i in range(0, len(raw), UPLOAD_CHUNK):
+                yield pb.UploadWeightRequest(chunk=raw[i : i + UPLOAD_CHUNK])
+
+        r = self._call("UploadWeight", messages(), timeout)
+        return Weight.from_pb(r.weight)
+
+    def list(self) -> list[Weight]:
+        r = self._call("ListWeights", pb.ListWeightsRequest())
+        return [Weight.from_pb(w) for w in r.weights]
+
+    def get(self, name: str) -> Weight:
+        return Weight.from_pb(self._call("GetWeight", pb.GetWeightRequest(name=name)).weight)
+
+    def unload(self, name: str, timeout: float | None = None) -> Weight:
+        r = self._call("UnloadWeight", pb.UnloadWeightRequest(name=name), timeout)
+        return Weight.from_pb(r.weight)
+
+    # -- matmul -----------------------------------------------------------------------------
+    def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
+                    out_dtype: str = "f32", timeout: float | None = None) -> MatmulOutput:
+        r = self._call("Matmul", matmul_request(weight, x, precision, out_dtype), timeout)
+        return _output(r)
+
+    def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
+               out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
+        return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
+                                timeout=timeout).y
+
+    def matmul_stream(self, requests: Iterable[tuple[str, str, np.ndarray]], *,
+                      precision: str = "auto", out_dtype: str = "f32",
+                      timeout: float | None = None,
+                      ) -> Iterator[MatmulOutput | Q6ServeError]:
+        """``(request_id, weight, x)`` in; per request a MatmulOutput or a Q6ServeError (with
+        ``request_id`` set) out, in completion order."""
+        msgs = (matmul_request(w, x, precision, out_dtype, rid) for rid, w, x in requests)
+        try:
+            for r in self._stub.MatmulStream(msgs, timeout=timeout or self.timeout,
+                                             metadata=self._metadata):
+                if r.WhichOneof("outcome") == "error":
+                    code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
+                    yield Q6ServeError(code, r.error.message, r.request_id)
+                else:
+                    yield _output(r.result)
+        except grpc.RpcError as e:
+            raise Q6ServeError.from_rpc(e) from None
+
+    # -- worker -----------------------------------------------------------------------------
+    def status(self) -> pb.GetStatusResponse:
+        return self._call("GetStatus", pb.GetStatusRequest())
+
+    def status_dict(self) -> dict[str, object]:
+        from google.protobuf.json_format import MessageToDict
+
+        return MessageToDict(self.status(), preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
+
+    def flags(self, changes: Mapping[str, bool] | None = None) -> dict[str, bool]:
+        """Set ``changes`` (if any) and return every flag's state."""
+        if changes:
+            r = self._call("SetFlags", pb.SetFlagsRequest(
+                flags=[pb.Flag(name=n, enabled=bool(v)) for n, v in changes.items()]))
+            return {f.name: f.enabled for f in r.flags}
+        return {f.name: f.enabled for f in self.status().flags}
+
+    def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
+        """True when the worker reports SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            r = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise Q6ServeError.from_rpc(e) from None
+        return r.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,279 @@
+"""Per-weight dynamic batching on one device executor.
+
+Concurrent requests for one weight with the same (activation dtype, precision, output dtype)
+are concatenated along N and run as one kernel call, then split back. A batch launches when
+ - it reaches ``max_rows``, or
+ - the device is idle (no added delay when nothing is running), or
+ - its oldest request has waited ``max_delay_s`` (0: never wait).
+While the device is busy, requests accumulate, which is where coalescing comes from.
+The queue is bounded in rows (RESOURCE_EXHAUSTED); a request whose caller cancelled or whose
+deadline passed while queued is dropped before launch. Device work runs in the device's single
+worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from q6serve.kernels.api import MatmulResult, Precision
+from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
+
+T = TypeVar("T")
+
+
+class DeadlineExceeded(Q6Error):
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class Device:
+    """One single-thread executor for all work on one device; knows when it is idle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"q6serve-dev-{name}")
+        self.inflight = 0
+        self._idle_listeners: set[Callable[[], None]] = set()
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight == 0
+
+    def on_idle(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self._idle_listeners.add(fn)
+        return lambda: self._idle_listeners.discard(fn)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` in the device thread. The job finishes even if the awaiting task is
+        cancelled (device work is never abandoned half-way): the wait is shielded."""
+        return await asyncio.shield(self.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn`` on the device thread now (the device counts as busy from here)."""
+        loop = asyncio.get_running_loop()
+        self.inflight += 1
+        fut = loop.run_in_executor(self._executor, fn, *args)
+
+        def done(_: object) -> None:
+            self.inflight -= 1
+            if self.inflight == 0:
+                for listener in list(self._idle_listeners):
+                    listener()
+
+        fut.add_done_callback(done)
+        return fut
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=False)
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    x_dtype: str
+    precision: Precision
+    out_dtype: str
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_rows: int = 64
+    max_delay_s: float = 200e-6
+    max_queue_rows: int = 8192
+
+
+@dataclass
+class Outcome:
+    """What one request gets back from its batch."""
+
+    y: np.ndarray
+    result: MatmulResult  # of the whole batch (kernel, layout, precision, timing)
+    queue_seconds: float
+    batch_rows: int
+    batch_requests: int
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Plain stats of one launched batch, for the metrics module."""
+
+    result: MatmulResult
+    rows: int
+    requests: int
+    queue_seconds: tuple[float, ...]
+
+
+@dataclass(eq=False)
+class _Pending:
+    x: np.ndarray
+    key: BatchKey
+    fut: asyncio.Future[Outcome]
+    t_enqueue: float
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[0])
+
+
+RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
+
+
+class Batcher:
+    def __init__(self, name: str, device: Device, run: RunBatch, settings: BatchSettings,
+                 dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None]) -> None:
+        self.name = name
+        self._device = device
+        self._run_batch = run
+        self._s = settings
+        self._dynamic = dynamic
+        self._on_batch = on_batch
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self.queued_rows = 0
+        self._wake = asyncio.Event()
+        self._launches: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batch-{name}")
+        self._unsubscribe = device.on_idle(self._wake.set)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+        return len(self._queue) + sum(getattr(t, "n_requests", 0) for t in self._launches)
+
+    async def submit(self, x: np.ndarray, key: BatchKey, timeout: float | None) -> Outcome:
+        """Queue ``x`` and wait for its rows of the result (``timeout``: the caller's deadline)."""
+        if self._closed:
+            raise Unavailable(f"weight {self.name!r} is shutting down")
+        n = int(x.shape[0])
+        if self.queued_rows + n > self._s.max_queue_rows:
+            raise ResourceExhausted(
+                f"queue of weight {self.name!r} is full: {self.queued_rows} rows queued, "
+                f"{n} more would exceed {self._s.max_queue_rows}")
+        loop = asyncio.get_running_loop()
+        p = _Pending(x, key, loop.create_future(), time.perf_counter())
+        self._queue.append(p)
+        self.queued_rows += n
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(p.fut, timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"deadline of {timeout:.6f} s passed before weight {self.name!r} "
+                f"answered ({self.queued_rows} rows queued)") from None
+        # cancellation (caller gone) cancels p.fut too, so the loop drops it before launch
+
+    def _take(self) -> list[_Pending]:
+        """Pop the head request plus same-key followers that fit in max_rows."""
+        head = self._queue.popleft()
+        batch, rows = [head], head.rows
+        if self._dynamic():
+            keep: list[_Pending] = []
+            while self._queue:
+                p = self._queue.popleft()
+                if p.key == head.key and rows + p.rows <= self._s.max_rows:
+                    batch.append(p)
+                    rows += p.rows
+                else:
+                    keep.append(p)
+                    if rows >= self._s.max_rows:
+                        break
+            self._queue.extendleft(reversed(keep))
+        for p in batch:
+            self.queued_rows -= p.rows
+        return [p for p in batch if not p.fut.done()]
+
+    def _drop_dead_head(self) -> None:
+        while self._queue and self._queue[0].fut.done():
+            self.queued_rows -= self._queue.popleft().rows
+
+    def _ready_rows(self, key: BatchKey) -> int:
+        rows = 0
+        for p in self._queue:
+            if p.key == key and not p.fut.done():
+                rows += p.rows
+                if rows >= self._s.max_rows:
+                    break
+        return rows
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            self._drop_dead_head()
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            head = self._queue[0]
+            if self._dynamic() and self._s.max_delay_s > 0 and not self._device.idle:
+                waited = time.perf_counter() - head.t_enqueue
+                if (waited < self._s.max_delay_s
+                        and self._ready_rows(head.key) < self._s.max_rows):
+                    # device busy: gather more until it goes idle, the batch fills or delay ends
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self._s.max_delay_s - waited)
+                    continue
+            batch = self._take()
+            if batch:
+                task = asyncio.get_running_loop().create_task(self._launch(batch))
+                task.n_requests = len(batch)  # type: ignore[attr-defined]
+                self._launches.add(task)
+                task.add_done_callback(self._launches.discard)
+            await asyncio.sleep(0)  # let new arrivals in before forming the next batch
+
+    def _launch(self, batch: list[_Pending]) -> Any:
+        """Submit the batch to the device now; return the coroutine that splits the result."""
+        key = batch[0].key
+        started: list[float] = []
+
+        def job() -> tuple[np.ndarray, MatmulResult]:
+            started.append(time.perf_counter())
+            x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
+            return x, self._run_batch(x, key)
+
+        return self._finish(batch, self._device.submit(job), started)
+
+    async def _finish(self, batch: list[_Pending], fut: asyncio.Future[Any],
+                      started: list[float]) -> None:
+        try:
+            x, result = await fut
+        except BaseException as e:  # every waiter must hear of the failure
+            for p in batch:
+                if not p.fut.done():
+                    p.fut.set_exception(e if isinstance(e, Exception) else Unavailable(
+                        "the worker is shutting down"))
+            if not isinstance(e, Exception):
+                raise
+            return
+        t0 = started[0]
+        queued = tuple(t0 - p.t_enqueue for p in batch)
+        off = 0
+        rows = int(x.shape[0])
+        for p, q in zip(batch, queued, strict=True):
+            y = result.y[off : off + p.rows]
+            off += p.rows
+            if not p.fut.done():
+                p.fut.set_result(Outcome(y, result, q, rows, len(batch)))
+        self._on_batch(BatchStats(result, rows, len(batch), queued))
+
+    async def close(self) -> None:
+        """Finish launched batches; fail what is still queued."""
+        self._closed = True
+        self._wake.set()
+        self._unsubscribe()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        while self._queue:
+            p = self._queue.popleft()
+            if not p.fut.done():
+                p.fut.set_exception(Unavailable(f"weight {self.name!r} was unloaded"))
+        self.queued_rows = 0
+        if self._launches:
+            await asyncio.gather(*self._launches, return_exceptions=True)

@@ -1,0 +1,134 @@
+"""Worker configuration: one frozen dataclass built from the CLI and the environment.
+
+Secrets (tokens) come from the environment or files only, never the command line, and are
+redacted when the configuration is logged at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from q6serve.kernels.errors import InvalidArgument
+
+from .flags import FlagState
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A VRAM budget: absolute bytes, or a fraction of the device memory free at start."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> Budget:
+        """``"0.9"`` (fraction of free memory), ``"8GiB"``, ``"500M"`` or ``"1048576"`` bytes."""
+        if text is None or text == "":
+            return cls(fraction=0.9)
+        m = _SIZE.match(text)
+        if not m:
+            raise InvalidArgument(f"--vram-budget {text!r}: use bytes (8GiB, 500M, 123456) "
+                                  "or a fraction of free memory in (0, 1]")
+        value, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+        if not unit and "." in m.group(1):
+            if not 0.0 < value <= 1.0:
+                raise InvalidArgument(f"--vram-budget fraction {value} is not in (0, 1]")
+            return cls(fraction=value)
+        return cls(nbytes=int(value * _UNITS[unit]))
+
+    def resolve(self, device_free: int) -> int:
+        if self.nbytes is not None:
+            return self.nbytes
+        assert self.fraction is not None
+        return int(device_free * self.fraction)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes} B" if self.nbytes is not None else f"{self.fraction} of free"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int | None = None  # None: no HTTP /metrics; 0: a free port
+    metrics_host: str | None = None  # default: same as host
+    backend: str = "auto"
+    model_dir: Path | None = None
+    vram_budget: Budget = field(default_factory=Budget)
+    max_batch_rows: int = 64
+    max_batch_delay_us: int = 200
+    max_request_rows: int = 256  # N limit of one request
+    max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
+    max_message_bytes: int = 256 * 2**20
+    max_concurrent_streams: int = 256
+    max_upload_bytes: int = 8 * 2**30
+    load_chunk_bytes: int = 16 * 2**20  # bounded AoS chunks for loads and relayouts
+    grace_period_s: float = 10.0
+    flags: FlagState = field(default_factory=FlagState)
+    token: str | None = None  # bearer token for every RPC (health excepted)
+    admin_token: str | None = None  # bearer token for load/upload/unload/flags
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: mutual TLS, client certificates required
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_batch_delay_us < 0:
+            raise InvalidArgument(f"max_batch_delay_us={self.max_batch_delay_us} must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("TLS needs both a certificate and a key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidArgument("mutual TLS (client CA) needs a server certificate and key")
+
+    def describe(self) -> str:
+        """One log line; secrets redacted."""
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("token", "admin_token") and v is not None:
+                v = "<set>"
+            parts.append(f"{f.name}={v}")
+        return "config: " + " ".join(parts)
+
+
+def _read_secret(env: Mapping[str, str], name: str) -> str | None:
+    """``NAME`` or the contents of the file named by ``NAME_FILE``."""
+    if env.get(name):
+        return env[name]
+    path = env.get(f"{name}_FILE")
+    return Path(path).read_text().strip() if path else None
+
+
+def config_from(args: Mapping[str, object], env: Mapping[str, str]) -> WorkerConfig:
+    """Build the config from parsed CLI options (None = not given) over environment defaults.
+
+    Environment: Q6SERVE_TOKEN[_FILE], Q6SERVE_ADMIN_TOKEN[_FILE], Q6SERVE_TLS_CERT,
+    Q6SERVE_TLS_KEY, Q6SERVE_TLS_CLIENT_CA and the three kill-switch flags.
+    """
+    kw: dict[str, object] = {k: v for k, v in args.items() if v is not None}
+    if "vram_budget" in kw:
+        kw["vram_budget"] = Budget.parse(str(kw["vram_budget"]))
+    for key in ("model_dir", "tls_cert", "tls_key", "tls_client_ca"):
+        env_key = f"Q6SERVE_{key.upper()}"
+        if key not in kw and env.get(env_key):
+            kw[key] = env[env_key]
+        if key in kw:
+            kw[key] = Path(str(kw[key]))
+    kw.setdefault("token", _read_secret(env, "Q6SERVE_TOKEN"))
+    kw.setdefault("admin_token", _read_secret(env, "Q6SERVE_ADMIN_TOKEN"))
+    kw["flags"] = FlagState.from_env(env)
+    known = {f.name for f in dataclasses.fields(WorkerConfig)}
+    unknown = set(kw) - known
+    if unknown:
+        raise InvalidArgument(f"unknown config keys: {sorted(unknown)}")
+    return WorkerConfig(**kw)  # type: ignore[arg-type]

@@ -1,0 +1,468 @@
+"""The core of the worker: registry + VRAM accountant + batchers + flags on one backend.
+
+No gRPC here: the servicer converts wire messages into the dataclasses below and calls these
+coroutines on the event loop. Device work (loads, relayouts, matmuls, frees) all runs in the
+device's single worker thread, so it is serialised on the device and never blocks the loop.
+Admin operations (load, upload, unload, relayout) hold one asyncio lock: they are rare, and it
+keeps the VRAM figures exact without reasoning about interleavings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from q6serve.kernels import q6k
+from q6serve.kernels.api import (
+    DTYPES,
+    Backend,
+    KernelFlags,
+    Layout,
+    MatmulResult,
+    Precision,
+    dtype_name,
+)
+from q6serve.kernels.errors import (
+    FailedPrecondition,
+    FormatError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+
+from .batcher import Batcher, BatchKey, BatchSettings, BatchStats, Device
+from .config import WorkerConfig
+from .flags import Flags, FlagState
+from .metrics import Metrics
+from .registry import Registry, WeightEntry, check_name
+from .vram import VramAccountant, VramStats
+
+log = logging.getLogger("q6serve.engine")
+
+UPLOAD_FORMATS = ("q6_k", "f32", "f16")
+
+
+def version() -> str:
+    try:
+        return metadata.version("q6serve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class WeightView:
+    name: str
+    rows: int
+    k: int
+    nbytes: int
+    layout: Layout
+    sha256: str
+    source: str
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class MatmulCall:
+    weight: str
+    x: np.ndarray  # [N, K] f32/f16/bf16 (may be a read-only view of the request bytes)
+    precision: Precision = Precision.AUTO
+    out_dtype: np.dtype = DTYPES["f32"]
+    timeout: float | None = None  # seconds left of the caller's deadline
+
+
+@dataclass(frozen=True)
+class MatmulReply:
+    y: np.ndarray
+    kernel: str
+    layout: Layout
+    precision: Precision
+    queue_seconds: float
+    kernel_seconds: float | None
+    batch_rows: int
+    batch_requests: int
+
+
+@dataclass(frozen=True)
+class UploadSpec:
+    name: str
+    rows: int
+    k: int
+    fmt: str  # one of UPLOAD_FORMATS
+    total_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class StatusView:
+    backend: str
+    device: str
+    version: str
+    vram: VramStats
+    flags: FlagState
+    weights_loaded: int
+    serving: bool
+    max_batch_rows: int
+    max_batch_delay_us: int
+    relayout_in_progress: bool
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One tensor to load: shape, where from, and its AoS bytes as whole-row chunks."""
+
+    name: str
+    rows: int
+    k: int
+    source: str
+    chunks: Callable[[int], Iterable[np.ndarray]]  # chunk_bytes -> chunks
+
+
+def confine(model_dir: Path | None, rel: str) -> Path:
+    """``rel`` inside ``model_dir``: absolute paths, ``..`` and symlink escapes are refused."""
+    if model_dir is None:
+        raise FailedPrecondition("this worker has no --model-dir; upload weights instead")
+    if not rel or "\x00" in rel:
+        raise InvalidArgument("gguf path is empty")
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts:
+        raise PermissionDenied(f"gguf path {rel!r} must be relative to the model dir "
+                               "without '..'")
+    root = model_dir.resolve()
+    full = (root / p).resolve()
+    if not full.is_relative_to(root):
+        raise PermissionDenied(f"gguf path {rel!r} leaves the model dir (symlink?)")
+    return full
+
+
+class Engine:
+    def __init__(self, backend: Backend, config: WorkerConfig, metrics: Metrics | None = None,
+                 ) -> None:
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        self.flags = Flags(config.flags)
+        self.version = version()
+        self.device = Device(backend.name)
+        self.vram = VramAccountant(config.vram_budget.resolve(backend.memory().free),
+                                   backend.memory)
+        self.registry = Registry(self._on_unused)
+        self._settings = BatchSettings(max_rows=config.max_batch_rows,
+                                       max_delay_s=config.max_batch_delay_us * 1e-6,
+                                       max_queue_rows=config.max_queue_rows)
+        self._admin = asyncio.Lock()
+        self._scratch = 0  # matmul workspace reserved for the largest resident weight
+        self._serving = True
+        self._relayouts = 0
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.flags.subscribe(self._on_flags)
+        self._poller = self._spawn(self._poll_metrics())
+        self._publish()
+
+    def describe(self) -> str:
+        return (f"engine: backend {self.backend.name} on {self.backend.device_name()}, "
+                f"VRAM budget {self.vram.budget} bytes ({self.config.vram_budget}), "
+                f"flags {self.flags.state}")
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _spawn(self, coro: object) -> asyncio.Task[object]:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _shielded(self, coro: object) -> object:
+        """Run an admin operation to completion even if its caller goes away."""
+        return await asyncio.shield(self._spawn(coro))
+
+    def _check_serving(self) -> None:
+        if not self._serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+
+    def _workspace(self, rows: int, k: int) -> int:
+        n = max(self.config.max_batch_rows, self.config.max_request_rows)
+        return n * (k + rows) * 4  # f32 activations + f32 output of the largest launch
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_vram(self.vram.stats())
+            self.metrics.set_weights_loaded(len(self.registry))
+            self.metrics.set_flags(self.flags.state)
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if self.metrics is not None:
+                self.metrics.poll()
+                self._publish()
+
+    def _view(self, e: WeightEntry) -> WeightView:
+        return WeightView(e.name, e.rows, e.k, e.nbytes, e.resident.layout, e.sha256, e.source,
+                          e.batcher.in_flight if e.batcher is not None else 0)
+
+    # -- loading ----------------------------------------------------------------------------
+    async def load_gguf(self, rel_path: str, tensors: list[str], prefix: str = "",
+                        ) -> list[WeightView]:
+        self._check_serving()
+        path = confine(self.config.model_dir, rel_path)
+        from q6serve.kernels import gguf_io
+
+        found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
+        sources = [_Source(prefix + t.name, t.rows, t.k, f"gguf:{rel_path}", t.iter_row_chunks)
+                   for t in found]
+        return await self._shielded(self._load_all(sources))  # type: ignore[return-value]
+
+    async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes]) -> WeightView:
+        self._check_serving()
+        check_name(spec.name)
+        if spec.fmt not in UPLOAD_FORMATS:
+            raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
+        if spec.rows < 1:
+            raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
+        q6k.check_k(spec.k)
+        itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
+        want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
+                else spec.rows * spec.k * itemsize)
+        if spec.total_bytes != want:
+            raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
+                                  f"be {want} bytes, header says {spec.total_bytes}")
+        if want > self.config.max_upload_bytes:
+            raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
+                                    f"{self.config.max_upload_bytes}")
+        if len(spec.sha256) != 64:
+            raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
+        self.registry.check_available([spec.name])  # fail before reading the stream
+        buf = bytearray(want)
+        got = 0
+        h = hashlib.sha256()
+        async for chunk in chunks:
+            if got + len(chunk) > want:
+                raise InvalidArgument(f"upload {spec.name!r} sent more than the declared "
+                                      f"{want} bytes")
+            buf[got : got + len(chunk)] = chunk
+            h.update(chunk)
+            got += len(chunk)
+        if got != want:
+            raise InvalidArgument(f"upload {spec.name!r} ended after {got} of {want} bytes")
+        if h.hexdigest() != spec.sha256.lower():
+            raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
+                                  f"{h.hexdigest()}, header says {spec.sha256.lower()})")
+        if itemsize is None:
+            aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
+        else:
+            from q6serve.kernels.quantize import quantize_q6_k
+
+            x = np.frombuffer(buf, DTYPES[spec.fmt]).reshape(spec.rows, spec.k)
+            aos = await asyncio.to_thread(quantize_q6_k, x)
+        blocks = q6k.as_blocks(aos, spec.rows, spec.k)
+
+        def chunks_of(chunk_bytes: int) -> Iterator[np.ndarray]:
+            from q6serve.kernels.api import iter_aos_chunks
+
+            return iter_aos_chunks(blocks, spec.rows, spec.k, chunk_bytes)
+
+        src = _Source(spec.name, spec.rows, spec.k, "upload", chunks_of)
+        views = await self._shielded(self._load_all([src]))
+        return views[0]  # type: ignore[index]
+
+    async def _load_all(self, sources: list[_Source]) -> list[WeightView]:
+        """Load every source or none: a failure frees what this call loaded and re-raises."""
+        async with self._admin:
+            with self.registry.claim([s.name for s in sources]):
+                done: list[WeightEntry] = []
+                try:
+                    for s in sources:
+                        done.append(await self._load_one(s))
+                except BaseException:
+                    for e in done:
+                        await self._free(e)
+                    self._shrink_scratch()
+                    raise
+                for e in done:
+                    e.batcher = self._make_batcher(e)
+                    self.registry.add(e)
+                    log.info("loaded %s: %dx%d, %d bytes %s from %s", e.name, e.rows, e.k,
+                             e.nbytes, e.resident.layout.value, e.source)
+        self._publish()
+        return [self._view(e) for e in done]
+
+    async def _load_one(self, s: _Source) -> WeightEntry:
+        layout = self.flags.state.kernel_flags().layout
+        chunk = self.config.load_chunk_bytes
+        wbytes = self.backend.weight_nbytes(s.rows, s.k, layout)
+        staging = self.backend.load_scratch_nbytes(s.rows, s.k, chunk)
+        extra = max(0, self._workspace(s.rows, s.k) - self._scratch)
+        h = hashlib.sha256()
+
+        def hashed() -> Iterator[np.ndarray]:
+            for c in s.chunks(chunk):
+                h.update(np.ascontiguousarray(c).data)
+                yield c
+
+        with self.vram.reserve(weights=wbytes, staging=staging, scratch=extra) as res:
+            resident = await self.device.run(self.backend.load, hashed(), s.rows, s.k, layout,
+                                             chunk)
+            res.keep("weights", resident.nbytes)
+            res.keep("scratch", extra)
+            self._scratch += extra
+        return WeightEntry(s.name, s.rows, s.k, h.hexdigest(), s.source, resident)
+
+    def _make_batcher(self, e: WeightEntry) -> Batcher:
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            w = e.resident  # read in the device thread: relayouts swap it there too
+            flags = KernelFlags(soa=w.layout is Layout.SOA,
+                                decode_mmq=self.flags.state.decode_mmq)
+            return self.backend.matmul(w, x, precision=key.precision, flags=flags,
+                                       out_dtype=np.dtype(DTYPES[key.out_dtype]))
+
+        return Batcher(e.name, self.device, run, self._settings,
+                       lambda: self.flags.state.dynamic_batching, self._on_batch)
+
+    def _on_batch(self, stats: BatchStats) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_batch(stats)
+
+    async def _free(self, e: WeightEntry) -> None:
+        if e.batcher is not None:
+            await e.batcher.close()
+        nbytes = e.nbytes
+
+        def job() -> None:
+            self.backend.free(e.resident)
+
+        await self.device.run(job)
+        self.vram.release({"weights": nbytes})
+        e.freed.set()
+
+    def _shrink_scratch(self) -> None:
+        want = max((self._workspace(e.rows, e.k) for e in self.registry.entries()), default=0)
+        if want < self._scratch:
+            self.vram.release({"scratch": self._scratch - want})
+            self._scratch = want
+
+    def _on_unused(self, e: WeightEntry) -> None:
+        self._spawn(self._free(e))
+
+    # -- queries ----------------------------------------------------------------------------
+    def list(self) -> list[WeightView]:
+        return [self._view(e) for e in self.registry.entries()]
+
+    def get(self, name: str) -> WeightView:
+        return self._view(self.registry.get(name))
+
+    async def unload(self, name: str) -> WeightView:
+        """Remove at once; return after the memory is freed (in-flight requests finish)."""
+        async def run() -> WeightView:
+            async with self._admin:
+                e = self.registry.remove(name)
+                view = self._view(e)
+                log.info("unloading %s (%d requests in flight)", name, view.in_flight)
+                await e.freed.wait()
+                self._shrink_scratch()
+            self._publish()
+            return view
+
+        return await self._shielded(run())  # type: ignore[return-value]
+
+    def status(self) -> StatusView:
+        return StatusView(self.backend.name, self.backend.device_name(), self.version,
+                          self.vram.stats(), self.flags.state, len(self.registry),
+                          self._serving, self.config.max_batch_rows,
+                          self.config.max_batch_delay_us, self._relayouts > 0)
+
+    # -- matmul -----------------------------------------------------------------------------
+    async def matmul(self, call: MatmulCall) -> MatmulReply:
+        self._check_serving()
+        x = call.x
+        if x.ndim != 2 or x.shape[0] < 1:
+            raise InvalidArgument(f"activations must be [N, K] with N >= 1, got {x.shape}")
+        if x.shape[0] > self.config.max_request_rows:
+            raise InvalidArgument(f"N={x.shape[0]} exceeds the per-request limit of "
+                                  f"{self.config.max_request_rows} rows")
+        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype))
+        if call.timeout is not None and call.timeout <= 0:
+            from .batcher import DeadlineExceeded
+
+            raise DeadlineExceeded("deadline already passed")
+        with self.registry.use(call.weight) as e:
+            if x.shape[1] != e.k:
+                raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
+                                  f"K={e.k}")
+            # refuse what the current flags forbid before queueing (clear status, no batch)
+            self.backend.plan(int(x.shape[0]), call.precision, self.flags.state.kernel_flags())
+            out = await e.batcher.submit(x, key, call.timeout)
+        r = out.result
+        return MatmulReply(out.y, r.kernel, r.layout, r.precision, out.queue_seconds,
+                           r.timing.seconds(), out.batch_rows, out.batch_requests)
+
+    # -- flags ------------------------------------------------------------------------------
+    def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:
+        return self.flags.set(changes, who)
+
+    def _on_flags(self, old: FlagState, new: FlagState) -> None:
+        self._publish()
+        if old.q6k_soa != new.q6k_soa:
+            self._relayouts += 1
+            self._spawn(self._relayout_all())
+
+    async def _relayout_all(self) -> None:
+        """Re-lay resident weights one by one to the current SOA flag; matmuls keep running
+        between them (each relayout is one job on the device thread)."""
+        try:
+            async with self._admin:
+                for e in self.registry.entries():
+                    target = self.flags.state.kernel_flags().layout
+                    if e.removed or e.resident.layout is target:
+                        continue
+                    await self._relayout(e, target)
+        except Exception:
+            log.exception("relayout failed; weights stay in their current layouts")
+        finally:
+            self._relayouts -= 1
+            self._publish()
+
+    async def _relayout(self, e: WeightEntry, target: Layout) -> None:
+        old = e.nbytes
+        grow = max(0, self.backend.weight_nbytes(e.rows, e.k, target) - old)
+        staging = self.backend.load_scratch_nbytes(e.rows, e.k, self.config.load_chunk_bytes)
+        t0 = time.perf_counter()
+        with self.vram.reserve(weights=grow, staging=staging) as res:
+            def job() -> None:
+                e.resident = self.backend.relayout(e.resident, target,
+                                                   self.config.load_chunk_bytes)
+
+            await self.device.run(job)
+            res.keep("weights", grow)
+            self.vram.adjust("weights", e.nbytes - old - grow)
+        log.info("relaid %s to %s in %.3f s", e.name, target.value, time.perf_counter() - t0)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        self._serving = False
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    async def close(self) -> None:
+        """Free every weight and stop the device thread."""
+        self._serving = False
+        self._poller.cancel()
+        for e in self.registry.entries():
+            with contextlib.suppress(Exception):
+                await self.unload(e.name)
+        pending = [t for t in self._tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.to_thread(self.device.close)
+        self.backend.close()

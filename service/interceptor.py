@@ -1,0 +1,113 @@
+"""The ONE interceptor: auth hooks, error mapping and request metrics for every RPC.
+
+``q6serve.kernels.errors.Q6Error`` subclasses become their ``grpc_code`` with their message;
+anything else becomes INTERNAL with a generic message and its traceback in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from q6serve.kernels.errors import Q6Error
+
+from .auth import TokenAuth
+from .metrics import Metrics
+from .wire import ADMIN_METHODS
+
+log = logging.getLogger("q6serve.rpc")
+
+
+def status_code(e: Q6Error) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.INTERNAL)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None) -> None:
+        self._metrics = metrics
+        self._auth = auth or TokenAuth()
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        path = details.method
+        method = path.rsplit("/", 1)[-1]
+        metadata = details.invocation_metadata
+        admin = method in ADMIN_METHODS
+
+        def before() -> None:
+            self._auth.check(path, method, admin, metadata)
+
+        if handler.unary_unary or handler.stream_unary:
+            inner = handler.unary_unary or handler.stream_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                t0 = time.perf_counter()
+                code = "OK"
+                try:
+                    before()
+                    return await inner(request, context)
+                except BaseException as e:
+                    code, message = self._classify(e, context, method)
+                    if message is None:
+                        raise
+                    await context.abort(getattr(grpc.StatusCode, code), message)
+                finally:
+                    self._observe(method, code, t0)
+
+            factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
+                       else grpc.stream_unary_rpc_method_handler)
+            return factory(unary, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+
+        inner_stream = handler.unary_stream or handler.stream_stream
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext,
+                            ) -> AsyncIterator[Any]:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                before()
+                async for item in inner_stream(request, context):
+                    yield item
+            except BaseException as e:
+                code, message = self._classify(e, context, method)
+                if message is None:
+                    raise
+                await context.abort(getattr(grpc.StatusCode, code), message)
+            finally:
+                self._observe(method, code, t0)
+
+        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                   else grpc.stream_stream_rpc_method_handler)
+        return factory(streaming, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+    @staticmethod
+    def _classify(e: BaseException, context: grpc.aio.ServicerContext, method: str,
+                  ) -> tuple[str, str | None]:
+        """(status code name, message to abort with; None = re-raise as is)."""
+        if isinstance(e, asyncio.CancelledError):
+            return "CANCELLED", None
+        if isinstance(e, grpc.aio.AbortError):  # the handler aborted on its own
+            code = context.code()
+            return (code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"), None
+        if isinstance(e, Q6Error):
+            return status_code(e).name, str(e)
+        if not isinstance(e, Exception):
+            return "CANCELLED", None
+        log.error("%s failed", method, exc_info=e)
+        return "INTERNAL", "internal error (logged by the worker)"
+
+    def _observe(self, method: str, code: str, t0: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_request(method, code, time.perf_counter() - t0)

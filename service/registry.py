@@ -1,0 +1,109 @@
+"""Named resident weights, refcounted so in-flight work keeps a weight alive through unload.
+
+Used from the event loop thread only (no locks). ``remove`` takes the name away at once (new
+requests get NOT_FOUND); the memory is released by ``on_unused`` once the last in-flight
+request has let go of the entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from q6serve.kernels.api import ResidentWeight
+from q6serve.kernels.errors import AlreadyExists, InvalidArgument, NotFound
+
+MAX_NAME_LEN = 256
+
+
+def check_name(name: str) -> str:
+    if not name or len(name) > MAX_NAME_LEN or not name.isprintable():
+        raise InvalidArgument(f"weight name {name[:64]!r} must be 1..{MAX_NAME_LEN} printable "
+                              f"characters (got {len(name)})")
+    return name
+
+
+@dataclass(eq=False)
+class WeightEntry:
+    name: str
+    rows: int
+    k: int
+    sha256: str
+    source: str
+    resident: ResidentWeight  # swapped by relayouts (in the device thread)
+    refs: int = 0
+    removed: bool = False
+    freed: asyncio.Event = field(default_factory=asyncio.Event)
+    batcher: Any = None  # the weight's Batcher (set by the engine)
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident.nbytes
+
+
+class Registry:
+    def __init__(self, on_unused: Callable[[WeightEntry], None]) -> None:
+        self._weights: dict[str, WeightEntry] = {}
+        self._claimed: set[str] = set()  # names being loaded right now
+        self._on_unused = on_unused
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def entries(self) -> list[WeightEntry]:
+        return sorted(self._weights.values(), key=lambda e: e.name)
+
+    @contextlib.contextmanager
+    def claim(self, names: list[str]) -> Iterator[None]:
+        """Hold names for a load in progress: a second load of the same name fails at once."""
+        for n in names:
+            check_name(n)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise InvalidArgument(f"names repeated in one load: {dup}")
+        self.check_available(names)
+        self._claimed.update(names)
+        try:
+            yield
+        finally:
+            self._claimed.difference_update(names)
+
+    def check_available(self, names: list[str]) -> None:
+        taken = [n for n in names if n in self._weights or n in self._claimed]
+        if taken:
+            raise AlreadyExists(f"weight(s) already loaded or loading: {', '.join(taken)}")
+
+    def add(self, entry: WeightEntry) -> None:
+        if entry.name in self._weights:
+            raise AlreadyExists(f"weight {entry.name!r} is already loaded")
+        self._weights[entry.name] = entry
+
+    def get(self, name: str) -> WeightEntry:
+        try:
+            return self._weights[name]
+        except KeyError:
+            raise NotFound(f"no weight named {name[:MAX_NAME_LEN]!r} "
+                           f"({len(self._weights)} loaded)") from None
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[WeightEntry]:
+        """The entry, kept alive (not freed) until the block exits."""
+        entry = self.get(name)
+        entry.refs += 1
+        try:
+            yield entry
+        finally:
+            entry.refs -= 1
+            if entry.removed and entry.refs == 0:
+                self._on_unused(entry)
+
+    def remove(self, name: str) -> WeightEntry:
+        entry = self.get(name)
+        del self._weights[name]
+        entry.removed = True
+        if entry.refs == 0:
+            self._on_unused(entry)
+        return entry

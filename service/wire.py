@@ -1,0 +1,187 @@
+"""Protobuf <-> core dataclasses and arrays: the ONLY module of the service importing *_pb2.
+
+Activations decode without copying: ``np.frombuffer`` views the request's bytes (read-only),
+after checking that dtype, shape and byte count agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from q6serve.kernels.api import DTYPES, Layout, Precision, dtype_name
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.v1 import q6serve_pb2 as pb
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
+from .flags import FlagState
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Q6Serve"].full_name
+METHODS: tuple[str, ...] = tuple(
+    m.name for m in pb.DESCRIPTOR.services_by_name["Q6Serve"].methods)
+ADMIN_METHODS = frozenset({"LoadWeights", "UploadWeight", "UnloadWeight", "SetFlags"})
+
+_DTYPE_FROM_PB = {pb.DTYPE_UNSPECIFIED: "f32", pb.DTYPE_F32: "f32", pb.DTYPE_F16: "f16",
+                  pb.DTYPE_BF16: "bf16"}
+_DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+_PREC_FROM_PB = {pb.PRECISION_AUTO: Precision.AUTO, pb.PRECISION_EXACT: Precision.EXACT,
+                 pb.PRECISION_F16: Precision.F16, pb.PRECISION_Q8_1: Precision.Q8_1}
+_PREC_TO_PB = {v: k for k, v in _PREC_FROM_PB.items()}
+_LAYOUT_TO_PB = {Layout.SOA: pb.LAYOUT_SOA, Layout.AOS: pb.LAYOUT_AOS}
+_UPLOAD_FROM_PB = {pb.UPLOAD_FORMAT_UNSPECIFIED: "q6_k", pb.UPLOAD_FORMAT_Q6_K: "q6_k",
+                   pb.UPLOAD_FORMAT_F32: "f32", pb.UPLOAD_FORMAT_F16: "f16"}
+MAX_DIM = 1 << 31
+
+
+def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidArgument(f"unknown {what} enum value {value}") from None
+
+
+def dtype_from_pb(value: int) -> np.dtype:
+    return DTYPES[_enum(_DTYPE_FROM_PB, value, "dtype")]
+
+
+def decode_tensor(t: pb.Tensor, what: str = "x") -> np.ndarray:
+    """A read-only zero-copy view of ``t.data`` as ``t.shape`` of ``t.dtype``."""
+    dt = dtype_from_pb(t.dtype)
+    shape = tuple(int(d) for d in t.shape)
+    if len(shape) != 2:
+        raise InvalidArgument(f"{what} must be 2-D [N, K], got shape {list(shape)}")
+    if any(d >= MAX_DIM for d in shape):
+        raise InvalidArgument(f"{what} shape {list(shape)} is too large")
+    want = shape[0] * shape[1] * dt.itemsize
+    if len(t.data) != want:
+        raise InvalidArgument(f"{what} {list(shape)} {dtype_name(dt)} needs {want} bytes, "
+                              f"got {len(t.data)}")
+    return np.frombuffer(t.data, dtype=dt.newbyteorder("<")).reshape(shape)
+
+
+def encode_tensor(a: np.ndarray) -> pb.Tensor:
+    a = np.ascontiguousarray(a)
+    le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return pb.Tensor(dtype=_DTYPE_TO_PB[dtype_name(a.dtype)], shape=list(a.shape),
+                     data=le.tobytes())
+
+
+def matmul_call(req: pb.MatmulRequest, timeout: float | None) -> MatmulCall:
+    if not req.weight:
+        raise InvalidArgument("MatmulRequest.weight is empty")
+    if not req.HasField("x"):
+        raise InvalidArgument("MatmulRequest.x is missing")
+    return MatmulCall(weight=req.weight, x=decode_tensor(req.x),
+                      precision=_enum(_PREC_FROM_PB, req.precision, "precision"),
+                      out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout)
+
+
+def matmul_response(r: MatmulReply, request_id: str = "") -> pb.MatmulResponse:
+    timing = pb.MatmulTiming(queue_seconds=r.queue_seconds, batch_rows=r.batch_rows,
+                             batch_requests=r.batch_requests)
+    if r.kernel_seconds is not None:
+        timing.kernel_seconds = r.kernel_seconds
+    return pb.MatmulResponse(y=encode_tensor(r.y), kernel=r.kernel,
+                             layout=_LAYOUT_TO_PB[r.layout], precision=_PREC_TO_PB[r.precision],
+                             timing=timing, request_id=request_id)
+
+
+def stream_result(r: MatmulReply, request_id: str) -> pb.MatmulStreamResponse:
+    return pb.MatmulStreamResponse(request_id=request_id,
+                                   result=matmul_response(r, request_id))
+
+
+def stream_error(request_id: str, code: int, message: str) -> pb.MatmulStreamResponse:
+    return pb.MatmulStreamResponse(request_id=request_id,
+                                   error=pb.StreamError(code=code, message=message))
+
+
+def weight_info(w: WeightView) -> pb.WeightInfo:
+    return pb.WeightInfo(name=w.name, rows=w.rows, k=w.k, nbytes=w.nbytes,
+                         layout=_LAYOUT_TO_PB[w.layout], sha256=w.sha256, source=w.source,
+                         in_flight=w.in_flight)
+
+
+def upload_spec(h: pb.UploadHeader) -> UploadSpec:
+    return UploadSpec(name=h.name, rows=int(h.rows), k=int(h.k),
+                      fmt=_enum(_UPLOAD_FROM_PB, h.format, "upload format"),
+                      total_bytes=int(h.total_bytes), sha256=h.sha256)
+
+
+def flags_msg(state: FlagState) -> list[pb.Flag]:
+    return [pb.Flag(name=n, enabled=v) for n, v in state.as_dict().items()]
+
+
+def flag_changes(req: pb.SetFlagsRequest) -> dict[str, bool]:
+    out: dict[str, bool] = {}
+    for f in req.flags:
+        if f.name in out:
+            raise InvalidArgument(f"flag {f.name} given twice")
+        out[f.name] = f.enabled
+    return out
+
+
+def status_response(s: StatusView) -> pb.GetStatusResponse:
+    v = s.vram
+    vram = pb.VramInfo(budget_bytes=v.budget, weights_bytes=v.weights, scratch_bytes=v.scratch,
+                       staging_bytes=v.staging, pool_used_bytes=v.pool_used,
+                       pool_total_bytes=v.pool_total, device_free_bytes=v.device_free,
+                       device_total_bytes=v.device_total, reserved_bytes=v.reserved)
+    return pb.GetStatusResponse(backend=s.backend, device=s.device, version=s.version,
+                                vram=vram, flags=flags_msg(s.flags),
+                                weights_loaded=s.weights_loaded, serving=s.serving,
+                                max_batch_rows=s.max_batch_rows,
+                                max_batch_delay_us=s.max_batch_delay_us,
+                                relayout_in_progress=s.relayout_in_progress)
+
+
+def load_response(views: list[WeightView]) -> pb.LoadWeightsResponse:
+    return pb.LoadWeightsResponse(weights=[weight_info(v) for v in views])
+
+
+def upload_response(view: WeightView) -> pb.UploadWeightResponse:
+    return pb.UploadWeightResponse(weight=weight_info(view))
+
+
+def list_response(views: list[WeightView]) -> pb.ListWeightsResponse:
+    return pb.ListWeightsResponse(weights=[weight_info(v) for v in views])
+
+
+def get_response(view: WeightView) -> pb.GetWeightResponse:
+    return pb.GetWeightResponse(weight=weight_info(view))
+
+
+def unload_response(view: WeightView) -> pb.UnloadWeightResponse:
+    return pb.UnloadWeightResponse(weight=weight_info(view))
+
+
+def set_flags_response(state: FlagState) -> pb.SetFlagsResponse:
+    return pb.SetFlagsResponse(flags=flags_msg(state))
+
+
+def add_to_server(servicer: object, server: object) -> None:
+    pb_grpc.add_Q6ServeServicer_to_server(servicer, server)
+
+
+def health_servicer() -> Any:
+    from grpc_health.v1 import health
+
+    return health.aio.HealthServicer()
+
+
+def health_status(serving: bool) -> Any:
+    from grpc_health.v1 import health_pb2
+
+    return (health_pb2.HealthCheckResponse.SERVING if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def add_health_and_reflection(server: Any, health_servicer: Any) -> None:
+    from grpc_health.v1 import health, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

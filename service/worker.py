@@ -1,0 +1,129 @@
+"""The worker process: grpc.aio server + health + reflection + /metrics around one Engine.
+
+Start-up logs ``listening on H:P`` first (``--port 0`` picks a free port), then the config.
+Stop (SIGTERM/SIGINT): health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight work
+drains for up to the grace period, then the server stops and every weight is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from q6serve.kernels.api import Backend
+from q6serve.kernels.errors import Unavailable
+
+from . import wire
+from .auth import TokenAuth
+from .config import WorkerConfig
+from .engine import Engine
+from .interceptor import ErrorInterceptor
+from .metrics import Metrics
+from .servicer import Q6ServeServicer
+
+log = logging.getLogger("q6serve.worker")
+
+
+def _credentials(cfg: WorkerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    ca = cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())], root_certificates=ca,
+        require_client_auth=ca is not None)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, backend: Backend,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.engine: Engine | None = None
+        self.metrics: Metrics | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._metrics_http: Any = None
+        self._health: Any = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def target(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.metrics = Metrics(self.registry, version=_version(), backend=self.backend.name,
+                               device=self.backend.device_name())
+        self.metrics.init_labels(wire.METHODS)
+        self.engine = Engine(self.backend, cfg, self.metrics)
+        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+                ("grpc.so_reuseport", 0)]
+        auth = TokenAuth(cfg.token, cfg.admin_token)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, auth)],
+                                      options=opts)
+        wire.add_to_server(Q6ServeServicer(self.engine), self.server)
+        self._health = wire.health_servicer()
+        wire.add_health_and_reflection(self.server, self._health)
+        address = f"{cfg.host}:{cfg.port}"
+        creds = _credentials(cfg)
+        self.port = (self.server.add_secure_port(address, creds) if creds
+                     else self.server.add_insecure_port(address))
+        if not self.port:
+            raise Unavailable(f"cannot bind {address}")
+        await self.server.start()
+        log.info("listening on %s:%d", cfg.host, self.port)  # must stay the first line
+        log.info("%s", cfg.describe())
+        log.info("%s", self.engine.describe())
+        if cfg.metrics_port is not None:
+            host = cfg.metrics_host or cfg.host
+            self.metrics_port, self._metrics_http = self.metrics.serve_http(host,
+                                                                            cfg.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+        await self._health.set("", wire.health_status(True))
+        await self._health.set(wire.SERVICE_NAME, wire.health_status(True))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop (idempotent)."""
+        if self._stopped.is_set() or self.server is None or self.engine is None:
+            return
+        grace = self.config.grace_period_s if grace is None else grace
+        log.info("draining: health NOT_SERVING, grace %.1f s", grace)
+        await self._health.enter_graceful_shutdown()
+        self.engine.begin_drain()
+        await self.server.stop(grace)
+        await self.engine.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self._stopped.set()
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+def _version() -> str:
+    from .engine import version
+
+    return version()
+
+
+async def run_worker(config: WorkerConfig, backend: Backend) -> None:
+    """Run until SIGTERM/SIGINT, then drain."""
+    worker = Worker(config, backend)
+    await worker.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await worker.stop()
