@@ -21,6 +21,9 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
+proto: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gen_proto.sh
+
 bench-numpy: $(STAMP)
 	$(BIN)/python bench/numpy_backend.py
 

@@ -12,7 +12,7 @@ import sys
 
 # Subcommand modules, in --help order. Imported lazily so `q6serve quantize` never loads gRPC
 # servers and `q6serve health` never loads the kernels.
-COMMANDS: tuple[str, ...] = ("cmd_demo", "cmd_quantize")
+COMMANDS: tuple[str, ...] = ("cmd_demo", "cmd_quantize", "cmd_worker", "cmd_admin")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,191 @@
+"""Client commands against a running worker: health, load, list, unload, matmul, status, flags.
+
+Every command takes ``--target H:P`` (default ``$Q6SERVE_TARGET`` or 127.0.0.1:50061) and reads
+bearer tokens from ``$Q6SERVE_TOKEN`` / ``$Q6SERVE_ADMIN_TOKEN`` (admin commands prefer the
+admin token). Failures print the gRPC status and message and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_TARGET = "127.0.0.1:50061"
+FLAG_NAMES = ("Q6SERVE_Q6K_SOA", "Q6SERVE_DECODE_MMQ", "Q6SERVE_DYNAMIC_BATCHING")
+
+
+def _client(args: argparse.Namespace, admin: bool = False):  # type: ignore[no-untyped-def]
+    from q6serve.client.client import Client
+
+    token = (os.environ.get("Q6SERVE_ADMIN_TOKEN") if admin else None) or \
+        os.environ.get("Q6SERVE_TOKEN")
+    kw: dict[str, object] = {"token": token or None, "timeout": args.timeout}
+    if args.tls_ca:
+        kw["root_certificates"] = Path(args.tls_ca).read_bytes()
+    if args.tls_cert and args.tls_key:
+        kw["certificate_chain"] = Path(args.tls_cert).read_bytes()
+        kw["private_key"] = Path(args.tls_key).read_bytes()
+    return Client(args.target, **kw)
+
+
+def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from q6serve.client.client import Q6ServeError
+
+        try:
+            return fn(args)
+        except Q6ServeError as e:
+            print(f"q6serve {args.command}: {e.code.name}: {e.message}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _parser(sub: argparse._SubParsersAction, name: str, help_: str, example: str,
+            fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".",
+                       epilog="example:\n  " + example,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=os.environ.get("Q6SERVE_TARGET", DEFAULT_TARGET),
+                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--tls-ca", help="PEM root certificate(s): use TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="PEM client key (mutual TLS)")
+    p.set_defaults(func=_guarded(fn))
+    return p
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    serving = _client(args).health(timeout=args.timeout)
+    print("SERVING" if serving else "NOT_SERVING")
+    return 0 if serving else 1
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    weights = _client(args, admin=True).load(args.gguf, args.tensor or (), args.prefix)
+    for w in weights:
+        print(f"loaded {w.name}: {w.rows}x{w.k} {w.layout} {w.nbytes} bytes sha256 {w.sha256}")
+    return 0
+
+
+def _weight_dict(w) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    return dataclasses.asdict(w)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    weights = _client(args).list()
+    if args.json:
+        print(json.dumps([_weight_dict(w) for w in weights], indent=2))
+        return 0
+    print(f"{'NAME':40} {'ROWS':>7} {'K':>7} {'BYTES':>12} LAYOUT IN_FLIGHT")
+    for w in weights:
+        print(f"{w.name:40} {w.rows:>7} {w.k:>7} {w.nbytes:>12} {w.layout:6} {w.in_flight}")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    w = _client(args, admin=True).unload(args.name)
+    print(f"unloaded {w.name} ({w.nbytes} bytes)")
+    return 0
+
+
+def cmd_matmul(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from q6serve.client.client import DTYPES
+
+    x = np.load(args.input)
+    if x.ndim == 1:
+        x = x[None, :]
+    x = x.astype(DTYPES[args.dtype], copy=False)
+    out = _client(args).matmul_full(args.weight, x, precision=args.precision,
+                                    out_dtype=args.out_dtype)
+    np.save(args.output, out.y)
+    ks = "n/a" if out.kernel_seconds is None else f"{out.kernel_seconds * 1e6:.1f} us"
+    print(f"y {list(out.y.shape)} {args.out_dtype} -> {args.output}; kernel {out.kernel} "
+          f"({out.layout}, {out.precision}) {ks}, queue {out.queue_seconds * 1e6:.1f} us, "
+          f"batch {out.batch_rows} rows / {out.batch_requests} requests")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _client(args).status_dict()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    v = status["vram"]
+    print(f"{status['backend']} on {status['device']} (q6serve {status['version']}), "
+          f"serving={status['serving']}, weights={status['weights_loaded']}")
+    for key, value in v.items():  # type: ignore[union-attr]
+        print(f"  vram {key:20} {value}")
+    for f in status["flags"]:  # type: ignore[union-attr]
+        print(f"  flag {f['name']:26} {int(f['enabled'])}")
+    return 0
+
+
+def _flag_assignment(text: str) -> tuple[str, bool]:
+    name, sep, value = text.partition("=")
+    if not sep or value not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"{text!r}: write NAME=0 or NAME=1")
+    if not name.startswith("Q6SERVE_"):
+        name = "Q6SERVE_" + name
+    return name, value == "1"
+
+
+def cmd_flags(args: argparse.Namespace) -> int:
+    changes = dict(args.assignments)
+    state = _client(args, admin=bool(changes)).flags(changes or None)
+    for name, on in state.items():
+        print(f"{name}={int(on)}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _parser(sub, "health", "check a worker's health (exit 0 when SERVING)",
+            "q6serve health --target 127.0.0.1:50061", cmd_health)
+
+    p = _parser(sub, "load", "load Q6_K tensors of a GGUF file under the worker's --model-dir",
+                "q6serve load --target 127.0.0.1:50061 --gguf model.gguf "
+                "--tensor output.weight", cmd_load)
+    p.add_argument("--gguf", required=True, help="file, relative to the worker's model dir")
+    p.add_argument("--tensor", action="append", metavar="NAME",
+                   help="tensor to load (repeatable; default: every Q6_K tensor)")
+    p.add_argument("--prefix", default="", help="prepended to each weight name")
+
+    p = _parser(sub, "list", "list resident weights",
+                "q6serve list --target 127.0.0.1:50061 --json", cmd_list)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = _parser(sub, "unload", "unload a weight (freed when in-flight requests finish)",
+                "q6serve unload --target 127.0.0.1:50061 output.weight", cmd_unload)
+    p.add_argument("name", metavar="NAME")
+
+    p = _parser(sub, "matmul", "compute y = x · Wᵀ for x from a .npy file",
+                "q6serve matmul --target 127.0.0.1:50061 --weight output.weight "
+                "--input x.npy --output y.npy --dtype f16 --precision auto", cmd_matmul)
+    p.add_argument("--weight", required=True, help="resident weight name")
+    p.add_argument("--input", required=True, help=".npy of shape [N, K] (or [K])")
+    p.add_argument("--output", required=True, help=".npy written with y [N, rows]")
+    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32",
+                   help="activation dtype sent on the wire (default f32)")
+    p.add_argument("--out-dtype", choices=("f32", "f16", "bf16"), default="f32",
+                   help="output dtype (default f32)")
+    p.add_argument("--precision", choices=("auto", "exact", "f16", "q8_1"), default="auto",
+                   help="numerics (default auto: the backend's fastest path)")
+
+    p = _parser(sub, "status", "show backend, device, VRAM accounting, flags and version",
+                "q6serve status --target 127.0.0.1:50061 --json", cmd_status)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = _parser(sub, "flags", "show kill-switch flags, or set them with NAME=0|1 (admin)",
+                "q6serve flags --target 127.0.0.1:50061 Q6SERVE_Q6K_SOA=0 "
+                "Q6SERVE_DYNAMIC_BATCHING=1", cmd_flags)
+    p.add_argument("assignments", nargs="*", type=_flag_assignment, metavar="NAME=0|1",
+                   help=f"flags: {', '.join(FLAG_NAMES)} (the Q6SERVE_ prefix is optional)")

@@ -1,0 +1,65 @@
+"""``q6serve worker``: run the gRPC worker until SIGTERM/SIGINT (then drain and stop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+EXAMPLE = """example:
+  q6serve worker --port 50061 --metrics-port 9464 --model-dir /models --vram-budget 0.9
+  q6serve worker --port 0 --backend numpy --vram-budget 2GiB     # prints `listening on H:P`
+
+environment: Q6SERVE_Q6K_SOA, Q6SERVE_DECODE_MMQ, Q6SERVE_DYNAMIC_BATCHING (0/1, default 1);
+  Q6SERVE_TOKEN[_FILE], Q6SERVE_ADMIN_TOKEN[_FILE] (bearer tokens; admin: load/unload/flags);
+  Q6SERVE_TLS_CERT, Q6SERVE_TLS_KEY, Q6SERVE_TLS_CLIENT_CA (TLS; client CA = mutual TLS)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker", help="run the gRPC worker (keeps Q6_K weights resident, serves matmuls)",
+        description="Run the q6serve gRPC worker. The first log line is `listening on H:P`.",
+        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--host", help="bind address (default 127.0.0.1)")
+    a("--port", type=int, help="gRPC port; 0 picks a free one (default 50061)")
+    a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: free port)")
+    a("--metrics-host", help="bind address of /metrics (default: --host)")
+    a("--backend", choices=("auto", "numpy", "cuda"), help="compute backend (default auto)")
+    a("--model-dir", help="directory LoadWeights paths are relative to (and confined to)")
+    a("--vram-budget", help="bytes (8GiB, 500M, 123456) or a fraction of free memory (0.9)")
+    a("--max-batch-rows", type=int, help="rows per coalesced launch (default 64)")
+    a("--max-batch-delay-us", type=int,
+      help="longest wait for more rows while the device is busy (default 200; 0 = never)")
+    a("--max-request-rows", type=int, help="N limit of one request (default 256)")
+    a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
+    a("--grace-period", dest="grace_period_s", type=float,
+      help="seconds to drain in-flight work on SIGTERM (default 10)")
+    a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
+      help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
+               "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
+               "max_queue_rows", "grace_period_s")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from q6serve.kernels.backends import make_backend
+    from q6serve.kernels.errors import Q6Error
+    from q6serve.service.config import config_from
+    from q6serve.service.worker import run_worker
+
+    try:
+        config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
+        backend = make_backend(config.backend)
+        asyncio.run(run_worker(config, backend))
+    except Q6Error as e:
+        print(f"q6serve worker: {e.grpc_code}: {e}", file=sys.stderr)
+        return 2
+    return 0
