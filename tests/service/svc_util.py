@@ -1,0 +1,133 @@
+"""Service test helpers: an in-process worker on its own loop thread, random Q6_K weights."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from q6serve.client.client import Client
+from q6serve.kernels import q6k
+from q6serve.kernels.api import Backend
+from q6serve.service.config import WorkerConfig
+from q6serve.service.worker import Worker
+
+
+def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
+    """Valid random Q6_K AoS blocks ``[rows*k/256, 210]`` with small finite scales."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
+    d = (rng.random(blocks.shape[0]) * 1e-3 + 1e-4).astype(np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
+    """float64 ``x @ W.T`` on exactly dequantized weights."""
+    w = q6k.dequantize_aos(blocks, rows, k).astype(np.float64)
+    return np.asarray(x, dtype=np.float64) @ w.T
+
+
+def make_backend() -> Backend:
+    from q6serve.kernels.backends import make_backend as mk
+
+    return mk("numpy")
+
+
+class RunningWorker:
+    """A Worker on a private event loop thread; ``call`` runs coroutines on that loop."""
+
+    def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.registry = CollectorRegistry()
+        self.worker = Worker(config, backend or make_backend(), self.registry)
+        self.call(self.worker.start())
+        self.target = self.worker.target
+        self.clients: list[Client] = []
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run a plain callable on the loop thread (e.g. to read engine state)."""
+        async def wrap() -> Any:
+            return fn()
+
+        return self.call(wrap())
+
+    @property
+    def engine(self) -> Any:
+        return self.worker.engine
+
+    def client(self, **kw: Any) -> Client:
+        c = Client(self.target, **kw)
+        self.clients.append(c)
+        return c
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+        for c in self.clients:
+            c.close()
+        self.call(self.worker.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class InstrumentedBackend:
+    """Wraps a real backend: optional matmul delay, a log of launched N, injected failures."""
+
+    def __new__(cls, matmul_delay: float = 0.0, fail_load_call: int | None = None) -> Any:
+        from q6serve.kernels.errors import DeviceError
+        from q6serve.kernels.numpy_backend import NumpyBackend
+
+        class _Instrumented(NumpyBackend):
+            def __init__(self) -> None:
+                super().__init__(threads=1)
+                self.matmul_delay = matmul_delay
+                self.fail_load_call = fail_load_call
+                self.launches: list[int] = []
+                self.loads = 0
+
+            def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+                self.launches.append(int(x.shape[0]))
+                if self.matmul_delay:
+                    import time
+
+                    time.sleep(self.matmul_delay)
+                return super().matmul(w, x, **kw)
+
+            def load(self, chunks: Any, rows: int, k: int, layout: Any,
+                     chunk_bytes: int = 64 << 20) -> Any:
+                self.loads += 1
+                if self.fail_load_call is not None and self.loads == self.fail_load_call:
+                    raise DeviceError(f"injected allocation failure on load #{self.loads}")
+                return super().load(chunks, rows, k, layout, chunk_bytes)
+
+        return _Instrumented()
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[int, int, int]]) -> dict[str, np.ndarray]:
+    """Write ``{name: (rows, k, seed)}`` random Q6_K tensors; return their AoS blocks."""
+    from q6serve.kernels.gguf_io import write_q6k_gguf
+
+    blocks = {n: random_q6k(r, k, s) for n, (r, k, s) in tensors.items()}
+    write_q6k_gguf(path, {n: (blocks[n], r, k) for n, (r, k, _) in tensors.items()})
+    return blocks
+
+
+def assert_close(y: np.ndarray, want: np.ndarray, rtol: float = 1e-5) -> None:
+    """Equal to the float64 reference within ``rtol`` of the output's scale."""
+    y = np.asarray(y, dtype=np.float64)
+    assert y.shape == want.shape
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(y - want).max())
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} x scale {scale:.3g}"
