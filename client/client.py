@@ -58,11 +58,16 @@ class Weight:
     sha256: str
     source: str
     in_flight: int
+    row_begin: int = 0  # global rows [row_begin, row_end) of the source tensor held here
+    row_end: int = 0
+    tensor_rows: int = 0  # rows of the whole source tensor
 
     @classmethod
     def from_pb(cls, w: pb.WeightInfo) -> Weight:
+        # a worker without row ranges (row_range unset) holds the whole tensor
+        end = w.row_range.end if w.HasField("row_range") else w.rows
         return cls(w.name, w.rows, w.k, w.nbytes, _LAYOUT_NAME[w.layout], w.sha256, w.source,
-                   w.in_flight)
+                   w.in_flight, w.row_range.begin, end, w.tensor_rows or w.rows)
 
 
 @dataclass(frozen=True)
@@ -147,9 +152,18 @@ class Client:
 
     # -- weights ----------------------------------------------------------------------------
     def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
-             timeout: float | None = None) -> list[Weight]:
-        r = self._call("LoadWeights", pb.LoadWeightsRequest(
-            gguf_path=gguf_path, tensors=list(tensors), prefix=prefix), timeout)
+             timeout: float | None = None, *, rows: tuple[int, int] | None = None,
+             shard: tuple[int, int] | None = None) -> list[Weight]:
+        """Load tensors; ``rows=(begin, end)`` or ``shard=(index, count)`` loads only that row
+        range of each tensor (row sharding, see docs/SCALEOUT.md)."""
+        req = pb.LoadWeightsRequest(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix)
+        if rows is not None and shard is not None:
+            raise ValueError("give rows or shard, not both")
+        if rows is not None:
+            req.row_range.CopyFrom(pb.RowRange(begin=rows[0], end=rows[1]))
+        if shard is not None:
+            req.shard.CopyFrom(pb.ShardSpec(index=shard[0], count=shard[1]))
+        r = self._call("LoadWeights", req, timeout)
         return [Weight.from_pb(w) for w in r.weights]
 
     def upload(self, name: str, data: np.ndarray | bytes, rows: int, k: int,

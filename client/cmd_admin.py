@@ -66,10 +66,31 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if serving else 1
 
 
+def _row_range(text: str) -> tuple[int, int]:
+    begin, sep, end = text.partition(":")
+    if not sep or not begin.isdigit() or not end.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: write BEGIN:END (rows [BEGIN, END))")
+    return int(begin), int(end)
+
+
+def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
+    if (args.shard_index is None) != (args.shard_count is None):
+        raise SystemExit("q6serve load: --shard-index and --shard-count go together")
+    if args.shard_index is None:
+        return None
+    if args.rows is not None:
+        raise SystemExit("q6serve load: give --rows or --shard-index/--shard-count, not both")
+    return args.shard_index, args.shard_count
+
+
 def cmd_load(args: argparse.Namespace) -> int:
-    weights = _client(args, admin=True).load(args.gguf, args.tensor or (), args.prefix)
+    weights = _client(args, admin=True).load(args.gguf, args.tensor or (), args.prefix,
+                                             rows=args.rows, shard=_shard_of(args))
     for w in weights:
-        print(f"loaded {w.name}: {w.rows}x{w.k} {w.layout} {w.nbytes} bytes sha256 {w.sha256}")
+        part = ("" if w.row_end - w.row_begin == w.tensor_rows
+                else f" rows [{w.row_begin}, {w.row_end}) of {w.tensor_rows}")
+        print(f"loaded {w.name}: {w.rows}x{w.k}{part} {w.layout} {w.nbytes} bytes "
+              f"sha256 {w.sha256}")
     return 0
 
 
@@ -158,6 +179,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor", action="append", metavar="NAME",
                    help="tensor to load (repeatable; default: every Q6_K tensor)")
     p.add_argument("--prefix", default="", help="prepended to each weight name")
+    p.add_argument("--rows", type=_row_range, metavar="BEGIN:END",
+                   help="load only rows [BEGIN, END) of each tensor (row sharding)")
+    p.add_argument("--shard-index", type=int, metavar="I",
+                   help="load shard I of --shard-count N (even split of each tensor's rows)")
+    p.add_argument("--shard-count", type=int, metavar="N", help="number of shards")
 
     p = _parser(sub, "list", "list resident weights",
                 "q6serve list --target 127.0.0.1:50061 --json", cmd_list)

@@ -45,6 +45,7 @@ from .config import WorkerConfig
 from .flags import Flags, FlagState
 from .metrics import Metrics
 from .registry import Registry, WeightEntry, check_name
+from .shards import RowRange, RowSelect, slice_tensor
 from .vram import VramAccountant, VramStats
 
 log = logging.getLogger("q6serve.engine")
@@ -69,6 +70,12 @@ class WeightView:
     sha256: str
     source: str
     in_flight: int
+    row_begin: int = 0  # global rows [row_begin, row_begin + rows) of the source tensor
+    tensor_rows: int = 0  # rows of the whole source tensor
+
+    @property
+    def row_end(self) -> int:
+        return self.row_begin + self.rows
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,8 @@ class _Source:
     k: int
     source: str
     chunks: Callable[[int], Iterable[np.ndarray]]  # chunk_bytes -> chunks
+    row_begin: int = 0  # a row-sharded load holds rows [row_begin, row_begin + rows)
+    tensor_rows: int = 0  # of the whole tensor (0: same as rows)
 
 
 def confine(model_dir: Path | None, rel: str) -> Path:
@@ -207,18 +216,25 @@ class Engine:
 
     def _view(self, e: WeightEntry) -> WeightView:
         return WeightView(e.name, e.rows, e.k, e.nbytes, e.resident.layout, e.sha256, e.source,
-                          e.batcher.in_flight if e.batcher is not None else 0)
+                          e.batcher.in_flight if e.batcher is not None else 0,
+                          e.row_begin, e.tensor_rows or e.rows)
 
     # -- loading ----------------------------------------------------------------------------
     async def load_gguf(self, rel_path: str, tensors: list[str], prefix: str = "",
-                        ) -> list[WeightView]:
+                        rows: RowSelect | None = None) -> list[WeightView]:
+        """Load tensors of a GGUF file; ``rows`` narrows each to a row range (sharding)."""
         self._check_serving()
         path = confine(self.config.model_dir, rel_path)
         from q6serve.kernels import gguf_io
 
         found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
-        sources = [_Source(prefix + t.name, t.rows, t.k, f"gguf:{rel_path}", t.iter_row_chunks)
-                   for t in found]
+        select = rows or RowSelect()
+        sources = []
+        for t in found:
+            r: RowRange = select.resolve(t.name, t.rows)
+            part = slice_tensor(t, r)
+            sources.append(_Source(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}",
+                                   part.iter_row_chunks, r.begin, t.rows))
         return await self._shielded(self._load_all(sources))  # type: ignore[return-value]
 
     async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes]) -> WeightView:
@@ -314,7 +330,8 @@ class Engine:
             res.keep("weights", resident.nbytes)
             res.keep("scratch", extra)
             self._scratch += extra
-        return WeightEntry(s.name, s.rows, s.k, h.hexdigest(), s.source, resident)
+        return WeightEntry(s.name, s.rows, s.k, h.hexdigest(), s.source, resident,
+                           row_begin=s.row_begin, tensor_rows=s.tensor_rows or s.rows)
 
     def _make_batcher(self, e: WeightEntry) -> Batcher:
         def run(x: np.ndarray, key: BatchKey) -> MatmulResult:

@@ -38,6 +38,8 @@ class WeightEntry:
     removed: bool = False
     freed: asyncio.Event = field(default_factory=asyncio.Event)
     batcher: Any = None  # the weight's Batcher (set by the engine)
+    row_begin: int = 0  # row-sharded loads: global rows [row_begin, row_begin + rows)
+    tensor_rows: int = 0  # rows of the whole source tensor (0: same as rows)
 
     @property
     def nbytes(self) -> int:

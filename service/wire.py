@@ -17,6 +17,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
 from .flags import FlagState
+from .shards import RowRange, RowSelect
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Q6Serve"].full_name
 METHODS: tuple[str, ...] = tuple(
@@ -101,7 +102,21 @@ def stream_error(request_id: str, code: int, message: str) -> pb.MatmulStreamRes
 def weight_info(w: WeightView) -> pb.WeightInfo:
     return pb.WeightInfo(name=w.name, rows=w.rows, k=w.k, nbytes=w.nbytes,
                          layout=_LAYOUT_TO_PB[w.layout], sha256=w.sha256, source=w.source,
-                         in_flight=w.in_flight)
+                         in_flight=w.in_flight,
+                         row_range=pb.RowRange(begin=w.row_begin, end=w.row_end),
+                         tensor_rows=w.tensor_rows or w.rows)
+
+
+def row_select(req: pb.LoadWeightsRequest) -> RowSelect | None:
+    """LoadWeightsRequest's optional ``rows`` oneof (None: every row)."""
+    which = req.WhichOneof("rows")
+    if which == "row_range":
+        return RowSelect(range=RowRange(int(req.row_range.begin), int(req.row_range.end)))
+    if which == "shard":
+        if req.shard.count < 1:
+            raise InvalidArgument(f"shard count {req.shard.count} must be >= 1")
+        return RowSelect(shard=(int(req.shard.index), int(req.shard.count)))
+    return None
 
 
 def upload_spec(h: pb.UploadHeader) -> UploadSpec:

@@ -60,7 +60,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightInfo(_message.Message):
-    __slots__ = ("name", "rows", "k", "nbytes", "layout", "sha256", "source", "in_flight")
+    __slots__ = ("name", "rows", "k", "nbytes", "layout", "sha256", "source", "in_flight", "row_range", "tensor_rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,8 @@ class WeightInfo(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROW_RANGE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     k: int
@@ -77,17 +79,39 @@ class WeightInfo(_message.Message):
     sha256: str
     source: str
     in_flight: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., nbytes: _Optional[int] = ..., layout: _Optional[_Union[Layout, str]] = ..., sha256: _Optional[str] = ..., source: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    row_range: RowRange
+    tensor_rows: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., k: _Optional[int] = ..., nbytes: _Optional[int] = ..., layout: _Optional[_Union[Layout, str]] = ..., sha256: _Optional[str] = ..., source: _Optional[str] = ..., in_flight: _Optional[int] = ..., row_range: _Optional[_Union[RowRange, _Mapping]] = ..., tensor_rows: _Optional[int] = ...) -> None: ...
+
+class RowRange(_message.Message):
+    __slots__ = ("begin", "end")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    begin: int
+    end: int
+    def __init__(self, begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class ShardSpec(_message.Message):
+    __slots__ = ("index", "count")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("gguf_path", "tensors", "prefix")
+    __slots__ = ("gguf_path", "tensors", "prefix", "row_range", "shard")
     GGUF_PATH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ROW_RANGE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     gguf_path: str
     tensors: _containers.RepeatedScalarFieldContainer[str]
     prefix: str
-    def __init__(self, gguf_path: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ...) -> None: ...
+    row_range: RowRange
+    shard: ShardSpec
+    def __init__(self, gguf_path: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., row_range: _Optional[_Union[RowRange, _Mapping]] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("weights",)
