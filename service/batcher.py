@@ -4,8 +4,9 @@ Concurrent requests for one weight with the same (activation dtype, precision, o
 are concatenated along N and run as one kernel call, then split back. A batch launches when
  - it reaches ``max_rows``, or
  - the device is idle (no added delay when nothing is running), or
- - its oldest request has waited ``max_delay_s`` (0: never wait).
-While the device is busy, requests accumulate, which is where coalescing comes from.
+ - its oldest request has waited ``max_delay_s`` (0: never wait),
+and fewer than ``max_inflight_batches`` of this weight's batches are unfinished. While the
+device is busy, requests accumulate, which is where coalescing comes from.
 The queue is bounded in rows (RESOURCE_EXHAUSTED); a request whose caller cancelled or whose
 deadline passed while queued is dropped before launch. Device work runs in the device's single
 worker thread, never on the event loop.
@@ -87,6 +88,9 @@ class BatchSettings:
     max_rows: int = 64
     max_delay_s: float = 200e-6
     max_queue_rows: int = 8192
+    # Launched batches per weight not yet finished (one running, one staged behind it): the
+    # rest wait in the bounded queue, where they also coalesce.
+    max_inflight_batches: int = 2
 
 
 @dataclass
@@ -116,6 +120,12 @@ class _Pending:
     key: BatchKey
     fut: asyncio.Future[Outcome]
     t_enqueue: float
+    deadline: float | None  # perf_counter() time
+
+    def dead(self, now: float) -> bool:
+        """Cancelled by its caller, or past its deadline (read from the device thread too:
+        a stale answer only costs running a row that is then dropped)."""
+        return self.fut.done() or (self.deadline is not None and now >= self.deadline)
 
     @property
     def rows(self) -> int:
@@ -138,6 +148,7 @@ class Batcher:
         self.queued_rows = 0
         self._wake = asyncio.Event()
         self._launches: set[asyncio.Task[None]] = set()
+        self._unfinished = 0  # launched batches not yet finished
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batch-{name}")
         self._unsubscribe = device.on_idle(self._wake.set)
@@ -157,7 +168,9 @@ class Batcher:
                 f"queue of weight {self.name!r} is full: {self.queued_rows} rows queued, "
                 f"{n} more would exceed {self._s.max_queue_rows}")
         loop = asyncio.get_running_loop()
-        p = _Pending(x, key, loop.create_future(), time.perf_counter())
+        now = time.perf_counter()
+        p = _Pending(x, key, loop.create_future(), now,
+                     None if timeout is None else now + timeout)
         self._queue.append(p)
         self.queued_rows += n
         self._wake.set()
@@ -187,7 +200,8 @@ class Batcher:
             self._queue.extendleft(reversed(keep))
         for p in batch:
             self.queued_rows -= p.rows
-        return [p for p in batch if not p.fut.done()]
+        now = time.perf_counter()
+        return [p for p in batch if not p.dead(now)]
 
     def _drop_dead_head(self) -> None:
         while self._queue and self._queue[0].fut.done():
@@ -209,6 +223,10 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self._unfinished >= self._s.max_inflight_batches:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             head = self._queue[0]
             if self._dynamic() and self._s.max_delay_s > 0 and not self._device.idle:
                 waited = time.perf_counter() - head.t_enqueue
@@ -221,6 +239,7 @@ class Batcher:
                     continue
             batch = self._take()
             if batch:
+                self._unfinished += 1
                 task = asyncio.get_running_loop().create_task(self._launch(batch))
                 task.n_requests = len(batch)  # type: ignore[attr-defined]
                 self._launches.add(task)
@@ -232,18 +251,23 @@ class Batcher:
         key = batch[0].key
         started: list[float] = []
 
-        def job() -> tuple[np.ndarray, MatmulResult]:
-            started.append(time.perf_counter())
-            x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
-            return x, self._run_batch(x, key)
+        def job() -> tuple[list[_Pending], np.ndarray | None, MatmulResult | None]:
+            now = time.perf_counter()
+            started.append(now)
+            live = [p for p in batch if not p.dead(now)]  # dropped while staged: skip rows
+            if not live:
+                return live, None, None
+            x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
+            return live, x, self._run_batch(x, key)
 
         return self._finish(batch, self._device.submit(job), started)
 
     async def _finish(self, batch: list[_Pending], fut: asyncio.Future[Any],
                       started: list[float]) -> None:
         try:
-            x, result = await fut
+            live, x, result = await fut
         except BaseException as e:  # every waiter must hear of the failure
+            self._finished()
             for p in batch:
                 if not p.fut.done():
                     p.fut.set_exception(e if isinstance(e, Exception) else Unavailable(
@@ -251,16 +275,23 @@ class Batcher:
             if not isinstance(e, Exception):
                 raise
             return
+        self._finished()
+        if x is None or result is None:
+            return
         t0 = started[0]
-        queued = tuple(t0 - p.t_enqueue for p in batch)
+        queued = tuple(t0 - p.t_enqueue for p in live)
         off = 0
         rows = int(x.shape[0])
-        for p, q in zip(batch, queued, strict=True):
+        for p, q in zip(live, queued, strict=True):
             y = result.y[off : off + p.rows]
             off += p.rows
             if not p.fut.done():
-                p.fut.set_result(Outcome(y, result, q, rows, len(batch)))
-        self._on_batch(BatchStats(result, rows, len(batch), queued))
+                p.fut.set_result(Outcome(y, result, q, rows, len(live)))
+        self._on_batch(BatchStats(result, rows, len(live), queued))
+
+    def _finished(self) -> None:
+        self._unfinished -= 1
+        self._wake.set()
 
     async def close(self) -> None:
         """Finish launched batches; fail what is still queued."""
