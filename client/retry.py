@@ -1,0 +1,93 @@
+"""Retries with exponential backoff on UNAVAILABLE only, inside the caller's deadline.
+
+UNAVAILABLE means the worker did not run the call (no connection, or draining and refusing new
+work), so a retry cannot apply it twice. Every other code is the worker's answer and is raised
+at once. The deadline covers all attempts together: each attempt gets the time that is left,
+and no backoff sleep runs past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+T = TypeVar("T")
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``attempts`` tries in all (1 = no retries); sleeps grow from ``initial_backoff`` by
+    ``multiplier`` up to ``max_backoff`` seconds, with full jitter (uniform in [0, cap])."""
+
+    attempts: int = 4
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    multiplier: float = 2.0
+    jitter: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts={self.attempts} must be >= 1")
+        if self.initial_backoff < 0 or self.max_backoff < 0 or self.multiplier < 1:
+            raise ValueError("backoffs must be >= 0 and the multiplier >= 1")
+
+    def backoff(self, retry: int, rand: Callable[[], float] = random.random) -> float:
+        """Seconds to sleep before retry number ``retry`` (0-based)."""
+        cap = min(self.max_backoff, self.initial_backoff * self.multiplier**retry)
+        return cap * rand() if self.jitter else cap
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, grpc.RpcError) and e.code() in RETRYABLE  # type: ignore[attr-defined]
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def call_with_retry(fn: Callable[[float | None], T], policy: RetryPolicy,
+                    timeout: float | None, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``fn(time_left)`` until it succeeds, fails with a non-retryable error, runs out of
+    attempts, or the next sleep would pass the deadline (then the last error is raised)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(policy.attempts):
+        try:
+            return fn(_remaining(deadline))
+        except grpc.RpcError as e:
+            if not _retryable(e) or attempt + 1 == policy.attempts:
+                raise
+            pause = policy.backoff(attempt)
+            left = _remaining(deadline)
+            if left is not None and pause >= left:
+                raise
+            sleep(pause)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+async def acall_with_retry(fn: Callable[[float | None], Awaitable[T]], policy: RetryPolicy,
+                           timeout: float | None) -> T:
+    """:func:`call_with_retry` for coroutines (sleeps without blocking the event loop)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(policy.attempts):
+        try:
+            return await fn(_remaining(deadline))
+        except grpc.RpcError as e:
+            if not _retryable(e) or attempt + 1 == policy.attempts:
+                raise
+            pause = policy.backoff(attempt)
+            left = _remaining(deadline)
+            if left is not None and pause >= left:
+                raise
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
