@@ -1,0 +1,162 @@
+"""Unload racing matmuls, flags toggled under load, drain on shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from svc_util import InstrumentedBackend, RunningWorker, assert_close, random_q6k, reference
+
+from q6serve.client.client import Client, Q6ServeError
+
+ROWS, K = 32, 512
+
+
+def _hammer(worker: RunningWorker, blocks: np.ndarray, stop: threading.Event, errors: list,
+            allowed: set[grpc.StatusCode], counts: list[int], threads: int = 6,
+            ) -> list[threading.Thread]:
+    """Threads doing verified matmuls until ``stop``; unexpected outcomes go to ``errors``."""
+    def run(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Client(worker.target) as c:
+            while not stop.is_set():
+                x = rng.standard_normal((1 + seed % 3, K)).astype(np.float32)
+                try:
+                    y = c.matmul("w", x, timeout=20)
+                except Q6ServeError as e:
+                    if e.code not in allowed:
+                        errors.append(e)
+                    continue
+                want = reference(blocks, ROWS, K, x)
+                err = float(np.abs(y - want).max())
+                if err > 1e-5 * max(1.0, float(np.abs(want).max())):
+                    errors.append(AssertionError(f"wrong result, error {err}"))
+                counts[seed] += 1
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    return ts
+
+
+def test_unload_racing_matmuls(worker: RunningWorker) -> None:
+    c = worker.client()
+    blocks = random_q6k(ROWS, K, 1)
+    c.upload("w", blocks, ROWS, K)
+    base_weights = 0
+    stop, errors, counts = threading.Event(), [], [0] * 6
+    ts = _hammer(worker, blocks, stop, errors, {grpc.StatusCode.NOT_FOUND}, counts)
+    try:
+        for _ in range(40):
+            time.sleep(0.005)
+            c.unload("w")
+            c.upload("w", blocks, ROWS, K)
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert sum(counts) > 0
+    c.unload("w")
+    v = c.status().vram
+    assert v.weights_bytes == base_weights and v.scratch_bytes == 0 and v.staging_bytes == 0
+    assert worker.engine.backend.memory().pool_used == 0
+
+
+def test_unload_waits_for_in_flight_requests(start_worker) -> None:  # type: ignore[no-untyped-def]
+    backend = InstrumentedBackend(matmul_delay=0.3)
+    worker = start_worker(backend=backend)
+    c = worker.client()
+    blocks = random_q6k(ROWS, K, 2)
+    c.upload("w", blocks, ROWS, K)
+    x = np.ones((2, K), np.float32)
+    result: list[np.ndarray] = []
+    t = threading.Thread(target=lambda: result.append(c.matmul("w", x)))
+    t.start()
+    time.sleep(0.1)
+    c.unload("w")  # returns once the running request let go and the memory is freed
+    t.join(10)
+    assert_close(result[0], reference(blocks, ROWS, K, x))
+    assert c.status().vram.weights_bytes == 0
+
+
+def test_flags_toggled_under_load(worker: RunningWorker) -> None:
+    c = worker.client()
+    blocks = random_q6k(ROWS, K, 3)
+    c.upload("w", blocks, ROWS, K)
+    stop, errors, counts = threading.Event(), [], [0] * 6
+    ts = _hammer(worker, blocks, stop, errors, set(), counts)
+    try:
+        for i in range(12):
+            c.flags({"Q6SERVE_Q6K_SOA": i % 2 == 1,
+                     "Q6SERVE_DYNAMIC_BATCHING": i % 3 != 0,
+                     "Q6SERVE_DECODE_MMQ": i % 4 != 0})
+            time.sleep(0.03)
+        c.flags({"Q6SERVE_Q6K_SOA": False, "Q6SERVE_DYNAMIC_BATCHING": True})
+        deadline = time.monotonic() + 10
+        while c.get("w").layout != "aos" or c.status().relayout_in_progress:
+            assert time.monotonic() < deadline, "relayout did not finish"
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(30)
+    assert not errors, errors[:3]
+    assert all(n > 0 for n in counts), counts
+    out = c.matmul_full("w", np.ones((1, K), np.float32))
+    assert out.layout == "aos"
+    assert c.get("w").nbytes == c.status().vram.weights_bytes
+
+
+def test_env_flags_at_start(start_worker) -> None:  # type: ignore[no-untyped-def]
+    from q6serve.service.flags import FlagState
+
+    worker = start_worker(flags=FlagState.from_env({"Q6SERVE_Q6K_SOA": "0",
+                                                    "Q6SERVE_DYNAMIC_BATCHING": "0"}))
+    c = worker.client()
+    assert c.flags() == {"Q6SERVE_Q6K_SOA": False, "Q6SERVE_DECODE_MMQ": True,
+                         "Q6SERVE_DYNAMIC_BATCHING": False}
+    assert c.upload("w", random_q6k(8, 256, 4), 8, 256).layout == "aos"
+
+
+def test_drain_on_shutdown(start_worker) -> None:  # type: ignore[no-untyped-def]
+    backend = InstrumentedBackend(matmul_delay=0.4)
+    worker = start_worker(backend=backend, max_batch_delay_us=0, max_batch_rows=1)
+    c = worker.client()
+    blocks = random_q6k(ROWS, K, 5)
+    c.upload("w", blocks, ROWS, K)
+    xs = [np.full((1, K), i, np.float32) for i in range(3)]
+    results: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        with Client(worker.target) as cl:
+            try:
+                results[i] = cl.matmul("w", xs[i], timeout=20)
+            except Q6ServeError as e:
+                results[i] = e
+
+    ts = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    time.sleep(0.15)
+    stopper = threading.Thread(target=worker.stop, kwargs={"grace": 10.0})
+    stopper.start()
+    time.sleep(0.1)
+    # draining: health is no longer SERVING and new work is refused
+    with Client(worker.target) as late:
+        with pytest.raises(Q6ServeError) as e:
+            late.matmul("w", xs[0], timeout=5)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        try:
+            assert not late.health(timeout=2)
+        except Q6ServeError as he:
+            assert he.code == grpc.StatusCode.UNAVAILABLE
+    for t in ts:
+        t.join(20)
+    stopper.join(20)
+    for i in range(3):  # every in-flight request finished correctly
+        assert isinstance(results[i], np.ndarray), results[i]
+        assert_close(results[i], reference(blocks, ROWS, K, xs[i]))
