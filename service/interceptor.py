@@ -27,6 +27,10 @@ def status_code(e: Q6Error) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.INTERNAL)
 
 
+def code_name(e: BaseException) -> str:
+    return status_code(e).name if isinstance(e, Q6Error) else "INTERNAL"
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None) -> None:
         self._metrics = metrics
@@ -52,7 +56,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
-                code = "OK"
+                code: str | None = "OK"
                 try:
                     before()
                     return await inner(request, context)
@@ -60,7 +64,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code, message = self._classify(e, context, method)
                     if message is None:
                         raise
-                    await context.abort(getattr(grpc.StatusCode, code), message)
+                    self._observe(method, code, t0)  # before the status reaches the client
+                    code = None
+                    await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
                 finally:
                     self._observe(method, code, t0)
 
@@ -74,7 +80,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def streaming(request: Any, context: grpc.aio.ServicerContext,
                             ) -> AsyncIterator[Any]:
             t0 = time.perf_counter()
-            code = "OK"
+            code: str | None = "OK"
             try:
                 before()
                 async for item in inner_stream(request, context):
@@ -83,7 +89,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code, message = self._classify(e, context, method)
                 if message is None:
                     raise
-                await context.abort(getattr(grpc.StatusCode, code), message)
+                self._observe(method, code, t0)
+                code = None
+                await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
             finally:
                 self._observe(method, code, t0)
 
@@ -108,6 +116,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         log.error("%s failed", method, exc_info=e)
         return "INTERNAL", "internal error (logged by the worker)"
 
-    def _observe(self, method: str, code: str, t0: float) -> None:
-        if self._metrics is not None:
+    def _observe(self, method: str, code: str | None, t0: float) -> None:
+        if self._metrics is not None and code is not None:
             self._metrics.observe_request(method, code, time.perf_counter() - t0)
