@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_TARGET = "127.0.0.1:50061"
+# commands that take `--target A,B,...`: a weight row-sharded over those workers (shard i = i-th)
+SHARDED_COMMANDS = ("load", "matmul", "list", "unload", "health")
 FLAG_NAMES = ("Q6SERVE_Q6K_SOA", "Q6SERVE_DECODE_MMQ", "Q6SERVE_DYNAMIC_BATCHING")
 
 
@@ -29,7 +31,23 @@ def _client(args: argparse.Namespace, admin: bool = False):  # type: ignore[no-u
     if args.tls_cert and args.tls_key:
         kw["certificate_chain"] = Path(args.tls_cert).read_bytes()
         kw["private_key"] = Path(args.tls_key).read_bytes()
+    if "," in args.target:
+        return _sharded_client(args, kw)
     return Client(args.target, **kw)
+
+
+def _sharded_client(args: argparse.Namespace, kw: dict[str, object]):  # type: ignore[no-untyped-def]
+    import grpc
+
+    from q6serve.client.sharded import ShardedClient
+
+    if args.command not in SHARDED_COMMANDS:
+        raise SystemExit(f"q6serve {args.command}: takes one --target (several targets, "
+                         f"comma-separated, only for {', '.join(SHARDED_COMMANDS)})")
+    tls = {k: kw.pop(k) for k in ("root_certificates", "certificate_chain", "private_key")
+           if k in kw}
+    creds = grpc.ssl_channel_credentials(**tls) if tls else None  # type: ignore[arg-type]
+    return ShardedClient(args.target.split(","), credentials=creds, **kw)  # type: ignore[arg-type]
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -51,7 +69,9 @@ def _parser(sub: argparse._SubParsersAction, name: str, help_: str, example: str
                        epilog="example:\n  " + example,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.environ.get("Q6SERVE_TARGET", DEFAULT_TARGET),
-                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})")
+                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})"
+                        + ("; A,B,... for a weight row-sharded over several workers"
+                           if name in SHARDED_COMMANDS else ""))
     p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--tls-ca", help="PEM root certificate(s): use TLS")
     p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
@@ -66,11 +86,16 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if serving else 1
 
 
-def _row_range(text: str) -> tuple[int, int]:
-    begin, sep, end = text.partition(":")
-    if not sep or not begin.isdigit() or not end.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: write BEGIN:END (rows [BEGIN, END))")
-    return int(begin), int(end)
+def _row_ranges(text: str) -> list[tuple[int, int]]:
+    """``B:E`` (one worker) or ``B:E,B:E,...`` (one range per --target, in order)."""
+    out = []
+    for part in text.split(","):
+        begin, sep, end = part.partition(":")
+        if not sep or not begin.isdigit() or not end.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: write BEGIN:END (rows [BEGIN, END)), "
+                                             "comma-separated for several targets")
+        out.append((int(begin), int(end)))
+    return out
 
 
 def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -84,8 +109,18 @@ def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    weights = _client(args, admin=True).load(args.gguf, args.tensor or (), args.prefix,
-                                             rows=args.rows, shard=_shard_of(args))
+    client = _client(args, admin=True)
+    shard = _shard_of(args)
+    if "," in args.target:  # each target loads its range: --rows list, else the even split
+        if shard is not None:
+            raise SystemExit("q6serve load: several targets split the rows themselves; "
+                             "--shard-index/--shard-count are for one target")
+        weights = client.load(args.gguf, args.tensor or (), args.prefix, ranges=args.rows)
+    else:
+        if args.rows is not None and len(args.rows) != 1:
+            raise SystemExit("q6serve load: one target takes one --rows BEGIN:END")
+        weights = client.load(args.gguf, args.tensor or (), args.prefix,
+                              rows=args.rows[0] if args.rows else None, shard=shard)
     for w in weights:
         part = ("" if w.row_end - w.row_begin == w.tensor_rows
                 else f" rows [{w.row_begin}, {w.row_end}) of {w.tensor_rows}")
@@ -174,13 +209,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = _parser(sub, "load", "load Q6_K tensors of a GGUF file under the worker's --model-dir",
                 "q6serve load --target 127.0.0.1:50061 --gguf model.gguf "
-                "--tensor output.weight", cmd_load)
+                "--tensor output.weight\n"
+                "  q6serve load --target 10.0.0.5:50051,10.0.0.6:50051 --gguf model.gguf "
+                "--tensor output.weight   # row-sharded", cmd_load)
     p.add_argument("--gguf", required=True, help="file, relative to the worker's model dir")
     p.add_argument("--tensor", action="append", metavar="NAME",
                    help="tensor to load (repeatable; default: every Q6_K tensor)")
     p.add_argument("--prefix", default="", help="prepended to each weight name")
-    p.add_argument("--rows", type=_row_range, metavar="BEGIN:END",
-                   help="load only rows [BEGIN, END) of each tensor (row sharding)")
+    p.add_argument("--rows", type=_row_ranges, metavar="BEGIN:END[,...]",
+                   help="load only rows [BEGIN, END) of each tensor (row sharding); with "
+                        "several --target A,B,...: one range per target")
     p.add_argument("--shard-index", type=int, metavar="I",
                    help="load shard I of --shard-count N (even split of each tensor's rows)")
     p.add_argument("--shard-count", type=int, metavar="N", help="number of shards")
