@@ -31,3 +31,10 @@ def test_stubs_import_as_package() -> None:
 
     assert q6serve_pb2.DESCRIPTOR.package == "q6serve.v1"
     assert hasattr(q6serve_pb2_grpc, "Q6ServeStub")
+
+
+def test_only_wire_imports_pb2() -> None:
+    """Layer rule: in service/, only wire.py touches the generated protobuf modules."""
+    offenders = [p.name for p in (ROOT / "service").glob("*.py")
+                 if p.name != "wire.py" and "_pb2" in p.read_text()]
+    assert offenders == []

@@ -1,0 +1,133 @@
+"""The worker and admin commands end to end: a `q6serve worker --port 0` subprocess driven by
+`q6serve health/load/list/matmul/status/flags/unload`, then SIGTERM drains and stops it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from q6serve.client.cli import build_parser, main
+from q6serve.kernels import q6k
+from q6serve.kernels.gguf_io import write_q6k_gguf
+
+ADMIN_COMMANDS = ("health", "load", "list", "unload", "matmul", "status", "flags")
+
+
+def _blocks(rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
+    b[:, 208:210] = np.full(b.shape[0], 1e-3, np.float16).view(np.uint8).reshape(-1, 2)
+    return b
+
+
+@pytest.fixture
+def worker_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    models = tmp_path / "models"
+    models.mkdir()
+    env = {**os.environ, "Q6SERVE_DYNAMIC_BATCHING": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
+         "numpy", "--model-dir", str(models), "--vram-budget", "64MiB",
+         "--max-batch-delay-us", "100"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # the FIRST log line names the address
+    m = re.search(r"listening on (\S+:\d+)$", first.strip())
+    assert m, first
+    try:
+        yield proc, m.group(1), models
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_every_command_has_help_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
+    build_parser()
+    for cmd in ("worker", *ADMIN_COMMANDS):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "example:" in out and f"q6serve {cmd}" in out, cmd
+
+
+def test_worker_and_admin_commands(worker_proc, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    proc, target, models = worker_proc
+    blocks = _blocks(16, 512, 1)
+    write_q6k_gguf(models / "m.gguf", {"blk.0.w": (blocks, 16, 512)})
+    t = ["--target", target]
+
+    assert main(["health", *t]) == 0
+    assert "SERVING" in capsys.readouterr().out
+    assert main(["load", *t, "--gguf", "m.gguf", "--tensor", "blk.0.w"]) == 0
+    assert "loaded blk.0.w: 16x512" in capsys.readouterr().out
+    assert main(["load", *t, "--gguf", "m.gguf"]) == 1
+    assert "ALREADY_EXISTS" in capsys.readouterr().err
+    assert main(["list", *t, "--json"]) == 0
+    (w,) = json.loads(capsys.readouterr().out)
+    assert (w["name"], w["rows"], w["k"], w["layout"]) == ("blk.0.w", 16, 512, "soa")
+
+    x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    for dtype in ("f32", "f16", "bf16"):
+        out = tmp_path / f"y_{dtype}.npy"
+        assert main(["matmul", *t, "--weight", "blk.0.w", "--input", str(tmp_path / "x.npy"),
+                     "--output", str(out), "--dtype", dtype, "--precision", "exact"]) == 0
+        y = np.load(out)
+        xs = x.astype({"f32": np.float32, "f16": np.float16}.get(dtype, np.float32))
+        want = xs.astype(np.float64) @ q6k.dequantize_aos(blocks, 16, 512).T.astype(np.float64)
+        tol = 1e-5 if dtype != "bf16" else 2e-2
+        assert np.abs(y - want).max() <= tol * max(1.0, np.abs(want).max()), dtype
+    assert "kernel numpy.exact" in capsys.readouterr().out
+
+    assert main(["status", *t, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["backend"] == "numpy" and status["weights_loaded"] == 1
+    assert int(status["vram"]["weights_bytes"]) == w["nbytes"]
+
+    assert main(["flags", *t, "Q6SERVE_DECODE_MMQ=0", "DYNAMIC_BATCHING=0"]) == 0
+    assert capsys.readouterr().out.split() == [
+        "Q6SERVE_Q6K_SOA=1", "Q6SERVE_DECODE_MMQ=0", "Q6SERVE_DYNAMIC_BATCHING=0"]
+    assert main(["matmul", *t, "--weight", "blk.0.w", "--input", str(tmp_path / "x.npy"),
+                 "--output", str(tmp_path / "q.npy"), "--precision", "q8_1"]) == 1
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+    assert main(["flags", *t, "NOPE=1"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+    assert main(["unload", *t, "blk.0.w"]) == 0
+    assert main(["unload", *t, "blk.0.w"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["load", *t, "--gguf", "../escape.gguf"]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert proc.stderr is not None
+    rest = proc.stderr.read()
+    assert "draining" in rest and "stopped" in rest
+    assert main(["health", *t, "--timeout", "2"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_worker_rejects_cuda_without_gpu(tmp_path: Path) -> None:
+    from q6serve.kernels.backends import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is present")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0",
+                        "--backend", "cuda"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "UNAVAILABLE" in r.stderr
+    assert time.monotonic() - t0 < 60
