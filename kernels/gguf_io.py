@@ -2,18 +2,29 @@
 
 Reading memory-maps the file (``gguf.GGUFReader``); a tensor's bytes are only touched when a
 chunk of rows is sliced out, so loading a 400 MB lm-head never reads the whole file at once.
-Every way a file can be wrong surfaces as :class:`FormatError` with the numbers.
+Every way a file can be wrong surfaces as :class:`FormatError` with the numbers: a bounded
+structural :func:`scan` runs before GGUFReader (see the limits below), and each chunk of Q6_K
+rows is checked for non-finite scales ``d`` as it is read (rejected, as llama.cpp's
+``ggml_validate_row_data`` does).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFWriter,
+)
 
 from . import q6k
 from .errors import FormatError, NotFound
@@ -55,7 +66,220 @@ class Q6KTensor:
         per_row = self.k // q6k.QK_K
         for r0 in range(0, self.rows, rows_per):
             r1 = min(self.rows, r0 + rows_per)
-            yield self.aos[r0 * per_row : r1 * per_row]
+            chunk = self.aos[r0 * per_row : r1 * per_row]
+            q6k.check_scales_finite(chunk, f"tensor {self.name!r}", r0 * per_row, per_row)
+            yield chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded structural scan, run before ``gguf.GGUFReader`` sees a file.
+#
+# GGUFReader trusts the counts it reads: past EOF its reads come back empty and its loops keep
+# going (an array header claiming 2**62 uint8 items spins forever, growing a list), it builds one
+# numpy array per array element, and numpy's uint64 products wrap silently. So every count,
+# length, shape and offset is checked here first with Python ints against the file size and the
+# limits below; only a file that passes reaches GGUFReader, whose work is then bounded too.
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_TENSORS = 1 << 16
+MAX_KV = 1 << 16
+MAX_STRING_BYTES = 1 << 24  # 16 MiB: chat templates are KBs, tokens bytes
+MAX_ARRAY_ITEMS = 1 << 22  # items of all KV arrays together (a 256k vocab uses ~1M)
+MAX_ARRAY_DEPTH = 3
+MAX_TENSOR_NAME_BYTES = 1024
+MAX_ELEMENTS = (1 << 63) - 1  # ggml's int64 element counts
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_UINT32 = 4
+_ALIGNMENT_KEY = "general.alignment"
+
+
+class _Cursor:
+    """Little-endian reads from a buffer; every read checks the bytes exist first."""
+
+    def __init__(self, buf: memoryview, name: str) -> None:
+        self.buf, self.name, self.pos, self.size = buf, name, 0, len(buf)
+        self.array_items = 0
+
+    def fail(self, what: str) -> FormatError:
+        return FormatError(f"{self.name}: {what} (at byte {self.pos} of {self.size})")
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(f"truncated: {what} needs {n} bytes, {self.size - self.pos} left")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        v = struct.unpack_from("<I", self.buf, self.pos)[0]
+        self.pos += 4
+        return int(v)
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        v = struct.unpack_from("<Q", self.buf, self.pos)[0]
+        self.pos += 8
+        return int(v)
+
+    def skip(self, n: int, what: str) -> None:
+        self.need(n, what)
+        self.pos += n
+
+    def string(self, what: str, limit: int = MAX_STRING_BYTES, decode: bool = False,
+               ) -> str | None:
+        n = self.u64(f"{what} length")
+        if n > limit:
+            raise self.fail(f"{what} length {n} exceeds the limit of {limit} bytes")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos : self.pos + n]) if decode else None
+        self.pos += n
+        if raw is None:
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start} of "
+                            f"{n})") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> int | None:
+        """Skip one KV value; return it when it is a uint32 scalar (for general.alignment)."""
+        if vtype in _SCALAR_SIZES:
+            if vtype == _UINT32:
+                return self.u32(what)
+            self.skip(_SCALAR_SIZES[vtype], what)
+            return None
+        if vtype == _STRING:
+            self.string(what)
+            return None
+        if vtype != _ARRAY:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what} nests arrays deeper than {MAX_ARRAY_DEPTH}")
+        itype = self.u32(f"{what} item type")
+        count = self.u64(f"{what} item count")
+        self.array_items += count
+        if self.array_items > MAX_ARRAY_ITEMS:
+            raise self.fail(f"{what} has {count} items: arrays hold more than "
+                            f"{MAX_ARRAY_ITEMS} items in all")
+        if itype in _SCALAR_SIZES:
+            self.skip(count * _SCALAR_SIZES[itype], f"{what} ({count} items of type {itype})")
+            return None
+        if itype not in (_STRING, _ARRAY):
+            raise self.fail(f"{what} has unknown item type {itype}")
+        for i in range(count):  # each item takes >= 8 bytes, so EOF ends this loop early
+            self.value(itype, f"{what}[{i}]", depth + 1)
+        return None
+
+
+@dataclass(frozen=True)
+class _RawTensor:
+    name: str
+    dims: tuple[int, ...]  # ggml order: dims[0] is the row length K
+    type_id: int
+    offset: int  # relative to the data section
+
+
+def _element_count(name: str, dims: tuple[int, ...], fname: str) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+        if n > MAX_ELEMENTS:
+            raise FormatError(f"{fname}: tensor {name!r} dims {list(dims)} overflow int64 "
+                              f"(more than {MAX_ELEMENTS} elements)")
+    return n
+
+
+def scan(path: str | os.PathLike[str]) -> None:
+    """Check a GGUF file's structure within fixed limits; raise FormatError with the numbers."""
+    p = Path(path)
+    size = p.stat().st_size
+    if size < 24:
+        raise FormatError(f"{p.name}: not a valid GGUF file: {size} bytes is shorter than "
+                          "the 24-byte header")
+    with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        buf = memoryview(mm)
+        try:
+            _scan(_Cursor(buf, p.name))
+        finally:
+            buf.release()
+
+
+def _scan(c: _Cursor) -> None:
+    magic = bytes(c.buf[:4])
+    if magic != GGUF_MAGIC:
+        raise FormatError(f"{c.name}: not a valid GGUF file: magic {magic!r}, "
+                          f"expected {GGUF_MAGIC!r}")
+    c.pos = 4
+    version = c.u32("version")
+    if version & 0xFFFF == 0 and version:
+        raise FormatError(f"{c.name}: big-endian GGUF (version field {version:#x}) is not "
+                          "supported")
+    if version not in SUPPORTED_VERSIONS:
+        raise FormatError(f"{c.name}: unsupported GGUF version {version} "
+                          f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
+    n_tensors = c.u64("tensor count")
+    n_kv = c.u64("KV count")
+    if n_tensors > MAX_TENSORS:
+        raise c.fail(f"tensor count {n_tensors} exceeds the limit of {MAX_TENSORS}")
+    if n_kv > MAX_KV:
+        raise c.fail(f"KV count {n_kv} exceeds the limit of {MAX_KV}")
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    keys: set[str] = set()
+    for i in range(n_kv):
+        key = c.string(f"KV {i} key", decode=True)
+        assert key is not None
+        if key in keys:
+            raise c.fail(f"KV key {key!r} appears twice")
+        keys.add(key)
+        vtype = c.u32(f"KV {key!r} type")
+        v = c.value(vtype, f"KV {key!r}")
+        if key == _ALIGNMENT_KEY:
+            if vtype != _UINT32 or v is None:
+                raise c.fail(f"{_ALIGNMENT_KEY} has type {vtype}, expected uint32 ({_UINT32})")
+            if v == 0 or v & (v - 1):
+                raise c.fail(f"{_ALIGNMENT_KEY}={v} is not a power of two")
+            alignment = v
+    tensors: list[_RawTensor] = []
+    names: set[str] = set()
+    for i in range(n_tensors):
+        name = c.string(f"tensor {i} name", MAX_TENSOR_NAME_BYTES, decode=True)
+        assert name is not None
+        if name in names:
+            raise c.fail(f"tensor name {name!r} appears twice")
+        names.add(name)
+        n_dims = c.u32(f"tensor {name!r} n_dims")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise c.fail(f"tensor {name!r} has n_dims={n_dims}, expected 1..{MAX_DIMS}")
+        dims = tuple(c.u64(f"tensor {name!r} dim {j}") for j in range(n_dims))
+        type_id = c.u32(f"tensor {name!r} type")
+        offset = c.u64(f"tensor {name!r} offset")
+        tensors.append(_RawTensor(name, dims, type_id, offset))
+    data_start = -(-c.pos // alignment) * alignment
+    for t in tensors:
+        _check_tensor(c, t, data_start, alignment)
+
+
+def _check_tensor(c: _Cursor, t: _RawTensor, data_start: int, alignment: int) -> None:
+    f = c.name
+    try:
+        qtype = GGMLQuantizationType(t.type_id)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise FormatError(f"{f}: tensor {t.name!r} has unknown ggml type id {t.type_id}"
+                          ) from None
+    n = _element_count(t.name, t.dims, f)
+    if t.dims[0] % block:
+        raise FormatError(f"{f}: tensor {t.name!r} is {qtype.name} with row length "
+                          f"{t.dims[0]}, not a multiple of its block size {block}")
+    nbytes = n // block * type_size
+    if t.offset % alignment:
+        raise FormatError(f"{f}: tensor {t.name!r} data offset {t.offset} is not a multiple "
+                          f"of the file's alignment {alignment}")
+    end = data_start + t.offset + nbytes
+    if end > c.size:
+        raise FormatError(f"{f}: tensor {t.name!r} data ({nbytes} bytes at offset "
+                          f"{data_start + t.offset}) ends at byte {end}, beyond the file's "
+                          f"{c.size} bytes (truncated?)")
 
 
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
@@ -64,6 +288,7 @@ def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     if not p.is_file():
         raise NotFound(f"GGUF file {str(p)!r} does not exist")
     size = p.stat().st_size
+    scan(p)
     try:
         reader = GGUFReader(p, "r")
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as e:
@@ -96,7 +321,10 @@ def _as_q6k(path: Path, t) -> Q6KTensor:
     rows, k = info.shape
     if rows < 1:
         raise FormatError(f"{path.name}: tensor {t.name!r} has {rows} rows")
-    q6k.check_k(k)
+    try:
+        q6k.check_k(k)
+    except FormatError as e:
+        raise FormatError(f"{path.name}: tensor {t.name!r}: {e}") from None
     aos = np.asarray(t.data).reshape(-1).view(np.uint8)
     return Q6KTensor(t.name, rows, k, q6k.as_blocks(aos, rows, k))
 

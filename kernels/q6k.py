@@ -92,6 +92,24 @@ def as_blocks(aos: np.ndarray | bytes | memoryview, rows: int, k: int) -> np.nda
     return buf.view(np.uint8).reshape(-1, BLOCK_BYTES)
 
 
+def check_scales_finite(blocks: np.ndarray, what: str, first_block: int = 0,
+                        blocks_per_row: int | None = None) -> None:
+    """Refuse AoS blocks whose f16 scale ``d`` is NaN or +-Inf (llama.cpp's load-time check).
+
+    Such a scale turns whole output rows into NaN for every caller, so it is a malformed
+    weight, not a value to propagate. ``first_block``/``blocks_per_row`` only locate it.
+    """
+    off = next(o for name, o, _ in FIELDS if name == "d")
+    d = np.ascontiguousarray(blocks.reshape(-1, BLOCK_BYTES)[:, off : off + 2])
+    d = d.view("<f2").reshape(-1)
+    bad = np.flatnonzero(~np.isfinite(d))
+    if bad.size:
+        b = first_block + int(bad[0])
+        where = f" (row {b // blocks_per_row})" if blocks_per_row else ""
+        raise FormatError(f"{what}: Q6_K block {b}{where} has a non-finite scale d={d[bad[0]]}"
+                          f" ({bad.size} such blocks in this chunk)")
+
+
 def aos_fields(blocks: np.ndarray) -> dict[str, np.ndarray]:
     """Views of each field of ``[n, 210]`` AoS blocks, typed (scales int8, d float16)."""
     out = {name: blocks[:, off : off + width] for name, off, width in FIELDS}

@@ -1,0 +1,95 @@
+"""A worker on its own event-loop thread (port 0, loopback), plus the invariants every
+reliability test checks afterwards: still SERVING, VRAM accounting unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from q6serve.client.client import Client
+from q6serve.kernels import q6k
+from q6serve.kernels.api import Backend
+from q6serve.kernels.backends import make_backend
+from q6serve.service.config import WorkerConfig
+from q6serve.service.worker import Worker
+
+
+def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
+    """Valid random Q6_K AoS blocks ``[rows*k/256, 210]`` with small finite scales."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype("<f2")
+    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
+    """float64 ``x @ W.T`` on exactly dequantized weights."""
+    w = q6k.dequantize_aos(blocks, rows, k).astype(np.float64)
+    return np.asarray(x, dtype=np.float64) @ w.T
+
+
+class RunningWorker:
+    """A Worker on a private loop thread; ``call`` runs a coroutine there, ``run`` a callable."""
+
+    def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.worker = Worker(config, backend or make_backend("numpy"), CollectorRegistry())
+        self.call(self.worker.start())
+        self.target = self.worker.target
+        self._clients: list[Client] = []
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        async def wrap() -> Any:
+            return fn()
+
+        return self.call(wrap())
+
+    @property
+    def engine(self) -> Any:
+        return self.worker.engine
+
+    def client(self, **kw: Any) -> Client:
+        c = Client(self.target, **kw)
+        self._clients.append(c)
+        return c
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+        for c in self._clients:
+            c.close()
+        self.call(self.worker.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def vram_figures(c: Client) -> dict[str, int]:
+    """The accounting figures that must not move (device free/total are the host's, so
+    they are left out on the NumPy backend)."""
+    v = c.status().vram
+    return {"weights": v.weights_bytes, "scratch": v.scratch_bytes,
+            "staging": v.staging_bytes, "reserved": v.reserved_bytes,
+            "pool_used": v.pool_used_bytes, "pool_total": v.pool_total_bytes}
+
+
+def health(target: str, service: str = "", **channel_kw: Any) -> str:
+    """The grpc.health.v1 status name of ``target`` ("SERVING", "NOT_SERVING", ...)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
