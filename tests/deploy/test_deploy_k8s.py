@@ -174,6 +174,12 @@ def test_security_context() -> None:
     assert pod_spec()["automountServiceAccountToken"] is False
 
 
+def test_no_service_link_env() -> None:
+    # A Service named q6serve would otherwise inject Q6SERVE_SERVICE_HOST, Q6SERVE_PORT, ... into
+    # the worker's environment, the prefix its own configuration variables use.
+    assert pod_spec()["enableServiceLinks"] is False
+
+
 def test_one_gpu_and_resources() -> None:
     res = container()["resources"]
     assert res["limits"]["nvidia.com/gpu"] == 1
