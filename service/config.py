@@ -60,6 +60,7 @@ class WorkerConfig:
     port: int = 50061
     metrics_port: int | None = None  # None: no HTTP /metrics; 0: a free port
     metrics_host: str | None = None  # default: same as host
+    metrics_enabled: bool = True  # False: no series at all (the overhead benchmark's baseline)
     backend: str = "auto"
     model_dir: Path | None = None
     vram_budget: Budget = field(default_factory=Budget)

@@ -59,9 +59,10 @@ class Worker:
 
     async def start(self) -> None:
         cfg = self.config
-        self.metrics = Metrics(self.registry, version=_version(), backend=self.backend.name,
-                               device=self.backend.device_name())
-        self.metrics.init_labels(wire.METHODS)
+        if cfg.metrics_enabled:
+            self.metrics = Metrics(self.registry, version=_version(),
+                                   backend=self.backend.name, device=self.backend.device_name())
+            self.metrics.init_labels(wire.METHODS)
         self.engine = Engine(self.backend, cfg, self.metrics)
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -83,7 +84,7 @@ class Worker:
         log.info("listening on %s:%d", cfg.host, self.port)  # must stay the first line
         log.info("%s", cfg.describe())
         log.info("%s", self.engine.describe())
-        if cfg.metrics_port is not None:
+        if cfg.metrics_port is not None and self.metrics is not None:
             host = cfg.metrics_host or cfg.host
             self.metrics_port, self._metrics_http = self.metrics.serve_http(host,
                                                                             cfg.metrics_port)
