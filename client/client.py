@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,8 @@ import numpy as np
 
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+from .retry import RetryPolicy, call_with_retry
 
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -126,9 +128,11 @@ class Client:
     """Blocking client. Every method raises :class:`Q6ServeError` on failure."""
 
     def __init__(self, target: str, *, token: str | None = None, timeout: float | None = 60.0,
-                 channel: grpc.Channel | None = None, **channel_kw: object) -> None:
+                 retry: RetryPolicy | None = None, channel: grpc.Channel | None = None,
+                 **channel_kw: object) -> None:
         self.target = target
         self.timeout = timeout
+        self.retry = retry or RetryPolicy()  # UNAVAILABLE only, inside the call's deadline
         self._channel = channel or channel_for(target, **channel_kw)  # type: ignore[arg-type]
         self._stub = pb_grpc.Q6ServeStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -143,10 +147,17 @@ class Client:
         self.close()
 
     def _call(self, method: str, request: object, timeout: float | None = None) -> Any:
+        """``request``: a message, or a factory of a fresh request iterator (retries of a
+        client stream start again from its first message)."""
+        fn = getattr(self._stub, method)
+
+        def attempt(left: float | None) -> Any:
+            return fn(request() if callable(request) else request, timeout=left,
+                      metadata=self._metadata)
+
         try:
-            return getattr(self._stub, method)(
-                request, timeout=timeout if timeout is not None else self.timeout,
-                metadata=self._metadata)
+            return call_with_retry(attempt, self.retry,
+                                   timeout if timeout is not None else self.timeout)
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
 
@@ -166,11 +177,15 @@ class Client:
         r = self._call("LoadWeights", req, timeout)
         return [Weight.from_pb(w) for w in r.weights]
 
-    def upload(self, name: str, data: np.ndarray | bytes, rows: int, k: int,
+    def upload(self, name: str, data: np.ndarray | bytes | memoryview, rows: int, k: int,
                fmt: str = "q6_k", timeout: float | None = None,
-               sha256: str | None = None) -> Weight:
-        """Upload AoS Q6_K bytes (``fmt="q6_k"``) or f32/f16 rows quantized by the worker."""
-        raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+               sha256: str | None = None,
+               progress: Callable[[int], None] | None = None) -> Weight:
+        """Upload AoS Q6_K bytes (``fmt="q6_k"``) or f32/f16 rows quantized by the worker;
+        ``progress(nbytes)`` is called after each chunk is handed to gRPC."""
+        # a flat view, not a copy: chunks are sliced from it (a memmap streams from disk)
+        raw = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray)
+                         else data).cast("B")
         digest = sha256 or hashlib.sha256(raw).hexdigest()
         header = pb.UploadHeader(name=name, rows=rows, k=k, format=UPLOAD_FORMATS[fmt],
                                  total_bytes=len(raw), sha256=digest)
@@ -178,17 +193,21 @@ class Client:
         def messages() -> Iterator[pb.UploadWeightRequest]:
             yield pb.UploadWeightRequest(header=header)
             for i in range(0, len(raw), UPLOAD_CHUNK):
-                yield pb.UploadWeightRequest(chunk=raw[i : i + UPLOAD_CHUNK])
+                chunk = bytes(raw[i : i + UPLOAD_CHUNK])
+                yield pb.UploadWeightRequest(chunk=chunk)
+                if progress is not None:
+                    progress(len(chunk))
 
-        r = self._call("UploadWeight", messages(), timeout)
+        r = self._call("UploadWeight", messages, timeout)
         return Weight.from_pb(r.weight)
 
-    def list(self) -> list[Weight]:
-        r = self._call("ListWeights", pb.ListWeightsRequest())
+    def list(self, timeout: float | None = None) -> list[Weight]:
+        r = self._call("ListWeights", pb.ListWeightsRequest(), timeout)
         return [Weight.from_pb(w) for w in r.weights]
 
-    def get(self, name: str) -> Weight:
-        return Weight.from_pb(self._call("GetWeight", pb.GetWeightRequest(name=name)).weight)
+    def get(self, name: str, timeout: float | None = None) -> Weight:
+        r = self._call("GetWeight", pb.GetWeightRequest(name=name), timeout)
+        return Weight.from_pb(r.weight)
 
     def unload(self, name: str, timeout: float | None = None) -> Weight:
         r = self._call("UnloadWeight", pb.UnloadWeightRequest(name=name), timeout)
@@ -224,22 +243,23 @@ class Client:
             raise Q6ServeError.from_rpc(e) from None
 
     # -- worker -----------------------------------------------------------------------------
-    def status(self) -> pb.GetStatusResponse:
-        return self._call("GetStatus", pb.GetStatusRequest())
+    def status(self, timeout: float | None = None) -> pb.GetStatusResponse:
+        return self._call("GetStatus", pb.GetStatusRequest(), timeout)
 
-    def status_dict(self) -> dict[str, object]:
+    def status_dict(self, timeout: float | None = None) -> dict[str, object]:
         from google.protobuf.json_format import MessageToDict
 
-        return MessageToDict(self.status(), preserving_proto_field_name=True,
+        return MessageToDict(self.status(timeout), preserving_proto_field_name=True,
                              always_print_fields_with_no_presence=True)
 
-    def flags(self, changes: Mapping[str, bool] | None = None) -> dict[str, bool]:
+    def flags(self, changes: Mapping[str, bool] | None = None,
+              timeout: float | None = None) -> dict[str, bool]:
         """Set ``changes`` (if any) and return every flag's state."""
         if changes:
             r = self._call("SetFlags", pb.SetFlagsRequest(
-                flags=[pb.Flag(name=n, enabled=bool(v)) for n, v in changes.items()]))
+                flags=[pb.Flag(name=n, enabled=bool(v)) for n, v in changes.items()]), timeout)
             return {f.name: f.enabled for f in r.flags}
-        return {f.name: f.enabled for f in self.status().flags}
+        return {f.name: f.enabled for f in self.status(timeout).flags}
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
         """True when the worker reports SERVING."""
