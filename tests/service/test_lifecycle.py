@@ -8,7 +8,14 @@ import time
 import grpc
 import numpy as np
 import pytest
-from svc_util import InstrumentedBackend, RunningWorker, assert_close, random_q6k, reference
+from svc_util import (
+    InstrumentedBackend,
+    RunningWorker,
+    assert_close,
+    backend_name,
+    random_q6k,
+    reference,
+)
 
 from q6serve.client.client import Client, Q6ServeError
 
@@ -25,7 +32,7 @@ def _hammer(worker: RunningWorker, blocks: np.ndarray, stop: threading.Event, er
             while not stop.is_set():
                 x = rng.standard_normal((1 + seed % 3, K)).astype(np.float32)
                 try:
-                    y = c.matmul("w", x, timeout=20)
+                    y = c.matmul("w", x, timeout=20, precision="exact")
                 except Q6ServeError as e:
                     if e.code not in allowed:
                         errors.append(e)
@@ -63,7 +70,8 @@ def test_unload_racing_matmuls(worker: RunningWorker) -> None:
     c.unload("w")
     v = c.status().vram
     assert v.weights_bytes == base_weights and v.scratch_bytes == 0 and v.staging_bytes == 0
-    assert worker.engine.backend.memory().pool_used == 0
+    if backend_name() == "numpy":
+        assert worker.engine.backend.memory().pool_used == 0
 
 
 def test_unload_waits_for_in_flight_requests(start_worker) -> None:  # type: ignore[no-untyped-def]

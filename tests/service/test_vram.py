@@ -6,7 +6,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from svc_util import InstrumentedBackend, RunningWorker, random_q6k, write_gguf
+from svc_util import InstrumentedBackend, RunningWorker, backend_name, random_q6k, write_gguf
 
 from q6serve.client.client import Q6ServeError
 from q6serve.kernels.api import Layout, MemoryInfo
@@ -62,7 +62,8 @@ def test_load_beyond_budget_fails_and_changes_nothing(start_worker, model_dir: P
     assert after["weights"] == w.nbytes == worker.engine.backend.weight_nbytes(16, 256,
                                                                                Layout.SOA)
     assert after["reserved"] == after["weights"] + after["scratch"]
-    assert after["pool"] == w.nbytes  # the NumPy backend holds exactly what we accounted
+    if backend_name() == "numpy":
+        assert after["pool"] == w.nbytes  # the NumPy backend holds exactly what we accounted
     c.unload("small")
     assert _figures(worker) == base
 
@@ -77,7 +78,8 @@ def test_injected_allocation_failure_rolls_back(start_worker, model_dir: Path) -
         c.load("m.gguf")
     assert e.value.code == grpc.StatusCode.INTERNAL
     assert c.list() == [] and _figures(worker) == base
-    assert worker.engine.backend.memory().pool_used == 0
+    if backend_name() == "numpy":
+        assert worker.engine.backend.memory().pool_used == 0
     assert {w.name for w in c.load("m.gguf")} == {"a", "b", "c"}
     assert c.health()
 
