@@ -1,0 +1,542 @@
+// Q6_K matmul kernels y[N][rows] = x[N][K] . W^T on resident SoA (or AoS) slabs.
+// Dispatch and numerics: docs/KERNELS.md and kernels/cuda_backend.py (DISPATCH).
+//
+//   q6k_exact      f32 CUDA-core matvec on exactly dequantized weights, TOK tokens per CTA.
+//   q6k_mma_f16    tensor-core tile: f16(sc*(q-32)) in registers x f16 activations, f32
+//                  accumulators; the f32 block scale d is applied by rescaling the accumulators
+//                  around each 256-block (acc *= 1/d; acc += A.B; acc *= d), so no second set
+//                  of accumulators is needed and f16 never sees d (no overflow for any finite d).
+//   q6k_mmq_q8     int8 tensor-core tile on q8_1 activations (llama.cpp numerics): one k16 MMA
+//                  per 16-group, u8 codes x s8 activations with the -32 centring folded into the
+//                  accumulator's initial value, each group rescaled on its own in f32.
+//   prepasses      activations -> f16 / q8_1 in fragment order (one 16-byte load per lane).
+//   q6k_dequant_f16  rows of W -> f16 for the cuBLAS path.
+#include "q6k_common.cuh"
+
+#define PARAMS_W const u64 *slabs, int rows, int bpr, int rps
+#define PARAMS_OUT float *y, float *part, u32 *tickets, int n_tok
+#define MAKE_W Weight w = {slabs, rows, bpr, rps}
+#define MAKE_OUT Out o = {y, part, tickets, n_tok}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// f16x2 of sc*(q-32) for the two code bytes picked by `sel` (0x4140: bytes 0,1; 0x4342: 2,3).
+// 0x64XX is 1024+XX in f16, 0x6420 is 1056: the subtraction is exact, and so is the product
+// unless |sc*(q-32)| > 2048 (then it is rounded to f16, the F16 path's contract).
+__device__ __forceinline__ u32 deq2(u32 q, u32 sel, u32 sc2) {
+    return hmul2(hsub2(__byte_perm(q, 0x64646464u, sel), 0x64206420u), sc2);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// Exact float of an int with |v| < 2^22 (full-rate ops instead of the slow I2F).
+__device__ __forceinline__ float small_i2f(int v) {
+    return __int_as_float(v + 0x4B400000) - 12582912.0f;
+}
+
+// Element offset inside a block of the 8 activations lane t needs for step pair sp
+// (half h = sp>>2, nibble nib = (sp>>1)&1, words j = 2*(sp&1) + 0..1).
+__device__ __forceinline__ int quad_x_off(int sp, int t) {
+    const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+    return h * 128 + 32 * ((t >> 1) + 2 * nib) + 16 * (t & 1) + 8 * jj;
+}
+
+// ---------------------------------------------------------------------------------------------
+// f16 activations in fragment order: xp[z][kb][nt][sp][lane] = 8 f16 (16 bytes), token
+// z*8*NT + nt*8 + (lane>>2), zero for tokens >= n_tok.
+template <int NT, class In>
+__global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int n_tok, int K,
+                                                     int n_chunks, uint4* xp) {
+    const int bpr = K >> 8;
+    const long long total = (long long)n_chunks * bpr * NT * 8 * 32;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int lane = (int)(i & 31), sp = (int)((i >> 5) & 7);
+        long long rest = i >> 8;
+        const int nt = (int)(rest % NT);
+        rest /= NT;
+        const int kb = (int)(rest % bpr), z = (int)(rest / bpr);
+        const int tok = z * 8 * NT + nt * 8 + (lane >> 2);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (tok < n_tok)
+            v = load_x8_f16<In>(x + (size_t)tok * K + kb * 256 + quad_x_off(sp, lane & 3));
+        xp[i] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
+// of chunk blockIdx.z, over the K blocks of split blockIdx.y. PRE: activations from the
+// q6k_prep_f16 buffer, else read and rounded in place (In).
+template <int NT, int MT, bool SOA, bool PRE, class In>
+__global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
+                                                    const uint4* xp, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3, qsh = 2 * (t >> 1);
+    const int rows_cta = nw * 16 * MT;
+    const int row0 = blockIdx.x * rows_cta;
+    const int wrow = row0 + warp * 16 * MT;
+    const int tok0 = blockIdx.z * 8 * NT;
+    int kb0, kb1;
+    k_range(w.bpr, kb0, kb1);
+
+    RowRef rr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+            rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+    for (int kb = kb0; kb < kb1; ++kb) {
+        Raw raw[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
+
+        float dmul[MT][2];
+        u32 sc2[MT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const float d = f16_to_f32(raw[mt][hr].d);
+                const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
+                dmul[mt][hr] = zero ? 1.f : d;
+                const float inv = zero ? 1.f : 1.f / d;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[mt][nt][2 * hr] *= inv;
+                    acc[mt][nt][2 * hr + 1] *= inv;
+                }
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const u32 h = zero ? 0u : f16_bits((float)quad_sc(raw[mt][hr], k, t));
+                    sc2[mt][hr][k] = h | (h << 16);
+                }
+            }
+
+#pragma unroll
+        for (int sp = 0; sp < 8; ++sp) {
+            const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+            uint4 bx[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                if (PRE) {
+                    bx[nt] = ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
+                                    lane);
+                } else {
+                    const int tok = tok0 + nt * 8 + g;
+                    bx[nt] = tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + kb * 256 +
+                                                             quad_x_off(sp, t))
+                                           : make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int j = 2 * jj + u;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
+                    const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
+                    const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
+                    const u32 a0 = deq2(q0, 0x4140u, s0), a1 = deq2(q1, 0x4140u, s1);
+                    const u32 a2 = deq2(q0, 0x4342u, s0), a3 = deq2(q1, 0x4342u, s1);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+                        mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,
+                                u ? bx[nt].w : bx[nt].y);
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= dmul[mt][i >> 1];
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                emit(o, w.rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
+                     acc[mt][nt][i]);
+    finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
+// Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
+// f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
+template <int TOK, bool SOA, class In>
+__global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T* x, int K,
+                                                  PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3, qsh = 2 * (t >> 1);
+    const int rows_cta = nw * 16;
+    const int row0 = blockIdx.x * rows_cta;
+    const int wrow = row0 + warp * 16;
+    const int tok0 = blockIdx.z * TOK;
+    int kb0, kb1;
+    k_range(w.bpr, kb0, kb1);
+    RowRef rr[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) rr[hr] = row_ref<SOA>(w, min(wrow + g + 8 * hr, w.rows - 1));
+    const typename In::T* xt[TOK];
+    bool live[TOK];
+#pragma unroll
+    for (int n = 0; n < TOK; ++n) {
+        live[n] = tok0 + n < o.n_tok;
+        xt[n] = x + (size_t)min(tok0 + n, o.n_tok - 1) * K;
+    }
+
+    float acc[2][TOK];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int n = 0; n < TOK; ++n) acc[hr][n] = 0.f;
+
+    for (int kb = kb0; kb < kb1; ++kb) {
+        Raw raw[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) raw[hr] = load_raw<SOA>(rr[hr], kb, t);
+        float part[2][TOK];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+            for (int n = 0; n < TOK; ++n) part[hr][n] = 0.f;
+#pragma unroll
+        for (int sp = 0; sp < 8; ++sp) {
+            const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+            const int xo = kb * 256 + quad_x_off(sp, t);
+            float4 xv[TOK][2];
+#pragma unroll
+            for (int n = 0; n < TOK; ++n) {
+                xv[n][0] = live[n] ? load_x4_f32<In>(xt[n] + xo) : make_float4(0.f, 0.f, 0.f, 0.f);
+                xv[n][1] =
+                    live[n] ? load_x4_f32<In>(xt[n] + xo + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const float scf = (float)quad_sc(raw[hr], 2 * h + nib, t);
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const u32 q = quad_q(raw[hr], h, nib, 2 * jj + u, qsh);
+                    const float w0 = q_to_f32<0>(q) * scf, w1 = q_to_f32<1>(q) * scf;
+                    const float w2 = q_to_f32<2>(q) * scf, w3 = q_to_f32<3>(q) * scf;
+#pragma unroll
+                    for (int n = 0; n < TOK; ++n) {
+                        const float4 v = xv[n][u];
+                        float p = part[hr][n];
+                        p = fmaf(w0, v.x, p);
+                        p = fmaf(w1, v.y, p);
+                        p = fmaf(w2, v.z, p);
+                        p = fmaf(w3, v.w, p);
+                        part[hr][n] = p;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float d = f16_to_f32(raw[hr].d);
+#pragma unroll
+            for (int n = 0; n < TOK; ++n) acc[hr][n] = fmaf(d, part[hr][n], acc[hr][n]);
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int n = 0; n < TOK; ++n) {
+            float v = acc[hr][n];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if ((n & 3) == t) emit(o, w.rows, wrow + g + 8 * hr, tok0 + n, v);
+        }
+    finish_split(o, w.rows, row0, rows_cta, tok0, TOK);
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8_1 activations (ggml's quantize_row_q8_1_ref, bit for bit) in int8-fragment order:
+//   xq[z][kb][nt][gq][lane] 16 bytes = for the 4 groups st = 4gq..4gq+3 of the block, the
+//       4 int8 values 16*st + 4*(lane&3) + 0..3 of token z*8*NT + nt*8 + (lane>>2);
+//   corr[z][kb][nt][st][8] = -32 * (sum of the 16 int8 of group st): the initial accumulator
+//       that turns the u8 code product into sum((q-32)*a);
+//   d8[z][kb][nt][qb][8] = the f16 block scale d as f32.
+// One thread per (token slot, 32-block).
+template <int NT, class In>
+__global__ void __launch_bounds__(256) q6k_prep_q8_1(const typename In::T* x, int n_tok, int K,
+                                                      int n_chunks, u32* xq, int* corr,
+                                                      float* d8) {
+    const int bpr = K >> 8;
+    const long long total = (long long)n_chunks * bpr * NT * 64;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int g = (int)(i & 7), qb = (int)((i >> 3) & 7);
+        long long rest = i >> 6;
+        const int nt = (int)(rest % NT);
+        rest /= NT;
+        const int kb = (int)(rest % bpr), z = (int)(rest / bpr);
+        const int tok = z * 8 * NT + nt * 8 + g;
+        const size_t base = ((size_t)z * bpr + kb) * NT + nt;
+        float v[32];
+        float amax = 0.f;
+        if (tok < n_tok) {
+#pragma unroll
+            for (int e = 0; e < 32; e += 4) {
+                const float4 f = load_x4_f32<In>(x + (size_t)tok * K + kb * 256 + qb * 32 + e);
+                v[e] = f.x;
+                v[e + 1] = f.y;
+                v[e + 2] = f.z;
+                v[e + 3] = f.w;
+            }
+#pragma unroll
+            for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(v[e]));
+        } else {
+#pragma unroll
+            for (int e = 0; e < 32; ++e) v[e] = 0.f;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.f ? 1.0f / d : 0.f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int st = 2 * qb + half;
+            int sum = 0;
+#pragma unroll
+            for (int tt = 0; tt < 4; ++tt) {
+                u32 word = 0;
+#pragma unroll
+                for (int i4 = 0; i4 < 4; ++i4) {
+                    const int q = (int)roundf(__fmul_rn(v[half * 16 + 4 * tt + i4], id));
+                    sum += q;
+                    word |= ((u32)q & 0xFFu) << (8 * i4);
+                }
+                xq[((base * 4 + (st >> 2)) * 32 + (g * 4 + tt)) * 4 + (st & 3)] = word;
+            }
+            corr[(base * 16 + st) * 8 + g] = -32 * sum;
+        }
+        d8[(base * 8 + qb) * 8 + g] = f16_to_f32(f16_bits(d));
+    }
+}
+
+// Weight words for the int8 mapping: lane t holds bytes 16*lh + 4t..+3 of each 16-group run.
+struct Raw8 {
+    u32 ql[8];  // [h][s&1][lh]
+    u32 qh[4];  // [h][lh]
+    uint4 sc;
+    u32 d;
+};
+
+template <bool SOA>
+__device__ __forceinline__ Raw8 load_raw8(const RowRef& r, int b, int t) {
+    Raw8 w;
+    if (SOA) {
+        const u8* ql = r.base + r.ql + (u32)b * 128u + 4u * t;
+        const u8* qh = r.base + r.qh + (u32)b * 64u + 4u * t;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w.ql[i] = ldg_stream32(ql + 16 * i);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w.qh[i] = ldg_stream32(qh + 16 * i);
+        w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+        w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    } else {
+        const u8* blk = r.base + r.ql + (u32)b * 210u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w.ql[i] = ld_u32_a2(blk + 4 * t + 16 * i);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w.qh[i] = ld_u32_a2(blk + 128 + 4 * t + 16 * i);
+        w.sc = ld_u128_a2(blk + 192);
+        w.d = ldg_u16(blk + 208);
+    }
+    return w;
+}
+
+// u8 codes of group st (h = st>>3, s = (st>>1)&3, lh = st&1) held by this lane.
+__device__ __forceinline__ u32 group_q(const Raw8& w, int st) {
+    const int h = st >> 3, s = (st >> 1) & 3, lh = st & 1;
+    const u32 l = w.ql[h * 4 + (s & 1) * 2 + lh] >> (4 * (s >> 1));
+    const u32 hh = w.qh[h * 2 + lh] >> (2 * s);
+    return (l & 0x0F0F0F0Fu) | ((hh << 4) & 0x30303030u);
+}
+
+// Signed scale byte `st` of a block's 16 scales.
+__device__ __forceinline__ int sc_byte(const uint4& v, int st) {
+    return ((int)(word4(v, st >> 2) << (24 - 8 * (st & 3)))) >> 24;
+}
+
+template <int NT, int MT, bool SOA>
+__global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, const int2* corr,
+                                                   const float2* d8, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int rows_cta = nw * 16 * MT;
+    const int row0 = blockIdx.x * rows_cta;
+    const int wrow = row0 + warp * 16 * MT;
+    const int tok0 = blockIdx.z * 8 * NT;
+    int kb0, kb1;
+    k_range(w.bpr, kb0, kb1);
+    RowRef rr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+            rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+    for (int kb = kb0; kb < kb1; ++kb) {
+        Raw8 raw[MT][2];
+        float dw[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                raw[mt][hr] = load_raw8<SOA>(rr[mt][hr], kb, t);
+                dw[mt][hr] = f16_to_f32(raw[mt][hr].d);
+            }
+        const size_t base = ((size_t)blockIdx.z * w.bpr + kb) * NT;
+#pragma unroll
+        for (int gq = 0; gq < 4; ++gq) {
+            uint4 bq[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) bq[nt] = ldg128(xq + ((base + nt) * 4 + gq) * 32 + lane);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int st = 4 * gq + u;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32 a0 = group_q(raw[mt][0], st), a1 = group_q(raw[mt][1], st);
+                    const float dsc0 = dw[mt][0] * small_i2f(sc_byte(raw[mt][0].sc, st));
+                    const float dsc1 = dw[mt][1] * small_i2f(sc_byte(raw[mt][1].sc, st));
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const int2 cc = corr[((base + nt) * 16 + st) * 4 + t];
+                        const float2 dx = d8[((base + nt) * 8 + (st >> 1)) * 4 + t];
+                        int c[4] = {cc.x, cc.y, cc.x, cc.y};
+                        mma_u8s8(c, a0, a1, u == 0 ? bq[nt].x : u == 1 ? bq[nt].y
+                                                   : u == 2 ? bq[nt].z : bq[nt].w);
+                        acc[mt][nt][0] = fmaf(dx.x * dsc0, small_i2f(c[0]), acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(dx.y * dsc0, small_i2f(c[1]), acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(dx.x * dsc1, small_i2f(c[2]), acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(dx.y * dsc1, small_i2f(c[3]), acc[mt][nt][3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                emit(o, w.rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
+                     acc[mt][nt][i]);
+    finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows [r0, r0+nrows) of W as f16 [nrows][K]: f16(d*sc * (q-32)) (f32 product, one rounding).
+template <bool SOA>
+__global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nrows, u16* out) {
+    MAKE_W;
+    const long long total = (long long)nrows * w.bpr * 4;
+    const int K = w.bpr * 256;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(i & 3);
+        const long long rb = i >> 2;
+        const int kb = (int)(rb % w.bpr), row = (int)(rb / w.bpr);
+        const Raw raw = load_raw<SOA>(row_ref<SOA>(w, r0 + row), kb, t);
+        const float d = f16_to_f32(raw.d);
+        u16* dst = out + (size_t)row * K + kb * 256;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nib = 0; nib < 2; ++nib) {
+                const float dsc = d * (float)quad_sc(raw, 2 * h + nib, t);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const u32 q = quad_q(raw, h, nib, j, 2 * (t >> 1));
+                    const u32 lo = f16_bits(q_to_f32<0>(q) * dsc) | (f16_bits(q_to_f32<1>(q) * dsc) << 16);
+                    const u32 hi = f16_bits(q_to_f32<2>(q) * dsc) | (f16_bits(q_to_f32<3>(q) * dsc) << 16);
+                    *(uint2*)(dst + h * 128 + 32 * ((t >> 1) + 2 * nib) + 16 * (t & 1) + 4 * j) =
+                        make_uint2(lo, hi);
+                }
+            }
+    }
+}
+
+#ifdef Q6SERVE_NVCC_CHECK
+// Explicit instantiations so an offline nvcc build checks (and reports registers for) every
+// variant the backend can ask NVRTC for.
+#define INST_MMA(NT, MT, SOA, PRE, IN)                                                     \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, PRE, IN>(                            \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_MMA_IN(NT, MT, SOA, PRE) \
+    INST_MMA(NT, MT, SOA, PRE, InF32) INST_MMA(NT, MT, SOA, PRE, InF16) INST_MMA(NT, MT, SOA, PRE, InBF16)
+INST_MMA_IN(1, 1, true, false) INST_MMA_IN(1, 2, true, false) INST_MMA_IN(2, 2, true, false)
+INST_MMA_IN(1, 1, false, false) INST_MMA_IN(1, 2, false, false) INST_MMA_IN(2, 2, false, false)
+INST_MMA(4, 2, true, true, InF16) INST_MMA(8, 2, true, true, InF16) INST_MMA(8, 1, true, true, InF16)
+INST_MMA(4, 2, false, true, InF16) INST_MMA(8, 2, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
+#define INST_PREP(NT, IN) \
+    template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
+    template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
+#define INST_PREP_IN(NT) INST_PREP(NT, InF32) INST_PREP(NT, InF16) INST_PREP(NT, InBF16)
+INST_PREP_IN(1) INST_PREP_IN(2) INST_PREP_IN(4) INST_PREP_IN(8)
+#define INST_EXACT(TOK, SOA, IN) \
+    template __global__ void q6k_exact<TOK, SOA, IN>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
+#define INST_EXACT_IN(TOK, SOA) INST_EXACT(TOK, SOA, InF32) INST_EXACT(TOK, SOA, InF16) INST_EXACT(TOK, SOA, InBF16)
+INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true) INST_EXACT_IN(8, true)
+INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false) INST_EXACT_IN(8, false)
+#define INST_MMQ(NT, MT, SOA) \
+    template __global__ void q6k_mmq_q8<NT, MT, SOA>(const u64*, int, int, int, const uint4*, const int2*, const float2*, float*, float*, u32*, int);
+INST_MMQ(1, 1, true) INST_MMQ(2, 1, true) INST_MMQ(4, 1, true) INST_MMQ(8, 1, true)
+INST_MMQ(1, 1, false) INST_MMQ(2, 1, false) INST_MMQ(4, 1, false) INST_MMQ(8, 1, false)
+template __global__ void q6k_dequant_f16<true>(const u64*, int, int, int, int, int, u16*);
+template __global__ void q6k_dequant_f16<false>(const u64*, int, int, int, int, int, u16*);
+#endif

@@ -1,0 +1,461 @@
+"""The CUDA backend: Q6_K weights resident in VRAM, kernels from ``kernels/cuda/*.cu``.
+
+Storage: a weight is a list of *slabs* of at most ``SLAB_BYTES`` (whole rows each), every slab
+one allocation laid out as AoS blocks or as the packed SoA planes of :class:`q6k.SoaLayout`
+for that slab's blocks; the kernels find a row's slab through a small device table of slab
+pointers. Loading streams AoS chunks through one pinned host buffer and one device staging
+buffer (both <= ``chunk_bytes``) and repacks them on the GPU straight into the slabs, so no
+full AoS copy ever exists; relayout converts one slab at a time (one slab of scratch).
+
+Dispatch (``plan``; documented in docs/KERNELS.md, one row per case)::
+
+    precision  decode_mmq  N              kernel                 numerics
+    EXACT      any         any            cuda.exact             f32 FMAs, exact weights
+    F16        on          <= F16_TILE_N  cuda.mma_f16           f16 MMA, f32 accumulate
+    F16        on          >  F16_TILE_N  cuda.cublas_f16        f16 dequant tiles + cuBLAS
+    F16        off         any            cuda.cublas_f16
+    Q8_1       on          any            cuda.mmq_q8_1          q8_1 x int8 MMA (llama.cpp)
+    Q8_1       off         -              refused (FailedPrecondition)
+    AUTO       on          <= AUTO_EXACT_N  cuda.exact
+    AUTO       on          <= F16_TILE_N  cuda.mma_f16
+    AUTO       on          larger         cuda.cublas_f16
+    AUTO       off         <= 8           cuda.exact, else cuda.cublas_f16
+
+Kernel names carry the layout (``cuda.mma_f16.soa``); the AoS twins run the same code with
+the AoS address arithmetic and give bit-identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import q6k
+from .api import (
+    BFLOAT16,
+    AosChunks,
+    Backend,
+    KernelFlags,
+    KernelTiming,
+    Layout,
+    MatmulResult,
+    MemoryInfo,
+    Precision,
+    ResidentWeight,
+    check_activations,
+    refuse_q8_1_without_mmq,
+)
+from .errors import DeviceError, FormatError, Unavailable
+
+SLAB_BYTES = 64 << 20  # resident slab size (whole rows): bounds relayout scratch
+POOL_ROUND = 512  # CuPy's pool rounds every allocation up to this
+F16_TILE_N = 256  # above: dequantized f16 tiles + cuBLAS beat re-reading Q6_K per 64 tokens
+AUTO_EXACT_N = 0  # AUTO uses the exact kernel up to this N (0: the f16 tile is faster)
+CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
+MATMUL_FILE = "q6k_matmul.cu"
+REPACK_FILE = "q6k_repack.cu"
+DEFAULT_FLAGS = KernelFlags()
+IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
+
+
+def _round(n: int) -> int:
+    return -(-n // POOL_ROUND) * POOL_ROUND
+
+
+def slab_rows(rows: int, k: int) -> int:
+    return max(1, SLAB_BYTES // q6k.aos_nbytes(1, k))
+
+
+def _slab_nbytes(rows: int, k: int, layout: Layout) -> int:
+    nb = rows * q6k.check_k(k)
+    return q6k.SoaLayout.for_blocks(nb).nbytes if layout is Layout.SOA else nb * q6k.BLOCK_BYTES
+
+
+@dataclass
+class Cfg:
+    """Launch shape of one tile kernel (the bench overrides it to compare variants)."""
+
+    nt: int = 1  # n-tiles of 8 tokens per CTA (mma/mmq) or tokens per CTA (exact)
+    mt: int = 1  # m-tiles of 16 rows per warp
+    warps: int = 8  # warps per CTA (row-split: each warp its own rows)
+    pre: bool = False  # f16 activations from the fragment-order prepass
+    ksplit: int = 0  # CTAs along K (0: choose from the grid size)
+
+
+def default_cfg(path: str, n: int) -> Cfg:
+    if path == "exact":
+        return Cfg(nt=1 if n == 1 else 2 if n == 2 else 4)
+    if path == "mmq_q8_1":
+        return Cfg(nt=1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8)
+    if n <= 8:
+        return Cfg(nt=1, mt=1)
+    if n <= 16:
+        return Cfg(nt=2, mt=2)
+    if n <= 32:
+        return Cfg(nt=4, mt=2, pre=True)
+    return Cfg(nt=8, mt=1, pre=True)
+
+
+@dataclass
+class CudaWeight:
+    slabs: list[Any]  # cupy uint8 arrays
+    table: Any  # cupy uint64 [n_slabs] of slab pointers
+    rps: int
+
+
+class CudaBackend(Backend):
+    """Q6_K matmuls on one CUDA device through CuPy; see the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        try:
+            import cupy
+        except ImportError as e:
+            raise Unavailable(f"the CUDA backend needs CuPy (pip install q6serve[cuda12] or "
+                              f"[cuda13]); importing it failed: {e}") from None
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # no driver, no device
+            raise Unavailable(f"the CUDA backend found no usable GPU: {e}") from None
+        if not 0 <= device < count:
+            raise Unavailable(f"CUDA device {device} asked for, {count} visible")
+        self._cp = cupy
+        self.device = device
+        self._dev = cupy.cuda.Device(device)
+        with self._dev:
+            props = cupy.cuda.runtime.getDeviceProperties(device)
+            self._name = props["name"].decode() if isinstance(props["name"], bytes) else str(
+                props["name"])
+            self.sm_count = int(props["multiProcessorCount"])
+            self.cc = self._dev.compute_capability
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._pool = cupy.get_default_memory_pool()
+            self._tickets = cupy.zeros(1024, dtype=cupy.uint32)
+        self._fns: dict[str, Any] = {}
+
+    # -- kernels ------------------------------------------------------------------------------
+    def _fn(self, file: str, name: str) -> Any:
+        fn = self._fns.get(name)
+        if fn is None:
+            from .cuda import loader
+
+            names = () if "<" not in name else (name,)
+            fn = loader.load(file, names, self.device).function(name)
+            self._fns[name] = fn
+        return fn
+
+    def _launch(self, file: str, name: str, grid: tuple[int, ...], block: int,
+                args: tuple) -> None:
+        self._fn(file, name)(grid, (block,), args)
+
+    def _tickets_for(self, n: int) -> Any:
+        if self._tickets.size < n:
+            self._tickets = self._cp.zeros(max(n, 2 * self._tickets.size), self._cp.uint32)
+        return self._tickets
+
+    # -- memory -------------------------------------------------------------------------------
+    def device_name(self) -> str:
+        return f"{self._name} (cuda:{self.device}, sm_{self.cc}, {self.sm_count} SMs)"
+
+    def memory(self) -> MemoryInfo:
+        with self._dev:
+            free, total = self._cp.cuda.runtime.memGetInfo()
+        return MemoryInfo(free=int(free), total=int(total), pool_used=self._pool.used_bytes(),
+                          pool_total=self._pool.total_bytes())
+
+    def _slab_plan(self, rows: int, k: int) -> list[tuple[int, int]]:
+        per = slab_rows(rows, k)
+        return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
+
+    def weight_nbytes(self, rows: int, k: int, layout: Layout) -> int:
+        plan = self._slab_plan(rows, k)
+        return sum(_round(_slab_nbytes(r1 - r0, k, layout)) for r0, r1 in plan) + _round(
+            8 * len(plan))
+
+    @staticmethod
+    def _staging_rows(rows: int, k: int, chunk_bytes: int) -> int:
+        return max(1, min(rows, chunk_bytes // q6k.aos_nbytes(1, k)))
+
+    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
+        """Device staging for one chunk (the pinned host buffer is not VRAM)."""
+        return _round(self._staging_rows(rows, k, chunk_bytes) * q6k.aos_nbytes(1, k))
+
+    # -- weights ------------------------------------------------------------------------------
+    def _repack(self, src: Any, src_layout: Layout, src_nb: int, src_b0: int, dst: Any,
+                dst_layout: Layout, dst_nb: int, dst_b0: int, count: int) -> None:
+        total = count * q6k.BLOCK_BYTES
+        grid = min(65535 * 4, -(-total // 256))
+        u64 = np.uint64
+        self._launch(REPACK_FILE, "q6k_repack", (grid,), 256, (
+            src, np.int32(src_layout is Layout.SOA), u64(src_nb), u64(src_b0),
+            dst, np.int32(dst_layout is Layout.SOA), u64(dst_nb), u64(dst_b0), u64(count)))
+
+    def _table(self, slabs: list[Any]) -> Any:
+        return self._cp.asarray(np.array([s.data.ptr for s in slabs], dtype=np.uint64))
+
+    def load(self, chunks: AosChunks, rows: int, k: int, layout: Layout,
+             chunk_bytes: int = 64 << 20) -> ResidentWeight:
+        cp = self._cp
+        per_row = q6k.check_k(k)
+        row_bytes = per_row * q6k.BLOCK_BYTES
+        plan = self._slab_plan(rows, k)
+        srows = self._staging_rows(rows, k, chunk_bytes)
+        slabs: list[Any] = []
+        with self._dev, self._stream:
+            pinned = cp.cuda.alloc_pinned_memory(srows * row_bytes)
+            host = np.frombuffer(pinned, np.uint8, srows * row_bytes)
+            staging = cp.empty(srows * row_bytes, cp.uint8)
+            row = 0
+            try:
+                for chunk in chunks:
+                    data = np.frombuffer(chunk, np.uint8) if not isinstance(
+                        chunk, np.ndarray) else chunk.reshape(-1).view(np.uint8)
+                    if data.size % row_bytes:
+                        raise FormatError(f"chunk of {data.size} bytes is not whole rows of "
+                                          f"{row_bytes} bytes (K={k})")
+                    n_rows = data.size // row_bytes
+                    if row + n_rows > rows:
+                        raise FormatError(f"weight {rows}x{k} got more than {rows} rows of data")
+                    for p0 in range(0, n_rows, srows):
+                        p1 = min(n_rows, p0 + srows)
+                        nbytes = (p1 - p0) * row_bytes
+                        host[:nbytes] = data[p0 * row_bytes : p1 * row_bytes]
+                        staging[:nbytes].set(host[:nbytes], stream=self._stream)
+                        self._scatter(staging, row + p0, row + p1, plan, slabs, k, layout)
+                        self._stream.synchronize()  # the pinned buffer is reused next
+                    row += n_rows
+                if row != rows:
+                    raise FormatError(f"weight {rows}x{k} got {row} rows of data")
+            except BaseException:
+                slabs.clear()
+                raise
+            finally:
+                del staging
+        data = CudaWeight(slabs, self._table(slabs), slab_rows(rows, k))
+        return ResidentWeight(rows, k, layout, self.weight_nbytes(rows, k, layout), data)
+
+    def _scatter(self, staging: Any, r0: int, r1: int, plan: list[tuple[int, int]],
+                 slabs: list[Any], k: int, layout: Layout) -> None:
+        """Repack AoS rows [r0, r1) from ``staging`` into the slabs they belong to."""
+        per_row = k // q6k.QK_K
+        for s, (s0, s1) in enumerate(plan):
+            lo, hi = max(r0, s0), min(r1, s1)
+            if lo >= hi:
+                continue
+            while len(slabs) <= s:
+                a, b = plan[len(slabs)]
+                slabs.append(self._cp.empty(_slab_nbytes(b - a, k, layout), self._cp.uint8))
+            self._repack(staging, Layout.AOS, 0, (lo - r0) * per_row, slabs[s], layout,
+                         (s1 - s0) * per_row, (lo - s0) * per_row, (hi - lo) * per_row)
+
+    def relayout(self, w: ResidentWeight, layout: Layout,
+                 chunk_bytes: int = 64 << 20) -> ResidentWeight:
+        """One slab of scratch at a time: new slab, convert, drop the old one."""
+        if w.layout is layout:
+            return w
+        cw: CudaWeight = self._data(w)
+        per_row = w.k // q6k.QK_K
+        with self._dev, self._stream:
+            for s, (s0, s1) in enumerate(self._slab_plan(w.rows, w.k)):
+                nb = (s1 - s0) * per_row
+                new = self._cp.empty(_slab_nbytes(s1 - s0, w.k, layout), self._cp.uint8)
+                self._repack(cw.slabs[s], w.layout, nb, 0, new, layout, nb, 0, nb)
+                self._stream.synchronize()
+                cw.slabs[s] = new  # the old slab returns to the pool for the next one
+            cw.table = self._table(cw.slabs)
+        out = ResidentWeight(w.rows, w.k, layout, self.weight_nbytes(w.rows, w.k, layout), cw)
+        w.data = None
+        return out
+
+    def free(self, w: ResidentWeight) -> None:
+        w.data = None
+
+    @staticmethod
+    def _data(w: ResidentWeight) -> CudaWeight:
+        if not isinstance(w.data, CudaWeight):
+            raise FormatError("weight was freed or does not belong to the CUDA backend")
+        return w.data
+
+    def read_aos(self, w: ResidentWeight) -> np.ndarray:
+        cw = self._data(w)
+        per_row = w.k // q6k.QK_K
+        parts = []
+        with self._dev, self._stream:
+            for s, (s0, s1) in enumerate(self._slab_plan(w.rows, w.k)):
+                nb = (s1 - s0) * per_row
+                if w.layout is Layout.AOS:
+                    parts.append(cw.slabs[s].get(stream=self._stream))
+                    continue
+                out = self._cp.empty(nb * q6k.BLOCK_BYTES, self._cp.uint8)
+                self._repack(cw.slabs[s], Layout.SOA, nb, 0, out, Layout.AOS, nb, 0, nb)
+                parts.append(out.get(stream=self._stream))
+        return np.concatenate(parts).reshape(-1, q6k.BLOCK_BYTES)
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def plan(self, n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
+        path, prec = self._path(n, precision, flags)
+        return f"cuda.{path}.{flags.layout.value}", prec
+
+    @staticmethod
+    def _path(n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
+        refuse_q8_1_without_mmq(precision, flags)
+        if precision is Precision.EXACT:
+            return "exact", Precision.EXACT
+        if precision is Precision.Q8_1:
+            return "mmq_q8_1", Precision.Q8_1
+        if precision is Precision.F16:
+            if flags.decode_mmq and n <= F16_TILE_N:
+                return "mma_f16", Precision.F16
+            return "cublas_f16", Precision.F16
+        if flags.decode_mmq:  # AUTO
+            if n <= AUTO_EXACT_N:
+                return "exact", Precision.EXACT
+            if n <= F16_TILE_N:
+                return "mma_f16", Precision.F16
+            return "cublas_f16", Precision.F16
+        return ("exact", Precision.EXACT) if n <= 8 else ("cublas_f16", Precision.F16)
+
+    # -- matmul -------------------------------------------------------------------------------
+    def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
+               flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
+               ) -> MatmulResult:
+        x = check_activations(x, w.k)
+        path, prec = self._path(x.shape[0], precision, flags)
+        cp = self._cp
+        with self._dev, self._stream:
+            xd = cp.asarray(x.view(np.uint16) if x.dtype == BFLOAT16 else x)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self._stream)
+            y = self.run(w, xd, x.dtype, path)
+            end.record(self._stream)
+            if out_dtype is not None and np.dtype(out_dtype) == np.float16:
+                y = y.astype(cp.float16)
+            host = y.get(stream=self._stream)
+        if out_dtype is not None and np.dtype(out_dtype) == BFLOAT16:
+            host = host.astype(BFLOAT16)
+        return MatmulResult(host, f"cuda.{path}.{w.layout.value}", w.layout, prec,
+                            KernelTiming(_events=(start, end)))
+
+    def run(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
+            cfg: Cfg | None = None) -> Any:
+        """Device-side matmul: ``xd`` [N, K] on the device (bf16 as uint16 bits) -> f32 y.
+
+        Enqueues on the backend's stream and returns without synchronizing.
+        """
+        cw = self._data(w)
+        n = int(xd.shape[0])
+        cfg = cfg or default_cfg(path, n)
+        in_t = IN_TYPES.get(np.dtype(dtype))
+        if in_t is None:
+            raise FormatError(f"unsupported activation dtype {dtype}")
+        cp = self._cp
+        with self._dev, self._stream:
+            y = cp.empty((n, w.rows), cp.float32)
+            if path == "cublas_f16":
+                self._cublas(w, cw, xd, in_t, y)
+            elif path in ("exact", "mma_f16", "mmq_q8_1"):
+                self._tile(w, cw, xd, in_t, y, path, cfg)
+            else:
+                raise DeviceError(f"unknown kernel path {path!r}")
+        return y
+
+    def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg) -> tuple[int, int, int]:
+        gx = -(-w.rows // rows_cta)
+        bpr = w.k // q6k.QK_K
+        ks = cfg.ksplit
+        if ks <= 0:  # enough CTAs for ~2 per SM, each split keeping >= 2 blocks of K
+            want = 2 * self.sm_count
+            ks = max(1, min(bpr // 2, math.ceil(want / (gx * nz)))) if gx * nz < want else 1
+        ks = max(1, min(ks, bpr))
+        return gx, ks, nz
+
+    def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
+              cfg: Cfg) -> None:
+        cp = self._cp
+        n = int(xd.shape[0])
+        bpr = w.k // q6k.QK_K
+        soa = "true" if w.layout is Layout.SOA else "false"
+        warps = cfg.warps
+        tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
+        nz = -(-n // tok_per_cta)
+        rows_cta = warps * 16 * (1 if path == "exact" else cfg.mt)
+        gx, ks, _ = self._grid(w, rows_cta, nz, cfg)
+        part = cp.empty((ks, n, w.rows), cp.float32) if ks > 1 else None
+        tickets = self._tickets_for(gx * nz)
+        wargs = (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps))
+        oargs = (y, part if part is not None else np.uint64(0), tickets, np.int32(n))
+        grid = (gx, ks, nz)
+        threads = 32 * warps
+        if path == "exact":
+            name = f"q6k_exact<{cfg.nt}, {soa}, {in_t}>"
+            self._launch(MATMUL_FILE, name, grid, threads, (*wargs, xd, np.int32(w.k), *oargs))
+            return
+        if path == "mma_f16":
+            xp: Any = np.uint64(0)
+            if cfg.pre:
+                xp = cp.empty(nz * bpr * cfg.nt * 8 * 32 * 4, cp.uint32)
+                total = xp.size // 4
+                self._launch(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>",
+                             (min(65535, -(-total // 256)),), 256,
+                             (xd, np.int32(n), np.int32(w.k), np.int32(nz), xp))
+                in_t = "InF16"  # the tile reads only the prepass buffer
+            pre = "true" if cfg.pre else "false"
+            name = f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {soa}, {pre}, {in_t}>"
+            self._launch(MATMUL_FILE, name, grid, threads,
+                         (*wargs, xd, np.int32(w.k), xp, *oargs))
+            return
+        # mmq_q8_1: quantize to q8_1 in fragment order, then the int8 tile
+        nt = cfg.nt
+        xq = cp.empty(nz * bpr * nt * 4 * 32 * 4, cp.uint32)
+        corr = cp.empty(nz * bpr * nt * 16 * 8, cp.int32)
+        d8 = cp.empty(nz * bpr * nt * 8 * 8, cp.float32)
+        total = nz * bpr * nt * 64
+        self._launch(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>",
+                     (min(65535, -(-total // 256)),), 256,
+                     (xd, np.int32(n), np.int32(w.k), np.int32(nz), xq, corr, d8))
+        name = f"q6k_mmq_q8<{nt}, {cfg.mt}, {soa}>"
+        self._launch(MATMUL_FILE, name, grid, threads, (*wargs, xq, corr, d8, *oargs))
+
+    def _cublas(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any) -> None:
+        cp = self._cp
+        from cupy_backends.cuda.libs import cublas
+
+        n = int(xd.shape[0])
+        if in_t == "InF16":
+            x16 = xd
+        elif in_t == "InF32":
+            x16 = xd.astype(cp.float16)
+        else:  # bf16 bits -> f32 (exact) -> f16
+            x16 = (xd.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float16)
+        x16 = cp.ascontiguousarray(x16)
+        soa = "true" if w.layout is Layout.SOA else "false"
+        tile_rows = max(16, min(w.rows, CUBLAS_TILE_BYTES // (2 * w.k)))
+        w16 = cp.empty((tile_rows, w.k), cp.float16)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self._stream.ptr)
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        bpr = w.k // q6k.QK_K
+        for r0 in range(0, w.rows, tile_rows):
+            rt = min(tile_rows, w.rows - r0)
+            total = rt * bpr * 4
+            self._launch(MATMUL_FILE, f"q6k_dequant_f16<{soa}>",
+                         (min(65535 * 8, -(-total // 256)),), 256,
+                         (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps),
+                          np.int32(r0), np.int32(rt), w16))
+            # column-major: C[rt, n] (ldc = rows) = W16[rt, K] (op T of [K, rt]) . X16[K, n]
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rt, n, w.k,
+                          one.ctypes.data, w16.data.ptr, _CUDA_R_16F, w.k,
+                          x16.data.ptr, _CUDA_R_16F, w.k,
+                          zero.ctypes.data, y.data.ptr + 4 * r0, _CUDA_R_32F, w.rows,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+
+_CUDA_R_16F = 2
+_CUDA_R_32F = 0
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+
