@@ -32,6 +32,7 @@ from q6serve.kernels.api import (
     dtype_name,
 )
 from q6serve.kernels.errors import (
+    DeviceError,
     FailedPrecondition,
     FormatError,
     InvalidArgument,
@@ -173,6 +174,8 @@ class Engine:
         self._serving = True
         self._relayouts = 0
         self._tasks: set[asyncio.Task[object]] = set()
+        self.healthy = True  # False after a device error (health NOT_SERVING)
+        self._health_listeners: list[Callable[[bool], None]] = []
         self.flags.subscribe(self._on_flags)
         self._poller = self._spawn(self._poll_metrics())
         self._publish()
@@ -334,15 +337,32 @@ class Engine:
                            row_begin=s.row_begin, tensor_rows=s.tensor_rows or s.rows)
 
     def _make_batcher(self, e: WeightEntry) -> Batcher:
+        loop = asyncio.get_running_loop()
+
         def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
             w = e.resident  # read in the device thread: relayouts swap it there too
             flags = KernelFlags(soa=w.layout is Layout.SOA,
                                 decode_mmq=self.flags.state.decode_mmq)
-            return self.backend.matmul(w, x, precision=key.precision, flags=flags,
-                                       out_dtype=np.dtype(DTYPES[key.out_dtype]))
+            try:
+                return self.backend.matmul(w, x, precision=key.precision, flags=flags,
+                                           out_dtype=np.dtype(DTYPES[key.out_dtype]))
+            except DeviceError as err:
+                loop.call_soon_threadsafe(self._device_failed, err)
+                raise
 
         return Batcher(e.name, self.device, run, self._settings,
                        lambda: self.flags.state.dynamic_batching, self._on_batch)
+
+    def on_health(self, fn: Callable[[bool], None]) -> None:
+        """``fn(False)`` runs (on the loop) when the device fails: the worker turns its health
+        NOT_SERVING so load balancers stop sending work here."""
+        self._health_listeners.append(fn)
+
+    def _device_failed(self, err: DeviceError) -> None:
+        log.error("device error, marking the worker unhealthy: %s", err)
+        self.healthy = False
+        for fn in self._health_listeners:
+            fn(False)
 
     def _on_batch(self, stats: BatchStats) -> None:
         if self.metrics is not None:

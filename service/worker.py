@@ -52,6 +52,7 @@ class Worker:
         self._metrics_http: Any = None
         self._health: Any = None
         self._stopped = asyncio.Event()
+        self._health_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def target(self) -> str:
@@ -89,8 +90,17 @@ class Worker:
             self.metrics_port, self._metrics_http = self.metrics.serve_http(host,
                                                                             cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
-        await self._health.set("", wire.health_status(True))
-        await self._health.set(wire.SERVICE_NAME, wire.health_status(True))
+        await self._set_health(True)
+        self.engine.on_health(lambda ok: self._spawn_health(ok))
+
+    async def _set_health(self, ok: bool) -> None:
+        for service in ("", wire.SERVICE_NAME):
+            await self._health.set(service, wire.health_status(ok))
+
+    def _spawn_health(self, ok: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health(ok))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (idempotent)."""

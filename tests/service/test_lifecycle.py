@@ -168,3 +168,26 @@ def test_drain_on_shutdown(start_worker) -> None:  # type: ignore[no-untyped-def
     for i in range(3):  # every in-flight request finished correctly
         assert isinstance(results[i], np.ndarray), results[i]
         assert_close(results[i], reference(blocks, ROWS, K, xs[i]))
+
+
+def test_device_error_turns_health_not_serving(start_worker) -> None:  # type: ignore[no-untyped-def]
+    from q6serve.kernels.errors import DeviceError
+
+    backend = InstrumentedBackend()
+    worker = start_worker(backend=backend)
+    c = worker.client()
+    c.upload("w", random_q6k(8, 256, 6), 8, 256)
+    assert c.health()
+
+    def broken(*a: object, **kw: object) -> None:
+        raise DeviceError("injected: illegal memory access")
+
+    backend.inner.matmul = broken
+    with pytest.raises(Q6ServeError) as e:
+        c.matmul("w", np.ones((1, 256), np.float32))
+    assert e.value.code == grpc.StatusCode.INTERNAL
+    deadline = time.monotonic() + 5
+    while c.health():
+        assert time.monotonic() < deadline, "health stayed SERVING after a device error"
+        time.sleep(0.02)
+    assert not c.health("q6serve.v1.Q6Serve")
