@@ -12,7 +12,8 @@ import sys
 
 # Subcommand modules, in --help order. Imported lazily so `q6serve quantize` never loads gRPC
 # servers and `q6serve health` never loads the kernels.
-COMMANDS: tuple[str, ...] = ("cmd_demo", "cmd_quantize", "cmd_worker", "cmd_admin")
+COMMANDS: tuple[str, ...] = ("cmd_demo", "cmd_quantize", "cmd_worker", "cmd_admin", "cmd_upload",
+                             "cmd_bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

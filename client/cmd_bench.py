@@ -1,0 +1,297 @@
+"""``q6serve bench``: a closed-loop load generator against a running worker.
+
+For every (concurrency C, rows N) pair, C callers each send one [N, K] activation, wait for the
+reply and send again, for ``--duration`` seconds; unary calls, or one MatmulStream per caller.
+Reports rows/s, latency percentiles and the worker's own view (queue, kernel, batch rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cli_target import add_target_options, client_kwargs, fail
+
+EXAMPLE = """example:
+  q6serve bench --target 127.0.0.1:50061 --weight blk.0.ffn_down.weight \\
+      --concurrency 1 8 64 --n 1 16 64 --dtype f16 --duration 5 --mode stream
+  q6serve bench --target 127.0.0.1:50061 --json > bench.json      # first resident weight
+  q6serve bench --target 127.0.0.1:50061 --plot latency.png       # needs matplotlib"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load-generate batched-decode matmuls against a worker",
+                       description=__doc__, epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weight", help="resident weight (default: the first one listed)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8],
+                   help="concurrent callers (several values: a sweep; default 1 8)")
+    p.add_argument("--n", type=int, nargs="+", default=[1, 16],
+                   help="activation rows per call (several values: a sweep; default 1 16)")
+    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"),
+                   help="activation dtype (default f16)")
+    p.add_argument("--out-dtype", default="f32", choices=("f32", "f16", "bf16"))
+    p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"))
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per cell (default 5)")
+    p.add_argument("--warmup", type=float, default=0.5,
+                   help="seconds of untimed calls before each cell (default 0.5)")
+    p.add_argument("--mode", default="unary", choices=("unary", "stream"),
+                   help="unary Matmul calls, or one MatmulStream per caller (default unary)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="plot latency and rows/s vs N per concurrency (needs matplotlib: "
+                   "pip install 'q6serve[plot]')")
+    add_target_options(p)
+    p.set_defaults(func=run)
+
+
+# -- measuring ------------------------------------------------------------------------------
+@dataclass
+class Samples:
+    latency: list[float] = field(default_factory=list)
+    queue: list[float] = field(default_factory=list)
+    kernel: list[float] = field(default_factory=list)
+    batch_rows: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, seconds: float, out: Any) -> None:
+        from q6serve.client.client import Q6ServeError
+
+        if isinstance(out, Q6ServeError):
+            self.errors[out.code.name] = self.errors.get(out.code.name, 0) + 1
+            return
+        self.latency.append(seconds)
+        self.queue.append(out.queue_seconds)
+        if out.kernel_seconds is not None:
+            self.kernel.append(out.kernel_seconds)
+        self.batch_rows.append(out.batch_rows)
+
+
+@dataclass
+class CellResult:
+    concurrency: int
+    n: int
+    mode: str
+    seconds: float
+    calls: int
+    errors: dict[str, int]
+    rows_per_s: float
+    calls_per_s: float
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    queue_ms: float | None
+    kernel_ms: float | None
+    batch_rows: float | None
+
+    @classmethod
+    def of(cls, c: int, n: int, mode: str, seconds: float, s: Samples) -> CellResult:
+        """Figures of one cell; latency figures are None when no call succeeded."""
+        def ms(v: list[float], q: float | None = None) -> float | None:
+            if not v:
+                return None
+            return float(np.percentile(v, q) if q is not None else np.mean(v)) * 1e3
+
+        return cls(c, n, mode, seconds, len(s.latency), s.errors,
+                   len(s.latency) * n / seconds, len(s.latency) / seconds,
+                   ms(s.latency, 50), ms(s.latency, 90), ms(s.latency, 99), ms(s.queue),
+                   ms(s.kernel), float(np.mean(s.batch_rows)) if s.batch_rows else None)
+
+
+async def _unary_caller(client: Any, weight: str, x: np.ndarray, opts: dict[str, Any],
+                        end: float, s: Samples) -> None:
+    from q6serve.client.client import Q6ServeError
+
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        try:
+            out = await client.matmul_full(weight, x, **opts)
+        except Q6ServeError as e:
+            out = e
+            if e.code.name == "UNAVAILABLE":
+                await asyncio.sleep(0.01)  # do not spin on a worker that is going away
+        s.add(time.perf_counter() - t0, out)
+
+
+async def _stream_caller(client: Any, weight: str, x: np.ndarray, opts: dict[str, Any],
+                         end: float, s: Samples, tag: str) -> None:
+    """One stream, one request in flight: send, wait for its reply, send the next."""
+    replied: asyncio.Queue[None] = asyncio.Queue()
+    sent: dict[str, float] = {}
+
+    async def requests() -> AsyncIterator[tuple[str, str, np.ndarray]]:
+        i = 0
+        while time.perf_counter() < end:
+            rid = f"{tag}-{i}"
+            sent[rid] = time.perf_counter()
+            yield rid, weight, x
+            i += 1
+            await replied.get()
+
+    budget = end - time.perf_counter() + 60.0  # the stream's deadline: its run plus slack
+    async for out in client.matmul_stream(requests(), timeout=budget, **opts):
+        s.add(time.perf_counter() - sent.pop(out.request_id), out)
+        replied.put_nowait(None)
+
+
+async def run_cell(client: Any, weight: str, k: int, c: int, n: int, args: argparse.Namespace,
+                   tick: Callable[[int], None]) -> CellResult:
+    from q6serve.client.client import DTYPES
+
+    rng = np.random.default_rng(c * 1000 + n)
+    xs = [rng.standard_normal((n, k)).astype(DTYPES[args.dtype]) for _ in range(c)]
+    opts = {"precision": args.precision, "out_dtype": args.out_dtype}
+
+    async def phase(seconds: float, s: Samples) -> float:
+        end = time.perf_counter() + seconds
+        if args.mode == "unary":
+            jobs = [_unary_caller(client, weight, x, opts, end, s) for x in xs]
+        else:
+            jobs = [_stream_caller(client, weight, x, opts, end, s, f"c{i}")
+                    for i, x in enumerate(xs)]
+        t0 = time.perf_counter()
+        main = asyncio.gather(*jobs)
+        while not main.done():  # progress: report finished calls while they run
+            await asyncio.wait([main], timeout=0.1)
+            tick(len(s.latency) + sum(s.errors.values()))
+        await main
+        return time.perf_counter() - t0
+
+    if args.warmup > 0:
+        await phase(args.warmup, Samples())
+    s = Samples()
+    seconds = await phase(args.duration, s)
+    return CellResult.of(c, n, args.mode, seconds, s)
+
+
+async def bench(args: argparse.Namespace, console: Any) -> dict[str, Any]:
+    import grpc
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from q6serve.client.async_client import AsyncClient
+    from q6serve.client.client import Q6ServeError
+
+    async with AsyncClient(args.target, **client_kwargs(args)) as client:
+        weights = await client.list()
+        if not weights:
+            raise Q6ServeError(grpc.StatusCode.NOT_FOUND,
+                               "the worker has no resident weights; load or upload one")
+        w = await client.get(args.weight) if args.weight else weights[0]
+        status = await client.status()
+        cells = [(c, n) for c in args.concurrency for n in args.n]
+        per_cell = args.warmup + args.duration
+        results = []
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[calls]} calls"))
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("bench", total=len(cells) * per_cell, calls=0)
+            for i, (c, n) in enumerate(cells):
+                start = time.perf_counter()
+                desc = f"C={c} N={n} ({i + 1}/{len(cells)})"
+
+                def tick(calls: int, start: float = start, i: int = i, desc: str = desc) -> None:
+                    done = min(per_cell, time.perf_counter() - start)
+                    progress.update(task, completed=i * per_cell + done, calls=calls,
+                                    description=desc)
+
+                results.append(await run_cell(client, w.name, w.k, c, n, args, tick))
+            progress.update(task, completed=len(cells) * per_cell)
+    return {"target": args.target, "weight": w.name, "rows": w.rows, "k": w.k,
+            "backend": status.backend, "device": status.device, "mode": args.mode,
+            "dtype": args.dtype, "precision": args.precision,
+            "cells": [asdict(r) for r in results]}
+
+
+# -- output ---------------------------------------------------------------------------------
+def summary_table(doc: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"{doc['weight']} ({doc['rows']} x {doc['k']}) on {doc['backend']} "
+              f"({doc['device']}): {doc['mode']}, x {doc['dtype']}, precision "
+              f"{doc['precision']}", title_justify="left")
+    for col in ("C", "N", "calls", "errors", "rows/s", "calls/s", "p50 ms", "p90 ms",
+                "p99 ms", "queue ms", "kernel ms", "batch rows"):
+        t.add_column(col, justify="right")
+    def fmt(v: float | None, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    for r in doc["cells"]:
+        errors = ", ".join(f"{k} {v}" for k, v in r["errors"].items())
+        t.add_row(str(r["concurrency"]), str(r["n"]), str(r["calls"]),
+                  f"[red]{errors}[/]" if errors else "0", f"{r['rows_per_s']:,.0f}",
+                  f"{r['calls_per_s']:,.1f}", fmt(r["p50_ms"], ".2f"), fmt(r["p90_ms"], ".2f"),
+                  fmt(r["p99_ms"], ".2f"), fmt(r["queue_ms"], ".3f"),
+                  fmt(r["kernel_ms"], ".3f"), fmt(r["batch_rows"], ".1f"))
+    return t
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lat, ax_rows) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for c in sorted({r["concurrency"] for r in doc["cells"]}):
+        rs = sorted((r for r in doc["cells"] if r["concurrency"] == c), key=lambda r: r["n"])
+        ns = [r["n"] for r in rs]
+        line = ax_lat.plot(ns, [r["p50_ms"] for r in rs], marker="o", label=f"C={c} p50")
+        ax_lat.plot(ns, [r["p99_ms"] for r in rs], ls="--", color=line[0].get_color(),
+                    label=f"C={c} p99")
+        ax_rows.plot(ns, [r["rows_per_s"] for r in rs], marker="o", label=f"C={c}")
+    for ax, ylabel in ((ax_lat, "latency (ms)"), (ax_rows, "rows/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (rows per call)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"q6serve bench: {doc['weight']} ({doc['rows']}x{doc['k']}), {doc['mode']}, "
+                 f"{doc['backend']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _matplotlib_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from q6serve.client.client import Q6ServeError
+
+    if min(args.concurrency) < 1 or min(args.n) < 1 or args.duration <= 0 or args.warmup < 0:
+        print("q6serve bench: --concurrency and --n must be >= 1, --duration > 0, "
+              "--warmup >= 0", file=sys.stderr)
+        return 2
+    if args.plot and _matplotlib_missing():
+        print("q6serve bench: --plot needs matplotlib (pip install 'q6serve[plot]')",
+              file=sys.stderr)
+        return 2
+    console = Console(stderr=True)  # progress on stderr keeps --json's stdout clean
+    try:
+        doc = asyncio.run(bench(args, console))
+    except Q6ServeError as e:
+        return fail(args, e)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        out = Console()
+        (out if out.is_terminal else Console(width=130)).print(summary_table(doc))
+    if args.plot:
+        plot(doc, args.plot)
+        console.print(f"plot written to {args.plot}")
+    failed = sum(sum(r["errors"].values()) for r in doc["cells"])
+    return 1 if failed else 0
