@@ -1,0 +1,526 @@
+"""A worker over several local devices: one Engine per device behind the Engine interface.
+
+Each device keeps everything an Engine has on its own: backend, single-thread executor (and so
+its own CUDA stream), VRAM accountant, registry and batchers. This module only places weights
+and routes calls; the servicer cannot tell it from one Engine.
+
+Placement, per weight (LoadWeights' ``placement``, else the worker's ``--placement``):
+- ``shard``: the weight's rows are split evenly over the devices (service/shards.py's rule);
+  a matmul runs on every device at once and the outputs concatenate along y's columns.
+- ``replicate``: every device holds all rows; each matmul goes to the replica with the fewest
+  requests in flight (ties: round robin), so independent requests use every device.
+Each device's part is registered on that device under the weight's name, with its global row
+range, so per-device views stay truthful.
+
+Metrics: the worker's families get totals over the devices (kernel times, batches, VRAM sums);
+families with a ``device`` label ("0", "1", ...: bounded by --devices) give each device's VRAM,
+resident parts, batches, rows and kernel times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from q6serve.kernels import q6k
+from q6serve.kernels.api import DTYPES, Backend, KernelTiming
+from q6serve.kernels.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+from .batcher import BatchStats
+from .config import WorkerConfig
+from .engine import (
+    UPLOAD_FORMATS,
+    Engine,
+    MatmulCall,
+    MatmulReply,
+    StatusView,
+    UploadSpec,
+    WeightView,
+    confine,
+)
+from .flags import FlagState
+from .metrics import LATENCY_BUCKETS, ROW_BUCKETS, Metrics
+from .registry import check_name
+from .shards import RowRange, RowSelect, even_split, slice_blocks
+from .vram import VramStats
+
+if TYPE_CHECKING:
+    from q6serve.kernels.gguf_io import Q6KTensor
+
+log = logging.getLogger("q6serve.devices")
+
+T = TypeVar("T")
+PLACEMENTS = ("shard", "replicate")
+MAX_PARKED = 4096
+
+
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> (0, 1): distinct device indices >= 0."""
+    try:
+        devices = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise InvalidArgument(f"--devices {text!r}: write device indices like 0,1") from None
+    if not devices or any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise InvalidArgument(f"--devices {text!r}: give distinct device indices >= 0")
+    return devices
+
+
+@dataclass(frozen=True)
+class Part:
+    device: int  # position in MultiDeviceEngine.engines (not the CUDA ordinal)
+    rows: RowRange  # global rows held there
+
+
+@dataclass(eq=False)
+class Placed:
+    name: str
+    mode: str
+    k: int
+    parts: list[Part]
+    sha256: str
+    source: str
+    tensor_rows: int
+    turn: itertools.count = field(default_factory=itertools.count)  # replicate: ties
+
+    @property
+    def rows(self) -> RowRange:
+        return RowRange(self.parts[0].rows.begin, self.parts[-1].rows.end)
+
+
+def split_parts(r: RowRange, devices: int, mode: str) -> list[Part]:
+    """Where rows ``r`` go: the even split over the devices, or all of them on each."""
+    if mode == "replicate":
+        return [Part(d, r) for d in range(devices)]
+    n = min(devices, r.rows)  # fewer rows than devices: not every device gets a part
+    return [Part(d, RowRange(r.begin + p.begin, r.begin + p.end))
+            for d, p in enumerate(even_split(r.rows, n))]
+
+
+class DeviceFamilies:
+    """The ``device``-labelled metric families (registered once on the worker's registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.vram = {
+            name: Gauge(f"q6serve_device_vram_{name}_bytes", help_, ["device"], registry=r)
+            for name, help_ in (("budget", "VRAM budget of one device's accountant."),
+                                ("reserved", "Bytes reserved on one device (weights + scratch "
+                                             "+ staging)."),
+                                ("weights", "Bytes held by resident weights on one device."),
+                                ("device_total", "Memory of one device in total."))}
+        self.parts = Gauge("q6serve_device_weights_loaded",
+                           "Resident weights (or row-sharded parts of them) on one device.",
+                           ["device"], registry=r)
+        self.batches = Counter("q6serve_device_batches", "Kernel launches on one device.",
+                               ["device"], registry=r)
+        self.rows = Counter("q6serve_device_batch_rows",
+                            "Activation rows (N) computed on one device.", ["device"],
+                            registry=r)
+        self.kernel = Histogram("q6serve_device_kernel_duration_seconds",
+                                "Kernel time of one launch on one device.", ["device"],
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram("q6serve_device_batch_rows_per_launch",
+                                    "Activation rows (N) per launch on one device.",
+                                    ["device"], buckets=ROW_BUCKETS, registry=r)
+        self._parked: collections.deque[tuple[KernelTiming, str]] = \
+            collections.deque(maxlen=MAX_PARKED)
+        self._lock = threading.Lock()
+
+    def observe(self, device: str, stats: BatchStats) -> None:
+        self.batches.labels(device).inc()
+        self.rows.labels(device).inc(stats.rows)
+        self.batch_rows.labels(device).observe(stats.rows)
+        seconds = stats.result.timing.seconds()
+        if seconds is None:  # device timing not ready: read later by poll (no sync here)
+            with self._lock:
+                self._parked.append((stats.result.timing, device))
+        else:
+            self.kernel.labels(device).observe(seconds)
+
+    def poll(self) -> None:
+        with self._lock:
+            parked = list(self._parked)
+            self._parked.clear()
+        still = []
+        for timing, device in parked:
+            s = timing.seconds()
+            if s is None:
+                still.append((timing, device))
+            else:
+                self.kernel.labels(device).observe(s)
+        with self._lock:
+            self._parked.extendleft(reversed(still))
+
+
+class DeviceMetrics:
+    """What one device's Engine reports to: its device-labelled series, and the worker's
+    families with totals over every device."""
+
+    def __init__(self, main: Metrics, families: DeviceFamilies, device: int,
+                 owner: MultiDeviceEngine) -> None:
+        self.main = main
+        self.families = families
+        self.label = str(device)
+        self.device = device
+        self.owner = owner
+
+    def set_vram(self, v: VramStats) -> None:
+        f = self.families.vram
+        f["budget"].labels(self.label).set(v.budget)
+        f["reserved"].labels(self.label).set(v.reserved)
+        f["weights"].labels(self.label).set(v.weights)
+        f["device_total"].labels(self.label).set(v.device_total)
+        self.owner.publish_totals()
+
+    def set_weights_loaded(self, n: int) -> None:
+        self.families.parts.labels(self.label).set(n)
+
+    def set_flags(self, flags: FlagState) -> None:
+        self.main.set_flags(flags)
+
+    def observe_batch(self, stats: BatchStats) -> None:
+        self.main.observe_batch(stats)
+        self.families.observe(self.label, stats)
+
+    def poll(self) -> int:
+        if self.device == 0:  # one poller for the shared parked timings is enough
+            self.families.poll()
+            return self.main.poll()
+        return 0
+
+
+def sum_vram(stats: Sequence[VramStats]) -> VramStats:
+    return VramStats(**{f.name: sum(getattr(s, f.name) for s in stats)
+                        for f in fields(VramStats)})
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    index: int  # position in --devices
+    ordinal: int  # the device number given to --devices
+    device: str
+    vram: VramStats
+    weights_loaded: int
+
+
+class MultiDeviceEngine:
+    """The Engine interface over one Engine per device (see the module docstring)."""
+
+    def __init__(self, backends: Sequence[Backend], config: WorkerConfig,
+                 metrics: Metrics | None = None, placement: str = "shard",
+                 ordinals: Sequence[int] | None = None) -> None:
+        if not backends:
+            raise InvalidArgument("a multi-device worker needs at least one device")
+        if placement not in PLACEMENTS:
+            raise InvalidArgument(f"placement {placement!r}; use one of {PLACEMENTS}")
+        self.config = config
+        self.placement = placement
+        self.ordinals = tuple(ordinals) if ordinals is not None else tuple(range(len(backends)))
+        self.metrics = metrics
+        self._families = DeviceFamilies(metrics.registry) if metrics is not None else None
+        self.engines: list[Engine] = []
+        self._weights: dict[str, Placed] = {}
+        for i, b in enumerate(backends):
+            m = (DeviceMetrics(metrics, self._families, i, self)
+                 if metrics is not None and self._families is not None else None)
+            self.engines.append(Engine(b, config, m))  # type: ignore[arg-type]
+        self.backend = backends[0]
+        self.version = self.engines[0].version
+        self._claimed: set[str] = set()
+        self._admin = asyncio.Lock()
+        self._serving = True
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.publish_totals()
+
+    # -- helpers ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        devs = ", ".join(f"{o}: {e.backend.device_name()} (budget {e.vram.budget} B)"
+                         for o, e in zip(self.ordinals, self.engines, strict=True))
+        return (f"engine: backend {self.backend.name} on {len(self.engines)} devices [{devs}], "
+                f"default placement {self.placement}, flags {self.engines[0].flags.state}")
+
+    def publish_totals(self) -> None:
+        # also called by the device engines while they are being built: sums of those so far
+        if self.metrics is not None and self.engines:
+            self.metrics.set_vram(sum_vram([e.vram.stats() for e in self.engines]))
+            self.metrics.set_weights_loaded(len(self._weights))
+
+    async def _shielded(self, coro: Awaitable[T]) -> T:
+        """Run an admin operation to completion even if its caller goes away (the device
+        engines' loads are shielded too: a half-placed weight must not be left behind)."""
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)  # type: ignore[return-value]
+
+    def _check_serving(self) -> None:
+        if not self._serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+
+    def _get(self, name: str) -> Placed:
+        try:
+            return self._weights[name]
+        except KeyError:
+            raise NotFound(f"no weight named {name[:256]!r} "
+                           f"({len(self._weights)} loaded)") from None
+
+    @contextlib.contextmanager
+    def _claim(self, names: list[str]):  # type: ignore[no-untyped-def]
+        for n in names:
+            check_name(n)
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"names repeated in one load: {sorted(names)}")
+        taken = [n for n in names if n in self._weights or n in self._claimed]
+        if taken:
+            raise AlreadyExists(f"weight(s) already loaded or loading: {', '.join(taken)}")
+        self._claimed.update(names)
+        try:
+            yield
+        finally:
+            self._claimed.difference_update(names)
+
+    async def _on_each(self, name: str, parts: list[Part],
+                       make: Callable[[Part], Awaitable[T]]) -> list[T]:
+        """Load ``name`` with ``make(part)`` on every part's device at once; on any failure
+        unload the parts that did load, then raise the first error (all or nothing)."""
+        results = await asyncio.gather(*(make(p) for p in parts), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for p, r in zip(parts, results, strict=True):
+                if not isinstance(r, BaseException):
+                    with contextlib.suppress(Exception):
+                        await self.engines[p.device].unload(name)
+            raise failed[0]
+        return results  # type: ignore[return-value]
+
+    def _mode(self, placement: str | None) -> str:
+        mode = placement or self.placement
+        if mode not in PLACEMENTS:
+            raise InvalidArgument(f"placement {mode!r}; use one of {PLACEMENTS}")
+        return mode
+
+    # -- loading ----------------------------------------------------------------------------
+    async def load_gguf(self, rel_path: str, tensors: list[str], prefix: str = "",
+                        rows: RowSelect | None = None, placement: str | None = None,
+                        ) -> list[WeightView]:
+        self._check_serving()
+        mode = self._mode(placement)
+        path = confine(self.config.model_dir, rel_path)
+        from q6serve.kernels import gguf_io
+
+        found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
+        select = rows or RowSelect()
+        ranges = [select.resolve(t.name, t.rows) for t in found]
+        return await self._shielded(self._place_gguf(rel_path, prefix, mode, found, ranges))
+
+    async def _place_gguf(self, rel_path: str, prefix: str, mode: str,
+                          found: list[Q6KTensor], ranges: list[RowRange]) -> list[WeightView]:
+        done: list[Placed] = []
+        with self._claim([prefix + t.name for t in found]):
+            async with self._admin:
+                try:
+                    for t, r in zip(found, ranges, strict=True):
+                        parts = split_parts(r, len(self.engines), mode)
+                        views = await self._on_each(
+                            prefix + t.name, parts,
+                            lambda p, t=t: self.engines[p.device].load_gguf(
+                                rel_path, [t.name], prefix, RowSelect(range=p.rows)))
+                        sha = (views[0][0].sha256 if mode == "replicate" else
+                               await asyncio.to_thread(_sha_rows, t.aos, t.k, r))
+                        done.append(Placed(prefix + t.name, mode, t.k, parts, sha,
+                                           f"gguf:{rel_path}", t.rows))
+                except BaseException:
+                    for pl in done:
+                        await self._unload_parts(pl)
+                    raise
+                for pl in done:
+                    self._weights[pl.name] = pl
+                    log.info("placed %s (%s) rows %s of %d over devices %s", pl.name, mode,
+                             pl.rows, pl.tensor_rows, [str(p.rows) for p in pl.parts])
+        self.publish_totals()
+        return [self._view(pl) for pl in done]
+
+    async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes],
+                     placement: str | None = None) -> WeightView:
+        """Buffer and check the whole upload (as one Engine does), quantize once if needed,
+        then upload each device its rows as Q6_K."""
+        self._check_serving()
+        mode = self._mode(placement)
+        check_name(spec.name)
+        if spec.fmt not in UPLOAD_FORMATS:
+            raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
+        if spec.rows < 1:
+            raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
+        q6k.check_k(spec.k)
+        itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
+        want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
+                else spec.rows * spec.k * itemsize)
+        if spec.total_bytes != want:
+            raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
+                                  f"be {want} bytes, header says {spec.total_bytes}")
+        if want > self.config.max_upload_bytes:
+            raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
+                                    f"{self.config.max_upload_bytes}")
+        with self._claim([spec.name]):  # the name is held from here; the stream is read first
+            buf = bytearray()
+            h = hashlib.sha256()
+            async for chunk in chunks:
+                if len(buf) + len(chunk) > want:
+                    raise InvalidArgument(f"upload {spec.name!r} sent more than the declared "
+                                          f"{want} bytes")
+                buf += chunk
+                h.update(chunk)
+            if len(buf) != want:
+                raise InvalidArgument(f"upload {spec.name!r} ended after {len(buf)} of {want} "
+                                      "bytes")
+            if h.hexdigest() != spec.sha256.lower():
+                raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
+                                      f"{h.hexdigest()}, header says {spec.sha256.lower()})")
+            if itemsize is None:
+                aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
+            else:  # Q6_K rows are quantized independently: once here, then split
+                from q6serve.kernels.quantize import quantize_q6_k
+
+                x = np.frombuffer(buf, DTYPES[spec.fmt]).reshape(spec.rows, spec.k)
+                aos = await asyncio.to_thread(quantize_q6_k, x)
+            blocks = q6k.as_blocks(aos, spec.rows, spec.k)
+            parts = split_parts(RowRange(0, spec.rows), len(self.engines), mode)
+
+            def upload_part(p: Part) -> Awaitable[WeightView]:
+                data = slice_blocks(blocks, spec.k, p.rows).tobytes()
+                sub = UploadSpec(spec.name, p.rows.rows, spec.k, "q6_k", len(data),
+                                 hashlib.sha256(data).hexdigest())
+                return self.engines[p.device].upload(sub, _once(data))
+
+            async def place() -> None:
+                async with self._admin:
+                    await self._on_each(spec.name, parts, upload_part)
+
+            await self._shielded(place())
+            pl = Placed(spec.name, mode, spec.k, parts, hashlib.sha256(blocks).hexdigest(),
+                        "upload", spec.rows)
+            self._weights[pl.name] = pl
+        self.publish_totals()
+        return self._view(pl)
+
+    # -- queries ----------------------------------------------------------------------------
+    def _view(self, pl: Placed) -> WeightView:
+        views = [self.engines[p.device].get(pl.name) for p in pl.parts]
+        # a replicated request runs on one replica; a sharded one on every part
+        flight = (sum if pl.mode == "replicate" else max)(v.in_flight for v in views)
+        r = pl.rows
+        return WeightView(pl.name, r.rows, pl.k, sum(v.nbytes for v in views), views[0].layout,
+                          pl.sha256, pl.source, flight, r.begin, pl.tensor_rows)
+
+    def list(self) -> list[WeightView]:
+        return [self._view(self._weights[n]) for n in sorted(self._weights)]
+
+    def get(self, name: str) -> WeightView:
+        return self._view(self._get(name))
+
+    def placement_of(self, name: str) -> Placed:
+        return self._get(name)
+
+    async def _unload_parts(self, pl: Placed) -> list[WeightView]:
+        res = await asyncio.gather(*(self.engines[p.device].unload(pl.name) for p in pl.parts),
+                                   return_exceptions=True)
+        errors = [r for r in res if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return res  # type: ignore[return-value]
+
+    async def unload(self, name: str) -> WeightView:
+        pl = self._get(name)
+        view = self._view(pl)
+        del self._weights[name]  # new requests get NOT_FOUND at once
+        await self._shielded(self._unload_parts(pl))  # freed when in-flight work ends
+        self.publish_totals()
+        return view
+
+    def status(self) -> StatusView:
+        first = self.engines[0].status()
+        devs = "; ".join(f"{o}: {e.backend.device_name()}"
+                         for o, e in zip(self.ordinals, self.engines, strict=True))
+        return replace(first, device=f"{len(self.engines)} devices [{devs}]",
+                       vram=sum_vram([e.vram.stats() for e in self.engines]),
+                       weights_loaded=len(self._weights), serving=self._serving,
+                       relayout_in_progress=any(e.status().relayout_in_progress
+                                                for e in self.engines))
+
+    def device_status(self) -> list[DeviceStatus]:
+        return [DeviceStatus(i, o, e.backend.device_name(), e.vram.stats(), len(e.registry))
+                for i, (o, e) in enumerate(zip(self.ordinals, self.engines, strict=True))]
+
+    # -- matmul -----------------------------------------------------------------------------
+    def _pick(self, pl: Placed) -> int:
+        """The replica with the fewest requests in flight; ties go round robin."""
+        turn = next(pl.turn)
+        n = len(pl.parts)
+        order = [pl.parts[(turn + i) % n].device for i in range(n)]
+        return min(order, key=lambda d: self.engines[d].get(pl.name).in_flight)
+
+    async def matmul(self, call: MatmulCall) -> MatmulReply:
+        self._check_serving()
+        pl = self._get(call.weight)
+        if pl.mode == "replicate":
+            return await self.engines[self._pick(pl)].matmul(call)
+        replies = await asyncio.gather(*(self.engines[p.device].matmul(call) for p in pl.parts))
+        kernel_s = [r.kernel_seconds for r in replies]
+        first = replies[0]
+        return MatmulReply(
+            np.concatenate([r.y for r in replies], axis=1), first.kernel, first.layout,
+            first.precision, max(r.queue_seconds for r in replies),
+            None if None in kernel_s else max(kernel_s),  # type: ignore[type-var]
+            min(r.batch_rows for r in replies), min(r.batch_requests for r in replies))
+
+    # -- flags ------------------------------------------------------------------------------
+    @property
+    def flags(self):  # type: ignore[no-untyped-def]
+        return self.engines[0].flags
+
+    def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:
+        state = self.engines[0].set_flags(changes, who)  # validates before any device changes
+        for e in self.engines[1:]:
+            e.set_flags(changes, who)
+        return state
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        self._serving = False
+        for e in self.engines:
+            e.begin_drain()
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    async def close(self) -> None:
+        self._serving = False
+        self._weights.clear()
+        await asyncio.gather(*(e.close() for e in self.engines))
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _sha_rows(aos: np.ndarray, k: int, r: RowRange) -> str:
+    """sha256 of the AoS bytes of rows ``r`` (what one Engine reports for that row range)."""
+    return hashlib.sha256(np.ascontiguousarray(slice_blocks(aos, k, r))).hexdigest()
