@@ -1,0 +1,130 @@
+"""The client-side commands end to end: help texts, upload, bench and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from svc_util import random_q6k, write_gguf
+
+from q6serve.client import cli, cmd_demo
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_subcommand_has_help_with_an_example() -> None:
+    parsers = subcommands()
+    assert {"demo", "bench", "upload"} <= set(parsers)
+    for name, p in parsers.items():
+        text = p.format_help()
+        assert "example" in text and f"q6serve {name}" in text, name
+
+
+def test_upload(worker: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = write_gguf(tmp_path / "m.gguf", {"a": (64, 512, 1), "b": (4096, 512, 2)})
+    rc = cli.main(["upload", "--target", worker.target, str(tmp_path / "m.gguf"),
+                   "--tensor", "b", "--prefix", "up."])
+    assert rc == 0
+    assert "uploaded up.b" in capsys.readouterr().out
+    w = worker.client().get("up.b")
+    assert w.sha256 == hashlib.sha256(blocks["b"].tobytes()).hexdigest()
+    assert [x.name for x in worker.client().list()] == ["up.b"]
+
+
+def test_upload_errors(worker: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_gguf(tmp_path / "m.gguf", {"a": (64, 512, 1)})
+    args = ["upload", "--target", worker.target, str(tmp_path / "m.gguf")]
+    assert cli.main(args) == 0
+    assert cli.main(args) == 1  # second time: the name exists
+    assert "ALREADY_EXISTS" in capsys.readouterr().err
+    assert cli.main([*args, "--tensor", "zz"]) == 2
+    assert "zz" in capsys.readouterr().err
+
+
+@pytest.fixture
+def served(worker: Any) -> Any:
+    worker.client().upload("w", random_q6k(128, 512, 1), 128, 512)
+    return worker
+
+
+@pytest.mark.parametrize("mode", ["unary", "stream"])
+def test_bench_json(served: Any, mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["bench", "--target", served.target, "--duration", "0.3", "--warmup", "0.1",
+                   "--concurrency", "1", "3", "--n", "2", "--mode", mode, "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["weight"], doc["mode"], doc["backend"]) == ("w", mode, "numpy")
+    assert [(c["concurrency"], c["n"]) for c in doc["cells"]] == [(1, 2), (3, 2)]
+    for c in doc["cells"]:
+        assert c["calls"] > 0 and c["errors"] == {}
+        assert c["rows_per_s"] == pytest.approx(c["calls"] * 2 / c["seconds"])
+        assert 0 < c["p50_ms"] <= c["p99_ms"] and c["batch_rows"] >= 2
+
+
+def test_bench_table_and_missing_weight(served: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--target", served.target, "--duration", "0.2", "--warmup", "0",
+            "--concurrency", "2", "--n", "1"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "p99 ms" in out and "batch rows" in out
+    assert cli.main([*args, "--weight", "nope"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_bench_plot(served: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "bench.png"
+    rc = cli.main(["bench", "--target", served.target, "--duration", "0.2", "--warmup", "0",
+                   "--concurrency", "1", "--n", "1", "2", "--plot", str(png)])
+    if importlib.util.find_spec("matplotlib") is None:  # optional extra: a clear refusal
+        assert rc == 2 and "matplotlib" in capsys.readouterr().err and not png.exists()
+    else:
+        assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _demo(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
+    rc = cli.main(["demo", "--backend", "numpy", "--n", "1", "3", "--callers", "3",
+                   "--calls", "2", "--max-weight-mib", "0.25", "--json", *extra])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_demo_checks_every_result(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = _demo(capsys)
+    assert rc == 0 and doc["ok"] and doc["backend"] == "numpy"
+    cells = doc["cells"]
+    assert {c["weight"] for c in cells} == set(cmd_demo.SHAPES)
+    assert all(c["calls"] == 6 and c["ok"] and c["max_rel_err"] < 1e-5 for c in cells)
+    assert max(c["batch_rows_max"] for c in cells) > 3  # concurrent callers were coalesced
+    assert doc["vram"]["weights_bytes"] > 0
+
+
+def test_demo_fails_on_a_wrong_result(capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cmd_demo.TOLERANCE, "exact", 0.0)  # every f32 rounding now "wrong"
+    rc, doc = _demo(capsys, "--n", "1")
+    assert rc == 1 and not doc["ok"]
+
+
+def test_demo_serves_a_given_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_gguf(tmp_path / "mine.gguf", {"x.weight": (256, 512, 1), "y.weight": (64, 512, 2)})
+    rc, doc = _demo(capsys, "--gguf", str(tmp_path / "mine.gguf"), "--tensor", "x.weight")
+    assert rc == 0
+    assert {(c["weight"], c["rows"]) for c in doc["cells"]} == {("x.weight", 256)}
+
+
+def test_demo_table(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["demo", "--backend", "numpy", "--n", "2", "--callers", "2", "--calls", "1",
+                   "--max-weight-mib", "0.25"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for text in ("p50 ms", "p99 ms", "rows/s", "kernel %", "batch rows", "host memory used",
+                 "reserved memory back to", "match the NumPy reference", "ffn_down"):
+        assert text in out, text
