@@ -370,8 +370,8 @@ class CudaBackend(Backend):
         if ks <= 0:  # enough CTAs for ~2 per SM, each split keeping >= 2 blocks of K
             want = 2 * self.sm_count
             ks = max(1, min(bpr // 2, math.ceil(want / (gx * nz)))) if gx * nz < want else 1
-        ks = max(1, min(ks, bpr))
-        return gx, ks, nz
+        per = -(-bpr // max(1, min(ks, bpr)))
+        return gx, -(-bpr // per), nz  # no empty splits
 
     def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
               cfg: Cfg) -> None:

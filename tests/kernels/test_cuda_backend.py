@@ -1,0 +1,272 @@
+"""The CUDA backend against the NumPy references (``-m gpu``; skipped without CuPy or a GPU).
+
+Inputs are fresh random draws every run (the seed is printed on failure); outputs are
+checked to be fully written by poisoning the allocator's free blocks with NaN first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q6serve.kernels import q6k, reference
+from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision, iter_aos_chunks
+from q6serve.kernels.errors import FailedPrecondition, FormatError, Unavailable
+
+try:
+    import cupy
+except ImportError:  # CI: no CuPy at all
+    cupy = None
+
+
+def _gpu_count() -> int:
+    if cupy is None:
+        return 0
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+pytestmark = [pytest.mark.gpu]
+
+TOL = {Precision.EXACT: 1e-5, Precision.F16: 2e-3, Precision.Q8_1: 2e-2}
+SOA, AOS = KernelFlags(), KernelFlags(soa=False)
+
+
+@pytest.mark.skipif(cupy is not None, reason="CuPy is installed")
+def test_constructing_without_cupy_is_a_clear_error():
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    with pytest.raises(Unavailable, match="CuPy"):
+        CudaBackend()
+
+
+@pytest.fixture(scope="module")
+def be():
+    if _gpu_count() == 0:
+        pytest.skip("needs CuPy and a CUDA device")
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    b = CudaBackend(0)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def random_weight(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Valid Q6_K blocks ``[rows*k/256, 210]``: random codes and scales, finite f16 d."""
+    n = rows * (k // 256)
+    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))
+
+
+def poison() -> None:
+    """Fill the pool's free memory with NaN so unwritten outputs show up."""
+    pool = cupy.get_default_memory_pool()
+    junk = [cupy.full(1 << 20, np.nan, cupy.float32) for _ in range(16)]
+    for i in range(8):  # a spread of sizes so small and large outputs reuse poisoned blocks
+        junk.append(cupy.full(1 << (8 + 2 * i), np.nan, cupy.float32))
+    cupy.cuda.Device().synchronize()
+    del junk
+    assert pool.used_bytes() >= 0
+
+
+def load(be, blocks: np.ndarray, rows: int, k: int, layout: Layout, chunk: int = 1 << 20):
+    return be.load(iter_aos_chunks(blocks, rows, k, chunk), rows, k, layout, chunk)
+
+
+def check(be, w, blocks, x, precision, flags=SOA, y64=None):
+    poison()
+    res = be.matmul(w, x, precision=precision, flags=flags)
+    assert res.y.shape == (x.shape[0], w.rows) and res.y.dtype == np.float32
+    assert np.isfinite(res.y).all(), "unwritten or non-finite outputs"
+    if y64 is None:
+        y64 = reference.matmul_float64(x, blocks, w.rows)
+    err = rel_fro(res.y, y64)
+    assert err <= TOL[res.precision], (res.kernel, err)
+    if res.precision is Precision.Q8_1:
+        e1 = rel_fro(res.y, reference.matmul_q8_1(x, blocks, w.rows))
+        assert e1 <= 1e-6, (res.kernel, e1)
+    assert res.timing.seconds(wait=True) > 0
+    return res
+
+
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16, Precision.Q8_1,
+                                       Precision.AUTO])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 16, 17, 32, 33, 64, 65, 130])
+def test_accuracy_f32_activations(be, rng, precision, n):
+    rows, k = 333, 1280  # rows not a multiple of any tile; 5 blocks per row
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    check(be, w, blocks, x, precision)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (7, 256), (16, 512), (129, 256), (2, 4096)])
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16, Precision.Q8_1])
+@pytest.mark.parametrize("n", [1, 4, 24, 64])
+def test_odd_shapes(be, rng, shape, precision, n):
+    rows, k = shape
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    check(be, w, blocks, x, precision)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16])
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16, Precision.Q8_1])
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_half_activations(be, rng, dtype, precision, n):
+    rows, k = 200, 768
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((n, k)).astype(np.float32).astype(dtype)
+    check(be, w, blocks, x, precision)
+
+
+def test_n_sweep_1_to_300(be, rng):
+    rows, k = 150, 512
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    xs = rng.standard_normal((300, k)).astype(np.float32)
+    y64 = reference.matmul_float64(xs, blocks, rows)
+    for n in [*range(1, 80), *range(80, 301, 11), 256, 257, 300]:
+        for precision in (Precision.AUTO, Precision.EXACT, Precision.F16):
+            check(be, w, blocks, xs[:n], precision, y64=y64[:n])
+
+
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16, Precision.Q8_1])
+def test_soa_and_aos_readers_are_bit_identical(be, rng, precision):
+    rows, k = 517, 1536
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    for n in (1, 2, 7, 8, 13, 16, 29, 32, 64, 100, 300):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        ys = be.matmul(ws, x, precision=precision, flags=SOA)
+        ya = be.matmul(wa, x, precision=precision, flags=AOS)
+        assert ys.kernel.endswith(".soa") and ya.kernel.endswith(".aos")
+        np.testing.assert_array_equal(ys.y.view(np.uint32), ya.y.view(np.uint32),
+                                      err_msg=f"{ys.kernel} vs {ya.kernel} at N={n}")
+
+
+def test_decode_mmq_off_uses_no_tile_and_refuses_q8_1(be, rng):
+    rows, k = 64, 512
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    flags = KernelFlags(decode_mmq=False)
+    for n in (1, 8, 9, 64):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        res = check(be, w, blocks, x, Precision.AUTO, flags)
+        assert "mma" not in res.kernel and "mmq" not in res.kernel
+        res = check(be, w, blocks, x, Precision.F16, flags)
+        assert res.kernel.startswith("cuda.cublas_f16")
+    with pytest.raises(FailedPrecondition, match="q8_1"):
+        be.matmul(w, x, precision=Precision.Q8_1, flags=flags)
+
+
+def test_lm_head_like_argmax(be, rng):
+    rows, k, n = 8192, 1024, 256
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA, chunk=4 << 20)
+    wd = q6k.dequantize_aos(blocks, rows, k)
+    target = rng.integers(0, rows, n)
+    # Hidden states that point at a planted token, as a real lm-head's inputs do.
+    x = (wd[target] / np.linalg.norm(wd[target], axis=1, keepdims=True) * 4
+         + rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    want = reference.matmul_float64(x, blocks, rows).argmax(axis=1)
+    for precision in (Precision.EXACT, Precision.F16, Precision.Q8_1, Precision.AUTO):
+        got = be.matmul(w, x, precision=precision).y.argmax(axis=1)
+        assert (got == want).mean() >= 0.99, precision
+
+
+def test_relayout_and_read_aos_round_trip(be, rng):
+    rows, k = 300, 2048
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    np.testing.assert_array_equal(be.read_aos(w), blocks)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    y0 = be.matmul(w, x, precision=Precision.F16).y
+    wa = be.relayout(w, Layout.AOS, 1 << 20)
+    assert wa.layout is Layout.AOS and wa.nbytes == be.weight_nbytes(rows, k, Layout.AOS)
+    np.testing.assert_array_equal(be.read_aos(wa), blocks)
+    np.testing.assert_array_equal(be.matmul(wa, x, precision=Precision.F16, flags=AOS).y, y0)
+    ws = be.relayout(wa, Layout.SOA, 1 << 20)
+    np.testing.assert_array_equal(be.read_aos(ws), blocks)
+    np.testing.assert_array_equal(be.matmul(ws, x, precision=Precision.F16).y, y0)
+
+
+def test_multi_slab_weight(be, rng, monkeypatch):
+    from q6serve.kernels import cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "SLAB_BYTES", 37 * 5 * 210)  # 37-row slabs
+    rows, k = 200, 1280
+    blocks = random_weight(rng, rows, k)
+    for layout, flags in ((Layout.SOA, SOA), (Layout.AOS, AOS)):
+        w = load(be, blocks, rows, k, layout, chunk=23 * 5 * 210)
+        assert len(w.data.slabs) == 6
+        np.testing.assert_array_equal(be.read_aos(w), blocks)
+        for precision in (Precision.EXACT, Precision.F16, Precision.Q8_1):
+            x = rng.standard_normal((19, k)).astype(np.float32)
+            check(be, w, blocks, x, precision, flags)
+
+
+def test_load_peak_vram_is_bounded_by_the_chunk(be, rng):
+    rows, k, chunk = 2048, 4096, 1 << 20
+    blocks = random_weight(rng, rows, k)  # 7.3 MB of AoS
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    w = load(be, blocks, rows, k, Layout.SOA, chunk=chunk)
+    peak = pool.total_bytes() - before  # the pool keeps every block it ever handed out
+    assert be.load_scratch_nbytes(rows, k, chunk) <= chunk
+    assert peak <= be.weight_nbytes(rows, k, Layout.SOA) + chunk, peak
+    assert w.nbytes == be.weight_nbytes(rows, k, Layout.SOA)
+
+
+def test_bad_chunks_are_rejected(be, rng):
+    rows, k = 8, 512
+    blocks = random_weight(rng, rows, k)
+    with pytest.raises(FormatError, match="whole rows"):
+        be.load([blocks.reshape(-1)[:-210]], rows, k, Layout.SOA, 1 << 20)
+    with pytest.raises(FormatError, match="rows of data"):
+        be.load([blocks[:10]], rows, k, Layout.SOA, 1 << 20)
+
+
+def test_results_are_deterministic_with_split_k(be, rng):
+    from q6serve.kernels.cuda_backend import Cfg
+
+    rows, k = 96, 4096  # few rows: the grid splits K across CTAs
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    runs = [be.matmul(w, x, precision=Precision.F16).y for _ in range(3)]
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
+    xd = cupy.asarray(x)
+    one = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, mt=2, pre=True, ksplit=1)).get()
+    five = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, mt=2, pre=True, ksplit=5)).get()
+    assert rel_fro(five, one) < 1e-6
+
+
+def test_plan_names_kernel_and_layout(be):
+    assert be.plan(4, Precision.EXACT, AOS) == ("cuda.exact.aos", Precision.EXACT)
+    assert be.plan(64, Precision.Q8_1, SOA) == ("cuda.mmq_q8_1.soa", Precision.Q8_1)
+    name, prec = be.plan(1, Precision.AUTO, SOA)
+    assert prec is not Precision.AUTO and name.endswith(".soa")
