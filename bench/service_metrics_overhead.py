@@ -1,8 +1,8 @@
 """Service throughput with and without metrics (issue 5: metrics may cost <= 5%).
 
-64 concurrent callers (threads, 8 channels) send Matmul requests of N=1 to an in-process worker
-for a fixed time; the two modes alternate to even out drift. Prints one Markdown table row per
-(weight shape, mode) and the overhead.
+64 concurrent callers (--procs client processes x threads, so the clients do not share the
+worker's GIL) send Matmul requests of N=1 to a worker for a fixed time; the two modes alternate
+to even out drift. Prints one Markdown table row per weight shape with the overhead.
 
     .venv/bin/python bench/service_metrics_overhead.py [--backend numpy] [--seconds 5]
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import statistics
 import threading
 import time
@@ -34,7 +35,34 @@ def _blocks(rows: int, k: int) -> np.ndarray:
     return b
 
 
-def run_once(backend_name: str, metrics: bool, rows: int, k: int, seconds: float) -> float:
+def _callers(target: str, k: int, threads: int, seconds: float) -> float:
+    """One client process: ``threads`` callers for ``seconds``; returns its requests/s."""
+    clients = [Client(target) for _ in range(max(1, threads // 8))]
+    x = np.ones((1, k), np.float32)
+    clients[0].matmul("w", x)
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+    counts = [0] * threads
+
+    def caller(i: int) -> None:
+        c = clients[i % len(clients)]
+        while time.perf_counter() < stop:
+            c.matmul("w", x)
+            counts[i] += 1
+
+    ts = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    rate = sum(counts) / (time.perf_counter() - t0)
+    for c in clients:
+        c.close()
+    return rate
+
+
+def run_once(backend_name: str, metrics: bool, rows: int, k: int, seconds: float,
+             procs: int) -> float:
     """Requests per second of one mode."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -43,29 +71,13 @@ def run_once(backend_name: str, metrics: bool, rows: int, k: int, seconds: float
                        metrics_port=0 if metrics else None)
     worker = Worker(cfg, make_backend(backend_name), CollectorRegistry())
     asyncio.run_coroutine_threadsafe(worker.start(), loop).result(60)
-    clients = [Client(worker.target) for _ in range(8)]
-    clients[0].upload("w", _blocks(rows, k), rows, k)
-    x = np.ones((1, k), np.float32)
-    for c in clients:
-        c.matmul("w", x)
-    stop = time.perf_counter() + seconds
-    counts = [0] * CALLERS
-
-    def caller(i: int) -> None:
-        c = clients[i % len(clients)]
-        while time.perf_counter() < stop:
-            c.matmul("w", x)
-            counts[i] += 1
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(CALLERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    rate = sum(counts) / (time.perf_counter() - t0)
-    for c in clients:
-        c.close()
+    with Client(worker.target) as c:
+        c.upload("w", _blocks(rows, k), rows, k)
+        c.matmul("w", np.ones((1, k), np.float32))
+    ctx = mp.get_context("spawn")  # no fork after gRPC started
+    per = CALLERS // procs
+    with ctx.Pool(procs) as pool:
+        rate = sum(pool.starmap(_callers, [(worker.target, k, per, seconds)] * procs))
     asyncio.run_coroutine_threadsafe(worker.stop(1.0), loop).result(60)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
@@ -78,6 +90,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default="256x256,4096x4096")
+    ap.add_argument("--procs", type=int, default=4, help="client processes (64 callers total)")
     args = ap.parse_args()
     print("| backend | weight | metrics off (req/s) | metrics on (req/s) | overhead |")
     print("|---|---|---|---|---|")
@@ -86,7 +99,8 @@ def main() -> None:
         rates: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.rounds):
             for mode in (False, True):
-                rates[mode].append(run_once(args.backend, mode, rows, k, args.seconds))
+                rates[mode].append(run_once(args.backend, mode, rows, k, args.seconds,
+                                             args.procs))
         off, on = statistics.median(rates[False]), statistics.median(rates[True])
         print(f"| {args.backend} | {rows}x{k} | {off:.0f} | {on:.0f} | "
               f"{(off - on) / off * 100:+.1f}% |", flush=True)
