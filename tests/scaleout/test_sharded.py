@@ -134,3 +134,25 @@ def test_cli_load_and_matmul_take_several_targets(
                  "--prefix", "r/", "--rows", "0:30,30:37"]) == 0
     with Client(b.target, timeout=10) as c:
         assert c.get("r/w").row_begin == 30
+
+
+def test_frozen_shard_hits_the_deadline_not_a_hang(start_worker: Callable[..., LoopWorker],
+                                                   gguf: np.ndarray) -> None:
+    """A shard that accepts connections but never answers (a frozen process): the call ends
+    at its deadline with DEADLINE_EXCEEDED naming that shard."""
+    import socket
+
+    a = start_worker()
+    with Client(a.target, timeout=10) as c:
+        c.load("m.gguf", ["w"], rows=(0, 19))
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        frozen = f"127.0.0.1:{mute.getsockname()[1]}"
+        with ShardedClient([a.target, frozen], timeout=1.0) as c:
+            t0 = time.monotonic()
+            with pytest.raises(Q6ServeError) as e:
+                c.matmul("w", _x(1))
+            assert time.monotonic() - t0 < 4.0
+    assert e.value.code.name in ("DEADLINE_EXCEEDED", "UNAVAILABLE"), e.value
+    assert f"shard 1 of 2 ({frozen})" in e.value.message
