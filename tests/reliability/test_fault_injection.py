@@ -302,7 +302,7 @@ def test_allocation_failure_mid_upload_rolls_back(start: Callable[..., RunningWo
 
 
 # -- a device error marks the worker NOT_SERVING ------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="gap: device errors do not reach health yet")
+@pytest.mark.xfail(reason="gap: device errors do not reach health yet")
 def test_device_error_marks_health_not_serving(start: Callable[..., RunningWorker]) -> None:
     backend = FaultyBackend()
     w = start(backend)

