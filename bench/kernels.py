@@ -37,13 +37,19 @@ LLAMA_US = {
 PATHS = {"exact": Precision.EXACT, "mma_f16": Precision.F16, "mmq_q8_1": Precision.Q8_1,
          "cublas_f16": Precision.F16}
 VARIANTS = {  # mma_f16 launch shapes compared with --variants
-    "nt1.mt1.w8": Cfg(nt=1, mt=1), "nt1.mt2.w8": Cfg(nt=1, mt=2), "nt1.mt1.w4": Cfg(nt=1, warps=4),
-    "nt2.mt2": Cfg(nt=2, mt=2), "nt2.mt2.pre": Cfg(nt=2, mt=2, pre=True),
-    "nt4.mt2.pre": Cfg(nt=4, mt=2, pre=True), "nt4.mt1.pre": Cfg(nt=4, mt=1, pre=True),
-    "nt8.mt1.pre": Cfg(nt=8, mt=1, pre=True), "nt8.mt2.pre": Cfg(nt=8, mt=2, pre=True),
+    "nt1.mt1.pf": Cfg(nt=1, mt=1, pf=True), "nt1.mt1": Cfg(nt=1, mt=1),
+    "nt1.mt1.pf.w4": Cfg(nt=1, mt=1, pf=True, warps=4),
+    "nt2.mt1.pre.pf": Cfg(nt=2, mt=1, pre=True, pf=True), "nt2.mt1.pre": Cfg(nt=2, pre=True),
+    "nt4.mt1.pre": Cfg(nt=4, mt=1, pre=True), "nt4.mt1.pre.pf": Cfg(nt=4, pre=True, pf=True),
+    "nt8.mt1.pre": Cfg(nt=8, mt=1, pre=True), "nt8.mt1.pre.pf": Cfg(nt=8, pre=True, pf=True),
     "nt8.mt1.pre.w4": Cfg(nt=8, mt=1, pre=True, warps=4),
 }
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
+EXACT_VARIANTS = {"exact.pf": Cfg(nt=1, pf=True), "exact.nopf": Cfg(nt=1)}
+SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}"""
 
 
 def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
@@ -61,6 +67,8 @@ def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:
         fn(i % copies)
     stream.synchronize()
     evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+    # Keep the GPU busy while the host enqueues, so the events time the GPU, not Python.
+    cp.RawKernel(SPIN_SRC, "spin")((1,), (1,), (np.int64(30_000_000),))
     for i, (a, b) in enumerate(evs):
         a.record(stream)
         fn(i % copies)
@@ -137,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, cfg in VARIANTS.items():
                     if n in VARIANT_NS[name.split(".")[0]]:
                         runs.append(("mma_f16." + name, "mma_f16", cfg))
+                if n == 1:
+                    runs += [(name, "exact", cfg) for name, cfg in EXACT_VARIANTS.items()]
             for label, path, cfg in runs:
                 c = cfg or default_cfg(path, n)
 

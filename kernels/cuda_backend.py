@@ -27,7 +27,6 @@ the AoS address arithmetic and give bit-identical results.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,20 +81,21 @@ class Cfg:
     mt: int = 1  # m-tiles of 16 rows per warp
     warps: int = 8  # warps per CTA (row-split: each warp its own rows)
     pre: bool = False  # f16 activations from the fragment-order prepass
-    ksplit: int = 0  # CTAs along K (0: choose from the grid size)
+    pf: bool = False  # prefetch the next block's weights (double buffer in registers)
+    ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
 
 def default_cfg(path: str, n: int) -> Cfg:
     if path == "exact":
-        return Cfg(nt=1 if n == 1 else 2 if n == 2 else 4)
+        return Cfg(nt=1 if n == 1 else 2 if n == 2 else 4, pf=n <= 2)
     if path == "mmq_q8_1":
         return Cfg(nt=1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8)
     if n <= 8:
-        return Cfg(nt=1, mt=1)
+        return Cfg(nt=1, mt=1, pf=True)
     if n <= 16:
-        return Cfg(nt=2, mt=2)
+        return Cfg(nt=2, mt=1, pre=True, pf=True)
     if n <= 32:
-        return Cfg(nt=4, mt=2, pre=True)
+        return Cfg(nt=4, mt=1, pre=True)
     return Cfg(nt=8, mt=1, pre=True)
 
 
@@ -363,15 +363,29 @@ class CudaBackend(Backend):
                 raise DeviceError(f"unknown kernel path {path!r}")
         return y
 
-    def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg) -> tuple[int, int, int]:
+    def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg, fn: Any,
+              n: int) -> tuple[int, int, int]:
+        """(row tiles, K splits, token chunks): the split that finishes in the fewest
+        block-steps per SM given the kernel's occupancy, charging split-K's partial sums."""
         gx = -(-w.rows // rows_cta)
         bpr = w.k // q6k.QK_K
-        ks = cfg.ksplit
-        if ks <= 0:  # enough CTAs for ~2 per SM, each split keeping >= 2 blocks of K
-            want = 2 * self.sm_count
-            ks = max(1, min(bpr // 2, math.ceil(want / (gx * nz)))) if gx * nz < want else 1
-        per = -(-bpr // max(1, min(ks, bpr)))
-        return gx, -(-bpr // per), nz  # no empty splits
+        if cfg.ksplit > 0:
+            per = -(-bpr // min(cfg.ksplit, bpr))
+            return gx, -(-bpr // per), nz
+        threads = 32 * cfg.warps
+        regs = -(-max(int(fn.num_regs), 1) // 8) * 8
+        slots = self.sm_count * max(1, min(2048 // threads, 65536 // (threads * regs)))
+        best: tuple[float, int] | None = None
+        for ks in range(1, min(bpr, 64) + 1):
+            per = -(-bpr // ks)
+            ks_eff = -(-bpr // per)
+            waves = -(-(gx * nz * ks_eff) // slots)
+            extra = 0.0 if ks_eff == 1 else ks_eff * n * w.rows * 8 / (w.rows * bpr * 210)
+            cost = waves * per * (1 + extra)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, ks_eff)
+        assert best is not None
+        return gx, best[1], nz
 
     def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
               cfg: Cfg) -> None:
@@ -383,7 +397,17 @@ class CudaBackend(Backend):
         tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
         nz = -(-n // tok_per_cta)
         rows_cta = warps * 16 * (1 if path == "exact" else cfg.mt)
-        gx, ks, _ = self._grid(w, rows_cta, nz, cfg)
+        pf = "true" if cfg.pf else "false"
+        pre = "true" if cfg.pre else "false"
+        if path == "exact":
+            name = f"q6k_exact<{cfg.nt}, {soa}, {in_t}, {pf}>"
+        elif path == "mma_f16":
+            t_in = "InF16" if cfg.pre else in_t  # the tile reads only the prepass buffer
+            name = f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {soa}, {pre}, {t_in}, {pf}>"
+        else:
+            name = f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {soa}>"
+        fn = self._fn(MATMUL_FILE, name)
+        gx, ks, _ = self._grid(w, rows_cta, nz, cfg, fn, n)
         part = cp.empty((ks, n, w.rows), cp.float32) if ks > 1 else None
         tickets = self._tickets_for(gx * nz)
         wargs = (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps))
@@ -391,8 +415,7 @@ class CudaBackend(Backend):
         grid = (gx, ks, nz)
         threads = 32 * warps
         if path == "exact":
-            name = f"q6k_exact<{cfg.nt}, {soa}, {in_t}>"
-            self._launch(MATMUL_FILE, name, grid, threads, (*wargs, xd, np.int32(w.k), *oargs))
+            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), *oargs))
             return
         if path == "mma_f16":
             xp: Any = np.uint64(0)
@@ -402,11 +425,7 @@ class CudaBackend(Backend):
                 self._launch(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>",
                              (min(65535, -(-total // 256)),), 256,
                              (xd, np.int32(n), np.int32(w.k), np.int32(nz), xp))
-                in_t = "InF16"  # the tile reads only the prepass buffer
-            pre = "true" if cfg.pre else "false"
-            name = f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {soa}, {pre}, {in_t}>"
-            self._launch(MATMUL_FILE, name, grid, threads,
-                         (*wargs, xd, np.int32(w.k), xp, *oargs))
+            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), xp, *oargs))
             return
         # mmq_q8_1: quantize to q8_1 in fragment order, then the int8 tile
         nt = cfg.nt
@@ -417,8 +436,7 @@ class CudaBackend(Backend):
         self._launch(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>",
                      (min(65535, -(-total // 256)),), 256,
                      (xd, np.int32(n), np.int32(w.k), np.int32(nz), xq, corr, d8))
-        name = f"q6k_mmq_q8<{nt}, {cfg.mt}, {soa}>"
-        self._launch(MATMUL_FILE, name, grid, threads, (*wargs, xq, corr, d8, *oargs))
+        fn(grid, (threads,), (*wargs, xq, corr, d8, *oargs))
 
     def _cublas(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any) -> None:
         cp = self._cp

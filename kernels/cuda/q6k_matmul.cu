@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
 // F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
 // of chunk blockIdx.z, over the K blocks of split blockIdx.y. PRE: activations from the
 // q6k_prep_f16 buffer, else read and rounded in place (In).
-template <int NT, int MT, bool SOA, bool PRE, class In>
+template <int NT, int MT, bool SOA, bool PRE, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -118,12 +118,27 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
+    // PF: the next block's weights are loaded before this block's math (double buffer).
+    Raw nxt[MT][2];
+    if (PF && kb0 < kb1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0, t);
+    }
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
+            for (int hr = 0; hr < 2; ++hr) {
+                if (PF) {
+                    raw[mt][hr] = nxt[mt][hr];
+                    if (kb + 1 < kb1) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb + 1, t);
+                } else {
+                    raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
+                }
+            }
 
         float dmul[MT][2];
         u32 sc2[MT][2][4];
@@ -203,7 +218,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 // Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
-template <int TOK, bool SOA, class In>
+template <int TOK, bool SOA, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T* x, int K,
                                                   PARAMS_OUT) {
     MAKE_W;
@@ -233,10 +248,22 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
 #pragma unroll
         for (int n = 0; n < TOK; ++n) acc[hr][n] = 0.f;
 
+    Raw nxt[2];
+    if (PF && kb0 < kb1) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) nxt[hr] = load_raw<SOA>(rr[hr], kb0, t);
+    }
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[2];
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) raw[hr] = load_raw<SOA>(rr[hr], kb, t);
+        for (int hr = 0; hr < 2; ++hr) {
+            if (PF) {
+                raw[hr] = nxt[hr];
+                if (kb + 1 < kb1) nxt[hr] = load_raw<SOA>(rr[hr], kb + 1, t);
+            } else {
+                raw[hr] = load_raw<SOA>(rr[hr], kb, t);
+            }
+        }
         float part[2][TOK];
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
@@ -514,9 +541,11 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 #ifdef Q6SERVE_NVCC_CHECK
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
-#define INST_MMA(NT, MT, SOA, PRE, IN)                                                     \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, PRE, IN>(                            \
+#define INST_MMA2(NT, MT, SOA, PRE, IN, PF)                                                 \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, PRE, IN, PF>(                        \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_MMA(NT, MT, SOA, PRE, IN) \
+    INST_MMA2(NT, MT, SOA, PRE, IN, true) INST_MMA2(NT, MT, SOA, PRE, IN, false)
 #define INST_MMA_IN(NT, MT, SOA, PRE) \
     INST_MMA(NT, MT, SOA, PRE, InF32) INST_MMA(NT, MT, SOA, PRE, InF16) INST_MMA(NT, MT, SOA, PRE, InBF16)
 INST_MMA_IN(1, 1, true, false) INST_MMA_IN(1, 2, true, false) INST_MMA_IN(2, 2, true, false)
@@ -528,11 +557,12 @@ INST_MMA(4, 2, false, true, InF16) INST_MMA(8, 2, false, true, InF16) INST_MMA(8
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
 #define INST_PREP_IN(NT) INST_PREP(NT, InF32) INST_PREP(NT, InF16) INST_PREP(NT, InBF16)
 INST_PREP_IN(1) INST_PREP_IN(2) INST_PREP_IN(4) INST_PREP_IN(8)
-#define INST_EXACT(TOK, SOA, IN) \
-    template __global__ void q6k_exact<TOK, SOA, IN>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
+#define INST_EXACT2(TOK, SOA, IN, PF) \
+    template __global__ void q6k_exact<TOK, SOA, IN, PF>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
+#define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true) INST_EXACT2(TOK, SOA, IN, false)
 #define INST_EXACT_IN(TOK, SOA) INST_EXACT(TOK, SOA, InF32) INST_EXACT(TOK, SOA, InF16) INST_EXACT(TOK, SOA, InBF16)
-INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true) INST_EXACT_IN(8, true)
-INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false) INST_EXACT_IN(8, false)
+INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true)
+INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false)
 #define INST_MMQ(NT, MT, SOA) \
     template __global__ void q6k_mmq_q8<NT, MT, SOA>(const u64*, int, int, int, const uint4*, const int2*, const float2*, float*, float*, u32*, int);
 INST_MMQ(1, 1, true) INST_MMQ(2, 1, true) INST_MMQ(4, 1, true) INST_MMQ(8, 1, true)
