@@ -285,10 +285,14 @@ def _check_tensor(c: _Cursor, t: _RawTensor, data_start: int, alignment: int) ->
 def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
     """Open a GGUF file, turning the parser's many failure modes into one clear FormatError."""
     p = Path(path)
-    if not p.is_file():
-        raise NotFound(f"GGUF file {str(p)!r} does not exist")
-    size = p.stat().st_size
-    scan(p)
+    try:
+        if not p.is_file():
+            raise NotFound(f"GGUF file {str(p)[-256:]!r} does not exist")
+        size = p.stat().st_size
+        scan(p)
+    except OSError as e:  # ENAMETOOLONG, EACCES, EIO...: the caller's path, not our bug
+        raise NotFound(f"GGUF file {p.name[:256]!r} cannot be read: "
+                       f"{e.strerror or type(e).__name__}") from None
     try:
         reader = GGUFReader(p, "r")
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as e:
