@@ -293,7 +293,9 @@ def _plan(path: Path, names: list[str] | None, max_mib: float) -> dict[str, tupl
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
+    from q6serve.client.client import Q6ServeError
     from q6serve.client.local_worker import LocalWorker
     from q6serve.kernels.backends import make_backend
     from q6serve.kernels.errors import Q6Error
@@ -334,5 +336,10 @@ def run(args: argparse.Namespace) -> int:
                               vram_budget=Budget(fraction=0.9))
         with LocalWorker(config, backend) as worker:
             say(f"worker listening on {worker.target} (in-process, gRPC over loopback)")
-            return asyncio.run(serve_and_check(worker.target, args, path, plan, full_rows,
-                                               console))
+            try:
+                return asyncio.run(serve_and_check(worker.target, args, path, plan, full_rows,
+                                                   console))
+            except Q6ServeError as e:  # the worker's own words, without a client traceback
+                console.print(f"[red]q6serve demo: {e.code.name}: {escape(e.message)}[/]",
+                              highlight=False)
+                return 1

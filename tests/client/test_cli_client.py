@@ -128,3 +128,20 @@ def test_demo_table(capsys: pytest.CaptureFixture[str]) -> None:
     for text in ("p50 ms", "p99 ms", "rows/s", "kernel %", "batch rows", "host memory used",
                  "reserved memory back to", "match the NumPy reference", "ffn_down"):
         assert text in out, text
+
+
+def test_demo_reports_a_worker_failure(capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from q6serve.kernels import backends
+    from q6serve.kernels.errors import DeviceError
+    from q6serve.kernels.numpy_backend import NumpyBackend
+
+    class Broken(NumpyBackend):
+        def matmul(self, *a: Any, **kw: Any) -> Any:
+            raise DeviceError("injected [kernel] failure")
+
+    monkeypatch.setattr(backends, "make_backend", lambda name: Broken())
+    rc = cli.main(["demo", "--n", "1", "--callers", "1", "--calls", "1",
+                   "--max-weight-mib", "0.25"])
+    assert rc == 1
+    assert "injected [kernel] failure" in capsys.readouterr().out
