@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="activation rows per call (default 1 4 16 64)")
     p.add_argument("--callers", type=int, default=8, help="concurrent callers (default 8)")
-    p.add_argument("--calls", type=int, default=4, help="calls per caller and N (default 4)")
+    p.add_argument("--calls", type=int, default=3, help="calls per caller and N (default 3)")
     p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"),
                    help="activation dtype on the wire (default f16)")
     p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"))
@@ -111,6 +111,7 @@ class Cell:
     batch_rows_max: int
     max_rel_err: float
     ok: bool
+    wall_s: float  # the cell's timed run (without warm-up and checking)
 
 
 async def run_cell(client: Any, name: str, w32: np.ndarray, n: int, callers: int, calls: int,
@@ -151,7 +152,7 @@ async def run_cell(client: Any, name: str, w32: np.ndarray, n: int, callers: int
                 "/".join(sorted(precisions)), float(np.percentile(lat, 50) * 1e3),
                 float(np.percentile(lat, 99) * 1e3), len(results) * n / wall,
                 float(np.mean(kern)) if kern else None, float(np.mean(batch)), max(batch),
-                max(errs), max(errs) <= tol)
+                max(errs), max(errs) <= tol, wall)
 
 
 # -- output ---------------------------------------------------------------------------------
