@@ -6,6 +6,8 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,14 @@ def test_every_subcommand_has_help_with_an_example() -> None:
     for name, p in parsers.items():
         text = p.format_help()
         assert "example" in text and f"q6serve {name}" in text, name
+
+
+def test_parser_and_package_import_no_grpc() -> None:
+    """`q6serve quantize`/`--help` stay light: commands import gRPC only when they run."""
+    code = ("import sys; import q6serve.client as c; from q6serve.client import cli; "
+            "cli.build_parser(); assert 'grpc' not in sys.modules, 'grpc imported'; "
+            "assert c.AsyncClient.__name__ == 'AsyncClient'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_upload(worker: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
