@@ -37,15 +37,16 @@ LLAMA_US = {
 PATHS = {"exact": Precision.EXACT, "mma_f16": Precision.F16, "mmq_q8_1": Precision.Q8_1,
          "cublas_f16": Precision.F16}
 VARIANTS = {  # mma_f16 launch shapes compared with --variants
-    "nt1.mt1.pf": Cfg(nt=1, mt=1, pf=True), "nt1.mt1": Cfg(nt=1, mt=1),
-    "nt1.mt1.pf.w4": Cfg(nt=1, mt=1, pf=True, warps=4),
-    "nt2.mt1.pre.pf": Cfg(nt=2, mt=1, pre=True, pf=True), "nt2.mt1.pre": Cfg(nt=2, pre=True),
-    "nt4.mt1.pre": Cfg(nt=4, mt=1, pre=True), "nt4.mt1.pre.pf": Cfg(nt=4, pre=True, pf=True),
-    "nt8.mt1.pre": Cfg(nt=8, mt=1, pre=True), "nt8.mt1.pre.pf": Cfg(nt=8, pre=True, pf=True),
-    "nt8.mt1.pre.w4": Cfg(nt=8, mt=1, pre=True, warps=4),
+    "nt1.sm": Cfg(nt=1), "nt1.sm.pf": Cfg(nt=1, pf=True), "nt1.sm.w4": Cfg(nt=1, warps=4),
+    "nt1.ldg": Cfg(nt=1, src=0),
+    "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True), "nt2.pre": Cfg(nt=2, src=1),
+    "nt4.pre": Cfg(nt=4, src=1), "nt4.pre.w4": Cfg(nt=4, src=1, warps=4),
+    "nt8.pre": Cfg(nt=8, src=1), "nt8.pre.pf": Cfg(nt=8, src=1, pf=True),
+    "nt8.pre.w4": Cfg(nt=8, src=1, warps=4),
 }
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
-EXACT_VARIANTS = {"exact.pf": Cfg(nt=1, pf=True), "exact.nopf": Cfg(nt=1)}
+EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
+                  "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) {}

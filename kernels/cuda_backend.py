@@ -80,7 +80,7 @@ class Cfg:
     nt: int = 1  # n-tiles of 8 tokens per CTA (mma/mmq) or tokens per CTA (exact)
     mt: int = 1  # m-tiles of 16 rows per warp
     warps: int = 8  # warps per CTA (row-split: each warp its own rows)
-    pre: bool = False  # f16 activations from the fragment-order prepass
+    src: int = 2  # activations: 0 read in the loop, 1 f16 prepass buffer, 2 staged in smem
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
@@ -91,12 +91,26 @@ def default_cfg(path: str, n: int) -> Cfg:
     if path == "mmq_q8_1":
         return Cfg(nt=1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8)
     if n <= 8:
-        return Cfg(nt=1, mt=1, pf=True)
+        return Cfg(nt=1)
     if n <= 16:
-        return Cfg(nt=2, mt=1, pre=True, pf=True)
+        return Cfg(nt=2)
     if n <= 32:
-        return Cfg(nt=4, mt=1, pre=True)
-    return Cfg(nt=8, mt=1, pre=True)
+        return Cfg(nt=4, src=1)
+    return Cfg(nt=8, src=1)
+
+
+SMEM_LIMIT = 48 << 10  # staged activations per CTA (no opt-in needed below this)
+
+
+def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
+    """Shared memory of one CTA that owns ``per`` K blocks."""
+    if cfg.src != 2:
+        return 0
+    if path == "exact":
+        return cfg.nt * per * 1024
+    if path == "mma_f16":
+        return 8 * cfg.nt * (per * 32 + 4) * 16
+    return 0
 
 
 @dataclass
@@ -363,28 +377,33 @@ class CudaBackend(Backend):
                 raise DeviceError(f"unknown kernel path {path!r}")
         return y
 
-    def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg, fn: Any,
-              n: int) -> tuple[int, int, int]:
+    def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,
+              path: str) -> tuple[int, int, int]:
         """(row tiles, K splits, token chunks): the split that finishes in the fewest
-        block-steps per SM given the kernel's occupancy, charging split-K's partial sums."""
+        block-steps per SM given the kernel's occupancy (registers, shared memory), charging
+        split-K's partial sums. Depends only on the SoA twin, so both layouts sum alike."""
         gx = -(-w.rows // rows_cta)
         bpr = w.k // q6k.QK_K
-        if cfg.ksplit > 0:
-            per = -(-bpr // min(cfg.ksplit, bpr))
-            return gx, -(-bpr // per), nz
         threads = 32 * cfg.warps
         regs = -(-max(int(fn.num_regs), 1) // 8) * 8
-        slots = self.sm_count * max(1, min(2048 // threads, 65536 // (threads * regs)))
+        occ_regs = max(1, min(2048 // threads, 65536 // (threads * regs)))
         best: tuple[float, int] | None = None
-        for ks in range(1, min(bpr, 64) + 1):
-            per = -(-bpr // ks)
+        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
+        for ks in choices:
+            per = -(-bpr // min(ks, bpr))
             ks_eff = -(-bpr // per)
+            smem = smem_bytes(path, cfg, per)
+            if smem > SMEM_LIMIT and cfg.ksplit <= 0:
+                continue
+            occ = min(occ_regs, (228 << 10) // (smem + 1024)) if smem else occ_regs
+            slots = self.sm_count * max(1, occ)
             waves = -(-(gx * nz * ks_eff) // slots)
             extra = 0.0 if ks_eff == 1 else ks_eff * n * w.rows * 8 / (w.rows * bpr * 210)
             cost = waves * per * (1 + extra)
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, ks_eff)
-        assert best is not None
+        if best is None:
+            raise DeviceError(f"no K split fits {path} {cfg} in shared memory")
         return gx, best[1], nz
 
     def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
@@ -398,16 +417,21 @@ class CudaBackend(Backend):
         nz = -(-n // tok_per_cta)
         rows_cta = warps * 16 * (1 if path == "exact" else cfg.mt)
         pf = "true" if cfg.pf else "false"
-        pre = "true" if cfg.pre else "false"
-        if path == "exact":
-            name = f"q6k_exact<{cfg.nt}, {soa}, {in_t}, {pf}>"
-        elif path == "mma_f16":
-            t_in = "InF16" if cfg.pre else in_t  # the tile reads only the prepass buffer
-            name = f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {soa}, {pre}, {t_in}, {pf}>"
-        else:
-            name = f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {soa}>"
-        fn = self._fn(MATMUL_FILE, name)
-        gx, ks, _ = self._grid(w, rows_cta, nz, cfg, fn, n)
+
+        def kname(lay: str) -> str:
+            if path == "exact":
+                sm = "true" if cfg.src == 2 else "false"
+                return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
+            if path == "mma_f16":
+                t_in = "InF16" if cfg.src == 1 else in_t  # the tile reads only the prepass
+                return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
+            return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
+
+        fn = self._fn(MATMUL_FILE, kname(soa))
+        gx, ks, _ = self._grid(w, rows_cta, nz, cfg, self._fn(MATMUL_FILE, kname("true")), n,
+                               path)
+        per = -(-bpr // ks)
+        smem = smem_bytes(path, cfg, per)
         part = cp.empty((ks, n, w.rows), cp.float32) if ks > 1 else None
         tickets = self._tickets_for(gx * nz)
         wargs = (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps))
@@ -415,17 +439,17 @@ class CudaBackend(Backend):
         grid = (gx, ks, nz)
         threads = 32 * warps
         if path == "exact":
-            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), *oargs))
+            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), *oargs), shared_mem=smem)
             return
         if path == "mma_f16":
             xp: Any = np.uint64(0)
-            if cfg.pre:
+            if cfg.src == 1:
                 xp = cp.empty(nz * bpr * cfg.nt * 8 * 32 * 4, cp.uint32)
                 total = xp.size // 4
                 self._launch(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>",
                              (min(65535, -(-total // 256)),), 256,
                              (xd, np.int32(n), np.int32(w.k), np.int32(nz), xp))
-            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), xp, *oargs))
+            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), xp, *oargs), shared_mem=smem)
             return
         # mmq_q8_1: quantize to q8_1 in fragment order, then the int8 tile
         nt = cfg.nt

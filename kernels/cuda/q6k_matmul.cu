@@ -13,6 +13,9 @@
 //   q6k_dequant_f16  rows of W -> f16 for the cuBLAS path.
 #include "q6k_common.cuh"
 
+// Activations staged per CTA (SRC == 2 / SM): sized by the launch (shared_mem).
+extern __shared__ uint4 smem_x[];
+
 #define PARAMS_W const u64 *slabs, int rows, int bpr, int rps
 #define PARAMS_OUT float *y, float *part, u32 *tickets, int n_tok
 #define MAKE_W Weight w = {slabs, rows, bpr, rps}
@@ -87,9 +90,11 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
 
 // ---------------------------------------------------------------------------------------------
 // F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
-// of chunk blockIdx.z, over the K blocks of split blockIdx.y. PRE: activations from the
-// q6k_prep_f16 buffer, else read and rounded in place (In).
-template <int NT, int MT, bool SOA, bool PRE, class In, bool PF>
+// of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 0 read and
+// rounded from x in the loop, 1 from the q6k_prep_f16 buffer, 2 staged once per CTA into shared
+// memory in fragment order ([token][block][sp][t] 16 bytes, rows padded by 64 bytes so the
+// 16-byte reads of a quarter-warp hit distinct banks).
+template <int NT, int MT, bool SOA, int SRC, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -117,6 +122,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    constexpr bool PRE = SRC == 1;
 
     // PF: the next block's weights are loaded before this block's math (double buffer).
     Raw nxt[MT][2];
@@ -125,6 +131,21 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0, t);
+    }
+    // The first weight loads are in flight while the CTA stages its activations.
+    const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
+    if (SRC == 2) {
+        const int per_tok = (kb1 - kb0) * 32;
+        for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
+            const int tk = i / per_tok, rem = i - tk * per_tok;
+            const int b = rem >> 5, sp = (rem >> 2) & 7, tt = rem & 3;
+            const int tok = tok0 + tk;
+            smem_x[tk * tstride + rem] =
+                tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + (kb0 + b) * 256 +
+                                                quad_x_off(sp, tt))
+                              : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
     }
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[MT][2];
@@ -168,7 +189,9 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             uint4 bx[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                if (PRE) {
+                if (SRC == 2) {
+                    bx[nt] = smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
+                } else if (PRE) {
                     bx[nt] = ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
                                     lane);
                 } else {
@@ -218,7 +241,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 // Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
-template <int TOK, bool SOA, class In, bool PF>
+// SM: the CTA first stages its activations in shared memory ([tok][block][sp][t] 8 floats).
+template <int TOK, bool SOA, class In, bool PF, bool SM>
 __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T* x, int K,
                                                   PARAMS_OUT) {
     MAKE_W;
@@ -253,6 +277,19 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) nxt[hr] = load_raw<SOA>(rr[hr], kb0, t);
     }
+    float4* xs = reinterpret_cast<float4*>(smem_x);
+    const int nblk = kb1 - kb0;
+    if (SM) {
+        for (int i = threadIdx.x; i < TOK * nblk * 64; i += blockDim.x) {
+            const int n = i / (nblk * 64), rem = i - n * (nblk * 64);
+            const int b = rem >> 6, sp = (rem >> 3) & 7, tt = (rem >> 1) & 3, hf = rem & 1;
+            xs[i] = tok0 + n < o.n_tok
+                        ? load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
+                                          quad_x_off(sp, tt) + 4 * hf)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        __syncthreads();
+    }
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[2];
 #pragma unroll
@@ -276,9 +313,16 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
             float4 xv[TOK][2];
 #pragma unroll
             for (int n = 0; n < TOK; ++n) {
-                xv[n][0] = live[n] ? load_x4_f32<In>(xt[n] + xo) : make_float4(0.f, 0.f, 0.f, 0.f);
-                xv[n][1] =
-                    live[n] ? load_x4_f32<In>(xt[n] + xo + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+                if (SM) {
+                    const float4* p = xs + ((n * nblk + (kb - kb0)) * 8 + sp) * 8 + t * 2;
+                    xv[n][0] = p[0];
+                    xv[n][1] = p[1];
+                } else {
+                    xv[n][0] =
+                        live[n] ? load_x4_f32<In>(xt[n] + xo) : make_float4(0.f, 0.f, 0.f, 0.f);
+                    xv[n][1] = live[n] ? load_x4_f32<In>(xt[n] + xo + 4)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
             }
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
@@ -542,24 +586,25 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
 #define INST_MMA2(NT, MT, SOA, PRE, IN, PF)                                                 \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, PRE, IN, PF>(                        \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, (PRE ? 1 : 2), IN, PF>(              \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_MMA(NT, MT, SOA, PRE, IN) \
     INST_MMA2(NT, MT, SOA, PRE, IN, true) INST_MMA2(NT, MT, SOA, PRE, IN, false)
 #define INST_MMA_IN(NT, MT, SOA, PRE) \
     INST_MMA(NT, MT, SOA, PRE, InF32) INST_MMA(NT, MT, SOA, PRE, InF16) INST_MMA(NT, MT, SOA, PRE, InBF16)
-INST_MMA_IN(1, 1, true, false) INST_MMA_IN(1, 2, true, false) INST_MMA_IN(2, 2, true, false)
-INST_MMA_IN(1, 1, false, false) INST_MMA_IN(1, 2, false, false) INST_MMA_IN(2, 2, false, false)
-INST_MMA(4, 2, true, true, InF16) INST_MMA(8, 2, true, true, InF16) INST_MMA(8, 1, true, true, InF16)
-INST_MMA(4, 2, false, true, InF16) INST_MMA(8, 2, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
+INST_MMA_IN(1, 1, true, false) INST_MMA_IN(2, 1, true, false)
+INST_MMA_IN(1, 1, false, false) INST_MMA_IN(2, 1, false, false)
+INST_MMA(2, 1, true, true, InF16) INST_MMA(4, 1, true, true, InF16) INST_MMA(8, 1, true, true, InF16)
+INST_MMA(2, 1, false, true, InF16) INST_MMA(4, 1, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
 #define INST_PREP_IN(NT) INST_PREP(NT, InF32) INST_PREP(NT, InF16) INST_PREP(NT, InBF16)
 INST_PREP_IN(1) INST_PREP_IN(2) INST_PREP_IN(4) INST_PREP_IN(8)
-#define INST_EXACT2(TOK, SOA, IN, PF) \
-    template __global__ void q6k_exact<TOK, SOA, IN, PF>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
-#define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true) INST_EXACT2(TOK, SOA, IN, false)
+#define INST_EXACT2(TOK, SOA, IN, PF, SM) \
+    template __global__ void q6k_exact<TOK, SOA, IN, PF, SM>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
+#define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true, true) INST_EXACT2(TOK, SOA, IN, false, true) \
+    INST_EXACT2(TOK, SOA, IN, true, false)
 #define INST_EXACT_IN(TOK, SOA) INST_EXACT(TOK, SOA, InF32) INST_EXACT(TOK, SOA, InF16) INST_EXACT(TOK, SOA, InBF16)
 INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true)
 INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false)

@@ -97,11 +97,14 @@ def check(be, w, blocks, x, precision, flags=SOA, y64=None):
     assert np.isfinite(res.y).all(), "unwritten or non-finite outputs"
     if y64 is None:
         y64 = reference.matmul_float64(x, blocks, w.rows)
-    err = rel_fro(res.y, y64)
-    assert err <= TOL[res.precision], (res.kernel, err)
     if res.precision is Precision.Q8_1:
         e1 = rel_fro(res.y, reference.matmul_q8_1(x, blocks, w.rows))
         assert e1 <= 1e-6, (res.kernel, e1)
+    err = rel_fro(res.y, y64)
+    # q8_1's 2e-2 is a statistical bound: one or two dot products can exceed it (and then
+    # the reference does too), so it is asserted where there are enough outputs.
+    if res.precision is not Precision.Q8_1 or res.y.size >= 64:
+        assert err <= TOL[res.precision], (res.kernel, err)
     assert res.timing.seconds(wait=True) > 0
     return res
 
@@ -260,8 +263,8 @@ def test_results_are_deterministic_with_split_k(be, rng):
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])
     xd = cupy.asarray(x)
-    one = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, mt=2, pre=True, ksplit=1)).get()
-    five = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, mt=2, pre=True, ksplit=5)).get()
+    one = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=1)).get()
+    five = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=5)).get()
     assert rel_fro(five, one) < 5e-5  # tensor-core f32 accumulation is not IEEE-exact
 
 
