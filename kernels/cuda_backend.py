@@ -73,7 +73,7 @@ def _slab_nbytes(rows: int, k: int, layout: Layout) -> int:
     return q6k.SoaLayout.for_blocks(nb).nbytes if layout is Layout.SOA else nb * q6k.BLOCK_BYTES
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cfg:
     """Launch shape of one tile kernel (the bench overrides it to compare variants)."""
 
@@ -150,6 +150,7 @@ class CudaBackend(Backend):
             self._pool = cupy.get_default_memory_pool()
             self._tickets = cupy.zeros(1024, dtype=cupy.uint32)
         self._fns: dict[str, Any] = {}
+        self._grids: dict[tuple, tuple[int, int, int]] = {}  # launch grids by shape and N
 
     # -- kernels ------------------------------------------------------------------------------
     def _fn(self, file: str, name: str) -> Any:
@@ -382,6 +383,10 @@ class CudaBackend(Backend):
         """(row tiles, K splits, token chunks): the split that finishes in the fewest
         block-steps per SM given the kernel's occupancy (registers, shared memory), charging
         split-K's partial sums. Depends only on the SoA twin, so both layouts sum alike."""
+        key = (w.rows, w.k, rows_cta, nz, cfg, n, path)
+        hit = self._grids.get(key)
+        if hit is not None:
+            return hit
         gx = -(-w.rows // rows_cta)
         bpr = w.k // q6k.QK_K
         threads = 32 * cfg.warps
@@ -404,6 +409,9 @@ class CudaBackend(Backend):
                 best = (cost, ks_eff)
         if best is None:
             raise DeviceError(f"no K split fits {path} {cfg} in shared memory")
+        if len(self._grids) > 4096:
+            self._grids.clear()
+        self._grids[key] = (gx, best[1], nz)
         return gx, best[1], nz
 
     def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
