@@ -40,9 +40,9 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt1.sm": Cfg(nt=1), "nt1.sm.pf": Cfg(nt=1, pf=True), "nt1.sm.w4": Cfg(nt=1, warps=4),
     "nt1.ldg": Cfg(nt=1, src=0),
     "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True), "nt2.pre": Cfg(nt=2, src=1),
-    "nt4.pre": Cfg(nt=4, src=1), "nt4.pre.w4": Cfg(nt=4, src=1, warps=4),
-    "nt8.pre": Cfg(nt=8, src=1), "nt8.pre.pf": Cfg(nt=8, src=1, pf=True),
-    "nt8.pre.w4": Cfg(nt=8, src=1, warps=4),
+    "nt4.pre": Cfg(nt=4, src=1), "nt4.cpa.pf": Cfg(nt=4, src=3, pf=True),
+    "nt8.pre": Cfg(nt=8, src=1), "nt8.cpa.pf": Cfg(nt=8, src=3, pf=True),
+    "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.pf.w4": Cfg(nt=8, src=3, pf=True, warps=4),
 }
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),

@@ -80,7 +80,8 @@ class Cfg:
     nt: int = 1  # n-tiles of 8 tokens per CTA (mma/mmq) or tokens per CTA (exact)
     mt: int = 1  # m-tiles of 16 rows per warp
     warps: int = 8  # warps per CTA (row-split: each warp its own rows)
-    src: int = 2  # activations: 0 read in the loop, 1 f16 prepass buffer, 2 staged in smem
+    src: int = 2  # activations: 0 read in the loop, 1 f16 prepass buffer, 2 staged in smem,
+    #               3 prepass buffer streamed through two smem stages (cp.async)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
@@ -104,6 +105,8 @@ SMEM_LIMIT = 48 << 10  # staged activations per CTA (no opt-in needed below this
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
+    if path == "mma_f16" and cfg.src == 3:
+        return 2 * cfg.nt * 256 * 16
     if cfg.src != 2:
         return 0
     if path == "exact":
@@ -398,7 +401,7 @@ class CudaBackend(Backend):
             per = -(-bpr // min(ks, bpr))
             ks_eff = -(-bpr // per)
             smem = smem_bytes(path, cfg, per)
-            if smem > SMEM_LIMIT and cfg.ksplit <= 0:
+            if smem > SMEM_LIMIT and cfg.src == 2 and cfg.ksplit <= 0:
                 continue
             occ = min(occ_regs, (228 << 10) // (smem + 1024)) if smem else occ_regs
             slots = self.sm_count * max(1, occ)
@@ -431,7 +434,7 @@ class CudaBackend(Backend):
                 sm = "true" if cfg.src == 2 else "false"
                 return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
             if path == "mma_f16":
-                t_in = "InF16" if cfg.src == 1 else in_t  # the tile reads only the prepass
+                t_in = "InF16" if cfg.src in (1, 3) else in_t  # it reads only the prepass
                 return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
             return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
 
@@ -440,6 +443,8 @@ class CudaBackend(Backend):
                                path)
         per = -(-bpr // ks)
         smem = smem_bytes(path, cfg, per)
+        if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
+            fn.max_dynamic_shared_size_bytes = smem
         part = cp.empty((ks, n, w.rows), cp.float32) if ks > 1 else None
         tickets = self._tickets_for(gx * nz)
         wargs = (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps))
@@ -451,7 +456,7 @@ class CudaBackend(Backend):
             return
         if path == "mma_f16":
             xp: Any = np.uint64(0)
-            if cfg.src == 1:
+            if cfg.src in (1, 3):
                 xp = cp.empty(nz * bpr * cfg.nt * 8 * 32 * 4, cp.uint32)
                 total = xp.size // 4
                 self._launch(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>",

@@ -38,6 +38,20 @@ __device__ __forceinline__ u32 deq2(u32 q, u32 sel, u32 sc2) {
     return hmul2(hsub2(__byte_perm(q, 0x64646464u, sel), 0x64206420u), sc2);
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                         u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -93,7 +107,8 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
 // of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 0 read and
 // rounded from x in the loop, 1 from the q6k_prep_f16 buffer, 2 staged once per CTA into shared
 // memory in fragment order ([token][block][sp][t] 16 bytes, rows padded by 64 bytes so the
-// 16-byte reads of a quarter-warp hit distinct banks).
+// 16-byte reads of a quarter-warp hit distinct banks), 3 the prepass buffer copied block by
+// block into two shared-memory stages with cp.async (the next block lands during this one).
 template <int NT, int MT, bool SOA, int SRC, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
@@ -123,6 +138,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
     constexpr bool PRE = SRC == 1;
+    constexpr int STAGE = NT * 256;  // uint4 of one block's activations (SRC 3)
+    const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
 
     // PF: the next block's weights are loaded before this block's math (double buffer).
     Raw nxt[MT][2];
@@ -147,7 +164,25 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
         }
         __syncthreads();
     }
+    if (SRC == 3 && kb0 < kb1) {
+        for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
+            cp_async16(smem_x + i, xpz + (size_t)kb0 * STAGE + i);
+        cp_async_commit();
+    }
     for (int kb = kb0; kb < kb1; ++kb) {
+        const uint4* stage = smem_x + ((kb - kb0) & 1) * STAGE;
+        if (SRC == 3) {
+            if (kb + 1 < kb1) {
+                uint4* nxt_stage = smem_x + ((kb + 1 - kb0) & 1) * STAGE;
+                for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
+                    cp_async16(nxt_stage + i, xpz + (size_t)(kb + 1) * STAGE + i);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+        }
         Raw raw[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -189,7 +224,9 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             uint4 bx[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                if (SRC == 2) {
+                if (SRC == 3) {
+                    bx[nt] = stage[(nt * 8 + sp) * 32 + lane];
+                } else if (SRC == 2) {
                     bx[nt] = smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
                 } else if (PRE) {
                     bx[nt] = ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
@@ -224,6 +261,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= dmul[mt][i >> 1];
+        if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
     }
 
 #pragma unroll
@@ -586,7 +624,7 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
 #define INST_MMA2(NT, MT, SOA, PRE, IN, PF)                                                 \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, (PRE ? 1 : 2), IN, PF>(              \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, (PRE == 3 ? 3 : PRE ? 1 : 2), IN, PF>(\
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_MMA(NT, MT, SOA, PRE, IN) \
     INST_MMA2(NT, MT, SOA, PRE, IN, true) INST_MMA2(NT, MT, SOA, PRE, IN, false)
@@ -595,6 +633,9 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 INST_MMA_IN(1, 1, true, false) INST_MMA_IN(2, 1, true, false)
 INST_MMA_IN(1, 1, false, false) INST_MMA_IN(2, 1, false, false)
 INST_MMA(2, 1, true, true, InF16) INST_MMA(4, 1, true, true, InF16) INST_MMA(8, 1, true, true, InF16)
+INST_MMA2(4, 1, true, 3, InF16, true) INST_MMA2(8, 1, true, 3, InF16, true)
+INST_MMA2(4, 1, false, 3, InF16, true) INST_MMA2(8, 1, false, 3, InF16, true)
+INST_MMA2(8, 1, true, 3, InF16, false) INST_MMA2(8, 1, false, 3, InF16, false)
 INST_MMA(2, 1, false, true, InF16) INST_MMA(4, 1, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
