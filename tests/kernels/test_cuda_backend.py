@@ -273,3 +273,25 @@ def test_plan_names_kernel_and_layout(be):
     assert be.plan(64, Precision.Q8_1, SOA) == ("cuda.mmq_q8_1.soa", Precision.Q8_1)
     name, prec = be.plan(1, Precision.AUTO, SOA)
     assert prec is not Precision.AUTO and name.endswith(".soa")
+
+
+def test_every_launch_variant_is_correct(be, rng):
+    """The shapes the bench compares (and the dispatch may pick) all compute the same thing."""
+    from q6serve.kernels.cuda_backend import Cfg
+
+    rows, k = 300, 2304
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    xd = cupy.asarray(x)
+    cases = [("exact", Cfg(nt=nt, src=src, pf=pf), 1e-5) for nt in (1, 2, 4)
+             for src in (0, 2) for pf in (False, True)]
+    cases += [("mma_f16", Cfg(nt=nt, src=src, pf=pf, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
+              for src in (0, 1, 2, 3) for pf in (False, True) for wp in (4, 8)
+              if not (src == 2 and nt > 2)]
+    cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
+    for path, cfg, tol in cases:
+        for n in (1, 5, 70):
+            y = be.run(w, xd[:n], x.dtype, path, cfg).get()
+            assert np.isfinite(y).all() and rel_fro(y, y64[:n]) <= tol, (path, cfg, n)
