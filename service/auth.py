@@ -2,7 +2,8 @@
 
 - ``token`` set: every RPC except health needs ``authorization: Bearer <token>`` (the admin
   token is accepted too).
-- ``admin_token`` set: LoadWeights, UploadWeight, UnloadWeight and SetFlags need it.
+- ``admin_token`` set: LoadWeights, UploadWeight, UnloadWeight and SetFlags need it (missing or
+  invalid credentials: UNAUTHENTICATED; the valid user token: PERMISSION_DENIED).
 Neither set: open (the default bind is 127.0.0.1).
 """
 
@@ -46,11 +47,12 @@ class TokenAuth:
             return
         given = _bearer(metadata)
         is_admin = _match(given, self.admin_token)
+        is_user = _match(given, self.token)
         if admin and self.admin_token:
-            if given is None:
-                raise Unauthenticated(f"{method} needs the admin bearer token")
-            if not is_admin:
+            if is_admin:
+                return
+            if is_user:  # valid credentials, not enough rights
                 raise PermissionDenied(f"{method} needs the admin token")
-            return
-        if self.token and not (is_admin or _match(given, self.token)):
+            raise Unauthenticated(f"{method} needs the admin bearer token")
+        if self.token and not (is_admin or is_user):
             raise Unauthenticated(f"{method} needs a valid bearer token")

@@ -17,13 +17,15 @@ from q6serve.kernels.errors import InvalidArgument
 from .flags import FlagState
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+DEFAULT_FRACTION = 0.9  # of the device memory free at start, when no budget is given
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 @dataclass(frozen=True)
 class Budget:
-    """A VRAM budget: absolute bytes, or a fraction of the device memory free at start."""
+    """A VRAM budget: absolute bytes, or a fraction of the device memory free at start
+    (neither given: DEFAULT_FRACTION)."""
 
     nbytes: int | None = None
     fraction: float | None = None
@@ -32,7 +34,7 @@ class Budget:
     def parse(cls, text: str | None) -> Budget:
         """``"0.9"`` (fraction of free memory), ``"8GiB"``, ``"500M"`` or ``"1048576"`` bytes."""
         if text is None or text == "":
-            return cls(fraction=0.9)
+            return cls(fraction=DEFAULT_FRACTION)
         m = _SIZE.match(text)
         if not m:
             raise InvalidArgument(f"--vram-budget {text!r}: use bytes (8GiB, 500M, 123456) "
@@ -47,11 +49,12 @@ class Budget:
     def resolve(self, device_free: int) -> int:
         if self.nbytes is not None:
             return self.nbytes
-        assert self.fraction is not None
-        return int(device_free * self.fraction)
+        return int(device_free * (self.fraction or DEFAULT_FRACTION))
 
     def __str__(self) -> str:
-        return f"{self.nbytes} B" if self.nbytes is not None else f"{self.fraction} of free"
+        if self.nbytes is not None:
+            return f"{self.nbytes} B"
+        return f"{self.fraction or DEFAULT_FRACTION} of free"
 
 
 @dataclass(frozen=True)

@@ -137,20 +137,38 @@ class _Source:
     tensor_rows: int = 0  # of the whole tensor (0: same as rows)
 
 
+MAX_PATH_LEN = 1024
+MAX_PATH_PART = 255
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 80 else text[:60] + "...")
+
+
 def confine(model_dir: Path | None, rel: str) -> Path:
-    """``rel`` inside ``model_dir``: absolute paths, ``..`` and symlink escapes are refused."""
+    """``rel`` inside ``model_dir``: absolute paths, ``..`` and symlink escapes are refused;
+    paths that cannot be resolved (loops, overlong) are INVALID_ARGUMENT."""
     if model_dir is None:
         raise FailedPrecondition("this worker has no --model-dir; upload weights instead")
-    if not rel or "\x00" in rel:
+    if not rel:
         raise InvalidArgument("gguf path is empty")
+    if "\x00" in rel:
+        raise InvalidArgument(f"gguf path {_short(rel)} contains a NUL byte")
     p = Path(rel)
+    if len(rel) > MAX_PATH_LEN or any(len(part) > MAX_PATH_PART for part in p.parts):
+        raise InvalidArgument(f"gguf path of {len(rel)} characters is too long "
+                              f"(at most {MAX_PATH_LEN}, {MAX_PATH_PART} per component)")
     if p.is_absolute() or ".." in p.parts:
-        raise PermissionDenied(f"gguf path {rel!r} must be relative to the model dir "
+        raise PermissionDenied(f"gguf path {_short(rel)} must be relative to the model dir "
                                "without '..'")
     root = model_dir.resolve()
-    full = (root / p).resolve()
+    try:
+        full = (root / p).resolve()
+    except (OSError, RuntimeError) as e:  # symlink loops raise RuntimeError here
+        raise InvalidArgument(f"gguf path {_short(rel)} cannot be resolved: "
+                              f"{type(e).__name__}") from None
     if not full.is_relative_to(root):
-        raise PermissionDenied(f"gguf path {rel!r} leaves the model dir (symlink?)")
+        raise PermissionDenied(f"gguf path {_short(rel)} leaves the model dir (symlink?)")
     return full
 
 
@@ -175,6 +193,7 @@ class Engine:
         self._relayouts = 0
         self._tasks: set[asyncio.Task[object]] = set()
         self.healthy = True  # False after a device error (health NOT_SERVING)
+        self._device_error = ""
         self._health_listeners: list[Callable[[bool], None]] = []
         self.flags.subscribe(self._on_flags)
         self._poller = self._spawn(self._poll_metrics())
@@ -199,6 +218,9 @@ class Engine:
     def _check_serving(self) -> None:
         if not self._serving:
             raise Unavailable("the worker is draining and takes no new requests")
+        if not self.healthy:
+            raise Unavailable(f"the device failed ({self._device_error}); this worker takes "
+                              "no new work until it is restarted")
 
     def _workspace(self, rows: int, k: int) -> int:
         n = max(self.config.max_batch_rows, self.config.max_request_rows)
@@ -277,6 +299,8 @@ class Engine:
                                   f"{h.hexdigest()}, header says {spec.sha256.lower()})")
         if itemsize is None:
             aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
+            q6k.check_scales_finite(aos, f"upload {spec.name!r}",
+                                    blocks_per_row=spec.k // q6k.QK_K)
         else:
             from q6serve.kernels.quantize import quantize_q6_k
 
@@ -361,6 +385,7 @@ class Engine:
     def _device_failed(self, err: DeviceError) -> None:
         log.error("device error, marking the worker unhealthy: %s", err)
         self.healthy = False
+        self._device_error = str(err)[:200]
         for fn in self._health_listeners:
             fn(False)
 
@@ -413,7 +438,7 @@ class Engine:
     def status(self) -> StatusView:
         return StatusView(self.backend.name, self.backend.device_name(), self.version,
                           self.vram.stats(), self.flags.state, len(self.registry),
-                          self._serving, self.config.max_batch_rows,
+                          self._serving and self.healthy, self.config.max_batch_rows,
                           self.config.max_batch_delay_us, self._relayouts > 0)
 
     # -- matmul -----------------------------------------------------------------------------

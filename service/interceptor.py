@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from q6serve.kernels.errors import Q6Error
+from q6serve.kernels.errors import InvalidArgument, Q6Error
 
 from .auth import TokenAuth
 from .metrics import Metrics
@@ -48,8 +48,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata
         admin = method in ADMIN_METHODS
 
-        def before() -> None:
+        deserialize = handler.request_deserializer
+        streaming_request = bool(handler.stream_unary or handler.stream_stream)
+
+        def decode(raw: Any) -> Any:
+            """Deserialize here (not in gRPC) so junk bytes are INVALID_ARGUMENT, not UNKNOWN."""
+            if deserialize is None:
+                return raw
+            try:
+                return deserialize(raw)
+            except Exception as e:
+                raise InvalidArgument(f"{method} request cannot be decoded: "
+                                      f"{type(e).__name__}") from None
+
+        async def decode_stream(raw_iter: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for raw in raw_iter:
+                yield decode(raw)
+
+        def before(raw: Any) -> Any:
+            """Auth first, then the request decoded (or a decoding iterator for streams)."""
             self._auth.check(path, method, admin, metadata)
+            return decode_stream(raw) if streaming_request else decode(raw)
 
         if handler.unary_unary or handler.stream_unary:
             inner = handler.unary_unary or handler.stream_unary
@@ -58,8 +77,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 code: str | None = "OK"
                 try:
-                    before()
-                    return await inner(request, context)
+                    return await inner(before(request), context)
                 except BaseException as e:
                     code, message = self._classify(e, context, method)
                     if message is None:
@@ -72,7 +90,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
                        else grpc.stream_unary_rpc_method_handler)
-            return factory(unary, request_deserializer=handler.request_deserializer,
+            return factory(unary, request_deserializer=None,
                            response_serializer=handler.response_serializer)
 
         inner_stream = handler.unary_stream or handler.stream_stream
@@ -82,8 +100,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             t0 = time.perf_counter()
             code: str | None = "OK"
             try:
-                before()
-                async for item in inner_stream(request, context):
+                async for item in inner_stream(before(request), context):
                     yield item
             except BaseException as e:
                 code, message = self._classify(e, context, method)
@@ -97,7 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                    else grpc.stream_stream_rpc_method_handler)
-        return factory(streaming, request_deserializer=handler.request_deserializer,
+        return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
 
     @staticmethod

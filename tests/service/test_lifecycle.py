@@ -191,3 +191,8 @@ def test_device_error_turns_health_not_serving(start_worker) -> None:  # type: i
         assert time.monotonic() < deadline, "health stayed SERVING after a device error"
         time.sleep(0.02)
     assert not c.health("q6serve.v1.Q6Serve")
+    assert c.status().serving is False
+    with pytest.raises(Q6ServeError) as e:  # no new work on a failed device
+        c.matmul("w", np.ones((1, 256), np.float32))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "device failed" in e.value.message
+    assert [w.name for w in c.list()] == ["w"]  # read-only RPCs still answer

@@ -95,6 +95,11 @@ def test_upload_errors(worker: RunningWorker) -> None:
     with pytest.raises(grpc.RpcError) as re:  # no header first
         stub.UploadWeight(iter([pb.UploadWeightRequest(chunk=b"x")]), timeout=10)
     assert re.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    nan = blocks.copy()
+    nan[1, 208:210] = np.array([np.nan], np.float16).view(np.uint8)
+    with pytest.raises(Q6ServeError) as e:
+        c.upload("nan", nan, 4, 256)
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT and "non-finite scale" in e.value.message
     c.upload("ok", blocks, 4, 256)
     with pytest.raises(Q6ServeError) as e:
         c.upload("ok", blocks, 4, 256)
@@ -137,6 +142,12 @@ def test_load_confined_to_model_dir(worker: RunningWorker, model_dir: Path,
         with pytest.raises(Q6ServeError) as e:
             c.load(path)
         assert _code(e) == grpc.StatusCode.PERMISSION_DENIED, path
+    os.symlink("loop-b", model_dir / "loop-a")
+    os.symlink("loop-a", model_dir / "loop-b")
+    for path in ("loop-a", "x" * 5000, "m.gguf\x00"):
+        with pytest.raises(Q6ServeError) as e:
+            c.load(path)
+        assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.message) < 200
     assert c.list() == []
 
 
@@ -236,6 +247,16 @@ def test_status_and_flags(worker: RunningWorker) -> None:
     with pytest.raises(Q6ServeError) as e:
         c.matmul("w", np.ones((1, 256), np.float32), precision="q8_1")
     assert _code(e) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_undecodable_request_is_invalid_argument(worker: RunningWorker) -> None:
+    channel = grpc.insecure_channel(worker.target)
+    for method in ("Matmul", "GetWeight"):
+        raw = channel.unary_unary(f"/q6serve.v1.Q6Serve/{method}")
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\xff" * 16, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot be decoded" in e.value.details()
 
 
 def test_health_and_reflection(worker: RunningWorker) -> None:

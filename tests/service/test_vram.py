@@ -46,6 +46,7 @@ def test_budget_parse() -> None:
     assert Budget.parse("500M").nbytes == 500_000_000
     assert Budget.parse("0.5").resolve(1000) == 500
     assert Budget.parse("123").resolve(10) == 123
+    assert Budget().resolve(1000) == 900  # nothing given: 0.9 of free
     for bad in ("1.5", "lots", "-3"):
         with pytest.raises(Exception, match="vram-budget"):
             Budget.parse(bad)
