@@ -66,6 +66,7 @@ class Figures:
     vram_distinct: int = 0
     pool_warm: int = 0
     pool_max_after_warm: int = 0
+    reserved: int = 0
 
 
 @pytest.fixture
@@ -196,6 +197,7 @@ def test_soak_64_callers(worker_proc: tuple[subprocess.Popen[str], str]) -> None
     fig.latency_p50_ms = round(float(np.percentile(lat_ms, 50)), 2)
     fig.latency_p99_ms = round(float(np.percentile(lat_ms, 99)), 2)
     vram1 = admin.status().vram
+    fig.reserved = vram1.reserved_bytes
     print(f"\nsoak: {json.dumps(asdict(fig))}")
     report = os.environ.get("Q6SERVE_SOAK_REPORT")
     if report:
@@ -208,7 +210,9 @@ def test_soak_64_callers(worker_proc: tuple[subprocess.Popen[str], str]) -> None
     assert fig.max_batch_rows > 8  # concurrent callers were coalesced
     assert fig.rss_max_after_warm <= RSS_GROWTH * fig.rss_warm, asdict(fig)
     assert fig.vram_distinct == 1, vram_seen
-    assert fig.pool_max_after_warm <= RSS_GROWTH * fig.pool_warm + (1 << 20), asdict(fig)
+    # The allocator's pool (CuPy's on CUDA) may grow to its high-water mark, but never past
+    # what the accountant reserved for weights + scratch + staging.
+    assert max(pools) <= vram1.reserved_bytes, (max(pools), vram1.reserved_bytes)
     assert (vram1.weights_bytes, vram1.scratch_bytes, vram1.staging_bytes) == \
         (vram0.weights_bytes, vram0.scratch_bytes, vram0.staging_bytes)
     assert proc.poll() is None  # the worker is alive
