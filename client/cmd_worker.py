@@ -47,9 +47,45 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "max_queue_rows", "grace_period_s")
 
 
+class _ListeningFirst(logging.Handler):
+    """Holds log records back until the worker's `listening on H:P` record, writes that one
+    first and then the held ones, then passes everything straight through: whatever the
+    backend or its imports log (warnings included) during start-up, the first line names the
+    address. A start-up that fails before listening gets its held records flushed as well."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__()
+        self.target = target
+        self.held: list[logging.LogRecord] | None = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.held is None:
+            self.target.handle(record)
+        elif record.getMessage().startswith("listening on "):
+            self.target.handle(record)
+            self.flush_held()
+        else:
+            self.held.append(record)
+
+    def flush_held(self) -> None:
+        held, self.held = self.held or [], None
+        for r in held:
+            self.target.handle(r)
+
+
+def _setup_logging(level: str) -> _ListeningFirst:
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    first = _ListeningFirst(out)
+    root = logging.getLogger()
+    root.handlers[:] = [first]
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)
+    return first
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    first = _setup_logging(args.log_level)
     from q6serve.kernels.backends import make_backend
     from q6serve.kernels.errors import Q6Error
     from q6serve.service.config import config_from
@@ -60,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
         backend = make_backend(config.backend)
         asyncio.run(run_worker(config, backend))
     except Q6Error as e:
+        first.flush_held()
         print(f"q6serve worker: {e.grpc_code}: {e}", file=sys.stderr)
         return 2
+    finally:
+        first.flush_held()
     return 0

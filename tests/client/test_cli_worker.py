@@ -131,3 +131,24 @@ def test_worker_rejects_cuda_without_gpu(tmp_path: Path) -> None:
                         "--backend", "cuda"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "UNAVAILABLE" in r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_listening_line_comes_first_even_after_early_logs() -> None:
+    import logging
+
+    from q6serve.client.cmd_worker import _ListeningFirst
+
+    seen: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    h = _ListeningFirst(Sink())
+    log = logging.getLogger("test.listening")
+    log.propagate = False
+    log.addHandler(h)
+    log.warning("backend warming up")
+    log.warning("listening on 127.0.0.1:1234")
+    log.warning("after")
+    assert seen == ["listening on 127.0.0.1:1234", "backend warming up", "after"]
