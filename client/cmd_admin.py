@@ -59,6 +59,9 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         except Q6ServeError as e:
             print(f"q6serve {args.command}: {e.code.name}: {e.message}", file=sys.stderr)
             return 1
+        except (OSError, ValueError) as e:  # local files: missing .npy, bad dtype, bad PEM
+            print(f"q6serve {args.command}: error: {e}", file=sys.stderr)
+            return 2
 
     return run
 
