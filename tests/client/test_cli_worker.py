@@ -152,3 +152,11 @@ def test_listening_line_comes_first_even_after_early_logs() -> None:
     log.warning("listening on 127.0.0.1:1234")
     log.warning("after")
     assert seen == ["listening on 127.0.0.1:1234", "backend warming up", "after"]
+
+
+def test_missing_input_file_is_one_line_error(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path) -> None:
+    rc = main(["matmul", "--target", "127.0.0.1:1", "--weight", "w", "--input",
+               str(tmp_path / "absent.npy"), "--output", str(tmp_path / "y.npy")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("q6serve matmul: error:") and err.count("\n") == 1
