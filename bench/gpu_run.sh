@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [tests|bench|variants|all]     extra bench args in $BENCH_ARGS
+#   bench/gpu_run.sh [tests|bench|variants|record|all|none]     extra bench args in $BENCH_ARGS
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -28,6 +28,11 @@ if [[ $MODE == bench || $MODE == all ]]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     2>&1 | tee "$OUT/bench.log" | grep -v "^$" | tail -120
+fi
+if [[ $MODE == record ]]; then  # every path, every launch variant, torch, in one run
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants ${BENCH_ARGS:-} \
+    --json "$OUT/record.json" 2>&1 | tee "$OUT/record.log" | grep -v "^$" | tail -200
 fi
 if [[ $MODE == variants ]]; then
   # shellcheck disable=SC2086
