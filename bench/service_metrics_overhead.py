@@ -84,6 +84,30 @@ def run_once(backend_name: str, metrics: bool, rows: int, k: int, seconds: float
     return rate
 
 
+def micro(n: int = 200_000) -> None:
+    """The metrics' own cost per request, without gRPC noise: what the interceptor and the
+    batcher call for every request (one batch of 8 requests per 8 requests here)."""
+    from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
+    from q6serve.service.batcher import BatchStats
+    from q6serve.service.metrics import Metrics
+
+    m = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
+    res = MatmulResult(np.zeros((8, 16), np.float32), "numpy.exact", Layout.SOA,
+                       Precision.EXACT, KernelTiming(host_seconds=1e-4))
+    stats = BatchStats(res, 8, 8, (1e-5,) * 8)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        m.observe_request("Matmul", "OK", 1e-3)
+    t1 = time.perf_counter()
+    for _ in range(n // 8):
+        m.observe_batch(stats)
+    t2 = time.perf_counter()
+    per = ((t1 - t0) + (t2 - t1)) / n
+    print(f"metrics cost per request: {per * 1e6:.2f} us "
+          f"(request series {(t1 - t0) / n * 1e6:.2f} us, batch series {(t2 - t1) / n * 1e6:.2f}"
+          " us)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="numpy")
@@ -91,7 +115,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default="256x256,4096x4096")
     ap.add_argument("--procs", type=int, default=4, help="client processes (64 callers total)")
+    ap.add_argument("--micro", action="store_true", help="only the per-request metrics cost")
     args = ap.parse_args()
+    if args.micro:
+        micro()
+        return
     print("| backend | weight | metrics off (req/s) | metrics on (req/s) | overhead |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(","):
