@@ -102,6 +102,7 @@ class Outcome:
     queue_seconds: float
     batch_rows: int
     batch_requests: int
+    device_seconds: float | None = None  # wall time of the batch's job in the device thread
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,9 @@ class Batcher:
             if not live:
                 return live, None, None
             x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
-            return live, x, self._run_batch(x, key)
+            result = self._run_batch(x, key)
+            started.append(time.perf_counter())  # [start, end] of the device job
+            return live, x, result
 
         return self._finish(batch, self._device.submit(job), started)
 
@@ -279,6 +282,7 @@ class Batcher:
         if x is None or result is None:
             return
         t0 = started[0]
+        device = started[1] - t0 if len(started) > 1 else None
         queued = tuple(t0 - p.t_enqueue for p in live)
         off = 0
         rows = int(x.shape[0])
@@ -286,7 +290,7 @@ class Batcher:
             y = result.y[off : off + p.rows]
             off += p.rows
             if not p.fut.done():
-                p.fut.set_result(Outcome(y, result, q, rows, len(live)))
+                p.fut.set_result(Outcome(y, result, q, rows, len(live), device))
         self._on_batch(BatchStats(result, rows, len(live), queued))
 
     def _finished(self) -> None:

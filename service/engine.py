@@ -98,6 +98,7 @@ class MatmulReply:
     kernel_seconds: float | None
     batch_rows: int
     batch_requests: int
+    device_seconds: float | None = None  # wall time of the batch's device job
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,8 @@ class Engine:
             out = await e.batcher.submit(x, key, call.timeout)
         r = out.result
         return MatmulReply(out.y, r.kernel, r.layout, r.precision, out.queue_seconds,
-                           r.timing.seconds(), out.batch_rows, out.batch_requests)
+                           r.timing.seconds(), out.batch_rows, out.batch_requests,
+                           out.device_seconds)
 
     # -- flags ------------------------------------------------------------------------------
     def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:

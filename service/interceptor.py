@@ -7,6 +7,7 @@ anything else becomes INTERNAL with a generic message and its traceback in the l
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +22,10 @@ from .metrics import Metrics
 from .wire import ADMIN_METHODS
 
 log = logging.getLogger("q6serve.rpc")
+
+# perf_counter() when this RPC (or stream message) was taken, before auth and decoding: the
+# servicer reports the worker-side durations from it (MatmulTiming.decode/handler_seconds).
+RPC_START: contextvars.ContextVar[float] = contextvars.ContextVar("q6serve_rpc_start")
 
 
 def status_code(e: Q6Error) -> grpc.StatusCode:
@@ -63,6 +68,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def decode_stream(raw_iter: AsyncIterator[Any]) -> AsyncIterator[Any]:
             async for raw in raw_iter:
+                RPC_START.set(time.perf_counter())  # seen by tasks the reader spawns next
                 yield decode(raw)
 
         def before(raw: Any) -> Any:
@@ -75,6 +81,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
+                RPC_START.set(t0)
                 code: str | None = "OK"
                 try:
                     return await inner(before(request), context)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from q6serve.kernels.errors import InvalidArgument, Q6Error
 
 from . import wire
 from .engine import Engine
-from .interceptor import status_code
+from .interceptor import RPC_START, status_code
 
 log = logging.getLogger("q6serve.rpc")
 
@@ -62,8 +63,11 @@ class Q6ServeServicer:
         return wire.unload_response(await self.engine.unload(request.name))
 
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        reply = await self.engine.matmul(wire.matmul_call(request, _timeout(context)))
-        return wire.matmul_response(reply, request.request_id)
+        t0 = RPC_START.get(None) or time.perf_counter()
+        call = wire.matmul_call(request, _timeout(context))
+        decoded = time.perf_counter()
+        reply = await self.engine.matmul(call)
+        return wire.matmul_response(reply, request.request_id, wire.Took(t0, decoded))
 
     async def MatmulStream(self, request_iterator: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -75,8 +79,11 @@ class Q6ServeServicer:
 
         async def one(req: Any) -> None:
             try:
-                reply = await self.engine.matmul(wire.matmul_call(req, _timeout(context)))
-                await out.put(wire.stream_result(reply, req.request_id))
+                t0 = RPC_START.get(None) or time.perf_counter()
+                call = wire.matmul_call(req, _timeout(context))
+                took = wire.Took(t0, time.perf_counter())
+                reply = await self.engine.matmul(call)
+                await out.put(wire.stream_result(reply, req.request_id, took))
             except Q6Error as e:
                 await out.put(wire.stream_error(req.request_id, status_code(e).value[0],
                                                 str(e)))

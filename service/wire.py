@@ -6,6 +6,8 @@ after checking that dtype, shape and byte count agree.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,19 +81,35 @@ def matmul_call(req: pb.MatmulRequest, timeout: float | None) -> MatmulCall:
                       out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout)
 
 
-def matmul_response(r: MatmulReply, request_id: str = "") -> pb.MatmulResponse:
+@dataclass(frozen=True)
+class Took:
+    """perf_counter() times of one request in the worker: RPC taken, activations decoded."""
+
+    start: float
+    decoded: float
+
+
+def matmul_response(r: MatmulReply, request_id: str = "",
+                    took: Took | None = None) -> pb.MatmulResponse:
     timing = pb.MatmulTiming(queue_seconds=r.queue_seconds, batch_rows=r.batch_rows,
                              batch_requests=r.batch_requests)
     if r.kernel_seconds is not None:
         timing.kernel_seconds = r.kernel_seconds
-    return pb.MatmulResponse(y=encode_tensor(r.y), kernel=r.kernel,
+    if r.device_seconds is not None:
+        timing.device_seconds = r.device_seconds
+    resp = pb.MatmulResponse(y=encode_tensor(r.y), kernel=r.kernel,
                              layout=_LAYOUT_TO_PB[r.layout], precision=_PREC_TO_PB[r.precision],
                              timing=timing, request_id=request_id)
+    if took is not None:  # last, so handler time includes encoding y
+        resp.timing.decode_seconds = took.decoded - took.start
+        resp.timing.handler_seconds = time.perf_counter() - took.start
+    return resp
 
 
-def stream_result(r: MatmulReply, request_id: str) -> pb.MatmulStreamResponse:
+def stream_result(r: MatmulReply, request_id: str,
+                  took: Took | None = None) -> pb.MatmulStreamResponse:
     return pb.MatmulStreamResponse(request_id=request_id,
-                                   result=matmul_response(r, request_id))
+                                   result=matmul_response(r, request_id, took))
 
 
 def stream_error(request_id: str, code: int, message: str) -> pb.MatmulStreamResponse:

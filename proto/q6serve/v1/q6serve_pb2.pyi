@@ -198,16 +198,22 @@ class MatmulRequest(_message.Message):
     def __init__(self, weight: _Optional[str] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class MatmulTiming(_message.Message):
-    __slots__ = ("queue_seconds", "kernel_seconds", "batch_rows", "batch_requests")
+    __slots__ = ("queue_seconds", "kernel_seconds", "batch_rows", "batch_requests", "decode_seconds", "device_seconds", "handler_seconds")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     kernel_seconds: float
     batch_rows: int
     batch_requests: int
-    def __init__(self, queue_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_requests: _Optional[int] = ...) -> None: ...
+    decode_seconds: float
+    device_seconds: float
+    handler_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_requests: _Optional[int] = ..., decode_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., handler_seconds: _Optional[float] = ...) -> None: ...
 
 class MatmulResponse(_message.Message):
     __slots__ = ("y", "kernel", "layout", "precision", "timing", "request_id")
