@@ -89,6 +89,7 @@ def torch_linear_us(rows: int, k: int, n: int, copies: int) -> float | None:
     for i in range(3):
         f(x, ws[i % copies])
     torch.cuda.synchronize()
+    torch.cuda._sleep(30_000_000)  # GPU busy while the host enqueues (as for our kernels)
     ts = []
     for i in range(40):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

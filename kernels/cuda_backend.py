@@ -94,13 +94,13 @@ def default_cfg(path: str, n: int) -> Cfg:
     if n <= 8:
         return Cfg(nt=1)
     if n <= 16:
-        return Cfg(nt=2)
+        return Cfg(nt=2, src=1)
     if n <= 32:
         return Cfg(nt=4, src=1)
     return Cfg(nt=8, src=1)
 
 
-SMEM_LIMIT = 48 << 10  # staged activations per CTA (no opt-in needed below this)
+SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
@@ -154,6 +154,11 @@ class CudaBackend(Backend):
             self._tickets = cupy.zeros(1024, dtype=cupy.uint32)
         self._fns: dict[str, Any] = {}
         self._grids: dict[tuple, tuple[int, int, int]] = {}  # launch grids by shape and N
+
+    @property
+    def stream(self) -> Any:
+        """The CuPy stream every call of this backend is enqueued on."""
+        return self._stream
 
     # -- kernels ------------------------------------------------------------------------------
     def _fn(self, file: str, name: str) -> Any:

@@ -262,9 +262,10 @@ def test_results_are_deterministic_with_split_k(be, rng):
     runs = [be.matmul(w, x, precision=Precision.F16).y for _ in range(3)]
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])
-    xd = cupy.asarray(x)
-    one = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=1)).get()
-    five = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=5)).get()
+    with be.stream:
+        xd = cupy.asarray(x)
+    one = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=1)).get(stream=be.stream)
+    five = be.run(w, xd, x.dtype, "mma_f16", Cfg(nt=4, src=1, ksplit=5)).get(stream=be.stream)
     assert rel_fro(five, one) < 5e-5  # tensor-core f32 accumulation is not IEEE-exact
 
 
@@ -284,7 +285,8 @@ def test_every_launch_variant_is_correct(be, rng):
     w = load(be, blocks, rows, k, Layout.SOA)
     x = rng.standard_normal((70, k)).astype(np.float32)
     y64 = reference.matmul_float64(x, blocks, rows)
-    xd = cupy.asarray(x)
+    with be.stream:
+        xd = cupy.asarray(x)
     cases = [("exact", Cfg(nt=nt, src=src, pf=pf), 1e-5) for nt in (1, 2, 4)
              for src in (0, 2) for pf in (False, True)]
     cases += [("mma_f16", Cfg(nt=nt, src=src, pf=pf, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
@@ -293,5 +295,5 @@ def test_every_launch_variant_is_correct(be, rng):
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
     for path, cfg, tol in cases:
         for n in (1, 5, 70):
-            y = be.run(w, xd[:n], x.dtype, path, cfg).get()
+            y = be.run(w, xd[:n], x.dtype, path, cfg).get(stream=be.stream)
             assert np.isfinite(y).all() and rel_fro(y, y64[:n]) <= tol, (path, cfg, n)
