@@ -58,10 +58,11 @@ def decode_tensor(t: pb.Tensor, what: str = "x") -> np.ndarray:
     if any(d >= MAX_DIM for d in shape):
         raise InvalidArgument(f"{what} shape {list(shape)} is too large")
     want = shape[0] * shape[1] * dt.itemsize
-    if len(t.data) != want:
+    data = t.data  # read once: upb builds a fresh bytes copy on every access
+    if len(data) != want:
         raise InvalidArgument(f"{what} {list(shape)} {dtype_name(dt)} needs {want} bytes, "
-                              f"got {len(t.data)}")
-    return np.frombuffer(t.data, dtype=dt.newbyteorder("<")).reshape(shape)
+                              f"got {len(data)}")
+    return np.frombuffer(data, dtype=dt.newbyteorder("<")).reshape(shape)
 
 
 def encode_tensor(a: np.ndarray) -> pb.Tensor:
