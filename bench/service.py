@@ -51,6 +51,7 @@ FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_de
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
 MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
 DYN_FLAG = "Q6SERVE_DYNAMIC_BATCHING"
+NEG_TOL = 5e-6  # a part below -5 us means the timeline is inconsistent (counted per run)
 
 
 # -- worker process ---------------------------------------------------------------------------
@@ -266,7 +267,8 @@ class RunResult:
     parts_mean_us: dict[str, float] = field(default_factory=dict)
     parts_p50_us: dict[str, float] = field(default_factory=dict)
     e2e_mean_us: float = 0.0
-    missing_server_timing: int = 0
+    missing_server_timing: int = 0  # replies without the worker's handler/decode timing
+    negative_calls: dict[str, int] = field(default_factory=dict)  # part < -NEG_TOL: clock bug
 
 
 def summarize(label: str, weight: str, s: dict[str, np.ndarray], seconds: float,
@@ -282,7 +284,8 @@ def summarize(label: str, weight: str, s: dict[str, np.ndarray], seconds: float,
         float(np.mean(s["batch_rows"])),
         {k: float(np.mean(v) * 1e6) for k, v in pt.items()},
         {k: float(np.median(v) * 1e6) for k, v in pt.items()},
-        float(np.mean(s["e2e"]) * 1e6), int(np.isnan(s["handler"]).sum()))
+        float(np.mean(s["e2e"]) * 1e6), int(np.isnan(s["handler"]).sum()),
+        {k: int((v < -NEG_TOL).sum()) for k, v in pt.items()})
 
 
 def print_result(r: RunResult) -> None:

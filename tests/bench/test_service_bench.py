@@ -1,0 +1,41 @@
+"""bench/service.py in a tiny configuration: it runs, and its per-call breakdown adds up.
+
+Not a timing assertion: the parts of each call (client encode, transport, worker decode,
+queue, kernel, device, handler rest, client decode) must be non-negative and sum to the
+end-to-end time measured by the load process, with the worker's parts taken from the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_replay_breakdown_adds_up(tmp_path: Path) -> None:
+    out = tmp_path / "service.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy",
+           "--row-scale", "0.005", "--weights", "attn_v,ffn_down", "--hosts", "1",
+           "--seqs", "2", "--seconds", "0.6", "--warmup", "0.2", "--batching", "both",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "numpy"
+    runs = doc["runs"]
+    assert {r["weight"] for r in runs} == {"attn_v", "ffn_down"}
+    assert {r["config"]["dynamic_batching"] for r in runs} == {True, False}
+    for r in runs:
+        assert r["calls"] > 0, r["label"]
+        assert r["missing_server_timing"] == 0, r
+        assert set(r["parts_mean_us"]) == set(doc["parts"])
+        total = sum(r["parts_mean_us"].values())
+        assert abs(total - r["e2e_mean_us"]) <= 0.01 * r["e2e_mean_us"] + 1.0, r
+        # the worker's own time fits inside the caller's RPC time (one clock per process)
+        assert all(v == 0 for v in r["negative_calls"].values()), r["negative_calls"]
+        assert r["parts_mean_us"]["kernel"] > 0
+        assert r["p50_us"] <= r["p99_us"]
+    assert [g["weight"] for g in doc["gains"]] == ["attn_v", "ffn_down"]
