@@ -25,7 +25,15 @@ EXAMPLE = """example:
   q6serve bench --target 127.0.0.1:50061 --weight blk.0.ffn_down.weight \\
       --concurrency 1 8 64 --n 1 16 64 --dtype f16 --duration 5 --mode stream
   q6serve bench --target 127.0.0.1:50061 --json > bench.json      # first resident weight
-  q6serve bench --target 127.0.0.1:50061 --plot latency.png       # needs matplotlib"""
+  q6serve bench --target 127.0.0.1:50061 --plot latency.png       # needs matplotlib
+  q6serve bench --preset decode-7b --preset-args "--backend numpy --row-scale 0.01"
+
+presets (run bench/service.py of a source checkout, which starts its own worker):
+  decode-7b          7B-class decode replay (attn_v, ffn_down, lm-head) with time breakdown
+  decode-7b-targets  the same bench's --target-report (issue 9's three targets)"""
+
+# --preset NAME: bench/service.py arguments (it lives in the source tree, not the package)
+PRESETS: dict[str, list[str]] = {"decode-7b": [], "decode-7b-targets": ["--target-report"]}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="unary", choices=("unary", "stream"),
                    help="unary Matmul calls, or one MatmulStream per caller (default unary)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="run a bench/service.py preset instead (own worker; no --target)")
+    p.add_argument("--preset-args", default="",
+                   help='extra bench/service.py arguments, e.g. "--backend numpy --json r.json"')
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="plot latency and rows/s vs N per concurrency (needs matplotlib: "
                    "pip install 'q6serve[plot]')")
@@ -267,10 +279,26 @@ def _matplotlib_missing() -> bool:
     return importlib.util.find_spec("matplotlib") is None
 
 
+def run_preset(args: argparse.Namespace) -> int:
+    import shlex
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "service.py"
+    if not script.is_file():
+        print(f"q6serve bench: --preset needs a source checkout ({script} not found)",
+              file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(script), *PRESETS[args.preset], *shlex.split(args.preset_args)]
+    return subprocess.call(cmd)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from q6serve.client.client import Q6ServeError
+
+    if args.preset:
+        return run_preset(args)
 
     if min(args.concurrency) < 1 or min(args.n) < 1 or args.duration <= 0 or args.warmup < 0:
         print("q6serve bench: --concurrency and --n must be >= 1, --duration > 0, "
