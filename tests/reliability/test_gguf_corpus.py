@@ -153,7 +153,7 @@ def mutated(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=2000,
+@settings(max_examples=FUZZ_EXAMPLES, deadline=5000,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=mutated())
 def test_fuzz_mutated_files(data: bytes, tmp_path: Path) -> None:

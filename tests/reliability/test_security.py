@@ -93,8 +93,6 @@ def test_default_bind_is_loopback_only(start: Callable[..., RunningWorker]) -> N
         w.stop()
 
 
-@pytest.mark.xfail(reason="gap: WorkerConfig's default Budget() has neither bytes nor a "
-                   "fraction, so a worker started without --vram-budget fails an assert")
 def test_default_config_starts() -> None:
     w = RunningWorker(config_from({"port": 0}, {}))
     try:
@@ -154,11 +152,8 @@ def test_every_rpc_needs_a_token_and_admin_rpcs_the_admin_token(
         for method in wire.METHODS:
             admin = method in wire.ADMIN_METHODS
             assert _call_raw(ch, method, ()) == C.UNAUTHENTICATED, method
-            for md in BAD_CREDENTIALS:
-                got = _call_raw(ch, method, md)
-                # an admin RPC with a bad credential may also say PERMISSION_DENIED (see below)
-                assert got == C.UNAUTHENTICATED or (admin and got == C.PERMISSION_DENIED), \
-                    (method, md, got)
+            for md in BAD_CREDENTIALS:  # invalid credentials: UNAUTHENTICATED, admin or not
+                assert _call_raw(ch, method, md) == C.UNAUTHENTICATED, (method, md)
             user = _call_raw(ch, method, _bearer(USER))
             assert (user == C.PERMISSION_DENIED) if admin else (user not in auth_codes), \
                 (method, user)
@@ -174,8 +169,6 @@ def test_every_rpc_needs_a_token_and_admin_rpcs_the_admin_token(
     assert Client(w.target).health()
 
 
-@pytest.mark.xfail(reason="gap: an invalid token on an admin RPC is PERMISSION_DENIED; "
-                   "invalid credentials should be UNAUTHENTICATED")
 def test_invalid_credentials_on_admin_rpcs_are_unauthenticated(
         start: Callable[..., RunningWorker]) -> None:
     w = start(token=USER, admin_token=ADMIN)
@@ -193,8 +186,7 @@ def test_admin_token_alone_and_user_token_alone(start: Callable[..., RunningWork
     with grpc.insecure_channel(w.target) as ch:
         assert _call_raw(ch, "ListWeights", ()) == C.OK
         assert _call_raw(ch, "SetFlags", ()) == C.UNAUTHENTICATED
-        assert _call_raw(ch, "SetFlags", _bearer("nope")) in (C.UNAUTHENTICATED,
-                                                              C.PERMISSION_DENIED)
+        assert _call_raw(ch, "SetFlags", _bearer("nope")) == C.UNAUTHENTICATED
         assert _call_raw(ch, "SetFlags", _bearer(ADMIN)) == C.OK
     w2 = start(token=USER)
     with grpc.insecure_channel(w2.target) as ch:
@@ -377,7 +369,6 @@ def test_load_weights_confined(start: Callable[..., RunningWorker], jail: Path) 
     assert len(c.list()) == len(ALLOWED)
 
 
-@pytest.mark.xfail(reason="gap: symlink loops / overlong paths give INTERNAL")
 def test_hostile_paths_are_client_errors(start: Callable[..., RunningWorker],
                                          jail: Path) -> None:
     w = start(model_dir=jail)
