@@ -24,7 +24,7 @@ from q6serve.service import auth as auth_mod
 from q6serve.service import wire
 from q6serve.service.auth import TokenAuth
 from q6serve.service.config import Budget, WorkerConfig, config_from
-from q6serve.service.paths import confine
+from q6serve.service.engine import confine
 from q6serve.v1 import q6serve_pb2 as pb
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
@@ -350,8 +350,8 @@ def test_confine_allows_inside_and_refuses_escapes(jail: Path) -> None:
     with pytest.raises(FailedPrecondition, match="no --model-dir"):
         confine(None, "m.gguf")
     for rel, match in (("loop-a", r"'loop-a' cannot be resolved"),
-                       ("x" * 5000, r"5000 bytes long; the limit is 4096"),
-                       ("d/" + "x" * 300, r"longer than 255 bytes")):
+                       ("x" * 5000, r"of 5000 characters is too long \(at most 1024"),
+                       ("d/" + "x" * 300, r"too long \(at most 1024, 255 per component\)")):
         with pytest.raises(InvalidArgument, match=match):
             confine(jail, rel)
 
