@@ -97,7 +97,7 @@ def default_cfg(path: str, n: int) -> Cfg:
         return Cfg(nt=2, src=1)
     if n <= 32:
         return Cfg(nt=4, src=1)
-    return Cfg(nt=8, src=1)
+    return Cfg(nt=8, src=3, pf=True)
 
 
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
