@@ -174,7 +174,11 @@ class Batcher:
                      None if timeout is None else now + timeout)
         self._queue.append(p)
         self.queued_rows += n
-        self._wake.set()
+        if (len(self._queue) == 1 and self._device.idle
+                and self._unfinished < self._s.max_inflight_batches):
+            self._start(self._take())  # idle device, nothing queued: launch now, no loop hop
+        else:
+            self._wake.set()
         try:
             return await asyncio.wait_for(p.fut, timeout)
         except TimeoutError:
@@ -238,14 +242,18 @@ class Batcher:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._s.max_delay_s - waited)
                     continue
-            batch = self._take()
-            if batch:
-                self._unfinished += 1
-                task = asyncio.get_running_loop().create_task(self._launch(batch))
-                task.n_requests = len(batch)  # type: ignore[attr-defined]
-                self._launches.add(task)
-                task.add_done_callback(self._launches.discard)
+            self._start(self._take())
             await asyncio.sleep(0)  # let new arrivals in before forming the next batch
+
+    def _start(self, batch: list[_Pending]) -> None:
+        """Launch ``batch`` on the device now (nothing if every request in it is dead)."""
+        if not batch:
+            return
+        self._unfinished += 1
+        task = asyncio.get_running_loop().create_task(self._launch(batch))
+        task.n_requests = len(batch)  # type: ignore[attr-defined]
+        self._launches.add(task)
+        task.add_done_callback(self._launches.discard)
 
     def _launch(self, batch: list[_Pending]) -> Any:
         """Submit the batch to the device now; return the coroutine that splits the result."""
