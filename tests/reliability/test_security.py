@@ -179,6 +179,18 @@ def test_invalid_credentials_on_admin_rpcs_are_unauthenticated(
             assert _call_raw(ch, method, _bearer(USER)) == C.PERMISSION_DENIED
 
 
+def test_unauthenticated_bytes_are_never_parsed(start: Callable[..., RunningWorker]) -> None:
+    """Auth runs before the request is decoded: junk from a caller without a token gets
+    UNAUTHENTICATED, the same junk with the token INVALID_ARGUMENT."""
+    w = start(token=USER)
+    junk = b"\x12\xff\xff\xff\xff\x0f"
+    with grpc.insecure_channel(w.target) as ch:
+        for md, code in (((), C.UNAUTHENTICATED), (_bearer(USER), C.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as info:
+                ch.unary_unary("/q6serve.v1.Q6Serve/Matmul")(junk, timeout=10, metadata=md)
+            assert info.value.code() == code  # type: ignore[attr-defined]
+
+
 def test_admin_token_alone_and_user_token_alone(start: Callable[..., RunningWorker]) -> None:
     """Only an admin token set: data RPCs are open, admin RPCs need it. Only a user token:
     it opens everything (there is no separate admin)."""
