@@ -232,6 +232,23 @@ CORPUS: tuple[Req, ...] = (
         r"printable characters"),
     Req("load-not-gguf", "LoadWeights", pb.LoadWeightsRequest(gguf_path="notes.txt"),
         C.INVALID_ARGUMENT, r"magic b'hell', expected b'GGUF'"),
+    Req("load-rows-reversed", "LoadWeights", pb.LoadWeightsRequest(
+        gguf_path="m.gguf", tensors=["b"], row_range=pb.RowRange(begin=2, end=1)),
+        C.INVALID_ARGUMENT, r"row range \[2, 1\) of tensor 'b' is not a non-empty range "
+        r"within its 2 rows"),
+    Req("load-rows-past-end", "LoadWeights", pb.LoadWeightsRequest(
+        gguf_path="m.gguf", tensors=["b"], row_range=pb.RowRange(begin=1 << 63,
+                                                                 end=(1 << 64) - 1)),
+        C.INVALID_ARGUMENT, r"row range \[9223372036854775808, 18446744073709551615\)"),
+    Req("load-shard-count-0", "LoadWeights", pb.LoadWeightsRequest(
+        gguf_path="m.gguf", shard=pb.ShardSpec(index=0, count=0)), C.INVALID_ARGUMENT,
+        r"shard count 0 must be >= 1"),
+    Req("load-shard-index-out", "LoadWeights", pb.LoadWeightsRequest(
+        gguf_path="m.gguf", tensors=["b"], shard=pb.ShardSpec(index=3, count=3)),
+        C.INVALID_ARGUMENT, r"shard index 3 is not in \[0, 3\)"),
+    Req("load-more-shards-than-rows", "LoadWeights", pb.LoadWeightsRequest(
+        gguf_path="m.gguf", tensors=["b"], shard=pb.ShardSpec(index=0, count=5)),
+        C.INVALID_ARGUMENT, r"cannot split 2 rows into 5 non-empty shards"),
     # -- other RPCs -----------------------------------------------------------------------------
     Req("get-unknown", "GetWeight", pb.GetWeightRequest(name="nope"), C.NOT_FOUND,
         r"no weight named 'nope'"),
