@@ -163,3 +163,18 @@ def test_fuzz_mutated_files(data: bytes, tmp_path: Path) -> None:
         read_all(p)
     except (FormatError, NotFound) as e:
         assert str(e)  # a message, never an empty one
+
+
+def test_non_finite_scale_only_matters_in_the_rows_loaded(corpus_worker: RunningWorker,
+                                                          ) -> None:
+    """Row-range loads check the rows they hold: tensor b has a NaN scale in row 1."""
+    c = corpus_worker.client()
+    before = vram_figures(c)
+    f = "scale-nan-second-tensor.gguf"
+    assert [w.name for w in c.load(f, ["b"], prefix="r2.", rows=(2, 3))] == ["r2.b"]
+    with pytest.raises(Q6ServeError) as info:
+        c.load(f, ["b"], prefix="r1.", rows=(1, 3))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "non-finite scale d=nan" in info.value.message
+    c.unload("r2.b")
+    assert vram_figures(c) == before
