@@ -396,6 +396,8 @@ class Bench:
 
     def upload(self, names: list[str]) -> None:
         for i, name in enumerate(names):
+            if name in self.shapes:
+                continue
             rows, k = WEIGHTS[name]
             rows = max(1, round(rows * self.args.row_scale))
             t0 = time.perf_counter()
@@ -533,6 +535,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--target-report", action="store_true",
                     help="measure issue 9's three targets (ffn_down) instead of the replay")
+    ap.add_argument("--replay", action="store_true",
+                    help="--target-report: also run the replay (--weights, --hosts, --seqs)")
     ap.add_argument("--t2-procs", type=int, default=0,
                     help="T2: load processes for the 64 callers (default: cores/2, <= 8)")
     ap.add_argument("--t3-hosts", default="1,4,8", help="T3: host counts tried (best kept)")
@@ -559,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.cpu_count()} cores", flush=True)
         b.upload(["ffn_down"] if a.target_report else a.weights)
         extra = target_report(b) if a.target_report else replay(b)
+        if a.target_report and a.replay:
+            b.upload(a.weights)
+            extra += replay(b)
     finally:
         b.close()
     doc = {"backend": b.backend, "device": b.device, "commit": _commit(),
