@@ -165,3 +165,11 @@ def assert_close(y: np.ndarray, want: np.ndarray, rtol: float | None = None) -> 
     scale = max(1.0, float(np.abs(want).max()))
     err = float(np.abs(y - want).max())
     assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} x scale {scale:.3g}"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` (bounded) instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

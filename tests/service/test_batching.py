@@ -9,7 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from svc_util import InstrumentedBackend, RunningWorker, assert_close, random_q6k, reference
+from svc_util import (
+    InstrumentedBackend,
+    RunningWorker,
+    assert_close,
+    random_q6k,
+    reference,
+    wait_until,
+)
 
 from q6serve.client.client import Client, Q6ServeError, matmul_request
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
@@ -125,7 +132,7 @@ def test_deadline_expires_while_queued(start_worker) -> None:  # type: ignore[no
     c.upload("w", random_q6k(8, 256, 6), 8, 256)
     first = threading.Thread(target=lambda: c.matmul("w", np.ones((1, 256), np.float32)))
     first.start()
-    time.sleep(0.1)  # the first launch now occupies the device
+    wait_until(lambda: backend.launches == [1], what="the first launch")  # device now busy
     with pytest.raises(Q6ServeError) as e:
         c.matmul("w", np.ones((5, 256), np.float32), timeout=0.15)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -142,9 +149,9 @@ def test_cancelled_while_queued_never_runs(start_worker) -> None:  # type: ignor
     c.upload("w", random_q6k(8, 256, 7), 8, 256)
     stub = pb_grpc.Q6ServeStub(grpc.insecure_channel(worker.target))
     first = stub.Matmul.future(matmul_request("w", np.ones((1, 256), np.float32)), timeout=10)
-    time.sleep(0.1)
+    wait_until(lambda: backend.launches == [1], what="the first launch")
     doomed = stub.Matmul.future(matmul_request("w", np.ones((7, 256), np.float32)), timeout=10)
-    time.sleep(0.1)
+    wait_until(lambda: c.get("w").in_flight == 2, what="the second request queued")
     assert doomed.cancel()
     first.result()
     backend.matmul_delay = 0

@@ -15,6 +15,7 @@ from svc_util import (
     backend_name,
     random_q6k,
     reference,
+    wait_until,
 )
 
 from q6serve.client.client import Client, Q6ServeError
@@ -84,7 +85,7 @@ def test_unload_waits_for_in_flight_requests(start_worker) -> None:  # type: ign
     result: list[np.ndarray] = []
     t = threading.Thread(target=lambda: result.append(c.matmul("w", x)))
     t.start()
-    time.sleep(0.1)
+    wait_until(lambda: backend.launches == [2], what="the request to run")
     c.unload("w")  # returns once the running request let go and the memory is freed
     t.join(10)
     assert_close(result[0], reference(blocks, ROWS, K, x))
@@ -149,10 +150,11 @@ def test_drain_on_shutdown(start_worker) -> None:  # type: ignore[no-untyped-def
     ts = [threading.Thread(target=call, args=(i,)) for i in range(3)]
     for t in ts:
         t.start()
-    time.sleep(0.15)
+    wait_until(lambda: worker.run(lambda: worker.engine.get("w").in_flight) == 3,
+               what="3 requests in flight")
     stopper = threading.Thread(target=worker.stop, kwargs={"grace": 10.0})
     stopper.start()
-    time.sleep(0.1)
+    wait_until(lambda: not worker.run(lambda: worker.engine.serving), what="draining")
     # draining: health is no longer SERVING and new work is refused
     with Client(worker.target) as late:
         with pytest.raises(Q6ServeError) as e:
