@@ -73,12 +73,12 @@ def test_tokens(start_worker: Callable[..., Any], make_client: Callable[..., Any
 
 def test_per_call_deadline(start_worker: Callable[..., Any],
                            make_client: Callable[..., Any]) -> None:
-    c = make_client(start_worker(backend=InstrumentedBackend(matmul_delay=0.3)).target)
+    c = make_client(start_worker(backend=InstrumentedBackend(matmul_delay=0.6)).target)
     c.upload("w", random_q6k(64, K, 1), 64, K)
     x = np.ones((1, K), np.float32)
     t0 = time.monotonic()
     expect("DEADLINE_EXCEEDED", lambda: c.matmul("w", x, timeout=0.05))
-    assert time.monotonic() - t0 < 0.25  # the call gave up at its deadline, not the kernel's end
+    assert time.monotonic() - t0 < 0.45  # the call gave up at its deadline, not the kernel's end
     assert c.matmul("w", x, timeout=5.0).shape == (1, 64)
 
 
