@@ -42,15 +42,17 @@ class Device:
         self.name = name
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"q6serve-dev-{name}")
         self.inflight = 0
-        self._idle_listeners: set[Callable[[], None]] = set()
+        # One-shot: only batchers waiting for the device right now are woken (with hundreds of
+        # resident weights, waking every batcher on each idle edge would cost milliseconds).
+        self._idle_waiters: list[Callable[[], None]] = []
 
     @property
     def idle(self) -> bool:
         return self.inflight == 0
 
-    def on_idle(self, fn: Callable[[], None]) -> Callable[[], None]:
-        self._idle_listeners.add(fn)
-        return lambda: self._idle_listeners.discard(fn)
+    def notify_when_idle(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once, on the loop, when the device next goes idle."""
+        self._idle_waiters.append(fn)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` in the device thread. The job finishes even if the awaiting task is
@@ -65,9 +67,10 @@ class Device:
 
         def done(_: object) -> None:
             self.inflight -= 1
-            if self.inflight == 0:
-                for listener in list(self._idle_listeners):
-                    listener()
+            if self.inflight == 0 and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for fn in waiters:
+                    fn()
 
         fut.add_done_callback(done)
         return fut
@@ -152,7 +155,6 @@ class Batcher:
         self._unfinished = 0  # launched batches not yet finished
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batch-{name}")
-        self._unsubscribe = device.on_idle(self._wake.set)
 
     @property
     def in_flight(self) -> int:
@@ -239,6 +241,7 @@ class Batcher:
                         and self._ready_rows(head.key) < self._s.max_rows):
                     # device busy: gather more until it goes idle, the batch fills or delay ends
                     self._wake.clear()
+                    self._device.notify_when_idle(self._wake.set)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), self._s.max_delay_s - waited)
                     continue
@@ -309,7 +312,6 @@ class Batcher:
         """Finish launched batches; fail what is still queued."""
         self._closed = True
         self._wake.set()
-        self._unsubscribe()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
