@@ -137,3 +137,14 @@ def test_status_flags_health(client: Any, uploaded: np.ndarray) -> None:
 def test_local_dtype_error_before_the_wire(client: Any, uploaded: np.ndarray) -> None:
     with pytest.raises(ValueError, match="float64"):
         client.matmul("w", np.zeros((1, K)))
+
+
+def test_replies_larger_than_grpc_default_limit(client: Any) -> None:
+    """A 5 MiB reply (gRPC's default cap is 4 MiB): the channel options are sized for it."""
+    rows = 8192
+    blocks = random_q6k(rows, K, seed=9)
+    client.upload("wide", blocks, rows, K)
+    x = np.random.default_rng(10).standard_normal((160, K)).astype(np.float32)
+    y = client.matmul("wide", x)
+    assert y.nbytes > 4 << 20
+    assert rel_err(y, reference(blocks, rows, K, x)) < 1e-5
