@@ -22,7 +22,7 @@ def _run(x: np.ndarray, key: BatchKey) -> MatmulResult:
     return MatmulResult(x, "noop", Layout.SOA, Precision.EXACT, KernelTiming(host_seconds=0.0))
 
 
-async def _round(calls: int) -> tuple[float, float]:
+async def _round(calls: int, deadline: float | None = None) -> tuple[float, float]:
     dev = Device("bench")
     b = Batcher("w", dev, _run, BatchSettings(), lambda: True, lambda s: None)
     key = BatchKey("f32", Precision.EXACT, "f32")
@@ -30,7 +30,7 @@ async def _round(calls: int) -> tuple[float, float]:
     lat, queue = [], []
     for _ in range(calls):
         t0 = time.perf_counter()
-        out = await b.submit(x, key, None)
+        out = await b.submit(x, key, deadline)
         lat.append(time.perf_counter() - t0)
         queue.append(out.queue_seconds)
     await b.close()
@@ -42,8 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="per-request timeout in seconds, as a gRPC deadline passes it")
     a = ap.parse_args()
-    res = [asyncio.run(_round(a.calls)) for _ in range(a.rounds)]
+    res = [asyncio.run(_round(a.calls, a.deadline)) for _ in range(a.rounds)]
     lat = statistics.median(r[0] for r in res)
     q = statistics.median(r[1] for r in res)
     print(f"submit->result p50 {lat:.1f} us, queue p50 {q:.1f} us "
