@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="auto", choices=("auto", "numpy", "cuda"),
                    help="worker backend (default auto: CUDA if usable, else NumPy)")
-    p.add_argument("--gguf", type=Path, help="serve this GGUF file's Q6_K tensors instead")
+    p.add_argument("--gguf", type=Path, metavar="FILE",
+                   help="serve this GGUF file's Q6_K tensors instead of a synthetic model")
     p.add_argument("--tensor", action="append", metavar="NAME",
                    help="with --gguf: tensor to serve (repeatable; default every Q6_K one)")
     p.add_argument("--n", type=int, nargs="+", default=[1, 4, 16, 64],
@@ -51,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calls", type=int, default=3, help="calls per caller and N (default 3)")
     p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"),
                    help="activation dtype on the wire (default f16)")
-    p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"))
+    p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"),
+                   help="numerics (default auto: the backend's fastest path)")
     p.add_argument("--max-weight-mib", type=float, default=None,
                    help="serve at most this many MiB of rows per weight (0 = full size; "
                    f"default: full on CUDA, {CPU_MAX_WEIGHT_MIB:g} on NumPy)")
