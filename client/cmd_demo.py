@@ -117,12 +117,16 @@ class Cell:
 
 
 async def run_cell(client: Any, name: str, w32: np.ndarray, n: int, callers: int, calls: int,
-                   dtype: np.dtype, precision: str, rng: np.random.Generator) -> Cell:
-    """``callers`` coroutines each make ``calls`` sequential calls; all results are checked."""
+                   dtype: np.dtype, precision: str, rng: np.random.Generator,
+                   warm_all: bool = False) -> Cell:
+    """``callers`` coroutines each make ``calls`` sequential calls; all results are checked.
+    ``warm_all``: warm up with one concurrent round (a GPU backend compiles kernels per batch
+    size on first use, and coalesced batches come in sizes a single call never meets)."""
     rows, k = w32.shape
     xs = [[rng.standard_normal((n, k)).astype(dtype) for _ in range(calls)]
           for _ in range(callers)]
-    await client.matmul_full(name, xs[0][0], precision=precision)  # warm-up: first-use costs
+    warm = [mine[0] for mine in xs] if warm_all else [xs[0][0]]
+    await asyncio.gather(*(client.matmul_full(name, x, precision=precision) for x in warm))
 
     async def caller(mine: list[np.ndarray]) -> list[tuple[float, Any]]:
         done = []
@@ -249,7 +253,8 @@ async def serve_and_check(target: str, args: argparse.Namespace, path: Path,
                     live.update(f"{_label(w.name)}: N={n}, {args.callers} callers ...")
                     cells.append(await run_cell(client, w.name, w32[w.name], n, args.callers,
                                                 args.calls, DTYPES[args.dtype],
-                                                args.precision, rng))
+                                                args.precision, rng,
+                                                warm_all=status.backend != "numpy"))
         for w in weights:
             await client.unload(w.name)
         after = (await client.status()).vram.reserved_bytes

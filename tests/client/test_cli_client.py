@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from svc_util import random_q6k, write_gguf
 
@@ -155,3 +156,25 @@ def test_demo_reports_a_worker_failure(capsys: pytest.CaptureFixture[str],
                    "--max-weight-mib", "0.25"])
     assert rc == 1
     assert "injected [kernel] failure" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("warm_all", [False, True])
+def test_demo_cell_counts_only_timed_calls(worker: Any, warm_all: bool) -> None:
+    """Warm-up calls (one, or one per caller for GPU backends) never enter the figures."""
+    import asyncio
+
+    from q6serve.client.async_client import AsyncClient
+    from q6serve.kernels import q6k
+
+    blocks = random_q6k(128, 512, 0)
+    w32 = q6k.dequantize_aos(blocks, 128, 512)
+
+    async def go() -> cmd_demo.Cell:
+        async with AsyncClient(worker.target) as c:
+            await c.upload("w", blocks, 128, 512)
+            return await cmd_demo.run_cell(c, "w", w32, 4, 5, 2, w32.dtype, "auto",
+                                           np.random.default_rng(0), warm_all=warm_all)
+
+    cell = asyncio.run(go())
+    assert cell.calls == 10 and cell.ok and cell.max_rel_err < 1e-5
+    assert cell.batch_rows_max <= 4 * 5 and cell.p50_ms <= cell.p99_ms
