@@ -83,6 +83,10 @@ class MatmulOutput:
     batch_rows: int
     batch_requests: int
     request_id: str = ""
+    # the worker's own split of the request's time (None from workers that do not send it)
+    decode_seconds: float | None = None
+    device_seconds: float | None = None
+    handler_seconds: float | None = None
 
 
 def encode_tensor(a: np.ndarray) -> pb.Tensor:
@@ -101,10 +105,14 @@ def decode_tensor(t: pb.Tensor) -> np.ndarray:
 
 def _output(r: pb.MatmulResponse) -> MatmulOutput:
     t = r.timing
+
+    def opt(name: str) -> float | None:
+        return getattr(t, name) if t.HasField(name) else None
+
     return MatmulOutput(decode_tensor(r.y), r.kernel, _LAYOUT_NAME[r.layout],
-                        _PRECISION_NAME[r.precision], t.queue_seconds,
-                        t.kernel_seconds if t.HasField("kernel_seconds") else None,
-                        t.batch_rows, t.batch_requests, r.request_id)
+                        _PRECISION_NAME[r.precision], t.queue_seconds, opt("kernel_seconds"),
+                        t.batch_rows, t.batch_requests, r.request_id, opt("decode_seconds"),
+                        opt("device_seconds"), opt("handler_seconds"))
 
 
 def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",

@@ -103,6 +103,10 @@ def test_matmul_full_reports_kernel_and_timing(client: Any, uploaded: np.ndarray
     assert out.kernel and out.precision == "exact" and out.layout in ("soa", "aos")
     assert out.batch_rows >= 2 and out.batch_requests >= 1 and out.queue_seconds >= 0
     assert out.kernel_seconds is not None and out.kernel_seconds > 0
+    # the worker's split of its own time: decode <= handler, device job >= kernel
+    assert out.decode_seconds is not None and out.handler_seconds is not None
+    assert 0 < out.decode_seconds <= out.handler_seconds
+    assert out.device_seconds is not None and out.device_seconds >= out.kernel_seconds
 
 
 def test_matmul_stream_mixes_results_and_errors(client: Any, uploaded: np.ndarray) -> None:
