@@ -72,6 +72,7 @@ class Samples:
     latency: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
     kernel: list[float] = field(default_factory=list)
+    worker: list[float] = field(default_factory=list)  # the worker's handler time per call
     batch_rows: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -85,6 +86,8 @@ class Samples:
         self.queue.append(out.queue_seconds)
         if out.kernel_seconds is not None:
             self.kernel.append(out.kernel_seconds)
+        if out.handler_seconds is not None:
+            self.worker.append(out.handler_seconds)
         self.batch_rows.append(out.batch_rows)
 
 
@@ -103,6 +106,7 @@ class CellResult:
     p99_ms: float | None
     queue_ms: float | None
     kernel_ms: float | None
+    worker_ms: float | None  # mean time inside the worker's handler (the rest: client + gRPC)
     batch_rows: float | None
 
     @classmethod
@@ -116,7 +120,8 @@ class CellResult:
         return cls(c, n, mode, seconds, len(s.latency), s.errors,
                    len(s.latency) * n / seconds, len(s.latency) / seconds,
                    ms(s.latency, 50), ms(s.latency, 90), ms(s.latency, 99), ms(s.queue),
-                   ms(s.kernel), float(np.mean(s.batch_rows)) if s.batch_rows else None)
+                   ms(s.kernel), ms(s.worker),
+                   float(np.mean(s.batch_rows)) if s.batch_rows else None)
 
 
 async def _unary_caller(client: Any, weight: str, x: np.ndarray, opts: dict[str, Any],
@@ -231,8 +236,9 @@ def summary_table(doc: dict[str, Any]) -> Any:
               f"({doc['device']}): {doc['mode']}, x {doc['dtype']}, precision "
               f"{doc['precision']}", title_justify="left")
     for col in ("C", "N", "calls", "errors", "rows/s", "calls/s", "p50 ms", "p90 ms",
-                "p99 ms", "queue ms", "kernel ms", "batch rows"):
+                "p99 ms", "worker ms", "queue ms", "kernel ms", "batch rows"):
         t.add_column(col, justify="right")
+
     def fmt(v: float | None, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
 
@@ -241,7 +247,7 @@ def summary_table(doc: dict[str, Any]) -> Any:
         t.add_row(str(r["concurrency"]), str(r["n"]), str(r["calls"]),
                   f"[red]{errors}[/]" if errors else "0", f"{r['rows_per_s']:,.0f}",
                   f"{r['calls_per_s']:,.1f}", fmt(r["p50_ms"], ".2f"), fmt(r["p90_ms"], ".2f"),
-                  fmt(r["p99_ms"], ".2f"), fmt(r["queue_ms"], ".3f"),
+                  fmt(r["p99_ms"], ".2f"), fmt(r["worker_ms"], ".3f"), fmt(r["queue_ms"], ".3f"),
                   fmt(r["kernel_ms"], ".3f"), fmt(r["batch_rows"], ".1f"))
     return t
 

@@ -79,6 +79,7 @@ def test_bench_json(served: Any, mode: str, capsys: pytest.CaptureFixture[str]) 
         assert c["calls"] > 0 and c["errors"] == {}
         assert c["rows_per_s"] == pytest.approx(c["calls"] * 2 / c["seconds"])
         assert 0 < c["p50_ms"] <= c["p99_ms"] and c["batch_rows"] >= 2
+        assert 0 <= c["queue_ms"] < c["worker_ms"]  # the worker's share is inside its handler
 
 
 def test_bench_table_and_missing_weight(served: Any, capsys: pytest.CaptureFixture[str]) -> None:
