@@ -33,7 +33,7 @@ SHAPES = {"blk.0.attn_v.weight": (512, 3584), "blk.0.ffn_down.weight": (3584, 18
 # dequantized weights: exact is f32 rounding; f16 rounds weights/activations to 11 bits;
 # q8_1 quantizes activations to int8 per 32 values (~0.5% each).
 TOLERANCE = {"exact": 1e-5, "f16": 2e-3, "q8_1": 3e-2}
-CPU_MAX_WEIGHT_MIB = 4.0  # NumPy default: rows cut so each weight stays <= 4 MiB of Q6_K
+CPU_MAX_WEIGHT_MIB = 3.0  # NumPy default: rows cut so each weight stays <= 3 MiB of Q6_K
 
 
 def register(sub: argparse._SubParsersAction) -> None:
