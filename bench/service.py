@@ -114,10 +114,11 @@ class LoadSpec:
 
 
 def _request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray) -> bytes:
-    t = pb.Tensor(dtype=pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32,
-                  shape=list(x.shape), data=x.tobytes())
-    return pb.MatmulRequest(weight=name, x=t, precision=spec.precision,
-                            out_dtype=pb.DTYPE_F32).SerializeToString()
+    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32)
+    req.x.dtype = pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32  # in place: see wire
+    req.x.shape.extend(x.shape)
+    req.x.data = x.tobytes()
+    return req.SerializeToString()
 
 
 def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
