@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
       help="longest wait for more rows while the device is busy (default 200; 0 = never)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
+    a("--max-message-bytes", type=int, help="gRPC message size limit, both ways (default 256MiB)")
+    a("--max-concurrent-streams", type=int, help="concurrent RPCs per connection (default 256)")
+    a("--max-upload-bytes", type=int, help="largest UploadWeight payload (default 8GiB)")
     a("--grace-period", dest="grace_period_s", type=float,
       help="seconds to drain in-flight work on SIGTERM (default 10)")
     a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
@@ -44,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
-               "max_queue_rows", "grace_period_s")
+               "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
+               "max_upload_bytes", "grace_period_s")
 
 
 class _ListeningFirst(logging.Handler):

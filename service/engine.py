@@ -283,6 +283,7 @@ class Engine:
         if len(spec.sha256) != 64:
             raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
         self.registry.check_available([spec.name])  # fail before reading the stream
+        self.vram.check(**self._load_needs(spec.rows, spec.k))  # nor buffer what cannot fit
         buf = bytearray(want)
         got = 0
         h = hashlib.sha256()
@@ -339,12 +340,19 @@ class Engine:
         self._publish()
         return [self._view(e) for e in done]
 
+    def _load_needs(self, rows: int, k: int) -> dict[str, int]:
+        """What loading a rows x k weight reserves now, per accountant category."""
+        layout = self.flags.state.kernel_flags().layout
+        return {"weights": self.backend.weight_nbytes(rows, k, layout),
+                "staging": self.backend.load_scratch_nbytes(rows, k,
+                                                            self.config.load_chunk_bytes),
+                "scratch": max(0, self._workspace(rows, k) - self._scratch)}
+
     async def _load_one(self, s: _Source) -> WeightEntry:
         layout = self.flags.state.kernel_flags().layout
         chunk = self.config.load_chunk_bytes
-        wbytes = self.backend.weight_nbytes(s.rows, s.k, layout)
-        staging = self.backend.load_scratch_nbytes(s.rows, s.k, chunk)
-        extra = max(0, self._workspace(s.rows, s.k) - self._scratch)
+        needs = self._load_needs(s.rows, s.k)
+        wbytes, staging, extra = needs["weights"], needs["staging"], needs["scratch"]
         h = hashlib.sha256()
 
         def hashed() -> Iterator[np.ndarray]:

@@ -74,6 +74,11 @@ class VramAccountant:
         self._lock = threading.Lock()
         self._used = dict.fromkeys(CATEGORIES, 0)
 
+    def check(self, **amounts: int) -> None:
+        """Raise RESOURCE_EXHAUSTED if ``amounts`` would not fit now (reserves nothing): lets
+        an upload be refused after its header, before its data is buffered."""
+        self.reserve(**amounts).release()
+
     def reserve(self, **amounts: int) -> Reservation:
         """Reserve e.g. ``weights=n, staging=m`` at once, or raise RESOURCE_EXHAUSTED."""
         for c, n in amounts.items():

@@ -36,6 +36,10 @@ def test_accountant_reserve_keep_rollback() -> None:
     with pytest.raises(RuntimeError), acct.reserve(weights=300):
         raise RuntimeError("allocation failed")
     assert acct.used("weights") == 590  # rolled back
+    acct.check(weights=410)  # fits exactly: nothing is held by a check
+    with pytest.raises(ResourceExhausted):
+        acct.check(weights=411)
+    assert acct.used("weights") == 590
     acct.release({"weights": 590})
     s = acct.stats()
     assert (s.reserved, s.device_used, s.budget) == (0, 3000, 1000)
