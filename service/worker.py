@@ -21,7 +21,7 @@ from q6serve.kernels.errors import Unavailable
 from . import wire
 from .auth import TokenAuth
 from .config import WorkerConfig
-from .engine import Engine
+from .engine import Engine, version
 from .interceptor import ErrorInterceptor
 from .metrics import Metrics
 from .servicer import Q6ServeServicer
@@ -61,7 +61,7 @@ class Worker:
     async def start(self) -> None:
         cfg = self.config
         if cfg.metrics_enabled:
-            self.metrics = Metrics(self.registry, version=_version(),
+            self.metrics = Metrics(self.registry, version=version(),
                                    backend=self.backend.name, device=self.backend.device_name())
             self.metrics.init_labels(wire.METHODS)
         self.engine = Engine(self.backend, cfg, self.metrics)
@@ -120,12 +120,6 @@ class Worker:
 
     async def wait(self) -> None:
         await self._stopped.wait()
-
-
-def _version() -> str:
-    from .engine import version
-
-    return version()
 
 
 async def run_worker(config: WorkerConfig, backend: Backend) -> None:
