@@ -158,3 +158,19 @@ def test_cancelled_while_queued_never_runs(start_worker) -> None:  # type: ignor
     c.matmul("w", np.ones((2, 256), np.float32))
     assert 7 not in backend.launches and 9 not in backend.launches, backend.launches
     assert c.get("w").in_flight == 0
+
+
+def test_stream_requests_coalesce(start_worker) -> None:  # type: ignore[no-untyped-def]
+    backend = InstrumentedBackend(matmul_delay=0.02)
+    worker = start_worker(backend=backend)
+    blocks = random_q6k(ROWS, K, 8)
+    c = worker.client()
+    c.upload("w", blocks, ROWS, K)
+    rng = np.random.default_rng(9)
+    xs = {f"r{i}": rng.standard_normal((1, K)).astype(np.float32) for i in range(32)}
+    outs = {o.request_id: o for o in c.matmul_stream((rid, "w", x) for rid, x in xs.items())}
+    assert set(outs) == set(xs)
+    assert max(o.batch_requests for o in outs.values()) > 1
+    assert len(backend.launches) < 32
+    for rid, x in xs.items():
+        assert_close(outs[rid].y, reference(blocks, ROWS, K, x))
