@@ -33,6 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -600,6 +601,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    # `timeout` sends SIGTERM: exit through the finally below, so the worker and the load
+    # processes are stopped and the JSON is written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     a.argv = sys.argv[1:] if argv is None else argv
     out_dir = Path(a.json).parent if a.json else Path(tempfile.mkdtemp(prefix="q6bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
