@@ -496,7 +496,6 @@ def test_no_unsafe_deserialisation_in_the_worker() -> None:
     assert offenders == []
 
 
-@pytest.mark.xfail(reason="gap: the upload is buffered whole before the budget is checked")
 def test_upload_refused_before_buffering_what_cannot_fit(
         start: Callable[..., RunningWorker]) -> None:
     """An upload whose weight cannot fit the budget fails right after its header: the worker
@@ -527,8 +526,6 @@ def test_upload_refused_before_buffering_what_cannot_fit(
     assert sent[0] < 16, f"{sent[0]} MiB were sent before the refusal"
 
 
-@pytest.mark.xfail(reason="gap: --max-message-bytes/--max-concurrent-streams/"
-                   "--max-upload-bytes are config fields without CLI flags")
 def test_limit_flags_on_the_command_line(tmp_path: Path) -> None:
     """Every limit is a `q6serve worker` flag, and the flags reach the running worker."""
     py = str(REPO / ".venv/bin/python")
