@@ -114,8 +114,9 @@ class LoadSpec:
     precision: int  # pb Precision value
 
 
-def _request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray) -> bytes:
-    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32)
+def _request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray, rid: str = "") -> bytes:
+    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32,
+                           request_id=rid)
     req.x.dtype = pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32  # in place: see wire
     req.x.shape.extend(x.shape)
     req.x.data = x.tobytes()
@@ -149,8 +150,48 @@ def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
         out[key].append(v)
 
 
+class _Mux:
+    """``--mode mux``: one MatmulStream per host shared by all its callers, replies matched
+    to callers by request_id (how a host could multiplex many sequences over one stream)."""
+
+    def __init__(self, channel: Any) -> None:
+        import asyncio
+
+        self.call = channel.stream_stream(MATMUL_STREAM)()
+        self.waiting: dict[bytes, asyncio.Future[bytes]] = {}
+        self.lock = asyncio.Lock()  # one write at a time on a stream
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @staticmethod
+    def request_id(raw: bytes) -> bytes:
+        """Field 1 of a MatmulStreamResponse, serialised first: tag 0x0a, length, bytes."""
+        return raw[2 : 2 + raw[1]] if raw[:1] == b"\x0a" else b""
+
+    async def _read(self) -> None:
+        import grpc
+
+        while (raw := await self.call.read()) is not grpc.aio.EOF:
+            fut = self.waiting.pop(self.request_id(raw), None)
+            if fut is not None and not fut.done():
+                fut.set_result(raw)
+
+    async def roundtrip(self, req: bytes, rid: str) -> bytes:
+        import asyncio
+
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.waiting[rid.encode()] = fut
+        async with self.lock:
+            await self.call.write(req)
+        return await fut
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.reader
+
+
 async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
-                  rec: dict[str, dict[str, list[float]]] | None) -> None:
+                  rec: dict[str, dict[str, list[float]]] | None, mux: _Mux | None = None,
+                  ) -> None:
     from q6serve.v1 import q6serve_pb2 as pb
 
     rng = np.random.default_rng(idx)
@@ -164,19 +205,23 @@ async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
     while time.perf_counter() < until[0]:
         name, k = spec.weights[step % len(spec.weights)]
         step += 1
+        rid = f"{idx}.{step}" if mux is not None else ""
         t0 = time.perf_counter()
-        req = _request(pb, spec, name, xs[k])
+        req = _request(pb, spec, name, xs[k], rid)
         t1 = time.perf_counter()
-        if stream is None:
+        if mux is not None:
+            raw = await mux.roundtrip(req, rid)
+        elif stream is None:
             raw = await unary(req, timeout=60.0)
         else:  # one request in flight per stream: write, then read its reply
             await stream.write(req)
             raw = await stream.read()
         t2 = time.perf_counter()
+        streamed = stream is not None or mux is not None
         if rec is not None:
             _record(pb, rec.setdefault(name, {f: [] for f in FIELDS}), (t0, t1, t2), raw,
-                    stream is not None)
-        elif stream is not None:
+                    streamed)
+        elif streamed:
             _record(pb, {f: [] for f in FIELDS}, (t0, t1, t2), raw, True)  # surfaces errors
     if stream is not None:
         await stream.done_writing()
@@ -191,14 +236,18 @@ async def _host_async(spec: LoadSpec, barrier: Any) -> dict[str, dict[str, list[
 
     async with grpc.aio.insecure_channel(spec.target, options=channel_options()) as ch:
         await ch.channel_ready()
+        mux = _Mux(ch) if spec.mode == "mux" else None
         until = [time.perf_counter() + spec.warmup]
-        await asyncio.gather(*(_caller(ch, spec, i, until, None) for i in range(spec.callers)))
+        await asyncio.gather(*(_caller(ch, spec, i, until, None, mux)
+                               for i in range(spec.callers)))
         await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 120)
         rec: dict[str, dict[str, list[float]]] = {}
         until[0] = time.perf_counter() + spec.seconds
         t0 = time.perf_counter()
-        await asyncio.gather(*(_caller(ch, spec, 1000 + i, until, rec)
+        await asyncio.gather(*(_caller(ch, spec, 1000 + i, until, rec, mux)
                                for i in range(spec.callers)))
+        if mux is not None:
+            await mux.close()
         rec["_wall"] = {"seconds": [time.perf_counter() - t0]}
         return rec
 
@@ -570,7 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seqs", type=int, default=8, help="sequences per host (S)")
     ap.add_argument("--host-batch", action="store_true",
                     help="each host sends one N=S call per matmul (default: S callers, N=1)")
-    ap.add_argument("--mode", default="unary", choices=("unary", "stream"))
+    ap.add_argument("--mode", default="unary", choices=("unary", "stream", "mux"),
+                    help="unary calls, one MatmulStream per caller, or one per host (mux)")
     ap.add_argument("--modes", default="unary,stream",
                     help="--target-report: call modes to measure (default unary,stream)")
     ap.add_argument("--batching", default="both", choices=("on", "off", "both"))

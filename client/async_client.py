@@ -1,7 +1,7 @@
 """The asyncio client: the same calls as :class:`~q6serve.client.client.Client` on grpc.aio.
 
     from q6serve.client import AsyncClient
-    async with AsyncClient("127.0.0.1:50061") as c:
+    async with AsyncClient("127.0.0.1:50051") as c:
         y = await c.matmul("output.weight", x)     # x: [N, K] f32/f16/bf16 -> y: [N, rows]
         async for out in c.matmul_stream((f"r{i}", "output.weight", xi) for i, xi in ...):
             ...

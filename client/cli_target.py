@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TARGET = "127.0.0.1:50061"
+DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0) -> None:

@@ -1,7 +1,7 @@
 """A synchronous q6serve client: numpy in, numpy out, one exception type.
 
     from q6serve.client.client import Client
-    with Client("127.0.0.1:50061") as c:
+    with Client("127.0.0.1:50051") as c:
         c.load("model.gguf", tensors=["output.weight"])
         y = c.matmul("output.weight", x)          # x: [N, K] f32/f16/bf16 -> y: [N, rows] f32
 """

@@ -1,6 +1,6 @@
 """Client commands against a running worker: health, load, list, unload, matmul, status, flags.
 
-Every command takes ``--target H:P`` (default ``$Q6SERVE_TARGET`` or 127.0.0.1:50061) and reads
+Every command takes ``--target H:P`` (default ``$Q6SERVE_TARGET`` or 127.0.0.1:50051) and reads
 bearer tokens from ``$Q6SERVE_TOKEN`` / ``$Q6SERVE_ADMIN_TOKEN`` (admin commands prefer the
 admin token). Failures print the gRPC status and message and exit non-zero.
 """
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_TARGET = "127.0.0.1:50061"
+DEFAULT_TARGET = "127.0.0.1:50051"
 # commands that take `--target A,B,...`: a weight row-sharded over those workers (shard i = i-th)
 SHARDED_COMMANDS = ("load", "matmul", "list", "unload", "health")
 FLAG_NAMES = ("Q6SERVE_Q6K_SOA", "Q6SERVE_DECODE_MMQ", "Q6SERVE_DYNAMIC_BATCHING")
@@ -208,10 +208,10 @@ def cmd_flags(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     _parser(sub, "health", "check a worker's health (exit 0 when SERVING)",
-            "q6serve health --target 127.0.0.1:50061", cmd_health)
+            "q6serve health --target 127.0.0.1:50051", cmd_health)
 
     p = _parser(sub, "load", "load Q6_K tensors of a GGUF file under the worker's --model-dir",
-                "q6serve load --target 127.0.0.1:50061 --gguf model.gguf "
+                "q6serve load --target 127.0.0.1:50051 --gguf model.gguf "
                 "--tensor output.weight\n"
                 "  q6serve load --target 10.0.0.5:50051,10.0.0.6:50051 --gguf model.gguf "
                 "--tensor output.weight   # row-sharded", cmd_load)
@@ -227,15 +227,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-count", type=int, metavar="N", help="number of shards")
 
     p = _parser(sub, "list", "list resident weights",
-                "q6serve list --target 127.0.0.1:50061 --json", cmd_list)
+                "q6serve list --target 127.0.0.1:50051 --json", cmd_list)
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = _parser(sub, "unload", "unload a weight (freed when in-flight requests finish)",
-                "q6serve unload --target 127.0.0.1:50061 output.weight", cmd_unload)
+                "q6serve unload --target 127.0.0.1:50051 output.weight", cmd_unload)
     p.add_argument("name", metavar="NAME")
 
     p = _parser(sub, "matmul", "compute y = x · Wᵀ for x from a .npy file",
-                "q6serve matmul --target 127.0.0.1:50061 --weight output.weight "
+                "q6serve matmul --target 127.0.0.1:50051 --weight output.weight "
                 "--input x.npy --output y.npy --dtype f16 --precision auto", cmd_matmul)
     p.add_argument("--weight", required=True, help="resident weight name")
     p.add_argument("--input", required=True, help=".npy of shape [N, K] (or [K])")
@@ -248,11 +248,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="numerics (default auto: the backend's fastest path)")
 
     p = _parser(sub, "status", "show backend, device, VRAM accounting, flags and version",
-                "q6serve status --target 127.0.0.1:50061 --json", cmd_status)
+                "q6serve status --target 127.0.0.1:50051 --json", cmd_status)
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = _parser(sub, "flags", "show kill-switch flags, or set them with NAME=0|1 (admin)",
-                "q6serve flags --target 127.0.0.1:50061 Q6SERVE_Q6K_SOA=0 "
+                "q6serve flags --target 127.0.0.1:50051 Q6SERVE_Q6K_SOA=0 "
                 "Q6SERVE_DYNAMIC_BATCHING=1", cmd_flags)
     p.add_argument("assignments", nargs="*", type=_flag_assignment, metavar="NAME=0|1",
                    help=f"flags: {', '.join(FLAG_NAMES)} (the Q6SERVE_ prefix is optional)")

@@ -22,10 +22,10 @@ import numpy as np
 from .cli_target import add_target_options, client_kwargs, fail
 
 EXAMPLE = """example:
-  q6serve bench --target 127.0.0.1:50061 --weight blk.0.ffn_down.weight \\
+  q6serve bench --target 127.0.0.1:50051 --weight blk.0.ffn_down.weight \\
       --concurrency 1 8 64 --n 1 16 64 --dtype f16 --duration 5 --mode stream
-  q6serve bench --target 127.0.0.1:50061 --json > bench.json      # first resident weight
-  q6serve bench --target 127.0.0.1:50061 --plot latency.png       # needs matplotlib
+  q6serve bench --target 127.0.0.1:50051 --json > bench.json      # first resident weight
+  q6serve bench --target 127.0.0.1:50051 --plot latency.png       # needs matplotlib
   q6serve bench --preset decode-7b --preset-args "--backend numpy --row-scale 0.01"
 
 presets (run bench/service.py of a source checkout, which starts its own worker):

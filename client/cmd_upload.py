@@ -14,8 +14,8 @@ from pathlib import Path
 from .cli_target import add_target_options, client_kwargs, fail
 
 EXAMPLE = """example:
-  q6serve upload --target 10.0.0.7:50061 model.gguf --tensor output.weight
-  q6serve upload --target 10.0.0.7:50061 model.gguf --prefix L0.      # every Q6_K tensor"""
+  q6serve upload --target 10.0.0.7:50051 model.gguf --tensor output.weight
+  q6serve upload --target 10.0.0.7:50051 model.gguf --prefix L0.      # every Q6_K tensor"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import os
 import sys
 
 EXAMPLE = """example:
-  q6serve worker --port 50061 --metrics-port 9464 --model-dir /models --vram-budget 0.9
+  q6serve worker --port 50051 --metrics-port 9400 --model-dir /models --vram-budget 0.9
   q6serve worker --port 0 --backend numpy --vram-budget 2GiB     # prints `listening on H:P`
 
 environment: Q6SERVE_Q6K_SOA, Q6SERVE_DECODE_MMQ, Q6SERVE_DYNAMIC_BATCHING (0/1, default 1);
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--host", help="bind address (default 127.0.0.1)")
-    a("--port", type=int, help="gRPC port; 0 picks a free one (default 50061)")
+    a("--port", type=int, help="gRPC port; 0 picks a free one (default 50051)")
     a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: free port)")
     a("--metrics-host", help="bind address of /metrics (default: --host)")
     a("--backend", choices=("auto", "numpy", "cuda"), help="compute backend (default auto)")

@@ -60,7 +60,7 @@ class Budget:
 @dataclass(frozen=True)
 class WorkerConfig:
     host: str = "127.0.0.1"
-    port: int = 50061
+    port: int = 50051
     metrics_port: int | None = None  # None: no HTTP /metrics; 0: a free port
     metrics_host: str | None = None  # default: same as host
     metrics_enabled: bool = True  # False: no series at all (the overhead benchmark's baseline)

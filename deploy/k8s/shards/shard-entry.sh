@@ -11,7 +11,7 @@ set -eu
 : "${Q6SERVE_SHARD_COUNT:?set Q6SERVE_SHARD_COUNT (= the StatefulSet replicas)}"
 : "${Q6SERVE_SHARD_GGUF:?set Q6SERVE_SHARD_GGUF (a file under the model dir)}"
 TENSORS="${Q6SERVE_SHARD_TENSORS:-}"  # space-separated; empty: every Q6_K tensor of the file
-PORT="${Q6SERVE_SHARD_PORT:-50061}"  # the image's gRPC port (ENTRYPOINT); tests override
+PORT="${Q6SERVE_SHARD_PORT:-50051}"  # the image's gRPC port (ENTRYPOINT); tests override
 READY="${Q6SERVE_SHARD_READY_FILE:-/tmp/q6serve-shard-ready}"
 TARGET="127.0.0.1:$PORT"
 
@@ -26,7 +26,7 @@ if [ "$index" -ge "$Q6SERVE_SHARD_COUNT" ]; then
 fi
 rm -f "$READY"
 
-q6serve worker --host 0.0.0.0 --port "$PORT" --metrics-port 9464 "$@" &
+q6serve worker --host 0.0.0.0 --port "$PORT" --metrics-port 9400 "$@" &
 pid=$!
 # SIGTERM: leave readiness first, then let the worker drain (it exits when done).
 trap 'rm -f "$READY"; kill -TERM "$pid" 2>/dev/null || true' TERM INT
