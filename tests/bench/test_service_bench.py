@@ -39,3 +39,15 @@ def test_tiny_replay_breakdown_adds_up(tmp_path: Path) -> None:
         assert r["parts_mean_us"]["kernel"] > 0
         assert r["p50_us"] <= r["p99_us"]
     assert [g["weight"] for g in doc["gains"]] == ["attn_v", "ffn_down"]
+
+
+def test_q6serve_bench_preset_runs_the_service_bench(tmp_path: Path) -> None:
+    out = tmp_path / "preset.json"
+    args = (f"--backend numpy --row-scale 0.005 --weights attn_v --hosts 1 --seqs 1 "
+            f"--seconds 0.3 --warmup 0.1 --batching on --json {out}")
+    done = subprocess.run([sys.executable, "-m", "q6serve.client.cli", "bench", "--preset",
+                           "decode-7b", "--preset-args", args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["weight"] for r in runs] == ["attn_v"] and runs[0]["calls"] > 0
