@@ -52,6 +52,7 @@ FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_de
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
 MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
 DYN_FLAG = "Q6SERVE_DYNAMIC_BATCHING"
+WARM_NS = (1, 8, 16, 32, 64)  # one N per launch-shape bucket of the CUDA tiles (cuda_backend)
 NEG_TOL = 5e-6  # a part below -5 us means the timeline is inconsistent (counted per run)
 
 
@@ -496,13 +497,15 @@ class Bench:
         return out
 
     def prewarm(self, weights: list[str], n: int) -> None:
-        """One untimed call per weight at this N first: kernel compiles stay out of the runs."""
+        """Untimed calls per weight first, at this N and at one N of every launch-shape bucket
+        a coalesced batch may hit: kernels compile on first use, never inside a run."""
         dt = np.float16 if self.args.dtype == "f16" else np.float32
         for w in weights:
-            if (w, n) not in self._warm:
-                x = np.ones((n, self.shapes[w][1]), dt)
-                self.client.matmul_full(w, x, precision=self.args.precision, timeout=600.0)
-                self._warm.add((w, n))
+            for m in sorted({n, *WARM_NS}):
+                if (w, m) not in self._warm and (m <= self.args.max_batch_rows or m == n):
+                    x = np.ones((m, self.shapes[w][1]), dt)
+                    self.client.matmul_full(w, x, precision=self.args.precision, timeout=600.0)
+                    self._warm.add((w, m))
 
     def one(self, label: str, hosts: int, callers: int, n: int, mode: str,
             weight: str = "ffn_down") -> RunResult | None:
