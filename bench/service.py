@@ -601,6 +601,18 @@ def target_report(b: Bench) -> None:
                     "fraction": frac, "fraction_min": 0.5, "met": frac >= 0.5})
 
 
+def target_line(t: dict[str, Any]) -> str:
+    verdict = "met" if t["met"] else "MISSED"
+    if t["target"] == "T1":
+        return (f"T1 {t['mode']}: p50 - kernel = {t['p50_minus_kernel_us']:.0f} us (<= 150) "
+                f"{verdict}; bare gRPC {t['bare_grpc_p50_us'] or 0:.0f} us of it")
+    if t["target"] == "T2":
+        return (f"T2 {t['mode']}: batching gain {t['gain']:.2f}x (>= 5), p99 "
+                f"{t['p99_us']:.0f} us (<= 2000) {verdict}")
+    return (f"T3 {t['mode']}: {t['service_rows_per_s']:,.0f} rows/s = {t['fraction']:.2f} of the "
+            f"kernel alone ({t['kernel_rows_per_s']:,.0f}; >= 0.5) {verdict}")
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -674,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         b.save()
         b.close()
+    for t in b.targets:
+        print("# " + target_line(t), flush=True)
     print(f"# done in {time.perf_counter() - b.t_start:.0f} s; worker log {b.worker.log_path}",
           flush=True)
     return 1 if b.errors else 0
