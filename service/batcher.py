@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,7 +41,12 @@ class Device:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"q6serve-dev-{name}")
+        # One thread fed by a SimpleQueue, answering through call_soon_threadsafe: one loop
+        # trip less per job than run_in_executor (submit -> result 67 -> 52 us, issue 9).
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=f"q6serve-dev-{name}",
+                                        daemon=True)
+        self._thread.start()
         self.inflight = 0
         # One-shot: only batchers waiting for the device right now are woken (with hundreds of
         # resident weights, waking every batcher on each idle edge would cost milliseconds).
@@ -60,23 +66,41 @@ class Device:
         return await asyncio.shield(self.submit(fn, *args))
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Queue ``fn`` on the device thread now (the device counts as busy from here)."""
+        """Queue ``fn`` on the device thread now (the device counts as busy from here). The
+        job runs even if the future is cancelled: device work is never abandoned half-way."""
         loop = asyncio.get_running_loop()
         self.inflight += 1
-        fut = loop.run_in_executor(self._executor, fn, *args)
-
-        def done(_: object) -> None:
-            self.inflight -= 1
-            if self.inflight == 0 and self._idle_waiters:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for fn in waiters:
-                    fn()
-
-        fut.add_done_callback(done)
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
         return fut
 
+    def _work(self) -> None:
+        """The device thread: run jobs in order, hand each outcome back to its loop."""
+        while (job := self._jobs.get()) is not None:
+            loop, fut, fn, args = job
+            try:
+                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+            except BaseException as e:  # every waiter must hear of a failure
+                outcome = (None, e)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._done, fut, *outcome)
+
+    def _done(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        self.inflight -= 1
+        if not fut.done():  # a cancelled waiter is simply not answered
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+        if self.inflight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for fn in waiters:
+                fn()
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=False)
+        """Finish the queued jobs, then stop the thread."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 @dataclass(frozen=True)
