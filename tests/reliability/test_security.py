@@ -417,7 +417,7 @@ def test_message_size_limit_both_ways(start: Callable[..., RunningWorker]) -> No
 
 
 def test_queue_length_limit(start: Callable[..., RunningWorker]) -> None:
-    backend = FaultyBackend(matmul_delay_s=0.5)
+    backend = FaultyBackend(matmul_delay_s=0.8)  # long enough for all 6 callers to arrive
     w = start(backend, max_queue_rows=8, max_batch_rows=8)
     c = w.client()
     c.upload("w", random_q6k(4, K, 4), 4, K)
