@@ -1,0 +1,287 @@
+"""The load side of bench/service.py: host processes running closed-loop callers, and the
+bare-gRPC floor (an echo server with the same message sizes).
+
+Everything here runs in processes started with multiprocessing's spawn method; they import
+this module by name (bench/ is on their sys.path, as it is on the parent's).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",
+          "handler", "batch_rows", "batch_requests")
+MATMUL = "/q6serve.v1.Q6Serve/Matmul"
+MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
+
+
+# -- load generator (runs in spawned host processes) ------------------------------------------
+@dataclass(frozen=True)
+class LoadSpec:
+    target: str
+    weights: tuple[tuple[str, int], ...]  # (name, K) in step order
+    callers: int  # per host
+    n: int  # rows per call
+    seconds: float
+    warmup: float
+    mode: str  # unary | stream
+    dtype: str  # f32 | f16
+    precision: int  # pb Precision value
+
+
+def _request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray, rid: str = "") -> bytes:
+    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32,
+                           request_id=rid)
+    req.x.dtype = pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32  # in place: see wire
+    req.x.shape.extend(x.shape)
+    req.x.data = x.tobytes()
+    return req.SerializeToString()
+
+
+def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
+            raw: bytes, stream: bool) -> None:
+    """Decode the reply (timed: client_decode) and append this call's figures."""
+    t0, t1, t2 = t
+    if stream:
+        msg = pb.MatmulStreamResponse.FromString(raw)
+        if msg.WhichOneof("outcome") != "result":
+            raise RuntimeError(f"stream error: {msg.error.code} {msg.error.message}")
+        r = msg.result
+    else:
+        r = pb.MatmulResponse.FromString(raw)
+    y = np.frombuffer(r.y.data, np.float32).reshape(tuple(r.y.shape))
+    t3 = time.perf_counter()
+    del y
+    tm = r.timing
+
+    def opt(name: str) -> float:
+        return getattr(tm, name) if tm.HasField(name) else float("nan")
+
+    for key, v in (("e2e", t3 - t0), ("encode", t1 - t0), ("rpc", t2 - t1),
+                   ("decode", t3 - t2), ("queue", tm.queue_seconds),
+                   ("kernel", opt("kernel_seconds")), ("device", opt("device_seconds")),
+                   ("srv_decode", opt("decode_seconds")), ("handler", opt("handler_seconds")),
+                   ("batch_rows", tm.batch_rows), ("batch_requests", tm.batch_requests)):
+        out[key].append(v)
+
+
+class _Mux:
+    """``--mode mux``: one MatmulStream per host shared by all its callers, replies matched
+    to callers by request_id (how a host could multiplex many sequences over one stream)."""
+
+    def __init__(self, channel: Any) -> None:
+        import asyncio
+
+        self.call = channel.stream_stream(MATMUL_STREAM)()
+        self.waiting: dict[bytes, asyncio.Future[bytes]] = {}
+        self.lock = asyncio.Lock()  # one write at a time on a stream
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @staticmethod
+    def request_id(raw: bytes) -> bytes:
+        """Field 1 of a MatmulStreamResponse, serialised first: tag 0x0a, length, bytes."""
+        return raw[2 : 2 + raw[1]] if raw[:1] == b"\x0a" else b""
+
+    async def _read(self) -> None:
+        import grpc
+
+        while (raw := await self.call.read()) is not grpc.aio.EOF:
+            fut = self.waiting.pop(self.request_id(raw), None)
+            if fut is not None and not fut.done():
+                fut.set_result(raw)
+
+    async def roundtrip(self, req: bytes, rid: str) -> bytes:
+        import asyncio
+
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.waiting[rid.encode()] = fut
+        async with self.lock:
+            await self.call.write(req)
+        return await fut
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        await self.reader
+
+
+async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
+                  rec: dict[str, dict[str, list[float]]] | None, mux: _Mux | None = None,
+                  ) -> None:
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    rng = np.random.default_rng(idx)
+    dt = np.float16 if spec.dtype == "f16" else np.float32
+    xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {k for _, k in spec.weights}}
+    unary = channel.unary_unary(MATMUL)  # raw bytes both ways: we time (de)serialization
+    stream = None
+    if spec.mode == "stream":
+        stream = channel.stream_stream(MATMUL_STREAM)()
+    step = 0
+    while time.perf_counter() < until[0]:
+        name, k = spec.weights[step % len(spec.weights)]
+        step += 1
+        rid = f"{idx}.{step}" if mux is not None else ""
+        t0 = time.perf_counter()
+        req = _request(pb, spec, name, xs[k], rid)
+        t1 = time.perf_counter()
+        if mux is not None:
+            raw = await mux.roundtrip(req, rid)
+        elif stream is None:
+            raw = await unary(req, timeout=60.0)
+        else:  # one request in flight per stream: write, then read its reply
+            await stream.write(req)
+            raw = await stream.read()
+        t2 = time.perf_counter()
+        streamed = stream is not None or mux is not None
+        if rec is not None:
+            _record(pb, rec.setdefault(name, {f: [] for f in FIELDS}), (t0, t1, t2), raw,
+                    streamed)
+        elif streamed:
+            _record(pb, {f: [] for f in FIELDS}, (t0, t1, t2), raw, True)  # surfaces errors
+    if stream is not None:
+        await stream.done_writing()
+
+
+async def _host_async(spec: LoadSpec, barrier: Any) -> dict[str, dict[str, list[float]]]:
+    import asyncio
+
+    import grpc
+
+    from q6serve.client.channel import channel_options
+
+    async with grpc.aio.insecure_channel(spec.target, options=channel_options()) as ch:
+        await ch.channel_ready()
+        mux = _Mux(ch) if spec.mode == "mux" else None
+        until = [time.perf_counter() + spec.warmup]
+        await asyncio.gather(*(_caller(ch, spec, i, until, None, mux)
+                               for i in range(spec.callers)))
+        await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 120)
+        rec: dict[str, dict[str, list[float]]] = {}
+        until[0] = time.perf_counter() + spec.seconds
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_caller(ch, spec, 1000 + i, until, rec, mux)
+                               for i in range(spec.callers)))
+        if mux is not None:
+            await mux.close()
+        rec["_wall"] = {"seconds": [time.perf_counter() - t0]}
+        return rec
+
+
+def _host_main(spec: LoadSpec, barrier: Any, results: Any, idx: int) -> None:
+    import asyncio
+
+    try:
+        results.put((idx, asyncio.run(_host_async(spec, barrier))))
+    except BaseException as e:  # report, never hang the parent
+        barrier.abort()
+        results.put((idx, {"_error": repr(e)}))
+
+
+def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray]], float]:
+    """Spawn ``hosts`` load processes; returns samples per weight (merged) and wall seconds."""
+    ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC state
+    barrier = ctx.Barrier(hosts)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_host_main, args=(spec, barrier, results, i), daemon=True)
+             for i in range(hosts)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=spec.warmup + spec.seconds + 150) for _ in procs]
+    for p in procs:
+        p.join(30)
+    merged: dict[str, dict[str, list[float]]] = {}
+    wall = 0.0
+    for _, rec in got:
+        if "_error" in rec:
+            raise RuntimeError(f"load process failed: {rec['_error']}")
+        wall = max(wall, rec.pop("_wall")["seconds"][0])
+        for name, cols in rec.items():
+            dst = merged.setdefault(name, {f: [] for f in FIELDS})
+            for f in FIELDS:
+                dst[f].extend(cols[f])
+    return {n: {f: np.asarray(v, np.float64) for f, v in c.items()}
+            for n, c in merged.items()}, wall
+
+
+# -- the floor: bare gRPC with the same message sizes ------------------------------------------
+def _echo_server(reply_bytes: int, ports: Any) -> None:
+    """A grpc.aio server that answers every message with ``reply_bytes`` bytes, nothing else."""
+    import asyncio
+
+    import grpc
+
+    reply = b"\0" * reply_bytes
+
+    async def unary(req: bytes, ctx: Any) -> bytes:
+        return reply
+
+    async def stream(it: Any, ctx: Any) -> Any:
+        async for _ in it:
+            yield reply
+
+    async def serve() -> None:
+        from q6serve.client.channel import channel_options
+
+        server = grpc.aio.server(options=channel_options())
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("echo.Echo", {
+            "U": grpc.unary_unary_rpc_method_handler(unary),
+            "S": grpc.stream_stream_rpc_method_handler(stream)})])
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _echo_client(port: int, request_bytes: int, mode: str, seconds: float) -> float:
+    """p50 µs of one closed-loop caller against the echo server."""
+    import asyncio
+
+    import grpc
+
+    from q6serve.client.channel import channel_options
+
+    req = b"\1" * request_bytes
+
+    async def go() -> float:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                             options=channel_options()) as ch:
+            lat: list[float] = []
+            unary = ch.unary_unary("/echo.Echo/U")
+            call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                if call is None:
+                    await unary(req)
+                else:
+                    await call.write(req)
+                    await call.read()
+                lat.append(time.perf_counter() - t0)
+            if call is not None:
+                await call.done_writing()
+            return float(np.median(lat[len(lat) // 5:]) * 1e6)  # first fifth: warm-up
+
+    return asyncio.run(go())
+
+
+def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str],
+               seconds: float) -> dict[str, float]:
+    """Round trip of bare gRPC (server and caller in their own processes, as in the bench)."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_echo_server, args=(reply_bytes, ports), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        with ctx.Pool(1) as pool:
+            return {m: pool.apply(_echo_client, (port, request_bytes, m, seconds))
+                    for m in modes}
+    finally:
+        server.terminate()
+        server.join(10)
