@@ -251,15 +251,16 @@ __device__ __forceinline__ void emit(const Out& o, int rows, int row, int tok, f
     }
 }
 
-// Called by every thread of the CTA after its emits. rows_cta/toks_cta: the CTA's tile.
-__device__ __forceinline__ void finish_split(const Out& o, int rows, int row0, int rows_cta,
-                                             int tok0, int toks_cta) {
+// Called by every thread of the CTA after its emits. rows_cta/toks_cta: the CTA's tile;
+// ticket: the tile's counter (persistent kernels own several tiles, one after the other).
+__device__ __forceinline__ void finish_split_at(const Out& o, int rows, u32 ticket, int row0,
+                                                int rows_cta, int tok0, int toks_cta) {
     if (gridDim.y == 1) return;
     __shared__ u32 last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32* t = o.tickets + blockIdx.z * gridDim.x + blockIdx.x;
+        u32* t = o.tickets + ticket;
         const u32 prev = atomicAdd(t, 1u);
         last = (prev == gridDim.y - 1);
         if (last) *t = 0;  // ready for the next launch (stream order)
@@ -276,6 +277,10 @@ __device__ __forceinline__ void finish_split(const Out& o, int rows, int row0, i
             s += ldcg_f32(o.part + ((size_t)k * o.n_tok + tok) * rows + row);
         o.y[(size_t)tok * rows + row] = s;
     }
+}
+__device__ __forceinline__ void finish_split(const Out& o, int rows, int row0, int rows_cta,
+                                             int tok0, int toks_cta) {
+    finish_split_at(o, rows, blockIdx.z * gridDim.x + blockIdx.x, row0, rows_cta, tok0, toks_cta);
 }
 
 // K range of this CTA in blocks: ceil(bpr / ksplit) blocks per split.

@@ -1,0 +1,68 @@
+// Shared pieces of the f16 tensor-core kernels (q6k_matmul.cu, q6k_mma_ws.cu): kernel
+// parameter macros, f16x2 dequantization, cp.async and mma.sync wrappers, the fragment-order
+// activation offsets. Moved verbatim from q6k_matmul.cu. Include after q6k_common.cuh (the loader
+// inlines each include where it appears, so headers do not include each other).
+#pragma once
+
+#define PARAMS_W const u64 *slabs, int rows, int bpr, int rps
+#define PARAMS_OUT float *y, float *part, u32 *tickets, int n_tok
+#define MAKE_W Weight w = {slabs, rows, bpr, rps}
+#define MAKE_OUT Out o = {y, part, tickets, n_tok}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// f16x2 of sc*(q-32) for the two code bytes picked by `sel` (0x4140: bytes 0,1; 0x4342: 2,3).
+// 0x64XX is 1024+XX in f16, 0x6420 is 1056: the subtraction is exact, and so is the product
+// unless |sc*(q-32)| > 2048 (then it is rounded to f16, the F16 path's contract).
+__device__ __forceinline__ u32 deq2(u32 q, u32 sel, u32 sc2) {
+    return hmul2(hsub2(__byte_perm(q, 0x64646464u, sel), 0x64206420u), sc2);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                        u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], u32 a0, u32 a1, u32 b0) {
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// Exact float of an int with |v| < 2^22 (full-rate ops instead of the slow I2F).
+__device__ __forceinline__ float small_i2f(int v) {
+    return __int_as_float(v + 0x4B400000) - 12582912.0f;
+}
+
+// Element offset inside a block of the 8 activations lane t needs for step pair sp
+// (half h = sp>>2, nibble nib = (sp>>1)&1, words j = 2*(sp&1) + 0..1).
+__device__ __forceinline__ int quad_x_off(int sp, int t) {
+    const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+    return h * 128 + 32 * ((t >> 1) + 2 * nib) + 16 * (t & 1) + 8 * jj;
+}
