@@ -17,9 +17,13 @@ Dispatch (``plan``; documented in docs/KERNELS.md, one row per case)::
     Q8_1       on          any            cuda.mmq_q8_1          q8_1 x int8 MMA (llama.cpp)
     Q8_1       off         -              refused (FailedPrecondition)
     AUTO       on          <= AUTO_EXACT_N  cuda.exact
-    AUTO       on          <= F16_TILE_N  cuda.mma_f16
+    AUTO       on          <= F16_TILE_N  cuda.mma_f16 (small weights, rows*K <= SMALL_WEIGHT:
+                                          N in SMALL_EXACT_N cuda.exact, N above cublas_f16)
     AUTO       on          larger         cuda.cublas_f16
     AUTO       off         <= 8           cuda.exact, else cuda.cublas_f16
+
+The shape-aware rows need the weight's shape (``matmul`` passes it; ``plan(n, ...)`` without
+``rows``/``k`` answers for a large weight).
 
 Kernel names carry the layout (``cuda.mma_f16.soa``); the AoS twins run the same code with
 the AoS address arithmetic and give bit-identical results.
@@ -53,8 +57,15 @@ SLAB_BYTES = 64 << 20  # resident slab size (whole rows): bounds relayout scratc
 POOL_ROUND = 512  # CuPy's pool rounds every allocation up to this
 F16_TILE_N = 256  # above: dequantized f16 tiles + cuBLAS beat re-reading Q6_K per 64 tokens
 AUTO_EXACT_N = 0  # AUTO uses the exact kernel up to this N (0: the f16 tile is faster)
+# Small weights (rows*K <= SMALL_WEIGHT; measured on 512x3584, bench/RESULTS.md): the f16 tile
+# has too few row tiles to fill the GPU, so AUTO runs the exact kernel for N in SMALL_EXACT_N
+# (10.6/12.2/15.6 us vs 12.2/18.9/29.5 us at N = 8/16/32) and cuBLAS above it (18.4 us vs exact
+# 21.1 us at N = 64; the 48 boundary is interpolated, not measured).
+SMALL_WEIGHT = 1 << 21
+SMALL_EXACT_N = (8, 48)
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 MATMUL_FILE = "q6k_matmul.cu"
+WS_FILE = "q6k_mma_ws.cu"  # f16 tile with the weights staged in shared memory (unmeasured)
 REPACK_FILE = "q6k_repack.cu"
 DEFAULT_FLAGS = KernelFlags()
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
@@ -84,6 +95,14 @@ class Cfg:
     #               3 prepass buffer streamed through two smem stages (cp.async)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
+    # stages >= 3 selects q6k_mma_ws (mma_f16 only; weights streamed into an S-deep ring of
+    # shared-memory stages by cp.async, persistent CTAs over row tiles). Then warps = wr * wc:
+    # wc warps along tokens, each nt // wc n-tiles; mt m-tiles of 16 rows per warp; src 2 =
+    # activations staged once per CTA (nt = 1, N <= 8), src 3 = the f16 prepass streamed
+    # through the stages. Unmeasured: never a default until a GPU run shows it faster.
+    stages: int = 0
+    wc: int = 1
+    ctas: int = 0  # q6k_mma_ws: at most this many row-tile CTAs per K split (0: fill the GPU)
 
 
 def default_cfg(path: str, n: int) -> Cfg:
@@ -103,6 +122,28 @@ def default_cfg(path: str, n: int) -> Cfg:
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 
 
+def ws_shape(cfg: Cfg, n: int) -> tuple[int, int, int]:
+    """q6k_mma_ws template shape (wr, wn, tok) of ``cfg`` for N = ``n``; raises if invalid."""
+    if cfg.stages < 3 or cfg.warps % cfg.wc or cfg.nt % cfg.wc or cfg.src not in (2, 3):
+        raise DeviceError(f"not a q6k_mma_ws launch shape: {cfg}")
+    wr, wn = cfg.warps // cfg.wc, cfg.nt // cfg.wc
+    if (32 * cfg.warps) % (16 * wr * cfg.mt):
+        raise DeviceError(f"q6k_mma_ws: {32 * cfg.warps} threads do not split "
+                          f"{16 * wr * cfg.mt} rows evenly: {cfg}")
+    if cfg.src == 3:
+        return wr, wn, 0
+    if cfg.nt != 1 or cfg.wc != 1:
+        raise DeviceError(f"q6k_mma_ws with staged activations takes one n-tile: {cfg}")
+    return wr, 1, 1 if n <= 1 else 2 if n <= 2 else 4 if n <= 4 else 8
+
+
+def ws_smem_bytes(cfg: Cfg, n: int, per: int) -> int:
+    """Dynamic shared memory of a q6k_mma_ws CTA that owns ``per`` K blocks."""
+    wr, _, tok = ws_shape(cfg, n)
+    stage = wr * cfg.mt * 16 * 210 + (0 if tok else cfg.nt * 4096)
+    return cfg.stages * stage + (tok * (per * 512 + 64) if tok else 0)
+
+
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src == 3:
@@ -114,6 +155,23 @@ def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     if path == "mma_f16":
         return 8 * cfg.nt * (per * 32 + 4) * 16
     return 0
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything a tile-kernel call needs besides its buffers (cached per call shape)."""
+
+    fn: Any
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    ks: int  # K splits (partial sums when > 1)
+    tickets: int  # split-K ticket counters
+    bpr: int
+    nz: int  # token chunks
+    prep: Any  # activation prepass kernel (f16 fragments or q8_1), or None
+    prep_grid: tuple[int]
+    prep_sizes: tuple[int, int, int]  # prepass buffer elements
 
 
 @dataclass
@@ -148,12 +206,18 @@ class CudaBackend(Backend):
             self._name = props["name"].decode() if isinstance(props["name"], bytes) else str(
                 props["name"])
             self.sm_count = int(props["multiProcessorCount"])
+            rt = cupy.cuda.runtime
+            self.smem_optin = int(props.get("sharedMemPerBlockOptin") or rt.deviceGetAttribute(
+                97, device))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+            self.smem_sm = int(props.get("sharedMemPerMultiprocessor") or rt.deviceGetAttribute(
+                81, device))  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
             self.cc = self._dev.compute_capability
             self._stream = cupy.cuda.Stream(non_blocking=True)
             self._pool = cupy.get_default_memory_pool()
             self._tickets = cupy.zeros(1024, dtype=cupy.uint32)
         self._fns: dict[str, Any] = {}
         self._grids: dict[tuple, tuple[int, int, int]] = {}  # launch grids by shape and N
+        self._launches: dict[tuple, _Launch] = {}  # launch plans by call shape
 
     @property
     def stream(self) -> Any:
@@ -319,12 +383,14 @@ class CudaBackend(Backend):
         return np.concatenate(parts).reshape(-1, q6k.BLOCK_BYTES)
 
     # -- dispatch -----------------------------------------------------------------------------
-    def plan(self, n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
-        path, prec = self._path(n, precision, flags)
+    def plan(self, n: int, precision: Precision, flags: KernelFlags, rows: int = 0,
+             k: int = 0) -> tuple[str, Precision]:
+        path, prec = self._path(n, precision, flags, rows, k)
         return f"cuda.{path}.{flags.layout.value}", prec
 
     @staticmethod
-    def _path(n: int, precision: Precision, flags: KernelFlags) -> tuple[str, Precision]:
+    def _path(n: int, precision: Precision, flags: KernelFlags, rows: int = 0,
+              k: int = 0) -> tuple[str, Precision]:
         refuse_q8_1_without_mmq(precision, flags)
         if precision is Precision.EXACT:
             return "exact", Precision.EXACT
@@ -337,6 +403,10 @@ class CudaBackend(Backend):
         if flags.decode_mmq:  # AUTO
             if n <= AUTO_EXACT_N:
                 return "exact", Precision.EXACT
+            if 0 < rows * k <= SMALL_WEIGHT and n >= SMALL_EXACT_N[0]:
+                if n <= SMALL_EXACT_N[1]:
+                    return "exact", Precision.EXACT
+                return "cublas_f16", Precision.F16
             if n <= F16_TILE_N:
                 return "mma_f16", Precision.F16
             return "cublas_f16", Precision.F16
@@ -347,13 +417,13 @@ class CudaBackend(Backend):
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                ) -> MatmulResult:
         x = check_activations(x, w.k)
-        path, prec = self._path(x.shape[0], precision, flags)
+        path, prec = self._path(x.shape[0], precision, flags, w.rows, w.k)
         cp = self._cp
         with self._dev, self._stream:
             xd = cp.asarray(x.view(np.uint16) if x.dtype == BFLOAT16 else x)
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(self._stream)
-            y = self.run(w, xd, x.dtype, path)
+            y = self._run(w, xd, x.dtype, path)  # already on the device and stream
             end.record(self._stream)
             if out_dtype is not None and np.dtype(out_dtype) == np.float16:
                 y = y.astype(cp.float16)
@@ -369,21 +439,24 @@ class CudaBackend(Backend):
 
         Enqueues on the backend's stream and returns without synchronizing.
         """
+        with self._dev, self._stream:
+            return self._run(w, xd, dtype, path, cfg)
+
+    def _run(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
+             cfg: Cfg | None = None) -> Any:
         cw = self._data(w)
         n = int(xd.shape[0])
         cfg = cfg or default_cfg(path, n)
         in_t = IN_TYPES.get(np.dtype(dtype))
         if in_t is None:
             raise FormatError(f"unsupported activation dtype {dtype}")
-        cp = self._cp
-        with self._dev, self._stream:
-            y = cp.empty((n, w.rows), cp.float32)
-            if path == "cublas_f16":
-                self._cublas(w, cw, xd, in_t, y)
-            elif path in ("exact", "mma_f16", "mmq_q8_1"):
-                self._tile(w, cw, xd, in_t, y, path, cfg)
-            else:
-                raise DeviceError(f"unknown kernel path {path!r}")
+        y = self._cp.empty((n, w.rows), self._cp.float32)
+        if path == "cublas_f16":
+            self._cublas(w, cw, xd, in_t, y)
+        elif path in ("exact", "mma_f16", "mmq_q8_1"):
+            self._tile(w, cw, xd, in_t, y, path, cfg)
+        else:
+            raise DeviceError(f"unknown kernel path {path!r}")
         return y
 
     def _grid(self, w: ResidentWeight, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,
@@ -424,8 +497,45 @@ class CudaBackend(Backend):
 
     def _tile(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any, path: str,
               cfg: Cfg) -> None:
+        """One tile-kernel call: the launch plan is cached per (path, cfg, N, shape, layout,
+        dtype), so a repeated call only allocates its buffers and launches."""
         cp = self._cp
         n = int(xd.shape[0])
+        key = (path, cfg, n, w.rows, w.k, w.layout, in_t)
+        lp = self._launches.get(key)
+        if lp is None:
+            lp = self._plan_launch(w, in_t, path, cfg, n)
+            if len(self._launches) > 4096:
+                self._launches.clear()
+            self._launches[key] = lp
+        part = cp.empty((lp.ks, n, w.rows), cp.float32) if lp.ks > 1 else None
+        tickets = self._tickets_for(lp.tickets)
+        wargs = (cw.table, np.int32(w.rows), np.int32(lp.bpr), np.int32(cw.rps))
+        oargs = (y, part if part is not None else np.uint64(0), tickets, np.int32(n))
+        if lp.prep is None:
+            xp: Any = np.uint64(0)
+        elif path == "mma_f16":
+            xp = cp.empty(lp.prep_sizes[0], cp.uint32)
+            lp.prep(lp.prep_grid, (256,), (xd, np.int32(n), np.int32(w.k), np.int32(lp.nz), xp))
+        else:  # mmq_q8_1: quantize to q8_1 in fragment order, then the int8 tile
+            xq = cp.empty(lp.prep_sizes[0], cp.uint32)
+            corr = cp.empty(lp.prep_sizes[1], cp.int32)
+            d8 = cp.empty(lp.prep_sizes[2], cp.float32)
+            lp.prep(lp.prep_grid, (256,), (xd, np.int32(n), np.int32(w.k), np.int32(lp.nz), xq,
+                                           corr, d8))
+            lp.fn(lp.grid, (lp.threads,), (*wargs, xq, corr, d8, *oargs))
+            return
+        if path == "exact":
+            lp.fn(lp.grid, (lp.threads,), (*wargs, xd, np.int32(w.k), *oargs),
+                  shared_mem=lp.smem)
+            return
+        lp.fn(lp.grid, (lp.threads,), (*wargs, xd, np.int32(w.k), xp, *oargs),
+              shared_mem=lp.smem)
+
+    def _plan_launch(self, w: ResidentWeight, in_t: str, path: str, cfg: Cfg,
+                     n: int) -> _Launch:
+        if path == "mma_f16" and cfg.stages:
+            return self._plan_ws(w, in_t, cfg, n)
         bpr = w.k // q6k.QK_K
         soa = "true" if w.layout is Layout.SOA else "false"
         warps = cfg.warps
@@ -450,35 +560,91 @@ class CudaBackend(Backend):
         smem = smem_bytes(path, cfg, per)
         if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
             fn.max_dynamic_shared_size_bytes = smem
-        part = cp.empty((ks, n, w.rows), cp.float32) if ks > 1 else None
-        tickets = self._tickets_for(gx * nz)
-        wargs = (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps))
-        oargs = (y, part if part is not None else np.uint64(0), tickets, np.int32(n))
-        grid = (gx, ks, nz)
-        threads = 32 * warps
-        if path == "exact":
-            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), *oargs), shared_mem=smem)
-            return
-        if path == "mma_f16":
-            xp: Any = np.uint64(0)
-            if cfg.src in (1, 3):
-                xp = cp.empty(nz * bpr * cfg.nt * 8 * 32 * 4, cp.uint32)
-                total = xp.size // 4
-                self._launch(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>",
-                             (min(65535, -(-total // 256)),), 256,
-                             (xd, np.int32(n), np.int32(w.k), np.int32(nz), xp))
-            fn(grid, (threads,), (*wargs, xd, np.int32(w.k), xp, *oargs), shared_mem=smem)
-            return
-        # mmq_q8_1: quantize to q8_1 in fragment order, then the int8 tile
-        nt = cfg.nt
-        xq = cp.empty(nz * bpr * nt * 4 * 32 * 4, cp.uint32)
-        corr = cp.empty(nz * bpr * nt * 16 * 8, cp.int32)
-        d8 = cp.empty(nz * bpr * nt * 8 * 8, cp.float32)
-        total = nz * bpr * nt * 64
-        self._launch(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>",
-                     (min(65535, -(-total // 256)),), 256,
-                     (xd, np.int32(n), np.int32(w.k), np.int32(nz), xq, corr, d8))
-        fn(grid, (threads,), (*wargs, xq, corr, d8, *oargs))
+        prep, prep_grid, sizes = None, (1,), (0, 0, 0)
+        if path == "mma_f16" and cfg.src in (1, 3):
+            words = nz * bpr * cfg.nt * 8 * 32 * 4
+            prep = self._fn(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
+            prep_grid, sizes = (min(65535, -(-(words // 4) // 256)),), (words, 0, 0)
+        elif path == "mmq_q8_1":
+            nt = cfg.nt
+            total = nz * bpr * nt * 64
+            prep = self._fn(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>")
+            prep_grid = (min(65535, -(-total // 256)),)
+            sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
+        return _Launch(fn, (gx, ks, nz), 32 * warps, smem, ks, gx * nz, bpr, nz, prep,
+                       prep_grid, sizes)
+
+    def _plan_ws(self, w: ResidentWeight, in_t: str, cfg: Cfg, n: int) -> _Launch:
+        """q6k_mma_ws (weights staged in shared memory; unmeasured variants)."""
+        bpr = w.k // q6k.QK_K
+        wr, wn, tok = ws_shape(cfg, n)
+        rt = 16 * wr * cfg.mt
+        nz = -(-n // (tok or 8 * cfg.nt))
+        t_in = in_t if tok else "InF16"
+
+        def kname(lay: str) -> str:
+            return (f"q6k_mma_ws<{cfg.mt}, {wn}, {wr}, {cfg.wc}, {cfg.stages}, {tok}, {lay}, "
+                    f"{t_in}>")
+
+        soa = "true" if w.layout is Layout.SOA else "false"
+        fn = self._fn(WS_FILE, kname(soa))
+        gx, ks = self._grid_ws(w, rt, nz, cfg, self._fn(WS_FILE, kname("true")), n)
+        smem = ws_smem_bytes(cfg, n, -(-bpr // ks))
+        if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        prep, prep_grid, sizes = None, (1,), (0, 0, 0)
+        if not tok:
+            words = nz * bpr * cfg.nt * 8 * 32 * 4
+            prep = self._fn(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
+            prep_grid, sizes = (min(65535, -(-(words // 4) // 256)),), (words, 0, 0)
+        ntiles = -(-w.rows // rt)
+        return _Launch(fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, ntiles * nz, bpr, nz, prep,
+                       prep_grid, sizes)
+
+    def ws_fits(self, cfg: Cfg, n: int, k: int) -> bool:
+        """Whether a q6k_mma_ws launch shape fits this device's shared memory at some K split."""
+        bpr = k // q6k.QK_K
+        return any(ws_smem_bytes(cfg, n, -(-bpr // ks)) <= self.smem_optin
+                   for ks in range(1, min(bpr, 64) + 1))
+
+    def _grid_ws(self, w: ResidentWeight, rt: int, nz: int, cfg: Cfg, fn: Any,
+                 n: int) -> tuple[int, int]:
+        """(persistent row-tile CTAs, K splits) for q6k_mma_ws: the split whose busiest SM has
+        the fewest block-steps (its CTAs x row tiles per CTA x blocks per split, plus the
+        pipeline's fill), charging split-K's partial sums; never more CTAs than fit on the
+        device at once. Depends only on the SoA twin, so both layouts sum alike."""
+        ntiles = -(-w.rows // rt)
+        bpr = w.k // q6k.QK_K
+        threads = 32 * cfg.warps
+        regs = -(-max(int(fn.num_regs), 1) // 8) * 8
+        occ_regs = max(1, min(2048 // threads, 65536 // (threads * regs)))
+        best: tuple[float, int, int] | None = None
+        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
+        for ks in choices:
+            per = -(-bpr // min(ks, bpr))
+            ks_eff = -(-bpr // per)
+            smem = ws_smem_bytes(cfg, n, per)
+            if smem > self.smem_optin:
+                continue
+            occ = min(occ_regs, self.smem_sm // (smem + 1024))
+            if occ < 1:
+                continue
+            slots = self.sm_count * occ
+            gx = max(1, min(ntiles, slots // (ks_eff * nz)))
+            if cfg.ctas > 0:
+                gx = min(gx, cfg.ctas)
+            rounds = -(-ntiles // gx)
+            extra = 0.0 if ks_eff == 1 else ks_eff * n * w.rows * 8 / (w.rows * bpr * 210)
+            # block-steps of the busiest SM: its CTAs (they share its bandwidth) x the steps
+            # of one CTA, + stages for the pipeline's fill and the last tile's epilogue
+            per_sm = -(-(gx * ks_eff * nz) // self.sm_count)
+            cost = per_sm * (rounds * per * (1 + extra) + cfg.stages)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, gx, ks_eff)
+        if best is None:
+            raise DeviceError(f"no K split fits q6k_mma_ws {cfg} at N={n} in shared memory "
+                              f"({self.smem_optin} bytes per CTA)")
+        return best[1], best[2]
 
     def _cublas(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any) -> None:
         cp = self._cp
