@@ -53,7 +53,7 @@ WS_VARIANTS: dict[str, tuple[Cfg, tuple[int, ...]]] = {
     "ws.a.w8s3": (Cfg(nt=1, stages=3), (1, 2, 4, 8)),
     "ws.a.w4s4": (Cfg(nt=1, warps=4, stages=4), (1, 2, 4, 8)),
     "ws.a.pre.s4": (Cfg(nt=1, src=3, stages=4), (1, 8)),
-    "ws.b16.m4w2x4": (Cfg(nt=2, mt=4, wc=2, src=3, stages=3), (16,)),
+    "ws.b16.m4w4x2": (Cfg(nt=2, mt=4, wc=2, src=3, stages=3), (16,)),
     "ws.b32.m4w4x2": (Cfg(nt=4, mt=4, wc=2, src=3, stages=3), (32,)),
     "ws.b64.m4w2x4": (Cfg(nt=8, mt=4, wc=4, src=3, stages=3), (64,)),
     "ws.b64.m2w4x4": (Cfg(nt=8, mt=2, warps=16, wc=4, src=3, stages=3), (64,)),
