@@ -137,6 +137,9 @@ def ws_shape(cfg: Cfg, n: int) -> tuple[int, int, int]:
     return wr, 1, 1 if n <= 1 else 2 if n <= 2 else 4 if n <= 4 else 8
 
 
+WS_STATIC_SMEM = 64  # q6k_mma_ws's static shared memory (16 B: the split-K flag), rounded up
+
+
 def ws_smem_bytes(cfg: Cfg, n: int, per: int) -> int:
     """Dynamic shared memory of a q6k_mma_ws CTA that owns ``per`` K blocks."""
     wr, _, tok = ws_shape(cfg, n)
@@ -282,7 +285,10 @@ class CudaBackend(Backend):
             dst, np.int32(dst_layout is Layout.SOA), u64(dst_nb), u64(dst_b0), u64(count)))
 
     def _table(self, slabs: list[Any]) -> Any:
-        return self._cp.asarray(np.array([s.data.ptr for s in slabs], dtype=np.uint64))
+        # On this backend's device whatever the caller's current device is: a table left on
+        # device 0 made every kernel on device 1 read a foreign pointer (illegal address).
+        with self._dev:
+            return self._cp.asarray(np.array([s.data.ptr for s in slabs], dtype=np.uint64))
 
     def load(self, chunks: AosChunks, rows: int, k: int, layout: Layout,
              chunk_bytes: int = 64 << 20) -> ResidentWeight:
@@ -604,7 +610,7 @@ class CudaBackend(Backend):
     def ws_fits(self, cfg: Cfg, n: int, k: int) -> bool:
         """Whether a q6k_mma_ws launch shape fits this device's shared memory at some K split."""
         bpr = k // q6k.QK_K
-        return any(ws_smem_bytes(cfg, n, -(-bpr // ks)) <= self.smem_optin
+        return any(ws_smem_bytes(cfg, n, -(-bpr // ks)) + WS_STATIC_SMEM <= self.smem_optin
                    for ks in range(1, min(bpr, 64) + 1))
 
     def _grid_ws(self, w: ResidentWeight, rt: int, nz: int, cfg: Cfg, fn: Any,
@@ -623,10 +629,10 @@ class CudaBackend(Backend):
         for ks in choices:
             per = -(-bpr // min(ks, bpr))
             ks_eff = -(-bpr // per)
-            smem = ws_smem_bytes(cfg, n, per)
+            smem = ws_smem_bytes(cfg, n, per) + WS_STATIC_SMEM
             if smem > self.smem_optin:
                 continue
-            occ = min(occ_regs, self.smem_sm // (smem + 1024))
+            occ = min(occ_regs, self.smem_sm // (smem + 1024))  # 1 KB reserved per CTA
             if occ < 1:
                 continue
             slots = self.sm_count * occ

@@ -286,8 +286,6 @@ def test_plan_names_kernel_and_layout(be):
 
 def test_every_launch_variant_is_correct(be, rng):
     """The shapes the bench compares (and the dispatch may pick) all compute the same thing."""
-    from q6serve.kernels.cuda_backend import Cfg
-
     rows, k = 300, 2304
     blocks = random_weight(rng, rows, k)
     w = load(be, blocks, rows, k, Layout.SOA)
@@ -295,17 +293,25 @@ def test_every_launch_variant_is_correct(be, rng):
     y64 = reference.matmul_float64(x, blocks, rows)
     with be.stream:
         xd = cupy.asarray(x)
+    cases = [c for c in variant_cases() if c[1].stages == 0 or be.ws_fits(c[1], 70, k)]
+    for path, cfg, tol in cases:
+        for n in (1, 5, 70):
+            y = be.run(w, xd[:n], x.dtype, path, cfg).get(stream=be.stream)
+            assert np.isfinite(y).all() and rel_fro(y, y64[:n]) <= tol, (path, cfg, n)
+
+
+def variant_cases() -> list:
+    """(path, launch shape, error bound vs float64) of every variant the bench may time."""
+    from q6serve.kernels.cuda_backend import Cfg
+
     cases = [("exact", Cfg(nt=nt, src=src, pf=pf), 1e-5) for nt in (1, 2, 4)
              for src in (0, 2) for pf in (False, True)]
     cases += [("mma_f16", Cfg(nt=nt, src=src, pf=pf, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
               for src in (0, 1, 2, 3) for pf in (False, True) for wp in (4, 8)
               if not (src == 2 and nt > 2)]
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
-    cases += [("mma_f16", cfg, 2e-3) for cfg in WS_CFGS if be.ws_fits(cfg, 70, k)]
-    for path, cfg, tol in cases:
-        for n in (1, 5, 70):
-            y = be.run(w, xd[:n], x.dtype, path, cfg).get(stream=be.stream)
-            assert np.isfinite(y).all() and rel_fro(y, y64[:n]) <= tol, (path, cfg, n)
+    cases += [("mma_f16", cfg, 2e-3) for cfg in WS_CFGS]
+    return cases
 
 
 # q6k_mma_ws launch shapes (weights staged in shared memory; unmeasured variants): the ones
@@ -420,3 +426,74 @@ def test_ws_shape_rejects_bad_launch_shapes():
             ws_shape(bad, 8)
     assert ws_shape(Cfg(nt=1, stages=4), 3) == (8, 1, 4)
     assert ws_shape(Cfg(nt=8, mt=4, wc=4, src=3, stages=3), 64) == (2, 2, 0)
+
+
+class _StubFn:
+    num_regs = 128
+    max_dynamic_shared_size_bytes = 48 << 10
+
+
+def _recording_backend():
+    """A device-less backend whose kernel lookups record the requested (file, name)."""
+    be = _stub_backend()
+    be._grids, be._launches, be._fns = {}, {}, {}
+    be.requested = []
+
+    def fn(file: str, name: str) -> _StubFn:
+        be.requested.append((file, name))
+        return _StubFn()
+
+    be._fn = fn
+    return be
+
+
+def requested_kernels() -> set:
+    """Every (file, template name) the backend asks NVRTC for: the bench's and tests' launch
+    shapes and the defaults, N = 1..300, both layouts, every activation dtype."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.cuda_backend import IN_TYPES, default_cfg
+
+    be = _recording_backend()
+    for layout in (Layout.SOA, Layout.AOS):
+        w = SimpleNamespace(rows=300, k=2304, layout=layout)
+        for in_t in IN_TYPES.values():
+            for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 70, 300):
+                plans = [(p, default_cfg(p, n)) for p in ("exact", "mma_f16", "mmq_q8_1")]
+                plans += [(p, c) for p, c, _ in variant_cases()]
+                for path, cfg in plans:
+                    lp = be._plan_launch(w, in_t, path, cfg, n)
+                    assert lp.grid[0] >= 1 and 1 <= lp.ks == lp.grid[1] <= 9 and lp.threads
+    return set(be.requested)
+
+
+def test_launch_plans_without_a_device():
+    """Every launch plan builds (host code only) and names instantiations that exist."""
+    import re
+
+    names = requested_kernels()
+    files = {f for f, _ in names}
+    assert files == {"q6k_matmul.cu", "q6k_mma_ws.cu"}
+    pat = re.compile(r"^q6k_\w+<[\w, ]+>$")
+    assert all(pat.match(n) for _, n in names)
+    assert any(n.startswith("q6k_mma_ws<") and ", false, " in n for _, n in names)  # AoS twins
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16, Precision.Q8_1])
+def test_second_device_from_a_thread_on_device_0(rng, precision):
+    """A backend on device 1 driven from a thread whose current device is 0 (as the
+    multi-device worker's threads are) keeps every buffer on device 1."""
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    b1 = CudaBackend(1)
+    try:
+        rows, k = 300, 1024
+        blocks = random_weight(rng, rows, k)
+        with cupy.cuda.Device(0):
+            w = load(b1, blocks, rows, k, Layout.SOA)
+            x = rng.standard_normal((8, k)).astype(np.float32)
+            check(b1, w, blocks, x, precision)
+            b1.free(w)
+    finally:
+        b1.close()
