@@ -42,8 +42,12 @@ def test_exact_matches_reference(backend: NumpyBackend, rng: np.random.Generator
     assert res.kernel == "numpy.exact" and res.precision is Precision.EXACT
     assert res.layout is layout and res.y.shape == (n, rows) and res.y.dtype == np.float32
     ref = reference.matmul_float64(x, blocks, rows)
-    err = np.linalg.norm(res.y - ref) / np.linalg.norm(ref)
-    assert err < 1e-6
+    # f32 dot products: error relative to the sum of |terms| (a lone output can cancel to
+    # near zero, so its plain relative error is unbounded); Frobenius once outputs are many.
+    scale = np.abs(x.astype(np.float64)) @ np.abs(q6k.dequantize_aos(blocks, rows, k)).T
+    assert (np.abs(res.y - ref) <= 1e-5 * scale).all()
+    if res.y.size >= 64:
+        assert np.linalg.norm(res.y - ref) / np.linalg.norm(ref) < 1e-6
     assert res.timing.seconds() is not None and res.timing.seconds() >= 0
     assert np.array_equal(backend.read_aos(w), blocks)
 
