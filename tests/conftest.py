@@ -33,4 +33,6 @@ def pytest_report_header() -> str:
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator per test from the run's seed and the test's id (stable across processes)."""
+    # Shown with a failure's report, so `pytest -q` output still says how to replay it.
+    request.node.add_report_section("setup", "seed", f"Q6SERVE_TEST_SEED={SESSION_SEED}")
     return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])
