@@ -2,11 +2,15 @@
 
 Every template instantiation the backend may request is built (``-DQ6SERVE_NVCC_CHECK``) into
 a temporary object, so a typo, a bad inline-PTX instruction or an arch-specific feature fails
-CI before any GPU sees it. Skips only where nvcc is absent.
+CI before any GPU sees it. The q6k_mma_ws template names the backend actually asks NVRTC for
+(its launch plans, built without a device) are also compiled from the loader's inlined text,
+so the explicit instantiation list cannot drift from the dispatch. Skips only where nvcc is
+absent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +22,15 @@ import pytest
 CUDA_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 ARCHS = ("sm_80", "sm_89", "sm_90")  # the Docker image's targets
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
+REQUESTED = "requested:q6k_mma_ws.cu"  # the backend's own q6k_mma_ws names (sm_90, PTX)
+
+
+def _requested_names(file: str) -> list[str]:
+    path = Path(__file__).with_name("test_cuda_backend.py")
+    spec = importlib.util.spec_from_file_location("_q6_cuda_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return sorted(n for f, n in mod.requested_kernels() if f == file)
 
 
 def _nvcc() -> str | None:
@@ -41,17 +54,34 @@ def compiled(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProc
 
     def build(job: tuple[str, str]) -> subprocess.CompletedProcess:
         src, arch = job
+        if src == REQUESTED:
+            from q6serve.kernels.cuda import loader
+
+            file = src.split(":", 1)[1]
+            refs = "".join(f"    (void*)&{n},\n" for n in _requested_names(file))
+            tu = out / "requested_ws.cu"
+            tu.write_text(f"{loader.source_text(file)}\n"
+                          f"void* q6serve_requested[] = {{\n{refs}}};\n")
+            cmd = [NVCC, f"-arch={arch}", "-ptx", "-std=c++17", "-o", str(out / "req.ptx"),
+                   str(tu)]
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         cmd = [NVCC, f"-arch={arch}", "-c", "-std=c++17", "-DQ6SERVE_NVCC_CHECK",
                "-Werror", "all-warnings", "-o", str(out / f"{src}.{arch}.o"), str(CUDA_DIR / src)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
-    jobs = [(s, a) for s in SOURCES for a in ARCHS]
+    jobs = [(REQUESTED, "sm_90")] + [(s, a) for s in SOURCES for a in ARCHS]
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(build, jobs), strict=True))
 
 
 def test_there_are_kernel_sources():
-    assert "q6k_matmul.cu" in SOURCES and "q6k_repack.cu" in SOURCES
+    assert {"q6k_matmul.cu", "q6k_mma_ws.cu", "q6k_repack.cu"} <= set(SOURCES)
+
+
+def test_requested_ws_instantiations_compile(compiled):
+    assert len(_requested_names("q6k_mma_ws.cu")) >= 40
+    res = compiled[(REQUESTED, "sm_90")]
+    assert res.returncode == 0, f"backend-requested q6k_mma_ws names:\n{res.stdout}\n{res.stderr}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
