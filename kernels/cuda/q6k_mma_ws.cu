@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(32 * WR * WC, 1)
     constexpr int NT = WC * WN;        // n-tiles of 8 tokens per CTA
     constexpr int WB = RT * 210;       // weight bytes per stage (a multiple of 16)
     constexpr int SB = WB + (TOK ? 0 : NT * 4096);
-    constexpr int TPR = THREADS / RT;  // loader threads per row
-    static_assert(THREADS % RT == 0, "every row has the same number of loader threads");
+    static_assert(THREADS % RT == 0, "a loader thread per row for the scales and d");
     constexpr int TOKS = TOK ? TOK : 8 * NT;  // tokens per CTA (token chunk)
     MAKE_W;
     MAKE_OUT;
@@ -76,10 +75,11 @@ __global__ void __launch_bounds__(32 * WR * WC, 1)
     const int tok0 = blockIdx.z * TOKS;
     u8* sm = reinterpret_cast<u8*>(smem_ws);
 
-    // Loader role: thread -> (row lr, parts part0, part0 + TPR, ...) of the 13 16-byte parts
-    // of a row-block (ql 0..7, qh 8..11, scales 12); the last loader of a row also owns d.
-    const int lr = threadIdx.x % RT, part0 = threadIdx.x / RT;
-    const bool d_owner = part0 == TPR - 1;
+    // Loader: consecutive threads take consecutive 16-byte chunks of one row's ql (8 per row)
+    // and qh (4 per row), so a warp's cp.async covers whole 128-byte lines; thread r < RT also
+    // copies row r's scales and owns its d.
+    const bool d_owner = (int)threadIdx.x < RT;
+    const int lr = threadIdx.x;  // the scales/d row of a d_owner
     u32 dpend = 0;
     auto step_of = [&](int s, int& tile, int& kb) {
         const int m = s / nkb;
@@ -92,28 +92,52 @@ __global__ void __launch_bounds__(32 * WR * WC, 1)
     auto issue = [&](int s) {
         int tile, kb;
         step_of(s, tile, kb);
-        const RowRef ref = row_ref<SOA>(w, min(tile * RT + lr, w.rows - 1));
+        // Row references of the tile: one slab lookup when the tile lies in one slab (rows
+        // past the end are clamped to the last row, whose bytes are read and never emitted).
+        const int r0 = tile * RT, rlast = min(r0 + RT - 1, w.rows - 1);
+        const bool one = r0 / w.rps == rlast / w.rps;
+        const RowRef ref0 = row_ref<SOA>(w, min(r0, w.rows - 1));
+        auto ref_of = [&](int lrow) -> RowRef {
+            const int r = min(r0 + lrow, w.rows - 1);
+            if (!one) return row_ref<SOA>(w, r);
+            RowRef x = ref0;
+            const u32 db = (u32)(r - r0) * (u32)w.bpr;  // blocks from row r0
+            x.ql += db * (SOA ? 128u : 210u);
+            x.qh += db * (SOA ? 64u : 210u);
+            x.sc += db * (SOA ? 16u : 210u);
+            x.d += db * (SOA ? 2u : 210u);
+            return x;
+        };
         u8* st = sm + (s % S) * SB;
 #pragma unroll
-        for (int pi = 0; pi < (13 + TPR - 1) / TPR; ++pi) {
-            const int p = part0 + pi * TPR;
-            if (p >= 13) break;
-            u8* dst = p < 8 ? st + lr * 192 + 16 * p
-                            : p < 12 ? st + lr * 192 + 128 + 16 * (p - 8) : st + RT * 192 + lr * 16;
+        for (int i = 0; i < (RT * 12 + THREADS - 1) / THREADS; ++i) {
+            const int c = threadIdx.x + i * THREADS;  // ql chunks [0, 8 RT), qh [8 RT, 12 RT)
+            if (c >= RT * 12) break;
+            const bool isql = c < RT * 8;
+            const int lrow = isql ? c >> 3 : (c - RT * 8) >> 2;
+            const int p = isql ? c & 7 : (c - RT * 8) & 3;
+            const RowRef ref = ref_of(lrow);
+            u8* dst = st + lrow * 192 + (isql ? 16 * p : 128 + 16 * p);
             if (SOA) {
-                const u8* src = p < 8    ? ref.base + ref.ql + (u32)kb * 128u + 16 * p
-                                : p < 12 ? ref.base + ref.qh + (u32)kb * 64u + 16 * (p - 8)
-                                         : ref.base + ref.sc + (u32)kb * 16u;
-                cp_async16(dst, src);
+                cp_async16(dst, isql ? ref.base + ref.ql + (u32)kb * 128u + 16 * p
+                                     : ref.base + ref.qh + (u32)kb * 64u + 16 * p);
             } else {
                 const u8* blk = ref.base + ref.ql + (u32)kb * 210u;
-                *reinterpret_cast<uint4*>(dst) =
-                    ld_u128_a2(p < 8 ? blk + 16 * p : p < 12 ? blk + 128 + 16 * (p - 8) : blk + 192);
+                *reinterpret_cast<uint4*>(dst) = ld_u128_a2(blk + (isql ? 16 * p : 128 + 16 * p));
             }
         }
-        if (d_owner)
-            dpend = ldg_u16(SOA ? ref.base + ref.d + (u32)kb * 2u
-                                : ref.base + ref.ql + (u32)kb * 210u + 208u);
+        if (d_owner) {
+            const RowRef ref = ref_of(lr);
+            u8* dst = st + RT * 192 + lr * 16;
+            if (SOA) {
+                cp_async16(dst, ref.base + ref.sc + (u32)kb * 16u);
+                dpend = ldg_u16(ref.base + ref.d + (u32)kb * 2u);
+            } else {
+                const u8* blk = ref.base + ref.ql + (u32)kb * 210u;
+                *reinterpret_cast<uint4*>(dst) = ld_u128_a2(blk + 192);
+                dpend = ldg_u16(blk + 208);
+            }
+        }
         if (TOK == 0) {
             const uint4* src = xp + ((size_t)blockIdx.z * w.bpr + kb) * NT * 256;
             uint4* dst = reinterpret_cast<uint4*>(st + WB);
