@@ -46,7 +46,8 @@ fi
 if [[ $MODE == next ]]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=20 -p no:cacheprovider \
     tests/kernels/test_cuda_backend.py \
-    -k "every_launch_variant or ws_ or bit_identical or shape_aware or plan_names" 2>&1 \
+    -k "every_launch_variant or ws_ or bit_identical or shape_aware or plan_names or without_a" \
+    2>&1 \
     | tee "$OUT/pytest_next.log" | tail -25
   rc=${PIPESTATUS[0]}
   # shellcheck disable=SC2086
