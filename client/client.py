@@ -32,6 +32,8 @@ _PRECISION_NAME = {v: k for k, v in PRECISIONS.items()}
 _LAYOUT_NAME = {pb.LAYOUT_SOA: "soa", pb.LAYOUT_AOS: "aos", pb.LAYOUT_UNSPECIFIED: ""}
 UPLOAD_FORMATS = {"q6_k": pb.UPLOAD_FORMAT_Q6_K, "f32": pb.UPLOAD_FORMAT_F32,
                   "f16": pb.UPLOAD_FORMAT_F16}
+PLACEMENTS = {None: pb.PLACEMENT_UNSPECIFIED, "shard": pb.PLACEMENT_SHARD,
+              "replicate": pb.PLACEMENT_REPLICATE}
 UPLOAD_CHUNK = 1 << 20
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -183,10 +185,13 @@ class Client:
     # -- weights ----------------------------------------------------------------------------
     def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
              timeout: float | None = None, *, rows: tuple[int, int] | None = None,
-             shard: tuple[int, int] | None = None) -> list[Weight]:
+             shard: tuple[int, int] | None = None,
+             placement: str | None = None) -> list[Weight]:
         """Load tensors; ``rows=(begin, end)`` or ``shard=(index, count)`` loads only that row
-        range of each tensor (row sharding, see docs/SCALEOUT.md)."""
-        req = pb.LoadWeightsRequest(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix)
+        range of each tensor (row sharding, see docs/SCALEOUT.md); ``placement`` ("shard" or
+        "replicate") places it on a multi-device worker."""
+        req = pb.LoadWeightsRequest(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix,
+                                    placement=PLACEMENTS[placement])
         if rows is not None and shard is not None:
             raise ValueError("give rows or shard, not both")
         if rows is not None:

@@ -118,12 +118,14 @@ def cmd_load(args: argparse.Namespace) -> int:
         if shard is not None:
             raise SystemExit("q6serve load: several targets split the rows themselves; "
                              "--shard-index/--shard-count are for one target")
-        weights = client.load(args.gguf, args.tensor or (), args.prefix, ranges=args.rows)
+        weights = client.load(args.gguf, args.tensor or (), args.prefix, ranges=args.rows,
+                              placement=args.placement)
     else:
         if args.rows is not None and len(args.rows) != 1:
             raise SystemExit("q6serve load: one target takes one --rows BEGIN:END")
         weights = client.load(args.gguf, args.tensor or (), args.prefix,
-                              rows=args.rows[0] if args.rows else None, shard=shard)
+                              rows=args.rows[0] if args.rows else None, shard=shard,
+                              placement=args.placement)
     for w in weights:
         part = ("" if w.row_end - w.row_begin == w.tensor_rows
                 else f" rows [{w.row_begin}, {w.row_end}) of {w.tensor_rows}")
@@ -225,6 +227,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-index", type=int, metavar="I",
                    help="load shard I of --shard-count N (even split of each tensor's rows)")
     p.add_argument("--shard-count", type=int, metavar="N", help="number of shards")
+    p.add_argument("--placement", choices=("shard", "replicate"),
+                   help="multi-device workers: split the rows over the devices or replicate "
+                        "(default: the worker's --placement)")
 
     p = _parser(sub, "list", "list resident weights",
                 "q6serve list --target 127.0.0.1:50051 --json", cmd_list)

@@ -40,6 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-upload-bytes", type=int, help="largest UploadWeight payload (default 8GiB)")
     a("--grace-period", dest="grace_period_s", type=float,
       help="seconds to drain in-flight work on SIGTERM (default 10)")
+    a("--devices", metavar="I,J,...",
+      help="serve several devices (e.g. 0,1): one backend, executor and VRAM accountant "
+           "each; --vram-budget applies per device (NumPy: independent CPU 'devices')")
+    a("--placement", choices=("shard", "replicate"), default="shard",
+      help="with --devices: split each weight's rows over the devices (default) or replicate")
     a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
       help="logging level (default INFO)")
     p.set_defaults(func=run)
@@ -97,8 +102,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
-        backend = make_backend(config.backend)
-        asyncio.run(run_worker(config, backend))
+        worker = None
+        if args.devices:  # several devices: service/devices.py (docs/SCALEOUT.md)
+            from q6serve.service.devices import DevicesWorker, make_backends, parse_devices
+
+            ordinals = parse_devices(args.devices)
+            backends = make_backends(config.backend, ordinals)
+            worker = DevicesWorker(config, backends, args.placement, ordinals)
+            backend = backends[0]
+        else:
+            backend = make_backend(config.backend)
+        asyncio.run(run_worker(config, backend, worker))
     except Q6Error as e:
         first.flush_held()
         print(f"q6serve worker: {e.grpc_code}: {e}", file=sys.stderr)

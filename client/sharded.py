@@ -31,6 +31,7 @@ from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .client import (
+    PLACEMENTS,
     MatmulOutput,
     Q6ServeError,
     Weight,
@@ -150,11 +151,13 @@ class ShardedClient:
     # -- weights ----------------------------------------------------------------------------
     def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
              timeout: float | None = None, *,
-             ranges: Sequence[tuple[int, int]] | None = None) -> list[Weight]:
+             ranges: Sequence[tuple[int, int]] | None = None,
+             placement: str | None = None) -> list[Weight]:
         """Each shard loads its row range of each tensor of ``gguf_path`` (a path under every
         worker's --model-dir): the even split by default, else ``ranges[i]`` for shard i.
         Returns the merged weights (whole-tensor shapes)."""
-        base = dict(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix)
+        base = dict(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix,
+                    placement=PLACEMENTS[placement])
         if ranges is not None:
             if len(ranges) != self.shards:
                 raise ValueError(f"{len(ranges)} row ranges for {self.shards} shards")

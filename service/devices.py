@@ -60,6 +60,7 @@ from .metrics import LATENCY_BUCKETS, ROW_BUCKETS, Metrics
 from .registry import check_name
 from .shards import RowRange, RowSelect, even_split, slice_blocks
 from .vram import VramStats
+from .worker import Worker
 
 if TYPE_CHECKING:
     from q6serve.kernels.gguf_io import Q6KTensor
@@ -460,9 +461,11 @@ class MultiDeviceEngine:
                          for o, e in zip(self.ordinals, self.engines, strict=True))
         return replace(first, device=f"{len(self.engines)} devices [{devs}]",
                        vram=sum_vram([e.vram.stats() for e in self.engines]),
-                       weights_loaded=len(self._weights), serving=self._serving,
+                       weights_loaded=len(self._weights),
+                       serving=self._serving and self.healthy,
                        relayout_in_progress=any(e.status().relayout_in_progress
-                                                for e in self.engines))
+                                                for e in self.engines),
+                       devices=tuple(self.device_status()))
 
     def device_status(self) -> list[DeviceStatus]:
         return [DeviceStatus(i, o, e.backend.device_name(), e.vram.stats(), len(e.registry))
@@ -502,6 +505,16 @@ class MultiDeviceEngine:
         return state
 
     # -- lifecycle --------------------------------------------------------------------------
+    def on_health(self, fn: Callable[[bool], None]) -> None:
+        """``fn(False)`` when any device fails (its engine refuses work; the worker's health
+        goes NOT_SERVING, as with one device)."""
+        for e in self.engines:
+            e.on_health(fn)
+
+    @property
+    def healthy(self) -> bool:
+        return all(e.healthy for e in self.engines)
+
     def begin_drain(self) -> None:
         self._serving = False
         for e in self.engines:
@@ -524,3 +537,26 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 def _sha_rows(aos: np.ndarray, k: int, r: RowRange) -> str:
     """sha256 of the AoS bytes of rows ``r`` (what one Engine reports for that row range)."""
     return hashlib.sha256(np.ascontiguousarray(slice_blocks(aos, k, r))).hexdigest()
+
+
+class DevicesWorker(Worker):
+    """The gRPC worker over several devices: ``Worker`` with a MultiDeviceEngine core."""
+
+    def __init__(self, config: WorkerConfig, backends: Sequence[Backend],
+                 placement: str = "shard", ordinals: Sequence[int] | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        super().__init__(config, backends[0], registry)
+        self.backends = list(backends)
+        self.placement = placement
+        self.ordinals = ordinals
+
+    def make_engine(self) -> Engine:
+        return MultiDeviceEngine(self.backends, self.config, self.metrics,  # type: ignore[return-value]
+                                 self.placement, self.ordinals)
+
+
+def make_backends(name: str, devices: Sequence[int]) -> list[Backend]:
+    """One backend per device; on NumPy each "device" is an independent NumPy backend."""
+    from q6serve.kernels.backends import make_backend
+
+    return [make_backend(name, d) for d in devices]

@@ -123,6 +123,7 @@ class StatusView:
     max_batch_rows: int
     max_batch_delay_us: int
     relayout_in_progress: bool
+    devices: tuple[object, ...] = ()  # multi-device workers: service.devices.DeviceStatus
 
 
 @dataclass(frozen=True)
@@ -247,8 +248,10 @@ class Engine:
 
     # -- loading ----------------------------------------------------------------------------
     async def load_gguf(self, rel_path: str, tensors: list[str], prefix: str = "",
-                        rows: RowSelect | None = None) -> list[WeightView]:
-        """Load tensors of a GGUF file; ``rows`` narrows each to a row range (sharding)."""
+                        rows: RowSelect | None = None, placement: str | None = None,
+                        ) -> list[WeightView]:
+        """Load tensors of a GGUF file; ``rows`` narrows each to a row range (sharding).
+        ``placement`` matters on multi-device workers only (service/devices.py)."""
         self._check_serving()
         path = confine(self.config.model_dir, rel_path)
         from q6serve.kernels import gguf_io

@@ -34,7 +34,8 @@ class Q6ServeServicer:
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         views = await self.engine.load_gguf(request.gguf_path, list(request.tensors),
-                                            request.prefix, wire.row_select(request))
+                                            request.prefix, wire.row_select(request),
+                                            wire.placement(request))
         return wire.load_response(views)
 
     async def UploadWeight(self, request_iterator: AsyncIterator[Any],

@@ -141,6 +141,22 @@ def weight_info(w: WeightView) -> pb.WeightInfo:
                          tensor_rows=w.tensor_rows or w.rows)
 
 
+_PLACEMENT_FROM_PB = {pb.PLACEMENT_UNSPECIFIED: None, pb.PLACEMENT_SHARD: "shard",
+                      pb.PLACEMENT_REPLICATE: "replicate"}
+
+
+def placement(req: pb.LoadWeightsRequest) -> str | None:
+    """LoadWeightsRequest.placement (None: the worker's default)."""
+    return _enum(_PLACEMENT_FROM_PB, req.placement, "placement")  # type: ignore[no-any-return]
+
+
+def _vram_info(v: Any) -> pb.VramInfo:
+    return pb.VramInfo(budget_bytes=v.budget, weights_bytes=v.weights, scratch_bytes=v.scratch,
+                       staging_bytes=v.staging, pool_used_bytes=v.pool_used,
+                       pool_total_bytes=v.pool_total, device_free_bytes=v.device_free,
+                       device_total_bytes=v.device_total, reserved_bytes=v.reserved)
+
+
 def row_select(req: pb.LoadWeightsRequest) -> RowSelect | None:
     """LoadWeightsRequest's optional ``rows`` oneof (None: every row)."""
     which = req.WhichOneof("rows")
@@ -183,7 +199,12 @@ def status_response(s: StatusView) -> pb.GetStatusResponse:
                                 weights_loaded=s.weights_loaded, serving=s.serving,
                                 max_batch_rows=s.max_batch_rows,
                                 max_batch_delay_us=s.max_batch_delay_us,
-                                relayout_in_progress=s.relayout_in_progress)
+                                relayout_in_progress=s.relayout_in_progress,
+                                devices=[pb.DeviceStatus(index=d.index, ordinal=d.ordinal,
+                                                         device=d.device,
+                                                         vram=_vram_info(d.vram),
+                                                         weights_loaded=d.weights_loaded)
+                                         for d in s.devices])
 
 
 def load_response(views: list[WeightView]) -> pb.LoadWeightsResponse:

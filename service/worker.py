@@ -64,7 +64,7 @@ class Worker:
             self.metrics = Metrics(self.registry, version=version(),
                                    backend=self.backend.name, device=self.backend.device_name())
             self.metrics.init_labels(wire.METHODS)
-        self.engine = Engine(self.backend, cfg, self.metrics)
+        self.engine = self.make_engine()
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
@@ -102,6 +102,10 @@ class Worker:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
+    def make_engine(self) -> Engine:
+        """The core this worker serves (service/devices.py serves several devices)."""
+        return Engine(self.backend, self.config, self.metrics)
+
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (idempotent)."""
         if self._stopped.is_set() or self.server is None or self.engine is None:
@@ -122,9 +126,10 @@ class Worker:
         await self._stopped.wait()
 
 
-async def run_worker(config: WorkerConfig, backend: Backend) -> None:
+async def run_worker(config: WorkerConfig, backend: Backend,
+                     worker: Worker | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain."""
-    worker = Worker(config, backend)
+    worker = worker or Worker(config, backend)
     await worker.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -27,6 +27,12 @@ class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAYOUT_SOA: _ClassVar[Layout]
     LAYOUT_AOS: _ClassVar[Layout]
 
+class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_UNSPECIFIED: _ClassVar[Placement]
+    PLACEMENT_SHARD: _ClassVar[Placement]
+    PLACEMENT_REPLICATE: _ClassVar[Placement]
+
 class UploadFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UPLOAD_FORMAT_UNSPECIFIED: _ClassVar[UploadFormat]
@@ -44,6 +50,9 @@ PRECISION_Q8_1: Precision
 LAYOUT_UNSPECIFIED: Layout
 LAYOUT_SOA: Layout
 LAYOUT_AOS: Layout
+PLACEMENT_UNSPECIFIED: Placement
+PLACEMENT_SHARD: Placement
+PLACEMENT_REPLICATE: Placement
 UPLOAD_FORMAT_UNSPECIFIED: UploadFormat
 UPLOAD_FORMAT_Q6_K: UploadFormat
 UPLOAD_FORMAT_F32: UploadFormat
@@ -100,18 +109,20 @@ class ShardSpec(_message.Message):
     def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("gguf_path", "tensors", "prefix", "row_range", "shard")
+    __slots__ = ("gguf_path", "tensors", "prefix", "row_range", "shard", "placement")
     GGUF_PATH_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     ROW_RANGE_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     gguf_path: str
     tensors: _containers.RepeatedScalarFieldContainer[str]
     prefix: str
     row_range: RowRange
     shard: ShardSpec
-    def __init__(self, gguf_path: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., row_range: _Optional[_Union[RowRange, _Mapping]] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, gguf_path: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., prefix: _Optional[str] = ..., row_range: _Optional[_Union[RowRange, _Mapping]] = ..., shard: _Optional[_Union[ShardSpec, _Mapping]] = ..., placement: _Optional[_Union[Placement, str]] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("weights",)
@@ -284,7 +295,7 @@ class Flag(_message.Message):
     def __init__(self, name: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("backend", "device", "version", "vram", "flags", "weights_loaded", "serving", "max_batch_rows", "max_batch_delay_us", "relayout_in_progress")
+    __slots__ = ("backend", "device", "version", "vram", "flags", "weights_loaded", "serving", "max_batch_rows", "max_batch_delay_us", "relayout_in_progress", "devices")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +306,7 @@ class GetStatusResponse(_message.Message):
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     RELAYOUT_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     version: str
@@ -305,7 +317,22 @@ class GetStatusResponse(_message.Message):
     max_batch_rows: int
     max_batch_delay_us: int
     relayout_in_progress: bool
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., vram: _Optional[_Union[VramInfo, _Mapping]] = ..., flags: _Optional[_Iterable[_Union[Flag, _Mapping]]] = ..., weights_loaded: _Optional[int] = ..., serving: _Optional[bool] = ..., max_batch_rows: _Optional[int] = ..., max_batch_delay_us: _Optional[int] = ..., relayout_in_progress: _Optional[bool] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., vram: _Optional[_Union[VramInfo, _Mapping]] = ..., flags: _Optional[_Iterable[_Union[Flag, _Mapping]]] = ..., weights_loaded: _Optional[int] = ..., serving: _Optional[bool] = ..., max_batch_rows: _Optional[int] = ..., max_batch_delay_us: _Optional[int] = ..., relayout_in_progress: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ...) -> None: ...
+
+class DeviceStatus(_message.Message):
+    __slots__ = ("index", "ordinal", "device", "vram", "weights_loaded")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VRAM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    ordinal: int
+    device: str
+    vram: VramInfo
+    weights_loaded: int
+    def __init__(self, index: _Optional[int] = ..., ordinal: _Optional[int] = ..., device: _Optional[str] = ..., vram: _Optional[_Union[VramInfo, _Mapping]] = ..., weights_loaded: _Optional[int] = ...) -> None: ...
 
 class SetFlagsRequest(_message.Message):
     __slots__ = ("flags",)
