@@ -188,6 +188,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  vram {key:20} {value}")
     for f in status["flags"]:  # type: ignore[union-attr]
         print(f"  flag {f['name']:26} {int(f['enabled'])}")
+    for d in status.get("devices", []):  # type: ignore[union-attr]  # --devices workers
+        dv = d["vram"]
+        print(f"  device {d['ordinal']}: {d['device']}, weights={d['weights_loaded']}, "
+              f"reserved {dv['reserved_bytes']} of budget {dv['budget_bytes']} bytes")
     return 0
 
 

@@ -95,3 +95,13 @@ def test_sharded_client_over_multi_device_workers(start_devices: Callable[..., L
         (m,) = c.load("m.gguf", ["w"])
         assert m.rows == ROWS
         assert_close(c.matmul("w", x), reference(blocks, ROWS, K, x))
+
+
+def test_cli_status_lists_devices(start_devices: Callable[..., LoopWorker],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from q6serve.client.cli import main
+
+    w = start_devices()
+    assert main(["status", "--target", w.target]) == 0
+    out = capsys.readouterr().out
+    assert "device 0: cpu" in out and "device 1: cpu" in out
