@@ -66,7 +66,8 @@ async def _chunks(data: memoryview, size: int = 64 << 20) -> AsyncIterator[bytes
 
 
 async def run_set(args: argparse.Namespace, devices: tuple[int, ...], placement: str,
-                  blocks: np.ndarray, digest: str) -> list[Row]:
+                  blocks: np.ndarray, digest: str, probe: np.ndarray,
+                  probes: list[np.ndarray]) -> list[Row]:
     rows, k = args.rows, args.k
     cfg = WorkerConfig(model_dir=None, vram_budget=Budget.parse(args.vram_budget),
                        max_batch_rows=max(64, max(args.n)),
@@ -82,6 +83,9 @@ async def run_set(args: argparse.Namespace, devices: tuple[int, ...], placement:
         print(f"# devices {','.join(map(str, devices))} {placement}: loaded "
               f"{blocks.nbytes / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s; "
               f"{eng.describe()}", flush=True)
+        # the same probe on every device set: sharded/replicated must match one device
+        probes.append((await eng.matmul(MatmulCall("lm_head", probe,
+                                                   precision=args.precision))).y)
         rng = np.random.default_rng(1)
         for n in args.n:
             x = rng.standard_normal((n, k)).astype(np.float32)
@@ -158,9 +162,16 @@ def main() -> None:
           f"{args.backend}, N {args.n}, concurrency {args.concurrency}, {args.seconds} s each")
     print(HEADER)
     rows: list[Row] = []
+    probe = np.random.default_rng(2).standard_normal((4, args.k)).astype(np.float32)
+    probes: list[np.ndarray] = []
     for devices in sets:
         for placement in (args.placements if len(devices) > 1 else ["shard"]):
-            rows += asyncio.run(run_set(args, devices, placement, blocks, digest))
+            rows += asyncio.run(run_set(args, devices, placement, blocks, digest, probe,
+                                        probes))
+    scale = float(np.abs(probes[0]).max()) or 1.0
+    diffs = [float(np.abs(p.astype(np.float64) - probes[0]).max()) / scale for p in probes]
+    print(f"# check: max |y - y(first set)| / max |y| per run: "
+          f"{', '.join(f'{d:.2e}' for d in diffs)} (same kernels: expect 0 or rounding)")
     base = {(r.n, r.concurrency): r.rows_per_s for r in rows
             if r.devices == ",".join(map(str, sets[0]))}
     print("\n# summary (speed-up: rows/s against devices " + ",".join(map(str, sets[0])) + ")")
