@@ -39,20 +39,19 @@ from q6serve.kernels.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     Unavailable,
 )
 
 from .batcher import BatchStats
 from .config import WorkerConfig
 from .engine import (
-    UPLOAD_FORMATS,
     Engine,
     MatmulCall,
     MatmulReply,
     StatusView,
     UploadSpec,
     WeightView,
+    check_upload_spec,
     confine,
 )
 from .flags import FlagState
@@ -364,21 +363,7 @@ class MultiDeviceEngine:
         then upload each device its rows as Q6_K."""
         self._check_serving()
         mode = self._mode(placement)
-        check_name(spec.name)
-        if spec.fmt not in UPLOAD_FORMATS:
-            raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
-        if spec.rows < 1:
-            raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
-        q6k.check_k(spec.k)
-        itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
-        want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
-                else spec.rows * spec.k * itemsize)
-        if spec.total_bytes != want:
-            raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
-                                  f"be {want} bytes, header says {spec.total_bytes}")
-        if want > self.config.max_upload_bytes:
-            raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
-                                    f"{self.config.max_upload_bytes}")
+        want = check_upload_spec(spec, self.config.max_upload_bytes)
         with self._claim([spec.name]):  # the name is held from here; the stream is read first
             buf = bytearray()
             h = hashlib.sha256()
@@ -394,7 +379,7 @@ class MultiDeviceEngine:
             if h.hexdigest() != spec.sha256.lower():
                 raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
                                       f"{h.hexdigest()}, header says {spec.sha256.lower()})")
-            if itemsize is None:
+            if spec.fmt == "q6_k":
                 aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
             else:  # Q6_K rows are quantized independently: once here, then split
                 from q6serve.kernels.quantize import quantize_q6_k

@@ -111,6 +111,26 @@ class UploadSpec:
     sha256: str
 
 
+def check_upload_spec(spec: UploadSpec, max_upload_bytes: int) -> int:
+    """Validate an upload header before any data is read; return the byte count it promises."""
+    check_name(spec.name)
+    if spec.fmt not in UPLOAD_FORMATS:
+        raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
+    if spec.rows < 1:
+        raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
+    q6k.check_k(spec.k)
+    itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
+    want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
+            else spec.rows * spec.k * itemsize)
+    if spec.total_bytes != want:
+        raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
+                              f"be {want} bytes, header says {spec.total_bytes}")
+    if want > max_upload_bytes:
+        raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
+                                f"{max_upload_bytes}")
+    return want
+
+
 @dataclass(frozen=True)
 class StatusView:
     backend: str
@@ -268,21 +288,7 @@ class Engine:
 
     async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes]) -> WeightView:
         self._check_serving()
-        check_name(spec.name)
-        if spec.fmt not in UPLOAD_FORMATS:
-            raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
-        if spec.rows < 1:
-            raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
-        q6k.check_k(spec.k)
-        itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
-        want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
-                else spec.rows * spec.k * itemsize)
-        if spec.total_bytes != want:
-            raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
-                                  f"be {want} bytes, header says {spec.total_bytes}")
-        if want > self.config.max_upload_bytes:
-            raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
-                                    f"{self.config.max_upload_bytes}")
+        want = check_upload_spec(spec, self.config.max_upload_bytes)
         if len(spec.sha256) != 64:
             raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
         self.registry.check_available([spec.name])  # fail before reading the stream
@@ -302,7 +308,7 @@ class Engine:
         if h.hexdigest() != spec.sha256.lower():
             raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
                                   f"{h.hexdigest()}, header says {spec.sha256.lower()})")
-        if itemsize is None:
+        if spec.fmt == "q6_k":
             aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
             q6k.check_scales_finite(aos, f"upload {spec.name!r}",
                                     blocks_per_row=spec.k // q6k.QK_K)

@@ -3,21 +3,17 @@ reliability test checks afterwards: still SERVING, VRAM accounting unchanged."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
-from prometheus_client import CollectorRegistry
 
 from q6serve.client.client import Client
 from q6serve.kernels import q6k
 from q6serve.kernels.api import Backend
 from q6serve.kernels.backends import make_backend
 from q6serve.service.config import WorkerConfig
-from q6serve.service.worker import Worker
+from tests.service.svc_util import RunningWorker as ServiceRunningWorker
 
 
 def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
@@ -35,45 +31,12 @@ def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarra
     return np.asarray(x, dtype=np.float64) @ w.T
 
 
-class RunningWorker:
-    """A Worker on a private loop thread; ``call`` runs a coroutine there, ``run`` a callable."""
+class RunningWorker(ServiceRunningWorker):
+    """The service tests' in-process worker, on the NumPy backend unless one is given (the
+    fault tests pass a wrapping backend)."""
 
     def __init__(self, config: WorkerConfig, backend: Backend | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.worker = Worker(config, backend or make_backend("numpy"), CollectorRegistry())
-        self.call(self.worker.start())
-        self.target = self.worker.target
-        self._clients: list[Client] = []
-
-    def call(self, coro: Any, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        async def wrap() -> Any:
-            return fn()
-
-        return self.call(wrap())
-
-    @property
-    def engine(self) -> Any:
-        return self.worker.engine
-
-    def client(self, **kw: Any) -> Client:
-        c = Client(self.target, **kw)
-        self._clients.append(c)
-        return c
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.loop.is_closed():
-            return
-        for c in self._clients:
-            c.close()
-        self.call(self.worker.stop(grace))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        super().__init__(config, backend or make_backend("numpy"))
 
 
 def vram_figures(c: Client) -> dict[str, int]:
