@@ -26,7 +26,6 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .channel import aio_channel, token_metadata
 from .client import (
-    _CODES,
     UPLOAD_CHUNK,
     UPLOAD_FORMATS,
     MatmulOutput,
@@ -34,6 +33,7 @@ from .client import (
     Weight,
     _output,
     matmul_request,
+    stream_outcome,
 )
 from .retry import RetryPolicy, acall_with_retry
 
@@ -168,11 +168,7 @@ class AsyncClient:
                                        timeout=timeout if timeout is not None else self.timeout)
         try:
             async for r in call:
-                if r.WhichOneof("outcome") == "error":
-                    code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
-                    yield Q6ServeError(code, r.error.message, r.request_id)
-                else:
-                    yield _output(r.result)
+                yield stream_outcome(r)
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
         finally:

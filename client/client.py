@@ -124,6 +124,15 @@ def _output(r: pb.MatmulResponse) -> MatmulOutput:
                         opt("device_seconds"), opt("handler_seconds"))
 
 
+def stream_outcome(r: Any) -> MatmulOutput | Q6ServeError:
+    """One MatmulStream reply as the caller sees it: its result, or that request's own error
+    (the stream itself goes on)."""
+    if r.WhichOneof("outcome") == "error":
+        code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
+        return Q6ServeError(code, r.error.message, r.request_id)
+    return _output(r.result)
+
+
 def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",
                    out_dtype: str = "f32", request_id: str = "") -> pb.MatmulRequest:
     req = pb.MatmulRequest(weight=weight, precision=PRECISIONS[precision],
@@ -258,11 +267,7 @@ class Client:
         try:
             for r in self._stub.MatmulStream(msgs, timeout=timeout or self.timeout,
                                              metadata=self._metadata):
-                if r.WhichOneof("outcome") == "error":
-                    code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
-                    yield Q6ServeError(code, r.error.message, r.request_id)
-                else:
-                    yield _output(r.result)
+                yield stream_outcome(r)
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
 
