@@ -6,29 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-import numpy as np
 
 from q6serve.client.client import Client
-from q6serve.kernels import q6k
 from q6serve.kernels.api import Backend
 from q6serve.kernels.backends import make_backend
 from q6serve.service.config import WorkerConfig
 from tests.service.svc_util import RunningWorker as ServiceRunningWorker
-
-
-def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
-    """Valid random Q6_K AoS blocks ``[rows*k/256, 210]`` with small finite scales."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype("<f2")
-    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
-    return blocks
-
-
-def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
-    """float64 ``x @ W.T`` on exactly dequantized weights."""
-    w = q6k.dequantize_aos(blocks, rows, k).astype(np.float64)
-    return np.asarray(x, dtype=np.float64) @ w.T
+from tests.service.svc_util import random_q6k as random_q6k  # re-exported
+from tests.service.svc_util import reference as reference  # re-exported
 
 
 class RunningWorker(ServiceRunningWorker):

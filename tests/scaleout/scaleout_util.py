@@ -10,19 +10,11 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from q6serve.kernels import q6k
 from q6serve.kernels.api import Backend
 from q6serve.service.config import WorkerConfig
 from q6serve.service.worker import Worker
-
-
-def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
-    """Valid random Q6_K AoS blocks ``[rows*k/256, 210]`` with small finite scales."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
-    d = (rng.random(blocks.shape[0]) * 1e-3 + 1e-4).astype(np.float16)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
-    return blocks
+from tests.service.svc_util import random_q6k as random_q6k  # re-exported
+from tests.service.svc_util import reference as reference  # re-exported
 
 
 def write_gguf(path: Path, tensors: dict[str, tuple[int, int, int]]) -> dict[str, np.ndarray]:
@@ -32,12 +24,6 @@ def write_gguf(path: Path, tensors: dict[str, tuple[int, int, int]]) -> dict[str
     blocks = {n: random_q6k(r, k, s) for n, (r, k, s) in tensors.items()}
     write_q6k_gguf(path, {n: (blocks[n], r, k) for n, (r, k, _) in tensors.items()})
     return blocks
-
-
-def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
-    """float64 ``x @ W.T`` on exactly dequantized weights."""
-    w = q6k.dequantize_aos(blocks, rows, k).astype(np.float64)
-    return np.asarray(x, dtype=np.float64) @ w.T
 
 
 def assert_close(y: np.ndarray, want: np.ndarray, rtol: float = 1e-5) -> None:
