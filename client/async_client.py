@@ -26,7 +26,6 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .channel import aio_channel, token_metadata
 from .client import (
-    UPLOAD_CHUNK,
     UPLOAD_FORMATS,
     MatmulOutput,
     Q6ServeError,
@@ -34,6 +33,7 @@ from .client import (
     _output,
     matmul_request,
     stream_outcome,
+    upload_messages,
 )
 from .retry import RetryPolicy, acall_with_retry
 
@@ -113,12 +113,8 @@ class AsyncClient:
                                  total_bytes=len(raw), sha256=digest)
 
         async def messages() -> AsyncIterator[pb.UploadWeightRequest]:
-            yield pb.UploadWeightRequest(header=header)
-            for i in range(0, len(raw), UPLOAD_CHUNK):
-                chunk = bytes(raw[i : i + UPLOAD_CHUNK])
-                yield pb.UploadWeightRequest(chunk=chunk)
-                if progress is not None:
-                    progress(len(chunk))
+            for m in upload_messages(header, raw, progress):
+                yield m
 
         r = await self._call("UploadWeight", messages, timeout)
         return Weight.from_pb(r.weight)

@@ -124,6 +124,18 @@ def _output(r: pb.MatmulResponse) -> MatmulOutput:
                         opt("device_seconds"), opt("handler_seconds"))
 
 
+def upload_messages(header: pb.UploadHeader, raw: memoryview | bytes,
+                    progress: Callable[[int], None] | None) -> Iterator[pb.UploadWeightRequest]:
+    """An UploadWeight stream: the header, then ``raw`` in UPLOAD_CHUNK slices (a retry calls
+    this again and resends from the header)."""
+    yield pb.UploadWeightRequest(header=header)
+    for i in range(0, len(raw), UPLOAD_CHUNK):
+        chunk = bytes(raw[i : i + UPLOAD_CHUNK])
+        yield pb.UploadWeightRequest(chunk=chunk)
+        if progress is not None:
+            progress(len(chunk))
+
+
 def stream_outcome(r: Any) -> MatmulOutput | Q6ServeError:
     """One MatmulStream reply as the caller sees it: its result, or that request's own error
     (the stream itself goes on)."""
@@ -223,15 +235,7 @@ class Client:
         header = pb.UploadHeader(name=name, rows=rows, k=k, format=UPLOAD_FORMATS[fmt],
                                  total_bytes=len(raw), sha256=digest)
 
-        def messages() -> Iterator[pb.UploadWeightRequest]:
-            yield pb.UploadWeightRequest(header=header)
-            for i in range(0, len(raw), UPLOAD_CHUNK):
-                chunk = bytes(raw[i : i + UPLOAD_CHUNK])
-                yield pb.UploadWeightRequest(chunk=chunk)
-                if progress is not None:
-                    progress(len(chunk))
-
-        r = self._call("UploadWeight", messages, timeout)
+        r = self._call("UploadWeight", lambda: upload_messages(header, raw, progress), timeout)
         return Weight.from_pb(r.weight)
 
     def list(self, timeout: float | None = None) -> list[Weight]:
