@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [tests|bench|variants|record|next|all|none]  extra bench args in $BENCH_ARGS
-# next: the every-variant correctness tests (old launch shapes and the unmeasured weights-staged
-#       q6k_mma_ws ones, SoA/AoS bit-identity), then old vs new variants timed on the three
-#       ANCHORS shapes, ending with a one-line-per-(shape, N) summary table (docs/KERNELS.md).
+#   bench/gpu_run.sh [tests|bench|variants|record|probe|stalls|all|none]  extra bench args in $BENCH_ARGS
+# record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
+#         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
+#         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
+#         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -43,20 +44,37 @@ if [[ $MODE == variants ]]; then
     --paths auto,exact,mmq_q8_1 ${BENCH_ARGS:-} --json "$OUT/variants.json" 2>&1 \
     | tee "$OUT/variants.log" | grep -v "^$" | tail -150
 fi
-if [[ $MODE == next ]]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=20 -p no:cacheprovider \
-    tests/kernels/test_cuda_backend.py \
-    -k "every_launch_variant or ws_ or bit_identical or shape_aware or plan_names or without_a" \
-    2>&1 \
-    | tee "$OUT/pytest_next.log" | tail -25
-  rc=${PIPESTATUS[0]}
-  # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants --ws --summary --no-torch \
-    --paths auto --shapes 4096x14336,3584x18944,152064x3584 ${BENCH_ARGS:-} \
-    --json "$OUT/next.json" >"$OUT/next.log" 2>&1
-  brc=$?
-  grep -E "FAILED|Error" "$OUT/next.log" | head -20
-  echo "# pytest (new variants + every-variant): rc=$rc; bench rc=$brc (124 = timed out)"
-  sed -n '/^# summary/,$p' "$OUT/next.log"
+if [[ $MODE == probe ]]; then  # memory-side ceiling + Nsight Compute on the AUTO tile
+  timeout 200 python3 bench/probe_memory.py --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
+  echo "# probe rc=$?"
+  for n in ${PROBE_NS-1 8 64}; do
+    timeout 120 ncu --clock-control none -k regex:"${PROBE_KERNEL:-q6k_mma}" --launch-skip 6 \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      python3 bench/kernels.py --shapes "${PROBE_SHAPE:-4096x14336}" --ns "$n" --paths auto \
+      --no-torch >"$OUT/ncu_n$n.txt" 2>&1
+    echo "# ncu N=$n rc=$?"
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Grid Size|Waves Per" \
+      "$OUT/ncu_n$n.txt" | head -24
+  done
+  sed -n '/^# best/,$p' "$OUT/probe.log"
+fi
+if [[ $MODE == stalls ]]; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_ROWS)
+  m=smsp__average_warps_issue_stalled
+  metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  metrics+=,smsp__inst_executed.avg.per_cycle_active,sm__warps_active.avg.pct_of_peak_sustained_active
+  metrics+=,sm__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+  for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+      not_selected selected no_instruction dispatch_stall lg_throttle drain branch_resolving \
+      imc_miss misc sleeping tex_throttle membar; do metrics+=",${m}_${r}_per_issue_active.ratio"; done
+  i=0
+  for row in ${PROFILE_ROWS:-152064x3584:1:auto=}; do
+    IFS=: read -r shape n only <<<"$row"
+    timeout 150 ncu --clock-control none --launch-skip 6 --launch-count 1 -k regex:q6k_mma \
+      --metrics "$metrics" python3 bench/kernels.py --shapes "$shape" --ns "$n" --paths auto \
+      --variants --only "$only" --no-torch >"$OUT/stalls$i.txt" 2>&1
+    echo "# $row rc=$?"; grep -E "q6k_mma|duration|dram__|per_cycle|warps_active|inst_executed.sum|bank|stalled" "$OUT/stalls$i.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | awk '{$1=$1};1' | grep -vE " 0(\.0+)?$" | head -30
+    i=$((i + 1))
+  done
 fi
 exit "$rc"
