@@ -7,7 +7,7 @@ effective weight bandwidth (Q6_K bytes / time), the ratio to ANCHORS.md's llama.
 and to torch's f16 linear on an f16 weight of the same shape timed in the same run.
 
     python bench/kernels.py [--shapes 4096x14336,...] [--ns 1,2,...] [--paths auto,exact,...]
-                            [--variants] [--ws] [--summary] [--json out.json]
+                            [--variants] [--summary] [--only TEXT] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,20 +45,6 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.pf.w4": Cfg(nt=8, src=3, pf=True, warps=4),
 }
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
-# q6k_mma_ws (weights staged in shared memory by cp.async; docs/KERNELS.md "Next variants
-# (unmeasured)"): name -> (launch shape, the N it is timed at). `ws.a*` target N <= 8 (a),
-# `ws.b*` N = 16..64 (b).
-WS_VARIANTS: dict[str, tuple[Cfg, tuple[int, ...]]] = {
-    "ws.a.w8s4": (Cfg(nt=1, stages=4), (1, 2, 4, 8)),
-    "ws.a.w8s3": (Cfg(nt=1, stages=3), (1, 2, 4, 8)),
-    "ws.a.w4s4": (Cfg(nt=1, warps=4, stages=4), (1, 2, 4, 8)),
-    "ws.a.pre.s4": (Cfg(nt=1, src=3, stages=4), (1, 8)),
-    "ws.b16.m4w4x2": (Cfg(nt=2, mt=4, wc=2, src=3, stages=3), (16,)),
-    "ws.b32.m4w4x2": (Cfg(nt=4, mt=4, wc=2, src=3, stages=3), (32,)),
-    "ws.b64.m4w2x4": (Cfg(nt=8, mt=4, wc=4, src=3, stages=3), (64,)),
-    "ws.b64.m2w4x4": (Cfg(nt=8, mt=2, warps=16, wc=4, src=3, stages=3), (64,)),
-    "ws.b64.m4w2x2": (Cfg(nt=8, mt=4, warps=4, wc=2, src=3, stages=3), (64,)),
-}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
                   "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -119,26 +105,19 @@ def torch_linear_us(rows: int, k: int, n: int, copies: int) -> float | None:
 
 
 def print_summary(results: list[dict]) -> None:
-    """Per shape and N: AUTO, the best measured-before variant, the best q6k_mma_ws variant."""
-    print("\n# summary: us (TB/s); old = every non-ws row, ws = weights-staged variants")
-    print(f"{'shape':>14} {'N':>3} {'AUTO':>15} {'best old':>34} {'best ws':>34} {'ws/AUTO':>7}")
+    """Per shape and N: AUTO against the fastest row timed (any path or launch variant)."""
+    print("\n# summary: us (TB/s); best = the fastest row of this run")
+    print(f"{'shape':>14} {'N':>3} {'AUTO':>15} {'best':>36} {'AUTO/best':>9}")
     keys = sorted({(r["shape"], r["n"]) for r in results}, key=lambda t: (t[0], t[1]))
     for shape, n in keys:
         rows = [r for r in results if r["shape"] == shape and r["n"] == n and "us" in r]
         auto = next((r for r in rows if r["path"].startswith("auto=")), None)
-        old = min((r for r in rows if ".ws." not in r["path"]), key=lambda r: r["us"],
-                  default=None)
-        new = min((r for r in rows if ".ws." in r["path"]), key=lambda r: r["us"], default=None)
-
-        def cell(r: dict | None, named: bool = True) -> str:
-            if r is None:
-                return "-"
-            label = f"{r['path']} " if named else ""
-            return f"{label}{r['us']:.1f} ({r['tbs']:.2f})"
-
-        ratio = f"{auto['us'] / new['us']:7.2f}" if auto and new else "      -"
-        print(f"{shape:>14} {n:>3} {cell(auto, False):>15} {cell(old):>34} {cell(new):>34} "
-              f"{ratio}", flush=True)
+        best = min(rows, key=lambda r: r["us"], default=None)
+        if auto is None or best is None:
+            continue
+        print(f"{shape:>14} {n:>3} {auto['us']:8.1f} ({auto['tbs']:.2f}) "
+              f"{best['path'] + ' ' + format(best['us'], '.1f'):>29} ({best['tbs']:.2f}) "
+              f"{best['us'] / auto['us']:9.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="auto,exact,mma_f16,mmq_q8_1,cublas_f16")
     ap.add_argument("--layout", default="soa", choices=["soa", "aos"])
     ap.add_argument("--variants", action="store_true", help="compare mma_f16 launch shapes")
-    ap.add_argument("--ws", action="store_true",
-                    help="also time the weights-staged q6k_mma_ws variants (WS_VARIANTS)")
     ap.add_argument("--summary", action="store_true",
-                    help="end with one line per shape and N: AUTO vs the best old and new variant")
+                    help="end with one line per shape and N: AUTO vs the fastest row")
+    ap.add_argument("--only", default=None,
+                    help="time only the rows whose label contains this text (for profilers)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -190,9 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(("mma_f16." + name, "mma_f16", cfg))
                 if n == 1:
                     runs += [(name, "exact", cfg) for name, cfg in EXACT_VARIANTS.items()]
-            if a.ws:
-                runs += [("mma_f16." + name, "mma_f16", cfg)
-                         for name, (cfg, ns) in WS_VARIANTS.items() if n in ns]
+            if a.only:
+                runs = [r for r in runs if a.only in r[0]]
             for label, path, cfg in runs:
                 c = cfg or default_cfg(path, n)
 

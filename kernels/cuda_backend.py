@@ -65,7 +65,6 @@ SMALL_WEIGHT = 1 << 21
 SMALL_EXACT_N = (8, 48)
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 MATMUL_FILE = "q6k_matmul.cu"
-WS_FILE = "q6k_mma_ws.cu"  # f16 tile with the weights staged in shared memory (unmeasured)
 REPACK_FILE = "q6k_repack.cu"
 DEFAULT_FLAGS = KernelFlags()
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
@@ -95,14 +94,6 @@ class Cfg:
     #               3 prepass buffer streamed through two smem stages (cp.async)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
-    # stages >= 3 selects q6k_mma_ws (mma_f16 only; weights streamed into an S-deep ring of
-    # shared-memory stages by cp.async, persistent CTAs over row tiles). Then warps = wr * wc:
-    # wc warps along tokens, each nt // wc n-tiles; mt m-tiles of 16 rows per warp; src 2 =
-    # activations staged once per CTA (nt = 1, N <= 8), src 3 = the f16 prepass streamed
-    # through the stages. Unmeasured: never a default until a GPU run shows it faster.
-    stages: int = 0
-    wc: int = 1
-    ctas: int = 0  # q6k_mma_ws: at most this many row-tile CTAs per K split (0: fill the GPU)
 
 
 def default_cfg(path: str, n: int) -> Cfg:
@@ -120,31 +111,6 @@ def default_cfg(path: str, n: int) -> Cfg:
 
 
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
-
-
-def ws_shape(cfg: Cfg, n: int) -> tuple[int, int, int]:
-    """q6k_mma_ws template shape (wr, wn, tok) of ``cfg`` for N = ``n``; raises if invalid."""
-    if cfg.stages < 3 or cfg.warps % cfg.wc or cfg.nt % cfg.wc or cfg.src not in (2, 3):
-        raise DeviceError(f"not a q6k_mma_ws launch shape: {cfg}")
-    wr, wn = cfg.warps // cfg.wc, cfg.nt // cfg.wc
-    if (32 * cfg.warps) % (16 * wr * cfg.mt):
-        raise DeviceError(f"q6k_mma_ws: {32 * cfg.warps} threads do not split "
-                          f"{16 * wr * cfg.mt} rows evenly: {cfg}")
-    if cfg.src == 3:
-        return wr, wn, 0
-    if cfg.nt != 1 or cfg.wc != 1:
-        raise DeviceError(f"q6k_mma_ws with staged activations takes one n-tile: {cfg}")
-    return wr, 1, 1 if n <= 1 else 2 if n <= 2 else 4 if n <= 4 else 8
-
-
-WS_STATIC_SMEM = 64  # q6k_mma_ws's static shared memory (16 B: the split-K flag), rounded up
-
-
-def ws_smem_bytes(cfg: Cfg, n: int, per: int) -> int:
-    """Dynamic shared memory of a q6k_mma_ws CTA that owns ``per`` K blocks."""
-    wr, _, tok = ws_shape(cfg, n)
-    stage = wr * cfg.mt * 16 * 210 + (0 if tok else cfg.nt * 4096)
-    return cfg.stages * stage + (tok * (per * 512 + 64) if tok else 0)
 
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
@@ -210,8 +176,6 @@ class CudaBackend(Backend):
                 props["name"])
             self.sm_count = int(props["multiProcessorCount"])
             rt = cupy.cuda.runtime
-            self.smem_optin = int(props.get("sharedMemPerBlockOptin") or rt.deviceGetAttribute(
-                97, device))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
             self.smem_sm = int(props.get("sharedMemPerMultiprocessor") or rt.deviceGetAttribute(
                 81, device))  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
             self.cc = self._dev.compute_capability
@@ -487,7 +451,7 @@ class CudaBackend(Backend):
             smem = smem_bytes(path, cfg, per)
             if smem > SMEM_LIMIT and cfg.src == 2 and cfg.ksplit <= 0:
                 continue
-            occ = min(occ_regs, (228 << 10) // (smem + 1024)) if smem else occ_regs
+            occ = min(occ_regs, self.smem_sm // (smem + 1024)) if smem else occ_regs
             slots = self.sm_count * max(1, occ)
             waves = -(-(gx * nz * ks_eff) // slots)
             extra = 0.0 if ks_eff == 1 else ks_eff * n * w.rows * 8 / (w.rows * bpr * 210)
@@ -540,8 +504,6 @@ class CudaBackend(Backend):
 
     def _plan_launch(self, w: ResidentWeight, in_t: str, path: str, cfg: Cfg,
                      n: int) -> _Launch:
-        if path == "mma_f16" and cfg.stages:
-            return self._plan_ws(w, in_t, cfg, n)
         bpr = w.k // q6k.QK_K
         soa = "true" if w.layout is Layout.SOA else "false"
         warps = cfg.warps
@@ -579,78 +541,6 @@ class CudaBackend(Backend):
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         return _Launch(fn, (gx, ks, nz), 32 * warps, smem, ks, gx * nz, bpr, nz, prep,
                        prep_grid, sizes)
-
-    def _plan_ws(self, w: ResidentWeight, in_t: str, cfg: Cfg, n: int) -> _Launch:
-        """q6k_mma_ws (weights staged in shared memory; unmeasured variants)."""
-        bpr = w.k // q6k.QK_K
-        wr, wn, tok = ws_shape(cfg, n)
-        rt = 16 * wr * cfg.mt
-        nz = -(-n // (tok or 8 * cfg.nt))
-        t_in = in_t if tok else "InF16"
-
-        def kname(lay: str) -> str:
-            return (f"q6k_mma_ws<{cfg.mt}, {wn}, {wr}, {cfg.wc}, {cfg.stages}, {tok}, {lay}, "
-                    f"{t_in}>")
-
-        soa = "true" if w.layout is Layout.SOA else "false"
-        fn = self._fn(WS_FILE, kname(soa))
-        gx, ks = self._grid_ws(w, rt, nz, cfg, self._fn(WS_FILE, kname("true")), n)
-        smem = ws_smem_bytes(cfg, n, -(-bpr // ks))
-        if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-        prep, prep_grid, sizes = None, (1,), (0, 0, 0)
-        if not tok:
-            words = nz * bpr * cfg.nt * 8 * 32 * 4
-            prep = self._fn(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
-            prep_grid, sizes = (min(65535, -(-(words // 4) // 256)),), (words, 0, 0)
-        ntiles = -(-w.rows // rt)
-        return _Launch(fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, ntiles * nz, bpr, nz, prep,
-                       prep_grid, sizes)
-
-    def ws_fits(self, cfg: Cfg, n: int, k: int) -> bool:
-        """Whether a q6k_mma_ws launch shape fits this device's shared memory at some K split."""
-        bpr = k // q6k.QK_K
-        return any(ws_smem_bytes(cfg, n, -(-bpr // ks)) + WS_STATIC_SMEM <= self.smem_optin
-                   for ks in range(1, min(bpr, 64) + 1))
-
-    def _grid_ws(self, w: ResidentWeight, rt: int, nz: int, cfg: Cfg, fn: Any,
-                 n: int) -> tuple[int, int]:
-        """(persistent row-tile CTAs, K splits) for q6k_mma_ws: the split whose busiest SM has
-        the fewest block-steps (its CTAs x row tiles per CTA x blocks per split, plus the
-        pipeline's fill), charging split-K's partial sums; never more CTAs than fit on the
-        device at once. Depends only on the SoA twin, so both layouts sum alike."""
-        ntiles = -(-w.rows // rt)
-        bpr = w.k // q6k.QK_K
-        threads = 32 * cfg.warps
-        regs = -(-max(int(fn.num_regs), 1) // 8) * 8
-        occ_regs = max(1, min(2048 // threads, 65536 // (threads * regs)))
-        best: tuple[float, int, int] | None = None
-        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
-        for ks in choices:
-            per = -(-bpr // min(ks, bpr))
-            ks_eff = -(-bpr // per)
-            smem = ws_smem_bytes(cfg, n, per) + WS_STATIC_SMEM
-            if smem > self.smem_optin:
-                continue
-            occ = min(occ_regs, self.smem_sm // (smem + 1024))  # 1 KB reserved per CTA
-            if occ < 1:
-                continue
-            slots = self.sm_count * occ
-            gx = max(1, min(ntiles, slots // (ks_eff * nz)))
-            if cfg.ctas > 0:
-                gx = min(gx, cfg.ctas)
-            rounds = -(-ntiles // gx)
-            extra = 0.0 if ks_eff == 1 else ks_eff * n * w.rows * 8 / (w.rows * bpr * 210)
-            # block-steps of the busiest SM: its CTAs (they share its bandwidth) x the steps
-            # of one CTA, + stages for the pipeline's fill and the last tile's epilogue
-            per_sm = -(-(gx * ks_eff * nz) // self.sm_count)
-            cost = per_sm * (rounds * per * (1 + extra) + cfg.stages)
-            if best is None or cost < best[0] - 1e-9:
-                best = (cost, gx, ks_eff)
-        if best is None:
-            raise DeviceError(f"no K split fits q6k_mma_ws {cfg} at N={n} in shared memory "
-                              f"({self.smem_optin} bytes per CTA)")
-        return best[1], best[2]
 
     def _cublas(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any) -> None:
         cp = self._cp

@@ -129,12 +129,12 @@ __device__ __forceinline__ u32 word4(const uint4& v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// 6-bit codes (0..63, one per byte) of quad (h, nib, j); qsh = 2*(t>>1).
+// 6-bit codes (0..63, one per byte) of quad (h, nib, j); qsh = 2*(t>>1). The high bits sit at
+// qh bits qsh (nib 0) and qsh + 4 (nib 1) of each byte: one shift each lands them on bits 4-5.
 __device__ __forceinline__ u32 quad_q(const Raw& w, int h, int nib, int j, int qsh) {
-    const u32 l = word4(w.ql[h], j);
-    const u32 hh = word4(w.qh[h], j) >> qsh;
-    return nib ? (((l >> 4) & 0x0F0F0F0Fu) | (hh & 0x30303030u))
-               : ((l & 0x0F0F0F0Fu) | ((hh << 4) & 0x30303030u));
+    const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
+    return nib ? (((l >> 4) & 0x0F0F0F0Fu) | ((hw >> qsh) & 0x30303030u))
+               : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
 }
 
 // Signed scale byte t of scale word k.

@@ -4,7 +4,7 @@
 //   q6k_exact      f32 CUDA-core matvec on exactly dequantized weights, TOK tokens per CTA.
 //   q6k_mma_f16    tensor-core tile: f16(sc*(q-32)) in registers x f16 activations, f32
 //                  accumulators; the f32 block scale d is applied by rescaling the accumulators
-//                  around each 256-block (acc *= 1/d; acc += A.B; acc *= d), so no second set
+//                  around each 256-block (acc *= rcp(d); acc += A.B; acc *= d), so no second set
 //                  of accumulators is needed and f16 never sees d (no overflow for any finite d).
 //   q6k_mmq_q8     int8 tensor-core tile on q8_1 activations (llama.cpp numerics): one k16 MMA
 //                  per 16-group, u8 codes x s8 activations with the -32 centring folded into the
@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     MAKE_OUT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3, qsh = 2 * (t >> 1);
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
     const int rows_cta = nw * 16 * MT;
     const int row0 = blockIdx.x * rows_cta;
     const int wrow = row0 + warp * 16 * MT;
@@ -143,17 +144,15 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
                 const float d = f16_to_f32(raw[mt][hr].d);
                 const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
                 dmul[mt][hr] = zero ? 1.f : d;
-                const float inv = zero ? 1.f : 1.f / d;
+                const float inv = zero ? 1.f : rcp_approx(d);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     acc[mt][nt][2 * hr] *= inv;
                     acc[mt][nt][2 * hr + 1] *= inv;
                 }
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const u32 h = zero ? 0u : f16_bits((float)quad_sc(raw[mt][hr], k, t));
-                    sc2[mt][hr][k] = h | (h << 16);
-                }
+                for (int k = 0; k < 4; ++k)
+                    sc2[mt][hr][k] = zero ? 0u : sc_pair(word4(raw[mt][hr].sc, k), scsel);
             }
 
 #pragma unroll

@@ -26,6 +26,21 @@ __device__ __forceinline__ u32 deq2(u32 q, u32 sel, u32 sc2) {
     return hmul2(hsub2(__byte_perm(q, 0x64646464u, sel), 0x64206420u), sc2);
 }
 
+// f16x2 (sc, sc) of the signed scale byte that `sel` (0x4040 | t | t << 8) picks from word v:
+// v ^ 0x80 turns each byte into sc + 128, the 0x64 magic into the f16 1024 + sc + 128, and
+// subtracting 1152 is exact: the same bits as f16(float(sc)) in both halves, without I2F/F2F.
+__device__ __forceinline__ u32 sc_pair(u32 v, u32 sel) {
+    return hsub2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x64806480u);
+}
+
+// 1/x to within 1 ulp (MUFU.RCP): the f16 tile scales its accumulators by 1/d then d around
+// each block, so this costs <= 2 ulp of f32 per block instead of the IEEE division's sequence.
+__device__ __forceinline__ float rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     u32 a;
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"

@@ -6,8 +6,6 @@ checked to be fully written by poisoning the allocator's free blocks with NaN fi
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -293,7 +291,7 @@ def test_every_launch_variant_is_correct(be, rng):
     y64 = reference.matmul_float64(x, blocks, rows)
     with be.stream:
         xd = cupy.asarray(x)
-    cases = [c for c in variant_cases() if c[1].stages == 0 or be.ws_fits(c[1], 70, k)]
+    cases = variant_cases()
     for path, cfg, tol in cases:
         for n in (1, 5, 70):
             y = be.run(w, xd[:n], x.dtype, path, cfg).get(stream=be.stream)
@@ -310,61 +308,7 @@ def variant_cases() -> list:
               for src in (0, 1, 2, 3) for pf in (False, True) for wp in (4, 8)
               if not (src == 2 and nt > 2)]
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
-    cases += [("mma_f16", cfg, 2e-3) for cfg in WS_CFGS]
     return cases
-
-
-# q6k_mma_ws launch shapes (weights staged in shared memory; unmeasured variants): the ones
-# bench/kernels.py times, plus a 4-warp and a 16-warp CTA. A device with less shared memory
-# per CTA than the H200 skips those that do not fit (test_ws_variants_fit_on_sm90 says which).
-def _ws_cfgs() -> list:
-    from q6serve.kernels.cuda_backend import Cfg
-
-    return [Cfg(nt=1, stages=4), Cfg(nt=1, stages=3), Cfg(nt=1, warps=4, stages=4),
-            Cfg(nt=1, src=3, stages=4),
-            Cfg(nt=2, mt=4, wc=2, src=3, stages=3), Cfg(nt=4, mt=4, wc=2, src=3, stages=3),
-            Cfg(nt=8, mt=4, wc=4, src=3, stages=3), Cfg(nt=8, mt=2, warps=16, wc=4, src=3,
-                                                         stages=3),
-            Cfg(nt=8, mt=4, warps=4, wc=2, src=3, stages=3)]
-
-
-WS_CFGS = _ws_cfgs()
-
-
-def test_ws_variants_fit_on_sm90(be):
-    if int(be.cc) < 90:
-        pytest.skip(f"shared-memory budget checked on sm_90 only (this is sm_{be.cc})")
-    for cfg in WS_CFGS:
-        assert be.ws_fits(cfg, 64, 3584) and be.ws_fits(cfg, 64, 18944), cfg
-
-
-@pytest.mark.parametrize("cfg", WS_CFGS, ids=lambda c: f"nt{c.nt}.mt{c.mt}.w{c.warps}."
-                         f"wc{c.wc}.s{c.stages}.src{c.src}")
-def test_ws_variants_soa_aos_bit_identical_and_split_k(be, rng, cfg):
-    """Weights-staged tiles: SoA and AoS twins bit-identical (odd rows, several row tiles per
-    CTA, forced K splits), within the F16 bound of float64."""
-    rows, k = 517, 2560
-    if not be.ws_fits(cfg, 64, k):
-        pytest.skip(f"{cfg} does not fit this device's shared memory")
-    blocks = random_weight(rng, rows, k)
-    ws = load(be, blocks, rows, k, Layout.SOA)
-    wa = load(be, blocks, rows, k, Layout.AOS)
-    x = rng.standard_normal((64, k)).astype(np.float32)
-    y64 = reference.matmul_float64(x, blocks, rows)
-    # staged activations read x directly: every dtype on one shape (each is its own compile)
-    dtypes = (np.float32, np.float16, BFLOAT16) if cfg == WS_CFGS[0] else (np.float32,)
-    for dt in dtypes:
-        xt = x.astype(dt)
-        with be.stream:
-            xd = cupy.asarray(xt.view(np.uint16) if dt == BFLOAT16 else xt)
-        for n in (1, 3, 8, 13, 64):
-            for ks, ctas in ((0, 0), (1, 2), (3, 1)):  # ctas < row tiles: persistent CTAs
-                c = replace(cfg, ksplit=ks, ctas=ctas)
-                ys = be.run(ws, xd[:n], xt.dtype, "mma_f16", c).get(stream=be.stream)
-                ya = be.run(wa, xd[:n], xt.dtype, "mma_f16", c).get(stream=be.stream)
-                np.testing.assert_array_equal(ys.view(np.uint32), ya.view(np.uint32),
-                                              err_msg=f"{c} N={n} {np.dtype(dt)}")
-                assert np.isfinite(ys).all() and rel_fro(ys, y64[:n]) <= 2e-3, (c, n, dt)
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
@@ -384,48 +328,12 @@ def test_auto_is_shape_aware_for_small_weights():
     assert path(16, Precision.F16, SOA, 512, 3584)[0] == "mma_f16"  # explicit precisions
 
 
-def _stub_backend(sm_count=132, optin=232448, per_sm=233472):
+def _stub_backend(sm_count=132, per_sm=233472):
     from q6serve.kernels.cuda_backend import CudaBackend
 
     be = CudaBackend.__new__(CudaBackend)  # no device: only the launch-shape arithmetic
-    be.sm_count, be.smem_optin, be.smem_sm = sm_count, optin, per_sm
+    be.sm_count, be.smem_sm = sm_count, per_sm
     return be
-
-
-@pytest.mark.parametrize("cfg", WS_CFGS, ids=lambda c: f"nt{c.nt}.mt{c.mt}.w{c.warps}."
-                         f"wc{c.wc}.s{c.stages}.src{c.src}")
-def test_ws_grid_on_the_anchor_shapes(cfg):
-    from types import SimpleNamespace
-
-    from q6serve.kernels.cuda_backend import ws_shape, ws_smem_bytes
-
-    be = _stub_backend()
-    fn = SimpleNamespace(num_regs=128)
-    for rows, k in ((4096, 14336), (3584, 18944), (152064, 3584), (512, 3584)):
-        for n in ((1, 3, 8) if cfg.src == 2 else (8 * cfg.nt,)):
-            wr, _, tok = ws_shape(cfg, n)
-            rt, nz = 16 * wr * cfg.mt, -(-n // (tok or 8 * cfg.nt))
-            gx, ks = be._grid_ws(SimpleNamespace(rows=rows, k=k), rt, nz, cfg, fn, n)
-            bpr = k // 256
-            per = -(-bpr // ks)
-            smem = ws_smem_bytes(cfg, n, per)
-            assert -(-bpr // per) == ks and smem <= be.smem_optin
-            occ = be.smem_sm // (smem + 1024)
-            assert 1 <= gx <= -(-rows // rt) and gx * ks * nz <= be.sm_count * occ  # resident
-            if rows * k > 1 << 24:  # the large shapes keep >= 84% of the SMs busy
-                assert gx * ks * nz >= 0.84 * be.sm_count, (rows, k, n, gx, ks)
-
-
-def test_ws_shape_rejects_bad_launch_shapes():
-    from q6serve.kernels.cuda_backend import Cfg, ws_shape
-    from q6serve.kernels.errors import DeviceError
-
-    for bad in (Cfg(nt=1, stages=2), Cfg(nt=2, stages=4), Cfg(nt=4, wc=3, src=3, stages=3),
-                Cfg(nt=8, mt=4, warps=4, wc=1, src=3, stages=3)):
-        with pytest.raises(DeviceError):
-            ws_shape(bad, 8)
-    assert ws_shape(Cfg(nt=1, stages=4), 3) == (8, 1, 4)
-    assert ws_shape(Cfg(nt=8, mt=4, wc=4, src=3, stages=3), 64) == (2, 2, 0)
 
 
 class _StubFn:
@@ -473,10 +381,10 @@ def test_launch_plans_without_a_device():
 
     names = requested_kernels()
     files = {f for f, _ in names}
-    assert files == {"q6k_matmul.cu", "q6k_mma_ws.cu"}
+    assert files == {"q6k_matmul.cu"}
     pat = re.compile(r"^q6k_\w+<[\w, ]+>$")
     assert all(pat.match(n) for _, n in names)
-    assert any(n.startswith("q6k_mma_ws<") and ", false, " in n for _, n in names)  # AoS twins
+    assert any(n.startswith("q6k_mma_f16<") and ", false, " in n for _, n in names)  # AoS twins
 
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs two CUDA devices")

@@ -2,7 +2,7 @@
 
 Every template instantiation the backend may request is built (``-DQ6SERVE_NVCC_CHECK``) into
 a temporary object, so a typo, a bad inline-PTX instruction or an arch-specific feature fails
-CI before any GPU sees it. The q6k_mma_ws template names the backend actually asks NVRTC for
+CI before any GPU sees it. The q6k_matmul.cu template names the backend actually asks NVRTC for
 (its launch plans, built without a device) are also compiled from the loader's inlined text,
 so the explicit instantiation list cannot drift from the dispatch. Skips only where nvcc is
 absent.
@@ -22,7 +22,7 @@ import pytest
 CUDA_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 ARCHS = ("sm_80", "sm_89", "sm_90")  # the Docker image's targets
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
-REQUESTED = "requested:q6k_mma_ws.cu"  # the backend's own q6k_mma_ws names (sm_90, PTX)
+REQUESTED = "requested:q6k_matmul.cu"  # the backend's own template names (sm_90, PTX)
 
 
 def _requested_names(file: str) -> list[str]:
@@ -59,7 +59,7 @@ def compiled(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProc
 
             file = src.split(":", 1)[1]
             refs = "".join(f"    (void*)&{n},\n" for n in _requested_names(file))
-            tu = out / "requested_ws.cu"
+            tu = out / "requested.cu"
             tu.write_text(f"{loader.source_text(file)}\n"
                           f"void* q6serve_requested[] = {{\n{refs}}};\n")
             cmd = [NVCC, f"-arch={arch}", "-ptx", "-std=c++17", "-o", str(out / "req.ptx"),
@@ -75,13 +75,13 @@ def compiled(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProc
 
 
 def test_there_are_kernel_sources():
-    assert {"q6k_matmul.cu", "q6k_mma_ws.cu", "q6k_repack.cu"} <= set(SOURCES)
+    assert {"q6k_matmul.cu", "q6k_repack.cu"} <= set(SOURCES)
 
 
-def test_requested_ws_instantiations_compile(compiled):
-    assert len(_requested_names("q6k_mma_ws.cu")) >= 40
+def test_requested_instantiations_compile(compiled):
+    assert len(_requested_names("q6k_matmul.cu")) >= 40
     res = compiled[(REQUESTED, "sm_90")]
-    assert res.returncode == 0, f"backend-requested q6k_mma_ws names:\n{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"backend-requested names:\n{res.stdout}\n{res.stderr}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
