@@ -35,7 +35,7 @@ if [[ $MODE == bench || $MODE == all ]]; then
 fi
 if [[ $MODE == record ]]; then  # every path, every launch variant, torch, in one run
   # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants ${BENCH_ARGS:-} \
+  timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants --summary ${BENCH_ARGS:-} \
     --json "$OUT/record.json" 2>&1 | tee "$OUT/record.log" | grep -v "^$" | tail -200
 fi
 if [[ $MODE == variants ]]; then

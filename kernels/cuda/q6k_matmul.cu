@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
                     const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
                     const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
                     const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
-                    const u32 a0 = deq2(q0, 0x4140u, s0), a1 = deq2(q1, 0x4140u, s1);
-                    const u32 a2 = deq2(q0, 0x4342u, s0), a3 = deq2(q1, 0x4342u, s1);
+                    const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
+                    const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
                         mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,

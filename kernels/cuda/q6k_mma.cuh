@@ -19,11 +19,16 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
-// f16x2 of sc*(q-32) for the two code bytes picked by `sel` (0x4140: bytes 0,1; 0x4342: 2,3).
+// f16x2 of sc*(q-32) for the two code bytes picked by SEL (0x4140: bytes 0,1; 0x4342: 2,3).
 // 0x64XX is 1024+XX in f16, 0x6420 is 1056: the subtraction is exact, and so is the product
 // unless |sc*(q-32)| > 2048 (then it is rounded to f16, the F16 path's contract).
-__device__ __forceinline__ u32 deq2(u32 q, u32 sel, u32 sc2) {
-    return hmul2(hsub2(__byte_perm(q, 0x64646464u, sel), 0x64206420u), sc2);
+// The 0x64 bytes come from constant memory, so SEL can be the PRMT's immediate: with both as
+// literals ptxas makes the magic the immediate and copies SEL from a uniform register before
+// every PRMT (~60 moves per 256-block in the decode loop's SASS).
+__constant__ u32 kDeqMagic = 0x64646464u;
+template <u32 SEL>
+__device__ __forceinline__ u32 deq2(u32 q, u32 sc2) {
+    return hmul2(hsub2(__byte_perm(q, kDeqMagic, SEL), 0x64206420u), sc2);
 }
 
 // f16x2 (sc, sc) of the signed scale byte that `sel` (0x4040 | t | t << 8) picks from word v:
