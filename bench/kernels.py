@@ -23,7 +23,7 @@ import numpy as np
 
 from q6serve.kernels import q6k
 from q6serve.kernels.api import KernelFlags, Layout, Precision, iter_aos_chunks
-from q6serve.kernels.cuda_backend import Cfg, CudaBackend, default_cfg
+from q6serve.kernels.cuda_backend import Cfg, CudaBackend
 
 SHAPES = ((4096, 14336), (3584, 18944), (152064, 3584), (512, 3584))
 NS = (1, 2, 4, 8, 16, 32, 64)
@@ -40,9 +40,15 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt1.sm": Cfg(nt=1), "nt1.sm.pf": Cfg(nt=1, pf=True), "nt1.sm.w4": Cfg(nt=1, warps=4),
     "nt1.ldg": Cfg(nt=1, src=0),
     "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True), "nt2.pre": Cfg(nt=2, src=1),
+    "nt2.cpa": Cfg(nt=2, src=3), "nt2.cpa.pf": Cfg(nt=2, src=3, pf=True),
     "nt4.pre": Cfg(nt=4, src=1), "nt4.cpa.pf": Cfg(nt=4, src=3, pf=True),
     "nt8.pre": Cfg(nt=8, src=1), "nt8.cpa.pf": Cfg(nt=8, src=3, pf=True),
     "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.pf.w4": Cfg(nt=8, src=3, pf=True, warps=4),
+    # 32 rows per warp (mt=2): each activation fragment feeds two m-tiles
+    "nt1.sm.m2": Cfg(nt=1, mt=2), "nt1.sm.m2.w4": Cfg(nt=1, mt=2, warps=4),
+    "nt2.pre.m2": Cfg(nt=2, mt=2, src=1), "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
+    "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
+    "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
@@ -172,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             if a.only:
                 runs = [r for r in runs if a.only in r[0]]
             for label, path, cfg in runs:
-                c = cfg or default_cfg(path, n)
-
-                def call(i: int, path=path, c=c, ws=ws, x=x) -> None:
-                    be.run(ws[i], x, np.dtype(np.float32), path, c)
+                def call(i: int, path=path, c=cfg, ws=ws, x=x) -> None:
+                    be.run(ws[i], x, np.dtype(np.float32), path, c)  # None: the default
 
                 try:
                     with be._dev, be._stream:

@@ -307,11 +307,24 @@ def variant_cases() -> list:
     cases += [("mma_f16", Cfg(nt=nt, src=src, pf=pf, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
               for src in (0, 1, 2, 3) for pf in (False, True) for wp in (4, 8)
               if not (src == 2 and nt > 2)]
+    cases += [("mma_f16", Cfg(nt=nt, mt=2, src=src, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
+              for src in (1, 2, 3) for wp in (4, 8) if not (src == 2 and nt > 2)]
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
     return cases
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
+def test_default_launch_shape_widens_warps_for_tall_weights():
+    from q6serve.kernels.cuda_backend import Cfg, default_cfg
+
+    wide = Cfg(nt=2, mt=2, src=3, warps=4)
+    assert default_cfg("mma_f16", 16, 152064, 132) == wide  # 1188 row tiles: no K split
+    assert default_cfg("mma_f16", 64, 152064, 132).mt == 2
+    assert default_cfg("mma_f16", 16, 4096, 132) == Cfg(nt=2, src=1)  # 32 row tiles
+    assert default_cfg("mma_f16", 8, 152064, 132) == Cfg(nt=1)  # decode N <= 8 unchanged
+    assert default_cfg("mma_f16", 16) == Cfg(nt=2, src=1)  # no shape given
+
+
 def test_auto_is_shape_aware_for_small_weights():
     from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -367,7 +380,8 @@ def requested_kernels() -> set:
         w = SimpleNamespace(rows=300, k=2304, layout=layout)
         for in_t in IN_TYPES.values():
             for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 70, 300):
-                plans = [(p, default_cfg(p, n)) for p in ("exact", "mma_f16", "mmq_q8_1")]
+                plans = [(p, default_cfg(p, n, r, 132)) for p in ("exact", "mma_f16", "mmq_q8_1")
+                         for r in (300, 1 << 17)]
                 plans += [(p, c) for p, c, _ in variant_cases()]
                 for path, cfg in plans:
                     lp = be._plan_launch(w, in_t, path, cfg, n)
