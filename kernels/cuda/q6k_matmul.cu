@@ -40,6 +40,26 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
     }
 }
 
+// The two tensor-core tiles' common setup: row references of a warp's MT m-tiles (rows g and
+// g+8 of each; rows past the end read the last row, never emitted) and zeroed accumulators.
+template <bool SOA, int MT>
+__device__ __forceinline__ void warp_rows(const Weight& w, int wrow, int g, RowRef (&rr)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+            rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
+}
+template <class T, int MT, int NT>
+__device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = T(0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
 // of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 0 read and
@@ -63,19 +83,9 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     k_range(w.bpr, kb0, kb1);
 
     RowRef rr[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr)
-            rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
-
+    warp_rows<SOA>(w, wrow, g, rr);
     float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    zero_acc(acc);
     constexpr bool PRE = SRC == 1;
     constexpr int STAGE = NT * 256;  // uint4 of one block's activations (SRC 3)
     const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
@@ -461,18 +471,9 @@ __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, con
     int kb0, kb1;
     k_range(w.bpr, kb0, kb1);
     RowRef rr[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr)
-            rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
+    warp_rows<SOA>(w, wrow, g, rr);
     float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+    zero_acc(acc);
 
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw8 raw[MT][2];
