@@ -50,7 +50,7 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
-VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16,), "nt4": (32,), "nt8": (64,)}
+VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
                   "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
