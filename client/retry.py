@@ -56,6 +56,19 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
+def _pause_or_raise(e: grpc.RpcError, attempt: int, policy: RetryPolicy,
+                    deadline: float | None) -> float:
+    """The pause before the next attempt after failure ``e``; re-raises ``e`` when it is not
+    retryable, the attempts are spent, or the pause would pass the deadline."""
+    if not _retryable(e) or attempt + 1 == policy.attempts:
+        raise e
+    pause = policy.backoff(attempt)
+    left = _remaining(deadline)
+    if left is not None and pause >= left:
+        raise e
+    return pause
+
+
 def call_with_retry(fn: Callable[[float | None], T], policy: RetryPolicy,
                     timeout: float | None, sleep: Callable[[float], None] = time.sleep) -> T:
     """``fn(time_left)`` until it succeeds, fails with a non-retryable error, runs out of
@@ -65,13 +78,7 @@ def call_with_retry(fn: Callable[[float | None], T], policy: RetryPolicy,
         try:
             return fn(_remaining(deadline))
         except grpc.RpcError as e:
-            if not _retryable(e) or attempt + 1 == policy.attempts:
-                raise
-            pause = policy.backoff(attempt)
-            left = _remaining(deadline)
-            if left is not None and pause >= left:
-                raise
-            sleep(pause)
+            sleep(_pause_or_raise(e, attempt, policy, deadline))
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -83,11 +90,5 @@ async def acall_with_retry(fn: Callable[[float | None], Awaitable[T]], policy: R
         try:
             return await fn(_remaining(deadline))
         except grpc.RpcError as e:
-            if not _retryable(e) or attempt + 1 == policy.attempts:
-                raise
-            pause = policy.backoff(attempt)
-            left = _remaining(deadline)
-            if left is not None and pause >= left:
-                raise
-            await asyncio.sleep(pause)
+            await asyncio.sleep(_pause_or_raise(e, attempt, policy, deadline))
     raise AssertionError("unreachable")

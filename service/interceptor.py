@@ -11,7 +11,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -82,18 +82,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
                 RPC_START.set(t0)
-                code: str | None = "OK"
                 try:
-                    return await inner(before(request), context)
+                    result = await inner(before(request), context)
                 except BaseException as e:
-                    code, message = self._classify(e, context, method)
-                    if message is None:
-                        raise
-                    self._observe(method, code, t0)  # before the status reaches the client
-                    code = None
-                    await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
-                finally:
-                    self._observe(method, code, t0)
+                    await self._fail(e, context, method, t0)
+                self._observe(method, "OK", t0)
+                return result
 
             factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
                        else grpc.stream_unary_rpc_method_handler)
@@ -105,24 +99,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def streaming(request: Any, context: grpc.aio.ServicerContext,
                             ) -> AsyncIterator[Any]:
             t0 = time.perf_counter()
-            code: str | None = "OK"
             try:
                 async for item in inner_stream(before(request), context):
                     yield item
             except BaseException as e:
-                code, message = self._classify(e, context, method)
-                if message is None:
-                    raise
-                self._observe(method, code, t0)
-                code = None
-                await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
-            finally:
-                self._observe(method, code, t0)
+                await self._fail(e, context, method, t0)
+            self._observe(method, "OK", t0)
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                    else grpc.stream_stream_rpc_method_handler)
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
+
+    async def _fail(self, e: BaseException, context: grpc.aio.ServicerContext, method: str,
+                    t0: float) -> NoReturn:
+        """Record a failed call, then re-raise ``e`` when it is not ours to map, or abort with
+        its status (recorded first, so the metric exists before the status reaches the client)."""
+        code, message = self._classify(e, context, method)
+        self._observe(method, code, t0)
+        if message is None:
+            raise e
+        await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
 
     @staticmethod
     def _classify(e: BaseException, context: grpc.aio.ServicerContext, method: str,

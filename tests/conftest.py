@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,3 +37,11 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     # Shown with a failure's report, so `pytest -q` output still says how to replay it.
     request.node.add_report_section("setup", "seed", f"Q6SERVE_TEST_SEED={SESSION_SEED}")
     return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """An empty model directory for a worker under test."""
+    d = tmp_path / "models"
+    d.mkdir()
+    return d

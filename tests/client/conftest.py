@@ -28,7 +28,6 @@ def _service_conftest() -> Any:
 
 
 _svc = _service_conftest()
-model_dir = _svc.model_dir
 base_config = _svc.base_config
 start_worker = _svc.start_worker
 worker = _svc.worker

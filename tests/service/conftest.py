@@ -15,13 +15,6 @@ from q6serve.service.config import Budget, WorkerConfig
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "models"
-    d.mkdir()
-    return d
-
-
-@pytest.fixture
 def base_config(model_dir: Path) -> WorkerConfig:
     return WorkerConfig(host="127.0.0.1", port=0, model_dir=model_dir,
                         vram_budget=Budget(nbytes=256 << 20), grace_period_s=5.0)
