@@ -103,7 +103,9 @@ def test_bench_plot(served: Any, tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
-    rc = cli.main(["demo", "--backend", "numpy", "--n", "1", "3", "--callers", "3",
+    # 6 callers: enough overlap that some calls coalesce even on a loaded 2-core CI machine
+    # (with 3, one CI run in several saw every call run alone)
+    rc = cli.main(["demo", "--backend", "numpy", "--n", "1", "3", "--callers", "6",
                    "--calls", "2", "--max-weight-mib", "0.25", "--json", *extra])
     return rc, json.loads(capsys.readouterr().out)
 
@@ -113,7 +115,7 @@ def test_demo_checks_every_result(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and doc["ok"] and doc["backend"] == "numpy"
     cells = doc["cells"]
     assert {c["weight"] for c in cells} == set(cmd_demo.SHAPES)
-    assert all(c["calls"] == 6 and c["ok"] and c["max_rel_err"] < 1e-5 for c in cells)
+    assert all(c["calls"] == 12 and c["ok"] and c["max_rel_err"] < 1e-5 for c in cells)
     assert max(c["batch_rows_max"] for c in cells) > 3  # concurrent callers were coalesced
     assert doc["vram"]["weights_bytes"] > 0
 
