@@ -47,6 +47,10 @@ class Unavailable(Q6Error):
     grpc_code = "UNAVAILABLE"
 
 
+class Cancelled(Unavailable):
+    """Long work (parsing, quantizing) abandoned because the worker is draining."""
+
+
 class PermissionDenied(Q6Error):
     grpc_code = "PERMISSION_DENIED"
 

@@ -16,10 +16,12 @@ candidate scales.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import q6k
-from .errors import FormatError
+from .errors import Cancelled, FormatError
 
 GROUP_MAX_EPS = np.float32(1e-15)  # ggml: groups/blocks below this are all zero
 NMAX = 32  # make_qx_quants(n=16, nmax=32): 6-bit signed levels -32..31
@@ -38,7 +40,8 @@ def nearest_int(v: np.ndarray) -> np.ndarray:
     return (bits & 0x007FFFFF) - 0x00400000
 
 
-def _as_f32_matrix(x: np.ndarray, multiple: int, what: str) -> np.ndarray:
+def _check_matrix(x: np.ndarray, multiple: int, what: str) -> None:
+    """Shape and dtype of a quantizer's input ``[rows, K]``."""
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise FormatError(f"{what} input must be a 2-D array [rows, K], got "
                           f"{getattr(x, 'shape', type(x).__name__)}")
@@ -47,10 +50,22 @@ def _as_f32_matrix(x: np.ndarray, multiple: int, what: str) -> np.ndarray:
     k = x.shape[1]
     if k <= 0 or k % multiple:
         raise FormatError(f"K={k} is not a positive multiple of {multiple}")
+
+
+def _check_finite(x32: np.ndarray, what: str, first_row: int = 0) -> None:
+    """Refuse NaN/Inf in ``x32 [rows, K]``, naming the first bad row, column and value."""
+    ok = np.isfinite(x32)
+    if not ok.all():
+        r, c = (int(i[0]) for i in np.nonzero(~ok))
+        bad = int(ok.size - np.count_nonzero(ok))
+        raise FormatError(f"{what} input has {bad} non-finite values (first at row "
+                          f"{first_row + r}, column {c}: {x32[r, c]})")
+
+
+def _as_f32_matrix(x: np.ndarray, multiple: int, what: str) -> np.ndarray:
+    _check_matrix(x, multiple, what)
     x32 = np.ascontiguousarray(x, dtype=_F32)  # f16/bf16 -> f32 is exact
-    if not np.isfinite(x32).all():
-        bad = int(np.size(x32) - np.count_nonzero(np.isfinite(x32)))
-        raise FormatError(f"{what} input has {bad} non-finite values")
+    _check_finite(x32, what)
     return x32
 
 
@@ -164,17 +179,79 @@ def _quantize_q6_k_blocks(xb: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+def check_q6_k_representable(x: np.ndarray, blocks: np.ndarray, what: str = "Q6_K",
+                             first_block: int = 0) -> None:
+    """Refuse Q6_K blocks that do not represent their finite input ``x``.
+
+    ``x`` holds the inputs of ``blocks`` (``[n, 256]`` or rows of whole blocks, any float
+    dtype), ``first_block`` the index of ``blocks[0]`` in the whole matrix (row numbers in the
+    message count from it). Two ways ggml's quantizer (and so this module's, byte for byte)
+    fails on large finite values, both silently:
+
+    - the block scale ``d`` is an f16 holding ``max|x| / ~4096``: from ``max|x|`` of about
+      2.7e8 it overflows to Inf, and every dot product with that row becomes NaN;
+    - from about 1e12 the f32 sums of the scale search overflow, the group scales come out
+      NaN, and the block is written as all zeros (ggml memsets "dead" blocks).
+
+    So a block is refused when its ``d`` is not finite, or when ``d == 0`` although its input
+    holds a value of magnitude >= 1 (a ``d`` of 0 is only right for blocks whose values are
+    all below about 2.4e-4, where the f16 scale underflows, or zero). The message names the
+    row, the block in the row and the input value. Every f32/f16 upload path and
+    ``q6serve quantize`` go through this one check (via :func:`quantize_q6_k`).
+    """
+    xb = np.asarray(x).reshape(-1, q6k.QK_K)
+    b = np.asarray(blocks).reshape(-1, q6k.BLOCK_BYTES)
+    if xb.shape[0] != b.shape[0]:
+        raise FormatError(f"{what}: {xb.shape[0]} input blocks but {b.shape[0]} Q6_K blocks")
+    off = {name: o for name, o, _ in q6k.FIELDS}["d"]
+    d = np.ascontiguousarray(b[:, off : off + 2]).view("<f2").reshape(-1).astype(_F32)
+    amax = np.max(np.abs(xb.astype(_F32, copy=False)), axis=1)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(d) | ((d == 0) & (amax >= 1))
+    if not bad.any():
+        return
+    i = int(np.flatnonzero(bad)[0])
+    g = first_block + i
+    col = int(np.argmax(np.abs(xb[i].astype(_F32, copy=False))))
+    per_row = x.shape[1] // q6k.QK_K if np.ndim(x) == 2 else 0
+    where = (f"row {g // per_row}, column {(g % per_row) * q6k.QK_K + col}" if per_row
+             else f"block {g}, element {col}")
+    why = (f"its f16 scale overflows (d={d[i]})" if not np.isfinite(d[i])
+           else "the scale search overflows and the block would be stored as all zeros")
+    raise FormatError(f"{what}: the value {xb[i, col]:.6g} at {where} cannot be represented "
+                      f"in Q6_K (|x| up to about {Q6K_MAX_ABS:.3g} fits): {why}; "
+                      f"{int(np.count_nonzero(bad))} such blocks in this part")
+
+
+# Largest |x| a Q6_K block can hold: f16 d (<= 65504) x int8 scale (-128) x level (-32).
+Q6K_MAX_ABS = 65504.0 * 128 * 32
+
+
+def quantize_q6_k(x: np.ndarray, what: str = "Q6_K",
+                  cancelled: Callable[[], bool] | None = None) -> np.ndarray:
     """Q6_K blocks ``[rows * K/256, 210]`` uint8 for ``x [rows, K]`` (f32/f16/bf16), as ggml.
 
-    Byte-identical to ggml's ``quantize_row_q6_K_ref`` (``quantize_q6_K`` without imatrix).
-    Raises :class:`FormatError` if K is not a multiple of 256 or x holds non-finite values.
+    Byte-identical to ggml's ``quantize_row_q6_K_ref`` (``quantize_q6_K`` without imatrix)
+    wherever ggml's result represents the input. Raises :class:`FormatError` if K is not a
+    multiple of 256, x holds non-finite values, or a block cannot be represented
+    (:func:`check_q6_k_representable`); ``what`` starts those messages. Works in chunks of
+    whole rows (temporaries bounded, f16 input converted chunk by chunk) and polls
+    ``cancelled`` between them (raises :class:`Cancelled`): a draining worker can abandon it.
     """
-    x32 = _as_f32_matrix(x, q6k.QK_K, "Q6_K")
-    xb = x32.reshape(-1, q6k.QK_K)
-    out = np.empty((xb.shape[0], q6k.BLOCK_BYTES), np.uint8)
-    for b0 in range(0, xb.shape[0], CHUNK_BLOCKS):
-        out[b0 : b0 + CHUNK_BLOCKS] = _quantize_q6_k_blocks(xb[b0 : b0 + CHUNK_BLOCKS])
+    _check_matrix(x, q6k.QK_K, what)
+    rows, k = x.shape
+    per_row = k // q6k.QK_K
+    out = np.empty((rows * per_row, q6k.BLOCK_BYTES), np.uint8)
+    step = max(1, CHUNK_BLOCKS // per_row)
+    for r0 in range(0, rows, step):
+        if cancelled is not None and cancelled():
+            raise Cancelled(f"{what}: quantizing abandoned at row {r0} of {rows}")
+        x32 = np.ascontiguousarray(x[r0 : r0 + step], dtype=_F32)  # f16/bf16 -> f32: exact
+        _check_finite(x32, what, r0)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # checked next
+            blocks = _quantize_q6_k_blocks(x32.reshape(-1, q6k.QK_K))
+        check_q6_k_representable(x32, blocks, what, r0 * per_row)
+        out[r0 * per_row : r0 * per_row + blocks.shape[0]] = blocks
     return out
 
 

@@ -316,7 +316,7 @@ class Engine:
             from q6serve.kernels.quantize import quantize_q6_k
 
             x = np.frombuffer(buf, DTYPES[spec.fmt]).reshape(spec.rows, spec.k)
-            aos = await asyncio.to_thread(quantize_q6_k, x)
+            aos = await asyncio.to_thread(quantize_q6_k, x, f"upload {spec.name!r}")
         blocks = q6k.as_blocks(aos, spec.rows, spec.k)
 
         def chunks_of(chunk_bytes: int) -> Iterator[np.ndarray]:
