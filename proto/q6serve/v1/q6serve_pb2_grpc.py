@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class Q6ServeStub:
-    """Missing associated documentation comment in .proto file."""
+    """Weights are addressed by name. Every call honours the gRPC deadline: a matmul whose deadline
+    passes (or whose caller cancels) before its batch runs is dropped (DEADLINE_EXCEEDED).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -82,17 +84,22 @@ class Q6ServeStub:
 
 
 class Q6ServeServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Weights are addressed by name. Every call honours the gRPC deadline: a matmul whose deadline
+    passes (or whose caller cancels) before its batch runs is dropped (DEADLINE_EXCEEDED).
+    """
 
     def LoadWeights(self, request, context):
-        """Load Q6_K tensors from a GGUF file under the worker's --model-dir (admin).
+        """Load Q6_K tensors from a GGUF file under the worker's --model-dir (admin). All or nothing:
+        on any error no tensor of the request stays loaded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UploadWeight(self, request_iterator, context):
-        """Client stream: one UploadHeader first, then data chunks (admin).
+        """Client stream (admin): exactly one UploadWeightRequest with `header` first, then `chunk`s
+        whose concatenation is the payload (any split; each chunk within the message size limit,
+        1 MiB is a good size). The worker checks the byte count and sha256 before it loads.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,27 +112,37 @@ class Q6ServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetWeight(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """NOT_FOUND if absent
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadWeight(self, request, context):
-        """Removes the name at once; the memory is freed when in-flight requests finish (admin).
+        """Removes the name at once (new matmuls on it: NOT_FOUND); returns after the requests
+        already in flight finished and the memory is freed (admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Matmul(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One matmul y = x · Wᵀ. Requests of all callers on the same weight with the same
+        (x dtype, precision, out_dtype) are batched along N by the worker.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def MatmulStream(self, request_iterator, context):
-        """Bidirectional: replies carry the request_id of their request and may come out of order;
-        a failed request yields a reply with `error` set and the stream goes on.
+        """Bidirectional: the same requests as Matmul, run concurrently (they batch with each other
+        and with other callers). Every request gets exactly one reply, carrying its request_id,
+        in completion order (not request order). A failed request gets a reply with `error` set
+        and the stream goes on; only a failure of the stream itself (auth, bytes that do not
+        decode, the worker stopping) ends the call with a status. The worker runs a bounded number of a stream's
+        requests at once (256) and stops reading further ones until some finish (HTTP/2 flow
+        control pushes back). Half-close the request side when done; the call then ends OK after
+        the last reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,7 +218,9 @@ def add_Q6ServeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Q6Serve:
-    """Missing associated documentation comment in .proto file."""
+    """Weights are addressed by name. Every call honours the gRPC deadline: a matmul whose deadline
+    passes (or whose caller cancels) before its batch runs is dropped (DEADLINE_EXCEEDED).
+    """
 
     @staticmethod
     def LoadWeights(request,
