@@ -74,6 +74,8 @@ class WorkerConfig:
     max_message_bytes: int = 256 * 2**20
     max_concurrent_streams: int = 256
     max_upload_bytes: int = 8 * 2**30
+    # MatmulStream: bytes of requests admitted and replies not yet written, per stream
+    max_stream_bytes: int = 64 * 2**20
     load_chunk_bytes: int = 16 * 2**20  # bounded AoS chunks for loads and relayouts
     grace_period_s: float = 10.0
     flags: FlagState = field(default_factory=FlagState)
@@ -84,7 +86,8 @@ class WorkerConfig:
     tls_client_ca: Path | None = None  # set: mutual TLS, client certificates required
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes"):
+        for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes",
+                     "max_stream_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_batch_delay_us < 0:

@@ -27,10 +27,43 @@ def _timeout(context: grpc.aio.ServicerContext) -> float | None:
     return context.time_remaining()
 
 
+class _Window:
+    """One MatmulStream's credit: requests admitted whose replies are not written yet.
+
+    A request is admitted while fewer than ``max_items`` are out and its bytes fit in
+    ``max_bytes`` -- or when nothing is out, so one request larger than the window still
+    runs (alone). Only the stream's reader waits here, so one event is enough.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.items = 0
+        self.nbytes = 0
+        self._freed = asyncio.Event()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.items == 0 or (self.items < self.max_items
+                                   and self.nbytes + nbytes <= self.max_bytes)
+
+    async def acquire(self, nbytes: int) -> None:
+        while not self._fits(nbytes):
+            self._freed.clear()
+            await self._freed.wait()
+        self.items += 1
+        self.nbytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.items -= 1
+        self.nbytes -= nbytes
+        self._freed.set()
+
+
 class Q6ServeServicer:
-    def __init__(self, engine: Engine, max_stream_inflight: int = 256) -> None:
+    def __init__(self, engine: Engine, max_stream_inflight: int = 256,
+                 max_stream_bytes: int = 64 << 20) -> None:
         self.engine = engine
         self.max_stream_inflight = max_stream_inflight
+        self.max_stream_bytes = max_stream_bytes
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         views = await self.engine.load_gguf(request.gguf_path, list(request.tensors),
@@ -70,48 +103,71 @@ class Q6ServeServicer:
         reply = await self.engine.matmul(call)
         return wire.matmul_response(reply, request.request_id, wire.Took(t0, decoded))
 
+    def _cost(self, req: Any) -> int:
+        """Bytes a stream request holds until its reply is written: the request message and
+        the reply it will produce (N x the weight's rows x the output dtype's size). Requests
+        that will fail count their own size only (their error reply is small)."""
+        size = req.ByteSize()
+        try:
+            n = int(req.x.shape[0]) if len(req.x.shape) == 2 else 0
+            rows = self.engine.get(req.weight).rows
+            return size + n * rows * wire.dtype_from_pb(req.out_dtype).itemsize
+        except Q6Error:
+            return size
+
     async def MatmulStream(self, request_iterator: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Requests run concurrently (so they batch with each other and with other callers);
-        replies go out as they finish, each tagged with its request id."""
-        out: asyncio.Queue[Any] = asyncio.Queue()
-        slots = asyncio.Semaphore(self.max_stream_inflight)
+        replies go out as they finish, each tagged with its request id.
+
+        Back-pressure: a request holds its share of the stream's window (one of
+        ``max_stream_inflight`` slots and its :meth:`_cost` in bytes) until its reply has been
+        *written* to the transport, not when it is computed. gRPC completes a write only as
+        the client's HTTP/2 window allows, so a client that stops reading stops this stream
+        from reading further requests: it stalls only itself, and holds at most
+        max(``max_stream_bytes``, one request) of the worker's memory.
+        """
+        out: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
+        window = _Window(self.max_stream_inflight, self.max_stream_bytes)
         running: set[asyncio.Task[None]] = set()
 
-        async def one(req: Any) -> None:
+        async def one(req: Any, cost: int) -> None:
             try:
                 t0 = RPC_START.get(None) or time.perf_counter()
                 call = wire.matmul_call(req, _timeout(context))
                 took = wire.Took(t0, time.perf_counter())
                 reply = await self.engine.matmul(call)
-                await out.put(wire.stream_result(reply, req.request_id, took))
+                item = wire.stream_result(reply, req.request_id, took)
             except Q6Error as e:
-                await out.put(wire.stream_error(req.request_id, status_code(e).value[0],
-                                                str(e)))
+                item = wire.stream_error(req.request_id, status_code(e).value[0], str(e))
             except Exception:
                 log.exception("MatmulStream request %r failed", req.request_id[:64])
-                await out.put(wire.stream_error(req.request_id,
-                                                grpc.StatusCode.INTERNAL.value[0],
-                                                "internal error (logged by the worker)"))
-            finally:
-                slots.release()
+                item = wire.stream_error(req.request_id, grpc.StatusCode.INTERNAL.value[0],
+                                         "internal error (logged by the worker)")
+            out.put_nowait((item, cost))
 
         async def read() -> None:
             try:
                 async for req in request_iterator:
-                    await slots.acquire()
-                    task = asyncio.get_running_loop().create_task(one(req))
+                    cost = self._cost(req)
+                    await window.acquire(cost)
+                    task = asyncio.get_running_loop().create_task(one(req, cost))
+                    del req  # the task holds it; nothing else should
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if running:
                     await asyncio.gather(*running)
             finally:
-                await out.put(None)
+                out.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
         try:
-            while (item := await out.get()) is not None:
-                yield item
+            while (got := await out.get()) is not None:
+                item, cost = got
+                del got
+                yield item  # returns once gRPC has written it (flow control permitting)
+                del item
+                window.release(cost)
             await reader  # surfaces a failure of the request stream itself
         finally:
             for task in (reader, *running):

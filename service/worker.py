@@ -72,7 +72,8 @@ class Worker:
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, auth)],
                                       options=opts)
-        wire.add_to_server(Q6ServeServicer(self.engine), self.server)
+        wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes),
+                           self.server)
         self._health = wire.health_servicer()
         wire.add_health_and_reflection(self.server, self._health)
         address = f"{cfg.host}:{cfg.port}"

@@ -1,0 +1,91 @@
+"""A MatmulStream whose client never reads its replies stalls only itself (issue 18, item 1).
+
+The stream's window (slots and bytes) is held by a request until its reply has been written
+to the transport, so a client that stops reading stops the stream from taking more requests:
+the worker computes at most a window's worth of replies for it, and other callers are served.
+Runs on the backend under test (Q6SERVE_TEST_BACKEND=cuda on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from q6serve.client.client import matmul_request
+from q6serve.service.config import Budget, WorkerConfig
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
+from tests.service.svc_util import InstrumentedBackend, assert_close, reference, wait_until
+
+ROWS, K = 4096, 256
+N = 64
+REPLY = N * ROWS * 4  # 1 MiB of f32 per reply
+WINDOW = 4 * REPLY
+SENT = 200
+MAX_COMPUTED = 16
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[RunningWorker, InstrumentedBackend]]:
+    backend = InstrumentedBackend()
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=256 << 20),
+                                    max_stream_bytes=WINDOW, max_batch_delay_us=0),
+                       backend)
+    yield rw, backend
+    rw.stop()
+
+
+def test_a_client_that_never_reads_stalls_only_itself(worker, rng):
+    rw, backend = worker
+    c = rw.client()
+    blocks = random_q6k(ROWS, K, 7)
+    c.upload("w", blocks, ROWS, K)
+    before = vram_figures(c)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+
+    def requests() -> Iterator[object]:
+        for i in range(SENT):
+            yield matmul_request("w", x, "auto", "f32", str(i))
+
+    with grpc.insecure_channel(rw.target) as ch:
+        # a plain stub: the call is started but its replies are never read
+        call = pb_grpc.Q6ServeStub(ch).MatmulStream(requests(), timeout=60)
+        wait_until(lambda: len(backend.launches) >= 1, what="the first launch")
+        # give an unbounded server every chance to run ahead (it did: 4 GB in 20 s)
+        time.sleep(1.0)
+        computed = sum(backend.launches) // N
+        # The window (4 replies) plus what HTTP/2 lets through to the client's receive
+        # buffers (typically 2 more; the client's window can grow by BDP probing) -- far
+        # from all 200 (the unbounded server computed them all, 4 GB in the issue's run).
+        assert computed <= MAX_COMPUTED, f"{computed} requests computed for a stream that " \
+            f"read nothing (window {WINDOW // REPLY})"
+
+        # other callers are served meanwhile, with right answers
+        y = c.matmul("w", x[:3])
+        assert_close(y, reference(blocks, ROWS, K, x[:3]))
+        assert health(rw.target) == "SERVING"
+        call.cancel()
+    wait_until(lambda: c.get("w").in_flight == 0, what="the stalled stream's work to end")
+    assert vram_figures(c) == before
+    # the stream's requests did not queue on: launches stopped with the stream
+    assert sum(backend.launches) <= MAX_COMPUTED * N + 3
+
+
+def test_a_reading_client_gets_every_reply_through_a_small_window(worker, rng):
+    """The window throttles, it never drops: 40 requests of 4x the window's byte share each
+    all come back, exact."""
+    rw, _ = worker
+    c = rw.client()
+    blocks = random_q6k(ROWS, K, 8)
+    c.upload("w", blocks, ROWS, K)
+    xs = {str(i): rng.standard_normal((N, K)).astype(np.float32) for i in range(40)}
+    got = {}
+    for out in c.matmul_stream((rid, "w", x) for rid, x in xs.items()):
+        got[out.request_id] = out.y
+    assert set(got) == set(xs)
+    for rid, x in xs.items():
+        assert_close(got[rid], reference(blocks, ROWS, K, x))
