@@ -192,7 +192,7 @@ CORPUS: tuple[Req, ...] = (
         r"Q6_K block 0 \(row 0\) has a non-finite scale d=nan"),
     Req("up-f32-nan-rows", "UploadWeight", good_upload(
         "nan-f32", fmt=pb.UPLOAD_FORMAT_F32, data=np.full((2, K), np.nan, np.float32).tobytes()),
-        C.INVALID_ARGUMENT, r"upload 'nan-f32' input has 512 non-finite values \(first at row 0, column 0"),
+        C.INVALID_ARGUMENT, r"'nan-f32' input has 512 non-finite values \(first at row 0, col"),
     Req("up-over-budget", "UploadWeight", good_upload("big", rows=4900),
         C.RESOURCE_EXHAUSTED, r"VRAM budget exceeded: need \d+ bytes"),
     # -- LoadWeights ----------------------------------------------------------------------------
