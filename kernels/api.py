@@ -205,3 +205,41 @@ def refuse_q8_1_without_mmq(precision: Precision, flags: KernelFlags) -> None:
         raise FailedPrecondition(
             "precision q8_1 needs the decode MMQ kernels, which are disabled "
             "(Q6SERVE_DECODE_MMQ=0); use auto, exact or f16")
+
+
+def nonfinite_rows(x: np.ndarray) -> np.ndarray:
+    """Indices of the rows of ``x [N, K]`` holding a NaN or +-Inf (one f32 sum per row: a
+    row whose finite values overflow the sum is reported too, which costs only precision)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        sums = np.add.reduce(x, axis=1, dtype=np.float32)
+    return np.flatnonzero(~np.isfinite(sums))
+
+
+def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
+                precision: Precision = Precision.AUTO, flags: KernelFlags = DEFAULT_FLAGS,
+                out_dtype: np.dtype | None = None) -> MatmulResult:
+    """``backend.matmul`` with non-finite activations propagating per IEEE 754 whatever the
+    precision (docs/RELIABILITY.md, "NaN and Inf activations").
+
+    q8_1 cannot carry NaN/Inf (its per-block scale would be NaN/Inf, and ggml's quantizer
+    turns them into arbitrary int8 levels), so when the call resolves to Q8_1, rows holding
+    them run at EXACT and the other rows at Q8_1. That changes nothing a caller can see in
+    those rows: a NaN makes every output of its row NaN, and an Inf makes every output of its
+    row +-Inf or NaN, whatever the finite values next to it. The reply names the Q8_1 kernel.
+    """
+    _, resolved = backend.plan(int(x.shape[0]), precision, flags)
+    if resolved is not Precision.Q8_1:
+        return backend.matmul(w, x, precision=precision, flags=flags, out_dtype=out_dtype)
+    bad = nonfinite_rows(x)
+    if not bad.size:
+        return backend.matmul(w, x, precision=precision, flags=flags, out_dtype=out_dtype)
+    good = np.setdiff1d(np.arange(x.shape[0]), bad)
+    ieee = backend.matmul(w, x[bad], precision=Precision.EXACT, flags=flags,
+                          out_dtype=out_dtype)
+    if not good.size:
+        return MatmulResult(ieee.y, ieee.kernel, ieee.layout, Precision.Q8_1, ieee.timing)
+    res = backend.matmul(w, x[good], precision=precision, flags=flags, out_dtype=out_dtype)
+    y = np.empty((x.shape[0], res.y.shape[1]), res.y.dtype)
+    y[good] = res.y
+    y[bad] = ieee.y
+    return MatmulResult(y, res.kernel, res.layout, res.precision, res.timing)

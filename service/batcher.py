@@ -27,7 +27,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from q6serve.kernels.api import MatmulResult, Precision
-from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
+from q6serve.kernels.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Q6Error,
+    ResourceExhausted,
+    Unavailable,
+)
 
 T = TypeVar("T")
 
@@ -287,18 +293,36 @@ class Batcher:
         key = batch[0].key
         started: list[float] = []
 
-        def job() -> tuple[list[_Pending], np.ndarray | None, MatmulResult | None]:
+        def job() -> tuple[list[_Pending], np.ndarray | None, Any]:
             now = time.perf_counter()
             started.append(now)
             live = [p for p in batch if not p.dead(now)]  # dropped while staged: skip rows
             if not live:
                 return live, None, None
             x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
-            result = self._run_batch(x, key)
+            try:
+                result: Any = self._run_batch(x, key)
+            except (InvalidArgument, FailedPrecondition):
+                if len(live) == 1:
+                    raise
+                result = self._run_each(live, key)  # isolate the request that failed it
             started.append(time.perf_counter())  # [start, end] of the device job
             return live, x, result
 
         return self._finish(batch, self._device.submit(job), started)
+
+    def _run_each(self, live: list[_Pending], key: BatchKey,
+                  ) -> list[MatmulResult | Q6Error]:
+        """A batch whose launch refused its input (one caller's bad request, e.g. values a
+        kernel cannot take): run each request alone so the refusal reaches only the caller
+        whose input caused it. Device errors still fail everyone (the device is gone)."""
+        out: list[MatmulResult | Q6Error] = []
+        for p in live:
+            try:
+                out.append(self._run_batch(p.x, key))
+            except (InvalidArgument, FailedPrecondition) as e:
+                out.append(e)
+        return out
 
     async def _finish(self, batch: list[_Pending], fut: asyncio.Future[Any],
                       started: list[float]) -> None:
@@ -319,6 +343,16 @@ class Batcher:
         t0 = started[0]
         device = started[1] - t0 if len(started) > 1 else None
         queued = tuple(t0 - p.t_enqueue for p in live)
+        if isinstance(result, list):  # run request by request (see _run_each)
+            for p, q, r in zip(live, queued, result, strict=True):
+                if p.fut.done():
+                    continue
+                if isinstance(r, Q6Error):
+                    p.fut.set_exception(r)
+                else:
+                    p.fut.set_result(Outcome(r.y, r, q, p.rows, 1, device))
+                    self._on_batch(BatchStats(r, p.rows, 1, (q,)))
+            return
         off = 0
         rows = int(x.shape[0])
         for p, q in zip(live, queued, strict=True):

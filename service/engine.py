@@ -30,6 +30,7 @@ from q6serve.kernels.api import (
     MatmulResult,
     Precision,
     dtype_name,
+    matmul_ieee,
 )
 from q6serve.kernels.errors import (
     DeviceError,
@@ -386,8 +387,8 @@ class Engine:
             flags = KernelFlags(soa=w.layout is Layout.SOA,
                                 decode_mmq=self.flags.state.decode_mmq)
             try:
-                return self.backend.matmul(w, x, precision=key.precision, flags=flags,
-                                           out_dtype=np.dtype(DTYPES[key.out_dtype]))
+                return matmul_ieee(self.backend, w, x, precision=key.precision, flags=flags,
+                                   out_dtype=np.dtype(DTYPES[key.out_dtype]))
             except DeviceError as err:
                 loop.call_soon_threadsafe(self._device_failed, err)
                 raise

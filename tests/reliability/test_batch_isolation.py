@@ -1,0 +1,153 @@
+"""One caller can never fail another's request in a shared batch (issue 18, item 2).
+
+Two layers: non-finite activations are not errors in any precision (q8_1 included: such rows
+run exact, see kernels.api.matmul_ieee), and whatever input a kernel still refuses, the
+batcher retries the batch request by request, so the refusal reaches only its own caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from q6serve.client.client import Q6ServeError
+from q6serve.kernels import reference as ref
+from q6serve.kernels.errors import FormatError
+from q6serve.service.config import Budget, WorkerConfig
+from tests.reliability.faulty import FaultyBackend
+from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
+
+ROWS, K = 64, 512
+POISON = 12345.0  # an activation value the refusing backend below will not take
+
+
+class RefusingBackend(FaultyBackend):
+    """Refuses (InvalidArgument) any launch whose activations hold POISON, as a kernel
+    refuses an input it cannot take; slow enough that concurrent callers share batches."""
+
+    def __init__(self) -> None:
+        super().__init__(matmul_delay_s=0.02)
+        self.mixed_launches = 0  # launches that held POISON and other requests' rows
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        poisoned = np.asarray(x, np.float32)[:, 0] == POISON
+        if poisoned.any():
+            if not poisoned.all():
+                self.mixed_launches += 1
+            self.launches.append(int(x.shape[0]))
+            raise FormatError(f"activation value {POISON} refused")
+        return super().matmul(w, x, **kw)
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., RunningWorker]]:
+    started: list[RunningWorker] = []
+
+    def go(backend: Any = None) -> RunningWorker:
+        rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=64 << 20),
+                                        max_batch_delay_us=5000), backend)
+        started.append(rw)
+        return rw
+
+    yield go
+    for rw in started:
+        rw.stop()
+
+
+def hammer(rw: RunningWorker, n_callers: int, calls: int,
+           request: Callable[[int], tuple[np.ndarray, str]],
+           check: Callable[[int, np.ndarray | Q6ServeError], None]) -> None:
+    """``n_callers`` threads (one channel each) making ``calls`` calls; caller i sends
+    ``request(i) = (x, precision)`` and hands the outcome to ``check(i, outcome)``."""
+    errors: list[BaseException] = []
+
+    def caller(i: int) -> None:
+        c = rw.client()
+        x, precision = request(i)
+        try:
+            for _ in range(calls):
+                try:
+                    out: np.ndarray | Q6ServeError = c.matmul("w", x, precision=precision)
+                except Q6ServeError as e:
+                    out = e
+                check(i, out)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(n_callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_callers_at_q8_1_do_not_fail_clean_ones(start, rng):
+    """The issue's attack: NaN/Inf activations at q8_1 among clean q8_1 callers. Clean
+    callers get q8_1 results, the others IEEE rows; nobody gets an error."""
+    rw = start()
+    c = rw.client()
+    blocks = random_q6k(ROWS, K, 5)
+    c.upload("w", blocks, ROWS, K)
+    before = vram_figures(c)
+    clean = rng.standard_normal((2, K)).astype(np.float32)
+    want = ref.matmul_q8_1(clean, blocks, ROWS)
+    bad = rng.standard_normal((2, K)).astype(np.float32)
+    bad[0, 3], bad[1, 4] = np.nan, np.inf
+    outcomes = {"clean": 0, "bad": 0}
+
+    def request(i: int) -> tuple[np.ndarray, str]:
+        return (bad if i % 3 == 0 else clean), "q8_1"
+
+    def check(i: int, out: np.ndarray | Q6ServeError) -> None:
+        assert not isinstance(out, Q6ServeError), f"caller {i}: {out}"
+        if i % 3 == 0:
+            assert np.isnan(out[0]).all() and not np.isfinite(out[1]).any()
+            outcomes["bad"] += 1
+        else:
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            outcomes["clean"] += 1
+
+    hammer(rw, 12, 8, request, check)
+    assert outcomes == {"clean": 64, "bad": 32}
+    assert vram_figures(c) == before and health(rw.target) == "SERVING"
+
+
+def test_a_refused_request_fails_only_its_caller(start, rng):
+    """A kernel refusing one request's input in a shared batch: the batch is rerun request
+    by request, the clean callers get exact results, only the poisoned ones the error."""
+    backend = RefusingBackend()
+    rw = start(backend)
+    c = rw.client()
+    blocks = random_q6k(ROWS, K, 6)
+    c.upload("w", blocks, ROWS, K)
+    clean = rng.standard_normal((3, K)).astype(np.float32)
+    want = ref.matmul_float64(clean, blocks, ROWS)
+    poisoned = clean.copy()
+    poisoned[1, 0] = POISON
+    counts = {"ok": 0, "refused": 0}
+
+    def request(i: int) -> tuple[np.ndarray, str]:
+        return (poisoned if i % 4 == 0 else clean), "exact"
+
+    def check(i: int, out: np.ndarray | Q6ServeError) -> None:
+        if i % 4 == 0:
+            assert isinstance(out, Q6ServeError), f"caller {i} got a result"
+            assert out.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"activation value {POISON} refused" in out.message
+            counts["refused"] += 1
+        else:
+            assert not isinstance(out, Q6ServeError), f"clean caller {i} failed: {out}"
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            counts["ok"] += 1
+
+    hammer(rw, 8, 6, request, check)
+    assert counts == {"ok": 36, "refused": 12}
+    assert backend.mixed_launches > 0  # poisoned and clean requests really shared batches
+    assert health(rw.target) == "SERVING"
