@@ -14,7 +14,6 @@ backoff inside the call's deadline (see :mod:`q6serve.client.retry`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,26 +24,28 @@ from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .channel import aio_channel, token_metadata
-from .client import (
-    UPLOAD_FORMATS,
+from .core import (
     MatmulOutput,
     Q6ServeError,
     Weight,
-    _output,
+    as_bytes_view,
+    flag_states,
+    flags_request,
+    health_request,
+    health_stub,
+    is_serving,
+    load_request,
     matmul_request,
+    output_of,
+    status_to_dict,
     stream_outcome,
+    upload_header,
     upload_messages,
+    weights_of,
 )
 from .retry import RetryPolicy, acall_with_retry
 
 StreamItem = tuple[str, str, np.ndarray]  # (request_id, weight, x)
-
-
-def as_bytes_view(data: np.ndarray | bytes | memoryview) -> memoryview:
-    """A flat byte view of ``data`` without copying it (uploads stream slices of it)."""
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data)
-    return memoryview(data).cast("B")
 
 
 class AsyncClient:
@@ -88,18 +89,14 @@ class AsyncClient:
     # -- weights ----------------------------------------------------------------------------
     async def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
                    timeout: float | None = None, *, rows: tuple[int, int] | None = None,
-                   shard: tuple[int, int] | None = None) -> list[Weight]:
+                   shard: tuple[int, int] | None = None,
+                   placement: str | None = None) -> list[Weight]:
         """Load tensors; ``rows=(begin, end)`` or ``shard=(index, count)`` loads only that row
-        range of each tensor (as :meth:`Client.load`)."""
-        if rows is not None and shard is not None:
-            raise ValueError("give rows or shard, not both")
-        req = pb.LoadWeightsRequest(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix)
-        if rows is not None:
-            req.row_range.CopyFrom(pb.RowRange(begin=rows[0], end=rows[1]))
-        if shard is not None:
-            req.shard.CopyFrom(pb.ShardSpec(index=shard[0], count=shard[1]))
-        r = await self._call("LoadWeights", req, timeout)
-        return [Weight.from_pb(w) for w in r.weights]
+        range of each tensor, ``placement`` places it on a multi-device worker (as
+        :meth:`Client.load`)."""
+        req = load_request(gguf_path, tensors, prefix, rows=rows, shard=shard,
+                           placement=placement)
+        return weights_of(await self._call("LoadWeights", req, timeout))
 
     async def upload(self, name: str, data: np.ndarray | bytes | memoryview, rows: int, k: int,
                      fmt: str = "q6_k", timeout: float | None = None,
@@ -108,9 +105,7 @@ class AsyncClient:
         """Upload AoS Q6_K bytes (``fmt="q6_k"``) or f32/f16 rows quantized by the worker,
         in 1 MiB chunks; ``progress(nbytes)`` is called after each chunk is handed to gRPC."""
         raw = as_bytes_view(data)
-        digest = sha256 or hashlib.sha256(raw).hexdigest()
-        header = pb.UploadHeader(name=name, rows=rows, k=k, format=UPLOAD_FORMATS[fmt],
-                                 total_bytes=len(raw), sha256=digest)
+        header = upload_header(name, raw, rows, k, fmt, sha256)
 
         async def messages() -> AsyncIterator[pb.UploadWeightRequest]:
             for m in upload_messages(header, raw, progress):
@@ -120,8 +115,7 @@ class AsyncClient:
         return Weight.from_pb(r.weight)
 
     async def list(self, timeout: float | None = None) -> list[Weight]:
-        r = await self._call("ListWeights", pb.ListWeightsRequest(), timeout)
-        return [Weight.from_pb(w) for w in r.weights]
+        return weights_of(await self._call("ListWeights", pb.ListWeightsRequest(), timeout))
 
     async def get(self, name: str, timeout: float | None = None) -> Weight:
         r = await self._call("GetWeight", pb.GetWeightRequest(name=name), timeout)
@@ -135,7 +129,7 @@ class AsyncClient:
     async def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
                           out_dtype: str = "f32", timeout: float | None = None) -> MatmulOutput:
         req = matmul_request(weight, x, precision, out_dtype)
-        return _output(await self._call("Matmul", req, timeout))
+        return output_of(await self._call("Matmul", req, timeout))
 
     async def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
                      out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
@@ -175,28 +169,23 @@ class AsyncClient:
         return await self._call("GetStatus", pb.GetStatusRequest(), timeout)
 
     async def status_dict(self, timeout: float | None = None) -> dict[str, object]:
-        from google.protobuf.json_format import MessageToDict
-
-        return MessageToDict(await self.status(timeout), preserving_proto_field_name=True,
-                             always_print_fields_with_no_presence=True)
+        """GetStatus as JSON-ready types (byte counts as ints)."""
+        return status_to_dict(await self.status(timeout))
 
     async def flags(self, changes: Mapping[str, bool] | None = None,
                     timeout: float | None = None) -> dict[str, bool]:
         """Set ``changes`` (if any) and return every flag's state."""
         if changes:
-            r = await self._call("SetFlags", pb.SetFlagsRequest(
-                flags=[pb.Flag(name=n, enabled=bool(v)) for n, v in changes.items()]), timeout)
-            return {f.name: f.enabled for f in r.flags}
-        return {f.name: f.enabled for f in (await self.status(timeout)).flags}
+            r = await self._call("SetFlags", flags_request(changes), timeout)
+            return flag_states(r.flags)
+        return flag_states((await self.status(timeout)).flags)
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
-        """True when the worker reports SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self._channel)
+        """True when the worker reports SERVING (one attempt: health is a probe)."""
         try:
-            r = await stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                 timeout=timeout, metadata=self._metadata)
+            r = await health_stub(self._channel).Check(health_request(service),
+                                                       timeout=timeout,
+                                                       metadata=self._metadata)
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
-        return r.status == health_pb2.HealthCheckResponse.SERVING
+        return is_serving(r)

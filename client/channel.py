@@ -1,4 +1,5 @@
-"""Channel settings shared by the sync and asyncio clients: sizes, keepalive, TLS, token.
+"""The one channel builder of the sync, asyncio and sharded clients: target check, message
+sizes, keepalive, TLS, token, load balancing.
 
 Activations and outputs travel as single messages: N=64 rows of an lm-head (152064 x 3584)
 come back as 64 * 152064 * 4 B = 39 MB in f32, far above gRPC's 4 MiB default, so both
@@ -7,17 +8,66 @@ directions are raised to ``max_message_bytes`` (256 MiB, the worker's default li
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
+DEFAULT_PORT = 50051
+# gRPC name-resolver schemes passed through as they are (dns:///h:p, unix:/path, ...)
+_SCHEME = re.compile(r"^(dns|unix|unix-abstract|ipv4|ipv6|vsock|xds|google-c2p):")
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            # keep idle connections of long-lived inference hosts alive through middleboxes
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000)]
+def check_target(target: str) -> str:
+    """``target`` unchanged if it names a port, else a ValueError saying how to write it.
+
+    gRPC quietly sends a bare host ("10.0.0.5", "dns:///q6serve") to port 443, where no worker
+    listens, and the call then fails as UNAVAILABLE with no hint why; so a host without a port
+    is refused here (the worker's default port is 50051)."""
+    if not target or not target.strip():
+        raise ValueError(f"empty target: write HOST:PORT (e.g. 127.0.0.1:{DEFAULT_PORT})")
+    m = _SCHEME.match(target)
+    if m and m.group(1) not in ("dns", "ipv4", "ipv6"):
+        return target  # unix sockets and other resolvers have no port to check
+    hostport = target[m.end():] if m else target
+    if hostport.startswith("//"):  # dns://AUTHORITY/host:port
+        hostport = hostport[2:].partition("/")[2]
+    for address in hostport.split(","):  # ipv4:a:p,b:p
+        port = _port_of(address)
+        if port is None:
+            raise ValueError(f"target {target!r} has no port: write HOST:PORT, e.g. "
+                             f"{target.rstrip(':')}:{DEFAULT_PORT} (gRPC would use 443)")
+        if not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"target {target!r}: port {port!r} is not 1..65535")
+    return target
+
+
+def _port_of(address: str) -> str | None:
+    if address.startswith("["):  # [::1]:50051
+        host, _, rest = address.partition("]")
+        return rest[1:] if rest.startswith(":") and rest[1:] else None
+    if address.count(":") > 1:  # a bare IPv6 address: gRPC needs brackets for a port
+        return None
+    host, sep, port = address.rpartition(":")
+    return port if sep and host and port else None
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, *,
+                    round_robin: bool = False) -> list[tuple[str, int | str]]:
+    """Options of every client channel; ``round_robin`` spreads calls over every address a
+    name resolves to (replicas behind a DNS name; with the default pick_first, one is used)."""
+    opts: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # keep the idle connections of long-lived inference hosts alive through middleboxes;
+        # pings only while calls are open, well above the worker's minimum ping interval
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000)]
+    if round_robin:
+        opts += [("grpc.lb_policy_name", "round_robin"),
+                 # re-resolve soon after a replica goes away or a new one appears
+                 ("grpc.dns_min_time_between_resolutions_ms", 5_000)]
+    return opts
 
 
 def tls_credentials(tls: bool = False, root_certificates: bytes | None = None,
@@ -37,21 +87,29 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def aio_channel(target: str, *, tls: bool = False, root_certificates: bytes | None = None,
-                private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    opts = channel_options(max_message_bytes)
-    creds = tls_credentials(tls, root_certificates, private_key, certificate_chain)
-    if creds is None:
-        return grpc.aio.insecure_channel(target, options=opts)
-    return grpc.aio.secure_channel(target, creds, options=opts)
+def make_channel(target: str, *, aio: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 round_robin: bool = False) -> grpc.Channel | grpc.aio.Channel:
+    """A sync (or ``aio``) channel to ``target``: TLS from ``credentials`` or the PEM bytes
+    (plaintext when neither is given), the options of :func:`channel_options`."""
+    check_target(target)
+    if credentials is None:
+        credentials = tls_credentials(tls, root_certificates, private_key, certificate_chain)
+    elif tls or root_certificates or private_key or certificate_chain:
+        raise ValueError("give credentials or the TLS PEM arguments, not both")
+    opts = channel_options(max_message_bytes, round_robin=round_robin)
+    mod = grpc.aio if aio else grpc
+    if credentials is None:
+        return mod.insecure_channel(target, options=opts)
+    return mod.secure_channel(target, credentials, options=opts)
 
 
-def sync_channel(target: str, *, tls: bool = False, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    opts = channel_options(max_message_bytes)
-    creds = tls_credentials(tls, root_certificates, private_key, certificate_chain)
-    if creds is None:
-        return grpc.insecure_channel(target, options=opts)
-    return grpc.secure_channel(target, creds, options=opts)
+def sync_channel(target: str, **kw: object) -> grpc.Channel:
+    return make_channel(target, aio=False, **kw)  # type: ignore[arg-type,return-value]
+
+
+def aio_channel(target: str, **kw: object) -> grpc.aio.Channel:
+    return make_channel(target, aio=True, **kw)  # type: ignore[arg-type,return-value]

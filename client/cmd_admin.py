@@ -37,17 +37,12 @@ def _client(args: argparse.Namespace, admin: bool = False):  # type: ignore[no-u
 
 
 def _sharded_client(args: argparse.Namespace, kw: dict[str, object]):  # type: ignore[no-untyped-def]
-    import grpc
-
     from q6serve.client.sharded import ShardedClient
 
     if args.command not in SHARDED_COMMANDS:
         raise SystemExit(f"q6serve {args.command}: takes one --target (several targets, "
                          f"comma-separated, only for {', '.join(SHARDED_COMMANDS)})")
-    tls = {k: kw.pop(k) for k in ("root_certificates", "certificate_chain", "private_key")
-           if k in kw}
-    creds = grpc.ssl_channel_credentials(**tls) if tls else None  # type: ignore[arg-type]
-    return ShardedClient(args.target.split(","), credentials=creds, **kw)  # type: ignore[arg-type]
+    return ShardedClient(args.target.split(","), **kw)  # type: ignore[arg-type]
 
 
 def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

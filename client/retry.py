@@ -1,4 +1,5 @@
-"""Retries with exponential backoff on UNAVAILABLE only, inside the caller's deadline.
+"""The one retry policy of every client: exponential backoff on UNAVAILABLE only, inside the
+caller's deadline.
 
 UNAVAILABLE means the worker did not run the call (no connection, or draining and refusing new
 work), so a retry cannot apply it twice. Every other code is the worker's answer and is raised
@@ -56,7 +57,7 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _pause_or_raise(e: grpc.RpcError, attempt: int, policy: RetryPolicy,
+def pause_or_raise(e: grpc.RpcError, attempt: int, policy: RetryPolicy,
                     deadline: float | None) -> float:
     """The pause before the next attempt after failure ``e``; re-raises ``e`` when it is not
     retryable, the attempts are spent, or the pause would pass the deadline."""
@@ -78,7 +79,7 @@ def call_with_retry(fn: Callable[[float | None], T], policy: RetryPolicy,
         try:
             return fn(_remaining(deadline))
         except grpc.RpcError as e:
-            sleep(_pause_or_raise(e, attempt, policy, deadline))
+            sleep(pause_or_raise(e, attempt, policy, deadline))
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -90,5 +91,5 @@ async def acall_with_retry(fn: Callable[[float | None], Awaitable[T]], policy: R
         try:
             return await fn(_remaining(deadline))
         except grpc.RpcError as e:
-            await asyncio.sleep(_pause_or_raise(e, attempt, policy, deadline))
+            await asyncio.sleep(pause_or_raise(e, attempt, policy, deadline))
     raise AssertionError("unreachable")

@@ -20,7 +20,9 @@ channel reach ONE replica, so load each pod directly (docs/SCALEOUT.md).
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,39 +32,41 @@ import numpy as np
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from .client import (
-    PLACEMENTS,
+from .channel import MAX_MESSAGE_BYTES, channel_options, make_channel, token_metadata
+from .core import (
+    _LAYOUT_NAME,
+    _PRECISION_NAME,
     MatmulOutput,
     Q6ServeError,
     Weight,
     decode_tensor,
+    flag_states,
+    flags_request,
+    health_request,
+    health_stub,
+    is_serving,
+    load_request,
     matmul_request,
+    status_to_dict,
+    weights_of,
 )
+from .retry import RetryPolicy, pause_or_raise
 
-MAX_MESSAGE_BYTES = 256 << 20
-_PRECISION_NAME = {pb.PRECISION_AUTO: "auto", pb.PRECISION_EXACT: "exact",
-                   pb.PRECISION_F16: "f16", pb.PRECISION_Q8_1: "q8_1"}
-_LAYOUT_NAME = {pb.LAYOUT_SOA: "soa", pb.LAYOUT_AOS: "aos", pb.LAYOUT_UNSPECIFIED: ""}
+STREAM_WINDOW = 16  # matmul_stream: requests in flight at once
 
 
 def round_robin_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Channel options: large messages, and gRPC's round_robin over every resolved address
     (with the default pick_first, a DNS name with several replicas would use only one)."""
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.lb_policy_name", "round_robin"),
-            # re-resolve soon after a replica goes away or a new one appears
-            ("grpc.dns_min_time_between_resolutions_ms", 5_000)]
+    return channel_options(max_message_bytes, round_robin=True)
 
 
 def replica_channel(target: str, *, credentials: grpc.ChannelCredentials | None = None,
-                    max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+                    max_message_bytes: int = MAX_MESSAGE_BYTES, **tls: Any) -> grpc.Channel:
     """A channel spreading calls over the replicas behind ``target`` (``dns:///name:port``).
     Also usable for an unsharded replicated set: ``Client(target, channel=replica_channel(t))``."""
-    opts = round_robin_options(max_message_bytes)
-    if credentials is None:
-        return grpc.insecure_channel(target, options=opts)
-    return grpc.secure_channel(target, credentials, options=opts)
+    return make_channel(target, credentials=credentials, max_message_bytes=max_message_bytes,
+                        round_robin=True, **tls)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,18 @@ class ShardRows:
 
 
 class ShardedClient:
-    """The :class:`~q6serve.client.client.Client` API over a row-sharded set of workers."""
+    """The :class:`~q6serve.client.client.Client` API over a row-sharded set of workers.
+
+    Same arguments as :class:`Client` (``token``, ``timeout``, ``retry``, TLS keywords,
+    ``max_message_bytes``); each shard's call is retried on UNAVAILABLE by the same policy,
+    inside the call's deadline. ``load`` takes ``ranges`` (one row range per shard) where
+    ``Client.load`` takes ``rows``/``shard``; ``upload`` is not offered (an upload has no
+    row range on the wire: upload each shard's rows with a Client)."""
 
     def __init__(self, targets: Sequence[str] | str, *, token: str | None = None,
-                 timeout: float = 60.0, credentials: grpc.ChannelCredentials | None = None,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 timeout: float | None = 60.0, retry: RetryPolicy | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 **channel_kw: Any) -> None:
         if isinstance(targets, str):
             targets = [t for t in targets.split(",") if t]
         if not targets:
@@ -89,11 +100,11 @@ class ShardedClient:
             raise ValueError("every fan-out call needs a deadline: timeout must be > 0")
         self.targets = list(targets)
         self.timeout = timeout
-        self._channels = [replica_channel(t, credentials=credentials,
-                                          max_message_bytes=max_message_bytes)
-                          for t in self.targets]
+        self.retry = retry or RetryPolicy()
+        self._channels = [make_channel(t, credentials=credentials, round_robin=True,
+                                       **channel_kw) for t in self.targets]
         self._stubs = [pb_grpc.Q6ServeStub(ch) for ch in self._channels]
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = token_metadata(token)
         self._plans: dict[str, list[ShardRows]] = {}
 
     def close(self) -> None:
@@ -115,38 +126,69 @@ class ShardedClient:
 
     # -- fan-out ----------------------------------------------------------------------------
     def _fan_out(self, method: str, requests: Sequence[object], timeout: float | None = None,
-                 stubs: Sequence[Any] | None = None) -> list[Any]:
+                 stubs: Sequence[Any] | None = None, retry: bool = True) -> list[Any]:
         """Call ``method`` on every shard at once (request i to shard i); all replies in shard
-        order, or the first failure (naming its shard) after cancelling the rest."""
-        deadline = timeout if timeout is not None else self.timeout
-        done: queue.Queue[int] = queue.Queue()
-        futures = []
-        for i, (stub, req) in enumerate(zip(stubs or self._stubs, requests, strict=True)):
-            f = getattr(stub, method).future(req, timeout=deadline, metadata=self._metadata)
-            f.add_done_callback(lambda _f, i=i: done.put(i))
-            futures.append(f)
+        order, or the first failure (naming its shard) after cancelling the rest. A shard
+        failing with UNAVAILABLE is called again after the policy's backoff, inside the
+        deadline (the other shards' replies are kept)."""
+        budget = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + budget
+        policy = self.retry if retry else RetryPolicy(attempts=1)
+        stubs = stubs or self._stubs
+        done: queue.Queue[tuple[int, Any]] = queue.Queue()
+        futures: list[Any] = [None] * len(requests)
+        replies: list[Any] = [None] * len(requests)
+        attempts = [0] * len(requests)
+        again: dict[int, float] = {}  # shard -> when to call it again
+
+        def start(i: int) -> None:
+            left = max(deadline - time.monotonic(), 0.001)
+            f = getattr(stubs[i], method).future(requests[i], timeout=left,
+                                                 metadata=self._metadata)
+            futures[i] = f
+            f.add_done_callback(lambda f, i=i: done.put((i, f)))
+
+        for i in range(len(requests)):
+            start(i)
+        waiting = len(requests)
         try:
-            for _ in futures:
-                # each future ends by its own deadline; the margin only guards against a lost
+            while waiting:
+                now = time.monotonic()
+                for i in [i for i, t in again.items() if t <= now]:
+                    del again[i]
+                    start(i)
+                # each call ends by its own deadline; the margin only guards against a lost
                 # callback, so this never hangs
-                i = done.get(timeout=deadline + 5.0)
-                err = futures[i].exception()
-                if err is not None:
-                    raise self._error(i, err)
-        except queue.Empty:
-            raise Q6ServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"no answer from every shard within {deadline} s") from None
+                pause = deadline + 5.0 - now
+                if again:
+                    pause = min(pause, min(again.values()) - now)
+                try:
+                    i, f = done.get(timeout=max(pause, 0.0))
+                except queue.Empty:
+                    if again:
+                        continue
+                    raise Q6ServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no answer from every shard within {budget} s") from None
+                if f is not futures[i]:
+                    continue  # an earlier attempt's late callback
+                err = f.exception()
+                if err is None:
+                    replies[i] = f.result()
+                    waiting -= 1
+                    continue
+                try:
+                    again[i] = time.monotonic() + pause_or_raise(err, attempts[i], policy,
+                                                                 deadline)
+                except Exception:
+                    raise self._error(i, err) from None
+                attempts[i] += 1
         finally:
             for f in futures:
                 f.cancel()  # no-op for finished calls
-        return [f.result() for f in futures]
+        return replies
 
     def _error(self, i: int, err: BaseException) -> Q6ServeError:
-        if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
-            code, details = err.code(), err.details() or ""
-        else:
-            code, details = grpc.StatusCode.UNKNOWN, repr(err)
-        return Q6ServeError(code, f"{self._name(i)}: {details}")
+        return Q6ServeError.from_rpc(err, f"{self._name(i)}: ")  # type: ignore[arg-type]
 
     # -- weights ----------------------------------------------------------------------------
     def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
@@ -156,42 +198,40 @@ class ShardedClient:
         """Each shard loads its row range of each tensor of ``gguf_path`` (a path under every
         worker's --model-dir): the even split by default, else ``ranges[i]`` for shard i.
         Returns the merged weights (whole-tensor shapes)."""
-        base = dict(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix,
-                    placement=PLACEMENTS[placement])
         if ranges is not None:
             if len(ranges) != self.shards:
                 raise ValueError(f"{len(ranges)} row ranges for {self.shards} shards")
-            reqs = [pb.LoadWeightsRequest(**base, row_range=pb.RowRange(begin=b, end=e))
-                    for b, e in ranges]
+            reqs = [load_request(gguf_path, tensors, prefix, rows=r, placement=placement)
+                    for r in ranges]
         else:
-            reqs = [pb.LoadWeightsRequest(**base, shard=pb.ShardSpec(index=i, count=self.shards))
-                    for i in range(self.shards)]
-        replies = self._fan_out("LoadWeights", reqs, timeout)
-        per_shard = [[Weight.from_pb(w) for w in r.weights] for r in replies]
+            reqs = [load_request(gguf_path, tensors, prefix, shard=(i, self.shards),
+                                 placement=placement) for i in range(self.shards)]
+        per_shard = [weights_of(r) for r in self._fan_out("LoadWeights", reqs, timeout)]
         for ws in per_shard:
             for w in ws:
                 self._plans.pop(w.name, None)
         return [self._merge(name, parts) for name, parts in _by_name(per_shard).items()]
 
-    def list(self) -> list[Weight]:
+    def list(self, timeout: float | None = None) -> list[Weight]:
         """Weights whose shards tile the whole tensor (see :meth:`list_shards` for the rest)."""
         merged = []
-        for name, parts in _by_name(self.list_shards()).items():
+        for name, parts in _by_name(self.list_shards(timeout)).items():
             try:
                 merged.append(self._merge(name, parts))
             except Q6ServeError:
                 continue
         return merged
 
-    def list_shards(self) -> list[list[Weight]]:
+    def list_shards(self, timeout: float | None = None) -> list[list[Weight]]:
         """Every shard's own ListWeights (shard order)."""
-        replies = self._fan_out("ListWeights", [pb.ListWeightsRequest()] * self.shards)
-        return [[Weight.from_pb(w) for w in r.weights] for r in replies]
+        replies = self._fan_out("ListWeights", [pb.ListWeightsRequest()] * self.shards,
+                                timeout)
+        return [weights_of(r) for r in replies]
 
-    def get(self, name: str) -> Weight:
-        replies = self._fan_out("GetWeight", [pb.GetWeightRequest(name=name)] * self.shards)
-        parts = {i: Weight.from_pb(r.weight) for i, r in enumerate(replies)}
-        return self._merge(name, parts)
+    def get(self, name: str, timeout: float | None = None) -> Weight:
+        replies = self._fan_out("GetWeight", [pb.GetWeightRequest(name=name)] * self.shards,
+                                timeout)
+        return self._merge(name, {i: Weight.from_pb(r.weight) for i, r in enumerate(replies)})
 
     def unload(self, name: str, timeout: float | None = None) -> Weight:
         self._plans.pop(name, None)
@@ -266,20 +306,83 @@ class ShardedClient:
         return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
                                 timeout=timeout).y
 
+    def matmul_stream(self, requests: Iterable[tuple[str, str, np.ndarray]], *,
+                      precision: str = "auto", out_dtype: str = "f32",
+                      timeout: float | None = None,
+                      ) -> Iterator[MatmulOutput | Q6ServeError]:
+        """``(request_id, weight, x)`` in; per request a MatmulOutput or a Q6ServeError (with
+        ``request_id`` set) out, in completion order, as :meth:`Client.matmul_stream`. Each
+        request fans out as one :meth:`matmul_full` (retried like it), up to
+        ``STREAM_WINDOW`` at once; ``timeout`` bounds the whole stream."""
+        budget = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + budget
+        items = iter(requests)
+        running: dict[Future[MatmulOutput], str] = {}
+
+        def one(weight: str, x: np.ndarray) -> MatmulOutput:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Q6ServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"the stream's {budget} s deadline passed")
+            return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
+                                    timeout=left)
+
+        with ThreadPoolExecutor(STREAM_WINDOW, thread_name_prefix="q6serve-sharded") as pool:
+            try:
+                while True:
+                    for rid, weight, x in items:
+                        running[pool.submit(one, weight, x)] = rid
+                        if len(running) >= STREAM_WINDOW:
+                            break
+                    if not running:
+                        return
+                    finished, _ = wait(running, timeout=max(deadline - time.monotonic(), 0)
+                                       + 5.0, return_when=FIRST_COMPLETED)
+                    if not finished:
+                        raise Q6ServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"the stream's {budget} s deadline passed")
+                    for f in finished:
+                        rid = running.pop(f)
+                        try:
+                            yield replace(f.result(), request_id=rid)
+                        except Q6ServeError as e:
+                            e.request_id = rid
+                            yield e
+            finally:
+                for f in running:
+                    f.cancel()
+
     # -- workers ----------------------------------------------------------------------------
     def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
-        """True when every shard reports SERVING."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        """True when every shard reports SERVING (one attempt each: health is a probe)."""
+        stubs = [health_stub(ch) for ch in self._channels]
+        replies = self._fan_out("Check", [health_request(service)] * self.shards, timeout,
+                                stubs, retry=False)
+        return all(is_serving(r) for r in replies)
 
-        serving = health_pb2.HealthCheckResponse.SERVING
-        stubs = [health_pb2_grpc.HealthStub(ch) for ch in self._channels]
-        req = health_pb2.HealthCheckRequest(service=service)
-        replies = self._fan_out("Check", [req] * self.shards, timeout, stubs)
-        return all(r.status == serving for r in replies)
-
-    def status(self) -> list[pb.GetStatusResponse]:
+    def status(self, timeout: float | None = None) -> list[pb.GetStatusResponse]:
         """Every shard's GetStatus (shard order)."""
-        return self._fan_out("GetStatus", [pb.GetStatusRequest()] * self.shards)
+        return self._fan_out("GetStatus", [pb.GetStatusRequest()] * self.shards, timeout)
+
+    def status_dict(self, timeout: float | None = None) -> list[dict[str, object]]:
+        """Every shard's GetStatus as JSON-ready types (shard order)."""
+        return [status_to_dict(s) for s in self.status(timeout)]
+
+    def flags(self, changes: Mapping[str, bool] | None = None,
+              timeout: float | None = None) -> dict[str, bool]:
+        """Set ``changes`` (if any) on every shard and return the flags' state; a flag that
+        differs between shards is a FAILED_PRECONDITION naming them."""
+        if changes:
+            replies = self._fan_out("SetFlags", [flags_request(changes)] * self.shards, timeout)
+            states = [flag_states(r.flags) for r in replies]
+        else:
+            states = [flag_states(s.flags) for s in self.status(timeout)]
+        for i, st in enumerate(states[1:], 1):
+            if st != states[0]:
+                raise Q6ServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"flags differ: {self._name(0)} has {states[0]}, "
+                                   f"{self._name(i)} has {st}")
+        return states[0]
 
 
 def _by_name(per_shard: Iterable[Iterable[Weight]]) -> dict[str, dict[int, Weight]]:
@@ -292,10 +395,15 @@ def _by_name(per_shard: Iterable[Iterable[Weight]]) -> dict[str, dict[int, Weigh
 
 def _merged_output(y: np.ndarray, replies: list[pb.MatmulResponse]) -> MatmulOutput:
     first = replies[0]
-    kernel_s = [r.timing.kernel_seconds for r in replies if r.timing.HasField("kernel_seconds")]
+
+    def slowest(name: str) -> float | None:  # None unless every shard sent it
+        v = [getattr(r.timing, name) for r in replies if r.timing.HasField(name)]
+        return max(v) if len(v) == len(replies) else None
+
     return MatmulOutput(y, first.kernel, _LAYOUT_NAME[first.layout],
                         _PRECISION_NAME[first.precision],
-                        max(r.timing.queue_seconds for r in replies),
-                        max(kernel_s) if len(kernel_s) == len(replies) else None,
+                        max(r.timing.queue_seconds for r in replies), slowest("kernel_seconds"),
                         min(r.timing.batch_rows for r in replies),
-                        min(r.timing.batch_requests for r in replies))
+                        min(r.timing.batch_requests for r in replies), first.request_id,
+                        slowest("decode_seconds"), slowest("device_seconds"),
+                        slowest("handler_seconds"))

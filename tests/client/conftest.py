@@ -8,9 +8,11 @@ import asyncio
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 _SERVICE_TESTS = Path(__file__).resolve().parents[1] / "service"
@@ -84,3 +86,51 @@ def make_client(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
 @pytest.fixture
 def client(worker: Any, make_client: Callable[..., Any]) -> Any:
     return make_client(worker.target)
+
+
+from q6serve.v1 import q6serve_pb2 as pb  # noqa: E402
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc  # noqa: E402
+
+
+class FlakyServicer(pb_grpc.Q6ServeServicer):
+    """Fails the first ``failures`` calls of each method with ``code``."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode) -> None:
+        self.failures, self.code = failures, code
+        self.calls: dict[str, int] = {}
+        self.headers: list[str] = []
+
+    def _maybe_fail(self, method: str, context: grpc.ServicerContext) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if self.calls[method] <= self.failures:
+            context.abort(self.code, f"{method} attempt {self.calls[method]} refused")
+
+    def GetStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._maybe_fail("GetStatus", context)
+        return pb.GetStatusResponse(backend="fake", serving=True)
+
+    def UploadWeight(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        msgs = list(request_iterator)
+        self.headers.append(msgs[0].header.name)
+        self._maybe_fail("UploadWeight", context)
+        size = sum(len(m.chunk) for m in msgs[1:])
+        return pb.UploadWeightResponse(weight=pb.WeightInfo(name=msgs[0].header.name,
+                                                            nbytes=size))
+
+
+@pytest.fixture
+def flaky() -> Iterator[Callable[[int, grpc.StatusCode], tuple[str, FlakyServicer]]]:
+    servers: list[grpc.Server] = []
+
+    def start(failures: int, code: grpc.StatusCode) -> tuple[str, FlakyServicer]:
+        servicer = FlakyServicer(failures, code)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_Q6ServeServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}", servicer
+
+    yield start
+    for s in servers:
+        s.stop(None)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -12,8 +11,6 @@ import pytest
 
 from q6serve.client.client import Q6ServeError
 from q6serve.client.retry import NO_RETRY, RetryPolicy, call_with_retry
-from q6serve.v1 import q6serve_pb2 as pb
-from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 
 class FakeRpcError(grpc.RpcError):
@@ -78,50 +75,6 @@ def test_gives_up_after_attempts_and_before_the_deadline() -> None:
                         RetryPolicy(initial_backoff=0.5, jitter=False), 0.1,
                         sleep=lambda s: pytest.fail("slept past the deadline"))
     assert len(calls) == 1
-
-
-class FlakyServicer(pb_grpc.Q6ServeServicer):
-    """Fails the first ``failures`` calls of each method with ``code``."""
-
-    def __init__(self, failures: int, code: grpc.StatusCode) -> None:
-        self.failures, self.code = failures, code
-        self.calls: dict[str, int] = {}
-        self.headers: list[str] = []
-
-    def _maybe_fail(self, method: str, context: grpc.ServicerContext) -> None:
-        self.calls[method] = self.calls.get(method, 0) + 1
-        if self.calls[method] <= self.failures:
-            context.abort(self.code, f"{method} attempt {self.calls[method]} refused")
-
-    def GetStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._maybe_fail("GetStatus", context)
-        return pb.GetStatusResponse(backend="fake", serving=True)
-
-    def UploadWeight(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        msgs = list(request_iterator)
-        self.headers.append(msgs[0].header.name)
-        self._maybe_fail("UploadWeight", context)
-        size = sum(len(m.chunk) for m in msgs[1:])
-        return pb.UploadWeightResponse(weight=pb.WeightInfo(name=msgs[0].header.name,
-                                                            nbytes=size))
-
-
-@pytest.fixture
-def flaky() -> Iterator[Callable[[int, grpc.StatusCode], tuple[str, FlakyServicer]]]:
-    servers: list[grpc.Server] = []
-
-    def start(failures: int, code: grpc.StatusCode) -> tuple[str, FlakyServicer]:
-        servicer = FlakyServicer(failures, code)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        pb_grpc.add_Q6ServeServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}", servicer
-
-    yield start
-    for s in servers:
-        s.stop(None)
 
 
 FAST = RetryPolicy(attempts=3, initial_backoff=0.01, jitter=False)

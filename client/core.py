@@ -1,0 +1,266 @@
+"""The client core shared by :class:`Client`, :class:`AsyncClient` and :class:`ShardedClient`.
+
+One place for each rule the three transports have in common: the codec table (NumPy dtype <->
+wire dtype, f32/f16/bf16 with ``ml_dtypes.bfloat16``), the request builders (every argument a
+call takes is validated and encoded here), the reply decoders, the error type and the result
+types. The transports only decide how a request travels (blocking, asyncio, fanned out over
+shards); channels come from :mod:`.channel` and retries from :mod:`.retry`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ml_dtypes
+import numpy as np
+
+from q6serve.v1 import q6serve_pb2 as pb
+
+# -- the codec table: one row per wire dtype --------------------------------------------------
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+          "bf16": np.dtype(ml_dtypes.bfloat16)}
+_DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+PRECISIONS = {"auto": pb.PRECISION_AUTO, "exact": pb.PRECISION_EXACT, "f16": pb.PRECISION_F16,
+              "q8_1": pb.PRECISION_Q8_1}
+_PRECISION_NAME = {v: k for k, v in PRECISIONS.items()}
+_LAYOUT_NAME = {pb.LAYOUT_SOA: "soa", pb.LAYOUT_AOS: "aos", pb.LAYOUT_UNSPECIFIED: ""}
+UPLOAD_FORMATS = {"q6_k": pb.UPLOAD_FORMAT_Q6_K, "f32": pb.UPLOAD_FORMAT_F32,
+                  "f16": pb.UPLOAD_FORMAT_F16}
+PLACEMENTS = {None: pb.PLACEMENT_UNSPECIFIED, "shard": pb.PLACEMENT_SHARD,
+              "replicate": pb.PLACEMENT_REPLICATE}
+UPLOAD_CHUNK = 1 << 20
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str | None:
+    """The wire name ("f32", "f16", "bf16") of a NumPy dtype, or None if it has none."""
+    return next((n for n, d in DTYPES.items() if d == dtype), None)
+
+
+def _choice(table: Mapping[Any, Any], key: Any, what: str) -> Any:
+    """``table[key]``, or a ValueError naming the choices (not a bare KeyError)."""
+    try:
+        return table[key]
+    except (KeyError, TypeError):
+        choices = ", ".join(repr(k) for k in table)
+        raise ValueError(f"{what}={key!r} is not one of {choices}") from None
+
+
+# -- errors and results -----------------------------------------------------------------------
+class Q6ServeError(Exception):
+    """Any failed call: ``code`` is the grpc.StatusCode, ``message`` the worker's details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: str = "") -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id  # set for per-request failures of matmul_stream
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError, prefix: str = "") -> Q6ServeError:
+        """From a gRPC failure (``prefix``, e.g. the shard, goes before its message)."""
+        if hasattr(e, "code") and hasattr(e, "details"):
+            return cls(e.code(), prefix + (e.details() or ""))
+        return cls(grpc.StatusCode.UNKNOWN, prefix + repr(e))
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    rows: int
+    k: int
+    nbytes: int
+    layout: str
+    sha256: str
+    source: str
+    in_flight: int
+    row_begin: int = 0  # global rows [row_begin, row_end) of the source tensor held here
+    row_end: int = 0
+    tensor_rows: int = 0  # rows of the whole source tensor
+
+    @classmethod
+    def from_pb(cls, w: pb.WeightInfo) -> Weight:
+        # a worker without row ranges (row_range unset) holds the whole tensor
+        end = w.row_range.end if w.HasField("row_range") else w.rows
+        return cls(w.name, w.rows, w.k, w.nbytes, _LAYOUT_NAME[w.layout], w.sha256, w.source,
+                   w.in_flight, w.row_range.begin, end, w.tensor_rows or w.rows)
+
+
+@dataclass(frozen=True)
+class MatmulOutput:
+    y: np.ndarray
+    kernel: str
+    layout: str
+    precision: str
+    queue_seconds: float
+    kernel_seconds: float | None
+    batch_rows: int
+    batch_requests: int
+    request_id: str = ""
+    # the worker's own split of the request's time (None from workers that do not send it)
+    decode_seconds: float | None = None
+    device_seconds: float | None = None
+    handler_seconds: float | None = None
+
+
+# -- tensors ----------------------------------------------------------------------------------
+def fill_tensor(t: pb.Tensor, a: np.ndarray) -> pb.Tensor:
+    """Set ``t`` to ``a`` in place (dtype, shape, little-endian bytes)."""
+    a = np.ascontiguousarray(a)
+    name = dtype_name(a.dtype)
+    if name is None:
+        raise ValueError(f"dtype {a.dtype} is not one of {', '.join(DTYPES)} "
+                         "(bf16 is ml_dtypes.bfloat16)")
+    t.dtype = _DTYPE_TO_PB[name]
+    t.shape.extend(a.shape)
+    t.data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+    return t
+
+
+def encode_tensor(a: np.ndarray) -> pb.Tensor:
+    return fill_tensor(pb.Tensor(), a)
+
+
+def decode_tensor(t: pb.Tensor) -> np.ndarray:
+    dt = DTYPES[_DTYPE_FROM_PB[t.dtype]].newbyteorder("<")
+    return np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape))
+
+
+def as_bytes_view(data: np.ndarray | bytes | memoryview) -> memoryview:
+    """A flat byte view of ``data`` without copying it (uploads stream slices of it; a memmap
+    streams from disk)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data)
+    return memoryview(data).cast("B")
+
+
+# -- requests: one builder per call, shared by the three transports ---------------------------
+def load_request(gguf_path: str, tensors: Iterable[str] = (), prefix: str = "", *,
+                 rows: tuple[int, int] | None = None, shard: tuple[int, int] | None = None,
+                 placement: str | None = None) -> pb.LoadWeightsRequest:
+    if rows is not None and shard is not None:
+        raise ValueError("give rows or shard, not both")
+    req = pb.LoadWeightsRequest(gguf_path=gguf_path, tensors=list(tensors), prefix=prefix,
+                                placement=_choice(PLACEMENTS, placement, "placement"))
+    if rows is not None:
+        req.row_range.CopyFrom(pb.RowRange(begin=rows[0], end=rows[1]))
+    if shard is not None:
+        req.shard.CopyFrom(pb.ShardSpec(index=shard[0], count=shard[1]))
+    return req
+
+
+def upload_header(name: str, raw: memoryview, rows: int, k: int, fmt: str,
+                  sha256: str | None) -> pb.UploadHeader:
+    return pb.UploadHeader(name=name, rows=rows, k=k,
+                           format=_choice(UPLOAD_FORMATS, fmt, "fmt"), total_bytes=len(raw),
+                           sha256=sha256 or hashlib.sha256(raw).hexdigest())
+
+
+def upload_messages(header: pb.UploadHeader, raw: memoryview | bytes,
+                    progress: Callable[[int], None] | None) -> Iterator[pb.UploadWeightRequest]:
+    """An UploadWeight stream: the header, then ``raw`` in UPLOAD_CHUNK slices (a retry calls
+    this again and resends from the header)."""
+    yield pb.UploadWeightRequest(header=header)
+    for i in range(0, len(raw), UPLOAD_CHUNK):
+        chunk = bytes(raw[i : i + UPLOAD_CHUNK])
+        yield pb.UploadWeightRequest(chunk=chunk)
+        if progress is not None:
+            progress(len(chunk))
+
+
+def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",
+                   out_dtype: str = "f32", request_id: str = "") -> pb.MatmulRequest:
+    req = pb.MatmulRequest(weight=weight, precision=_choice(PRECISIONS, precision, "precision"),
+                           out_dtype=_choice(_DTYPE_TO_PB, out_dtype, "out_dtype"),
+                           request_id=request_id)
+    # x set in place: a big submessage passed to the constructor is copied the slow way in
+    # upb (N=64 ffn_down activations: 489 -> 289 us with serialization; bench/RESULTS.md)
+    fill_tensor(req.x, x)
+    return req
+
+
+def flags_request(changes: Mapping[str, bool]) -> pb.SetFlagsRequest:
+    return pb.SetFlagsRequest(flags=[pb.Flag(name=n, enabled=bool(v))
+                                     for n, v in changes.items()])
+
+
+def health_request(service: str = "") -> Any:
+    from grpc_health.v1 import health_pb2
+
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def health_stub(channel: grpc.Channel | grpc.aio.Channel) -> Any:
+    from grpc_health.v1 import health_pb2_grpc
+
+    return health_pb2_grpc.HealthStub(channel)
+
+
+def is_serving(reply: Any) -> bool:
+    from grpc_health.v1 import health_pb2
+
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+# -- replies ----------------------------------------------------------------------------------
+def output_of(r: pb.MatmulResponse) -> MatmulOutput:
+    t = r.timing
+
+    def opt(name: str) -> float | None:
+        return getattr(t, name) if t.HasField(name) else None
+
+    return MatmulOutput(decode_tensor(r.y), r.kernel, _LAYOUT_NAME[r.layout],
+                        _PRECISION_NAME[r.precision], t.queue_seconds, opt("kernel_seconds"),
+                        t.batch_rows, t.batch_requests, r.request_id, opt("decode_seconds"),
+                        opt("device_seconds"), opt("handler_seconds"))
+
+
+def stream_outcome(r: Any) -> MatmulOutput | Q6ServeError:
+    """One MatmulStream reply as the caller sees it: its result, or that request's own error
+    (the stream itself goes on)."""
+    if r.WhichOneof("outcome") == "error":
+        code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
+        return Q6ServeError(code, r.error.message, r.request_id)
+    return output_of(r.result)
+
+
+def weights_of(r: Any) -> list[Weight]:
+    return [Weight.from_pb(w) for w in r.weights]
+
+
+def flag_states(flags: Iterable[pb.Flag]) -> dict[str, bool]:
+    return {f.name: f.enabled for f in flags}
+
+
+def status_to_dict(status: pb.GetStatusResponse) -> dict[str, object]:
+    """GetStatus as plain JSON types; byte counts and other 64-bit integers as ints (protobuf's
+    JSON mapping writes them as strings)."""
+    from google.protobuf.json_format import MessageToDict
+
+    d = MessageToDict(status, preserving_proto_field_name=True,
+                      always_print_fields_with_no_presence=True)
+    return _int64_as_int(status, d)
+
+
+def _int64_as_int(msg: Any, d: dict[str, Any]) -> dict[str, Any]:
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    int64 = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
+    for field in msg.DESCRIPTOR.fields:
+        name, value = field.name, d.get(field.name)
+        if value is None:
+            continue
+        if field.type == F.TYPE_MESSAGE:
+            if isinstance(value, list):  # repeated submessages
+                d[name] = [_int64_as_int(m, x)
+                           for m, x in zip(getattr(msg, name), value, strict=True)]
+            elif not field.message_type.GetOptions().map_entry:
+                d[name] = _int64_as_int(getattr(msg, name), value)
+        elif field.type in int64:
+            d[name] = [int(x) for x in value] if isinstance(value, list) else int(value)
+    return d

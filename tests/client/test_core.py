@@ -1,0 +1,162 @@
+"""The one client core under Client, AsyncClient and ShardedClient: same call signatures, one
+channel builder (keepalive, limits, TLS, target check), one codec table, one retry policy."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from svc_util import random_q6k
+
+from q6serve.client import channel, core
+from q6serve.client.async_client import AsyncClient
+from q6serve.client.client import Client
+from q6serve.client.retry import RetryPolicy
+from q6serve.client.sharded import ShardedClient
+
+CALLS = ("load", "upload", "list", "get", "unload", "matmul", "matmul_full", "matmul_stream",
+         "status", "status_dict", "flags", "health")
+# where the sharded client must differ, and why: its load splits rows over the shards
+# (`ranges`, one per shard, instead of one worker's `rows`/`shard`), and an upload has no
+# row range on the wire
+SHARDED_LOAD_ONLY = {"ranges"}
+SHARDED_LOAD_MISSING = {"rows", "shard"}
+FAST = RetryPolicy(attempts=3, initial_backoff=0.01, jitter=False)
+
+
+def params(cls: type, name: str) -> dict[str, tuple[Any, Any]]:
+    sig = inspect.signature(getattr(cls, name))
+    return {p.name: (p.kind, p.default) for p in sig.parameters.values()}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_every_call_takes_the_same_arguments(name: str) -> None:
+    sync = params(Client, name)
+    assert params(AsyncClient, name) == sync, name
+    assert inspect.iscoroutinefunction(getattr(AsyncClient, name)) or \
+        inspect.isasyncgenfunction(getattr(AsyncClient, name)), name
+    if name == "upload":
+        assert not hasattr(ShardedClient, "upload")
+        return
+    sharded = params(ShardedClient, name)
+    if name == "load":
+        assert set(sharded) - set(sync) == SHARDED_LOAD_ONLY
+        assert set(sync) - set(sharded) == SHARDED_LOAD_MISSING
+        sharded = {k: v for k, v in sharded.items() if k not in SHARDED_LOAD_ONLY}
+        sync = {k: v for k, v in sync.items() if k not in SHARDED_LOAD_MISSING}
+    assert sharded == sync, name
+
+
+def test_constructors_take_the_same_keywords() -> None:
+    sync = params(Client, "__init__")
+    assert params(AsyncClient, "__init__") == sync
+    sharded = params(ShardedClient, "__init__")
+    for kw in ("token", "timeout", "retry", "channel_kw"):
+        assert sharded[kw] == sync[kw], kw
+
+
+def test_async_load_takes_placement(worker: Any, make_client: Callable[..., Any],
+                                    model_dir: Any) -> None:
+    from svc_util import write_gguf
+
+    write_gguf(model_dir / "m.gguf", {"t": (64, 512, 2)})
+    c = make_client(worker.target)
+    (w,) = c.load("m.gguf", ["t"], placement="shard")
+    assert (w.name, w.rows) == ("t", 64)
+    with pytest.raises(ValueError, match="placement='sideways'"):
+        c.load("m.gguf", ["t"], placement="sideways")
+
+
+@pytest.mark.parametrize("aio", [False, True])
+def test_one_channel_builder(monkeypatch: pytest.MonkeyPatch, aio: bool) -> None:
+    """Sync and asyncio channels get the same options: message limits and keepalive (the sync
+    client had no keepalive); round_robin adds the balancing policy."""
+    seen: list[dict[str, Any]] = []
+    mod = grpc.aio if aio else grpc
+    monkeypatch.setattr(mod, "insecure_channel",
+                        lambda target, options: seen.append(dict(options)) or "ch")
+    channel.make_channel("h:1", aio=aio, max_message_bytes=123)
+    channel.make_channel("h:1", aio=aio, round_robin=True)
+    plain, rr = seen
+    assert plain["grpc.max_receive_message_length"] == plain["grpc.max_send_message_length"] \
+        == 123
+    assert plain["grpc.keepalive_time_ms"] > 0 and plain["grpc.keepalive_timeout_ms"] > 0
+    assert "grpc.lb_policy_name" not in plain and rr["grpc.lb_policy_name"] == "round_robin"
+    assert rr["grpc.keepalive_time_ms"] == plain["grpc.keepalive_time_ms"]
+
+
+def test_sharded_client_uses_the_shared_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[str, dict[str, Any]]] = []
+    real = channel.make_channel
+
+    def spy(target: str, **kw: Any) -> Any:
+        made.append((target, kw))
+        return real(target, **kw)
+
+    import q6serve.client.sharded as sharded
+
+    monkeypatch.setattr(sharded, "make_channel", spy)
+    with ShardedClient(["127.0.0.1:1", "127.0.0.1:2"], max_message_bytes=77):
+        pass
+    assert [t for t, _ in made] == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert all(kw["round_robin"] and kw["max_message_bytes"] == 77 for _, kw in made)
+
+
+@pytest.mark.parametrize("target", ["localhost", "10.0.0.5", "dns:///q6serve", "[::1]", "::1",
+                                    "h:", "h:99999", "h:port", ""])
+def test_a_target_without_a_valid_port_is_refused(target: str) -> None:
+    with pytest.raises(ValueError, match=r"PORT|port|empty"):
+        channel.check_target(target)
+    with pytest.raises(ValueError):
+        Client(target)
+
+
+@pytest.mark.parametrize("target", ["localhost:50051", "10.0.0.5:1", "[::1]:50051",
+                                    "dns:///q6serve-0.svc:50051", "dns://8.8.8.8/h:5",
+                                    "ipv4:127.0.0.1:1,127.0.0.1:2", "unix:/tmp/q6.sock"])
+def test_targets_with_a_port_pass(target: str) -> None:
+    assert channel.check_target(target) == target
+
+
+def test_one_codec_table() -> None:
+    for name, dt in core.DTYPES.items():
+        a = np.arange(6, dtype=np.float32).reshape(2, 3).astype(dt)
+        t = core.encode_tensor(a)
+        back = core.decode_tensor(t)
+        assert back.dtype == dt and np.array_equal(back, a) and core.dtype_name(dt) == name
+    assert core.DTYPES["bf16"] == np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="float64 is not one of f32, f16, bf16"):
+        core.encode_tensor(np.zeros(2))
+    with pytest.raises(ValueError, match="out_dtype='f64'"):
+        core.matmul_request("w", np.zeros((1, 256), np.float32), out_dtype="f64")
+    import q6serve.client.sharded as sharded
+
+    source = inspect.getsource(sharded)
+    assert "DTYPE_F32" not in source and "PRECISION_AUTO" not in source  # no second table
+
+
+def test_status_dict_byte_counts_are_numbers(client: Any) -> None:
+    client.upload("w", random_q6k(64, 512, 1), 64, 512)
+    d = client.status_dict()
+    vram = d["vram"]
+    assert isinstance(vram["weights_bytes"], int) and vram["weights_bytes"] > 0  # type: ignore
+    assert all(isinstance(v, int | float | str | bool) for v in vram.values())  # type: ignore
+
+
+def test_sharded_client_retries_unavailable(flaky: Any) -> None:
+    (a, sa), (b, sb) = flaky(0, grpc.StatusCode.UNAVAILABLE), flaky(2, grpc.StatusCode.UNAVAILABLE)
+    with ShardedClient([a, b], retry=FAST, timeout=10) as c:
+        assert [s.backend for s in c.status()] == ["fake", "fake"]
+    assert (sa.calls["GetStatus"], sb.calls["GetStatus"]) == (1, 3)
+    (d, sd) = flaky(5, grpc.StatusCode.UNAVAILABLE)
+    with ShardedClient([a, d], retry=FAST, timeout=10) as c, \
+            pytest.raises(core.Q6ServeError) as e:
+        c.status()
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE and f"shard 1 of 2 ({d})" in \
+        e.value.message
+    assert sd.calls["GetStatus"] == FAST.attempts
