@@ -160,3 +160,23 @@ def test_sharded_client_retries_unavailable(flaky: Any) -> None:
     assert e.value.code is grpc.StatusCode.UNAVAILABLE and f"shard 1 of 2 ({d})" in \
         e.value.message
     assert sd.calls["GetStatus"] == FAST.attempts
+
+
+def test_sharded_matmul_stream(start_worker: Callable[..., Any], model_dir: Any) -> None:
+    from svc_util import write_gguf
+
+    blocks = write_gguf(model_dir / "m.gguf", {"t": (96, 512, 2)})
+    a, b = start_worker(), start_worker()
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((n, 512)).astype(np.float32) for n in (1, 3, 2)]
+    with Client(a.target) as one:
+        one.upload("whole", blocks["t"], 96, 512)
+        want = [one.matmul("whole", x, precision="exact") for x in xs]
+    with ShardedClient([a.target, b.target], timeout=10) as c:
+        c.load("m.gguf", ["t"])
+        reqs = [(f"r{i}", "t", x) for i, x in enumerate(xs)] + [("bad", "nope", xs[0])]
+        got = {o.request_id: o for o in c.matmul_stream(reqs, precision="exact")}
+    assert set(got) == {"r0", "r1", "r2", "bad"}
+    assert isinstance(got["bad"], core.Q6ServeError) and got["bad"].code.name == "NOT_FOUND"
+    for i, y in enumerate(want):
+        assert np.allclose(got[f"r{i}"].y, y, rtol=1e-6, atol=1e-6)  # type: ignore[union-attr]
