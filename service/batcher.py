@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from q6serve.kernels.api import MatmulResult, Precision
+from q6serve.kernels.api import Layout, MatmulResult, Precision
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -75,29 +75,39 @@ class Device:
         """Queue ``fn`` on the device thread now (the device counts as busy from here). The
         job runs even if the future is cancelled: device work is never abandoned half-way."""
         loop = asyncio.get_running_loop()
-        self.inflight += 1
         fut: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((loop, fut, fn, args))
+        self.call(loop, fn, args, fut)
         return fut
+
+    def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], args: tuple[Any, ...],
+             done: asyncio.Future[T] | Callable[[Any, BaseException | None], None]) -> None:
+        """Queue ``fn(*args)`` on the device thread; its outcome goes to ``done`` on the loop:
+        a future is resolved, a callable is called as ``done(result, exception)`` in the same
+        loop trip that hears of the job's end (no future in between, so no extra trip)."""
+        self.inflight += 1
+        self._jobs.put((loop, done, fn, args))
 
     def _work(self) -> None:
         """The device thread: run jobs in order, hand each outcome back to its loop."""
         while (job := self._jobs.get()) is not None:
-            loop, fut, fn, args = job
+            loop, done, fn, args = job
             try:
                 outcome: tuple[Any, BaseException | None] = (fn(*args), None)
             except BaseException as e:  # every waiter must hear of a failure
                 outcome = (None, e)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(self._done, fut, *outcome)
+                loop.call_soon_threadsafe(self._done, done, *outcome)
 
-    def _done(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1
-        if not fut.done():  # a cancelled waiter is simply not answered
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
+        if isinstance(done, asyncio.Future):
+            if not done.done():  # a cancelled waiter is simply not answered
+                if exc is None:
+                    done.set_result(result)
+                else:
+                    done.set_exception(exc)
+        else:
+            done(result, exc)
         if self.inflight == 0 and self._idle_waiters:
             waiters, self._idle_waiters = self._idle_waiters, []
             for fn in waiters:
@@ -126,13 +136,16 @@ class BatchSettings:
     max_inflight_batches: int = 2
 
 
-@dataclass
-class Outcome:
-    """What one request gets back from its batch."""
+@dataclass(frozen=True, slots=True)
+class MatmulReply:
+    """What one request gets back from its batch (built once per request, on the loop)."""
 
-    y: np.ndarray
-    result: MatmulResult  # of the whole batch (kernel, layout, precision, timing)
-    queue_seconds: float
+    y: np.ndarray  # this request's rows of the batch's output (a view)
+    kernel: str
+    layout: Layout
+    precision: Precision
+    queue_seconds: float  # enqueued -> its batch's device job started
+    kernel_seconds: float | None  # the batch's kernel (device events; None: not ready)
     batch_rows: int
     batch_requests: int
     device_seconds: float | None = None  # wall time of the batch's job in the device thread
@@ -148,13 +161,14 @@ class BatchStats:
     queue_seconds: tuple[float, ...]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Pending:
     x: np.ndarray
     key: BatchKey
-    fut: asyncio.Future[Outcome]
+    fut: asyncio.Future[MatmulReply]
     t_enqueue: float
     deadline: float | None  # perf_counter() time
+    timer: asyncio.TimerHandle | None = None  # fails ``fut`` at the deadline
 
     def dead(self, now: float) -> bool:
         """Cancelled by its caller, or past its deadline (read from the device thread too:
@@ -167,6 +181,8 @@ class _Pending:
 
 
 RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
+# (live requests, their concatenated x, the batch's result or per-request outcomes, t0, t1)
+_Done = tuple[list[_Pending], np.ndarray | None, Any, float, float]
 
 
 class Batcher:
@@ -181,18 +197,28 @@ class Batcher:
         self._queue: collections.deque[_Pending] = collections.deque()
         self.queued_rows = 0
         self._wake = asyncio.Event()
-        self._launches: set[asyncio.Task[None]] = set()
+        self._loop_ = asyncio.get_running_loop()
         self._unfinished = 0  # launched batches not yet finished
+        self._running = 0  # requests in launched batches not yet finished
+        self._drained: asyncio.Future[None] | None = None  # close() waits for launches
         self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batch-{name}")
+        self._task = self._loop_.create_task(self._loop(), name=f"batch-{name}")
 
     @property
     def in_flight(self) -> int:
         """Requests queued or running."""
-        return len(self._queue) + sum(getattr(t, "n_requests", 0) for t in self._launches)
+        return len(self._queue) + self._running
 
-    async def submit(self, x: np.ndarray, key: BatchKey, timeout: float | None) -> Outcome:
+    async def submit(self, x: np.ndarray, key: BatchKey, timeout: float | None,
+                     ) -> MatmulReply:
         """Queue ``x`` and wait for its rows of the result (``timeout``: the caller's deadline)."""
+        return await self.enqueue(x, key, timeout)
+
+    def enqueue(self, x: np.ndarray, key: BatchKey, timeout: float | None,
+                ) -> asyncio.Future[MatmulReply]:
+        """Queue ``x`` now; the future gets its rows of the result, or DeadlineExceeded after
+        ``timeout`` seconds. Cancelling the future drops the request before it runs. On an
+        idle device the batch is launched before this returns (no loop trip, no delay)."""
         if self._closed:
             raise Unavailable(f"weight {self.name!r} is shutting down")
         n = int(x.shape[0])
@@ -200,10 +226,12 @@ class Batcher:
             raise ResourceExhausted(
                 f"queue of weight {self.name!r} is full: {self.queued_rows} rows queued, "
                 f"{n} more would exceed {self._s.max_queue_rows}")
-        loop = asyncio.get_running_loop()
+        loop = self._loop_
         now = time.perf_counter()
         p = _Pending(x, key, loop.create_future(), now,
                      None if timeout is None else now + timeout)
+        if timeout is not None:  # a timer, not wait_for: no extra future, no extra loop trip
+            p.timer = loop.call_later(timeout, self._expire, p, timeout)
         self._queue.append(p)
         self.queued_rows += n
         if (len(self._queue) == 1 and self._device.idle
@@ -211,13 +239,13 @@ class Batcher:
             self._start(self._take())  # idle device, nothing queued: launch now, no loop hop
         else:
             self._wake.set()
-        try:
-            return await asyncio.wait_for(p.fut, timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(
+        return p.fut
+
+    def _expire(self, p: _Pending, timeout: float) -> None:
+        if not p.fut.done():
+            p.fut.set_exception(DeadlineExceeded(
                 f"deadline of {timeout:.6f} s passed before weight {self.name!r} "
-                f"answered ({self.queued_rows} rows queued)") from None
-        # cancellation (caller gone) cancels p.fut too, so the loop drops it before launch
+                f"answered ({self.queued_rows} rows queued)"))
 
     def _take(self) -> list[_Pending]:
         """Pop the head request plus same-key followers that fit in max_rows."""
@@ -279,37 +307,29 @@ class Batcher:
             await asyncio.sleep(0)  # let new arrivals in before forming the next batch
 
     def _start(self, batch: list[_Pending]) -> None:
-        """Launch ``batch`` on the device now (nothing if every request in it is dead)."""
+        """Submit ``batch`` to the device now (nothing if every request in it is dead); its
+        outcome is split in the loop trip that hears of the job's end (``_finish``)."""
         if not batch:
             return
         self._unfinished += 1
-        task = asyncio.get_running_loop().create_task(self._launch(batch))
-        task.n_requests = len(batch)  # type: ignore[attr-defined]
-        self._launches.add(task)
-        task.add_done_callback(self._launches.discard)
+        self._running += len(batch)
+        self._device.call(self._loop_, self._job, (batch, batch[0].key),
+                          lambda done, exc: self._finish(batch, done, exc))
 
-    def _launch(self, batch: list[_Pending]) -> Any:
-        """Submit the batch to the device now; return the coroutine that splits the result."""
-        key = batch[0].key
-        started: list[float] = []
-
-        def job() -> tuple[list[_Pending], np.ndarray | None, Any]:
-            now = time.perf_counter()
-            started.append(now)
-            live = [p for p in batch if not p.dead(now)]  # dropped while staged: skip rows
-            if not live:
-                return live, None, None
-            x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
-            try:
-                result: Any = self._run_batch(x, key)
-            except (InvalidArgument, FailedPrecondition):
-                if len(live) == 1:
-                    raise
-                result = self._run_each(live, key)  # isolate the request that failed it
-            started.append(time.perf_counter())  # [start, end] of the device job
-            return live, x, result
-
-        return self._finish(batch, self._device.submit(job), started)
+    def _job(self, batch: list[_Pending], key: BatchKey) -> _Done:
+        """In the device thread: concatenate the live requests and run them as one launch."""
+        t0 = time.perf_counter()
+        live = [p for p in batch if not p.dead(t0)]  # dropped while staged: skip rows
+        if not live:
+            return live, None, None, t0, t0
+        x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
+        try:
+            result: Any = self._run_batch(x, key)
+        except (InvalidArgument, FailedPrecondition):
+            if len(live) == 1:
+                raise
+            result = self._run_each(live, key)  # isolate the request that failed it
+        return live, x, result, t0, time.perf_counter()
 
     def _run_each(self, live: list[_Pending], key: BatchKey,
                   ) -> list[MatmulResult | Q6Error]:
@@ -324,47 +344,59 @@ class Batcher:
                 out.append(e)
         return out
 
-    async def _finish(self, batch: list[_Pending], fut: asyncio.Future[Any],
-                      started: list[float]) -> None:
-        try:
-            live, x, result = await fut
-        except BaseException as e:  # every waiter must hear of the failure
-            self._finished()
+    def _finish(self, batch: list[_Pending], done: _Done | None,
+                exc: BaseException | None) -> None:
+        """On the loop: hand each request its rows (or the batch's failure)."""
+        self._unfinished -= 1
+        self._running -= len(batch)
+        if self._queue:
+            self._wake.set()  # a launch slot is free for what waits
+        if self._drained is not None and self._unfinished == 0 and not self._drained.done():
+            self._drained.set_result(None)
+        if exc is not None or done is None:
+            err = exc if isinstance(exc, Exception) else Unavailable(
+                "the worker is shutting down")
             for p in batch:
+                self._settle(p)
                 if not p.fut.done():
-                    p.fut.set_exception(e if isinstance(e, Exception) else Unavailable(
-                        "the worker is shutting down"))
-            if not isinstance(e, Exception):
-                raise
+                    p.fut.set_exception(err)
             return
-        self._finished()
+        live, x, result, t0, t1 = done
         if x is None or result is None:
+            for p in batch:
+                self._settle(p)
             return
-        t0 = started[0]
-        device = started[1] - t0 if len(started) > 1 else None
-        queued = tuple(t0 - p.t_enqueue for p in live)
         if isinstance(result, list):  # run request by request (see _run_each)
-            for p, q, r in zip(live, queued, result, strict=True):
+            for p, r in zip(live, result, strict=True):
+                self._settle(p)
                 if p.fut.done():
                     continue
+                q = t0 - p.t_enqueue
                 if isinstance(r, Q6Error):
                     p.fut.set_exception(r)
                 else:
-                    p.fut.set_result(Outcome(r.y, r, q, p.rows, 1, device))
-                    self._on_batch(BatchStats(r, p.rows, 1, (q,)))
+                    p.fut.set_result(MatmulReply(r.y, r.kernel, r.layout, r.precision, q,
+                                                 r.timing.seconds(), p.rows, 1, t1 - t0))
+                    self._loop_.call_soon(self._on_batch, BatchStats(r, p.rows, 1, (q,)))
             return
-        off = 0
         rows = int(x.shape[0])
+        kernel_s = result.timing.seconds()  # once per batch; None until device events are done
+        queued = tuple(t0 - p.t_enqueue for p in live)
+        off = 0
         for p, q in zip(live, queued, strict=True):
-            y = result.y[off : off + p.rows]
-            off += p.rows
+            self._settle(p)
             if not p.fut.done():
-                p.fut.set_result(Outcome(y, result, q, rows, len(live), device))
-        self._on_batch(BatchStats(result, rows, len(live), queued))
+                p.fut.set_result(MatmulReply(result.y[off : off + p.rows], result.kernel,
+                                             result.layout, result.precision, q, kernel_s,
+                                             rows, len(live), t1 - t0))
+            off += p.rows
+        # after the replies: their handlers are woken first, metrics run behind them
+        self._loop_.call_soon(self._on_batch, BatchStats(result, rows, len(live), queued))
 
-    def _finished(self) -> None:
-        self._unfinished -= 1
-        self._wake.set()
+    @staticmethod
+    def _settle(p: _Pending) -> None:
+        if p.timer is not None:
+            p.timer.cancel()
 
     async def close(self) -> None:
         """Finish launched batches; fail what is still queued."""
@@ -375,8 +407,10 @@ class Batcher:
             await self._task
         while self._queue:
             p = self._queue.popleft()
+            self._settle(p)
             if not p.fut.done():
                 p.fut.set_exception(Unavailable(f"weight {self.name!r} was unloaded"))
         self.queued_rows = 0
-        if self._launches:
-            await asyncio.gather(*self._launches, return_exceptions=True)
+        if self._unfinished:
+            self._drained = self._loop_.create_future()
+            await asyncio.shield(self._drained)

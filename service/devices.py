@@ -465,18 +465,49 @@ class MultiDeviceEngine:
         return min(order, key=lambda d: self.engines[d].get(pl.name).in_flight)
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
+        return await self.start_matmul(call)
+
+    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+        """Replicated: the chosen replica's own future. Sharded: every part is queued now on
+        its device; one future resolves when the last part has (outputs side by side)."""
         self._check_serving()
         pl = self._get(call.weight)
         if pl.mode == "replicate":
-            return await self.engines[self._pick(pl)].matmul(call)
-        replies = await asyncio.gather(*(self.engines[p.device].matmul(call) for p in pl.parts))
-        kernel_s = [r.kernel_seconds for r in replies]
-        first = replies[0]
-        return MatmulReply(
-            np.concatenate([r.y for r in replies], axis=1), first.kernel, first.layout,
-            first.precision, max(r.queue_seconds for r in replies),
-            None if None in kernel_s else max(kernel_s),  # type: ignore[type-var]
-            min(r.batch_rows for r in replies), min(r.batch_requests for r in replies))
+            return self.engines[self._pick(pl)].start_matmul(call)
+        parts: list[asyncio.Future[MatmulReply]] = []
+        try:
+            for p in pl.parts:
+                parts.append(self.engines[p.device].start_matmul(call))
+        except BaseException:
+            for f in parts:
+                f.cancel()
+            raise
+        whole: asyncio.Future[MatmulReply] = asyncio.get_running_loop().create_future()
+        left = [len(parts)]
+
+        def part_done(f: asyncio.Future[MatmulReply]) -> None:
+            left[0] -= 1
+            if whole.done():
+                return
+            if f.cancelled() or f.exception() is not None:
+                for g in parts:  # one part failed: the call has failed
+                    g.cancel()
+                if f.cancelled():
+                    whole.cancel()
+                else:
+                    whole.set_exception(f.exception())  # type: ignore[arg-type]
+            elif left[0] == 0:
+                whole.set_result(_join([g.result() for g in parts]))
+
+        def whole_done(f: asyncio.Future[MatmulReply]) -> None:
+            if f.cancelled():  # the caller went away: drop the parts not run yet
+                for g in parts:
+                    g.cancel()
+
+        for f in parts:
+            f.add_done_callback(part_done)
+        whole.add_done_callback(whole_done)
+        return whole
 
     # -- flags ------------------------------------------------------------------------------
     @property
@@ -513,6 +544,17 @@ class MultiDeviceEngine:
         self._serving = False
         self._weights.clear()
         await asyncio.gather(*(e.close() for e in self.engines))
+
+
+def _join(replies: list[MatmulReply]) -> MatmulReply:
+    """One sharded call's reply from its parts' (outputs side by side, in row order)."""
+    kernel_s = [r.kernel_seconds for r in replies]
+    first = replies[0]
+    return MatmulReply(
+        np.concatenate([r.y for r in replies], axis=1), first.kernel, first.layout,
+        first.precision, max(r.queue_seconds for r in replies),
+        None if None in kernel_s else max(kernel_s),  # type: ignore[type-var]
+        min(r.batch_rows for r in replies), min(r.batch_requests for r in replies))
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

@@ -42,7 +42,15 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
-from .batcher import Batcher, BatchKey, BatchSettings, BatchStats, Device
+from .batcher import (
+    Batcher,
+    BatchKey,
+    BatchSettings,
+    BatchStats,
+    DeadlineExceeded,
+    Device,
+    MatmulReply,
+)
 from .config import WorkerConfig
 from .flags import Flags, FlagState
 from .metrics import Metrics
@@ -87,19 +95,6 @@ class MatmulCall:
     precision: Precision = Precision.AUTO
     out_dtype: np.dtype = DTYPES["f32"]
     timeout: float | None = None  # seconds left of the caller's deadline
-
-
-@dataclass(frozen=True)
-class MatmulReply:
-    y: np.ndarray
-    kernel: str
-    layout: Layout
-    precision: Precision
-    queue_seconds: float
-    kernel_seconds: float | None
-    batch_rows: int
-    batch_requests: int
-    device_seconds: float | None = None  # wall time of the batch's device job
 
 
 @dataclass(frozen=True)
@@ -462,29 +457,36 @@ class Engine:
 
     # -- matmul -----------------------------------------------------------------------------
     async def matmul(self, call: MatmulCall) -> MatmulReply:
+        return await self.start_matmul(call)
+
+    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+        """Check ``call`` and queue it now (on an idle device its launch is already submitted
+        when this returns); the future resolves with the reply. A call that is refused raises
+        here. Cancelling the future drops the request if it has not run yet."""
         self._check_serving()
         x = call.x
         if x.ndim != 2 or x.shape[0] < 1:
             raise InvalidArgument(f"activations must be [N, K] with N >= 1, got {x.shape}")
-        if x.shape[0] > self.config.max_request_rows:
-            raise InvalidArgument(f"N={x.shape[0]} exceeds the per-request limit of "
+        n = int(x.shape[0])
+        if n > self.config.max_request_rows:
+            raise InvalidArgument(f"N={n} exceeds the per-request limit of "
                                   f"{self.config.max_request_rows} rows")
-        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype))
         if call.timeout is not None and call.timeout <= 0:
-            from .batcher import DeadlineExceeded
-
             raise DeadlineExceeded("deadline already passed")
-        with self.registry.use(call.weight) as e:
+        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype))
+        e = self.registry.acquire(call.weight)  # kept alive until the future is done
+        try:
             if x.shape[1] != e.k:
                 raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
                                   f"K={e.k}")
             # refuse what the current flags forbid before queueing (clear status, no batch)
-            self.backend.plan(int(x.shape[0]), call.precision, self.flags.state.kernel_flags())
-            out = await e.batcher.submit(x, key, call.timeout)
-        r = out.result
-        return MatmulReply(out.y, r.kernel, r.layout, r.precision, out.queue_seconds,
-                           r.timing.seconds(), out.batch_rows, out.batch_requests,
-                           out.device_seconds)
+            self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
+            fut = e.batcher.enqueue(x, key, call.timeout)
+        except BaseException:
+            self.registry.release(e)
+            raise
+        fut.add_done_callback(lambda _: self.registry.release(e))
+        return fut
 
     # -- flags ------------------------------------------------------------------------------
     def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:

@@ -93,14 +93,22 @@ class Registry:
     @contextlib.contextmanager
     def use(self, name: str) -> Iterator[WeightEntry]:
         """The entry, kept alive (not freed) until the block exits."""
-        entry = self.get(name)
-        entry.refs += 1
+        entry = self.acquire(name)
         try:
             yield entry
         finally:
-            entry.refs -= 1
-            if entry.removed and entry.refs == 0:
-                self._on_unused(entry)
+            self.release(entry)
+
+    def acquire(self, name: str) -> WeightEntry:
+        """The entry, kept alive until :meth:`release` (for work that outlives a block)."""
+        entry = self.get(name)
+        entry.refs += 1
+        return entry
+
+    def release(self, entry: WeightEntry) -> None:
+        entry.refs -= 1
+        if entry.removed and entry.refs == 0:
+            self._on_unused(entry)
 
     def remove(self, name: str) -> WeightEntry:
         entry = self.get(name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,15 @@ log = logging.getLogger("q6serve.rpc")
 
 def _timeout(context: grpc.aio.ServicerContext) -> float | None:
     return context.time_remaining()
+
+
+def _stream_error(request_id: str, e: BaseException) -> Any:
+    """A failed stream request's reply: its status (INTERNAL for what is not ours, logged)."""
+    if isinstance(e, Q6Error):
+        return wire.stream_error(request_id, status_code(e).value[0], str(e))
+    log.error("MatmulStream request %r failed", request_id[:64], exc_info=e)
+    return wire.stream_error(request_id, grpc.StatusCode.INTERNAL.value[0],
+                             "internal error (logged by the worker)")
 
 
 class _Window:
@@ -117,8 +127,10 @@ class Q6ServeServicer:
 
     async def MatmulStream(self, request_iterator: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """Requests run concurrently (so they batch with each other and with other callers);
-        replies go out as they finish, each tagged with its request id.
+        """Requests are queued as they arrive (so they batch with each other and with other
+        callers); replies go out as they finish, each tagged with its request id. No task per
+        request: the reader decodes and queues each request (``Engine.start_matmul``) and the
+        request's future hands its encoded reply to the stream's queue from a done callback.
 
         Back-pressure: a request holds its share of the stream's window (one of
         ``max_stream_inflight`` slots and its :meth:`_cost` in bytes) until its reply has been
@@ -129,35 +141,51 @@ class Q6ServeServicer:
         """
         out: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
         window = _Window(self.max_stream_inflight, self.max_stream_bytes)
-        running: set[asyncio.Task[None]] = set()
+        pending: set[asyncio.Future[Any]] = set()
+        state = {"reading": True, "open": 0}  # open: requests whose reply is not queued yet
 
-        async def one(req: Any, cost: int) -> None:
-            try:
-                t0 = RPC_START.get(None) or time.perf_counter()
-                call = wire.matmul_call(req, _timeout(context))
-                took = wire.Took(t0, time.perf_counter())
-                reply = await self.engine.matmul(call)
-                item = wire.stream_result(reply, req.request_id, took)
-            except Q6Error as e:
-                item = wire.stream_error(req.request_id, status_code(e).value[0], str(e))
-            except Exception:
-                log.exception("MatmulStream request %r failed", req.request_id[:64])
-                item = wire.stream_error(req.request_id, grpc.StatusCode.INTERNAL.value[0],
-                                         "internal error (logged by the worker)")
+        def put(item: Any, cost: int) -> None:
             out.put_nowait((item, cost))
+            state["open"] -= 1
+            if not state["reading"] and state["open"] == 0:
+                out.put_nowait(None)
+
+        def answer(rid: str, took: wire.Took, cost: int, fut: asyncio.Future[Any]) -> None:
+            pending.discard(fut)
+            if fut.cancelled():  # only at the stream's end: nobody reads any more
+                return
+            exc = fut.exception()
+            try:
+                item = (wire.stream_result(fut.result(), rid, took) if exc is None
+                        else _stream_error(rid, exc))
+            except Exception as e:  # encoding failed: the request still gets an answer
+                item = _stream_error(rid, e)
+            put(item, cost)
 
         async def read() -> None:
             try:
                 async for req in request_iterator:
                     cost = self._cost(req)
                     await window.acquire(cost)
-                    task = asyncio.get_running_loop().create_task(one(req, cost))
-                    del req  # the task holds it; nothing else should
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if running:
-                    await asyncio.gather(*running)
-            finally:
+                    t0 = RPC_START.get(None) or time.perf_counter()
+                    rid = req.request_id
+                    state["open"] += 1
+                    try:
+                        call = wire.matmul_call(req, _timeout(context))
+                        took = wire.Took(t0, time.perf_counter())
+                        fut = self.engine.start_matmul(call)
+                    except Exception as e:
+                        put(_stream_error(rid, e), cost)
+                        continue
+                    finally:
+                        del req  # the queued call holds what it needs (x); nothing else
+                    pending.add(fut)
+                    fut.add_done_callback(functools.partial(answer, rid, took, cost))
+            except BaseException:
+                out.put_nowait(None)  # stop the replies; the failure surfaces below
+                raise
+            state["reading"] = False
+            if state["open"] == 0:
                 out.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
@@ -170,10 +198,11 @@ class Q6ServeServicer:
                 window.release(cost)
             await reader  # surfaces a failure of the request stream itself
         finally:
-            for task in (reader, *running):
-                task.cancel()
+            reader.cancel()
+            for fut in list(pending):
+                fut.cancel()
             with contextlib.suppress(BaseException):
-                await asyncio.gather(reader, *running, return_exceptions=True)
+                await reader
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.status_response(self.engine.status())
