@@ -11,7 +11,7 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
@@ -53,6 +53,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata
         admin = method in ADMIN_METHODS
 
+        try:
+            # Here, before gRPC has read the request message: a refused caller never gets a
+            # (possibly 256 MiB) payload buffered in the worker.
+            self._auth.check(path, method, admin, metadata)
+        except Q6Error as e:
+            return self._refusal(e, method, handler)
+
         deserialize = handler.request_deserializer
         streaming_request = bool(handler.stream_unary or handler.stream_stream)
 
@@ -72,8 +79,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 yield decode(raw)
 
         def before(raw: Any) -> Any:
-            """Auth first, then the request decoded (or a decoding iterator for streams)."""
-            self._auth.check(path, method, admin, metadata)
+            """The request decoded (or a decoding iterator for streams)."""
             return decode_stream(raw) if streaming_request else decode(raw)
 
         if handler.unary_unary or handler.stream_unary:
@@ -85,7 +91,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     result = await inner(before(request), context)
                 except BaseException as e:
-                    await self._fail(e, context, method, t0)
+                    self._failed(e, context, method, t0)
+                    return None  # gRPC discards a reply when the status is not OK
                 self._observe(method, "OK", t0)
                 return result
 
@@ -103,7 +110,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 async for item in inner_stream(before(request), context):
                     yield item
             except BaseException as e:
-                await self._fail(e, context, method, t0)
+                self._failed(e, context, method, t0)
+                return
             self._observe(method, "OK", t0)
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
@@ -111,15 +119,49 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
 
-    async def _fail(self, e: BaseException, context: grpc.aio.ServicerContext, method: str,
-                    t0: float) -> NoReturn:
-        """Record a failed call, then re-raise ``e`` when it is not ours to map, or abort with
-        its status (recorded first, so the metric exists before the status reaches the client)."""
+    def _refusal(self, e: Q6Error, method: str, handler: grpc.RpcMethodHandler) -> Any:
+        """A handler answering ``e`` without reading the request: declared request-streaming
+        (the wire format is the same), so gRPC does not receive the message before calling
+        it; the unread bytes are dropped with the call."""
+        t0 = time.perf_counter()
+        code = status_code(e)
+
+        def answer(context: grpc.aio.ServicerContext) -> None:
+            self._observe(method, code.name, t0)
+            context.set_code(code)
+            context.set_details(str(e))
+
+        if handler.unary_stream or handler.stream_stream:
+            async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext,
+                                    ) -> AsyncIterator[Any]:
+                answer(context)
+                return
+                yield  # an async generator that yields nothing
+
+            return grpc.stream_stream_rpc_method_handler(
+                refuse_stream, response_serializer=handler.response_serializer)
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            answer(context)
+            return None
+
+        return grpc.stream_unary_rpc_method_handler(
+            refuse, response_serializer=handler.response_serializer)
+
+    def _failed(self, e: BaseException, context: grpc.aio.ServicerContext, method: str,
+                t0: float) -> None:
+        """Record a failed call (before its status reaches the client), then re-raise ``e``
+        when it is not ours to map, or set the status for the handler to return with.
+
+        Set, not ``context.abort()``: abort raises an AbortError that grpc keeps in a reference
+        cycle with the handler's frames, and those frames hold the request -- refused 200 MB
+        requests stayed in memory until the cyclic collector happened to run (issue 18)."""
         code, message = self._classify(e, context, method)
         self._observe(method, code, t0)
         if message is None:
             raise e
-        await context.abort(getattr(grpc.StatusCode, code_name(e)), message)
+        context.set_code(getattr(grpc.StatusCode, code))
+        context.set_details(message)
 
     @staticmethod
     def _classify(e: BaseException, context: grpc.aio.ServicerContext, method: str,
