@@ -39,13 +39,16 @@ from .core import (
     output_of,
     status_to_dict,
     stream_outcome,
+    stream_requests,
     upload_header,
     upload_messages,
     weights_of,
 )
 from .retry import RetryPolicy, acall_with_retry
+from .shm import RegionArg
 
-StreamItem = tuple[str, str, np.ndarray]  # (request_id, weight, x)
+# (request_id, weight, x) or (request_id, weight, x, x_region, y_region)
+StreamItem = tuple[Any, ...]
 
 
 class AsyncClient:
@@ -127,38 +130,47 @@ class AsyncClient:
 
     # -- matmul -----------------------------------------------------------------------------
     async def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                          out_dtype: str = "f32", timeout: float | None = None) -> MatmulOutput:
-        req = matmul_request(weight, x, precision, out_dtype)
-        return output_of(await self._call("Matmul", req, timeout))
+                          out_dtype: str = "f32", timeout: float | None = None,
+                          x_region: RegionArg | None = None,
+                          y_region: RegionArg | None = None) -> MatmulOutput:
+        """Regions as for :meth:`Client.matmul_full` (co-located callers, --allow-shm)."""
+        req = matmul_request(weight, x, precision, out_dtype, x_region=x_region,
+                             y_region=y_region)
+        return output_of(await self._call("Matmul", req, timeout), y_region)
 
     async def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                     out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
+                     out_dtype: str = "f32", timeout: float | None = None,
+                     x_region: RegionArg | None = None,
+                     y_region: RegionArg | None = None) -> np.ndarray:
         out = await self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                                     timeout=timeout)
+                                     timeout=timeout, x_region=x_region, y_region=y_region)
         return out.y
 
     async def matmul_stream(self, requests: Iterable[StreamItem] | AsyncIterable[StreamItem],
                             *, precision: str = "auto", out_dtype: str = "f32",
                             timeout: float | None = None,
                             ) -> AsyncIterator[MatmulOutput | Q6ServeError]:
-        """``(request_id, weight, x)`` in (a plain or async iterable; an async generator may
-        wait for replies before sending more); per request a MatmulOutput or a Q6ServeError
-        (with ``request_id`` set) out, in completion order. Not retried: requests already
-        sent may have run. ``timeout`` bounds the whole stream."""
+        """``(request_id, weight, x)`` or ``(request_id, weight, x, x_region, y_region)`` in
+        (a plain or async iterable; an async generator may wait for replies before sending
+        more); per request a MatmulOutput or a Q6ServeError (with ``request_id`` set) out, in
+        completion order. Not retried: requests already sent may have run. ``timeout``
+        bounds the whole stream."""
+        y_regions: dict[str, RegionArg] = {}
 
         async def messages() -> AsyncIterator[pb.MatmulRequest]:
             if isinstance(requests, AsyncIterable):
-                async for rid, w, x in requests:
-                    yield matmul_request(w, x, precision, out_dtype, rid)
+                async for item in requests:
+                    for m in stream_requests([item], precision, out_dtype, y_regions):
+                        yield m
             else:
-                for rid, w, x in requests:
-                    yield matmul_request(w, x, precision, out_dtype, rid)
+                for m in stream_requests(requests, precision, out_dtype, y_regions):
+                    yield m
 
         call = self._stub.MatmulStream(messages(), metadata=self._metadata,
                                        timeout=timeout if timeout is not None else self.timeout)
         try:
             async for r in call:
-                yield stream_outcome(r)
+                yield stream_outcome(r, y_regions.pop(r.request_id, None))
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
         finally:

@@ -21,6 +21,7 @@ import numpy as np
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
+from . import shm
 from .channel import MAX_MESSAGE_BYTES, sync_channel, token_metadata
 from .core import (  # noqa: F401  (re-exported: the public names of this module)
     DTYPES,
@@ -30,6 +31,7 @@ from .core import (  # noqa: F401  (re-exported: the public names of this module
     UPLOAD_FORMATS,
     MatmulOutput,
     Q6ServeError,
+    RegionInfo,
     Weight,
     as_bytes_view,
     decode_tensor,
@@ -45,11 +47,13 @@ from .core import (  # noqa: F401  (re-exported: the public names of this module
     output_of,
     status_to_dict,
     stream_outcome,
+    stream_requests,
     upload_header,
     upload_messages,
     weights_of,
 )
 from .retry import RetryPolicy, call_with_retry
+from .shm import RegionArg, ShmRegion
 
 _output = output_of  # the name earlier code imported
 
@@ -141,32 +145,80 @@ class Client:
 
     # -- matmul -----------------------------------------------------------------------------
     def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                    out_dtype: str = "f32", timeout: float | None = None) -> MatmulOutput:
-        req = matmul_request(weight, x, precision, out_dtype)
-        return output_of(self._call("Matmul", req, timeout))
+                    out_dtype: str = "f32", timeout: float | None = None,
+                    x_region: RegionArg | None = None,
+                    y_region: RegionArg | None = None) -> MatmulOutput:
+        """``x_region`` / ``y_region``: a registered ShmRegion or (region, byte offset) that
+        carries x / y instead of the messages (``register_shm``); y is then a view of the
+        region, valid until the region is next written."""
+        req = matmul_request(weight, x, precision, out_dtype, x_region=x_region,
+                             y_region=y_region)
+        return output_of(self._call("Matmul", req, timeout), y_region)
 
     def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-               out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
+               out_dtype: str = "f32", timeout: float | None = None,
+               x_region: RegionArg | None = None,
+               y_region: RegionArg | None = None) -> np.ndarray:
         return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                                timeout=timeout).y
+                                timeout=timeout, x_region=x_region, y_region=y_region).y
 
-    def matmul_stream(self, requests: Iterable[tuple[str, str, np.ndarray]], *,
+    def matmul_stream(self, requests: Iterable[tuple[Any, ...]], *,
                       precision: str = "auto", out_dtype: str = "f32",
                       timeout: float | None = None,
                       ) -> Iterator[MatmulOutput | Q6ServeError]:
-        """``(request_id, weight, x)`` in; per request a MatmulOutput or a Q6ServeError (with
-        ``request_id`` set) out, in completion order. Not retried: requests already sent may
-        have run. ``timeout`` bounds the whole stream."""
-        msgs = (matmul_request(w, x, precision, out_dtype, rid) for rid, w, x in requests)
+        """``(request_id, weight, x)`` or ``(request_id, weight, x, x_region, y_region)``
+        (regions as for ``matmul``, None for bytes) in; per request a MatmulOutput or a
+        Q6ServeError (with ``request_id`` set) out, in completion order. Not retried: requests
+        already sent may have run. ``timeout`` bounds the whole stream."""
+        y_regions: dict[str, RegionArg] = {}
+        msgs = stream_requests(requests, precision, out_dtype, y_regions)
         call = self._stub.MatmulStream(msgs, metadata=self._metadata,
                                        timeout=timeout if timeout is not None else self.timeout)
         try:
             for r in call:
-                yield stream_outcome(r)
+                yield stream_outcome(r, y_regions.pop(r.request_id, None))
         except grpc.RpcError as e:
             raise Q6ServeError.from_rpc(e) from None
         finally:
             call.cancel()  # no-op once finished; stops the stream if the caller broke out
+
+    # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
+    def register_shm(self, name: str, size: int, *, key: str | None = None,
+                     timeout: float | None = None) -> ShmRegion:
+        """Create a POSIX shared-memory object of ``size`` bytes and register it as region
+        ``name``. Closing the region (or leaving its ``with``) unregisters and unlinks it."""
+        region = ShmRegion.create(name, size, key)
+        try:
+            self.register_region(region, timeout=timeout)
+        except BaseException:
+            region.close()
+            raise
+        region.on_close = lambda: self._unregister_quietly(name)
+        return region
+
+    def register_region(self, region: ShmRegion, timeout: float | None = None) -> RegionInfo:
+        """Register an already mapped region (e.g. ``ShmRegion.attach``)."""
+        r = self._call("RegisterRegion", shm.register_request(region), timeout)
+        return RegionInfo.from_pb(r.region)
+
+    def unregister_region(self, name: str, timeout: float | None = None) -> RegionInfo:
+        r = self._call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), timeout)
+        return RegionInfo.from_pb(r.region)
+
+    def _unregister_quietly(self, name: str) -> None:
+        """On region close: the worker may be gone or draining (it closes regions then)."""
+        try:
+            self.unregister_region(name, timeout=5.0)
+        except Q6ServeError as e:
+            if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
+                              grpc.StatusCode.CANCELLED):
+                raise
+        except ValueError:  # this client's channel is closed already
+            pass
+
+    def list_regions(self, timeout: float | None = None) -> list[RegionInfo]:
+        r = self._call("ListRegions", pb.ListRegionsRequest(), timeout)
+        return [RegionInfo.from_pb(x) for x in r.regions]
 
     # -- worker -----------------------------------------------------------------------------
     def status(self, timeout: float | None = None) -> pb.GetStatusResponse:

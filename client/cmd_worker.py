@@ -45,6 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
            "each; --vram-budget applies per device (NumPy: independent CPU 'devices')")
     a("--placement", choices=("shard", "replicate"), default="shard",
       help="with --devices: split each weight's rows over the devices (default) or replicate")
+    a("--allow-shm", action="store_true", default=None,
+      help="let co-located callers register shared-memory regions and name them in matmuls "
+           "instead of sending bytes (docs/SERVICE.md, data plane)")
+    a("--max-regions", type=int, help="registered regions, all callers together (default 64)")
+    a("--max-region-bytes", type=int,
+      help="mapped bytes of all regions together (default 4GiB)")
     a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
       help="logging level (default INFO)")
     p.set_defaults(func=run)
@@ -53,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
                "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
-               "max_upload_bytes", "grace_period_s")
+               "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
+               "max_region_bytes")
 
 
 class _ListeningFirst(logging.Handler):

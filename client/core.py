@@ -20,6 +20,9 @@ import numpy as np
 
 from q6serve.v1 import q6serve_pb2 as pb
 
+from . import shm
+from .shm import RegionArg
+
 # -- the codec table: one row per wire dtype --------------------------------------------------
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -174,13 +177,26 @@ def upload_messages(header: pb.UploadHeader, raw: memoryview | bytes,
 
 
 def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",
-                   out_dtype: str = "f32", request_id: str = "") -> pb.MatmulRequest:
+                   out_dtype: str = "f32", request_id: str = "", *,
+                   x_region: RegionArg | None = None,
+                   y_region: RegionArg | None = None) -> pb.MatmulRequest:
+    """``x_region``: x travels through that shared-memory region (copied there unless x is
+    already its view at that offset); ``y_region``: the worker writes y there (.shm)."""
     req = pb.MatmulRequest(weight=weight, precision=_choice(PRECISIONS, precision, "precision"),
                            out_dtype=_choice(_DTYPE_TO_PB, out_dtype, "out_dtype"),
                            request_id=request_id)
-    # x set in place: a big submessage passed to the constructor is copied the slow way in
-    # upb (N=64 ffn_down activations: 489 -> 289 us with serialization; bench/RESULTS.md)
-    fill_tensor(req.x, x)
+    if x_region is not None:
+        x = np.asarray(x)
+        name = dtype_name(x.dtype)
+        if name is None:
+            raise ValueError(f"dtype {x.dtype} is not one of {', '.join(DTYPES)}")
+        shm.place_x(req, x, _DTYPE_TO_PB[name], x_region)
+    else:
+        # x set in place: a big submessage passed to the constructor is copied the slow way
+        # in upb (N=64 ffn_down activations: 489 -> 289 us with serialization; RESULTS.md)
+        fill_tensor(req.x, x)
+    if y_region is not None:
+        shm.place_y(req, y_region)
     return req
 
 
@@ -208,25 +224,56 @@ def is_serving(reply: Any) -> bool:
 
 
 # -- replies ----------------------------------------------------------------------------------
-def output_of(r: pb.MatmulResponse) -> MatmulOutput:
+def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> MatmulOutput:
+    """``y_region``: the request's; y is then a view of that region (the reply has no bytes)."""
     t = r.timing
 
     def opt(name: str) -> float | None:
         return getattr(t, name) if t.HasField(name) else None
 
-    return MatmulOutput(decode_tensor(r.y), r.kernel, _LAYOUT_NAME[r.layout],
+    y = (decode_tensor(r.y) if y_region is None
+         else shm.read_y(r.y, y_region, DTYPES[_DTYPE_FROM_PB[r.y.dtype]]))
+    return MatmulOutput(y, r.kernel, _LAYOUT_NAME[r.layout],
                         _PRECISION_NAME[r.precision], t.queue_seconds, opt("kernel_seconds"),
                         t.batch_rows, t.batch_requests, r.request_id, opt("decode_seconds"),
                         opt("device_seconds"), opt("handler_seconds"))
 
 
-def stream_outcome(r: Any) -> MatmulOutput | Q6ServeError:
+def stream_outcome(r: Any, y_region: RegionArg | None = None) -> MatmulOutput | Q6ServeError:
     """One MatmulStream reply as the caller sees it: its result, or that request's own error
     (the stream itself goes on)."""
     if r.WhichOneof("outcome") == "error":
         code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
         return Q6ServeError(code, r.error.message, r.request_id)
-    return output_of(r.result)
+    return output_of(r.result, y_region)
+
+
+def stream_requests(requests: Iterable[tuple[Any, ...]], precision: str, out_dtype: str,
+                    y_regions: dict[str, RegionArg]) -> Iterator[pb.MatmulRequest]:
+    """MatmulStream requests from ``(request_id, weight, x)`` or ``(request_id, weight, x,
+    x_region, y_region)`` tuples; records each y_region by request id (for stream_outcome)."""
+    for rid, w, x, *io in requests:
+        xr, yr = [*io, None, None][:2]
+        if yr is not None:
+            y_regions[rid] = yr
+        yield matmul_request(w, x, precision, out_dtype, rid, x_region=xr, y_region=yr)
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A registered shared-memory region (ListRegions)."""
+
+    name: str
+    kind: str  # "system" or "cuda"
+    key: str
+    offset: int
+    byte_size: int
+    in_use: int
+
+    @classmethod
+    def from_pb(cls, r: pb.RegionInfo) -> RegionInfo:
+        kind = {pb.REGION_KIND_SYSTEM: "system", pb.REGION_KIND_CUDA: "cuda"}.get(r.kind, "")
+        return cls(r.name, kind, r.key, r.offset, r.byte_size, r.in_use)
 
 
 def weights_of(r: Any) -> list[Weight]:

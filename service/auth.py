@@ -5,6 +5,9 @@
 - ``admin_token`` set: LoadWeights, UploadWeight, UnloadWeight and SetFlags need it (missing or
   invalid credentials: UNAUTHENTICATED; the valid user token: PERMISSION_DENIED).
 Neither set: open (the default bind is 127.0.0.1).
+
+``identity`` names the caller for what callers own (shared-memory regions): "admin", "user" or
+"anonymous" (no valid token, or a worker without tokens, where every caller is the same one).
 """
 
 from __future__ import annotations
@@ -56,3 +59,14 @@ class TokenAuth:
             raise Unauthenticated(f"{method} needs the admin bearer token")
         if self.token and not (is_admin or is_user):
             raise Unauthenticated(f"{method} needs a valid bearer token")
+
+    def identity(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """Who owns what this caller registers (the interceptor has checked the token)."""
+        if not self.enabled:
+            return "anonymous"
+        given = _bearer(metadata)
+        if _match(given, self.admin_token):
+            return "admin"
+        if _match(given, self.token):
+            return "user"
+        return "anonymous"

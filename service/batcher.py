@@ -97,6 +97,9 @@ class Device:
                 outcome = (None, e)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(self._done, done, *outcome)
+            # drop this job's arrays now, not at the next job: activations may view a
+            # shared-memory region that must unmap when its request is done (regions.py)
+            job = done = fn = args = outcome = None  # type: ignore[assignment]
 
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1

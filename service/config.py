@@ -84,10 +84,14 @@ class WorkerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: mutual TLS, client certificates required
+    # shared-memory regions (service/regions.py): off unless asked for
+    allow_shm: bool = False
+    max_regions: int = 64
+    max_region_bytes: int = 4 * 2**30  # mapped bytes of all regions together
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes",
-                     "max_stream_bytes"):
+                     "max_stream_bytes", "max_regions", "max_region_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_batch_delay_us < 0:

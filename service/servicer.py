@@ -15,11 +15,13 @@ from typing import Any
 
 import grpc
 
-from q6serve.kernels.errors import InvalidArgument, Q6Error
+from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
-from . import wire
+from . import regions, wire
+from .auth import TokenAuth
 from .engine import Engine
 from .interceptor import RPC_START, status_code
+from .regions import RegionIO, RegionTable
 
 log = logging.getLogger("q6serve.rpc")
 
@@ -70,10 +72,33 @@ class _Window:
 
 class Q6ServeServicer:
     def __init__(self, engine: Engine, max_stream_inflight: int = 256,
-                 max_stream_bytes: int = 64 << 20) -> None:
+                 max_stream_bytes: int = 64 << 20, regions: RegionTable | None = None,
+                 auth: TokenAuth | None = None) -> None:
         self.engine = engine
         self.max_stream_inflight = max_stream_inflight
         self.max_stream_bytes = max_stream_bytes
+        # no table: a worker built without one refuses regions like one without --allow-shm
+        self.regions = regions if regions is not None else RegionTable(False, 0, 0)
+        self.auth = auth or TokenAuth()
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        return self.auth.identity(context.invocation_metadata())
+
+    async def _region_matmul(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
+                             t0: float) -> tuple[Any, wire.Took]:
+        """A Matmul whose x and/or y live in shared-memory regions (regions.py): the regions
+        are held open for the whole request, so this one is a coroutine."""
+        timeout = _timeout(context)
+        decoded: list[float] = []
+
+        def make_call(x: Any) -> Any:
+            call = wire.matmul_call(req, timeout, x)
+            decoded.append(time.perf_counter())
+            return call
+
+        reply = await regions.matmul(self.regions, self.engine, self._caller(context), io,
+                                     make_call)
+        return reply, wire.Took(t0, decoded[0])
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         views = await self.engine.load_gguf(request.gguf_path, list(request.tensors),
@@ -108,6 +133,10 @@ class Q6ServeServicer:
 
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = RPC_START.get(None) or time.perf_counter()
+        io = wire.region_io(request)
+        if io is not None:
+            reply, took = await self._region_matmul(request, io, context, t0)
+            return wire.matmul_response(reply, request.request_id, took, io.y is None)
         call = wire.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
         reply = await self.engine.matmul(call)
@@ -150,14 +179,21 @@ class Q6ServeServicer:
             if not state["reading"] and state["open"] == 0:
                 out.put_nowait(None)
 
-        def answer(rid: str, took: wire.Took, cost: int, fut: asyncio.Future[Any]) -> None:
+        def answer(rid: str, took: wire.Took | None, cost: int, fut: asyncio.Future[Any],
+                   ) -> None:
+            """``took`` None: a region request, whose future gives (reply, took)."""
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
                 return
             exc = fut.exception()
             try:
-                item = (wire.stream_result(fut.result(), rid, took) if exc is None
-                        else _stream_error(rid, exc))
+                if exc is not None:
+                    item = _stream_error(rid, exc)
+                elif took is None:
+                    reply, region_took, y_bytes = fut.result()
+                    item = wire.stream_result(reply, rid, region_took, y_bytes)
+                else:
+                    item = wire.stream_result(fut.result(), rid, took)
             except Exception as e:  # encoding failed: the request still gets an answer
                 item = _stream_error(rid, e)
             put(item, cost)
@@ -171,6 +207,13 @@ class Q6ServeServicer:
                     rid = req.request_id
                     state["open"] += 1
                     try:
+                        io = wire.region_io(req)
+                        if io is not None:  # rare path: a task holds the regions
+                            fut = asyncio.ensure_future(self._stream_region(req, io, context,
+                                                                            t0))
+                            pending.add(fut)
+                            fut.add_done_callback(functools.partial(answer, rid, None, cost))
+                            continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
                         fut = self.engine.start_matmul(call)
@@ -204,8 +247,27 @@ class Q6ServeServicer:
             with contextlib.suppress(BaseException):
                 await reader
 
+    async def _stream_region(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
+                             t0: float) -> tuple[Any, wire.Took, bool]:
+        reply, took = await self._region_matmul(req, io, context, t0)
+        return reply, took, io.y is None
+
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.status_response(self.engine.status())
 
     async def SetFlags(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.set_flags_response(self.engine.set_flags(wire.flag_changes(request)))
+
+    async def RegisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not self.engine.serving:
+            raise Unavailable("the worker is draining and takes no new regions")
+        view = self.regions.register(self._caller(context), request.name,
+                                     wire.region_source(request))
+        return wire.register_region_response(view)
+
+    async def UnregisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return wire.unregister_region_response(
+            self.regions.unregister(self._caller(context), request.name))
+
+    async def ListRegions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return wire.list_regions_response(self.regions.list(self._caller(context)))

@@ -19,6 +19,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
 from .flags import FlagState
+from .regions import CudaIpcSource, RegionIO, RegionRef, RegionView, ShmSource
 from .shards import RowRange, RowSelect
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Q6Serve"].full_name
@@ -49,14 +50,20 @@ def dtype_from_pb(value: int) -> np.dtype:
     return DTYPES[_enum(_DTYPE_FROM_PB, value, "dtype")]
 
 
-def decode_tensor(t: pb.Tensor, what: str = "x") -> np.ndarray:
-    """A read-only zero-copy view of ``t.data`` as ``t.shape`` of ``t.dtype``."""
+def tensor_spec(t: pb.Tensor, what: str = "x") -> tuple[np.dtype, tuple[int, int]]:
+    """dtype and 2-D shape of ``t``, checked."""
     dt = dtype_from_pb(t.dtype)
     shape = tuple(int(d) for d in t.shape)
     if len(shape) != 2:
         raise InvalidArgument(f"{what} must be 2-D [N, K], got shape {list(shape)}")
     if any(d >= MAX_DIM for d in shape):
         raise InvalidArgument(f"{what} shape {list(shape)} is too large")
+    return dt, shape  # type: ignore[return-value]
+
+
+def decode_tensor(t: pb.Tensor, what: str = "x") -> np.ndarray:
+    """A read-only zero-copy view of ``t.data`` as ``t.shape`` of ``t.dtype``."""
+    dt, shape = tensor_spec(t, what)
     want = shape[0] * shape[1] * dt.itemsize
     data = t.data  # read once: upb builds a fresh bytes copy on every access
     if len(data) != want:
@@ -72,12 +79,14 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
                      data=le.tobytes())
 
 
-def matmul_call(req: pb.MatmulRequest, timeout: float | None) -> MatmulCall:
+def matmul_call(req: pb.MatmulRequest, timeout: float | None,
+                x: np.ndarray | None = None) -> MatmulCall:
+    """The engine's call; ``x``: activations already read from a region (else decoded)."""
     if not req.weight:
         raise InvalidArgument("MatmulRequest.weight is empty")
     if not req.HasField("x"):
         raise InvalidArgument("MatmulRequest.x is missing")
-    return MatmulCall(weight=req.weight, x=decode_tensor(req.x),
+    return MatmulCall(weight=req.weight, x=decode_tensor(req.x) if x is None else x,
                       precision=_enum(_PREC_FROM_PB, req.precision, "precision"),
                       out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout)
 
@@ -91,13 +100,15 @@ class Took:
 
 
 def fill_matmul_response(resp: pb.MatmulResponse, r: MatmulReply, request_id: str = "",
-                         took: Took | None = None) -> pb.MatmulResponse:
+                         took: Took | None = None, y_bytes: bool = True) -> pb.MatmulResponse:
     """Set ``resp``'s fields in place. Passing a big submessage to a constructor is far slower
-    in upb (64x3584 f32: 2 ms, in place 0.07 ms; see bench/RESULTS.md, issue 9)."""
-    y = np.ascontiguousarray(r.y)
+    in upb (64x3584 f32: 2 ms, in place 0.07 ms; see bench/RESULTS.md, issue 9).
+    ``y_bytes=False``: y went to a region; the reply states its dtype and shape only."""
+    y = np.ascontiguousarray(r.y) if y_bytes else r.y
     resp.y.dtype = _DTYPE_TO_PB[dtype_name(y.dtype)]
     resp.y.shape.extend(y.shape)
-    resp.y.data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
+    if y_bytes:
+        resp.y.data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
     resp.kernel = r.kernel
     resp.layout = _LAYOUT_TO_PB[r.layout]
     resp.precision = _PREC_TO_PB[r.precision]
@@ -117,20 +128,77 @@ def fill_matmul_response(resp: pb.MatmulResponse, r: MatmulReply, request_id: st
 
 
 def matmul_response(r: MatmulReply, request_id: str = "",
-                    took: Took | None = None) -> pb.MatmulResponse:
-    return fill_matmul_response(pb.MatmulResponse(), r, request_id, took)
+                    took: Took | None = None, y_bytes: bool = True) -> pb.MatmulResponse:
+    return fill_matmul_response(pb.MatmulResponse(), r, request_id, took, y_bytes)
 
 
 def stream_result(r: MatmulReply, request_id: str,
-                  took: Took | None = None) -> pb.MatmulStreamResponse:
+                  took: Took | None = None, y_bytes: bool = True) -> pb.MatmulStreamResponse:
     msg = pb.MatmulStreamResponse(request_id=request_id)
-    fill_matmul_response(msg.result, r, request_id, took)
+    fill_matmul_response(msg.result, r, request_id, took, y_bytes)
     return msg
 
 
 def stream_error(request_id: str, code: int, message: str) -> pb.MatmulStreamResponse:
     return pb.MatmulStreamResponse(request_id=request_id,
                                    error=pb.StreamError(code=code, message=message))
+
+
+# -- shared-memory regions (service/regions.py) ----------------------------------------------
+_REGION_KIND_TO_PB = {"system": pb.REGION_KIND_SYSTEM, "cuda": pb.REGION_KIND_CUDA}
+
+
+def _region_ref(ref: pb.RegionRef, what: str) -> RegionRef:
+    if not ref.region:
+        raise InvalidArgument(f"MatmulRequest.{what}_region names no region")
+    return RegionRef(ref.region, int(ref.offset))
+
+
+def region_io(req: pb.MatmulRequest) -> RegionIO | None:
+    """The request's region references; None when it names none (bytes travel inline)."""
+    has_x, has_y = req.HasField("x_region"), req.HasField("y_region")
+    if not (has_x or has_y):
+        return None
+    x_ref = x_dtype = x_shape = None
+    if has_x:
+        if not req.HasField("x"):
+            raise InvalidArgument("MatmulRequest.x is missing (with x_region it carries dtype "
+                                  "and shape)")
+        if req.x.data:
+            raise InvalidArgument(f"MatmulRequest.x carries {len(req.x.data)} bytes and names "
+                                  "x_region; send one or the other")
+        x_ref = _region_ref(req.x_region, "x")
+        x_dtype, x_shape = tensor_spec(req.x)
+    y_ref = _region_ref(req.y_region, "y") if has_y else None
+    return RegionIO(x_ref, x_dtype, x_shape, y_ref)
+
+
+def region_source(req: pb.RegisterRegionRequest) -> ShmSource | CudaIpcSource:
+    which = req.WhichOneof("source")
+    if which == "system":
+        s = req.system
+        return ShmSource(s.key, int(s.offset), int(s.byte_size))
+    if which == "cuda":
+        c = req.cuda
+        return CudaIpcSource(bytes(c.handle), int(c.device), int(c.byte_size))
+    raise InvalidArgument("RegisterRegionRequest needs a source (system or cuda)")
+
+
+def region_info(v: RegionView) -> pb.RegionInfo:
+    return pb.RegionInfo(name=v.name, kind=_REGION_KIND_TO_PB[v.kind], key=v.key,
+                         offset=v.offset, byte_size=v.byte_size, in_use=v.in_use)
+
+
+def register_region_response(v: RegionView) -> pb.RegisterRegionResponse:
+    return pb.RegisterRegionResponse(region=region_info(v))
+
+
+def unregister_region_response(v: RegionView) -> pb.UnregisterRegionResponse:
+    return pb.UnregisterRegionResponse(region=region_info(v))
+
+
+def list_regions_response(views: list[RegionView]) -> pb.ListRegionsResponse:
+    return pb.ListRegionsResponse(regions=[region_info(v) for v in views])
 
 
 def weight_info(w: WeightView) -> pb.WeightInfo:

@@ -24,6 +24,7 @@ from .config import WorkerConfig
 from .engine import Engine, version
 from .interceptor import ErrorInterceptor
 from .metrics import Metrics
+from .regions import RegionTable
 from .servicer import Q6ServeServicer
 
 log = logging.getLogger("q6serve.worker")
@@ -47,6 +48,7 @@ class Worker:
         self.engine: Engine | None = None
         self.metrics: Metrics | None = None
         self.server: grpc.aio.Server | None = None
+        self.regions: RegionTable | None = None
         self.port = 0
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
@@ -72,7 +74,9 @@ class Worker:
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, auth)],
                                       options=opts)
-        wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes),
+        self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
+        wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
+                                           regions=self.regions, auth=auth),
                            self.server)
         self._health = wire.health_servicer()
         wire.add_health_and_reflection(self.server, self._health)
@@ -116,6 +120,8 @@ class Worker:
         await self._health.enter_graceful_shutdown()
         self.engine.begin_drain()
         await self.server.stop(grace)
+        if self.regions is not None:
+            self.regions.close()
         await self.engine.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

@@ -39,6 +39,12 @@ class UploadFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPLOAD_FORMAT_Q6_K: _ClassVar[UploadFormat]
     UPLOAD_FORMAT_F32: _ClassVar[UploadFormat]
     UPLOAD_FORMAT_F16: _ClassVar[UploadFormat]
+
+class RegionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REGION_KIND_UNSPECIFIED: _ClassVar[RegionKind]
+    REGION_KIND_SYSTEM: _ClassVar[RegionKind]
+    REGION_KIND_CUDA: _ClassVar[RegionKind]
 DTYPE_UNSPECIFIED: DType
 DTYPE_F32: DType
 DTYPE_F16: DType
@@ -57,6 +63,9 @@ UPLOAD_FORMAT_UNSPECIFIED: UploadFormat
 UPLOAD_FORMAT_Q6_K: UploadFormat
 UPLOAD_FORMAT_F32: UploadFormat
 UPLOAD_FORMAT_F16: UploadFormat
+REGION_KIND_UNSPECIFIED: RegionKind
+REGION_KIND_SYSTEM: RegionKind
+REGION_KIND_CUDA: RegionKind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -195,18 +204,22 @@ class UnloadWeightResponse(_message.Message):
     def __init__(self, weight: _Optional[_Union[WeightInfo, _Mapping]] = ...) -> None: ...
 
 class MatmulRequest(_message.Message):
-    __slots__ = ("weight", "x", "out_dtype", "precision", "request_id")
+    __slots__ = ("weight", "x", "out_dtype", "precision", "request_id", "x_region", "y_region")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
     OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    X_REGION_FIELD_NUMBER: _ClassVar[int]
+    Y_REGION_FIELD_NUMBER: _ClassVar[int]
     weight: str
     x: Tensor
     out_dtype: DType
     precision: Precision
     request_id: str
-    def __init__(self, weight: _Optional[str] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    x_region: RegionRef
+    y_region: RegionRef
+    def __init__(self, weight: _Optional[str] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., request_id: _Optional[str] = ..., x_region: _Optional[_Union[RegionRef, _Mapping]] = ..., y_region: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
 
 class MatmulTiming(_message.Message):
     __slots__ = ("queue_seconds", "kernel_seconds", "batch_rows", "batch_requests", "decode_seconds", "device_seconds", "handler_seconds")
@@ -345,3 +358,85 @@ class SetFlagsResponse(_message.Message):
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     flags: _containers.RepeatedCompositeFieldContainer[Flag]
     def __init__(self, flags: _Optional[_Iterable[_Union[Flag, _Mapping]]] = ...) -> None: ...
+
+class SystemShm(_message.Message):
+    __slots__ = ("key", "offset", "byte_size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "device", "byte_size")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device: int
+    byte_size: int
+    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "system", "cuda")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    system: SystemShm
+    cuda: CudaIpcBuffer
+    def __init__(self, name: _Optional[str] = ..., system: _Optional[_Union[SystemShm, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class RegionInfo(_message.Message):
+    __slots__ = ("name", "kind", "key", "offset", "byte_size", "in_use")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: RegionKind
+    key: str
+    offset: int
+    byte_size: int
+    in_use: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[RegionKind, str]] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., in_use: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: RegionInfo
+    def __init__(self, region: _Optional[_Union[RegionInfo, _Mapping]] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: RegionInfo
+    def __init__(self, region: _Optional[_Union[RegionInfo, _Mapping]] = ...) -> None: ...
+
+class ListRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
+
+class RegionRef(_message.Message):
+    __slots__ = ("region", "offset")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...

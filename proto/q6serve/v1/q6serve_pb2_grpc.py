@@ -81,6 +81,21 @@ class Q6ServeStub:
                 request_serializer=q6serve_dot_v1_dot_q6serve__pb2.SetFlagsRequest.SerializeToString,
                 response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.SetFlagsResponse.FromString,
                 _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/q6serve.v1.Q6Serve/RegisterRegion',
+                request_serializer=q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionResponse.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/q6serve.v1.Q6Serve/UnregisterRegion',
+                request_serializer=q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
+        self.ListRegions = channel.unary_unary(
+                '/q6serve.v1.Q6Serve/ListRegions',
+                request_serializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.SerializeToString,
+                response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.FromString,
+                _registered_method=True)
 
 
 class Q6ServeServicer:
@@ -161,6 +176,29 @@ class Q6ServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRegion(self, request, context):
+        """-- Shared-memory regions (data plane, issue 15; messages in the section at the end) -----
+        Map a caller's shared-memory object so Matmul requests can name it instead of carrying
+        bytes. FAILED_PRECONDITION unless the worker runs with --allow-shm.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Forget a region: the name goes at once, the mapping closes when requests using it finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegions(self, request, context):
+        """The caller's own regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Q6ServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +246,21 @@ def add_Q6ServeServicer_to_server(servicer, server):
                     servicer.SetFlags,
                     request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.SetFlagsRequest.FromString,
                     response_serializer=q6serve_dot_v1_dot_q6serve__pb2.SetFlagsResponse.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionResponse.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'ListRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegions,
+                    request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.FromString,
+                    response_serializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -455,6 +508,87 @@ class Q6Serve:
             '/q6serve.v1.Q6Serve/SetFlags',
             q6serve_dot_v1_dot_q6serve__pb2.SetFlagsRequest.SerializeToString,
             q6serve_dot_v1_dot_q6serve__pb2.SetFlagsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/q6serve.v1.Q6Serve/RegisterRegion',
+            q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionRequest.SerializeToString,
+            q6serve_dot_v1_dot_q6serve__pb2.RegisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/q6serve.v1.Q6Serve/UnregisterRegion',
+            q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionRequest.SerializeToString,
+            q6serve_dot_v1_dot_q6serve__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/q6serve.v1.Q6Serve/ListRegions',
+            q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.SerializeToString,
+            q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

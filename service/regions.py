@@ -1,0 +1,375 @@
+"""Registered shared-memory regions: the data plane for co-located callers (issue 15).
+
+A caller creates a POSIX shared-memory object, registers (a byte range of) it once under a
+name, then names ``(region, offset)`` for a request's activations and/or output instead of
+sending bytes. This module maps, checks and releases those regions; it knows nothing of gRPC
+(``wire.py`` converts, ``servicer.py`` delegates here, the engine sees plain arrays).
+
+Rules, one place each (the .proto comments state them for callers):
+- refused unless the worker runs with ``--allow-shm`` (FAILED_PRECONDITION);
+- a region belongs to the caller identity that registered it (``auth.caller_identity``):
+  another identity gets PERMISSION_DENIED;
+- at most ``max_regions`` regions and ``max_bytes`` mapped bytes per worker
+  (RESOURCE_EXHAUSTED);
+- every access is bounds-checked (``Region.array``), and the object is checked to still exist
+  at its registered size (one ``fstat`` per access: unlinked or shrunk is FAILED_PRECONDITION);
+- ``unregister`` takes the name away at once and closes the mapping when the requests using
+  it finish; ``close`` (drain) closes everything. The caller's object is never unlinked here.
+
+Linux only for system regions (the objects live in /dev/shm). Used from the event loop thread
+only, except that arrays handed out are read by the device thread while a request holds
+the region (``use``), which keeps the mapping open until then.
+
+Safety note: the worker opens only objects its own user may open (``multiprocessing``
+creates them 0600), so a caller that could shrink an object between the size check and the
+copy could equally signal the worker; the per-access ``fstat`` catches every shrink that is not
+such a deliberate race.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import mmap
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from q6serve.kernels.api import dtype_name
+from q6serve.kernels.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+
+log = logging.getLogger("q6serve.regions")
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_KEY = re.compile(r"^/?([A-Za-z0-9._-]{1,255})$")
+CUDA_IPC_HANDLE_BYTES = 64
+SYSTEM, CUDA = "system", "cuda"
+
+
+@dataclass(frozen=True)
+class ShmSource:
+    """A POSIX shared-memory object's bytes [offset, offset + byte_size)."""
+
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class CudaIpcSource:
+    """A caller's device allocation on the worker's GPU, as a cudaIpcMemHandle_t."""
+
+    handle: bytes
+    device: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """Where a tensor lives: ``offset`` bytes into the region called ``region``."""
+
+    region: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class RegionView:
+    name: str
+    kind: str  # SYSTEM or CUDA
+    key: str
+    offset: int
+    byte_size: int
+    in_use: int
+
+
+class Mapping:
+    """What a region's bytes are: a host buffer (``buf``) and a liveness check."""
+
+    buf: memoryview  # the region's bytes (exactly byte_size of them)
+
+    def check_alive(self, what: str) -> None:
+        """Raise FailedPrecondition when the backing object went away or shrank."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ShmMapping(Mapping):
+    def __init__(self, src: ShmSource) -> None:
+        m = _KEY.match(src.key)
+        if m is None or m.group(1) in (".", ".."):
+            raise InvalidArgument(f"shared-memory key {src.key[:64]!r} must be 1..255 "
+                                  "characters of [A-Za-z0-9._-] after an optional '/'")
+        self.key = m.group(1)
+        self.end = src.offset + src.byte_size
+        try:
+            # O_NOFOLLOW: a symlink planted in /dev/shm cannot redirect the worker elsewhere
+            fd = os.open(SHM_DIR / self.key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound(f"no shared-memory object {self.key!r} (in {SHM_DIR})") from None
+        except OSError as e:
+            raise FailedPrecondition(f"cannot open shared-memory object {self.key!r}: "
+                                     f"{e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(f"{self.key!r} is not a shared-memory object")
+            if st.st_size < self.end:
+                raise InvalidArgument(f"region [{src.offset}, {self.end}) does not fit "
+                                      f"shared-memory object {self.key!r} of {st.st_size} "
+                                      "bytes")
+            start = src.offset - src.offset % mmap.ALLOCATIONGRANULARITY
+            self._mm = mmap.mmap(fd, self.end - start, offset=start)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._view = memoryview(self._mm)
+        self.buf = self._view[src.offset - start : self.end - start]
+
+    def check_alive(self, what: str) -> None:
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            raise FailedPrecondition(f"{what}: its shared-memory object {self.key!r} was "
+                                     "unlinked; unregister the region")
+        if st.st_size < self.end:
+            raise FailedPrecondition(f"{what}: its shared-memory object {self.key!r} shrank "
+                                     f"to {st.st_size} bytes (the region ends at {self.end}); "
+                                     "unregister the region")
+
+    def close(self) -> None:
+        os.close(self._fd)
+        for attempt in range(2):
+            try:
+                self.buf.release()
+                self._view.release()
+                self._mm.close()
+                return
+            except BufferError:
+                # an array still views it: typically a failed request's traceback holds the
+                # frame with x in a reference cycle. Collect once (rare path) and retry.
+                if attempt == 0:
+                    gc.collect()
+        # still viewed (e.g. a cancelled request's x in a batch): the mapping closes when
+        # that array is freed (mmap's own export count); the descriptor is closed already
+        log.debug("mapping of %s closes when its last array is freed", self.key)
+
+
+# Opens a CUDA IPC region on the worker's device; set by the backend that can (None: refused)
+CudaOpener = Callable[[CudaIpcSource], Mapping]
+
+
+class Region:
+    """One registered region; ``users`` requests hold it open."""
+
+    def __init__(self, name: str, owner: str, kind: str, key: str, offset: int,
+                 byte_size: int, mapping: Mapping) -> None:
+        self.name, self.owner, self.kind = name, owner, kind
+        self.key, self.offset, self.byte_size = key, offset, byte_size
+        self.mapping = mapping
+        self.users = 0
+        self.removed = False
+
+    def view(self) -> RegionView:
+        return RegionView(self.name, self.kind, self.key, self.offset, self.byte_size,
+                          self.users)
+
+    def span(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> int:
+        """Bounds-check a tensor at ``offset``; return its byte count."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset + nbytes > self.byte_size:
+            raise InvalidArgument(f"{what} {list(shape)} {dtype_name(dtype)} ({nbytes} bytes) "
+                                  f"at offset {offset} overruns region {self.name!r} of "
+                                  f"{self.byte_size} bytes")
+        if (self.offset + offset) % dtype.itemsize:
+            raise InvalidArgument(f"{what} at offset {offset} of region {self.name!r} is not "
+                                  f"aligned to its {dtype.itemsize}-byte elements")
+        return nbytes
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], what: str,
+              writable: bool = False) -> np.ndarray:
+        """A little-endian ``shape`` array of ``dtype`` viewing the region at ``offset``,
+        bounds-checked, after checking the backing object is still there."""
+        nbytes = self.span(offset, dtype, shape, what)
+        self.mapping.check_alive(f"{what} region {self.name!r}")
+        a = np.frombuffer(self.mapping.buf[offset : offset + nbytes],
+                          dtype=dtype.newbyteorder("<")).reshape(shape)
+        a.flags.writeable = writable
+        return a
+
+
+class RegionTable:
+    def __init__(self, allowed: bool, max_regions: int, max_bytes: int,
+                 cuda_opener: CudaOpener | None = None) -> None:
+        self.allowed = allowed
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
+        self.cuda_opener = cuda_opener
+        self._regions: dict[str, Region] = {}
+        self._mapped = 0  # bytes of every region still mapped (removed ones in use included)
+        self._closing: list[Region] = []  # removed, waiting for their users to finish
+
+    def _check_allowed(self) -> None:
+        if not self.allowed:
+            raise FailedPrecondition("shared-memory regions are off on this worker (start it "
+                                     "with --allow-shm)")
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._mapped
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def register(self, owner: str, name: str, src: ShmSource | CudaIpcSource) -> RegionView:
+        self._check_allowed()
+        if not _NAME.match(name):
+            raise InvalidArgument(f"region name {name[:64]!r} must be 1..128 characters of "
+                                  "[A-Za-z0-9._-]")
+        if name in self._regions:
+            raise AlreadyExists(f"region {name!r} is already registered")
+        if src.byte_size < 1:
+            raise InvalidArgument(f"region {name!r} needs byte_size >= 1")
+        if len(self._regions) + len(self._closing) >= self.max_regions:
+            raise ResourceExhausted(f"the worker holds {self.max_regions} regions already "
+                                    "(--max-regions)")
+        if self._mapped + src.byte_size > self.max_bytes:
+            raise ResourceExhausted(f"region {name!r} of {src.byte_size} bytes exceeds the "
+                                    f"mapped-bytes limit: {self._mapped} of {self.max_bytes} "
+                                    "in use (--max-region-bytes)")
+        if isinstance(src, ShmSource):
+            mapping: Mapping = _ShmMapping(src)
+            kind, key, offset = SYSTEM, src.key, src.offset
+        else:
+            if self.cuda_opener is None:
+                raise InvalidArgument("CUDA IPC regions need the CUDA backend; this worker "
+                                      "maps system shared memory only")
+            if len(src.handle) != CUDA_IPC_HANDLE_BYTES:
+                raise InvalidArgument(f"CUDA IPC handle has {len(src.handle)} bytes, needs "
+                                      f"{CUDA_IPC_HANDLE_BYTES}")
+            mapping = self.cuda_opener(src)
+            kind, key, offset = CUDA, "", 0
+        region = Region(name, owner, kind, key, offset, src.byte_size, mapping)
+        self._regions[name] = region
+        self._mapped += src.byte_size
+        log.info("registered %s region %s: %d bytes (%s)", kind, name, src.byte_size,
+                 key or "device buffer")
+        return region.view()
+
+    def _owned(self, owner: str, name: str) -> Region:
+        self._check_allowed()
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"no region {name[:128]!r} is registered")
+        if region.owner != owner:
+            raise PermissionDenied(f"region {name!r} belongs to another caller")
+        return region
+
+    def unregister(self, owner: str, name: str) -> RegionView:
+        region = self._owned(owner, name)
+        del self._regions[name]
+        region.removed = True
+        view = region.view()
+        if region.users == 0:
+            self._release(region)
+        else:
+            self._closing.append(region)
+        log.info("unregistered region %s", name)
+        return view
+
+    def list(self, owner: str) -> list[RegionView]:
+        self._check_allowed()
+        return [r.view() for n, r in sorted(self._regions.items()) if r.owner == owner]
+
+    @contextlib.contextmanager
+    def use(self, owner: str, ref: RegionRef | None) -> Iterator[Region | None]:
+        """Hold ``ref``'s region open for one request (None in, None out)."""
+        if ref is None:
+            yield None
+            return
+        region = self._owned(owner, ref.region)
+        region.users += 1
+        try:
+            yield region
+        finally:
+            region.users -= 1
+            if region.removed and region.users == 0:
+                self._closing.remove(region)
+                self._release(region)
+
+    def _release(self, region: Region) -> None:
+        region.mapping.close()
+        self._mapped -= region.byte_size
+
+    def close(self) -> None:
+        """Drain: close every region (requests are over by now)."""
+        for region in [*self._regions.values(), *self._closing]:
+            with contextlib.suppress(Exception):
+                self._release(region)
+        if self._regions:
+            log.info("closed %d shared-memory regions", len(self._regions))
+        self._regions.clear()
+        self._closing.clear()
+
+
+@dataclass(frozen=True)
+class RegionIO:
+    """The region side of one matmul request: where x is read and/or y written."""
+
+    x: RegionRef | None
+    x_dtype: np.dtype | None  # x's dtype and shape as the request states them (x in a region)
+    x_shape: tuple[int, int] | None
+    y: RegionRef | None
+
+
+class _MatmulEngine(Protocol):
+    def get(self, name: str) -> Any: ...
+
+    async def matmul(self, call: Any) -> Any: ...
+
+
+async def matmul(table: RegionTable, engine: _MatmulEngine, owner: str, io: RegionIO,
+                 make_call: Callable[[np.ndarray | None], Any]) -> Any:
+    """Run one matmul whose x and/or y live in regions. ``make_call(x)`` builds the engine's
+    MatmulCall (x: the region's view, or None to decode the request's bytes). Every check runs
+    before the request is queued, y's bounds included, so a bad region costs no device work;
+    y is written (bounds checked again) after the device finishes. Returns the engine's
+    reply, with y still in it (the caller encodes the reply without y's bytes)."""
+    with table.use(owner, io.x) as xr, table.use(owner, io.y) as yr:
+        # the arrays viewing the regions live in _run's frame only, which is gone when the
+        # regions are let go (an unregistered region unmaps right then)
+        return await _run(engine, io, xr, yr, make_call)
+
+
+async def _run(engine: _MatmulEngine, io: RegionIO, xr: Region | None, yr: Region | None,
+               make_call: Callable[[np.ndarray | None], Any]) -> Any:
+    x = None
+    if xr is not None:
+        assert io.x is not None and io.x_dtype is not None and io.x_shape is not None
+        x = xr.array(io.x.offset, io.x_dtype, io.x_shape, "x")
+    call = make_call(x)
+    if yr is not None:
+        assert io.y is not None
+        shape = (int(call.x.shape[0]), engine.get(call.weight).rows)
+        yr.span(io.y.offset, call.out_dtype, shape, "y")
+    reply = await engine.matmul(call)
+    if yr is not None:
+        assert io.y is not None
+        y = reply.y
+        yr.array(io.y.offset, y.dtype, y.shape, "y", writable=True)[...] = y
+    return reply
