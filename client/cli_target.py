@@ -1,8 +1,9 @@
-"""``--target`` / token / TLS options shared by the ``upload`` and ``bench`` commands.
+"""What every ``q6serve`` command shares: ``--target``/token/TLS options, the client they
+make, and the one error reporter behind the exit codes.
 
-Same conventions as the admin commands: ``--target`` defaults to ``$Q6SERVE_TARGET``; bearer
-tokens come from ``$Q6SERVE_TOKEN`` / ``$Q6SERVE_ADMIN_TOKEN`` (never the command line, so they
-stay out of shell history and process lists).
+Conventions: ``--target`` defaults to ``$Q6SERVE_TARGET`` and must name a port; bearer tokens
+come from ``$Q6SERVE_TOKEN`` / ``$Q6SERVE_ADMIN_TOKEN`` (never the command line, so they stay
+out of shell history and process lists). No gRPC import here: parsing stays light.
 """
 
 from __future__ import annotations
@@ -13,12 +14,46 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+from .targets import DEFAULT_PORT, check_target
+
+DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0) -> None:
-    p.add_argument("--target", default=os.environ.get("Q6SERVE_TARGET", DEFAULT_TARGET),
-                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})")
+class UsageError(ValueError):
+    """The command line asks for something impossible; the message says what to write."""
+
+
+# -- argument types (argparse turns their ValueError/ArgumentTypeError into a usage error) ---------
+def target_arg(text: str) -> str:
+    """One target H:P, or A,B,... (one per shard); each must name its port."""
+    for t in text.split(",") if "," in text and "://" not in text else [text]:
+        try:
+            check_target(t)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def port_arg(text: str) -> int:
+    """A TCP port: 0..65535 (0 picks a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 0..65535 (0 = a free "
+                                         "port)")
+    return port
+
+
+def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0,
+                       sharded: bool = False) -> None:
+    p.add_argument("--target", type=target_arg,
+                   default=os.environ.get("Q6SERVE_TARGET", DEFAULT_TARGET),
+                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})"
+                        + ("; A,B,... for a weight row-sharded over several workers"
+                           if sharded else ""))
     p.add_argument("--timeout", type=float, default=timeout,
                    help=f"deadline of each call in seconds (default {timeout:g})")
     p.add_argument("--tls-ca", type=Path, help="PEM root certificate(s): use TLS")
@@ -27,7 +62,7 @@ def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0) -> Non
 
 
 def client_kwargs(args: argparse.Namespace, admin: bool = False) -> dict[str, Any]:
-    """Keyword arguments for Client/AsyncClient from the parsed options and environment."""
+    """Keyword arguments for Client/AsyncClient/ShardedClient from the options and env."""
     env = os.environ
     token = (env.get("Q6SERVE_ADMIN_TOKEN") if admin else None) or env.get("Q6SERVE_TOKEN")
     kw: dict[str, Any] = {"token": token or None, "timeout": args.timeout}
@@ -35,15 +70,59 @@ def client_kwargs(args: argparse.Namespace, admin: bool = False) -> dict[str, An
         kw["root_certificates"] = args.tls_ca.read_bytes()
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
-            raise SystemExit(f"q6serve {args.command}: --tls-cert and --tls-key go together")
+            raise UsageError("--tls-cert and --tls-key go together")
         kw["certificate_chain"] = args.tls_cert.read_bytes()
         kw["private_key"] = args.tls_key.read_bytes()
     return kw
 
 
-def fail(args: argparse.Namespace, e: Exception, code: int = 1) -> int:
-    """Print a failed call's gRPC status and message (or a local error) and return ``code``."""
-    what = f"{e.code.name}: {e.message}" if hasattr(e, "code") and hasattr(e, "message") \
-        else str(e)
-    print(f"q6serve {args.command}: {what}", file=sys.stderr)
+# -- errors -> one line and an exit code ---------------------------------------------------------
+def report(args: argparse.Namespace, e: BaseException) -> int | None:
+    """Print ``e`` as one line (what is wrong, what to do) and return its exit code; None for
+    an exception no user input explains (a bug: let its traceback show)."""
+    cmd = f"q6serve {getattr(args, 'command', '')}".rstrip()
+    code, text = _classify(args, e)
+    if code is None:
+        return None
+    print(f"{cmd}: {' '.join(text.split())}", file=sys.stderr)  # one line, whatever e held
     return code
+
+
+def _classify(args: argparse.Namespace, e: BaseException) -> tuple[int | None, str]:
+    mods = sys.modules
+    core = mods.get("q6serve.client.core")
+    if core is not None and isinstance(e, core.Q6ServeError):
+        return EXIT_FAILED, f"{e.code.name}: {e.message}{_hint(args, e)}"
+    errors = mods.get("q6serve.kernels.errors")
+    if errors is not None and isinstance(e, errors.Q6Error):
+        # local work (a GGUF file, quantizing, starting a worker): the caller's input unless
+        # the machine is what failed
+        machine = e.grpc_code in ("UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED", "UNKNOWN")
+        return (EXIT_FAILED, f"{e.grpc_code}: {e}") if machine else (EXIT_USAGE, f"error: {e}")
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return EXIT_USAGE, f"error: {e.filename}: no such file"
+    if isinstance(e, OSError | ValueError):  # local files, PEMs, input arrays, bad values
+        return EXIT_USAGE, f"error: {e}"
+    return None, ""
+
+
+def _hint(args: argparse.Namespace, e: Any) -> str:
+    name = e.code.name
+    target = getattr(args, "target", "")
+    if name == "UNAVAILABLE" and "drain" not in e.message.lower():
+        return (f" -- no worker answers at {target}: check --target (or $Q6SERVE_TARGET), "
+                "or start one with `q6serve worker`")
+    if name == "DEADLINE_EXCEEDED" and hasattr(args, "timeout"):
+        return f" -- the call took longer than --timeout {args.timeout:g} s"
+    if name == "UNAUTHENTICATED":
+        return " -- set $Q6SERVE_TOKEN (or $Q6SERVE_ADMIN_TOKEN for admin commands)"
+    return ""
+
+
+def fail(args: argparse.Namespace, e: Exception, code: int = EXIT_FAILED) -> int:
+    """Report ``e`` as :func:`report` does; ``code`` for anything it does not classify."""
+    got = report(args, e)
+    if got is None:
+        print(f"q6serve {args.command}: {e}", file=sys.stderr)
+        return code
+    return got

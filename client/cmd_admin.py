@@ -2,63 +2,35 @@
 
 Every command takes ``--target H:P`` (default ``$Q6SERVE_TARGET`` or 127.0.0.1:50051) and reads
 bearer tokens from ``$Q6SERVE_TOKEN`` / ``$Q6SERVE_ADMIN_TOKEN`` (admin commands prefer the
-admin token). Failures print the gRPC status and message and exit non-zero.
+admin token). Failures print the gRPC status and message on one line (``cli.main`` reports
+every error and picks the exit code).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+from .cli_target import UsageError, add_target_options, client_kwargs
+
 # commands that take `--target A,B,...`: a weight row-sharded over those workers (shard i = i-th)
 SHARDED_COMMANDS = ("load", "matmul", "list", "unload", "health")
 FLAG_NAMES = ("Q6SERVE_Q6K_SOA", "Q6SERVE_DECODE_MMQ", "Q6SERVE_DYNAMIC_BATCHING")
 
 
 def _client(args: argparse.Namespace, admin: bool = False):  # type: ignore[no-untyped-def]
+    kw = client_kwargs(args, admin)
+    if "," in args.target:
+        from q6serve.client.sharded import ShardedClient
+
+        if args.command not in SHARDED_COMMANDS:
+            raise UsageError(f"takes one --target (several targets, comma-separated, only for "
+                             f"{', '.join(SHARDED_COMMANDS)})")
+        return ShardedClient(args.target.split(","), **kw)
     from q6serve.client.client import Client
 
-    token = (os.environ.get("Q6SERVE_ADMIN_TOKEN") if admin else None) or \
-        os.environ.get("Q6SERVE_TOKEN")
-    kw: dict[str, object] = {"token": token or None, "timeout": args.timeout}
-    if args.tls_ca:
-        kw["root_certificates"] = Path(args.tls_ca).read_bytes()
-    if args.tls_cert and args.tls_key:
-        kw["certificate_chain"] = Path(args.tls_cert).read_bytes()
-        kw["private_key"] = Path(args.tls_key).read_bytes()
-    if "," in args.target:
-        return _sharded_client(args, kw)
     return Client(args.target, **kw)
-
-
-def _sharded_client(args: argparse.Namespace, kw: dict[str, object]):  # type: ignore[no-untyped-def]
-    from q6serve.client.sharded import ShardedClient
-
-    if args.command not in SHARDED_COMMANDS:
-        raise SystemExit(f"q6serve {args.command}: takes one --target (several targets, "
-                         f"comma-separated, only for {', '.join(SHARDED_COMMANDS)})")
-    return ShardedClient(args.target.split(","), **kw)  # type: ignore[arg-type]
-
-
-def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        from q6serve.client.client import Q6ServeError
-
-        try:
-            return fn(args)
-        except Q6ServeError as e:
-            print(f"q6serve {args.command}: {e.code.name}: {e.message}", file=sys.stderr)
-            return 1
-        except (OSError, ValueError) as e:  # local files: missing .npy, bad dtype, bad PEM
-            print(f"q6serve {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return run
 
 
 def _parser(sub: argparse._SubParsersAction, name: str, help_: str, example: str,
@@ -66,15 +38,8 @@ def _parser(sub: argparse._SubParsersAction, name: str, help_: str, example: str
     p = sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".",
                        epilog="example:\n  " + example,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=os.environ.get("Q6SERVE_TARGET", DEFAULT_TARGET),
-                   help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})"
-                        + ("; A,B,... for a weight row-sharded over several workers"
-                           if name in SHARDED_COMMANDS else ""))
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
-    p.add_argument("--tls-ca", help="PEM root certificate(s): use TLS")
-    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", help="PEM client key (mutual TLS)")
-    p.set_defaults(func=_guarded(fn))
+    add_target_options(p, sharded=name in SHARDED_COMMANDS)
+    p.set_defaults(func=fn)
     return p
 
 
@@ -98,11 +63,11 @@ def _row_ranges(text: str) -> list[tuple[int, int]]:
 
 def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
     if (args.shard_index is None) != (args.shard_count is None):
-        raise SystemExit("q6serve load: --shard-index and --shard-count go together")
+        raise UsageError("--shard-index and --shard-count go together")
     if args.shard_index is None:
         return None
     if args.rows is not None:
-        raise SystemExit("q6serve load: give --rows or --shard-index/--shard-count, not both")
+        raise UsageError("give --rows or --shard-index/--shard-count, not both")
     return args.shard_index, args.shard_count
 
 
@@ -111,13 +76,13 @@ def cmd_load(args: argparse.Namespace) -> int:
     shard = _shard_of(args)
     if "," in args.target:  # each target loads its range: --rows list, else the even split
         if shard is not None:
-            raise SystemExit("q6serve load: several targets split the rows themselves; "
+            raise UsageError("several targets split the rows themselves; "
                              "--shard-index/--shard-count are for one target")
         weights = client.load(args.gguf, args.tensor or (), args.prefix, ranges=args.rows,
                               placement=args.placement)
     else:
         if args.rows is not None and len(args.rows) != 1:
-            raise SystemExit("q6serve load: one target takes one --rows BEGIN:END")
+            raise UsageError("one target takes one --rows BEGIN:END")
         weights = client.load(args.gguf, args.tensor or (), args.prefix,
                               rows=args.rows[0] if args.rows else None, shard=shard,
                               placement=args.placement)
@@ -153,17 +118,15 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_matmul(args: argparse.Namespace) -> int:
-    import numpy as np
+    from q6serve.client.core import DTYPES
+    from q6serve.client.npyio import float_matrix, load_array, save_array
 
-    from q6serve.client.client import DTYPES
-
-    x = np.load(args.input)
-    if x.ndim == 1:
-        x = x[None, :]
-    x = x.astype(DTYPES[args.dtype], copy=False)
+    x = float_matrix(load_array(args.input), args.input)
+    if args.dtype is not None:
+        x = x.astype(DTYPES[args.dtype], copy=False)
     out = _client(args).matmul_full(args.weight, x, precision=args.precision,
                                     out_dtype=args.out_dtype)
-    np.save(args.output, out.y)
+    save_array(args.output, out.y)
     ks = "n/a" if out.kernel_seconds is None else f"{out.kernel_seconds * 1e6:.1f} us"
     print(f"y {list(out.y.shape)} {args.out_dtype} -> {args.output}; kernel {out.kernel} "
           f"({out.layout}, {out.precision}) {ks}, queue {out.queue_seconds * 1e6:.1f} us, "
@@ -242,10 +205,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                 "q6serve matmul --target 127.0.0.1:50051 --weight output.weight "
                 "--input x.npy --output y.npy --dtype f16 --precision auto", cmd_matmul)
     p.add_argument("--weight", required=True, help="resident weight name")
-    p.add_argument("--input", required=True, help=".npy of shape [N, K] (or [K])")
-    p.add_argument("--output", required=True, help=".npy written with y [N, rows]")
-    p.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32",
-                   help="activation dtype sent on the wire (default f32)")
+    p.add_argument("--input", required=True, metavar="FILE.npy|FILE.npz[:NAME]",
+                   help="x of shape [N, K] (or [K]) in f32/f16/bf16: an .npy, an .npz holding "
+                        "one array, or FILE.npz:NAME for one of several")
+    p.add_argument("--output", required=True, metavar="FILE.npy",
+                   help="y [N, rows] is written here; a bf16 y has the .npy type 'bfloat16': "
+                        "read it with `import ml_dtypes; np.load(FILE)`")
+    p.add_argument("--dtype", choices=("f32", "f16", "bf16"),
+                   help="activation dtype sent on the wire, x converted to it (default: the "
+                        "input's own dtype)")
     p.add_argument("--out-dtype", choices=("f32", "f16", "bf16"), default="f32",
                    help="output dtype (default f32)")
     p.add_argument("--precision", choices=("auto", "exact", "f16", "q8_1"), default="auto",

@@ -3,12 +3,15 @@
 For every (concurrency C, rows N) pair, C callers each send one [N, K] activation, wait for the
 reply and send again, for ``--duration`` seconds; unary calls, or one MatmulStream per caller.
 Reports rows/s, latency percentiles and the worker's own view (queue, kernel, batch rows).
+Each cell is printed as one line on stderr as it finishes; Ctrl-C stops the sweep, prints the
+table (or --json) of the finished cells and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -19,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from .cli_target import add_target_options, client_kwargs, fail
+from .cli_target import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    add_target_options,
+    client_kwargs,
+)
 
 EXAMPLE = """example:
   q6serve bench --target 127.0.0.1:50051 --weight blk.0.ffn_down.weight \\
@@ -177,10 +187,16 @@ async def run_cell(client: Any, weight: str, k: int, c: int, n: int, args: argpa
                     for i, x in enumerate(xs)]
         t0 = time.perf_counter()
         main = asyncio.gather(*jobs)
-        while not main.done():  # progress: report finished calls while they run
-            await asyncio.wait([main], timeout=0.1)
-            tick(len(s.latency) + sum(s.errors.values()))
-        await main
+        try:
+            while not main.done():  # progress: report finished calls while they run
+                await asyncio.wait([main], timeout=0.1)
+                tick(len(s.latency) + sum(s.errors.values()))
+            await main
+        except asyncio.CancelledError:  # Ctrl-C: stop the callers and collect them quietly
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await main
+            raise
         return time.perf_counter() - t0
 
     if args.warmup > 0:
@@ -190,12 +206,15 @@ async def run_cell(client: Any, weight: str, k: int, c: int, n: int, args: argpa
     return CellResult.of(c, n, args.mode, seconds, s)
 
 
-async def bench(args: argparse.Namespace, console: Any) -> dict[str, Any]:
+async def bench(args: argparse.Namespace, console: Any, doc: dict[str, Any]) -> None:
+    """Run the sweep, filling ``doc`` as it goes (the header once the weight is known, then
+    each cell the moment it finishes, also printed as one line on ``console``), so whatever
+    finished is there if the run is interrupted."""
     import grpc
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from q6serve.client.async_client import AsyncClient
-    from q6serve.client.client import Q6ServeError
+    from q6serve.client.core import Q6ServeError
 
     async with AsyncClient(args.target, **client_kwargs(args)) as client:
         weights = await client.list()
@@ -205,8 +224,11 @@ async def bench(args: argparse.Namespace, console: Any) -> dict[str, Any]:
         w = await client.get(args.weight) if args.weight else weights[0]
         status = await client.status()
         cells = [(c, n) for c in args.concurrency for n in args.n]
+        doc.update({"target": args.target, "weight": w.name, "rows": w.rows, "k": w.k,
+                    "backend": status.backend, "device": status.device, "mode": args.mode,
+                    "dtype": args.dtype, "precision": args.precision, "planned": len(cells),
+                    "cells": []})
         per_cell = args.warmup + args.duration
-        results = []
         columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[calls]} calls"))
         with Progress(*columns, console=console, transient=True) as progress:
@@ -220,12 +242,21 @@ async def bench(args: argparse.Namespace, console: Any) -> dict[str, Any]:
                     progress.update(task, completed=i * per_cell + done, calls=calls,
                                     description=desc)
 
-                results.append(await run_cell(client, w.name, w.k, c, n, args, tick))
+                r = await run_cell(client, w.name, w.k, c, n, args, tick)
+                doc["cells"].append(asdict(r))
+                progress.console.print(cell_line(r, i, len(cells)), highlight=False)
             progress.update(task, completed=len(cells) * per_cell)
-    return {"target": args.target, "weight": w.name, "rows": w.rows, "k": w.k,
-            "backend": status.backend, "device": status.device, "mode": args.mode,
-            "dtype": args.dtype, "precision": args.precision,
-            "cells": [asdict(r) for r in results]}
+
+
+def cell_line(r: CellResult, i: int, cells: int) -> str:
+    """One finished cell as one line (printed as the sweep goes)."""
+    def ms(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f} ms"
+
+    errors = sum(r.errors.values())
+    return (f"cell {i + 1}/{cells} C={r.concurrency} N={r.n}: {r.calls} calls, "
+            f"{r.rows_per_s:,.0f} rows/s, p50 {ms(r.p50_ms)}, p99 {ms(r.p99_ms)}, "
+            f"{errors} errors")
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -291,9 +322,7 @@ def run_preset(args: argparse.Namespace) -> int:
 
     script = Path(__file__).resolve().parents[1] / "bench" / "service.py"
     if not script.is_file():
-        print(f"q6serve bench: --preset needs a source checkout ({script} not found)",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--preset needs a source checkout ({script} not found)")
     cmd = [sys.executable, str(script), *PRESETS[args.preset], *shlex.split(args.preset_args)]
     return subprocess.call(cmd)
 
@@ -301,24 +330,23 @@ def run_preset(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from q6serve.client.client import Q6ServeError
-
     if args.preset:
         return run_preset(args)
 
     if min(args.concurrency) < 1 or min(args.n) < 1 or args.duration <= 0 or args.warmup < 0:
-        print("q6serve bench: --concurrency and --n must be >= 1, --duration > 0, "
-              "--warmup >= 0", file=sys.stderr)
-        return 2
+        raise UsageError("--concurrency and --n must be >= 1, --duration > 0, --warmup >= 0")
     if args.plot and _matplotlib_missing():
-        print("q6serve bench: --plot needs matplotlib (pip install 'q6serve[plot]')",
-              file=sys.stderr)
-        return 2
+        raise UsageError("--plot needs matplotlib (pip install 'q6serve[plot]')")
     console = Console(stderr=True)  # progress on stderr keeps --json's stdout clean
+    doc: dict[str, Any] = {}
+    interrupted = False
     try:
-        doc = asyncio.run(bench(args, console))
-    except Q6ServeError as e:
-        return fail(args, e)
+        asyncio.run(bench(args, console, doc))
+    except KeyboardInterrupt:  # Ctrl-C: asyncio.run has cancelled the sweep and closed up
+        interrupted = True
+    if interrupted and not doc.get("cells"):
+        print("q6serve bench: interrupted before the first cell finished", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -327,5 +355,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(doc, args.plot)
         console.print(f"plot written to {args.plot}")
+    if interrupted:
+        print(f"q6serve bench: interrupted after {len(doc['cells'])} of {doc['planned']} "
+              "cells (the table holds those)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     failed = sum(sum(r["errors"].values()) for r in doc["cells"])
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else EXIT_OK

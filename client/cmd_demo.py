@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .cli_target import UsageError
+
 EXAMPLE = """example:
   q6serve demo                           # synthetic 7B-class tensors on the best backend
   q6serve demo --backend numpy --n 1 8 64 --callers 16
@@ -292,9 +294,9 @@ def _plan(path: Path, names: list[str] | None, max_mib: float) -> dict[str, tupl
     infos = [t for t in list_tensors(path) if t.is_q6k and (not names or t.name in names)]
     missing = set(names or ()) - {t.name for t in infos}
     if missing:
-        raise SystemExit(f"q6serve demo: no Q6_K tensor(s) {sorted(missing)} in {path}")
+        raise UsageError(f"no Q6_K tensor(s) {sorted(missing)} in {path}")
     if not infos:
-        raise SystemExit(f"q6serve demo: {path} has no Q6_K tensors")
+        raise UsageError(f"{path} has no Q6_K tensors")
     shapes = {t.name: (t.shape[0], t.shape[-1]) for t in infos}
     return {n: (cap_rows(r, k, max_mib), r, k) for n, (r, k) in shapes.items()}
 
@@ -311,8 +313,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=130)
     if min(args.n) < 1 or args.callers < 1 or args.calls < 1:
-        console.print("[red]--n, --callers and --calls must be >= 1[/]")
-        return 2
+        raise UsageError("--n, --callers and --calls must be >= 1")
     try:
         backend = make_backend(args.backend)
     except Q6Error as e:

@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .cli_target import add_target_options, client_kwargs, fail
+from .cli_target import add_target_options, client_kwargs
 
 EXAMPLE = """example:
   q6serve upload --target 10.0.0.7:50051 model.gguf --tensor output.weight
@@ -41,29 +41,22 @@ def run(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
-    from q6serve.client.client import Client, Q6ServeError
-    from q6serve.kernels.errors import Q6Error
+    from q6serve.client.client import Client
     from q6serve.kernels.gguf_io import read_q6k_tensors
 
     console = Console(stderr=True)
-    try:
-        tensors = read_q6k_tensors(args.gguf, args.tensor)
-    except (Q6Error, OSError) as e:
-        return fail(args, e, code=2)
+    tensors = read_q6k_tensors(args.gguf, args.tensor)  # a bad file or name: exit 2
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
-    try:
-        with Client(args.target, **client_kwargs(args, admin=True)) as client, \
-                Progress(*columns, console=console) as progress:
-            for t in tensors:
-                name = args.prefix + t.name
-                task = progress.add_task(name, total=t.nbytes)
-                t0 = time.perf_counter()
-                w = client.upload(name, t.aos, t.rows, t.k,
-                                  progress=lambda n, task=task: progress.advance(task, n))
-                dt = time.perf_counter() - t0
-                print(f"uploaded {w.name}: {w.rows} x {w.k}, {t.nbytes} bytes in {dt:.2f} s "
-                      f"({t.nbytes / dt / 1e6:.0f} MB/s), sha256 {w.sha256}")
-    except Q6ServeError as e:
-        return fail(args, e)
+    with Client(args.target, **client_kwargs(args, admin=True)) as client, \
+            Progress(*columns, console=console) as progress:
+        for t in tensors:
+            name = args.prefix + t.name
+            task = progress.add_task(name, total=t.nbytes)
+            t0 = time.perf_counter()
+            w = client.upload(name, t.aos, t.rows, t.k,
+                              progress=lambda n, task=task: progress.advance(task, n))
+            dt = time.perf_counter() - t0
+            print(f"uploaded {w.name}: {w.rows} x {w.k}, {t.nbytes} bytes in {dt:.2f} s "
+                  f"({t.nbytes / dt / 1e6:.0f} MB/s), sha256 {w.sha256}")
     return 0

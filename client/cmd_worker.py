@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
+import socket
 import sys
+
+from .cli_target import EXIT_FAILED, UsageError, port_arg
 
 EXAMPLE = """example:
   q6serve worker --port 50051 --metrics-port 9400 --model-dir /models --vram-budget 0.9
@@ -24,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--host", help="bind address (default 127.0.0.1)")
-    a("--port", type=int, help="gRPC port; 0 picks a free one (default 50051)")
-    a("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: free port)")
+    a("--port", type=port_arg, help="gRPC port 0..65535; 0 picks a free one (default 50051)")
+    a("--metrics-port", type=port_arg,
+      help="serve Prometheus /metrics on this port (0: free port)")
     a("--metrics-host", help="bind address of /metrics (default: --host)")
     a("--backend", choices=("auto", "numpy", "cuda"), help="compute backend (default auto)")
     a("--model-dir", help="directory LoadWeights paths are relative to (and confined to)")
@@ -100,15 +105,49 @@ def _setup_logging(level: str) -> _ListeningFirst:
     return first
 
 
+def check_free(host: str, port: int | None, what: str) -> None:
+    """Refuse, in one line, a port another process holds before the worker starts (gRPC's own
+    failure is a C-core log line plus a RuntimeError from deep inside the server)."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"cannot resolve {what} host {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise PortInUse(f"cannot listen on {host}:{port}: the port is in use "
+                                    f"(another worker?): pick another {what} (0 = a free "
+                                    "one) or stop the process holding it") from None
+                if e.errno == errno.EACCES:
+                    raise PortInUse(f"cannot listen on {host}:{port}: permission denied "
+                                    f"(ports below 1024 need privileges): pick another "
+                                    f"{what}") from None
+                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+class PortInUse(Exception):
+    """The worker cannot listen where it was told to."""
+
+
 def run(args: argparse.Namespace) -> int:
     first = _setup_logging(args.log_level)
     from q6serve.kernels.backends import make_backend
-    from q6serve.kernels.errors import Q6Error
     from q6serve.service.config import config_from
     from q6serve.service.worker import run_worker
 
     try:
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
+        check_free(config.host, config.port, "--port")
+        if config.metrics_port is not None:
+            check_free(config.metrics_host or config.host, config.metrics_port,
+                       "--metrics-port")
         worker = None
         if args.devices:  # several devices: service/devices.py (docs/SCALEOUT.md)
             from q6serve.service.devices import DevicesWorker, make_backends, parse_devices
@@ -120,10 +159,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             backend = make_backend(config.backend)
         asyncio.run(run_worker(config, backend, worker))
-    except Q6Error as e:
+    except PortInUse as e:
         first.flush_held()
-        print(f"q6serve worker: {e.grpc_code}: {e}", file=sys.stderr)
-        return 2
+        print(f"q6serve worker: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except RuntimeError as e:
+        if "Failed to bind" not in str(e):  # lost a race for the port after the check above
+            raise
+        first.flush_held()
+        print(f"q6serve worker: cannot listen on {config.host}:{config.port}: the port is in "
+              "use: pick another --port (0 = a free one)", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         first.flush_held()
     return 0

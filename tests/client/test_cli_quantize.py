@@ -34,18 +34,19 @@ def test_quantize_single_and_pairs(tmp_path: Path, rng: np.random.Generator,
 @pytest.mark.parametrize(("shape", "dtype", "message"), [
     ((4, 500), np.float32, "K=500"),
     ((4,), np.float32, "2-D"),
-    ((4, 256), np.int32, "float32/float16"),
+    ((4, 256), np.int32, "float32, float16 or bfloat16"),
 ])
 def test_quantize_bad_inputs(tmp_path: Path, shape: tuple[int, ...], dtype: type,
                              message: str, capsys: pytest.CaptureFixture[str]) -> None:
     np.save(tmp_path / "x.npy", np.ones(shape, dtype))
     assert main(["quantize", str(tmp_path / "x.npy"), str(tmp_path / "o.gguf"),
-                 "--name", "w"]) == 1
-    assert message in capsys.readouterr().err
+                 "--name", "w"]) == 2  # a usage error: the input cannot be used
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
     assert not (tmp_path / "o.gguf").exists()
 
 
 def test_quantize_needs_a_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     np.save(tmp_path / "x.npy", np.ones((1, 256), np.float32))
-    assert main(["quantize", str(tmp_path / "x.npy"), str(tmp_path / "o.gguf")]) == 1
+    assert main(["quantize", str(tmp_path / "x.npy"), str(tmp_path / "o.gguf")]) == 2
     assert "--name" in capsys.readouterr().err

@@ -1,0 +1,212 @@
+"""The CLI never shows a traceback for a user error or Ctrl-C: each case of issue 17 is one
+line on stderr (what is wrong, what to do) and a documented exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from svc_util import random_q6k
+
+from q6serve.client.cli import build_parser, main
+from q6serve.kernels import q6k
+
+K = 512
+CLI = [sys.executable, "-m", "q6serve.client.cli"]
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def served(worker: Any) -> Any:
+    blocks = random_q6k(16, K, 1)
+    worker.client().upload("w", blocks, 16, K)
+    worker.w32 = q6k.dequantize_aos(blocks, 16, K).astype(np.float64)
+    return worker
+
+
+def test_help_documents_exit_codes_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    text = build_parser().format_help()
+    for code in ("0 ", "1 ", "2 ", "130"):
+        assert f"  {code}" in text, code
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    from q6serve.client.cli import version
+
+    assert capsys.readouterr().out.strip() == f"q6serve {version()}"
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["worker", "--port", "99999"])  # used to listen on 99999 % 65536 = 34463
+    assert e.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--port" in line and "0..65535" in line
+    with pytest.raises(SystemExit) as e:
+        main(["health", "--target", "localhost"])  # used to dial localhost:443
+    assert e.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert "no port" in line and "localhost:50051" in line
+
+
+def test_connection_refused_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{s.getsockname()[1]}"
+    assert main(["list", "--target", target, "--timeout", "3"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("q6serve list: UNAVAILABLE")
+    assert "--target" in line and "q6serve worker" in line and target in line
+
+
+def test_ctrl_c_is_one_line_and_130(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from q6serve.client.client import Client
+
+    def interrupted(*a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Client, "health", interrupted)
+    assert main(["health"]) == 130
+    assert one_line(capsys.readouterr().err) == "q6serve health: interrupted"
+
+
+def test_status_json_byte_counts_are_numbers(served: Any,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--target", served.target, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert main(["list", "--target", served.target, "--json"]) == 0
+    (w,) = json.loads(capsys.readouterr().out)
+    assert status["vram"]["weights_bytes"] == w["nbytes"]  # numbers, as list --json prints
+    assert all(isinstance(v, int) for k, v in status["vram"].items() if k.endswith("_bytes"))
+
+
+def _matmul(served: Any, tmp: Path, input_: str, *extra: str) -> int:
+    return main(["matmul", "--target", served.target, "--weight", "w", "--input", input_,
+                 "--output", str(tmp / "y.npy"), "--precision", "exact", *extra])
+
+
+def test_matmul_takes_npz(served: Any, tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    x = np.random.default_rng(0).standard_normal((2, K)).astype(np.float32)
+    want = x.astype(np.float64) @ served.w32.T
+    np.savez(tmp_path / "one.npz", x=x)  # used to raise AttributeError
+    assert _matmul(served, tmp_path, str(tmp_path / "one.npz")) == 0
+    assert np.allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-5, atol=1e-5)
+    np.savez(tmp_path / "two.npz", a=x, b=2 * x)
+    assert _matmul(served, tmp_path, f"{tmp_path / 'two.npz'}:b") == 0
+    assert np.allclose(np.load(tmp_path / "y.npy"), 2 * want, rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    assert _matmul(served, tmp_path, str(tmp_path / "two.npz")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "holds 2 arrays (a, b)" in line and "two.npz:NAME" in line
+    assert _matmul(served, tmp_path, f"{tmp_path / 'two.npz'}:c") == 2
+    assert "no array 'c'" in one_line(capsys.readouterr().err)
+    (tmp_path / "text.npy").write_text("1 2 3")
+    assert _matmul(served, tmp_path, str(tmp_path / "text.npy")) == 2
+    assert "not a .npy or .npz file" in one_line(capsys.readouterr().err)
+
+
+def test_bf16_round_trips_through_npy(served: Any, tmp_path: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((3, K)).astype(ml_dtypes.bfloat16)
+    want = x.astype(np.float64) @ served.w32.T
+    np.save(tmp_path / "x.npy", x)  # what an ml_dtypes user writes: the header says <V2
+    assert _matmul(served, tmp_path, str(tmp_path / "x.npy"), "--out-dtype", "bf16") == 0
+    y = np.load(tmp_path / "y.npy")  # ml_dtypes is imported: a bfloat16 array, not |V2
+    assert y.dtype == np.dtype(ml_dtypes.bfloat16) and y.shape == (3, 16)
+    assert np.allclose(y.astype(np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    # the CLI reads its own bf16 output back, and plain NumPy names the missing dtype
+    from q6serve.client.npyio import load_array
+
+    assert np.array_equal(load_array(tmp_path / "y.npy"), y)
+    np.save(tmp_path / "x32.npy", x.astype(np.float32))  # bf16 values sent as f32: same y
+    assert _matmul(served, tmp_path, str(tmp_path / "x32.npy"), "--dtype", "bf16",
+                   "--out-dtype", "bf16") == 0
+    assert np.array_equal(np.load(tmp_path / "y.npy"), y)
+    code = (f"import numpy as np\ntry:\n    np.load({str(tmp_path / 'y.npy')!r})\n"
+            "except (TypeError, ValueError) as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "bfloat16" in out
+
+
+@pytest.mark.parametrize(("value", "why"), [(1e9, "scale overflows"), (1e38, "all zeros")])
+def test_quantize_refuses_unrepresentable_values(tmp_path: Path, value: float, why: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    x[2, 17] = value
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "o.gguf"
+    assert main(["quantize", str(tmp_path / "x.npy"), str(out), "--name", "w"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "row 2, column 17" in line and f"{value:.6g}" in line and why in line, line
+    assert not out.exists()
+
+
+def test_quantize_takes_bf16_and_npz(tmp_path: Path) -> None:
+    from q6serve.kernels import gguf_io
+    from q6serve.kernels.quantize import quantize_q6_k
+
+    x = np.random.default_rng(3).standard_normal((2, 256)).astype(ml_dtypes.bfloat16)
+    np.savez(tmp_path / "x.npz", m=x)
+    assert main(["quantize", str(tmp_path / "x.npz"), str(tmp_path / "o.gguf"),
+                 "--name", "w"]) == 0
+    [t] = gguf_io.read_q6k_tensors(tmp_path / "o.gguf")
+    assert np.array_equal(t.aos, quantize_q6_k(x.astype(np.float32)))
+
+
+def test_worker_on_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([*CLI, "worker", "--port", str(port), "--backend", "numpy"],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "add_port" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"127.0.0.1:{port}" in last and "in use" in last and "--port" in last
+
+
+def test_bench_ctrl_c_prints_the_finished_cells(served: Any) -> None:
+    """Each cell is printed as it finishes; Ctrl-C prints the table of those, exit 130, no
+    traceback (it used to print 63 lines of asyncio tracebacks and drop every cell)."""
+    proc = subprocess.Popen(
+        [*CLI, "bench", "--target", served.target, "--duration", "0.3", "--warmup", "0",
+         "--concurrency", "1", "2", "--n", *map(str, range(1, 21))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "160"})
+    assert proc.stderr is not None and proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, "bench ended before printing a cell"
+        seen.append(line)
+        if line.startswith("cell 2/40"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert "interrupted after" in err and "of 40 cells" in err
+    assert "cell 1/40 C=1 N=1:" in err
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith("│") or "|" in ln]
+    assert "p99 ms" in out and len(rows) >= 2, out
