@@ -183,4 +183,5 @@ def test_sharded_matmul_stream(start_worker: Callable[..., Any], model_dir: Any)
     assert set(got) == {"r0", "r1", "r2", "bad"}
     assert isinstance(got["bad"], core.Q6ServeError) and got["bad"].code.name == "NOT_FOUND"
     for i, y in enumerate(want):
-        assert np.allclose(got[f"r{i}"].y, y, rtol=1e-6, atol=1e-6)  # type: ignore[union-attr]
+        # 1e-5: a coalesced launch takes the NumPy backend's GEMM path, a lone one GEMVs
+        assert np.allclose(got[f"r{i}"].y, y, rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
