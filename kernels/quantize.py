@@ -228,7 +228,8 @@ Q6K_MAX_ABS = 65504.0 * 128 * 32
 
 
 def quantize_q6_k(x: np.ndarray, what: str = "Q6_K",
-                  cancelled: Callable[[], bool] | None = None) -> np.ndarray:
+                  cancelled: Callable[[], bool] | None = None, first_row: int = 0,
+                  ) -> np.ndarray:
     """Q6_K blocks ``[rows * K/256, 210]`` uint8 for ``x [rows, K]`` (f32/f16/bf16), as ggml.
 
     Byte-identical to ggml's ``quantize_row_q6_K_ref`` (``quantize_q6_K`` without imatrix)
@@ -237,6 +238,7 @@ def quantize_q6_k(x: np.ndarray, what: str = "Q6_K",
     (:func:`check_q6_k_representable`); ``what`` starts those messages. Works in chunks of
     whole rows (temporaries bounded, f16 input converted chunk by chunk) and polls
     ``cancelled`` between them (raises :class:`Cancelled`): a draining worker can abandon it.
+    ``first_row`` is the row number of ``x[0]`` in the messages (for a part of a matrix).
     """
     _check_matrix(x, q6k.QK_K, what)
     rows, k = x.shape
@@ -247,10 +249,10 @@ def quantize_q6_k(x: np.ndarray, what: str = "Q6_K",
         if cancelled is not None and cancelled():
             raise Cancelled(f"{what}: quantizing abandoned at row {r0} of {rows}")
         x32 = np.ascontiguousarray(x[r0 : r0 + step], dtype=_F32)  # f16/bf16 -> f32: exact
-        _check_finite(x32, what, r0)
+        _check_finite(x32, what, first_row + r0)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # checked next
             blocks = _quantize_q6_k_blocks(x32.reshape(-1, q6k.QK_K))
-        check_q6_k_representable(x32, blocks, what, r0 * per_row)
+        check_q6_k_representable(x32, blocks, what, (first_row + r0) * per_row)
         out[r0 * per_row : r0 * per_row + blocks.shape[0]] = blocks
     return out
 

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from q6serve.kernels import q6k
-from q6serve.kernels.api import DTYPES, Backend, KernelTiming
+from q6serve.kernels.api import Backend, KernelTiming
 from q6serve.kernels.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -58,6 +57,7 @@ from .flags import FlagState
 from .metrics import LATENCY_BUCKETS, ROW_BUCKETS, Metrics
 from .registry import check_name
 from .shards import RowRange, RowSelect, even_split, slice_blocks
+from .uploads import UploadBuffer
 from .vram import VramStats
 from .worker import Worker
 
@@ -365,32 +365,16 @@ class MultiDeviceEngine:
         mode = self._mode(placement)
         want = check_upload_spec(spec, self.config.max_upload_bytes)
         with self._claim([spec.name]):  # the name is held from here; the stream is read first
-            buf = bytearray()
-            h = hashlib.sha256()
+            # the same segmented buffer as one Engine's (service/uploads.py), unaccounted
+            # here: each device's engine accounts the rows it is given
+            buf = UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, want, spec.sha256, None)
             async for chunk in chunks:
-                if len(buf) + len(chunk) > want:
-                    raise InvalidArgument(f"upload {spec.name!r} sent more than the declared "
-                                          f"{want} bytes")
-                buf += chunk
-                h.update(chunk)
-            if len(buf) != want:
-                raise InvalidArgument(f"upload {spec.name!r} ended after {len(buf)} of {want} "
-                                      "bytes")
-            if h.hexdigest() != spec.sha256.lower():
-                raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
-                                      f"{h.hexdigest()}, header says {spec.sha256.lower()})")
-            if spec.fmt == "q6_k":
-                aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
-            else:  # Q6_K rows are quantized independently: once here, then split
-                from q6serve.kernels.quantize import quantize_q6_k
-
-                x = np.frombuffer(buf, DTYPES[spec.fmt]).reshape(spec.rows, spec.k)
-                aos = await asyncio.to_thread(quantize_q6_k, x)
-            blocks = q6k.as_blocks(aos, spec.rows, spec.k)
+                await buf.add(chunk)
+            buf.finish()
             parts = split_parts(RowRange(0, spec.rows), len(self.engines), mode)
 
             def upload_part(p: Part) -> Awaitable[WeightView]:
-                data = slice_blocks(blocks, spec.k, p.rows).tobytes()
+                data = buf.row_blocks(p.rows.begin, p.rows.end).tobytes()
                 sub = UploadSpec(spec.name, p.rows.rows, spec.k, "q6_k", len(data),
                                  hashlib.sha256(data).hexdigest())
                 return self.engines[p.device].upload(sub, _once(data))
@@ -400,8 +384,8 @@ class MultiDeviceEngine:
                     await self._on_each(spec.name, parts, upload_part)
 
             await self._shielded(place())
-            pl = Placed(spec.name, mode, spec.k, parts, hashlib.sha256(blocks).hexdigest(),
-                        "upload", spec.rows)
+            pl = Placed(spec.name, mode, spec.k, parts, buf.q6k_sha256(), "upload", spec.rows)
+            buf.release()
             self._weights[pl.name] = pl
         self.publish_totals()
         return self._view(pl)

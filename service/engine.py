@@ -56,6 +56,7 @@ from .flags import Flags, FlagState
 from .metrics import Metrics
 from .registry import Registry, WeightEntry, check_name
 from .shards import RowRange, RowSelect, slice_tensor
+from .uploads import UploadBuffer
 from .vram import VramAccountant, VramStats
 
 log = logging.getLogger("q6serve.engine")
@@ -283,46 +284,38 @@ class Engine:
         return await self._shielded(self._load_all(sources))  # type: ignore[return-value]
 
     async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes]) -> WeightView:
+        """Receive, check and load an upload. The data is held in segments reserved as
+        ``staging`` as it arrives (service/uploads.py): a header commits nothing, and the
+        figures show what an upload holds."""
         self._check_serving()
-        want = check_upload_spec(spec, self.config.max_upload_bytes)
+        buf = self.upload_buffer(spec)
+        self.vram.check(**self._load_needs(spec.rows, spec.k))  # nor buffer what cannot fit
+        try:
+            async for chunk in chunks:
+                await buf.add(chunk)
+            buf.finish()
+        except BaseException:
+            buf.release()
+            raise
+        src = _Source(spec.name, spec.rows, spec.k, "upload", buf.chunks)
+
+        async def load() -> list[WeightView]:
+            try:
+                return await self._load_all([src])
+            finally:
+                buf.release()
+
+        views = await self._shielded(load())
+        return views[0]  # type: ignore[index]
+
+    def upload_buffer(self, spec: UploadSpec, accounted: bool = True) -> UploadBuffer:
+        """Check an upload header (before any data is read) and make its buffer."""
+        check_upload_spec(spec, self.config.max_upload_bytes)
         if len(spec.sha256) != 64:
             raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
         self.registry.check_available([spec.name])  # fail before reading the stream
-        self.vram.check(**self._load_needs(spec.rows, spec.k))  # nor buffer what cannot fit
-        buf = bytearray(want)
-        got = 0
-        h = hashlib.sha256()
-        async for chunk in chunks:
-            if got + len(chunk) > want:
-                raise InvalidArgument(f"upload {spec.name!r} sent more than the declared "
-                                      f"{want} bytes")
-            buf[got : got + len(chunk)] = chunk
-            h.update(chunk)
-            got += len(chunk)
-        if got != want:
-            raise InvalidArgument(f"upload {spec.name!r} ended after {got} of {want} bytes")
-        if h.hexdigest() != spec.sha256.lower():
-            raise InvalidArgument(f"upload {spec.name!r}: sha256 mismatch (got "
-                                  f"{h.hexdigest()}, header says {spec.sha256.lower()})")
-        if spec.fmt == "q6_k":
-            aos = np.frombuffer(buf, np.uint8).reshape(-1, q6k.BLOCK_BYTES)
-            q6k.check_scales_finite(aos, f"upload {spec.name!r}",
-                                    blocks_per_row=spec.k // q6k.QK_K)
-        else:
-            from q6serve.kernels.quantize import quantize_q6_k
-
-            x = np.frombuffer(buf, DTYPES[spec.fmt]).reshape(spec.rows, spec.k)
-            aos = await asyncio.to_thread(quantize_q6_k, x, f"upload {spec.name!r}")
-        blocks = q6k.as_blocks(aos, spec.rows, spec.k)
-
-        def chunks_of(chunk_bytes: int) -> Iterator[np.ndarray]:
-            from q6serve.kernels.api import iter_aos_chunks
-
-            return iter_aos_chunks(blocks, spec.rows, spec.k, chunk_bytes)
-
-        src = _Source(spec.name, spec.rows, spec.k, "upload", chunks_of)
-        views = await self._shielded(self._load_all([src]))
-        return views[0]  # type: ignore[index]
+        return UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
+                            spec.sha256, self.vram if accounted else None)
 
     async def _load_all(self, sources: list[_Source]) -> list[WeightView]:
         """Load every source or none: a failure frees what this call loaded and re-raises."""
