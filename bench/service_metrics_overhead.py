@@ -97,7 +97,7 @@ def micro(n: int = 200_000) -> None:
     stats = BatchStats(res, 8, 8, (1e-5,) * 8)
     t0 = time.perf_counter()
     for _ in range(n):
-        m.observe_request("Matmul", "OK", 1e-3)
+        m.observe_request("q6serve.v1.Q6Serve", "Matmul", "OK", 1e-3)
     t1 = time.perf_counter()
     for _ in range(n // 8):
         m.observe_batch(stats)

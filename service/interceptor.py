@@ -1,13 +1,21 @@
 """The ONE interceptor: auth hooks, error mapping and request metrics for every RPC.
 
 ``q6serve.kernels.errors.Q6Error`` subclasses become their ``grpc_code`` with their message;
-anything else becomes INTERNAL with a generic message and its traceback in the log.
+anything else becomes INTERNAL with a generic message and its traceback in the log. A status the
+handler set itself (``context.abort``, or ``context.set_code`` before returning or raising) is
+kept as it is: the standard services (health, reflection) signal that way, e.g. health's List
+is UNIMPLEMENTED.
+
+Every handler shape is wrapped: unary or streaming requests and replies, async or plain
+functions, replies returned, yielded or written with ``context.write()`` (health's Watch), and
+requests iterated or read with ``context.read()``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +35,15 @@ log = logging.getLogger("q6serve.rpc")
 # servicer reports the worker-side durations from it (MatmulTiming.decode/handler_seconds).
 RPC_START: contextvars.ContextVar[float] = contextvars.ContextVar("q6serve_rpc_start")
 
+# The metric labels (service, method) of the streaming call this code runs in, for the
+# per-message accounting of request/reply streams (observe_stream_request).
+_STREAM_CALL: contextvars.ContextVar[tuple[ErrorInterceptor, str, str]] = \
+    contextvars.ContextVar("q6serve_stream_call")
+
+# Method label of one request inside a request/reply stream: "MatmulStream/request". The
+# stream's own lifetime is counted under the plain method name.
+STREAM_REQUEST_SUFFIX = "/request"
+
 
 def status_code(e: Q6Error) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.INTERNAL)
@@ -34,6 +51,45 @@ def status_code(e: Q6Error) -> grpc.StatusCode:
 
 def code_name(e: BaseException) -> str:
     return status_code(e).name if isinstance(e, Q6Error) else "INTERNAL"
+
+
+def observe_stream_request(code: grpc.StatusCode) -> None:
+    """Count one request of a request/reply stream (MatmulStream) with the outcome its caller
+    sees in the reply, timed from when the worker read it (RPC_START of the message)."""
+    call = _STREAM_CALL.get(None)
+    if call is None:
+        return
+    interceptor, service, method = call
+    t0 = RPC_START.get(None)
+    interceptor.observe(service, method + STREAM_REQUEST_SUFFIX, code.name,
+                        time.perf_counter() - t0 if t0 is not None else 0.0)
+
+
+def _set_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
+    """The status the handler set on the context itself, if any (None or OK: none)."""
+    code = context.code()
+    return code if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK else None
+
+
+class _DecodingContext:
+    """The handler's view of the context when the interceptor took over deserialization:
+    ``read()`` returns decoded messages (the reader API of streaming requests); everything
+    else is the real context."""
+
+    def __init__(self, context: grpc.aio.ServicerContext,
+                 decode: Callable[[Any], Any]) -> None:
+        self._context = context
+        self._decode = decode
+
+    async def read(self) -> Any:
+        raw = await self._context.read()
+        if raw is grpc.aio.EOF:
+            return raw
+        RPC_START.set(time.perf_counter())
+        return self._decode(raw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -49,7 +105,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         path = details.method
-        method = path.rsplit("/", 1)[-1]
+        service, _, method = path.lstrip("/").rpartition("/")
         metadata = details.invocation_metadata
         admin = method in ADMIN_METHODS
 
@@ -58,7 +114,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             # (possibly 256 MiB) payload buffered in the worker.
             self._auth.check(path, method, admin, metadata)
         except Q6Error as e:
-            return self._refusal(e, method, handler)
+            return self._refusal(e, service, method, handler)
 
         deserialize = handler.request_deserializer
         streaming_request = bool(handler.stream_unary or handler.stream_stream)
@@ -78,9 +134,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 RPC_START.set(time.perf_counter())  # seen by tasks the reader spawns next
                 yield decode(raw)
 
-        def before(raw: Any) -> Any:
-            """The request decoded (or a decoding iterator for streams)."""
-            return decode_stream(raw) if streaming_request else decode(raw)
+        def before(raw: Any, context: grpc.aio.ServicerContext) -> tuple[Any, Any]:
+            """(request, context) for the handler: the request decoded, or for streams a
+            decoding iterator and a context whose read() decodes."""
+            if streaming_request:
+                return decode_stream(raw), _DecodingContext(context, decode)
+            return decode(raw), context
 
         if handler.unary_unary or handler.stream_unary:
             inner = handler.unary_unary or handler.stream_unary
@@ -89,11 +148,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 RPC_START.set(t0)
                 try:
-                    result = await inner(before(request), context)
+                    result = inner(*before(request, context))
+                    if inspect.isawaitable(result):
+                        result = await result
                 except BaseException as e:
-                    self._failed(e, context, method, t0)
+                    self._failed(e, context, service, method, t0)
                     return None  # gRPC discards a reply when the status is not OK
-                self._observe(method, "OK", t0)
+                self._done(context, service, method, t0)
                 return result
 
             factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
@@ -102,24 +163,36 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                            response_serializer=handler.response_serializer)
 
         inner_stream = handler.unary_stream or handler.stream_stream
+        bidi = bool(handler.stream_stream)
 
         async def streaming(request: Any, context: grpc.aio.ServicerContext,
                             ) -> AsyncIterator[Any]:
             t0 = time.perf_counter()
+            RPC_START.set(t0)
+            if bidi:
+                _STREAM_CALL.set((self, service, method))
             try:
-                async for item in inner_stream(before(request), context):
-                    yield item
+                out = inner_stream(*before(request, context))
+                if hasattr(out, "__aiter__"):  # an async generator: replies yielded
+                    async for item in out:
+                        yield item
+                elif inspect.isawaitable(out):  # a coroutine writing with context.write()
+                    await out
+                else:  # a plain generator
+                    for item in out:
+                        yield item
             except BaseException as e:
-                self._failed(e, context, method, t0)
+                self._failed(e, context, service, method, t0)
                 return
-            self._observe(method, "OK", t0)
+            self._done(context, service, method, t0)
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
                    else grpc.stream_stream_rpc_method_handler)
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
 
-    def _refusal(self, e: Q6Error, method: str, handler: grpc.RpcMethodHandler) -> Any:
+    def _refusal(self, e: Q6Error, service: str, method: str,
+                 handler: grpc.RpcMethodHandler) -> Any:
         """A handler answering ``e`` without reading the request: declared request-streaming
         (the wire format is the same), so gRPC does not receive the message before calling
         it; the unread bytes are dropped with the call."""
@@ -127,7 +200,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         code = status_code(e)
 
         def answer(context: grpc.aio.ServicerContext) -> None:
-            self._observe(method, code.name, t0)
+            self.observe(service, method, code.name, time.perf_counter() - t0)
             context.set_code(code)
             context.set_details(str(e))
 
@@ -148,8 +221,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(
             refuse, response_serializer=handler.response_serializer)
 
-    def _failed(self, e: BaseException, context: grpc.aio.ServicerContext, method: str,
-                t0: float) -> None:
+    def _done(self, context: grpc.aio.ServicerContext, service: str, method: str,
+              t0: float) -> None:
+        """Record a call that returned: OK, or the status the handler set without raising."""
+        code = _set_code(context)
+        self.observe(service, method, code.name if code else "OK", time.perf_counter() - t0)
+
+    def _failed(self, e: BaseException, context: grpc.aio.ServicerContext, service: str,
+                method: str, t0: float) -> None:
         """Record a failed call (before its status reaches the client), then re-raise ``e``
         when it is not ours to map, or set the status for the handler to return with.
 
@@ -157,28 +236,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         cycle with the handler's frames, and those frames hold the request -- refused 200 MB
         requests stayed in memory until the cyclic collector happened to run (issue 18)."""
         code, message = self._classify(e, context, method)
-        self._observe(method, code, t0)
+        self.observe(service, method, code.name, time.perf_counter() - t0)
         if message is None:
             raise e
-        context.set_code(getattr(grpc.StatusCode, code))
+        context.set_code(code)
         context.set_details(message)
 
     @staticmethod
     def _classify(e: BaseException, context: grpc.aio.ServicerContext, method: str,
-                  ) -> tuple[str, str | None]:
-        """(status code name, message to abort with; None = re-raise as is)."""
+                  ) -> tuple[grpc.StatusCode, str | None]:
+        """(status code, message to end the call with; None = re-raise as is)."""
         if isinstance(e, asyncio.CancelledError):
-            return "CANCELLED", None
+            return grpc.StatusCode.CANCELLED, None
+        set_code = _set_code(context)
         if isinstance(e, grpc.aio.AbortError):  # the handler aborted on its own
-            code = context.code()
-            return (code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"), None
+            return set_code or grpc.StatusCode.UNKNOWN, None
+        if set_code is not None:
+            # The handler chose its status and then raised (grpcio's generated base servicer
+            # does that for unimplemented methods): keep it, no traceback.
+            log.debug("%s ended with %s: %r", method, set_code.name, e)
+            return set_code, context.details() or set_code.name
         if isinstance(e, Q6Error):
-            return status_code(e).name, str(e)
+            return status_code(e), str(e)
         if not isinstance(e, Exception):
-            return "CANCELLED", None
+            return grpc.StatusCode.CANCELLED, None
         log.error("%s failed", method, exc_info=e)
-        return "INTERNAL", "internal error (logged by the worker)"
+        return grpc.StatusCode.INTERNAL, "internal error (logged by the worker)"
 
-    def _observe(self, method: str, code: str | None, t0: float) -> None:
-        if self._metrics is not None and code is not None:
-            self._metrics.observe_request(method, code, time.perf_counter() - t0)
+    def observe(self, service: str, method: str, code: str, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_request(service, method, code, seconds)

@@ -5,7 +5,8 @@ module turns them into series. Kernel times come from ``KernelTiming.seconds()``
 CUDA backend returns None until the end event has completed: such timings are parked and read
 by :meth:`Metrics.poll` from a background task, so no kernel is ever synchronised for metrics.
 Labels are bounded: kernel and layout names come from the backend's fixed set, N is bucketed,
-method names come from the service definition and codes from grpc.StatusCode.
+services and methods are the handlers registered on the server (plus ``<Method>/request`` for
+each request inside a request/reply stream), codes come from grpc.StatusCode.
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ class Metrics:
             "q6serve_kernel_duration_seconds",
             "Kernel time of one batched matmul launch (device events on CUDA, host timer on "
             "NumPy).", ["kernel", "layout", "n_bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        # service: the full gRPC service name (q6serve.v1.Q6Serve, grpc.health.v1.Health,
+        # grpc.reflection.v1.ServerReflection, ...); method: the RPC, or "<RPC>/request" for one
+        # request inside a MatmulStream (the RPC's own series then counts whole streams).
         self.request_duration = Histogram(
-            "q6serve_request_duration_seconds", "RPC handling time by method and status code.",
-            ["method", "code"], buckets=LATENCY_BUCKETS, registry=r)
+            "q6serve_request_duration_seconds",
+            "Handling time of RPCs and of requests inside streams, by service, method and "
+            "status code.", ["service", "method", "code"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter(
-            "q6serve_requests", "RPCs finished, by method and status code.",
-            ["method", "code"], registry=r)
+            "q6serve_requests", "RPCs and requests inside streams finished, by service, method "
+            "and the status code the caller saw.", ["service", "method", "code"], registry=r)
         self.queue_delay = Histogram(
             "q6serve_queue_delay_seconds", "Time a matmul request waited before its batch ran.",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -82,9 +87,9 @@ class Metrics:
         self._lock = threading.Lock()
 
     # -- filled by the core -----------------------------------------------------------------
-    def observe_request(self, method: str, code: str, seconds: float) -> None:
-        self.request_duration.labels(method, code).observe(seconds)
-        self.requests.labels(method, code).inc()
+    def observe_request(self, service: str, method: str, code: str, seconds: float) -> None:
+        self.request_duration.labels(service, method, code).observe(seconds)
+        self.requests.labels(service, method, code).inc()
 
     def observe_batch(self, stats: BatchStats) -> None:
         res = stats.result
@@ -129,10 +134,10 @@ class Metrics:
         for name, on in flags.as_dict().items():
             self.flag_enabled.labels(name).set(1 if on else 0)
 
-    def init_labels(self, methods: Iterable[str]) -> None:
+    def init_labels(self, service: str, methods: Iterable[str]) -> None:
         """Pre-create the OK series so dashboards see zeros before the first call."""
         for m in methods:
-            self.requests.labels(m, "OK")
+            self.requests.labels(service, m, "OK")
 
     # -- exposition -------------------------------------------------------------------------
     def exposition(self) -> bytes:

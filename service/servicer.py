@@ -20,7 +20,7 @@ from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 from . import regions, wire
 from .auth import TokenAuth
 from .engine import Engine
-from .interceptor import RPC_START, status_code
+from .interceptor import RPC_START, observe_stream_request, status_code
 from .regions import RegionIO, RegionTable
 
 log = logging.getLogger("q6serve.rpc")
@@ -174,6 +174,7 @@ class Q6ServeServicer:
         state = {"reading": True, "open": 0}  # open: requests whose reply is not queued yet
 
         def put(item: Any, cost: int) -> None:
+            observe_stream_request(wire.stream_reply_code(item))  # as its caller sees it
             out.put_nowait((item, cost))
             state["open"] -= 1
             if not state["reading"] and state["open"] == 0:
@@ -184,6 +185,7 @@ class Q6ServeServicer:
             """``took`` None: a region request, whose future gives (reply, took)."""
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
+                observe_stream_request(grpc.StatusCode.CANCELLED)
                 return
             exc = fut.exception()
             try:

@@ -22,7 +22,7 @@ from . import wire
 from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import Engine, version
-from .interceptor import ErrorInterceptor
+from .interceptor import STREAM_REQUEST_SUFFIX, ErrorInterceptor
 from .metrics import Metrics
 from .regions import RegionTable
 from .servicer import Q6ServeServicer
@@ -65,7 +65,8 @@ class Worker:
         if cfg.metrics_enabled:
             self.metrics = Metrics(self.registry, version=version(),
                                    backend=self.backend.name, device=self.backend.device_name())
-            self.metrics.init_labels(wire.METHODS)
+            self.metrics.init_labels(wire.SERVICE_NAME, (
+                *wire.METHODS, *(m + STREAM_REQUEST_SUFFIX for m in wire.BIDI_METHODS)))
         self.engine = self.make_engine()
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),

@@ -104,7 +104,8 @@ def test_replicas_share_calls_through_round_robin(start_worker: Callable[..., Lo
 
     def served(r: LoopWorker) -> float:
         return r.worker.registry.get_sample_value(
-            "q6serve_requests_total", {"method": "Matmul", "code": "OK"}) or 0.0
+            "q6serve_requests_total",
+            {"service": "q6serve.v1.Q6Serve", "method": "Matmul", "code": "OK"}) or 0.0
 
     with ShardedClient([both], timeout=10) as c:
         deadline = time.monotonic() + 10

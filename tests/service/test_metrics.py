@@ -24,10 +24,10 @@ from q6serve.service.metrics import LATENCY_BUCKETS, Metrics, n_bucket
 
 EXPECTED = {
     "q6serve_kernel_duration_seconds": {"kernel", "layout", "n_bucket"},
-    "q6serve_request_duration_seconds": {"method", "code"},
+    "q6serve_request_duration_seconds": {"service", "method", "code"},
     "q6serve_queue_delay_seconds": set(),
     "q6serve_batch_rows": set(),
-    "q6serve_requests": {"method", "code"},  # exposed as q6serve_requests_total
+    "q6serve_requests": {"service", "method", "code"},  # exposed as q6serve_requests_total
     "q6serve_vram_budget_bytes": set(),
     "q6serve_vram_weights_bytes": set(),
     "q6serve_vram_scratch_bytes": set(),
@@ -76,7 +76,8 @@ def test_exposition_names_labels_and_promtool(start_worker, tmp_path: Path) -> N
     assert all(s.labels["kernel"].startswith(backend_name()) for s in kernel)
     assert {s.labels["n_bucket"] for s in kernel} == {"1", "2", "5-8", "33-64"}
     ok = [s for s in families["q6serve_requests"].samples
-          if s.labels == {"method": "Matmul", "code": "OK"} and s.name.endswith("_total")]
+          if s.labels == {"service": "q6serve.v1.Q6Serve", "method": "Matmul", "code": "OK"}
+          and s.name.endswith("_total")]
     assert ok and ok[0].value == 4
     assert "q6serve_requests_total" in text and "q6serve_build_info{" in text
     flags = {s.labels["flag"]: s.value for s in families["q6serve_flag_enabled"].samples}
@@ -98,7 +99,8 @@ def test_error_codes_are_counted(start_worker) -> None:  # type: ignore[no-untyp
     with pytest.raises(Q6ServeError):
         c.get("missing")
     text = worker.worker.metrics.exposition().decode()
-    assert 'q6serve_requests_total{code="NOT_FOUND",method="GetWeight"} 1.0' in text
+    assert ('q6serve_requests_total{code="NOT_FOUND",method="GetWeight",'
+            'service="q6serve.v1.Q6Serve"} 1.0') in text
 
 
 class _Event:
