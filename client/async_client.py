@@ -23,10 +23,12 @@ import numpy as np
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
+from . import shm
 from .channel import aio_channel, token_metadata
 from .core import (
     MatmulOutput,
     Q6ServeError,
+    RegionInfo,
     Weight,
     as_bytes_view,
     flag_states,
@@ -45,7 +47,7 @@ from .core import (
     weights_of,
 )
 from .retry import RetryPolicy, acall_with_retry
-from .shm import RegionArg
+from .shm import RegionArg, ShmRegion
 
 # (request_id, weight, x) or (request_id, weight, x, x_region, y_region)
 StreamItem = tuple[Any, ...]
@@ -177,6 +179,33 @@ class AsyncClient:
             call.cancel()  # no-op once finished; stops the stream if the caller broke out
 
     # -- worker -----------------------------------------------------------------------------
+    # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
+    async def register_shm(self, name: str, size: int, *, key: str | None = None,
+                           timeout: float | None = None) -> ShmRegion:
+        """Create and register a region as :meth:`Client.register_shm`; unregister it with
+        :meth:`unregister_region` before ``region.close()`` (which then unlinks it)."""
+        region = ShmRegion.create(name, size, key)
+        try:
+            await self.register_region(region, timeout=timeout)
+        except BaseException:
+            region.close()
+            raise
+        return region
+
+    async def register_region(self, region: ShmRegion,
+                              timeout: float | None = None) -> RegionInfo:
+        r = await self._call("RegisterRegion", shm.register_request(region), timeout)
+        return RegionInfo.from_pb(r.region)
+
+    async def unregister_region(self, name: str, timeout: float | None = None) -> RegionInfo:
+        r = await self._call("UnregisterRegion", pb.UnregisterRegionRequest(name=name),
+                             timeout)
+        return RegionInfo.from_pb(r.region)
+
+    async def list_regions(self, timeout: float | None = None) -> list[RegionInfo]:
+        r = await self._call("ListRegions", pb.ListRegionsRequest(), timeout)
+        return [RegionInfo.from_pb(x) for x in r.regions]
+
     async def status(self, timeout: float | None = None) -> pb.GetStatusResponse:
         return await self._call("GetStatus", pb.GetStatusRequest(), timeout)
 

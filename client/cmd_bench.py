@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds of untimed calls before each cell (default 0.5)")
     p.add_argument("--mode", default="unary", choices=("unary", "stream"),
                    help="unary Matmul calls, or one MatmulStream per caller (default unary)")
+    p.add_argument("--shm", action="store_true",
+                   help="co-located: pass x and y through a shared-memory region per caller "
+                   "instead of message bytes (the worker needs --allow-shm)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="run a bench/service.py preset instead (own worker; no --target)")
@@ -154,13 +157,15 @@ async def _stream_caller(client: Any, weight: str, x: np.ndarray, opts: dict[str
     """One stream, one request in flight: send, wait for its reply, send the next."""
     replied: asyncio.Queue[None] = asyncio.Queue()
     sent: dict[str, float] = {}
+    opts = dict(opts)
+    io = (opts.pop("x_region", None), opts.pop("y_region", None))
 
-    async def requests() -> AsyncIterator[tuple[str, str, np.ndarray]]:
+    async def requests() -> AsyncIterator[tuple[Any, ...]]:
         i = 0
         while time.perf_counter() < end:
             rid = f"{tag}-{i}"
             sent[rid] = time.perf_counter()
-            yield rid, weight, x
+            yield (rid, weight, x, *io)
             i += 1
             await replied.get()
 
@@ -171,20 +176,63 @@ async def _stream_caller(client: Any, weight: str, x: np.ndarray, opts: dict[str
 
 
 async def run_cell(client: Any, weight: str, k: int, c: int, n: int, args: argparse.Namespace,
-                   tick: Callable[[int], None]) -> CellResult:
+                   tick: Callable[[int], None], rows: int = 0) -> CellResult:
+    """One (C, N) cell; ``rows``: the weight's (sizes y's region with --shm)."""
     from q6serve.client.client import DTYPES
 
     rng = np.random.default_rng(c * 1000 + n)
     xs = [rng.standard_normal((n, k)).astype(DTYPES[args.dtype]) for _ in range(c)]
     opts = {"precision": args.precision, "out_dtype": args.out_dtype}
+    per_caller = [opts] * c
+    if getattr(args, "shm", False):
+        async with _regions(client, xs, rows, DTYPES[args.out_dtype]) as io:
+            xs = [x for x, _ in io]
+            return await _run_phases(client, weight, xs, [{**opts, **o} for _, o in io],
+                                     c, n, args, tick)
+    return await _run_phases(client, weight, xs, per_caller, c, n, args, tick)
 
+
+@contextlib.asynccontextmanager
+async def _regions(client: Any, xs: list[np.ndarray], rows: int, out_dtype: np.dtype,
+                   ) -> AsyncIterator[list[tuple[np.ndarray, dict[str, Any]]]]:
+    """One shared-memory region per caller holding its x (written once) and its y; yields
+    (x as the region's view, matmul options naming the region) per caller."""
+    import os
+    import secrets
+
+    from .shm import ALIGN
+
+    made: list[Any] = []
+    io = []
+    try:
+        for x in xs:
+            y_off = -(-x.nbytes // ALIGN) * ALIGN  # y after x, aligned
+            size = y_off + x.shape[0] * rows * out_dtype.itemsize
+            region = await client.register_shm(f"bench-{os.getpid()}-{secrets.token_hex(4)}",
+                                               size)
+            made.append(region)
+            view = region.ndarray(0, x.dtype, x.shape)
+            view[...] = x  # once: every call sends the same activations
+            io.append((view, {"x_region": (region, 0), "y_region": (region, y_off)}))
+        yield io
+    finally:
+        for r in made:
+            with contextlib.suppress(Exception):
+                await client.unregister_region(r.name)
+            r.close()
+
+
+async def _run_phases(client: Any, weight: str, xs: list[np.ndarray],
+                      per_caller: list[dict[str, Any]], c: int, n: int,
+                      args: argparse.Namespace, tick: Callable[[int], None]) -> CellResult:
     async def phase(seconds: float, s: Samples) -> float:
         end = time.perf_counter() + seconds
         if args.mode == "unary":
-            jobs = [_unary_caller(client, weight, x, opts, end, s) for x in xs]
+            jobs = [_unary_caller(client, weight, x, o, end, s)
+                    for x, o in zip(xs, per_caller, strict=True)]
         else:
-            jobs = [_stream_caller(client, weight, x, opts, end, s, f"c{i}")
-                    for i, x in enumerate(xs)]
+            jobs = [_stream_caller(client, weight, x, o, end, s, f"c{i}")
+                    for i, (x, o) in enumerate(zip(xs, per_caller, strict=True))]
         t0 = time.perf_counter()
         main = asyncio.gather(*jobs)
         try:
@@ -227,6 +275,7 @@ async def bench(args: argparse.Namespace, console: Any, doc: dict[str, Any]) -> 
         doc.update({"target": args.target, "weight": w.name, "rows": w.rows, "k": w.k,
                     "backend": status.backend, "device": status.device, "mode": args.mode,
                     "dtype": args.dtype, "precision": args.precision, "planned": len(cells),
+                    "shm": bool(getattr(args, "shm", False)),
                     "cells": []})
         per_cell = args.warmup + args.duration
         columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
@@ -242,7 +291,7 @@ async def bench(args: argparse.Namespace, console: Any, doc: dict[str, Any]) -> 
                     progress.update(task, completed=i * per_cell + done, calls=calls,
                                     description=desc)
 
-                r = await run_cell(client, w.name, w.k, c, n, args, tick)
+                r = await run_cell(client, w.name, w.k, c, n, args, tick, w.rows)
                 doc["cells"].append(asdict(r))
                 progress.console.print(cell_line(r, i, len(cells)), highlight=False)
             progress.update(task, completed=len(cells) * per_cell)

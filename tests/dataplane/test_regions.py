@@ -320,3 +320,21 @@ def test_async_client_regions(weight: Any, rng: np.random.Generator) -> None:
     with c.register_shm("r", 1 << 14) as region:
         for y in asyncio.run(go(region)):
             np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("mode", ["unary", "stream"])
+def test_cli_bench_through_regions(weight: Any, mode: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from q6serve.client import cli
+
+    w, c, _ = weight
+    rc = cli.main(["bench", "--target", w.target, "--duration", "0.3", "--warmup", "0.1",
+                   "--concurrency", "1", "3", "--n", "2", "--mode", mode, "--shm", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["shm"] is True
+    for cell in doc["cells"]:
+        assert cell["calls"] > 0 and not cell["errors"], cell
+    assert c.list_regions() == []  # every caller's region unregistered
