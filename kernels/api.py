@@ -160,6 +160,12 @@ class Backend(abc.ABC):
              chunk_bytes: int) -> ResidentWeight:
         """Build a resident weight from AoS chunks of whole rows, in order."""
 
+    def relayout_scratch_nbytes(self, rows: int, k: int, layout: Layout,
+                                chunk_bytes: int) -> int:
+        """Peak transient bytes while re-laying such a weight to ``layout`` (beyond the growth
+        of the weight itself, which the caller reserves as weight bytes)."""
+        return self.load_scratch_nbytes(rows, k, chunk_bytes)
+
     @abc.abstractmethod
     def relayout(self, w: ResidentWeight, layout: Layout, chunk_bytes: int) -> ResidentWeight:
         """Return ``w`` re-laid to ``layout`` (same bytes, bounded scratch)."""

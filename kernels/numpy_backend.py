@@ -201,6 +201,17 @@ class NumpyBackend(Backend):
     def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
         return 0  # chunks come from the caller's mmap/stream; slabs are packed straight in
 
+    def relayout_scratch_nbytes(self, rows: int, k: int, layout: Layout,
+                                chunk_bytes: int) -> int:
+        """:meth:`relayout` builds the new slabs before it lets go of the old ones (so a
+        failure leaves the weight intact): the whole old copy is held until the end, plus
+        one slab converted back to AoS on the way from SoA."""
+        other = Layout.AOS if layout is Layout.SOA else Layout.SOA
+        old = self.weight_nbytes(rows, k, other)
+        slab = max(_slab_bytes(r1 - r0, k, Layout.AOS)
+                   for r0, r1 in self._slab_rows(rows, k, self.SLAB_BYTES))
+        return old + (slab if other is Layout.SOA else 0)
+
     @staticmethod
     def _slab_rows(rows: int, k: int, chunk_bytes: int) -> list[tuple[int, int]]:
         per = max(1, chunk_bytes // q6k.aos_nbytes(1, k))

@@ -301,6 +301,7 @@ class Engine:
 
         async def load() -> list[WeightView]:
             try:
+                buf.hand_over()
                 return await self._load_all([src])
             finally:
                 buf.release()
@@ -510,7 +511,8 @@ class Engine:
     async def _relayout(self, e: WeightEntry, target: Layout) -> None:
         old = e.nbytes
         grow = max(0, self.backend.weight_nbytes(e.rows, e.k, target) - old)
-        staging = self.backend.load_scratch_nbytes(e.rows, e.k, self.config.load_chunk_bytes)
+        staging = self.backend.relayout_scratch_nbytes(e.rows, e.k, target,
+                                                       self.config.load_chunk_bytes)
         t0 = time.perf_counter()
         with self.vram.reserve(weights=grow, staging=staging) as res:
             def job() -> None:

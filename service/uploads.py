@@ -154,11 +154,18 @@ class UploadBuffer:
             h.update(part.data)
         return h.hexdigest()
 
-    def release(self) -> None:
-        """Drop the data and its reservations (idempotent)."""
+    def hand_over(self) -> None:
+        """Stop accounting the finished data (kept): the load about to copy it into the
+        weight reserves that, and the buffer must not make a weight that fits the budget
+        once need room for two copies. The overlap while it copies is the load's, as for a
+        GGUF file's mapped pages."""
         for res in self._held:
             res.release()
         self._held.clear()
+
+    def release(self) -> None:
+        """Drop the data and its reservations (idempotent)."""
+        self.hand_over()
         if self._seg_res is not None:
             self._seg_res.release()
             self._seg_res = None

@@ -77,6 +77,10 @@ class FaultyBackend(Backend):
     def relayout(self, w: ResidentWeight, layout: Layout, chunk_bytes: int) -> ResidentWeight:
         return self.inner.relayout(w, layout, chunk_bytes)
 
+    def relayout_scratch_nbytes(self, rows: int, k: int, layout: Layout,
+                                chunk_bytes: int) -> int:
+        return self.inner.relayout_scratch_nbytes(rows, k, layout, chunk_bytes)
+
     def free(self, w: ResidentWeight) -> None:
         self.inner.free(w)
 
