@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from . import q6k
+from .epilogue import TopK
 from .errors import FailedPrecondition, FormatError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -89,11 +90,12 @@ class KernelTiming:
 
 @dataclass
 class MatmulResult:
-    y: np.ndarray  # [N, rows] in the requested output dtype
+    y: np.ndarray | None  # [N, rows] in the requested output dtype; None with a top-k epilogue
     kernel: str  # e.g. "numpy.exact", "cuda.matvec.soa"
     layout: Layout
     precision: Precision  # resolved (never AUTO)
     timing: KernelTiming = field(default_factory=KernelTiming)
+    topk: TopK | None = None  # the epilogue's result (matmul(..., topk=k)) instead of y
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
-               ) -> MatmulResult:
-        """``y = x @ W.T`` for x ``[N, K]`` f32/f16/bf16; y ``[N, rows]`` (default f32)."""
+               topk: int = 0) -> MatmulResult:
+        """``y = x @ W.T`` for x ``[N, K]`` f32/f16/bf16; y ``[N, rows]`` (default f32).
+
+        ``topk`` > 0: the top-k epilogue (kernels/epilogue.py) runs on the f32 y where y lives
+        (on the device for CUDA) and the result carries ``topk`` instead of ``y``
+        (``out_dtype`` is then ignored: the epilogue's values are f32)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything the backend holds."""

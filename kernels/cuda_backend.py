@@ -392,7 +392,7 @@ class CudaBackend(Backend):
     # -- matmul -------------------------------------------------------------------------------
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
-               ) -> MatmulResult:
+               topk: int = 0) -> MatmulResult:
         x = check_activations(x, w.k)
         path, prec = self._path(x.shape[0], precision, flags, w.rows, w.k)
         cp = self._cp
@@ -402,6 +402,12 @@ class CudaBackend(Backend):
             start.record(self._stream)
             y = self._run(w, xd, x.dtype, path)  # already on the device and stream
             end.record(self._stream)
+            if topk:  # the epilogue on the device, then only its result is downloaded
+                from .cuda_topk import topk_on_device
+
+                return MatmulResult(None, f"cuda.{path}.{w.layout.value}", w.layout, prec,
+                                    KernelTiming(_events=(start, end)),
+                                    topk=topk_on_device(cp, y, topk, self._stream))
             if out_dtype is not None and np.dtype(out_dtype) == np.float16:
                 y = y.astype(cp.float16)
             host = y.get(stream=self._stream)

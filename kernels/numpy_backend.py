@@ -36,6 +36,7 @@ from .api import (
     check_activations,
     refuse_q8_1_without_mmq,
 )
+from .epilogue import check_k, topk_reference
 from .errors import FormatError
 
 _M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -288,8 +289,10 @@ class NumpyBackend(Backend):
 
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
-               ) -> MatmulResult:
+               topk: int = 0) -> MatmulResult:
         x = check_activations(x, w.k)
+        if topk:
+            check_k(topk, w.rows)
         kernel, resolved = self.plan(x.shape[0], precision, flags)
         slabs: list[Slab] | None = w.data
         if slabs is None:
@@ -300,7 +303,10 @@ class NumpyBackend(Backend):
         else:
             xf = x.astype(np.float16) if resolved is Precision.F16 else x
             y = self._matmul_float(w, slabs, xf.astype(np.float32))
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0  # the matmul only (as the CUDA events)
+        if topk:
+            return MatmulResult(None, kernel, w.layout, resolved,
+                                KernelTiming(host_seconds=elapsed), topk=topk_reference(y, topk))
         if out_dtype is not None and np.dtype(out_dtype) != y.dtype:
             y = y.astype(out_dtype)
         return MatmulResult(y, kernel, w.layout, resolved, KernelTiming(host_seconds=elapsed))

@@ -1,0 +1,168 @@
+"""The top-k / log-sum-exp epilogue: the NumPy reference against float64 ground truth, the
+device algorithm (``topk_xp``) run with NumPy against the reference (CI), and the CUDA backend's
+epilogue against the reference on the GPU (``-m gpu``; skipped without CuPy or a device)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from q6serve.kernels import epilogue
+from q6serve.kernels.api import Layout, Precision, iter_aos_chunks
+from q6serve.kernels.epilogue import LSE_RTOL, TopK, check_k, merge_topk, topk_reference, topk_xp
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.kernels.numpy_backend import NumpyBackend
+
+
+def _truth(y: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stable full sort (value desc, column asc) and the float64 lse, the slow obvious way."""
+    order = np.array([sorted(range(y.shape[1]), key=lambda j, r=r: (-y[r, j], j))[:k]
+                      for r in range(y.shape[0])])
+    m = y.astype(np.float64).max(axis=1, keepdims=True)
+    return order, (m[:, 0] + np.log(np.exp(y - m).sum(axis=1)))
+
+
+def _assert_same(got: TopK | tuple, want: TopK) -> None:
+    v, i, lse = (got.values, got.indices, got.lse) if isinstance(got, TopK) else got
+    assert v.dtype == np.float32 and i.dtype == np.int32 and lse.dtype == np.float32
+    np.testing.assert_array_equal(v, want.values)
+    np.testing.assert_array_equal(i, want.indices)
+    np.testing.assert_allclose(lse, want.lse, rtol=LSE_RTOL, atol=LSE_RTOL)
+
+
+@pytest.mark.parametrize("n,cols,k", [(1, 1, 1), (3, 17, 17), (4, 300, 7), (2, 5000, 64),
+                                      (3, 40000, 256), (2, 152064, 64), (5, 4097, 1)])
+def test_reference_and_device_algorithm_agree_with_truth(n: int, cols: int, k: int) -> None:
+    rng = np.random.default_rng(cols + k)
+    y = (rng.standard_normal((n, cols)) * 8).astype(np.float32)  # continuous: no ties
+    ref = topk_reference(y, k)
+    if cols <= 5000:
+        order, lse = _truth(y, k)
+        np.testing.assert_array_equal(ref.indices, order)
+        np.testing.assert_allclose(ref.lse, lse, rtol=1e-7)
+    np.testing.assert_array_equal(ref.values, np.take_along_axis(y, ref.indices, axis=1))
+    _assert_same(topk_xp(y, k, np), ref)
+
+
+def test_ties_extremes_and_nan() -> None:
+    y = np.zeros((5, 6000), np.float32)
+    y[0, 10] = np.inf
+    y[1, :] = -np.inf
+    y[1, 5999] = 1.0  # one finite value in a row of -inf
+    y[2, [7, 3, 4000]] = 5.0  # a three-way tie: lower column first
+    y[3, 123] = np.nan
+    y[4, :] = -np.inf  # nothing but -inf
+    got = topk_xp(y, 3, np)
+    v, i, lse = got
+    assert list(i[0][:1]) == [10] and v[0, 0] == np.inf and lse[0] == np.inf
+    assert list(i[1][:1]) == [5999] and lse[1] == pytest.approx(1.0)
+    assert list(i[2]) == [3, 7, 4000] and list(v[2]) == [5, 5, 5]
+    assert i[3, 0] == 123 and np.isnan(v[3, 0]) and np.isnan(lse[3])
+    assert np.all(v[4] == -np.inf) and np.all(i[4] < 6000) and lse[4] == -np.inf
+    assert np.all(i[1, 1:] < 6000)  # padding never wins over a real -inf column
+    ref = topk_reference(y, 3)
+    np.testing.assert_array_equal(ref.values[:3], v[:3])  # tie *order* is part of the contract
+    np.testing.assert_array_equal(ref.indices[2], i[2])
+    np.testing.assert_array_equal(ref.lse, lse)
+
+
+def test_group_bound_holds_when_the_top_k_share_a_group() -> None:
+    """All k winners in one group (and the runner-ups spread out): still exact."""
+    cols, k = 20000, 16
+    g = epilogue.group_size(cols, k)
+    y = np.random.default_rng(0).standard_normal((1, cols)).astype(np.float32)
+    y[0, 5 * g : 5 * g + min(g, k)] = 100 + np.arange(min(g, k), dtype=np.float32)
+    _assert_same(topk_xp(y, k, np), topk_reference(y, k))
+
+
+def test_prefix_and_rows_and_merge() -> None:
+    rng = np.random.default_rng(1)
+    y = rng.standard_normal((6, 900)).astype(np.float32)
+    full = topk_reference(y, 50)
+    _assert_same(full.first(9), topk_reference(y, 9))
+    _assert_same(full.rows(2, 5), topk_reference(y[2:5], 50))
+    cuts = [0, 5, 450, 900]  # one part narrower than k
+    parts = [topk_reference(y[:, a:b], min(50, b - a)) for a, b in itertools.pairwise(cuts)]
+    _assert_same(merge_topk(parts, cuts[:-1], 50), full)
+
+
+@pytest.mark.parametrize("k,cols,msg", [(0, 10, "out of range"), (257, 1000, "out of range"),
+                                        (-1, 10, "out of range"), (11, 10, "exceeds the 10 rows")])
+def test_bad_k_is_invalid_argument(k: int, cols: int, msg: str) -> None:
+    with pytest.raises(InvalidArgument, match=msg):
+        check_k(k, cols)
+    with pytest.raises(InvalidArgument, match=msg):
+        topk_reference(np.zeros((1, cols), np.float32), k)
+
+
+def _blocks(rows: int, k: int, seed: int) -> np.ndarray:
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows * k // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.array([1e-3], np.float16).view(np.uint8)  # finite, modest scales
+    return blocks
+
+
+def test_numpy_backend_epilogue() -> None:
+    be = NumpyBackend(threads=1)
+    try:
+        rows, k = 1000, 256
+        w = be.load(iter_aos_chunks(_blocks(rows, k, 2), rows, k, 1 << 20), rows, k,
+                    Layout.SOA, 1 << 20)
+        x = np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+        plain = be.matmul(w, x, precision=Precision.EXACT)
+        top = be.matmul(w, x, precision=Precision.EXACT, topk=32)
+        assert top.y is None and top.kernel == plain.kernel and top.topk is not None
+        _assert_same(top.topk, topk_reference(plain.y, 32))
+        small = be.load(iter_aos_chunks(_blocks(16, k, 4), 16, k, 1 << 20), 16, k,
+                        Layout.SOA, 1 << 20)
+        with pytest.raises(InvalidArgument, match="topk k=17 exceeds the 16 rows"):
+            be.matmul(small, x, topk=17)
+    finally:
+        be.close()
+
+
+# -- CUDA (the lead's GPU run) -----------------------------------------------------------------
+def _cuda_backend():  # type: ignore[no-untyped-def]
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no device")
+    except Exception:  # no CuPy, no driver, no device
+        pytest.skip("needs CuPy and a CUDA device")
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    return CudaBackend(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,k", [(512, 1, 1), (4096, 8, 64), (152064, 64, 64),
+                                      (152064, 3, 256), (300, 5, 256)])
+@pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16])
+def test_cuda_epilogue_matches_reference(rows: int, n: int, k: int,
+                                         precision: Precision) -> None:
+    """The device's top-k == the NumPy reference on the y a plain call downloads (the kernels
+    are deterministic, split-K included): values bit-equal, indices equal where not tied,
+    lse within LSE_RTOL."""
+    be = _cuda_backend()
+    try:
+        kk = 256 if rows > 100_000 else 512  # keep the lm-head-sized weight small in K
+        w = be.load(iter_aos_chunks(_blocks(rows, kk, rows), rows, kk, 64 << 20), rows, kk,
+                    Layout.SOA, 64 << 20)
+        x = np.random.default_rng(n).standard_normal((n, kk)).astype(np.float32)
+        plain = be.matmul(w, x, precision=precision)
+        top = be.matmul(w, x, precision=precision, topk=k)
+        assert top.y is None and top.topk is not None and top.kernel == plain.kernel
+        ref = topk_reference(plain.y, k)
+        v, i, lse = top.topk.values, top.topk.indices, top.topk.lse
+        np.testing.assert_array_equal(v, np.take_along_axis(plain.y, i, axis=1))
+        np.testing.assert_array_equal(v, ref.values)
+        untied = np.ones(v.shape, bool)
+        untied[:, 1:] &= v[:, 1:] != v[:, :-1]
+        untied[:, :-1] &= v[:, :-1] != v[:, 1:]
+        np.testing.assert_array_equal(i[untied], ref.indices[untied])
+        assert np.all(np.abs(lse - ref.lse) <= LSE_RTOL * np.maximum(1, np.abs(ref.lse)))
+        be.free(w)
+    finally:
+        be.close()
