@@ -229,7 +229,7 @@ def nonfinite_rows(x: np.ndarray) -> np.ndarray:
 
 def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
                 precision: Precision = Precision.AUTO, flags: KernelFlags = DEFAULT_FLAGS,
-                out_dtype: np.dtype | None = None) -> MatmulResult:
+                out_dtype: np.dtype | None = None, topk: int = 0) -> MatmulResult:
     """``backend.matmul`` with non-finite activations propagating per IEEE 754 whatever the
     precision (docs/RELIABILITY.md, "NaN and Inf activations").
 
@@ -238,20 +238,30 @@ def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
     them run at EXACT and the other rows at Q8_1. That changes nothing a caller can see in
     those rows: a NaN makes every output of its row NaN, and an Inf makes every output of its
     row +-Inf or NaN, whatever the finite values next to it. The reply names the Q8_1 kernel.
+    ``topk``: the epilogue of :meth:`Backend.matmul` (rows are independent, so it splits too).
     """
+    kw = {"flags": flags, "out_dtype": out_dtype, "topk": topk}
     _, resolved = backend.plan(int(x.shape[0]), precision, flags)
     if resolved is not Precision.Q8_1:
-        return backend.matmul(w, x, precision=precision, flags=flags, out_dtype=out_dtype)
+        return backend.matmul(w, x, precision=precision, **kw)
     bad = nonfinite_rows(x)
     if not bad.size:
-        return backend.matmul(w, x, precision=precision, flags=flags, out_dtype=out_dtype)
+        return backend.matmul(w, x, precision=precision, **kw)
     good = np.setdiff1d(np.arange(x.shape[0]), bad)
-    ieee = backend.matmul(w, x[bad], precision=Precision.EXACT, flags=flags,
-                          out_dtype=out_dtype)
+    ieee = backend.matmul(w, x[bad], precision=Precision.EXACT, **kw)
     if not good.size:
-        return MatmulResult(ieee.y, ieee.kernel, ieee.layout, Precision.Q8_1, ieee.timing)
-    res = backend.matmul(w, x[good], precision=precision, flags=flags, out_dtype=out_dtype)
-    y = np.empty((x.shape[0], res.y.shape[1]), res.y.dtype)
-    y[good] = res.y
-    y[bad] = ieee.y
-    return MatmulResult(y, res.kernel, res.layout, res.precision, res.timing)
+        return MatmulResult(ieee.y, ieee.kernel, ieee.layout, Precision.Q8_1, ieee.timing,
+                            ieee.topk)
+    res = backend.matmul(w, x[good], precision=precision, **kw)
+
+    def rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], *a.shape[1:]), a.dtype)
+        out[good], out[bad] = a, b
+        return out
+
+    if res.topk is not None and ieee.topk is not None:
+        top = TopK(rows(res.topk.values, ieee.topk.values),
+                   rows(res.topk.indices, ieee.topk.indices), rows(res.topk.lse, ieee.topk.lse))
+        return MatmulResult(None, res.kernel, res.layout, res.precision, res.timing, top)
+    assert res.y is not None and ieee.y is not None
+    return MatmulResult(rows(res.y, ieee.y), res.kernel, res.layout, res.precision, res.timing)

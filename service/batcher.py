@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from q6serve.kernels.api import Layout, MatmulResult, Precision
+from q6serve.kernels.epilogue import TopK
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -127,6 +128,7 @@ class BatchKey:
     x_dtype: str
     precision: Precision
     out_dtype: str
+    topk: int = 0  # the top-k epilogue's k (0: y); only equal k batch together
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class BatchSettings:
 class MatmulReply:
     """What one request gets back from its batch (built once per request, on the loop)."""
 
-    y: np.ndarray  # this request's rows of the batch's output (a view)
+    y: np.ndarray | None  # this request's rows of the batch's output (a view); None
+    #                       with the top-k epilogue (BatchKey.topk), whose rows are in topk
     kernel: str
     layout: Layout
     precision: Precision
@@ -152,6 +155,7 @@ class MatmulReply:
     batch_rows: int
     batch_requests: int
     device_seconds: float | None = None  # wall time of the batch's job in the device thread
+    topk: TopK | None = None  # this request's rows of the batch's epilogue result
 
 
 @dataclass(frozen=True)
@@ -379,7 +383,7 @@ class Batcher:
                     p.fut.set_exception(r)
                 else:
                     p.fut.set_result(MatmulReply(r.y, r.kernel, r.layout, r.precision, q,
-                                                 r.timing.seconds(), p.rows, 1, t1 - t0))
+                                                 r.timing.seconds(), p.rows, 1, t1 - t0, r.topk))
                     self._loop_.call_soon(self._on_batch, BatchStats(r, p.rows, 1, (q,)))
             return
         rows = int(x.shape[0])
@@ -389,9 +393,11 @@ class Batcher:
         for p, q in zip(live, queued, strict=True):
             self._settle(p)
             if not p.fut.done():
-                p.fut.set_result(MatmulReply(result.y[off : off + p.rows], result.kernel,
-                                             result.layout, result.precision, q, kernel_s,
-                                             rows, len(live), t1 - t0))
+                y = None if result.y is None else result.y[off : off + p.rows]
+                top = None if result.topk is None else result.topk.rows(off, off + p.rows)
+                p.fut.set_result(MatmulReply(y, result.kernel, result.layout,
+                                             result.precision, q, kernel_s, rows, len(live),
+                                             t1 - t0, top))
             off += p.rows
         # after the replies: their handlers are woken first, metrics run behind them
         self._loop_.call_soon(self._on_batch, BatchStats(result, rows, len(live), queued))

@@ -34,6 +34,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from q6serve.kernels.api import Backend, KernelTiming
+from q6serve.kernels.epilogue import check_k, merge_topk
 from q6serve.kernels.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -458,10 +459,13 @@ class MultiDeviceEngine:
         pl = self._get(call.weight)
         if pl.mode == "replicate":
             return self.engines[self._pick(pl)].start_matmul(call)
+        if call.topk:  # each part's top-k of its columns, merged in _join (kernels/epilogue.py)
+            check_k(call.topk, pl.rows.rows, weight=pl.name)
         parts: list[asyncio.Future[MatmulReply]] = []
         try:
             for p in pl.parts:
-                parts.append(self.engines[p.device].start_matmul(call))
+                parts.append(self.engines[p.device].start_matmul(
+                    replace(call, topk=min(call.topk, p.rows.rows)) if call.topk else call))
         except BaseException:
             for f in parts:
                 f.cancel()
@@ -481,7 +485,7 @@ class MultiDeviceEngine:
                 else:
                     whole.set_exception(f.exception())  # type: ignore[arg-type]
             elif left[0] == 0:
-                whole.set_result(_join([g.result() for g in parts]))
+                whole.set_result(_join([g.result() for g in parts], pl, call.topk))
 
         def whole_done(f: asyncio.Future[MatmulReply]) -> None:
             if f.cancelled():  # the caller went away: drop the parts not run yet
@@ -530,15 +534,19 @@ class MultiDeviceEngine:
         await asyncio.gather(*(e.close() for e in self.engines))
 
 
-def _join(replies: list[MatmulReply]) -> MatmulReply:
-    """One sharded call's reply from its parts' (outputs side by side, in row order)."""
+def _join(replies: list[MatmulReply], pl: Placed, topk: int = 0) -> MatmulReply:
+    """One sharded call's reply from its parts' (outputs side by side, in row order; with
+    the top-k epilogue, the parts' top-k merged over global columns)."""
     kernel_s = [r.kernel_seconds for r in replies]
     first = replies[0]
+    top = None if not topk else merge_topk(
+        [r.topk for r in replies],  # type: ignore[misc]
+        [p.rows.begin - pl.rows.begin for p in pl.parts], topk)
+    y = None if top is not None else np.concatenate([r.y for r in replies], axis=1)
     return MatmulReply(
-        np.concatenate([r.y for r in replies], axis=1), first.kernel, first.layout,
-        first.precision, max(r.queue_seconds for r in replies),
+        y, first.kernel, first.layout, first.precision, max(r.queue_seconds for r in replies),
         None if None in kernel_s else max(kernel_s),  # type: ignore[type-var]
-        min(r.batch_rows for r in replies), min(r.batch_requests for r in replies))
+        min(r.batch_rows for r in replies), min(r.batch_requests for r in replies), topk=top)
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:

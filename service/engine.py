@@ -32,6 +32,7 @@ from q6serve.kernels.api import (
     dtype_name,
     matmul_ieee,
 )
+from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import (
     DeviceError,
     FailedPrecondition,
@@ -96,6 +97,8 @@ class MatmulCall:
     precision: Precision = Precision.AUTO
     out_dtype: np.dtype = DTYPES["f32"]
     timeout: float | None = None  # seconds left of the caller's deadline
+    topk: int = 0  # > 0: the top-k epilogue (kernels/epilogue.py) replaces y
+    weights: tuple[str, ...] = ()  # a multi-weight request (service/multi.py): not ``weight``
 
 
 @dataclass(frozen=True)
@@ -377,7 +380,7 @@ class Engine:
                                 decode_mmq=self.flags.state.decode_mmq)
             try:
                 return matmul_ieee(self.backend, w, x, precision=key.precision, flags=flags,
-                                   out_dtype=np.dtype(DTYPES[key.out_dtype]))
+                                   out_dtype=np.dtype(DTYPES[key.out_dtype]), topk=key.topk)
             except DeviceError as err:
                 loop.call_soon_threadsafe(self._device_failed, err)
                 raise
@@ -465,14 +468,20 @@ class Engine:
         if n > self.config.max_request_rows:
             raise InvalidArgument(f"N={n} exceeds the per-request limit of "
                                   f"{self.config.max_request_rows} rows")
+        if call.topk and call.out_dtype != DTYPES["f32"]:
+            raise InvalidArgument(f"out_dtype {dtype_name(call.out_dtype)} with topk: the "
+                                  "top-k values are always f32 (leave out_dtype unset)")
         if call.timeout is not None and call.timeout <= 0:
             raise DeadlineExceeded("deadline already passed")
-        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype))
+        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype),
+                       call.topk)
         e = self.registry.acquire(call.weight)  # kept alive until the future is done
         try:
             if x.shape[1] != e.k:
                 raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
                                   f"K={e.k}")
+            if call.topk:
+                check_k(call.topk, e.rows, weight=e.name)
             # refuse what the current flags forbid before queueing (clear status, no batch)
             self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
             fut = e.batcher.enqueue(x, key, call.timeout)

@@ -15,12 +15,14 @@ from typing import Any
 
 import grpc
 
+from q6serve.kernels.epilogue import MAX_K
 from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
 from . import regions, wire
 from .auth import TokenAuth
-from .engine import Engine
+from .engine import Engine, MatmulCall
 from .interceptor import RPC_START, observe_stream_request, status_code
+from .multi import MAX_REQUEST_WEIGHTS, start_matmul_weights
 from .regions import RegionIO, RegionTable
 
 log = logging.getLogger("q6serve.rpc")
@@ -131,6 +133,13 @@ class Q6ServeServicer:
     async def UnloadWeight(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.unload_response(await self.engine.unload(request.name))
 
+    def _start(self, call: MatmulCall) -> asyncio.Future[Any]:
+        """Queue a decoded request: its weight's part, or every part of a multi-weight
+        request (service/multi.py); the future's result is what wire.Replies encodes."""
+        if call.weights:
+            return start_matmul_weights(self.engine, call)
+        return self.engine.start_matmul(call)
+
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = RPC_START.get(None) or time.perf_counter()
         io = wire.region_io(request)
@@ -139,7 +148,7 @@ class Q6ServeServicer:
             return wire.matmul_response(reply, request.request_id, took, io.y is None)
         call = wire.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
-        reply = await self.engine.matmul(call)
+        reply = await self._start(call)
         return wire.matmul_response(reply, request.request_id, wire.Took(t0, decoded))
 
     def _cost(self, req: Any) -> int:
@@ -147,9 +156,14 @@ class Q6ServeServicer:
         the reply it will produce (N x the weight's rows x the output dtype's size). Requests
         that will fail count their own size only (their error reply is small)."""
         size = req.ByteSize()
+        names = req.weights or [req.weight]  # a multi-weight reply holds one y per weight
+        if len(names) > MAX_REQUEST_WEIGHTS:
+            return size
         try:
             n = int(req.x.shape[0]) if len(req.x.shape) == 2 else 0
-            rows = self.engine.get(req.weight).rows
+            if req.HasField("topk"):  # f32 values + int32 indices per k, f32 lse
+                return size + len(names) * n * (8 * min(req.topk.k, MAX_K) + 4)
+            rows = sum(self.engine.get(name).rows for name in names)
             return size + n * rows * wire.dtype_from_pb(req.out_dtype).itemsize
         except Q6Error:
             return size
@@ -218,7 +232,7 @@ class Q6ServeServicer:
                             continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
-                        fut = self.engine.start_matmul(call)
+                        fut = self._start(call)
                     except Exception as e:
                         put(_stream_error(rid, e), cost)
                         continue

@@ -7,6 +7,7 @@ after checking that dtype, shape and byte count agree.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import grpc
 import numpy as np
 
 from q6serve.kernels.api import DTYPES, Layout, Precision, dtype_name
+from q6serve.kernels.epilogue import TopK, check_k
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
@@ -86,14 +88,21 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
 
 def matmul_call(req: pb.MatmulRequest, timeout: float | None,
                 x: np.ndarray | None = None) -> MatmulCall:
-    """The engine's call; ``x``: activations already read from a region (else decoded)."""
-    if not req.weight:
-        raise InvalidArgument("MatmulRequest.weight is empty")
+    """The engine's call: ``weight``, or ``weights`` (a multi-weight request, checked by
+    service/multi.py), and the optional top-k epilogue; ``x``: activations already read from
+    a region (else decoded)."""
+    if req.weight and req.weights:
+        raise InvalidArgument("MatmulRequest sets both weight and weights; set one of them")
+    if not req.weight and not req.weights:
+        raise InvalidArgument("MatmulRequest.weight is empty (set weight, or weights for a "
+                              "multi-weight request)")
     if not req.HasField("x"):
         raise InvalidArgument("MatmulRequest.x is missing")
+    topk = check_k(req.topk.k, what="MatmulRequest.topk.k") if req.HasField("topk") else 0
     return MatmulCall(weight=req.weight, x=decode_tensor(req.x) if x is None else x,
                       precision=_enum(_PREC_FROM_PB, req.precision, "precision"),
-                      out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout)
+                      out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout, topk=topk,
+                      weights=tuple(req.weights))
 
 
 @dataclass(frozen=True)
@@ -104,21 +113,28 @@ class Took:
     decoded: float
 
 
-def fill_matmul_response(resp: pb.MatmulResponse, r: MatmulReply, request_id: str = "",
-                         took: Took | None = None, y_bytes: bool = True) -> pb.MatmulResponse:
-    """Set ``resp``'s fields in place. Passing a big submessage to a constructor is far slower
-    in upb (64x3584 f32: 2 ms, in place 0.07 ms; see bench/RESULTS.md, issue 9).
+def _fill_topk(t: pb.TopKResult, top: TopK) -> None:
+    t.rows, t.k = (int(d) for d in top.values.shape)
+    t.values = np.ascontiguousarray(top.values, dtype="<f4").tobytes()
+    t.indices = np.ascontiguousarray(top.indices, dtype="<i4").tobytes()
+    t.lse = np.ascontiguousarray(top.lse, dtype="<f4").tobytes()
+
+
+def _fill_result(m: Any, r: MatmulReply, y_bytes: bool = True) -> None:
+    """The fields MatmulResponse and WeightOutput share: y or topk, kernel, timing.
     ``y_bytes=False``: y went to a region; the reply states its dtype and shape only."""
-    y = np.ascontiguousarray(r.y) if y_bytes else r.y
-    resp.y.dtype = _DTYPE_TO_PB[dtype_name(y.dtype)]
-    resp.y.shape.extend(y.shape)
-    if y_bytes:
-        resp.y.data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
-    resp.kernel = r.kernel
-    resp.layout = _LAYOUT_TO_PB[r.layout]
-    resp.precision = _PREC_TO_PB[r.precision]
-    resp.request_id = request_id
-    timing = resp.timing
+    if r.topk is not None:
+        _fill_topk(m.topk, r.topk)
+    else:
+        y = np.ascontiguousarray(r.y) if y_bytes else r.y
+        m.y.dtype = _DTYPE_TO_PB[dtype_name(y.dtype)]
+        m.y.shape.extend(y.shape)
+        if y_bytes:
+            m.y.data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
+    m.kernel = r.kernel
+    m.layout = _LAYOUT_TO_PB[r.layout]
+    m.precision = _PREC_TO_PB[r.precision]
+    timing = m.timing
     timing.queue_seconds = r.queue_seconds
     timing.batch_rows = r.batch_rows
     timing.batch_requests = r.batch_requests
@@ -126,18 +142,36 @@ def fill_matmul_response(resp: pb.MatmulResponse, r: MatmulReply, request_id: st
         timing.kernel_seconds = r.kernel_seconds
     if r.device_seconds is not None:
         timing.device_seconds = r.device_seconds
+
+
+Replies = MatmulReply | Sequence[tuple[str, MatmulReply]]  # one, or (weight, reply) per weight
+
+
+def fill_matmul_response(resp: pb.MatmulResponse, r: Replies, request_id: str = "",
+                         took: Took | None = None, y_bytes: bool = True) -> pb.MatmulResponse:
+    """Set ``resp``'s fields in place. Passing a big submessage to a constructor is far slower
+    in upb (64x3584 f32: 2 ms, in place 0.07 ms; see bench/RESULTS.md, issue 9).
+    ``y_bytes=False``: y went to a region; the reply states its dtype and shape only."""
+    if isinstance(r, MatmulReply):
+        _fill_result(resp, r, y_bytes)
+    else:  # a multi-weight request: one WeightOutput per weight, in the request's order
+        for name, part in r:
+            out = resp.outputs.add()
+            out.weight = name
+            _fill_result(out, part)
+    resp.request_id = request_id
     if took is not None:  # last, so handler time includes encoding y
-        timing.decode_seconds = took.decoded - took.start
-        timing.handler_seconds = time.perf_counter() - took.start
+        resp.timing.decode_seconds = took.decoded - took.start
+        resp.timing.handler_seconds = time.perf_counter() - took.start
     return resp
 
 
-def matmul_response(r: MatmulReply, request_id: str = "",
+def matmul_response(r: Replies, request_id: str = "",
                     took: Took | None = None, y_bytes: bool = True) -> pb.MatmulResponse:
     return fill_matmul_response(pb.MatmulResponse(), r, request_id, took, y_bytes)
 
 
-def stream_result(r: MatmulReply, request_id: str,
+def stream_result(r: Replies, request_id: str,
                   took: Took | None = None, y_bytes: bool = True) -> pb.MatmulStreamResponse:
     msg = pb.MatmulStreamResponse(request_id=request_id)
     fill_matmul_response(msg.result, r, request_id, took, y_bytes)
@@ -174,6 +208,9 @@ def region_io(req: pb.MatmulRequest) -> RegionIO | None:
     has_x, has_y = req.HasField("x_region"), req.HasField("y_region")
     if not (has_x or has_y):
         return None
+    if req.weights or req.HasField("topk"):
+        raise InvalidArgument("x_region/y_region do not combine with weights or topk; send x "
+                              "inline for a multi-weight or top-k request")
     x_ref = x_dtype = x_shape = None
     if has_x:
         if not req.HasField("x"):

@@ -204,7 +204,7 @@ class UnloadWeightResponse(_message.Message):
     def __init__(self, weight: _Optional[_Union[WeightInfo, _Mapping]] = ...) -> None: ...
 
 class MatmulRequest(_message.Message):
-    __slots__ = ("weight", "x", "out_dtype", "precision", "request_id", "x_region", "y_region")
+    __slots__ = ("weight", "x", "out_dtype", "precision", "request_id", "x_region", "y_region", "weights", "topk")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
     OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class MatmulRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     X_REGION_FIELD_NUMBER: _ClassVar[int]
     Y_REGION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
     weight: str
     x: Tensor
     out_dtype: DType
@@ -219,7 +221,9 @@ class MatmulRequest(_message.Message):
     request_id: str
     x_region: RegionRef
     y_region: RegionRef
-    def __init__(self, weight: _Optional[str] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., request_id: _Optional[str] = ..., x_region: _Optional[_Union[RegionRef, _Mapping]] = ..., y_region: _Optional[_Union[RegionRef, _Mapping]] = ...) -> None: ...
+    weights: _containers.RepeatedScalarFieldContainer[str]
+    topk: TopKEpilogue
+    def __init__(self, weight: _Optional[str] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., out_dtype: _Optional[_Union[DType, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., request_id: _Optional[str] = ..., x_region: _Optional[_Union[RegionRef, _Mapping]] = ..., y_region: _Optional[_Union[RegionRef, _Mapping]] = ..., weights: _Optional[_Iterable[str]] = ..., topk: _Optional[_Union[TopKEpilogue, _Mapping]] = ...) -> None: ...
 
 class MatmulTiming(_message.Message):
     __slots__ = ("queue_seconds", "kernel_seconds", "batch_rows", "batch_requests", "decode_seconds", "device_seconds", "handler_seconds")
@@ -240,20 +244,24 @@ class MatmulTiming(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_requests: _Optional[int] = ..., decode_seconds: _Optional[float] = ..., device_seconds: _Optional[float] = ..., handler_seconds: _Optional[float] = ...) -> None: ...
 
 class MatmulResponse(_message.Message):
-    __slots__ = ("y", "kernel", "layout", "precision", "timing", "request_id")
+    __slots__ = ("y", "kernel", "layout", "precision", "timing", "request_id", "topk", "outputs")
     Y_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     y: Tensor
     kernel: str
     layout: Layout
     precision: Precision
     timing: MatmulTiming
     request_id: str
-    def __init__(self, y: _Optional[_Union[Tensor, _Mapping]] = ..., kernel: _Optional[str] = ..., layout: _Optional[_Union[Layout, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., timing: _Optional[_Union[MatmulTiming, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    topk: TopKResult
+    outputs: _containers.RepeatedCompositeFieldContainer[WeightOutput]
+    def __init__(self, y: _Optional[_Union[Tensor, _Mapping]] = ..., kernel: _Optional[str] = ..., layout: _Optional[_Union[Layout, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., timing: _Optional[_Union[MatmulTiming, _Mapping]] = ..., request_id: _Optional[str] = ..., topk: _Optional[_Union[TopKResult, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[WeightOutput, _Mapping]]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -440,3 +448,41 @@ class RegionRef(_message.Message):
     region: str
     offset: int
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class TopKEpilogue(_message.Message):
+    __slots__ = ("k",)
+    K_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    def __init__(self, k: _Optional[int] = ...) -> None: ...
+
+class TopKResult(_message.Message):
+    __slots__ = ("rows", "k", "values", "indices", "lse")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    k: int
+    values: bytes
+    indices: bytes
+    lse: bytes
+    def __init__(self, rows: _Optional[int] = ..., k: _Optional[int] = ..., values: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., lse: _Optional[bytes] = ...) -> None: ...
+
+class WeightOutput(_message.Message):
+    __slots__ = ("weight", "y", "topk", "kernel", "layout", "precision", "timing")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    Y_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    weight: str
+    y: Tensor
+    topk: TopKResult
+    kernel: str
+    layout: Layout
+    precision: Precision
+    timing: MatmulTiming
+    def __init__(self, weight: _Optional[str] = ..., y: _Optional[_Union[Tensor, _Mapping]] = ..., topk: _Optional[_Union[TopKResult, _Mapping]] = ..., kernel: _Optional[str] = ..., layout: _Optional[_Union[Layout, str]] = ..., precision: _Optional[_Union[Precision, str]] = ..., timing: _Optional[_Union[MatmulTiming, _Mapping]] = ...) -> None: ...

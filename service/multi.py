@@ -1,0 +1,116 @@
+"""Multi-weight requests: one x applied to several weights of the same K (q/k/v, gate/up).
+
+The request fans out to each weight's own batcher concurrently (so every part still batches
+with other callers' requests for that weight) and gathers one reply per weight, in order.
+All-or-nothing: every weight is checked (known, K equal to x's, k <= its rows) before any part
+is queued, and if a part fails afterwards the others are cancelled (a queued part is dropped
+before launch) and the request fails with that part's status, its message naming the weight.
+Works on any engine with ``get(name)`` and ``start_matmul(call)`` (one device or several), on
+the same no-task-per-request path as a single-weight call (futures and done callbacks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Protocol
+
+from q6serve.kernels.epilogue import check_k
+from q6serve.kernels.errors import FormatError, InvalidArgument, Q6Error
+
+from .batcher import MatmulReply
+from .engine import MatmulCall, WeightView
+from .registry import MAX_NAME_LEN
+
+MAX_REQUEST_WEIGHTS = 16  # weights of one multi-weight request
+
+
+class MatmulEngine(Protocol):
+    def get(self, name: str) -> WeightView: ...
+
+    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]: ...
+
+
+def check_weights(weights: Sequence[str]) -> tuple[str, ...]:
+    """1..MAX_REQUEST_WEIGHTS distinct non-empty names, else INVALID_ARGUMENT."""
+    if not weights:
+        raise InvalidArgument("MatmulRequest.weights is empty")
+    if len(weights) > MAX_REQUEST_WEIGHTS:
+        raise InvalidArgument(f"MatmulRequest.weights lists {len(weights)} weights; at most "
+                              f"{MAX_REQUEST_WEIGHTS} per request")
+    seen: set[str] = set()
+    for i, name in enumerate(weights):
+        if not name:
+            raise InvalidArgument(f"MatmulRequest.weights[{i}] is empty")
+        if name in seen:
+            raise InvalidArgument(f"MatmulRequest.weights lists {name[:MAX_NAME_LEN]!r} twice")
+        seen.add(name)
+    return tuple(weights)
+
+
+def _named(i: int, name: str, e: Q6Error) -> Q6Error:
+    """``e`` (same class, so the same status) with the weight it is about in front."""
+    out = type(e)(f"weights[{i}] {name[:MAX_NAME_LEN]!r}: {e}")
+    out.__cause__ = e
+    return out
+
+
+def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
+                         ) -> asyncio.Future[list[tuple[str, MatmulReply]]]:
+    """Check and queue every part of ``call`` (a multi-weight call: ``call.weights``) now; the
+    future resolves with (weight, reply) per weight, in order. A refusal raises here (nothing
+    stays queued); cancelling the future drops the parts that have not run yet."""
+    names = check_weights(call.weights)
+    k = int(call.x.shape[1]) if call.x.ndim == 2 else -1
+    for i, name in enumerate(names):  # every weight checked before any part is queued
+        try:
+            w = engine.get(name)
+            if w.k != k:
+                raise FormatError(f"activations have K={k}, the weight has K={w.k}")
+            if call.topk:
+                check_k(call.topk, w.rows, weight=name)
+        except Q6Error as e:
+            raise _named(i, name, e) from None
+    parts: list[asyncio.Future[MatmulReply]] = []
+    try:
+        for i, name in enumerate(names):
+            try:
+                parts.append(engine.start_matmul(dataclasses.replace(call, weight=name,
+                                                                     weights=())))
+            except Q6Error as e:
+                raise _named(i, name, e) from None
+    except BaseException:
+        for f in parts:
+            f.cancel()
+        raise
+    whole: asyncio.Future[list[tuple[str, MatmulReply]]] = (
+        asyncio.get_running_loop().create_future())
+    left = [len(parts)]
+
+    def part_done(i: int, f: asyncio.Future[MatmulReply]) -> None:
+        left[0] -= 1
+        if whole.done():
+            return
+        exc = None if f.cancelled() else f.exception()
+        if f.cancelled() or exc is not None:  # one part failed: the request has failed
+            for g in parts:
+                g.cancel()
+            if exc is None:
+                whole.cancel()
+            else:
+                whole.set_exception(_named(i, names[i], exc) if isinstance(exc, Q6Error)
+                                    else exc)
+        elif left[0] == 0:
+            whole.set_result([(n, g.result()) for n, g in zip(names, parts, strict=True)])
+
+    def whole_done(f: asyncio.Future[list[tuple[str, MatmulReply]]]) -> None:
+        if f.cancelled():  # the caller went away: drop the parts not run yet
+            for g in parts:
+                g.cancel()
+
+    for i, f in enumerate(parts):
+        f.add_done_callback(functools.partial(part_done, i))
+    whole.add_done_callback(whole_done)
+    return whole
