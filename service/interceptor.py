@@ -44,6 +44,10 @@ _STREAM_CALL: contextvars.ContextVar[tuple[ErrorInterceptor, str, str]] = \
 # stream's own lifetime is counted under the plain method name.
 STREAM_REQUEST_SUFFIX = "/request"
 
+# Calls that stay open as long as their client wants (a gRFC A17 client holds one health Watch
+# per connection): a drain does not wait for them (ErrorInterceptor.wait_idle).
+LONG_LIVED = frozenset({"/grpc.health.v1.Health/Watch"})
+
 
 def status_code(e: Q6Error) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, e.grpc_code, grpc.StatusCode.INTERNAL)
@@ -96,6 +100,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None) -> None:
         self._metrics = metrics
         self._auth = auth or TokenAuth()
+        self._active = 0  # calls running, LONG_LIVED ones left out
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no call runs but the LONG_LIVED ones; True if so."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), max(0.0, timeout))
+        except TimeoutError:
+            return False
+        return True
+
+    def _track(self, path: str) -> Callable[[], None]:
+        """Count a call as running; returns the function that ends it."""
+        if path in LONG_LIVED:
+            return lambda: None
+        self._active += 1
+        self._idle.clear()
+
+        def leave() -> None:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+        return leave
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
@@ -147,6 +176,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
                 RPC_START.set(t0)
+                leave = self._track(path)
                 try:
                     result = inner(*before(request, context))
                     if inspect.isawaitable(result):
@@ -154,6 +184,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as e:
                     self._failed(e, context, service, method, t0)
                     return None  # gRPC discards a reply when the status is not OK
+                finally:
+                    leave()
                 self._done(context, service, method, t0)
                 return result
 
@@ -171,6 +203,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             RPC_START.set(t0)
             if bidi:
                 _STREAM_CALL.set((self, service, method))
+            leave = self._track(path)
             try:
                 out = inner_stream(*before(request, context))
                 if hasattr(out, "__aiter__"):  # an async generator: replies yielded
@@ -184,6 +217,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except BaseException as e:
                 self._failed(e, context, service, method, t0)
                 return
+            finally:
+                leave()
             self._done(context, service, method, t0)
 
         factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream

@@ -29,6 +29,8 @@ from .servicer import Q6ServeServicer
 
 log = logging.getLogger("q6serve.worker")
 
+WATCH_LINGER_S = 0.25  # a drained worker's last wait: health watchers get NOT_SERVING out
+
 
 def _credentials(cfg: WorkerConfig) -> grpc.ServerCredentials | None:
     if cfg.tls_cert is None or cfg.tls_key is None:
@@ -53,6 +55,7 @@ class Worker:
         self.metrics_port: int | None = None
         self._metrics_http: Any = None
         self._health: Any = None
+        self._interceptor = ErrorInterceptor()  # replaced in start()
         self._stopped = asyncio.Event()
         self._health_tasks: set[asyncio.Task[None]] = set()
 
@@ -73,8 +76,8 @@ class Worker:
                 ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
                 ("grpc.so_reuseport", 0)]
         auth = TokenAuth(cfg.token, cfg.admin_token)
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics, auth)],
-                                      options=opts)
+        self._interceptor = ErrorInterceptor(self.metrics, auth)
+        self.server = grpc.aio.server(interceptors=[self._interceptor], options=opts)
         self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
         wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
                                            regions=self.regions, auth=auth),
@@ -120,7 +123,13 @@ class Worker:
         log.info("draining: health NOT_SERVING, grace %.1f s", grace)
         await self._health.enter_graceful_shutdown()
         self.engine.begin_drain()
-        await self.server.stop(grace)
+        # Health Watch calls never end on their own, so server.stop(grace) alone would always
+        # take the whole grace period: wait for the other calls, then give the watchers a
+        # moment to send NOT_SERVING before the server cancels what is left.
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        await self._interceptor.wait_idle(grace)
+        await self.server.stop(min(max(0.0, end - loop.time()), WATCH_LINGER_S))
         if self.regions is not None:
             self.regions.close()
         await self.engine.close()

@@ -210,3 +210,20 @@ def test_health_open_reflection_needs_the_token() -> None:
             assert Q6 in {s.name for s in resp.list_services_response.service}
     finally:
         w.stop()
+
+
+def test_open_watch_does_not_hold_the_drain() -> None:
+    """A load balancer's Watch stays open as long as the connection: the drain sends it
+    NOT_SERVING and stops once the other calls are done, not at the end of the grace period
+    (here 120 s: the stop below would time out long before)."""
+    w = RunningWorker(_config())
+    with grpc.insecure_channel(w.target) as ch:
+        call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=Q6))
+        assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+        w.call(w.worker.stop(120.0), timeout=30)
+        statuses = []
+        with pytest.raises(grpc.RpcError):
+            for r in call:
+                statuses.append(r.status)
+        assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    w.stop()
