@@ -2,7 +2,9 @@
 
 Each device keeps everything an Engine has on its own: backend, single-thread executor (and so
 its own CUDA stream), VRAM accountant, registry and batchers. This module only places weights
-and routes calls; the servicer cannot tell it from one Engine.
+and routes calls (composition: no rule of an Engine is re-implemented here; a file is opened
+and an upload received once, then each device's Engine loads its rows of it); the servicer
+cannot tell it from one Engine.
 
 Placement, per weight (LoadWeights' ``placement``, else the worker's ``--placement``):
 - ``shard``: the weight's rows are split evenly over the devices (service/shards.py's rule);
@@ -20,25 +22,21 @@ resident parts, batches, rows and kernel times.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hashlib
 import itertools
 import logging
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from q6serve.kernels.api import Backend, KernelTiming
+from q6serve.kernels.api import Backend
 from q6serve.kernels.epilogue import check_k, merge_topk
 from q6serve.kernels.errors import (
-    AlreadyExists,
     InvalidArgument,
-    NotFound,
     Unavailable,
 )
 
@@ -50,26 +48,23 @@ from .engine import (
     MatmulReply,
     StatusView,
     UploadSpec,
+    WeightSource,
     WeightView,
     check_upload_spec,
-    confine,
+    gguf_sources,
 )
 from .flags import FlagState
 from .metrics import LATENCY_BUCKETS, ROW_BUCKETS, Metrics
-from .registry import check_name
-from .shards import RowRange, RowSelect, even_split, slice_blocks
+from .registry import Registry
+from .shards import RowRange, RowSelect, even_split
 from .uploads import UploadBuffer
 from .vram import VramStats
 from .worker import Worker
-
-if TYPE_CHECKING:
-    from q6serve.kernels.gguf_io import Q6KTensor
 
 log = logging.getLogger("q6serve.devices")
 
 T = TypeVar("T")
 PLACEMENTS = ("shard", "replicate")
-MAX_PARKED = 4096
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
@@ -91,6 +86,9 @@ class Part:
 
 @dataclass(eq=False)
 class Placed:
+    """A weight of the worker: where its rows live. Kept in a :class:`Registry` (the naming
+    rules of one Engine); the device engines hold the parts and their memory."""
+
     name: str
     mode: str
     k: int
@@ -99,6 +97,8 @@ class Placed:
     source: str
     tensor_rows: int
     turn: itertools.count = field(default_factory=itertools.count)  # replicate: ties
+    refs: int = 0  # Registry bookkeeping (requests hold the device engines' entries instead)
+    removed: bool = False
 
     @property
     def rows(self) -> RowRange:
@@ -140,34 +140,13 @@ class DeviceFamilies:
         self.batch_rows = Histogram("q6serve_device_batch_rows_per_launch",
                                     "Activation rows (N) per launch on one device.",
                                     ["device"], buckets=ROW_BUCKETS, registry=r)
-        self._parked: collections.deque[tuple[KernelTiming, str]] = \
-            collections.deque(maxlen=MAX_PARKED)
-        self._lock = threading.Lock()
 
-    def observe(self, device: str, stats: BatchStats) -> None:
+    def observe(self, main: Metrics, device: str, stats: BatchStats) -> None:
         self.batches.labels(device).inc()
         self.rows.labels(device).inc(stats.rows)
         self.batch_rows.labels(device).observe(stats.rows)
-        seconds = stats.result.timing.seconds()
-        if seconds is None:  # device timing not ready: read later by poll (no sync here)
-            with self._lock:
-                self._parked.append((stats.result.timing, device))
-        else:
-            self.kernel.labels(device).observe(seconds)
-
-    def poll(self) -> None:
-        with self._lock:
-            parked = list(self._parked)
-            self._parked.clear()
-        still = []
-        for timing, device in parked:
-            s = timing.seconds()
-            if s is None:
-                still.append((timing, device))
-            else:
-                self.kernel.labels(device).observe(s)
-        with self._lock:
-            self._parked.extendleft(reversed(still))
+        # kernel time now, or when its device events complete (the main metrics' one poll)
+        main.when_timed(stats.result.timing, lambda s: self.kernel.labels(device).observe(s))
 
 
 class DeviceMetrics:
@@ -198,11 +177,10 @@ class DeviceMetrics:
 
     def observe_batch(self, stats: BatchStats) -> None:
         self.main.observe_batch(stats)
-        self.families.observe(self.label, stats)
+        self.families.observe(self.main, self.label, stats)
 
     def poll(self) -> int:
-        if self.device == 0:  # one poller for the shared parked timings is enough
-            self.families.poll()
+        if self.device == 0:  # one poller for the worker's parked timings is enough
             return self.main.poll()
         return 0
 
@@ -222,7 +200,14 @@ class DeviceStatus:
 
 
 class MultiDeviceEngine:
-    """The Engine interface over one Engine per device (see the module docstring)."""
+    """The Engine interface over one Engine per device (see the module docstring).
+
+    A thin placement layer: names follow one :class:`Registry`'s rules; a GGUF file is opened
+    and an upload read once (service/engine.py's ``gguf_sources`` / ``receive_upload``), and
+    each device's Engine loads its rows of it (``Engine.load_sources``: the budget, staging,
+    hashing and rollback rules of one device); every matmul runs through the device engines'
+    own fast path (``Engine.start_matmul``).
+    """
 
     def __init__(self, backends: Sequence[Backend], config: WorkerConfig,
                  metrics: Metrics | None = None, placement: str = "shard",
@@ -235,16 +220,15 @@ class MultiDeviceEngine:
         self.placement = placement
         self.ordinals = tuple(ordinals) if ordinals is not None else tuple(range(len(backends)))
         self.metrics = metrics
+        self.registry = Registry(lambda _: None)  # parts are freed by the device engines
         self._families = DeviceFamilies(metrics.registry) if metrics is not None else None
         self.engines: list[Engine] = []
-        self._weights: dict[str, Placed] = {}
         for i, b in enumerate(backends):
             m = (DeviceMetrics(metrics, self._families, i, self)
                  if metrics is not None and self._families is not None else None)
             self.engines.append(Engine(b, config, m))  # type: ignore[arg-type]
         self.backend = backends[0]
         self.version = self.engines[0].version
-        self._claimed: set[str] = set()
         self._admin = asyncio.Lock()
         self._serving = True
         self._tasks: set[asyncio.Task[object]] = set()
@@ -261,7 +245,7 @@ class MultiDeviceEngine:
         # also called by the device engines while they are being built: sums of those so far
         if self.metrics is not None and self.engines:
             self.metrics.set_vram(sum_vram([e.vram.stats() for e in self.engines]))
-            self.metrics.set_weights_loaded(len(self._weights))
+            self.metrics.set_weights_loaded(len(self.registry))
 
     async def _shielded(self, coro: Awaitable[T]) -> T:
         """Run an admin operation to completion even if its caller goes away (the device
@@ -275,27 +259,15 @@ class MultiDeviceEngine:
         if not self._serving:
             raise Unavailable("the worker is draining and takes no new requests")
 
-    def _get(self, name: str) -> Placed:
-        try:
-            return self._weights[name]
-        except KeyError:
-            raise NotFound(f"no weight named {name[:256]!r} "
-                           f"({len(self._weights)} loaded)") from None
+    def _mode(self, placement: str | None) -> str:
+        mode = placement or self.placement
+        if mode not in PLACEMENTS:
+            raise InvalidArgument(f"placement {mode!r}; use one of {PLACEMENTS}")
+        return mode
 
-    @contextlib.contextmanager
-    def _claim(self, names: list[str]):  # type: ignore[no-untyped-def]
-        for n in names:
-            check_name(n)
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"names repeated in one load: {sorted(names)}")
-        taken = [n for n in names if n in self._weights or n in self._claimed]
-        if taken:
-            raise AlreadyExists(f"weight(s) already loaded or loading: {', '.join(taken)}")
-        self._claimed.update(names)
-        try:
-            yield
-        finally:
-            self._claimed.difference_update(names)
+    def _parts(self, src: WeightSource, mode: str) -> list[Part]:
+        return split_parts(RowRange(src.row_begin, src.row_begin + src.rows),
+                           len(self.engines), mode)
 
     async def _on_each(self, name: str, parts: list[Part],
                        make: Callable[[Part], Awaitable[T]]) -> list[T]:
@@ -311,85 +283,75 @@ class MultiDeviceEngine:
             raise failed[0]
         return results  # type: ignore[return-value]
 
-    def _mode(self, placement: str | None) -> str:
-        mode = placement or self.placement
-        if mode not in PLACEMENTS:
-            raise InvalidArgument(f"placement {mode!r}; use one of {PLACEMENTS}")
-        return mode
-
     # -- loading ----------------------------------------------------------------------------
     async def load_gguf(self, rel_path: str, tensors: list[str], prefix: str = "",
                         rows: RowSelect | None = None, placement: str | None = None,
                         ) -> list[WeightView]:
         self._check_serving()
         mode = self._mode(placement)
-        path = confine(self.config.model_dir, rel_path)
-        from q6serve.kernels import gguf_io
+        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows)
+        return await self._shielded(self._place(sources, mode))
 
-        found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
-        select = rows or RowSelect()
-        ranges = [select.resolve(t.name, t.rows) for t in found]
-        return await self._shielded(self._place_gguf(rel_path, prefix, mode, found, ranges))
+    async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes],
+                     placement: str | None = None) -> WeightView:
+        """Check the header, the name and every device's budget for its rows before reading
+        a byte; receive (and quantize) the upload once in the segmented buffer one Engine
+        uses (service/uploads.py; unaccounted here: each device's Engine accounts the rows it
+        loads); each device loads its rows from that one buffer."""
+        self._check_serving()
+        mode = self._mode(placement)
+        check_upload_spec(spec, self.config.max_upload_bytes)
+        self.registry.check_available([spec.name])
+        for p in split_parts(RowRange(0, spec.rows), len(self.engines), mode):
+            self.engines[p.device].check_fits(p.rows.rows, spec.k)
+        buf = UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
+                           spec.sha256, None)
+        try:
+            async for chunk in chunks:
+                await buf.add(chunk)
+            buf.finish()
+        except BaseException:
+            buf.release()
+            raise
+        src = WeightSource(spec.name, spec.rows, spec.k, "upload", buf.row_chunks)
 
-    async def _place_gguf(self, rel_path: str, prefix: str, mode: str,
-                          found: list[Q6KTensor], ranges: list[RowRange]) -> list[WeightView]:
+        async def place() -> list[WeightView]:
+            try:
+                return await self._place([src], mode)
+            finally:
+                buf.release()
+
+        return (await self._shielded(place()))[0]
+
+    async def _place(self, sources: list[WeightSource], mode: str) -> list[WeightView]:
+        """Load every source's parts on their devices, all or nothing."""
         done: list[Placed] = []
-        with self._claim([prefix + t.name for t in found]):
+        with self.registry.claim([s.name for s in sources]):
             async with self._admin:
                 try:
-                    for t, r in zip(found, ranges, strict=True):
-                        parts = split_parts(r, len(self.engines), mode)
-                        views = await self._on_each(
-                            prefix + t.name, parts,
-                            lambda p, t=t: self.engines[p.device].load_gguf(
-                                rel_path, [t.name], prefix, RowSelect(range=p.rows)))
-                        sha = (views[0][0].sha256 if mode == "replicate" else
-                               await asyncio.to_thread(_sha_rows, t.aos, t.k, r))
-                        done.append(Placed(prefix + t.name, mode, t.k, parts, sha,
-                                           f"gguf:{rel_path}", t.rows))
+                    for s in sources:
+                        parts = self._parts(s, mode)
+
+                        def load(p: Part, s: WeightSource = s) -> Awaitable[list[WeightView]]:
+                            local = RowRange(p.rows.begin - s.row_begin,
+                                             p.rows.end - s.row_begin)
+                            return self.engines[p.device].load_sources([s.part(local)])
+
+                        views = await self._on_each(s.name, parts, load)
+                        sha = (views[0][0].sha256 if len(parts) == 1 or mode == "replicate"
+                               else await asyncio.to_thread(_sha_source, s))
+                        done.append(Placed(s.name, mode, s.k, parts, sha, s.source,
+                                           s.whole_rows))
                 except BaseException:
                     for pl in done:
                         await self._unload_parts(pl)
                     raise
                 for pl in done:
-                    self._weights[pl.name] = pl
+                    self.registry.add(pl)
                     log.info("placed %s (%s) rows %s of %d over devices %s", pl.name, mode,
                              pl.rows, pl.tensor_rows, [str(p.rows) for p in pl.parts])
         self.publish_totals()
         return [self._view(pl) for pl in done]
-
-    async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes],
-                     placement: str | None = None) -> WeightView:
-        """Buffer and check the whole upload (as one Engine does), quantize once if needed,
-        then upload each device its rows as Q6_K."""
-        self._check_serving()
-        mode = self._mode(placement)
-        want = check_upload_spec(spec, self.config.max_upload_bytes)
-        with self._claim([spec.name]):  # the name is held from here; the stream is read first
-            # the same segmented buffer as one Engine's (service/uploads.py), unaccounted
-            # here: each device's engine accounts the rows it is given
-            buf = UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, want, spec.sha256, None)
-            async for chunk in chunks:
-                await buf.add(chunk)
-            buf.finish()
-            parts = split_parts(RowRange(0, spec.rows), len(self.engines), mode)
-
-            def upload_part(p: Part) -> Awaitable[WeightView]:
-                data = buf.row_blocks(p.rows.begin, p.rows.end).tobytes()
-                sub = UploadSpec(spec.name, p.rows.rows, spec.k, "q6_k", len(data),
-                                 hashlib.sha256(data).hexdigest())
-                return self.engines[p.device].upload(sub, _once(data))
-
-            async def place() -> None:
-                async with self._admin:
-                    await self._on_each(spec.name, parts, upload_part)
-
-            await self._shielded(place())
-            pl = Placed(spec.name, mode, spec.k, parts, buf.q6k_sha256(), "upload", spec.rows)
-            buf.release()
-            self._weights[pl.name] = pl
-        self.publish_totals()
-        return self._view(pl)
 
     # -- queries ----------------------------------------------------------------------------
     def _view(self, pl: Placed) -> WeightView:
@@ -401,13 +363,13 @@ class MultiDeviceEngine:
                           pl.sha256, pl.source, flight, r.begin, pl.tensor_rows)
 
     def list(self) -> list[WeightView]:
-        return [self._view(self._weights[n]) for n in sorted(self._weights)]
+        return [self._view(pl) for pl in self.registry.entries()]
 
     def get(self, name: str) -> WeightView:
-        return self._view(self._get(name))
+        return self._view(self.registry.get(name))
 
     def placement_of(self, name: str) -> Placed:
-        return self._get(name)
+        return self.registry.get(name)  # type: ignore[return-value]
 
     async def _unload_parts(self, pl: Placed) -> list[WeightView]:
         res = await asyncio.gather(*(self.engines[p.device].unload(pl.name) for p in pl.parts),
@@ -418,9 +380,9 @@ class MultiDeviceEngine:
         return res  # type: ignore[return-value]
 
     async def unload(self, name: str) -> WeightView:
-        pl = self._get(name)
+        pl: Placed = self.registry.get(name)  # type: ignore[assignment]
         view = self._view(pl)
-        del self._weights[name]  # new requests get NOT_FOUND at once
+        self.registry.remove(name)  # new requests get NOT_FOUND at once
         await self._shielded(self._unload_parts(pl))  # freed when in-flight work ends
         self.publish_totals()
         return view
@@ -431,7 +393,7 @@ class MultiDeviceEngine:
                          for o, e in zip(self.ordinals, self.engines, strict=True))
         return replace(first, device=f"{len(self.engines)} devices [{devs}]",
                        vram=sum_vram([e.vram.stats() for e in self.engines]),
-                       weights_loaded=len(self._weights),
+                       weights_loaded=len(self.registry),
                        serving=self._serving and self.healthy,
                        relayout_in_progress=any(e.status().relayout_in_progress
                                                 for e in self.engines),
@@ -447,7 +409,7 @@ class MultiDeviceEngine:
         turn = next(pl.turn)
         n = len(pl.parts)
         order = [pl.parts[(turn + i) % n].device for i in range(n)]
-        return min(order, key=lambda d: self.engines[d].get(pl.name).in_flight)
+        return min(order, key=lambda d: self.engines[d].in_flight(pl.name))
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         return await self.start_matmul(call)
@@ -456,7 +418,7 @@ class MultiDeviceEngine:
         """Replicated: the chosen replica's own future. Sharded: every part is queued now on
         its device; one future resolves when the last part has (outputs side by side)."""
         self._check_serving()
-        pl = self._get(call.weight)
+        pl: Placed = self.registry.get(call.weight)  # type: ignore[assignment]
         if pl.mode == "replicate":
             return self.engines[self._pick(pl)].start_matmul(call)
         if call.topk:  # each part's top-k of its columns, merged in _join (kernels/epilogue.py)
@@ -530,7 +492,6 @@ class MultiDeviceEngine:
 
     async def close(self) -> None:
         self._serving = False
-        self._weights.clear()
         await asyncio.gather(*(e.close() for e in self.engines))
 
 
@@ -549,13 +510,12 @@ def _join(replies: list[MatmulReply], pl: Placed, topk: int = 0) -> MatmulReply:
         min(r.batch_rows for r in replies), min(r.batch_requests for r in replies), topk=top)
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
-def _sha_rows(aos: np.ndarray, k: int, r: RowRange) -> str:
-    """sha256 of the AoS bytes of rows ``r`` (what one Engine reports for that row range)."""
-    return hashlib.sha256(np.ascontiguousarray(slice_blocks(aos, k, r))).hexdigest()
+def _sha_source(s: WeightSource) -> str:
+    """sha256 of a source's AoS bytes (what one Engine reports for those rows)."""
+    h = hashlib.sha256()
+    for chunk in s.chunks(16 << 20):
+        h.update(np.ascontiguousarray(chunk).data)
+    return h.hexdigest()
 
 
 class DevicesWorker(Worker):

@@ -15,9 +15,10 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -59,6 +60,9 @@ from .registry import Registry, WeightEntry, check_name
 from .shards import RowRange, RowSelect, slice_tensor
 from .uploads import UploadBuffer
 from .vram import VramAccountant, VramStats
+
+if TYPE_CHECKING:
+    from q6serve.kernels.gguf_io import Q6KTensor
 
 log = logging.getLogger("q6serve.engine")
 
@@ -128,6 +132,8 @@ def check_upload_spec(spec: UploadSpec, max_upload_bytes: int) -> int:
     if want > max_upload_bytes:
         raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
                                 f"{max_upload_bytes}")
+    if len(spec.sha256) != 64:
+        raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
     return want
 
 
@@ -147,16 +153,52 @@ class StatusView:
 
 
 @dataclass(frozen=True)
-class _Source:
-    """One tensor to load: shape, where from, and its AoS bytes as whole-row chunks."""
+class WeightSource:
+    """One weight to load: its name, shape, where it came from, and how to read its AoS rows
+    as whole-row chunks (from a GGUF memory map or an upload's buffer). A multi-device worker
+    loads a :meth:`part` of one source on each device: the file or upload is read once."""
 
     name: str
     rows: int
     k: int
     source: str
-    chunks: Callable[[int], Iterable[np.ndarray]]  # chunk_bytes -> chunks
+    read: Callable[[int, int, int], Iterable[np.ndarray]]  # (row, end row, chunk bytes)
     row_begin: int = 0  # a row-sharded load holds rows [row_begin, row_begin + rows)
     tensor_rows: int = 0  # of the whole tensor (0: same as rows)
+    first: int = 0  # this source's rows are [first, first + rows) of what ``read`` reads
+
+    @property
+    def whole_rows(self) -> int:
+        return self.tensor_rows or self.rows
+
+    def chunks(self, chunk_bytes: int) -> Iterable[np.ndarray]:
+        return self.read(self.first, self.first + self.rows, chunk_bytes)
+
+    def part(self, r: RowRange) -> WeightSource:
+        """Rows ``r`` of this source (``r`` counted from its first row)."""
+        return replace(self, rows=r.rows, first=self.first + r.begin,
+                       row_begin=self.row_begin + r.begin, tensor_rows=self.whole_rows)
+
+
+async def gguf_sources(model_dir: Path | None, rel_path: str, tensors: list[str],
+                       prefix: str = "", rows: RowSelect | None = None) -> list[WeightSource]:
+    """The Q6_K tensors of a GGUF file under ``model_dir`` (all, or ``tensors``), each narrowed
+    to ``rows``; the file is opened once and its memory map read as the parts load."""
+    path = confine(model_dir, rel_path)
+    from q6serve.kernels import gguf_io
+
+    found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
+    select = rows or RowSelect()
+    out = []
+    for t in found:
+        r: RowRange = select.resolve(t.name, t.rows)
+
+        def read(r0: int, r1: int, chunk_bytes: int, t: Q6KTensor = t) -> Iterable[np.ndarray]:
+            return slice_tensor(t, RowRange(r0, r1)).iter_row_chunks(chunk_bytes)
+
+        out.append(WeightSource(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}", read,
+                                r.begin, t.rows, first=r.begin))
+    return out
 
 
 MAX_PATH_LEN = 1024
@@ -273,18 +315,17 @@ class Engine:
         """Load tensors of a GGUF file; ``rows`` narrows each to a row range (sharding).
         ``placement`` matters on multi-device workers only (service/devices.py)."""
         self._check_serving()
-        path = confine(self.config.model_dir, rel_path)
-        from q6serve.kernels import gguf_io
+        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows)
+        return await self.load_sources(sources)
 
-        found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
-        select = rows or RowSelect()
-        sources = []
-        for t in found:
-            r: RowRange = select.resolve(t.name, t.rows)
-            part = slice_tensor(t, r)
-            sources.append(_Source(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}",
-                                   part.iter_row_chunks, r.begin, t.rows))
+    async def load_sources(self, sources: list[WeightSource]) -> list[WeightView]:
+        """Load every source or none (shielded: it completes even if the caller goes away)."""
+        self._check_serving()
         return await self._shielded(self._load_all(sources))  # type: ignore[return-value]
+
+    def check_fits(self, rows: int, k: int) -> None:
+        """RESOURCE_EXHAUSTED now if loading a rows x k weight cannot fit the budget."""
+        self.vram.check(**self._load_needs(rows, k))
 
     async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes]) -> WeightView:
         """Receive, check and load an upload. The data is held in segments reserved as
@@ -292,7 +333,7 @@ class Engine:
         figures show what an upload holds."""
         self._check_serving()
         buf = self.upload_buffer(spec)
-        self.vram.check(**self._load_needs(spec.rows, spec.k))  # nor buffer what cannot fit
+        self.check_fits(spec.rows, spec.k)  # nor buffer what cannot fit
         try:
             async for chunk in chunks:
                 await buf.add(chunk)
@@ -300,7 +341,7 @@ class Engine:
         except BaseException:
             buf.release()
             raise
-        src = _Source(spec.name, spec.rows, spec.k, "upload", buf.chunks)
+        src = WeightSource(spec.name, spec.rows, spec.k, "upload", buf.row_chunks)
 
         async def load() -> list[WeightView]:
             try:
@@ -315,13 +356,11 @@ class Engine:
     def upload_buffer(self, spec: UploadSpec, accounted: bool = True) -> UploadBuffer:
         """Check an upload header (before any data is read) and make its buffer."""
         check_upload_spec(spec, self.config.max_upload_bytes)
-        if len(spec.sha256) != 64:
-            raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
         self.registry.check_available([spec.name])  # fail before reading the stream
         return UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
                             spec.sha256, self.vram if accounted else None)
 
-    async def _load_all(self, sources: list[_Source]) -> list[WeightView]:
+    async def _load_all(self, sources: list[WeightSource]) -> list[WeightView]:
         """Load every source or none: a failure frees what this call loaded and re-raises."""
         async with self._admin:
             with self.registry.claim([s.name for s in sources]):
@@ -350,7 +389,7 @@ class Engine:
                                                             self.config.load_chunk_bytes),
                 "scratch": max(0, self._workspace(rows, k) - self._scratch)}
 
-    async def _load_one(self, s: _Source) -> WeightEntry:
+    async def _load_one(self, s: WeightSource) -> WeightEntry:
         layout = self.flags.state.kernel_flags().layout
         chunk = self.config.load_chunk_bytes
         needs = self._load_needs(s.rows, s.k)
@@ -369,7 +408,7 @@ class Engine:
             res.keep("scratch", extra)
             self._scratch += extra
         return WeightEntry(s.name, s.rows, s.k, h.hexdigest(), s.source, resident,
-                           row_begin=s.row_begin, tensor_rows=s.tensor_rows or s.rows)
+                           row_begin=s.row_begin, tensor_rows=s.whole_rows)
 
     def _make_batcher(self, e: WeightEntry) -> Batcher:
         loop = asyncio.get_running_loop()
@@ -431,6 +470,11 @@ class Engine:
 
     def get(self, name: str) -> WeightView:
         return self._view(self.registry.get(name))
+
+    def in_flight(self, name: str) -> int:
+        """Requests of weight ``name`` queued or running (NOT_FOUND if it is not loaded)."""
+        b = self.registry.get(name).batcher
+        return b.in_flight if b is not None else 0
 
     async def unload(self, name: str) -> WeightView:
         """Remove at once; return after the memory is freed (in-flight requests finish)."""

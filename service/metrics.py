@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest, start_http_server
@@ -82,7 +82,7 @@ class Metrics:
                                   ["flag"], registry=r)
         Info("q6serve_build", "Version, backend and device of this worker.", registry=r).info(
             {"version": version, "backend": backend, "device": device})
-        self._parked: collections.deque[tuple[KernelTiming, tuple[str, str, str]]] = \
+        self._parked: collections.deque[tuple[KernelTiming, Callable[[float], None]]] = \
             collections.deque(maxlen=MAX_PARKED)
         self._lock = threading.Lock()
 
@@ -97,12 +97,19 @@ class Metrics:
         self.batch_rows.observe(stats.rows)
         for q in stats.queue_seconds:
             self.queue_delay.observe(max(0.0, q))
-        seconds = res.timing.seconds()
+        self.when_timed(res.timing,  # the labelled series appears with its first value
+                        lambda s: self.kernel_duration.labels(*labels).observe(s))
+
+    def when_timed(self, timing: KernelTiming, observe: Callable[[float], None]) -> None:
+        """``observe(seconds)`` now if the kernel time is known, else from :meth:`poll` once
+        its device events complete (no sync on the hot path; one parking lot per worker, also
+        for the device-labelled series of multi-device workers)."""
+        seconds = timing.seconds()
         if seconds is None:
             with self._lock:
-                self._parked.append((res.timing, labels))
+                self._parked.append((timing, observe))
         else:
-            self.kernel_duration.labels(*labels).observe(seconds)
+            observe(seconds)
 
     def poll(self) -> int:
         """Record parked device timings that have completed; returns how many are left."""
@@ -110,12 +117,12 @@ class Metrics:
             parked = list(self._parked)
             self._parked.clear()
         still = []
-        for timing, labels in parked:
+        for timing, observe in parked:
             s = timing.seconds()
             if s is None:
-                still.append((timing, labels))
+                still.append((timing, observe))
             else:
-                self.kernel_duration.labels(*labels).observe(s)
+                observe(s)
         with self._lock:
             self._parked.extendleft(reversed(still))
         return len(still)

@@ -129,12 +129,21 @@ class UploadBuffer:
 
     def chunks(self, chunk_bytes: int) -> Iterator[np.ndarray]:
         """The Q6_K blocks as chunks of whole rows of at most ``chunk_bytes`` (>= 1 row)."""
+        return self.row_chunks(0, self.rows, chunk_bytes)
+
+    def row_chunks(self, r0: int, r1: int, chunk_bytes: int) -> Iterator[np.ndarray]:
+        """Rows ``[r0, r1)`` as such chunks (views; a multi-device worker loads each device's
+        rows from the one buffer)."""
         per_row = self.k // q6k.QK_K
         rows_per = max(1, chunk_bytes // self.q_row_bytes)
+        row = 0
         for part in self.parts:
             n = part.shape[0] // per_row
-            for r0 in range(0, n, rows_per):
-                yield part[r0 * per_row : min(n, r0 + rows_per) * per_row]
+            lo, hi = max(r0, row), min(r1, row + n)
+            for a in range(lo, hi, rows_per):
+                b = min(hi, a + rows_per)
+                yield part[(a - row) * per_row : (b - row) * per_row]
+            row += n
 
     def row_blocks(self, r0: int, r1: int) -> np.ndarray:
         """A copy of the Q6_K blocks of rows ``[r0, r1)``."""
