@@ -12,7 +12,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"Client": "client", "Q6ServeError": "client", "MatmulOutput": "client",
-            "Weight": "client", "AsyncClient": "async_client", "RetryPolicy": "retry"}
+            "Weight": "client", "TopK": "client", "AsyncClient": "async_client",
+            "RetryPolicy": "retry"}
 __all__ = sorted(_EXPORTS)
 
 

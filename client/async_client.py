@@ -14,7 +14,7 @@ backoff inside the call's deadline (see :mod:`q6serve.client.retry`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,7 +29,9 @@ from .core import (
     MatmulOutput,
     Q6ServeError,
     RegionInfo,
+    TopK,
     Weight,
+    Weights,
     as_bytes_view,
     flag_states,
     flags_request,
@@ -131,41 +133,74 @@ class AsyncClient:
         return Weight.from_pb(r.weight)
 
     # -- matmul -----------------------------------------------------------------------------
-    async def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                          out_dtype: str = "f32", timeout: float | None = None,
-                          x_region: RegionArg | None = None,
-                          y_region: RegionArg | None = None) -> MatmulOutput:
-        """Regions as for :meth:`Client.matmul_full` (co-located callers, --allow-shm)."""
+    async def matmul_full(self, weight: Weights, x: np.ndarray, *, precision: str = "auto",
+                    out_dtype: str = "f32", timeout: float | None = None,
+                    x_region: RegionArg | None = None, y_region: RegionArg | None = None,
+                    topk: int | None = None) -> MatmulOutput:
+        """``weight``: a name, or a list of names of the same K (one request; each weight still
+        batches with other callers' requests): the reply's ``outputs`` hold one MatmulOutput
+        per weight, in order, and the whole call fails if one weight does (the message names
+        it). ``topk=k`` (1..256): per row the top-k values, column indices and log-sum-exp
+        (``.topk``) instead of y. ``x_region`` / ``y_region``: a registered ShmRegion or
+        (region, byte offset) that carries x / y instead of the messages (``register_shm``;
+        not with a list of weights or topk); y is then a view of the region, valid until
+        the region is next written."""
         req = matmul_request(weight, x, precision, out_dtype, x_region=x_region,
-                             y_region=y_region)
+                             y_region=y_region, topk=topk)
         return output_of(await self._call("Matmul", req, timeout), y_region)
 
     async def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                     out_dtype: str = "f32", timeout: float | None = None,
-                     x_region: RegionArg | None = None,
-                     y_region: RegionArg | None = None) -> np.ndarray:
+               out_dtype: str = "f32", timeout: float | None = None,
+               x_region: RegionArg | None = None,
+               y_region: RegionArg | None = None) -> np.ndarray:
+        """y = x · Wᵀ of one weight (see :meth:`matmul_multi`, :meth:`matmul_topk`)."""
+        if not isinstance(weight, str):
+            raise ValueError("matmul takes one weight name; use matmul_multi for several")
         out = await self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                                     timeout=timeout, x_region=x_region, y_region=y_region)
+                               timeout=timeout, x_region=x_region, y_region=y_region)
+        assert out.y is not None
         return out.y
+
+    async def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
+                     precision: str = "auto", out_dtype: str = "f32",
+                     timeout: float | None = None) -> list[np.ndarray]:
+        """One x through several weights of the same K (q/k/v, gate/up) in one request:
+        one y per weight, in order."""
+        if isinstance(weights, str):
+            raise ValueError("matmul_multi takes a list of weight names")
+        out = await self.matmul_full(list(weights), x, precision=precision, out_dtype=out_dtype,
+                               timeout=timeout)
+        return [o.y for o in out.outputs]  # type: ignore[misc]
+
+    async def matmul_topk(self, weight: str, x: np.ndarray, k: int, *, precision: str = "auto",
+                    timeout: float | None = None) -> TopK:
+        """Per row of y = x · Wᵀ (computed on the worker's device), the top ``k`` values
+        (f32 [N, k], descending), their column indices (int32 [N, k]) and the row's
+        log-sum-exp (f32 [N]): what a sampler needs from an lm-head, without the logits."""
+        out = await self.matmul_full(weight, x, precision=precision, timeout=timeout, topk=k)
+        assert out.topk is not None
+        return out.topk
 
     async def matmul_stream(self, requests: Iterable[StreamItem] | AsyncIterable[StreamItem],
                             *, precision: str = "auto", out_dtype: str = "f32",
-                            timeout: float | None = None,
+                            timeout: float | None = None, topk: int | None = None,
                             ) -> AsyncIterator[MatmulOutput | Q6ServeError]:
-        """``(request_id, weight, x)`` or ``(request_id, weight, x, x_region, y_region)`` in
-        (a plain or async iterable; an async generator may wait for replies before sending
-        more); per request a MatmulOutput or a Q6ServeError (with ``request_id`` set) out, in
-        completion order. Not retried: requests already sent may have run. ``timeout``
-        bounds the whole stream."""
+        """``(request_id, weight, x)`` or ``(request_id, weight, x, x_region, y_region)``
+        (``weight`` a name or a list of names, ``topk`` for every request, as in
+        :meth:`matmul_full`) in (a plain or async iterable; an async generator may wait for
+        replies before sending more); per request a MatmulOutput or a Q6ServeError (with
+        ``request_id`` set) out, in completion order. Not retried: requests already sent may
+        have run. ``timeout`` bounds the whole stream."""
         y_regions: dict[str, RegionArg] = {}
 
         async def messages() -> AsyncIterator[pb.MatmulRequest]:
             if isinstance(requests, AsyncIterable):
                 async for item in requests:
-                    for m in stream_requests([item], precision, out_dtype, y_regions):
+                    for m in stream_requests([item], precision, out_dtype, y_regions,
+                                                 topk):
                         yield m
             else:
-                for m in stream_requests(requests, precision, out_dtype, y_regions):
+                for m in stream_requests(requests, precision, out_dtype, y_regions, topk):
                     yield m
 
         call = self._stub.MatmulStream(messages(), metadata=self._metadata,

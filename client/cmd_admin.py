@@ -121,16 +121,35 @@ def cmd_matmul(args: argparse.Namespace) -> int:
     from q6serve.client.core import DTYPES
     from q6serve.client.npyio import float_matrix, load_array, save_array
 
+    weights, outputs = args.weight, args.output
+    if len(outputs) != len(weights):
+        raise UsageError(f"give one --output per --weight, in the same order ({len(weights)} "
+                         f"weights, {len(outputs)} outputs)")
+    if args.topk is not None and not all(o.endswith(".npz") for o in outputs):
+        raise UsageError("--topk writes values, indices and lse to an .npz: name each "
+                         "--output FILE.npz")
     x = float_matrix(load_array(args.input), args.input)
     if args.dtype is not None:
         x = x.astype(DTYPES[args.dtype], copy=False)
-    out = _client(args).matmul_full(args.weight, x, precision=args.precision,
-                                    out_dtype=args.out_dtype)
-    save_array(args.output, out.y)
-    ks = "n/a" if out.kernel_seconds is None else f"{out.kernel_seconds * 1e6:.1f} us"
-    print(f"y {list(out.y.shape)} {args.out_dtype} -> {args.output}; kernel {out.kernel} "
-          f"({out.layout}, {out.precision}) {ks}, queue {out.queue_seconds * 1e6:.1f} us, "
-          f"batch {out.batch_rows} rows / {out.batch_requests} requests")
+    # several weights: one multi-weight request (each still batches with other callers)
+    out = _client(args).matmul_full(weights[0] if len(weights) == 1 else weights, x,
+                                    precision=args.precision, out_dtype=args.out_dtype,
+                                    topk=args.topk)
+    for o, path in zip(out.outputs or (out,), outputs, strict=True):
+        if o.topk is not None:
+            import numpy as np
+
+            np.savez(path, values=o.topk.values, indices=o.topk.indices, lse=o.topk.lse)
+            what = f"top-{o.topk.k} values/indices/lse of {o.topk.values.shape[0]} rows"
+        else:
+            assert o.y is not None
+            save_array(path, o.y)
+            what = f"y {list(o.y.shape)} {args.out_dtype}"
+        ks = "n/a" if o.kernel_seconds is None else f"{o.kernel_seconds * 1e6:.1f} us"
+        name = f"{o.weight}: " if o.weight else ""
+        print(f"{name}{what} -> {path}; kernel {o.kernel} ({o.layout}, {o.precision}) {ks}, "
+              f"queue {o.queue_seconds * 1e6:.1f} us, batch {o.batch_rows} rows / "
+              f"{o.batch_requests} requests")
     return 0
 
 
@@ -203,14 +222,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = _parser(sub, "matmul", "compute y = x · Wᵀ for x from a .npy file",
                 "q6serve matmul --target 127.0.0.1:50051 --weight output.weight "
-                "--input x.npy --output y.npy --dtype f16 --precision auto", cmd_matmul)
-    p.add_argument("--weight", required=True, help="resident weight name")
+                "--input x.npy --output y.npy --dtype f16 --precision auto\n"
+                "  q6serve matmul --weight blk.0.attn_q.weight --weight blk.0.attn_k.weight "
+                "--input x.npy --output q.npy --output k.npy   # one request\n"
+                "  q6serve matmul --weight output.weight --topk 64 --input x.npy "
+                "--output top.npz", cmd_matmul)
+    p.add_argument("--weight", required=True, action="append", metavar="NAME",
+                   help="resident weight name; repeat it for several weights of the same K, "
+                        "sent as one multi-weight request (one --output each)")
     p.add_argument("--input", required=True, metavar="FILE.npy|FILE.npz[:NAME]",
                    help="x of shape [N, K] (or [K]) in f32/f16/bf16: an .npy, an .npz holding "
                         "one array, or FILE.npz:NAME for one of several")
-    p.add_argument("--output", required=True, metavar="FILE.npy",
-                   help="y [N, rows] is written here; a bf16 y has the .npy type 'bfloat16': "
-                        "read it with `import ml_dtypes; np.load(FILE)`")
+    p.add_argument("--output", required=True, action="append", metavar="FILE.npy",
+                   help="y [N, rows] is written here (one --output per --weight, in order); a "
+                        "bf16 y has the .npy type 'bfloat16': read it with `import ml_dtypes; "
+                        "np.load(FILE)`; with --topk an .npz of values [N, K] f32, indices "
+                        "[N, K] int32 and lse [N] f32")
+    p.add_argument("--topk", type=int, metavar="K",
+                   help="instead of y, per row the top K (1..256) values, their column "
+                        "indices and the row's log-sum-exp, computed on the worker")
     p.add_argument("--dtype", choices=("f32", "f16", "bf16"),
                    help="activation dtype sent on the wire, x converted to it (default: the "
                         "input's own dtype)")

@@ -10,7 +10,7 @@ shards); channels come from :mod:`.channel` and retries from :mod:`.retry`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 
+from q6serve.kernels.epilogue import TopK
 from q6serve.v1 import q6serve_pb2 as pb
 
 from . import shm
@@ -96,7 +97,12 @@ class Weight:
 
 @dataclass(frozen=True)
 class MatmulOutput:
-    y: np.ndarray
+    """One matmul's result. ``y`` [N, rows]; with ``topk=k`` it is None and ``topk`` holds the
+    per-row top-k values f32 [N, k], column indices int32 [N, k] and log-sum-exp f32 [N]. A
+    multi-weight call (a list of weights) returns one of these whose ``outputs`` hold one per
+    weight (each with ``weight`` set), in the order asked; its own y/topk/kernel are empty."""
+
+    y: np.ndarray | None
     kernel: str
     layout: str
     precision: str
@@ -109,6 +115,9 @@ class MatmulOutput:
     decode_seconds: float | None = None
     device_seconds: float | None = None
     handler_seconds: float | None = None
+    topk: TopK | None = None
+    weight: str = ""  # set on the entries of ``outputs``
+    outputs: tuple[MatmulOutput, ...] = ()
 
 
 # -- tensors ----------------------------------------------------------------------------------
@@ -176,15 +185,32 @@ def upload_messages(header: pb.UploadHeader, raw: memoryview | bytes,
             progress(len(chunk))
 
 
-def matmul_request(weight: str, x: np.ndarray, precision: str = "auto",
+Weights = str | Sequence[str]  # one weight, or several of the same K (a multi-weight call)
+
+
+def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
                    out_dtype: str = "f32", request_id: str = "", *,
-                   x_region: RegionArg | None = None,
-                   y_region: RegionArg | None = None) -> pb.MatmulRequest:
-    """``x_region``: x travels through that shared-memory region (copied there unless x is
+                   x_region: RegionArg | None = None, y_region: RegionArg | None = None,
+                   topk: int | None = None) -> pb.MatmulRequest:
+    """``weight``: a name, or a list of names (MatmulRequest.weights: one output per weight);
+    ``topk``: the top-k epilogue's k (the worker checks 1..256 and <= the weight's rows);
+    ``x_region``: x travels through that shared-memory region (copied there unless x is
     already its view at that offset); ``y_region``: the worker writes y there (.shm)."""
-    req = pb.MatmulRequest(weight=weight, precision=_choice(PRECISIONS, precision, "precision"),
+    req = pb.MatmulRequest(precision=_choice(PRECISIONS, precision, "precision"),
                            out_dtype=_choice(_DTYPE_TO_PB, out_dtype, "out_dtype"),
                            request_id=request_id)
+    if isinstance(weight, str):
+        req.weight = weight
+    else:
+        names = list(weight)
+        if not all(isinstance(n, str) for n in names):
+            raise ValueError(f"weights must be names (str), got {names!r:.200}")
+        req.weights.extend(names)
+    if topk is not None:
+        if isinstance(topk, bool) or not isinstance(topk, int | np.integer) or not (
+                0 <= topk < 1 << 32):
+            raise ValueError(f"topk={topk!r} must be an int (the worker takes 1..256)")
+        req.topk.k = int(topk)
     if x_region is not None:
         x = np.asarray(x)
         name = dtype_name(x.dtype)
@@ -224,6 +250,14 @@ def is_serving(reply: Any) -> bool:
 
 
 # -- replies ----------------------------------------------------------------------------------
+def decode_topk(t: pb.TopKResult) -> TopK:
+    """TopKResult's bytes as arrays (views of the reply): f32 [N, k], int32 [N, k], f32 [N]."""
+    n, k = int(t.rows), int(t.k)
+    return TopK(np.frombuffer(t.values, "<f4").reshape(n, k),
+                np.frombuffer(t.indices, "<i4").reshape(n, k),
+                np.frombuffer(t.lse, "<f4").reshape(n))
+
+
 def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> MatmulOutput:
     """``y_region``: the request's; y is then a view of that region (the reply has no bytes)."""
     t = r.timing
@@ -231,12 +265,18 @@ def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> Matmul
     def opt(name: str) -> float | None:
         return getattr(t, name) if t.HasField(name) else None
 
-    y = (decode_tensor(r.y) if y_region is None
-         else shm.read_y(r.y, y_region, DTYPES[_DTYPE_FROM_PB[r.y.dtype]]))
+    outputs = tuple(output_of(o) for o in getattr(r, "outputs", ()))
+    if r.HasField("topk") or outputs:
+        y = None
+    else:
+        y = (decode_tensor(r.y) if y_region is None
+             else shm.read_y(r.y, y_region, DTYPES[_DTYPE_FROM_PB[r.y.dtype]]))
     return MatmulOutput(y, r.kernel, _LAYOUT_NAME[r.layout],
                         _PRECISION_NAME[r.precision], t.queue_seconds, opt("kernel_seconds"),
-                        t.batch_rows, t.batch_requests, r.request_id, opt("decode_seconds"),
-                        opt("device_seconds"), opt("handler_seconds"))
+                        t.batch_rows, t.batch_requests, getattr(r, "request_id", ""),
+                        opt("decode_seconds"), opt("device_seconds"), opt("handler_seconds"),
+                        decode_topk(r.topk) if r.HasField("topk") else None,
+                        getattr(r, "weight", ""), outputs)
 
 
 def stream_outcome(r: Any, y_region: RegionArg | None = None) -> MatmulOutput | Q6ServeError:
@@ -249,14 +289,17 @@ def stream_outcome(r: Any, y_region: RegionArg | None = None) -> MatmulOutput | 
 
 
 def stream_requests(requests: Iterable[tuple[Any, ...]], precision: str, out_dtype: str,
-                    y_regions: dict[str, RegionArg]) -> Iterator[pb.MatmulRequest]:
+                    y_regions: dict[str, RegionArg],
+                    topk: int | None = None) -> Iterator[pb.MatmulRequest]:
     """MatmulStream requests from ``(request_id, weight, x)`` or ``(request_id, weight, x,
-    x_region, y_region)`` tuples; records each y_region by request id (for stream_outcome)."""
+    x_region, y_region)`` tuples (``weight`` a name or a list of names); records each
+    y_region by request id (for stream_outcome)."""
     for rid, w, x, *io in requests:
         xr, yr = [*io, None, None][:2]
         if yr is not None:
             y_regions[rid] = yr
-        yield matmul_request(w, x, precision, out_dtype, rid, x_region=xr, y_region=yr)
+        yield matmul_request(w, x, precision, out_dtype, rid, x_region=xr, y_region=yr,
+                             topk=topk)
 
 
 @dataclass(frozen=True)

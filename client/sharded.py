@@ -29,6 +29,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from q6serve.kernels.epilogue import check_k, merge_topk
+from q6serve.kernels.errors import InvalidArgument
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
@@ -38,8 +40,11 @@ from .core import (
     _PRECISION_NAME,
     MatmulOutput,
     Q6ServeError,
+    TopK,
     Weight,
+    Weights,
     decode_tensor,
+    decode_topk,
     flag_states,
     flags_request,
     health_request,
@@ -280,16 +285,52 @@ class ShardedClient:
         return self._plans[name]
 
     # -- matmul -----------------------------------------------------------------------------
-    def matmul_full(self, weight: str, x: np.ndarray, *, precision: str = "auto",
-                    out_dtype: str = "f32", timeout: float | None = None) -> MatmulOutput:
-        """``y = x · Wᵀ`` over all shards; the timing fields are the slowest shard's."""
-        plan = self._plan_for(weight, timeout)
-        req = matmul_request(weight, x, precision, out_dtype)
+    def matmul_full(self, weight: Weights, x: np.ndarray, *, precision: str = "auto",
+                    out_dtype: str = "f32", timeout: float | None = None,
+                    topk: int | None = None) -> MatmulOutput:
+        """``y = x · Wᵀ`` over all shards; the timing fields are the slowest shard's.
+        ``weight`` a list: one multi-weight request per shard (``outputs``, as
+        :meth:`Client.matmul_full`). ``topk=k``: each shard returns the top-k of its own rows
+        (min(k, its rows)) and they merge into the top-k over global columns, lse combined."""
+        names = [weight] if isinstance(weight, str) else list(weight)
+        plans = {n: self._plan_for(n, timeout) for n in names}
+        per_shard: list[int | None] = [topk] * self.shards
+        if topk is not None:
+            for n in names:
+                total = plans[n][-1].end
+                try:
+                    check_k(topk, total, weight=n)
+                except InvalidArgument as e:
+                    raise Q6ServeError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            for i in range(self.shards):  # one k per request: each part needs min(k, rows)
+                want = {min(topk, p.end - p.begin) for n in names for p in plans[n]
+                        if p.shard == i}
+                if len(want) > 1:  # shards of different heights: one weight at a time
+                    outs = [self.matmul_full(n, x, precision=precision, timeout=timeout,
+                                             topk=topk) for n in names]
+                    return MatmulOutput(None, "", "", "", 0.0, None, 0, 0, outputs=tuple(
+                        replace(o, weight=n) for n, o in zip(names, outs, strict=True)))
+                per_shard[i] = want.pop()
+        reqs = [matmul_request(weight, x, precision, out_dtype, topk=k) for k in per_shard]
         try:
-            replies = self._fan_out("Matmul", [req] * self.shards, timeout)
+            replies = self._fan_out("Matmul", reqs, timeout)
         except Q6ServeError:
-            self._plans.pop(weight, None)  # a shard may have restarted: re-read the ranges
+            for n in names:
+                self._plans.pop(n, None)  # a shard may have restarted: re-read the ranges
             raise
+        if isinstance(weight, str):
+            return self._join(weight, plans[weight], replies, topk)
+        outputs = tuple(replace(self._join(n, plans[n], [r.outputs[j] for r in replies], topk),
+                                weight=n) for j, n in enumerate(names))
+        return replace(_merged_output(None, replies), outputs=outputs)
+
+    def _join(self, weight: str, plan: list[ShardRows], replies: list[Any],
+              topk: int | None) -> MatmulOutput:
+        """One weight's output from its shards' parts (MatmulResponse or WeightOutput)."""
+        if topk is not None:
+            top = merge_topk([decode_topk(replies[p.shard].topk) for p in plan],
+                             [p.begin for p in plan], topk)
+            return replace(_merged_output(None, replies), topk=top)
         parts = []
         for p in plan:
             y = decode_tensor(replies[p.shard].y)
@@ -303,12 +344,33 @@ class ShardedClient:
 
     def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
                out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
-        return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                                timeout=timeout).y
+        if not isinstance(weight, str):
+            raise ValueError("matmul takes one weight name; use matmul_multi for several")
+        y = self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
+                             timeout=timeout).y
+        assert y is not None
+        return y
 
-    def matmul_stream(self, requests: Iterable[tuple[str, str, np.ndarray]], *,
+    def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
+                     precision: str = "auto", out_dtype: str = "f32",
+                     timeout: float | None = None) -> list[np.ndarray]:
+        """As :meth:`Client.matmul_multi`, over all shards."""
+        if isinstance(weights, str):
+            raise ValueError("matmul_multi takes a list of weight names")
+        out = self.matmul_full(list(weights), x, precision=precision, out_dtype=out_dtype,
+                               timeout=timeout)
+        return [o.y for o in out.outputs]  # type: ignore[misc]
+
+    def matmul_topk(self, weight: str, x: np.ndarray, k: int, *, precision: str = "auto",
+                    timeout: float | None = None) -> TopK:
+        """As :meth:`Client.matmul_topk`: indices are global columns of the whole tensor."""
+        out = self.matmul_full(weight, x, precision=precision, timeout=timeout, topk=k)
+        assert out.topk is not None
+        return out.topk
+
+    def matmul_stream(self, requests: Iterable[tuple[str, Weights, np.ndarray]], *,
                       precision: str = "auto", out_dtype: str = "f32",
-                      timeout: float | None = None,
+                      timeout: float | None = None, topk: int | None = None,
                       ) -> Iterator[MatmulOutput | Q6ServeError]:
         """``(request_id, weight, x)`` in; per request a MatmulOutput or a Q6ServeError (with
         ``request_id`` set) out, in completion order, as :meth:`Client.matmul_stream`. Each
@@ -319,13 +381,13 @@ class ShardedClient:
         items = iter(requests)
         running: dict[Future[MatmulOutput], str] = {}
 
-        def one(weight: str, x: np.ndarray) -> MatmulOutput:
+        def one(weight: Weights, x: np.ndarray) -> MatmulOutput:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Q6ServeError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"the stream's {budget} s deadline passed")
             return self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                                    timeout=left)
+                                    timeout=left, topk=topk)
 
         with ThreadPoolExecutor(STREAM_WINDOW, thread_name_prefix="q6serve-sharded") as pool:
             try:
@@ -393,7 +455,7 @@ def _by_name(per_shard: Iterable[Iterable[Weight]]) -> dict[str, dict[int, Weigh
     return out
 
 
-def _merged_output(y: np.ndarray, replies: list[pb.MatmulResponse]) -> MatmulOutput:
+def _merged_output(y: np.ndarray | None, replies: list[Any]) -> MatmulOutput:
     first = replies[0]
 
     def slowest(name: str) -> float | None:  # None unless every shard sent it
@@ -404,6 +466,7 @@ def _merged_output(y: np.ndarray, replies: list[pb.MatmulResponse]) -> MatmulOut
                         _PRECISION_NAME[first.precision],
                         max(r.timing.queue_seconds for r in replies), slowest("kernel_seconds"),
                         min(r.timing.batch_rows for r in replies),
-                        min(r.timing.batch_requests for r in replies), first.request_id,
+                        min(r.timing.batch_requests for r in replies),
+                        getattr(first, "request_id", ""),
                         slowest("decode_seconds"), slowest("device_seconds"),
                         slowest("handler_seconds"))

@@ -19,7 +19,8 @@ from q6serve.client.client import Client
 from q6serve.client.retry import RetryPolicy
 from q6serve.client.sharded import ShardedClient
 
-CALLS = ("load", "upload", "list", "get", "unload", "matmul", "matmul_full", "matmul_stream",
+CALLS = ("load", "upload", "list", "get", "unload", "matmul", "matmul_full", "matmul_multi",
+         "matmul_topk", "matmul_stream",
          "status", "status_dict", "flags", "health")
 # where the sharded client must differ, and why: its load splits rows over the shards
 # (`ranges`, one per shard, instead of one worker's `rows`/`shard`), and an upload has no
