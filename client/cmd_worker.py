@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     a("--max-message-bytes", type=int, help="gRPC message size limit, both ways (default 256MiB)")
-    a("--max-concurrent-streams", type=int, help="concurrent RPCs per connection (default 256)")
+    a("--max-concurrent-streams", type=int,
+      help="HTTP/2 streams per connection (default 65536; unary calls beyond 512 in the "
+           "worker wait in its admission queue)")
     a("--max-upload-bytes", type=int, help="largest UploadWeight payload (default 8GiB)")
     a("--grace-period", dest="grace_period_s", type=float,
       help="seconds to drain in-flight work on SIGTERM (default 10)")

@@ -25,9 +25,10 @@ import grpc
 
 from q6serve.kernels.errors import InvalidArgument, Q6Error
 
+from .admission import Admission
 from .auth import TokenAuth
 from .metrics import Metrics
-from .wire import ADMIN_METHODS
+from .wire import ADMIN_METHODS, SERVICE_NAME
 
 log = logging.getLogger("q6serve.rpc")
 
@@ -97,9 +98,11 @@ class _DecodingContext:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None,
+                 admission: Admission | None = None) -> None:
         self._metrics = metrics
         self._auth = auth or TokenAuth()
+        self._admission = admission  # unary RPCs of our service queue here
         self._active = 0  # calls running, LONG_LIVED ones left out
         self._idle = asyncio.Event()
         self._idle.set()
@@ -188,6 +191,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     leave()
                 self._done(context, service, method, t0)
                 return result
+
+            gate = self._admission
+            if handler.unary_unary and service == SERVICE_NAME and gate is not None:
+                async def admitted(requests: AsyncIterator[Any],
+                                   context: grpc.aio.ServicerContext) -> Any:
+                    """Declared request-streaming (the wire format is the same) so gRPC calls
+                    this before it reads the request: the call waits for admission first
+                    (service/admission.py), and leaves whatever becomes of it."""
+                    await gate.enter()
+                    try:
+                        async for raw in requests:
+                            return await unary(raw, context)
+                        return await unary(b"", context)  # no message: decodes as empty
+                    finally:
+                        gate.leave()
+
+                return grpc.stream_unary_rpc_method_handler(
+                    admitted, request_deserializer=None,
+                    response_serializer=handler.response_serializer)
 
             factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
                        else grpc.stream_unary_rpc_method_handler)

@@ -19,6 +19,7 @@ from q6serve.kernels.api import Backend
 from q6serve.kernels.errors import Unavailable
 
 from . import wire
+from .admission import Admission
 from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import Engine, version
@@ -28,6 +29,7 @@ from .regions import RegionTable
 from .servicer import Q6ServeServicer
 
 log = logging.getLogger("q6serve.worker")
+PENDING_CALLS = 1 << 16
 
 WATCH_LINGER_S = 0.25  # a drained worker's last wait: health watchers get NOT_SERVING out
 
@@ -74,9 +76,14 @@ class Worker:
         opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
-                ("grpc.so_reuseport", 0)]
+                ("grpc.so_reuseport", 0),
+                # calls gRPC has taken but not yet handed to us: cancelled beyond these
+                # (defaults 1000/3000); a burst of calls waits in the admission queue instead
+                ("grpc.server.max_pending_requests", PENDING_CALLS),
+                ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
         auth = TokenAuth(cfg.token, cfg.admin_token)
-        self._interceptor = ErrorInterceptor(self.metrics, auth)
+        self.admission = Admission(cfg.max_inflight_rpcs)
+        self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
         self.server = grpc.aio.server(interceptors=[self._interceptor], options=opts)
         self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
         wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
