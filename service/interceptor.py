@@ -201,9 +201,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     (service/admission.py), and leaves whatever becomes of it."""
                     await gate.enter()
                     try:
-                        async for raw in requests:
-                            return await unary(raw, context)
-                        return await unary(b"", context)  # no message: decodes as empty
+                        raw = await context.read()  # not `async for`: an unfinished async
+                        # generator would keep this frame, and so the request, alive
+                        return await unary(b"" if raw is grpc.aio.EOF else raw, context)
                     finally:
                         gate.leave()
 
