@@ -419,3 +419,27 @@ def test_multi_device_topk_and_multi_weight(base_config, placement: str) -> None
             await eng.close()
 
     asyncio.run(main())
+
+
+def test_topk_with_non_finite_rows_at_q8_1(loaded, stub) -> None:  # type: ignore[no-untyped-def]
+    """q8_1 runs rows holding NaN/Inf at exact (kernels.api.matmul_ieee): with topk the two
+    parts' epilogue rows are put back in order; a NaN row ranks NaN first and its lse is NaN."""
+    worker, _ = loaded
+    x = _x(4, seed=9)
+    x[1, 3] = np.nan
+    req = _req("q", x, topk=5)
+    req.precision = pb.PRECISION_Q8_1
+    r = stub.Matmul(req)
+    v, _, lse = _topk(r.topk)
+    assert np.isnan(v[1]).all() and np.isnan(lse[1])
+    finite = [0, 2, 3]
+    plain = _req("q", x[finite])
+    plain.precision = pb.PRECISION_Q8_1
+    check_topk(_subset(r.topk, finite), decode_tensor(stub.Matmul(plain).y), 5)
+    assert_idle(worker)
+
+
+def _subset(t: pb.TopKResult, rows: list[int]) -> pb.TopKResult:
+    v, i, lse = _topk(t)
+    return pb.TopKResult(rows=len(rows), k=t.k, values=v[rows].tobytes(),
+                         indices=i[rows].tobytes(), lse=lse[rows].tobytes())
