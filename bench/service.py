@@ -22,13 +22,23 @@ Every call is split along one timeline into parts that add up to its end-to-end 
 The worker's parts come from the reply's MatmulTiming (queue, kernel, device, decode,
 handler seconds). ``--target-report`` measures issue 9's three targets in one invocation.
 
+``--replay`` (issue 14): the decode replay of a whole 28-layer 7B-class model (q, k, v, o,
+gate, up, down per layer, then the lm-head; synthetic weights; bench/service_replay.py): hosts
+of S = 1, 8, 64 sequences (N = S per call) step it closed-loop, with multi-weight calls (q/k/v,
+gate/up) and without, the lm-head through the top-k epilogue. Per S and call style: steps/s,
+per-step latency p50/p99, calls per step, the kernel-only time of a step (the sum of the
+replies' kernel times in the same run) and the bare-gRPC floor of the step's call sizes.
+
     python bench/service.py --backend numpy --row-scale 0.01 --seconds 2
     python bench/service.py --backend cuda --target-report --json "$OUT/service.json"
+    python bench/service.py --backend numpy --replay --layers 2 --scale 0.002 --seconds 1
+    python bench/service.py --backend cuda --replay --json "$OUT/replay.json"
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -43,6 +53,7 @@ from typing import Any
 
 import numpy as np
 from service_load import LoadSpec, grpc_floor, run_load  # bench/ is sys.path[0]
+from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_floor, step_plan
 
 WEIGHTS = {"attn_v": (512, 3584), "ffn_down": (3584, 18944), "lm_head": (152064, 3584)}
 PARTS = ("client_encode", "transport", "server_decode", "queue", "kernel", "device_other",
@@ -177,6 +188,7 @@ class Bench:
         self.targets: list[dict[str, Any]] = []
         self.gains: list[dict[str, Any]] = []
         self.floor: dict[str, float] = {}
+        self.replay: list[dict[str, Any]] = []
         self.errors: list[dict[str, str]] = []
         self.t_start = time.perf_counter()
         self._warm: set[tuple[str, int]] = set()
@@ -249,7 +261,8 @@ class Bench:
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "cores": os.cpu_count(), "argv": self.args.argv, "parts": PARTS,
                "runs": [asdict(r) for r in self.results], "targets": self.targets,
-               "gains": self.gains, "floor_us": self.floor, "errors": self.errors,
+               "gains": self.gains, "floor_us": self.floor, "replay": self.replay,
+               "errors": self.errors,
                "wall_seconds": time.perf_counter() - self.t_start}
         self.args.json.write_text(json.dumps(doc, indent=1))
 
@@ -330,6 +343,87 @@ def target_report(b: Bench) -> None:
                     "fraction": frac, "fraction_min": 0.5, "met": frac >= 0.5})
 
 
+def upload_model(b: Bench) -> dict[str, int]:
+    """Upload the replay's synthetic model (one random tensor per shape, under every name of
+    that shape: contents do not matter to a matmul's cost); returns rows per weight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = b.args
+    weights = model_weights(a.layers, a.scale)
+    data: dict[tuple[int, int], tuple[np.ndarray, str]] = {}
+    for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
+        blocks = random_q6k(rows, k, 100 + i)
+        data[(rows, k)] = (blocks, hashlib.sha256(blocks).hexdigest())
+    t0 = time.perf_counter()
+
+    def up(w: tuple[str, int, int]) -> None:
+        name, rows, k = w
+        blocks, sha = data[(rows, k)]
+        b.client.upload(name, blocks, rows, k, sha256=sha)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(up, weights))
+    total = sum(data[(r, k)][0].nbytes for _, r, k in weights)
+    print(f"# uploaded {len(weights)} weights ({a.layers} layers + lm-head, {total / 1e9:.2f} GB "
+          f"of Q6_K) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return {name: rows for name, rows, _ in weights}
+
+
+def model_replay(b: Bench) -> None:
+    """The 7B decode replay (issue 14 item 6): every S, with and without multi-weight calls."""
+    from q6serve.client.client import PRECISIONS
+
+    a = b.args
+    rows = upload_model(b)
+    itemsize = 2 if a.dtype == "f16" else 4
+    styles = {"both": [True, False], "on": [True], "off": [False]}[a.multi]
+    b.batching(True)
+    for s_ in a.replay_seqs:
+        for multi in styles:
+            label = f"replay S={s_} {'multi' if multi else 'single'}"
+            plan = step_plan(a.layers, rows, multi, a.topk)
+            spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, 2,
+                              a.replay_mode, a.dtype, PRECISIONS[a.precision])
+            try:
+                floor = (step_floor(plan, s_, itemsize, a.replay_mode)
+                         if a.replay_floor else float("nan"))
+                st, wall = run_replay(spec, a.replay_hosts)
+            except Exception as e:
+                print(f"# {label} FAILED: {e}", flush=True)
+                b.errors.append({"run": label, "error": repr(e)[:2000]})
+                b.save()
+                continue
+            ms = {f: float(np.median(v) * 1e3) for f, v in st.items() if f != "kernel_missing"}
+            kernel = ms["kernel"] if not st["kernel_missing"].any() else None
+            limit = None if kernel is None or np.isnan(floor) else 1.5 * (floor * 1e3 + kernel)
+            r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_, "multi": multi,
+                 "layers": a.layers, "scale": a.scale, "topk": a.topk, "mode": a.replay_mode,
+                 "calls_per_step": len(plan), "steps": int(st["e2e"].size),
+                 "seconds": wall, "steps_per_s": st["e2e"].size / wall,
+                 "tokens_per_s": st["e2e"].size * s_ / wall,
+                 "step_p50_ms": float(np.percentile(st["e2e"], 50) * 1e3),
+                 "step_p99_ms": float(np.percentile(st["e2e"], 99) * 1e3),
+                 "kernel_step_ms": kernel, "floor_step_ms": floor * 1e3,
+                 "step_parts_p50_ms": ms, "limit_ms": limit,
+                 "met": None if limit is None else ms["e2e"] <= limit}
+            b.replay.append(r)
+            b.save()
+            print(replay_line(r), flush=True)
+
+
+def replay_line(r: dict[str, Any]) -> str:
+    k = "n/a" if r["kernel_step_ms"] is None else f"{r['kernel_step_ms']:.2f}"
+    p = r["step_parts_p50_ms"]
+    verdict = "" if r["limit_ms"] is None else (
+        f"  limit 1.5x(floor+kernel) {r['limit_ms']:.1f} ms {'met' if r['met'] else 'MISSED'}")
+    return (f"{r['label']:<24} calls/step {r['calls_per_step']:>3}  steps {r['steps']:>5}  "
+            f"steps/s {r['steps_per_s']:8.2f}  step p50 {r['step_p50_ms']:8.2f} ms  "
+            f"p99 {r['step_p99_ms']:8.2f} ms  kernel/step {k} ms  "
+            f"bare gRPC/step {r['floor_step_ms']:.2f} ms{verdict}\n"
+            f"    per step p50 ms: transport {p['transport']:.2f}  worker {p['handler']:.2f} "
+            f"(device {p['device']:.2f}, queue {p['queue']:.2f})  client {p['client']:.2f}")
+
+
 def target_line(t: dict[str, Any]) -> str:
     verdict = "met" if t["met"] else "MISSED"
     if t["target"] == "T1":
@@ -378,7 +472,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-report", action="store_true",
                     help="measure issue 9's three targets (ffn_down) instead of the replay")
     ap.add_argument("--replay", action="store_true",
-                    help="--target-report: also run the replay (--weights, --hosts, --seqs)")
+                    help="the decode replay of a whole 28-layer 7B-class model (issue 14; "
+                    "--layers, --scale, --replay-seqs, --replay-hosts, --multi, --topk) instead "
+                    "of the per-weight replay (with --target-report: after it)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="--replay: layers (28)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="--replay: scale every weight's rows (default --row-scale)")
+    ap.add_argument("--replay-seqs", default="1,8,64",
+                    help="--replay: sequences per host S (N = S per call), each measured")
+    ap.add_argument("--replay-hosts", type=int, default=1, help="--replay: hosts")
+    ap.add_argument("--replay-mode", default="stream", choices=("unary", "stream"),
+                    help="--replay: one MatmulStream per host (default) or unary calls")
+    ap.add_argument("--multi", default="both", choices=("both", "on", "off"),
+                    help="--replay: multi-weight calls for q/k/v and gate/up, or not, or both")
+    ap.add_argument("--topk", type=int, default=64,
+                    help="--replay: the lm-head's top-k epilogue k (0: full f32 logits)")
+    ap.add_argument("--no-replay-floor", dest="replay_floor", action="store_false",
+                    help="--replay: skip the bare-gRPC floor of the step's call sizes")
     ap.add_argument("--t2-procs", type=int, default=0,
                     help="T2: load processes for the 64 callers (default: cores/2, <= 8)")
     ap.add_argument("--t3-hosts", default="1,4,8", help="T3: host counts tried (best kept)")
@@ -387,6 +497,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.weights = [w for w in a.weights.split(",") if w]
     a.modes = [m for m in a.modes.split(",") if m]
     a.t3_hosts = [int(h) for h in a.t3_hosts.split(",") if h]
+    a.replay_seqs = [int(x) for x in a.replay_seqs.split(",") if x]
+    if a.scale is None:
+        a.scale = a.row_scale
+    if a.layers < 1 or any(x < 1 for x in a.replay_seqs) or a.replay_hosts < 1:
+        ap.error("--layers, --replay-seqs and --replay-hosts must be >= 1")
     bad = [w for w in a.weights if w not in WEIGHTS]
     if bad:
         ap.error(f"unknown weights {bad}; use {list(WEIGHTS)}")
@@ -406,10 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# worker {b.worker.target}: {b.backend} on {b.device}; commit {_commit()}; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"{os.cpu_count()} cores", flush=True)
-        b.upload(["ffn_down"] if a.target_report else a.weights)
         if a.target_report:
+            b.upload(["ffn_down"])
             target_report(b)
-        if not a.target_report or a.replay:
+        if a.replay:
+            model_replay(b)
+        elif not a.target_report:
             b.upload(a.weights)
             replay(b)
     finally:
@@ -417,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         b.close()
     for t in b.targets:
         print("# " + target_line(t), flush=True)
+    for r in b.replay:
+        print("# " + replay_line(r).replace("\n", "\n# "), flush=True)
     print(f"# done in {time.perf_counter() - b.t_start:.0f} s; worker log {b.worker.log_path}",
           flush=True)
     return 1 if b.errors else 0

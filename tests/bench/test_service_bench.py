@@ -51,3 +51,24 @@ def test_q6serve_bench_preset_runs_the_service_bench(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [r["weight"] for r in runs] == ["attn_v"] and runs[0]["calls"] > 0
+
+
+def test_tiny_model_replay(tmp_path: Path) -> None:
+    """--replay on 2 layers of a 7B-class model scaled down: one S, with and without
+    multi-weight calls; calls per step, kernel-only step time and the floor are reported."""
+    out = tmp_path / "replay.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--replay",
+           "--layers", "2", "--scale", "0.002", "--replay-seqs", "2", "--topk", "8",
+           "--seconds", "0.4", "--warmup", "0.1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["multi"]: r for r in doc["replay"]}
+    assert set(rows) == {True, False} and not doc["errors"]
+    # per layer: qkv, o, gate/up, down (multi) or 7 calls; then the lm-head
+    assert rows[True]["calls_per_step"] == 2 * 4 + 1
+    assert rows[False]["calls_per_step"] == 2 * 7 + 1
+    for r in rows.values():
+        assert r["steps"] > 0 and r["seqs"] == 2 and r["topk"] == 8
+        assert 0 < r["kernel_step_ms"] <= r["step_p50_ms"] <= r["step_p99_ms"]
+        assert r["floor_step_ms"] > 0 and r["limit_ms"] is not None
