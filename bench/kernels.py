@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             runs: list[tuple[str, str, Cfg | None]] = []
             for p in a.paths.split(","):
                 if p == "auto":
-                    path = be._path(n, Precision.AUTO, flags, rows, k)[0]
-                    runs.append(("auto=" + path, path, None))
+                    c = be.choose(n, Precision.AUTO, flags, rows, k)
+                    runs.append(("auto=" + c.path, c.path, c.cfg))
                 elif not (p == "cublas_f16" and rows * k > 2e8 and n < 16):
                     runs.append((p, p, None))
             if a.variants:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     be.run(ws[i], x, np.dtype(np.float32), path, c)  # None: the default
 
                 try:
-                    with be._dev, be._stream:
+                    with be.ctx.dev, be.stream:
                         us = time_calls(cp, call, copies)
                 except Exception as e:  # a new variant that fails must not end the run
                     print(f"{shape_s:>14} {n:>3} {label:>22} FAILED: {type(e).__name__}: "

@@ -49,6 +49,11 @@ def be():
     from q6serve.kernels.cuda_backend import CudaBackend
 
     b = CudaBackend(0)
+    # Every instantiation the tests ask for, compiled up front a dozen per NVRTC program on
+    # parallel threads (one program per name spent minutes of device time).
+    with b.ctx.dev:
+        b.ctx.prefetch("q6k_matmul.cu", [n for f, n in requested_kernels()
+                                         if f == "q6k_matmul.cu"], threads=16)
     yield b
     b.close()
 
@@ -221,9 +226,9 @@ def test_relayout_and_read_aos_round_trip(be, rng):
 
 
 def test_multi_slab_weight(be, rng, monkeypatch):
-    from q6serve.kernels import cuda_backend
+    from q6serve.kernels.cuda import storage
 
-    monkeypatch.setattr(cuda_backend, "SLAB_BYTES", 37 * 5 * 210)  # 37-row slabs
+    monkeypatch.setattr(storage, "SLAB_BYTES", 37 * 5 * 210)  # 37-row slabs
     rows, k = 200, 1280
     blocks = random_weight(rng, rows, k)
     for layout, flags in ((Layout.SOA, SOA), (Layout.AOS, AOS)):
@@ -315,7 +320,7 @@ def variant_cases() -> list:
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
 def test_default_launch_shape_widens_warps_for_tall_weights():
-    from q6serve.kernels.cuda_backend import Cfg, default_cfg
+    from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
 
     wide = Cfg(nt=2, mt=2, src=3, warps=4)
     assert default_cfg("mma_f16", 16, 152064, 132) == wide  # 1188 row tiles: no K split
@@ -325,10 +330,9 @@ def test_default_launch_shape_widens_warps_for_tall_weights():
     assert default_cfg("mma_f16", 16) == Cfg(nt=2, src=1)  # no shape given
 
 
-def test_auto_is_shape_aware_for_small_weights():
-    from q6serve.kernels.cuda_backend import CudaBackend
+def test_heuristic_auto_is_shape_aware_for_small_weights():
+    from q6serve.kernels.cuda.dispatch import heuristic_path as path
 
-    path = CudaBackend._path
     auto, off = Precision.AUTO, KernelFlags(decode_mmq=False)
     for n, want in ((1, "mma_f16"), (4, "mma_f16"), (7, "mma_f16"), (8, "exact"), (32, "exact"),
                     (48, "exact"), (49, "cublas_f16"), (64, "cublas_f16"), (300, "cublas_f16")):
@@ -341,52 +345,50 @@ def test_auto_is_shape_aware_for_small_weights():
     assert path(16, Precision.F16, SOA, 512, 3584)[0] == "mma_f16"  # explicit precisions
 
 
-def _stub_backend(sm_count=132, per_sm=233472):
-    from q6serve.kernels.cuda_backend import CudaBackend
-
-    be = CudaBackend.__new__(CudaBackend)  # no device: only the launch-shape arithmetic
-    be.sm_count, be.smem_sm = sm_count, per_sm
-    return be
-
-
 class _StubFn:
     num_regs = 128
     max_dynamic_shared_size_bytes = 48 << 10
 
 
-def _recording_backend():
-    """A device-less backend whose kernel lookups record the requested (file, name)."""
-    be = _stub_backend()
-    be._grids, be._launches, be._fns = {}, {}, {}
-    be.requested = []
+def recording_launcher():
+    """A device-less launcher whose kernel lookups record the requested (file, name)."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.cuda.launch import Launcher
+
+    requested: list = []
 
     def fn(file: str, name: str) -> _StubFn:
-        be.requested.append((file, name))
+        requested.append((file, name))
         return _StubFn()
 
-    be._fn = fn
-    return be
+    launcher = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, fn=fn))
+    launcher.requested = requested
+    return launcher
 
 
 def requested_kernels() -> set:
     """Every (file, template name) the backend asks NVRTC for: the bench's and tests' launch
-    shapes and the defaults, N = 1..300, both layouts, every activation dtype."""
-    from types import SimpleNamespace
+    shapes, the heuristics' and the dispatch table's, N = 1..300, both layouts, every
+    activation dtype."""
+    from q6serve.kernels.cuda.dispatch import default_cfg, load_default_table
+    from q6serve.kernels.cuda.launch import IN_TYPES
 
-    from q6serve.kernels.cuda_backend import IN_TYPES, default_cfg
-
-    be = _recording_backend()
+    table = load_default_table()
+    tabled = [] if table is None else [(e.path, e.cfg) for cells in table.cells.values()
+                                       for e in cells.values() if e.cfg is not None]
+    tabled = list(dict.fromkeys(tabled))
+    lc = recording_launcher()
     for layout in (Layout.SOA, Layout.AOS):
-        w = SimpleNamespace(rows=300, k=2304, layout=layout)
         for in_t in IN_TYPES.values():
             for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 70, 300):
                 plans = [(p, default_cfg(p, n, r, 132)) for p in ("exact", "mma_f16", "mmq_q8_1")
                          for r in (300, 1 << 17)]
-                plans += [(p, c) for p, c, _ in variant_cases()]
+                plans += [(p, c) for p, c, _ in variant_cases()] + tabled
                 for path, cfg in plans:
-                    lp = be._plan_launch(w, in_t, path, cfg, n)
+                    lp = lc.plan(300, 2304, layout, in_t, path, cfg, n)
                     assert lp.grid[0] >= 1 and 1 <= lp.ks == lp.grid[1] <= 9 and lp.threads
-    return set(be.requested)
+    return set(lc.requested)
 
 
 def test_launch_plans_without_a_device():
@@ -419,3 +421,55 @@ def test_second_device_from_a_thread_on_device_0(rng, precision):
             b1.free(w)
     finally:
         b1.close()
+
+
+# -- the host path of matmul (kernels/cuda/launch.py) -------------------------------------------
+def test_graphs_and_direct_launches_agree(be, rng):
+    """Direct launches, the capturing call and graph replays give bit-identical results, for
+    every precision, tile and cuBLAS N, and graphs are really used."""
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    rows, k = 700, 2048
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    direct = CudaBackend(0, graphs=False)
+    wd = load(direct, blocks, rows, k, Layout.SOA)
+    for n in (1, 3, 16, 40, 64, 300):
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        for precision in (Precision.EXACT, Precision.F16, Precision.Q8_1, Precision.AUTO):
+            want = direct.matmul(wd, x, precision=precision)
+            for _ in range(4):  # direct, direct + capture, graph, graph
+                got = be.matmul(w, x, precision=precision)
+                assert got.kernel == want.kernel and got.timing.seconds() > 0
+                np.testing.assert_array_equal(got.y.view(np.uint32), want.y.view(np.uint32),
+                                              err_msg=f"{got.kernel} N={n}")
+    assert any(b.graph for b in w.data.plans.values()), "no launch sequence was captured"
+    assert not any(b.graph for b in wd.data.plans.values())
+    direct.close()
+
+
+def test_returned_arrays_survive_later_calls_and_buffer_growth(be, rng):
+    """y arrays own their pinned blocks: later calls (smaller, larger: the workspace grows and
+    every bound sequence rebinds) never overwrite an earlier result."""
+    rows, k = 300, 1024
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    kept = []
+    for n in (2, 1, 70, 5, 200, 2, 1):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        poison()
+        kept.append((x, be.matmul(w, x, precision=Precision.EXACT).y))
+    for x, y in kept:
+        assert rel_fro(y, reference.matmul_float64(x, blocks, rows)) <= 1e-5
+
+
+@pytest.mark.parametrize("out", [np.float16, BFLOAT16])
+def test_half_outputs(be, rng, out):
+    rows, k = 200, 768
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((9, k)).astype(np.float16)
+    y32 = be.matmul(w, x, precision=Precision.F16).y
+    got = be.matmul(w, x, precision=Precision.F16, out_dtype=np.dtype(out)).y
+    assert got.dtype == np.dtype(out) and got.shape == y32.shape
+    np.testing.assert_array_equal(got, y32.astype(out))

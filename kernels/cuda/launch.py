@@ -1,0 +1,474 @@
+"""How a call runs: launch plans, the per-backend buffers, the launch sequence and its timing.
+
+``Launcher.plan`` turns (shape, layout, activation dtype, path, launch shape, N) into a
+:class:`LaunchPlan` - kernel handles, grid with its K split, shared memory, prepass sizes - by
+host arithmetic only (tests build every plan without a device). ``Launcher.matmul`` is the
+host path of one batch:
+
+1. x is copied into a pinned host buffer and from there to a device buffer; both, the output
+   and every prepass/partial-sum scratch, are :class:`Workspace` buffers allocated once per
+   backend and grown to the largest call (no allocation per call);
+2. the launch sequence of a (weight, N, dtype, path, shape) - H2D copy, start event, prepass,
+   kernel, end event - is bound once to the workspace's pointers and cached on the weight
+   (``CudaWeight.plans``); from its second call on it is a captured CUDA graph, one host call
+   instead of four or five (falls back to direct launches if capture is refused);
+3. the events sit around the kernel(s) only (recorded as external graph event nodes), so the
+   reported time is the kernel's, not the copies' or Python's;
+4. y goes device -> a pinned block that becomes the returned array (no host copy), after
+   **one** stream synchronisation; the kernel time is read then (the events are complete).
+
+cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import q6k
+from ..api import BFLOAT16, Layout, ResidentWeight
+from ..epilogue import TopK
+from ..errors import DeviceError, FormatError
+from .dispatch import Cfg
+from .storage import CudaWeight
+
+MATMUL_FILE = "q6k_matmul.cu"
+IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
+SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
+CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
+GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that wastes more than this
+GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
+MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
+Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel seconds
+
+
+def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
+    """Shared memory of one CTA that owns ``per`` K blocks."""
+    if path == "mma_f16" and cfg.src == 3:
+        return 2 * cfg.nt * 256 * 16
+    if cfg.src != 2:
+        return 0
+    if path == "exact":
+        return cfg.nt * per * 1024
+    if path == "mma_f16":
+        return 8 * cfg.nt * (per * 32 + 4) * 16
+    return 0
+
+
+def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
+    """The template instantiation of a tile path (``soa`` picks the address arithmetic)."""
+    lay = "true" if soa else "false"
+    pf = "true" if cfg.pf else "false"
+    if path == "exact":
+        sm = "true" if cfg.src == 2 else "false"
+        return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
+    if path == "mma_f16":
+        t_in = "InF16" if cfg.src in (1, 3) else in_t  # it reads only the prepass
+        return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
+    if path == "mmq_q8_1":
+        return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
+    raise DeviceError(f"unknown tile path {path!r}")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a tile-kernel call needs besides its buffers."""
+
+    path: str
+    fn: Any
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+    ks: int  # K splits (partial sums when > 1)
+    tickets: int  # split-K ticket counters
+    bpr: int
+    nz: int  # token chunks
+    prep: Any  # activation prepass kernel (f16 fragments or q8_1), or None
+    prep_grid: tuple[int]
+    prep_sizes: tuple[int, int, int]  # prepass buffer elements
+
+
+@dataclass(frozen=True)
+class Step:
+    """One kernel launch with its arguments bound (raw device pointers)."""
+
+    fn: Any
+    grid: tuple[int, ...]
+    block: int
+    args: tuple
+    smem: int = 0
+
+    def __call__(self) -> None:
+        self.fn(self.grid, (self.block,), self.args, shared_mem=self.smem)
+
+
+@dataclass
+class Bound:
+    """A (weight, N, dtype, path, shape) launch sequence bound to one workspace generation."""
+
+    gen: int
+    x_bytes: int
+    steps: list[Step]
+    start: Any  # timing events, re-recorded every call (read right after the sync)
+    end: Any
+    calls: int = 0
+    graph: Any = None  # cupy Graph once captured; False once capture was refused
+    extra: dict = field(default_factory=dict)
+
+
+class Workspace:
+    """Per-backend device buffers by name and one pinned host buffer for x, grown to the
+    largest call. Any growth bumps ``gen``: bound sequences hold raw pointers and rebind."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.gen = 0
+        self._dev: dict[str, Any] = {}
+        self._host: Any = None  # (pinned memory, numpy uint8 view)
+
+    @staticmethod
+    def _grown(old: int, need: int) -> int:
+        return 2 * old if need <= 2 * old <= need + GROW_SLACK else need
+
+    def ptr(self, name: str, nbytes: int, zero: bool = False, bound: bool = True) -> int:
+        """Device address of buffer ``name`` holding at least ``nbytes`` (call under the
+        backend's device and stream: the pool is stream-ordered, so a replaced buffer is
+        reused only after the work queued on it). ``bound``: bound sequences may hold it."""
+        buf = self._dev.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            size = self._grown(0 if buf is None else buf.nbytes, max(nbytes, 512))
+            cp = self.ctx.cp
+            buf = cp.zeros(size, cp.uint8) if zero else cp.empty(size, cp.uint8)
+            self._dev[name] = buf
+            self.gen += bound
+        return int(buf.data.ptr)
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: Any, bound: bool = True) -> Any:
+        """A CuPy view of buffer ``name`` (grown to fit)."""
+        cp = self.ctx.cp
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.ptr(name, nbytes, bound=bound)
+        return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
+
+    def host(self, nbytes: int) -> np.ndarray:
+        """The pinned staging buffer for x (uint8, at least ``nbytes``)."""
+        if self._host is None or self._host[1].size < nbytes:
+            size = self._grown(0 if self._host is None else self._host[1].size, nbytes)
+            mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
+            self._host = (mem, np.frombuffer(mem, np.uint8, size))
+            self.gen += 1
+        return self._host[1]
+
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self._dev.values())
+
+    def clear(self) -> None:
+        self._dev.clear()
+        self._host = None
+        self.gen += 1
+
+
+def _external_record() -> Any:
+    """``cuEventRecordWithFlags(.., CU_EVENT_RECORD_EXTERNAL)``: an event record that stream
+    capture keeps as a graph node (a plain record inside a capture is only a dependency).
+    None where the driver has no such entry point (then no graphs)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        f = lib.cuEventRecordWithFlags
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+class Launcher:
+    """Plans, binds and runs the kernels of one device (see the module docstring)."""
+
+    def __init__(self, ctx: Any, graphs: bool = True) -> None:
+        self.ctx = ctx
+        self._grids: dict[tuple, tuple[int, int, int]] = {}
+        self.ws = Workspace(ctx)
+        self.graphs = graphs  # the wall bench compares both
+        self._record_ext: Any = None
+
+    # -- planning (host arithmetic) ------------------------------------------------------------
+    def grid(self, rows: int, k: int, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,
+             path: str) -> tuple[int, int, int]:
+        """(row tiles, K splits, token chunks): the split that finishes in the fewest
+        block-steps per SM given the kernel's occupancy (registers, shared memory), charging
+        split-K's partial sums. Depends only on the SoA twin, so both layouts sum alike."""
+        key = (rows, k, rows_cta, nz, cfg, n, path)
+        hit = self._grids.get(key)
+        if hit is not None:
+            return hit
+        gx = -(-rows // rows_cta)
+        bpr = k // q6k.QK_K
+        threads = 32 * cfg.warps
+        regs = -(-max(int(fn.num_regs), 1) // 8) * 8
+        occ_regs = max(1, min(2048 // threads, 65536 // (threads * regs)))
+        best: tuple[float, int] | None = None
+        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
+        for ks in choices:
+            per = -(-bpr // min(ks, bpr))
+            ks_eff = -(-bpr // per)
+            smem = smem_bytes(path, cfg, per)
+            if smem > SMEM_LIMIT and cfg.src == 2 and cfg.ksplit <= 0:
+                continue
+            occ = min(occ_regs, self.ctx.smem_sm // (smem + 1024)) if smem else occ_regs
+            slots = self.ctx.sm_count * max(1, occ)
+            waves = -(-(gx * nz * ks_eff) // slots)
+            extra = 0.0 if ks_eff == 1 else ks_eff * n * rows * 8 / (rows * bpr * 210)
+            cost = waves * per * (1 + extra)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, ks_eff)
+        if best is None:
+            raise DeviceError(f"no K split fits {path} {cfg} in shared memory")
+        if len(self._grids) > 4096:
+            self._grids.clear()
+        self._grids[key] = (gx, best[1], nz)
+        return gx, best[1], nz
+
+    def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
+             n: int) -> LaunchPlan:
+        bpr = k // q6k.QK_K
+        tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
+        nz = -(-n // tok_per_cta)
+        rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
+        fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, layout is Layout.SOA, in_t))
+        soa_fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, True, in_t))
+        gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
+        smem = smem_bytes(path, cfg, -(-bpr // ks))
+        if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        prep, prep_grid, sizes = None, (1,), (0, 0, 0)
+        if path == "mma_f16" and cfg.src in (1, 3):
+            words = nz * bpr * cfg.nt * 8 * 32 * 4
+            prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
+            prep_grid, sizes = (min(65535, -(-(words // 4) // 256)),), (words, 0, 0)
+        elif path == "mmq_q8_1":
+            nt = cfg.nt
+            total = nz * bpr * nt * 64
+            prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>")
+            prep_grid = (min(65535, -(-total // 256)),)
+            sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
+        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
+                          prep, prep_grid, sizes)
+
+    def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
+              n: int) -> list[Step]:
+        """The launches of one tile call, scratch from the workspace (call under the stream)."""
+        ws, u64, i32 = self.ws, np.uint64, np.int32
+        part = ws.ptr("part", lp.ks * n * w.rows * 4) if lp.ks > 1 else 0
+        tickets = ws.ptr("tickets", 4 * max(lp.tickets, 1024), zero=True)
+        wargs = (u64(cw.table.data.ptr), i32(w.rows), i32(lp.bpr), i32(cw.rps))
+        oargs = (u64(y), u64(part), u64(tickets), i32(n))
+        pre = (u64(xd), i32(n), i32(w.k), i32(lp.nz))
+        if lp.path == "exact":
+            return [Step(lp.fn, lp.grid, lp.threads, (*wargs, u64(xd), i32(w.k), *oargs),
+                         lp.smem)]
+        if lp.path == "mma_f16":
+            out, xp = [], 0
+            if lp.prep is not None:
+                xp = ws.ptr("xp", 4 * lp.prep_sizes[0])
+                out.append(Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xp))))
+            out.append(Step(lp.fn, lp.grid, lp.threads,
+                            (*wargs, u64(xd), i32(w.k), u64(xp), *oargs), lp.smem))
+            return out
+        xq = ws.ptr("xq", 4 * lp.prep_sizes[0])  # mmq_q8_1: quantize x, then the int8 tile
+        corr = ws.ptr("corr", 4 * lp.prep_sizes[1])
+        d8 = ws.ptr("d8", 4 * lp.prep_sizes[2])
+        return [Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xq), u64(corr), u64(d8))),
+                Step(lp.fn, lp.grid, lp.threads, (*wargs, u64(xq), u64(corr), u64(d8), *oargs))]
+
+    # -- device-side call (bench, tests) -------------------------------------------------------
+    def enqueue(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, path: str,
+                cfg: Cfg | None) -> Any:
+        """``y = xd · Wᵀ`` (f32, a new device array) enqueued on the stream, no sync."""
+        cp = self.ctx.cp
+        n = int(xd.shape[0])
+        y = cp.empty((n, w.rows), cp.float32)
+        if path == "cublas_f16":
+            self.cublas(w, cw, xd, in_t, y)
+            return y
+        if cfg is None:
+            raise DeviceError(f"{path} needs a launch shape")
+        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
+        for s in self.steps(lp, w, cw, int(xd.data.ptr), int(y.data.ptr), n):
+            s()
+        return y
+
+    def cublas(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, y: Any) -> None:
+        cp = self.ctx.cp
+        from cupy_backends.cuda.libs import cublas
+
+        n = int(xd.shape[0])
+        if in_t == "InF16":
+            x16 = xd
+        elif in_t == "InF32":
+            x16 = xd.astype(cp.float16)
+        else:  # bf16 bits -> f32 (exact) -> f16
+            x16 = (xd.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float16)
+        x16 = cp.ascontiguousarray(x16)
+        soa = "true" if w.layout is Layout.SOA else "false"
+        tile_rows = max(16, min(w.rows, CUBLAS_TILE_BYTES // (2 * w.k)))
+        w16 = cp.empty((tile_rows, w.k), cp.float16)
+        handle = cp.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self.ctx.stream.ptr)
+        one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
+        bpr = w.k // q6k.QK_K
+        dequant = self.ctx.fn(MATMUL_FILE, f"q6k_dequant_f16<{soa}>")
+        for r0 in range(0, w.rows, tile_rows):
+            rt = min(tile_rows, w.rows - r0)
+            total = rt * bpr * 4
+            dequant((min(65535 * 8, -(-total // 256)),), (256,),
+                    (cw.table, np.int32(w.rows), np.int32(bpr), np.int32(cw.rps),
+                     np.int32(r0), np.int32(rt), w16))
+            # column-major: C[rt, n] (ldc = rows) = W16[rt, K] (op T of [K, rt]) . X16[K, n]
+            cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, rt, n, w.k,
+                          one.ctypes.data, w16.data.ptr, _CUDA_R_16F, w.k,
+                          x16.data.ptr, _CUDA_R_16F, w.k,
+                          zero.ctypes.data, y.data.ptr + 4 * r0, _CUDA_R_32F, w.rows,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+    # -- the host path of one batch ------------------------------------------------------------
+    def matmul(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
+               cfg: Cfg | None, out_dtype: np.dtype | None, topk: int = 0) -> Done:
+        """Host x -> (host y, None, kernel seconds), one stream sync (see the module
+        docstring); ``topk`` > 0: (None, the epilogue's result, kernel seconds), the epilogue
+        run on the device y (kernels/cuda_topk.py). Call under the device and stream."""
+        cp, stream = self.ctx.cp, self.ctx.stream
+        in_t = IN_TYPES.get(x.dtype)
+        if in_t is None:
+            raise FormatError(f"unsupported activation dtype {x.dtype}")
+        n = int(x.shape[0])
+        xb = x.reshape(-1).view(np.uint8)
+        host = self.ws.host(xb.size)
+        host[: xb.size] = xb
+        if path == "cublas_f16":
+            return self._matmul_direct(w, cw, x, in_t, path, out_dtype, topk)
+        if cfg is None:
+            raise DeviceError(f"{path} needs a launch shape")
+        key = (path, cfg, n, in_t)
+        b = cw.plans.get(key)
+        if b is None or b.gen != self.ws.gen:
+            b = self._bind(w, cw, key, xb.size)
+        rt = cp.cuda.runtime
+        if b.graph:
+            b.graph.launch(stream)
+            done = self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
+            if done[2] is None:
+                b.graph = False  # its event nodes did not record: direct launches from now
+            return done
+        rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
+        b.start.record(stream)
+        for s in b.steps:
+            s()
+        b.end.record(stream)
+        b.calls += 1
+        if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
+            self._capture(b, host)
+        return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
+
+    def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
+        path, cfg, n, in_t = key
+        cp = self.ctx.cp
+        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
+        # All buffers first (any growth bumps the generation), then the pointers.
+        for _ in range(2):
+            gen = self.ws.gen
+            self.ws.host(x_bytes)
+            xd = self.ws.ptr("x", x_bytes)
+            y = self.ws.ptr("y", 4 * n * w.rows)
+            steps = self.steps(lp, w, cw, xd, y, n)
+            if gen == self.ws.gen:
+                break
+        if len(cw.plans) >= MAX_PLANS_PER_WEIGHT:
+            cw.plans.clear()
+        b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
+                  extra={"xd": xd, "y": y})
+        cw.plans[key] = b
+        return b
+
+    def _capture(self, b: Bound, host: np.ndarray) -> None:
+        """Capture b's sequence as a graph; on any refusal keep direct launches for it."""
+        if self._record_ext is None:
+            self._record_ext = _external_record() or False
+        if not self._record_ext:
+            b.graph = False
+            return
+        stream, rt = self.ctx.stream, self.ctx.cp.cuda.runtime
+        mode = getattr(rt, "streamCaptureModeRelaxed", 2)
+        try:
+            stream.begin_capture(mode)
+        except Exception:
+            b.graph = False
+            return
+        graph, ok = None, True
+        try:
+            rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
+            ok = self._record_ext(b.start.ptr, stream.ptr, 1) == 0
+            for s in b.steps:
+                s()
+            ok = ok and self._record_ext(b.end.ptr, stream.ptr, 1) == 0
+        except Exception:
+            ok = False
+        finally:
+            try:
+                graph = stream.end_capture()
+            except Exception:
+                ok = False
+        b.graph = graph if ok and graph is not None else False
+
+    def _matmul_direct(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
+                       path: str, out_dtype: np.dtype | None, topk: int) -> Done:
+        cp, stream = self.ctx.cp, self.ctx.stream
+        n = int(x.shape[0])
+        xdt = np.dtype(np.uint16) if x.dtype == BFLOAT16 else x.dtype
+        xd = self.ws.array("x", x.shape, xdt)
+        cp.cuda.runtime.memcpyAsync(xd.data.ptr, self.ws.host(x.nbytes).ctypes.data, x.nbytes,
+                                    _H2D, stream.ptr)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        y = self.ws.array("y", (n, w.rows), np.float32)
+        self.cublas(w, cw, xd, in_t, y)
+        end.record(stream)
+        return self._finish(int(y.data.ptr), n, w.rows, out_dtype, start, end, topk)
+
+    def _finish(self, y: int, n: int, rows: int, out_dtype: np.dtype | None, start: Any,
+                end: Any, topk: int) -> Done:
+        """y (the workspace's f32 "y" at ``y``) -> a new host array in a pinned block (the
+        returned array owns it; no host copy), or the top-k epilogue; the one sync; the
+        kernel seconds (the events are complete by then)."""
+        cp, stream = self.ctx.cp, self.ctx.stream
+        if topk:
+            from ..cuda_topk import topk_on_device
+
+            top = topk_on_device(cp, self.ws.array("y", (n, rows), np.float32), topk, stream)
+            return None, top, self._seconds(start, end)
+        half = out_dtype is not None and np.dtype(out_dtype) == np.float16
+        if half:  # convert on the device: half the bytes cross the bus
+            y16 = self.ws.array("y16", (n, rows), np.float16, bound=False)
+            cp.copyto(y16, self.ws.array("y", (n, rows), np.float32), casting="same_kind")
+            y, item, dt = int(y16.data.ptr), 2, np.dtype(np.float16)
+        else:
+            item, dt = 4, np.dtype(np.float32)
+        nbytes = n * rows * item
+        mem = cp.cuda.alloc_pinned_memory(nbytes)
+        out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
+        cp.cuda.runtime.memcpyAsync(out.ctypes.data, y, nbytes, _D2H, stream.ptr)
+        stream.synchronize()
+        if out_dtype is not None and np.dtype(out_dtype) == BFLOAT16:
+            out = out.astype(BFLOAT16)
+        return out, None, self._seconds(start, end)
+
+    def _seconds(self, start: Any, end: Any) -> float | None:
+        try:
+            return self.ctx.cp.cuda.get_elapsed_time(start, end) / 1e3
+        except Exception:  # an event a refused graph node never recorded: no figure
+            return None

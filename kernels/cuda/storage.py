@@ -1,0 +1,183 @@
+"""Resident Q6_K weights in VRAM: load, relayout, read-back, and the exact VRAM figures.
+
+A weight is a list of *slabs* of at most ``SLAB_BYTES`` (whole rows each), every slab one
+allocation laid out as AoS blocks or as the packed SoA planes of :class:`q6k.SoaLayout` for
+that slab's blocks; the kernels find a row's slab through a small device table of slab
+pointers. Loading streams AoS chunks through one pinned host buffer and one device staging
+buffer (both <= ``chunk_bytes``) and repacks them on the GPU straight into the slabs, so no
+full AoS copy ever exists; relayout converts one slab at a time (one slab of scratch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import q6k
+from ..api import AosChunks, Layout, ResidentWeight
+from ..errors import FormatError
+from .context import DeviceContext
+
+SLAB_BYTES = 64 << 20  # resident slab size (whole rows): bounds relayout scratch
+POOL_ROUND = 512  # CuPy's pool rounds every allocation up to this
+REPACK_FILE = "q6k_repack.cu"
+
+
+def pool_round(n: int) -> int:
+    return -(-n // POOL_ROUND) * POOL_ROUND
+
+
+def slab_rows(rows: int, k: int) -> int:
+    return max(1, SLAB_BYTES // q6k.aos_nbytes(1, k))
+
+
+def slab_nbytes(rows: int, k: int, layout: Layout) -> int:
+    nb = rows * q6k.check_k(k)
+    return q6k.SoaLayout.for_blocks(nb).nbytes if layout is Layout.SOA else nb * q6k.BLOCK_BYTES
+
+
+def slab_plan(rows: int, k: int) -> list[tuple[int, int]]:
+    per = slab_rows(rows, k)
+    return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
+
+
+def weight_nbytes(rows: int, k: int, layout: Layout) -> int:
+    """Exactly what :meth:`Storage.load` allocates: slabs at pool granularity + the table."""
+    plan = slab_plan(rows, k)
+    return sum(pool_round(slab_nbytes(r1 - r0, k, layout)) for r0, r1 in plan) + pool_round(
+        8 * len(plan))
+
+
+def staging_rows(rows: int, k: int, chunk_bytes: int) -> int:
+    return max(1, min(rows, chunk_bytes // q6k.aos_nbytes(1, k)))
+
+
+@dataclass
+class CudaWeight:
+    slabs: list[Any]  # cupy uint8 arrays
+    table: Any  # cupy uint64 [n_slabs] of slab pointers
+    rps: int  # rows per slab
+    # Launch plans of this weight by call shape (kernels/cuda/launch.py): they hold the slab
+    # table's address, so they live and die with it (relayout clears them).
+    plans: dict = field(default_factory=dict)
+
+
+def weight_data(w: ResidentWeight) -> CudaWeight:
+    if not isinstance(w.data, CudaWeight):
+        raise FormatError("weight was freed or does not belong to the CUDA backend")
+    return w.data
+
+
+class Storage:
+    """Loads, re-lays and reads back weights on one device (see the module docstring)."""
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self.ctx = ctx
+
+    def _repack(self, src: Any, src_layout: Layout, src_nb: int, src_b0: int, dst: Any,
+                dst_layout: Layout, dst_nb: int, dst_b0: int, count: int) -> None:
+        total = count * q6k.BLOCK_BYTES
+        grid = min(65535 * 4, -(-total // 256))
+        u64 = np.uint64
+        self.ctx.fn(REPACK_FILE, "q6k_repack")((grid,), (256,), (
+            src, np.int32(src_layout is Layout.SOA), u64(src_nb), u64(src_b0),
+            dst, np.int32(dst_layout is Layout.SOA), u64(dst_nb), u64(dst_b0), u64(count)))
+
+    def _table(self, slabs: list[Any]) -> Any:
+        # On this backend's device whatever the caller's current device is: a table left on
+        # device 0 made every kernel on device 1 read a foreign pointer (illegal address).
+        with self.ctx.dev:
+            return self.ctx.cp.asarray(np.array([s.data.ptr for s in slabs], dtype=np.uint64))
+
+    def load(self, chunks: AosChunks, rows: int, k: int, layout: Layout,
+             chunk_bytes: int = 64 << 20) -> ResidentWeight:
+        cp, stream = self.ctx.cp, self.ctx.stream
+        per_row = q6k.check_k(k)
+        row_bytes = per_row * q6k.BLOCK_BYTES
+        plan = slab_plan(rows, k)
+        srows = staging_rows(rows, k, chunk_bytes)
+        slabs: list[Any] = []
+        with self.ctx.dev, stream:
+            pinned = cp.cuda.alloc_pinned_memory(srows * row_bytes)
+            host = np.frombuffer(pinned, np.uint8, srows * row_bytes)
+            staging = cp.empty(srows * row_bytes, cp.uint8)
+            row = 0
+            try:
+                for chunk in chunks:
+                    data = np.frombuffer(chunk, np.uint8) if not isinstance(
+                        chunk, np.ndarray) else chunk.reshape(-1).view(np.uint8)
+                    if data.size % row_bytes:
+                        raise FormatError(f"chunk of {data.size} bytes is not whole rows of "
+                                          f"{row_bytes} bytes (K={k})")
+                    n_rows = data.size // row_bytes
+                    if row + n_rows > rows:
+                        raise FormatError(f"weight {rows}x{k} got more than {rows} rows of data")
+                    for p0 in range(0, n_rows, srows):
+                        p1 = min(n_rows, p0 + srows)
+                        nbytes = (p1 - p0) * row_bytes
+                        host[:nbytes] = data[p0 * row_bytes : p1 * row_bytes]
+                        staging[:nbytes].set(host[:nbytes], stream=stream)
+                        self._scatter(staging, row + p0, row + p1, plan, slabs, k, layout)
+                        stream.synchronize()  # the pinned buffer is reused next
+                    row += n_rows
+                if row != rows:
+                    raise FormatError(f"weight {rows}x{k} got {row} rows of data")
+            except BaseException:
+                slabs.clear()
+                raise
+            finally:
+                del staging
+        data = CudaWeight(slabs, self._table(slabs), slab_rows(rows, k))
+        return ResidentWeight(rows, k, layout, weight_nbytes(rows, k, layout), data)
+
+    def _scatter(self, staging: Any, r0: int, r1: int, plan: list[tuple[int, int]],
+                 slabs: list[Any], k: int, layout: Layout) -> None:
+        """Repack AoS rows [r0, r1) from ``staging`` into the slabs they belong to."""
+        per_row = k // q6k.QK_K
+        for s, (s0, s1) in enumerate(plan):
+            lo, hi = max(r0, s0), min(r1, s1)
+            if lo >= hi:
+                continue
+            while len(slabs) <= s:
+                a, b = plan[len(slabs)]
+                slabs.append(self.ctx.cp.empty(slab_nbytes(b - a, k, layout), self.ctx.cp.uint8))
+            self._repack(staging, Layout.AOS, 0, (lo - r0) * per_row, slabs[s], layout,
+                         (s1 - s0) * per_row, (lo - s0) * per_row, (hi - lo) * per_row)
+
+    def relayout(self, w: ResidentWeight, layout: Layout) -> ResidentWeight:
+        """One slab of scratch at a time: new slab, convert, drop the old one."""
+        if w.layout is layout:
+            return w
+        cw = weight_data(w)
+        per_row = w.k // q6k.QK_K
+        cp, stream = self.ctx.cp, self.ctx.stream
+        with self.ctx.dev, stream:
+            for s, (s0, s1) in enumerate(slab_plan(w.rows, w.k)):
+                nb = (s1 - s0) * per_row
+                new = cp.empty(slab_nbytes(s1 - s0, w.k, layout), cp.uint8)
+                self._repack(cw.slabs[s], w.layout, nb, 0, new, layout, nb, 0, nb)
+                stream.synchronize()
+                cw.slabs[s] = new  # the old slab returns to the pool for the next one
+            cw.table = self._table(cw.slabs)
+            cw.plans.clear()  # they hold the old table's address
+        out = ResidentWeight(w.rows, w.k, layout, weight_nbytes(w.rows, w.k, layout), cw)
+        w.data = None
+        return out
+
+    def read_aos(self, w: ResidentWeight) -> np.ndarray:
+        cw = weight_data(w)
+        per_row = w.k // q6k.QK_K
+        cp, stream = self.ctx.cp, self.ctx.stream
+        parts = []
+        with self.ctx.dev, stream:
+            for s, (s0, s1) in enumerate(slab_plan(w.rows, w.k)):
+                nb = (s1 - s0) * per_row
+                if w.layout is Layout.AOS:
+                    parts.append(cw.slabs[s].get(stream=stream))
+                    continue
+                out = cp.empty(nb * q6k.BLOCK_BYTES, cp.uint8)
+                self._repack(cw.slabs[s], Layout.SOA, nb, 0, out, Layout.AOS, nb, 0, nb)
+                parts.append(out.get(stream=stream))
+        return np.concatenate(parts).reshape(-1, q6k.BLOCK_BYTES)

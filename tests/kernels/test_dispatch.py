@@ -1,0 +1,131 @@
+"""The CUDA dispatch (kernels/cuda/dispatch.py): table format, lookup, fallbacks. No device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from q6serve.kernels.api import KernelFlags, Precision
+from q6serve.kernels.cuda.dispatch import (
+    BUCKETS,
+    COLUMNS,
+    KERNELS,
+    Cfg,
+    Dispatch,
+    DispatchTable,
+    Entry,
+    bucket,
+    default_cfg,
+    heuristic_path,
+)
+from q6serve.kernels.errors import FailedPrecondition, FormatError
+
+SOA, OFF = KernelFlags(), KernelFlags(decode_mmq=False)
+
+
+def small_table() -> DispatchTable:
+    """Two shapes, every bucket and column, with choices the heuristics would not make."""
+    entries = []
+    for rows, k in ((4096, 14336), (512, 3584)):
+        for n in BUCKETS:
+            entries += [
+                Entry(rows, k, n, "auto", "exact", Cfg(nt=2), 10.0),
+                Entry(rows, k, n, "exact", "exact", Cfg(nt=1, src=0), 11.0),
+                Entry(rows, k, n, "f16", "cublas_f16", None, 12.0),
+                Entry(rows, k, n, "q8_1", "mmq_q8_1", Cfg(nt=4), 13.0),
+            ]
+    entries.append(Entry(4096, 14336, 16, "auto", "mma_f16", Cfg(nt=2, src=3, pf=True), 9.0))
+    return DispatchTable(entries, {"device": "test"})
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 256)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 64, 64]
+
+
+def test_table_answers_for_its_shapes_and_buckets():
+    d = Dispatch(small_table(), 132)
+    c = d.choose(9, Precision.AUTO, SOA, 4096, 14336)  # bucket 16: its own entry
+    assert (c.path, c.precision, c.cfg, c.source) == (
+        "mma_f16", Precision.F16, Cfg(nt=2, src=3, pf=True), "table")
+    c = d.choose(3, Precision.AUTO, SOA, 4096, 14336)
+    assert (c.path, c.precision, c.cfg) == ("exact", Precision.EXACT, Cfg(nt=2))
+    assert d.choose(5, Precision.F16, SOA, 512, 3584).path == "cublas_f16"
+    assert d.choose(200, Precision.Q8_1, SOA, 512, 3584).cfg == Cfg(nt=4)  # bucket 64's
+    assert d.choose(1, Precision.EXACT, SOA, 512, 3584).cfg == Cfg(nt=1, src=0)
+
+
+def test_nearest_shape_then_heuristics():
+    d = Dispatch(small_table(), 132)
+    near = d.choose(8, Precision.AUTO, SOA, 4096, 12288)  # within 2x size, same aspect class
+    assert near.source == "table~4096x14336" and near.cfg == Cfg(nt=2)
+    assert d.choose(8, Precision.AUTO, SOA, 640, 3584).source == "table~512x3584"
+    far = d.choose(8, Precision.AUTO, SOA, 152064, 3584)  # 40x larger: no table shape is near
+    assert far.source == "heuristic"
+    assert (far.path, far.cfg) == ("mma_f16", default_cfg("mma_f16", 8, 152064, 132))
+    tall = d.choose(8, Precision.AUTO, SOA, 14336, 4096)  # same size, aspect 12x off
+    assert tall.source == "heuristic"
+    unknown = d.choose(8, Precision.AUTO, SOA)  # no shape given: the heuristics
+    assert unknown.source == "heuristic" and unknown.path == "mma_f16"
+
+
+def test_above_the_tile_range_and_the_kill_switch_ignore_the_table():
+    d = Dispatch(small_table(), 132)
+    assert d.choose(300, Precision.AUTO, SOA, 4096, 14336).path == "cublas_f16"
+    assert d.choose(300, Precision.EXACT, SOA, 4096, 14336).source == "table"
+    for n in (1, 8, 16, 64):
+        c = d.choose(n, Precision.AUTO, OFF, 4096, 14336)
+        assert c.source == "flags"
+        assert (c.path, c.precision) == heuristic_path(n, Precision.AUTO, OFF, 4096, 14336)
+    with pytest.raises(FailedPrecondition, match="q8_1"):
+        d.choose(1, Precision.Q8_1, OFF, 4096, 14336)
+
+
+def test_no_table_is_the_heuristics():
+    d = Dispatch(None, 132)
+    for n in (1, 8, 16, 64, 300):
+        for p in (Precision.AUTO, Precision.EXACT, Precision.F16, Precision.Q8_1):
+            c = d.choose(n, p, SOA, 4096, 14336)
+            assert (c.path, c.precision) == heuristic_path(n, p, SOA, 4096, 14336)
+            assert c.source == "heuristic" and c.precision is not Precision.AUTO
+
+
+def test_table_round_trips_through_its_file(tmp_path):
+    t = small_table()
+    f = tmp_path / "t.json"
+    t.dump(f)
+    back = DispatchTable.load(f)
+    assert back.to_json() == t.to_json() and back.meta["device"] == "test"
+    assert back.shapes == [(512, 3584), (4096, 14336)]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"column": "fast"}, "column"),
+    ({"path": "mmq_q8_1"}, "not a kernel of column"),
+    ({"path": "warp_magic"}, "not a kernel of column"),
+    ({"n": 3}, "bucket"),
+    ({"k": 1000}, "K=1000"),
+    ({"cfg": {"nt": 16}}, "launch shape"),
+    ({"cfg": {"nt": 1, "lanes": 3}}, "unknown launch-shape fields"),
+    ({"cfg": None}, "need cfg"),
+    ({"rows": "many"}, "bad dispatch entry"),
+])
+def test_bad_tables_are_refused_with_the_reason(tmp_path, bad, match):
+    good = {"rows": 4096, "k": 4096, "n": 8, "column": "auto", "path": "mma_f16",
+            "cfg": {"nt": 1}, "us": 1.0}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"format": 1, "entries": [{**good, **bad}]}))
+    with pytest.raises(FormatError, match=match):
+        DispatchTable.load(f)
+    f.write_text(json.dumps({"entries": [good]}))
+    with pytest.raises(FormatError, match="format-1"):
+        DispatchTable.load(f)
+
+
+def test_columns_name_real_kernels_of_their_precision():
+    for column, paths in COLUMNS.items():
+        for p in paths:
+            assert p in KERNELS
+            if column != "auto":
+                assert KERNELS[p].value == column
