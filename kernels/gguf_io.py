@@ -1,11 +1,16 @@
-"""GGUF files through the ``gguf`` package: list tensors, read Q6_K tensors lazily, write them.
+"""GGUF files: list tensors, read Q6_K tensors lazily (memory-mapped), write them.
 
-Reading memory-maps the file (``gguf.GGUFReader``); a tensor's bytes are only touched when a
-chunk of rows is sliced out, so loading a 400 MB lm-head never reads the whole file at once.
-Every way a file can be wrong surfaces as :class:`FormatError` with the numbers: a bounded
-structural :func:`scan` runs before GGUFReader (see the limits below), and each chunk of Q6_K
-rows is checked for non-finite scales ``d`` as it is read (rejected, as llama.cpp's
-``ggml_validate_row_data`` does).
+Reading never materialises a file's metadata: a bounded structural :func:`scan` walks the
+header with Python ints (every count, length, shape and offset checked against the file and
+the limits below), *skipping* KV values by their size -- a 1 M-item tokenizer array costs one
+pass over its lengths, no objects -- and returns the tensor table. The tensors are then views
+of one read-only ``np.memmap`` of the file: a tensor's bytes are only touched when a chunk of
+rows is sliced out, so loading a 400 MB lm-head never reads the whole file at once. (gguf's
+GGUFReader, which builds a numpy array per metadata item -- 70 s and 3 GB for a 4 Mi-item
+array -- is used only to write files.) Every way a file can be wrong surfaces as
+:class:`FormatError` with the numbers, and each chunk of Q6_K rows is checked for non-finite
+scales ``d`` as it is read (rejected, as llama.cpp's ``ggml_validate_row_data`` does). The scan
+polls a ``cancelled`` callable, so a draining worker can abandon a hostile file's parse.
 """
 
 from __future__ import annotations
@@ -13,21 +18,15 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import (
-    GGML_QUANT_SIZES,
-    GGUF_DEFAULT_ALIGNMENT,
-    GGMLQuantizationType,
-    GGUFReader,
-    GGUFWriter,
-)
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFWriter
 
 from . import q6k
-from .errors import FormatError, NotFound
+from .errors import Cancelled, FormatError, NotFound
 
 Q6_K = GGMLQuantizationType.Q6_K
 ARCH = "q6serve"  # general.architecture of files we write
@@ -98,9 +97,16 @@ _ALIGNMENT_KEY = "general.alignment"
 class _Cursor:
     """Little-endian reads from a buffer; every read checks the bytes exist first."""
 
-    def __init__(self, buf: memoryview, name: str) -> None:
+    def __init__(self, buf: memoryview, name: str,
+                 cancelled: Callable[[], bool] | None = None) -> None:
         self.buf, self.name, self.pos, self.size = buf, name, 0, len(buf)
         self.array_items = 0
+        self.cancelled = cancelled
+
+    def poll(self) -> None:
+        if self.cancelled is not None and self.cancelled():
+            raise Cancelled(f"{self.name}: parsing abandoned at byte {self.pos} of "
+                            f"{self.size}")
 
     def fail(self, what: str) -> FormatError:
         return FormatError(f"{self.name}: {what} (at byte {self.pos} of {self.size})")
@@ -164,11 +170,37 @@ class _Cursor:
         if itype in _SCALAR_SIZES:
             self.skip(count * _SCALAR_SIZES[itype], f"{what} ({count} items of type {itype})")
             return None
-        if itype not in (_STRING, _ARRAY):
+        if itype == _STRING:
+            self._skip_strings(count, what)
+            return None
+        if itype != _ARRAY:
             raise self.fail(f"{what} has unknown item type {itype}")
-        for i in range(count):  # each item takes >= 8 bytes, so EOF ends this loop early
+        for i in range(count):  # each item takes >= 12 bytes, so EOF ends this loop early
+            if not i & 0xFFF:
+                self.poll()
             self.value(itype, f"{what}[{i}]", depth + 1)
         return None
+
+    def _skip_strings(self, count: int, what: str) -> None:
+        """Skip ``count`` length-prefixed strings (the tight loop of tokenizer arrays)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = struct.Struct("<Q").unpack_from
+        for i in range(count):  # each item takes >= 8 bytes, so EOF ends this loop early
+            if not i & 0xFFFF:
+                self.pos = pos
+                self.poll()
+            if size - pos < 8:
+                self.pos = pos
+                raise self.fail(f"truncated: {what}[{i}] length needs 8 bytes, "
+                                f"{size - pos} left")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if n > MAX_STRING_BYTES or n > size - pos:
+                self.pos = pos
+                raise self.fail(f"{what}[{i}] length {n} exceeds the limit of "
+                                f"{MAX_STRING_BYTES} bytes or the {size - pos} bytes left")
+            pos += n
+        self.pos = pos
 
 
 @dataclass(frozen=True)
@@ -189,7 +221,17 @@ def _element_count(name: str, dims: tuple[int, ...], fname: str) -> int:
     return n
 
 
-def scan(path: str | os.PathLike[str]) -> None:
+@dataclass(frozen=True)
+class Header:
+    """What :func:`scan` found: the tensor table, where the data starts, the file size."""
+
+    tensors: tuple[_RawTensor, ...]
+    data_start: int
+    size: int
+
+
+def scan(path: str | os.PathLike[str], cancelled: Callable[[], bool] | None = None,
+         ) -> Header:
     """Check a GGUF file's structure within fixed limits; raise FormatError with the numbers."""
     p = Path(path)
     size = p.stat().st_size
@@ -199,12 +241,12 @@ def scan(path: str | os.PathLike[str]) -> None:
     with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         buf = memoryview(mm)
         try:
-            _scan(_Cursor(buf, p.name))
+            return _scan(_Cursor(buf, p.name, cancelled))
         finally:
             buf.release()
 
 
-def _scan(c: _Cursor) -> None:
+def _scan(c: _Cursor) -> Header:
     magic = bytes(c.buf[:4])
     if magic != GGUF_MAGIC:
         raise FormatError(f"{c.name}: not a valid GGUF file: magic {magic!r}, "
@@ -226,6 +268,8 @@ def _scan(c: _Cursor) -> None:
     alignment = GGUF_DEFAULT_ALIGNMENT
     keys: set[str] = set()
     for i in range(n_kv):
+        if not i & 0xFF:
+            c.poll()
         key = c.string(f"KV {i} key", decode=True)
         assert key is not None
         if key in keys:
@@ -242,6 +286,8 @@ def _scan(c: _Cursor) -> None:
     tensors: list[_RawTensor] = []
     names: set[str] = set()
     for i in range(n_tensors):
+        if not i & 0xFFF:
+            c.poll()
         name = c.string(f"tensor {i} name", MAX_TENSOR_NAME_BYTES, decode=True)
         assert name is not None
         if name in names:
@@ -257,6 +303,7 @@ def _scan(c: _Cursor) -> None:
     data_start = -(-c.pos // alignment) * alignment
     for t in tensors:
         _check_tensor(c, t, data_start, alignment)
+    return Header(tuple(tensors), data_start, c.size)
 
 
 def _check_tensor(c: _Cursor, t: _RawTensor, data_start: int, alignment: int) -> None:
@@ -282,74 +329,73 @@ def _check_tensor(c: _Cursor, t: _RawTensor, data_start: int, alignment: int) ->
                           f"{c.size} bytes (truncated?)")
 
 
-def open_reader(path: str | os.PathLike[str]) -> GGUFReader:
-    """Open a GGUF file, turning the parser's many failure modes into one clear FormatError."""
-    p = Path(path)
+def _header(p: Path, cancelled: Callable[[], bool] | None) -> Header:
+    """The scanned header of ``p``; unreadable paths are NotFound (the caller's path)."""
     try:
         if not p.is_file():
             raise NotFound(f"GGUF file {str(p)[-256:]!r} does not exist")
-        size = p.stat().st_size
-        scan(p)
+        return scan(p, cancelled)
     except OSError as e:  # ENAMETOOLONG, EACCES, EIO...: the caller's path, not our bug
         raise NotFound(f"GGUF file {p.name[:256]!r} cannot be read: "
                        f"{e.strerror or type(e).__name__}") from None
-    try:
-        reader = GGUFReader(p, "r")
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as e:
-        raise FormatError(f"{p.name}: not a valid GGUF file ({size} bytes): {e}") from e
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise FormatError(f"{p.name}: tensor {t.name!r} data ends at byte {end}, "
-                              f"beyond the file's {size} bytes (truncated?)")
-    return reader
 
 
-def _info(t) -> TensorInfo:
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return TensorInfo(t.name, GGMLQuantizationType(t.tensor_type).name, shape, int(t.n_bytes),
-                      int(t.data_offset))
+def _info(t: _RawTensor, data_start: int) -> TensorInfo:
+    qtype = GGMLQuantizationType(t.type_id)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n = 1
+    for d in t.dims:
+        n *= d
+    return TensorInfo(t.name, qtype.name, tuple(reversed(t.dims)), n // block * type_size,
+                      data_start + t.offset)
 
 
-def list_tensors(path: str | os.PathLike[str]) -> list[TensorInfo]:
-    return [_info(t) for t in open_reader(path).tensors]
+def list_tensors(path: str | os.PathLike[str],
+                 cancelled: Callable[[], bool] | None = None) -> list[TensorInfo]:
+    h = _header(Path(path), cancelled)
+    return [_info(t, h.data_start) for t in h.tensors]
 
 
-def _as_q6k(path: Path, t) -> Q6KTensor:
-    info = _info(t)
+def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray) -> Q6KTensor:
     if not info.is_q6k:
-        raise FormatError(f"{path.name}: tensor {t.name!r} is {info.type_name}, not Q6_K")
+        raise FormatError(f"{path.name}: tensor {info.name!r} is {info.type_name}, not Q6_K")
     if len(info.shape) != 2:
-        raise FormatError(f"{path.name}: tensor {t.name!r} has shape {info.shape}; "
+        raise FormatError(f"{path.name}: tensor {info.name!r} has shape {info.shape}; "
                           "only 2-D [rows, K] Q6_K matrices are served")
     rows, k = info.shape
     if rows < 1:
-        raise FormatError(f"{path.name}: tensor {t.name!r} has {rows} rows")
+        raise FormatError(f"{path.name}: tensor {info.name!r} has {rows} rows")
     try:
         q6k.check_k(k)
     except FormatError as e:
-        raise FormatError(f"{path.name}: tensor {t.name!r}: {e}") from None
-    aos = np.asarray(t.data).reshape(-1).view(np.uint8)
-    return Q6KTensor(t.name, rows, k, q6k.as_blocks(aos, rows, k))
+        raise FormatError(f"{path.name}: tensor {info.name!r}: {e}") from None
+    aos = data[info.offset : info.offset + info.nbytes]  # a view: nothing is read yet
+    return Q6KTensor(info.name, rows, k, q6k.as_blocks(aos, rows, k))
 
 
-def read_q6k_tensors(path: str | os.PathLike[str],
-                     names: list[str] | None = None) -> list[Q6KTensor]:
-    """The named Q6_K tensors (all Q6_K tensors when ``names`` is empty/None), memory-mapped."""
+def read_q6k_tensors(path: str | os.PathLike[str], names: list[str] | None = None,
+                     cancelled: Callable[[], bool] | None = None) -> list[Q6KTensor]:
+    """The named Q6_K tensors (all Q6_K tensors when ``names`` is empty/None), as views of
+    one read-only memory map of the file."""
     p = Path(path)
-    reader = open_reader(p)
-    by_name = {t.name: t for t in reader.tensors}
+    h = _header(p, cancelled)
+    infos = {t.name: _info(t, h.data_start) for t in h.tensors}
     if names:
-        missing = [n for n in names if n not in by_name]
+        missing = [n for n in names if n not in infos]
         if missing:
-            raise NotFound(f"{p.name}: no tensor named {', '.join(map(repr, missing))} "
-                           f"(file has {len(by_name)} tensors)")
-        return [_as_q6k(p, by_name[n]) for n in names]
-    found = [_as_q6k(p, t) for t in reader.tensors
-             if GGMLQuantizationType(t.tensor_type) == Q6_K]
-    if not found:
-        raise FormatError(f"{p.name}: no Q6_K tensors among its {len(by_name)} tensors")
-    return found
+            shown = ", ".join(map(repr, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise NotFound(f"{p.name}: no tensor named {shown} (file has {len(infos)} "
+                           "tensors)")
+        chosen = [infos[n] for n in names]
+    else:
+        chosen = [i for i in infos.values() if i.is_q6k]
+        if not chosen:
+            raise FormatError(f"{p.name}: no Q6_K tensors among its {len(infos)} tensors")
+    try:
+        data = np.memmap(p, dtype=np.uint8, mode="r", shape=(h.size,))
+    except (OSError, ValueError) as e:
+        raise NotFound(f"GGUF file {p.name[:256]!r} cannot be mapped: {e}") from None
+    return [_as_q6k(p, i, data) for i in chosen]
 
 
 def write_q6k_gguf(path: str | os.PathLike[str],
