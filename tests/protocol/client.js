@@ -246,6 +246,30 @@ async function main() {
     { request_id: 'ok-bf16', weight: spec.q6k.name, x: encode(values, [n, k], 'DTYPE_BF16'), precision: 'PRECISION_EXACT' },
   ]);
 
+  // shared-memory regions (/dev/shm/<key> is the POSIX object shm_open names): x read from one,
+  // y written into it, then an out-of-bounds reference refused
+  const key = `q6serve-node-${process.pid}`;
+  const shmPath = path.join('/dev/shm', key);
+  const xBytes = x32.data.length;
+  const yBytes = n * spec.q6k.rows * 4;
+  fs.writeFileSync(shmPath, Buffer.concat([x32.data, Buffer.alloc(yBytes, 0xff)]));
+  try {
+    R.region_register = await unary(c, 'RegisterRegion', { name: 'node-r',
+      system: { key, offset: 0, byte_size: xBytes + yBytes } });
+    R.region_list = (await unary(c, 'ListRegions', {})).res.regions.map((r) => r.name);
+    const viaRegion = await unary(c, 'Matmul', { weight: spec.q6k.name, precision: 'PRECISION_EXACT',
+      x: { dtype: 'DTYPE_F32', shape: [n, k], data: Buffer.alloc(0) },
+      x_region: { region: 'node-r', offset: 0 }, y_region: { region: 'node-r', offset: xBytes } });
+    R.region_matmul = viaRegion.code ? viaRegion : { code: 0, reply_bytes: viaRegion.res.y.data.length,
+      y: decode({ ...viaRegion.res.y, data: fs.readFileSync(shmPath).subarray(xBytes) }) };
+    R.region_out_of_bounds = await unary(c, 'Matmul', { weight: spec.q6k.name,
+      x: { dtype: 'DTYPE_F32', shape: [n, k], data: Buffer.alloc(0) },
+      x_region: { region: 'node-r', offset: yBytes + 4 } });
+    R.region_unregister = (await unary(c, 'UnregisterRegion', { name: 'node-r' })).code;
+  } finally {
+    fs.unlinkSync(shmPath);
+  }
+
   // flags
   R.flags_off = (await unary(c, 'SetFlags', { flags: [{ name: 'Q6SERVE_DYNAMIC_BATCHING', enabled: false }] })).res.flags;
   R.flags_on = (await unary(c, 'SetFlags', { flags: [{ name: 'Q6SERVE_DYNAMIC_BATCHING', enabled: true }] })).res.flags;

@@ -2,7 +2,8 @@
 
 tests/protocol/client.js (@grpc/grpc-js + @grpc/proto-loader, locked in package-lock.json)
 encodes tensors itself, so this checks the byte layouts, codes and limits the .proto states, as
-a host in another language meets them. Inputs come from here; results are compared with a
+a host in another language meets them (shared-memory regions too: it puts x into /dev/shm
+and reads y from there). Inputs come from here; results are compared with a
 float64 reference computed here. Without node the test skips, except under CI (CI=1), where
 .ci/run installs Node and the npm packages and a missing node is a failure.
 """
@@ -80,7 +81,7 @@ def test_node_client_drives_every_rpc(tmp_path: Path, rng: np.random.Generator) 
     }
     worker = RunningWorker(WorkerConfig(
         host="127.0.0.1", port=0, model_dir=model_dir, vram_budget=Budget(nbytes=64 << 20),
-        max_request_rows=MAX_REQUEST_ROWS, grace_period_s=5.0))
+        max_request_rows=MAX_REQUEST_ROWS, grace_period_s=5.0, allow_shm=True))
     stopper: threading.Thread | None = None
     try:
         spec["target"] = worker.target
@@ -161,6 +162,13 @@ def test_node_client_drives_every_rpc(tmp_path: Path, rng: np.random.Generator) 
         assert s[rid]["request_id"] == rid
         _close(s[rid]["y"], refs["w-q6k"], 1e-5)
     assert "K=256" in s["wrong-k"]["message"] and "missing" in s["no-weight"]["message"]
+
+    # shared-memory regions: x read from /dev/shm, y written there, bounds checked
+    assert r["region_register"]["code"] == OK and r["region_list"] == ["node-r"]
+    assert r["region_matmul"]["code"] == OK and r["region_matmul"]["reply_bytes"] == 0
+    _close(r["region_matmul"]["y"], refs["w-q6k"], 1e-5)
+    assert r["region_out_of_bounds"]["code"] == INVALID_ARGUMENT
+    assert r["region_unregister"] == OK
 
     flags = {f["name"]: f["enabled"] for f in r["flags_off"]}
     assert flags["Q6SERVE_DYNAMIC_BATCHING"] is False
