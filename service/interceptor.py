@@ -199,13 +199,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     """Declared request-streaming (the wire format is the same) so gRPC calls
                     this before it reads the request: the call waits for admission first
                     (service/admission.py), and leaves whatever becomes of it."""
-                    await gate.enter()
+                    leave = self._track(path)  # a drain waits for calls at the gate too
                     try:
-                        raw = await context.read()  # not `async for`: an unfinished async
-                        # generator would keep this frame, and so the request, alive
-                        return await unary(b"" if raw is grpc.aio.EOF else raw, context)
+                        await gate.enter()
+                        try:
+                            raw = await context.read()  # not `async for`: an unfinished async
+                            # generator would keep this frame, and so the request, alive
+                            return await unary(b"" if raw is grpc.aio.EOF else raw, context)
+                        finally:
+                            gate.leave()
                     finally:
-                        gate.leave()
+                        leave()
 
                 return grpc.stream_unary_rpc_method_handler(
                     admitted, request_deserializer=None,

@@ -141,6 +141,23 @@ def _files(resp: Any) -> dict[str, descriptor_pb2.FileDescriptorProto]:
     return out
 
 
+def _pool_of(files: dict[str, descriptor_pb2.FileDescriptorProto]) -> Any:
+    """A fresh descriptor pool built from reflection's files alone (imports first)."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(name: str) -> None:
+        if name not in added:
+            for dep in files[name].dependency:
+                add(dep)
+            pool.Add(files[name])
+            added.add(name)
+
+    for name in files:
+        add(name)
+    return pool
+
+
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 def test_reflection_lists_and_resolves(worker: RunningWorker, version: str) -> None:
     R = reflection_pb2.ServerReflectionRequest
@@ -165,22 +182,8 @@ def test_reflection_lists_and_resolves(worker: RunningWorker, version: str) -> N
     # set builds in a fresh pool, so a client can make calls from reflection alone
     for name in names:
         (resp,) = _reflect(worker.target, version, [R(file_containing_symbol=name)])
-        pool = descriptor_pool.DescriptorPool()
-        files = _files(resp)
-        added: set[str] = set()
-
-        def add(fname: str, files: dict = files, pool: Any = pool, added: set = added) -> None:
-            if fname in added:
-                return
-            for dep in files[fname].dependency:
-                add(dep)
-            pool.Add(files[fname])
-            added.add(fname)
-
-        for fname in files:
-            add(fname)
-        svc = pool.FindServiceByName(name)
-        assert svc.methods, name
+        pool = _pool_of(_files(resp))
+        assert pool.FindServiceByName(name).methods, name
     (resp,) = _reflect(worker.target, version,
                        [R(file_containing_symbol="grpc.reflection.v1.ServerReflection")])
     (fdp,) = _files(resp).values()
