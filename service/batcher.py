@@ -176,6 +176,7 @@ class _Pending:
     t_enqueue: float
     deadline: float | None  # perf_counter() time
     timer: asyncio.TimerHandle | None = None  # fails ``fut`` at the deadline
+    sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None  # see Batcher.enqueue
 
     def dead(self, now: float) -> bool:
         """Cancelled by its caller, or past its deadline (read from the device thread too:
@@ -222,10 +223,14 @@ class Batcher:
         return await self.enqueue(x, key, timeout)
 
     def enqueue(self, x: np.ndarray, key: BatchKey, timeout: float | None,
+                sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
                 ) -> asyncio.Future[MatmulReply]:
         """Queue ``x`` now; the future gets its rows of the result, or DeadlineExceeded after
         ``timeout`` seconds. Cancelling the future drops the request before it runs. On an
-        idle device the batch is launched before this returns (no loop trip, no delay)."""
+        idle device the batch is launched before this returns (no loop trip, no delay).
+        ``sink(fut)`` is called right after the batcher resolves the future, in the same loop
+        trip (a done callback would run one trip later): a stream queues its reply from there.
+        It is not called when the future is cancelled from outside."""
         if self._closed:
             raise Unavailable(f"weight {self.name!r} is shutting down")
         n = int(x.shape[0])
@@ -236,7 +241,7 @@ class Batcher:
         loop = self._loop_
         now = time.perf_counter()
         p = _Pending(x, key, loop.create_future(), now,
-                     None if timeout is None else now + timeout)
+                     None if timeout is None else now + timeout, sink=sink)
         if timeout is not None:  # a timer, not wait_for: no extra future, no extra loop trip
             p.timer = loop.call_later(timeout, self._expire, p, timeout)
         self._queue.append(p)
@@ -249,10 +254,28 @@ class Batcher:
         return p.fut
 
     def _expire(self, p: _Pending, timeout: float) -> None:
-        if not p.fut.done():
-            p.fut.set_exception(DeadlineExceeded(
-                f"deadline of {timeout:.6f} s passed before weight {self.name!r} "
-                f"answered ({self.queued_rows} rows queued)"))
+        p.timer = None
+        self._resolve(p, DeadlineExceeded(
+            f"deadline of {timeout:.6f} s passed before weight {self.name!r} "
+            f"answered ({self.queued_rows} rows queued)"))
+
+    @staticmethod
+    def _untime(p: _Pending) -> None:
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer = None
+
+    def _resolve(self, p: _Pending, outcome: MatmulReply | BaseException) -> None:
+        """Settle ``p`` once: its deadline timer off, its future resolved, its sink told."""
+        self._untime(p)
+        if p.fut.done():
+            return
+        if isinstance(outcome, BaseException):
+            p.fut.set_exception(outcome)
+        else:
+            p.fut.set_result(outcome)
+        if p.sink is not None:
+            p.sink(p.fut)
 
     def _take(self) -> list[_Pending]:
         """Pop the head request plus same-key followers that fit in max_rows."""
@@ -364,26 +387,22 @@ class Batcher:
             err = exc if isinstance(exc, Exception) else Unavailable(
                 "the worker is shutting down")
             for p in batch:
-                self._settle(p)
-                if not p.fut.done():
-                    p.fut.set_exception(err)
+                self._resolve(p, err)
             return
         live, x, result, t0, t1 = done
-        if x is None or result is None:
+        if x is None or result is None:  # every request was dropped: only timers to stop
             for p in batch:
-                self._settle(p)
+                self._untime(p)
             return
         if isinstance(result, list):  # run request by request (see _run_each)
             for p, r in zip(live, result, strict=True):
-                self._settle(p)
-                if p.fut.done():
-                    continue
                 q = t0 - p.t_enqueue
                 if isinstance(r, Q6Error):
-                    p.fut.set_exception(r)
+                    self._resolve(p, r)
                 else:
-                    p.fut.set_result(MatmulReply(r.y, r.kernel, r.layout, r.precision, q,
-                                                 r.timing.seconds(), p.rows, 1, t1 - t0, r.topk))
+                    self._resolve(p, MatmulReply(r.y, r.kernel, r.layout, r.precision, q,
+                                                 r.timing.seconds(), p.rows, 1, t1 - t0,
+                                                 r.topk))
                     self._loop_.call_soon(self._on_batch, BatchStats(r, p.rows, 1, (q,)))
             return
         rows = int(x.shape[0])
@@ -391,21 +410,17 @@ class Batcher:
         queued = tuple(t0 - p.t_enqueue for p in live)
         off = 0
         for p, q in zip(live, queued, strict=True):
-            self._settle(p)
             if not p.fut.done():
                 y = None if result.y is None else result.y[off : off + p.rows]
                 top = None if result.topk is None else result.topk.rows(off, off + p.rows)
-                p.fut.set_result(MatmulReply(y, result.kernel, result.layout,
+                self._resolve(p, MatmulReply(y, result.kernel, result.layout,
                                              result.precision, q, kernel_s, rows, len(live),
                                              t1 - t0, top))
+            else:
+                self._untime(p)  # cancelled or expired while its batch ran
             off += p.rows
         # after the replies: their handlers are woken first, metrics run behind them
         self._loop_.call_soon(self._on_batch, BatchStats(result, rows, len(live), queued))
-
-    @staticmethod
-    def _settle(p: _Pending) -> None:
-        if p.timer is not None:
-            p.timer.cancel()
 
     async def close(self) -> None:
         """Finish launched batches; fail what is still queued."""
@@ -415,10 +430,8 @@ class Batcher:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         while self._queue:
-            p = self._queue.popleft()
-            self._settle(p)
-            if not p.fut.done():
-                p.fut.set_exception(Unavailable(f"weight {self.name!r} was unloaded"))
+            self._resolve(self._queue.popleft(),
+                          Unavailable(f"weight {self.name!r} was unloaded"))
         self.queued_rows = 0
         if self._unfinished:
             self._drained = self._loop_.create_future()

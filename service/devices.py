@@ -414,13 +414,16 @@ class MultiDeviceEngine:
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         return await self.start_matmul(call)
 
-    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+    def start_matmul(self, call: MatmulCall,
+                     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
+                     ) -> asyncio.Future[MatmulReply]:
         """Replicated: the chosen replica's own future. Sharded: every part is queued now on
-        its device; one future resolves when the last part has (outputs side by side)."""
+        its device; one future resolves when the last part has (outputs side by side; ``sink``
+        is not used: the caller's done callback hears of it)."""
         self._check_serving()
         pl: Placed = self.registry.get(call.weight)  # type: ignore[assignment]
         if pl.mode == "replicate":
-            return self.engines[self._pick(pl)].start_matmul(call)
+            return self.engines[self._pick(pl)].start_matmul(call, sink)
         if call.topk:  # each part's top-k of its columns, merged in _join (kernels/epilogue.py)
             check_k(call.topk, pl.rows.rows, weight=pl.name)
         parts: list[asyncio.Future[MatmulReply]] = []

@@ -500,10 +500,13 @@ class Engine:
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         return await self.start_matmul(call)
 
-    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+    def start_matmul(self, call: MatmulCall,
+                     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
+                     ) -> asyncio.Future[MatmulReply]:
         """Check ``call`` and queue it now (on an idle device its launch is already submitted
         when this returns); the future resolves with the reply. A call that is refused raises
-        here. Cancelling the future drops the request if it has not run yet."""
+        here. Cancelling the future drops the request if it has not run yet. ``sink(fut)``
+        runs in the loop trip that resolves the future (``Batcher.enqueue``)."""
         self._check_serving()
         x = call.x
         if x.ndim != 2 or x.shape[0] < 1:
@@ -528,7 +531,7 @@ class Engine:
                 check_k(call.topk, e.rows, weight=e.name)
             # refuse what the current flags forbid before queueing (clear status, no batch)
             self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
-            fut = e.batcher.enqueue(x, key, call.timeout)
+            fut = e.batcher.enqueue(x, key, call.timeout, sink)
         except BaseException:
             self.registry.release(e)
             raise

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -133,12 +133,15 @@ class Q6ServeServicer:
     async def UnloadWeight(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.unload_response(await self.engine.unload(request.name))
 
-    def _start(self, call: MatmulCall) -> asyncio.Future[Any]:
+    def _start(self, call: MatmulCall,
+               sink: Callable[[asyncio.Future[Any]], None] | None = None,
+               ) -> asyncio.Future[Any]:
         """Queue a decoded request: its weight's part, or every part of a multi-weight
-        request (service/multi.py); the future's result is what wire.Replies encodes."""
+        request (service/multi.py); the future's result is what wire.Replies encodes.
+        ``sink``: see ``Engine.start_matmul`` (single-weight requests)."""
         if call.weights:
             return start_matmul_weights(self.engine, call)
-        return self.engine.start_matmul(call)
+        return self.engine.start_matmul(call, sink)
 
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = RPC_START.get(None) or time.perf_counter()
@@ -196,7 +199,11 @@ class Q6ServeServicer:
 
         def answer(rid: str, took: wire.Took | None, cost: int, fut: asyncio.Future[Any],
                    ) -> None:
-            """``took`` None: a region request, whose future gives (reply, took)."""
+            """``took`` None: a region request, whose future gives (reply, took). Called as the
+            request's sink (in the trip that resolves it) and again as its done callback (for
+            cancellation and the futures that have no sink): the first call answers."""
+            if fut not in pending:
+                return
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
                 observe_stream_request(grpc.StatusCode.CANCELLED)
@@ -232,14 +239,15 @@ class Q6ServeServicer:
                             continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
-                        fut = self._start(call)
+                        done = functools.partial(answer, rid, took, cost)
+                        fut = self._start(call, done)
                     except Exception as e:
                         put(_stream_error(rid, e), cost)
                         continue
                     finally:
                         del req  # the queued call holds what it needs (x); nothing else
-                    pending.add(fut)
-                    fut.add_done_callback(functools.partial(answer, rid, took, cost))
+                    pending.add(fut)  # before any sink call: futures resolve in a later trip
+                    fut.add_done_callback(done)
             except BaseException:
                 out.put_nowait(None)  # stop the replies; the failure surfaces below
                 raise
