@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [tests|bench|variants|record|probe|stalls|all|none]  extra bench args in $BENCH_ARGS
+#   bench/gpu_run.sh [MODE...]  MODE: tests|bench|variants|record|probe|stalls|tune|wall|all|none
+#   (several modes run in the order given after one install; extra bench args in $BENCH_ARGS)
+# tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
+#       modes after it run with the new table. wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
@@ -10,7 +13,8 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-MODE=${1:-all}
+MODES=" ${*:-all} "
+want() { [[ $MODES == *" $1 "* ]]; }
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -23,28 +27,42 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 cat "$OUT/gpu.txt"
 git log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
 rc=0
-if [[ $MODE == tests || $MODE == all ]]; then
+if want tune; then  # before the tests: they run with the table it writes
+  # shellcheck disable=SC2086
+  timeout "${TUNE_TIMEOUT:-240}" python3 bench/kernels.py --tune --iters "${TUNE_ITERS:-20}" \
+    --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" ${TUNE_ARGS:-} \
+    --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^$" | tail -100
+  echo "# tune rc=${PIPESTATUS[0]}"
+  cp kernels/cuda/dispatch_h200.json "$OUT/" 2>/dev/null
+fi
+if want tests || want all; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -rfE --maxfail=20 -p no:cacheprovider \
-    tests/kernels/test_cuda_backend.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+    tests/kernels/test_cuda_backend.py tests/kernels/test_epilogue.py 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
-if [[ $MODE == bench || $MODE == all ]]; then
+if want wall; then
+  # shellcheck disable=SC2086
+  timeout "${WALL_TIMEOUT:-120}" python3 bench/backend_wall.py ${WALL_ARGS:-} \
+    --json "$OUT/wall.json" 2>&1 | tee "$OUT/wall.log" | tail -60
+fi
+if want bench || want all; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     2>&1 | tee "$OUT/bench.log" | grep -v "^$" | tail -120
 fi
-if [[ $MODE == record ]]; then  # every path, every launch variant, torch, in one run
+if want record; then  # every path, every launch variant, torch, in one run
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants --summary ${BENCH_ARGS:-} \
     --json "$OUT/record.json" 2>&1 | tee "$OUT/record.log" | grep -v "^$" | tail -200
 fi
-if [[ $MODE == variants ]]; then
+if want variants; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --variants --no-torch \
     --paths auto,exact,mmq_q8_1 ${BENCH_ARGS:-} --json "$OUT/variants.json" 2>&1 \
     | tee "$OUT/variants.log" | grep -v "^$" | tail -150
 fi
-if [[ $MODE == probe ]]; then  # memory-side ceiling + Nsight Compute on the AUTO tile
+if want probe; then  # memory-side ceiling + Nsight Compute on the AUTO tile
   timeout 200 python3 bench/probe_memory.py --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
   echo "# probe rc=$?"
   for n in ${PROBE_NS-1 8 64}; do
@@ -59,7 +77,7 @@ if [[ $MODE == probe ]]; then  # memory-side ceiling + Nsight Compute on the AUT
   done
   sed -n '/^# best/,$p' "$OUT/probe.log"
 fi
-if [[ $MODE == stalls ]]; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_ROWS)
+if want stalls; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_ROWS)
   m=smsp__average_warps_issue_stalled
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   metrics+=,smsp__inst_executed.avg.per_cycle_active,sm__warps_active.avg.pct_of_peak_sustained_active

@@ -1,13 +1,22 @@
-"""Kernel benchmark of the CUDA backend (run on a GPU; never part of the test suite).
+"""Kernel benchmark and dispatch tuner of the CUDA backend (run on a GPU; never in the tests).
 
 CUDA-event timing of each call after a warm-up, median over many calls; the weight is
-rotated over enough resident copies that the 60 MB L2 cannot serve it; activations start as
-f32 on the device, so conversion/quantization prepasses are inside the time. Prints the
-effective weight bandwidth (Q6_K bytes / time), the ratio to ANCHORS.md's llama.cpp figures
-and to torch's f16 linear on an f16 weight of the same shape timed in the same run.
+rotated over enough resident copies that the 60 MB L2 cannot serve it; activations start on
+the device as f16 (what the service receives) or f32, so conversion/quantization prepasses are
+inside the time. Prints the effective weight bandwidth (Q6_K bytes / time), the ratio to
+ANCHORS.md's llama.cpp figures and to torch's f16 linear on an f16 weight of the same shape
+timed in the same run.
 
     python bench/kernels.py [--shapes 4096x14336,...] [--ns 1,2,...] [--paths auto,exact,...]
-                            [--variants] [--summary] [--only TEXT] [--json out.json]
+                            [--dtypes f16,f32] [--variants] [--summary] [--only TEXT]
+                            [--json out.json]
+    python bench/kernels.py --tune [--table-out kernels/cuda/dispatch_h200.json] [--json ..]
+
+``--tune`` times every candidate (kernel path x launch shape, ``tune_candidates``) of every
+shape and N bucket with f16 activations, writes the dispatch table (per shape, bucket and
+precision column: the fastest candidate; the heuristic choice is kept unless another is more
+than ``KEEP`` faster) and prints, per shape and N, the table's AUTO choice with f16 and f32
+activations beside torch's f16 linear.
 """
 
 from __future__ import annotations
@@ -23,10 +32,25 @@ import numpy as np
 
 from q6serve.kernels import q6k
 from q6serve.kernels.api import KernelFlags, Layout, Precision, iter_aos_chunks
+from q6serve.kernels.cuda.dispatch import (
+    BUCKETS,
+    COLUMNS,
+    KERNELS,
+    DispatchTable,
+    Entry,
+    default_cfg,
+    heuristic_path,
+)
+from q6serve.kernels.cuda.launch import IN_TYPES, MATMUL_FILE, kernel_name
 from q6serve.kernels.cuda_backend import Cfg, CudaBackend
 
-SHAPES = ((4096, 14336), (3584, 18944), (152064, 3584), (512, 3584))
-NS = (1, 2, 4, 8, 16, 32, 64)
+# The weight shapes of Qwen2.5-7B and Llama-3.1-8B (rows x K): q/o, k/v, gate/up, down, lm-head.
+QWEN = ((3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584))
+LLAMA = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+SHAPES = QWEN + LLAMA
+NS = BUCKETS
+DTYPES = {"f16": np.float16, "f32": np.float32}
+KEEP = 0.02  # --tune keeps the heuristic choice unless a candidate is more than this faster
 L2_BYTES = 60e6
 # ANCHORS.md: llama.cpp test-backend-ops MUL_MAT q6_K on the H200, µs per call.
 LLAMA_US = {
@@ -75,7 +99,8 @@ def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:
     stream.synchronize()
     evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
     # Keep the GPU busy while the host enqueues, so the events time the GPU, not Python.
-    cp.RawKernel(SPIN_SRC, "spin")((1,), (1,), (np.int64(30_000_000),))
+    # (~200 us per queued call: more than Python needs to enqueue one; 16 ms at 40 calls)
+    cp.RawKernel(SPIN_SRC, "spin")((1,), (1,), (np.int64(400_000 * iters),))
     for i, (a, b) in enumerate(evs):
         a.record(stream)
         fn(i % copies)
@@ -114,9 +139,11 @@ def print_summary(results: list[dict]) -> None:
     """Per shape and N: AUTO against the fastest row timed (any path or launch variant)."""
     print("\n# summary: us (TB/s); best = the fastest row of this run")
     print(f"{'shape':>14} {'N':>3} {'AUTO':>15} {'best':>36} {'AUTO/best':>9}")
-    keys = sorted({(r["shape"], r["n"]) for r in results}, key=lambda t: (t[0], t[1]))
-    for shape, n in keys:
-        rows = [r for r in results if r["shape"] == shape and r["n"] == n and "us" in r]
+    keys = sorted({(r["shape"], r["n"], r.get("dtype")) for r in results},
+                  key=lambda t: (t[0], t[1], str(t[2])))
+    for shape, n, dt in keys:
+        rows = [r for r in results if r["shape"] == shape and r["n"] == n and "us" in r
+                and r.get("dtype") == dt]
         auto = next((r for r in rows if r["path"].startswith("auto=")), None)
         best = min(rows, key=lambda r: r["us"], default=None)
         if auto is None or best is None:
@@ -126,40 +153,197 @@ def print_summary(results: list[dict]) -> None:
               f"{best['us'] / auto['us']:9.2f}", flush=True)
 
 
+def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str, Cfg | None]]:
+    """Every (path, launch shape) --tune times for bucket ``n``: the heuristic's choice of each
+    path and the launch-shape variants measured competitive before (bench/RESULTS.md)."""
+    exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
+                                                     Cfg(nt=1, pf=True)]}.get(
+        n, [Cfg(nt=4), Cfg(nt=2)])
+    mma = {16: [Cfg(nt=2, src=1), Cfg(nt=2, src=3, pf=True), Cfg(nt=2, mt=2, src=3, warps=4),
+                Cfg(nt=2, mt=2, src=1)],
+           32: [Cfg(nt=4, src=3, pf=True), Cfg(nt=4, mt=2, src=3, warps=4), Cfg(nt=2, src=1),
+                Cfg(nt=4, src=1)],
+           64: [Cfg(nt=8, src=3, pf=True), Cfg(nt=8, mt=2, src=3, warps=4), Cfg(nt=8, src=3),
+                Cfg(nt=4, src=3, pf=True)]}.get(
+        n, [Cfg(nt=1), Cfg(nt=1, mt=2), Cfg(nt=1, warps=4)])
+    q8 = default_cfg("mmq_q8_1", n)
+    mmq = [q8, Cfg(nt=max(1, q8.nt // 2)) if q8.nt > 1 else Cfg(nt=2)]
+    out: list[tuple[str, Cfg | None]] = []
+    for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
+        for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:
+            if (path, cfg) not in out:
+                out.append((path, cfg))
+    if n >= 16 or (n >= 8 and rows * k <= 1 << 23):  # cuBLAS's dequant pass never wins below
+        out.append(("cublas_f16", None))
+    return out
+
+
+def load_copies(be: CudaBackend, rng: np.random.Generator, rows: int, k: int,
+                layout: Layout) -> list:
+    wbytes = q6k.aos_nbytes(rows, k)
+    copies = max(2, min(64, math.ceil(3 * L2_BYTES / wbytes)))
+    blocks = random_blocks(rng, rows, k)
+    return [be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, layout, 64 << 20)
+            for _ in range(copies)]
+
+
+def free_copies(be: CudaBackend, ws: list) -> None:
+    import cupy as cp
+
+    for w in ws:
+        be.free(w)
+    ws.clear()
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def pick(rows: int, k: int, n: int, column: str, timed: dict, sm_count: int) -> Entry | None:
+    """The fastest timed candidate of ``column``; the heuristic's own choice stays unless
+    another is more than KEEP faster (run-to-run noise is ~2-4%: no flapping tables)."""
+    ok = [(us, path, cfg) for (path, cfg), us in timed.items()
+          if path in COLUMNS[column] and us is not None]
+    if not ok:
+        return None
+    us, path, cfg = min(ok, key=lambda t: t[0])
+    hp, _ = heuristic_path(n, Precision(column), KernelFlags(), rows, k)
+    hc = default_cfg(hp, n, rows, sm_count) if hp != "cublas_f16" else None
+    h_us = timed.get((hp, hc))
+    if h_us is not None and us > h_us * (1 - KEEP):
+        us, path, cfg = h_us, hp, hc
+    return Entry(rows, k, n, column, path, cfg, us)
+
+
+def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
+    """Time every candidate per (shape, bucket) with f16 activations, write the table, print
+    the AUTO choice (f16 and f32 activations) beside torch's f16 linear."""
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    sm = be.sm_count
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
+    names = set()  # compile every candidate up front: parallel NVRTC programs
+    for rows, k in shapes:
+        for n in BUCKETS:
+            for path, cfg in tune_candidates(n, rows, k, sm):
+                if cfg is None:
+                    continue
+                for in_t in (IN_TYPES[np.dtype(np.float16)], IN_TYPES[np.dtype(np.float32)]):
+                    names.add(kernel_name(path, cfg, True, in_t))
+                    if path == "mma_f16" and cfg.src in (1, 3):
+                        names.add(f"q6k_prep_f16<{cfg.nt}, {in_t}>")
+                    if path == "mmq_q8_1":
+                        names.add(f"q6k_prep_q8_1<{cfg.nt}, {in_t}>")
+    t0 = time.perf_counter()
+    with be.ctx.dev:
+        got = be.ctx.prefetch(MATMUL_FILE, names, threads=16)
+    print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s", flush=True)
+    entries: list[Entry] = []
+    rows_out: list[dict] = []
+    meta = {"device": be.device_name(), "sm_count": sm, "cc": str(be.cc),
+            "date": time.strftime("%Y-%m-%d"), "commit": a.commit,
+            "command": "python bench/kernels.py --tune " + " ".join(a.tune_args),
+            "activations": "f16", "iters": a.iters, "keep": KEEP,
+            "note": "written by bench/kernels.py --tune; read by kernels/cuda/dispatch.py"}
+    hdr = (f"{'shape':>12} {'N':>3} {'AUTO (table)':>28} {'f16 us':>7} {'TB/s':>5} "
+           f"{'f32 us':>7} {'torch':>7} {'xtorch':>6}  runner-up")
+    for rows, k in shapes:
+        shape_s = f"{rows}x{k}"
+        wbytes = q6k.aos_nbytes(rows, k)
+        ws = load_copies(be, rng, rows, k, Layout.SOA)
+        print(f"\n{shape_s}: {wbytes / 1e6:.1f} MB Q6_K, {len(ws)} rotated copies\n{hdr}",
+              flush=True)
+        for n in BUCKETS:
+            xs = {d: cp.asarray(rng.standard_normal((n, k)).astype(t)) for d, t in DTYPES.items()}
+            timed: dict[tuple[str, Cfg | None], float | None] = {}
+            for path, cfg in tune_candidates(n, rows, k, sm):
+                def call(i: int, path=path, cfg=cfg, ws=ws, x=xs["f16"]) -> None:
+                    be.run(ws[i], x, np.dtype(np.float16), path, cfg)
+
+                try:
+                    with be.ctx.dev, be.stream:
+                        timed[(path, cfg)] = time_calls(cp, call, len(ws), 2, a.iters)
+                except Exception as e:  # a candidate that fails is reported, never picked
+                    print(f"{shape_s:>12} {n:>3} {path} {cfg} FAILED: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                    timed[(path, cfg)] = None
+                rows_out.append({"shape": shape_s, "n": n, "path": path, "dtype": "f16",
+                                 "cfg": cfg.label() if cfg else None, "us": timed[(path, cfg)]})
+            cells = {c: pick(rows, k, n, c, timed, sm) for c in COLUMNS}
+            entries += [e for e in cells.values() if e is not None]
+            auto = cells["auto"]
+            if auto is None:
+                continue
+
+            def call32(i: int, e=auto, ws=ws, x=xs["f32"]) -> None:
+                be.run(ws[i], x, np.dtype(np.float32), e.path, e.cfg)
+
+            with be.ctx.dev, be.stream:
+                us32 = time_calls(cp, call32, len(ws), 2, a.iters)
+            t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
+                16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
+            ranked = sorted((us, p, c) for (p, c), us in timed.items()
+                            if us is not None and p in COLUMNS["auto"])
+            runner = next((f"{p}.{c.label() if c else ''} {us:.1f}" for us, p, c in ranked
+                           if (p, c) != (auto.path, auto.cfg)), "-")
+            label = f"{auto.path}.{auto.cfg.label() if auto.cfg else ''}"
+            xt = f"{t_torch / auto.us:6.2f}" if t_torch else "     -"
+            tt = f"{t_torch:7.1f}" if t_torch else "      -"
+            print(f"{shape_s:>12} {n:>3} {label:>28} {auto.us:7.1f} {wbytes / auto.us / 1e6:5.2f} "
+                  f"{us32:7.1f} {tt} {xt}  {runner}", flush=True)
+            rows_out.append({"shape": shape_s, "n": n, "path": "auto=" + label, "dtype": "f16",
+                             "us": auto.us, "us_f32": us32, "torch_us": t_torch,
+                             "tbs": wbytes / auto.us / 1e6})
+        free_copies(be, ws)
+        # after every shape: a run cut short still leaves the shapes it finished
+        DispatchTable(entries, meta).dump(a.table_out)
+    print(f"\n# wrote {len(entries)} entries for {len(shapes)} shapes to {a.table_out}")
+    return rows_out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--paths", default="auto,exact,mma_f16,mmq_q8_1,cublas_f16")
+    ap.add_argument("--dtypes", default="f16,f32", help="activation dtypes timed per row")
     ap.add_argument("--layout", default="soa", choices=["soa", "aos"])
     ap.add_argument("--variants", action="store_true", help="compare mma_f16 launch shapes")
     ap.add_argument("--summary", action="store_true",
                     help="end with one line per shape and N: AUTO vs the fastest row")
     ap.add_argument("--only", default=None,
                     help="time only the rows whose label contains this text (for profilers)")
+    ap.add_argument("--iters", type=int, default=40, help="timed calls per row (median)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tune", action="store_true",
+                    help="time every candidate per shape and N bucket, write the dispatch table")
+    ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
+    ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
     a = ap.parse_args(argv)
+    a.tune_args = [x for x in (argv if argv is not None else sys.argv[1:])
+                   if not x.startswith("--json")]
     import cupy as cp
 
     be = CudaBackend(0)
+    print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}"
+          f"  table: {be.dispatch.table.meta.get('date', '?') if be.dispatch.table else 'none'}")
+    if a.tune:
+        results = tune(a, be)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"device": be.device_name(), "results": results}, fh, indent=1)
+        return 0
     layout = Layout(a.layout)
     flags = KernelFlags(soa=layout is Layout.SOA)
     rng = np.random.default_rng(0)
     results: list[dict] = []
-    print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}")
-    hdr = f"{'shape':>14} {'N':>3} {'path':>22} {'us':>8} {'TB/s':>6} {'xllama':>7} {'xtorch':>7}"
+    hdr = f"{'shape':>14} {'N':>3} {'path':>26} {'us':>8} {'TB/s':>6} {'xllama':>7} {'xtorch':>7}"
     for shape_s in a.shapes.split(","):
         rows, k = map(int, shape_s.split("x"))
         wbytes = q6k.aos_nbytes(rows, k)
-        copies = max(2, min(64, math.ceil(3 * L2_BYTES / wbytes)))
-        blocks = random_blocks(rng, rows, k)
-        ws = [be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, layout, 64 << 20)
-              for _ in range(copies)]
-        del blocks
+        ws = load_copies(be, rng, rows, k, layout)
+        copies = len(ws)
         print(f"\n{shape_s}: {wbytes / 1e6:.1f} MB Q6_K, {copies} rotated copies\n{hdr}")
         for n in map(int, a.ns.split(",")):
-            x = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
             t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
                 16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
             runs: list[tuple[str, str, Cfg | None]] = []
@@ -167,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 if p == "auto":
                     c = be.choose(n, Precision.AUTO, flags, rows, k)
                     runs.append(("auto=" + c.path, c.path, c.cfg))
+                elif p not in KERNELS:
+                    raise SystemExit(f"unknown path {p!r}; use auto or one of {', '.join(KERNELS)}")
                 elif not (p == "cublas_f16" and rows * k > 2e8 and n < 16):
                     runs.append((p, p, None))
             if a.variants:
@@ -177,35 +363,38 @@ def main(argv: list[str] | None = None) -> int:
                     runs += [(name, "exact", cfg) for name, cfg in EXACT_VARIANTS.items()]
             if a.only:
                 runs = [r for r in runs if a.only in r[0]]
-            for label, path, cfg in runs:
-                def call(i: int, path=path, c=cfg, ws=ws, x=x) -> None:
-                    be.run(ws[i], x, np.dtype(np.float32), path, c)  # None: the default
+            for dname in a.dtypes.split(","):
+                dt = np.dtype(DTYPES[dname])
+                x = cp.asarray(rng.standard_normal((n, k)).astype(dt))
+                for label0, path, cfg in runs:
+                    label = f"{label0}.{dname}"
 
-                try:
-                    with be.ctx.dev, be.stream:
-                        us = time_calls(cp, call, copies)
-                except Exception as e:  # a new variant that fails must not end the run
-                    print(f"{shape_s:>14} {n:>3} {label:>22} FAILED: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
-                    results.append({"shape": shape_s, "n": n, "path": label, "error": str(e)})
-                    continue
-                tbs = wbytes / us / 1e6
-                llama = LLAMA_US.get((rows, k), {}).get(n)
-                row = {"shape": shape_s, "n": n, "path": label, "us": us, "tbs": tbs,
-                       "x_llama": llama / us if llama else None,
-                       "x_torch": t_torch / us if t_torch else None, "torch_us": t_torch}
-                results.append(row)
-                xl = f"{llama / us:7.2f}" if llama else "      -"
-                xt = f"{t_torch / us:7.2f}" if t_torch else "      -"
-                print(f"{shape_s:>14} {n:>3} {label:>22} {us:8.1f} {tbs:6.2f} {xl} {xt}",
-                      flush=True)
+                    def call(i: int, path=path, c=cfg, ws=ws, x=x, dt=dt) -> None:
+                        be.run(ws[i], x, dt, path, c)  # None: the dispatch's shape
+
+                    try:
+                        with be.ctx.dev, be.stream:
+                            us = time_calls(cp, call, copies, iters=a.iters)
+                    except Exception as e:  # a new variant that fails must not end the run
+                        print(f"{shape_s:>14} {n:>3} {label:>26} FAILED: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                        results.append({"shape": shape_s, "n": n, "path": label,
+                                        "error": str(e)})
+                        continue
+                    tbs = wbytes / us / 1e6
+                    llama = LLAMA_US.get((rows, k), {}).get(n)
+                    row = {"shape": shape_s, "n": n, "path": label, "dtype": dname, "us": us,
+                           "tbs": tbs, "x_llama": llama / us if llama else None,
+                           "x_torch": t_torch / us if t_torch else None, "torch_us": t_torch}
+                    results.append(row)
+                    xl = f"{llama / us:7.2f}" if llama else "      -"
+                    xt = f"{t_torch / us:7.2f}" if t_torch else "      -"
+                    print(f"{shape_s:>14} {n:>3} {label:>26} {us:8.1f} {tbs:6.2f} {xl} {xt}",
+                          flush=True)
             if t_torch:
-                print(f"{shape_s:>14} {n:>3} {'torch f16 linear':>22} {t_torch:8.1f} "
+                print(f"{shape_s:>14} {n:>3} {'torch f16 linear':>26} {t_torch:8.1f} "
                       f"{2 * rows * k / t_torch / 1e6:6.2f}", flush=True)
-        for w in ws:
-            be.free(w)
-        ws.clear()
-        cp.get_default_memory_pool().free_all_blocks()
+        free_copies(be, ws)
     if a.summary:
         print_summary(results)
     if a.json:

@@ -1,0 +1,129 @@
+"""Wall time vs kernel time of ``CudaBackend.matmul`` per call (no gRPC; run on a GPU).
+
+Each call: host activations in (f16 by default, fresh arrays from a small pool, as the
+service hands them over), host y out. ``wall`` = ``time.perf_counter`` around the call,
+``kernel`` = the call's own reported kernel time (CUDA events around the kernels only), and
+``host`` = wall - kernel: what the host path costs around the kernel (copies, launches, the
+sync, Python). Modes:
+
+- ``graph``: the backend as the service runs it (the launch sequence of a (weight, N) is a
+  CUDA graph from its second call);
+- ``direct``: the same host path with direct launches (``CudaBackend(graphs=False)``);
+- ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
+  the launches, ``y.get()``), for comparison.
+
+    python bench/backend_wall.py [--shapes 4096x14336,...] [--ns 1,8,64] [--calls 200]
+                                 [--dtype f16] [--modes graph,direct,naive] [--json out.json]
+
+Targets (issue 14): wall <= kernel + 30 us at N=1 and <= kernel + 100 us at N=64 on a 48 MB
+weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight, iter_aos_chunks
+from q6serve.kernels.cuda_backend import CudaBackend
+
+SHAPES = ((4096, 14336), (14336, 4096), (3584, 3584), (512, 3584))
+DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    n = rows * (k // 256)
+    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    blocks[:, 208:210] = (rng.standard_normal(n) * 1e-3).astype(np.float16).view(
+        np.uint8).reshape(n, 2)
+    return blocks
+
+
+def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.ndarray, float]:
+    """The pre-issue-14 host path: pageable copies, a fresh y, events around the launches."""
+    import cupy as cp
+
+    c = be.choose(x.shape[0], Precision.AUTO, KernelFlags(), w.rows, w.k)
+    with be.ctx.dev, be.stream:
+        xd = cp.asarray(x)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(be.stream)
+        y = be.run(w, xd, x.dtype, c.path, c.cfg)
+        end.record(be.stream)
+        host = y.get(stream=be.stream)
+    return host, cp.cuda.get_elapsed_time(start, end) / 1e3
+
+
+def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
+            ) -> dict:
+    walls, kerns = [], []
+    for i in range(calls + 5):
+        x = xs[i % len(xs)]
+        t0 = time.perf_counter()
+        if mode == "naive":
+            _, ks = naive_call(be, w, x)
+        else:
+            res = be.matmul(w, x)
+            ks = res.timing.seconds(wait=True)
+        wall = time.perf_counter() - t0
+        if i >= 5:  # warm-up: compile, bind, capture
+            walls.append(wall * 1e6)
+            kerns.append(ks * 1e6)
+    host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
+    return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
+            "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES))
+    ap.add_argument("--ns", default="1,8,64")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
+    ap.add_argument("--modes", default="graph,direct,naive")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
+    bes["naive"] = bes["direct"]
+    rng = np.random.default_rng(0)
+    out = []
+    print(f"# device: {bes['graph'].device_name()}  date: {time.strftime('%Y-%m-%d')}  "
+          f"activations: {a.dtype}, y f32, {a.calls} calls per row (us)")
+    print(f"{'shape':>12} {'N':>3} {'mode':>7} {'wall p50':>9} {'kernel p50':>10} "
+          f"{'host p50':>9} {'host p90':>9}")
+    for shape_s in a.shapes.split(","):
+        rows, k = map(int, shape_s.split("x"))
+        blocks = random_blocks(rng, rows, k)
+        ws = {}
+        for m in modes:
+            be = bes[m]
+            if id(be) not in ws:
+                ws[id(be)] = be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k,
+                                     Layout.SOA, 64 << 20)
+        for n in map(int, a.ns.split(",")):
+            xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
+            for m in modes:
+                be = bes[m]
+                r = measure(be, ws[id(be)], xs, a.calls, m)
+                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype)
+                out.append(r)
+                print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
+                      f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}", flush=True)
+        for be in {id(b): b for b in bes.values()}.values():
+            w = ws.pop(id(be), None)
+            if w is not None:
+                be.free(w)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": bes["graph"].device_name(), "results": out}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
