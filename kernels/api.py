@@ -67,10 +67,12 @@ DEFAULT_FLAGS = KernelFlags()
 
 @dataclass
 class KernelTiming:
-    """Kernel time of one call: host-timed (NumPy) or read later from device events (CUDA).
+    """Kernel time of one call: host-timed (NumPy), or device events around the kernels only
+    (CUDA: read right after the batch's one sync, so ``host_seconds`` is set at return), or
+    events still to be read (``_events``).
 
-    ``seconds()`` never forces a device sync on the hot path: the CUDA backend returns None
-    until its end event has completed and the service reads it after the reply is sent.
+    ``seconds()`` never forces a device sync on the hot path: with pending events it returns
+    None until the end event has completed and the service reads it after the reply is sent.
     """
 
     host_seconds: float | None = None
