@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             backend = backends[0]
         else:
             backend = make_backend(config.backend)
-        asyncio.run(run_worker(config, backend, worker))
+        if not asyncio.run(run_worker(config, backend, worker)):
+            return EXIT_FAILED  # the drain abandoned work (logged): not a clean stop
     except PortInUse as e:
         first.flush_held()
         print(f"q6serve worker: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ GROUP_MAX_EPS = np.float32(1e-15)  # ggml: groups/blocks below this are all zero
 NMAX = 32  # make_qx_quants(n=16, nmax=32): 6-bit signed levels -32..31
 QK8_1 = 32
 Q8_1_BLOCK_BYTES = 36  # d f16 | s f16 | qs[32] i8
-CHUNK_BLOCKS = 4096  # Q6_K blocks quantized per step: bounds the temporaries (~40 MiB)
+CHUNK_BLOCKS = 1024  # Q6_K blocks per step: bounds temporaries (~10 MiB) and cancel latency
 
 _F32 = np.float32
 _MAGIC = _F32(12582912.0)  # 1.5 * 2**23: adding it rounds to an integer in the low mantissa

@@ -289,7 +289,8 @@ class MultiDeviceEngine:
                         ) -> list[WeightView]:
         self._check_serving()
         mode = self._mode(placement)
-        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows)
+        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows,
+                                     self.engines[0].abandoned)
         return await self._shielded(self._place(sources, mode))
 
     async def upload(self, spec: UploadSpec, chunks: AsyncIterator[bytes],
@@ -305,7 +306,7 @@ class MultiDeviceEngine:
         for p in split_parts(RowRange(0, spec.rows), len(self.engines), mode):
             self.engines[p.device].check_fits(p.rows.rows, spec.k)
         buf = UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
-                           spec.sha256, None)
+                           spec.sha256, None, self.engines[0].abandoned)
         try:
             async for chunk in chunks:
                 await buf.add(chunk)
@@ -492,6 +493,14 @@ class MultiDeviceEngine:
     @property
     def serving(self) -> bool:
         return self._serving
+
+    def abandon(self) -> None:
+        for e in self.engines:
+            e.abandon()
+
+    def in_flight_summary(self) -> str:
+        return "; ".join(f"device {i}: {e.in_flight_summary()}"
+                         for i, e in enumerate(self.engines))
 
     async def close(self) -> None:
         self._serving = False

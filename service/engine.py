@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from q6serve.kernels.api import (
 )
 from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import (
+    Cancelled,
     DeviceError,
     FailedPrecondition,
     FormatError,
@@ -58,6 +60,7 @@ from .flags import Flags, FlagState
 from .metrics import Metrics
 from .registry import Registry, WeightEntry, check_name
 from .shards import RowRange, RowSelect, slice_tensor
+from .threads import run_in_thread
 from .uploads import UploadBuffer
 from .vram import VramAccountant, VramStats
 
@@ -181,13 +184,15 @@ class WeightSource:
 
 
 async def gguf_sources(model_dir: Path | None, rel_path: str, tensors: list[str],
-                       prefix: str = "", rows: RowSelect | None = None) -> list[WeightSource]:
+                       prefix: str = "", rows: RowSelect | None = None,
+                       cancelled: Callable[[], bool] | None = None) -> list[WeightSource]:
     """The Q6_K tensors of a GGUF file under ``model_dir`` (all, or ``tensors``), each narrowed
-    to ``rows``; the file is opened once and its memory map read as the parts load."""
+    to ``rows``; the file is opened once and its memory map read as the parts load. The
+    header is parsed in a daemon thread polling ``cancelled`` (service/threads.py)."""
     path = confine(model_dir, rel_path)
     from q6serve.kernels import gguf_io
 
-    found = await asyncio.to_thread(gguf_io.read_q6k_tensors, path, tensors or None)
+    found = await run_in_thread(gguf_io.read_q6k_tensors, path, tensors or None, cancelled)
     select = rows or RowSelect()
     out = []
     for t in found:
@@ -252,6 +257,8 @@ class Engine:
                                        max_delay_s=config.max_batch_delay_us * 1e-6,
                                        max_queue_rows=config.max_queue_rows)
         self._admin = asyncio.Lock()
+        self._abandon = threading.Event()  # set when a drain's grace period is over
+        self._receiving = 0  # uploads reading their stream
         self._scratch = 0  # matmul workspace reserved for the largest resident weight
         self._serving = True
         self._relayouts = 0
@@ -315,7 +322,8 @@ class Engine:
         """Load tensors of a GGUF file; ``rows`` narrows each to a row range (sharding).
         ``placement`` matters on multi-device workers only (service/devices.py)."""
         self._check_serving()
-        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows)
+        sources = await gguf_sources(self.config.model_dir, rel_path, tensors, prefix, rows,
+                                     self.abandoned)
         return await self.load_sources(sources)
 
     async def load_sources(self, sources: list[WeightSource]) -> list[WeightView]:
@@ -334,6 +342,7 @@ class Engine:
         self._check_serving()
         buf = self.upload_buffer(spec)
         self.check_fits(spec.rows, spec.k)  # nor buffer what cannot fit
+        self._receiving += 1
         try:
             async for chunk in chunks:
                 await buf.add(chunk)
@@ -341,6 +350,8 @@ class Engine:
         except BaseException:
             buf.release()
             raise
+        finally:
+            self._receiving -= 1
         src = WeightSource(spec.name, spec.rows, spec.k, "upload", buf.row_chunks)
 
         async def load() -> list[WeightView]:
@@ -358,7 +369,7 @@ class Engine:
         check_upload_spec(spec, self.config.max_upload_bytes)
         self.registry.check_available([spec.name])  # fail before reading the stream
         return UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
-                            spec.sha256, self.vram if accounted else None)
+                            spec.sha256, self.vram if accounted else None, self.abandoned)
 
     async def _load_all(self, sources: list[WeightSource]) -> list[WeightView]:
         """Load every source or none: a failure frees what this call loaded and re-raises."""
@@ -398,6 +409,8 @@ class Engine:
 
         def hashed() -> Iterator[np.ndarray]:
             for c in s.chunks(chunk):
+                if self._abandon.is_set():  # a drain's grace period is over
+                    raise Cancelled(f"loading {s.name!r} abandoned: the worker is stopping")
                 h.update(np.ascontiguousarray(c).data)
                 yield c
 
@@ -584,6 +597,23 @@ class Engine:
     def begin_drain(self) -> None:
         self._serving = False
 
+    def abandon(self) -> None:
+        """The drain's grace period is over: parses, quantizes and loads still running stop
+        at their next check (Cancelled), so the worker can free what it holds and exit."""
+        self._abandon.set()
+
+    def abandoned(self) -> bool:
+        return self._abandon.is_set()
+
+    def in_flight_summary(self) -> str:
+        """What is still running, for the drain's log line."""
+        loading = self.registry.claimed()
+        matmuls = sum(e.batcher.in_flight for e in self.registry.entries()
+                      if e.batcher is not None)
+        return (f"{matmuls} matmul request(s) queued or running, "
+                f"{len(loading)} weight(s) loading {sorted(loading)[:8]}, "
+                f"{self._receiving} upload(s) receiving")
+
     @property
     def serving(self) -> bool:
         return self._serving
@@ -599,5 +629,5 @@ class Engine:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.to_thread(self.device.close)
+        await run_in_thread(self.device.close)  # a daemon: exit never waits on the device
         self.backend.close()

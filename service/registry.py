@@ -73,6 +73,10 @@ class Registry:
         finally:
             self._claimed.difference_update(names)
 
+    def claimed(self) -> set[str]:
+        """Names being loaded right now."""
+        return set(self._claimed)
+
     def check_available(self, names: list[str]) -> None:
         taken = [n for n in names if n in self._weights or n in self._claimed]
         if taken:

@@ -12,7 +12,6 @@ holding is Q6_K blocks of whole rows, handed to the load chunk by chunk.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Callable, Iterator
 
@@ -22,6 +21,7 @@ from q6serve.kernels import q6k
 from q6serve.kernels.api import DTYPES
 from q6serve.kernels.errors import InvalidArgument
 
+from .threads import run_in_thread
 from .vram import Reservation, VramAccountant
 
 SEGMENT_BYTES = 16 << 20  # of the format sent; a segment holds at least one row
@@ -99,8 +99,8 @@ class UploadBuffer:
                 del seg
                 out_res = self._reserve(rows * self.q_row_bytes)
                 try:
-                    blocks = await asyncio.to_thread(quantize_q6_k, x, self.what,
-                                                     self._cancelled, self._row)
+                    blocks = await run_in_thread(quantize_q6_k, x, self.what,
+                                                 self._cancelled, self._row)
                 except BaseException:
                     if out_res is not None:
                         out_res.release()

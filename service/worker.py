@@ -8,8 +8,11 @@ drains for up to the grace period, then the server stops and every weight is fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import threading
 from typing import Any
 
 import grpc
@@ -32,6 +35,9 @@ log = logging.getLogger("q6serve.worker")
 PENDING_CALLS = 1 << 16
 
 WATCH_LINGER_S = 0.25  # a drained worker's last wait: health watchers get NOT_SERVING out
+CLOSE_S = 3.0  # after the grace period: freeing what is held, at most
+HARD_EXIT_S = 4.5  # after the grace period: the watchdog's deadline (SIGTERM exits by +5 s)
+EXIT_ABANDONED = 1  # the process's exit code when work was abandoned
 
 
 def _credentials(cfg: WorkerConfig) -> grpc.ServerCredentials | None:
@@ -59,6 +65,7 @@ class Worker:
         self._health: Any = None
         self._interceptor = ErrorInterceptor()  # replaced in start()
         self._stopped = asyncio.Event()
+        self._clean = True  # set by stop(): everything in flight finished in the grace period
         self._health_tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -122,10 +129,13 @@ class Worker:
         """The core this worker serves (service/devices.py serves several devices)."""
         return Engine(self.backend, self.config, self.metrics)
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain and stop (idempotent)."""
+    async def stop(self, grace: float | None = None) -> bool:
+        """Drain and stop (idempotent). True if everything in flight finished within the
+        grace period; otherwise what was abandoned is logged and False returned. Bounded:
+        the grace period, then at most CLOSE_S to free what is held, whatever a thread does
+        (parses, quantizes and loads poll the engine's abandon flag)."""
         if self._stopped.is_set() or self.server is None or self.engine is None:
-            return
+            return self._clean
         grace = self.config.grace_period_s if grace is None else grace
         log.info("draining: health NOT_SERVING, grace %.1f s", grace)
         await self._health.enter_graceful_shutdown()
@@ -135,24 +145,40 @@ class Worker:
         # moment to send NOT_SERVING before the server cancels what is left.
         loop = asyncio.get_running_loop()
         end = loop.time() + grace
-        await self._interceptor.wait_idle(grace)
+        clean = await self._interceptor.wait_idle(grace)
+        if not clean:
+            log.warning("drain: the grace period of %.1f s is over; abandoning %s", grace,
+                        self.engine.in_flight_summary())
+            self.engine.abandon()
         await self.server.stop(min(max(0.0, end - loop.time()), WATCH_LINGER_S))
         if self.regions is not None:
             self.regions.close()
-        await self.engine.close()
+        try:
+            await asyncio.wait_for(self.engine.close(), CLOSE_S)
+        except TimeoutError:
+            clean = False
+            log.warning("drain: freeing the weights took over %.1f s; exiting without it",
+                        CLOSE_S)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+        self._clean = clean
         self._stopped.set()
-        log.info("stopped")
+        log.info("stopped (%s)", "everything in flight finished" if clean
+                 else "work was abandoned")
+        return clean
 
     async def wait(self) -> None:
         await self._stopped.wait()
 
 
 async def run_worker(config: WorkerConfig, backend: Backend,
-                     worker: Worker | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain."""
+                     worker: Worker | None = None) -> bool:
+    """Run until SIGTERM/SIGINT, then drain; True if everything in flight finished.
+
+    From the signal on, a watchdog (a daemon timer) ends the process with EXIT_ABANDONED at
+    grace + HARD_EXIT_S whatever still runs (a thread stuck in a native call, an exit hook):
+    an orchestrator's SIGKILL comes later than that."""
     worker = worker or Worker(config, backend)
     await worker.start()
     loop = asyncio.get_running_loop()
@@ -160,4 +186,18 @@ async def run_worker(config: WorkerConfig, backend: Backend,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await worker.stop()
+    watchdog = threading.Timer(config.grace_period_s + HARD_EXIT_S, _hard_exit,
+                               (worker, config.grace_period_s))
+    watchdog.daemon = True
+    watchdog.start()
+    return await worker.stop()
+
+
+def _hard_exit(worker: Worker, grace: float) -> None:
+    what = "unknown work"
+    with contextlib.suppress(Exception):  # read from this thread: figures only
+        what = worker.engine.in_flight_summary() if worker.engine is not None else what
+    log.error("drain did not end within the grace period of %.1f s + %.1f s: exiting now, "
+              "abandoning %s", grace, HARD_EXIT_S, what)
+    logging.shutdown()
+    os._exit(EXIT_ABANDONED)

@@ -125,9 +125,9 @@ def test_gguf_is_opened_once_for_every_device(base_config: WorkerConfig, model_d
     opened: list[Path] = []
     real = gguf_io.read_q6k_tensors
 
-    def counting(path: Path, names: Any = None) -> Any:
+    def counting(path: Path, names: Any = None, cancelled: Any = None) -> Any:
         opened.append(path)
-        return real(path, names)
+        return real(path, names, cancelled)
 
     monkeypatch.setattr(gguf_io, "read_q6k_tensors", counting)
 
