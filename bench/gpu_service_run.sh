@@ -19,20 +19,20 @@ phase() { echo "$1 $(date +%s.%N)" >>"$OUT/phases.txt"; }
 S=${SECONDS_PER_RUN:-2}
 phase idle_start; sleep 2; phase idle_end
 phase kernels_start
-timeout 90 python3 bench/kernels.py --shapes 3584x18944 --ns 1,8 --paths auto --no-torch \
+timeout 60 python3 bench/kernels.py --shapes 3584x18944 --ns 1,8 --paths auto --no-torch \
   >"$OUT/kernels.log" 2>&1; echo "# kernels rc=$?"
 phase kernels_end
 grep -E "auto|3584x18944" "$OUT/kernels.log" | head -8
 phase report_start
 # shellcheck disable=SC2086
-timeout 200 python3 bench/service.py --backend cuda --target-report --weights ffn_down \
+timeout 130 python3 bench/service.py --backend cuda --target-report --weights ffn_down \
   --modes stream --t3-hosts 8 --seconds "$S" ${REPORT_ARGS:-} \
   --json "$OUT/report/service.json" >"$OUT/report/service.log" 2>&1; echo "# report rc=$?"
 phase report_end
 grep -vE "^# (uploaded|bare)" "$OUT/report/service.log" | tail -16
 phase replay_start
 # shellcheck disable=SC2086
-timeout 240 python3 bench/service.py --backend cuda --replay --seconds "$S" --warmup 0.3 \
+timeout 150 python3 bench/service.py --backend cuda --replay --seconds "$S" --warmup 0.3 \
   ${REPLAY_ARGS:-} --json "$OUT/replay/replay.json" >"$OUT/replay/replay.log" 2>&1
 echo "# replay rc=$?"
 phase replay_end
