@@ -2,7 +2,8 @@
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
 #   bench/gpu_run.sh [MODE...]  MODE: tests|bench|variants|record|probe|stalls|tune|wall|all|none
-#   (several modes run in the order given after one install; extra bench args in $BENCH_ARGS)
+#   (several modes after one install; extra bench args in $BENCH_ARGS)
+# Order: tune, wall, tests, the rest.
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
 #       modes after it run with the new table. wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
@@ -35,16 +36,16 @@ if want tune; then  # before the tests: they run with the table it writes
   echo "# tune rc=${PIPESTATUS[0]}"
   cp kernels/cuda/dispatch_h200.json "$OUT/" 2>/dev/null
 fi
+if want wall; then
+  # shellcheck disable=SC2086
+  timeout "${WALL_TIMEOUT:-120}" python3 bench/backend_wall.py ${WALL_ARGS:-} \
+    --json "$OUT/wall.json" 2>&1 | tee "$OUT/wall.log" | tail -60
+fi
 if want tests || want all; then
   timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -m gpu -q -rfE --maxfail=20 -p no:cacheprovider \
     tests/kernels/test_cuda_backend.py tests/kernels/test_epilogue.py 2>&1 \
     | tee "$OUT/pytest_gpu.log" | tail -40
   rc=${PIPESTATUS[0]}
-fi
-if want wall; then
-  # shellcheck disable=SC2086
-  timeout "${WALL_TIMEOUT:-120}" python3 bench/backend_wall.py ${WALL_ARGS:-} \
-    --json "$OUT/wall.json" 2>&1 | tee "$OUT/wall.log" | tail -60
 fi
 if want bench || want all; then
   # shellcheck disable=SC2086
