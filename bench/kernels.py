@@ -319,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
     ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
     a = ap.parse_args(argv)
-    a.tune_args = [x for x in (argv if argv is not None else sys.argv[1:])
-                   if not x.startswith("--json")]
+    # the command recorded in the table: the arguments that shape it (no output paths)
+    a.tune_args = [f"--iters {a.iters}"] + ([f"--shapes {a.shapes}"] if a.shapes != ",".join(
+        f"{r}x{k}" for r, k in SHAPES) else [])
     import cupy as cp
 
     be = CudaBackend(0)

@@ -129,3 +129,62 @@ def test_columns_name_real_kernels_of_their_precision():
             assert p in KERNELS
             if column != "auto":
                 assert KERNELS[p].value == column
+
+
+# -- the committed table (kernels/cuda/dispatch_h200.json) ------------------------------------
+QWEN = ((3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584))
+LLAMA = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+
+
+def committed():
+    from q6serve.kernels.cuda.dispatch import DEFAULT_TABLE, load_default_table
+
+    table = load_default_table()
+    assert table is not None, f"{DEFAULT_TABLE} is missing"
+    return table
+
+
+def test_committed_table_covers_every_model_shape_bucket_and_column():
+    table = committed()
+    for rows, k in QWEN + LLAMA:
+        for n in BUCKETS:
+            for column in COLUMNS:
+                hit = table.lookup(rows, k, n, column)
+                assert hit is not None and hit[1] == "table", (rows, k, n, column)
+    assert {"device", "date", "commit", "command"} <= set(table.meta)
+
+
+def test_every_committed_entry_names_a_real_kernel_and_launch_shape():
+    """Path of its column; a launch shape the templates have that plans on a 132-SM device
+    (the nvcc test compiles the instantiations it names: requested_kernels() includes them)."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import IN_TYPES, Launcher, kernel_name
+
+    class Fn:
+        num_regs = 128
+        max_dynamic_shared_size_bytes = 48 << 10
+
+    names = []
+    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472,
+                                  fn=lambda f, n: names.append(n) or Fn()))
+    table = committed()
+    for cells in table.cells.values():
+        for e in cells.values():
+            assert e.path in KERNELS and e.path in COLUMNS[e.column] and e.us > 0
+            if e.cfg is None:
+                assert e.path == "cublas_f16"
+                continue
+            for in_t in IN_TYPES.values():
+                lp = lc.plan(e.rows, e.k, Layout.SOA, in_t, e.path, e.cfg, e.n)
+                assert lp.grid[0] >= 1 and lp.ks == lp.grid[1] >= 1
+                assert kernel_name(e.path, e.cfg, True, in_t) in names
+
+
+def test_backend_dispatch_reads_the_committed_table():
+    d = Dispatch(committed(), 132)
+    for rows, k in QWEN + LLAMA:
+        c = d.choose(1, Precision.AUTO, SOA, rows, k)
+        assert c.source == "table" and c.precision is not Precision.AUTO
+    assert d.choose(1, Precision.AUTO, SOA, 1000, 100_000).source == "heuristic"
