@@ -128,9 +128,9 @@ def cmd_matmul(args: argparse.Namespace) -> int:
     if args.topk is not None and not all(o.endswith(".npz") for o in outputs):
         raise UsageError("--topk writes values, indices and lse to an .npz: name each "
                          "--output FILE.npz")
-    x = float_matrix(load_array(args.input), args.input)
-    if args.dtype is not None:
-        x = x.astype(DTYPES[args.dtype], copy=False)
+    x = float_matrix(load_array(args.input), args.input,
+                     to=DTYPES[args.dtype] if args.dtype else None,
+                     hint="give --dtype f32, f16 or bf16 to convert it")
     # several weights: one multi-weight request (each still batches with other callers)
     out = _client(args).matmul_full(weights[0] if len(weights) == 1 else weights, x,
                                     precision=args.precision, out_dtype=args.out_dtype,

@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     pairs = parse_pairs(ins, args.name)
     tensors = {}
     for path, tensor in pairs:
-        x = float_matrix(load_array(path), str(path), rows_of_1d=False)
+        x = float_matrix(load_array(path), str(path), rows_of_1d=False,
+                         hint="save it as float32")
         # refuses values Q6_K cannot hold (an f16 scale overflowing from |x| ~ 2.7e8, blocks
         # zeroed by an overflowing scale search), naming the row, column and value
         tensors[tensor] = (quantize_q6_k(x, what=f"{path} ({tensor})"), x.shape[0], x.shape[1])

@@ -15,6 +15,7 @@ Nothing is ever unpickled.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -70,10 +71,16 @@ def _split(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def float_matrix(a: np.ndarray, what: str, *, rows_of_1d: bool = True) -> np.ndarray:
-    """``a`` as a 2-D f32/f16/bf16 array ([K] becomes [1, K] when ``rows_of_1d``)."""
+def float_matrix(a: np.ndarray, what: str, *, rows_of_1d: bool = True,
+                 to: np.dtype[Any] | None = None, hint: str = "") -> np.ndarray:
+    """``a`` as a 2-D f32/f16/bf16 array ([K] becomes [1, K] when ``rows_of_1d``); ``to``
+    converts any float input (float64 included) to that dtype; ``hint`` says how to fix a
+    dtype that is refused."""
+    if to is not None and (a.dtype.kind == "f" or a.dtype == BF16):
+        a = a.astype(to, copy=False)
     if a.dtype not in FLOAT_DTYPES:
-        raise InputError(f"{what}: need float32, float16 or bfloat16 values, got {a.dtype}")
+        raise InputError(f"{what}: need float32, float16 or bfloat16 values, got {a.dtype}"
+                         + (f" ({hint})" if hint else ""))
     if a.ndim == 1 and rows_of_1d:
         a = a[None, :]
     if a.ndim != 2:

@@ -210,3 +210,15 @@ def test_bench_ctrl_c_prints_the_finished_cells(served: Any) -> None:
     assert "cell 1/40 C=1 N=1:" in err
     rows = [ln for ln in out.splitlines() if ln.strip().startswith("│") or "|" in ln]
     assert "p99 ms" in out and len(rows) >= 2, out
+
+
+def test_matmul_float64_input_is_refused_or_converted(served: Any, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    x = np.random.default_rng(4).standard_normal((2, K))  # float64, as NumPy makes it
+    np.save(tmp_path / "x.npy", x)
+    assert _matmul(served, tmp_path, str(tmp_path / "x.npy")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "got float64" in line and "--dtype f32" in line
+    assert _matmul(served, tmp_path, str(tmp_path / "x.npy"), "--dtype", "f32") == 0
+    want = x.astype(np.float32).astype(np.float64) @ served.w32.T
+    assert np.allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-5, atol=1e-4)
