@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from typing import Any
 
 from .cli_target import UsageError, add_target_options, client_kwargs
 
 # commands that take `--target A,B,...`: a weight row-sharded over those workers (shard i = i-th)
-SHARDED_COMMANDS = ("load", "matmul", "list", "unload", "health")
+SHARDED_COMMANDS = ("load", "matmul", "list", "unload", "health", "status", "flags")
 FLAG_NAMES = ("Q6SERVE_Q6K_SOA", "Q6SERVE_DECODE_MMQ", "Q6SERVE_DYNAMIC_BATCHING")
 
 
@@ -154,22 +155,31 @@ def cmd_matmul(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _client(args).status_dict()
+    status = _client(args).status_dict()  # several targets: one dict per shard, in order
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    v = status["vram"]
-    print(f"{status['backend']} on {status['device']} (q6serve {status['version']}), "
-          f"serving={status['serving']}, weights={status['weights_loaded']}")
-    for key, value in v.items():  # type: ignore[union-attr]
-        print(f"  vram {key:20} {value}")
-    for f in status["flags"]:  # type: ignore[union-attr]
-        print(f"  flag {f['name']:26} {int(f['enabled'])}")
-    for d in status.get("devices", []):  # type: ignore[union-attr]  # --devices workers
-        dv = d["vram"]
-        print(f"  device {d['ordinal']}: {d['device']}, weights={d['weights_loaded']}, "
-              f"reserved {dv['reserved_bytes']} of budget {dv['budget_bytes']} bytes")
+    if isinstance(status, list):
+        for i, (target, st) in enumerate(zip(args.target.split(","), status, strict=True)):
+            print(f"shard {i} ({target}):")
+            _print_status(st, "  ")
+    else:
+        _print_status(status)
     return 0
+
+
+def _print_status(status: dict[str, Any], indent: str = "") -> None:
+    v = status["vram"]
+    print(f"{indent}{status['backend']} on {status['device']} (q6serve {status['version']}), "
+          f"serving={status['serving']}, weights={status['weights_loaded']}")
+    for key, value in v.items():
+        print(f"{indent}  vram {key:20} {value}")
+    for f in status["flags"]:
+        print(f"{indent}  flag {f['name']:26} {int(f['enabled'])}")
+    for d in status.get("devices", []):  # --devices workers
+        dv = d["vram"]
+        print(f"{indent}  device {d['ordinal']}: {d['device']}, weights={d['weights_loaded']}, "
+              f"reserved {dv['reserved_bytes']} of budget {dv['budget_bytes']} bytes")
 
 
 def _flag_assignment(text: str) -> tuple[str, bool]:

@@ -396,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
     if interrupted and not doc.get("cells"):
         print("q6serve bench: interrupted before the first cell finished", file=sys.stderr)
         return EXIT_INTERRUPTED
+    doc["interrupted"] = interrupted  # --json readers: the cells are those that finished
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

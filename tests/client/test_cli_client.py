@@ -74,6 +74,7 @@ def test_bench_json(served: Any, mode: str, capsys: pytest.CaptureFixture[str]) 
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["weight"], doc["mode"], doc["backend"]) == ("w", mode, "numpy")
+    assert (doc["planned"], doc["interrupted"]) == (2, False)
     assert [(c["concurrency"], c["n"]) for c in doc["cells"]] == [(1, 2), (3, 2)]
     for c in doc["cells"]:
         assert c["calls"] > 0 and c["errors"] == {}

@@ -222,3 +222,22 @@ def test_matmul_float64_input_is_refused_or_converted(served: Any, tmp_path: Pat
     assert _matmul(served, tmp_path, str(tmp_path / "x.npy"), "--dtype", "f32") == 0
     want = x.astype(np.float32).astype(np.float64) @ served.w32.T
     assert np.allclose(np.load(tmp_path / "y.npy"), want, rtol=1e-5, atol=1e-4)
+
+
+def test_status_and_flags_take_several_targets(start_worker: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = start_worker(), start_worker()
+    targets = f"{a.target},{b.target}"
+    assert main(["status", "--target", targets, "--json"]) == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert [d["backend"] for d in docs] == ["numpy", "numpy"]
+    assert main(["status", "--target", targets]) == 0
+    out = capsys.readouterr().out
+    assert f"shard 0 ({a.target}):" in out and f"shard 1 ({b.target}):" in out
+    assert main(["flags", "--target", targets, "DECODE_MMQ=0"]) == 0
+    assert "Q6SERVE_DECODE_MMQ=0" in capsys.readouterr().out.split()
+    assert not b.client().flags()["Q6SERVE_DECODE_MMQ"]  # set on every shard
+    b.client().flags({"Q6SERVE_DECODE_MMQ": True})
+    assert main(["flags", "--target", targets]) == 1  # the shards disagree: say so
+    line = one_line(capsys.readouterr().err)
+    assert "FAILED_PRECONDITION: flags differ" in line and b.target in line
