@@ -197,13 +197,15 @@ class Q6ServeServicer:
             if not state["reading"] and state["open"] == 0:
                 out.put_nowait(None)
 
-        def answer(rid: str, took: wire.Took | None, cost: int, fut: asyncio.Future[Any],
-                   ) -> None:
+        def answer(rid: str, took: wire.Took | None, cost: int, answered: list[bool],
+                   fut: asyncio.Future[Any]) -> None:
             """``took`` None: a region request, whose future gives (reply, took). Called as the
-            request's sink (in the trip that resolves it) and again as its done callback (for
+            request's sink (in the trip that resolves it; even before ``start_matmul`` returns
+            when the job ran on the loop thread) and again as its done callback (for
             cancellation and the futures that have no sink): the first call answers."""
-            if fut not in pending:
+            if answered[0]:
                 return
+            answered[0] = True
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
                 observe_stream_request(grpc.StatusCode.CANCELLED)
@@ -235,19 +237,22 @@ class Q6ServeServicer:
                             fut = asyncio.ensure_future(self._stream_region(req, io, context,
                                                                             t0))
                             pending.add(fut)
-                            fut.add_done_callback(functools.partial(answer, rid, None, cost))
+                            fut.add_done_callback(functools.partial(answer, rid, None, cost,
+                                                                    [False]))
                             continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
-                        done = functools.partial(answer, rid, took, cost)
+                        answered = [False]
+                        done = functools.partial(answer, rid, took, cost, answered)
                         fut = self._start(call, done)
                     except Exception as e:
                         put(_stream_error(rid, e), cost)
                         continue
                     finally:
                         del req  # the queued call holds what it needs (x); nothing else
-                    pending.add(fut)  # before any sink call: futures resolve in a later trip
-                    fut.add_done_callback(done)
+                    if not answered[0]:  # (a job run on the loop thread has answered already)
+                        pending.add(fut)
+                        fut.add_done_callback(done)
             except BaseException:
                 out.put_nowait(None)  # stop the replies; the failure surfaces below
                 raise
