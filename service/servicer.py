@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import time
@@ -198,14 +199,20 @@ class Q6ServeServicer:
                 out.put_nowait(None)
 
         def answer(rid: str, took: wire.Took | None, cost: int, answered: list[bool],
-                   fut: asyncio.Future[Any]) -> None:
+                   ctx: contextvars.Context, fut: asyncio.Future[Any]) -> None:
             """``took`` None: a region request, whose future gives (reply, took). Called as the
             request's sink (in the trip that resolves it; even before ``start_matmul`` returns
             when the job ran on the loop thread) and again as its done callback (for
-            cancellation and the futures that have no sink): the first call answers."""
+            cancellation and the futures that have no sink): the first call answers, in
+            ``ctx``, the request's own context (its RPC_START and stream, for the metrics: a
+            sink runs in whatever context resolved the future)."""
             if answered[0]:
                 return
             answered[0] = True
+            ctx.run(_answer, rid, took, cost, fut)
+
+        def _answer(rid: str, took: wire.Took | None, cost: int,
+                    fut: asyncio.Future[Any]) -> None:
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
                 observe_stream_request(grpc.StatusCode.CANCELLED)
@@ -237,13 +244,14 @@ class Q6ServeServicer:
                             fut = asyncio.ensure_future(self._stream_region(req, io, context,
                                                                             t0))
                             pending.add(fut)
-                            fut.add_done_callback(functools.partial(answer, rid, None, cost,
-                                                                    [False]))
+                            fut.add_done_callback(functools.partial(
+                                answer, rid, None, cost, [False], contextvars.copy_context()))
                             continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
                         answered = [False]
-                        done = functools.partial(answer, rid, took, cost, answered)
+                        done = functools.partial(answer, rid, took, cost, answered,
+                                                 contextvars.copy_context())
                         fut = self._start(call, done)
                     except Exception as e:
                         put(_stream_error(rid, e), cost)
