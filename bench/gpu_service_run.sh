@@ -6,8 +6,9 @@
 # last. Worker and load run in separate processes (bench/service.py starts them).
 #   bench/gpu_service_run.sh          env: REPORT_ARGS, REPLAY_ARGS, SECONDS_PER_RUN
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT/report" "$OUT/replay"
+FINAL=${OUT:-$PWD/out}
+OUT=/tmp/svcrun  # everything lands here; $OUT gets one archive + the JSONs (8 files at most)
+mkdir -p "$FINAL" "$OUT/report" "$OUT/replay"
 export PYTHONUNBUFFERED=1
 bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
 [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
@@ -61,3 +62,5 @@ for ph in ("idle", "kernels", "report", "replay"):
               f"{statistics.median(r[2] for r in sel):.0f}  util% p50 "
               f"{statistics.median(r[3] for r in sel):.0f}")
 EOF
+tar czf "$FINAL/service_run.tgz" -C "$OUT" . && cp "$OUT/report/service.json" \
+  "$OUT/replay/replay.json" "$OUT/kernels.log" "$FINAL/" 2>/dev/null; ls "$FINAL"
