@@ -1,6 +1,6 @@
 """Client library and the ``q6serve`` command line.
 
-    from q6serve.client import Client, AsyncClient, Q6ServeError, RetryPolicy
+    from q6serve.client import Client, AsyncClient, ShardedClient, Q6ServeError, RetryPolicy
 
 The names are resolved on first use, so importing the package (as the CLI does) loads
 neither gRPC nor NumPy.
@@ -13,7 +13,7 @@ from typing import Any
 
 _EXPORTS = {"Client": "client", "Q6ServeError": "client", "MatmulOutput": "client",
             "Weight": "client", "TopK": "client", "AsyncClient": "async_client",
-            "RetryPolicy": "retry"}
+            "RetryPolicy": "retry", "ShardedClient": "sharded"}
 __all__ = sorted(_EXPORTS)
 
 

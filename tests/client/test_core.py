@@ -57,6 +57,13 @@ def test_every_call_takes_the_same_arguments(name: str) -> None:
     assert sharded == sync, name
 
 
+def test_the_three_clients_are_exported() -> None:
+    import q6serve.client as pkg
+
+    assert (pkg.Client, pkg.AsyncClient, pkg.ShardedClient) == (Client, AsyncClient,
+                                                                ShardedClient)
+
+
 def test_constructors_take_the_same_keywords() -> None:
     sync = params(Client, "__init__")
     assert params(AsyncClient, "__init__") == sync
