@@ -10,6 +10,7 @@ keeps the VRAM figures exact without reasoning about interleavings.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from q6serve.kernels import q6k
+from q6serve.kernels import gguf_io, q6k  # gguf_io at import: ~0.2 s, never on the loop
 from q6serve.kernels.api import (
     DTYPES,
     Backend,
@@ -74,6 +75,8 @@ UPLOAD_FORMATS = ("q6_k", "f32", "f16")
 # at most this long (BatchSettings.inline_max_s): a GPU launch + copies + one sync, not a
 # NumPy matmul of any size (bench/RESULTS.md, issue 14).
 INLINE_MAX_S = 300e-6
+LOG_EACH = 16  # loads of more weights log these one by one, then one line for the rest
+LOOP_STEP = 64  # per-weight work on the event loop yields after this many weights
 
 
 def version() -> str:
@@ -194,20 +197,22 @@ async def gguf_sources(model_dir: Path | None, rel_path: str, tensors: list[str]
     to ``rows``; the file is opened once and its memory map read as the parts load. The
     header is parsed in a daemon thread polling ``cancelled`` (service/threads.py)."""
     path = confine(model_dir, rel_path)
-    from q6serve.kernels import gguf_io
-
-    found = await run_in_thread(gguf_io.read_q6k_tensors, path, tensors or None, cancelled)
     select = rows or RowSelect()
-    out = []
-    for t in found:
-        r: RowRange = select.resolve(t.name, t.rows)
 
-        def read(r0: int, r1: int, chunk_bytes: int, t: Q6KTensor = t) -> Iterable[np.ndarray]:
-            return slice_tensor(t, RowRange(r0, r1)).iter_row_chunks(chunk_bytes)
+    def sources() -> list[WeightSource]:  # in the thread too: 65536 tensors are work
+        out = []
+        for t in gguf_io.read_q6k_tensors(path, tensors or None, cancelled):
+            r: RowRange = select.resolve(t.name, t.rows)
 
-        out.append(WeightSource(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}", read,
-                                r.begin, t.rows, first=r.begin))
-    return out
+            def read(r0: int, r1: int, chunk_bytes: int, t: Q6KTensor = t,
+                     ) -> Iterable[np.ndarray]:
+                return slice_tensor(t, RowRange(r0, r1)).iter_row_chunks(chunk_bytes)
+
+            out.append(WeightSource(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}", read,
+                                    r.begin, t.rows, first=r.begin))
+        return out
+
+    return await run_in_thread(sources)
 
 
 MAX_PATH_LEN = 1024
@@ -265,6 +270,7 @@ class Engine:
         self._abandon = threading.Event()  # set when a drain's grace period is over
         self._receiving = 0  # uploads reading their stream
         self._scratch = 0  # matmul workspace reserved for the largest resident weight
+        self._workspaces: collections.Counter[int] = collections.Counter()  # size -> weights
         self._serving = True
         self._relayouts = 0
         self._tasks: set[asyncio.Task[object]] = set()
@@ -389,13 +395,31 @@ class Engine:
                         await self._free(e)
                     self._shrink_scratch()
                     raise
-                for e in done:
+                for i, e in enumerate(done):
                     e.batcher = self._make_batcher(e)
                     self.registry.add(e)
-                    log.info("loaded %s: %dx%d, %d bytes %s from %s", e.name, e.rows, e.k,
-                             e.nbytes, e.resident.layout.value, e.source)
+                    self._count_workspace(e, +1)
+                    if i < LOG_EACH:
+                        log.info("loaded %s: %dx%d, %d bytes %s from %s", e.name, e.rows, e.k,
+                                 e.nbytes, e.resident.layout.value, e.source)
+                    if i % LOOP_STEP == LOOP_STEP - 1:
+                        await asyncio.sleep(0)  # many weights: let the loop breathe
+                if len(done) > LOG_EACH:
+                    log.info("loaded %d more weights (%d bytes) from %s", len(done) - LOG_EACH,
+                             sum(e.nbytes for e in done[LOG_EACH:]), done[-1].source)
         self._publish()
-        return [self._view(e) for e in done]
+        views = []
+        for i, e in enumerate(done):
+            views.append(self._view(e))
+            if i % LOOP_STEP == LOOP_STEP - 1:
+                await asyncio.sleep(0)
+        return views
+
+    def _count_workspace(self, e: WeightEntry, delta: int) -> None:
+        ws = self._workspace(e.rows, e.k)
+        self._workspaces[ws] += delta
+        if self._workspaces[ws] <= 0:
+            del self._workspaces[ws]
 
     def _load_needs(self, rows: int, k: int) -> dict[str, int]:
         """What loading a rows x k weight reserves now, per accountant category."""
@@ -474,7 +498,9 @@ class Engine:
         e.freed.set()
 
     def _shrink_scratch(self) -> None:
-        want = max((self._workspace(e.rows, e.k) for e in self.registry.entries()), default=0)
+        # the largest workspace among resident weights, from a count per size: O(sizes), not
+        # O(weights) per unload (65536 weights made every unload cost ~10 ms, a close minutes)
+        want = max(self._workspaces, default=0)
         if want < self._scratch:
             self.vram.release({"scratch": self._scratch - want})
             self._scratch = want
@@ -499,6 +525,7 @@ class Engine:
         async def run() -> WeightView:
             async with self._admin:
                 e = self.registry.remove(name)
+                self._count_workspace(e, -1)
                 view = self._view(e)
                 log.info("unloading %s (%d requests in flight)", name, view.in_flight)
                 await e.freed.wait()

@@ -8,6 +8,7 @@ request has let go of the entry.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ class Registry:
         """Hold names for a load in progress: a second load of the same name fails at once."""
         for n in names:
             check_name(n)
-        dup = sorted({n for n in names if names.count(n) > 1})
+        dup = sorted(n for n, c in collections.Counter(names).items() if c > 1)  # O(names)
         if dup:
             raise InvalidArgument(f"names repeated in one load: {dup}")
         self.check_available(names)
