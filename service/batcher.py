@@ -102,17 +102,6 @@ class Device:
             # shared-memory region that must unmap when its request is done (regions.py)
             job = done = fn = args = outcome = None  # type: ignore[assignment]
 
-    def run_here(self, fn: Callable[..., Any], args: tuple[Any, ...],
-                 done: Callable[[Any, BaseException | None], None]) -> None:
-        """Run a job on the calling (loop) thread now, for an idle device: the same outcome
-        hand-off as :meth:`call`, without the two thread crossings."""
-        self.inflight += 1
-        try:
-            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
-        except BaseException as e:  # every waiter must hear of a failure
-            outcome = (None, e)
-        self._done(done, *outcome)
-
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1
         if isinstance(done, asyncio.Future):
@@ -150,10 +139,6 @@ class BatchSettings:
     # Launched batches per weight not yet finished (one running, one staged behind it): the
     # rest wait in the bounded queue, where they also coalesce.
     max_inflight_batches: int = 2
-    # A lone request on an idle device with nothing else for the loop to do runs on the loop
-    # thread itself when this weight's device jobs have taken at most this long (two thread
-    # crossings saved; see Batcher.enqueue). 0: always the device thread.
-    inline_max_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +208,6 @@ class Batcher:
         self._loop_ = asyncio.get_running_loop()
         self._unfinished = 0  # launched batches not yet finished
         self._running = 0  # requests in launched batches not yet finished
-        self._job_s: float | None = None  # recent device-job wall time (EWMA) of this weight
         self._drained: asyncio.Future[None] | None = None  # close() waits for launches
         self._closed = False
         self._task = self._loop_.create_task(self._loop(), name=f"batch-{name}")
@@ -264,8 +248,7 @@ class Batcher:
         self.queued_rows += n
         if (len(self._queue) == 1 and self._device.idle
                 and self._unfinished < self._s.max_inflight_batches):
-            # idle device, nothing queued: launch now, no loop hop
-            self._start(self._take(), here=self._run_here_now())
+            self._start(self._take())  # idle device, nothing queued: launch now, no loop hop
         else:
             self._wake.set()
         return p.fut
@@ -353,31 +336,15 @@ class Batcher:
             self._start(self._take())
             await asyncio.sleep(0)  # let new arrivals in before forming the next batch
 
-    def _run_here_now(self) -> bool:
-        """Run the launch on the loop thread? Only for a weight whose device jobs are short
-        (measured), when the loop has nothing else ready to run: then nobody waits behind the
-        job, and the reply is ready without a hand-off to the device thread and back (under
-        load the loop is rarely idle, so batches keep forming on the device thread). Needs
-        asyncio's own loop (its ready queue); other loops always use the device thread."""
-        job = self._job_s
-        return (job is not None and job <= self._s.inline_max_s
-                and not getattr(self._loop_, "_ready", True))
-
-    def _start(self, batch: list[_Pending], here: bool = False) -> None:
+    def _start(self, batch: list[_Pending]) -> None:
         """Submit ``batch`` to the device now (nothing if every request in it is dead); its
-        outcome is split in the loop trip that hears of the job's end (``_finish``), or at
-        once when the job runs ``here`` on the loop thread (``_run_here_now``)."""
+        outcome is split in the loop trip that hears of the job's end (``_finish``)."""
         if not batch:
             return
         self._unfinished += 1
         self._running += len(batch)
-        args = (batch, batch[0].key)
-        if here:
-            self._device.run_here(self._job, args, lambda done, exc: self._finish(batch, done,
-                                                                                    exc))
-        else:
-            self._device.call(self._loop_, self._job, args,
-                              lambda done, exc: self._finish(batch, done, exc))
+        self._device.call(self._loop_, self._job, (batch, batch[0].key),
+                          lambda done, exc: self._finish(batch, done, exc))
 
     def _job(self, batch: list[_Pending], key: BatchKey) -> _Done:
         """In the device thread: concatenate the live requests and run them as one launch."""
@@ -423,9 +390,6 @@ class Batcher:
                 self._resolve(p, err)
             return
         live, x, result, t0, t1 = done
-        if x is not None:
-            j = self._job_s
-            self._job_s = t1 - t0 if j is None else 0.75 * j + 0.25 * (t1 - t0)
         if x is None or result is None:  # every request was dropped: only timers to stop
             for p in batch:
                 self._untime(p)

@@ -226,8 +226,7 @@ class MultiDeviceEngine:
         for i, b in enumerate(backends):
             m = (DeviceMetrics(metrics, self._families, i, self)
                  if metrics is not None and self._families is not None else None)
-            # device jobs stay on their threads: sharded parts run on every device at once
-            self.engines.append(Engine(b, config, m, inline_max_s=0.0))  # type: ignore[arg-type]
+            self.engines.append(Engine(b, config, m))  # type: ignore[arg-type]
         self.backend = backends[0]
         self.version = self.engines[0].version
         self._admin = asyncio.Lock()

@@ -71,10 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("q6serve.engine")
 
 UPLOAD_FORMATS = ("q6_k", "f32", "f16")
-# A lone request on an idle device runs on the loop thread when its weight's device jobs take
-# at most this long (BatchSettings.inline_max_s): a GPU launch + copies + one sync, not a
-# NumPy matmul of any size (bench/RESULTS.md, issue 14).
-INLINE_MAX_S = 300e-6
 LOG_EACH = 16  # loads of more weights log these one by one, then one line for the rest
 LOOP_STEP = 64  # per-weight work on the event loop yields after this many weights
 
@@ -252,7 +248,7 @@ def confine(model_dir: Path | None, rel: str) -> Path:
 
 class Engine:
     def __init__(self, backend: Backend, config: WorkerConfig, metrics: Metrics | None = None,
-                 inline_max_s: float = INLINE_MAX_S) -> None:
+                 ) -> None:
         self.backend = backend
         self.config = config
         self.metrics = metrics
@@ -264,8 +260,7 @@ class Engine:
         self.registry = Registry(self._on_unused)
         self._settings = BatchSettings(max_rows=config.max_batch_rows,
                                        max_delay_s=config.max_batch_delay_us * 1e-6,
-                                       max_queue_rows=config.max_queue_rows,
-                                       inline_max_s=inline_max_s)
+                                       max_queue_rows=config.max_queue_rows)
         self._admin = asyncio.Lock()
         self._abandon = threading.Event()  # set when a drain's grace period is over
         self._receiving = 0  # uploads reading their stream

@@ -201,8 +201,7 @@ class Q6ServeServicer:
         def answer(rid: str, took: wire.Took | None, cost: int, answered: list[bool],
                    ctx: contextvars.Context, fut: asyncio.Future[Any]) -> None:
             """``took`` None: a region request, whose future gives (reply, took). Called as the
-            request's sink (in the trip that resolves it; even before ``start_matmul`` returns
-            when the job ran on the loop thread) and again as its done callback (for
+            request's sink (in the trip that resolves it) and again as its done callback (for
             cancellation and the futures that have no sink): the first call answers, in
             ``ctx``, the request's own context (its RPC_START and stream, for the metrics: a
             sink runs in whatever context resolved the future)."""
@@ -258,7 +257,7 @@ class Q6ServeServicer:
                         continue
                     finally:
                         del req  # the queued call holds what it needs (x); nothing else
-                    if not answered[0]:  # (a job run on the loop thread has answered already)
+                    if not answered[0]:  # (never answered yet: futures resolve in a later trip)
                         pending.add(fut)
                         fut.add_done_callback(done)
             except BaseException:
