@@ -1,0 +1,134 @@
+"""Batcher + Device without gRPC: deadlines are timers on the request's future, a request
+dropped before launch never runs, the sink hears each outcome once (and nothing of an outside
+cancel), and a batch's failure reaches every request in it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
+from q6serve.kernels.errors import DeviceError, Unavailable
+from q6serve.service.batcher import (
+    Batcher,
+    BatchKey,
+    BatchSettings,
+    DeadlineExceeded,
+    Device,
+    MatmulReply,
+)
+
+KEY = BatchKey("f32", Precision.EXACT, "f32")
+
+
+class Gate:
+    """A device job that waits until released (keeps the device busy), recording launches."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.launches: list[int] = []
+        self.fail: BaseException | None = None
+
+    def run(self, x: np.ndarray, key: BatchKey) -> MatmulResult:
+        self.open.wait(10)
+        self.launches.append(int(x.shape[0]))
+        if self.fail is not None:
+            raise self.fail
+        return MatmulResult(x * 2, "gate", Layout.SOA, Precision.EXACT,
+                            KernelTiming(host_seconds=1e-6))
+
+
+def _x(n: int, v: float = 1.0) -> np.ndarray:
+    return np.full((n, 4), v, np.float32)
+
+
+async def _batcher(gate: Gate, delay_s: float = 0.0) -> tuple[Batcher, Device]:
+    dev = Device("t")
+    return Batcher("w", dev, gate.run, BatchSettings(max_delay_s=delay_s), lambda: True,
+                   lambda s: None), dev
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_deadline_fails_a_queued_request_which_then_never_runs() -> None:
+    async def main() -> None:
+        gate = Gate()
+        b, dev = await _batcher(gate)
+        first = b.enqueue(_x(1), KEY, None)  # occupies the device
+        late = b.enqueue(_x(3), KEY, 0.05)
+        with pytest.raises(DeadlineExceeded):
+            await late
+        gate.open.set()
+        assert (await first).y.shape == (1, 4)
+        assert (await b.enqueue(_x(2), KEY, None)).batch_rows == 2
+        assert 3 not in gate.launches
+        await b.close()
+        dev.close()
+
+    run(main())
+
+
+def test_sink_hears_results_and_errors_once_and_not_outside_cancels() -> None:
+    async def main() -> None:
+        gate = Gate()
+        b, dev = await _batcher(gate)
+        heard: list[tuple[str, Any]] = []
+
+        def sink(tag: str):  # type: ignore[no-untyped-def]
+            def fn(fut: asyncio.Future[MatmulReply]) -> None:
+                heard.append((tag, fut.exception() or fut.result().y[0, 0]))
+            return fn
+
+        a = b.enqueue(_x(1, 1.0), KEY, None, sink("a"))  # launched at once (idle device)
+        c = b.enqueue(_x(1, 2.0), KEY, None, sink("c"))  # queued behind it
+        d = b.enqueue(_x(1, 3.0), KEY, 0.05, sink("d"))  # queued, then past its deadline
+        c.cancel()  # the caller went away: no sink call, never run
+        await asyncio.sleep(0.1)
+        gate.open.set()
+        await a
+        await asyncio.sleep(0.05)  # let the loop settle the rest
+        assert [t for t, _ in heard] == ["d", "a"]
+        assert isinstance(heard[0][1], DeadlineExceeded) and heard[1][1] == 2.0
+        assert d.done() and gate.launches == [1]
+        await b.close()
+        dev.close()
+
+    run(main())
+
+
+def test_a_batch_failure_reaches_every_request_and_close_fails_the_queue() -> None:
+    async def main() -> None:
+        gate = Gate()
+        gate.fail = DeviceError("boom")
+        b, dev = await _batcher(gate)
+        first = b.enqueue(_x(1), KEY, None)  # runs alone
+        rest = [b.enqueue(_x(1), KEY, None) for _ in range(3)]  # coalesce behind it
+        gate.open.set()
+        for f in [first, *rest]:
+            with pytest.raises(DeviceError):
+                await f
+        assert len(gate.launches) == 2  # one launch alone, one for the three together
+        gate.open.clear()
+        gate.fail = None
+        running = b.enqueue(_x(1), KEY, None)
+        staged = b.enqueue(_x(2), KEY, None)  # launched behind it (two batches per weight)
+        await asyncio.sleep(0.02)
+        queued = b.enqueue(_x(3), KEY, None)  # waits: both launch slots are taken
+        closing = asyncio.ensure_future(b.close())
+        await asyncio.sleep(0.02)
+        gate.open.set()  # launched batches finish; the queued request is refused
+        await closing
+        assert (await running).y.shape == (1, 4) and (await staged).y.shape == (2, 4)
+        with pytest.raises(Unavailable):
+            await queued
+        assert gate.launches[2:] == [1, 2]  # the queued 3 rows never ran
+        assert b.in_flight == 0
+        dev.close()
+
+    run(main())
