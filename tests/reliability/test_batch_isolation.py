@@ -21,9 +21,11 @@ from q6serve.kernels.errors import FormatError
 from q6serve.service.config import Budget, WorkerConfig
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
+from tests.service.svc_util import backend_name, make_backend
 
 ROWS, K = 64, 512
 POISON = 12345.0  # an activation value the refusing backend below will not take
+Q8_RTOL = 1e-5 if backend_name() == "numpy" else 1e-3
 
 
 class RefusingBackend(FaultyBackend):
@@ -50,7 +52,7 @@ def start() -> Iterator[Callable[..., RunningWorker]]:
 
     def go(backend: Any = None) -> RunningWorker:
         rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=64 << 20),
-                                        max_batch_delay_us=5000), backend)
+                                        max_batch_delay_us=5000), backend or make_backend())
         started.append(rw)
         return rw
 
@@ -111,7 +113,9 @@ def test_nan_callers_at_q8_1_do_not_fail_clean_ones(start, rng):
             assert np.isnan(out[0]).all() and not np.isfinite(out[1]).any()
             outcomes["bad"] += 1
         else:
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            # the NumPy backend runs the q8_1 reference; a GPU's int8 kernel sums in
+            # another order
+            np.testing.assert_allclose(out, want, rtol=Q8_RTOL, atol=Q8_RTOL)
             outcomes["clean"] += 1
 
     hammer(rw, 12, 8, request, check)

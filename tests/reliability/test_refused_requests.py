@@ -23,6 +23,7 @@ from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, health, random_q6k
+from tests.service.svc_util import make_backend
 
 MiB = 1 << 20
 BIG = 32 * MiB
@@ -34,7 +35,7 @@ ADMIN = "admin-token-0123456789"
 def worker() -> Iterator[RunningWorker]:
     rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=64 << 20),
                                     max_message_bytes=64 * MiB, token=TOKEN,
-                                    admin_token=ADMIN))
+                                    admin_token=ADMIN), make_backend())
     rw.client(token=ADMIN).upload("w", random_q6k(8, 256, 1), 8, 256)
     yield rw
     rw.stop()

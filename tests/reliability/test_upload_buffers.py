@@ -26,7 +26,7 @@ from q6serve.service.vram import VramAccountant
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, health, vram_figures
-from tests.service.svc_util import wait_until
+from tests.service.svc_util import make_backend, wait_until
 
 MiB = 1 << 20
 
@@ -118,7 +118,8 @@ def test_sha256_and_length_are_checked_at_the_end():
 # -- against a worker ---------------------------------------------------------------------------
 @pytest.fixture
 def worker() -> Iterator[RunningWorker]:
-    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=200 * MiB)))
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=200 * MiB)),
+                       make_backend())
     yield rw
     rw.stop()
 
