@@ -180,11 +180,11 @@ async def run_worker(config: WorkerConfig, backend: Backend,
     grace + HARD_EXIT_S whatever still runs (a thread stuck in a native call, an exit hook):
     an orchestrator's SIGKILL comes later than that."""
     worker = worker or Worker(config, backend)
-    await worker.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start() logs "listening on"
         loop.add_signal_handler(sig, stop.set)
+    await worker.start()
     await stop.wait()
     watchdog = threading.Timer(config.grace_period_s + HARD_EXIT_S, _hard_exit,
                                (worker, config.grace_period_s))
