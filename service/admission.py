@@ -1,13 +1,17 @@
-"""Worker-wide admission of unary-request RPCs: calls beyond the limit wait, they never fail.
+"""Worker-wide admission of unary RPCs: calls beyond the limit wait, they never fail.
 
 HTTP/2 lets a client open many streams on one connection before it has seen the worker's
 MAX_CONCURRENT_STREAMS (a plain stub opening 3000 calls at once got 928 REFUSED_STREAM), so
-the worker advertises a high stream limit and queues the calls itself instead: a call waits
-here, in the interceptor, *before* gRPC reads its request message, so what a waiting call
-holds is bounded by HTTP/2 flow control (its unread bytes stay in the transport windows), and
-at most ``limit`` requests are read and in the worker at once. FIFO, so nobody starves.
-Streaming-request RPCs (MatmulStream, UploadWeight) are not counted: a stream lives long and
-bounds itself (its window; uploads are accounted as they arrive).
+the worker advertises a high stream limit and queues the calls itself instead. A call waits
+here, in the interceptor, *before* gRPC reads its request message -- what a waiting call
+holds is bounded by HTTP/2 flow control (its unread bytes stay in the transport windows) --
+and keeps its place until its reply has been *written*, so at most ``limit`` requests and
+their replies are in the worker at once, however slowly callers read.
+
+Places are shared round-robin between connections (the key: gRPC's peer address), and one
+connection holds at most ``per_key`` of them: a caller that stops reading its replies stalls
+its own connection only. Streaming RPCs (MatmulStream, UploadWeight) are not counted: a
+stream lives long and bounds itself (its window; uploads are accounted as they arrive).
 """
 
 from __future__ import annotations
@@ -17,36 +21,79 @@ import collections
 
 
 class Admission:
-    """A FIFO counting gate; ``waiting`` and ``running`` are plain figures for status/tests."""
+    """Counting gate with a per-key cap, FIFO within a key, round-robin across keys."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_key: int) -> None:
         self.limit = limit
+        self.per_key = max(1, min(per_key, limit))
         self.running = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._held: dict[str, int] = {}
+        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self._ready: collections.deque[str] = collections.deque()  # keys that may go next
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(q) for q in self._waiting.values())
 
-    async def enter(self) -> None:
-        if self.running < self.limit and not self._waiters:
-            self.running += 1
+    def _take(self, key: str) -> None:
+        self.running += 1
+        self._held[key] = self._held.get(key, 0) + 1
+
+    async def enter(self, key: str) -> None:
+        if (self.running < self.limit and not self._ready and key not in self._waiting
+                and self._held.get(key, 0) < self.per_key):
+            self._take(key)
             return
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        q = self._waiting.setdefault(key, collections.deque())
+        q.append(fut)
+        if len(q) == 1 and self._held.get(key, 0) < self.per_key:
+            self._ready.append(key)
+        self._dispatch()
         try:
-            await fut  # leave() hands its place to us (running stays counted)
+            await fut  # _dispatch took the place for us before waking us
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self.leave()  # admitted as we were cancelled: pass the place on
+                self.leave(key)  # admitted as we were cancelled: pass the place on
             else:
-                self._waiters.remove(fut)
+                self._forget(key, fut)
             raise
 
-    def leave(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+    def _forget(self, key: str, fut: asyncio.Future[None]) -> None:
+        q = self._waiting.get(key)
+        if q is None:
+            return
+        if fut in q:
+            q.remove(fut)
+        if not q:
+            del self._waiting[key]
+            if key in self._ready:
+                self._ready.remove(key)
+
+    def leave(self, key: str) -> None:
         self.running -= 1
+        held = self._held[key] - 1
+        if held:
+            self._held[key] = held
+        else:
+            del self._held[key]
+        if key in self._waiting and held < self.per_key and key not in self._ready:
+            self._ready.append(key)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.running < self.limit and self._ready:
+            key = self._ready.popleft()
+            q = self._waiting[key]
+            while q and q[0].done():  # cancelled while waiting
+                q.popleft()
+            if not q:
+                del self._waiting[key]
+                continue
+            fut = q.popleft()
+            self._take(key)
+            fut.set_result(None)
+            if not q:
+                del self._waiting[key]
+            elif self._held[key] < self.per_key:
+                self._ready.append(key)  # round robin: behind the other connections

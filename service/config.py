@@ -73,7 +73,8 @@ class WorkerConfig:
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
     max_message_bytes: int = 256 * 2**20
     max_concurrent_streams: int = 1 << 16  # HTTP/2 streams per connection
-    max_inflight_rpcs: int = 512  # unary RPCs read and running at once; more wait (queue)
+    max_inflight_rpcs: int = 512  # unary RPCs in the worker (reply not yet sent); more wait
+    max_inflight_rpcs_per_connection: int = 64  # of those, per client connection
     max_upload_bytes: int = 8 * 2**30
     # MatmulStream: bytes of requests admitted and replies not yet written, per stream
     max_stream_bytes: int = 64 * 2**20

@@ -89,7 +89,7 @@ class Worker:
                 ("grpc.server.max_pending_requests", PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
         auth = TokenAuth(cfg.token, cfg.admin_token)
-        self.admission = Admission(cfg.max_inflight_rpcs)
+        self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection)
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
         self.server = grpc.aio.server(interceptors=[self._interceptor], options=opts)
         self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)

@@ -7,6 +7,7 @@ unary calls in its admission gate before reading their requests (service/admissi
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 from collections.abc import Iterator
@@ -87,3 +88,54 @@ def test_calls_abandoned_while_waiting_give_their_places_back(worker):
     wait_until(lambda: worker.run(lambda: (gate.running, gate.waiting)) == (0, 0),
                what="the gate to empty")
     assert worker.client().matmul("w", x).shape == (1, ROWS)
+
+
+# -- the gate itself ----------------------------------------------------------------------------
+def test_one_connection_cannot_take_every_place():
+    from q6serve.service.admission import Admission
+
+    async def go() -> None:
+        gate = Admission(limit=4, per_key=2)
+        await gate.enter("a")
+        await gate.enter("a")
+        blocked = asyncio.ensure_future(gate.enter("a"))  # a's third waits for a's own places
+        await asyncio.sleep(0)
+        assert not blocked.done()
+        await gate.enter("b")  # another connection still gets in
+        await gate.enter("b")
+        assert (gate.running, gate.waiting) == (4, 1)
+        gate.leave("b")  # a place is free, but not for a (at its cap): nobody moves
+        await asyncio.sleep(0)
+        assert not blocked.done() and gate.running == 3
+        gate.leave("a")  # now a may go
+        await asyncio.wait_for(blocked, 1)
+        assert (gate.running, gate.waiting) == (3, 0)
+
+    asyncio.run(go())
+
+
+def test_waiters_are_served_round_robin_and_cancelled_ones_skipped():
+    from q6serve.service.admission import Admission
+
+    async def go() -> None:
+        gate = Admission(limit=1, per_key=1)
+        await gate.enter("x")
+        order: list[str] = []
+
+        async def call(key: str) -> None:
+            await gate.enter(key)
+            order.append(key)
+            gate.leave(key)
+
+        tasks = [asyncio.ensure_future(call(k)) for k in ("a", "a", "b", "c", "b")]
+        await asyncio.sleep(0)
+        tasks[2].cancel()  # b's first call gives up while waiting
+        await asyncio.sleep(0)
+        gate.leave("x")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # a, then the other connections in arrival order (b with its second call: its first
+        # was cancelled), then a again
+        assert order == ["a", "b", "c", "a"]
+        assert (gate.running, gate.waiting) == (0, 0)
+
+    asyncio.run(go())
