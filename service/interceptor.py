@@ -195,23 +195,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             gate = self._admission
             if handler.unary_unary and service == SERVICE_NAME and gate is not None:
                 async def admitted(requests: AsyncIterator[Any],
-                                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                    """Declared streaming both ways (the wire format is the same as a unary
-                    call's) so gRPC calls this before it reads the request, and resumes it
-                    after it has written the reply: the call waits for admission first and
-                    keeps its place until its reply is out (service/admission.py)."""
+                                   context: grpc.aio.ServicerContext) -> Any:
+                    """Declared request-streaming (the wire format is a unary call's) so gRPC
+                    calls this before it reads the request: the call waits for admission
+                    first, and keeps its place until the RPC is over -- its reply written and
+                    its status sent -- whatever becomes of it (service/admission.py)."""
                     key = context.peer()
                     await gate.enter(key)
-                    try:
-                        raw = await context.read()  # not `async for`: an unfinished async
-                        # generator would keep this frame, and so the request, alive
-                        result = await unary(b"" if raw is grpc.aio.EOF else raw, context)
-                        if result is not None:  # None: the status is set (an error)
-                            yield result  # returns once gRPC has written it
-                    finally:
-                        gate.leave(key)
+                    context.add_done_callback(lambda _: gate.leave(key))
+                    raw = await context.read()  # not `async for`: an unfinished async
+                    # generator would keep this frame, and so the request, alive
+                    return await unary(b"" if raw is grpc.aio.EOF else raw, context)
 
-                return grpc.stream_stream_rpc_method_handler(
+                return grpc.stream_unary_rpc_method_handler(
                     admitted, request_deserializer=None,
                     response_serializer=handler.response_serializer)
 
