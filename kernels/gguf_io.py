@@ -19,7 +19,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,8 @@ class Q6KTensor:
     rows: int
     k: int
     aos: np.ndarray
+    # drops the mapped file pages under a chunk once it has been consumed (see _Mapping)
+    release: Callable[[np.ndarray], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +70,8 @@ class Q6KTensor:
             chunk = self.aos[r0 * per_row : r1 * per_row]
             q6k.check_scales_finite(chunk, f"tensor {self.name!r}", r0 * per_row, per_row)
             yield chunk
+            if self.release is not None:
+                self.release(chunk)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,10 +396,33 @@ def read_q6k_tensors(path: str | os.PathLike[str], names: list[str] | None = Non
         if not chosen:
             raise FormatError(f"{p.name}: no Q6_K tensors among its {len(infos)} tensors")
     try:
-        data = np.memmap(p, dtype=np.uint8, mode="r", shape=(h.size,))
+        m = _Mapping(p)
     except (OSError, ValueError) as e:
         raise NotFound(f"GGUF file {p.name[:256]!r} cannot be mapped: {e}") from None
-    return [_as_q6k(p, i, data) for i in chosen]
+    return [replace(_as_q6k(p, i, m.data), release=m.release) for i in chosen]
+
+
+class _Mapping:
+    """A read-only memory map of a file as a uint8 array, whose pages a load hands back as
+    it goes: the pages of a consumed chunk are the page cache's again (MADV_DONTNEED on a
+    read-only file mapping only unmaps them; touching them again re-reads them), so a load
+    holds its weight, not the weight plus the file's pages (RSS 2x before)."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as fh:
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self._mm, np.uint8)
+        self._base = self.data.__array_interface__["data"][0]
+
+    def release(self, chunk: np.ndarray) -> None:
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = chunk.__array_interface__["data"][0] - self._base
+        end = start + chunk.nbytes
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the chunk
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def write_q6k_gguf(path: str | os.PathLike[str],
