@@ -97,3 +97,44 @@ class Admission:
                 del self._waiting[key]
             elif self._held[key] < self.per_key:
                 self._ready.append(key)  # round robin: behind the other connections
+
+
+class StreamBudget:
+    """Bytes held by all MatmulStream windows together (requests admitted and replies not yet
+    written): at most ``total`` in the worker and ``per_key`` for one connection, so many
+    streams that stop reading hold a bounded amount, and those of one connection stall
+    that connection first. A connection holding nothing may still take one request larger
+    than ``per_key``, and the worker holding nothing one larger than ``total`` (alone):
+    every stream makes progress."""
+
+    def __init__(self, total: int, per_key: int) -> None:
+        self.total, self.per_key = total, per_key
+        self.used = 0
+        self._by_key: dict[str, int] = {}
+        self._freed = asyncio.Event()  # replaced on every release: no missed wake-up
+
+    def held(self, key: str) -> int:
+        return self._by_key.get(key, 0)
+
+    def _fits(self, key: str, nbytes: int) -> bool:
+        if self.used == 0:
+            return True
+        mine = self._by_key.get(key, 0)
+        return (self.used + nbytes <= self.total
+                and (mine == 0 or mine + nbytes <= self.per_key))
+
+    async def acquire(self, key: str, nbytes: int) -> None:
+        while not self._fits(key, nbytes):
+            await self._freed.wait()
+        self.used += nbytes
+        self._by_key[key] = self._by_key.get(key, 0) + nbytes
+
+    def release(self, key: str, nbytes: int) -> None:
+        self.used -= nbytes
+        left = self._by_key[key] - nbytes
+        if left:
+            self._by_key[key] = left
+        else:
+            del self._by_key[key]
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()

@@ -78,6 +78,8 @@ class WorkerConfig:
     max_upload_bytes: int = 8 * 2**30
     # MatmulStream: bytes of requests admitted and replies not yet written, per stream
     max_stream_bytes: int = 64 * 2**20
+    max_stream_bytes_per_connection: int = 256 * 2**20  # all its streams together
+    max_stream_bytes_total: int = 1 * 2**30  # all streams of the worker together
     load_chunk_bytes: int = 16 * 2**20  # bounded AoS chunks for loads and relayouts
     grace_period_s: float = 10.0
     flags: FlagState = field(default_factory=FlagState)
@@ -93,7 +95,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes",
-                     "max_stream_bytes", "max_regions", "max_region_bytes"):
+                     "max_stream_bytes", "max_regions", "max_region_bytes",
+                     "max_stream_bytes_per_connection", "max_stream_bytes_total",
+                     "max_inflight_rpcs", "max_inflight_rpcs_per_connection"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_batch_delay_us < 0:

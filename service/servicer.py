@@ -20,6 +20,7 @@ from q6serve.kernels.epilogue import MAX_K
 from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
 from . import regions, wire
+from .admission import StreamBudget
 from .auth import TokenAuth
 from .engine import Engine, MatmulCall
 from .interceptor import RPC_START, observe_stream_request, status_code
@@ -47,13 +48,17 @@ class _Window:
 
     A request is admitted while fewer than ``max_items`` are out and its bytes fit in
     ``max_bytes`` -- or when nothing is out, so one request larger than the window still
-    runs (alone). Only the stream's reader waits here, so one event is enough.
+    runs (alone) -- and then fit the worker-wide budget of all streams (``budget``, per
+    connection ``key``). Only the stream's reader waits on the stream's own event.
     """
 
-    def __init__(self, max_items: int, max_bytes: int) -> None:
+    def __init__(self, max_items: int, max_bytes: int, budget: StreamBudget | None = None,
+                 key: str = "") -> None:
         self.max_items, self.max_bytes = max_items, max_bytes
+        self.budget, self.key = budget, key
         self.items = 0
         self.nbytes = 0
+        self.closed = False
         self._freed = asyncio.Event()
 
     def _fits(self, nbytes: int) -> bool:
@@ -64,22 +69,39 @@ class _Window:
         while not self._fits(nbytes):
             self._freed.clear()
             await self._freed.wait()
+        if self.budget is not None:
+            await self.budget.acquire(self.key, nbytes)
         self.items += 1
         self.nbytes += nbytes
 
     def release(self, nbytes: int) -> None:
+        if self.closed:
+            return
         self.items -= 1
         self.nbytes -= nbytes
+        if self.budget is not None:
+            self.budget.release(self.key, nbytes)
         self._freed.set()
+
+    def close(self) -> None:
+        """The stream ended: give back what its unsent replies still held (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.budget is not None and self.nbytes:
+            self.budget.release(self.key, self.nbytes)
+        self.items = self.nbytes = 0
 
 
 class Q6ServeServicer:
     def __init__(self, engine: Engine, max_stream_inflight: int = 256,
                  max_stream_bytes: int = 64 << 20, regions: RegionTable | None = None,
-                 auth: TokenAuth | None = None) -> None:
+                 auth: TokenAuth | None = None, stream_budget: StreamBudget | None = None,
+                 ) -> None:
         self.engine = engine
         self.max_stream_inflight = max_stream_inflight
         self.max_stream_bytes = max_stream_bytes
+        self.stream_budget = stream_budget  # all streams together (service/admission.py)
         # no table: a worker built without one refuses regions like one without --allow-shm
         self.regions = regions if regions is not None else RegionTable(False, 0, 0)
         self.auth = auth or TokenAuth()
@@ -187,7 +209,8 @@ class Q6ServeServicer:
         max(``max_stream_bytes``, one request) of the worker's memory.
         """
         out: asyncio.Queue[tuple[Any, int] | None] = asyncio.Queue()
-        window = _Window(self.max_stream_inflight, self.max_stream_bytes)
+        window = _Window(self.max_stream_inflight, self.max_stream_bytes, self.stream_budget,
+                         context.peer())
         pending: set[asyncio.Future[Any]] = set()
         state = {"reading": True, "open": 0}  # open: requests whose reply is not queued yet
 
@@ -268,6 +291,16 @@ class Q6ServeServicer:
                 out.put_nowait(None)
 
         reader = asyncio.get_running_loop().create_task(read())
+
+        def ended(_: object) -> None:
+            """On the RPC's end, however it ends: a cancelled call leaves this generator
+            suspended (finalized only when collected), so what it holds is let go here."""
+            reader.cancel()
+            for fut in list(pending):
+                fut.cancel()
+            window.close()
+
+        context.add_done_callback(ended)
         try:
             while (got := await out.get()) is not None:
                 item, cost = got
@@ -282,6 +315,7 @@ class Q6ServeServicer:
                 fut.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+            window.close()  # what unsent replies held goes back to the worker's budget
 
     async def _stream_region(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
                              t0: float) -> tuple[Any, wire.Took, bool]:

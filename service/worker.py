@@ -22,7 +22,7 @@ from q6serve.kernels.api import Backend
 from q6serve.kernels.errors import Unavailable
 
 from . import wire
-from .admission import Admission
+from .admission import Admission, StreamBudget
 from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import Engine, version
@@ -93,8 +93,11 @@ class Worker:
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
         self.server = grpc.aio.server(interceptors=[self._interceptor], options=opts)
         self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
+        self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,
+                                          cfg.max_stream_bytes_per_connection)
         wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
-                                           regions=self.regions, auth=auth),
+                                           regions=self.regions, auth=auth,
+                                           stream_budget=self.stream_budget),
                            self.server)
         self._health = wire.health_servicer()
         wire.add_health_and_reflection(self.server, self._health)

@@ -27,6 +27,7 @@ REPLY = N * ROWS * 4  # 1 MiB of f32 per reply
 WINDOW = 4 * REPLY
 SENT = 200
 MAX_COMPUTED = 16
+STREAMS = 12
 
 
 @pytest.fixture
@@ -89,3 +90,45 @@ def test_a_reading_client_gets_every_reply_through_a_small_window(worker, rng):
     assert set(got) == set(xs)
     for rid, x in xs.items():
         assert_close(got[rid], reference(blocks, ROWS, K, x))
+
+
+def test_many_streams_that_never_read_hold_a_bounded_total(rng):
+    """Streams of one connection share its budget (here 4 replies' worth): twelve
+    non-reading streams together get the budget plus what the transport takes per stream
+    (~2 replies each, typically 28 in all) computed, not 12 windows (72); a stream on another
+    connection is still served."""
+    backend = InstrumentedBackend()
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=256 << 20),
+                                    max_stream_bytes=WINDOW,
+                                    max_stream_bytes_per_connection=WINDOW,
+                                    max_batch_delay_us=0), backend)
+    try:
+        c = rw.client()
+        blocks = random_q6k(ROWS, K, 9)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((N, K)).astype(np.float32)
+
+        def requests() -> Iterator[object]:
+            for i in range(50):
+                yield matmul_request("w", x, "auto", "f32", str(i))
+
+        with grpc.insecure_channel(rw.target) as ch:
+            stub = pb_grpc.Q6ServeStub(ch)
+            calls = [stub.MatmulStream(requests(), timeout=60) for _ in range(STREAMS)]
+            wait_until(lambda: len(backend.launches) >= 1, what="the first launch")
+            time.sleep(1.0)
+            computed = sum(backend.launches) // N
+            assert computed <= 4 + 3 * STREAMS, f"{computed} requests computed for " \
+                f"{STREAMS} streams that read nothing (budget: {WINDOW // REPLY} replies for " \
+                "the connection, plus what the transport takes per stream)"
+            # another connection's stream gets its replies meanwhile
+            outs = list(c.matmul_stream([("a", "w", x[:2]), ("b", "w", x[2:4])]))
+            assert sorted(o.request_id for o in outs) == ["a", "b"]
+            assert_close(outs[0].y, reference(blocks, ROWS, K, x[:2] if outs[0].request_id
+                                              == "a" else x[2:4]))
+            for call in calls:
+                call.cancel()
+        wait_until(lambda: rw.worker.stream_budget.used == 0, what="the budget to empty")
+        assert health(rw.target) == "SERVING"
+    finally:
+        rw.stop()
