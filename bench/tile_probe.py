@@ -1,0 +1,215 @@
+"""Probe of the stream-K tensor-core tile q6k_tile_f16 (kernels/cuda/q6k_tile.cu, issue 16).
+
+Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
+the service receives): checks every launch shape against the NumPy float64 reference on a
+spread of rows (first, last and random rows; F16 contract: relative Frobenius error <= 2e-3),
+SoA/AoS bit-identity and call-to-call bit-identity (stream-K partial sums), then times each
+shape with CUDA events (median of 40 calls over rotated resident copies past the 60 MB L2,
+prepass included) beside the backend's AUTO path and torch's f16 linear. A compact table is
+printed last. GPU only; never part of the test suite.
+
+    python bench/tile_probe.py [--shapes 4096x14336,...] [--ns 9,16,32,64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from q6serve.kernels import q6k, reference
+from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
+from q6serve.kernels.cuda import loader, tile
+from q6serve.kernels.cuda_backend import CudaBackend, CudaWeight, slab_rows
+
+_spec = importlib.util.spec_from_file_location("_q6_bench_kernels",
+                                               Path(__file__).with_name("kernels.py"))
+_bk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bk)
+
+SHAPES = ("3584x3584", "512x3584", "18944x3584", "3584x18944", "152064x3584",
+          "4096x4096", "1024x4096", "14336x4096", "4096x14336", "128256x4096")
+NS = (9, 16, 32, 64)
+CHECK_ROWS = 768  # rows compared with the NumPy reference per shape (plus first and last)
+TOL = 2e-3
+
+
+def device_weight(be: CudaBackend, aos: object, rows: int, k: int,
+                  layout: Layout) -> ResidentWeight:
+    """A resident weight built on the device from device AoS blocks (the backend's own
+    repack into its slabs, as ``load`` does chunk by chunk)."""
+    plan = be._slab_plan(rows, k)
+    slabs: list = []
+    be._scatter(aos, 0, rows, plan, slabs, k, layout)
+    return ResidentWeight(rows, k, layout, be.weight_nbytes(rows, k, layout),
+                          CudaWeight(slabs, be._table(slabs), slab_rows(rows, k)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ns", default=",".join(map(str, NS)))
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+
+    be = CudaBackend(0)
+    ns = [int(v) for v in a.ns.split(",")]
+    cfgs = [c for c in tile.CONFIGS if any(tile.nt_for(n) == c.nt for n in ns)]
+    t0 = time.time()
+    with be._dev:
+        tmod = loader.load(tile.TILE_FILE, tuple(
+            tile.kernel_name(c, soa) for c in cfgs for soa in (True, False)))
+        pmod = loader.load(tile.PREP_FILE, tuple(
+            f"q6k_prep_f16<{nt}, InF16>" for nt in sorted({c.nt for c in cfgs})))
+    mods = {tile.TILE_FILE: tmod, tile.PREP_FILE: pmod}
+    print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
+          f"compile {time.time() - t0:.1f} s", flush=True)
+    for c in cfgs:
+        f = tmod.function(tile.kernel_name(c, True))
+        print(f"# {c.label}: {f.num_regs} regs, {tile.smem_bytes(c)} B dynamic smem", flush=True)
+
+    def get_fn(file: str, name: str):
+        return mods[file].function(name)
+
+    rng = np.random.default_rng(0)
+    results: list[dict] = []
+    flags = KernelFlags()
+    for shape_s in a.shapes.split(","):
+        rows, k = map(int, shape_s.split("x"))
+        bpr = k // 256
+        wbytes = q6k.aos_nbytes(rows, k)
+        copies = max(2, min(32, math.ceil(3 * _bk.L2_BYTES / wbytes)))
+        with be._dev, be._stream:
+            nb = rows * bpr
+            aos = cp.random.randint(0, 256, size=(nb, 210), dtype=cp.int32).astype(cp.uint8)
+            d = (cp.random.standard_normal(nb, dtype=cp.float32) * 1e-3).astype(cp.float16)
+            aos[:, 208:210] = d.view(cp.uint8).reshape(nb, 2)
+            ws = [device_weight(be, aos, rows, k, Layout.SOA) for _ in range(copies)]
+            wa = device_weight(be, aos, rows, k, Layout.AOS)
+            pick = np.unique(np.concatenate([
+                np.arange(min(rows, 128)), np.arange(max(0, rows - 128), rows),
+                rng.integers(0, rows, CHECK_ROWS)]))
+            sub = aos.reshape(rows, bpr, 210)[cp.asarray(pick)].get().reshape(-1, 210)
+            del aos
+            be._stream.synchronize()
+        print(f"\n{shape_s}: {wbytes / 1e6:.1f} MB Q6_K, {copies} copies, "
+              f"{pick.size} rows checked", flush=True)
+        for n in ns:
+            x16 = rng.standard_normal((n, k)).astype(np.float16)
+            y64 = reference.matmul_float64(x16, sub, pick.size)
+            with be._dev, be._stream:
+                xd = cp.asarray(x16)
+            t_torch = None if a.no_torch else _bk.torch_linear_us(
+                rows, k, n, max(2, min(16, math.ceil(3 * _bk.L2_BYTES / (2 * rows * k)))))
+            auto = be._path(n, Precision.AUTO, flags, rows, k)[0]
+
+            def call_auto(i: int, auto=auto, xd=xd, ws=ws) -> None:
+                be.run(ws[i], xd, np.dtype(np.float16), auto)
+
+            with be._dev, be._stream:
+                t_auto = _bk.time_calls(cp, call_auto, copies)
+            row = {"shape": shape_s, "n": n, "mb": wbytes / 1e6, "torch_us": t_torch,
+                   "auto": auto, "auto_us": t_auto, "tiles": {}}
+            print(f"{shape_s:>12} {n:>3} {'auto=' + auto:>26} {t_auto:8.1f} us "
+                  f"{wbytes / t_auto / 1e6:5.2f} TB/s   torch {t_torch or 0:8.1f} us", flush=True)
+            for c in cfgs:
+                if c.nt != tile.nt_for(n):
+                    continue
+                try:
+                    res = probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies)
+                except Exception as e:  # one broken shape must not end the run
+                    first = str(e).splitlines()[0] if str(e) else ""
+                    res = {"error": f"{type(e).__name__}: {first}"}
+                row["tiles"][c.label] = res
+                if "error" in res:
+                    print(f"{shape_s:>12} {n:>3} {c.label:>26} FAILED {res['error']}", flush=True)
+                    continue
+                print(f"{shape_s:>12} {n:>3} {c.label:>26} {res['us']:8.1f} us "
+                      f"{wbytes / res['us'] / 1e6:5.2f} TB/s  x{t_auto / res['us']:.2f} auto  "
+                      f"err {res['err']:.2e} grid {res['grid']} "
+                      f"{'ok' if res['ok'] else 'BAD'}", flush=True)
+            results.append(row)
+        for w in [*ws, wa]:
+            be.free(w)
+        ws.clear()
+        cp.get_default_memory_pool().free_all_blocks()
+    print_table(results)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
+                       "results": results}, fh, indent=1)
+    bad = [r for r in results for v in r["tiles"].values() if not v.get("ok")]
+    return 1 if bad else 0
+
+
+def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> dict:
+    """Correctness (reference rows, AoS twin, repeat) and timing of one launch shape."""
+    with be._dev, be._stream:
+        ps = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.smem_sm)
+        pa = tile.plan(get_fn, c, rows, k, n, False, "InF16", be.sm_count, be.smem_sm)
+        xp = cp.empty(ps.xp_words, cp.uint32)
+        part = cp.empty(max(1, ps.part_floats), cp.float32)
+        tickets = cp.zeros(ps.tiles, cp.uint32)
+        outs = []
+        for w, p in ((ws[0], ps), (ws[1], ps), (wa, pa)):
+            y = cp.full((n, rows), np.nan, cp.float32)
+            part.fill(np.nan)
+            cw = w.data
+            tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
+            outs.append(y.get(stream=be._stream))
+        left = int(tickets.sum().get())
+        y = cp.empty((n, rows), cp.float32)
+
+        def call(i: int) -> None:
+            cw = ws[i].data
+            tile.launch(ps, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
+
+        us = _bk.time_calls(cp, call, copies)
+    y0 = outs[0]
+    err = _bk_rel(y0[:, pick], y64)
+    finite = bool(np.isfinite(y0).all())
+    repeat = bool(np.array_equal(y0.view(np.uint32), outs[1].view(np.uint32)))
+    twin = bool(np.array_equal(y0.view(np.uint32), outs[2].view(np.uint32)))
+    ok = finite and repeat and twin and err <= TOL and left == 0
+    return {"us": us, "err": err, "finite": finite, "repeat_identical": repeat,
+            "aos_identical": twin, "tickets_left": left, "grid": ps.grid, "ok": ok}
+
+
+def _bk_rel(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))
+
+
+def print_table(results: list[dict]) -> None:
+    print("\n# us (TB/s of Q6_K); tile = fastest correct launch shape; x = speed vs AUTO / torch")
+    print(f"{'shape':>12} {'MB':>5} {'N':>3} {'AUTO':>14} {'torch f16':>9} "
+          f"{'best tile':>34} {'xAUTO':>6} {'xtorch':>6}")
+    for r in results:
+        good = [(v["us"], lab) for lab, v in r["tiles"].items() if v.get("ok")]
+        mb = r["mb"]
+
+        def tb(us: float, mb: float = mb) -> float:  # MB / us = TB/s
+            return mb / us
+
+        t = f"{r['torch_us']:9.1f}" if r["torch_us"] else "        -"
+        if not good:
+            print(f"{r['shape']:>12} {r['mb']:5.1f} {r['n']:>3} {r['auto_us']:7.1f} "
+                  f"({tb(r['auto_us']):.2f}) {t}   no correct tile", flush=True)
+            continue
+        us, lab = min(good)
+        xt = f"{r['torch_us'] / us:6.2f}" if r["torch_us"] else "     -"
+        print(f"{r['shape']:>12} {r['mb']:5.1f} {r['n']:>3} {r['auto_us']:7.1f} "
+              f"({tb(r['auto_us']):.2f}) {t} {lab:>22} {us:6.1f} ({tb(us):.2f}) "
+              f"{r['auto_us'] / us:6.2f} {xt}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
