@@ -33,11 +33,13 @@
 //   qh [BM][64]   lane (g, t) reads 16 bytes at 32h + 16(t&1): rows 2i, 2i+1 are 64 bytes
 //                 apart, so a quarter-warp touches distinct banks (t, t^2 share a word)
 //   sc [BM][16]
+//   d  [BM] x 4   the 4-byte-aligned word that holds the row's f16 d (cp.async moves 4, 8 or
+//                 16 aligned bytes, d is 2), and dp [BM] x 1 which half of it d is
 //   x  [NT][8 sp][32 lanes] x 16 bytes (the prepass layout of one block)
 // plus a per-tile table of row addresses (BM x RowRef, static) that the fill reads, rewritten
-// by the fill when it crosses into the next row tile. The f16 block scales d (2 bytes per row
-// and block, too small and misaligned for cp.async) are read by each lane from global memory
-// one block ahead into registers.
+// by the fill when it crosses into the next row tile. Everything a block's math reads is in
+// its stage: a first version read d from global memory one block ahead into registers, and
+// every block then waited a loaded DRAM latency for it (H200: 1.1-2.0 TB/s on the big shapes).
 //
 // The AoS twin fills the same stages with 2-byte-aligned loads and plain shared stores (AoS
 // blocks are only 2-byte aligned, cp.async needs 16): same stage bytes, same math, so SoA and
@@ -54,7 +56,9 @@ struct TileGeom {
     static constexpr int BM = WARPS * 16 * MT;  // rows of a tile
     static constexpr int QH = BM * 128;         // byte offsets inside a stage
     static constexpr int SC = QH + BM * 64;
-    static constexpr int X = SC + BM * 16;
+    static constexpr int D = SC + BM * 16;  // u32 word holding d, per row
+    static constexpr int DP = D + BM * 4;   // which half of it is d, per row (byte)
+    static constexpr int X = DP + BM;
     static constexpr int STAGE = X + NT * 8 * 32 * 16;
 };
 
@@ -66,6 +70,21 @@ __device__ __forceinline__ long long unit_start(long long c, long long units, lo
 // strictly increase).
 __device__ __forceinline__ int unit_owner(long long x, long long units, long long g) {
     return (int)(((x + 1) * g + units - 1) / units - 1);
+}
+
+__device__ __forceinline__ float4 ldcg_f32x4(const float* p) {
+    float4 v;  // L2 only: other CTAs wrote it
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+
+// 4-byte copy through L1 (cp.async.cg only moves 16 bytes).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
 }
 
 // Copy unit (tile, kb) into stage `st`. `tab` holds the tile's row references (rows past the
@@ -109,14 +128,72 @@ __device__ __forceinline__ void fill_stage(u8* st, const RowRef* tab, int kb, co
             *(uint4*)dst = ld_u128_a2(src);
     }
 #pragma unroll
+    for (int i = tid; i < G::BM; i += G::THREADS) {
+        const RowRef& rf = tab[i];
+        u32* dst = (u32*)(st + G::D) + i;
+        if (SOA) {  // the aligned word around d (slabs and the d plane are 16-byte aligned)
+            const size_t a = (size_t)(rf.base + rf.d + 2u * kb);
+            cp_async4(dst, (const void*)(a & ~(size_t)3));
+            st[G::DP + i] = (u8)((a >> 1) & 1);
+        } else {
+            *dst = ldg_u16(rf.base + rf.d + 210u * kb);
+            st[G::DP + i] = 0;
+        }
+    }
+#pragma unroll
     for (int i = tid; i < NT * 256; i += G::THREADS) cp_async16(st + G::X + 16 * i, xpk + i);
 }
+
 
 // The 4 code bytes of quad (nib, j) of one row-half from its ql/qh words (see quad_q).
 __device__ __forceinline__ u32 half_q(const uint4& l4, const uint4& h4, int nib, int j, int qsh) {
     const u32 l = word4(l4, j), hw = word4(h4, j);
     return nib ? (((l >> 4) & 0x0F0F0F0Fu) | ((hw >> qsh) & 0x30303030u))
                : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
+}
+
+// The last CTA of a cut tile: y = the contributors' partial sums added in CTA order (fixed,
+// so results never depend on timing). float4 over rows, and each thread issues the loads of
+// 4 contributors before adding them: a first version loaded one float at a time and waited
+// an L2 round trip per term.
+template <int NT, int MT>
+__device__ __forceinline__ void reduce_tile(const Out& o, int rows, int tile, int row0, int c_lo,
+                                            int c_hi, long long units, long long ng, int bpr,
+                                            int tid) {
+    typedef TileGeom<NT, MT> G;
+    constexpr int Q = G::BM / 4;  // float4 per token row of a partial
+    const int nr = min(G::BM, rows - row0);
+    for (int i = tid; i < o.n_tok * Q; i += G::THREADS) {
+        const int tok = i / Q, r4 = (i - tok * Q) * 4;
+        if (r4 >= nr) continue;
+        float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c0 = c_lo; c0 <= c_hi; c0 += 4) {
+            float4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int cc = c0 + j;
+                if (cc > c_hi) {
+                    v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    continue;
+                }
+                const int ps = (long long)tile == unit_start(cc, units, ng) / bpr ? 0 : 1;
+                v[j] = ldcg_f32x4(o.part + (((size_t)cc * 2 + ps) * (8 * NT) + tok) * G::BM + r4);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (c0 + j > c_hi) break;
+                s.x += v[j].x;
+                s.y += v[j].y;
+                s.z += v[j].z;
+                s.w += v[j].w;
+            }
+        }
+        float* y = o.y + (size_t)tok * rows + row0 + r4;
+        y[0] = s.x;
+        if (r4 + 1 < nr) y[1] = s.y;
+        if (r4 + 2 < nr) y[2] = s.z;
+        if (r4 + 3 < nr) y[3] = s.w;
+    }
 }
 
 // x: the q6k_prep_f16<NT> buffer of token chunk 0 (n_tok <= 8*NT). One CTA per resident slot,
@@ -156,32 +233,7 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
         cp_async_commit();  // empty groups keep the wait count uniform
     }
 
-    // ---- consumer state: this lane's rows g, g+8 of each m-tile ----
     const int wr = warp * 16 * MT;  // the warp's first row inside a tile
-    const u8* dptr[MT][2];          // d plane of each row (block 0) of the next unit's tile
-    constexpr u32 D_STEP = SOA ? 2u : 210u;
-    int dtile = -1;
-    auto set_dptr = [&](int tile) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const RowRef rf =
-                    row_ref<SOA>(w, min(tile * G::BM + wr + mt * 16 + g + 8 * hr, w.rows - 1));
-                dptr[mt][hr] = rf.base + rf.d;
-            }
-        dtile = tile;
-    };
-    u32 dnext[MT][2];
-    auto load_d = [&](long long u) {
-        const int tile = (int)(u / bpr), kb = (int)(u - (long long)tile * bpr);
-        if (tile != dtile) set_dptr(tile);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) dnext[mt][hr] = ldg_u16(dptr[mt][hr] + (u32)kb * D_STEP);
-    };
-    if (u0 < u1) load_d(u0);
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -201,12 +253,6 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
             cp_async_commit();
         }
         const int tile = (int)(u / bpr), kb = (int)(u - (long long)tile * bpr);
-        u32 dcur[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) dcur[mt][hr] = dnext[mt][hr];
-        if (u + 1 < u1) load_d(u + 1);  // one block ahead, hidden behind this block's math
 
         const u8* st = stages + slot * G::STAGE;
         float dmul[MT][2];
@@ -217,7 +263,8 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
             for (int hr = 0; hr < 2; ++hr) {
                 const int r = wr + mt * 16 + g + 8 * hr;
                 const uint4 scw = *(const uint4*)(st + G::SC + 16 * r);
-                const float d = f16_to_f32(dcur[mt][hr]);
+                const u32 dw = ((const u32*)(st + G::D))[r] >> (16 * st[G::DP + r]);
+                const float d = f16_to_f32(dw & 0xFFFFu);
                 const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
                 dmul[mt][hr] = zero ? 1.f : d;
                 const float inv = zero ? 1.f : rcp_approx(d);
@@ -319,16 +366,7 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
             __syncthreads();
             if (last) {
                 __threadfence();
-                const int nr = min(G::BM, w.rows - row0);
-                for (int i = tid; i < nr * o.n_tok; i += G::THREADS) {
-                    const int tok = i / nr, r = i - tok * nr;
-                    float s = 0.f;
-                    for (int cc = c_lo; cc <= c_hi; ++cc) {
-                        const int cps = (long long)tile == unit_start(cc, units, ng) / bpr ? 0 : 1;
-                        s += ldcg_f32(o.part + (((size_t)cc * 2 + cps) * (8 * NT) + tok) * G::BM + r);
-                    }
-                    o.y[(size_t)tok * w.rows + row0 + r] = s;
-                }
+                reduce_tile<NT, MT>(o, w.rows, tile, row0, c_lo, c_hi, units, ng, bpr, tid);
             }
         }
 #pragma unroll

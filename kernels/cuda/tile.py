@@ -59,8 +59,9 @@ def default_cfg(n: int) -> TileCfg:
 
 
 def stage_bytes(cfg: TileCfg) -> int:
-    """One stage: ql, qh, scales of the tile's rows for one 256-block + its activations."""
-    return cfg.rows * (128 + 64 + 16) + cfg.nt * 8 * 32 * 16
+    """One stage (TileGeom): ql, qh, scales, d word and its half of the tile's rows for one
+    256-block, and the block's activations."""
+    return cfg.rows * (128 + 64 + 16 + 4 + 1) + cfg.nt * 8 * 32 * 16
 
 
 def smem_bytes(cfg: TileCfg) -> int:
