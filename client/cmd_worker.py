@@ -58,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-regions", type=int, help="registered regions, all callers together (default 64)")
     a("--max-region-bytes", type=int,
       help="mapped bytes of all regions together (default 4GiB)")
+    a("--frontends", type=int, metavar="N",
+      help="N gRPC front-end processes on the one port (SO_REUSEPORT) feeding this process, "
+           "which alone holds the device, through shared memory (default 1: no extra "
+           "process; docs/SERVICE.md)")
+    a("--frontend-shm-bytes", type=int,
+      help="shared-memory arena of each front end for activations and results "
+           "(default 64MiB; committed in /dev/shm at start)")
     a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
       help="logging level (default INFO)")
     p.set_defaults(func=run)
@@ -67,7 +74,7 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
                "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
-               "max_region_bytes")
+               "max_region_bytes", "frontends", "frontend_shm_bytes")
 
 
 class _ListeningFirst(logging.Handler):
@@ -151,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
             check_free(config.metrics_host or config.host, config.metrics_port,
                        "--metrics-port")
         worker = None
+        if args.devices and config.frontends > 1:
+            raise UsageError("--frontends with --devices is not supported yet: run one worker "
+                             "per device")
         if args.devices:  # several devices: service/devices.py (docs/SCALEOUT.md)
             from q6serve.service.devices import DevicesWorker, make_backends, parse_devices
 
@@ -160,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
             backend = backends[0]
         else:
             backend = make_backend(config.backend)
+            if config.frontends > 1:  # service/frontends.py
+                from q6serve.service.frontends import FrontendsWorker
+
+                worker = FrontendsWorker(config, backend)
         if not asyncio.run(run_worker(config, backend, worker)):
             return EXIT_FAILED  # the drain abandoned work (logged): not a clean stop
     except PortInUse as e:

@@ -92,12 +92,16 @@ class WorkerConfig:
     allow_shm: bool = False
     max_regions: int = 64
     max_region_bytes: int = 4 * 2**30  # mapped bytes of all regions together
+    # front-end processes (service/frontends.py): 1 = the gRPC server runs in this process
+    frontends: int = 1
+    frontend_shm_bytes: int = 64 * 2**20  # shared-memory arena of each front end
 
     def __post_init__(self) -> None:
         for name in ("max_batch_rows", "max_request_rows", "max_queue_rows", "load_chunk_bytes",
                      "max_stream_bytes", "max_regions", "max_region_bytes",
                      "max_stream_bytes_per_connection", "max_stream_bytes_total",
-                     "max_inflight_rpcs", "max_inflight_rpcs_per_connection"):
+                     "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "frontends",
+                     "frontend_shm_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_batch_delay_us < 0:

@@ -93,27 +93,29 @@ class _Window:
         self.items = self.nbytes = 0
 
 
-class Q6ServeServicer:
-    def __init__(self, engine: Engine, max_stream_inflight: int = 256,
-                 max_stream_bytes: int = 64 << 20, regions: RegionTable | None = None,
-                 auth: TokenAuth | None = None, stream_budget: StreamBudget | None = None,
-                 ) -> None:
+class RegionPlane:
+    """The servicer's shared-memory regions: a RegionTable next to the engine. A front-end
+    process (frontends.py) puts a proxy of the device process's plane here instead."""
+
+    def __init__(self, table: RegionTable, engine: Any) -> None:
+        self.table = table
         self.engine = engine
-        self.max_stream_inflight = max_stream_inflight
-        self.max_stream_bytes = max_stream_bytes
-        self.stream_budget = stream_budget  # all streams together (service/admission.py)
-        # no table: a worker built without one refuses regions like one without --allow-shm
-        self.regions = regions if regions is not None else RegionTable(False, 0, 0)
-        self.auth = auth or TokenAuth()
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> str:
-        return self.auth.identity(context.invocation_metadata())
+    async def register(self, owner: str, name: str, src: Any) -> Any:
+        if not self.engine.serving:
+            raise Unavailable("the worker is draining and takes no new regions")
+        return self.table.register(owner, name, src)
 
-    async def _region_matmul(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
-                             t0: float) -> tuple[Any, wire.Took]:
-        """A Matmul whose x and/or y live in shared-memory regions (regions.py): the regions
-        are held open for the whole request, so this one is a coroutine."""
-        timeout = _timeout(context)
+    async def unregister(self, owner: str, name: str) -> Any:
+        return self.table.unregister(owner, name)
+
+    async def list(self, owner: str) -> Any:
+        return self.table.list(owner)
+
+    async def matmul(self, owner: str, io: RegionIO, req: Any, timeout: float | None,
+                     t0: float) -> tuple[Any, wire.Took]:
+        """A Matmul whose x and/or y live in regions (regions.py): the regions are held open
+        for the whole request, so this one is a coroutine."""
         decoded: list[float] = []
 
         def make_call(x: Any) -> Any:
@@ -121,9 +123,30 @@ class Q6ServeServicer:
             decoded.append(time.perf_counter())
             return call
 
-        reply = await regions.matmul(self.regions, self.engine, self._caller(context), io,
-                                     make_call)
+        reply = await regions.matmul(self.table, self.engine, owner, io, make_call)
         return reply, wire.Took(t0, decoded[0])
+
+
+class Q6ServeServicer:
+    def __init__(self, engine: Engine, max_stream_inflight: int = 256,
+                 max_stream_bytes: int = 64 << 20, regions: RegionTable | None = None,
+                 auth: TokenAuth | None = None, stream_budget: StreamBudget | None = None,
+                 plane: Any = None) -> None:
+        self.engine = engine
+        self.max_stream_inflight = max_stream_inflight
+        self.max_stream_bytes = max_stream_bytes
+        self.stream_budget = stream_budget  # all streams together (service/admission.py)
+        # no table: a worker built without one refuses regions like one without --allow-shm
+        self.plane = plane or RegionPlane(
+            regions if regions is not None else RegionTable(False, 0, 0), engine)
+        self.auth = auth or TokenAuth()
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        return self.auth.identity(context.invocation_metadata())
+
+    async def _region_matmul(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
+                             t0: float) -> tuple[Any, wire.Took]:
+        return await self.plane.matmul(self._caller(context), io, req, _timeout(context), t0)
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         views = await self.engine.load_gguf(request.gguf_path, list(request.tensors),
@@ -329,15 +352,13 @@ class Q6ServeServicer:
         return wire.set_flags_response(self.engine.set_flags(wire.flag_changes(request)))
 
     async def RegisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if not self.engine.serving:
-            raise Unavailable("the worker is draining and takes no new regions")
-        view = self.regions.register(self._caller(context), request.name,
-                                     wire.region_source(request))
+        view = await self.plane.register(self._caller(context), request.name,
+                                         wire.region_source(request))
         return wire.register_region_response(view)
 
     async def UnregisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.unregister_region_response(
-            self.regions.unregister(self._caller(context), request.name))
+            await self.plane.unregister(self._caller(context), request.name))
 
     async def ListRegions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return wire.list_regions_response(self.regions.list(self._caller(context)))
+        return wire.list_regions_response(await self.plane.list(self._caller(context)))

@@ -225,6 +225,11 @@ def region_io(req: pb.MatmulRequest) -> RegionIO | None:
     return RegionIO(x_ref, x_dtype, x_shape, y_ref)
 
 
+def parse_matmul_request(data: bytes) -> pb.MatmulRequest:
+    """A MatmulRequest a front-end process forwarded (service/frontends.py)."""
+    return pb.MatmulRequest.FromString(data)
+
+
 def region_source(req: pb.RegisterRegionRequest) -> ShmSource | CudaIpcSource:
     which = req.WhichOneof("source")
     if which == "system":

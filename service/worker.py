@@ -49,6 +49,44 @@ def _credentials(cfg: WorkerConfig) -> grpc.ServerCredentials | None:
         require_client_auth=ca is not None)
 
 
+def build_server(cfg: WorkerConfig, servicer: object, interceptor: ErrorInterceptor,
+                 reuseport: bool = False) -> tuple[grpc.aio.Server, Any, int]:
+    """The gRPC server of a worker (or of one front-end process, ``reuseport``: several
+    processes listen on one port, service/frontends.py): ``interceptor``, ``servicer``,
+    health and reflection, bound to cfg.host:cfg.port. Returns (server, health, port)."""
+    opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            ("grpc.so_reuseport", 1 if reuseport else 0),
+            # calls gRPC has taken but not yet handed to us: cancelled beyond these
+            # (defaults 1000/3000); a burst of calls waits in the admission queue instead
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
+    server = grpc.aio.server(interceptors=[interceptor], options=opts)
+    wire.add_to_server(servicer, server)
+    health = wire.health_servicer()
+    wire.add_health_and_reflection(server, health)
+    address = f"{cfg.host}:{cfg.port}"
+    creds = _credentials(cfg)
+    port = (server.add_secure_port(address, creds) if creds
+            else server.add_insecure_port(address))
+    if not port:
+        raise Unavailable(f"cannot bind {address}")
+    return server, health, port
+
+
+async def stop_server(server: grpc.aio.Server, interceptor: ErrorInterceptor,
+                      grace: float) -> None:
+    """Stop ``server`` once its calls are done (at most ``grace`` seconds). Health Watch calls
+    never end on their own, so server.stop(grace) alone would always take the whole grace
+    period: wait for the other calls, then give the watchers a moment to send NOT_SERVING
+    before the server cancels what is left."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + grace
+    await interceptor.wait_idle(grace)
+    await server.stop(min(max(0.0, end - loop.time()), WATCH_LINGER_S))
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, backend: Backend,
                  registry: CollectorRegistry | None = None) -> None:
@@ -74,50 +112,45 @@ class Worker:
 
     async def start(self) -> None:
         cfg = self.config
-        if cfg.metrics_enabled:
-            self.metrics = Metrics(self.registry, version=version(),
-                                   backend=self.backend.name, device=self.backend.device_name())
-            self.metrics.init_labels(wire.SERVICE_NAME, (
-                *wire.METHODS, *(m + STREAM_REQUEST_SUFFIX for m in wire.BIDI_METHODS)))
+        self._init_metrics()
         self.engine = self.make_engine()
-        opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
-                ("grpc.so_reuseport", 0),
-                # calls gRPC has taken but not yet handed to us: cancelled beyond these
-                # (defaults 1000/3000); a burst of calls waits in the admission queue instead
-                ("grpc.server.max_pending_requests", PENDING_CALLS),
-                ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection)
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
-        self.server = grpc.aio.server(interceptors=[self._interceptor], options=opts)
         self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
         self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,
                                           cfg.max_stream_bytes_per_connection)
-        wire.add_to_server(Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
-                                           regions=self.regions, auth=auth,
-                                           stream_budget=self.stream_budget),
-                           self.server)
-        self._health = wire.health_servicer()
-        wire.add_health_and_reflection(self.server, self._health)
-        address = f"{cfg.host}:{cfg.port}"
-        creds = _credentials(cfg)
-        self.port = (self.server.add_secure_port(address, creds) if creds
-                     else self.server.add_insecure_port(address))
-        if not self.port:
-            raise Unavailable(f"cannot bind {address}")
+        servicer = Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,
+                                   regions=self.regions, auth=auth,
+                                   stream_budget=self.stream_budget)
+        self.server, self._health, self.port = build_server(cfg, servicer, self._interceptor)
         await self.server.start()
         log.info("listening on %s:%d", cfg.host, self.port)  # must stay the first line
         log.info("%s", cfg.describe())
         log.info("%s", self.engine.describe())
+        self._start_metrics_http()
+        await self._set_health(True)
+        self.engine.on_health(lambda ok: self._spawn_health(ok))
+
+    def _init_metrics(self) -> None:
+        if self.config.metrics_enabled:
+            self.metrics = Metrics(self.registry, version=version(),
+                                   backend=self.backend.name, device=self.backend.device_name())
+            self.metrics.init_labels(wire.SERVICE_NAME, (
+                *wire.METHODS, *(m + STREAM_REQUEST_SUFFIX for m in wire.BIDI_METHODS)))
+
+    def _start_metrics_http(self) -> None:
+        cfg = self.config
         if cfg.metrics_port is not None and self.metrics is not None:
             host = cfg.metrics_host or cfg.host
             self.metrics_port, self._metrics_http = self.metrics.serve_http(host,
                                                                             cfg.metrics_port)
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
-        await self._set_health(True)
-        self.engine.on_health(lambda ok: self._spawn_health(ok))
+
+    def _stop_metrics_http(self) -> None:
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
 
     async def _set_health(self, ok: bool) -> None:
         for service in ("", wire.SERVICE_NAME):
@@ -162,9 +195,7 @@ class Worker:
             clean = False
             log.warning("drain: freeing the weights took over %.1f s; exiting without it",
                         CLOSE_S)
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+        self._stop_metrics_http()
         self._clean = clean
         self._stopped.set()
         log.info("stopped (%s)", "everything in flight finished" if clean

@@ -1,0 +1,797 @@
+"""Several front-end processes per device: ``q6serve worker --frontends N`` (issue 15 item 2).
+
+One Python gRPC process moves ~5-6k requests/s whatever its handlers do, so the gRPC edge runs
+in N processes that listen on one port (SO_REUSEPORT: the kernel spreads connections over
+them, as in grpc's multiprocessing example) and feed ONE device process, which alone owns the
+backend, the weights, the VRAM accountant, the batchers, the regions and /metrics::
+
+    clients ──TCP──▶ front end 0..N-1 (grpc.aio: interceptor, auth, wire decode, servicer,
+                     health, reflection)
+                          │ Unix socket per front end: small pickled messages + wake-up
+                          │ shared-memory arena per front end: x and y of matmuls
+                          ▼
+                     device process (this module's FrontendsWorker, the `q6serve worker`
+                     process): Engine, RegionTable, Metrics (/metrics), drain
+
+A matmul's activations go into a slot of the front end's arena (one copy, which the bytes
+path makes anyway); the device process views them there, runs the batcher, writes y into the
+same slot and answers with a ~200-byte message; the front end encodes the reply from the slot
+and frees the slot when the reply's y is gone. Calls whose x or y do not fit a slot (or when
+every slot is busy) carry the array in the message instead. The socket is the wake-up: one
+write and one read per direction.
+
+Contract kept from the one-process worker: the same servicer, interceptor (error codes,
+auth), health and reflection run in every front end; request metrics are forwarded to the
+device process every 200 ms, so one /metrics shows the whole worker; status and flags are the
+device process's. SIGTERM to the `q6serve worker` process drains: every front end turns
+health NOT_SERVING and stops its server with the grace period, the engine refuses new work,
+and when the front ends have exited the regions and weights are freed. A front end that dies
+(even mid-call) is logged and replaced; its unfinished calls complete on the device and their
+results are dropped; the device process keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import mmap
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from q6serve.kernels.api import DTYPES, Backend, dtype_name
+from q6serve.kernels.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Q6Error,
+    Unavailable,
+)
+
+from . import wire
+from .admission import Admission, StreamBudget
+from .auth import TokenAuth
+from .config import WorkerConfig
+from .engine import MatmulCall, MatmulReply
+from .interceptor import ErrorInterceptor
+from .regions import SHM_DIR, RegionTable
+from .servicer import Q6ServeServicer, RegionPlane
+from .worker import Worker, build_server, stop_server
+
+log = logging.getLogger("q6serve.frontends")
+
+SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the message
+FRAME = struct.Struct("<Q")
+METRICS_FLUSH_S = 0.2
+START_TIMEOUT_S = 120.0
+
+
+# -- framing: one pickled tuple per message ----------------------------------------------------
+def _send(writer: asyncio.StreamWriter, msg: tuple[Any, ...]) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) < 65536:  # one write (and one wake-up) for the usual small message
+        writer.write(FRAME.pack(len(data)) + data)
+    else:  # no copy of a big payload to prepend the header
+        writer.write(FRAME.pack(len(data)))
+        writer.write(data)
+
+
+async def _recv(reader: asyncio.StreamReader) -> tuple[Any, ...]:
+    (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    # pickle: both ends are this worker's own processes, over a socket in a 0700 directory
+    return pickle.loads(await reader.readexactly(n))
+
+
+def _portable_error(e: BaseException) -> Q6Error:
+    """What the front end re-raises: our errors as they are, anything else INTERNAL (logged
+    here, in the device process, with its traceback)."""
+    if isinstance(e, Q6Error):
+        return e
+    if isinstance(e, asyncio.CancelledError):
+        return Unavailable("the request was cancelled in the device process")
+    log.error("front-end request failed in the device process", exc_info=e)
+    return Q6Error("internal error (logged by the worker)")
+
+
+# -- the arena: per front end, fixed slots of shared memory -------------------------------------
+class Arena:
+    """``slots`` x ``slot_bytes`` of POSIX shared memory. The front end creates it (and
+    commits its pages: a full /dev/shm fails here, not as a SIGBUS later), the device process
+    maps it, then the name is unlinked: nothing is left in /dev/shm even after a kill -9."""
+
+    def __init__(self, name: str, mm: mmap.mmap, slots: int, slot_bytes: int) -> None:
+        self.name, self._mm, self.slots, self.slot_bytes = name, mm, slots, slot_bytes
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> Arena:
+        name = f"q6fe_{os.getpid()}_{secrets.token_hex(4)}"
+        size = slots * slot_bytes
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(SHM_DIR / name)
+                raise Unavailable(f"cannot commit a {size}-byte front-end arena in {SHM_DIR}: "
+                                  f"{e.strerror} (lower --frontend-shm-bytes or grow "
+                                  f"{SHM_DIR})") from None
+            return cls(name, mmap.mmap(fd, size), slots, slot_bytes)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, name: str, slots: int, slot_bytes: int) -> Arena:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < slots * slot_bytes:
+                raise InvalidArgument(f"front-end arena {name} is smaller than announced")
+            return cls(name, mmap.mmap(fd, slots * slot_bytes), slots, slot_bytes)
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHM_DIR / self.name)
+
+    def array(self, slot: int, dtype: np.dtype, shape: tuple[int, ...],
+              writable: bool) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not 0 <= slot < self.slots or n > self.slot_bytes:
+            raise InvalidArgument(f"arena slot {slot} cannot hold {n} bytes")
+        a = np.frombuffer(self._mm, dtype=dtype, count=n // dtype.itemsize,
+                          offset=slot * self.slot_bytes).reshape(shape)
+        a.flags.writeable = writable
+        return a
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # still viewed: unmapped when that array goes
+            self._mm.close()
+
+
+def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    return dtype_name(a.dtype), tuple(int(d) for d in a.shape)
+
+
+# ============================================================================================
+# The device process
+# ============================================================================================
+@dataclasses.dataclass(eq=False)
+class _Front:
+    """One connected front end, as the device process sees it."""
+
+    index: int
+    pid: int
+    writer: asyncio.StreamWriter
+    arena: Arena
+    alive: bool = True
+    pending: int = 0  # matmuls on the device whose result goes to this front end
+    calls: int = 0  # matmuls it sent (tests check that every front end serves)
+    uploads: dict[int, asyncio.Queue[Any]] = dataclasses.field(default_factory=dict)
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        if self.alive:
+            _send(self.writer, msg)
+
+    def done_one(self) -> None:
+        self.pending -= 1
+        if not self.alive and self.pending == 0:
+            self.arena.close()
+
+
+class FrontendsWorker(Worker):
+    """The device process of a ``--frontends N`` worker (N >= 1 front-end processes)."""
+
+    def __init__(self, config: WorkerConfig, backend: Backend,
+                 registry: CollectorRegistry | None = None) -> None:
+        super().__init__(config, backend, registry)
+        self.n = config.frontends
+        self.slot_bytes = min(SLOT_BYTES, config.frontend_shm_bytes)
+        self.slots = max(1, config.frontend_shm_bytes // self.slot_bytes)
+        self._dir = Path(tempfile.mkdtemp(prefix="q6serve-fe-"))  # 0700: ours only
+        self._sock_path = str(self._dir / "device.sock")
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._fronts: dict[int, _Front] = {}
+        self._ready: dict[int, asyncio.Future[None]] = {}
+        self._reserved: socket.socket | None = None
+        self._unix: asyncio.base_events.Server | None = None
+        self._draining = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- start ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._init_metrics()
+        self.engine = self.make_engine()
+        self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
+        self.plane = RegionPlane(self.regions, self.engine)
+        self.port = self._reserve_port()
+        self._unix = await asyncio.start_unix_server(self._serve, path=self._sock_path)
+        for i in range(self.n):
+            self._spawn(i)
+        try:
+            await asyncio.wait_for(asyncio.gather(*self._ready.values()), START_TIMEOUT_S)
+        except BaseException:
+            await self._teardown()
+            raise
+        log.info("listening on %s:%d", cfg.host, self.port)  # must stay the first line
+        log.info("%s", cfg.describe())
+        log.info("%s; %d front-end processes (pids %s), %d arena slots of %d bytes each",
+                 self.engine.describe(), self.n,
+                 ",".join(str(p.pid) for p in self._procs.values()), self.slots,
+                 self.slot_bytes)
+        self._start_metrics_http()
+        self.engine.on_health(self._broadcast_health)
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    def _reserve_port(self) -> int:
+        """Hold the port with a bound, non-listening SO_REUSEPORT socket: the front ends bind it
+        too, the kernel spreads connections over the listening ones (``--port 0``: a free
+        port, the same for every front end)."""
+        host = self.config.host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind((host, self.config.port))
+        except OSError as e:
+            s.close()
+            raise Unavailable(f"cannot bind {self.config.host}:{self.config.port}: "
+                              f"{e.strerror}") from None
+        self._reserved = s
+        return int(s.getsockname()[1])
+
+    def _spawn(self, index: int) -> None:
+        """Start front end ``index``: a fresh interpreter (never a fork of a process holding a
+        device context), its arguments pickled on stdin."""
+        self._ready[index] = asyncio.get_running_loop().create_future()
+        p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE)
+        assert p.stdin is not None
+        p.stdin.write(pickle.dumps((index, self.config, self.port, self._sock_path, self.slots,
+                                    self.slot_bytes, logging.getLogger().getEffectiveLevel())))
+        p.stdin.close()
+        self._procs[index] = p
+
+    @property
+    def frontend_pids(self) -> dict[int, int]:
+        return {i: p.pid for i, p in self._procs.items()}
+
+    @property
+    def frontend_calls(self) -> dict[int, int]:
+        return {i: f.calls for i, f in self._fronts.items()}
+
+    async def _supervise(self) -> None:
+        """Replace a front end that exits while the worker serves (crash, OOM kill)."""
+        while not self._draining:
+            await asyncio.sleep(0.2)
+            for i, p in list(self._procs.items()):
+                if p.poll() is None or self._draining:
+                    continue
+                log.error("front end %d (pid %s) exited with %s; starting a new one", i,
+                          p.pid, p.returncode)
+                self._spawn(i)
+
+    # -- one front end's connection ---------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fe: _Front | None = None
+        try:
+            hello = await _recv(reader)
+            _, index, pid, arena_name, slots, slot_bytes = hello
+            fe = _Front(index, pid, writer, Arena.attach(arena_name, slots, slot_bytes))
+            self._fronts[index] = fe
+            fe.send(("ack",))
+            while True:
+                msg = await _recv(reader)
+                self._dispatch(fe, msg)
+        except (asyncio.IncompleteReadError, ConnectionError, EOFError):
+            pass
+        except Exception:
+            log.exception("front-end connection failed")
+        finally:
+            if fe is not None:
+                fe.alive = False
+                for q in fe.uploads.values():
+                    q.put_nowait(Unavailable("the front end went away mid-upload"))
+                if fe.pending == 0:
+                    fe.arena.close()
+                if self._fronts.get(fe.index) is fe:
+                    del self._fronts[fe.index]
+                if not self._draining:
+                    log.warning("front end %d (pid %d) disconnected with %d calls in flight",
+                                fe.index, fe.pid, fe.pending)
+            writer.close()
+
+    def _dispatch(self, fe: _Front, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "mm":
+            self._matmul(fe, *msg[1:])
+        elif kind == "call":
+            self._task(self._call(fe, *msg[1:]))
+        elif kind == "metrics":
+            if self.metrics is not None:
+                for args in msg[1]:
+                    self.metrics.observe_request(*args)
+        elif kind == "up":
+            q: asyncio.Queue[Any] = asyncio.Queue()
+            fe.uploads[msg[1]] = q
+            self._task(self._upload(fe, msg[1], msg[2], q))
+        elif kind == "upc":
+            if (q2 := fe.uploads.get(msg[1])) is not None:
+                q2.put_nowait(msg[2])
+        elif kind == "ready":
+            fut = self._ready.get(fe.index)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        else:
+            log.error("front end %d sent an unknown message %r", fe.index, kind)
+
+    def _task(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _matmul(self, fe: _Front, rid: int, weight: str, precision: Any, out_dtype: str,
+                timeout: float | None, x: Any, slot: int) -> None:
+        fe.calls += 1
+        try:
+            if isinstance(x, tuple):  # (dtype, shape) in the slot
+                x = fe.arena.array(slot, DTYPES[x[0]].newbyteorder("<"), x[1], writable=False)
+            call = MatmulCall(weight, x, precision, DTYPES[out_dtype], timeout)
+            fut = self.engine.start_matmul(call)  # type: ignore[union-attr]
+        except BaseException as e:
+            fe.send(("err", rid, _portable_error(e)))
+            return
+        del x, call  # the queued request holds x; once it ran, nothing here does
+        fe.pending += 1
+        fut.add_done_callback(functools.partial(self._matmul_done, fe, rid, slot))
+
+    def _matmul_done(self, fe: _Front, rid: int, slot: int,
+                     fut: asyncio.Future[MatmulReply]) -> None:
+        try:
+            if fut.cancelled() or fut.exception() is not None:
+                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+                fe.send(("err", rid, _portable_error(exc)))  # type: ignore[arg-type]
+                return
+            reply = fut.result()
+            if not fe.alive:
+                return  # its front end died: the result has nobody to go to
+            y = reply.y
+            if slot >= 0 and y.nbytes <= fe.arena.slot_bytes:
+                fe.arena.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
+                out: Any = _desc(y)
+            else:
+                out = np.ascontiguousarray(y)
+            fe.send(("mmok", rid, dataclasses.replace(reply, y=None), out))
+        except Exception as e:
+            fe.send(("err", rid, _portable_error(e)))
+        finally:
+            fe.done_one()
+
+    async def _call(self, fe: _Front, rid: int, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            if method not in _DEVICE_CALLS:
+                raise InvalidArgument(f"unknown device call {method!r}")
+            result = await _DEVICE_CALLS[method](self, *args)
+            fe.send(("ok", rid, result))
+        except BaseException as e:
+            fe.send(("err", rid, _portable_error(e)))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _upload(self, fe: _Front, rid: int, spec: Any, q: asyncio.Queue[Any]) -> None:
+        async def chunks() -> AsyncIterator[bytes]:
+            while (c := await q.get()) is not None:
+                if isinstance(c, BaseException):
+                    raise c
+                yield c
+
+        try:
+            view = await self.engine.upload(spec, chunks())  # type: ignore[union-attr]
+            fe.send(("ok", rid, view))
+        except BaseException as e:
+            fe.send(("err", rid, _portable_error(e)))
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            fe.uploads.pop(rid, None)
+
+    def _broadcast_health(self, ok: bool) -> None:
+        for fe in self._fronts.values():
+            fe.send(("health", ok))
+
+    # -- stop -------------------------------------------------------------------------------
+    async def stop(self, grace: float | None = None) -> bool:
+        """Drain: front ends turn NOT_SERVING and stop their servers with the grace period
+        (their in-flight calls finish on the device), then regions and weights are freed."""
+        if self._stopped.is_set() or self.engine is None:
+            return self._clean
+        grace = self.config.grace_period_s if grace is None else grace
+        log.info("draining %d front ends: health NOT_SERVING, grace %.1f s", self.n, grace)
+        self._draining = True
+        for fe in list(self._fronts.values()):
+            fe.send(("drain", grace))
+        self.engine.begin_drain()
+        deadline = time.monotonic() + grace + 10.0
+        while (any(p.poll() is None for p in self._procs.values())
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        # a front end that had to be killed may have left calls unanswered
+        self._clean = not any(p.poll() is None for p in self._procs.values())
+        await self._teardown()
+        if self.regions is not None:
+            self.regions.close()
+        await self.engine.close()
+        self._stop_metrics_http()
+        self._stopped.set()
+        log.info("stopped")
+        return self._clean
+
+    async def _teardown(self) -> None:
+        self._draining = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        for p in self._procs.values():
+            if p.poll() is None:
+                p.kill()
+            await asyncio.to_thread(p.wait, 10)
+        if self._unix is not None:
+            self._unix.close()
+        for fe in list(self._fronts.values()):
+            fe.writer.close()
+        if self._reserved is not None:
+            self._reserved.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _dev_load(w: FrontendsWorker, *a: Any) -> Any:
+    return await w.engine.load_gguf(*a)  # type: ignore[union-attr]
+
+
+async def _dev_unload(w: FrontendsWorker, name: str) -> Any:
+    return await w.engine.unload(name)  # type: ignore[union-attr]
+
+
+async def _dev_list(w: FrontendsWorker) -> Any:
+    return w.engine.list()  # type: ignore[union-attr]
+
+
+async def _dev_get(w: FrontendsWorker, name: str) -> Any:
+    return w.engine.get(name)  # type: ignore[union-attr]
+
+
+async def _dev_status(w: FrontendsWorker) -> Any:
+    return w.engine.status()  # type: ignore[union-attr]
+
+
+async def _dev_set_flags(w: FrontendsWorker, changes: dict[str, bool]) -> Any:
+    return w.engine.set_flags(changes)  # type: ignore[union-attr]
+
+
+async def _dev_region(w: FrontendsWorker, op: str, *a: Any) -> Any:
+    if op == "matmul":
+        owner, io, req_bytes, timeout, t0 = a
+        reply, took = await w.plane.matmul(owner, io, wire.parse_matmul_request(req_bytes),
+                                           timeout, t0)
+        return reply, took
+    if op not in ("register", "unregister", "list"):
+        raise InvalidArgument(f"unknown region call {op!r}")
+    return await getattr(w.plane, op)(*a)
+
+
+_DEVICE_CALLS: dict[str, Callable[..., Any]] = {
+    "load_gguf": _dev_load, "unload": _dev_unload, "list": _dev_list, "get": _dev_get,
+    "status": _dev_status, "set_flags": _dev_set_flags, "region": _dev_region}
+
+
+# ============================================================================================
+# A front-end process
+# ============================================================================================
+class _Link:
+    """The front end's connection to the device process: request ids -> futures."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 arena: Arena) -> None:
+        self.reader, self.writer, self.arena = reader, writer, arena
+        self._ids = 0
+        self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        self.free_slots = list(range(arena.slots))
+        self.serving = True
+        self.drain: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.on_health: Callable[[bool], None] = lambda ok: None
+        self.rows: dict[str, int] = {}  # weight -> rows, seen in replies (stream back-pressure)
+
+    def _next(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def request(self, msg: tuple[Any, ...], slot: int = -1) -> tuple[int, asyncio.Future[Any]]:
+        rid = self._next()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (fut, slot)
+        _send(self.writer, (msg[0], rid, *msg[1:]))
+        return rid, fut
+
+    async def call(self, method: str, *args: Any) -> Any:
+        _, fut = self.request(("call", method, args))
+        return await fut
+
+    def free(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    async def run(self) -> None:
+        """Read the device process's messages until it goes away."""
+        try:
+            while True:
+                msg = await _recv(self.reader)
+                kind = msg[0]
+                if kind in ("ok", "err", "mmok"):
+                    self._answer(msg)
+                elif kind == "health":
+                    self.on_health(msg[1])
+                elif kind == "drain":
+                    self.serving = False
+                    if not self.drain.done():
+                        self.drain.set_result(float(msg[1]))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.serving = False
+            for fut, _ in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(Unavailable("the worker's device process went away"))
+            self._waiting.clear()
+            if not self.drain.done():
+                self.drain.set_result(0.0)
+
+    def _answer(self, msg: tuple[Any, ...]) -> None:
+        kind, rid = msg[0], msg[1]
+        fut, slot = self._waiting.pop(rid, (None, -1))
+        if fut is None:
+            return
+        if kind == "err":
+            if slot >= 0:
+                self.free(slot)
+            if not fut.done():
+                fut.set_exception(msg[2])
+            return
+        if kind == "ok":
+            if not fut.done():
+                fut.set_result(msg[2])
+            return
+        reply, out = msg[2], msg[3]
+        if isinstance(out, tuple):  # y in the slot: the slot is free once y is gone
+            y = self.arena.array(slot, DTYPES[out[0]].newbyteorder("<"), out[1], writable=False)
+            weakref.finalize(y, self.free, slot)
+        else:
+            y = out
+            if slot >= 0:
+                self.free(slot)
+        if not fut.done():
+            fut.set_result(dataclasses.replace(reply, y=y))
+        else:  # the caller gave up: drop y (and with it the slot)
+            del y
+
+
+class EngineProxy:
+    """What the servicer needs of an Engine, answered by the device process."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+
+    @property
+    def serving(self) -> bool:
+        return self.link.serving
+
+    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+        if not self.link.serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+        x = call.x
+        link = self.link
+        slot = link.free_slots.pop() if link.free_slots else -1
+        if slot >= 0 and x.nbytes <= link.arena.slot_bytes:
+            link.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
+            xs: Any = _desc(x)
+        else:
+            xs = np.ascontiguousarray(x)
+        _, fut = link.request(("mm", call.weight, call.precision, dtype_name(call.out_dtype),
+                               call.timeout, xs, slot), slot)
+
+        def note_rows(f: asyncio.Future[MatmulReply]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                link.rows[call.weight] = int(f.result().y.shape[1])
+
+        fut.add_done_callback(note_rows)
+        return fut
+
+    async def matmul(self, call: MatmulCall) -> MatmulReply:
+        # shielded: a cancelled caller must not cancel the future the reply resolves (its
+        # slot is freed only when the device process has answered)
+        return await asyncio.shield(self.start_matmul(call))
+
+    def get(self, name: str) -> Any:
+        """Sync, for the stream's back-pressure estimate only: rows seen in replies."""
+        rows = self.link.rows.get(name)
+        if rows is None:
+            raise NotFound(f"rows of {name!r} not seen yet")
+        return _Rows(rows)
+
+    async def load_gguf(self, *a: Any) -> Any:
+        return await self.link.call("load_gguf", *a)
+
+    async def upload(self, spec: Any, chunks: AsyncIterator[bytes]) -> Any:
+        rid, fut = self.link.request(("up", spec))
+        try:
+            async for c in chunks:
+                if fut.done():
+                    break  # refused already (header, budget): stop reading the client
+                _send(self.link.writer, ("upc", rid, bytes(c)))
+                await self.link.writer.drain()
+            else:
+                _send(self.link.writer, ("upc", rid, None))
+        except BaseException as e:
+            _send(self.link.writer, ("upc", rid, _portable_error(e)
+                                     if isinstance(e, Exception) else
+                                     Unavailable("the upload was cancelled")))
+            raise
+        return await fut
+
+    async def unload(self, name: str) -> Any:
+        return await self.link.call("unload", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    rows: int
+
+
+class _PlaneProxy:
+    """The device process's RegionPlane, seen from a front end."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+
+    async def register(self, owner: str, name: str, src: Any) -> Any:
+        return await self.link.call("region", "register", owner, name, src)
+
+    async def unregister(self, owner: str, name: str) -> Any:
+        return await self.link.call("region", "unregister", owner, name)
+
+    async def list(self, owner: str) -> Any:
+        return await self.link.call("region", "list", owner)
+
+    async def matmul(self, owner: str, io: Any, req: Any, timeout: float | None,
+                     t0: float) -> Any:
+        return await self.link.call("region", "matmul", owner, io, req.SerializeToString(),
+                                    timeout, t0)
+
+
+class _MetricsForwarder:
+    """The interceptor's request metrics, batched to the device process's one registry."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.buf: list[tuple[Any, ...]] = []
+
+    def observe_request(self, *args: Any) -> None:
+        self.buf.append(args)
+
+    def flush(self) -> None:
+        if self.buf and not self.link.writer.is_closing():
+            buf, self.buf = self.buf, []
+            _send(self.link.writer, ("metrics", buf))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_FLUSH_S)
+            self.flush()
+
+
+class FrontendServicer(Q6ServeServicer):
+    """The servicer over an EngineProxy: the engine's synchronous queries become device
+    calls (awaited here); everything else is Q6ServeServicer's."""
+
+    async def ListWeights(self, request: Any, context: Any) -> Any:
+        return wire.list_response(await self.engine.link.call("list"))  # type: ignore[attr-defined]
+
+    async def GetWeight(self, request: Any, context: Any) -> Any:
+        return wire.get_response(
+            await self.engine.link.call("get", request.name))  # type: ignore[attr-defined]
+
+    async def GetStatus(self, request: Any, context: Any) -> Any:
+        return wire.status_response(
+            await self.engine.link.call("status"))  # type: ignore[attr-defined]
+
+    async def SetFlags(self, request: Any, context: Any) -> Any:
+        return wire.set_flags_response(await self.engine.link.call(  # type: ignore[attr-defined]
+            "set_flags", wire.flag_changes(request)))
+
+
+_CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
+
+
+def frontend_main() -> None:
+    """Entry point of a front-end process (FrontendsWorker._spawn): arguments on stdin."""
+    index, config, port, sock_path, slots, slot_bytes, log_level = pickle.load(sys.stdin.buffer)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the device drains
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s frontend{index}: %(name)s: "
+                               "%(message)s")
+    asyncio.run(_frontend(index, config, port, sock_path, slots, slot_bytes))
+
+
+async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, slots: int,
+                    slot_bytes: int) -> None:
+    arena = Arena.create(slots, slot_bytes)
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock_path)
+        _send(writer, ("hello", index, os.getpid(), arena.name, slots, slot_bytes))
+        ack = await _recv(reader)
+    finally:
+        arena.unlink()  # mapped on both sides (or failed): the name is not needed any more
+    if ack[0] != "ack":
+        raise FailedPrecondition(f"the device process refused front end {index}: {ack!r}")
+    link = _Link(reader, writer, arena)
+    reading = asyncio.get_running_loop().create_task(link.run())
+    metrics = _MetricsForwarder(link)
+    flushing = asyncio.get_running_loop().create_task(metrics.run())
+    auth = TokenAuth(cfg.token, cfg.admin_token)
+    proxy = EngineProxy(link)
+    servicer = FrontendServicer(proxy, max_stream_bytes=cfg.max_stream_bytes,  # type: ignore[arg-type]
+                                auth=auth, plane=_PlaneProxy(link),
+                                stream_budget=StreamBudget(cfg.max_stream_bytes_total,
+                                                           cfg.max_stream_bytes_per_connection))
+    # admission per front end: the worker as a whole admits N x --max-inflight-rpcs
+    interceptor = ErrorInterceptor(metrics, auth, Admission(cfg.max_inflight_rpcs))  # type: ignore[arg-type]
+    server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
+                                     interceptor, reuseport=True)
+    await server.start()
+
+    async def set_health(ok: bool) -> None:
+        for service in ("", wire.SERVICE_NAME):
+            await health.set(service, wire.health_status(ok))
+
+    await set_health(True)
+    health_tasks: set[asyncio.Task[None]] = set()
+
+    def on_health(ok: bool) -> None:
+        t = asyncio.get_running_loop().create_task(set_health(ok))
+        health_tasks.add(t)
+        t.add_done_callback(health_tasks.discard)
+
+    link.on_health = on_health
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM,
+                            lambda: link.drain.done() or link.drain.set_result(
+                                cfg.grace_period_s))
+    _send(writer, ("ready",))
+    grace = await link.drain
+    await health.enter_graceful_shutdown()
+    link.serving = False
+    await stop_server(server, interceptor, grace)
+    metrics.flush()
+    flushing.cancel()
+    with contextlib.suppress(Exception):
+        await writer.drain()
+    writer.close()
+    reading.cancel()
+    with contextlib.suppress(BaseException):
+        await reading
+    arena.close()

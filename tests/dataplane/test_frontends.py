@@ -1,0 +1,218 @@
+"""Several front-end processes per device (issue 15, item 2) on the NumPy backend: matmuls
+through every front end, the error contract, regions, status/flags/health/metrics through
+them, a front end killed mid-call, drain, and the `q6serve worker --frontends 2` command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from q6serve.client.client import Client, Q6ServeError
+from q6serve.client.retry import RetryPolicy
+from q6serve.service.config import Budget, WorkerConfig
+from q6serve.service.frontends import FrontendsWorker
+from tests.service.svc_util import InstrumentedBackend, make_backend, random_q6k, reference
+
+ROWS, K = 96, 512
+
+
+class Running:
+    """A FrontendsWorker (the device process) on a private loop thread of this process."""
+
+    def __init__(self, config: WorkerConfig, backend: Any = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.registry = CollectorRegistry()
+        self.worker = FrontendsWorker(config, backend or make_backend(), self.registry)
+        self.call(self.worker.start(), 120)
+        self.target = self.worker.target
+        self.clients: list[Client] = []
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def client(self, **kw: Any) -> Client:
+        """A client on its own TCP connection (gRPC shares one between channels to the same
+        target unless told not to), so SO_REUSEPORT may place it on any front end."""
+        ch = grpc.insecure_channel(self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        c = Client(self.target, channel=ch, **kw)
+        self.clients.append(c)
+        return c
+
+    def stop(self, grace: float = 2.0) -> None:
+        if self.loop.is_closed():
+            return
+        for c in self.clients:
+            c.close()
+        self.call(self.worker.stop(grace), 60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+
+    def go(backend: Any = None, **kw: Any) -> Running:
+        cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
+                           grace_period_s=2.0, allow_shm=True, frontends=2,
+                           frontend_shm_bytes=8 << 20, max_batch_delay_us=0, **kw)
+        r = Running(cfg, backend)
+        started.append(r)
+        return r
+
+    yield go
+    for r in started:
+        r.stop()
+
+
+def arenas(pids: Any) -> list[str]:
+    """Front-end arenas of these pids still named in /dev/shm (they are unlinked at start)."""
+    return [n for n in os.listdir("/dev/shm") if any(f"q6fe_{p}_" in n for p in pids)]
+
+
+def test_every_frontend_serves_the_whole_contract(start: Callable[..., Running],
+                                                  rng: np.random.Generator) -> None:
+    w = start()
+    blocks = random_q6k(ROWS, K, 11)
+    first = w.client()
+    first.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((3, K)).astype(np.float16)
+    want = reference(blocks, ROWS, K, x)
+    for _ in range(40):  # connections land on front ends by the kernel's hash: try a few
+        c = w.client()
+        np.testing.assert_allclose(c.matmul("w", x), want, rtol=1e-5, atol=1e-4)
+        if all(w.worker.frontend_calls.get(i, 0) for i in range(2)):
+            break
+    calls = w.worker.frontend_calls
+    assert calls[0] > 0 and calls[1] > 0, calls
+    assert arenas(w.worker.frontend_pids.values()) == []
+    for c in w.clients[-2:]:  # the last client, and one more on the other front end
+        # the error contract, as with one process
+        with pytest.raises(Q6ServeError) as e:
+            c.matmul("nope", x)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(Q6ServeError) as e:
+            c.matmul("w", np.zeros((2, 256), np.float32))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "K=256" in e.value.message
+        outs = {o.request_id: o for o in c.matmul_stream([("a", "w", x), ("b", "nope", x)])}
+        np.testing.assert_allclose(outs["a"].y, want, rtol=1e-5, atol=1e-4)
+        assert outs["b"].code == grpc.StatusCode.NOT_FOUND  # type: ignore[union-attr]
+        # big activations travel in the message instead of a slot (8 MiB arena, 4 MiB slots)
+        big = rng.standard_normal((256, K)).astype(np.float32)
+        y = c.matmul_full("w", big).y
+        np.testing.assert_allclose(y, reference(blocks, ROWS, K, big), rtol=1e-5, atol=1e-4)
+        # regions live in the device process: registered through one front end, used (or
+        # refused) through any
+        assert [wt.name for wt in c.list()] == ["w"] and c.get("w").rows == ROWS
+        assert c.status().serving and c.health()
+        assert c.flags()["Q6SERVE_DYNAMIC_BATCHING"] is True
+    with first.register_shm("r", 1 << 16) as region:
+        for c in w.clients:
+            np.testing.assert_allclose(c.matmul("w", x, x_region=region, y_region=(region, 8192)),
+                                       want, rtol=1e-5, atol=1e-4)
+        assert [r.name for r in w.clients[-1].list_regions()] == ["r"]
+    # one /metrics: the front ends' request metrics reach the device process's registry
+    time.sleep(0.5)
+    ok = w.registry.get_sample_value("q6serve_requests_total",
+                                     {"service": "q6serve.v1.Q6Serve", "method": "Matmul",
+                                      "code": "OK"})
+    assert ok is not None and ok >= len(w.clients), ok
+
+
+def test_frontend_killed_mid_call(start: Callable[..., Running],
+                                  rng: np.random.Generator) -> None:
+    """SIGKILL a front end while calls run through it: those calls fail UNAVAILABLE, the
+    device process keeps serving through the other one, and a replacement starts."""
+    w = start(backend=InstrumentedBackend(matmul_delay=0.3))
+    clients = [w.client(retry=RetryPolicy(attempts=1)) for _ in range(8)]
+    blocks = random_q6k(ROWS, K, 3)
+    clients[0].upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    for c in clients:
+        c.matmul("w", x)  # every client connected (to some front end)
+    victim = w.worker.frontend_pids[0]
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futs = [pool.submit(c.matmul, "w", x) for c in clients]
+        time.sleep(0.15)  # the calls are on the device now
+        os.kill(victim, signal.SIGKILL)
+        outcomes = []
+        for f in futs:
+            try:
+                f.result(30)
+                outcomes.append("OK")
+            except Q6ServeError as e:
+                outcomes.append(e.code.name)
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
+    deadline = time.monotonic() + 60
+    while w.worker.frontend_pids[0] == victim or 0 not in w.worker.frontend_calls:
+        assert time.monotonic() < deadline, "no replacement front end"
+        time.sleep(0.1)
+    fresh = w.client()
+    np.testing.assert_allclose(fresh.matmul("w", x), reference(blocks, ROWS, K, x), rtol=1e-5,
+                               atol=1e-4)
+    assert fresh.status().serving
+    assert w.call(_in_flight(w)) == 0  # nothing of the dead front end's left queued
+    assert arenas([victim, *w.worker.frontend_pids.values()]) == []
+
+
+async def _in_flight(w: Running) -> int:
+    return sum(v.in_flight for v in w.worker.engine.list())
+
+
+def test_drain_finishes_in_flight_calls(start: Callable[..., Running],
+                                        rng: np.random.Generator) -> None:
+    w = start(backend=InstrumentedBackend(matmul_delay=0.4))
+    c = w.client()
+    c.upload("w", random_q6k(ROWS, K, 5), ROWS, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    c.matmul("w", x)
+    procs = list(w.worker._procs.values())
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(c.matmul, "w", x)
+        time.sleep(0.1)
+        stopping = threading.Thread(target=lambda: w.call(w.worker.stop(2.0)))
+        stopping.start()
+        assert slow.result(30).shape == (1, ROWS)  # the in-flight call finished
+        stopping.join(60)
+    assert all(p.poll() is not None for p in procs)  # every front end exited
+    assert w.worker.engine.status().vram.weights == 0
+
+
+def test_worker_command_with_frontends(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
+         "numpy", "--vram-budget", "64MiB", "--frontends", "2", "--frontend-shm-bytes",
+         "4194304", "--grace-period", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        m = re.search(r"listening on (\S+:\d+)$", first.strip())
+        assert m, first
+        with Client(m.group(1)) as c:
+            c.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
+            assert c.matmul("w", np.ones((1, K), np.float32)).shape == (1, ROWS)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
