@@ -187,7 +187,9 @@ def test_drain_finishes_in_flight_calls(start: Callable[..., Running],
     procs = list(w.worker._procs.values())
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(c.matmul, "w", x)
-        time.sleep(0.1)
+        while not w.call(_in_flight(w)):  # on the device now (bounded by the call's timeout)
+            assert not slow.done()
+            time.sleep(0.01)
         stopping = threading.Thread(target=lambda: w.call(w.worker.stop(2.0)))
         stopping.start()
         assert slow.result(30).shape == (1, ROWS)  # the in-flight call finished
