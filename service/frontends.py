@@ -228,7 +228,7 @@ class FrontendsWorker(Worker):
         for i in range(self.n):
             self._spawn(i)
         try:
-            await asyncio.wait_for(asyncio.gather(*self._ready.values()), START_TIMEOUT_S)
+            await asyncio.wait_for(self._started(), START_TIMEOUT_S)
         except BaseException:
             await self._teardown()
             raise
@@ -241,6 +241,15 @@ class FrontendsWorker(Worker):
         self._start_metrics_http()
         self.engine.on_health(self._broadcast_health)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _started(self) -> None:
+        """Every front end reported ready; one that exits first fails the start at once."""
+        while not all(f.done() for f in self._ready.values()):
+            for i, p in self._procs.items():
+                if p.poll() is not None:
+                    raise Unavailable(f"front end {i} exited with {p.returncode} while "
+                                      "starting (its error is in the log above)")
+            await asyncio.sleep(0.05)
 
     def _reserve_port(self) -> int:
         """Hold the port with a bound, non-listening SO_REUSEPORT socket: the front ends bind it
@@ -759,7 +768,9 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
                                 stream_budget=StreamBudget(cfg.max_stream_bytes_total,
                                                            cfg.max_stream_bytes_per_connection))
     # admission per front end: the worker as a whole admits N x --max-inflight-rpcs
-    interceptor = ErrorInterceptor(metrics, auth, Admission(cfg.max_inflight_rpcs))  # type: ignore[arg-type]
+    interceptor = ErrorInterceptor(metrics, auth,  # type: ignore[arg-type]
+                                   Admission(cfg.max_inflight_rpcs,
+                                             cfg.max_inflight_rpcs_per_connection))
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()
