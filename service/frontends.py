@@ -609,7 +609,9 @@ class EngineProxy:
     def serving(self) -> bool:
         return self.link.serving
 
-    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]:
+    def start_matmul(self, call: MatmulCall, sink: Callable[[Any], None] | None = None,
+                     ) -> asyncio.Future[MatmulReply]:
+        """As Engine.start_matmul; ``sink(fut)`` runs when the device process answered."""
         if not self.link.serving:
             raise Unavailable("the worker is draining and takes no new requests")
         x = call.x
@@ -628,6 +630,8 @@ class EngineProxy:
                 link.rows[call.weight] = int(f.result().y.shape[1])
 
         fut.add_done_callback(note_rows)
+        if sink is not None:
+            fut.add_done_callback(sink)
         return fut
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
