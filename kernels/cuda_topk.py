@@ -1,12 +1,18 @@
-"""The top-k / log-sum-exp epilogue on the CUDA device (CuPy ops; see kernels/epilogue.py).
+"""The top-k / log-sum-exp epilogue on the CUDA device (see kernels/epilogue.py).
 
-Runs :func:`epilogue.topk_xp` with CuPy on the f32 y the matmul left on the device, on the
-backend's stream, and downloads only values/indices/lse (N x (8k + 4) bytes instead of
-N x rows x 4), packed in one buffer so the download is one copy and one synchronisation.
-Rows are processed in chunks of at most ``CHUNK_ELEMS`` elements of y, so the epilogue's
-transient device memory is bounded (~5 x 4 bytes per chunk element: the padded copy, the
-shifted and exp terms, candidate keys and the sort's buffers: ~40 MiB) whatever N and the
-weight's rows. It is CuPy-pool memory freed on return, like the matmul's own split-K partials,
+Two implementations of the contract, both on the backend's stream, both writing one packed
+int32 row per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) bytes
+are downloaded (instead of N x rows x 4), in one copy and one synchronisation:
+
+- ``cuda/q6_topk.cu`` (``FUSED``, the default): one kernel, one CTA per row: max, f64 sum of
+  exp, a 4-pass radix select of the k-th largest value, a gather and a bitonic sort of the k
+  candidates. No extra device memory beyond the packed result.
+- :func:`epilogue.topk_xp` on CuPy ops (the same code CI runs with NumPy): group maxima bound
+  the candidates, one 64-bit key sort. Rows in chunks of at most ``CHUNK_ELEMS`` elements of
+  y (~5 x 4 bytes of transient memory per chunk element: ~40 MiB) whatever N and the rows.
+
+The GPU test (tests/kernels/test_epilogue.py) checks both against the NumPy reference.
+Transient memory is CuPy-pool memory freed on return, like the matmul's own split-K partials,
 and not part of the accountant's per-weight scratch (service/engine.py).
 """
 
@@ -18,25 +24,43 @@ import numpy as np
 
 from .epilogue import TopK, topk_xp
 
-CHUNK_ELEMS = 2 << 20  # elements of y per chunk: 8 MiB of f32 rows, ~40 MiB transient
+FUSED = True  # the one-kernel epilogue; False: topk_xp on CuPy ops
+TOPK_FILE = "q6_topk.cu"
+THREADS = 1024  # per CTA (Q6_TOPK_THREADS in the kernel's __launch_bounds__)
+CHUNK_ELEMS = 2 << 20  # topk_xp path: elements of y per chunk (8 MiB f32, ~40 MiB transient)
 
 
-def topk_on_device(cp: Any, y: Any, k: int, stream: Any) -> TopK:
-    """Top-k of device ``y`` f32 [N, cols] on ``stream``; host arrays out. ``cp``: the array
-    module (CuPy; the tests pass NumPy with a ``get`` shim to check the chunking)."""
+def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = None) -> TopK:
+    """Top-k of device ``y`` f32 [N, cols] (C-contiguous) on ``stream``; host arrays out.
+    ``fused``: the one-kernel path (default ``FUSED``); ``cp``: the array module (CuPy; the
+    tests pass NumPy with a ``get`` shim to check the chunked path's packing)."""
     n, cols = (int(d) for d in y.shape)
-    step = max(1, CHUNK_ELEMS // max(cols, 1))
     with stream:
         # one row per input row: values [k] | indices [k] | lse [1], all as int32 bits (an
         # integer copy never touches the bits; an f32 copy could flush denormal patterns)
         packed = cp.empty((n, 2 * k + 1), dtype=cp.int32)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            v, i, s = topk_xp(y[r0:r1], k, cp)
-            packed[r0:r1, :k] = v.view(cp.int32)
-            packed[r0:r1, k : 2 * k] = i
-            packed[r0:r1, 2 * k] = s.view(cp.int32)
+        if FUSED if fused is None else fused:
+            _fused(cp, y, k, packed)
+        else:
+            step = max(1, CHUNK_ELEMS // max(cols, 1))
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                v, i, s = topk_xp(y[r0:r1], k, cp)
+                packed[r0:r1, :k] = v.view(cp.int32)
+                packed[r0:r1, k : 2 * k] = i
+                packed[r0:r1, 2 * k] = s.view(cp.int32)
         host = packed.get(stream=stream)
     return TopK(np.ascontiguousarray(host[:, :k]).view(np.float32),
                 np.ascontiguousarray(host[:, k : 2 * k]),
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))
+
+
+def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
+    """One launch of cuda/q6_topk.cu on the current stream: one CTA of THREADS per row."""
+    from .cuda import loader
+
+    if y.dtype != cp.float32 or not y.flags.c_contiguous:
+        y = cp.ascontiguousarray(y, dtype=cp.float32)
+    n, cols = (int(d) for d in y.shape)
+    fn = loader.load(TOPK_FILE, (), int(y.device.id)).function("q6_topk_rows")
+    fn((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))

@@ -123,7 +123,8 @@ def test_numpy_backend_epilogue() -> None:
 
 
 # -- CUDA (the lead's GPU run) -----------------------------------------------------------------
-def _cuda_backend():  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def cuda_be():  # type: ignore[no-untyped-def]
     try:
         import cupy
 
@@ -133,39 +134,80 @@ def _cuda_backend():  # type: ignore[no-untyped-def]
         pytest.skip("needs CuPy and a CUDA device")
     from q6serve.kernels.cuda_backend import CudaBackend
 
-    return CudaBackend(0)
+    be = CudaBackend(0)
+    yield be
+    be.close()
+
+
+def _assert_matches(top: TopK, y: np.ndarray, k: int) -> None:
+    """Values bit-equal to the reference's (NaN == NaN), indices equal where not tied, lse
+    within LSE_RTOL (equal where infinite or NaN)."""
+    ref = topk_reference(y, k)
+    v, i, lse = top.values, top.indices, top.lse
+    assert v.shape == i.shape == (y.shape[0], k) and lse.shape == (y.shape[0],)
+    np.testing.assert_array_equal(v, ref.values)
+    np.testing.assert_array_equal(v, np.take_along_axis(y, i, axis=1))
+    untied = np.ones(v.shape, bool)
+    untied[:, 1:] &= v[:, 1:] != v[:, :-1]
+    untied[:, :-1] &= v[:, :-1] != v[:, 1:]
+    np.testing.assert_array_equal(i[untied], ref.indices[untied])
+    finite = np.isfinite(ref.lse)
+    np.testing.assert_array_equal(lse[~finite], ref.lse[~finite])
+    assert np.all(np.abs(lse[finite] - ref.lse[finite])
+                  <= LSE_RTOL * np.maximum(1, np.abs(ref.lse[finite])))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,k", [(512, 1, 1), (4096, 8, 64), (152064, 64, 64),
                                       (152064, 3, 256), (300, 5, 256)])
 @pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16])
-def test_cuda_epilogue_matches_reference(rows: int, n: int, k: int,
-                                         precision: Precision) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cupy_ops"])
+def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # type: ignore[no-untyped-def]
+                                         precision: Precision, fused: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The device's top-k == the NumPy reference on the y a plain call downloads (the kernels
-    are deterministic, split-K included): values bit-equal, indices equal where not tied,
-    lse within LSE_RTOL."""
-    be = _cuda_backend()
+    are deterministic, split-K included)."""
+    from q6serve.kernels import cuda_topk
+
+    monkeypatch.setattr(cuda_topk, "FUSED", fused)
+    kk = 256 if rows > 100_000 else 512  # keep the lm-head-sized weight small in K
+    w = cuda_be.load(iter_aos_chunks(_blocks(rows, kk, rows), rows, kk, 64 << 20), rows, kk,
+                     Layout.SOA, 64 << 20)
     try:
-        kk = 256 if rows > 100_000 else 512  # keep the lm-head-sized weight small in K
-        w = be.load(iter_aos_chunks(_blocks(rows, kk, rows), rows, kk, 64 << 20), rows, kk,
-                    Layout.SOA, 64 << 20)
         x = np.random.default_rng(n).standard_normal((n, kk)).astype(np.float32)
-        plain = be.matmul(w, x, precision=precision)
-        top = be.matmul(w, x, precision=precision, topk=k)
+        plain = cuda_be.matmul(w, x, precision=precision)
+        top = cuda_be.matmul(w, x, precision=precision, topk=k)
         assert top.y is None and top.topk is not None and top.kernel == plain.kernel
-        ref = topk_reference(plain.y, k)
-        v, i, lse = top.topk.values, top.topk.indices, top.topk.lse
-        np.testing.assert_array_equal(v, np.take_along_axis(plain.y, i, axis=1))
-        np.testing.assert_array_equal(v, ref.values)
-        untied = np.ones(v.shape, bool)
-        untied[:, 1:] &= v[:, 1:] != v[:, :-1]
-        untied[:, :-1] &= v[:, :-1] != v[:, 1:]
-        np.testing.assert_array_equal(i[untied], ref.indices[untied])
-        assert np.all(np.abs(lse - ref.lse) <= LSE_RTOL * np.maximum(1, np.abs(ref.lse)))
-        be.free(w)
+        _assert_matches(top.topk, plain.y, k)
     finally:
-        be.close()
+        cuda_be.free(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cupy_ops"])
+def test_cuda_epilogue_special_rows(cuda_be, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    """Ties, +-inf, NaN, rows of -inf, k == columns, one column: on the device directly."""
+    import cupy
+
+    from q6serve.kernels.cuda_topk import topk_on_device
+
+    rng = np.random.default_rng(11)
+    cases = []
+    y = rng.standard_normal((6, 7000)).astype(np.float32)
+    y[0, [5, 900, 6999]] = 50.0  # a three-way tie at the top
+    y[1, :] = 0.0  # every column tied
+    y[2, 17] = np.inf
+    y[3, 4242] = np.nan
+    y[4, :] = -np.inf
+    y[5, :6990] = -np.inf  # fewer finite columns than k
+    cases.append((y, 16))
+    cases.append((rng.standard_normal((3, 256)).astype(np.float32), 256))  # k == columns
+    cases.append((rng.standard_normal((4, 1)).astype(np.float32), 1))
+    cases.append((np.round(rng.standard_normal((5, 20000)) * 4).astype(np.float32), 100))
+    for y, k in cases:
+        with cupy.cuda.Device(0):
+            top = topk_on_device(cupy, cupy.asarray(y), k, cuda_be.stream, fused=fused)
+        _assert_matches(top, y, k)
 
 
 def test_device_driver_chunks_and_packs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,7 +227,7 @@ def test_device_driver_chunks_and_packs(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cuda_topk, "CHUNK_ELEMS", 3 * 5000)  # 3 rows per chunk
     y = np.random.default_rng(7).standard_normal((8, 5000)).astype(np.float32)
     y[3, 17] = np.nan
-    got = cuda_topk.topk_on_device(fake, y, 20, contextlib.nullcontext())
+    got = cuda_topk.topk_on_device(fake, y, 20, contextlib.nullcontext(), fused=False)
     want = topk_xp(y, 20, np)
     np.testing.assert_array_equal(got.values, want[0])
     np.testing.assert_array_equal(got.indices, want[1])
