@@ -602,6 +602,10 @@ class _Link:
 class EngineProxy:
     """What the servicer needs of an Engine, answered by the device process."""
 
+    # the front-end <-> device messages carry neither MatmulCall.weights nor .topk yet: the
+    # servicer refuses those requests (FAILED_PRECONDITION) instead of dropping the fields
+    multi_and_topk = False
+
     def __init__(self, link: _Link) -> None:
         self.link = link
 
