@@ -9,11 +9,14 @@ sync, Python). Modes:
 - ``graph``: the backend as the service runs it (the launch sequence of a (weight, N) is a
   CUDA graph from its second call);
 - ``direct``: the same host path with direct launches (``CudaBackend(graphs=False)``);
+- ``staged``: ``graph`` with x built by the caller in ``CudaBackend.staging`` (the pinned
+  upload buffer: what a batcher concatenating into it pays); the fill is not in ``wall`` and
+  is printed beside it;
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
   the launches, ``y.get()``), for comparison.
 
     python bench/backend_wall.py [--shapes 4096x14336,...] [--ns 1,8,64] [--calls 200]
-                                 [--dtype f16] [--modes graph,direct,naive] [--json out.json]
+                                 [--dtype f16] [--modes graph,staged,direct,naive] [--json out.json]
 
 Targets (issue 14): wall <= kernel + 30 us at N=1 and <= kernel + 100 us at N=64 on a 48 MB
 weight.
@@ -61,12 +64,21 @@ def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.nd
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
             ) -> dict:
-    walls, kerns = [], []
+    walls, kerns, fills = [], [], []
     for i in range(calls + 5):
         x = xs[i % len(xs)]
         t0 = time.perf_counter()
         if mode == "naive":
             _, ks = naive_call(be, w, x)
+        elif mode == "staged":  # x built in the upload buffer by the caller (its concat)
+            t0 = time.perf_counter()
+            st = be.staging(*x.shape, x.dtype)
+            st[...] = x
+            fills.append((time.perf_counter() - t0) * 1e6)
+            t0 = time.perf_counter()
+            res = be.matmul(w, st)
+            ks = res.timing.seconds(wait=True)
+            ks = float("nan") if ks is None else ks
         else:
             res = be.matmul(w, x)
             ks = res.timing.seconds(wait=True)
@@ -77,7 +89,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             kerns.append(ks * 1e6)
     host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
     return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
-            "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))]}
+            "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))],
+            "fill_p50": statistics.median(fills) if fills else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default="1,8,64")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
-    ap.add_argument("--modes", default="graph,direct,naive")
+    ap.add_argument("--modes", default="graph,staged,direct,naive")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
     bes["naive"] = bes["direct"]
+    bes["staged"] = bes["graph"]
     rng = np.random.default_rng(0)
     out = []
     print(f"# device: {bes['graph'].device_name()}  date: {time.strftime('%Y-%m-%d')}  "
@@ -114,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(be, ws[id(be)], xs, a.calls, m)
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype)
                 out.append(r)
+                fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
-                      f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}", flush=True)
+                      f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}", flush=True)
         for be in {id(b): b for b in bes.values()}.values():
             w = ws.pop(id(be), None)
             if w is not None:

@@ -27,6 +27,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -168,6 +169,10 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
         n, [Cfg(nt=1), Cfg(nt=1, mt=2), Cfg(nt=1, warps=4)])
     q8 = default_cfg("mmq_q8_1", n)
     mmq = [q8, Cfg(nt=max(1, q8.nt // 2)) if q8.nt > 1 else Cfg(nt=2)]
+    # the f16 tile's heuristic shape with a fixed K split: the occupancy model's split is a
+    # guess (14336x4096 and 128256x4096 ran N=1 slower than N=2..8 in run 1)
+    base = default_cfg("mma_f16", n, rows, sm_count)
+    mma = mma + [replace(base, ksplit=s) for s in (1, 2, 4) if s <= k // 256]
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
         for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:

@@ -195,6 +195,13 @@ class Backend(abc.ABC):
         (on the device for CUDA) and the result carries ``topk`` instead of ``y``
         (``out_dtype`` is then ignored: the epilogue's values are f32)."""
 
+    def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
+        """An ``[n, k]`` array to build the next :meth:`matmul`'s activations in (e.g. a batch
+        concatenated straight into it). The CUDA backend hands out its pinned upload buffer,
+        so a call given this array skips its host copy; the array is valid until the next
+        call on this backend (build and call from the same thread). Default: a new array."""
+        return np.empty((n, k), dtype)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything the backend holds."""
 

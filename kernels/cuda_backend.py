@@ -144,6 +144,13 @@ class CudaBackend(Backend):
         return MatmulResult(y, f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision,
                             KernelTiming(host_seconds=seconds), topk=top)
 
+    def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
+        """A view of the pinned buffer ``matmul`` uploads x from: activations built in it
+        are not copied again (see :meth:`Backend.staging`)."""
+        dt = np.dtype(dtype)
+        buf = self.launcher.ws.host(n * k * dt.itemsize)
+        return buf[: n * k * dt.itemsize].view(dt).reshape(n, k)
+
     def run(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
             cfg: Cfg | None = None) -> Any:
         """Device-side matmul: ``xd`` [N, K] on the device (bf16 as uint16 bits) -> f32 y.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..api import KernelFlags, Precision, refuse_q8_1_without_mmq
@@ -288,7 +288,10 @@ class Dispatch:
             hit = self.table.lookup(rows, k, n, precision.value)
             if hit is not None:
                 e, source = hit
-                return Choice(e.path, KERNELS[e.path], e.cfg, source)
+                cfg = e.cfg
+                if cfg is not None and cfg.ksplit and source != "table":
+                    cfg = replace(cfg, ksplit=0)  # a K split measured for another K: re-derive
+                return Choice(e.path, KERNELS[e.path], cfg, source)
         path, prec = heuristic_path(n, precision, flags, rows, k)
         cfg = default_cfg(path, n, rows, self.sm_count) if path in TILE_PATHS else None
         return Choice(path, prec, cfg, "heuristic")

@@ -5,9 +5,10 @@
 host arithmetic only (tests build every plan without a device). ``Launcher.matmul`` is the
 host path of one batch:
 
-1. x is copied into a pinned host buffer and from there to a device buffer; both, the output
-   and every prepass/partial-sum scratch, are :class:`Workspace` buffers allocated once per
-   backend and grown to the largest call (no allocation per call);
+1. x is copied into a pinned host buffer (unless the caller built it there:
+   ``CudaBackend.staging``) and from there to a device buffer; both, the output and every
+   prepass/partial-sum scratch, are :class:`Workspace` buffers allocated once per backend and
+   grown to the largest call (no allocation per call);
 2. the launch sequence of a (weight, N, dtype, path, shape) - H2D copy, start event, prepass,
    kernel, end event - is bound once to the workspace's pointers and cached on the weight
    (``CudaWeight.plans``); from its second call on it is a captured CUDA graph, one host call
@@ -349,7 +350,8 @@ class Launcher:
         n = int(x.shape[0])
         xb = x.reshape(-1).view(np.uint8)
         host = self.ws.host(xb.size)
-        host[: xb.size] = xb
+        if xb.ctypes.data != host.ctypes.data:  # else built in place (CudaBackend.staging)
+            host[: xb.size] = xb
         if path == "cublas_f16":
             return self._matmul_direct(w, cw, x, in_t, path, out_dtype, topk)
         if cfg is None:

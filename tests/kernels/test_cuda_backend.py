@@ -473,3 +473,19 @@ def test_half_outputs(be, rng, out):
     got = be.matmul(w, x, precision=Precision.F16, out_dtype=np.dtype(out)).y
     assert got.dtype == np.dtype(out) and got.shape == y32.shape
     np.testing.assert_array_equal(got, y32.astype(out))
+
+
+def test_activations_built_in_the_staging_buffer(be, rng):
+    """x built in place in CudaBackend.staging (the upload buffer) gives the same results as
+    a plain array, for every activation dtype and across buffer growth."""
+    rows, k = 300, 1024
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    for n, dt in ((3, np.float16), (70, np.float32), (5, BFLOAT16), (400, np.float16)):
+        x = rng.standard_normal((n, k)).astype(np.float32).astype(dt)
+        want = be.matmul(w, x, precision=Precision.F16).y
+        st = be.staging(n, k, np.dtype(dt))
+        assert st.shape == (n, k) and st.dtype == np.dtype(dt)
+        st[...] = x
+        for _ in range(3):  # direct, capture, graph
+            np.testing.assert_array_equal(be.matmul(w, st, precision=Precision.F16).y, want)

@@ -36,6 +36,7 @@ def small_table() -> DispatchTable:
                 Entry(rows, k, n, "q8_1", "mmq_q8_1", Cfg(nt=4), 13.0),
             ]
     entries.append(Entry(4096, 14336, 16, "auto", "mma_f16", Cfg(nt=2, src=3, pf=True), 9.0))
+    entries.append(Entry(4096, 14336, 32, "auto", "mma_f16", Cfg(nt=4, src=3, ksplit=2), 9.0))
     return DispatchTable(entries, {"device": "test"})
 
 
@@ -61,6 +62,9 @@ def test_nearest_shape_then_heuristics():
     near = d.choose(8, Precision.AUTO, SOA, 4096, 12288)  # within 2x size, same aspect class
     assert near.source == "table~4096x14336" and near.cfg == Cfg(nt=2)
     assert d.choose(8, Precision.AUTO, SOA, 640, 3584).source == "table~512x3584"
+    # a fixed K split holds for the measured K only: elsewhere the occupancy model decides
+    assert d.choose(32, Precision.AUTO, SOA, 4096, 14336).cfg.ksplit == 2
+    assert d.choose(32, Precision.AUTO, SOA, 4096, 12288).cfg == Cfg(nt=4, src=3)
     far = d.choose(8, Precision.AUTO, SOA, 152064, 3584)  # 40x larger: no table shape is near
     assert far.source == "heuristic"
     assert (far.path, far.cfg) == ("mma_f16", default_cfg("mma_f16", 8, 152064, 132))
