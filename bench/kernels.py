@@ -285,8 +285,8 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                 us32 = time_calls(cp, call32, len(ws), 2, a.iters)
             t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
                 16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
-            ranked = sorted((us, p, c) for (p, c), us in timed.items()
-                            if us is not None and p in COLUMNS["auto"])
+            ranked = sorted(((us, p, c) for (p, c), us in timed.items()
+                             if us is not None and p in COLUMNS["auto"]), key=lambda t: t[0])
             runner = next((f"{p}.{c.label() if c else ''} {us:.1f}" for us, p, c in ranked
                            if (p, c) != (auto.path, auto.cfg)), "-")
             label = f"{auto.path}.{auto.cfg.label() if auto.cfg else ''}"
