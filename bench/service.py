@@ -178,6 +178,8 @@ class Bench:
             extra += ["--max-batch-delay-us", str(args.max_batch_delay_us)]
         if args.vram_budget:
             extra += ["--vram-budget", args.vram_budget]
+        if args.frontends > 1:  # issue 15: N gRPC front-end processes feed one device
+            extra += ["--frontends", str(args.frontends)]
         self.args = args
         self.worker = WorkerProc(args.backend, out_dir / "worker.log", extra)
         self.client = Client(self.worker.target, timeout=600.0)
@@ -473,6 +475,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batch-rows", type=int, default=64)
     ap.add_argument("--max-batch-delay-us", type=int, default=None)
     ap.add_argument("--vram-budget", default=None)
+    ap.add_argument("--frontends", type=int, default=1,
+                    help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
+                    "compare; docs/SERVICE.md)")
     ap.add_argument("--target-report", action="store_true",
                     help="measure issue 9's three targets (ffn_down) instead of the replay")
     ap.add_argument("--replay", action="store_true",
