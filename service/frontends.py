@@ -302,6 +302,13 @@ class FrontendsWorker(Worker):
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         fe: _Front | None = None
         try:
+            # unpickle only what our own front-end processes send (peer pid from the kernel)
+            sock = writer.get_extra_info("socket")
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      12))[0]
+            if pid not in {p.pid for p in self._procs.values()}:
+                log.error("refused a device-socket connection from pid %d", pid)
+                return
             hello = await _recv(reader)
             _, index, pid, arena_name, slots, slot_bytes = hello
             fe = _Front(index, pid, writer, Arena.attach(arena_name, slots, slot_bytes))
