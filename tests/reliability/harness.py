@@ -25,12 +25,13 @@ class RunningWorker(ServiceRunningWorker):
 
 
 def vram_figures(c: Client) -> dict[str, int]:
-    """The accounting figures that must not move (device free/total are the host's, so
-    they are left out on the NumPy backend)."""
+    """The accounting figures that must not move. Device free/total and the allocator pool
+    are left out: on CUDA the pool keeps the reused launch workspace (grown to the largest
+    call, by design) and CuPy's cached blocks, which no attack can make grow past the
+    accounted scratch."""
     v = c.status().vram
     return {"weights": v.weights_bytes, "scratch": v.scratch_bytes,
-            "staging": v.staging_bytes, "reserved": v.reserved_bytes,
-            "pool_used": v.pool_used_bytes, "pool_total": v.pool_total_bytes}
+            "staging": v.staging_bytes, "reserved": v.reserved_bytes}
 
 
 def health(target: str, service: str = "", **channel_kw: Any) -> str:
