@@ -21,7 +21,9 @@ every slot is busy) carry the array in the message instead. The socket is the wa
 write and one read per direction.
 
 Contract kept from the one-process worker: the same servicer, interceptor (error codes,
-auth), health and reflection run in every front end; request metrics are forwarded to the
+auth), health and reflection run in every front end; every request kind (multi-weight, top-k,
+regions, streams) is served; admission limits are split over the front ends
+(``frontend_limits``), so they hold for the worker as a whole; request metrics are forwarded to the
 device process every 200 ms, so one /metrics shows the whole worker; status and flags are the
 device process's. SIGTERM to the `q6serve worker` process drains: every front end turns
 health NOT_SERVING and stops its server with the grace period, the engine refuses new work,
@@ -72,6 +74,7 @@ from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import MatmulCall, MatmulReply
 from .interceptor import ErrorInterceptor
+from .multi import start_matmul_weights
 from .regions import SHM_DIR, RegionTable
 from .servicer import Q6ServeServicer, RegionPlane
 from .worker import Worker, build_server, stop_server
@@ -152,12 +155,13 @@ class Arena:
             os.unlink(SHM_DIR / self.name)
 
     def array(self, slot: int, dtype: np.dtype, shape: tuple[int, ...],
-              writable: bool) -> np.ndarray:
+              writable: bool, offset: int = 0) -> np.ndarray:
+        """``shape`` of ``dtype`` at byte ``offset`` of slot ``slot``."""
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not 0 <= slot < self.slots or n > self.slot_bytes:
-            raise InvalidArgument(f"arena slot {slot} cannot hold {n} bytes")
+        if not 0 <= slot < self.slots or offset < 0 or offset + n > self.slot_bytes:
+            raise InvalidArgument(f"arena slot {slot} cannot hold {n} bytes at {offset}")
         a = np.frombuffer(self._mm, dtype=dtype, count=n // dtype.itemsize,
-                          offset=slot * self.slot_bytes).reshape(shape)
+                          offset=slot * self.slot_bytes + offset).reshape(shape)
         a.flags.writeable = writable
         return a
 
@@ -168,6 +172,34 @@ class Arena:
 
 def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
     return dtype_name(a.dtype), tuple(int(d) for d in a.shape)
+
+
+SLOT_ALIGN = 64  # several outputs in one slot (a multi-weight reply) start at multiples of this
+
+# A matmul's outputs as the device process sends them: per reply part (one, or one per weight
+# of a multi-weight request) None (top-k: no y), (offset, dtype, shape) of y in the request's
+# slot, or y itself (did not fit the slot)
+Outs = list[tuple[int, str, tuple[int, ...]] | np.ndarray | None]
+
+
+def _parts(reply: Any) -> list[MatmulReply]:
+    """A reply's parts: the MatmulReply, or one per weight of a multi-weight reply."""
+    return [reply] if isinstance(reply, MatmulReply) else [r for _, r in reply]
+
+
+def _strip(reply: Any) -> Any:
+    """The reply without its y arrays (they travel as ``Outs``)."""
+    if isinstance(reply, MatmulReply):
+        return dataclasses.replace(reply, y=None)
+    return [(name, dataclasses.replace(r, y=None)) for name, r in reply]
+
+
+def _dress(reply: Any, ys: list[np.ndarray | None]) -> Any:
+    """``_strip``'s inverse: the y arrays put back, in order."""
+    if isinstance(reply, MatmulReply):
+        return dataclasses.replace(reply, y=ys[0])
+    return [(name, dataclasses.replace(r, y=y))
+            for (name, r), y in zip(reply, ys, strict=True)]
 
 
 # ============================================================================================
@@ -215,6 +247,7 @@ class FrontendsWorker(Worker):
         self._draining = False
         self._supervisor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.pending_peak = 0  # most matmuls in this process at once (admission tests)
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -364,23 +397,28 @@ class FrontendsWorker(Worker):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _matmul(self, fe: _Front, rid: int, weight: str, precision: Any, out_dtype: str,
-                timeout: float | None, x: Any, slot: int) -> None:
+    def _matmul(self, fe: _Front, rid: int, weight: str, weights: tuple[str, ...], topk: int,
+                precision: Any, out_dtype: str, timeout: float | None, x: Any,
+                slot: int) -> None:
         fe.calls += 1
         try:
             if isinstance(x, tuple):  # (dtype, shape) in the slot
                 x = fe.arena.array(slot, DTYPES[x[0]].newbyteorder("<"), x[1], writable=False)
-            call = MatmulCall(weight, x, precision, DTYPES[out_dtype], timeout)
-            fut = self.engine.start_matmul(call)  # type: ignore[union-attr]
+            call = MatmulCall(weight, x, precision, DTYPES[out_dtype], timeout, topk, weights)
+            # what the one-process servicer does (Q6ServeServicer._start): a multi-weight
+            # request fans out here, to every weight's batcher
+            fut: asyncio.Future[Any] = (
+                start_matmul_weights(self.engine, call) if weights  # type: ignore[arg-type]
+                else self.engine.start_matmul(call))  # type: ignore[union-attr]
         except BaseException as e:
             fe.send(("err", rid, _portable_error(e)))
             return
         del x, call  # the queued request holds x; once it ran, nothing here does
         fe.pending += 1
+        self.pending_peak = max(self.pending_peak, sum(f.pending for f in self._fronts.values()))
         fut.add_done_callback(functools.partial(self._matmul_done, fe, rid, slot))
 
-    def _matmul_done(self, fe: _Front, rid: int, slot: int,
-                     fut: asyncio.Future[MatmulReply]) -> None:
+    def _matmul_done(self, fe: _Front, rid: int, slot: int, fut: asyncio.Future[Any]) -> None:
         try:
             if fut.cancelled() or fut.exception() is not None:
                 exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
@@ -389,13 +427,20 @@ class FrontendsWorker(Worker):
             reply = fut.result()
             if not fe.alive:
                 return  # its front end died: the result has nobody to go to
-            y = reply.y
-            if slot >= 0 and y.nbytes <= fe.arena.slot_bytes:
-                fe.arena.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
-                out: Any = _desc(y)
-            else:
-                out = np.ascontiguousarray(y)
-            fe.send(("mmok", rid, dataclasses.replace(reply, y=None), out))
+            outs: Outs = []
+            used = 0  # bytes of the slot taken by earlier parts
+            for part in _parts(reply):
+                y = part.y
+                if y is None:  # the top-k epilogue: its small arrays travel in the reply
+                    outs.append(None)
+                elif slot >= 0 and used + y.nbytes <= fe.arena.slot_bytes:
+                    fe.arena.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True,
+                                   offset=used)[...] = y
+                    outs.append((used, *_desc(y)))
+                    used += -(-y.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+                else:
+                    outs.append(np.ascontiguousarray(y))
+            fe.send(("mmok", rid, _strip(reply), outs))
         except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
         finally:
@@ -552,6 +597,11 @@ class _Link:
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
 
+    def _free_part(self, slot: int, in_slot: list[int]) -> None:
+        in_slot[0] -= 1
+        if not in_slot[0]:
+            self.free(slot)
+
     async def run(self) -> None:
         """Read the device process's messages until it goes away."""
         try:
@@ -592,26 +642,32 @@ class _Link:
             if not fut.done():
                 fut.set_result(msg[2])
             return
-        reply, out = msg[2], msg[3]
-        if isinstance(out, tuple):  # y in the slot: the slot is free once y is gone
-            y = self.arena.array(slot, DTYPES[out[0]].newbyteorder("<"), out[1], writable=False)
-            weakref.finalize(y, self.free, slot)
-        else:
-            y = out
-            if slot >= 0:
-                self.free(slot)
+        reply, outs = msg[2], msg[3]
+        ys: list[np.ndarray | None] = []
+        in_slot = [0]  # ys viewing the slot: it is free once every one of them is gone
+        for out in outs:
+            if isinstance(out, tuple):
+                off, dt, shape = out
+                y = self.arena.array(slot, DTYPES[dt].newbyteorder("<"), shape, writable=False,
+                                     offset=off)
+                in_slot[0] += 1
+                weakref.finalize(y, self._free_part, slot, in_slot)
+                ys.append(y)
+            else:
+                ys.append(out)
+        if not in_slot[0] and slot >= 0:
+            self.free(slot)
         if not fut.done():
-            fut.set_result(dataclasses.replace(reply, y=y))
-        else:  # the caller gave up: drop y (and with it the slot)
-            del y
+            fut.set_result(_dress(reply, ys))
+        # else the caller gave up: y (and with it the slot) goes with this frame
 
 
 class EngineProxy:
     """What the servicer needs of an Engine, answered by the device process."""
 
-    # the front-end <-> device messages carry neither MatmulCall.weights nor .topk yet: the
-    # servicer refuses those requests (FAILED_PRECONDITION) instead of dropping the fields
-    multi_and_topk = False
+    # a multi-weight call goes to the device process whole, which fans it out to the
+    # weights' batchers (the servicer leaves the fan-out to this engine)
+    takes_multi_weight = True
 
     def __init__(self, link: _Link) -> None:
         self.link = link
@@ -633,12 +689,16 @@ class EngineProxy:
             xs: Any = _desc(x)
         else:
             xs = np.ascontiguousarray(x)
-        _, fut = link.request(("mm", call.weight, call.precision, dtype_name(call.out_dtype),
-                               call.timeout, xs, slot), slot)
+        _, fut = link.request(("mm", call.weight, call.weights, call.topk, call.precision,
+                               dtype_name(call.out_dtype), call.timeout, xs, slot), slot)
 
-        def note_rows(f: asyncio.Future[MatmulReply]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                link.rows[call.weight] = int(f.result().y.shape[1])
+        def note_rows(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            r = f.result()
+            for name, part in ([(call.weight, r)] if isinstance(r, MatmulReply) else r):
+                if part.y is not None:
+                    link.rows[name] = int(part.y.shape[1])
 
         fut.add_done_callback(note_rows)
         if sink is not None:
@@ -748,6 +808,22 @@ class FrontendServicer(Q6ServeServicer):
             "set_flags", wire.flag_changes(request)))
 
 
+def share(total: int, n: int, index: int) -> int:
+    """Front end ``index``'s part of a worker-wide limit ``total``: the parts of the N front
+    ends add up to ``total`` (at least 1 each, so a limit below N admits N)."""
+    return max(1, total // n + (index < total % n))
+
+
+def frontend_limits(cfg: WorkerConfig, index: int) -> tuple[int, int]:
+    """(unary RPCs in flight, bytes of all MatmulStream windows) of front end ``index``: the
+    worker's --max-inflight-rpcs and --max-stream-bytes-total split over the front ends, so
+    the worker as a whole holds what one process would. The split is static, with no
+    traffic between front ends on the hot path; a connection lives on one front end, so the
+    per-connection limits apply unchanged (each capped by its front end's part)."""
+    n = cfg.frontends
+    return share(cfg.max_inflight_rpcs, n, index), share(cfg.max_stream_bytes_total, n, index)
+
+
 _CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
 
 
@@ -778,14 +854,13 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     flushing = asyncio.get_running_loop().create_task(metrics.run())
     auth = TokenAuth(cfg.token, cfg.admin_token)
     proxy = EngineProxy(link)
+    inflight, stream_bytes = frontend_limits(cfg, index)
     servicer = FrontendServicer(proxy, max_stream_bytes=cfg.max_stream_bytes,  # type: ignore[arg-type]
                                 auth=auth, plane=_PlaneProxy(link),
-                                stream_budget=StreamBudget(cfg.max_stream_bytes_total,
+                                stream_budget=StreamBudget(stream_bytes,
                                                            cfg.max_stream_bytes_per_connection))
-    # admission per front end: the worker as a whole admits N x --max-inflight-rpcs
     interceptor = ErrorInterceptor(metrics, auth,  # type: ignore[arg-type]
-                                   Admission(cfg.max_inflight_rpcs,
-                                             cfg.max_inflight_rpcs_per_connection))
+                                   Admission(inflight, cfg.max_inflight_rpcs_per_connection))
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from q6serve.kernels.epilogue import MAX_K
-from q6serve.kernels.errors import FailedPrecondition, InvalidArgument, Q6Error, Unavailable
+from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
 from . import regions, wire
 from .admission import StreamBudget
@@ -183,12 +183,10 @@ class Q6ServeServicer:
                sink: Callable[[asyncio.Future[Any]], None] | None = None,
                ) -> asyncio.Future[Any]:
         """Queue a decoded request: its weight's part, or every part of a multi-weight
-        request (service/multi.py); the future's result is what wire.Replies encodes.
+        request (service/multi.py; a front end's engine proxy leaves that to the device
+        process); the future's result is what wire.Replies encodes.
         ``sink``: see ``Engine.start_matmul`` (single-weight requests)."""
-        if (call.weights or call.topk) and not getattr(self.engine, "multi_and_topk", True):
-            raise FailedPrecondition("multi-weight requests and topk are not served through "
-                                     "--frontends yet; call a worker without --frontends")
-        if call.weights:
+        if call.weights and not getattr(self.engine, "takes_multi_weight", False):
             return start_matmul_weights(self.engine, call)
         return self.engine.start_matmul(call, sink)
 

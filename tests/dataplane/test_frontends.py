@@ -71,9 +71,10 @@ def start() -> Iterator[Callable[..., Running]]:
     started: list[Running] = []
 
     def go(backend: Any = None, **kw: Any) -> Running:
-        cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
-                           grace_period_s=2.0, allow_shm=True, frontends=2,
-                           frontend_shm_bytes=8 << 20, max_batch_delay_us=0, **kw)
+        cfg = WorkerConfig(**{"host": "127.0.0.1", "port": 0,
+                              "vram_budget": Budget(nbytes=64 << 20), "grace_period_s": 2.0,
+                              "allow_shm": True, "frontends": 2, "frontend_shm_bytes": 8 << 20,
+                              "max_batch_delay_us": 0, **kw})
         r = Running(cfg, backend)
         started.append(r)
         return r
@@ -218,3 +219,81 @@ def test_worker_command_with_frontends(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_multi_weight_and_topk_through_frontends(start: Callable[..., Running],
+                                                 rng: np.random.Generator) -> None:
+    """Everything a one-process worker serves, N front ends serve: multi-weight requests (y of
+    every weight in the request's slot, or in the message when they do not fit), the top-k
+    epilogue, both in unary and stream calls, with the same error contract."""
+    from q6serve.kernels.epilogue import topk_reference
+
+    w = start(frontend_shm_bytes=4 << 20)  # two 2 MiB slots per front end
+    c = w.client()
+    shapes = {"q": (96, 11), "k": (64, 12), "big": (2048, 13)}
+    blocks = {}
+    for name, (rows, seed) in shapes.items():
+        blocks[name] = random_q6k(rows, K, seed)
+        c.upload(name, blocks[name], rows, K)
+    c.upload("other_k", random_q6k(32, 256, 14), 32, 256)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    want = {n: reference(b, shapes[n][0], K, x) for n, b in blocks.items()}
+    for cl in (c, w.client()):
+        ys = cl.matmul_multi(["q", "k"], x)
+        for y, n in zip(ys, ("q", "k"), strict=True):
+            np.testing.assert_allclose(y, want[n], rtol=1e-5, atol=1e-4)
+        # 256 x 2048 f32 of "big" (2 MiB) does not fit the slot after q's y: it travels inline
+        xl = rng.standard_normal((256, K)).astype(np.float32)
+        ys = cl.matmul_multi(["q", "big"], xl)
+        np.testing.assert_allclose(ys[1], reference(blocks["big"], 2048, K, xl), rtol=1e-5,
+                                   atol=1e-3)
+        np.testing.assert_allclose(ys[0], reference(blocks["q"], 96, K, xl), rtol=1e-5,
+                                   atol=1e-3)
+        top = cl.matmul_topk("big", x, 5)
+        ref = topk_reference(want["big"], 5)
+        np.testing.assert_array_equal(top.indices, ref.indices)
+        np.testing.assert_allclose(top.values, ref.values, rtol=1e-6)
+        outs = {o.request_id: o for o in cl.matmul_stream(
+            [("m", ["q", "k"], x), ("t", "q", x), ("bad", ["q", "other_k"], x)])}
+        assert [o.weight for o in outs["m"].outputs] == ["q", "k"]  # type: ignore[union-attr]
+        np.testing.assert_allclose(outs["m"].outputs[1].y, want["k"],  # type: ignore[union-attr]
+                                   rtol=1e-5, atol=1e-4)
+        assert outs["t"].y.shape == (3, 96)  # type: ignore[union-attr]
+        bad = outs["bad"]
+        assert isinstance(bad, Q6ServeError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "other_k" in bad.message and "K=256" in bad.message
+        # the same refusals as one process: unknown weight named, k beyond the rows
+        with pytest.raises(Q6ServeError) as e:
+            cl.matmul_multi(["q", "nope"], x)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and "weights[1] 'nope'" in \
+            e.value.message
+        with pytest.raises(Q6ServeError) as e:
+            cl.matmul_topk("k", x, 65)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "64 rows" in e.value.message
+    assert w.call(_in_flight(w)) == 0
+
+
+def test_admission_holds_for_the_whole_worker(start: Callable[..., Running],
+                                              rng: np.random.Generator) -> None:
+    """--max-inflight-rpcs bounds the worker, not each front end: with 2 front ends and a
+    limit of 3, twelve callers on their own connections never have more than 3 matmuls in
+    the device process at once (before the split each front end admitted 3)."""
+    from q6serve.service.frontends import frontend_limits
+
+    cfg = WorkerConfig(frontends=3, max_inflight_rpcs=10, max_stream_bytes_total=1000)
+    limits = [frontend_limits(cfg, i) for i in range(3)]
+    assert sum(a for a, _ in limits) == 10 and sum(b for _, b in limits) == 1000
+    w = start(backend=InstrumentedBackend(matmul_delay=0.05), max_inflight_rpcs=3,
+              max_inflight_rpcs_per_connection=3)
+    w.client().upload("w", random_q6k(ROWS, K, 2), ROWS, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    clients: list[Client] = []
+    while len(clients) < 12 or not all(w.worker.frontend_calls.get(i, 0) for i in range(2)):
+        assert len(clients) < 60, "every connection landed on one front end"
+        clients.append(w.client())
+        clients[-1].matmul("w", x)  # connected, to the front end the kernel chose
+    w.worker.pending_peak = 0
+    with ThreadPoolExecutor(len(clients)) as pool:
+        outs = list(pool.map(lambda c: [c.matmul("w", x) for _ in range(4)], clients))
+    assert len(outs) == len(clients)
+    assert 1 <= w.worker.pending_peak <= 3, w.worker.pending_peak
