@@ -10,6 +10,12 @@ device is busy, requests accumulate, which is where coalescing comes from.
 The queue is bounded in rows (RESOURCE_EXHAUSTED); a request whose caller cancelled or whose
 deadline passed while queued is dropped before launch. Device work runs in the device's single
 worker thread, never on the event loop.
+
+The parts of one multi-weight call (service/multi.py) are queued as a :class:`Group`: each
+part waits in its own weight's queue (so it still batches with other callers' requests for that
+weight), and whichever of the group's batchers launches first takes its siblings' batches too,
+so the parts run back to back in **one** device job (one hand-off to the device thread and one
+back) instead of one job each, serially.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Device:
                                         daemon=True)
         self._thread.start()
         self.inflight = 0
+        self.jobs = 0  # device jobs queued so far (tests and benches count launches with it)
         # One-shot: only batchers waiting for the device right now are woken (with hundreds of
         # resident weights, waking every batcher on each idle edge would cost milliseconds).
         self._idle_waiters: list[Callable[[], None]] = []
@@ -86,6 +93,7 @@ class Device:
         a future is resolved, a callable is called as ``done(result, exception)`` in the same
         loop trip that hears of the job's end (no future in between, so no extra trip)."""
         self.inflight += 1
+        self.jobs += 1
         self._jobs.put((loop, done, fn, args))
 
     def _work(self) -> None:
@@ -177,6 +185,8 @@ class _Pending:
     deadline: float | None  # perf_counter() time
     timer: asyncio.TimerHandle | None = None  # fails ``fut`` at the deadline
     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None  # see Batcher.enqueue
+    group: Group | None = None  # the multi-weight call this request is a part of
+    taken: bool = False  # left its queue (launched or dropped)
 
     def dead(self, now: float) -> bool:
         """Cancelled by its caller, or past its deadline (read from the device thread too:
@@ -186,6 +196,29 @@ class _Pending:
     @property
     def rows(self) -> int:
         return int(self.x.shape[0])
+
+
+class Group:
+    """The parts of one multi-weight call on one device: queued one by one (``Batcher.enqueue``
+    with ``group``), then launched together (:meth:`launch`). Launching any part's batch takes every
+    sibling's batch that can launch into the same device job (``Batcher._start``)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[Batcher, _Pending]] = []
+
+    def launch(self) -> None:
+        """Call after the last part is queued. On an idle device the group's job is submitted
+        now (no loop trip, no delay); otherwise the parts' batchers decide, as for any request,
+        and the first to launch takes the others along."""
+        for b, p in self.parts:
+            if not p.taken and b._can_start_now():
+                b._start(b._take())
+                break
+        for b, p in self.parts:
+            if not p.taken:
+                b._wake.set()
 
 
 RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
@@ -224,13 +257,14 @@ class Batcher:
 
     def enqueue(self, x: np.ndarray, key: BatchKey, timeout: float | None,
                 sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
-                ) -> asyncio.Future[MatmulReply]:
+                group: Group | None = None) -> asyncio.Future[MatmulReply]:
         """Queue ``x`` now; the future gets its rows of the result, or DeadlineExceeded after
         ``timeout`` seconds. Cancelling the future drops the request before it runs. On an
         idle device the batch is launched before this returns (no loop trip, no delay).
         ``sink(fut)`` is called right after the batcher resolves the future, in the same loop
         trip (a done callback would run one trip later): a stream queues its reply from there.
-        It is not called when the future is cancelled from outside."""
+        It is not called when the future is cancelled from outside. With ``group`` nothing is
+        launched here: the caller calls ``group.launch()`` after queueing every part."""
         if self._closed:
             raise Unavailable(f"weight {self.name!r} is shutting down")
         n = int(x.shape[0])
@@ -241,17 +275,22 @@ class Batcher:
         loop = self._loop_
         now = time.perf_counter()
         p = _Pending(x, key, loop.create_future(), now,
-                     None if timeout is None else now + timeout, sink=sink)
+                     None if timeout is None else now + timeout, sink=sink, group=group)
         if timeout is not None:  # a timer, not wait_for: no extra future, no extra loop trip
             p.timer = loop.call_later(timeout, self._expire, p, timeout)
         self._queue.append(p)
         self.queued_rows += n
-        if (len(self._queue) == 1 and self._device.idle
-                and self._unfinished < self._s.max_inflight_batches):
+        if group is not None:
+            group.parts.append((self, p))
+        elif len(self._queue) == 1 and self._can_start_now():
             self._start(self._take())  # idle device, nothing queued: launch now, no loop hop
         else:
             self._wake.set()
         return p.fut
+
+    def _can_start_now(self) -> bool:
+        return (bool(self._queue) and self._device.idle
+                and self._unfinished < self._s.max_inflight_batches)
 
     def _expire(self, p: _Pending, timeout: float) -> None:
         p.timer = None
@@ -295,12 +334,15 @@ class Batcher:
             self._queue.extendleft(reversed(keep))
         for p in batch:
             self.queued_rows -= p.rows
+            p.taken = True
         now = time.perf_counter()
         return [p for p in batch if not p.dead(now)]
 
     def _drop_dead_head(self) -> None:
         while self._queue and self._queue[0].fut.done():
-            self.queued_rows -= self._queue.popleft().rows
+            p = self._queue.popleft()
+            p.taken = True
+            self.queued_rows -= p.rows
 
     def _ready_rows(self, key: BatchKey) -> int:
         rows = 0
@@ -338,13 +380,42 @@ class Batcher:
 
     def _start(self, batch: list[_Pending]) -> None:
         """Submit ``batch`` to the device now (nothing if every request in it is dead); its
-        outcome is split in the loop trip that hears of the job's end (``_finish``)."""
+        outcome is split in the loop trip that hears of the job's end (``_finish``). Batches
+        of the multi-weight siblings of its requests go into the same device job."""
         if not batch:
             return
-        self._unfinished += 1
-        self._running += len(batch)
-        self._device.call(self._loop_, self._job, (batch, batch[0].key),
-                          lambda done, exc: self._finish(batch, done, exc))
+        jobs = self._with_siblings(batch)
+        for b, bt in jobs:
+            b._unfinished += 1
+            b._running += len(bt)
+        if len(jobs) == 1:
+            self._device.call(self._loop_, self._job, (batch, batch[0].key),
+                              lambda done, exc: self._finish(batch, done, exc))
+        else:
+            self._device.call(self._loop_, _run_jobs, (jobs,),
+                              lambda done, exc: _finish_jobs(jobs, done, exc))
+
+    def _with_siblings(self, batch: list[_Pending]) -> list[tuple[Batcher, list[_Pending]]]:
+        """``batch`` plus, for every group among its requests (and theirs, transitively), the
+        batch each sibling's batcher would launch next, if it may launch one now."""
+        jobs: list[tuple[Batcher, list[_Pending]]] = [(self, batch)]
+        if not any(p.group is not None for p in batch):
+            return jobs
+        seen = {self}
+        i = 0
+        while i < len(jobs):
+            for p in jobs[i][1]:
+                if p.group is None:
+                    continue
+                for b, q in p.group.parts:
+                    if b in seen or q.taken:
+                        continue
+                    seen.add(b)
+                    if (b._queue and b._unfinished < b._s.max_inflight_batches
+                            and (bt := b._take())):
+                        jobs.append((b, bt))
+            i += 1
+        return jobs
 
     def _job(self, batch: list[_Pending], key: BatchKey) -> _Done:
         """In the device thread: concatenate the live requests and run them as one launch."""
@@ -436,3 +507,29 @@ class Batcher:
         if self._unfinished:
             self._drained = self._loop_.create_future()
             await asyncio.shield(self._drained)
+
+
+_Jobs = list[tuple[Batcher, list[_Pending]]]
+
+
+def _run_jobs(jobs: _Jobs) -> list[tuple[_Done | None, BaseException | None]]:
+    """In the device thread: several batchers' batches back to back, one outcome each (a
+    failure of one batch reaches only its own requests; a device error fails the rest too,
+    each on its own launch)."""
+    out: list[tuple[_Done | None, BaseException | None]] = []
+    for b, batch in jobs:
+        try:
+            out.append((b._job(batch, batch[0].key), None))
+        except BaseException as e:  # every waiter must hear of a failure
+            out.append((None, e))
+    return out
+
+
+def _finish_jobs(jobs: _Jobs, done: list[tuple[_Done | None, BaseException | None]] | None,
+                 exc: BaseException | None) -> None:
+    """On the loop: each batcher splits its own batch's outcome (``Batcher._finish``)."""
+    for i, (b, batch) in enumerate(jobs):
+        if done is None:
+            b._finish(batch, None, exc)
+        else:
+            b._finish(batch, *done[i])

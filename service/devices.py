@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
@@ -414,6 +414,15 @@ class MultiDeviceEngine:
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         return await self.start_matmul(call)
+
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """Every device's ``Engine.grouped``: the parts of one multi-weight call that land on
+        one device (its replicas' picks, its shard of each weight) run in one job there."""
+        with contextlib.ExitStack() as stack:
+            for e in self.engines:
+                stack.enter_context(e.grouped())
+            yield
 
     def start_matmul(self, call: MatmulCall,
                      sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,

@@ -54,6 +54,7 @@ from .batcher import (
     BatchStats,
     DeadlineExceeded,
     Device,
+    Group,
     MatmulReply,
 )
 from .config import WorkerConfig
@@ -272,6 +273,7 @@ class Engine:
         self.healthy = True  # False after a device error (health NOT_SERVING)
         self._device_error = ""
         self._health_listeners: list[Callable[[bool], None]] = []
+        self._group: Group | None = None  # set inside grouped(): calls queued as one job
         self.flags.subscribe(self._on_flags)
         self._poller = self._spawn(self._poll_metrics())
         self._publish()
@@ -540,6 +542,22 @@ class Engine:
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         return await self.start_matmul(call)
 
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """The calls started inside (on the loop, with no await between them: the parts of
+        one multi-weight call) run in one device job; each still batches with other callers'
+        requests for its weight (``batcher.Group``). They are launched on leaving, also when
+        a part was refused (the parts queued before it are cancelled by the caller)."""
+        if self._group is not None:  # nested: the outer block launches
+            yield
+            return
+        self._group = g = Group()
+        try:
+            yield
+        finally:
+            self._group = None
+            g.launch()
+
     def start_matmul(self, call: MatmulCall,
                      sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
                      ) -> asyncio.Future[MatmulReply]:
@@ -571,7 +589,7 @@ class Engine:
                 check_k(call.topk, e.rows, weight=e.name)
             # refuse what the current flags forbid before queueing (clear status, no batch)
             self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
-            fut = e.batcher.enqueue(x, key, call.timeout, sink)
+            fut = e.batcher.enqueue(x, key, call.timeout, sink, self._group)
         except BaseException:
             self.registry.release(e)
             raise

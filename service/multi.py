@@ -6,12 +6,15 @@ All-or-nothing: every weight is checked (known, K equal to x's, k <= its rows) b
 is queued, and if a part fails afterwards the others are cancelled (a queued part is dropped
 before launch) and the request fails with that part's status, its message naming the weight.
 Works on any engine with ``get(name)`` and ``start_matmul(call)`` (one device or several), on
-the same no-task-per-request path as a single-weight call (futures and done callbacks).
+the same no-task-per-request path as a single-weight call (futures and done callbacks). The
+parts are queued inside ``engine.grouped()``: on each device they run in one device job, back
+to back (service/batcher.py's ``Group``), not one job each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -31,6 +34,8 @@ class MatmulEngine(Protocol):
     def get(self, name: str) -> WeightView: ...
 
     def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]: ...
+
+    def grouped(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 def check_weights(weights: Sequence[str]) -> tuple[str, ...]:
@@ -75,12 +80,13 @@ def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
             raise _named(i, name, e) from None
     parts: list[asyncio.Future[MatmulReply]] = []
     try:
-        for i, name in enumerate(names):
-            try:
-                parts.append(engine.start_matmul(dataclasses.replace(call, weight=name,
-                                                                     weights=())))
-            except Q6Error as e:
-                raise _named(i, name, e) from None
+        with engine.grouped():
+            for i, name in enumerate(names):
+                try:
+                    parts.append(engine.start_matmul(dataclasses.replace(call, weight=name,
+                                                                         weights=())))
+                except Q6Error as e:
+                    raise _named(i, name, e) from None
     except BaseException:
         for f in parts:
             f.cancel()

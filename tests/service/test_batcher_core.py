@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
-from q6serve.kernels.errors import DeviceError, Unavailable
+from q6serve.kernels.errors import DeviceError, InvalidArgument, Unavailable
 from q6serve.service.batcher import (
     Batcher,
     BatchKey,
     BatchSettings,
     DeadlineExceeded,
     Device,
+    Group,
     MatmulReply,
 )
 
@@ -46,9 +47,10 @@ def _x(n: int, v: float = 1.0) -> np.ndarray:
     return np.full((n, 4), v, np.float32)
 
 
-async def _batcher(gate: Gate, delay_s: float = 0.0) -> tuple[Batcher, Device]:
-    dev = Device("t")
-    return Batcher("w", dev, gate.run, BatchSettings(max_delay_s=delay_s), lambda: True,
+async def _batcher(gate: Gate, delay_s: float = 0.0, dev: Device | None = None,
+                   name: str = "w") -> tuple[Batcher, Device]:
+    dev = dev or Device("t")
+    return Batcher(name, dev, gate.run, BatchSettings(max_delay_s=delay_s), lambda: True,
                    lambda s: None), dev
 
 
@@ -131,6 +133,60 @@ def test_a_batch_failure_reaches_every_request_and_close_fails_the_queue() -> No
             await queued
         assert gate.launches[2:] == [1, 2]  # the queued 3 rows never ran
         assert b.in_flight == 0
+        dev.close()
+
+    run(main())
+
+
+def test_a_group_runs_as_one_device_job_and_each_part_batches_with_its_weight() -> None:
+    """The parts of a multi-weight call (a Group) go to the device in one job, each with the
+    other requests queued for its weight; a part refused by its weight's launch fails alone;
+    a part whose weight has no free launch slot stays queued and runs later by itself."""
+    async def main() -> None:
+        gates = [Gate() for _ in range(3)]
+        dev = Device("t")
+        bs = [(await _batcher(g, dev=dev, name=f"w{i}"))[0] for i, g in enumerate(gates)]
+        gates[2].fail = InvalidArgument("w2 refuses")
+        busy = bs[0].enqueue(_x(1), KEY, None)  # holds the device
+        other = bs[1].enqueue(_x(2, 5.0), KEY, None)  # another caller of w1, queued
+        g = Group()
+        parts = [b.enqueue(_x(1, 3.0), KEY, None, group=g) for b in bs]
+        g.launch()  # the device is busy: not launched here
+        await asyncio.sleep(0.02)  # w1's batcher launches (no delay): other + its part ...
+        assert dev.jobs == 2  # ... and takes the parts of w0 and w2 into the same job
+        for gate in gates:
+            gate.open.set()
+        assert (await busy).batch_rows == 1 and (await other).batch_rows == 3
+        r0, r1 = await parts[0], await parts[1]
+        assert r0.y[0, 0] == 6.0 and r1.y[0, 0] == 6.0 and r1.batch_requests == 2
+        with pytest.raises(InvalidArgument, match="w2 refuses"):
+            await parts[2]
+        assert dev.jobs == 2
+        assert gates[0].launches == [1, 1] and gates[1].launches == [3]
+
+        # idle device: launched by launch(), before any loop trip, as one job
+        gates[2].fail = None
+        g = Group()
+        parts = [b.enqueue(_x(2), KEY, None, group=g) for b in bs]
+        g.launch()
+        assert dev.jobs == 3 and dev.inflight == 1
+        assert [(await f).batch_rows for f in parts] == [2, 2, 2]
+
+        # w0 has both launch slots taken: its part waits and runs in a later job of its own
+        for gate in gates:
+            gate.open.clear()
+        held = [bs[0].enqueue(_x(1), KEY, None) for _ in range(2)]
+        await asyncio.sleep(0.02)  # the second is staged behind the first: no slot left
+        g = Group()
+        parts = [b.enqueue(_x(3), KEY, None, group=g) for b in bs[:2]]
+        g.launch()
+        await asyncio.sleep(0.02)
+        for gate in gates:
+            gate.open.set()
+        assert [(await f).batch_rows for f in [*held, *parts]] == [1, 1, 3, 3]
+        assert gates[0].launches[-3:] == [1, 1, 3] and gates[1].launches[-1] == 3
+        for b in bs:
+            await b.close()
         dev.close()
 
     run(main())

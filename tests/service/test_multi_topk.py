@@ -135,7 +135,10 @@ def _vram(worker: RunningWorker) -> tuple[int, ...]:
 def test_multi_weight_unary(loaded, stub) -> None:  # type: ignore[no-untyped-def]
     worker, blocks = loaded
     x = _x(3)
+    jobs = worker.run(lambda: worker.engine.device.jobs)
     r = stub.Matmul(_req(["v", "q", "k"], x, request_id="r1"))
+    # the three parts ran back to back in one device job (service/batcher.py's Group)
+    assert worker.run(lambda: worker.engine.device.jobs) == jobs + 1
     assert [o.weight for o in r.outputs] == ["v", "q", "k"]
     assert not r.HasField("y") and not r.HasField("topk") and r.kernel == ""
     assert r.timing.HasField("decode_seconds") and r.timing.HasField("handler_seconds")
@@ -245,9 +248,12 @@ def test_multi_weight_parts_batch_with_other_callers(start_worker) -> None:  # t
                                         for n in ("q", "k")))
 
     wait_until(lambda: queued() == (5, 3), what="both callers queued")
+    jobs = worker.run(lambda: worker.engine.device.jobs)
     backend.gate.set()
     for t in (first, *threads):
         t.join(30)
+    # q's batch (b with c's part) and k's (c's part) went to the device as one job
+    assert worker.run(lambda: worker.engine.device.jobs) == jobs + 1
     q_of_c, k_of_c = out["c"].outputs
     assert (q_of_c.timing.batch_requests, q_of_c.timing.batch_rows) == (2, 5)  # with b
     assert (out["b"].timing.batch_requests, out["b"].timing.batch_rows) == (2, 5)
@@ -408,7 +414,12 @@ def test_multi_device_topk_and_multi_weight(base_config, placement: str) -> None
                 check_topk(t, y, k)
             with pytest.raises(Exception, match="topk k=38 exceeds the 37 rows of weight 'q'"):
                 await eng.matmul(MatmulCall("q", x, topk=38))
+            jobs = [e.device.jobs for e in eng.engines]
             both = await start_matmul_weights(eng, MatmulCall("", x, topk=5, weights=("k", "q")))
+            # each device ran the parts it got (its shard of both, or its replicas' picks) in
+            # one job
+            ran = [e.device.jobs - j for e, j in zip(eng.engines, jobs, strict=True)]
+            assert ran == [1, 1] if placement == "shard" else sum(ran) in (1, 2) and max(ran) == 1
             for (name, r), want in zip(both, ("k", "q"), strict=True):
                 assert name == want
                 assert r.topk is not None and r.topk.values.shape == (3, 5)
