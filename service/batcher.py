@@ -222,8 +222,9 @@ class Group:
 
 
 RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
-# (live requests, their concatenated x, the batch's result or per-request outcomes, t0, t1)
-_Done = tuple[list[_Pending], np.ndarray | None, Any, float, float]
+# (live requests, their concatenated x, the batch's result or per-request outcomes, the device
+# job's start (a group's job runs several batches), this batch's start and end)
+_Done = tuple[list[_Pending], np.ndarray | None, Any, float, float, float]
 
 
 class Batcher:
@@ -417,12 +418,14 @@ class Batcher:
             i += 1
         return jobs
 
-    def _job(self, batch: list[_Pending], key: BatchKey) -> _Done:
-        """In the device thread: concatenate the live requests and run them as one launch."""
+    def _job(self, batch: list[_Pending], key: BatchKey, t_job: float | None = None) -> _Done:
+        """In the device thread: concatenate the live requests and run them as one launch
+        (``t_job``: when the device job holding this batch started, if not now)."""
         t0 = time.perf_counter()
+        t_job = t0 if t_job is None else t_job
         live = [p for p in batch if not p.dead(t0)]  # dropped while staged: skip rows
         if not live:
-            return live, None, None, t0, t0
+            return live, None, None, t_job, t0, t0
         x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
         try:
             result: Any = self._run_batch(x, key)
@@ -430,7 +433,7 @@ class Batcher:
             if len(live) == 1:
                 raise
             result = self._run_each(live, key)  # isolate the request that failed it
-        return live, x, result, t0, time.perf_counter()
+        return live, x, result, t_job, t0, time.perf_counter()
 
     def _run_each(self, live: list[_Pending], key: BatchKey,
                   ) -> list[MatmulResult | Q6Error]:
@@ -460,14 +463,16 @@ class Batcher:
             for p in batch:
                 self._resolve(p, err)
             return
-        live, x, result, t0, t1 = done
+        # queue: until the device job started (in a group's job, the siblings' batches that
+        # ran before this one count as device time of the call, not as queueing)
+        live, x, result, t_job, t0, t1 = done
         if x is None or result is None:  # every request was dropped: only timers to stop
             for p in batch:
                 self._untime(p)
             return
         if isinstance(result, list):  # run request by request (see _run_each)
             for p, r in zip(live, result, strict=True):
-                q = t0 - p.t_enqueue
+                q = t_job - p.t_enqueue
                 if isinstance(r, Q6Error):
                     self._resolve(p, r)
                 else:
@@ -478,7 +483,7 @@ class Batcher:
             return
         rows = int(x.shape[0])
         kernel_s = result.timing.seconds()  # once per batch; None until device events are done
-        queued = tuple(t0 - p.t_enqueue for p in live)
+        queued = tuple(t_job - p.t_enqueue for p in live)
         off = 0
         for p, q in zip(live, queued, strict=True):
             if not p.fut.done():
@@ -517,9 +522,10 @@ def _run_jobs(jobs: _Jobs) -> list[tuple[_Done | None, BaseException | None]]:
     failure of one batch reaches only its own requests; a device error fails the rest too,
     each on its own launch)."""
     out: list[tuple[_Done | None, BaseException | None]] = []
+    t_job = time.perf_counter()
     for b, batch in jobs:
         try:
-            out.append((b._job(batch, batch[0].key), None))
+            out.append((b._job(batch, batch[0].key, t_job), None))
         except BaseException as e:  # every waiter must hear of a failure
             out.append((None, e))
     return out
