@@ -13,16 +13,15 @@ Requests, replies and errors come from the client core (:mod:`.core`), the chann
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from q6serve.v1 import q6serve_pb2 as pb
-from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from . import shm
-from .channel import MAX_MESSAGE_BYTES, sync_channel, token_metadata
+from . import core
+from .channel import MAX_MESSAGE_BYTES, sync_channel
 from .core import (  # noqa: F401  (re-exported: the public names of this module)
     DTYPES,
     PLACEMENTS,
@@ -57,7 +56,7 @@ from .core import (  # noqa: F401  (re-exported: the public names of this module
 from .retry import RetryPolicy, call_with_retry
 from .shm import RegionArg, ShmRegion
 
-_output = output_of  # the name earlier code imported
+T = TypeVar("T")
 
 
 def channel_for(target: str, *, root_certificates: bytes | None = None,
@@ -69,22 +68,22 @@ def channel_for(target: str, *, root_certificates: bytes | None = None,
                         max_message_bytes=max_message_bytes)
 
 
-class Client:
+class Client(core.Transport):
     """Blocking client. Every method raises :class:`Q6ServeError` on failure.
 
-    ``channel_kw`` go to :func:`.channel.make_channel`: ``tls``, ``root_certificates``,
-    ``private_key`` + ``certificate_chain`` (mutual TLS), ``credentials``,
-    ``max_message_bytes``, ``round_robin``."""
+    ``timeout``: each call's deadline in seconds unless the call gives its own, retries
+    included; ``retry``: the :class:`~.retry.RetryPolicy` (UNAVAILABLE only); ``token``: sent
+    as a bearer token. ``channel_kw`` go to :func:`.channel.make_channel`: ``tls``,
+    ``root_certificates``, ``private_key`` + ``certificate_chain`` (mutual TLS),
+    ``credentials``, ``max_message_bytes``, ``round_robin``."""
 
     def __init__(self, target: str, *, token: str | None = None, timeout: float | None = 60.0,
                  retry: RetryPolicy | None = None, channel: grpc.Channel | None = None,
                  **channel_kw: Any) -> None:
+        super().__init__(token=token, timeout=timeout, retry=retry)
         self.target = target
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()  # UNAVAILABLE only, inside the call's deadline
         self._channel = channel or sync_channel(target, **channel_kw)
-        self._stub = pb_grpc.Q6ServeStub(self._channel)
-        self._metadata = token_metadata(token)
+        self._stubs = core.stubs(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -95,21 +94,16 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, request: object, timeout: float | None = None,
-              stub: Any = None) -> Any:
-        """``request``: a message, or a factory of a fresh request iterator (retries of a
-        client stream start again from its first message)."""
-        fn = getattr(stub or self._stub, method)
+    def _run(self, call: core.Call[T], timeout: float | None) -> T:
+        """Make ``call`` under this client's deadline, retry policy and metadata."""
+        fn = getattr(self._stubs[call.service], call.method)
 
         def attempt(left: float | None) -> Any:
-            return fn(request() if callable(request) else request, timeout=left,
-                      metadata=self._metadata)
+            return fn(call.fresh_request(), timeout=left, metadata=self._metadata)
 
-        try:
-            return call_with_retry(attempt, self.retry,
-                                   timeout if timeout is not None else self.timeout)
-        except grpc.RpcError as e:
-            raise Q6ServeError.from_rpc(e) from None
+        with core.rpc_errors():
+            reply = call_with_retry(attempt, self._policy(call), self._deadline(timeout))
+        return call.decode(reply)
 
     # -- weights ----------------------------------------------------------------------------
     def load(self, gguf_path: str, tensors: Iterable[str] = (), prefix: str = "",
@@ -119,9 +113,8 @@ class Client:
         """Load tensors; ``rows=(begin, end)`` or ``shard=(index, count)`` loads only that row
         range of each tensor (row sharding, see docs/SCALEOUT.md); ``placement`` ("shard" or
         "replicate") places it on a multi-device worker."""
-        req = load_request(gguf_path, tensors, prefix, rows=rows, shard=shard,
-                           placement=placement)
-        return weights_of(self._call("LoadWeights", req, timeout))
+        return self._run(core.load_call(gguf_path, tensors, prefix, rows=rows, shard=shard,
+                                        placement=placement), timeout)
 
     def upload(self, name: str, data: np.ndarray | bytes | memoryview, rows: int, k: int,
                fmt: str = "q6_k", timeout: float | None = None,
@@ -129,21 +122,16 @@ class Client:
                progress: Callable[[int], None] | None = None) -> Weight:
         """Upload AoS Q6_K bytes (``fmt="q6_k"``) or f32/f16 rows quantized by the worker,
         in 1 MiB chunks; ``progress(nbytes)`` is called after each chunk is handed to gRPC."""
-        raw = as_bytes_view(data)  # a flat view, not a copy: chunks are sliced from it
-        header = upload_header(name, raw, rows, k, fmt, sha256)
-        r = self._call("UploadWeight", lambda: upload_messages(header, raw, progress), timeout)
-        return Weight.from_pb(r.weight)
+        return self._run(core.upload_call(name, data, rows, k, fmt, sha256, progress), timeout)
 
     def list(self, timeout: float | None = None) -> list[Weight]:
-        return weights_of(self._call("ListWeights", pb.ListWeightsRequest(), timeout))
+        return self._run(core.list_call(), timeout)
 
     def get(self, name: str, timeout: float | None = None) -> Weight:
-        r = self._call("GetWeight", pb.GetWeightRequest(name=name), timeout)
-        return Weight.from_pb(r.weight)
+        return self._run(core.get_call(name), timeout)
 
     def unload(self, name: str, timeout: float | None = None) -> Weight:
-        r = self._call("UnloadWeight", pb.UnloadWeightRequest(name=name), timeout)
-        return Weight.from_pb(r.weight)
+        return self._run(core.unload_call(name), timeout)
 
     # -- matmul -----------------------------------------------------------------------------
     def matmul_full(self, weight: Weights, x: np.ndarray, *, precision: str = "auto",
@@ -158,41 +146,33 @@ class Client:
         (region, byte offset) that carries x / y instead of the messages (``register_shm``;
         not with a list of weights or topk); y is then a view of the region, valid until
         the region is next written."""
-        req = matmul_request(weight, x, precision, out_dtype, x_region=x_region,
-                             y_region=y_region, topk=topk)
-        return output_of(self._call("Matmul", req, timeout), y_region)
+        return self._run(core.matmul_call(weight, x, precision, out_dtype, x_region=x_region,
+                                          y_region=y_region, topk=topk), timeout)
 
     def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
                out_dtype: str = "f32", timeout: float | None = None,
                x_region: RegionArg | None = None,
                y_region: RegionArg | None = None) -> np.ndarray:
         """y = x · Wᵀ of one weight (see :meth:`matmul_multi`, :meth:`matmul_topk`)."""
-        if not isinstance(weight, str):
-            raise ValueError("matmul takes one weight name; use matmul_multi for several")
-        out = self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                               timeout=timeout, x_region=x_region, y_region=y_region)
-        assert out.y is not None
-        return out.y
+        return core.y_of(self.matmul_full(core.one_weight(weight), x, precision=precision,
+                                          out_dtype=out_dtype, timeout=timeout,
+                                          x_region=x_region, y_region=y_region))
 
     def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
                      precision: str = "auto", out_dtype: str = "f32",
                      timeout: float | None = None) -> list[np.ndarray]:
         """One x through several weights of the same K (q/k/v, gate/up) in one request:
         one y per weight, in order."""
-        if isinstance(weights, str):
-            raise ValueError("matmul_multi takes a list of weight names")
-        out = self.matmul_full(list(weights), x, precision=precision, out_dtype=out_dtype,
-                               timeout=timeout)
-        return [o.y for o in out.outputs]  # type: ignore[misc]
+        return core.ys_of(self.matmul_full(core.weight_list(weights), x, precision=precision,
+                                           out_dtype=out_dtype, timeout=timeout))
 
     def matmul_topk(self, weight: str, x: np.ndarray, k: int, *, precision: str = "auto",
                     timeout: float | None = None) -> TopK:
         """Per row of y = x · Wᵀ (computed on the worker's device), the top ``k`` values
         (f32 [N, k], descending), their column indices (int32 [N, k]) and the row's
         log-sum-exp (f32 [N]): what a sampler needs from an lm-head, without the logits."""
-        out = self.matmul_full(weight, x, precision=precision, timeout=timeout, topk=k)
-        assert out.topk is not None
-        return out.topk
+        return core.topk_of(self.matmul_full(weight, x, precision=precision, timeout=timeout,
+                                             topk=k))
 
     def matmul_stream(self, requests: Iterable[tuple[Any, ...]], *,
                       precision: str = "auto", out_dtype: str = "f32",
@@ -204,39 +184,32 @@ class Client:
         Q6ServeError (with ``request_id`` set) out, in completion order. Not retried: requests
         already sent may have run. ``timeout`` bounds the whole stream."""
         y_regions: dict[str, RegionArg] = {}
-        msgs = stream_requests(requests, precision, out_dtype, y_regions, topk)
-        call = self._stub.MatmulStream(msgs, metadata=self._metadata,
-                                       timeout=timeout if timeout is not None else self.timeout)
-        try:
-            for r in call:
-                yield stream_outcome(r, y_regions.pop(r.request_id, None))
-        except grpc.RpcError as e:
-            raise Q6ServeError.from_rpc(e) from None
-        finally:
-            call.cancel()  # no-op once finished; stops the stream if the caller broke out
+        msgs = core.stream_requests(requests, precision, out_dtype, y_regions, topk)
+        call = self._stubs["q6serve"].MatmulStream(msgs, metadata=self._metadata,
+                                                   timeout=self._deadline(timeout))
+        with core.rpc_errors():
+            try:
+                for r in call:
+                    yield core.stream_outcome(r, y_regions)
+            finally:
+                call.cancel()  # no-op once finished; stops the stream if the caller broke out
 
     # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
     def register_shm(self, name: str, size: int, *, key: str | None = None,
                      timeout: float | None = None) -> ShmRegion:
         """Create a POSIX shared-memory object of ``size`` bytes and register it as region
         ``name``. Closing the region (or leaving its ``with``) unregisters and unlinks it."""
-        region = ShmRegion.create(name, size, key)
-        try:
+        with core.closed_on_error(ShmRegion.create(name, size, key)) as region:
             self.register_region(region, timeout=timeout)
-        except BaseException:
-            region.close()
-            raise
         region.on_close = lambda: self._unregister_quietly(name)
         return region
 
     def register_region(self, region: ShmRegion, timeout: float | None = None) -> RegionInfo:
         """Register an already mapped region (e.g. ``ShmRegion.attach``)."""
-        r = self._call("RegisterRegion", shm.register_request(region), timeout)
-        return RegionInfo.from_pb(r.region)
+        return self._run(core.register_region_call(region), timeout)
 
     def unregister_region(self, name: str, timeout: float | None = None) -> RegionInfo:
-        r = self._call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), timeout)
-        return RegionInfo.from_pb(r.region)
+        return self._run(core.unregister_region_call(name), timeout)
 
     def _unregister_quietly(self, name: str) -> None:
         """On region close: the worker may be gone or draining (it closes regions then)."""
@@ -250,29 +223,21 @@ class Client:
             pass
 
     def list_regions(self, timeout: float | None = None) -> list[RegionInfo]:
-        r = self._call("ListRegions", pb.ListRegionsRequest(), timeout)
-        return [RegionInfo.from_pb(x) for x in r.regions]
+        return self._run(core.list_regions_call(), timeout)
 
     # -- worker -----------------------------------------------------------------------------
     def status(self, timeout: float | None = None) -> pb.GetStatusResponse:
-        return self._call("GetStatus", pb.GetStatusRequest(), timeout)
+        return self._run(core.status_call(), timeout)
 
     def status_dict(self, timeout: float | None = None) -> dict[str, object]:
         """GetStatus as JSON-ready types (byte counts as ints)."""
-        return status_to_dict(self.status(timeout))
+        return self._run(core.status_call().then(status_to_dict), timeout)
 
     def flags(self, changes: Mapping[str, bool] | None = None,
               timeout: float | None = None) -> dict[str, bool]:
         """Set ``changes`` (if any) and return every flag's state."""
-        if changes:
-            return flag_states(self._call("SetFlags", flags_request(changes), timeout).flags)
-        return flag_states(self.status(timeout).flags)
+        return self._run(core.flags_call(changes), timeout)
 
     def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
         """True when the worker reports SERVING (one attempt: health is a probe)."""
-        try:
-            r = health_stub(self._channel).Check(health_request(service), timeout=timeout,
-                                                 metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise Q6ServeError.from_rpc(e) from None
-        return is_serving(r)
+        return self._run(core.health_call(service), timeout)

@@ -5,14 +5,19 @@ wire dtype, f32/f16/bf16 with ``ml_dtypes.bfloat16``), the request builders (eve
 call takes is validated and encoded here), the reply decoders, the error type and the result
 types. The transports only decide how a request travels (blocking, asyncio, fanned out over
 shards); channels come from :mod:`.channel` and retries from :mod:`.retry`.
+
+Each client method is a :class:`Call` built here (the request, and how the reply becomes the
+method's result) that the transport runs under the rules of :class:`Transport` (deadline,
+retry policy, call metadata). So a sync method and its asyncio twin differ only in ``await``.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 import grpc
 import ml_dtypes
@@ -20,9 +25,12 @@ import numpy as np
 
 from q6serve.kernels.epilogue import TopK
 from q6serve.v1 import q6serve_pb2 as pb
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from . import shm
-from .shm import RegionArg
+from .channel import token_metadata
+from .retry import NO_RETRY, RetryPolicy
+from .shm import RegionArg, ShmRegion
 
 # -- the codec table: one row per wire dtype --------------------------------------------------
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
@@ -71,6 +79,16 @@ class Q6ServeError(Exception):
         if hasattr(e, "code") and hasattr(e, "details"):
             return cls(e.code(), prefix + (e.details() or ""))
         return cls(grpc.StatusCode.UNKNOWN, prefix + repr(e))
+
+
+@contextmanager
+def rpc_errors() -> Iterator[None]:
+    """A gRPC failure inside becomes a :class:`Q6ServeError`: the one exception type every
+    client raises (a sync and an asyncio body alike: no ``await`` is needed to convert)."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise Q6ServeError.from_rpc(e) from None
 
 
 @dataclass(frozen=True)
@@ -279,9 +297,11 @@ def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> Matmul
                         getattr(r, "weight", ""), outputs)
 
 
-def stream_outcome(r: Any, y_region: RegionArg | None = None) -> MatmulOutput | Q6ServeError:
-    """One MatmulStream reply as the caller sees it: its result, or that request's own error
-    (the stream itself goes on)."""
+def stream_outcome(r: Any, y_regions: dict[str, RegionArg]) -> MatmulOutput | Q6ServeError:
+    """One MatmulStream reply as the caller sees it: its result (y read from the y_region its
+    request named, taken out of ``y_regions``), or that request's own error (the stream itself
+    goes on)."""
+    y_region = y_regions.pop(r.request_id, None)
     if r.WhichOneof("outcome") == "error":
         code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
         return Q6ServeError(code, r.error.message, r.request_id)
@@ -354,3 +374,174 @@ def _int64_as_int(msg: Any, d: dict[str, Any]) -> dict[str, Any]:
         elif field.type in int64:
             d[name] = [int(x) for x in value] if isinstance(value, list) else int(value)
     return d
+
+
+# -- calls: each client method once, run by every transport -----------------------------------
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One call as every client makes it: ``method`` on the stub of ``service`` (a key of
+    :func:`stubs`), ``request`` (a message, or a zero-argument factory of a fresh request
+    iterator, so that a retried client stream starts again from its first message) and
+    ``decode``, from the reply to what the client method returns. ``retry=False``: one
+    attempt whatever the policy (health is a probe)."""
+
+    method: str
+    request: Any
+    decode: Callable[[Any], T]
+    service: str = "q6serve"
+    retry: bool = True
+
+    def fresh_request(self) -> Any:
+        return self.request() if callable(self.request) else self.request
+
+    def then(self, f: Callable[[T], U]) -> Call[U]:
+        """The same call, its result passed on through ``f``."""
+        decode = self.decode
+        return replace(self, decode=lambda r: f(decode(r)))  # type: ignore[arg-type,return-value]
+
+
+def stubs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
+    """The stubs a :class:`Call` names by ``service``, over one (sync or aio) channel."""
+    return {"q6serve": pb_grpc.Q6ServeStub(channel), "health": health_stub(channel)}
+
+
+class Transport:
+    """What every client applies to each call: the default deadline (``timeout`` seconds; a
+    call's own ``timeout`` wins), the retry policy (UNAVAILABLE only, inside that deadline:
+    :mod:`.retry`) and the call metadata (the bearer token, :func:`.channel.token_metadata`)."""
+
+    def __init__(self, *, token: str | None, timeout: float | None,
+                 retry: RetryPolicy | None) -> None:
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._metadata = token_metadata(token)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        """A call's time budget: its own ``timeout``, else the client's."""
+        return self.timeout if timeout is None else timeout
+
+    def _policy(self, call: Call[Any]) -> RetryPolicy:
+        return self.retry if call.retry else NO_RETRY
+
+
+def _reply(r: Any) -> Any:
+    return r
+
+
+def _weight(r: Any) -> Weight:
+    return Weight.from_pb(r.weight)
+
+
+def _region(r: Any) -> RegionInfo:
+    return RegionInfo.from_pb(r.region)
+
+
+def load_call(gguf_path: str, tensors: Iterable[str] = (), prefix: str = "", *,
+              rows: tuple[int, int] | None = None, shard: tuple[int, int] | None = None,
+              placement: str | None = None) -> Call[list[Weight]]:
+    req = load_request(gguf_path, tensors, prefix, rows=rows, shard=shard, placement=placement)
+    return Call("LoadWeights", req, weights_of)
+
+
+def upload_call(name: str, data: np.ndarray | bytes | memoryview, rows: int, k: int,
+                fmt: str = "q6_k", sha256: str | None = None,
+                progress: Callable[[int], None] | None = None) -> Call[Weight]:
+    raw = as_bytes_view(data)  # a flat view, not a copy: chunks are sliced from it
+    header = upload_header(name, raw, rows, k, fmt, sha256)
+    return Call("UploadWeight", lambda: upload_messages(header, raw, progress), _weight)
+
+
+def list_call() -> Call[list[Weight]]:
+    return Call("ListWeights", pb.ListWeightsRequest(), weights_of)
+
+
+def get_call(name: str) -> Call[Weight]:
+    return Call("GetWeight", pb.GetWeightRequest(name=name), _weight)
+
+
+def unload_call(name: str) -> Call[Weight]:
+    return Call("UnloadWeight", pb.UnloadWeightRequest(name=name), _weight)
+
+
+def matmul_call(weight: Weights, x: np.ndarray, precision: str = "auto", out_dtype: str = "f32",
+                *, x_region: RegionArg | None = None, y_region: RegionArg | None = None,
+                topk: int | None = None) -> Call[MatmulOutput]:
+    """Matmul (:func:`matmul_request` checks the arguments); y read from ``y_region`` if set."""
+    req = matmul_request(weight, x, precision, out_dtype, x_region=x_region, y_region=y_region,
+                         topk=topk)
+    return Call("Matmul", req, lambda r: output_of(r, y_region))
+
+
+def one_weight(weight: Weights) -> str:
+    """matmul's weight: one name (several of one K go through matmul_multi)."""
+    if not isinstance(weight, str):
+        raise ValueError("matmul takes one weight name; use matmul_multi for several")
+    return weight
+
+
+def weight_list(weights: Sequence[str]) -> list[str]:
+    """matmul_multi's weights: a list of names, not one name (a str is a sequence too)."""
+    if isinstance(weights, str):
+        raise ValueError("matmul_multi takes a list of weight names")
+    return list(weights)
+
+
+def y_of(out: MatmulOutput) -> np.ndarray:
+    """matmul's result: y of a one-weight call without topk."""
+    assert out.y is not None, "a one-weight call without topk has y"
+    return out.y
+
+
+def ys_of(out: MatmulOutput) -> list[np.ndarray]:
+    """matmul_multi's result: one y per weight, in the order asked."""
+    return [y_of(o) for o in out.outputs]
+
+
+def topk_of(out: MatmulOutput) -> TopK:
+    """matmul_topk's result."""
+    assert out.topk is not None, "a call with topk has topk"
+    return out.topk
+
+
+def register_region_call(region: ShmRegion) -> Call[RegionInfo]:
+    return Call("RegisterRegion", shm.register_request(region), _region)
+
+
+def unregister_region_call(name: str) -> Call[RegionInfo]:
+    return Call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), _region)
+
+
+def list_regions_call() -> Call[list[RegionInfo]]:
+    return Call("ListRegions", pb.ListRegionsRequest(),
+                lambda r: [RegionInfo.from_pb(x) for x in r.regions])
+
+
+@contextmanager
+def closed_on_error(region: ShmRegion) -> Iterator[ShmRegion]:
+    """register_shm: a region the worker refused is closed (and unlinked) again."""
+    try:
+        yield region
+    except BaseException:
+        region.close()
+        raise
+
+
+def status_call() -> Call[pb.GetStatusResponse]:
+    return Call("GetStatus", pb.GetStatusRequest(), _reply)
+
+
+def flags_call(changes: Mapping[str, bool] | None = None) -> Call[dict[str, bool]]:
+    """Set ``changes`` (if any) and return every flag's state (SetFlags answers with them;
+    without changes, GetStatus carries them)."""
+    if changes:
+        return Call("SetFlags", flags_request(changes), lambda r: flag_states(r.flags))
+    return status_call().then(lambda s: flag_states(s.flags))
+
+
+def health_call(service: str = "") -> Call[bool]:
+    """True when the worker reports SERVING; one attempt (health is a probe)."""
+    return Call("Check", health_request(service), is_serving, service="health", retry=False)

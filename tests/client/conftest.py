@@ -88,19 +88,24 @@ def client(worker: Any, make_client: Callable[..., Any]) -> Any:
     return make_client(worker.target)
 
 
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: E402
+
 from q6serve.v1 import q6serve_pb2 as pb  # noqa: E402
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc  # noqa: E402
 
 
 class FlakyServicer(pb_grpc.Q6ServeServicer):
-    """Fails the first ``failures`` calls of each method with ``code``."""
+    """Fails the first ``failures`` calls of each method (the health service's Check too) with
+    ``code``; records each call's authorization metadata in ``tokens``."""
 
     def __init__(self, failures: int, code: grpc.StatusCode) -> None:
         self.failures, self.code = failures, code
         self.calls: dict[str, int] = {}
         self.headers: list[str] = []
+        self.tokens: list[str | None] = []
 
     def _maybe_fail(self, method: str, context: grpc.ServicerContext) -> None:
+        self.tokens.append(dict(context.invocation_metadata()).get("authorization"))
         self.calls[method] = self.calls.get(method, 0) + 1
         if self.calls[method] <= self.failures:
             context.abort(self.code, f"{method} attempt {self.calls[method]} refused")
@@ -118,6 +123,18 @@ class FlakyServicer(pb_grpc.Q6ServeServicer):
                                                             nbytes=size))
 
 
+class FlakyHealth(health.HealthServicer):
+    """The health service of a FlakyServicer: its failures, counted as "Check"."""
+
+    def __init__(self, flaky: FlakyServicer) -> None:
+        super().__init__()
+        self.flaky = flaky
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.flaky._maybe_fail("Check", context)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
 @pytest.fixture
 def flaky() -> Iterator[Callable[[int, grpc.StatusCode], tuple[str, FlakyServicer]]]:
     servers: list[grpc.Server] = []
@@ -126,6 +143,7 @@ def flaky() -> Iterator[Callable[[int, grpc.StatusCode], tuple[str, FlakyService
         servicer = FlakyServicer(failures, code)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_Q6ServeServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(FlakyHealth(servicer), server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)

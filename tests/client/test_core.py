@@ -18,6 +18,7 @@ from q6serve.client.async_client import AsyncClient
 from q6serve.client.client import Client
 from q6serve.client.retry import RetryPolicy
 from q6serve.client.sharded import ShardedClient
+from q6serve.v1 import q6serve_pb2 as pb
 
 CALLS = ("load", "upload", "list", "get", "unload", "matmul", "matmul_full", "matmul_multi",
          "matmul_topk", "matmul_stream",
@@ -193,3 +194,82 @@ def test_sharded_matmul_stream(start_worker: Callable[..., Any], model_dir: Any)
     for i, y in enumerate(want):
         # 1e-5: a coalesced launch takes the NumPy backend's GEMM path, a lone one GEMVs
         assert np.allclose(got[f"r{i}"].y, y, rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
+
+
+# -- one Call per method: built and decoded in the core, run by every transport ---------------
+def test_calls_are_built_and_decoded_in_the_core() -> None:
+    get = core.get_call("w")
+    assert (get.method, get.request.name, get.service, get.retry) == ("GetWeight", "w",
+                                                                      "q6serve", True)
+    assert get.decode(pb.GetWeightResponse(weight=pb.WeightInfo(name="w", rows=3))).rows == 3
+    flags = [pb.Flag(name="a", enabled=True), pb.Flag(name="b")]
+    setting, reading = core.flags_call({"a": True}), core.flags_call(None)
+    assert (setting.method, reading.method) == ("SetFlags", "GetStatus")
+    assert reading.decode(pb.GetStatusResponse(flags=flags)) == {"a": True, "b": False}
+    assert core.status_call().then(lambda s: s.backend).decode(
+        pb.GetStatusResponse(backend="numpy")) == "numpy"
+    health = core.health_call()
+    assert (health.method, health.service, health.retry) == ("Check", "health", False)
+    # a client stream is a factory: every attempt sends the whole stream from its header
+    up = core.upload_call("w", np.zeros(core.UPLOAD_CHUNK + 5, np.uint8), 1, 256)
+    first, again = list(up.fresh_request()), list(up.fresh_request())
+    assert [len(m.chunk) for m in first] == [0, core.UPLOAD_CHUNK, 5] and first == again
+    assert first[0].header.total_bytes == core.UPLOAD_CHUNK + 5
+
+
+def test_argument_rules_of_the_derived_matmul_calls() -> None:
+    assert core.one_weight("w") == "w" and core.weight_list(("a", "b")) == ["a", "b"]
+    with pytest.raises(ValueError, match="use matmul_multi"):
+        core.one_weight(["w"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a list of weight names"):
+        core.weight_list("ab")
+
+
+class _DetailedError(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self) -> str:
+        return "no"
+
+
+def test_rpc_errors_become_the_one_error_type() -> None:
+    with pytest.raises(core.Q6ServeError) as e, core.rpc_errors():
+        raise _DetailedError()
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.PERMISSION_DENIED, "no")
+    with pytest.raises(KeyError), core.rpc_errors():
+        raise KeyError("not a gRPC failure: left alone")
+
+
+def test_a_calls_deadline_is_its_own_else_the_clients() -> None:
+    t = core.Transport(token="t", timeout=7.0, retry=None)
+    assert (t._deadline(None), t._deadline(2.0), t._metadata) == (
+        7.0, 2.0, (("authorization", "Bearer t"),))
+    assert t._policy(core.health_call()).attempts == 1 and t._policy(core.list_call()) is t.retry
+
+
+def test_health_is_one_attempt_whatever_the_policy(flaky: Any,
+                                                   make_client: Callable[..., Any]) -> None:
+    target, servicer = flaky(1, grpc.StatusCode.UNAVAILABLE)
+    c = make_client(target, retry=FAST)
+    with pytest.raises(core.Q6ServeError) as e:
+        c.health()
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE and servicer.calls["Check"] == 1
+    assert c.health() is True and c.status().backend == "fake"
+    assert servicer.calls["GetStatus"] == 2  # the same policy retries the other calls
+    target, servicer = flaky(1, grpc.StatusCode.UNAVAILABLE)
+    with ShardedClient([target], retry=FAST, timeout=10) as s, pytest.raises(core.Q6ServeError):
+        s.health()
+    assert servicer.calls["Check"] == 1
+
+
+def test_every_client_sends_the_token_on_every_call(flaky: Any,
+                                                    make_client: Callable[..., Any]) -> None:
+    target, servicer = flaky(0, grpc.StatusCode.UNAVAILABLE)
+    c = make_client(target, token="s3cret")
+    c.status()
+    c.upload("w", np.zeros(210, np.uint8), 1, 256)  # a client stream
+    assert c.health()  # the health service's stub
+    with ShardedClient([target], token="s3cret", timeout=10) as s:
+        assert s.health() and s.status()[0].backend == "fake"
+    assert servicer.tokens == ["Bearer s3cret"] * 5
