@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -32,31 +32,13 @@ import numpy as np
 from q6serve.kernels.epilogue import check_k, merge_topk
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.v1 import q6serve_pb2 as pb
-from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from .channel import MAX_MESSAGE_BYTES, channel_options, make_channel, token_metadata
-from .core import (
-    _LAYOUT_NAME,
-    _PRECISION_NAME,
-    MatmulOutput,
-    Q6ServeError,
-    TopK,
-    Weight,
-    Weights,
-    decode_tensor,
-    decode_topk,
-    flag_states,
-    flags_request,
-    health_request,
-    health_stub,
-    is_serving,
-    load_request,
-    matmul_request,
-    status_to_dict,
-    weights_of,
-)
+from . import core
+from .channel import MAX_MESSAGE_BYTES, channel_options, make_channel
+from .core import Call, MatmulOutput, Q6ServeError, TopK, Weight, Weights
 from .retry import RetryPolicy, pause_or_raise
 
+T = TypeVar("T")
 STREAM_WINDOW = 16  # matmul_stream: requests in flight at once
 
 
@@ -84,7 +66,7 @@ class ShardRows:
     tensor_rows: int
 
 
-class ShardedClient:
+class ShardedClient(core.Transport):
     """The :class:`~q6serve.client.client.Client` API over a row-sharded set of workers.
 
     Same arguments as :class:`Client` (``token``, ``timeout``, ``retry``, TLS keywords,
@@ -103,13 +85,11 @@ class ShardedClient:
             raise ValueError("ShardedClient needs at least one target")
         if timeout is None or timeout <= 0:
             raise ValueError("every fan-out call needs a deadline: timeout must be > 0")
+        super().__init__(token=token, timeout=timeout, retry=retry)
         self.targets = list(targets)
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
         self._channels = [make_channel(t, credentials=credentials, round_robin=True,
                                        **channel_kw) for t in self.targets]
-        self._stubs = [pb_grpc.Q6ServeStub(ch) for ch in self._channels]
-        self._metadata = token_metadata(token)
+        self._stubs = [core.stubs(ch) for ch in self._channels]
         self._plans: dict[str, list[ShardRows]] = {}
 
     def close(self) -> None:
@@ -130,32 +110,34 @@ class ShardedClient:
         return f"shard {i} of {self.shards} ({self.targets[i]})"
 
     # -- fan-out ----------------------------------------------------------------------------
-    def _fan_out(self, method: str, requests: Sequence[object], timeout: float | None = None,
-                 stubs: Sequence[Any] | None = None, retry: bool = True) -> list[Any]:
-        """Call ``method`` on every shard at once (request i to shard i); all replies in shard
-        order, or the first failure (naming its shard) after cancelling the rest. A shard
-        failing with UNAVAILABLE is called again after the policy's backoff, inside the
-        deadline (the other shards' replies are kept)."""
-        budget = timeout if timeout is not None else self.timeout
+    def _each(self, call: Call[T]) -> list[Call[T]]:
+        return [call] * self.shards
+
+    def _fan_out(self, calls: Sequence[Call[T]], timeout: float | None = None) -> list[T]:
+        """Make call i on shard i, all at once; every result in shard order, or the first
+        failure (naming its shard) after cancelling the rest. A shard failing with
+        UNAVAILABLE is called again after the policy's backoff, inside the deadline (the
+        other shards' replies are kept)."""
+        budget = self._deadline(timeout)
+        assert budget is not None  # __init__ refuses a client without a deadline
         deadline = time.monotonic() + budget
-        policy = self.retry if retry else RetryPolicy(attempts=1)
-        stubs = stubs or self._stubs
         done: queue.Queue[tuple[int, Any]] = queue.Queue()
-        futures: list[Any] = [None] * len(requests)
-        replies: list[Any] = [None] * len(requests)
-        attempts = [0] * len(requests)
+        futures: list[Any] = [None] * len(calls)
+        replies: list[Any] = [None] * len(calls)
+        attempts = [0] * len(calls)
         again: dict[int, float] = {}  # shard -> when to call it again
 
         def start(i: int) -> None:
             left = max(deadline - time.monotonic(), 0.001)
-            f = getattr(stubs[i], method).future(requests[i], timeout=left,
-                                                 metadata=self._metadata)
+            call = calls[i]
+            f = getattr(self._stubs[i][call.service], call.method).future(
+                call.fresh_request(), timeout=left, metadata=self._metadata)
             futures[i] = f
             f.add_done_callback(lambda f, i=i: done.put((i, f)))
 
-        for i in range(len(requests)):
+        for i in range(len(calls)):
             start(i)
-        waiting = len(requests)
+        waiting = len(calls)
         try:
             while waiting:
                 now = time.monotonic()
@@ -178,12 +160,12 @@ class ShardedClient:
                     continue  # an earlier attempt's late callback
                 err = f.exception()
                 if err is None:
-                    replies[i] = f.result()
+                    replies[i] = calls[i].decode(f.result())
                     waiting -= 1
                     continue
                 try:
-                    again[i] = time.monotonic() + pause_or_raise(err, attempts[i], policy,
-                                                                 deadline)
+                    again[i] = time.monotonic() + pause_or_raise(
+                        err, attempts[i], self._policy(calls[i]), deadline)
                 except Exception:
                     raise self._error(i, err) from None
                 attempts[i] += 1
@@ -206,12 +188,12 @@ class ShardedClient:
         if ranges is not None:
             if len(ranges) != self.shards:
                 raise ValueError(f"{len(ranges)} row ranges for {self.shards} shards")
-            reqs = [load_request(gguf_path, tensors, prefix, rows=r, placement=placement)
-                    for r in ranges]
+            calls = [core.load_call(gguf_path, tensors, prefix, rows=r, placement=placement)
+                     for r in ranges]
         else:
-            reqs = [load_request(gguf_path, tensors, prefix, shard=(i, self.shards),
-                                 placement=placement) for i in range(self.shards)]
-        per_shard = [weights_of(r) for r in self._fan_out("LoadWeights", reqs, timeout)]
+            calls = [core.load_call(gguf_path, tensors, prefix, shard=(i, self.shards),
+                                    placement=placement) for i in range(self.shards)]
+        per_shard = self._fan_out(calls, timeout)
         for ws in per_shard:
             for w in ws:
                 self._plans.pop(w.name, None)
@@ -229,20 +211,16 @@ class ShardedClient:
 
     def list_shards(self, timeout: float | None = None) -> list[list[Weight]]:
         """Every shard's own ListWeights (shard order)."""
-        replies = self._fan_out("ListWeights", [pb.ListWeightsRequest()] * self.shards,
-                                timeout)
-        return [weights_of(r) for r in replies]
+        return self._fan_out(self._each(core.list_call()), timeout)
 
     def get(self, name: str, timeout: float | None = None) -> Weight:
-        replies = self._fan_out("GetWeight", [pb.GetWeightRequest(name=name)] * self.shards,
-                                timeout)
-        return self._merge(name, {i: Weight.from_pb(r.weight) for i, r in enumerate(replies)})
+        parts = self._fan_out(self._each(core.get_call(name)), timeout)
+        return self._merge(name, dict(enumerate(parts)))
 
     def unload(self, name: str, timeout: float | None = None) -> Weight:
         self._plans.pop(name, None)
-        replies = self._fan_out("UnloadWeight", [pb.UnloadWeightRequest(name=name)] * self.shards,
-                                timeout)
-        return self._merge(name, {i: Weight.from_pb(r.weight) for i, r in enumerate(replies)})
+        parts = self._fan_out(self._each(core.unload_call(name)), timeout)
+        return self._merge(name, dict(enumerate(parts)))
 
     def _merge(self, name: str, parts: dict[int, Weight]) -> Weight:
         """One whole-tensor Weight from the shards' parts; remembers the row order."""
@@ -279,9 +257,7 @@ class ShardedClient:
 
     def _plan_for(self, name: str, timeout: float | None) -> list[ShardRows]:
         if name not in self._plans:
-            replies = self._fan_out("GetWeight", [pb.GetWeightRequest(name=name)] * self.shards,
-                                    timeout)
-            self._plan(name, {i: Weight.from_pb(r.weight) for i, r in enumerate(replies)})
+            self.get(name, timeout)  # merging the shards' parts plans the weight
         return self._plans[name]
 
     # -- matmul -----------------------------------------------------------------------------
@@ -311,62 +287,56 @@ class ShardedClient:
                     return MatmulOutput(None, "", "", "", 0.0, None, 0, 0, outputs=tuple(
                         replace(o, weight=n) for n, o in zip(names, outs, strict=True)))
                 per_shard[i] = want.pop()
-        reqs = [matmul_request(weight, x, precision, out_dtype, topk=k) for k in per_shard]
+        calls = [core.matmul_call(weight, x, precision, out_dtype, topk=k) for k in per_shard]
         try:
-            replies = self._fan_out("Matmul", reqs, timeout)
+            outs = self._fan_out(calls, timeout)
         except Q6ServeError:
             for n in names:
                 self._plans.pop(n, None)  # a shard may have restarted: re-read the ranges
             raise
         if isinstance(weight, str):
-            return self._join(weight, plans[weight], replies, topk)
-        outputs = tuple(replace(self._join(n, plans[n], [r.outputs[j] for r in replies], topk),
+            return self._join(weight, plans[weight], outs, topk)
+        outputs = tuple(replace(self._join(n, plans[n], [o.outputs[j] for o in outs], topk),
                                 weight=n) for j, n in enumerate(names))
-        return replace(_merged_output(None, replies), outputs=outputs)
+        return replace(merged_output(outs), outputs=outputs)
 
-    def _join(self, weight: str, plan: list[ShardRows], replies: list[Any],
+    def _join(self, weight: str, plan: list[ShardRows], outs: list[MatmulOutput],
               topk: int | None) -> MatmulOutput:
-        """One weight's output from its shards' parts (MatmulResponse or WeightOutput)."""
+        """One weight's output from its shards' (shard order): y concatenated in global row
+        order, or the top-k over global columns."""
         if topk is not None:
-            top = merge_topk([decode_topk(replies[p.shard].topk) for p in plan],
+            top = merge_topk([core.topk_of(outs[p.shard]) for p in plan],
                              [p.begin for p in plan], topk)
-            return replace(_merged_output(None, replies), topk=top)
+            return replace(merged_output(outs), topk=top)
         parts = []
         for p in plan:
-            y = decode_tensor(replies[p.shard].y)
+            y = core.y_of(outs[p.shard])
             if y.shape[1] != p.end - p.begin:
                 self._plans.pop(weight, None)
                 raise Q6ServeError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"{self._name(p.shard)} returned {y.shape[1]} rows of "
                                    f"{weight!r}, expected {p.end - p.begin}: reloaded?")
             parts.append(y)
-        return _merged_output(np.concatenate(parts, axis=1), replies)
+        return replace(merged_output(outs), y=np.concatenate(parts, axis=1))
 
     def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
                out_dtype: str = "f32", timeout: float | None = None) -> np.ndarray:
-        if not isinstance(weight, str):
-            raise ValueError("matmul takes one weight name; use matmul_multi for several")
-        y = self.matmul_full(weight, x, precision=precision, out_dtype=out_dtype,
-                             timeout=timeout).y
-        assert y is not None
-        return y
+        """As :meth:`Client.matmul`, over all shards."""
+        return core.y_of(self.matmul_full(core.one_weight(weight), x, precision=precision,
+                                          out_dtype=out_dtype, timeout=timeout))
 
     def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
                      precision: str = "auto", out_dtype: str = "f32",
                      timeout: float | None = None) -> list[np.ndarray]:
         """As :meth:`Client.matmul_multi`, over all shards."""
-        if isinstance(weights, str):
-            raise ValueError("matmul_multi takes a list of weight names")
-        out = self.matmul_full(list(weights), x, precision=precision, out_dtype=out_dtype,
-                               timeout=timeout)
-        return [o.y for o in out.outputs]  # type: ignore[misc]
+        return core.ys_of(self.matmul_full(core.weight_list(weights), x, precision=precision,
+                                           out_dtype=out_dtype, timeout=timeout))
 
     def matmul_topk(self, weight: str, x: np.ndarray, k: int, *, precision: str = "auto",
                     timeout: float | None = None) -> TopK:
         """As :meth:`Client.matmul_topk`: indices are global columns of the whole tensor."""
-        out = self.matmul_full(weight, x, precision=precision, timeout=timeout, topk=k)
-        assert out.topk is not None
-        return out.topk
+        return core.topk_of(self.matmul_full(weight, x, precision=precision, timeout=timeout,
+                                             topk=k))
 
     def matmul_stream(self, requests: Iterable[tuple[str, Weights, np.ndarray]], *,
                       precision: str = "auto", out_dtype: str = "f32",
@@ -376,7 +346,8 @@ class ShardedClient:
         ``request_id`` set) out, in completion order, as :meth:`Client.matmul_stream`. Each
         request fans out as one :meth:`matmul_full` (retried like it), up to
         ``STREAM_WINDOW`` at once; ``timeout`` bounds the whole stream."""
-        budget = timeout if timeout is not None else self.timeout
+        budget = self._deadline(timeout)
+        assert budget is not None  # __init__ refuses a client without a deadline
         deadline = time.monotonic() + budget
         items = iter(requests)
         running: dict[Future[MatmulOutput], str] = {}
@@ -417,28 +388,21 @@ class ShardedClient:
     # -- workers ----------------------------------------------------------------------------
     def health(self, service: str = "", timeout: float | None = 5.0) -> bool:
         """True when every shard reports SERVING (one attempt each: health is a probe)."""
-        stubs = [health_stub(ch) for ch in self._channels]
-        replies = self._fan_out("Check", [health_request(service)] * self.shards, timeout,
-                                stubs, retry=False)
-        return all(is_serving(r) for r in replies)
+        return all(self._fan_out(self._each(core.health_call(service)), timeout))
 
     def status(self, timeout: float | None = None) -> list[pb.GetStatusResponse]:
         """Every shard's GetStatus (shard order)."""
-        return self._fan_out("GetStatus", [pb.GetStatusRequest()] * self.shards, timeout)
+        return self._fan_out(self._each(core.status_call()), timeout)
 
     def status_dict(self, timeout: float | None = None) -> list[dict[str, object]]:
         """Every shard's GetStatus as JSON-ready types (shard order)."""
-        return [status_to_dict(s) for s in self.status(timeout)]
+        return self._fan_out(self._each(core.status_call().then(core.status_to_dict)), timeout)
 
     def flags(self, changes: Mapping[str, bool] | None = None,
               timeout: float | None = None) -> dict[str, bool]:
         """Set ``changes`` (if any) on every shard and return the flags' state; a flag that
         differs between shards is a FAILED_PRECONDITION naming them."""
-        if changes:
-            replies = self._fan_out("SetFlags", [flags_request(changes)] * self.shards, timeout)
-            states = [flag_states(r.flags) for r in replies]
-        else:
-            states = [flag_states(s.flags) for s in self.status(timeout)]
+        states = self._fan_out(self._each(core.flags_call(changes)), timeout)
         for i, st in enumerate(states[1:], 1):
             if st != states[0]:
                 raise Q6ServeError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -455,18 +419,19 @@ def _by_name(per_shard: Iterable[Iterable[Weight]]) -> dict[str, dict[int, Weigh
     return out
 
 
-def _merged_output(y: np.ndarray | None, replies: list[Any]) -> MatmulOutput:
-    first = replies[0]
+def merged_output(outs: list[MatmulOutput]) -> MatmulOutput:
+    """The shards' outputs of one call (or of one weight of it) as one, without y, topk or
+    outputs (the caller joins those): the first shard's kernel, layout and precision, the
+    slowest shard's times (None unless every shard sent that one), the smallest batch."""
+    def slowest(name: str) -> float | None:
+        v = [getattr(o, name) for o in outs]
+        return None if any(t is None for t in v) else max(v)
 
-    def slowest(name: str) -> float | None:  # None unless every shard sent it
-        v = [getattr(r.timing, name) for r in replies if r.timing.HasField(name)]
-        return max(v) if len(v) == len(replies) else None
-
-    return MatmulOutput(y, first.kernel, _LAYOUT_NAME[first.layout],
-                        _PRECISION_NAME[first.precision],
-                        max(r.timing.queue_seconds for r in replies), slowest("kernel_seconds"),
-                        min(r.timing.batch_rows for r in replies),
-                        min(r.timing.batch_requests for r in replies),
-                        getattr(first, "request_id", ""),
-                        slowest("decode_seconds"), slowest("device_seconds"),
-                        slowest("handler_seconds"))
+    return replace(outs[0], y=None, topk=None, outputs=(),
+                   queue_seconds=max(o.queue_seconds for o in outs),
+                   kernel_seconds=slowest("kernel_seconds"),
+                   decode_seconds=slowest("decode_seconds"),
+                   device_seconds=slowest("device_seconds"),
+                   handler_seconds=slowest("handler_seconds"),
+                   batch_rows=min(o.batch_rows for o in outs),
+                   batch_requests=min(o.batch_requests for o in outs))

@@ -273,3 +273,17 @@ def test_every_client_sends_the_token_on_every_call(flaky: Any,
     with ShardedClient([target], token="s3cret", timeout=10) as s:
         assert s.health() and s.status()[0].backend == "fake"
     assert servicer.tokens == ["Bearer s3cret"] * 5
+
+
+def test_sharded_outputs_merge_to_the_slowest_shard() -> None:
+    from q6serve.client.sharded import merged_output
+
+    a = core.MatmulOutput(np.zeros((1, 2)), "gemv", "soa", "exact", 0.5, 1.0, 4, 2,
+                          decode_seconds=0.1, device_seconds=None, handler_seconds=2.0)
+    b = core.MatmulOutput(np.ones((1, 3)), "gemv", "soa", "exact", 0.7, 0.5, 3, 5,
+                          decode_seconds=0.3, device_seconds=1.0, handler_seconds=1.0)
+    m = merged_output([a, b])
+    assert m.y is None and m.topk is None and m.outputs == ()  # the caller joins those
+    assert (m.queue_seconds, m.kernel_seconds, m.decode_seconds, m.device_seconds,
+            m.handler_seconds) == (0.7, 1.0, 0.3, None, 2.0)  # None: a shard did not send it
+    assert (m.batch_rows, m.batch_requests, m.kernel, m.precision) == (3, 2, "gemv", "exact")
