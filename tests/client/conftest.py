@@ -9,6 +9,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +72,13 @@ def make_client(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """``make_client(target, **kw)`` -> a Client or an AsyncFacade, closed at teardown."""
     from q6serve.client.client import Client
 
-    made: list[Any] = []
+    with ExitStack() as made:
+        def make(target: str, **kw: Any) -> Any:
+            c = Client(target, **kw) if request.param == "sync" else AsyncFacade(target, **kw)
+            made.callback(c.close)
+            return c
 
-    def make(target: str, **kw: Any) -> Any:
-        c = Client(target, **kw) if request.param == "sync" else AsyncFacade(target, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+        yield make
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +21,11 @@ from q6serve.kernels.api import KernelTiming
 from q6serve.kernels.errors import AlreadyExists, ResourceExhausted
 from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service.config import Budget, WorkerConfig
-from q6serve.service.devices import DevicesWorker, MultiDeviceEngine
+from q6serve.service.devices import MultiDeviceEngine
 from q6serve.service.engine import UploadSpec
 from q6serve.service.metrics import Metrics
 
 ROWS, K = 37, 512
-
-
-@pytest.fixture
-def start_devices(base_config: WorkerConfig) -> Iterator[Callable[..., LoopWorker]]:
-    started: list[LoopWorker] = []
-
-    def start(placement: str = "shard", **overrides: Any) -> LoopWorker:
-        cfg = dataclasses.replace(base_config, **overrides)
-        worker = DevicesWorker(cfg, [NumpyBackend(threads=1) for _ in range(2)], placement,
-                               registry=CollectorRegistry())
-        w = LoopWorker(cfg, worker=worker)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 def _x(n: int, seed: int = 0) -> np.ndarray:

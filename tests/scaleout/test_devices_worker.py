@@ -3,40 +3,17 @@ give the reference's results, GetStatus lists each device, /metrics carries devi
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 from scaleout_util import LoopWorker, assert_close, reference, write_gguf
 
 from q6serve.client.client import Client
 from q6serve.client.sharded import ShardedClient
-from q6serve.kernels.numpy_backend import NumpyBackend
-from q6serve.service.config import WorkerConfig
-from q6serve.service.devices import DevicesWorker
 
 ROWS, K = 37, 512
-
-
-@pytest.fixture
-def start_devices(base_config: WorkerConfig) -> Iterator[Callable[..., LoopWorker]]:
-    started: list[LoopWorker] = []
-
-    def start(devices: int = 2, placement: str = "shard", **overrides: Any) -> LoopWorker:
-        cfg = dataclasses.replace(base_config, **overrides)
-        worker = DevicesWorker(cfg, [NumpyBackend(threads=1) for _ in range(devices)],
-                               placement, registry=CollectorRegistry())
-        w = LoopWorker(cfg, worker=worker)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 def _x(n: int, seed: int = 0) -> np.ndarray:
