@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from . import q6k
-from .epilogue import TopK
+from .epilogue import TopK, check_k
 from .errors import FailedPrecondition, FormatError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -219,6 +219,16 @@ def check_activations(x: np.ndarray, k: int) -> np.ndarray:
     if xk != k:
         raise FormatError(f"activations have K={xk}, weight has K={k}")
     return np.ascontiguousarray(x)
+
+
+def check_matmul(w: ResidentWeight, x: np.ndarray, topk: int = 0) -> np.ndarray:
+    """What every backend's :meth:`Backend.matmul` checks before any work: x ``[N, K]`` of the
+    weight's K (:func:`check_activations`), then the top-k epilogue's k (1..256, at most the
+    weight's rows) when asked. Returns x C-contiguous."""
+    x = check_activations(x, w.k)
+    if topk:
+        check_k(topk, w.rows)
+    return x
 
 
 def refuse_q8_1_without_mmq(precision: Precision, flags: KernelFlags) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import q6k
 from .api import (
+    DEFAULT_FLAGS,
     AosChunks,
     Backend,
     KernelFlags,
@@ -33,7 +34,7 @@ from .api import (
     MemoryInfo,
     Precision,
     ResidentWeight,
-    check_activations,
+    check_matmul,
 )
 from .cuda import storage
 from .cuda.context import DeviceContext
@@ -48,10 +49,7 @@ from .cuda.dispatch import (
 )
 from .cuda.launch import IN_TYPES, Launcher
 from .cuda.storage import Storage, weight_data
-from .epilogue import check_k
 from .errors import DeviceError, FormatError
-
-DEFAULT_FLAGS = KernelFlags()
 
 __all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg"]
 
@@ -134,9 +132,7 @@ class CudaBackend(Backend):
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> MatmulResult:
-        x = check_activations(x, w.k)
-        if topk:
-            check_k(topk, w.rows)
+        x = check_matmul(w, x, topk)
         c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
         cw = weight_data(w)
         with self.ctx.dev, self.ctx.stream:

@@ -33,10 +33,10 @@ from .api import (
     MemoryInfo,
     Precision,
     ResidentWeight,
-    check_activations,
+    check_matmul,
     refuse_q8_1_without_mmq,
 )
-from .epilogue import check_k, topk_reference
+from .epilogue import topk_reference
 from .errors import FormatError
 
 _M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
@@ -290,9 +290,7 @@ class NumpyBackend(Backend):
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> MatmulResult:
-        x = check_activations(x, w.k)
-        if topk:
-            check_k(topk, w.rows)
+        x = check_matmul(w, x, topk)
         kernel, resolved = self.plan(x.shape[0], precision, flags)
         slabs: list[Slab] | None = w.data
         if slabs is None:
