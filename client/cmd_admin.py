@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from . import names
 from .cli_target import UsageError, add_target_options, client_kwargs
 
 # commands that take `--target A,B,...`: a weight row-sharded over those workers (shard i = i-th)
@@ -218,7 +219,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-index", type=int, metavar="I",
                    help="load shard I of --shard-count N (even split of each tensor's rows)")
     p.add_argument("--shard-count", type=int, metavar="N", help="number of shards")
-    p.add_argument("--placement", choices=("shard", "replicate"),
+    p.add_argument("--placement", choices=names.PLACEMENTS,
                    help="multi-device workers: split the rows over the devices or replicate "
                         "(default: the worker's --placement)")
 
@@ -251,12 +252,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topk", type=int, metavar="K",
                    help="instead of y, per row the top K (1..256) values, their column "
                         "indices and the row's log-sum-exp, computed on the worker")
-    p.add_argument("--dtype", choices=("f32", "f16", "bf16"),
+    p.add_argument("--dtype", choices=names.DTYPES,
                    help="activation dtype sent on the wire, x converted to it (default: the "
                         "input's own dtype)")
-    p.add_argument("--out-dtype", choices=("f32", "f16", "bf16"), default="f32",
+    p.add_argument("--out-dtype", choices=names.DTYPES, default="f32",
                    help="output dtype (default f32)")
-    p.add_argument("--precision", choices=("auto", "exact", "f16", "q8_1"), default="auto",
+    p.add_argument("--precision", choices=names.PRECISIONS, default="auto",
                    help="numerics (default auto: the backend's fastest path)")
 
     p = _parser(sub, "status", "show backend, device, VRAM accounting, flags and version",

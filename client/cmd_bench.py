@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import names
 from .cli_target import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -55,10 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="concurrent callers (several values: a sweep; default 1 8)")
     p.add_argument("--n", type=int, nargs="+", default=[1, 16],
                    help="activation rows per call (several values: a sweep; default 1 16)")
-    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"),
+    p.add_argument("--dtype", default="f16", choices=names.DTYPES,
                    help="activation dtype (default f16)")
-    p.add_argument("--out-dtype", default="f32", choices=("f32", "f16", "bf16"))
-    p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"))
+    p.add_argument("--out-dtype", default="f32", choices=names.DTYPES)
+    p.add_argument("--precision", default="auto", choices=names.PRECISIONS)
     p.add_argument("--duration", type=float, default=5.0, help="seconds per cell (default 5)")
     p.add_argument("--warmup", type=float, default=0.5,
                    help="seconds of untimed calls before each cell (default 0.5)")

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import names
 from .cli_target import UsageError
 
 EXAMPLE = """example:
@@ -52,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="activation rows per call (default 1 4 16 64)")
     p.add_argument("--callers", type=int, default=8, help="concurrent callers (default 8)")
     p.add_argument("--calls", type=int, default=3, help="calls per caller and N (default 3)")
-    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16"),
+    p.add_argument("--dtype", default="f16", choices=names.DTYPES,
                    help="activation dtype on the wire (default f16)")
-    p.add_argument("--precision", default="auto", choices=("auto", "exact", "f16", "q8_1"),
+    p.add_argument("--precision", default="auto", choices=names.PRECISIONS,
                    help="numerics (default auto: the backend's fastest path)")
     p.add_argument("--max-weight-mib", type=float, default=None,
                    help="serve at most this many MiB of rows per weight (0 = full size; "

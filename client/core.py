@@ -27,24 +27,25 @@ from q6serve.kernels.epilogue import TopK
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from . import shm
+from . import names, shm
 from .channel import token_metadata
 from .retry import NO_RETRY, RetryPolicy
 from .shm import RegionArg, ShmRegion
 
 # -- the codec table: one row per wire dtype --------------------------------------------------
-DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-          "bf16": np.dtype(ml_dtypes.bfloat16)}
-_DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+# (keyed by the names of .names, in their order)
+DTYPES = dict(zip(names.DTYPES, map(np.dtype, (np.float32, np.float16, ml_dtypes.bfloat16)),
+                  strict=True))
+_DTYPE_TO_PB = dict(zip(names.DTYPES, (pb.DTYPE_F32, pb.DTYPE_F16, pb.DTYPE_BF16), strict=True))
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
-PRECISIONS = {"auto": pb.PRECISION_AUTO, "exact": pb.PRECISION_EXACT, "f16": pb.PRECISION_F16,
-              "q8_1": pb.PRECISION_Q8_1}
+PRECISIONS = dict(zip(names.PRECISIONS, (pb.PRECISION_AUTO, pb.PRECISION_EXACT,
+                                         pb.PRECISION_F16, pb.PRECISION_Q8_1), strict=True))
 _PRECISION_NAME = {v: k for k, v in PRECISIONS.items()}
 _LAYOUT_NAME = {pb.LAYOUT_SOA: "soa", pb.LAYOUT_AOS: "aos", pb.LAYOUT_UNSPECIFIED: ""}
 UPLOAD_FORMATS = {"q6_k": pb.UPLOAD_FORMAT_Q6_K, "f32": pb.UPLOAD_FORMAT_F32,
                   "f16": pb.UPLOAD_FORMAT_F16}
-PLACEMENTS = {None: pb.PLACEMENT_UNSPECIFIED, "shard": pb.PLACEMENT_SHARD,
-              "replicate": pb.PLACEMENT_REPLICATE}
+PLACEMENTS = {None: pb.PLACEMENT_UNSPECIFIED, **dict(zip(
+    names.PLACEMENTS, (pb.PLACEMENT_SHARD, pb.PLACEMENT_REPLICATE), strict=True))}
 UPLOAD_CHUNK = 1 << 20
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 

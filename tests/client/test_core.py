@@ -287,3 +287,17 @@ def test_sharded_outputs_merge_to_the_slowest_shard() -> None:
     assert (m.queue_seconds, m.kernel_seconds, m.decode_seconds, m.device_seconds,
             m.handler_seconds) == (0.7, 1.0, 0.3, None, 2.0)  # None: a shard did not send it
     assert (m.batch_rows, m.batch_requests, m.kernel, m.precision) == (3, 2, "gemv", "exact")
+
+
+def test_the_names_map_to_their_own_wire_values() -> None:
+    """client/names.py (the CLI's choices, stdlib only) keys the core's tables by position:
+    each name must land on the enum value of the same name."""
+    from q6serve.client import names
+
+    for table, enum, prefix, keys in (
+            (core._DTYPE_TO_PB, pb.DType, "DTYPE_", names.DTYPES),
+            (core.PRECISIONS, pb.Precision, "PRECISION_", names.PRECISIONS),
+            (core.PLACEMENTS, pb.Placement, "PLACEMENT_", names.PLACEMENTS)):
+        assert [enum.Name(table[k]) for k in keys] == [prefix + k.upper() for k in keys]
+    assert core.dtype_name(np.dtype(ml_dtypes.bfloat16)) == "bf16"
+    assert core.dtype_name(np.dtype(np.float16)) == "f16"
