@@ -26,7 +26,7 @@ from . import core
 from .channel import aio_channel
 from .core import MatmulOutput, Q6ServeError, RegionInfo, TopK, Weight, Weights
 from .retry import RetryPolicy, acall_with_retry
-from .shm import RegionArg, ShmRegion
+from .shm import CudaRegion, Region, RegionArg, ShmRegion
 
 T = TypeVar("T")
 # (request_id, weight, x) or (request_id, weight, x, x_region, y_region)
@@ -162,7 +162,16 @@ class AsyncClient(core.Transport):
             await self.register_region(region, timeout=timeout)
         return region
 
-    async def register_region(self, region: ShmRegion,
+    async def register_cuda_ipc(self, name: str, size: int | None = None, *,
+                                array: Any = None, device: int = 0,
+                                timeout: float | None = None) -> CudaRegion:
+        """Register device memory as :meth:`Client.register_cuda_ipc`; unregister it with
+        :meth:`unregister_region` before letting the memory go."""
+        region = core.cuda_region(name, size, array, device)
+        await self.register_region(region, timeout=timeout)
+        return region
+
+    async def register_region(self, region: Region,
                               timeout: float | None = None) -> RegionInfo:
         return await self._run(core.register_region_call(region), timeout)
 

@@ -54,7 +54,7 @@ from .core import (  # noqa: F401  (re-exported: the public names of this module
     weights_of,
 )
 from .retry import RetryPolicy, call_with_retry
-from .shm import RegionArg, ShmRegion
+from .shm import CudaRegion, Region, RegionArg, ShmRegion
 
 T = TypeVar("T")
 
@@ -204,8 +204,20 @@ class Client(core.Transport):
         region.on_close = lambda: self._unregister_quietly(name)
         return region
 
-    def register_region(self, region: ShmRegion, timeout: float | None = None) -> RegionInfo:
-        """Register an already mapped region (e.g. ``ShmRegion.attach``)."""
+    def register_cuda_ipc(self, name: str, size: int | None = None, *, array: Any = None,
+                          device: int = 0, timeout: float | None = None) -> CudaRegion:
+        """Register device memory of this process on the worker's GPU as region ``name`` (CUDA
+        IPC; a CUDA worker with --allow-shm; needs CuPy): a fresh allocation of ``size``
+        bytes on ``device``, or the memory of the contiguous CuPy ``array``. Matmuls naming
+        it read x / write y there on the device (y comes back as a CuPy view). Closing the
+        region (or leaving its ``with``) unregisters it; the memory is this process's."""
+        region = core.cuda_region(name, size, array, device)
+        self.register_region(region, timeout=timeout)
+        region.on_close = lambda: self._unregister_quietly(name)
+        return region
+
+    def register_region(self, region: Region, timeout: float | None = None) -> RegionInfo:
+        """Register an already mapped region (e.g. ``ShmRegion.attach``, a CudaRegion)."""
         return self._run(core.register_region_call(region), timeout)
 
     def unregister_region(self, name: str, timeout: float | None = None) -> RegionInfo:

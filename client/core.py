@@ -231,7 +231,8 @@ def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
             raise ValueError(f"topk={topk!r} must be an int (the worker takes 1..256)")
         req.topk.k = int(topk)
     if x_region is not None:
-        x = np.asarray(x)
+        if not hasattr(x, "__cuda_array_interface__"):  # a CuPy x stays on the device
+            x = np.asarray(x)
         name = dtype_name(x.dtype)
         if name is None:
             raise ValueError(f"dtype {x.dtype} is not one of {', '.join(DTYPES)}")
@@ -508,8 +509,16 @@ def topk_of(out: MatmulOutput) -> TopK:
     return out.topk
 
 
-def register_region_call(region: ShmRegion) -> Call[RegionInfo]:
+def register_region_call(region: shm.Region) -> Call[RegionInfo]:
     return Call("RegisterRegion", shm.register_request(region), _region)
+
+
+def cuda_region(name: str, size: int | None, array: Any, device: int) -> shm.CudaRegion:
+    """register_cuda_ipc's region: a fresh allocation of ``size`` bytes, or ``array``'s."""
+    if (size is None) == (array is None):
+        raise ValueError("register_cuda_ipc takes size or array, one of them")
+    return (shm.CudaRegion.create(name, size, device) if array is None
+            else shm.CudaRegion(name, array))
 
 
 def unregister_region_call(name: str) -> Call[RegionInfo]:

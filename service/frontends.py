@@ -75,7 +75,7 @@ from .config import WorkerConfig
 from .engine import MatmulCall, MatmulReply
 from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
-from .regions import SHM_DIR, RegionTable
+from .regions import SHM_DIR, table_for
 from .servicer import Q6ServeServicer, RegionPlane
 from .worker import Worker, build_server, stop_server
 
@@ -254,7 +254,8 @@ class FrontendsWorker(Worker):
         cfg = self.config
         self._init_metrics()
         self.engine = self.make_engine()
-        self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
+        self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
+                                 self.backend, self.engine)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
         self._unix = await asyncio.start_unix_server(self._serve, path=self._sock_path)

@@ -29,6 +29,7 @@ such a deliberate race.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import mmap
@@ -72,11 +73,13 @@ class ShmSource:
 
 @dataclass(frozen=True)
 class CudaIpcSource:
-    """A caller's device allocation on the worker's GPU, as a cudaIpcMemHandle_t."""
+    """Bytes [offset, offset + byte_size) of a caller's device allocation on the worker's GPU,
+    exported as a cudaIpcMemHandle_t."""
 
     handle: bytes
     device: int
     byte_size: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,14 @@ class RegionView:
 
 
 class Mapping:
-    """What a region's bytes are: a host buffer (``buf``) and a liveness check."""
+    """What a region's bytes are: host memory (system regions) or device memory (CUDA
+    regions, service/cuda_regions.py), viewed as arrays, and a liveness check."""
 
-    buf: memoryview  # the region's bytes (exactly byte_size of them)
+    def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
+             writable: bool) -> Any:
+        """``shape`` of ``dtype`` at ``offset`` (bounds checked by the caller): a NumPy array
+        of host memory, a CuPy array of device memory."""
+        raise NotImplementedError
 
     def check_alive(self, what: str) -> None:
         """Raise FailedPrecondition when the backing object went away or shrank."""
@@ -142,6 +150,13 @@ class _ShmMapping(Mapping):
         self._view = memoryview(self._mm)
         self.buf = self._view[src.offset - start : self.end - start]
 
+    def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
+             writable: bool) -> np.ndarray:
+        a = np.frombuffer(self.buf[offset : offset + nbytes],
+                          dtype=dtype.newbyteorder("<")).reshape(shape)
+        a.flags.writeable = writable
+        return a
+
     def check_alive(self, what: str) -> None:
         st = os.fstat(self._fd)
         if st.st_nlink == 0:
@@ -170,8 +185,12 @@ class _ShmMapping(Mapping):
         log.debug("mapping of %s closes when its last array is freed", self.key)
 
 
-# Opens a CUDA IPC region on the worker's device; set by the backend that can (None: refused)
-CudaOpener = Callable[[CudaIpcSource], Mapping]
+class CudaPlane(Protocol):
+    """CUDA IPC regions on the worker's device (service/cuda_regions.py; None: refused)."""
+
+    def open(self, src: CudaIpcSource) -> Mapping: ...
+
+    async def matmul(self, engine: Any, call: Any, yd: Any) -> Any: ...
 
 
 class Region:
@@ -202,24 +221,22 @@ class Region:
         return nbytes
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], what: str,
-              writable: bool = False) -> np.ndarray:
-        """A little-endian ``shape`` array of ``dtype`` viewing the region at ``offset``,
-        bounds-checked, after checking the backing object is still there."""
+              writable: bool = False) -> Any:
+        """A little-endian ``shape`` array of ``dtype`` viewing the region at ``offset``
+        (NumPy; CuPy for a CUDA region), bounds-checked, after checking the backing object is
+        still there."""
         nbytes = self.span(offset, dtype, shape, what)
         self.mapping.check_alive(f"{what} region {self.name!r}")
-        a = np.frombuffer(self.mapping.buf[offset : offset + nbytes],
-                          dtype=dtype.newbyteorder("<")).reshape(shape)
-        a.flags.writeable = writable
-        return a
+        return self.mapping.view(offset, nbytes, dtype, shape, writable)
 
 
 class RegionTable:
     def __init__(self, allowed: bool, max_regions: int, max_bytes: int,
-                 cuda_opener: CudaOpener | None = None) -> None:
+                 cuda: CudaPlane | None = None) -> None:
         self.allowed = allowed
         self.max_regions = max_regions
         self.max_bytes = max_bytes
-        self.cuda_opener = cuda_opener
+        self.cuda = cuda
         self._regions: dict[str, Region] = {}
         self._mapped = 0  # bytes of every region still mapped (removed ones in use included)
         self._closing: list[Region] = []  # removed, waiting for their users to finish
@@ -256,14 +273,14 @@ class RegionTable:
             mapping: Mapping = _ShmMapping(src)
             kind, key, offset = SYSTEM, src.key, src.offset
         else:
-            if self.cuda_opener is None:
+            if self.cuda is None:
                 raise InvalidArgument("CUDA IPC regions need the CUDA backend; this worker "
                                       "maps system shared memory only")
             if len(src.handle) != CUDA_IPC_HANDLE_BYTES:
                 raise InvalidArgument(f"CUDA IPC handle has {len(src.handle)} bytes, needs "
                                       f"{CUDA_IPC_HANDLE_BYTES}")
-            mapping = self.cuda_opener(src)
-            kind, key, offset = CUDA, "", 0
+            mapping = self.cuda.open(src)
+            kind, key, offset = CUDA, "", src.offset
         region = Region(name, owner, kind, key, offset, src.byte_size, mapping)
         self._regions[name] = region
         self._mapped += src.byte_size
@@ -327,6 +344,14 @@ class RegionTable:
         self._closing.clear()
 
 
+def table_for(allowed: bool, max_regions: int, max_bytes: int, backend: Any,
+              engine: Any) -> RegionTable:
+    """The worker's table: CUDA IPC regions too where the backend can open them."""
+    from .cuda_regions import support  # imports this module
+
+    return RegionTable(allowed, max_regions, max_bytes, support(backend, engine))
+
+
 @dataclass(frozen=True)
 class RegionIO:
     """The region side of one matmul request: where x is read and/or y written."""
@@ -337,6 +362,14 @@ class RegionIO:
     y: RegionRef | None
 
 
+@dataclass(frozen=True)
+class YSpec:
+    """What a reply says of a y written to a region: dtype and shape, no bytes."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
 class _MatmulEngine(Protocol):
     def get(self, name: str) -> Any: ...
 
@@ -344,32 +377,44 @@ class _MatmulEngine(Protocol):
 
 
 async def matmul(table: RegionTable, engine: _MatmulEngine, owner: str, io: RegionIO,
-                 make_call: Callable[[np.ndarray | None], Any]) -> Any:
+                 make_call: Callable[[Any], Any]) -> Any:
     """Run one matmul whose x and/or y live in regions. ``make_call(x)`` builds the engine's
     MatmulCall (x: the region's view, or None to decode the request's bytes). Every check runs
     before the request is queued, y's bounds included, so a bad region costs no device work;
-    y is written (bounds checked again) after the device finishes. Returns the engine's
-    reply, with y still in it (the caller encodes the reply without y's bytes)."""
+    y is written (bounds checked again) after the device finishes. With a CUDA region on
+    either side the call runs on the device end to end (service/cuda_regions.py). Returns
+    the engine's reply; when y went to a region, its y is a YSpec (dtype and shape only)."""
     with table.use(owner, io.x) as xr, table.use(owner, io.y) as yr:
         # the arrays viewing the regions live in _run's frame only, which is gone when the
         # regions are let go (an unregistered region unmaps right then)
-        return await _run(engine, io, xr, yr, make_call)
+        return await _run(table, engine, io, xr, yr, make_call)
 
 
-async def _run(engine: _MatmulEngine, io: RegionIO, xr: Region | None, yr: Region | None,
-               make_call: Callable[[np.ndarray | None], Any]) -> Any:
+async def _run(table: RegionTable, engine: _MatmulEngine, io: RegionIO, xr: Region | None,
+               yr: Region | None, make_call: Callable[[Any], Any]) -> Any:
     x = None
     if xr is not None:
         assert io.x is not None and io.x_dtype is not None and io.x_shape is not None
         x = xr.array(io.x.offset, io.x_dtype, io.x_shape, "x")
     call = make_call(x)
+    shape = None
     if yr is not None:
         assert io.y is not None
         shape = (int(call.x.shape[0]), engine.get(call.weight).rows)
         yr.span(io.y.offset, call.out_dtype, shape, "y")
-    reply = await engine.matmul(call)
-    if yr is not None:
-        assert io.y is not None
+    if CUDA in (xr and xr.kind, yr and yr.kind):
+        assert table.cuda is not None  # a CUDA region exists only where it is set
+        yd = None
+        if yr is not None and yr.kind == CUDA:
+            assert io.y is not None and shape is not None
+            yd = yr.array(io.y.offset, call.out_dtype, shape, "y", writable=True)
+        reply = await table.cuda.matmul(engine, call, yd)
+    else:
+        reply = await engine.matmul(call)
+    if yr is None:
+        return reply
+    assert io.y is not None and shape is not None
+    if yr.kind == SYSTEM:
         y = reply.y
         yr.array(io.y.offset, y.dtype, y.shape, "y", writable=True)[...] = y
-    return reply
+    return dataclasses.replace(reply, y=YSpec(np.dtype(call.out_dtype), shape))

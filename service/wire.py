@@ -237,7 +237,7 @@ def region_source(req: pb.RegisterRegionRequest) -> ShmSource | CudaIpcSource:
         return ShmSource(s.key, int(s.offset), int(s.byte_size))
     if which == "cuda":
         c = req.cuda
-        return CudaIpcSource(bytes(c.handle), int(c.device), int(c.byte_size))
+        return CudaIpcSource(bytes(c.handle), int(c.device), int(c.byte_size), int(c.offset))
     raise InvalidArgument("RegisterRegionRequest needs a source (system or cuda)")
 
 

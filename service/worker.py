@@ -28,7 +28,7 @@ from .config import WorkerConfig
 from .engine import Engine, version
 from .interceptor import STREAM_REQUEST_SUFFIX, ErrorInterceptor
 from .metrics import Metrics
-from .regions import RegionTable
+from .regions import RegionTable, table_for
 from .servicer import Q6ServeServicer
 
 log = logging.getLogger("q6serve.worker")
@@ -117,7 +117,8 @@ class Worker:
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection)
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
-        self.regions = RegionTable(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes)
+        self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
+                                 self.backend, self.engine)
         self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,
                                           cfg.max_stream_bytes_per_connection)
         servicer = Q6ServeServicer(self.engine, max_stream_bytes=cfg.max_stream_bytes,

@@ -378,14 +378,16 @@ class SystemShm(_message.Message):
     def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
-    __slots__ = ("handle", "device", "byte_size")
+    __slots__ = ("handle", "device", "byte_size", "offset")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     device: int
     byte_size: int
-    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    offset: int
+    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("name", "system", "cuda")

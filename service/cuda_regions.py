@@ -1,0 +1,205 @@
+"""CUDA IPC regions: a co-located caller's device buffer as a region (issue 15, item 1).
+
+The caller exports an allocation on the worker's GPU (``cudaIpcGetMemHandle``) and registers
+(handle, device, offset, byte_size); the worker opens it once (``cudaIpcOpenMemHandle``),
+checks that the region lies inside the allocation, and from then on a matmul naming it reads
+x from / writes y into the caller's memory on the device: no host copy of either. Closing
+(unregister, drain) is ``cudaIpcCloseMemHandle``; the caller keeps owning (and freeing) its
+allocation.
+
+Such a request does not go through the batcher (its x is device memory, the batcher
+concatenates host arrays): it runs as one device job of its own on the engine's device thread,
+in order with the batches, with the same checks (weight, K, rows limit, precision the flags
+allow, q8_1 with non-finite rows as exact), and its reply carries the same timing fields
+(batch_rows = N, batch_requests = 1). Where x or y is on the host (inline bytes or a system
+region), it is copied to or from the device in that job.
+
+Only the CUDA backend has this (``support``); elsewhere RegionTable refuses CUDA regions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
+from q6serve.kernels.errors import DeviceError, FormatError, InvalidArgument, Unavailable
+
+from .batcher import DeadlineExceeded, MatmulReply
+from .regions import CudaIpcSource, Mapping
+
+log = logging.getLogger("q6serve.regions")
+
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """(base address, byte size) of the device allocation holding ``ptr`` in the current
+    context (``cuMemGetAddressRange``; the runtime API has no equivalent)."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError) as e:
+        raise DeviceError(f"cannot query CUDA allocations: {e}") from None
+    f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                  ctypes.c_uint64]
+    f.restype = ctypes.c_int
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = f(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise InvalidArgument(f"address {ptr:#x} is not in a device allocation (CUresult {rc})")
+    return int(base.value), int(size.value)
+
+
+def device_dtype(dtype: np.dtype) -> np.dtype:
+    """What CuPy views a ``dtype`` tensor as: bf16 as its uint16 bits (CuPy has no bf16)."""
+    return np.dtype(np.uint16) if dtype == BFLOAT16 else np.dtype(dtype)
+
+
+class CudaIpcMapping(Mapping):
+    """A caller's device allocation opened in the worker: bytes [offset, offset + byte_size)
+    of it are the region."""
+
+    def __init__(self, cp: Any, device: int, src: CudaIpcSource) -> None:
+        if src.device != device:
+            raise InvalidArgument(f"CUDA IPC region on device {src.device}; this worker's "
+                                  f"device is {device}")
+        self.cp, self.dev = cp, cp.cuda.Device(device)
+        with self.dev:
+            try:
+                self.base = int(cp.cuda.runtime.ipcOpenMemHandle(src.handle, _LAZY_PEER_ACCESS))
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                raise InvalidArgument(f"cannot open the CUDA IPC handle: {e} (a handle from "
+                                      "cudaIpcGetMemHandle of a live allocation on this GPU, "
+                                      "exported by another process)") from None
+            try:
+                _, size = allocation_range(self.base)
+                if src.offset + src.byte_size > size:
+                    raise InvalidArgument(f"region [{src.offset}, {src.offset + src.byte_size}) "
+                                          f"does not fit the CUDA allocation of {size} bytes")
+            except BaseException:
+                cp.cuda.runtime.ipcCloseMemHandle(self.base)
+                raise
+        self.ptr = self.base + src.offset
+        self.byte_size = src.byte_size
+        self.open = True
+
+    def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
+             writable: bool) -> Any:
+        cp = self.cp
+        mem = cp.cuda.UnownedMemory(self.ptr + offset, nbytes, self, self.dev.id)
+        return cp.ndarray(shape, device_dtype(dtype), cp.cuda.MemoryPointer(mem, 0))
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            with self.dev:
+                self.cp.cuda.runtime.ipcCloseMemHandle(self.base)
+
+
+class CudaSupport:
+    """CUDA IPC regions on one CudaBackend: opening them, and matmuls reading/writing them."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.cp = backend.ctx.cp
+
+    def open(self, src: CudaIpcSource) -> Mapping:
+        return CudaIpcMapping(self.cp, self.backend.device, src)
+
+    async def matmul(self, engine: Any, call: Any, yd: Any) -> MatmulReply:
+        """``call`` (x: a CuPy view of a region, or a host array) as one device job; y goes
+        into ``yd`` (a CuPy view of a region) when given, else back to the host (reply.y)."""
+        if not engine.serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+        x = call.x
+        n = int(x.shape[0])
+        if x.ndim != 2 or n < 1:
+            raise InvalidArgument(f"activations must be [N, K] with N >= 1, got {x.shape}")
+        if n > engine.config.max_request_rows:
+            raise InvalidArgument(f"N={n} exceeds the per-request limit of "
+                                  f"{engine.config.max_request_rows} rows")
+        if call.timeout is not None and call.timeout <= 0:
+            raise DeadlineExceeded("deadline already passed")
+        e = engine.registry.acquire(call.weight)
+        try:
+            if x.shape[1] != e.k:
+                raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
+                                  f"K={e.k}")
+            flags = engine.flags.state.kernel_flags()
+            engine.backend.plan(n, call.precision, flags)  # what the flags forbid: refused now
+            t_enq = time.perf_counter()
+            return await engine.device.run(self._job, e, call, yd, flags, t_enq)
+        finally:
+            engine.registry.release(e)
+
+    def _job(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
+             ) -> MatmulReply:
+        """In the device thread: launch, y to its place, one sync."""
+        t0 = time.perf_counter()
+        b, cp = self.backend, self.cp
+        w = e.resident
+        flags = KernelFlags(soa=w.layout is Layout.SOA, decode_mmq=flags.decode_mmq)
+        x = call.x
+        # a CUDA region's view of bf16 x is its uint16 bits (device_dtype)
+        dtype = BFLOAT16 if x.dtype == np.uint16 else np.dtype(x.dtype)
+        with b.ctx.dev, b.ctx.stream:
+            if isinstance(x, np.ndarray):  # inline bytes or a system region: upload once
+                x = cp.asarray(np.ascontiguousarray(x).view(device_dtype(dtype)))
+            n = int(x.shape[0])
+            c = b.choose(n, call.precision, flags, w.rows, w.k)
+            if c.precision is Precision.Q8_1 and not bool(_finite(cp, x, dtype)):
+                # q8_1 cannot carry NaN/Inf (kernels.api.matmul_ieee): the call runs exact
+                c = b.choose(n, Precision.EXACT, flags, w.rows, w.k)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(b.ctx.stream)
+            y = b.run(w, x, dtype, c.path, c.cfg)  # f32 [N, rows] on the device
+            end.record(b.ctx.stream)
+            out = np.dtype(call.out_dtype)
+            host = None
+            if yd is not None:
+                _store(cp, y, yd, out)
+            else:
+                host = cp.asnumpy(y.astype(np.float16) if out == np.float16 else y,
+                                  stream=b.ctx.stream)
+            b.ctx.stream.synchronize()
+            kernel_s = cp.cuda.get_elapsed_time(start, end) / 1e3
+        if host is not None and out == BFLOAT16:
+            host = host.astype(BFLOAT16)
+        t1 = time.perf_counter()
+        return MatmulReply(host, f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision,
+                           t0 - t_enq, kernel_s, n, 1, t1 - t0)
+
+
+def _finite(cp: Any, x: Any, dtype: np.dtype) -> Any:
+    xf = _bf16_to_f32(cp, x) if dtype == BFLOAT16 else x.astype(cp.float32)
+    return cp.isfinite(xf.sum(axis=1)).all()
+
+
+def _bf16_to_f32(cp: Any, bits: Any) -> Any:
+    return (bits.astype(cp.uint32) << 16).view(cp.float32)
+
+
+def _store(cp: Any, y: Any, yd: Any, out: np.dtype) -> None:
+    """f32 ``y`` into the region view ``yd`` as ``out`` (bf16: round to nearest even, NaN
+    kept NaN, as ml_dtypes rounds the host path's y)."""
+    if out == BFLOAT16:
+        u = y.view(cp.uint32)
+        rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+        cp.copyto(yd, cp.where(cp.isnan(y), cp.uint16(0x7FC0), rne))
+    else:
+        cp.copyto(yd, y.astype(out, copy=False))
+
+
+def support(backend: Any, engine: Any) -> CudaSupport | None:
+    """CUDA IPC regions for this backend: the CUDA backend of a one-device worker (a
+    --devices worker's engines place weights on several devices: not yet)."""
+    from .engine import Engine
+
+    if (getattr(backend, "name", "") == "cuda" and hasattr(backend, "launcher")
+            and type(engine) is Engine):
+        return CudaSupport(backend)
+    return None

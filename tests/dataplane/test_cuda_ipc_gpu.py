@@ -1,0 +1,146 @@
+"""CUDA IPC regions on a GPU (``-m gpu``; skipped without CuPy or a GPU): this process's
+device buffers registered with a `q6serve worker --backend cuda --allow-shm` in another
+process (an IPC handle cannot be opened by the process that exported it), with one process
+and with --frontends 2. x is read from and y written into the caller's memory on the device;
+results equal the bytes path's; bad regions get a clear status; unregistering closes the
+handle (the worker's mapped bytes go back to 0)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from q6serve.client.client import Client, Q6ServeError
+from tests.service.svc_util import random_q6k
+
+try:
+    import cupy
+except ImportError:  # CI: no CuPy at all
+    cupy = None
+
+
+def _gpus() -> int:
+    if cupy is None:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_gpus() == 0, reason="needs CuPy and a CUDA GPU")]
+
+ROWS, K = 2048, 3584
+C = grpc.StatusCode
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
+def worker(request: pytest.FixtureRequest) -> Iterator[tuple[str, np.ndarray]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
+         "cuda", "--vram-budget", "2GiB", "--allow-shm", "--frontends", str(request.param),
+         "--max-region-bytes", str(64 << 20), "--grace-period", "2"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        m = re.search(r"listening on (\S+:\d+)$", first.strip())
+        assert m, first
+        blocks = random_q6k(ROWS, K, 1)
+        with Client(m.group(1)) as c:
+            c.upload("w", blocks, ROWS, K)
+        yield m.group(1), blocks
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def same(got: np.ndarray, want: np.ndarray) -> None:
+    """The device path runs the kernel the batch path runs (same dispatch): equal up to the
+    output's rounding (bit-equal is expected; the tolerance only keeps a last-bit difference
+    in a conversion from hiding the other checks)."""
+    tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[want.dtype.name]
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol,
+                               atol=tol)
+
+
+def code_of(fn: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(Q6ServeError) as e:
+        fn()
+    return e.value.code, e.value.message
+
+
+def test_device_buffers_in_and_out(worker: tuple[str, np.ndarray],
+                                   rng: np.random.Generator) -> None:
+    target, _ = worker
+    x = rng.standard_normal((8, K)).astype(np.float16)
+    with Client(target) as c:
+        for out_dtype in ("f32", "f16", "bf16"):
+            want = c.matmul_full("w", x, precision="f16", out_dtype=out_dtype)
+            with c.register_cuda_ipc("dev", 1 << 20) as dev:
+                xd = dev.ndarray(0, np.float16, x.shape)
+                xd.set(x)
+                cupy.cuda.get_current_stream().synchronize()
+                yoff = 1 << 19
+                dev.ndarray(yoff, np.float32, (8, ROWS)).fill(np.nan)  # poison: y is written
+                out = c.matmul_full("w", xd, precision="f16", out_dtype=out_dtype,
+                                    x_region=dev, y_region=(dev, yoff))
+                assert isinstance(out.y, cupy.ndarray) and out.y.shape == (8, ROWS)
+                assert out.kernel == want.kernel
+                got = cupy.asnumpy(out.y)
+                if out_dtype == "bf16":  # a CUDA region holds bf16 as its uint16 bits
+                    got = got.view(want.y.dtype)
+                same(got, want.y)
+                # x inline, y on the device; x on the device, y back in the reply
+                y2 = c.matmul("w", x, precision="f16", out_dtype=out_dtype,
+                              y_region=(dev, yoff))
+                same(cupy.asnumpy(y2).view(want.y.dtype), want.y)
+                y3 = c.matmul("w", xd, precision="f16", out_dtype=out_dtype, x_region=dev)
+                same(y3, want.y)
+            assert c.list_regions() == []
+        # a CuPy array from the memory pool: the region starts inside a pool block
+        pool = cupy.zeros(3 << 20, cupy.uint8)
+        with c.register_cuda_ipc("pool", array=pool[4096 : (2 << 20) + 4096]) as region:
+            info = c.list_regions()[0]
+            assert info.kind == "cuda" and info.byte_size == 2 << 20
+            y = c.matmul("w", x, precision="f16", x_region=(region, 0),
+                         y_region=(region, 1 << 20))
+            same(cupy.asnumpy(y), c.matmul("w", x, precision="f16"))
+
+
+def test_bad_cuda_regions(worker: tuple[str, np.ndarray], rng: np.random.Generator) -> None:
+    from q6serve.client.shm import CudaRegion
+
+    target, _ = worker
+    x = rng.standard_normal((4, K)).astype(np.float16)
+    with Client(target) as c, c.register_cuda_ipc("r", 65536) as r:
+        code, msg = code_of(lambda: c.matmul("w", x, y_region=(r, 0)))  # 4 x 2048 f32 > 64 KiB
+        assert code == C.INVALID_ARGUMENT and "overruns region 'r'" in msg, msg
+        # the allocation's end, the device, the handle: each refused at registration
+        fake = CudaRegion("past", cupy.empty(65536, cupy.uint8))
+        fake.size = 32 << 20  # within --max-region-bytes, past the (pool) allocation
+        code, msg = code_of(lambda: c.register_region(fake))
+        assert code == C.INVALID_ARGUMENT and "does not fit the CUDA allocation" in msg, msg
+        fake.size, fake.device = 4096, 7
+        code, msg = code_of(lambda: c.register_region(fake))
+        assert code == C.INVALID_ARGUMENT and "device" in msg, msg
+        fake.device, fake.handle = 0, b"\x01" * 64
+        code, msg = code_of(lambda: c.register_region(fake))
+        assert code == C.INVALID_ARGUMENT and "cannot open the CUDA IPC handle" in msg, msg
+        assert [i.name for i in c.list_regions()] == ["r"]
+        assert c.status().serving
+    with Client(target) as c:
+        assert c.list_regions() == []
+        assert c.matmul("w", x).shape == (4, ROWS)  # the worker serves on

@@ -1,0 +1,181 @@
+"""CUDA IPC regions (issue 15, item 1) in CI, without a GPU: the NumPy backend refuses them
+clearly (one process and --frontends), and the whole message path -- client helper, proto,
+wire, servicer, region table (limits, ownership, bounds), the routing of a request with a
+CUDA region to the device-side matmul, y written into the region, unregister and drain
+closing the handle -- runs against a stand-in that maps "device memory" in host memory.
+The real thing (CuPy, cudaIpcOpenMemHandle, the CUDA backend) is test_cuda_ipc_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from q6serve.client.client import Client, Q6ServeError
+from q6serve.service import cuda_regions
+from q6serve.service.config import Budget, WorkerConfig
+from q6serve.service.regions import CudaIpcSource, Mapping
+from q6serve.v1 import q6serve_pb2 as pb
+from tests.service.svc_util import RunningWorker, random_q6k, reference
+
+ROWS, K = 96, 512
+C = grpc.StatusCode
+
+
+def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(Q6ServeError) as e:
+        fn()
+    return e.value.code, e.value.message
+
+
+def cuda_request(name: str, handle: bytes = b"h" * 64, device: int = 0, size: int = 4096,
+                 offset: int = 0) -> pb.RegisterRegionRequest:
+    return pb.RegisterRegionRequest(name=name, cuda=pb.CudaIpcBuffer(
+        handle=handle, device=device, byte_size=size, offset=offset))
+
+
+def test_numpy_backend_refuses_cuda_regions(tmp_path: Any) -> None:
+    from tests.dataplane.test_frontends import Running
+
+    base = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
+                        grace_period_s=1.0, allow_shm=True, frontend_shm_bytes=4 << 20)
+    one = RunningWorker(base)
+    many = Running(dataclasses.replace(base, frontends=2))
+    try:
+        for c in (one.client(), many.client()):
+            code, msg = code_of(lambda c=c: c._call("RegisterRegion", cuda_request("g")))
+            assert code == C.INVALID_ARGUMENT and "CUDA IPC regions need the CUDA backend" in \
+                msg, msg
+            assert c.list_regions() == []
+    finally:
+        one.stop()
+        many.stop()
+
+
+class HostPlane:
+    """Stands in for cuda_regions.CudaSupport: "allocations" are host arrays by handle; the
+    "device-side" matmul runs the engine's host path, then writes y into the region view."""
+
+    def __init__(self) -> None:
+        self.allocations: dict[bytes, np.ndarray] = {}
+        self.open_count = 0
+        self.calls = 0
+
+    def open(self, src: CudaIpcSource) -> Mapping:
+        alloc = self.allocations.get(src.handle)
+        if alloc is None:
+            raise cuda_regions.InvalidArgument("cannot open the CUDA IPC handle")
+        if src.offset + src.byte_size > alloc.size:
+            raise cuda_regions.InvalidArgument("region does not fit the CUDA allocation")
+        self.open_count += 1
+        return HostMapping(self, alloc[src.offset : src.offset + src.byte_size])
+
+    async def matmul(self, engine: Any, call: Any, yd: Any) -> Any:
+        self.calls += 1
+        reply = await engine.matmul(dataclasses.replace(call, x=np.array(call.x)))
+        if yd is None:
+            return reply
+        yd[...] = reply.y
+        return dataclasses.replace(reply, y=None)
+
+
+class HostMapping(Mapping):
+    def __init__(self, plane: HostPlane, buf: np.ndarray) -> None:
+        self.plane, self.buf = plane, buf
+
+    def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
+             writable: bool) -> Any:
+        return self.buf[offset : offset + nbytes].view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.plane.open_count -= 1
+
+
+class FakeCudaRegion:
+    """The client side of HostPlane: what CudaRegion offers the client helpers."""
+
+    def __init__(self, plane: HostPlane, name: str, size: int, offset: int = 0) -> None:
+        self.name, self.size, self.offset = name, size, offset
+        self.handle = bytes([len(plane.allocations)]) * 64
+        self.mem = np.zeros(offset + size, np.uint8)
+        plane.allocations[self.handle] = self.mem
+
+    def register_request(self) -> pb.RegisterRegionRequest:
+        return cuda_request(self.name, self.handle, 0, self.size, self.offset)
+
+    def ndarray(self, offset: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        at = self.offset + offset
+        return self.mem[at : at + n].view(dtype).reshape(shape)
+
+    def put(self, offset: int, x: np.ndarray) -> None:
+        self.ndarray(offset, x.dtype, x.shape)[...] = x
+
+
+@pytest.fixture
+def plane(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[HostPlane, RunningWorker, Client]]:
+    p = HostPlane()
+    monkeypatch.setattr(cuda_regions, "support", lambda backend, engine: p)
+    w = RunningWorker(WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
+                                   grace_period_s=1.0, allow_shm=True, max_regions=3,
+                                   max_region_bytes=1 << 20))
+    c = w.client()
+    c.upload("w", random_q6k(ROWS, K, 5), ROWS, K)
+    try:
+        yield p, w, c
+    finally:
+        w.stop()
+
+
+def test_cuda_region_message_path(plane: Any, rng: np.random.Generator) -> None:
+    p, w, c = plane
+    blocks = random_q6k(ROWS, K, 5)
+    x = rng.standard_normal((3, K)).astype(np.float16)
+    want = reference(blocks, ROWS, K, x)
+    dev = FakeCudaRegion(p, "dev", 65536, offset=256)  # the region starts 256 B into its block
+    info = c.register_region(dev)  # type: ignore[arg-type]
+    assert (info.name, info.kind, info.offset, info.byte_size) == ("dev", "cuda", 256, 65536)
+    out = c.matmul_full("w", x, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
+    np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-4)
+    # y was written at the region's offset in the allocation (256 + 8192), x read at 256 + 128
+    np.testing.assert_array_equal(dev.mem[256 + 8192 :][: out.y.nbytes].view(np.float32),
+                                  out.y.reshape(-1))
+    assert p.calls == 1
+    # x from the CUDA region, y back in the reply's bytes; x inline, y into the CUDA region;
+    # x in a system region, y in the CUDA region
+    np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128)), want, rtol=1e-5,
+                               atol=1e-4)
+    np.testing.assert_allclose(c.matmul("w", x, y_region=(dev, 0)), want, rtol=1e-5, atol=1e-4)
+    with c.register_shm("sys", 8192) as sysr:
+        np.testing.assert_allclose(c.matmul("w", x, x_region=sysr, y_region=(dev, 0)), want,
+                                   rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128), y_region=sysr), want,
+                                   rtol=1e-5, atol=1e-4)
+    assert p.calls == 5
+    # bounds and ownership as for system regions, checked before any device work
+    code, msg = code_of(lambda: c.matmul("w", x, y_region=(dev, 65536 - 100)))  # type: ignore[arg-type]
+    assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
+    assert p.calls == 5
+    # registering: handle not openable, range past the allocation, short handle, limits
+    assert code_of(lambda: c._call("RegisterRegion", cuda_request("x", b"z" * 64)))[0] == \
+        C.INVALID_ARGUMENT
+    assert code_of(lambda: c._call("RegisterRegion", cuda_request(
+        "x", dev.handle, size=65536, offset=512)))[0] == C.INVALID_ARGUMENT
+    assert code_of(lambda: c._call("RegisterRegion", cuda_request("x", b"h" * 10)))[0] == \
+        C.INVALID_ARGUMENT
+    big = FakeCudaRegion(p, "big", 1 << 20)
+    code, msg = code_of(lambda: c.register_region(big))  # type: ignore[arg-type]
+    assert code == C.RESOURCE_EXHAUSTED and "--max-region-bytes" in msg
+    assert w.run(lambda: w.worker.regions.mapped_bytes) == 65536
+    # unregister closes the handle; drain closes the rest
+    c.unregister_region("dev")
+    assert p.open_count == 0 and c.list_regions() == []
+    assert w.run(lambda: w.worker.regions.mapped_bytes) == 0
+    c.register_region(FakeCudaRegion(p, "left", 4096))  # type: ignore[arg-type]
+    assert p.open_count == 1
+    w.stop()
+    assert p.open_count == 0
