@@ -125,7 +125,7 @@ class CudaRegion:
     def __init__(self, name: str, array: Any) -> None:
         import cupy as cp
 
-        from q6serve.service.cuda_regions import allocation_range
+        from q6serve.kernels.cuda_ipc import allocation_range
 
         self.name = name
         self.cp = cp

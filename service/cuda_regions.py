@@ -19,7 +19,6 @@ Only the CUDA backend has this (``support``); elsewhere RegionTable refuses CUDA
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from typing import Any
@@ -27,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
-from q6serve.kernels.errors import DeviceError, FormatError, InvalidArgument, Unavailable
+from q6serve.kernels.cuda_ipc import allocation_range
+from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
 from .batcher import DeadlineExceeded, MatmulReply
 from .regions import CudaIpcSource, Mapping
@@ -35,23 +35,6 @@ from .regions import CudaIpcSource, Mapping
 log = logging.getLogger("q6serve.regions")
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
-
-
-def allocation_range(ptr: int) -> tuple[int, int]:
-    """(base address, byte size) of the device allocation holding ``ptr`` in the current
-    context (``cuMemGetAddressRange``; the runtime API has no equivalent)."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-    except (OSError, AttributeError) as e:
-        raise DeviceError(f"cannot query CUDA allocations: {e}") from None
-    f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                  ctypes.c_uint64]
-    f.restype = ctypes.c_int
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = f(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    if rc != 0:
-        raise InvalidArgument(f"address {ptr:#x} is not in a device allocation (CUresult {rc})")
-    return int(base.value), int(size.value)
 
 
 def device_dtype(dtype: np.dtype) -> np.dtype:

@@ -32,6 +32,20 @@ def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
     return e.value.code, e.value.message
 
 
+class Raw:
+    """A RegisterRegion request as the client's register_region takes a region."""
+
+    def __init__(self, req: pb.RegisterRegionRequest) -> None:
+        self.req, self.name = req, req.name
+
+    def register_request(self) -> pb.RegisterRegionRequest:
+        return self.req
+
+
+def register_raw(c: Client, req: pb.RegisterRegionRequest) -> Any:
+    return c.register_region(Raw(req))  # type: ignore[arg-type]
+
+
 def cuda_request(name: str, handle: bytes = b"h" * 64, device: int = 0, size: int = 4096,
                  offset: int = 0) -> pb.RegisterRegionRequest:
     return pb.RegisterRegionRequest(name=name, cuda=pb.CudaIpcBuffer(
@@ -47,7 +61,7 @@ def test_numpy_backend_refuses_cuda_regions(tmp_path: Any) -> None:
     many = Running(dataclasses.replace(base, frontends=2))
     try:
         for c in (one.client(), many.client()):
-            code, msg = code_of(lambda c=c: c._call("RegisterRegion", cuda_request("g")))
+            code, msg = code_of(lambda c=c: register_raw(c, cuda_request("g")))
             assert code == C.INVALID_ARGUMENT and "CUDA IPC regions need the CUDA backend" in \
                 msg, msg
             assert c.list_regions() == []
@@ -161,11 +175,11 @@ def test_cuda_region_message_path(plane: Any, rng: np.random.Generator) -> None:
     assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
     assert p.calls == 5
     # registering: handle not openable, range past the allocation, short handle, limits
-    assert code_of(lambda: c._call("RegisterRegion", cuda_request("x", b"z" * 64)))[0] == \
+    assert code_of(lambda: register_raw(c, cuda_request("x", b"z" * 64)))[0] == \
         C.INVALID_ARGUMENT
-    assert code_of(lambda: c._call("RegisterRegion", cuda_request(
+    assert code_of(lambda: register_raw(c, cuda_request(
         "x", dev.handle, size=65536, offset=512)))[0] == C.INVALID_ARGUMENT
-    assert code_of(lambda: c._call("RegisterRegion", cuda_request("x", b"h" * 10)))[0] == \
+    assert code_of(lambda: register_raw(c, cuda_request("x", b"h" * 10)))[0] == \
         C.INVALID_ARGUMENT
     big = FakeCudaRegion(p, "big", 1 << 20)
     code, msg = code_of(lambda: c.register_region(big))  # type: ignore[arg-type]
