@@ -199,7 +199,7 @@ class Q6ServeServicer:
         call = wire.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
         reply = await self._start(call)
-        return wire.matmul_response(reply, request.request_id, wire.Took(t0, decoded))
+        return wire.matmul_reply(reply, request.request_id, wire.Took(t0, decoded))
 
     def _cost(self, req: Any) -> int:
         """Bytes a stream request holds until its reply is written: the request message and
@@ -271,7 +271,7 @@ class Q6ServeServicer:
                     reply, region_took, y_bytes = fut.result()
                     item = wire.stream_result(reply, rid, region_took, y_bytes)
                 else:
-                    item = wire.stream_result(fut.result(), rid, took)
+                    item = wire.stream_reply(fut.result(), rid, took)
             except Exception as e:  # encoding failed: the request still gets an answer
                 item = _stream_error(rid, e)
             put(item, cost)

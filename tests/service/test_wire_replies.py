@@ -1,0 +1,111 @@
+"""Matmul replies serialized with y spliced in (wire.matmul_reply / stream_reply at or above
+SPLICE_MIN_BYTES of y) parse to exactly the message the protobuf path builds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import BFLOAT16, Layout, Precision
+from q6serve.kernels.epilogue import TopK
+from q6serve.service import wire
+from q6serve.service.batcher import MatmulReply
+from q6serve.v1 import q6serve_pb2 as pb
+
+
+@pytest.fixture(autouse=True)
+def splice_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "SPLICE_MIN_BYTES", 0)  # small shapes take the spliced path too
+
+
+def _ser(m: pb.MatmulResponse | pb.MatmulStreamResponse | bytes) -> bytes:
+    assert isinstance(m, bytes)
+    return m
+
+
+def _reply(n: int, rows: int, dtype: np.dtype, seed: int = 0, topk: int = 0) -> MatmulReply:
+    rng = np.random.default_rng(seed)
+    top = None
+    y = rng.standard_normal((n, rows)).astype(np.float32).astype(dtype)
+    if topk:
+        top = TopK(rng.standard_normal((n, topk)).astype(np.float32),
+                   rng.integers(0, rows, (n, topk)).astype(np.int32),
+                   rng.standard_normal(n).astype(np.float32))
+        y = None
+    # a row slice of a bigger batch output, as the batcher hands it out
+    if y is not None:
+        y = np.concatenate([y, y])[n:]
+    return MatmulReply(y, "k", Layout.SOA, Precision.EXACT, 1e-5, 2e-5, 2 * n, 2, 3e-5,
+                       topk=top)
+
+
+def _same(a: pb.MatmulResponse, b: pb.MatmulResponse) -> None:
+    for m in (a, b):  # handler time is taken at encode time: not comparable
+        m.timing.ClearField("handler_seconds")
+    assert a == b
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
+@pytest.mark.parametrize("n,rows", [(1, 3), (3, 200), (17, 1000)])  # 1- and 2-byte varints
+def test_single_and_stream_replies_parse_to_the_message(dtype: np.dtype, n: int,
+                                                        rows: int) -> None:
+    r = _reply(n, rows, np.dtype(dtype))
+    took = wire.Took(1.0, 1.5)
+    got = pb.MatmulResponse.FromString(_ser(wire.matmul_reply(r, "id-1", took)))
+    _same(got, wire.matmul_response(r, "id-1", took))
+    assert got.y.data == np.ascontiguousarray(r.y).tobytes()
+    s = pb.MatmulStreamResponse.FromString(_ser(wire.stream_reply(r, "id-2", took)))
+    want = wire.stream_result(r, "id-2", took)
+    assert s.request_id == "id-2" and s.WhichOneof("outcome") == "result"
+    _same(s.result, want.result)
+
+
+def test_multi_weight_and_topk_replies_parse_to_the_message() -> None:
+    parts = [("q", _reply(2, 48, np.dtype(np.float16), 1)),
+             ("k", _reply(2, 300, np.dtype(np.float32), 2)),
+             ("lm", _reply(2, 500, np.dtype(np.float32), 3, topk=5))]
+    got = pb.MatmulResponse.FromString(_ser(wire.matmul_reply(parts, "m")))
+    _same(got, wire.matmul_response(parts, "m"))
+    assert [o.weight for o in got.outputs] == ["q", "k", "lm"]
+    assert got.outputs[2].HasField("topk") and not got.outputs[2].HasField("y")
+    one = pb.MatmulStreamResponse.FromString(_ser(wire.stream_reply(parts[2][1], "t")))
+    _same(one.result, wire.stream_result(parts[2][1], "t").result)
+    assert wire.stream_reply_code(wire.stream_reply(parts[0][1], "x")).name == "OK"
+
+
+def test_small_replies_stay_messages() -> None:
+    wire.SPLICE_MIN_BYTES = 64 << 10  # (restored by the fixture)
+    r = _reply(1, 3584, np.dtype(np.float16))
+    assert isinstance(wire.stream_reply(r, "s"), pb.MatmulStreamResponse)
+    assert isinstance(wire.matmul_reply(_reply(1, 16384, np.dtype(np.float32)), "b"), bytes)
+
+
+def test_spliced_replies_over_grpc(worker) -> None:  # type: ignore[no-untyped-def]
+    """Unary, stream and multi-weight replies above the threshold, checked against NumPy."""
+    import grpc
+    from svc_util import assert_close, random_q6k, reference
+
+    from q6serve.client.client import decode_tensor, fill_tensor
+    from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+    rows, k, n = 256, 256, 64  # y: 64 x 256 f32 = 64 KiB
+    blocks = {name: random_q6k(rows, k, seed) for seed, name in enumerate(("a", "b"))}
+    for name, b in blocks.items():
+        worker.client().upload(name, b, rows, k)
+    x = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    req = pb.MatmulRequest(weight="a", precision=pb.PRECISION_EXACT)
+    fill_tensor(req.x, x)
+    ch = grpc.insecure_channel(worker.target)
+    worker.clients.append(ch)  # closed by the fixture
+    stub = pb_grpc.Q6ServeStub(ch)
+    want = reference(blocks["a"], rows, k, x)
+    assert_close(decode_tensor(stub.Matmul(req, timeout=30).y), want)
+    out = list(stub.MatmulStream(iter([req, req]), timeout=30))
+    assert len(out) == 2 and all(o.WhichOneof("outcome") == "result" for o in out)
+    assert_close(decode_tensor(out[1].result.y), want)
+    multi = pb.MatmulRequest(weights=["b", "a"], precision=pb.PRECISION_EXACT)
+    fill_tensor(multi.x, x)
+    got = stub.Matmul(multi, timeout=30)
+    assert [o.weight for o in got.outputs] == ["b", "a"]
+    assert_close(decode_tensor(got.outputs[0].y), reference(blocks["b"], rows, k, x))
+    assert_close(decode_tensor(got.outputs[1].y), want)
