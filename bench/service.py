@@ -27,12 +27,18 @@ gate, up, down per layer, then the lm-head; synthetic weights; bench/service_rep
 of S = 1, 8, 64 sequences (N = S per call) step it closed-loop, with multi-weight calls (q/k/v,
 gate/up) and without, the lm-head through the top-k epilogue. Per S and call style: steps/s,
 per-step latency p50/p99, calls per step, the kernel-only time of a step (the sum of the
-replies' kernel times in the same run) and the bare-gRPC floor of the step's call sizes.
+replies' kernel times in the same run) and the bare-gRPC floor of the step's call sizes. y comes
+back as ``--replay-out`` (f16: what a host feeds its next layer).
+
+``--lm-head`` (issue 14's lm-head target): ``--lm-callers`` callers (one process each) of
+N = ``--lm-n`` rows on the full lm-head (152064 x 3584, scaled by --row-scale) with the top-k
+epilogue (``--topk``): reply bytes against the f32 logits they replace, p50/p99 per call.
 
     python bench/service.py --backend numpy --row-scale 0.01 --seconds 2
     python bench/service.py --backend cuda --target-report --json "$OUT/service.json"
     python bench/service.py --backend numpy --replay --layers 2 --scale 0.002 --seconds 1
     python bench/service.py --backend cuda --replay --json "$OUT/replay.json"
+    python bench/service.py --backend cuda --lm-head --mode stream --json "$OUT/lm.json"
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ PARTS = ("client_encode", "transport", "server_decode", "queue", "kernel", "devi
 DYN_FLAG = "Q6SERVE_DYNAMIC_BATCHING"
 WARM_NS = (1, 8, 16, 32, 64)  # one N per launch-shape bucket of the CUDA tiles (cuda_backend)
 NEG_TOL = 5e-6  # a part below -5 us means the timeline is inconsistent (counted per run)
+LM_REPLY_RATIO_MIN = 100.0  # issue 14: the top-k reply >= 100x smaller than the f32 logits
+LM_P50_LIMIT_US = 5000.0  # ... and p50 <= 5 ms (N=64, 8 callers, k=64)
 
 
 # -- worker process ---------------------------------------------------------------------------
@@ -140,6 +148,7 @@ class RunResult:
     e2e_mean_us: float = 0.0
     missing_server_timing: int = 0  # replies without the worker's handler/decode timing
     negative_calls: dict[str, int] = field(default_factory=dict)  # part < -NEG_TOL: clock bug
+    reply_bytes_mean: float = 0.0  # serialized reply, as received
 
 
 def summarize(label: str, weight: str, s: dict[str, np.ndarray], seconds: float,
@@ -156,7 +165,8 @@ def summarize(label: str, weight: str, s: dict[str, np.ndarray], seconds: float,
         {k: float(np.mean(v) * 1e6) for k, v in pt.items()},
         {k: float(np.median(v) * 1e6) for k, v in pt.items()},
         float(np.mean(s["e2e"]) * 1e6), int(np.isnan(s["handler"]).sum()),
-        {k: int((v < -NEG_TOL).sum()) for k, v in pt.items()})
+        {k: int((v < -NEG_TOL).sum()) for k, v in pt.items()},
+        float(np.mean(s["reply_bytes"])))
 
 
 def print_result(r: RunResult) -> None:
@@ -191,6 +201,7 @@ class Bench:
         self.gains: list[dict[str, Any]] = []
         self.floor: dict[str, float] = {}
         self.replay: list[dict[str, Any]] = []
+        self.lm_head: dict[str, Any] | None = None
         self.errors: list[dict[str, str]] = []
         self.t_start = time.perf_counter()
         self._warm: set[tuple[str, int]] = set()
@@ -211,13 +222,14 @@ class Bench:
         self.client.flags({DYN_FLAG: on})
 
     def run(self, label: str, weights: list[str], hosts: int, callers: int, n: int,
-            mode: str) -> list[RunResult]:
+            mode: str, topk: int = 0) -> list[RunResult]:
         """One closed-loop run; a failure is recorded and yields [] (the report goes on)."""
         from q6serve.client.client import PRECISIONS
 
         a = self.args
         spec = LoadSpec(self.worker.target, tuple((w, self.shapes[w][1]) for w in weights),
-                        callers, n, a.seconds, a.warmup, mode, a.dtype, PRECISIONS[a.precision])
+                        callers, n, a.seconds, a.warmup, mode, a.dtype, PRECISIONS[a.precision],
+                        topk)
         try:
             self.prewarm(weights, n)
             samples, wall = run_load(spec, hosts)
@@ -231,7 +243,7 @@ class Bench:
         for w in weights:
             cfg = {"hosts": hosts, "callers_per_host": callers, "n": n, "mode": mode,
                    "dtype": a.dtype, "precision": a.precision, "dynamic_batching": on,
-                   "rows": self.shapes[w][0], "k": self.shapes[w][1]}
+                   "rows": self.shapes[w][0], "k": self.shapes[w][1], "topk": topk}
             r = summarize(label, w, samples[w], wall, cfg)
             print_result(r)
             out.append(r)
@@ -264,7 +276,7 @@ class Bench:
                "cores": os.cpu_count(), "argv": self.args.argv, "parts": PARTS,
                "runs": [asdict(r) for r in self.results], "targets": self.targets,
                "gains": self.gains, "floor_us": self.floor, "replay": self.replay,
-               "errors": self.errors,
+               "lm_head": self.lm_head, "errors": self.errors,
                "wall_seconds": time.perf_counter() - self.t_start}
         self.args.json.write_text(json.dumps(doc, indent=1))
 
@@ -308,7 +320,7 @@ def target_report(b: Bench) -> None:
     except Exception as e:
         b.errors.append({"run": "grpc floor", "error": repr(e)[:2000]})
     b.batching(True)
-    for mode in a.modes:
+    for mode in a.modes if "T1" in a.targets else []:
         r = b.one(f"T1 1 caller N=1 {mode}", 1, 1, 1, mode)
         if r is None:
             continue
@@ -323,7 +335,7 @@ def target_report(b: Bench) -> None:
                     "service_overhead_us": None if floor is None else gap - floor})
     procs = a.t2_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
     per = max(1, 64 // procs)
-    for mode in a.modes:
+    for mode in a.modes if "T2" in a.targets else []:
         b.batching(False)
         off = b.one(f"T2 {procs * per}x N=1 {mode} batch off", procs, per, 1, mode)
         b.batching(True)
@@ -334,7 +346,7 @@ def target_report(b: Bench) -> None:
         _target(b, {"target": "T2", "mode": mode, "callers": procs * per, "gain": gain,
                     "gain_min": 5.0, "p99_us": on.p99_us, "p99_limit_us": 2000.0,
                     "met": gain >= 5.0 and on.p99_us <= 2000.0})
-    for mode in a.modes:
+    for mode in a.modes if "T3" in a.targets else []:
         runs = [b.one(f"T3 {h} hosts N=64 {mode}", h, 1, 64, mode) for h in a.t3_hosts]
         done = [r for r in runs if r is not None and r.kernel_p50_us]
         if not done:
@@ -346,6 +358,42 @@ def target_report(b: Bench) -> None:
         _target(b, {"target": "T3", "mode": mode, "hosts": best.config["hosts"],
                     "service_rows_per_s": best.rows_per_s, "kernel_rows_per_s": kernel_rows_s,
                     "fraction": frac, "fraction_min": 0.5, "met": frac >= 0.5})
+
+
+def lm_head_topk(b: Bench) -> None:
+    """Issue 14's lm-head target: --lm-callers callers of N=--lm-n with the top-k epilogue."""
+    a = b.args
+    b.upload(["lm_head"])
+    rows = b.shapes["lm_head"][0]
+    k = min(a.topk, rows)
+    if k == 0:
+        print("# lm-head scenario skipped: --topk 0", flush=True)
+        return
+    b.batching(True)
+    got = b.run(f"lm-head N={a.lm_n} x{a.lm_callers} top-{k} {a.mode}", ["lm_head"],
+                a.lm_callers, 1, a.lm_n, a.mode, topk=k)
+    if not got:
+        return
+    r = got[0]
+    logits = a.lm_n * rows * 4  # what the reply replaces: f32 logits
+    ratio = logits / max(r.reply_bytes_mean, 1.0)
+    b.lm_head = {"label": r.label, "n": a.lm_n, "callers": a.lm_callers, "topk": k,
+                 "rows": rows, "mode": a.mode, "reply_bytes": r.reply_bytes_mean,
+                 "f32_logits_bytes": logits, "ratio": ratio, "p50_us": r.p50_us,
+                 "p99_us": r.p99_us, "kernel_p50_us": r.kernel_p50_us,
+                 "batch_rows_mean": r.batch_rows_mean,
+                 "met": ratio >= LM_REPLY_RATIO_MIN and r.p50_us <= LM_P50_LIMIT_US}
+    b.save()
+    print(lm_line(b.lm_head), flush=True)
+
+
+def lm_line(t: dict[str, Any]) -> str:
+    return (f"lm-head N={t['n']} x{t['callers']} callers top-{t['topk']} ({t['rows']} rows, "
+            f"{t['mode']}): reply {t['reply_bytes']:,.0f} B vs f32 logits "
+            f"{t['f32_logits_bytes']:,} B = {t['ratio']:,.0f}x smaller (>= "
+            f"{LM_REPLY_RATIO_MIN:.0f}), p50 {t['p50_us'] / 1e3:.2f} ms (<= "
+            f"{LM_P50_LIMIT_US / 1e3:.0f}) p99 {t['p99_us'] / 1e3:.2f} ms "
+            f"{'met' if t['met'] else 'MISSED'}")
 
 
 def upload_model(b: Bench) -> dict[str, int]:
@@ -388,9 +436,10 @@ def model_replay(b: Bench) -> None:
             label = f"replay S={s_} {'multi' if multi else 'single'}"
             plan = step_plan(a.layers, rows, multi, a.topk)
             spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, 2,
-                              a.replay_mode, a.dtype, PRECISIONS[a.precision])
+                              a.replay_mode, a.dtype, PRECISIONS[a.precision], a.replay_out)
             try:
-                floor = (step_floor(plan, s_, itemsize, a.replay_mode)
+                floor = (step_floor(plan, s_, itemsize, a.replay_mode,
+                                    2 if a.replay_out == "f16" else 4)
                          if a.replay_floor else float("nan"))
                 st, wall = run_replay(spec, a.replay_hosts)
             except Exception as e:
@@ -403,6 +452,7 @@ def model_replay(b: Bench) -> None:
             limit = None if kernel is None or np.isnan(floor) else 1.5 * (floor * 1e3 + kernel)
             r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_, "multi": multi,
                  "layers": a.layers, "scale": a.scale, "topk": a.topk, "mode": a.replay_mode,
+                 "out_dtype": a.replay_out,
                  "calls_per_step": len(plan), "steps": int(st["e2e"].size),
                  "seconds": wall, "steps_per_s": st["e2e"].size / wall,
                  "tokens_per_s": st["e2e"].size * s_ / wall,
@@ -494,23 +544,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--replay: one MatmulStream per host (default) or unary calls")
     ap.add_argument("--multi", default="both", choices=("both", "on", "off"),
                     help="--replay: multi-weight calls for q/k/v and gate/up, or not, or both")
+    ap.add_argument("--replay-out", default="f16", choices=("f16", "f32"),
+                    help="--replay: y's dtype in the replies (f16: what a host feeds its next "
+                    "layer)")
     ap.add_argument("--topk", type=int, default=64,
-                    help="--replay: the lm-head's top-k epilogue k (0: full f32 logits)")
+                    help="--replay, --lm-head: the lm-head's top-k epilogue k (0: full f32 "
+                    "logits)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="issue 14's lm-head target: --lm-callers callers of N=--lm-n with the "
+                    "top-k epilogue (--topk), --mode calls; reply bytes vs f32 logits, p50/p99")
+    ap.add_argument("--lm-callers", type=int, default=8, help="--lm-head: callers (8)")
+    ap.add_argument("--lm-n", type=int, default=64, help="--lm-head: rows per call (64)")
     ap.add_argument("--no-replay-floor", dest="replay_floor", action="store_false",
                     help="--replay: skip the bare-gRPC floor of the step's call sizes")
     ap.add_argument("--t2-procs", type=int, default=0,
                     help="T2: load processes for the 64 callers (default: cores/2, <= 8)")
     ap.add_argument("--t3-hosts", default="1,4,8", help="T3: host counts tried (best kept)")
+    ap.add_argument("--targets", default="T1,T2,T3",
+                    help="--target-report: which of T1, T2, T3 to measure")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     a = ap.parse_args(argv)
     a.weights = [w for w in a.weights.split(",") if w]
     a.modes = [m for m in a.modes.split(",") if m]
     a.t3_hosts = [int(h) for h in a.t3_hosts.split(",") if h]
+    a.targets = {t for t in a.targets.upper().split(",") if t}
+    if not a.targets <= {"T1", "T2", "T3"}:
+        ap.error(f"--targets {sorted(a.targets)}: use T1, T2, T3")
     a.replay_seqs = [int(x) for x in a.replay_seqs.split(",") if x]
     if a.scale is None:
         a.scale = a.row_scale
     if a.layers < 1 or any(x < 1 for x in a.replay_seqs) or a.replay_hosts < 1:
         ap.error("--layers, --replay-seqs and --replay-hosts must be >= 1")
+    if a.lm_callers < 1 or a.lm_n < 1 or a.topk < 0:
+        ap.error("--lm-callers and --lm-n must be >= 1, --topk >= 0")
     bad = [w for w in a.weights if w not in WEIGHTS]
     if bad:
         ap.error(f"unknown weights {bad}; use {list(WEIGHTS)}")
@@ -533,9 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.target_report:
             b.upload(["ffn_down"])
             target_report(b)
+        if a.lm_head:
+            lm_head_topk(b)
         if a.replay:
             model_replay(b)
-        elif not a.target_report:
+        elif not (a.target_report or a.lm_head):
             b.upload(a.weights)
             replay(b)
     finally:
@@ -543,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         b.close()
     for t in b.targets:
         print("# " + target_line(t), flush=True)
+    if b.lm_head is not None:
+        print("# " + lm_line(b.lm_head), flush=True)
     for r in b.replay:
         print("# " + replay_line(r).replace("\n", "\n# "), flush=True)
     print(f"# done in {time.perf_counter() - b.t_start:.0f} s; worker log {b.worker.log_path}",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",
-          "handler", "batch_rows", "batch_requests")
+          "handler", "batch_rows", "batch_requests", "reply_bytes")
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
 MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
 
@@ -32,31 +32,56 @@ class LoadSpec:
     mode: str  # unary | stream
     dtype: str  # f32 | f16
     precision: int  # pb Precision value
+    topk: int = 0  # > 0: the top-k epilogue instead of y (f32 values, int32 indices, lse)
 
 
-def _request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray, rid: str = "") -> bytes:
-    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32,
-                           request_id=rid)
-    req.x.dtype = pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32  # in place: see wire
+def request_bytes(pb: Any, weights: tuple[str, ...], x: np.ndarray, precision: int,
+                  out_dtype: str = "f32", topk: int = 0, rid: str = "") -> bytes:
+    """A serialized MatmulRequest (one weight, or several: a multi-weight request); x's
+    dtype is f16 or f32."""
+    req = pb.MatmulRequest(precision=precision, request_id=rid,
+                           out_dtype=pb.DTYPE_F16 if out_dtype == "f16" else pb.DTYPE_F32)
+    if len(weights) == 1:
+        req.weight = weights[0]
+    else:
+        req.weights.extend(weights)
+    if topk:
+        req.topk.k = topk
+    req.x.dtype = pb.DTYPE_F16 if x.dtype == np.float16 else pb.DTYPE_F32  # in place: see wire
     req.x.shape.extend(x.shape)
     req.x.data = x.tobytes()
     return req.SerializeToString()
+
+
+def reply_message(pb: Any, raw: bytes, stream: bool) -> Any:
+    """The MatmulResponse of a raw reply (a stream's error reply raises)."""
+    if not stream:
+        return pb.MatmulResponse.FromString(raw)
+    msg = pb.MatmulStreamResponse.FromString(raw)
+    if msg.WhichOneof("outcome") != "result":
+        raise RuntimeError(f"stream error: {msg.error.code} {msg.error.message}")
+    return msg.result
+
+
+_NP_DTYPE = {1: np.float32, 2: np.float16}  # pb DType (bf16 is not asked for here)
+
+
+def view_output(o: Any) -> tuple[np.ndarray, ...]:
+    """What a host does with one reply (or WeightOutput): view y, or the top-k arrays."""
+    if o.HasField("topk"):
+        t = o.topk
+        return (np.frombuffer(t.values, np.float32), np.frombuffer(t.indices, np.int32),
+                np.frombuffer(t.lse, np.float32))
+    return (np.frombuffer(o.y.data, _NP_DTYPE[o.y.dtype]).reshape(tuple(o.y.shape)),)
 
 
 def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
             raw: bytes, stream: bool) -> None:
     """Decode the reply (timed: client_decode) and append this call's figures."""
     t0, t1, t2 = t
-    if stream:
-        msg = pb.MatmulStreamResponse.FromString(raw)
-        if msg.WhichOneof("outcome") != "result":
-            raise RuntimeError(f"stream error: {msg.error.code} {msg.error.message}")
-        r = msg.result
-    else:
-        r = pb.MatmulResponse.FromString(raw)
-    y = np.frombuffer(r.y.data, np.float32).reshape(tuple(r.y.shape))
+    r = reply_message(pb, raw, stream)
+    view_output(r)
     t3 = time.perf_counter()
-    del y
     tm = r.timing
 
     def opt(name: str) -> float:
@@ -66,7 +91,8 @@ def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
                    ("decode", t3 - t2), ("queue", tm.queue_seconds),
                    ("kernel", opt("kernel_seconds")), ("device", opt("device_seconds")),
                    ("srv_decode", opt("decode_seconds")), ("handler", opt("handler_seconds")),
-                   ("batch_rows", tm.batch_rows), ("batch_requests", tm.batch_requests)):
+                   ("batch_rows", tm.batch_rows), ("batch_requests", tm.batch_requests),
+                   ("reply_bytes", len(raw))):
         out[key].append(v)
 
 
@@ -127,7 +153,7 @@ async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
         step += 1
         rid = f"{idx}.{step}" if mux is not None else ""
         t0 = time.perf_counter()
-        req = _request(pb, spec, name, xs[k], rid)
+        req = request_bytes(pb, (name,), xs[k], spec.precision, topk=spec.topk, rid=rid)
         t1 = time.perf_counter()
         if mux is not None:
             raw = await mux.roundtrip(req, rid)
@@ -172,33 +198,40 @@ async def _host_async(spec: LoadSpec, barrier: Any) -> dict[str, dict[str, list[
         return rec
 
 
-def _host_main(spec: LoadSpec, barrier: Any, results: Any, idx: int) -> None:
+def _host_main(main: Any, spec: Any, barrier: Any, results: Any) -> None:
     import asyncio
 
     try:
-        results.put((idx, asyncio.run(_host_async(spec, barrier))))
+        results.put(asyncio.run(main(spec, barrier)))
     except BaseException as e:  # report, never hang the parent
         barrier.abort()
-        results.put((idx, {"_error": repr(e)}))
+        results.put({"_error": repr(e)})
+
+
+def spawn_hosts(main: Any, spec: Any, hosts: int, timeout: float) -> list[dict[str, Any]]:
+    """Run ``asyncio.run(main(spec, barrier))`` in ``hosts`` spawned processes (a barrier
+    starts their timed parts together); their results, or RuntimeError if one failed."""
+    ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC state
+    barrier = ctx.Barrier(hosts)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_host_main, args=(main, spec, barrier, results), daemon=True)
+             for _ in range(hosts)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(30)
+    for rec in got:
+        if "_error" in rec:
+            raise RuntimeError(f"host process failed: {rec['_error']}")
+    return got
 
 
 def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray]], float]:
     """Spawn ``hosts`` load processes; returns samples per weight (merged) and wall seconds."""
-    ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC state
-    barrier = ctx.Barrier(hosts)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_host_main, args=(spec, barrier, results, i), daemon=True)
-             for i in range(hosts)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=spec.warmup + spec.seconds + 150) for _ in procs]
-    for p in procs:
-        p.join(30)
     merged: dict[str, dict[str, list[float]]] = {}
     wall = 0.0
-    for _, rec in got:
-        if "_error" in rec:
-            raise RuntimeError(f"load process failed: {rec['_error']}")
+    for rec in spawn_hosts(_host_async, spec, hosts, spec.warmup + spec.seconds + 150):
         wall = max(wall, rec.pop("_wall")["seconds"][0])
         for name, cols in rec.items():
             dst = merged.setdefault(name, {f: [] for f in FIELDS})
@@ -209,20 +242,27 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------
-def _echo_server(reply_bytes: int, ports: Any) -> None:
-    """A grpc.aio server that answers every message with ``reply_bytes`` bytes, nothing else."""
+def _sized_echo_server(ports: Any) -> None:
+    """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
+    answer with (replies cached per size); nothing else is done."""
     import asyncio
 
     import grpc
 
-    reply = b"\0" * reply_bytes
+    replies: dict[int, bytes] = {}
+
+    def reply(req: bytes) -> bytes:
+        n = int.from_bytes(req[:8], "little")
+        if n not in replies:
+            replies[n] = b"\0" * n
+        return replies[n]
 
     async def unary(req: bytes, ctx: Any) -> bytes:
-        return reply
+        return reply(req)
 
     async def stream(it: Any, ctx: Any) -> Any:
-        async for _ in it:
-            yield reply
+        async for req in it:
+            yield reply(req)
 
     async def serve() -> None:
         from q6serve.client.channel import channel_options
@@ -238,50 +278,60 @@ def _echo_server(reply_bytes: int, ports: Any) -> None:
     asyncio.run(serve())
 
 
-def _echo_client(port: int, request_bytes: int, mode: str, seconds: float) -> float:
-    """p50 µs of one closed-loop caller against the echo server."""
+def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
+                 seconds: float) -> list[float]:
+    """p50 seconds of one closed-loop round trip per (request bytes, reply bytes)."""
     import asyncio
 
     import grpc
 
     from q6serve.client.channel import channel_options
 
-    req = b"\1" * request_bytes
-
-    async def go() -> float:
+    async def go() -> list[float]:
+        out = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                              options=channel_options()) as ch:
-            lat: list[float] = []
             unary = ch.unary_unary("/echo.Echo/U")
             call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                if call is None:
-                    await unary(req)
-                else:
-                    await call.write(req)
-                    await call.read()
-                lat.append(time.perf_counter() - t0)
+            for req_bytes, reply_bytes in sizes:
+                req = reply_bytes.to_bytes(8, "little") + b"\1" * max(0, req_bytes - 8)
+                lat: list[float] = []
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end or len(lat) < 10:
+                    t0 = time.perf_counter()
+                    if call is None:
+                        await unary(req)
+                    else:
+                        await call.write(req)
+                        await call.read()
+                    lat.append(time.perf_counter() - t0)
+                out.append(float(np.median(lat[len(lat) // 5:])))  # first fifth: warm-up
             if call is not None:
                 await call.done_writing()
-            return float(np.median(lat[len(lat) // 5:]) * 1e6)  # first fifth: warm-up
+        return out
 
     return asyncio.run(go())
 
 
-def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str],
-               seconds: float) -> dict[str, float]:
-    """Round trip of bare gRPC (server and caller in their own processes, as in the bench)."""
+def echo_p50(sizes: list[tuple[int, int]], modes: list[str],
+             seconds: float) -> dict[str, list[float]]:
+    """Bare gRPC round trips (server and caller in their own processes, as in the bench):
+    p50 seconds per (request bytes, reply bytes), per mode."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    server = ctx.Process(target=_echo_server, args=(reply_bytes, ports), daemon=True)
+    server = ctx.Process(target=_sized_echo_server, args=(ports,), daemon=True)
     server.start()
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
-            return {m: pool.apply(_echo_client, (port, request_bytes, m, seconds))
-                    for m in modes}
+            return {m: pool.apply(_echo_client, (port, sizes, m, seconds)) for m in modes}
     finally:
         server.terminate()
         server.join(10)
+
+
+def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str],
+               seconds: float) -> dict[str, float]:
+    """p50 µs of a bare gRPC round trip of these sizes, per mode."""
+    got = echo_p50([(request_bytes, reply_bytes)], modes, seconds)
+    return {m: v[0] * 1e6 for m, v in got.items()}

@@ -69,6 +69,26 @@ def test_tiny_model_replay(tmp_path: Path) -> None:
     assert rows[True]["calls_per_step"] == 2 * 4 + 1
     assert rows[False]["calls_per_step"] == 2 * 7 + 1
     for r in rows.values():
-        assert r["steps"] > 0 and r["seqs"] == 2 and r["topk"] == 8
+        assert r["steps"] > 0 and r["seqs"] == 2 and r["topk"] == 8 and r["out_dtype"] == "f16"
         assert 0 < r["kernel_step_ms"] <= r["step_p50_ms"] <= r["step_p99_ms"]
         assert r["floor_step_ms"] > 0 and r["limit_ms"] is not None
+
+
+def test_lm_head_topk_scenario(tmp_path: Path) -> None:
+    """--lm-head: callers of N rows on the lm-head with the top-k epilogue; the row states the
+    reply's bytes against the f32 logits it replaces, and p50/p99."""
+    out = tmp_path / "lm.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--lm-head",
+           "--row-scale", "0.002", "--lm-callers", "2", "--lm-n", "4", "--topk", "8",
+           "--mode", "stream", "--seconds", "0.3", "--warmup", "0.1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lm = json.loads(out.read_text())["lm_head"]
+    rows = round(152064 * 0.002)
+    assert (lm["n"], lm["callers"], lm["topk"], lm["rows"]) == (4, 2, 8, rows)
+    assert lm["f32_logits_bytes"] == 4 * rows * 4
+    # values + indices + lse of 4 rows, plus the message's own fields
+    assert 4 * (8 * 8 + 4) < lm["reply_bytes"] < lm["f32_logits_bytes"]
+    assert lm["ratio"] == lm["f32_logits_bytes"] / lm["reply_bytes"]
+    assert 0 < lm["p50_us"] <= lm["p99_us"] and isinstance(lm["met"], bool)
+    assert "lm-head N=4 x2 callers top-8" in done.stdout
