@@ -21,6 +21,8 @@ Every call is split along one timeline into parts that add up to its end-to-end 
 
 The worker's parts come from the reply's MatmulTiming (queue, kernel, device, decode,
 handler seconds). ``--target-report`` measures issue 9's three targets in one invocation.
+``--dataplane`` (issue 15) measures T2 and T3 through the worker's ``--frontends N`` with bytes
+and with shared-memory regions (bench/gpu_dataplane_run.sh runs it for N = 1, 2, 4, 8).
 
 ``--replay`` (issue 14): the decode replay of a whole 28-layer 7B-class model (q, k, v, o,
 gate, up, down per layer, then the lm-head; synthetic weights; bench/service_replay.py): hosts
@@ -190,6 +192,8 @@ class Bench:
             extra += ["--vram-budget", args.vram_budget]
         if args.frontends > 1:  # issue 15: N gRPC front-end processes feed one device
             extra += ["--frontends", str(args.frontends)]
+        if args.dataplane:  # issue 15: callers' regions (one per caller, all at once)
+            extra += ["--allow-shm", "--max-regions", "1024"]
         self.args = args
         self.worker = WorkerProc(args.backend, out_dir / "worker.log", extra)
         self.client = Client(self.worker.target, timeout=600.0)
@@ -222,14 +226,17 @@ class Bench:
         self.client.flags({DYN_FLAG: on})
 
     def run(self, label: str, weights: list[str], hosts: int, callers: int, n: int,
-            mode: str, topk: int = 0) -> list[RunResult]:
-        """One closed-loop run; a failure is recorded and yields [] (the report goes on)."""
+            mode: str, topk: int = 0, region: str = "",
+            own_channel: bool = False) -> list[RunResult]:
+        """One closed-loop run; a failure is recorded and yields [] (the report goes on).
+        ``region``: "system"/"cuda" (x and y through each caller's region, issue 15);
+        ``own_channel``: a connection per caller (spread over the worker's --frontends)."""
         from q6serve.client.client import PRECISIONS
 
         a = self.args
         spec = LoadSpec(self.worker.target, tuple((w, self.shapes[w][1]) for w in weights),
                         callers, n, a.seconds, a.warmup, mode, a.dtype, PRECISIONS[a.precision],
-                        topk)
+                        topk, region, max(self.shapes[w][0] for w in weights), own_channel)
         try:
             self.prewarm(weights, n)
             samples, wall = run_load(spec, hosts)
@@ -243,7 +250,9 @@ class Bench:
         for w in weights:
             cfg = {"hosts": hosts, "callers_per_host": callers, "n": n, "mode": mode,
                    "dtype": a.dtype, "precision": a.precision, "dynamic_batching": on,
-                   "rows": self.shapes[w][0], "k": self.shapes[w][1], "topk": topk}
+                   "rows": self.shapes[w][0], "k": self.shapes[w][1], "topk": topk,
+                   "frontends": a.frontends, "region": region or "bytes",
+                   "channel_per_caller": own_channel}
             r = summarize(label, w, samples[w], wall, cfg)
             print_result(r)
             out.append(r)
@@ -263,8 +272,9 @@ class Bench:
                     self._warm.add((w, m))
 
     def one(self, label: str, hosts: int, callers: int, n: int, mode: str,
-            weight: str = "ffn_down") -> RunResult | None:
-        got = self.run(label, [weight], hosts, callers, n, mode)
+            weight: str = "ffn_down", region: str = "",
+            own_channel: bool = False) -> RunResult | None:
+        got = self.run(label, [weight], hosts, callers, n, mode, region, own_channel)
         return got[0] if got else None
 
     def save(self) -> None:
@@ -396,6 +406,43 @@ def lm_line(t: dict[str, Any]) -> str:
             f"{'met' if t['met'] else 'MISSED'}")
 
 
+def dataplane_report(b: Bench) -> None:
+    """Issue 15's targets on ffn_down through this worker's --frontends (run once per N):
+    T2 (64 callers of N=1: rows/s, p99) and T3 (8 hosts of N=64: rows/s against the kernel
+    alone), each with the bytes in the messages and with every caller's x and y in its own
+    shared-memory region (--cuda-regions: T3 with device buffers by CUDA IPC too). Every
+    caller has its own connection, so the kernel spreads them over the front ends."""
+    a = b.args
+    fe = a.frontends
+    kinds = ["", "system"]
+    procs = a.t2_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
+    per = max(1, 64 // procs)
+    b.batching(True)
+    for mode in a.modes:
+        for kind in kinds:
+            r = b.one(f"T2 fe={fe} {procs * per}x N=1 {mode} {kind or 'bytes'}", procs, per, 1,
+                      mode, region=kind, own_channel=True)
+            if r is not None:
+                _target(b, {"target": "T2", "frontends": fe, "region": kind or "bytes",
+                            "mode": mode, "callers": procs * per, "rows_per_s": r.rows_per_s,
+                            "rows_per_s_min": 20000.0, "p99_us": r.p99_us,
+                            "p99_limit_us": 4000.0,
+                            "met": r.rows_per_s >= 20000.0 and r.p99_us <= 4000.0})
+        for kind in kinds + (["cuda"] if a.cuda_regions else []):
+            h = max(a.t3_hosts)
+            r = b.one(f"T3 fe={fe} {h} hosts N=64 {mode} {kind or 'bytes'}", h, 1, 64, mode,
+                      region=kind, own_channel=True)
+            if r is None or not r.kernel_p50_us:
+                continue
+            kernel_rows_s = 64 / (r.kernel_p50_us * 1e-6)  # back-to-back N=64 launches
+            frac = r.rows_per_s / kernel_rows_s
+            need = 0.5 if kind else 0.25  # regions: 50%; bytes with several front ends: 25%
+            _target(b, {"target": "T3", "frontends": fe, "region": kind or "bytes",
+                        "mode": mode, "hosts": h, "service_rows_per_s": r.rows_per_s,
+                        "kernel_rows_per_s": kernel_rows_s, "fraction": frac,
+                        "fraction_min": need, "p99_us": r.p99_us, "met": frac >= need})
+
+
 def upload_model(b: Bench) -> dict[str, int]:
     """Upload the replay's synthetic model (one random tensor per shape, under every name of
     that shape: contents do not matter to a matmul's cost); returns rows per weight."""
@@ -485,11 +532,16 @@ def target_line(t: dict[str, Any]) -> str:
         return (f"T1 {t['mode']}: p50 - kernel = {t['p50_minus_kernel_us']:.0f} us "
                 f"(<= {t['limit_us']:.0f} = bare gRPC {t['bare_grpc_p50_us'] or 0:.0f} + 100) "
                 f"{verdict}")
+    where = f" frontends={t['frontends']} {t['region']}" if "frontends" in t else ""
+    if t["target"] == "T2" and "gain" not in t:  # the data-plane report (issue 15)
+        return (f"T2 {t['mode']}{where}: {t['rows_per_s']:,.0f} rows/s (>= 20,000), p99 "
+                f"{t['p99_us']:.0f} us (<= 4000) {verdict}")
     if t["target"] == "T2":
         return (f"T2 {t['mode']}: batching gain {t['gain']:.2f}x (>= 5), p99 "
                 f"{t['p99_us']:.0f} us (<= 2000) {verdict}")
-    return (f"T3 {t['mode']}: {t['service_rows_per_s']:,.0f} rows/s = {t['fraction']:.2f} of the "
-            f"kernel alone ({t['kernel_rows_per_s']:,.0f}; >= 0.5) {verdict}")
+    return (f"T3 {t['mode']}{where}: {t['service_rows_per_s']:,.0f} rows/s = "
+            f"{t['fraction']:.2f} of the kernel alone ({t['kernel_rows_per_s']:,.0f}; "
+            f">= {t.get('fraction_min', 0.5)}) {verdict}")
 
 
 def _commit() -> str:
@@ -528,6 +580,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
                     "compare; docs/SERVICE.md)")
+    ap.add_argument("--dataplane", action="store_true",
+                    help="issue 15: T2 and T3 on ffn_down with bytes and with shm regions "
+                         "through this --frontends count (run once per count)")
+    ap.add_argument("--cuda-regions", action="store_true",
+                    help="--dataplane: T3 with CUDA IPC device buffers too (CUDA backend)")
     ap.add_argument("--target-report", action="store_true",
                     help="measure issue 9's three targets (ffn_down) instead of the replay")
     ap.add_argument("--replay", action="store_true",
@@ -601,9 +658,12 @@ def main(argv: list[str] | None = None) -> int:
             target_report(b)
         if a.lm_head:
             lm_head_topk(b)
+        if a.dataplane:
+            b.upload(["ffn_down"])
+            dataplane_report(b)
         if a.replay:
             model_replay(b)
-        elif not (a.target_report or a.lm_head):
+        elif not (a.target_report or a.lm_head or a.dataplane):
             b.upload(a.weights)
             replay(b)
     finally:

@@ -18,6 +18,8 @@ FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_de
           "handler", "batch_rows", "batch_requests", "reply_bytes")
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
 MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
+REGISTER = "/q6serve.v1.Q6Serve/RegisterRegion"
+UNREGISTER = "/q6serve.v1.Q6Serve/UnregisterRegion"
 
 
 # -- load generator (runs in spawned host processes) ------------------------------------------
@@ -33,6 +35,13 @@ class LoadSpec:
     dtype: str  # f32 | f16
     precision: int  # pb Precision value
     topk: int = 0  # > 0: the top-k epilogue instead of y (f32 values, int32 indices, lse)
+    # issue 15: "system" / "cuda": each caller registers a region and passes x and y through
+    # it (the request carries dtype and shape only; system: x copied in every call, as a
+    # caller producing activations in host memory would; cuda: x written once, as if produced
+    # on the GPU); "": bytes in the messages
+    region: str = ""
+    y_cols: int = 0  # the widest weight's rows: the y area of a caller's region
+    own_channel: bool = False  # a connection per caller (spread over --frontends) or per host
 
 
 def request_bytes(pb: Any, weights: tuple[str, ...], x: np.ndarray, precision: int,
@@ -76,11 +85,15 @@ def view_output(o: Any) -> tuple[np.ndarray, ...]:
 
 
 def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
-            raw: bytes, stream: bool) -> None:
-    """Decode the reply (timed: client_decode) and append this call's figures."""
+            raw: bytes, stream: bool, region: Any = None) -> None:
+    """Decode the reply (timed: client_decode) and append this call's figures. ``region``:
+    the caller's region (y is a view of it there, as the client helper returns it)."""
     t0, t1, t2 = t
     r = reply_message(pb, raw, stream)
-    view_output(r)
+    if region is None:
+        view_output(r)
+    else:
+        region.ndarray(region.y_offset, np.float32, tuple(r.y.shape))
     t3 = time.perf_counter()
     tm = r.timing
 
@@ -135,14 +148,83 @@ class _Mux:
         await self.reader
 
 
+async def _open_region(channel: Any, pb: Any, spec: LoadSpec, idx: int,
+                       xs: dict[int, np.ndarray]) -> Any:
+    """Create and register this caller's region: x of every K, then y's area. Its
+    ``x_offset`` maps K -> offset; ``y_offset`` is where the worker writes y."""
+    import os
+
+    from q6serve.client.shm import ALIGN, CudaRegion, ShmRegion
+
+    def up(n: int) -> int:
+        return -(-n // ALIGN) * ALIGN
+
+    offsets, at = {}, 0
+    for k, x in xs.items():
+        offsets[k] = at
+        at += up(x.nbytes)
+    name = f"load{os.getpid()}_{idx}"
+    size = at + spec.n * max(spec.y_cols, 1) * 4
+    region = (CudaRegion.create(name, size) if spec.region == "cuda"
+              else ShmRegion.create(name, size))
+    region.x_offset, region.y_offset = offsets, at
+    for k, x in xs.items():
+        region.put(offsets[k], x)
+    await channel.unary_unary(REGISTER)(region.register_request().SerializeToString(),
+                                        timeout=60.0)
+    return region
+
+
+async def _close_region(channel: Any, pb: Any, region: Any) -> None:
+    req = pb.UnregisterRegionRequest(name=region.name).SerializeToString()
+    await channel.unary_unary(UNREGISTER)(req, timeout=60.0)
+    region.close()
+
+
+def _region_request(pb: Any, spec: LoadSpec, name: str, x: np.ndarray, region: Any,
+                    rid: str = "") -> bytes:
+    """A request naming the caller's region for x and y (the same bytes every call)."""
+    req = pb.MatmulRequest(weight=name, precision=spec.precision, out_dtype=pb.DTYPE_F32,
+                           request_id=rid)
+    req.x.dtype = pb.DTYPE_F16 if spec.dtype == "f16" else pb.DTYPE_F32
+    req.x.shape.extend(x.shape)
+    req.x_region.region = region.name
+    req.x_region.offset = region.x_offset[x.shape[1]]
+    req.y_region.region = region.name
+    req.y_region.offset = region.y_offset
+    return req.SerializeToString()
+
+
 async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
                   rec: dict[str, dict[str, list[float]]] | None, mux: _Mux | None = None,
                   ) -> None:
+    import contextlib
+
+    import grpc
+
+    from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
 
+    async with contextlib.AsyncExitStack() as stack:
+        if spec.own_channel:  # its own connection (a front end per connection, issue 15)
+            opts = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(spec.target, options=opts))
+        await _calls(channel, pb, spec, idx, until, rec, mux)
+
+
+async def _calls(channel: Any, pb: Any, spec: LoadSpec, idx: int, until: list[float],
+                 rec: dict[str, dict[str, list[float]]] | None, mux: _Mux | None) -> None:
     rng = np.random.default_rng(idx)
     dt = np.float16 if spec.dtype == "f16" else np.float32
     xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {k for _, k in spec.weights}}
+    region = await _open_region(channel, pb, spec, idx, xs) if spec.region else None
+    fixed = {}
+    if region is not None:
+        fixed = {name: _region_request(pb, spec, name, xs[k], region)
+                 for name, k in spec.weights}
+        xviews = {k: region.ndarray(region.x_offset[k], x.dtype, x.shape)
+                  for k, x in xs.items()}
     unary = channel.unary_unary(MATMUL)  # raw bytes both ways: we time (de)serialization
     stream = None
     if spec.mode == "stream":
@@ -153,7 +235,13 @@ async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
         step += 1
         rid = f"{idx}.{step}" if mux is not None else ""
         t0 = time.perf_counter()
-        req = request_bytes(pb, (name,), xs[k], spec.precision, topk=spec.topk, rid=rid)
+        if region is None:
+            req = request_bytes(pb, (name,), xs[k], spec.precision, topk=spec.topk, rid=rid)
+        else:
+            if spec.region == "system":
+                xviews[k][...] = xs[k]  # this call's activations into the region
+            req = fixed[name] if mux is None else _region_request(pb, spec, name, xs[k],
+                                                                  region, rid)
         t1 = time.perf_counter()
         if mux is not None:
             raw = await mux.roundtrip(req, rid)
@@ -166,11 +254,13 @@ async def _caller(channel: Any, spec: LoadSpec, idx: int, until: list[float],
         streamed = stream is not None or mux is not None
         if rec is not None:
             _record(pb, rec.setdefault(name, {f: [] for f in FIELDS}), (t0, t1, t2), raw,
-                    streamed)
-        elif streamed:
-            _record(pb, {f: [] for f in FIELDS}, (t0, t1, t2), raw, True)  # surfaces errors
+                    streamed, region)
+        elif streamed:  # surfaces errors
+            _record(pb, {f: [] for f in FIELDS}, (t0, t1, t2), raw, True, region)
     if stream is not None:
         await stream.done_writing()
+    if region is not None:
+        await _close_region(channel, pb, region)
 
 
 async def _host_async(spec: LoadSpec, barrier: Any) -> dict[str, dict[str, list[float]]]:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU session for the data plane (issue 15): the GPU tests of tests/dataplane (CUDA IPC
+# regions, one process and --frontends 2), then bench/service.py --dataplane (T2: 64 callers
+# of N=1 on ffn_down, rows/s and p99; T3: 8 hosts of N=64, rows/s against the kernel alone;
+# each with bytes in the messages and with shared-memory regions) for --frontends 1, 2, 4, 8
+# (with --frontends 1 also T3 with CUDA IPC device buffers). Logs and JSONs go to $OUT; a short
+# table is printed last. Well under 300 s with the default SECONDS_PER_RUN=1.5.
+#   bench/gpu_dataplane_run.sh        env: SECONDS_PER_RUN, FRONTENDS ("1 2 4 8"), SKIP_TESTS
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
+head -3 "$OUT/setup.log"
+S=${SECONDS_PER_RUN:-1.5}
+if [[ -z ${SKIP_TESTS:-} ]]; then
+  timeout 120 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane \
+    >"$OUT/pytest_dataplane_gpu.log" 2>&1
+  echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(($(date +%s) - T0)) s"
+fi
+for F in ${FRONTENDS:-1 2 4 8}; do
+  extra=""
+  [[ $F == 1 ]] && extra="--cuda-regions"
+  # shellcheck disable=SC2086
+  timeout 80 python3 bench/service.py --backend cuda --dataplane --modes stream \
+    --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 $extra \
+    --json "$OUT/dataplane_f$F.json" >"$OUT/dataplane_f$F.log" 2>&1
+  echo "# frontends=$F rc=$? at $(($(date +%s) - T0)) s"
+  mv "$OUT/worker.log" "$OUT/worker_f$F.log" 2>/dev/null
+done
+grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
+python3 - "$OUT" <<'EOF'
+import glob, json, sys
+rows = []
+for path in sorted(glob.glob(f"{sys.argv[1]}/dataplane_f*.json")):
+    doc = json.load(open(path))
+    for t in doc["targets"]:
+        rows.append((t["target"], t["frontends"], t["region"], t))
+    commit, device = doc["commit"], doc["device"]
+print(f"# {device}; commit {commit}")
+print("# target fe  x/y via   rows/s      p99 us  kernel rows/s  fraction  met")
+for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
+    rps = t.get("rows_per_s", t.get("service_rows_per_s", 0.0))
+    print(f"# {target:6} {fe:2}  {region:7} {rps:>10,.0f} {t['p99_us']:>10,.0f}"
+          f" {t.get('kernel_rows_per_s', 0):>13,.0f} {t.get('fraction', 0):>9.2f}"
+          f"  {'yes' if t['met'] else 'no'}")
+EOF
