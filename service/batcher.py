@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -49,11 +50,30 @@ class DeadlineExceeded(Q6Error):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
-class Device:
-    """One single-thread executor for all work on one device; knows when it is idle."""
+HANDOFF_ENV = "Q6SERVE_HANDOFF_YIELD"  # 0: never yield the GIL on a hand-off (Device)
 
-    def __init__(self, name: str) -> None:
+
+def handoff_yield_for(backend_name: str) -> bool:
+    """Whether a Device of this backend yields the GIL on a hand-off (see :class:`Device`):
+    CUDA jobs release the GIL at their device sync, so the loop gets it back early; a NumPy
+    job holds it to the end (the loop would wait for the whole job: in process, no-op kernel,
+    submit -> result 84 -> 150 us). Env Q6SERVE_HANDOFF_YIELD=0 turns it off."""
+    return backend_name == "cuda" and os.environ.get(HANDOFF_ENV, "1").strip() != "0"
+
+
+class Device:
+    """One single-thread executor for all work on one device; knows when it is idle.
+
+    ``handoff_yield``: a job handed to an idle device thread is followed by ``time.sleep(0)``
+    on the loop, which releases the GIL while the woken device thread wants it: the job's host
+    path (copies, launch) starts now rather than when the loop next blocks in epoll, and the
+    loop's rest of the trip runs while the device works (once the job releases the GIL at its
+    sync) instead of delaying its start. Only for jobs reaching an idle thread: under load the
+    thread is busy, jobs queue behind it and nothing is yielded."""
+
+    def __init__(self, name: str, handoff_yield: bool = False) -> None:
         self.name = name
+        self.handoff_yield = handoff_yield
         # One thread fed by a SimpleQueue, answering through call_soon_threadsafe: one loop
         # trip less per job than run_in_executor (submit -> result 67 -> 52 us, issue 9).
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -95,6 +115,8 @@ class Device:
         self.inflight += 1
         self.jobs += 1
         self._jobs.put((loop, done, fn, args))
+        if self.inflight == 1 and self.handoff_yield:
+            time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
 
     def _work(self) -> None:
         """The device thread: run jobs in order, hand each outcome back to its loop."""

@@ -56,6 +56,7 @@ from .batcher import (
     Device,
     Group,
     MatmulReply,
+    handoff_yield_for,
 )
 from .config import WorkerConfig
 from .flags import Flags, FlagState
@@ -255,7 +256,7 @@ class Engine:
         self.metrics = metrics
         self.flags = Flags(config.flags)
         self.version = version()
-        self.device = Device(backend.name)
+        self.device = Device(backend.name, handoff_yield_for(backend.name))
         self.vram = VramAccountant(config.vram_budget.resolve(backend.memory().free),
                                    backend.memory)
         self.registry = Registry(self._on_unused)

@@ -190,3 +190,27 @@ def test_a_group_runs_as_one_device_job_and_each_part_batches_with_its_weight() 
         dev.close()
 
     run(main())
+
+
+def test_handoff_yield_serves_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GIL yield on a hand-off to an idle device thread changes when a job starts, never
+    what it returns; only CUDA devices yield by default, and the env switch turns it off."""
+    from q6serve.service.batcher import HANDOFF_ENV, handoff_yield_for
+
+    assert handoff_yield_for("cuda") and not handoff_yield_for("numpy")
+    monkeypatch.setenv(HANDOFF_ENV, "0")
+    assert not handoff_yield_for("cuda")
+
+    async def main() -> None:
+        gate = Gate()
+        gate.open.set()
+        dev = Device("t", handoff_yield=True)
+        b, _ = await _batcher(gate, dev=dev)
+        for i in range(20):  # one at a time: each reaches an idle thread
+            assert (await b.enqueue(_x(1, i), KEY, None)).y[0, 0] == 2 * i
+        got = await asyncio.gather(*(b.enqueue(_x(1, i), KEY, None) for i in range(20)))
+        assert [r.y[0, 0] for r in got] == [2 * i for i in range(20)]
+        await b.close()
+        dev.close()
+
+    run(main())
