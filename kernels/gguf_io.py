@@ -19,7 +19,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -360,7 +360,8 @@ def list_tensors(path: str | os.PathLike[str],
     return [_info(t, h.data_start) for t in h.tensors]
 
 
-def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray) -> Q6KTensor:
+def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray,
+            release: Callable[[np.ndarray], None] | None = None) -> Q6KTensor:
     if not info.is_q6k:
         raise FormatError(f"{path.name}: tensor {info.name!r} is {info.type_name}, not Q6_K")
     if len(info.shape) != 2:
@@ -374,7 +375,7 @@ def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray) -> Q6KTensor:
     except FormatError as e:
         raise FormatError(f"{path.name}: tensor {info.name!r}: {e}") from None
     aos = data[info.offset : info.offset + info.nbytes]  # a view: nothing is read yet
-    return Q6KTensor(info.name, rows, k, q6k.as_blocks(aos, rows, k))
+    return Q6KTensor(info.name, rows, k, q6k.as_blocks(aos, rows, k), release)
 
 
 def read_q6k_tensors(path: str | os.PathLike[str], names: list[str] | None = None,
@@ -399,7 +400,8 @@ def read_q6k_tensors(path: str | os.PathLike[str], names: list[str] | None = Non
         m = _Mapping(p)
     except (OSError, ValueError) as e:
         raise NotFound(f"GGUF file {p.name[:256]!r} cannot be mapped: {e}") from None
-    return [replace(_as_q6k(p, i, m.data), release=m.release) for i in chosen]
+    release = m.release  # one bound method for all: 65536 tensors are 65536 objects each
+    return [_as_q6k(p, i, m.data, release) for i in chosen]
 
 
 class _Mapping:

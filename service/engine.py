@@ -47,6 +47,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
+from . import gcfreeze
 from .batcher import (
     Batcher,
     BatchKey,
@@ -75,6 +76,13 @@ log = logging.getLogger("q6serve.engine")
 UPLOAD_FORMATS = ("q6_k", "f32", "f16")
 LOG_EACH = 16  # loads of more weights log these one by one, then one line for the rest
 LOOP_STEP = 64  # per-weight work on the event loop yields after this many weights
+# Weights that have a batcher at once. A batcher (its task, queue, events, closures) is ~25
+# objects for the cyclic GC to walk and ~3 KB: a weight gets one at load while fewer than this
+# many have one, else on its first matmul, and beyond this many the oldest idle ones are
+# closed (made again when next used). 65536 weights with a batcher each made full
+# collections of ~0.4 s on the event loop (docs/RELIABILITY.md, "Many weights").
+MAX_LIVE_BATCHERS = 4096
+RETIRE_STEP = 8  # batchers looked at per new one beyond the cap (busy ones go to the back)
 
 
 def version() -> str:
@@ -198,15 +206,19 @@ async def gguf_sources(model_dir: Path | None, rel_path: str, tensors: list[str]
     select = rows or RowSelect()
 
     def sources() -> list[WeightSource]:  # in the thread too: 65536 tensors are work
-        out = []
-        for t in gguf_io.read_q6k_tensors(path, tensors or None, cancelled):
+        out: list[WeightSource] = []
+        where = f"gguf:{rel_path}"  # one string for all the file's weights
+        found = gguf_io.read_q6k_tensors(path, tensors or None, cancelled)
+        for t in found:
+            if len(out) % gcfreeze.FREEZE_AT == 0 and len(found) >= gcfreeze.FREEZE_AT:
+                gcfreeze.freeze()  # ~10 objects per tensor until loaded: keep GC walks short
             r: RowRange = select.resolve(t.name, t.rows)
 
             def read(r0: int, r1: int, chunk_bytes: int, t: Q6KTensor = t,
                      ) -> Iterable[np.ndarray]:
                 return slice_tensor(t, RowRange(r0, r1)).iter_row_chunks(chunk_bytes)
 
-            out.append(WeightSource(prefix + t.name, r.rows, t.k, f"gguf:{rel_path}", read,
+            out.append(WeightSource(prefix + t.name, r.rows, t.k, where, read,
                                     r.begin, t.rows, first=r.begin))
         return out
 
@@ -271,6 +283,8 @@ class Engine:
         self._serving = True
         self._relayouts = 0
         self._tasks: set[asyncio.Task[object]] = set()
+        # weights with a batcher, oldest first (an ordered set: O(1) pop of the oldest)
+        self._live: collections.OrderedDict[WeightEntry, None] = collections.OrderedDict()
         self.healthy = True  # False after a device error (health NOT_SERVING)
         self._device_error = ""
         self._health_listeners: list[Callable[[bool], None]] = []
@@ -388,13 +402,17 @@ class Engine:
                 try:
                     for s in sources:
                         done.append(await self._load_one(s))
+                        if len(done) % gcfreeze.FREEZE_AT == 0:
+                            gcfreeze.freeze()  # a long load: freeze as it goes
                 except BaseException:
                     for e in done:
                         await self._free(e)
                     self._shrink_scratch()
+                    self._settle_gc()
                     raise
                 for i, e in enumerate(done):
-                    e.batcher = self._make_batcher(e)
+                    if len(self._live) < MAX_LIVE_BATCHERS:
+                        self._batcher(e)  # else made by its first matmul
                     self.registry.add(e)
                     self._count_workspace(e, +1)
                     if i < LOG_EACH:
@@ -405,6 +423,7 @@ class Engine:
                 if len(done) > LOG_EACH:
                     log.info("loaded %d more weights (%d bytes) from %s", len(done) - LOG_EACH,
                              sum(e.nbytes for e in done[LOG_EACH:]), done[-1].source)
+                self._settle_gc()
         self._publish()
         views = []
         for i, e in enumerate(done):
@@ -464,8 +483,38 @@ class Engine:
                 loop.call_soon_threadsafe(self._device_failed, err)
                 raise
 
-        return Batcher(e.name, self.device, run, self._settings,
-                       lambda: self.flags.state.dynamic_batching, self._on_batch)
+        return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
+                       self._on_batch)
+
+    def _dynamic_batching(self) -> bool:
+        return self.flags.state.dynamic_batching
+
+    def _batcher(self, e: WeightEntry) -> Batcher:
+        """The weight's batcher, made now if it has none (see MAX_LIVE_BATCHERS)."""
+        b = e.batcher
+        if b is None:
+            b = e.batcher = self._make_batcher(e)
+            self._live[e] = None
+            if len(self._live) > MAX_LIVE_BATCHERS:
+                self._retire_idle()
+        return b
+
+    def _retire_idle(self) -> None:
+        """Close the oldest idle batchers beyond MAX_LIVE_BATCHERS: a bounded look per call,
+        busy ones go to the back. Taken off their weight first, so no request can reach a
+        batcher that is closing; an idle batcher has nothing queued or running."""
+        for _ in range(RETIRE_STEP):
+            if len(self._live) <= MAX_LIVE_BATCHERS:
+                return
+            e, _ = self._live.popitem(last=False)
+            b = e.batcher
+            if b is None:
+                continue
+            if b.in_flight:
+                self._live[e] = None
+                continue
+            e.batcher = None
+            self._spawn(b.close())
 
     def on_health(self, fn: Callable[[bool], None]) -> None:
         """``fn(False)`` runs (on the loop) when the device fails: the worker turns its health
@@ -484,8 +533,12 @@ class Engine:
             self.metrics.observe_batch(stats)
 
     async def _free(self, e: WeightEntry) -> None:
-        if e.batcher is not None:
-            await e.batcher.close()
+        b, e.batcher = e.batcher, None  # also breaks the entry <-> batcher (closure) cycle
+        self._live.pop(e, None)
+        if not self._live:
+            self._live = collections.OrderedDict()  # nor keep its largest table
+        if b is not None:
+            await b.close()
         nbytes = e.nbytes
 
         def job() -> None:
@@ -493,7 +546,8 @@ class Engine:
 
         await self.device.run(job)
         self.vram.release({"weights": nbytes})
-        e.freed.set()
+        if e.freed is not None and not e.freed.done():
+            e.freed.set_result(None)
 
     def _shrink_scratch(self) -> None:
         # the largest workspace among resident weights, from a count per size: O(sizes), not
@@ -502,6 +556,10 @@ class Engine:
         if want < self._scratch:
             self.vram.release({"scratch": self._scratch - want})
             self._scratch = want
+
+    def _settle_gc(self) -> None:
+        """Short full collections with very many weights (service/gcfreeze.py)."""
+        gcfreeze.settle(id(self), len(self.registry))
 
     def _on_unused(self, e: WeightEntry) -> None:
         self._spawn(self._free(e))
@@ -522,12 +580,15 @@ class Engine:
         """Remove at once; return after the memory is freed (in-flight requests finish)."""
         async def run() -> WeightView:
             async with self._admin:
-                e = self.registry.remove(name)
+                freed = asyncio.get_running_loop().create_future()
+                e = self.registry.remove(name)  # a free it starts runs in a later loop trip
+                e.freed = freed
                 self._count_workspace(e, -1)
                 view = self._view(e)
                 log.info("unloading %s (%d requests in flight)", name, view.in_flight)
-                await e.freed.wait()
+                await freed
                 self._shrink_scratch()
+                self._settle_gc()
             self._publish()
             return view
 
@@ -590,7 +651,7 @@ class Engine:
                 check_k(call.topk, e.rows, weight=e.name)
             # refuse what the current flags forbid before queueing (clear status, no batch)
             self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
-            fut = e.batcher.enqueue(x, key, call.timeout, sink, self._group)
+            fut = self._batcher(e).enqueue(x, key, call.timeout, sink, self._group)
         except BaseException:
             self.registry.release(e)
             raise

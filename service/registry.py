@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from q6serve.kernels.api import ResidentWeight
@@ -27,8 +27,12 @@ def check_name(name: str) -> str:
     return name
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WeightEntry:
+    """One resident weight. Kept small (slots, no per-entry event, task or closure until it
+    is used): a worker may hold 65536 of them, and each object here is one more for every
+    full collection of the cyclic GC to walk (docs/RELIABILITY.md, "Many weights")."""
+
     name: str
     rows: int
     k: int
@@ -37,8 +41,8 @@ class WeightEntry:
     resident: ResidentWeight  # swapped by relayouts (in the device thread)
     refs: int = 0
     removed: bool = False
-    freed: asyncio.Event = field(default_factory=asyncio.Event)
-    batcher: Any = None  # the weight's Batcher (set by the engine)
+    freed: asyncio.Future[None] | None = None  # made by an unload that waits for the free
+    batcher: Any = None  # the weight's Batcher while it has one (the engine's to make)
     row_begin: int = 0  # row-sharded loads: global rows [row_begin, row_begin + rows)
     tensor_rows: int = 0  # rows of the whole source tensor (0: same as rows)
 
@@ -73,6 +77,8 @@ class Registry:
             yield
         finally:
             self._claimed.difference_update(names)
+            if not self._claimed:
+                self._claimed = set()  # a set keeps its largest table: let 65536 names go
 
     def claimed(self) -> set[str]:
         """Names being loaded right now."""
@@ -118,6 +124,8 @@ class Registry:
     def remove(self, name: str) -> WeightEntry:
         entry = self.get(name)
         del self._weights[name]
+        if not self._weights:
+            self._weights = {}  # a dict keeps its largest table after deletes: let it go
         entry.removed = True
         if entry.refs == 0:
             self._on_unused(entry)

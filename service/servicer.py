@@ -26,6 +26,7 @@ from .engine import Engine, MatmulCall
 from .interceptor import RPC_START, observe_stream_request, status_code
 from .multi import MAX_REQUEST_WEIGHTS, start_matmul_weights
 from .regions import RegionIO, RegionTable
+from .threads import run_in_thread
 
 log = logging.getLogger("q6serve.rpc")
 
@@ -152,7 +153,7 @@ class Q6ServeServicer:
         views = await self.engine.load_gguf(request.gguf_path, list(request.tensors),
                                             request.prefix, wire.row_select(request),
                                             wire.placement(request))
-        return wire.load_response(views)
+        return await run_in_thread(wire.load_response, views)  # 65536 weights: ~0.2 s
 
     async def UploadWeight(self, request_iterator: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> Any:
@@ -171,7 +172,9 @@ class Q6ServeServicer:
         return wire.upload_response(await self.engine.upload(spec, chunks()))
 
     async def ListWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return wire.list_response(self.engine.list())
+        # in a thread: 65536 weights are ~0.3 s of views and protobuf (the registry is read
+        # through a copy of its values, made with the GIL held)
+        return await run_in_thread(lambda: wire.list_response(self.engine.list()))
 
     async def GetWeight(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.get_response(self.engine.get(request.name))
