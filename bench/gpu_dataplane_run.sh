@@ -4,11 +4,13 @@
 # of N=1 on ffn_down, rows/s and p99; T3: 8 hosts of N=64, rows/s against the kernel alone;
 # each with bytes in the messages and with shared-memory regions) for --frontends 1, 2, 4, 8
 # (with --frontends 1 also T3 with CUDA IPC device buffers). Logs and JSONs go to $OUT; a short
-# table is printed last. Well under 300 s with the default SECONDS_PER_RUN=1.5.
+# table is printed last; $OUT gets one archive of everything plus the JSONs and the test log.
+# Well under 300 s with the default SECONDS_PER_RUN=1.5.
 #   bench/gpu_dataplane_run.sh        env: SECONDS_PER_RUN, FRONTENDS ("1 2 4 8"), SKIP_TESTS
 set -uo pipefail
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
+FINAL=${OUT:-$PWD/out}
+OUT=/tmp/dprun  # everything lands here (the device tool brings back 8 files at most)
+mkdir -p "$FINAL" "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
@@ -47,3 +49,6 @@ for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
           f" {t.get('kernel_rows_per_s', 0):>13,.0f} {t.get('fraction', 0):>9.2f}"
           f"  {'yes' if t['met'] else 'no'}")
 EOF
+tar czf "$FINAL/dataplane_run.tgz" -C "$OUT" . && cp "$OUT"/dataplane_f*.json \
+  "$OUT/pytest_dataplane_gpu.log" "$FINAL/" 2>/dev/null
+echo "# done at $(($(date +%s) - T0)) s"

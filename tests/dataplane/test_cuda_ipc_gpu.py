@@ -125,8 +125,8 @@ def test_bad_cuda_regions(worker: tuple[str, np.ndarray], rng: np.random.Generat
 
     target, _ = worker
     x = rng.standard_normal((4, K)).astype(np.float16)
-    with Client(target) as c, c.register_cuda_ipc("r", 65536) as r:
-        code, msg = code_of(lambda: c.matmul("w", x, y_region=(r, 0)))  # 4 x 2048 f32 > 64 KiB
+    with Client(target) as c, c.register_cuda_ipc("r", 16384) as r:
+        code, msg = code_of(lambda: c.matmul("w", x, y_region=(r, 0)))  # 4 x 2048 f32 > 16 KiB
         assert code == C.INVALID_ARGUMENT and "overruns region 'r'" in msg, msg
         # the allocation's end, the device, the handle: each refused at registration
         fake = CudaRegion("past", cupy.empty(65536, cupy.uint8))
