@@ -2,11 +2,12 @@
 # One GPU session for the data plane (issue 15): the GPU tests of tests/dataplane (CUDA IPC
 # regions, one process and --frontends 2), then bench/service.py --dataplane (T2: 64 callers
 # of N=1 on ffn_down, rows/s and p99; T3: 8 hosts of N=64, rows/s against the kernel alone;
-# each with bytes in the messages and with shared-memory regions) for --frontends 1, 2, 4, 8
-# (with --frontends 1 also T3 with CUDA IPC device buffers). Logs and JSONs go to $OUT; a short
+# each with bytes in the messages and with shared-memory regions; T3 also with CUDA IPC device
+# buffers) for --frontends 1, 2, 4, 8. Logs and JSONs go to $OUT; a short
 # table is printed last; $OUT gets one archive of everything plus the JSONs and the test log.
 # Well under 300 s with the default SECONDS_PER_RUN=1.5.
-#   bench/gpu_dataplane_run.sh        env: SECONDS_PER_RUN, FRONTENDS ("1 2 4 8"), SKIP_TESTS
+#   bench/gpu_dataplane_run.sh   env: SECONDS_PER_RUN, VARIANTS ("1 2 4 8"; "8@200": --frontends 8
+#                                with a 200 us GIL switch interval), SKIP_TESTS
 set -uo pipefail
 FINAL=${OUT:-$PWD/out}
 OUT=/tmp/dprun  # everything lands here (the device tool brings back 8 files at most)
@@ -22,15 +23,18 @@ if [[ -z ${SKIP_TESTS:-} ]]; then
     >"$OUT/pytest_dataplane_gpu.log" 2>&1
   echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(($(date +%s) - T0)) s"
 fi
-for F in ${FRONTENDS:-1 2 4 8}; do
-  extra=""
-  [[ $F == 1 ]] && extra="--cuda-regions"
-  # shellcheck disable=SC2086
-  timeout 80 python3 bench/service.py --backend cuda --dataplane --modes stream \
-    --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 $extra \
-    --json "$OUT/dataplane_f$F.json" >"$OUT/dataplane_f$F.log" 2>&1
-  echo "# frontends=$F rc=$? at $(($(date +%s) - T0)) s"
-  mv "$OUT/worker.log" "$OUT/worker_f$F.log" 2>/dev/null
+# VARIANTS: front-end counts, each optionally @US: the worker's GIL switch interval in us
+# (Q6SERVE_GIL_SWITCH_US; Python's default 5000)
+for v in ${VARIANTS:-1 2 4 8}; do
+  F=${v%@*}
+  US=""
+  [[ $v == *@* ]] && US=${v#*@}
+  tag=f$F${US:+_gil$US}
+  Q6SERVE_GIL_SWITCH_US=$US timeout 80 python3 bench/service.py --backend cuda --dataplane \
+    --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
+    --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
+  echo "# frontends=$F gil switch ${US:-default} us rc=$? at $(($(date +%s) - T0)) s"
+  mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
 done
 grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
 python3 - "$OUT" <<'EOF'
@@ -38,14 +42,15 @@ import glob, json, sys
 rows = []
 for path in sorted(glob.glob(f"{sys.argv[1]}/dataplane_f*.json")):
     doc = json.load(open(path))
+    gil = path.rsplit("_gil", 1)[1][:-5] if "_gil" in path else "5000"
     for t in doc["targets"]:
-        rows.append((t["target"], t["frontends"], t["region"], t))
+        rows.append((t["target"], f"{t['frontends']}@{gil}", t["region"], t))
     commit, device = doc["commit"], doc["device"]
 print(f"# {device}; commit {commit}")
-print("# target fe  x/y via   rows/s      p99 us  kernel rows/s  fraction  met")
+print("# target fe@gil_us x/y via   rows/s      p99 us  kernel rows/s  fraction  met")
 for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
     rps = t.get("rows_per_s", t.get("service_rows_per_s", 0.0))
-    print(f"# {target:6} {fe:2}  {region:7} {rps:>10,.0f} {t['p99_us']:>10,.0f}"
+    print(f"# {target:6} {fe:9}  {region:7} {rps:>10,.0f} {t['p99_us']:>10,.0f}"
           f" {t.get('kernel_rows_per_s', 0):>13,.0f} {t.get('fraction', 0):>9.2f}"
           f"  {'yes' if t['met'] else 'no'}")
 EOF

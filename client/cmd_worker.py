@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 
 from .cli_target import EXIT_FAILED, UsageError, port_arg
 
@@ -141,6 +142,24 @@ def check_free(host: str, port: int | None, what: str) -> None:
                 raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def _gil_switch_interval(env: Mapping[str, str]) -> None:
+    """Q6SERVE_GIL_SWITCH_US: the interpreter's switch interval of the worker process (the
+    device process with --frontends), in microseconds. Its device thread waits for the GIL
+    behind a busy event loop for up to this long (Python's default: 5000 us; measured in
+    bench/RESULTS.md, issue 15)."""
+    raw = env.get("Q6SERVE_GIL_SWITCH_US", "").strip()
+    if not raw:
+        return
+    try:
+        us = float(raw)
+        if not 1 <= us <= 1_000_000:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"Q6SERVE_GIL_SWITCH_US={raw!r}: give microseconds, 1..1000000") \
+            from None
+    sys.setswitchinterval(us * 1e-6)
+
+
 class PortInUse(Exception):
     """The worker cannot listen where it was told to."""
 
@@ -153,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
+        _gil_switch_interval(os.environ)
         check_free(config.host, config.port, "--port")
         if config.metrics_port is not None:
             check_free(config.metrics_host or config.host, config.metrics_port,
