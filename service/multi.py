@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import FormatError, InvalidArgument, Q6Error
@@ -33,7 +33,9 @@ MAX_REQUEST_WEIGHTS = 16  # weights of one multi-weight request
 class MatmulEngine(Protocol):
     def get(self, name: str) -> WeightView: ...
 
-    def start_matmul(self, call: MatmulCall) -> asyncio.Future[MatmulReply]: ...
+    def start_matmul(self, call: MatmulCall,
+                     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
+                     ) -> asyncio.Future[MatmulReply]: ...
 
     def grouped(self) -> contextlib.AbstractContextManager[None]: ...
 
@@ -63,10 +65,13 @@ def _named(i: int, name: str, e: Q6Error) -> Q6Error:
 
 
 def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
+                         sink: Callable[[asyncio.Future[Any]], None] | None = None,
                          ) -> asyncio.Future[list[tuple[str, MatmulReply]]]:
     """Check and queue every part of ``call`` (a multi-weight call: ``call.weights``) now; the
     future resolves with (weight, reply) per weight, in order. A refusal raises here (nothing
-    stays queued); cancelling the future drops the parts that have not run yet."""
+    stays queued); cancelling the future drops the parts that have not run yet. ``sink(fut)``
+    is called right after the future is resolved, in the loop trip that resolves its last part
+    (as ``Engine.start_matmul``'s sink; not when the future is cancelled from outside)."""
     names = check_weights(call.weights)
     k = int(call.x.shape[1]) if call.x.ndim == 2 else -1
     for i, name in enumerate(names):  # every weight checked before any part is queued
@@ -78,25 +83,17 @@ def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
                 check_k(call.topk, w.rows, weight=name)
         except Q6Error as e:
             raise _named(i, name, e) from None
-    parts: list[asyncio.Future[MatmulReply]] = []
-    try:
-        with engine.grouped():
-            for i, name in enumerate(names):
-                try:
-                    parts.append(engine.start_matmul(dataclasses.replace(call, weight=name,
-                                                                         weights=())))
-                except Q6Error as e:
-                    raise _named(i, name, e) from None
-    except BaseException:
-        for f in parts:
-            f.cancel()
-        raise
     whole: asyncio.Future[list[tuple[str, MatmulReply]]] = (
         asyncio.get_running_loop().create_future())
-    left = [len(parts)]
+    parts: list[asyncio.Future[MatmulReply]] = []
+    settled: set[int] = set()
 
     def part_done(i: int, f: asyncio.Future[MatmulReply]) -> None:
-        left[0] -= 1
+        """Each part's sink (the trip that resolves it) and its done callback (a trip later,
+        also for cancellations): the first call of each part counts."""
+        if i in settled:
+            return
+        settled.add(i)
         if whole.done():
             return
         exc = None if f.cancelled() else f.exception()
@@ -105,11 +102,28 @@ def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
                 g.cancel()
             if exc is None:
                 whole.cancel()
-            else:
-                whole.set_exception(_named(i, names[i], exc) if isinstance(exc, Q6Error)
-                                    else exc)
-        elif left[0] == 0:
+                return
+            whole.set_exception(_named(i, names[i], exc) if isinstance(exc, Q6Error) else exc)
+        elif len(settled) == len(names):
             whole.set_result([(n, g.result()) for n, g in zip(names, parts, strict=True)])
+        else:
+            return
+        if sink is not None:
+            sink(whole)
+
+    try:
+        with engine.grouped():
+            for i, name in enumerate(names):
+                try:
+                    parts.append(engine.start_matmul(
+                        dataclasses.replace(call, weight=name, weights=()),
+                        functools.partial(part_done, i)))
+                except Q6Error as e:
+                    raise _named(i, name, e) from None
+    except BaseException:
+        for f in parts:
+            f.cancel()
+        raise
 
     def whole_done(f: asyncio.Future[list[tuple[str, MatmulReply]]]) -> None:
         if f.cancelled():  # the caller went away: drop the parts not run yet

@@ -188,9 +188,9 @@ class Q6ServeServicer:
         """Queue a decoded request: its weight's part, or every part of a multi-weight
         request (service/multi.py; a front end's engine proxy leaves that to the device
         process); the future's result is what wire.Replies encodes.
-        ``sink``: see ``Engine.start_matmul`` (single-weight requests)."""
+        ``sink``: see ``Engine.start_matmul`` (and ``multi.start_matmul_weights``)."""
         if call.weights and not getattr(self.engine, "takes_multi_weight", False):
-            return start_matmul_weights(self.engine, call)
+            return start_matmul_weights(self.engine, call, sink)
         return self.engine.start_matmul(call, sink)
 
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
