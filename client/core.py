@@ -525,6 +525,12 @@ def unregister_region_call(name: str) -> Call[RegionInfo]:
     return Call("UnregisterRegion", pb.UnregisterRegionRequest(name=name), _region)
 
 
+def open_lane_call(region: str) -> Call[tuple[str, bytes]]:
+    """OpenLane: the lane socket's path and the one-time ticket (client/lane.py)."""
+    return Call("OpenLane", pb.OpenLaneRequest(region=region),
+                lambda r: (r.socket_path, bytes(r.ticket)))
+
+
 def list_regions_call() -> Call[list[RegionInfo]]:
     return Call("ListRegions", pb.ListRegionsRequest(),
                 lambda r: [RegionInfo.from_pb(x) for x in r.regions])

@@ -553,7 +553,7 @@ async def _dev_region(w: FrontendsWorker, op: str, *a: Any) -> Any:
         reply, took = await w.plane.matmul(owner, io, wire.parse_matmul_request(req_bytes),
                                            timeout, t0)
         return reply, took
-    if op not in ("register", "unregister", "list"):
+    if op not in ("register", "unregister", "list", "open_lane"):
         raise InvalidArgument(f"unknown region call {op!r}")
     return await getattr(w.plane, op)(*a)
 
@@ -761,6 +761,9 @@ class _PlaneProxy:
 
     async def list(self, owner: str) -> Any:
         return await self.link.call("region", "list", owner)
+
+    async def open_lane(self, owner: str, region: str) -> Any:
+        return await self.link.call("region", "open_lane", owner, region)  # lanes: device side
 
     async def matmul(self, owner: str, io: Any, req: Any, timeout: float | None,
                      t0: float) -> Any:

@@ -239,6 +239,7 @@ class RegionTable:
         self.cuda = cuda
         self._regions: dict[str, Region] = {}
         self._mapped = 0  # bytes of every region still mapped (removed ones in use included)
+        self.on_close: list[Callable[[], None]] = []  # run by close() first (lane.py)
         self._closing: list[Region] = []  # removed, waiting for their users to finish
 
     def _check_allowed(self) -> None:
@@ -335,6 +336,10 @@ class RegionTable:
 
     def close(self) -> None:
         """Drain: close every region (requests are over by now)."""
+        for fn in self.on_close:
+            with contextlib.suppress(Exception):
+                fn()
+        self.on_close.clear()
         for region in [*self._regions.values(), *self._closing]:
             with contextlib.suppress(Exception):
                 self._release(region)

@@ -19,7 +19,7 @@ import grpc
 from q6serve.kernels.epilogue import MAX_K
 from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
-from . import regions, wire
+from . import lane, regions, wire
 from .admission import StreamBudget
 from .auth import TokenAuth
 from .engine import Engine, MatmulCall
@@ -101,6 +101,7 @@ class RegionPlane:
     def __init__(self, table: RegionTable, engine: Any) -> None:
         self.table = table
         self.engine = engine
+        self.lanes: lane.LaneServer | None = None  # started by the first OpenLane
 
     async def register(self, owner: str, name: str, src: Any) -> Any:
         if not self.engine.serving:
@@ -112,6 +113,14 @@ class RegionPlane:
 
     async def list(self, owner: str) -> Any:
         return self.table.list(owner)
+
+    async def open_lane(self, owner: str, region: str) -> tuple[str, bytes]:
+        """OpenLane (service/lane.py): the lane socket's path and a one-time ticket."""
+        if not self.engine.serving:
+            raise Unavailable("the worker is draining and opens no lanes")
+        self.lanes, path, ticket = await lane.open_lane(self.lanes, self.table, self.engine,
+                                                        owner, region)
+        return path, ticket
 
     async def matmul(self, owner: str, io: RegionIO, req: Any, timeout: float | None,
                      t0: float) -> tuple[Any, wire.Took]:
@@ -366,3 +375,7 @@ class Q6ServeServicer:
 
     async def ListRegions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return wire.list_regions_response(await self.plane.list(self._caller(context)))
+
+    async def OpenLane(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return wire.open_lane_response(
+            *await self.plane.open_lane(self._caller(context), request.region))

@@ -317,6 +317,22 @@ def region_io(req: pb.MatmulRequest) -> RegionIO | None:
     return RegionIO(x_ref, x_dtype, x_shape, y_ref)
 
 
+def lane_dtype(v: int, what: str, default_f32: bool = False) -> np.dtype:
+    """A fast-lane record's DType number (service/lane.py) as a dtype."""
+    if v == pb.DTYPE_UNSPECIFIED and not default_f32:
+        raise InvalidArgument(f"lane request: {what} is unspecified")
+    return np.dtype(DTYPES[_enum(_DTYPE_FROM_PB, v, f"lane request {what}")])
+
+
+def lane_precision(v: int) -> Precision:
+    """A fast-lane record's Precision number."""
+    return _enum(_PREC_FROM_PB, v, "lane request precision")
+
+
+def open_lane_response(path: str, ticket: bytes) -> pb.OpenLaneResponse:
+    return pb.OpenLaneResponse(socket_path=path, ticket=ticket)
+
+
 def parse_matmul_request(data: bytes) -> pb.MatmulRequest:
     """A MatmulRequest a front-end process forwarded (service/frontends.py)."""
     return pb.MatmulRequest.FromString(data)

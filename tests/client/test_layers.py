@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARY = ("core", "client", "async_client", "sharded", "channel", "retry", "targets", "shm")
+LIBRARY = ("core", "client", "async_client", "sharded", "channel", "retry", "targets", "shm",
+           "lane")
 
 
 def imports(path: Path) -> set[str]:

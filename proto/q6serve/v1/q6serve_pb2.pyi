@@ -451,6 +451,20 @@ class RegionRef(_message.Message):
     offset: int
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class OpenLaneRequest(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    def __init__(self, region: _Optional[str] = ...) -> None: ...
+
+class OpenLaneResponse(_message.Message):
+    __slots__ = ("socket_path", "ticket")
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    socket_path: str
+    ticket: bytes
+    def __init__(self, socket_path: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class TopKEpilogue(_message.Message):
     __slots__ = ("k",)
     K_FIELD_NUMBER: _ClassVar[int]

@@ -96,6 +96,11 @@ class Q6ServeStub:
                 request_serializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.SerializeToString,
                 response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.FromString,
                 _registered_method=True)
+        self.OpenLane = channel.unary_unary(
+                '/q6serve.v1.Q6Serve/OpenLane',
+                request_serializer=q6serve_dot_v1_dot_q6serve__pb2.OpenLaneRequest.SerializeToString,
+                response_deserializer=q6serve_dot_v1_dot_q6serve__pb2.OpenLaneResponse.FromString,
+                _registered_method=True)
 
 
 class Q6ServeServicer:
@@ -199,6 +204,15 @@ class Q6ServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLane(self, request, context):
+        """-- Fast lane (data plane, issue 15 item 3; "Fast lane" section at the end) ---------------
+        Open a lane: Matmuls whose x and y live in one of the caller's regions, sent over a Unix
+        socket of the worker without gRPC (this RPC sets it up; errors come back on the lane).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Q6ServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +275,11 @@ def add_Q6ServeServicer_to_server(servicer, server):
                     servicer.ListRegions,
                     request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.FromString,
                     response_serializer=q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.SerializeToString,
+            ),
+            'OpenLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLane,
+                    request_deserializer=q6serve_dot_v1_dot_q6serve__pb2.OpenLaneRequest.FromString,
+                    response_serializer=q6serve_dot_v1_dot_q6serve__pb2.OpenLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -589,6 +608,33 @@ class Q6Serve:
             '/q6serve.v1.Q6Serve/ListRegions',
             q6serve_dot_v1_dot_q6serve__pb2.ListRegionsRequest.SerializeToString,
             q6serve_dot_v1_dot_q6serve__pb2.ListRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/q6serve.v1.Q6Serve/OpenLane',
+            q6serve_dot_v1_dot_q6serve__pb2.OpenLaneRequest.SerializeToString,
+            q6serve_dot_v1_dot_q6serve__pb2.OpenLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,174 @@
+"""The fast lane (issue 15 item 3): Matmuls of a co-located caller without RPCs.
+
+After ``OpenLane`` (gRPC: identity, region ownership, the one-time ticket), the caller talks to
+this worker over a Unix stream socket in fixed little-endian records (the byte layouts are in
+the .proto's "Fast lane" section): a 40-byte request naming the weight and where x and y lie in
+the caller's region, and a 56-byte reply with status and timing; x and y never travel, and the
+socket is the wake-up (one write and one read per direction). Each request runs exactly as a
+Matmul naming x_region/y_region (``regions.matmul``: the same checks, the batcher, CUDA regions
+on the device), so lane requests batch with everyone else's.
+
+One ``LaneServer`` per worker (the device process with --frontends), started by the first
+OpenLane, closed with the region table (drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import secrets
+import shutil
+import socket
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
+
+from . import regions, wire
+from .engine import MatmulCall
+from .regions import RegionIO, RegionRef, RegionTable
+
+log = logging.getLogger("q6serve.lane")
+
+REQUEST = struct.Struct("<QIIQQBBBBHH")  # seq n k x_off y_off x_dt out_dt prec 0 name_len 0
+REPLY = struct.Struct("<QIIIIIIddd")  # seq code msg_len y_cols rows reqs 0 queue kernel device
+TICKET_BYTES = 32
+TICKET_TTL_S = 60.0
+MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
+MAX_NAME_BYTES = 1024
+ACCEPTED = b"\x00"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    owner: str
+    region: str
+    expires: float
+
+
+class LaneServer:
+    def __init__(self, table: RegionTable, engine: Any) -> None:
+        self.table, self.engine = table, engine
+        self._dir = tempfile.mkdtemp(prefix="q6serve-lane-")  # 0700: this user only
+        self.path = os.path.join(self._dir, "lane.sock")
+        self._tickets: dict[bytes, Ticket] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._lanes: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        self.table.on_close.append(self.close)
+        log.info("fast lane socket %s", self.path)
+
+    def ticket(self, owner: str, region: str) -> bytes:
+        now = time.monotonic()
+        for t in [t for t, v in self._tickets.items() if v.expires < now]:
+            del self._tickets[t]  # unused tickets expire (bounded by the RPC rate x 60 s)
+        t = secrets.token_bytes(TICKET_BYTES)
+        self._tickets[t] = Ticket(owner, region, now + TICKET_TTL_S)
+        return t
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._lanes):
+            w.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._lanes.add(writer)
+        try:
+            sock = writer.get_extra_info("socket")
+            uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      12))[1]
+            t = self._tickets.pop(await reader.readexactly(TICKET_BYTES), None)
+            if uid != os.getuid() or t is None or t.expires < time.monotonic():
+                log.warning("refused a lane connection (uid %d, %s ticket)", uid,
+                            "no valid" if t is None else "an expired")
+                return
+            writer.write(ACCEPTED)
+            await self._requests(reader, writer, t)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the caller closed its lane
+        except InvalidArgument as e:
+            log.warning("closed a lane after a malformed record: %s", e)
+        finally:
+            self._lanes.discard(writer)
+            writer.close()
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        t: Ticket) -> None:
+        room = asyncio.Semaphore(MAX_PIPELINED)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                head = REQUEST.unpack(await reader.readexactly(REQUEST.size))
+                seq, n, k, x_off, y_off, x_dt, out_dt, prec, _, name_len, _ = head
+                if name_len > MAX_NAME_BYTES:
+                    raise InvalidArgument(f"lane request names a weight of {name_len} bytes")
+                name = (await reader.readexactly(name_len)).decode("utf-8", "replace")
+                await room.acquire()
+                task = asyncio.get_running_loop().create_task(
+                    self._one(writer, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda _: room.release())
+        finally:
+            if tasks:  # the caller hung up: let its requests finish (their slots, regions)
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, writer: asyncio.StreamWriter, t: Ticket, seq: int, name: str, n: int,
+                   k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
+        try:
+            io = RegionIO(RegionRef(t.region, x_off), wire.lane_dtype(x_dt, "x_dtype"), (n, k),
+                          RegionRef(t.region, y_off))
+            out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)
+            precision = wire.lane_precision(prec)
+
+            def make_call(x: Any) -> MatmulCall:
+                return MatmulCall(name, x, precision, out)
+
+            if not self.engine.serving:
+                raise Unavailable("the worker is draining and takes no new requests")
+            r = await regions.matmul(self.table, self.engine, t.owner, io, make_call)
+            rec = REPLY.pack(seq, 0, 0, int(r.y.shape[1]), r.batch_rows, r.batch_requests, 0,
+                             r.queue_seconds, _nan(r.kernel_seconds), _nan(r.device_seconds))
+        except Exception as e:
+            code, msg = _status(e)
+            data = msg.encode()[:65536]
+            rec = REPLY.pack(seq, code, len(data), 0, 0, 0, 0, math.nan, math.nan,
+                             math.nan) + data
+        if not writer.is_closing():
+            writer.write(rec)
+
+
+def _nan(v: float | None) -> float:
+    return math.nan if v is None else v
+
+
+def _status(e: Exception) -> tuple[int, str]:
+    from .interceptor import status_code
+
+    if isinstance(e, Q6Error):
+        return int(status_code(e).value[0]), str(e)
+    log.error("lane request failed", exc_info=e)
+    return 13, "internal error (logged by the worker)"  # INTERNAL
+
+
+async def open_lane(server: LaneServer | None, table: RegionTable, engine: Any, owner: str,
+                    region: str) -> tuple[LaneServer, str, bytes]:
+    """OpenLane: check the region is the caller's, start the server on first use; return
+    (server, socket path, ticket)."""
+    with table.use(owner, RegionRef(region, 0)):  # allowed, known, owned (or the error)
+        pass
+    if server is None:
+        server = LaneServer(table, engine)
+        await server.start()
+    return server, server.path, server.ticket(owner, region)
+
