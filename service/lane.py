@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
+from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted, Unavailable
 
 from . import regions, wire
 from .engine import MatmulCall
@@ -66,9 +66,15 @@ class LaneServer:
         log.info("fast lane socket %s", self.path)
 
     def ticket(self, owner: str, region: str) -> bytes:
+        """A one-time ticket; lanes open or promised are at most --max-regions (each holds at
+        most MAX_PIPELINED requests: what lanes add to the worker's load stays bounded)."""
         now = time.monotonic()
         for t in [t for t, v in self._tickets.items() if v.expires < now]:
-            del self._tickets[t]  # unused tickets expire (bounded by the RPC rate x 60 s)
+            del self._tickets[t]  # unused tickets expire
+        if len(self._lanes) + len(self._tickets) >= self.table.max_regions:
+            raise ResourceExhausted(f"{len(self._lanes)} lanes open and {len(self._tickets)} "
+                                    f"tickets unused: at most {self.table.max_regions} "
+                                    "(--max-regions); close a lane first")
         t = secrets.token_bytes(TICKET_BYTES)
         self._tickets[t] = Ticket(owner, region, now + TICKET_TTL_S)
         return t

@@ -97,6 +97,14 @@ def test_lane_refusals(worker: Any, rng: np.random.Generator) -> None:
             # the region unregistered under the lane: NOT_FOUND on the lane
             admin.unregister_region("mine")
             assert code_of(lambda: again.matmul("w", x))[0] == C.NOT_FOUND
+    few = RunningWorker(dataclasses.replace(BASE, max_regions=2))
+    try:
+        c = few.client()
+        with c.register_shm("r", 8192) as r, c.open_lane(r), c.open_lane(r):
+            code, msg = code_of(lambda: c.open_lane(r))
+            assert code == C.RESOURCE_EXHAUSTED and "--max-regions" in msg
+    finally:
+        few.stop()
     off = RunningWorker(dataclasses.replace(BASE, allow_shm=False))
     try:
         c = off.client()
