@@ -180,8 +180,10 @@ def stream_result(r: Replies, request_id: str,
 
 # -- replies serialized here, y spliced in from the backend's buffer ---------------------------
 # A Matmul / MatmulStream reply is written as the protobuf wire bytes of the message without
-# y's data, followed by y's data as one more occurrence of the enclosing message fields (a
-# parser merges repeated occurrences of a singular message field: proto3 encoding spec). y is
+# y, followed by y's Tensor record written here: its dtype and shape, then the data field's tag
+# and length, then the data. y occurs once: the spec says parsers merge repeated occurrences of
+# a singular message field, but protobuf.js (@grpc/proto-loader) keeps only the last one, so a
+# split y reached Node clients without its shape (tests/protocol caught it). y is
 # then copied once, by the final join, straight from the batch's output array: no tobytes(),
 # no copy into upb and none by upb's serializer (64 x 18944 f32: SerializeToString alone took
 # 2.7 ms on the 2-core VM, the join 0.8 ms; 8 x 18944: 284 vs 14 us). Below SPLICE_MIN_BYTES
@@ -214,12 +216,15 @@ def _size(pieces: Pieces) -> int:
     return sum(len(p) for p in pieces)
 
 
-def _y_data(field: int, y: np.ndarray) -> Pieces:
-    """The ``field`` (a Tensor) holding only ``data`` = y's bytes, viewed, not copied."""
+def _y_record(field: int, m: Any, y: np.ndarray) -> Pieces:
+    """``m``'s y (a Tensor in ``field`` whose dtype and shape are set) as one whole record with
+    y's bytes as its data, viewed, not copied; ``m``'s own y is cleared."""
+    head = m.y.SerializeToString()
+    m.ClearField("y")
     le = np.ascontiguousarray(y).astype(y.dtype.newbyteorder("<"), copy=False)
     data = memoryview(le.reshape(-1).view(np.uint8))
     inner = _record(_F_TENSOR_DATA, len(data))
-    return [_record(field, len(inner) + len(data)), inner, data]
+    return [_record(field, len(head) + len(inner) + len(data)), head, inner, data]
 
 
 def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
@@ -229,14 +234,13 @@ def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
     if isinstance(r, MatmulReply):
         _fill_result(resp, r, y_bytes=False)  # dtype and shape; topk in full
         if r.topk is None:
-            tail = _y_data(_F_RESP_Y, r.y)
+            tail = _y_record(_F_RESP_Y, resp, r.y)
     else:  # one WeightOutput record per weight, in order, each with its own y spliced in
         for name, part in r:
             out = pb.WeightOutput(weight=name)
             _fill_result(out, part, y_bytes=False)
-            body: Pieces = [out.SerializeToString()]
-            if part.topk is None:
-                body += _y_data(_F_OUT_Y, part.y)
+            y_rec = [] if part.topk is not None else _y_record(_F_OUT_Y, out, part.y)
+            body: Pieces = [out.SerializeToString(), *y_rec]
             tail += [_record(_F_RESP_OUTPUTS, _size(body)), *body]
     if took is not None:  # last, so handler time includes encoding all but y's copy
         resp.timing.decode_seconds = took.decoded - took.start

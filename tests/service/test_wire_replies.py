@@ -109,3 +109,57 @@ def test_spliced_replies_over_grpc(worker) -> None:  # type: ignore[no-untyped-d
     assert [o.weight for o in got.outputs] == ["b", "a"]
     assert_close(decode_tensor(got.outputs[0].y), reference(blocks["b"], rows, k, x))
     assert_close(decode_tensor(got.outputs[1].y), want)
+
+
+def _fields(buf: bytes) -> list[tuple[int, bytes | int]]:
+    """Top-level (field number, value) records of protobuf wire bytes, in order."""
+    out: list[tuple[int, bytes | int]] = []
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = n = 0
+        while True:
+            b = buf[i]
+            i += 1
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return n
+
+    while i < len(buf):
+        key = varint()
+        field, kind = key >> 3, key & 7
+        if kind == 0:
+            out.append((field, varint()))
+        elif kind == 2:
+            size = varint()
+            out.append((field, buf[i:i + size]))
+            i += size
+        elif kind == 5:
+            out.append((field, buf[i:i + 4]))
+            i += 4
+        else:
+            assert kind == 1, kind
+            out.append((field, buf[i:i + 8]))
+            i += 8
+    return out
+
+
+def test_y_is_one_whole_record_for_last_wins_parsers() -> None:
+    """protobuf.js keeps the last occurrence of a singular message field instead of merging
+    them: y (and each output's y) must be one record holding dtype, shape and data."""
+    y_num = pb.MatmulResponse.DESCRIPTOR.fields_by_name["y"].number
+    out_num = pb.MatmulResponse.DESCRIPTOR.fields_by_name["outputs"].number
+    out_y = pb.WeightOutput.DESCRIPTOR.fields_by_name["y"].number
+    r = _reply(5, 300, np.dtype(np.float32))
+    ys = [v for f, v in _fields(_ser(wire.matmul_reply(r, "a"))) if f == y_num]
+    assert len(ys) == 1
+    t = pb.Tensor.FromString(ys[0])  # the record alone is the whole tensor
+    assert list(t.shape) == [5, 300] and t.data == np.ascontiguousarray(r.y).tobytes()
+    multi = [("q", r), ("k", _reply(5, 40, np.dtype(np.float16), seed=1))]
+    outs = [v for f, v in _fields(_ser(wire.matmul_reply(multi, "b"))) if f == out_num]
+    assert len(outs) == 2
+    for (_name, part), rec in zip(multi, outs, strict=True):
+        ys = [v for f, v in _fields(rec) if f == out_y]
+        assert len(ys) == 1 and list(pb.Tensor.FromString(ys[0]).shape) == list(part.y.shape)
