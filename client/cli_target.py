@@ -36,14 +36,16 @@ def target_arg(text: str) -> str:
 
 
 def port_arg(text: str) -> int:
-    """A TCP port: 0..65535 (0 picks a free one)."""
+    """A TCP port: 0..65535 (0 picks a free one); the rule is WorkerConfig's."""
+    from q6serve.kernels.errors import InvalidArgument
+    from q6serve.service.config_limits import check_port
+
     try:
         port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
+        check_port(port, "")
+    except (ValueError, InvalidArgument):
         raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 0..65535 (0 = a free "
-                                         "port)")
+                                         "port)") from None
     return port
 
 

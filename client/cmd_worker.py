@@ -11,6 +11,8 @@ import socket
 import sys
 from collections.abc import Mapping
 
+from q6serve.service import config_limits as lim
+
 from .cli_target import EXIT_FAILED, UsageError, port_arg
 
 EXAMPLE = """example:
@@ -20,6 +22,17 @@ EXAMPLE = """example:
 environment: Q6SERVE_Q6K_SOA, Q6SERVE_DECODE_MMQ, Q6SERVE_DYNAMIC_BATCHING (0/1, default 1);
   Q6SERVE_TOKEN[_FILE], Q6SERVE_ADMIN_TOKEN[_FILE] (bearer tokens; admin: load/unload/flags);
   Q6SERVE_TLS_CERT, Q6SERVE_TLS_KEY, Q6SERVE_TLS_CLIENT_CA (TLS; client CA = mutual TLS)."""
+
+
+def size_arg(text: str) -> int:
+    """Bytes: 64MiB, 1G, 1048576 (service/config_limits.py)."""
+    from q6serve.kernels.errors import InvalidArgument
+
+    try:
+        return lim.parse_size(text, "")
+    except InvalidArgument:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes >= 1 (64MiB, "
+                                         "1G, 1048576)") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,11 +54,35 @@ def register(sub: argparse._SubParsersAction) -> None:
       help="longest wait for more rows while the device is busy (default 200; 0 = never)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
-    a("--max-message-bytes", type=int, help="gRPC message size limit, both ways (default 256MiB)")
+    sz = lim.show_size
+    a("--max-message-bytes", type=size_arg,
+      help=f"gRPC message size limit, both ways (default {sz(lim.MAX_MESSAGE_BYTES)})")
     a("--max-concurrent-streams", type=int,
-      help="HTTP/2 streams per connection (default 65536; unary calls beyond 512 in the "
-           "worker wait in its admission queue)")
-    a("--max-upload-bytes", type=int, help="largest UploadWeight payload (default 8GiB)")
+      help=f"HTTP/2 streams per connection (default {lim.MAX_CONCURRENT_STREAMS}; unary calls "
+           "beyond --max-inflight-rpcs wait in the worker's admission queue)")
+    a("--max-inflight-rpcs", type=int,
+      help=f"unary calls read and running at once, replies not yet written (default "
+           f"{lim.MAX_INFLIGHT_RPCS}); more wait, before their request is read")
+    a("--max-inflight-rpcs-per-connection", type=int,
+      help="most of those one connection holds; its fair share is --max-inflight-rpcs / "
+           f"active connections within [min, max] (default {lim.MAX_INFLIGHT_RPCS_PER_CONNECTION})")
+    a("--min-inflight-rpcs-per-connection", type=int,
+      help="the fair share never drops below this many places per connection (default "
+           f"{lim.MIN_INFLIGHT_RPCS_PER_CONNECTION})")
+    a("--max-stream-bytes", type=size_arg,
+      help="MatmulStream: bytes of requests admitted and replies not yet written, per stream "
+           f"(default {sz(lim.MAX_STREAM_BYTES)})")
+    a("--max-stream-bytes-per-connection", type=size_arg,
+      help=f"the same for all streams of one connection (default "
+           f"{sz(lim.MAX_STREAM_BYTES_PER_CONNECTION)})")
+    a("--max-stream-bytes-total", type=size_arg,
+      help=f"the same for all streams of the worker (default {sz(lim.MAX_STREAM_BYTES_TOTAL)})")
+    a("--max-upload-bytes", type=size_arg,
+      help=f"largest UploadWeight payload (default {sz(lim.MAX_UPLOAD_BYTES)})")
+    a("--max-weights", type=int,
+      help=f"resident weights (default {lim.MAX_WEIGHTS}); more are RESOURCE_EXHAUSTED. Each "
+           "holds ~2 KiB of host memory outside --vram-budget, +4 KiB while it has a batcher "
+           "(GetStatus host_overhead_bytes)")
     a("--grace-period", dest="grace_period_s", type=float,
       help="seconds to drain in-flight work on SIGTERM (default 10)")
     a("--devices", metavar="I,J,...",
@@ -75,7 +112,10 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
                "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
-               "max_region_bytes", "frontends", "frontend_shm_bytes")
+               "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",
+               "max_inflight_rpcs", "max_inflight_rpcs_per_connection",
+               "min_inflight_rpcs_per_connection", "max_stream_bytes",
+               "max_stream_bytes_per_connection", "max_stream_bytes_total")
 
 
 class _ListeningFirst(logging.Handler):

@@ -8,10 +8,13 @@ holds is bounded by HTTP/2 flow control (its unread bytes stay in the transport 
 and keeps its place until its reply has been *written*, so at most ``limit`` requests and
 their replies are in the worker at once, however slowly callers read.
 
-Places are shared round-robin between connections (the key: gRPC's peer address), and one
-connection holds at most ``per_key`` of them: a caller that stops reading its replies stalls
-its own connection only. Streaming RPCs (MatmulStream, UploadWeight) are not counted: a
-stream lives long and bounds itself (its window; uploads are accounted as they arrive).
+Places are shared fairly between connections (the key: gRPC's peer address): round robin,
+and each connection holds at most its share, ``min(per_key, max(floor, limit // active
+connections))``, so a new connection gets places as soon as the others free any, until it
+has as many as each of them; a caller that stops reading its replies stalls its own
+connection, and holds at most its share. Streaming RPCs (MatmulStream, UploadWeight) are not
+counted: a stream lives long and bounds itself (its window; uploads are accounted as they
+arrive).
 """
 
 from __future__ import annotations
@@ -21,33 +24,56 @@ import collections
 
 
 class Admission:
-    """Counting gate with a per-key cap, FIFO within a key, round-robin across keys."""
+    """Counting gate shared fairly between keys (connections): FIFO within a key, round robin
+    across keys, and a key holds at most its *share* of the places,
+    ``min(per_key, max(floor, limit // active))`` where ``active`` counts the keys holding or
+    waiting for a place. The share shrinks as connections arrive, so a newcomer finds the
+    others above it: every place they free goes to connections below their share (the
+    newcomer first) until it has as many as each of them; it grows back as they leave."""
 
-    def __init__(self, limit: int, per_key: int) -> None:
+    def __init__(self, limit: int, per_key: int, floor: int = 1) -> None:
         self.limit = limit
         self.per_key = max(1, min(per_key, limit))
+        self.floor = max(1, min(floor, self.per_key))
         self.running = 0
         self._held: dict[str, int] = {}
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._ready: collections.deque[str] = collections.deque()  # keys that may go next
+        self._active = 0  # keys in _held or _waiting
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def active(self) -> int:
+        """Keys (connections) holding or waiting for a place."""
+        return self._active
+
+    def share(self, active: int | None = None) -> int:
+        """Places one key may hold now (with ``active`` keys: default, the current count)."""
+        n = max(1, self._active if active is None else active)
+        return min(self.per_key, max(self.floor, self.limit // n))
+
+    def _known(self, key: str) -> bool:
+        return key in self._held or key in self._waiting
 
     def _take(self, key: str) -> None:
         self.running += 1
         self._held[key] = self._held.get(key, 0) + 1
 
     async def enter(self, key: str) -> None:
+        new = not self._known(key)
         if (self.running < self.limit and not self._ready and key not in self._waiting
-                and self._held.get(key, 0) < self.per_key):
+                and self._held.get(key, 0) < self.share(self._active + new)):
+            self._active += new
             self._take(key)
             return
         fut = asyncio.get_running_loop().create_future()
+        self._active += new
         q = self._waiting.setdefault(key, collections.deque())
         q.append(fut)
-        if len(q) == 1 and self._held.get(key, 0) < self.per_key:
+        if len(q) == 1 and self._held.get(key, 0) < self.share():
             self._ready.append(key)
         self._dispatch()
         try:
@@ -69,6 +95,9 @@ class Admission:
             del self._waiting[key]
             if key in self._ready:
                 self._ready.remove(key)
+            if key not in self._held:
+                self._active -= 1
+                self._dispatch()  # one key fewer: the others' shares may have grown
 
     def leave(self, key: str) -> None:
         self.running -= 1
@@ -77,26 +106,41 @@ class Admission:
             self._held[key] = held
         else:
             del self._held[key]
-        if key in self._waiting and held < self.per_key and key not in self._ready:
+            if key not in self._waiting:
+                self._active -= 1
+        if key in self._waiting and held < self.share() and key not in self._ready:
             self._ready.append(key)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while self.running < self.limit and self._ready:
+        while self.running < self.limit:
+            if not self._ready and not self._refill():
+                return
             key = self._ready.popleft()
             q = self._waiting[key]
             while q and q[0].done():  # cancelled while waiting
                 q.popleft()
             if not q:
                 del self._waiting[key]
+                if key not in self._held:
+                    self._active -= 1
                 continue
+            if self._held.get(key, 0) >= self.share():
+                continue  # its share shrank since it queued: back when it is below it
             fut = q.popleft()
             self._take(key)
             fut.set_result(None)
             if not q:
                 del self._waiting[key]
-            elif self._held[key] < self.per_key:
+            elif self._held[key] < self.share():
                 self._ready.append(key)  # round robin: behind the other connections
+
+    def _refill(self) -> bool:
+        """Places are free and no key is ready: queue the waiting keys below their share
+        (shares grow when keys go away). O(waiting keys), only when places would idle."""
+        share = self.share()
+        self._ready.extend(k for k in self._waiting if self._held.get(k, 0) < share)
+        return bool(self._ready)
 
 
 class StreamBudget:

@@ -7,19 +7,16 @@ redacted when the configuration is logged at start.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from q6serve.kernels.errors import InvalidArgument
 
+from . import config_limits as lim
 from .flags import FlagState
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 DEFAULT_FRACTION = 0.9  # of the device memory free at start, when no budget is given
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class Budget:
         """``"0.9"`` (fraction of free memory), ``"8GiB"``, ``"500M"`` or ``"1048576"`` bytes."""
         if text is None or text == "":
             return cls(fraction=DEFAULT_FRACTION)
-        m = _SIZE.match(text)
+        m = lim.SIZE.match(text)
         if not m:
             raise InvalidArgument(f"--vram-budget {text!r}: use bytes (8GiB, 500M, 123456) "
                                   "or a fraction of free memory in (0, 1]")
@@ -44,7 +41,7 @@ class Budget:
             if not 0.0 < value <= 1.0:
                 raise InvalidArgument(f"--vram-budget fraction {value} is not in (0, 1]")
             return cls(fraction=value)
-        return cls(nbytes=int(value * _UNITS[unit]))
+        return cls(nbytes=int(value * lim.UNITS[unit]))
 
     def resolve(self, device_free: int) -> int:
         if self.nbytes is not None:
@@ -71,15 +68,19 @@ class WorkerConfig:
     max_batch_delay_us: int = 200
     max_request_rows: int = 256  # N limit of one request
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
-    max_message_bytes: int = 256 * 2**20
-    max_concurrent_streams: int = 1 << 16  # HTTP/2 streams per connection
-    max_inflight_rpcs: int = 512  # unary RPCs in the worker (reply not yet sent); more wait
-    max_inflight_rpcs_per_connection: int = 64  # of those, per client connection
-    max_upload_bytes: int = 8 * 2**30
-    # MatmulStream: bytes of requests admitted and replies not yet written, per stream
-    max_stream_bytes: int = 64 * 2**20
-    max_stream_bytes_per_connection: int = 256 * 2**20  # all its streams together
-    max_stream_bytes_total: int = 1 * 2**30  # all streams of the worker together
+    # limits: defaults and meanings in service/config_limits.py (the CLI's --help too)
+    max_message_bytes: int = lim.MAX_MESSAGE_BYTES
+    max_concurrent_streams: int = lim.MAX_CONCURRENT_STREAMS
+    max_inflight_rpcs: int = lim.MAX_INFLIGHT_RPCS  # unary RPCs in the worker; more wait
+    # a connection's fair share of them: limit / active connections, within [min, max] (min
+    # is clamped to max)
+    max_inflight_rpcs_per_connection: int = lim.MAX_INFLIGHT_RPCS_PER_CONNECTION
+    min_inflight_rpcs_per_connection: int = lim.MIN_INFLIGHT_RPCS_PER_CONNECTION
+    max_upload_bytes: int = lim.MAX_UPLOAD_BYTES
+    max_weights: int = lim.MAX_WEIGHTS
+    max_stream_bytes: int = lim.MAX_STREAM_BYTES
+    max_stream_bytes_per_connection: int = lim.MAX_STREAM_BYTES_PER_CONNECTION
+    max_stream_bytes_total: int = lim.MAX_STREAM_BYTES_TOTAL
     load_chunk_bytes: int = 16 * 2**20  # bounded AoS chunks for loads and relayouts
     grace_period_s: float = 10.0
     flags: FlagState = field(default_factory=FlagState)
@@ -101,9 +102,13 @@ class WorkerConfig:
                      "max_stream_bytes", "max_regions", "max_region_bytes",
                      "max_stream_bytes_per_connection", "max_stream_bytes_total",
                      "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "frontends",
-                     "frontend_shm_bytes"):
+                     "frontend_shm_bytes", "max_weights", "max_message_bytes",
+                     "max_concurrent_streams", "max_upload_bytes",
+                     "min_inflight_rpcs_per_connection"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
+        lim.check_port(self.port, "port")
+        lim.check_port(self.metrics_port, "metrics_port")
         if self.max_batch_delay_us < 0:
             raise InvalidArgument(f"max_batch_delay_us={self.max_batch_delay_us} must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -403,6 +403,7 @@ class MultiDeviceEngine:
                        serving=self._serving and self.healthy,
                        relayout_in_progress=any(e.status().relayout_in_progress
                                                 for e in self.engines),
+                       host_overhead_bytes=sum(e.host_overhead_bytes() for e in self.engines),
                        devices=tuple(self.device_status()))
 
     def device_status(self) -> list[DeviceStatus]:

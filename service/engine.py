@@ -62,7 +62,13 @@ from .batcher import (
 from .config import WorkerConfig
 from .flags import Flags, FlagState
 from .metrics import Metrics
-from .registry import Registry, WeightEntry, check_name
+from .registry import (
+    BATCHER_HOST_BYTES,
+    WEIGHT_HOST_BYTES,
+    Registry,
+    WeightEntry,
+    check_name,
+)
 from .shards import RowRange, RowSelect, slice_tensor
 from .threads import run_in_thread
 from .uploads import UploadBuffer
@@ -166,6 +172,8 @@ class StatusView:
     max_batch_delay_us: int
     relayout_in_progress: bool
     devices: tuple[object, ...] = ()  # multi-device workers: service.devices.DeviceStatus
+    max_weights: int = 0
+    host_overhead_bytes: int = 0  # weights' bookkeeping outside the VRAM budget (fixed costs)
 
 
 @dataclass(frozen=True)
@@ -271,7 +279,7 @@ class Engine:
         self.device = Device(backend.name, handoff_yield_for(backend.name))
         self.vram = VramAccountant(config.vram_budget.resolve(backend.memory().free),
                                    backend.memory)
-        self.registry = Registry(self._on_unused)
+        self.registry = Registry(self._on_unused, config.max_weights)
         self._settings = BatchSettings(max_rows=config.max_batch_rows,
                                        max_delay_s=config.max_batch_delay_us * 1e-6,
                                        max_queue_rows=config.max_queue_rows)
@@ -598,7 +606,13 @@ class Engine:
         return StatusView(self.backend.name, self.backend.device_name(), self.version,
                           self.vram.stats(), self.flags.state, len(self.registry),
                           self._serving and self.healthy, self.config.max_batch_rows,
-                          self.config.max_batch_delay_us, self._relayouts > 0)
+                          self.config.max_batch_delay_us, self._relayouts > 0,
+                          max_weights=self.config.max_weights,
+                          host_overhead_bytes=self.host_overhead_bytes())
+
+    def host_overhead_bytes(self) -> int:
+        """Host memory of the weights' bookkeeping, from its documented fixed costs."""
+        return len(self.registry) * WEIGHT_HOST_BYTES + len(self._live) * BATCHER_HOST_BYTES
 
     # -- matmul -----------------------------------------------------------------------------
     async def matmul(self, call: MatmulCall) -> MatmulReply:

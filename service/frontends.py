@@ -864,7 +864,8 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
                                 stream_budget=StreamBudget(stream_bytes,
                                                            cfg.max_stream_bytes_per_connection))
     interceptor = ErrorInterceptor(metrics, auth,  # type: ignore[arg-type]
-                                   Admission(inflight, cfg.max_inflight_rpcs_per_connection))
+                                   Admission(inflight, cfg.max_inflight_rpcs_per_connection,
+                                             cfg.min_inflight_rpcs_per_connection))
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()

@@ -437,6 +437,8 @@ def status_response(s: StatusView) -> pb.GetStatusResponse:
                                 max_batch_rows=s.max_batch_rows,
                                 max_batch_delay_us=s.max_batch_delay_us,
                                 relayout_in_progress=s.relayout_in_progress,
+                                max_weights=s.max_weights,
+                                host_overhead_bytes=s.host_overhead_bytes,
                                 devices=[pb.DeviceStatus(index=d.index, ordinal=d.ordinal,
                                                          device=d.device,
                                                          vram=_vram_info(d.vram),

@@ -115,7 +115,8 @@ class Worker:
         self._init_metrics()
         self.engine = self.make_engine()
         auth = TokenAuth(cfg.token, cfg.admin_token)
-        self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection)
+        self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection,
+                                   cfg.min_inflight_rpcs_per_connection)
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)

@@ -139,3 +139,107 @@ def test_waiters_are_served_round_robin_and_cancelled_ones_skipped():
         assert (gate.running, gate.waiting) == (0, 0)
 
     asyncio.run(go())
+
+
+def test_a_new_connection_gets_its_fair_share_first():
+    """Eight places, one connection holding them all (alone, its share is all of them): a
+    second connection is first in line for every place the first frees until both hold four;
+    then they alternate. A third shrinks both shares to the floor... of 8 // 3 = 2."""
+    from q6serve.service.admission import Admission
+
+    async def go() -> None:
+        gate = Admission(limit=8, per_key=8, floor=1)
+        for _ in range(8):
+            await gate.enter("a")
+        a_more = [asyncio.ensure_future(gate.enter("a")) for _ in range(8)]
+        b = [asyncio.ensure_future(gate.enter("b")) for _ in range(8)]
+        await asyncio.sleep(0)
+        assert gate.share() == 4 and gate.running == 8
+        for i in range(4):  # a frees places: b takes each until it holds its share
+            gate.leave("a")
+            await asyncio.sleep(0)
+            assert sum(f.done() for f in b) == i + 1 and not any(f.done() for f in a_more)
+        gate.leave("a")  # a holds 3 < 4: its turn
+        await asyncio.sleep(0)
+        assert sum(f.done() for f in a_more) == 1 and sum(f.done() for f in b) == 4
+        c = asyncio.ensure_future(gate.enter("c"))
+        await asyncio.sleep(0)
+        assert gate.share() == 2 and not c.done()
+        gate.leave("b")  # b holds 3, a 4: both above 2, c goes first
+        await asyncio.sleep(0)
+        assert c.done()
+        for f in a_more + b:
+            f.cancel()
+        await asyncio.sleep(0)
+        assert gate.waiting == 0
+
+    asyncio.run(go())
+
+
+def test_the_share_grows_back_when_connections_go():
+    from q6serve.service.admission import Admission
+
+    async def go() -> None:
+        gate = Admission(limit=4, per_key=4, floor=1)
+        await gate.enter("a")
+        await gate.enter("b")
+        assert gate.share() == 2
+        a = [asyncio.ensure_future(gate.enter("a")) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert sum(f.done() for f in a) == 1  # a at its share of 2; two places idle
+        gate.leave("b")  # b gone: a alone, share 4, the idle places are a's
+        await asyncio.sleep(0)
+        assert all(f.done() for f in a) and gate.running == 4 and gate.active == 1
+        for _ in range(4):
+            gate.leave("a")
+        assert (gate.running, gate.waiting, gate.active) == (0, 0, 0)
+
+    asyncio.run(go())
+
+
+def test_many_connections_share_the_gate_and_all_calls_succeed():
+    """Eight connections, 60 calls each at once, eight places: every call succeeds, and no
+    connection ever holds more than its share at the moment it takes a place."""
+    from q6serve.service.admission import Admission
+
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=64 << 20),
+                                    max_inflight_rpcs=8, max_inflight_rpcs_per_connection=8,
+                                    min_inflight_rpcs_per_connection=1),
+                       FaultyBackend(matmul_delay_s=0.002))
+    try:
+        rw.client().upload("w", random_q6k(ROWS, K, 1), ROWS, K)
+        gate: Admission = rw.worker.admission
+        over: list[tuple[str, int, int]] = []
+        keys: set[str] = set()
+        take = gate._take
+
+        def checked(key: str) -> None:  # on the loop: the invariant at every admission
+            take(key)
+            keys.add(key)
+            if gate._held[key] > gate.share():
+                over.append((key, gate._held[key], gate.share()))
+
+        gate._take = checked  # type: ignore[method-assign]
+        req = matmul_request("w", np.ones((1, K), np.float32), "auto", "f32")
+        # a subchannel pool each: else gRPC shares one connection between equal channels
+        chans = [grpc.insecure_channel(rw.target,
+                                       options=[("grpc.use_local_subchannel_pool", 1)])
+                 for _ in range(8)]
+        try:
+            futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(req, timeout=120)
+                    for ch in chans for _ in range(60)]
+            codes = collections.Counter()
+            for f in futs:
+                try:
+                    f.result()
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+        finally:
+            for ch in chans:
+                ch.close()
+        assert codes == {"OK": 480}
+        assert len(keys) == 8 and not over, over[:5]
+        assert rw.run(lambda: (gate.running, gate.waiting, gate.active)) == (0, 0, 0)
+    finally:
+        rw.stop()

@@ -163,3 +163,36 @@ def test_a_load_naming_many_weights_checks_them_in_linear_time():
     with r.claim(names[:-2]):
         assert len(r.claimed()) == 1 << 16
     assert not r.claimed()
+
+
+def test_max_weights_bounds_the_bookkeeping_and_status_shows_it(tmp_path):
+    from q6serve.kernels.errors import ResourceExhausted
+    from q6serve.service.engine import UploadSpec
+    from q6serve.service.registry import BATCHER_HOST_BYTES, WEIGHT_HOST_BYTES
+
+    path = many(tmp_path / "many.gguf", 6)
+
+    async def go() -> None:
+        engine = Engine(make_backend("numpy"), WorkerConfig(
+            port=0, model_dir=tmp_path, vram_budget=Budget(nbytes=1 << 30), max_weights=4))
+        try:
+            with pytest.raises(ResourceExhausted, match=r"6 more weight\(s\) would exceed "
+                               r"--max-weights 4 \(0 resident, 0 loading; each holds"):
+                await engine.load_gguf(path.name, [])
+            assert engine.status().weights_loaded == 0
+            await engine.load_gguf(path.name, ["t0", "t1", "t2", "t3"])
+            spec = UploadSpec("u", 1, 256, "q6_k", 210, "0" * 64)
+            with pytest.raises(ResourceExhausted, match="--max-weights 4"):
+                engine.upload_buffer(spec)  # refused at the header, before any data
+            s = engine.status()
+            assert (s.weights_loaded, s.max_weights) == (4, 4)
+            assert s.host_overhead_bytes == 4 * (WEIGHT_HOST_BYTES + BATCHER_HOST_BYTES)
+            await engine.unload("t0")
+            await engine.load_gguf(path.name, ["t5"])
+            await engine.unload("t5")
+            assert engine.status().host_overhead_bytes == 3 * (WEIGHT_HOST_BYTES
+                                                               + BATCHER_HOST_BYTES)
+        finally:
+            await engine.close()
+
+    asyncio.run(go())

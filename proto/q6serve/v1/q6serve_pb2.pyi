@@ -316,7 +316,7 @@ class Flag(_message.Message):
     def __init__(self, name: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("backend", "device", "version", "vram", "flags", "weights_loaded", "serving", "max_batch_rows", "max_batch_delay_us", "relayout_in_progress", "devices")
+    __slots__ = ("backend", "device", "version", "vram", "flags", "weights_loaded", "serving", "max_batch_rows", "max_batch_delay_us", "relayout_in_progress", "devices", "max_weights", "host_overhead_bytes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,8 @@ class GetStatusResponse(_message.Message):
     MAX_BATCH_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     RELAYOUT_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_OVERHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
     version: str
@@ -339,7 +341,9 @@ class GetStatusResponse(_message.Message):
     max_batch_delay_us: int
     relayout_in_progress: bool
     devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., vram: _Optional[_Union[VramInfo, _Mapping]] = ..., flags: _Optional[_Iterable[_Union[Flag, _Mapping]]] = ..., weights_loaded: _Optional[int] = ..., serving: _Optional[bool] = ..., max_batch_rows: _Optional[int] = ..., max_batch_delay_us: _Optional[int] = ..., relayout_in_progress: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ...) -> None: ...
+    max_weights: int
+    host_overhead_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., vram: _Optional[_Union[VramInfo, _Mapping]] = ..., flags: _Optional[_Iterable[_Union[Flag, _Mapping]]] = ..., weights_loaded: _Optional[int] = ..., serving: _Optional[bool] = ..., max_batch_rows: _Optional[int] = ..., max_batch_delay_us: _Optional[int] = ..., relayout_in_progress: _Optional[bool] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., max_weights: _Optional[int] = ..., host_overhead_bytes: _Optional[int] = ...) -> None: ...
 
 class DeviceStatus(_message.Message):
     __slots__ = ("index", "ordinal", "device", "vram", "weights_loaded")

@@ -1,0 +1,57 @@
+"""The worker's limits: their defaults and rules in one place, for ``WorkerConfig`` and for the
+``q6serve worker`` CLI (which builds its ``--help`` from here). Light on purpose: every CLI
+command imports it at start, so it imports nothing heavier than the error types.
+"""
+
+from __future__ import annotations
+
+import re
+
+from q6serve.kernels.errors import InvalidArgument
+
+MAX_PORT = 65535
+MAX_MESSAGE_BYTES = 256 * 2**20  # gRPC message size, both ways
+MAX_CONCURRENT_STREAMS = 1 << 16  # HTTP/2 streams per connection
+MAX_UPLOAD_BYTES = 8 * 2**30
+MAX_WEIGHTS = 1 << 16  # resident weights (host bookkeeping: registry.WEIGHT_HOST_BYTES each)
+# Unary calls admitted at once (request read, reply not yet written; more wait in the queue),
+# and the bounds of one connection's fair share of them, limit / active connections
+# (service/admission.py).
+MAX_INFLIGHT_RPCS = 512
+MAX_INFLIGHT_RPCS_PER_CONNECTION = 64
+MIN_INFLIGHT_RPCS_PER_CONNECTION = 8
+# MatmulStream: bytes of requests admitted and replies not yet written, per stream, for all
+# the streams of one connection, for all streams of the worker.
+MAX_STREAM_BYTES = 64 * 2**20
+MAX_STREAM_BYTES_PER_CONNECTION = 256 * 2**20
+MAX_STREAM_BYTES_TOTAL = 1 * 2**30
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+         "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str, what: str) -> int:
+    """``"64MiB"``, ``"1G"``, ``"1048576"``: a whole number of bytes >= 1."""
+    m = SIZE.match(text)
+    value = 0
+    if m:
+        value = int(float(m.group(1)) * UNITS[(m.group(2) or "").lower().rstrip("b")])
+    if value < 1:
+        raise InvalidArgument(f"{what} {text!r}: give bytes >= 1 (64MiB, 1G, 1048576)")
+    return value
+
+
+def check_port(port: int | None, what: str) -> None:
+    """A TCP port to listen on: 0..65535 (0 picks a free one); None: not listening."""
+    if port is not None and not 0 <= port <= MAX_PORT:
+        raise InvalidArgument(f"{what} {port!r} is not a port: give 0..{MAX_PORT} "
+                              "(0 = a free port)")
+
+
+def show_size(n: int) -> str:
+    """Bytes as the CLI shows defaults: 256MiB, 8GiB, 1000."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
