@@ -38,6 +38,18 @@ def worker() -> Iterator[RunningWorker]:
     rw.stop()
 
 
+def outcomes(futs: list[grpc.Future]) -> collections.Counter[str]:
+    """How the calls ended: "OK" or "CODE: details", counted."""
+    codes: collections.Counter[str] = collections.Counter()
+    for f in futs:
+        try:
+            f.result()
+            codes["OK"] += 1
+        except grpc.RpcError as e:
+            codes[f"{e.code().name}: {e.details()}"] += 1
+    return codes
+
+
 def test_a_burst_of_calls_on_one_connection_all_succeed(worker):
     gate = worker.worker.admission
     most = [0]
@@ -54,14 +66,7 @@ def test_a_burst_of_calls_on_one_connection_all_succeed(worker):
     try:
         with grpc.insecure_channel(worker.target) as ch:
             stub = pb_grpc.Q6ServeStub(ch)
-            futs = [stub.Matmul.future(req, timeout=120) for _ in range(1500)]
-            codes = collections.Counter()
-            for f in futs:
-                try:
-                    f.result()
-                    codes["OK"] += 1
-                except grpc.RpcError as e:
-                    codes[f"{e.code().name}: {e.details()}"] += 1
+            codes = outcomes([stub.Matmul.future(req, timeout=120) for _ in range(1500)])
     finally:
         stop.set()
         watcher.join()
@@ -226,15 +231,8 @@ def test_many_connections_share_the_gate_and_all_calls_succeed():
                                        options=[("grpc.use_local_subchannel_pool", 1)])
                  for _ in range(8)]
         try:
-            futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(req, timeout=120)
-                    for ch in chans for _ in range(60)]
-            codes = collections.Counter()
-            for f in futs:
-                try:
-                    f.result()
-                    codes["OK"] += 1
-                except grpc.RpcError as e:
-                    codes[e.code().name] += 1
+            codes = outcomes([pb_grpc.Q6ServeStub(ch).Matmul.future(req, timeout=120)
+                              for ch in chans for _ in range(60)])
         finally:
             for ch in chans:
                 ch.close()
