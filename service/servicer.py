@@ -207,7 +207,9 @@ class Q6ServeServicer:
         io = wire.region_io(request)
         if io is not None:
             reply, took = await self._region_matmul(request, io, context, t0)
-            return wire.matmul_response(reply, request.request_id, took, io.y is None)
+            if io.y is None:  # y comes back in the reply: the same encoder as without regions
+                return wire.matmul_reply(reply, request.request_id, took)
+            return wire.matmul_response(reply, request.request_id, took, y_bytes=False)
         call = wire.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
         reply = await self._start(call)
@@ -281,7 +283,8 @@ class Q6ServeServicer:
                     item = _stream_error(rid, exc)
                 elif took is None:
                     reply, region_took, y_bytes = fut.result()
-                    item = wire.stream_result(reply, rid, region_took, y_bytes)
+                    item = (wire.stream_reply(reply, rid, region_took) if y_bytes
+                            else wire.stream_result(reply, rid, region_took, y_bytes=False))
                 else:
                     item = wire.stream_reply(fut.result(), rid, took)
             except Exception as e:  # encoding failed: the request still gets an answer

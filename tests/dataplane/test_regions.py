@@ -338,3 +338,15 @@ def test_cli_bench_through_regions(weight: Any, mode: str,
     for cell in doc["cells"]:
         assert cell["calls"] > 0 and not cell["errors"], cell
     assert c.list_regions() == []  # every caller's region unregistered
+
+
+def test_x_region_with_a_large_y_in_the_reply(weight: Any, rng: np.random.Generator) -> None:
+    """x from a region, y (>= 64 KiB) back in the reply: the spliced encoder of the bytes
+    path (wire.matmul_reply / stream_reply) serves region replies too."""
+    _w, c, _ = weight
+    x = rng.standard_normal((200, K)).astype(np.float16)  # y: 200 x 96 f32 = 76,800 bytes
+    want = c.matmul("w", x)
+    with c.register_shm("big", 1 << 18) as region:
+        np.testing.assert_array_equal(c.matmul("w", x, x_region=region), want)
+        out = list(c.matmul_stream([("a", "w", x, region, None)]))
+        np.testing.assert_array_equal(out[0].y, want)  # type: ignore[union-attr]
