@@ -3,11 +3,12 @@
 # regions, one process and --frontends 2), then bench/service.py --dataplane (T2: 64 callers
 # of N=1 on ffn_down, rows/s and p99; T3: 8 hosts of N=64, rows/s against the kernel alone;
 # each with bytes in the messages and with shared-memory regions; T3 also with CUDA IPC device
-# buffers) for --frontends 1, 2, 4, 8. Logs and JSONs go to $OUT; a short
-# table is printed last; $OUT gets one archive of everything plus the JSONs and the test log.
-# Well under 300 s with the default SECONDS_PER_RUN=1.5.
+# buffers) for --frontends 1, 2, 4, 8; then bench/device_path.py (the device thread's cost per
+# batch in-process, T2's and T3's shapes) and bench/lane_latency.py (one caller: gRPC vs the
+# fast lane). A short table is printed last; $OUT gets one archive of every log and JSON and
+# the test log. About 75 s + 15 s per variant with the default SECONDS_PER_RUN=1.5.
 #   bench/gpu_dataplane_run.sh   env: SECONDS_PER_RUN, VARIANTS ("1 2 4 8"; "8@200": --frontends 8
-#                                with a 200 us GIL switch interval), SKIP_TESTS
+#                                with a 200 us GIL switch interval), SKIP_TESTS, SKIP_PROBES
 set -uo pipefail
 FINAL=${OUT:-$PWD/out}
 OUT=/tmp/dprun  # everything lands here (the device tool brings back 8 files at most)
@@ -36,6 +37,17 @@ for v in ${VARIANTS:-1 2 4 8}; do
   echo "# frontends=$F gil switch ${US:-default} us rc=$? at $(($(date +%s) - T0)) s"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
 done
+# the device path without gRPC (T2's and T3's shapes in-process) and the fast lane's latency
+if [[ -z ${SKIP_PROBES:-} ]]; then
+  timeout 60 python3 bench/device_path.py --backend cuda --callers 64 --n 1 --seconds "$S" \
+    --json "$OUT/device_path_t2.json" >"$OUT/device_path.log" 2>&1
+  timeout 60 python3 bench/device_path.py --backend cuda --callers 8 --n 64 --seconds "$S" \
+    --json "$OUT/device_path_t3.json" >>"$OUT/device_path.log" 2>&1
+  timeout 90 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 --seconds "$S" \
+    --json "$OUT/lane.json" >"$OUT/lane.log" 2>&1
+  echo "# probes rc=$? at $(($(date +%s) - T0)) s"
+  cat "$OUT/device_path.log" "$OUT/lane.log" | grep -v "^#"
+fi
 grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
 python3 - "$OUT" <<'EOF'
 import glob, json, sys
@@ -54,6 +66,6 @@ for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
           f" {t.get('kernel_rows_per_s', 0):>13,.0f} {t.get('fraction', 0):>9.2f}"
           f"  {'yes' if t['met'] else 'no'}")
 EOF
-tar czf "$FINAL/dataplane_run.tgz" -C "$OUT" . && cp "$OUT"/dataplane_f*.json \
-  "$OUT/pytest_dataplane_gpu.log" "$FINAL/" 2>/dev/null
+tar czf "$FINAL/dataplane_run.tgz" -C "$OUT" . && cp "$OUT/pytest_dataplane_gpu.log" \
+  "$FINAL/" 2>/dev/null  # every log and JSON is in the archive (8 files come back at most)
 echo "# done at $(($(date +%s) - T0)) s"
