@@ -39,6 +39,7 @@ REQUEST = struct.Struct("<QIIQQBBBBHH")  # seq n k x_off y_off x_dt out_dt prec 
 REPLY = struct.Struct("<QIIIIIIddd")  # seq code msg_len y_cols rows reqs 0 queue kernel device
 TICKET_BYTES = 32
 TICKET_TTL_S = 60.0
+TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
@@ -93,15 +94,17 @@ class LaneServer:
             sock = writer.get_extra_info("socket")
             uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                       12))[1]
-            t = self._tickets.pop(await reader.readexactly(TICKET_BYTES), None)
+            # a connection that never sends its ticket is dropped, not kept forever
+            raw = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), TICKET_WAIT_S)
+            t = self._tickets.pop(raw, None)
             if uid != os.getuid() or t is None or t.expires < time.monotonic():
                 log.warning("refused a lane connection (uid %d, %s ticket)", uid,
                             "no valid" if t is None else "an expired")
                 return
             writer.write(ACCEPTED)
             await self._requests(reader, writer, t)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the caller closed its lane
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass  # the caller closed its lane (or never sent a ticket)
         except InvalidArgument as e:
             log.warning("closed a lane after a malformed record: %s", e)
         finally:
