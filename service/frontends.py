@@ -15,10 +15,11 @@ backend, the weights, the VRAM accountant, the batchers, the regions and /metric
 
 A matmul's activations go into a slot of the front end's arena (one copy, which the bytes
 path makes anyway); the device process views them there, runs the batcher, writes y into the
-same slot and answers with a ~200-byte message; the front end encodes the reply from the slot
-and frees the slot when the reply's y is gone. Calls whose x or y do not fit a slot (or when
-every slot is busy) carry the array in the message instead. The socket is the wake-up: one
-write and one read per direction.
+same slot and answers with a ~150-byte message (plain values: no dataclass is pickled); the
+front end encodes the reply from the slot and frees the slot when the reply's y is gone. Calls
+whose x or y do not fit a slot (or when every slot is busy) carry the array in the message
+instead. The socket is the wake-up; the small messages to a peer within one loop iteration
+(e.g. a batch's replies) go out in one write (``_Out``).
 
 Contract kept from the one-process worker: the same servicer, interceptor (error codes,
 auth), health and reflection run in every front end; every request kind (multi-weight, top-k,
