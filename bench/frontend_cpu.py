@@ -6,6 +6,7 @@ of Python, so its CPU per call sets that ceiling. CPU time (from /proc) is robus
 machine where wall-clock figures are not.
 
     python bench/frontend_cpu.py --frontends 2 --seconds 4      # NumPy backend, ~15 s
+    python bench/frontend_cpu.py --frontends 2 --lane           # the same callers on lanes
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from service_load import LoadSpec, run_load
 
@@ -33,6 +35,51 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _lane_host(target: str, callers: int, seconds: float, idx: int, out: Any) -> None:
+    """One load process of --lane: ``callers`` threads, each on its own region and lane."""
+    import threading
+
+    import numpy as np
+
+    from q6serve.client.client import Client
+
+    counts = [0] * callers
+    start = threading.Barrier(callers)
+
+    def caller(i: int) -> None:
+        with Client(target) as c, c.register_shm(f"lane{idx}_{i}", 1 << 16) as region, \
+                c.open_lane(region) as lane:
+            x = np.ones((1, 256), np.float16)
+            start.wait()
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                lane.matmul("w", x)
+                counts[i] += 1
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(sum(counts))
+
+
+def _lane_load(target: str, hosts: int, callers: int, seconds: float) -> tuple[int, float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_lane_host, args=(target, callers, seconds, i, q))
+             for i in range(hosts)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    calls = sum(q.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return calls, time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frontends", type=int, default=2)
@@ -41,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--region", default="", choices=("", "system"),
                     help="x and y through each caller's region (default: bytes)")
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--lane", action="store_true",
+                    help="the callers use the fast lane (a thread, region and lane each)")
     a = ap.parse_args(argv)
     from q6serve.client.client import Client
 
@@ -64,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                         0, 0, a.region, 16, True)
         fronts = children(worker.pid)
         before = {p: cpu_seconds(p) for p in [worker.pid, *fronts]}
-        samples, wall = run_load(spec, a.hosts)  # the warm-up's CPU is in too (~1/9)
+        if a.lane:  # wall includes the load processes' start; CPU includes their setup calls
+            calls, wall = _lane_load(target, a.hosts, a.callers, a.seconds)
+        else:
+            samples, wall = run_load(spec, a.hosts)  # the warm-up's CPU is in too (~1/9)
+            calls = int(samples["w"]["e2e"].size)
         used = {p: cpu_seconds(p) - t for p, t in before.items()}
-        calls = int(samples["w"]["e2e"].size)
-        print(f"frontends={a.frontends} {a.region or 'bytes'}: {calls} calls, "
+        path = "lane" if a.lane else a.region or "bytes"
+        print(f"frontends={a.frontends} {path}: {calls} calls, "
               f"{calls / wall:,.0f}/s; CPU per call: device process "
               f"{used[worker.pid] / calls * 1e6:.0f} us, front ends "
               f"{sum(used[p] for p in fronts) / calls * 1e6:.0f} us", flush=True)
