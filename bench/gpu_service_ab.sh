@@ -3,14 +3,15 @@
 # `git archive` of an older main) and this tree, each installed in turn and run with the same
 # commands: a T1-shaped run (one caller, N=1, f16, ffn_down, MatmulStream: the plain replay mode
 # both trees have) and the 7B decode replay at S=1 with and without multi-weight calls (f32 y,
-# as an older replay asks); then this tree's lm-head target (N=64, 8 callers, top-64) at
-# --max-batch-rows 256 and 512 (several callers' rows in one launch). $OUT gets the JSONs, the
-# archive of every log and summary.txt (printed last). ~110 s after the install.
+# as an older replay asks), this tree again with the GIL hand-off yield off
+# (Q6SERVE_HANDOFF_YIELD=0); then this tree's lm-head target (N=64, 8 callers, top-64) at
+# --max-batch-rows 256 and 512 (several callers' rows in one launch). $OUT gets the archive of
+# every log and JSON, and summary.txt (printed last). ~130 s after the install.
 #   BASE=../fastbase bench/gpu_service_ab.sh          env: SECONDS_PER_RUN (2)
 set -uo pipefail
 FINAL=${OUT:-$PWD/out}
 OUT=/tmp/abrun
-rm -rf "$OUT"
+rm -rf "$OUT" /tmp/abrun.installed
 mkdir -p "$FINAL" "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -22,8 +23,11 @@ S=${SECONDS_PER_RUN:-2}
 tree() {  # label dir [replay args]: install the tree, run T1-shaped and the S=1 replay
   local label=$1 dir=$2
   shift 2
-  python3 -m pip install -q --no-deps --no-build-isolation -e "$dir" >"$OUT/$label.install.log" \
-    2>&1 || { echo "# $label install failed"; return; }
+  if [[ $(cat /tmp/abrun.installed 2>/dev/null) != "$dir" ]]; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e "$dir" \
+      >"$OUT/$label.install.log" 2>&1 || { echo "# $label install failed"; return; }
+    echo "$dir" >/tmp/abrun.installed
+  fi
   (cd "$dir" && timeout 40 python3 bench/service.py --backend cuda --weights ffn_down \
     --hosts 1 --seqs 1 --batching on --mode stream --seconds "$S" --warmup 0.3 \
     --json "$OUT/${label}_t1.json" >"$OUT/${label}_t1.log" 2>&1)
@@ -35,6 +39,7 @@ tree() {  # label dir [replay args]: install the tree, run T1-shaped and the S=1
 }
 tree base "$BASE"
 tree now "$HERE" --replay-out f32
+Q6SERVE_HANDOFF_YIELD=0 tree nowy0 "$HERE" --replay-out f32
 for R in 256 512; do
   timeout 35 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds "$S" \
     --warmup 0.3 --max-batch-rows "$R" --json "$OUT/lm$R.json" >"$OUT/lm$R.log" 2>&1
@@ -48,15 +53,15 @@ def load(name):
         return json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError):
         return {}
-for label in ("base", "now"):
+for label in ("base", "now", "nowy0"):
     d = load(f"{label}_t1")
     for r in d.get("runs", []):
-        print(f"{label:4} commit {d.get('commit')} T1-shaped p50 {r['p50_us']:.0f} us p99 "
+        print(f"{label:5} commit {d.get('commit')} T1-shaped p50 {r['p50_us']:.0f} us p99 "
               f"{r['p99_us']:.0f}  p50-kernel {r['p50_us'] - (r['kernel_p50_us'] or 0):.0f}\n"
               "     p50 us: " + " ".join(f"{k} {v:.0f}" for k, v in r["parts_p50_us"].items()))
     for r in load(f"{label}_replay").get("replay", []):
         p = r["step_parts_p50_ms"]
-        print(f"{label:4} {r['label']:18} calls {r['calls_per_step']} step p50 "
+        print(f"{label:5} {r['label']:18} calls {r['calls_per_step']} step p50 "
               f"{r['step_p50_ms']:.1f} ms p99 {r['step_p99_ms']:.1f}  kernel "
               f"{r['kernel_step_ms'] or 0:.2f}  transport {p['transport']:.1f} worker "
               f"{p['handler']:.1f} device {p['device']:.1f} queue {p['queue']:.1f} client "
@@ -73,6 +78,6 @@ for rows in (256, 512):
               + " ".join(f"{k} {v:.0f}" for k, v in r["parts_p50_us"].items()))
 EOF
 tar czf "$FINAL/ab_run.tgz" -C "$OUT" .
-cp "$OUT"/*.json "$OUT/summary.txt" "$FINAL/" 2>/dev/null
+cp "$OUT/summary.txt" "$FINAL/"
 echo "# total $(($(date +%s) - T0)) s"
 cat "$OUT/summary.txt"
