@@ -7,6 +7,10 @@ Prints p50 µs of submit -> result and of queue_seconds (enqueue -> device job s
 serialized MatmulRequest parsed and decoded (wire), Engine.start_matmul (checks, registry,
 batcher, device thread, NumPy backend on a 4 x 256 weight), the reply encoded and serialized
 (issue 14: the hot path from decoded request to kernel and back, gRPC excluded).
+``--engine --noop-rows R``: the same with a no-op backend whose y is [N, R] zeros (f16 out),
+p50 per stage (parse, wire call, start_matmul, device round trip, encode, serialize).
+``--multi``: a q/k/v multi-weight call (3584/512/512 rows, no-op backend) through
+service/multi.py, submit -> the call's sink.
 """
 
 from __future__ import annotations
@@ -83,6 +87,101 @@ async def _engine_round(calls: int, deadline: float | None = None) -> tuple[floa
     return statistics.median(lat) * 1e6, statistics.median(queue) * 1e6
 
 
+class _Noop:
+    """A NumPy backend whose matmul returns zeros at once (the service's own cost only)."""
+
+    def __new__(cls) -> Any:
+        from q6serve.kernels.numpy_backend import NumpyBackend
+
+        class Noop(NumpyBackend):
+            def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> MatmulResult:
+                y = np.zeros((x.shape[0], w.rows), kw.get("out_dtype") or np.float32)
+                return MatmulResult(y, "noop", w.layout, Precision.EXACT,
+                                    KernelTiming(host_seconds=0.0))
+
+        return Noop(threads=1)
+
+
+async def _engine_with(weights: dict[str, int], k: int) -> Any:
+    import hashlib
+
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.engine import Engine, UploadSpec
+
+    eng = Engine(_Noop(), WorkerConfig(max_batch_delay_us=0))
+    rng = np.random.default_rng(0)
+    for name, rows in weights.items():
+        blocks = rng.integers(0, 256, size=(rows * k // 256, 210), dtype=np.uint8)
+        blocks[:, 208:210] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
+        data = blocks.tobytes()
+
+        async def once(d: bytes = data) -> Any:
+            yield d
+
+        await eng.upload(UploadSpec(name, rows, k, "q6_k", len(data),
+                                    hashlib.sha256(data).hexdigest()), once())
+    return eng
+
+
+async def _stages_round(calls: int, rows: int) -> dict[str, float]:
+    from q6serve.service import wire
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    k = 256
+    eng = await _engine_with({"w": rows}, k)
+    req = pb.MatmulRequest(weight="w", out_dtype=pb.DTYPE_F16)
+    req.x.dtype = pb.DTYPE_F16
+    req.x.shape.extend((1, k))
+    req.x.data = np.ones((1, k), np.float16).tobytes()
+    raw = req.SerializeToString()
+    names = ("parse", "call", "start", "wait", "encode", "serialize", "total")
+    st: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(calls):
+        t = [time.perf_counter()]
+        msg = pb.MatmulRequest.FromString(raw)
+        t.append(time.perf_counter())
+        call = wire.matmul_call(msg, 60.0)
+        t.append(time.perf_counter())
+        fut = eng.start_matmul(call)
+        t.append(time.perf_counter())
+        reply = await fut
+        t.append(time.perf_counter())
+        out = wire.stream_reply(reply, msg.request_id, wire.Took(t[0], t[2]))
+        t.append(time.perf_counter())
+        if not isinstance(out, bytes):
+            out.SerializeToString()
+        t.append(time.perf_counter())
+        for i, n in enumerate(names[:-1]):
+            st[n].append(t[i + 1] - t[i])
+        st["total"].append(t[-1] - t[0])
+    await eng.close()
+    return {n: statistics.median(v[calls // 10:]) * 1e6 for n, v in st.items()}
+
+
+async def _multi_round(calls: int) -> float:
+    from q6serve.service.engine import MatmulCall
+    from q6serve.service.multi import start_matmul_weights
+
+    eng = await _engine_with({"q": 3584, "k": 512, "v": 512}, 256)
+    x = np.ones((1, 256), np.float16)
+    loop = asyncio.get_running_loop()
+    lat = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        heard: asyncio.Future[float] = loop.create_future()
+
+        def sink(_: Any, heard: asyncio.Future[float] = heard) -> None:
+            if not heard.done():
+                heard.set_result(time.perf_counter())
+
+        fut = start_matmul_weights(eng, MatmulCall("", x, weights=("q", "k", "v"),
+                                                   timeout=60.0), sink)
+        fut.add_done_callback(sink)  # (a failure would not call the sink)
+        lat.append(await heard - t0)
+    await eng.close()
+    return statistics.median(lat[calls // 10:]) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=3000)
@@ -91,7 +190,22 @@ def main() -> None:
                     help="per-request timeout in seconds, as a gRPC deadline passes it")
     ap.add_argument("--engine", action="store_true",
                     help="time the worker's in-process path (wire + Engine + NumPy backend)")
+    ap.add_argument("--noop-rows", type=int, default=0,
+                    help="--engine: a no-op backend with y of this many columns; per stage")
+    ap.add_argument("--multi", action="store_true",
+                    help="a q/k/v multi-weight call (no-op backend): submit -> its sink")
     a = ap.parse_args()
+    if a.multi:
+        res = [asyncio.run(_multi_round(a.calls)) for _ in range(a.rounds)]
+        print(f"q/k/v multi-weight call: submit -> sink p50 {statistics.median(res):.1f} us "
+              f"(median of {a.rounds} rounds x {a.calls} calls)")
+        return
+    if a.engine and a.noop_rows:
+        got = [asyncio.run(_stages_round(a.calls, a.noop_rows)) for _ in range(a.rounds)]
+        print("p50 us per stage: " + "  ".join(
+            f"{n} {statistics.median(g[n] for g in got):.1f}" for n in got[0])
+            + f" (median of {a.rounds} rounds x {a.calls} calls)")
+        return
     fn = _engine_round if a.engine else _round
     res = [asyncio.run(fn(a.calls, a.deadline)) for _ in range(a.rounds)]
     lat = statistics.median(r[0] for r in res)
