@@ -45,38 +45,7 @@ for R in 256 512; do
     --warmup 0.3 --max-batch-rows "$R" --json "$OUT/lm$R.json" >"$OUT/lm$R.log" 2>&1
   echo "# lm-head max-batch-rows $R rc=$? ($(($(date +%s) - T0)) s)"
 done
-python3 - "$OUT" >"$OUT/summary.txt" <<'EOF'
-import json, sys
-out = sys.argv[1]
-def load(name):
-    try:
-        return json.load(open(f"{out}/{name}.json"))
-    except (OSError, ValueError):
-        return {}
-for label in ("base", "now", "nowy0"):
-    d = load(f"{label}_t1")
-    for r in d.get("runs", []):
-        print(f"{label:5} commit {d.get('commit')} T1-shaped p50 {r['p50_us']:.0f} us p99 "
-              f"{r['p99_us']:.0f}  p50-kernel {r['p50_us'] - (r['kernel_p50_us'] or 0):.0f}\n"
-              "     p50 us: " + " ".join(f"{k} {v:.0f}" for k, v in r["parts_p50_us"].items()))
-    for r in load(f"{label}_replay").get("replay", []):
-        p = r["step_parts_p50_ms"]
-        print(f"{label:5} {r['label']:18} calls {r['calls_per_step']} step p50 "
-              f"{r['step_p50_ms']:.1f} ms p99 {r['step_p99_ms']:.1f}  kernel "
-              f"{r['kernel_step_ms'] or 0:.2f}  transport {p['transport']:.1f} worker "
-              f"{p['handler']:.1f} device {p['device']:.1f} queue {p['queue']:.1f} client "
-              f"{p['client']:.1f}")
-for rows in (256, 512):
-    d = load(f"lm{rows}")
-    lm = d.get("lm_head")
-    r = next(iter(d.get("runs", [])), None)
-    if lm and r:
-        print(f"lm-head max-batch-rows {rows}: p50 {lm['p50_us'] / 1e3:.2f} ms p99 "
-              f"{lm['p99_us'] / 1e3:.2f} ms ratio {lm['ratio']:,.0f}x batch rows "
-              f"{lm['batch_rows_mean']:.0f} kernel p50 {(lm['kernel_p50_us'] or 0) / 1e3:.2f} ms "
-              f"{'met' if lm['met'] else 'MISSED'}\n     p50 us: "
-              + " ".join(f"{k} {v:.0f}" for k, v in r["parts_p50_us"].items()))
-EOF
+python3 bench/service_summary.py ab "$OUT" >"$OUT/summary.txt"
 tar czf "$FINAL/ab_run.tgz" -C "$OUT" .
 cp "$OUT/summary.txt" "$FINAL/"
 echo "# total $(($(date +%s) - T0)) s"

@@ -72,6 +72,12 @@ def test_tiny_model_replay(tmp_path: Path) -> None:
         assert r["steps"] > 0 and r["seqs"] == 2 and r["topk"] == 8 and r["out_dtype"] == "f16"
         assert 0 < r["kernel_step_ms"] <= r["step_p50_ms"] <= r["step_p99_ms"]
         assert r["floor_step_ms"] > 0 and r["limit_ms"] is not None
+    # the GPU scripts' table reads the same JSON (bench/service_summary.py)
+    (tmp_path / "main.json").write_text(out.read_text())
+    table = subprocess.run([sys.executable, str(ROOT / "bench/service_summary.py"), "run",
+                            str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr[-2000:]
+    assert "replay S=2 multi" in table.stdout and "replay S=2 single" in table.stdout
 
 
 def test_lm_head_topk_scenario(tmp_path: Path) -> None:
