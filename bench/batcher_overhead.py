@@ -11,6 +11,10 @@ batcher, device thread, NumPy backend on a 4 x 256 weight), the reply encoded an
 p50 per stage (parse, wire call, start_matmul, device round trip, encode, serialize).
 ``--multi``: a q/k/v multi-weight call (3584/512/512 rows, no-op backend) through
 service/multi.py, submit -> the call's sink.
+``--job-py-us P --job-wait-us W --loop-us L``: a CUDA-shaped job (P us of Python holding the
+GIL, then W us without it, as a device sync) and L us of loop work after each submit (the rest
+of a handler's trip); with ``--handoff-yield`` (batcher.Device) or ``--switch-us``
+(sys.setswitchinterval) to compare how soon the device thread gets the GIL.
 """
 
 from __future__ import annotations
@@ -31,15 +35,32 @@ def _run(x: np.ndarray, key: BatchKey) -> MatmulResult:
     return MatmulResult(x, "noop", Layout.SOA, Precision.EXACT, KernelTiming(host_seconds=0.0))
 
 
-async def _round(calls: int, deadline: float | None = None) -> tuple[float, float]:
-    dev = Device("bench")
-    b = Batcher("w", dev, _run, BatchSettings(), lambda: True, lambda s: None)
+def _spin(seconds: float) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        pass
+
+
+async def _round(calls: int, deadline: float | None = None, job: tuple[float, float] = (0, 0),
+                 loop_s: float = 0.0, handoff_yield: bool = False) -> tuple[float, float]:
+    def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+        if job[0]:
+            _spin(job[0])  # the host path, holding the GIL
+        if job[1]:
+            time.sleep(job[1])  # a sync: the GIL released
+        return _run(x, key)
+
+    dev = Device("bench", handoff_yield)
+    b = Batcher("w", dev, run, BatchSettings(), lambda: True, lambda s: None)
     key = BatchKey("f32", Precision.EXACT, "f32")
     x = np.ones((1, 256), np.float32)
     lat, queue = [], []
     for _ in range(calls):
         t0 = time.perf_counter()
-        out = await b.submit(x, key, deadline)
+        fut = b.enqueue(x, key, deadline)
+        if loop_s:
+            _spin(loop_s)  # the rest of the handler's loop trip
+        out = await fut
         lat.append(time.perf_counter() - t0)
         queue.append(out.queue_seconds)
     await b.close()
@@ -194,7 +215,21 @@ def main() -> None:
                     help="--engine: a no-op backend with y of this many columns; per stage")
     ap.add_argument("--multi", action="store_true",
                     help="a q/k/v multi-weight call (no-op backend): submit -> its sink")
+    ap.add_argument("--job-py-us", type=float, default=0.0,
+                    help="the job's Python (GIL held) in us")
+    ap.add_argument("--job-wait-us", type=float, default=0.0,
+                    help="the job's GIL-free wait in us (a device sync)")
+    ap.add_argument("--loop-us", type=float, default=0.0,
+                    help="loop work after each submit in us")
+    ap.add_argument("--handoff-yield", action="store_true",
+                    help="the device yields the GIL on a hand-off (batcher.Device)")
+    ap.add_argument("--switch-us", type=float, default=0.0,
+                    help="sys.setswitchinterval in us (0: Python's default)")
     a = ap.parse_args()
+    if a.switch_us:
+        import sys
+
+        sys.setswitchinterval(a.switch_us * 1e-6)
     if a.multi:
         res = [asyncio.run(_multi_round(a.calls)) for _ in range(a.rounds)]
         print(f"q/k/v multi-weight call: submit -> sink p50 {statistics.median(res):.1f} us "
@@ -206,8 +241,11 @@ def main() -> None:
             f"{n} {statistics.median(g[n] for g in got):.1f}" for n in got[0])
             + f" (median of {a.rounds} rounds x {a.calls} calls)")
         return
-    fn = _engine_round if a.engine else _round
-    res = [asyncio.run(fn(a.calls, a.deadline)) for _ in range(a.rounds)]
+    if a.engine:
+        res = [asyncio.run(_engine_round(a.calls, a.deadline)) for _ in range(a.rounds)]
+    else:
+        res = [asyncio.run(_round(a.calls, a.deadline, (a.job_py_us * 1e-6, a.job_wait_us * 1e-6),
+                                  a.loop_us * 1e-6, a.handoff_yield)) for _ in range(a.rounds)]
     lat = statistics.median(r[0] for r in res)
     q = statistics.median(r[1] for r in res)
     print(f"submit->result p50 {lat:.1f} us, queue p50 {q:.1f} us "
