@@ -98,3 +98,16 @@ def test_lm_head_topk_scenario(tmp_path: Path) -> None:
     assert lm["ratio"] == lm["f32_logits_bytes"] / lm["reply_bytes"]
     assert 0 < lm["p50_us"] <= lm["p99_us"] and isinstance(lm["met"], bool)
     assert "lm-head N=4 x2 callers top-8" in done.stdout
+
+
+def test_batcher_overhead_modes_run() -> None:
+    """bench/batcher_overhead.py's modes run and print their figures (tiny call counts)."""
+    script = str(ROOT / "bench/batcher_overhead.py")
+    for args, want in ((["--job-py-us", "5", "--job-wait-us", "5", "--loop-us", "5",
+                         "--handoff-yield"], "submit->result p50"),
+                       (["--engine", "--noop-rows", "64"], "p50 us per stage: parse"),
+                       (["--multi"], "q/k/v multi-weight call: submit -> sink p50")):
+        done = subprocess.run([sys.executable, script, "--rounds", "1", "--calls", "50", *args],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert want in done.stdout, done.stdout
