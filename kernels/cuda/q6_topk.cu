@@ -10,7 +10,8 @@
 // Passes over the row (it is read from L2/HBM 7 times; nothing is staged):
 //   1. max over non-NaN values, NaN flag     2. sum of exp(y - max) in f64
 //   3-6. radix select of the k-th largest order key, 8 bits per pass (256-bin histogram in
-//        shared memory over the columns still matching the prefix chosen so far)
+//        shared memory over the columns still matching the prefix chosen so far; one atomic
+//        per bin per warp, not per lane)
 //   7. gather: columns above the k-th key, then as many equal to it as still needed
 // then a bitonic sort of the (at most 256) candidates by one 64-bit key (~value, column).
 
@@ -98,9 +99,20 @@ q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ pac
     for (int sh = 24; sh >= 0; sh -= 8) {
         for (int b = tid; b < 256; b += (int)blockDim.x) hist[b] = 0u;
         __syncthreads();
-        for (int j = tid; j < cols; j += (int)blockDim.x) {
-            const unsigned int key = q6_order_key(row[j]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> sh) & 255u], 1u);
+        // Warp-aggregated: the lanes of a warp that fall in one bin add once, by their
+        // leader. Logits share a few top-byte bins, so plain per-lane atomics serialised on
+        // one shared address (32 lanes, one instruction); the loop is warp-uniform so that
+        // every lane reaches the __match_any_sync.
+        for (int base = warp * 32; base < cols; base += (int)blockDim.x) {
+            const int j = base + lane;
+            unsigned int bin = 0xFFFFFFFFu;  // lanes past the row or off the prefix
+            if (j < cols) {
+                const unsigned int key = q6_order_key(row[j]);
+                if ((key & mask) == prefix) bin = (key >> sh) & 255u;
+            }
+            const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+            if (bin != 0xFFFFFFFFu && lane == __ffs(peers) - 1)
+                atomicAdd(&hist[bin], (unsigned int)__popc(peers));
         }
         __syncthreads();
         if (tid == 0) {
