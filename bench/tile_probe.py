@@ -65,15 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = [c for c in tile.CONFIGS if any(tile.nt_for(n) == c.nt for n in ns)]
     t0 = time.time()
     with be._dev:
-        tmod = loader.load(tile.TILE_FILE, tuple(
-            tile.kernel_name(c, soa) for c in cfgs for soa in (True, False)))
+        tmod = loader.load(tile.TILE_FILE, tile.names(("InF16",)))
         pmod = loader.load(tile.PREP_FILE, tuple(
             f"q6k_prep_f16<{nt}, InF16>" for nt in sorted({c.nt for c in cfgs})))
     mods = {tile.TILE_FILE: tmod, tile.PREP_FILE: pmod}
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
     for c in cfgs:
-        f = tmod.function(tile.kernel_name(c, True))
+        f = tmod.function(tile.kernel_name(c, True, True))
         print(f"# {c.label}: {f.num_regs} regs, {tile.smem_bytes(c)} B dynamic smem", flush=True)
 
     def get_fn(file: str, name: str):
@@ -155,7 +154,7 @@ def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> d
     with be._dev, be._stream:
         ps = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.smem_sm)
         pa = tile.plan(get_fn, c, rows, k, n, False, "InF16", be.sm_count, be.smem_sm)
-        xp = cp.empty(ps.xp_words, cp.uint32)
+        xp = cp.empty(max(1, ps.xp_words), cp.uint32)
         part = cp.empty(max(1, ps.part_floats), cp.float32)
         tickets = cp.zeros(ps.tiles, cp.uint32)
         outs = []

@@ -72,6 +72,15 @@ __device__ __forceinline__ int unit_owner(long long x, long long units, long lon
     return (int)(((x + 1) * g + units - 1) / units - 1);
 }
 
+// 16-byte copy of the first `bytes` (0 or 16) of gmem, zeros for the rest (tokens past N).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int bytes) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(gmem), "r"(bytes)
+                 : "memory");
+}
+
 __device__ __forceinline__ float4 ldcg_f32x4(const float* p) {
     float4 v;  // L2 only: other CTAs wrote it
     asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
@@ -89,9 +98,9 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 
 // Copy unit (tile, kb) into stage `st`. `tab` holds the tile's row references (rows past the
 // end repeat the last row: read, never emitted).
-template <int NT, int MT, bool SOA>
-__device__ __forceinline__ void fill_stage(u8* st, const RowRef* tab, int kb, const uint4* xpk,
-                                           int tid) {
+template <int NT, int MT, bool SOA, bool XH>
+__device__ __forceinline__ void fill_stage(u8* st, const RowRef* tab, int kb, const void* x,
+                                           int n_tok, int K, int tid) {
     typedef TileGeom<NT, MT> G;
     constexpr u32 QL_STEP = SOA ? 128u : 210u, QH_STEP = SOA ? 64u : 210u,
                   SC_STEP = SOA ? 16u : 210u;
@@ -141,7 +150,18 @@ __device__ __forceinline__ void fill_stage(u8* st, const RowRef* tab, int kb, co
         }
     }
 #pragma unroll
-    for (int i = tid; i < NT * 256; i += G::THREADS) cp_async16(st + G::X + 16 * i, xpk + i);
+    for (int i = tid; i < NT * 256; i += G::THREADS) {
+        if (XH) {  // straight from f16 x: 8 consecutive activations per fragment slot
+            const int lane = i & 31, tok = (i >> 8) * 8 + (lane >> 2);
+            const unsigned short* x16 = (const unsigned short*)x;
+            const bool live = tok < n_tok;
+            const unsigned short* src =
+                live ? x16 + (size_t)tok * K + kb * 256 + quad_x_off((i >> 5) & 7, lane & 3) : x16;
+            cp_async16_zfill(st + G::X + 16 * i, src, live ? 16 : 0);
+        } else {
+            cp_async16(st + G::X + 16 * i, (const uint4*)x + (size_t)kb * NT * 256 + i);
+        }
+    }
 }
 
 
@@ -196,11 +216,13 @@ __device__ __forceinline__ void reduce_tile(const Out& o, int rows, int tile, in
     }
 }
 
-// x: the q6k_prep_f16<NT> buffer of token chunk 0 (n_tok <= 8*NT). One CTA per resident slot,
+// x (n_tok <= 8*NT): XH the f16 activations [n_tok][K] themselves (the fill gathers the
+// fragment order, zero-filling tokens past n_tok: no prepass launch), else the q6k_prep_f16<NT>
+// buffer of token chunk 0 (f32/bf16 activations). One CTA per resident slot,
 // gridDim.x = G <= tiles * bpr. part: [G][2][8*NT][BM] floats (slot 0: the CTA's first tile,
 // 1: its last), tickets: one per row tile, zero between launches.
-template <int NT, int MT, int S, bool SOA, int MINB>
-__global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4* xp,
+template <int NT, int MT, int S, bool SOA, int MINB, bool XH>
+__global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const void* x,
                                                            PARAMS_OUT) {
     typedef TileGeom<NT, MT> G;
     MAKE_W;
@@ -225,7 +247,7 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
             __syncthreads();
             fill_tile = tile;
         }
-        fill_stage<NT, MT, SOA>(stages + s * G::STAGE, tab, kb, xp + (size_t)kb * NT * 256, tid);
+        fill_stage<NT, MT, SOA, XH>(stages + s * G::STAGE, tab, kb, x, o.n_tok, bpr * 256, tid);
     };
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
@@ -381,11 +403,12 @@ __global__ void __launch_bounds__(256, MINB) q6k_tile_f16(PARAMS_W, const uint4*
 
 #ifdef Q6SERVE_NVCC_CHECK
 // Every launch shape the backend and bench/tile_probe.py may ask NVRTC for.
-#define INST_TILE(NT, MT, S, MINB)                                                            \
-    template __global__ void q6k_tile_f16<NT, MT, S, true, MINB>(                              \
-        const u64*, int, int, int, const uint4*, float*, float*, u32*, int);                  \
-    template __global__ void q6k_tile_f16<NT, MT, S, false, MINB>(                             \
-        const u64*, int, int, int, const uint4*, float*, float*, u32*, int);
+#define INST_TILE2(NT, MT, S, SOA, MINB, XH)                \
+    template __global__ void q6k_tile_f16<NT, MT, S, SOA, MINB, XH>( \
+        const u64*, int, int, int, const void*, float*, float*, u32*, int);
+#define INST_TILE(NT, MT, S, MINB)                                          \
+    INST_TILE2(NT, MT, S, true, MINB, true) INST_TILE2(NT, MT, S, false, MINB, true) \
+    INST_TILE2(NT, MT, S, true, MINB, false) INST_TILE2(NT, MT, S, false, MINB, false)
 INST_TILE(2, 1, 4, 1) INST_TILE(2, 1, 3, 2) INST_TILE(2, 2, 3, 1)
 INST_TILE(4, 1, 4, 1) INST_TILE(4, 2, 3, 1) INST_TILE(4, 1, 2, 2)
 INST_TILE(8, 1, 3, 1) INST_TILE(8, 2, 2, 1)

@@ -1,7 +1,8 @@
 """Host side of the stream-K tensor-core tile ``q6k_tile_f16`` (``q6k_tile.cu``, issue 16).
 
 One place for its launch shapes, shared memory, grid and buffers, so the backend and
-``bench/tile_probe.py`` launch it the same way. The kernel reads the f16 activation prepass
+``bench/tile_probe.py`` launch it the same way. f16 activations (what the service receives)
+are read by the tile itself (one launch); f32/bf16 ones first go through the f16 prepass
 ``q6k_prep_f16<NT, In>`` of ``q6k_matmul.cu`` (fragment order, one token chunk of 8*NT).
 """
 
@@ -68,9 +69,16 @@ def smem_bytes(cfg: TileCfg) -> int:
     return cfg.stages * stage_bytes(cfg)
 
 
-def kernel_name(cfg: TileCfg, soa: bool) -> str:
-    return (f"q6k_tile_f16<{cfg.nt}, {cfg.mt}, {cfg.stages}, {'true' if soa else 'false'}, "
-            f"{cfg.minb}>")
+def kernel_name(cfg: TileCfg, soa: bool, xh: bool) -> str:
+    """``xh``: the kernel reads f16 activations itself (else the prepass buffer)."""
+    b = {True: "true", False: "false"}
+    return f"q6k_tile_f16<{cfg.nt}, {cfg.mt}, {cfg.stages}, {b[soa]}, {cfg.minb}, {b[xh]}>"
+
+
+def names(in_types: tuple[str, ...] = ("InF32", "InF16", "InBF16")) -> tuple[str, ...]:
+    """Every tile instantiation for activations of ``in_types`` (compile them in one go)."""
+    xhs = sorted({t == "InF16" for t in in_types})
+    return tuple(kernel_name(c, soa, xh) for c in CONFIGS for soa in (True, False) for xh in xhs)
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ class TilePlan:
     """Everything a call needs besides its buffers (cache it per call shape)."""
 
     fn: Any
-    prep: Any
+    prep: Any  # the f16 prepass, None for f16 activations
     grid: int  # CTAs: resident slots, at most the (row tile, K block) units
     smem: int
     tiles: int  # row tiles = ticket counters
@@ -99,8 +107,9 @@ def plan(get_fn: Callable[[str, str], Any], cfg: TileCfg, rows: int, k: int, n: 
         raise ValueError(f"{cfg.label} takes at most {8 * cfg.nt} tokens, got {n}")
     bpr = k // 256
     smem = smem_bytes(cfg)
-    fn = get_fn(TILE_FILE, kernel_name(cfg, soa))
-    ref = get_fn(TILE_FILE, kernel_name(cfg, True))
+    xh = in_t == "InF16"
+    fn = get_fn(TILE_FILE, kernel_name(cfg, soa, xh))
+    ref = get_fn(TILE_FILE, kernel_name(cfg, True, xh))
     for f in (fn, ref):
         if int(f.max_dynamic_shared_size_bytes) < smem:
             f.max_dynamic_shared_size_bytes = smem
@@ -109,18 +118,21 @@ def plan(get_fn: Callable[[str, str], Any], cfg: TileCfg, rows: int, k: int, n: 
     occ = max(1, min(cfg.minb, smem_sm // (smem + static + 1024), 65536 // (THREADS * regs)))
     tiles = -(-rows // cfg.rows)
     grid = max(1, min(sm_count * occ, tiles * bpr))
-    prep = get_fn(PREP_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
-    xp_words = bpr * cfg.nt * 8 * 32 * 4
+    prep = None if xh else get_fn(PREP_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
+    xp_words = 0 if xh else bpr * cfg.nt * 8 * 32 * 4
     return TilePlan(fn, prep, grid, smem, tiles, grid * 2 * 8 * cfg.nt * cfg.rows, xp_words,
                     min(65535, -(-(xp_words // 4) // 256)), cfg.nt, bpr)
 
 
 def launch(p: TilePlan, table: Any, rows: int, rps: int, xd: Any, n: int, y: Any, xp: Any,
            part: Any, tickets: Any) -> None:
-    """Enqueue the prepass and the tile on the current stream. ``y`` f32 [n][rows];
-    ``xp`` >= ``p.xp_words`` u32, ``part`` >= ``p.part_floats`` f32, ``tickets`` >= ``p.tiles``
-    zeroed u32 (the kernel leaves them zero)."""
+    """Enqueue the prepass (f32/bf16 activations) and the tile on the current stream. ``xd``
+    C-contiguous [n][K] on the device (f16 rows start 16-byte aligned: K is a multiple of
+    256); ``y`` f32 [n][rows]; ``xp`` >= ``p.xp_words`` u32 (unused for f16); ``part`` >=
+    ``p.part_floats`` f32; ``tickets`` >= ``p.tiles`` zeroed u32 (the kernel leaves them zero)."""
     k = p.bpr * 256
-    p.prep((p.prep_grid,), (256,), (xd, np.int32(n), np.int32(k), np.int32(1), xp))
-    p.fn((p.grid,), (THREADS,), (table, np.int32(rows), np.int32(p.bpr), np.int32(rps), xp, y,
+    if p.prep is not None:
+        p.prep((p.prep_grid,), (256,), (xd, np.int32(n), np.int32(k), np.int32(1), xp))
+        xd = xp
+    p.fn((p.grid,), (THREADS,), (table, np.int32(rows), np.int32(p.bpr), np.int32(rps), xd, y,
                                  part, tickets, np.int32(n)), shared_mem=p.smem)

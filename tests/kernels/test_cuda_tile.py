@@ -49,8 +49,7 @@ def get_fn(be):
     """Every instantiation compiled in one NVRTC call (one per name would take minutes)."""
     with be._dev:
         mods = {
-            tile.TILE_FILE: loader.load(tile.TILE_FILE, tuple(
-                tile.kernel_name(c, s) for c in tile.CONFIGS for s in (True, False))),
+            tile.TILE_FILE: loader.load(tile.TILE_FILE, tile.names()),
             tile.PREP_FILE: loader.load(tile.PREP_FILE, tuple(
                 f"q6k_prep_f16<{nt}, {t}>" for nt in (2, 4, 8)
                 for t in ("InF32", "InF16", "InBF16"))),
@@ -76,7 +75,7 @@ def _run(be, get_fn, w, x, cfg, sm_count):
                       be.smem_sm)
         cw = w.data
         y = cp.full((n, w.rows), np.nan, cp.float32)
-        xp = cp.full(p.xp_words, 0x7FC00000, cp.uint32)
+        xp = cp.full(max(1, p.xp_words), 0x7FC00000, cp.uint32)
         part = cp.full(max(1, p.part_floats), np.nan, cp.float32)
         tickets = cp.zeros(p.tiles, cp.uint32)
         tile.launch(p, cw.table, w.rows, cw.rps, cp.asarray(x), n, y, xp, part, tickets)
@@ -113,8 +112,9 @@ CASES = [  # rows, k: no whole tile, one block, a tile cut among many CTAs, many
 
 @pytest.mark.parametrize("shape", CASES)
 @pytest.mark.parametrize("sm_count", [0, 3])  # 0: the device's own
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # prepass / read by the tile
 def test_every_launch_shape_matches_the_reference(be, get_fn, rng, random_blocks, shape,
-                                                  sm_count):
+                                                  sm_count, dtype):
     rows, k = shape
     blocks = random_blocks(rng, rows * (k // 256))
     ws = _load(be, blocks, rows, k, Layout.SOA)
@@ -123,7 +123,7 @@ def test_every_launch_shape_matches_the_reference(be, get_fn, rng, random_blocks
     wd = _dense(blocks, rows, k)
     for cfg in tile.CONFIGS:
         for n in sorted({1, 8 * cfg.nt - 7, 8 * cfg.nt}):
-            x = rng.standard_normal((n, k)).astype(np.float32)
+            x = rng.standard_normal((n, k)).astype(dtype)
             y = _run(be, get_fn, ws, x, cfg, sms)
             _check(y, x, wd)
             again = _run(be, get_fn, ws, x, cfg, sms)
