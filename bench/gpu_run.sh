@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [MODE...]  MODE: tests|bench|variants|record|probe|stalls|tune|wall|all|none
+#   bench/gpu_run.sh [MODE...]  MODE: kstest|tests|bench|variants|record|probe|stalls|tune|wall|tile|ncu|all|none
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
-# Order: tune, wall, tests, the rest.
+# Order: kstest, tune, wall, tests, the rest.
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
 #       modes after it run with the new table. wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
+# tile: the stream-K tile's GPU tests and bench/tile_probe.py (TILE_ARGS). ncu: Nsight Compute
+#       (NCU_SET, default full) of the AUTO kernel and every tile launch shape on NCU_SHAPE at
+#       NCU_NS (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -28,6 +31,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 cat "$OUT/gpu.txt"
 git log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
 rc=0
+if want kstest; then  # the K-slice tile's GPU tests, before a tune may put it in the table
+  timeout "${KSTEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p no:cacheprovider \
+    tests/kernels/test_cuda_ks.py 2>&1 | tee "$OUT/pytest_ks.log" | tail -15
+  rc=${PIPESTATUS[0]}
+fi
 if want tune; then  # before the tests: they run with the table it writes
   # shellcheck disable=SC2086
   timeout "${TUNE_TIMEOUT:-240}" python3 bench/kernels.py --tune --iters "${TUNE_ITERS:-20}" \
@@ -77,6 +85,27 @@ if want probe; then  # memory-side ceiling + Nsight Compute on the AUTO tile
       "$OUT/ncu_n$n.txt" | head -24
   done
   sed -n '/^# best/,$p' "$OUT/probe.log"
+fi
+if want tile; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=10 -p no:cacheprovider \
+    tests/kernels/test_cuda_tile.py 2>&1 | tee "$OUT/pytest_tile.log" | tail -15
+  # shellcheck disable=SC2086
+  timeout "${TILE_TIMEOUT:-200}" python3 bench/tile_probe.py ${TILE_ARGS:-} \
+    --json "$OUT/tile_probe.json" 2>&1 | tee "$OUT/tile_probe.log" | sed -n '/^# us/,$p'
+fi
+if want ncu; then
+  # shellcheck disable=SC2086
+  timeout "${NCU_TIMEOUT:-200}" ncu --clock-control none --set "${NCU_SET:-full}" \
+    -k "regex:${NCU_KERNELS:-q6k_mma|q6k_tile|q6k_ks}" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
+    --profile --no-torch --shapes "${NCU_SHAPE:-4096x14336}" --ns "${NCU_NS:-16,64}" \
+    >"$OUT/ncu_run.log" 2>&1
+  echo "# ncu rc=$?"; grep -E "^# profile|ERR|rror" "$OUT/ncu_run.log" | head
+  ncu --import "$OUT/ncu.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
+  grep -E "q6k_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit (Reg|Shared)|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Grid Size|Shared Memory Configuration Size|Local Memory Spilling|Bank Conflicts|L2 Hit Rate|Executed Ipc A" \
+    "$OUT/ncu_details.txt" | grep -v "^ *-" | head -120
+  ncu --import "$OUT/ncu.ncu-rep" --page raw --csv --metrics \
+    gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__inst_executed.avg.per_cycle_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    >"$OUT/ncu_stalls.csv" 2>&1; cut -c1-400 "$OUT/ncu_stalls.csv" | head -12
 fi
 if want stalls; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_ROWS)
   m=smsp__average_warps_issue_stalled

@@ -75,6 +75,9 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
+# K-slice tile shapes (mt, prefetch) per n-tiles, as instantiated in q6k_matmul.cu
+KS_SHAPES = {1: ((1, True), (2, True)), 2: ((1, True), (2, True)), 4: ((1, True), (2, True)),
+             8: ((1, True), (2, False), (2, True))}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
                   "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}
@@ -173,6 +176,9 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
     # guess (14336x4096 and 128256x4096 ran N=1 slower than N=2..8 in run 1)
     base = default_cfg("mma_f16", n, rows, sm_count)
     mma = mma + [replace(base, ksplit=s) for s in (1, 2, 4) if s <= k // 256]
+    # the K-slice tile (src 4: activations staged once per CTA, warps stream many row tiles)
+    nt = 1 if n <= 8 else n // 8
+    mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
         for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:

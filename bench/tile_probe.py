@@ -25,8 +25,10 @@ import numpy as np
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
-from q6serve.kernels.cuda import loader, tile
-from q6serve.kernels.cuda_backend import CudaBackend, CudaWeight, slab_rows
+from q6serve.kernels.cuda import loader, storage, tile
+from q6serve.kernels.cuda.dispatch import default_cfg
+from q6serve.kernels.cuda.storage import CudaWeight
+from q6serve.kernels.cuda_backend import CudaBackend
 
 _spec = importlib.util.spec_from_file_location("_q6_bench_kernels",
                                                Path(__file__).with_name("kernels.py"))
@@ -44,11 +46,11 @@ def device_weight(be: CudaBackend, aos: object, rows: int, k: int,
                   layout: Layout) -> ResidentWeight:
     """A resident weight built on the device from device AoS blocks (the backend's own
     repack into its slabs, as ``load`` does chunk by chunk)."""
-    plan = be._slab_plan(rows, k)
+    plan = storage.slab_plan(rows, k)
     slabs: list = []
-    be._scatter(aos, 0, rows, plan, slabs, k, layout)
+    be.storage._scatter(aos, 0, rows, plan, slabs, k, layout)
     return ResidentWeight(rows, k, layout, be.weight_nbytes(rows, k, layout),
-                          CudaWeight(slabs, be._table(slabs), slab_rows(rows, k)))
+                          CudaWeight(slabs, be.storage._table(slabs), storage.slab_rows(rows, k)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
+                         "tile's heuristic shape and of the stream-K tile (for Nsight Compute)")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for c in tile.CONFIGS if any(tile.nt_for(n) == c.nt for n in ns)]
     t0 = time.time()
-    with be._dev:
+    with be.ctx.dev:
         tmod = loader.load(tile.TILE_FILE, tile.names(("InF16",)))
         pmod = loader.load(tile.PREP_FILE, tuple(
             f"q6k_prep_f16<{nt}, InF16>" for nt in sorted({c.nt for c in cfgs})))
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         bpr = k // 256
         wbytes = q6k.aos_nbytes(rows, k)
         copies = max(2, min(32, math.ceil(3 * _bk.L2_BYTES / wbytes)))
-        with be._dev, be._stream:
+        with be.ctx.dev, be.stream:
             nb = rows * bpr
             aos = cp.random.randint(0, 256, size=(nb, 210), dtype=cp.int32).astype(cp.uint8)
             d = (cp.random.standard_normal(nb, dtype=cp.float32) * 1e-3).astype(cp.float16)
@@ -98,22 +103,26 @@ def main(argv: list[str] | None = None) -> int:
                 rng.integers(0, rows, CHECK_ROWS)]))
             sub = aos.reshape(rows, bpr, 210)[cp.asarray(pick)].get().reshape(-1, 210)
             del aos
-            be._stream.synchronize()
+            be.stream.synchronize()
         print(f"\n{shape_s}: {wbytes / 1e6:.1f} MB Q6_K, {copies} copies, "
               f"{pick.size} rows checked", flush=True)
         for n in ns:
             x16 = rng.standard_normal((n, k)).astype(np.float16)
             y64 = reference.matmul_float64(x16, sub, pick.size)
-            with be._dev, be._stream:
+            with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
+            if a.profile:
+                profile_calls(cp, be, get_fn, ws, xd, n, rows, k)
+                continue
             t_torch = None if a.no_torch else _bk.torch_linear_us(
                 rows, k, n, max(2, min(16, math.ceil(3 * _bk.L2_BYTES / (2 * rows * k)))))
-            auto = be._path(n, Precision.AUTO, flags, rows, k)[0]
+            choice = be.choose(n, Precision.AUTO, flags, rows, k)
+            auto = choice.path
 
-            def call_auto(i: int, auto=auto, xd=xd, ws=ws) -> None:
-                be.run(ws[i], xd, np.dtype(np.float16), auto)
+            def call_auto(i: int, c=choice, xd=xd, ws=ws) -> None:
+                be.run(ws[i], xd, np.dtype(np.float16), c.path, c.cfg)
 
-            with be._dev, be._stream:
+            with be.ctx.dev, be.stream:
                 t_auto = _bk.time_calls(cp, call_auto, copies)
             row = {"shape": shape_s, "n": n, "mb": wbytes / 1e6, "torch_us": t_torch,
                    "auto": auto, "auto_us": t_auto, "tiles": {}}
@@ -140,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             be.free(w)
         ws.clear()
         cp.get_default_memory_pool().free_all_blocks()
+    if a.profile:
+        return 0
     print_table(results)
     if a.json:
         with open(a.json, "w") as fh:
@@ -149,11 +160,37 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+def profile_calls(cp, be, get_fn, ws, xd, n, rows, k) -> None:
+    """One call each of: AUTO (the dispatch's kernel and launch shape), the f16 tile's
+    heuristic shape when AUTO is another, the stream-K tile's default shape; each on another
+    resident copy (so a profiler's replay reads HBM, not the L2 the previous kernel filled)."""
+    choice = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+    runs = [(choice.path, choice.cfg)]
+    heur = default_cfg("mma_f16", n, rows, be.sm_count)
+    if (choice.path, choice.cfg) != ("mma_f16", heur):
+        runs.append(("mma_f16", heur))
+    c = tile.default_cfg(n)
+    print(f"# profile {rows}x{k} N={n}: "
+          + ", ".join(f"{p} {q.label() if q else ''}" for p, q in runs) + f", {c.label}",
+          flush=True)
+    with be.ctx.dev, be.stream:
+        for i, (path, cfg) in enumerate(runs):
+            be.run(ws[i % len(ws)], xd, np.dtype(np.float16), path, cfg)
+        p = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
+        y = cp.empty((n, rows), cp.float32)
+        part = cp.empty(max(1, p.part_floats), cp.float32)
+        xp = cp.empty(max(1, p.xp_words), cp.uint32)
+        tickets = cp.zeros(p.tiles, cp.uint32)
+        cw = ws[len(runs) % len(ws)].data
+        tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
+        be.stream.synchronize()
+
+
 def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> dict:
     """Correctness (reference rows, AoS twin, repeat) and timing of one launch shape."""
-    with be._dev, be._stream:
-        ps = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.smem_sm)
-        pa = tile.plan(get_fn, c, rows, k, n, False, "InF16", be.sm_count, be.smem_sm)
+    with be.ctx.dev, be.stream:
+        ps = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
+        pa = tile.plan(get_fn, c, rows, k, n, False, "InF16", be.sm_count, be.ctx.smem_sm)
         xp = cp.empty(max(1, ps.xp_words), cp.uint32)
         part = cp.empty(max(1, ps.part_floats), cp.float32)
         tickets = cp.zeros(ps.tiles, cp.uint32)
@@ -163,7 +200,7 @@ def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> d
             part.fill(np.nan)
             cw = w.data
             tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
-            outs.append(y.get(stream=be._stream))
+            outs.append(y.get(stream=be.stream))
         left = int(tickets.sum().get())
         y = cp.empty((n, rows), cp.float32)
 

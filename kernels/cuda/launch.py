@@ -39,6 +39,7 @@ from .storage import CudaWeight
 MATMUL_FILE = "q6k_matmul.cu"
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
+KS_SMEM_MAX = 227 << 10  # q6k_ks_f16 (src 4): dynamic shared memory per CTA (sm_90 opt-in)
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that wastes more than this
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
@@ -50,6 +51,8 @@ Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel s
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
+    if path == "mma_f16" and cfg.src == 4:  # stage_x_f16: 8*nt token rows of per*32+4 uint4
+        return 8 * cfg.nt * (per * 32 + 4) * 16
     if path == "mma_f16" and cfg.src == 3:
         return 2 * cfg.nt * 256 * 16
     if cfg.src != 2:
@@ -68,6 +71,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "exact":
         sm = "true" if cfg.src == 2 else "false"
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
+    if path == "mma_f16" and cfg.src == 4:
+        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src in (1, 3) else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -235,6 +240,51 @@ class Launcher:
         self._grids[key] = (gx, best[1], nz)
         return gx, best[1], nz
 
+    def ks_grid(self, rows: int, k: int, nz: int, cfg: Cfg, fn: Any,
+                n: int) -> tuple[int, int, int]:
+        """(CTAs along rows, K slices, token chunks) of the K-slice tile: one wave of resident
+        CTAs (registers and the staged activations bound the occupancy). Per slice count
+        ks, the cost of the busiest SM is its CTAs x (weight bytes + activation staging +
+        partial sums written and re-read); fewest bytes wins, then fewer CTAs. SoA twin
+        only, so both layouts cut and sum alike."""
+        key = (rows, k, "ks", nz, cfg, n)
+        hit = self._grids.get(key)
+        if hit is not None:
+            return hit
+        bpr = k // q6k.QK_K
+        sms = self.ctx.sm_count
+        regs = -(-max(int(fn.num_regs), 1) // 8) * 8
+        occ_regs = max(1, min(8, 65536 // (256 * regs)))
+        wtiles = -(-rows // (16 * cfg.mt))
+        toks = min(n, 8 * cfg.nt)
+        best: tuple[float, int, int] | None = None
+        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
+        for ks in choices:
+            per = -(-bpr // min(ks, bpr))
+            ks_eff = -(-bpr // per)
+            smem = smem_bytes("mma_f16", cfg, per)
+            if smem > KS_SMEM_MAX:
+                continue
+            occ = min(occ_regs, self.ctx.smem_sm // (smem + 1024))
+            if occ < 1:
+                continue
+            gx = max(1, min(-(-wtiles // 8), sms * occ // (ks_eff * nz)))
+            rounds = -(-wtiles // (8 * gx))
+            gx = -(-wtiles // (8 * rounds))  # as few CTAs as give the same rounds
+            per_sm = -(-(gx * ks_eff * nz) // sms)
+            wbytes = rounds * 8 * 16 * cfg.mt * per * 210
+            xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
+            pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4
+            cost = per_sm * (wbytes + xbytes + pbytes)
+            if best is None or cost < best[0] * (1 - 1e-9):
+                best = (cost, ks_eff, gx)
+        if best is None:
+            raise DeviceError(f"no K slice of mma_f16 {cfg.label()} fits shared memory (K={k})")
+        if len(self._grids) > 4096:
+            self._grids.clear()
+        self._grids[key] = (best[2], best[1], nz)
+        return best[2], best[1], nz
+
     def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
              n: int) -> LaunchPlan:
         bpr = k // q6k.QK_K
@@ -243,10 +293,15 @@ class Launcher:
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
         fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, True, in_t))
-        gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
+        ks_tile = path == "mma_f16" and cfg.src == 4
+        if ks_tile:
+            gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
+        else:
+            gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
         smem = smem_bytes(path, cfg, -(-bpr // ks))
-        if smem > SMEM_LIMIT and int(fn.max_dynamic_shared_size_bytes) < smem:
-            fn.max_dynamic_shared_size_bytes = smem
+        for f in (fn, soa_fn):
+            if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:
+                f.max_dynamic_shared_size_bytes = smem
         prep, prep_grid, sizes = None, (1,), (0, 0, 0)
         if path == "mma_f16" and cfg.src in (1, 3):
             words = nz * bpr * cfg.nt * 8 * 32 * 4
@@ -258,7 +313,8 @@ class Launcher:
             prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>")
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
-        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
+        tickets = nz * -(-rows // (16 * cfg.mt)) if ks_tile else gx * nz  # per warp tile
+        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, tickets, bpr, nz,
                           prep, prep_grid, sizes)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,

@@ -60,6 +60,83 @@ __device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = T(0);
 }
 
+// The CTA's activations of tokens tok0.. (8*NT of them, zero past n_tok) and K blocks
+// [kb0, kb0+nblk) into smem_x as f16 in fragment order: [token][block][sp][t] 16 bytes, token
+// rows padded by 64 bytes (4 uint4) so the 16-byte reads of a quarter-warp (two tokens, four t)
+// hit distinct banks.
+template <int NT, class In>
+__device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
+                                            int kb0, int nblk) {
+    const int per_tok = nblk * 32, tstride = per_tok + 4;
+    for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
+        const int tk = i / per_tok, rem = i - tk * per_tok;
+        const int b = rem >> 5, sp = (rem >> 2) & 7, tt = rem & 3;
+        const int tok = tok0 + tk;
+        smem_x[tk * tstride + rem] =
+            tok < n_tok ? load_x8_f16<In>(x + (size_t)tok * K + (kb0 + b) * 256 +
+                                          quad_x_off(sp, tt))
+                        : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
+// A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
+// the lane's 16-byte activation fragment of step pair sp. A zero d masks the block.
+template <int NT, int MT, class BX>
+__device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
+                                          int t, BX bx_of) {
+    const int qsh = 2 * (t >> 1);
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
+    float dmul[MT][2];
+    u32 sc2[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float d = f16_to_f32(raw[mt][hr].d);
+            const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
+            dmul[mt][hr] = zero ? 1.f : d;
+            const float inv = zero ? 1.f : rcp_approx(d);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[mt][nt][2 * hr] *= inv;
+                acc[mt][nt][2 * hr + 1] *= inv;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                sc2[mt][hr][k] = zero ? 0u : sc_pair(word4(raw[mt][hr].sc, k), scsel);
+        }
+#pragma unroll
+    for (int sp = 0; sp < 8; ++sp) {
+        const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+        uint4 bx[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) bx[nt] = bx_of(sp, nt);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int j = 2 * jj + u;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
+                const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
+                const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
+                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
+                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,
+                            u ? bx[nt].w : bx[nt].y);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= dmul[mt][i >> 1];
+}
+
 // ---------------------------------------------------------------------------------------------
 // F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
 // of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 0 read and
@@ -73,8 +150,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     MAKE_W;
     MAKE_OUT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3, qsh = 2 * (t >> 1);
-    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
+    const int g = lane >> 2, t = lane & 3;
     const int rows_cta = nw * 16 * MT;
     const int row0 = blockIdx.x * rows_cta;
     const int wrow = row0 + warp * 16 * MT;
@@ -101,16 +177,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     // The first weight loads are in flight while the CTA stages its activations.
     const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
     if (SRC == 2) {
-        const int per_tok = (kb1 - kb0) * 32;
-        for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
-            const int tk = i / per_tok, rem = i - tk * per_tok;
-            const int b = rem >> 5, sp = (rem >> 2) & 7, tt = rem & 3;
-            const int tok = tok0 + tk;
-            smem_x[tk * tstride + rem] =
-                tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + (kb0 + b) * 256 +
-                                                quad_x_off(sp, tt))
-                              : make_uint4(0, 0, 0, 0);
-        }
+        stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
         __syncthreads();
     }
     if (SRC == 3 && kb0 < kb1) {
@@ -145,69 +212,17 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
                 }
             }
 
-        float dmul[MT][2];
-        u32 sc2[MT][2][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const float d = f16_to_f32(raw[mt][hr].d);
-                const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
-                dmul[mt][hr] = zero ? 1.f : d;
-                const float inv = zero ? 1.f : rcp_approx(d);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    acc[mt][nt][2 * hr] *= inv;
-                    acc[mt][nt][2 * hr + 1] *= inv;
-                }
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    sc2[mt][hr][k] = zero ? 0u : sc_pair(word4(raw[mt][hr].sc, k), scsel);
-            }
-
-#pragma unroll
-        for (int sp = 0; sp < 8; ++sp) {
-            const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
-            uint4 bx[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                if (SRC == 3) {
-                    bx[nt] = stage[(nt * 8 + sp) * 32 + lane];
-                } else if (SRC == 2) {
-                    bx[nt] = smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
-                } else if (PRE) {
-                    bx[nt] = ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
-                                    lane);
-                } else {
-                    const int tok = tok0 + nt * 8 + g;
-                    bx[nt] = tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + kb * 256 +
-                                                             quad_x_off(sp, t))
-                                           : make_uint4(0, 0, 0, 0);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const int j = 2 * jj + u;
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
-                    const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
-                    const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
-                    const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
-                    const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,
-                                u ? bx[nt].w : bx[nt].y);
-                }
-            }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= dmul[mt][i >> 1];
+        block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+            if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
+            if (SRC == 2) return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
+            if (PRE)
+                return ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
+                              lane);
+            const int tok = tok0 + nt * 8 + g;
+            return tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + kb * 256 +
+                                                   quad_x_off(sp, t))
+                                 : make_uint4(0, 0, 0, 0);
+        });
         if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
     }
 
@@ -220,6 +235,142 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
                 emit(o, w.rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
                      acc[mt][nt][i]);
     finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
+}
+
+// The end of a warp tile of q6k_ks_f16: y directly (one K slice), else the partial sums and,
+// for the last warp of the tile's slices to arrive (ticket z*wtiles + wt), their sum in slice
+// order. Warp-level: the other warps of the CTA never wait for it.
+template <int NT, int MT>
+__device__ __forceinline__ void ks_emit(const Out& o, int rows, int wtiles, int wt, int wrow,
+                                        int tok0, const float (&acc)[MT][NT][4], int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                emit(o, rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
+                     acc[mt][nt][i]);
+    if (gridDim.y == 1) return;
+    __threadfence();
+    __syncwarp();
+    u32 last = 0;
+    if (lane == 0) {
+        u32* tk = o.tickets + (size_t)blockIdx.z * wtiles + wt;
+        last = atomicAdd(tk, 1u) == gridDim.y - 1;
+        if (last) *tk = 0;  // ready for the next launch (stream order)
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    const int nr = min(16 * MT, rows - wrow), nt = min(8 * NT, o.n_tok - tok0);
+    const int ks = gridDim.y;
+    const size_t plane = (size_t)o.n_tok * rows;
+    for (int i = lane; i < nr * nt; i += 32) {
+        const int tok = tok0 + i / nr, row = wrow + i % nr;
+        const float* p = o.part + (size_t)tok * rows + row;
+        float s = 0.f;
+        int k = 0;
+        for (; k + 4 <= ks; k += 4) {  // four loads in flight, added in slice order
+            const float v0 = ldcg_f32(p + k * plane), v1 = ldcg_f32(p + (k + 1) * plane);
+            const float v2 = ldcg_f32(p + (k + 2) * plane), v3 = ldcg_f32(p + (k + 3) * plane);
+            s += v0;
+            s += v1;
+            s += v2;
+            s += v3;
+        }
+        for (; k < ks; ++k) s += ldcg_f32(p + k * plane);
+        o.y[(size_t)tok * rows + row] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K-slice tile (issue 16, N = 9..64): the F16 numerics of q6k_mma_f16 with each weight unpacked
+// once per call and no CTA barrier in the weight loop. CTA (blockIdx.x, K slice blockIdx.y,
+// token chunk blockIdx.z) stages the activations of its slice for its 8*NT tokens once in
+// shared memory (stage_x_f16, one barrier); then every warp streams, on its own, the warp tiles
+// (16*MT rows) wt = blockIdx.x*8 + warp + i*gridDim.x*8 through the slice: each lane loads its
+// weight bytes with 16-byte loads (load_raw), the next block's - of this tile or the next - in
+// flight during this block's math (PF), and each A fragment feeds NT mma.sync while each
+// activation fragment read from shared memory feeds MT m-tiles. The grid is at most one wave
+// (gridDim.x*gridDim.y*gridDim.z CTAs resident), so a CTA stages its activations once for all
+// the rows it owns: activation traffic ~ 8*NT*512 bytes per CTA per block instead of per 128
+// rows. ks == 1 writes y; otherwise partial sums part[ky][n_tok][rows], and per (chunk, warp
+// tile) the last warp to arrive (ticket) adds the gridDim.y partials in order 0..ks-1, so
+// results never depend on timing (and the SoA/AoS twins, same grid, stay bit-identical).
+// Registers: 2 CTAs per SM for the narrow shapes (NT*MT <= 2: <= 128 registers, no spills on
+// sm_90), the rest 1 (up to 255).
+template <int NT, int MT, bool SOA, class In, bool PF>
+__global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W, const typename In::T* x, int K,
+                                                      const uint4* xp, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tok0 = blockIdx.z * 8 * NT;
+    int kb0, kb1;
+    k_range(w.bpr, kb0, kb1);
+    const int nblk = kb1 - kb0;
+    const int wtiles = (w.rows + 16 * MT - 1) / (16 * MT);
+    const int wstride = gridDim.x * 8;
+    int wt = blockIdx.x * 8 + warp;
+    if (nblk <= 0) return;  // CTA-uniform: no barrier is skipped by part of a CTA
+
+    RowRef rr[MT][2], rn[MT][2];
+    Raw nxt[MT][2];
+    if (wt < wtiles) {
+        warp_rows<SOA>(w, wt * 16 * MT, g, rr);
+        if (PF) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0, t);
+        }
+    }
+    // The first weight loads are in flight while the CTA stages its activations.
+    stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    __syncthreads();
+    const int tstride = nblk * 32 + 4;
+
+    for (; wt < wtiles; wt += wstride) {
+        const int wrow = wt * 16 * MT;
+        const bool more = wt + wstride < wtiles;
+        if (PF && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
+        float acc[MT][NT][4];
+        zero_acc(acc);
+        for (int b = 0; b < nblk; ++b) {
+            Raw raw[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    if (PF) {
+                        raw[mt][hr] = nxt[mt][hr];
+                        if (b + 1 < nblk)
+                            nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0 + b + 1, t);
+                        else if (more)
+                            nxt[mt][hr] = load_raw<SOA>(rn[mt][hr], kb0, t);
+                    } else {
+                        raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0 + b, t);
+                    }
+                }
+            block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+            });
+        }
+        if (more) {
+            if (PF) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) rr[mt][hr] = rn[mt][hr];
+            } else {
+                warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
+            }
+        }
+        ks_emit<NT, MT>(o, w.rows, wtiles, wt, wrow, tok0, acc, lane);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -575,6 +726,16 @@ INST_MMA2(4, 1, true, 3, InF16, true) INST_MMA2(8, 1, true, 3, InF16, true)
 INST_MMA2(4, 1, false, 3, InF16, true) INST_MMA2(8, 1, false, 3, InF16, true)
 INST_MMA2(8, 1, true, 3, InF16, false) INST_MMA2(8, 1, false, 3, InF16, false)
 INST_MMA(2, 1, false, true, InF16) INST_MMA(4, 1, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
+#define INST_KS2(NT, MT, SOA, IN, PF)                                                        \
+    template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF>(                                 \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_KS(NT, MT, PF) \
+    INST_KS2(NT, MT, true, InF16, PF) INST_KS2(NT, MT, false, InF16, PF) \
+    INST_KS2(NT, MT, true, InF32, PF) INST_KS2(NT, MT, false, InF32, PF) \
+    INST_KS2(NT, MT, true, InBF16, PF) INST_KS2(NT, MT, false, InBF16, PF)
+INST_KS(1, 1, true) INST_KS(1, 2, true) INST_KS(2, 1, true) INST_KS(2, 2, true)
+INST_KS(4, 1, true) INST_KS(4, 2, true) INST_KS(8, 1, true) INST_KS(8, 2, false)
+INST_KS(8, 2, true)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);

@@ -11,6 +11,7 @@ import pytest
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision, iter_aos_chunks
+from q6serve.kernels.cuda.dispatch import Cfg as KsCfg
 from q6serve.kernels.errors import FailedPrecondition, FormatError, Unavailable
 
 try:
@@ -315,7 +316,14 @@ def variant_cases() -> list:
     cases += [("mma_f16", Cfg(nt=nt, mt=2, src=src, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
               for src in (1, 2, 3) for wp in (4, 8) if not (src == 2 and nt > 2)]
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
+    cases += [("mma_f16", c, 2e-3) for c in KS_CFGS]
     return cases
+
+
+# The K-slice tile's launch shapes (q6k_ks_f16: every instantiation its nvcc check builds).
+KS_CFGS = tuple(KsCfg(nt=nt, mt=mt, src=4, pf=pf) for nt, mt, pf in (
+        (1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True),
+        (8, 1, True), (8, 2, False), (8, 2, True)))
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------

@@ -47,7 +47,7 @@ def be():
 @pytest.fixture(scope="module")
 def get_fn(be):
     """Every instantiation compiled in one NVRTC call (one per name would take minutes)."""
-    with be._dev:
+    with be.ctx.dev:
         mods = {
             tile.TILE_FILE: loader.load(tile.TILE_FILE, tile.names()),
             tile.PREP_FILE: loader.load(tile.PREP_FILE, tuple(
@@ -70,16 +70,16 @@ def _run(be, get_fn, w, x, cfg, sm_count):
     cp = cupy
     n = x.shape[0]
     in_t = "InF16" if x.dtype == np.float16 else "InF32"
-    with be._dev, be._stream:
+    with be.ctx.dev, be.stream:
         p = tile.plan(get_fn, cfg, w.rows, w.k, n, w.layout is Layout.SOA, in_t, sm_count,
-                      be.smem_sm)
+                      be.ctx.smem_sm)
         cw = w.data
         y = cp.full((n, w.rows), np.nan, cp.float32)
         xp = cp.full(max(1, p.xp_words), 0x7FC00000, cp.uint32)
         part = cp.full(max(1, p.part_floats), np.nan, cp.float32)
         tickets = cp.zeros(p.tiles, cp.uint32)
         tile.launch(p, cw.table, w.rows, cw.rps, cp.asarray(x), n, y, xp, part, tickets)
-        out = y.get(stream=be._stream)
+        out = y.get(stream=be.stream)
         assert int(tickets.sum().get()) == 0, "tickets must be left at zero for the next call"
     return out
 
@@ -135,10 +135,10 @@ def test_every_launch_shape_matches_the_reference(be, get_fn, rng, random_blocks
 
 
 def test_tiles_across_slabs_and_f16_activations(be, get_fn, rng, random_blocks, monkeypatch):
-    from q6serve.kernels import cuda_backend
+    from q6serve.kernels.cuda import storage
 
     rows, k = 700, 1024  # 37 rows per slab: every 128/256-row tile spans several slabs
-    monkeypatch.setattr(cuda_backend, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
+    monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
     blocks = random_blocks(rng, rows * (k // 256))
     ws = _load(be, blocks, rows, k, Layout.SOA)
     wa = _load(be, blocks, rows, k, Layout.AOS)
@@ -156,4 +156,4 @@ def test_tiles_across_slabs_and_f16_activations(be, get_fn, rng, random_blocks, 
 def test_too_many_tokens_for_the_shape_is_refused(be, get_fn):
     with pytest.raises(ValueError, match="at most 16 tokens"):
         tile.plan(get_fn, tile.TileCfg(2, 1, 4), 256, 256, 17, True, "InF32", be.sm_count,
-                  be.smem_sm)
+                  be.ctx.smem_sm)

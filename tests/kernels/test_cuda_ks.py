@@ -1,0 +1,150 @@
+"""The K-slice tile ``q6k_ks_f16`` (mma_f16 launch shapes with ``src=4``, in
+kernels/cuda/q6k_matmul.cu) against the NumPy float64 reference (``-m gpu``; skipped without
+CuPy or a GPU).
+
+Its own risks beyond the shared variant test: many K slices whose partial sums the last warp of
+each warp tile adds (tickets left at zero, results bit-identical call to call), warps that
+stream several row tiles with the next tile's weights prefetched, rows that fill no whole warp
+tile, tiles spanning slabs, token chunks beyond 8*nt, every activation dtype, and the SoA/AoS
+twins bit-identical. Outputs and partial sums are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cuda_backend import KS_CFGS, _gpu_count, load, poison, random_weight, rel_fro
+
+from q6serve.kernels import q6k, reference
+from q6serve.kernels.api import BFLOAT16, Layout
+from q6serve.kernels.cuda.dispatch import Cfg
+from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
+
+try:
+    import cupy
+except ImportError:  # CI: no CuPy at all
+    cupy = None
+
+pytestmark = [pytest.mark.gpu]
+TOL = 2e-3  # F16 contract: relative Frobenius error vs float64
+
+
+@pytest.fixture(scope="module")
+def be():
+    if _gpu_count() == 0:
+        pytest.skip("needs CuPy and a CUDA device")
+    from q6serve.kernels.cuda.launch import IN_TYPES, kernel_name
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    b = CudaBackend(0)
+    names = [kernel_name("mma_f16", c, soa, t) for c in KS_CFGS for soa in (True, False)
+             for t in IN_TYPES.values()]
+    with b.ctx.dev:
+        b.ctx.prefetch("q6k_matmul.cu", names, threads=16)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def _run(be, w, x, cfg):
+    """y [n, rows] of one call; outputs and the partial-sum buffer poisoned first."""
+    poison()
+    with be.ctx.dev, be.stream:
+        part = be.launcher.ws.array("part", (1 << 20,), np.float32)
+        part.fill(np.nan)
+        dt = np.dtype(np.uint16) if x.dtype == BFLOAT16 else x.dtype
+        xd = cupy.asarray(x.view(dt) if x.dtype == BFLOAT16 else x)
+        y = be.run(w, xd, x.dtype, "mma_f16", cfg).get(stream=be.stream)
+        tickets = be.launcher.ws.array("tickets", (1024,), np.uint32)
+        left = int(tickets.sum().get(stream=be.stream))
+    assert left == 0, "tickets must be left at zero for the next call"
+    return y
+
+
+def _check(y, y64, label):
+    assert np.isfinite(y).all(), f"{label}: unwritten or non-finite outputs"
+    assert rel_fro(y, y64) <= TOL, (label, rel_fro(y, y64))
+
+
+@pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512)])
+def test_every_shape_and_slice_count(be, rng, shape):
+    """Every launch shape x forced K-slice counts (1, 2, 3, all blocks) x N (one token, a
+    partial and a full chunk, several chunks): reference, repeat and AoS twin identical."""
+    rows, k = shape
+    bpr = k // 256
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    x = rng.standard_normal((70, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in KS_CFGS:
+        for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
+            cfg = Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks)
+            if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
+                continue  # the slice's activations do not fit one CTA
+            for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
+                label = f"{cfg.label()} N={n}"
+                y = _run(be, ws, x[:n], cfg)
+                _check(y, y64[:n], label)
+                np.testing.assert_array_equal(y.view(np.uint32), _run(be, ws, x[:n], cfg).view(
+                    np.uint32), err_msg=f"{label}: repeat differs")
+                np.testing.assert_array_equal(y.view(np.uint32), _run(be, wa, x[:n], cfg).view(
+                    np.uint32), err_msg=f"{label}: AoS twin differs")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_activation_dtypes(be, rng, dtype):
+    rows, k = 517, 1536
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((40, k)).astype(np.float32).astype(dtype)
+    y64 = reference.matmul_float64(x.astype(np.float32), blocks, rows)
+    for c in KS_CFGS:
+        _check(_run(be, w, x, c), y64, c.label())
+
+
+def test_tiles_across_slabs(be, rng, monkeypatch):
+    from q6serve.kernels.cuda import storage
+
+    rows, k = 700, 1024  # 37 rows per slab: every warp tile of 16/32 rows spans slabs
+    monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    assert len(ws.data.slabs) == 19
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in KS_CFGS:
+        y = _run(be, ws, x[: 8 * c.nt], c)
+        _check(y, y64[: 8 * c.nt], c.label())
+        np.testing.assert_array_equal(y.view(np.uint32),
+                                      _run(be, wa, x[: 8 * c.nt], c).view(np.uint32))
+
+
+def test_backend_matmul_through_the_graph(be, rng):
+    """The backend's own host path (bound sequence, CUDA graph from the second call) with a
+    K-slice launch shape: the same bits every call."""
+    from q6serve.kernels.api import KernelFlags, Precision
+    from q6serve.kernels.cuda.dispatch import Choice
+
+    rows, k = 640, 2048
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((48, k)).astype(np.float16)
+    cfg = Cfg(nt=8, mt=1, src=4, pf=True, ksplit=3)
+    orig = be.dispatch.choose
+    be.dispatch.choose = lambda *a, **kw: Choice("mma_f16", Precision.F16, cfg, "test")
+    try:
+        ys = [be.matmul(w, x, precision=Precision.F16, flags=KernelFlags()).y for _ in range(3)]
+    finally:
+        be.dispatch.choose = orig
+    _check(ys[0], reference.matmul_float64(x, blocks, rows), cfg.label())
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y.view(np.uint32), ys[0].view(np.uint32))
