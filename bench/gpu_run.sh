@@ -87,7 +87,7 @@ if want probe; then  # memory-side ceiling + Nsight Compute on the AUTO tile
   sed -n '/^# best/,$p' "$OUT/probe.log"
 fi
 if want tile; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=10 -p no:cacheprovider \
+  [[ ${TILE_TESTS:-1} == 1 ]] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=10 -p no:cacheprovider \
     tests/kernels/test_cuda_tile.py 2>&1 | tee "$OUT/pytest_tile.log" | tail -15
   # shellcheck disable=SC2086
   timeout "${TILE_TIMEOUT:-200}" python3 bench/tile_probe.py ${TILE_ARGS:-} \
