@@ -10,6 +10,7 @@
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
+# BUNDLE=1: every log into $OUT/logs.tgz at the end (the device tool returns 8 files at most).
 # tile: the stream-K tile's GPU tests and bench/tile_probe.py (TILE_ARGS). ncu: Nsight Compute
 #       (NCU_SET, default full) of the AUTO kernel and every tile launch shape on NCU_SHAPE at
 #       NCU_NS (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
@@ -124,5 +125,10 @@ if want stalls; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_R
     echo "# $row rc=$?"; grep -E "q6k_mma|duration|dram__|per_cycle|warps_active|inst_executed.sum|bank|stalled" "$OUT/stalls$i.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | awk '{$1=$1};1' | grep -vE " 0(\.0+)?$" | head -30
     i=$((i + 1))
   done
+fi
+if [[ -n ${BUNDLE:-} ]]; then  # the device tool returns at most 8 files: one archive of the logs
+  (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.ncu-rep' -- * \
+    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name dispatch_h200.json ! -name tune.log \
+       ! -name '*.ncu-rep' -delete)
 fi
 exit "$rc"

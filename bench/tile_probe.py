@@ -26,7 +26,7 @@ import numpy as np
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import loader, storage, tile
-from q6serve.kernels.cuda.dispatch import default_cfg
+from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
-                         "tile's heuristic shape and of the stream-K tile (for Nsight Compute)")
+                         "tile's heuristic shape and of the K-slice tiles (for Nsight Compute)")
+    ap.add_argument("--profile-tile", action="store_true",
+                    help="with --profile: the stream-K tile too")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
             if a.profile:
-                profile_calls(cp, be, get_fn, ws, xd, n, rows, k)
+                profile_calls(cp, be, get_fn, ws, xd, n, rows, k, a.profile_tile)
                 continue
             t_torch = None if a.no_torch else _bk.torch_linear_us(
                 rows, k, n, max(2, min(16, math.ceil(3 * _bk.L2_BYTES / (2 * rows * k)))))
@@ -160,29 +162,34 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def profile_calls(cp, be, get_fn, ws, xd, n, rows, k) -> None:
+def profile_calls(cp, be, get_fn, ws, xd, n, rows, k, with_tile: bool) -> None:
     """One call each of: AUTO (the dispatch's kernel and launch shape), the f16 tile's
-    heuristic shape when AUTO is another, the stream-K tile's default shape; each on another
-    resident copy (so a profiler's replay reads HBM, not the L2 the previous kernel filled)."""
+    heuristic shape and the two K-slice tiles where AUTO is another, and (``with_tile``) the
+    stream-K tile's default shape; each on another resident copy (so a profiler's replay reads
+    HBM, not the L2 the previous kernel filled)."""
     choice = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
     runs = [(choice.path, choice.cfg)]
-    heur = default_cfg("mma_f16", n, rows, be.sm_count)
-    if (choice.path, choice.cfg) != ("mma_f16", heur):
-        runs.append(("mma_f16", heur))
+    nt = 1 if n <= 8 else -(-n // 8)
+    nt = 1 << (nt - 1).bit_length()
+    for cand in (default_cfg("mma_f16", n, rows, be.sm_count), Cfg(nt=nt, src=5),
+                 Cfg(nt=nt, src=4, pf=True)):
+        if ("mma_f16", cand) not in runs:
+            runs.append(("mma_f16", cand))
     c = tile.default_cfg(n)
     print(f"# profile {rows}x{k} N={n}: "
-          + ", ".join(f"{p} {q.label() if q else ''}" for p, q in runs) + f", {c.label}",
-          flush=True)
+          + ", ".join(f"{p} {q.label() if q else ''}" for p, q in runs)
+          + (f", {c.label}" if with_tile else ""), flush=True)
     with be.ctx.dev, be.stream:
         for i, (path, cfg) in enumerate(runs):
             be.run(ws[i % len(ws)], xd, np.dtype(np.float16), path, cfg)
-        p = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
-        y = cp.empty((n, rows), cp.float32)
-        part = cp.empty(max(1, p.part_floats), cp.float32)
-        xp = cp.empty(max(1, p.xp_words), cp.uint32)
-        tickets = cp.zeros(p.tiles, cp.uint32)
-        cw = ws[len(runs) % len(ws)].data
-        tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
+        if with_tile:
+            p = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
+            y = cp.empty((n, rows), cp.float32)
+            part = cp.empty(max(1, p.part_floats), cp.float32)
+            xp = cp.empty(max(1, p.xp_words), cp.uint32)
+            tickets = cp.zeros(p.tiles, cp.uint32)
+            cw = ws[len(runs) % len(ws)].data
+            tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
         be.stream.synchronize()
 
 

@@ -69,17 +69,19 @@ class Cfg:
     src: int = 2  # activations: 0 read in the loop, 1 f16 prepass buffer, 2 staged in smem,
     #               3 prepass buffer streamed through two smem stages (cp.async),
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
-    #                 staged once per CTA, warps stream many row tiles; ksplit = K slices)
+    #                 staged once per CTA, warps stream many row tiles; ksplit = K slices),
+    #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and self.warps in (4, 8) and self.src in (0, 1, 2, 3, 4)
+        ok = ok and self.mt in (1, 2) and self.warps in (4, 8) and 0 <= self.src <= 5
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
-            self.mt != 1 or self.src in (1, 3, 4) or self.warps != 8))
-        ok = ok and not (self.src == 4 and (path != "mma_f16" or self.warps != 8))
+            self.mt != 1 or self.src in (1, 3, 4, 5) or self.warps != 8))
+        ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps != 8))
+        ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))
         if not ok:

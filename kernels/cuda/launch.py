@@ -39,7 +39,11 @@ from .storage import CudaWeight
 MATMUL_FILE = "q6k_matmul.cu"
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
-KS_SMEM_MAX = 227 << 10  # q6k_ks_f16 (src 4): dynamic shared memory per CTA (sm_90 opt-in)
+KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5): dynamic shared memory per CTA (sm_90 opt-in)
+KS_RING_BYTES = 8 * 3 * 3408  # src 5: 8 warps x KS_RING stages x RING_STAGE (q6k_matmul.cu)
+# Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
+# loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
+KS_INFLIGHT = 48 << 10
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that wastes more than this
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
@@ -51,8 +55,8 @@ Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel s
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
-    if path == "mma_f16" and cfg.src == 4:  # stage_x_f16: 8*nt token rows of per*32+4 uint4
-        return 8 * cfg.nt * (per * 32 + 4) * 16
+    if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
+        return 8 * cfg.nt * (per * 32 + 4) * 16 + (KS_RING_BYTES if cfg.src == 5 else 0)
     if path == "mma_f16" and cfg.src == 3:
         return 2 * cfg.nt * 256 * 16
     if cfg.src != 2:
@@ -73,6 +77,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
+    if path == "mma_f16" and cfg.src == 5:
+        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src in (1, 3) else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -243,10 +249,11 @@ class Launcher:
     def ks_grid(self, rows: int, k: int, nz: int, cfg: Cfg, fn: Any,
                 n: int) -> tuple[int, int, int]:
         """(CTAs along rows, K slices, token chunks) of the K-slice tile: one wave of resident
-        CTAs (registers and the staged activations bound the occupancy). Per slice count
-        ks, the cost of the busiest SM is its CTAs x (weight bytes + activation staging +
-        partial sums written and re-read); fewest bytes wins, then fewer CTAs. SoA twin
-        only, so both layouts cut and sum alike."""
+        CTAs (registers and shared memory bound the occupancy). Per slice count ks, the
+        cost of the busiest SM is its CTAs x (weight bytes + activation staging + partial
+        sums written and re-read), divided by the fraction of ``KS_INFLIGHT`` its warps keep
+        in flight (one block each with register prefetch, KS_RING-1 with the ring); the
+        cheapest wins, then fewer slices. SoA twin only, so both layouts cut and sum alike."""
         key = (rows, k, "ks", nz, cfg, n)
         hit = self._grids.get(key)
         if hit is not None:
@@ -275,7 +282,9 @@ class Launcher:
             wbytes = rounds * 8 * 16 * cfg.mt * per * 210
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
             pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4
-            cost = per_sm * (wbytes + xbytes + pbytes)
+            ahead = 2 if cfg.src == 5 else 1 if cfg.pf else 0.5  # blocks in flight per warp
+            inflight = min(occ, per_sm) * 8 * ahead * 16 * cfg.mt * 210
+            cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
                 best = (cost, ks_eff, gx)
         if best is None:
@@ -293,7 +302,7 @@ class Launcher:
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
         fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src == 4
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:

@@ -374,6 +374,159 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
 }
 
 // ---------------------------------------------------------------------------------------------
+// K-slice tile with a warp-private cp.async weight ring (src 5): q6k_ks_f16's schedule and
+// math (16-row warp tiles), but each warp streams its weights through KS_RING shared-memory
+// stages of its own, KS_RING-1 blocks ahead, instead of one block ahead in registers: more
+// bytes in flight per warp at fewer registers (Nsight Compute on the H200: the register-
+// prefetch tiles run 8-16 warps per SM and stall on long scoreboard). Only warp-level
+// synchronisation: per block one cp.async.wait_group and one __syncwarp (lanes read bytes
+// their quad neighbours copied). Stage of one warp (bytes): ql [16][128] (16-byte chunk c of
+// row r at c ^ ((r & 1) << 2): a quarter-warp's reads of rows 2i, 2i+1 hit all banks), qh [16][64],
+// sc [16][16], the aligned 4-byte word holding d [16][4], which half is d [16] (1 byte each).
+// Lane (g, t) copies ql chunks t and t+4, qh chunk t of rows g and g+8, the scales of row g+8t
+// (t < 2) and the d word of row g+8(t-2) (t >= 2). The AoS twin fills the same stages with
+// 2-byte loads and plain shared stores (210-byte blocks are 2-byte aligned): same bytes, same
+// math, same grid, so SoA and AoS results are bit-identical.
+constexpr int KS_RING = 3;
+constexpr int RING_QH = 16 * 128, RING_SC = RING_QH + 16 * 64, RING_DW = RING_SC + 16 * 16;
+constexpr int RING_DP = RING_DW + 16 * 4, RING_STAGE = RING_DP + 16;
+
+template <bool SOA>
+__device__ __forceinline__ void ring_fill(u8* st, const RowRef (&rf)[2], int kb, int g, int t) {
+    constexpr u32 QL_STEP = SOA ? 128u : 210u, QH_STEP = SOA ? 64u : 210u,
+                  SC_STEP = SOA ? 16u : 210u;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const RowRef& r = rf[hr];
+        const int row = g + 8 * hr;
+#pragma unroll
+        for (int c2 = 0; c2 < 2; ++c2) {
+            const int c = t + 4 * c2;
+            u8* dst = st + row * 128 + ((c ^ ((row & 1) << 2)) << 4);
+            const u8* src = r.base + r.ql + (u32)kb * QL_STEP + 16u * c;
+            if (SOA)
+                cp_async16(dst, src);
+            else
+                *(uint4*)dst = ld_u128_a2(src);
+        }
+        {
+            u8* dst = st + RING_QH + row * 64 + 16 * t;
+            const u8* src = r.base + r.qh + (u32)kb * QH_STEP + 16u * t;
+            if (SOA)
+                cp_async16(dst, src);
+            else
+                *(uint4*)dst = ld_u128_a2(src);
+        }
+        if (t == hr) {
+            u8* dst = st + RING_SC + row * 16;
+            const u8* src = r.base + r.sc + (u32)kb * SC_STEP;
+            if (SOA)
+                cp_async16(dst, src);
+            else
+                *(uint4*)dst = ld_u128_a2(src);
+        }
+        if (t == 2 + hr) {
+            u32* dst = (u32*)(st + RING_DW) + row;
+            if (SOA) {  // the aligned word around d (slabs and the d plane are 16-byte aligned)
+                const size_t a = (size_t)(r.base + r.d + 2u * kb);
+                cp_async4(dst, (const void*)(a & ~(size_t)3));
+                st[RING_DP + row] = (u8)((a >> 1) & 1);
+            } else {
+                *dst = ldg_u16(r.base + r.d + 210u * kb);
+                st[RING_DP + row] = 0;
+            }
+        }
+    }
+}
+
+// The weights of rows g and g+8 of one ring stage as the Raw a lane would have loaded.
+__device__ __forceinline__ Raw ring_raw(const u8* st, int row, int t) {
+    Raw w;
+    const int sw = (row & 1) << 2;
+    w.ql[0] = *(const uint4*)(st + row * 128 + ((t ^ sw) << 4));
+    w.ql[1] = *(const uint4*)(st + row * 128 + (((t + 4) ^ sw) << 4));
+    w.qh[0] = *(const uint4*)(st + RING_QH + row * 64 + 16 * (t & 1));
+    w.qh[1] = *(const uint4*)(st + RING_QH + row * 64 + 32 + 16 * (t & 1));
+    w.sc = *(const uint4*)(st + RING_SC + row * 16);
+    w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
+    return w;
+}
+
+// Registers: <= 128 for NT <= 4 (2 CTAs per SM where the shared memory allows), 168 at NT = 8.
+template <int NT, bool SOA, class In>
+__global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K,
+                                                       const uint4* xp, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    (void)xp;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tok0 = blockIdx.z * 8 * NT;
+    int kb0, kb1;
+    k_range(w.bpr, kb0, kb1);
+    const int nblk = kb1 - kb0;
+    if (nblk <= 0) return;  // CTA-uniform
+    const int wtiles = (w.rows + 15) >> 4;
+    const int wstride = gridDim.x * 8;
+    const int wt0 = blockIdx.x * 8 + warp;
+    const int my_tiles = wt0 < wtiles ? (wtiles - wt0 + wstride - 1) / wstride : 0;
+    const int units = my_tiles * nblk;
+    const int tstride = nblk * 32 + 4;
+    u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * tstride) + warp * KS_RING * RING_STAGE;
+
+    // fill side: unit f = (tile j, block b), row references of tile j
+    int fj = 0, fb = 0;
+    RowRef rf[2];
+    auto fill_refs = [&]() {
+        const int r0 = (wt0 + fj * wstride) * 16 + g;
+        rf[0] = row_ref<SOA>(w, min(r0, w.rows - 1));
+        rf[1] = row_ref<SOA>(w, min(r0 + 8, w.rows - 1));
+    };
+    if (units > 0) fill_refs();
+    auto fill_next = [&](int slot) {
+        ring_fill<SOA>(ring + slot * RING_STAGE, rf, kb0 + fb, g, t);
+        if (++fb == nblk) {
+            fb = 0;
+            ++fj;
+            if (fj < my_tiles) fill_refs();
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < KS_RING - 1; ++s) {
+        if (s < units) fill_next(s);
+        cp_async_commit();  // empty groups keep the wait count uniform
+    }
+    // The first weight copies are in flight while the CTA stages its activations.
+    stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    __syncthreads();
+
+    float acc[1][NT][4];
+    zero_acc(acc);
+    int slot = 0;
+    for (int u = 0; u < units; ++u) {
+        cp_async_wait<KS_RING - 2>();  // this lane's copies of unit u have landed ...
+        __syncwarp();                  // ... its quad's too; and everyone is done with u-1
+        if (u + KS_RING - 1 < units) fill_next((slot + KS_RING - 1) % KS_RING);
+        cp_async_commit();
+        const u8* st = ring + slot * RING_STAGE;
+        const int b = u % nblk;
+        Raw raw[1][2];
+        raw[0][0] = ring_raw(st, g, t);
+        raw[0][1] = ring_raw(st, g + 8, t);
+        block_mma<NT, 1>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+            return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+        });
+        slot = slot + 1 == KS_RING ? 0 : slot + 1;
+        if (b == nblk - 1) {
+            const int wt = wt0 + (u / nblk) * wstride;
+            ks_emit<NT, 1>(o, w.rows, wtiles, wt, wt * 16, tok0, acc, lane);
+            zero_acc(acc);
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+}
+
+// ---------------------------------------------------------------------------------------------
 // Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
@@ -729,13 +882,17 @@ INST_MMA(2, 1, false, true, InF16) INST_MMA(4, 1, false, true, InF16) INST_MMA(8
 #define INST_KS2(NT, MT, SOA, IN, PF)                                                        \
     template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_KS(NT, MT, PF) \
-    INST_KS2(NT, MT, true, InF16, PF) INST_KS2(NT, MT, false, InF16, PF) \
-    INST_KS2(NT, MT, true, InF32, PF) INST_KS2(NT, MT, false, InF32, PF) \
-    INST_KS2(NT, MT, true, InBF16, PF) INST_KS2(NT, MT, false, InBF16, PF)
+// (f16 activations only here, to keep CI's three-arch build short: the f32/bf16 twins differ
+// only in stage_x_f16's load and are compiled through the backend's requested names.)
+#define INST_KS(NT, MT, PF) INST_KS2(NT, MT, true, InF16, PF) INST_KS2(NT, MT, false, InF16, PF)
 INST_KS(1, 1, true) INST_KS(1, 2, true) INST_KS(2, 1, true) INST_KS(2, 2, true)
 INST_KS(4, 1, true) INST_KS(4, 2, true) INST_KS(8, 1, true) INST_KS(8, 2, false)
 INST_KS(8, 2, true)
+#define INST_KSR2(NT, SOA, IN)                                                               \
+    template __global__ void q6k_ksr_f16<NT, SOA, IN>(                                        \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_KSR(NT) INST_KSR2(NT, true, InF16) INST_KSR2(NT, false, InF16)
+INST_KSR(1) INST_KSR(2) INST_KSR(4) INST_KSR(8)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);

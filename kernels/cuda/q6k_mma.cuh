@@ -52,6 +52,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
                  : "=r"(a) : "l"(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
 }
+// 4-byte copy through L1 (cp.async.cg only moves 16 bytes).
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }

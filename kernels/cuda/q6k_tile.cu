@@ -88,13 +88,6 @@ __device__ __forceinline__ float4 ldcg_f32x4(const float* p) {
     return v;
 }
 
-// 4-byte copy through L1 (cp.async.cg only moves 16 bytes).
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    u32 a;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
-                 : "=r"(a) : "l"(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
-}
 
 // Copy unit (tile, kb) into stage `st`. `tab` holds the tile's row references (rows past the
 // end repeat the last row: read, never emitted).

@@ -320,10 +320,12 @@ def variant_cases() -> list:
     return cases
 
 
-# The K-slice tile's launch shapes (q6k_ks_f16: every instantiation its nvcc check builds).
+# The K-slice tiles' launch shapes (q6k_ks_f16, q6k_ksr_f16: every instantiation the nvcc check
+# builds).
 KS_CFGS = tuple(KsCfg(nt=nt, mt=mt, src=4, pf=pf) for nt, mt, pf in (
         (1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True), (4, 1, True), (4, 2, True),
-        (8, 1, True), (8, 2, False), (8, 2, True)))
+        (8, 1, True), (8, 2, False), (8, 2, True))) + tuple(
+    KsCfg(nt=nt, src=5) for nt in (1, 2, 4, 8))
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
