@@ -76,9 +76,8 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
 # K-slice tile shapes (mt, prefetch) per n-tiles, as instantiated in q6k_matmul.cu (and the
-# ring variant src=5, mt 1, every nt)
-KS_SHAPES = {1: ((1, True), (2, True)), 2: ((1, True), (2, True)), 4: ((1, True), (2, True)),
-             8: ((1, True), (2, False), (2, True))}
+# ring variant src=5, mt 1, every nt); mt=2 spilled and lost everywhere (bench/RESULTS.md)
+KS_SHAPES = {nt: ((1, True),) for nt in (1, 2, 4, 8)}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
                   "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}

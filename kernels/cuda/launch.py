@@ -103,6 +103,7 @@ class LaunchPlan:
     prep: Any  # activation prepass kernel (f16 fragments or q8_1), or None
     prep_grid: tuple[int]
     prep_sizes: tuple[int, int, int]  # prepass buffer elements
+    post: Any = None  # K-slice tiles split along K: q6k_sum_parts adds the partial sums
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,8 @@ class Launcher:
             per_sm = -(-(gx * ks_eff * nz) // sms)
             wbytes = rounds * 8 * 16 * cfg.mt * per * 210
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
-            pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4
+            # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
+            pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4 + (64 << 10)
             ahead = 2 if cfg.src == 5 else 1 if cfg.pf else 0.5  # blocks in flight per warp
             inflight = min(occ, per_sm) * 8 * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
@@ -322,9 +324,9 @@ class Launcher:
             prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>")
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
-        tickets = nz * -(-rows // (16 * cfg.mt)) if ks_tile else gx * nz  # per warp tile
-        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, tickets, bpr, nz,
-                          prep, prep_grid, sizes)
+        post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
+        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
+                          prep, prep_grid, sizes, post)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
               n: int) -> list[Step]:
@@ -345,6 +347,10 @@ class Launcher:
                 out.append(Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xp))))
             out.append(Step(lp.fn, lp.grid, lp.threads,
                             (*wargs, u64(xd), i32(w.k), u64(xp), *oargs), lp.smem))
+            if lp.post is not None:
+                total = n * w.rows
+                out.append(Step(lp.post, (min(-(-total // 256), 4096),), 256,
+                                (u64(part), u64(y), i32(lp.ks), np.int64(total))))
             return out
         xq = ws.ptr("xq", 4 * lp.prep_sizes[0])  # mmq_q8_1: quantize x, then the int8 tile
         corr = ws.ptr("corr", 4 * lp.prep_sizes[1])

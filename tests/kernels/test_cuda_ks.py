@@ -2,8 +2,8 @@
 kernels/cuda/q6k_matmul.cu) against the NumPy float64 reference (``-m gpu``; skipped without
 CuPy or a GPU).
 
-Its own risks beyond the shared variant test: many K slices whose partial sums the last warp of
-each warp tile adds (tickets left at zero, results bit-identical call to call), warps that
+Its own risks beyond the shared variant test: many K slices whose partial sums q6k_sum_parts
+adds after the kernel (results bit-identical call to call, tickets untouched), warps that
 stream several row tiles with the next tile's weights prefetched, rows that fill no whole warp
 tile, tiles spanning slabs, token chunks beyond 8*nt, every activation dtype, and the SoA/AoS
 twins bit-identical. Outputs and partial sums are poisoned with NaN before each call.
