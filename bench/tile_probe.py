@@ -1,4 +1,4 @@
-"""Probe of the stream-K tensor-core tile q6k_tile_f16 (kernels/cuda/q6k_tile.cu, issue 16).
+"""Probe of the stream-K tensor-core tile q6k_tile_f16 (bench/stream_k/q6k_tile.cu, issue 16).
 
 Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
 the service receives): checks every launch shape against the NumPy float64 reference on a
@@ -25,15 +25,22 @@ import numpy as np
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
-from q6serve.kernels.cuda import loader, storage, tile
+from q6serve.kernels.cuda import loader, storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
-_spec = importlib.util.spec_from_file_location("_q6_bench_kernels",
-                                               Path(__file__).with_name("kernels.py"))
-_bk = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_bk)
+
+def _bench_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_bk = _bench_module("_q6_bench_kernels", Path(__file__).with_name("kernels.py"))
+tile = _bench_module("_q6_stream_k_tile", Path(__file__).with_name("stream_k") / "tile.py")
 
 SHAPES = ("3584x3584", "512x3584", "18944x3584", "3584x18944", "152064x3584",
           "4096x4096", "1024x4096", "14336x4096", "4096x14336", "128256x4096")
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = [c for c in tile.CONFIGS if any(tile.nt_for(n) == c.nt for n in ns)]
     t0 = time.time()
     with be.ctx.dev:
-        tmod = loader.load(tile.TILE_FILE, tile.names(("InF16",)))
+        tmod = loader.load(tile.TILE_FILE, tile.names(("InF16",)), root=tile.HERE)
         pmod = loader.load(tile.PREP_FILE, tuple(
             f"q6k_prep_f16<{nt}, InF16>" for nt in sorted({c.nt for c in cfgs})))
     mods = {tile.TILE_FILE: tmod, tile.PREP_FILE: pmod}

@@ -75,19 +75,7 @@ def compiled(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProc
 
 
 def test_there_are_kernel_sources():
-    assert {"q6k_matmul.cu", "q6k_repack.cu", "q6k_tile.cu"} <= set(SOURCES)
-
-
-def test_tile_instantiations_match_its_launch_shapes():
-    """q6k_tile.cu's nvcc list builds exactly the launch shapes kernels/cuda/tile.py offers."""
-    import re
-
-    from q6serve.kernels.cuda import tile
-
-    text = (CUDA_DIR / tile.TILE_FILE).read_text()
-    built = {tuple(map(int, m)) for m in re.findall(r"INST_TILE\((\d+), (\d+), (\d+), (\d+)\)",
-                                                     text)}
-    assert built == {(c.nt, c.mt, c.stages, c.minb) for c in tile.CONFIGS}
+    assert {"q6k_matmul.cu", "q6k_repack.cu"} <= set(SOURCES)
 
 
 def test_requested_instantiations_compile(compiled):

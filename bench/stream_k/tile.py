@@ -1,4 +1,6 @@
-"""Host side of the stream-K tensor-core tile ``q6k_tile_f16`` (``q6k_tile.cu``, issue 16).
+"""Host side of the stream-K tensor-core tile ``q6k_tile_f16`` (``q6k_tile.cu`` beside this file,
+issue 16): a bench experiment, not in the dispatch (measured slower than the product kernels;
+bench/RESULTS.md), launched only by ``bench/tile_probe.py``.
 
 One place for its launch shapes, shared memory, grid and buffers, so the backend and
 ``bench/tile_probe.py`` launch it the same way. f16 activations (what the service receives)
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+HERE = Path(__file__).resolve().parent  # loader.load(TILE_FILE, ..., root=HERE)
 TILE_FILE = "q6k_tile.cu"
 PREP_FILE = "q6k_matmul.cu"
 THREADS = 256  # 8 warps (TileGeom::WARPS)
