@@ -76,7 +76,8 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
 # K-slice tile shapes (mt, prefetch) per n-tiles, as instantiated in q6k_matmul.cu (and the
-# ring variant src=5, mt 1, every nt); mt=2 spilled and lost everywhere (bench/RESULTS.md)
+# ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled and lost everywhere
+# (bench/RESULTS.md)
 KS_SHAPES = {nt: ((1, True),) for nt in (1, 2, 4, 8)}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
@@ -178,7 +179,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
     mma = mma + [replace(base, ksplit=s) for s in (1, 2, 4) if s <= k // 256]
     # the K-slice tile (src 4: activations staged once per CTA, warps stream many row tiles)
     nt = 1 if n <= 8 else n // 8
-    mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]] + [Cfg(nt=nt, src=5)]
+    mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
+    mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
         for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:

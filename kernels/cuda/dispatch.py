@@ -140,7 +140,9 @@ def default_cfg(path: str, n: int, rows: int = 0, sm_count: int = 0) -> Cfg:
 
     ``rows``/``sm_count`` (the weight and the device) pick 32-row warps for 9..64 tokens when
     the 128-row tiles alone fill the GPU (no K split): one activation fragment then feeds two
-    m-tiles (H200 lm-head: 1.50x at N=16, 1.08x at N=64; slower on 4096-row weights)."""
+    m-tiles (H200 lm-head: 1.50x at N=16, 1.08x at N=64; slower on 4096-row weights). Other
+    weights take the K-slice tile (src 4), which the H200 table picks on every model shape
+    below the lm-heads at N = 16..64 but 14336x4096 at N = 32/64 (bench/RESULTS.md)."""
     if path == "exact":
         return Cfg(nt=1 if n == 1 else 2 if n == 2 else 4, pf=n <= 2)
     if path == "mmq_q8_1":
@@ -149,11 +151,7 @@ def default_cfg(path: str, n: int, rows: int = 0, sm_count: int = 0) -> Cfg:
         return Cfg(nt=1)
     if sm_count and rows >= 128 * sm_count:
         return Cfg(nt=2 if n <= 16 else 4 if n <= 32 else 8, mt=2, src=3, warps=4)
-    if n <= 16:
-        return Cfg(nt=2, src=1)
-    if n <= 32:  # cp.async-staged prepass + prefetch: 7-15% faster than the L1 reads (H200)
-        return Cfg(nt=4, src=3, pf=True)
-    return Cfg(nt=8, src=3, pf=True)
+    return Cfg(nt=2 if n <= 16 else 4 if n <= 32 else 8, src=4, pf=True)
 
 
 # -- the measured table ------------------------------------------------------------------------

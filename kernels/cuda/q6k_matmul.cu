@@ -885,7 +885,7 @@ INST_KS(1, 1, true) INST_KS(2, 1, true) INST_KS(4, 1, true) INST_KS(8, 1, true)
     template __global__ void q6k_ksr_f16<NT, SOA, IN>(                                        \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_KSR(NT) INST_KSR2(NT, true, InF16) INST_KSR2(NT, false, InF16)
-INST_KSR(1) INST_KSR(2) INST_KSR(4) INST_KSR(8)
+INST_KSR(1) INST_KSR(2)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);

@@ -322,7 +322,8 @@ def variant_cases() -> list:
 
 # The K-slice tiles' launch shapes (q6k_ks_f16, q6k_ksr_f16: every instantiation the nvcc check
 # builds).
-KS_CFGS = tuple(KsCfg(nt=nt, src=src, pf=src == 4) for nt in (1, 2, 4, 8) for src in (4, 5))
+KS_CFGS = tuple(KsCfg(nt=nt, src=4, pf=True) for nt in (1, 2, 4, 8)) + tuple(
+    KsCfg(nt=nt, src=5) for nt in (1, 2))
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
@@ -332,9 +333,11 @@ def test_default_launch_shape_widens_warps_for_tall_weights():
     wide = Cfg(nt=2, mt=2, src=3, warps=4)
     assert default_cfg("mma_f16", 16, 152064, 132) == wide  # 1188 row tiles: no K split
     assert default_cfg("mma_f16", 64, 152064, 132).mt == 2
-    assert default_cfg("mma_f16", 16, 4096, 132) == Cfg(nt=2, src=1)  # 32 row tiles
+    ks = Cfg(nt=2, src=4, pf=True)  # the K-slice tile below the lm-heads
+    assert default_cfg("mma_f16", 16, 4096, 132) == ks  # 32 row tiles
+    assert default_cfg("mma_f16", 64, 4096, 132) == Cfg(nt=8, src=4, pf=True)
     assert default_cfg("mma_f16", 8, 152064, 132) == Cfg(nt=1)  # decode N <= 8 unchanged
-    assert default_cfg("mma_f16", 16) == Cfg(nt=2, src=1)  # no shape given
+    assert default_cfg("mma_f16", 16) == ks  # no shape given
 
 
 def test_heuristic_auto_is_shape_aware_for_small_weights():
