@@ -11,9 +11,10 @@
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
 # BUNDLE=1: every log into $OUT/logs.tgz at the end (the device tool returns 8 files at most).
-# tile: the stream-K tile's GPU tests and bench/tile_probe.py (TILE_ARGS). ncu: Nsight Compute
-#       (NCU_SET, default full) of the AUTO kernel and every tile launch shape on NCU_SHAPE at
-#       NCU_NS (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
+# kstest: the K-slice tiles' GPU tests. tile: bench/tile_probe.py (TILE_ARGS): the K-slice
+#       tiles checked and timed on the model shapes. ncu: Nsight Compute (NCU_SET, default full)
+#       of AUTO, the heuristic f16 tile and the K-slice tiles on NCU_SHAPE at NCU_NS
+#       (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -88,8 +89,6 @@ if want probe; then  # memory-side ceiling + Nsight Compute on the AUTO tile
   sed -n '/^# best/,$p' "$OUT/probe.log"
 fi
 if want tile; then
-  [[ ${TILE_TESTS:-1} == 1 ]] && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rfE --maxfail=10 -p no:cacheprovider \
-    tests/kernels/test_cuda_tile.py 2>&1 | tee "$OUT/pytest_tile.log" | tail -15
   # shellcheck disable=SC2086
   timeout "${TILE_TIMEOUT:-200}" python3 bench/tile_probe.py ${TILE_ARGS:-} \
     --json "$OUT/tile_probe.json" 2>&1 | tee "$OUT/tile_probe.log" | sed -n '/^# us/,$p'
@@ -97,7 +96,7 @@ fi
 if want ncu; then
   # shellcheck disable=SC2086
   timeout "${NCU_TIMEOUT:-200}" ncu --clock-control none --set "${NCU_SET:-full}" \
-    -k "regex:${NCU_KERNELS:-q6k_mma|q6k_tile|q6k_ks}" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
+    -k "regex:${NCU_KERNELS:-q6k_mma|q6k_ks}" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
     --profile --no-torch --shapes "${NCU_SHAPE:-4096x14336}" --ns "${NCU_NS:-16,64}" \
     >"$OUT/ncu_run.log" 2>&1
   echo "# ncu rc=$?"; grep -E "^# profile|ERR|rror" "$OUT/ncu_run.log" | head

@@ -1,12 +1,15 @@
-"""Probe of the stream-K tensor-core tile q6k_tile_f16 (bench/stream_k/q6k_tile.cu, issue 16).
+"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5: q6k_ks_f16, q6k_ksr_f16; issue 16).
 
 Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
-the service receives): checks every launch shape against the NumPy float64 reference on a
-spread of rows (first, last and random rows; F16 contract: relative Frobenius error <= 2e-3),
-SoA/AoS bit-identity and call-to-call bit-identity (stream-K partial sums), then times each
-shape with CUDA events (median of 40 calls over rotated resident copies past the 60 MB L2,
-prepass included) beside the backend's AUTO path and torch's f16 linear. A compact table is
-printed last. GPU only; never part of the test suite.
+the service receives): checks every K-slice launch shape of that N against the NumPy float64
+reference on a spread of rows (first, last and random rows; F16 contract: relative Frobenius
+error <= 2e-3), SoA/AoS bit-identity and call-to-call bit-identity (split-K partial sums), on
+the real model shapes the GPU tests do not load; then times each shape with CUDA events (median
+of 40 calls over rotated resident copies past the 60 MB L2, the split-K sum included) beside
+the backend's AUTO path and torch's f16 linear. A compact table is printed last. ``--profile``:
+one launch each of AUTO, the heuristic f16 tile and the K-slice tiles, for Nsight Compute. GPU
+only; never part of the test suite. (The stream-K tile it first probed, measured slower and
+never dispatched, is in the history: commit 2f899f3, bench/RESULTS.md.)
 
     python bench/tile_probe.py [--shapes 4096x14336,...] [--ns 9,16,32,64] [--json out.json]
 """
@@ -25,22 +28,16 @@ import numpy as np
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
-from q6serve.kernels.cuda import loader, storage
+from q6serve.kernels.cuda import storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
+from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_name
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
-
-def _bench_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_bk = _bench_module("_q6_bench_kernels", Path(__file__).with_name("kernels.py"))
-tile = _bench_module("_q6_stream_k_tile", Path(__file__).with_name("stream_k") / "tile.py")
+_spec = importlib.util.spec_from_file_location("_q6_bench_kernels",
+                                               Path(__file__).with_name("kernels.py"))
+_bk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bk)
 
 SHAPES = ("3584x3584", "512x3584", "18944x3584", "3584x18944", "152064x3584",
           "4096x4096", "1024x4096", "14336x4096", "4096x14336", "128256x4096")
@@ -69,28 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
                          "tile's heuristic shape and of the K-slice tiles (for Nsight Compute)")
-    ap.add_argument("--profile-tile", action="store_true",
-                    help="with --profile: the stream-K tile too")
     a = ap.parse_args(argv)
     import cupy as cp
 
     be = CudaBackend(0)
     ns = [int(v) for v in a.ns.split(",")]
-    cfgs = [c for c in tile.CONFIGS if any(tile.nt_for(n) == c.nt for n in ns)]
+    cfgs = [c for n in ns for c in ks_cfgs(n)]
     t0 = time.time()
     with be.ctx.dev:
-        tmod = loader.load(tile.TILE_FILE, tile.names(("InF16",)), root=tile.HERE)
-        pmod = loader.load(tile.PREP_FILE, tuple(
-            f"q6k_prep_f16<{nt}, InF16>" for nt in sorted({c.nt for c in cfgs})))
-    mods = {tile.TILE_FILE: tmod, tile.PREP_FILE: pmod}
+        be.ctx.prefetch(MATMUL_FILE, {kernel_name("mma_f16", c, soa, "InF16") for c in cfgs
+                                      for soa in (True, False)}, threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
-    for c in cfgs:
-        f = tmod.function(tile.kernel_name(c, True, True))
-        print(f"# {c.label}: {f.num_regs} regs, {tile.smem_bytes(c)} B dynamic smem", flush=True)
-
-    def get_fn(file: str, name: str):
-        return mods[file].function(name)
+    for c in dict.fromkeys(cfgs):
+        f = be.ctx.fn(MATMUL_FILE, kernel_name("mma_f16", c, True, "InF16"))
+        print(f"# {c.label()}: {f.num_regs} regs", flush=True)
 
     rng = np.random.default_rng(0)
     results: list[dict] = []
@@ -121,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
             if a.profile:
-                profile_calls(cp, be, get_fn, ws, xd, n, rows, k, a.profile_tile)
+                profile_calls(be, ws, xd, n, rows, k)
                 continue
             t_torch = None if a.no_torch else _bk.torch_linear_us(
                 rows, k, n, max(2, min(16, math.ceil(3 * _bk.L2_BYTES / (2 * rows * k)))))
@@ -137,21 +127,19 @@ def main(argv: list[str] | None = None) -> int:
                    "auto": auto, "auto_us": t_auto, "tiles": {}}
             print(f"{shape_s:>12} {n:>3} {'auto=' + auto:>26} {t_auto:8.1f} us "
                   f"{wbytes / t_auto / 1e6:5.2f} TB/s   torch {t_torch or 0:8.1f} us", flush=True)
-            for c in cfgs:
-                if c.nt != tile.nt_for(n):
-                    continue
+            for c in ks_cfgs(n):
                 try:
-                    res = probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies)
+                    res = probe_cfg(cp, be, c, ws, wa, xd, n, pick, y64, copies)
                 except Exception as e:  # one broken shape must not end the run
                     first = str(e).splitlines()[0] if str(e) else ""
                     res = {"error": f"{type(e).__name__}: {first}"}
-                row["tiles"][c.label] = res
+                row["tiles"][c.label()] = res
                 if "error" in res:
-                    print(f"{shape_s:>12} {n:>3} {c.label:>26} FAILED {res['error']}", flush=True)
+                    print(f"{shape_s:>12} {n:>3} {c.label():>26} FAILED {res['error']}", flush=True)
                     continue
-                print(f"{shape_s:>12} {n:>3} {c.label:>26} {res['us']:8.1f} us "
+                print(f"{shape_s:>12} {n:>3} {c.label():>26} {res['us']:8.1f} us "
                       f"{wbytes / res['us'] / 1e6:5.2f} TB/s  x{t_auto / res['us']:.2f} auto  "
-                      f"err {res['err']:.2e} grid {res['grid']} "
+                      f"err {res['err']:.2e} "
                       f"{'ok' if res['ok'] else 'BAD'}", flush=True)
             results.append(row)
         for w in [*ws, wa]:
@@ -169,58 +157,43 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def profile_calls(cp, be, get_fn, ws, xd, n, rows, k, with_tile: bool) -> None:
-    """One call each of: AUTO (the dispatch's kernel and launch shape), the f16 tile's
-    heuristic shape and the two K-slice tiles where AUTO is another, and (``with_tile``) the
-    stream-K tile's default shape; each on another resident copy (so a profiler's replay reads
-    HBM, not the L2 the previous kernel filled)."""
+def ks_cfgs(n: int) -> list[Cfg]:
+    """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
+    nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
+    return [Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+
+
+def profile_calls(be, ws, xd, n, rows, k) -> None:
+    """One call each of: AUTO (the dispatch's kernel and launch shape), then the f16 tile's
+    heuristic shape and the K-slice tiles where AUTO is another; each on another resident
+    copy (so a profiler's replay reads HBM, not the L2 the previous kernel filled)."""
     choice = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
     runs = [(choice.path, choice.cfg)]
-    nt = 1 if n <= 8 else -(-n // 8)
-    nt = 1 << (nt - 1).bit_length()
-    for cand in (default_cfg("mma_f16", n, rows, be.sm_count), Cfg(nt=nt, src=5),
-                 Cfg(nt=nt, src=4, pf=True)):
+    nt = ks_cfgs(n)[0].nt
+    for cand in (default_cfg("mma_f16", n, rows, be.sm_count), Cfg(nt=nt, src=2 if nt == 1 else 3,
+                                                                 pf=nt > 2), *ks_cfgs(n)):
         if ("mma_f16", cand) not in runs:
             runs.append(("mma_f16", cand))
-    c = tile.default_cfg(n)
     print(f"# profile {rows}x{k} N={n}: "
-          + ", ".join(f"{p} {q.label() if q else ''}" for p, q in runs)
-          + (f", {c.label}" if with_tile else ""), flush=True)
+          + ", ".join(f"{p} {q.label() if q else ''}" for p, q in runs), flush=True)
     with be.ctx.dev, be.stream:
         for i, (path, cfg) in enumerate(runs):
             be.run(ws[i % len(ws)], xd, np.dtype(np.float16), path, cfg)
-        if with_tile:
-            p = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
-            y = cp.empty((n, rows), cp.float32)
-            part = cp.empty(max(1, p.part_floats), cp.float32)
-            xp = cp.empty(max(1, p.xp_words), cp.uint32)
-            tickets = cp.zeros(p.tiles, cp.uint32)
-            cw = ws[len(runs) % len(ws)].data
-            tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
         be.stream.synchronize()
 
 
-def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> dict:
+def probe_cfg(cp, be, c, ws, wa, xd, n, pick, y64, copies) -> dict:
     """Correctness (reference rows, AoS twin, repeat) and timing of one launch shape."""
+    f16 = np.dtype(np.float16)
     with be.ctx.dev, be.stream:
-        ps = tile.plan(get_fn, c, rows, k, n, True, "InF16", be.sm_count, be.ctx.smem_sm)
-        pa = tile.plan(get_fn, c, rows, k, n, False, "InF16", be.sm_count, be.ctx.smem_sm)
-        xp = cp.empty(max(1, ps.xp_words), cp.uint32)
-        part = cp.empty(max(1, ps.part_floats), cp.float32)
-        tickets = cp.zeros(ps.tiles, cp.uint32)
+        part = be.launcher.ws.array("part", (1 << 22,), np.float32)
         outs = []
-        for w, p in ((ws[0], ps), (ws[1], ps), (wa, pa)):
-            y = cp.full((n, rows), np.nan, cp.float32)
-            part.fill(np.nan)
-            cw = w.data
-            tile.launch(p, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
-            outs.append(y.get(stream=be.stream))
-        left = int(tickets.sum().get())
-        y = cp.empty((n, rows), cp.float32)
+        for w in (ws[0], ws[1], wa):
+            part.fill(np.nan)  # a partial sum nothing wrote shows up as NaN
+            outs.append(be.run(w, xd, f16, "mma_f16", c).get(stream=be.stream))
 
         def call(i: int) -> None:
-            cw = ws[i].data
-            tile.launch(ps, cw.table, rows, cw.rps, xd, n, y, xp, part, tickets)
+            be.run(ws[i], xd, f16, "mma_f16", c)
 
         us = _bk.time_calls(cp, call, copies)
     y0 = outs[0]
@@ -228,9 +201,9 @@ def probe_cfg(cp, be, get_fn, c, ws, wa, xd, n, rows, k, pick, y64, copies) -> d
     finite = bool(np.isfinite(y0).all())
     repeat = bool(np.array_equal(y0.view(np.uint32), outs[1].view(np.uint32)))
     twin = bool(np.array_equal(y0.view(np.uint32), outs[2].view(np.uint32)))
-    ok = finite and repeat and twin and err <= TOL and left == 0
+    ok = finite and repeat and twin and err <= TOL
     return {"us": us, "err": err, "finite": finite, "repeat_identical": repeat,
-            "aos_identical": twin, "tickets_left": left, "grid": ps.grid, "ok": ok}
+            "aos_identical": twin, "ok": ok}
 
 
 def _bk_rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -32,18 +32,16 @@ class KernelCompileError(DeviceError):
         super().__init__(f"NVRTC failed to compile {file} with {' '.join(options)}:\n{log}")
 
 
-def source_text(name: str, _seen: frozenset[str] = frozenset(), root: Path = CUDA_DIR) -> str:
-    """``name`` with its local includes inlined, each part under its own ``#line`` marker.
-    ``root``: where ``name`` lives (a bench experiment's folder); includes are looked up there,
-    then in this folder."""
+def source_text(name: str, _seen: frozenset[str] = frozenset()) -> str:
+    """``name`` with its local includes inlined, each part under its own ``#line`` marker."""
     if name in _seen:
         return ""  # a header included twice (pragma once semantics)
-    path = root / name if (root / name).is_file() else CUDA_DIR / name
+    path = CUDA_DIR / name
     out = [f'#line 1 "{name}"']
     for no, line in enumerate(path.read_text().splitlines(), start=1):
         m = _INCLUDE.match(line)
         if m:
-            out.append(source_text(m.group(1), _seen | {name}, root))
+            out.append(source_text(m.group(1), _seen | {name}))
             out.append(f'#line {no + 1} "{name}"')
         elif line.strip() == "#pragma once":
             out.append("")
@@ -66,11 +64,11 @@ _lock = threading.Lock()
 
 
 def load(file: str, names: tuple[str, ...], device: int = 0,
-         options: tuple[str, ...] = (), root: Path = CUDA_DIR) -> CompiledModule:
-    """Compile (or fetch) ``file`` (in ``root``) with the template instantiations ``names``."""
+         options: tuple[str, ...] = ()) -> CompiledModule:
+    """Compile (or fetch) ``file`` with the template instantiations ``names``."""
     import cupy
 
-    src = source_text(file, root=root)
+    src = source_text(file)
     opts = BASE_OPTIONS + tuple(options)
     with cupy.cuda.Device(device) as dev:
         cc = dev.compute_capability

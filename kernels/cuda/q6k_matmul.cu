@@ -50,6 +50,23 @@ __device__ __forceinline__ void warp_rows(const Weight& w, int wrow, int g, RowR
         for (int hr = 0; hr < 2; ++hr)
             rr[mt][hr] = row_ref<SOA>(w, min(wrow + mt * 16 + g + 8 * hr, w.rows - 1));
 }
+// One K block of a warp's MT m-tiles (rows g and g+8 of each), and the double buffer's step:
+// this block's weights from `nxt`, whose loads of the next block are issued.
+template <bool SOA, int MT>
+__device__ __forceinline__ void warp_load(Raw (&dst)[MT][2], const RowRef (&rr)[MT][2], int kb,
+                                          int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
+}
+template <int MT>
+__device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = src[mt][hr];
+}
 template <class T, int MT, int NT>
 __device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -168,12 +185,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 
     // PF: the next block's weights are loaded before this block's math (double buffer).
     Raw nxt[MT][2];
-    if (PF && kb0 < kb1) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0, t);
-    }
+    if (PF && kb0 < kb1) warp_load<SOA>(nxt, rr, kb0, t);
     // The first weight loads are in flight while the CTA stages its activations.
     const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
     if (SRC == 2) {
@@ -200,17 +212,12 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             __syncthreads();
         }
         Raw raw[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                if (PF) {
-                    raw[mt][hr] = nxt[mt][hr];
-                    if (kb + 1 < kb1) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb + 1, t);
-                } else {
-                    raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
-                }
-            }
+        if (PF) {
+            warp_take(raw, nxt);
+            if (kb + 1 < kb1) warp_load<SOA>(nxt, rr, kb + 1, t);
+        } else {
+            warp_load<SOA>(raw, rr, kb, t);
+        }
 
         block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
             if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
@@ -316,12 +323,7 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
     Raw nxt[MT][2];
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
-        if (PF) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0, t);
-        }
+        if (PF) warp_load<SOA>(nxt, rr, kb0, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
@@ -336,20 +338,15 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
         zero_acc(acc);
         for (int b = 0; b < nblk; ++b) {
             Raw raw[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    if (PF) {
-                        raw[mt][hr] = nxt[mt][hr];
-                        if (b + 1 < nblk)
-                            nxt[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0 + b + 1, t);
-                        else if (more)
-                            nxt[mt][hr] = load_raw<SOA>(rn[mt][hr], kb0, t);
-                    } else {
-                        raw[mt][hr] = load_raw<SOA>(rr[mt][hr], kb0 + b, t);
-                    }
-                }
+            if (PF) {
+                warp_take(raw, nxt);
+                if (b + 1 < nblk)
+                    warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
+                else if (more)
+                    warp_load<SOA>(nxt, rn, kb0, t);
+            } else {
+                warp_load<SOA>(raw, rr, kb0 + b, t);
+            }
             block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
             });
@@ -357,9 +354,10 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
         if (more) {
             if (PF) {
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) rr[mt][hr] = rn[mt][hr];
+                for (int mt = 0; mt < MT; ++mt) {
+                    rr[mt][0] = rn[mt][0];
+                    rr[mt][1] = rn[mt][1];
+                }
             } else {
                 warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
             }

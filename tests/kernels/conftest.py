@@ -47,3 +47,12 @@ def _random_blocks(rng: np.random.Generator, n: int) -> np.ndarray:
 def random_blocks():
     """``random_blocks(rng, n)``: see :func:`_random_blocks` (a fixture: tests are no package)."""
     return _random_blocks
+
+
+@pytest.fixture
+def rng(request):
+    """A freshly seeded generator per test; the seed is printed and recorded for a rerun."""
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

@@ -59,14 +59,6 @@ def be():
     b.close()
 
 
-@pytest.fixture
-def rng(request):
-    seed = int(np.random.SeedSequence().entropy % (2**32))
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def random_weight(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     """Valid Q6_K blocks ``[rows*k/256, 210]``: random codes and scales, finite f16 d."""
     n = rows * (k // 256)

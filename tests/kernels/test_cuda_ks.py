@@ -45,14 +45,6 @@ def be():
     b.close()
 
 
-@pytest.fixture
-def rng(request):
-    seed = int(np.random.SeedSequence().entropy % (2**32))
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _run(be, w, x, cfg):
     """y [n, rows] of one call; outputs and the partial-sum buffer poisoned first."""
     poison()
