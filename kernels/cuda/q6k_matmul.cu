@@ -244,6 +244,25 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
 }
 
+// Where a thread of a K-slice tile stands: lane, warp, fragment coordinates (g, t), the token
+// chunk's first token, and the CTA's K slice [kb0, kb0 + nblk).
+struct KsPos {
+    int lane, warp, g, t, tok0, kb0, nblk;
+};
+template <int NT>
+__device__ __forceinline__ KsPos ks_pos(int bpr) {
+    KsPos p;
+    p.lane = threadIdx.x & 31;
+    p.warp = threadIdx.x >> 5;
+    p.g = p.lane >> 2;
+    p.t = p.lane & 3;
+    p.tok0 = blockIdx.z * 8 * NT;
+    int kb1;
+    k_range(bpr, p.kb0, kb1);
+    p.nblk = kb1 - p.kb0;
+    return p;
+}
+
 // The end of a warp tile of the K-slice tiles: y directly (one K slice), else this slice's
 // partial sums part[ky][n_tok][rows], added by q6k_sum_parts after the kernel. (A first
 // version let the last warp of each tile's slices add them, behind an atomic ticket: every
@@ -308,12 +327,9 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
     MAKE_W;
     MAKE_OUT;
     (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tok0 = blockIdx.z * 8 * NT;
-    int kb0, kb1;
-    k_range(w.bpr, kb0, kb1);
-    const int nblk = kb1 - kb0;
+    const KsPos ps = ks_pos<NT>(w.bpr);
+    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
+    const int kb0 = ps.kb0, nblk = ps.nblk;
     const int wtiles = (w.rows + 16 * MT - 1) / (16 * MT);
     const int wstride = gridDim.x * 8;
     int wt = blockIdx.x * 8 + warp;
@@ -452,12 +468,9 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
     MAKE_W;
     MAKE_OUT;
     (void)xp;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tok0 = blockIdx.z * 8 * NT;
-    int kb0, kb1;
-    k_range(w.bpr, kb0, kb1);
-    const int nblk = kb1 - kb0;
+    const KsPos ps = ks_pos<NT>(w.bpr);
+    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
+    const int kb0 = ps.kb0, nblk = ps.nblk;
     if (nblk <= 0) return;  // CTA-uniform
     const int wtiles = (w.rows + 15) >> 4;
     const int wstride = gridDim.x * 8;
