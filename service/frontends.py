@@ -23,7 +23,8 @@ instead. The socket is the wake-up; the small messages to a peer within one loop
 
 Contract kept from the one-process worker: the same servicer, interceptor (error codes,
 auth), health and reflection run in every front end; every request kind (multi-weight, top-k,
-regions, streams) is served; admission limits are split over the front ends
+regions, streams) is served (small calls stacked per front end: ``EngineProxy``);
+admission limits are split over the front ends
 (``frontend_limits``), so they hold for the worker as a whole; request metrics are forwarded to the
 device process every 200 ms, so one /metrics shows the whole worker; status and flags are the
 device process's. SIGTERM to the `q6serve worker` process drains: every front end turns
@@ -84,6 +85,7 @@ from .worker import Worker, build_server, stop_server
 log = logging.getLogger("q6serve.frontends")
 
 SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the message
+GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (EngineProxy)
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -635,10 +637,16 @@ class _Link:
         self._ids += 1
         return self._ids
 
-    def request(self, msg: tuple[Any, ...], slot: int = -1) -> tuple[int, asyncio.Future[Any]]:
+    def request(self, msg: tuple[Any, ...], slot: int = -1,
+                fut: asyncio.Future[Any] | None = None, group: _Stack | None = None,
+                ) -> tuple[int, asyncio.Future[Any]]:
+        """Send ``msg``; ``fut`` (made here unless given) gets the answer. ``group``: the
+        request is several callers' matmuls stacked (EngineProxy._send_group): each of their
+        futures gets its rows of y, ``fut`` is not used."""
         rid = self._next()
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = (fut, slot)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (fut, slot, group)
         self.out.send((msg[0], rid, *msg[1:]))
         return rid, fut
 
@@ -648,6 +656,29 @@ class _Link:
 
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    def _answer_group(self, group: list[tuple[asyncio.Future[Any], int]], slot: int,
+                      fields: tuple[Any, ...], out: Any) -> None:
+        """A stacked request's reply: each caller its rows of y (views of the slot, which is
+        free once all of them are gone; each view is its own array, see _free_part)."""
+        in_slot = [1]  # one for this loop: a view dropped at once must not free the slot early
+        row = 0
+        for f, rows in group:
+            if isinstance(out, tuple):
+                off, dt, shape = out
+                dtype = DTYPES[dt].newbyteorder("<")
+                y = self.arena.array(slot, dtype, (rows, shape[1]), writable=False,
+                                     offset=off + row * shape[1] * dtype.itemsize)
+                in_slot[0] += 1
+                weakref.finalize(y, self._free_part, slot, in_slot)
+            else:
+                y = out[row : row + rows]  # its own bytes (unpickled): the slice keeps them
+            row += rows
+            if not f.done():
+                f.set_result(_reply(fields, y))
+        del y
+        if slot >= 0:
+            self._free_part(slot, in_slot)
 
     def _free_part(self, slot: int, in_slot: list[int]) -> None:
         in_slot[0] -= 1
@@ -672,29 +703,37 @@ class _Link:
             pass
         finally:
             self.serving = False
-            for fut, _ in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(Unavailable("the worker's device process went away"))
+            for fut, _, group in self._waiting.values():
+                for f in [fut] if group is None else [g for g, _ in group.members]:
+                    if not f.done():
+                        f.set_exception(Unavailable("the worker's device process went away"))
             self._waiting.clear()
             if not self.drain.done():
                 self.drain.set_result(0.0)
 
     def _answer(self, msg: tuple[Any, ...]) -> None:
         kind, rid = msg[0], msg[1]
-        fut, slot = self._waiting.pop(rid, (None, -1))
+        fut, slot, group = self._waiting.pop(rid, (None, -1, None))
         if fut is None:
             return
         if kind == "err":
             if slot >= 0:
                 self.free(slot)
-            if not fut.done():
-                fut.set_exception(msg[2])
+            if group is not None and isinstance(msg[2], InvalidArgument | FailedPrecondition):
+                group.one_by_one()  # maybe one caller's input: each gets its own answer
+                return
+            for f in [fut] if group is None else [g for g, _ in group.members]:
+                if not f.done():
+                    f.set_exception(msg[2])
             return
         if kind == "ok":
             if not fut.done():
                 fut.set_result(msg[2])
             return
         reply, outs = msg[2], msg[3]
+        if group is not None:
+            self._answer_group(group.members, slot, reply, outs[0])
+            return
         ys: list[np.ndarray | None] = []
         in_slot = [0]  # ys viewing the slot: it is free once every one of them is gone
         for out in outs:
@@ -714,6 +753,17 @@ class _Link:
         # else the caller gave up: y (and with it the slot) goes with this frame
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """Several callers' calls sent as one request: their futures and rows, in order, and how
+    to send them one by one instead (when the stack was refused as INVALID_ARGUMENT or
+    FAILED_PRECONDITION, which may be one caller's input: as the batcher isolates such a
+    request, each caller then gets its own answer)."""
+
+    members: list[tuple[asyncio.Future[Any], int]]
+    one_by_one: Callable[[], None]
+
+
 class EngineProxy:
     """What the servicer needs of an Engine, answered by the device process."""
 
@@ -723,6 +773,8 @@ class EngineProxy:
 
     def __init__(self, link: _Link) -> None:
         self.link = link
+        # this loop iteration's groupable calls by (weight, x dtype, K, precision, out dtype)
+        self._groups: dict[tuple[Any, ...], list[tuple[MatmulCall, asyncio.Future[Any]]]] = {}
 
     @property
     def serving(self) -> bool:
@@ -730,20 +782,26 @@ class EngineProxy:
 
     def start_matmul(self, call: MatmulCall, sink: Callable[[Any], None] | None = None,
                      ) -> asyncio.Future[MatmulReply]:
-        """As Engine.start_matmul; ``sink(fut)`` runs when the device process answered."""
+        """As Engine.start_matmul; ``sink(fut)`` runs when the device process answered.
+
+        Plain single-weight calls of a few rows wait for the end of this loop iteration and
+        go to the device process stacked with the others for the same weight, dtypes and K
+        (up to GROUP_MAX_ROWS rows: one IPC message and one engine request for all of them;
+        the device process's per-request work was T2's ceiling, bench/RESULTS.md)."""
         if not self.link.serving:
             raise Unavailable("the worker is draining and takes no new requests")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         x = call.x
-        link = self.link
-        slot = link.free_slots.pop() if link.free_slots else -1
-        if slot >= 0 and x.nbytes <= link.arena.slot_bytes:
-            link.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
-            xs: Any = _desc(x)
+        if (call.weights or call.topk or x.ndim != 2
+                or not 1 <= x.shape[0] <= GROUP_MAX_ROWS // 2):
+            self._send(call, fut)
         else:
-            xs = np.ascontiguousarray(x)
-        _, fut = link.request(("mm", call.weight, call.weights, call.topk,
-                               call.precision.value, dtype_name(call.out_dtype), call.timeout,
-                               xs, slot), slot)
+            key = (call.weight, x.dtype.str, int(x.shape[1]), call.precision.value,
+                   dtype_name(call.out_dtype))
+            if not self._groups:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._groups.setdefault(key, []).append((call, fut))
+        link = self.link
 
         def note_rows(f: asyncio.Future[Any]) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -757,6 +815,71 @@ class EngineProxy:
         if sink is not None:
             fut.add_done_callback(sink)
         return fut
+
+    def _send(self, call: MatmulCall, fut: asyncio.Future[Any]) -> None:
+        """One call as one request; its x in a free slot when it fits."""
+        x, link = call.x, self.link
+        slot = link.free_slots.pop() if link.free_slots else -1
+        if slot >= 0 and x.nbytes <= link.arena.slot_bytes:
+            link.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
+            xs: Any = _desc(x)
+        else:
+            xs = np.ascontiguousarray(x)
+        link.request(("mm", call.weight, call.weights, call.topk, call.precision.value,
+                      dtype_name(call.out_dtype), call.timeout, xs, slot), slot, fut)
+
+    def _flush(self) -> None:
+        """The iteration's groups out: one request per key, split at GROUP_MAX_ROWS rows."""
+        groups, self._groups = self._groups, {}
+        for members in groups.values():
+            live = [(c, f) for c, f in members if not f.done()]  # cancelled meanwhile
+            chunk: list[tuple[MatmulCall, asyncio.Future[Any]]] = []
+            rows = 0
+            for c, f in live:
+                n = int(c.x.shape[0])
+                if chunk and rows + n > GROUP_MAX_ROWS:
+                    self._send_group(chunk, rows)
+                    chunk, rows = [], 0
+                chunk.append((c, f))
+                rows += n
+            if chunk:
+                self._send_group(chunk, rows)
+
+    def _send_group(self, members: list[tuple[MatmulCall, asyncio.Future[Any]]],
+                    rows: int) -> None:
+        if not self.link.serving:
+            for _, f in members:
+                if not f.done():
+                    f.set_exception(Unavailable("the worker is draining and takes no new "
+                                                "requests"))
+            return
+        if len(members) == 1:
+            self._send(*members[0])
+            return
+        first, link = members[0][0], self.link
+        dtype = first.x.dtype.newbyteorder("<")
+        shape = (rows, int(first.x.shape[1]))
+        slot = link.free_slots.pop() if link.free_slots else -1
+        if slot >= 0 and rows * shape[1] * dtype.itemsize <= link.arena.slot_bytes:
+            dst = link.arena.array(slot, dtype, shape, writable=True)
+            row = 0
+            for c, _ in members:  # straight into the slot: no concatenated copy
+                dst[row : row + c.x.shape[0]] = c.x
+                row += int(c.x.shape[0])
+            xs: Any = (dtype_name(dtype), shape)
+        else:
+            xs = np.concatenate([c.x for c, _ in members])
+        # the longest deadline: a caller's own deadline still ends its RPC (gRPC enforces it)
+        timeouts = [c.timeout for c, _ in members]
+        timeout = None if None in timeouts else max(t for t in timeouts if t is not None)
+        def one_by_one() -> None:
+            for c, f in members:
+                if not f.done():
+                    self._send(c, f)
+
+        link.request(("mm", first.weight, (), 0, first.precision.value,
+                      dtype_name(first.out_dtype), timeout, xs, slot), slot,
+                     group=_Stack([(f, int(c.x.shape[0])) for c, f in members], one_by_one))
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         # shielded: a cancelled caller must not cancel the future the reply resolves (its

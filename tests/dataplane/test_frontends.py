@@ -297,3 +297,124 @@ def test_admission_holds_for_the_whole_worker(start: Callable[..., Running],
         outs = list(pool.map(lambda c: [c.matmul("w", x) for _ in range(4)], clients))
     assert len(outs) == len(clients)
     assert 1 <= w.worker.pending_peak <= 3, w.worker.pending_peak
+
+
+class _Writer:
+    """What _Link writes to, captured (a StreamWriter stand-in)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    def is_closing(self) -> bool:
+        return False
+
+    def messages(self) -> list[tuple[Any, ...]]:
+        import pickle
+        import struct
+
+        out, at = [], 0
+        while at < len(self.data):
+            (n,) = struct.unpack_from("<Q", self.data, at)
+            out.append(pickle.loads(bytes(self.data[at + 8 : at + 8 + n])))
+            at += 8 + n
+        self.data.clear()
+        return out
+
+
+def test_front_end_stacks_small_calls() -> None:
+    """EngineProxy: calls of one loop iteration for the same weight, dtypes and K go to the
+    device process as one stacked request; each caller gets its own rows of y (views of the
+    slot, which is free again once they are gone); a caller that gave up is skipped; an
+    error reaches every caller of the stack; other calls are sent on their own."""
+    import gc
+
+    from q6serve.kernels.api import Precision
+    from q6serve.kernels.errors import InvalidArgument, NotFound
+    from q6serve.service.engine import MatmulCall
+    from q6serve.service.frontends import Arena, EngineProxy, _Link
+
+    async def main() -> None:
+        arena = Arena.create(2, 1 << 16)
+        arena.unlink()
+        w = _Writer()
+        link = _Link(None, w, arena)  # type: ignore[arg-type]
+        proxy = EngineProxy(link)
+        xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
+        futs = [proxy.start_matmul(MatmulCall("w", x)) for x in xs]
+        odd = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float16)))  # other dtype
+        gone = proxy.start_matmul(MatmulCall("w", xs[0]))
+        gone.cancel()
+        solo = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float32),
+                                             Precision.EXACT))
+        for _ in range(3):  # the group's flush, then the writer's
+            await asyncio.sleep(0)
+        msgs = w.messages()
+        assert [m[0] for m in msgs] == ["mm", "mm", "mm"]
+        stacked = next(m for m in msgs if m[8] == ("f32", (4, K)))
+        rid, slot = stacked[1], stacked[9]
+        x = arena.array(slot, np.dtype("<f4"), (4, K), writable=False)
+        np.testing.assert_array_equal(x[:, 0], [1, 2, 2, 3])  # the three callers' rows
+        del x
+        y = arena.array(slot, np.dtype("<f4"), (4, 8), writable=True)
+        y[...] = np.arange(32).reshape(4, 8)
+        del y
+        fields = ("k", "soa", "exact", 0.0, 1e-5, 4, 1, 2e-5, None)
+        link._answer(("mmok", rid, fields, [(0, "f32", (4, 8))]))
+        ys = [f.result().y for f in futs]
+        assert [y.shape for y in ys] == [(1, 8), (2, 8), (1, 8)]
+        np.testing.assert_array_equal(ys[1], np.arange(8, 24).reshape(2, 8))
+        assert slot not in link.free_slots  # still viewed by the callers' ys
+        del ys, futs
+        await asyncio.sleep(0)  # the futures' done callbacks (which hold them) run
+        gc.collect()
+        assert slot in link.free_slots
+        # an error reaches every caller of a stack
+        a, b = (proxy.start_matmul(MatmulCall("nope", xs[0])) for _ in range(2))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        (m,) = w.messages()
+        link._answer(("err", m[1], NotFound("no weight named 'nope'")))
+        assert isinstance(a.exception(), NotFound) and isinstance(b.exception(), NotFound)
+        # INVALID_ARGUMENT may be one caller's input: the stack is sent again one by one
+        a, b = (proxy.start_matmul(MatmulCall("w", xs[0])) for _ in range(2))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        (m,) = w.messages()
+        link._answer(("err", m[1], InvalidArgument("values the kernel cannot take")))
+        for _ in range(2):
+            await asyncio.sleep(0)
+        again = w.messages()
+        shapes = [m[8][1] if isinstance(m[8], tuple) else m[8].shape for m in again]
+        assert shapes == [(1, K)] * 2 and not a.done()  # (x in a slot, or in the message)
+        for m in again:
+            link._answer(("err", m[1], InvalidArgument("yours")))
+        assert isinstance(a.exception(), InvalidArgument)
+        assert not odd.done() and not solo.done()
+        odd.cancel()
+        solo.cancel()
+        arena.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_callers_get_their_own_rows(start: Callable[..., Running],
+                                               rng: np.random.Generator) -> None:
+    """Many callers at once through the front ends (their calls stacked as it happens):
+    every caller gets the result of its own x."""
+    w = start(backend=InstrumentedBackend(matmul_delay=0.01))
+    blocks = random_q6k(ROWS, K, 9)
+    w.client().upload("w", blocks, ROWS, K)
+    clients = [w.client() for _ in range(12)]
+    xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float32) for i in range(12)]
+    want = [reference(blocks, ROWS, K, x) for x in xs]
+
+    def run(i: int) -> None:
+        for _ in range(6):
+            np.testing.assert_allclose(clients[i].matmul("w", xs[i]), want[i], rtol=1e-5,
+                                       atol=1e-4)
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(run, range(12)))
