@@ -63,15 +63,14 @@ PATHS = {"exact": Precision.EXACT, "mma_f16": Precision.F16, "mmq_q8_1": Precisi
          "cublas_f16": Precision.F16}
 VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt1.sm": Cfg(nt=1), "nt1.sm.pf": Cfg(nt=1, pf=True), "nt1.sm.w4": Cfg(nt=1, warps=4),
-    "nt1.ldg": Cfg(nt=1, src=0),
-    "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True), "nt2.pre": Cfg(nt=2, src=1),
+    "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True),
     "nt2.cpa": Cfg(nt=2, src=3), "nt2.cpa.pf": Cfg(nt=2, src=3, pf=True),
-    "nt4.pre": Cfg(nt=4, src=1), "nt4.cpa.pf": Cfg(nt=4, src=3, pf=True),
-    "nt8.pre": Cfg(nt=8, src=1), "nt8.cpa.pf": Cfg(nt=8, src=3, pf=True),
+    "nt4.cpa.pf": Cfg(nt=4, src=3, pf=True),
+    "nt8.cpa.pf": Cfg(nt=8, src=3, pf=True),
     "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.pf.w4": Cfg(nt=8, src=3, pf=True, warps=4),
     # 32 rows per warp (mt=2): each activation fragment feeds two m-tiles
     "nt1.sm.m2": Cfg(nt=1, mt=2), "nt1.sm.m2.w4": Cfg(nt=1, mt=2, warps=4),
-    "nt2.pre.m2": Cfg(nt=2, mt=2, src=1), "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
+    "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
@@ -80,8 +79,7 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
 # (bench/RESULTS.md)
 KS_SHAPES = {nt: ((1, True),) for nt in (1, 2, 4, 8)}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
-EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1),
-                  "exact.ldg.pf": Cfg(nt=1, src=0, pf=True)}
+EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
     const long long t0 = clock64();
     while (clock64() - t0 < cycles) {}
@@ -164,10 +162,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
     exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
                                                      Cfg(nt=1, pf=True)]}.get(
         n, [Cfg(nt=4), Cfg(nt=2)])
-    mma = {16: [Cfg(nt=2, src=1), Cfg(nt=2, src=3, pf=True), Cfg(nt=2, mt=2, src=3, warps=4),
-                Cfg(nt=2, mt=2, src=1)],
-           32: [Cfg(nt=4, src=3, pf=True), Cfg(nt=4, mt=2, src=3, warps=4), Cfg(nt=2, src=1),
-                Cfg(nt=4, src=1)],
+    mma = {16: [Cfg(nt=2, src=3, pf=True), Cfg(nt=2, mt=2, src=3, warps=4)],
+           32: [Cfg(nt=4, src=3, pf=True), Cfg(nt=4, mt=2, src=3, warps=4)],
            64: [Cfg(nt=8, src=3, pf=True), Cfg(nt=8, mt=2, src=3, warps=4), Cfg(nt=8, src=3),
                 Cfg(nt=4, src=3, pf=True)]}.get(
         n, [Cfg(nt=1), Cfg(nt=1, mt=2), Cfg(nt=1, warps=4)])
@@ -241,7 +237,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                     continue
                 for in_t in (IN_TYPES[np.dtype(np.float16)], IN_TYPES[np.dtype(np.float32)]):
                     names.add(kernel_name(path, cfg, True, in_t))
-                    if path == "mma_f16" and cfg.src in (1, 3):
+                    if path == "mma_f16" and cfg.src == 3:
                         names.add(f"q6k_prep_f16<{cfg.nt}, {in_t}>")
                     if path == "mmq_q8_1":
                         names.add(f"q6k_prep_q8_1<{cfg.nt}, {in_t}>")

@@ -66,8 +66,9 @@ class Cfg:
     nt: int = 1  # n-tiles of 8 tokens per CTA (mma/mmq) or tokens per CTA (exact)
     mt: int = 1  # m-tiles of 16 rows per warp
     warps: int = 8  # warps per CTA (row-split: each warp its own rows)
-    src: int = 2  # activations: 0 read in the loop, 1 f16 prepass buffer, 2 staged in smem,
-    #               3 prepass buffer streamed through two smem stages (cp.async),
+    src: int = 2  # activations: 2 staged in smem, 3 the f16 prepass buffer streamed through
+    #               two smem stages (cp.async) (0 and 1, read from x or the prepass in the
+    #               loop, left: no table entry or heuristic picked them),
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
     #                 staged once per CTA, warps stream many row tiles; ksplit = K slices),
     #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1)
@@ -77,9 +78,9 @@ class Cfg:
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and self.warps in (4, 8) and 0 <= self.src <= 5
+        ok = ok and self.mt in (1, 2) and self.warps in (4, 8) and 2 <= self.src <= 5
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
-            self.mt != 1 or self.src in (1, 3, 4, 5) or self.warps != 8))
+            self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps != 8))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)

@@ -73,14 +73,13 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     lay = "true" if soa else "false"
     pf = "true" if cfg.pf else "false"
     if path == "exact":
-        sm = "true" if cfg.src == 2 else "false"
-        return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}, {sm}>"
+        return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
     if path == "mma_f16":
-        t_in = "InF16" if cfg.src in (1, 3) else in_t  # it reads only the prepass
+        t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
     if path == "mmq_q8_1":
         return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
@@ -314,7 +313,7 @@ class Launcher:
             if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:
                 f.max_dynamic_shared_size_bytes = smem
         prep, prep_grid, sizes = None, (1,), (0, 0, 0)
-        if path == "mma_f16" and cfg.src in (1, 3):
+        if path == "mma_f16" and cfg.src == 3:
             words = nz * bpr * cfg.nt * 8 * 32 * 4
             prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_f16<{cfg.nt}, {in_t}>")
             prep_grid, sizes = (min(65535, -(-(words // 4) // 256)),), (words, 0, 0)

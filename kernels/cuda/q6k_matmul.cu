@@ -156,11 +156,11 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 
 // ---------------------------------------------------------------------------------------------
 // F16 tensor-core tile. CTA = blockDim.x/32 warps, each MT m-tiles of 16 rows x all 8*NT tokens
-// of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 0 read and
-// rounded from x in the loop, 1 from the q6k_prep_f16 buffer, 2 staged once per CTA into shared
-// memory in fragment order ([token][block][sp][t] 16 bytes, rows padded by 64 bytes so the
-// 16-byte reads of a quarter-warp hit distinct banks), 3 the prepass buffer copied block by
-// block into two shared-memory stages with cp.async (the next block lands during this one).
+// of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 2 staged once
+// per CTA into shared memory in fragment order (stage_x_f16), 3 the q6k_prep_f16 buffer copied
+// block by block into two shared-memory stages with cp.async (the next block lands during this
+// one). (SRC 0, x read in the loop, and 1, the prepass read through L1, left with the K-slice
+// tiles: no table entry or heuristic picked them any more.)
 template <int NT, int MT, bool SOA, int SRC, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     warp_rows<SOA>(w, wrow, g, rr);
     float acc[MT][NT][4];
     zero_acc(acc);
-    constexpr bool PRE = SRC == 1;
+    static_assert(SRC == 2 || SRC == 3, "activation sources: 2 staged, 3 streamed prepass");
     constexpr int STAGE = NT * 256;  // uint4 of one block's activations (SRC 3)
     const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
 
@@ -221,14 +221,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 
         block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
             if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
-            if (SRC == 2) return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
-            if (PRE)
-                return ldg128(xp + ((((size_t)blockIdx.z * w.bpr + kb) * NT + nt) * 8 + sp) * 32 +
-                              lane);
-            const int tok = tok0 + nt * 8 + g;
-            return tok < o.n_tok ? load_x8_f16<In>(x + (size_t)tok * K + kb * 256 +
-                                                   quad_x_off(sp, t))
-                                 : make_uint4(0, 0, 0, 0);
+            return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
         });
         if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
     }
@@ -536,8 +529,8 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
 // Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
-// SM: the CTA first stages its activations in shared memory ([tok][block][sp][t] 8 floats).
-template <int TOK, bool SOA, class In, bool PF, bool SM>
+// The CTA first stages its activations in shared memory ([tok][block][sp][t] 8 floats).
+template <int TOK, bool SOA, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T* x, int K,
                                                   PARAMS_OUT) {
     MAKE_W;
@@ -553,14 +546,6 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
     RowRef rr[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) rr[hr] = row_ref<SOA>(w, min(wrow + g + 8 * hr, w.rows - 1));
-    const typename In::T* xt[TOK];
-    bool live[TOK];
-#pragma unroll
-    for (int n = 0; n < TOK; ++n) {
-        live[n] = tok0 + n < o.n_tok;
-        xt[n] = x + (size_t)min(tok0 + n, o.n_tok - 1) * K;
-    }
-
     float acc[2][TOK];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
@@ -574,17 +559,15 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
     }
     float4* xs = reinterpret_cast<float4*>(smem_x);
     const int nblk = kb1 - kb0;
-    if (SM) {
-        for (int i = threadIdx.x; i < TOK * nblk * 64; i += blockDim.x) {
-            const int n = i / (nblk * 64), rem = i - n * (nblk * 64);
-            const int b = rem >> 6, sp = (rem >> 3) & 7, tt = (rem >> 1) & 3, hf = rem & 1;
-            xs[i] = tok0 + n < o.n_tok
-                        ? load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
-                                          quad_x_off(sp, tt) + 4 * hf)
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        __syncthreads();
+    for (int i = threadIdx.x; i < TOK * nblk * 64; i += blockDim.x) {
+        const int n = i / (nblk * 64), rem = i - n * (nblk * 64);
+        const int b = rem >> 6, sp = (rem >> 3) & 7, tt = (rem >> 1) & 3, hf = rem & 1;
+        xs[i] = tok0 + n < o.n_tok
+                    ? load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
+                                      quad_x_off(sp, tt) + 4 * hf)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    __syncthreads();
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[2];
 #pragma unroll
@@ -604,20 +587,12 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
 #pragma unroll
         for (int sp = 0; sp < 8; ++sp) {
             const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
-            const int xo = kb * 256 + quad_x_off(sp, t);
             float4 xv[TOK][2];
 #pragma unroll
             for (int n = 0; n < TOK; ++n) {
-                if (SM) {
-                    const float4* p = xs + ((n * nblk + (kb - kb0)) * 8 + sp) * 8 + t * 2;
-                    xv[n][0] = p[0];
-                    xv[n][1] = p[1];
-                } else {
-                    xv[n][0] =
-                        live[n] ? load_x4_f32<In>(xt[n] + xo) : make_float4(0.f, 0.f, 0.f, 0.f);
-                    xv[n][1] = live[n] ? load_x4_f32<In>(xt[n] + xo + 4)
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
+                const float4* p = xs + ((n * nblk + (kb - kb0)) * 8 + sp) * 8 + t * 2;
+                xv[n][0] = p[0];
+                xv[n][1] = p[1];
             }
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
@@ -871,20 +846,17 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 #ifdef Q6SERVE_NVCC_CHECK
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
-#define INST_MMA2(NT, MT, SOA, PRE, IN, PF)                                                 \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, (PRE == 3 ? 3 : PRE ? 1 : 2), IN, PF>(\
+#define INST_MMA2(NT, MT, SOA, SRC, IN, PF)                                                 \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, SRC, IN, PF>(                           \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_MMA(NT, MT, SOA, PRE, IN) \
-    INST_MMA2(NT, MT, SOA, PRE, IN, true) INST_MMA2(NT, MT, SOA, PRE, IN, false)
-#define INST_MMA_IN(NT, MT, SOA, PRE) \
-    INST_MMA(NT, MT, SOA, PRE, InF32) INST_MMA(NT, MT, SOA, PRE, InF16) INST_MMA(NT, MT, SOA, PRE, InBF16)
-INST_MMA_IN(1, 1, true, false) INST_MMA_IN(2, 1, true, false)
-INST_MMA_IN(1, 1, false, false) INST_MMA_IN(2, 1, false, false)
-INST_MMA(2, 1, true, true, InF16) INST_MMA(4, 1, true, true, InF16) INST_MMA(8, 1, true, true, InF16)
-INST_MMA2(4, 1, true, 3, InF16, true) INST_MMA2(8, 1, true, 3, InF16, true)
-INST_MMA2(4, 1, false, 3, InF16, true) INST_MMA2(8, 1, false, 3, InF16, true)
-INST_MMA2(8, 1, true, 3, InF16, false) INST_MMA2(8, 1, false, 3, InF16, false)
-INST_MMA(2, 1, false, true, InF16) INST_MMA(4, 1, false, true, InF16) INST_MMA(8, 1, false, true, InF16)
+#define INST_MMA(NT, MT, SOA, SRC, IN) \
+    INST_MMA2(NT, MT, SOA, SRC, IN, true) INST_MMA2(NT, MT, SOA, SRC, IN, false)
+#define INST_MMA_IN(NT, MT, SOA, SRC) \
+    INST_MMA(NT, MT, SOA, SRC, InF32) INST_MMA(NT, MT, SOA, SRC, InF16) INST_MMA(NT, MT, SOA, SRC, InBF16)
+INST_MMA_IN(1, 1, true, 2) INST_MMA_IN(2, 1, true, 2)
+INST_MMA_IN(1, 1, false, 2) INST_MMA_IN(2, 1, false, 2)
+INST_MMA(2, 1, true, 3, InF16) INST_MMA(4, 1, true, 3, InF16) INST_MMA(8, 1, true, 3, InF16)
+INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, false, 3, InF16)
 #define INST_KS2(NT, MT, SOA, IN, PF)                                                        \
     template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
@@ -902,10 +874,9 @@ INST_KSR(1) INST_KSR(2)
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
 #define INST_PREP_IN(NT) INST_PREP(NT, InF32) INST_PREP(NT, InF16) INST_PREP(NT, InBF16)
 INST_PREP_IN(1) INST_PREP_IN(2) INST_PREP_IN(4) INST_PREP_IN(8)
-#define INST_EXACT2(TOK, SOA, IN, PF, SM) \
-    template __global__ void q6k_exact<TOK, SOA, IN, PF, SM>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
-#define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true, true) INST_EXACT2(TOK, SOA, IN, false, true) \
-    INST_EXACT2(TOK, SOA, IN, true, false)
+#define INST_EXACT2(TOK, SOA, IN, PF) \
+    template __global__ void q6k_exact<TOK, SOA, IN, PF>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
+#define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true) INST_EXACT2(TOK, SOA, IN, false)
 #define INST_EXACT_IN(TOK, SOA) INST_EXACT(TOK, SOA, InF32) INST_EXACT(TOK, SOA, InF16) INST_EXACT(TOK, SOA, InBF16)
 INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true)
 INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false)

@@ -31,7 +31,7 @@ def small_table() -> DispatchTable:
         for n in BUCKETS:
             entries += [
                 Entry(rows, k, n, "auto", "exact", Cfg(nt=2), 10.0),
-                Entry(rows, k, n, "exact", "exact", Cfg(nt=1, src=0), 11.0),
+                Entry(rows, k, n, "exact", "exact", Cfg(nt=1, pf=True), 11.0),
                 Entry(rows, k, n, "f16", "cublas_f16", None, 12.0),
                 Entry(rows, k, n, "q8_1", "mmq_q8_1", Cfg(nt=4), 13.0),
             ]
@@ -54,7 +54,7 @@ def test_table_answers_for_its_shapes_and_buckets():
     assert (c.path, c.precision, c.cfg) == ("exact", Precision.EXACT, Cfg(nt=2))
     assert d.choose(5, Precision.F16, SOA, 512, 3584).path == "cublas_f16"
     assert d.choose(200, Precision.Q8_1, SOA, 512, 3584).cfg == Cfg(nt=4)  # bucket 64's
-    assert d.choose(1, Precision.EXACT, SOA, 512, 3584).cfg == Cfg(nt=1, src=0)
+    assert d.choose(1, Precision.EXACT, SOA, 512, 3584).cfg == Cfg(nt=1, pf=True)
 
 
 def test_nearest_shape_then_heuristics():
