@@ -39,18 +39,7 @@ from q6serve.client.client import Client, matmul_request
 from q6serve.client.core import upload_header
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
-from tests.reliability.gguf_corpus import (
-    ARR,
-    F32V,
-    STR,
-    File,
-    Tensor,
-    gstr,
-    kv,
-    q6k_blocks,
-    u32,
-    u64,
-)
+from tests.reliability import gguf_corpus as g
 from tests.service.svc_util import random_q6k
 
 K = 256
@@ -320,16 +309,17 @@ ATTACKS: dict[str, tuple[Callable[[Worker, float], str], str]] = {
 
 
 def build_files(d: Path) -> None:
-    items = b"".join(gstr(f"tok{i}") for i in range(1_500_000))
+    items = b"".join(g.gstr(f"tok{i}") for i in range(1_500_000))
     nums = np.zeros(2_600_000, "<f4")  # 4.1 Mi items in all: just inside the scan's cap
-    (d / "bomb.gguf").write_bytes(File(
-        tensors=[Tensor("t", [K, 1], data=q6k_blocks(1, K, 1))],
-        kvs=[kv("tokenizer.ggml.tokens", ARR, u32(STR) + u64(1_500_000) + items),
-             kv("tokenizer.ggml.scores", ARR, u32(F32V) + u64(nums.size) + nums.tobytes())],
+    scores = g.u32(g.F32V) + g.u64(nums.size) + nums.tobytes()
+    (d / "bomb.gguf").write_bytes(g.File(
+        tensors=[g.Tensor("t", [K, 1], data=g.q6k_blocks(1, K, 1))],
+        kvs=[g.kv("tokenizer.ggml.tokens", g.ARR, g.u32(g.STR) + g.u64(1_500_000) + items),
+             g.kv("tokenizer.ggml.scores", g.ARR, scores)],
     ).build())
-    b = q6k_blocks(1, K, 1)
-    (d / "many.gguf").write_bytes(File(tensors=[Tensor(f"t{i}", [K, 1], data=b)
-                                                for i in range(16384)]).build())
+    b = g.q6k_blocks(1, K, 1)
+    (d / "many.gguf").write_bytes(g.File(tensors=[g.Tensor(f"t{i}", [K, 1], data=b)
+                                                  for i in range(16384)]).build())
 
 
 def settle(w: Worker, before: dict[str, int], timeout: float = 20) -> dict[str, int]:
