@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,11 @@ class _Cursor:
         self.cancelled = cancelled
 
     def poll(self) -> None:
+        """Between slices of a long scan (~1 ms each): stop if the caller gave up, and hand
+        the GIL over at once (sleep(0)). A thread computing in Python keeps it for up to the
+        switch interval (5 ms) each time the event loop wants it back, and one health check
+        needs it several times: 1.5 M tokenizer strings made loop wake-ups ~5 ms late."""
+        time.sleep(0)
         if self.cancelled is not None and self.cancelled():
             raise Cancelled(f"{self.name}: parsing abandoned at byte {self.pos} of "
                             f"{self.size}")
@@ -190,7 +196,7 @@ class _Cursor:
         buf, size, pos = self.buf, self.size, self.pos
         unpack = struct.Struct("<Q").unpack_from
         for i in range(count):  # each item takes >= 8 bytes, so EOF ends this loop early
-            if not i & 0xFFFF:
+            if not i & 0xFFF:
                 self.pos = pos
                 self.poll()
             if size - pos < 8:
