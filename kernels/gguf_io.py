@@ -99,6 +99,9 @@ _UINT32 = 4
 _ALIGNMENT_KEY = "general.alignment"
 
 
+YIELD_S = 0.001  # a scan hands the GIL over this often (see _Cursor.poll)
+
+
 class _Cursor:
     """Little-endian reads from a buffer; every read checks the bytes exist first."""
 
@@ -107,13 +110,18 @@ class _Cursor:
         self.buf, self.name, self.pos, self.size = buf, name, 0, len(buf)
         self.array_items = 0
         self.cancelled = cancelled
+        self._yielded = time.perf_counter()
 
     def poll(self) -> None:
-        """Between slices of a long scan (~1 ms each): stop if the caller gave up, and hand
-        the GIL over at once (sleep(0)). A thread computing in Python keeps it for up to the
+        """Between slices of a long scan: stop if the caller gave up, and at most every
+        YIELD_S hand the GIL over at once (sleep(0); by time, not by call: nested arrays
+        poll once per inner array). A thread computing in Python keeps the GIL for up to the
         switch interval (5 ms) each time the event loop wants it back, and one health check
         needs it several times: 1.5 M tokenizer strings made loop wake-ups ~5 ms late."""
-        time.sleep(0)
+        now = time.perf_counter()
+        if now - self._yielded >= YIELD_S:
+            time.sleep(0)
+            self._yielded = now
         if self.cancelled is not None and self.cancelled():
             raise Cancelled(f"{self.name}: parsing abandoned at byte {self.pos} of "
                             f"{self.size}")
