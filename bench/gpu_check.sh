@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
+# kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
+# on CUDA, the lm-head top-k target (bench/service.py --lm-head), the data plane at 8 front ends
+# with its device-path and fast-lane probes (bench/gpu_dataplane_run.sh VARIANTS=8). Prints a
+# short table last; $OUT gets the logs (8 files at most come back: an archive + the table).
+#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SECONDS_PER_RUN (1.5)
+set -uo pipefail
+FINAL=${OUT:-$PWD/out}
+OUT=/tmp/check
+rm -rf "$OUT"
+mkdir -p "$FINAL" "$OUT"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+at() { echo "$(($(date +%s) - T0)) s"; }
+bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
+head -3 "$OUT/setup.log"
+summary=()
+t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line for the table
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
+  echo "# $name rc=$rc at $(at)"
+}
+t kernels_gpu 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
+t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
+Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
+  tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
+  tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
+  tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
+t demo 150 python3 -m q6serve.client.cli demo --backend cuda
+t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+  --warmup 0.3 --json "$OUT/lm_head.json"
+if [[ -z ${SKIP_DATAPLANE:-} ]]; then
+  VARIANTS=8 SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 200 bench/gpu_dataplane_run.sh \
+    >"$OUT/dataplane.log" 2>&1
+  echo "# dataplane rc=$? at $(at)"
+fi
+tar czf "$FINAL/check.tgz" -C "$OUT" .
+{
+  echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(at)"
+  printf '%s\n' "${summary[@]}"
+  grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -6
+  grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
+} | tee "$FINAL/summary.txt"
