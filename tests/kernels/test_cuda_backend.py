@@ -99,16 +99,20 @@ def check(be, w, blocks, x, precision, flags=SOA, y64=None):
         e1 = rel_fro(res.y, reference.matmul_q8_1(x, blocks, w.rows))
         assert e1 <= 1e-6, (res.kernel, e1)
     err = rel_fro(res.y, y64)
-    # The f16/q8_1 bounds are statistical (Frobenius over many outputs): a single dot product
-    # with cancellation can exceed them, so tiny outputs get a per-element bound instead.
-    if res.precision is Precision.EXACT or res.y.size >= 64:
+    # The bounds are statistical (Frobenius over many outputs): a single dot product with
+    # cancellation can exceed them (EXACT, one output of K=256: 1.11e-5 seen on the H200), so
+    # tiny outputs get a per-element bound relative to the sum of |terms| instead.
+    if res.y.size >= 64:
         assert err <= TOL[res.precision], (res.kernel, err)
-    elif res.precision is Precision.F16:
+    elif res.precision in (Precision.EXACT, Precision.F16):
         wd = q6k.dequantize_aos(blocks, w.rows, w.k).astype(np.float64)
-        x16 = x.astype(np.float32).astype(np.float16).astype(np.float64)
-        scale = np.abs(x16) @ np.abs(wd).T  # sum of |terms| per output
-        y16 = x16 @ wd.T
-        assert (np.abs(res.y - y16) <= 1e-3 * scale + 1e-30).all(), res.kernel
+        xr = x.astype(np.float32).astype(np.float64)
+        if res.precision is Precision.F16:
+            xr = x.astype(np.float32).astype(np.float16).astype(np.float64)
+        scale = np.abs(xr) @ np.abs(wd).T  # sum of |terms| per output
+        yr = xr @ wd.T
+        bound = TOL[res.precision] if res.precision is Precision.EXACT else 1e-3
+        assert (np.abs(res.y - yr) <= bound * scale + 1e-30).all(), res.kernel
     assert res.timing.seconds(wait=True) > 0
     return res
 
