@@ -16,7 +16,11 @@ sync, Python). Modes:
   the launches, ``y.get()``), for comparison.
 
     python bench/backend_wall.py [--shapes 4096x14336,...] [--ns 1,8,64] [--calls 200]
-                                 [--dtype f16] [--modes graph,staged,direct,naive] [--json out.json]
+                                 [--dtype f16] [--modes graph,staged,direct,naive] [--topk K]
+                                 [--json out.json]
+
+``--topk K``: the calls ask for the top-k / log-sum-exp epilogue (graph, staged, direct), so
+``host`` also holds the epilogue's kernel, which runs after the timed matmul kernel.
 
 Targets (issue 14): wall <= kernel + 30 us at N=1 and <= kernel + 100 us at N=64 on a 48 MB
 weight.
@@ -63,7 +67,7 @@ def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.nd
 
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
-            ) -> dict:
+            topk: int = 0) -> dict:
     walls, kerns, fills = [], [], []
     for i in range(calls + 5):
         x = xs[i % len(xs)]
@@ -76,11 +80,11 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             st[...] = x
             fills.append((time.perf_counter() - t0) * 1e6)
             t0 = time.perf_counter()
-            res = be.matmul(w, st)
+            res = be.matmul(w, st, topk=topk)
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
         else:
-            res = be.matmul(w, x)
+            res = be.matmul(w, x, topk=topk)
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks  # no figure: shows as nan, run goes on
         wall = time.perf_counter() - t0
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
     ap.add_argument("--modes", default="graph,staged,direct,naive")
+    ap.add_argument("--topk", type=int, default=0, help="top-k epilogue k (0: y)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     out = []
     print(f"# device: {bes['graph'].device_name()}  date: {time.strftime('%Y-%m-%d')}  "
-          f"activations: {a.dtype}, y f32, {a.calls} calls per row (us)")
+          f"activations: {a.dtype}, {f'top-{a.topk}' if a.topk else 'y f32'}, {a.calls} calls "
+          "per row (us)")
     print(f"{'shape':>12} {'N':>3} {'mode':>7} {'wall p50':>9} {'kernel p50':>10} "
           f"{'host p50':>9} {'host p90':>9}")
     for shape_s in a.shapes.split(","):
@@ -125,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
             for m in modes:
                 be = bes[m]
-                r = measure(be, ws[id(be)], xs, a.calls, m)
-                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype)
+                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk)
+                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
