@@ -72,7 +72,8 @@ def test_a_burst_of_calls_on_one_connection_all_succeed(worker):
         watcher.join()
     assert codes == {"OK": 1500}
     assert 1 <= most[0] <= INFLIGHT  # the rest waited in the gate, before being read
-    assert worker.run(lambda: (gate.running, gate.waiting)) == (0, 0)
+    wait_until(lambda: worker.run(lambda: (gate.running, gate.waiting)) == (0, 0),
+               what="every place given back")  # released as each handler ends, after its reply
     assert health(worker.target) == "SERVING"
 
 
@@ -238,6 +239,9 @@ def test_many_connections_share_the_gate_and_all_calls_succeed():
                 ch.close()
         assert codes == {"OK": 480}
         assert len(keys) == 8 and not over, over[:5]
-        assert rw.run(lambda: (gate.running, gate.waiting, gate.active)) == (0, 0, 0)
+        # a place is given back when the handler ends, which may come just after its reply
+        # reached the caller (seen in CI: (3, 0, 1) right after the last reply)
+        wait_until(lambda: rw.run(lambda: (gate.running, gate.waiting, gate.active))
+                   == (0, 0, 0), what="every place given back")
     finally:
         rw.stop()
