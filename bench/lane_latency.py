@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from service import WorkerProc, random_q6k  # bench/ is sys.path[0]
+from service import random_q6k, start_worker  # bench/ is sys.path[0]
 
 
 def timed(fn: Any, seconds: float, warmup: float) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = a.json.parent if a.json else Path(tempfile.mkdtemp(prefix="q6lane-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--allow-shm"] + (["--frontends", str(a.frontends)] if a.frontends > 1 else [])
-    worker = WorkerProc(a.backend, out_dir / "worker.log", extra)
+    worker = start_worker(a.backend, out_dir / "worker.log", extra)
     results: dict[str, Any] = {}
     try:
         with Client(worker.target) as c:

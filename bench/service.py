@@ -49,7 +49,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -62,6 +61,8 @@ from typing import Any
 import numpy as np
 from service_load import LoadSpec, grpc_floor, run_load  # bench/ is sys.path[0]
 from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_floor, step_plan
+
+from q6serve.client.worker_process import WorkerProcess
 
 WEIGHTS = {"attn_v": (512, 3584), "ffn_down": (3584, 18944), "lm_head": (152064, 3584)}
 PARTS = ("client_encode", "transport", "server_decode", "queue", "kernel", "device_other",
@@ -84,38 +85,9 @@ def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
     return blocks
 
 
-class WorkerProc:
-    """``q6serve worker --port 0`` as a subprocess; its log goes to ``log_path``."""
-
-    def __init__(self, backend: str, log_path: Path, extra: list[str]) -> None:
-        cmd = [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0",
-               "--backend", backend, "--log-level", "INFO", *extra]
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self.target = self._wait_listening(180.0)
-
-    def _wait_listening(self, timeout: float) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            m = re.search(r"listening on (\S+):(\d+)", self.log_path.read_text())
-            if m:
-                return f"{m.group(1)}:{m.group(2)}"
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"worker did not start:\n{self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def start_worker(backend: str, log_path: Path, extra: list[str]) -> WorkerProcess:
+    """``q6serve worker --port 0`` as a started subprocess; its log goes to ``log_path``."""
+    return WorkerProcess(["--backend", backend, "--log-level", "INFO", *extra], log_path).start()
 
 
 # -- figures ----------------------------------------------------------------------------------
@@ -195,7 +167,7 @@ class Bench:
         if args.dataplane:  # issue 15: callers' regions (one per caller, all at once)
             extra += ["--allow-shm", "--max-regions", "1024"]
         self.args = args
-        self.worker = WorkerProc(args.backend, out_dir / "worker.log", extra)
+        self.worker = start_worker(args.backend, out_dir / "worker.log", extra)
         self.client = Client(self.worker.target, timeout=600.0)
         st = self.client.status()
         self.backend, self.device = st.backend, st.device

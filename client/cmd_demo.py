@@ -1,6 +1,6 @@
 """``q6serve demo``: the whole service on this machine in one command.
 
-Starts a local worker on the best backend (CUDA if a GPU is usable, else NumPy) on a free port,
+Starts a worker process on the best backend (CUDA if a GPU is usable, else NumPy) on a free port,
 writes a Q6_K GGUF file with the shapes of a 7B-class model (or takes ``--gguf FILE``), loads
 it through gRPC, runs batched-decode matmuls at several N from concurrent callers, checks every
 result against the NumPy reference, prints what it measured, unloads, and exits non-zero if
@@ -306,50 +306,58 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from q6serve.client.client import Q6ServeError
-    from q6serve.client.local_worker import LocalWorker
-    from q6serve.kernels.backends import make_backend
-    from q6serve.kernels.errors import Q6Error
-    from q6serve.service.config import Budget, WorkerConfig
+    from q6serve.client.client import Client, Q6ServeError
+    from q6serve.client.worker_process import WorkerProcess, WorkerStartError
 
     console = Console() if sys.stdout.isatty() else Console(width=130)
     if min(args.n) < 1 or args.callers < 1 or args.calls < 1:
         raise UsageError("--n, --callers and --calls must be >= 1")
-    try:
-        backend = make_backend(args.backend)
-    except Q6Error as e:
-        console.print(f"[red]q6serve demo: {e}[/]")
-        return 2
-    max_mib = args.max_weight_mib
-    if max_mib is None:
-        max_mib = CPU_MAX_WEIGHT_MIB if backend.name == "numpy" else 0.0
     say = (lambda *a, **k: None) if args.json else console.print
-    say(f"[bold]q6serve demo[/] on backend [cyan]{backend.name}[/] ({backend.device_name()})")
     with tempfile.TemporaryDirectory(prefix="q6serve-demo-") as tmp:
-        if args.gguf is not None:
-            path = args.gguf.resolve()
-        else:
-            path = Path(tmp) / "demo-7b-shapes.gguf"
-            shapes = {n: (cap_rows(r, k, max_mib), k) for n, (r, k) in SHAPES.items()}
-            t0 = time.perf_counter()
-            synthetic_model(path, shapes)
-            say(f"wrote {path.name}: {len(shapes)} Q6_K tensors with 7B-class shapes in "
-                f"{time.perf_counter() - t0:.1f} s")
-            if max_mib > 0:
-                say(f"  rows cut to <= {max_mib:g} MiB per weight to keep the CPU run short "
-                    "(--max-weight-mib 0: full size)")
-        plan = _plan(path, args.tensor, max_mib)
-        full_rows = {n: r for n, (_, r, _) in plan.items()}
-        if args.gguf is None:
-            full_rows = {n: SHAPES[n][0] for n in plan}
-        config = WorkerConfig(host="127.0.0.1", port=0, model_dir=path.parent,
-                              vram_budget=Budget(fraction=0.9))
-        with LocalWorker(config, backend) as worker:
-            say(f"worker listening on {worker.target} (in-process, gRPC over loopback)")
-            try:
-                return asyncio.run(serve_and_check(worker.target, args, path, plan, full_rows,
-                                                   console))
-            except Q6ServeError as e:  # the worker's own words, without a client traceback
-                console.print(f"[red]q6serve demo: {e.code.name}: {escape(e.message)}[/]",
-                              highlight=False)
-                return 1
+        gguf = args.gguf.resolve() if args.gguf is not None else None
+        if gguf is not None and not gguf.is_file():
+            raise UsageError(f"no such file: {gguf}")
+        model_dir = gguf.parent if gguf is not None else Path(tmp)
+        # the worker as deployed: its own process (a worker thread in this process would share
+        # the GIL with the callers' encoding and decoding, and its latencies with them)
+        worker = WorkerProcess(["--backend", args.backend, "--host", "127.0.0.1", "--model-dir",
+                                str(model_dir), "--vram-budget", "0.9"], Path(tmp) / "worker.log")
+        try:
+            worker.start()
+        except WorkerStartError as e:
+            console.print(f"[red]q6serve demo: the worker did not start: {escape(e.last_line)}[/]",
+                          highlight=False)
+            return 2
+        try:
+            with Client(worker.target) as c:
+                st = c.status()
+            backend, device = st.backend, st.device
+            max_mib = args.max_weight_mib
+            if max_mib is None:
+                max_mib = CPU_MAX_WEIGHT_MIB if backend == "numpy" else 0.0
+            say(f"[bold]q6serve demo[/] on backend [cyan]{backend}[/] ({device})")
+            if gguf is not None:
+                path = gguf
+            else:
+                path = Path(tmp) / "demo-7b-shapes.gguf"
+                shapes = {n: (cap_rows(r, k, max_mib), k) for n, (r, k) in SHAPES.items()}
+                t0 = time.perf_counter()
+                synthetic_model(path, shapes)
+                say(f"wrote {path.name}: {len(shapes)} Q6_K tensors with 7B-class shapes in "
+                    f"{time.perf_counter() - t0:.1f} s")
+                if max_mib > 0:
+                    say(f"  rows cut to <= {max_mib:g} MiB per weight to keep the CPU run short "
+                        "(--max-weight-mib 0: full size)")
+            plan = _plan(path, args.tensor, max_mib)
+            full_rows = {n: r for n, (_, r, _) in plan.items()}
+            if gguf is None:
+                full_rows = {n: SHAPES[n][0] for n in plan}
+            say(f"worker listening on {worker.target} (its own process, gRPC over loopback)")
+            return asyncio.run(serve_and_check(worker.target, args, path, plan, full_rows,
+                                               console))
+        except Q6ServeError as e:  # the worker's own words, without a client traceback
+            console.print(f"[red]q6serve demo: {e.code.name}: {escape(e.message)}[/]",
+                          highlight=False)
+            return 1
+        finally:
+            worker.stop()

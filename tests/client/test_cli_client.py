@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from svc_util import random_q6k, write_gguf
+from svc_util import RunningWorker, random_q6k, write_gguf
 
 from q6serve.client import cli, cmd_demo
 
@@ -147,19 +147,44 @@ def test_demo_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_reports_a_worker_failure(capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from q6serve.kernels import backends
+    """A worker's error reaches the demo's user as one line (its code and words)."""
+    from q6serve.client import worker_process
     from q6serve.kernels.errors import DeviceError
     from q6serve.kernels.numpy_backend import NumpyBackend
+    from q6serve.service.config import WorkerConfig
 
     class Broken(NumpyBackend):
         def matmul(self, *a: Any, **kw: Any) -> Any:
             raise DeviceError("injected [kernel] failure")
 
-    monkeypatch.setattr(backends, "make_backend", lambda name: Broken())
+    class InProcess:  # the worker process's stand-in: the demo's options, a broken backend
+        def __init__(self, args: list[str], log_path: Path, start_timeout: float = 0) -> None:
+            self.model_dir = Path(args[args.index("--model-dir") + 1])
+
+        def start(self) -> InProcess:
+            self.rw = RunningWorker(WorkerConfig(port=0, model_dir=self.model_dir), Broken())
+            self.target = self.rw.target
+            return self
+
+        def stop(self) -> None:
+            self.rw.stop()
+
+    monkeypatch.setattr(worker_process, "WorkerProcess", InProcess)
     rc = cli.main(["demo", "--n", "1", "--callers", "1", "--calls", "1",
                    "--max-weight-mib", "0.25"])
     assert rc == 1
-    assert "injected [kernel] failure" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "injected [kernel] failure" in out and "Traceback" not in out
+
+
+def test_demo_reports_a_worker_that_cannot_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """The worker process's own last words, one line, exit code 2 (here: no such backend
+    device; a machine with a GPU starts it, so the check only holds without one)."""
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: the CUDA backend may start here")
+    rc = cli.main(["demo", "--backend", "cuda", "--n", "1", "--callers", "1", "--calls", "1"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "the worker did not start" in out and "no CUDA device" in out
 
 
 @pytest.mark.parametrize("warm_all", [False, True])
