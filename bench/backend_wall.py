@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from q6serve.kernels import q6k
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight, iter_aos_chunks
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -44,11 +45,7 @@ DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
 def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    n = rows * (k // 256)
-    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    blocks[:, 208:210] = (rng.standard_normal(n) * 1e-3).astype(np.float16).view(
-        np.uint8).reshape(n, 2)
-    return blocks
+    return q6k.random_blocks(rows, k, rng)
 
 
 def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.ndarray, float]:

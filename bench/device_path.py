@@ -30,23 +30,15 @@ from typing import Any
 import numpy as np
 
 
-def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = rows * (k // 256)
-    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    d = (rng.random(n, dtype=np.float32) * 1e-3 + 1e-4).astype(np.float16)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
-    return blocks
-
-
 async def run(a: argparse.Namespace) -> dict[str, Any]:
+    from q6serve.kernels import q6k
     from q6serve.kernels.api import Precision
     from q6serve.kernels.backends import make_backend
     from q6serve.service.config import WorkerConfig
     from q6serve.service.engine import Engine, MatmulCall, UploadSpec
 
     eng = Engine(make_backend(a.backend), WorkerConfig(max_batch_rows=64))
-    data = random_q6k(a.rows, a.k, 1).tobytes()
+    data = q6k.random_blocks(a.rows, a.k, np.random.default_rng(1)).tobytes()
 
     async def once() -> Any:
         yield data

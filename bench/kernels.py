@@ -87,11 +87,7 @@ SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
 
 
 def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
-    n = rows * (k // 256)
-    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    blocks[:, 208:210] = (rng.standard_normal(n) * 1e-3).astype(np.float16).view(
-        np.uint8).reshape(n, 2)
-    return blocks
+    return q6k.random_blocks(rows, k, rng)
 
 
 def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:

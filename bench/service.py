@@ -63,6 +63,7 @@ from service_load import LoadSpec, grpc_floor, run_load  # bench/ is sys.path[0]
 from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_floor, step_plan
 
 from q6serve.client.worker_process import WorkerProcess
+from q6serve.kernels import q6k
 
 WEIGHTS = {"attn_v": (512, 3584), "ffn_down": (3584, 18944), "lm_head": (152064, 3584)}
 PARTS = ("client_encode", "transport", "server_decode", "queue", "kernel", "device_other",
@@ -76,13 +77,8 @@ LM_P50_LIMIT_US = 5000.0  # ... and p50 <= 5 ms (N=64, 8 callers, k=64)
 
 # -- worker process ---------------------------------------------------------------------------
 def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
-    """Valid random Q6_K blocks: random quants and scales, small finite f16 super-scales."""
-    rng = np.random.default_rng(seed)
-    n = rows * (k // 256)
-    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    d = (rng.random(n, dtype=np.float32) * 1e-3 + 1e-4).astype(np.float16)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
-    return blocks
+    """Valid random Q6_K blocks (kernels/q6k.py's generator, seeded)."""
+    return q6k.random_blocks(rows, k, np.random.default_rng(seed))
 
 
 def start_worker(backend: str, log_path: Path, extra: list[str]) -> WorkerProcess:

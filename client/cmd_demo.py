@@ -90,11 +90,7 @@ def synthetic_model(path: Path, shapes: dict[str, tuple[int, int]], seed: int = 
             w = (rng.standard_normal((rows, k)) * 0.02).astype(np.float32)
             tensors[name] = (quantize_q6_k(w), rows, k)
             continue
-        n = rows * k // q6k.QK_K
-        blocks = rng.integers(0, 256, (n, q6k.BLOCK_BYTES), dtype=np.uint8)
-        d = rng.uniform(1e-4, 4e-4, n).astype(np.float16)
-        blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
-        tensors[name] = (blocks, rows, k)
+        tensors[name] = (q6k.random_blocks(rows, k, rng, 1e-4, 4e-4), rows, k)
     write_q6k_gguf(path, tensors)
 
 

@@ -53,6 +53,20 @@ def aos_nbytes(rows: int, k: int) -> int:
     return rows * check_k(k) * BLOCK_BYTES
 
 
+def random_blocks(rows: int, k: int, rng: np.random.Generator, d_low: float = 1e-4,
+                  d_high: float = 1.1e-3) -> np.ndarray:
+    """Random valid AoS blocks ``[rows * k / 256, 210]``: random quants and int8 sub-scales,
+    super-scales ``d`` uniform in ``[d_low, d_high)`` as f16 (finite and positive). The one
+    generator of weights whose values do not matter, only their validity: the demo's synthetic
+    model, the service tests and the benchmarks."""
+    n = rows * check_k(k)
+    blocks = rng.integers(0, 256, size=(n, BLOCK_BYTES), dtype=np.uint8)
+    d = rng.uniform(d_low, d_high, n).astype(np.float16)
+    _, off, width = FIELDS[-1]
+    blocks[:, off : off + width] = d.view(np.uint8).reshape(n, width)
+    return blocks
+
+
 def _align(n: int) -> int:
     return (n + PLANE_ALIGN - 1) // PLANE_ALIGN * PLANE_ALIGN
 

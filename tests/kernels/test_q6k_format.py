@@ -111,3 +111,14 @@ def test_wrong_byte_counts_are_rejected(random_blocks):
     soa = q6k.aos_to_soa(blocks)
     with pytest.raises(FormatError, match=str(soa.size)):
         q6k.soa_fields(soa, 5)
+
+
+def test_random_blocks_are_valid_and_seeded():
+    """The synthetic-weight generator (demo, benches, service tests): shape, finite positive
+    f16 scales in the asked range, the same bytes for the same seed."""
+    a = q6k.random_blocks(3, 512, np.random.default_rng(7), 1e-4, 4e-4)
+    assert a.shape == (6, q6k.BLOCK_BYTES) and a.dtype == np.uint8
+    d = q6k.aos_fields(a)["d"].view(np.float16).astype(np.float64).ravel()
+    assert np.all((d >= 1e-4 * 0.999) & (d <= 4e-4 * 1.001))
+    assert np.array_equal(a, q6k.random_blocks(3, 512, np.random.default_rng(7), 1e-4, 4e-4))
+    assert np.isfinite(q6k.dequantize_aos(a, 3, 512)).all()

@@ -22,11 +22,7 @@ from q6serve.service.worker import Worker
 
 def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
     """Valid random Q6_K AoS blocks ``[rows*k/256, 210]`` with small finite scales."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * k // q6k.QK_K, q6k.BLOCK_BYTES), dtype=np.uint8)
-    d = (rng.random(blocks.shape[0]) * 1e-3 + 1e-4).astype(np.float16)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
-    return blocks
+    return q6k.random_blocks(rows, k, np.random.default_rng(seed))
 
 
 def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
