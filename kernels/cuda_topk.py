@@ -55,25 +55,12 @@ def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = No
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))
 
 
-# The kernel per device. loader.load re-reads, re-inlines and hashes the source on every call
-# (its cache key is the text): ~250 us of host time per call on the H200 machine, during which
-# the GPU waited (the lm-head's top-k took 517 us by events for a 4096-column row as well as a
-# 152064-column one).
-_kernels: dict[int, Any] = {}
-
-
-def _kernel(device: int) -> Any:
-    fn = _kernels.get(device)
-    if fn is None:
-        from .cuda import loader
-
-        fn = _kernels[device] = loader.load(TOPK_FILE, (), device).function("q6_topk_rows")
-    return fn
-
-
 def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
     """One launch of cuda/q6_topk.cu on the current stream: one CTA of THREADS per row."""
+    from .cuda import loader
+
     if y.dtype != cp.float32 or not y.flags.c_contiguous:
         y = cp.ascontiguousarray(y, dtype=cp.float32)
     n, cols = (int(d) for d in y.shape)
-    _kernel(int(y.device.id))((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
+    fn = loader.load(TOPK_FILE, (), int(y.device.id)).function("q6_topk_rows")
+    fn((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
