@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-batch-rows", type=int, help="rows per coalesced launch (default 64)")
     a("--max-batch-delay-us", type=int,
       help="longest wait for more rows while the device is busy (default 200; 0 = never)")
+    a("--inline-device-us", type=int,
+      help="run a batch expected to take at most this long on the event loop's thread when "
+           "the device thread is idle, saving two thread hand-offs (default 1000; 0 = never)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     sz = lim.show_size
@@ -109,7 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
-               "vram_budget", "max_batch_rows", "max_batch_delay_us", "max_request_rows",
+               "vram_budget", "max_batch_rows", "max_batch_delay_us", "inline_device_us",
+               "max_request_rows",
                "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
                "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",

@@ -69,11 +69,21 @@ class Device:
     path (copies, launch) starts now rather than when the loop next blocks in epoll, and the
     loop's rest of the trip runs while the device works (once the job releases the GIL at its
     sync) instead of delaying its start. Only for jobs reaching an idle thread: under load the
-    thread is busy, jobs queue behind it and nothing is yielded."""
+    thread is busy, jobs queue behind it and nothing is yielded.
 
-    def __init__(self, name: str, handoff_yield: bool = False) -> None:
+    ``inline_s`` > 0: a job that its caller expects to keep the device busy for at most this
+    long (``Device.call(..., expect_s=...)``: a batch's kernel time as last measured) runs on
+    the calling (loop) thread itself when the device thread has nothing queued or running.
+    The job's Python holds the GIL either way, so the loop loses only the kernel's wait, and
+    the call saves two thread wake-ups and the GIL hand-backs at each CUDA call that releases
+    it (on the H200 those, not the kernels, held a 32-row batch's job ~1 ms around a 54 us
+    kernel: bench/RESULTS.md). Longer or first-of-a-kind jobs (kernel compiles, loads,
+    relayouts, frees) stay on the device thread, and so does everything queued behind one."""
+
+    def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0) -> None:
         self.name = name
         self.handoff_yield = handoff_yield
+        self.inline_s = inline_s
         # One thread fed by a SimpleQueue, answering through call_soon_threadsafe: one loop
         # trip less per job than run_in_executor (submit -> result 67 -> 52 us, issue 9).
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -82,6 +92,8 @@ class Device:
         self._thread.start()
         self.inflight = 0
         self.jobs = 0  # device jobs queued so far (tests and benches count launches with it)
+        self.inline_jobs = 0  # of which run on the calling thread (see ``inline_s``)
+        self._in_thread = 0  # jobs handed to the device thread and not yet done
         # One-shot: only batchers waiting for the device right now are woken (with hundreds of
         # resident weights, waking every batcher on each idle edge would cost milliseconds).
         self._idle_waiters: list[Callable[[], None]] = []
@@ -107,13 +119,34 @@ class Device:
         self.call(loop, fn, args, fut)
         return fut
 
+    def inlines(self, expect_s: float | None) -> bool:
+        """Whether a job expected to take ``expect_s`` (None: unknown) would run inline now."""
+        return (expect_s is not None and expect_s <= self.inline_s
+                and self._in_thread == 0)
+
     def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], args: tuple[Any, ...],
-             done: asyncio.Future[T] | Callable[[Any, BaseException | None], None]) -> None:
+             done: asyncio.Future[T] | Callable[[Any, BaseException | None], None],
+             expect_s: float | None = None) -> None:
         """Queue ``fn(*args)`` on the device thread; its outcome goes to ``done`` on the loop:
         a future is resolved, a callable is called as ``done(result, exception)`` in the same
-        loop trip that hears of the job's end (no future in between, so no extra trip)."""
+        loop trip that hears of the job's end (no future in between, so no extra trip).
+        ``expect_s``: the device time the caller expects the job to take; a short one runs
+        here, on the loop's thread, when the device thread is idle (see ``inline_s``); its
+        outcome still reaches ``done`` in a later loop trip, as a threaded job's would."""
         self.inflight += 1
         self.jobs += 1
+        if self.inlines(expect_s):
+            self.inline_jobs += 1
+            try:
+                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+            except Exception as e:  # the waiter hears of it, as from the device thread
+                outcome = (None, e)
+            except BaseException:
+                self.inflight -= 1
+                raise
+            loop.call_soon(self._done, done, *outcome)
+            return
+        self._in_thread += 1
         self._jobs.put((loop, done, fn, args))
         if self.inflight == 1 and self.handoff_yield:
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
@@ -127,10 +160,14 @@ class Device:
             except BaseException as e:  # every waiter must hear of a failure
                 outcome = (None, e)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(self._done, done, *outcome)
+                loop.call_soon_threadsafe(self._threaded_done, done, *outcome)
             # drop this job's arrays now, not at the next job: activations may view a
             # shared-memory region that must unmap when its request is done (regions.py)
             job = done = fn = args = outcome = None  # type: ignore[assignment]
+
+    def _threaded_done(self, done: Any, result: Any, exc: BaseException | None) -> None:
+        self._in_thread -= 1
+        self._done(done, result, exc)
 
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1
@@ -236,7 +273,7 @@ class Group:
         and the first to launch takes the others along."""
         for b, p in self.parts:
             if not p.taken and b._can_start_now():
-                b._start(b._take())
+                b._kick()
                 break
         for b, p in self.parts:
             if not p.taken:
@@ -247,6 +284,11 @@ RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
 # (live requests, their concatenated x, the batch's result or per-request outcomes, the device
 # job's start (a group's job runs several batches), this batch's start and end)
 _Done = tuple[list[_Pending], np.ndarray | None, Any, float, float, float]
+
+
+def _bucket(rows: int) -> int:
+    """Rows rounded up to a power of two: batches expected to cost alike."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 class Batcher:
@@ -266,6 +308,10 @@ class Batcher:
         self._running = 0  # requests in launched batches not yet finished
         self._drained: asyncio.Future[None] | None = None  # close() waits for launches
         self._closed = False
+        # device-job seconds last measured per (key, rows rounded up to a power of two): what
+        # a batch like it is expected to keep the device busy (Device.call's expect_s)
+        self._job_s: dict[tuple[BatchKey, int], float] = {}
+        self._kick_pending = False
         self._task = self._loop_.create_task(self._loop(), name=f"batch-{name}")
 
     @property
@@ -306,10 +352,32 @@ class Batcher:
         if group is not None:
             group.parts.append((self, p))
         elif len(self._queue) == 1 and self._can_start_now():
-            self._start(self._take())  # idle device, nothing queued: launch now, no loop hop
+            self._kick()  # idle device, nothing queued: launch now
         else:
             self._wake.set()
         return p.fut
+
+    def _expect(self, key: BatchKey, rows: int) -> float | None:
+        return self._job_s.get((key, _bucket(rows)))
+
+    def _kick(self) -> None:
+        """Launch on the idle device: now, or - when the job would run inline on the loop
+        (``Device.inline_s``) - at the end of this loop trip, so that the requests the trip
+        is still handling (other callers' messages read with this one) join the batch
+        instead of waiting behind it. No timer: the launch is one loop trip away at most."""
+        head = self._queue[0]
+        if not self._device.inlines(self._expect(head.key, head.rows)):
+            self._start(self._take())
+        elif not self._kick_pending:
+            self._kick_pending = True
+            self._loop_.call_soon(self._kicked)
+
+    def _kicked(self) -> None:
+        self._kick_pending = False
+        if self._can_start_now():
+            self._start(self._take())
+        elif self._queue:
+            self._wake.set()
 
     def _can_start_now(self) -> bool:
         return (bool(self._queue) and self._device.idle
@@ -408,15 +476,18 @@ class Batcher:
         if not batch:
             return
         jobs = self._with_siblings(batch)
+        expect: float | None = 0.0
         for b, bt in jobs:
             b._unfinished += 1
             b._running += len(bt)
+            e = b._expect(bt[0].key, sum(p.rows for p in bt))
+            expect = None if e is None or expect is None else expect + e
         if len(jobs) == 1:
             self._device.call(self._loop_, self._job, (batch, batch[0].key),
-                              lambda done, exc: self._finish(batch, done, exc))
+                              lambda done, exc: self._finish(batch, done, exc), expect)
         else:
             self._device.call(self._loop_, _run_jobs, (jobs,),
-                              lambda done, exc: _finish_jobs(jobs, done, exc))
+                              lambda done, exc: _finish_jobs(jobs, done, exc), expect)
 
     def _with_siblings(self, batch: list[_Pending]) -> list[tuple[Batcher, list[_Pending]]]:
         """``batch`` plus, for every group among its requests (and theirs, transitively), the
@@ -505,6 +576,10 @@ class Batcher:
             return
         rows = int(x.shape[0])
         kernel_s = result.timing.seconds()  # once per batch; None until device events are done
+        # what the next batch like this one is expected to hold the device (Device.call): the
+        # whole job's wall, not its kernel (an inline job blocks the loop for all of it); in
+        # the device thread that wall includes its GIL waits, so it errs on the safe side
+        self._job_s[(live[0].key, _bucket(rows))] = t1 - t0
         queued = tuple(t_job - p.t_enqueue for p in live)
         off = 0
         for p, q in zip(live, queued, strict=True):

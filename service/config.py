@@ -66,6 +66,9 @@ class WorkerConfig:
     vram_budget: Budget = field(default_factory=Budget)
     max_batch_rows: int = 64
     max_batch_delay_us: int = 200
+    # a batch expected to keep the device busy at most this long runs on the event loop's
+    # thread when the device thread is idle (service/batcher.py, Device); 0: always the thread
+    inline_device_us: int = 1000
     max_request_rows: int = 256  # N limit of one request
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
     # limits: defaults and meanings in service/config_limits.py (the CLI's --help too)
@@ -109,8 +112,9 @@ class WorkerConfig:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 1")
         lim.check_port(self.port, "port")
         lim.check_port(self.metrics_port, "metrics_port")
-        if self.max_batch_delay_us < 0:
-            raise InvalidArgument(f"max_batch_delay_us={self.max_batch_delay_us} must be >= 0")
+        for name in ("max_batch_delay_us", "inline_device_us"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("TLS needs both a certificate and a key")
         if self.tls_client_ca is not None and self.tls_cert is None:

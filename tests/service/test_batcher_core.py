@@ -214,3 +214,58 @@ def test_handoff_yield_serves_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
         dev.close()
 
     run(main())
+
+
+def test_short_jobs_run_inline_on_an_idle_device_and_long_ones_on_its_thread() -> None:
+    """Device(inline_s): a batch whose last like-sized job was short runs on the loop's own
+    thread when the device thread is idle, its launch held to the end of the loop trip so
+    requests of that trip join it; first-of-a-kind and long jobs, and anything queued behind
+    a threaded job, run on the device thread; the outcomes are the same either way."""
+    async def main() -> None:
+        threads: list[str] = []
+        gate = Gate()
+        gate.open.set()
+
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            threads.append(threading.current_thread().name)
+            return gate.run(x, key)
+
+        dev = Device("t", inline_s=10.0)
+        b = Batcher("w", dev, run, BatchSettings(), lambda: True, lambda s: None)
+        loop_thread = threading.current_thread().name
+        # expectations are per batch size rounded up to a power of two (a new size may mean
+        # a new kernel to compile): 3 rows unknown -> the thread
+        assert (await b.enqueue(_x(3, 1.0), KEY, None)).y[0, 0] == 2.0
+        assert threads == ["q6serve-dev-t"] and dev.inline_jobs == 0
+        # 1 row unknown -> deferred? no: the thread, and 1 row is known from then on
+        await b.enqueue(_x(1, 1.0), KEY, None)
+        assert threads == ["q6serve-dev-t"] * 2 and dev.inline_jobs == 0
+        # known and short now: inline; three requests of one loop trip make one batch
+        got = await asyncio.gather(*(b.enqueue(_x(1, v), KEY, None) for v in (2.0, 3.0, 4.0)))
+        assert [r.y[0, 0] for r in got] == [4.0, 6.0, 8.0]
+        assert [r.batch_rows for r in got] == [3, 3, 3]
+        assert threads[2:] == [loop_thread] and dev.inline_jobs == 1
+        # a batch launched while the device thread runs a job (a load, say) queues behind it
+        gate.open.clear()
+        blocker = dev.submit(gate.open.wait, 10)
+        behind = b.enqueue(_x(1, 5.0), KEY, None)
+        await asyncio.sleep(0.01)  # the batcher stages it (its delay is over) on the thread
+        gate.open.set()
+        assert await blocker
+        assert (await behind).y[0, 0] == 10.0
+        assert threads[3] == "q6serve-dev-t"
+        # failures reach the waiter from an inline job as from the thread
+        gate.fail = InvalidArgument("refused")
+        with pytest.raises(InvalidArgument, match="refused"):
+            await b.enqueue(_x(1), KEY, None)
+        assert threads[-1] == loop_thread
+        # a job longer than inline_s stays on the thread
+        dev.inline_s = 0.0
+        gate.fail = None
+        await b.enqueue(_x(1), KEY, None)
+        assert threads[-1] == "q6serve-dev-t"
+        assert dev.inflight == 0
+        await b.close()
+        dev.close()
+
+    run(main())
