@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import sys
@@ -37,7 +38,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     from q6serve.service.config import WorkerConfig
     from q6serve.service.engine import Engine, MatmulCall, UploadSpec
 
-    eng = Engine(make_backend(a.backend), WorkerConfig(max_batch_rows=64))
+    cfg = WorkerConfig(max_batch_rows=64)
+    if a.inline_us is not None:
+        cfg = dataclasses.replace(cfg, inline_device_us=a.inline_us)
+    eng = Engine(make_backend(a.backend), cfg)
     data = q6k.random_blocks(a.rows, a.k, np.random.default_rng(1)).tobytes()
 
     async def once() -> Any:
@@ -72,6 +76,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     ker = np.array([b[1] for b in batches])
     br = np.array([b[2] for b in batches])
     return {"backend": a.backend, "rows": a.rows, "k": a.k, "callers": a.callers, "n": a.n,
+            "inline_device_us": cfg.inline_device_us,
+            "inline_jobs": eng.device.inline_jobs, "jobs": eng.device.jobs,
             "rows_per_s": rows[0] / wall, "batches_per_s": len(dev) / wall,
             "batch_rows_mean": float(br.mean()) if br.size else 0.0,
             "device_job_p50_us": float(np.median(dev) * 1e6) if dev.size else 0.0,
@@ -89,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="f16", choices=("auto", "exact", "f16", "q8_1"))
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--inline-us", type=int, default=None,
+                    help="the worker's --inline-device-us (default: the worker's)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     r = asyncio.run(run(a))
-    print(f"in-process {a.backend} {a.callers} callers N={a.n}: {r['rows_per_s']:,.0f} rows/s, "
+    print(f"in-process {a.backend} {a.callers} callers N={a.n} inline<={r['inline_device_us']}us"
+          f" ({r['inline_jobs']}/{r['jobs']} jobs): {r['rows_per_s']:,.0f} rows/s, "
           f"{r['batches_per_s']:,.0f} batches/s of {r['batch_rows_mean']:.1f} rows; per batch "
           f"p50: device job {r['device_job_p50_us']:.0f} us = kernel "
           f"{r['kernel_p50_us']:.0f} + other {r['device_other_p50_us']:.0f}", flush=True)

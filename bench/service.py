@@ -156,6 +156,8 @@ class Bench:
         extra = ["--max-batch-rows", str(args.max_batch_rows)]
         if args.max_batch_delay_us is not None:
             extra += ["--max-batch-delay-us", str(args.max_batch_delay_us)]
+        if args.inline_device_us is not None:
+            extra += ["--inline-device-us", str(args.inline_device_us)]
         if args.vram_budget:
             extra += ["--vram-budget", args.vram_budget]
         if args.frontends > 1:  # issue 15: N gRPC front-end processes feed one device
@@ -549,6 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=0.5, help="untimed seconds per run")
     ap.add_argument("--max-batch-rows", type=int, default=64)
     ap.add_argument("--max-batch-delay-us", type=int, default=None)
+    ap.add_argument("--inline-device-us", type=int, default=None,
+                    help="the worker's --inline-device-us (default: the worker's)")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
