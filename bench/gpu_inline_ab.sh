@@ -6,7 +6,7 @@
 # (T1-shaped), the lm-head target (8 callers N=64 top-64), and the 7B decode replay at S=1 and 8
 # with multi-weight calls. $OUT gets one archive of every log and JSON and summary.txt (printed
 # last). ~150 s after the install.
-#   bench/gpu_inline_ab.sh        env: SECONDS_PER_RUN (1.5), SETTINGS ("0 1000")
+#   bench/gpu_inline_ab.sh        env: SECONDS_PER_RUN (1.5), SETTINGS ("0 3000")
 set -uo pipefail
 FINAL=${OUT:-$PWD/out}
 OUT=/tmp/inline_ab
@@ -17,7 +17,7 @@ T0=$(date +%s)
 bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
 [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
 S=${SECONDS_PER_RUN:-1.5}
-for U in ${SETTINGS:-0 1000}; do
+for U in ${SETTINGS:-0 3000}; do
   t() {  # NAME TIMEOUT CMD...
     local name=$1 limit=$2
     shift 2
