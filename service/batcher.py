@@ -291,12 +291,19 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+Staging = Callable[[int, int, np.dtype], np.ndarray]  # Backend.staging
+
+
 class Batcher:
     def __init__(self, name: str, device: Device, run: RunBatch, settings: BatchSettings,
-                 dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None]) -> None:
+                 dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None],
+                 staging: Staging | None = None) -> None:
         self.name = name
         self._device = device
         self._run_batch = run
+        # where a batch of several requests is concatenated (the backend's upload buffer:
+        # the CUDA backend then skips its own host copy of x; a T2 batch is 2.4 MB)
+        self._staging = staging
         self._s = settings
         self._dynamic = dynamic
         self._on_batch = on_batch
@@ -519,7 +526,13 @@ class Batcher:
         live = [p for p in batch if not p.dead(t0)]  # dropped while staged: skip rows
         if not live:
             return live, None, None, t_job, t0, t0
-        x = live[0].x if len(live) == 1 else np.concatenate([p.x for p in live])
+        if len(live) == 1:
+            x = live[0].x
+        else:
+            xs = [p.x for p in live]
+            out = None if self._staging is None else self._staging(
+                sum(len(a) for a in xs), xs[0].shape[1], xs[0].dtype)
+            x = np.concatenate(xs, out=out)
         try:
             result: Any = self._run_batch(x, key)
         except (InvalidArgument, FailedPrecondition):

@@ -231,6 +231,10 @@ class MultiDeviceEngine:
             # device in one loop trip, and yielding after the first would run that device's
             # host path before the next device's job is even queued
             e.device.handoff_yield = len(backends) == 1 and e.device.handoff_yield
+            # nor inline jobs: a sharded call's parts must run on all devices at once, not one
+            # after the other on the loop's thread
+            if len(backends) > 1:
+                e.device.inline_s = 0.0
             self.engines.append(e)
         self.backend = backends[0]
         self.version = self.engines[0].version

@@ -521,7 +521,7 @@ class Engine:
                 raise
 
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
-                       self._on_batch)
+                       self._on_batch, self.backend.staging)
 
     def _dynamic_batching(self) -> bool:
         return self.flags.state.dynamic_batching
