@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
       help="longest wait for more rows while the device is busy (default 200; 0 = never)")
     a("--inline-device-us", type=int,
       help="run a batch expected to take at most this long on the event loop's thread when "
-           "the device thread is idle, saving two thread hand-offs (default 1000; 0 = never)")
+           "the device thread is idle, saving two thread hand-offs (default 3000; 0 = never)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     sz = lim.show_size

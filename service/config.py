@@ -68,7 +68,7 @@ class WorkerConfig:
     max_batch_delay_us: int = 200
     # a batch expected to keep the device busy at most this long runs on the event loop's
     # thread when the device thread is idle (service/batcher.py, Device); 0: always the thread
-    inline_device_us: int = 1000
+    inline_device_us: int = 3000
     max_request_rows: int = 256  # N limit of one request
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
     # limits: defaults and meanings in service/config_limits.py (the CLI's --help too)
