@@ -6,16 +6,9 @@
 # short table last; $OUT gets the logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SECONDS_PER_RUN (1.5)
 set -uo pipefail
-FINAL=${OUT:-$PWD/out}
-OUT=/tmp/check
-rm -rf "$OUT"
-mkdir -p "$FINAL" "$OUT"
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-at() { echo "$(($(date +%s) - T0)) s"; }
-bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
-head -3 "$OUT/setup.log"
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/check
 summary=()
 t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line for the table
   local name=$1 limit=$2
@@ -23,7 +16,7 @@ t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line fo
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
-  echo "# $name rc=$rc at $(at)"
+  echo "# $name rc=$rc at $(elapsed)"
 }
 t kernels_gpu 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
 t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
@@ -37,11 +30,11 @@ t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --s
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   VARIANTS=8 SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 200 bench/gpu_dataplane_run.sh \
     >"$OUT/dataplane.log" 2>&1
-  echo "# dataplane rc=$? at $(at)"
+  echo "# dataplane rc=$? at $(elapsed)"
 fi
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
-  echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(at)"
+  echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -6
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14

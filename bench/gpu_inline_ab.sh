@@ -8,21 +8,16 @@
 # last). ~150 s after the install.
 #   bench/gpu_inline_ab.sh        env: SECONDS_PER_RUN (1.5), SETTINGS ("0 3000")
 set -uo pipefail
-FINAL=${OUT:-$PWD/out}
-OUT=/tmp/inline_ab
-rm -rf "$OUT"
-mkdir -p "$FINAL" "$OUT"
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/inline_ab
 S=${SECONDS_PER_RUN:-1.5}
 for U in ${SETTINGS:-0 3000}; do
   t() {  # NAME TIMEOUT CMD...
     local name=$1 limit=$2
     shift 2
     timeout "$limit" "$@" >"$OUT/u${U}_$name.log" 2>&1
-    echo "# u=$U $name rc=$? at $(($(date +%s) - T0)) s"
+    echo "# u=$U $name rc=$? at $(elapsed)"
   }
   t dev_t2 40 python3 bench/device_path.py --backend cuda --callers 64 --n 1 --seconds "$S" \
     --inline-us "$U" --json "$OUT/u${U}_dev_t2.json"
@@ -37,7 +32,7 @@ for U in ${SETTINGS:-0 3000}; do
     --seconds "$S" --warmup 0.3 --inline-device-us "$U" --json "$OUT/u${U}_replay.json"
 done
 {
-  echo "# gpu_inline_ab $(git log -1 --format=%h 2>/dev/null) total $(($(date +%s) - T0)) s"
+  echo "# gpu_inline_ab $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   for f in "$OUT"/u*_dev_t*.log; do grep "^in-process" "$f"; done
   for f in "$OUT"/u*_t1.log "$OUT"/u*_lm_head.log "$OUT"/u*_replay.log; do
     echo "## $(basename "$f")"

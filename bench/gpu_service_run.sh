@@ -12,15 +12,9 @@
 # kernel log, a summary table (summary.txt, also printed last) and every log in one archive.
 #   bench/gpu_service_run.sh          env: SECONDS_PER_RUN (2), MAIN_ARGS, SKIP_AB=1
 set -uo pipefail
-FINAL=${OUT:-$PWD/out}
-OUT=/tmp/svcrun  # everything lands here; $FINAL gets 6 files (the device tool takes 8 at most)
-rm -rf "$OUT"
-mkdir -p "$FINAL" "$OUT"
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
-head -3 "$OUT/setup.log"
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/svcrun
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
   --format=csv,noheader,nounits -lms 100 >"$OUT/clocks.csv" 2>&1 &
 SMI=$!
@@ -29,21 +23,21 @@ S=${SECONDS_PER_RUN:-2}
 phase idle_start; sleep 1; phase idle_end
 phase kernels_start
 timeout 40 python3 bench/kernels.py --shapes 3584x18944 --ns 1 --paths auto --no-torch \
-  >"$OUT/kernels.log" 2>&1; echo "# kernels rc=$? ($(($(date +%s) - T0)) s)"
+  >"$OUT/kernels.log" 2>&1; echo "# kernels rc=$? ($(elapsed))"
 phase kernels_end
 phase main_start
 # shellcheck disable=SC2086
 timeout 170 python3 bench/service.py --backend cuda --target-report --targets T1 \
   --modes stream --weights ffn_down --lm-head --mode stream --replay --seconds "$S" \
   --warmup 0.3 ${MAIN_ARGS:-} --json "$OUT/main.json" >"$OUT/main.log" 2>&1
-echo "# main rc=$? ($(($(date +%s) - T0)) s)"
+echo "# main rc=$? ($(elapsed))"
 phase main_end
 if [[ -z ${SKIP_AB:-} ]]; then
   phase yield0_start
   Q6SERVE_HANDOFF_YIELD=0 timeout 45 python3 bench/service.py --backend cuda --target-report \
     --targets T1 --modes stream --weights ffn_down --seconds "$S" --warmup 0.3 \
     --json "$OUT/yield0.json" >"$OUT/yield0.log" 2>&1
-  echo "# yield0 rc=$? ($(($(date +%s) - T0)) s)"
+  echo "# yield0 rc=$? ($(elapsed))"
   phase yield0_end
 fi
 kill "$SMI" 2>/dev/null
@@ -51,5 +45,5 @@ grep -E "FAILED|Error|error" "$OUT/main.log" "$OUT/yield0.log" 2>/dev/null | hea
 python3 bench/service_summary.py run "$OUT" >"$OUT/summary.txt"
 tar czf "$FINAL/service_run.tgz" -C "$OUT" .
 cp "$OUT"/main.json "$OUT"/yield0.json "$OUT"/kernels.log "$OUT"/summary.txt "$FINAL/" 2>/dev/null
-echo "# total $(($(date +%s) - T0)) s"
+echo "# total $(elapsed)"
 cat "$OUT/summary.txt"
