@@ -193,6 +193,8 @@ def slow_readers(w: Worker, seconds: float) -> str:
 
 
 BIG_MIB = [100]  # --big-mib
+REQUEST_LIMIT = 32 * MIB  # the worker's --max-request-bytes (its default)
+WIDE_K = 32768  # the "wide" weight: K of the largest requests the limit lets through
 
 
 def refused_big(w: Worker, seconds: float) -> str:
@@ -209,6 +211,40 @@ def refused_big(w: Worker, seconds: float) -> str:
     for c in chans:
         c.close()
     return f"{n} refused {BIG_MIB[0]} MiB requests (half without a token)"
+
+
+def big_under_limit(w: Worker, seconds: float) -> str:
+    """Requests just under the receive limit, back to back from 4 connections: valid ones
+    (N = 255 x K = 32768 f32 on the "wide" weight) and refused ones (K mismatch), sent as
+    ready-made bytes so the attacker is not the bottleneck."""
+    rows = (REQUEST_LIMIT - 64 * 1024) // (4 * WIDE_K)
+    x = np.ones((rows, WIDE_K), np.float32)
+    raws = [matmul_request("wide", x).SerializeToString(),
+            matmul_request("clean", x.reshape(-1, 512)).SerializeToString()]
+    chans = channels(w, 4)
+    counts = [0, 0]  # OK, refused
+    end = time.monotonic() + seconds
+
+    def send(ch: grpc.Channel, i: int) -> None:
+        call = ch.unary_unary("/q6serve.v1.Q6Serve/Matmul")
+        j = i
+        while time.monotonic() < end:
+            try:
+                call(raws[j % 2], metadata=AUTH, timeout=30)
+                counts[0] += 1
+            except grpc.RpcError:
+                counts[1] += 1
+            j += 1
+
+    threads = [threading.Thread(target=send, args=(c, i)) for i, c in enumerate(chans)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in chans:
+        c.close()
+    return (f"{sum(counts)} requests of {len(raws[0]) / MIB:.1f} MiB from 4 connections "
+            f"({counts[0]} OK, {counts[1]} refused)")
 
 
 def stalled_uploads(w: Worker, seconds: float) -> str:
@@ -299,7 +335,8 @@ def many_tensors(w: Worker, seconds: float) -> str:
 
 ATTACKS: dict[str, tuple[Callable[[Worker, float], str], str]] = {
     "slow_readers": (slow_readers, "--max-stream-bytes-total 256 MiB"),
-    "refused_big": (refused_big, "requests freed at once: 0 + one in flight"),
+    "refused_big": (refused_big, "refused by gRPC before they are read: 0"),
+    "big_under_limit": (big_under_limit, "4 requests in flight + their copies"),
     "stalled_uploads": (stalled_uploads, "the VRAM budget (staging) 512 MiB"),
     "many_calls": (many_calls, f"{INFLIGHT} in flight x (request + reply)"),
     "nan_batches": (nan_batches, "-"),
@@ -372,6 +409,7 @@ def main() -> None:
         try:
             w.admin.upload("clean", random_q6k(64, K, 1), 64, K)
             w.admin.upload("big", random_q6k(16384, K, 2), 16384, K)  # N=64 reply: 4 MiB
+            w.admin.upload("wide", random_q6k(8, WIDE_K, 4), 8, WIDE_K)
             for name in names:
                 fn, bound = ATTACKS[name]
                 before = w.figures()

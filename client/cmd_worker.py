@@ -59,7 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     sz = lim.show_size
     a("--max-message-bytes", type=size_arg,
-      help=f"gRPC message size limit, both ways (default {sz(lim.MAX_MESSAGE_BYTES)})")
+      help=f"largest gRPC message the worker sends (replies), and the ceiling of "
+           f"--max-request-bytes (default {sz(lim.MAX_MESSAGE_BYTES)})")
+    a("--max-request-bytes", type=size_arg,
+      help="largest request message the worker reads; gRPC refuses a larger one before "
+           "it is read into the worker (RESOURCE_EXHAUSTED). Reading costs the event loop "
+           f"~1 ms per MiB (default {sz(lim.MAX_REQUEST_BYTES)})")
     a("--max-concurrent-streams", type=int,
       help=f"HTTP/2 streams per connection (default {lim.MAX_CONCURRENT_STREAMS}; unary calls "
            "beyond --max-inflight-rpcs wait in the worker's admission queue)")
@@ -114,7 +119,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "inline_device_us",
                "max_request_rows",
-               "max_queue_rows", "max_message_bytes", "max_concurrent_streams",
+               "max_queue_rows", "max_message_bytes", "max_request_bytes",
+               "max_concurrent_streams",
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
                "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",
                "max_inflight_rpcs", "max_inflight_rpcs_per_connection",

@@ -73,6 +73,7 @@ class WorkerConfig:
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
     # limits: defaults and meanings in service/config_limits.py (the CLI's --help too)
     max_message_bytes: int = lim.MAX_MESSAGE_BYTES
+    max_request_bytes: int = lim.MAX_REQUEST_BYTES  # read at most min(this, max_message_bytes)
     max_concurrent_streams: int = lim.MAX_CONCURRENT_STREAMS
     max_inflight_rpcs: int = lim.MAX_INFLIGHT_RPCS  # unary RPCs in the worker; more wait
     # a connection's fair share of them: limit / active connections, within [min, max] (min
@@ -106,6 +107,7 @@ class WorkerConfig:
                      "max_stream_bytes_per_connection", "max_stream_bytes_total",
                      "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "frontends",
                      "frontend_shm_bytes", "max_weights", "max_message_bytes",
+                     "max_request_bytes",
                      "max_concurrent_streams", "max_upload_bytes",
                      "min_inflight_rpcs_per_connection"):
             if getattr(self, name) < 1:
@@ -119,6 +121,11 @@ class WorkerConfig:
             raise InvalidArgument("TLS needs both a certificate and a key")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise InvalidArgument("mutual TLS (client CA) needs a server certificate and key")
+
+    @property
+    def receive_limit(self) -> int:
+        """Bytes of the largest request message the worker reads (gRPC refuses larger)."""
+        return min(self.max_request_bytes, self.max_message_bytes)
 
     def describe(self) -> str:
         """One log line; secrets redacted."""

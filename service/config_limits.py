@@ -10,7 +10,13 @@ import re
 from q6serve.kernels.errors import InvalidArgument
 
 MAX_PORT = 65535
-MAX_MESSAGE_BYTES = 256 * 2**20  # gRPC message size, both ways
+MAX_MESSAGE_BYTES = 256 * 2**20  # gRPC message size: replies, and the ceiling of requests
+# Largest request message the worker reads. gRPC's core refuses a larger one before Python
+# sees it (RESOURCE_EXHAUSTED "Received message larger than max"): reading a message into
+# Python holds the event loop (and the GIL) ~1 ms per MiB on the CI VM, so this bounds what
+# one request can delay health and every other call by. 32 MiB: x of N = 256 rows in f32 for
+# K up to 32768 (every 7B-70B shape); bigger activations go in shared-memory regions.
+MAX_REQUEST_BYTES = 32 * 2**20
 MAX_CONCURRENT_STREAMS = 1 << 16  # HTTP/2 streams per connection
 MAX_UPLOAD_BYTES = 8 * 2**30
 MAX_WEIGHTS = 1 << 16  # resident weights (host bookkeeping: registry.WEIGHT_HOST_BYTES each)

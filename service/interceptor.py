@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from q6serve.kernels.errors import InvalidArgument, Q6Error
+from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted
 
 from .admission import Admission
 from .auth import TokenAuth
@@ -99,10 +99,11 @@ class _DecodingContext:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, receive_limit: int | None = None) -> None:
         self._metrics = metrics
         self._auth = auth or TokenAuth()
         self._admission = admission  # unary RPCs of our service queue here
+        self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
         self._active = 0  # calls running, LONG_LIVED ones left out
         self._idle = asyncio.Event()
         self._idle.set()
@@ -205,7 +206,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     context.add_done_callback(lambda _: gate.leave(key))
                     raw = await context.read()  # not `async for`: an unfinished async
                     # generator would keep this frame, and so the request, alive
-                    return await unary(b"" if raw is grpc.aio.EOF else raw, context)
+                    if raw is grpc.aio.EOF:  # gRPC refused it (too large) or none came
+                        self._failed(self._no_message(method), context, service, method,
+                                     time.perf_counter())
+                        return None
+                    return await unary(raw, context)
 
                 return grpc.stream_unary_rpc_method_handler(
                     admitted, request_deserializer=None,
@@ -247,6 +252,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                    else grpc.stream_stream_rpc_method_handler)
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
+
+    def _no_message(self, method: str) -> Q6Error:
+        """A unary call that ended without a request message. gRPC's core has then already
+        answered RESOURCE_EXHAUSTED when the message was over the receive limit (its status
+        reaches the client; this one counts the call in the metrics)."""
+        limit = f" of {self._receive_limit} bytes" if self._receive_limit else ""
+        return ResourceExhausted(f"{method}: no request message was read: larger than the "
+                                 f"worker's receive limit{limit} (--max-request-bytes), "
+                                 "or none was sent")
 
     def _refusal(self, e: Q6Error, service: str, method: str,
                  handler: grpc.RpcMethodHandler) -> Any:

@@ -1,7 +1,8 @@
 """Protobuf <-> core dataclasses and arrays: the ONLY module of the service importing *_pb2.
 
 Activations decode without copying: ``np.frombuffer`` views the request's bytes (read-only),
-after checking that dtype, shape and byte count agree.
+after checking that dtype, shape and byte count agree. Matmul requests are read by
+:func:`read_matmul_request`, which leaves ``x.data`` where gRPC put it (service/rawmsg.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
 from .flags import FlagState
+from .rawmsg import Unusual, take_bytes_field
 from .regions import CudaIpcSource, RegionIO, RegionRef, RegionView, ShmSource
 from .shards import RowRange, RowSelect
 
@@ -68,11 +70,56 @@ def tensor_spec(t: pb.Tensor, what: str = "x") -> tuple[np.dtype, tuple[int, int
     return dt, shape  # type: ignore[return-value]
 
 
-def decode_tensor(t: pb.Tensor, what: str = "x") -> np.ndarray:
-    """A read-only zero-copy view of ``t.data`` as ``t.shape`` of ``t.dtype``."""
+class MatmulIn:
+    """A MatmulRequest as the worker reads it (:func:`read_matmul_request`): the message
+    without ``x.data`` (``msg``; every other field is read through this object) and
+    ``x.data`` as a view of the bytes gRPC read (``x_data``). ``ByteSize`` and
+    ``SerializeToString`` answer for the whole request, as read."""
+
+    __slots__ = ("msg", "raw", "x_data")
+
+    def __init__(self, msg: pb.MatmulRequest, x_data: memoryview, raw: bytes) -> None:
+        self.msg, self.x_data, self.raw = msg, x_data, raw
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.msg, name)
+
+    def ByteSize(self) -> int:
+        return len(self.raw)
+
+    def SerializeToString(self) -> bytes:
+        return self.raw
+
+
+_X_FIELD = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
+_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+
+
+def read_matmul_request(raw: bytes) -> pb.MatmulRequest | MatmulIn:
+    """The request deserializer of Matmul and MatmulStream: upb parses the message without
+    ``x.data``, which stays a view of ``raw`` (no copy on the event loop). A message the walker
+    does not take apart is parsed whole (the same fields; upb's errors either way)."""
+    try:
+        rest, data = take_bytes_field(raw, _X_FIELD, _DATA_FIELD)
+    except Unusual:
+        return pb.MatmulRequest.FromString(raw)
+    msg = pb.MatmulRequest.FromString(rest)
+    return msg if data is None else MatmulIn(msg, data, raw)
+
+
+def _x_data(req: pb.MatmulRequest | MatmulIn) -> bytes | memoryview:
+    """x's bytes: read once (upb builds a fresh bytes copy on every access)."""
+    return req.x_data if isinstance(req, MatmulIn) else req.x.data
+
+
+def decode_tensor(t: pb.Tensor, what: str = "x",
+                  data: bytes | memoryview | None = None) -> np.ndarray:
+    """A read-only zero-copy view of ``t.data`` (or ``data``, the same field read by
+    :func:`read_matmul_request`) as ``t.shape`` of ``t.dtype``."""
     dt, shape = tensor_spec(t, what)
     want = shape[0] * shape[1] * dt.itemsize
-    data = t.data  # read once: upb builds a fresh bytes copy on every access
+    if data is None:
+        data = t.data  # read once: upb builds a fresh bytes copy on every access
     if len(data) != want:
         raise InvalidArgument(f"{what} {list(shape)} {dtype_name(dt)} needs {want} bytes, "
                               f"got {len(data)}")
@@ -86,7 +133,7 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
                      data=le.tobytes())
 
 
-def matmul_call(req: pb.MatmulRequest, timeout: float | None,
+def matmul_call(req: pb.MatmulRequest | MatmulIn, timeout: float | None,
                 x: np.ndarray | None = None) -> MatmulCall:
     """The engine's call: ``weight``, or ``weights`` (a multi-weight request, checked by
     service/multi.py), and the optional top-k epilogue; ``x``: activations already read from
@@ -99,7 +146,9 @@ def matmul_call(req: pb.MatmulRequest, timeout: float | None,
     if not req.HasField("x"):
         raise InvalidArgument("MatmulRequest.x is missing")
     topk = check_k(req.topk.k, what="MatmulRequest.topk.k") if req.HasField("topk") else 0
-    return MatmulCall(weight=req.weight, x=decode_tensor(req.x) if x is None else x,
+    if x is None:
+        x = decode_tensor(req.x, data=_x_data(req))
+    return MatmulCall(weight=req.weight, x=x,
                       precision=_enum(_PREC_FROM_PB, req.precision, "precision"),
                       out_dtype=dtype_from_pb(req.out_dtype), timeout=timeout, topk=topk,
                       weights=tuple(req.weights))
@@ -299,7 +348,7 @@ def _region_ref(ref: pb.RegionRef, what: str) -> RegionRef:
     return RegionRef(ref.region, int(ref.offset))
 
 
-def region_io(req: pb.MatmulRequest) -> RegionIO | None:
+def region_io(req: pb.MatmulRequest | MatmulIn) -> RegionIO | None:
     """The request's region references; None when it names none (bytes travel inline)."""
     has_x, has_y = req.HasField("x_region"), req.HasField("y_region")
     if not (has_x or has_y):
@@ -312,8 +361,8 @@ def region_io(req: pb.MatmulRequest) -> RegionIO | None:
         if not req.HasField("x"):
             raise InvalidArgument("MatmulRequest.x is missing (with x_region it carries dtype "
                                   "and shape)")
-        if req.x.data:
-            raise InvalidArgument(f"MatmulRequest.x carries {len(req.x.data)} bytes and names "
+        if data := _x_data(req):
+            raise InvalidArgument(f"MatmulRequest.x carries {len(data)} bytes and names "
                                   "x_region; send one or the other")
         x_ref = _region_ref(req.x_region, "x")
         x_dtype, x_shape = tensor_spec(req.x)
@@ -478,7 +527,8 @@ def _bytes_or(serialize: Any) -> Any:
 
 class _Registration:
     """What the generated add_*_to_server registers, with the matmul replies' serializers
-    passing ready-made bytes through (matmul_response_bytes, stream_result_bytes)."""
+    passing ready-made bytes through (matmul_response_bytes, stream_result_bytes) and their
+    requests read by read_matmul_request."""
 
     def __init__(self, server: Any) -> None:
         self._server = server
@@ -491,7 +541,8 @@ class _Registration:
         table = dict(handlers)
         for name in ("Matmul", "MatmulStream"):
             h = table[name]
-            table[name] = h._replace(response_serializer=_bytes_or(h.response_serializer))
+            table[name] = h._replace(response_serializer=_bytes_or(h.response_serializer),
+                                     request_deserializer=read_matmul_request)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, table),))
         self._server.add_registered_method_handlers(service, table)

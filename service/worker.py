@@ -54,7 +54,7 @@ def build_server(cfg: WorkerConfig, servicer: object, interceptor: ErrorIntercep
     """The gRPC server of a worker (or of one front-end process, ``reuseport``: several
     processes listen on one port, service/frontends.py): ``interceptor``, ``servicer``,
     health and reflection, bound to cfg.host:cfg.port. Returns (server, health, port)."""
-    opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+    opts = [("grpc.max_receive_message_length", cfg.receive_limit),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
             ("grpc.so_reuseport", 1 if reuseport else 0),
@@ -117,7 +117,8 @@ class Worker:
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection,
                                    cfg.min_inflight_rpcs_per_connection)
-        self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission)
+        self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission,
+                                             cfg.receive_limit)
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
         self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,

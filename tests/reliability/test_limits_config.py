@@ -13,6 +13,7 @@ from q6serve.service.config import WorkerConfig, config_from
 
 FLAGS = {  # flag -> (value given, config field, value expected)
     "--max-message-bytes": ("1MiB", "max_message_bytes", 1 << 20),
+    "--max-request-bytes": ("512KiB", "max_request_bytes", 512 << 10),
     "--max-upload-bytes": ("2G", "max_upload_bytes", 2 * 10**9),
     "--max-weights": ("100", "max_weights", 100),
     "--max-inflight-rpcs": ("32", "max_inflight_rpcs", 32),
@@ -49,6 +50,13 @@ def test_defaults_come_from_one_place_and_help_shows_them(capsys):
         assert flag in text, flag
     assert f"(default {lim.show_size(lim.MAX_STREAM_BYTES_TOTAL)})" in text
     assert f"(default {lim.MAX_INFLIGHT_RPCS})" in text
+    assert f"(default {lim.show_size(lim.MAX_REQUEST_BYTES)})" in text
+
+
+def test_requests_are_read_up_to_the_smaller_of_the_two_message_limits():
+    assert WorkerConfig().receive_limit == lim.MAX_REQUEST_BYTES < lim.MAX_MESSAGE_BYTES
+    assert WorkerConfig(max_message_bytes=1 << 20).receive_limit == 1 << 20
+    assert WorkerConfig(max_request_bytes=1 << 30).receive_limit == lim.MAX_MESSAGE_BYTES
 
 
 @pytest.mark.parametrize("field,value", [("port", 65536), ("port", -1),
@@ -69,7 +77,8 @@ def test_bad_values_are_one_line_usage_errors(argv, capsys):
 
 
 @pytest.mark.parametrize("field", ["max_weights", "max_inflight_rpcs", "max_stream_bytes",
-                                   "min_inflight_rpcs_per_connection", "max_message_bytes"])
+                                   "min_inflight_rpcs_per_connection", "max_message_bytes",
+                                   "max_request_bytes"])
 def test_limits_below_one_are_refused(field):
     with pytest.raises(InvalidArgument, match=f"{field}=0 must be >= 1"):
         WorkerConfig(**{field: 0})

@@ -34,7 +34,8 @@ ADMIN = "admin-token-0123456789"
 @pytest.fixture(scope="module")
 def worker() -> Iterator[RunningWorker]:
     rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=64 << 20),
-                                    max_message_bytes=64 * MiB, token=TOKEN,
+                                    max_message_bytes=64 * MiB, max_request_bytes=64 * MiB,
+                                    token=TOKEN,
                                     admin_token=ADMIN), make_backend())
     rw.client(token=ADMIN).upload("w", random_q6k(8, 256, 1), 8, 256)
     yield rw
