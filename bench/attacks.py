@@ -195,6 +195,7 @@ def slow_readers(w: Worker, seconds: float) -> str:
 BIG_MIB = [100]  # --big-mib
 REQUEST_LIMIT = 32 * MIB  # the worker's --max-request-bytes (its default)
 WIDE_K = 32768  # the "wide" weight: K of the largest requests the limit lets through
+BIG_CONNECTIONS = [4]  # --big-connections
 
 
 def refused_big(w: Worker, seconds: float) -> str:
@@ -214,14 +215,15 @@ def refused_big(w: Worker, seconds: float) -> str:
 
 
 def big_under_limit(w: Worker, seconds: float) -> str:
-    """Requests just under the receive limit, back to back from 4 connections: valid ones
+    """Requests just under the receive limit, back to back from 4 connections (or
+    --big-connections), each alternating valid ones
     (N = 255 x K = 32768 f32 on the "wide" weight) and refused ones (K mismatch), sent as
     ready-made bytes so the attacker is not the bottleneck."""
     rows = (REQUEST_LIMIT - 64 * 1024) // (4 * WIDE_K)
     x = np.ones((rows, WIDE_K), np.float32)
     raws = [matmul_request("wide", x).SerializeToString(),
             matmul_request("clean", x.reshape(-1, 512)).SerializeToString()]
-    chans = channels(w, 4)
+    chans = channels(w, BIG_CONNECTIONS[0])
     counts = [0, 0]  # OK, refused
     end = time.monotonic() + seconds
 
@@ -243,7 +245,8 @@ def big_under_limit(w: Worker, seconds: float) -> str:
         t.join()
     for c in chans:
         c.close()
-    return (f"{sum(counts)} requests of {len(raws[0]) / MIB:.1f} MiB from 4 connections "
+    return (f"{sum(counts)} requests of {len(raws[0]) / MIB:.1f} MiB from {len(chans)} "
+            "connections "
             f"({counts[0]} OK, {counts[1]} refused)")
 
 
@@ -397,10 +400,13 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=6.0,
                     help="seconds after an attack before its RSS 'after' is read")
     ap.add_argument("--big-mib", type=int, default=100, help="refused_big's request size")
+    ap.add_argument("--big-connections", type=int, default=4,
+                    help="big_under_limit's connections")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ATTACKS)
     BIG_MIB[0] = args.big_mib
+    BIG_CONNECTIONS[0] = args.big_connections
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
