@@ -49,6 +49,11 @@ def encode_varint(n: int) -> bytes:
     return bytes(out)
 
 
+def record(field: int, size: int) -> bytes:
+    """Tag and length of a length-delimited field (wire type 2) of ``size`` bytes."""
+    return encode_varint(field << 3 | _LEN) + encode_varint(size)
+
+
 def fields(buf: memoryview, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
     """(number, wire type, field start, value start, value end) of each field in
     ``buf[start:end]``, in order."""
@@ -95,8 +100,7 @@ def take_bytes_field(raw: bytes, outer: int, inner: int) -> tuple[bytes, memoryv
                 value = buf[start2:end2]
             else:
                 kept.append(buf[first2:end2])
-        pieces += [buf[copied:first], encode_varint(outer << 3 | _LEN),
-                   encode_varint(sum(len(k) for k in kept)), *kept]
+        pieces += [buf[copied:first], record(outer, sum(len(k) for k in kept)), *kept]
         copied = end
     if not pieces:
         return raw, None

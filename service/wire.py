@@ -23,7 +23,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
 from .flags import FlagState
-from .rawmsg import Unusual, take_bytes_field
+from .rawmsg import Unusual, record, take_bytes_field
 from .regions import CudaIpcSource, RegionIO, RegionRef, RegionView, ShmSource
 from .shards import RowRange, RowSelect
 
@@ -91,8 +91,8 @@ class MatmulIn:
         return self.raw
 
 
-_X_FIELD = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
-_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_F_REQ_X = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
+_F_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 
 def read_matmul_request(raw: bytes) -> pb.MatmulRequest | MatmulIn:
@@ -100,7 +100,7 @@ def read_matmul_request(raw: bytes) -> pb.MatmulRequest | MatmulIn:
     ``x.data``, which stays a view of ``raw`` (no copy on the event loop). A message the walker
     does not take apart is parsed whole (the same fields; upb's errors either way)."""
     try:
-        rest, data = take_bytes_field(raw, _X_FIELD, _DATA_FIELD)
+        rest, data = take_bytes_field(raw, _F_REQ_X, _F_TENSOR_DATA)
     except Unusual:
         return pb.MatmulRequest.FromString(raw)
     msg = pb.MatmulRequest.FromString(rest)
@@ -242,38 +242,23 @@ SPLICE_MIN_BYTES = 64 << 10
 _F_RESP_Y = pb.MatmulResponse.DESCRIPTOR.fields_by_name["y"].number
 _F_RESP_OUTPUTS = pb.MatmulResponse.DESCRIPTOR.fields_by_name["outputs"].number
 _F_OUT_Y = pb.WeightOutput.DESCRIPTOR.fields_by_name["y"].number
-_F_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _F_STREAM_RESULT = pb.MatmulStreamResponse.DESCRIPTOR.fields_by_name["result"].number
 Pieces = list[bytes | memoryview]
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _record(field: int, size: int) -> bytes:
-    """Tag and length of a length-delimited field (wire type 2) of ``size`` bytes."""
-    return _varint(field << 3 | 2) + _varint(size)
 
 
 def _size(pieces: Pieces) -> int:
     return sum(len(p) for p in pieces)
 
 
-def _y_record(field: int, m: Any, y: np.ndarray) -> Pieces:
+def _yrecord(field: int, m: Any, y: np.ndarray) -> Pieces:
     """``m``'s y (a Tensor in ``field`` whose dtype and shape are set) as one whole record with
     y's bytes as its data, viewed, not copied; ``m``'s own y is cleared."""
     head = m.y.SerializeToString()
     m.ClearField("y")
     le = np.ascontiguousarray(y).astype(y.dtype.newbyteorder("<"), copy=False)
     data = memoryview(le.reshape(-1).view(np.uint8))
-    inner = _record(_F_TENSOR_DATA, len(data))
-    return [_record(field, len(head) + len(inner) + len(data)), head, inner, data]
+    inner = record(_F_TENSOR_DATA, len(data))
+    return [record(field, len(head) + len(inner) + len(data)), head, inner, data]
 
 
 def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
@@ -283,14 +268,14 @@ def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
     if isinstance(r, MatmulReply):
         _fill_result(resp, r, y_bytes=False)  # dtype and shape; topk in full
         if r.topk is None:
-            tail = _y_record(_F_RESP_Y, resp, r.y)
+            tail = _yrecord(_F_RESP_Y, resp, r.y)
     else:  # one WeightOutput record per weight, in order, each with its own y spliced in
         for name, part in r:
             out = pb.WeightOutput(weight=name)
             _fill_result(out, part, y_bytes=False)
-            y_rec = [] if part.topk is not None else _y_record(_F_OUT_Y, out, part.y)
+            y_rec = [] if part.topk is not None else _yrecord(_F_OUT_Y, out, part.y)
             body: Pieces = [out.SerializeToString(), *y_rec]
-            tail += [_record(_F_RESP_OUTPUTS, _size(body)), *body]
+            tail += [record(_F_RESP_OUTPUTS, _size(body)), *body]
     if took is not None:  # last, so handler time includes encoding all but y's copy
         resp.timing.decode_seconds = took.decoded - took.start
         resp.timing.handler_seconds = time.perf_counter() - took.start
@@ -319,7 +304,7 @@ def stream_reply(r: Replies, request_id: str,
         return stream_result(r, request_id, took)
     pieces = _reply_pieces(r, request_id, took)
     head = pb.MatmulStreamResponse(request_id=request_id).SerializeToString()
-    return b"".join([head, _record(_F_STREAM_RESULT, _size(pieces)), *pieces])
+    return b"".join([head, record(_F_STREAM_RESULT, _size(pieces)), *pieces])
 
 
 _STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
