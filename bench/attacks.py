@@ -40,6 +40,7 @@ from q6serve.client.core import upload_header
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability import gguf_corpus as g
+from tests.reliability.stalling import StallingProxy
 from tests.service.svc_util import random_q6k
 
 K = 256
@@ -250,6 +251,25 @@ def big_under_limit(w: Worker, seconds: float) -> str:
             f"({counts[0]} OK, {counts[1]} refused)")
 
 
+def non_readers(w: Worker, seconds: float) -> str:
+    """32 connections that never read (a TCP proxy each that stops passing the worker's
+    bytes back) ask for 4 MiB replies, 8 calls at a time each: with the admission limit at
+    128 and a floor of 8 places per connection, enough to hold every place."""
+    proxies = [StallingProxy(w.target) for _ in range(32)]
+    chans = [_channel(p.target) for p in proxies]
+    req = matmul_request("big", np.ones((64, K), np.float32))
+    futs = [pb_grpc.Q6ServeStub(c).Matmul.future(req, metadata=AUTH, timeout=seconds + 30)
+            for c in chans for _ in range(8)]
+    time.sleep(seconds)
+    for f in futs:
+        f.cancel()
+    for c in chans:
+        c.close()
+    for p in proxies:
+        p.close()
+    return "32 connections x 8 calls for 4 MiB replies, never read"
+
+
 def stalled_uploads(w: Worker, seconds: float) -> str:
     """8 f32 uploads of 512 MiB each send their header and 2 MiB, then stall."""
     raw = memoryview(b"\0" * (2 * MIB))
@@ -340,6 +360,7 @@ ATTACKS: dict[str, tuple[Callable[[Worker, float], str], str]] = {
     "slow_readers": (slow_readers, "--max-stream-bytes-total 256 MiB"),
     "refused_big": (refused_big, "refused by gRPC before they are read: 0"),
     "big_under_limit": (big_under_limit, "4 requests in flight + their copies"),
+    "non_readers": (non_readers, f"{INFLIGHT} places x 4 MiB replies"),
     "stalled_uploads": (stalled_uploads, "the VRAM budget (staging) 512 MiB"),
     "many_calls": (many_calls, f"{INFLIGHT} in flight x (request + reply)"),
     "nan_batches": (nan_batches, "-"),

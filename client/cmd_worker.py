@@ -77,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--min-inflight-rpcs-per-connection", type=int,
       help="the fair share never drops below this many places per connection (default "
            f"{lim.MIN_INFLIGHT_RPCS_PER_CONNECTION})")
+    a("--reply-timeout", dest="reply_timeout_s", type=float,
+      help="seconds a computed reply may wait for its client to take it while other calls "
+           "wait for a place; then it is dropped (CANCELLED) and its place given to them "
+           f"(default {lim.REPLY_TIMEOUT_S:g})")
     a("--max-stream-bytes", type=size_arg,
       help="MatmulStream: bytes of requests admitted and replies not yet written, per stream "
            f"(default {sz(lim.MAX_STREAM_BYTES)})")
@@ -124,7 +128,7 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
                "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",
                "max_inflight_rpcs", "max_inflight_rpcs_per_connection",
-               "min_inflight_rpcs_per_connection", "max_stream_bytes",
+               "min_inflight_rpcs_per_connection", "reply_timeout_s", "max_stream_bytes",
                "max_stream_bytes_per_connection", "max_stream_bytes_total")
 
 

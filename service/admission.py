@@ -15,12 +15,23 @@ has as many as each of them; a caller that stops reading its replies stalls its 
 connection, and holds at most its share. Streaming RPCs (MatmulStream, UploadWeight) are not
 counted: a stream lives long and bounds itself (its window; uploads are accounted as they
 arrive).
+
+A place held by a reply its client does not take is taken back while other calls wait: a call
+whose reply was computed more than ``reply_timeout`` seconds ago and is still not written is
+dropped (its RPC task cancelled: gRPC then resets the stream, the client sees CANCELLED, the
+reply is freed and the place goes to the next). So callers that stop reading -- on as many
+connections as they like -- hold places for at most ``reply_timeout`` while anyone else needs
+them, and nothing is dropped while nobody waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import logging
+
+log = logging.getLogger("q6serve.admission")
 
 
 class Admission:
@@ -31,19 +42,32 @@ class Admission:
     others above it: every place they free goes to connections below their share (the
     newcomer first) until it has as many as each of them; it grows back as they leave."""
 
-    def __init__(self, limit: int, per_key: int, floor: int = 1) -> None:
+    def __init__(self, limit: int, per_key: int, floor: int = 1,
+                 reply_timeout: float = 2.0) -> None:
         self.limit = limit
         self.per_key = max(1, min(per_key, limit))
         self.floor = max(1, min(floor, self.per_key))
+        self.reply_timeout = reply_timeout
         self.running = 0
+        self.dropped = 0  # replies dropped because their clients did not take them
         self._held: dict[str, int] = {}
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._ready: collections.deque[str] = collections.deque()  # keys that may go next
         self._active = 0  # keys in _held or _waiting
+        # places whose reply is computed and not yet written: token -> (since, task), oldest
+        # first (a dict keeps insertion order)
+        self._replying: dict[int, tuple[float, asyncio.Task[object]]] = {}
+        self._tokens = itertools.count()
+        self._sweep_at: asyncio.TimerHandle | None = None
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def unwritten(self) -> int:
+        """Places held by calls whose reply is computed and not yet written."""
+        return len(self._replying)
 
     @property
     def active(self) -> int:
@@ -76,6 +100,7 @@ class Admission:
         if len(q) == 1 and self._held.get(key, 0) < self.share():
             self._ready.append(key)
         self._dispatch()
+        self._arm()
         try:
             await fut  # _dispatch took the place for us before waking us
         except BaseException:
@@ -134,6 +159,45 @@ class Admission:
                 del self._waiting[key]
             elif self._held[key] < self.share():
                 self._ready.append(key)  # round robin: behind the other connections
+
+    def replying(self, task: asyncio.Task[object]) -> int:
+        """The call holding a place has computed its reply; ``task`` (its RPC's task) now only
+        writes it. Returns the token for :meth:`replied`, called when the RPC is over."""
+        token = next(self._tokens)
+        self._replying[token] = (asyncio.get_running_loop().time(), task)
+        self._arm()
+        return token
+
+    def replied(self, token: int) -> None:
+        self._replying.pop(token, None)
+
+    def _arm(self) -> None:
+        """Wake :meth:`_sweep` when the oldest unwritten reply expires, while calls wait."""
+        if self._sweep_at is not None or not self._waiting or not self._replying:
+            return
+        since, _ = next(iter(self._replying.values()))
+        loop = asyncio.get_running_loop()
+        self._sweep_at = loop.call_at(since + self.reply_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        """Drop the replies older than reply_timeout while calls wait for a place."""
+        self._sweep_at = None
+        if not self._waiting:
+            return
+        now = asyncio.get_running_loop().time()
+        dropped = 0
+        while self._replying:
+            token, (since, task) = next(iter(self._replying.items()))
+            if now - since < self.reply_timeout:
+                break
+            del self._replying[token]
+            dropped += task.cancel()  # its place comes back when the RPC is over
+        if dropped:
+            self.dropped += dropped
+            log.warning("dropped %d replies their clients did not take within %.3g s while "
+                        "%d calls waited for a place", dropped, self.reply_timeout,
+                        self.waiting)
+        self._arm()
 
     def _refill(self) -> bool:
         """Places are free and no key is ready: queue the waiting keys below their share

@@ -80,6 +80,7 @@ class WorkerConfig:
     # is clamped to max)
     max_inflight_rpcs_per_connection: int = lim.MAX_INFLIGHT_RPCS_PER_CONNECTION
     min_inflight_rpcs_per_connection: int = lim.MIN_INFLIGHT_RPCS_PER_CONNECTION
+    reply_timeout_s: float = lim.REPLY_TIMEOUT_S  # unwritten replies dropped while calls wait
     max_upload_bytes: int = lim.MAX_UPLOAD_BYTES
     max_weights: int = lim.MAX_WEIGHTS
     max_stream_bytes: int = lim.MAX_STREAM_BYTES

@@ -26,6 +26,9 @@ MAX_WEIGHTS = 1 << 16  # resident weights (host bookkeeping: registry.WEIGHT_HOS
 MAX_INFLIGHT_RPCS = 512
 MAX_INFLIGHT_RPCS_PER_CONNECTION = 64
 MIN_INFLIGHT_RPCS_PER_CONNECTION = 8
+# A reply its client has not taken this many seconds after it was computed is dropped
+# (CANCELLED) while other calls wait for an admission place (service/admission.py).
+REPLY_TIMEOUT_S = 2.0
 # MatmulStream: bytes of requests admitted and replies not yet written, per stream, for all
 # the streams of one connection, for all streams of the worker.
 MAX_STREAM_BYTES = 64 * 2**20

@@ -1040,7 +1040,8 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
                                                            cfg.max_stream_bytes_per_connection))
     interceptor = ErrorInterceptor(metrics, auth,  # type: ignore[arg-type]
                                    Admission(inflight, cfg.max_inflight_rpcs_per_connection,
-                                             cfg.min_inflight_rpcs_per_connection))
+                                             cfg.min_inflight_rpcs_per_connection,
+                                             cfg.reply_timeout_s), cfg.receive_limit)
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()

@@ -200,17 +200,29 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     """Declared request-streaming (the wire format is a unary call's) so gRPC
                     calls this before it reads the request: the call waits for admission
                     first, and keeps its place until the RPC is over -- its reply written and
-                    its status sent -- whatever becomes of it (service/admission.py)."""
+                    its status sent, or the reply dropped by the gate when the client does
+                    not take it while others wait (service/admission.py)."""
                     key = context.peer()
                     await gate.enter(key)
-                    context.add_done_callback(lambda _: gate.leave(key))
+                    token: list[int] = []
+
+                    def over(_: object) -> None:
+                        if token:
+                            gate.replied(token[0])
+                        gate.leave(key)
+
+                    context.add_done_callback(over)
                     raw = await context.read()  # not `async for`: an unfinished async
                     # generator would keep this frame, and so the request, alive
                     if raw is grpc.aio.EOF:  # gRPC refused it (too large) or none came
                         self._failed(self._no_message(method), context, service, method,
                                      time.perf_counter())
                         return None
-                    return await unary(raw, context)
+                    reply = await unary(raw, context)
+                    if reply is not None:  # gRPC writes it in this task, after we return:
+                        # the gate may cancel the task if the client never takes it
+                        token.append(gate.replying(asyncio.current_task()))  # type: ignore[arg-type]
+                    return reply
 
                 return grpc.stream_unary_rpc_method_handler(
                     admitted, request_deserializer=None,

@@ -116,7 +116,7 @@ class Worker:
         self.engine = self.make_engine()
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection,
-                                   cfg.min_inflight_rpcs_per_connection)
+                                   cfg.min_inflight_rpcs_per_connection, cfg.reply_timeout_s)
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission,
                                              cfg.receive_limit)
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,

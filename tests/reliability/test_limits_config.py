@@ -20,6 +20,7 @@ FLAGS = {  # flag -> (value given, config field, value expected)
     "--max-inflight-rpcs-per-connection": ("16", "max_inflight_rpcs_per_connection", 16),
     "--min-inflight-rpcs-per-connection": ("2", "min_inflight_rpcs_per_connection", 2),
     "--max-stream-bytes": ("8MiB", "max_stream_bytes", 8 << 20),
+    "--reply-timeout": ("0.5", "reply_timeout_s", 0.5),
     "--max-stream-bytes-per-connection": ("32MiB", "max_stream_bytes_per_connection",
                                           32 << 20),
     "--max-stream-bytes-total": ("128MiB", "max_stream_bytes_total", 128 << 20),

@@ -1,0 +1,55 @@
+"""A TCP proxy standing for a client that stopped reading: what the client sends reaches the
+worker, what the worker sends back stops after the first ``pass_bytes`` (its HTTP/2 settings
+and a little more), so the worker's writes to it fill the socket buffers and stay pending."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+
+class StallingProxy:
+    def __init__(self, target: str, pass_bytes: int = 16 << 10) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._pass = pass_bytes
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listen.getsockname()[1]}"
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            upstream = socket.socket()
+            upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # stall sooner
+            upstream.connect(self._target)
+            self._socks += [client, upstream]
+            threading.Thread(target=self._forward, args=(client, upstream, None),
+                             daemon=True).start()
+            threading.Thread(target=self._forward, args=(upstream, client, self._pass),
+                             daemon=True).start()
+
+    @staticmethod
+    def _forward(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        """Copy src to dst; with ``limit``, stop reading src after that many bytes."""
+        sent = 0
+        with contextlib.suppress(OSError):
+            while limit is None or sent < limit:
+                data = src.recv(min(65536, limit - sent) if limit is not None else 65536)
+                if not data:
+                    return
+                dst.sendall(data)
+                sent += len(data)
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self._listen, *self._socks]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
