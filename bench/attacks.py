@@ -99,6 +99,7 @@ def _watch(target: str, pid: int, stop: Any, out: Any) -> None:
     health: list[float] = []
     rss_seen: list[int] = []
     calls = [0, 0]  # calls, wrong or failed
+    took: list[float] = []  # the clean caller's OK calls, seconds
     errors: dict[str, int] = {}
     hch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
     hstub = health_pb2_grpc.HealthStub(hch)
@@ -115,8 +116,10 @@ def _watch(target: str, pid: int, stop: Any, out: Any) -> None:
 
     def caller() -> None:
         while not stop.wait(0.02):
+            t0 = time.perf_counter()
             try:
                 ok = bool(np.abs(clean.matmul("clean", x) - want).max() <= tol)
+                took.append(time.perf_counter() - t0)
             except Exception as e:
                 errors[str(e)[:120]] = errors.get(str(e)[:120], 0) + 1
                 ok = False
@@ -135,10 +138,12 @@ def _watch(target: str, pid: int, stop: Any, out: Any) -> None:
     hch.close()
     clean.close()
     h = np.array(health or [0.0]) * 1e3
+    c = np.array(took or [0.0]) * 1e3
     out.put({"health_p50_ms": float(np.percentile(h, 50)),
              "health_p99_ms": float(np.percentile(h, 99)),
              "health_max_ms": float(h.max()), "health_n": len(health),
              "clean_calls": calls[0], "clean_failed": calls[1], "clean_errors": errors,
+             "clean_p99_ms": float(np.percentile(c, 99)), "clean_max_ms": float(c.max()),
              "rss_max": max(rss_seen or [0])})
 
 
@@ -461,12 +466,13 @@ def main() -> None:
         drain = drain_time(d)
         print(json.dumps({"drain": drain}), flush=True)
     print(f"\n{'attack':<16} {'RSS before/max/after MiB':>26} {'health p50/p99/max ms':>24} "
-          f"{'clean ok/all':>13} back")
+          f"{'clean ok/all':>13} {'clean p99/max ms':>17} back")
     for r in rows:
         print(f"{r['attack']:<16} {r['rss_before_mib']:>8}/{r['rss_max_mib']:>7}/"
               f"{r['rss_after_mib']:>7}  {r['health_p50_ms']:>7.1f}/{r['health_p99_ms']:>6.1f}/"
               f"{r['health_max_ms']:>6.1f}   {r['clean_calls'] - r['clean_failed']:>5}/"
-              f"{r['clean_calls']:<5}  {r['figures_back']}")
+              f"{r['clean_calls']:<5} {r['clean_p99_ms']:>8.1f}/{r['clean_max_ms']:>7.1f}  "
+              f"{r['figures_back']}")
     print(f"SIGTERM during a hostile parse: exit after {drain['exit_s']} s "
           f"(grace {drain['grace_s']} s), code {drain['exit_code']}")
     if args.json:

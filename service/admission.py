@@ -32,6 +32,7 @@ import itertools
 import logging
 
 log = logging.getLogger("q6serve.admission")
+LOG_EVERY_S = 10.0  # dropped replies are logged at most this often (a count)
 
 
 class Admission:
@@ -59,6 +60,7 @@ class Admission:
         self._replying: dict[int, tuple[float, asyncio.Task[object]]] = {}
         self._tokens = itertools.count()
         self._sweep_at: asyncio.TimerHandle | None = None
+        self._logged, self._log_at = 0, 0.0  # drops logged so far; loop time of the next line
 
     @property
     def waiting(self) -> int:
@@ -192,11 +194,12 @@ class Admission:
                 break
             del self._replying[token]
             dropped += task.cancel()  # its place comes back when the RPC is over
-        if dropped:
-            self.dropped += dropped
+        self.dropped += dropped
+        if self.dropped > self._logged and now >= self._log_at:  # one line per LOG_EVERY_S
             log.warning("dropped %d replies their clients did not take within %.3g s while "
-                        "%d calls waited for a place", dropped, self.reply_timeout,
-                        self.waiting)
+                        "other calls waited for a place (%d since start)",
+                        self.dropped - self._logged, self.reply_timeout, self.dropped)
+            self._logged, self._log_at = self.dropped, now + LOG_EVERY_S
         self._arm()
 
     def _refill(self) -> bool:
