@@ -40,7 +40,7 @@ from q6serve.client.core import upload_header
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability import gguf_corpus as g
-from tests.reliability.stalling import StallingProxy
+from tests.reliability.stalling import StallingProxy, stop_all
 from tests.service.svc_util import random_q6k
 
 K = 256
@@ -249,8 +249,7 @@ def big_under_limit(w: Worker, seconds: float) -> str:
         t.start()
     for t in threads:
         t.join()
-    for c in chans:
-        c.close()
+    stop_all((), chans)
     return (f"{sum(counts)} requests of {len(raws[0]) / MIB:.1f} MiB from {len(chans)} "
             "connections "
             f"({counts[0]} OK, {counts[1]} refused)")
@@ -266,12 +265,7 @@ def non_readers(w: Worker, seconds: float) -> str:
     futs = [pb_grpc.Q6ServeStub(c).Matmul.future(req, metadata=AUTH, timeout=seconds + 30)
             for c in chans for _ in range(8)]
     time.sleep(seconds)
-    for f in futs:
-        f.cancel()
-    for c in chans:
-        c.close()
-    for p in proxies:
-        p.close()
+    stop_all(futs, [*chans, *proxies])
     return "32 connections x 8 calls for 4 MiB replies, never read"
 
 

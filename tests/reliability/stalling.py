@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Iterable
+from typing import Any
 
 
 class StallingProxy:
@@ -53,3 +55,11 @@ class StallingProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+def stop_all(futures: Iterable[Any] = (), closables: Iterable[Any] = ()) -> None:
+    """The end of an attack: cancel its calls, then close its channels and proxies."""
+    for f in futures:
+        f.cancel()
+    for c in closables:
+        c.close()

@@ -20,7 +20,7 @@ from q6serve.client.client import matmul_request
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
-from tests.reliability.stalling import StallingProxy
+from tests.reliability.stalling import StallingProxy, stop_all
 
 K, ROWS = 256, 8192  # N = 64 replies are 2 MiB: far more than the sockets buffer
 
@@ -61,12 +61,7 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
         assert y.shape == (1, ROWS)
         assert worker.run(lambda: gate.dropped) >= 1
     finally:
-        for f in futs:
-            f.cancel()
-        for ch in chans:
-            ch.close()
-        for p in proxies:
-            p.close()
+        stop_all(futs, [*chans, *proxies])
     wait_for(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.unwritten,
                                          gate.active)) == (0, 0, 0, 0))
     assert vram_figures(c) == before
@@ -86,8 +81,5 @@ def test_nothing_is_dropped_while_nobody_waits(worker):
         time.sleep(4 * gate.reply_timeout)
         assert worker.run(lambda: (gate.unwritten, gate.waiting, gate.dropped)) == (stuck, 0, 0)
     finally:
-        for f in futs:
-            f.cancel()
-        ch.close()
-        proxy.close()
+        stop_all(futs, [ch, proxy])
     wait_for(lambda: worker.run(lambda: (gate.running, gate.unwritten)) == (0, 0))
