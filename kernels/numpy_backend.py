@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -318,6 +320,16 @@ class NumpyBackend(Backend):
                 r1 = min(s.rows, r0 + tile_rows)
                 yield s, r0 * per_row, r1 * per_row, s.row0 + r0, r1 - r0
 
+    def _each_tile(self, run: Callable[[Any], None], w: ResidentWeight,
+                   slabs: list[Slab]) -> None:
+        """``run`` over the tiles, on the pool's threads; a single tile on this thread (a
+        small weight: the hand-off to a pool thread and back cost more than its work)."""
+        tiles = list(self._tiles(w, slabs))
+        if len(tiles) == 1:
+            run(tiles[0])
+        else:
+            list(self._pool.map(run, tiles))
+
     def _matmul_float(self, w: ResidentWeight, slabs: list[Slab], x: np.ndarray) -> np.ndarray:
         n = x.shape[0]
         nb = w.k // q6k.QK_K
@@ -338,7 +350,7 @@ class NumpyBackend(Backend):
             else:
                 out[:] = (wt @ xp.T).T
 
-        list(self._pool.map(run, self._tiles(w, slabs)))
+        self._each_tile(run, w, slabs)
         return y
 
     def _matmul_q8_1(self, w: ResidentWeight, slabs: list[Slab], x: np.ndarray) -> np.ndarray:
@@ -351,7 +363,7 @@ class NumpyBackend(Backend):
             f = _slice_fields(s.fields(w.k), b0, b1)
             y[:, row0 : row0 + rows] = matmul_q8_1(x, f, rows)
 
-        list(self._pool.map(run, self._tiles(w, slabs)))
+        self._each_tile(run, w, slabs)
         return y
 
     def close(self) -> None:
