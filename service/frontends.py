@@ -91,13 +91,69 @@ METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
 
 
-# -- framing: one pickled tuple per message ----------------------------------------------------
-def _send(writer: asyncio.StreamWriter, msg: tuple[Any, ...]) -> None:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) < 65536:  # one write (and one wake-up) for the usual small message
-        writer.write(FRAME.pack(len(data)) + data)
-    else:
-        _send_frame(writer, data)
+# -- framing ------------------------------------------------------------------------------------
+# A frame: payload length (FRAME), payload. The hot path's two messages have fixed layouts
+# (_MM, _MMOK: a few struct fields, no pickling); everything else is one pickled tuple. Both
+# decode to the same tuples, so only _encode/_decode know which travelled how.
+_DTYPE_NAMES = tuple(DTYPES)  # dtype codes of the fixed layouts
+_DTYPE_CODE = {name: i for i, name in enumerate(_DTYPE_NAMES)}
+_PRECISIONS = tuple(p.value for p in Precision)
+_PRECISION_CODE = {v: i for i, v in enumerate(_PRECISIONS)}
+_LAYOUTS = tuple(v.value for v in Layout)
+_LAYOUT_CODE = {v: i for i, v in enumerate(_LAYOUTS)}
+# "mm" of one weight, no top-k, x [rows, k] in slot: b"M", request id, slot, rows, k, x dtype,
+# out dtype, precision, timeout s (NaN: none); then the weight's name (UTF-8) to the end
+_MM = struct.Struct("<cQiIIBBBd")
+# "mmok" of one part with y in the slot: b"R", request id, layout, precision, queue s, kernel s,
+# batch rows, batch requests, device s (NaN: None), y offset, y dtype, y rows, y columns; then
+# the kernel's name (UTF-8) to the end
+_MMOK = struct.Struct("<cQBBddIIdIBII")
+_NAN = float("nan")
+
+
+def _opt(v: float | None) -> float:
+    return _NAN if v is None else v
+
+
+def _unopt(v: float) -> float | None:
+    return None if v != v else v  # NaN: None
+
+
+def _encode(msg: tuple[Any, ...]) -> bytes:
+    """A message's payload (see _MM, _MMOK; pickled when it has another shape)."""
+    kind = msg[0]
+    if kind == "mm":
+        _, rid, weight, weights, topk, precision, out, timeout, x, slot = msg
+        if not weights and not topk and isinstance(x, tuple) and len(x[1]) == 2:
+            return _MM.pack(b"M", rid, slot, x[1][0], x[1][1], _DTYPE_CODE[x[0]],
+                            _DTYPE_CODE[out], _PRECISION_CODE[precision],
+                            _opt(timeout)) + weight.encode()
+    elif kind == "mmok":
+        _, rid, f, outs = msg
+        if (isinstance(f, tuple) and f[8] is None and len(outs) == 1
+                and isinstance(outs[0], tuple) and len(outs[0][2]) == 2):
+            off, dt, (rows, cols) = outs[0]
+            return _MMOK.pack(b"R", rid, _LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], f[3],
+                              _opt(f[4]), f[5], f[6], _opt(f[7]), off, _DTYPE_CODE[dt], rows,
+                              cols) + f[0].encode()
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _decode(b: memoryview | bytes) -> tuple[Any, ...]:
+    """``_encode``'s inverse."""
+    tag = b[0]
+    if tag == 0x4D:  # b"M"
+        _, rid, slot, rows, k, xdt, out, prec, timeout = _MM.unpack_from(b)
+        return ("mm", rid, bytes(b[_MM.size:]).decode(), (), 0, _PRECISIONS[prec],
+                _DTYPE_NAMES[out], _unopt(timeout), (_DTYPE_NAMES[xdt], (rows, k)), slot)
+    if tag == 0x52:  # b"R"
+        (_, rid, layout, prec, queue, kernel_s, rows, reqs, device_s, off, dt, yrows,
+         ycols) = _MMOK.unpack_from(b)
+        return ("mmok", rid, (bytes(b[_MMOK.size:]).decode(), _LAYOUTS[layout],
+                              _PRECISIONS[prec], queue, _unopt(kernel_s), rows, reqs,
+                              _unopt(device_s), None), [(off, _DTYPE_NAMES[dt], (yrows, ycols))])
+    # pickle: both ends are this worker's own processes, over a socket in a 0700 directory
+    return pickle.loads(b)  # type: ignore[no-any-return]
 
 
 class _Out:
@@ -106,17 +162,18 @@ class _Out:
     instead of one each. A big message first writes what is pending (order is kept). Every
     message to the peer goes through here."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
+        self.transport = transport
         self._buf: list[bytes] = []
         self._loop = asyncio.get_running_loop()
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = _encode(msg)
         if len(data) >= 65536:
             self.flush()
-            if not self.writer.is_closing():
-                _send_frame(self.writer, data)
+            if not self.transport.is_closing():
+                self.transport.write(FRAME.pack(len(data)))  # no copy of a big payload
+                self.transport.write(data)
             return
         if not self._buf:
             self._loop.call_soon(self.flush)
@@ -126,19 +183,82 @@ class _Out:
         if self._buf:
             data = b"".join(self._buf)
             self._buf.clear()
-            if not self.writer.is_closing():
-                self.writer.write(data)
+            if not self.transport.is_closing():
+                self.transport.write(data)
 
 
-def _send_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(FRAME.pack(len(data)))  # no copy of a big payload to prepend the header
-    writer.write(data)
+class _Peer(asyncio.Protocol):
+    """One end of a device-socket connection. Each complete frame that arrives is decoded and
+    handed to :meth:`message` in the loop trip that read it: no reader task, no coroutine
+    or future per message. :meth:`drain` waits while the socket's write buffer is full."""
 
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.out: _Out | None = None
+        self._buf = bytearray()  # the start of a frame not yet complete
+        self._need = FRAME.size  # bytes _buf must hold before a frame can complete
+        self._paused: asyncio.Future[None] | None = None
 
-async def _recv(reader: asyncio.StreamReader) -> tuple[Any, ...]:
-    (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    # pickle: both ends are this worker's own processes, over a socket in a 0700 directory
-    return pickle.loads(await reader.readexactly(n))
+    def message(self, msg: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def lost(self) -> None:
+        """The connection is gone (called once)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.out = _Out(self.transport)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        if not buf:
+            used = self._frames(data)
+            if used < len(data):
+                buf += memoryview(data)[used:]
+            return
+        buf += data
+        if len(buf) >= self._need:
+            used = self._frames(buf)
+            del buf[:used]
+
+    def _frames(self, data: bytes | bytearray) -> int:
+        """Hand on every complete frame at the start of ``data``; returns the bytes used."""
+        pos, end = 0, len(data)
+        with memoryview(data) as mv:
+            while end - pos >= FRAME.size:
+                (n,) = FRAME.unpack_from(mv, pos)
+                if end - pos - FRAME.size < n:
+                    self._need = FRAME.size + n
+                    return pos
+                start, pos = pos + FRAME.size, pos + FRAME.size + n
+                with mv[start:pos] as payload:
+                    msg = _decode(payload)
+                try:
+                    self.message(msg)
+                except Exception:
+                    log.exception("device-socket message %r failed; closing the connection",
+                                  msg[0])
+                    assert self.transport is not None
+                    self.transport.close()
+                    return end
+        self._need = FRAME.size
+        return pos
+
+    def pause_writing(self) -> None:
+        self._paused = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._paused is not None and not self._paused.done():
+            self._paused.set_result(None)
+        self._paused = None
+
+    async def drain(self) -> None:
+        if self._paused is not None:
+            await asyncio.shield(self._paused)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.resume_writing()
+        self.lost()
 
 
 def _portable_error(e: BaseException) -> Q6Error:
@@ -160,6 +280,11 @@ class Arena:
 
     def __init__(self, name: str, mm: mmap.mmap, slots: int, slot_bytes: int) -> None:
         self.name, self._mm, self.slots, self.slot_bytes = name, mm, slots, slot_bytes
+        # the whole arena as bytes, writable and read-only: a view of a slot is then one
+        # ndarray(...) call (~0.2 us; np.frombuffer on the mmap costs ~1 us)
+        self._rw: np.ndarray | None = np.frombuffer(mm, np.uint8)
+        self._ro: np.ndarray | None = self._rw.view()
+        self._ro.flags.writeable = False
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> Arena:
@@ -198,12 +323,13 @@ class Arena:
         n = math.prod(shape) * dtype.itemsize  # (np.prod costs ~10 us a call)
         if not 0 <= slot < self.slots or offset < 0 or offset + n > self.slot_bytes:
             raise InvalidArgument(f"arena slot {slot} cannot hold {n} bytes at {offset}")
-        a = np.frombuffer(self._mm, dtype=dtype, count=n // dtype.itemsize,
-                          offset=slot * self.slot_bytes + offset).reshape(shape)
-        a.flags.writeable = writable
-        return a
+        base = self._rw if writable else self._ro
+        if base is None:
+            raise Unavailable(f"front-end arena {self.name} is closed")
+        return np.ndarray(shape, dtype, base, slot * self.slot_bytes + offset)
 
     def close(self) -> None:
+        self._rw = self._ro = None
         with contextlib.suppress(BufferError):  # still viewed: unmapped when that array goes
             self._mm.close()
 
@@ -260,7 +386,7 @@ class _Front:
 
     index: int
     pid: int
-    writer: asyncio.StreamWriter
+    transport: asyncio.Transport
     arena: Arena
     out: _Out
     alive: bool = True
@@ -297,6 +423,7 @@ class FrontendsWorker(Worker):
         self._draining = False
         self._supervisor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending = 0  # matmuls in this process now
         self.pending_peak = 0  # most matmuls in this process at once (admission tests)
 
     # -- start ------------------------------------------------------------------------------
@@ -308,7 +435,8 @@ class FrontendsWorker(Worker):
                                  self.backend, self.engine)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
-        self._unix = await asyncio.start_unix_server(self._serve, path=self._sock_path)
+        self._unix = await asyncio.get_running_loop().create_unix_server(
+            lambda: _FrontConnection(self), path=self._sock_path)
         for i in range(self.n):
             self._spawn(i)
         try:
@@ -382,43 +510,27 @@ class FrontendsWorker(Worker):
                           p.pid, p.returncode)
                 self._spawn(i)
 
-    # -- one front end's connection ---------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        fe: _Front | None = None
-        try:
-            # unpickle only what our own front-end processes send (peer pid from the kernel)
-            sock = writer.get_extra_info("socket")
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      12))[0]
-            if pid not in {p.pid for p in self._procs.values()}:
-                log.error("refused a device-socket connection from pid %d", pid)
-                return
-            hello = await _recv(reader)
-            _, index, pid, arena_name, slots, slot_bytes = hello
-            fe = _Front(index, pid, writer, Arena.attach(arena_name, slots, slot_bytes),
-                        _Out(writer))
-            self._fronts[index] = fe
-            fe.send(("ack",))
-            while True:
-                msg = await _recv(reader)
-                self._dispatch(fe, msg)
-        except (asyncio.IncompleteReadError, ConnectionError, EOFError):
-            pass
-        except Exception:
-            log.exception("front-end connection failed")
-        finally:
-            if fe is not None:
-                fe.alive = False
-                for q in fe.uploads.values():
-                    q.put_nowait(Unavailable("the front end went away mid-upload"))
-                if fe.pending == 0:
-                    fe.arena.close()
-                if self._fronts.get(fe.index) is fe:
-                    del self._fronts[fe.index]
-                if not self._draining:
-                    log.warning("front end %d (pid %d) disconnected with %d calls in flight",
-                                fe.index, fe.pid, fe.pending)
-            writer.close()
+    # -- one front end's connection (_FrontConnection) ---------------------------------------
+    def _hello(self, conn: _FrontConnection, msg: tuple[Any, ...]) -> _Front:
+        _, index, pid, arena_name, slots, slot_bytes = msg
+        assert conn.transport is not None and conn.out is not None
+        fe = _Front(index, pid, conn.transport, Arena.attach(arena_name, slots, slot_bytes),
+                    conn.out)
+        self._fronts[index] = fe
+        fe.send(("ack",))
+        return fe
+
+    def _gone(self, fe: _Front) -> None:
+        fe.alive = False
+        for q in fe.uploads.values():
+            q.put_nowait(Unavailable("the front end went away mid-upload"))
+        if fe.pending == 0:
+            fe.arena.close()
+        if self._fronts.get(fe.index) is fe:
+            del self._fronts[fe.index]
+        if not self._draining:
+            log.warning("front end %d (pid %d) disconnected with %d calls in flight",
+                        fe.index, fe.pid, fe.pending)
 
     def _dispatch(self, fe: _Front, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -429,7 +541,7 @@ class FrontendsWorker(Worker):
         elif kind == "metrics":
             if self.metrics is not None:
                 for args in msg[1]:
-                    self.metrics.observe_request(*args)
+                    self.metrics.observe_requests(*args)
         elif kind == "up":
             q: asyncio.Queue[Any] = asyncio.Queue()
             fe.uploads[msg[1]] = q
@@ -458,18 +570,22 @@ class FrontendsWorker(Worker):
                 x = fe.arena.array(slot, DTYPES[x[0]].newbyteorder("<"), x[1], writable=False)
             call = MatmulCall(weight, x, Precision(precision), DTYPES[out_dtype], timeout, topk,
                               weights)
+            # the answer goes out from the sink, in the loop trip that resolves the future (a
+            # done callback would cost one more trip and handle per request)
+            sink = functools.partial(self._matmul_done, fe, rid, slot)
             # what the one-process servicer does (Q6ServeServicer._start): a multi-weight
             # request fans out here, to every weight's batcher
-            fut: asyncio.Future[Any] = (
-                start_matmul_weights(self.engine, call) if weights  # type: ignore[arg-type]
-                else self.engine.start_matmul(call))  # type: ignore[union-attr]
+            if weights:
+                start_matmul_weights(self.engine, call, sink)  # type: ignore[arg-type]
+            else:
+                self.engine.start_matmul(call, sink)  # type: ignore[union-attr]
         except BaseException as e:
             fe.send(("err", rid, _portable_error(e)))
             return
         del x, call  # the queued request holds x; once it ran, nothing here does
         fe.pending += 1
-        self.pending_peak = max(self.pending_peak, sum(f.pending for f in self._fronts.values()))
-        fut.add_done_callback(functools.partial(self._matmul_done, fe, rid, slot))
+        self._pending += 1
+        self.pending_peak = max(self.pending_peak, self._pending)
 
     def _matmul_done(self, fe: _Front, rid: int, slot: int, fut: asyncio.Future[Any]) -> None:
         try:
@@ -498,6 +614,7 @@ class FrontendsWorker(Worker):
             fe.send(("err", rid, _portable_error(e)))
         finally:
             fe.done_one()
+            self._pending -= 1
 
     async def _call(self, fe: _Front, rid: int, method: str, args: tuple[Any, ...]) -> None:
         try:
@@ -569,10 +686,40 @@ class FrontendsWorker(Worker):
         if self._unix is not None:
             self._unix.close()
         for fe in list(self._fronts.values()):
-            fe.writer.close()
+            fe.transport.close()
         if self._reserved is not None:
             self._reserved.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _FrontConnection(_Peer):
+    """The device process's end of one front end's socket: its first message is the hello
+    (arena name); every later one goes to FrontendsWorker._dispatch."""
+
+    def __init__(self, worker: FrontendsWorker) -> None:
+        super().__init__()
+        self.worker = worker
+        self.fe: _Front | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # unpickle only what our own front-end processes send (peer pid from the kernel)
+        sock = transport.get_extra_info("socket")
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  12))[0]
+        if pid not in {p.pid for p in self.worker._procs.values()}:
+            log.error("refused a device-socket connection from pid %d", pid)
+            transport.close()
+
+    def message(self, msg: tuple[Any, ...]) -> None:
+        if self.fe is None:
+            self.fe = self.worker._hello(self, msg)
+        else:
+            self.worker._dispatch(self.fe, msg)
+
+    def lost(self) -> None:
+        if self.fe is not None:
+            self.worker._gone(self.fe)
 
 
 async def _dev_load(w: FrontendsWorker, *a: Any) -> Any:
@@ -618,18 +765,23 @@ _DEVICE_CALLS: dict[str, Callable[..., Any]] = {
 # ============================================================================================
 # A front-end process
 # ============================================================================================
-class _Link:
-    """The front end's connection to the device process: request ids -> futures."""
+class _Link(_Peer):
+    """The front end's connection to the device process: request ids -> futures. Its first
+    message from the device process is the ack of the hello (``acked``)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 arena: Arena) -> None:
-        self.reader, self.writer, self.arena = reader, writer, arena
-        self.out = _Out(writer)
+    out: _Out
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__()
+        self.arena = arena
         self._ids = 0
         self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self.free_slots = list(range(arena.slots))
         self.serving = True
-        self.drain: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.acked: asyncio.Future[tuple[Any, ...]] = loop.create_future()
+        # the device process's drain order: the grace period (0.0: the device process is gone)
+        self.stop_order: asyncio.Future[float] = loop.create_future()
         self.on_health: Callable[[bool], None] = lambda ok: None
         self.rows: dict[str, int] = {}  # weight -> rows, seen in replies (stream back-pressure)
 
@@ -685,31 +837,31 @@ class _Link:
         if not in_slot[0]:
             self.free(slot)
 
-    async def run(self) -> None:
-        """Read the device process's messages until it goes away."""
-        try:
-            while True:
-                msg = await _recv(self.reader)
-                kind = msg[0]
-                if kind in ("ok", "err", "mmok"):
-                    self._answer(msg)
-                elif kind == "health":
-                    self.on_health(msg[1])
-                elif kind == "drain":
-                    self.serving = False
-                    if not self.drain.done():
-                        self.drain.set_result(float(msg[1]))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
+    def message(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind in ("ok", "err", "mmok"):
+            self._answer(msg)
+        elif kind == "health":
+            self.on_health(msg[1])
+        elif kind == "drain":
             self.serving = False
-            for fut, _, group in self._waiting.values():
-                for f in [fut] if group is None else [g for g, _ in group.members]:
-                    if not f.done():
-                        f.set_exception(Unavailable("the worker's device process went away"))
-            self._waiting.clear()
-            if not self.drain.done():
-                self.drain.set_result(0.0)
+            if not self.stop_order.done():
+                self.stop_order.set_result(float(msg[1]))
+        elif not self.acked.done():
+            self.acked.set_result(msg)
+
+    def lost(self) -> None:
+        """The device process went away: every waiting call fails, the front end stops."""
+        self.serving = False
+        for fut, _, group in self._waiting.values():
+            for f in [fut] if group is None else [g for g, _ in group.members]:
+                if not f.done():
+                    f.set_exception(Unavailable("the worker's device process went away"))
+        self._waiting.clear()
+        if not self.acked.done():
+            self.acked.set_exception(Unavailable("the device process closed the connection"))
+        if not self.stop_order.done():
+            self.stop_order.set_result(0.0)
 
     def _answer(self, msg: tuple[Any, ...]) -> None:
         kind, rid = msg[0], msg[1]
@@ -903,7 +1055,7 @@ class EngineProxy:
                 if fut.done():
                     break  # refused already (header, budget): stop reading the client
                 self.link.out.send(("upc", rid, bytes(c)))
-                await self.link.writer.drain()
+                await self.link.drain()
             else:
                 self.link.out.send(("upc", rid, None))
         except BaseException as e:
@@ -947,19 +1099,23 @@ class _PlaneProxy:
 
 
 class _MetricsForwarder:
-    """The interceptor's request metrics, batched to the device process's one registry."""
+    """The interceptor's request metrics, batched to the device process's one registry
+    (grouped by labels: the device process looks each label set up once per batch)."""
 
     def __init__(self, link: _Link) -> None:
         self.link = link
-        self.buf: list[tuple[Any, ...]] = []
+        self.buf: dict[tuple[str, str, str], list[float]] = {}
 
-    def observe_request(self, *args: Any) -> None:
-        self.buf.append(args)
+    def observe_request(self, service: str, method: str, code: str, seconds: float) -> None:
+        if (got := self.buf.get((service, method, code))) is None:
+            self.buf[(service, method, code)] = [seconds]
+        else:
+            got.append(seconds)
 
     def flush(self) -> None:
-        if self.buf and not self.link.writer.is_closing():
-            buf, self.buf = self.buf, []
-            self.link.out.send(("metrics", buf))
+        if self.buf and not self.link.out.transport.is_closing():
+            buf, self.buf = self.buf, {}
+            self.link.out.send(("metrics", [(*k, v) for k, v in buf.items()]))
 
     async def run(self) -> None:
         while True:
@@ -1019,16 +1175,15 @@ def frontend_main() -> None:
 async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, slots: int,
                     slot_bytes: int) -> None:
     arena = Arena.create(slots, slot_bytes)
+    link = _Link(arena)
     try:
-        reader, writer = await asyncio.open_unix_connection(sock_path)
-        _send(writer, ("hello", index, os.getpid(), arena.name, slots, slot_bytes))
-        ack = await _recv(reader)
+        await asyncio.get_running_loop().create_unix_connection(lambda: link, sock_path)
+        link.out.send(("hello", index, os.getpid(), arena.name, slots, slot_bytes))
+        ack = await link.acked
     finally:
         arena.unlink()  # mapped on both sides (or failed): the name is not needed any more
     if ack[0] != "ack":
         raise FailedPrecondition(f"the device process refused front end {index}: {ack!r}")
-    link = _Link(reader, writer, arena)
-    reading = asyncio.get_running_loop().create_task(link.run())
     metrics = _MetricsForwarder(link)
     flushing = asyncio.get_running_loop().create_task(metrics.run())
     auth = TokenAuth(cfg.token, cfg.admin_token)
@@ -1061,10 +1216,10 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     link.on_health = on_health
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM,
-                            lambda: link.drain.done() or link.drain.set_result(
+                            lambda: link.stop_order.done() or link.stop_order.set_result(
                                 cfg.grace_period_s))
     link.out.send(("ready",))
-    grace = await link.drain
+    grace = await link.stop_order
     await health.enter_graceful_shutdown()
     link.serving = False
     await stop_server(server, interceptor, grace)
@@ -1072,9 +1227,6 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     link.out.flush()  # what is pending goes before the socket closes
     flushing.cancel()
     with contextlib.suppress(Exception):
-        await writer.drain()
-    writer.close()
-    reading.cancel()
-    with contextlib.suppress(BaseException):
-        await reading
+        await link.drain()
+    link.out.transport.close()  # writes what is buffered first
     arena.close()

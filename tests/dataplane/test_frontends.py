@@ -300,7 +300,7 @@ def test_admission_holds_for_the_whole_worker(start: Callable[..., Running],
 
 
 class _Writer:
-    """What _Link writes to, captured (a StreamWriter stand-in)."""
+    """What _Link writes to, captured (a transport stand-in)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
@@ -312,13 +312,14 @@ class _Writer:
         return False
 
     def messages(self) -> list[tuple[Any, ...]]:
-        import pickle
         import struct
+
+        from q6serve.service.frontends import _decode
 
         out, at = [], 0
         while at < len(self.data):
             (n,) = struct.unpack_from("<Q", self.data, at)
-            out.append(pickle.loads(bytes(self.data[at + 8 : at + 8 + n])))
+            out.append(_decode(bytes(self.data[at + 8 : at + 8 + n])))
             at += 8 + n
         self.data.clear()
         return out
@@ -340,7 +341,8 @@ def test_front_end_stacks_small_calls() -> None:
         arena = Arena.create(2, 1 << 16)
         arena.unlink()
         w = _Writer()
-        link = _Link(None, w, arena)  # type: ignore[arg-type]
+        link = _Link(arena)
+        link.connection_made(w)  # type: ignore[arg-type]
         proxy = EngineProxy(link)
         xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
         futs = [proxy.start_matmul(MatmulCall("w", x)) for x in xs]
