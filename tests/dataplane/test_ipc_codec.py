@@ -1,0 +1,119 @@
+"""The device socket's messages (service/frontends.py): the hot path's fixed layouts decode to
+the same tuples as the pickled form, and frames are reassembled however the bytes arrive."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.service import frontends as fe
+
+MESSAGES: list[tuple[Any, ...]] = [
+    # fixed layouts: a plain matmul with x in a slot, and its one-part reply in the slot
+    ("mm", 7, "blk.0.ffn_down", (), 0, "auto", "f32", None, ("f16", (3, 256)), 2),
+    ("mm", 2**40, "wé", (), 0, "q8_1", "bf16", 0.25, ("bf16", (64, 18944)), 0),
+    ("mmok", 9, ("q6k_ks_f16", "soa", "f16", 1.5e-4, None, 32, 5, 2.5e-4, None),
+     [(64, "f16", (3, 3584))]),
+    ("mmok", 10, ("numpy", "aos", "exact", 0.0, 1e-5, 1, 1, None, None), [(0, "f32", (1, 16))]),
+    # pickled: what the fixed layouts do not cover
+    ("mm", 3, "", ("a", "b"), 0, "auto", "f32", None, ("f32", (1, 256)), 1),  # multi-weight
+    ("mm", 4, "w", (), 8, "auto", "f32", 1.0, ("f32", (1, 256)), 1),  # top-k
+    ("mm", 5, "w", (), 0, "auto", "f32", None, np.ones((2, 256), np.float16), -1),  # x inline
+    ("mmok", 6, [("a", ("k", "soa", "f16", 0.0, None, 1, 1, None, None))], [(0, "f32", (1, 8))]),
+    ("mmok", 8, ("k", "soa", "f16", 0.0, None, 1, 1, None, None), [np.zeros((1, 8))]),
+    ("err", 1, ValueError("x")), ("metrics", [("s", "m", "OK", [0.1, 0.2])]), ("ready",),
+]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, BaseException):
+        return type(a) is type(b) and a.args == b.args
+    if isinstance(a, tuple | list):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b, strict=True)))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: str(m[0]))
+def test_messages_round_trip(msg: tuple[Any, ...]) -> None:
+    data = fe._encode(msg)
+    assert _same(fe._decode(data), msg)
+    assert _same(fe._decode(memoryview(data)), msg)
+
+
+def test_hot_messages_use_the_fixed_layouts() -> None:
+    assert fe._encode(MESSAGES[0])[:1] == b"M" and fe._encode(MESSAGES[2])[:1] == b"R"
+    assert len(fe._encode(MESSAGES[0])) == fe._MM.size + len("blk.0.ffn_down")
+    assert fe._encode(MESSAGES[4])[:1] == b"\x80"  # pickle
+
+
+class _Capture(fe._Peer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: list[tuple[Any, ...]] = []
+
+    def message(self, msg: tuple[Any, ...]) -> None:
+        self.got.append(msg)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _frames(msgs: list[tuple[Any, ...]]) -> bytes:
+    return b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, msgs))
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8, 9, 100, 65536, 10**9])
+def test_frames_reassembled_however_the_bytes_arrive(cut: int) -> None:
+    """Every message once, in order, whether the bytes come one at a time, split inside a
+    header or a payload, several frames per read, or all at once (a 1 MB array in between)."""
+    big = ("mm", 11, "w", (), 0, "auto", "f32", None, np.arange(2**18, dtype=np.float32), -1)
+    msgs = [*MESSAGES, big, *MESSAGES]
+    data = _frames(msgs)
+    peer = _Capture()
+
+    async def main() -> None:
+        peer.connection_made(_Transport())  # type: ignore[arg-type]
+        step = cut if cut < len(data) else len(data)
+        for at in range(0, len(data), step):
+            peer.data_received(data[at : at + step])
+
+    asyncio.run(main())
+    assert len(peer.got) == len(msgs)
+    assert all(_same(a, b) for a, b in zip(peer.got, msgs, strict=True))
+    assert not peer._buf
+
+
+def test_a_failing_message_closes_the_connection() -> None:
+    """A message its handler cannot take is logged and ends the connection: nothing after it
+    is handled (the peer then sees the connection lost, as if the process had gone)."""
+
+    class Failing(_Capture):
+        def message(self, msg: tuple[Any, ...]) -> None:
+            if msg[0] == "err":
+                raise RuntimeError("cannot take this")
+            super().message(msg)
+
+    peer = Failing()
+    transport = _Transport()
+
+    async def main() -> None:
+        peer.connection_made(transport)  # type: ignore[arg-type]
+        peer.data_received(_frames(MESSAGES))
+
+    asyncio.run(main())
+    assert transport.closed
+    assert [m[0] for m in peer.got] == [m[0] for m in MESSAGES[:9]]
