@@ -7,7 +7,7 @@ backend, the weights, the VRAM accountant, the batchers, the regions and /metric
 
     clients ──TCP──▶ front end 0..N-1 (grpc.aio: interceptor, auth, wire decode, servicer,
                      health, reflection)
-                          │ Unix socket per front end: small pickled messages + wake-up
+                          │ Unix socket per front end: small messages + wake-up
                           │ shared-memory arena per front end: x and y of matmuls
                           ▼
                      device process (this module's FrontendsWorker, the `q6serve worker`
@@ -15,8 +15,10 @@ backend, the weights, the VRAM accountant, the batchers, the regions and /metric
 
 A matmul's activations go into a slot of the front end's arena (one copy, which the bytes
 path makes anyway); the device process views them there, runs the batcher, writes y into the
-same slot and answers with a ~150-byte message (plain values: no dataclass is pickled); the
-front end encodes the reply from the slot and frees the slot when the reply's y is gone. Calls
+same slot and answers with a ~100-byte message; the front end encodes the reply from the slot
+and frees the slot when the reply's y is gone. A plain matmul and its reply travel in fixed
+struct layouts (``_MM``, ``_MMOK``), everything else as pickled tuples of plain values; the
+frames are parsed as they arrive (``_Peer``: no reader task or coroutine per message). Calls
 whose x or y do not fit a slot (or when every slot is busy) carry the array in the message
 instead. The socket is the wake-up; the small messages to a peer within one loop iteration
 (e.g. a batch's replies) go out in one write (``_Out``).
