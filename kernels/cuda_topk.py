@@ -4,9 +4,11 @@ Two implementations of the contract, both on the backend's stream, both writing 
 int32 row per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) bytes
 are downloaded (instead of N x rows x 4), in one copy and one synchronisation:
 
-- ``cuda/q6_topk.cu`` (``FUSED``, the default): one kernel, one CTA per row: max, f64 sum of
-  exp, a 4-pass radix select of the k-th largest value, a gather and a bitonic sort of the k
-  candidates. No extra device memory beyond the packed result.
+- ``cuda/q6_topk.cu`` (``FUSED``, the default): one CTA per row: max, f64 sum of exp, a 4-pass
+  radix select of the k-th largest value, a gather and a bitonic sort of the k candidates. Rows
+  wide enough for it are split into column chunks (:func:`chunks_for`) so that every SM works:
+  one CTA per (chunk, row) writes its chunk's candidates and partial sums, a second kernel
+  picks each row's k from them (N=64 lm-head rows of 152064 columns ran on 64 of 132 SMs).
 - :func:`epilogue.topk_xp` on CuPy ops (the same code CI runs with NumPy): group maxima bound
   the candidates, one 64-bit key sort. Rows in chunks of at most ``CHUNK_ELEMS`` elements of
   y (~5 x 4 bytes of transient memory per chunk element: ~40 MiB) whatever N and the rows.
@@ -28,6 +30,9 @@ FUSED = True  # the one-kernel epilogue; False: topk_xp on CuPy ops
 TOPK_FILE = "q6_topk.cu"
 THREADS = 1024  # per CTA (Q6_TOPK_THREADS in the kernel's __launch_bounds__)
 CHUNK_ELEMS = 2 << 20  # topk_xp path: elements of y per chunk (8 MiB f32, ~40 MiB transient)
+MIN_CHUNK = 4096  # fused path: fewest columns per chunk of a split row
+CTAS_PER_SM = 2  # fused path: resident CTAs of THREADS per SM the split aims to fill
+_SMS: dict[int, int] = {}  # device id -> SM count
 
 
 def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = None) -> TopK:
@@ -55,12 +60,38 @@ def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = No
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))
 
 
+def chunks_for(n: int, cols: int, k: int, sms: int) -> int:
+    """Column chunks per row for the fused path: enough (n x chunks) CTAs to fill every SM
+    ``CTAS_PER_SM`` deep, each chunk at least ``MIN_CHUNK`` and ``k`` columns; 1 = unsplit."""
+    want = -(-CTAS_PER_SM * sms // max(n, 1))
+    return max(1, min(want, cols // max(k, MIN_CHUNK, 1)))
+
+
 def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
-    """One launch of cuda/q6_topk.cu on the current stream: one CTA of THREADS per row."""
+    """cuda/q6_topk.cu on the current stream: one CTA of THREADS per row, or per (chunk, row)
+    and then one per row to merge (see :func:`chunks_for`)."""
     from .cuda import loader
 
     if y.dtype != cp.float32 or not y.flags.c_contiguous:
         y = cp.ascontiguousarray(y, dtype=cp.float32)
     n, cols = (int(d) for d in y.shape)
-    fn = loader.load(TOPK_FILE, (), int(y.device.id)).function("q6_topk_rows")
-    fn((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
+    dev = int(y.device.id)
+    mod = loader.load(TOPK_FILE, (), dev)
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    chunks = chunks_for(n, cols, k, sms)
+    if chunks == 1:
+        mod.function("q6_topk_rows")((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
+        return
+    chunk = -(-cols // chunks)
+    chunks = -(-cols // chunk)  # no empty chunk at the end
+    cand = cp.empty(n * chunks * k, cp.uint64)
+    cmax = cp.empty(n * chunks, cp.float32)
+    csum = cp.empty(n * chunks, cp.float64)
+    cnan = cp.empty(n * chunks, cp.int32)
+    i32 = np.int32
+    mod.function("q6_topk_chunks")((chunks, n), (THREADS,), (
+        y, i32(cols), i32(chunk), i32(k), cand, cmax, csum, cnan))
+    mod.function("q6_topk_merge")((n,), (THREADS,), (
+        y, i32(cols), i32(chunks), i32(k), cand, cmax, csum, cnan, packed))

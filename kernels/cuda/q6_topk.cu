@@ -1,4 +1,4 @@
-// The top-k / log-sum-exp epilogue fused into one kernel: one CTA per row of y.
+// The top-k / log-sum-exp epilogue.
 //
 // Contract (kernels/epilogue.py): per row, the k largest values in descending order (ties:
 // lower column first; NaN ranks above +inf), their columns, and lse = log(sum exp(y)) (f32
@@ -7,14 +7,18 @@
 // first to arrive). Output: one packed int32 row per row of y, [values bits | columns | lse
 // bits] (2k + 1 words), downloaded in one copy by kernels/cuda_topk.py.
 //
-// Passes over the row (it is read from L2/HBM 7 times; nothing is staged):
-//   1. max over non-NaN values, NaN flag     2. sum of exp(y - max) in f64
-//   3-6. radix select of the k-th largest order key, 8 bits per pass (256-bin histogram in
-//        shared memory over the columns still matching the prefix chosen so far; one atomic
-//        per bin per warp, not per lane)
-//   7. gather: columns above the k-th key, then as many equal to it as still needed
-// then a bitonic sort of the (at most 256) candidates by one 64-bit key (~value, column).
-
+// Two forms (kernels/cuda_topk.py picks):
+// - q6_topk_rows: one CTA per row. Passes over the row (read from L2/HBM 7 times; nothing
+//   staged): 1. max over non-NaN values, NaN flag  2. sum of exp(y - max) in f64  3-6. radix
+//   select of the k-th largest order key, 8 bits per pass (256-bin histogram in shared memory
+//   over the columns still matching the prefix chosen so far; one atomic per bin per warp, not
+//   per lane)  7. gather: columns above the k-th key, then as many equal to it as still needed;
+//   then a bitonic sort of the (at most 256) candidates by one 64-bit key (~value, column).
+// - q6_topk_chunks + q6_topk_merge: rows split into column chunks, one CTA per (chunk, row)
+//   doing the same passes on its chunk and writing its top-min(k, chunk) candidates and its
+//   (max, sum of exp(y - its max), NaN) unsorted; then one CTA per row selects the k best of
+//   those candidates and combines the lse. For wide rows at small N: one CTA per row used 64 of
+//   the 132 SMs for an N=64 lm-head, 209 us for 39 MB of logits.
 #define Q6_TOPK_THREADS 1024
 #define Q6_TOPK_MAX 256
 #define Q6_TOPK_UNROLL 8
@@ -44,26 +48,26 @@ __device__ __forceinline__ void q6_each(const float* __restrict__ row, int cols,
     for (; j < cols; j += B) f(j, row[j]);
 }
 
-extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
-q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ packed) {
-    __shared__ unsigned int hist[256];
-    __shared__ unsigned long long cand[Q6_TOPK_MAX];
-    __shared__ float red_f[32];
-    __shared__ int red_i[32];
-    __shared__ double red_d[32];
-    __shared__ float row_max;
-    __shared__ int row_nan;
-    __shared__ float row_lse;
-    __shared__ unsigned int sel_prefix, sel_need, cnt_gt, cnt_eq;
+struct Q6TopkShared {
+    unsigned int hist[256];
+    unsigned long long cand[Q6_TOPK_MAX];
+    float red_f[32];
+    int red_i[32];
+    double red_d[32];
+    float row_max;
+    int row_nan;
+    double row_sum;
+    unsigned int sel_prefix, sel_need, cnt_gt, cnt_eq;
+};
 
+// Passes 1-2 over row[0, cols): sh.row_max (max of the non-NaN values, -inf if none),
+// sh.row_nan, sh.row_sum = sum of exp(y - shift) in f64, shift = the max unless it is +-inf
+// (then 0). Every thread of the CTA calls it; the results are valid after it returns.
+__device__ void q6_row_stats(const float* __restrict__ row, int cols, Q6TopkShared& sh) {
     const float NEG_INF = __int_as_float(0xff800000);
     const float POS_INF = __int_as_float(0x7f800000);
-    const float* row = y + (size_t)blockIdx.x * (size_t)cols;
-    int* out = packed + (size_t)blockIdx.x * (size_t)(2 * k + 1);
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nwarps = (int)(blockDim.x >> 5);
-
-    // 1. max over the non-NaN values, and whether there is a NaN
     float m = NEG_INF;
     int nan = 0;
     q6_each(row, cols, [&](int, float v) {
@@ -75,52 +79,82 @@ q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ pac
         nan |= __shfl_xor_sync(0xffffffffu, nan, o);
     }
     if (lane == 0) {
-        red_f[warp] = m;
-        red_i[warp] = nan;
+        sh.red_f[warp] = m;
+        sh.red_i[warp] = nan;
     }
     __syncthreads();
     if (warp == 0) {
-        m = lane < nwarps ? red_f[lane] : NEG_INF;
-        nan = lane < nwarps ? red_i[lane] : 0;
+        m = lane < nwarps ? sh.red_f[lane] : NEG_INF;
+        nan = lane < nwarps ? sh.red_i[lane] : 0;
         for (int o = 16; o > 0; o >>= 1) {
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
             nan |= __shfl_xor_sync(0xffffffffu, nan, o);
         }
         if (lane == 0) {
-            row_max = m;
-            row_nan = nan;
+            sh.row_max = m;
+            sh.row_nan = nan;
         }
     }
     __syncthreads();
-
-    // 2. sum of exp(y - shift) in f64; shift = max unless it is +-inf
-    const float mx = row_max;
+    const float mx = sh.row_max;
     const float shift = (mx == POS_INF || mx == NEG_INF) ? 0.f : mx;
     double s = 0.0;
     q6_each(row, cols, [&](int, float v) {
         if (v == v) s += (double)expf(v - shift);
     });
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) red_d[warp] = s;
+    if (lane == 0) sh.red_d[warp] = s;
     __syncthreads();
     if (warp == 0) {
-        s = lane < nwarps ? red_d[lane] : 0.0;
+        s = lane < nwarps ? sh.red_d[lane] : 0.0;
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) {
-            row_lse = row_nan ? __int_as_float(0x7fc00000) : (float)((double)shift + log(s));
-        }
+        if (lane == 0) sh.row_sum = s;
     }
+    __syncthreads();
+}
 
-    // 3-6. radix select: the k-th largest key T, and how many columns equal to T are needed
-    unsigned int prefix = 0u, mask = 0u, need = (unsigned int)k;
-    for (int sh = 24; sh >= 0; sh -= 8) {
-        for (int b = tid; b < 256; b += (int)blockDim.x) hist[b] = 0u;
+// lse from a row's (max, sum of exp(y - shift), NaN) as q6_row_stats defines them.
+__device__ __forceinline__ float q6_lse(float mx, double s, int nan) {
+    if (nan) return __int_as_float(0x7fc00000);
+    const bool inf = mx == __int_as_float(0x7f800000) || mx == __int_as_float(0xff800000);
+    return (float)((double)(inf ? 0.f : mx) + log(s));
+}
+
+// One radix-select pass's choice (thread 0): the bin holding the need-th largest key.
+__device__ __forceinline__ void q6_pick_bin(Q6TopkShared& sh, unsigned int& prefix,
+                                            unsigned int& mask, unsigned int& need, int sh_bits) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int above = 0u;  // matching keys in bins above b
+        int b = 255;
+        for (; b > 0; --b) {
+            if (above + sh.hist[b] >= need) break;
+            above += sh.hist[b];
+        }
+        sh.sel_prefix = prefix | ((unsigned int)b << sh_bits);
+        sh.sel_need = need - above;
+    }
+    __syncthreads();
+    prefix = sh.sel_prefix;
+    need = sh.sel_need;
+    mask |= 255u << sh_bits;
+}
+
+// Passes 3-6 over row[0, cols): the k-th largest order key T; returns T, sets need = how many
+// columns equal to T belong to the top k.
+__device__ unsigned int q6_select_row(const float* __restrict__ row, int cols, int k,
+                                      Q6TopkShared& sh, unsigned int& need) {
+    const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int B = (int)blockDim.x;
+    unsigned int prefix = 0u, mask = 0u;
+    need = (unsigned int)k;
+    for (int shb = 24; shb >= 0; shb -= 8) {
+        for (int b = tid; b < 256; b += B) sh.hist[b] = 0u;
         __syncthreads();
         // Warp-aggregated: the lanes of a warp that fall in one bin add once, by their
         // leader. Logits share a few top-byte bins, so plain per-lane atomics serialised on
         // one shared address (32 lanes, one instruction); the loop is warp-uniform so that
         // every lane reaches the __match_any_sync.
-        const int B = (int)blockDim.x;
         for (int base = warp * 32; base < cols; base += Q6_TOPK_UNROLL * B) {
             unsigned int key[Q6_TOPK_UNROLL];  // loads first (as q6_each), then the bins
 #pragma unroll
@@ -132,73 +166,178 @@ q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ pac
             for (int u = 0; u < Q6_TOPK_UNROLL; ++u) {
                 const int j = base + u * B + lane;
                 unsigned int bin = 0xFFFFFFFFu;  // lanes past the row or off the prefix
-                if (j < cols && (key[u] & mask) == prefix) bin = (key[u] >> sh) & 255u;
+                if (j < cols && (key[u] & mask) == prefix) bin = (key[u] >> shb) & 255u;
                 const unsigned int peers = __match_any_sync(0xffffffffu, bin);
                 if (bin != 0xFFFFFFFFu && lane == __ffs(peers) - 1)
-                    atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+                    atomicAdd(&sh.hist[bin], (unsigned int)__popc(peers));
             }
         }
-        __syncthreads();
-        if (tid == 0) {
-            unsigned int above = 0u;  // matching columns in bins above b
-            int b = 255;
-            for (; b > 0; --b) {
-                if (above + hist[b] >= need) break;
-                above += hist[b];
-            }
-            sel_prefix = prefix | ((unsigned int)b << sh);
-            sel_need = need - above;
-        }
-        __syncthreads();
-        prefix = sel_prefix;
-        need = sel_need;
-        mask |= 255u << sh;
+        q6_pick_bin(sh, prefix, mask, need, shb);
     }
-    const unsigned int T = prefix;
-    const unsigned int n_gt = (unsigned int)k - need;  // columns with a key above T
+    return prefix;
+}
 
-    // 7. gather the k candidates as (~key << 32 | column): ascending = value desc, column asc
-    if (tid == 0) {
-        cnt_gt = 0u;
-        cnt_eq = 0u;
+// Pass 7: the candidates of row[0, cols) into sh.cand as (~key << 32 | col0 + column):
+// ascending = value desc, column asc; the n_gt above T first, then `need` equal to T. The
+// slots past n_gt + need keep ~0 (they sort last).
+__device__ void q6_gather_row(const float* __restrict__ row, int cols, int col0,
+                              unsigned int T, unsigned int n_gt, unsigned int need,
+                              Q6TopkShared& sh) {
+    if (threadIdx.x == 0) {
+        sh.cnt_gt = 0u;
+        sh.cnt_eq = 0u;
     }
-    for (int i = tid; i < Q6_TOPK_MAX; i += (int)blockDim.x) cand[i] = ~0ull;
+    for (int i = (int)threadIdx.x; i < Q6_TOPK_MAX; i += (int)blockDim.x) sh.cand[i] = ~0ull;
     __syncthreads();
     q6_each(row, cols, [&](int j, float v) {
         const unsigned int key = q6_order_key(v);
-        const unsigned long long c = ((unsigned long long)(~key) << 32) | (unsigned int)j;
+        const unsigned long long c =
+            ((unsigned long long)(~key) << 32) | (unsigned int)(col0 + j);
         if (key > T) {
-            cand[atomicAdd(&cnt_gt, 1u)] = c;
+            sh.cand[atomicAdd(&sh.cnt_gt, 1u)] = c;
         } else if (key == T) {
-            const unsigned int slot = atomicAdd(&cnt_eq, 1u);
-            if (slot < need) cand[n_gt + slot] = c;
+            const unsigned int slot = atomicAdd(&sh.cnt_eq, 1u);
+            if (slot < need) sh.cand[n_gt + slot] = c;
         }
     });
     __syncthreads();
+}
 
-    // bitonic sort of the Q6_TOPK_MAX candidates (padding ~0 sorts last)
+// Bitonic sort of the Q6_TOPK_MAX candidates, then the packed output row: values read from
+// y_row at each candidate's column, the columns, the lse.
+__device__ void q6_sort_and_write(Q6TopkShared& sh, const float* __restrict__ y_row, int k,
+                                  float lse, int* __restrict__ out) {
+    const int tid = (int)threadIdx.x;
     for (unsigned int size = 2u; size <= Q6_TOPK_MAX; size <<= 1) {
         for (unsigned int stride = size >> 1; stride > 0u; stride >>= 1) {
             const unsigned int i = (unsigned int)tid;
             if (i < Q6_TOPK_MAX) {
                 const unsigned int p = i ^ stride;
                 if (p > i) {
-                    const unsigned long long a = cand[i], b = cand[p];
+                    const unsigned long long a = sh.cand[i], b = sh.cand[p];
                     const bool up = (i & size) == 0u;
                     if ((a > b) == up) {
-                        cand[i] = b;
-                        cand[p] = a;
+                        sh.cand[i] = b;
+                        sh.cand[p] = a;
                     }
                 }
             }
             __syncthreads();
         }
     }
-
     for (int j = tid; j < k; j += (int)blockDim.x) {
-        const unsigned int col = (unsigned int)(cand[j] & 0xFFFFFFFFull);
-        out[j] = __float_as_int(row[col]);
+        const unsigned int col = (unsigned int)(sh.cand[j] & 0xFFFFFFFFull);
+        out[j] = __float_as_int(y_row[col]);
         out[k + j] = (int)col;
     }
-    if (tid == 0) out[2 * k] = __float_as_int(row_lse);
+    if (tid == 0) out[2 * k] = __float_as_int(lse);
+}
+
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
+q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ packed) {
+    __shared__ Q6TopkShared sh;
+    const float* row = y + (size_t)blockIdx.x * (size_t)cols;
+    q6_row_stats(row, cols, sh);
+    unsigned int need;
+    const unsigned int T = q6_select_row(row, cols, k, sh, need);
+    q6_gather_row(row, cols, 0, T, (unsigned int)k - need, need, sh);
+    q6_sort_and_write(sh, row, k, q6_lse(sh.row_max, sh.row_sum, sh.row_nan),
+                      packed + (size_t)blockIdx.x * (size_t)(2 * k + 1));
+}
+
+// Stage 1 of the split form: CTA (chunk c = blockIdx.x, row r = blockIdx.y) over columns
+// [c * chunk, min(cols, (c + 1) * chunk)). Writes its top-min(k, len) candidates, unsorted,
+// to cand[(r * chunks + c) * k ...] (the rest of its k slots ~0: below every real key), and
+// its max / sum of exp(y - shift) / NaN flag to stats[r * chunks + c].
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
+q6_topk_chunks(const float* __restrict__ y, int cols, int chunk, int k,
+               unsigned long long* __restrict__ cand, float* __restrict__ cmax,
+               double* __restrict__ csum, int* __restrict__ cnan) {
+    __shared__ Q6TopkShared sh;
+    const int c = (int)blockIdx.x, chunks = (int)gridDim.x;
+    const int col0 = c * chunk;
+    const int len = min(chunk, cols - col0);
+    const int kk = min(k, len);
+    const float* row = y + (size_t)blockIdx.y * (size_t)cols + col0;
+    const size_t slot = (size_t)blockIdx.y * (size_t)chunks + (size_t)c;
+    q6_row_stats(row, len, sh);
+    unsigned int need;
+    const unsigned int T = q6_select_row(row, len, kk, sh, need);
+    q6_gather_row(row, len, col0, T, (unsigned int)kk - need, need, sh);
+    for (int i = (int)threadIdx.x; i < k; i += (int)blockDim.x)
+        cand[slot * (size_t)k + (size_t)i] = i < kk ? sh.cand[i] : ~0ull;
+    if (threadIdx.x == 0) {
+        cmax[slot] = sh.row_max;
+        csum[slot] = sh.row_sum;
+        cnan[slot] = sh.row_nan;
+    }
+}
+
+// Stage 2: one CTA per row over the chunks x k candidates of stage 1 (L2-resident): the k
+// best by the same 4-pass radix select (candidate order key = ~(c >> 32); the ~0 padding has
+// key 0, below every float's), gather, sort, and the lse from the chunks' stats:
+// M = max of the chunk maxima; NaN if a chunk had one, +-inf if M is, else
+// M + log(sum_c csum_c * exp(max_c - M)) (chunks of -inf only add 0).
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
+q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
+              const unsigned long long* __restrict__ cand, const float* __restrict__ cmax,
+              const double* __restrict__ csum, const int* __restrict__ cnan,
+              int* __restrict__ packed) {
+    __shared__ Q6TopkShared sh;
+    __shared__ float lse;
+    const int tid = (int)threadIdx.x, B = (int)blockDim.x;
+    const size_t r = blockIdx.x;
+    const unsigned long long* rc = cand + r * (size_t)chunks * (size_t)k;
+    const int total = chunks * k;
+    if (tid == 0) {
+        const float NEG_INF = __int_as_float(0xff800000);
+        const float POS_INF = __int_as_float(0x7f800000);
+        float M = NEG_INF;
+        int nan = 0;
+        for (int c = 0; c < chunks; ++c) {
+            nan |= cnan[r * chunks + c];
+            M = fmaxf(M, cmax[r * chunks + c]);
+        }
+        if (nan) {
+            lse = __int_as_float(0x7fc00000);
+        } else if (M == POS_INF || M == NEG_INF) {
+            lse = M;  // a +inf term makes the sum +inf; a row of -inf sums to 0
+        } else {
+            double s = 0.0;
+            for (int c = 0; c < chunks; ++c) {
+                const float mc = cmax[r * chunks + c];
+                if (mc != NEG_INF) s += csum[r * chunks + c] * exp((double)mc - (double)M);
+            }
+            lse = (float)((double)M + log(s));
+        }
+    }
+    unsigned int prefix = 0u, mask = 0u, need = (unsigned int)k;
+    for (int shb = 24; shb >= 0; shb -= 8) {
+        for (int b = tid; b < 256; b += B) sh.hist[b] = 0u;
+        __syncthreads();
+        for (int i = tid; i < total; i += B) {
+            const unsigned int key = ~(unsigned int)(rc[i] >> 32);
+            if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shb) & 255u], 1u);
+        }
+        q6_pick_bin(sh, prefix, mask, need, shb);
+    }
+    const unsigned int T = prefix, n_gt = (unsigned int)k - need;
+    if (tid == 0) {
+        sh.cnt_gt = 0u;
+        sh.cnt_eq = 0u;
+    }
+    for (int i = tid; i < Q6_TOPK_MAX; i += B) sh.cand[i] = ~0ull;
+    __syncthreads();
+    for (int i = tid; i < total; i += B) {
+        const unsigned long long c = rc[i];
+        const unsigned int key = ~(unsigned int)(c >> 32);
+        if (key > T) {
+            sh.cand[atomicAdd(&sh.cnt_gt, 1u)] = c;
+        } else if (key == T) {
+            const unsigned int slot = atomicAdd(&sh.cnt_eq, 1u);
+            if (slot < need) sh.cand[n_gt + slot] = c;
+        }
+    }
+    __syncthreads();
+    q6_sort_and_write(sh, y + r * (size_t)cols, k, lse, packed + r * (size_t)(2 * k + 1));
 }

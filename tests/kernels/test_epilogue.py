@@ -157,19 +157,43 @@ def _assert_matches(top: TopK, y: np.ndarray, k: int) -> None:
                   <= LSE_RTOL * np.maximum(1, np.abs(ref.lse[finite])))
 
 
+# The device paths: the fused kernels as dispatched, the fused kernels with every row split into
+# chunks however narrow (q6_topk_chunks + q6_topk_merge, the lm-head's form), CuPy ops.
+PATHS = ["fused", "fused_split", "cupy_ops"]
+
+
+def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> bool:
+    from q6serve.kernels import cuda_topk
+
+    if path == "fused_split":
+        monkeypatch.setattr(cuda_topk, "MIN_CHUNK", 1)
+        monkeypatch.setattr(cuda_topk, "CTAS_PER_SM", 64)
+    return path != "cupy_ops"
+
+
+def test_split_chunks_fill_the_sms_and_keep_k_columns_each() -> None:
+    from q6serve.kernels.cuda_topk import MIN_CHUNK, chunks_for
+
+    assert chunks_for(64, 152064, 64, 132) == 5  # 320 CTAs for 264 slots
+    assert chunks_for(1, 152064, 256, 132) == 152064 // MIN_CHUNK
+    assert chunks_for(64, 4096, 64, 132) == 1  # narrow rows stay one CTA per row
+    assert chunks_for(300, 152064, 8, 132) == 1  # enough rows already
+    assert chunks_for(3, 5000, 256, 132) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,k", [(512, 1, 1), (4096, 8, 64), (152064, 64, 64),
                                       (152064, 3, 256), (300, 5, 256)])
 @pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cupy_ops"])
+@pytest.mark.parametrize("path", PATHS)
 def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # type: ignore[no-untyped-def]
-                                         precision: Precision, fused: bool,
+                                         precision: Precision, path: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The device's top-k == the NumPy reference on the y a plain call downloads (the kernels
     are deterministic, split-K included)."""
     from q6serve.kernels import cuda_topk
 
-    monkeypatch.setattr(cuda_topk, "FUSED", fused)
+    monkeypatch.setattr(cuda_topk, "FUSED", _path(monkeypatch, path))
     kk = 256 if rows > 100_000 else 512  # keep the lm-head-sized weight small in K
     w = cuda_be.load(iter_aos_chunks(_blocks(rows, kk, rows), rows, kk, 64 << 20), rows, kk,
                      Layout.SOA, 64 << 20)
@@ -184,10 +208,13 @@ def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cupy_ops"])
-def test_cuda_epilogue_special_rows(cuda_be, fused: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyped-def]
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Ties, +-inf, NaN, rows of -inf, k == columns, one column: on the device directly."""
     import cupy
+
+    fused = _path(monkeypatch, path)
 
     from q6serve.kernels.cuda_topk import topk_on_device
 
@@ -204,6 +231,13 @@ def test_cuda_epilogue_special_rows(cuda_be, fused: bool) -> None:  # type: igno
     cases.append((rng.standard_normal((3, 256)).astype(np.float32), 256))  # k == columns
     cases.append((rng.standard_normal((4, 1)).astype(np.float32), 1))
     cases.append((np.round(rng.standard_normal((5, 20000)) * 4).astype(np.float32), 100))
+    y = rng.standard_normal((4, 9000)).astype(np.float32)  # specials in some chunks only
+    y[0, 8999] = np.nan
+    y[1, :4500] = -np.inf
+    y[2, 1] = np.inf
+    y[3, :] = -np.inf
+    y[3, 7777] = 1.0
+    cases.append((y, 256))
     for y, k in cases:
         with cupy.cuda.Device(0):
             top = topk_on_device(cupy, cupy.asarray(y), k, cuda_be.stream, fused=fused)
