@@ -120,19 +120,36 @@ __device__ __forceinline__ float q6_lse(float mx, double s, int nan) {
     return (float)((double)(inf ? 0.f : mx) + log(s));
 }
 
-// One radix-select pass's choice (thread 0): the bin holding the need-th largest key.
+// One radix-select pass's choice: the bin holding the need-th largest key (scanning from bin
+// 255 down; bin 0 if none). Warp 0 scans: each lane sums 8 bins, a suffix sum over the lanes
+// finds the lane holding the target, which walks its 8 (a serial walk over 256 bins by one
+// thread took ~5 us per pass, ~20 us of every CTA's 4 passes).
 __device__ __forceinline__ void q6_pick_bin(Q6TopkShared& sh, unsigned int& prefix,
                                             unsigned int& mask, unsigned int& need, int sh_bits) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int above = 0u;  // matching keys in bins above b
-        int b = 255;
-        for (; b > 0; --b) {
-            if (above + sh.hist[b] >= need) break;
-            above += sh.hist[b];
+    if (threadIdx.x < 32) {
+        const int lane = (int)threadIdx.x;
+        unsigned int own = 0u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) own += sh.hist[8 * lane + i];
+        unsigned int suf = own;  // keys in the bins of lanes >= this one
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned int t = __shfl_down_sync(0xffffffffu, suf, o);
+            if (lane + o < 32) suf += t;
         }
-        sh.sel_prefix = prefix | ((unsigned int)b << sh_bits);
-        sh.sel_need = need - above;
+        const unsigned int above_lane = suf - own;  // keys in the bins of lanes above
+        const bool here = above_lane < need && need <= suf;
+        const unsigned int hit = __ballot_sync(0xffffffffu, here);
+        if (hit == 0u ? lane == 0 : here) {
+            unsigned int above = above_lane;
+            int b = 8 * lane + 7;
+            for (; b > 8 * lane; --b) {
+                if (above + sh.hist[b] >= need) break;
+                above += sh.hist[b];
+            }
+            sh.sel_prefix = prefix | ((unsigned int)b << sh_bits);
+            sh.sel_need = need - above;
+        }
     }
     __syncthreads();
     prefix = sh.sel_prefix;
