@@ -31,7 +31,6 @@ TOPK_FILE = "q6_topk.cu"
 THREADS = 1024  # per CTA (Q6_TOPK_THREADS in the kernel's __launch_bounds__)
 CHUNK_ELEMS = 2 << 20  # topk_xp path: elements of y per chunk (8 MiB f32, ~40 MiB transient)
 MIN_CHUNK = 4096  # fused path: fewest columns per chunk of a split row
-MAX_CHUNK = 11264  # most: the staged chunk (44 KiB) + 3.6 KiB static fit 48 KiB (no opt-in)
 SPLIT_MIN_COLS = 65536  # narrower rows stay unsplit: the merge's fixed cost outweighs the gain
 CTAS_PER_SM = 2  # fused path: resident CTAs of THREADS per SM the split aims to fill
 _SMS: dict[int, int] = {}  # device id -> SM count
@@ -65,14 +64,13 @@ def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = No
 def chunks_for(n: int, cols: int, k: int, sms: int) -> int:
     """Column chunks per row for the fused path (1 = unsplit: rows narrower than
     ``SPLIT_MIN_COLS``): enough (n x chunks) CTAs to fill every SM ``CTAS_PER_SM`` deep, each
-    chunk at least ``MIN_CHUNK`` and ``k`` columns and at most ``MAX_CHUNK``. H200
-    (bench/topk_epilogue.py): 64 x 152064 210 -> 170 us with 5 chunks read 7 times each,
-    8 x 152064 209 -> 80, but 8 x 18944 in 4 chunks 52 -> 59 (bench/RESULTS.md)."""
+    chunk at least ``MIN_CHUNK`` and ``k`` columns. H200 (bench/topk_epilogue.py, RESULTS.md):
+    64 x 152064 210 -> 170 us (5 chunks), 8 x 152064 209 -> 80, 1 x 152064 205 -> 64; but
+    8 x 18944 in 4 chunks 52 -> 59 (the merge's fixed cost)."""
     if cols < SPLIT_MIN_COLS:
         return 1
     want = -(-CTAS_PER_SM * sms // max(n, 1))
-    most = cols // max(k, MIN_CHUNK, 1)
-    return max(1, min(max(want, -(-cols // MAX_CHUNK)), most))
+    return max(1, min(want, cols // max(k, MIN_CHUNK, 1)))
 
 
 def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
@@ -100,6 +98,6 @@ def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
     cnan = cp.empty(n * chunks, cp.int32)
     i32 = np.int32
     mod.function("q6_topk_chunks")((chunks, n), (THREADS,), (
-        y, i32(cols), i32(chunk), i32(k), cand, cmax, csum, cnan), shared_mem=4 * chunk)
+        y, i32(cols), i32(chunk), i32(k), cand, cmax, csum, cnan))
     mod.function("q6_topk_merge")((n,), (THREADS,), (
         y, i32(cols), i32(chunks), i32(k), cand, cmax, csum, cnan, packed))
