@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from service_load import LoadSpec, run_load
 
 from service import random_q6k  # bench/ is sys.path[0]
@@ -38,18 +39,17 @@ def batches(metrics_url: str) -> tuple[float, float]:
     return float(got.get("count", 0)), float(got.get("sum", 0))
 
 
-def kernel_cpu(rows: int, calls: int = 1000) -> float:
+def kernel_cpu(n: int, rows: int, calls: int = 1000) -> float:
     """CPU seconds of one NumPy-backend matmul of the bench's weight at ``rows`` rows, in this
-    process: the part of the device process's CPU per batch that is the kernel, not serving
-    (on the GPU the CUDA host path takes its place)."""
-    import numpy as np
+    process (``n`` rows of x, a weight of ``rows`` rows): the part of the device process's CPU
+    per batch that is the kernel, not serving (on the GPU the CUDA host path takes its place)."""
 
     from q6serve.kernels.api import Layout
     from q6serve.kernels.numpy_backend import NumpyBackend
 
     backend = NumpyBackend()
-    w = backend.load([random_q6k(16, 256, 1).tobytes()], 16, 256, Layout.SOA)
-    x = np.ones((max(rows, 1), 256), np.float16)
+    w = backend.load([random_q6k(rows, 256, 1).tobytes()], rows, 256, Layout.SOA)
+    x = np.ones((max(n, 1), 256), np.float16)
     for _ in range(100):
         backend.matmul(w, x)
     best = float("inf")
@@ -69,8 +69,6 @@ def children(pid: int) -> list[int]:
 def _lane_host(target: str, callers: int, seconds: float, idx: int, out: Any) -> None:
     """One load process of --lane: ``callers`` threads, each on its own region and lane."""
     import threading
-
-    import numpy as np
 
     from q6serve.client.client import Client
 
@@ -119,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--region", default="", choices=("", "system"),
                     help="x and y through each caller's region (default: bytes)")
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--rows", type=int, default=16,
+                    help="the weight's rows (K is 256): more make each batch's kernel longer, "
+                         "so requests queue behind a busy device as on the GPU under load")
     ap.add_argument("--lane", action="store_true",
                     help="the callers use the fast lane (a thread, region and lane each)")
     a = ap.parse_args(argv)
@@ -142,28 +143,31 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         metrics_url = mp.group(1)
         with Client(target) as c:
-            c.upload("w", random_q6k(16, 256, 1), 16, 256)
+            c.upload("w", random_q6k(a.rows, 256, 1), a.rows, 256)
         spec = LoadSpec(target, (("w", 256),), a.callers, 1, a.seconds, 0.5, "stream", "f16",
                         0, 0, a.region, 16, True)
         fronts = children(worker.pid)
         before = {p: cpu_seconds(p) for p in [worker.pid, *fronts]}
         b0, r0 = batches(metrics_url)
+        latency = ""
         if a.lane:  # wall includes the load processes' start; CPU includes their setup calls
             calls, wall = _lane_load(target, a.hosts, a.callers, a.seconds)
         else:
             samples, wall = run_load(spec, a.hosts)  # the warm-up's CPU is in too (~1/9)
             calls = int(samples["w"]["e2e"].size)
+            p50, p99 = np.percentile(samples["w"]["e2e"], (50, 99)) * 1e6
+            latency = f"; latency p50 {p50:,.0f} us, p99 {p99:,.0f} us"
         used = {p: cpu_seconds(p) - t for p, t in before.items()}
         b1, r1 = batches(metrics_url)
         path = "lane" if a.lane else a.region or "bytes"
         n_batches = max(b1 - b0, 1.0)
-        kernel = kernel_cpu(round((r1 - r0) / n_batches)) * n_batches / calls
+        kernel = kernel_cpu(round((r1 - r0) / n_batches), a.rows) * n_batches / calls
         device = used[worker.pid] / calls
         print(f"frontends={a.frontends} {path}: {calls} calls, "
               f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "
               f"(NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
               f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
-              f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows", flush=True)
+              f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows{latency}", flush=True)
     finally:
         worker.terminate()
         worker.wait(60)

@@ -8,7 +8,8 @@
 # fast lane). A short table is printed last; $OUT gets one archive of every log and JSON and
 # the test log. About 75 s + 15 s per variant with the default SECONDS_PER_RUN=1.5.
 #   bench/gpu_dataplane_run.sh   env: SECONDS_PER_RUN, VARIANTS ("1 2 4 8"; "8@200": --frontends 8
-#                                with a 200 us GIL switch interval), SKIP_TESTS, SKIP_PROBES
+#                                with a 200 us GIL switch interval; "8:0": with
+#                                Q6SERVE_FRONTEND_STACKS=0), SKIP_TESTS, SKIP_PROBES
 set -uo pipefail
 FINAL=${OUT:-$PWD/out}
 OUT=/tmp/dprun  # everything lands here (the device tool brings back 8 files at most)
@@ -25,16 +26,20 @@ if [[ -z ${SKIP_TESTS:-} ]]; then
   echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(($(date +%s) - T0)) s"
 fi
 # VARIANTS: front-end counts, each optionally @US: the worker's GIL switch interval in us
-# (Q6SERVE_GIL_SWITCH_US; Python's default 5000)
+# (Q6SERVE_GIL_SWITCH_US; Python's default 5000) and :S: a front end's stacks in flight per
+# key (Q6SERVE_FRONTEND_STACKS; default 2, 0 = no limit)
 for v in ${VARIANTS:-1 2 4 8}; do
-  F=${v%@*}
+  F=${v%%[@:]*}
   US=""
-  [[ $v == *@* ]] && US=${v#*@}
-  tag=f$F${US:+_gil$US}
-  Q6SERVE_GIL_SWITCH_US=$US timeout 80 python3 bench/service.py --backend cuda --dataplane \
+  ST=""
+  [[ $v =~ @([0-9]+) ]] && US=${BASH_REMATCH[1]}
+  [[ $v =~ :([0-9]+) ]] && ST=${BASH_REMATCH[1]}
+  tag=f$F${US:+_gil$US}${ST:+_stacks$ST}
+  Q6SERVE_GIL_SWITCH_US=$US Q6SERVE_FRONTEND_STACKS=$ST timeout 80 python3 bench/service.py \
+    --backend cuda --dataplane \
     --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
-  echo "# frontends=$F gil switch ${US:-default} us rc=$? at $(($(date +%s) - T0)) s"
+  echo "# frontends=$F gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(($(date +%s) - T0)) s"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
 done
 # the device path without gRPC (T2's and T3's shapes in-process) and the fast lane's latency
@@ -54,12 +59,12 @@ import glob, json, sys
 rows = []
 for path in sorted(glob.glob(f"{sys.argv[1]}/dataplane_f*.json")):
     doc = json.load(open(path))
-    gil = path.rsplit("_gil", 1)[1][:-5] if "_gil" in path else "5000"
+    tag = path.rsplit("dataplane_", 1)[1][:-5]  # f8, f8_gil200, f8_stacks0
     for t in doc["targets"]:
-        rows.append((t["target"], f"{t['frontends']}@{gil}", t["region"], t))
+        rows.append((t["target"], tag, t["region"], t))
     commit, device = doc["commit"], doc["device"]
 print(f"# {device}; commit {commit}")
-print("# target fe@gil_us x/y via   rows/s      p99 us  kernel rows/s  fraction  met")
+print("# target variant   x/y via   rows/s      p99 us  kernel rows/s  fraction  met")
 for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
     rps = t.get("rows_per_s", t.get("service_rows_per_s", 0.0))
     print(f"# {target:6} {fe:9}  {region:7} {rps:>10,.0f} {t['p99_us']:>10,.0f}"

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,21 @@ log = logging.getLogger("q6serve.frontends")
 
 SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the message
 GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (EngineProxy)
+# a front end's stacked requests per (weight, dtypes, K) on the device at once; later calls
+# wait for one of them to be answered and go stacked (EngineProxy: fewer, larger messages).
+# Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit) for experiments.
+STACKS_IN_FLIGHT = 2
+STACKS_ENV = "Q6SERVE_FRONTEND_STACKS"
+
+
+def stacks_in_flight(env: Mapping[str, str] = os.environ) -> int:
+    """STACKS_IN_FLIGHT, or the env's count (0: unlimited)."""
+    raw = env.get(STACKS_ENV, "").strip()
+    if not raw:
+        return STACKS_IN_FLIGHT
+    if not raw.isdigit():
+        raise InvalidArgument(f"{STACKS_ENV}={raw!r}: give a count of stacks, 0 for no limit")
+    return int(raw) or 1 << 30
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -855,11 +870,13 @@ class _Link(_Peer):
     def lost(self) -> None:
         """The device process went away: every waiting call fails, the front end stops."""
         self.serving = False
-        for fut, _, group in self._waiting.values():
+        waiting, self._waiting = self._waiting, {}
+        for fut, _, group in waiting.values():
+            if group is not None:
+                group.answered()  # the calls waiting behind it then fail, not sent
             for f in [fut] if group is None else [g for g, _ in group.members]:
                 if not f.done():
                     f.set_exception(Unavailable("the worker's device process went away"))
-        self._waiting.clear()
         if not self.acked.done():
             self.acked.set_exception(Unavailable("the device process closed the connection"))
         if not self.stop_order.done():
@@ -870,10 +887,13 @@ class _Link(_Peer):
         fut, slot, group = self._waiting.pop(rid, (None, -1, None))
         if fut is None:
             return
+        if group is not None:
+            group.answered()
         if kind == "err":
             if slot >= 0:
                 self.free(slot)
-            if group is not None and isinstance(msg[2], InvalidArgument | FailedPrecondition):
+            if (group is not None and len(group.members) > 1
+                    and isinstance(msg[2], InvalidArgument | FailedPrecondition)):
                 group.one_by_one()  # maybe one caller's input: each gets its own answer
                 return
             for f in [fut] if group is None else [g for g, _ in group.members]:
@@ -916,6 +936,7 @@ class _Stack:
 
     members: list[tuple[asyncio.Future[Any], int]]
     one_by_one: Callable[[], None]
+    answered: Callable[[], None]  # the device process answered the stack (or went away)
 
 
 class EngineProxy:
@@ -927,8 +948,11 @@ class EngineProxy:
 
     def __init__(self, link: _Link) -> None:
         self.link = link
-        # this loop iteration's groupable calls by (weight, x dtype, K, precision, out dtype)
+        # groupable calls not sent yet by (weight, x dtype, K, precision, out dtype)
         self._groups: dict[tuple[Any, ...], list[tuple[MatmulCall, asyncio.Future[Any]]]] = {}
+        self._stacks: dict[tuple[Any, ...], int] = {}  # stacked requests in flight, by key
+        self.stacks_in_flight = stacks_in_flight()
+        self._flushing = False
 
     @property
     def serving(self) -> bool:
@@ -941,7 +965,10 @@ class EngineProxy:
         Plain single-weight calls of a few rows wait for the end of this loop iteration and
         go to the device process stacked with the others for the same weight, dtypes and K
         (up to GROUP_MAX_ROWS rows: one IPC message and one engine request for all of them;
-        the device process's per-request work was T2's ceiling, bench/RESULTS.md)."""
+        the device process's per-request work was T2's ceiling, bench/RESULTS.md). While
+        ``stacks_in_flight`` stacks of that key are on the device (one running, one queued in
+        its batcher), they wait for the first answer instead: the device could not run them
+        sooner, and they go as one larger stack."""
         if not self.link.serving:
             raise Unavailable("the worker is draining and takes no new requests")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -952,9 +979,10 @@ class EngineProxy:
         else:
             key = (call.weight, x.dtype.str, int(x.shape[1]), call.precision.value,
                    dtype_name(call.out_dtype))
-            if not self._groups:
-                asyncio.get_running_loop().call_soon(self._flush)
             self._groups.setdefault(key, []).append((call, fut))
+            if not self._flushing and self._stacks.get(key, 0) < self.stacks_in_flight:
+                self._flushing = True
+                asyncio.get_running_loop().call_soon(self._flush)
         link = self.link
 
         def note_rows(f: asyncio.Future[Any]) -> None:
@@ -983,32 +1011,42 @@ class EngineProxy:
                       dtype_name(call.out_dtype), call.timeout, xs, slot), slot, fut)
 
     def _flush(self) -> None:
-        """The iteration's groups out: one request per key, split at GROUP_MAX_ROWS rows."""
-        groups, self._groups = self._groups, {}
-        for members in groups.values():
-            live = [(c, f) for c, f in members if not f.done()]  # cancelled meanwhile
+        """The waiting calls out, one request per key split at GROUP_MAX_ROWS rows, except
+        for keys with ``stacks_in_flight`` stacks on the device (their first answer flushes)."""
+        self._flushing = False
+        for key in [k for k in self._groups
+                    if self._stacks.get(k, 0) < self.stacks_in_flight or not self.link.serving]:
+            live = [(c, f) for c, f in self._groups.pop(key) if not f.done()]  # not cancelled
             chunk: list[tuple[MatmulCall, asyncio.Future[Any]]] = []
             rows = 0
             for c, f in live:
                 n = int(c.x.shape[0])
                 if chunk and rows + n > GROUP_MAX_ROWS:
-                    self._send_group(chunk, rows)
+                    self._send_group(key, chunk, rows)
                     chunk, rows = [], 0
                 chunk.append((c, f))
                 rows += n
             if chunk:
-                self._send_group(chunk, rows)
+                self._send_group(key, chunk, rows)
 
-    def _send_group(self, members: list[tuple[MatmulCall, asyncio.Future[Any]]],
-                    rows: int) -> None:
+    def _answered(self, key: tuple[Any, ...]) -> None:
+        """A stack of ``key`` was answered: calls waiting for it go out (end of this trip:
+        with the other answers read with this one, one stack)."""
+        if (n := self._stacks[key] - 1) > 0:
+            self._stacks[key] = n
+        else:
+            del self._stacks[key]
+        if key in self._groups and not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _send_group(self, key: tuple[Any, ...],
+                    members: list[tuple[MatmulCall, asyncio.Future[Any]]], rows: int) -> None:
         if not self.link.serving:
             for _, f in members:
                 if not f.done():
                     f.set_exception(Unavailable("the worker is draining and takes no new "
                                                 "requests"))
-            return
-        if len(members) == 1:
-            self._send(*members[0])
             return
         first, link = members[0][0], self.link
         dtype = first.x.dtype.newbyteorder("<")
@@ -1031,9 +1069,11 @@ class EngineProxy:
                 if not f.done():
                     self._send(c, f)
 
+        self._stacks[key] = self._stacks.get(key, 0) + 1
         link.request(("mm", first.weight, (), 0, first.precision.value,
                       dtype_name(first.out_dtype), timeout, xs, slot), slot,
-                     group=_Stack([(f, int(c.x.shape[0])) for c, f in members], one_by_one))
+                     group=_Stack([(f, int(c.x.shape[0])) for c, f in members], one_by_one,
+                                  functools.partial(self._answered, key)))
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         # shielded: a cancelled caller must not cancel the future the reply resolves (its

@@ -402,6 +402,66 @@ def test_front_end_stacks_small_calls() -> None:
     asyncio.run(main())
 
 
+def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
+    """EngineProxy: with ``stacks_in_flight`` stacks of a key on the device, later calls of
+    that key wait and go out as ONE stack when the first is answered; other keys are not
+    held; when the device process goes away the waiting calls fail UNAVAILABLE."""
+    from q6serve.kernels.errors import InvalidArgument, Unavailable
+    from q6serve.service.engine import MatmulCall
+    from q6serve.service.frontends import Arena, EngineProxy, _Link, stacks_in_flight
+
+    assert stacks_in_flight({}) == 2 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
+    assert stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "0"}) > 1 << 20  # no limit
+    with pytest.raises(InvalidArgument, match="Q6SERVE_FRONTEND_STACKS='two'"):
+        stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "two"})
+
+    async def main() -> None:
+        arena = Arena.create(8, 1 << 16)
+        arena.unlink()
+        w = _Writer()
+        link = _Link(arena)
+        link.connection_made(w)  # type: ignore[arg-type]
+        proxy = EngineProxy(link)
+        assert proxy.stacks_in_flight == 2
+
+        async def call(x: np.ndarray) -> tuple[asyncio.Future[Any], list[tuple[Any, ...]]]:
+            fut = proxy.start_matmul(MatmulCall("w", x))
+            for _ in range(2):  # the proxy's flush, then the writer's
+                await asyncio.sleep(0)
+            return fut, w.messages()
+
+        one = np.ones((1, K), np.float32)
+        a, sent_a = await call(one)
+        b, sent_b = await call(one * 2)
+        assert len(sent_a) == len(sent_b) == 1  # two stacks on the device
+        c, sent_c = await call(one * 3)
+        d, sent_d = await call(one * 4)
+        assert sent_c == sent_d == []  # held
+        other, sent_o = await call(np.ones((1, K), np.float16))
+        assert len(sent_o) == 1  # another key is not held
+        fields = ("k", "soa", "exact", 0.0, 1e-5, 1, 1, 2e-5, None)
+        link._answer(("mmok", sent_a[0][1], fields, [(0, "f32", (1, 8))]))
+        assert a.result().y.shape == (1, 8)
+        for _ in range(2):
+            await asyncio.sleep(0)
+        (stacked,) = w.messages()  # the held calls, as one stack
+        assert stacked[8] == ("f32", (2, K))
+        x = arena.array(stacked[9], np.dtype("<f4"), (2, K), writable=False)
+        np.testing.assert_array_equal(x[:, 0], [3, 4])
+        del x
+        e, sent_e = await call(one * 5)
+        assert sent_e == []  # b and the new stack are on the device
+        link.connection_lost(None)
+        for _ in range(2):
+            await asyncio.sleep(0)
+        for f in (b, c, d, e, other):
+            assert isinstance(f.exception(), Unavailable), f
+        assert w.messages() == []
+        arena.close()
+
+    asyncio.run(main())
+
+
 def test_concurrent_callers_get_their_own_rows(start: Callable[..., Running],
                                                rng: np.random.Generator) -> None:
     """Many callers at once through the front ends (their calls stacked as it happens):
