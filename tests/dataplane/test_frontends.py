@@ -325,6 +325,18 @@ class _Writer:
         return out
 
 
+def _proxy(slots: int) -> tuple[Any, _Writer, Any, Any]:
+    """A front end's EngineProxy over a link whose writes are captured (call in a loop)."""
+    from q6serve.service.frontends import Arena, EngineProxy, _Link
+
+    arena = Arena.create(slots, 1 << 16)
+    arena.unlink()
+    w = _Writer()
+    link = _Link(arena)
+    link.connection_made(w)  # type: ignore[arg-type]
+    return arena, w, link, EngineProxy(link)
+
+
 def test_front_end_stacks_small_calls() -> None:
     """EngineProxy: calls of one loop iteration for the same weight, dtypes and K go to the
     device process as one stacked request; each caller gets its own rows of y (views of the
@@ -335,15 +347,9 @@ def test_front_end_stacks_small_calls() -> None:
     from q6serve.kernels.api import Precision
     from q6serve.kernels.errors import InvalidArgument, NotFound
     from q6serve.service.engine import MatmulCall
-    from q6serve.service.frontends import Arena, EngineProxy, _Link
 
     async def main() -> None:
-        arena = Arena.create(2, 1 << 16)
-        arena.unlink()
-        w = _Writer()
-        link = _Link(arena)
-        link.connection_made(w)  # type: ignore[arg-type]
-        proxy = EngineProxy(link)
+        arena, w, link, proxy = _proxy(2)
         xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
         futs = [proxy.start_matmul(MatmulCall("w", x)) for x in xs]
         odd = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float16)))  # other dtype
@@ -408,7 +414,7 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
     held; when the device process goes away the waiting calls fail UNAVAILABLE."""
     from q6serve.kernels.errors import InvalidArgument, Unavailable
     from q6serve.service.engine import MatmulCall
-    from q6serve.service.frontends import Arena, EngineProxy, _Link, stacks_in_flight
+    from q6serve.service.frontends import stacks_in_flight
 
     assert stacks_in_flight({}) == 2 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
     assert stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "0"}) > 1 << 20  # no limit
@@ -416,12 +422,7 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
         stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "two"})
 
     async def main() -> None:
-        arena = Arena.create(8, 1 << 16)
-        arena.unlink()
-        w = _Writer()
-        link = _Link(arena)
-        link.connection_made(w)  # type: ignore[arg-type]
-        proxy = EngineProxy(link)
+        arena, w, link, proxy = _proxy(8)
         assert proxy.stacks_in_flight == 2
 
         async def call(x: np.ndarray) -> tuple[asyncio.Future[Any], list[tuple[Any, ...]]]:
