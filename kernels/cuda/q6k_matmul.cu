@@ -77,22 +77,80 @@ __device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = T(0);
 }
 
+// A thread's items of a CTA-wide strided loop over nrows x per items (i = threadIdx.x, +=
+// blockDim.x), as (row, c), stepped without a division per item.
+struct Walk {
+    int row, c, drow, dc, per;
+    __device__ __forceinline__ explicit Walk(int per_) : per(per_) {
+        row = threadIdx.x / per;
+        c = threadIdx.x - row * per;
+        drow = blockDim.x / per;
+        dc = blockDim.x - drow * per;
+    }
+    __device__ __forceinline__ void next() {
+        c += dc;
+        row += drow;
+        if (c >= per) {
+            c -= per;
+            ++row;
+        }
+    }
+};
+
+// CTA-wide staging of nrows x per items into shared memory with U loads in flight per thread
+// before any is stored: ld(row, c) loads item (row, c) without branching (a load behind a
+// branch cannot be hoisted), st(row, c, v) stores it. (A plain strided loop compiles to one
+// load and its dependent store per iteration, a whole L2 round trip each: q6k_ks_f16<8>
+// staged its 164 KB as 40 such steps per thread on the H200.)
+template <int U, class Ld, class St>
+__device__ __forceinline__ void stage_items(int nrows, int per, Ld ld, St st) {
+    Walk w(per);
+    while (w.row < nrows) {
+        decltype(ld(0, 0)) v[U];
+        int vr[U], vc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            vr[u] = w.row;
+            vc[u] = w.c;
+            v[u] = ld(min(w.row, nrows - 1), w.c);  // past the end: a valid item, not stored
+            w.next();
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (vr[u] < nrows) st(vr[u], vc[u], v[u]);
+    }
+}
+
 // The CTA's activations of tokens tok0.. (8*NT of them, zero past n_tok) and K blocks
 // [kb0, kb0+nblk) into smem_x as f16 in fragment order: [token][block][sp][t] 16 bytes, token
 // rows padded by 64 bytes (4 uint4) so the 16-byte reads of a quarter-warp (two tokens, four t)
-// hit distinct banks.
+// hit distinct banks. f16 activations are copied with cp.async (every copy in flight at once,
+// no registers), the others converted from batched loads (stage_items); returns once this
+// thread's items have landed (the caller's barrier publishes them).
 template <int NT, class In>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
                                             int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
-    for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
-        const int tk = i / per_tok, rem = i - tk * per_tok;
-        const int b = rem >> 5, sp = (rem >> 2) & 7, tt = rem & 3;
-        const int tok = tok0 + tk;
-        smem_x[tk * tstride + rem] =
-            tok < n_tok ? load_x8_f16<In>(x + (size_t)tok * K + (kb0 + b) * 256 +
-                                          quad_x_off(sp, tt))
-                        : make_uint4(0, 0, 0, 0);
+    // item (tk, c): token tok0 + tk (the last real token past n_tok: loaded, then zeroed)
+    auto src = [=](int tk, int c) {
+        const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
+        return x + (size_t)min(tok0 + tk, n_tok - 1) * K + (kb0 + b) * 256 + quad_x_off(sp, tt);
+    };
+    if (In::kF16) {
+        for (Walk w(per_tok); w.row < 8 * NT; w.next()) {
+            uint4* dst = smem_x + w.row * tstride + w.c;
+            if (tok0 + w.row < n_tok)
+                cp_async16(dst, src(w.row, w.c));
+            else
+                *dst = make_uint4(0, 0, 0, 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    } else {
+        stage_items<4>(8 * NT, per_tok, [&](int tk, int c) -> uint4 {
+            const uint4 v = load_x8_f16<In>(src(tk, c));
+            return tok0 + tk < n_tok ? v : make_uint4(0, 0, 0, 0);
+        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
     }
 }
 
@@ -559,14 +617,12 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
     }
     float4* xs = reinterpret_cast<float4*>(smem_x);
     const int nblk = kb1 - kb0;
-    for (int i = threadIdx.x; i < TOK * nblk * 64; i += blockDim.x) {
-        const int n = i / (nblk * 64), rem = i - n * (nblk * 64);
-        const int b = rem >> 6, sp = (rem >> 3) & 7, tt = (rem >> 1) & 3, hf = rem & 1;
-        xs[i] = tok0 + n < o.n_tok
-                    ? load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
-                                      quad_x_off(sp, tt) + 4 * hf)
-                    : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    stage_items<8>(TOK, nblk * 64, [&](int n, int c) -> float4 {
+        const int b = c >> 6, sp = (c >> 3) & 7, tt = (c >> 1) & 3, hf = c & 1;
+        const float4 v = load_x4_f32<In>(x + (size_t)min(tok0 + n, o.n_tok - 1) * K +
+                                         (kb0 + b) * 256 + quad_x_off(sp, tt) + 4 * hf);
+        return tok0 + n < o.n_tok ? v : make_float4(0.f, 0.f, 0.f, 0.f);
+    }, [&](int n, int c, const float4& v) { xs[n * nblk * 64 + c] = v; });
     __syncthreads();
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[2];
