@@ -168,7 +168,7 @@ __device__ __forceinline__ float q_to_f32(u32 q4) {
 }
 
 // ---- activation readers: 8 consecutive values starting at an element offset ------------------
-// kF16: the values are already the f16 the tensor-core tiles stage (a 16-byte copy suffices).
+// kF16: one 16-byte load holds 8 activations (f32: two), which sizes the staging batches.
 struct InF32 {
     typedef float T;
     static constexpr bool kF16 = false;

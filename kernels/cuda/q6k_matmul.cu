@@ -124,34 +124,21 @@ __device__ __forceinline__ void stage_items(int nrows, int per, Ld ld, St st) {
 // The CTA's activations of tokens tok0.. (8*NT of them, zero past n_tok) and K blocks
 // [kb0, kb0+nblk) into smem_x as f16 in fragment order: [token][block][sp][t] 16 bytes, token
 // rows padded by 64 bytes (4 uint4) so the 16-byte reads of a quarter-warp (two tokens, four t)
-// hit distinct banks. f16 activations are copied with cp.async (every copy in flight at once,
-// no registers), the others converted from batched loads (stage_items); returns once this
-// thread's items have landed (the caller's barrier publishes them).
+// hit distinct banks. Eight 16-byte loads in flight per thread (stage_items). (cp.async copies
+// of the f16 activations, every one in flight at once, measured slower on the H200: 14336x4096
+// N=8 32.7 us against 24.9 with the plain loop, while these batched loads ran the f32 input
+// faster than the plain loop's f16; bench/RESULTS.md, issue 16 fourth session.)
 template <int NT, class In>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
                                             int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
-    // item (tk, c): token tok0 + tk (the last real token past n_tok: loaded, then zeroed)
-    auto src = [=](int tk, int c) {
+    // past n_tok: the last real token is loaded, then zeroed (no branch around the load)
+    stage_items<In::kF16 ? 8 : 4>(8 * NT, per_tok, [&](int tk, int c) -> uint4 {
         const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
-        return x + (size_t)min(tok0 + tk, n_tok - 1) * K + (kb0 + b) * 256 + quad_x_off(sp, tt);
-    };
-    if (In::kF16) {
-        for (Walk w(per_tok); w.row < 8 * NT; w.next()) {
-            uint4* dst = smem_x + w.row * tstride + w.c;
-            if (tok0 + w.row < n_tok)
-                cp_async16(dst, src(w.row, w.c));
-            else
-                *dst = make_uint4(0, 0, 0, 0);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-    } else {
-        stage_items<4>(8 * NT, per_tok, [&](int tk, int c) -> uint4 {
-            const uint4 v = load_x8_f16<In>(src(tk, c));
-            return tok0 + tk < n_tok ? v : make_uint4(0, 0, 0, 0);
-        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
-    }
+        const uint4 v = load_x8_f16<In>(x + (size_t)min(tok0 + tk, n_tok - 1) * K +
+                                        (kb0 + b) * 256 + quad_x_off(sp, tt));
+        return tok0 + tk < n_tok ? v : make_uint4(0, 0, 0, 0);
+    }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
 }
 
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
