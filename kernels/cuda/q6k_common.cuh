@@ -168,18 +168,14 @@ __device__ __forceinline__ float q_to_f32(u32 q4) {
 }
 
 // ---- activation readers: 8 consecutive values starting at an element offset ------------------
-// kF16: one 16-byte load holds 8 activations (f32: two), which sizes the staging batches.
 struct InF32 {
     typedef float T;
-    static constexpr bool kF16 = false;
 };
 struct InF16 {
     typedef unsigned short T;
-    static constexpr bool kF16 = true;
 };
 struct InBF16 {
     typedef unsigned short T;
-    static constexpr bool kF16 = false;
 };
 
 // 8 consecutive activations as 4 f16x2 words (each rounded to f16 once, via exact f32).

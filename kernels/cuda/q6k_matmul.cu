@@ -98,46 +98,46 @@ struct Walk {
 };
 
 // CTA-wide staging of nrows x per items into shared memory with U loads in flight per thread
-// before any is stored: ld(row, c) loads item (row, c) without branching (a load behind a
-// branch cannot be hoisted), st(row, c, v) stores it. (A plain strided loop compiles to one
-// load and its dependent store per iteration, a whole L2 round trip each: q6k_ks_f16<8>
-// staged its 164 KB as 40 such steps per thread on the H200.)
+// before any is stored: ld(row, c) loads item (row, c) of rows < nload without branching (a
+// load behind a branch cannot be hoisted), st(row, c, v) stores it; rows nload.. (tokens past
+// n_tok) are zero-filled without loads. (A plain strided loop compiles to one load and its
+// dependent store per iteration, a whole L2 round trip each: q6k_ks_f16<8> staged its 164 KB
+// as 40 such steps per thread on the H200.)
 template <int U, class Ld, class St>
-__device__ __forceinline__ void stage_items(int nrows, int per, Ld ld, St st) {
+__device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld, St st) {
+    typedef decltype(ld(0, 0)) V;
     Walk w(per);
-    while (w.row < nrows) {
-        decltype(ld(0, 0)) v[U];
+    while (w.row < nload) {
+        V v[U];
         int vr[U], vc[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             vr[u] = w.row;
             vc[u] = w.c;
-            v[u] = ld(min(w.row, nrows - 1), w.c);  // past the end: a valid item, not stored
+            v[u] = ld(min(w.row, nload - 1), w.c);  // past the end: a valid item, not stored
             w.next();
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (vr[u] < nrows) st(vr[u], vc[u], v[u]);
+            if (vr[u] < nload) st(vr[u], vc[u], v[u]);
     }
+    for (Walk z(per); z.row < nrows - nload; z.next()) st(nload + z.row, z.c, V{});
 }
 
 // The CTA's activations of tokens tok0.. (8*NT of them, zero past n_tok) and K blocks
 // [kb0, kb0+nblk) into smem_x as f16 in fragment order: [token][block][sp][t] 16 bytes, token
 // rows padded by 64 bytes (4 uint4) so the 16-byte reads of a quarter-warp (two tokens, four t)
-// hit distinct banks. Eight 16-byte loads in flight per thread (stage_items). (cp.async copies
-// of the f16 activations, every one in flight at once, measured slower on the H200: 14336x4096
-// N=8 32.7 us against 24.9 with the plain loop, while these batched loads ran the f32 input
-// faster than the plain loop's f16; bench/RESULTS.md, issue 16 fourth session.)
+// hit distinct banks. Four items' loads in flight per thread (stage_items; more made the
+// 48-56 MB shapes' N <= 8 cells slower on the H200, and cp.async copies of the f16 activations,
+// every one in flight at once, slower still: 14336x4096 N=8 32.7 us against 24.9 with the plain
+// loop; bench/RESULTS.md, issue 16 fourth session).
 template <int NT, class In>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
                                             int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
-    // past n_tok: the last real token is loaded, then zeroed (no branch around the load)
-    stage_items<In::kF16 ? 8 : 4>(8 * NT, per_tok, [&](int tk, int c) -> uint4 {
+    stage_items<4>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok, [&](int tk, int c) -> uint4 {
         const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
-        const uint4 v = load_x8_f16<In>(x + (size_t)min(tok0 + tk, n_tok - 1) * K +
-                                        (kb0 + b) * 256 + quad_x_off(sp, tt));
-        return tok0 + tk < n_tok ? v : make_uint4(0, 0, 0, 0);
+        return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 + quad_x_off(sp, tt));
     }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
 }
 
@@ -604,11 +604,10 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
     }
     float4* xs = reinterpret_cast<float4*>(smem_x);
     const int nblk = kb1 - kb0;
-    stage_items<8>(TOK, nblk * 64, [&](int n, int c) -> float4 {
+    stage_items<8>(min(TOK, o.n_tok - tok0), TOK, nblk * 64, [&](int n, int c) -> float4 {
         const int b = c >> 6, sp = (c >> 3) & 7, tt = (c >> 1) & 3, hf = c & 1;
-        const float4 v = load_x4_f32<In>(x + (size_t)min(tok0 + n, o.n_tok - 1) * K +
-                                         (kb0 + b) * 256 + quad_x_off(sp, tt) + 4 * hf);
-        return tok0 + n < o.n_tok ? v : make_float4(0.f, 0.f, 0.f, 0.f);
+        return load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
+                               quad_x_off(sp, tt) + 4 * hf);
     }, [&](int n, int c, const float4& v) { xs[n * nblk * 64 + c] = v; });
     __syncthreads();
     for (int kb = kb0; kb < kb1; ++kb) {
