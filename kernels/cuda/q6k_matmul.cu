@@ -127,18 +127,32 @@ __device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld
 // The CTA's activations of tokens tok0.. (8*NT of them, zero past n_tok) and K blocks
 // [kb0, kb0+nblk) into smem_x as f16 in fragment order: [token][block][sp][t] 16 bytes, token
 // rows padded by 64 bytes (4 uint4) so the 16-byte reads of a quarter-warp (two tokens, four t)
-// hit distinct banks. Four items' loads in flight per thread (stage_items; more made the
-// 48-56 MB shapes' N <= 8 cells slower on the H200, and cp.async copies of the f16 activations,
-// every one in flight at once, slower still: 14336x4096 N=8 32.7 us against 24.9 with the plain
-// loop; bench/RESULTS.md, issue 16 fourth session).
-template <int NT, class In>
+// hit distinct banks. BATCH (the K-slice tiles, whose CTAs stage up to 164 KB): four items'
+// loads in flight per thread (stage_items); else the plain strided loop, one load and its store
+// per item, which the many short CTAs of q6k_mma_f16 (1-2 items per thread) ran faster on the
+// H200. (Eight loads in flight, and cp.async copies of the f16 activations, measured slower
+// still; bench/RESULTS.md, issue 16 fourth session.)
+template <int NT, class In, bool BATCH>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
                                             int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
-    stage_items<4>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok, [&](int tk, int c) -> uint4 {
-        const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
-        return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 + quad_x_off(sp, tt));
-    }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
+    if (BATCH) {
+        stage_items<4>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok, [&](int tk, int c) -> uint4 {
+            const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
+            return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 +
+                                   quad_x_off(sp, tt));
+        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
+    } else {
+        for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
+            const int tk = i / per_tok, rem = i - tk * per_tok;
+            const int b = rem >> 5, sp = (rem >> 2) & 7, tt = rem & 3;
+            const int tok = tok0 + tk;
+            smem_x[tk * tstride + rem] =
+                tok < n_tok ? load_x8_f16<In>(x + (size_t)tok * K + (kb0 + b) * 256 +
+                                              quad_x_off(sp, tt))
+                            : make_uint4(0, 0, 0, 0);
+        }
+    }
 }
 
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
@@ -234,7 +248,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     // The first weight loads are in flight while the CTA stages its activations.
     const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
     if (SRC == 2) {
-        stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
+        stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
         __syncthreads();
     }
     if (SRC == 3 && kb0 < kb1) {
@@ -380,7 +394,7 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
         if (PF) warp_load<SOA>(nxt, rr, kb0, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
-    stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
@@ -541,7 +555,7 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // The first weight copies are in flight while the CTA stages its activations.
-    stage_x_f16<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
     __syncthreads();
 
     float acc[1][NT][4];
@@ -604,11 +618,14 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
     }
     float4* xs = reinterpret_cast<float4*>(smem_x);
     const int nblk = kb1 - kb0;
-    stage_items<8>(min(TOK, o.n_tok - tok0), TOK, nblk * 64, [&](int n, int c) -> float4 {
-        const int b = c >> 6, sp = (c >> 3) & 7, tt = (c >> 1) & 3, hf = c & 1;
-        return load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
-                               quad_x_off(sp, tt) + 4 * hf);
-    }, [&](int n, int c, const float4& v) { xs[n * nblk * 64 + c] = v; });
+    for (int i = threadIdx.x; i < TOK * nblk * 64; i += blockDim.x) {
+        const int n = i / (nblk * 64), rem = i - n * (nblk * 64);
+        const int b = rem >> 6, sp = (rem >> 3) & 7, tt = (rem >> 1) & 3, hf = rem & 1;
+        xs[i] = tok0 + n < o.n_tok
+                    ? load_x4_f32<In>(x + (size_t)(tok0 + n) * K + (kb0 + b) * 256 +
+                                      quad_x_off(sp, tt) + 4 * hf)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     __syncthreads();
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw raw[2];
