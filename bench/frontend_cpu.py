@@ -39,17 +39,17 @@ def batches(metrics_url: str) -> tuple[float, float]:
     return float(got.get("count", 0)), float(got.get("sum", 0))
 
 
-def kernel_cpu(n: int, rows: int, calls: int = 1000) -> float:
+def kernel_cpu(n: int, rows: int, k: int, calls: int = 1000) -> float:
     """CPU seconds of one NumPy-backend matmul of the bench's weight at ``rows`` rows, in this
-    process (``n`` rows of x, a weight of ``rows`` rows): the part of the device process's CPU
+    process (``n`` rows of x, a ``rows`` x ``k`` weight): the part of the device process's CPU
     per batch that is the kernel, not serving (on the GPU the CUDA host path takes its place)."""
 
     from q6serve.kernels.api import Layout
     from q6serve.kernels.numpy_backend import NumpyBackend
 
     backend = NumpyBackend()
-    w = backend.load([random_q6k(rows, 256, 1).tobytes()], rows, 256, Layout.SOA)
-    x = np.ones((max(n, 1), 256), np.float16)
+    w = backend.load([random_q6k(rows, k, 1).tobytes()], rows, k, Layout.SOA)
+    x = np.ones((max(n, 1), k), np.float16)
     for _ in range(100):
         backend.matmul(w, x)
     best = float("inf")
@@ -118,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="x and y through each caller's region (default: bytes)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rows", type=int, default=16,
-                    help="the weight's rows (K is 256): more make each batch's kernel longer, "
-                         "so requests queue behind a busy device as on the GPU under load")
+                    help="the weight's rows: more make each batch's kernel longer, so requests "
+                         "queue behind a busy device as on the GPU under load")
+    ap.add_argument("--k", type=int, default=256, help="the weight's K (a multiple of 256)")
+    ap.add_argument("--n", type=int, default=1,
+                    help="rows per call (T2: 1; T3-shaped: 64 with --hosts 8 --callers 1)")
     ap.add_argument("--lane", action="store_true",
                     help="the callers use the fast lane (a thread, region and lane each)")
     a = ap.parse_args(argv)
@@ -143,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         metrics_url = mp.group(1)
         with Client(target) as c:
-            c.upload("w", random_q6k(a.rows, 256, 1), a.rows, 256)
-        spec = LoadSpec(target, (("w", 256),), a.callers, 1, a.seconds, 0.5, "stream", "f16",
+            c.upload("w", random_q6k(a.rows, a.k, 1), a.rows, a.k)
+        spec = LoadSpec(target, (("w", a.k),), a.callers, a.n, a.seconds, 0.5, "stream", "f16",
                         0, 0, a.region, 16, True)
         fronts = children(worker.pid)
         before = {p: cpu_seconds(p) for p in [worker.pid, *fronts]}
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         b1, r1 = batches(metrics_url)
         path = "lane" if a.lane else a.region or "bytes"
         n_batches = max(b1 - b0, 1.0)
-        kernel = kernel_cpu(round((r1 - r0) / n_batches), a.rows) * n_batches / calls
+        kernel = kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
         device = used[worker.pid] / calls
         print(f"frontends={a.frontends} {path}: {calls} calls, "
               f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "

@@ -35,12 +35,16 @@ for v in ${VARIANTS:-1 2 4 8}; do
   [[ $v =~ @([0-9]+) ]] && US=${BASH_REMATCH[1]}
   [[ $v =~ :([0-9]+) ]] && ST=${BASH_REMATCH[1]}
   tag=f$F${US:+_gil$US}${ST:+_stacks$ST}
+  # per-process CPU while T2 runs (which of load, front ends, device process is busy)
+  (sleep 5; top -b -c -w 200 -d 1 -n 3 | grep -E "^top|python|q6serve" | head -120) \
+    >"$OUT/top_$tag.log" 2>&1 &
   Q6SERVE_GIL_SWITCH_US=$US Q6SERVE_FRONTEND_STACKS=$ST timeout 80 python3 bench/service.py \
     --backend cuda --dataplane \
     --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
   echo "# frontends=$F gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(($(date +%s) - T0)) s"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
+  wait
 done
 # the device path without gRPC (T2's and T3's shapes in-process) and the fast lane's latency
 if [[ -z ${SKIP_PROBES:-} ]]; then
