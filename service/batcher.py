@@ -556,11 +556,20 @@ class Batcher:
 
     def _finish(self, batch: list[_Pending], done: _Done | None,
                 exc: BaseException | None) -> None:
-        """On the loop: hand each request its rows (or the batch's failure)."""
+        """On the loop: hand each request its rows (or the batch's failure), then wake the
+        batcher for what waits (a launch slot is free). The wake comes last so that what the
+        replies' sinks scheduled (stream writes, a front end's reply message) runs before the
+        batcher's next launch, which may run its job on this thread (Device.inline_s)."""
+        try:
+            self._hand_out(batch, done, exc)
+        finally:
+            if self._queue:
+                self._wake.set()
+
+    def _hand_out(self, batch: list[_Pending], done: _Done | None,
+                  exc: BaseException | None) -> None:
         self._unfinished -= 1
         self._running -= len(batch)
-        if self._queue:
-            self._wake.set()  # a launch slot is free for what waits
         if self._drained is not None and self._unfinished == 0 and not self._drained.done():
             self._drained.set_result(None)
         if exc is not None or done is None:
