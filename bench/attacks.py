@@ -67,6 +67,7 @@ class Worker:
              "--backend", "numpy", "--vram-budget", str(BUDGET), "--model-dir", str(model_dir),
              "--max-stream-bytes-total", str(STREAM_TOTAL), "--max-message-bytes", str(MESSAGE),
              "--max-inflight-rpcs", str(INFLIGHT), "--grace-period", str(grace),
+             "--max-request-bytes", str(REQUEST_LIMIT[0]),
              "--log-level", "INFO"], env=env, stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         self.target = ""
@@ -199,7 +200,7 @@ def slow_readers(w: Worker, seconds: float) -> str:
 
 
 BIG_MIB = [100]  # --big-mib
-REQUEST_LIMIT = 32 * MIB  # the worker's --max-request-bytes (its default)
+REQUEST_LIMIT = [32 * MIB]  # the worker's --max-request-bytes (--request-limit-mib)
 WIDE_K = 32768  # the "wide" weight: K of the largest requests the limit lets through
 BIG_CONNECTIONS = [4]  # --big-connections
 
@@ -225,7 +226,7 @@ def big_under_limit(w: Worker, seconds: float) -> str:
     --big-connections), each alternating valid ones
     (N = 255 x K = 32768 f32 on the "wide" weight) and refused ones (K mismatch), sent as
     ready-made bytes so the attacker is not the bottleneck."""
-    rows = (REQUEST_LIMIT - 64 * 1024) // (4 * WIDE_K)
+    rows = (REQUEST_LIMIT[0] - 64 * 1024) // (4 * WIDE_K)
     x = np.ones((rows, WIDE_K), np.float32)
     raws = [matmul_request("wide", x).SerializeToString(),
             matmul_request("clean", x.reshape(-1, 512)).SerializeToString()]
@@ -422,11 +423,15 @@ def main() -> None:
     ap.add_argument("--big-mib", type=int, default=100, help="refused_big's request size")
     ap.add_argument("--big-connections", type=int, default=4,
                     help="big_under_limit's connections")
+    ap.add_argument("--request-limit-mib", type=int, default=32,
+                    help="the worker's --max-request-bytes, in MiB (big_under_limit sizes "
+                         "its requests from it)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ATTACKS)
     BIG_MIB[0] = args.big_mib
     BIG_CONNECTIONS[0] = args.big_connections
+    REQUEST_LIMIT[0] = args.request_limit_mib * MIB
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
