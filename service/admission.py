@@ -31,6 +31,8 @@ import collections
 import itertools
 import logging
 
+from . import gcfreeze
+
 log = logging.getLogger("q6serve.admission")
 LOG_EVERY_S = 10.0  # dropped replies are logged at most this often (a count)
 
@@ -195,6 +197,8 @@ class Admission:
             del self._replying[token]
             dropped += task.cancel()  # its place comes back when the RPC is over
         self.dropped += dropped
+        if dropped:
+            gcfreeze.collect_soon()  # the cancelled calls' frames are in cycles
         if self.dropped > self._logged and now >= self._log_at:  # one line per LOG_EVERY_S
             log.warning("dropped %d replies their clients did not take within %.3g s while "
                         "other calls waited for a place (%d since start)",

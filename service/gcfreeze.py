@@ -23,6 +23,7 @@ FREEZE_AT = 4096  # resident (or loading) weights in the process from which the 
 _lock = threading.Lock()
 _counts: dict[int, int] = {}  # weights per owner (an engine's id)
 _frozen = False
+_collect = False  # a collection was asked for (abandoned calls; engine._trim_heap runs it)
 
 
 def freeze() -> None:
@@ -53,3 +54,21 @@ def settle(owner: int, weights: int) -> None:
 
 def frozen() -> bool:
     return _frozen
+
+
+def collect_soon() -> None:
+    """Ask for one full collection at the next heap trim: a call abandoned by its client
+    (a cancelled stream, a dropped reply) leaves its handler's frames in reference cycles
+    with whatever they still hold, freed only by the cyclic GC, and then returned to the
+    OS by the trim (docs/RELIABILITY.md, "RSS after an attack")."""
+    global _collect
+    _collect = True
+
+
+def collect_if_asked() -> int:
+    """Run the collection collect_soon asked for, if any; returns the objects it freed."""
+    global _collect
+    if not _collect:
+        return 0
+    _collect = False
+    return gc.collect()

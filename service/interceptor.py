@@ -45,6 +45,8 @@ _STREAM_CALL: contextvars.ContextVar[tuple[ErrorInterceptor, str, str]] = \
 # stream's own lifetime is counted under the plain method name.
 STREAM_REQUEST_SUFFIX = "/request"
 
+_END = object()  # the end of a reply stream
+
 # Calls that stay open as long as their client wants (a gRFC A17 client holds one health Watch
 # per connection): a drain does not wait for them (ErrorInterceptor.wait_idle).
 LONG_LIVED = frozenset({"/grpc.health.v1.Health/Watch"})
@@ -246,8 +248,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 out = inner_stream(*before(request, context))
                 if hasattr(out, "__aiter__"):  # an async generator: replies yielded
-                    async for item in out:
-                        yield item
+                    # not `async for item`: this frame would hold the last reply for as
+                    # long as a call its client stopped reading stays uncollected
+                    replies, box = out.__aiter__(), []
+                    while box.append(await anext(replies, _END)) or box[0] is not _END:
+                        yield box.pop()
                 elif inspect.isawaitable(out):  # a coroutine writing with context.write()
                     await out
                 else:  # a plain generator
