@@ -54,8 +54,10 @@ class Q6KTensor:
     rows: int
     k: int
     aos: np.ndarray
-    # drops the mapped file pages under a chunk once it has been consumed (see _Mapping)
-    release: Callable[[np.ndarray], None] | None = None
+    # drops the mapped file pages of bytes [start, end) of the file once a chunk of them has
+    # been consumed (see _Mapping)
+    release: Callable[[int, int], None] | None = None
+    offset: int = 0  # of aos in the file
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +74,7 @@ class Q6KTensor:
             q6k.check_scales_finite(chunk, f"tensor {self.name!r}", r0 * per_row, per_row)
             yield chunk
             if self.release is not None:
-                self.release(chunk)
+                self.release(self.offset + r0 * row_bytes, self.offset + r1 * row_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +377,7 @@ def list_tensors(path: str | os.PathLike[str],
 
 
 def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray,
-            release: Callable[[np.ndarray], None] | None = None) -> Q6KTensor:
+            release: Callable[[int, int], None] | None = None) -> Q6KTensor:
     if not info.is_q6k:
         raise FormatError(f"{path.name}: tensor {info.name!r} is {info.type_name}, not Q6_K")
     if len(info.shape) != 2:
@@ -389,7 +391,7 @@ def _as_q6k(path: Path, info: TensorInfo, data: np.ndarray,
     except FormatError as e:
         raise FormatError(f"{path.name}: tensor {info.name!r}: {e}") from None
     aos = data[info.offset : info.offset + info.nbytes]  # a view: nothing is read yet
-    return Q6KTensor(info.name, rows, k, q6k.as_blocks(aos, rows, k), release)
+    return Q6KTensor(info.name, rows, k, q6k.as_blocks(aos, rows, k), release, info.offset)
 
 
 def read_q6k_tensors(path: str | os.PathLike[str], names: list[str] | None = None,
@@ -428,13 +430,14 @@ class _Mapping:
         with open(path, "rb") as fh:
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(self._mm, np.uint8)
-        self._base = self.data.__array_interface__["data"][0]
 
-    def release(self, chunk: np.ndarray) -> None:
+    def release(self, start: int, end: int) -> None:
+        """Bytes [start, end) of the file have been consumed. By file offsets, not from the
+        chunk's array: ``__array_interface__`` builds a dict whose keys Python interns and
+        frees again on every call, and that churn rebuilt the interpreter's table of interned
+        strings now and then (1.9 MB, in whichever thread; test_many_weights saw it)."""
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = chunk.__array_interface__["data"][0] - self._base
-        end = start + chunk.nbytes
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the chunk
         last = end // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
