@@ -4,9 +4,10 @@
 # of N=1 on ffn_down, rows/s and p99; T3: 8 hosts of N=64, rows/s against the kernel alone;
 # each with bytes in the messages and with shared-memory regions; T3 also with CUDA IPC device
 # buffers) for --frontends 1, 2, 4, 8; then bench/device_path.py (the device thread's cost per
-# batch in-process, T2's and T3's shapes) and bench/lane_latency.py (one caller: gRPC vs the
-# fast lane). A short table is printed last; $OUT gets one archive of every log and JSON and
-# the test log. About 75 s + 15 s per variant with the default SECONDS_PER_RUN=1.5.
+# batch in-process, T2's and T3's shapes), bench/lane_latency.py (one caller: gRPC vs the
+# fast lane) and bench/device_ipc.py (the device process alone: CPU per front-end message).
+# A short table is printed last; $OUT gets one archive of every log and JSON and the test
+# log. About 50 s + 17 s per variant with the default SECONDS_PER_RUN=1.5 (H200, 2026-12-01).
 #   bench/gpu_dataplane_run.sh   env: SECONDS_PER_RUN, VARIANTS ("1 2 4 8"; "8@200": --frontends 8
 #                                with a 200 us GIL switch interval; "8:0": with
 #                                Q6SERVE_FRONTEND_STACKS=0), SKIP_TESTS, SKIP_PROBES
@@ -54,8 +55,11 @@ if [[ -z ${SKIP_PROBES:-} ]]; then
     --json "$OUT/device_path_t3.json" >>"$OUT/device_path.log" 2>&1
   timeout 90 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 --seconds "$S" \
     --json "$OUT/lane.json" >"$OUT/lane.log" 2>&1
+  # the device process alone, fed front-end messages: CPU per message and per call (T2-like)
+  timeout 60 python3 bench/device_ipc.py --backend cuda --rows 3584 --k 18944 --stack 4 \
+    --inflight 16 --seconds "$S" --json "$OUT/device_ipc.json" >"$OUT/device_ipc.log" 2>&1
   echo "# probes rc=$? at $(($(date +%s) - T0)) s"
-  cat "$OUT/device_path.log" "$OUT/lane.log" | grep -v "^#"
+  cat "$OUT/device_path.log" "$OUT/lane.log" "$OUT/device_ipc.log" | grep -v "^#"
 fi
 grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
 python3 - "$OUT" <<'EOF'

@@ -1,0 +1,142 @@
+"""The device process of a ``--frontends`` worker, alone: CPU per front-end message and per call.
+
+``bench/frontend_cpu.py`` measures the whole worker under gRPC load, where two load processes,
+the front ends and the device process share the machine and every figure moves with the
+neighbours. This probe runs only the device process's side in one process, with no gRPC and
+no front-end processes: its Engine (NumPy or CUDA backend), and one front end's connection
+(``frontends._FrontConnection``) fed ready-made frames, the stacked plain matmuls a front end
+sends (x already in the arena), closed-loop: ``--inflight`` messages outstanding, each answer
+followed by a new message, the new ones of a loop trip delivered as one read (as a socket
+read would). The stand-in front end reuses prebuilt frames and reads only each answer's
+request id, so nearly all the CPU measured is the device process's: decoding, the engine's
+checks and batcher, the device job, the reply into the slot and its message.
+
+    python bench/device_ipc.py                           # NumPy, 16x256 weight, stacks of 4
+    python bench/device_ipc.py --stack 1 --inflight 8    # one call per message
+    python bench/device_ipc.py --backend cuda --rows 3584 --k 18944 --stack 8 --inflight 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    from q6serve.kernels import q6k
+    from q6serve.kernels.backends import make_backend
+    from q6serve.service import frontends as fe
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.engine import UploadSpec
+
+    cfg = WorkerConfig(max_batch_rows=64, frontends=1)
+    worker = fe.FrontendsWorker(cfg, make_backend(a.backend))
+    worker._init_metrics()
+    worker.engine = engine = worker.make_engine()
+    data = q6k.random_blocks(a.rows, a.k, np.random.default_rng(1)).tobytes()
+
+    async def once() -> Any:
+        yield data
+
+    await engine.upload(UploadSpec("w", a.rows, a.k, "q6_k", len(data),
+                                   hashlib.sha256(data).hexdigest()), once())
+    slot_bytes = max(a.stack * max(a.k * 2, a.rows * 4), 4096)
+    arena = fe.Arena.create(a.inflight, slot_bytes)
+    loop = asyncio.get_running_loop()
+    answered = [0]
+    running = [True]
+    resend: list[bytes] = []
+    frames = []  # one prebuilt request per slot (its request id is its slot)
+    for slot in range(a.inflight):
+        x = arena.array(slot, np.dtype("<f2"), (a.stack, a.k), writable=True)
+        x[...] = np.random.default_rng(slot).uniform(-1, 1, x.shape)
+        payload = fe._encode(("mm", slot, "w", (), 0, "auto", "f32", None,
+                              ("f16", (a.stack, a.k)), slot))
+        frames.append(fe.FRAME.pack(len(payload)) + payload)
+    del x
+
+    class FrontEnd:
+        """The transport the device process writes to: each answer sends its slot's
+        request again, the whole trip's worth in one read."""
+
+        def write(self, data: bytes) -> None:
+            pos = 0
+            while pos < len(data):
+                (n,) = fe.FRAME.unpack_from(data, pos)
+                if data[pos + fe.FRAME.size] != 0x52:  # b"R": an answer in the slot
+                    raise RuntimeError(f"unexpected answer {fe._decode(data[pos + 8:])!r}")
+                rid = int.from_bytes(data[pos + 9 : pos + 17], "little")
+                pos += fe.FRAME.size + n
+                answered[0] += 1
+                if not running[0]:
+                    continue
+                if not resend:
+                    loop.call_soon(deliver)
+                resend.append(frames[rid])
+
+        def is_closing(self) -> bool:
+            return False
+
+    conn = fe._FrontConnection(worker)
+    fe._Peer.connection_made(conn, FrontEnd())  # type: ignore[arg-type]  # (no peer pid)
+    conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, a.inflight,
+                                   slot_bytes))
+    arena.unlink()
+    answered[0] = -1  # the ack
+
+    def deliver() -> None:
+        batch = b"".join(resend)
+        resend.clear()
+        conn.data_received(batch)
+
+    resend.extend(frames)
+    deliver()
+    await asyncio.sleep(a.warmup)
+    n0, c0, t0 = answered[0], time.process_time(), time.perf_counter()
+    await asyncio.sleep(a.seconds)
+    n1, c1, t1 = answered[0], time.process_time(), time.perf_counter()
+    running[0] = False
+    while engine.device.inflight or worker._pending:  # the last answers, before closing
+        await asyncio.sleep(0.01)
+    await engine.close()
+    arena.close()
+    msgs = n1 - n0
+    return {"backend": a.backend, "rows": a.rows, "k": a.k, "stack": a.stack,
+            "inflight": a.inflight, "messages": msgs, "messages_per_s": msgs / (t1 - t0),
+            "cpu_us_per_message": (c1 - c0) / msgs * 1e6,
+            "cpu_us_per_call": (c1 - c0) / (msgs * a.stack) * 1e6,
+            "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--stack", type=int, default=4, help="calls (rows) per message")
+    ap.add_argument("--inflight", type=int, default=8, help="messages outstanding")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    r = asyncio.run(run(a))
+    print(f"device process alone, {a.backend} {a.rows}x{a.k}, {a.inflight} messages of "
+          f"{a.stack} calls in flight: {r['messages_per_s']:,.0f} messages/s, CPU "
+          f"{r['cpu_us_per_message']:.1f} us per message = {r['cpu_us_per_call']:.1f} us per "
+          f"call ({r['inline_jobs']}/{r['jobs']} device jobs inline)", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
