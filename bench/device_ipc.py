@@ -72,10 +72,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             pos = 0
             while pos < len(data):
                 (n,) = fe.FRAME.unpack_from(data, pos)
-                if data[pos + fe.FRAME.size] != 0x52:  # b"R": an answer in the slot
-                    raise RuntimeError(f"unexpected answer {fe._decode(data[pos + 8:])!r}")
-                rid = int.from_bytes(data[pos + 9 : pos + 17], "little")
-                pos += fe.FRAME.size + n
+                start, pos = pos + fe.FRAME.size, pos + fe.FRAME.size + n
+                if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack
+                    msg = fe._decode(data[start:pos])  # or, once stopped, a refusal
+                    if msg[0] != "ack" and running[0]:
+                        sys.exit(f"unexpected answer {msg!r}")
+                    continue
+                rid = int.from_bytes(data[start + 1 : start + 9], "little")
                 answered[0] += 1
                 if not running[0]:
                     continue
@@ -91,7 +94,6 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, a.inflight,
                                    slot_bytes))
     arena.unlink()
-    answered[0] = -1  # the ack
 
     def deliver() -> None:
         batch = b"".join(resend)
@@ -127,14 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
-    r = asyncio.run(run(a))
+    r = asyncio.run(run(a := ap.parse_args(argv)))
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1))
     print(f"device process alone, {a.backend} {a.rows}x{a.k}, {a.inflight} messages of "
           f"{a.stack} calls in flight: {r['messages_per_s']:,.0f} messages/s, CPU "
           f"{r['cpu_us_per_message']:.1f} us per message = {r['cpu_us_per_call']:.1f} us per "
           f"call ({r['inline_jobs']}/{r['jobs']} device jobs inline)", flush=True)
-    if a.json:
-        a.json.write_text(json.dumps(r, indent=1))
     return 0
 
 
