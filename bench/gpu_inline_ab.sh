@@ -12,24 +12,29 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/inline_ab
 S=${SECONDS_PER_RUN:-1.5}
-for U in ${SETTINGS:-0 3000}; do
+for V in ${SETTINGS:-0 3000}; do
+  # V: --inline-device-us, optionally :D = Q6SERVE_DEFER_KERNEL_US (kernels longer than D us
+  # are launched on the loop and waited for on the device thread; default 200)
+  U=${V%:*}
+  [[ $V == *:* ]] && export Q6SERVE_DEFER_KERNEL_US=${V#*:} || unset Q6SERVE_DEFER_KERNEL_US
+  T=u$U${Q6SERVE_DEFER_KERNEL_US:+d$Q6SERVE_DEFER_KERNEL_US}  # the runs' file tag
   t() {  # NAME TIMEOUT CMD...
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" "$@" >"$OUT/u${U}_$name.log" 2>&1
-    echo "# u=$U $name rc=$? at $(elapsed)"
+    timeout "$limit" "$@" >"$OUT/${T}_$name.log" 2>&1
+    echo "# $T $name rc=$? at $(elapsed)"
   }
   t dev_t2 40 python3 bench/device_path.py --backend cuda --callers 64 --n 1 --seconds "$S" \
-    --inline-us "$U" --json "$OUT/u${U}_dev_t2.json"
+    --inline-us "$U" --json "$OUT/${T}_dev_t2.json"
   t dev_t3 40 python3 bench/device_path.py --backend cuda --callers 8 --n 64 --seconds "$S" \
-    --inline-us "$U" --json "$OUT/u${U}_dev_t3.json"
+    --inline-us "$U" --json "$OUT/${T}_dev_t3.json"
   t t1 40 python3 bench/service.py --backend cuda --weights ffn_down --hosts 1 --seqs 1 \
     --batching on --mode stream --seconds "$S" --warmup 0.3 --inline-device-us "$U" \
-    --json "$OUT/u${U}_t1.json"
+    --json "$OUT/${T}_t1.json"
   t lm_head 40 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds "$S" \
-    --warmup 0.3 --inline-device-us "$U" --json "$OUT/u${U}_lm.json"
+    --warmup 0.3 --inline-device-us "$U" --json "$OUT/${T}_lm.json"
   t replay 90 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8 --multi on \
-    --seconds "$S" --warmup 0.3 --inline-device-us "$U" --json "$OUT/u${U}_replay.json"
+    --seconds "$S" --warmup 0.3 --inline-device-us "$U" --json "$OUT/${T}_replay.json"
 done
 {
   echo "# gpu_inline_ab $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,25 @@ class MatmulResult:
     precision: Precision  # resolved (never AUTO)
     timing: KernelTiming = field(default_factory=KernelTiming)
     topk: TopK | None = None  # the epilogue's result (matmul(..., topk=k)) instead of y
+
+
+class Launched:
+    """A matmul started on its device (:meth:`Backend.launch`): :meth:`wait` blocks until it
+    is done and returns its result. Call it once, from any thread, and before the backend's
+    next launch (backends reuse their upload buffers and timing events between calls)."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait: Callable[[], MatmulResult]) -> None:
+        self._wait = wait
+
+    def wait(self) -> MatmulResult:
+        return self._wait()
+
+    @classmethod
+    def ready(cls, result: MatmulResult) -> Launched:
+        """An already finished call (backends that compute synchronously)."""
+        return cls(lambda: result)
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,14 @@ class Backend(abc.ABC):
         (on the device for CUDA) and the result carries ``topk`` instead of ``y``
         (``out_dtype`` is then ignored: the epilogue's values are f32)."""
 
+    def launch(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
+               flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
+               topk: int = 0) -> Launched:
+        """:meth:`matmul` started without waiting for the device (refusals raise here, device
+        errors may surface at ``wait()``). Default: computed now (NumPy)."""
+        return Launched.ready(self.matmul(w, x, precision=precision, flags=flags,
+                                          out_dtype=out_dtype, topk=topk))
+
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """An ``[n, k]`` array to build the next :meth:`matmul`'s activations in (e.g. a batch
         concatenated straight into it). The CUDA backend hands out its pinned upload buffer,
@@ -259,13 +286,27 @@ def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
     row +-Inf or NaN, whatever the finite values next to it. The reply names the Q8_1 kernel.
     ``topk``: the epilogue of :meth:`Backend.matmul` (rows are independent, so it splits too).
     """
+    return launch_ieee(backend, w, x, precision=precision, flags=flags, out_dtype=out_dtype,
+                       topk=topk).wait()
+
+
+def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
+                precision: Precision = Precision.AUTO, flags: KernelFlags = DEFAULT_FLAGS,
+                out_dtype: np.dtype | None = None, topk: int = 0) -> Launched:
+    """:func:`matmul_ieee` started with :meth:`Backend.launch` (a q8_1 call whose rows need
+    the split below runs to the end now: two launches and a merge)."""
     kw = {"flags": flags, "out_dtype": out_dtype, "topk": topk}
     _, resolved = backend.plan(int(x.shape[0]), precision, flags)
     if resolved is not Precision.Q8_1:
-        return backend.matmul(w, x, precision=precision, **kw)
+        return backend.launch(w, x, precision=precision, **kw)
     bad = nonfinite_rows(x)
     if not bad.size:
-        return backend.matmul(w, x, precision=precision, **kw)
+        return backend.launch(w, x, precision=precision, **kw)
+    return Launched.ready(_split_ieee(backend, w, x, bad, precision, kw))
+
+
+def _split_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, bad: np.ndarray,
+                precision: Precision, kw: dict[str, Any]) -> MatmulResult:
     good = np.setdiff1d(np.arange(x.shape[0]), bad)
     ieee = backend.matmul(w, x[bad], precision=Precision.EXACT, **kw)
     if not good.size:

@@ -29,6 +29,7 @@ from .api import (
     Backend,
     KernelFlags,
     KernelTiming,
+    Launched,
     Layout,
     MatmulResult,
     MemoryInfo,
@@ -132,13 +133,25 @@ class CudaBackend(Backend):
     def matmul(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> MatmulResult:
+        return self.launch(w, x, precision=precision, flags=flags, out_dtype=out_dtype,
+                           topk=topk).wait()
+
+    def launch(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
+               flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
+               topk: int = 0) -> Launched:
         x = check_matmul(w, x, topk)
         c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
         cw = weight_data(w)
         with self.ctx.dev, self.ctx.stream:
-            y, top, seconds = self.launcher.matmul(w, cw, x, c.path, c.cfg, out_dtype, topk)
-        return MatmulResult(y, f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision,
-                            KernelTiming(host_seconds=seconds), topk=top)
+            finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
+        kernel = f"cuda.{c.path}.{w.layout.value}"
+
+        def wait() -> MatmulResult:
+            y, top, seconds = finish()
+            return MatmulResult(y, kernel, w.layout, c.precision,
+                                KernelTiming(host_seconds=seconds), topk=top)
+
+        return Launched(wait)
 
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """A view of the pinned buffer ``matmul`` uploads x from: activations built in it

@@ -20,6 +20,7 @@ and not part of the accountant's per-weight scratch (service/engine.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,22 +41,54 @@ def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = No
     """Top-k of device ``y`` f32 [N, cols] (C-contiguous) on ``stream``; host arrays out.
     ``fused``: the one-kernel path (default ``FUSED``); ``cp``: the array module (CuPy; the
     tests pass NumPy with a ``get`` shim to check the chunked path's packing)."""
-    n, cols = (int(d) for d in y.shape)
+    if not hasattr(cp, "cuda"):  # NumPy stand-in (tests): no pinned memory, no async copy
+        with stream:
+            return _unpack(_packed(cp, y, k, fused).get(stream=stream), k)
+    return topk_enqueue(cp, y, k, stream, fused)()
+
+
+def topk_enqueue(cp: Any, y: Any, k: int, stream: Any,
+                 fused: bool | None = None) -> Callable[[], TopK]:
+    """:func:`topk_on_device` without the wait: the kernels and the packed result's download
+    into pinned host memory are enqueued on ``stream``; the returned function waits for the
+    stream and unpacks (call it once, from any thread)."""
     with stream:
-        # one row per input row: values [k] | indices [k] | lse [1], all as int32 bits (an
-        # integer copy never touches the bits; an f32 copy could flush denormal patterns)
-        packed = cp.empty((n, 2 * k + 1), dtype=cp.int32)
-        if FUSED if fused is None else fused:
-            _fused(cp, y, k, packed)
-        else:
-            step = max(1, CHUNK_ELEMS // max(cols, 1))
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                v, i, s = topk_xp(y[r0:r1], k, cp)
-                packed[r0:r1, :k] = v.view(cp.int32)
-                packed[r0:r1, k : 2 * k] = i
-                packed[r0:r1, 2 * k] = s.view(cp.int32)
-        host = packed.get(stream=stream)
+        packed = _packed(cp, y, k, fused)
+        mem = cp.cuda.alloc_pinned_memory(packed.nbytes)
+        host = np.frombuffer(mem, np.int32, packed.size).reshape(packed.shape)
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, packed.data.ptr, packed.nbytes,
+                                    _D2H, stream.ptr)
+
+    def finish() -> TopK:
+        stream.synchronize()
+        return _unpack(host, k)
+
+    return finish
+
+
+_D2H = 2  # cudaMemcpyDeviceToHost
+
+
+def _packed(cp: Any, y: Any, k: int, fused: bool | None) -> Any:
+    """The epilogue's packed rows on the device (enqueued on the current stream)."""
+    n, cols = (int(d) for d in y.shape)
+    # one row per input row: values [k] | indices [k] | lse [1], all as int32 bits (an
+    # integer copy never touches the bits; an f32 copy could flush denormal patterns)
+    packed = cp.empty((n, 2 * k + 1), dtype=cp.int32)
+    if FUSED if fused is None else fused:
+        _fused(cp, y, k, packed)
+    else:
+        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            v, i, s = topk_xp(y[r0:r1], k, cp)
+            packed[r0:r1, :k] = v.view(cp.int32)
+            packed[r0:r1, k : 2 * k] = i
+            packed[r0:r1, 2 * k] = s.view(cp.int32)
+    return packed
+
+
+def _unpack(host: np.ndarray, k: int) -> TopK:
     return TopK(np.ascontiguousarray(host[:, :k]).view(np.float32),
                 np.ascontiguousarray(host[:, k : 2 * k]),
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))

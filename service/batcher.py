@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from q6serve.kernels.api import Layout, MatmulResult, Precision
+from q6serve.kernels.api import Launched, Layout, MatmulResult, Precision
 from q6serve.kernels.epilogue import TopK
 from q6serve.kernels.errors import (
     FailedPrecondition,
@@ -78,12 +78,19 @@ class Device:
     the call saves two thread wake-ups and the GIL hand-backs at each CUDA call that releases
     it (on the H200 those, not the kernels, held a 32-row batch's job ~1 ms around a 54 us
     kernel: bench/RESULTS.md). Longer or first-of-a-kind jobs (kernel compiles, loads,
-    relayouts, frees) stay on the device thread, and so does everything queued behind one."""
+    relayouts, frees) run on the device thread; a short job submitted while the thread is
+    busy is held and runs on the loop when the thread is done (in order with other held
+    jobs). A job that comes with a ``launch`` (a batch whose kernels take long: the lm-head)
+    is only *launched* on the loop: ``launch`` returns a :class:`Deferred` whose ``wait`` runs
+    on the device thread, so the loop is free while the GPU works and the device thread needs
+    the GIL only to hear of the end."""
 
     def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0) -> None:
         self.name = name
         self.handoff_yield = handoff_yield
         self.inline_s = inline_s
+        self._held: collections.deque[tuple[Any, ...]] = collections.deque()
+        self.deferred_jobs = 0  # inline jobs launched on the loop and waited for on the thread
         # One thread fed by a SimpleQueue, answering through call_soon_threadsafe: one loop
         # trip less per job than run_in_executor (submit -> result 67 -> 52 us, issue 9).
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -126,30 +133,48 @@ class Device:
 
     def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], args: tuple[Any, ...],
              done: asyncio.Future[T] | Callable[[Any, BaseException | None], None],
-             expect_s: float | None = None) -> None:
+             expect_s: float | None = None, launch: Callable[..., Any] | None = None) -> None:
         """Queue ``fn(*args)`` on the device thread; its outcome goes to ``done`` on the loop:
         a future is resolved, a callable is called as ``done(result, exception)`` in the same
         loop trip that hears of the job's end (no future in between, so no extra trip).
         ``expect_s``: the device time the caller expects the job to take; a short one runs
-        here, on the loop's thread, when the device thread is idle (see ``inline_s``); its
-        outcome still reaches ``done`` in a later loop trip, as a threaded job's would."""
+        here, on the loop's thread, when the device thread is idle, or is held until it is
+        (see ``inline_s``); its outcome still reaches ``done`` in a later loop trip, as a
+        threaded job's would. ``launch(*args)``: run instead of ``fn`` on the loop, returning
+        the outcome or a :class:`Deferred` to wait for on the device thread."""
         self.inflight += 1
         self.jobs += 1
-        if self.inlines(expect_s):
-            self.inline_jobs += 1
-            try:
-                outcome: tuple[Any, BaseException | None] = (fn(*args), None)
-            except Exception as e:  # the waiter hears of it, as from the device thread
-                outcome = (None, e)
-            except BaseException:
-                self.inflight -= 1
-                raise
-            loop.call_soon(self._done, done, *outcome)
+        if expect_s is not None and expect_s <= self.inline_s:
+            if self._in_thread == 0:
+                self._run_here(loop, fn, args, done, launch)
+            else:
+                self._held.append((loop, fn, args, done, launch))
             return
+        self._to_thread(loop, fn, args, done)
+
+    def _to_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
+                   args: tuple[Any, ...], done: Any) -> None:
         self._in_thread += 1
         self._jobs.put((loop, done, fn, args))
         if self.inflight == 1 and self.handoff_yield:
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
+
+    def _run_here(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
+                  args: tuple[Any, ...], done: Any, launch: Callable[..., Any] | None) -> None:
+        self.inline_jobs += 1
+        try:
+            out: Any = (launch or fn)(*args)
+        except Exception as e:  # the waiter hears of it, as from the device thread
+            loop.call_soon(self._done, done, None, e)
+            return
+        except BaseException:
+            self.inflight -= 1
+            raise
+        if isinstance(out, Deferred):
+            self.deferred_jobs += 1
+            self._to_thread(loop, out.wait, (), done)
+        else:
+            loop.call_soon(self._done, done, out, None)
 
     def _work(self) -> None:
         """The device thread: run jobs in order, hand each outcome back to its loop."""
@@ -168,6 +193,8 @@ class Device:
     def _threaded_done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self._in_thread -= 1
         self._done(done, result, exc)
+        while self._in_thread == 0 and self._held:  # the thread is free: held jobs, in order
+            self._run_here(*self._held.popleft())
 
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1
@@ -188,6 +215,16 @@ class Device:
         """Finish the queued jobs, then stop the thread."""
         self._jobs.put(None)
         self._thread.join()
+
+
+class Deferred:
+    """A job launched from the loop (``Device.call``'s ``launch``): ``wait()``, run on the
+    device thread, blocks until the device is done and returns the job's outcome."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, wait: Callable[[], Any]) -> None:
+        self.wait = wait
 
 
 @dataclass(frozen=True)
@@ -292,15 +329,22 @@ def _bucket(rows: int) -> int:
 
 
 Staging = Callable[[int, int, np.dtype], np.ndarray]  # Backend.staging
+LaunchBatch = Callable[[np.ndarray, BatchKey], Launched]  # RunBatch without the wait
+# A batch whose kernels are expected to take longer than this is only launched on the loop
+# and waited for on the device thread (Device: ``launch``); a shorter one runs whole there.
+# Env Q6SERVE_DEFER_KERNEL_US sets it (benches A/B it; a huge value: never deferred).
+DEFER_ENV = "Q6SERVE_DEFER_KERNEL_US"
+DEFER_KERNEL_S = float(os.environ.get(DEFER_ENV, "200")) * 1e-6
 
 
 class Batcher:
     def __init__(self, name: str, device: Device, run: RunBatch, settings: BatchSettings,
                  dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None],
-                 staging: Staging | None = None) -> None:
+                 staging: Staging | None = None, launch: LaunchBatch | None = None) -> None:
         self.name = name
         self._device = device
         self._run_batch = run
+        self._launch_batch = launch
         # where a batch of several requests is concatenated (the backend's upload buffer:
         # the CUDA backend then skips its own host copy of x; a T2 batch is 2.4 MB)
         self._staging = staging
@@ -318,6 +362,7 @@ class Batcher:
         # device-job seconds last measured per (key, rows rounded up to a power of two): what
         # a batch like it is expected to keep the device busy (Device.call's expect_s)
         self._job_s: dict[tuple[BatchKey, int], float] = {}
+        self._kernel_s: dict[tuple[BatchKey, int], float] = {}  # and its kernels (events)
         self._kick_pending = False
         self._task = self._loop_.create_task(self._loop(), name=f"batch-{name}")
 
@@ -490,8 +535,12 @@ class Batcher:
             e = b._expect(bt[0].key, sum(p.rows for p in bt))
             expect = None if e is None or expect is None else expect + e
         if len(jobs) == 1:
-            self._device.call(self._loop_, self._job, (batch, batch[0].key),
-                              lambda done, exc: self._finish(batch, done, exc), expect)
+            key = batch[0].key
+            kernel_s = self._kernel_s.get((key, _bucket(sum(p.rows for p in batch))), 0.0)
+            launch = (self._launch_job if self._launch_batch is not None
+                      and kernel_s > DEFER_KERNEL_S else None)
+            self._device.call(self._loop_, self._job, (batch, key),
+                              lambda done, exc: self._finish(batch, done, exc), expect, launch)
         else:
             self._device.call(self._loop_, _run_jobs, (jobs,),
                               lambda done, exc: _finish_jobs(jobs, done, exc), expect)
@@ -518,9 +567,15 @@ class Batcher:
             i += 1
         return jobs
 
-    def _job(self, batch: list[_Pending], key: BatchKey, t_job: float | None = None) -> _Done:
-        """In the device thread: concatenate the live requests and run them as one launch
-        (``t_job``: when the device job holding this batch started, if not now)."""
+    def _launch_job(self, batch: list[_Pending], key: BatchKey) -> _Done | Deferred:
+        """:meth:`_job` with the device's work launched, not waited for (Device.call)."""
+        return self._job(batch, key, defer=True)
+
+    def _job(self, batch: list[_Pending], key: BatchKey, t_job: float | None = None,
+             defer: bool = False) -> _Done | Deferred:
+        """In the device thread (or on the loop: Device.inline_s): concatenate the live
+        requests and run them as one launch (``t_job``: when the device job holding this batch
+        started, if not now). ``defer``: launch it and return what waits for it."""
         t0 = time.perf_counter()
         t_job = t0 if t_job is None else t_job
         live = [p for p in batch if not p.dead(t0)]  # dropped while staged: skip rows
@@ -534,6 +589,10 @@ class Batcher:
                 sum(len(a) for a in xs), xs[0].shape[1], xs[0].dtype)
             x = np.concatenate(xs, out=out)
         try:
+            if defer and self._launch_batch is not None:
+                launched = self._launch_batch(x, key)
+                return Deferred(lambda: (live, x, launched.wait(), t_job, t0,
+                                         time.perf_counter()))
             result: Any = self._run_batch(x, key)
         except (InvalidArgument, FailedPrecondition):
             if len(live) == 1:
@@ -602,6 +661,8 @@ class Batcher:
         # whole job's wall, not its kernel (an inline job blocks the loop for all of it); in
         # the device thread that wall includes its GIL waits, so it errs on the safe side
         self._job_s[(live[0].key, _bucket(rows))] = t1 - t0
+        if kernel_s is not None:
+            self._kernel_s[(live[0].key, _bucket(rows))] = kernel_s
         queued = tuple(t_job - p.t_enqueue for p in live)
         off = 0
         for p, q in zip(live, queued, strict=True):

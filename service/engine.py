@@ -30,11 +30,12 @@ from q6serve.kernels.api import (
     DTYPES,
     Backend,
     KernelFlags,
+    Launched,
     Layout,
     MatmulResult,
     Precision,
     dtype_name,
-    matmul_ieee,
+    launch_ieee,
 )
 from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import (
@@ -521,19 +522,34 @@ class Engine:
     def _make_batcher(self, e: WeightEntry) -> Batcher:
         loop = asyncio.get_running_loop()
 
-        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
-            w = e.resident  # read in the device thread: relayouts swap it there too
+        def failed(err: DeviceError) -> None:
+            loop.call_soon_threadsafe(self._device_failed, err)  # from either thread
+
+        def launch(x: np.ndarray, key: BatchKey) -> Launched:
+            w = e.resident  # read where the job runs: relayouts swap it on the device thread
             flags = KernelFlags(soa=w.layout is Layout.SOA,
                                 decode_mmq=self.flags.state.decode_mmq)
             try:
-                return matmul_ieee(self.backend, w, x, precision=key.precision, flags=flags,
-                                   out_dtype=np.dtype(DTYPES[key.out_dtype]), topk=key.topk)
+                started = launch_ieee(self.backend, w, x, precision=key.precision, flags=flags,
+                                      out_dtype=np.dtype(DTYPES[key.out_dtype]), topk=key.topk)
             except DeviceError as err:
-                loop.call_soon_threadsafe(self._device_failed, err)
+                failed(err)
                 raise
 
+            def wait() -> MatmulResult:
+                try:
+                    return started.wait()
+                except DeviceError as err:
+                    failed(err)
+                    raise
+
+            return Launched(wait)
+
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            return launch(x, key).wait()
+
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
-                       self._on_batch, self.backend.staging)
+                       self._on_batch, self.backend.staging, launch)
 
     def _dynamic_batching(self) -> bool:
         return self.flags.state.dynamic_batching

@@ -24,6 +24,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -413,6 +414,16 @@ class Launcher:
         """Host x -> (host y, None, kernel seconds), one stream sync (see the module
         docstring); ``topk`` > 0: (None, the epilogue's result, kernel seconds), the epilogue
         run on the device y (kernels/cuda_topk.py). Call under the device and stream."""
+        return self.launch(w, cw, x, path, cfg, out_dtype, topk)()
+
+    def launch(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
+               cfg: Cfg | None, out_dtype: np.dtype | None, topk: int = 0,
+               ) -> Callable[[], Done]:
+        """:meth:`matmul` up to its sync: everything is enqueued (upload, kernels, epilogue,
+        download into pinned memory); the returned function waits for the stream and returns
+        what :meth:`matmul` does (call it once, from any thread; the next launch on this
+        launcher only after it: the bound sequences' events and the staging buffer are
+        reused)."""
         cp, stream = self.ctx.cp, self.ctx.stream
         in_t = IN_TYPES.get(x.dtype)
         if in_t is None:
@@ -433,10 +444,15 @@ class Launcher:
         rt = cp.cuda.runtime
         if b.graph:
             b.graph.launch(stream)
-            done = self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
-            if done[2] is None:
-                b.graph = False  # its event nodes did not record: direct launches from now
-            return done
+            finish = self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
+
+            def graph_done() -> Done:
+                done = finish()
+                if done[2] is None:
+                    b.graph = False  # its event nodes did not record: direct launches from now
+                return done
+
+            return graph_done
         rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
         b.start.record(stream)
         for s in b.steps:
@@ -498,7 +514,7 @@ class Launcher:
         b.graph = graph if ok and graph is not None else False
 
     def _matmul_direct(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
-                       path: str, out_dtype: np.dtype | None, topk: int) -> Done:
+                       path: str, out_dtype: np.dtype | None, topk: int) -> Callable[[], Done]:
         cp, stream = self.ctx.cp, self.ctx.stream
         n = int(x.shape[0])
         xdt = np.dtype(np.uint16) if x.dtype == BFLOAT16 else x.dtype
@@ -513,16 +529,17 @@ class Launcher:
         return self._finish(int(y.data.ptr), n, w.rows, out_dtype, start, end, topk)
 
     def _finish(self, y: int, n: int, rows: int, out_dtype: np.dtype | None, start: Any,
-                end: Any, topk: int) -> Done:
-        """y (the workspace's f32 "y" at ``y``) -> a new host array in a pinned block (the
-        returned array owns it; no host copy), or the top-k epilogue; the one sync; the
-        kernel seconds (the events are complete by then)."""
+                end: Any, topk: int) -> Callable[[], Done]:
+        """Enqueue y's way out: the workspace's f32 "y" at ``y`` -> a new host array in a pinned
+        block (the returned array owns it; no host copy), or the top-k epilogue. The returned
+        function makes the one sync and reads the kernel seconds (the events are complete by
+        then)."""
         cp, stream = self.ctx.cp, self.ctx.stream
         if topk:
-            from ..cuda_topk import topk_on_device
+            from ..cuda_topk import topk_enqueue
 
-            top = topk_on_device(cp, self.ws.array("y", (n, rows), np.float32), topk, stream)
-            return None, top, self._seconds(start, end)
+            top = topk_enqueue(cp, self.ws.array("y", (n, rows), np.float32), topk, stream)
+            return lambda: (None, top(), self._seconds(start, end))
         half = out_dtype is not None and np.dtype(out_dtype) == np.float16
         if half:  # convert on the device: half the bytes cross the bus
             y16 = self.ws.array("y16", (n, rows), np.float16, bound=False)
@@ -534,10 +551,15 @@ class Launcher:
         mem = cp.cuda.alloc_pinned_memory(nbytes)
         out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
         cp.cuda.runtime.memcpyAsync(out.ctypes.data, y, nbytes, _D2H, stream.ptr)
-        stream.synchronize()
-        if out_dtype is not None and np.dtype(out_dtype) == BFLOAT16:
-            out = out.astype(BFLOAT16)
-        return out, None, self._seconds(start, end)
+
+        def done() -> Done:
+            stream.synchronize()
+            host = out
+            if out_dtype is not None and np.dtype(out_dtype) == BFLOAT16:
+                host = out.astype(BFLOAT16)
+            return host, None, self._seconds(start, end)
+
+        return done
 
     def _seconds(self, start: Any, end: Any) -> float | None:
         try:

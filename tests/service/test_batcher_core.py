@@ -245,15 +245,17 @@ def test_short_jobs_run_inline_on_an_idle_device_and_long_ones_on_its_thread() -
         assert [r.y[0, 0] for r in got] == [4.0, 6.0, 8.0]
         assert [r.batch_rows for r in got] == [3, 3, 3]
         assert threads[2:] == [loop_thread] and dev.inline_jobs == 1
-        # a batch launched while the device thread runs a job (a load, say) queues behind it
+        # a short batch launched while the device thread runs a job (a load, say) is held,
+        # then runs on the loop once the thread is done
         gate.open.clear()
         blocker = dev.submit(gate.open.wait, 10)
         behind = b.enqueue(_x(1, 5.0), KEY, None)
-        await asyncio.sleep(0.01)  # the batcher stages it (its delay is over) on the thread
+        await asyncio.sleep(0.01)  # the batcher has launched it (its delay is over): held
+        assert len(threads) == 3 and dev.inflight == 2
         gate.open.set()
         assert await blocker
         assert (await behind).y[0, 0] == 10.0
-        assert threads[3] == "q6serve-dev-t"
+        assert threads[3] == loop_thread
         # failures reach the waiter from an inline job as from the thread
         gate.fail = InvalidArgument("refused")
         with pytest.raises(InvalidArgument, match="refused"):
@@ -266,6 +268,69 @@ def test_short_jobs_run_inline_on_an_idle_device_and_long_ones_on_its_thread() -
         assert threads[-1] == "q6serve-dev-t"
         assert dev.inflight == 0
         await b.close()
+        dev.close()
+
+    run(main())
+
+
+def test_a_long_batch_is_launched_on_the_loop_and_waited_for_on_the_device_thread() -> None:
+    """A batch whose kernels took long last time (DEFER_KERNEL_S) is launched on the loop and
+    its wait runs on the device thread; a batch submitted meanwhile is held and launched on the
+    loop after it; a failure at the wait reaches the batch's requests."""
+    from q6serve.kernels.api import Launched
+    from q6serve.service.batcher import DEFER_KERNEL_S
+
+    async def main() -> None:
+        where: list[tuple[str, str]] = []
+        release = threading.Event()
+        fail: list[BaseException] = []
+
+        def result(x: np.ndarray) -> MatmulResult:
+            return MatmulResult(x * 2, "slow", Layout.SOA, Precision.EXACT,
+                                KernelTiming(host_seconds=2 * DEFER_KERNEL_S))
+
+        def launch(x: np.ndarray, key: BatchKey) -> Launched:
+            where.append(("launch", threading.current_thread().name))
+
+            def wait() -> MatmulResult:
+                where.append(("wait", threading.current_thread().name))
+                release.wait(10)
+                if fail:
+                    raise fail[0]
+                return result(x)
+
+            return Launched(wait)
+
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            return launch(x, key).wait()
+
+        dev = Device("t", inline_s=10.0)
+        b = Batcher("w", dev, run, BatchSettings(), lambda: True, lambda s: None,
+                    launch=launch)
+        me = threading.current_thread().name
+        release.set()
+        await b.enqueue(_x(1, 1.0), KEY, None)  # unknown: the whole job on the thread
+        assert where == [("launch", "q6serve-dev-t"), ("wait", "q6serve-dev-t")]
+        release.clear()
+        first = b.enqueue(_x(1, 2.0), KEY, None)
+        await asyncio.sleep(0.01)
+        assert where[2:] == [("launch", me), ("wait", "q6serve-dev-t")]
+        assert dev.deferred_jobs == 1 and not first.done()  # the loop is free meanwhile
+        other = Batcher("v", dev, run, BatchSettings(), lambda: True, lambda s: None,
+                        launch=launch)
+        other._job_s[(KEY, 1)] = other._kernel_s[(KEY, 1)] = 1e-6  # known and short
+        second = other.enqueue(_x(1, 3.0), KEY, None)
+        await asyncio.sleep(0.01)
+        assert len(where) == 4  # held behind the wait
+        release.set()
+        assert (await first).y[0, 0] == 4.0 and (await second).y[0, 0] == 6.0
+        assert where[4:] == [("launch", me), ("wait", me)]  # run whole on the loop
+        fail.append(DeviceError("lost"))
+        with pytest.raises(DeviceError, match="lost"):
+            await b.enqueue(_x(1, 4.0), KEY, None)
+        assert where[-1] == ("wait", "q6serve-dev-t") and dev.inflight == 0
+        await b.close()
+        await other.close()
         dev.close()
 
     run(main())
