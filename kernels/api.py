@@ -308,11 +308,14 @@ def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
 def _split_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, bad: np.ndarray,
                 precision: Precision, kw: dict[str, Any]) -> MatmulResult:
     good = np.setdiff1d(np.arange(x.shape[0]), bad)
-    ieee = backend.matmul(w, x[bad], precision=Precision.EXACT, **kw)
+    # both halves copied out before either call: x may be the backend's staging buffer (a
+    # batch concatenated into it), which the first call overwrites
+    x_bad, x_good = x[bad], x[good]
+    ieee = backend.matmul(w, x_bad, precision=Precision.EXACT, **kw)
     if not good.size:
         return MatmulResult(ieee.y, ieee.kernel, ieee.layout, Precision.Q8_1, ieee.timing,
                             ieee.topk)
-    res = backend.matmul(w, x[good], precision=precision, **kw)
+    res = backend.matmul(w, x_good, precision=precision, **kw)
 
     def rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], *a.shape[1:]), a.dtype)

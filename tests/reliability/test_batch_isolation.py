@@ -17,7 +17,9 @@ import pytest
 
 from q6serve.client.client import Q6ServeError
 from q6serve.kernels import reference as ref
+from q6serve.kernels.api import Layout, Precision, iter_aos_chunks, matmul_ieee
 from q6serve.kernels.errors import FormatError
+from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service.config import Budget, WorkerConfig
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
@@ -155,3 +157,35 @@ def test_a_refused_request_fails_only_its_caller(start, rng):
     assert counts == {"ok": 36, "refused": 12}
     assert backend.mixed_launches > 0  # poisoned and clean requests really shared batches
     assert health(rw.target) == "SERVING"
+
+
+class SharedStagingBackend(NumpyBackend):
+    """A NumPy backend whose staging buffer is shared between calls and overwritten by each
+    call's upload, as the CUDA backend's pinned upload buffer is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buf = np.zeros(1 << 16, np.uint8)
+
+    def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
+        return self.buf[: n * k * np.dtype(dtype).itemsize].view(dtype).reshape(n, k)
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        self.staging(*x.shape, x.dtype)[...] = x  # the upload: copies x in (or onto itself)
+        return super().matmul(w, x.copy(), **kw)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_q8_1_rows_split_out_of_a_staged_batch_are_not_overwritten(rng) -> None:
+    """matmul_ieee's q8_1 split runs two calls on parts of a batch concatenated into the
+    backend's staging buffer; the first call's upload must not change the second's rows."""
+    be = SharedStagingBackend()
+    blocks = random_q6k(ROWS, K, 7)
+    w = be.load(iter_aos_chunks(blocks, ROWS, K, 1 << 20), ROWS, K, Layout.SOA, 1 << 20)
+    x = be.staging(4, K, np.dtype(np.float32))
+    x[...] = rng.standard_normal((4, K)).astype(np.float32)
+    x[1, 5] = np.nan
+    want_clean = ref.matmul_q8_1(x[[0, 2, 3]].copy(), blocks, ROWS)
+    out = matmul_ieee(be, w, x, precision=Precision.Q8_1).y
+    assert np.isnan(out[1]).all()
+    np.testing.assert_allclose(out[[0, 2, 3]], want_clean, rtol=Q8_RTOL, atol=Q8_RTOL)

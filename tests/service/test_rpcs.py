@@ -278,7 +278,7 @@ def test_internal_errors_are_generic(worker: RunningWorker, caplog) -> None:  # 
     def boom(*a: object, **kw: object) -> None:
         raise RuntimeError("secret detail")
 
-    worker.engine.backend.matmul = boom
+    worker.engine.backend.matmul = worker.engine.backend.launch = boom  # CUDA: launch
     with pytest.raises(Q6ServeError) as e:
         c.matmul("w", np.ones((1, 256), np.float32))
     assert _code(e) == grpc.StatusCode.INTERNAL and "secret" not in e.value.message
