@@ -103,9 +103,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     resend.extend(frames)
     deliver()
     await asyncio.sleep(a.warmup)
-    n0, c0, t0 = answered[0], time.process_time(), time.perf_counter()
+    n0, c0, t0, j0 = answered[0], time.process_time(), time.perf_counter(), engine.device.jobs
     await asyncio.sleep(a.seconds)
-    n1, c1, t1 = answered[0], time.process_time(), time.perf_counter()
+    n1, c1, t1, j1 = answered[0], time.process_time(), time.perf_counter(), engine.device.jobs
     running[0] = False
     while engine.device.inflight or worker._pending:  # the last answers, before closing
         await asyncio.sleep(0.01)
@@ -116,6 +116,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "inflight": a.inflight, "messages": msgs, "messages_per_s": msgs / (t1 - t0),
             "cpu_us_per_message": (c1 - c0) / msgs * 1e6,
             "cpu_us_per_call": (c1 - c0) / (msgs * a.stack) * 1e6,
+            "messages_per_batch": msgs / max(j1 - j0, 1),
             "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs}
 
 
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device process alone, {a.backend} {a.rows}x{a.k}, {a.inflight} messages of "
           f"{a.stack} calls in flight: {r['messages_per_s']:,.0f} messages/s, CPU "
           f"{r['cpu_us_per_message']:.1f} us per message = {r['cpu_us_per_call']:.1f} us per "
-          f"call ({r['inline_jobs']}/{r['jobs']} device jobs inline)", flush=True)
+          f"call; {r['messages_per_batch']:.1f} messages per batch ({r['inline_jobs']}/"
+          f"{r['jobs']} device jobs inline)", flush=True)
     return 0
 
 

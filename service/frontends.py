@@ -351,8 +351,15 @@ class Arena:
             self._mm.close()
 
 
+# per dtype name: the little-endian dtype the arena holds; per dtype: its name (dict lookups
+# on the hot path instead of dtype_name's scan and newbyteorder per call)
+_LE = {name: d.newbyteorder("<") for name, d in DTYPES.items()}
+_NAME = {d: name for name, d in DTYPES.items()}
+_PRECISION_OF = {p.value: p for p in Precision}
+
+
 def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
-    return dtype_name(a.dtype), tuple(int(d) for d in a.shape)
+    return _NAME.get(a.dtype) or dtype_name(a.dtype), a.shape
 
 
 SLOT_ALIGN = 64  # several outputs in one slot (a multi-weight reply) start at multiples of this
@@ -584,9 +591,9 @@ class FrontendsWorker(Worker):
         fe.calls += 1
         try:
             if isinstance(x, tuple):  # (dtype, shape) in the slot
-                x = fe.arena.array(slot, DTYPES[x[0]].newbyteorder("<"), x[1], writable=False)
-            call = MatmulCall(weight, x, Precision(precision), DTYPES[out_dtype], timeout, topk,
-                              weights)
+                x = fe.arena.array(slot, _LE[x[0]], x[1], writable=False)
+            call = MatmulCall(weight, x, _PRECISION_OF[precision], DTYPES[out_dtype], timeout,
+                              topk, weights)
             # the answer goes out from the sink, in the loop trip that resolves the future (a
             # done callback would cost one more trip and handle per request)
             sink = functools.partial(self._matmul_done, fe, rid, slot)
@@ -835,7 +842,7 @@ class _Link(_Peer):
         for f, rows in group:
             if isinstance(out, tuple):
                 off, dt, shape = out
-                dtype = DTYPES[dt].newbyteorder("<")
+                dtype = _LE[dt]
                 y = self.arena.array(slot, dtype, (rows, shape[1]), writable=False,
                                      offset=off + row * shape[1] * dtype.itemsize)
                 in_slot[0] += 1
@@ -913,7 +920,7 @@ class _Link(_Peer):
         for out in outs:
             if isinstance(out, tuple):
                 off, dt, shape = out
-                y = self.arena.array(slot, DTYPES[dt].newbyteorder("<"), shape, writable=False,
+                y = self.arena.array(slot, _LE[dt], shape, writable=False,
                                      offset=off)
                 in_slot[0] += 1
                 weakref.finalize(y, self._free_part, slot, in_slot)
