@@ -194,28 +194,39 @@ __device__ unsigned int q6_select_row(const float* __restrict__ row, int cols, i
     return prefix;
 }
 
-// Pass 7: the candidates of row[0, cols) into sh.cand as (~key << 32 | col0 + column):
-// ascending = value desc, column asc; the n_gt above T first, then `need` equal to T. The
-// slots past n_gt + need keep ~0 (they sort last).
-__device__ void q6_gather_row(const float* __restrict__ row, int cols, int col0,
-                              unsigned int T, unsigned int n_gt, unsigned int need,
-                              Q6TopkShared& sh) {
+// The gather's start: no candidates yet (every slot ~0: sorts last).
+__device__ __forceinline__ void q6_cand_reset(Q6TopkShared& sh) {
     if (threadIdx.x == 0) {
         sh.cnt_gt = 0u;
         sh.cnt_eq = 0u;
     }
     for (int i = (int)threadIdx.x; i < Q6_TOPK_MAX; i += (int)blockDim.x) sh.cand[i] = ~0ull;
     __syncthreads();
+}
+
+// Candidate c = (~key << 32 | column) into sh.cand if it makes the top k: the n_gt keys above
+// T go first (any order), then the first `need` equal to T.
+__device__ __forceinline__ void q6_cand_offer(Q6TopkShared& sh, unsigned int key,
+                                              unsigned long long c, unsigned int T,
+                                              unsigned int n_gt, unsigned int need) {
+    if (key > T) {
+        sh.cand[atomicAdd(&sh.cnt_gt, 1u)] = c;
+    } else if (key == T) {
+        const unsigned int slot = atomicAdd(&sh.cnt_eq, 1u);
+        if (slot < need) sh.cand[n_gt + slot] = c;
+    }
+}
+
+// Pass 7: the candidates of row[0, cols) into sh.cand as (~key << 32 | col0 + column):
+// ascending = value desc, column asc. The slots past n_gt + need keep ~0 (they sort last).
+__device__ void q6_gather_row(const float* __restrict__ row, int cols, int col0,
+                              unsigned int T, unsigned int n_gt, unsigned int need,
+                              Q6TopkShared& sh) {
+    q6_cand_reset(sh);
     q6_each(row, cols, [&](int j, float v) {
         const unsigned int key = q6_order_key(v);
-        const unsigned long long c =
-            ((unsigned long long)(~key) << 32) | (unsigned int)(col0 + j);
-        if (key > T) {
-            sh.cand[atomicAdd(&sh.cnt_gt, 1u)] = c;
-        } else if (key == T) {
-            const unsigned int slot = atomicAdd(&sh.cnt_eq, 1u);
-            if (slot < need) sh.cand[n_gt + slot] = c;
-        }
+        q6_cand_offer(sh, key, ((unsigned long long)(~key) << 32) | (unsigned int)(col0 + j),
+                      T, n_gt, need);
     });
     __syncthreads();
 }
@@ -342,21 +353,10 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
         q6_pick_bin(sh, prefix, mask, need, shb);
     }
     const unsigned int T = prefix, n_gt = (unsigned int)k - need;
-    if (tid == 0) {
-        sh.cnt_gt = 0u;
-        sh.cnt_eq = 0u;
-    }
-    for (int i = tid; i < Q6_TOPK_MAX; i += B) sh.cand[i] = ~0ull;
-    __syncthreads();
+    q6_cand_reset(sh);
     for (int i = tid; i < total; i += B) {
         const unsigned long long c = rc[i];
-        const unsigned int key = ~(unsigned int)(c >> 32);
-        if (key > T) {
-            sh.cand[atomicAdd(&sh.cnt_gt, 1u)] = c;
-        } else if (key == T) {
-            const unsigned int slot = atomicAdd(&sh.cnt_eq, 1u);
-            if (slot < need) sh.cand[n_gt + slot] = c;
-        }
+        q6_cand_offer(sh, ~(unsigned int)(c >> 32), c, T, n_gt, need);
     }
     __syncthreads();
     q6_sort_and_write(sh, y + r * (size_t)cols, k, lse, packed + r * (size_t)(2 * k + 1));
