@@ -105,10 +105,11 @@ class Launched:
     is done and returns its result. Call it once, from any thread, and before the backend's
     next launch (backends reuse their upload buffers and timing events between calls)."""
 
-    __slots__ = ("_wait",)
+    __slots__ = ("_wait", "finished")
 
-    def __init__(self, wait: Callable[[], MatmulResult]) -> None:
+    def __init__(self, wait: Callable[[], MatmulResult], finished: bool = False) -> None:
         self._wait = wait
+        self.finished = finished  # wait() returns at once: nothing to wait for elsewhere
 
     def wait(self) -> MatmulResult:
         return self._wait()
@@ -116,7 +117,7 @@ class Launched:
     @classmethod
     def ready(cls, result: MatmulResult) -> Launched:
         """An already finished call (backends that compute synchronously)."""
-        return cls(lambda: result)
+        return cls(lambda: result, finished=True)
 
 
 @dataclass(frozen=True)

@@ -591,9 +591,12 @@ class Batcher:
         try:
             if defer and self._launch_batch is not None:
                 launched = self._launch_batch(x, key)
-                return Deferred(lambda: (live, x, launched.wait(), t_job, t0,
-                                         time.perf_counter()))
-            result: Any = self._run_batch(x, key)
+                if not launched.finished:  # (NumPy computes at launch: no hand-off then)
+                    return Deferred(lambda: (live, x, launched.wait(), t_job, t0,
+                                             time.perf_counter()))
+                result: Any = launched.wait()
+            else:
+                result = self._run_batch(x, key)
         except (InvalidArgument, FailedPrecondition):
             if len(live) == 1:
                 raise

@@ -535,6 +535,8 @@ class Engine:
             except DeviceError as err:
                 failed(err)
                 raise
+            if started.finished:
+                return started
 
             def wait() -> MatmulResult:
                 try:
