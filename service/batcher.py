@@ -412,6 +412,11 @@ class Batcher:
     def _expect(self, key: BatchKey, rows: int) -> float | None:
         return self._job_s.get((key, _bucket(rows)))
 
+    def forget_costs(self) -> None:
+        """Drop what batches are expected to cost (their kernels changed: a flag flip)."""
+        self._job_s.clear()
+        self._kernel_s.clear()
+
     def _kick(self) -> None:
         """Launch on the idle device: now, or - when the job would run inline on the loop
         (``Device.inline_s``) - at the end of this loop trip, so that the requests the trip

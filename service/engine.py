@@ -737,6 +737,12 @@ class Engine:
 
     def _on_flags(self, old: FlagState, new: FlagState) -> None:
         self._publish()
+        if old.kernel_flags() != new.kernel_flags():
+            # other kernels from now on (maybe never compiled yet): no batch runs inline on the
+            # loop until one like it has run on the device thread (Device.inline_s)
+            for e in self._live:
+                if e.batcher is not None:
+                    e.batcher.forget_costs()
         if old.q6k_soa != new.q6k_soa:
             self._relayouts += 1
             self._spawn(self._relayout_all())

@@ -334,3 +334,39 @@ def test_a_long_batch_is_launched_on_the_loop_and_waited_for_on_the_device_threa
         dev.close()
 
     run(main())
+
+
+def test_a_kernel_flag_flip_sends_the_next_batches_to_the_device_thread() -> None:
+    """After a flip of a flag the kernels see, no batch runs inline on the loop until one like
+    it has run on the device thread (the new kernels may still have to compile)."""
+    import hashlib
+
+    from q6serve.kernels import q6k
+    from q6serve.kernels.numpy_backend import NumpyBackend
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.engine import Engine, MatmulCall, UploadSpec
+
+    async def main() -> None:
+        eng = Engine(NumpyBackend(), WorkerConfig())
+        data = q6k.random_blocks(8, 256, np.random.default_rng(0)).tobytes()
+
+        async def chunks() -> Any:
+            yield data
+
+        await eng.upload(UploadSpec("w", 8, 256, "q6_k", len(data),
+                                    hashlib.sha256(data).hexdigest()), chunks())
+        x = np.ones((1, 256), np.float32)
+        for _ in range(3):
+            await eng.matmul(MatmulCall("w", x))
+        assert eng.device.inline_jobs == 2  # the first ran on the thread
+        eng.set_flags({"Q6SERVE_DECODE_MMQ": False})
+        await eng.matmul(MatmulCall("w", x))
+        assert eng.device.inline_jobs == 2  # on the thread again
+        await eng.matmul(MatmulCall("w", x))
+        assert eng.device.inline_jobs == 3
+        eng.set_flags({"Q6SERVE_DYNAMIC_BATCHING": False})  # not a kernel flag: nothing forgotten
+        await eng.matmul(MatmulCall("w", x))
+        assert eng.device.inline_jobs == 4
+        await eng.close()
+
+    run(main())
