@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
 # kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
-# on CUDA, the lm-head top-k target (bench/service.py --lm-head), the data plane at 8 front ends
-# with its device-path and fast-lane probes (bench/gpu_dataplane_run.sh VARIANTS=8). Prints a
-# short table last; $OUT gets the logs (8 files at most come back: an archive + the table).
-#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SECONDS_PER_RUN (1.5)
+# on CUDA, issue 14's targets (T1, the lm-head top-k, the 7B decode replay at S = 1, 8, 64 with
+# and without multi-weight calls), the data plane at 4 and 8 front ends with its device-path
+# and fast-lane probes (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
+# logs (8 files at most come back: an archive + the table).
+#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("4 8")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -27,15 +28,23 @@ Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cac
 t demo 150 python3 -m q6serve.client.cli demo --backend cuda
 t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
+t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+  --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
+if [[ -z ${SKIP_REPLAY:-} ]]; then
+  t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
+    --seconds 2 --warmup 0.5 --json "$OUT/replay.json"
+fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
-  VARIANTS=8 SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 200 bench/gpu_dataplane_run.sh \
-    >"$OUT/dataplane.log" 2>&1
+  VARIANTS=${VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
+    bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
   echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
-  grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -6
+  grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
+  grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
+  grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
 } | tee "$FINAL/summary.txt"
