@@ -12,19 +12,14 @@
 #                                with a 200 us GIL switch interval; "8:0": with
 #                                Q6SERVE_FRONTEND_STACKS=0), SKIP_TESTS, SKIP_PROBES
 set -uo pipefail
-FINAL=${OUT:-$PWD/out}
-OUT=/tmp/dprun  # everything lands here (the device tool brings back 8 files at most)
-mkdir -p "$FINAL" "$OUT"
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
-head -3 "$OUT/setup.log"
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/dprun
 S=${SECONDS_PER_RUN:-1.5}
 if [[ -z ${SKIP_TESTS:-} ]]; then
   timeout 120 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane \
     >"$OUT/pytest_dataplane_gpu.log" 2>&1
-  echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(($(date +%s) - T0)) s"
+  echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(elapsed)"
 fi
 # VARIANTS: front-end counts, each optionally @US: the worker's GIL switch interval in us
 # (Q6SERVE_GIL_SWITCH_US; Python's default 5000) and :S: a front end's stacks in flight per
@@ -43,7 +38,7 @@ for v in ${VARIANTS:-1 2 4 8}; do
     --backend cuda --dataplane \
     --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
-  echo "# frontends=$F gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(($(date +%s) - T0)) s"
+  echo "# frontends=$F gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(elapsed)"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
   wait
 done
@@ -58,7 +53,7 @@ if [[ -z ${SKIP_PROBES:-} ]]; then
   # the device process alone, fed front-end messages: CPU per message and per call (T2-like)
   timeout 60 python3 bench/device_ipc.py --backend cuda --rows 3584 --k 18944 --stack 4 \
     --inflight 16 --seconds "$S" --json "$OUT/device_ipc.json" >"$OUT/device_ipc.log" 2>&1
-  echo "# probes rc=$? at $(($(date +%s) - T0)) s"
+  echo "# probes rc=$? at $(elapsed)"
   cat "$OUT/device_path.log" "$OUT/lane.log" "$OUT/device_ipc.log" | grep -v "^#"
 fi
 grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
@@ -81,4 +76,4 @@ for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
 EOF
 tar czf "$FINAL/dataplane_run.tgz" -C "$OUT" . && cp "$OUT/pytest_dataplane_gpu.log" \
   "$FINAL/" 2>/dev/null  # every log and JSON is in the archive (8 files come back at most)
-echo "# done at $(($(date +%s) - T0)) s"
+echo "# done at $(elapsed)"
