@@ -220,15 +220,17 @@ class Q6ServeServicer:
         the reply it will produce (N x the weight's rows x the output dtype's size). Requests
         that will fail count their own size only (their error reply is small)."""
         size = req.ByteSize()
-        names = req.weights or [req.weight]  # a multi-weight reply holds one y per weight
+        msg = wire.message(req)  # fields read once, from the message (this runs per request)
+        names = msg.weights or (msg.weight,)  # a multi-weight reply holds one y per weight
         if len(names) > MAX_REQUEST_WEIGHTS:
             return size
         try:
-            n = int(req.x.shape[0]) if len(req.x.shape) == 2 else 0
-            if req.HasField("topk"):  # f32 values + int32 indices per k, f32 lse
-                return size + len(names) * n * (8 * min(req.topk.k, MAX_K) + 4)
+            shape = msg.x.shape
+            n = shape[0] if len(shape) == 2 else 0
+            if msg.HasField("topk"):  # f32 values + int32 indices per k, f32 lse
+                return size + len(names) * n * (8 * min(msg.topk.k, MAX_K) + 4)
             rows = sum(self.engine.get(name).rows for name in names)
-            return size + n * rows * wire.dtype_from_pb(req.out_dtype).itemsize
+            return size + n * rows * wire.dtype_from_pb(msg.out_dtype).itemsize
         except Q6Error:
             return size
 

@@ -111,3 +111,15 @@ def test_batcher_overhead_modes_run() -> None:
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-2000:]
         assert want in done.stdout, done.stdout
+
+
+def test_stream_overhead_variants_run() -> None:
+    """bench/stream_overhead.py: every variant serves its round trips and the table prints
+    (tiny sizes and spans; the worker variant includes its kernel subtraction)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
+                           "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
+                           "--rows", "2"], capture_output=True, text=True, timeout=180,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for variant in ("bare", "proto", "struct", "icpt", "worker"):
+        assert f"\n{variant:8s} median" in "\n" + done.stdout, done.stdout

@@ -1,0 +1,247 @@
+"""Where a MatmulStream round trip's time goes beyond gRPC's own (issue 14, target T1).
+
+One caller, one request in flight on one stream, closed loop, N=1 f16 activations of K
+columns and a y of ROWS f16 values (the T1 shape: ffn_down K=18944; ROWS small so NumPy's
+kernel is a few µs and is subtracted anyway). Each variant is a server in its own spawned
+process; this process is the client (raw bytes both ways, nothing decoded in the timed part):
+
+  bare    bytes echo, generic handler, ``async for req in it: yield reply``: gRPC's floor
+  proto   + the MatmulRequest decoded (wire.read_matmul_request) and a MatmulStreamResponse
+          built and serialized per reply
+  struct  proto + the servicer's structure: a reader task, the reply made a loop trip later
+          (the batcher's sink) and put on an asyncio.Queue, a response generator yielding
+          from the queue
+  icpt    proto + the worker's ErrorInterceptor (auth, metrics, per-message decoding)
+  worker  the real worker (``q6serve worker --backend numpy``): servicer, batcher, NumPy
+          kernel, interceptor, server options; its figure is p50 of (round trip - the
+          kernel_seconds its reply reports)
+
+Variants run in turn, ``--rounds`` times (the VM is noisy); the table gives each variant's
+median over rounds of its per-round p50, and the spread.
+
+  .venv/bin/python bench/stream_overhead.py --rounds 5 --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+VARIANTS = ("bare", "proto", "struct", "icpt", "worker")
+METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
+
+
+# -- servers (each runs in a spawned process) -------------------------------------------------
+def _reply_message(pb: Any, req: Any, y: bytes, rows: int) -> Any:
+    """A MatmulStreamResponse like the worker's for a result (y, shape, timing)."""
+    msg = pb.MatmulStreamResponse(request_id=req.request_id)
+    r = msg.result
+    r.y.dtype = pb.DTYPE_F16
+    r.y.shape.extend((1, rows))
+    r.y.data = y
+    r.kernel = "numpy"
+    r.timing.queue_seconds = 1e-6
+    r.timing.kernel_seconds = 1e-6
+    r.timing.batch_rows = 1
+    r.timing.batch_requests = 1
+    return msg
+
+
+def _echo_handler(variant: str, rows: int) -> Any:
+    """The stream handler of an echo variant and its (de)serializers."""
+    import grpc
+
+    from q6serve.service import wire
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    y = b"\0" * (2 * rows)
+    if variant == "bare":
+        async def bare(it: Any, ctx: Any) -> Any:
+            async for _ in it:
+                yield y
+        return grpc.stream_stream_rpc_method_handler(bare)
+
+    async def proto(it: Any, ctx: Any) -> Any:
+        async for req in it:
+            yield _reply_message(pb, req, y, rows)
+
+    async def struct(it: Any, ctx: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def read() -> None:
+            async for req in it:  # the batcher answers a loop trip later, through the
+                # request's sink (Engine.start_matmul) in the trip that resolves it
+                loop.call_soon(lambda req=req: out.put_nowait(_reply_message(pb, req, y, rows)))
+            out.put_nowait(None)
+
+        reader = loop.create_task(read())
+        while (item := await out.get()) is not None:
+            yield item
+        await reader
+
+    handler = struct if variant == "struct" else proto
+    return grpc.stream_stream_rpc_method_handler(
+        handler, request_deserializer=wire.read_matmul_request,
+        response_serializer=pb.MatmulStreamResponse.SerializeToString)
+
+
+def _echo_server(variant: str, rows: int, ports: Any) -> None:
+    import grpc
+
+    from q6serve.client.channel import channel_options
+
+    async def serve() -> None:
+        interceptors = []
+        if variant == "icpt":
+            from prometheus_client import CollectorRegistry
+
+            from q6serve.service.interceptor import ErrorInterceptor
+            from q6serve.service.metrics import Metrics
+
+            metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy",
+                              device="cpu")
+            interceptors.append(ErrorInterceptor(metrics))
+        server = grpc.aio.server(interceptors=interceptors, options=channel_options())
+        handler = _echo_handler("proto" if variant == "icpt" else variant, rows)
+        service, _, name = METHOD.lstrip("/").rpartition("/")
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(service, {name: handler})])
+        ports.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+# -- the client -------------------------------------------------------------------------------
+async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
+                      worker: bool) -> list[float]:
+    """Closed-loop round trips on one stream for ``seconds`` after ``warmup``; seconds each
+    (the worker's: minus the kernel time its reply reports)."""
+    import grpc
+
+    from q6serve.client.channel import channel_options
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    out: list[tuple[float, bytes]] = []
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
+        call = ch.stream_stream(METHOD)()
+        for phase, span in (("warm", warmup), ("timed", seconds)):
+            end = time.perf_counter() + span
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                await call.write(req)
+                raw = await call.read()
+                dt = time.perf_counter() - t0
+                if phase == "timed":
+                    out.append((dt, raw if worker else b""))
+        await call.done_writing()
+    if not worker:
+        return [dt for dt, _ in out]
+    lat = []
+    for dt, raw in out:
+        msg = pb.MatmulStreamResponse.FromString(raw)
+        if msg.WhichOneof("outcome") != "result":
+            raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
+        lat.append(dt - msg.result.timing.kernel_seconds)
+    return lat
+
+
+def _request(k: int) -> bytes:
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float16)
+    req = pb.MatmulRequest(weight="w", precision=pb.PRECISION_F16, out_dtype=pb.DTYPE_F16)
+    req.x.dtype = pb.DTYPE_F16
+    req.x.shape.extend(x.shape)
+    req.x.data = x.tobytes()
+    return req.SerializeToString()
+
+
+class _Servers:
+    """One running server per variant (started once; rounds reuse them)."""
+
+    def __init__(self, variants: list[str], rows: int, k: int, log_dir: Path) -> None:
+        self.targets: dict[str, str] = {}
+        self._procs: list[Any] = []
+        self._worker: Any = None
+        ctx = mp.get_context("spawn")
+        for v in variants:
+            if v == "worker":
+                self.targets[v] = self._start_worker(rows, k, log_dir)
+                continue
+            ports = ctx.Queue()
+            p = ctx.Process(target=_echo_server, args=(v, rows, ports), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self.targets[v] = f"127.0.0.1:{ports.get(timeout=60)}"
+
+    def _start_worker(self, rows: int, k: int, log_dir: Path) -> str:
+        from q6serve.client.client import Client
+        from q6serve.client.worker_process import WorkerProcess
+        from q6serve.kernels import q6k
+
+        self._worker = WorkerProcess(["--backend", "numpy"], log_dir / "worker.log").start()
+        with Client(self._worker.target, timeout=120.0) as c:
+            c.upload("w", q6k.random_blocks(rows, k, np.random.default_rng(0)), rows, k)
+        return self._worker.target
+
+    def close(self) -> None:
+        for p in self._procs:
+            p.terminate()
+            p.join(10)
+        if self._worker is not None:
+            self._worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)} (default all)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternations of all variants")
+    ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per variant")
+    ap.add_argument("--warmup", type=float, default=0.3, help="untimed seconds first")
+    ap.add_argument("--k", type=int, default=18944, help="x columns (default ffn_down's)")
+    ap.add_argument("--rows", type=int, default=7, help="y values (the weight's rows)")
+    a = ap.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    if bad := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    if a.k % 256:
+        ap.error("--k must be a multiple of 256 (Q6_K blocks)")
+    req = _request(a.k)
+    p50: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
+        servers = _Servers(variants, a.rows, a.k, Path(tmp))
+        try:
+            for r in range(a.rounds):
+                for v in variants:
+                    lat = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
+                                                  a.warmup, v == "worker"))
+                    p50[v].append(float(np.median(lat)) * 1e6)
+                print(f"# round {r + 1}: " + "  ".join(f"{v} {p50[v][-1]:.0f}"
+                                                       for v in variants), flush=True)
+        finally:
+            servers.close()
+    base = statistics.median(p50["bare"]) if "bare" in p50 else None
+    print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; p50 us per round trip "
+          "(worker: minus its kernel)")
+    for v in variants:
+        med = statistics.median(p50[v])
+        extra = f"  +{med - base:5.0f} over bare" if base is not None and v != "bare" else ""
+        print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

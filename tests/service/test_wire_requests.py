@@ -1,0 +1,103 @@
+"""MatmulStream / Matmul requests as the worker reads them: wire.read_matmul_request's
+MatmulIn (x.data a view of the bytes gRPC read) and a fully parsed message give the same
+engine call (wire.matmul_call) and the same stream cost (Q6ServeServicer._cost), and bad
+requests fail with the same messages either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import Precision
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.service import wire
+from q6serve.service.servicer import Q6ServeServicer
+from q6serve.v1 import q6serve_pb2 as pb
+
+
+def _raw(x: np.ndarray, **fields: object) -> bytes:
+    req = pb.MatmulRequest(**fields)  # type: ignore[arg-type]
+    req.x.dtype = pb.DTYPE_F16 if x.dtype == np.float16 else pb.DTYPE_F32
+    req.x.shape.extend(x.shape)
+    req.x.data = x.tobytes()
+    return req.SerializeToString()
+
+
+def _both(raw: bytes) -> list[object]:
+    """The request as the worker reads it (MatmulIn) and as protobuf parses it whole."""
+    read = wire.read_matmul_request(raw)
+    assert isinstance(read, wire.MatmulIn)
+    return [read, pb.MatmulRequest.FromString(raw)]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_matmul_call_same_from_view_and_message(dtype: type) -> None:
+    x = np.arange(6, dtype=dtype).reshape(2, 3)
+    raw = _raw(x, weight="w", precision=pb.PRECISION_F16, out_dtype=pb.DTYPE_F16)
+    for req in _both(raw):
+        call = wire.matmul_call(req, 1.5)  # type: ignore[arg-type]
+        assert (call.weight, call.weights, call.topk, call.timeout) == ("w", (), 0, 1.5)
+        assert call.precision is Precision.F16 and call.out_dtype == np.float16
+        assert call.x.dtype == dtype and call.x.dtype.byteorder in "=<|"
+        np.testing.assert_array_equal(call.x, x)
+
+
+def test_matmul_call_multi_weight_and_topk() -> None:
+    x = np.ones((1, 4), np.float32)
+    raw = _raw(x, weights=["q", "k"], topk=pb.TopKEpilogue(k=3))
+    for req in _both(raw):
+        call = wire.matmul_call(req, None)  # type: ignore[arg-type]
+        assert (call.weight, call.weights, call.topk) == ("", ("q", "k"), 3)
+
+
+@pytest.mark.parametrize(("fields", "shape", "want"), [
+    ({"weight": "w", "weights": ["a"]}, (1, 4), "sets both weight and weights"),
+    ({}, (1, 4), "MatmulRequest.weight is empty"),
+    ({"weight": "w"}, (4,), "x must be 2-D [N, K], got shape [4]"),
+    ({"weight": "w"}, (1, 1 << 31), "is too large"),
+    ({"weight": "w", "precision": 99}, (1, 4), "unknown precision enum value 99"),
+])
+def test_bad_requests_same_messages(fields: dict[str, object], shape: tuple[int, ...],
+                                    want: str) -> None:
+    req = pb.MatmulRequest(**fields)  # type: ignore[arg-type]
+    req.x.dtype = pb.DTYPE_F32
+    req.x.shape.extend(shape)
+    req.x.data = b"\0" * 16
+    raw = req.SerializeToString()
+    for r in (wire.read_matmul_request(raw), pb.MatmulRequest.FromString(raw)):
+        with pytest.raises(InvalidArgument, match=want.replace("[", r"\[").replace("]", r"\]")):
+            wire.matmul_call(r, None)  # type: ignore[arg-type]
+
+
+def test_x_byte_count_checked() -> None:
+    req = pb.MatmulRequest(weight="w")
+    req.x.dtype = pb.DTYPE_F16
+    req.x.shape.extend((2, 4))
+    req.x.data = b"\0" * 15
+    for r in _both(req.SerializeToString()):
+        with pytest.raises(InvalidArgument, match="needs 16 bytes, got 15"):
+            wire.matmul_call(r, None)  # type: ignore[arg-type]
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.rows = {"q": 8, "k": 2}
+
+    def get(self, name: str) -> object:
+        if name not in self.rows:
+            raise InvalidArgument("no such weight")  # any Q6Error: the request's own size
+        return type("View", (), {"rows": self.rows[name]})()
+
+
+@pytest.mark.parametrize(("fields", "extra"), [
+    ({"weight": "q", "out_dtype": pb.DTYPE_F16}, 3 * 8 * 2),
+    ({"weights": ["q", "k"]}, 3 * 10 * 4),  # out_dtype unset: f32
+    ({"weight": "q", "topk": pb.TopKEpilogue(k=5)}, 3 * (8 * 5 + 4)),
+    ({"weight": "missing"}, 0),
+])
+def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra: int) -> None:
+    servicer = Q6ServeServicer.__new__(Q6ServeServicer)
+    servicer.engine = _Engine()  # type: ignore[assignment]
+    raw = _raw(np.zeros((3, 4), np.float32), **fields)
+    for req in _both(raw):
+        assert servicer._cost(req) == len(raw) + extra
