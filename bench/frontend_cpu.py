@@ -7,6 +7,13 @@ machine where wall-clock figures are not.
 
     python bench/frontend_cpu.py --frontends 2 --seconds 4      # NumPy backend, ~15 s
     python bench/frontend_cpu.py --frontends 2 --lane           # the same callers on lanes
+    python bench/frontend_cpu.py --proxy 4       # a front end's own path alone, 4 calls/stack
+
+``--proxy C`` measures, in this process and without gRPC, sockets or a device process, what
+a front end itself does per call (``service/frontends.py``): EngineProxy.start_matmul of C
+callers' N=1 calls, their stack into a slot and its request frame, then the device's answer
+frame read by the link, each caller's future resolved with its rows of y and its sink run.
+What the front end's gRPC, interceptor and servicer cost on top is in the full run's figure.
 """
 
 from __future__ import annotations
@@ -109,6 +116,65 @@ def _lane_load(target: str, hosts: int, callers: int, seconds: float) -> tuple[i
     return calls, time.perf_counter() - t0
 
 
+def proxy_cpu(callers: int, calls: int = 20000) -> float:
+    """CPU seconds per call of a front end's own path (module docstring: ``--proxy``)."""
+    import asyncio
+    import struct
+
+    from q6serve.service import frontends as fe
+    from q6serve.service.engine import MatmulCall
+
+    class Transport:  # what the link writes to: kept for the device's side of the bench
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, b: bytes) -> None:
+            self.data += b
+
+        def is_closing(self) -> bool:
+            return False
+
+    async def run() -> float:
+        arena = fe.Arena.create(8, 1 << 16)
+        arena.unlink()
+        link, out = fe._Link(arena), Transport()
+        link.connection_made(out)  # type: ignore[arg-type]
+        proxy = fe.EngineProxy(link)
+        x = np.ones((1, 256), np.float16)
+        told = []
+
+        async def stack() -> None:
+            futs = [proxy.start_matmul(MatmulCall("w", x), told.append)
+                    for _ in range(callers)]
+            while not out.data:  # the proxy's flush
+                await asyncio.sleep(0)
+            (n,) = fe.FRAME.unpack_from(out.data)
+            msg = fe._decode(bytes(out.data[8 : 8 + n]))
+            out.data.clear()
+            rows, slot = msg[8][1][0], msg[9]
+            arena.array(slot, np.dtype("<f2"), (rows, 16), writable=True)[...] = 1
+            answer = fe._encode(("mmok", msg[1], ("numpy", "soa", "q8_1", 1e-4, 1e-5, rows,
+                                                  1, 2e-5, None), [(0, "f16", (rows, 16))]))
+            link.data_received(struct.pack("<Q", len(answer)) + answer)
+            if len(told) < callers:  # sinks run as done callbacks (before 2026-12-01)
+                await asyncio.sleep(0)
+            assert all(f.done() for f in futs) and len(told) == callers
+            told.clear()
+
+        for _ in range(200):
+            await stack()
+        best = float("inf")
+        for _ in range(3):  # the least of three: other processes' load only adds
+            t0 = time.process_time()
+            for _ in range(calls // callers):
+                await stack()
+            best = min(best, (time.process_time() - t0) / (calls // callers * callers))
+        arena.close()
+        return best
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frontends", type=int, default=2)
@@ -125,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows per call (T2: 1; T3-shaped: 64 with --hosts 8 --callers 1)")
     ap.add_argument("--lane", action="store_true",
                     help="the callers use the fast lane (a thread, region and lane each)")
+    ap.add_argument("--proxy", type=int, default=0, metavar="C",
+                    help="measure only a front end's own path, C calls per stack, in this "
+                         "process (see above); no worker is started")
     a = ap.parse_args(argv)
+    if a.proxy:
+        print(f"front end's own path, {a.proxy} calls/stack: "
+              f"{proxy_cpu(a.proxy) * 1e6:.1f} us CPU per call", flush=True)
+        return 0
     from q6serve.client.client import Client
 
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"frontend_cpu_{os.getpid()}.log"

@@ -183,25 +183,34 @@ class _Out:
         self.transport = transport
         self._buf: list[bytes] = []
         self._loop = asyncio.get_running_loop()
+        self._flush_at: asyncio.Handle | None = None  # the flush scheduled by send
 
     def send(self, msg: tuple[Any, ...]) -> None:
         data = _encode(msg)
         if len(data) >= 65536:
-            self.flush()
+            self.flush_now()
             if not self.transport.is_closing():
                 self.transport.write(FRAME.pack(len(data)))  # no copy of a big payload
                 self.transport.write(data)
             return
         if not self._buf:
-            self._loop.call_soon(self.flush)
+            self._flush_at = self._loop.call_soon(self.flush)
         self._buf.append(FRAME.pack(len(data)) + data)
 
     def flush(self) -> None:
+        self._flush_at = None
         if self._buf:
             data = b"".join(self._buf)
             self._buf.clear()
             if not self.transport.is_closing():
                 self.transport.write(data)
+
+    def flush_now(self) -> None:
+        """Write what is pending now, not at the scheduled flush (which is called off): the
+        sender knows nothing more goes to the peer in this trip (EngineProxy._flush)."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+        self.flush()
 
 
 class _Peer(asyncio.Protocol):
@@ -356,6 +365,7 @@ class Arena:
 _LE = {name: d.newbyteorder("<") for name, d in DTYPES.items()}
 _NAME = {d: name for name, d in DTYPES.items()}
 _PRECISION_OF = {p.value: p for p in Precision}
+_LAYOUT_OF = {v.value: v for v in Layout}
 
 
 def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
@@ -390,8 +400,8 @@ def _strip(reply: Any) -> Any:
 
 def _reply(f: tuple[Any, ...], y: np.ndarray | None) -> MatmulReply:
     kernel, layout, precision, queue, kernel_s, rows, reqs, device_s, topk = f
-    return MatmulReply(y, kernel, Layout(layout), Precision(precision), queue, kernel_s, rows,
-                       reqs, device_s, topk)
+    return MatmulReply(y, kernel, _LAYOUT_OF[layout], _PRECISION_OF[precision], queue,
+                       kernel_s, rows, reqs, device_s, topk)
 
 
 def _dress(reply: Any, ys: list[np.ndarray | None]) -> Any:
@@ -789,6 +799,33 @@ _DEVICE_CALLS: dict[str, Callable[..., Any]] = {
 # ============================================================================================
 # A front-end process
 # ============================================================================================
+# a reply's y in a slot at most this big is copied out at once, so the slot is free at once
+# and the callers share the copy; a bigger one is viewed in place and its slot freed when the
+# last view goes (a weakref.finalize per view, ~3 us: more than copying a small y)
+COPY_Y_BYTES = 64 << 10
+
+# (call, its future, its sink): a matmul of a front end not answered yet
+_Pending = tuple[MatmulCall, "asyncio.Future[Any]", "Callable[[Any], None] | None"]
+
+
+def _resolve(fut: asyncio.Future[Any], sink: Callable[[Any], None] | None,
+             outcome: Any) -> None:
+    """Settle ``fut`` with ``outcome`` (an exception: failed) and tell its sink in this trip,
+    as the Engine does (``Batcher._resolve``); a caller that gave up is skipped. A failing
+    sink is logged: it must not take the device socket down with it."""
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
+    if sink is not None:
+        try:
+            sink(fut)
+        except Exception:
+            log.exception("a matmul's sink failed")
+
+
 class _Link(_Peer):
     """The front end's connection to the device process: request ids -> futures. Its first
     message from the device process is the ack of the hello (``acked``)."""
@@ -799,30 +836,29 @@ class _Link(_Peer):
         super().__init__()
         self.arena = arena
         self._ids = 0
-        self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        # rid -> (future, slot, stack, sink, weight names): see request
+        self._waiting: dict[int, tuple[Any, ...]] = {}
         self.free_slots = list(range(arena.slots))
         self.serving = True
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         self.acked: asyncio.Future[tuple[Any, ...]] = loop.create_future()
         # the device process's drain order: the grace period (0.0: the device process is gone)
         self.stop_order: asyncio.Future[float] = loop.create_future()
         self.on_health: Callable[[bool], None] = lambda ok: None
         self.rows: dict[str, int] = {}  # weight -> rows, seen in replies (stream back-pressure)
 
-    def _next(self) -> int:
-        self._ids += 1
-        return self._ids
-
     def request(self, msg: tuple[Any, ...], slot: int = -1,
                 fut: asyncio.Future[Any] | None = None, group: _Stack | None = None,
+                sink: Callable[[Any], None] | None = None, names: tuple[str, ...] = (),
                 ) -> tuple[int, asyncio.Future[Any]]:
-        """Send ``msg``; ``fut`` (made here unless given) gets the answer. ``group``: the
-        request is several callers' matmuls stacked (EngineProxy._send_group): each of their
-        futures gets its rows of y, ``fut`` is not used."""
-        rid = self._next()
+        """Send ``msg``; ``fut`` (made here unless given) gets the answer, then ``sink(fut)``
+        runs; ``names``: the weights of a matmul (their rows are noted from the reply).
+        ``group``: the request is several callers' matmuls stacked (EngineProxy._send_group):
+        each of their futures gets its rows of y, ``fut`` is not used."""
+        self._ids = rid = self._ids + 1
         if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = (fut, slot, group)
+            fut = self.loop.create_future()
+        self._waiting[rid] = (fut, slot, group, sink, names)
         self.out.send((msg[0], rid, *msg[1:]))
         return rid, fut
 
@@ -833,26 +869,46 @@ class _Link(_Peer):
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
 
-    def _answer_group(self, group: list[tuple[asyncio.Future[Any], int]], slot: int,
-                      fields: tuple[Any, ...], out: Any) -> None:
-        """A stacked request's reply: each caller its rows of y (views of the slot, which is
-        free once all of them are gone; each view is its own array, see _free_part)."""
-        in_slot = [1]  # one for this loop: a view dropped at once must not free the slot early
+    def _y(self, slot: int, out: tuple[int, str, tuple[int, ...]],
+           in_slot: list[int]) -> np.ndarray:
+        """y at ``out`` (offset, dtype, shape) of ``slot``: a copy when small (COPY_Y_BYTES),
+        else a view that holds the slot (``in_slot`` counts them, see _free_part). A view's
+        slices do not hold it (their base is the arena): each holder needs its own view."""
+        off, dt, shape = out
+        y = self.arena.array(slot, _LE[dt], shape, writable=False, offset=off)
+        if y.nbytes <= COPY_Y_BYTES:
+            return y.copy()
+        in_slot[0] += 1
+        weakref.finalize(y, self._free_part, slot, in_slot)
+        return y
+
+    def _answer_group(self, group: _Stack, slot: int, fields: tuple[Any, ...],
+                      out: Any) -> None:
+        """A stacked request's reply: each caller its rows of y (slices of one copy of a
+        small y; views of the slot for a big one, see _y)."""
+        in_slot = [1]  # one for this loop: the slot is not freed while callers are served
+        y: Any = out
+        if isinstance(out, tuple):
+            off, dt, shape = out
+            if shape[0] * shape[1] * _LE[dt].itemsize <= COPY_Y_BYTES:
+                y = self._y(slot, out, in_slot)
+        kernel, layout, precision, queue, kernel_s, rows, reqs, device_s, topk = fields
+        layout, precision = _LAYOUT_OF[layout], _PRECISION_OF[precision]
         row = 0
-        for f, rows in group:
-            if isinstance(out, tuple):
-                off, dt, shape = out
-                dtype = _LE[dt]
-                y = self.arena.array(slot, dtype, (rows, shape[1]), writable=False,
-                                     offset=off + row * shape[1] * dtype.itemsize)
-                in_slot[0] += 1
-                weakref.finalize(y, self._free_part, slot, in_slot)
+        for c, f, sink in group.members:
+            n = c.x.shape[0]
+            if f.done():  # the caller gave up
+                row += n
+                continue
+            if isinstance(y, tuple):
+                part = self._y(slot, (off + row * shape[1] * _LE[dt].itemsize, dt,
+                                      (n, shape[1])), in_slot)
             else:
-                y = out[row : row + rows]  # its own bytes (unpickled): the slice keeps them
-            row += rows
-            if not f.done():
-                f.set_result(_reply(fields, y))
-        del y
+                part = y[row : row + n]
+            row += n
+            _resolve(f, sink, MatmulReply(part, kernel, layout, precision, queue, kernel_s,
+                                          rows, reqs, device_s, topk))
+        self.rows[group.key[0]] = int(out[2][1] if isinstance(out, tuple) else out.shape[1])
         if slot >= 0:
             self._free_part(slot, in_slot)
 
@@ -878,12 +934,14 @@ class _Link(_Peer):
         """The device process went away: every waiting call fails, the front end stops."""
         self.serving = False
         waiting, self._waiting = self._waiting, {}
-        for fut, _, group in waiting.values():
-            if group is not None:
-                group.answered()  # the calls waiting behind it then fail, not sent
-            for f in [fut] if group is None else [g for g, _ in group.members]:
-                if not f.done():
-                    f.set_exception(Unavailable("the worker's device process went away"))
+        gone = Unavailable("the worker's device process went away")
+        for fut, _, group, sink, _ in waiting.values():
+            if group is None:
+                _resolve(fut, sink, gone)
+                continue
+            group.answered()  # the calls waiting behind it then fail, not sent
+            for _, f, s in group.members:
+                _resolve(f, s, gone)
         if not self.acked.done():
             self.acked.set_exception(Unavailable("the device process closed the connection"))
         if not self.stop_order.done():
@@ -891,59 +949,65 @@ class _Link(_Peer):
 
     def _answer(self, msg: tuple[Any, ...]) -> None:
         kind, rid = msg[0], msg[1]
-        fut, slot, group = self._waiting.pop(rid, (None, -1, None))
-        if fut is None:
+        got = self._waiting.pop(rid, None)
+        if got is None:
             return
+        fut, slot, group, sink, names = got
         if group is not None:
             group.answered()
         if kind == "err":
             if slot >= 0:
                 self.free(slot)
-            if (group is not None and len(group.members) > 1
-                    and isinstance(msg[2], InvalidArgument | FailedPrecondition)):
+            if group is None:
+                _resolve(fut, sink, msg[2])
+            elif len(group.members) > 1 and isinstance(msg[2],
+                                                       InvalidArgument | FailedPrecondition):
                 group.one_by_one()  # maybe one caller's input: each gets its own answer
-                return
-            for f in [fut] if group is None else [g for g, _ in group.members]:
-                if not f.done():
-                    f.set_exception(msg[2])
+            else:
+                for _, f, s in group.members:
+                    _resolve(f, s, msg[2])
             return
         if kind == "ok":
-            if not fut.done():
-                fut.set_result(msg[2])
+            _resolve(fut, sink, msg[2])
             return
         reply, outs = msg[2], msg[3]
         if group is not None:
-            self._answer_group(group.members, slot, reply, outs[0])
+            self._answer_group(group, slot, reply, outs[0])
             return
         ys: list[np.ndarray | None] = []
-        in_slot = [0]  # ys viewing the slot: it is free once every one of them is gone
+        in_slot = [1]  # ys viewing the slot (+ this loop): it is free once all are gone
         for out in outs:
-            if isinstance(out, tuple):
-                off, dt, shape = out
-                y = self.arena.array(slot, _LE[dt], shape, writable=False,
-                                     offset=off)
-                in_slot[0] += 1
-                weakref.finalize(y, self._free_part, slot, in_slot)
-                ys.append(y)
-            else:
-                ys.append(out)
-        if not in_slot[0] and slot >= 0:
-            self.free(slot)
-        if not fut.done():
-            fut.set_result(_dress(reply, ys))
-        # else the caller gave up: y (and with it the slot) goes with this frame
+            ys.append(self._y(slot, out, in_slot) if isinstance(out, tuple) else out)
+        for name, y in zip(names if isinstance(reply, tuple) else [n for n, _ in reply], ys,
+                           strict=True):
+            if y is not None:
+                self.rows[name] = int(y.shape[1])
+        if slot >= 0:
+            self._free_part(slot, in_slot)
+        _resolve(fut, sink, _dress(reply, ys))
+        # a caller that gave up: y (and with it the slot, if viewed) goes with this frame
 
 
-@dataclasses.dataclass(frozen=True)
 class _Stack:
-    """Several callers' calls sent as one request: their futures and rows, in order, and how
-    to send them one by one instead (when the stack was refused as INVALID_ARGUMENT or
-    FAILED_PRECONDITION, which may be one caller's input: as the batcher isolates such a
-    request, each caller then gets its own answer)."""
+    """Several callers' calls sent as one request (EngineProxy._send_group), in order. When
+    the stack was refused as INVALID_ARGUMENT or FAILED_PRECONDITION, which may be one
+    caller's input, they are sent again one by one (as the batcher isolates such a request,
+    each caller then gets its own answer)."""
 
-    members: list[tuple[asyncio.Future[Any], int]]
-    one_by_one: Callable[[], None]
-    answered: Callable[[], None]  # the device process answered the stack (or went away)
+    __slots__ = ("key", "members", "proxy")
+
+    def __init__(self, proxy: EngineProxy, key: tuple[Any, ...],
+                 members: list[_Pending]) -> None:
+        self.proxy, self.key, self.members = proxy, key, members
+
+    def one_by_one(self) -> None:
+        for c, f, sink in self.members:
+            if not f.done():
+                self.proxy._send(c, f, sink)
+
+    def answered(self) -> None:
+        """The device process answered the stack (or went away)."""
+        self.proxy._answered(self.key)
 
 
 class EngineProxy:
@@ -956,10 +1020,11 @@ class EngineProxy:
     def __init__(self, link: _Link) -> None:
         self.link = link
         # groupable calls not sent yet by (weight, x dtype, K, precision, out dtype)
-        self._groups: dict[tuple[Any, ...], list[tuple[MatmulCall, asyncio.Future[Any]]]] = {}
+        self._groups: dict[tuple[Any, ...], list[_Pending]] = {}
         self._stacks: dict[tuple[Any, ...], int] = {}  # stacked requests in flight, by key
         self.stacks_in_flight = stacks_in_flight()
         self._flushing = False
+        self._rows: dict[str, _Rows] = {}  # what get answers, by weight
 
     @property
     def serving(self) -> bool:
@@ -967,7 +1032,9 @@ class EngineProxy:
 
     def start_matmul(self, call: MatmulCall, sink: Callable[[Any], None] | None = None,
                      ) -> asyncio.Future[MatmulReply]:
-        """As Engine.start_matmul; ``sink(fut)`` runs when the device process answered.
+        """As Engine.start_matmul; ``sink(fut)`` runs in the loop trip that resolves the
+        future (the one that reads the device process's answer; not when the future is
+        cancelled from outside).
 
         Plain single-weight calls of a few rows wait for the end of this loop iteration and
         go to the device process stacked with the others for the same weight, dtypes and K
@@ -976,36 +1043,27 @@ class EngineProxy:
         ``stacks_in_flight`` stacks of that key are on the device (one running, one queued in
         its batcher), they wait for the first answer instead: the device could not run them
         sooner, and they go as one larger stack."""
-        if not self.link.serving:
+        link = self.link
+        if not link.serving:
             raise Unavailable("the worker is draining and takes no new requests")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = link.loop.create_future()
         x = call.x
         if (call.weights or call.topk or x.ndim != 2
                 or not 1 <= x.shape[0] <= GROUP_MAX_ROWS // 2):
-            self._send(call, fut)
+            self._send(call, fut, sink)
+            return fut
+        key = (call.weight, x.dtype, x.shape[1], call.precision, call.out_dtype)
+        if (waiting := self._groups.get(key)) is None:
+            self._groups[key] = [(call, fut, sink)]
         else:
-            key = (call.weight, x.dtype.str, int(x.shape[1]), call.precision.value,
-                   dtype_name(call.out_dtype))
-            self._groups.setdefault(key, []).append((call, fut))
-            if not self._flushing and self._stacks.get(key, 0) < self.stacks_in_flight:
-                self._flushing = True
-                asyncio.get_running_loop().call_soon(self._flush)
-        link = self.link
-
-        def note_rows(f: asyncio.Future[Any]) -> None:
-            if f.cancelled() or f.exception() is not None:
-                return
-            r = f.result()
-            for name, part in ([(call.weight, r)] if isinstance(r, MatmulReply) else r):
-                if part.y is not None:
-                    link.rows[name] = int(part.y.shape[1])
-
-        fut.add_done_callback(note_rows)
-        if sink is not None:
-            fut.add_done_callback(sink)
+            waiting.append((call, fut, sink))
+        if not self._flushing and self._stacks.get(key, 0) < self.stacks_in_flight:
+            self._flushing = True
+            link.loop.call_soon(self._flush)
         return fut
 
-    def _send(self, call: MatmulCall, fut: asyncio.Future[Any]) -> None:
+    def _send(self, call: MatmulCall, fut: asyncio.Future[Any],
+              sink: Callable[[Any], None] | None) -> None:
         """One call as one request; its x in a free slot when it fits."""
         x, link = call.x, self.link
         slot = link.free_slots.pop() if link.free_slots else -1
@@ -1015,7 +1073,8 @@ class EngineProxy:
         else:
             xs = np.ascontiguousarray(x)
         link.request(("mm", call.weight, call.weights, call.topk, call.precision.value,
-                      dtype_name(call.out_dtype), call.timeout, xs, slot), slot, fut)
+                      dtype_name(call.out_dtype), call.timeout, xs, slot), slot, fut,
+                     sink=sink, names=call.weights or (call.weight,))
 
     def _flush(self) -> None:
         """The waiting calls out, one request per key split at GROUP_MAX_ROWS rows, except
@@ -1023,18 +1082,19 @@ class EngineProxy:
         self._flushing = False
         for key in [k for k in self._groups
                     if self._stacks.get(k, 0) < self.stacks_in_flight or not self.link.serving]:
-            live = [(c, f) for c, f in self._groups.pop(key) if not f.done()]  # not cancelled
-            chunk: list[tuple[MatmulCall, asyncio.Future[Any]]] = []
+            live = [p for p in self._groups.pop(key) if not p[1].done()]  # not cancelled
+            chunk: list[_Pending] = []
             rows = 0
-            for c, f in live:
-                n = int(c.x.shape[0])
+            for p in live:
+                n = p[0].x.shape[0]
                 if chunk and rows + n > GROUP_MAX_ROWS:
                     self._send_group(key, chunk, rows)
                     chunk, rows = [], 0
-                chunk.append((c, f))
+                chunk.append(p)
                 rows += n
             if chunk:
                 self._send_group(key, chunk, rows)
+        self.link.out.flush_now()  # the stacks go now, not a loop iteration later
 
     def _answered(self, key: tuple[Any, ...]) -> None:
         """A stack of ``key`` was answered: calls waiting for it go out (end of this trip:
@@ -1045,42 +1105,37 @@ class EngineProxy:
             del self._stacks[key]
         if key in self._groups and not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.link.loop.call_soon(self._flush)
 
-    def _send_group(self, key: tuple[Any, ...],
-                    members: list[tuple[MatmulCall, asyncio.Future[Any]]], rows: int) -> None:
+    def _send_group(self, key: tuple[Any, ...], members: list[_Pending], rows: int) -> None:
         if not self.link.serving:
-            for _, f in members:
-                if not f.done():
-                    f.set_exception(Unavailable("the worker is draining and takes no new "
-                                                "requests"))
+            for _, f, sink in members:
+                _resolve(f, sink, Unavailable("the worker is draining and takes no new "
+                                              "requests"))
             return
-        first, link = members[0][0], self.link
-        dtype = first.x.dtype.newbyteorder("<")
-        shape = (rows, int(first.x.shape[1]))
+        weight, dtype, k, precision, out_dtype = key
+        link = self.link
+        dtype = dtype.newbyteorder("<")
+        shape = (rows, k)
         slot = link.free_slots.pop() if link.free_slots else -1
-        if slot >= 0 and rows * shape[1] * dtype.itemsize <= link.arena.slot_bytes:
-            dst = link.arena.array(slot, dtype, shape, writable=True)
-            row = 0
-            for c, _ in members:  # straight into the slot: no concatenated copy
-                dst[row : row + c.x.shape[0]] = c.x
-                row += int(c.x.shape[0])
-            xs: Any = (dtype_name(dtype), shape)
+        if slot >= 0 and rows * k * dtype.itemsize <= link.arena.slot_bytes:
+            # straight into the slot: no concatenated copy
+            np.concatenate([c.x for c, _, _ in members],
+                           out=link.arena.array(slot, dtype, shape, writable=True))
+            xs: Any = (_NAME.get(dtype) or dtype_name(dtype), shape)
         else:
-            xs = np.concatenate([c.x for c, _ in members])
+            xs = np.concatenate([c.x for c, _, _ in members])
         # the longest deadline: a caller's own deadline still ends its RPC (gRPC enforces it)
-        timeouts = [c.timeout for c, _ in members]
-        timeout = None if None in timeouts else max(t for t in timeouts if t is not None)
-        def one_by_one() -> None:
-            for c, f in members:
-                if not f.done():
-                    self._send(c, f)
-
+        timeout: float | None = 0.0
+        for c, _, _ in members:
+            if c.timeout is None:
+                timeout = None
+                break
+            timeout = max(timeout, c.timeout)
         self._stacks[key] = self._stacks.get(key, 0) + 1
-        link.request(("mm", first.weight, (), 0, first.precision.value,
-                      dtype_name(first.out_dtype), timeout, xs, slot), slot,
-                     group=_Stack([(f, int(c.x.shape[0])) for c, f in members], one_by_one,
-                                  functools.partial(self._answered, key)))
+        link.request(("mm", weight, (), 0, precision.value,
+                      _NAME.get(out_dtype) or dtype_name(out_dtype), timeout, xs, slot), slot,
+                     group=_Stack(self, key, members))
 
     async def matmul(self, call: MatmulCall) -> MatmulReply:
         # shielded: a cancelled caller must not cancel the future the reply resolves (its
@@ -1092,7 +1147,9 @@ class EngineProxy:
         rows = self.link.rows.get(name)
         if rows is None:
             raise NotFound(f"rows of {name!r} not seen yet")
-        return _Rows(rows)
+        if (got := self._rows.get(name)) is None or got.rows != rows:
+            got = self._rows[name] = _Rows(rows)  # (one per call was ~1 us of the stream's)
+        return got
 
     async def load_gguf(self, *a: Any) -> Any:
         return await self.link.call("load_gguf", *a)

@@ -304,6 +304,10 @@ class _Writer:
 
     def __init__(self) -> None:
         self.data = bytearray()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
     def write(self, b: bytes) -> None:
         self.data += b
@@ -337,48 +341,63 @@ def _proxy(slots: int) -> tuple[Any, _Writer, Any, Any]:
     return arena, w, link, EngineProxy(link)
 
 
-def test_front_end_stacks_small_calls() -> None:
+def test_front_end_stacks_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """EngineProxy: calls of one loop iteration for the same weight, dtypes and K go to the
-    device process as one stacked request; each caller gets its own rows of y (views of the
-    slot, which is free again once they are gone); a caller that gave up is skipped; an
-    error reaches every caller of the stack; other calls are sent on their own."""
+    device process as one stacked request; each caller gets its own rows of y and its sink
+    runs in the trip that reads the answer (a small y is copied out and its slot is free at
+    once; a big one is viewed in the slot, which is free again once the views are gone); a
+    caller that gave up is skipped; an error reaches every caller of the stack; other calls
+    are sent on their own."""
     import gc
 
     from q6serve.kernels.api import Precision
     from q6serve.kernels.errors import InvalidArgument, NotFound
+    from q6serve.service import frontends
     from q6serve.service.engine import MatmulCall
 
     async def main() -> None:
-        arena, w, link, proxy = _proxy(2)
+        arena, w, link, proxy = _proxy(4)
         xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
-        futs = [proxy.start_matmul(MatmulCall("w", x)) for x in xs]
-        odd = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float16)))  # other dtype
-        gone = proxy.start_matmul(MatmulCall("w", xs[0]))
-        gone.cancel()
-        solo = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float32),
-                                             Precision.EXACT))
-        for _ in range(3):  # the group's flush, then the writer's
+        for copy_max in (1 << 16, 0):  # y copied out of the slot, then y viewed in it
+            monkeypatch.setattr(frontends, "COPY_Y_BYTES", copy_max)
+            told: list[asyncio.Future[Any]] = []
+            futs = [proxy.start_matmul(MatmulCall("w", x), told.append) for x in xs]
+            odd = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float16)))  # dtype
+            gone = proxy.start_matmul(MatmulCall("w", xs[0]), told.append)
+            gone.cancel()
+            solo = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float32),
+                                                 Precision.EXACT))
+            for _ in range(3):  # the group's flush, then the writer's
+                await asyncio.sleep(0)
+            msgs = w.messages()
+            assert [m[0] for m in msgs] == ["mm", "mm", "mm"]
+            stacked = next(m for m in msgs if m[8] == ("f32", (4, K)))
+            rid, slot = stacked[1], stacked[9]
+            x = arena.array(slot, np.dtype("<f4"), (4, K), writable=False)
+            np.testing.assert_array_equal(x[:, 0], [1, 2, 2, 3])  # the three callers' rows
+            del x
+            y = arena.array(slot, np.dtype("<f4"), (4, 8), writable=True)
+            y[...] = np.arange(32).reshape(4, 8)
+            del y
+            fields = ("k", "soa", "exact", 0.0, 1e-5, 4, 1, 2e-5, None)
+            link._answer(("mmok", rid, fields, [(0, "f32", (4, 8))]))
+            assert told == futs  # each sink once, in order, in this trip; not the cancelled
+            assert link.rows == {"w": 8}  # noted for the stream's back-pressure estimate
+            ys = [f.result().y for f in futs]
+            assert [y.shape for y in ys] == [(1, 8), (2, 8), (1, 8)]
+            np.testing.assert_array_equal(ys[1], np.arange(8, 24).reshape(2, 8))
+            assert futs[0].result().precision is Precision.EXACT
+            if copy_max:
+                assert slot in link.free_slots  # copied out: free at once
+            else:
+                assert slot not in link.free_slots  # still viewed by the callers' ys
+            del ys, futs, told
             await asyncio.sleep(0)
-        msgs = w.messages()
-        assert [m[0] for m in msgs] == ["mm", "mm", "mm"]
-        stacked = next(m for m in msgs if m[8] == ("f32", (4, K)))
-        rid, slot = stacked[1], stacked[9]
-        x = arena.array(slot, np.dtype("<f4"), (4, K), writable=False)
-        np.testing.assert_array_equal(x[:, 0], [1, 2, 2, 3])  # the three callers' rows
-        del x
-        y = arena.array(slot, np.dtype("<f4"), (4, 8), writable=True)
-        y[...] = np.arange(32).reshape(4, 8)
-        del y
-        fields = ("k", "soa", "exact", 0.0, 1e-5, 4, 1, 2e-5, None)
-        link._answer(("mmok", rid, fields, [(0, "f32", (4, 8))]))
-        ys = [f.result().y for f in futs]
-        assert [y.shape for y in ys] == [(1, 8), (2, 8), (1, 8)]
-        np.testing.assert_array_equal(ys[1], np.arange(8, 24).reshape(2, 8))
-        assert slot not in link.free_slots  # still viewed by the callers' ys
-        del ys, futs
-        await asyncio.sleep(0)  # the futures' done callbacks (which hold them) run
-        gc.collect()
-        assert slot in link.free_slots
+            gc.collect()
+            assert slot in link.free_slots
+            for f in (odd, solo):
+                assert not f.done()
+                f.cancel()
         # an error reaches every caller of a stack
         a, b = (proxy.start_matmul(MatmulCall("nope", xs[0])) for _ in range(2))
         for _ in range(3):
@@ -400,9 +419,6 @@ def test_front_end_stacks_small_calls() -> None:
         for m in again:
             link._answer(("err", m[1], InvalidArgument("yours")))
         assert isinstance(a.exception(), InvalidArgument)
-        assert not odd.done() and not solo.done()
-        odd.cancel()
-        solo.cancel()
         arena.close()
 
     asyncio.run(main())
@@ -458,6 +474,68 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
         for f in (b, c, d, e, other):
             assert isinstance(f.exception(), Unavailable), f
         assert w.messages() == []
+        arena.close()
+
+    asyncio.run(main())
+
+
+def test_front_end_sinks_run_in_the_answering_trip() -> None:
+    """EngineProxy: a call's sink runs once, in the trip that reads its answer (as the
+    Engine's: no done callback a trip later), for a plain call, a multi-weight call whose
+    rows are noted per weight, a refusal and the device process going away; a sink that
+    raises is logged and the link stays up for the other callers; y read from the slot is the
+    device's; a cancelled caller's sink is not called."""
+    from q6serve.kernels.errors import NotFound, Unavailable
+    from q6serve.service.engine import MatmulCall
+    from q6serve.service.frontends import FRAME, _encode
+
+    async def main() -> None:
+        arena, w, link, proxy = _proxy(4)
+        told: list[tuple[str, asyncio.Future[Any]]] = []
+
+        def sink(name: str) -> Callable[[asyncio.Future[Any]], None]:
+            return lambda f: told.append((name, f))
+
+        def boom(f: asyncio.Future[Any]) -> None:
+            raise RuntimeError("a servicer's sink failed")
+
+        big = np.ones((40, K), np.float32)  # not stacked: one request of its own
+        plain = proxy.start_matmul(MatmulCall("w", big), sink("plain"))
+        multi = proxy.start_matmul(MatmulCall("", big[:1], weights=("a", "b")), sink("multi"))
+        bad = proxy.start_matmul(MatmulCall("w", big[:1] * 2), boom)  # stacked alone
+        gone = proxy.start_matmul(MatmulCall("w", big), sink("gone"))
+        gone.cancel()
+        for _ in range(2):
+            await asyncio.sleep(0)
+        sent = {m[1]: m for m in w.messages()}
+        assert len(sent) == 4 and not told
+        p_rid, m_rid, g_rid, b_rid = sorted(sent)  # the stack went at the trip's end
+        assert sent[m_rid][3] == ("a", "b") and sent[b_rid][8] == ("f32", (1, K))
+        fields = ("k", "soa", "exact", 0.0, 1e-5, 40, 1, 2e-5, None)
+        slot = sent[p_rid][9]
+        arena.array(slot, np.dtype("<f4"), (40, 8), writable=True)[...] = 7
+        link._answer(("mmok", p_rid, fields, [(0, "f32", (40, 8))]))
+        assert told == [("plain", plain)]
+        np.testing.assert_array_equal(plain.result().y, np.full((40, 8), 7, np.float32))
+        ya, yb = np.zeros((1, 3), np.float32), np.ones((1, 5), np.float32)  # not in a slot
+        link._answer(("mmok", m_rid, [("a", fields), ("b", fields)], [ya, yb]))
+        assert told[-1] == ("multi", multi) and [r.y.shape for _, r in multi.result()] == [
+            (1, 3), (1, 5)]
+        assert link.rows == {"w": 8, "a": 3, "b": 5}
+        refusal = _encode(("err", b_rid, NotFound("no weight named 'w'")))
+        link.data_received(FRAME.pack(len(refusal)) + refusal)  # its sink raises
+        assert isinstance(bad.exception(), NotFound) and not w.closed
+        link._answer(("mmok", g_rid, fields, [(0, "f32", (40, 8))]))  # nobody waits
+        assert len(told) == 2
+        # the device process goes away: the waiting call and the held stack's fail, told
+        held = [proxy.start_matmul(MatmulCall("w", big[:1]), sink(f"held{i}"))
+                for i in range(3)]
+        for _ in range(2):
+            await asyncio.sleep(0)
+        assert len(w.messages()) == 1 and len(link.free_slots) == 3  # y copied: slots free
+        link.connection_lost(None)
+        assert [n for n, _ in told[2:]] == ["held0", "held1", "held2"]
+        assert all(isinstance(f.exception(), Unavailable) for f in held)
         arena.close()
 
     asyncio.run(main())
