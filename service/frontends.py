@@ -15,8 +15,10 @@ backend, the weights, the VRAM accountant, the batchers, the regions and /metric
 
 A matmul's activations go into a slot of the front end's arena (one copy, which the bytes
 path makes anyway); the device process views them there, runs the batcher, writes y into the
-same slot and answers with a ~100-byte message; the front end encodes the reply from the slot
-and frees the slot when the reply's y is gone. A plain matmul and its reply travel in fixed
+same slot and answers with a ~100-byte message; the front end copies a small y (<= 64 KiB) out
+of the slot and frees it at once, or encodes a bigger one from the slot and frees the slot when
+the reply's y is gone; the caller's sink (the servicer's reply) runs in the loop trip that
+reads the answer. A plain matmul and its reply travel in fixed
 struct layouts (``_MM``, ``_MMOK``), everything else as pickled tuples of plain values; the
 frames are parsed as they arrive (``_Peer``: no reader task or coroutine per message). Calls
 whose x or y do not fit a slot (or when every slot is busy) carry the array in the message
