@@ -12,6 +12,9 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           (the batcher's sink) and put on an asyncio.Queue, a response generator yielding
           from the queue
   icpt    proto + the worker's ErrorInterceptor (auth, metrics, per-message decoding)
+  servicer the worker's own server (service/worker.py build_server: options, interceptor,
+          health, reflection) and Q6ServeServicer.MatmulStream, over an engine whose
+          start_matmul answers a loop trip later with a ready reply (no batcher, no kernel)
   worker  the real worker (``q6serve worker --backend numpy``): servicer, batcher, NumPy
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("bare", "proto", "struct", "icpt", "worker")
+VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "worker")
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
@@ -95,12 +98,71 @@ def _echo_handler(variant: str, rows: int) -> Any:
         response_serializer=pb.MatmulStreamResponse.SerializeToString)
 
 
+class _StubEngine:
+    """What Q6ServeServicer.MatmulStream asks of an engine, answering each call a loop trip
+    later through its sink (as the batcher does) with a ready reply of ``rows`` f16 values."""
+
+    takes_multi_weight = False
+    serving = True
+
+    def __init__(self, rows: int) -> None:
+        from q6serve.kernels.api import Layout, Precision
+        from q6serve.service.batcher import MatmulReply
+
+        self.view = type("View", (), {"rows": rows})()
+        self.reply = MatmulReply(np.zeros((1, rows), np.float16), "stub", Layout.SOA,
+                                 Precision.F16, 1e-6, 1e-6, 1, 1, 1e-6)
+
+    def get(self, name: str) -> Any:
+        return self.view
+
+    def start_matmul(self, call: Any, sink: Any = None) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+
+        def resolve() -> None:
+            fut.set_result(self.reply)
+            if sink is not None:
+                sink(fut)
+
+        asyncio.get_running_loop().call_soon(resolve)
+        return fut
+
+
+async def _servicer_server(rows: int) -> Any:
+    """The worker's server around Q6ServeServicer over a _StubEngine; returns (server, port)."""
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry
+
+    from q6serve.service.admission import StreamBudget
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.interceptor import ErrorInterceptor
+    from q6serve.service.metrics import Metrics
+    from q6serve.service.servicer import Q6ServeServicer
+    from q6serve.service.worker import build_server
+
+    cfg = dataclasses.replace(WorkerConfig(), port=0)
+    metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
+    servicer = Q6ServeServicer(_StubEngine(rows),  # type: ignore[arg-type]
+                               max_stream_bytes=cfg.max_stream_bytes,
+                               stream_budget=StreamBudget(cfg.max_stream_bytes_total,
+                                                          cfg.max_stream_bytes_per_connection))
+    server, _, port = build_server(cfg, servicer, ErrorInterceptor(metrics))
+    return server, port
+
+
 def _echo_server(variant: str, rows: int, ports: Any) -> None:
     import grpc
 
     from q6serve.client.channel import channel_options
 
     async def serve() -> None:
+        if variant == "servicer":
+            server, port = await _servicer_server(rows)
+            ports.put(port)
+            await server.start()
+            await server.wait_for_termination()
+            return
         interceptors = []
         if variant == "icpt":
             from prometheus_client import CollectorRegistry

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -165,9 +164,9 @@ def matmul_call(req: pb.MatmulRequest | MatmulIn, timeout: float | None,
                       dtype_from_pb(msg.out_dtype), timeout, topk, weights)
 
 
-@dataclass(frozen=True)
-class Took:
-    """perf_counter() times of one request in the worker: RPC taken, activations decoded."""
+class Took(NamedTuple):
+    """perf_counter() times of one request in the worker: RPC taken, activations decoded.
+    (A tuple: made for every request on the event loop, 4x cheaper than a frozen dataclass.)"""
 
     start: float
     decoded: float
@@ -346,10 +345,11 @@ def _region_ref(ref: pb.RegionRef, what: str) -> RegionRef:
 
 def region_io(req: pb.MatmulRequest | MatmulIn) -> RegionIO | None:
     """The request's region references; None when it names none (bytes travel inline)."""
-    has_x, has_y = req.HasField("x_region"), req.HasField("y_region")
+    msg = message(req)
+    has_x, has_y = msg.HasField("x_region"), msg.HasField("y_region")
     if not (has_x or has_y):
         return None
-    if req.weights or req.HasField("topk"):
+    if msg.weights or msg.HasField("topk"):
         raise InvalidArgument("x_region/y_region do not combine with weights or topk; send x "
                               "inline for a multi-weight or top-k request")
     x_ref = x_dtype = x_shape = None

@@ -121,5 +121,5 @@ def test_stream_overhead_variants_run() -> None:
                            "--rows", "2"], capture_output=True, text=True, timeout=180,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    for variant in ("bare", "proto", "struct", "icpt", "worker"):
+    for variant in ("bare", "proto", "struct", "icpt", "servicer", "worker"):
         assert f"\n{variant:8s} median" in "\n" + done.stdout, done.stdout
