@@ -20,7 +20,8 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           kernel_seconds its reply reports)
 
 Variants run in turn, ``--rounds`` times (the VM is noisy); the table gives each variant's
-median over rounds of its per-round p50, and the spread.
+median over rounds of its per-round p50, the spread, and the server process's CPU time per
+round trip (all its threads, /proc; 10 ms ticks, so use spans of a second or more).
 
   .venv/bin/python bench/stream_overhead.py --rounds 5 --seconds 2
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -185,11 +187,91 @@ def _echo_server(variant: str, rows: int, ports: Any) -> None:
     asyncio.run(serve())
 
 
+# -- in process: the handler alone, no gRPC ---------------------------------------------------
+class _Context:
+    """What the interceptor and MatmulStream ask of a grpc.aio.ServicerContext."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+        self._code: Any = None
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def time_remaining(self) -> None:
+        return None
+
+    def add_done_callback(self, fn: Any) -> None:
+        self.callbacks.append(fn)
+
+    def code(self) -> Any:
+        return self._code
+
+    def set_code(self, code: Any) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        pass
+
+
+async def _inproc(variant: str, req: bytes, rows: int, calls: int) -> list[float]:
+    """Seconds per request of one stream's handler driven directly (one request in flight:
+    hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
+    around Q6ServeServicer.MatmulStream over a _StubEngine; ``echo`` the proto echo handler
+    (the harness's own cost)."""
+    from collections import namedtuple
+
+    import grpc
+    from prometheus_client import CollectorRegistry
+
+    from q6serve.service import wire
+    from q6serve.service.interceptor import ErrorInterceptor
+    from q6serve.service.metrics import Metrics
+    from q6serve.service.servicer import Q6ServeServicer
+
+    if variant == "echo":
+        handler = _echo_handler("proto", rows)
+    else:
+        servicer = Q6ServeServicer(_StubEngine(rows))  # type: ignore[arg-type]
+        inner = grpc.stream_stream_rpc_method_handler(
+            servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
+            response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
+        metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
+        details = namedtuple("Details", "method invocation_metadata")(METHOD, ())
+
+        async def continuation(_: Any) -> Any:
+            return inner
+
+        handler = await ErrorInterceptor(metrics).intercept_service(continuation, details)
+    incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while (raw := await incoming.get()) is not None:
+            yield raw if handler.request_deserializer is None else \
+                handler.request_deserializer(raw)
+
+    replies = handler.stream_stream(requests(), _Context()).__aiter__()
+    serialize = handler.response_serializer
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        incoming.put_nowait(req)
+        serialize(await anext(replies))
+        out.append(time.perf_counter() - t0)
+    incoming.put_nowait(None)
+    await anext(replies, None)
+    return out
+
+
 # -- the client -------------------------------------------------------------------------------
 async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
-                      worker: bool) -> list[float]:
-    """Closed-loop round trips on one stream for ``seconds`` after ``warmup``; seconds each
-    (the worker's: minus the kernel time its reply reports)."""
+                      worker: bool, pid: int) -> tuple[list[float], float]:
+    """Closed-loop round trips on one stream for ``seconds`` after ``warmup``: seconds each
+    (the worker's: minus the kernel time its reply reports), and the server process's CPU
+    seconds per round trip (``pid``, all threads; the worker's include its kernel)."""
     import grpc
 
     from q6serve.client.channel import channel_options
@@ -198,7 +280,9 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
     out: list[tuple[float, bytes]] = []
     async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
         call = ch.stream_stream(METHOD)()
+        cpu = 0.0
         for phase, span in (("warm", warmup), ("timed", seconds)):
+            cpu = cpu_seconds(pid) - cpu
             end = time.perf_counter() + span
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
@@ -207,16 +291,17 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
                 dt = time.perf_counter() - t0
                 if phase == "timed":
                     out.append((dt, raw if worker else b""))
+        cpu = (cpu_seconds(pid) - cpu) / max(1, len(out))
         await call.done_writing()
     if not worker:
-        return [dt for dt, _ in out]
+        return [dt for dt, _ in out], cpu
     lat = []
     for dt, raw in out:
         msg = pb.MatmulStreamResponse.FromString(raw)
         if msg.WhichOneof("outcome") != "result":
             raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
         lat.append(dt - msg.result.timing.kernel_seconds)
-    return lat
+    return lat, cpu
 
 
 def _request(k: int) -> bytes:
@@ -235,17 +320,20 @@ class _Servers:
 
     def __init__(self, variants: list[str], rows: int, k: int, log_dir: Path) -> None:
         self.targets: dict[str, str] = {}
+        self.pids: dict[str, int] = {}
         self._procs: list[Any] = []
         self._worker: Any = None
         ctx = mp.get_context("spawn")
         for v in variants:
             if v == "worker":
                 self.targets[v] = self._start_worker(rows, k, log_dir)
+                self.pids[v] = self._worker.proc.pid
                 continue
             ports = ctx.Queue()
             p = ctx.Process(target=_echo_server, args=(v, rows, ports), daemon=True)
             p.start()
             self._procs.append(p)
+            self.pids[v] = p.pid
             self.targets[v] = f"127.0.0.1:{ports.get(timeout=60)}"
 
     def _start_worker(self, rows: int, k: int, log_dir: Path) -> str:
@@ -266,6 +354,12 @@ class _Servers:
             self._worker.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(VARIANTS),
@@ -283,25 +377,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--k must be a multiple of 256 (Q6_K blocks)")
     req = _request(a.k)
     p50: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_us: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
         servers = _Servers(variants, a.rows, a.k, Path(tmp))
         try:
             for r in range(a.rounds):
                 for v in variants:
-                    lat = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
-                                                  a.warmup, v == "worker"))
+                    lat, cpu = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
+                                                       a.warmup, v == "worker",
+                                                       servers.pids[v]))
                     p50[v].append(float(np.median(lat)) * 1e6)
+                    cpu_us[v].append(cpu * 1e6)
                 print(f"# round {r + 1}: " + "  ".join(f"{v} {p50[v][-1]:.0f}"
                                                        for v in variants), flush=True)
         finally:
             servers.close()
     base = statistics.median(p50["bare"]) if "bare" in p50 else None
     print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; p50 us per round trip "
-          "(worker: minus its kernel)")
+          "(worker: minus its kernel); server CPU us per round trip (worker: with its kernel)")
     for v in variants:
         med = statistics.median(p50[v])
         extra = f"  +{med - base:5.0f} over bare" if base is not None and v != "bare" else ""
-        print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}{extra}")
+        print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
+              f"  server cpu/trip {statistics.median(cpu_us[v]):5.0f}{extra}")
     return 0
 
 
