@@ -45,6 +45,10 @@ _LAYOUT_TO_PB = {Layout.SOA: pb.LAYOUT_SOA, Layout.AOS: pb.LAYOUT_AOS}
 _UPLOAD_FROM_PB = {pb.UPLOAD_FORMAT_UNSPECIFIED: "q6_k", pb.UPLOAD_FORMAT_Q6_K: "q6_k",
                    pb.UPLOAD_FORMAT_F32: "f32", pb.UPLOAD_FORMAT_F16: "f16"}
 MAX_DIM = 1 << 31
+# per request and reply on the event loop, by dict: each wire dtype's little-endian numpy
+# dtype (made once) and the Tensor.dtype code of the native ones
+_LITTLE = {dt: dt.newbyteorder("<") for dt in DTYPES.values()}
+_PB_OF_DTYPE = {dt: _DTYPE_TO_PB[name] for name, dt in DTYPES.items()}
 
 
 def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
@@ -117,8 +121,6 @@ def _x_data(req: pb.MatmulRequest | MatmulIn) -> bytes | memoryview:
     return req.x_data if isinstance(req, MatmulIn) else req.x.data
 
 
-# each wire dtype's little-endian numpy dtype, made once (not per request)
-_LITTLE = {dt: dt.newbyteorder("<") for dt in DTYPES.values()}
 
 
 def decode_tensor(t: pb.Tensor, what: str = "x",
@@ -186,10 +188,12 @@ def _fill_result(m: Any, r: MatmulReply, y_bytes: bool = True) -> None:
         _fill_topk(m.topk, r.topk)
     else:
         y = np.ascontiguousarray(r.y) if y_bytes else r.y
-        m.y.dtype = _DTYPE_TO_PB[dtype_name(y.dtype)]
+        code = _PB_OF_DTYPE.get(y.dtype)  # by dict: no scan of DTYPES per reply
+        m.y.dtype = code if code is not None else _DTYPE_TO_PB[dtype_name(y.dtype)]
         m.y.shape.extend(y.shape)
         if y_bytes:
-            m.y.data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
+            m.y.data = y.astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
+                                copy=False).tobytes()
     m.kernel = r.kernel
     m.layout = _LAYOUT_TO_PB[r.layout]
     m.precision = _PREC_TO_PB[r.precision]
