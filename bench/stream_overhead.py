@@ -19,6 +19,10 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
 
+``--inproc``: the worker's interceptor and MatmulStream handler driven in this process with
+no gRPC (a stub engine; a request handed in, its serialized reply taken), next to the proto
+echo handler: the Python our handler adds per request, a figure far steadier than a round trip.
+
 Variants run in turn, ``--rounds`` times (the VM is noisy); the table gives each variant's
 median over rounds of its per-round p50, the spread, and the server process's CPU time per
 round trip (all its threads, /proc; 10 ms ticks, so use spans of a second or more).
@@ -369,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.3, help="untimed seconds first")
     ap.add_argument("--k", type=int, default=18944, help="x columns (default ffn_down's)")
     ap.add_argument("--rows", type=int, default=7, help="y values (the weight's rows)")
+    ap.add_argument("--inproc", type=int, default=10000, metavar="CALLS",
+                    help="also drive the handler in this process, no gRPC: CALLS requests per "
+                         "round through the interceptor and MatmulStream over a stub engine, "
+                         "and through the proto echo handler (0: skip; default 10000)")
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
@@ -392,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                                                        for v in variants), flush=True)
         finally:
             servers.close()
+    inproc: dict[str, list[float]] = {"echo": [], "handler": []}
+    for _ in range(a.rounds if a.inproc > 0 else 0):
+        for v, got in inproc.items():
+            got.append(float(np.median(asyncio.run(_inproc(v, req, a.rows, a.inproc)))) * 1e6)
     base = statistics.median(p50["bare"]) if "bare" in p50 else None
     print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; p50 us per round trip "
           "(worker: minus its kernel); server CPU us per round trip (worker: with its kernel)")
@@ -400,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"  +{med - base:5.0f} over bare" if base is not None and v != "bare" else ""
         print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
               f"  server cpu/trip {statistics.median(cpu_us[v]):5.0f}{extra}")
+    if inproc["echo"]:
+        echo, ours = (statistics.median(inproc[v]) for v in ("echo", "handler"))
+        print(f"in process, no gRPC (p50 us per request, decode + reply serialized): proto echo "
+              f"{echo:.1f}, interceptor + MatmulStream over a stub engine {ours:.1f} "
+              f"(+{ours - echo:.1f})")
     return 0
 
 

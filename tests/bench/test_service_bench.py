@@ -118,8 +118,9 @@ def test_stream_overhead_variants_run() -> None:
     (tiny sizes and spans; the worker variant includes its kernel subtraction)."""
     done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
                            "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
-                           "--rows", "2"], capture_output=True, text=True, timeout=180,
-                          cwd=ROOT)
+                           "--rows", "2", "--inproc", "200"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     for variant in ("bare", "proto", "struct", "icpt", "servicer", "worker"):
         assert f"\n{variant:8s} median" in "\n" + done.stdout, done.stdout
+    assert "in process, no gRPC" in done.stdout, done.stdout
