@@ -67,7 +67,7 @@ class Worker:
              "--backend", "numpy", "--vram-budget", str(BUDGET), "--model-dir", str(model_dir),
              "--max-stream-bytes-total", str(STREAM_TOTAL), "--max-message-bytes", str(MESSAGE),
              "--max-inflight-rpcs", str(INFLIGHT), "--grace-period", str(grace),
-             "--max-request-bytes", str(REQUEST_LIMIT[0]),
+             "--max-request-bytes", str(REQUEST_LIMIT[0]), *WORKER_ARGS,
              "--log-level", "INFO"], env=env, stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
         self.target = ""
@@ -203,6 +203,7 @@ BIG_MIB = [100]  # --big-mib
 REQUEST_LIMIT = [32 * MIB]  # the worker's --max-request-bytes (--request-limit-mib)
 WIDE_K = 32768  # the "wide" weight: K of the largest requests the limit lets through
 BIG_CONNECTIONS = [4]  # --big-connections
+WORKER_ARGS: list[str] = []  # --worker-args
 
 
 def refused_big(w: Worker, seconds: float) -> str:
@@ -426,12 +427,15 @@ def main() -> None:
     ap.add_argument("--request-limit-mib", type=int, default=32,
                     help="the worker's --max-request-bytes, in MiB (big_under_limit sizes "
                          "its requests from it)")
+    ap.add_argument("--worker-args", default="",
+                    help="more `q6serve worker` flags, e.g. '--max-reading-rpcs 1000'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ATTACKS)
     BIG_MIB[0] = args.big_mib
     BIG_CONNECTIONS[0] = args.big_connections
     REQUEST_LIMIT[0] = args.request_limit_mib * MIB
+    WORKER_ARGS[:] = args.worker_args.split()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

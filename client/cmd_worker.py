@@ -77,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--min-inflight-rpcs-per-connection", type=int,
       help="the fair share never drops below this many places per connection (default "
            f"{lim.MIN_INFLIGHT_RPCS_PER_CONNECTION})")
+    a("--max-reading-rpcs", type=int,
+      help="unary calls whose request is read at once (default "
+           f"{lim.MAX_READING_RPCS}): each big request is copied into the worker in one step "
+           "of its event loop, so this bounds how many such copies can delay a health check")
+    a("--read-timeout", dest="read_timeout_s", type=float,
+      help="seconds a request may take to arrive once its read began, while other calls "
+           f"wait to be read; then it is cancelled (default {lim.READ_TIMEOUT_S:g})")
     a("--reply-timeout", dest="reply_timeout_s", type=float,
       help="seconds a computed reply may wait for its client to take it while other calls "
            "wait for a place; then it is dropped (CANCELLED) and its place given to them "
@@ -128,7 +135,8 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
                "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",
                "max_inflight_rpcs", "max_inflight_rpcs_per_connection",
-               "min_inflight_rpcs_per_connection", "reply_timeout_s", "max_stream_bytes",
+               "min_inflight_rpcs_per_connection", "reply_timeout_s", "max_reading_rpcs",
+               "read_timeout_s", "max_stream_bytes",
                "max_stream_bytes_per_connection", "max_stream_bytes_total")
 
 

@@ -17,11 +17,19 @@ counted: a stream lives long and bounds itself (its window; uploads are accounte
 arrive).
 
 A place held by a reply its client does not take is taken back while other calls wait: a call
-whose reply was computed more than ``reply_timeout`` seconds ago and is still not written is
+whose reply was computed more than ``timeout`` seconds ago and is still not written is
 dropped (its RPC task cancelled: gRPC then resets the stream, the client sees CANCELLED, the
 reply is freed and the place goes to the next). So callers that stop reading -- on as many
 connections as they like -- hold places for at most ``reply_timeout`` while anyone else needs
 them, and nothing is dropped while nobody waits.
+
+The same class, with other limits, is the worker's *read* gate: the unary calls whose request
+is being read at once (``--max-reading-rpcs``). gRPC's Python layer copies a request into
+Python in one step of the event loop (~1 ms per MiB), so many big requests arriving together
+queued a health check behind all their copies; through the read gate at most that many
+complete together. A call whose request has not arrived ``--read-timeout`` s after its read
+began, while others wait to be read, is cancelled (a client sending slowly cannot hold the
+gate).
 """
 
 from __future__ import annotations
@@ -46,20 +54,21 @@ class Admission:
     newcomer first) until it has as many as each of them; it grows back as they leave."""
 
     def __init__(self, limit: int, per_key: int, floor: int = 1,
-                 reply_timeout: float = 2.0) -> None:
+                 timeout: float = 2.0, what: str = "replies their clients did not take") -> None:
         self.limit = limit
         self.per_key = max(1, min(per_key, limit))
         self.floor = max(1, min(floor, self.per_key))
-        self.reply_timeout = reply_timeout
+        self.timeout = timeout  # watched places (watch) held longer are taken back
+        self.what = what  # what the log calls the calls dropped
         self.running = 0
-        self.dropped = 0  # replies dropped because their clients did not take them
+        self.dropped = 0  # watched calls cancelled past the timeout
         self._held: dict[str, int] = {}
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
         self._ready: collections.deque[str] = collections.deque()  # keys that may go next
         self._active = 0  # keys in _held or _waiting
-        # places whose reply is computed and not yet written: token -> (since, task), oldest
-        # first (a dict keeps insertion order)
-        self._replying: dict[int, tuple[float, asyncio.Task[object]]] = {}
+        # watched places (for the admission gate: reply computed, not yet written): token ->
+        # (since, task), oldest first (a dict keeps insertion order)
+        self._watched: dict[int, tuple[float, asyncio.Task[object]]] = {}
         self._tokens = itertools.count()
         self._sweep_at: asyncio.TimerHandle | None = None
         self._logged, self._log_at = 0, 0.0  # drops logged so far; loop time of the next line
@@ -69,9 +78,9 @@ class Admission:
         return sum(len(q) for q in self._waiting.values())
 
     @property
-    def unwritten(self) -> int:
-        """Places held by calls whose reply is computed and not yet written."""
-        return len(self._replying)
+    def watched(self) -> int:
+        """Places held by watched calls (:meth:`watch`)."""
+        return len(self._watched)
 
     @property
     def active(self) -> int:
@@ -164,45 +173,47 @@ class Admission:
             elif self._held[key] < self.share():
                 self._ready.append(key)  # round robin: behind the other connections
 
-    def replying(self, task: asyncio.Task[object]) -> int:
-        """The call holding a place has computed its reply; ``task`` (its RPC's task) now only
-        writes it. Returns the token for :meth:`replied`, called when the RPC is over."""
+    def watch(self, task: asyncio.Task[object]) -> int:
+        """From now the place ``task`` holds only waits on its client (the admission gate:
+        the reply is computed and gRPC writes it in the RPC's task; the read gate: the request
+        is being read): cancel the task if it still holds it ``timeout`` s from now while
+        others wait. Returns the token for :meth:`unwatch`, called when that wait is over."""
         token = next(self._tokens)
-        self._replying[token] = (asyncio.get_running_loop().time(), task)
+        self._watched[token] = (asyncio.get_running_loop().time(), task)
         self._arm()
         return token
 
-    def replied(self, token: int) -> None:
-        self._replying.pop(token, None)
+    def unwatch(self, token: int) -> None:
+        self._watched.pop(token, None)
 
     def _arm(self) -> None:
-        """Wake :meth:`_sweep` when the oldest unwritten reply expires, while calls wait."""
-        if self._sweep_at is not None or not self._waiting or not self._replying:
+        """Wake :meth:`_sweep` when the oldest watched place expires, while calls wait."""
+        if self._sweep_at is not None or not self._waiting or not self._watched:
             return
-        since, _ = next(iter(self._replying.values()))
+        since, _ = next(iter(self._watched.values()))
         loop = asyncio.get_running_loop()
-        self._sweep_at = loop.call_at(since + self.reply_timeout, self._sweep)
+        self._sweep_at = loop.call_at(since + self.timeout, self._sweep)
 
     def _sweep(self) -> None:
-        """Drop the replies older than reply_timeout while calls wait for a place."""
+        """Cancel the watched calls older than the timeout while calls wait for a place."""
         self._sweep_at = None
         if not self._waiting:
             return
         now = asyncio.get_running_loop().time()
         dropped = 0
-        while self._replying:
-            token, (since, task) = next(iter(self._replying.items()))
-            if now - since < self.reply_timeout:
+        while self._watched:
+            token, (since, task) = next(iter(self._watched.items()))
+            if now - since < self.timeout:
                 break
-            del self._replying[token]
+            del self._watched[token]
             dropped += task.cancel()  # its place comes back when the RPC is over
         self.dropped += dropped
         if dropped:
             gcfreeze.collect_soon()  # the cancelled calls' frames are in cycles
         if self.dropped > self._logged and now >= self._log_at:  # one line per LOG_EVERY_S
-            log.warning("dropped %d replies their clients did not take within %.3g s while "
-                        "other calls waited for a place (%d since start)",
-                        self.dropped - self._logged, self.reply_timeout, self.dropped)
+            log.warning("dropped %d calls: %s within %.3g s while other calls waited "
+                        "(%d since start)", self.dropped - self._logged, self.what,
+                        self.timeout, self.dropped)
             self._logged, self._log_at = self.dropped, now + LOG_EVERY_S
         self._arm()
 

@@ -81,6 +81,8 @@ class WorkerConfig:
     max_inflight_rpcs_per_connection: int = lim.MAX_INFLIGHT_RPCS_PER_CONNECTION
     min_inflight_rpcs_per_connection: int = lim.MIN_INFLIGHT_RPCS_PER_CONNECTION
     reply_timeout_s: float = lim.REPLY_TIMEOUT_S  # unwritten replies dropped while calls wait
+    max_reading_rpcs: int = lim.MAX_READING_RPCS  # unary requests read at once
+    read_timeout_s: float = lim.READ_TIMEOUT_S  # ... a slow one cancelled while others wait
     max_upload_bytes: int = lim.MAX_UPLOAD_BYTES
     max_weights: int = lim.MAX_WEIGHTS
     max_stream_bytes: int = lim.MAX_STREAM_BYTES
@@ -108,7 +110,7 @@ class WorkerConfig:
                      "max_stream_bytes_per_connection", "max_stream_bytes_total",
                      "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "frontends",
                      "frontend_shm_bytes", "max_weights", "max_message_bytes",
-                     "max_request_bytes",
+                     "max_request_bytes", "max_reading_rpcs",
                      "max_concurrent_streams", "max_upload_bytes",
                      "min_inflight_rpcs_per_connection"):
             if getattr(self, name) < 1:

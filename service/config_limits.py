@@ -29,6 +29,13 @@ MIN_INFLIGHT_RPCS_PER_CONNECTION = 8
 # A reply its client has not taken this many seconds after it was computed is dropped
 # (CANCELLED) while other calls wait for an admission place (service/admission.py).
 REPLY_TIMEOUT_S = 2.0
+# Unary calls whose request is read at once, for hosts that send big requests (interceptor.py,
+# BIG_REQUEST_BYTES): gRPC's Python layer copies each into Python in one step of the event
+# loop (~1 ms per MiB), so this bounds how many such copies can queue ahead of a health check.
+# A call whose request has not arrived READ_TIMEOUT_S after its read began, while others wait
+# to be read, is cancelled.
+MAX_READING_RPCS = 2
+READ_TIMEOUT_S = 1.0
 # MatmulStream: bytes of requests admitted and replies not yet written, per stream, for all
 # the streams of one connection, for all streams of the worker.
 MAX_STREAM_BYTES = 64 * 2**20

@@ -47,6 +47,13 @@ STREAM_REQUEST_SUFFIX = "/request"
 
 _END = object()  # the end of a reply stream
 
+# A request of this size marks its host (the peer address without its port) for BIG_HOST_S:
+# that host's unary requests are read through the read gate (ErrorInterceptor._read). At most
+# MAX_BIG_HOSTS hosts are remembered (the oldest marks go first).
+BIG_REQUEST_BYTES = 1 << 20
+BIG_HOST_S = 30.0
+MAX_BIG_HOSTS = 4096
+
 # Calls that stay open as long as their client wants (a gRFC A17 client holds one health Watch
 # per connection): a drain does not wait for them (ErrorInterceptor.wait_idle).
 LONG_LIVED = frozenset({"/grpc.health.v1.Health/Watch"})
@@ -101,10 +108,13 @@ class _DecodingContext:
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None,
-                 admission: Admission | None = None, receive_limit: int | None = None) -> None:
+                 admission: Admission | None = None, receive_limit: int | None = None,
+                 reads: Admission | None = None) -> None:
         self._metrics = metrics
         self._auth = auth or TokenAuth()
         self._admission = admission  # unary RPCs of our service queue here
+        self._reads = reads  # ... and then for their request to be read (None: no limit)
+        self._big_hosts: dict[str, float] = {}  # host -> until when its reads are gated
         self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
         self._active = 0  # calls running, LONG_LIVED ones left out
         self._idle = asyncio.Event()
@@ -210,12 +220,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                     def over(_: object) -> None:
                         if token:
-                            gate.replied(token[0])
+                            gate.unwatch(token[0])
                         gate.leave(key)
 
                     context.add_done_callback(over)
-                    raw = await context.read()  # not `async for`: an unfinished async
-                    # generator would keep this frame, and so the request, alive
+                    raw = await self._read(key, context)
                     if raw is grpc.aio.EOF:  # gRPC refused it (too large) or none came
                         self._failed(self._no_message(method), context, service, method,
                                      time.perf_counter())
@@ -223,7 +232,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     reply = await unary(raw, context)
                     if reply is not None:  # gRPC writes it in this task, after we return:
                         # the gate may cancel the task if the client never takes it
-                        token.append(gate.replying(asyncio.current_task()))  # type: ignore[arg-type]
+                        token.append(gate.watch(asyncio.current_task()))  # type: ignore[arg-type]
                     return reply
 
                 return grpc.stream_unary_rpc_method_handler(
@@ -269,6 +278,36 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                    else grpc.stream_stream_rpc_method_handler)
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
+
+    async def _read(self, key: str, context: grpc.aio.ServicerContext) -> Any:
+        """The request of an admitted unary call. From a host that sent a big request lately
+        (BIG_REQUEST_BYTES, within BIG_HOST_S) it is read through the read gate: at most its
+        limit at once, and one still not arrived after its timeout while others wait is
+        cancelled (service/admission.py). Other hosts' reads are not gated, so clients that
+        send slowly hold no slot unless their host sends big requests too."""
+        reads = self._reads
+        host = key.rpartition(":")[0]  # "ipv4:1.2.3.4:5678" -> "ipv4:1.2.3.4"
+        if reads is None or self._big_hosts.get(host, 0.0) < time.monotonic():
+            raw = await context.read()  # not `async for`: an unfinished async generator
+            # would keep the handler's frame, and so the request, alive
+        else:
+            await reads.enter(key)
+            token = reads.watch(asyncio.current_task())  # type: ignore[arg-type]
+            try:
+                raw = await context.read()
+            finally:
+                reads.unwatch(token)
+                reads.leave(key)
+        if reads is not None and raw is not grpc.aio.EOF and len(raw) >= BIG_REQUEST_BYTES:
+            self._mark_big(host)
+        return raw
+
+    def _mark_big(self, host: str) -> None:
+        hosts = self._big_hosts
+        hosts.pop(host, None)  # to the end: the dict stays ordered by expiry
+        hosts[host] = time.monotonic() + BIG_HOST_S
+        while len(hosts) > MAX_BIG_HOSTS:
+            del hosts[next(iter(hosts))]
 
     def _no_message(self, method: str) -> Q6Error:
         """A unary call that ended without a request message. gRPC's core has then already

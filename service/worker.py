@@ -117,8 +117,10 @@ class Worker:
         auth = TokenAuth(cfg.token, cfg.admin_token)
         self.admission = Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection,
                                    cfg.min_inflight_rpcs_per_connection, cfg.reply_timeout_s)
+        self.reads = Admission(cfg.max_reading_rpcs, cfg.max_reading_rpcs, 1,
+                               cfg.read_timeout_s, "requests not received")
         self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission,
-                                             cfg.receive_limit)
+                                             cfg.receive_limit, self.reads)
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
         self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,

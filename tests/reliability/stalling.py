@@ -1,6 +1,9 @@
 """A TCP proxy standing for a client that stopped reading: what the client sends reaches the
 worker, what the worker sends back stops after the first ``pass_bytes`` (its HTTP/2 settings
-and a little more), so the worker's writes to it fill the socket buffers and stay pending."""
+and a little more), so the worker's writes to it fill the socket buffers and stay pending.
+With ``upstream=True`` it stands for a client that stops *sending* instead: its first
+``pass_bytes`` reach the worker (a request's headers and the start of its message), the rest
+never does."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ from typing import Any
 
 
 class StallingProxy:
-    def __init__(self, target: str, pass_bytes: int = 16 << 10) -> None:
+    def __init__(self, target: str, pass_bytes: int = 16 << 10, upstream: bool = False) -> None:
         host, port = target.rsplit(":", 1)
         self._target = (host, int(port))
         self._pass = pass_bytes
+        self._upstream = upstream
         self._listen = socket.create_server(("127.0.0.1", 0))
         self.target = f"127.0.0.1:{self._listen.getsockname()[1]}"
         self._socks: list[socket.socket] = []
@@ -32,9 +36,10 @@ class StallingProxy:
             upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # stall sooner
             upstream.connect(self._target)
             self._socks += [client, upstream]
-            threading.Thread(target=self._forward, args=(client, upstream, None),
+            up, down = (self._pass, None) if self._upstream else (None, self._pass)
+            threading.Thread(target=self._forward, args=(client, upstream, up),
                              daemon=True).start()
-            threading.Thread(target=self._forward, args=(upstream, client, self._pass),
+            threading.Thread(target=self._forward, args=(upstream, client, down),
                              daemon=True).start()
 
     @staticmethod

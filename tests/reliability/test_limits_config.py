@@ -21,6 +21,8 @@ FLAGS = {  # flag -> (value given, config field, value expected)
     "--min-inflight-rpcs-per-connection": ("2", "min_inflight_rpcs_per_connection", 2),
     "--max-stream-bytes": ("8MiB", "max_stream_bytes", 8 << 20),
     "--reply-timeout": ("0.5", "reply_timeout_s", 0.5),
+    "--max-reading-rpcs": ("2", "max_reading_rpcs", 2),
+    "--read-timeout": ("1.5", "read_timeout_s", 1.5),
     "--max-stream-bytes-per-connection": ("32MiB", "max_stream_bytes_per_connection",
                                           32 << 20),
     "--max-stream-bytes-total": ("128MiB", "max_stream_bytes_total", 128 << 20),

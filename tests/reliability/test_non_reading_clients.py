@@ -55,14 +55,14 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
             for ch in chans for _ in range(3)]
     try:
         # every place is held by a computed reply nobody takes, the others wait
-        wait_for(lambda: worker.run(lambda: gate.unwritten == gate.limit and gate.waiting))
+        wait_for(lambda: worker.run(lambda: gate.watched == gate.limit and gate.waiting))
         x = np.ones((1, K), np.float32)
         y = c.matmul("w", x, timeout=20)  # waits at most about reply_timeout for a place
         assert y.shape == (1, ROWS)
         assert worker.run(lambda: gate.dropped) >= 1
     finally:
         stop_all(futs, [*chans, *proxies])
-    wait_for(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.unwritten,
+    wait_for(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.watched,
                                          gate.active)) == (0, 0, 0, 0))
     assert vram_figures(c) == before
     assert health(worker.target) == "SERVING"
@@ -76,10 +76,10 @@ def test_nothing_is_dropped_while_nobody_waits(worker):
     big = matmul_request("w", np.ones((64, K), np.float32))
     futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=60) for _ in range(4)]
     try:  # the first replies fill the sockets' buffers, the others stay unwritten
-        wait_for(lambda: worker.run(lambda: gate.unwritten) >= 2)
-        stuck = worker.run(lambda: gate.unwritten)
-        time.sleep(4 * gate.reply_timeout)
-        assert worker.run(lambda: (gate.unwritten, gate.waiting, gate.dropped)) == (stuck, 0, 0)
+        wait_for(lambda: worker.run(lambda: gate.watched) >= 2)
+        stuck = worker.run(lambda: gate.watched)
+        time.sleep(4 * gate.timeout)
+        assert worker.run(lambda: (gate.watched, gate.waiting, gate.dropped)) == (stuck, 0, 0)
     finally:
         stop_all(futs, [ch, proxy])
-    wait_for(lambda: worker.run(lambda: (gate.running, gate.unwritten)) == (0, 0))
+    wait_for(lambda: worker.run(lambda: (gate.running, gate.watched)) == (0, 0))
