@@ -21,15 +21,10 @@ from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
 from tests.reliability.stalling import StallingProxy, stop_all
+from tests.service.svc_util import wait_until
 
 K, ROWS = 256, 8192  # N = 64 replies are 2 MiB: far more than the sockets buffer
 
-
-def wait_for(cond, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -55,14 +50,15 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
             for ch in chans for _ in range(3)]
     try:
         # every place is held by a computed reply nobody takes, the others wait
-        wait_for(lambda: worker.run(lambda: gate.watched == gate.limit and gate.waiting))
+        wait_until(lambda: worker.run(lambda: gate.watched == gate.limit and gate.waiting),
+                   timeout=30)
         x = np.ones((1, K), np.float32)
         y = c.matmul("w", x, timeout=20)  # waits at most about reply_timeout for a place
         assert y.shape == (1, ROWS)
         assert worker.run(lambda: gate.dropped) >= 1
     finally:
         stop_all(futs, [*chans, *proxies])
-    wait_for(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.watched,
+    wait_until(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.watched,
                                          gate.active)) == (0, 0, 0, 0))
     assert vram_figures(c) == before
     assert health(worker.target) == "SERVING"
@@ -76,10 +72,10 @@ def test_nothing_is_dropped_while_nobody_waits(worker):
     big = matmul_request("w", np.ones((64, K), np.float32))
     futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=60) for _ in range(4)]
     try:  # the first replies fill the sockets' buffers, the others stay unwritten
-        wait_for(lambda: worker.run(lambda: gate.watched) >= 2)
+        wait_until(lambda: worker.run(lambda: gate.watched) >= 2)
         stuck = worker.run(lambda: gate.watched)
         time.sleep(4 * gate.timeout)
         assert worker.run(lambda: (gate.watched, gate.waiting, gate.dropped)) == (stuck, 0, 0)
     finally:
         stop_all(futs, [ch, proxy])
-    wait_for(lambda: worker.run(lambda: (gate.running, gate.watched)) == (0, 0))
+    wait_until(lambda: worker.run(lambda: (gate.running, gate.watched)) == (0, 0))

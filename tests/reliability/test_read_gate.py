@@ -23,16 +23,11 @@ from q6serve.service.interceptor import BIG_REQUEST_BYTES
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
 from tests.reliability.stalling import StallingProxy, stop_all
+from tests.service.svc_util import wait_until
 
 K = 2048
 BIG = matmul_request("w", np.ones((BIG_REQUEST_BYTES // (4 * K) + 8, K), np.float32))
 
-
-def wait_for(cond, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -60,7 +55,7 @@ def test_a_slow_sender_of_a_big_host_is_cancelled_while_others_wait(worker):
         assert tuple(stub.Matmul(BIG, timeout=30).y.shape) == (BIG.x.shape[0], 8)  # marks
         proxy, pch, slow = slow_big_call(worker)
         try:
-            wait_for(lambda: worker.run(lambda: reads.running) == 1)  # the slow one reads
+            wait_until(lambda: worker.run(lambda: reads.running) == 1)  # the slow one reads
             # the next big request waits for the gate, then the slow one is cancelled
             assert tuple(stub.Matmul(BIG, timeout=30).y.shape) == (BIG.x.shape[0], 8)
             assert worker.run(lambda: reads.dropped) == 1  # (its client, stalled behind
@@ -68,7 +63,7 @@ def test_a_slow_sender_of_a_big_host_is_cancelled_while_others_wait(worker):
         finally:
             stop_all([slow], [pch, proxy])
     gate = worker.worker.admission
-    wait_for(lambda: worker.run(lambda: (reads.running, reads.waiting, reads.watched,
+    wait_until(lambda: worker.run(lambda: (reads.running, reads.waiting, reads.watched,
                                          gate.running, gate.waiting)) == (0, 0, 0, 0, 0))
     assert vram_figures(c) == before
     assert health(worker.target) == "SERVING"
