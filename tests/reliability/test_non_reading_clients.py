@@ -72,7 +72,9 @@ def test_nothing_is_dropped_while_nobody_waits(worker):
     big = matmul_request("w", np.ones((64, K), np.float32))
     futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=60) for _ in range(4)]
     try:  # the first replies fill the sockets' buffers, the others stay unwritten
-        wait_until(lambda: worker.run(lambda: gate.watched) >= 2)
+        # every call has its reply computed: written (gone) or stuck (watched)
+        wait_until(lambda: worker.run(lambda: gate.watched >= 2 and gate.running == gate.watched
+                                      and not gate.waiting), timeout=30)
         stuck = worker.run(lambda: gate.watched)
         time.sleep(4 * gate.timeout)
         assert worker.run(lambda: (gate.watched, gate.waiting, gate.dropped)) == (stuck, 0, 0)
