@@ -117,3 +117,40 @@ def test_a_failing_message_closes_the_connection() -> None:
     asyncio.run(main())
     assert transport.closed
     assert [m[0] for m in peer.got] == [m[0] for m in MESSAGES[:9]]
+
+
+def test_flush_now_writes_pending_messages_once_in_order() -> None:
+    """_Out: small messages wait for the flush scheduled at the end of the loop iteration;
+    ``flush_now`` writes them at once, in order, in one write, and calls that flush off (no
+    second, empty write); a big message writes what is pending first."""
+
+    class Writes(_Transport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[bytes] = []
+
+        def write(self, b: bytes) -> None:
+            self.writes.append(bytes(b))
+
+    async def main() -> None:
+        t = Writes()
+        out = fe._Out(t)  # type: ignore[arg-type]
+        out.send(MESSAGES[0])
+        out.send(MESSAGES[2])
+        assert t.writes == []  # waiting for the end of this iteration
+        scheduled = out._flush_at
+        out.flush_now()
+        assert scheduled is not None and scheduled.cancelled()
+        assert t.writes == [_frames([MESSAGES[0], MESSAGES[2]])]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(t.writes) == 1  # the scheduled flush was called off
+        out.send(MESSAGES[3])
+        await asyncio.sleep(0)
+        assert t.writes[1:] == [_frames([MESSAGES[3]])]  # the scheduled flush, once
+        big = ("ok", 1, b"x" * 70000)
+        out.send(MESSAGES[1])
+        out.send(big)  # pending first, then the big one (its length, then its payload)
+        assert b"".join(t.writes[2:]) == _frames([MESSAGES[1], big])
+
+    asyncio.run(main())
