@@ -29,6 +29,7 @@ from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2 as pb
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
 from tests.reliability.harness import RunningWorker, health, random_q6k, reference, vram_figures
+from tests.service.svc_util import wait_until
 
 FUZZ_EXAMPLES = int(os.environ.get("Q6SERVE_FUZZ_EXAMPLES", "300"))
 ROWS, K = 8, 256
@@ -433,9 +434,17 @@ def test_nan_rows_do_not_leak_into_batch_neighbours(corpus_worker: RunningWorker
         except BaseException as e:
             errors.append(e)
 
+    # The device thread is held busy while the callers start, so their first requests queue
+    # and batch together (a free device runs short jobs at once, inline on the loop: on a
+    # loaded machine they may then never meet).
+    gate = threading.Event()
+    corpus_worker.run(lambda: corpus_worker.engine.device.submit(gate.wait, 30))
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
+    wait_until(lambda: corpus_worker.run(
+        lambda: corpus_worker.engine.in_flight("w")) >= 4, what="queued requests")
+    gate.set()
     for t in threads:
         t.join(60)
     assert not errors, errors[0]
