@@ -72,7 +72,7 @@ class Device:
     thread is busy, jobs queue behind it and nothing is yielded.
 
     ``inline_s`` > 0: a job that its caller expects to keep the device busy for at most this
-    long (``Device.call(..., expect_s=...)``: a batch's kernel time as last measured) runs on
+    long (``Device.call(..., expect_s=...)``: a like batch's whole job, as last measured) runs on
     the calling (loop) thread itself when the device thread has nothing queued or running.
     The job's Python holds the GIL either way, so the loop loses only the kernel's wait, and
     the call saves two thread wake-ups and the GIL hand-backs at each CUDA call that releases
@@ -126,10 +126,13 @@ class Device:
         self.call(loop, fn, args, fut)
         return fut
 
+    def _short(self, expect_s: float | None) -> bool:
+        """A job expected to take ``expect_s`` (None: unknown) may run on the loop."""
+        return expect_s is not None and expect_s <= self.inline_s
+
     def inlines(self, expect_s: float | None) -> bool:
         """Whether a job expected to take ``expect_s`` (None: unknown) would run inline now."""
-        return (expect_s is not None and expect_s <= self.inline_s
-                and self._in_thread == 0)
+        return self._short(expect_s) and self._in_thread == 0
 
     def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], args: tuple[Any, ...],
              done: asyncio.Future[T] | Callable[[Any, BaseException | None], None],
@@ -144,7 +147,7 @@ class Device:
         the outcome or a :class:`Deferred` to wait for on the device thread."""
         self.inflight += 1
         self.jobs += 1
-        if expect_s is not None and expect_s <= self.inline_s:
+        if self._short(expect_s):
             if self._in_thread == 0:
                 self._run_here(loop, fn, args, done, launch)
             else:
@@ -537,11 +540,12 @@ class Batcher:
         for b, bt in jobs:
             b._unfinished += 1
             b._running += len(bt)
-            e = b._expect(bt[0].key, sum(p.rows for p in bt))
+            rows = sum(p.rows for p in bt)
+            e = b._expect(bt[0].key, rows)
             expect = None if e is None or expect is None else expect + e
-        if len(jobs) == 1:
+        if len(jobs) == 1:  # (self, batch): ``rows`` are this batch's
             key = batch[0].key
-            kernel_s = self._kernel_s.get((key, _bucket(sum(p.rows for p in batch))), 0.0)
+            kernel_s = self._kernel_s.get((key, _bucket(rows)), 0.0)
             launch = (self._launch_job if self._launch_batch is not None
                       and kernel_s > DEFER_KERNEL_S else None)
             self._device.call(self._loop_, self._job, (batch, key),
