@@ -39,11 +39,7 @@ _SMS: dict[int, int] = {}  # device id -> SM count
 
 def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = None) -> TopK:
     """Top-k of device ``y`` f32 [N, cols] (C-contiguous) on ``stream``; host arrays out.
-    ``fused``: the one-kernel path (default ``FUSED``); ``cp``: the array module (CuPy; the
-    tests pass NumPy with a ``get`` shim to check the chunked path's packing)."""
-    if not hasattr(cp, "cuda"):  # NumPy stand-in (tests): no pinned memory, no async copy
-        with stream:
-            return _unpack(_packed(cp, y, k, fused).get(stream=stream), k)
+    ``fused``: the one-kernel path (default ``FUSED``)."""
     return topk_enqueue(cp, y, k, stream, fused)()
 
 
@@ -70,7 +66,8 @@ _D2H = 2  # cudaMemcpyDeviceToHost
 
 
 def _packed(cp: Any, y: Any, k: int, fused: bool | None) -> Any:
-    """The epilogue's packed rows on the device (enqueued on the current stream)."""
+    """The epilogue's packed rows on the device (enqueued on the current stream). ``cp``: the
+    array module (CuPy; a test passes NumPy to check the chunked path's packing)."""
     n, cols = (int(d) for d in y.shape)
     # one row per input row: values [k] | indices [k] | lse [1], all as int32 bits (an
     # integer copy never touches the bits; an f32 copy could flush denormal patterns)

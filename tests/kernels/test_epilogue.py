@@ -246,23 +246,14 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
 
 
 def test_device_driver_chunks_and_packs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels/cuda_topk.py's chunking and single packed download, run with NumPy standing in
-    for CuPy (arrays with a ``get``): the same result as one unchunked pass."""
-    import contextlib
-    import types
-
+    """kernels/cuda_topk.py's chunking into one packed result and its unpacking, run with
+    NumPy standing in for CuPy: the same result as one unchunked pass."""
     from q6serve.kernels import cuda_topk
 
-    class Dev(np.ndarray):
-        def get(self, stream: object = None) -> np.ndarray:
-            return np.asarray(self).copy()
-
-    fake = types.SimpleNamespace(**{n: getattr(np, n) for n in dir(np) if not n.startswith("_")})
-    fake.empty = lambda shape, dtype: np.empty(shape, dtype).view(Dev)
     monkeypatch.setattr(cuda_topk, "CHUNK_ELEMS", 3 * 5000)  # 3 rows per chunk
     y = np.random.default_rng(7).standard_normal((8, 5000)).astype(np.float32)
     y[3, 17] = np.nan
-    got = cuda_topk.topk_on_device(fake, y, 20, contextlib.nullcontext(), fused=False)
+    got = cuda_topk._unpack(cuda_topk._packed(np, y, 20, fused=False), 20)
     want = topk_xp(y, 20, np)
     np.testing.assert_array_equal(got.values, want[0])
     np.testing.assert_array_equal(got.indices, want[1])
