@@ -103,3 +103,23 @@ def test_get_status_shows_the_weight_limit_and_the_host_overhead():
         assert c.status_dict()["max_weights"] == 3
     finally:
         rw.stop()
+
+
+@pytest.mark.parametrize("field", ["inline_device_us", "max_batch_delay_us"])
+def test_negative_times_are_refused(field):
+    with pytest.raises(InvalidArgument, match=f"{field}=-1 must be >= 0"):
+        WorkerConfig(**{field: -1})
+    assert getattr(WorkerConfig(**{field: 0}), field) == 0  # 0: never inline / never wait
+
+
+def test_a_negative_inline_time_is_a_one_line_cli_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0",
+                        "--backend", "numpy", "--inline-device-us", "-5"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "inline_device_us=-5 must be >= 0" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
