@@ -585,6 +585,231 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
 }
 
 // ---------------------------------------------------------------------------------------------
+// K-slice tile with 32-row warp tiles and a warp-private half-block ring (src 6, issue 16):
+// q6k_ks_f16's schedule (K slice per CTA, activations staged once per CTA, warps streaming row
+// tiles, partial sums added by q6k_sum_parts) with two m-tiles per warp, so each activation
+// fragment read from shared memory feeds 2*2 mma.sync and each weight is unpacked once per call.
+// The weights never live in registers: each warp copies its tile's raw Q6_K bytes, one half
+// block (128 K) per stage, through KSM_S stages of its own with cp.async (KSM_S-1 halves in
+// flight), and the math reads the words it needs from the stage at the point of use.
+// Stage (one half h of block kb, 32 rows): ql [32][64] (bytes 64h.. of the row's block),
+// qh [32][32] (bytes 32h..), sc [32][8] (scale words 2h, 2h+1), the aligned 4-byte word holding
+// d [32], which half is d [32]. Lane L copies row L (four 16-byte ql chunks, two qh chunks, 8
+// scale bytes, the d word). A quarter-warp's reads (rows g, g+1, lanes t) hit distinct banks.
+// The AoS twin fills the same stages with 2-byte loads and plain shared stores: same bytes, same
+// math, same grid, so SoA and AoS results are bit-identical. d is applied per block as in
+// block_mma: acc *= 1/d before half 0, acc *= d after half 1 (each half reads d from its stage).
+constexpr int KSM_QH = 32 * 64, KSM_SC = KSM_QH + 32 * 32, KSM_DW = KSM_SC + 32 * 8;
+constexpr int KSM_DP = KSM_DW + 32 * 4, KSM_STAGE = KSM_DP + 32;  // 3488 bytes
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+    u32 a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+                 : "=r"(a) : "l"(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(a), "l"(gmem) : "memory");
+}
+
+// Row `lane` of the warp's stage: half h of block kb of the row at r.
+template <bool SOA>
+__device__ __forceinline__ void ksm_fill(u8* st, const RowRef& r, int kb, int h, int lane) {
+    if (SOA) {
+        const u8* ql = r.base + r.ql + (u32)kb * 128u + 64u * h;
+        const u8* qh = r.base + r.qh + (u32)kb * 64u + 32u * h;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cp_async16(st + lane * 64 + 16 * c, ql + 16 * c);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) cp_async16(st + KSM_QH + lane * 32 + 16 * c, qh + 16 * c);
+        cp_async8(st + KSM_SC + lane * 8, r.base + r.sc + (u32)kb * 16u + 8u * h);
+        // the aligned word around d (slabs and the d plane are 16-byte aligned)
+        const size_t a = (size_t)(r.base + r.d + 2u * kb);
+        cp_async4(st + KSM_DW + lane * 4, (const void*)(a & ~(size_t)3));
+        st[KSM_DP + lane] = (u8)((a >> 1) & 1);
+    } else {
+        const u8* blk = r.base + r.ql + (u32)kb * 210u;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            *(uint4*)(st + lane * 64 + 16 * c) = ld_u128_a2(blk + 64 * h + 16 * c);
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+            *(uint4*)(st + KSM_QH + lane * 32 + 16 * c) = ld_u128_a2(blk + 128 + 32 * h + 16 * c);
+        *(uint2*)(st + KSM_SC + lane * 8) =
+            make_uint2(ld_u32_a2(blk + 192 + 8 * h), ld_u32_a2(blk + 196 + 8 * h));
+        *(u32*)(st + KSM_DW + lane * 4) = ldg_u16(blk + 208);
+        st[KSM_DP + lane] = 0;
+    }
+}
+
+// 6-bit codes (one per byte) of ql word l / qh word hw for nibble nib (quad_q's arithmetic).
+__device__ __forceinline__ u32 ksm_codes(u32 l, u32 hw, int nib, int qsh) {
+    return nib ? (((l >> 4) & 0x0F0F0F0Fu) | ((hw >> qsh) & 0x30303030u))
+               : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
+}
+
+// The CTA's activations of tokens tok0.. (8*NT, zero past n_tok) and K blocks [kb0, kb0+nblk)
+// into smem_x as f16 fragments in lane order: [block][sp][nt][lane] 16 bytes, lane = 4*g + t
+// holding token nt*8 + g: a warp's fragment reads are 512 contiguous bytes and n-tiles sit at a
+// constant stride (no per-n-tile address registers). Four loads in flight per thread.
+template <int NT, class In>
+__device__ __forceinline__ void stage_x_lanes(const typename In::T* x, int K, int n_tok, int tok0,
+                                              int kb0, int nblk) {
+    stage_items<4>(min(8 * NT, n_tok - tok0), 8 * NT, nblk * 32, [&](int tk, int c) -> uint4 {
+        const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
+        return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 + quad_x_off(sp, tt));
+    }, [&](int tk, int c, const uint4& v) {
+        const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
+        smem_x[((b * 8 + sp) * NT + (tk >> 3)) * 32 + (tk & 7) * 4 + tt] = v;
+    });
+}
+
+// One half h of a block from a stage: rows g + 8*r4 (r4 = 2*mt + hr) of the warp tile; xs: the
+// lane's fragment of this block's step pair 0, n-tile 0 (stage_x_lanes order).
+template <int NT>
+__device__ __forceinline__ void ksm_half(float (&acc)[2][NT][4], const u8* st, const uint4* xs,
+                                         int h, int g, int t) {
+    const int qsh = 2 * (t >> 1);
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
+    u32 dh[4];  // f16 bits of d per row (0: masked block)
+#pragma unroll
+    for (int r4 = 0; r4 < 4; ++r4) {
+        const int row = g + 8 * r4;
+        const u32 dw = *(const u32*)(st + KSM_DW + row * 4);
+        dh[r4] = (dw >> (16 * st[KSM_DP + row])) & 0xFFFFu;
+    }
+    if (h == 0) {
+#pragma unroll
+        for (int r4 = 0; r4 < 4; ++r4) {
+            const float d = f16_to_f32(dh[r4]);
+            const float inv = d == 0.f ? 1.f : rcp_approx(d);  // a zero block: scale by 1
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[r4 >> 1][nt][2 * (r4 & 1)] *= inv;
+                acc[r4 >> 1][nt][2 * (r4 & 1) + 1] *= inv;
+            }
+        }
+    }
+    // the weight words are read where they are used (registers go to the accumulators)
+#pragma unroll
+    for (int nib = 0; nib < 2; ++nib) {
+        u32 sc2[4];
+#pragma unroll
+        for (int r4 = 0; r4 < 4; ++r4) {
+            const u32 sw = *(const u32*)(st + KSM_SC + (g + 8 * r4) * 8 + 4 * nib);
+            sc2[r4] = f16_to_f32(dh[r4]) == 0.f ? 0u : sc_pair(sw, scsel);  // masked: A = 0
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int sp = h * 4 + nib * 2 + (j >> 1), u = j & 1;
+            u32 a[2][4];  // [mt][reg]
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                u32 q[2];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int row = g + 16 * mt + 8 * hr;
+                    const u32 l = *(const u32*)(st + row * 64 + 16 * t + 4 * j);
+                    const u32 hw = *(const u32*)(st + KSM_QH + row * 32 + 16 * (t & 1) + 4 * j);
+                    q[hr] = ksm_codes(l, hw, nib, qsh);
+                }
+                const u32 s0 = sc2[2 * mt], s1 = sc2[2 * mt + 1];
+                a[mt][0] = deq2<0x4140u>(q[0], s0);
+                a[mt][1] = deq2<0x4140u>(q[1], s1);
+                a[mt][2] = deq2<0x4342u>(q[0], s0);
+                a[mt][3] = deq2<0x4342u>(q[1], s1);
+            }
+            // this u's half of the lane's 16-byte fragment (two f16x2 words)
+            const uint2* xu = reinterpret_cast<const uint2*>(xs + sp * NT * 32) + u;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint2 bx = xu[nt * 64];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+                    mma_f16(acc[mt][nt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bx.x, bx.y);
+            }
+        }
+    }
+    if (h == 1) {
+#pragma unroll
+        for (int r4 = 0; r4 < 4; ++r4) {
+            const float d = f16_to_f32(dh[r4]);
+            const float dm = d == 0.f ? 1.f : d;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[r4 >> 1][nt][2 * (r4 & 1)] *= dm;
+                acc[r4 >> 1][nt][2 * (r4 & 1) + 1] *= dm;
+            }
+        }
+    }
+}
+
+// W warps per CTA, KSM_S stages per warp. Registers: <= 128 (launch bounds), so 16 warps per SM
+// from registers alone (2 CTAs of 8 or 1 of 16; shared memory may allow fewer).
+template <int NT, bool SOA, class In, int W, int S>
+__global__ void __launch_bounds__(32 * W, W == 8 && NT < 8 ? 2 : 1) q6k_ksm_f16(PARAMS_W, const typename In::T* x,
+                                                              int K, const uint4* xp, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    (void)xp;
+    static_assert(S >= 2 && W >= 4 && W <= 16, "ring stages >= 2, 4..16 warps");
+    const KsPos ps = ks_pos<NT>(w.bpr);
+    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
+    const int kb0 = ps.kb0, nblk = ps.nblk;
+    if (nblk <= 0) return;  // CTA-uniform
+    const int wtiles = (w.rows + 31) >> 5;
+    const int wstride = gridDim.x * W;
+    const int wt0 = blockIdx.x * W + warp;
+    const int my_tiles = wt0 < wtiles ? (wtiles - wt0 + wstride - 1) / wstride : 0;
+    const int units = my_tiles * nblk * 2;  // (tile, block, half)
+    u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * nblk * 32) + warp * S * KSM_STAGE;
+
+    // fill side: unit f = (tile fj, block fb, half fh); lane L copies row L of tile fj
+    int fj = 0, fb = 0, fh = 0;
+    RowRef rf;
+    if (units > 0) rf = row_ref<SOA>(w, min(wt0 * 32 + lane, w.rows - 1));
+    auto fill_next = [&](int slot) {
+        ksm_fill<SOA>(ring + slot * KSM_STAGE, rf, kb0 + fb, fh, lane);
+        if (++fh == 2) {
+            fh = 0;
+            if (++fb == nblk) {
+                fb = 0;
+                ++fj;
+                if (fj < my_tiles)
+                    rf = row_ref<SOA>(w, min((wt0 + fj * wstride) * 32 + lane, w.rows - 1));
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < units) fill_next(s);
+        cp_async_commit();  // empty groups keep the wait count uniform
+    }
+    // The first weight copies are in flight while the CTA stages its activations.
+    stage_x_lanes<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    __syncthreads();
+
+    float acc[2][NT][4];
+    zero_acc(acc);
+    int slot = 0, b = 0, h = 0, j = 0;
+    for (int u = 0; u < units; ++u) {
+        cp_async_wait<S - 2>();  // this lane's copies of unit u have landed ...
+        __syncwarp();            // ... the other rows' too; and everyone is done with u-1
+        if (u + S - 1 < units) fill_next(slot + S - 1 < S ? slot + S - 1 : slot - 1);
+        cp_async_commit();
+        ksm_half<NT>(acc, ring + slot * KSM_STAGE, smem_x + b * 8 * NT * 32 + lane, h, g, t);
+        slot = slot + 1 == S ? 0 : slot + 1;
+        if (++h == 2) {
+            h = 0;
+            if (++b == nblk) {
+                b = 0;
+                ks_emit<NT, 2>(o, w.rows, (wt0 + j * wstride) * 32, tok0, acc, lane);
+                zero_acc(acc);
+                ++j;
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+}
+
+// ---------------------------------------------------------------------------------------------
 // Exact f32 matvec: CTA = blockDim.x/32 warps x 16 rows, TOK tokens of chunk blockIdx.z.
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
@@ -928,6 +1153,12 @@ INST_KS(1, 1, true) INST_KS(2, 1, true) INST_KS(4, 1, true) INST_KS(8, 1, true)
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_KSR(NT) INST_KSR2(NT, true, InF16) INST_KSR2(NT, false, InF16)
 INST_KSR(1) INST_KSR(2)
+#define INST_KSM2(NT, SOA, IN, W, S)                                                          \
+    template __global__ void q6k_ksm_f16<NT, SOA, IN, W, S>(                                  \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_KSM(NT, W, S) INST_KSM2(NT, true, InF16, W, S) INST_KSM2(NT, false, InF16, W, S)
+INST_KSM(2, 16, 2) INST_KSM(2, 8, 3) INST_KSM(2, 8, 4) INST_KSM(4, 16, 2) INST_KSM(4, 8, 3)
+INST_KSM(4, 12, 2) INST_KSM(8, 16, 2) INST_KSM(8, 12, 2) INST_KSM(8, 8, 3)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
