@@ -58,7 +58,7 @@ Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel s
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src == 6:  # stage_x_lanes (no padding) + the warps' rings
-        return 8 * cfg.nt * per * 32 * 16 + cfg.warps * cfg.stages * KSM_STAGE
+        return 8 * cfg.nt * per * 32 * 16 + cfg.warps * (cfg.stages * KSM_STAGE + 512)
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         return 8 * cfg.nt * (per * 32 + 4) * 16 + (KS_RING_BYTES if cfg.src == 5 else 0)
     if path == "mma_f16" and cfg.src == 3:

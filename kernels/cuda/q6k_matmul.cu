@@ -594,8 +594,8 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
 // flight), and the math reads the words it needs from the stage at the point of use.
 // Stage (one half h of block kb, 32 rows): ql [32][64] (bytes 64h.. of the row's block),
 // qh [32][32] (bytes 32h..), sc [32][8] (scale words 2h, 2h+1), the aligned 4-byte word holding
-// d [32], which half is d [32]. Lane L copies row L (four 16-byte ql chunks, two qh chunks, 8
-// scale bytes, the d word). A quarter-warp's reads (rows g, g+1, lanes t) hit distinct banks.
+// d [32], which half is d [32] (ksm_fill; a per-warp table holds the tile's row addresses).
+// A quarter-warp's reads (rows g, g+1, lanes t) hit distinct banks.
 // The AoS twin fills the same stages with 2-byte loads and plain shared stores: same bytes, same
 // math, same grid, so SoA and AoS results are bit-identical. d is applied per block as in
 // block_mma: acc *= 1/d before half 0, acc *= d after half 1 (each half reads d from its stage).
@@ -609,34 +609,59 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(a), "l"(gmem) : "memory");
 }
 
-// Row `lane` of the warp's stage: half h of block kb of the row at r.
+// Half h of block kb of the warp's 32-row tile into a stage. tbl: the tile's rows' ql and qh
+// addresses (ksm_rows); rd: this lane's own row (sc, d). Per instruction a warp copies 8 rows x
+// 64 contiguous ql bytes, 16 rows x 32 qh bytes, then each lane its row's 8 scale bytes and d
+// word (one 16-byte piece per lane and row made every copy instruction touch 32 lines).
 template <bool SOA>
-__device__ __forceinline__ void ksm_fill(u8* st, const RowRef& r, int kb, int h, int lane) {
+__device__ __forceinline__ void ksm_fill(u8* st, const u64* tbl, const RowRef& rd, int kb, int h,
+                                         int lane) {
+    constexpr u32 QL_STEP = SOA ? 128u : 210u, QH_STEP = SOA ? 64u : 210u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = 8 * i + (lane >> 2), c = lane & 3;
+        const u8* src = (const u8*)tbl[2 * row] + (u32)kb * QL_STEP + 64u * h + 16u * c;
+        u8* dst = st + row * 64 + 16 * c;
+        if (SOA)
+            cp_async16(dst, src);
+        else
+            *(uint4*)dst = ld_u128_a2(src);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = 16 * i + (lane >> 1), c = lane & 1;
+        const u8* src = (const u8*)tbl[2 * row + 1] + (u32)kb * QH_STEP + 32u * h + 16u * c;
+        u8* dst = st + KSM_QH + row * 32 + 16 * c;
+        if (SOA)
+            cp_async16(dst, src);
+        else
+            *(uint4*)dst = ld_u128_a2(src);
+    }
     if (SOA) {
-        const u8* ql = r.base + r.ql + (u32)kb * 128u + 64u * h;
-        const u8* qh = r.base + r.qh + (u32)kb * 64u + 32u * h;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) cp_async16(st + lane * 64 + 16 * c, ql + 16 * c);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) cp_async16(st + KSM_QH + lane * 32 + 16 * c, qh + 16 * c);
-        cp_async8(st + KSM_SC + lane * 8, r.base + r.sc + (u32)kb * 16u + 8u * h);
+        cp_async8(st + KSM_SC + lane * 8, rd.base + rd.sc + (u32)kb * 16u + 8u * h);
         // the aligned word around d (slabs and the d plane are 16-byte aligned)
-        const size_t a = (size_t)(r.base + r.d + 2u * kb);
+        const size_t a = (size_t)(rd.base + rd.d + 2u * kb);
         cp_async4(st + KSM_DW + lane * 4, (const void*)(a & ~(size_t)3));
         st[KSM_DP + lane] = (u8)((a >> 1) & 1);
     } else {
-        const u8* blk = r.base + r.ql + (u32)kb * 210u;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            *(uint4*)(st + lane * 64 + 16 * c) = ld_u128_a2(blk + 64 * h + 16 * c);
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-            *(uint4*)(st + KSM_QH + lane * 32 + 16 * c) = ld_u128_a2(blk + 128 + 32 * h + 16 * c);
+        const u8* blk = rd.base + rd.ql + (u32)kb * 210u;
         *(uint2*)(st + KSM_SC + lane * 8) =
             make_uint2(ld_u32_a2(blk + 192 + 8 * h), ld_u32_a2(blk + 196 + 8 * h));
         *(u32*)(st + KSM_DW + lane * 4) = ldg_u16(blk + 208);
         st[KSM_DP + lane] = 0;
     }
+}
+
+// Lane L: its row's RowRef (row L of the tile at wrow, clamped), and the row's ql and qh block-0
+// addresses into the warp's table (the warp syncs around it: fills read other lanes' rows).
+template <bool SOA>
+__device__ __forceinline__ RowRef ksm_rows(const Weight& w, u64* tbl, int wrow, int lane) {
+    const RowRef r = row_ref<SOA>(w, min(wrow + lane, w.rows - 1));
+    __syncwarp();  // every lane is done with the previous tile's addresses
+    tbl[2 * lane] = (u64)(r.base + r.ql);
+    tbl[2 * lane + 1] = (u64)(r.base + r.qh);
+    __syncwarp();
+    return r;
 }
 
 // 6-bit codes (one per byte) of ql word l / qh word hw for nibble nib (quad_q's arithmetic).
@@ -687,7 +712,14 @@ __device__ __forceinline__ void ksm_half(float (&acc)[2][NT][4], const u8* st, c
             }
         }
     }
-    // the weight words are read where they are used (registers go to the accumulators)
+    // the lane's weight bytes of this half: ql [16t, +16) and qh [16(t&1), +16) of its 4 rows
+    uint4 L[4], H[4];
+#pragma unroll
+    for (int r4 = 0; r4 < 4; ++r4) {
+        const int row = g + 8 * r4;
+        L[r4] = *(const uint4*)(st + row * 64 + 16 * t);
+        H[r4] = *(const uint4*)(st + KSM_QH + row * 32 + 16 * (t & 1));
+    }
 #pragma unroll
     for (int nib = 0; nib < 2; ++nib) {
         u32 sc2[4];
@@ -702,19 +734,14 @@ __device__ __forceinline__ void ksm_half(float (&acc)[2][NT][4], const u8* st, c
             u32 a[2][4];  // [mt][reg]
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                u32 q[2];
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int row = g + 16 * mt + 8 * hr;
-                    const u32 l = *(const u32*)(st + row * 64 + 16 * t + 4 * j);
-                    const u32 hw = *(const u32*)(st + KSM_QH + row * 32 + 16 * (t & 1) + 4 * j);
-                    q[hr] = ksm_codes(l, hw, nib, qsh);
-                }
+                const u32 q0 = ksm_codes(word4(L[2 * mt], j), word4(H[2 * mt], j), nib, qsh);
+                const u32 q1 =
+                    ksm_codes(word4(L[2 * mt + 1], j), word4(H[2 * mt + 1], j), nib, qsh);
                 const u32 s0 = sc2[2 * mt], s1 = sc2[2 * mt + 1];
-                a[mt][0] = deq2<0x4140u>(q[0], s0);
-                a[mt][1] = deq2<0x4140u>(q[1], s1);
-                a[mt][2] = deq2<0x4342u>(q[0], s0);
-                a[mt][3] = deq2<0x4342u>(q[1], s1);
+                a[mt][0] = deq2<0x4140u>(q0, s0);
+                a[mt][1] = deq2<0x4140u>(q1, s1);
+                a[mt][2] = deq2<0x4342u>(q0, s0);
+                a[mt][3] = deq2<0x4342u>(q1, s1);
             }
             // this u's half of the lane's 16-byte fragment (two f16x2 words)
             const uint2* xu = reinterpret_cast<const uint2*>(xs + sp * NT * 32) + u;
@@ -760,20 +787,21 @@ __global__ void __launch_bounds__(32 * W, W == 8 && NT < 8 ? 2 : 1) q6k_ksm_f16(
     const int my_tiles = wt0 < wtiles ? (wtiles - wt0 + wstride - 1) / wstride : 0;
     const int units = my_tiles * nblk * 2;  // (tile, block, half)
     u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * nblk * 32) + warp * S * KSM_STAGE;
+    u64* tbl = reinterpret_cast<u64*>(reinterpret_cast<u8*>(smem_x + 8 * NT * nblk * 32) +
+                                      W * S * KSM_STAGE) + warp * 64;
 
-    // fill side: unit f = (tile fj, block fb, half fh); lane L copies row L of tile fj
+    // fill side: unit f = (tile fj, block fb, half fh)
     int fj = 0, fb = 0, fh = 0;
     RowRef rf;
-    if (units > 0) rf = row_ref<SOA>(w, min(wt0 * 32 + lane, w.rows - 1));
+    if (units > 0) rf = ksm_rows<SOA>(w, tbl, wt0 * 32, lane);
     auto fill_next = [&](int slot) {
-        ksm_fill<SOA>(ring + slot * KSM_STAGE, rf, kb0 + fb, fh, lane);
+        ksm_fill<SOA>(ring + slot * KSM_STAGE, tbl, rf, kb0 + fb, fh, lane);
         if (++fh == 2) {
             fh = 0;
             if (++fb == nblk) {
                 fb = 0;
                 ++fj;
-                if (fj < my_tiles)
-                    rf = row_ref<SOA>(w, min((wt0 + fj * wstride) * 32 + lane, w.rows - 1));
+                if (fj < my_tiles) rf = ksm_rows<SOA>(w, tbl, (wt0 + fj * wstride) * 32, lane);
             }
         }
     };
