@@ -78,9 +78,6 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
 # ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled and lost everywhere
 # (bench/RESULTS.md)
 KS_SHAPES = {nt: ((1, True),) for nt in (1, 2, 4, 8)}
-# the 32-row ring tile q6k_ksm_f16 (src 6): (warps, ring stages) per n-tiles, as instantiated
-KSM_SHAPES = {2: ((16, 2), (8, 3), (8, 4)), 4: ((16, 2), (8, 3), (12, 2)),
-              8: ((16, 2), (12, 2), (8, 3))}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -176,7 +173,6 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
     nt = 1 if n <= 8 else n // 8
     mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
     mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
-    mma += [Cfg(nt=nt, mt=2, src=6, warps=w, stages=s) for w, s in KSM_SHAPES.get(nt, ())]
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
         for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:

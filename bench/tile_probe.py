@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 def ks_cfgs(n: int) -> list[Cfg]:
     """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
-    return [Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else []) + [
-        Cfg(nt=nt, mt=2, src=6, warps=w, stages=s) for w, s in _bk.KSM_SHAPES.get(nt, ())]
+    return [Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
 
 
 def profile_calls(be, ws, xd, n, rows, k) -> None:

@@ -72,23 +72,16 @@ class Cfg:
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
     #                 staged once per CTA, warps stream many row tiles; ksplit = K slices),
     #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1)
-    #               6 the K-slice tile with 32-row warps and a warp-private half-block
-    #                 cp.async ring (q6k_ksm_f16; mt 2, `stages` ring stages, 8/12/16 warps)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
-    stages: int = 0  # src 6: weight ring stages per warp (half blocks); 0 for the others
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 6
-        ok = ok and (self.warps in (8, 12, 16) if self.src == 6 else self.warps in (4, 8))
-        ok = ok and (self.stages in (2, 3, 4) if self.src == 6 else self.stages == 0)
-        ok = ok and not (self.src == 6 and (self.mt != 2 or self.pf or self.nt == 1))
+        ok = ok and self.mt in (1, 2) and self.warps in (4, 8) and 2 <= self.src <= 5
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
             self.mt != 1 or self.src != 2 or self.warps != 8))
-        ok = ok and not (self.src >= 4 and path != "mma_f16")
-        ok = ok and not (self.src in (4, 5) and self.warps != 8)
+        ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps != 8))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))
@@ -98,7 +91,6 @@ class Cfg:
     def label(self) -> str:
         """Short name for logs and the table (``nt4.m1.w8.s3.pf``)."""
         s = f"nt{self.nt}.m{self.mt}.w{self.warps}.s{self.src}" + (".pf" if self.pf else "")
-        s += f".r{self.stages}" if self.stages else ""
         return s + (f".k{self.ksplit}" if self.ksplit else "")
 
 

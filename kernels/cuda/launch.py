@@ -42,7 +42,6 @@ IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5): dynamic shared memory per CTA (sm_90 opt-in)
 KS_RING_BYTES = 8 * 3 * 3408  # src 5: 8 warps x KS_RING stages x RING_STAGE (q6k_matmul.cu)
-KSM_STAGE = 3488  # src 6: one warp's ring stage (KSM_STAGE in q6k_matmul.cu: 32 rows x half block)
 # Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
 # loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
 KS_INFLIGHT = 48 << 10
@@ -57,8 +56,6 @@ Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel s
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
-    if path == "mma_f16" and cfg.src == 6:  # stage_x_lanes (no padding) + the warps' rings
-        return 8 * cfg.nt * per * 32 * 16 + cfg.warps * (cfg.stages * KSM_STAGE + 512)
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         return 8 * cfg.nt * (per * 32 + 4) * 16 + (KS_RING_BYTES if cfg.src == 5 else 0)
     if path == "mma_f16" and cfg.src == 3:
@@ -82,8 +79,6 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
-    if path == "mma_f16" and cfg.src == 6:
-        return f"q6k_ksm_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {cfg.stages}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -267,9 +262,8 @@ class Launcher:
         bpr = k // q6k.QK_K
         sms = self.ctx.sm_count
         regs = -(-max(int(fn.num_regs), 1) // 8) * 8
-        nw, tile = cfg.warps, 16 * cfg.mt  # warps per CTA, rows per warp tile
-        occ_regs = max(1, min(2048 // (32 * nw), 65536 // (32 * nw * regs)))
-        wtiles = -(-rows // tile)
+        occ_regs = max(1, min(8, 65536 // (256 * regs)))
+        wtiles = -(-rows // (16 * cfg.mt))
         toks = min(n, 8 * cfg.nt)
         best: tuple[float, int, int] | None = None
         choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
@@ -282,19 +276,16 @@ class Launcher:
             occ = min(occ_regs, self.ctx.smem_sm // (smem + 1024))
             if occ < 1:
                 continue
-            gx = max(1, min(-(-wtiles // nw), sms * occ // (ks_eff * nz)))
-            rounds = -(-wtiles // (nw * gx))
-            gx = -(-wtiles // (nw * rounds))  # as few CTAs as give the same rounds
+            gx = max(1, min(-(-wtiles // 8), sms * occ // (ks_eff * nz)))
+            rounds = -(-wtiles // (8 * gx))
+            gx = -(-wtiles // (8 * rounds))  # as few CTAs as give the same rounds
             per_sm = -(-(gx * ks_eff * nz) // sms)
-            wbytes = rounds * nw * tile * per * 210
+            wbytes = rounds * 8 * 16 * cfg.mt * per * 210
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
-            pbytes = 0 if ks_eff == 1 else 2 * rounds * nw * tile * toks * 4 + (64 << 10)
-            # blocks in flight per warp: register prefetch 1, ring KS_RING-1 (src 5) or
-            # stages-1 half blocks (src 6)
-            ahead = (2 if cfg.src == 5 else (cfg.stages - 1) / 2 if cfg.src == 6
-                     else 1 if cfg.pf else 0.5)
-            inflight = min(occ, per_sm) * nw * ahead * tile * 210
+            pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4 + (64 << 10)
+            ahead = 2 if cfg.src == 5 else 1 if cfg.pf else 0.5  # blocks in flight per warp
+            inflight = min(occ, per_sm) * 8 * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
                 best = (cost, ks_eff, gx)
@@ -313,7 +304,7 @@ class Launcher:
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
         fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:
