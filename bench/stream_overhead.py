@@ -19,6 +19,10 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
 
+``--trips``: every server counts its event-loop trips and the callbacks they run
+(bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
+run more than once per 10 round trips. ``--backend cuda``: the worker variant on the GPU.
+
 ``--inproc``: the worker's interceptor and MatmulStream handler driven in this process with
 no gRPC (a stub engine; a request handed in, its serialized reply taken), next to the proto
 echo handler: the Python our handler adds per request, a figure far steadier than a round trip.
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -157,8 +163,13 @@ async def _servicer_server(rows: int) -> Any:
     return server, port
 
 
-def _echo_server(variant: str, rows: int, ports: Any) -> None:
+def _echo_server(variant: str, rows: int, ports: Any, trips: str = "") -> None:
     import grpc
+
+    if trips:
+        import loop_trips
+
+        loop_trips.install(trips, sigterm=True)
 
     from q6serve.client.channel import channel_options
 
@@ -272,16 +283,18 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int) -> list[float
 
 # -- the client -------------------------------------------------------------------------------
 async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
-                      worker: bool, pid: int) -> tuple[list[float], float]:
+                      worker: bool, pid: int) -> tuple[list[float], float, int]:
     """Closed-loop round trips on one stream for ``seconds`` after ``warmup``: seconds each
-    (the worker's: minus the kernel time its reply reports), and the server process's CPU
-    seconds per round trip (``pid``, all threads; the worker's include its kernel)."""
+    (the worker's: minus the kernel time its reply reports), the server process's CPU
+    seconds per round trip (``pid``, all threads; the worker's include its kernel), and how
+    many round trips ran in all (warm-up too: what the server's loop-trip counts cover)."""
     import grpc
 
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
 
     out: list[tuple[float, bytes]] = []
+    total = 0
     async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
         call = ch.stream_stream(METHOD)()
         cpu = 0.0
@@ -293,19 +306,20 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
                 await call.write(req)
                 raw = await call.read()
                 dt = time.perf_counter() - t0
+                total += 1
                 if phase == "timed":
                     out.append((dt, raw if worker else b""))
         cpu = (cpu_seconds(pid) - cpu) / max(1, len(out))
         await call.done_writing()
     if not worker:
-        return [dt for dt, _ in out], cpu
+        return [dt for dt, _ in out], cpu, total
     lat = []
     for dt, raw in out:
         msg = pb.MatmulStreamResponse.FromString(raw)
         if msg.WhichOneof("outcome") != "result":
             raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
         lat.append(dt - msg.result.timing.kernel_seconds)
-    return lat, cpu
+    return lat, cpu, total
 
 
 def _request(k: int) -> bytes:
@@ -322,30 +336,44 @@ def _request(k: int) -> bytes:
 class _Servers:
     """One running server per variant (started once; rounds reuse them)."""
 
-    def __init__(self, variants: list[str], rows: int, k: int, log_dir: Path) -> None:
+    def __init__(self, variants: list[str], rows: int, k: int, log_dir: Path,
+                 backend: str = "numpy", trips: bool = False) -> None:
         self.targets: dict[str, str] = {}
+        # where each server writes its loop-trip counts at exit (--trips)
+        self.trips = {v: str(log_dir / f"trips-{v}.json") for v in variants} if trips else {}
         self.pids: dict[str, int] = {}
         self._procs: list[Any] = []
         self._worker: Any = None
         ctx = mp.get_context("spawn")
         for v in variants:
             if v == "worker":
-                self.targets[v] = self._start_worker(rows, k, log_dir)
+                self.targets[v] = self._start_worker(rows, k, log_dir, backend)
                 self.pids[v] = self._worker.proc.pid
                 continue
             ports = ctx.Queue()
-            p = ctx.Process(target=_echo_server, args=(v, rows, ports), daemon=True)
+            p = ctx.Process(target=_echo_server, args=(v, rows, ports, self.trips.get(v, "")),
+                            daemon=True)
             p.start()
             self._procs.append(p)
             self.pids[v] = p.pid
             self.targets[v] = f"127.0.0.1:{ports.get(timeout=60)}"
 
-    def _start_worker(self, rows: int, k: int, log_dir: Path) -> str:
+    def _start_worker(self, rows: int, k: int, log_dir: Path, backend: str) -> str:
         from q6serve.client.client import Client
         from q6serve.client.worker_process import WorkerProcess
         from q6serve.kernels import q6k
 
-        self._worker = WorkerProcess(["--backend", "numpy"], log_dir / "worker.log").start()
+        env = dict(os.environ)
+        if "worker" in self.trips:  # bench/trips_site/sitecustomize.py installs the counter
+            site = str(Path(__file__).resolve().parent / "trips_site")
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (site, env.get("PYTHONPATH", "")) if p)
+            os.environ["Q6SERVE_LOOP_TRIPS"] = self.trips["worker"]
+        try:
+            self._worker = WorkerProcess(["--backend", backend], log_dir / "worker.log").start()
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
         with Client(self._worker.target, timeout=120.0) as c:
             c.upload("w", q6k.random_blocks(rows, k, np.random.default_rng(0)), rows, k)
         return self._worker.target
@@ -356,6 +384,14 @@ class _Servers:
             p.join(10)
         if self._worker is not None:
             self._worker.stop()
+
+    def trip_counts(self) -> dict[str, dict[str, Any]]:
+        """What each server's loop-trip counter wrote at exit (after close())."""
+        out = {}
+        for v, path in self.trips.items():
+            with contextlib.suppress(OSError, ValueError):
+                out[v] = json.loads(Path(path).read_text())
+        return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -377,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also drive the handler in this process, no gRPC: CALLS requests per "
                          "round through the interceptor and MatmulStream over a stub engine, "
                          "and through the proto echo handler (0: skip; default 10000)")
+    ap.add_argument("--trips", action="store_true",
+                    help="count each server's event-loop trips per round trip and the "
+                         "callbacks they run (bench/loop_trips.py)")
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"),
+                    help="the worker variant's backend")
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
@@ -386,20 +427,23 @@ def main(argv: list[str] | None = None) -> int:
     req = _request(a.k)
     p50: dict[str, list[float]] = {v: [] for v in variants}
     cpu_us: dict[str, list[float]] = {v: [] for v in variants}
+    calls = dict.fromkeys(variants, 0)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
-        servers = _Servers(variants, a.rows, a.k, Path(tmp))
+        servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips)
         try:
             for r in range(a.rounds):
                 for v in variants:
-                    lat, cpu = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
-                                                       a.warmup, v == "worker",
-                                                       servers.pids[v]))
+                    lat, cpu, n = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
+                                                          a.warmup, v == "worker",
+                                                          servers.pids[v]))
                     p50[v].append(float(np.median(lat)) * 1e6)
                     cpu_us[v].append(cpu * 1e6)
+                    calls[v] += n
                 print(f"# round {r + 1}: " + "  ".join(f"{v} {p50[v][-1]:.0f}"
                                                        for v in variants), flush=True)
         finally:
             servers.close()
+        trips = servers.trip_counts()
     inproc: dict[str, list[float]] = {"echo": [], "handler": []}
     for _ in range(a.rounds if a.inproc > 0 else 0):
         for v, got in inproc.items():
@@ -412,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"  +{med - base:5.0f} over bare" if base is not None and v != "bare" else ""
         print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
               f"  server cpu/trip {statistics.median(cpu_us[v]):5.0f}{extra}")
+    for v, t in trips.items():
+        n = max(1, calls[v])
+        cbs = ", ".join(f"{name} {c / n:.2f}" for name, c in t["callbacks"].items()
+                        if c / n >= 0.1)
+        print(f"{v:8s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
+              f"{t['slept'] / n:.2f}); callbacks per round trip: {cbs}")
     if inproc["echo"]:
         echo, ours = (statistics.median(inproc[v]) for v in ("echo", "handler"))
         print(f"in process, no gRPC (p50 us per request, decode + reply serialized): proto echo "
