@@ -299,7 +299,7 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
         call = ch.stream_stream(METHOD)()
         cpu = 0.0
         for phase, span in (("warm", warmup), ("timed", seconds)):
-            cpu = cpu_seconds(pid) - cpu
+            cpu = cpu_seconds(pid)  # the timed phase's start is what counts
             end = time.perf_counter() + span
             while time.perf_counter() < end:
                 t0 = time.perf_counter()

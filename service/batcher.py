@@ -136,7 +136,8 @@ class Device:
 
     def call(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., T], args: tuple[Any, ...],
              done: asyncio.Future[T] | Callable[[Any, BaseException | None], None],
-             expect_s: float | None = None, launch: Callable[..., Any] | None = None) -> None:
+             expect_s: float | None = None, launch: Callable[..., Any] | None = None,
+             settle_now: bool = False) -> None:
         """Queue ``fn(*args)`` on the device thread; its outcome goes to ``done`` on the loop:
         a future is resolved, a callable is called as ``done(result, exception)`` in the same
         loop trip that hears of the job's end (no future in between, so no extra trip).
@@ -144,14 +145,16 @@ class Device:
         here, on the loop's thread, when the device thread is idle, or is held until it is
         (see ``inline_s``); its outcome still reaches ``done`` in a later loop trip, as a
         threaded job's would. ``launch(*args)``: run instead of ``fn`` on the loop, returning
-        the outcome or a :class:`Deferred` to wait for on the device thread."""
+        the outcome or a :class:`Deferred` to wait for on the device thread. ``settle_now``:
+        an inline job's outcome may reach ``done`` before this returns (the caller knows that
+        nothing can launch ahead of what ``done`` schedules: one loop trip saved)."""
         self.inflight += 1
         self.jobs += 1
         if self._short(expect_s):
             if self._in_thread == 0:
-                self._run_here(loop, fn, args, done, launch)
+                self._run_here(loop, fn, args, done, launch, settle_now)
             else:
-                self._held.append((loop, fn, args, done, launch))
+                self._held.append((loop, fn, args, done, launch, False))
             return
         self._to_thread(loop, fn, args, done)
 
@@ -163,7 +166,8 @@ class Device:
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
 
     def _run_here(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
-                  args: tuple[Any, ...], done: Any, launch: Callable[..., Any] | None) -> None:
+                  args: tuple[Any, ...], done: Any, launch: Callable[..., Any] | None,
+                  settle_now: bool) -> None:
         self.inline_jobs += 1
         try:
             out: Any = (launch or fn)(*args)
@@ -176,6 +180,8 @@ class Device:
         if isinstance(out, Deferred):
             self.deferred_jobs += 1
             self._to_thread(loop, out.wait, (), done)
+        elif settle_now:
+            self._done(done, out, None)
         else:
             loop.call_soon(self._done, done, out, None)
 
@@ -548,8 +554,11 @@ class Batcher:
             kernel_s = self._kernel_s.get((key, _bucket(rows)), 0.0)
             launch = (self._launch_job if self._launch_batch is not None
                       and kernel_s > DEFER_KERNEL_S else None)
+            # nothing queued behind it: its replies' work cannot be overtaken by a launch
+            # of this batcher (test_reply_order), so an inline job settles in this trip
             self._device.call(self._loop_, self._job, (batch, key),
-                              lambda done, exc: self._finish(batch, done, exc), expect, launch)
+                              lambda done, exc: self._finish(batch, done, exc), expect, launch,
+                              settle_now=not self._queue)
         else:
             self._device.call(self._loop_, _run_jobs, (jobs,),
                               lambda done, exc: _finish_jobs(jobs, done, exc), expect)

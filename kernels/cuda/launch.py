@@ -15,8 +15,11 @@ host path of one batch:
    instead of four or five (falls back to direct launches if capture is refused);
 3. the events sit around the kernel(s) only (recorded as external graph event nodes), so the
    reported time is the kernel's, not the copies' or Python's;
-4. y goes device -> a pinned block that becomes the returned array (no host copy), after
-   **one** stream synchronisation; the kernel time is read then (the events are complete).
+4. y goes device -> host after **one** stream synchronisation; the kernel time is read then
+   (the events are complete). A small y (<= ``SMALL_Y`` bytes, f32 or f16) is converted and
+   copied into a pinned buffer of the workspace by the bound sequence itself (so a graph
+   call is one host call for everything), then copied out on the host; a larger y (or bf16)
+   goes into a pinned block that becomes the returned array (no host copy).
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
@@ -47,6 +50,10 @@ KS_RING_BYTES = 8 * 3 * 3408  # src 5: 8 warps x KS_RING stages x RING_STAGE (q6
 KS_INFLIGHT = 48 << 10
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that wastes more than this
+# y bytes at most that the bound sequence converts and downloads itself (then copied out on the
+# host, ~1 us per 16 KiB): a CuPy conversion plus a pinned block per call cost ~70 us of host
+# time on the H200 machine; past this size the host copy would cost more than they do
+SMALL_Y = 64 << 10
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H = 1, 2  # cudaMemcpyKind
@@ -143,6 +150,7 @@ class Workspace:
         self.gen = 0
         self._dev: dict[str, Any] = {}
         self._host: Any = None  # (pinned memory, numpy uint8 view)
+        self._out: Any = None  # the same for small outputs (SMALL_Y)
 
     @staticmethod
     def _grown(old: int, need: int) -> int:
@@ -170,20 +178,39 @@ class Workspace:
 
     def host(self, nbytes: int) -> np.ndarray:
         """The pinned staging buffer for x (uint8, at least ``nbytes``)."""
-        if self._host is None or self._host[1].size < nbytes:
-            size = self._grown(0 if self._host is None else self._host[1].size, nbytes)
-            mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
-            self._host = (mem, np.frombuffer(mem, np.uint8, size))
-            self.gen += 1
+        self._host = self._pinned(self._host, nbytes)
         return self._host[1]
+
+    def host_out(self, nbytes: int) -> np.ndarray:
+        """The pinned buffer small outputs are downloaded into (uint8, at least ``nbytes``)."""
+        self._out = self._pinned(self._out, nbytes)
+        return self._out[1]
+
+    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
+        if have is not None and have[1].size >= nbytes:
+            return have
+        size = self._grown(0 if have is None else have[1].size, nbytes)
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
+        self.gen += 1
+        return mem, np.frombuffer(mem, np.uint8, size)
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._dev.values())
 
     def clear(self) -> None:
         self._dev.clear()
-        self._host = None
+        self._host = self._out = None
         self.gen += 1
+
+
+def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int) -> np.dtype | None:
+    """y's host dtype when the bound sequence downloads it itself (SMALL_Y), else None."""
+    if topk:
+        return None
+    dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
+    if dt not in (np.float32, np.float16) or n * rows * dt.itemsize > SMALL_Y:
+        return None
+    return dt
 
 
 def _external_record() -> Any:
@@ -437,14 +464,14 @@ class Launcher:
             return self._matmul_direct(w, cw, x, in_t, path, out_dtype, topk)
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
-        key = (path, cfg, n, in_t)
+        key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk))
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, xb.size)
         rt = cp.cuda.runtime
         if b.graph:
             b.graph.launch(stream)
-            finish = self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
+            finish = self._finish_bound(b, n, w.rows, out_dtype, topk)
 
             def graph_done() -> Done:
                 done = finish()
@@ -458,13 +485,14 @@ class Launcher:
         for s in b.steps:
             s()
         b.end.record(stream)
+        self._download(b)
         b.calls += 1
         if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
             self._capture(b, host)
-        return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, topk)
+        return self._finish_bound(b, n, w.rows, out_dtype, topk)
 
     def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
-        path, cfg, n, in_t = key
+        path, cfg, n, in_t, small = key
         cp = self.ctx.cp
         lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
         # All buffers first (any growth bumps the generation), then the pointers.
@@ -474,14 +502,49 @@ class Launcher:
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
             steps = self.steps(lp, w, cw, xd, y, n)
+            out = None
+            if small is not None:  # y's way out is part of the sequence (SMALL_Y)
+                y16 = self.ws.ptr("y16b", 2 * n * w.rows) if small == np.float16 else 0
+                nbytes = n * w.rows * small.itemsize
+                out = (y16, self.ws.host_out(nbytes)[:nbytes].view(small).reshape(n, w.rows))
             if gen == self.ws.gen:
                 break
         if len(cw.plans) >= MAX_PLANS_PER_WEIGHT:
             cw.plans.clear()
         b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
-                  extra={"xd": xd, "y": y})
+                  extra={"xd": xd, "y": y, "out": out})
         cw.plans[key] = b
         return b
+
+    def _download(self, b: Bound) -> None:
+        """A small y's way out, enqueued after the kernels (a bound sequence's last part, in
+        its graph too): f16 converted on the device, then copied into the pinned out buffer."""
+        out = b.extra["out"]
+        if out is None:
+            return
+        cp, stream = self.ctx.cp, self.ctx.stream
+        y16, host = out
+        src = b.extra["y"]
+        if y16:  # ("y16b": bound, unlike _finish's "y16"; at the bound size: nothing grows)
+            cp.copyto(self.ws.array("y16b", host.shape, np.float16),
+                      self.ws.array("y", host.shape, np.float32), casting="same_kind")
+            src = y16
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, src, host.nbytes, _D2H, stream.ptr)
+
+    def _finish_bound(self, b: Bound, n: int, rows: int, out_dtype: np.dtype | None,
+                      topk: int) -> Callable[[], Done]:
+        """:meth:`_finish` of a bound sequence: a small y is already on its way to the pinned
+        out buffer (``_download``); the sync, then a copy of it, is all that is left."""
+        out = b.extra["out"]
+        if out is None:
+            return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk)
+        stream, start, end, host = self.ctx.stream, b.start, b.end, out[1]
+
+        def done() -> Done:
+            stream.synchronize()
+            return host.copy(), None, self._seconds(start, end)  # the buffer is reused
+
+        return done
 
     def _capture(self, b: Bound, host: np.ndarray) -> None:
         """Capture b's sequence as a graph; on any refusal keep direct launches for it."""
@@ -504,6 +567,7 @@ class Launcher:
             for s in b.steps:
                 s()
             ok = ok and self._record_ext(b.end.ptr, stream.ptr, 1) == 0
+            self._download(b)
         except Exception:
             ok = False
         finally:
