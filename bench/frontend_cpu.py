@@ -8,6 +8,10 @@ machine where wall-clock figures are not.
     python bench/frontend_cpu.py --frontends 2 --seconds 4      # NumPy backend, ~15 s
     python bench/frontend_cpu.py --frontends 2 --lane           # the same callers on lanes
     python bench/frontend_cpu.py --proxy 4       # a front end's own path alone, 4 calls/stack
+    # T2 on the GPU with the device process profiled: its counters (Q6SERVE_DP_STATS, see
+    # service/frontends.py), per-thread CPU, py-spy (the worker runs under it) into DIR
+    python bench/frontend_cpu.py --backend cuda --rows 3584 --k 18944 --frontends 8 \
+        --hosts 8 --callers 8 --seconds 8 --profile DIR
 
 ``--proxy C`` measures, in this process and without gRPC, sockets or a device process, what
 a front end itself does per call (``service/frontends.py``): EngineProxy.start_matmul of C
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -66,6 +71,47 @@ def kernel_cpu(n: int, rows: int, k: int, calls: int = 1000) -> float:
             backend.matmul(w, x)
         best = min(best, (time.process_time() - t0) / calls)
     return best
+
+
+def summarize_stats(path: Path, t0: float, t1: float) -> dict[str, Any]:
+    """The device process's counters (``Q6SERVE_DP_STATS`` lines) over the wall-clock window
+    [t0, t1]: deltas of the first and last lines inside it, per call and per second."""
+    import json
+
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    inside = [x for x in lines if t0 <= x["wall"] <= t1] or lines[-2:]
+    a, b = inside[0], inside[-1]
+    d = {k: v - a.get(k, 0) for k, v in b.items() if isinstance(v, int | float)}
+    span, calls = max(d["t"], 1e-9), max(d.get("mm_rows", 0), 1)
+    threads = {k: (v - a["threads_cpu_s"].get(k, 0.0)) / span
+               for k, v in b["threads_cpu_s"].items()}
+    return {"window_s": span, "calls": calls, "calls_per_s": calls / span,
+            "cpu_us_per_call": d["cpu_s"] / calls * 1e6, "cpu_share": d["cpu_s"] / span,
+            "loop_busy_share": 1 - d.get("select_s", 0) / span,
+            "loop_busy_us_per_call": (span - d.get("select_s", 0)) / calls * 1e6,
+            "inline_wall_us_per_call": d.get("inline_jobs_wall_s", 0) / calls * 1e6,
+            "inline_cpu_us_per_call": d.get("inline_jobs_cpu_s", 0) / calls * 1e6,
+            "rows_per_batch": d.get("batch_rows", 0) / max(d.get("batches", 0), 1),
+            "calls_per_message": calls / max(d.get("msg_mm", 0), 1),
+            "messages_per_read": d.get("msg_mm", 0) / max(d.get("socket_reads", 0), 1),
+            "per_call": {k: d.get(k, 0) / calls for k in (
+                "loop_iterations", "wakeups", "socket_reads", "socket_writes", "msg_mm",
+                "batches", "inline_jobs", "deferred_jobs", "voluntary_ctxt_switches",
+                "nonvoluntary_ctxt_switches")},
+            "threads_cpu_share": {k: v for k, v in sorted(threads.items()) if v > 0.005}}
+
+
+def print_stats(s: dict[str, Any]) -> None:
+    print(f"# device process over {s['window_s']:.1f} s: {s['calls_per_s']:,.0f} calls/s, "
+          f"CPU {s['cpu_share'] * 100:.0f}% = {s['cpu_us_per_call']:.1f} us/call; loop busy "
+          f"(not in epoll) {s['loop_busy_share'] * 100:.0f}% = "
+          f"{s['loop_busy_us_per_call']:.1f} us/call, of which inline jobs "
+          f"{s['inline_wall_us_per_call']:.1f} us wall / {s['inline_cpu_us_per_call']:.1f} us "
+          f"CPU; {s['rows_per_batch']:.1f} rows/batch, {s['calls_per_message']:.2f} "
+          f"calls/message, {s['messages_per_read']:.2f} messages/read", flush=True)
+    print("#   per call: " + ", ".join(f"{k} {v:.3f}" for k, v in s["per_call"].items()))
+    print("#   threads (share of a core): " + ", ".join(
+        f"{k} {v * 100:.0f}%" for k, v in s["threads_cpu_share"].items()), flush=True)
 
 
 def children(pid: int) -> list[int]:
@@ -191,6 +237,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows per call (T2: 1; T3-shaped: 64 with --hosts 8 --callers 1)")
     ap.add_argument("--lane", action="store_true",
                     help="the callers use the fast lane (a thread, region and lane each)")
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--worker-arg", action="append", default=[],
+                    help="one more argument of the worker (repeat), e.g. "
+                         "--worker-arg=--inline-device-us=0")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="profile the device process into DIR: its counters "
+                         "(Q6SERVE_DP_STATS), per-thread CPU (top -H) and nvidia-smi mid-load, "
+                         "and py-spy (the "
+                         "worker runs under `py-spy record`, PYSPY: its path, PYSPY_ARGS: more "
+                         "arguments)")
+    ap.add_argument("--json", type=Path)
     ap.add_argument("--proxy", type=int, default=0, metavar="C",
                     help="measure only a front end's own path, C calls per stack, in this "
                          "process (see above); no worker is started")
@@ -203,11 +261,23 @@ def main(argv: list[str] | None = None) -> int:
 
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"frontend_cpu_{os.getpid()}.log"
     cmd = [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
-           "numpy", "--allow-shm", "--max-regions", "1024", "--metrics-port", "0"]
+           a.backend, "--allow-shm", "--max-regions", "1024", "--metrics-port", "0",
+           *a.worker_arg]
     if a.frontends > 1:
         cmd += ["--frontends", str(a.frontends)]
+    env = dict(os.environ)
+    stats = None
+    if a.profile:
+        a.profile.mkdir(parents=True, exist_ok=True)
+        stats = a.profile / "dpstats.jsonl"
+        stats.unlink(missing_ok=True)
+        env["Q6SERVE_DP_STATS"] = str(stats)
+        if spy := os.environ.get("PYSPY"):  # the worker under py-spy: it may ptrace its child
+            cmd = [spy, "record", "-o", str(a.profile / "pyspy.txt"), "-f", "raw",
+                   *os.environ.get("PYSPY_ARGS", "").split(), "--", *cmd]
     with open(log, "w") as out:
-        worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    worker_pid = worker.pid
     try:
         end = time.monotonic() + 120
         while not (m := re.search(r"listening on (\S+:\d+)", log.read_text())):
@@ -220,10 +290,21 @@ def main(argv: list[str] | None = None) -> int:
         metrics_url = mp.group(1)
         with Client(target) as c:
             c.upload("w", random_q6k(a.rows, a.k, 1), a.rows, a.k)
-        spec = LoadSpec(target, (("w", a.k),), a.callers, a.n, a.seconds, 0.5, "stream", "f16",
-                        0, 0, a.region, 16, True)
-        fronts = children(worker.pid)
-        before = {p: cpu_seconds(p) for p in [worker.pid, *fronts]}
+        spec = LoadSpec(target, (("w", a.k),), a.callers, a.n, a.seconds, a.warmup, "stream",
+                        "f16", 0, 0, a.region, a.rows, True)
+        if a.profile and os.environ.get("PYSPY"):
+            worker_pid = children(worker.pid)[0]  # py-spy's child
+        else:
+            worker_pid = worker.pid
+        fronts = children(worker_pid)
+        if a.profile:  # mid-load: per-thread CPU of the device process, the GPU's state
+            side = subprocess.Popen(
+                ["bash", "-c", f"sleep {a.warmup + a.seconds / 2:.1f}; "
+                 f"top -H -b -d 1 -n 2 -w 200 -p {worker_pid} > {a.profile}/top_threads.txt; "
+                 f"top -b -d 1 -n 2 -w 200 > {a.profile}/top.txt; "
+                 f"nvidia-smi > {a.profile}/nvidia_smi.txt 2>&1"])
+        t_load = time.time()
+        before = {p: cpu_seconds(p) for p in [worker_pid, *fronts]}
         b0, r0 = batches(metrics_url)
         latency = ""
         if a.lane:  # wall includes the load processes' start; CPU includes their setup calls
@@ -234,19 +315,40 @@ def main(argv: list[str] | None = None) -> int:
             p50, p99 = np.percentile(samples["w"]["e2e"], (50, 99)) * 1e6
             latency = f"; latency p50 {p50:,.0f} us, p99 {p99:,.0f} us"
         used = {p: cpu_seconds(p) - t for p, t in before.items()}
+        t_end = time.time()
         b1, r1 = batches(metrics_url)
         path = "lane" if a.lane else a.region or "bytes"
         n_batches = max(b1 - b0, 1.0)
-        kernel = kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
-        device = used[worker.pid] / calls
+        kernel = (kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
+                  if a.backend == "numpy" else 0.0)
+        device = used[worker_pid] / calls
         print(f"frontends={a.frontends} {path}: {calls} calls, "
               f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "
               f"(NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
               f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
               f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows{latency}", flush=True)
+        result: dict[str, Any] = {
+            "backend": a.backend, "frontends": a.frontends, "path": path, "calls": calls,
+            "calls_per_s": calls / wall, "device_cpu_us_per_call": device * 1e6,
+            "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
+            "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg}
+        if not a.lane:
+            result.update(p50_us=p50, p99_us=p99)
+        if stats is not None:
+            time.sleep(1.2)  # the counters' next line
+            result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)
+            print_stats(result["device"])
+            side.wait(30)
+        if a.json:
+            import json
+
+            a.json.write_text(json.dumps(result, indent=1))
     finally:
-        worker.terminate()
-        worker.wait(60)
+        os.kill(worker_pid, signal.SIGTERM)  # (under py-spy: it writes its profile when the
+        worker.wait(60)  # worker exits)
+        if a.profile:
+            log_copy = a.profile / "worker.log"
+            log_copy.write_text(log.read_text())
         log.unlink(missing_ok=True)
     return 0
 

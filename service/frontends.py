@@ -41,9 +41,11 @@ results are dropped; the device process keeps serving the others.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import mmap
@@ -413,6 +415,123 @@ def _dress(reply: Any, ys: list[np.ndarray | None]) -> Any:
     return [(name, _reply(f, y)) for (name, f), y in zip(reply, ys, strict=True)]
 
 
+# -- counters of the device process, for profiling (env Q6SERVE_DP_STATS=FILE) ----------------
+STATS_ENV = "Q6SERVE_DP_STATS"
+
+
+class _DeviceStats:
+    """What the device process does per call, counted from outside the hot path: with
+    ``Q6SERVE_DP_STATS=FILE`` the device process wraps its selector, its connections, its
+    dispatch, its inline device jobs and its batch metrics with counters, and appends one JSON
+    line of cumulative figures to FILE every second (deltas of two lines = a window): loop
+    iterations and time blocked in epoll, socket reads and writes, messages and calls received,
+    batches and their rows, inline jobs' wall and CPU, per-thread CPU and context switches.
+    Off (no wrapper at all) unless the env names a file."""
+
+    def __init__(self, worker: FrontendsWorker, path: str) -> None:
+        import threading
+
+        self.w, self.path, self._threading = worker, path, threading
+        self.c: dict[str, float] = collections.defaultdict(float)
+        loop = asyncio.get_running_loop()
+        sel = loop._selector  # type: ignore[attr-defined]
+        select, c = sel.select, self.c
+        pc = time.perf_counter
+
+        def counted_select(timeout: float | None = None) -> Any:
+            t = pc()
+            ev = select(timeout)
+            c["select_s"] += pc() - t
+            c["loop_iterations"] += 1
+            c["select_events"] += len(ev)
+            if ev:
+                c["wakeups"] += 1
+            return ev
+
+        sel.select = counted_select
+        dev = worker.engine.device  # type: ignore[union-attr]
+        run_here = dev._run_here
+
+        def timed_run_here(*a: Any) -> Any:
+            t, tc = pc(), time.thread_time()
+            try:
+                return run_here(*a)
+            finally:
+                c["inline_jobs_wall_s"] += pc() - t
+                c["inline_jobs_cpu_s"] += time.thread_time() - tc
+
+        dev._run_here = timed_run_here  # type: ignore[method-assign]
+        if worker.metrics is not None:
+            observe = worker.metrics.observe_batch
+
+            def counted_batch(stats: Any) -> None:
+                c["batches"] += 1
+                c["batch_rows"] += stats.rows
+                c["batch_requests"] += stats.requests
+                observe(stats)
+
+            worker.metrics.observe_batch = counted_batch  # type: ignore[method-assign]
+        dispatch = worker._dispatch
+
+        def counted_dispatch(fe: _Front, msg: tuple[Any, ...]) -> None:
+            c["msg_" + msg[0]] += 1
+            if msg[0] == "mm":
+                x = msg[8]
+                c["mm_rows"] += x[1][0] if isinstance(x, tuple) else len(x)
+            dispatch(fe, msg)
+
+        worker._dispatch = counted_dispatch  # type: ignore[method-assign]
+        for fe in worker._fronts.values():  # connected while the worker started
+            self.connection(fe.transport.get_protocol())  # type: ignore[arg-type]
+        self.t0 = pc()
+        loop.call_later(1.0, self._tick)
+
+    def connection(self, conn: _FrontConnection) -> None:
+        """Count one front end's socket reads and writes."""
+        c, received = self.c, conn.data_received
+        transport = conn.transport
+        assert transport is not None
+        write = transport.write
+
+        def counted_received(data: bytes) -> None:
+            c["socket_reads"] += 1
+            c["socket_read_bytes"] += len(data)
+            received(data)
+
+        def counted_write(data: Any) -> None:
+            c["socket_writes"] += 1
+            write(data)
+
+        conn.data_received = counted_received  # type: ignore[method-assign]
+        transport.write = counted_write  # type: ignore[method-assign]
+
+    def snapshot(self) -> dict[str, Any]:
+        names = {t.native_id: t.name for t in self._threading.enumerate()}
+        tick = os.sysconf("SC_CLK_TCK")
+        threads = {}
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/self/task/{task}/stat") as f:
+                    comm, rest = f.read().rsplit(")", 1)
+                fields = rest.split()
+                key = f"{task}:{names.get(int(task), comm.split('(', 1)[1])}"
+                threads[key] = (int(fields[11]) + int(fields[12])) / tick
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        dev = self.w.engine.device  # type: ignore[union-attr]
+        return {"t": time.perf_counter() - self.t0, "wall": time.time(),
+                "cpu_s": time.process_time(),
+                **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
+                "deferred_jobs": dev.deferred_jobs, "threads_cpu_s": threads,
+                **{k.strip(): int(v) for k, v in status.items()}}
+
+    def _tick(self) -> None:
+        with contextlib.suppress(OSError), open(self.path, "a") as f:
+            f.write(json.dumps(self.snapshot()) + "\n")
+        if not self.w._draining:
+            asyncio.get_running_loop().call_later(1.0, self._tick)
+
+
 # ============================================================================================
 # The device process
 # ============================================================================================
@@ -461,6 +580,7 @@ class FrontendsWorker(Worker):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending = 0  # matmuls in this process now
         self.pending_peak = 0  # most matmuls in this process at once (admission tests)
+        self.stats: _DeviceStats | None = None  # Q6SERVE_DP_STATS
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -488,6 +608,8 @@ class FrontendsWorker(Worker):
                  self.slot_bytes)
         self._start_metrics_http()
         self.engine.on_health(self._broadcast_health)
+        if path := os.environ.get(STATS_ENV):
+            self.stats = _DeviceStats(self, path)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
     async def _started(self) -> None:
@@ -553,6 +675,8 @@ class FrontendsWorker(Worker):
         fe = _Front(index, pid, conn.transport, Arena.attach(arena_name, slots, slot_bytes),
                     conn.out)
         self._fronts[index] = fe
+        if self.stats is not None:
+            self.stats.connection(conn)
         fe.send(("ack",))
         return fe
 
