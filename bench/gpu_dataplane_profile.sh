@@ -54,6 +54,7 @@ for v in ${VARIANTS:-4+spy 8+spy 8:i0 8:bs}; do
       --profile "$OUT/$tag" --json "$OUT/$tag/result.json") >"$OUT/$tag.log" 2>&1
   echo "# $v rc=$? at $(elapsed)"
   grep -v "^#   per call" "$OUT/$tag.log" | tail -4
+  tar czf "$FINAL/dataplane_profile.tgz" -C "$OUT" .  # after each: a timeout keeps the rest
 done
 python3 - "$OUT" <<'EOF'
 import glob, json, sys
