@@ -82,7 +82,9 @@ def summarize_stats(path: Path, t0: float, t1: float) -> dict[str, Any]:
     inside = [x for x in lines if t0 <= x["wall"] <= t1] or lines[-2:]
     a, b = inside[0], inside[-1]
     d = {k: v - a.get(k, 0) for k, v in b.items() if isinstance(v, int | float)}
-    span, calls = max(d["t"], 1e-9), max(d.get("mm_rows", 0), 1)
+    # calls: rows of plain matmul messages and of region matmuls (device calls)
+    span = max(d["t"], 1e-9)
+    calls = max(d.get("mm_rows", 0) + d.get("region_rows", 0), 1)
     threads = {k: (v - a["threads_cpu_s"].get(k, 0.0)) / span
                for k, v in b["threads_cpu_s"].items()}
     return {"window_s": span, "calls": calls, "calls_per_s": calls / span,
@@ -92,10 +94,12 @@ def summarize_stats(path: Path, t0: float, t1: float) -> dict[str, Any]:
             "inline_wall_us_per_call": d.get("inline_jobs_wall_s", 0) / calls * 1e6,
             "inline_cpu_us_per_call": d.get("inline_jobs_cpu_s", 0) / calls * 1e6,
             "rows_per_batch": d.get("batch_rows", 0) / max(d.get("batches", 0), 1),
-            "calls_per_message": calls / max(d.get("msg_mm", 0), 1),
-            "messages_per_read": d.get("msg_mm", 0) / max(d.get("socket_reads", 0), 1),
+            "calls_per_message": calls / max(d.get("msg_mm", 0) + d.get("msg_rm", 0), 1),
+            "messages_per_read": (d.get("msg_mm", 0) + d.get("msg_rm", 0))
+            / max(d.get("socket_reads", 0), 1),
             "per_call": {k: d.get(k, 0) / calls for k in (
                 "loop_iterations", "wakeups", "socket_reads", "socket_writes", "msg_mm",
+                "msg_rm", "call_region_matmul",
                 "batches", "inline_jobs", "deferred_jobs", "voluntary_ctxt_switches",
                 "nonvoluntary_ctxt_switches")},
             "threads_cpu_share": {k: v for k, v in sorted(threads.items()) if v > 0.005}}

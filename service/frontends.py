@@ -77,6 +77,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
+from . import regions as regions_mod
 from . import wire
 from .admission import Admission, StreamBudget
 from .auth import TokenAuth
@@ -84,7 +85,7 @@ from .config import WorkerConfig
 from .engine import MatmulCall, MatmulReply
 from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
-from .regions import SHM_DIR, table_for
+from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
 from .servicer import Q6ServeServicer, RegionPlane
 from .worker import Worker, build_server, stop_server
 
@@ -475,7 +476,14 @@ class _DeviceStats:
 
         def counted_dispatch(fe: _Front, msg: tuple[Any, ...]) -> None:
             c["msg_" + msg[0]] += 1
-            if msg[0] == "mm":
+            if msg[0] == "call":  # which device call (a region's: which operation)
+                c[f"call_{msg[2]}" + (f"_{msg[3][0]}" if msg[2] == "region" else "")] += 1
+                if msg[2] == "region" and msg[3][0] == "matmul":  # a call of x's rows
+                    shape = msg[3][2].x_shape
+                    c["region_rows"] += shape[0] if shape else 1
+            elif msg[0] == "rm":  # x and y in regions
+                c["region_rows"] += msg[3][3][0]
+            elif msg[0] == "mm":
                 x = msg[8]
                 c["mm_rows"] += x[1][0] if isinstance(x, tuple) else len(x)
             dispatch(fe, msg)
@@ -696,6 +704,8 @@ class FrontendsWorker(Worker):
         kind = msg[0]
         if kind == "mm":
             self._matmul(fe, *msg[1:])
+        elif kind == "rm":
+            self._region_matmul(fe, *msg[1:])
         elif kind == "call":
             self._task(self._call(fe, *msg[1:]))
         elif kind == "metrics":
@@ -775,6 +785,85 @@ class FrontendsWorker(Worker):
         finally:
             fe.done_one()
             self._pending -= 1
+
+    def _region_matmul(self, fe: _Front, rid: int, owner: str, xs: tuple[Any, ...],
+                       ys: tuple[str, int], weight: str, precision: str, out_dtype: str,
+                       timeout: float | None) -> None:
+        """A matmul whose x and y both live in the caller's system shared-memory regions
+        (the front end's ``_PlaneProxy.matmul``): the checks of ``regions.matmul`` (owner,
+        bounds, alignment, the backing object still there, y's span) run here, in this loop
+        trip; the request goes to the engine with a sink, which writes y into its region,
+        lets the regions go and answers ("rmok": the reply's fields, no bytes). No task, no
+        protobuf. A CUDA IPC region on either side takes ``regions.matmul`` (a task)."""
+        fe.calls += 1
+        table = self.regions
+        assert table is not None
+        x_name, x_off, x_dtype, x_shape = xs
+        io = RegionIO(RegionRef(x_name, x_off), _LE[x_dtype], x_shape, RegionRef(*ys))
+        xr = yr = None
+        try:
+            xr, yr = table.hold(owner, io.x), table.hold(owner, io.y)
+            assert xr is not None and yr is not None
+            call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
+                              _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
+            if CUDA in (xr.kind, yr.kind):  # on the device end to end (cuda_regions.py)
+                table.let_go(xr)
+                table.let_go(yr)
+                xr = yr = None
+                self._task(self._region_task(fe, rid, owner, io, call))
+                return
+            shape = (x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
+            yr.span(ys[1], call.out_dtype, shape, "y")
+            self.engine.start_matmul(  # type: ignore[union-attr]
+                call, functools.partial(self._region_done, fe, rid, xr, yr, ys[1]))
+        except BaseException as e:
+            call = None  # type: ignore[assignment]  # (x views the region: drop it first)
+            table.let_go(xr)
+            table.let_go(yr)
+            fe.send(("err", rid, _portable_error(e)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        del call
+        fe.pending += 1
+        self._pending += 1
+        self.pending_peak = max(self.pending_peak, self._pending)
+
+    def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
+                     fut: asyncio.Future[Any]) -> None:
+        table = self.regions
+        assert table is not None
+        try:
+            if fut.cancelled() or fut.exception() is not None:
+                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+                fe.send(("err", rid, _portable_error(exc)))  # type: ignore[arg-type]
+                return
+            reply = fut.result()
+            y = reply.y
+            yr.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
+            fe.send(("rmok", rid, _fields(reply), (_NAME.get(y.dtype) or dtype_name(y.dtype),
+                                                   y.shape)))
+        except Exception as e:
+            fe.send(("err", rid, _portable_error(e)))
+        finally:
+            table.let_go(xr)
+            table.let_go(yr)
+            fe.done_one()
+            self._pending -= 1
+
+    async def _region_task(self, fe: _Front, rid: int, owner: str, io: RegionIO,
+                           call: MatmulCall) -> None:
+        """``_region_matmul`` with a CUDA IPC region: ``regions.matmul`` (views anew)."""
+        assert self.regions is not None
+        try:
+            reply = await regions_mod.matmul(
+                self.regions, self.engine, owner, io,  # type: ignore[arg-type]
+                lambda x: dataclasses.replace(call, x=x))
+            fe.send(("ok", rid, reply))
+        except BaseException as e:
+            fe.send(("err", rid, _portable_error(e)))
+            if not isinstance(e, Exception):
+                raise
 
     async def _call(self, fe: _Front, rid: int, method: str, args: tuple[Any, ...]) -> None:
         try:
@@ -1045,7 +1134,7 @@ class _Link(_Peer):
 
     def message(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind in ("ok", "err", "mmok"):
+        if kind in ("ok", "err", "mmok", "rmok"):
             self._answer(msg)
         elif kind == "health":
             self.on_health(msg[1])
@@ -1095,6 +1184,10 @@ class _Link(_Peer):
             return
         if kind == "ok":
             _resolve(fut, sink, msg[2])
+            return
+        if kind == "rmok":  # y is in the caller's region (_PlaneProxy.matmul)
+            dt, shape = msg[3]
+            _resolve(fut, sink, _reply(msg[2], YSpec(_LE[dt], tuple(shape))))
             return
         reply, outs = msg[2], msg[3]
         if group is not None:
@@ -1306,6 +1399,9 @@ class _Rows:
     rows: int
 
 
+_NO_X = np.empty((0, 0), np.float32)  # wire.matmul_call's x for a request whose x is in a region
+
+
 class _PlaneProxy:
     """The device process's RegionPlane, seen from a front end."""
 
@@ -1324,10 +1420,23 @@ class _PlaneProxy:
     async def open_lane(self, owner: str, region: str) -> Any:
         return await self.link.call("region", "open_lane", owner, region)  # lanes: device side
 
-    async def matmul(self, owner: str, io: Any, req: Any, timeout: float | None,
+    async def matmul(self, owner: str, io: RegionIO, req: Any, timeout: float | None,
                      t0: float) -> Any:
-        return await self.link.call("region", "matmul", owner, io, req.SerializeToString(),
-                                    timeout, t0)
+        """x and y both in regions: one "rm" message of plain values (the device process
+        answers from the engine's sink, FrontendsWorker._region_matmul); otherwise (x or y
+        inline) the request itself goes as a device call."""
+        if io.x is None or io.y is None:
+            return await self.link.call("region", "matmul", owner, io,
+                                        req.SerializeToString(), timeout, t0)
+        call = wire.matmul_call(req, timeout, _NO_X)  # the request's checks, x aside
+        assert io.x_dtype is not None and io.x_shape is not None
+        decoded = time.perf_counter()
+        _, fut = self.link.request((
+            "rm", owner, (io.x.region, io.x.offset, _NAME.get(io.x_dtype) or
+                          dtype_name(io.x_dtype), tuple(io.x_shape)),
+            (io.y.region, io.y.offset), call.weight, call.precision.value,
+            _NAME.get(call.out_dtype) or dtype_name(call.out_dtype), timeout))
+        return await fut, wire.Took(t0, decoded)
 
 
 class _MetricsForwarder:

@@ -559,3 +559,90 @@ def test_concurrent_callers_get_their_own_rows(start: Callable[..., Running],
 
     with ThreadPoolExecutor(12) as pool:
         list(pool.map(run, range(12)))
+
+
+def test_region_calls_through_frontends(start: Callable[..., Running],
+                                        rng: np.random.Generator) -> None:
+    """x and y both in regions take the front ends' "rm" message (the device process checks,
+    holds and answers from the engine's sink): results equal the bytes path on every front
+    end, unary and stream; bad regions get the one-process statuses; nothing stays held."""
+    from multiprocessing import shared_memory
+
+    from q6serve.client.shm import ShmRegion
+
+    w = start()
+    first = w.client()
+    blocks = random_q6k(ROWS, K, 13)
+    first.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    want = reference(blocks, ROWS, K, x)
+    C = grpc.StatusCode
+
+    def code(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(Q6ServeError) as e:
+            fn()
+        return e.value.code, e.value.message
+
+    def raw(c: Client, x: np.ndarray, x_ref: tuple[str, int],
+            y_ref: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
+        from q6serve.client.client import matmul_request
+        from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+        req = matmul_request("w", x)
+        req.x.data = b""
+        req.x_region.region, req.x_region.offset = x_ref
+        req.y_region.region, req.y_region.offset = y_ref
+        try:
+            pb_grpc.Q6ServeStub(c._channel).Matmul(req, timeout=10)
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+        raise AssertionError("the worker accepted a bad request")
+
+    with first.register_shm("r", 1 << 16) as region:
+        for _ in range(40):  # clients on both front ends (the kernel's hash places them)
+            c = w.client()
+            np.testing.assert_allclose(c.matmul("w", x, x_region=region,
+                                                y_region=(region, 8192)),
+                                       want, rtol=1e-5, atol=1e-4)
+            if len(w.clients) > 3 and all(w.worker.frontend_calls.get(i, 0)
+                                          for i in range(2)):
+                break
+        assert all(w.worker.frontend_calls.get(i, 0) for i in range(2))
+        for c in w.clients[-2:]:
+            outs = {o.request_id: o for o in c.matmul_stream(
+                [("bad", "w", x, region, (region, 65536 - 100)),
+                 ("ok", "w", x, region, (region, 16384)),
+                 ("nope", "nope", x, region, (region, 16384))])}
+            np.testing.assert_allclose(outs["ok"].y, want, rtol=1e-5, atol=1e-4)
+            assert outs["bad"].code == C.INVALID_ARGUMENT  # type: ignore[union-attr]
+            assert outs["nope"].code == C.NOT_FOUND  # type: ignore[union-attr]
+            # the one-process statuses (tests/dataplane/test_regions.py)
+            got = code(lambda: c.matmul("w", x, x_region=region, y_region=(region, 65500)))
+            assert got[0] == C.INVALID_ARGUMENT and "overruns region 'r'" in got[1], got
+            got = raw(c, x, ("r", 65000), ("r", 0))  # (the client checks its own calls)
+            assert got[0] == C.INVALID_ARGUMENT and "overruns" in got[1], got
+            assert raw(c, x, ("r", 2), ("r", 8192))[0] == C.INVALID_ARGUMENT  # misaligned
+            with ShmRegion.create("ghost", 8192) as ghost:
+                assert code(lambda: c.matmul("w", x, x_region=ghost,
+                                             y_region=(region, 0)))[0] == C.NOT_FOUND
+            wrong = rng.standard_normal((2, 256)).astype(np.float32)
+            assert code(lambda: c.matmul("w", wrong, x_region=region,
+                                         y_region=(region, 8192)))[0] == C.INVALID_ARGUMENT
+    # unlinked under the worker
+    shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+    gone = ShmRegion("gone", shm, owned=True)
+    first.register_region(gone)
+    first.matmul("w", x, x_region=gone, y_region=(gone, 8192))
+    shm.unlink()
+    gone.owned = False
+    got = code(lambda: first.matmul("w", x, x_region=gone, y_region=(gone, 8192)))
+    assert got[0] == C.FAILED_PRECONDITION and "unlinked" in got[1], got
+    first.unregister_region("gone")
+    shm.close()
+
+    async def held() -> tuple[int, int, int]:
+        table = w.worker.regions
+        assert table is not None
+        return len(table), table.mapped_bytes, w.worker._pending
+
+    assert w.call(held()) == (0, 0, 0)
