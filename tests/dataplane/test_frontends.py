@@ -578,9 +578,9 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
     want = reference(blocks, ROWS, K, x)
     C = grpc.StatusCode
 
-    def code(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+    def code(fn: Callable[..., Any], *a: Any, **kw: Any) -> tuple[grpc.StatusCode, str]:
         with pytest.raises(Q6ServeError) as e:
-            fn()
+            fn(*a, **kw)
         return e.value.code, e.value.message
 
     def raw(c: Client, x: np.ndarray, x_ref: tuple[str, int],
@@ -617,17 +617,17 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
             assert outs["bad"].code == C.INVALID_ARGUMENT  # type: ignore[union-attr]
             assert outs["nope"].code == C.NOT_FOUND  # type: ignore[union-attr]
             # the one-process statuses (tests/dataplane/test_regions.py)
-            got = code(lambda: c.matmul("w", x, x_region=region, y_region=(region, 65500)))
+            got = code(c.matmul, "w", x, x_region=region, y_region=(region, 65500))
             assert got[0] == C.INVALID_ARGUMENT and "overruns region 'r'" in got[1], got
             got = raw(c, x, ("r", 65000), ("r", 0))  # (the client checks its own calls)
             assert got[0] == C.INVALID_ARGUMENT and "overruns" in got[1], got
             assert raw(c, x, ("r", 2), ("r", 8192))[0] == C.INVALID_ARGUMENT  # misaligned
             with ShmRegion.create("ghost", 8192) as ghost:
-                assert code(lambda: c.matmul("w", x, x_region=ghost,
-                                             y_region=(region, 0)))[0] == C.NOT_FOUND
+                assert code(c.matmul, "w", x, x_region=ghost,
+                            y_region=(region, 0))[0] == C.NOT_FOUND
             wrong = rng.standard_normal((2, 256)).astype(np.float32)
-            assert code(lambda: c.matmul("w", wrong, x_region=region,
-                                         y_region=(region, 8192)))[0] == C.INVALID_ARGUMENT
+            assert code(c.matmul, "w", wrong, x_region=region,
+                        y_region=(region, 8192))[0] == C.INVALID_ARGUMENT
     # unlinked under the worker
     shm = shared_memory.SharedMemory(create=True, size=1 << 16)
     gone = ShmRegion("gone", shm, owned=True)
@@ -635,7 +635,7 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
     first.matmul("w", x, x_region=gone, y_region=(gone, 8192))
     shm.unlink()
     gone.owned = False
-    got = code(lambda: first.matmul("w", x, x_region=gone, y_region=(gone, 8192)))
+    got = code(first.matmul, "w", x, x_region=gone, y_region=(gone, 8192))
     assert got[0] == C.FAILED_PRECONDITION and "unlinked" in got[1], got
     first.unregister_region("gone")
     shm.close()
