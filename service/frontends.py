@@ -540,6 +540,15 @@ class _DeviceStats:
             asyncio.get_running_loop().call_later(1.0, self._tick)
 
 
+def _told_failure(fe: _Front, rid: int, fut: asyncio.Future[Any]) -> bool:
+    """A sink's first step: a failed (or cancelled) request's error goes to its front end."""
+    if not fut.cancelled() and fut.exception() is None:
+        return False
+    exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+    fe.send(("err", rid, _portable_error(exc)))  # type: ignore[arg-type]
+    return True
+
+
 # ============================================================================================
 # The device process
 # ============================================================================================
@@ -753,15 +762,17 @@ class FrontendsWorker(Worker):
             fe.send(("err", rid, _portable_error(e)))
             return
         del x, call  # the queued request holds x; once it ran, nothing here does
+        self._count_pending(fe)
+
+    def _count_pending(self, fe: _Front) -> None:
+        """A matmul of ``fe`` was queued (its sink counts it done)."""
         fe.pending += 1
         self._pending += 1
         self.pending_peak = max(self.pending_peak, self._pending)
 
     def _matmul_done(self, fe: _Front, rid: int, slot: int, fut: asyncio.Future[Any]) -> None:
         try:
-            if fut.cancelled() or fut.exception() is not None:
-                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-                fe.send(("err", rid, _portable_error(exc)))  # type: ignore[arg-type]
+            if _told_failure(fe, rid, fut):
                 return
             reply = fut.result()
             if not fe.alive:
@@ -825,18 +836,14 @@ class FrontendsWorker(Worker):
                 raise
             return
         del call
-        fe.pending += 1
-        self._pending += 1
-        self.pending_peak = max(self.pending_peak, self._pending)
+        self._count_pending(fe)
 
     def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
                      fut: asyncio.Future[Any]) -> None:
         table = self.regions
         assert table is not None
         try:
-            if fut.cancelled() or fut.exception() is not None:
-                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-                fe.send(("err", rid, _portable_error(exc)))  # type: ignore[arg-type]
+            if _told_failure(fe, rid, fut):
                 return
             reply = fut.result()
             y = reply.y

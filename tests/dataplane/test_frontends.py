@@ -569,6 +569,7 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
     from multiprocessing import shared_memory
 
     from q6serve.client.shm import ShmRegion
+    from tests.dataplane.test_regions import matmul_raw
 
     w = start()
     first = w.client()
@@ -582,21 +583,6 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
         with pytest.raises(Q6ServeError) as e:
             fn(*a, **kw)
         return e.value.code, e.value.message
-
-    def raw(c: Client, x: np.ndarray, x_ref: tuple[str, int],
-            y_ref: tuple[str, int]) -> tuple[grpc.StatusCode, str]:
-        from q6serve.client.client import matmul_request
-        from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
-
-        req = matmul_request("w", x)
-        req.x.data = b""
-        req.x_region.region, req.x_region.offset = x_ref
-        req.y_region.region, req.y_region.offset = y_ref
-        try:
-            pb_grpc.Q6ServeStub(c._channel).Matmul(req, timeout=10)
-        except grpc.RpcError as e:
-            return e.code(), e.details() or ""
-        raise AssertionError("the worker accepted a bad request")
 
     with first.register_shm("r", 1 << 16) as region:
         for _ in range(40):  # clients on both front ends (the kernel's hash places them)
@@ -619,9 +605,9 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
             # the one-process statuses (tests/dataplane/test_regions.py)
             got = code(c.matmul, "w", x, x_region=region, y_region=(region, 65500))
             assert got[0] == C.INVALID_ARGUMENT and "overruns region 'r'" in got[1], got
-            got = raw(c, x, ("r", 65000), ("r", 0))  # (the client checks its own calls)
+            got = matmul_raw(c, x, ("r", 65000), y_ref=("r", 0))
             assert got[0] == C.INVALID_ARGUMENT and "overruns" in got[1], got
-            assert raw(c, x, ("r", 2), ("r", 8192))[0] == C.INVALID_ARGUMENT  # misaligned
+            assert matmul_raw(c, x, ("r", 2), y_ref=("r", 8192))[0] == C.INVALID_ARGUMENT
             with ShmRegion.create("ghost", 8192) as ghost:
                 assert code(c.matmul, "w", x, x_region=ghost,
                             y_region=(region, 0))[0] == C.NOT_FOUND

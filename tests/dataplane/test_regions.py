@@ -223,8 +223,9 @@ def test_drain_releases_regions(start: Callable[..., RunningWorker]) -> None:
 
 
 # -- raw requests the client helpers refuse to build ------------------------------------------
-def matmul_raw(c: Client, x: np.ndarray, x_ref: tuple[str, int],
-               keep_bytes: bool = False) -> tuple[grpc.StatusCode, str]:
+def matmul_raw(c: Client, x: np.ndarray, x_ref: tuple[str, int], keep_bytes: bool = False,
+               y_ref: tuple[str, int] | None = None) -> tuple[grpc.StatusCode, str]:
+    """A Matmul past the client's own checks (it refuses bad region references itself)."""
     from q6serve.client.client import matmul_request
     from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
@@ -232,6 +233,8 @@ def matmul_raw(c: Client, x: np.ndarray, x_ref: tuple[str, int],
     if not keep_bytes:
         req.x.data = b""
     req.x_region.region, req.x_region.offset = x_ref
+    if y_ref is not None:
+        req.y_region.region, req.y_region.offset = y_ref
     try:
         pb_grpc.Q6ServeStub(c._channel).Matmul(req, timeout=10)
     except grpc.RpcError as e:
