@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import signal
 import sys
 
 
@@ -42,4 +43,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
     sys.exit(main())
