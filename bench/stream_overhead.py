@@ -394,6 +394,14 @@ class _Servers:
         return out
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads started later inherit it from
+    the thread that starts them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -416,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trips", action="store_true",
                     help="count each server's event-loop trips per round trip and the "
                          "callbacks they run (bench/loop_trips.py)")
+    ap.add_argument("--timeline", type=int, default=0, metavar="TRIPS",
+                    help="with --trips: print this many consecutive loop trips of each "
+                         "server (µs in the selector, each callback's µs)")
+    ap.add_argument("--pin", default="", metavar="SERVER_CPUS:CLIENT_CPUS",
+                    help="pin every server process (all its threads) to SERVER_CPUS and this "
+                         "client to CLIENT_CPUS, e.g. 2,3:4,5 (is it the wake-ups' moves "
+                         "between cores that make each request's Python slow?)")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"),
                     help="the worker variant's backend")
     a = ap.parse_args(argv)
@@ -430,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     calls = dict.fromkeys(variants, 0)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips)
+        if a.pin:
+            srv, cli = (set(map(int, part.split(","))) for part in a.pin.split(":"))
+            for pid in servers.pids.values():
+                pin(pid, srv)
+            pin(os.getpid(), cli)
         try:
             for r in range(a.rounds):
                 for v in variants:
@@ -462,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
                         if c / n >= 0.1)
         print(f"{v:8s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
               f"{t['slept'] / n:.2f}); callbacks per round trip: {cbs}")
+        if a.timeline:
+            for tr in t.get("timeline", [])[: a.timeline]:
+                cb = " ".join(f"{name}:{us}" for name, us in tr["callbacks"])
+                print(f"    {tr['t_us']:9.1f} {'sleep' if tr['slept'] else 'ready'} "
+                      f"select {tr['select_us']:6.1f}  {cb}")
     if inproc["echo"]:
         echo, ours = (statistics.median(inproc[v]) for v in ("echo", "handler"))
         print(f"in process, no gRPC (p50 us per request, decode + reply serialized): proto echo "
