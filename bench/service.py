@@ -59,11 +59,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from service_load import LoadSpec, grpc_floor, run_load  # bench/ is sys.path[0]
+import service_load  # bench/ is sys.path[0]
+from service_load import LoadSpec, grpc_floor, run_load
 from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_floor, step_plan
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
+from q6serve.service.affinity import parse_cpus
 
 WEIGHTS = {"attn_v": (512, 3584), "ffn_down": (3584, 18944), "lm_head": (152064, 3584)}
 PARTS = ("client_encode", "transport", "server_decode", "queue", "kernel", "device_other",
@@ -158,6 +160,8 @@ class Bench:
             extra += ["--max-batch-delay-us", str(args.max_batch_delay_us)]
         if args.inline_device_us is not None:
             extra += ["--inline-device-us", str(args.inline_device_us)]
+        if args.pin:  # the worker pins itself (every thread); the echo floor gets the same
+            extra += ["--cpus", args.pin.split(":")[0]]
         if args.vram_budget:
             extra += ["--vram-budget", args.vram_budget]
         if args.frontends > 1:  # issue 15: N gRPC front-end processes feed one device
@@ -553,6 +557,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batch-delay-us", type=int, default=None)
     ap.add_argument("--inline-device-us", type=int, default=None,
                     help="the worker's --inline-device-us (default: the worker's)")
+    ap.add_argument("--pin", default="", metavar="WORKER_CPUS:LOAD_CPUS",
+                    help="the worker's --cpus (and the bare gRPC echo's cores) and the cores "
+                         "of the load processes, e.g. 2:8-15 (docs/SERVICE.md, pinning)")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
@@ -626,6 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(a.json).parent if a.json else Path(tempfile.mkdtemp(prefix="q6bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     b = Bench(a, out_dir)
+    if a.pin:  # load processes and floor clients are spawned from here: they inherit it
+        server, load = (parse_cpus(part) for part in a.pin.split(":"))
+        service_load.SERVER_CPUS = server
+        os.sched_setaffinity(0, load)
     try:
         print(f"# worker {b.worker.target}: {b.backend} on {b.device}; commit {_commit()}; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "

@@ -17,6 +17,7 @@ import numpy as np
 FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",
           "handler", "batch_rows", "batch_requests", "reply_bytes")
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
+SERVER_CPUS: tuple[int, ...] = ()  # bench/service.py --pin: the echo floor's cores (worker's)
 MATMUL_STREAM = "/q6serve.v1.Q6Serve/MatmulStream"
 REGISTER = "/q6serve.v1.Q6Serve/RegisterRegion"
 UNREGISTER = "/q6serve.v1.Q6Serve/UnregisterRegion"
@@ -332,10 +333,15 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------
-def _sized_echo_server(ports: Any) -> None:
+def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = ()) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
-    answer with (replies cached per size); nothing else is done."""
+    answer with (replies cached per size); nothing else is done. ``cpus``: run there (as the
+    worker does with --cpus)."""
     import asyncio
+    import os
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before grpc starts its threads: they inherit it
 
     import grpc
 
@@ -409,7 +415,7 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str],
     p50 seconds per (request bytes, reply bytes), per mode."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    server = ctx.Process(target=_sized_echo_server, args=(ports,), daemon=True)
+    server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS), daemon=True)
     server.start()
     try:
         port = ports.get(timeout=60)

@@ -14,6 +14,7 @@ from pathlib import Path
 from q6serve.kernels.errors import InvalidArgument
 
 from . import config_limits as lim
+from .affinity import check_cpus, parse_cpus
 from .flags import FlagState
 
 DEFAULT_FRACTION = 0.9  # of the device memory free at start, when no budget is given
@@ -69,6 +70,8 @@ class WorkerConfig:
     # a batch expected to keep the device busy at most this long runs on the event loop's
     # thread when the device thread is idle (service/batcher.py, Device); 0: always the thread
     inline_device_us: int = 3000
+    # cores every thread of the worker runs on (service/affinity.py); (): wherever the OS likes
+    cpus: tuple[int, ...] = ()
     max_request_rows: int = 256  # N limit of one request
     max_queue_rows: int = 8192  # per weight; beyond: RESOURCE_EXHAUSTED
     # limits: defaults and meanings in service/config_limits.py (the CLI's --help too)
@@ -120,6 +123,8 @@ class WorkerConfig:
         for name in ("max_batch_delay_us", "inline_device_us"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 0")
+        if self.cpus:
+            check_cpus(self.cpus)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("TLS needs both a certificate and a key")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -158,6 +163,8 @@ def config_from(args: Mapping[str, object], env: Mapping[str, str]) -> WorkerCon
     kw: dict[str, object] = {k: v for k, v in args.items() if v is not None}
     if "vram_budget" in kw:
         kw["vram_budget"] = Budget.parse(str(kw["vram_budget"]))
+    if isinstance(kw.get("cpus"), str):
+        kw["cpus"] = parse_cpus(str(kw["cpus"]))
     for key in ("model_dir", "tls_cert", "tls_key", "tls_client_ca"):
         env_key = f"Q6SERVE_{key.upper()}"
         if key not in kw and env.get(env_key):

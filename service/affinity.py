@@ -1,0 +1,64 @@
+"""``--cpus``: the CPU cores every thread of the worker may run on (its front-end processes
+inherit them).
+
+Why: one MatmulStream round trip crosses four threads (gRPC's socket thread, its completion
+poller, the event loop, and back), each hand-off a wake-up. On the H200 machine (16 cores) a
+wake-up that lands on another core costs ~30 µs and finds that core's caches cold for the
+Python that runs next: pinning the worker to one core took a one-caller N=1 call from
+1066 to 619 µs (p50 minus kernel; bare gRPC echo 307 -> 144 µs), two cores 699, four 800
+(bench/RESULTS.md, "Pinning"). It is a deployment choice, like Docker's ``--cpuset-cpus`` or
+Kubernetes' static CPU manager: the worker's event loop is one thread whatever it is given,
+so a core or two of its own serves latency best, and front ends (``--frontends``) want a core
+each on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from q6serve.kernels.errors import InvalidArgument
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``"2"``, ``"2,3"``, ``"8-11"``, ``"0,4-5"`` -> sorted core numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise InvalidArgument(f"--cpus {text!r}: use core numbers and ranges, e.g. 2,3 or "
+                              "8-11") from None
+    return tuple(sorted(cpus))
+
+
+def check_cpus(cpus: tuple[int, ...]) -> None:
+    """Refuse cores this process may not use (cgroup cpuset, taskset) by name."""
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cpus) - allowed):
+        raise InvalidArgument(f"--cpus: core(s) {missing} are not available to this process "
+                              f"(it may use {_ranges(allowed)})")
+
+
+def pin_process(cpus: tuple[int, ...]) -> None:
+    """Every thread of this process onto ``cpus``; threads and processes started later
+    inherit it (affinity is per thread in Linux: threads already running are moved too)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _ranges(cpus: set[int]) -> str:
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(c)
+    if run:
+        out.append(run)
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
