@@ -2,8 +2,10 @@
 # The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
 # kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
 # on CUDA, issue 14's targets (T1, the lm-head top-k, the 7B decode replay at S = 1, 8, 64 with
-# and without multi-weight calls), the data plane at 4 and 8 front ends with its device-path
-# and fast-lane probes (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
+# and without multi-weight calls), T1 and the S=1/8 replay again with the worker pinned (PIN,
+# bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
+# the data plane at 4 and 8 front ends with its device-path and fast-lane probes
+# (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("4 8")
 set -uo pipefail
@@ -30,9 +32,17 @@ t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --s
   --warmup 0.3 --json "$OUT/lm_head.json"
 t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
   --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
+PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
+t t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
+  --modes stream --weights ffn_down --seconds 2 --warmup 0.3 --pin "$PIN" \
+  --json "$OUT/t1_pinned.json"
+t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
+  --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
   t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
     --seconds 2 --warmup 0.5 --json "$OUT/replay.json"
+  t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8 \
+    --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   VARIANTS=${VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
@@ -45,6 +55,11 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
   grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
+  echo "## pinned ($PIN)"
+  grep -E "^# T1|mean us" "$OUT/t1_pinned.log" | tail -3
+  grep -E "median|loop trips" "$OUT/trips.log" | cut -c1-160
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
+  echo "## replay pinned ($PIN)"
+  grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
 } | tee "$FINAL/summary.txt"
