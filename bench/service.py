@@ -248,7 +248,8 @@ class Bench:
     def one(self, label: str, hosts: int, callers: int, n: int, mode: str,
             weight: str = "ffn_down", region: str = "",
             own_channel: bool = False) -> RunResult | None:
-        got = self.run(label, [weight], hosts, callers, n, mode, region, own_channel)
+        got = self.run(label, [weight], hosts, callers, n, mode, region=region,
+                       own_channel=own_channel)
         return got[0] if got else None
 
     def save(self) -> None:
