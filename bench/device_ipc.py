@@ -14,6 +14,12 @@ checks and batcher, the device job, the reply into the slot and its message.
     python bench/device_ipc.py                           # NumPy, 16x256 weight, stacks of 4
     python bench/device_ipc.py --stack 1 --inflight 8    # one call per message
     python bench/device_ipc.py --backend cuda --rows 3584 --k 18944 --stack 8 --inflight 8
+    python bench/device_ipc.py --region --stack 1 --inflight 16   # x and y in shm regions
+
+``--region``: each message is a matmul whose x and y are in the caller's system shm region
+(the "rm" message a front end sends for a request naming x_region and y_region), one region
+per message. Env Q6SERVE_DEVICE_MERGE=0: the device process does not merge the calls of a
+loop trip (compare).
 """
 
 from __future__ import annotations
@@ -51,6 +57,16 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                    hashlib.sha256(data).hexdigest()), once())
     slot_bytes = max(a.stack * max(a.k * 2, a.rows * 4), 4096)
     arena = fe.Arena.create(a.inflight, slot_bytes)
+    regions: list[Any] = []
+    if a.region:  # one region per message: x at 0, y after it
+        from q6serve.client.shm import ShmRegion
+        from q6serve.service.regions import ShmSource, table_for
+
+        worker.regions = table_for(True, 1024, 1 << 40, worker.backend, engine)
+        for i in range(a.inflight):
+            r = ShmRegion.create(f"ipc{os.getpid()}_{i}", 2 * slot_bytes)
+            worker.regions.register("", r.name, ShmSource(r.key, 0, 2 * slot_bytes))
+            regions.append(r)
     loop = asyncio.get_running_loop()
     answered = [0]
     running = [True]
@@ -59,8 +75,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     for slot in range(a.inflight):
         x = arena.array(slot, np.dtype("<f2"), (a.stack, a.k), writable=True)
         x[...] = np.random.default_rng(slot).uniform(-1, 1, x.shape)
-        payload = fe._encode(("mm", slot, "w", (), 0, "auto", "f32", None,
-                              ("f16", (a.stack, a.k)), slot))
+        if a.region:
+            regions[slot].ndarray(0, np.dtype("<f2"), x.shape)[...] = x
+            payload = fe._encode(("rm", slot, "", (regions[slot].name, 0, "f16",
+                                                   (a.stack, a.k)),
+                                  (regions[slot].name, slot_bytes), "w", "auto", "f32", None))
+        else:
+            payload = fe._encode(("mm", slot, "w", (), 0, "auto", "f32", None,
+                                  ("f16", (a.stack, a.k)), slot))
         frames.append(fe.FRAME.pack(len(payload)) + payload)
     del x
 
@@ -73,12 +95,16 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             while pos < len(data):
                 (n,) = fe.FRAME.unpack_from(data, pos)
                 start, pos = pos + fe.FRAME.size, pos + fe.FRAME.size + n
-                if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack
-                    msg = fe._decode(data[start:pos])  # or, once stopped, a refusal
-                    if msg[0] != "ack" and running[0]:
-                        sys.exit(f"unexpected answer {msg!r}")
-                    continue
-                rid = int.from_bytes(data[start + 1 : start + 9], "little")
+                if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack,
+                    msg = fe._decode(data[start:pos])  # a region call's answer, or, once
+                    if msg[0] == "rmok":  # stopped, a refusal
+                        rid = msg[1]
+                    else:
+                        if msg[0] != "ack" and running[0]:
+                            sys.exit(f"unexpected answer {msg!r}")
+                        continue
+                else:
+                    rid = int.from_bytes(data[start + 1 : start + 9], "little")
                 answered[0] += 1
                 if not running[0]:
                     continue
@@ -111,12 +137,17 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.01)
     await engine.close()
     arena.close()
+    for r in regions:
+        worker.regions.unregister("", r.name)  # type: ignore[union-attr]
+        r.on_close = None
+        r.close()
     msgs = n1 - n0
     return {"backend": a.backend, "rows": a.rows, "k": a.k, "stack": a.stack,
             "inflight": a.inflight, "messages": msgs, "messages_per_s": msgs / (t1 - t0),
             "cpu_us_per_message": (c1 - c0) / msgs * 1e6,
             "cpu_us_per_call": (c1 - c0) / (msgs * a.stack) * 1e6,
-            "messages_per_batch": msgs / max(j1 - j0, 1),
+            "messages_per_batch": msgs / max(j1 - j0, 1), "region": a.region,
+            "merge": worker.merge,
             "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs}
 
 
@@ -129,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", type=int, default=8, help="messages outstanding")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--region", action="store_true",
+                    help="x and y in a system shm region per message (the 'rm' message)")
     ap.add_argument("--json", type=Path)
     r = asyncio.run(run(a := ap.parse_args(argv)))
     if a.json:

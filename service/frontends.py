@@ -108,6 +108,9 @@ def stacks_in_flight(env: Mapping[str, str] = os.environ) -> int:
     if not raw.isdigit():
         raise InvalidArgument(f"{STACKS_ENV}={raw!r}: give a count of stacks, 0 for no limit")
     return int(raw) or 1 << 30
+# plain calls read in one loop trip for the same weight, dtypes and K go to the engine as one
+# request (FrontendsWorker._queue_call). Env Q6SERVE_DEVICE_MERGE=0 turns it off (experiments).
+MERGE_ENV = "Q6SERVE_DEVICE_MERGE"
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -540,6 +543,16 @@ class _DeviceStats:
             asyncio.get_running_loop().call_later(1.0, self._tick)
 
 
+def _settled(outcome: Any) -> asyncio.Future[Any]:
+    """A future already holding ``outcome`` (an exception: failed), for a sink."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
+    return fut
+
+
 def _told_failure(fe: _Front, rid: int, fut: asyncio.Future[Any]) -> bool:
     """A sink's first step: a failed (or cancelled) request's error goes to its front end."""
     if not fut.cancelled() and fut.exception() is None:
@@ -598,6 +611,11 @@ class FrontendsWorker(Worker):
         self._pending = 0  # matmuls in this process now
         self.pending_peak = 0  # most matmuls in this process at once (admission tests)
         self.stats: _DeviceStats | None = None  # Q6SERVE_DP_STATS
+        # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
+        self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
+        self.merge = os.environ.get(MERGE_ENV, "1").strip() != "0"
+        self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
+        self.merged = [0, 0]  # engine requests that merged several calls, and those calls
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -757,12 +775,104 @@ class FrontendsWorker(Worker):
             if weights:
                 start_matmul_weights(self.engine, call, sink)  # type: ignore[arg-type]
             else:
-                self.engine.start_matmul(call, sink)  # type: ignore[union-attr]
+                self._queue_call(call, sink)
         except BaseException as e:
             fe.send(("err", rid, _portable_error(e)))
             return
         del x, call  # the queued request holds x; once it ran, nothing here does
         self._count_pending(fe)
+
+    # -- the calls of one loop trip as one engine request ------------------------------------
+    def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
+        """Queue a single-weight call whose answer goes to ``sink(fut)``. A plain one (no
+        top-k, at most ``_merge_rows`` rows) waits for the end of this loop trip and goes to
+        the engine together with the others of its weight, dtypes and K read in the same trip
+        (from every front end): one request, one future, one MatmulReply for all of them, each
+        sink then gets its rows (``_merged_done``). The engine's per-request work was a third
+        of the device process's loop under T2 (bench/RESULTS.md, issue 15 session 5). Not
+        with dynamic batching off (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
+        x, engine = call.x, self.engine
+        assert engine is not None
+        if (not self.merge or call.topk or x.ndim != 2
+                or not 0 < x.shape[0] <= self._merge_rows
+                or not engine.flags.state.dynamic_batching):  # (batching off: one by one)
+            engine.start_matmul(call, sink)
+            return
+        if not self._merging:
+            asyncio.get_running_loop().call_soon(self._flush_calls)
+        key = (call.weight, x.dtype, x.shape[1], call.precision, call.out_dtype)
+        if (got := self._merging.get(key)) is None:
+            self._merging[key] = [(call, sink)]
+        else:
+            got.append((call, sink))
+
+    def _flush_calls(self) -> None:
+        merging, self._merging = self._merging, {}
+        for parts in merging.values():
+            chunk: list[tuple[MatmulCall, Any]] = []
+            rows = 0
+            for part in parts:
+                n = part[0].x.shape[0]
+                if chunk and rows + n > self._merge_rows:
+                    self._start_merged(chunk, rows)
+                    chunk, rows = [], 0
+                chunk.append(part)
+                rows += n
+            self._start_merged(chunk, rows)
+
+    def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
+        if len(parts) == 1:
+            self._start_alone(*parts[0])
+            return
+        calls = [c for c, _ in parts]
+        timeout: float | None = 0.0  # the longest: each caller's own deadline ends its RPC
+        for c in calls:
+            if c.timeout is None:
+                timeout = None
+                break
+            timeout = max(timeout, c.timeout)
+        first = calls[0]
+        try:
+            x = np.concatenate([c.x for c in calls])
+            self.engine.start_matmul(  # type: ignore[union-attr]
+                MatmulCall(first.weight, x, first.precision, first.out_dtype, timeout),
+                functools.partial(self._merged_done, parts))
+        except Exception:  # (a refusal may be one caller's: each gets its own answer)
+            for part in parts:
+                self._start_alone(*part)
+            return
+        self.merged[0] += 1
+        self.merged[1] += len(parts)
+
+    def _start_alone(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
+        try:
+            self.engine.start_matmul(call, sink)  # type: ignore[union-attr]
+        except Exception as e:
+            sink(_settled(e))
+
+    def _merged_done(self, parts: list[tuple[MatmulCall, Any]],
+                     fut: asyncio.Future[Any]) -> None:
+        """Each merged call's sink with its rows of y, or the failure; a refusal that may be
+        one caller's input (INVALID_ARGUMENT, FAILED_PRECONDITION) runs each call alone, as the
+        batcher isolates a bad request."""
+        if fut.cancelled() or fut.exception() is not None:
+            exc = _portable_error(fut.exception() if not fut.cancelled()  # type: ignore[arg-type]
+                                  else asyncio.CancelledError())
+            if isinstance(exc, InvalidArgument | FailedPrecondition):
+                for part in parts:
+                    self._start_alone(*part)
+                return
+            for _, sink in parts:
+                sink(_settled(exc))
+            return
+        r = fut.result()
+        row = 0
+        for call, sink in parts:
+            n = call.x.shape[0]
+            sink(_settled(MatmulReply(r.y[row : row + n], r.kernel, r.layout, r.precision,
+                                      r.queue_seconds, r.kernel_seconds, r.batch_rows,
+                                      r.batch_requests, r.device_seconds)))
+            row += n
 
     def _count_pending(self, fe: _Front) -> None:
         """A matmul of ``fe`` was queued (its sink counts it done)."""
@@ -825,8 +935,8 @@ class FrontendsWorker(Worker):
                 return
             shape = (x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
             yr.span(ys[1], call.out_dtype, shape, "y")
-            self.engine.start_matmul(  # type: ignore[union-attr]
-                call, functools.partial(self._region_done, fe, rid, xr, yr, ys[1]))
+            self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
+                                                     ys[1]))
         except BaseException as e:
             call = None  # type: ignore[assignment]  # (x views the region: drop it first)
             table.let_go(xr)
