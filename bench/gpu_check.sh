@@ -45,6 +45,10 @@ if [[ -z ${SKIP_REPLAY:-} ]]; then
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
+  # T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
+  t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
+    --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
+    --json "$OUT/dataplane_pinned.json"
   VARIANTS=${VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
@@ -62,4 +66,6 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   echo "## replay pinned ($PIN)"
   grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
+  echo "## dataplane --frontends 4 pinned (2-6:7-15)"
+  grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
 } | tee "$FINAL/summary.txt"

@@ -234,14 +234,16 @@ class PortInUse(Exception):
 def run(args: argparse.Namespace) -> int:
     first = _setup_logging(args.log_level)
     from q6serve.kernels.backends import make_backend
-    from q6serve.service.affinity import pin_process
+    from q6serve.service.affinity import check_cpus, cores_of, pin_process
     from q6serve.service.config import config_from
     from q6serve.service.worker import run_worker
 
     try:
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
         if config.cpus:  # before the backend and the server start their threads
-            pin_process(config.cpus)
+            check_cpus(config.cpus)  # here, not in the config: front ends narrow their own
+            slots = config.frontends + 1 if config.frontends > 1 else 1  # + the front ends
+            pin_process(cores_of(config.cpus, 0, slots))
         _gil_switch_interval(os.environ)
         check_free(config.host, config.port, "--port")
         if config.metrics_port is not None:

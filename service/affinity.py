@@ -9,7 +9,7 @@ Python that runs next: pinning the worker to one core took a one-caller N=1 call
 (bench/RESULTS.md, "Pinning"). It is a deployment choice, like Docker's ``--cpuset-cpus`` or
 Kubernetes' static CPU manager: the worker's event loop is one thread whatever it is given,
 so a core or two of its own serves latency best, and front ends (``--frontends``) want a core
-each on top.
+each on top (:func:`cores_of` gives each process of such a worker its part of ``--cpus``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def check_cpus(cpus: tuple[int, ...]) -> None:
     allowed = os.sched_getaffinity(0)
     if missing := sorted(set(cpus) - allowed):
         raise InvalidArgument(f"--cpus: core(s) {missing} are not available to this process "
-                              f"(it may use {_ranges(allowed)})")
+                              f"(it may use {show_cpus(allowed)})")
 
 
 def pin_process(cpus: tuple[int, ...]) -> None:
@@ -52,7 +52,23 @@ def pin_process(cpus: tuple[int, ...]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def _ranges(cpus: set[int]) -> str:
+def cores_of(cpus: tuple[int, ...], slot: int, slots: int) -> tuple[int, ...]:
+    """The cores of process ``slot`` of ``slots`` (with ``--frontends N``: the device process
+    is slot 0, front end i slot i + 1): given a core for each, one core each (the device
+    process's event loop runs busy, each front end's loop has its own wake-ups); given fewer,
+    the device process keeps one and the front ends share the rest; given one, all share it."""
+    if len(cpus) <= 1 or slots <= 1:
+        return cpus
+    if slot == 0:
+        return cpus[:1]
+    rest = cpus[1:]
+    if len(rest) >= slots - 1:
+        return (rest[slot - 1],)
+    return rest
+
+
+def show_cpus(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5" (as taskset and cpusets write them)."""
     out, run = [], []
     for c in sorted(cpus):
         if run and c != run[-1] + 1:

@@ -14,7 +14,7 @@ from pathlib import Path
 from q6serve.kernels.errors import InvalidArgument
 
 from . import config_limits as lim
-from .affinity import check_cpus, parse_cpus
+from .affinity import parse_cpus
 from .flags import FlagState
 
 DEFAULT_FRACTION = 0.9  # of the device memory free at start, when no budget is given
@@ -123,8 +123,6 @@ class WorkerConfig:
         for name in ("max_batch_delay_us", "inline_device_us"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 0")
-        if self.cpus:
-            check_cpus(self.cpus)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("TLS needs both a certificate and a key")
         if self.tls_client_ca is not None and self.tls_cert is None:

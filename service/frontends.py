@@ -80,6 +80,7 @@ from q6serve.kernels.errors import (
 from . import regions as regions_mod
 from . import wire
 from .admission import Admission, StreamBudget
+from .affinity import cores_of, pin_process
 from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import MatmulCall, MatmulReply
@@ -1623,6 +1624,8 @@ _CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
 def frontend_main() -> None:
     """Entry point of a front-end process (FrontendsWorker._spawn): arguments on stdin."""
     index, config, port, sock_path, slots, slot_bytes, log_level = pickle.load(sys.stdin.buffer)
+    if config.cpus:  # its own core of --cpus where there are enough (service/affinity.py)
+        pin_process(cores_of(config.cpus, index + 1, config.frontends + 1))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the device drains
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s frontend{index}: %(name)s: "
