@@ -222,6 +222,10 @@ class Bench:
             return []
         out = []
         for w in weights:
+            if w not in samples:  # no call finished in the timed span (too short a run)
+                print(f"# {label} {w}: no call finished in {a.seconds} s", flush=True)
+                self.errors.append({"run": label, "error": f"{w}: no call finished"})
+                continue
             cfg = {"hosts": hosts, "callers_per_host": callers, "n": n, "mode": mode,
                    "dtype": a.dtype, "precision": a.precision, "dynamic_batching": on,
                    "rows": self.shapes[w][0], "k": self.shapes[w][1], "topk": topk,
