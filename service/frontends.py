@@ -926,14 +926,15 @@ class FrontendsWorker(Worker):
         try:
             xr, yr = table.hold(owner, io.x), table.hold(owner, io.y)
             assert xr is not None and yr is not None
-            call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
-                              _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
             if CUDA in (xr.kind, yr.kind):  # on the device end to end (cuda_regions.py)
                 table.let_go(xr)
                 table.let_go(yr)
                 xr = yr = None
-                self._task(self._region_task(fe, rid, owner, io, call))
+                self._task(self._region_task(fe, rid, owner, io, MatmulCall(
+                    weight, _NO_X, _PRECISION_OF[precision], DTYPES[out_dtype], timeout)))
                 return
+            call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
+                              _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
             shape = (x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
             yr.span(ys[1], call.out_dtype, shape, "y")
             self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
@@ -971,7 +972,8 @@ class FrontendsWorker(Worker):
 
     async def _region_task(self, fe: _Front, rid: int, owner: str, io: RegionIO,
                            call: MatmulCall) -> None:
-        """``_region_matmul`` with a CUDA IPC region: ``regions.matmul`` (views anew)."""
+        """``_region_matmul`` with a CUDA IPC region: ``regions.matmul`` (its checks and views;
+        ``call`` gets the x it views)."""
         assert self.regions is not None
         try:
             reply = await regions_mod.matmul(

@@ -193,3 +193,39 @@ def test_cuda_region_message_path(plane: Any, rng: np.random.Generator) -> None:
     assert p.open_count == 1
     w.stop()
     assert p.open_count == 0
+
+
+def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
+                                        rng: np.random.Generator) -> None:
+    """With --frontends, a request naming CUDA regions for x and y reaches the device-side
+    matmul through the device process's region call (FrontendsWorker._region_task); mixed with
+    a system region too; a bad y offset is refused before any device work."""
+    from tests.dataplane.test_frontends import Running
+
+    p = HostPlane()
+    monkeypatch.setattr(cuda_regions, "support", lambda backend, engine: p)
+    w = Running(WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
+                             grace_period_s=1.0, allow_shm=True, frontends=2,
+                             frontend_shm_bytes=4 << 20))
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 5)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((3, K)).astype(np.float16)
+        want = reference(blocks, ROWS, K, x)
+        dev = FakeCudaRegion(p, "dev", 65536, offset=256)
+        c.register_region(dev)  # type: ignore[arg-type]
+        out = c.matmul_full("w", x, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
+        np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-4)
+        with c.register_shm("sys", 8192) as sysr:
+            np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128), y_region=sysr),
+                                       want, rtol=1e-5, atol=1e-4)
+        assert p.calls == 2
+        code, msg = code_of(lambda: c.matmul("w", x, x_region=(dev, 128),  # type: ignore[arg-type]
+                                             y_region=(dev, 65536 - 100)))
+        assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
+        assert p.calls == 2
+        c.unregister_region("dev")
+        assert p.open_count == 0
+    finally:
+        w.stop()
