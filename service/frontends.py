@@ -534,7 +534,8 @@ class _DeviceStats:
         return {"t": time.perf_counter() - self.t0, "wall": time.time(),
                 "cpu_s": time.process_time(),
                 **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
-                "deferred_jobs": dev.deferred_jobs, "threads_cpu_s": threads,
+                "deferred_jobs": dev.deferred_jobs, "merged_requests": self.w.merged[0],
+                "merged_calls": self.w.merged[1], "threads_cpu_s": threads,
                 **{k.strip(): int(v) for k, v in status.items()}}
 
     def _tick(self) -> None:
