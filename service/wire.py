@@ -98,10 +98,20 @@ _F_REQ_X = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
 _F_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 
-def read_matmul_request(raw: bytes) -> pb.MatmulRequest | MatmulIn:
-    """The request deserializer of Matmul and MatmulStream: upb parses the message without
-    ``x.data``, which stays a view of ``raw`` (no copy on the event loop). A message the walker
-    does not take apart is parsed whole (the same fields; upb's errors either way)."""
+# Requests smaller than this are parsed whole by upb: copying their x costs less than the
+# Python walk that avoids the copy (VM, read + matmul_call: 38 KiB 36 vs 65 us, 57 KiB 36 vs
+# 80; 296 KiB 85 vs 63; 2.3 MiB 996 vs 71)
+ZERO_COPY_MIN = 128 << 10
+
+
+def read_matmul_request(raw: bytes, zero_copy_min: int = ZERO_COPY_MIN,
+                        ) -> pb.MatmulRequest | MatmulIn:
+    """The request deserializer of Matmul and MatmulStream: from ``zero_copy_min`` bytes on,
+    upb parses the message without ``x.data``, which stays a view of ``raw`` (no copy on the
+    event loop); smaller ones, and a message the walker does not take apart, are parsed whole
+    (the same fields; upb's errors either way)."""
+    if len(raw) < zero_copy_min:
+        return pb.MatmulRequest.FromString(raw)
     try:
         rest, data = take_bytes_field(raw, _F_REQ_X, _F_TENSOR_DATA)
     except Unusual:

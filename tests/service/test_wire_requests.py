@@ -25,7 +25,7 @@ def _raw(x: np.ndarray, **fields: object) -> bytes:
 
 def _both(raw: bytes) -> list[object]:
     """The request as the worker reads it (MatmulIn) and as protobuf parses it whole."""
-    read = wire.read_matmul_request(raw)
+    read = wire.read_matmul_request(raw, zero_copy_min=0)  # the walker whatever the size
     assert isinstance(read, wire.MatmulIn)
     return [read, pb.MatmulRequest.FromString(raw)]
 
@@ -64,7 +64,7 @@ def test_bad_requests_same_messages(fields: dict[str, object], shape: tuple[int,
     req.x.shape.extend(shape)
     req.x.data = b"\0" * 16
     raw = req.SerializeToString()
-    for r in (wire.read_matmul_request(raw), pb.MatmulRequest.FromString(raw)):
+    for r in (wire.read_matmul_request(raw, zero_copy_min=0), pb.MatmulRequest.FromString(raw)):
         with pytest.raises(InvalidArgument, match=want.replace("[", r"\[").replace("]", r"\]")):
             wire.matmul_call(r, None)  # type: ignore[arg-type]
 
@@ -101,3 +101,13 @@ def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra
     raw = _raw(np.zeros((3, 4), np.float32), **fields)
     for req in _both(raw):
         assert servicer._cost(req) == len(raw) + extra
+
+
+def test_small_requests_are_parsed_whole_big_ones_keep_x_in_place() -> None:
+    small = _raw(np.ones((1, 64), np.float16), weight="w")
+    assert isinstance(wire.read_matmul_request(small), pb.MatmulRequest)
+    rows = wire.ZERO_COPY_MIN // (2 * 1024) + 1
+    big = _raw(np.ones((rows, 1024), np.float16), weight="w")
+    read = wire.read_matmul_request(big)
+    assert isinstance(read, wire.MatmulIn)
+    assert np.shares_memory(wire.matmul_call(read, None).x, np.frombuffer(big, np.uint8))
