@@ -7,7 +7,8 @@
 # the data plane at 4 and 8 front ends with its device-path and fast-lane probes
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
-#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("4 8")
+#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("4 8 8:m0": :m0 = the
+#   device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -49,7 +50,7 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
     --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
     --json "$OUT/dataplane_pinned.json"
-  VARIANTS=${VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
+  VARIANTS=${VARIANTS:-4 8 8:m0} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi

@@ -324,6 +324,9 @@ class Engine:
         self._device_error = ""
         self._health_listeners: list[Callable[[bool], None]] = []
         self._group: Group | None = None  # set inside grouped(): calls queued as one job
+        # (N, precision, flags) the backend's dispatch accepted (start_matmul; bounded: N <=
+        # max_request_rows, four precisions, the flags' states)
+        self._planned: set[tuple[int, Precision, FlagState]] = set()
         self.flags.subscribe(self._on_flags)
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
@@ -722,8 +725,12 @@ class Engine:
                                   f"K={e.k}")
             if call.topk:
                 check_k(call.topk, e.rows, weight=e.name)
-            # refuse what the current flags forbid before queueing (clear status, no batch)
-            self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
+            # refuse what the current flags forbid before queueing (clear status, no batch);
+            # what passed once passes again (the dispatch is a pure function of these)
+            plan_key = (n, call.precision, self.flags.state)
+            if plan_key not in self._planned:
+                self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
+                self._planned.add(plan_key)
             fut = self._batcher(e).enqueue(x, key, call.timeout, sink, self._group)
         except BaseException:
             self.registry.release(e)
