@@ -2,12 +2,13 @@
 # The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
 # kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
 # on CUDA, issue 14's targets (T1, the lm-head top-k, the 7B decode replay at S = 1, 8, 64 with
-# and without multi-weight calls), T1 and the S=1/8 replay again with the worker pinned (PIN,
+# and without multi-weight calls), T1 and the S=8 replay again with the worker pinned (PIN,
 # bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
-# the data plane at 4 and 8 front ends with its device-path and fast-lane probes
+# the data plane at 8 front ends (merge on and off) with its device-path and fast-lane probes,
+# and at 4 front ends pinned
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
-#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("4 8 8:m0": :m0 = the
+#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("8 8:m0": :m0 = the
 #   device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -42,7 +43,7 @@ t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worke
 if [[ -z ${SKIP_REPLAY:-} ]]; then
   t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
     --seconds 2 --warmup 0.5 --json "$OUT/replay.json"
-  t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8 \
+  t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
@@ -50,7 +51,7 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
     --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
     --json "$OUT/dataplane_pinned.json"
-  VARIANTS=${VARIANTS:-4 8 8:m0} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
+  VARIANTS=${VARIANTS:-8 8:m0} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi
