@@ -30,6 +30,9 @@ Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cac
   tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
   tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
 t demo 150 python3 -m q6serve.client.cli demo --backend cuda
+# issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
+t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
+  --modes graph,staged --json "$OUT/wall.json"
 t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
 t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
@@ -60,6 +63,7 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
+  grep -v "^\s*$" "$OUT/wall.log" | tail -8
   grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
   echo "## pinned ($PIN)"
   grep -E "^# T1|mean us" "$OUT/t1_pinned.log" | tail -3
