@@ -25,7 +25,7 @@ import grpc
 
 from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted
 
-from .admission import Admission
+from .admission import Admission, writers
 from .auth import TokenAuth
 from .metrics import Metrics
 from .wire import ADMIN_METHODS, SERVICE_NAME
@@ -114,6 +114,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._auth = auth or TokenAuth()
         self._admission = admission  # unary RPCs of our service queue here
         self._reads = reads  # ... and then for their request to be read (None: no limit)
+        if reads is not None:  # a big request read over a slow link is not a stall: only
+            reads.stall = None  # the read timeout takes a read's place back
         self._big_hosts: dict[str, float] = {}  # host -> until when its reads are gated
         self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
         self._active = 0  # calls running, LONG_LIVED ones left out
@@ -220,7 +222,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
                     def over(_: object) -> None:
                         if token:
-                            gate.unwatch(token[0])
+                            gate.unwatch(token[0], key)
                         gate.leave(key)
 
                     context.add_done_callback(over)
@@ -232,7 +234,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     reply = await unary(raw, context)
                     if reply is not None:  # gRPC writes it in this task, after we return:
                         # the gate may cancel the task if the client never takes it
-                        token.append(gate.watch(asyncio.current_task()))  # type: ignore[arg-type]
+                        token.append(gate.watch(asyncio.current_task(),  # type: ignore[arg-type]
+                                                key, context.time_remaining()))
                     return reply
 
                 return grpc.stream_unary_rpc_method_handler(
@@ -254,6 +257,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             if bidi:
                 _STREAM_CALL.set((self, service, method))
             leave = self._track(path)
+            # MatmulStream's writes are marked while blocked, for the stream budget
+            # (admission.StreamBudget cancels a stalled one a starved connection waits on)
+            marks = writers() if bidi and service == SERVICE_NAME else None
+            key, task = context.peer(), asyncio.current_task()
             try:
                 out = inner_stream(*before(request, context))
                 if hasattr(out, "__aiter__"):  # an async generator: replies yielded
@@ -261,7 +268,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     # long as a call its client stopped reading stays uncollected
                     replies, box = out.__aiter__(), []
                     while box.append(await anext(replies, _END)) or box[0] is not _END:
-                        yield box.pop()
+                        if marks is not None:
+                            marks.begin(key, task,  # type: ignore[arg-type]
+                                        context.time_remaining())
+                        yield box.pop()  # returns once gRPC has written it
+                        if marks is not None:
+                            marks.end(key, task)  # type: ignore[arg-type]
                 elif inspect.isawaitable(out):  # a coroutine writing with context.write()
                     await out
                 else:  # a plain generator
@@ -271,6 +283,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 self._failed(e, context, service, method, t0)
                 return
             finally:
+                if marks is not None:
+                    marks.end(key, task)  # type: ignore[arg-type]
                 leave()
             self._done(context, service, method, t0)
 
@@ -292,11 +306,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             # would keep the handler's frame, and so the request, alive
         else:
             await reads.enter(key)
-            token = reads.watch(asyncio.current_task())  # type: ignore[arg-type]
+            # (a read cancelled for its timeout holds no reply: its place is not kept)
+            token = reads.watch(asyncio.current_task(), key, 0.0)  # type: ignore[arg-type]
             try:
                 raw = await context.read()
             finally:
-                reads.unwatch(token)
+                reads.unwatch(token, key)
                 reads.leave(key)
         if reads is not None and raw is not grpc.aio.EOF and len(raw) >= BIG_REQUEST_BYTES:
             self._mark_big(host)

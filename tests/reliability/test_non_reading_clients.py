@@ -24,6 +24,7 @@ from tests.reliability.stalling import StallingProxy, stop_all
 from tests.service.svc_util import wait_until
 
 K, ROWS = 256, 8192  # N = 64 replies are 2 MiB: far more than the sockets buffer
+ATTACK_S = 8.0  # the attackers' deadline
 
 
 
@@ -46,7 +47,8 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
     chans = [grpc.insecure_channel(p.target, options=[("grpc.use_local_subchannel_pool", 1)])
              for p in proxies]
     big = matmul_request("w", np.ones((64, K), np.float32))
-    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=60)
+    # their deadline bounds how long gRPC keeps a dropped call (and its place lingers)
+    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=ATTACK_S)
             for ch in chans for _ in range(3)]
     try:
         # every place is held by a computed reply nobody takes, the others wait
@@ -56,10 +58,13 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
         y = c.matmul("w", x, timeout=20)  # waits at most about reply_timeout for a place
         assert y.shape == (1, ROWS)
         assert worker.run(lambda: gate.dropped) >= 1
+        # a dropped call's place stays its connection's while gRPC keeps the call
+        assert worker.run(lambda: sum(gate.lingering.values())) >= 1
     finally:
         stop_all(futs, [*chans, *proxies])
     wait_until(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.watched,
-                                         gate.active)) == (0, 0, 0, 0))
+                                         gate.active, gate.lingering)) == (0, 0, 0, 0, {}),
+               timeout=ATTACK_S + 10)
     assert vram_figures(c) == before
     assert health(worker.target) == "SERVING"
 
@@ -81,3 +86,45 @@ def test_nothing_is_dropped_while_nobody_waits(worker):
     finally:
         stop_all(futs, [ch, proxy])
     wait_until(lambda: worker.run(lambda: (gate.running, gate.watched)) == (0, 0))
+
+
+def test_a_clean_caller_waits_for_a_stall_not_for_the_reply_timeout():
+    """Four connections that never read hold the four places of the gate. A clean caller on
+    another connection gets its place once the oldest stuck reply has waited
+    ``admission.STALL_S`` with nothing written on its connection -- not the reply timeout
+    (10 s here; before, each of these calls waited that long) -- and the dropped calls'
+    places stay their connections' (they stall only themselves) until their deadline."""
+    rw = RunningWorker(WorkerConfig(
+        port=0, vram_budget=Budget(nbytes=32 << 20), max_inflight_rpcs=4,
+        max_inflight_rpcs_per_connection=4, min_inflight_rpcs_per_connection=1,
+        reply_timeout_s=10.0))
+    gate = rw.worker.admission
+    c = rw.client()
+    c.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
+    before = vram_figures(c)
+    proxies = [StallingProxy(rw.target) for _ in range(4)]
+    chans = [grpc.insecure_channel(p.target, options=[("grpc.use_local_subchannel_pool", 1)])
+             for p in proxies]
+    big = matmul_request("w", np.ones((64, K), np.float32))
+    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=ATTACK_S)
+            for ch in chans for _ in range(3)]
+    took = []
+    try:  # (they may have taken places from each other already)
+        wait_until(lambda: rw.run(lambda: gate.watched == gate.limit or gate.dropped),
+                   timeout=30, what="the non-readers to hold every place")
+        x = np.ones((1, K), np.float32)
+        for _ in range(6):
+            t0 = time.perf_counter()
+            assert c.matmul("w", x, timeout=20).shape == (1, ROWS)
+            took.append(time.perf_counter() - t0)
+    finally:
+        stop_all(futs, [*chans, *proxies])
+    # bounded for a loaded 2-core CI machine: far below the 10 s reply timeout
+    assert max(took) < 4.0, [round(t, 3) for t in took]
+    assert sorted(took)[len(took) // 2] < 2.0, [round(t, 3) for t in took]
+    wait_until(lambda: rw.run(lambda: (gate.running, gate.waiting, gate.watched, gate.active,
+                                       gate.lingering)) == (0, 0, 0, 0, {}),
+               timeout=ATTACK_S + 10, what="the gate to empty")
+    assert vram_figures(c) == before
+    assert health(rw.target) == "SERVING"
+    rw.stop()

@@ -132,3 +132,55 @@ def test_many_streams_that_never_read_hold_a_bounded_total(rng):
         assert health(rw.target) == "SERVING"
     finally:
         rw.stop()
+
+
+def test_a_stream_that_never_reads_does_not_hold_the_others_budget(rng):
+    """The worker-wide stream budget here is one window: one MatmulStream that never reads
+    fills it with replies it does not take. Another connection's streams must not wait on it
+    (they waited for ever: the budget was only given back by writes): the stalled stream is
+    cancelled once its write has been blocked for ``admission.STALL_S`` while a connection
+    below its fair share waits, and every clean call is answered promptly."""
+    backend = InstrumentedBackend()
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=256 << 20),
+                                    max_stream_bytes=WINDOW,
+                                    max_stream_bytes_per_connection=WINDOW,
+                                    max_stream_bytes_total=WINDOW, max_batch_delay_us=0),
+                       backend)
+    try:
+        c = rw.client()
+        blocks = random_q6k(ROWS, K, 10)
+        c.upload("w", blocks, ROWS, K)
+        before = vram_figures(c)
+        x = rng.standard_normal((N, K)).astype(np.float32)
+
+        def requests() -> Iterator[object]:
+            for i in range(SENT):
+                yield matmul_request("w", x, "auto", "f32", str(i))
+
+        budget = rw.worker.stream_budget
+        with grpc.insecure_channel(rw.target) as ch:
+            # (its deadline bounds how long gRPC keeps the call once the worker drops it)
+            call = pb_grpc.Q6ServeStub(ch).MatmulStream(requests(), timeout=8)
+            # it holds the whole budget with replies nobody takes
+            wait_until(lambda: rw.run(lambda: budget.used) >= WINDOW - REPLY, timeout=30,
+                       what="the non-reader to fill the budget")
+            took = []
+            for i in range(8):  # a reply as big as the non-reader's: it needs the budget
+                t0 = time.perf_counter()
+                outs = list(c.matmul_stream([(str(i), "w", x)], timeout=20))
+                took.append(time.perf_counter() - t0)
+                assert_close(outs[0].y, reference(blocks, ROWS, K, x))
+            # bounded for a loaded 2-core CI machine; before, the first call waited for the
+            # non-reader's deadline (for ever without one)
+            assert max(took) < 3.0, [round(t, 3) for t in took]
+            assert sorted(took)[len(took) // 2] < 1.0, [round(t, 3) for t in took]
+            assert rw.run(lambda: budget.dropped) >= 1
+            # what the stalled stream held stays charged to its connection, not the total
+            assert rw.run(lambda: sum(budget.lingering.values())) > 0
+            call.cancel()
+        wait_until(lambda: rw.run(lambda: (budget.used, budget.lingering)) == (0, {}),
+                   timeout=20, what="the budget to empty")
+        assert vram_figures(c) == before
+        assert health(rw.target) == "SERVING"
+    finally:
+        rw.stop()
