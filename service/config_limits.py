@@ -12,11 +12,13 @@ from q6serve.kernels.errors import InvalidArgument
 MAX_PORT = 65535
 MAX_MESSAGE_BYTES = 256 * 2**20  # gRPC message size: replies, and the ceiling of requests
 # Largest request message the worker reads. gRPC's core refuses a larger one before Python
-# sees it (RESOURCE_EXHAUSTED "Received message larger than max"): reading a message into
-# Python holds the event loop (and the GIL) ~1 ms per MiB on the CI VM, so this bounds what
-# one request can delay health and every other call by. 32 MiB: x of N = 256 rows in f32 for
-# K up to 32768 (every 7B-70B shape); bigger activations go in shared-memory regions.
-MAX_REQUEST_BYTES = 32 * 2**20
+# sees it (RESOURCE_EXHAUSTED "Received message larger than max"): grpcio copies a message
+# into Python in one step of the event loop with the GIL held (page faults of two fresh
+# buffers, most of it): ~1.3 ms per MiB on the CI VM alone, 2-4 ms under load, so this
+# bounds what one request can delay health and every other call by. 16 MiB: x of N = 256
+# rows in f32 for K up to 16384, in f16 up to 32768; bigger activations go in shared-memory
+# regions. (At 32 MiB one copy took 60-110 ms on the loaded CI VM: docs/RELIABILITY.md.)
+MAX_REQUEST_BYTES = 16 * 2**20
 MAX_CONCURRENT_STREAMS = 1 << 16  # HTTP/2 streams per connection
 MAX_UPLOAD_BYTES = 8 * 2**30
 MAX_WEIGHTS = 1 << 16  # resident weights (host bookkeeping: registry.WEIGHT_HOST_BYTES each)
@@ -31,10 +33,10 @@ MIN_INFLIGHT_RPCS_PER_CONNECTION = 8
 REPLY_TIMEOUT_S = 2.0
 # Unary calls whose request is read at once, for hosts that send big requests (interceptor.py,
 # BIG_REQUEST_BYTES): gRPC's Python layer copies each into Python in one step of the event
-# loop (~1 ms per MiB), so this bounds how many such copies can queue ahead of a health check.
-# A call whose request has not arrived READ_TIMEOUT_S after its read began, while others wait
-# to be read, is cancelled.
-MAX_READING_RPCS = 2
+# loop, so this bounds how many such copies can queue ahead of a health check (and each place
+# stays taken a gap after its big read: interceptor.GAP_S_PER_MIB). A call whose request has
+# not arrived READ_TIMEOUT_S after its read began, while others wait to be read, is cancelled.
+MAX_READING_RPCS = 1
 READ_TIMEOUT_S = 1.0
 # MatmulStream: bytes of requests admitted and replies not yet written, per stream, for all
 # the streams of one connection, for all streams of the worker.

@@ -84,3 +84,33 @@ def test_slow_senders_of_other_hosts_hold_no_slot(worker):
         assert worker.run(lambda: reads.dropped) == 0 and not slow.done()
     finally:
         stop_all([slow], [pch, proxy])
+
+
+def test_a_big_read_keeps_its_place_for_a_gap(worker, monkeypatch):
+    """After a big request of a gated host is read, its place stays taken for
+    GAP_S_PER_MIB per MiB, so the next big copy does not follow at once (health checks find
+    the loop free between copies); small requests of other hosts are not held by it."""
+    from q6serve.service import interceptor
+
+    monkeypatch.setattr(interceptor, "GAP_S_PER_MIB", 0.5)  # ~0.5 s for BIG: observable
+    reads = worker.worker.reads
+    with grpc.insecure_channel(worker.target) as ch:
+        stub = pb_grpc.Q6ServeStub(ch)
+        stub.Matmul(BIG, timeout=30)  # marks the host (not gated yet: no gap)
+        assert worker.run(lambda: reads.running) == 0
+        stub.Matmul(BIG, timeout=30)  # gated: the gap follows its read
+        t0 = time.monotonic()
+        assert worker.run(lambda: reads.running) == 1
+        # a small request of this host waits for the gap; the reply comes after it
+        stub.Matmul(matmul_request("w", np.ones((1, K), np.float32)), timeout=30)
+        assert time.monotonic() - t0 > 0.2
+    wait_until(lambda: worker.run(lambda: reads.running) == 0, timeout=5)
+
+
+def test_the_defaults_bound_one_copy():
+    """One request (--max-request-bytes) and one big read at a time (--max-reading-rpcs):
+    what a big-request host can cost the loop in one step and in a row (see RELIABILITY.md,
+    "Big requests": 32 MiB copies took 60-110 ms on the loaded CI VM)."""
+    cfg = WorkerConfig()
+    assert cfg.receive_limit == 16 << 20
+    assert cfg.max_reading_rpcs == 1
