@@ -51,6 +51,10 @@ LOG_EVERY_S = 10.0  # dropped replies are logged at most this often (a count)
 # a connection below its fair share waits, the stalled places of connections above it are
 # taken back at once, not after the reply timeout (Admission._sweep, StreamBudget.acquire).
 STALL_S = 0.25
+# ... and a request that has not arrived this long after its read began (a client that opened
+# the call and sends nothing holds a place as surely as one that stops reading; a legitimate
+# big request may need a while over a slow link)
+READ_STALL_S = 1.0
 # A call the worker drops while gRPC writes its reply is not over for gRPC: grpcio's asyncio
 # server cannot reset a stream, so its core keeps the call, with the reply it was writing,
 # until the client's deadline or the connection's end. Such a call keeps its place charged
@@ -89,8 +93,9 @@ class Admission:
         self._ready_floor: collections.deque[str] = collections.deque()
         self._active = 0  # keys in _held or _waiting
         # watched places (for the admission gate: reply computed, not yet written): token ->
-        # (since, task, key, linger), oldest first (a dict keeps insertion order)
-        self._watched: dict[int, tuple[float, asyncio.Task[object], str, float]] = {}
+        # (since, task, key, linger, stall), oldest first (a dict keeps insertion order)
+        self._watched: dict[int, tuple[float, asyncio.Task[object], str, float,
+                                       float | None]] = {}
         self._progress: dict[str, float] = {}  # key -> when a watched place of it last ended
         # dropped calls: token -> how long the place stays charged to its key (see LINGER_S);
         # key -> places so charged now
@@ -227,7 +232,7 @@ class Admission:
                 self._queue(key)  # round robin: behind the other connections
 
     def watch(self, task: asyncio.Task[object], key: str = "",
-              linger: float | None = None) -> int:
+              linger: float | None = None, stall: float | None = None) -> int:
         """From now the place ``task`` holds (for connection ``key``) only waits on its
         client (the admission gate: the reply is computed and gRPC writes it in the RPC's
         task; the read gate: the request is being read): cancel the task if it still holds it
@@ -235,10 +240,12 @@ class Admission:
         connection is above its fair share, has completed no watched place meanwhile, and a
         connection below its share waits. Returns the token for :meth:`unwatch`, called when
         that wait is over (before :meth:`leave`). A dropped call's place stays charged to
-        ``key`` for ``linger`` s (the call's time to its deadline), at most LINGER_S."""
+        ``key`` for ``linger`` s (the call's time to its deadline), at most LINGER_S.
+        ``stall``: this place's own stall time, if longer than the gate's."""
         token = next(self._tokens)
+        own = self.stall if stall is None or self.stall is None else max(stall, self.stall)
         self._watched[token] = (asyncio.get_running_loop().time(), task, key,
-                                LINGER_S if linger is None else min(linger, LINGER_S))
+                                LINGER_S if linger is None else min(linger, LINGER_S), own)
         self._arm()
         return token
 
@@ -264,7 +271,7 @@ class Admission:
     def _drop(self, token: int) -> int:
         """Cancel a watched call (its place comes back when the RPC is over, or stays its
         key's a while: :meth:`unwatch`); 1 if it was cancelled."""
-        _, task, _, linger = self._watched.pop(token)
+        _, task, _, linger, _ = self._watched.pop(token)
         if not task.cancel():
             return 0
         self._dropping[token] = linger
@@ -323,11 +330,12 @@ class Admission:
         if not needy:  # (a key with dropped calls lingering is stalled itself)
             return 0
         taken = 0
-        for token, (since, _, key, _) in list(self._watched.items()):
+        for token, (since, _, key, _, stall) in list(self._watched.items()):
             if now - since < self.stall:
                 break
-            if (self._held.get(key, 0) >= fair
-                    and now - self._progress.get(key, since) >= self.stall):
+            assert stall is not None
+            if (now - since >= stall and self._held.get(key, 0) >= fair
+                    and now - self._progress.get(key, since) >= stall):
                 taken += self._drop(token)
         return taken
 
@@ -501,3 +509,81 @@ class StreamBudget:
             del self._by_key[key]
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()
+
+
+class StreamSlots:
+    """Streaming calls (MatmulStream, UploadWeight, health Watch) open at once: at most
+    ``per_key`` per connection and ``total`` in the worker. A stream costs the worker ~25 KiB
+    (gRPC's call, the handler's task and queue) whether or not its client ever sends: 20,000
+    idle MatmulStreams held 490 MiB, and HTTP/2 lets one connection open 65,536.
+
+    Beyond ``per_key`` a connection's new stream is refused (RESOURCE_EXHAUSTED). When the
+    worker holds ``total``, a connection below its fair share (``total`` / connections with
+    streams) takes the place of the longest-idle stream (no message either way for IDLE_S or
+    more) of the connection holding the most: that stream is cancelled, and it stays charged
+    to its connection until its deadline, at most LINGER_S (gRPC keeps the call until then).
+    Otherwise the new stream is refused."""
+
+    IDLE_S = 1.0
+
+    def __init__(self, total: int, per_key: int) -> None:
+        self.total, self.per_key = total, per_key
+        self.open_streams = 0
+        self.refused = 0
+        self.evicted = 0
+        # key -> {task: (last message either way, its deadline in loop time or None)}
+        self._by_key: dict[str, dict[asyncio.Task[object], tuple[float, float | None]]] = {}
+        self.lingering: dict[str, int] = {}
+
+    def held(self, key: str) -> int:
+        return len(self._by_key.get(key, ())) + self.lingering.get(key, 0)
+
+    def open(self, key: str, task: asyncio.Task[object], left: float | None) -> bool:
+        """Take a place for ``task``'s stream; False: refuse it."""
+        if self.held(key) >= self.per_key or (self.open_streams >= self.total
+                                              and not self._evict_for(key)):
+            self.refused += 1
+            return False
+        now = asyncio.get_running_loop().time()
+        self._by_key.setdefault(key, {})[task] = (now, None if left is None else now + left)
+        self.open_streams += 1
+        return True
+
+    def touch(self, key: str, task: asyncio.Task[object]) -> None:
+        mine = self._by_key.get(key)
+        if mine is not None and task in mine:
+            mine[task] = (asyncio.get_running_loop().time(), mine[task][1])
+
+    def close(self, key: str, task: asyncio.Task[object]) -> None:
+        mine = self._by_key.get(key)
+        if mine is None or mine.pop(task, None) is None:
+            return
+        self.open_streams -= 1
+        if not mine:
+            del self._by_key[key]
+
+    def _evict_for(self, key: str) -> bool:
+        fair = self.total // (len(self._by_key) + (key not in self._by_key))
+        if len(self._by_key.get(key, ())) >= fair or not self._by_key:
+            return False
+        victim = max(self._by_key, key=lambda k: len(self._by_key[k]))
+        if len(self._by_key[victim]) <= fair:
+            return False
+        loop = asyncio.get_running_loop()
+        task, (last, deadline) = min(self._by_key[victim].items(), key=lambda kv: kv[1][0])
+        if loop.time() - last < self.IDLE_S or not task.cancel():
+            return False
+        self.close(victim, task)
+        self.evicted += 1
+        life = LINGER_S if deadline is None else min(LINGER_S, deadline - loop.time())
+        if life > 0:
+            self.lingering[victim] = self.lingering.get(victim, 0) + 1
+            loop.call_later(life, self._unlinger, victim)
+        return True
+
+    def _unlinger(self, key: str) -> None:
+        n = self.lingering[key] - 1
+        if n:
+            self.lingering[key] = n
+        else:
+            del self.lingering[key]

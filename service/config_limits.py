@@ -43,6 +43,11 @@ READ_TIMEOUT_S = 1.0
 MAX_STREAM_BYTES = 64 * 2**20
 MAX_STREAM_BYTES_PER_CONNECTION = 256 * 2**20
 MAX_STREAM_BYTES_TOTAL = 1 * 2**30
+# Streaming calls (MatmulStream, UploadWeight, health Watch) open at once, per connection and
+# in the worker (admission.StreamSlots: ~25 KiB each even when idle, so at most ~100 MiB).
+# Not flags yet (config.py and the CLI belong to the service).
+MAX_STREAMS_PER_CONNECTION = 256
+MAX_STREAMS = 4096
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import logging
 import time
@@ -25,7 +26,8 @@ import grpc
 
 from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted
 
-from .admission import Admission, writers
+from . import config_limits as lim
+from .admission import READ_STALL_S, Admission, StreamSlots, writers
 from .auth import TokenAuth
 from .metrics import Metrics
 from .wire import ADMIN_METHODS, SERVICE_NAME
@@ -123,6 +125,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if reads is not None:  # a big request read over a slow link is not a stall: only
             reads.stall = None  # the read timeout takes a read's place back
         self._big_hosts: dict[str, float] = {}  # host -> until when its reads are gated
+        self.streams = StreamSlots(lim.MAX_STREAMS, lim.MAX_STREAMS_PER_CONNECTION)
         self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
         self._active = 0  # calls running, LONG_LIVED ones left out
         self._idle = asyncio.Event()
@@ -182,17 +185,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 raise InvalidArgument(f"{method} request cannot be decoded: "
                                       f"{type(e).__name__}") from None
 
-        async def decode_stream(raw_iter: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async def decode_stream(raw_iter: AsyncIterator[Any],
+                                touch: Callable[[], None]) -> AsyncIterator[Any]:
             async for raw in raw_iter:
                 RPC_START.set(time.perf_counter())  # seen by tasks the reader spawns next
+                touch()  # not idle (StreamSlots)
                 yield decode(raw)
 
         def before(raw: Any, context: grpc.aio.ServicerContext) -> tuple[Any, Any]:
             """(request, context) for the handler: the request decoded, or for streams a
             decoding iterator and a context whose read() decodes."""
             if streaming_request:
-                return decode_stream(raw), _DecodingContext(context, decode)
+                touch = functools.partial(self.streams.touch, context.peer(),
+                                          asyncio.current_task())
+                return decode_stream(raw, touch), _DecodingContext(context, decode)
             return decode(raw), context
+
+        def open_stream(context: grpc.aio.ServicerContext) -> bool:
+            """A place among the streams open at once (StreamSlots); False: refused, with
+            RESOURCE_EXHAUSTED set and counted."""
+            if self.streams.open(context.peer(), asyncio.current_task(),  # type: ignore[arg-type]
+                                 context.time_remaining()):
+                return True
+            self._failed(ResourceExhausted(
+                f"{method}: too many streams open ({lim.MAX_STREAMS_PER_CONNECTION} per "
+                f"connection, {lim.MAX_STREAMS} in the worker); close idle ones"),
+                context, service, method, time.perf_counter())
+            return False
 
         if handler.unary_unary or handler.stream_unary:
             inner = handler.unary_unary or handler.stream_unary
@@ -200,6 +219,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
                 RPC_START.set(t0)
+                counted = streaming_request  # an upload: a stream's place
+                if counted and not open_stream(context):
+                    return None
                 leave = self._track(path)
                 try:
                     result = inner(*before(request, context))
@@ -210,6 +232,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     return None  # gRPC discards a reply when the status is not OK
                 finally:
                     leave()
+                    if counted:
+                        self.streams.close(context.peer(), asyncio.current_task())  # type: ignore[arg-type]
                 self._done(context, service, method, t0)
                 return result
 
@@ -232,7 +256,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         gate.leave(key)
 
                     context.add_done_callback(over)
-                    raw = await self._read(key, context)
+                    # a request that does not come is dropped like a reply not taken (its
+                    # client sent nothing more: nothing lingers)
+                    reading = gate.watch(asyncio.current_task(), key, 0.0,  # type: ignore[arg-type]
+                                         READ_STALL_S)
+                    try:
+                        raw = await self._read(key, context)
+                    finally:
+                        gate.unwatch(reading, key)
                     if raw is grpc.aio.EOF:  # gRPC refused it (too large) or none came
                         self._failed(self._no_message(method), context, service, method,
                                      time.perf_counter())
@@ -262,6 +293,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             RPC_START.set(t0)
             if bidi:
                 _STREAM_CALL.set((self, service, method))
+            if not open_stream(context):
+                return
             leave = self._track(path)
             # MatmulStream's writes are marked while blocked, for the stream budget
             # (admission.StreamBudget cancels a stalled one a starved connection waits on)
@@ -280,6 +313,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         yield box.pop()  # returns once gRPC has written it
                         if marks is not None:
                             marks.end(key, task)  # type: ignore[arg-type]
+                        self.streams.touch(key, task)  # type: ignore[arg-type]
                 elif inspect.isawaitable(out):  # a coroutine writing with context.write()
                     await out
                 else:  # a plain generator
@@ -291,6 +325,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 if marks is not None:
                     marks.end(key, task)  # type: ignore[arg-type]
+                self.streams.close(key, task)  # type: ignore[arg-type]
                 leave()
             self._done(context, service, method, t0)
 

@@ -10,6 +10,7 @@ places; a clean caller is still answered, and everything comes back afterwards.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -128,3 +129,36 @@ def test_a_clean_caller_waits_for_a_stall_not_for_the_reply_timeout():
     assert vram_figures(c) == before
     assert health(rw.target) == "SERVING"
     rw.stop()
+
+
+def test_calls_that_never_send_their_request_cannot_hold_every_place(worker):
+    """Four connections open two Matmul calls each and never send the message: before, they
+    held every place for as long as they liked (a clean caller timed out). A read not done
+    ``admission.READ_STALL_S`` after it began, on a connection that completed nothing
+    meanwhile, is dropped while a connection below its fair share waits."""
+    gate = worker.worker.admission
+    c = worker.client()
+    stop = threading.Event()
+
+    def nothing():
+        stop.wait()
+        return
+        yield
+
+    chans = [grpc.insecure_channel(worker.target, options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(4)]
+    futs = [ch.stream_unary("/q6serve.v1.Q6Serve/Matmul").future(nothing(), timeout=ATTACK_S)
+            for ch in chans for _ in range(2)]
+    try:
+        wait_until(lambda: worker.run(lambda: gate.running) == gate.limit, timeout=20,
+                   what="the silent calls to hold every place")
+        t0 = time.perf_counter()
+        assert c.matmul("w", np.ones((1, K), np.float32), timeout=20).shape == (1, ROWS)
+        assert time.perf_counter() - t0 < 6.0  # READ_STALL_S (1 s) on a loaded machine
+        assert worker.run(lambda: gate.dropped) >= 1
+    finally:
+        stop.set()
+        stop_all(futs, chans)
+    wait_until(lambda: worker.run(lambda: (gate.running, gate.waiting, gate.watched,
+                                         gate.active)) == (0, 0, 0, 0), timeout=ATTACK_S + 10)
+    assert health(worker.target) == "SERVING"
