@@ -200,7 +200,7 @@ def slow_readers(w: Worker, seconds: float) -> str:
 
 
 BIG_MIB = [100]  # --big-mib
-REQUEST_LIMIT = [32 * MIB]  # the worker's --max-request-bytes (--request-limit-mib)
+REQUEST_LIMIT = [16 * MIB]  # the worker's --max-request-bytes (--request-limit-mib)
 WIDE_K = 32768  # the "wide" weight: K of the largest requests the limit lets through
 BIG_CONNECTIONS = [4]  # --big-connections
 WORKER_ARGS: list[str] = []  # --worker-args
@@ -269,6 +269,106 @@ def non_readers(w: Worker, seconds: float) -> str:
     time.sleep(seconds)
     stop_all(futs, [*chans, *proxies])
     return "32 connections x 8 calls for 4 MiB replies, never read"
+
+
+def _nothing(stop: threading.Event) -> Iterator[Any]:
+    """A request iterator that sends nothing until ``stop``."""
+    stop.wait()
+    return
+    yield
+
+
+def silent_calls(w: Worker, seconds: float) -> str:
+    """32 connections x 8 Matmul calls that send their headers and never the message."""
+    stop = threading.Event()
+    chans = channels(w, 32)
+    futs = [c.stream_unary("/q6serve.v1.Q6Serve/Matmul").future(
+        _nothing(stop), metadata=AUTH, timeout=seconds + 30) for c in chans for _ in range(8)]
+    time.sleep(seconds)
+    stop.set()
+    stop_all(futs, chans)
+    return "32 connections x 8 calls that never send their request"
+
+
+def idle_streams(w: Worker, seconds: float) -> str:
+    """8 connections open 1000 MatmulStreams each (an asyncio client: no thread per call)
+    and never send on them."""
+    import asyncio
+
+    async def run() -> tuple[int, int]:
+        chans = [grpc.aio.insecure_channel(w.target, options=[
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(8)]
+        calls = [pb_grpc.Q6ServeStub(c).MatmulStream(metadata=AUTH, timeout=seconds + 30)
+                 for c in chans for _ in range(1000)]
+        await asyncio.sleep(seconds)
+        refused = sum(c.done() for c in calls)
+        for c in calls:
+            c.cancel()
+        for c in chans:
+            await c.close()
+        return len(calls), refused
+
+    n, refused = asyncio.run(run())
+    return f"{n} idle MatmulStreams on 8 connections ({refused} refused)"
+
+
+def stream_hogs(w: Worker, seconds: float) -> str:
+    """A clean MatmulStream caller beside 8 streams that never read on 8 connections (the
+    stream budget's total is theirs in ~1 s): the clean stream's p99/max are in the row."""
+    chans = channels(w, 9)
+    stop = threading.Event()
+    req = matmul_request("big", np.ones((64, K), np.float32))
+
+    def requests() -> Iterator[pb.MatmulRequest]:
+        while not stop.is_set():
+            yield req
+            time.sleep(0.01)
+
+    hogs = [pb_grpc.Q6ServeStub(c).MatmulStream(requests(), metadata=AUTH,
+                                                timeout=seconds + 30) for c in chans[:8]]
+    time.sleep(1.0)
+    clean = Client(w.target, token=USER, timeout=30, channel=chans[8])
+    x = np.ones((64, K), np.float32)  # a 4 MiB reply: it needs the budget
+    took, end = [], time.monotonic() + seconds - 1
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        list(clean.matmul_stream([("c", "big", x)], timeout=30))
+        took.append(time.perf_counter() - t0)
+    stop.set()
+    stop_all(hogs, chans)
+    t = np.array(took) * 1e3
+    return (f"8 non-reading streams; a clean stream: {len(t)} calls, p50/p99/max "
+            f"{np.percentile(t, 50):.0f}/{np.percentile(t, 99):.0f}/{t.max():.0f} ms")
+
+
+def header_flood(w: Worker, seconds: float) -> str:
+    """Calls with 64 KiB of metadata (over gRPC's 8 KiB default) and with 100 headers, as
+    fast as 8 connections send them."""
+    big = (("x-junk", "a" * (64 << 10)),)
+    many = tuple((f"x-h{i}", "b" * 60) for i in range(100))
+    chans = channels(w, 8)
+    req = matmul_request("clean", np.ones((1, K), np.float32))
+    codes: dict[str, int] = {}
+    end = time.monotonic() + seconds
+
+    def send(ch: grpc.Channel, md: tuple[tuple[str, str], ...]) -> None:
+        stub = pb_grpc.Q6ServeStub(ch)
+        while time.monotonic() < end:
+            try:
+                stub.Matmul(req, metadata=AUTH + md, timeout=10)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            codes[code] = codes.get(code, 0) + 1
+
+    threads = [threading.Thread(target=send, args=(c, big if i % 2 else many))
+               for i, c in enumerate(chans)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop_all((), chans)
+    return f"calls with 64 KiB / 100 headers: {codes}"
 
 
 def stalled_uploads(w: Worker, seconds: float) -> str:
@@ -363,6 +463,10 @@ ATTACKS: dict[str, tuple[Callable[[Worker, float], str], str]] = {
     "big_under_limit": (big_under_limit, "4 requests in flight + their copies"),
     "non_readers": (non_readers, f"{INFLIGHT} places x 4 MiB replies"),
     "stalled_uploads": (stalled_uploads, "the VRAM budget (staging) 512 MiB"),
+    "silent_calls": (silent_calls, f"{INFLIGHT} places x (call, no message)"),
+    "idle_streams": (idle_streams, "4096 streams x ~35 KiB (StreamSlots)"),
+    "stream_hogs": (stream_hogs, "--max-stream-bytes-total 256 MiB + lingering"),
+    "header_flood": (header_flood, "gRPC's metadata limit (8 KiB)"),
     "many_calls": (many_calls, f"{INFLIGHT} in flight x (request + reply)"),
     "nan_batches": (nan_batches, "-"),
     "metadata_bomb": (metadata_bomb, "< 2x the tensors + parse"),
@@ -424,7 +528,7 @@ def main() -> None:
     ap.add_argument("--big-mib", type=int, default=100, help="refused_big's request size")
     ap.add_argument("--big-connections", type=int, default=4,
                     help="big_under_limit's connections")
-    ap.add_argument("--request-limit-mib", type=int, default=32,
+    ap.add_argument("--request-limit-mib", type=int, default=16,
                     help="the worker's --max-request-bytes, in MiB (big_under_limit sizes "
                          "its requests from it)")
     ap.add_argument("--worker-args", default="",
