@@ -40,7 +40,7 @@ import contextlib
 import itertools
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import gcfreeze
 
@@ -91,6 +91,9 @@ class Admission:
         # those between it and the floor's share
         self._ready: collections.deque[str] = collections.deque()
         self._ready_floor: collections.deque[str] = collections.deque()
+        # or, when set, the keys for which this is true first (the read gate: connections
+        # whose last request was small go before those that send big ones)
+        self.first: Callable[[str], bool] | None = None
         self._active = 0  # keys in _held or _waiting
         # watched places (for the admission gate: reply computed, not yet written): token ->
         # (since, task, key, linger, stall), oldest first (a dict keeps insertion order)
@@ -146,7 +149,9 @@ class Admission:
 
     def _queue(self, key: str) -> None:
         """Make a waiting key ready: behind the others of its tier (round robin)."""
-        if self._held.get(key, 0) < self._fair():
+        if self.first is not None:
+            (self._ready if self.first(key) else self._ready_floor).append(key)
+        elif self._held.get(key, 0) < self._fair():
             self._ready.append(key)
         else:
             self._ready_floor.append(key)

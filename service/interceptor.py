@@ -14,6 +14,7 @@ requests iterated or read with ``context.read()``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import functools
 import inspect
@@ -122,8 +123,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self._auth = auth or TokenAuth()
         self._admission = admission  # unary RPCs of our service queue here
         self._reads = reads  # ... and then for their request to be read (None: no limit)
+        # connections whose last request was small (at most MAX_BIG_HOSTS): in the read gate
+        # they go before those sending big ones, so a small call of a big-request host waits
+        # for one big read, not for every connection's
+        self._small: collections.OrderedDict[str, None] = collections.OrderedDict()
         if reads is not None:  # a big request read over a slow link is not a stall: only
             reads.stall = None  # the read timeout takes a read's place back
+            reads.first = self._small.__contains__
         self._big_hosts: dict[str, float] = {}  # host -> until when its reads are gated
         self.streams = StreamSlots(lim.MAX_STREAMS, lim.MAX_STREAMS_PER_CONNECTION)
         self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
@@ -360,8 +366,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     asyncio.get_running_loop().call_later(gap, reads.leave, key)
                 else:
                     reads.leave(key)
-        if reads is not None and raw is not grpc.aio.EOF and len(raw) >= BIG_REQUEST_BYTES:
-            self._mark_big(host)
+        if reads is not None and raw is not grpc.aio.EOF:
+            if len(raw) >= BIG_REQUEST_BYTES:
+                self._mark_big(host)
+                self._small.pop(key, None)
+            else:
+                self._small[key] = None
+                self._small.move_to_end(key)
+                if len(self._small) > MAX_BIG_HOSTS:
+                    self._small.popitem(last=False)
         return raw
 
     def _mark_big(self, host: str) -> None:

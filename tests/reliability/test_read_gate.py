@@ -114,3 +114,31 @@ def test_the_defaults_bound_one_copy():
     cfg = WorkerConfig()
     assert cfg.receive_limit == 16 << 20
     assert cfg.max_reading_rpcs == 1
+
+
+def test_small_callers_go_first_through_the_read_gate():
+    """A connection whose last request was small waits for the read in progress, not for
+    every big-request connection queued before it (Admission.first)."""
+    import asyncio
+
+    from q6serve.service.admission import Admission
+
+    async def run() -> list[str]:
+        gate = Admission(limit=1, per_key=1)
+        gate.first = lambda key: key.startswith("small")
+        order: list[str] = []
+
+        async def one(key: str) -> None:
+            await gate.enter(key)
+            order.append(key)
+            await asyncio.sleep(0.01)
+            gate.leave(key)
+
+        await gate.enter("big0")  # a big read in progress
+        tasks = [asyncio.create_task(one(k)) for k in ("big1", "big2", "big3", "small")]
+        await asyncio.sleep(0.01)
+        gate.leave("big0")
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run())[0] == "small"
