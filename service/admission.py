@@ -64,6 +64,16 @@ READ_STALL_S = 1.0
 LINGER_S = 60.0
 
 
+def _decrement(counts: dict[str, int], key: str, n: int = 1) -> int:
+    """``counts[key] -= n``, the key dropped at 0; what is left."""
+    left = counts[key] - n
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+    return left
+
+
 class Admission:
     """Counting gate shared fairly between keys (connections): FIFO within a key, round robin
     across keys, and a key holds at most its *share* of the places,
@@ -266,11 +276,7 @@ class Admission:
             loop.call_later(linger, self._unlinger, key)
 
     def _unlinger(self, key: str) -> None:
-        n = self.lingering[key] - 1
-        if n:
-            self.lingering[key] = n
-        else:
-            del self.lingering[key]
+        _decrement(self.lingering, key)
         self._release(key)
 
     def _drop(self, token: int) -> int:
@@ -497,21 +503,15 @@ class StreamBudget:
         return False
 
     def _unlinger(self, key: str, nbytes: int) -> None:
-        left = self.lingering[key] - nbytes
-        if left:
-            self.lingering[key] = left
-        else:
-            del self.lingering[key]
-        freed, self._freed = self._freed, asyncio.Event()
-        freed.set()
+        _decrement(self.lingering, key, nbytes)
+        self._wake()
 
     def release(self, key: str, nbytes: int) -> None:
         self.used -= nbytes
-        left = self._by_key[key] - nbytes
-        if left:
-            self._by_key[key] = left
-        else:
-            del self._by_key[key]
+        _decrement(self._by_key, key, nbytes)
+        self._wake()
+
+    def _wake(self) -> None:
         freed, self._freed = self._freed, asyncio.Event()
         freed.set()
 
@@ -583,12 +583,5 @@ class StreamSlots:
         life = LINGER_S if deadline is None else min(LINGER_S, deadline - loop.time())
         if life > 0:
             self.lingering[victim] = self.lingering.get(victim, 0) + 1
-            loop.call_later(life, self._unlinger, victim)
+            loop.call_later(life, _decrement, self.lingering, victim)
         return True
-
-    def _unlinger(self, key: str) -> None:
-        n = self.lingering[key] - 1
-        if n:
-            self.lingering[key] = n
-        else:
-            del self.lingering[key]

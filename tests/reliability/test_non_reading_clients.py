@@ -29,6 +29,19 @@ ATTACK_S = 8.0  # the attackers' deadline
 
 
 
+def stalling_calls(target: str, per: int) -> tuple[list, list, list]:
+    """(proxies, channels, calls): 4 connections that never read, ``per`` calls each for
+    2 MiB replies, with the attackers' deadline."""
+    proxies = [StallingProxy(target) for _ in range(4)]
+    chans = [grpc.insecure_channel(p.target, options=[("grpc.use_local_subchannel_pool", 1)])
+             for p in proxies]
+    big = matmul_request("w", np.ones((64, K), np.float32))
+    # their deadline bounds how long gRPC keeps a dropped call (and its place lingers)
+    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=ATTACK_S)
+            for ch in chans for _ in range(per)]
+    return proxies, chans, futs
+
+
 @pytest.fixture
 def worker():
     rw = RunningWorker(WorkerConfig(
@@ -44,13 +57,7 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
     gate = worker.worker.admission
     c = worker.client()
     before = vram_figures(c)
-    proxies = [StallingProxy(worker.target) for _ in range(4)]
-    chans = [grpc.insecure_channel(p.target, options=[("grpc.use_local_subchannel_pool", 1)])
-             for p in proxies]
-    big = matmul_request("w", np.ones((64, K), np.float32))
-    # their deadline bounds how long gRPC keeps a dropped call (and its place lingers)
-    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=ATTACK_S)
-            for ch in chans for _ in range(3)]
+    proxies, chans, futs = stalling_calls(worker.target, 3)
     try:
         # every place is held by a computed reply nobody takes, the others wait
         wait_until(lambda: worker.run(lambda: gate.watched == gate.limit and gate.waiting),
@@ -103,12 +110,7 @@ def test_a_clean_caller_waits_for_a_stall_not_for_the_reply_timeout():
     c = rw.client()
     c.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
     before = vram_figures(c)
-    proxies = [StallingProxy(rw.target) for _ in range(4)]
-    chans = [grpc.insecure_channel(p.target, options=[("grpc.use_local_subchannel_pool", 1)])
-             for p in proxies]
-    big = matmul_request("w", np.ones((64, K), np.float32))
-    futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=ATTACK_S)
-            for ch in chans for _ in range(3)]
+    proxies, chans, futs = stalling_calls(rw.target, 3)
     took = []
     try:  # (they may have taken places from each other already)
         wait_until(lambda: rw.run(lambda: gate.watched == gate.limit or gate.dropped),

@@ -30,6 +30,19 @@ MAX_COMPUTED = 16
 STREAMS = 12
 
 
+def prepare(c, rng, seed: int) -> tuple[np.ndarray, dict[str, int], np.ndarray]:
+    """The weight "w" uploaded: (its blocks, the figures before, an x for N-row requests)."""
+    blocks = random_q6k(ROWS, K, seed)
+    c.upload("w", blocks, ROWS, K)
+    return blocks, vram_figures(c), rng.standard_normal((N, K)).astype(np.float32)
+
+
+def sent(x: np.ndarray) -> Iterator[object]:
+    """SENT requests of ``x`` on "w"."""
+    for i in range(SENT):
+        yield matmul_request("w", x, "auto", "f32", str(i))
+
+
 @pytest.fixture
 def worker() -> Iterator[tuple[RunningWorker, InstrumentedBackend]]:
     backend = InstrumentedBackend()
@@ -43,18 +56,11 @@ def worker() -> Iterator[tuple[RunningWorker, InstrumentedBackend]]:
 def test_a_client_that_never_reads_stalls_only_itself(worker, rng):
     rw, backend = worker
     c = rw.client()
-    blocks = random_q6k(ROWS, K, 7)
-    c.upload("w", blocks, ROWS, K)
-    before = vram_figures(c)
-    x = rng.standard_normal((N, K)).astype(np.float32)
-
-    def requests() -> Iterator[object]:
-        for i in range(SENT):
-            yield matmul_request("w", x, "auto", "f32", str(i))
+    blocks, before, x = prepare(c, rng, 7)
 
     with grpc.insecure_channel(rw.target) as ch:
         # a plain stub: the call is started but its replies are never read
-        call = pb_grpc.Q6ServeStub(ch).MatmulStream(requests(), timeout=60)
+        call = pb_grpc.Q6ServeStub(ch).MatmulStream(sent(x), timeout=60)
         wait_until(lambda: len(backend.launches) >= 1, what="the first launch")
         # give an unbounded server every chance to run ahead (it did: 4 GB in 20 s)
         time.sleep(1.0)
@@ -148,19 +154,11 @@ def test_a_stream_that_never_reads_does_not_hold_the_others_budget(rng):
                        backend)
     try:
         c = rw.client()
-        blocks = random_q6k(ROWS, K, 10)
-        c.upload("w", blocks, ROWS, K)
-        before = vram_figures(c)
-        x = rng.standard_normal((N, K)).astype(np.float32)
-
-        def requests() -> Iterator[object]:
-            for i in range(SENT):
-                yield matmul_request("w", x, "auto", "f32", str(i))
-
+        blocks, before, x = prepare(c, rng, 10)
         budget = rw.worker.stream_budget
         with grpc.insecure_channel(rw.target) as ch:
             # (its deadline bounds how long gRPC keeps the call once the worker drops it)
-            call = pb_grpc.Q6ServeStub(ch).MatmulStream(requests(), timeout=8)
+            call = pb_grpc.Q6ServeStub(ch).MatmulStream(sent(x), timeout=8)
             # it holds the whole budget with replies nobody takes
             wait_until(lambda: rw.run(lambda: budget.used) >= WINDOW - REPLY, timeout=30,
                        what="the non-reader to fill the budget")
