@@ -150,13 +150,16 @@ class Device:
         nothing can launch ahead of what ``done`` schedules: one loop trip saved)."""
         self.inflight += 1
         self.jobs += 1
-        if self._short(expect_s):
-            if self._in_thread == 0:
-                self._run_here(loop, fn, args, done, launch, settle_now)
-            else:
-                self._held.append((loop, fn, args, done, launch, False))
-            return
-        self._to_thread(loop, fn, args, done)
+        short = self._short(expect_s)
+        if self._held or (short and self._in_thread):
+            # held until the thread is free, in order: a job that comes later never goes
+            # ahead of a held one (a held short job waited for ever behind other callers'
+            # stream of long jobs: the device thread was never idle)
+            self._held.append((loop, fn, args, done, launch, False, short))
+        elif short:
+            self._run_here(loop, fn, args, done, launch, settle_now)
+        else:
+            self._to_thread(loop, fn, args, done)
 
     def _to_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
                    args: tuple[Any, ...], done: Any) -> None:
@@ -203,7 +206,11 @@ class Device:
         self._in_thread -= 1
         self._done(done, result, exc)
         while self._in_thread == 0 and self._held:  # the thread is free: held jobs, in order
-            self._run_here(*self._held.popleft())
+            loop, fn, args, done, launch, settle, short = self._held.popleft()
+            if short:
+                self._run_here(loop, fn, args, done, launch, settle)
+            else:
+                self._to_thread(loop, fn, args, done)
 
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1

@@ -370,3 +370,34 @@ def test_a_kernel_flag_flip_sends_the_next_batches_to_the_device_thread() -> Non
         await eng.close()
 
     run(main())
+
+
+def test_a_held_short_job_runs_before_long_jobs_that_come_after_it() -> None:
+    """Other callers' long jobs, one after another, never leave the device thread idle: a
+    short job held for the thread must not wait behind the long jobs queued after it."""
+    order: list[str] = []
+    release = threading.Event()
+
+    def long_job(name: str) -> str:
+        release.wait(10)
+        order.append(name)
+        return name
+
+    def short_job() -> str:
+        order.append("short")
+        return "short"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dev = Device("t", inline_s=1.0)
+        futs = [loop.create_future() for _ in range(4)]
+        dev.call(loop, long_job, ("long1",), futs[0], expect_s=None)  # unknown: the thread
+        dev.call(loop, short_job, (), futs[1], expect_s=1e-6)  # short: held behind long1
+        dev.call(loop, long_job, ("long2",), futs[2], expect_s=None)
+        dev.call(loop, long_job, ("long3",), futs[3], expect_s=None)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*futs), 10)
+        assert order == ["long1", "short", "long2", "long3"]
+        dev.close()
+
+    asyncio.run(main())
