@@ -76,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--max-inflight-rpcs", type=int,
       help=f"unary calls read and running at once, replies not yet written (default "
            f"{lim.MAX_INFLIGHT_RPCS}); more wait, before their request is read")
+    a("--max-streams", type=int,
+      help="streaming calls (MatmulStream, UploadWeight, health Watch) open at once in the "
+           "worker; when full, a connection below its fair share takes the place of the "
+           f"longest-idle stream of the one holding most (default {lim.MAX_STREAMS})")
+    a("--max-streams-per-connection", type=int,
+      help="streaming calls one connection may hold open; more are refused with "
+           f"RESOURCE_EXHAUSTED (default {lim.MAX_STREAMS_PER_CONNECTION})")
     a("--max-inflight-rpcs-per-connection", type=int,
       help="most of those one connection holds; its fair share is --max-inflight-rpcs / "
            f"active connections within [min, max] (default {lim.MAX_INFLIGHT_RPCS_PER_CONNECTION})")
@@ -139,7 +146,8 @@ CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model
                "max_concurrent_streams",
                "max_upload_bytes", "grace_period_s", "allow_shm", "max_regions",
                "max_region_bytes", "frontends", "frontend_shm_bytes", "max_weights",
-               "max_inflight_rpcs", "max_inflight_rpcs_per_connection",
+               "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "max_streams",
+               "max_streams_per_connection",
                "min_inflight_rpcs_per_connection", "reply_timeout_s", "max_reading_rpcs",
                "read_timeout_s", "max_stream_bytes",
                "max_stream_bytes_per_connection", "max_stream_bytes_total")

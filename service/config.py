@@ -91,6 +91,8 @@ class WorkerConfig:
     max_stream_bytes: int = lim.MAX_STREAM_BYTES
     max_stream_bytes_per_connection: int = lim.MAX_STREAM_BYTES_PER_CONNECTION
     max_stream_bytes_total: int = lim.MAX_STREAM_BYTES_TOTAL
+    max_streams: int = lim.MAX_STREAMS  # streaming calls open in the worker ...
+    max_streams_per_connection: int = lim.MAX_STREAMS_PER_CONNECTION  # ... and per connection
     load_chunk_bytes: int = 16 * 2**20  # bounded AoS chunks for loads and relayouts
     grace_period_s: float = 10.0
     flags: FlagState = field(default_factory=FlagState)
@@ -112,6 +114,7 @@ class WorkerConfig:
                      "max_stream_bytes", "max_regions", "max_region_bytes",
                      "max_stream_bytes_per_connection", "max_stream_bytes_total",
                      "max_inflight_rpcs", "max_inflight_rpcs_per_connection", "frontends",
+                     "max_streams", "max_streams_per_connection",
                      "frontend_shm_bytes", "max_weights", "max_message_bytes",
                      "max_request_bytes", "max_reading_rpcs",
                      "max_concurrent_streams", "max_upload_bytes",

@@ -44,8 +44,8 @@ MAX_STREAM_BYTES = 64 * 2**20
 MAX_STREAM_BYTES_PER_CONNECTION = 256 * 2**20
 MAX_STREAM_BYTES_TOTAL = 1 * 2**30
 # Streaming calls (MatmulStream, UploadWeight, health Watch) open at once, per connection and
-# in the worker (admission.StreamSlots: ~25 KiB each even when idle, so at most ~100 MiB).
-# Not flags yet (config.py and the CLI belong to the service).
+# in the worker (admission.StreamSlots: ~25 KiB each even when idle, so at most ~100 MiB);
+# --max-streams-per-connection and --max-streams.
 MAX_STREAMS_PER_CONNECTION = 256
 MAX_STREAMS = 4096
 

@@ -79,7 +79,7 @@ from q6serve.kernels.errors import (
 
 from . import regions as regions_mod
 from . import wire
-from .admission import Admission, StreamBudget
+from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
 from .auth import TokenAuth
 from .config import WorkerConfig
@@ -1611,14 +1611,16 @@ def share(total: int, n: int, index: int) -> int:
     return max(1, total // n + (index < total % n))
 
 
-def frontend_limits(cfg: WorkerConfig, index: int) -> tuple[int, int]:
-    """(unary RPCs in flight, bytes of all MatmulStream windows) of front end ``index``: the
-    worker's --max-inflight-rpcs and --max-stream-bytes-total split over the front ends, so
+def frontend_limits(cfg: WorkerConfig, index: int) -> tuple[int, int, int]:
+    """(unary RPCs in flight, bytes of all MatmulStream windows, streaming calls open) of
+    front end ``index``: the worker's --max-inflight-rpcs, --max-stream-bytes-total and
+    --max-streams split over the front ends, so
     the worker as a whole holds what one process would. The split is static, with no
     traffic between front ends on the hot path; a connection lives on one front end, so the
     per-connection limits apply unchanged (each capped by its front end's part)."""
     n = cfg.frontends
-    return share(cfg.max_inflight_rpcs, n, index), share(cfg.max_stream_bytes_total, n, index)
+    return (share(cfg.max_inflight_rpcs, n, index), share(cfg.max_stream_bytes_total, n, index),
+            share(cfg.max_streams, n, index))
 
 
 _CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
@@ -1652,7 +1654,7 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     flushing = asyncio.get_running_loop().create_task(metrics.run())
     auth = TokenAuth(cfg.token, cfg.admin_token)
     proxy = EngineProxy(link)
-    inflight, stream_bytes = frontend_limits(cfg, index)
+    inflight, stream_bytes, streams = frontend_limits(cfg, index)
     servicer = FrontendServicer(proxy, max_stream_bytes=cfg.max_stream_bytes,  # type: ignore[arg-type]
                                 auth=auth, plane=_PlaneProxy(link),
                                 stream_budget=StreamBudget(stream_bytes,
@@ -1660,7 +1662,8 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     interceptor = ErrorInterceptor(metrics, auth,  # type: ignore[arg-type]
                                    Admission(inflight, cfg.max_inflight_rpcs_per_connection,
                                              cfg.min_inflight_rpcs_per_connection,
-                                             cfg.reply_timeout_s), cfg.receive_limit)
+                                             cfg.reply_timeout_s), cfg.receive_limit,
+                                   streams=StreamSlots(streams, cfg.max_streams_per_connection))
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()

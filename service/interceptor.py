@@ -118,7 +118,7 @@ class _DecodingContext:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, auth: TokenAuth | None = None,
                  admission: Admission | None = None, receive_limit: int | None = None,
-                 reads: Admission | None = None) -> None:
+                 reads: Admission | None = None, streams: StreamSlots | None = None) -> None:
         self._metrics = metrics
         self._auth = auth or TokenAuth()
         self._admission = admission  # unary RPCs of our service queue here
@@ -131,7 +131,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             reads.stall = None  # the read timeout takes a read's place back
             reads.first = self._small.__contains__
         self._big_hosts: dict[str, float] = {}  # host -> until when its reads are gated
-        self.streams = StreamSlots(lim.MAX_STREAMS, lim.MAX_STREAMS_PER_CONNECTION)
+        # streaming calls open at once (--max-streams[-per-connection])
+        self.streams = streams or StreamSlots(lim.MAX_STREAMS, lim.MAX_STREAMS_PER_CONNECTION)
         self._receive_limit = receive_limit  # gRPC's max_receive_message_length (messages)
         self._active = 0  # calls running, LONG_LIVED ones left out
         self._idle = asyncio.Event()
@@ -214,8 +215,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                                  context.time_remaining()):
                 return True
             self._failed(ResourceExhausted(
-                f"{method}: too many streams open ({lim.MAX_STREAMS_PER_CONNECTION} per "
-                f"connection, {lim.MAX_STREAMS} in the worker); close idle ones"),
+                f"{method}: too many streams open ({self.streams.per_key} per "
+                f"connection, {self.streams.total} in the worker); close idle ones"),
                 context, service, method, time.perf_counter())
             return False
 

@@ -22,7 +22,7 @@ from q6serve.kernels.api import Backend
 from q6serve.kernels.errors import Unavailable
 
 from . import wire
-from .admission import Admission, StreamBudget
+from .admission import Admission, StreamBudget, StreamSlots
 from .auth import TokenAuth
 from .config import WorkerConfig
 from .engine import Engine, version
@@ -119,8 +119,9 @@ class Worker:
                                    cfg.min_inflight_rpcs_per_connection, cfg.reply_timeout_s)
         self.reads = Admission(cfg.max_reading_rpcs, cfg.max_reading_rpcs, 1,
                                cfg.read_timeout_s, "requests not received")
-        self._interceptor = ErrorInterceptor(self.metrics, auth, self.admission,
-                                             cfg.receive_limit, self.reads)
+        self._interceptor = ErrorInterceptor(
+            self.metrics, auth, self.admission, cfg.receive_limit, self.reads,
+            StreamSlots(cfg.max_streams, cfg.max_streams_per_connection))
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
         self.stream_budget = StreamBudget(cfg.max_stream_bytes_total,

@@ -280,9 +280,10 @@ def test_admission_holds_for_the_whole_worker(start: Callable[..., Running],
     the device process at once (before the split each front end admitted 3)."""
     from q6serve.service.frontends import frontend_limits
 
-    cfg = WorkerConfig(frontends=3, max_inflight_rpcs=10, max_stream_bytes_total=1000)
+    cfg = WorkerConfig(frontends=3, max_inflight_rpcs=10, max_stream_bytes_total=1000,
+                       max_streams=20)
     limits = [frontend_limits(cfg, i) for i in range(3)]
-    assert sum(a for a, _ in limits) == 10 and sum(b for _, b in limits) == 1000
+    assert [sum(col) for col in zip(*limits, strict=True)] == [10, 1000, 20]
     w = start(backend=InstrumentedBackend(matmul_delay=0.05), max_inflight_rpcs=3,
               max_inflight_rpcs_per_connection=3)
     w.client().upload("w", random_q6k(ROWS, K, 2), ROWS, K)

@@ -6,7 +6,7 @@ not its client ever sends, and HTTP/2 lets one connection open 65,536 of them: 2
 MatmulStreams held 490 MiB. Now at most ``MAX_STREAMS_PER_CONNECTION`` per connection and
 ``MAX_STREAMS`` in the worker are open (service/admission.py, StreamSlots); a connection
 below its fair share takes the place of the longest-idle stream of the connection holding
-the most. Limits made small here.
+the most. Limits made small here (--max-streams, --max-streams-per-connection).
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ K, ROWS = 256, 64
 
 @pytest.fixture
 def worker():
-    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=16 << 20)))
+    rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=16 << 20),
+                                    max_streams=8, max_streams_per_connection=4))
     rw.client().upload("w", random_q6k(ROWS, K, 1), ROWS, K)
     slots = rw.worker._interceptor.streams
-    slots.total, slots.per_key = 8, 4
+    assert (slots.total, slots.per_key) == (8, 4)  # --max-streams[-per-connection]
     yield rw, slots
     rw.stop()
 

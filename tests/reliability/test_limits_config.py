@@ -26,6 +26,8 @@ FLAGS = {  # flag -> (value given, config field, value expected)
     "--max-stream-bytes-per-connection": ("32MiB", "max_stream_bytes_per_connection",
                                           32 << 20),
     "--max-stream-bytes-total": ("128MiB", "max_stream_bytes_total", 128 << 20),
+    "--max-streams": ("64", "max_streams", 64),
+    "--max-streams-per-connection": ("8", "max_streams_per_connection", 8),
 }
 
 
@@ -53,6 +55,7 @@ def test_defaults_come_from_one_place_and_help_shows_them(capsys):
         assert flag in text, flag
     assert f"(default {lim.show_size(lim.MAX_STREAM_BYTES_TOTAL)})" in text
     assert f"(default {lim.MAX_INFLIGHT_RPCS})" in text
+    assert f"(default {lim.MAX_STREAMS})" in text
     assert f"(default {lim.show_size(lim.MAX_REQUEST_BYTES)})" in text
 
 
@@ -81,7 +84,8 @@ def test_bad_values_are_one_line_usage_errors(argv, capsys):
 
 @pytest.mark.parametrize("field", ["max_weights", "max_inflight_rpcs", "max_stream_bytes",
                                    "min_inflight_rpcs_per_connection", "max_message_bytes",
-                                   "max_request_bytes"])
+                                   "max_request_bytes", "max_streams",
+                                   "max_streams_per_connection"])
 def test_limits_below_one_are_refused(field):
     with pytest.raises(InvalidArgument, match=f"{field}=0 must be >= 1"):
         WorkerConfig(**{field: 0})
