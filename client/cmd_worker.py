@@ -57,9 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
            "the device thread is idle, saving two thread hand-offs (default 3000; 0 = never)")
     a("--cpus", metavar="LIST",
       help="CPU cores for every thread of the worker (and its front ends), e.g. 2 or 2,3 or "
-           "8-11: wake-ups between the gRPC and event-loop threads stay on warm cores "
-           "(one core: one caller's N=1 call ~40%% faster on the H200 machine; default: any "
-           "core; docs/SERVICE.md)")
+           "8-11: wake-ups between the gRPC and event-loop threads stay on warm cores. It can "
+           "cut one caller's latency and can cost some; measure first (default: any core; "
+           "docs/SERVICE.md, Pinning)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     sz = lim.show_size

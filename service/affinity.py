@@ -4,12 +4,14 @@ inherit them).
 Why: one MatmulStream round trip crosses four threads (gRPC's socket thread, its completion
 poller, the event loop, and back), each hand-off a wake-up. On the H200 machine (16 cores) a
 wake-up that lands on another core costs ~30 µs and finds that core's caches cold for the
-Python that runs next: pinning the worker to one core took a one-caller N=1 call from
-1066 to 619 µs (p50 minus kernel; bare gRPC echo 307 -> 144 µs), two cores 699, four 800
-(bench/RESULTS.md, "Pinning"). It is a deployment choice, like Docker's ``--cpuset-cpus`` or
-Kubernetes' static CPU manager: the worker's event loop is one thread whatever it is given,
-so a core or two of its own serves latency best, and front ends (``--frontends``) want a core
-each on top (:func:`cores_of` gives each process of such a worker its part of ``--cpus``).
+Python that runs next. With the worker and its one caller each on a core of their own, a
+one-caller N=1 call went from 1066 to 619 µs (p50 minus kernel; bare gRPC echo 307 -> 144
+µs); with the load spread over eight cores the same call went 853 -> 801 µs and the 7B
+replay at S=8 got slower (195 -> 243 ms per step), and under many callers it gains nothing
+(bench/RESULTS.md, "Pinning", "Run 5" and the closing check). It is a deployment choice to
+measure, like Docker's ``--cpuset-cpus`` or Kubernetes' static CPU manager; front ends
+(``--frontends``) want a core each on top (:func:`cores_of` gives each process of such a
+worker its part of ``--cpus``).
 """
 
 from __future__ import annotations
