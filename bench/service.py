@@ -407,13 +407,17 @@ def dataplane_report(b: Bench) -> None:
                             "rows_per_s_min": 20000.0, "p99_us": r.p99_us,
                             "p99_limit_us": 4000.0,
                             "met": r.rows_per_s >= 20000.0 and r.p99_us <= 4000.0})
+        # the kernel alone: the fastest kernel p50 of this shape at N=64 in these runs (the
+        # CUDA-region path times its direct launches, 272-304 us against 63 on the H200)
+        kernel_us: float | None = None
         for kind in kinds + (["cuda"] if a.cuda_regions else []):
             h = max(a.t3_hosts)
             r = b.one(f"T3 fe={fe} {h} hosts N=64 {mode} {kind or 'bytes'}", h, 1, 64, mode,
                       region=kind, own_channel=True)
             if r is None or not r.kernel_p50_us:
                 continue
-            kernel_rows_s = 64 / (r.kernel_p50_us * 1e-6)  # back-to-back N=64 launches
+            kernel_us = min(kernel_us or r.kernel_p50_us, r.kernel_p50_us)
+            kernel_rows_s = 64 / (kernel_us * 1e-6)  # back-to-back N=64 launches
             frac = r.rows_per_s / kernel_rows_s
             need = 0.5 if kind else 0.25  # regions: 50%; bytes with several front ends: 25%
             _target(b, {"target": "T3", "frontends": fe, "region": kind or "bytes",
