@@ -8,6 +8,7 @@ end-to-end time measured by the load process, with the worker's parts taken from
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,12 +116,17 @@ def test_batcher_overhead_modes_run() -> None:
 
 def test_stream_overhead_variants_run() -> None:
     """bench/stream_overhead.py: every variant serves its round trips and the table prints
-    (tiny sizes and spans; the worker variant includes its kernel subtraction)."""
+    (tiny sizes and spans; the worker variant includes its kernel subtraction), with each
+    server's loop trips counted (the worker's through bench/trips_site) and a timeline."""
     done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
                            "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
-                           "--rows", "2", "--inproc", "200"],
+                           "--rows", "2", "--inproc", "200", "--trips", "--timeline", "3"],
                           capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     for variant in ("bare", "proto", "struct", "icpt", "servicer", "worker"):
         assert f"\n{variant:8s} median" in "\n" + done.stdout, done.stdout
+        trips = re.search(rf"^{variant} +loop trips per round trip ([0-9.]+)", done.stdout,
+                          re.MULTILINE)
+        assert trips and 1.0 <= float(trips.group(1)) <= 50.0, done.stdout
+    assert "Task.task_wakeup" in done.stdout and " select " in done.stdout, done.stdout
     assert "in process, no gRPC" in done.stdout, done.stdout
