@@ -394,14 +394,6 @@ class _Servers:
         return out
 
 
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process ``pid`` onto ``cpus`` (threads started later inherit it from
-    the thread that starts them)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), cpus)
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -446,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips)
         if a.pin:
-            srv, cli = (set(map(int, part.split(","))) for part in a.pin.split(":"))
+            from q6serve.service.affinity import parse_cpus, pin_process
+
+            srv, cli = (parse_cpus(part) for part in a.pin.split(":"))
             for pid in servers.pids.values():
-                pin(pid, srv)
-            pin(os.getpid(), cli)
+                pin_process(srv, pid)
+            pin_process(cli)
         try:
             for r in range(a.rounds):
                 for v in variants:

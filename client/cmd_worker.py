@@ -250,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
         if config.cpus:  # before the backend and the server start their threads
             check_cpus(config.cpus)  # here, not in the config: front ends narrow their own
-            slots = config.frontends + 1 if config.frontends > 1 else 1  # + the front ends
-            pin_process(cores_of(config.cpus, 0, slots))
+            pin_process(cores_of(config.cpus, 0, config.frontends))
         _gil_switch_interval(os.environ)
         check_free(config.host, config.port, "--port")
         if config.metrics_port is not None:

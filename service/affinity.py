@@ -46,19 +46,22 @@ def check_cpus(cpus: tuple[int, ...]) -> None:
                               f"(it may use {show_cpus(allowed)})")
 
 
-def pin_process(cpus: tuple[int, ...]) -> None:
-    """Every thread of this process onto ``cpus``; threads and processes started later
-    inherit it (affinity is per thread in Linux: threads already running are moved too)."""
-    for tid in os.listdir("/proc/self/task"):
+def pin_process(cpus: tuple[int, ...] | set[int], pid: int | str = "self") -> None:
+    """Every thread of process ``pid`` (this one by default) onto ``cpus``; threads and
+    processes started later inherit it (affinity is per thread in Linux: threads already
+    running are moved too)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cpus)
 
 
-def cores_of(cpus: tuple[int, ...], slot: int, slots: int) -> tuple[int, ...]:
-    """The cores of process ``slot`` of ``slots`` (with ``--frontends N``: the device process
-    is slot 0, front end i slot i + 1): given a core for each, one core each (the device
+def cores_of(cpus: tuple[int, ...], slot: int, frontends: int) -> tuple[int, ...]:
+    """The cores of process ``slot`` of a worker with ``frontends`` front ends (the device
+    process is slot 0, front end i slot i + 1; one process with --frontends 1, which takes
+    all of ``cpus``): given a core for each, one core each (the device
     process's event loop runs busy, each front end's loop has its own wake-ups); given fewer,
     the device process keeps one and the front ends share the rest; given one, all share it."""
+    slots = frontends + 1 if frontends > 1 else 1
     if len(cpus) <= 1 or slots <= 1:
         return cpus
     if slot == 0:

@@ -1630,7 +1630,7 @@ def frontend_main() -> None:
     """Entry point of a front-end process (FrontendsWorker._spawn): arguments on stdin."""
     index, config, port, sock_path, slots, slot_bytes, log_level = pickle.load(sys.stdin.buffer)
     if config.cpus:  # its own core of --cpus where there are enough (service/affinity.py)
-        pin_process(cores_of(config.cpus, index + 1, config.frontends + 1))
+        pin_process(cores_of(config.cpus, index + 1, config.frontends))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the device drains
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s frontend{index}: %(name)s: "

@@ -65,11 +65,11 @@ def test_every_thread_of_the_worker_runs_on_its_cores(tmp_path: Path) -> None:
 
 def test_cores_of_gives_each_process_of_a_frontends_worker_its_cores() -> None:
     cpus = (2, 3, 4, 5, 6)
-    assert cores_of(cpus, 0, 5) == (2,)  # the device process
-    assert [cores_of(cpus, i, 5) for i in range(1, 5)] == [(3,), (4,), (5,), (6,)]
-    assert cores_of((2, 3, 4), 0, 5) == (2,)
-    assert cores_of((2, 3, 4), 3, 5) == (3, 4)  # fewer cores than front ends: they share
-    assert cores_of((2,), 3, 5) == (2,)
+    assert cores_of(cpus, 0, 4) == (2,)  # the device process of --frontends 4
+    assert [cores_of(cpus, i, 4) for i in range(1, 5)] == [(3,), (4,), (5,), (6,)]
+    assert cores_of((2, 3, 4), 0, 4) == (2,)
+    assert cores_of((2, 3, 4), 3, 4) == (3, 4)  # fewer cores than front ends: they share
+    assert cores_of((2,), 3, 4) == (2,)
     assert cores_of(cpus, 0, 1) == cpus  # one process: all of them
 
 
