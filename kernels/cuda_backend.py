@@ -179,6 +179,24 @@ class CudaBackend(Backend):
         with self.ctx.dev, self.ctx.stream:
             return self.launcher.enqueue(w, cw, xd, in_t, path, cfg)
 
+    def launch_device(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
+                      cfg: Cfg | None) -> tuple[Any, Any, Any]:
+        """:meth:`run` for the service's CUDA regions: (f32 y on the device, start, end), the
+        events around the kernels only (``Launcher.launch_device``; y is the workspace's, valid
+        until the next launch). cuBLAS (the kill switch) keeps direct launches between its
+        events. Call under the device thread's exclusivity; no sync."""
+        cp = self.ctx.cp
+        in_t = IN_TYPES.get(np.dtype(dtype))
+        if path == "cublas_f16" or cfg is None or in_t is None:
+            with self.ctx.dev, self.ctx.stream:
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(self.ctx.stream)
+                y = self.run(w, xd, dtype, path, cfg)
+                end.record(self.ctx.stream)
+            return y, start, end
+        with self.ctx.dev, self.ctx.stream:
+            return self.launcher.launch_device(w, weight_data(w), xd, in_t, path, cfg)
+
     def close(self) -> None:
         """Drop the per-backend buffers (weights are freed by their owner)."""
         self.launcher.ws.clear()
