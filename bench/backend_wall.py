@@ -22,6 +22,11 @@ sync, Python). Modes:
 ``--topk K``: the calls ask for the top-k / log-sum-exp epilogue (graph, staged, direct), so
 ``host`` also holds the epilogue's kernel, which runs after the timed matmul kernel.
 
+``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
+and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
+an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
+the copies with the kernel.
+
 Targets (issue 14): wall <= kernel + 30 us at N=1 and <= kernel + 100 us at N=64 on a 48 MB
 weight.
 """
@@ -94,6 +99,33 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             "fill_p50": statistics.median(fills) if fills else None}
 
 
+def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
+    """Median µs of an x-sized upload and a y-sized download (pinned, CUDA events) and of an
+    empty ``stream.synchronize()`` (wall)."""
+    import cupy as cp
+
+    stream, rt = be.stream, cp.cuda.runtime
+    with be.ctx.dev, stream:
+        hx, hy = cp.cuda.alloc_pinned_memory(x_bytes), cp.cuda.alloc_pinned_memory(y_bytes)
+        dx, dy = cp.empty(x_bytes, cp.uint8), cp.empty(y_bytes, cp.uint8)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        got: dict[str, list[float]] = {"h2d": [], "d2h": [], "sync": []}
+        for i in range(calls + 5):
+            for name, (dst, src, nb, kind) in {"h2d": (dx.data.ptr, hx.ptr, x_bytes, 1),
+                                               "d2h": (hy.ptr, dy.data.ptr, y_bytes, 2)}.items():
+                start.record(stream)
+                rt.memcpyAsync(dst, src, nb, kind, stream.ptr)
+                end.record(stream)
+                end.synchronize()
+                if i >= 5:
+                    got[name].append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            t0 = time.perf_counter()
+            stream.synchronize()
+            if i >= 5:
+                got["sync"].append((time.perf_counter() - t0) * 1e6)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES))
@@ -102,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
     ap.add_argument("--modes", default="graph,staged,direct,naive")
     ap.add_argument("--topk", type=int, default=0, help="top-k epilogue k (0: y)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time x's upload, y's download and an empty sync alone")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -134,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}", flush=True)
+            if a.floor:
+                f = floor(bes["graph"], xs[0].nbytes, n * rows * 4, a.calls)  # y f32
+                out.append({"shape": shape_s, "n": n, "mode": "floor", **f})
+                print(f"{shape_s:>12} {n:>3} {'floor':>7} h2d {f['h2d']:.1f} ({xs[0].nbytes} B) "
+                      f"d2h {f['d2h']:.1f} sync {f['sync']:.1f}: host beyond the bus "
+                      f"{r['host_p50'] - f['h2d'] - f['d2h']:.1f}", flush=True)
         for be in {id(b): b for b in bes.values()}.values():
             w = ws.pop(id(be), None)
             if w is not None:
