@@ -393,12 +393,12 @@ def dataplane_report(b: Bench) -> None:
     caller has its own connection, so the kernel spreads them over the front ends."""
     a = b.args
     fe = a.frontends
-    kinds = ["", "system"]
+    kinds = ["" if k == "bytes" else k for k in a.regions.split(",")]
     procs = a.t2_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
     per = max(1, 64 // procs)
     b.batching(True)
     for mode in a.modes:
-        for kind in kinds:
+        for kind in kinds if "T2" in a.targets else []:
             r = b.one(f"T2 fe={fe} {procs * per}x N=1 {mode} {kind or 'bytes'}", procs, per, 1,
                       mode, region=kind, own_channel=True)
             if r is not None:
@@ -410,7 +410,8 @@ def dataplane_report(b: Bench) -> None:
         # the kernel alone: the fastest kernel p50 of this shape at N=64 in these runs (the
         # CUDA-region path times its direct launches, 272-304 us against 63 on the H200)
         kernel_us: float | None = None
-        for kind in kinds + (["cuda"] if a.cuda_regions else []):
+        for kind in (kinds + (["cuda"] if a.cuda_regions else [])
+                     if "T3" in a.targets else []):
             h = max(a.t3_hosts)
             r = b.one(f"T3 fe={fe} {h} hosts N=64 {mode} {kind or 'bytes'}", h, 1, 64, mode,
                       region=kind, own_channel=True)
@@ -576,6 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dataplane", action="store_true",
                     help="issue 15: T2 and T3 on ffn_down with bytes and with shm regions "
                          "through this --frontends count (run once per count)")
+    ap.add_argument("--regions", default="bytes,system",
+                    help="--dataplane: how x and y travel (bytes, system shm regions)")
     ap.add_argument("--cuda-regions", action="store_true",
                     help="--dataplane: T3 with CUDA IPC device buffers too (CUDA backend)")
     ap.add_argument("--target-report", action="store_true",
@@ -611,7 +614,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="T2: load processes for the 64 callers (default: cores/2, <= 8)")
     ap.add_argument("--t3-hosts", default="1,4,8", help="T3: host counts tried (best kept)")
     ap.add_argument("--targets", default="T1,T2,T3",
-                    help="--target-report: which of T1, T2, T3 to measure")
+                    help="--target-report / --dataplane: which of T1, T2, T3 to measure")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     a = ap.parse_args(argv)
     a.weights = [w for w in a.weights.split(",") if w]
