@@ -19,6 +19,7 @@ Only the CUDA backend has this (``support``); elsewhere RegionTable refuses CUDA
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -35,6 +36,7 @@ from .regions import CudaIpcSource, Mapping
 log = logging.getLogger("q6serve.regions")
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_D2D = 3  # cudaMemcpyDeviceToDevice
 
 
 def device_dtype(dtype: np.dtype) -> np.dtype:
@@ -89,6 +91,11 @@ class CudaSupport:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.cp = backend.ctx.cp
+        # a like job's seconds as last measured, per (weight, N, dtypes, where y goes, flags):
+        # Device.call's expect_s, so a short one runs inline on the loop (Device.inline_s).
+        # On the device thread each CUDA call that releases the GIL waits to get it back from
+        # the loop: 537 us around a 59 us kernel per N=64 call under T3 (H200, bench/RESULTS.md)
+        self._job_s: dict[tuple[Any, ...], float] = {}
 
     def open(self, src: CudaIpcSource) -> Mapping:
         return CudaIpcMapping(self.cp, self.backend.device, src)
@@ -114,14 +121,19 @@ class CudaSupport:
                                   f"K={e.k}")
             flags = engine.flags.state.kernel_flags()
             engine.backend.plan(n, call.precision, flags)  # what the flags forbid: refused now
-            t_enq = time.perf_counter()
-            return await engine.device.run(self._job, e, call, yd, flags, t_enq)
+            cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[MatmulReply] = loop.create_future()
+            engine.device.call(loop, self._job, (e, call, yd, flags, time.perf_counter(), cost),
+                               done, expect_s=self._job_s.get(cost))
+            return await asyncio.shield(done)  # the job finishes even if the caller goes
         finally:
             engine.registry.release(e)
 
     def _job(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
-             ) -> MatmulReply:
-        """In the device thread: launch, y to its place, one sync."""
+             cost: tuple[Any, ...]) -> MatmulReply:
+        """In the device thread, or inline on the loop when a like job was short: launch, y to
+        its place, one sync; its seconds go to ``_job_s[cost]``."""
         t0 = time.perf_counter()
         b, cp = self.backend, self.cp
         w = e.resident
@@ -155,6 +167,9 @@ class CudaSupport:
         if host is not None and out == BFLOAT16:
             host = host.astype(BFLOAT16)
         t1 = time.perf_counter()
+        if len(self._job_s) >= 4096:  # bounded: forget all, re-measure (first on the thread)
+            self._job_s.clear()
+        self._job_s[cost] = t1 - t0
         return MatmulReply(host, f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision,
                            t0 - t_enq, kernel_s, n, 1, t1 - t0)
 
@@ -175,6 +190,9 @@ def _store(cp: Any, y: Any, yd: Any, out: np.dtype) -> None:
         u = y.view(cp.uint32)
         rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
         cp.copyto(yd, cp.where(cp.isnan(y), cp.uint16(0x7FC0), rne))
+    elif out == np.float32 and yd.flags.c_contiguous:  # a plain copy: no kernel to launch
+        cp.cuda.runtime.memcpyAsync(int(yd.data.ptr), int(y.data.ptr), int(y.nbytes),
+                                    _D2D, cp.cuda.get_current_stream().ptr)
     else:
         cp.copyto(yd, y.astype(out, copy=False))
 
