@@ -51,6 +51,7 @@ from .cuda.dispatch import (
 from .cuda.launch import IN_TYPES, Launcher
 from .cuda.storage import Storage, weight_data
 from .errors import DeviceError, FormatError
+from .hostio import HostIO
 
 __all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg"]
 
@@ -77,6 +78,16 @@ class CudaBackend(Backend):
         self.storage = Storage(self.ctx)
         self.dispatch = Dispatch(table or None, self.sm_count)
         self.launcher = Launcher(self.ctx, graphs=graphs)
+        # callers' page-locked host memory (the service's shm regions): x and y DMA'd
+        # straight from/to it (Launcher.launch_host); portable: pinned for every context
+        rt = self.ctx.cp.cuda.runtime
+        self.hostio = HostIO(lambda p, n: self._on_dev(rt.hostRegister, p, n, 1),
+                             lambda p: self._on_dev(rt.hostUnregister, p),
+                             self.ctx.stream.synchronize)
+
+    def _on_dev(self, fn: Any, *args: Any) -> Any:
+        with self.ctx.dev:
+            return fn(*args)
 
     @property
     def stream(self) -> Any:
@@ -142,8 +153,18 @@ class CudaBackend(Backend):
         x = check_matmul(w, x, topk)
         c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
         cw = weight_data(w)
-        with self.ctx.dev, self.ctx.stream:
-            finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
+        io = self.hostio
+        if (not topk and c.path != "cublas_f16" and c.cfg is not None and x.dtype in IN_TYPES
+                and io.covers(x)):  # x in page-locked host memory: no staging copy
+            with io.lock, self.ctx.dev, self.ctx.stream:
+                if io.covers(x):  # (still: an unpin may have come in between)
+                    finish = self.launcher.launch_host(w, cw, x, c.path, c.cfg, out_dtype,
+                                                       io.output(x, w.rows, out_dtype))
+                else:
+                    finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
+        else:
+            with self.ctx.dev, self.ctx.stream:
+                finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
         kernel = f"cuda.{c.path}.{w.layout.value}"
 
         def wait() -> MatmulResult:

@@ -500,25 +500,66 @@ class Launcher:
         Returns (y, start, end): y a view of the workspace's f32 output [N, rows], valid until
         the next launch on this launcher. Call under the device and stream; no sync."""
         n = int(xd.shape[0])
+        b = self._run_copied_x(w, cw, path, cfg, n, in_t, int(xd.data.ptr), int(xd.nbytes),
+                               _D2D)
+        return self.ws.array("y", (n, w.rows), np.float32), b.start, b.end
+
+    def _run_copied_x(self, w: ResidentWeight, cw: CudaWeight, path: str, cfg: Cfg, n: int,
+                      in_t: str, src: int, nbytes: int, kind: int) -> Bound:
+        """x copied from ``src`` (``kind``: device or page-locked host memory) into the
+        workspace's x, then the kernels of the bound sequence that has no upload of its own
+        (:meth:`launch_device`, :meth:`launch_host`): its graph, or direct launches between
+        its events (captured from the call after ``GRAPH_AFTER``). Returns the sequence."""
         key = (path, cfg, n, in_t, "device")
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
-            b = self._bind(w, cw, key, int(xd.nbytes))
+            b = self._bind(w, cw, key, nbytes)
             b.extra["device_x"] = True
         stream = self.ctx.stream
-        self.ctx.cp.cuda.runtime.memcpyAsync(b.extra["xd"], int(xd.data.ptr), int(xd.nbytes),
-                                             _D2D, stream.ptr)
+        self.ctx.cp.cuda.runtime.memcpyAsync(b.extra["xd"], src, nbytes, kind, stream.ptr)
         if b.graph:
             b.graph.launch(stream)
-        else:
-            b.start.record(stream)
-            for s in b.steps:
-                s()
-            b.end.record(stream)
-            b.calls += 1
-            if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
-                self._capture(b, self.ws.host(b.x_bytes))
-        return self.ws.array("y", (n, w.rows), np.float32), b.start, b.end
+            return b
+        b.start.record(stream)
+        for s in b.steps:
+            s()
+        b.end.record(stream)
+        b.calls += 1
+        if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
+            self._capture(b, self.ws.host(b.x_bytes))
+        return b
+
+    def launch_host(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
+                    cfg: Cfg, out_dtype: np.dtype | None,
+                    y_out: np.ndarray | None) -> Callable[[], Done]:
+        """:meth:`launch` for an x in page-locked host memory (a caller's registered shm
+        region, kernels/hostio.py): DMA'd straight from there into the workspace's x (no copy
+        into the staging buffer), then :meth:`launch_device`'s bound sequence (its graph has no
+        upload); ``y_out`` (page-locked, [N, rows] f32/f16): y is DMA'd straight into it and
+        returned as the result (else the usual way out, :meth:`_finish`). Call under the
+        device and stream; the returned function makes the one sync."""
+        n = int(x.shape[0])
+        b = self._run_copied_x(w, cw, path, cfg, n, IN_TYPES[x.dtype], x.ctypes.data,
+                               x.nbytes, _H2D)
+        cp, stream = self.ctx.cp, self.ctx.stream
+        if y_out is None:
+            return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, 0)
+        src = b.extra["y"]
+        if y_out.dtype == np.float16:  # converted on the device: half the bytes cross the bus
+            y16 = self.ws.array("y16", y_out.shape, np.float16, bound=False)
+            cp.copyto(y16, self.ws.array("y", y_out.shape, np.float32), casting="same_kind")
+            src = int(y16.data.ptr)
+        cp.cuda.runtime.memcpyAsync(y_out.ctypes.data, src, y_out.nbytes, _D2H, stream.ptr)
+        start, end = b.start, b.end
+
+        def done() -> Done:
+            stream.synchronize()
+            seconds = self._seconds(start, end)
+            if seconds is None and b.graph:
+                b.graph = False  # its event nodes did not record: direct launches from now
+            return y_out, None, seconds
+
+        return done
 
     def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
         path, cfg, n, in_t, small = key
