@@ -52,6 +52,7 @@ from q6serve.kernels.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from q6serve.kernels.hostio import HostIO
 
 log = logging.getLogger("q6serve.regions")
 
@@ -118,7 +119,7 @@ class Mapping:
 
 
 class _ShmMapping(Mapping):
-    def __init__(self, src: ShmSource) -> None:
+    def __init__(self, src: ShmSource, hostio: HostIO | None = None) -> None:
         m = _KEY.match(src.key)
         if m is None or m.group(1) in (".", ".."):
             raise InvalidArgument(f"shared-memory key {src.key[:64]!r} must be 1..255 "
@@ -154,6 +155,13 @@ class _ShmMapping(Mapping):
         self._rw: np.ndarray | None = np.frombuffer(self.buf, np.uint8)
         self._ro: np.ndarray | None = self._rw.view()
         self._ro.flags.writeable = False
+        # page-locked for the device's copies (kernels/hostio.py): the whole mapping, from
+        # its page-aligned start; unlocked in close(), before the unmap
+        self._hostio, self._pinned = hostio, 0
+        if hostio is not None:
+            addr = self._rw.ctypes.data - (src.offset - start)
+            if hostio.pin(addr, self.end - start):
+                self._pinned = addr
 
     def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
              writable: bool) -> np.ndarray:
@@ -173,6 +181,9 @@ class _ShmMapping(Mapping):
                                      "unregister the region")
 
     def close(self) -> None:
+        if self._pinned and self._hostio is not None:
+            self._hostio.unpin(self._pinned)  # waits for the device's copies first
+            self._pinned = 0
         os.close(self._fd)
         self._rw = self._ro = None  # (the arrays that view self.buf)
         for attempt in range(2):
@@ -238,11 +249,13 @@ class Region:
 
 class RegionTable:
     def __init__(self, allowed: bool, max_regions: int, max_bytes: int,
-                 cuda: CudaPlane | None = None) -> None:
+                 cuda: CudaPlane | None = None, hostio: HostIO | None = None) -> None:
         self.allowed = allowed
         self.max_regions = max_regions
         self.max_bytes = max_bytes
         self.cuda = cuda
+        # the backend's page-locked ranges and y routes (system regions; None: plain copies)
+        self.hostio = hostio
         self._regions: dict[str, Region] = {}
         self._mapped = 0  # bytes of every region still mapped (removed ones in use included)
         self.on_close: list[Callable[[], None]] = []  # run by close() first (lane.py)
@@ -277,7 +290,7 @@ class RegionTable:
                                     f"mapped-bytes limit: {self._mapped} of {self.max_bytes} "
                                     "in use (--max-region-bytes)")
         if isinstance(src, ShmSource):
-            mapping: Mapping = _ShmMapping(src)
+            mapping: Mapping = _ShmMapping(src, self.hostio)
             kind, key, offset = SYSTEM, src.key, src.offset
         else:
             if self.cuda is None:
@@ -351,6 +364,19 @@ class RegionTable:
         region.mapping.close()
         self._mapped -= region.byte_size
 
+    # -- y straight from the device (kernels/hostio.py) --------------------------------------
+    def route(self, x: np.ndarray, y: np.ndarray) -> int | None:
+        """Ask the backend to write the output of the call on ``x`` into ``y`` (a system
+        region's writable view); returns the key for :meth:`unroute` (None: nothing routed).
+        Whether it did is :func:`written` of the reply's y."""
+        if self.hostio is None:
+            return None
+        return self.hostio.route(x, y)
+
+    def unroute(self, key: int | None) -> None:
+        if key is not None and self.hostio is not None:
+            self.hostio.unroute(key)
+
     def close(self) -> None:
         """Drain: close every region (requests are over by now)."""
         for fn in self.on_close:
@@ -366,12 +392,26 @@ class RegionTable:
         self._closing.clear()
 
 
+def pin_regions(env: Any = os.environ) -> bool:
+    """Page-lock system regions for the device's copies (``Q6SERVE_PIN_REGIONS``, default 1;
+    0: x is staged and y copied on the host, as before)."""
+    return env.get("Q6SERVE_PIN_REGIONS", "1") != "0"
+
+
 def table_for(allowed: bool, max_regions: int, max_bytes: int, backend: Any,
               engine: Any) -> RegionTable:
-    """The worker's table: CUDA IPC regions too where the backend can open them."""
+    """The worker's table: CUDA IPC regions too where the backend can open them; system
+    regions page-locked where the backend DMAs host memory (``backend.hostio``)."""
     from .cuda_regions import support  # imports this module
 
-    return RegionTable(allowed, max_regions, max_bytes, support(backend, engine))
+    hostio = getattr(backend, "hostio", None) if pin_regions() else None
+    return RegionTable(allowed, max_regions, max_bytes, support(backend, engine), hostio)
+
+
+def written(y: Any, dest: np.ndarray) -> bool:
+    """Is the reply's ``y`` the bytes of ``dest`` already (the backend wrote it there)?"""
+    return (isinstance(y, np.ndarray) and y.shape == dest.shape and y.dtype == dest.dtype
+            and y.ctypes.data == dest.ctypes.data)
 
 
 @dataclass(frozen=True)
@@ -431,6 +471,16 @@ async def _run(table: RegionTable, engine: _MatmulEngine, io: RegionIO, xr: Regi
             assert io.y is not None and shape is not None
             yd = yr.array(io.y.offset, call.out_dtype, shape, "y", writable=True)
         reply = await table.cuda.matmul(engine, call, yd)
+    elif yr is not None:  # a system region: the backend may write y there itself
+        assert io.y is not None and shape is not None
+        dest = yr.array(io.y.offset, call.out_dtype, shape, "y", writable=True)
+        key = table.route(call.x, dest)
+        try:
+            reply = await engine.matmul(call)
+        finally:
+            table.unroute(key)
+        if written(reply.y, dest):
+            return dataclasses.replace(reply, y=YSpec(np.dtype(call.out_dtype), shape))
     else:
         reply = await engine.matmul(call)
     if yr is None:

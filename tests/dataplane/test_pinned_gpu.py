@@ -1,0 +1,96 @@
+"""Page-locked system regions on a GPU (``-m gpu``; skipped without CuPy or a GPU): a region
+registered with a CUDA worker is ``cudaHostRegister``ed; a call whose x and y are in it is
+DMA'd straight from and into it (``Launcher.launch_host``: no staging copy, no host copy of
+y), direct and through the captured graph; results equal the bytes path's; unregister and
+drain unpin; one process and --frontends 2."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.client.client import Client
+from q6serve.service.config import Budget, WorkerConfig
+from tests.dataplane.test_cuda_ipc_gpu import _gpus, same
+from tests.service.svc_util import RunningWorker, random_q6k
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_gpus() == 0, reason="needs CuPy and a CUDA GPU")]
+
+ROWS, K = 2048, 3584
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    return CudaBackend()
+
+
+class Counted:
+    """Counts ``Launcher.launch_host`` calls (the direct path taken, not a silent staging)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.n = 0
+        inner = backend.launcher.launch_host
+
+        def launch_host(*a: Any, **kw: Any) -> Any:
+            self.n += 1
+            return inner(*a, **kw)
+
+        backend.launcher.launch_host = launch_host
+
+
+@pytest.fixture(params=[1, 2], ids=["one-process", "frontends-2"])
+def worker(request: pytest.FixtureRequest, backend: Any) -> Iterator[tuple[Any, Client]]:
+    cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=2 << 30),
+                       grace_period_s=2.0, allow_shm=True)
+    if request.param == 1:
+        w: Any = RunningWorker(cfg, backend)
+    else:
+        from tests.dataplane.test_frontends import Running
+
+        w = Running(dataclasses.replace(cfg, frontends=2, frontend_shm_bytes=8 << 20),
+                    backend)
+    c = w.client()
+    c.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
+    try:
+        yield w, c
+    finally:
+        w.stop()
+    assert backend.hostio.pinned == 0 and backend.hostio.routes == 0  # drain unpinned all
+
+
+def test_x_and_y_dma_from_and_into_the_region(worker: tuple[Any, Client], backend: Any,
+                                              rng: np.random.Generator) -> None:
+    _w, c = worker
+    counted = Counted(backend)
+    try:
+        with c.register_shm("r", 4 << 20) as region:
+            assert backend.hostio.pinned == 1 and backend.hostio.pinned_bytes >= 4 << 20
+            for n in (1, 8, 64):
+                x = rng.standard_normal((n, K)).astype(np.float16)
+                for out_dtype in ("f32", "f16", "bf16"):
+                    want = c.matmul_full("w", x, precision="f16", out_dtype=out_dtype)
+                    before = counted.n
+                    for _ in range(3):  # direct, then captured, then the graph
+                        yv = region.ndarray(1 << 20, np.uint8, (1 << 20,))
+                        yv[...] = 0xFF  # poison: y is written every call
+                        got = c.matmul("w", x, precision="f16", out_dtype=out_dtype,
+                                       x_region=region, y_region=(region, 1 << 20))
+                        same(np.array(got), want.y)
+                        del got, yv
+                    assert counted.n == before + 3, (n, out_dtype)
+            assert backend.hostio.routes == 0
+            # y alone in the region (x in the message): staged upload, y copied in, as before
+            x = rng.standard_normal((4, K)).astype(np.float16)
+            got = c.matmul("w", x, precision="f16", y_region=(region, 1 << 20))
+            same(np.array(got), c.matmul("w", x, precision="f16"))
+            del got
+        assert backend.hostio.pinned == 0  # unregistered: unpinned
+    finally:
+        del backend.launcher.launch_host  # (the instance attribute: the method again)

@@ -1,0 +1,287 @@
+"""Page-locked system regions (issue 15): a region is pinned with the backend when it is
+registered and unpinned (after the device's queued copies) when it is unregistered, when its
+last request finishes after an unregister, and at drain; a y region takes y straight from the
+backend when the call is routed to it (kernels/hostio.py). CPU: a NumPy backend whose HostIO
+records the pins and honours the routes as the CUDA backend does (x read where it is, y
+written into the routed region); tests/dataplane/test_pinned_gpu.py runs the real DMA."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import shared_memory
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from q6serve.client.shm import ShmRegion
+from q6serve.kernels.hostio import HostIO
+from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
+from tests.dataplane.test_regions import ROWS, K, code_of, mapped
+from tests.dataplane.test_regions import start as one_process  # noqa: F401  (fixture)
+from tests.service.svc_util import InstrumentedBackend, random_q6k, reference
+
+C = grpc.StatusCode
+
+
+class Recorder:
+    """register / unregister / sync calls in order."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.fail = fail
+        self.lock_held_at_unregister: list[bool] = []
+        self.io: HostIO | None = None
+
+    def register(self, p: int, n: int) -> None:
+        if self.fail:
+            raise RuntimeError("cudaErrorMemoryAllocation")
+        self.log.append(("register", p))
+
+    def unregister(self, p: int) -> None:
+        assert self.io is not None
+        self.lock_held_at_unregister.append(self.io.lock.locked())
+        self.log.append(("unregister", p))
+
+    def sync(self) -> None:
+        self.log.append(("sync", 0))
+
+    def hostio(self) -> HostIO:
+        self.io = HostIO(self.register, self.unregister, self.sync)
+        return self.io
+
+
+class DmaBackend(InstrumentedBackend):
+    """The NumPy backend with the CUDA backend's contract for page-locked memory: an x inside
+    a pinned range is read where it is (counted), a routed y is written into its region and
+    returned as the result's y."""
+
+    def __init__(self, rec: Recorder, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.hostio = rec.hostio()
+        self.direct_x = 0
+        self.direct_y = 0
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        if self.hostio.covers(x):
+            self.direct_x += 1
+        dest = self.hostio.output(x, w.rows, kw.get("out_dtype"))
+        r = super().matmul(w, x, **kw)
+        if dest is None:
+            return r
+        dest[...] = r.y
+        self.direct_y += 1
+        return dataclasses.replace(r, y=dest)
+
+
+# -- HostIO alone ---------------------------------------------------------------------------
+def test_hostio_pins_covers_and_unpins_after_a_sync_under_the_lock() -> None:
+    rec = Recorder()
+    io = rec.hostio()
+    buf = np.zeros(4096, np.uint8)
+    p = buf.ctypes.data
+    assert io.pin(p, 4096) and not io.pin(p, 4096)  # once per range
+    assert io.pinned == 1 and io.pinned_bytes == 4096
+    assert io.covers(buf[16:4096]) and io.covers(buf.view(np.float32).reshape(16, 64))
+    assert not io.covers(np.zeros(8, np.uint8))  # another buffer
+    assert not io.covers(buf.reshape(64, 64)[:, :8])  # not contiguous
+    io.unpin(p)
+    io.unpin(p)  # twice: nothing more
+    assert rec.log == [("register", p), ("sync", 0), ("unregister", p)]
+    assert rec.lock_held_at_unregister == [True]
+    assert io.pinned == 0 and not io.covers(buf)
+
+
+def test_hostio_refused_pin_leaves_the_range_unpinned() -> None:
+    rec = Recorder(fail=True)
+    io = rec.hostio()
+    buf = np.zeros(4096, np.uint8)
+    assert not io.pin(buf.ctypes.data, 4096)
+    assert io.pinned == 0 and not io.covers(buf)
+    io.unpin(buf.ctypes.data)
+    assert rec.log == []
+
+
+def test_hostio_routes_exact_x_only_and_ambiguous_routes_nobody() -> None:
+    io = HostIO()
+    mem = np.zeros(1 << 16, np.uint8)
+    io.pin(mem.ctypes.data, mem.nbytes)
+    x = mem[:2048].view(np.float32).reshape(4, 128)
+    y = mem[8192 : 8192 + 4 * 16 * 4].view(np.float32).reshape(4, 16)
+    key = io.route(x, y)
+    assert io.output(x, 16, None) is y and io.output(x, 16, np.dtype(np.float32)) is y
+    assert io.output(x, 16, np.dtype(np.float16)) is None  # the call's dtype is not y's
+    assert io.output(x, 17, None) is None  # nor its shape
+    assert io.output(x[:2], 16, None) is None  # same address, other rows
+    assert io.output(x.copy(), 16, None) is None  # other address
+    key2 = io.route(x, y[:, :8])  # a second call on the same x bytes: nobody gets a route
+    assert io.output(x, 16, None) is None and io.output(x, 8, None) is None
+    io.unroute(key)
+    assert io.output(x, 16, None) is None  # still ambiguous until both are answered
+    io.unroute(key2)
+    assert io.routes == 0
+    io.route(x, y)
+    io.unroute(key)
+    assert io.routes == 0
+    ro = y.view()
+    ro.flags.writeable = False
+    io.route(x, ro)
+    assert io.output(x, 16, None) is None  # not writable
+    io.unroute(key)
+    io.unpin(mem.ctypes.data)
+    io.route(x, y)
+    assert io.y_for(x) is y and io.output(x, 16, None) is None  # y no longer page-locked
+    io.unroute(key)
+
+
+# -- through a worker -------------------------------------------------------------------------
+def _one_process(start_fn: Callable[..., Any], rec: Recorder, **kw: Any) -> tuple[Any, Any]:
+    backend = DmaBackend(rec, **kw)
+    w = start_fn(backend=backend)
+    return w, backend
+
+
+def test_one_process_pins_writes_y_in_place_and_releases(one_process: Any,  # noqa: F811
+                                                         rng: np.random.Generator) -> None:
+    rec = Recorder()
+    w, backend = _one_process(one_process, rec)
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 3)
+    c.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    want = reference(blocks, ROWS, K, x)
+    region = c.register_shm("r", 1 << 16)
+    assert backend.hostio.pinned == 1 and backend.hostio.pinned_bytes >= 1 << 16
+    got = c.matmul("w", x, x_region=region, y_region=(region, 16384))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert backend.direct_x == 1 and backend.direct_y == 1
+    # f16 out straight into the region; x as bytes with y in the region (routed too)
+    got16 = c.matmul("w", x, x_region=region, y_region=(region, 32768), out_dtype="f16")
+    np.testing.assert_allclose(got16.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    got = c.matmul("w", x, y_region=(region, 40960))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert backend.direct_y == 3 and backend.direct_x == 2
+    # bf16 out: no route the backend can take (staged y, copied into the region as before)
+    got = c.matmul("w", x, x_region=region, y_region=(region, 49152), out_dtype="bf16")
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+    assert backend.direct_y == 3
+    assert w.run(lambda: backend.hostio.routes) == 0
+    # bad regions keep their statuses and hold nothing
+    got_code, msg = code_of(lambda: c.matmul("w", x, x_region=region,
+                                             y_region=(region, 65500)))
+    assert got_code == C.INVALID_ARGUMENT and "overruns" in msg
+    assert w.run(lambda: backend.hostio.routes) == 0
+    key = region.key
+    del got, got16  # (views of the client's mapping)
+    region.close()  # unregisters: unpinned after a sync, then unmapped
+    assert backend.hostio.pinned == 0
+    assert [k for k, _ in rec.log] == ["register", "sync", "unregister"]
+    assert mapped(key) == 0
+
+
+def test_drain_and_unlinked_regions_unpin(one_process: Any,  # noqa: F811
+                                          rng: np.random.Generator) -> None:
+    rec = Recorder()
+    w, backend = _one_process(one_process, rec)
+    c = w.client()
+    c.upload("w", random_q6k(ROWS, K, 4), ROWS, K)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+    gone = ShmRegion("gone", shm, owned=True)
+    c.register_region(gone)
+    c.matmul("w", x, x_region=gone, y_region=(gone, 8192))
+    shm.unlink()  # under the worker: a clear status, the pin stays until unregistered
+    gone.owned = False
+    got_code, msg = code_of(lambda: c.matmul("w", x, x_region=gone, y_region=(gone, 8192)))
+    assert got_code == C.FAILED_PRECONDITION and "unlinked" in msg
+    assert backend.hostio.pinned == 1
+    kept = c.register_shm("kept", 8192)
+    assert backend.hostio.pinned == 2
+    w.stop()  # drain: every region unpinned, then unmapped
+    assert backend.hostio.pinned == 0
+    assert [k for k, _ in rec.log].count("unregister") == 2
+    gone.close()
+    kept.close()
+
+
+def test_pinning_off(one_process: Any, rng: np.random.Generator,  # noqa: F811
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("Q6SERVE_PIN_REGIONS", "0")
+    rec = Recorder()
+    w, backend = _one_process(one_process, rec)
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 5)
+    c.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    with c.register_shm("r", 1 << 16) as region:
+        got = c.matmul("w", x, x_region=region, y_region=(region, 8192))
+        np.testing.assert_allclose(got, reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+    assert rec.log == [] and backend.direct_x == backend.direct_y == 0
+
+
+def test_unregister_while_in_use_unpins_when_the_call_ends(one_process: Any,  # noqa: F811
+                                                           rng: np.random.Generator) -> None:
+    rec = Recorder()
+    w, backend = _one_process(one_process, rec, matmul_delay=0.5)
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 6)
+    c.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    region = c.register_shm("r", 1 << 16)
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(
+        c.matmul("w", x, x_region=region, y_region=(region, 8192))))
+    t.start()
+    for _ in range(1000):
+        if c.list_regions()[0].in_use:
+            break
+        time.sleep(0.005)
+    c.unregister_region("r")
+    assert backend.hostio.pinned == 1  # its call still reads x and writes y
+    t.join(10)
+    np.testing.assert_allclose(out.pop(), reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+    assert backend.direct_y == 1
+    assert w.run(lambda: backend.hostio.pinned) == 0
+    region.on_close = None
+    region.close()
+
+
+def test_front_ends_write_y_in_place_and_release(start: Any,  # noqa: F811
+                                                 rng: np.random.Generator) -> None:
+    """The device process of a --frontends worker ("rm" messages): pinned at register, y in
+    place, routes gone after every answer (good or bad), unpinned at unregister and drain."""
+    rec = Recorder()
+    backend = DmaBackend(rec)
+    w = start(backend=backend)
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 7)
+    c.upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((4, K)).astype(np.float32)
+    want = reference(blocks, ROWS, K, x)
+    region = c.register_shm("r", 1 << 16)
+    assert w.call(_pinned(backend)) == 1
+    for off in (8192, 16384):
+        np.testing.assert_allclose(c.matmul("w", x, x_region=region, y_region=(region, off)),
+                                   want, rtol=1e-5, atol=1e-4)
+    assert backend.direct_x >= 2 and backend.direct_y >= 2
+    got_code, _ = code_of(lambda: c.matmul("w", x, x_region=region, y_region=(region, 65500)))
+    assert got_code == C.INVALID_ARGUMENT
+    assert w.call(_routes(backend)) == 0
+    region.close()
+    assert w.call(_pinned(backend)) == 0
+    c.register_shm("again", 8192)
+    assert w.call(_pinned(backend)) == 1
+    w.stop()
+    assert backend.hostio.pinned == 0 and backend.hostio.routes == 0
+
+
+async def _pinned(backend: DmaBackend) -> int:
+    return backend.hostio.pinned
+
+
+async def _routes(backend: DmaBackend) -> int:
+    return backend.hostio.routes
