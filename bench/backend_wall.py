@@ -12,6 +12,9 @@ sync, Python). Modes:
 - ``staged``: ``graph`` with x built by the caller in ``CudaBackend.staging`` (the pinned
   upload buffer: what a batcher concatenating into it pays); the fill is not in ``wall`` and
   is printed beside it;
+  ``staged`` also prints the GPU's span of each call (CUDA events recorded on the stream just
+  before the launch and just after it: upload, kernels, download and the gaps between them), so
+  ``wall - span`` is the host's own part (the launch before the GPU starts, the sync's wake-up);
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
   the launches, ``y.get()``), for comparison.
 
@@ -70,7 +73,10 @@ def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.nd
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
             topk: int = 0) -> dict:
-    walls, kerns, fills = [], [], []
+    import cupy as cp
+
+    walls, kerns, fills, spans = [], [], [], []
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     for i in range(calls + 5):
         x = xs[i % len(xs)]
         t0 = time.perf_counter()
@@ -82,9 +88,14 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             st[...] = x
             fills.append((time.perf_counter() - t0) * 1e6)
             t0 = time.perf_counter()
-            res = be.matmul(w, st, topk=topk)
+            e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
+            launched = be.launch(w, st, topk=topk)
+            e1.record(be.stream)
+            res = launched.wait()
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
+            if i >= 5:
+                spans.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
         else:
             res = be.matmul(w, x, topk=topk)
             ks = res.timing.seconds(wait=True)
@@ -96,7 +107,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
     host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
     return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
             "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))],
-            "fill_p50": statistics.median(fills) if fills else None}
+            "fill_p50": statistics.median(fills) if fills else None,
+            "span_p50": statistics.median(spans) if spans else None}
 
 
 def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
@@ -166,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
+                if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
+                    fill += f" gpu span {r['span_p50']:.1f}"
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}", flush=True)
             if a.floor:

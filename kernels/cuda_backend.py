@@ -178,8 +178,10 @@ class CudaBackend(Backend):
         """A view of the pinned buffer ``matmul`` uploads x from: activations built in it
         are not copied again (see :meth:`Backend.staging`)."""
         dt = np.dtype(dtype)
-        buf = self.launcher.ws.host(n * k * dt.itemsize)
-        return buf[: n * k * dt.itemsize].view(dt).reshape(n, k)
+        ws = self.launcher.ws
+        buf = ws.host(n * k * dt.itemsize)
+        ws.staged = buf[: n * k * dt.itemsize].view(dt).reshape(n, k)
+        return ws.staged
 
     def run(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
             cfg: Cfg | None = None) -> Any:

@@ -151,6 +151,7 @@ class Workspace:
         self._dev: dict[str, Any] = {}
         self._host: Any = None  # (pinned memory, numpy uint8 view)
         self._out: Any = None  # the same for small outputs (SMALL_Y)
+        self.staged: np.ndarray | None = None  # the last view CudaBackend.staging handed out
 
     @staticmethod
     def _grown(old: int, need: int) -> int:
@@ -199,7 +200,7 @@ class Workspace:
 
     def clear(self) -> None:
         self._dev.clear()
-        self._host = self._out = None
+        self._host = self._out = self.staged = None
         self.gen += 1
 
 
@@ -458,8 +459,8 @@ class Launcher:
         n = int(x.shape[0])
         xb = x.reshape(-1).view(np.uint8)
         host = self.ws.host(xb.size)
-        if xb.ctypes.data != host.ctypes.data:  # else built in place (CudaBackend.staging)
-            host[: xb.size] = xb
+        if x is not self.ws.staged:  # else built in place (CudaBackend.staging)
+            host[: xb.size] = xb  # (by identity: ``ndarray.ctypes`` costs ~4 us a call)
         if path == "cublas_f16":
             return self._matmul_direct(w, cw, x, in_t, path, out_dtype, topk)
         if cfg is None:
@@ -686,7 +687,7 @@ class Launcher:
         nbytes = n * rows * item
         mem = cp.cuda.alloc_pinned_memory(nbytes)
         out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
-        cp.cuda.runtime.memcpyAsync(out.ctypes.data, y, nbytes, _D2H, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(mem.ptr, y, nbytes, _D2H, stream.ptr)
 
         def done() -> Done:
             stream.synchronize()
