@@ -96,8 +96,14 @@ def check(be, w, blocks, x, precision, flags=SOA, y64=None):
     if y64 is None:
         y64 = reference.matmul_float64(x, blocks, w.rows)
     if res.precision is Precision.Q8_1:
-        e1 = rel_fro(res.y, reference.matmul_q8_1(x, blocks, w.rows))
-        assert e1 <= 1e-6, (res.kernel, e1)
+        yq = reference.matmul_q8_1(x, blocks, w.rows)
+        if res.y.size >= 64:
+            e1 = rel_fro(res.y, yq)
+            assert e1 <= 1e-6, (res.kernel, e1)
+        else:  # a few outputs with cancellation: bound each by its sum of |terms| (below)
+            wd = q6k.dequantize_aos(blocks, w.rows, w.k).astype(np.float64)
+            scale = np.abs(x.astype(np.float64)) @ np.abs(wd).T
+            assert (np.abs(res.y - yq) <= 1e-6 * scale + 1e-30).all(), (res.kernel, res.y, yq)
     err = rel_fro(res.y, y64)
     # The bounds are statistical (Frobenius over many outputs): a single dot product with
     # cancellation can exceed them (EXACT, one output of K=256: 1.11e-5 seen on the H200), so
