@@ -123,24 +123,31 @@ class _Noop:
         return Noop(threads=1)
 
 
-async def _engine_with(weights: dict[str, int], k: int) -> Any:
+async def upload_random(eng: Any, name: str, rows: int, k: int) -> None:
+    """Upload random Q6_K blocks (scale 1e-3) as weight ``name`` of ``rows`` x ``k``."""
     import hashlib
 
+    from q6serve.service.engine import UploadSpec
+
+    blocks = np.random.default_rng(0).integers(0, 256, size=(rows * k // 256, 210),
+                                               dtype=np.uint8)
+    blocks[:, 208:210] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
+    data = blocks.tobytes()
+
+    async def once() -> Any:
+        yield data
+
+    await eng.upload(UploadSpec(name, rows, k, "q6_k", len(data),
+                                hashlib.sha256(data).hexdigest()), once())
+
+
+async def _engine_with(weights: dict[str, int], k: int) -> Any:
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import Engine, UploadSpec
+    from q6serve.service.engine import Engine
 
     eng = Engine(_Noop(), WorkerConfig(max_batch_delay_us=0))
-    rng = np.random.default_rng(0)
     for name, rows in weights.items():
-        blocks = rng.integers(0, 256, size=(rows * k // 256, 210), dtype=np.uint8)
-        blocks[:, 208:210] = np.full((len(blocks), 1), 1e-3, np.float16).view(np.uint8)
-        data = blocks.tobytes()
-
-        async def once(d: bytes = data) -> Any:
-            yield d
-
-        await eng.upload(UploadSpec(name, rows, k, "q6_k", len(data),
-                                    hashlib.sha256(data).hexdigest()), once())
+        await upload_random(eng, name, rows, k)
     return eng
 
 

@@ -15,6 +15,9 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
   servicer the worker's own server (service/worker.py build_server: options, interceptor,
           health, reflection) and Q6ServeServicer.MatmulStream, over an engine whose
           start_matmul answers a loop trip later with a ready reply (no batcher, no kernel)
+  engine  the real worker (service/worker.py Worker: server, interceptor, servicer, Engine,
+          batcher, metrics) in process over a no-op NumPy backend (y zeros, kernel 0): all of
+          the service's per-request Python and none of a kernel's
   worker  the real worker (``q6serve worker --backend numpy``): servicer, batcher, NumPy
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
@@ -25,7 +28,9 @@ run more than once per 10 round trips. ``--backend cuda``: the worker variant on
 
 ``--inproc``: the worker's interceptor and MatmulStream handler driven in this process with
 no gRPC (a stub engine; a request handed in, its serialized reply taken), next to the proto
-echo handler: the Python our handler adds per request, a figure far steadier than a round trip.
+echo handler: the Python our handler adds per request, a figure far steadier than a round trip;
+and the same handler over the real Engine on a no-op backend (``engine``: + the engine's
+checks, the batcher, the inline device job, metrics).
 
 Variants run in turn, ``--rounds`` times (the VM is noisy); the table gives each variant's
 median over rounds of its per-round p50, the spread, and the server process's CPU time per
@@ -51,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "worker")
+VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "engine", "worker")
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
@@ -163,7 +168,23 @@ async def _servicer_server(rows: int) -> Any:
     return server, port
 
 
-def _echo_server(variant: str, rows: int, ports: Any, trips: str = "") -> None:
+async def _noop_worker(rows: int, k: int, port: int = 0) -> Any:
+    """The worker (service/worker.py) over a no-op NumPy backend with weight "w" of ``rows``
+    x ``k`` loaded; returns the started Worker."""
+    import dataclasses
+
+    from batcher_overhead import _Noop, upload_random
+
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.worker import Worker
+
+    worker = Worker(dataclasses.replace(WorkerConfig(), port=port), _Noop())
+    await worker.start()
+    await upload_random(worker.engine, "w", rows, k)
+    return worker
+
+
+def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 0) -> None:
     import grpc
 
     if trips:
@@ -174,6 +195,11 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "") -> None:
     from q6serve.client.channel import channel_options
 
     async def serve() -> None:
+        if variant == "engine":
+            worker = await _noop_worker(rows, k)
+            ports.put(worker.port)
+            await worker.server.wait_for_termination()
+            return
         if variant == "servicer":
             server, port = await _servicer_server(rows)
             ports.put(port)
@@ -232,7 +258,7 @@ class _Context:
         pass
 
 
-async def _inproc(variant: str, req: bytes, rows: int, calls: int) -> list[float]:
+async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int) -> list[float]:
     """Seconds per request of one stream's handler driven directly (one request in flight:
     hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
     around Q6ServeServicer.MatmulStream over a _StubEngine; ``echo`` the proto echo handler
@@ -247,10 +273,15 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int) -> list[float
     from q6serve.service.metrics import Metrics
     from q6serve.service.servicer import Q6ServeServicer
 
+    worker = None
     if variant == "echo":
         handler = _echo_handler("proto", rows)
     else:
-        servicer = Q6ServeServicer(_StubEngine(rows))  # type: ignore[arg-type]
+        if variant == "engine":
+            worker = await _noop_worker(rows, k)
+            servicer = Q6ServeServicer(worker.engine)
+        else:
+            servicer = Q6ServeServicer(_StubEngine(rows))  # type: ignore[arg-type]
         inner = grpc.stream_stream_rpc_method_handler(
             servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
             response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
@@ -278,6 +309,8 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int) -> list[float
         out.append(time.perf_counter() - t0)
     incoming.put_nowait(None)
     await anext(replies, None)
+    if worker is not None:
+        await worker.stop()
     return out
 
 
@@ -351,8 +384,8 @@ class _Servers:
                 self.pids[v] = self._worker.proc.pid
                 continue
             ports = ctx.Queue()
-            p = ctx.Process(target=_echo_server, args=(v, rows, ports, self.trips.get(v, "")),
-                            daemon=True)
+            p = ctx.Process(target=_echo_server,
+                            args=(v, rows, ports, self.trips.get(v, ""), k), daemon=True)
             p.start()
             self._procs.append(p)
             self.pids[v] = p.pid
@@ -458,10 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             servers.close()
         trips = servers.trip_counts()
-    inproc: dict[str, list[float]] = {"echo": [], "handler": []}
+    inproc: dict[str, list[float]] = {"echo": [], "handler": [], "engine": []}
     for _ in range(a.rounds if a.inproc > 0 else 0):
         for v, got in inproc.items():
-            got.append(float(np.median(asyncio.run(_inproc(v, req, a.rows, a.inproc)))) * 1e6)
+            got.append(float(np.median(asyncio.run(_inproc(v, req, a.rows, a.inproc,
+                                                            a.k)))) * 1e6)
     base = statistics.median(p50["bare"]) if "bare" in p50 else None
     print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; p50 us per round trip "
           "(worker: minus its kernel); server CPU us per round trip (worker: with its kernel)")
@@ -482,10 +516,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {tr['t_us']:9.1f} {'sleep' if tr['slept'] else 'ready'} "
                       f"select {tr['select_us']:6.1f}  {cb}")
     if inproc["echo"]:
-        echo, ours = (statistics.median(inproc[v]) for v in ("echo", "handler"))
+        echo, ours, eng = (statistics.median(inproc[v]) for v in ("echo", "handler", "engine"))
         print(f"in process, no gRPC (p50 us per request, decode + reply serialized): proto echo "
               f"{echo:.1f}, interceptor + MatmulStream over a stub engine {ours:.1f} "
-              f"(+{ours - echo:.1f})")
+              f"(+{ours - echo:.1f}), over the Engine on a no-op backend {eng:.1f} "
+              f"(+{eng - echo:.1f}); per round: "
+              + " ".join(f"{v}=" + "/".join(f"{x:.1f}" for x in got)
+                         for v, got in inproc.items()))
     return 0
 
 

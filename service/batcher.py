@@ -100,6 +100,7 @@ class Device:
         self.inflight = 0
         self.jobs = 0  # device jobs queued so far (tests and benches count launches with it)
         self.inline_jobs = 0  # of which run on the calling thread (see ``inline_s``)
+        self.direct_jobs = 0  # of which run by ``run_now`` (the direct path)
         self._in_thread = 0  # jobs handed to the device thread and not yet done
         # One-shot: only batchers waiting for the device right now are woken (with hundreds of
         # resident weights, waking every batcher on each idle edge would cost milliseconds).
@@ -160,6 +161,23 @@ class Device:
             self._run_here(loop, fn, args, done, launch, settle_now)
         else:
             self._to_thread(loop, fn, args, done)
+
+    def run_now(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` here, on the loop's thread, as an inline job whose outcome the
+        caller takes at once (returned or raised): the direct path (``Batcher.run_now``).
+        Only when the device is idle; the job counts as device work while it runs."""
+        self.inflight += 1
+        self.jobs += 1
+        self.inline_jobs += 1
+        self.direct_jobs += 1
+        try:
+            return fn(*args)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0 and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for w in waiters:
+                    w()
 
     def _to_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
                    args: tuple[Any, ...], done: Any) -> None:
@@ -424,6 +442,56 @@ class Batcher:
         else:
             self._wake.set()
         return p.fut
+
+    def can_run_now(self, rows: int, key: BatchKey, own: object = None) -> bool:
+        """Whether a request of ``rows`` would, if queued now, launch at once as a lone inline
+        job on this thread and settle in the same trip (``enqueue`` -> ``_kick`` -> ``_kicked``
+        -> ``Device.call`` inline, ``settle_now``): the device idle, nothing of this weight
+        queued or running, a like batch's job measured and short enough to inline and not one
+        to defer (DEFER_KERNEL_S), and no task waiting to run in this loop trip, which could
+        queue a request that would join the batch (``_kicked`` runs after the callbacks
+        ready now, and before what they schedule: only a task woken now, e.g. another
+        stream's reader, can join; ``own``, the caller's task, cannot). :meth:`run_now` does
+        the same work without the queue, future, timer and loop trips."""
+        if self._queue or self._unfinished or self._closed or not self._device.idle:
+            return False
+        b = _bucket(rows)
+        if not self._device.inlines(self._job_s.get((key, b))):
+            return False
+        if self._launch_batch is not None and self._kernel_s.get((key, b), 0.0) > DEFER_KERNEL_S:
+            return False
+        for h in getattr(self._loop_, "_ready", ()):  # asyncio's ready queue: a few handles
+            task = getattr(h._callback, "__self__", None)
+            if isinstance(task, asyncio.Task) and task is not own:
+                return False
+        return True
+
+    def run_now(self, x: np.ndarray, key: BatchKey) -> MatmulReply:
+        """The direct path: run ``x`` alone now (after :meth:`can_run_now` said yes) and return
+        its reply; a refusal or failure raises. The bookkeeping is a batch's: launch slot,
+        expected costs, batch metrics (after the reply, as ``_hand_out``)."""
+        self._unfinished += 1
+        self._running += 1
+        t0 = time.perf_counter()
+        try:
+            result = self._device.run_now(self._run_batch, x, key)
+        finally:
+            self._unfinished -= 1
+            self._running -= 1
+            if self._drained is not None and self._unfinished == 0 and not self._drained.done():
+                self._drained.set_result(None)
+            if self._queue:
+                self._wake.set()
+        t1 = time.perf_counter()
+        rows = int(x.shape[0])
+        kernel_s = result.timing.seconds()
+        b = _bucket(rows)
+        self._job_s[(key, b)] = t1 - t0
+        if kernel_s is not None:
+            self._kernel_s[(key, b)] = kernel_s
+        self._loop_.call_soon(self._on_batch, BatchStats(result, rows, 1, (0.0,)))
+        return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
+                           kernel_s, rows, 1, t1 - t0, result.topk)
 
     def _expect(self, key: BatchKey, rows: int) -> float | None:
         return self._job_s.get((key, _bucket(rows)))

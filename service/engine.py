@@ -44,6 +44,7 @@ from q6serve.kernels.errors import (
     FailedPrecondition,
     FormatError,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
@@ -696,13 +697,9 @@ class Engine:
             self._group = None
             g.launch()
 
-    def start_matmul(self, call: MatmulCall,
-                     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
-                     ) -> asyncio.Future[MatmulReply]:
-        """Check ``call`` and queue it now (on an idle device its launch is already submitted
-        when this returns); the future resolves with the reply. A call that is refused raises
-        here. Cancelling the future drops the request if it has not run yet. ``sink(fut)``
-        runs in the loop trip that resolves the future (``Batcher.enqueue``)."""
+    def _admit(self, call: MatmulCall) -> tuple[WeightEntry, BatchKey]:
+        """The checks of a call before it may run (refusals raise here), and its batch key;
+        the weight's entry is acquired (the caller releases it when the call is done)."""
         self._check_serving()
         x = call.x
         if x.ndim != 2 or x.shape[0] < 1:
@@ -718,7 +715,7 @@ class Engine:
             raise DeadlineExceeded("deadline already passed")
         key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype),
                        call.topk)
-        e = self.registry.acquire(call.weight)  # kept alive until the future is done
+        e = self.registry.acquire(call.weight)  # kept alive until the call is done
         try:
             if x.shape[1] != e.k:
                 raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
@@ -731,12 +728,54 @@ class Engine:
             if plan_key not in self._planned:
                 self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
                 self._planned.add(plan_key)
-            fut = self._batcher(e).enqueue(x, key, call.timeout, sink, self._group)
+        except BaseException:
+            self.registry.release(e)
+            raise
+        return e, key
+
+    def start_matmul(self, call: MatmulCall,
+                     sink: Callable[[asyncio.Future[MatmulReply]], None] | None = None,
+                     ) -> asyncio.Future[MatmulReply]:
+        """Check ``call`` and queue it now (on an idle device its launch is already submitted
+        when this returns); the future resolves with the reply. A call that is refused raises
+        here. Cancelling the future drops the request if it has not run yet. ``sink(fut)``
+        runs in the loop trip that resolves the future (``Batcher.enqueue``)."""
+        e, key = self._admit(call)
+        try:
+            fut = self._batcher(e).enqueue(call.x, key, call.timeout, sink, self._group)
         except BaseException:
             self.registry.release(e)
             raise
         fut.add_done_callback(lambda _: self.registry.release(e))
         return fut
+
+    def run_now(self, call: MatmulCall, own: object = None) -> MatmulReply | None:
+        """The direct path (issue 14): run a single-weight ``call`` here and now, on the
+        loop's thread, and return its reply -- when it would run at once as an inline job
+        anyway (``Batcher.run_now``: the device idle, nothing of its weight queued or
+        running, a like batch's cost known and short, no task woken in this loop trip that
+        could join its batch; ``own``: the caller's task, which cannot). Otherwise None:
+        nothing was done, queue it (``start_matmul``).
+        Refusals and failures raise, as ``start_matmul``'s future would fail."""
+        x = call.x
+        if call.weights or self._group is not None or x.ndim != 2:
+            return None
+        try:
+            b = self.registry.get(call.weight).batcher
+        except NotFound:
+            return None  # (start_matmul says so, after the checks that come first)
+        if b is None or not b.can_run_now(int(x.shape[0]), self._key(call), own):
+            return None
+        e, key = self._admit(call)
+        try:
+            return b.run_now(call.x, key)
+        finally:
+            self.registry.release(e)
+
+    @staticmethod
+    def _key(call: MatmulCall) -> BatchKey:
+        return BatchKey(dtype_name(call.x.dtype), call.precision, dtype_name(call.out_dtype),
+                        call.topk)
 
     # -- flags ------------------------------------------------------------------------------
     def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:

@@ -293,6 +293,11 @@ class Q6ServeServicer:
                 item = _stream_error(rid, e)
             put(item, cost)
 
+        # the direct path (Engine.run_now): a request that would run at once as a lone
+        # inline job is run here, its reply queued in this trip (no future, sink or timer)
+        direct = getattr(self.engine, "run_now", None)
+        rpc = asyncio.current_task()  # the response generator's: it queues no request
+
         async def read() -> None:
             try:
                 async for req in request_iterator:
@@ -312,6 +317,9 @@ class Q6ServeServicer:
                             continue
                         call = wire.matmul_call(req, _timeout(context))
                         took = wire.Took(t0, time.perf_counter())
+                        if direct is not None and (reply := direct(call, rpc)) is not None:
+                            put(wire.stream_reply(reply, rid, took), cost)
+                            continue
                         answered = [False]
                         done = functools.partial(answer, rid, took, cost, answered,
                                                  contextvars.copy_context())

@@ -1,0 +1,143 @@
+"""The direct path (issue 14): a request that would run at once as a lone inline job runs in
+the stream reader's own trip (``Engine.run_now`` / ``Batcher.run_now``), with the same
+outcome, errors and metrics as through the queue, and only then."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from svc_util import RunningWorker, assert_close, random_q6k, reference
+
+from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.service import batcher
+from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, BatchStats, Device
+from q6serve.v1 import q6serve_pb2 as pb
+from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+KEY = BatchKey("f32", Precision.EXACT, "f32")
+ROWS, K = 16, 256  # a kernel far shorter than DEFER_KERNEL_S on NumPy
+
+
+async def _quiet() -> None:
+    """Let every callback scheduled so far run (the loop's ready queue empties)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_run_now_only_when_the_job_would_run_inline_at_once_and_alone() -> None:
+    async def main() -> None:
+        threads: list[str] = []
+        stats: list[BatchStats] = []
+        release = threading.Event()
+        release.set()
+        fail: list[BaseException] = []
+
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            threads.append(threading.current_thread().name)
+            release.wait(10)
+            if fail:
+                raise fail[0]
+            return MatmulResult(x * 2, "t", Layout.SOA, Precision.EXACT,
+                                KernelTiming(host_seconds=1e-6))
+
+        dev = Device("t", inline_s=10.0)
+        b = Batcher("w", dev, run, BatchSettings(), lambda: True, stats.append)
+        await _quiet()
+        assert not b.can_run_now(1, KEY)  # no like job measured yet (a kernel may compile)
+        await b.enqueue(np.ones((1, 4), np.float32), KEY, None)  # on the device thread
+        await _quiet()
+        assert b.can_run_now(1, KEY)
+        assert not b.can_run_now(2, KEY)  # another size bucket: not measured
+        other = asyncio.ensure_future(asyncio.sleep(0))  # a task to run in this trip: it may
+        assert not b.can_run_now(1, KEY)  # queue a request that would join the batch
+        assert b.can_run_now(1, KEY, own=other)  # unless it is the caller's own
+        await other
+        asyncio.get_running_loop().call_soon(lambda: None)  # a plain callback queues nothing
+        assert b.can_run_now(1, KEY)
+        await _quiet()
+        got = b.run_now(np.full((1, 4), 3.0, np.float32), KEY)
+        assert got.y[0, 0] == 6.0 and got.batch_rows == 1 and got.batch_requests == 1
+        assert threads[-1] == threading.current_thread().name
+        assert dev.direct_jobs == 1 and dev.inflight == 0 and b.in_flight == 0
+        await _quiet()
+        assert len(stats) == 2 and stats[-1].rows == 1  # batch metrics, after the reply
+        # the device busy (a job on its thread): queue instead
+        release.clear()
+        blocker = dev.submit(release.wait, 10)
+        assert not b.can_run_now(1, KEY)
+        release.set()
+        await blocker
+        await _quiet()
+        # something of this weight queued: queue behind it
+        b._queue.append(object())  # type: ignore[arg-type]
+        assert not b.can_run_now(1, KEY)
+        b._queue.clear()
+        # a refusal raises to the caller and leaves nothing behind
+        await _quiet()
+        fail.append(InvalidArgument("refused"))
+        with pytest.raises(InvalidArgument, match="refused"):
+            b.run_now(np.ones((1, 4), np.float32), KEY)
+        assert dev.inflight == 0 and b.in_flight == 0 and b._unfinished == 0
+        await b.close()
+        dev.close()
+
+    asyncio.run(main())
+
+
+def _request(x: np.ndarray, rid: str, weight: str = "w") -> pb.MatmulRequest:
+    req = pb.MatmulRequest(weight=weight, request_id=rid)
+    req.x.dtype = pb.DTYPE_F32
+    req.x.shape.extend(x.shape)
+    req.x.data = x.astype("<f4").tobytes()
+    return req
+
+
+def test_stream_round_trips_take_the_direct_path_with_the_same_replies(
+        worker: RunningWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One caller, one request at a time: after the first (its cost unknown: the queue and
+    the device thread) requests run directly; replies, errors and metrics are as ever."""
+    # NumPy's kernel here may take longer than DEFER_KERNEL_S (a job never run directly)
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)
+    blocks = random_q6k(ROWS, K, 3)
+    worker.client().upload("w", blocks, ROWS, K)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((1, K)).astype(np.float32) for _ in range(20)]
+    bad_k = _request(np.ones((1, K // 2), np.float32), "bad-k")
+    unknown = _request(xs[0], "nope", weight="nope")
+    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
+    with grpc.insecure_channel(worker.target) as ch:
+        replies = pb_grpc.Q6ServeStub(ch).MatmulStream(iter(sent.get, None), timeout=60)
+        outs = []
+        for req in [_request(x, str(j)) for j, x in enumerate(xs)] + [bad_k, unknown]:
+            sent.put(req)
+            outs.append(next(replies))
+        sent.put(None)
+        assert list(replies) == []
+    for i, x in enumerate(xs):
+        r = outs[i]
+        assert r.request_id == str(i) and r.WhichOneof("outcome") == "result"
+        y = np.frombuffer(r.result.y.data, "<f4").reshape(1, ROWS)
+        assert_close(y, reference(blocks, ROWS, K, x))
+        assert r.result.timing.batch_rows == 1
+    assert outs[-2].error.code == 3 and "K=128" in outs[-2].error.message  # INVALID_ARGUMENT
+    assert outs[-1].error.code == 5 and "no weight named 'nope'" in outs[-1].error.message
+    eng = worker.engine
+    assert worker.run(lambda: eng.device.direct_jobs) >= 1
+    assert worker.run(lambda: eng.device.inflight) == 0
+    reg = worker.worker.registry
+
+    def sample(name: str, **labels: str) -> float:
+        return reg.get_sample_value(name, labels) or 0.0
+
+    assert sample("q6serve_requests_total", service="q6serve.v1.Q6Serve",
+                  method="MatmulStream/request", code="OK") == 20
+    assert sample("q6serve_requests_total", service="q6serve.v1.Q6Serve",
+                  method="MatmulStream/request", code="INVALID_ARGUMENT") == 1
+    assert sample("q6serve_batch_rows_count") == 20
+    assert sample("q6serve_queue_delay_seconds_count") == 20
