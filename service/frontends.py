@@ -796,7 +796,7 @@ class FrontendsWorker(Worker):
         x, engine = call.x, self.engine
         assert engine is not None
         if (not self.merge or call.topk or x.ndim != 2
-                or not 0 < x.shape[0] <= self._merge_rows
+                or not 0 < x.shape[0] < self._merge_rows  # (a full one merges with nothing)
                 or not engine.flags.state.dynamic_batching):  # (batching off: one by one)
             engine.start_matmul(call, sink)
             return

@@ -136,3 +136,21 @@ def test_a_refused_merge_runs_its_calls_alone(rng: np.random.Generator) -> None:
         arena.close()
 
     asyncio.run(main())
+
+
+def test_a_full_call_goes_to_the_engine_at_once(rng: np.random.Generator) -> None:
+    """A call of max_batch_rows merges with nothing: it is queued when read (not at the end of
+    the trip), and the small calls around it still merge."""
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 64, 2)]
+
+    async def main() -> None:
+        worker, answers, arena, blocks = await _device(True, xs)
+        assert worker._merge_rows == 64
+        assert worker.merged == [1, 2]
+        for slot, x in enumerate(xs):
+            _check_y(arena, slot, answers[slot + 1], reference(blocks, ROWS, K, x))
+        assert answers[2][2][5] == 64  # a batch of its own
+        assert worker._pending == 0
+        arena.close()
+
+    asyncio.run(main())
