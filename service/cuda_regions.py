@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,24 @@ class CudaSupport:
     async def matmul(self, engine: Any, call: Any, yd: Any) -> MatmulReply:
         """``call`` (x: a CuPy view of a region, or a host array) as one device job; y goes
         into ``yd`` (a CuPy view of a region) when given, else back to the host (reply.y)."""
+        done: asyncio.Future[MatmulReply] = asyncio.get_running_loop().create_future()
+
+        def settle(reply: Any, exc: BaseException | None) -> None:
+            if not done.done():
+                if exc is None:
+                    done.set_result(reply)
+                else:
+                    done.set_exception(exc)
+
+        self.start(engine, call, yd, settle)
+        return await asyncio.shield(done)  # the job finishes even if the caller goes
+
+    def start(self, engine: Any, call: Any, yd: Any,
+              done: Callable[[Any, BaseException | None], None]) -> None:
+        """:meth:`matmul` without a task or future (the device process's "rm" calls,
+        service/frontends.py): the checks run now (a refusal raises here), the job is queued,
+        and ``done(reply, exception)`` runs on the loop when it ends; the weight is held
+        until then."""
         if not engine.serving:
             raise Unavailable("the worker is draining and takes no new requests")
         x = call.x
@@ -122,13 +141,17 @@ class CudaSupport:
             flags = engine.flags.state.kernel_flags()
             engine.backend.plan(n, call.precision, flags)  # what the flags forbid: refused now
             cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[MatmulReply] = loop.create_future()
-            engine.device.call(loop, self._job, (e, call, yd, flags, time.perf_counter(), cost),
-                               done, expect_s=self._job_s.get(cost))
-            return await asyncio.shield(done)  # the job finishes even if the caller goes
-        finally:
+
+            def finished(reply: Any, exc: BaseException | None) -> None:
+                engine.registry.release(e)
+                done(reply, exc)
+
+            engine.device.call(asyncio.get_running_loop(), self._job,
+                               (e, call, yd, flags, time.perf_counter(), cost), finished,
+                               expect_s=self._job_s.get(cost))
+        except BaseException:
             engine.registry.release(e)
+            raise
 
     def _job(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
              cost: tuple[Any, ...]) -> MatmulReply:

@@ -917,7 +917,7 @@ class FrontendsWorker(Worker):
         bounds, alignment, the backing object still there, y's span) run here, in this loop
         trip; the request goes to the engine with a sink, which writes y into its region,
         lets the regions go and answers ("rmok": the reply's fields, no bytes). No task, no
-        protobuf. A CUDA IPC region on either side takes ``regions.matmul`` (a task)."""
+        protobuf. A CUDA IPC region on either side: ``_cuda_region_matmul`` (no task either)."""
         fe.calls += 1
         table = self.regions
         assert table is not None
@@ -928,11 +928,9 @@ class FrontendsWorker(Worker):
             xr, yr = table.hold(owner, io.x), table.hold(owner, io.y)
             assert xr is not None and yr is not None
             if CUDA in (xr.kind, yr.kind):  # on the device end to end (cuda_regions.py)
-                table.let_go(xr)
-                table.let_go(yr)
-                xr = yr = None
-                self._task(self._region_task(fe, rid, owner, io, MatmulCall(
-                    weight, _NO_X, _PRECISION_OF[precision], DTYPES[out_dtype], timeout)))
+                self._cuda_region_matmul(fe, rid, xr, yr, io, weight, precision, out_dtype,
+                                         timeout)
+                self._count_pending(fe)
                 return
             call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
                               _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
@@ -979,20 +977,44 @@ class FrontendsWorker(Worker):
             fe.done_one()
             self._pending -= 1
 
-    async def _region_task(self, fe: _Front, rid: int, owner: str, io: RegionIO,
-                           call: MatmulCall) -> None:
-        """``_region_matmul`` with a CUDA IPC region: ``regions.matmul`` (its checks and views;
-        ``call`` gets the x it views)."""
-        assert self.regions is not None
+    def _cuda_region_matmul(self, fe: _Front, rid: int, xr: Region, yr: Region, io: RegionIO,
+                            weight: str, precision: str, out_dtype: str,
+                            timeout: float | None) -> None:
+        """``_region_matmul`` with a CUDA IPC region on either side (x and y held): the
+        checks of ``regions.matmul`` here, the job through ``CudaSupport.start`` (no task, no
+        future), answered as "rmok" from its end (``_region_done``; a y in a CUDA region is
+        written by the job, a y for a system region comes back on the host). Raises what
+        refuses the call (the caller lets the regions go)."""
+        table = self.regions
+        assert table is not None and table.cuda is not None  # (a CUDA region exists)
+        assert io.x is not None and io.y is not None and io.x_shape is not None
+        call = MatmulCall(weight, xr.array(io.x.offset, io.x_dtype, io.x_shape, "x"),
+                          _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
+        shape = (io.x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
+        dest = yr.array(io.y.offset, call.out_dtype, shape, "y", writable=True)
+        table.cuda.start(self.engine, call, dest if yr.kind == CUDA else None,
+                         functools.partial(self._cuda_region_done, fe, rid, xr, yr, io.y.offset,
+                                           dest, np.dtype(call.out_dtype), shape))
+
+    def _cuda_region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
+                          dest: Any, out: np.dtype, shape: tuple[int, int], reply: Any,
+                          exc: BaseException | None) -> None:
+        table = self.regions
+        assert table is not None
         try:
-            reply = await regions_mod.matmul(
-                self.regions, self.engine, owner, io,  # type: ignore[arg-type]
-                lambda x: dataclasses.replace(call, x=x))
-            fe.send(("ok", rid, reply))
-        except BaseException as e:
+            if exc is not None:
+                fe.send(("err", rid, _portable_error(exc)))
+                return
+            if yr.kind != CUDA:  # y came back on the host: into the system region
+                yr.array(y_off, reply.y.dtype, reply.y.shape, "y", writable=True)[...] = reply.y
+            fe.send(("rmok", rid, _fields(reply), (_NAME.get(out) or dtype_name(out), shape)))
+        except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
-            if not isinstance(e, Exception):
-                raise
+        finally:
+            table.let_go(xr)
+            table.let_go(yr)
+            fe.done_one()
+            self._pending -= 1
 
     async def _call(self, fe: _Front, rid: int, method: str, args: tuple[Any, ...]) -> None:
         try:

@@ -210,6 +210,9 @@ class CudaPlane(Protocol):
 
     async def matmul(self, engine: Any, call: Any, yd: Any) -> Any: ...
 
+    def start(self, engine: Any, call: Any, yd: Any,
+              done: Callable[[Any, BaseException | None], None]) -> None: ...
+
 
 class Region:
     """One registered region; ``users`` requests hold it open."""

@@ -78,6 +78,7 @@ class HostPlane:
         self.allocations: dict[bytes, np.ndarray] = {}
         self.open_count = 0
         self.calls = 0
+        self.started = 0  # calls through start (no task)
 
     def open(self, src: CudaIpcSource) -> Mapping:
         alloc = self.allocations.get(src.handle)
@@ -95,6 +96,23 @@ class HostPlane:
             return reply
         yd[...] = reply.y
         return dataclasses.replace(reply, y=None)
+
+    def start(self, engine: Any, call: Any, yd: Any, done: Callable[..., None]) -> None:
+        """matmul without a task (the device process's "rm" path): refusals raise here."""
+        self.calls += 1
+        self.started += 1
+
+        def sink(fut: Any) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                done(None, fut.exception() if not fut.cancelled() else RuntimeError("cancel"))
+                return
+            reply = fut.result()
+            if yd is not None:
+                yd[...] = reply.y
+                reply = dataclasses.replace(reply, y=None)
+            done(reply, None)
+
+        engine.start_matmul(dataclasses.replace(call, x=np.array(call.x)), sink)
 
 
 class HostMapping(Mapping):
@@ -198,8 +216,9 @@ def test_cuda_region_message_path(plane: Any, rng: np.random.Generator) -> None:
 def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
                                         rng: np.random.Generator) -> None:
     """With --frontends, a request naming CUDA regions for x and y reaches the device-side
-    matmul through the device process's region call (FrontendsWorker._region_task); mixed with
-    a system region too; a bad y offset is refused before any device work."""
+    matmul through the device process's "rm" message (FrontendsWorker._cuda_region_matmul:
+    CudaSupport.start, no task); mixed with a system region either way; a bad y offset or
+    weight is refused before any device work; nothing stays held."""
     from tests.dataplane.test_frontends import Running
 
     p = HostPlane()
@@ -217,14 +236,22 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
         c.register_region(dev)  # type: ignore[arg-type]
         out = c.matmul_full("w", x, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
         np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-4)
-        with c.register_shm("sys", 8192) as sysr:
+        with c.register_shm("sys", 16384) as sysr:
             np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128), y_region=sysr),
                                        want, rtol=1e-5, atol=1e-4)
-        assert p.calls == 2
+            sysr.put(8192, x)
+            c.matmul("w", sysr.ndarray(8192, np.float16, x.shape), x_region=(sysr, 8192),
+                     y_region=(dev, 16384))
+            np.testing.assert_allclose(dev.ndarray(16384, np.float32, want.shape), want,
+                                       rtol=1e-5, atol=1e-4)
+            assert code_of(lambda: c.matmul("nope", x, x_region=(dev, 128),  # type: ignore[arg-type]
+                                            y_region=sysr))[0] == C.NOT_FOUND
+        assert p.calls == p.started == 3
         code, msg = code_of(lambda: c.matmul("w", x, x_region=(dev, 128),  # type: ignore[arg-type]
                                              y_region=(dev, 65536 - 100)))
         assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
-        assert p.calls == 2
+        assert p.calls == 3
+        assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
         c.unregister_region("dev")
         assert p.open_count == 0
     finally:
