@@ -868,13 +868,20 @@ class FrontendsWorker(Worker):
                 sink(_settled(exc))
             return
         r = fut.result()
+        fields = None  # the merged reply's fields: the same for every part
         row = 0
         for call, sink in parts:
             n = call.x.shape[0]
-            sink(_settled(MatmulReply(r.y[row : row + n], r.kernel, r.layout, r.precision,
-                                      r.queue_seconds, r.kernel_seconds, r.batch_rows,
-                                      r.batch_requests, r.device_seconds)))
+            y = r.y[row : row + n]
             row += n
+            if getattr(sink, "func", None) == self._matmul_done:  # a plain call: answered here
+                if fields is None:
+                    fields = _fields(r)
+                self._answer_mm(*sink.args, fields, y)  # (no reply object or future per call)
+                continue
+            sink(_settled(MatmulReply(y, r.kernel, r.layout, r.precision, r.queue_seconds,
+                                      r.kernel_seconds, r.batch_rows, r.batch_requests,
+                                      r.device_seconds)))
 
     def _count_pending(self, fe: _Front) -> None:
         """A matmul of ``fe`` was queued (its sink counts it done)."""
@@ -883,10 +890,14 @@ class FrontendsWorker(Worker):
         self.pending_peak = max(self.pending_peak, self._pending)
 
     def _matmul_done(self, fe: _Front, rid: int, slot: int, fut: asyncio.Future[Any]) -> None:
+        if _told_failure(fe, rid, fut):
+            self._one_done(fe)
+            return
+        reply = fut.result()
+        if isinstance(reply, MatmulReply) and reply.y is not None:
+            self._answer_mm(fe, rid, slot, _fields(reply), reply.y)
+            return
         try:
-            if _told_failure(fe, rid, fut):
-                return
-            reply = fut.result()
             if not fe.alive:
                 return  # its front end died: the result has nobody to go to
             outs: Outs = []
@@ -906,8 +917,29 @@ class FrontendsWorker(Worker):
         except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
         finally:
-            fe.done_one()
-            self._pending -= 1
+            self._one_done(fe)
+
+    def _answer_mm(self, fe: _Front, rid: int, slot: int, fields: tuple[Any, ...],
+                   y: np.ndarray) -> None:
+        """A plain call's answer: y into its slot (or in the message), "mmok" with the
+        reply's ``fields``."""
+        try:
+            if not fe.alive:
+                return  # its front end died: the result has nobody to go to
+            if slot >= 0 and y.nbytes <= fe.arena.slot_bytes:
+                fe.arena.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
+                out: Any = (0, *_desc(y))
+            else:
+                out = np.ascontiguousarray(y)
+            fe.send(("mmok", rid, fields, [out]))
+        except Exception as e:
+            fe.send(("err", rid, _portable_error(e)))
+        finally:
+            self._one_done(fe)
+
+    def _one_done(self, fe: _Front) -> None:
+        fe.done_one()
+        self._pending -= 1
 
     def _region_matmul(self, fe: _Front, rid: int, owner: str, xs: tuple[Any, ...],
                        ys: tuple[str, int], weight: str, precision: str, out_dtype: str,
