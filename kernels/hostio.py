@@ -13,6 +13,9 @@ and dtype, and only while that address is routed by one call (two calls in fligh
 x bytes make the route ambiguous: neither gets it, both take the usual way). A batch of
 several requests is concatenated elsewhere, so its x never matches a route.
 
+Every call whose x lies in a region routes, with its y destination or with None (its y comes
+back in the reply), so that no call can take another's route.
+
 Thread safety: pins and routes change on the event loop; launches may run on the device
 thread. :attr:`lock` is held by the backend from "is x pinned?" to the end of enqueueing its
 copies, and by :meth:`unpin` around "wait for the stream, unregister", so a range is never
@@ -98,13 +101,16 @@ class HostIO:
         return any(s <= p and end <= e for s, e in self._ranges.items())
 
     # -- y routes ----------------------------------------------------------------------------
-    def route(self, x: np.ndarray, y: np.ndarray) -> int:
+    def route(self, x: np.ndarray, y: np.ndarray | None) -> int:
         """Ask that the call whose activations are ``x`` writes its output into ``y``; returns
-        the key for :meth:`unroute` (call it exactly once, when the call is answered)."""
+        the key for :meth:`unroute` (call it exactly once, when the call is answered). ``y``
+        None: the call's y goes the usual way, and no other call on these x bytes gets a
+        route meanwhile (every call whose x is in a region says so: else a call with its y in
+        the reply could take another call's route)."""
         key = x.ctypes.data
         got = self._routes.get(key)
         if got is None:
-            self._routes[key] = [1, (x.shape, x.dtype, y)]
+            self._routes[key] = [1, None if y is None else (x.shape, x.dtype, y)]
         else:  # two calls on the same x bytes: which launch is whose is unknown
             got[0] += 1
             got[1] = None

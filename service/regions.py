@@ -369,10 +369,11 @@ class RegionTable:
         self._mapped -= region.byte_size
 
     # -- y straight from the device (kernels/hostio.py) --------------------------------------
-    def route(self, x: np.ndarray, y: np.ndarray) -> int | None:
-        """Ask the backend to write the output of the call on ``x`` into ``y`` (a system
-        region's writable view); returns the key for :meth:`unroute` (None: nothing routed).
-        Whether it did is :func:`written` of the reply's y."""
+    def route(self, x: np.ndarray, y: np.ndarray | None) -> int | None:
+        """Ask the backend to write the output of the call on ``x`` (a system region's view)
+        into ``y`` (a system region's writable view; None: y comes back in the reply, and no
+        other call on these x bytes is routed meanwhile); returns the key for :meth:`unroute`
+        (None: nothing routed). Whether it did is :func:`written` of the reply's y."""
         if self.hostio is None:
             return None
         return self.hostio.route(x, y)
@@ -485,6 +486,12 @@ async def _run(table: RegionTable, engine: _MatmulEngine, io: RegionIO, xr: Regi
             table.unroute(key)
         if written(reply.y, dest):
             return dataclasses.replace(reply, y=YSpec(np.dtype(call.out_dtype), shape))
+    elif xr is not None:  # x in a system region, y in the reply: no other call's y route
+        key = table.route(call.x, None)
+        try:
+            reply = await engine.matmul(call)
+        finally:
+            table.unroute(key)
     else:
         reply = await engine.matmul(call)
     if yr is None:

@@ -127,6 +127,12 @@ def test_hostio_routes_exact_x_only_and_ambiguous_routes_nobody() -> None:
     io.route(x, y)
     io.unroute(key)
     assert io.routes == 0
+    key3 = io.route(x, None)  # a call on these x bytes whose y comes back in the reply
+    io.route(x, y)
+    assert io.output(x, 16, None) is None  # so nobody may take a route meanwhile
+    io.unroute(key3)
+    io.unroute(key)
+    assert io.routes == 0
     ro = y.view()
     ro.flags.writeable = False
     io.route(x, ro)
