@@ -164,6 +164,9 @@ class Backend(abc.ABC):
     """What every backend implements. All arrays are host NumPy arrays."""
 
     name: str
+    # launches that may await their ``wait`` at once (the CUDA backend: its launch slots, so a
+    # batch can be launched while the previous one runs); the NumPy backend computes at launch
+    launch_slots: int = 1
 
     @abc.abstractmethod
     def device_name(self) -> str: ...
@@ -225,9 +228,10 @@ class Backend(abc.ABC):
 
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """An ``[n, k]`` array to build the next :meth:`matmul`'s activations in (e.g. a batch
-        concatenated straight into it). The CUDA backend hands out its pinned upload buffer,
-        so a call given this array skips its host copy; the array is valid until the next
-        call on this backend (build and call from the same thread). Default: a new array."""
+        concatenated straight into it). The CUDA backend hands out the pinned upload buffer of
+        its next launch slot, so a call given this array skips its host copy; the array is
+        valid until the next call on this backend (build and call from the same thread).
+        Default: a new array."""
         return np.empty((n, k), dtype)
 
     def close(self) -> None:  # noqa: B027 - optional hook

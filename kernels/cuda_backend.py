@@ -48,7 +48,7 @@ from .cuda.dispatch import (
     default_cfg,
     load_default_table,
 )
-from .cuda.launch import IN_TYPES, Launcher
+from .cuda.launch import IN_TYPES, SLOTS, Launcher
 from .cuda.storage import Storage, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
@@ -62,6 +62,8 @@ class CudaBackend(Backend):
     ``table``: the dispatch table (default: the committed one; None: heuristics only; a path:
     that file). ``graphs``: capture each launch sequence as a CUDA graph (the wall bench
     turns it off to compare)."""
+
+    launch_slots = SLOTS  # launches in flight at once (kernels/cuda/launch.py)
 
     name = "cuda"
 
@@ -179,7 +181,8 @@ class CudaBackend(Backend):
         are not copied again (see :meth:`Backend.staging`)."""
         dt = np.dtype(dtype)
         ws = self.launcher.ws
-        buf = ws.host(n * k * dt.itemsize)
+        ws.staged_slot = ws.free_slot()  # the next launch's: not one a launch in flight uses
+        buf = ws.host(n * k * dt.itemsize, ws.staged_slot)
         ws.staged = buf[: n * k * dt.itemsize].view(dt).reshape(n, k)
         return ws.staged
 

@@ -51,6 +51,7 @@ class DeadlineExceeded(Q6Error):
 
 
 HANDOFF_ENV = "Q6SERVE_HANDOFF_YIELD"  # 0: never yield the GIL on a hand-off (Device)
+PIPELINE_ENV = "Q6SERVE_PIPELINE"  # 0: one launched batch at a time (Device.launch_slots)
 
 
 def handoff_yield_for(backend_name: str) -> bool:
@@ -83,12 +84,24 @@ class Device:
     jobs). A job that comes with a ``launch`` (a batch whose kernels take long: the lm-head)
     is only *launched* on the loop: ``launch`` returns a :class:`Deferred` whose ``wait`` runs
     on the device thread, so the loop is free while the GPU works and the device thread needs
-    the GIL only to hear of the end."""
+    the GIL only to hear of the end.
 
-    def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0) -> None:
+    ``launch_slots`` > 1 (the backend's, unless ``Q6SERVE_PIPELINE=0``): while the device thread
+    only waits for launched batches, fewer than that many, a short job that comes with a
+    ``launch`` is launched on the loop now, behind them, instead of being held: the GPU starts
+    it the moment the previous batch ends, rather than after that end has reached the loop and
+    the next launch has run (an lm-head batch's GPU sat idle ~half of each job that way). The
+    waits run on the thread in launch order."""
+
+    def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0,
+                 launch_slots: int = 1) -> None:
         self.name = name
         self.handoff_yield = handoff_yield
         self.inline_s = inline_s
+        pipeline = os.environ.get(PIPELINE_ENV, "1").strip() != "0"
+        self.launch_slots = max(1, launch_slots) if pipeline else 1
+        self._waits = 0  # of the jobs in the thread, waits of launched batches (Deferred)
+        self.behind_jobs = 0  # jobs launched behind a launched batch (see launch_slots)
         self._held: collections.deque[tuple[Any, ...]] = collections.deque()
         self.deferred_jobs = 0  # inline jobs launched on the loop and waited for on the thread
         # One thread fed by a SimpleQueue, answering through call_soon_threadsafe: one loop
@@ -152,7 +165,9 @@ class Device:
         self.inflight += 1
         self.jobs += 1
         short = self._short(expect_s)
-        if self._held or (short and self._in_thread):
+        if not self._held and self._behind(launch, short):
+            self._run_here(loop, fn, args, done, launch, False)
+        elif self._held or (short and self._in_thread):
             # held until the thread is free, in order: a job that comes later never goes
             # ahead of a held one (a held short job waited for ever behind other callers'
             # stream of long jobs: the device thread was never idle)
@@ -179,10 +194,21 @@ class Device:
                 for w in waiters:
                     w()
 
+    def _behind(self, launch: Callable[..., Any] | None, short: bool) -> bool:
+        """A short job with a ``launch`` may be launched now behind the launched batches that
+        are all the device thread has (fewer than ``launch_slots``)."""
+        if launch is None or not short or not self._in_thread:
+            return False
+        if self._in_thread == self._waits < self.launch_slots:
+            self.behind_jobs += 1
+            return True
+        return False
+
     def _to_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
-                   args: tuple[Any, ...], done: Any) -> None:
+                   args: tuple[Any, ...], done: Any, wait: bool = False) -> None:
         self._in_thread += 1
-        self._jobs.put((loop, done, fn, args))
+        self._waits += wait
+        self._jobs.put((loop, done, fn, args, wait))
         if self.inflight == 1 and self.handoff_yield:
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
 
@@ -200,7 +226,7 @@ class Device:
             raise
         if isinstance(out, Deferred):
             self.deferred_jobs += 1
-            self._to_thread(loop, out.wait, (), done)
+            self._to_thread(loop, out.wait, (), done, wait=True)
         elif settle_now:
             self._done(done, out, None)
         else:
@@ -209,26 +235,35 @@ class Device:
     def _work(self) -> None:
         """The device thread: run jobs in order, hand each outcome back to its loop."""
         while (job := self._jobs.get()) is not None:
-            loop, done, fn, args = job
+            loop, done, fn, args, wait = job
             try:
                 outcome: tuple[Any, BaseException | None] = (fn(*args), None)
             except BaseException as e:  # every waiter must hear of a failure
                 outcome = (None, e)
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(self._threaded_done, done, *outcome)
+                loop.call_soon_threadsafe(self._threaded_done, done, wait, *outcome)
             # drop this job's arrays now, not at the next job: activations may view a
             # shared-memory region that must unmap when its request is done (regions.py)
             job = done = fn = args = outcome = None  # type: ignore[assignment]
 
-    def _threaded_done(self, done: Any, result: Any, exc: BaseException | None) -> None:
+    def _threaded_done(self, done: Any, wait: bool, result: Any,
+                       exc: BaseException | None) -> None:
         self._in_thread -= 1
+        self._waits -= wait
         self._done(done, result, exc)
-        while self._in_thread == 0 and self._held:  # the thread is free: held jobs, in order
-            loop, fn, args, done, launch, settle, short = self._held.popleft()
-            if short:
-                self._run_here(loop, fn, args, done, launch, settle)
+        while self._held:  # held jobs, in order: when the thread is free, or behind launches
+            loop, fn, args, done, launch, settle, short = self._held[0]
+            if self._in_thread == 0:
+                self._held.popleft()
+                if short:
+                    self._run_here(loop, fn, args, done, launch, settle)
+                else:
+                    self._to_thread(loop, fn, args, done)
+            elif self._behind(launch, short):
+                self._held.popleft()
+                self._run_here(loop, fn, args, done, launch, False)
             else:
-                self._to_thread(loop, fn, args, done)
+                break
 
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1

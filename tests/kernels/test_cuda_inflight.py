@@ -1,0 +1,107 @@
+"""Two launches in flight on one CudaBackend (kernels/cuda/launch.py, point 5: launch slots).
+
+CPU: the slot bookkeeping (which slot the next launch takes, a third launch refused while two
+await their waits). GPU (``-m gpu``): a second batch launched before the first's wait - same
+weight and N (the same bound sequence in the other slot), small and large y, the top-k
+epilogue, activations built in place in each slot's staging buffer - gives bit-identical
+results and kernel times for both; a third launch raises until one wait is called."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import Layout, iter_aos_chunks
+from q6serve.kernels.cuda.launch import SLOTS, Workspace
+from q6serve.kernels.errors import DeviceError
+
+try:
+    import cupy
+except ImportError:  # CI: no CuPy at all
+    cupy = None
+
+
+def test_slots_go_to_the_first_free_one_and_a_launch_past_them_is_refused() -> None:
+    ws = Workspace(SimpleNamespace())
+    assert SLOTS == 2
+    assert ws.free_slot() == 0
+    ws.take(0)
+    assert ws.free_slot() == 1
+    ws.take(1)
+    with pytest.raises(DeviceError, match="in flight"):
+        ws.free_slot()
+    ws.release(0)
+    assert ws.free_slot() == 0
+    ws.release(1)
+    assert ws.free_slot() == 0
+
+
+def _gpus() -> int:
+    if cupy is None:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(_gpus() == 0, reason="needs CuPy and a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def be():
+    if _gpus() == 0:
+        pytest.skip("needs CuPy and a CUDA GPU")
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    b = CudaBackend(0)
+    yield b
+    b.close()
+
+
+def _weight(be, rng: np.random.Generator, rows: int, k: int):
+    n = rows * (k // 256)
+    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
+    return be.load(iter_aos_chunks(blocks, rows, k, 1 << 20), rows, k, Layout.SOA, 1 << 20)
+
+
+def _same(a, b) -> None:
+    if a.topk is not None:
+        np.testing.assert_array_equal(a.topk.values, b.topk.values)
+        np.testing.assert_array_equal(a.topk.indices, b.topk.indices)
+        np.testing.assert_array_equal(a.topk.lse, b.topk.lse)
+    else:
+        np.testing.assert_array_equal(a.y, b.y)
+    assert a.timing.seconds() is not None and a.timing.seconds() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, out, topk", [(1, np.float16, 0), (8, None, 0), (64, None, 0),
+                                          (64, np.float16, 0), (16, None, 8)])
+@pytest.mark.parametrize("staged", [False, True])
+def test_two_launches_in_flight_equal_one_at_a_time(be, n, out, topk, staged) -> None:
+    rng = np.random.default_rng(7)
+    w = _weight(be, rng, 4096, 2048)  # y of N=64 f32: 1 MiB (past SMALL_Y): both ways out
+    xs = [rng.standard_normal((n, 2048)).astype(np.float16) for _ in range(3)]
+    want = [be.matmul(w, x, out_dtype=out, topk=topk) for x in xs]  # one at a time
+    for _ in range(3):  # the first calls bind, then capture: every path of the sequence
+        got = []
+        launched = []
+        for x in xs[:2]:
+            if staged:  # built in place in the next launch's slot
+                st = be.staging(n, 2048, np.float16)
+                st[...] = x
+                x = st
+            launched.append(be.launch(w, x, out_dtype=out, topk=topk))
+        with pytest.raises(DeviceError, match="in flight"):
+            be.launch(w, xs[2], out_dtype=out, topk=topk)
+        got.append(launched[0].wait())
+        launched.append(be.launch(w, xs[2], out_dtype=out, topk=topk))  # a slot is free again
+        got += [launched[1].wait(), launched[2].wait()]
+        for g, h in zip(got, want, strict=True):
+            _same(g, h)
+    be.free(w)

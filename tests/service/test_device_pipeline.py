@@ -1,0 +1,126 @@
+"""Device.launch_slots: a short job with a ``launch`` is launched on the loop behind launched
+batches the device thread is only waiting for (fewer than the slots), so the GPU starts it as
+soon as the previous one ends; waits run on the thread in launch order; more than the slots are
+held; ``Q6SERVE_PIPELINE=0`` turns it off."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import KernelTiming, Launched, Layout, MatmulResult, Precision
+from q6serve.service.batcher import DEFER_KERNEL_S, Batcher, BatchKey, BatchSettings, Device
+
+KEY = BatchKey("f32", Precision.EXACT, "f32")
+
+
+class Launches:
+    """A backend's launch/wait pair whose waits block until released, recording where each
+    launch and wait ran and the order the waits ended."""
+
+    def __init__(self) -> None:
+        self.where: list[tuple[str, float, str]] = []
+        self.release = threading.Event()
+
+    def launch(self, x: np.ndarray, key: BatchKey) -> Launched:
+        v = float(x[0, 0])
+        self.where.append(("launch", v, threading.current_thread().name))
+
+        def wait() -> MatmulResult:
+            self.release.wait(10)
+            self.where.append(("wait", v, threading.current_thread().name))
+            return MatmulResult(x * 2, "slow", Layout.SOA, Precision.EXACT,
+                                KernelTiming(host_seconds=2 * DEFER_KERNEL_S))
+
+        return Launched(wait)
+
+    def run(self, x: np.ndarray, key: BatchKey) -> MatmulResult:
+        return self.launch(x, key).wait()
+
+
+def _x(v: float) -> np.ndarray:
+    return np.full((1, 4), v, np.float32)
+
+
+def _batcher(name: str, dev: Device, lz: Launches) -> Batcher:
+    b = Batcher(name, dev, lz.run, BatchSettings(), lambda: True, lambda s: None,
+                launch=lz.launch)
+    b._job_s[(KEY, 1)] = 1e-4  # a like job was short (runs on the loop) ...
+    b._kernel_s[(KEY, 1)] = 2 * DEFER_KERNEL_S  # ... and its kernels long (deferred wait)
+    return b
+
+
+async def _three_batches(dev: Device) -> tuple[Launches, list[str]]:
+    lz = Launches()
+    me = threading.current_thread().name
+    bs = [_batcher(n, dev, lz) for n in ("a", "b", "c")]
+    futs = [bs[0].enqueue(_x(1.0), KEY, None)]
+    await asyncio.sleep(0.02)
+    futs.append(bs[1].enqueue(_x(2.0), KEY, None))
+    await asyncio.sleep(0.02)
+    futs.append(bs[2].enqueue(_x(3.0), KEY, None))
+    await asyncio.sleep(0.02)
+    launched = [v for what, v, where in lz.where if what == "launch" and where == me]
+    assert not any(f.done() for f in futs)
+    lz.release.set()
+    ys = [float((await f).y[0, 0]) for f in futs]
+    assert ys == [2.0, 4.0, 6.0]
+    waits = [v for what, v, _ in lz.where if what == "wait"]
+    assert waits == [1.0, 2.0, 3.0]  # in launch order
+    assert dev.inflight == 0
+    for b in bs:
+        await b.close()
+    return lz, [str(v) for v in launched]
+
+
+def test_a_second_launch_goes_behind_a_launched_batch_and_a_third_is_held() -> None:
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2)
+        lz, launched = await _three_batches(dev)
+        # before any wait ended: batch 1 launched, batch 2 launched behind it, batch 3 held
+        assert launched == ["1.0", "2.0"], lz.where
+        # and once the first wait ended, batch 3 went behind batch 2 (not after it)
+        assert dev.behind_jobs == 2 and dev.deferred_jobs == 3
+        dev.close()
+
+    asyncio.run(main())
+
+
+def test_pipeline_off_holds_the_second_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("Q6SERVE_PIPELINE", "0")
+
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2)
+        assert dev.launch_slots == 1
+        lz, launched = await _three_batches(dev)
+        assert launched == ["1.0"], lz.where
+        assert dev.behind_jobs == 0
+        dev.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_without_launch_is_never_put_behind() -> None:
+    """A job that is not a launched batch (a load, a group) waits for the thread as before."""
+
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2)
+        lz = Launches()
+        b = _batcher("a", dev, lz)
+        first = b.enqueue(_x(1.0), KEY, None)
+        await asyncio.sleep(0.02)
+        ran: list[str] = []
+        other = dev.submit(lambda: ran.append(threading.current_thread().name))
+        await asyncio.sleep(0.02)
+        assert not ran and not other.done()  # behind the wait, on the thread, not launched
+        lz.release.set()
+        await first
+        await other
+        assert ran == ["q6serve-dev-t"]
+        await b.close()
+        dev.close()
+
+    asyncio.run(main())
