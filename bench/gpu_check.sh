@@ -8,8 +8,8 @@
 # and at 4 front ends pinned
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
-#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, VARIANTS ("8 8:m0": :m0 = the
-#   device-side merge off), PIN ("2:8-15")
+#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
+#   VARIANTS ("8 8:m0": :m0 = the device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -38,7 +38,7 @@ t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --s
 t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
   --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
 PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
-t t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
+[[ -z ${SKIP_PINNED:-} ]] && t t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
   --modes stream --weights ffn_down --seconds 2 --warmup 0.3 --pin "$PIN" \
   --json "$OUT/t1_pinned.json"
 t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
@@ -46,12 +46,12 @@ t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worke
 if [[ -z ${SKIP_REPLAY:-} ]]; then
   t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
     --seconds 2 --warmup 0.5 --json "$OUT/replay.json"
-  t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
+  [[ -z ${SKIP_PINNED:-} ]] && t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   # T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
-  t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
+  [[ -z ${SKIP_PINNED:-} ]] && t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
     --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
     --json "$OUT/dataplane_pinned.json"
   VARIANTS=${VARIANTS:-8 8:m0} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
@@ -66,7 +66,7 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   grep -v "^\s*$" "$OUT/wall.log" | tail -8
   grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
   echo "## pinned ($PIN)"
-  grep -E "^# T1|mean us" "$OUT/t1_pinned.log" | tail -3
+  grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
   grep -E "median|loop trips" "$OUT/trips.log" | cut -c1-160
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   echo "## replay pinned ($PIN)"
