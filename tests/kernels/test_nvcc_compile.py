@@ -44,6 +44,11 @@ def _nvcc() -> str | None:
 
 
 NVCC = _nvcc()
+# nvcc of every instantiation is minutes of CPU on a 2-core CI machine, more when other work
+# shares it (all jobs timed out at pytest's default 300 s with three other compiles running):
+# this module's fixture and each compile get their own bounds
+NVCC_TIMEOUT_S = 900
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +69,10 @@ def compiled(tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProc
                           f"void* q6serve_requested[] = {{\n{refs}}};\n")
             cmd = [NVCC, f"-arch={arch}", "-ptx", "-std=c++17", "-o", str(out / "req.ptx"),
                    str(tu)]
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
         cmd = [NVCC, f"-arch={arch}", "-c", "-std=c++17", "-DQ6SERVE_NVCC_CHECK",
                "-Werror", "all-warnings", "-o", str(out / f"{src}.{arch}.o"), str(CUDA_DIR / src)]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
 
     jobs = [(REQUESTED, "sm_90")] + [(s, a) for s in SOURCES for a in ARCHS]
     with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
