@@ -235,6 +235,10 @@ class _Context:
     def __init__(self) -> None:
         self.callbacks: list[Any] = []
         self._code: Any = None
+        self.written: asyncio.Queue[Any] = asyncio.Queue()  # replies, written or yielded
+
+    async def write(self, msg: Any) -> None:
+        self.written.put_nowait(msg)
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
@@ -299,16 +303,22 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int) -> li
             yield raw if handler.request_deserializer is None else \
                 handler.request_deserializer(raw)
 
-    replies = handler.stream_stream(requests(), _Context()).__aiter__()
+    ctx = _Context()
+
+    async def run() -> None:  # as gRPC iterates a handler: what it yields is written
+        async for item in handler.stream_stream(requests(), ctx):
+            await ctx.write(item)
+
+    runner = asyncio.get_running_loop().create_task(run())
     serialize = handler.response_serializer
     out = []
     for _ in range(calls):
         t0 = time.perf_counter()
         incoming.put_nowait(req)
-        serialize(await anext(replies))
+        serialize(await ctx.written.get())
         out.append(time.perf_counter() - t0)
     incoming.put_nowait(None)
-    await anext(replies, None)
+    await runner
     if worker is not None:
         await worker.stop()
     return out

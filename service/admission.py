@@ -457,6 +457,14 @@ class StreamBudget:
         return (key not in self.lingering and mine + nbytes <= self._fair(key)
                 and (mine == 0 or mine + nbytes <= self.per_key))
 
+    def take(self, key: str, nbytes: int) -> bool:
+        """:meth:`acquire` when it would not wait (no coroutine): True if taken."""
+        if not self._fits(key, nbytes):
+            return False
+        self.used += nbytes
+        self._by_key[key] = self._by_key.get(key, 0) + nbytes
+        return True
+
     async def acquire(self, key: str, nbytes: int) -> None:
         loop = asyncio.get_running_loop()
         while not self._fits(key, nbytes):

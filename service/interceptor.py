@@ -28,7 +28,7 @@ import grpc
 from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted
 
 from . import config_limits as lim
-from .admission import READ_STALL_S, Admission, StreamSlots, writers
+from .admission import READ_STALL_S, Admission, StreamSlots, Writers, writers
 from .auth import TokenAuth
 from .metrics import Metrics
 from .wire import ADMIN_METHODS, SERVICE_NAME
@@ -76,16 +76,19 @@ def code_name(e: BaseException) -> str:
     return status_code(e).name if isinstance(e, Q6Error) else "INTERNAL"
 
 
-def observe_stream_request(code: grpc.StatusCode) -> None:
+def observe_stream_request(code: grpc.StatusCode, end: float | None = None) -> None:
     """Count one request of a request/reply stream (MatmulStream) with the outcome its caller
-    sees in the reply, timed from when the worker read it (RPC_START of the message)."""
+    sees in the reply, timed from when the worker read it (RPC_START of the message) to its
+    reply (``end``, a perf_counter() time; default now)."""
     call = _STREAM_CALL.get(None)
     if call is None:
         return
     interceptor, service, method = call
     t0 = RPC_START.get(None)
+    if end is None:
+        end = time.perf_counter()
     interceptor.observe(service, method + STREAM_REQUEST_SUFFIX, code.name,
-                        time.perf_counter() - t0 if t0 is not None else 0.0)
+                        end - t0 if t0 is not None else 0.0)
 
 
 def _set_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
@@ -103,6 +106,9 @@ class _DecodingContext:
                  decode: Callable[[Any], Any]) -> None:
         self._context = context
         self._decode = decode
+        # set by the stream wrapper for a request/reply stream: how the handler writes a
+        # reply itself (context.write, marked for the stream budget, the stream touched)
+        self.send_reply: Callable[[Any], Awaitable[None]] | None = None
 
     async def read(self) -> Any:
         raw = await self._context.read()
@@ -308,7 +314,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             marks = writers() if bidi and service == SERVICE_NAME else None
             key, task = context.peer(), asyncio.current_task()
             try:
-                out = inner_stream(*before(request, context))
+                args = before(request, context)
+                if bidi and isinstance(args[1], _DecodingContext):
+                    args[1].send_reply = functools.partial(self._send_reply, context, marks,
+                                                           key, task)
+                out = inner_stream(*args)
                 if hasattr(out, "__aiter__"):  # an async generator: replies yielded
                     # not `async for item`: this frame would hold the last reply for as
                     # long as a call its client stopped reading stays uncollected
@@ -340,6 +350,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                    else grpc.stream_stream_rpc_method_handler)
         return factory(streaming, request_deserializer=None,
                        response_serializer=handler.response_serializer)
+
+    async def _send_reply(self, context: grpc.aio.ServicerContext, marks: Writers | None,
+                          key: str, task: asyncio.Task[object], reply: Any) -> None:
+        """A reply a request/reply stream's handler writes itself (MatmulStream: from its
+        reader or its writer task), marked as the yielded ones are: blocked writes for the
+        stream budget (``task`` is the RPC's, which a budget cancels), then the stream
+        touched (not idle)."""
+        if marks is not None:
+            marks.begin(key, task, context.time_remaining())
+        writing = context.write(reply)
+        del reply  # a cancelled write's traceback keeps this frame: not the reply with it
+        try:
+            await writing
+        finally:
+            if marks is not None:
+                marks.end(key, task)
+        self.streams.touch(key, task)
 
     async def _read(self, key: str, context: grpc.aio.ServicerContext) -> Any:
         """The request of an admitted unary call. From a host that sent a big request lately

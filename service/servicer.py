@@ -6,6 +6,7 @@ Errors are raised as ``q6serve.kernels.errors`` exceptions and mapped by the one
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import functools
@@ -66,6 +67,15 @@ class _Window:
         return self.items == 0 or (self.items < self.max_items
                                    and self.nbytes + nbytes <= self.max_bytes)
 
+    def take(self, nbytes: int) -> bool:
+        """:meth:`acquire` when it would not wait (no coroutine): True if taken."""
+        if not self._fits(nbytes) or (self.budget is not None
+                                      and not self.budget.take(self.key, nbytes)):
+            return False
+        self.items += 1
+        self.nbytes += nbytes
+        return True
+
     async def acquire(self, nbytes: int) -> None:
         while not self._fits(nbytes):
             self._freed.clear()
@@ -92,6 +102,120 @@ class _Window:
         if self.budget is not None and self.nbytes:
             self.budget.release(self.key, self.nbytes)
         self.items = self.nbytes = 0
+
+
+class _Deadline:
+    """A stream's deadline, read from gRPC once: the seconds left of it for each request."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        left = context.time_remaining()
+        self.at = None if left is None else time.monotonic() + left
+
+    def left(self) -> float | None:
+        return None if self.at is None else self.at - time.monotonic()
+
+
+class _Replies:
+    """One MatmulStream's replies, written one at a time (gRPC allows one write in flight):
+    by the stream's own coroutine when nothing else is out (:meth:`idle`, :meth:`write`: the
+    direct path), else queued (:meth:`put`) for one writer task, made on first use. Each
+    reply's window share is released once it is written. ``open``: requests queued or
+    running whose reply is not queued yet."""
+
+    __slots__ = ("busy", "done", "error", "open", "out", "send", "task", "wait_open", "wake",
+                 "window")
+
+    def __init__(self, send: Callable[[Any], Any], window: _Window) -> None:
+        self.send = send
+        self.window = window
+        self.out: collections.deque[tuple[Any, int]] = collections.deque()
+        self.open = 0
+        self.busy = False  # a write in flight
+        self.task: asyncio.Task[None] | None = None
+        self.wake: asyncio.Future[None] | None = None  # the writer waits for a reply
+        self.done: asyncio.Future[None] | None = None  # finish() waits for the last write
+        self.error: BaseException | None = None  # a write that failed (the writer stops)
+        self.wait_open = True  # finish() waits for the open requests too
+
+    def idle(self) -> bool:
+        return self.open == 0 and not self.busy and not self.out and self.error is None
+
+    async def write(self, item: Any, cost: int) -> None:
+        """Write ``item`` from the stream's coroutine (only when :meth:`idle`). No frame
+        here holds the reply while the write waits: a cancelled write's traceback keeps
+        its frames (a non-reading client's replies stayed with its cancelled call)."""
+        self.busy = True
+        sending = self.send(item)
+        del item
+        try:
+            await sending
+        finally:
+            self.busy = False
+        self.window.release(cost)
+        if self.out:  # (queued meanwhile: cannot happen while nothing was open)
+            self._kick()
+
+    def put(self, item: Any, cost: int) -> None:
+        """Queue ``item`` for the writer (a request that was open, or a reply that found a
+        write in flight)."""
+        self.out.append((item, cost))
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._writer())
+        elif self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+    async def _writer(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                while self.out and not self.busy:
+                    item, cost = self.out.popleft()
+                    self.busy = True
+                    sending = self.send(item)
+                    del item  # (see write)
+                    try:
+                        await sending
+                    finally:
+                        self.busy = False
+                    self.window.release(cost)
+                if (self.done is not None and not self.out
+                        and (self.open == 0 or not self.wait_open)):
+                    if not self.done.done():
+                        self.done.set_result(None)
+                    return
+                self.wake = loop.create_future()
+                await self.wake
+                self.wake = None
+        except BaseException as e:
+            self.error = e
+            if self.done is not None and not self.done.done():
+                self.done.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+
+    async def finish(self, wait_open: bool = True) -> None:
+        """Wait until every open request is answered and every reply written (``wait_open``
+        False: only the replies queued already)."""
+        if self.error is not None:
+            raise self.error
+        self.wait_open = wait_open
+        if (self.open == 0 or not wait_open) and not self.out and not self.busy:
+            return
+        self.done = asyncio.get_running_loop().create_future()
+        self._kick()
+        await self.done
+
+    def close(self) -> None:
+        """The stream ended: stop the writer, drop unsent replies (idempotent)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.out.clear()
+        self.busy = False
 
 
 class RegionPlane:
@@ -235,11 +359,15 @@ class Q6ServeServicer:
             return size
 
     async def MatmulStream(self, request_iterator: AsyncIterator[Any],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                           context: grpc.aio.ServicerContext) -> None:
         """Requests are queued as they arrive (so they batch with each other and with other
         callers); replies go out as they finish, each tagged with its request id. No task per
-        request: the reader decodes and queues each request (``Engine.start_matmul``) and the
-        request's future hands its encoded reply to the stream's queue from a done callback.
+        request: this coroutine (the RPC's task) reads and decodes each request and queues it
+        (``Engine.start_matmul``); the request's sink hands its encoded reply to the stream's
+        writer task. **The direct path** (``Engine.run_now``): a request that would run at
+        once as a lone inline job, arriving while nothing of this stream is in flight or
+        being written, runs here and its reply is written by this coroutine itself, as a bare
+        echo handler would (no queue, future, sink, writer wake-up or loop trip between).
 
         Back-pressure: a request holds its share of the stream's window (one of
         ``max_stream_inflight`` slots and its :meth:`_cost` in bytes) until its reply has been
@@ -248,18 +376,13 @@ class Q6ServeServicer:
         from reading further requests: it stalls only itself, and holds at most
         max(``max_stream_bytes``, one request) of the worker's memory.
         """
-        out: asyncio.Queue[list[Any] | None] = asyncio.Queue()  # [reply, cost]
         window = _Window(self.max_stream_inflight, self.max_stream_bytes, self.stream_budget,
                          context.peer())
+        replies = _Replies(getattr(context, "send_reply", None) or context.write, window)
         pending: set[asyncio.Future[Any]] = set()
-        state = {"reading": True, "open": 0}  # open: requests whose reply is not queued yet
-
-        def put(item: Any, cost: int) -> None:
-            observe_stream_request(wire.stream_reply_code(item))  # as its caller sees it
-            out.put_nowait([item, cost])
-            state["open"] -= 1
-            if not state["reading"] and state["open"] == 0:
-                out.put_nowait(None)
+        direct = getattr(self.engine, "run_now", None)
+        rpc = asyncio.current_task()  # this coroutine's: it queues no request while running
+        deadline = _Deadline(context)
 
         def answer(rid: str, took: wire.Took | None, cost: int, answered: list[bool],
                    ctx: contextvars.Context, fut: asyncio.Future[Any]) -> None:
@@ -291,86 +414,89 @@ class Q6ServeServicer:
                     item = wire.stream_reply(fut.result(), rid, took)
             except Exception as e:  # encoding failed: the request still gets an answer
                 item = _stream_error(rid, e)
-            put(item, cost)
+            observe_stream_request(wire.stream_reply_code(item))  # as its caller sees it
+            replies.open -= 1
+            replies.put(item, cost)
 
-        # the direct path (Engine.run_now): a request that would run at once as a lone
-        # inline job is run here, its reply queued in this trip (no future, sink or timer)
-        direct = getattr(self.engine, "run_now", None)
-        rpc = asyncio.current_task()  # the response generator's: it queues no request
-
-        async def read() -> None:
-            try:
-                async for req in request_iterator:
-                    cost = self._cost(req)
-                    await window.acquire(cost)
-                    t0 = RPC_START.get(None) or time.perf_counter()
-                    rid = req.request_id
-                    state["open"] += 1
-                    try:
-                        io = wire.region_io(req)
-                        if io is not None:  # rare path: a task holds the regions
-                            fut = asyncio.ensure_future(self._stream_region(req, io, context,
-                                                                            t0))
-                            pending.add(fut)
-                            fut.add_done_callback(functools.partial(
-                                answer, rid, None, cost, [False], contextvars.copy_context()))
-                            continue
-                        call = wire.matmul_call(req, _timeout(context))
-                        took = wire.Took(t0, time.perf_counter())
-                        if direct is not None and (reply := direct(call, rpc)) is not None:
-                            put(wire.stream_reply(reply, rid, took), cost)
-                            continue
-                        answered = [False]
-                        done = functools.partial(answer, rid, took, cost, answered,
-                                                 contextvars.copy_context())
-                        fut = self._start(call, done)
-                    except Exception as e:
-                        put(_stream_error(rid, e), cost)
-                        continue
-                    finally:
-                        del req  # the queued call holds what it needs (x); nothing else
-                    if not answered[0]:  # (never answered yet: futures resolve in a later trip)
-                        pending.add(fut)
-                        fut.add_done_callback(done)
-            except BaseException:
-                out.put_nowait(None)  # stop the replies; the failure surfaces below
-                raise
-            state["reading"] = False
-            if state["open"] == 0:
-                out.put_nowait(None)
-
-        reader = asyncio.get_running_loop().create_task(read())
-
-        def ended(_: object) -> None:
-            """On the RPC's end, however it ends: a cancelled call leaves this generator
-            suspended (finalized only when the cyclic GC collects it, with everything its
-            frame holds), so what it holds is let go here: the futures, the window, and the
-            replies computed but not sent (a non-reading client's: 252 MiB of them stayed
-            until a collection after 8 such streams)."""
-            reader.cancel()
-            if pending or not out.empty():  # abandoned: its frames wait for the cyclic GC
+        def ended(_: object = None) -> None:
+            """On the RPC's end, however it ends (and from this coroutine's own end): a
+            cancelled call may leave frames in reference cycles (finalized only when the
+            cyclic GC collects them, with everything they hold), so what the stream holds is
+            let go here: the futures, the window, the writer, and the replies computed but
+            not sent (a non-reading client's: 252 MiB of them stayed until a collection
+            after 8 such streams). Idempotent."""
+            if pending or replies.out or replies.busy:  # abandoned: a collection is asked
                 gcfreeze.collect_soon()
             for fut in list(pending):
                 fut.cancel()
-            window.close()
-            while not out.empty():
-                out.get_nowait()
+            pending.clear()
+            replies.close()
+            window.close()  # what unsent replies held goes back to the worker's budget
 
         context.add_done_callback(ended)
         try:
-            while (got := await out.get()) is not None:
-                cost = got[1]
-                # popped, so this frame does not hold the reply while suspended here
-                yield got.pop(0)  # returns once gRPC has written it (flow control permitting)
-                window.release(cost)
-            await reader  # surfaces a failure of the request stream itself
+            async for req in request_iterator:
+                cost = self._cost(req)
+                if not window.take(cost):
+                    await window.acquire(cost)
+                t0 = RPC_START.get(None) or time.perf_counter()
+                rid = req.request_id
+                item = None
+                try:
+                    io = wire.region_io(req)
+                    if io is not None:  # rare path: a task holds the regions
+                        replies.open += 1
+                        fut = asyncio.ensure_future(self._stream_region(req, io, context, t0))
+                        pending.add(fut)
+                        fut.add_done_callback(functools.partial(
+                            answer, rid, None, cost, [False], contextvars.copy_context()))
+                        continue
+                    call = wire.matmul_call(req, deadline.left())
+                    took = wire.Took(t0, time.perf_counter())
+                    if (direct is not None and replies.idle()
+                            and (reply := direct(call, rpc)) is not None):
+                        item = wire.stream_reply(reply, rid, took)
+                    else:
+                        answered = [False]
+                        done = functools.partial(answer, rid, took, cost, answered,
+                                                 contextvars.copy_context())
+                        replies.open += 1
+                        try:
+                            fut = self._start(call, done)
+                        except BaseException:
+                            replies.open -= 1
+                            raise
+                        if not answered[0]:  # (never answered yet: futures resolve later)
+                            pending.add(fut)
+                            fut.add_done_callback(done)
+                        continue
+                except Exception as e:
+                    item = _stream_error(rid, e)
+                finally:
+                    del req  # the queued call holds what it needs (x); nothing else
+                # answered here and now (the direct path, or refused): written by this
+                # coroutine when nothing is out, else queued for the writer
+                code = wire.stream_reply_code(item)
+                if replies.idle():
+                    t_reply = time.perf_counter()
+                    writing = replies.write(item, cost)
+                    del item  # (see _Replies.write)
+                    await writing
+                    observe_stream_request(code, t_reply)  # after the write: off the path
+                else:
+                    observe_stream_request(code)
+                    replies.put(item, cost)
+                    del item
+        except Exception:
+            # the request stream failed (e.g. a message that cannot be decoded): the replies
+            # queued already go out first, then the failure ends the call
+            with contextlib.suppress(Exception):
+                await replies.finish(wait_open=False)
+            raise
+        else:
+            await replies.finish()  # every request answered and its reply written
         finally:
-            reader.cancel()
-            for fut in list(pending):
-                fut.cancel()
-            with contextlib.suppress(BaseException):
-                await reader
-            window.close()  # what unsent replies held goes back to the worker's budget
+            ended()
 
     async def _stream_region(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
                              t0: float) -> tuple[Any, wire.Took, bool]:
