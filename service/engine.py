@@ -118,6 +118,17 @@ _malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
 _mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
+_NAME_OF = {dt: name for name, dt in DTYPES.items()}
+# the kernels' flags by (soa, decode_mmq): made once, not per launch
+_FLAGS = {(soa, mmq): KernelFlags(soa=soa, decode_mmq=mmq)
+          for soa in (False, True) for mmq in (False, True)}  # the native dtypes' names, by dict
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    """``dtype_name`` by dict lookup (per request on the loop; the scan for the rest)."""
+    return _NAME_OF.get(dt) or dtype_name(dt)
+
+
 def version() -> str:
     try:
         return metadata.version("q6serve")
@@ -532,11 +543,10 @@ class Engine:
 
         def launch(x: np.ndarray, key: BatchKey) -> Launched:
             w = e.resident  # read where the job runs: relayouts swap it on the device thread
-            flags = KernelFlags(soa=w.layout is Layout.SOA,
-                                decode_mmq=self.flags.state.decode_mmq)
+            flags = _FLAGS[w.layout is Layout.SOA, self.flags.state.decode_mmq]
             try:
                 started = launch_ieee(self.backend, w, x, precision=key.precision, flags=flags,
-                                      out_dtype=np.dtype(DTYPES[key.out_dtype]), topk=key.topk)
+                                      out_dtype=DTYPES[key.out_dtype], topk=key.topk)
             except DeviceError as err:
                 failed(err)
                 raise
@@ -698,9 +708,11 @@ class Engine:
             self._group = None
             g.launch()
 
-    def _admit(self, call: MatmulCall) -> tuple[WeightEntry, BatchKey]:
-        """The checks of a call before it may run (refusals raise here), and its batch key;
-        the weight's entry is acquired (the caller releases it when the call is done)."""
+    def _admit(self, call: MatmulCall, key: BatchKey | None = None,
+               ) -> tuple[WeightEntry, BatchKey]:
+        """The checks of a call before it may run (refusals raise here), and its batch key
+        (``key``: made already); the weight's entry is acquired (the caller releases it
+        when the call is done)."""
         self._check_serving()
         x = call.x
         if x.ndim != 2 or x.shape[0] < 1:
@@ -714,8 +726,8 @@ class Engine:
                                   "top-k values are always f32 (leave out_dtype unset)")
         if call.timeout is not None and call.timeout <= 0:
             raise DeadlineExceeded("deadline already passed")
-        key = BatchKey(dtype_name(x.dtype), call.precision, dtype_name(call.out_dtype),
-                       call.topk)
+        if key is None:
+            key = self._key(call)
         e = self.registry.acquire(call.weight)  # kept alive until the call is done
         try:
             if x.shape[1] != e.k:
@@ -765,9 +777,10 @@ class Engine:
             b = self.registry.get(call.weight).batcher
         except NotFound:
             return None  # (start_matmul says so, after the checks that come first)
-        if b is None or not b.can_run_now(int(x.shape[0]), self._key(call), own):
+        key = self._key(call)
+        if b is None or not b.can_run_now(int(x.shape[0]), key, own):
             return None
-        e, key = self._admit(call)
+        e, key = self._admit(call, key)
         try:
             return b.run_now(call.x, key)
         finally:
@@ -775,8 +788,13 @@ class Engine:
 
     @staticmethod
     def _key(call: MatmulCall) -> BatchKey:
-        return BatchKey(dtype_name(call.x.dtype), call.precision, dtype_name(call.out_dtype),
-                        call.topk)
+        return BatchKey(_dtype_name(call.x.dtype), call.precision,
+                        _dtype_name(call.out_dtype), call.topk)
+
+    def rows_of(self, name: str) -> int:
+        """The rows of weight ``name`` (NOT_FOUND if it is not loaded): ``get(name).rows``
+        without building the view (per stream request, for its window share)."""
+        return self.registry.get(name).rows
 
     # -- flags ------------------------------------------------------------------------------
     def set_flags(self, changes: Mapping[str, bool], who: str = "SetFlags") -> FlagState:

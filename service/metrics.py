@@ -12,6 +12,7 @@ each request inside a request/reply stream), codes come from grpc.StatusCode.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -89,6 +90,8 @@ class Metrics:
         # (service, method, code) -> its duration and count series: labels() costs more
         # than the observation (bounded: the labels are)
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        # (kernel, layout, n_bucket) -> its kernel-duration series' observe (bounded: labels)
+        self._kernel_series: dict[tuple[str, str, str], Callable[[float], None]] = {}
 
     # -- filled by the core -----------------------------------------------------------------
     def observe_request(self, service: str, method: str, code: str, seconds: float) -> None:
@@ -112,8 +115,16 @@ class Metrics:
         self.batch_rows.observe(stats.rows)
         for q in stats.queue_seconds:
             self.queue_delay.observe(max(0.0, q))
-        self.when_timed(res.timing,  # the labelled series appears with its first value
-                        lambda s: self.kernel_duration.labels(*labels).observe(s))
+        series = self._kernel_series.get(labels)
+        if series is None:  # the labelled series appears with its first value
+            series = functools.partial(self._kernel_first, labels)
+        self.when_timed(res.timing, series)
+
+    def _kernel_first(self, labels: tuple[str, str, str], seconds: float) -> None:
+        child = self._kernel_series.get(labels)
+        if child is None:
+            child = self._kernel_series[labels] = self.kernel_duration.labels(*labels).observe
+        child(seconds)
 
     def when_timed(self, timing: KernelTiming, observe: Callable[[float], None]) -> None:
         """``observe(seconds)`` now if the kernel time is known, else from :meth:`poll` once

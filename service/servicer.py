@@ -353,7 +353,9 @@ class Q6ServeServicer:
             n = shape[0] if len(shape) == 2 else 0
             if msg.HasField("topk"):  # f32 values + int32 indices per k, f32 lse
                 return size + len(names) * n * (8 * min(msg.topk.k, MAX_K) + 4)
-            rows = sum(self.engine.get(name).rows for name in names)
+            rows_of = getattr(self.engine, "rows_of", None)
+            rows = (sum(rows_of(name) for name in names) if rows_of is not None
+                    else sum(self.engine.get(name).rows for name in names))
             return size + n * rows * wire.dtype_from_pb(msg.out_dtype).itemsize
         except Q6Error:
             return size
