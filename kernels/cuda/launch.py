@@ -498,9 +498,17 @@ class Launcher:
         host = ws.host(xb.size, slot)
         if not staged:
             host[: xb.size] = xb
+        return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
+                                                           out_dtype, topk, slot, host))
+
+    def _in_slot(self, slot: int, enqueue: Callable[[], Callable[[], Done]],
+                 ) -> Callable[[], Done]:
+        """``enqueue()`` (a launch's work, enqueued in ``slot``; returns its finish) with the
+        slot held until the returned wait has run, and the slot's completion event after it."""
+        ws = self.ws
         ws.take(slot)
         try:
-            finish = self._launch_in(w, cw, x, in_t, path, cfg, out_dtype, topk, slot, host)
+            finish = enqueue()
             ws.done_event(slot).record(self.ctx.stream)
         except BaseException:
             ws.release(slot)
@@ -600,23 +608,9 @@ class Launcher:
         returned as the result (else the usual way out, :meth:`_finish`). Call under the
         device and stream; the returned function makes the one sync (a launch slot's, as
         :meth:`launch`)."""
-        ws = self.ws
-        slot = ws.free_slot()
-        ws.take(slot)
-        try:
-            finish = self._launch_host_in(w, cw, x, path, cfg, out_dtype, y_out, slot)
-            ws.done_event(slot).record(self.ctx.stream)
-        except BaseException:
-            ws.release(slot)
-            raise
-
-        def done() -> Done:
-            try:
-                return finish()
-            finally:
-                ws.release(slot)
-
-        return done
+        slot = self.ws.free_slot()
+        return self._in_slot(slot, lambda: self._launch_host_in(w, cw, x, path, cfg, out_dtype,
+                                                                y_out, slot))
 
     def _launch_host_in(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
                         cfg: Cfg, out_dtype: np.dtype | None, y_out: np.ndarray | None,
