@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [MODE...]  MODE: kstest|tests|bench|variants|record|probe|stalls|tune|wall|tile|ncu|all|none
+#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|tests|bench|variants|record|probe|stalls|tune|wall|tile|ncu|all|none
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
-# Order: kstest, tune, wall, tests, the rest.
+# Order: kstest, wgtest, tune, wall, tests, the rest.
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
 #       modes after it run with the new table. wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
@@ -11,7 +11,7 @@
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
 # BUNDLE=1: every log into $OUT/logs.tgz at the end (the device tool returns 8 files at most).
-# kstest: the K-slice tiles' GPU tests. tile: bench/tile_probe.py (TILE_ARGS): the K-slice
+# kstest: the K-slice tiles' GPU tests. wgtest: the wgmma tile's (sm_90). tile: bench/tile_probe.py (TILE_ARGS): the K-slice
 #       tiles checked and timed on the model shapes. ncu: Nsight Compute (NCU_SET, default full)
 #       of AUTO, the heuristic f16 tile and the K-slice tiles on NCU_SHAPE at NCU_NS
 #       (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
@@ -37,6 +37,11 @@ if want kstest; then  # the K-slice tile's GPU tests, before a tune may put it i
   timeout "${KSTEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p no:cacheprovider \
     tests/kernels/test_cuda_ks.py 2>&1 | tee "$OUT/pytest_ks.log" | tail -15
   rc=${PIPESTATUS[0]}
+fi
+if want wgtest; then  # the wgmma tile's GPU tests (sm_90 only), before a tune may pick it
+  timeout "${WGTEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p no:cacheprovider \
+    tests/kernels/test_cuda_wg.py 2>&1 | tee "$OUT/pytest_wg.log" | tail -15
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
 fi
 if want tune; then  # before the tests: they run with the table it writes
   # shellcheck disable=SC2086
@@ -96,7 +101,7 @@ fi
 if want ncu; then
   # shellcheck disable=SC2086
   timeout "${NCU_TIMEOUT:-200}" ncu --clock-control none --set "${NCU_SET:-full}" \
-    -k "regex:${NCU_KERNELS:-q6k_mma|q6k_ks}" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
+    -k "regex:${NCU_KERNELS:-q6k_mma|q6k_ks|q6k_wg}" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
     --profile --no-torch --shapes "${NCU_SHAPE:-4096x14336}" --ns "${NCU_NS:-16,64}" \
     >"$OUT/ncu_run.log" 2>&1
   echo "# ncu rc=$?"; grep -E "^# profile|ERR|rror" "$OUT/ncu_run.log" | head

@@ -1,4 +1,5 @@
-"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5: q6k_ks_f16, q6k_ksr_f16; issue 16).
+"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5/6: q6k_ks_f16, q6k_ksr_f16, and on
+sm_90 the wgmma tile q6k_wg_f16; issue 16).
 
 Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
 the service receives): checks every K-slice launch shape of that N against the NumPy float64
@@ -30,7 +31,7 @@ from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
-from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_name
+from q6serve.kernels.cuda.launch import kernel_file, kernel_name
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-wg", action="store_true", help="leave out the wgmma tile (src 6)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
@@ -70,16 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     be = CudaBackend(0)
+    global WG
+    WG = be.ctx.cc == "90" and not a.no_wg
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
     t0 = time.time()
     with be.ctx.dev:
-        be.ctx.prefetch(MATMUL_FILE, {kernel_name("mma_f16", c, soa, "InF16") for c in cfgs
-                                      for soa in (True, False)}, threads=16)
+        for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
+            be.ctx.prefetch(file, {kernel_name("mma_f16", c, soa, "InF16") for c in cfgs
+                                   for soa in (True, False)
+                                   if kernel_file("mma_f16", c) == file}, threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
     for c in dict.fromkeys(cfgs):
-        f = be.ctx.fn(MATMUL_FILE, kernel_name("mma_f16", c, True, "InF16"))
+        f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
         print(f"# {c.label()}: {f.num_regs} regs", flush=True)
 
     rng = np.random.default_rng(0)
@@ -157,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
+WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
+
+
 def ks_cfgs(n: int) -> list[Cfg]:
     """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
-    return [Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+    return ([Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+            + ([Cfg(nt=nt, src=6, pf=True, warps=wp) for wp in (4, 8, 12)]
+               if WG and nt >= 2 else []))
 
 
 def profile_calls(be, ws, xd, n, rows, k) -> None:

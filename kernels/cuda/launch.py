@@ -44,12 +44,14 @@ from ..api import BFLOAT16, Layout, ResidentWeight
 from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
 from .dispatch import Cfg
+from .loader import arch_specific
 from .storage import CudaWeight
 
 MATMUL_FILE = "q6k_matmul.cu"
+WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 6), built for sm_90a on compute capability 9.0
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
-KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5): dynamic shared memory per CTA (sm_90 opt-in)
+KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
 KS_RING_BYTES = 8 * 3 * 3408  # src 5: 8 warps x KS_RING stages x RING_STAGE (q6k_matmul.cu)
 # Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
 # loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
@@ -70,6 +72,8 @@ Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel s
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
+    if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
+        return 8 * cfg.nt * per * 512
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         return 8 * cfg.nt * (per * 32 + 4) * 16 + (KS_RING_BYTES if cfg.src == 5 else 0)
     if path == "mma_f16" and cfg.src == 3:
@@ -93,12 +97,19 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
+    if path == "mma_f16" and cfg.src == 6:
+        return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
     if path == "mmq_q8_1":
         return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
     raise DeviceError(f"unknown tile path {path!r}")
+
+
+def kernel_file(path: str, cfg: Cfg) -> str:
+    """The source file that holds a tile path's kernel."""
+    return WG_FILE if path == "mma_f16" and cfg.src == 6 else MATMUL_FILE
 
 
 @dataclass(frozen=True)
@@ -325,7 +336,8 @@ class Launcher:
         bpr = k // q6k.QK_K
         sms = self.ctx.sm_count
         regs = -(-max(int(fn.num_regs), 1) // 8) * 8
-        occ_regs = max(1, min(8, 65536 // (256 * regs)))
+        wpc = cfg.warps  # warps per CTA (8 but for the wgmma tile's 4/8/12)
+        occ_regs = max(1, min(64 // wpc, 65536 // (32 * wpc * regs)))
         wtiles = -(-rows // (16 * cfg.mt))
         toks = min(n, 8 * cfg.nt)
         best: tuple[float, int, int] | None = None
@@ -339,16 +351,16 @@ class Launcher:
             occ = min(occ_regs, self.ctx.smem_sm // (smem + 1024))
             if occ < 1:
                 continue
-            gx = max(1, min(-(-wtiles // 8), sms * occ // (ks_eff * nz)))
-            rounds = -(-wtiles // (8 * gx))
-            gx = -(-wtiles // (8 * rounds))  # as few CTAs as give the same rounds
+            gx = max(1, min(-(-wtiles // wpc), sms * occ // (ks_eff * nz)))
+            rounds = -(-wtiles // (wpc * gx))
+            gx = -(-wtiles // (wpc * rounds))  # as few CTAs as give the same rounds
             per_sm = -(-(gx * ks_eff * nz) // sms)
-            wbytes = rounds * 8 * 16 * cfg.mt * per * 210
+            wbytes = rounds * wpc * 16 * cfg.mt * per * 210
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
-            pbytes = 0 if ks_eff == 1 else 2 * rounds * 8 * 16 * cfg.mt * toks * 4 + (64 << 10)
+            pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
             ahead = 2 if cfg.src == 5 else 1 if cfg.pf else 0.5  # blocks in flight per warp
-            inflight = min(occ, per_sm) * 8 * ahead * 16 * cfg.mt * 210
+            inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
                 best = (cost, ks_eff, gx)
@@ -365,9 +377,13 @@ class Launcher:
         tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
         nz = -(-n // tok_per_cta)
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
-        fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, layout is Layout.SOA, in_t))
-        soa_fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5)
+        file = kernel_file(path, cfg)
+        if file == WG_FILE and arch_specific(WG_FILE, self.ctx.cc) is None:
+            raise DeviceError(f"mma_f16 {cfg.label()} (wgmma) needs an sm_90 device, "
+                              f"not compute capability {self.ctx.cc}")
+        fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
+        soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:

@@ -3,7 +3,9 @@
 It inlines ``#include "x.cuh"`` (so NVRTC needs no include path and the cache key covers every
 header), prepends ``#line 1 "file"`` markers so compiler messages point at the real file and
 line, compiles through CuPy's NVRTC (``cupy.RawModule``; CuPy adds ``-arch`` for the current
-device, which the cache key records), and caches modules per process keyed by device, compute
+device, which the cache key records; a file in ``ARCH_SPECIFIC`` is compiled for ``sm_XXa`` on
+the devices it names, through NVRTC directly: CuPy only knows numeric architectures), and
+caches modules per process keyed by device, compute
 capability, source text, every option and every requested template instantiation (and, in
 front of that, by the request itself, so a repeated request costs a dict lookup). A failed
 compile raises :class:`KernelCompileError` carrying NVRTC's log.
@@ -23,6 +25,10 @@ from ..errors import DeviceError
 CUDA_DIR = Path(__file__).resolve().parent
 BASE_OPTIONS: tuple[str, ...] = ("--std=c++17",)
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$')
+# Files whose kernels use architecture-specific instructions (wgmma: sm_90a), and the compute
+# capabilities for which they are built as ``sm_<cc>a``; elsewhere they build as usual and their
+# kernels are traps (guarded by ``__CUDA_ARCH_FEAT_SM90_ALL``), which no launch plan picks.
+ARCH_SPECIFIC: dict[str, tuple[str, ...]] = {"q6k_wgmma.cu": ("90",)}
 
 
 class KernelCompileError(DeviceError):
@@ -53,11 +59,44 @@ def source_text(name: str, _seen: frozenset[str] = frozenset()) -> str:
 
 @dataclass(frozen=True)
 class CompiledModule:
-    module: Any  # cupy.RawModule
+    module: Any  # cupy.RawModule, or a cupy.cuda.function.Module (ARCH_SPECIFIC)
     key: tuple
+    lowered: dict | None = None  # name expression -> mangled name (ARCH_SPECIFIC builds)
 
     def function(self, name: str) -> Any:
+        if self.lowered is not None:
+            return self.module.get_function(self.lowered.get(name, name))
         return self.module.get_function(name)
+
+
+def arch_specific(file: str, cc: str) -> str | None:
+    """``sm_<cc>a`` when ``file`` is built for the architecture-specific target on ``cc``."""
+    return f"sm_{cc}a" if str(cc) in ARCH_SPECIFIC.get(file, ()) else None
+
+
+def _compile_arch(file: str, src: str, opts: tuple[str, ...], names: tuple[str, ...],
+                  arch: str) -> tuple[Any, dict]:
+    """NVRTC straight to a cubin for ``arch`` (CuPy's RawModule would add its own numeric
+    ``-arch`` after ours), with CuPy's ``-ftz=true`` like every other module."""
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+
+    full = (*opts, "-ftz=true", f"-arch={arch}")
+    prog = nvrtc.createProgram(src, file, (), ())
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, full)
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(file, full, nvrtc.getProgramLog(prog)) from None
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = function.Module()
+    mod.load(cubin)
+    return mod, lowered
 
 
 _cache: dict[tuple, CompiledModule] = {}
@@ -81,18 +120,23 @@ def load(file: str, names: tuple[str, ...], device: int = 0,
     opts = BASE_OPTIONS + tuple(options)
     with cupy.cuda.Device(device) as dev:
         cc = dev.compute_capability
-        key = (device, cc, hashlib.sha256(src.encode()).hexdigest(), opts, tuple(names))
+        arch = arch_specific(file, cc)
+        key = (device, cc, arch, hashlib.sha256(src.encode()).hexdigest(), opts, tuple(names))
         with _lock:
             hit = _cache.get(key)
         if hit is not None:
             _by_request[req] = hit
             return hit
-        mod = cupy.RawModule(code=src, options=opts, name_expressions=tuple(names) or None)
-        try:
-            mod.compile()
-        except cupy.cuda.compiler.CompileException as e:
-            raise KernelCompileError(file, (*opts, f"(arch sm_{cc})"), str(e)) from None
-        out = CompiledModule(mod, key)
+        if arch is not None:
+            mod, lowered = _compile_arch(file, src, opts, tuple(names), arch)
+            out = CompiledModule(mod, key, lowered)
+        else:
+            mod = cupy.RawModule(code=src, options=opts, name_expressions=tuple(names) or None)
+            try:
+                mod.compile()
+            except cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(file, (*opts, f"(arch sm_{cc})"), str(e)) from None
+            out = CompiledModule(mod, key)
         with _lock:
             _cache[key] = out
             _by_request[req] = out

@@ -373,7 +373,7 @@ def recording_launcher():
         requested.append((file, name))
         return _StubFn()
 
-    launcher = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, fn=fn))
+    launcher = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90", fn=fn))
     launcher.requested = requested
     return launcher
 

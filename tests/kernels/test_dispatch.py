@@ -171,7 +171,7 @@ def test_every_committed_entry_names_a_real_kernel_and_launch_shape():
         max_dynamic_shared_size_bytes = 48 << 10
 
     names = []
-    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472,
+    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
                                   fn=lambda f, n: names.append(n) or Fn()))
     table = committed()
     for cells in table.cells.values():
@@ -192,3 +192,34 @@ def test_backend_dispatch_reads_the_committed_table():
         c = d.choose(1, Precision.AUTO, SOA, rows, k)
         assert c.source == "table" and c.precision is not Precision.AUTO
     assert d.choose(1, Precision.AUTO, SOA, 1000, 100_000).source == "heuristic"
+
+
+def test_wgmma_tile_plans_only_on_sm_90():
+    """Device-less: the wgmma tile (src 6) plans on compute capability 9.0 from its own file
+    and is refused on 8.9 before anything is compiled."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import WG_FILE, Launcher
+    from q6serve.kernels.errors import DeviceError
+
+    class Fn:
+        num_regs = 168
+        max_dynamic_shared_size_bytes = 48 << 10
+
+    cfg = Cfg(nt=8, src=6, pf=True)
+    asked = []
+    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
+                                  fn=lambda f, n: asked.append((f, n)) or Fn()))
+    lp = lc.plan(4096, 14336, Layout.AOS, "InF16", "mma_f16", cfg, 64)
+    assert lp.ks == lp.grid[1] >= 1 and lp.smem <= 227 << 10
+    assert (WG_FILE, "q6k_wg_f16<8, false, InF16, 2>") in asked
+    assert (WG_FILE, "q6k_wg_f16<8, true, InF16, 2>") in asked
+    lc89 = Launcher(SimpleNamespace(sm_count=128, smem_sm=102400, cc="89",
+                                    fn=lambda f, n: pytest.fail(f"compiled {n} on sm_89")))
+    with pytest.raises(DeviceError, match="sm_90"):
+        lc89.plan(4096, 4096, Layout.SOA, "InF16", "mma_f16", cfg, 16)
+    for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=2, src=6), Cfg(nt=2, mt=2, src=6, pf=True),
+                Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=2, src=4, pf=True, warps=12)):
+        with pytest.raises(FormatError):
+            bad.check("mma_f16")

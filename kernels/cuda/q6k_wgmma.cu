@@ -1,0 +1,253 @@
+// Hopper warpgroup tile (issue 16, N = 9..64; mma_f16 src 6): the K-slice schedule of
+// q6k_ks_f16 with `wgmma.mma_async` (sm_90a only) instead of mma.sync.
+//
+// A warpgroup (4 warps) owns a 64-row tile; warp q of it decodes rows 16q + g and 16q + g + 8
+// exactly as q6k_ks_f16 does (load_raw, quad_q, deq2: A = f16(sc*(q-32)) in the register
+// fragment of mma.m16n8k16, which is also wgmma's m64nNk16 A fragment for warp q's 16 rows).
+// B (the activations) is read by the tensor cores from shared memory through a matrix
+// descriptor: the CTA stages its K slice once, per k16 step a K-major N x 16 f16 tile in the
+// no-swizzle core-matrix layout ([8-token group][k half][8 tokens][8 f16], LBO 128 bytes
+// between the k halves, SBO 256 bytes between token groups), whose k-slot c holds the
+// activation of the quad-order element the A fragment puts in slot c (so, as in every f16
+// tile, neither weights nor activations need a permutation beyond the staging's). One wgmma
+// per k16 step replaces NT mma.sync and NT/2 16-byte shared loads per warp, and it is
+// asynchronous: the decode of step s+1 runs while step s is in the tensor cores (one group
+// in flight, wgmma.wait_group 1, which also bounds the A registers kept live to two steps).
+// The block scale d is applied as in q6k_mma_f16 (acc *= d_prev / d before each block, one
+// wait for the block's wgmmas first; a zero d masks the block), split-K partial sums and
+// q6k_sum_parts as in q6k_ks_f16, whose launch plan (grid, K slices) this tile shares.
+// The loader compiles this file for sm_90a on compute capability 9.0 (kernels/cuda/loader.py);
+// anywhere else the kernel body is a trap and the plan refuses the launch.
+#ifdef Q6SERVE_NVCC_CHECK  // q6k_matmul.cu's own instantiations are checked in its own build
+#define Q6SERVE_WG_CHECK
+#undef Q6SERVE_NVCC_CHECK
+#endif
+#include "q6k_matmul.cu"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define Q6SERVE_WGMMA 1
+#endif
+
+#ifdef Q6SERVE_WGMMA
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pins the accumulators behind the preceding wait: the compiler sees wgmma's asm as producing
+// them synchronously and could otherwise move a use of them above the wait_group.
+template <int NT>
+__device__ __forceinline__ void wg_fence_acc(float (&c)[1][NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(c[0][nt][i])::"memory");
+}
+// Writes of the generic proxy (the staging's st.shared) made visible to the async proxy
+// (wgmma's descriptor reads of shared memory).
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// acc (m64nN, warp q's 16 rows: acc[nt][i] = row g + 8(i>>1), token 8nt + 2t + (i&1), the
+// mma.sync C layout) += A (registers) . B (descriptor), for N = 8*NT.
+template <int NT>
+__device__ __forceinline__ void wgmma_rs(float (&c)[1][NT][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u64 desc);
+#define WG_ACC4(nt) "+f"(c[0][nt][0]), "+f"(c[0][nt][1]), "+f"(c[0][nt][2]), "+f"(c[0][nt][3])
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float (&c)[1][2][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                            u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+        : WG_ACC4(0), WG_ACC4(1)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&c)[1][4][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                            u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
+        "p, 1, 1, 0;\n}\n"
+        : WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<8>(float (&c)[1][8][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                            u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3), WG_ACC4(4), WG_ACC4(5), WG_ACC4(6),
+          WG_ACC4(7)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
+}
+#undef WG_ACC4
+#endif  // Q6SERVE_WGMMA
+
+// The CTA's activations of tokens tok0.. (8*NT, zero past n_tok) and K blocks [kb0, kb0+nblk)
+// into shared memory as B tiles: u32 word (S * 64*NT) + (n>>3)*64 + kc*32 + (n&7)*4 + t holds
+// the f16 pair of k-slots (2t, 2t+1) + 8kc of k16 step S = 16b + 4(2h+nib) + j for token n,
+// i.e. elements h*128 + 64nib + 16t + 4j + 2kc + {0,1} of block b (the quad order). Item
+// (token group, b, hn, jj, n&7, t) loads 8 activations (4 words: steps 2jj and 2jj+1, k halves
+// 0 and 1); the 32 lanes of a warp are 8 tokens x 4 t, so each of its four stores writes 128
+// contiguous bytes (no bank conflict). Four items' loads are in flight per thread.
+template <int NT, class In>
+__device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n_tok, int tok0,
+                                           int kb0, int nblk) {
+    u32* sw = reinterpret_cast<u32*>(smem_x);
+    const int total = NT * nblk * 256;
+    const int last = min(8 * NT, n_tok - tok0) - 1;  // >= 0: a chunk has at least one token
+    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+        uint4 v[4];
+        int it[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = min(i0 + u * (int)blockDim.x, total - 1);
+            it[u] = i0 + u * (int)blockDim.x;
+            const int t = i & 3, n8 = (i >> 2) & 7, jj = (i >> 5) & 1, hn = (i >> 6) & 3;
+            const int rest = i >> 8, b = rest % nblk, n = (rest / nblk) * 8 + n8;
+            v[u] = load_x8_f16<In>(x + (size_t)(tok0 + min(n, last)) * K + (kb0 + b) * 256 +
+                                   hn * 64 + 16 * t + 8 * jj);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = it[u];
+            if (i >= total) break;
+            const int t = i & 3, n8 = (i >> 2) & 7, jj = (i >> 5) & 1, hn = (i >> 6) & 3;
+            const int rest = i >> 8, b = rest % nblk, ng = rest / nblk;
+            const bool live = ng * 8 + n8 <= last;
+            const int s0 = b * 16 + hn * 4 + 2 * jj;
+            u32* p = sw + s0 * 64 * NT + ng * 64 + n8 * 4 + t;
+            p[0] = live ? v[u].x : 0u;             // step 2jj,   k half 0
+            p[32] = live ? v[u].y : 0u;            // step 2jj,   k half 1
+            p[64 * NT] = live ? v[u].z : 0u;       // step 2jj+1, k half 0
+            p[64 * NT + 32] = live ? v[u].w : 0u;  // step 2jj+1, k half 1
+        }
+    }
+}
+
+// CTA = NWG warpgroups (blockDim.x = 128 * NWG). Registers: the accumulators (4*NT), two
+// blocks of raw weights (this one and the prefetched next) and two k16 steps of A fragments
+// are live (142-190 on sm_90a, so one CTA of 8 warps per SM; NWG 1: up to three CTAs where the
+// shared memory allows; NWG 3: <= 168).
+template <int NT, bool SOA, class In, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
+                                                           int K, const uint4* xp, PARAMS_OUT) {
+#ifdef Q6SERVE_WGMMA
+    MAKE_W;
+    MAKE_OUT;
+    (void)xp;
+    const KsPos ps = ks_pos<NT>(w.bpr);
+    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
+    const int kb0 = ps.kb0, nblk = ps.nblk;
+    if (nblk <= 0) return;  // CTA-uniform: no barrier is skipped by part of a CTA
+    const int wg = warp >> 2, wq = warp & 3;
+    const int gtiles = (w.rows + 63) >> 6;  // 64-row warpgroup tiles
+    const int gstride = gridDim.x * NWG;
+    int gt = blockIdx.x * NWG + wg;  // uniform across the warpgroup (wgmma needs all of it)
+
+    RowRef rr[1][2], rn[1][2];
+    Raw nxt[1][2];
+    if (gt < gtiles) {
+        warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
+        warp_load<SOA>(nxt, rr, kb0, t);
+    }
+    // The first weight loads are in flight while the CTA stages its activations.
+    wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    fence_async_shared();
+    __syncthreads();
+
+    u32 sbase;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(sbase) : "l"(smem_x));
+    // No swizzle; LBO 128 bytes (k halves), SBO 256 bytes (token groups); step S at S*256*NT.
+    const u64 desc0 = (u64)((sbase & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) |
+                      ((u64)(256 >> 4) << 32);
+    const int qsh = 2 * (t >> 1);
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
+
+    for (; gt < gtiles; gt += gstride) {
+        const int wrow = gt * 64 + wq * 16;
+        const bool more = gt + gstride < gtiles;
+        if (more) warp_rows<SOA>(w, (gt + gstride) * 64 + wq * 16, g, rn);
+        float acc[1][NT][4];
+        zero_acc(acc);
+        float dprev[2] = {1.f, 1.f};
+        for (int b = 0; b < nblk; ++b) {
+            Raw raw[2];
+            raw[0] = nxt[0][0];
+            raw[1] = nxt[0][1];
+            if (b + 1 < nblk)
+                warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
+            else if (more)
+                warp_load<SOA>(nxt, rn, kb0, t);
+            float f[2];
+            u32 sc2[2][4];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const float d = f16_to_f32(raw[hr].d);
+                const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
+                const float dm = zero ? 1.f : d;
+                f[hr] = dprev[hr] * (zero ? 1.f : rcp_approx(d));
+                dprev[hr] = dm;
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    sc2[hr][k] = zero ? 0u : sc_pair(word4(raw[hr].sc, k), scsel);
+            }
+            wg_wait<0>();  // the previous block's products are in acc
+            wg_fence_acc(acc);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[0][nt][i] *= f[i >> 1];
+            const u64 dblk = desc0 + (u64)(b * 16 * 16 * NT);  // 16 steps of 256*NT bytes
+#pragma unroll
+            for (int s = 0; s < 16; ++s) {
+                const int hn = s >> 2, j = s & 3, h = hn >> 1, nib = hn & 1;
+                const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
+                const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
+                const u32 s0 = sc2[0][hn], s1 = sc2[1][hn];
+                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
+                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
+                wg_fence();
+                wgmma_rs<NT>(acc, a0, a1, a2, a3, dblk + (u64)(s * 16 * NT));
+                wg_commit();
+                wg_wait<1>();
+            }
+        }
+        wg_wait<0>();
+        wg_fence_acc(acc);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dprev[i >> 1];
+        if (more) {
+            rr[0][0] = rn[0][0];
+            rr[0][1] = rn[0][1];
+        }
+        ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
+    }
+#else
+    __trap();  // not built for sm_90a: the launch plan never picks this kernel there
+#endif
+}
+
+#ifdef Q6SERVE_WG_CHECK
+#define INST_WG2(NT, SOA, IN, NWG)                                                           \
+    template __global__ void q6k_wg_f16<NT, SOA, IN, NWG>(                                    \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_WG(NT, NWG) INST_WG2(NT, true, InF16, NWG) INST_WG2(NT, false, InF16, NWG)
+INST_WG(2, 1) INST_WG(4, 1) INST_WG(8, 1)
+INST_WG(2, 2) INST_WG(4, 2) INST_WG(8, 2)
+INST_WG(2, 3) INST_WG(4, 3) INST_WG(8, 3)
+#endif

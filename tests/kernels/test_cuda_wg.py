@@ -1,0 +1,165 @@
+"""The wgmma tile ``q6k_wg_f16`` (mma_f16 launch shapes with ``src=6``, in
+kernels/cuda/q6k_wgmma.cu, built for sm_90a) against the NumPy float64 reference (``-m gpu``;
+skipped without CuPy, a GPU, or on a device that is not compute capability 9.0).
+
+Its own risks beyond the K-slice tile's: the B tiles' shared-memory layout and descriptors
+(every k16 step, both k halves, every 8-token group), 64-row warpgroup tiles over rows that
+fill no whole tile, the accumulators rescaled across blocks while wgmma runs asynchronously
+(blocks with d = 0 masked, scales of every magnitude), tokens past N zero-filled in the staging,
+split-K partial sums; SoA/AoS twins and repeated calls bit-identical. Outputs and partial sums
+are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cuda_backend import _gpu_count, load, poison, random_weight, rel_fro
+
+from q6serve.kernels import q6k, reference
+from q6serve.kernels.api import BFLOAT16, Layout
+from q6serve.kernels.cuda.dispatch import Cfg
+from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
+
+try:
+    import cupy
+except ImportError:  # CI: no CuPy at all
+    cupy = None
+
+pytestmark = [pytest.mark.gpu]
+TOL = 2e-3  # F16 contract: relative Frobenius error vs float64
+# two warpgroups per CTA at every width, one and three at one width each
+WG_CFGS = (*(Cfg(nt=nt, src=6, pf=True) for nt in (2, 4, 8)),
+           Cfg(nt=4, src=6, pf=True, warps=4), Cfg(nt=8, src=6, pf=True, warps=12))
+
+
+@pytest.fixture(scope="module")
+def be():
+    if _gpu_count() == 0:
+        pytest.skip("needs CuPy and a CUDA device")
+    from q6serve.kernels.cuda.launch import IN_TYPES, WG_FILE, kernel_name
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    b = CudaBackend(0)
+    if b.ctx.cc != "90":
+        b.close()
+        pytest.skip(f"wgmma tile: sm_90 only (device is compute capability {b.ctx.cc})")
+    names = [kernel_name("mma_f16", c, soa, t) for c in WG_CFGS for soa in (True, False)
+             for t in IN_TYPES.values()]
+    with b.ctx.dev:
+        b.ctx.prefetch(WG_FILE, names, threads=16)
+    yield b
+    b.close()
+
+
+def _run(be, w, x, cfg):
+    """y [n, rows] of one call; outputs and the partial-sum buffer poisoned first."""
+    poison()
+    with be.ctx.dev, be.stream:
+        part = be.launcher.ws.array("part", (1 << 20,), np.float32)
+        part.fill(np.nan)
+        dt = np.dtype(np.uint16) if x.dtype == BFLOAT16 else x.dtype
+        xd = cupy.asarray(x.view(dt) if x.dtype == BFLOAT16 else x)
+        y = be.run(w, xd, x.dtype, "mma_f16", cfg).get(stream=be.stream)
+    return y
+
+
+def _check(y, y64, label):
+    assert np.isfinite(y).all(), f"{label}: unwritten or non-finite outputs"
+    assert rel_fro(y, y64) <= TOL, (label, rel_fro(y, y64))
+
+
+def _same(a, b, msg):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
+
+
+@pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512), (64, 1024)])
+def test_every_shape_and_slice_count(be, rng, shape):
+    """Every launch shape x forced K-slice counts (1, 2, 3, all blocks) x N (one token, a
+    partial and a full chunk, several chunks): reference, repeat and AoS twin identical."""
+    rows, k = shape
+    bpr = k // 256
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    x = rng.standard_normal((70, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in WG_CFGS:
+        for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
+            cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
+            if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
+                continue  # the slice's activations do not fit one CTA
+            for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
+                label = f"{cfg.label()} N={n}"
+                y = _run(be, ws, x[:n], cfg)
+                _check(y, y64[:n], label)
+                _same(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
+                _same(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
+
+
+def test_zero_and_extreme_block_scales(be, rng):
+    """d = 0 blocks (masked), tiny and large d, scale bytes -128 and 127: the accumulators
+    are rescaled by d_prev / d between blocks while the tensor cores run."""
+    rows, k = 200, 4096
+    blocks = random_weight(rng, rows, k)
+    n = blocks.shape[0]
+    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
+    d[rng.random(n) < 0.15] = 0
+    d[rng.random(n) < 0.1] = np.float16(3e-7)  # f16 subnormal
+    d[rng.random(n) < 0.1] = np.float16(40.0)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
+    sc = blocks[:, 192:208].view(np.int8)
+    sc[rng.random(sc.shape) < 0.1] = -128
+    sc[rng.random(sc.shape) < 0.1] = 127
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in WG_CFGS:
+        for ks in (1, 5):
+            cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
+            y = _run(be, ws, x[: 8 * c.nt], cfg)
+            _check(y, y64[: 8 * c.nt], cfg.label())
+            _same(y, _run(be, wa, x[: 8 * c.nt], cfg), f"{cfg.label()}: AoS twin differs")
+
+
+def test_agrees_with_the_k_slice_tile(be, rng):
+    """Same numerics as q6k_ks_f16 up to f32 accumulation order."""
+    rows, k = 384, 3072
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    for c in WG_CFGS:
+        n = 8 * c.nt
+        y = _run(be, w, x[:n], c)
+        yk = _run(be, w, x[:n], Cfg(nt=c.nt, src=4, pf=True))
+        assert rel_fro(y, yk) <= 1e-5, (c.label(), rel_fro(y, yk))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_activation_dtypes(be, rng, dtype):
+    rows, k = 517, 1536
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((40, k)).astype(np.float32).astype(dtype)
+    y64 = reference.matmul_float64(x.astype(np.float32), blocks, rows)
+    for c in WG_CFGS:
+        _check(_run(be, w, x, c), y64, c.label())
+
+
+def test_tiles_across_slabs(be, rng, monkeypatch):
+    from q6serve.kernels.cuda import storage
+
+    rows, k = 700, 1024  # 37 rows per slab: every 64-row warpgroup tile spans slabs
+    monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    wa = load(be, blocks, rows, k, Layout.AOS)
+    assert len(ws.data.slabs) == 19
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in WG_CFGS:
+        y = _run(be, ws, x[: 8 * c.nt], c)
+        _check(y, y64[: 8 * c.nt], c.label())
+        _same(y, _run(be, wa, x[: 8 * c.nt], c), c.label())
+
