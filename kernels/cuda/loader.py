@@ -65,8 +65,41 @@ class CompiledModule:
 
     def function(self, name: str) -> Any:
         if self.lowered is not None:
-            return self.module.get_function(self.lowered.get(name, name))
+            return ArchKernel(self.module.get_function(self.lowered.get(name, name)))
         return self.module.get_function(name)
+
+
+class ArchKernel:
+    """A ``cupy.cuda.function.Function`` of an ARCH_SPECIFIC module with the parts of
+    ``cupy.RawKernel`` the launcher uses: the call, ``num_regs`` and
+    ``max_dynamic_shared_size_bytes`` (read and set through the driver)."""
+
+    _NUM_REGS, _MAX_DYN_SMEM = 4, 8  # CUfunction_attribute values
+
+    def __init__(self, fn: Any) -> None:
+        self.kernel = fn
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, *, shared_mem: int = 0) -> None:
+        self.kernel(tuple(grid), tuple(block), args, shared_mem)
+
+    def _attr(self, attr: int) -> int:
+        from cupy_backends.cuda.api import driver
+
+        return int(driver.funcGetAttribute(attr, self.kernel.ptr))
+
+    @property
+    def num_regs(self) -> int:
+        return self._attr(self._NUM_REGS)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._attr(self._MAX_DYN_SMEM)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(self.kernel.ptr, self._MAX_DYN_SMEM, int(nbytes))
 
 
 def arch_specific(file: str, cc: str) -> str | None:
