@@ -42,7 +42,7 @@ from q6serve.kernels.cuda.dispatch import (
     default_cfg,
     heuristic_path,
 )
-from q6serve.kernels.cuda.launch import IN_TYPES, MATMUL_FILE, kernel_name
+from q6serve.kernels.cuda.launch import IN_TYPES, MATMUL_FILE, WG_FILE, kernel_name
 from q6serve.kernels.cuda_backend import Cfg, CudaBackend
 
 # The weight shapes of Qwen2.5-7B and Llama-3.1-8B (rows x K): q/o, k/v, gate/up, down, lm-head.
@@ -152,9 +152,11 @@ def print_summary(results: list[dict]) -> None:
               f"{best['us'] / auto['us']:9.2f}", flush=True)
 
 
-def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str, Cfg | None]]:
+def tune_candidates(n: int, rows: int, k: int, sm_count: int,
+                    wg: bool = False) -> list[tuple[str, Cfg | None]]:
     """Every (path, launch shape) --tune times for bucket ``n``: the heuristic's choice of each
-    path and the launch-shape variants measured competitive before (bench/RESULTS.md)."""
+    path and the launch-shape variants measured competitive before (bench/RESULTS.md);
+    ``wg`` (sm_90 devices): the wgmma tile too."""
     exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
                                                      Cfg(nt=1, pf=True)]}.get(
         n, [Cfg(nt=4), Cfg(nt=2)])
@@ -173,6 +175,13 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int) -> list[tuple[str,
     nt = 1 if n <= 8 else n // 8
     mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
     mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
+    # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
+    # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
+    # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too
+    if wg and nt >= 4:
+        mma += [Cfg(nt=nt, src=6, pf=True, warps=w) for w in (12, 8)]
+        mma += [Cfg(nt=nt, src=6, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
+                if s <= k // 256]
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
         for cfg in [default_cfg(path, n, rows, sm_count), *cfgs]:
@@ -224,11 +233,12 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
 
     rng = np.random.default_rng(0)
     sm = be.sm_count
+    wg = be.cc == "90"  # the wgmma tile builds for sm_90a only
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     names = set()  # compile every candidate up front: parallel NVRTC programs
     for rows, k in shapes:
         for n in BUCKETS:
-            for path, cfg in tune_candidates(n, rows, k, sm):
+            for path, cfg in tune_candidates(n, rows, k, sm, wg):
                 if cfg is None:
                     continue
                 for in_t in (IN_TYPES[np.dtype(np.float16)], IN_TYPES[np.dtype(np.float32)]):
@@ -239,7 +249,8 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                         names.add(f"q6k_prep_q8_1<{cfg.nt}, {in_t}>")
     t0 = time.perf_counter()
     with be.ctx.dev:
-        got = be.ctx.prefetch(MATMUL_FILE, names, threads=16)
+        got = sum(be.ctx.prefetch(f, {nm for nm in names if nm.startswith("q6k_wg_") == (
+            f == WG_FILE)}, threads=16) for f in (MATMUL_FILE, WG_FILE) if f != WG_FILE or wg)
     print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s", flush=True)
     entries: list[Entry] = []
     rows_out: list[dict] = []
@@ -259,7 +270,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
         for n in BUCKETS:
             xs = {d: cp.asarray(rng.standard_normal((n, k)).astype(t)) for d, t in DTYPES.items()}
             timed: dict[tuple[str, Cfg | None], float | None] = {}
-            for path, cfg in tune_candidates(n, rows, k, sm):
+            for path, cfg in tune_candidates(n, rows, k, sm, wg):
                 def call(i: int, path=path, cfg=cfg, ws=ws, x=xs["f16"]) -> None:
                     be.run(ws[i], x, np.dtype(np.float16), path, cfg)
 

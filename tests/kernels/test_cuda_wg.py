@@ -118,6 +118,8 @@ def test_zero_and_extreme_block_scales(be, rng):
     for c in WG_CFGS:
         for ks in (1, 5):
             cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
+            if smem_bytes("mma_f16", cfg, -(-(k // 256) // ks)) > KS_SMEM_MAX:
+                continue  # the slice's activations do not fit one CTA
             y = _run(be, ws, x[: 8 * c.nt], cfg)
             _check(y, y64[: 8 * c.nt], cfg.label())
             _same(y, _run(be, wa, x[: 8 * c.nt], cfg), f"{cfg.label()}: AoS twin differs")
