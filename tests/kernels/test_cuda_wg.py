@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cuda_backend import _gpu_count, load, poison, random_weight, rel_fro
+from test_cuda_backend import _gpu_count, load, random_weight, rel_fro
+from test_cuda_ks import _check, _run  # one call with NaN-poisoned outputs and partials
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import BFLOAT16, Layout
 from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
 
-try:
-    import cupy
-except ImportError:  # CI: no CuPy at all
-    cupy = None
-
 pytestmark = [pytest.mark.gpu]
-TOL = 2e-3  # F16 contract: relative Frobenius error vs float64
 # two warpgroups per CTA at every width, one and three at one width each
 WG_CFGS = (*(Cfg(nt=nt, src=6, pf=True) for nt in (2, 4, 8)),
            Cfg(nt=4, src=6, pf=True, warps=4), Cfg(nt=8, src=6, pf=True, warps=12))
@@ -50,23 +45,6 @@ def be():
         b.ctx.prefetch(WG_FILE, names, threads=16)
     yield b
     b.close()
-
-
-def _run(be, w, x, cfg):
-    """y [n, rows] of one call; outputs and the partial-sum buffer poisoned first."""
-    poison()
-    with be.ctx.dev, be.stream:
-        part = be.launcher.ws.array("part", (1 << 20,), np.float32)
-        part.fill(np.nan)
-        dt = np.dtype(np.uint16) if x.dtype == BFLOAT16 else x.dtype
-        xd = cupy.asarray(x.view(dt) if x.dtype == BFLOAT16 else x)
-        y = be.run(w, xd, x.dtype, "mma_f16", cfg).get(stream=be.stream)
-    return y
-
-
-def _check(y, y64, label):
-    assert np.isfinite(y).all(), f"{label}: unwritten or non-finite outputs"
-    assert rel_fro(y, y64) <= TOL, (label, rel_fro(y, y64))
 
 
 def _same(a, b, msg):
