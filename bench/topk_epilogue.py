@@ -1,8 +1,12 @@
 """The top-k / log-sum-exp epilogue alone on the GPU (kernels/cuda_topk.py): CUDA-event time of
-its kernels on y already on the device, one CTA per row (``rows``) against the column-chunk
-split (``split``), per shape and k; medians over --iters calls after a warm-up.
+its kernels on y already on the device, per shape and k, for each form of ``cuda_topk.KERNELS``
+(``split``: the previous passes as dispatched, one CTA per row or column chunks + a merge;
+``groups``: q6_topk_scan + q6_topk_pick, with the scan's share); medians over --iters calls
+after a warm-up. ``warm``: the same y again and again (it stays in L2 when it fits, as a y the
+matmul just wrote partly does); ``cold``: L2 flushed before each call (a 256 MiB memset outside
+the events).
 
-    python bench/topk_epilogue.py [--iters 50] [--json out.json]
+    python bench/topk_epilogue.py [--iters 50] [--ks 64,256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -11,55 +15,91 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-SHAPES = [(64, 152064), (8, 152064), (1, 152064), (64, 128256), (64, 4096), (8, 18944)]
+SHAPES = [(64, 152064), (8, 152064), (1, 152064), (64, 128256), (8, 128256), (1, 128256),
+          (256, 152064), (64, 4096), (8, 18944)]
+
+
+class _Marked:
+    """A module whose q6_topk_scan* launches record ``event`` right after themselves."""
+
+    def __init__(self, mod: Any, event: Any, stream: Any):
+        self.mod, self.event, self.stream = mod, event, stream
+
+    def function(self, name: str) -> Any:
+        f = self.mod.function(name)
+        if not name.startswith("q6_topk_scan"):
+            return f
+
+        def launch(*a: Any) -> None:
+            f(*a)
+            self.event.record(self.stream)
+
+        return launch
 
 
 def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     from q6serve.kernels import cuda_topk
+    from q6serve.kernels.cuda import loader
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--ks", default="64,256")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{c}" for n, c in SHAPES))
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     out = []
     rng = np.random.default_rng(0)
     stream = cp.cuda.Stream(non_blocking=True)
-    print(f"{'shape':>14} {'k':>4} {'rows us':>9} {'split us':>9} {'chunks':>6}  speed-up")
-    for n, cols in SHAPES:
+    flush = cp.empty(256 << 20, cp.uint8)
+    mod = loader.load(cuda_topk.TOPK_FILE, (), 0)
+    print(f"{'shape':>14} {'k':>4} {'split warm':>10} {'groups warm':>11} {'(scan)':>7} "
+          f"{'split cold':>10} {'groups cold':>11} {'(scan)':>7}  speed-up warm/cold")
+    for shape in a.shapes.split(","):
+        n, cols = (int(v) for v in shape.split("x"))
         y = cp.asarray((rng.standard_normal((n, cols)) * 4).astype(np.float32))
         for k in (int(v) for v in a.ks.split(",")):
             packed = cp.empty((n, 2 * k + 1), cp.int32)
             row: dict[str, float] = {}
-            for path, min_chunk in (("rows", 1 << 40), ("split", cuda_topk.MIN_CHUNK)):
-                saved = cuda_topk.MIN_CHUNK
-                cuda_topk.MIN_CHUNK = min_chunk
-                try:
+            for cold in (False, True):
+                for form in ("split", "groups"):
                     with stream:
                         for _ in range(5):
+                            cuda_topk.KERNELS = form
                             cuda_topk._fused(cp, y, k, packed)
-                        t = []
+                        t, scan = [], []
                         for _ in range(a.iters):
-                            s, e = cp.cuda.Event(), cp.cuda.Event()
+                            if cold:
+                                flush.fill(1)
+                            s, m, e = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
                             s.record(stream)
-                            cuda_topk._fused(cp, y, k, packed)
+                            if form == "groups":
+                                cuda_topk._groups(cp, _Marked(mod, m, stream), y, n, cols, k,
+                                                  packed)
+                            else:
+                                cuda_topk._fused(cp, y, k, packed)
                             e.record(stream)
                             e.synchronize()
                             t.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-                    row[path] = float(np.median(t))
-                finally:
-                    cuda_topk.MIN_CHUNK = saved
-            sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
-            ch = cuda_topk.chunks_for(n, cols, k, sms)
-            print(f"{n:>5}x{cols:<8} {k:>4} {row['rows']:>9.1f} {row['split']:>9.1f} {ch:>6}"
-                  f"  {row['rows'] / row['split']:.2f}x")
-            out.append({"n": n, "cols": cols, "k": k, "chunks": ch, **{f"{p}_us": v
-                                                                         for p, v in row.items()}})
+                            if form == "groups":
+                                scan.append(cp.cuda.get_elapsed_time(s, m) * 1e3)
+                    tag = "cold" if cold else "warm"
+                    row[f"{form}_{tag}_us"] = float(np.median(t))
+                    if scan:
+                        row[f"scan_{tag}_us"] = float(np.median(scan))
+            cuda_topk.KERNELS = "groups"
+            print(f"{n:>5}x{cols:<8} {k:>4} {row['split_warm_us']:>10.1f} "
+                  f"{row['groups_warm_us']:>11.1f} {row['scan_warm_us']:>7.1f} "
+                  f"{row['split_cold_us']:>10.1f} {row['groups_cold_us']:>11.1f} "
+                  f"{row['scan_cold_us']:>7.1f}  "
+                  f"{row['split_warm_us'] / row['groups_warm_us']:.1f}x / "
+                  f"{row['split_cold_us'] / row['groups_cold_us']:.1f}x")
+            out.append({"n": n, "cols": cols, "k": k, **row})
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0

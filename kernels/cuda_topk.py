@@ -1,21 +1,29 @@
 """The top-k / log-sum-exp epilogue on the CUDA device (see kernels/epilogue.py).
 
-Two implementations of the contract, both on the backend's stream, both writing one packed
-int32 row per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) bytes
-are downloaded (instead of N x rows x 4), in one copy and one synchronisation:
+Implementations of the contract, all on the backend's stream, all writing one packed int32 row
+per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) bytes are downloaded
+(instead of N x rows x 4), in one copy and one synchronisation:
 
-- ``cuda/q6_topk.cu`` (``FUSED``, the default): one CTA per row: max, f64 sum of exp, a 4-pass
-  radix select of the k-th largest value, a gather and a bitonic sort of the k candidates. Rows
-  wide enough for it are split into column chunks (:func:`chunks_for`) so that every SM works:
-  one CTA per (chunk, row) writes its chunk's candidates and partial sums, a second kernel
-  picks each row's k from them (N=64 lm-head rows of 152064 columns ran on 64 of 132 SMs).
+- ``cuda/q6_topk.cu``, group form (``FUSED`` and ``KERNELS = "groups"``, the default): y is read
+  once. ``q6_topk_scan`` runs one CTA per (chunk of ``SCAN_CHUNK`` columns, row), every SM
+  streaming: each thread keeps 16 columns (a group) in registers and writes the group's largest
+  order key, each CTA its chunk's max / f64 sum of exp / NaN flag. ``q6_topk_pick`` (one CTA per
+  row) takes tau = the top 16 bits of the k-th largest group key (a lower bound of the row's
+  k-th largest value: the k largest group maxima are k distinct columns), re-reads only the
+  groups whose maximum is >= tau (~k of them), sorts their columns >= tau in shared memory and
+  writes the first k, with the lse from the chunks' sums. A row with more than ``CAND_CAP``
+  columns >= tau (heavy ties) runs the one-CTA-per-row passes below inside the same kernel.
+- ``KERNELS = "split"`` (the previous form): one CTA per row (max, f64 sum of exp, a 4-pass
+  radix select of the k-th largest value, a gather and a bitonic sort), rows wide enough split
+  into column chunks (:func:`chunks_for`) with a merge kernel. Each pass reads the row again.
 - :func:`epilogue.topk_xp` on CuPy ops (the same code CI runs with NumPy): group maxima bound
   the candidates, one 64-bit key sort. Rows in chunks of at most ``CHUNK_ELEMS`` elements of
   y (~5 x 4 bytes of transient memory per chunk element: ~40 MiB) whatever N and the rows.
 
-The GPU test (tests/kernels/test_epilogue.py) checks both against the NumPy reference.
+The GPU test (tests/kernels/test_epilogue.py) checks every form against the NumPy reference.
 Transient memory is CuPy-pool memory freed on return, like the matmul's own split-K partials,
-and not part of the accountant's per-weight scratch (service/engine.py).
+and not part of the accountant's per-weight scratch (service/engine.py): for the group form
+about y / 16 (a key per 16 columns) plus 16 bytes per 4096 columns.
 """
 
 from __future__ import annotations
@@ -27,9 +35,14 @@ import numpy as np
 
 from .epilogue import TopK, topk_xp
 
-FUSED = True  # the one-kernel epilogue; False: topk_xp on CuPy ops
+FUSED = True  # the kernels of cuda/q6_topk.cu; False: topk_xp on CuPy ops
+KERNELS = "groups"  # FUSED's form: "groups" (y read once) or "split" (the previous passes)
 TOPK_FILE = "q6_topk.cu"
 THREADS = 1024  # per CTA (Q6_TOPK_THREADS in the kernel's __launch_bounds__)
+SCAN_THREADS = 256  # group form: q6_topk_scan's CTA (Q6_TOPK_SCAN_THREADS)
+SCAN_CHUNK = SCAN_THREADS * 16  # its columns per CTA (Q6_TOPK_CHUNK)
+CAND_CAP = 2048  # q6_topk_pick: most staged columns >= tau (<= Q6_TOPK_CAND_CAP; 0: all rows
+#                 take the one-CTA-per-row passes, as the tests force)
 CHUNK_ELEMS = 2 << 20  # topk_xp path: elements of y per chunk (8 MiB f32, ~40 MiB transient)
 MIN_CHUNK = 4096  # fused path: fewest columns per chunk of a split row
 SPLIT_MIN_COLS = 65536  # narrower rows stay unsplit: the merge's fixed cost outweighs the gain
@@ -104,8 +117,7 @@ def chunks_for(n: int, cols: int, k: int, sms: int) -> int:
 
 
 def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
-    """cuda/q6_topk.cu on the current stream: one CTA of THREADS per row, or per (chunk, row)
-    and then one per row to merge (see :func:`chunks_for`)."""
+    """cuda/q6_topk.cu on the current stream, in the form ``KERNELS`` names."""
     from .cuda import loader
 
     if y.dtype != cp.float32 or not y.flags.c_contiguous:
@@ -113,6 +125,35 @@ def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
     n, cols = (int(d) for d in y.shape)
     dev = int(y.device.id)
     mod = loader.load(TOPK_FILE, (), dev)
+    if KERNELS == "groups":
+        _groups(cp, mod, y, n, cols, k, packed)
+    else:
+        _split(cp, mod, y, n, cols, k, packed, dev)
+
+
+def _groups(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any) -> None:
+    """q6_topk_scan (one CTA per (chunk, row)) then q6_topk_pick (one per row); their
+    intermediates in one pool block: per chunk the f64 sum, the max and the NaN flag, per
+    group (16 columns) its largest order key."""
+    chunks = -(-cols // SCAN_CHUNK)
+    slots = n * chunks
+    groups = slots * SCAN_THREADS
+    block = cp.empty(slots * 16 + groups * 4, cp.uint8)
+    base = int(block.data.ptr)
+    csum, cmax, cnan = base, base + slots * 8, base + slots * 12
+    gkey = base + slots * 16
+    u64, i32 = np.uint64, np.int32
+    vec = cols % 4 == 0 and int(y.data.ptr) % 16 == 0  # float4 loads: every row 16-byte aligned
+    mod.function("q6_topk_scan_v4" if vec else "q6_topk_scan")((chunks, n), (SCAN_THREADS,), (
+        y, i32(cols), u64(gkey), u64(cmax), u64(csum), u64(cnan)))
+    mod.function("q6_topk_pick")((n,), (THREADS,), (
+        y, i32(cols), i32(chunks), i32(k), i32(CAND_CAP), u64(gkey), u64(cmax), u64(csum),
+        u64(cnan), packed))
+
+
+def _split(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any, dev: int) -> None:
+    """The previous form: one CTA of THREADS per row, or per (chunk, row) and then one per row
+    to merge (see :func:`chunks_for`)."""
     sms = _SMS.get(dev)
     if sms is None:
         sms = _SMS[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])

@@ -157,33 +157,36 @@ __device__ __forceinline__ void q6_pick_bin(Q6TopkShared& sh, unsigned int& pref
     mask |= 255u << sh_bits;
 }
 
-// Passes 3-6 over row[0, cols): the k-th largest order key T; returns T, sets need = how many
-// columns equal to T belong to the top k.
-__device__ unsigned int q6_select_row(const float* __restrict__ row, int cols, int k,
-                                      Q6TopkShared& sh, unsigned int& need) {
+// Radix select over keys key_of(0..count): the top (32 - last_shb) bits of the k-th largest
+// key, 8 bits per pass (passes at shb = 24, 16, ... last_shb); returns that prefix (the lower
+// bits 0) and sets need = how many keys with that prefix belong to the top k. With fewer than
+// k keys the prefix is 0 (every key matches). Each pass: a 256-bin histogram in shared memory
+// over the keys still matching the prefix chosen so far, warp-aggregated: the lanes of a warp
+// that fall in one bin add once, by their leader (logits share a few top-byte bins, so plain
+// per-lane atomics serialised on one shared address; the loop is warp-uniform so that every
+// lane reaches the __match_any_sync); keys loaded Q6_TOPK_UNROLL at a time before any is used.
+template <class K>
+__device__ unsigned int q6_radix_select(K&& key_of, int count, int k, int last_shb,
+                                        Q6TopkShared& sh, unsigned int& need) {
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int B = (int)blockDim.x;
     unsigned int prefix = 0u, mask = 0u;
     need = (unsigned int)k;
-    for (int shb = 24; shb >= 0; shb -= 8) {
+    for (int shb = 24; shb >= last_shb; shb -= 8) {
         for (int b = tid; b < 256; b += B) sh.hist[b] = 0u;
         __syncthreads();
-        // Warp-aggregated: the lanes of a warp that fall in one bin add once, by their
-        // leader. Logits share a few top-byte bins, so plain per-lane atomics serialised on
-        // one shared address (32 lanes, one instruction); the loop is warp-uniform so that
-        // every lane reaches the __match_any_sync.
-        for (int base = warp * 32; base < cols; base += Q6_TOPK_UNROLL * B) {
-            unsigned int key[Q6_TOPK_UNROLL];  // loads first (as q6_each), then the bins
+        for (int base = warp * 32; base < count; base += Q6_TOPK_UNROLL * B) {
+            unsigned int key[Q6_TOPK_UNROLL];
 #pragma unroll
             for (int u = 0; u < Q6_TOPK_UNROLL; ++u) {
                 const int j = base + u * B + lane;
-                key[u] = j < cols ? q6_order_key(row[j]) : 0u;
+                key[u] = j < count ? key_of(j) : 0u;
             }
 #pragma unroll
             for (int u = 0; u < Q6_TOPK_UNROLL; ++u) {
                 const int j = base + u * B + lane;
-                unsigned int bin = 0xFFFFFFFFu;  // lanes past the row or off the prefix
-                if (j < cols && (key[u] & mask) == prefix) bin = (key[u] >> shb) & 255u;
+                unsigned int bin = 0xFFFFFFFFu;  // lanes past the end or off the prefix
+                if (j < count && (key[u] & mask) == prefix) bin = (key[u] >> shb) & 255u;
                 const unsigned int peers = __match_any_sync(0xffffffffu, bin);
                 if (bin != 0xFFFFFFFFu && lane == __ffs(peers) - 1)
                     atomicAdd(&sh.hist[bin], (unsigned int)__popc(peers));
@@ -192,6 +195,13 @@ __device__ unsigned int q6_select_row(const float* __restrict__ row, int cols, i
         q6_pick_bin(sh, prefix, mask, need, shb);
     }
     return prefix;
+}
+
+// Passes 3-6 over row[0, cols): the k-th largest order key T; returns T, sets need = how many
+// columns equal to T belong to the top k.
+__device__ unsigned int q6_select_row(const float* __restrict__ row, int cols, int k,
+                                      Q6TopkShared& sh, unsigned int& need) {
+    return q6_radix_select([&](int j) { return q6_order_key(row[j]); }, cols, k, 0, sh, need);
 }
 
 // The gather's start: no candidates yet (every slot ~0: sorts last).
@@ -360,4 +370,244 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
     }
     __syncthreads();
     q6_sort_and_write(sh, y + r * (size_t)cols, k, lse, packed + r * (size_t)(2 * k + 1));
+}
+
+// ---- The group form (kernels/cuda_topk.py's default): y read once, candidates bounded ----
+//
+// q6_topk_scan: one CTA of Q6_TOPK_SCAN_THREADS per (chunk of Q6_TOPK_CHUNK columns, row); each
+// thread loads its Q6_TOPK_VALS columns (a "group": columns chunk0 + (u * THREADS + t) * 4 + e,
+// u < 4, e < 4, so that the 4 loads of a warp are float4-coalesced) once into registers and
+// writes the group's largest order key; the CTA writes its chunk's (max, sum of exp(y - its
+// max) in f64, NaN) as q6_topk_chunks did. Every SM streams y at once (N=64 x 152064: 2432 CTAs).
+// q6_topk_pick: one CTA per row. tau = the top 16 bits of the k-th largest group key (two radix
+// passes over the row's cols/16 group keys). Every top-k column has a key >= tau: the k largest
+// group maxima are k distinct columns, so the k-th largest column is >= the k-th largest group
+// maximum >= tau. So only the groups whose maximum is >= tau are read again (about k of them
+// for logits) and their columns >= tau staged in shared memory (at least k, usually ~k), sorted
+// there (bitonic, by the 64-bit (~key, column) key) and the first k written. Rows with more
+// than `cap` such columns (heavy ties: a row of zeros) run the one-CTA-per-row passes instead.
+#define Q6_TOPK_SCAN_THREADS 256
+#define Q6_TOPK_VALS 16
+#define Q6_TOPK_CHUNK (Q6_TOPK_SCAN_THREADS * Q6_TOPK_VALS)
+#define Q6_TOPK_CAND_CAP 2048
+
+// Column of value i (< Q6_TOPK_VALS) of group t (< Q6_TOPK_SCAN_THREADS) in chunk c.
+__device__ __forceinline__ int q6_group_col(int c, int t, int i) {
+    return c * Q6_TOPK_CHUNK + ((i >> 2) * Q6_TOPK_SCAN_THREADS + t) * 4 + (i & 3);
+}
+
+// Block-wide max / or / sum over the CTA (every thread gets the result); red: >= 32 slots.
+__device__ __forceinline__ void q6_block_max_or(float& m, int& nan, float* red_f, int* red_i) {
+    const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+    const int nwarps = (int)(blockDim.x >> 5);
+    for (int o = 16; o > 0; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    if (lane == 0) {
+        red_f[warp] = m;
+        red_i[warp] = nan;
+    }
+    __syncthreads();
+    m = red_f[0];
+    nan = red_i[0];
+    for (int w = 1; w < nwarps; ++w) {
+        m = fmaxf(m, red_f[w]);
+        nan |= red_i[w];
+    }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void q6_topk_scan_impl(const float* __restrict__ y, int cols,
+                                                  unsigned int* __restrict__ gkey,
+                                                  float* __restrict__ cmax,
+                                                  double* __restrict__ csum,
+                                                  int* __restrict__ cnan) {
+    __shared__ float red_f[32];
+    __shared__ int red_i[32];
+    __shared__ double red_d[32];
+    const float NEG_INF = __int_as_float(0xff800000);
+    const float POS_INF = __int_as_float(0x7f800000);
+    const int c = (int)blockIdx.x, chunks = (int)gridDim.x, t = (int)threadIdx.x;
+    const size_t r = blockIdx.y;
+    const float* row = y + r * (size_t)cols;
+    float v[Q6_TOPK_VALS];
+    bool ok[Q6_TOPK_VALS];
+    if (VEC) {  // cols % 4 == 0 and the row 16-byte aligned: a float4 is all in or all out
+#pragma unroll
+        for (int u = 0; u < Q6_TOPK_VALS / 4; ++u) {
+            const int j = q6_group_col(c, t, 4 * u);
+            float4 q = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (j < cols) q = __ldg(reinterpret_cast<const float4*>(row + j));
+            v[4 * u] = q.x;
+            v[4 * u + 1] = q.y;
+            v[4 * u + 2] = q.z;
+            v[4 * u + 3] = q.w;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ok[4 * u + e] = j < cols;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
+            const int j = q6_group_col(c, t, i);
+            ok[i] = j < cols;
+            v[i] = ok[i] ? __ldg(row + j) : 0.f;
+        }
+    }
+    unsigned int kmax = 0u;  // below every float's key: a group past the row never wins
+    float m = NEG_INF;
+    int nan = 0;
+#pragma unroll
+    for (int i = 0; i < Q6_TOPK_VALS; ++i) {
+        if (!ok[i]) continue;
+        kmax = max(kmax, q6_order_key(v[i]));
+        if (v[i] != v[i]) nan = 1;
+        else m = fmaxf(m, v[i]);
+    }
+    gkey[(r * (size_t)chunks + (size_t)c) * Q6_TOPK_SCAN_THREADS + (size_t)t] = kmax;
+    q6_block_max_or(m, nan, red_f, red_i);
+    const float shift = (m == POS_INF || m == NEG_INF) ? 0.f : m;
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < Q6_TOPK_VALS; ++i)
+        if (ok[i] && v[i] == v[i]) s += (double)expf(v[i] - shift);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const int lane = t & 31, warp = t >> 5;
+    if (lane == 0) red_d[warp] = s;
+    __syncthreads();
+    if (t == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) s += red_d[w];
+        const size_t slot = r * (size_t)chunks + (size_t)c;
+        cmax[slot] = m;
+        csum[slot] = s;
+        cnan[slot] = nan;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_SCAN_THREADS)
+q6_topk_scan(const float* __restrict__ y, int cols, unsigned int* __restrict__ gkey,
+             float* __restrict__ cmax, double* __restrict__ csum, int* __restrict__ cnan) {
+    q6_topk_scan_impl<false>(y, cols, gkey, cmax, csum, cnan);
+}
+
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_SCAN_THREADS)
+q6_topk_scan_v4(const float* __restrict__ y, int cols, unsigned int* __restrict__ gkey,
+                float* __restrict__ cmax, double* __restrict__ csum, int* __restrict__ cnan) {
+    q6_topk_scan_impl<true>(y, cols, gkey, cmax, csum, cnan);
+}
+
+// The row's lse from its chunks' (max, sum of exp(y - max), NaN), by warp 0 (as q6_topk_merge:
+// NaN if a chunk had one, +-inf if the max is, else M + log(sum_c csum_c * exp(max_c - M))).
+__device__ __forceinline__ float q6_chunks_lse(const float* __restrict__ cmax,
+                                               const double* __restrict__ csum,
+                                               const int* __restrict__ cnan, int chunks) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    const float POS_INF = __int_as_float(0x7f800000);
+    const int lane = (int)threadIdx.x & 31;
+    float M = NEG_INF;
+    int nan = 0;
+    for (int c = lane; c < chunks; c += 32) {
+        M = fmaxf(M, cmax[c]);
+        nan |= cnan[c];
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    if (nan) return __int_as_float(0x7fc00000);
+    if (M == POS_INF || M == NEG_INF) return M;  // a +inf term: +inf; a row of -inf sums to 0
+    double s = 0.0;
+    for (int c = lane; c < chunks; c += 32)
+        if (cmax[c] != NEG_INF) s += csum[c] * exp((double)cmax[c] - (double)M);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return (float)((double)M + log(s));
+}
+
+// Ascending bitonic sort of a[0, n) in shared memory, n a power of two (every thread calls it).
+__device__ __forceinline__ void q6_bitonic(unsigned long long* a, unsigned int n) {
+    const unsigned int B = blockDim.x;
+    for (unsigned int size = 2u; size <= n; size <<= 1) {
+        for (unsigned int stride = size >> 1; stride > 0u; stride >>= 1) {
+            for (unsigned int p = threadIdx.x; p < (n >> 1); p += B) {
+                const unsigned int i = 2u * p - (p & (stride - 1u)), q = i + stride;
+                const unsigned long long x = a[i], z = a[q];
+                if ((x > z) == ((i & size) == 0u)) {
+                    a[i] = z;
+                    a[q] = x;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
+q6_topk_pick(const float* __restrict__ y, int cols, int chunks, int k, int cap,
+             const unsigned int* __restrict__ gkey, const float* __restrict__ cmax,
+             const double* __restrict__ csum, const int* __restrict__ cnan,
+             int* __restrict__ packed) {
+    __shared__ Q6TopkShared sh;
+    __shared__ unsigned long long cbuf[Q6_TOPK_CAND_CAP];
+    __shared__ unsigned int count;
+    __shared__ float lse;
+    const int tid = (int)threadIdx.x, B = (int)blockDim.x;
+    const size_t r = blockIdx.x;
+    const float* row = y + r * (size_t)cols;
+    int* out = packed + r * (size_t)(2 * k + 1);
+    const int groups = chunks * Q6_TOPK_SCAN_THREADS;
+    const unsigned int* keys = gkey + r * (size_t)groups;
+    cap = min(cap, Q6_TOPK_CAND_CAP);
+    if (tid < 32) {
+        const float l = q6_chunks_lse(cmax + r * chunks, csum + r * chunks, cnan + r * chunks,
+                                      chunks);
+        if (tid == 0) {
+            lse = l;
+            count = 0u;
+        }
+    }
+    unsigned int need;
+    const unsigned int tau = q6_radix_select([&](int g) { return keys[g]; }, groups, k, 16,
+                                             sh, need);
+    // (q6_pick_bin's __syncthreads: lse and count are visible)
+    for (int g = tid; g < groups; g += B) {
+        if (keys[g] < tau) continue;
+        const int c = g / Q6_TOPK_SCAN_THREADS, t = g % Q6_TOPK_SCAN_THREADS;
+        float v[Q6_TOPK_VALS];
+#pragma unroll
+        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
+            const int j = q6_group_col(c, t, i);
+            v[i] = j < cols ? row[j] : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
+            const int j = q6_group_col(c, t, i);
+            const unsigned int key = q6_order_key(v[i]);
+            if (j < cols && key >= tau) {
+                const unsigned int slot = atomicAdd(&count, 1u);
+                if (slot < (unsigned int)cap)
+                    cbuf[slot] = ((unsigned long long)(~key) << 32) | (unsigned int)j;
+            }
+        }
+    }
+    __syncthreads();
+    const unsigned int n = count;  // >= k: see the comment above q6_topk_scan
+    if (n <= (unsigned int)cap) {
+        unsigned int n2 = 2u;
+        while (n2 < n) n2 <<= 1;
+        for (unsigned int i = n + (unsigned int)tid; i < n2; i += (unsigned int)B) cbuf[i] = ~0ull;
+        __syncthreads();
+        q6_bitonic(cbuf, n2);
+        for (int j = tid; j < k; j += B) {
+            const unsigned int col = (unsigned int)(cbuf[j] & 0xFFFFFFFFull);
+            out[j] = __float_as_int(row[col]);
+            out[k + j] = (int)col;
+        }
+        if (tid == 0) out[2 * k] = __float_as_int(lse);
+        return;
+    }
+    // too many columns at or above tau to stage: the one-CTA-per-row passes over y
+    unsigned int need_t;
+    const unsigned int T = q6_select_row(row, cols, k, sh, need_t);
+    q6_gather_row(row, cols, 0, T, (unsigned int)k - need_t, need_t, sh);
+    q6_sort_and_write(sh, row, k, lse, out);
 }

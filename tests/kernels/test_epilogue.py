@@ -157,15 +157,20 @@ def _assert_matches(top: TopK, y: np.ndarray, k: int) -> None:
                   <= LSE_RTOL * np.maximum(1, np.abs(ref.lse[finite])))
 
 
-# The device paths: the fused kernels as dispatched, the fused kernels with every row split into
-# chunks however narrow (q6_topk_chunks + q6_topk_merge, the lm-head's form), CuPy ops.
-PATHS = ["fused", "fused_split", "cupy_ops"]
+# The device paths: the group form as dispatched (q6_topk_scan + q6_topk_pick), the same with
+# every row through q6_topk_pick's one-CTA-per-row passes (its fallback for rows with too many
+# columns at or above the group bound), the previous form with every row split into chunks
+# however narrow (q6_topk_chunks + q6_topk_merge), CuPy ops.
+PATHS = ["groups", "groups_rowpasses", "split", "cupy_ops"]
 
 
 def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> bool:
     from q6serve.kernels import cuda_topk
 
-    if path == "fused_split":
+    monkeypatch.setattr(cuda_topk, "KERNELS", "split" if path == "split" else "groups")
+    if path == "groups_rowpasses":
+        monkeypatch.setattr(cuda_topk, "CAND_CAP", 0)
+    if path == "split":
         monkeypatch.setattr(cuda_topk, "MIN_CHUNK", 1)
         monkeypatch.setattr(cuda_topk, "SPLIT_MIN_COLS", 1)
         monkeypatch.setattr(cuda_topk, "CTAS_PER_SM", 64)
@@ -184,7 +189,8 @@ def test_split_chunks_fill_the_sms_and_keep_k_columns_each() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,k", [(512, 1, 1), (4096, 8, 64), (152064, 64, 64),
-                                      (152064, 3, 256), (300, 5, 256)])
+                                      (152064, 3, 256), (300, 5, 256), (18944, 8, 64),
+                                      (4099, 300, 17)])
 @pytest.mark.parametrize("precision", [Precision.EXACT, Precision.F16])
 @pytest.mark.parametrize("path", PATHS)
 def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # type: ignore[no-untyped-def]
@@ -239,10 +245,50 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
     y[3, :] = -np.inf
     y[3, 7777] = 1.0
     cases.append((y, 256))
+    y = rng.standard_normal((5, 152064)).astype(np.float32)  # wide rows, specials in one group
+    y[0] = np.arange(152064, dtype=np.float32)  # ascending: the top k in the last chunk
+    y[1] = -np.arange(152064, dtype=np.float32)  # descending: in the first groups
+    y[2, 4096 * 20 + 5] = np.nan  # NaN and +inf in one chunk, -inf elsewhere
+    y[2, 4096 * 20 + 6] = np.inf
+    y[2, 100:200] = -np.inf
+    y[3, 1000:1100] = 7.5  # 100 columns tied at the top (k=16 of them: under the stage cap)
+    y[4] = 3.0  # tied at the k-th value in every group (over the stage cap: the row passes)
+    y[4, rng.choice(152064, 10, replace=False)] = 5 + np.arange(10, dtype=np.float32)
+    cases.append((y, 16))
+    cases.append((y, 1))
+    cases.append((np.round(rng.standard_normal((2, 152064)) * 3).astype(np.float32), 256))
+    cases.append((rng.standard_normal((7, 17)).astype(np.float32), 5))  # cols % 4 != 0
+    cases.append((rng.standard_normal((1, 1)).astype(np.float32), 1))
     for y, k in cases:
         with cupy.cuda.Device(0):
             top = topk_on_device(cupy, cupy.asarray(y), k, cuda_be.stream, fused=fused)
         _assert_matches(top, y, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["groups", "groups_rowpasses", "split"])
+@pytest.mark.parametrize("n,cols,k", [(3, 9000, 64), (64, 152064, 256), (2, 4099, 1)])
+def test_cuda_epilogue_writes_every_word_and_reads_unaligned_rows(  # type: ignore[no-untyped-def]
+        cuda_be, path: str, n: int, cols: int, k: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every word of the packed result is written (the buffer starts poisoned), and y rows that
+    are not 16-byte aligned (a contiguous view one element into its allocation: the scalar scan)
+    give the same result as aligned ones (the float4 scan where cols % 4 == 0)."""
+    import cupy
+
+    from q6serve.kernels import cuda_topk
+
+    _path(monkeypatch, path)
+    y = np.random.default_rng(cols).standard_normal((n, cols)).astype(np.float32)
+    with cupy.cuda.Device(0), cuda_be.stream:
+        flat = cupy.empty(n * cols + 1, cupy.float32)
+        flat[1:] = cupy.asarray(y).ravel()
+        views = [cupy.asarray(y), flat[1:].reshape(n, cols)]
+        for yd in views:
+            packed = cupy.full((n, 2 * k + 1), 0x7FBADBAD, cupy.int32)
+            cuda_topk._fused(cupy, yd, k, packed)
+            _assert_matches(cuda_topk._unpack(cupy.asnumpy(packed, stream=cuda_be.stream), k),
+                            y, k)
 
 
 def test_device_driver_chunks_and_packs(monkeypatch: pytest.MonkeyPatch) -> None:
