@@ -9,7 +9,7 @@ source bench/gpu_lib.sh
 gpu_session /tmp/tk
 LOG=$FINAL
 DEADLINE=$((T0 + ${BUDGET_S:-85}))
-left() { local l=$((DEADLINE - $(date +%s))); ((l < $1)) && echo "$l" || echo "$1"; }
+left() { local l=$((DEADLINE - $(date +%s))); ((l < 1)) && l=1; ((l < $1)) && echo "$l" || echo "$1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 PYT="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --maxfail=5"
 timeout "$(left 30)" $PYT tests/kernels/test_epilogue.py -k "special_rows or every_word" \
