@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Helper tk's GPU session for the top-k epilogue (issue 14 item 4): the epilogue's device-row
-# GPU tests, bench/topk_epilogue.py (split vs groups, warm and cold L2), bench/backend_wall.py
+# GPU tests (after WIDE_FORMS' bench/topk_check_wide.py), bench/topk_epilogue.py (split vs groups, warm and cold L2), bench/backend_wall.py
 # --topk 64 on the lm-head (N=64, staged) with each form, then the matmul-level GPU tests; every
 # step bounded so that the whole fits BUDGET_S seconds (default 85); logs straight into the
 # folder the device tool brings back (at most 8 files), the tables last.
@@ -12,6 +12,11 @@ DEADLINE=$((T0 + ${BUDGET_S:-85}))
 left() { local l=$((DEADLINE - $(date +%s))); ((l < 1)) && l=1; ((l < $1)) && echo "$l" || echo "$1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 PYT="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --maxfail=5"
+for form in ${WIDE_FORMS:-}; do  # N=256 x 152064, k=64, every row against the reference
+  CUDA_LAUNCH_BLOCKING=1 timeout "$(left 20)" python3 bench/topk_check_wide.py "$form" \
+    >>"$LOG/wide.log" 2>&1
+  echo "wide check $form rc=$? $(elapsed)"; grep -v "^ *$" "$LOG/wide.log" | tail -4
+done
 timeout "$(left 30)" $PYT tests/kernels/test_epilogue.py -k "special_rows or every_word" \
   >"$LOG/pytest_rows.log" 2>&1
 echo "device-row tests rc=$? $(tail -1 "$LOG/pytest_rows.log") $(elapsed)"

@@ -2,9 +2,11 @@
 its kernels on y already on the device, per shape and k, for each form of ``cuda_topk.KERNELS``
 (``split``: the previous passes as dispatched, one CTA per row or column chunks + a merge;
 ``groups``: q6_topk_scan + q6_topk_pick, with the scan's share); medians over --iters calls
-after a warm-up. ``warm``: the same y again and again (it stays in L2 when it fits, as a y the
-matmul just wrote partly does); ``cold``: L2 flushed before each call (a 256 MiB memset outside
-the events).
+after a warm-up. Each timed call is queued behind a spinning kernel, so the events time the
+device's work and not the host's launches (a GPU idle between the start event and a late
+launch counted that gap). ``warm``: the same y again and again (it stays in L2 when it fits, as
+a y the matmul just wrote partly does); ``cold``: L2 refilled before each call by reading
+256 MiB of other data (clean lines: a memset's dirty lines slowed y's reads by their write-back).
 
     python bench/topk_epilogue.py [--iters 50] [--ks 64,256] [--json out.json]
 """
@@ -20,7 +22,23 @@ from typing import Any
 import numpy as np
 
 SHAPES = [(64, 152064), (8, 152064), (1, 152064), (64, 128256), (8, 128256), (1, 128256),
-          (256, 152064), (64, 4096), (8, 18944)]
+          (64, 4096), (8, 18944), (256, 152064)]
+SPIN_CYCLES = 400_000  # ~0.2 ms at H200 clocks: longer than the host's launches of one call
+_AUX = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+extern "C" __global__ void flush_read(const float4* p, long long n, float* sink) {
+    float s = 0.f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float4 q = p[i];
+        s += q.x + q.y + q.z + q.w;
+    }
+    if (s == 1.2345f) *sink = s;
+}
+"""
 
 
 class _Marked:
@@ -56,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     rng = np.random.default_rng(0)
     stream = cp.cuda.Stream(non_blocking=True)
-    flush = cp.empty(256 << 20, cp.uint8)
+    flush = cp.ones((256 << 20) // 4, cp.float32)
+    sink = cp.zeros(1, cp.float32)
+    aux = cp.RawModule(code=_AUX)
+    spin, flush_read = aux.get_function("spin"), aux.get_function("flush_read")
     mod = loader.load(cuda_topk.TOPK_FILE, (), 0)
     print(f"{'shape':>14} {'k':>4} {'split warm':>10} {'groups warm':>11} {'(scan)':>7} "
           f"{'split cold':>10} {'groups cold':>11} {'(scan)':>7}  speed-up warm/cold")
@@ -75,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                         t, scan = [], []
                         for _ in range(a.iters):
                             if cold:
-                                flush.fill(1)
+                                flush_read((1056,), (256,), (flush, np.int64(flush.size // 4),
+                                                             sink))
+                            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
                             s, m, e = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
                             s.record(stream)
                             if form == "groups":

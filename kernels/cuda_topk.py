@@ -6,13 +6,14 @@ per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) byte
 
 - ``cuda/q6_topk.cu``, group form (``FUSED`` and ``KERNELS = "groups"``, the default): y is read
   once. ``q6_topk_scan`` runs one CTA per (chunk of ``SCAN_CHUNK`` columns, row), every SM
-  streaming: each thread keeps 16 columns (a group) in registers and writes the group's largest
-  order key, each CTA its chunk's max / f64 sum of exp / NaN flag. ``q6_topk_pick`` (one CTA per
-  row) takes tau = the top 16 bits of the k-th largest group key (a lower bound of the row's
-  k-th largest value: the k largest group maxima are k distinct columns), re-reads only the
-  groups whose maximum is >= tau (~k of them), sorts their columns >= tau in shared memory and
-  writes the first k, with the lse from the chunks' sums. A row with more than ``CAND_CAP``
-  columns >= tau (heavy ties) runs the one-CTA-per-row passes below inside the same kernel.
+  streaming: each thread keeps 16 columns in registers, each quad of threads writes the largest
+  order key of its 64 columns (a group), each CTA its chunk's max / f64 sum of exp / NaN flag.
+  ``q6_topk_pick`` (one CTA per row) takes tau = the top 16 bits of the k-th largest group key
+  (a lower bound of the row's k-th largest value: the k largest group maxima are k distinct
+  columns), re-reads only the groups whose maximum is >= tau (~k of them), ranks their columns
+  >= tau in shared memory (a bitonic sort past 512) and writes the first k, with the lse from
+  the chunks' sums. A row with more than 1024 such groups or ``CAND_CAP`` such columns (heavy
+  ties) runs the one-CTA-per-row passes below inside the same kernel.
 - ``KERNELS = "split"`` (the previous form): one CTA per row (max, f64 sum of exp, a 4-pass
   radix select of the k-th largest value, a gather and a bitonic sort), rows wide enough split
   into column chunks (:func:`chunks_for`) with a merge kernel. Each pass reads the row again.
@@ -23,7 +24,7 @@ per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) byte
 The GPU test (tests/kernels/test_epilogue.py) checks every form against the NumPy reference.
 Transient memory is CuPy-pool memory freed on return, like the matmul's own split-K partials,
 and not part of the accountant's per-weight scratch (service/engine.py): for the group form
-about y / 16 (a key per 16 columns) plus 16 bytes per 4096 columns.
+about y / 64 (a key per 64 columns) plus 16 bytes per 4096 columns.
 """
 
 from __future__ import annotations
@@ -134,10 +135,10 @@ def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
 def _groups(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any) -> None:
     """q6_topk_scan (one CTA per (chunk, row)) then q6_topk_pick (one per row); their
     intermediates in one pool block: per chunk the f64 sum, the max and the NaN flag, per
-    group (16 columns) its largest order key."""
+    group (64 columns) its largest order key."""
     chunks = -(-cols // SCAN_CHUNK)
     slots = n * chunks
-    groups = slots * SCAN_THREADS
+    groups = slots * (SCAN_CHUNK // 64)
     block = cp.empty(slots * 16 + groups * 4, cp.uint8)
     base = int(block.data.ptr)
     csum, cmax, cnan = base, base + slots * 8, base + slots * 12

@@ -374,29 +374,35 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
 
 // ---- The group form (kernels/cuda_topk.py's default): y read once, candidates bounded ----
 //
-// q6_topk_scan: one CTA of Q6_TOPK_SCAN_THREADS per (chunk of Q6_TOPK_CHUNK columns, row); each
-// thread loads its Q6_TOPK_VALS columns (a "group": columns chunk0 + (u * THREADS + t) * 4 + e,
-// u < 4, e < 4, so that the 4 loads of a warp are float4-coalesced) once into registers and
-// writes the group's largest order key; the CTA writes its chunk's (max, sum of exp(y - its
-// max) in f64, NaN) as q6_topk_chunks did. Every SM streams y at once (N=64 x 152064: 2432 CTAs).
+// q6_topk_scan: one CTA of Q6_TOPK_SCAN_THREADS per (chunk of Q6_TOPK_CHUNK columns, row), so
+// that every SM streams y at once (N=64 x 152064: 2432 CTAs). Thread t loads its 16 columns
+// chunk0 + u * 1024 + 4t + e (u, e < 4: float4-coalesced) once into registers; the 4 threads of
+// a quad q = t / 4 make a "group" of 64 columns, chunk0 + u * 1024 + 16q + w (u < 4, w < 16),
+// whose largest order key the quad writes; the CTA writes its chunk's (max, sum of
+// exp(y - its max) in f64, NaN) as q6_topk_chunks does.
 // q6_topk_pick: one CTA per row. tau = the top 16 bits of the k-th largest group key (two radix
-// passes over the row's cols/16 group keys). Every top-k column has a key >= tau: the k largest
+// passes over the row's cols/64 group keys). Every top-k column has a key >= tau: the k largest
 // group maxima are k distinct columns, so the k-th largest column is >= the k-th largest group
 // maximum >= tau. So only the groups whose maximum is >= tau are read again (about k of them
-// for logits) and their columns >= tau staged in shared memory (at least k, usually ~k), sorted
-// there (bitonic, by the 64-bit (~key, column) key) and the first k written. Rows with more
-// than `cap` such columns (heavy ties: a row of zeros) run the one-CTA-per-row passes instead.
+// for logits), their columns >= tau staged in shared memory (at least k; about k for logits),
+// ranked (or sorted) there by the 64-bit (~key, column) key and the first k written. Rows with
+// more than Q6_TOPK_SEL_CAP such groups or `cap` such columns (heavy ties: a row of zeros) run
+// the one-CTA-per-row passes instead. N=64 x 152064 (H200): 159 -> 47 us with 16-column groups
+// and a bitonic sort of the candidates; see bench/RESULTS.md for this form's figures.
 #define Q6_TOPK_SCAN_THREADS 256
-#define Q6_TOPK_VALS 16
-#define Q6_TOPK_CHUNK (Q6_TOPK_SCAN_THREADS * Q6_TOPK_VALS)
+#define Q6_TOPK_CHUNK (Q6_TOPK_SCAN_THREADS * 16)
+#define Q6_TOPK_GROUPS (Q6_TOPK_SCAN_THREADS / 4)  // groups of 64 columns per chunk
 #define Q6_TOPK_CAND_CAP 2048
+#define Q6_TOPK_SEL_CAP 1024
+#define Q6_TOPK_RANK_MAX 512  // candidates ranked by counting up to this many, else sorted
 
-// Column of value i (< Q6_TOPK_VALS) of group t (< Q6_TOPK_SCAN_THREADS) in chunk c.
-__device__ __forceinline__ int q6_group_col(int c, int t, int i) {
-    return c * Q6_TOPK_CHUNK + ((i >> 2) * Q6_TOPK_SCAN_THREADS + t) * 4 + (i & 3);
+// Column of value i (< 64) of group g of a row (chunk g / Q6_TOPK_GROUPS).
+__device__ __forceinline__ int q6_group_col(int g, int i) {
+    return (g / Q6_TOPK_GROUPS) * Q6_TOPK_CHUNK + (i >> 4) * 1024 + (g % Q6_TOPK_GROUPS) * 16 +
+           (i & 15);
 }
 
-// Block-wide max / or / sum over the CTA (every thread gets the result); red: >= 32 slots.
+// Block-wide max / or over the CTA (every thread gets the result); red: >= 32 slots.
 __device__ __forceinline__ void q6_block_max_or(float& m, int& nan, float* red_f, int* red_i) {
     const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
     const int nwarps = (int)(blockDim.x >> 5);
@@ -431,12 +437,13 @@ __device__ __forceinline__ void q6_topk_scan_impl(const float* __restrict__ y, i
     const int c = (int)blockIdx.x, chunks = (int)gridDim.x, t = (int)threadIdx.x;
     const size_t r = blockIdx.y;
     const float* row = y + r * (size_t)cols;
-    float v[Q6_TOPK_VALS];
-    bool ok[Q6_TOPK_VALS];
+    const int col0 = c * Q6_TOPK_CHUNK + 4 * t;
+    float v[16];
+    bool ok[16];
     if (VEC) {  // cols % 4 == 0 and the row 16-byte aligned: a float4 is all in or all out
 #pragma unroll
-        for (int u = 0; u < Q6_TOPK_VALS / 4; ++u) {
-            const int j = q6_group_col(c, t, 4 * u);
+        for (int u = 0; u < 4; ++u) {
+            const int j = col0 + u * 1024;
             float4 q = make_float4(0.f, 0.f, 0.f, 0.f);
             if (j < cols) q = __ldg(reinterpret_cast<const float4*>(row + j));
             v[4 * u] = q.x;
@@ -448,28 +455,31 @@ __device__ __forceinline__ void q6_topk_scan_impl(const float* __restrict__ y, i
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
-            const int j = q6_group_col(c, t, i);
+        for (int i = 0; i < 16; ++i) {
+            const int j = col0 + (i >> 2) * 1024 + (i & 3);
             ok[i] = j < cols;
             v[i] = ok[i] ? __ldg(row + j) : 0.f;
         }
     }
-    unsigned int kmax = 0u;  // below every float's key: a group past the row never wins
+    unsigned int kmax = 0u;  // below every float's key: columns past the row never win
     float m = NEG_INF;
     int nan = 0;
 #pragma unroll
-    for (int i = 0; i < Q6_TOPK_VALS; ++i) {
+    for (int i = 0; i < 16; ++i) {
         if (!ok[i]) continue;
         kmax = max(kmax, q6_order_key(v[i]));
         if (v[i] != v[i]) nan = 1;
         else m = fmaxf(m, v[i]);
     }
-    gkey[(r * (size_t)chunks + (size_t)c) * Q6_TOPK_SCAN_THREADS + (size_t)t] = kmax;
+    kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, 1));  // the quad's group
+    kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, 2));
+    if ((t & 3) == 0)
+        gkey[(r * (size_t)chunks + (size_t)c) * Q6_TOPK_GROUPS + (size_t)(t >> 2)] = kmax;
     q6_block_max_or(m, nan, red_f, red_i);
     const float shift = (m == POS_INF || m == NEG_INF) ? 0.f : m;
     double s = 0.0;
 #pragma unroll
-    for (int i = 0; i < Q6_TOPK_VALS; ++i)
+    for (int i = 0; i < 16; ++i)
         if (ok[i] && v[i] == v[i]) s += (double)expf(v[i] - shift);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     const int lane = t & 31, warp = t >> 5;
@@ -496,8 +506,9 @@ q6_topk_scan_v4(const float* __restrict__ y, int cols, unsigned int* __restrict_
     q6_topk_scan_impl<true>(y, cols, gkey, cmax, csum, cnan);
 }
 
-// The row's lse from its chunks' (max, sum of exp(y - max), NaN), by warp 0 (as q6_topk_merge:
-// NaN if a chunk had one, +-inf if the max is, else M + log(sum_c csum_c * exp(max_c - M))).
+// The row's lse from its chunks' (max, sum of exp(y - max), NaN), by one whole warp (as
+// q6_topk_merge: NaN if a chunk had one, +-inf if the max is, else
+// M + log(sum_c csum_c * exp(max_c - M))).
 __device__ __forceinline__ float q6_chunks_lse(const float* __restrict__ cmax,
                                                const double* __restrict__ csum,
                                                const int* __restrict__ cnan, int chunks) {
@@ -541,6 +552,16 @@ __device__ __forceinline__ void q6_bitonic(unsigned long long* a, unsigned int n
     }
 }
 
+// Candidate of column j (its key, the 64-bit sort key) into cbuf if key >= tau.
+__device__ __forceinline__ void q6_stage(unsigned long long* cbuf, unsigned int* count,
+                                         unsigned int cap, unsigned int key, unsigned int tau,
+                                         int j) {
+    if (key >= tau) {
+        const unsigned int slot = atomicAdd(count, 1u);
+        if (slot < cap) cbuf[slot] = ((unsigned long long)(~key) << 32) | (unsigned int)j;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
 q6_topk_pick(const float* __restrict__ y, int cols, int chunks, int k, int cap,
              const unsigned int* __restrict__ gkey, const float* __restrict__ cmax,
@@ -548,50 +569,86 @@ q6_topk_pick(const float* __restrict__ y, int cols, int chunks, int k, int cap,
              int* __restrict__ packed) {
     __shared__ Q6TopkShared sh;
     __shared__ unsigned long long cbuf[Q6_TOPK_CAND_CAP];
-    __shared__ unsigned int count;
+    __shared__ int sel[Q6_TOPK_SEL_CAP];
+    __shared__ unsigned int count, nsel;
     __shared__ float lse;
     const int tid = (int)threadIdx.x, B = (int)blockDim.x;
     const size_t r = blockIdx.x;
     const float* row = y + r * (size_t)cols;
     int* out = packed + r * (size_t)(2 * k + 1);
-    const int groups = chunks * Q6_TOPK_SCAN_THREADS;
+    const int groups = chunks * Q6_TOPK_GROUPS;
     const unsigned int* keys = gkey + r * (size_t)groups;
-    cap = min(cap, Q6_TOPK_CAND_CAP);
-    if (tid < 32) {
-        const float l = q6_chunks_lse(cmax + r * chunks, csum + r * chunks, cnan + r * chunks,
-                                      chunks);
-        if (tid == 0) {
-            lse = l;
-            count = 0u;
-        }
+    const float* rmax = cmax + r * (size_t)chunks;
+    const double* rsum = csum + r * (size_t)chunks;
+    const int* rnan = cnan + r * (size_t)chunks;
+    const unsigned int ucap = (unsigned int)min(cap, Q6_TOPK_CAND_CAP);
+    if (tid == 0) {
+        count = 0u;
+        nsel = 0u;
     }
     unsigned int need;
     const unsigned int tau = q6_radix_select([&](int g) { return keys[g]; }, groups, k, 16,
                                              sh, need);
-    // (q6_pick_bin's __syncthreads: lse and count are visible)
+    // (q6_pick_bin's __syncthreads made count and nsel visible)
     for (int g = tid; g < groups; g += B) {
-        if (keys[g] < tau) continue;
-        const int c = g / Q6_TOPK_SCAN_THREADS, t = g % Q6_TOPK_SCAN_THREADS;
-        float v[Q6_TOPK_VALS];
-#pragma unroll
-        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
-            const int j = q6_group_col(c, t, i);
-            v[i] = j < cols ? row[j] : 0.f;
+        if (keys[g] >= tau) {
+            const unsigned int s = atomicAdd(&nsel, 1u);
+            if (s < Q6_TOPK_SEL_CAP) sel[s] = g;
         }
+    }
+    __syncthreads();
+    const unsigned int ns = nsel;
+    if (ns <= Q6_TOPK_SEL_CAP) {  // their 64 columns each, 8 loads in flight per thread
+        const int total = (int)ns * 64;
+        int i = tid;
+        for (; i + 7 * B < total; i += 8 * B) {
+            float v[8];
+            int j[8];
 #pragma unroll
-        for (int i = 0; i < Q6_TOPK_VALS; ++i) {
-            const int j = q6_group_col(c, t, i);
-            const unsigned int key = q6_order_key(v[i]);
-            if (j < cols && key >= tau) {
-                const unsigned int slot = atomicAdd(&count, 1u);
-                if (slot < (unsigned int)cap)
-                    cbuf[slot] = ((unsigned long long)(~key) << 32) | (unsigned int)j;
+            for (int u = 0; u < 8; ++u) {
+                const int e = i + u * B;
+                j[u] = q6_group_col(sel[e >> 6], e & 63);
+                v[u] = j[u] < cols ? row[j[u]] : 0.f;
             }
+#pragma unroll
+            for (int u = 0; u < 8; ++u)
+                if (j[u] < cols) q6_stage(cbuf, &count, ucap, q6_order_key(v[u]), tau, j[u]);
+        }
+        for (; i < total; i += B) {
+            const int j = q6_group_col(sel[i >> 6], i & 63);
+            if (j < cols) q6_stage(cbuf, &count, ucap, q6_order_key(row[j]), tau, j);
         }
     }
     __syncthreads();
     const unsigned int n = count;  // >= k: see the comment above q6_topk_scan
-    if (n <= (unsigned int)cap) {
+    if (ns <= Q6_TOPK_SEL_CAP && n <= ucap && n <= Q6_TOPK_RANK_MAX) {
+        // rank by counting (the keys are distinct: one per column); the last warp (idle: n <=
+        // 512 < B - 32) computes the lse meanwhile
+        if (tid < (int)n) {
+            const unsigned long long mine = cbuf[tid];
+            unsigned int rank = 0u;
+            unsigned int j = 0u;
+            for (; j + 4u <= n; j += 4u)
+                rank += (cbuf[j] < mine) + (cbuf[j + 1] < mine) + (cbuf[j + 2] < mine) +
+                        (cbuf[j + 3] < mine);
+            for (; j < n; ++j) rank += cbuf[j] < mine;
+            if (rank < (unsigned int)k) {
+                const unsigned int col = (unsigned int)(mine & 0xFFFFFFFFull);
+                out[rank] = __float_as_int(row[col]);
+                out[k + (int)rank] = (int)col;
+            }
+        } else if (tid >= B - 32) {
+            const float l = q6_chunks_lse(rmax, rsum, rnan, chunks);
+            if (tid == B - 32) out[2 * k] = __float_as_int(l);
+        }
+        return;
+    }
+    if (tid < 32) {
+        const float l = q6_chunks_lse(rmax, rsum, rnan, chunks);
+        if (tid == 0) lse = l;
+    }
+    __syncthreads();
+    if (ns <= Q6_TOPK_SEL_CAP && n <= ucap) {
         unsigned int n2 = 2u;
         while (n2 < n) n2 <<= 1;
         for (unsigned int i = n + (unsigned int)tid; i < n2; i += (unsigned int)B) cbuf[i] = ~0ull;
@@ -605,7 +662,7 @@ q6_topk_pick(const float* __restrict__ y, int cols, int chunks, int k, int cap,
         if (tid == 0) out[2 * k] = __float_as_int(lse);
         return;
     }
-    // too many columns at or above tau to stage: the one-CTA-per-row passes over y
+    // too many groups or columns at or above tau to stage: the one-CTA-per-row passes over y
     unsigned int need_t;
     const unsigned int T = q6_select_row(row, cols, k, sh, need_t);
     q6_gather_row(row, cols, 0, T, (unsigned int)k - need_t, need_t, sh);

@@ -246,7 +246,8 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
     y[3, 7777] = 1.0
     cases.append((y, 256))
     y = rng.standard_normal((5, 152064)).astype(np.float32)  # wide rows, specials in one group
-    y[0] = np.arange(152064, dtype=np.float32)  # ascending: the top k in the last chunk
+    # ascending, the top k in the last chunk; the 1024 columns >= the bound are sorted, not ranked
+    y[0] = np.arange(152064, dtype=np.float32) + (2**18 - 152064)
     y[1] = -np.arange(152064, dtype=np.float32)  # descending: in the first groups
     y[2, 4096 * 20 + 5] = np.nan  # NaN and +inf in one chunk, -inf elsewhere
     y[2, 4096 * 20 + 6] = np.inf
@@ -266,8 +267,10 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["groups", "groups_rowpasses", "split"])
-@pytest.mark.parametrize("n,cols,k", [(3, 9000, 64), (64, 152064, 256), (2, 4099, 1)])
+@pytest.mark.parametrize("path,n,cols,k", [
+    *((p, *s) for p in ("groups", "groups_rowpasses", "split")
+      for s in ((3, 9000, 64), (64, 152064, 256), (2, 4099, 1))),
+    ("groups", 256, 152064, 64), ("groups_rowpasses", 300, 128256, 32)])
 def test_cuda_epilogue_writes_every_word_and_reads_unaligned_rows(  # type: ignore[no-untyped-def]
         cuda_be, path: str, n: int, cols: int, k: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
