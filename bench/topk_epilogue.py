@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in a.shapes.split(","):
         n, cols = (int(v) for v in shape.split("x"))
         y = cp.asarray((rng.standard_normal((n, cols)) * 4).astype(np.float32))
+        # the upload is on the legacy stream, which `stream` (non-blocking) does not wait for,
+        # and a pageable copy returns before its DMA ends: the 156 MB y of 256 x 152064 was
+        # still arriving while the first calls read it (an illegal address in two runs)
+        cp.cuda.Device().synchronize()
         for k in (int(v) for v in a.ks.split(",")):
             packed = cp.empty((n, 2 * k + 1), cp.int32)
             row: dict[str, float] = {}

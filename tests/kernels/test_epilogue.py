@@ -262,7 +262,9 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
     cases.append((rng.standard_normal((1, 1)).astype(np.float32), 1))
     for y, k in cases:
         with cupy.cuda.Device(0):
-            top = topk_on_device(cupy, cupy.asarray(y), k, cuda_be.stream, fused=fused)
+            yd = cupy.asarray(y)
+            cupy.cuda.Device(0).synchronize()  # the backend's stream does not wait for the upload
+            top = topk_on_device(cupy, yd, k, cuda_be.stream, fused=fused)
         _assert_matches(top, y, k)
 
 
@@ -287,6 +289,7 @@ def test_cuda_epilogue_writes_every_word_and_reads_unaligned_rows(  # type: igno
         flat = cupy.empty(n * cols + 1, cupy.float32)
         flat[1:] = cupy.asarray(y).ravel()
         views = [cupy.asarray(y), flat[1:].reshape(n, cols)]
+        cupy.cuda.Device(0).synchronize()  # the uploads, whatever stream they took
         for yd in views:
             packed = cupy.full((n, 2 * k + 1), 0x7FBADBAD, cupy.int32)
             cuda_topk._fused(cupy, yd, k, packed)
