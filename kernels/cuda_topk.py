@@ -13,7 +13,8 @@ per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) byte
   columns), re-reads only the groups whose maximum is >= tau (~k of them), ranks their columns
   >= tau in shared memory (a bitonic sort past 512) and writes the first k, with the lse from
   the chunks' sums. A row with more than 1024 such groups or ``CAND_CAP`` such columns (heavy
-  ties) runs the one-CTA-per-row passes below inside the same kernel.
+  ties) runs the one-CTA-per-row passes below inside the same kernel; rows known to (at most k
+  groups, :func:`rows_only`) run them alone (q6_topk_rows).
 - ``KERNELS = "split"`` (the previous form): one CTA per row (max, f64 sum of exp, a 4-pass
   radix select of the k-th largest value, a gather and a bitonic sort), rows wide enough split
   into column chunks (:func:`chunks_for`) with a merge kernel. Each pass reads the row again.
@@ -126,10 +127,20 @@ def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
     n, cols = (int(d) for d in y.shape)
     dev = int(y.device.id)
     mod = loader.load(TOPK_FILE, (), dev)
-    if KERNELS == "groups":
+    if KERNELS == "groups" and not rows_only(cols, k):
         _groups(cp, mod, y, n, cols, k, packed)
+    elif KERNELS == "groups":
+        mod.function("q6_topk_rows")((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
     else:
         _split(cp, mod, y, n, cols, k, packed, dev)
+
+
+def rows_only(cols: int, k: int) -> bool:
+    """Whether the group form would stage a whole row and find it too big (at most k groups of
+    64 columns bound nothing; more than ``CAND_CAP`` columns then take q6_topk_pick's row
+    passes): such rows go to q6_topk_rows (the same passes) without the scan first. H200:
+    64 x 4096, k=64: 19.3 us one CTA per row, 24.9 the group form (bench/RESULTS.md)."""
+    return -(-cols // SCAN_CHUNK) * (SCAN_CHUNK // 64) <= k and cols > CAND_CAP
 
 
 def _groups(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any) -> None:

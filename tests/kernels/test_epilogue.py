@@ -187,6 +187,15 @@ def test_split_chunks_fill_the_sms_and_keep_k_columns_each() -> None:
     assert chunks_for(300, 152064, 8, 132) == 1  # enough rows already
 
 
+def test_group_form_sends_rows_it_cannot_bound_to_the_row_passes() -> None:
+    from q6serve.kernels.cuda_topk import CAND_CAP, rows_only
+
+    assert rows_only(4096, 64) and rows_only(4096, 256) and rows_only(8192, 128)
+    assert not rows_only(4096, 63)  # 64 groups bound the 63rd
+    assert not rows_only(CAND_CAP, 256)  # staged whole: ranked or sorted in shared memory
+    assert not rows_only(18944, 256) and not rows_only(152064, 256)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,n,k", [(512, 1, 1), (4096, 8, 64), (152064, 64, 64),
                                       (152064, 3, 256), (300, 5, 256), (18944, 8, 64),
