@@ -7,8 +7,10 @@
 // first to arrive). Output: one packed int32 row per row of y, [values bits | columns | lse
 // bits] (2k + 1 words), downloaded in one copy by kernels/cuda_topk.py.
 //
-// Two forms (kernels/cuda_topk.py picks):
-// - q6_topk_rows: one CTA per row. Passes over the row (read from L2/HBM 7 times; nothing
+// Three forms (kernels/cuda_topk.py picks):
+// - q6_topk_scan + q6_topk_pick (the default, "groups", at the end of this file): y read once
+//   by every SM, then per row only the ~k groups of 64 columns that can hold a top-k column.
+// - q6_topk_rows (also the groups form's way for rows it cannot bound): one CTA per row. Passes over the row (read from L2/HBM 7 times; nothing
 //   staged): 1. max over non-NaN values, NaN flag  2. sum of exp(y - max) in f64  3-6. radix
 //   select of the k-th largest order key, 8 bits per pass (256-bin histogram in shared memory
 //   over the columns still matching the prefix chosen so far; one atomic per bin per warp, not
@@ -387,8 +389,8 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
 // for logits), their columns >= tau staged in shared memory (at least k; about k for logits),
 // ranked (or sorted) there by the 64-bit (~key, column) key and the first k written. Rows with
 // more than Q6_TOPK_SEL_CAP such groups or `cap` such columns (heavy ties: a row of zeros) run
-// the one-CTA-per-row passes instead. N=64 x 152064 (H200): 159 -> 47 us with 16-column groups
-// and a bitonic sort of the candidates; see bench/RESULTS.md for this form's figures.
+// the one-CTA-per-row passes instead. H200, N=64 x 152064, k=64 (bench/RESULTS.md): 140 us
+// for q6_topk_chunks + q6_topk_merge, 37 us for these two (the scan 23 of them).
 #define Q6_TOPK_SCAN_THREADS 256
 #define Q6_TOPK_CHUNK (Q6_TOPK_SCAN_THREADS * 16)
 #define Q6_TOPK_GROUPS (Q6_TOPK_SCAN_THREADS / 4)  // groups of 64 columns per chunk
