@@ -61,17 +61,19 @@ def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = No
 def topk_enqueue(cp: Any, y: Any, k: int, stream: Any,
                  fused: bool | None = None) -> Callable[[], TopK]:
     """:func:`topk_on_device` without the wait: the kernels and the packed result's download
-    into pinned host memory are enqueued on ``stream``; the returned function waits for the
-    stream and unpacks (call it once, from any thread)."""
+    into pinned host memory are enqueued on ``stream``; the returned function waits for that
+    download (an event after it: not for whatever is enqueued on the stream later, such as the
+    next launched batch) and unpacks (call it once, from any thread)."""
     with stream:
         packed = _packed(cp, y, k, fused)
         mem = cp.cuda.alloc_pinned_memory(packed.nbytes)
         host = np.frombuffer(mem, np.int32, packed.size).reshape(packed.shape)
-        cp.cuda.runtime.memcpyAsync(host.ctypes.data, packed.data.ptr, packed.nbytes,
-                                    _D2H, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(mem.ptr, packed.data.ptr, packed.nbytes, _D2H, stream.ptr)
+        done = cp.cuda.Event(disable_timing=True)
+        done.record(stream)
 
     def finish() -> TopK:
-        stream.synchronize()
+        done.synchronize()
         return _unpack(host, k)
 
     return finish
