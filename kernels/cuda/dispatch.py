@@ -285,9 +285,23 @@ class Dispatch:
     def __init__(self, table: DispatchTable | None, sm_count: int = 0) -> None:
         self.table = table
         self.sm_count = sm_count
+        # answers so far: a pure function of the arguments for this table and SM count, asked
+        # two or three times per call (4-9 us each on the 2-core VM); bounded
+        self._memo: dict[tuple[int, Precision, KernelFlags, int, int], Choice] = {}
 
     def choose(self, n: int, precision: Precision, flags: KernelFlags, rows: int = 0,
                k: int = 0) -> Choice:
+        key = (n, precision, flags, rows, k)
+        c = self._memo.get(key)
+        if c is None:
+            c = self._choose(n, precision, flags, rows, k)  # a refusal raises: not kept
+            if len(self._memo) >= 4096:
+                self._memo.clear()
+            self._memo[key] = c
+        return c
+
+    def _choose(self, n: int, precision: Precision, flags: KernelFlags, rows: int,
+                k: int) -> Choice:
         refuse_q8_1_without_mmq(precision, flags)
         if not flags.decode_mmq:  # the kill switch: no tile but the exact kernel
             path, prec = heuristic_path(n, precision, flags, rows, k)
