@@ -174,14 +174,12 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
     # the K-slice tile (src 4: activations staged once per CTA, warps stream many row tiles)
     nt = 1 if n <= 8 else n // 8
     mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
-    mma += [Cfg(nt=nt, src=4, pf=True, l2=True)]  # + L2 prefetch of the block after next
     mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
     # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too
     if wg and nt >= 4:
         mma += [Cfg(nt=nt, src=6, pf=True, warps=w) for w in (12, 8)]
-        mma += [Cfg(nt=nt, src=6, pf=True, warps=12, l2=True)]
         mma += [Cfg(nt=nt, src=6, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
                 if s <= k // 256]
     out: list[tuple[str, Cfg | None]] = []

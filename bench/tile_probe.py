@@ -169,10 +169,9 @@ WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
 def ks_cfgs(n: int) -> list[Cfg]:
     """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
-    return ([Cfg(nt=nt, src=4, pf=True), Cfg(nt=nt, src=4, pf=True, l2=True)]
-            + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
-            + ([Cfg(nt=nt, src=6, pf=True, warps=wp) for wp in (8, 12)]
-               + [Cfg(nt=nt, src=6, pf=True, warps=12, l2=True)] if WG and nt >= 2 else []))
+    return ([Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+            + ([Cfg(nt=nt, src=6, pf=True, warps=wp) for wp in (4, 8, 12)]
+               if WG and nt >= 2 else []))
 
 
 def profile_calls(be, ws, xd, n, rows, k) -> None:

@@ -77,7 +77,6 @@ class Cfg:
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
-    l2: bool = False  # src 4/6 (mt 1, pf): also an L2 prefetch of the block after next
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
@@ -90,7 +89,6 @@ class Cfg:
             (4, 8, 12) if self.src == 6 else (8,))))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
-        ok = ok and not (self.l2 and (self.src not in (4, 6) or self.mt != 1 or not self.pf))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))
         if not ok:
@@ -99,7 +97,7 @@ class Cfg:
     def label(self) -> str:
         """Short name for logs and the table (``nt4.m1.w8.s3.pf``)."""
         s = f"nt{self.nt}.m{self.mt}.w{self.warps}.s{self.src}" + (".pf" if self.pf else "")
-        return s + (f".k{self.ksplit}" if self.ksplit else "") + (".l2" if self.l2 else "")
+        return s + (f".k{self.ksplit}" if self.ksplit else "")
 
 
 @dataclass(frozen=True)

@@ -94,11 +94,11 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "exact":
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 4:
-        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}{', true' if cfg.l2 else ''}>"
+        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
     if path == "mma_f16" and cfg.src == 6:
-        return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}{', true' if cfg.l2 else ''}>"
+        return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -380,7 +380,7 @@ class Launcher:
         if path == "mma_f16" and cfg.src == 6 and arch_specific(WG_FILE, self.ctx.cc) is None:
             # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
             # committed table was tuned on an H200) runs the K-slice tile of the same width
-            cfg = Cfg(nt=cfg.nt, src=4, pf=True, l2=cfg.l2)
+            cfg = Cfg(nt=cfg.nt, src=4, pf=True)
         file = kernel_file(path, cfg)
         fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))

@@ -67,30 +67,6 @@ __device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = src[mt][hr];
 }
-// L2 prefetch (no registers, no result) of block kb of a warp's rows g and g+8, one line per
-// lane: t = 0/1 the ql bytes of row g / g+8 (128 bytes, one line in SoA), t = 2/3 their qh bytes
-// (64); the scales and d (18 bytes per block) come with the register loads. AoS: the first two
-// lines of the 210-byte block.
-template <bool SOA>
-__device__ __forceinline__ void warp_prefetch_l2(const RowRef (&rr)[2], int kb, int t) {
-    const bool hi = t & 1;  // selects, not an indexed array (that would go to local memory)
-    const u8* base = hi ? rr[1].base : rr[0].base;
-    const u32 ql = hi ? rr[1].ql : rr[0].ql, qh = hi ? rr[1].qh : rr[0].qh;
-    const u8* p = SOA ? base + (t < 2 ? ql + (u32)kb * 128u : qh + (u32)kb * 64u)
-                      : base + ql + (u32)kb * 210u + (t < 2 ? 0u : 128u);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-// The block two ahead of block b of a warp's tile (rr) in an nblk-block slice from kb0, or, past
-// the slice's end, of the warp's next tile (rn, when there is one).
-template <bool SOA>
-__device__ __forceinline__ void prefetch_ahead(const RowRef (&rr)[2], const RowRef (&rn)[2],
-                                               bool more, int kb0, int b, int nblk, int t) {
-    const int a = b + 2;
-    if (a < nblk)
-        warp_prefetch_l2<SOA>(rr, kb0 + a, t);
-    else if (more && a - nblk < nblk)
-        warp_prefetch_l2<SOA>(rn, kb0 + a - nblk, t);
-}
 template <class T, int MT, int NT>
 __device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -397,9 +373,7 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // twins, same grid, stay bit-identical).
 // Registers: 2 CTAs per SM for the narrow shapes (NT*MT <= 2: <= 128 registers, no spills on
 // sm_90), the rest 1 (up to 255).
-// L2: also an L2 prefetch of the block after next (prefetch_ahead; mt 1, PF), more bytes in
-// flight without registers.
-template <int NT, int MT, bool SOA, class In, bool PF, bool L2 = false>
+template <int NT, int MT, bool SOA, class In, bool PF>
 __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W, const typename In::T* x, int K,
                                                       const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -440,10 +414,6 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
                     warp_load<SOA>(nxt, rn, kb0, t);
             } else {
                 warp_load<SOA>(raw, rr, kb0 + b, t);
-            }
-            if (L2) {
-                static_assert(!L2 || (MT == 1 && PF), "L2 prefetch: 16-row warp tiles, PF");
-                prefetch_ahead<SOA>(rr[0], rn[0], more, kb0, b, nblk, t);
             }
             block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
@@ -953,11 +923,6 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 // only in stage_x_f16's load and are compiled through the backend's requested names.)
 #define INST_KS(NT, MT, PF) INST_KS2(NT, MT, true, InF16, PF) INST_KS2(NT, MT, false, InF16, PF)
 INST_KS(1, 1, true) INST_KS(2, 1, true) INST_KS(4, 1, true) INST_KS(8, 1, true)
-#define INST_KSL2(NT, SOA)                                                                   \
-    template __global__ void q6k_ks_f16<NT, 1, SOA, InF16, true, true>(                      \
-        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-INST_KSL2(1, true) INST_KSL2(2, true) INST_KSL2(4, true) INST_KSL2(8, true)
-INST_KSL2(1, false) INST_KSL2(2, false) INST_KSL2(4, false) INST_KSL2(8, false)
 #define INST_KSR2(NT, SOA, IN)                                                               \
     template __global__ void q6k_ksr_f16<NT, SOA, IN>(                                        \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);

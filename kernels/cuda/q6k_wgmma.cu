@@ -140,8 +140,7 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
 // blocks of raw weights (this one and the prefetched next) and two k16 steps of A fragments
 // are live (142-190 on sm_90a, so one CTA of 8 warps per SM; NWG 1: up to three CTAs where the
 // shared memory allows; NWG 3: <= 168).
-// L2: also an L2 prefetch of the block after next (prefetch_ahead), no registers.
-template <int NT, bool SOA, class In, int NWG, bool L2 = false>
+template <int NT, bool SOA, class In, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
 #ifdef Q6SERVE_WGMMA
@@ -192,7 +191,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                 warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
             else if (more)
                 warp_load<SOA>(nxt, rn, kb0, t);
-            if (L2) prefetch_ahead<SOA>(rr[0], rn[0], more, kb0, b, nblk, t);
             float f[2];
             u32 sc2[2][4];
 #pragma unroll
@@ -252,8 +250,4 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 INST_WG(2, 1) INST_WG(4, 1) INST_WG(8, 1)
 INST_WG(2, 2) INST_WG(4, 2) INST_WG(8, 2)
 INST_WG(2, 3) INST_WG(4, 3) INST_WG(8, 3)
-#define INST_WGL2(NT, SOA, NWG)                                                              \
-    template __global__ void q6k_wg_f16<NT, SOA, InF16, NWG, true>(                           \
-        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-INST_WGL2(4, true, 3) INST_WGL2(8, true, 3) INST_WGL2(4, false, 3) INST_WGL2(8, false, 3)
 #endif

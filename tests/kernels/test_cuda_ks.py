@@ -78,7 +78,7 @@ def test_every_shape_and_slice_count(be, rng, shape):
     y64 = reference.matmul_float64(x, blocks, rows)
     for c in KS_CFGS:
         for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
-            cfg = Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks, l2=c.l2)
+            cfg = Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
             for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
@@ -140,23 +140,3 @@ def test_backend_matmul_through_the_graph(be, rng):
     _check(ys[0], reference.matmul_float64(x, blocks, rows), cfg.label())
     for y in ys[1:]:
         np.testing.assert_array_equal(y.view(np.uint32), ys[0].view(np.uint32))
-
-
-def test_l2_prefetch_changes_no_bit(be, rng):
-    """The L2 prefetch of the block after next (l2) only moves bytes into L2: at the same grid
-    the results are the plain tile's bit for bit, SoA and AoS, across tiles and slices."""
-    rows, k = 700, 256 * 13
-    blocks = random_weight(rng, rows, k)
-    ws = load(be, blocks, rows, k, Layout.SOA)
-    wa = load(be, blocks, rows, k, Layout.AOS)
-    x = rng.standard_normal((64, k)).astype(np.float16)
-    for nt in (1, 2, 4, 8):
-        for ks in (1, 3):
-            cfg = Cfg(nt=nt, src=4, pf=True, ksplit=ks)
-            if smem_bytes("mma_f16", cfg, -(-13 // ks)) > KS_SMEM_MAX:
-                continue
-            y = _run(be, ws, x[: 8 * nt], cfg)
-            for w in (ws, wa):
-                np.testing.assert_array_equal(
-                    y.view(np.uint32), _run(be, w, x[: 8 * nt], Cfg(
-                        nt=nt, src=4, pf=True, ksplit=ks, l2=True)).view(np.uint32))

@@ -12,8 +12,6 @@ are poisoned with NaN before each call.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from test_cuda_backend import _gpu_count, load, random_weight, rel_fro
@@ -27,8 +25,7 @@ from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
 pytestmark = [pytest.mark.gpu]
 # two warpgroups per CTA at every width, one and three at one width each
 WG_CFGS = (*(Cfg(nt=nt, src=6, pf=True) for nt in (2, 4, 8)),
-           Cfg(nt=4, src=6, pf=True, warps=4), Cfg(nt=8, src=6, pf=True, warps=12),
-           Cfg(nt=8, src=6, pf=True, warps=12, l2=True))  # + L2 prefetch
+           Cfg(nt=4, src=6, pf=True, warps=4), Cfg(nt=8, src=6, pf=True, warps=12))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +64,7 @@ def test_every_shape_and_slice_count(be, rng, shape):
     y64 = reference.matmul_float64(x, blocks, rows)
     for c in WG_CFGS:
         for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
-            cfg = replace(c, ksplit=ks)
+            cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
             for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
@@ -98,7 +95,7 @@ def test_zero_and_extreme_block_scales(be, rng):
     y64 = reference.matmul_float64(x, blocks, rows)
     for c in WG_CFGS:
         for ks in (1, 5):
-            cfg = replace(c, ksplit=ks)
+            cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
             if smem_bytes("mma_f16", cfg, -(-(k // 256) // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
             y = _run(be, ws, x[: 8 * c.nt], cfg)
@@ -146,18 +143,3 @@ def test_tiles_across_slabs(be, rng, monkeypatch):
         _check(y, y64[: 8 * c.nt], c.label())
         _same(y, _run(be, wa, x[: 8 * c.nt], c), c.label())
 
-
-
-def test_l2_prefetch_changes_no_bit(be, rng):
-    """At the same grid the L2-prefetch variant is the plain tile bit for bit (SoA and AoS)."""
-    rows, k = 700, 256 * 13
-    blocks = random_weight(rng, rows, k)
-    ws = load(be, blocks, rows, k, Layout.SOA)
-    wa = load(be, blocks, rows, k, Layout.AOS)
-    x = rng.standard_normal((64, k)).astype(np.float16)
-    for nt in (4, 8):
-        for ks in (2, 3):
-            cfg = Cfg(nt=nt, src=6, pf=True, warps=12, ksplit=ks)
-            y = _run(be, ws, x[: 8 * nt], cfg)
-            for w in (ws, wa):
-                _same(y, _run(be, w, x[: 8 * nt], replace(cfg, l2=True)), f"nt{nt} ks{ks}")
