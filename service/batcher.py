@@ -123,6 +123,10 @@ class Device:
     def idle(self) -> bool:
         return self.inflight == 0
 
+    def thread_idle(self) -> bool:
+        """No job in the device thread (its hand-back would need the GIL)."""
+        return self._in_thread == 0
+
     def notify_when_idle(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once, on the loop, when the device next goes idle."""
         self._idle_waiters.append(fn)

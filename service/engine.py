@@ -73,7 +73,7 @@ from .registry import (
     check_name,
 )
 from .shards import RowRange, RowSelect, slice_tensor
-from .threads import run_in_thread
+from .threads import busy_poll, run_in_thread
 from .uploads import UploadBuffer
 from .vram import VramAccountant, VramStats
 
@@ -341,6 +341,8 @@ class Engine:
         # max_request_rows, four precisions, the flags' states)
         self._planned: set[tuple[int, Precision, FlagState]] = set()
         self.flags.subscribe(self._on_flags)
+        # Q6SERVE_BUSY_POLL_US: the loop busy-polls while no job is in the device thread
+        self.busy_poll = busy_poll(asyncio.get_running_loop(), self.device.thread_idle)
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
         self._publish()

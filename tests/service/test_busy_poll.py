@@ -1,0 +1,53 @@
+"""Q6SERVE_BUSY_POLL_US (service/threads.py): the loop polls before it sleeps, only while the
+engine's device thread has no job, and serves the same."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from q6serve.service import threads
+
+
+def test_busy_poll_sees_events_while_spinning_and_only_when_allowed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        monkeypatch.delenv(threads.BUSY_POLL_ENV, raising=False)
+        assert threads.busy_poll(loop, lambda: True) is None  # off by default
+        monkeypatch.setenv(threads.BUSY_POLL_ENV, "1000000")  # 1 s: long enough to see
+        allowed = [True]
+        poller = threads.busy_poll(loop, lambda: allowed[0])
+        assert poller is not None and loop._selector is poller  # type: ignore[attr-defined]
+        assert threads.busy_poll(loop, lambda: True) is poller  # once per loop
+        a, b = socket.socketpair()
+        got = asyncio.Event()
+        loop.add_reader(a.fileno(), lambda: (a.recv(1), got.set()))
+        try:
+            # a byte written from another thread while the loop spins is seen spinning
+            threading.Timer(0.02, b.send, (b"x",)).start()
+            t0 = time.perf_counter()
+            await asyncio.wait_for(got.wait(), 5)
+            assert poller.spun >= 1 and time.perf_counter() - t0 < 1
+            # not allowed (a device-thread job): a plain blocking select
+            allowed[0] = False
+            got.clear()
+            spun = poller.spun
+            threading.Timer(0.02, b.send, (b"y",)).start()
+            await asyncio.wait_for(got.wait(), 5)
+            assert poller.spun == spun
+            # timers still fire on time (the spin never outlasts the loop's timeout)
+            allowed[0] = True
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.01)
+            assert time.perf_counter() - t0 < 0.1
+        finally:
+            loop.remove_reader(a.fileno())
+            a.close()
+            b.close()
+
+    asyncio.run(main())
