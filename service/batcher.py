@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -300,8 +300,10 @@ class Deferred:
         self.wait = wait
 
 
-@dataclass(frozen=True)
-class BatchKey:
+class BatchKey(NamedTuple):
+    """What requests must share to run in one batch (a tuple: hashed per request and
+    batch on the loop, where a frozen dataclass's hash is a Python call)."""
+
     x_dtype: str
     precision: Precision
     out_dtype: str

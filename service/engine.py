@@ -339,7 +339,7 @@ class Engine:
         self._group: Group | None = None  # set inside grouped(): calls queued as one job
         # (N, precision, flags) the backend's dispatch accepted (start_matmul; bounded: N <=
         # max_request_rows, four precisions, the flags' states)
-        self._planned: set[tuple[int, Precision, FlagState]] = set()
+        self._planned: dict[FlagState, set[tuple[int, Precision]]] = {}
         self.flags.subscribe(self._on_flags)
         # Q6SERVE_BUSY_POLL_US: the loop busy-polls while no job is in the device thread
         self.busy_poll = busy_poll(asyncio.get_running_loop(), self.device.thread_idle)
@@ -739,10 +739,13 @@ class Engine:
                 check_k(call.topk, e.rows, weight=e.name)
             # refuse what the current flags forbid before queueing (clear status, no batch);
             # what passed once passes again (the dispatch is a pure function of these)
-            plan_key = (n, call.precision, self.flags.state)
-            if plan_key not in self._planned:
-                self.backend.plan(n, call.precision, self.flags.state.kernel_flags())
-                self._planned.add(plan_key)
+            state = self.flags.state
+            planned = self._planned.get(state)  # by state: (N, precision) passed under it
+            if planned is None:
+                planned = self._planned[state] = set()
+            if (n, call.precision) not in planned:
+                self.backend.plan(n, call.precision, state.kernel_flags())
+                planned.add((n, call.precision))
         except BaseException:
             self.registry.release(e)
             raise
