@@ -6,8 +6,8 @@
 #  2. T1 (bench/service.py --target-report --targets T1 --modes stream --weights ffn_down),
 #     base / now alternated twice, then now with Q6SERVE_BUSY_POLL_US=$SPIN (default 200)
 #  3. bench/stream_overhead.py --backend cuda: bare echo, the worker over a no-op backend
-#     (engine) and the CUDA worker, with loop trips and a timeline; then the CUDA worker
-#     again with busy polling
+#     (engine) and the CUDA worker, with loop trips and a timeline
+#  4. py-spy of the CUDA worker under the same closed loop (bench/spy_summary.py)
 # $OUT gets t1fast.tgz and summary.txt.   BASE=.gpu/t1/base bench/gpu_t1_fast.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,24 +41,39 @@ t1 now1 "$PWD" "$NOWPP"
 t1 base2 "$BASE" "$BASEPP"
 t1 now2 "$PWD" "$NOWPP"
 t1 spin1 "$PWD" "$NOWPP" Q6SERVE_BUSY_POLL_US="$SPIN"
-t1 spin2 "$PWD" "$NOWPP" Q6SERVE_BUSY_POLL_US="$SPIN"
 timeout 50 python3 bench/stream_overhead.py --backend cuda --variants bare,engine,worker --trips \
   --timeline 12 --rounds 2 --seconds 1 --inproc 3000 >"$OUT/overhead_now.log" 2>&1
 echo "# overhead ($(elapsed))"
-Q6SERVE_BUSY_POLL_US=$SPIN timeout 30 python3 bench/stream_overhead.py --backend cuda \
-  --variants bare,worker --trips --rounds 2 --seconds 1 --inproc 0 >"$OUT/overhead_spin.log" 2>&1
-echo "# overhead spin ($(elapsed))"
+# py-spy (1000 Hz, 3 s, not pausing it) of the CUDA worker under one caller's closed loop
+SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+timeout 40 python3 bench/stream_overhead.py --backend cuda --variants worker --rounds 1 \
+  --seconds 7 --inproc 0 >"$OUT/spy_run.log" 2>&1 &
+bench_pid=$!
+wpid=""
+for _ in $(seq 30); do
+  wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
+  [[ -n $wpid ]] && break
+  sleep 0.5
+done
+if [[ -n $wpid ]]; then
+  sleep 5
+  timeout 10 "$SPY" record -p "$wpid" -d 3 -r 1000 -t -f raw --nonblocking \
+    -o "$OUT/worker_spy.raw" >"$OUT/spy.log" 2>&1
+  python3 bench/spy_summary.py "$OUT/worker_spy.raw" --top 45 >"$OUT/spy_summary.txt" 2>&1
+fi
+wait "$bench_pid"
+echo "# spy ($(elapsed))"
 {
   echo "# gpu_t1_fast base $(cat "$BASE/COMMIT" 2>/dev/null) now $(cat COMMIT 2>/dev/null) $(elapsed)"
   tail -1 "$OUT/pytest_service_cuda.log"
-  for l in base1 now1 base2 now2 spin1 spin2; do
+  for l in base1 now1 base2 now2 spin1; do
     echo "## $l"
     grep -E "^T1|mean us|^# T1 stream" "$OUT/t1_$l.log"
   done
   echo "## stream_overhead now"
   grep -vE "^# round" "$OUT/overhead_now.log" | tail -40
-  echo "## stream_overhead now, Q6SERVE_BUSY_POLL_US=$SPIN"
-  grep -E "median|loop trips" "$OUT/overhead_spin.log"
+  echo "## py-spy of the CUDA worker (one caller, closed loop)"
+  head -60 "$OUT/spy_summary.txt" 2>/dev/null
 } >"$OUT/summary.txt"
 tar czf "$FINAL/t1fast.tgz" -C "$OUT" .
 cp "$OUT/summary.txt" "$FINAL/"

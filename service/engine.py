@@ -154,7 +154,7 @@ class WeightView:
         return self.row_begin + self.rows
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # made per request on the loop: a frozen init costs 2x
 class MatmulCall:
     weight: str
     x: np.ndarray  # [N, K] f32/f16/bf16 (may be a read-only view of the request bytes)
