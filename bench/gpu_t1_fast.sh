@@ -2,12 +2,11 @@
 # Issue 14 T1, session 6 (helper t1): one device call, a same-machine A/B within a small device
 # budget (~100 s). $BASE: an older tree (a `git archive`), run from its own folder through a
 # PYTHONPATH overlay (no second install); this tree is the one installed.
-#  1. this tree's CUDA service tests of the direct path and MatmulStream
+#  1. this tree's CUDA service tests of the direct path
 #  2. T1 (bench/service.py --target-report --targets T1 --modes stream --weights ffn_down),
 #     base / now alternated twice, then now with Q6SERVE_BUSY_POLL_US=$SPIN (default 200)
-#  3. bench/stream_overhead.py --backend cuda: bare echo, the worker over a no-op backend
-#     (engine) and the CUDA worker, with loop trips and a timeline
-#  4. py-spy of the CUDA worker under the same closed loop (bench/spy_summary.py)
+#  3. bench/stream_overhead.py --backend cuda --variants worker --trips --timeline: the CUDA
+#     worker under one caller's closed loop, with py-spy of it meanwhile (bench/spy_summary.py)
 # $OUT gets t1fast.tgz and summary.txt.   BASE=.gpu/t1/base bench/gpu_t1_fast.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +14,7 @@ cd "$(dirname "$0")/.."
 source bench/gpu_lib.sh
 gpu_session /tmp/t1fast
 BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
-S=${SECONDS_PER_RUN:-2}
+S=${SECONDS_PER_RUN:-1.5}
 SPIN=${SPIN:-200}
 OVER=/tmp/t1base_path
 mkdir -p "$OVER/q6serve"
@@ -23,9 +22,8 @@ for d in kernels service client; do ln -sfn "$BASE/$d" "$OVER/q6serve/$d"; done
 ln -sfn "$BASE/proto/q6serve/v1" "$OVER/q6serve/v1"
 BASEPP="$OVER${PYTHONPATH:+:$PYTHONPATH}"
 PYTHONPATH=$BASEPP python3 -c "import q6serve.service.servicer as s; print('# base code', s.__file__)"
-Q6SERVE_TEST_BACKEND=cuda timeout 60 python3 -m pytest -q -rfE -p no:cacheprovider \
-  tests/service/test_direct_path.py tests/service/test_rpcs.py tests/service/test_busy_poll.py \
-  >"$OUT/pytest_service_cuda.log" 2>&1
+Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
+  tests/service/test_direct_path.py >"$OUT/pytest_service_cuda.log" 2>&1
 echo "# service tests on CUDA rc=$? ($(elapsed)): $(tail -1 "$OUT/pytest_service_cuda.log")"
 t1() {  # label dir pythonpath [env...]
   local label=$1 dir=$2 pp=$3
@@ -41,28 +39,26 @@ t1 now1 "$PWD" "$NOWPP"
 t1 base2 "$BASE" "$BASEPP"
 t1 now2 "$PWD" "$NOWPP"
 t1 spin1 "$PWD" "$NOWPP" Q6SERVE_BUSY_POLL_US="$SPIN"
-timeout 50 python3 bench/stream_overhead.py --backend cuda --variants bare,engine,worker --trips \
-  --timeline 12 --rounds 2 --seconds 1 --inproc 3000 >"$OUT/overhead_now.log" 2>&1
-echo "# overhead ($(elapsed))"
-# py-spy (1000 Hz, 3 s, not pausing it) of the CUDA worker under one caller's closed loop
+# the CUDA worker under one caller's closed loop: loop trips, a timeline, and py-spy (1000 Hz,
+# not pausing it) for 3 s of it
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
-timeout 40 python3 bench/stream_overhead.py --backend cuda --variants worker --rounds 1 \
-  --seconds 7 --inproc 0 >"$OUT/spy_run.log" 2>&1 &
+timeout 40 python3 bench/stream_overhead.py --backend cuda --variants worker --trips \
+  --timeline 12 --rounds 1 --seconds 6 --inproc 0 >"$OUT/overhead_now.log" 2>&1 &
 bench_pid=$!
 wpid=""
-for _ in $(seq 30); do
+for _ in $(seq 40); do
   wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
   [[ -n $wpid ]] && break
-  sleep 0.5
+  sleep 0.25
 done
 if [[ -n $wpid ]]; then
-  sleep 5
+  sleep 4
   timeout 10 "$SPY" record -p "$wpid" -d 3 -r 1000 -t -f raw --nonblocking \
     -o "$OUT/worker_spy.raw" >"$OUT/spy.log" 2>&1
   python3 bench/spy_summary.py "$OUT/worker_spy.raw" --top 45 >"$OUT/spy_summary.txt" 2>&1
 fi
 wait "$bench_pid"
-echo "# spy ($(elapsed))"
+echo "# overhead + spy ($(elapsed))"
 {
   echo "# gpu_t1_fast base $(cat "$BASE/COMMIT" 2>/dev/null) now $(cat COMMIT 2>/dev/null) $(elapsed)"
   tail -1 "$OUT/pytest_service_cuda.log"
@@ -70,8 +66,8 @@ echo "# spy ($(elapsed))"
     echo "## $l"
     grep -E "^T1|mean us|^# T1 stream" "$OUT/t1_$l.log"
   done
-  echo "## stream_overhead now"
-  grep -vE "^# round" "$OUT/overhead_now.log" | tail -40
+  echo "## stream_overhead now (py-spy attached for part of it)"
+  grep -vE "^# round" "$OUT/overhead_now.log" | tail -20
   echo "## py-spy of the CUDA worker (one caller, closed loop)"
   head -60 "$OUT/spy_summary.txt" 2>/dev/null
 } >"$OUT/summary.txt"
