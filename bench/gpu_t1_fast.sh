@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
 gpu_session /tmp/t1fast
+note() { echo "$*" | tee -a "$FINAL/progress.txt"; }  # what is done, should the call be cut
 BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
 S=${SECONDS_PER_RUN:-1.5}
 SPIN=${SPIN:-200}
@@ -24,14 +25,15 @@ BASEPP="$OVER${PYTHONPATH:+:$PYTHONPATH}"
 PYTHONPATH=$BASEPP python3 -c "import q6serve.service.servicer as s; print('# base code', s.__file__)"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_direct_path.py >"$OUT/pytest_service_cuda.log" 2>&1
-echo "# service tests on CUDA rc=$? ($(elapsed)): $(tail -1 "$OUT/pytest_service_cuda.log")"
+note "# service tests on CUDA rc=$? ($(elapsed)): $(tail -1 "$OUT/pytest_service_cuda.log")"
 t1() {  # label dir pythonpath [env...]
   local label=$1 dir=$2 pp=$3
   shift 3
   (cd "$dir" && env PYTHONPATH="$pp" "$@" timeout 45 python3 bench/service.py --backend cuda \
     --target-report --targets T1 --modes stream --weights ffn_down --seconds "$S" \
     >"$OUT/t1_$label.log" 2>&1)
-  echo "# T1 $label rc=$? ($(elapsed)): $(grep -E '^# T1 stream' "$OUT/t1_$label.log")"
+  note "# T1 $label rc=$? ($(elapsed)): $(grep -E '^# T1 stream' "$OUT/t1_$label.log")"
+  grep -E "mean us" "$OUT/t1_$label.log" >>"$FINAL/progress.txt"
 }
 NOWPP=${PYTHONPATH:-}
 t1 base1 "$BASE" "$BASEPP"
@@ -58,7 +60,7 @@ if [[ -n $wpid ]]; then
   python3 bench/spy_summary.py "$OUT/worker_spy.raw" --top 45 >"$OUT/spy_summary.txt" 2>&1
 fi
 wait "$bench_pid"
-echo "# overhead + spy ($(elapsed))"
+note "# overhead + spy ($(elapsed))"
 {
   echo "# gpu_t1_fast base $(cat "$BASE/COMMIT" 2>/dev/null) now $(cat COMMIT 2>/dev/null) $(elapsed)"
   tail -1 "$OUT/pytest_service_cuda.log"
