@@ -24,7 +24,7 @@ from . import gcfreeze, lane, regions, wire
 from .admission import StreamBudget
 from .auth import TokenAuth
 from .engine import Engine, MatmulCall
-from .interceptor import RPC_START, observe_stream_request, status_code
+from .interceptor import RPC_BYTES, RPC_START, observe_stream_request, status_code
 from .multi import MAX_REQUEST_WEIGHTS, start_matmul_weights
 from .regions import RegionIO, RegionTable
 from .threads import run_in_thread
@@ -343,7 +343,9 @@ class Q6ServeServicer:
         """Bytes a stream request holds until its reply is written: the request message and
         the reply it will produce (N x the weight's rows x the output dtype's size). Requests
         that will fail count their own size only (their error reply is small)."""
-        size = req.ByteSize()
+        size = RPC_BYTES.get(None)  # as read (the interceptor's decoding); else upb's count
+        if size is None:
+            size = req.ByteSize()
         msg = wire.message(req)  # fields read once, from the message (this runs per request)
         names = msg.weights or (msg.weight,)  # a multi-weight reply holds one y per weight
         if len(names) > MAX_REQUEST_WEIGHTS:
