@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from svc_util import RunningWorker, assert_close, random_q6k, reference
 
+from q6serve.client.core import Q6ServeError
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher
@@ -141,3 +142,21 @@ def test_stream_round_trips_take_the_direct_path_with_the_same_replies(
                   method="MatmulStream/request", code="INVALID_ARGUMENT") == 1
     assert sample("q6serve_batch_rows_count") == 20
     assert sample("q6serve_queue_delay_seconds_count") == 20
+
+
+def test_unary_calls_take_the_direct_path_with_the_same_replies(
+        worker: RunningWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
+    blocks = random_q6k(ROWS, K, 4)
+    c = worker.client()
+    c.upload("w", blocks, ROWS, K)
+    rng = np.random.default_rng(2)
+    for _ in range(10):
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        assert_close(c.matmul("w", x), reference(blocks, ROWS, K, x))
+    with pytest.raises(Q6ServeError, match="K=128") as refused:
+        c.matmul("w", np.ones((1, K // 2), np.float32))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert worker.run(lambda: worker.engine.device.direct_jobs) >= 1
+    reg = worker.worker.registry
+    assert reg.get_sample_value("q6serve_batch_rows_count") == 10
