@@ -488,8 +488,10 @@ class Q6ServeServicer:
                     t_reply = time.perf_counter()
                     writing = replies.write(item, cost)
                     del item  # (see _Replies.write)
-                    await writing
-                    observe_stream_request(code, t_reply)  # after the write: off the path
+                    try:
+                        await writing
+                    finally:  # after the write (off the round trip's path), counted anyway
+                        observe_stream_request(code, t_reply)
                 else:
                     observe_stream_request(code)
                     replies.put(item, cost)
