@@ -9,6 +9,7 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes),
 #   VARIANTS ("8 8:m0": :m0 = the device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -22,6 +23,9 @@ t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line fo
   local rc=$?
   summary+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
   echo "# $name rc=$rc at $(elapsed)"
+  # what has run so far comes back even if the device time runs out before the end
+  printf '%s\n' "${summary[-1]}" >>"$FINAL/progress.txt"
+  tar czf "$FINAL/check.tgz" -C "$OUT" . 2>/dev/null
 }
 t kernels_gpu 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
 t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
@@ -41,11 +45,11 @@ PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load o
 [[ -z ${SKIP_PINNED:-} ]] && t t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
   --modes stream --weights ffn_down --seconds 2 --warmup 0.3 --pin "$PIN" \
   --json "$OUT/t1_pinned.json"
-t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
+[[ -z ${SKIP_TRIPS:-} ]] && t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
   --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
   t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
-    --seconds 2 --warmup 0.5 --json "$OUT/replay.json"
+    --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
   [[ -z ${SKIP_PINNED:-} ]] && t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
