@@ -62,6 +62,15 @@ def handoff_yield_for(backend_name: str) -> bool:
     return backend_name == "cuda" and os.environ.get(HANDOFF_ENV, "1").strip() != "0"
 
 
+def settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    """A job's outcome to its waiter's future (a cancelled waiter is simply not answered)."""
+    if not fut.done():
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
+
+
 class Device:
     """One single-thread executor for all work on one device; knows when it is idle.
 
@@ -272,11 +281,7 @@ class Device:
     def _done(self, done: Any, result: Any, exc: BaseException | None) -> None:
         self.inflight -= 1
         if isinstance(done, asyncio.Future):
-            if not done.done():  # a cancelled waiter is simply not answered
-                if exc is None:
-                    done.set_result(result)
-                else:
-                    done.set_exception(exc)
+            settle(done, result, exc)
         else:
             done(result, exc)
         if self.inflight == 0 and self._idle_waiters:

@@ -20,6 +20,7 @@ Only the CUDA backend has this (``support``); elsewhere RegionTable refuses CUDA
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
-from .batcher import DeadlineExceeded, MatmulReply
+from .batcher import DeadlineExceeded, MatmulReply, settle
 from .regions import CudaIpcSource, Mapping
 
 log = logging.getLogger("q6serve.regions")
@@ -105,15 +106,7 @@ class CudaSupport:
         """``call`` (x: a CuPy view of a region, or a host array) as one device job; y goes
         into ``yd`` (a CuPy view of a region) when given, else back to the host (reply.y)."""
         done: asyncio.Future[MatmulReply] = asyncio.get_running_loop().create_future()
-
-        def settle(reply: Any, exc: BaseException | None) -> None:
-            if not done.done():
-                if exc is None:
-                    done.set_result(reply)
-                else:
-                    done.set_exception(exc)
-
-        self.start(engine, call, yd, settle)
+        self.start(engine, call, yd, functools.partial(settle, done))
         return await asyncio.shield(done)  # the job finishes even if the caller goes
 
     def start(self, engine: Any, call: Any, yd: Any,

@@ -256,3 +256,29 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
         assert p.open_count == 0
     finally:
         w.stop()
+
+
+def test_matmul_awaits_the_outcome_that_start_reports() -> None:
+    """CudaSupport.matmul is start + a future: the reply start's job reports is returned, its
+    error raised, and an outcome after the waiter went is dropped (no CUDA needed: start is
+    replaced by one that reports from a later loop trip)."""
+    import asyncio
+
+    class Started(cuda_regions.CudaSupport):
+        def __init__(self, outcome: tuple[Any, BaseException | None]) -> None:
+            self.outcome = outcome
+
+        def start(self, engine: Any, call: Any, yd: Any, done: Any) -> None:
+            asyncio.get_running_loop().call_soon(done, *self.outcome)
+
+    async def main() -> None:
+        assert await Started(("reply", None)).matmul(None, None, None) == "reply"
+        with pytest.raises(ValueError, match="bad"):
+            await Started((None, ValueError("bad"))).matmul(None, None, None)
+        waiter = asyncio.ensure_future(Started(("late", None)).matmul(None, None, None))
+        await asyncio.sleep(0)
+        waiter.cancel()  # the outcome arrives after: settled into a done future, ignored
+        await asyncio.sleep(0.01)
+        assert waiter.cancelled()
+
+    asyncio.run(main())
