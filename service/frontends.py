@@ -1004,10 +1004,7 @@ class FrontendsWorker(Worker):
         except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
         finally:
-            table.let_go(xr)
-            table.let_go(yr)
-            fe.done_one()
-            self._pending -= 1
+            self._region_call_ended(fe, xr, yr)
 
     def _cuda_region_matmul(self, fe: _Front, rid: int, xr: Region, yr: Region, io: RegionIO,
                             weight: str, precision: str, out_dtype: str,
@@ -1031,8 +1028,6 @@ class FrontendsWorker(Worker):
     def _cuda_region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
                           dest: Any, out: np.dtype, shape: tuple[int, int], reply: Any,
                           exc: BaseException | None) -> None:
-        table = self.regions
-        assert table is not None
         try:
             if exc is not None:
                 fe.send(("err", rid, _portable_error(exc)))
@@ -1043,10 +1038,14 @@ class FrontendsWorker(Worker):
         except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
         finally:
-            table.let_go(xr)
-            table.let_go(yr)
-            fe.done_one()
-            self._pending -= 1
+            self._region_call_ended(fe, xr, yr)
+
+    def _region_call_ended(self, fe: _Front, xr: Region, yr: Region) -> None:
+        """A region call answered: its regions let go, its front end's call done."""
+        assert self.regions is not None
+        self.regions.let_go(xr)
+        self.regions.let_go(yr)
+        self._one_done(fe)
 
     async def _call(self, fe: _Front, rid: int, method: str, args: tuple[Any, ...]) -> None:
         try:
