@@ -12,15 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_cuda_backend import _gpu_count, load, random_weight
 
-from q6serve.kernels.api import Layout, iter_aos_chunks
+from q6serve.kernels.api import Layout
 from q6serve.kernels.cuda.launch import SLOTS, Workspace
 from q6serve.kernels.errors import DeviceError
-
-try:
-    import cupy
-except ImportError:  # CI: no CuPy at all
-    cupy = None
 
 
 def test_slots_go_to_the_first_free_one_and_a_launch_past_them_is_refused() -> None:
@@ -38,35 +34,15 @@ def test_slots_go_to_the_first_free_one_and_a_launch_past_them_is_refused() -> N
     assert ws.free_slot() == 0
 
 
-def _gpus() -> int:
-    if cupy is None:
-        return 0
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-gpu = [pytest.mark.gpu, pytest.mark.skipif(_gpus() == 0, reason="needs CuPy and a CUDA GPU")]
-
-
 @pytest.fixture(scope="module")
 def be():
-    if _gpus() == 0:
+    if _gpu_count() == 0:
         pytest.skip("needs CuPy and a CUDA GPU")
     from q6serve.kernels.cuda_backend import CudaBackend
 
     b = CudaBackend(0)
     yield b
     b.close()
-
-
-def _weight(be, rng: np.random.Generator, rows: int, k: int):
-    n = rows * (k // 256)
-    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
-    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
-    return be.load(iter_aos_chunks(blocks, rows, k, 1 << 20), rows, k, Layout.SOA, 1 << 20)
 
 
 def _same(a, b) -> None:
@@ -85,7 +61,8 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("staged", [False, True])
 def test_two_launches_in_flight_equal_one_at_a_time(be, n, out, topk, staged) -> None:
     rng = np.random.default_rng(7)
-    w = _weight(be, rng, 4096, 2048)  # y of N=64 f32: 1 MiB (past SMALL_Y): both ways out
+    # y of N=64 f32 is 1 MiB (past SMALL_Y): both ways out of the launcher are taken
+    w = load(be, random_weight(rng, 4096, 2048), 4096, 2048, Layout.SOA)
     xs = [rng.standard_normal((n, 2048)).astype(np.float16) for _ in range(3)]
     want = [be.matmul(w, x, out_dtype=out, topk=topk) for x in xs]  # one at a time
     for _ in range(3):  # the first calls bind, then capture: every path of the sequence
