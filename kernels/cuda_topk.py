@@ -74,7 +74,7 @@ def topk_enqueue(cp: Any, y: Any, k: int, stream: Any,
 
     def finish() -> TopK:
         done.synchronize()
-        return _unpack(host, k)
+        return unpack(host, k)
 
     return finish
 
@@ -102,7 +102,7 @@ def _packed(cp: Any, y: Any, k: int, fused: bool | None) -> Any:
     return packed
 
 
-def _unpack(host: np.ndarray, k: int) -> TopK:
+def unpack(host: np.ndarray, k: int) -> TopK:
     return TopK(np.ascontiguousarray(host[:, :k]).view(np.float32),
                 np.ascontiguousarray(host[:, k : 2 * k]),
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))
@@ -129,10 +129,8 @@ def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
     n, cols = (int(d) for d in y.shape)
     dev = int(y.device.id)
     mod = loader.load(TOPK_FILE, (), dev)
-    if KERNELS == "groups" and not rows_only(cols, k):
+    if KERNELS == "groups":
         _groups(cp, mod, y, n, cols, k, packed)
-    elif KERNELS == "groups":
-        mod.function("q6_topk_rows")((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
     else:
         _split(cp, mod, y, n, cols, k, packed, dev)
 
@@ -147,22 +145,53 @@ def rows_only(cols: int, k: int) -> bool:
 
 def _groups(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any) -> None:
     """q6_topk_scan (one CTA per (chunk, row)) then q6_topk_pick (one per row); their
-    intermediates in one pool block: per chunk the f64 sum, the max and the NaN flag, per
-    group (64 columns) its largest order key."""
+    intermediates in one pool block (see :func:`group_launches`)."""
+    block = cp.empty(scratch_bytes(n, cols), cp.uint8)
+    for name, grid, threads, args in group_launches(int(y.data.ptr), n, cols, k,
+                                                    int(packed.data.ptr), int(block.data.ptr)):
+        mod.function(name)(grid, (threads,), args)
+
+
+Launch = tuple[str, tuple[int, ...], int, tuple]  # (kernel name, grid, threads, arguments)
+
+
+def scratch_bytes(n: int, cols: int) -> int:
+    """The group form's intermediates: per (row, chunk) the f64 sum, the max and the NaN
+    flag, per group (64 columns) its largest order key."""
+    slots = n * -(-cols // SCAN_CHUNK)
+    return slots * 16 + slots * (SCAN_CHUNK // 64) * 4
+
+
+def packed_bytes(n: int, k: int) -> int:
+    """The packed result (:func:`_packed`): per row k values, k columns and the lse."""
+    return n * (2 * k + 1) * 4
+
+
+def bindable() -> bool:
+    """Whether :func:`group_launches` is the epilogue the settings name (the group form:
+    fixed launches on raw pointers, so a caller may bind them once and capture them)."""
+    return FUSED and KERNELS == "groups"
+
+
+def group_launches(y: int, n: int, cols: int, k: int, packed: int, scratch: int,
+                   ) -> list[Launch]:
+    """The group form's launches (all in TOPK_FILE) on raw device pointers: y f32 [n, cols]
+    (C-contiguous), ``packed`` (:func:`packed_bytes`) and ``scratch`` (:func:`scratch_bytes`).
+    kernels/cuda/launch.py binds these into a launch sequence (its CUDA graph), _groups runs
+    them at once."""
+    u64, i32 = np.uint64, np.int32
+    if rows_only(cols, k):
+        return [("q6_topk_rows", (n,), THREADS, (u64(y), i32(cols), i32(k), u64(packed)))]
     chunks = -(-cols // SCAN_CHUNK)
     slots = n * chunks
-    groups = slots * (SCAN_CHUNK // 64)
-    block = cp.empty(slots * 16 + groups * 4, cp.uint8)
-    base = int(block.data.ptr)
-    csum, cmax, cnan = base, base + slots * 8, base + slots * 12
-    gkey = base + slots * 16
-    u64, i32 = np.uint64, np.int32
-    vec = cols % 4 == 0 and int(y.data.ptr) % 16 == 0  # float4 loads: every row 16-byte aligned
-    mod.function("q6_topk_scan_v4" if vec else "q6_topk_scan")((chunks, n), (SCAN_THREADS,), (
-        y, i32(cols), u64(gkey), u64(cmax), u64(csum), u64(cnan)))
-    mod.function("q6_topk_pick")((n,), (THREADS,), (
-        y, i32(cols), i32(chunks), i32(k), i32(CAND_CAP), u64(gkey), u64(cmax), u64(csum),
-        u64(cnan), packed))
+    csum, cmax, cnan = scratch, scratch + slots * 8, scratch + slots * 12
+    gkey = scratch + slots * 16
+    vec = cols % 4 == 0 and y % 16 == 0  # float4 loads: every row 16-byte aligned
+    return [("q6_topk_scan_v4" if vec else "q6_topk_scan", (chunks, n), SCAN_THREADS,
+             (u64(y), i32(cols), u64(gkey), u64(cmax), u64(csum), u64(cnan))),
+            ("q6_topk_pick", (n,), THREADS,
+             (u64(y), i32(cols), i32(chunks), i32(k), i32(CAND_CAP), u64(gkey), u64(cmax),
+              u64(csum), u64(cnan), u64(packed)))]
 
 
 def _split(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any, dev: int) -> None:

@@ -19,7 +19,9 @@ host path of one batch:
    (the events are complete). A small y (<= ``SMALL_Y`` bytes, f32 or f16) is converted and
    copied into a pinned buffer of the workspace by the bound sequence itself (so a graph
    call is one host call for everything), then copied out on the host; a larger y (or bf16)
-   goes into a pinned block that becomes the returned array (no host copy).
+   goes into a pinned block that becomes the returned array (no host copy). The top-k
+   epilogue (group form) is bound in the same way: its launches after the end event, its
+   packed rows into the pinned buffer (an lm-head call is one graph launch and one sync).
 
 5. up to ``SLOTS`` launches may be in flight (launched, their wait not yet called): each takes
    a slot with its own pinned staging and small-y buffers, bound sequences (graphs, timing
@@ -39,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import q6k
+from .. import cuda_topk, q6k
 from ..api import BFLOAT16, Layout, ResidentWeight
 from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
@@ -250,10 +252,13 @@ class Workspace:
         self.gen += 1
 
 
-def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int) -> np.dtype | None:
-    """y's host dtype when the bound sequence downloads it itself (SMALL_Y), else None."""
+def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int,
+               ) -> np.dtype | tuple[str, int] | None:
+    """What the bound sequence downloads itself: ("topk", k) the top-k epilogue's packed rows
+    (its launches bound in too: cuda_topk.group_launches), y's host dtype for a small y
+    (SMALL_Y), else None (y's way out is enqueued per call: :meth:`Launcher._finish`)."""
     if topk:
-        return None
+        return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
     if dt not in (np.float32, np.float16) or n * rows * dt.itemsize > SMALL_Y:
         return None
@@ -675,8 +680,18 @@ class Launcher:
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
             steps = self.steps(lp, w, cw, xd, y, n)
-            out = None
-            if small is not None:  # y's way out is part of the sequence (SMALL_Y)
+            out, post = None, []
+            if isinstance(small, tuple):  # the top-k epilogue and its download, bound in
+                k = small[1]
+                packed = self.ws.ptr("topk_packed", cuda_topk.packed_bytes(n, k))
+                scratch = self.ws.ptr("topk_scratch", cuda_topk.scratch_bytes(n, w.rows))
+                post = [Step(self.ctx.fn(cuda_topk.TOPK_FILE, name), grid, threads, args)
+                        for name, grid, threads, args in cuda_topk.group_launches(
+                            y, n, w.rows, k, packed, scratch)]
+                nbytes = cuda_topk.packed_bytes(n, k)
+                out = (packed, self.ws.host_out(nbytes, slot)[:nbytes].view(np.int32)
+                       .reshape(n, 2 * k + 1))
+            elif small is not None:  # y's way out is part of the sequence (SMALL_Y)
                 y16 = self.ws.ptr("y16b", 2 * n * w.rows) if small == np.float16 else 0
                 nbytes = n * w.rows * small.itemsize
                 out = (y16, self.ws.host_out(nbytes, slot)[:nbytes].view(small).reshape(n,
@@ -686,17 +701,24 @@ class Launcher:
         if len(cw.plans) >= MAX_PLANS_PER_WEIGHT:
             cw.plans.clear()
         b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
-                  extra={"xd": xd, "y": y, "out": out})
+                  extra={"xd": xd, "y": y, "out": out, "post": post})
         cw.plans[key] = b
         return b
 
     def _download(self, b: Bound) -> None:
         """A small y's way out, enqueued after the kernels (a bound sequence's last part, in
-        its graph too): f16 converted on the device, then copied into the pinned out buffer."""
+        its graph too): f16 converted on the device, then copied into the pinned out buffer;
+        or the top-k epilogue's launches and its packed rows' copy into that buffer."""
         out = b.extra["out"]
         if out is None:
             return
         cp, stream = self.ctx.cp, self.ctx.stream
+        if b.extra["post"]:  # the top-k epilogue (after the end event: not kernel time)
+            for s in b.extra["post"]:
+                s()
+            packed, host = out
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, packed, host.nbytes, _D2H, stream.ptr)
+            return
         y16, host = out
         src = b.extra["y"]
         if y16:  # ("y16b": bound, unlike _finish's "y16"; at the bound size: nothing grows)
@@ -713,6 +735,13 @@ class Launcher:
         if out is None:
             return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk, slot)
         start, end, host = b.start, b.end, out[1]
+        if topk:
+            def top_done() -> Done:
+                self._wait(slot)
+                # (a copy: the buffer is the slot's, and unpack may return views of it)
+                return None, cuda_topk.unpack(host.copy(), topk), self._seconds(start, end)
+
+            return top_done
 
         def done() -> Done:
             self._wait(slot)

@@ -11,6 +11,7 @@ import pytest
 
 from q6serve.kernels import epilogue
 from q6serve.kernels.api import Layout, Precision, iter_aos_chunks
+from q6serve.kernels.cuda.launch import GRAPH_AFTER
 from q6serve.kernels.epilogue import LSE_RTOL, TopK, check_k, merge_topk, topk_reference, topk_xp
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.kernels.numpy_backend import NumpyBackend
@@ -206,7 +207,8 @@ def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # 
                                          precision: Precision, path: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The device's top-k == the NumPy reference on the y a plain call downloads (the kernels
-    are deterministic, split-K included)."""
+    are deterministic, split-K included), as direct launches and from the captured graph
+    that binds the epilogue in (kernels/cuda/launch.py)."""
     from q6serve.kernels import cuda_topk
 
     monkeypatch.setattr(cuda_topk, "FUSED", _path(monkeypatch, path))
@@ -216,9 +218,10 @@ def test_cuda_epilogue_matches_reference(cuda_be, rows: int, n: int, k: int,  # 
     try:
         x = np.random.default_rng(n).standard_normal((n, kk)).astype(np.float32)
         plain = cuda_be.matmul(w, x, precision=precision)
-        top = cuda_be.matmul(w, x, precision=precision, topk=k)
-        assert top.y is None and top.topk is not None and top.kernel == plain.kernel
-        _assert_matches(top.topk, plain.y, k)
+        for _ in range(GRAPH_AFTER + 2):  # direct launches, then the bound sequence's graph
+            top = cuda_be.matmul(w, x, precision=precision, topk=k)
+            assert top.y is None and top.topk is not None and top.kernel == plain.kernel
+            _assert_matches(top.topk, plain.y, k)
     finally:
         cuda_be.free(w)
 
@@ -302,7 +305,7 @@ def test_cuda_epilogue_writes_every_word_and_reads_unaligned_rows(  # type: igno
         for yd in views:
             packed = cupy.full((n, 2 * k + 1), 0x7FBADBAD, cupy.int32)
             cuda_topk._fused(cupy, yd, k, packed)
-            _assert_matches(cuda_topk._unpack(cupy.asnumpy(packed, stream=cuda_be.stream), k),
+            _assert_matches(cuda_topk.unpack(cupy.asnumpy(packed, stream=cuda_be.stream), k),
                             y, k)
 
 
@@ -314,7 +317,7 @@ def test_device_driver_chunks_and_packs(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(cuda_topk, "CHUNK_ELEMS", 3 * 5000)  # 3 rows per chunk
     y = np.random.default_rng(7).standard_normal((8, 5000)).astype(np.float32)
     y[3, 17] = np.nan
-    got = cuda_topk._unpack(cuda_topk._packed(np, y, 20, fused=False), 20)
+    got = cuda_topk.unpack(cuda_topk._packed(np, y, 20, fused=False), 20)
     want = topk_xp(y, 20, np)
     np.testing.assert_array_equal(got.values, want[0])
     np.testing.assert_array_equal(got.indices, want[1])
