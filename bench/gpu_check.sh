@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
 # kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
-# on CUDA, issue 14's targets (T1, the lm-head top-k, the 7B decode replay at S = 1, 8, 64 with
+# on CUDA, issue 14's targets (T1, the lm-head top-k in one process and through 4 front ends, the 7B decode replay at S = 1, 8, 64 with
 # and without multi-weight calls), T1 and the S=8 replay again with the worker pinned (PIN,
 # bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
 # the data plane at 8 front ends (merge on and off) with its device-path and fast-lane probes,
@@ -39,6 +39,9 @@ t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64
   --modes graph,staged --json "$OUT/wall.json"
 t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
+# the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
+t lm_head_fe4 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+  --warmup 0.3 --frontends 4 --json "$OUT/lm_head_fe4.json"
 t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
   --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
 PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
@@ -67,6 +70,8 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
+  echo "## lm-head --frontends 4"
+  grep -E "lm-head|reply|p50" "$OUT/lm_head_fe4.log" | tail -3
   grep -v "^\s*$" "$OUT/wall.log" | tail -8
   grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
   echo "## pinned ($PIN)"
