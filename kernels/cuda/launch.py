@@ -643,11 +643,7 @@ class Launcher:
         cp, stream = self.ctx.cp, self.ctx.stream
         if y_out is None:
             return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, 0, slot)
-        src = b.extra["y"]
-        if y_out.dtype == np.float16:  # converted on the device: half the bytes cross the bus
-            y16 = self.ws.array("y16", y_out.shape, np.float16, bound=False)
-            cp.copyto(y16, self.ws.array("y", y_out.shape, np.float32), casting="same_kind")
-            src = int(y16.data.ptr)
+        src = self._y_out(b.extra["y"], n, w.rows, y_out.dtype == np.float16)
         cp.cuda.runtime.memcpyAsync(y_out.ctypes.data, src, y_out.nbytes, _D2H, stream.ptr)
         start, end = b.start, b.end
 
@@ -814,12 +810,8 @@ class Launcher:
 
             return top_done
         half = out_dtype is not None and np.dtype(out_dtype) == np.float16
-        if half:  # convert on the device: half the bytes cross the bus
-            y16 = self.ws.array("y16", (n, rows), np.float16, bound=False)
-            cp.copyto(y16, self.ws.array("y", (n, rows), np.float32), casting="same_kind")
-            y, item, dt = int(y16.data.ptr), 2, np.dtype(np.float16)
-        else:
-            item, dt = 4, np.dtype(np.float32)
+        y = self._y_out(y, n, rows, half)
+        item, dt = (2, np.dtype(np.float16)) if half else (4, np.dtype(np.float32))
         nbytes = n * rows * item
         mem = cp.cuda.alloc_pinned_memory(nbytes)
         out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
@@ -833,6 +825,15 @@ class Launcher:
             return host, None, self._seconds(start, end)
 
         return done
+
+    def _y_out(self, y: int, n: int, rows: int, half: bool) -> int:
+        """The device address y leaves from: the workspace's f32 y at ``y``, or (``half``) its
+        f16 conversion enqueued into the workspace's "y16" (half the bytes cross the bus)."""
+        if not half:
+            return y
+        y16 = self.ws.array("y16", (n, rows), np.float16, bound=False)
+        self.ctx.cp.copyto(y16, self.ws.array("y", (n, rows), np.float32), casting="same_kind")
+        return int(y16.data.ptr)
 
     def _seconds(self, start: Any, end: Any) -> float | None:
         try:
