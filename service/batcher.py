@@ -379,10 +379,11 @@ class Group:
     with ``group``), then launched together (:meth:`launch`). Launching any part's batch takes every
     sibling's batch that can launch into the same device job (``Batcher._start``)."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("left", "parts")
 
     def __init__(self) -> None:
         self.parts: list[tuple[Batcher, _Pending]] = []
+        self.left = 0  # parts that have left their queues (``_left``)
 
     def launch(self) -> None:
         """Call after the last part is queued. On an idle device the group's job is submitted
@@ -395,6 +396,20 @@ class Group:
         for b, p in self.parts:
             if not p.taken:
                 b._wake.set()
+
+
+def _left(p: _Pending) -> None:
+    """``p`` leaves its queue (launched or dropped). Once every part of its group has, the
+    group lets go of them: a group and its parts refer to each other, and that cycle (with
+    each part's x, and its sink, whose multi-weight future holds every part's y) waited for
+    the cyclic GC otherwise (the replay at S=64 held ~30-50 replies' y that way). The list is
+    replaced, not cleared: ``_with_siblings`` and ``Group.launch`` may be iterating it."""
+    p.taken = True
+    g = p.group
+    if g is not None:
+        g.left += 1
+        if g.left == len(g.parts):
+            g.parts = []
 
 
 RunBatch = Callable[[np.ndarray, BatchKey], MatmulResult]
@@ -492,25 +507,32 @@ class Batcher:
     def can_run_now(self, rows: int, key: BatchKey, own: object = None) -> bool:
         """Whether a request of ``rows`` would, if queued now, launch at once as a lone inline
         job on this thread and settle in the same trip (``enqueue`` -> ``_kick`` -> ``_kicked``
-        -> ``Device.call`` inline, ``settle_now``): the device idle, nothing of this weight
-        queued or running, a like batch's job measured and short enough to inline and not one
-        to defer (DEFER_KERNEL_S), and no task waiting to run in this loop trip, which could
-        queue a request that would join the batch (``_kicked`` runs after the callbacks
-        ready now, and before what they schedule: only a task woken now, e.g. another
-        stream's reader, can join; ``own``, the caller's task, cannot). :meth:`run_now` does
-        the same work without the queue, future, timer and loop trips."""
+        -> ``Device.call`` inline, ``settle_now``): :meth:`direct_cost` is not None."""
+        return self.direct_cost(rows, key, own) is not None
+
+    def direct_cost(self, rows: int, key: BatchKey, own: object = None) -> float | None:
+        """The seconds a like job last took, if a request of ``rows`` may take the direct
+        path now (:meth:`run_now`), else None: the device idle, nothing of this weight
+        queued or running, a like batch's job measured and short enough to inline and not
+        one to defer (DEFER_KERNEL_S), and no task waiting to run in this loop trip, which
+        could queue a request that would join the batch (``_kicked`` runs after the
+        callbacks ready now, and before what they schedule: only a task woken now, e.g.
+        another stream's reader, can join; ``own``, the caller's task, cannot).
+        :meth:`run_now` does the queued path's work without the queue, future, timer and
+        loop trips."""
         if self._queue or self._unfinished or self._closed or not self._device.idle:
-            return False
+            return None
         b = _bucket(rows)
-        if not self._device.inlines(self._job_s.get((key, b))):
-            return False
+        cost = self._job_s.get((key, b))
+        if not self._device.inlines(cost):
+            return None
         if self._launch_batch is not None and self._kernel_s.get((key, b), 0.0) > DEFER_KERNEL_S:
-            return False
+            return None
         for h in getattr(self._loop_, "_ready", ()):  # asyncio's ready queue: a few handles
             task = getattr(h._callback, "__self__", None)
             if isinstance(task, asyncio.Task) and task is not own:
-                return False
-        return True
+                return None
+        return cost
 
     def run_now(self, x: np.ndarray, key: BatchKey) -> MatmulReply:
         """The direct path: run ``x`` alone now (after :meth:`can_run_now` said yes) and return
@@ -612,14 +634,14 @@ class Batcher:
             self._queue.extendleft(reversed(keep))
         for p in batch:
             self.queued_rows -= p.rows
-            p.taken = True
+            _left(p)
         now = time.perf_counter()
         return [p for p in batch if not p.dead(now)]
 
     def _drop_dead_head(self) -> None:
         while self._queue and self._queue[0].fut.done():
             p = self._queue.popleft()
-            p.taken = True
+            _left(p)
             self.queued_rows -= p.rows
 
     def _ready_rows(self, key: BatchKey) -> int:
@@ -828,8 +850,9 @@ class Batcher:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         while self._queue:
-            self._resolve(self._queue.popleft(),
-                          Unavailable(f"weight {self.name!r} was unloaded"))
+            p = self._queue.popleft()
+            _left(p)
+            self._resolve(p, Unavailable(f"weight {self.name!r} was unloaded"))
         self.queued_rows = 0
         if self._unfinished:
             self._drained = self._loop_.create_future()

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -770,26 +770,52 @@ class Engine:
     def run_now(self, call: MatmulCall, own: object = None) -> MatmulReply | None:
         """The direct path (issue 14): run a single-weight ``call`` here and now, on the
         loop's thread, and return its reply -- when it would run at once as an inline job
-        anyway (``Batcher.run_now``: the device idle, nothing of its weight queued or
+        anyway (``Batcher.direct_cost``: the device idle, nothing of its weight queued or
         running, a like batch's cost known and short, no task woken in this loop trip that
         could join its batch; ``own``: the caller's task, which cannot). Otherwise None:
-        nothing was done, queue it (``start_matmul``).
+        nothing was done, queue it (``start_matmul``). A multi-weight call's direct path
+        is ``multi.run_weights_now`` (on :meth:`direct_batchers` and :meth:`run_direct`).
         Refusals and failures raise, as ``start_matmul``'s future would fail."""
-        x = call.x
-        if call.weights or self._group is not None or x.ndim != 2:
+        if call.weights or call.x.ndim != 2:
             return None
-        try:
-            b = self.registry.get(call.weight).batcher
-        except NotFound:
-            return None  # (start_matmul says so, after the checks that come first)
         key = self._key(call)
-        if b is None or not b.can_run_now(int(x.shape[0]), key, own):
+        got = self.direct_batchers((call,), key, own)
+        return None if got is None else self.run_direct(got[0], call, key)
+
+    def direct_batchers(self, calls: Sequence[MatmulCall], key: BatchKey, own: object = None,
+                        ) -> list[Batcher] | None:
+        """The batchers of single-weight ``calls`` (of one x and ``key``: the parts of a
+        multi-weight call, or one call) when each may take the direct path now and, run one
+        after the other on this thread, their like jobs together are short enough to inline
+        (what a group's one job would be held to); else None."""
+        if self._group is not None:
             return None
+        rows = int(calls[0].x.shape[0])
+        out: list[Batcher] = []
+        total = 0.0
+        for call in calls:
+            try:
+                b = self.registry.get(call.weight).batcher
+            except NotFound:
+                return None  # (start_matmul says so, after the checks that come first)
+            cost = None if b is None else b.direct_cost(rows, key, own)
+            if cost is None:
+                return None
+            total += cost
+            out.append(b)  # type: ignore[arg-type]
+        return out if len(out) == 1 or self.device.inlines(total) else None
+
+    def run_direct(self, b: Batcher, call: MatmulCall, key: BatchKey) -> MatmulReply:
+        """Check ``call`` (as ``start_matmul`` does) and run it now through ``b``, its weight's
+        batcher, which :meth:`direct_batchers` gave."""
         e, key = self._admit(call, key)
         try:
             return b.run_now(call.x, key)
         finally:
             self.registry.release(e)
+
+    def batch_key(self, call: MatmulCall) -> BatchKey:
+        return self._key(call)
 
     @staticmethod
     def _key(call: MatmulCall) -> BatchKey:

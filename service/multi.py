@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -24,7 +23,7 @@ from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import FormatError, InvalidArgument, Q6Error
 
 from .batcher import MatmulReply
-from .engine import MatmulCall, WeightView
+from .engine import Engine, MatmulCall, WeightView
 from .registry import MAX_NAME_LEN
 
 MAX_REQUEST_WEIGHTS = 16  # weights of one multi-weight request
@@ -64,17 +63,12 @@ def _named(i: int, name: str, e: Q6Error) -> Q6Error:
     return out
 
 
-def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
-                         sink: Callable[[asyncio.Future[Any]], None] | None = None,
-                         ) -> asyncio.Future[list[tuple[str, MatmulReply]]]:
-    """Check and queue every part of ``call`` (a multi-weight call: ``call.weights``) now; the
-    future resolves with (weight, reply) per weight, in order. A refusal raises here (nothing
-    stays queued); cancelling the future drops the parts that have not run yet. ``sink(fut)``
-    is called right after the future is resolved, in the loop trip that resolves its last part
-    (as ``Engine.start_matmul``'s sink; not when the future is cancelled from outside)."""
+def check_parts(engine: MatmulEngine, call: MatmulCall) -> tuple[str, ...]:
+    """The weights of multi-weight ``call``, each checked (known, K equal to x's, k <= its
+    rows) before any part is queued or run; a refusal raises, naming its weight."""
     names = check_weights(call.weights)
     k = int(call.x.shape[1]) if call.x.ndim == 2 else -1
-    for i, name in enumerate(names):  # every weight checked before any part is queued
+    for i, name in enumerate(names):
         try:
             w = engine.get(name)
             if w.k != k:
@@ -83,6 +77,45 @@ def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
                 check_k(call.topk, w.rows, weight=name)
         except Q6Error as e:
             raise _named(i, name, e) from None
+    return names
+
+
+def _part(call: MatmulCall, name: str) -> MatmulCall:
+    return MatmulCall(name, call.x, call.precision, call.out_dtype, call.timeout, call.topk)
+
+
+def run_weights_now(engine: Engine, call: MatmulCall, own: object = None,
+                    ) -> list[tuple[str, MatmulReply]] | None:
+    """The direct path of a multi-weight call (``Engine.run_now``'s, for every part): when
+    each part would take it and all of them together are short enough to inline
+    (``Engine.direct_batchers``), run the parts here, one after the other, and return
+    (weight, reply) per weight, in order; else None (nothing was done: queue it with
+    :func:`start_matmul_weights`). The same checks and errors as the queued path: a refusal
+    raises before any part runs, a part that fails raises its error naming the weight."""
+    names = check_parts(engine, call)
+    key = engine.batch_key(call)
+    parts = [_part(call, name) for name in names]
+    batchers = engine.direct_batchers(parts, key, own)
+    if batchers is None:
+        return None
+    out: list[tuple[str, MatmulReply]] = []
+    for i, (part, b) in enumerate(zip(parts, batchers, strict=True)):
+        try:
+            out.append((part.weight, engine.run_direct(b, part, key)))
+        except Q6Error as e:
+            raise _named(i, part.weight, e) from None
+    return out
+
+
+def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
+                         sink: Callable[[asyncio.Future[Any]], None] | None = None,
+                         ) -> asyncio.Future[list[tuple[str, MatmulReply]]]:
+    """Check and queue every part of ``call`` (a multi-weight call: ``call.weights``) now; the
+    future resolves with (weight, reply) per weight, in order. A refusal raises here (nothing
+    stays queued); cancelling the future drops the parts that have not run yet. ``sink(fut)``
+    is called right after the future is resolved, in the loop trip that resolves its last part
+    (as ``Engine.start_matmul``'s sink; not when the future is cancelled from outside)."""
+    names = check_parts(engine, call)
     whole: asyncio.Future[list[tuple[str, MatmulReply]]] = (
         asyncio.get_running_loop().create_future())
     parts: list[asyncio.Future[MatmulReply]] = []
@@ -115,9 +148,8 @@ def start_matmul_weights(engine: MatmulEngine, call: MatmulCall,
         with engine.grouped():
             for i, name in enumerate(names):
                 try:
-                    parts.append(engine.start_matmul(
-                        dataclasses.replace(call, weight=name, weights=()),
-                        functools.partial(part_done, i)))
+                    parts.append(engine.start_matmul(_part(call, name),
+                                                     functools.partial(part_done, i)))
                 except Q6Error as e:
                     raise _named(i, name, e) from None
     except BaseException:

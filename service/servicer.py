@@ -25,7 +25,7 @@ from .admission import StreamBudget
 from .auth import TokenAuth
 from .engine import Engine, MatmulCall
 from .interceptor import RPC_BYTES, RPC_START, observe_stream_request, status_code
-from .multi import MAX_REQUEST_WEIGHTS, start_matmul_weights
+from .multi import MAX_REQUEST_WEIGHTS, run_weights_now, start_matmul_weights
 from .regions import RegionIO, RegionTable
 from .threads import run_in_thread
 
@@ -326,6 +326,22 @@ class Q6ServeServicer:
             return start_matmul_weights(self.engine, call, sink)
         return self.engine.start_matmul(call, sink)
 
+    def _direct(self) -> Callable[[MatmulCall, object], Any] | None:
+        """The direct path of this engine (``Engine.run_now``; a multi-weight call's:
+        ``multi.run_weights_now``), or None where it has none (multi-device engines, a front
+        end's proxy). Returns the reply, or None: queue the call (:meth:`_start`)."""
+        run_now = getattr(self.engine, "run_now", None)
+        if run_now is None:
+            return None
+        engine = self.engine
+
+        def direct(call: MatmulCall, own: object) -> Any:
+            if call.weights:
+                return run_weights_now(engine, call, own)
+            return run_now(call, own)
+
+        return direct
+
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = RPC_START.get(None) or time.perf_counter()
         io = wire.region_io(request)
@@ -336,7 +352,7 @@ class Q6ServeServicer:
             return wire.matmul_response(reply, request.request_id, took, y_bytes=False)
         call = wire.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
-        direct = getattr(self.engine, "run_now", None)  # the direct path, as in MatmulStream
+        direct = self._direct()  # the direct path, as in MatmulStream
         reply = None if direct is None else direct(call, asyncio.current_task())
         if reply is None:
             reply = await self._start(call)
@@ -371,10 +387,11 @@ class Q6ServeServicer:
         callers); replies go out as they finish, each tagged with its request id. No task per
         request: this coroutine (the RPC's task) reads and decodes each request and queues it
         (``Engine.start_matmul``); the request's sink hands its encoded reply to the stream's
-        writer task. **The direct path** (``Engine.run_now``): a request that would run at
-        once as a lone inline job, arriving while nothing of this stream is in flight or
-        being written, runs here and its reply is written by this coroutine itself, as a bare
-        echo handler would (no queue, future, sink, writer wake-up or loop trip between).
+        writer task. **The direct path** (``Engine.run_now``, ``multi.run_weights_now``): a
+        request that would run at once as a lone inline job (each part of a multi-weight
+        one), arriving while nothing of this stream is in flight or being written, runs here
+        and its reply is written by this coroutine itself, as a bare echo handler would (no
+        queue, future, sink, writer wake-up or loop trip between).
 
         Back-pressure: a request holds its share of the stream's window (one of
         ``max_stream_inflight`` slots and its :meth:`_cost` in bytes) until its reply has been
@@ -387,7 +404,7 @@ class Q6ServeServicer:
                          context.peer())
         replies = _Replies(getattr(context, "send_reply", None) or context.write, window)
         pending: set[asyncio.Future[Any]] = set()
-        direct = getattr(self.engine, "run_now", None)
+        direct = self._direct()
         rpc = asyncio.current_task()  # this coroutine's: it queues no request while running
         deadline = _Deadline(context)
 

@@ -5,19 +5,36 @@ outcome, errors and metrics as through the queue, and only then."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import threading
+import weakref
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from svc_util import RunningWorker, assert_close, random_q6k, reference
+from svc_util import (
+    InstrumentedBackend,
+    RunningWorker,
+    assert_close,
+    random_q6k,
+    reference,
+    wait_until,
+)
 
 from q6serve.client.core import Q6ServeError
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
-from q6serve.kernels.errors import InvalidArgument
+from q6serve.kernels.errors import FailedPrecondition, InvalidArgument
 from q6serve.service import batcher
-from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, BatchStats, Device
+from q6serve.service.batcher import (
+    Batcher,
+    BatchKey,
+    BatchSettings,
+    BatchStats,
+    Device,
+    Group,
+)
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
@@ -160,3 +177,148 @@ def test_unary_calls_take_the_direct_path_with_the_same_replies(
     assert worker.run(lambda: worker.engine.device.direct_jobs) >= 1
     reg = worker.worker.registry
     assert reg.get_sample_value("q6serve_batch_rows_count") == 10
+
+
+class _Refusing(InstrumentedBackend):
+    """Refuses the launches of the weight with ``rows`` rows while ``refuse`` is set."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows, self.refuse = rows, False
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        if self.refuse and w.rows == self.rows:
+            raise FailedPrecondition("refused by the test")
+        return super().matmul(w, x, **kw)
+
+
+def _multi(x: np.ndarray, rid: str, weights: tuple[str, ...]) -> pb.MatmulRequest:
+    req = _request(x, rid)
+    req.ClearField("weight")
+    req.weights.extend(weights)
+    return req
+
+
+def test_multi_weight_calls_take_the_direct_path_with_the_same_replies(
+        start_worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every part of a multi-weight request runs directly when each would (after the first
+    request, which measures the parts' costs through the queue): the same replies, errors
+    (named after their weight, refusals before any part runs) and metrics as queued."""
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
+    backend = _Refusing(rows=8)
+    # any measured cost inlines (a part's first job on a loaded machine may take > 3 ms)
+    worker = start_worker(backend=backend, inline_device_us=10_000_000)
+    shapes = {"q": (ROWS, 5), "k": (8, 6), "v": (24, 7), "other_k": (8, 8)}
+    blocks = {n: random_q6k(r, K if n != "other_k" else 2 * K, s)
+              for n, (r, s) in shapes.items()}
+    c = worker.client()
+    for n, (r, _) in shapes.items():
+        c.upload(n, blocks[n], r, K if n != "other_k" else 2 * K)
+    eng = worker.engine
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((2, K)).astype(np.float32) for _ in range(8)]
+    qkv = ("q", "k", "v")
+    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
+    with grpc.insecure_channel(worker.target) as ch:
+        stub = pb_grpc.Q6ServeStub(ch)
+        replies = stub.MatmulStream(iter(sent.get, None), timeout=60)
+
+        def ask(req: pb.MatmulRequest) -> pb.MatmulStreamResponse:
+            sent.put(req)
+            return next(replies)
+
+        first = ask(_multi(xs[0], "0", qkv))  # the queue (costs unknown), one device job
+        direct0 = worker.run(lambda: eng.device.direct_jobs)
+        outs = [first] + [ask(_multi(x, str(j + 1), qkv)) for j, x in enumerate(xs[1:])]
+        direct = worker.run(lambda: eng.device.direct_jobs) - direct0
+        # all parts of a request directly or none; most requests (another task woken in the
+        # reader's trip, e.g. the metrics poll, sends one through the queue)
+        assert direct % 3 == 0 and direct >= 3 * (len(xs) - 3), direct
+        # each part alone short enough to inline, not all three together (3 x 0.4): the
+        # request is queued, as its group's one device job would run on the device thread
+        def slow_parts() -> None:
+            for n in qkv:
+                b = eng.registry.get(n).batcher
+                b._job_s = dict.fromkeys(b._job_s, 0.4 * eng.device.inline_s)
+
+        worker.run(slow_parts)
+        direct0 = worker.run(lambda: eng.device.direct_jobs)
+        assert ask(_multi(xs[1], "slow", ("q",))).WhichOneof("outcome") == "result"
+        assert worker.run(lambda: eng.device.direct_jobs) == direct0 + 1  # one part: direct
+        worker.run(slow_parts)
+        assert ask(_multi(xs[1], "slow", qkv)).WhichOneof("outcome") == "result"
+        assert worker.run(lambda: eng.device.direct_jobs) == direct0 + 1  # all three: queued
+        launches = len(backend.launches)
+        bad_k = ask(_multi(xs[0], "bad-k", ("q", "other_k")))
+        unknown = ask(_multi(xs[0], "unknown", ("q", "nope")))
+        assert len(backend.launches) == launches  # refused before any part ran
+        backend.refuse = True
+        failed = ask(_multi(xs[0], "failed", qkv))
+        backend.refuse = False
+        again = ask(_multi(xs[1], "again", qkv))
+        sent.put(None)
+        assert list(replies) == []
+        unary = stub.Matmul(_multi(xs[2], "unary", qkv), timeout=30)
+    for j, (x, r) in enumerate(zip(xs, outs, strict=True)):
+        assert r.request_id == str(j) and r.WhichOneof("outcome") == "result"
+        assert [o.weight for o in r.result.outputs] == list(qkv)
+        for o in r.result.outputs:
+            rows = shapes[o.weight][0]
+            y = np.frombuffer(o.y.data, "<f4").reshape(2, rows)
+            assert_close(y, reference(blocks[o.weight], rows, K, x))
+            if j:
+                assert o.timing.queue_seconds == 0.0 and o.timing.batch_requests == 1
+    assert bad_k.error.code == 3 and bad_k.error.message.startswith("weights[1] 'other_k': ")
+    assert unknown.error.code == 5 and unknown.error.message.startswith("weights[1] 'nope': ")
+    assert failed.error.code == 9  # FAILED_PRECONDITION, from the part that failed
+    assert failed.error.message == "weights[1] 'k': refused by the test"
+    assert [o.weight for o in again.result.outputs] == list(qkv)
+    assert_close(np.frombuffer(again.result.outputs[2].y.data, "<f4").reshape(2, 24),
+                 reference(blocks["v"], 24, K, xs[1]))
+    assert_close(np.frombuffer(unary.outputs[0].y.data, "<f4").reshape(2, ROWS),
+                 reference(blocks["q"], ROWS, K, xs[2]))
+    assert worker.run(lambda: eng.device.inflight) == 0
+    reg = worker.worker.registry
+    assert reg.get_sample_value("q6serve_requests_total", {
+        "service": "q6serve.v1.Q6Serve", "method": "MatmulStream/request", "code": "OK"}) == 11
+    # every part's batch of the 12 answered requests, and q's of the failed one (k's failed)
+    wait_until(lambda: reg.get_sample_value("q6serve_batch_rows_count") == 3 * 11 + 1 + 1,
+               what="every part's batch observed")
+
+
+def test_a_group_lets_go_of_its_parts_without_the_cyclic_gc() -> None:
+    """A multi-weight call's parts and their group referred to each other: what the parts
+    held (x, each reply's y) waited for the cyclic GC (the 7B replay at S=64 kept 30-50
+    replies' y that way). Once every part has left its queue the group lets go."""
+    async def main() -> None:
+        made: list[weakref.ref[np.ndarray]] = []
+
+        def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
+            y = x * 2
+            made.append(weakref.ref(y))
+            return MatmulResult(y, "t", Layout.SOA, Precision.EXACT,
+                                KernelTiming(host_seconds=1e-6))
+
+        dev = Device("t")
+        bs = [Batcher(n, dev, run, BatchSettings(), lambda: True, lambda s: None)
+              for n in "ab"]
+        g = Group()
+        futs = [b.enqueue(np.ones((1, 4), np.float32), KEY, None, group=g) for b in bs]
+        g.launch()
+        got = await asyncio.gather(*futs)
+        assert [r.y[0, 0] for r in got] == [2.0, 2.0] and len(made) == 2
+        del got, futs, g
+        for _ in range(500):  # (the device thread lets go of its job's outcome after the
+            if all(r() is None for r in made):  # hand-back: it may run later than the loop)
+                break
+            await asyncio.sleep(0.01)
+        assert all(r() is None for r in made), "the parts' y are alive"
+        for b in bs:
+            await b.close()
+        dev.close()
+
+    gc.disable()
+    try:
+        asyncio.run(main())
+    finally:
+        gc.enable()
