@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -101,8 +102,27 @@ TRIM_EVERY_S = 5.0
 # default threshold moves up to the largest block freed (to 32 MiB), after which big
 # transient buffers (requests, replies: MiBs each) come from the heap arenas and their pages
 # stay in RSS: after 4 connections of 31.9 MiB requests RSS stayed 150 MiB up, 30 with it.
+# Each such block is page-faulted in on first touch and unmapped when freed, though: the 7B
+# replay at S=64 (4.8 MB replies) made ~4,000 page faults per layer in the worker
+# (bench/replay_sim.py). Env Q6SERVE_MMAP_THRESHOLD (bytes, read when the engine starts)
+# moves it, still fixed; 0 leaves glibc's own (moving) threshold.
 MMAP_THRESHOLD = 1 << 20
+MMAP_ENV = "Q6SERVE_MMAP_THRESHOLD"
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def mmap_threshold() -> int:
+    """The worker's fixed mmap threshold in bytes (0: glibc's moving one), from the env."""
+    raw = os.environ.get(MMAP_ENV, "").strip()
+    if not raw:
+        return MMAP_THRESHOLD
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MMAP_ENV}={raw!r} is not a byte count") from None
+    if value < 0:
+        raise ValueError(f"{MMAP_ENV}={value} is negative")
+    return value
 
 
 def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
@@ -343,6 +363,7 @@ class Engine:
         self.flags.subscribe(self._on_flags)
         # Q6SERVE_BUSY_POLL_US: the loop busy-polls while no job is in the device thread
         self.busy_poll = busy_poll(asyncio.get_running_loop(), self.device.thread_idle)
+        self._mmap_threshold = mmap_threshold()  # (a bad value fails the start)
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
         self._publish()
@@ -385,8 +406,8 @@ class Engine:
         keeps what big transient buffers (replies, requests, upload segments) freed in its
         arenas: after 8 non-reading streams the RSS stayed 350 MB up although every figure
         was back (docs/RELIABILITY.md, "The targets, measured")."""
-        if _mallopt is not None:
-            _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        if _mallopt is not None and self._mmap_threshold:
+            _mallopt(_M_MMAP_THRESHOLD, self._mmap_threshold)
         if _malloc_trim is None:
             return
         while True:

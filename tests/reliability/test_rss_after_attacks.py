@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from q6serve.client.client import matmul_request
 from q6serve.service import engine, gcfreeze
@@ -102,6 +103,7 @@ def mmapped_bytes() -> int | None:
 CHECK_MAPPING = """
 import sys, time
 import numpy as np
+import pytest
 from q6serve.service import engine
 from q6serve.service.config import Budget, WorkerConfig
 from tests.reliability.harness import RunningWorker
@@ -124,18 +126,43 @@ print(during - before, during - after)
 """
 
 
+def _check_mapping(threshold: str | None) -> tuple[int, int]:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop(engine.MMAP_ENV, None)
+    if threshold is not None:
+        env[engine.MMAP_ENV] = threshold
+    out = subprocess.run([sys.executable, "-c", CHECK_MAPPING], cwd=root, capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mapped, unmapped = (int(v) for v in out.stdout.split()[-2:])
+    return mapped, unmapped
+
+
 def test_big_transient_buffers_get_their_own_mapping():
     """Once a worker runs, a 2 MiB block is mapped on its own (and unmapped when freed) even
     after a bigger block was freed, which moves glibc's default threshold above it. In a
     fresh process: the threshold only decides how the heap *grows*, and a long test session
-    has free heap chunks big enough to serve the block without growing."""
+    has free heap chunks big enough to serve the block without growing. With
+    Q6SERVE_MMAP_THRESHOLD above it, the block comes from the heap (no mapping to fault in)."""
     if engine._mallopt is None or mmapped_bytes() is None:
         return  # not glibc (>= 2.33 for mallinfo2): nothing to check
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", CHECK_MAPPING], cwd=root, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    mapped, unmapped = (int(v) for v in out.stdout.split()[-2:])
     size = (2 << 20) - 64
+    mapped, unmapped = _check_mapping(None)
     assert mapped >= size, "a 2 MiB block came from the heap"
     assert unmapped >= size, "freeing it did not unmap it"
+    mapped, unmapped = _check_mapping(str(8 << 20))
+    assert mapped < size and unmapped < size, "a 2 MiB block was mapped on its own"
+
+
+def test_the_mmap_threshold_from_the_env(monkeypatch):
+    monkeypatch.setenv(engine.MMAP_ENV, "lots")
+    with pytest.raises(ValueError, match="Q6SERVE_MMAP_THRESHOLD='lots' is not a byte count"):
+        engine.mmap_threshold()
+    monkeypatch.setenv(engine.MMAP_ENV, "-1")
+    with pytest.raises(ValueError, match="is negative"):
+        engine.mmap_threshold()
+    monkeypatch.setenv(engine.MMAP_ENV, "0")
+    assert engine.mmap_threshold() == 0  # glibc's own
+    monkeypatch.delenv(engine.MMAP_ENV)
+    assert engine.mmap_threshold() == engine.MMAP_THRESHOLD
