@@ -20,6 +20,15 @@ checks and batcher, the device job, the reply into the slot and its message.
 (the "rm" message a front end sends for a request naming x_region and y_region), one region
 per message. Env Q6SERVE_DEVICE_MERGE=0: the device process does not merge the calls of a
 loop trip (compare).
+
+``--gpu-us US`` (a model of the GPU, for the CPU): the NumPy backend's weights and checks, but
+each launch only *models* a GPU: it takes ``--launch-us`` of host CPU (the CUDA host path:
+graph launch, copies enqueued), its "GPU work" takes US on one in-order stream (a launch
+starts when the previous one ends), and its wait sleeps until then, as a CUDA sync waits
+without the GIL; two launch slots and page-locked regions with y routes (``HostIO``), as the
+CUDA backend has. y's bytes are not computed (zeros; a routed y is left as it is): what is
+measured is the device process's host path and how it overlaps the modelled GPU, e.g.
+T3's shape with regions: ``--gpu-us 130 --region --stack 64 --rows 3584 --k 18944``.
 """
 
 from __future__ import annotations
@@ -37,6 +46,60 @@ from typing import Any
 import numpy as np
 
 
+class ModelGpu:
+    """The CUDA backend's host side over a modelled GPU (``--gpu-us``): the NumPy backend for
+    weights and checks, launches that take ``launch_s`` of CPU and end ``gpu_s`` after the
+    previous one ends (one in-order stream), waits that sleep until then."""
+
+    name = "cuda"  # (Device's hand-off yield, as on CUDA)
+    launch_slots = 2
+
+    def __init__(self, inner: Any, gpu_s: float, launch_s: float) -> None:
+        from q6serve.kernels import api
+        from q6serve.kernels.hostio import HostIO
+
+        self._api = api
+        self.inner, self.gpu_s, self.launch_s = inner, gpu_s, launch_s
+        self.hostio = HostIO()  # ranges recorded, y routes answered
+        self._free_at = 0.0  # when the modelled stream has done everything launched so far
+        self.launches = 0
+        self.busy_s = 0.0  # modelled GPU seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        return self.launch(w, x, **kw).wait()
+
+    def launch(self, w: Any, x: np.ndarray, *, precision: Any = None, flags: Any = None,
+               out_dtype: Any = None, topk: int = 0) -> Any:
+        api = self._api
+        x = api.check_matmul(w, x, topk)
+        kernel, resolved = self.inner.plan(x.shape[0], precision or api.Precision.AUTO,
+                                           flags or api.DEFAULT_FLAGS)
+        t = time.perf_counter()
+        while time.perf_counter() - t < self.launch_s:  # the host path's CPU
+            pass
+        y = self.hostio.output(x, w.rows, out_dtype)  # "DMA'd" straight into a y region
+        if y is None:
+            y = np.zeros((x.shape[0], w.rows), out_dtype or np.float32)
+        now = time.perf_counter()
+        end = max(now, self._free_at) + self.gpu_s
+        self._free_at = end
+        self.launches += 1
+        self.busy_s += self.gpu_s
+        result = api.MatmulResult(y, kernel, w.layout, resolved,
+                                  api.KernelTiming(host_seconds=self.gpu_s))
+
+        def wait() -> Any:
+            left = end - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            return result
+
+        return api.Launched(wait)
+
+
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     from q6serve.kernels import q6k
     from q6serve.kernels.backends import make_backend
@@ -45,7 +108,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     from q6serve.service.engine import UploadSpec
 
     cfg = WorkerConfig(max_batch_rows=64, frontends=1)
-    worker = fe.FrontendsWorker(cfg, make_backend(a.backend))
+    backend = make_backend(a.backend)
+    if a.gpu_us:
+        backend = ModelGpu(backend, a.gpu_us * 1e-6, a.launch_us * 1e-6)
+    worker = fe.FrontendsWorker(cfg, backend)
     worker._init_metrics()
     worker.engine = engine = worker.make_engine()
     data = q6k.random_blocks(a.rows, a.k, np.random.default_rng(1)).tobytes()
@@ -129,9 +195,22 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     resend.extend(frames)
     deliver()
     await asyncio.sleep(a.warmup)
+    prof = None
+    if a.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    g0 = getattr(backend, "busy_s", 0.0)
     n0, c0, t0, j0 = answered[0], time.process_time(), time.perf_counter(), engine.device.jobs
+    l0 = time.thread_time()  # the loop's own thread (the device thread's CPU is not in it)
     await asyncio.sleep(a.seconds)
     n1, c1, t1, j1 = answered[0], time.process_time(), time.perf_counter(), engine.device.jobs
+    l1 = time.thread_time()
+    g1 = getattr(backend, "busy_s", 0.0)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile)
     running[0] = False
     while engine.device.inflight or worker._pending:  # the last answers, before closing
         await asyncio.sleep(0.01)
@@ -146,9 +225,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "inflight": a.inflight, "messages": msgs, "messages_per_s": msgs / (t1 - t0),
             "cpu_us_per_message": (c1 - c0) / msgs * 1e6,
             "cpu_us_per_call": (c1 - c0) / (msgs * a.stack) * 1e6,
+            "loop_cpu_us_per_message": (l1 - l0) / msgs * 1e6,
             "messages_per_batch": msgs / max(j1 - j0, 1), "region": a.region,
             "merge": worker.merge,
-            "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs}
+            "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs,
+            "deferred_jobs": engine.device.deferred_jobs,
+            "behind_jobs": engine.device.behind_jobs,
+            "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,15 +245,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--region", action="store_true",
                     help="x and y in a system shm region per message (the 'rm' message)")
+    ap.add_argument("--gpu-us", type=float, default=0.0,
+                    help="model the GPU: each launch's device work takes this long (see above)")
+    ap.add_argument("--launch-us", type=float, default=20.0,
+                    help="--gpu-us: host CPU each launch takes (the CUDA host path)")
+    ap.add_argument("--profile", type=Path, metavar="FILE",
+                    help="cProfile the timed part into FILE (pstats)")
     ap.add_argument("--json", type=Path)
-    r = asyncio.run(run(a := ap.parse_args(argv)))
+    a = ap.parse_args(argv)
+    if a.gpu_us:  # the modelled waits end on time (a CUDA sync spins; Linux's default timer
+        import ctypes  # slack would add ~50 us to each sleep); threads made later inherit it
+
+        ctypes.CDLL(None).prctl(29, 1000)  # PR_SET_TIMERSLACK: 1 us
+    r = asyncio.run(run(a))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
     print(f"device process alone, {a.backend} {a.rows}x{a.k}, {a.inflight} messages of "
           f"{a.stack} calls in flight: {r['messages_per_s']:,.0f} messages/s, CPU "
-          f"{r['cpu_us_per_message']:.1f} us per message = {r['cpu_us_per_call']:.1f} us per "
+          f"{r['cpu_us_per_message']:.1f} us per message (loop thread "
+          f"{r['loop_cpu_us_per_message']:.1f}) = {r['cpu_us_per_call']:.1f} us per "
           f"call; {r['messages_per_batch']:.1f} messages per batch ({r['inline_jobs']}/"
-          f"{r['jobs']} device jobs inline)", flush=True)
+          f"{r['jobs']} device jobs inline, {r['deferred_jobs']} launched and waited on the "
+          f"thread, {r['behind_jobs']} behind another)"
+          + (f"; modelled GPU busy {r['gpu_busy']:.0%}" if a.gpu_us else ""), flush=True)
     return 0
 
 

@@ -52,6 +52,8 @@ class DeadlineExceeded(Q6Error):
 
 HANDOFF_ENV = "Q6SERVE_HANDOFF_YIELD"  # 0: never yield the GIL on a hand-off (Device)
 PIPELINE_ENV = "Q6SERVE_PIPELINE"  # 0: one launched batch at a time (Device.launch_slots)
+# 1: short batches under load are launched and waited for on the thread too (Device.pipeline_short)
+PIPELINE_SHORT_ENV = "Q6SERVE_PIPELINE_SHORT"
 
 
 def handoff_yield_for(backend_name: str) -> bool:
@@ -109,6 +111,9 @@ class Device:
         self.inline_s = inline_s
         pipeline = os.environ.get(PIPELINE_ENV, "1").strip() != "0"
         self.launch_slots = max(1, launch_slots) if pipeline else 1
+        # short batches under load launched like long ones (Batcher._pipelined)
+        self.pipeline_short = (self.launch_slots > 1
+                               and os.environ.get(PIPELINE_SHORT_ENV, "0").strip() == "1")
         self._waits = 0  # of the jobs in the thread, waits of launched batches (Deferred)
         self.behind_jobs = 0  # jobs launched behind a launched batch (see launch_slots)
         self._held: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -222,7 +227,7 @@ class Device:
         self._in_thread += 1
         self._waits += wait
         self._jobs.put((loop, done, fn, args, wait))
-        if self.inflight == 1 and self.handoff_yield:
+        if self.inflight == 1 and self.handoff_yield and not wait:
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
 
     def _run_here(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
@@ -696,7 +701,7 @@ class Batcher:
             key = batch[0].key
             kernel_s = self._kernel_s.get((key, _bucket(rows)), 0.0)
             launch = (self._launch_job if self._launch_batch is not None
-                      and kernel_s > DEFER_KERNEL_S else None)
+                      and (kernel_s > DEFER_KERNEL_S or self._pipelined()) else None)
             # nothing queued behind it: its replies' work cannot be overtaken by a launch
             # of this batcher (test_reply_order), so an inline job settles in this trip
             self._device.call(self._loop_, self._job, (batch, key),
@@ -705,6 +710,17 @@ class Batcher:
         else:
             self._device.call(self._loop_, _run_jobs, (jobs,),
                               lambda done, exc: _finish_jobs(jobs, done, exc), expect)
+
+    def _pipelined(self) -> bool:
+        """Whether a short batch is launched on the loop and waited for on the device thread
+        (``Device.call``'s ``launch``), as a long one always is: under load, with pipelining
+        of short batches on (``Device.pipeline_short``): more requests queued behind it, or
+        another job still on the device. The loop then takes the next calls while the GPU
+        works, and the next batch is launched behind this one (``Device.launch_slots``),
+        instead of the loop waiting for every batch's copies and kernels inline (T3 with
+        regions: ~130 of the loop's ~360 us per call on the H200). A lone request on an idle
+        device still runs inline (no thread hand-off on its way back)."""
+        return self._device.pipeline_short and (bool(self._queue) or not self._device.idle)
 
     def _with_siblings(self, batch: list[_Pending]) -> list[tuple[Batcher, list[_Pending]]]:
         """``batch`` plus, for every group among its requests (and theirs, transitively), the
