@@ -206,11 +206,12 @@ class CudaBackend(Backend):
             return self.launcher.enqueue(w, cw, xd, in_t, path, cfg)
 
     def launch_device(self, w: ResidentWeight, xd: Any, dtype: np.dtype, path: str,
-                      cfg: Cfg | None) -> tuple[Any, Any, Any]:
+                      cfg: Cfg | None, slot: int | None = None) -> tuple[Any, Any, Any]:
         """:meth:`run` for the service's CUDA regions: (f32 y on the device, start, end), the
         events around the kernels only (``Launcher.launch_device``; y is the workspace's, valid
         until the next launch). cuBLAS (the kill switch) keeps direct launches between its
-        events. Call under the device thread's exclusivity; no sync."""
+        events. Call under the device thread's exclusivity; no sync. ``slot``: the launch
+        slot the caller holds (``Launcher.launch_device``)."""
         cp = self.ctx.cp
         in_t = IN_TYPES.get(np.dtype(dtype))
         if path == "cublas_f16" or cfg is None or in_t is None:
@@ -221,7 +222,7 @@ class CudaBackend(Backend):
                 end.record(self.ctx.stream)
             return y, start, end
         with self.ctx.dev, self.ctx.stream:
-            return self.launcher.launch_device(w, weight_data(w), xd, in_t, path, cfg)
+            return self.launcher.launch_device(w, weight_data(w), xd, in_t, path, cfg, slot)
 
     def close(self) -> None:
         """Drop the per-backend buffers (weights are freed by their owner)."""

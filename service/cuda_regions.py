@@ -32,7 +32,7 @@ from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
-from .batcher import DeadlineExceeded, MatmulReply, settle
+from .batcher import DeadlineExceeded, Deferred, MatmulReply, settle
 from .regions import CudaIpcSource, Mapping
 
 log = logging.getLogger("q6serve.regions")
@@ -139,12 +139,85 @@ class CudaSupport:
                 engine.registry.release(e)
                 done(reply, exc)
 
-            engine.device.call(asyncio.get_running_loop(), self._job,
-                               (e, call, yd, flags, time.perf_counter(), cost), finished,
-                               expect_s=self._job_s.get(cost))
+            dev = engine.device
+            # under load (Device.pipeline_short, the device busy), a call whose y goes to a
+            # CUDA region is launched on the loop and waited for on the device thread, the
+            # next one launched behind it (Device.launch_slots): the loop does not wait for
+            # the GPU inline. Alone on an idle device it runs inline whole, as before.
+            launch = (self._launch if yd is not None and dev.pipeline_short and not dev.idle
+                      else None)
+            dev.call(asyncio.get_running_loop(), self._job,
+                     (e, call, yd, flags, time.perf_counter(), cost), finished,
+                     expect_s=self._job_s.get(cost), launch=launch)
         except BaseException:
             engine.registry.release(e)
             raise
+
+    def _enqueue(self, e: Any, call: Any, flags: KernelFlags, slot: int | None,
+                 ) -> tuple[Any, Any, Any, Any]:
+        """The job's launch (under the device and stream): (choice, f32 y [N, rows] on the
+        device - the workspace's, valid until the next launch -, start, end events around
+        the kernels only)."""
+        b, cp = self.backend, self.cp
+        w = e.resident
+        flags = KernelFlags(soa=w.layout is Layout.SOA, decode_mmq=flags.decode_mmq)
+        x = call.x
+        # a CUDA region's view of bf16 x is its uint16 bits (device_dtype)
+        dtype = BFLOAT16 if x.dtype == np.uint16 else np.dtype(x.dtype)
+        if isinstance(x, np.ndarray):  # inline bytes or a system region: upload once
+            x = cp.asarray(np.ascontiguousarray(x).view(device_dtype(dtype)))
+        n = int(x.shape[0])
+        c = b.choose(n, call.precision, flags, w.rows, w.k)
+        if c.precision is Precision.Q8_1 and not bool(_finite(cp, x, dtype)):
+            # q8_1 cannot carry NaN/Inf (kernels.api.matmul_ieee): the call runs exact
+            c = b.choose(n, Precision.EXACT, flags, w.rows, w.k)
+        return (c, *b.launch_device(w, x, dtype, c.path, c.cfg, slot))
+
+    def _launch(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
+                cost: tuple[Any, ...]) -> Deferred:
+        """:meth:`_job` for a y in a CUDA region, launched on the loop in a launch slot of its
+        own (its bound sequence and events; held until the wait): the returned wait, run on
+        the device thread, synchronises on the slot's completion event only (a call
+        launched behind this one keeps running)."""
+        t0 = time.perf_counter()
+        b, cp = self.backend, self.cp
+        ws = b.launcher.ws
+        slot = ws.free_slot()
+        ws.take(slot)
+        try:
+            with b.ctx.dev, b.ctx.stream:
+                c, y, start, end = self._enqueue(e, call, flags, slot)
+                _store(cp, y, yd, np.dtype(call.out_dtype))
+                ws.done_event(slot).record(b.ctx.stream)
+        except BaseException:
+            ws.release(slot)
+            raise
+        kernel = f"cuda.{c.path}.{e.resident.layout.value}"
+        layout, n = e.resident.layout, int(call.x.shape[0])
+
+        def wait() -> MatmulReply:
+            try:
+                ws.done_event(slot).synchronize()
+                kernel_s = self._seconds(start, end)
+            finally:
+                ws.release(slot)
+            t1 = time.perf_counter()
+            self._cost(cost, t1 - t0)
+            return MatmulReply(None, kernel, layout, c.precision, t0 - t_enq, kernel_s, n, 1,
+                               t1 - t0)
+
+        return Deferred(wait)
+
+    def _seconds(self, start: Any, end: Any) -> float | None:
+        try:
+            return self.cp.cuda.get_elapsed_time(start, end) / 1e3
+        except Exception:  # a graph's event node that did not record: no figure
+            return None
+
+    def _cost(self, cost: tuple[Any, ...], seconds: float) -> None:
+        if len(self._job_s) >= 4096:  # bounded: forget all, re-measure (first on the thread)
+            self._job_s.clear()
+        self._job_s[cost] = seconds
 
     def _job(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
              cost: tuple[Any, ...]) -> MatmulReply:
@@ -153,21 +226,8 @@ class CudaSupport:
         t0 = time.perf_counter()
         b, cp = self.backend, self.cp
         w = e.resident
-        flags = KernelFlags(soa=w.layout is Layout.SOA, decode_mmq=flags.decode_mmq)
-        x = call.x
-        # a CUDA region's view of bf16 x is its uint16 bits (device_dtype)
-        dtype = BFLOAT16 if x.dtype == np.uint16 else np.dtype(x.dtype)
         with b.ctx.dev, b.ctx.stream:
-            if isinstance(x, np.ndarray):  # inline bytes or a system region: upload once
-                x = cp.asarray(np.ascontiguousarray(x).view(device_dtype(dtype)))
-            n = int(x.shape[0])
-            c = b.choose(n, call.precision, flags, w.rows, w.k)
-            if c.precision is Precision.Q8_1 and not bool(_finite(cp, x, dtype)):
-                # q8_1 cannot carry NaN/Inf (kernels.api.matmul_ieee): the call runs exact
-                c = b.choose(n, Precision.EXACT, flags, w.rows, w.k)
-            # f32 [N, rows] on the device (the workspace's: stored or copied out below,
-            # before the sync that ends this job); the events time the kernels only
-            y, start, end = b.launch_device(w, x, dtype, c.path, c.cfg)
+            c, y, start, end = self._enqueue(e, call, flags, None)
             out = np.dtype(call.out_dtype)
             host = None
             if yd is not None:
@@ -176,18 +236,13 @@ class CudaSupport:
                 host = cp.asnumpy(y.astype(np.float16) if out == np.float16 else y,
                                   stream=b.ctx.stream)
             b.ctx.stream.synchronize()
-            try:
-                kernel_s: float | None = cp.cuda.get_elapsed_time(start, end) / 1e3
-            except Exception:  # a graph's event node that did not record: no figure
-                kernel_s = None
+            kernel_s = self._seconds(start, end)
         if host is not None and out == BFLOAT16:
             host = host.astype(BFLOAT16)
         t1 = time.perf_counter()
-        if len(self._job_s) >= 4096:  # bounded: forget all, re-measure (first on the thread)
-            self._job_s.clear()
-        self._job_s[cost] = t1 - t0
+        self._cost(cost, t1 - t0)
         return MatmulReply(host, f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision,
-                           t0 - t_enq, kernel_s, n, 1, t1 - t0)
+                           t0 - t_enq, kernel_s, int(call.x.shape[0]), 1, t1 - t0)
 
 
 def _finite(cp: Any, x: Any, dtype: np.dtype) -> Any:

@@ -534,7 +534,8 @@ class _DeviceStats:
         return {"t": time.perf_counter() - self.t0, "wall": time.time(),
                 "cpu_s": time.process_time(),
                 **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
-                "deferred_jobs": dev.deferred_jobs, "merged_requests": self.w.merged[0],
+                "deferred_jobs": dev.deferred_jobs, "behind_jobs": dev.behind_jobs,
+                "merged_requests": self.w.merged[0],
                 "merged_calls": self.w.merged[1], "threads_cpu_s": threads,
                 **{k.strip(): int(v) for k, v in status.items()}}
 
@@ -954,21 +955,23 @@ class FrontendsWorker(Worker):
         table = self.regions
         assert table is not None
         x_name, x_off, x_dtype, x_shape = xs
-        io = RegionIO(RegionRef(x_name, x_off), _LE[x_dtype], x_shape, RegionRef(*ys))
+        xref, yref = RegionRef(x_name, x_off), RegionRef(*ys)
         xr = yr = None
         try:
-            xr, yr = table.hold(owner, io.x), table.hold(owner, io.y)
+            xr, yr = table.hold(owner, xref), table.hold(owner, yref)
             assert xr is not None and yr is not None
             if CUDA in (xr.kind, yr.kind):  # on the device end to end (cuda_regions.py)
+                io = RegionIO(xref, _LE[x_dtype], x_shape, yref)
                 self._cuda_region_matmul(fe, rid, xr, yr, io, weight, precision, out_dtype,
                                          timeout)
                 self._count_pending(fe)
                 return
             call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
                               _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
-            shape = (x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
-            # y's place, for the backend to write straight into (kernels/hostio.py)
-            dest = yr.array(ys[1], call.out_dtype, shape, "y", writable=True)
+            shape = (x_shape[0], self.engine.rows_of(weight))  # type: ignore[union-attr]
+            # y's place, for the backend to write straight into (kernels/hostio.py); one
+            # region for x and y (the usual case): its backing object was checked just now
+            dest = yr.array(ys[1], call.out_dtype, shape, "y", writable=True, alive=yr is xr)
             key = table.route(call.x, dest)
             try:
                 self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,

@@ -582,16 +582,19 @@ class Launcher:
         return self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
 
     def launch_device(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str,
-                      path: str, cfg: Cfg) -> tuple[Any, Any, Any]:
+                      path: str, cfg: Cfg, slot: int | None = None) -> tuple[Any, Any, Any]:
         """A tile call on activations already on the device (a caller's CUDA IPC region):
         ``xd`` is copied into the workspace's x, then the bound sequence runs (a graph from
         its second call), so the events around its kernels time the kernels only (events
         around direct launches also timed the Python between them: 272 vs 63 us at N=64).
         Returns (y, start, end): y a view of the workspace's f32 output [N, rows], valid until
-        the next launch on this launcher. Call under the device and stream; no sync."""
+        the next launch on this launcher. Call under the device and stream; no sync.
+        ``slot``: the launch slot the caller holds (``Workspace.take``), whose own bound
+        sequence and events this call uses, so that two calls can be in flight (None: one
+        waited for before anything else launches)."""
         n = int(xd.shape[0])
         b = self._run_copied_x(w, cw, path, cfg, n, in_t, int(xd.data.ptr), int(xd.nbytes),
-                               _D2D, None)
+                               _D2D, slot)
         return self.ws.array("y", (n, w.rows), np.float32), b.start, b.end
 
     def _run_copied_x(self, w: ResidentWeight, cw: CudaWeight, path: str, cfg: Cfg, n: int,

@@ -144,3 +144,59 @@ def test_bad_cuda_regions(worker: tuple[str, np.ndarray], rng: np.random.Generat
     with Client(target) as c:
         assert c.list_regions() == []
         assert c.matmul("w", x).shape == (4, ROWS)  # the worker serves on
+
+
+def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
+                                                      rng: np.random.Generator) -> None:
+    """``Q6SERVE_PIPELINE_SHORT=1``: 6 callers' 64-row calls with x and y in their own CUDA
+    IPC buffers, through two front ends, are launched behind each other (a launch slot each,
+    waits on the device thread: the device process's counters) and every y equals the bytes
+    path's."""
+    import json
+    import os
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    stats = tmp_path / "dp_stats.jsonl"
+    env = {**os.environ, "Q6SERVE_PIPELINE_SHORT": "1", "Q6SERVE_DP_STATS": str(stats)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
+         "cuda", "--vram-budget", "2GiB", "--allow-shm", "--frontends", "2",
+         "--max-region-bytes", str(64 << 20), "--grace-period", "2"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        m = re.search(r"listening on (\S+:\d+)$", first.strip())
+        assert m, first
+        target = m.group(1)
+        with Client(target) as c:
+            c.upload("w", random_q6k(ROWS, K, 2), ROWS, K)
+        xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in range(6)]
+
+        def caller(i: int) -> int:
+            with Client(target) as c:
+                want = c.matmul_full("w", xs[i], precision="f16").y
+                with c.register_cuda_ipc(f"d{i}", 2 << 20) as dev:
+                    xd = dev.ndarray(0, np.float16, xs[i].shape)
+                    xd.set(xs[i])
+                    cupy.cuda.get_current_stream().synchronize()
+                    for _ in range(30):
+                        out = c.matmul_full("w", xd, precision="f16", x_region=dev,
+                                            y_region=(dev, 1 << 20))
+                        same(cupy.asnumpy(out.y), want)
+                return 30
+
+        with ThreadPoolExecutor(6) as pool:
+            assert sum(pool.map(caller, range(6))) == 180
+        time.sleep(1.3)  # one more line of the device process's counters
+        last = json.loads(stats.read_text().splitlines()[-1])
+        assert last["behind_jobs"] > 0 and last["deferred_jobs"] > 0, last
+        with Client(target) as c:
+            assert c.list_regions() == [] and c.status().serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -94,3 +94,45 @@ def test_x_and_y_dma_from_and_into_the_region(worker: tuple[Any, Client], backen
         assert backend.hostio.pinned == 0  # unregistered: unpinned
     finally:
         del backend.launcher.launch_host  # (the instance attribute: the method again)
+
+
+def test_region_calls_launched_behind_each_other(backend: Any, rng: np.random.Generator,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Q6SERVE_PIPELINE_SHORT=1`` on the GPU: 8 callers' 64-row region calls through two
+    front ends are launched behind each other (two launch slots, waits on the device thread)
+    and every result equals the bytes path's; nothing is left held, routed or pinned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.dataplane.test_frontends import Running
+
+    monkeypatch.setenv("Q6SERVE_PIPELINE_SHORT", "1")
+    cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=2 << 30),
+                       grace_period_s=2.0, allow_shm=True, frontends=2,
+                       frontend_shm_bytes=8 << 20)
+    w = Running(cfg, backend)
+    try:
+        c0 = w.client()
+        c0.upload("w", random_q6k(ROWS, K, 2), ROWS, K)
+        clients = [w.client() for _ in range(8)]
+        xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in clients]
+        wants = [c0.matmul_full("w", x, precision="f16").y for x in xs]
+        regions = [c.register_shm(f"p{i}", 4 << 20) for i, c in enumerate(clients)]
+
+        def caller(i: int) -> int:
+            for _ in range(25):
+                got = clients[i].matmul("w", xs[i], precision="f16", x_region=regions[i],
+                                        y_region=(regions[i], 1 << 20))
+                same(np.array(got), wants[i])
+                del got
+            return 25
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(caller, range(8))) == 200
+        dev = w.worker.engine.device
+        assert dev.pipeline_short and dev.behind_jobs > 0 and dev.deferred_jobs > 0
+        assert dev.inflight == 0 and backend.hostio.routes == 0
+        for r in regions:
+            r.close()
+        assert backend.hostio.pinned == 0
+    finally:
+        w.stop()
