@@ -144,6 +144,36 @@ def test_a_lone_short_batch_runs_inline_and_a_queue_is_launched_behind(pipelined
     asyncio.run(main())
 
 
+def test_full_batches_under_pipelining_start_without_the_batchers_task(pipelined: None,
+                                                                        ) -> None:
+    """A full batch queued while another is on the device is started from ``enqueue`` or
+    from the previous batch's end (``Batcher._start_behind``), not by the batcher's task:
+    once two are in flight, with the task stopped, every request still runs, two launches
+    in flight at most."""
+
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2)
+        lz = Launches()
+        b = _batcher(dev, lz)
+        lz.release.clear()
+        futs = [b.enqueue(_x(float(v)), KEY, None) for v in (1, 2)]
+        await asyncio.sleep(0.05)
+        launched = [v for what, v, _ in lz.where if what == "launch"]
+        assert launched == [1.0, 2.0]
+        b._task.cancel()
+        futs += [b.enqueue(_x(float(v)), KEY, None) for v in range(3, 7)]
+        await asyncio.sleep(0.02)
+        assert [v for what, v, _ in lz.where if what == "launch"] == launched  # slots full
+        lz.release.set()
+        ys = [float((await asyncio.wait_for(f, 5)).y[0, 0]) for f in futs]
+        assert ys == [2.0 * v for v in range(1, 7)]
+        assert dev.behind_jobs >= 4 and dev.inflight == 0 and b._unfinished == 0
+        await b.close()
+        dev.close()
+
+    asyncio.run(main())
+
+
 def test_short_batches_are_not_pipelined_unless_asked(monkeypatch: pytest.MonkeyPatch,
                                                       ) -> None:
     monkeypatch.delenv("Q6SERVE_PIPELINE_SHORT", raising=False)
