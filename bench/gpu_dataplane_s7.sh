@@ -70,23 +70,5 @@ if [[ -n ${PROFILE:-} ]]; then
 fi
 grep -h "FAILED\|Traceback" "$OUT"/dp_*.log "$OUT"/worker_*.log 2>/dev/null | sort | uniq -c | head -5
 tar czf "$FINAL/dataplane_s7.tgz" -C "$OUT" .
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-print("# run              target via     rows/s   p99 us kernel us  frac | mean us: queue kernel "
-      "dev_other srv_other transport")
-for path in sorted(glob.glob(f"{sys.argv[1]}/dp_*.json")):
-    doc = json.load(open(path))
-    tag = path.rsplit("dp_", 1)[1][:-5]
-    runs = {r["label"]: r for r in doc["runs"]}
-    for t in doc["targets"]:
-        rps = t.get("rows_per_s", t.get("service_rows_per_s", 0.0))
-        r = next((r for lab, r in runs.items() if lab.startswith(t["target"] + " ")
-                  and lab.endswith(" " + (t["region"] or "bytes"))), None)
-        pm = (r or {}).get("parts_mean_us", {})
-        k = (r or {}).get("kernel_p50_us") or 0
-        parts = " ".join(f"{pm.get(p, 0):6.0f}" for p in
-                         ("queue", "kernel", "device_other", "server_other", "transport"))
-        print(f"# {tag:16} {t['target']:6} {t['region']:6} {rps:>9,.0f} {t['p99_us']:>8,.0f} "
-              f"{k:>8.0f} {t.get('fraction', 0):>5.2f} | {parts}")
-PY
+python3 bench/dataplane_table.py "$OUT"
 echo "# done at $(elapsed)"

@@ -7,6 +7,7 @@ handle (the worker's mapped bytes go back to 0)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -43,19 +44,22 @@ ROWS, K = 2048, 3584
 C = grpc.StatusCode
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
-def worker(request: pytest.FixtureRequest) -> Iterator[tuple[str, np.ndarray]]:
+@contextlib.contextmanager
+def cuda_worker(frontends: int, seed: int, env: dict[str, str] | None = None,
+                ) -> Iterator[tuple[str, np.ndarray]]:
+    """A `q6serve worker --backend cuda` in another process with weight "w" uploaded:
+    (target, its blocks); stopped with SIGTERM (exit 0) at the end."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
-         "cuda", "--vram-budget", "2GiB", "--allow-shm", "--frontends", str(request.param),
+         "cuda", "--vram-budget", "2GiB", "--allow-shm", "--frontends", str(frontends),
          "--max-region-bytes", str(64 << 20), "--grace-period", "2"],
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stderr is not None
         first = proc.stderr.readline()
         m = re.search(r"listening on (\S+:\d+)$", first.strip())
         assert m, first
-        blocks = random_q6k(ROWS, K, 1)
+        blocks = random_q6k(ROWS, K, seed)
         with Client(m.group(1)) as c:
             c.upload("w", blocks, ROWS, K)
         yield m.group(1), blocks
@@ -65,6 +69,12 @@ def worker(request: pytest.FixtureRequest) -> Iterator[tuple[str, np.ndarray]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "frontends-2"])
+def worker(request: pytest.FixtureRequest) -> Iterator[tuple[str, np.ndarray]]:
+    with cuda_worker(request.param, 1) as w:
+        yield w
 
 
 def same(got: np.ndarray, want: np.ndarray) -> None:
@@ -159,19 +169,7 @@ def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
 
     stats = tmp_path / "dp_stats.jsonl"
     env = {**os.environ, "Q6SERVE_PIPELINE_SHORT": "1", "Q6SERVE_DP_STATS": str(stats)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
-         "cuda", "--vram-budget", "2GiB", "--allow-shm", "--frontends", "2",
-         "--max-region-bytes", str(64 << 20), "--grace-period", "2"],
-        stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stderr is not None
-        first = proc.stderr.readline()
-        m = re.search(r"listening on (\S+:\d+)$", first.strip())
-        assert m, first
-        target = m.group(1)
-        with Client(target) as c:
-            c.upload("w", random_q6k(ROWS, K, 2), ROWS, K)
+    with cuda_worker(2, 2, env) as (target, _):
         xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in range(6)]
 
         def caller(i: int) -> int:
@@ -194,9 +192,3 @@ def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
         assert last["behind_jobs"] > 0 and last["deferred_jobs"] > 0, last
         with Client(target) as c:
             assert c.list_regions() == [] and c.status().serving
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)

@@ -8,6 +8,7 @@ blocks, two slots) and its page-locked regions (tests/dataplane/test_pinned_regi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import threading
@@ -21,13 +22,14 @@ import pytest
 
 from q6serve.client.client import Q6ServeError
 from q6serve.client.retry import RetryPolicy
-from q6serve.kernels.api import KernelTiming, Launched, Layout, MatmulResult, Precision
+from q6serve.kernels.api import KernelTiming, Launched, MatmulResult, Precision
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_pinned_regions import DmaBackend, Recorder
 from tests.dataplane.test_regions import ROWS, K, code_of
 from tests.service.svc_util import random_q6k, reference
+from tests.service.test_device_pipeline import Launches as LongLaunches
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
 SHORT = KernelTiming(host_seconds=20e-6)  # a kernel well under DEFER_KERNEL_S
@@ -77,27 +79,17 @@ def pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- the batcher and device alone ----------------------------------------------------------
-class Launches:
-    """launch/wait of a short kernel; waits block until ``release``; where each ran."""
+class Launches(LongLaunches):
+    """tests/service/test_device_pipeline.py's launch/wait pair (waits block until
+    ``release``; where each ran), reporting a short kernel; released from the start."""
 
     def __init__(self) -> None:
-        self.where: list[tuple[str, float, str]] = []
-        self.release = threading.Event()
+        super().__init__()
         self.release.set()
 
     def launch(self, x: np.ndarray, key: BatchKey) -> Launched:
-        v = float(x[0, 0])
-        self.where.append(("launch", v, threading.current_thread().name))
-
-        def wait() -> MatmulResult:
-            self.release.wait(10)
-            self.where.append(("wait", v, threading.current_thread().name))
-            return MatmulResult(x * 2, "short", Layout.SOA, Precision.EXACT, SHORT)
-
-        return Launched(wait)
-
-    def run(self, x: np.ndarray, key: BatchKey) -> MatmulResult:
-        return self.launch(x, key).wait()
+        inner = super().launch(x, key)
+        return Launched(lambda: dataclasses.replace(inner.wait(), timing=SHORT))
 
 
 def _x(v: float, n: int = 1) -> np.ndarray:
@@ -233,13 +225,19 @@ def test_a_refused_or_expired_request_under_pipelining_reaches_only_its_caller(
 
 
 # -- the device process of a --frontends worker: region calls of many callers --------------
-def _region_load(w: Any, callers: int, calls: int, rng: np.random.Generator) -> list[Any]:
-    c0 = w.client()
-    blocks = random_q6k(ROWS, K, 21)
-    c0.upload("w", blocks, ROWS, K)
+def _setup(w: Any, seed: int, callers: int, prefix: str,
+           ) -> tuple[np.ndarray, list[Any], list[Any]]:
+    """The weight uploaded; ``callers`` clients (no retries) with a region each."""
+    blocks = random_q6k(ROWS, K, seed)
+    w.client().upload("w", blocks, ROWS, K)
     clients = [w.client(retry=RetryPolicy(attempts=1)) for _ in range(callers)]
+    return blocks, clients, [c.register_shm(f"{prefix}{i}", 1 << 16)
+                             for i, c in enumerate(clients)]
+
+
+def _region_load(w: Any, callers: int, calls: int, rng: np.random.Generator) -> list[Any]:
+    blocks, clients, regions = _setup(w, 21, callers, "p")
     xs = [rng.standard_normal((4, K)).astype(np.float32) for _ in clients]
-    regions = [c.register_shm(f"p{i}", 1 << 16) for i, c in enumerate(clients)]
 
     def caller(i: int) -> list[np.ndarray]:
         return [clients[i].matmul("w", xs[i], x_region=regions[i],
@@ -293,11 +291,7 @@ def test_a_refused_launch_under_pipelining_reaches_only_its_caller(
         pipelined: None, start: Any, rng: np.random.Generator) -> None:  # noqa: F811
     backend = SlotBackend(Recorder(), wait_s=0.01, refuse=7.0)
     w = start(backend=backend, inline_device_us=100_000)
-    c0 = w.client()
-    blocks = random_q6k(ROWS, K, 22)
-    c0.upload("w", blocks, ROWS, K)
-    clients = [w.client(retry=RetryPolicy(attempts=1)) for _ in range(4)]
-    regions = [c.register_shm(f"q{i}", 1 << 16) for i, c in enumerate(clients)]
+    blocks, clients, regions = _setup(w, 22, 4, "q")
     good = rng.standard_normal((4, K)).astype(np.float32)
     bad = np.full((4, K), 7.0, np.float32)
 
@@ -332,11 +326,7 @@ def test_front_end_killed_while_region_calls_are_launched_behind(
     back to zero."""
     backend = SlotBackend(Recorder(), wait_s=0.05)
     w = start(backend=backend, inline_device_us=100_000)
-    c0 = w.client()
-    blocks = random_q6k(ROWS, K, 23)
-    c0.upload("w", blocks, ROWS, K)
-    clients = [w.client(retry=RetryPolicy(attempts=1)) for _ in range(8)]
-    regions = [c.register_shm(f"k{i}", 1 << 16) for i, c in enumerate(clients)]
+    blocks, clients, regions = _setup(w, 23, 8, "k")
     x = rng.standard_normal((4, K)).astype(np.float32)
     for c, r in zip(clients, regions, strict=True):
         c.matmul("w", x, x_region=r, y_region=(r, 16384))  # like jobs measured: short
