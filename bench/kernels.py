@@ -74,10 +74,13 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
 }
-# K-slice tile shapes (mt, prefetch) per n-tiles, as instantiated in q6k_matmul.cu (and the
-# ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled and lost everywhere
-# (bench/RESULTS.md)
-KS_SHAPES = {nt: ((1, True),) for nt in (1, 2, 4, 8)}
+# K-slice tile shapes (mt, prefetch, warps per CTA) per n-tiles, as instantiated in
+# q6k_matmul.cu (and the ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled
+# and lost everywhere (bench/RESULTS.md); 12 warps (<= 168 registers: q6k_ks_f16<2> spills at
+# 8 warps x 2 CTAs) and 16 (one activation slice per SM) at nt <= 4 / 2
+KS_SHAPES = {1: ((1, True, 8), (1, True, 12), (1, True, 16)),
+             2: ((1, True, 8), (1, True, 12), (1, True, 16)),
+             4: ((1, True, 8), (1, True, 12)), 8: ((1, True, 8),)}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -173,7 +176,9 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
     mma = mma + [replace(base, ksplit=s) for s in (1, 2, 4) if s <= k // 256]
     # the K-slice tile (src 4: activations staged once per CTA, warps stream many row tiles)
     nt = 1 if n <= 8 else n // 8
-    mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf) for mt, pf in KS_SHAPES[nt]]
+    mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in KS_SHAPES[nt]]
+    if n == 16:  # two token chunks of the 8-token tile (each weight decoded twice)
+        mma += [Cfg(nt=1, src=4, pf=True, warps=w) for w in (8, 16)]
     mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12

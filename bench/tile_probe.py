@@ -169,8 +169,11 @@ WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
 def ks_cfgs(n: int) -> list[Cfg]:
     """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
-    return ([Cfg(nt=nt, src=4, pf=True)] + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
-            + ([Cfg(nt=nt, src=6, pf=True, warps=wp) for wp in (4, 8, 12)]
+    wide = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
+            if w != 8]
+    wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
+    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+            + ([Cfg(nt=nt, src=6, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
                if WG and nt >= 2 else []))
 
 

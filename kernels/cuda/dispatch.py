@@ -70,7 +70,8 @@ class Cfg:
     #               two smem stages (cp.async) (0 and 1, read from x or the prepass in the
     #               loop, left: no table entry or heuristic picked them),
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
-    #                 staged once per CTA, warps stream many row tiles; ksplit = K slices),
+    #                 staged once per CTA, warps stream many row tiles; ksplit = K slices;
+    #                 warps 8, or 12 (nt <= 4) / 16 (nt <= 2) in one CTA per SM),
     #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1)
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
     #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 2/4/8, mt 1, pf, warps
@@ -82,11 +83,14 @@ class Cfg:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
         ok = ok and self.mt in (1, 2) and 2 <= self.src <= 6
-        ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (4, 8))
+        ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src == 4
+                                   else (4, 8))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
-            (4, 8, 12) if self.src == 6 else (8,))))
+            (4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src == 4 else (8,))))
+        ok = ok and not (self.src == 4 and self.warps != 8 and (self.nt > 4 or self.mt != 1 or (
+            self.warps == 16 and self.nt > 2)))  # the instantiations (q6k_matmul.cu)
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)

@@ -96,7 +96,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "exact":
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 4:
-        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}>"
+        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
     if path == "mma_f16" and cfg.src == 6:
@@ -341,7 +341,7 @@ class Launcher:
         bpr = k // q6k.QK_K
         sms = self.ctx.sm_count
         regs = -(-max(int(fn.num_regs), 1) // 8) * 8
-        wpc = cfg.warps  # warps per CTA (8 but for the wgmma tile's 4/8/12)
+        wpc = cfg.warps  # warps per CTA (K-slice tile 8/12/16, wgmma tile 4/8/12)
         occ_regs = max(1, min(64 // wpc, 65536 // (32 * wpc * regs)))
         wtiles = -(-rows // (16 * cfg.mt))
         toks = min(n, 8 * cfg.nt)

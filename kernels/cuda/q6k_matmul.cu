@@ -364,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // once per call and no CTA barrier in the weight loop. CTA (blockIdx.x, K slice blockIdx.y,
 // token chunk blockIdx.z) stages the activations of its slice for its 8*NT tokens once in
 // shared memory (stage_x_f16, one barrier); then every warp streams, on its own, the warp tiles
-// (16*MT rows) wt = blockIdx.x*8 + warp + i*gridDim.x*8 through the slice: each lane loads its
+// (16*MT rows) wt = blockIdx.x*NW + warp + i*gridDim.x*NW through the slice: each lane loads its
 // weight bytes with 16-byte loads (load_raw), the next block's - of this tile or the next - in
 // flight during this block's math (PF), and each A fragment feeds NT mma.sync while each
 // activation fragment read from shared memory feeds MT m-tiles. The grid is at most one wave
@@ -373,11 +373,13 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // rows. ks == 1 writes y; otherwise partial sums part[ky][n_tok][rows], which q6k_sum_parts
 // adds in order 0..ks-1 after the kernel, so results never depend on timing (and the SoA/AoS
 // twins, same grid, stay bit-identical).
-// Registers: 2 CTAs per SM for the narrow shapes (NT*MT <= 2: <= 128 registers, no spills on
-// sm_90), the rest 1 (up to 255).
-template <int NT, int MT, bool SOA, class In, bool PF>
-__global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W, const typename In::T* x, int K,
-                                                      const uint4* xp, PARAMS_OUT) {
+// NW warps per CTA. Registers: with 8 warps, 2 CTAs per SM for the narrow shapes (NT*MT <= 2:
+// <= 128 registers; q6k_ks_f16<2> spills there), the rest 1 (up to 255); 12 warps: one CTA of
+// <= 168 registers (12 warps per SM without the spills); 16 warps: one CTA of <= 128 (as two
+// 8-warp CTAs, but one activation slice per SM instead of two).
+template <int NT, int MT, bool SOA, class In, bool PF, int NW>
+__global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
+    q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     MAKE_W;
     MAKE_OUT;
     (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
@@ -385,8 +387,8 @@ __global__ void __launch_bounds__(256, NT * MT <= 2 ? 2 : 1) q6k_ks_f16(PARAMS_W
     const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
     const int kb0 = ps.kb0, nblk = ps.nblk;
     const int wtiles = (w.rows + 16 * MT - 1) / (16 * MT);
-    const int wstride = gridDim.x * 8;
-    int wt = blockIdx.x * 8 + warp;
+    const int wstride = gridDim.x * NW;
+    int wt = blockIdx.x * NW + warp;
     if (nblk <= 0) return;  // CTA-uniform: no barrier is skipped by part of a CTA
 
     RowRef rr[MT][2], rn[MT][2];
@@ -918,13 +920,16 @@ INST_MMA_IN(1, 1, true, 2) INST_MMA_IN(2, 1, true, 2)
 INST_MMA_IN(1, 1, false, 2) INST_MMA_IN(2, 1, false, 2)
 INST_MMA(2, 1, true, 3, InF16) INST_MMA(4, 1, true, 3, InF16) INST_MMA(8, 1, true, 3, InF16)
 INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, false, 3, InF16)
-#define INST_KS2(NT, MT, SOA, IN, PF)                                                        \
-    template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF>(                                 \
+#define INST_KS2(NT, MT, SOA, IN, PF, NW)                                                    \
+    template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF, NW>(                             \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 // (f16 activations only here, to keep CI's three-arch build short: the f32/bf16 twins differ
 // only in stage_x_f16's load and are compiled through the backend's requested names.)
-#define INST_KS(NT, MT, PF) INST_KS2(NT, MT, true, InF16, PF) INST_KS2(NT, MT, false, InF16, PF)
-INST_KS(1, 1, true) INST_KS(2, 1, true) INST_KS(4, 1, true) INST_KS(8, 1, true)
+#define INST_KS(NT, MT, PF, NW) \
+    INST_KS2(NT, MT, true, InF16, PF, NW) INST_KS2(NT, MT, false, InF16, PF, NW)
+INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
+INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
+INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
 #define INST_KSR2(NT, SOA, IN)                                                               \
     template __global__ void q6k_ksr_f16<NT, SOA, IN>(                                        \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);

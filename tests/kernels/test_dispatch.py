@@ -221,6 +221,7 @@ def test_wgmma_tile_plans_only_on_sm_90():
     assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<4, 1,", "q6k_sum_parts"))
                          for f, n in asked)
     for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=2, src=6), Cfg(nt=2, mt=2, src=6, pf=True),
-                Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=2, src=4, pf=True, warps=12)):
+                Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=12),
+                Cfg(nt=4, src=4, pf=True, warps=16), Cfg(nt=2, src=5, warps=12)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
