@@ -156,14 +156,13 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
 }
 
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
-// A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order; quad_q4 + deq2f: one
-// PRMT and one HFMA2 per f16x2) and B = bx(sp, nt), the lane's 16-byte activation fragment of
-// step pair sp. A zero d masks the block.
+// A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
+// the lane's 16-byte activation fragment of step pair sp. A zero d masks the block.
 template <int NT, int MT, class BX>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
                                           int t, BX bx_of) {
     const int qsh = 2 * (t >> 1);
-    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc4_pair: scale byte t, both halves
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
     float dmul[MT][2];
     u32 sc2[MT][2][4];
 #pragma unroll
@@ -181,7 +180,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
             }
 #pragma unroll
             for (int k = 0; k < 4; ++k)
-                sc2[mt][hr][k] = zero ? 0u : sc4_pair(word4(raw[mt][hr].sc, k), scsel);
+                sc2[mt][hr][k] = zero ? 0u : sc_pair(word4(raw[mt][hr].sc, k), scsel);
         }
 #pragma unroll
     for (int sp = 0; sp < 8; ++sp) {
@@ -194,12 +193,11 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
             const int j = 2 * jj + u;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                const u32 q0 = quad_q4(raw[mt][0], h, nib, j, qsh);
-                const u32 q1 = quad_q4(raw[mt][1], h, nib, j, qsh);
+                const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
+                const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
                 const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
-                const u32 c0 = bias_pair(s0), c1 = bias_pair(s1);
-                const u32 a0 = deq2f<0x4140u>(q0, s0, c0), a1 = deq2f<0x4140u>(q1, s1, c1);
-                const u32 a2 = deq2f<0x4342u>(q0, s0, c0), a3 = deq2f<0x4342u>(q1, s1, c1);
+                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
+                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,

@@ -9,42 +9,34 @@
 #define MAKE_W Weight w = {slabs, rows, bpr, rps}
 #define MAKE_OUT Out o = {y, part, tickets, n_tok}
 
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 r;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-// f16x2 of sc*(q-32) for the two code bytes picked by SEL (0x4140: bytes 0,1; 0x4342: 2,3) of
-// q4, which holds the codes as 4q (quad_q4): 0x64XX is the f16 1024 + XX = 1024 + 4q, and one
-// fma(v, sc/4, -288*sc) is sc*(q-32) rounded once (exact unless |sc*(q-32)| > 2048, then
-// rounded to f16, the F16 path's contract). Both constants are exact f16 for every scale byte:
-// sc/4 (a multiple of 1/4, >= 1/4 in magnitude when non-zero) and 288*sc = 9*sc * 32 (9*|sc| <=
-// 1152 < 2^11). (With the code in the low bits, 1024 + q, the bias would be 1056*sc = 33*sc *
-// 32, which needs 12 bits once |sc| > 62: the decode then took a subtraction and a product,
-// 3 instructions per f16x2 instead of 2; the A fragments are the same bits.)
+// f16x2 of sc*(q-32) for the two code bytes picked by SEL (0x4140: bytes 0,1; 0x4342: 2,3).
+// 0x64XX is 1024+XX in f16, 0x6420 is 1056: the subtraction is exact, and so is the product
+// unless |sc*(q-32)| > 2048 (then it is rounded to f16, the F16 path's contract).
 // The 0x64 bytes come from constant memory, so SEL can be the PRMT's immediate: with both as
 // literals ptxas makes the magic the immediate and copies SEL from a uniform register before
 // every PRMT (~60 moves per 256-block in the decode loop's SASS).
 __constant__ u32 kDeqMagic = 0x64646464u;
 template <u32 SEL>
-__device__ __forceinline__ u32 deq2f(u32 q4, u32 s4, u32 c) {
-    return hfma2(__byte_perm(q4, kDeqMagic, SEL), s4, c);
+__device__ __forceinline__ u32 deq2(u32 q, u32 sc2) {
+    return hmul2(hsub2(__byte_perm(q, kDeqMagic, SEL), 0x64206420u), sc2);
 }
 
-// f16x2 (sc/4, sc/4) of the signed scale byte that `sel` (0x4040 | t | t << 8) picks from word
-// v: v ^ 0x80 turns each byte into sc + 128, the 0x64 magic into the f16 1152 + sc, and
-// (1152 + sc)/4 - 288 = sc/4 is exact in one fma (no I2F/F2F).
-__device__ __forceinline__ u32 sc4_pair(u32 v, u32 sel) {
-    return hfma2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x34003400u, 0xDC80DC80u);
+// f16x2 (sc, sc) of the signed scale byte that `sel` (0x4040 | t | t << 8) picks from word v:
+// v ^ 0x80 turns each byte into sc + 128, the 0x64 magic into the f16 1024 + sc + 128, and
+// subtracting 1152 is exact: the same bits as f16(float(sc)) in both halves, without I2F/F2F.
+__device__ __forceinline__ u32 sc_pair(u32 v, u32 sel) {
+    return hsub2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x64806480u);
 }
-// deq2f's bias pair -288*sc = (sc/4) * -1152, exact (a zero scale gives -0, and
-// fma(v, 0, -0) = +0).
-__device__ __forceinline__ u32 bias_pair(u32 s4) { return hmul2(s4, 0xE480E480u); }
 
 // 1/x to within 1 ulp (MUFU.RCP): the f16 tile scales its accumulators by 1/d then d around
 // each block, so this costs <= 2 ulp of f32 per block instead of the IEEE division's sequence.

@@ -2,7 +2,7 @@
 // q6k_ks_f16 with `wgmma.mma_async` (sm_90a only) instead of mma.sync.
 //
 // A warpgroup (4 warps) owns a 64-row tile; warp q of it decodes rows 16q + g and 16q + g + 8
-// exactly as q6k_ks_f16 does (load_raw, quad_q4, deq2f: A = f16(sc*(q-32)) in the register
+// exactly as q6k_ks_f16 does (load_raw, quad_q, deq2: A = f16(sc*(q-32)) in the register
 // fragment of mma.m16n8k16, which is also wgmma's m64nNk16 A fragment for warp q's 16 rows).
 // B (the activations) is read by the tensor cores from shared memory through a matrix
 // descriptor: the CTA stages its K slice once, per k16 step a K-major N x 16 f16 tile in the
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                 dprev[hr] = dm;
 #pragma unroll
                 for (int k = 0; k < 4; ++k)
-                    sc2[hr][k] = zero ? 0u : sc4_pair(word4(raw[hr].sc, k), scsel);
+                    sc2[hr][k] = zero ? 0u : sc_pair(word4(raw[hr].sc, k), scsel);
             }
             wg_wait<0>();  // the previous block's products are in acc
             wg_fence_acc(acc);
@@ -214,12 +214,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
                 const int hn = s >> 2, j = s & 3, h = hn >> 1, nib = hn & 1;
-                const u32 q0 = quad_q4(raw[0], h, nib, j, qsh);
-                const u32 q1 = quad_q4(raw[1], h, nib, j, qsh);
+                const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
+                const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
                 const u32 s0 = sc2[0][hn], s1 = sc2[1][hn];
-                const u32 c0 = bias_pair(s0), c1 = bias_pair(s1);
-                const u32 a0 = deq2f<0x4140u>(q0, s0, c0), a1 = deq2f<0x4140u>(q1, s1, c1);
-                const u32 a2 = deq2f<0x4342u>(q0, s0, c0), a3 = deq2f<0x4342u>(q1, s1, c1);
+                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
+                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
                 wg_fence();
                 wgmma_rs<NT>(acc, a0, a1, a2, a3, dblk + (u64)(s * 16 * NT));
                 wg_commit();
