@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     old, new = auto_rows(a.old), auto_rows(a.new)
     print(f"# AUTO us (TB/s): {a.label_old} vs {a.label_new}; x = {a.label_old} / {a.label_new}")
-    print(f"{'shape':>12} {'N':>3} {'dtype':>5} {a.label_old:>15} {a.label_new:>15} {'x':>6}  kernel")
+    print(f"{'shape':>12} {'N':>3} {'dtype':>5} {a.label_old:>15} {a.label_new:>15} {'x':>6}"
+          "  kernel")
     for key in sorted(set(old) & set(new), key=lambda t: (t[0], t[2], t[1])):
         o, n = old[key], new[key]
         print(f"{key[0]:>12} {key[1]:>3} {key[2]:>5} {o['us']:8.1f} ({o['tbs']:.2f}) "
