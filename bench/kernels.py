@@ -181,7 +181,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
     # one wave read the same rows together, so the second read may come from L2)
     mma += {16: [Cfg(nt=1, src=4, pf=True, warps=w) for w in (8, 16)],
             32: [Cfg(nt=2, src=4, pf=True, warps=w) for w in (12, 16)],
-            64: [Cfg(nt=4, src=4, pf=True, warps=12)]}.get(n, [])
+            64: [Cfg(nt=4, src=4, pf=True, warps=12)]
+            + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
     mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
