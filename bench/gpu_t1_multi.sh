@@ -26,22 +26,22 @@ BASEPP="$OVER${PYTHONPATH:+:$PYTHONPATH}"
 NOWPP=${PYTHONPATH:-}
 PYTHONPATH=$BASEPP python3 -c "import q6serve.service.multi as m; print('# base code', m.__file__)"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
-  tests/service/test_direct_path.py tests/service/test_multi_topk.py \
+  tests/service/test_direct_path.py tests/service/test_multi_topk.py -k "direct or multi" \
   >"$OUT/pytest_service_cuda.log" 2>&1
 note "# service tests on CUDA rc=$? ($(elapsed)): $(tail -1 "$OUT/pytest_service_cuda.log")"
-replay() {  # label dir pythonpath seqs [env...]
-  local label=$1 dir=$2 pp=$3 seqs=$4
-  shift 4
-  (cd "$dir" && env PYTHONPATH="$pp" "$@" timeout 75 python3 bench/service.py --backend cuda \
+replay() {  # label dir pythonpath seqs limit [env...]
+  local label=$1 dir=$2 pp=$3 seqs=$4 limit=$5
+  shift 5
+  (cd "$dir" && env PYTHONPATH="$pp" "$@" timeout "$limit" python3 bench/service.py --backend cuda \
     --replay --replay-seqs "$seqs" --seconds "$S" --warmup 0.3 --no-replay-floor \
     --json "$OUT/replay_$label.json" >"$OUT/replay_$label.log" 2>&1)
   note "# replay $label rc=$? ($(elapsed))"
   grep -E "^replay S|per step" "$OUT/replay_$label.log" >>"$FINAL/progress.txt"
   tar czf "$FINAL/t1multi.tgz" -C "$OUT" .
 }
-replay now "$PWD" "$NOWPP" 1,8,64
-replay base "$BASE" "$BASEPP" 1,8,64
-replay mmap "$PWD" "$NOWPP" 64 Q6SERVE_MMAP_THRESHOLD="$MMAP"
+replay now "$PWD" "$NOWPP" 1,8,64 75
+replay base "$BASE" "$BASEPP" 1,8,64 75
+replay mmap "$PWD" "$NOWPP" 64 "${MMAP_LIMIT:-40}" Q6SERVE_MMAP_THRESHOLD="$MMAP"
 {
   echo "# gpu_t1_multi base $(cat "$BASE/COMMIT" 2>/dev/null) now $(cat COMMIT 2>/dev/null) $(elapsed)"
   tail -1 "$OUT/pytest_service_cuda.log"
