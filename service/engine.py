@@ -98,15 +98,17 @@ RETIRE_STEP = 8  # batchers looked at per new one beyond the cap (busy ones go t
 TRIM_EVERY_S = 5.0
 
 
-# Blocks from this size up get their own mapping, given back to the OS when freed. glibc's
-# default threshold moves up to the largest block freed (to 32 MiB), after which big
-# transient buffers (requests, replies: MiBs each) come from the heap arenas and their pages
-# stay in RSS: after 4 connections of 31.9 MiB requests RSS stayed 150 MiB up, 30 with it.
-# Each such block is page-faulted in on first touch and unmapped when freed, though: the 7B
-# replay at S=64 (4.8 MB replies) made ~4,000 page faults per layer in the worker
-# (bench/replay_sim.py). Env Q6SERVE_MMAP_THRESHOLD (bytes, read when the engine starts)
-# moves it, still fixed; 0 leaves glibc's own (moving) threshold.
-MMAP_THRESHOLD = 1 << 20
+# Blocks from this size up get their own mapping, given back to the OS when freed; smaller
+# ones come from the heap arenas, whose free pages the trim loop (_trim_heap, every
+# TRIM_EVERY_S) hands back. Fixed, because glibc's default threshold moves up to the largest
+# block freed. It was 1 MiB (so that MiB-sized requests and replies never stayed in RSS), but
+# each such block is page-faulted in fresh on first touch and unmapped when freed: ~4,000
+# page faults per layer of the 7B replay at S=64 (4.8 MB replies; bench/replay_sim.py). At
+# 32 MiB the H200 replay at S=64 took 720 -> 559 ms a step (single-weight calls), 902 -> 727
+# (multi-weight), and RSS after bench/attacks.py's big-buffer attacks came back as with 1 MiB
+# (bench/RESULTS.md, "session 7"). Env Q6SERVE_MMAP_THRESHOLD (bytes, read when the engine
+# starts) sets another fixed value; 0 leaves glibc's own (moving) threshold.
+MMAP_THRESHOLD = 32 << 20
 MMAP_ENV = "Q6SERVE_MMAP_THRESHOLD"
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 

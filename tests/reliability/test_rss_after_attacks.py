@@ -6,7 +6,8 @@ client stopped reading kept its computed replies in its queue until the cyclic G
 collect the abandoned handler; those frames' cycles waited for that GC too; and glibc served
 big transient buffers from its heap arenas once the largest freed block had raised its mmap
 threshold. Now the replies are let go when the call ends, the cycles are collected at the
-next heap trim, and blocks of MMAP_THRESHOLD bytes and more always get their own mapping.
+next heap trim, and blocks of MMAP_THRESHOLD bytes and more always get their own mapping
+(smaller ones come from the heap, whose free pages the trim loop hands back).
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ from tests.service.svc_util import wait_until
 rw = RunningWorker(WorkerConfig(port=0, vram_budget=Budget(nbytes=16 << 20)))
 wait_until(lambda: rw.worker.engine._trimmer is not None, what="the trimmer")
 time.sleep(0.1)  # the trimmer's first step sets the threshold
-big = np.ones(16 << 20, np.uint8)  # 16 MiB: freed, raises glibc's default threshold
+size = int(sys.argv[1])
+big = np.ones(2 * size, np.uint8)  # freed: raises glibc's default threshold above size
 del big
-size = 2 << 20
 before = mmapped_bytes()
 block = np.ones(size - 64, np.uint8)
 during = mmapped_bytes()
@@ -126,33 +127,40 @@ print(during - before, during - after)
 """
 
 
-def _check_mapping(threshold: str | None) -> tuple[int, int]:
+def _check_mapping(size: int, threshold: str | None) -> tuple[int, int]:
+    """In a fresh worker process: how many bytes a block of ``size`` (allocated after a block
+    twice as big was freed) mapped on its own, and how many its free unmapped."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
     env.pop(engine.MMAP_ENV, None)
     if threshold is not None:
         env[engine.MMAP_ENV] = threshold
-    out = subprocess.run([sys.executable, "-c", CHECK_MAPPING], cwd=root, capture_output=True,
-                         text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-c", CHECK_MAPPING, str(size)], cwd=root,
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     mapped, unmapped = (int(v) for v in out.stdout.split()[-2:])
     return mapped, unmapped
 
 
 def test_big_transient_buffers_get_their_own_mapping():
-    """Once a worker runs, a 2 MiB block is mapped on its own (and unmapped when freed) even
-    after a bigger block was freed, which moves glibc's default threshold above it. In a
-    fresh process: the threshold only decides how the heap *grows*, and a long test session
-    has free heap chunks big enough to serve the block without growing. With
-    Q6SERVE_MMAP_THRESHOLD above it, the block comes from the heap (no mapping to fault in)."""
+    """Once a worker runs, a block of MMAP_THRESHOLD bytes or more is mapped on its own (and
+    unmapped when freed) even after a bigger block was freed, which moves glibc's default
+    threshold above it; a smaller one comes from the heap (no fresh mapping to fault in each
+    time; the trim loop hands its free pages back). Q6SERVE_MMAP_THRESHOLD sets the bound. In
+    a fresh process: the threshold only decides how the heap *grows*, and a long test session
+    has free heap chunks big enough to serve the block without growing."""
     if engine._mallopt is None or mmapped_bytes() is None:
         return  # not glibc (>= 2.33 for mallinfo2): nothing to check
-    size = (2 << 20) - 64
-    mapped, unmapped = _check_mapping(None)
-    assert mapped >= size, "a 2 MiB block came from the heap"
-    assert unmapped >= size, "freeing it did not unmap it"
-    mapped, unmapped = _check_mapping(str(8 << 20))
-    assert mapped < size and unmapped < size, "a 2 MiB block was mapped on its own"
+    for size, threshold, own in ((engine.MMAP_THRESHOLD + (1 << 20), None, True),
+                                 (2 << 20, None, False),
+                                 (2 << 20, str(1 << 20), True)):
+        mapped, unmapped = _check_mapping(size, threshold)
+        block = size - 64
+        if own:
+            assert mapped >= block, f"a {size}-byte block came from the heap ({threshold})"
+            assert unmapped >= block, f"freeing a {size}-byte block did not unmap it"
+        else:
+            assert mapped < block and unmapped < block, f"a {size}-byte block was mapped"
 
 
 def test_the_mmap_threshold_from_the_env(monkeypatch):
