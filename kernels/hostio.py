@@ -14,7 +14,11 @@ x bytes make the route ambiguous: neither gets it, both take the usual way). A b
 several requests is concatenated elsewhere, so its x never matches a route.
 
 Every call whose x lies in a region routes, with its y destination or with None (its y comes
-back in the reply), so that no call can take another's route.
+back in the reply), so that no call can take another's route. The key :meth:`route` returns
+is the call's :class:`Route`: :meth:`unroute` says whether the backend took its y (then the
+bytes are in the y region: no check of the reply's y needed). The route of the very x array
+object routed is found by identity first (``ndarray.ctypes`` costs ~2 us, and a region call
+asked for addresses ~5 times: route, covers twice, y_for, covers of y).
 
 Thread safety: pins and routes change on the event loop; launches may run on the device
 thread. :attr:`lock` is held by the backend from "is x pinned?" to the end of enqueueing its
@@ -37,6 +41,19 @@ Unregister = Callable[[int], None]  # (address)
 Sync = Callable[[], None]  # wait for every copy the device has queued
 
 
+class Route:
+    """One call's y route (what :meth:`HostIO.route` returns; give it to :meth:`HostIO.unroute`
+    once): ``taken`` once the backend took its y (:meth:`HostIO.output`)."""
+
+    __slots__ = ("addr", "taken", "x", "x_in", "y", "y_in")
+
+    def __init__(self, addr: int, x: np.ndarray, y: np.ndarray | None) -> None:
+        self.addr, self.x, self.y = addr, x, y
+        self.taken = False
+        self.x_in: bool | None = None  # covers(x) / covers(y), once asked (None: not yet)
+        self.y_in: bool | None = None
+
+
 class HostIO:
     """Page-locked host ranges of one backend and the y routes of the calls in flight.
 
@@ -47,8 +64,9 @@ class HostIO:
                  sync: Sync | None = None) -> None:
         self._register, self._unregister, self._sync = register, unregister, sync
         self._ranges: dict[int, int] = {}  # start address -> end address
-        # x address -> [calls routing it, (x shape, x dtype, y) or None once ambiguous]
+        # x address -> [calls routing it, its Route or None once ambiguous]
         self._routes: dict[int, list] = {}
+        self._by_id: dict[int, Route] = {}  # id(x) -> an unambiguous route of that x object
         self.lock = threading.Lock()
 
     # -- page-locked ranges ------------------------------------------------------------------
@@ -86,6 +104,8 @@ class HostIO:
                     self._sync()
             finally:
                 del self._ranges[address]
+                for r in self._by_id.values():  # what routes knew of the ranges is stale
+                    r.x_in = r.y_in = None
                 if self._unregister is not None:
                     try:
                         self._unregister(address)
@@ -94,60 +114,92 @@ class HostIO:
 
     def covers(self, a: np.ndarray) -> bool:
         """Is all of ``a`` (C-contiguous) inside one page-locked range?"""
-        if not self._ranges or not a.flags.c_contiguous:
+        if not self._ranges:
             return False
-        p = a.ctypes.data
+        r = self._by_id.get(id(a))
+        if r is not None and r.x is a:  # a routed x (the object): asked once per route
+            if r.x_in is None:
+                r.x_in = self._covers(a, r.addr)
+            return r.x_in
+        return self._covers(a)
+
+    def _covers(self, a: np.ndarray, p: int | None = None) -> bool:
+        if not a.flags.c_contiguous:
+            return False
+        p = a.ctypes.data if p is None else p
         end = p + a.nbytes
         return any(s <= p and end <= e for s, e in self._ranges.items())
 
     # -- y routes ----------------------------------------------------------------------------
-    def route(self, x: np.ndarray, y: np.ndarray | None) -> int:
+    def route(self, x: np.ndarray, y: np.ndarray | None) -> Route:
         """Ask that the call whose activations are ``x`` writes its output into ``y``; returns
         the key for :meth:`unroute` (call it exactly once, when the call is answered). ``y``
         None: the call's y goes the usual way, and no other call on these x bytes gets a
         route meanwhile (every call whose x is in a region says so: else a call with its y in
         the reply could take another call's route)."""
-        key = x.ctypes.data
-        got = self._routes.get(key)
+        r = Route(x.ctypes.data, x, y)
+        got = self._routes.get(r.addr)
         if got is None:
-            self._routes[key] = [1, None if y is None else (x.shape, x.dtype, y)]
+            self._routes[r.addr] = [1, None if y is None else r]
+            if y is not None:
+                self._by_id[id(x)] = r
         else:  # two calls on the same x bytes: which launch is whose is unknown
             got[0] += 1
+            if got[1] is not None:
+                self._by_id.pop(id(got[1].x), None)
             got[1] = None
-        return key
+        return r
 
-    def unroute(self, key: int) -> None:
-        got = self._routes.get(key)
-        if got is None:
-            return
-        got[0] -= 1
-        if got[0] <= 0:
-            del self._routes[key]
+    def unroute(self, key: Route) -> bool:
+        """The end of ``key``'s call; whether the backend took its y (wrote it there)."""
+        got = self._routes.get(key.addr)
+        if got is not None:
+            got[0] -= 1
+            if got[0] <= 0:
+                del self._routes[key.addr]
+        if self._by_id.get(id(key.x)) is key:
+            del self._by_id[id(key.x)]
+        return key.taken
 
     @property
     def routes(self) -> int:
         return len(self._routes)
 
-    def y_for(self, x: np.ndarray) -> np.ndarray | None:
-        """The y routed for exactly this x (address, shape, dtype), or None."""
+    def _route_of(self, x: np.ndarray) -> Route | None:
+        """The unambiguous route for exactly this x (address, shape, dtype), or None."""
         if not self._routes:
             return None
+        r = self._by_id.get(id(x))
+        if r is not None and r.x is x:
+            got = self._routes.get(r.addr)
+            return r if got is not None and got[1] is r else None
         got = self._routes.get(x.ctypes.data)
         if got is None or got[1] is None:
             return None
-        shape, dtype, y = got[1]
-        if x.shape != shape or x.dtype != dtype:
+        r = got[1]
+        if x.shape != r.x.shape or x.dtype != r.x.dtype:
             return None
-        return y
+        return r
+
+    def y_for(self, x: np.ndarray) -> np.ndarray | None:
+        """The y routed for exactly this x (address, shape, dtype), or None."""
+        r = self._route_of(x)
+        return None if r is None else r.y
 
     def output(self, x: np.ndarray, rows: int, out_dtype: np.dtype | None) -> np.ndarray | None:
         """:meth:`y_for` if the backend can write it directly: ``[N, rows]`` of the call's
-        out dtype (f32 or f16), C-contiguous, writable and page-locked."""
-        y = self.y_for(x)
-        if y is None:
+        out dtype (f32 or f16), C-contiguous, writable and page-locked. A y returned here is
+        taken (:meth:`unroute` says so): the backend writes it."""
+        r = self._route_of(x)
+        if r is None or (y := r.y) is None:
             return None
         dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
         if (y.shape != (x.shape[0], rows) or y.dtype != dt or dt.itemsize not in (2, 4)
-                or dt.kind != "f" or not y.flags.writeable or not self.covers(y)):
+                or dt.kind != "f" or not y.flags.writeable):
             return None
+        if r.y_in is None:
+            r.y_in = self._covers(y)
+        if not r.y_in:
+            return None
+        r.taken = True
         return y

@@ -991,16 +991,16 @@ class FrontendsWorker(Worker):
         self._count_pending(fe)
 
     def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
-                     dest: np.ndarray, key: int | None, fut: asyncio.Future[Any]) -> None:
+                     dest: np.ndarray, key: Any, fut: asyncio.Future[Any]) -> None:
         table = self.regions
         assert table is not None
         try:
-            table.unroute(key)
+            taken = table.unroute(key)  # the device wrote y into its region
             if _told_failure(fe, rid, fut):
                 return
             reply = fut.result()
             y = reply.y
-            if not regions_mod.written(y, dest):  # else the device wrote it there
+            if not taken and not regions_mod.written(y, dest):
                 yr.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
             fe.send(("rmok", rid, _fields(reply), (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                                    y.shape)))

@@ -53,7 +53,7 @@ from q6serve.kernels.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from q6serve.kernels.hostio import HostIO
+from q6serve.kernels.hostio import HostIO, Route
 
 log = logging.getLogger("q6serve.regions")
 
@@ -370,18 +370,20 @@ class RegionTable:
         self._mapped -= region.byte_size
 
     # -- y straight from the device (kernels/hostio.py) --------------------------------------
-    def route(self, x: np.ndarray, y: np.ndarray | None) -> int | None:
+    def route(self, x: np.ndarray, y: np.ndarray | None) -> Route | None:
         """Ask the backend to write the output of the call on ``x`` (a system region's view)
         into ``y`` (a system region's writable view; None: y comes back in the reply, and no
         other call on these x bytes is routed meanwhile); returns the key for :meth:`unroute`
-        (None: nothing routed). Whether it did is :func:`written` of the reply's y."""
+        (None: nothing routed)."""
         if self.hostio is None:
             return None
         return self.hostio.route(x, y)
 
-    def unroute(self, key: int | None) -> None:
+    def unroute(self, key: Route | None) -> bool:
+        """The end of ``key``'s call: whether the backend wrote its y into the y region."""
         if key is not None and self.hostio is not None:
-            self.hostio.unroute(key)
+            return self.hostio.unroute(key)
+        return False
 
     def close(self) -> None:
         """Drain: close every region (requests are over by now)."""

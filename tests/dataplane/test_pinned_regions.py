@@ -122,26 +122,32 @@ def test_hostio_routes_exact_x_only_and_ambiguous_routes_nobody() -> None:
     assert io.output(x, 16, None) is None and io.output(x, 8, None) is None
     io.unroute(key)
     assert io.output(x, 16, None) is None  # still ambiguous until both are answered
-    io.unroute(key2)
+    assert not io.unroute(key2)  # (nobody took a y)
     assert io.routes == 0
-    io.route(x, y)
-    io.unroute(key)
+    key = io.route(x, y)
+    assert io.output(x, 16, None) is y
+    assert io.unroute(key)  # the backend took this call's y
     assert io.routes == 0
     key3 = io.route(x, None)  # a call on these x bytes whose y comes back in the reply
-    io.route(x, y)
+    key = io.route(x, y)
     assert io.output(x, 16, None) is None  # so nobody may take a route meanwhile
     io.unroute(key3)
-    io.unroute(key)
+    assert not io.unroute(key)
     assert io.routes == 0
     ro = y.view()
     ro.flags.writeable = False
-    io.route(x, ro)
+    key = io.route(x, ro)
     assert io.output(x, 16, None) is None  # not writable
     io.unroute(key)
-    io.unpin(mem.ctypes.data)
-    io.route(x, y)
+    key = io.route(x, y)
+    assert io.covers(x) and io.output(x, 16, None) is y
+    io.unpin(mem.ctypes.data)  # what the route knew of the pins is forgotten
+    assert not io.covers(x)
     assert io.y_for(x) is y and io.output(x, 16, None) is None  # y no longer page-locked
     io.unroute(key)
+    key = io.route(x, y)
+    io.unroute(key)
+    assert io.y_for(x) is None and io.output(x, 16, None) is None  # answered: no route
 
 
 # -- through a worker -------------------------------------------------------------------------
