@@ -7,6 +7,9 @@ machine where wall-clock figures are not.
 
     python bench/frontend_cpu.py --frontends 2 --seconds 4      # NumPy backend, ~15 s
     python bench/frontend_cpu.py --frontends 2 --lane           # the same callers on lanes
+    # T3 through lanes: 8 hosts of N=64 on ffn_down, x and y in each caller's region
+    python bench/frontend_cpu.py --backend cuda --rows 3584 --k 18944 --n 64 --lane \
+        --frontends 4 --hosts 8 --callers 1
     python bench/frontend_cpu.py --proxy 4       # a front end's own path alone, 4 calls/stack
     # T2 on the GPU with the device process profiled: its counters (Q6SERVE_DP_STATS, see
     # service/frontends.py), per-thread CPU, py-spy (the worker runs under it) into DIR
@@ -124,47 +127,58 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _lane_host(target: str, callers: int, seconds: float, idx: int, out: Any) -> None:
-    """One load process of --lane: ``callers`` threads, each on its own region and lane."""
+def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int, k: int,
+               rows: int, idx: int, out: Any) -> None:
+    """One load process of --lane: ``callers`` threads, each on its own region and lane, x of
+    ``n`` x ``k`` f16 copied into the region every call (as a host producing it would), y f32
+    read as the region's view; puts (calls, seconds, latencies) of the timed window."""
     import threading
 
     from q6serve.client.client import Client
 
     counts = [0] * callers
+    lat: list[list[float]] = [[] for _ in range(callers)]
     start = threading.Barrier(callers)
+    xb = -(-n * k * 2 // 4096) * 4096
 
     def caller(i: int) -> None:
-        with Client(target) as c, c.register_shm(f"lane{idx}_{i}", 1 << 16) as region, \
-                c.open_lane(region) as lane:
-            x = np.ones((1, 256), np.float16)
+        with Client(target) as c, c.register_shm(f"lane{idx}_{i}", xb + n * rows * 4 + 4096) \
+                as region, c.open_lane(region) as lane:
+            x = np.ones((n, k), np.float16)
             start.wait()
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                lane.matmul("w", x)
-                counts[i] += 1
+            t0 = time.perf_counter() + warmup
+            end = t0 + seconds
+            while (t := time.perf_counter()) < end:
+                lane.matmul("w", x, y_offset=xb, precision="f16")  # (as bench/service.py)
+                if t >= t0:
+                    counts[i] += 1
+                    lat[i].append(time.perf_counter() - t)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    out.put(sum(counts))
+    out.put((sum(counts), seconds, [v for li in lat for v in li]))
 
 
-def _lane_load(target: str, hosts: int, callers: int, seconds: float) -> tuple[int, float]:
+def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: float, n: int,
+               k: int, rows: int) -> tuple[int, float, np.ndarray]:
+    """(calls in the timed window, its seconds, latencies) of ``hosts`` load processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_lane_host, args=(target, callers, seconds, i, q))
+    procs = [ctx.Process(target=_lane_host,
+                         args=(target, callers, seconds, warmup, n, k, rows, i, q))
              for i in range(hosts)]
-    t0 = time.perf_counter()
     for p in procs:
         p.start()
-    calls = sum(q.get(timeout=seconds + 120) for _ in procs)
+    got = [q.get(timeout=seconds + warmup + 120) for _ in procs]
     for p in procs:
         p.join(30)
-    return calls, time.perf_counter() - t0
+    return (sum(g[0] for g in got), seconds,
+            np.array([v for g in got for v in g[2]]))
 
 
 def proxy_cpu(callers: int, calls: int = 20000) -> float:
@@ -241,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=1,
                     help="rows per call (T2: 1; T3-shaped: 64 with --hosts 8 --callers 1)")
     ap.add_argument("--lane", action="store_true",
-                    help="the callers use the fast lane (a thread, region and lane each)")
+                    help="the callers use the fast lane (a thread, region and lane each; x of "
+                         "--n x --k f16, y f32 in the region)")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--worker-arg", action="append", default=[],
@@ -312,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         before = {p: cpu_seconds(p) for p in [worker_pid, *fronts]}
         b0, r0 = batches(metrics_url)
         latency = ""
-        if a.lane:  # wall includes the load processes' start; CPU includes their setup calls
-            calls, wall = _lane_load(target, a.hosts, a.callers, a.seconds)
+        if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
+            calls, wall, lat = _lane_load(target, a.hosts, a.callers, a.seconds, a.warmup,
+                                          a.n, a.k, a.rows)
+            p50, p99 = np.percentile(lat, (50, 99)) * 1e6
+            latency = (f"; latency p50 {p50:,.0f} us, p99 {p99:,.0f} us; "
+                       f"{calls * a.n / wall:,.0f} rows/s")
         else:
             samples, wall = run_load(spec, a.hosts)  # the warm-up's CPU is in too (~1/9)
             calls = int(samples["w"]["e2e"].size)
@@ -337,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             "calls_per_s": calls / wall, "device_cpu_us_per_call": device * 1e6,
             "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
             "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg}
-        if not a.lane:
-            result.update(p50_us=p50, p99_us=p99)
+        result.update(p50_us=p50, p99_us=p99, rows_per_s=calls * a.n / wall)
         if stats is not None:
             time.sleep(1.2)  # the counters' next line
             result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)

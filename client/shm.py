@@ -134,6 +134,10 @@ class CudaRegion:
         self.size = int(array.nbytes)
         self.device = int(array.device.id)
         with array.device:
+            # the driver call below needs the device's context current in this thread: a
+            # thread whose CuPy calls were all served by the memory pool has none yet
+            # (CUresult 201 in a caller's worker thread); cudaFree(0) makes it current
+            cp.cuda.runtime.free(0)
             base, _ = allocation_range(self.ptr)
             # a handle names a whole allocation (e.g. a CuPy pool block): send our offset in it
             self.handle = bytes(cp.cuda.runtime.ipcGetMemHandle(base))
