@@ -30,7 +30,7 @@ from typing import Any
 from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted, Unavailable
 
 from . import regions, wire
-from .engine import MatmulCall
+from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
 
 log = logging.getLogger("q6serve.lane")
@@ -60,6 +60,7 @@ class LaneServer:
         self._tickets: dict[bytes, Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._lanes: set[asyncio.StreamWriter] = set()
+        self.direct = 0  # requests run by _direct (tests, benches)
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -115,6 +116,7 @@ class LaneServer:
                         t: Ticket) -> None:
         room = asyncio.Semaphore(MAX_PIPELINED)
         tasks: set[asyncio.Task[None]] = set()
+        direct: list[int] = [0]  # requests of the direct path not yet answered
         try:
             while True:
                 head = REQUEST.unpack(await reader.readexactly(REQUEST.size))
@@ -123,6 +125,9 @@ class LaneServer:
                     raise InvalidArgument(f"lane request names a weight of {name_len} bytes")
                 name = (await reader.readexactly(name_len)).decode("utf-8", "replace")
                 await room.acquire()
+                if self._direct(writer, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec,
+                                room, direct):
+                    continue
                 task = asyncio.get_running_loop().create_task(
                     self._one(writer, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec))
                 tasks.add(task)
@@ -131,6 +136,84 @@ class LaneServer:
         finally:
             if tasks:  # the caller hung up: let its requests finish (their slots, regions)
                 await asyncio.gather(*tasks, return_exceptions=True)
+            while direct[0]:  # (rare: a caller gone with requests on the device)
+                await asyncio.sleep(0.005)
+
+    def _direct(self, writer: asyncio.StreamWriter, t: Ticket, seq: int, name: str, n: int,
+                k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int,
+                room: asyncio.Semaphore, direct: list[int]) -> bool:
+        """One request with x and y in a system region, as a front end's "rm" call runs in
+        the device process (service/frontends.py ``_region_matmul``): the checks of
+        ``regions.matmul`` now, in this loop trip; the call queued with a sink that answers
+        (y already in place where the backend took the route, else copied there), lets the
+        region go and frees the lane's room -- no task, no coroutine, no future awaited per
+        request (on the H200 a lane call cost the device process ~550 us of CPU that way).
+        False: not for this path (a CUDA region, an engine without ``start_matmul``): the
+        caller runs it as a task. A refusal is answered here."""
+        table, engine = self.table, self.engine
+        start = getattr(engine, "start_matmul", None)
+        if start is None:
+            return False
+        region = None
+        key = None
+        try:
+            region = table.hold(t.owner, RegionRef(t.region, x_off))
+            assert region is not None
+            if region.kind != regions.SYSTEM:
+                table.let_go(region)
+                region = None
+                return False
+            out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)
+            call = MatmulCall(name, region.array(x_off, wire.lane_dtype(x_dt, "x_dtype"),
+                                                 (n, k), "x"),
+                              wire.lane_precision(prec), out)
+            if not engine.serving:
+                raise Unavailable("the worker is draining and takes no new requests")
+            rows = (engine.rows_of(name) if hasattr(engine, "rows_of")
+                    else engine.get(name).rows)
+            dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
+            key = table.route(call.x, dest)
+            direct[0] += 1
+            held = region
+
+            def answered(fut: asyncio.Future[Any]) -> None:
+                try:
+                    taken = table.unroute(key)
+                    if fut.cancelled():
+                        raise Unavailable("the call was cancelled")
+                    r = fut.result()
+                    y = r.y
+                    if not taken and not regions.written(y, dest):
+                        held.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
+                    rec = REPLY.pack(seq, 0, 0, int(y.shape[1]), r.batch_rows,
+                                     r.batch_requests, 0, r.queue_seconds,
+                                     _nan(r.kernel_seconds), _nan(r.device_seconds))
+                except Exception as e:
+                    rec = _failed(seq, e)
+                finally:
+                    table.let_go(held)
+                    room.release()
+                    direct[0] -= 1
+                if not writer.is_closing():
+                    writer.write(rec)
+
+            self.direct += 1
+            try:
+                if type(engine) is Engine:  # its sink runs in the trip that resolves the call
+                    start(call, answered)
+                else:  # (a --devices worker's sharded call does not call a sink)
+                    start(call).add_done_callback(answered)
+            except BaseException:
+                direct[0] -= 1
+                raise
+            return True
+        except Exception as e:
+            table.unroute(key)
+            table.let_go(region)
+            room.release()
+            if not writer.is_closing():
+                writer.write(_failed(seq, e))
+            return True
 
     async def _one(self, writer: asyncio.StreamWriter, t: Ticket, seq: int, name: str, n: int,
                    k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
@@ -149,16 +232,20 @@ class LaneServer:
             rec = REPLY.pack(seq, 0, 0, int(r.y.shape[1]), r.batch_rows, r.batch_requests, 0,
                              r.queue_seconds, _nan(r.kernel_seconds), _nan(r.device_seconds))
         except Exception as e:
-            code, msg = _status(e)
-            data = msg.encode()[:65536]
-            rec = REPLY.pack(seq, code, len(data), 0, 0, 0, 0, math.nan, math.nan,
-                             math.nan) + data
+            rec = _failed(seq, e)
         if not writer.is_closing():
             writer.write(rec)
 
 
 def _nan(v: float | None) -> float:
     return math.nan if v is None else v
+
+
+def _failed(seq: int, e: Exception) -> bytes:
+    """The reply record of a request that failed with ``e`` (its status and message)."""
+    code, msg = _status(e)
+    data = msg.encode()[:65536]
+    return REPLY.pack(seq, code, len(data), 0, 0, 0, 0, math.nan, math.nan, math.nan) + data
 
 
 def _status(e: Exception) -> tuple[int, str]:

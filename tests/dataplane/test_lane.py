@@ -126,6 +126,11 @@ def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
         region = c.register_shm("io", 1 << 16)
         lane = c.open_lane(region)
         np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+        # a system region's lane calls run as the front ends' "rm" calls do: no task each
+        assert w.worker.plane.lanes is not None and w.worker.plane.lanes.direct >= 1
+        assert code_of(lambda: lane.matmul("nope", x))[0] == C.NOT_FOUND
+        np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+        assert w.call(_held(w)) == [0]  # every answered call let its region go
         w.stop()
         # drained: the lane is closed and its socket gone
         assert code_of(lambda: lane.matmul("w", x))[0] == C.UNAVAILABLE
@@ -135,3 +140,7 @@ def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
         region.close()
     finally:
         w.stop()
+
+
+async def _held(w: Any) -> list[int]:
+    return [r.users for r in w.worker.regions._regions.values()]
