@@ -68,13 +68,18 @@ def check_parts(engine: MatmulEngine, call: MatmulCall) -> tuple[str, ...]:
     rows) before any part is queued or run; a refusal raises, naming its weight."""
     names = check_weights(call.weights)
     k = int(call.x.shape[1]) if call.x.ndim == 2 else -1
+    shape_of = getattr(engine, "shape_of", None)  # (rows, K) without a view, where offered
     for i, name in enumerate(names):
         try:
-            w = engine.get(name)
-            if w.k != k:
-                raise FormatError(f"activations have K={k}, the weight has K={w.k}")
+            if shape_of is not None:
+                rows, wk = shape_of(name)
+            else:
+                w = engine.get(name)
+                rows, wk = w.rows, w.k
+            if wk != k:
+                raise FormatError(f"activations have K={k}, the weight has K={wk}")
             if call.topk:
-                check_k(call.topk, w.rows, weight=name)
+                check_k(call.topk, rows, weight=name)
         except Q6Error as e:
             raise _named(i, name, e) from None
     return names
