@@ -5,8 +5,10 @@ this worker over a Unix stream socket in fixed little-endian records (the byte l
 the .proto's "Fast lane" section): a 40-byte request naming the weight and where x and y lie in
 the caller's region, and a 56-byte reply with status and timing; x and y never travel, and the
 socket is the wake-up (one write and one read per direction). Each request runs exactly as a
-Matmul naming x_region/y_region (``regions.matmul``: the same checks, the batcher, CUDA regions
-on the device), so lane requests batch with everyone else's.
+Matmul naming x_region/y_region (the same checks, the batcher, CUDA regions on the device), so
+lane requests batch with everyone else's: with a system region as a front end's "rm" call runs
+in the device process (``LaneServer._direct``: no task per request), otherwise through
+``regions.matmul`` in a task.
 
 One ``LaneServer`` per worker (the device process with --frontends), started by the first
 OpenLane, closed with the region table (drain).
