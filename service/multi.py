@@ -8,7 +8,9 @@ before launch) and the request fails with that part's status, its message naming
 Works on any engine with ``get(name)`` and ``start_matmul(call)`` (one device or several), on
 the same no-task-per-request path as a single-weight call (futures and done callbacks). The
 parts are queued inside ``engine.grouped()``: on each device they run in one device job, back
-to back (service/batcher.py's ``Group``), not one job each.
+to back (service/batcher.py's ``Group``), not one job each. Where every part would run at once
+as a lone inline job, :func:`run_weights_now` runs them in the caller's own loop trip instead
+(the direct path, as ``Engine.run_now`` for a single-weight request).
 """
 
 from __future__ import annotations
