@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
+
 FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",
           "handler", "batch_rows", "batch_requests", "reply_bytes")
 MATMUL = "/q6serve.v1.Q6Serve/Matmul"
@@ -289,9 +291,17 @@ async def _host_async(spec: LoadSpec, barrier: Any) -> dict[str, dict[str, list[
         return rec
 
 
+# Every bench process that stands for a caller or for the worker's transport fixes its heap
+# thresholds at start, as the worker does (service/engine.py): with glibc's moving threshold a
+# replay host at S=64 paid 2.3x the client time for multi-weight replies (page faults of each
+# MB-sized reply; bench/RESULTS.md, session 7). What callers are told to do (docs/SERVICE.md).
+HOST_HEAP = (MMAP_THRESHOLD, 256 << 20)  # (mmap threshold, trim threshold) bytes
+
+
 def _host_main(main: Any, spec: Any, barrier: Any, results: Any) -> None:
     import asyncio
 
+    fix_heap_thresholds(*HOST_HEAP)
     try:
         results.put(asyncio.run(main(spec, barrier)))
     except BaseException as e:  # report, never hang the parent
@@ -340,6 +350,7 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = ()) -> None:
     import asyncio
     import os
 
+    fix_heap_thresholds(MMAP_THRESHOLD)  # as the worker (its trim loop aside)
     if cpus:
         os.sched_setaffinity(0, cpus)  # before grpc starts its threads: they inherit it
 
@@ -382,6 +393,8 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
     import grpc
 
     from q6serve.client.channel import channel_options
+
+    fix_heap_thresholds(*HOST_HEAP)
 
     async def go() -> list[float]:
         out = []

@@ -110,7 +110,8 @@ TRIM_EVERY_S = 5.0
 # starts) sets another fixed value; 0 leaves glibc's own (moving) threshold.
 MMAP_THRESHOLD = 32 << 20
 MMAP_ENV = "Q6SERVE_MMAP_THRESHOLD"
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
 
 
 def mmap_threshold() -> int:
@@ -138,6 +139,18 @@ def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
 
 _malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
 _mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+
+
+def fix_heap_thresholds(mmap_bytes: int, trim_bytes: int = 0) -> bool:
+    """Fix glibc's mmap threshold at ``mmap_bytes`` (blocks from there up get their own
+    mapping; smaller ones come from the heap) and, with ``trim_bytes``, the free space at the
+    heap's top kept before it is given back. The worker fixes only the first (its trim loop
+    gives pages back); a caller's process that receives MB-sized replies (bench hosts, the
+    replay) fixes both, or each reply is page-faulted in anew. False where mallopt is missing."""
+    if _mallopt is None:
+        return False
+    ok = _mallopt(_M_MMAP_THRESHOLD, mmap_bytes) == 1
+    return ok and (not trim_bytes or _mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1)
 
 
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
@@ -408,8 +421,8 @@ class Engine:
         keeps what big transient buffers (replies, requests, upload segments) freed in its
         arenas: after 8 non-reading streams the RSS stayed 350 MB up although every figure
         was back (docs/RELIABILITY.md, "The targets, measured")."""
-        if _mallopt is not None and self._mmap_threshold:
-            _mallopt(_M_MMAP_THRESHOLD, self._mmap_threshold)
+        if self._mmap_threshold:
+            fix_heap_thresholds(self._mmap_threshold)
         if _malloc_trim is None:
             return
         while True:
