@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|tests|bench|variants|record|probe|stalls|tune|wall|tile|ncu|all|none
+#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|ab|tests|bench|variants|record|probe|stalls|kstall|tune|wall|tile|ncu|all|none
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
-# Order: kstest, wgtest, tune, wall, tests, the rest.
+# Order: kstest, wgtest, ab, tune, wall, tests, the rest.
+# ab: bench/kernels.py $AB_ARGS in the tree at $AB_BASE, then in this one (AUTO side by side).
+# kstall: Nsight Compute stall metrics of AUTO's K-slice/wgmma kernel on PROFILE_SHAPE at PROFILE_NS.
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
 #       modes after it run with the new table. wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
@@ -42,6 +44,19 @@ if want wgtest; then  # the wgmma tile's GPU tests (sm_90 only), before a tune m
   timeout "${WGTEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p no:cacheprovider \
     tests/kernels/test_cuda_wg.py 2>&1 | tee "$OUT/pytest_wg.log" | tail -15
   [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+fi
+if want ab; then  # AUTO of the tree at $AB_BASE (a copy of another commit) vs this tree, same table
+  # rows; before tune (which rewrites this tree's table). AB_ARGS: bench/kernels.py arguments.
+  # shellcheck disable=SC2086
+  (cd "$AB_BASE" && python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/ab_install.log" 2>&1 \
+    && timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py ${AB_ARGS:-} --json "$OUT/ab_base.json" >"$OUT/ab_base.log" 2>&1)
+  echo "# ab base rc=$?"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/ab_install.log" 2>&1 || exit 1
+  # shellcheck disable=SC2086
+  timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py ${AB_ARGS:-} --json "$OUT/ab_new.json" >"$OUT/ab_new.log" 2>&1
+  echo "# ab new rc=$?"
+  python3 bench/kernels_ab.py "$OUT/ab_base.json" "$OUT/ab_new.json" --label-old base --label-new this \
+    | tee "$OUT/ab.txt"
 fi
 if want tune; then  # before the tests: they run with the table it writes
   # shellcheck disable=SC2086
@@ -128,6 +143,25 @@ if want stalls; then  # Nsight Compute stall breakdown of chosen rows (PROFILE_R
       --variants --only "$only" --no-torch >"$OUT/stalls$i.txt" 2>&1
     echo "# $row rc=$?"; grep -E "q6k_mma|duration|dram__|per_cycle|warps_active|inst_executed.sum|bank|stalled" "$OUT/stalls$i.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | awk '{$1=$1};1' | grep -vE " 0(\.0+)?$" | head -30
     i=$((i + 1))
+  done
+fi
+if want kstall; then  # Nsight Compute stall metrics of AUTO's K-slice/wgmma kernel per N
+  m=smsp__average_warps_issue_stalled
+  metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  metrics+=,smsp__inst_executed.avg.per_cycle_active,sm__warps_active.avg.pct_of_peak_sustained_active
+  metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+  metrics+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum
+  for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+      not_selected dispatch_stall lg_throttle; do metrics+=",${m}_${r}_per_issue_active.ratio"; done
+  for n in ${PROFILE_NS:-16 32 64}; do
+    timeout 90 ncu --clock-control none --launch-skip 4 --launch-count 1 -k "regex:q6k_(ks|wg)_f16" \
+      --metrics "$metrics" python3 bench/kernels.py --shapes "${PROFILE_SHAPE:-4096x14336}" --ns "$n" \
+      --paths auto --dtypes f16 --no-torch --iters 4 >"$OUT/kstall_n$n.txt" 2>&1
+    echo "# kstall N=$n rc=$?"
+    grep -E "q6k_|duration|dram__|per_cycle|warps_active|issue_active|registers|hmma|local|stalled" \
+      "$OUT/kstall_n$n.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
+      | awk '{$1=$1};1' | cut -c1-110 | head -24
   done
 fi
 if [[ -n ${BUNDLE:-} ]]; then  # the device tool returns at most 8 files: one archive of the logs

@@ -125,6 +125,33 @@ __device__ __forceinline__ Raw load_raw(const RowRef& r, int b, int t) {
     return w;
 }
 
+// One part of load_raw's bytes: P = 0 the first 128-element half's codes (ql[0], qh[0]), P = 1
+// the second half's and the scales (ql[1], qh[1], sc, d). q6k_ks_f16 prefetches the next block
+// in these two parts, the second when the current block's first half is done (its ql[0]/qh[0]
+// registers dead): the same distance ahead, fewer live registers (ptxas, sm_90: the 8-warp
+// nt=2 tile's spill stores 68 -> 40 bytes, nt=1's 8 -> 0; the wgmma tile gained nothing).
+template <bool SOA, int P>
+__device__ __forceinline__ void load_raw_part(Raw& w, const RowRef& r, int b, int t) {
+    if (SOA) {
+        const u8* ql = r.base + r.ql + (u32)b * 128u + 16u * t + 64u * P;
+        const u8* qh = r.base + r.qh + (u32)b * 64u + 16u * (t & 1) + 32u * P;
+        w.ql[P] = ldg_stream128(ql);
+        w.qh[P] = ldg_stream128(qh);
+        if (P == 1) {
+            w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+            w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+        }
+    } else {
+        const u8* blk = r.base + r.ql + (u32)b * 210u;
+        w.ql[P] = ld_u128_a2(blk + 64 * P + 16 * t);
+        w.qh[P] = ld_u128_a2(blk + 128 + 32 * P + 16 * (t & 1));
+        if (P == 1) {
+            w.sc = ld_u128_a2(blk + 192);
+            w.d = ldg_u16(blk + 208);
+        }
+    }
+}
+
 __device__ __forceinline__ u32 word4(const uint4& v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }

@@ -60,6 +60,14 @@ __device__ __forceinline__ void warp_load(Raw (&dst)[MT][2], const RowRef (&rr)[
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
 }
+template <bool SOA, int P, int MT>
+__device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (&rr)[MT][2],
+                                               int kb, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) load_raw_part<SOA, P>(dst[mt][hr], rr[mt][hr], kb, t);
+}
 template <int MT>
 __device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT][2]) {
 #pragma unroll
@@ -155,12 +163,16 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
     }
 }
 
+struct NoMid {
+    __device__ __forceinline__ void operator()() const {}
+};
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
-// the lane's 16-byte activation fragment of step pair sp. A zero d masks the block.
-template <int NT, int MT, class BX>
+// the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
+// when the first half's steps are done (raw's ql[0]/qh[0] are dead: the split prefetch).
+template <int NT, int MT, class BX, class MID = NoMid>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
-                                          int t, BX bx_of) {
+                                          int t, BX bx_of, MID mid = MID()) {
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
     float dmul[MT][2];
@@ -185,6 +197,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 #pragma unroll
     for (int sp = 0; sp < 8; ++sp) {
         const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1;
+        if (sp == 4) mid();
         uint4 bx[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) bx[nt] = bx_of(sp, nt);
@@ -403,23 +416,33 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     for (; wt < wtiles; wt += wstride) {
         const int wrow = wt * 16 * MT;
         const bool more = wt + wstride < wtiles;
-        if (PF && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
         float acc[MT][NT][4];
         zero_acc(acc);
         for (int b = 0; b < nblk; ++b) {
+            const auto bx = [&](int sp, int nt) -> uint4 {
+                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+            };
             Raw raw[MT][2];
             if (PF) {
+                // The next block (of this tile, or the warp's next tile's first) in two parts:
+                // the first half's codes now, the rest once this block's first half is done.
                 warp_take(raw, nxt);
-                if (b + 1 < nblk)
-                    warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
+                const bool in_tile = b + 1 < nblk;
+                if (!in_tile && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
+                if (in_tile)
+                    warp_load_part<SOA, 0>(nxt, rr, kb0 + b + 1, t);
                 else if (more)
-                    warp_load<SOA>(nxt, rn, kb0, t);
+                    warp_load_part<SOA, 0>(nxt, rn, kb0, t);
+                block_mma<NT, MT>(acc, raw, t, bx, [&] {
+                    if (in_tile)
+                        warp_load_part<SOA, 1>(nxt, rr, kb0 + b + 1, t);
+                    else if (more)
+                        warp_load_part<SOA, 1>(nxt, rn, kb0, t);
+                });
             } else {
                 warp_load<SOA>(raw, rr, kb0 + b, t);
+                block_mma<NT, MT>(acc, raw, t, bx);
             }
-            block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
-                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
-            });
         }
         if (more) {
             if (PF) {
