@@ -126,10 +126,13 @@ __device__ __forceinline__ Raw load_raw(const RowRef& r, int b, int t) {
 }
 
 // One part of load_raw's bytes: P = 0 the first 128-element half's codes (ql[0], qh[0]), P = 1
-// the second half's and the scales (ql[1], qh[1], sc, d). q6k_ks_f16 prefetches the next block
-// in these two parts, the second when the current block's first half is done (its ql[0]/qh[0]
-// registers dead): the same distance ahead, fewer live registers (ptxas, sm_90: the 8-warp
-// nt=2 tile's spill stores 68 -> 40 bytes, nt=1's 8 -> 0; the wgmma tile gained nothing).
+// the second half's and the scales (ql[1], qh[1], sc, d). q6k_ks_f16 at 4 and 8 n-tiles
+// prefetches the next block in these two parts, the second when the current block's first half
+// is done (its ql[0]/qh[0] registers dead): fewer live registers, the codes a block ahead, the
+// scales half a block. On the H200 that ran N = 32/64 1.035-1.055x on the 48-56 MB shapes, but
+// N <= 16 on the lm-heads 0.77-0.90x (the next block's start waited on its scales; with the
+// scales in the first part the registers were those of the whole-block prefetch), so 1 and 2
+// n-tiles keep load_raw at the block's start.
 template <bool SOA, int P>
 __device__ __forceinline__ void load_raw_part(Raw& w, const RowRef& r, int b, int t) {
     if (SOA) {

@@ -413,9 +413,12 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
+    // SPLIT: the next block in two parts (load_raw_part), 4 and 8 n-tiles only (see there).
+    constexpr bool SPLIT = PF && NT >= 4;
     for (; wt < wtiles; wt += wstride) {
         const int wrow = wt * 16 * MT;
         const bool more = wt + wstride < wtiles;
+        if (PF && !SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
         float acc[MT][NT][4];
         zero_acc(acc);
         for (int b = 0; b < nblk; ++b) {
@@ -423,11 +426,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
             };
             Raw raw[MT][2];
-            if (PF) {
-                // The next block (of this tile, or the warp's next tile's first) in two parts:
-                // the first half's codes now, the rest once this block's first half is done.
+            const bool in_tile = b + 1 < nblk;  // else the warp's next tile's first block
+            if (SPLIT) {
+                // the first half's codes now, the rest once this block's first half is done
                 warp_take(raw, nxt);
-                const bool in_tile = b + 1 < nblk;
                 if (!in_tile && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
                 if (in_tile)
                     warp_load_part<SOA, 0>(nxt, rr, kb0 + b + 1, t);
@@ -439,10 +441,18 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
                     else if (more)
                         warp_load_part<SOA, 1>(nxt, rn, kb0, t);
                 });
+                continue;
+            }
+            if (PF) {
+                warp_take(raw, nxt);
+                if (in_tile)
+                    warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
+                else if (more)
+                    warp_load<SOA>(nxt, rn, kb0, t);
             } else {
                 warp_load<SOA>(raw, rr, kb0 + b, t);
-                block_mma<NT, MT>(acc, raw, t, bx);
             }
+            block_mma<NT, MT>(acc, raw, t, bx);
         }
         if (more) {
             if (PF) {
