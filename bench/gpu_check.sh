@@ -9,7 +9,8 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes),
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
+#   fast lane at T3's shape, bench/gpu_dataplane_lane.sh),
 #   VARIANTS ("8 8:m0": :m0 = the device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -65,6 +66,11 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi
+if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane, short batches pipelined and not
+  SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
+    >"$OUT/lane.log" 2>&1
+  echo "# lane rc=$? at $(elapsed)"
+fi
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
   echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
@@ -83,4 +89,5 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
   echo "## dataplane --frontends 4 pinned (2-6:7-15)"
   grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
+  grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
 } | tee "$FINAL/summary.txt"
