@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from q6serve.kernels.errors import InvalidArgument, Q6Error, ResourceExhausted, Unavailable
+from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
 
 from . import regions, wire
 from .engine import Engine, MatmulCall
@@ -61,11 +61,13 @@ class LaneServer:
         self.path = os.path.join(self._dir, "lane.sock")
         self._tickets: dict[bytes, Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
-        self._lanes: set[asyncio.StreamWriter] = set()
+        self._lanes: set[asyncio.BaseTransport] = set()
         self.direct = 0  # requests run by _direct (tests, benches)
+        self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        self._server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _LaneConn(self), path=self.path)
         self.table.on_close.append(self.close)
         log.info("fast lane socket %s", self.path)
 
@@ -91,65 +93,26 @@ class LaneServer:
             w.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._lanes.add(writer)
-        try:
-            sock = writer.get_extra_info("socket")
-            uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      12))[1]
-            # a connection that never sends its ticket is dropped, not kept forever
-            raw = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), TICKET_WAIT_S)
-            t = self._tickets.pop(raw, None)
-            if uid != os.getuid() or t is None or t.expires < time.monotonic():
-                log.warning("refused a lane connection (uid %d, %s ticket)", uid,
-                            "no valid" if t is None else "an expired")
-                return
-            writer.write(ACCEPTED)
-            await self._requests(reader, writer, t)
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass  # the caller closed its lane (or never sent a ticket)
-        except InvalidArgument as e:
-            log.warning("closed a lane after a malformed record: %s", e)
-        finally:
-            self._lanes.discard(writer)
-            writer.close()
+    def _request(self, conn: _LaneConn, head: tuple[int, ...], name: str) -> None:
+        """One request record of ``conn``'s lane: run now (``_direct``) or in a task."""
+        seq, n, k, x_off, y_off, x_dt, out_dt, prec, _, _, _ = head
+        t = conn.ticket
+        assert t is not None
+        if self._direct(conn, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec):
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._one(conn, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.task_done)
 
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        t: Ticket) -> None:
-        room = asyncio.Semaphore(MAX_PIPELINED)
-        tasks: set[asyncio.Task[None]] = set()
-        direct: list[int] = [0]  # requests of the direct path not yet answered
-        try:
-            while True:
-                head = REQUEST.unpack(await reader.readexactly(REQUEST.size))
-                seq, n, k, x_off, y_off, x_dt, out_dt, prec, _, name_len, _ = head
-                if name_len > MAX_NAME_BYTES:
-                    raise InvalidArgument(f"lane request names a weight of {name_len} bytes")
-                name = (await reader.readexactly(name_len)).decode("utf-8", "replace")
-                await room.acquire()
-                if self._direct(writer, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec,
-                                room, direct):
-                    continue
-                task = asyncio.get_running_loop().create_task(
-                    self._one(writer, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                task.add_done_callback(lambda _: room.release())
-        finally:
-            if tasks:  # the caller hung up: let its requests finish (their slots, regions)
-                await asyncio.gather(*tasks, return_exceptions=True)
-            while direct[0]:  # (rare: a caller gone with requests on the device)
-                await asyncio.sleep(0.005)
-
-    def _direct(self, writer: asyncio.StreamWriter, t: Ticket, seq: int, name: str, n: int,
-                k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int,
-                room: asyncio.Semaphore, direct: list[int]) -> bool:
+    def _direct(self, conn: _LaneConn, t: Ticket, seq: int, name: str, n: int, k: int,
+                x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> bool:
         """One request with x and y in a system region, as a front end's "rm" call runs in
         the device process (service/frontends.py ``_region_matmul``): the checks of
         ``regions.matmul`` now, in this loop trip; the call queued with a sink that answers
         (y already in place where the backend took the route, else copied there), lets the
-        region go and frees the lane's room -- no task, no coroutine, no future awaited per
-        request (on the H200 a lane call cost the device process ~550 us of CPU that way).
+        region go and frees its place in the lane -- no task, no coroutine, no future awaited
+        per request (on the H200 a lane call cost the device process ~550 us of CPU that way).
         False: not for this path (a CUDA region, an engine without ``start_matmul``): the
         caller runs it as a task. A refusal is answered here."""
         table, engine = self.table, self.engine
@@ -175,7 +138,6 @@ class LaneServer:
                     else engine.get(name).rows)
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
             key = table.route(call.x, dest)
-            direct[0] += 1
             held = region
 
             def answered(fut: asyncio.Future[Any]) -> None:
@@ -194,31 +156,22 @@ class LaneServer:
                     rec = _failed(seq, e)
                 finally:
                     table.let_go(held)
-                    room.release()
-                    direct[0] -= 1
-                if not writer.is_closing():
-                    writer.write(rec)
+                conn.answer(rec)
 
+            if type(engine) is Engine:  # its sink runs in the trip that resolves the call
+                start(call, answered)
+            else:  # (a --devices worker's sharded call does not call a sink)
+                start(call).add_done_callback(answered)
             self.direct += 1
-            try:
-                if type(engine) is Engine:  # its sink runs in the trip that resolves the call
-                    start(call, answered)
-                else:  # (a --devices worker's sharded call does not call a sink)
-                    start(call).add_done_callback(answered)
-            except BaseException:
-                direct[0] -= 1
-                raise
             return True
         except Exception as e:
             table.unroute(key)
             table.let_go(region)
-            room.release()
-            if not writer.is_closing():
-                writer.write(_failed(seq, e))
+            conn.answer(_failed(seq, e))
             return True
 
-    async def _one(self, writer: asyncio.StreamWriter, t: Ticket, seq: int, name: str, n: int,
-                   k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
+    async def _one(self, conn: _LaneConn, t: Ticket, seq: int, name: str, n: int, k: int,
+                   x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
         try:
             io = RegionIO(RegionRef(t.region, x_off), wire.lane_dtype(x_dt, "x_dtype"), (n, k),
                           RegionRef(t.region, y_off))
@@ -235,8 +188,106 @@ class LaneServer:
                              r.queue_seconds, _nan(r.kernel_seconds), _nan(r.device_seconds))
         except Exception as e:
             rec = _failed(seq, e)
-        if not writer.is_closing():
-            writer.write(rec)
+        conn.write(rec)
+
+
+class _LaneConn(asyncio.Protocol):
+    """One lane's connection: its ticket, then request records handled as they arrive (no
+    reader task, no coroutine per record). At most MAX_PIPELINED requests of a lane are in the
+    worker at once: reading pauses beyond, and what was read waits in the buffer."""
+
+    def __init__(self, server: LaneServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.ticket: Ticket | None = None
+        self.uid = -1
+        self.inflight = 0  # requests read and not yet answered
+        self.paused = False
+        self.tasks: set[asyncio.Task[None]] = set()  # requests run in a task (_one)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server._lanes.add(transport)
+        sock = transport.get_extra_info("socket")
+        self.uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       12))[1]
+        # a connection that never sends its ticket is dropped, not kept forever
+        self._timer = asyncio.get_running_loop().call_later(TICKET_WAIT_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._parse()
+
+    def _parse(self) -> None:
+        assert self.transport is not None
+        buf = self.buf
+        if self.ticket is None:
+            if len(buf) < TICKET_BYTES:
+                return
+            raw = bytes(buf[:TICKET_BYTES])
+            del buf[:TICKET_BYTES]
+            if self._timer is not None:
+                self._timer.cancel()
+            t = self.server._tickets.pop(raw, None)
+            if self.uid != os.getuid() or t is None or t.expires < time.monotonic():
+                log.warning("refused a lane connection (uid %d, %s ticket)", self.uid,
+                            "no valid" if t is None else "an expired")
+                self.transport.close()
+                return
+            self.ticket = t
+            self.transport.write(ACCEPTED)
+        pos = 0
+        while not self.paused and len(buf) - pos >= REQUEST.size:
+            head = REQUEST.unpack_from(buf, pos)
+            name_len = head[9]
+            if name_len > MAX_NAME_BYTES:
+                log.warning("closed a lane after a malformed record: a weight name of %d "
+                            "bytes", name_len)
+                del buf[:]
+                self.transport.close()
+                return
+            end = pos + REQUEST.size + name_len
+            if len(buf) < end:
+                break
+            name = bytes(buf[pos + REQUEST.size : end]).decode("utf-8", "replace")
+            pos = end
+            self.inflight += 1
+            if self.inflight >= MAX_PIPELINED:
+                self.paused = True
+                self.server.pauses += 1
+                self.transport.pause_reading()
+            self.server._request(self, head, name)
+        del buf[:pos]
+
+    def write(self, rec: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(rec)
+
+    def answer(self, rec: bytes) -> None:
+        """A request's reply record; its place in the lane is free again."""
+        self.write(rec)
+        self._freed()
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        """A request run in a task (it wrote its reply) is over."""
+        self.tasks.discard(task)
+        self._freed()
+
+    def _freed(self) -> None:
+        self.inflight -= 1
+        if self.paused and self.inflight < MAX_PIPELINED:
+            self.paused = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+                asyncio.get_running_loop().call_soon(self._parse)  # what waits in the buffer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # requests in flight finish on the device (their regions let go); replies are dropped
+        if self._timer is not None:
+            self._timer.cancel()
+        self.server._lanes.discard(self.transport)  # type: ignore[arg-type]
 
 
 def _nan(v: float | None) -> float:

@@ -16,7 +16,7 @@ import pytest
 
 from q6serve.client import core
 from q6serve.client.client import Client, Q6ServeError
-from q6serve.client.lane import REQUEST, Lane
+from q6serve.client.lane import REPLY, REQUEST, Lane
 from q6serve.service.config import Budget, WorkerConfig
 from tests.service.svc_util import RunningWorker, random_q6k, reference
 
@@ -112,6 +112,46 @@ def test_lane_refusals(worker: Any, rng: np.random.Generator) -> None:
         assert code == C.FAILED_PRECONDITION and "--allow-shm" in msg
     finally:
         off.stop()
+
+
+def test_lane_pipelined_beyond_its_room(rng: np.random.Generator) -> None:
+    """150 records sent at once on one lane (more than the 64 a lane may have in the worker):
+    reading pauses and resumes, every request is answered once, y is right."""
+    from q6serve.service.lane import MAX_PIPELINED
+    from tests.dataplane.test_frontends import Running
+    from tests.service.svc_util import InstrumentedBackend
+
+    w = Running(dataclasses.replace(BASE, frontends=2), InstrumentedBackend(matmul_delay=0.002))
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 5)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((2, K)).astype(np.float32)
+        with c.register_shm("p", 1 << 16) as region, c.open_lane(region) as lane:
+            region.ndarray(0, np.float32, x.shape)[...] = x
+            count = 150
+            assert count > 2 * MAX_PIPELINED
+            f32 = core._DTYPE_TO_PB["f32"]
+            lane.sock.sendall(b"".join(
+                REQUEST.pack(seq, 2, K, 0, 8192, f32, f32, 0, 0, 1, 0) + b"w"
+                for seq in range(1, count + 1)))
+            seqs = []
+            for _ in range(count):
+                head = bytearray(REPLY.size)
+                lane._read_into(head)
+                seq, code, msg_len, cols, *_ = REPLY.unpack(head)
+                assert (code, msg_len, cols) == (0, 0, ROWS)
+                seqs.append(seq)
+            assert sorted(seqs) == list(range(1, count + 1))
+            np.testing.assert_allclose(region.ndarray(8192, np.float32, (2, ROWS)),
+                                       reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+            # the lane goes on as usual
+            np.testing.assert_allclose(lane.matmul("w", x), reference(blocks, ROWS, K, x),
+                                       rtol=1e-5, atol=1e-4)
+            lanes = w.worker.plane.lanes
+            assert lanes is not None and lanes.pauses >= 1 and lanes.direct >= count
+    finally:
+        w.stop()
 
 
 def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
