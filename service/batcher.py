@@ -102,7 +102,13 @@ class Device:
     ``launch`` is launched on the loop now, behind them, instead of being held: the GPU starts
     it the moment the previous batch ends, rather than after that end has reached the loop and
     the next launch has run (an lm-head batch's GPU sat idle ~half of each job that way). The
-    waits run on the thread in launch order."""
+    waits run on the thread in launch order.
+
+    ``pipeline_short`` (``Q6SERVE_PIPELINE_SHORT=1``, off by default; needs two slots): short
+    batches under load are launched and waited for on the thread too (``Batcher._pipelined``,
+    ``Batcher._start_behind``; CUDA-region calls: ``CudaSupport._launch``), and a wait handed
+    to the thread is not followed by the hand-off yield. Measured on the H200 (bench/RESULTS.md,
+    issue 15 session 7): no gain for T3 with regions, 5-8% loss with one process."""
 
     def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0,
                  launch_slots: int = 1) -> None:
@@ -227,7 +233,7 @@ class Device:
         self._in_thread += 1
         self._waits += wait
         self._jobs.put((loop, done, fn, args, wait))
-        if self.inflight == 1 and self.handoff_yield and not wait:
+        if self.inflight == 1 and self.handoff_yield and not (wait and self.pipeline_short):
             time.sleep(0)  # the GIL to the woken device thread now (see the class docstring)
 
     def _run_here(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
