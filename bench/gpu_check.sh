@@ -28,7 +28,7 @@ t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line fo
   printf '%s\n' "${summary[-1]}" >>"$FINAL/progress.txt"
   tar czf "$FINAL/check.tgz" -C "$OUT" . 2>/dev/null
 }
-t kernels_gpu 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
+t kernels_gpu 220 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
 t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
 Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
