@@ -18,3 +18,27 @@ gpu_session() {
   [[ -f COMMIT ]] && echo "tree $(cat COMMIT)"
 }
 elapsed() { echo "$(($(date +%s) - T0)) s"; }
+
+# worker_pid [TRIES]: the pid of the bench's worker process (`q6serve worker`), polled every
+# 0.25 s up to TRIES times (40); empty if none started.
+worker_pid() {
+  local pid="" i
+  for ((i = 0; i < ${1:-40}; i++)); do
+    pid=$(pgrep -f "q6serve.client.cli worker" | head -1)
+    [[ -n $pid ]] && break
+    sleep 0.25
+  done
+  echo "$pid"
+}
+
+# base_pythonpath DIR: set BASEPP to a PYTHONPATH that imports q6serve from the tree DIR (its
+# source folders linked under a package root) ahead of this tree's install, for A/Bs of two
+# trees in one call; NOWPP keeps this tree's PYTHONPATH.
+base_pythonpath() {
+  local over=/tmp/base_path_$$ d
+  mkdir -p "$over/q6serve"
+  for d in kernels service client; do ln -sfn "$1/$d" "$over/q6serve/$d"; done
+  ln -sfn "$1/proto/q6serve/v1" "$over/q6serve/v1"
+  BASEPP="$over${PYTHONPATH:+:$PYTHONPATH}"
+  NOWPP=${PYTHONPATH:-}
+}

@@ -17,11 +17,7 @@ note() { echo "$*" | tee -a "$FINAL/progress.txt"; }  # what is done, should the
 BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
 S=${SECONDS_PER_RUN:-1.5}
 SPIN=${SPIN:-200}
-OVER=/tmp/t1base_path
-mkdir -p "$OVER/q6serve"
-for d in kernels service client; do ln -sfn "$BASE/$d" "$OVER/q6serve/$d"; done
-ln -sfn "$BASE/proto/q6serve/v1" "$OVER/q6serve/v1"
-BASEPP="$OVER${PYTHONPATH:+:$PYTHONPATH}"
+base_pythonpath "$BASE"
 PYTHONPATH=$BASEPP python3 -c "import q6serve.service.servicer as s; print('# base code', s.__file__)"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_direct_path.py >"$OUT/pytest_service_cuda.log" 2>&1
@@ -35,7 +31,6 @@ t1() {  # label dir pythonpath [env...]
   note "# T1 $label rc=$? ($(elapsed)): $(grep -E '^# T1 stream' "$OUT/t1_$label.log")"
   grep -E "mean us" "$OUT/t1_$label.log" >>"$FINAL/progress.txt"
 }
-NOWPP=${PYTHONPATH:-}
 t1 base1 "$BASE" "$BASEPP"
 t1 now1 "$PWD" "$NOWPP"
 t1 base2 "$BASE" "$BASEPP"
@@ -47,12 +42,7 @@ SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 timeout 40 python3 bench/stream_overhead.py --backend cuda --variants worker --trips \
   --timeline 12 --rounds 1 --seconds 6 --inproc 0 >"$OUT/overhead_now.log" 2>&1 &
 bench_pid=$!
-wpid=""
-for _ in $(seq 40); do
-  wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
-  [[ -n $wpid ]] && break
-  sleep 0.25
-done
+wpid=$(worker_pid 40)
 if [[ -n $wpid ]]; then
   sleep 4
   timeout 10 "$SPY" record -p "$wpid" -d 3 -r 1000 -t -f raw --nonblocking \

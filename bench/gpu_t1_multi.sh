@@ -18,12 +18,7 @@ note() { echo "$*" | tee -a "$FINAL/progress.txt"; }  # what is done, should the
 BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
 S=${SECONDS_PER_RUN:-1}
 MMAP=${MMAP:-33554432}
-OVER=/tmp/t1base_path
-mkdir -p "$OVER/q6serve"
-for d in kernels service client; do ln -sfn "$BASE/$d" "$OVER/q6serve/$d"; done
-ln -sfn "$BASE/proto/q6serve/v1" "$OVER/q6serve/v1"
-BASEPP="$OVER${PYTHONPATH:+:$PYTHONPATH}"
-NOWPP=${PYTHONPATH:-}
+base_pythonpath "$BASE"
 PYTHONPATH=$BASEPP python3 -c "import q6serve.service.multi as m; print('# base code', m.__file__)"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_direct_path.py tests/service/test_multi_topk.py -k "direct or multi" \

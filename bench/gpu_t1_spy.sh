@@ -15,12 +15,7 @@ timeout "${LIMIT:-55}" python3 bench/service.py --backend "${BACKEND:-cuda}" --r
   --seconds "${SECONDS_PER_RUN:-2}" --warmup 0.3 --no-replay-floor \
   --json "$OUT/replay.json" >"$OUT/replay.log" 2>&1 &
 bench=$!
-wpid=""
-for _ in $(seq 80); do
-  wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
-  [[ -n $wpid ]] && break
-  sleep 0.25
-done
+wpid=$(worker_pid 80)
 while kill -0 "$bench" 2>/dev/null && ! grep -q "^# uploaded" "$OUT/replay.log"; do sleep 0.2; done
 echo "# uploaded ($(elapsed)), worker $wpid"
 i=0
