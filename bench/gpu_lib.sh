@@ -31,14 +31,20 @@ worker_pid() {
   echo "$pid"
 }
 
-# base_pythonpath DIR: set BASEPP to a PYTHONPATH that imports q6serve from the tree DIR (its
-# source folders linked under a package root) ahead of this tree's install, for A/Bs of two
-# trees in one call; NOWPP keeps this tree's PYTHONPATH.
-base_pythonpath() {
+# base_tree DIR: BASE = DIR's absolute path and BASEPP a PYTHONPATH that imports q6serve from
+# that tree (its source folders linked under a package root) ahead of this tree's install, for
+# A/Bs of two trees in one call; NOWPP keeps this tree's PYTHONPATH. Prints where the base code is.
+base_tree() {
   local over=/tmp/base_path_$$ d
+  BASE=$(cd "$1" && pwd) || exit 1
   mkdir -p "$over/q6serve"
-  for d in kernels service client; do ln -sfn "$1/$d" "$over/q6serve/$d"; done
-  ln -sfn "$1/proto/q6serve/v1" "$over/q6serve/v1"
+  for d in kernels service client; do ln -sfn "$BASE/$d" "$over/q6serve/$d"; done
+  ln -sfn "$BASE/proto/q6serve/v1" "$over/q6serve/v1"
   BASEPP="$over${PYTHONPATH:+:$PYTHONPATH}"
   NOWPP=${PYTHONPATH:-}
+  PYTHONPATH=$BASEPP python3 -c "import q6serve.service as s; print('# base code', s.__file__)"
 }
+
+# note TEXT: print it and add it to $FINAL/progress.txt (what is done comes back even if the
+# call is cut).
+note() { echo "$*" | tee -a "$FINAL/progress.txt"; }

@@ -13,12 +13,9 @@ cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
 gpu_session /tmp/t1fast
-note() { echo "$*" | tee -a "$FINAL/progress.txt"; }  # what is done, should the call be cut
-BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
 S=${SECONDS_PER_RUN:-1.5}
 SPIN=${SPIN:-200}
-base_pythonpath "$BASE"
-PYTHONPATH=$BASEPP python3 -c "import q6serve.service.servicer as s; print('# base code', s.__file__)"
+base_tree "${BASE:?set BASE to the base tree}"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_direct_path.py >"$OUT/pytest_service_cuda.log" 2>&1
 note "# service tests on CUDA rc=$? ($(elapsed)): $(tail -1 "$OUT/pytest_service_cuda.log")"

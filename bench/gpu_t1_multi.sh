@@ -14,12 +14,9 @@ cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
 gpu_session /tmp/t1multi
-note() { echo "$*" | tee -a "$FINAL/progress.txt"; }  # what is done, should the call be cut
-BASE=$(cd "${BASE:?set BASE to the base tree}" && pwd)
 S=${SECONDS_PER_RUN:-1}
 MMAP=${MMAP:-33554432}
-base_pythonpath "$BASE"
-PYTHONPATH=$BASEPP python3 -c "import q6serve.service.multi as m; print('# base code', m.__file__)"
+base_tree "${BASE:?set BASE to the base tree}"
 Q6SERVE_TEST_BACKEND=cuda timeout 40 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_direct_path.py tests/service/test_multi_topk.py -k "direct or multi" \
   >"$OUT/pytest_service_cuda.log" 2>&1
