@@ -189,6 +189,10 @@ class Workspace:
     def take(self, slot: int) -> None:
         self._held[slot] = True
 
+    def held(self, slot: int) -> bool:
+        """Whether a launch in ``slot`` still awaits its wait."""
+        return self._held[slot]
+
     def release(self, slot: int) -> None:
         self._held[slot] = False
 
@@ -514,7 +518,7 @@ class Launcher:
         ws = self.ws
         staged = x is ws.staged  # built in place (CudaBackend.staging): by identity, as
         slot = ws.staged_slot if staged else ws.free_slot()  # ndarray.ctypes costs ~4 us
-        if staged and ws._held[slot]:
+        if staged and ws.held(slot):
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         xb = x.reshape(-1).view(np.uint8)
         host = ws.host(xb.size, slot)
