@@ -65,10 +65,14 @@ def _check(y, y64, label):
     assert rel_fro(y, y64) <= TOL, (label, rel_fro(y, y64))
 
 
-@pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512)])
-def test_every_shape_and_slice_count(be, rng, shape):
-    """Every launch shape x forced K-slice counts (1, 2, 3, all blocks) x N (one token, a
-    partial and a full chunk, several chunks): reference, repeat and AoS twin identical."""
+def same_bits(a, b, msg=""):
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
+
+
+def sweep_slice_counts(be, rng, shape, cfgs, sliced):
+    """Every launch shape of ``cfgs`` x forced K-slice counts (1, 2, 3, all blocks;
+    ``sliced(c, ks)``: c's shape with ks slices) x N (one token, a partial and a full chunk,
+    several chunks): reference, repeat and AoS twin identical."""
     rows, k = shape
     bpr = k // 256
     blocks = random_weight(rng, rows, k)
@@ -76,36 +80,34 @@ def test_every_shape_and_slice_count(be, rng, shape):
     wa = load(be, blocks, rows, k, Layout.AOS)
     x = rng.standard_normal((70, k)).astype(np.float16)
     y64 = reference.matmul_float64(x, blocks, rows)
-    for c in KS_CFGS:
+    for c in cfgs:
         for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
-            cfg = Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks)
+            cfg = sliced(c, ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
             for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
                 label = f"{cfg.label()} N={n}"
                 y = _run(be, ws, x[:n], cfg)
                 _check(y, y64[:n], label)
-                np.testing.assert_array_equal(y.view(np.uint32), _run(be, ws, x[:n], cfg).view(
-                    np.uint32), err_msg=f"{label}: repeat differs")
-                np.testing.assert_array_equal(y.view(np.uint32), _run(be, wa, x[:n], cfg).view(
-                    np.uint32), err_msg=f"{label}: AoS twin differs")
+                same_bits(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
+                same_bits(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
-def test_activation_dtypes(be, rng, dtype):
+def check_activation_dtype(be, rng, dtype, cfgs):
     rows, k = 517, 1536
     blocks = random_weight(rng, rows, k)
     w = load(be, blocks, rows, k, Layout.SOA)
     x = rng.standard_normal((40, k)).astype(np.float32).astype(dtype)
     y64 = reference.matmul_float64(x.astype(np.float32), blocks, rows)
-    for c in KS_CFGS:
+    for c in cfgs:
         _check(_run(be, w, x, c), y64, c.label())
 
 
-def test_tiles_across_slabs(be, rng, monkeypatch):
+def check_tiles_across_slabs(be, rng, monkeypatch, cfgs):
+    """700 rows at 37 rows per slab: every warp (or warpgroup) tile spans slabs."""
     from q6serve.kernels.cuda import storage
 
-    rows, k = 700, 1024  # 37 rows per slab: every warp tile of 16/32 rows spans slabs
+    rows, k = 700, 1024
     monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
     blocks = random_weight(rng, rows, k)
     ws = load(be, blocks, rows, k, Layout.SOA)
@@ -113,11 +115,25 @@ def test_tiles_across_slabs(be, rng, monkeypatch):
     assert len(ws.data.slabs) == 19
     x = rng.standard_normal((64, k)).astype(np.float16)
     y64 = reference.matmul_float64(x, blocks, rows)
-    for c in KS_CFGS:
+    for c in cfgs:
         y = _run(be, ws, x[: 8 * c.nt], c)
         _check(y, y64[: 8 * c.nt], c.label())
-        np.testing.assert_array_equal(y.view(np.uint32),
-                                      _run(be, wa, x[: 8 * c.nt], c).view(np.uint32))
+        same_bits(y, _run(be, wa, x[: 8 * c.nt], c), c.label())
+
+
+@pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512)])
+def test_every_shape_and_slice_count(be, rng, shape):
+    sweep_slice_counts(be, rng, shape, KS_CFGS,
+                       lambda c, ks: Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_activation_dtypes(be, rng, dtype):
+    check_activation_dtype(be, rng, dtype, KS_CFGS)
+
+
+def test_tiles_across_slabs(be, rng, monkeypatch):
+    check_tiles_across_slabs(be, rng, monkeypatch, KS_CFGS)
 
 
 def test_backend_matmul_through_the_graph(be, rng):

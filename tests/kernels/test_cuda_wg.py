@@ -15,9 +15,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_cuda_backend import _gpu_count, load, random_weight, rel_fro
-from test_cuda_ks import _check, _run  # one call with NaN-poisoned outputs and partials
+from test_cuda_ks import (  # one call with NaN-poisoned outputs and partials, the sweeps
+    _check,
+    _run,
+    check_activation_dtype,
+    check_tiles_across_slabs,
+    same_bits,
+    sweep_slice_counts,
+)
 
-from q6serve.kernels import q6k, reference
+from q6serve.kernels import reference
 from q6serve.kernels.api import BFLOAT16, Layout
 from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
@@ -47,32 +54,10 @@ def be():
     b.close()
 
 
-def _same(a, b, msg):
-    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
-
-
 @pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512), (64, 1024)])
 def test_every_shape_and_slice_count(be, rng, shape):
-    """Every launch shape x forced K-slice counts (1, 2, 3, all blocks) x N (one token, a
-    partial and a full chunk, several chunks): reference, repeat and AoS twin identical."""
-    rows, k = shape
-    bpr = k // 256
-    blocks = random_weight(rng, rows, k)
-    ws = load(be, blocks, rows, k, Layout.SOA)
-    wa = load(be, blocks, rows, k, Layout.AOS)
-    x = rng.standard_normal((70, k)).astype(np.float16)
-    y64 = reference.matmul_float64(x, blocks, rows)
-    for c in WG_CFGS:
-        for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
-            cfg = Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks)
-            if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
-                continue  # the slice's activations do not fit one CTA
-            for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
-                label = f"{cfg.label()} N={n}"
-                y = _run(be, ws, x[:n], cfg)
-                _check(y, y64[:n], label)
-                _same(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
-                _same(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
+    sweep_slice_counts(be, rng, shape, WG_CFGS,
+                       lambda c, ks: Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks))
 
 
 def test_zero_and_extreme_block_scales(be, rng):
@@ -100,7 +85,7 @@ def test_zero_and_extreme_block_scales(be, rng):
                 continue  # the slice's activations do not fit one CTA
             y = _run(be, ws, x[: 8 * c.nt], cfg)
             _check(y, y64[: 8 * c.nt], cfg.label())
-            _same(y, _run(be, wa, x[: 8 * c.nt], cfg), f"{cfg.label()}: AoS twin differs")
+            same_bits(y, _run(be, wa, x[: 8 * c.nt], cfg), f"{cfg.label()}: AoS twin differs")
 
 
 def test_agrees_with_the_k_slice_tile(be, rng):
@@ -118,28 +103,8 @@ def test_agrees_with_the_k_slice_tile(be, rng):
 
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
 def test_activation_dtypes(be, rng, dtype):
-    rows, k = 517, 1536
-    blocks = random_weight(rng, rows, k)
-    w = load(be, blocks, rows, k, Layout.SOA)
-    x = rng.standard_normal((40, k)).astype(np.float32).astype(dtype)
-    y64 = reference.matmul_float64(x.astype(np.float32), blocks, rows)
-    for c in WG_CFGS:
-        _check(_run(be, w, x, c), y64, c.label())
+    check_activation_dtype(be, rng, dtype, WG_CFGS)
 
 
 def test_tiles_across_slabs(be, rng, monkeypatch):
-    from q6serve.kernels.cuda import storage
-
-    rows, k = 700, 1024  # 37 rows per slab: every 64-row warpgroup tile spans slabs
-    monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
-    blocks = random_weight(rng, rows, k)
-    ws = load(be, blocks, rows, k, Layout.SOA)
-    wa = load(be, blocks, rows, k, Layout.AOS)
-    assert len(ws.data.slabs) == 19
-    x = rng.standard_normal((64, k)).astype(np.float16)
-    y64 = reference.matmul_float64(x, blocks, rows)
-    for c in WG_CFGS:
-        y = _run(be, ws, x[: 8 * c.nt], c)
-        _check(y, y64[: 8 * c.nt], c.label())
-        _same(y, _run(be, wa, x[: 8 * c.nt], c), c.label())
-
+    check_tiles_across_slabs(be, rng, monkeypatch, WG_CFGS)
