@@ -8,8 +8,6 @@ written into the routed region); tests/dataplane/test_pinned_gpu.py runs the rea
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
@@ -21,7 +19,7 @@ import pytest
 from q6serve.client.shm import ShmRegion
 from q6serve.kernels.hostio import HostIO
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
-from tests.dataplane.test_regions import ROWS, K, code_of, mapped
+from tests.dataplane.test_regions import ROWS, K, code_of, mapped, matmul_holding_region
 from tests.dataplane.test_regions import start as one_process  # noqa: F401  (fixture)
 from tests.service.svc_util import InstrumentedBackend, random_q6k, reference
 
@@ -244,14 +242,7 @@ def test_unregister_while_in_use_unpins_when_the_call_ends(one_process: Any,  # 
     c.upload("w", blocks, ROWS, K)
     x = rng.standard_normal((2, K)).astype(np.float32)
     region = c.register_shm("r", 1 << 16)
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(
-        c.matmul("w", x, x_region=region, y_region=(region, 8192))))
-    t.start()
-    for _ in range(1000):
-        if c.list_regions()[0].in_use:
-            break
-        time.sleep(0.005)
+    t, out = matmul_holding_region(c, x, region)
     c.unregister_region("r")
     assert backend.hostio.pinned == 1  # its call still reads x and writes y
     t.join(10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
@@ -58,6 +59,22 @@ def weight(start: Callable[..., RunningWorker]) -> tuple[RunningWorker, Client, 
     c.upload("w", blocks, ROWS, K)
     c.register_shm("warm", 4096).close()  # starts Python's shm resource tracker (its fds)
     return w, c, blocks
+
+
+def matmul_holding_region(c: Client, x: np.ndarray, region: ShmRegion,
+                          ) -> tuple[threading.Thread, list[Any]]:
+    """``c.matmul`` of weight "w" with x at the start of ``region`` and y at offset 8192, in a
+    thread; returns once the worker holds the region (bounded: ~5 s). The thread's result is
+    appended to the returned list."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(
+        c.matmul("w", x, x_region=region, y_region=(region, 8192))))
+    t.start()
+    for _ in range(1000):
+        if c.list_regions()[0].in_use:
+            break
+        time.sleep(0.005)
+    return t, out
 
 
 def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
@@ -260,8 +277,6 @@ def test_unregister_while_in_use(start: Callable[..., RunningWorker],
                                  rng: np.random.Generator) -> None:
     """The name goes at once; the running request still reads x and writes y; the mapping
     closes when it finishes."""
-    import threading
-
     from tests.service.svc_util import InstrumentedBackend
 
     w = start(backend=InstrumentedBackend(matmul_delay=0.5))
@@ -270,14 +285,7 @@ def test_unregister_while_in_use(start: Callable[..., RunningWorker],
     c.upload("w", blocks, ROWS, K)
     x = rng.standard_normal((2, K)).astype(np.float32)
     region = c.register_shm("r", 1 << 16)
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(
-        c.matmul("w", x, x_region=region, y_region=(region, 8192))))
-    t.start()
-    for _ in range(1000):  # until the request holds the region (bounded: ~5 s)
-        if c.list_regions()[0].in_use:
-            break
-        time.sleep(0.005)
+    t, out = matmul_holding_region(c, x, region)
     info = c.unregister_region("r")
     assert info.in_use >= 1
     code, _ = code_of(lambda: c.matmul("w", x, x_region=region))
