@@ -316,13 +316,7 @@ class MultiDeviceEngine:
             self.engines[p.device].check_fits(p.rows.rows, spec.k)
         buf = UploadBuffer(spec.name, spec.rows, spec.k, spec.fmt, spec.total_bytes,
                            spec.sha256, None, self.engines[0].abandoned)
-        try:
-            async for chunk in chunks:
-                await buf.add(chunk)
-            buf.finish()
-        except BaseException:
-            buf.release()
-            raise
+        await buf.receive(chunks)
         src = WeightSource(spec.name, spec.rows, spec.k, "upload", buf.row_chunks)
 
         async def place() -> list[WeightView]:

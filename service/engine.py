@@ -471,12 +471,7 @@ class Engine:
         self.check_fits(spec.rows, spec.k)  # nor buffer what cannot fit
         self._receiving += 1
         try:
-            async for chunk in chunks:
-                await buf.add(chunk)
-            buf.finish()
-        except BaseException:
-            buf.release()
-            raise
+            await buf.receive(chunks)
         finally:
             self._receiving -= 1
         src = WeightSource(spec.name, spec.rows, spec.k, "upload", buf.row_chunks)

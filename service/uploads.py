@@ -13,7 +13,7 @@ holding is Q6_K blocks of whole rows, handed to the load chunk by chunk.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
@@ -117,6 +117,17 @@ class UploadBuffer:
         if res is not None:
             self._held.append(res)
         self._row += rows
+
+    async def receive(self, chunks: AsyncIterator[bytes]) -> None:
+        """Add every chunk, then :meth:`finish`; on any failure (a bad chunk, the stream
+        broken, a budget refusal) the data and its reservations are dropped first."""
+        try:
+            async for chunk in chunks:
+                await self.add(chunk)
+            self.finish()
+        except BaseException:
+            self.release()
+            raise
 
     def finish(self) -> None:
         """Check the byte count and the sha256 of the bytes as sent."""
