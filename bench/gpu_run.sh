@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|ab|tests|bench|variants|record|probe|stalls|kstall|tune|wall|tile|ncu|all|none
+#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|ab|retune|tests|bench|variants|record|probe|stalls|kstall|tune|wall|tile|ncu|all|none
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
-# Order: kstest, wgtest, ab, tune, wall, tests, the rest.
+# Order: kstest, wgtest, ab, retune, tune, wall, tests, the rest.
 # ab: bench/kernels.py $AB_ARGS in the tree at $AB_BASE, then in this one (AUTO side by side).
 # kstall: Nsight Compute stall metrics of AUTO's K-slice/wgmma kernel on PROFILE_SHAPE at PROFILE_NS.
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
-#       modes after it run with the new table. wall: bench/backend_wall.py (host path).
+#       modes after it run with the new table. retune: the table A/B on one machine: AUTO with
+#       the committed table ($RETUNE_ARGS, default f16, no torch), tune (torch beside AUTO),
+#       AUTO with the new table, side by side (retune.txt); then the modes after it.
+# wall: bench/backend_wall.py (host path).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
@@ -58,13 +61,30 @@ if want ab; then  # AUTO of the tree at $AB_BASE (a copy of another commit) vs t
   python3 bench/kernels_ab.py "$OUT/ab_base.json" "$OUT/ab_new.json" --label-old base --label-new this \
     | tee "$OUT/ab.txt"
 fi
-if want tune; then  # before the tests: they run with the table it writes
+tune_run() {  # bench/kernels.py --tune: rewrites this tree's table, copied to $OUT
   # shellcheck disable=SC2086
   timeout "${TUNE_TIMEOUT:-240}" python3 bench/kernels.py --tune --iters "${TUNE_ITERS:-20}" \
     --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" ${TUNE_ARGS:-} \
     --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^$" | tail -100
   echo "# tune rc=${PIPESTATUS[0]}"
   cp kernels/cuda/dispatch_h200.json "$OUT/" 2>/dev/null
+}
+if want retune; then  # AUTO with the committed table, tune, AUTO with the new one (same machine)
+  args=${RETUNE_ARGS:---paths auto --dtypes f16 --no-torch}
+  # shellcheck disable=SC2086
+  timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py $args --json "$OUT/retune_old.json" \
+    >"$OUT/retune_old.log" 2>&1
+  echo "# retune old rc=$?"
+  tune_run
+  # shellcheck disable=SC2086
+  timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py $args --json "$OUT/retune_new.json" \
+    >"$OUT/retune_new.log" 2>&1
+  echo "# retune new rc=$?"
+  python3 bench/kernels_ab.py "$OUT/retune_old.json" "$OUT/retune_new.json" --label-old table \
+    --label-new retuned | tee "$OUT/retune.txt"
+fi
+if want tune; then  # before the tests: they run with the table it writes
+  tune_run
 fi
 if want wall; then
   # shellcheck disable=SC2086
@@ -166,7 +186,7 @@ if want kstall; then  # Nsight Compute stall metrics of AUTO's K-slice/wgmma ker
 fi
 if [[ -n ${BUNDLE:-} ]]; then  # the device tool returns at most 8 files: one archive of the logs
   (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude='*.ncu-rep' -- * \
-    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name dispatch_h200.json ! -name tune.log \
+    && find . -maxdepth 1 -type f ! -name logs.tgz ! -name dispatch_h200.json ! -name tune.log ! -name retune.txt \
        ! -name '*.ncu-rep' -delete)
 fi
 exit "$rc"

@@ -11,6 +11,8 @@ twins bit-identical. Outputs and partial sums are poisoned with NaN before each 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_cuda_backend import KS_CFGS, _gpu_count, load, poison, random_weight, rel_fro
@@ -69,10 +71,10 @@ def same_bits(a, b, msg=""):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
 
 
-def sweep_slice_counts(be, rng, shape, cfgs, sliced):
-    """Every launch shape of ``cfgs`` x forced K-slice counts (1, 2, 3, all blocks;
-    ``sliced(c, ks)``: c's shape with ks slices) x N (one token, a partial and a full chunk,
-    several chunks): reference, repeat and AoS twin identical."""
+def sweep_slice_counts(be, rng, shape, cfgs):
+    """Every launch shape of ``cfgs`` as it is (warps, ring, tile) x forced K-slice counts (1,
+    2, 3, all blocks) x N (one token, a partial and a full chunk, several chunks): reference,
+    repeat and AoS twin identical."""
     rows, k = shape
     bpr = k // 256
     blocks = random_weight(rng, rows, k)
@@ -82,7 +84,7 @@ def sweep_slice_counts(be, rng, shape, cfgs, sliced):
     y64 = reference.matmul_float64(x, blocks, rows)
     for c in cfgs:
         for ks in sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1))):
-            cfg = sliced(c, ks)
+            cfg = replace(c, ksplit=ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
             for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
@@ -123,8 +125,7 @@ def check_tiles_across_slabs(be, rng, monkeypatch, cfgs):
 
 @pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512)])
 def test_every_shape_and_slice_count(be, rng, shape):
-    sweep_slice_counts(be, rng, shape, KS_CFGS,
-                       lambda c, ks: Cfg(nt=c.nt, mt=c.mt, src=4, pf=c.pf, ksplit=ks))
+    sweep_slice_counts(be, rng, shape, KS_CFGS)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])

@@ -56,8 +56,7 @@ def be():
 
 @pytest.mark.parametrize("shape", [(300, 2304), (33, 256 * 37), (1000, 512), (64, 1024)])
 def test_every_shape_and_slice_count(be, rng, shape):
-    sweep_slice_counts(be, rng, shape, WG_CFGS,
-                       lambda c, ks: Cfg(nt=c.nt, src=6, pf=True, warps=c.warps, ksplit=ks))
+    sweep_slice_counts(be, rng, shape, WG_CFGS)
 
 
 def test_zero_and_extreme_block_scales(be, rng):
