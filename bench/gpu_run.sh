@@ -5,7 +5,8 @@
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
 # Order: kstest, wgtest, ab, retune, tune, wall, tests, the rest.
 # ab: bench/kernels.py $AB_ARGS in the tree at $AB_BASE, then in this one (AUTO side by side).
-# kstall: Nsight Compute stall metrics of AUTO's K-slice/wgmma kernel on PROFILE_SHAPE at PROFILE_NS.
+# kstall: Nsight Compute stall metrics of the K-slice/wgmma kernel on PROFILE_SHAPE per row of
+#       KSTALL_ROWS ("N:" AUTO's kernel at N, "N:TEXT" the --variants row whose label has TEXT).
 # tune: bench/kernels.py --tune writes kernels/cuda/dispatch_h200.json (copied to $OUT), so
 #       modes after it run with the new table. retune: the table A/B on one machine: AUTO with
 #       the committed table ($RETUNE_ARGS, default f16, no torch), tune (torch beside AUTO),
@@ -174,14 +175,19 @@ if want kstall; then  # Nsight Compute stall metrics of AUTO's K-slice/wgmma ker
   metrics+=,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum
   for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
       not_selected dispatch_stall lg_throttle; do metrics+=",${m}_${r}_per_issue_active.ratio"; done
-  for n in ${PROFILE_NS:-16 32 64}; do
-    timeout 90 ncu --clock-control none --launch-skip 4 --launch-count 1 -k "regex:q6k_(ks|wg)_f16" \
+  i=0
+  for row in ${KSTALL_ROWS:-16: 32: 64:}; do
+    n=${row%%:*} only=${row#*:}
+    sel=(--paths auto)
+    [[ -n $only ]] && sel=(--paths auto --variants --only "$only")
+    timeout 90 ncu --clock-control none --launch-skip 4 --launch-count 1 -k "regex:q6k_(ksr?|wg)_f16" \
       --metrics "$metrics" python3 bench/kernels.py --shapes "${PROFILE_SHAPE:-4096x14336}" --ns "$n" \
-      --paths auto --dtypes f16 --no-torch --iters 4 >"$OUT/kstall_n$n.txt" 2>&1
-    echo "# kstall N=$n rc=$?"
+      "${sel[@]}" --dtypes f16 --no-torch --iters 4 >"$OUT/kstall$i.txt" 2>&1
+    echo "# kstall $row rc=$?"
     grep -E "q6k_|duration|dram__|per_cycle|warps_active|issue_active|registers|hmma|local|stalled" \
-      "$OUT/kstall_n$n.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
+      "$OUT/kstall$i.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
       | awk '{$1=$1};1' | cut -c1-110 | head -24
+    i=$((i + 1))
   done
 fi
 if [[ -n ${BUNDLE:-} ]]; then  # the device tool returns at most 8 files: one archive of the logs

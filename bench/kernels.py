@@ -73,6 +73,9 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
+    # the K-slice tiles at 16 warps: weights one block ahead in registers (src 4) / in the ring
+    "nt2.ks.w16": Cfg(nt=2, src=4, pf=True, warps=16), "nt2.ring.w16": Cfg(nt=2, src=5, warps=16),
+    "nt4.ring.w16": Cfg(nt=4, src=5, warps=16),
 }
 # K-slice tile shapes (mt, prefetch, warps per CTA) per n-tiles, as instantiated in
 # q6k_matmul.cu (and the ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled
@@ -81,6 +84,12 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
 KS_SHAPES = {1: ((1, True, 8), (1, True, 12), (1, True, 16)),
              2: ((1, True, 8), (1, True, 12), (1, True, 16)),
              4: ((1, True, 8), (1, True, 12)), 8: ((1, True, 8),)}
+# The ring tile (src 5: weights through a warp-private cp.async ring in shared memory, no
+# prefetch registers: 87-140 registers at every width, no spills, ptxas sm_90) per n-tiles:
+# (warps, pf = 3 ring stages, else 2); 16 warps x 3 stages at nt=4 leave 3 blocks per K slice
+RING_SHAPES = {1: ((16, False), (16, True), (12, True)),
+               2: ((8, True), (12, False), (12, True), (16, False), (16, True)),
+               4: ((12, False), (12, True), (16, False))}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -183,7 +192,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
             32: [Cfg(nt=2, src=4, pf=True, warps=w) for w in (12, 16)],
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]
             + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
-    mma += [Cfg(nt=nt, src=5)] if nt <= 2 else []
+    mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
+    mma += [Cfg(nt=4, src=5, warps=16)] if n == 64 else []  # two token chunks
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
     # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too

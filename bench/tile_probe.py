@@ -172,7 +172,8 @@ def ks_cfgs(n: int) -> list[Cfg]:
     wide = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
             if w != 8]
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
-    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ([Cfg(nt=nt, src=5)] if nt <= 2 else [])
+    ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
+    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring
             + ([Cfg(nt=nt, src=6, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
                if WG and nt >= 2 else []))
 

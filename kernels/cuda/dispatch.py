@@ -72,26 +72,28 @@ class Cfg:
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
     #                 staged once per CTA, warps stream many row tiles; ksplit = K slices;
     #                 warps 8, or 12 (nt <= 4) / 16 (nt <= 2) in one CTA per SM),
-    #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1)
+    #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1,
+    #                 nt <= 4, warps 8/12/16; pf: 3 ring stages per warp, else 2)
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
     #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 2/4/8, mt 1, pf, warps
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
-    pf: bool = False  # prefetch the next block's weights (double buffer in registers)
+    pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
+    #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
         ok = ok and self.mt in (1, 2) and 2 <= self.src <= 6
-        ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src == 4
+        ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src >= 4
                                    else (4, 8))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
-            (4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src == 4 else (8,))))
+            (4, 8, 12) if self.src == 6 else (8, 12, 16))))
         ok = ok and not (self.src == 4 and self.warps != 8 and (self.nt > 4 or self.mt != 1 or (
             self.warps == 16 and self.nt > 2)))  # the instantiations (q6k_matmul.cu)
-        ok = ok and not (self.src == 5 and (self.mt != 1 or self.pf))
+        ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))

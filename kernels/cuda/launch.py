@@ -54,7 +54,7 @@ WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 6), built for sm_90a on compute 
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
-KS_RING_BYTES = 8 * 3 * 3408  # src 5: 8 warps x KS_RING stages x RING_STAGE (q6k_matmul.cu)
+RING_STAGE = 3408  # src 5: bytes of one warp's ring stage (q6k_matmul.cu)
 # Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
 # loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
 KS_INFLIGHT = 48 << 10
@@ -72,12 +72,18 @@ _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, 
 Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel seconds
 
 
+def ring_stages(cfg: Cfg) -> int:
+    """Weight ring stages per warp of the ring tile (src 5): pf keeps two blocks in flight."""
+    return 3 if cfg.pf else 2
+
+
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
-        return 8 * cfg.nt * (per * 32 + 4) * 16 + (KS_RING_BYTES if cfg.src == 5 else 0)
+        ring = cfg.warps * ring_stages(cfg) * RING_STAGE if cfg.src == 5 else 0
+        return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
     if path == "mma_f16" and cfg.src == 3:
         return 2 * cfg.nt * 256 * 16
     if cfg.src != 2:
@@ -98,7 +104,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
-        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}>"
+        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":
@@ -336,7 +342,7 @@ class Launcher:
         CTAs (registers and shared memory bound the occupancy). Per slice count ks, the
         cost of the busiest SM is its CTAs x (weight bytes + activation staging + partial
         sums written and re-read), divided by the fraction of ``KS_INFLIGHT`` its warps keep
-        in flight (one block each with register prefetch, KS_RING-1 with the ring); the
+        in flight (one block each with register prefetch, stages-1 with the ring); the
         cheapest wins, then fewer slices. SoA twin only, so both layouts cut and sum alike."""
         key = (rows, k, "ks", nz, cfg, n)
         hit = self._grids.get(key)
@@ -368,7 +374,8 @@ class Launcher:
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
-            ahead = 2 if cfg.src == 5 else 1 if cfg.pf else 0.5  # blocks in flight per warp
+            # blocks in flight per warp
+            ahead = ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf else 0.5
             inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):

@@ -471,19 +471,21 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
 
 // ---------------------------------------------------------------------------------------------
 // K-slice tile with a warp-private cp.async weight ring (src 5): q6k_ks_f16's schedule and
-// math (16-row warp tiles), but each warp streams its weights through KS_RING shared-memory
-// stages of its own, KS_RING-1 blocks ahead, instead of one block ahead in registers: more
-// bytes in flight per warp at fewer registers (Nsight Compute on the H200: the register-
-// prefetch tiles run 8-16 warps per SM and stall on long scoreboard). Only warp-level
-// synchronisation: per block one cp.async.wait_group and one __syncwarp (lanes read bytes
-// their quad neighbours copied). Stage of one warp (bytes): ql [16][128] (16-byte chunk c of
-// row r at c ^ ((r & 1) << 2): a quarter-warp's reads of rows 2i, 2i+1 hit all banks), qh [16][64],
-// sc [16][16], the aligned 4-byte word holding d [16][4], which half is d [16] (1 byte each).
-// Lane (g, t) copies ql chunks t and t+4, qh chunk t of rows g and g+8, the scales of row g+8t
-// (t < 2) and the d word of row g+8(t-2) (t >= 2). The AoS twin fills the same stages with
-// 2-byte loads and plain shared stores (210-byte blocks are 2-byte aligned): same bytes, same
-// math, same grid, so SoA and AoS results are bit-identical.
-constexpr int KS_RING = 3;
+// math (16-row warp tiles), but each warp streams its weights through S shared-memory stages of
+// its own, S-1 blocks ahead, instead of one block ahead in registers: more bytes in flight per
+// warp at fewer registers (Nsight Compute on the H200: the register-prefetch tiles run 12-16
+// warps per SM, stall on long scoreboard, and spill at 16 warps). NW warps per CTA (8, 12 or
+// 16: one CTA per SM once the ring and the activation slice take the shared memory). Only
+// warp-level synchronisation: per block one cp.async.wait_group and one __syncwarp (lanes read
+// bytes their quad neighbours copied). A lane reads a stage's first half (codes, scales, d) at
+// the block's start and the second half's codes after the first half's math (block_mma's mid):
+// no register holds a whole block ahead. Stage of one warp (bytes): ql [16][128] (16-byte
+// chunk c of row r at c ^ ((r & 1) << 2): a quarter-warp's reads of rows 2i, 2i+1 hit all
+// banks), qh [16][64], sc [16][16], the aligned 4-byte word holding d [16][4], which half is d
+// [16] (1 byte each). Lane (g, t) copies ql chunks t and t+4, qh chunk t of rows g and g+8, the
+// scales of row g+8t (t < 2) and the d word of row g+8(t-2) (t >= 2). The AoS twin fills the
+// same stages with 2-byte loads and plain shared stores (210-byte blocks are 2-byte aligned):
+// same bytes, same math, same grid, so SoA and AoS results are bit-identical.
 constexpr int RING_QH = 16 * 128, RING_SC = RING_QH + 16 * 64, RING_DW = RING_SC + 16 * 16;
 constexpr int RING_DP = RING_DW + 16 * 4, RING_STAGE = RING_DP + 16;
 
@@ -535,23 +537,27 @@ __device__ __forceinline__ void ring_fill(u8* st, const RowRef (&rf)[2], int kb,
     }
 }
 
-// The weights of rows g and g+8 of one ring stage as the Raw a lane would have loaded.
-__device__ __forceinline__ Raw ring_raw(const u8* st, int row, int t) {
-    Raw w;
+// Half P of row `row` of one ring stage as a lane would have loaded it (load_raw_part): the
+// codes of half P, and with P == 0 the scales and d.
+template <int P>
+__device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int t) {
     const int sw = (row & 1) << 2;
-    w.ql[0] = *(const uint4*)(st + row * 128 + ((t ^ sw) << 4));
-    w.ql[1] = *(const uint4*)(st + row * 128 + (((t + 4) ^ sw) << 4));
-    w.qh[0] = *(const uint4*)(st + RING_QH + row * 64 + 16 * (t & 1));
-    w.qh[1] = *(const uint4*)(st + RING_QH + row * 64 + 32 + 16 * (t & 1));
-    w.sc = *(const uint4*)(st + RING_SC + row * 16);
-    w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
-    return w;
+    w.ql[P] = *(const uint4*)(st + row * 128 + (((t + 4 * P) ^ sw) << 4));
+    w.qh[P] = *(const uint4*)(st + RING_QH + row * 64 + 32 * P + 16 * (t & 1));
+    if (P == 0) {
+        w.sc = *(const uint4*)(st + RING_SC + row * 16);
+        w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
+    }
 }
 
-// Registers: <= 128 for NT <= 4 (2 CTAs per SM where the shared memory allows), 168 at NT = 8.
-template <int NT, bool SOA, class In>
-__global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K,
-                                                       const uint4* xp, PARAMS_OUT) {
+// Registers: NW = 8: <= 128 (2 CTAs per SM where the shared memory allows); NW = 12: <= 168;
+// NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 87-140 at NT <= 4, no spills (no register
+// holds the next block). NT <= 4: at NT = 8 the activation slice and the ring leave too few
+// blocks per K slice.
+template <int NT, bool SOA, class In, int NW, int S>
+__global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
+    q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
+    static_assert(S >= 2, "a ring of one stage has nothing in flight");
     MAKE_W;
     MAKE_OUT;
     (void)xp;
@@ -560,12 +566,12 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
     const int kb0 = ps.kb0, nblk = ps.nblk;
     if (nblk <= 0) return;  // CTA-uniform
     const int wtiles = (w.rows + 15) >> 4;
-    const int wstride = gridDim.x * 8;
-    const int wt0 = blockIdx.x * 8 + warp;
+    const int wstride = gridDim.x * NW;
+    const int wt0 = blockIdx.x * NW + warp;
     const int my_tiles = wt0 < wtiles ? (wtiles - wt0 + wstride - 1) / wstride : 0;
     const int units = my_tiles * nblk;
     const int tstride = nblk * 32 + 4;
-    u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * tstride) + warp * KS_RING * RING_STAGE;
+    u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * tstride) + warp * S * RING_STAGE;
 
     // fill side: unit f = (tile j, block b), row references of tile j
     int fj = 0, fb = 0;
@@ -585,7 +591,7 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
         }
     };
 #pragma unroll
-    for (int s = 0; s < KS_RING - 1; ++s) {
+    for (int s = 0; s < S - 1; ++s) {
         if (s < units) fill_next(s);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
@@ -595,25 +601,28 @@ __global__ void __launch_bounds__(256, NT <= 4 ? 2 : 1) q6k_ksr_f16(PARAMS_W, co
 
     float acc[1][NT][4];
     zero_acc(acc);
-    int slot = 0;
+    int slot = 0, b = 0, wt = wt0;
     for (int u = 0; u < units; ++u) {
-        cp_async_wait<KS_RING - 2>();  // this lane's copies of unit u have landed ...
-        __syncwarp();                  // ... its quad's too; and everyone is done with u-1
-        if (u + KS_RING - 1 < units) fill_next((slot + KS_RING - 1) % KS_RING);
+        cp_async_wait<S - 2>();  // this lane's copies of unit u have landed ...
+        __syncwarp();            // ... its quad's too; and everyone is done with u-1
+        if (u + S - 1 < units) fill_next(slot == 0 ? S - 1 : slot - 1);
         cp_async_commit();
         const u8* st = ring + slot * RING_STAGE;
-        const int b = u % nblk;
         Raw raw[1][2];
-        raw[0][0] = ring_raw(st, g, t);
-        raw[0][1] = ring_raw(st, g + 8, t);
+        ring_raw_part<0>(raw[0][0], st, g, t);
+        ring_raw_part<0>(raw[0][1], st, g + 8, t);
         block_mma<NT, 1>(acc, raw, t, [&](int sp, int nt) -> uint4 {
             return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+        }, [&] {
+            ring_raw_part<1>(raw[0][0], st, g, t);
+            ring_raw_part<1>(raw[0][1], st, g + 8, t);
         });
-        slot = slot + 1 == KS_RING ? 0 : slot + 1;
-        if (b == nblk - 1) {
-            const int wt = wt0 + (u / nblk) * wstride;
+        slot = slot + 1 == S ? 0 : slot + 1;
+        if (++b == nblk) {
             ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
             zero_acc(acc);
+            b = 0;
+            wt += wstride;
         }
     }
     cp_async_wait<0>();  // no copy outlives the CTA's shared memory
@@ -961,11 +970,13 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_KSR2(NT, SOA, IN)                                                               \
-    template __global__ void q6k_ksr_f16<NT, SOA, IN>(                                        \
+#define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
+    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_KSR(NT) INST_KSR2(NT, true, InF16) INST_KSR2(NT, false, InF16)
-INST_KSR(1) INST_KSR(2)
+#define INST_KSR(NT, NW, S) INST_KSR2(NT, true, InF16, NW, S) INST_KSR2(NT, false, InF16, NW, S)
+INST_KSR(1, 8, 3) INST_KSR(2, 8, 3) INST_KSR(1, 12, 3) INST_KSR(2, 12, 2) INST_KSR(2, 12, 3)
+INST_KSR(4, 12, 2) INST_KSR(4, 12, 3) INST_KSR(1, 16, 2) INST_KSR(1, 16, 3) INST_KSR(2, 16, 2)
+INST_KSR(2, 16, 3) INST_KSR(4, 16, 2)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);

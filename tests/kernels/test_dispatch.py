@@ -222,6 +222,7 @@ def test_wgmma_tile_plans_only_on_sm_90():
                          for f, n in asked)
     for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=2, src=6), Cfg(nt=2, mt=2, src=6, pf=True),
                 Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=12),
-                Cfg(nt=4, src=4, pf=True, warps=16), Cfg(nt=2, src=5, warps=12)):
+                Cfg(nt=4, src=4, pf=True, warps=16), Cfg(nt=8, src=5, warps=12),
+                Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
