@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session for the kernel work: install the carried wheels and the project, run the GPU
 # tests and the kernel benchmark, and leave every log under $OUT (the device tool fetches it).
-#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|ab|retune|tests|bench|variants|record|probe|stalls|kstall|tune|wall|tile|ncu|all|none
+#   bench/gpu_run.sh [MODE...]  MODE: kstest|wgtest|ab|retune|envab|tests|bench|variants|record|probe|stalls|kstall|tune|wall|tile|ncu|all|none
 #   (several modes after one install; extra bench args in $BENCH_ARGS)
-# Order: kstest, wgtest, ab, retune, tune, wall, tests, the rest.
+# Order: kstest, wgtest, ab, retune, envab, tune, wall, tests, the rest.
 # ab: bench/kernels.py $AB_ARGS in the tree at $AB_BASE, then in this one (AUTO side by side).
 # kstall: Nsight Compute stall metrics of the K-slice/wgmma kernel on PROFILE_SHAPE per row of
 #       KSTALL_ROWS ("N:" AUTO's kernel at N, "N:TEXT" the --variants row whose label has TEXT).
@@ -11,11 +11,14 @@
 #       modes after it run with the new table. retune: the table A/B on one machine: AUTO with
 #       the committed table ($RETUNE_ARGS, default f16, no torch), tune (torch beside AUTO),
 #       AUTO with the new table, side by side (retune.txt); then the modes after it.
-# wall: bench/backend_wall.py (host path).
+# wall: bench/backend_wall.py (host path). envab: bench/kernels.py $ENVAB_ARGS without, with
+#       and again without the environment $ENVAB_ENV (e.g. an experiment's switch), then the
+#       rows whose label has $ENVAB_MATCH side by side (envab.txt; the repeat bounds the drift).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
+# SKIP_INSTALL=1: the wheels and the project are installed already (an earlier invocation).
 # BUNDLE=1: every log into $OUT/logs.tgz at the end (the device tool returns 8 files at most).
 # kstest: the K-slice tiles' GPU tests. wgtest: the wgmma tile's (sm_90). tile: bench/tile_probe.py (TILE_ARGS): the K-slice
 #       tiles checked and timed on the model shapes. ncu: Nsight Compute (NCU_SET, default full)
@@ -27,13 +30,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 MODES=" ${*:-all} "
 want() { [[ $MODES == *" $1 "* ]]; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+if [[ -n ${SKIP_INSTALL:-} ]]; then  # a second invocation in the same device call
+  [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
+else
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-  || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
   --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
@@ -83,6 +90,18 @@ if want retune; then  # AUTO with the committed table, tune, AUTO with the new o
   echo "# retune new rc=$?"
   python3 bench/kernels_ab.py "$OUT/retune_old.json" "$OUT/retune_new.json" --label-old table \
     --label-new retuned | tee "$OUT/retune.txt"
+fi
+if want envab; then  # one tree, with and without an environment switch, same machine
+  for v in off on off2; do
+    # shellcheck disable=SC2086
+    ( [[ $v == on ]] && export ${ENVAB_ENV:?}; timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py \
+      ${ENVAB_ARGS:-} --json "$OUT/envab_$v.json" >"$OUT/envab_$v.log" 2>&1 )
+    echo "# envab $v rc=$?"
+  done
+  for v in on off2; do
+    python3 bench/kernels_ab.py "$OUT/envab_off.json" "$OUT/envab_$v.json" --label-old off \
+      --label-new "$v" --match "${ENVAB_MATCH:-mma_f16}"
+  done | tee "$OUT/envab.txt"
 fi
 if want tune; then  # before the tests: they run with the table it writes
   tune_run

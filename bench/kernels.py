@@ -75,7 +75,8 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
     # the K-slice tiles at 16 warps: weights one block ahead in registers (src 4) / in the ring
     "nt2.ks.w16": Cfg(nt=2, src=4, pf=True, warps=16), "nt2.ring.w16": Cfg(nt=2, src=5, warps=16),
-    "nt4.ring.w16": Cfg(nt=4, src=5, warps=16),
+    "nt2.ks.w12": Cfg(nt=2, src=4, pf=True, warps=12), "nt2.ring.w12": Cfg(nt=2, src=5, warps=12),
+    "nt4.ks.w12": Cfg(nt=4, src=4, pf=True, warps=12), "nt4.ring.w16": Cfg(nt=4, src=5, warps=16),
 }
 # K-slice tile shapes (mt, prefetch, warps per CTA) per n-tiles, as instantiated in
 # q6k_matmul.cu (and the ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled
@@ -345,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true",
                     help="end with one line per shape and N: AUTO vs the fastest row")
     ap.add_argument("--only", default=None,
-                    help="time only the rows whose label contains this text (for profilers)")
+                    help="time only the rows whose label contains this text (or any of a "
+                    "comma-separated list; for profilers and A/Bs)")
     ap.add_argument("--iters", type=int, default=40, help="timed calls per row (median)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", default=None)
@@ -397,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                         runs.append(("mma_f16." + name, "mma_f16", cfg))
                 if n == 1:
                     runs += [(name, "exact", cfg) for name, cfg in EXACT_VARIANTS.items()]
-            if a.only:
-                runs = [r for r in runs if a.only in r[0]]
+            if a.only:  # comma-separated: rows whose label contains any of them
+                runs = [r for r in runs if any(o in r[0] for o in a.only.split(","))]
             for dname in a.dtypes.split(","):
                 dt = np.dtype(DTYPES[dname])
                 x = cp.asarray(rng.standard_normal((n, k)).astype(dt))

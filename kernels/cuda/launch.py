@@ -35,6 +35,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +105,9 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
-        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
+        # experiment (bench only, read per plan): the one-HFMA2 decode in the ring tile
+        fma = "true" if os.environ.get("Q6SERVE_RING_DECODE") == "fma" else "false"
+        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}, {fma}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":

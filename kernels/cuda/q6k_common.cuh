@@ -167,6 +167,13 @@ __device__ __forceinline__ u32 quad_q(const Raw& w, int h, int nib, int j, int q
                : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
 }
 
+// The same codes as 4*q: bits 2-7 of each byte, bits 0-1 zero (deq2f's input).
+__device__ __forceinline__ u32 quad_q4(const Raw& w, int h, int nib, int j, int qsh) {
+    const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
+    return nib ? (((l >> 2) & 0x3C3C3C3Cu) | ((hw << (2 - qsh)) & 0xC0C0C0C0u))
+               : (((l << 2) & 0x3C3C3C3Cu) | ((hw << (6 - qsh)) & 0xC0C0C0C0u));
+}
+
 // Signed scale byte t of scale word k.
 __device__ __forceinline__ int quad_sc(const Raw& w, int k, int t) {
     return ((int)(word4(w.sc, k) << (24 - 8 * t))) >> 24;

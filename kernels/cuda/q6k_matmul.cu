@@ -170,13 +170,14 @@ struct NoMid {
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
 // when the first half's steps are done (raw's ql[0]/qh[0] are dead: the split prefetch).
-template <int NT, int MT, class BX, class MID = NoMid>
+// FMA: the one-HFMA2 decode (deq2f; the ring tile's experiment), else deq2.
+template <int NT, int MT, class BX, class MID = NoMid, bool FMA = false>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
                                           int t, BX bx_of, MID mid = MID()) {
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
     float dmul[MT][2];
-    u32 sc2[MT][2][4];
+    u32 sc2[MT][2][4], bias[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -191,8 +192,11 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
                 acc[mt][nt][2 * hr + 1] *= inv;
             }
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
-                sc2[mt][hr][k] = zero ? 0u : sc_pair(word4(raw[mt][hr].sc, k), scsel);
+            for (int k = 0; k < 4; ++k) {
+                const u32 v = word4(raw[mt][hr].sc, k);
+                sc2[mt][hr][k] = zero ? 0u : FMA ? sc4_pair(v, scsel) : sc_pair(v, scsel);
+                bias[mt][hr][k] = FMA ? bias_pair(sc2[mt][hr][k]) : 0u;
+            }
         }
 #pragma unroll
     for (int sp = 0; sp < 8; ++sp) {
@@ -206,11 +210,24 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
             const int j = 2 * jj + u;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
-                const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
                 const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
-                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
-                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
+                u32 a0, a1, a2, a3;
+                if (FMA) {
+                    const u32 q0 = quad_q4(raw[mt][0], h, nib, j, qsh);
+                    const u32 q1 = quad_q4(raw[mt][1], h, nib, j, qsh);
+                    const u32 c0 = bias[mt][0][2 * h + nib], c1 = bias[mt][1][2 * h + nib];
+                    a0 = deq2f<0x4140u>(q0, s0, c0);
+                    a1 = deq2f<0x4140u>(q1, s1, c1);
+                    a2 = deq2f<0x4342u>(q0, s0, c0);
+                    a3 = deq2f<0x4342u>(q1, s1, c1);
+                } else {
+                    const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
+                    const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
+                    a0 = deq2<0x4140u>(q0, s0);
+                    a1 = deq2<0x4140u>(q1, s1);
+                    a2 = deq2<0x4342u>(q0, s0);
+                    a3 = deq2<0x4342u>(q1, s1);
+                }
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     mma_f16(acc[mt][nt], a0, a1, a2, a3, u ? bx[nt].z : bx[nt].x,
@@ -554,7 +571,7 @@ __device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int
 // NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 87-140 at NT <= 4, no spills (no register
 // holds the next block). NT <= 4: at NT = 8 the activation slice and the ring leave too few
 // blocks per K slice.
-template <int NT, bool SOA, class In, int NW, int S>
+template <int NT, bool SOA, class In, int NW, int S, bool FMA = false>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
     q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     static_assert(S >= 2, "a ring of one stage has nothing in flight");
@@ -611,12 +628,14 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
         Raw raw[1][2];
         ring_raw_part<0>(raw[0][0], st, g, t);
         ring_raw_part<0>(raw[0][1], st, g + 8, t);
-        block_mma<NT, 1>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+        const auto bx = [&](int sp, int nt) -> uint4 {
             return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
-        }, [&] {
+        };
+        const auto mid = [&] {
             ring_raw_part<1>(raw[0][0], st, g, t);
             ring_raw_part<1>(raw[0][1], st, g + 8, t);
-        });
+        };
+        block_mma<NT, 1, decltype(bx), decltype(mid), FMA>(acc, raw, t, bx, mid);
         slot = slot + 1 == S ? 0 : slot + 1;
         if (++b == nblk) {
             ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
@@ -970,9 +989,10 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
-    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
+#define INST_KSR3(NT, SOA, IN, NW, S, FMA)                                                   \
+    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S, FMA>(                            \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_KSR2(NT, SOA, IN, NW, S) INST_KSR3(NT, SOA, IN, NW, S, false) INST_KSR3(NT, SOA, IN, NW, S, true)
 #define INST_KSR(NT, NW, S) INST_KSR2(NT, true, InF16, NW, S) INST_KSR2(NT, false, InF16, NW, S)
 INST_KSR(1, 8, 3) INST_KSR(2, 8, 3) INST_KSR(1, 12, 3) INST_KSR(2, 12, 2) INST_KSR(2, 12, 3)
 INST_KSR(4, 12, 2) INST_KSR(4, 12, 3) INST_KSR(1, 16, 2) INST_KSR(1, 16, 3) INST_KSR(2, 16, 2)

@@ -38,6 +38,27 @@ __device__ __forceinline__ u32 sc_pair(u32 v, u32 sel) {
     return hsub2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x64806480u);
 }
 
+// The one-HFMA2 decode (session 7, measured on the register-prefetch tiles and reverted there;
+// here for the ring tile, whose profile is no longer dominated by load latency): with the code
+// two bits up (quad_q4: 4q), v = 0x64XX = 1024 + 4q and fma(v, sc/4, -288*sc) = sc*(q-32)
+// rounded once, the same A bits as deq2 (both constants are exact f16 for every scale byte:
+// sc/4, and 288*sc = 9*sc*32 with 9*|sc| <= 1152 < 2^11).
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+template <u32 SEL>
+__device__ __forceinline__ u32 deq2f(u32 q4, u32 s4, u32 c) {
+    return hfma2(__byte_perm(q4, kDeqMagic, SEL), s4, c);
+}
+// f16x2 (sc/4, sc/4) of the scale byte `sel` picks (as sc_pair): (1152 + sc)/4 - 288, exact.
+__device__ __forceinline__ u32 sc4_pair(u32 v, u32 sel) {
+    return hfma2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x34003400u, 0xDC80DC80u);
+}
+// deq2f's bias pair -288*sc = (sc/4) * -1152, exact (a zero scale gives -0; fma(v, 0, -0) = +0).
+__device__ __forceinline__ u32 bias_pair(u32 s4) { return hmul2(s4, 0xE480E480u); }
+
 // 1/x to within 1 ulp (MUFU.RCP): the f16 tile scales its accumulators by 1/d then d around
 // each block, so this costs <= 2 ulp of f32 per block instead of the IEEE division's sequence.
 __device__ __forceinline__ float rcp_approx(float x) {
