@@ -12,8 +12,9 @@
 #       the committed table ($RETUNE_ARGS, default f16, no torch), tune (torch beside AUTO),
 #       AUTO with the new table, side by side (retune.txt); then the modes after it.
 # wall: bench/backend_wall.py (host path). envab: bench/kernels.py $ENVAB_ARGS without, with
-#       and again without the environment $ENVAB_ENV (e.g. an experiment's switch), then the
-#       rows whose label has $ENVAB_MATCH side by side (envab.txt; the repeat bounds the drift).
+#       and again without the environment $ENVAB_ENV (e.g. an experiment's switch; ENVAB_RUNS
+#       "off on" skips the repeat), then the rows whose label has $ENVAB_MATCH side by side
+#       (envab.txt; the repeat bounds the drift).
 # record: every path and launch variant and torch's f16 linear, ending with an AUTO-vs-best
 #         summary (bench/RESULTS.md). probe: bench/probe_memory.py (memory-side ceilings) and
 #         Nsight Compute on the AUTO tile. stalls: Nsight Compute stall breakdown of the rows
@@ -92,13 +93,14 @@ if want retune; then  # AUTO with the committed table, tune, AUTO with the new o
     --label-new retuned | tee "$OUT/retune.txt"
 fi
 if want envab; then  # one tree, with and without an environment switch, same machine
-  for v in off on off2; do
+  for v in ${ENVAB_RUNS:-off on off2}; do
     # shellcheck disable=SC2086
     ( [[ $v == on ]] && export ${ENVAB_ENV:?}; timeout "${AB_TIMEOUT:-120}" python3 bench/kernels.py \
       ${ENVAB_ARGS:-} --json "$OUT/envab_$v.json" >"$OUT/envab_$v.log" 2>&1 )
     echo "# envab $v rc=$?"
   done
   for v in on off2; do
+    [[ -f $OUT/envab_$v.json ]] || continue
     python3 bench/kernels_ab.py "$OUT/envab_off.json" "$OUT/envab_$v.json" --label-old off \
       --label-new "$v" --match "${ENVAB_MATCH:-mma_f16}"
   done | tee "$OUT/envab.txt"

@@ -105,8 +105,9 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
-        # experiment (bench only, read per plan): the one-HFMA2 decode in the ring tile
-        fma = "true" if os.environ.get("Q6SERVE_RING_DECODE") == "fma" else "false"
+        # the ring tile decodes with one HFMA2 per f16x2; Q6SERVE_RING_DECODE=plain (bench A/B
+        # only, read per plan) the sub+mul decode of the other tiles
+        fma = "false" if os.environ.get("Q6SERVE_RING_DECODE") == "plain" else "true"
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}, {fma}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
