@@ -86,11 +86,12 @@ KS_SHAPES = {1: ((1, True, 8), (1, True, 12), (1, True, 16)),
              2: ((1, True, 8), (1, True, 12), (1, True, 16)),
              4: ((1, True, 8), (1, True, 12)), 8: ((1, True, 8),)}
 # The ring tile (src 5: weights through a warp-private cp.async ring in shared memory, no
-# prefetch registers: 87-140 registers at every width, no spills, ptxas sm_90) per n-tiles:
-# (warps, pf = 3 ring stages, else 2); 16 warps x 3 stages at nt=4 leave 3 blocks per K slice
-RING_SHAPES = {1: ((16, False), (16, True), (12, True)),
-               2: ((8, True), (12, False), (12, True), (16, False), (16, True)),
-               4: ((12, False), (12, True), (16, False))}
+# prefetch registers: 96-138 registers at every width, no spills, ptxas sm_90) per n-tiles:
+# (warps, pf = 3 ring stages, else 2). Session 8 (bench/RESULTS.md) offered it at nt 1, 2, 4
+# with 12/16 warps and 2/3 stages and at N=64 as two chunks: it won only 152064x3584 N=32; the
+# nt=1 shapes (0.80-0.95x), 3 stages at 12/16 warps and the N=64 chunks (0.65-0.76x) never
+# came within 2% of the best, so they are no longer offered
+RING_SHAPES = {2: ((8, True), (12, False), (16, False)), 4: ((12, False), (16, False))}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -194,7 +195,6 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]
             + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
-    mma += [Cfg(nt=4, src=5, warps=16)] if n == 64 else []  # two token chunks
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
     # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too

@@ -35,7 +35,6 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,10 +104,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
-        # the ring tile decodes with one HFMA2 per f16x2; Q6SERVE_RING_DECODE=plain (bench A/B
-        # only, read per plan) the sub+mul decode of the other tiles
-        fma = "false" if os.environ.get("Q6SERVE_RING_DECODE") == "plain" else "true"
-        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}, {fma}>"
+        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":

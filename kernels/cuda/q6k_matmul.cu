@@ -170,7 +170,7 @@ struct NoMid {
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
 // when the first half's steps are done (raw's ql[0]/qh[0] are dead: the split prefetch).
-// FMA: the one-HFMA2 decode (deq2f; the ring tile's experiment), else deq2.
+// FMA: the one-HFMA2 decode (deq2f; the ring tile, where it measured 1.0-1.05x), else deq2.
 template <int NT, int MT, class BX, class MID = NoMid, bool FMA = false>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
                                           int t, BX bx_of, MID mid = MID()) {
@@ -568,10 +568,10 @@ __device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int
 }
 
 // Registers: NW = 8: <= 128 (2 CTAs per SM where the shared memory allows); NW = 12: <= 168;
-// NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 87-140 at NT <= 4, no spills (no register
+// NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 96-138 at NT <= 4, no spills (no register
 // holds the next block). NT <= 4: at NT = 8 the activation slice and the ring leave too few
 // blocks per K slice.
-template <int NT, bool SOA, class In, int NW, int S, bool FMA = false>
+template <int NT, bool SOA, class In, int NW, int S>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
     q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     static_assert(S >= 2, "a ring of one stage has nothing in flight");
@@ -635,7 +635,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
             ring_raw_part<1>(raw[0][0], st, g, t);
             ring_raw_part<1>(raw[0][1], st, g + 8, t);
         };
-        block_mma<NT, 1, decltype(bx), decltype(mid), FMA>(acc, raw, t, bx, mid);
+        block_mma<NT, 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx, mid);
         slot = slot + 1 == S ? 0 : slot + 1;
         if (++b == nblk) {
             ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
@@ -989,10 +989,9 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_KSR3(NT, SOA, IN, NW, S, FMA)                                                   \
-    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S, FMA>(                            \
+#define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
+    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_KSR2(NT, SOA, IN, NW, S) INST_KSR3(NT, SOA, IN, NW, S, false) INST_KSR3(NT, SOA, IN, NW, S, true)
 #define INST_KSR(NT, NW, S) INST_KSR2(NT, true, InF16, NW, S) INST_KSR2(NT, false, InF16, NW, S)
 INST_KSR(1, 8, 3) INST_KSR(2, 8, 3) INST_KSR(1, 12, 3) INST_KSR(2, 12, 2) INST_KSR(2, 12, 3)
 INST_KSR(4, 12, 2) INST_KSR(4, 12, 3) INST_KSR(1, 16, 2) INST_KSR(1, 16, 3) INST_KSR(2, 16, 2)

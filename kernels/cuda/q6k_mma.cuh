@@ -38,8 +38,9 @@ __device__ __forceinline__ u32 sc_pair(u32 v, u32 sel) {
     return hsub2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x64806480u);
 }
 
-// The one-HFMA2 decode (session 7, measured on the register-prefetch tiles and reverted there;
-// here for the ring tile, whose profile is no longer dominated by load latency): with the code
+// The one-HFMA2 decode (session 7: measured on the register-prefetch tiles and reverted there,
+// which stall on load latency; session 8: the ring tile's, which stalls on the pipes instead,
+// 1.00-1.05x): with the code
 // two bits up (quad_q4: 4q), v = 0x64XX = 1024 + 4q and fma(v, sc/4, -288*sc) = sc*(q-32)
 // rounded once, the same A bits as deq2 (both constants are exact f16 for every scale byte:
 // sc/4, and 288*sc = 9*sc*32 with 9*|sc| <= 1152 < 2^11).
