@@ -320,8 +320,8 @@ class Launcher:
             per = -(-bpr // min(ks, bpr))
             ks_eff = -(-bpr // per)
             smem = smem_bytes(path, cfg, per)
-            if smem > SMEM_LIMIT and cfg.src == 2 and cfg.ksplit <= 0:
-                continue
+            if smem > KS_SMEM_MAX or (smem > SMEM_LIMIT and cfg.src == 2 and cfg.ksplit <= 0):
+                continue  # (a forced split may opt in past 48 KiB, never past the device's max)
             occ = min(occ_regs, self.ctx.smem_sm // (smem + 1024)) if smem else occ_regs
             slots = self.ctx.sm_count * max(1, occ)
             waves = -(-(gx * nz * ks_eff) // slots)

@@ -19,7 +19,7 @@ from q6serve.kernels.cuda.dispatch import (
     default_cfg,
     heuristic_path,
 )
-from q6serve.kernels.errors import FailedPrecondition, FormatError
+from q6serve.kernels.errors import DeviceError, FailedPrecondition, FormatError
 
 SOA, OFF = KernelFlags(), KernelFlags(decode_mmq=False)
 
@@ -192,6 +192,26 @@ def test_backend_dispatch_reads_the_committed_table():
         c = d.choose(1, Precision.AUTO, SOA, rows, k)
         assert c.source == "table" and c.precision is not Precision.AUTO
     assert d.choose(1, Precision.AUTO, SOA, 1000, 100_000).source == "heuristic"
+
+
+def test_forced_k_split_past_the_shared_memory_is_refused():
+    """Device-less: a launch shape with a fixed K split whose staged activations exceed a CTA's
+    shared memory (the tune's nt1.k1 on K=18944: 303 KB) is a DeviceError at plan time, not a
+    CUDA launch error."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import Launcher
+
+    class Fn:
+        num_regs = 96
+        max_dynamic_shared_size_bytes = 48 << 10
+
+    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90", fn=lambda f, n: Fn()))
+    with pytest.raises(DeviceError, match="no K split fits"):
+        lc.plan(3584, 18944, Layout.SOA, "InF16", "mma_f16", Cfg(nt=1, ksplit=1), 8)
+    lp = lc.plan(3584, 18944, Layout.SOA, "InF16", "mma_f16", Cfg(nt=1, ksplit=4), 8)
+    assert lp.ks == 4 and lp.smem <= 227 << 10
 
 
 def test_wgmma_tile_plans_only_on_sm_90():
