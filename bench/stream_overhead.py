@@ -15,12 +15,20 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
   servicer the worker's own server (service/worker.py build_server: options, interceptor,
           health, reflection) and Q6ServeServicer.MatmulStream, over an engine whose
           start_matmul answers a loop trip later with a ready reply (no batcher, no kernel)
+  direct  servicer, the engine answering on the direct path (run_now: a ready reply at once,
+          written by the stream's coroutine, as the worker's lone requests are)
   engine  the real worker (service/worker.py Worker: server, interceptor, servicer, Engine,
           batcher, metrics) in process over a no-op NumPy backend (y zeros, kernel 0): all of
           the service's per-request Python and none of a kernel's
   worker  the real worker (``q6serve worker --backend numpy``): servicer, batcher, NumPy
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
+
+``bare+FEATURE[+FEATURE...]`` (the ladder, a bisection of what the worker's server has beyond
+the bare echo): the bare echo with each FEATURE of FEATURES added (the worker's server options,
+health and reflection, the interceptor, decoding, the coroutine handler shape, the worker's
+idle threads and background tasks, its heap threshold, logging and imports), e.g.
+``--variants bare,bare+wopts,bare+wopts+icpt``.
 
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import multiprocessing as mp
@@ -56,14 +65,18 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "engine", "worker")
+VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker")
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
 # -- servers (each runs in a spawned process) -------------------------------------------------
-def _reply_message(pb: Any, req: Any, y: bytes, rows: int) -> Any:
-    """A MatmulStreamResponse like the worker's for a result (y, shape, timing)."""
-    msg = pb.MatmulStreamResponse(request_id=req.request_id)
+def _reply_message(pb: Any, req: Any, y: bytes, rows: int, start: float | None = None) -> Any:
+    """A MatmulStreamResponse like the worker's for a result (y, shape, timing); ``start``:
+    stamped (bench/reply_stamps.py) with this time as the request's and now as the reply's."""
+    import reply_stamps
+
+    msg = pb.MatmulStreamResponse(request_id=req.request_id if start is None
+                                  else reply_stamps.stamp(start))
     r = msg.result
     r.y.dtype = pb.DTYPE_F16
     r.y.shape.extend((1, rows))
@@ -122,13 +135,15 @@ class _StubEngine:
     takes_multi_weight = False
     serving = True
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, direct: bool = False) -> None:
         from q6serve.kernels.api import Layout, Precision
         from q6serve.service.batcher import MatmulReply
 
         self.view = type("View", (), {"rows": rows})()
         self.reply = MatmulReply(np.zeros((1, rows), np.float16), "stub", Layout.SOA,
                                  Precision.F16, 1e-6, 1e-6, 1, 1, 1e-6)
+        if direct:
+            self.run_now = lambda call, own: self.reply
 
     def get(self, name: str) -> Any:
         return self.view
@@ -145,7 +160,7 @@ class _StubEngine:
         return fut
 
 
-async def _servicer_server(rows: int) -> Any:
+async def _servicer_server(rows: int, direct: bool = False) -> Any:
     """The worker's server around Q6ServeServicer over a _StubEngine; returns (server, port)."""
     import dataclasses
 
@@ -160,7 +175,7 @@ async def _servicer_server(rows: int) -> Any:
 
     cfg = dataclasses.replace(WorkerConfig(), port=0)
     metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
-    servicer = Q6ServeServicer(_StubEngine(rows),  # type: ignore[arg-type]
+    servicer = Q6ServeServicer(_StubEngine(rows, direct),  # type: ignore[arg-type]
                                max_stream_bytes=cfg.max_stream_bytes,
                                stream_budget=StreamBudget(cfg.max_stream_bytes_total,
                                                           cfg.max_stream_bytes_per_connection))
@@ -184,8 +199,187 @@ async def _noop_worker(rows: int, k: int, port: int = 0) -> Any:
     return worker
 
 
-def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 0) -> None:
+# -- the ladder: the bare echo plus, one at a time, what the worker's process has -------------
+FEATURES = {
+    "wopts": "the worker's server options (service/worker.py build_server) instead of the "
+             "client's channel options",
+    "hr": "health and reflection services beside (wire.add_health_and_reflection)",
+    "icpt": "the worker's ErrorInterceptor as Worker.start builds it (metrics, auth, "
+            "admission, read gate, stream slots)",
+    "proto": "the request decoded (wire.read_matmul_request), a MatmulStreamResponse built",
+    "coro": "the handler a coroutine writing each reply with context.write (through the "
+            "interceptor's send_reply with icpt), as MatmulStream's direct path does",
+    "threads": "the worker's idle threads: a device thread (batcher.Device) and the "
+               "Prometheus HTTP server",
+    "tasks": "the engine's background tasks: the 0.25 s metrics poll and the heap trim loop",
+    "heap": "the worker's fixed mmap threshold (engine.fix_heap_thresholds, 32 MiB)",
+    "log": "the worker's logging (root logger at INFO to stderr, warnings captured)",
+    "work": "WORK_US (default 150) us of Python per request in the handler (objects made and "
+            "dropped), the worker's handler time without its code: does gRPC's own path slow "
+            "down after a handler's work (caches)?",
+    "imports": "the worker's imports (service.worker, engine, the NumPy backend; cupy and the "
+               "CUDA backend with --backend cuda): a bigger heap for the cyclic GC",
+}
+
+
+def _features(variant: str) -> list[str]:
+    """``bare+a+b`` -> ["a", "b"] (checked against FEATURES)."""
+    got = variant.split("+")[1:]
+    if bad := [f for f in got if f not in FEATURES]:
+        raise ValueError(f"unknown feature(s) {bad} in {variant!r}; choose from "
+                         + ", ".join(FEATURES))
+    return got
+
+
+def _churn(us: float) -> Any:
+    """A function spending about ``us`` µs in Python making and dropping small objects."""
+    def unit() -> None:
+        junk = [{"i": i, "s": str(i), "t": (i, i)} for i in range(20)]
+        del junk
+
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        unit()
+    per = (time.perf_counter() - t0) / 2000
+    n = max(1, round(us * 1e-6 / per))
+    print(f"# work: {n} units of {per * 1e6:.1f} us", file=sys.stderr, flush=True)
+
+    def work() -> None:
+        for _ in range(n):
+            unit()
+    return work
+
+
+async def _ladder_server(variant: str, rows: int, backend: str) -> Any:
+    """The bare echo with ``variant``'s features (see FEATURES) added; returns (server, port,
+    what must stay referenced)."""
     import grpc
+    from prometheus_client import CollectorRegistry
+
+    from q6serve.client.channel import channel_options
+    from q6serve.service import wire
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.interceptor import RPC_START
+    from q6serve.service.metrics import Metrics
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    feats = set(_features(variant))
+    cfg = WorkerConfig()
+    keep: list[Any] = []
+    if "log" in feats:
+        import logging
+
+        out = logging.StreamHandler(sys.stderr)
+        out.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().handlers[:] = [out]
+        logging.getLogger().setLevel("INFO")
+        logging.captureWarnings(True)
+    if "imports" in feats:
+        import q6serve.kernels.numpy_backend
+        import q6serve.service.engine
+        import q6serve.service.worker
+
+        if backend == "cuda":
+            import cupy  # noqa: F401
+
+            import q6serve.kernels.cuda_backend  # noqa: F401
+    if "heap" in feats:
+        from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
+
+        fix_heap_thresholds(MMAP_THRESHOLD)
+    metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
+    if "threads" in feats:
+        from q6serve.service.batcher import Device
+
+        keep += [Device("bench"), metrics.serve_http("127.0.0.1", 0)]
+    if "tasks" in feats:
+        from q6serve.service.engine import TRIM_EVERY_S, _malloc_trim
+        from q6serve.service.threads import run_in_thread
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                metrics.poll()
+
+        async def trim() -> None:
+            while True:
+                await asyncio.sleep(TRIM_EVERY_S)
+                await run_in_thread(_malloc_trim, 0)
+
+        loop = asyncio.get_running_loop()
+        keep += [loop.create_task(poll()), loop.create_task(trim())]
+    interceptors = []
+    if "icpt" in feats:
+        from q6serve.service.admission import Admission, StreamSlots
+        from q6serve.service.auth import TokenAuth
+        from q6serve.service.interceptor import ErrorInterceptor
+
+        interceptors.append(ErrorInterceptor(
+            metrics, TokenAuth(cfg.token, cfg.admin_token),
+            Admission(cfg.max_inflight_rpcs, cfg.max_inflight_rpcs_per_connection,
+                      cfg.min_inflight_rpcs_per_connection, cfg.reply_timeout_s),
+            cfg.receive_limit,
+            Admission(cfg.max_reading_rpcs, cfg.max_reading_rpcs, 1, cfg.read_timeout_s,
+                      "requests not received"),
+            StreamSlots(cfg.max_streams, cfg.max_streams_per_connection)))
+    if "wopts" in feats:
+        from q6serve.service.worker import PENDING_CALLS
+
+        opts: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", cfg.receive_limit),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
+    else:
+        opts = channel_options()
+    server = grpc.aio.server(interceptors=interceptors, options=opts)
+    y = b"\0" * (2 * rows)
+    decode = "proto" in feats
+
+    work = _churn(float(os.environ.get("WORK_US", "150"))) if "work" in feats else None
+
+    def reply(req: Any, start: float) -> Any:
+        if work is not None:
+            work()
+        return _reply_message(pb, req, y, rows, start) if decode else y
+
+    def taken() -> float:  # the raw request's time (the interceptor's RPC_START), or now
+        return RPC_START.get(None) or time.perf_counter()
+
+    if "coro" in feats:
+        async def handler(it: Any, ctx: Any) -> None:
+            send = getattr(ctx, "send_reply", None) or ctx.write
+            async for req in it:
+                await send(reply(req, taken()))
+    else:
+        async def handler(it: Any, ctx: Any) -> Any:  # type: ignore[misc]
+            async for req in it:
+                yield reply(req, taken())
+    method = grpc.stream_stream_rpc_method_handler(
+        handler, request_deserializer=wire.read_matmul_request if decode else None,
+        response_serializer=pb.MatmulStreamResponse.SerializeToString if decode else None)
+    service, _, name = METHOD.lstrip("/").rpartition("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service,
+                                                                          {name: method})])
+    if "hr" in feats:
+        wire.add_health_and_reflection(server, wire.health_servicer())
+    port = server.add_insecure_port("127.0.0.1:0")
+    return server, port, keep
+
+
+def _stamped(variant: str) -> bool:
+    """Whether ``variant``'s replies carry bench/reply_stamps.py's times."""
+    return variant in ("direct", "engine", "worker") or "proto" in _features(variant)
+
+
+def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 0,
+                 backend: str = "numpy") -> None:
+    import grpc
+    import reply_stamps
+
+    reply_stamps.install()  # direct, engine: their replies say when (servicer's own wire)
 
     if trips:
         import loop_trips
@@ -195,13 +389,19 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
     from q6serve.client.channel import channel_options
 
     async def serve() -> None:
+        if "+" in variant:
+            server, port, _keep = await _ladder_server(variant, rows, backend)
+            ports.put(port)
+            await server.start()
+            await server.wait_for_termination()
+            return
         if variant == "engine":
             worker = await _noop_worker(rows, k)
             ports.put(worker.port)
             await worker.server.wait_for_termination()
             return
-        if variant == "servicer":
-            server, port = await _servicer_server(rows)
+        if variant in ("servicer", "direct"):
+            server, port = await _servicer_server(rows, variant == "direct")
             ports.put(port)
             await server.start()
             await server.wait_for_termination()
@@ -326,43 +526,63 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int) -> li
 
 # -- the client -------------------------------------------------------------------------------
 async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
-                      worker: bool, pid: int) -> tuple[list[float], float, int]:
+                      worker: bool, pid: int, stamped: bool = False, think: float = 0.0,
+                      ) -> tuple[list[float], dict[str, float], int]:
     """Closed-loop round trips on one stream for ``seconds`` after ``warmup``: seconds each
-    (the worker's: minus the kernel time its reply reports), the server process's CPU
-    seconds per round trip (``pid``, all threads; the worker's include its kernel), and how
-    many round trips ran in all (warm-up too: what the server's loop-trip counts cover)."""
+    (``worker``, the worker's replies: minus the kernel time each reports); per round trip
+    ("cpu", "loop", "sleeps") the server process's CPU seconds (``pid``, all threads; the
+    worker's include its kernel), its main thread's (the event loop) and its threads'
+    voluntary context switches; with ``stamped`` replies (bench/reply_stamps.py) the p50
+    seconds of the way "up" (the write's start here to the server taking the raw request),
+    of the server's "window" (raw request taken to reply encoded, minus the kernel) and of
+    the way "down" (reply encoded to read here); and how many round trips ran in all (warm-up
+    too: what the server's loop-trip counts cover). ``think``: seconds this client sleeps
+    between a reply and its next request (not timed), so that the server's work after a
+    reply cannot delay the next request."""
     import grpc
+    import reply_stamps
 
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
 
-    out: list[tuple[float, bytes]] = []
+    out: list[tuple[float, float, bytes]] = []
     total = 0
     async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
         call = ch.stream_stream(METHOD)()
-        cpu = 0.0
+        before: dict[str, float] = {}
         for phase, span in (("warm", warmup), ("timed", seconds)):
-            cpu = cpu_seconds(pid)  # the timed phase's start is what counts
+            before = thread_counters(pid)  # the timed phase's start is what counts
             end = time.perf_counter() + span
             while time.perf_counter() < end:
                 t0 = time.perf_counter()
                 await call.write(req)
                 raw = await call.read()
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
                 total += 1
                 if phase == "timed":
-                    out.append((dt, raw if worker else b""))
-        cpu = (cpu_seconds(pid) - cpu) / max(1, len(out))
+                    out.append((t0, t1, raw if stamped else b""))
+                if think:
+                    time.sleep(think)  # (blocks this loop: one call in flight, nothing else)
+        after = thread_counters(pid)
+        stats = {name: (v - before.get(name, 0.0)) / max(1, len(out))
+                 for name, v in after.items()}
         await call.done_writing()
-    if not worker:
-        return [dt for dt, _ in out], cpu, total
-    lat = []
-    for dt, raw in out:
+    if not stamped:
+        return [t1 - t0 for t0, t1, _ in out], stats, total
+    lat, parts = [], collections.defaultdict(list)
+    for t0, t1, raw in out:
         msg = pb.MatmulStreamResponse.FromString(raw)
         if msg.WhichOneof("outcome") != "result":
             raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
-        lat.append(dt - msg.result.timing.kernel_seconds)
-    return lat, cpu, total
+        kernel = msg.result.timing.kernel_seconds if worker else 0.0
+        lat.append(t1 - t0 - kernel)
+        if (got := reply_stamps.parse(msg.request_id)) is not None:
+            start, end = got
+            parts["up"].append(start - t0)
+            parts["window"].append(end - start - kernel)
+            parts["down"].append(t1 - end)
+    stats.update({name: float(np.median(v)) for name, v in parts.items()})
+    return lat, stats, total
 
 
 def _request(k: int) -> bytes:
@@ -395,7 +615,8 @@ class _Servers:
                 continue
             ports = ctx.Queue()
             p = ctx.Process(target=_echo_server,
-                            args=(v, rows, ports, self.trips.get(v, ""), k), daemon=True)
+                            args=(v, rows, ports, self.trips.get(v, ""), k, backend),
+                            daemon=True)
             p.start()
             self._procs.append(p)
             self.pids[v] = p.pid
@@ -407,10 +628,12 @@ class _Servers:
         from q6serve.kernels import q6k
 
         env = dict(os.environ)
-        if "worker" in self.trips:  # bench/trips_site/sitecustomize.py installs the counter
-            site = str(Path(__file__).resolve().parent / "trips_site")
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                p for p in (site, env.get("PYTHONPATH", "")) if p)
+        # bench/trips_site/sitecustomize.py installs the reply stamps and the trip counter
+        site = str(Path(__file__).resolve().parent / "trips_site")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (site, env.get("PYTHONPATH", "")) if p)
+        os.environ["Q6SERVE_REPLY_STAMPS"] = "1"
+        if "worker" in self.trips:
             os.environ["Q6SERVE_LOOP_TRIPS"] = self.trips["worker"]
         try:
             self._worker = WorkerProcess(["--backend", backend], log_dir / "worker.log").start()
@@ -437,10 +660,26 @@ class _Servers:
         return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def thread_counters(pid: int) -> dict[str, float]:
+    """Counters of process ``pid``'s threads alive now (Linux /proc): "cpu" (seconds on the
+    CPU, all threads, in ns steps: schedstat), "loop" (the main thread's: the event loop),
+    "sleeps" (voluntary context switches: a thread going to sleep; per round trip, the thread
+    hand-offs), and per thread name (comm; the main thread is "main") "cpu:NAME" and
+    "sleeps:NAME" (threads of one name summed)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
+            ns = int((task / "schedstat").read_text().split()[0])
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            vol = next(int(line.split()[1])
+                       for line in (task / "status").read_text().splitlines()
+                       if line.startswith("voluntary_ctxt_switches"))
+            out["cpu"] += ns * 1e-9
+            out["sleeps"] += vol
+            out[f"cpu:{name}"] += ns * 1e-9
+            out[f"sleeps:{name}"] += vol
+    out["loop"] = out["cpu:main"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,17 +705,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="pin every server process (all its threads) to SERVER_CPUS and this "
                          "client to CLIENT_CPUS, e.g. 2,3:4,5 (is it the wake-ups' moves "
                          "between cores that make each request's Python slow?)")
+    ap.add_argument("--think", default="0", metavar="US[,US...]",
+                    help="the client sleeps this long between a reply and its next request "
+                         "(does the server's work after a reply delay the next request?); "
+                         "several: each variant runs under each (labels VARIANT@US)")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"),
                     help="the worker variant's backend")
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
-    if bad := [v for v in variants if v not in VARIANTS]:
-        ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    if bad := [v for v in variants if v not in VARIANTS and not v.startswith("bare+")]:
+        ap.error(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)} "
+                 "or bare+FEATURE[+FEATURE...]")
+    try:
+        for v in variants:
+            _features(v)
+    except ValueError as e:
+        ap.error(str(e))
     if a.k % 256:
         ap.error("--k must be a multiple of 256 (Q6_K blocks)")
     req = _request(a.k)
-    p50: dict[str, list[float]] = {v: [] for v in variants}
-    cpu_us: dict[str, list[float]] = {v: [] for v in variants}
+    thinks = [float(t) for t in a.think.split(",") if t]
+    # (label, variant, think us): each variant under each think time
+    runs = [(v if len(thinks) == 1 and not t else f"{v}@{t:g}", v, t)
+            for v in variants for t in thinks]
+    p50: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    stats: dict[str, dict[str, list[float]]] = {label: collections.defaultdict(list)
+                                                for label, _, _ in runs}
     calls = dict.fromkeys(variants, 0)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips)
@@ -489,15 +743,17 @@ def main(argv: list[str] | None = None) -> int:
             pin_process(cli)
         try:
             for r in range(a.rounds):
-                for v in variants:
-                    lat, cpu, n = asyncio.run(_roundtrips(servers.targets[v], req, a.seconds,
-                                                          a.warmup, v == "worker",
-                                                          servers.pids[v]))
-                    p50[v].append(float(np.median(lat)) * 1e6)
-                    cpu_us[v].append(cpu * 1e6)
+                for label, v, think in runs:
+                    lat, got, n = asyncio.run(_roundtrips(
+                        servers.targets[v], req, a.seconds, a.warmup, v == "worker",
+                        servers.pids[v], _stamped(v), think * 1e-6))
+                    p50[label].append(float(np.median(lat)) * 1e6)
+                    for name, value in got.items():
+                        stats[label][name].append(
+                            value * (1 if name.startswith("sleeps") else 1e6))
                     calls[v] += n
-                print(f"# round {r + 1}: " + "  ".join(f"{v} {p50[v][-1]:.0f}"
-                                                       for v in variants), flush=True)
+                print(f"# round {r + 1}: " + "  ".join(f"{label} {p50[label][-1]:.0f}"
+                                                       for label, _, _ in runs), flush=True)
         finally:
             servers.close()
         trips = servers.trip_counts()
@@ -506,19 +762,35 @@ def main(argv: list[str] | None = None) -> int:
         for v, got in inproc.items():
             got.append(float(np.median(asyncio.run(_inproc(v, req, a.rows, a.inproc,
                                                             a.k)))) * 1e6)
-    base = statistics.median(p50["bare"]) if "bare" in p50 else None
-    print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; p50 us per round trip "
-          "(worker: minus its kernel); server CPU us per round trip (worker: with its kernel)")
-    for v in variants:
+    # each run against the bare echo under the same think time
+    base = {t: statistics.median(p50[label]) for label, v, t in runs if v == "bare"}
+    print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; medians over rounds of: "
+          "p50 us per round trip (worker, engine: minus the kernel); server CPU us per round "
+          "trip (worker: with its kernel), of which its loop thread's; its threads' sleeps "
+          "(voluntary context switches) per round trip; servers with stamped replies "
+          "(bench/reply_stamps.py): the way up (write here -> raw request taken there), the "
+          "server's window (-> reply encoded, minus the kernel) and the way down (-> read here)")
+    width = max(8, *(len(label) for label, _, _ in runs))
+    for v, variant, think in runs:
         med = statistics.median(p50[v])
-        extra = f"  +{med - base:5.0f} over bare" if base is not None and v != "bare" else ""
-        print(f"{v:8s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
-              f"  server cpu/trip {statistics.median(cpu_us[v]):5.0f}{extra}")
+        st = {name: statistics.median(got) for name, got in stats[v].items()}
+        extra = (f"  +{med - base[think]:5.0f} over bare"
+                 if think in base and variant != "bare" else "")
+        window = (f"  up {st['up']:4.0f} window {st['window']:4.0f} down {st['down']:4.0f}"
+                  if "window" in st else "")
+        print(f"{v:{width}s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
+              f"  server cpu/trip {st['cpu']:5.0f} (loop {st['loop']:4.0f})"
+              f"  sleeps/trip {st['sleeps']:4.2f}{window}{extra}")
+        threads = sorted((n.partition(":")[2] for n in st if n.startswith("sleeps:")),
+                         key=lambda n: -st[f"sleeps:{n}"])
+        print(" " * width + "  threads (sleeps, cpu us per round trip): " + ", ".join(
+            f"{n} {st[f'sleeps:{n}']:.2f} {st[f'cpu:{n}']:.0f}" for n in threads
+            if st[f"sleeps:{n}"] >= 0.05 or st[f"cpu:{n}"] >= 5))
     for v, t in trips.items():
         n = max(1, calls[v])
         cbs = ", ".join(f"{name} {c / n:.2f}" for name, c in t["callbacks"].items()
                         if c / n >= 0.1)
-        print(f"{v:8s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
+        print(f"{v:{width}s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
               f"{t['slept'] / n:.2f}); callbacks per round trip: {cbs}")
         if a.timeline:
             for tr in t.get("timeline", [])[: a.timeline]:

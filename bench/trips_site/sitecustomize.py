@@ -1,6 +1,8 @@
 """Loaded by Python at start-up when this folder is on PYTHONPATH: installs bench/loop_trips.py's
-loop-trip counter in the process if Q6SERVE_LOOP_TRIPS names an output file (a diagnostic for
-bench/stream_overhead.py --trips; nothing else puts this folder on the path)."""
+loop-trip counter in the process if Q6SERVE_LOOP_TRIPS names an output file, and
+bench/reply_stamps.py's absolute times in stream replies if Q6SERVE_REPLY_STAMPS is set
+(diagnostics for bench/stream_overhead.py --trips / --stamps; nothing else puts this folder on
+the path)."""
 
 import os
 import sys
@@ -10,3 +12,9 @@ if os.environ.get("Q6SERVE_LOOP_TRIPS"):
     import loop_trips
 
     loop_trips.install(os.environ["Q6SERVE_LOOP_TRIPS"])
+
+if os.environ.get("Q6SERVE_REPLY_STAMPS"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import reply_stamps
+
+    reply_stamps.install()
