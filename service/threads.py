@@ -45,7 +45,31 @@ def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return fut
 
 
-BUSY_POLL_ENV = "Q6SERVE_BUSY_POLL_US"  # > 0: the loop polls that long before it sleeps
+BUSY_POLL_ENV = "Q6SERVE_BUSY_POLL_US"  # > 0: the loop polls that long before it sleeps; 0: never
+# Without the env: the loop polls BUSY_POLL_US where the process may run on at least
+# BUSY_POLL_MIN_CPUS cores, never on fewer (a spin takes a core gRPC's threads or a client on
+# the same host need: on the 2-core VM it was worse, and a worker pinned to one core would
+# starve its own gRPC threads). On the H200 host (16 cores), 1000 us took T1's p50 - kernel
+# 646/652 -> 517/544 us and the 4-layer replay's step at S=1 18.4 -> 13.5 ms (bench/RESULTS.md,
+# "session 8"): everything after a sleep runs slower there (a 100 us pause of the caller adds
+# ~80 us to a bare echo's round trip; the direct job's host launch takes 57 us after 300 us
+# asleep, 27 back to back), and a spinning loop thread does not sleep between a reply and the
+# next request.
+BUSY_POLL_US = 1000.0
+BUSY_POLL_MIN_CPUS = 8
+
+
+def busy_poll_us(env: dict[str, str] | None = None) -> float:
+    """The loop's spin before it sleeps, in us: ``Q6SERVE_BUSY_POLL_US`` when set (a bad value
+    or a negative one: 0), else BUSY_POLL_US on a process allowed BUSY_POLL_MIN_CPUS cores or
+    more, else 0."""
+    raw = (os.environ if env is None else env).get(BUSY_POLL_ENV, "").strip()
+    if not raw:
+        return BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0.0
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        return 0.0
 
 
 class _BusyPoll:
@@ -84,13 +108,10 @@ class _BusyPoll:
 
 
 def busy_poll(loop: asyncio.AbstractEventLoop, may_spin: Callable[[], bool]) -> _BusyPoll | None:
-    """With ``Q6SERVE_BUSY_POLL_US`` > 0 in the environment: make ``loop`` busy-poll (see
-    :class:`_BusyPoll`; once per loop) while ``may_spin()`` and every earlier caller's say so;
-    returns the poller (None: off, or a loop without a selector to wrap)."""
-    try:
-        spin_us = float(os.environ.get(BUSY_POLL_ENV, "0") or 0)
-    except ValueError:
-        spin_us = 0.0
+    """When :func:`busy_poll_us` > 0: make ``loop`` busy-poll (see :class:`_BusyPoll`; once
+    per loop) while ``may_spin()`` and every earlier caller's say so; returns the poller
+    (None: off, or a loop without a selector to wrap)."""
+    spin_us = busy_poll_us()
     selector = getattr(loop, "_selector", None)  # asyncio's selector loops
     if spin_us <= 0 or selector is None:
         return None

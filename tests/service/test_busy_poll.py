@@ -1,5 +1,6 @@
 """Q6SERVE_BUSY_POLL_US (service/threads.py): the loop polls before it sleeps, only while the
-engine's device thread has no job, and serves the same."""
+engine's device thread has no job, and serves the same; without the env, on processes allowed
+enough cores only."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def test_busy_poll_sees_events_while_spinning_and_only_when_allowed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        monkeypatch.delenv(threads.BUSY_POLL_ENV, raising=False)
-        assert threads.busy_poll(loop, lambda: True) is None  # off by default
+        monkeypatch.setenv(threads.BUSY_POLL_ENV, "0")
+        assert threads.busy_poll(loop, lambda: True) is None  # off
         monkeypatch.setenv(threads.BUSY_POLL_ENV, "1000000")  # 1 s: long enough to see
         allowed = [True]
         poller = threads.busy_poll(loop, lambda: allowed[0])
@@ -51,3 +52,18 @@ def test_busy_poll_sees_events_while_spinning_and_only_when_allowed(
             b.close()
 
     asyncio.run(main())
+
+
+def test_busy_poll_default_depends_on_the_cores_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    many = set(range(threads.BUSY_POLL_MIN_CPUS))
+    few = set(range(threads.BUSY_POLL_MIN_CPUS - 1))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: many)
+    assert threads.busy_poll_us({}) == threads.BUSY_POLL_US > 0
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "  "}) == threads.BUSY_POLL_US
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "0"}) == 0  # the env wins
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "-5"}) == 0
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "soon"}) == 0
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: few)  # pinned, small host
+    assert threads.busy_poll_us({}) == 0
+    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250
