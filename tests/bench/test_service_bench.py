@@ -8,6 +8,7 @@ end-to-end time measured by the load process, with the worker's parts taken from
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -117,14 +118,24 @@ def test_batcher_overhead_modes_run() -> None:
 def test_stream_overhead_variants_run() -> None:
     """bench/stream_overhead.py: every variant serves its round trips and the table prints
     (tiny sizes and spans; the worker variant includes its kernel subtraction), with each
-    server's loop trips counted (the worker's through bench/trips_site) and a timeline."""
+    server's loop trips counted (the worker's through bench/trips_site) and a timeline; a
+    ladder rung with every feature; stamped replies split into up, window and down."""
+    ladder = "bare+" + "+".join(("wopts", "hr", "icpt", "proto", "coro", "threads", "tasks",
+                                 "heap", "log", "imports", "work"))
+    variants = ",".join(("bare", "proto", "struct", "icpt", "servicer", "direct", "engine",
+                         "worker", ladder))
     done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
                            "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
-                           "--rows", "2", "--inproc", "200", "--trips", "--timeline", "3"],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+                           "--rows", "2", "--inproc", "200", "--trips", "--timeline", "3",
+                           "--variants", variants],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "WORK_US": "20"})
     assert done.returncode == 0, done.stderr[-2000:]
+    for variant in ("direct", "engine", "worker", ladder):  # stamped replies
+        assert re.search(rf"^{re.escape(variant)} +median .* up +[0-9]+ window +-?[0-9]+ "
+                         r"down +[0-9]+", done.stdout, re.MULTILINE), done.stdout
     for variant in ("bare", "proto", "struct", "icpt", "servicer", "worker"):
-        assert f"\n{variant:8s} median" in "\n" + done.stdout, done.stdout
+        assert re.search(rf"^{variant} +median", done.stdout, re.MULTILINE), done.stdout
         trips = re.search(rf"^{variant} +loop trips per round trip ([0-9.]+)", done.stdout,
                           re.MULTILINE)
         assert trips and 1.0 <= float(trips.group(1)) <= 50.0, done.stdout
