@@ -385,9 +385,36 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = ()) -> None:
     asyncio.run(serve())
 
 
+class _ClientWork:
+    """What a T1 caller does around each round trip besides gRPC, done by the echo's caller
+    for :func:`grpc_floor`'s ``client_work`` floor: x [1, K] f16 encoded into a real
+    MatmulRequest (``request_bytes``, sent behind the echo's 8-byte size header), and a real
+    MatmulStreamResponse of ``rows`` f32 outputs decoded and viewed (``reply_message``,
+    ``view_output``; the echo's own reply is zeros of that size). The work and the pause it
+    puts between round trips are the caller's, not the worker's."""
+
+    def __init__(self, k: int, rows: int) -> None:
+        from q6serve.v1 import q6serve_pb2 as pb
+
+        self.pb = pb
+        self.x = np.ones((1, k), np.float16)
+        y = pb.Tensor(dtype=pb.DTYPE_F32, shape=[1, rows], data=bytes(4 * rows))
+        self.reply = pb.MatmulStreamResponse(
+            request_id="r", result=pb.MatmulResponse(y=y, request_id="r")).SerializeToString()
+
+    def request(self, header: bytes) -> bytes:
+        return header + request_bytes(self.pb, ("ffn_down",), self.x, 0, rid="r")
+
+    def decode(self) -> None:
+        view_output(reply_message(self.pb, self.reply, True))
+
+
 def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
-                 seconds: float) -> list[float]:
-    """p50 seconds of one closed-loop round trip per (request bytes, reply bytes)."""
+                 seconds: float, work: tuple[int, int] | None = None) -> list[float]:
+    """p50 seconds of one closed-loop round trip per (request bytes, reply bytes); ``work``
+    (K, rows): each round trip with a T1 caller's own encoding and decoding around it
+    (:class:`_ClientWork`), timed from before the encoding to after the decoding, as T1's
+    p50 is."""
     import asyncio
 
     import grpc
@@ -395,6 +422,7 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
     from q6serve.client.channel import channel_options
 
     fix_heap_thresholds(*HOST_HEAP)
+    cw = _ClientWork(*work) if work else None
 
     async def go() -> list[float]:
         out = []
@@ -403,16 +431,21 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
             unary = ch.unary_unary("/echo.Echo/U")
             call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
             for req_bytes, reply_bytes in sizes:
-                req = reply_bytes.to_bytes(8, "little") + b"\1" * max(0, req_bytes - 8)
+                header = reply_bytes.to_bytes(8, "little")
+                req = header + b"\1" * max(0, req_bytes - 8)
                 lat: list[float] = []
                 end = time.perf_counter() + seconds
                 while time.perf_counter() < end or len(lat) < 10:
                     t0 = time.perf_counter()
+                    if cw is not None:
+                        req = cw.request(header)
                     if call is None:
                         await unary(req)
                     else:
                         await call.write(req)
                         await call.read()
+                    if cw is not None:
+                        cw.decode()
                     lat.append(time.perf_counter() - t0)
                 out.append(float(np.median(lat[len(lat) // 5:])))  # first fifth: warm-up
             if call is not None:
@@ -422,10 +455,11 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
     return asyncio.run(go())
 
 
-def echo_p50(sizes: list[tuple[int, int]], modes: list[str],
-             seconds: float) -> dict[str, list[float]]:
+def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
+             work: tuple[int, int] | None = None) -> dict[str, list[float]]:
     """Bare gRPC round trips (server and caller in their own processes, as in the bench):
-    p50 seconds per (request bytes, reply bytes), per mode."""
+    p50 seconds per (request bytes, reply bytes), per mode; ``work``: see
+    :func:`_echo_client`."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS), daemon=True)
@@ -433,14 +467,15 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str],
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
-            return {m: pool.apply(_echo_client, (port, sizes, m, seconds)) for m in modes}
+            return {m: pool.apply(_echo_client, (port, sizes, m, seconds, work)) for m in modes}
     finally:
         server.terminate()
         server.join(10)
 
 
-def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str],
-               seconds: float) -> dict[str, float]:
-    """p50 µs of a bare gRPC round trip of these sizes, per mode."""
-    got = echo_p50([(request_bytes, reply_bytes)], modes, seconds)
+def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str], seconds: float,
+               work: tuple[int, int] | None = None) -> dict[str, float]:
+    """p50 µs of a bare gRPC round trip of these sizes, per mode (``work``: with a T1
+    caller's own encoding and decoding, :class:`_ClientWork`)."""
+    got = echo_p50([(request_bytes, reply_bytes)], modes, seconds, work)
     return {m: v[0] * 1e6 for m, v in got.items()}

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -141,3 +143,23 @@ def test_stream_overhead_variants_run() -> None:
         assert trips and 1.0 <= float(trips.group(1)) <= 50.0, done.stdout
     assert "Task.task_wakeup" in done.stdout and " select " in done.stdout, done.stdout
     assert "in process, no gRPC" in done.stdout, done.stdout
+
+
+def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T1's second floor: the echo's caller encodes a real MatmulRequest and decodes a real
+    reply around each round trip (service_load._ClientWork); both floors come back."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # (spawned children get it too)
+    import service_load
+
+    work = service_load._ClientWork(512, 64)
+    raw = work.request(b"\0" * 8)
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    msg = pb.MatmulRequest.FromString(raw[8:])
+    assert msg.weight == "ffn_down" and list(msg.x.shape) == [1, 512]
+    assert len(msg.x.data) == 2 * 512
+    work.decode()
+    plain = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3)
+    with_work = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3,
+                                        work=(512, 64))
+    assert plain["stream"] > 0 and with_work["stream"] > 0
