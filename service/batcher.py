@@ -54,6 +54,8 @@ HANDOFF_ENV = "Q6SERVE_HANDOFF_YIELD"  # 0: never yield the GIL on a hand-off (D
 PIPELINE_ENV = "Q6SERVE_PIPELINE"  # 0: one launched batch at a time (Device.launch_slots)
 # 1: short batches under load are launched and waited for on the thread too (Device.pipeline_short)
 PIPELINE_SHORT_ENV = "Q6SERVE_PIPELINE_SHORT"
+# N > 1: under load, up to N batches of one weight run as one device-thread job (Device.job_batches)
+JOB_BATCHES_ENV = "Q6SERVE_JOB_BATCHES"
 
 
 def handoff_yield_for(backend_name: str) -> bool:
@@ -108,7 +110,15 @@ class Device:
     batches under load are launched and waited for on the thread too (``Batcher._pipelined``,
     ``Batcher._start_behind``; CUDA-region calls: ``CudaSupport._launch``), and a wait handed
     to the thread is not followed by the hand-off yield. Measured on the H200 (bench/RESULTS.md,
-    issue 15 session 7): no gain for T3 with regions, 5-8% loss with one process."""
+    issue 15 session 7): no gain for T3 with regions, 5-8% loss with one process.
+
+    ``job_batches`` (``Q6SERVE_JOB_BATCHES=N``, off by default: 1): under load (the device
+    busy, or more batches of the weight queued), one batcher's next batches, up to N, run as
+    **one** job on the device thread (``Batcher._run_batches``): each launched behind the
+    previous one in the launch slots, waited for in order, one hand-back and one completion
+    sweep on the loop for all of them, instead of one job (an inline run on the loop, or a
+    hand-off and a hand-back) per batch. Meant for T3's shape, where every call is a full
+    batch (8 hosts x N=64, issue 15)."""
 
     def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0,
                  launch_slots: int = 1) -> None:
@@ -120,6 +130,7 @@ class Device:
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
                                and os.environ.get(PIPELINE_SHORT_ENV, "0").strip() == "1")
+        self.job_batches = max(1, int(os.environ.get(JOB_BATCHES_ENV, "1").strip() or 1))
         self._waits = 0  # of the jobs in the thread, waits of launched batches (Deferred)
         self.behind_jobs = 0  # jobs launched behind a launched batch (see launch_slots)
         self._held: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -719,7 +730,12 @@ class Batcher:
             rows = sum(p.rows for p in bt)
             e = b._expect(bt[0].key, rows)
             expect = None if e is None or expect is None else expect + e
-        if len(jobs) == 1:  # (self, batch): ``rows`` are this batch's
+        if len(jobs) == 1 and (more := self._more_batches(batch)) is not None:
+            batches = [batch, *more]
+            self._running += sum(len(bt) for bt in more)  # (one job: _unfinished counts 1)
+            self._device.call(self._loop_, self._run_batches, (batches, batch[0].key),
+                              lambda done, exc: self._finish_batches(batches, done, exc))
+        elif len(jobs) == 1:  # (self, batch): ``rows`` are this batch's
             key = batch[0].key
             kernel_s = self._kernel_s.get((key, _bucket(rows)), 0.0)
             launch = (self._launch_job if self._launch_batch is not None
@@ -732,6 +748,67 @@ class Batcher:
         else:
             self._device.call(self._loop_, _run_jobs, (jobs,),
                               lambda done, exc: _finish_jobs(jobs, done, exc), expect)
+
+    def _more_batches(self, batch: list[_Pending]) -> list[list[_Pending]] | None:
+        """With ``Device.job_batches`` > 1 and the device busy or requests of ``batch``'s key
+        queued behind it: the further batches (up to that many in all) that run in
+        ``batch``'s job (``_run_batches``); None: ``batch`` runs as usual (a lone request on an
+        idle device stays inline, as on the direct path)."""
+        dev = self._device
+        if dev.job_batches < 2 or self._launch_batch is None or batch[0].group is not None:
+            return None
+        key = batch[0].key
+        more: list[list[_Pending]] = []
+        while len(more) + 1 < dev.job_batches:
+            self._drop_dead_head()
+            if not self._queue or self._queue[0].key != key or self._queue[0].group is not None:
+                break
+            if bt := self._take():
+                more.append(bt)
+        return more if more or not dev.idle else None
+
+    def _run_batches(self, batches: list[list[_Pending]], key: BatchKey,
+                     ) -> list[tuple[_Done | None, BaseException | None]]:
+        """In the device thread: ``batches`` as one job, each launched behind the previous
+        one (at most the device's launch slots launched and not yet waited for), waited for
+        in order; one outcome per batch (a failure reaches only its own batch's requests)."""
+        t_job = time.perf_counter()
+        out: list[tuple[_Done | None, BaseException | None]] = [(None, None)] * len(batches)
+        waits: collections.deque[tuple[int, Deferred]] = collections.deque()
+
+        def wait_oldest() -> None:
+            i, d = waits.popleft()
+            try:
+                out[i] = (d.wait(), None)
+            except BaseException as e:  # every waiter must hear of a failure
+                out[i] = (None, e)
+
+        for i, bt in enumerate(batches):
+            if len(waits) >= self._device.launch_slots:
+                wait_oldest()
+            try:
+                got = self._job(bt, key, t_job, defer=True)
+            except BaseException as e:
+                out[i] = (None, e)
+                continue
+            if isinstance(got, Deferred):
+                waits.append((i, got))
+            else:
+                out[i] = (got, None)
+        while waits:
+            wait_oldest()
+        return out
+
+    def _finish_batches(self, batches: list[list[_Pending]],
+                        done: list[tuple[_Done | None, BaseException | None]] | None,
+                        exc: BaseException | None) -> None:
+        """On the loop: each batch of a ``_run_batches`` job split as its own (``_finish``)."""
+        self._unfinished += len(batches) - 1  # the job counted once; each _finish takes one
+        for i, bt in enumerate(batches):
+            if done is None:
+                self._finish(bt, None, exc)
+            else:
+                self._finish(bt, *done[i])
 
     def _pipelined(self) -> bool:
         """Whether a short batch is launched on the loop and waited for on the device thread
