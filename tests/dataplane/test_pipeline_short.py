@@ -193,7 +193,14 @@ def test_one_slot_never_pipelines_short_batches(pipelined: None) -> None:
 
 def test_a_refused_or_expired_request_under_pipelining_reaches_only_its_caller(
         pipelined: None) -> None:
-    async def main() -> None:
+    refused_and_expired_reach_only_their_callers()
+
+
+def refused_and_expired_reach_only_their_callers() -> int:
+    """Five one-row batches queued on a busy device (a Device as the env configures it), the
+    third refused by its launch, the fifth past its deadline while it waits: each outcome
+    reaches its own caller only, every count back to zero. Returns the device's jobs."""
+    async def main() -> int:
         dev = Device("t", inline_s=10.0, launch_slots=2)
         lz = Launches()
         real = lz.launch
@@ -220,8 +227,9 @@ def test_a_refused_or_expired_request_under_pipelining_reaches_only_its_caller(
         assert dev.inflight == 0 and b._unfinished == 0 and b.queued_rows == 0
         await b.close()
         dev.close()
+        return dev.jobs
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
 # -- the device process of a --frontends worker: region calls of many callers --------------
@@ -326,7 +334,15 @@ def test_front_end_killed_while_region_calls_are_launched_behind(
     back to zero."""
     backend = SlotBackend(Recorder(), wait_s=0.05)
     w = start(backend=backend, inline_device_us=100_000)
-    blocks, clients, regions = _setup(w, 23, 8, "k")
+    assert front_end_killed_under_region_load(w, rng, 23, "k") > 0  # launched behind
+
+
+def front_end_killed_under_region_load(w: Any, rng: np.random.Generator, seed: int,
+                                       prefix: str) -> int:
+    """8 callers' region calls, a front end SIGKILLed among them: every outcome OK or
+    UNAVAILABLE, some OK; then nothing in flight, held or routed, and a fresh call right.
+    Returns the device's ``behind_jobs``."""
+    blocks, clients, regions = _setup(w, seed, 8, prefix)
     x = rng.standard_normal((4, K)).astype(np.float32)
     for c, r in zip(clients, regions, strict=True):
         c.matmul("w", x, x_region=r, y_region=(r, 16384))  # like jobs measured: short
@@ -356,8 +372,8 @@ def test_front_end_killed_while_region_calls_are_launched_behind(
             break
         assert time.monotonic() < deadline, (inflight, pending, queued)
         time.sleep(0.05)
-    assert behind > 0
-    assert w.call(_held(w)) == [0] * len(regions) and backend.hostio.routes == 0
+    assert w.call(_held(w)) == [0] * len(regions) and w.worker.backend.hostio.routes == 0
     fresh = w.client()
     np.testing.assert_allclose(fresh.matmul("w", x), reference(blocks, ROWS, K, x),
                                rtol=1e-5, atol=1e-4)
+    return behind
