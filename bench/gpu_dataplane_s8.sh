@@ -3,7 +3,7 @@
 # (Q6SERVE_JOB_BATCHES=N, service/batcher.py) against one job per batch, on one machine, most
 # important first (a cut call keeps what ran: $FINAL gets the archive after every step):
 #  1. T3's shape through the fast lane (bench/frontend_cpu.py --lane, 8 hosts x N=64 on
-#     ffn_down, one process): JOB 1 (today's default), 1 + Q6SERVE_PIPELINE_SHORT=1, 4, 8;
+#     ffn_down, one process): JOB 1 (today's default), 1 + Q6SERVE_PIPELINE_SHORT=1, 4, 8, 4 + 1;
 #  2. T3 through front ends with regions (bench/service.py --dataplane --targets T3 --regions
 #     system --cuda-regions) at F=4: JOB 1 and 4;
 #  3. the base tree (OLD, main; its code through base_tree's PYTHONPATH): lane plain and
@@ -14,7 +14,7 @@
 #     and 4; 7. pytest -m gpu tests/dataplane. A short table last.
 #   OLD=../dp_old bench/gpu_dataplane_s8.sh
 #   env: SECONDS_PER_RUN (1.5), JOBS_BEST (4: the JOB of steps 4-6), SKIP_TESTS,
-#        BACKEND (cuda; numpy + ROW_SCALE + K=256: a dry run on a CPU)
+#        BACKEND (cuda; numpy + ROW_SCALE=0.01 + K=256: a dry run on a CPU)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -23,7 +23,7 @@ S=${SECONDS_PER_RUN:-1.5}
 B=${BACKEND:-cuda}
 SCALE=${ROW_SCALE:-1}
 J=${JOBS_BEST:-4}
-ROWS=$((3584 / SCALE))
+ROWS=$(python3 -c "print(max(1, round(3584 * $SCALE)))")
 K=${K:-18944}  # (a dry run on a CPU: K=256 keeps the NumPy kernel cheap)
 [[ -n ${OLD:-} ]] && base_tree "$OLD"
 NOWPP=${PYTHONPATH:-}
@@ -52,6 +52,7 @@ fe_cpu lane_j1 new 1 0 --lane --frontends 1 --callers 1
 fe_cpu lane_j1_pipe new 1 1 --lane --frontends 1 --callers 1
 fe_cpu lane_j4 new 4 0 --lane --frontends 1 --callers 1
 fe_cpu lane_j8 new 8 0 --lane --frontends 1 --callers 1
+fe_cpu lane_j4_pipe new 4 1 --lane --frontends 1 --callers 1
 save
 # 2. T3 through 4 front ends, system and CUDA regions
 svc t3_j1_f4 new 1 4 T3 system --cuda-regions
