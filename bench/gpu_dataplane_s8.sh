@@ -10,10 +10,10 @@
 #     pipelined, T3 regions at F=4;
 #  4. each host keeping 2 calls in flight (--callers 2): lane JOB 1 pipelined and JOB 4/8;
 #     regions through 4 front ends (bench/frontend_cpu.py --region system) JOB 1 and 4;
-#  5. T3 regions at F=1 and F=8, JOB 1 and 4; 6. T2 (64 callers N=1, bytes) at F=4, JOB 1
-#     and 4; 7. pytest -m gpu tests/dataplane. A short table last.
+#  5. pytest -m gpu tests/dataplane; 6. T3 regions at F=1 and F=8, JOB 1 and 4; 7. T2 (64
+#     callers N=1, bytes) at F=4, JOB 1 and 4. A short table last.
 #   OLD=../dp_old bench/gpu_dataplane_s8.sh
-#   env: SECONDS_PER_RUN (1.5), JOBS_BEST (4: the JOB of steps 4-6), SKIP_TESTS,
+#   env: SECONDS_PER_RUN (1.5), JOBS_BEST (4: the JOB of steps 4, 6, 7), SKIP_TESTS,
 #        BACKEND (cuda; numpy + ROW_SCALE=0.01 + K=256: a dry run on a CPU)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -71,19 +71,7 @@ fe_cpu lane2_j$J new "$J" 0 --lane --frontends 1 --callers 2
 fe_cpu reg2_j1 new 1 0 --region system --frontends 4 --callers 2
 fe_cpu reg2_j$J new "$J" 0 --region system --frontends 4 --callers 2
 save
-# 5. T3 regions at 1 and 8 front ends
-for F in 1 8; do
-  svc "t3_j1_f$F" new 1 "$F" T3 system --cuda-regions
-  svc "t3_j${J}_f$F" new "$J" "$F" T3 system --cuda-regions
-done
-save
-# 6. T2 through 4 front ends (bytes)
-svc t2_j1_f4 new 1 4 T2 bytes
-svc "t2_j${J}_f4" new "$J" 4 T2 bytes
-save
-python3 bench/dataplane_table.py "$OUT"
-grep -h "^# lane\|^# reg" "$FINAL/progress.txt" | sed 's/CPU per call: //' | cut -c1-230
-# 7. the GPU tests of the data plane
+# 5. the GPU tests of the data plane
 if [[ -z ${SKIP_TESTS:-} ]]; then
   timeout "${TESTS_TIMEOUT:-60}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
     tests/dataplane >"$OUT/pytest_dataplane_gpu.log" 2>&1
@@ -91,4 +79,16 @@ if [[ -z ${SKIP_TESTS:-} ]]; then
   grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_dataplane_gpu.log" | head -8 | cut -c1-240
 fi
 save
+# 6. T3 regions at 1 and 8 front ends
+for F in 1 8; do
+  svc "t3_j1_f$F" new 1 "$F" T3 system --cuda-regions
+  svc "t3_j${J}_f$F" new "$J" "$F" T3 system --cuda-regions
+done
+save
+# 7. T2 through 4 front ends (bytes)
+svc t2_j1_f4 new 1 4 T2 bytes
+svc "t2_j${J}_f4" new "$J" 4 T2 bytes
+save
+python3 bench/dataplane_table.py "$OUT"
+grep -h "^# lane\|^# reg" "$FINAL/progress.txt" | sed 's/CPU per call: //' | cut -c1-230
 echo "# done at $(elapsed)"
