@@ -101,11 +101,30 @@ def test_region_calls_launched_behind_each_other(backend: Any, rng: np.random.Ge
     """``Q6SERVE_PIPELINE_SHORT=1`` on the GPU: 8 callers' 64-row region calls through two
     front ends are launched behind each other (two launch slots, waits on the device thread)
     and every result equals the bytes path's; nothing is left held, routed or pinned."""
+    monkeypatch.setenv("Q6SERVE_PIPELINE_SHORT", "1")
+    dev, _ = _region_calls_equal_the_bytes_path(backend, rng)
+    assert dev.pipeline_short and dev.behind_jobs > 0 and dev.deferred_jobs > 0
+
+
+def test_region_calls_run_several_to_a_job(backend: Any, rng: np.random.Generator,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Q6SERVE_JOB_BATCHES=4`` on the GPU: the same load, queued 64-row batches run several
+    to a device job (launched behind each other in the launch slots), every result equal to
+    the bytes path's; nothing is left held, routed or pinned."""
+    monkeypatch.setenv("Q6SERVE_JOB_BATCHES", "4")
+    dev, jobs = _region_calls_equal_the_bytes_path(backend, rng)
+    assert dev.job_batches == 4 and jobs < 200  # fewer device jobs than calls
+
+
+def _region_calls_equal_the_bytes_path(backend: Any, rng: np.random.Generator,
+                                       ) -> tuple[Any, int]:
+    """8 callers x 25 calls of 64 rows, x and y in each caller's page-locked region, through
+    two front ends, each result checked against the bytes path; returns the device and the
+    device jobs the 200 calls took."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.dataplane.test_frontends import Running
 
-    monkeypatch.setenv("Q6SERVE_PIPELINE_SHORT", "1")
     cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=2 << 30),
                        grace_period_s=2.0, allow_shm=True, frontends=2,
                        frontend_shm_bytes=8 << 20)
@@ -126,13 +145,15 @@ def test_region_calls_launched_behind_each_other(backend: Any, rng: np.random.Ge
                 del got
             return 25
 
+        dev = w.worker.engine.device
+        jobs = dev.jobs
         with ThreadPoolExecutor(8) as pool:
             assert sum(pool.map(caller, range(8))) == 200
-        dev = w.worker.engine.device
-        assert dev.pipeline_short and dev.behind_jobs > 0 and dev.deferred_jobs > 0
+        jobs = dev.jobs - jobs
         assert dev.inflight == 0 and backend.hostio.routes == 0
         for r in regions:
             r.close()
         assert backend.hostio.pinned == 0
+        return dev, jobs
     finally:
         w.stop()
