@@ -110,7 +110,8 @@ class Device:
     batches under load are launched and waited for on the thread too (``Batcher._pipelined``,
     ``Batcher._start_behind``; CUDA-region calls: ``CudaSupport._launch``), and a wait handed
     to the thread is not followed by the hand-off yield. Measured on the H200 (bench/RESULTS.md,
-    issue 15 session 7): no gain for T3 with regions, 5-8% loss with one process.
+    issue 15 session 7): no gain for T3 with regions, 5-8% loss with one process; since the
+    lane's Protocol connections 6-17% slower on the lane too (session 8).
 
     ``job_batches`` (``Q6SERVE_JOB_BATCHES=N``, off by default: 1): under load (the device
     busy, or more batches of the weight queued), one batcher's next batches, up to N, run as
@@ -118,7 +119,9 @@ class Device:
     previous one in the launch slots, waited for in order, one hand-back and one completion
     sweep on the loop for all of them, instead of one job (an inline run on the loop, or a
     hand-off and a hand-back) per batch. Meant for T3's shape, where every call is a full
-    batch (8 hosts x N=64, issue 15)."""
+    batch (8 hosts x N=64, issue 15). Measured on the H200 (bench/RESULTS.md, issue 15 session
+    8): the lane with 2 calls in flight per caller +20-51%; with 1, even on the lane and 9-12%
+    slower through front ends (a lone batch handed to the thread pays the hand-off)."""
 
     def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0,
                  launch_slots: int = 1) -> None:
