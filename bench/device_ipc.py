@@ -21,6 +21,10 @@ checks and batcher, the device job, the reply into the slot and its message.
 per message. Env Q6SERVE_DEVICE_MERGE=0: the device process does not merge the calls of a
 loop trip (compare).
 
+``--lane``: each call is a fast-lane request record (service/lane.py) on its own lane
+connection (no socket: records delivered and replies read in this process), x and y in the
+lane's system region, as T3's shape through lanes: ``--lane --stack 64 --inflight 8``.
+
 ``--gpu-us US`` (a model of the GPU, for the CPU): the NumPy backend's weights and checks, but
 each launch only *models* a GPU: it takes ``--launch-us`` of host CPU (the CUDA host path:
 graph launch, copies enqueued), its "GPU work" takes US on one in-order stream (a launch
@@ -152,48 +156,55 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         frames.append(fe.FRAME.pack(len(payload)) + payload)
     del x
 
-    class FrontEnd:
-        """The transport the device process writes to: each answer sends its slot's
-        request again, the whole trip's worth in one read."""
+    lane = None
+    if a.lane:  # one fast-lane connection per region instead of a front end
+        deliver, lane = _lane_ends(a, worker, engine, regions, slot_bytes, answered,
+                                   running)
+        arena.unlink()
+        deliver()
+    else:
+        class FrontEnd:
+            """The transport the device process writes to: each answer sends its slot's
+            request again, the whole trip's worth in one read."""
 
-        def write(self, data: bytes) -> None:
-            pos = 0
-            while pos < len(data):
-                (n,) = fe.FRAME.unpack_from(data, pos)
-                start, pos = pos + fe.FRAME.size, pos + fe.FRAME.size + n
-                if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack,
-                    msg = fe._decode(data[start:pos])  # a region call's answer, or, once
-                    if msg[0] == "rmok":  # stopped, a refusal
-                        rid = msg[1]
+            def write(self, data: bytes) -> None:
+                pos = 0
+                while pos < len(data):
+                    (n,) = fe.FRAME.unpack_from(data, pos)
+                    start, pos = pos + fe.FRAME.size, pos + fe.FRAME.size + n
+                    if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack,
+                        msg = fe._decode(data[start:pos])  # a region call's answer, or, once
+                        if msg[0] == "rmok":  # stopped, a refusal
+                            rid = msg[1]
+                        else:
+                            if msg[0] != "ack" and running[0]:
+                                sys.exit(f"unexpected answer {msg!r}")
+                            continue
                     else:
-                        if msg[0] != "ack" and running[0]:
-                            sys.exit(f"unexpected answer {msg!r}")
+                        rid = int.from_bytes(data[start + 1 : start + 9], "little")
+                    answered[0] += 1
+                    if not running[0]:
                         continue
-                else:
-                    rid = int.from_bytes(data[start + 1 : start + 9], "little")
-                answered[0] += 1
-                if not running[0]:
-                    continue
-                if not resend:
-                    loop.call_soon(deliver)
-                resend.append(frames[rid])
+                    if not resend:
+                        loop.call_soon(deliver)
+                    resend.append(frames[rid])
 
-        def is_closing(self) -> bool:
-            return False
+            def is_closing(self) -> bool:
+                return False
 
-    conn = fe._FrontConnection(worker)
-    fe._Peer.connection_made(conn, FrontEnd())  # type: ignore[arg-type]  # (no peer pid)
-    conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, a.inflight,
-                                   slot_bytes))
-    arena.unlink()
+        conn = fe._FrontConnection(worker)
+        fe._Peer.connection_made(conn, FrontEnd())  # type: ignore[arg-type]  # (no peer pid)
+        conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, a.inflight,
+                                       slot_bytes))
+        arena.unlink()
 
-    def deliver() -> None:
-        batch = b"".join(resend)
-        resend.clear()
-        conn.data_received(batch)
+        def deliver() -> None:
+            batch = b"".join(resend)
+            resend.clear()
+            conn.data_received(batch)
 
-    resend.extend(frames)
-    deliver()
+        resend.extend(frames)
+        deliver()
     await asyncio.sleep(a.warmup)
     prof = None
     if a.profile:
@@ -215,6 +226,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     while engine.device.inflight or worker._pending:  # the last answers, before closing
         await asyncio.sleep(0.01)
     await engine.close()
+    if lane is not None:
+        lane.close()
     arena.close()
     for r in regions:
         worker.regions.unregister("", r.name)  # type: ignore[union-attr]
@@ -234,6 +247,61 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None}
 
 
+def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[Any],
+               slot_bytes: int, answered: list[int], running: list[bool]) -> tuple[Any, Any]:
+    """--lane: one fast-lane connection per region (service/lane.py's ``_LaneConn``, its
+    ticket taken, no socket), each with one request record in flight: x at 0, y at
+    ``slot_bytes`` of its region. Each reply sends that lane's record again; the records of a
+    loop trip arrive at its end, as socket reads would. Returns (deliver, the LaneServer)."""
+    from q6serve.client import core
+    from q6serve.service.lane import REPLY, REQUEST, LaneServer, Ticket, _LaneConn
+
+    loop = asyncio.get_running_loop()
+    server = LaneServer(worker.regions, engine)
+    f16, f32 = core._DTYPE_TO_PB["f16"], core._DTYPE_TO_PB["f32"]
+    ready: list[int] = []
+
+    class End:
+        """A lane's transport: reads each reply record's status, queues the lane again."""
+
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def write(self, data: bytes) -> None:
+            pos = 0
+            while pos < len(data):
+                _, code, msg_len, *_ = REPLY.unpack_from(data, pos)
+                pos += REPLY.size + msg_len
+                if code and running[0]:
+                    sys.exit(f"lane request failed ({code}): {data[pos - msg_len:pos]!r}")
+                answered[0] += 1
+                if running[0]:
+                    if not ready:
+                        loop.call_soon(deliver)
+                    ready.append(self.i)
+
+        def is_closing(self) -> bool:
+            return False
+
+    conns, records = [], []
+    for i, r in enumerate(regions):
+        c = _LaneConn(server)
+        c.transport = End(i)  # type: ignore[assignment]
+        c.ticket = Ticket("", r.name, float("inf"))
+        conns.append(c)
+        records.append(REQUEST.pack(i, a.stack, a.k, 0, slot_bytes, f16, f32, 0, 0, 1, 0)
+                       + b"w")
+
+    def deliver() -> None:
+        todo = list(ready)
+        ready.clear()
+        for i in todo:
+            conns[i].data_received(records[i])
+
+    ready.extend(range(len(conns)))
+    return deliver, server
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
@@ -245,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--region", action="store_true",
                     help="x and y in a system shm region per message (the 'rm' message)")
+    ap.add_argument("--lane", action="store_true",
+                    help="x and y in a region per lane, each call a fast-lane request record "
+                         "(service/lane.py) instead of a front end's message (implies --region)")
     ap.add_argument("--gpu-us", type=float, default=0.0,
                     help="model the GPU: each launch's device work takes this long (see above)")
     ap.add_argument("--launch-us", type=float, default=20.0,
@@ -253,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile the timed part into FILE (pstats)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
+    a.region = a.region or a.lane
     if a.gpu_us:  # the modelled waits end on time (a CUDA sync spins; Linux's default timer
         import ctypes  # slack would add ~50 us to each sleep); threads made later inherit it
 
