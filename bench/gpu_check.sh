@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
 # kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
-# on CUDA, issue 14's targets (T1, the lm-head top-k in one process and through 4 front ends, the 7B decode replay at S = 1, 8, 64 with
+# on CUDA, issue 14's targets (T1, the lm-head top-k in one process (busy polling on and off) and through 4 front ends, the 7B decode replay at S = 1, 8, 64 with
 # and without multi-weight calls), T1 and the S=8 replay again with the worker pinned (PIN,
 # bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
 # the data plane at 8 front ends (merge on and off) with its device-path and fast-lane probes,
@@ -41,6 +41,9 @@ t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64
 t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
 # the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
+# one process with the loop's busy polling off (session 8 turned it on by default on 8+ cores)
+Q6SERVE_BUSY_POLL_US=0 t lm_head_nospin 90 python3 bench/service.py --backend cuda --lm-head \
+  --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
 t lm_head_fe4 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --frontends 4 --json "$OUT/lm_head_fe4.json"
 t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
@@ -66,7 +69,7 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi
-if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane, short batches pipelined and not
+if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
   SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
     >"$OUT/lane.log" 2>&1
   echo "# lane rc=$? at $(elapsed)"
@@ -76,10 +79,12 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
+  echo "## lm-head, busy polling off"
+  grep -E "lm-head|reply|p50" "$OUT/lm_head_nospin.log" | tail -3
   echo "## lm-head --frontends 4"
   grep -E "lm-head|reply|p50" "$OUT/lm_head_fe4.log" | tail -3
   grep -v "^\s*$" "$OUT/wall.log" | tail -8
-  grep -E "^# T1|mean us" "$OUT/t1.log" | tail -3
+  grep -E "^# T1|mean us|bare gRPC|\"target\": \"T1\"" "$OUT/t1.log" | tail -5 | cut -c1-400
   echo "## pinned ($PIN)"
   grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
   grep -E "median|loop trips" "$OUT/trips.log" | cut -c1-160
