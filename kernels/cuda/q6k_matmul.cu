@@ -506,53 +506,90 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
 constexpr int RING_QH = 16 * 128, RING_SC = RING_QH + 16 * 64, RING_DW = RING_SC + 16 * 16;
 constexpr int RING_DP = RING_DW + 16 * 4, RING_STAGE = RING_DP + 16;
 
-template <bool SOA>
-__device__ __forceinline__ void ring_fill(u8* st, const RowRef (&rf)[2], int kb, int g, int t) {
-    constexpr u32 QL_STEP = SOA ? 128u : 210u, QH_STEP = SOA ? 64u : 210u,
-                  SC_STEP = SOA ? 16u : 210u;
+// The AoS twin's fill: 2-byte loads (210-byte blocks are 2-byte aligned) and plain shared stores
+// of the bytes RingSoaFill copies (below).
+__device__ __forceinline__ void ring_fill_aos(u8* st, const RowRef (&rf)[2], int kb, int g,
+                                              int t) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-        const RowRef& r = rf[hr];
+        const u8* blk = rf[hr].base + rf[hr].ql + (u32)kb * 210u;
         const int row = g + 8 * hr;
 #pragma unroll
         for (int c2 = 0; c2 < 2; ++c2) {
             const int c = t + 4 * c2;
-            u8* dst = st + row * 128 + ((c ^ ((row & 1) << 2)) << 4);
-            const u8* src = r.base + r.ql + (u32)kb * QL_STEP + 16u * c;
-            if (SOA)
-                cp_async16(dst, src);
-            else
-                *(uint4*)dst = ld_u128_a2(src);
+            *(uint4*)(st + row * 128 + ((c ^ ((row & 1) << 2)) << 4)) = ld_u128_a2(blk + 16 * c);
         }
-        {
-            u8* dst = st + RING_QH + row * 64 + 16 * t;
-            const u8* src = r.base + r.qh + (u32)kb * QH_STEP + 16u * t;
-            if (SOA)
-                cp_async16(dst, src);
-            else
-                *(uint4*)dst = ld_u128_a2(src);
-        }
-        if (t == hr) {
-            u8* dst = st + RING_SC + row * 16;
-            const u8* src = r.base + r.sc + (u32)kb * SC_STEP;
-            if (SOA)
-                cp_async16(dst, src);
-            else
-                *(uint4*)dst = ld_u128_a2(src);
-        }
+        *(uint4*)(st + RING_QH + row * 64 + 16 * t) = ld_u128_a2(blk + 128 + 16 * t);
+        if (t == hr) *(uint4*)(st + RING_SC + row * 16) = ld_u128_a2(blk + 192);
         if (t == 2 + hr) {
-            u32* dst = (u32*)(st + RING_DW) + row;
-            if (SOA) {  // the aligned word around d (slabs and the d plane are 16-byte aligned)
-                const size_t a = (size_t)(r.base + r.d + 2u * kb);
-                cp_async4(dst, (const void*)(a & ~(size_t)3));
-                st[RING_DP + row] = (u8)((a >> 1) & 1);
-            } else {
-                *dst = ldg_u16(r.base + r.d + 210u * kb);
-                st[RING_DP + row] = 0;
-            }
+            ((u32*)(st + RING_DW))[row] = ldg_u16(blk + 208);
+            st[RING_DP + row] = 0;
         }
     }
 }
+
+// The SoA fill: a lane keeps the source pointers of the block it fills next (advanced by the
+// planes' strides) and its offsets inside a stage (constant), and each copy is one cp.async
+// with constant offsets (recomputing every source and shared address per block, as a first
+// version did, cost ~115 SASS instructions per block in q6k_ksr_f16<2, .., 16, 2>, ptxas sm_90,
+// beside ~410 for the block's math). Stage layout above: ql chunk c of row r at
+// (c ^ ((r & 1) << 2)) * 16, i.e. the lane's chunk t at 16t + 64 (g & 1) and chunk t + 4 at
+// 16t + 64 (1 - (g & 1)); the scales (t < 2) or the aligned word around d and which half d is
+// (t >= 2) of row g + 8t or g + 8(t - 2).
+struct RingSoaFill {
+    const u8* ql[2];  // rows g, g + 8: ql chunk t of the block (chunk t + 4 is 64 bytes on)
+    const u8* qh[2];  // rows g, g + 8: qh chunk t
+    const u8* x;      // t < 2: the scales of row g + 8t; t >= 2: d of row g + 8(t - 2)
+    u32 xstep, dq0, dq1, dqh, dx, ddp;
+    bool sc;          // t < 2
+    __device__ __forceinline__ void offsets(int g, int t) {
+        const int gp = g & 1;
+        dq0 = g * 128 + 16 * t + 64 * gp;
+        dq1 = g * 128 + 16 * t + 64 * (1 - gp);
+        dqh = RING_QH + g * 64 + 16 * t;
+        sc = t < 2;
+        const int xrow = g + 8 * (sc ? t : t - 2);
+        dx = sc ? RING_SC + 16 * xrow : RING_DW + 4 * xrow;
+        ddp = RING_DP + xrow;
+        xstep = sc ? 16u : 2u;
+    }
+    // Pointers of block kb of rows rf (row_ref<true> of rows g, g + 8).
+    __device__ __forceinline__ void at(const RowRef (&rf)[2], int kb, int t) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            ql[hr] = rf[hr].base + rf[hr].ql + (u32)kb * 128u + 16u * t;
+            qh[hr] = rf[hr].base + rf[hr].qh + (u32)kb * 64u + 16u * t;
+        }
+        const bool r1 = (sc ? t : t - 2) != 0;  // field by field: no local-memory copy of rf
+        const u32 xoff = sc ? (r1 ? rf[1].sc : rf[0].sc) + (u32)kb * 16u
+                            : (r1 ? rf[1].d : rf[0].d) + (u32)kb * 2u;
+        x = (r1 ? rf[1].base : rf[0].base) + xoff;
+    }
+    // Copies of the block into the stage at shared address s (generic pointer st); the pointers
+    // step to the next block of the row first (the copies read 128/64/xstep bytes back: no
+    // register copy of a pointer per copy).
+    __device__ __forceinline__ void fill(u32 s, u8* st) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            ql[hr] += 128;
+            qh[hr] += 64;
+        }
+        x += xstep;
+        cp_async16_at<0, -128>(s + dq0, ql[0]);
+        cp_async16_at<0, -64>(s + dq1, ql[0]);
+        cp_async16_at<8 * 128, -128>(s + dq0, ql[1]);
+        cp_async16_at<8 * 128, -64>(s + dq1, ql[1]);
+        cp_async16_at<0, -64>(s + dqh, qh[0]);
+        cp_async16_at<8 * 64, -64>(s + dqh, qh[1]);
+        if (sc) {
+            cp_async16_at<0, -16>(s + dx, x);
+        } else {  // the aligned word around d (slabs and the d plane are 16-byte aligned)
+            const size_t a = (size_t)x - 2;
+            cp_async4_at(s + dx, (const void*)(a & ~(size_t)3));
+            st[ddp] = (u8)((a >> 1) & 1);
+        }
+    }
+};
 
 // Half P of row `row` of one ring stage as a lane would have loaded it (load_raw_part): the
 // codes of half P, and with P == 0 the scales and d.
@@ -590,17 +627,25 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
     const int tstride = nblk * 32 + 4;
     u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * tstride) + warp * S * RING_STAGE;
 
-    // fill side: unit f = (tile j, block b), row references of tile j
+    const u32 ring_s = smem_addr(ring);
+    // fill side: unit f = (tile j, block b), row references of tile j (SoA: the lane's source
+    // pointers of unit f, RingSoaFill)
     int fj = 0, fb = 0;
     RowRef rf[2];
+    RingSoaFill sf;
+    if (SOA) sf.offsets(g, t);
     auto fill_refs = [&]() {
         const int r0 = (wt0 + fj * wstride) * 16 + g;
         rf[0] = row_ref<SOA>(w, min(r0, w.rows - 1));
         rf[1] = row_ref<SOA>(w, min(r0 + 8, w.rows - 1));
+        if (SOA) sf.at(rf, kb0, t);
     };
     if (units > 0) fill_refs();
     auto fill_next = [&](int slot) {
-        ring_fill<SOA>(ring + slot * RING_STAGE, rf, kb0 + fb, g, t);
+        if (SOA)
+            sf.fill(ring_s + slot * RING_STAGE, ring + slot * RING_STAGE);
+        else
+            ring_fill_aos(ring + slot * RING_STAGE, rf, kb0 + fb, g, t);
         if (++fb == nblk) {
             fb = 0;
             ++fj;

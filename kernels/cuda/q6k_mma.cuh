@@ -81,6 +81,22 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
                  : "=r"(a) : "l"(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
 }
+// The same copies with the shared address given (a u32 from smem_addr) and constant byte offsets
+// on both sides: a fill loop that keeps its pointers in registers issues no address arithmetic
+// per copy (the generic forms above convert the shared address every time).
+__device__ __forceinline__ u32 smem_addr(const void* smem) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(smem));
+    return a;
+}
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async16_at(u32 s, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;"
+                 ::"r"(s), "l"(gmem), "n"(DOFF), "n"(SOFF) : "memory");
+}
+__device__ __forceinline__ void cp_async4_at(u32 s, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
