@@ -438,12 +438,6 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
         if (PF && !SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
         float acc[MT][NT][4];
         zero_acc(acc);
-        // UNROLL: two blocks per trip where that costs no spills (SoA, 4 and 8 n-tiles; ptxas
-        // sm_90): the prefetch registers alternate instead of being copied into `raw` every
-        // block (q6k_ks_f16<4, .., 12> 731 -> 692 SASS instructions per block; at 1 and 2
-        // n-tiles, and in the AoS twins at 4, the unrolled loop spills more).
-        constexpr int UNROLL = SOA && NT >= 4 ? 2 : 1;
-#pragma unroll UNROLL
         for (int b = 0; b < nblk; ++b) {
             const auto bx = [&](int sp, int nt) -> uint4 {
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
