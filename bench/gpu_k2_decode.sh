@@ -3,13 +3,15 @@
 # then on one machine: AUTO of the tree at $BASE (main) and of this one, and the K-slice/ring
 # launch shapes at N = 16/32 of $BASE, this tree and the decode-floor probe tree at $FLOOR (a
 # commit that replaces the Q6_K decode by one LOP3 + one HFMA2 per f16x2: wrong values, timing
-# only; never landed). Run from this tree's root; logs and JSON under $OUT.
+# only; never landed) - or another variant tree: OTHER=dir OTHER_TAG=name. Run from this tree's
+# root; logs and JSON under $OUT.
 #   BASE=base FLOOR=floor bench/gpu_k2_decode.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 BASE=${BASE:-base}
-FLOOR=${FLOOR:-floor}
+OTHER=${OTHER:-${FLOOR:-floor}}
+TAG=${OTHER_TAG:-floor}
 AUTO_ARGS=${AUTO_ARGS:-"--shapes 4096x14336,14336x4096,18944x3584,3584x18944,152064x3584 --ns 1,8,16,32,64 --paths auto --dtypes f16 --iters 20"}
 VAR_ARGS=${VAR_ARGS:-"--shapes 4096x14336,3584x18944,152064x3584 --ns 16,32 --paths auto --variants --only nt2.ks.w16,nt2.ring.w16,nt4.ks.w12,nt4.ring.w16 --dtypes f16 --no-torch --iters 20"}
 KSTEST_TIMEOUT=${KSTEST_TIMEOUT:-80} bench/gpu_run.sh kstest
@@ -30,14 +32,14 @@ bench_in "$here" auto_this $AUTO_ARGS
 # shellcheck disable=SC2086
 bench_in "$BASE" var_base $VAR_ARGS
 # shellcheck disable=SC2086
-bench_in "$FLOOR" var_floor $VAR_ARGS
+bench_in "$OTHER" "var_$TAG" $VAR_ARGS
 # shellcheck disable=SC2086
 bench_in "$here" var_this $VAR_ARGS
 cd "$here" || exit 1
 {
   python3 bench/kernels_ab.py "$OUT/auto_base.json" "$OUT/auto_this.json" --label-old base --label-new this
   python3 bench/kernels_ab.py "$OUT/var_base.json" "$OUT/var_this.json" --label-old base --label-new this --match mma_f16.
-  python3 bench/kernels_ab.py "$OUT/var_this.json" "$OUT/var_floor.json" --label-old this --label-new floor --match mma_f16.
+  python3 bench/kernels_ab.py "$OUT/var_this.json" "$OUT/var_$TAG.json" --label-old this --label-new "$TAG" --match mma_f16.
   grep -h "torch f16" "$OUT/auto_this.log"
 } 2>&1 | tee "$OUT/ab.txt"
 echo "# kstest rc=$ks_rc"
