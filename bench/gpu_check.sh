@@ -76,7 +76,8 @@ if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls i
 fi
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
-  echo "# gpu_check $(git log -1 --format=%h 2>/dev/null) total $(elapsed)"
+  # (the shipped tree's COMMIT: the device copy's git metadata may be another checkout's)
+  echo "# gpu_check $(cat COMMIT 2>/dev/null || git log -1 --format=%h 2>/dev/null) total $(elapsed)"
   printf '%s\n' "${summary[@]}"
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
   echo "## lm-head, busy polling off"
