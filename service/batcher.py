@@ -43,6 +43,8 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
+from .threads import settle
+
 T = TypeVar("T")
 
 
@@ -64,15 +66,6 @@ def handoff_yield_for(backend_name: str) -> bool:
     job holds it to the end (the loop would wait for the whole job: in process, no-op kernel,
     submit -> result 84 -> 150 us). Env Q6SERVE_HANDOFF_YIELD=0 turns it off."""
     return backend_name == "cuda" and os.environ.get(HANDOFF_ENV, "1").strip() != "0"
-
-
-def settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    """A job's outcome to its waiter's future (a cancelled waiter is simply not answered)."""
-    if not fut.done():
-        if exc is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(exc)
 
 
 class Device:

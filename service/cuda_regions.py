@@ -32,8 +32,9 @@ from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
-from .batcher import DeadlineExceeded, Deferred, MatmulReply, settle
+from .batcher import DeadlineExceeded, Deferred, MatmulReply
 from .regions import CudaIpcSource, Mapping
+from .threads import settle
 
 log = logging.getLogger("q6serve.regions")
 

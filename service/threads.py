@@ -19,18 +19,19 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run ``fn(*args)`` in a new daemon thread; its outcome comes back on the loop."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def done(result: Any, exc: BaseException | None) -> None:
-        if fut.done():  # the waiter went away
-            return
+def settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    """A job's outcome to its waiter's future (a cancelled waiter is simply not answered)."""
+    if not fut.done():
         if exc is None:
             fut.set_result(result)
         else:
             fut.set_exception(exc)
+
+
+def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run ``fn(*args)`` in a new daemon thread; its outcome comes back on the loop."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
 
     def work() -> None:
         try:
@@ -38,7 +39,7 @@ def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         except BaseException as e:  # the waiter must hear of every failure
             outcome = (None, e)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(done, *outcome)
+            loop.call_soon_threadsafe(settle, fut, *outcome)
 
     name = getattr(fn, "__name__", "job")
     threading.Thread(target=work, name=f"q6serve-{name}", daemon=True).start()
