@@ -1000,8 +1000,7 @@ class FrontendsWorker(Worker):
                 return
             reply = fut.result()
             y = reply.y
-            if not taken and not regions_mod.written(y, dest):
-                yr.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
+            regions_mod.place_y(yr, y_off, y, dest, taken)
             fe.send(("rmok", rid, _fields(reply), (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                                    y.shape)))
         except Exception as e:

@@ -147,8 +147,7 @@ class LaneServer:
                         raise Unavailable("the call was cancelled")
                     r = fut.result()
                     y = r.y
-                    if not taken and not regions.written(y, dest):
-                        held.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
+                    regions.place_y(held, y_off, y, dest, taken)
                     rec = REPLY.pack(seq, 0, 0, int(y.shape[1]), r.batch_rows,
                                      r.batch_requests, 0, r.queue_seconds,
                                      _nan(r.kernel_seconds), _nan(r.device_seconds))

@@ -422,6 +422,14 @@ def written(y: Any, dest: np.ndarray) -> bool:
             and y.ctypes.data == dest.ctypes.data)
 
 
+def place_y(yr: Region, y_off: int, y: np.ndarray, dest: np.ndarray, taken: bool) -> None:
+    """A system-region call's ``y`` into its region at ``y_off``, unless it is there already:
+    the backend took the route to ``dest`` (``taken``, from :meth:`RegionTable.unroute`) or
+    returned ``dest``'s own bytes."""
+    if not taken and not written(y, dest):
+        yr.array(y_off, y.dtype, y.shape, "y", writable=True)[...] = y
+
+
 @dataclass(frozen=True)
 class RegionIO:
     """The region side of one matmul request: where x is read and/or y written."""
