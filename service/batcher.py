@@ -60,6 +60,18 @@ PIPELINE_SHORT_ENV = "Q6SERVE_PIPELINE_SHORT"
 JOB_BATCHES_ENV = "Q6SERVE_JOB_BATCHES"
 
 
+def job_batches(env: Any = os.environ) -> int:
+    """``Q6SERVE_JOB_BATCHES``: batches of one weight per device-thread job (1, the default:
+    one each); anything but a positive count is refused, naming the variable."""
+    raw = env.get(JOB_BATCHES_ENV, "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{JOB_BATCHES_ENV}={raw!r}: give a count of batches per job "
+                         f"(1: one job each, the default)")
+    return int(raw)
+
+
 def handoff_yield_for(backend_name: str) -> bool:
     """Whether a Device of this backend yields the GIL on a hand-off (see :class:`Device`):
     CUDA jobs release the GIL at their device sync, so the loop gets it back early; a NumPy
@@ -126,7 +138,7 @@ class Device:
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
                                and os.environ.get(PIPELINE_SHORT_ENV, "0").strip() == "1")
-        self.job_batches = max(1, int(os.environ.get(JOB_BATCHES_ENV, "1").strip() or 1))
+        self.job_batches = job_batches()
         self._waits = 0  # of the jobs in the thread, waits of launched batches (Deferred)
         self.behind_jobs = 0  # jobs launched behind a launched batch (see launch_slots)
         self._held: collections.deque[tuple[Any, ...]] = collections.deque()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from q6serve.service.batcher import Batcher, BatchSettings, Device
+from q6serve.service.batcher import Batcher, BatchSettings, Device, job_batches
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_pinned_regions import Recorder
 from tests.dataplane.test_pipeline_short import (
@@ -74,6 +74,13 @@ def test_queued_batches_run_as_one_job_launched_behind_each_other(job4: None) ->
         dev.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-3", "2.5"])
+def test_a_bad_job_batches_value_is_refused_by_name(raw: str) -> None:
+    with pytest.raises(ValueError, match=f"Q6SERVE_JOB_BATCHES={raw!r}"):
+        job_batches({"Q6SERVE_JOB_BATCHES": raw})
+    assert job_batches({}) == 1 and job_batches({"Q6SERVE_JOB_BATCHES": " 4 "}) == 4
 
 
 def test_batches_are_one_job_each_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
