@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping
 
 from q6serve.service import config_limits as lim
+from q6serve.service import envvars
 
 from .cli_target import EXIT_FAILED, UsageError, port_arg
 
@@ -222,17 +223,9 @@ def _gil_switch_interval(env: Mapping[str, str]) -> None:
     device process with --frontends), in microseconds. Its device thread waits for the GIL
     behind a busy event loop for up to this long (Python's default: 5000 us; measured in
     bench/RESULTS.md, issue 15)."""
-    raw = env.get("Q6SERVE_GIL_SWITCH_US", "").strip()
-    if not raw:
-        return
-    try:
-        us = float(raw)
-        if not 1 <= us <= 1_000_000:
-            raise ValueError
-    except ValueError:
-        raise UsageError(f"Q6SERVE_GIL_SWITCH_US={raw!r}: give microseconds, 1..1000000") \
-            from None
-    sys.setswitchinterval(us * 1e-6)
+    us = envvars.GIL_SWITCH_US.read(env)
+    if us is not None:
+        sys.setswitchinterval(float(us) * 1e-6)
 
 
 class PortInUse(Exception):
@@ -241,6 +234,7 @@ class PortInUse(Exception):
 
 def run(args: argparse.Namespace) -> int:
     first = _setup_logging(args.log_level)
+    envvars.check()  # a bad tuning variable: one line naming it, before anything starts
     from q6serve.kernels.backends import make_backend
     from q6serve.service.affinity import check_cpus, cores_of, pin_process
     from q6serve.service.config import config_from

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -43,6 +42,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
+from . import envvars
 from .threads import settle
 
 T = TypeVar("T")
@@ -52,24 +52,18 @@ class DeadlineExceeded(Q6Error):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
-HANDOFF_ENV = "Q6SERVE_HANDOFF_YIELD"  # 0: never yield the GIL on a hand-off (Device)
-PIPELINE_ENV = "Q6SERVE_PIPELINE"  # 0: one launched batch at a time (Device.launch_slots)
-# 1: short batches under load are launched and waited for on the thread too (Device.pipeline_short)
-PIPELINE_SHORT_ENV = "Q6SERVE_PIPELINE_SHORT"
-# N > 1: under load, up to N batches of one weight run as one device-thread job (Device.job_batches)
-JOB_BATCHES_ENV = "Q6SERVE_JOB_BATCHES"
+# The Device's variables (envvars): HANDOFF_YIELD=0 never yields the GIL on a hand-off;
+# PIPELINE=0 launches one batch at a time (Device.launch_slots); PIPELINE_SHORT=1 launches and
+# waits for short batches under load on the thread too (Device.pipeline_short); JOB_BATCHES=N > 1
+# runs up to N batches of one weight as one device-thread job under load (Device.job_batches).
+HANDOFF_ENV = envvars.HANDOFF_YIELD.name
+JOB_BATCHES_ENV = envvars.JOB_BATCHES.name
 
 
-def job_batches(env: Any = os.environ) -> int:
+def job_batches(env: Any = None) -> int:
     """``Q6SERVE_JOB_BATCHES``: batches of one weight per device-thread job (1, the default:
-    one each); anything but a positive count is refused, naming the variable."""
-    raw = env.get(JOB_BATCHES_ENV, "").strip()
-    if not raw:
-        return 1
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{JOB_BATCHES_ENV}={raw!r}: give a count of batches per job "
-                         f"(1: one job each, the default)")
-    return int(raw)
+    one each); anything but a positive count is refused, naming the variable (envvars)."""
+    return int(envvars.JOB_BATCHES.read(env))
 
 
 def handoff_yield_for(backend_name: str) -> bool:
@@ -77,7 +71,7 @@ def handoff_yield_for(backend_name: str) -> bool:
     CUDA jobs release the GIL at their device sync, so the loop gets it back early; a NumPy
     job holds it to the end (the loop would wait for the whole job: in process, no-op kernel,
     submit -> result 84 -> 150 us). Env Q6SERVE_HANDOFF_YIELD=0 turns it off."""
-    return backend_name == "cuda" and os.environ.get(HANDOFF_ENV, "1").strip() != "0"
+    return backend_name == "cuda" and bool(envvars.HANDOFF_YIELD.read())
 
 
 class Device:
@@ -133,11 +127,11 @@ class Device:
         self.name = name
         self.handoff_yield = handoff_yield
         self.inline_s = inline_s
-        pipeline = os.environ.get(PIPELINE_ENV, "1").strip() != "0"
+        pipeline = bool(envvars.PIPELINE.read())
         self.launch_slots = max(1, launch_slots) if pipeline else 1
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
-                               and os.environ.get(PIPELINE_SHORT_ENV, "0").strip() == "1")
+                               and bool(envvars.PIPELINE_SHORT.read()))
         self.job_batches = job_batches()
         self._waits = 0  # of the jobs in the thread, waits of launched batches (Deferred)
         self.behind_jobs = 0  # jobs launched behind a launched batch (see launch_slots)
@@ -458,8 +452,8 @@ LaunchBatch = Callable[[np.ndarray, BatchKey], Launched]  # RunBatch without the
 # A batch whose kernels are expected to take longer than this is only launched on the loop
 # and waited for on the device thread (Device: ``launch``); a shorter one runs whole there.
 # Env Q6SERVE_DEFER_KERNEL_US sets it (benches A/B it; a huge value: never deferred).
-DEFER_ENV = "Q6SERVE_DEFER_KERNEL_US"
-DEFER_KERNEL_S = float(os.environ.get(DEFER_ENV, "200")) * 1e-6
+DEFER_ENV = envvars.DEFER_KERNEL_US.name
+DEFER_KERNEL_S = float(envvars.DEFER_KERNEL_US.read()) * 1e-6
 
 
 class Batcher:

@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -51,7 +50,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
-from . import gcfreeze
+from . import envvars, gcfreeze
 from .batcher import (
     Batcher,
     BatchKey,
@@ -108,24 +107,15 @@ TRIM_EVERY_S = 5.0
 # (multi-weight), and RSS after bench/attacks.py's big-buffer attacks came back as with 1 MiB
 # (bench/RESULTS.md, "session 7"). Env Q6SERVE_MMAP_THRESHOLD (bytes, read when the engine
 # starts) sets another fixed value; 0 leaves glibc's own (moving) threshold.
-MMAP_THRESHOLD = 32 << 20
-MMAP_ENV = "Q6SERVE_MMAP_THRESHOLD"
+MMAP_THRESHOLD = int(envvars.MMAP_THRESHOLD.default)
+MMAP_ENV = envvars.MMAP_THRESHOLD.name
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD = -1
 
 
 def mmap_threshold() -> int:
     """The worker's fixed mmap threshold in bytes (0: glibc's moving one), from the env."""
-    raw = os.environ.get(MMAP_ENV, "").strip()
-    if not raw:
-        return MMAP_THRESHOLD
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{MMAP_ENV}={raw!r} is not a byte count") from None
-    if value < 0:
-        raise ValueError(f"{MMAP_ENV}={value} is negative")
-    return value
+    return int(envvars.MMAP_THRESHOLD.read())
 
 
 def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:

@@ -77,8 +77,8 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
+from . import envvars, wire
 from . import regions as regions_mod
-from . import wire
 from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
 from .auth import TokenAuth
@@ -97,21 +97,16 @@ GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (Engi
 # a front end's stacked requests per (weight, dtypes, K) on the device at once; later calls
 # wait for one of them to be answered and go stacked (EngineProxy: fewer, larger messages).
 # Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit) for experiments.
-STACKS_IN_FLIGHT = 2
-STACKS_ENV = "Q6SERVE_FRONTEND_STACKS"
+STACKS_IN_FLIGHT = int(envvars.FRONTEND_STACKS.default)
+STACKS_ENV = envvars.FRONTEND_STACKS.name
 
 
-def stacks_in_flight(env: Mapping[str, str] = os.environ) -> int:
+def stacks_in_flight(env: Mapping[str, str] | None = None) -> int:
     """STACKS_IN_FLIGHT, or the env's count (0: unlimited)."""
-    raw = env.get(STACKS_ENV, "").strip()
-    if not raw:
-        return STACKS_IN_FLIGHT
-    if not raw.isdigit():
-        raise InvalidArgument(f"{STACKS_ENV}={raw!r}: give a count of stacks, 0 for no limit")
-    return int(raw) or 1 << 30
+    return int(envvars.FRONTEND_STACKS.read(env)) or 1 << 30
 # plain calls read in one loop trip for the same weight, dtypes and K go to the engine as one
 # request (FrontendsWorker._queue_call). Env Q6SERVE_DEVICE_MERGE=0 turns it off (experiments).
-MERGE_ENV = "Q6SERVE_DEVICE_MERGE"
+MERGE_ENV = envvars.DEVICE_MERGE.name
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -616,7 +611,7 @@ class FrontendsWorker(Worker):
         self.stats: _DeviceStats | None = None  # Q6SERVE_DP_STATS
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
-        self.merge = os.environ.get(MERGE_ENV, "1").strip() != "0"
+        self.merge = bool(envvars.DEVICE_MERGE.read())
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
 

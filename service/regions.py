@@ -55,6 +55,8 @@ from q6serve.kernels.errors import (
 )
 from q6serve.kernels.hostio import HostIO, Route
 
+from . import envvars
+
 log = logging.getLogger("q6serve.regions")
 
 SHM_DIR = Path("/dev/shm")
@@ -400,10 +402,10 @@ class RegionTable:
         self._closing.clear()
 
 
-def pin_regions(env: Any = os.environ) -> bool:
+def pin_regions(env: Any = None) -> bool:
     """Page-lock system regions for the device's copies (``Q6SERVE_PIN_REGIONS``, default 1;
     0: x is staged and y copied on the host, as before)."""
-    return env.get("Q6SERVE_PIN_REGIONS", "1") != "0"
+    return bool(envvars.PIN_REGIONS.read(env))
 
 
 def table_for(allowed: bool, max_regions: int, max_bytes: int, backend: Any,

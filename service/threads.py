@@ -13,8 +13,10 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+
+from . import envvars
 
 T = TypeVar("T")
 
@@ -46,7 +48,7 @@ def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return fut
 
 
-BUSY_POLL_ENV = "Q6SERVE_BUSY_POLL_US"  # > 0: the loop polls that long before it sleeps; 0: never
+BUSY_POLL_ENV = envvars.BUSY_POLL_US.name  # > 0: the loop polls that long before it sleeps
 # Without the env: the loop polls BUSY_POLL_US where the process may run on at least
 # BUSY_POLL_MIN_CPUS cores, never on fewer (a spin takes a core gRPC's threads or a client on
 # the same host need: on the 2-core VM it was worse, and a worker pinned to one core would
@@ -60,17 +62,14 @@ BUSY_POLL_US = 1000.0
 BUSY_POLL_MIN_CPUS = 8
 
 
-def busy_poll_us(env: dict[str, str] | None = None) -> float:
-    """The loop's spin before it sleeps, in us: ``Q6SERVE_BUSY_POLL_US`` when set (a bad value
-    or a negative one: 0), else BUSY_POLL_US on a process allowed BUSY_POLL_MIN_CPUS cores or
-    more, else 0."""
-    raw = (os.environ if env is None else env).get(BUSY_POLL_ENV, "").strip()
-    if not raw:
+def busy_poll_us(env: Mapping[str, str] | None = None) -> float:
+    """The loop's spin before it sleeps, in us: ``Q6SERVE_BUSY_POLL_US`` when set (anything
+    but a number >= 0 is refused: envvars), else BUSY_POLL_US on a process allowed
+    BUSY_POLL_MIN_CPUS cores or more, else 0."""
+    us = envvars.BUSY_POLL_US.read(env)
+    if us is None:
         return BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0.0
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        return 0.0
+    return float(us)
 
 
 class _BusyPoll:

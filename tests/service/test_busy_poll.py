@@ -62,8 +62,9 @@ def test_busy_poll_default_depends_on_the_cores_allowed(monkeypatch: pytest.Monk
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "  "}) == threads.BUSY_POLL_US
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "0"}) == 0  # the env wins
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250
-    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "-5"}) == 0
-    assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "soon"}) == 0
+    for bad in ("-5", "soon"):  # refused by name (envvars), not read as off
+        with pytest.raises(ValueError, match=f"{threads.BUSY_POLL_ENV}={bad!r}"):
+            threads.busy_poll_us({threads.BUSY_POLL_ENV: bad})
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: few)  # pinned, small host
     assert threads.busy_poll_us({}) == 0
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250

@@ -1,0 +1,95 @@
+"""The worker's tuning variables from the environment: one table, one parser.
+
+Each ``Q6SERVE_*`` tuning variable (not the kill-switch flags, :mod:`q6serve.service.flags`,
+which SetFlags changes at run time) is a :class:`Var` here, read where its module needs it
+(``Var.read``) and checked all at once when ``q6serve worker`` starts (:func:`check`), so a
+bad value is refused there in one line that names the variable, before anything starts -
+not silently read as a default, and not as a traceback from a thread or a front-end process.
+An empty or unset variable means the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.service.flags import parse_bool
+
+
+class EnvError(InvalidArgument, ValueError):
+    """A tuning variable's value that cannot be used; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Var:
+    """One variable. ``kind``: "switch" (0/1, as the flags: also off/on, false/true, no/yes),
+    "count" (a whole number in [low, high]) or "number" (a real number in [low, high]).
+    ``default`` is what unset or empty means (None: the caller decides, e.g. from the host)."""
+
+    name: str
+    kind: str
+    default: float | int | bool | None
+    what: str  # what a value is, for the refusal: "microseconds", "batches per job", ...
+    low: float = 0
+    high: float = math.inf
+
+    def read(self, env: Mapping[str, str] | None = None) -> float | int | bool | None:
+        raw = (os.environ if env is None else env).get(self.name, "").strip()
+        if not raw:
+            return self.default
+        if self.kind == "switch":
+            try:
+                return parse_bool(self.name, raw)
+            except InvalidArgument:
+                raise EnvError(f"{self.name}={raw!r}: write 0 or 1 ({self.what})") from None
+        try:
+            value: float = int(raw) if self.kind == "count" else float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and self.low <= value <= self.high):  # garbage: NaN
+            span = (f"{_num(self.low)} or more" if self.high == math.inf
+                    else f"{_num(self.low)}..{_num(self.high)}")
+            whole = "a whole number " if self.kind == "count" else ""
+            raise EnvError(f"{self.name}={raw!r}: give {self.what}, {whole}{span}")
+        return value
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+BUSY_POLL_US = Var("Q6SERVE_BUSY_POLL_US", "number", None,
+                   "microseconds the loop polls before it sleeps (0: never)")
+DEFER_KERNEL_US = Var("Q6SERVE_DEFER_KERNEL_US", "number", 200.0,
+                      "microseconds of kernel above which a batch's wait is deferred")
+GIL_SWITCH_US = Var("Q6SERVE_GIL_SWITCH_US", "number", None,
+                    "the interpreter's switch interval in microseconds", low=1, high=1_000_000)
+MMAP_THRESHOLD = Var("Q6SERVE_MMAP_THRESHOLD", "count", 32 << 20,
+                     "malloc's mmap threshold in bytes (0: glibc's own)")
+JOB_BATCHES = Var("Q6SERVE_JOB_BATCHES", "count", 1,
+                  "batches of one weight per device-thread job", low=1)
+FRONTEND_STACKS = Var("Q6SERVE_FRONTEND_STACKS", "count", 2,
+                      "stacks a front end keeps in flight (0: no limit)")
+HANDOFF_YIELD = Var("Q6SERVE_HANDOFF_YIELD", "switch", True,
+                    "yield the GIL when a job reaches an idle device thread")
+PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
+               "launch a batch while the previous one runs")
+PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
+                     "pipeline short batches under load too")
+DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
+                   "merge front-end calls read in one loop trip")
+PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
+                  "page-lock system regions for the device's copies")
+
+VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
+                         JOB_BATCHES, FRONTEND_STACKS, HANDOFF_YIELD, PIPELINE, PIPELINE_SHORT,
+                         DEVICE_MERGE, PIN_REGIONS)
+
+
+def check(env: Mapping[str, str] | None = None) -> None:
+    """Read every variable; the first bad one raises :class:`EnvError`."""
+    for var in VARS:
+        var.read(env)
