@@ -23,12 +23,27 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
   worker  the real worker (``q6serve worker --backend numpy``): servicer, batcher, NumPy
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
+  worker0 the same worker with its loop's busy polling off (Q6SERVE_BUSY_POLL_US=0)
+
+On grpc's synchronous server (``grpc.server`` + a thread pool; the stream's handler is a
+generator on a pool thread that blocks in the request iterator; no event loop):
+
+  sbare   bytes echo, ``for req in it: yield reply``: the sync server's floor
+  sync    a MatmulStream prototype: each request decoded (wire.read_matmul_request,
+          wire.matmul_call), the worker's direct job run on the handler thread (what
+          Engine._make_batcher's ``run`` does: ``launch_ieee`` on the backend + the wait, the
+          weight loaded as the worker loads it, the worker's kernel flags), the reply encoded
+          by wire.stream_reply (stamped); none of the worker's admission, batcher bookkeeping,
+          metrics or interceptor. Figure: p50 of (round trip - kernel_seconds), as worker's
 
 ``bare+FEATURE[+FEATURE...]`` (the ladder, a bisection of what the worker's server has beyond
 the bare echo): the bare echo with each FEATURE of FEATURES added (the worker's server options,
 health and reflection, the interceptor, decoding, the coroutine handler shape, the worker's
 idle threads and background tasks, its heap threshold, logging and imports), e.g.
 ``--variants bare,bare+wopts,bare+wopts+icpt``.
+
+``--out f32`` (T1's: bench/service.py asks for f32 y) sets the reply's dtype (default f16);
+``--rows 3584 --out f32`` gives T1's message sizes.
 
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
@@ -65,12 +80,16 @@ from typing import Any
 
 import numpy as np
 
-VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker")
+VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker",
+            "worker0", "sbare", "sync")
+SYNC_VARIANTS = ("sbare", "sync")
+WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"}}  # variant: its env
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
 # -- servers (each runs in a spawned process) -------------------------------------------------
-def _reply_message(pb: Any, req: Any, y: bytes, rows: int, start: float | None = None) -> Any:
+def _reply_message(pb: Any, req: Any, y: bytes, rows: int, start: float | None = None,
+                   ) -> Any:
     """A MatmulStreamResponse like the worker's for a result (y, shape, timing); ``start``:
     stamped (bench/reply_stamps.py) with this time as the request's and now as the reply's."""
     import reply_stamps
@@ -78,7 +97,7 @@ def _reply_message(pb: Any, req: Any, y: bytes, rows: int, start: float | None =
     msg = pb.MatmulStreamResponse(request_id=req.request_id if start is None
                                   else reply_stamps.stamp(start))
     r = msg.result
-    r.y.dtype = pb.DTYPE_F16
+    r.y.dtype = pb.DTYPE_F16 if len(y) == 2 * rows else pb.DTYPE_F32
     r.y.shape.extend((1, rows))
     r.y.data = y
     r.kernel = "numpy"
@@ -89,14 +108,15 @@ def _reply_message(pb: Any, req: Any, y: bytes, rows: int, start: float | None =
     return msg
 
 
-def _echo_handler(variant: str, rows: int) -> Any:
-    """The stream handler of an echo variant and its (de)serializers."""
+def _echo_handler(variant: str, rows: int, itemsize: int = 2) -> Any:
+    """The stream handler of an echo variant and its (de)serializers (y: ``rows`` values of
+    ``itemsize`` bytes)."""
     import grpc
 
     from q6serve.service import wire
     from q6serve.v1 import q6serve_pb2 as pb
 
-    y = b"\0" * (2 * rows)
+    y = b"\0" * (itemsize * rows)
     if variant == "bare":
         async def bare(it: Any, ctx: Any) -> Any:
             async for _ in it:
@@ -135,12 +155,12 @@ class _StubEngine:
     takes_multi_weight = False
     serving = True
 
-    def __init__(self, rows: int, direct: bool = False) -> None:
+    def __init__(self, rows: int, direct: bool = False, itemsize: int = 2) -> None:
         from q6serve.kernels.api import Layout, Precision
         from q6serve.service.batcher import MatmulReply
 
         self.view = type("View", (), {"rows": rows})()
-        self.reply = MatmulReply(np.zeros((1, rows), np.float16), "stub", Layout.SOA,
+        self.reply = MatmulReply(np.zeros((1, rows), f"f{itemsize}"), "stub", Layout.SOA,
                                  Precision.F16, 1e-6, 1e-6, 1, 1, 1e-6)
         if direct:
             self.run_now = lambda call, own: self.reply
@@ -160,7 +180,7 @@ class _StubEngine:
         return fut
 
 
-async def _servicer_server(rows: int, direct: bool = False) -> Any:
+async def _servicer_server(rows: int, direct: bool = False, itemsize: int = 2) -> Any:
     """The worker's server around Q6ServeServicer over a _StubEngine; returns (server, port)."""
     import dataclasses
 
@@ -175,7 +195,7 @@ async def _servicer_server(rows: int, direct: bool = False) -> Any:
 
     cfg = dataclasses.replace(WorkerConfig(), port=0)
     metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
-    servicer = Q6ServeServicer(_StubEngine(rows, direct),  # type: ignore[arg-type]
+    servicer = Q6ServeServicer(_StubEngine(rows, direct, itemsize),  # type: ignore[arg-type]
                                max_stream_bytes=cfg.max_stream_bytes,
                                stream_budget=StreamBudget(cfg.max_stream_bytes_total,
                                                           cfg.max_stream_bytes_per_connection))
@@ -217,6 +237,8 @@ FEATURES = {
     "work": "WORK_US (default 150) us of Python per request in the handler (objects made and "
             "dropped), the worker's handler time without its code: does gRPC's own path slow "
             "down after a handler's work (caches)?",
+    "spin": "the loop's busy polling as the worker has it (service/threads.busy_poll: "
+            "Q6SERVE_BUSY_POLL_US, else 1000 us on 8+ cores), always allowed to spin",
     "imports": "the worker's imports (service.worker, engine, the NumPy backend; cupy and the "
                "CUDA backend with --backend cuda): a bigger heap for the cyclic GC",
 }
@@ -250,7 +272,7 @@ def _churn(us: float) -> Any:
     return work
 
 
-async def _ladder_server(variant: str, rows: int, backend: str) -> Any:
+async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 2) -> Any:
     """The bare echo with ``variant``'s features (see FEATURES) added; returns (server, port,
     what must stay referenced)."""
     import grpc
@@ -334,8 +356,13 @@ async def _ladder_server(variant: str, rows: int, backend: str) -> Any:
             ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
     else:
         opts = channel_options()
+    if "spin" in feats:
+        from q6serve.service.threads import busy_poll
+
+        spin = busy_poll(asyncio.get_running_loop(), lambda: True)
+        print(f"# spin: {spin.spin_s * 1e6 if spin else 0:.0f} us", file=sys.stderr, flush=True)
     server = grpc.aio.server(interceptors=interceptors, options=opts)
-    y = b"\0" * (2 * rows)
+    y = b"\0" * (itemsize * rows)
     decode = "proto" in feats
 
     work = _churn(float(os.environ.get("WORK_US", "150"))) if "work" in feats else None
@@ -371,11 +398,12 @@ async def _ladder_server(variant: str, rows: int, backend: str) -> Any:
 
 def _stamped(variant: str) -> bool:
     """Whether ``variant``'s replies carry bench/reply_stamps.py's times."""
-    return variant in ("direct", "engine", "worker") or "proto" in _features(variant)
+    return (variant in ("direct", "engine", "sync", *WORKERS)
+            or "proto" in _features(variant))
 
 
 def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 0,
-                 backend: str = "numpy") -> None:
+                 backend: str = "numpy", itemsize: int = 2) -> None:
     import grpc
     import reply_stamps
 
@@ -390,7 +418,7 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
 
     async def serve() -> None:
         if "+" in variant:
-            server, port, _keep = await _ladder_server(variant, rows, backend)
+            server, port, _keep = await _ladder_server(variant, rows, backend, itemsize)
             ports.put(port)
             await server.start()
             await server.wait_for_termination()
@@ -401,7 +429,7 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
             await worker.server.wait_for_termination()
             return
         if variant in ("servicer", "direct"):
-            server, port = await _servicer_server(rows, variant == "direct")
+            server, port = await _servicer_server(rows, variant == "direct", itemsize)
             ports.put(port)
             await server.start()
             await server.wait_for_termination()
@@ -417,7 +445,7 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
                               device="cpu")
             interceptors.append(ErrorInterceptor(metrics))
         server = grpc.aio.server(interceptors=interceptors, options=channel_options())
-        handler = _echo_handler("proto" if variant == "icpt" else variant, rows)
+        handler = _echo_handler("proto" if variant == "icpt" else variant, rows, itemsize)
         service, _, name = METHOD.lstrip("/").rpartition("/")
         server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(service, {name: handler})])
@@ -426,6 +454,89 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
         await server.wait_for_termination()
 
     asyncio.run(serve())
+
+
+# -- grpc's synchronous server --------------------------------------------------------------------
+def _direct_job(rows: int, k: int, backend: str) -> Any:
+    """``job(call) -> MatmulReply``: the worker's direct job for weight "w" (``rows`` x ``k``,
+    random Q6_K blocks as the worker variant's upload) on ``backend``: what the Batcher's
+    ``run_now`` runs through Engine._make_batcher's ``run`` (``launch_ieee`` with the worker's
+    kernel flags, then the wait), and the reply its ``run_now`` builds."""
+    from q6serve.kernels import q6k
+    from q6serve.kernels.api import iter_aos_chunks, launch_ieee
+    from q6serve.kernels.backends import make_backend
+    from q6serve.kernels.errors import InvalidArgument
+    from q6serve.service.batcher import MatmulReply
+    from q6serve.service.flags import FlagState
+
+    be = make_backend(backend)
+    flags = FlagState.from_env(os.environ).kernel_flags()
+    chunk = 64 << 20
+    blocks = q6k.random_blocks(rows, k, np.random.default_rng(0))
+    w = be.load(iter_aos_chunks(blocks, rows, k, chunk), rows, k, flags.layout, chunk)
+
+    def job(call: Any) -> Any:
+        if call.weight != "w" or call.topk:
+            raise InvalidArgument("this prototype serves weight 'w' without top-k only")
+        t0 = time.perf_counter()
+        res = launch_ieee(be, w, call.x, precision=call.precision, flags=flags,
+                          out_dtype=call.out_dtype).wait()
+        return MatmulReply(res.y, res.kernel, res.layout, res.precision, 0.0,
+                           res.timing.seconds(), int(call.x.shape[0]), 1,
+                           time.perf_counter() - t0, res.topk)
+    return job
+
+
+def _sync_server(variant: str, rows: int, ports: Any, k: int = 0, backend: str = "numpy",
+                 itemsize: int = 2, threads: int = 4) -> None:
+    """``sbare`` or ``sync`` (see the module's docstring) on ``grpc.server`` with a pool of
+    ``threads``: the stream's handler is a generator on one pool thread, blocking in the
+    request iterator between requests."""
+    from concurrent import futures
+
+    import grpc
+    import reply_stamps
+
+    from q6serve.client.channel import channel_options
+    from q6serve.service import wire
+    from q6serve.service.servicer import _stream_error
+
+    reply_stamps.install()  # sync: its replies say when (wire.stream_reply)
+    if variant == "sbare":
+        y = b"\0" * (itemsize * rows)
+
+        def bare(it: Any, ctx: Any) -> Any:
+            for _ in it:
+                yield y
+        method = grpc.stream_stream_rpc_method_handler(bare)
+    else:
+        job = _direct_job(rows, k, backend)
+
+        def read(raw: bytes) -> Any:  # (the raw request's time, as the interceptor's RPC_START)
+            return time.perf_counter(), wire.read_matmul_request(raw)
+
+        def matmul_stream(it: Any, ctx: Any) -> Any:
+            for t0, req in it:
+                rid = req.request_id
+                try:
+                    call = wire.matmul_call(req, None)
+                    took = wire.Took(t0, time.perf_counter())
+                    item = wire.stream_reply(job(call), rid, took)
+                except Exception as e:
+                    item = _stream_error(rid, e)
+                del req
+                yield item
+        method = grpc.stream_stream_rpc_method_handler(
+            matmul_stream, request_deserializer=read,
+            response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads),
+                         options=channel_options())
+    service, _, name = METHOD.lstrip("/").rpartition("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service,
+                                                                          {name: method})])
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
 
 
 # -- in process: the handler alone, no gRPC ---------------------------------------------------
@@ -585,11 +696,12 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
     return lat, stats, total
 
 
-def _request(k: int) -> bytes:
+def _request(k: int, itemsize: int = 2) -> bytes:
     from q6serve.v1 import q6serve_pb2 as pb
 
     x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float16)
-    req = pb.MatmulRequest(weight="w", precision=pb.PRECISION_F16, out_dtype=pb.DTYPE_F16)
+    req = pb.MatmulRequest(weight="w", precision=pb.PRECISION_F16,
+                           out_dtype=pb.DTYPE_F16 if itemsize == 2 else pb.DTYPE_F32)
     req.x.dtype = pb.DTYPE_F16
     req.x.shape.extend(x.shape)
     req.x.data = x.tobytes()
@@ -600,29 +712,35 @@ class _Servers:
     """One running server per variant (started once; rounds reuse them)."""
 
     def __init__(self, variants: list[str], rows: int, k: int, log_dir: Path,
-                 backend: str = "numpy", trips: bool = False) -> None:
+                 backend: str = "numpy", trips: bool = False, itemsize: int = 2) -> None:
         self.targets: dict[str, str] = {}
-        # where each server writes its loop-trip counts at exit (--trips)
-        self.trips = {v: str(log_dir / f"trips-{v}.json") for v in variants} if trips else {}
+        # where each server writes its loop-trip counts at exit (--trips; no loop: sync ones)
+        self.trips = {v: str(log_dir / f"trips-{v}.json") for v in variants
+                      if v not in SYNC_VARIANTS} if trips else {}
         self.pids: dict[str, int] = {}
         self._procs: list[Any] = []
-        self._worker: Any = None
+        self._workers: list[Any] = []
         ctx = mp.get_context("spawn")
         for v in variants:
-            if v == "worker":
-                self.targets[v] = self._start_worker(rows, k, log_dir, backend)
-                self.pids[v] = self._worker.proc.pid
+            if v in WORKERS:
+                self.targets[v] = self._start_worker(v, rows, k, log_dir, backend)
+                self.pids[v] = self._workers[-1].proc.pid
                 continue
             ports = ctx.Queue()
-            p = ctx.Process(target=_echo_server,
-                            args=(v, rows, ports, self.trips.get(v, ""), k, backend),
-                            daemon=True)
+            if v in SYNC_VARIANTS:
+                p = ctx.Process(target=_sync_server,
+                                args=(v, rows, ports, k, backend, itemsize), daemon=True)
+            else:
+                p = ctx.Process(target=_echo_server,
+                                args=(v, rows, ports, self.trips.get(v, ""), k, backend,
+                                      itemsize), daemon=True)
             p.start()
             self._procs.append(p)
             self.pids[v] = p.pid
             self.targets[v] = f"127.0.0.1:{ports.get(timeout=60)}"
 
-    def _start_worker(self, rows: int, k: int, log_dir: Path, backend: str) -> str:
+    def _start_worker(self, variant: str, rows: int, k: int, log_dir: Path,
+                      backend: str) -> str:
         from q6serve.client.client import Client
         from q6serve.client.worker_process import WorkerProcess
         from q6serve.kernels import q6k
@@ -633,23 +751,25 @@ class _Servers:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (site, env.get("PYTHONPATH", "")) if p)
         os.environ["Q6SERVE_REPLY_STAMPS"] = "1"
-        if "worker" in self.trips:
-            os.environ["Q6SERVE_LOOP_TRIPS"] = self.trips["worker"]
+        os.environ.update(WORKERS[variant])
+        if variant in self.trips:
+            os.environ["Q6SERVE_LOOP_TRIPS"] = self.trips[variant]
         try:
-            self._worker = WorkerProcess(["--backend", backend], log_dir / "worker.log").start()
+            worker = WorkerProcess(["--backend", backend], log_dir / f"{variant}.log").start()
         finally:
             os.environ.clear()
             os.environ.update(env)
-        with Client(self._worker.target, timeout=120.0) as c:
+        self._workers.append(worker)
+        with Client(worker.target, timeout=120.0) as c:
             c.upload("w", q6k.random_blocks(rows, k, np.random.default_rng(0)), rows, k)
-        return self._worker.target
+        return worker.target
 
     def close(self) -> None:
         for p in self._procs:
             p.terminate()
             p.join(10)
-        if self._worker is not None:
-            self._worker.stop()
+        for worker in self._workers:
+            worker.stop()
 
     def trip_counts(self) -> dict[str, dict[str, Any]]:
         """What each server's loop-trip counter wrote at exit (after close())."""
@@ -691,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.3, help="untimed seconds first")
     ap.add_argument("--k", type=int, default=18944, help="x columns (default ffn_down's)")
     ap.add_argument("--rows", type=int, default=7, help="y values (the weight's rows)")
+    ap.add_argument("--out", default="f16", choices=("f16", "f32"),
+                    help="y's dtype (T1's, bench/service.py's: f32)")
     ap.add_argument("--inproc", type=int, default=10000, metavar="CALLS",
                     help="also drive the handler in this process, no gRPC: CALLS requests per "
                          "round through the interceptor and MatmulStream over a stub engine, "
@@ -723,17 +845,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if a.k % 256:
         ap.error("--k must be a multiple of 256 (Q6_K blocks)")
-    req = _request(a.k)
+    itemsize = 2 if a.out == "f16" else 4
+    req = _request(a.k, itemsize)
     thinks = [float(t) for t in a.think.split(",") if t]
     # (label, variant, think us): each variant under each think time
     runs = [(v if len(thinks) == 1 and not t else f"{v}@{t:g}", v, t)
             for v in variants for t in thinks]
     p50: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    p99: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     stats: dict[str, dict[str, list[float]]] = {label: collections.defaultdict(list)
                                                 for label, _, _ in runs}
     calls = dict.fromkeys(variants, 0)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
-        servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips)
+        servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips, itemsize)
         if a.pin:
             from q6serve.service.affinity import parse_cpus, pin_process
 
@@ -745,9 +869,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(a.rounds):
                 for label, v, think in runs:
                     lat, got, n = asyncio.run(_roundtrips(
-                        servers.targets[v], req, a.seconds, a.warmup, v == "worker",
+                        servers.targets[v], req, a.seconds, a.warmup,
+                        v in WORKERS or v == "sync",
                         servers.pids[v], _stamped(v), think * 1e-6))
                     p50[label].append(float(np.median(lat)) * 1e6)
+                    p99[label].append(float(np.percentile(lat, 99)) * 1e6)
                     for name, value in got.items():
                         stats[label][name].append(
                             value * (1 if name.startswith("sleeps") else 1e6))
@@ -764,8 +890,10 @@ def main(argv: list[str] | None = None) -> int:
                                                             a.k)))) * 1e6)
     # each run against the bare echo under the same think time
     base = {t: statistics.median(p50[label]) for label, v, t in runs if v == "bare"}
-    print(f"# K={a.k} rows={a.rows}, {a.rounds} rounds x {a.seconds} s; medians over rounds of: "
-          "p50 us per round trip (worker, engine: minus the kernel); server CPU us per round "
+    sbase = {t: statistics.median(p50[label]) for label, v, t in runs if v == "sbare"}
+    print(f"# K={a.k} rows={a.rows} y {a.out}, {a.rounds} rounds x {a.seconds} s; medians over "
+          "rounds of: p50 (and p99) us per round trip (worker, sync: minus the kernel); server "
+          "CPU us per round "
           "trip (worker: with its kernel), of which its loop thread's; its threads' sleeps "
           "(voluntary context switches) per round trip; servers with stamped replies "
           "(bench/reply_stamps.py): the way up (write here -> raw request taken there), the "
@@ -776,9 +904,12 @@ def main(argv: list[str] | None = None) -> int:
         st = {name: statistics.median(got) for name, got in stats[v].items()}
         extra = (f"  +{med - base[think]:5.0f} over bare"
                  if think in base and variant != "bare" else "")
+        extra += (f"  +{med - sbase[think]:5.0f} over sbare"
+                  if think in sbase and variant not in ("bare", "sbare") else "")
         window = (f"  up {st['up']:4.0f} window {st['window']:4.0f} down {st['down']:4.0f}"
                   if "window" in st else "")
         print(f"{v:{width}s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
+              f"  p99 {statistics.median(p99[v]):6.0f}"
               f"  server cpu/trip {st['cpu']:5.0f} (loop {st['loop']:4.0f})"
               f"  sleeps/trip {st['sleeps']:4.2f}{window}{extra}")
         threads = sorted((n.partition(":")[2] for n in st if n.startswith("sleeps:")),
