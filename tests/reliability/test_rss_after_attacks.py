@@ -165,10 +165,10 @@ def test_big_transient_buffers_get_their_own_mapping():
 
 def test_the_mmap_threshold_from_the_env(monkeypatch):
     monkeypatch.setenv(engine.MMAP_ENV, "lots")
-    with pytest.raises(ValueError, match="Q6SERVE_MMAP_THRESHOLD='lots': give .* bytes"):
+    with pytest.raises(ValueError, match=r"Q6SERVE_MMAP_THRESHOLD='lots': give .* bytes"):
         engine.mmap_threshold()
     monkeypatch.setenv(engine.MMAP_ENV, "-1")
-    with pytest.raises(ValueError, match="Q6SERVE_MMAP_THRESHOLD='-1'.* 0 or more"):
+    with pytest.raises(ValueError, match=r"Q6SERVE_MMAP_THRESHOLD='-1'.* 0 or more"):
         engine.mmap_threshold()
     monkeypatch.setenv(engine.MMAP_ENV, "0")
     assert engine.mmap_threshold() == 0  # glibc's own
