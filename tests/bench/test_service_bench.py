@@ -119,21 +119,23 @@ def test_batcher_overhead_modes_run() -> None:
 
 def test_stream_overhead_variants_run() -> None:
     """bench/stream_overhead.py: every variant serves its round trips and the table prints
-    (tiny sizes and spans; the worker variant includes its kernel subtraction), with each
-    server's loop trips counted (the worker's through bench/trips_site) and a timeline; a
-    ladder rung with every feature; stamped replies split into up, window and down."""
+    (tiny sizes and spans; the worker variants include their kernel subtraction), with each
+    aio server's loop trips counted (the worker's through bench/trips_site) and a timeline; a
+    ladder rung with every feature; stamped replies split into up, window and down; grpc's
+    sync server's echo and MatmulStream prototype (f32 replies) beside the aio ones."""
     ladder = "bare+" + "+".join(("wopts", "hr", "icpt", "proto", "coro", "threads", "tasks",
-                                 "heap", "log", "imports", "work"))
+                                 "heap", "log", "imports", "work", "spin"))
     variants = ",".join(("bare", "proto", "struct", "icpt", "servicer", "direct", "engine",
-                         "worker", ladder))
+                         "worker", "worker0", "sbare", "sync", ladder))
     done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
                            "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
-                           "--rows", "2", "--inproc", "200", "--trips", "--timeline", "3",
+                           "--rows", "2", "--out", "f32", "--inproc", "200", "--trips",
+                           "--timeline", "3",
                            "--variants", variants],
                           capture_output=True, text=True, timeout=180, cwd=ROOT,
                           env={**os.environ, "WORK_US": "20"})
     assert done.returncode == 0, done.stderr[-2000:]
-    for variant in ("direct", "engine", "worker", ladder):  # stamped replies
+    for variant in ("direct", "engine", "worker", "worker0", "sync", ladder):  # stamped
         assert re.search(rf"^{re.escape(variant)} +median .* up +[0-9]+ window +-?[0-9]+ "
                          r"down +[0-9]+", done.stdout, re.MULTILINE), done.stdout
     for variant in ("bare", "proto", "struct", "icpt", "servicer", "worker"):
@@ -141,6 +143,11 @@ def test_stream_overhead_variants_run() -> None:
         trips = re.search(rf"^{variant} +loop trips per round trip ([0-9.]+)", done.stdout,
                           re.MULTILINE)
         assert trips and 1.0 <= float(trips.group(1)) <= 50.0, done.stdout
+    for variant in ("sync", "worker"):  # against both echoes
+        assert re.search(rf"^{variant} +median .* over bare +\+ *-?[0-9]+ over sbare", done.stdout,
+                         re.MULTILINE), done.stdout
+    assert re.search(r"^sbare +median +[0-9]+ .* p99 +[0-9]+", done.stdout, re.MULTILINE)
+    assert not re.search(r"^s(bare|ync) +loop trips", done.stdout, re.MULTILINE), done.stdout
     assert "Task.task_wakeup" in done.stdout and " select " in done.stdout, done.stdout
     assert "in process, no gRPC" in done.stdout, done.stdout
 
