@@ -26,11 +26,13 @@ What the front end's gRPC, interceptor and servicer cost on top is in the full r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -39,7 +41,8 @@ from typing import Any
 import numpy as np
 from service_load import LoadSpec, run_load
 
-from service import random_q6k  # bench/ is sys.path[0]
+from q6serve.client.client import PRECISIONS
+from service import WARM_NS, parts, random_q6k  # bench/ is sys.path[0]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -125,6 +128,71 @@ def print_stats(s: dict[str, Any]) -> None:
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat's cpu line)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = v[3] + v[4]  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+def cpu_snapshot(pids: list[int]) -> dict[int, float]:
+    """CPU seconds of each of ``pids`` still alive."""
+    got = {}
+    for p in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            got[p] = cpu_seconds(p)
+    return got
+
+
+class CpuWindow(threading.Thread):
+    """Per-process CPU shares (of one core) over a window in the middle of a load's timed
+    part: the device process, each front end, each load process (this process's children but
+    the worker) and the whole machine (busy share of all cores). It snapshots every 0.1 s from
+    its start; :meth:`shares` picks the snapshots inside [t0, t1] (perf_counter) once known."""
+
+    def __init__(self, device: int, fronts: list[int], skip: set[int]) -> None:
+        super().__init__(daemon=True)
+        self.device, self.fronts, self.skip = device, fronts, skip
+        self.snaps: list[tuple[float, dict[int, float], tuple[int, int]]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            load = [p for p in children(os.getpid()) if p not in self.skip]
+            pids = [self.device, *self.fronts, *load]
+            self.snaps.append((time.perf_counter(), cpu_snapshot(pids), machine_jiffies()))
+            self.stop.wait(0.1)
+
+    def shares(self, t0: float, t1: float) -> dict[str, Any]:
+        self.stop.set()
+        self.join(5)
+        inside = [s for s in self.snaps if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return {}
+        (ta, a, ja), (tb, b, jb) = inside[0], inside[-1]
+        span = tb - ta
+        share = {p: (b[p] - a[p]) / span for p in b if p in a}
+        load = sorted((v for p, v in share.items()
+                       if p != self.device and p not in self.fronts and v > 0.02),
+                      reverse=True)  # (the resource tracker and the like: ~0)
+        fronts = sorted((share.get(p, 0.0) for p in self.fronts), reverse=True)
+        cores = os.cpu_count() or 1
+        return {"window_s": span, "device": share.get(self.device, 0.0), "fronts": fronts,
+                "load": load, "machine_busy_cores": (jb[0] - ja[0]) / max(jb[1] - ja[1], 1)
+                * cores}
+
+
+def cpu_line(c: dict[str, Any]) -> str:
+    """One line of CpuWindow.shares: cores of each part (1.00 = one core saturated)."""
+    if not c:
+        return "cpu: no window"
+    f, ld = c["fronts"], c["load"]
+    return (f"cpu (cores, {c['window_s']:.1f} s): device {c['device']:.2f}; front ends "
+            f"sum {sum(f):.2f} max {max(f, default=0):.2f} min {min(f, default=0):.2f}; "
+            f"load x{len(ld)} sum {sum(ld):.2f} max {max(ld, default=0):.2f}; "
+            f"machine {c['machine_busy_cores']:.1f} of {os.cpu_count()}")
 
 
 def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int, k: int,
@@ -240,6 +308,66 @@ def proxy_cpu(callers: int, calls: int = 20000) -> float:
     return asyncio.run(run())
 
 
+def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
+             worker_pid: int, fronts: list[int], hosts: int, callers: int,
+             stats: Path | None) -> dict[str, Any]:
+    """One closed-loop load of ``hosts`` processes x ``callers`` on the running worker: calls/s,
+    rows/s, latency, CPU per call of the device process and the front ends over the whole load
+    (set-up and warm-up included), and each process's share of a core in the timed window's
+    middle (:class:`CpuWindow`: who saturates)."""
+    spec = LoadSpec(target, (("w", a.k),), callers, a.n, a.seconds, a.warmup, "stream",
+                    "f16", PRECISIONS[a.precision], 0, a.region, a.rows, True)
+    window = CpuWindow(worker_pid, fronts, {spawned, worker_pid})
+    window.start()
+    t_load = time.time()
+    before = {p: cpu_seconds(p) for p in [worker_pid, *fronts]}
+    b0, r0 = batches(metrics_url)
+    means: dict[str, float] = {}
+    if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
+        calls, wall, lat = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
+                                      a.rows)
+    else:
+        samples, wall = run_load(spec, hosts)  # the warm-up's CPU is in too (~1/9)
+        lat = samples["w"]["e2e"]
+        calls = int(lat.size)
+        means = {k: float(np.mean(v) * 1e6) for k, v in parts(samples["w"]).items()}
+    t_ret = time.perf_counter()
+    # the timed part ended just before run_load returned: its middle 70%
+    cpu = window.shares(t_ret - 0.85 * wall - 0.1, t_ret - 0.15 * wall - 0.1)
+    p50, p99 = np.percentile(lat, (50, 99)) * 1e6
+    used = {p: cpu_seconds(p) - t for p, t in before.items()}
+    t_end = time.time()
+    b1, r1 = batches(metrics_url)
+    path = "lane" if a.lane else a.region or "bytes"
+    n_batches = max(b1 - b0, 1.0)
+    kernel = (kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
+              if a.backend == "numpy" else 0.0)
+    device = used[worker_pid] / calls
+    print(f"frontends={a.frontends} {path} load {hosts}x{callers}: {calls} calls, "
+          f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "
+          f"(NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
+          f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
+          f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows; latency p50 "
+          f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s", flush=True)
+    print("#   " + cpu_line(cpu), flush=True)
+    if means:
+        print("#   mean us: " + ", ".join(f"{k} {v:.0f}" for k, v in means.items()), flush=True)
+    result: dict[str, Any] = {
+        "backend": a.backend, "frontends": a.frontends, "path": path, "hosts": hosts,
+        "callers": callers, "calls": calls, "calls_per_s": calls / wall,
+        "device_cpu_us_per_call": device * 1e6,
+        "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
+        "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg,
+        "p50_us": p50, "p99_us": p99, "rows_per_s": calls * a.n / wall, "cpu": cpu,
+        "parts_mean_us": means,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("Q6SERVE_")}}
+    if stats is not None:
+        time.sleep(1.2)  # the counters' next line
+        result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)
+        print_stats(result["device"])
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frontends", type=int, default=2)
@@ -268,11 +396,22 @@ def main(argv: list[str] | None = None) -> int:
                          "and py-spy (the "
                          "worker runs under `py-spy record`, PYSPY: its path, PYSPY_ARGS: more "
                          "arguments)")
+    ap.add_argument("--loads", default="",
+                    help="several loads on one worker, HOSTSxCALLERS each (e.g. 8x8,4x16): "
+                         "one row each (default: --hosts x --callers)")
+    ap.add_argument("--precision", default="auto", choices=tuple(PRECISIONS),
+                    help="the calls' precision (bench/service.py's T2: f16)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--proxy", type=int, default=0, metavar="C",
                     help="measure only a front end's own path, C calls per stack, in this "
                          "process (see above); no worker is started")
     a = ap.parse_args(argv)
+    try:
+        a.loads = [tuple(int(v) for v in x.split("x")) for x in a.loads.split(",") if x] or [
+            (a.hosts, a.callers)]
+        assert all(len(x) == 2 and min(x) >= 1 for x in a.loads)
+    except (ValueError, AssertionError):
+        ap.error(f"--loads {a.loads!r}: HOSTSxCALLERS[,HOSTSxCALLERS...], each >= 1")
     if a.proxy:
         print(f"front end's own path, {a.proxy} calls/stack: "
               f"{proxy_cpu(a.proxy) * 1e6:.1f} us CPU per call", flush=True)
@@ -310,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics_url = mp.group(1)
         with Client(target) as c:
             c.upload("w", random_q6k(a.rows, a.k, 1), a.rows, a.k)
-        spec = LoadSpec(target, (("w", a.k),), a.callers, a.n, a.seconds, a.warmup, "stream",
-                        "f16", 0, 0, a.region, a.rows, True)
+            for m in sorted({a.n, *WARM_NS}):  # kernels load on first use, never in a run
+                c.matmul_full("w", np.ones((m, a.k), np.float16), precision=a.precision,
+                              timeout=600.0)
         if a.profile and os.environ.get("PYSPY"):
             worker_pid = children(worker.pid)[0]  # py-spy's child
         else:
@@ -323,49 +463,17 @@ def main(argv: list[str] | None = None) -> int:
                  f"top -H -b -d 1 -n 2 -w 200 -p {worker_pid} > {a.profile}/top_threads.txt; "
                  f"top -b -d 1 -n 2 -w 200 > {a.profile}/top.txt; "
                  f"nvidia-smi > {a.profile}/nvidia_smi.txt 2>&1"])
-        t_load = time.time()
-        before = {p: cpu_seconds(p) for p in [worker_pid, *fronts]}
-        b0, r0 = batches(metrics_url)
-        latency = ""
-        if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
-            calls, wall, lat = _lane_load(target, a.hosts, a.callers, a.seconds, a.warmup,
-                                          a.n, a.k, a.rows)
-            p50, p99 = np.percentile(lat, (50, 99)) * 1e6
-            latency = (f"; latency p50 {p50:,.0f} us, p99 {p99:,.0f} us; "
-                       f"{calls * a.n / wall:,.0f} rows/s")
-        else:
-            samples, wall = run_load(spec, a.hosts)  # the warm-up's CPU is in too (~1/9)
-            calls = int(samples["w"]["e2e"].size)
-            p50, p99 = np.percentile(samples["w"]["e2e"], (50, 99)) * 1e6
-            latency = f"; latency p50 {p50:,.0f} us, p99 {p99:,.0f} us"
-        used = {p: cpu_seconds(p) - t for p, t in before.items()}
-        t_end = time.time()
-        b1, r1 = batches(metrics_url)
-        path = "lane" if a.lane else a.region or "bytes"
-        n_batches = max(b1 - b0, 1.0)
-        kernel = (kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
-                  if a.backend == "numpy" else 0.0)
-        device = used[worker_pid] / calls
-        print(f"frontends={a.frontends} {path}: {calls} calls, "
-              f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "
-              f"(NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
-              f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
-              f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows{latency}", flush=True)
-        result: dict[str, Any] = {
-            "backend": a.backend, "frontends": a.frontends, "path": path, "calls": calls,
-            "calls_per_s": calls / wall, "device_cpu_us_per_call": device * 1e6,
-            "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
-            "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg}
-        result.update(p50_us=p50, p99_us=p99, rows_per_s=calls * a.n / wall)
-        if stats is not None:
-            time.sleep(1.2)  # the counters' next line
-            result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)
-            print_stats(result["device"])
+        results = []
+        for hosts, callers in a.loads:
+            results.append(one_load(a, target, metrics_url, worker.pid, worker_pid, fronts,
+                                    hosts, callers, stats))
+        if a.profile:
             side.wait(30)
         if a.json:
             import json
 
-            a.json.write_text(json.dumps(result, indent=1))
+            a.json.write_text(json.dumps(results[0] if len(results) == 1 else results,
+                                         indent=1))
     finally:
         os.kill(worker_pid, signal.SIGTERM)  # (under py-spy: it writes its profile when the
         worker.wait(60)  # worker exits)

@@ -73,6 +73,8 @@ JOB_BATCHES = Var("Q6SERVE_JOB_BATCHES", "count", 1,
                   "batches of one weight per device-thread job", low=1)
 FRONTEND_STACKS = Var("Q6SERVE_FRONTEND_STACKS", "count", 2,
                       "stacks a front end keeps in flight (0: no limit)")
+FRONTEND_BUSY_POLL_US = Var("Q6SERVE_FRONTEND_BUSY_POLL_US", "number", 0.0,
+                            "microseconds a front end's loop polls before it sleeps (0: never)")
 HANDOFF_YIELD = Var("Q6SERVE_HANDOFF_YIELD", "switch", True,
                     "yield the GIL when a job reaches an idle device thread")
 PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
@@ -85,8 +87,8 @@ PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
-                         JOB_BATCHES, FRONTEND_STACKS, HANDOFF_YIELD, PIPELINE, PIPELINE_SHORT,
-                         DEVICE_MERGE, PIN_REGIONS)
+                         JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US, HANDOFF_YIELD,
+                         PIPELINE, PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS)
 
 
 def check(env: Mapping[str, str] | None = None) -> None:

@@ -88,6 +88,7 @@ from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
 from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
 from .servicer import Q6ServeServicer, RegionPlane
+from .threads import _BusyPoll
 from .worker import Worker, build_server, stop_server
 
 log = logging.getLogger("q6serve.frontends")
@@ -104,6 +105,20 @@ STACKS_ENV = envvars.FRONTEND_STACKS.name
 def stacks_in_flight(env: Mapping[str, str] | None = None) -> int:
     """STACKS_IN_FLIGHT, or the env's count (0: unlimited)."""
     return int(envvars.FRONTEND_STACKS.read(env)) or 1 << 30
+
+
+# a front end's loop may busy-poll (service/threads.py's _BusyPoll: select without blocking
+# for up to this many us before it sleeps) so that a device answer or a gRPC event finds it
+# running instead of woken from epoll. Off (0) by default: every front end would take a
+# core while idle. Env Q6SERVE_FRONTEND_BUSY_POLL_US (read when a front end starts).
+FRONTEND_BUSY_POLL_ENV = envvars.FRONTEND_BUSY_POLL_US.name
+
+
+def frontend_busy_poll_us(env: Mapping[str, str] | None = None) -> float:
+    """The front end's spin before it sleeps, in us (0: off, the default)."""
+    return float(envvars.FRONTEND_BUSY_POLL_US.read(env))  # type: ignore[arg-type]
+
+
 # plain calls read in one loop trip for the same weight, dtypes and K go to the engine as one
 # request (FrontendsWorker._queue_call). Env Q6SERVE_DEVICE_MERGE=0 turns it off (experiments).
 MERGE_ENV = envvars.DEVICE_MERGE.name
@@ -618,6 +633,7 @@ class FrontendsWorker(Worker):
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        frontend_busy_poll_us()  # a bad value fails the start here, not in every front end
         self._init_metrics()
         self.engine = self.make_engine()
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
@@ -1698,6 +1714,9 @@ def frontend_main() -> None:
 
 async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, slots: int,
                     slot_bytes: int) -> None:
+    if (spin_us := frontend_busy_poll_us()) > 0:  # (FRONTEND_BUSY_POLL_ENV)
+        loop = asyncio.get_running_loop()
+        loop._selector = _BusyPoll(loop._selector, spin_us * 1e-6)  # type: ignore[attr-defined]
     arena = Arena.create(slots, slot_bytes)
     link = _Link(arena)
     try:

@@ -633,3 +633,45 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
         return len(table), table.mapped_bytes, w.worker._pending
 
     assert w.call(held()) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("raw", ["soon", "-5", "inf", "nan"])
+def test_a_bad_frontend_busy_poll_value_is_refused_by_name(raw: str) -> None:
+    from q6serve.kernels.errors import InvalidArgument
+    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
+
+    with pytest.raises(InvalidArgument, match=f"{FRONTEND_BUSY_POLL_ENV}={raw!r}"):
+        frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: raw})
+    assert frontend_busy_poll_us({}) == 0  # off unless asked
+    assert frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: " 250 "}) == 250
+
+
+def test_busy_polling_front_ends_serve(start: Callable[..., Running],
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       rng: np.random.Generator) -> None:
+    """With Q6SERVE_FRONTEND_BUSY_POLL_US the front ends spin before they sleep (each idle
+    front end then takes a core: CPU time while idle shows it) and every call is answered as
+    without; a bad value fails the worker's start, not its front ends one by one."""
+    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV
+
+    monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, "100000")  # 0.1 s: spinning most of the time
+    w = start()
+    blocks = random_q6k(ROWS, K, 5)
+    w.client().upload("w", blocks, ROWS, K)
+    clients = [w.client() for _ in range(4)]
+    for i, c in enumerate(clients):
+        x = rng.standard_normal((1 + i, K)).astype(np.float32)
+        np.testing.assert_allclose(c.matmul("w", x), reference(blocks, ROWS, K, x), rtol=1e-5,
+                                   atol=1e-4)
+    pids = list(w.worker.frontend_pids.values())
+
+    def cpu() -> float:
+        return sum(float(sum(int(v) for v in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1]
+                             .split()[11:13])) for p in pids) / os.sysconf("SC_CLK_TCK")
+
+    c0, t0 = cpu(), time.perf_counter()
+    time.sleep(0.5)  # idle: a front end that sleeps in epoll uses ~nothing
+    assert (cpu() - c0) / (time.perf_counter() - t0) > 0.3
+    monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, "fast")
+    with pytest.raises(Exception, match=FRONTEND_BUSY_POLL_ENV):
+        start()
