@@ -642,36 +642,56 @@ def test_a_bad_frontend_busy_poll_value_is_refused_by_name(raw: str) -> None:
 
     with pytest.raises(InvalidArgument, match=f"{FRONTEND_BUSY_POLL_ENV}={raw!r}"):
         frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: raw})
-    assert frontend_busy_poll_us({}) == 0  # off unless asked
-    assert frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: " 250 "}) == 250
+
+
+def test_frontend_busy_poll_follows_the_workers_rule_unless_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: the worker's rule (Q6SERVE_BUSY_POLL_US, else 1000 us on 8+ cores allowed, else
+    0); Q6SERVE_FRONTEND_BUSY_POLL_US overrides it for the front ends alone."""
+    from q6serve.service import threads
+    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
+
+    many = set(range(threads.BUSY_POLL_MIN_CPUS))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: many)
+    assert frontend_busy_poll_us({}) == threads.BUSY_POLL_US > 0
+    assert frontend_busy_poll_us({"Q6SERVE_BUSY_POLL_US": "0"}) == 0  # the worker's switch
+    assert frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: "0"}) == 0
+    assert frontend_busy_poll_us({"Q6SERVE_BUSY_POLL_US": "0",
+                                  FRONTEND_BUSY_POLL_ENV: " 250 "}) == 250
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: never spins
+    assert frontend_busy_poll_us({}) == 0
+    assert frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: "250"}) == 250
 
 
 def test_busy_polling_front_ends_serve(start: Callable[..., Running],
                                        monkeypatch: pytest.MonkeyPatch,
                                        rng: np.random.Generator) -> None:
-    """With Q6SERVE_FRONTEND_BUSY_POLL_US the front ends spin before they sleep (each idle
-    front end then takes a core: CPU time while idle shows it) and every call is answered as
-    without; a bad value fails the worker's start, not its front ends one by one."""
+    """With Q6SERVE_FRONTEND_BUSY_POLL_US the front ends spin before they sleep (a front end
+    whose loop wakes for its 200 ms metrics flush then spins the whole interval: CPU time
+    while idle shows it; off, it sleeps) and every call is answered as without; a bad value
+    fails the worker's start, not its front ends one by one."""
     from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV
 
-    monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, "100000")  # 0.1 s: spinning most of the time
-    w = start()
+    def cpu(pids: list[int]) -> float:
+        return sum(sum(int(v) for v in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1]
+                       .split()[11:13]) for p in pids) / os.sysconf("SC_CLK_TCK")
+
     blocks = random_q6k(ROWS, K, 5)
-    w.client().upload("w", blocks, ROWS, K)
-    clients = [w.client() for _ in range(4)]
-    for i, c in enumerate(clients):
-        x = rng.standard_normal((1 + i, K)).astype(np.float32)
-        np.testing.assert_allclose(c.matmul("w", x), reference(blocks, ROWS, K, x), rtol=1e-5,
-                                   atol=1e-4)
-    pids = list(w.worker.frontend_pids.values())
-
-    def cpu() -> float:
-        return sum(float(sum(int(v) for v in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1]
-                             .split()[11:13])) for p in pids) / os.sysconf("SC_CLK_TCK")
-
-    c0, t0 = cpu(), time.perf_counter()
-    time.sleep(0.5)  # idle: a front end that sleeps in epoll uses ~nothing
-    assert (cpu() - c0) / (time.perf_counter() - t0) > 0.3
+    idle = {}
+    for spin in ("0", "1000000"):  # 1 s: longer than any of the loop's timeouts
+        monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, spin)
+        w = start()
+        w.client().upload("w", blocks, ROWS, K)
+        for i, c in enumerate([w.client() for _ in range(4)]):
+            x = rng.standard_normal((1 + i, K)).astype(np.float32)
+            np.testing.assert_allclose(c.matmul("w", x), reference(blocks, ROWS, K, x),
+                                       rtol=1e-5, atol=1e-4)
+        pids = list(w.worker.frontend_pids.values())
+        c0, t0 = cpu(pids), time.perf_counter()
+        time.sleep(0.6)
+        idle[spin] = (cpu(pids) - c0) / (time.perf_counter() - t0)
+        w.stop()
+    assert idle["0"] < 0.2 < 0.4 < idle["1000000"], idle
     monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, "fast")
     with pytest.raises(Exception, match=FRONTEND_BUSY_POLL_ENV):
         start()
