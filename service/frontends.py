@@ -88,7 +88,7 @@ from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
 from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
 from .servicer import Q6ServeServicer, RegionPlane
-from .threads import _BusyPoll, busy_poll_us
+from .threads import _BusyPoll
 from .worker import Worker, build_server, stop_server
 
 log = logging.getLogger("q6serve.frontends")
@@ -107,20 +107,20 @@ def stacks_in_flight(env: Mapping[str, str] | None = None) -> int:
     return int(envvars.FRONTEND_STACKS.read(env)) or 1 << 30
 
 
-# a front end's loop busy-polls (service/threads.py's _BusyPoll: select without blocking for
-# up to this many us after its last event before it sleeps) so that a device answer or a
+# a front end's loop may busy-poll (service/threads.py's _BusyPoll: select without blocking
+# for up to this many us after its last event before it sleeps) so that a device answer or a
 # gRPC event finds it running instead of woken from epoll. Env Q6SERVE_FRONTEND_BUSY_POLL_US
-# (read when a front end starts; 0: never); unset: the worker's own rule
-# (threads.busy_poll_us: Q6SERVE_BUSY_POLL_US, else 1000 us on a process allowed 8+ cores,
-# else 0; a front end pinned to its own core never spins). On the H200 (16 cores) T2 through
-# 8 front ends went 13.2k -> 17.8k rows/s with 1000 us (bench/RESULTS.md, issue 15 session 9).
+# (read when a front end starts). Off by default: on the H200 (16 cores) T2 through 8 front
+# ends was not faster with 1000 us in an alternated A/B (13.1k/13.3k off, 14.5k/13.4k on; p99
+# 8.2 -> 8.8/10.6 ms): the wait for the device's answer got shorter (server other 2.9 -> 2.3 ms)
+# and gRPC's own transport longer (1.3 -> 1.6-1.9 ms; the spinning loop holds the GIL that
+# gRPC's threads need). bench/RESULTS.md, issue 15 session 9.
 FRONTEND_BUSY_POLL_ENV = envvars.FRONTEND_BUSY_POLL_US.name
 
 
 def frontend_busy_poll_us(env: Mapping[str, str] | None = None) -> float:
-    """A front end's spin before it sleeps, in us (0: off; see FRONTEND_BUSY_POLL_ENV)."""
-    us = envvars.FRONTEND_BUSY_POLL_US.read(env)
-    return busy_poll_us(env) if us is None else float(us)
+    """A front end's spin before it sleeps, in us (0: off, the default)."""
+    return float(envvars.FRONTEND_BUSY_POLL_US.read(env))  # type: ignore[arg-type]
 
 
 # plain calls read in one loop trip for the same weight, dtypes and K go to the engine as one
