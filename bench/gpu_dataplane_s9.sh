@@ -43,7 +43,7 @@ Q6SERVE_FRONTEND_BUSY_POLL_US=1000 v f8_fespin 8 8x8
 Q6SERVE_FRONTEND_BUSY_POLL_US=1000 v f4_fespin 4 8x8
 if [[ -z ${SKIP_SPY:-} && -x /tmp/site/bin/py-spy ]]; then
   # the same F=8 8x8 again, py-spy (200 Hz, not stopping the process) on the device process
-  # and on one front end for 1.2 s of the timed part
+  # and on one front end for 1 s of the timed part (py-spy takes whole seconds)
   (
     dev=$(worker_pid 80)
     for ((i = 0; i < 80; i++)); do  # the load processes started: their warm-up, then spy
@@ -53,7 +53,7 @@ if [[ -z ${SKIP_SPY:-} && -x /tmp/site/bin/py-spy ]]; then
     sleep 2.2
     fe=$(pgrep -P "$dev" | head -1)
     for p in "$dev" "$fe"; do
-      timeout 10 /tmp/site/bin/py-spy record --pid "$p" --duration 1.2 --rate 200 --nonblocking \
+      timeout 10 /tmp/site/bin/py-spy record --pid "$p" --duration 1 --rate 200 --nonblocking \
         -f raw -o "$OUT/spy_$p.txt" >"$OUT/spy_$p.log" 2>&1 &
     done
     echo "device $dev front end $fe" >"$OUT/spy_pids.txt"
