@@ -14,7 +14,8 @@ sync, Python). Modes:
   is printed beside it;
   ``staged`` also prints the GPU's span of each call (CUDA events recorded on the stream just
   before the launch and just after it: upload, kernels, download and the gaps between them), so
-  ``wall - span`` is the host's own part (the launch before the GPU starts, the sync's wake-up);
+  ``wall - span`` is the host's own part (the launch before the GPU starts, the sync's wake-up),
+  and ``launch`` the host time of ``launch`` alone (an event record and the enqueueing);
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
   the launches, ``y.get()``), for comparison.
 
@@ -75,7 +76,7 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             topk: int = 0) -> dict:
     import cupy as cp
 
-    walls, kerns, fills, spans = [], [], [], []
+    walls, kerns, fills, spans, lts = [], [], [], [], []
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     for i in range(calls + 5):
         x = xs[i % len(xs)]
@@ -90,8 +91,11 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             t0 = time.perf_counter()
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
             launched = be.launch(w, st, topk=topk)
+            t1 = time.perf_counter()  # the host's launch (its part before the GPU starts)
             e1.record(be.stream)
             res = launched.wait()
+            if i >= 5:
+                lts.append((t1 - t0) * 1e6)
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
             if i >= 5:
@@ -108,7 +112,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
     return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
             "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))],
             "fill_p50": statistics.median(fills) if fills else None,
-            "span_p50": statistics.median(spans) if spans else None}
+            "span_p50": statistics.median(spans) if spans else None,
+            "launch_p50": statistics.median(lts) if lts else None}
 
 
 def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
-                    fill += f" gpu span {r['span_p50']:.1f}"
+                    fill += f" gpu span {r['span_p50']:.1f} launch {r['launch_p50']:.1f}"
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}", flush=True)
             if a.floor:
