@@ -153,8 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=0, help="top-k epilogue k (0: y)")
     ap.add_argument("--floor", action="store_true",
                     help="also time x's upload, y's download and an empty sync alone")
+    ap.add_argument("--small-y-f32", type=int, default=None,
+                    help="launch.SMALL_Y_F32 for this run (bytes: an f32 y up to it is "
+                    "downloaded by the launch sequence and copied out after the sync)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.small_y_f32 is not None:
+        from q6serve.kernels.cuda import launch
+
+        launch.SMALL_Y_F32 = a.small_y_f32
     modes = a.modes.split(",")
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
     bes["naive"] = bes["direct"]

@@ -3,7 +3,8 @@
 # host path (tests/kernels/test_cuda_backend.py, test_cuda_inflight.py; the service's RPC and
 # upload-buffer tests on the CUDA backend), then bench/backend_wall.py on the 48 MB weights
 # (4096x14336, 14336x4096) at N=1,16,32,64, modes graph and staged, --floor, with the base tree
-# (BASE: a copy of main) and this tree alternated twice on the same machine. The table last
+# (BASE: a copy of main) and this tree alternated twice on the same machine, and (sy0, N=1 only)
+# this tree with --small-y-f32 0 (an f32 y never copied out after the sync). The table last
 # (host = wall - kernel, p50 us; base runs / this tree's runs); logs in $FINAL/hp_s9.tgz.
 #   bench/gpu_hp_s9.sh [BASE]   (default ./base)
 set -uo pipefail
@@ -20,11 +21,13 @@ Q6SERVE_TEST_BACKEND=cuda timeout 45 python3 -m pytest -q -rfE -p no:cacheprovid
 note "tests_service rc=$? $(tail -1 "$OUT/tests_service.log") at $(elapsed)"
 pack
 for round in 1 2; do
-  for v in base new; do
-    pp=$NOWPP
+  for v in base new sy0; do
+    pp=$NOWPP ns=1,16,32,64 extra=()
     [[ $v == base ]] && pp=$BASEPP
+    # sy0: this tree with every f32 y DMA'd into a pinned block that becomes the result (N=1)
+    [[ $v == sy0 ]] && ns=1 extra=(--small-y-f32 0)
     PYTHONPATH=$pp timeout 75 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 \
-      --ns 1,16,32,64 --modes graph,staged --floor --calls 200 \
+      --ns $ns --modes graph,staged --floor --calls 200 "${extra[@]}" \
       --json "$OUT/wall_${v}_$round.json" >"$OUT/wall_${v}_$round.log" 2>&1
     note "wall $v $round rc=$? at $(elapsed)"
     pack
@@ -46,7 +49,8 @@ for (shape, n, mode), by in runs.items():
     fl = runs.get((shape, n, "floor"), {}).get("new", [{}])[0]
     def f(v, key):
         return "/".join(f"{r[key]:.1f}" for r in by.get(v, []))
-    print(f"{shape:>10} {n:>2} {mode:>7} | {f('base', 'host_p50')} -> {f('new', 'host_p50')} "
+    sy = f" sy0 {f('sy0', 'host_p50')}" if "sy0" in by else ""
+    print(f"{shape:>10} {n:>2} {mode:>7} | {f('base', 'host_p50')} -> {f('new', 'host_p50')}{sy} "
           f"(wall {f('base', 'wall_p50')} -> {f('new', 'wall_p50')}; kernel {f('new', 'kernel_p50')})"
           f" | {fl.get('h2d', float('nan')):.1f} {fl.get('d2h', float('nan')):.1f}")
 PY

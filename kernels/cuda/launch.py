@@ -64,6 +64,10 @@ GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that was
 # host, ~1 us per 16 KiB): a CuPy conversion plus a pinned block per call cost ~70 us of host
 # time on the H200 machine; past this size the host copy would cost more than they do
 SMALL_Y = 64 << 10
+# the same for an f32 y (no conversion): past it y is DMA'd into a pinned block that becomes the
+# returned array (enqueued after the launch, while the kernel runs) instead of copied out of the
+# slot's buffer after the sync (bench/backend_wall.py --small-y-f32 compares)
+SMALL_Y_F32 = SMALL_Y
 SLOTS = 2  # launches in flight at once on one launcher (see the module docstring, point 5)
 # x bytes from which a caller's x (not built in the staging buffer) is copied into it in chunks,
 # each DMA'd while the next is copied (the host copy, ~14 GB/s on the H200 machine, is ~3.4x
@@ -293,7 +297,9 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int,
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
-    if dt not in (np.float32, np.float16) or n * rows * dt.itemsize > SMALL_Y:
+    if dt == np.float32:
+        return dt if n * rows * 4 <= SMALL_Y_F32 else None
+    if dt != np.float16 or n * rows * 2 > SMALL_Y:
         return None
     return dt
 
