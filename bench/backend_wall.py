@@ -72,14 +72,54 @@ def naive_call(be: CudaBackend, w: ResidentWeight, x: np.ndarray) -> tuple[np.nd
     return host, cp.cuda.get_elapsed_time(start, end) / 1e3
 
 
+class _Stamped:
+    """A bound sequence's graph with the host's clock read around each launch (``--probe``)."""
+
+    def __init__(self, graph: object, stamps: dict) -> None:
+        self.graph, self.stamps = graph, stamps
+
+    def launch(self, stream: object) -> None:
+        self.stamps["g0"] = time.perf_counter()
+        self.graph.launch(stream)
+        self.stamps["g1"] = time.perf_counter()
+
+
+def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
+    """``stamps`` a dict: time-stamp the graph launches of ``w``'s bound sequences and the
+    launcher's ``_finish`` (y's way out, enqueued after the launch); None: undo that."""
+    lc = be.launcher
+    for b in w.data.plans.values():
+        if stamps is not None and b.graph and not isinstance(b.graph, _Stamped):
+            b.graph = _Stamped(b.graph, stamps)
+        elif stamps is None and isinstance(b.graph, _Stamped):
+            b.graph = b.graph.graph
+    if stamps is None:
+        lc.__dict__.pop("_finish", None)
+        return
+    orig = type(lc)._finish.__get__(lc)
+
+    def finish(*args: object, **kw: object) -> object:
+        stamps["f0"] = time.perf_counter()
+        r = orig(*args, **kw)
+        stamps["f1"] = time.perf_counter()
+        return r
+
+    lc._finish = finish
+
+
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
-            topk: int = 0) -> dict:
+            topk: int = 0, probe: bool = False) -> dict:
     import cupy as cp
 
     walls, kerns, fills, spans, lts = [], [], [], [], []
+    stamps: dict = {}
+    parts: dict[str, list[float]] = {"pre": [], "graph": [], "mid": [], "finish": [],
+                                     "rest": []}
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     for i in range(calls + 5):
         x = xs[i % len(xs)]
+        if probe and mode == "staged" and i == 5:  # bound and captured by now
+            _probe(be, w, stamps)
         t0 = time.perf_counter()
         if mode == "naive":
             _, ks = naive_call(be, w, x)
@@ -96,6 +136,13 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             res = launched.wait()
             if i >= 5:
                 lts.append((t1 - t0) * 1e6)
+            if probe and i >= 5 and "g1" in stamps:  # (a small y: no _finish)
+                f0, f1 = stamps.get("f0", stamps["g1"]), stamps.get("f1", stamps["g1"])
+                for name, a_, b_ in (("pre", t0, stamps["g0"]), ("graph", stamps["g0"],
+                                     stamps["g1"]), ("mid", stamps["g1"], f0),
+                                     ("finish", f0, f1), ("rest", f1, t1)):
+                    parts[name].append((b_ - a_) * 1e6)
+            stamps.clear()
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
             if i >= 5:
@@ -108,8 +155,11 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
         if i >= 5:  # warm-up: compile, bind, capture
             walls.append(wall * 1e6)
             kerns.append(ks * 1e6)
+    if probe and mode == "staged":
+        _probe(be, w, None)
     host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
-    return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
+    return {"probe": {k: statistics.median(v) for k, v in parts.items() if v} or None,
+            "wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
             "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))],
             "fill_p50": statistics.median(fills) if fills else None,
             "span_p50": statistics.median(spans) if spans else None,
@@ -156,12 +206,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-y-f32", type=int, default=None,
                     help="launch.SMALL_Y_F32 for this run (bytes: an f32 y up to it is "
                     "downloaded by the launch sequence and copied out after the sync)")
+    ap.add_argument("--variants", default="",
+                    help="in-process A/B of the host path's constants: 'LABEL[:NAME=INT,...]' "
+                    "separated by ';' (NAME a constant of kernels/cuda/launch.py), measured in "
+                    "turn for every (shape, N), --rounds times")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--probe", action="store_true",
+                    help="staged: the host's clock around the graph launch and y's way out")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    if a.small_y_f32 is not None:
-        from q6serve.kernels.cuda import launch
+    from q6serve.kernels.cuda import launch
 
+    if a.small_y_f32 is not None:
         launch.SMALL_Y_F32 = a.small_y_f32
+    variants: list[tuple[str, dict[str, int]]] = []
+    for spec in filter(None, a.variants.split(";")):
+        label, _, sets = spec.partition(":")
+        variants.append((label, {k: int(float(v)) for k, v in
+                                 (kv.split("=") for kv in filter(None, sets.split(",")))}))
+    variants = variants or [("", {})]
+    defaults = {k: getattr(launch, k) for _, sets in variants for k in sets}
+
+    def apply(sets: dict[str, int]) -> None:
+        for k, v in {**defaults, **sets}.items():
+            setattr(launch, k, v)
+
     modes = a.modes.split(",")
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
     bes["naive"] = bes["direct"]
@@ -184,16 +253,23 @@ def main(argv: list[str] | None = None) -> int:
                                      Layout.SOA, 64 << 20)
         for n in map(int, a.ns.split(",")):
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
-            for m in modes:
+            for rnd, (label, sets), m in ((rnd, v, m) for rnd in range(a.rounds)
+                                          for v in variants for m in modes):
+                apply(sets)
                 be = bes[m]
-                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk)
-                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk)
+                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk, a.probe)
+                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk,
+                         variant=label, round=rnd)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
                     fill += f" gpu span {r['span_p50']:.1f} launch {r['launch_p50']:.1f}"
+                if r["probe"]:
+                    fill += " [" + " ".join(f"{k} {v:.1f}" for k, v in r["probe"].items()) + "]"
+                tag = f" {label}" if label else ""
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
-                      f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}", flush=True)
+                      f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}{tag}", flush=True)
+            apply({})
             if a.floor:
                 f = floor(bes["graph"], xs[0].nbytes, n * rows * 4, a.calls)  # y f32
                 out.append({"shape": shape_s, "n": n, "mode": "floor", **f})
@@ -204,6 +280,18 @@ def main(argv: list[str] | None = None) -> int:
             w = ws.pop(id(be), None)
             if w is not None:
                 be.free(w)
+    if len(variants) > 1:  # per (shape, N, mode): each variant's host p50, median of rounds
+        print("# variants (host p50, median over rounds; wall p50):")
+        rows_: dict[tuple, dict[str, list[dict]]] = {}
+        for r in out:
+            if "variant" in r:
+                rows_.setdefault((r["shape"], r["n"], r["mode"]), {}).setdefault(
+                    r["variant"], []).append(r)
+        for (shape_s, n, m), by in rows_.items():
+            cells = [f"{v} {statistics.median(x['host_p50'] for x in rs):.1f} "
+                     f"({statistics.median(x['wall_p50'] for x in rs):.1f})"
+                     for v, rs in by.items()]
+            print(f"{shape_s:>12} {n:>3} {m:>7}  " + "  ".join(cells), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": bes["graph"].device_name(), "results": out}, fh, indent=1)

@@ -74,6 +74,9 @@ SLOTS = 2  # launches in flight at once on one launcher (see the module docstrin
 # slower than the bus): only the last chunk's DMA is left in series with the copy
 UPLOAD_PIPE_MIN = 256 << 10
 UPLOAD_TAIL = 64 << 10  # the last chunks' size at least (a DMA call costs ~2 us of host)
+# x bytes from which an x built in the staging buffer is uploaded by a copy enqueued before the
+# bound sequence's graph rather than by a node of it (off: bench/backend_wall.py --variants)
+STAGED_UPLOAD_OUTSIDE = 1 << 62
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -557,15 +560,16 @@ class Launcher:
         if staged and ws.held(slot):
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         host = ws.host(x.nbytes, slot)
-        xb = None
+        xb, outside = None, staged and x.nbytes >= STAGED_UPLOAD_OUTSIDE
         if not staged:
             xb = x.reshape(-1).view(np.uint8)
             if x.nbytes < UPLOAD_PIPE_MIN or path == "cublas_f16":
                 host[: xb.size] = xb
                 xb = None
-            # (else a large x is copied in chunks, each DMA'd while the next is copied: _upload)
+            else:  # a large x is copied in chunks, each DMA'd while the next is copied
+                outside = True
         return self._in_slot(slot, lambda: self._launch_in(
-            w, cw, x, in_t, path, cfg, out_dtype, topk, slot, host, xb))
+            w, cw, x, in_t, path, cfg, out_dtype, topk, slot, host, xb, outside))
 
     def _in_slot(self, slot: int, enqueue: Callable[[], Callable[[], Done]],
                  ) -> Callable[[], Done]:
@@ -591,10 +595,10 @@ class Launcher:
     def _launch_in(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
                    path: str, cfg: Cfg | None, out_dtype: np.dtype | None, topk: int,
                    slot: int, host: np.ndarray, piped: np.ndarray | None = None,
-                   ) -> Callable[[], Done]:
+                   outside: bool = False) -> Callable[[], Done]:
         """:meth:`launch`'s enqueueing in ``slot``: x already in its staging buffer ``host``,
-        or (``piped``: x's bytes) copied there and uploaded chunk by chunk here, before the
-        bound sequence without an upload of its own."""
+        or (``piped``: x's bytes) copied there and uploaded chunk by chunk here; ``outside``:
+        the upload is enqueued here, before the bound sequence (which then has none)."""
         cp, stream = self.ctx.cp, self.ctx.stream
         n = int(x.shape[0])
         if path == "cublas_f16":
@@ -602,14 +606,17 @@ class Launcher:
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
         key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk), slot)
-        if piped is not None:
-            key += ("piped",)
+        if outside:
+            key += ("outside",)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
-            b.extra["device_x"] = piped is not None  # (its graph: no upload)
+            b.extra["device_x"] = outside  # (its graph: no upload)
         if piped is not None:
             self._upload(b.extra["xd"], piped, host, self.ws.host_ptr(slot))
+        elif outside:
+            cp.cuda.runtime.memcpyAsync(b.extra["xd"], self.ws.host_ptr(slot), b.x_bytes,
+                                        _H2D, stream.ptr)
         if b.graph:
             b.graph.launch(stream)
             finish = self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
@@ -621,7 +628,7 @@ class Launcher:
                 return done
 
             return graph_done
-        if piped is None:
+        if not outside:
             cp.cuda.runtime.memcpyAsync(b.extra["xd"], self.ws.host_ptr(slot), b.x_bytes,
                                         _H2D, stream.ptr)
         b.start.record(stream)

@@ -527,11 +527,14 @@ def test_upload_chunks_cover_x_once_with_a_small_last_chunk():
         assert len(ch) <= 2 + (nbytes // UPLOAD_TAIL).bit_length()
 
 
-def test_large_activations_upload_in_chunks(be, rng):
+def test_large_activations_upload_in_chunks(be, rng, monkeypatch):
     """An x of UPLOAD_PIPE_MIN bytes or more, copied into the staging buffer chunk by chunk
-    (each DMA'd while the next is copied), gives bit-identical results to the same x built in
-    the staging buffer (one upload), through the direct call, the capture and graph replays,
-    with small and large y, f16 out and the top-k epilogue; and its graph is used."""
+    (each DMA'd while the next is copied, before a graph without an upload), gives
+    bit-identical results to the same x built in the staging buffer (one upload, a node of
+    the graph), through the direct call, the capture and graph replays, with small and large
+    y, f16 out and the top-k epilogue; and its graph is used. So does a staged x uploaded
+    before the graph (STAGED_UPLOAD_OUTSIDE)."""
+    from q6serve.kernels.cuda import launch
     from q6serve.kernels.cuda.launch import UPLOAD_PIPE_MIN
 
     rows, k = 700, 4096
@@ -545,17 +548,23 @@ def test_large_activations_upload_in_chunks(be, rng):
         st = be.staging(n, k, np.dtype(dt))
         st[...] = x
         want = be.matmul(w, st, precision=Precision.F16, out_dtype=out, topk=topk)
-        for _ in range(4):  # direct, direct + capture, graph, graph
+        for i in range(8):  # direct, direct + capture, graph, graph: plain x, then staged x
             poison()
-            got = be.matmul(w, x.copy(), precision=Precision.F16, out_dtype=out, topk=topk)
+            arg = x.copy()
+            if i >= 4:
+                monkeypatch.setattr(launch, "STAGED_UPLOAD_OUTSIDE", 0)
+                arg = be.staging(n, k, np.dtype(dt))
+                arg[...] = x
+            got = be.matmul(w, arg, precision=Precision.F16, out_dtype=out, topk=topk)
             if topk:
                 np.testing.assert_array_equal(got.topk.values, want.topk.values)
                 np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
             else:
                 np.testing.assert_array_equal(got.y, want.y, err_msg=f"N={n} {dt}")
             assert got.timing.seconds() > 0
+        monkeypatch.undo()
         if not topk:
             assert rel_fro(got.y, reference.matmul_float64(x, blocks, rows)) <= TOL[Precision.F16]
-    piped = [b for key, b in w.data.plans.items() if key[-1] == "piped"]
-    assert len(piped) == 5 and all(b.graph for b in piped), "pipelined uploads never graphed"
+    outside = [b for key, b in w.data.plans.items() if key[-1] == "outside"]
+    assert len(outside) == 5 and all(b.graph for b in outside), "uploads before graphs unused"
     be.free(w)
