@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((label, {k: int(float(v)) for k, v in
                                  (kv.split("=") for kv in filter(None, sets.split(",")))}))
     variants = variants or [("", {})]
+    unknown = {k for _, sets in variants for k in sets if not hasattr(launch, k)}
+    if unknown:
+        ap.error(f"--variants: no constant {', '.join(sorted(unknown))} in kernels/cuda/launch.py")
     defaults = {k: getattr(launch, k) for _, sets in variants for k in sets}
 
     def apply(sets: dict[str, int]) -> None:

@@ -7,6 +7,8 @@
 # before the graph, not by a node of it), sy0 (an f32 y always into a pinned block, no copy after
 # the sync); with --probe (the host's clock around the graph launch and y's way out) and --floor;
 # then the base tree (BASE, a copy of main) once with --probe. First the GPU tests of the paths.
+# Ran once at 6e9394a (bench/RESULTS.md, "Host path (issue 14), session 9"); the variants' constants
+# (UPLOAD_PIPE_MIN, UPLOAD_TAIL, STAGED_UPLOAD_OUTSIDE) were dropped after it: not faster.
 #   bench/gpu_hp_s9b.sh [BASE]   (default ./base)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh

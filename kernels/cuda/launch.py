@@ -16,12 +16,12 @@ host path of one batch:
 3. the events sit around the kernel(s) only (recorded as external graph event nodes), so the
    reported time is the kernel's, not the copies' or Python's;
 4. y goes device -> host after **one** stream synchronisation; the kernel time is read then
-   (the events are complete). A small y (<= ``SMALL_Y`` bytes, f32 or f16) is converted and
-   copied into a pinned buffer of the workspace by the bound sequence itself (so a graph
-   call is one host call for everything), then copied out on the host; a larger y (or bf16)
-   goes into a pinned block that becomes the returned array (no host copy). The top-k
-   epilogue (group form) is bound in the same way: its launches after the end event, its
-   packed rows into the pinned buffer (an lm-head call is one graph launch and one sync).
+   (the events are complete). A small y (f16 <= ``SMALL_Y`` bytes, f32 <= ``SMALL_Y_F32``)
+   is converted and copied into a pinned buffer of the workspace by the bound sequence itself
+   (so a graph call is one host call for everything), then copied out on the host; a larger
+   y (or bf16) goes into a pinned block that becomes the returned array (no host copy). The
+   top-k epilogue (group form) is bound in the same way: its launches after the end event,
+   its packed rows into the pinned buffer (an lm-head call is one graph launch and one sync).
 
 5. up to ``SLOTS`` launches may be in flight (launched, their wait not yet called): each takes
    a slot with its own pinned staging and small-y buffers, bound sequences (graphs, timing
@@ -65,18 +65,10 @@ GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that was
 # time on the H200 machine; past this size the host copy would cost more than they do
 SMALL_Y = 64 << 10
 # the same for an f32 y (no conversion): past it y is DMA'd into a pinned block that becomes the
-# returned array (enqueued after the launch, while the kernel runs) instead of copied out of the
-# slot's buffer after the sync (bench/backend_wall.py --small-y-f32 compares)
+# returned array (enqueued after the graph launch, while the kernel runs) instead of copied out
+# of the slot's buffer after the sync (bench/backend_wall.py --small-y-f32 compares)
 SMALL_Y_F32 = SMALL_Y
 SLOTS = 2  # launches in flight at once on one launcher (see the module docstring, point 5)
-# x bytes from which a caller's x (not built in the staging buffer) is copied into it in chunks,
-# each DMA'd while the next is copied (the host copy, ~14 GB/s on the H200 machine, is ~3.4x
-# slower than the bus): only the last chunk's DMA is left in series with the copy
-UPLOAD_PIPE_MIN = 256 << 10
-UPLOAD_TAIL = 64 << 10  # the last chunks' size at least (a DMA call costs ~2 us of host)
-# x bytes from which an x built in the staging buffer is uploaded by a copy enqueued before the
-# bound sequence's graph rather than by a node of it (off: bench/backend_wall.py --variants)
-STAGED_UPLOAD_OUTSIDE = 1 << 62
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -250,10 +242,6 @@ class Workspace:
         self._host[slot] = self._pinned(self._host[slot], nbytes)
         return self._host[slot][1]
 
-    def host_ptr(self, slot: int) -> int:
-        """The address of the slot's staging buffer (``ndarray.ctypes`` costs ~4 us)."""
-        return int(self._host[slot][0].ptr)
-
     def host_out(self, nbytes: int, slot: int = 0) -> np.ndarray:
         """The slot's pinned buffer small outputs are downloaded into (uint8, >= ``nbytes``)."""
         self._out[slot] = self._pinned(self._out[slot], nbytes)
@@ -276,20 +264,6 @@ class Workspace:
         self._held, self._done = [False] * SLOTS, [None] * SLOTS
         self.staged = None
         self.gen += 1
-
-
-def upload_chunks(nbytes: int) -> list[tuple[int, int]]:
-    """(offset, size) of the chunks a pipelined upload copies and DMAs in turn: halving sizes
-    (4 KiB aligned) down to ``UPLOAD_TAIL``..2x that, so each chunk's DMA ends while the next,
-    half as large, is copied (the bus is ~3.4x faster than the copy) and the last DMA, the
-    only one in series with the copy, is small. One chunk below ``2 * UPLOAD_TAIL``."""
-    out, off, rest = [], 0, nbytes
-    while rest > 2 * UPLOAD_TAIL:
-        size = (rest // 2 + 4095) & ~4095
-        out.append((off, size))
-        off, rest = off + size, rest - size
-    out.append((off, rest))
-    return out
 
 
 def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int,
@@ -559,17 +533,12 @@ class Launcher:
         slot = ws.staged_slot if staged else ws.free_slot()  # ndarray.ctypes costs ~4 us
         if staged and ws.held(slot):
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
-        host = ws.host(x.nbytes, slot)
-        xb, outside = None, staged and x.nbytes >= STAGED_UPLOAD_OUTSIDE
+        xb = x.reshape(-1).view(np.uint8)
+        host = ws.host(xb.size, slot)
         if not staged:
-            xb = x.reshape(-1).view(np.uint8)
-            if x.nbytes < UPLOAD_PIPE_MIN or path == "cublas_f16":
-                host[: xb.size] = xb
-                xb = None
-            else:  # a large x is copied in chunks, each DMA'd while the next is copied
-                outside = True
-        return self._in_slot(slot, lambda: self._launch_in(
-            w, cw, x, in_t, path, cfg, out_dtype, topk, slot, host, xb, outside))
+            host[: xb.size] = xb
+        return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
+                                                           out_dtype, topk, slot, host))
 
     def _in_slot(self, slot: int, enqueue: Callable[[], Callable[[], Done]],
                  ) -> Callable[[], Done]:
@@ -594,11 +563,8 @@ class Launcher:
 
     def _launch_in(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
                    path: str, cfg: Cfg | None, out_dtype: np.dtype | None, topk: int,
-                   slot: int, host: np.ndarray, piped: np.ndarray | None = None,
-                   outside: bool = False) -> Callable[[], Done]:
-        """:meth:`launch`'s enqueueing in ``slot``: x already in its staging buffer ``host``,
-        or (``piped``: x's bytes) copied there and uploaded chunk by chunk here; ``outside``:
-        the upload is enqueued here, before the bound sequence (which then has none)."""
+                   slot: int, host: np.ndarray) -> Callable[[], Done]:
+        """:meth:`launch`'s enqueueing in ``slot`` (x already in its staging buffer ``host``)."""
         cp, stream = self.ctx.cp, self.ctx.stream
         n = int(x.shape[0])
         if path == "cublas_f16":
@@ -606,17 +572,9 @@ class Launcher:
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
         key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk), slot)
-        if outside:
-            key += ("outside",)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
-            b.extra["device_x"] = outside  # (its graph: no upload)
-        if piped is not None:
-            self._upload(b.extra["xd"], piped, host, self.ws.host_ptr(slot))
-        elif outside:
-            cp.cuda.runtime.memcpyAsync(b.extra["xd"], self.ws.host_ptr(slot), b.x_bytes,
-                                        _H2D, stream.ptr)
         if b.graph:
             b.graph.launch(stream)
             finish = self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
@@ -628,9 +586,8 @@ class Launcher:
                 return done
 
             return graph_done
-        if not outside:
-            cp.cuda.runtime.memcpyAsync(b.extra["xd"], self.ws.host_ptr(slot), b.x_bytes,
-                                        _H2D, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D,
+                                    stream.ptr)
         b.start.record(stream)
         for s in b.steps:
             s()
@@ -640,16 +597,6 @@ class Launcher:
         if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
             self._capture(b, host)
         return self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
-
-    def _upload(self, xd: int, xb: np.ndarray, host: np.ndarray, hptr: int) -> None:
-        """x's bytes ``xb`` -> the staging buffer ``host`` (at ``hptr``) -> the device's x at
-        ``xd``, chunk by chunk (:func:`upload_chunks`): each chunk's DMA is enqueued as soon as
-        it is copied, so it runs while the next is copied."""
-        rt, sp = self.ctx.cp.cuda.runtime, self.ctx.stream.ptr
-        for off, size in upload_chunks(xb.size):
-            end = off + size
-            host[off:end] = xb[off:end]
-            rt.memcpyAsync(xd + off, hptr + off, size, _H2D, sp)
 
     def launch_device(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str,
                       path: str, cfg: Cfg, slot: int | None = None) -> tuple[Any, Any, Any]:
@@ -737,7 +684,7 @@ class Launcher:
             self.ws.done_event(slot).synchronize()
 
     def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
-        path, cfg, n, in_t, small, slot = key[:6]
+        path, cfg, n, in_t, small, slot = key
         small = small if small != "device" else None  # launch_device: y stays on the device
         slot = slot or 0  # (None: launch_device's, which has no host buffers of its own)
         cp = self.ctx.cp

@@ -6,8 +6,6 @@ checked to be fully written by poisoning the allocator's free blocks with NaN fi
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -507,64 +505,3 @@ def test_activations_built_in_the_staging_buffer(be, rng):
         for _ in range(3):  # direct, capture, graph
             np.testing.assert_array_equal(be.matmul(w, st, precision=Precision.F16).y, want)
 
-
-def test_upload_chunks_cover_x_once_with_a_small_last_chunk():
-    """The pipelined upload's chunks (device-free): contiguous, every byte once, 4 KiB-aligned
-    offsets, halving sizes down to a last chunk of UPLOAD_TAIL..2x; one chunk below 2x."""
-    from q6serve.kernels.cuda.launch import UPLOAD_PIPE_MIN, UPLOAD_TAIL, upload_chunks
-
-    assert upload_chunks(1000) == [(0, 1000)]
-    assert upload_chunks(2 * UPLOAD_TAIL) == [(0, 2 * UPLOAD_TAIL)]
-    for nbytes in (UPLOAD_PIPE_MIN, UPLOAD_PIPE_MIN + 2, 64 * 4096 * 2, 64 * 14336 * 2,
-                   64 * 14336 * 4 + 6, 256 * 18944 * 4):
-        ch = upload_chunks(nbytes)
-        assert ch[0][0] == 0 and sum(s for _, s in ch) == nbytes
-        assert all(o1 == o0 + s0 for (o0, s0), (o1, _) in itertools.pairwise(ch))
-        assert all(o % 4096 == 0 for o, _ in ch) and len(ch) >= 2
-        sizes = [s for _, s in ch]
-        assert all(b <= a for a, b in itertools.pairwise(sizes))  # halving
-        assert UPLOAD_TAIL // 2 <= sizes[-1] <= 2 * UPLOAD_TAIL
-        assert len(ch) <= 2 + (nbytes // UPLOAD_TAIL).bit_length()
-
-
-def test_large_activations_upload_in_chunks(be, rng, monkeypatch):
-    """An x of UPLOAD_PIPE_MIN bytes or more, copied into the staging buffer chunk by chunk
-    (each DMA'd while the next is copied, before a graph without an upload), gives
-    bit-identical results to the same x built in the staging buffer (one upload, a node of
-    the graph), through the direct call, the capture and graph replays, with small and large
-    y, f16 out and the top-k epilogue; and its graph is used. So does a staged x uploaded
-    before the graph (STAGED_UPLOAD_OUTSIDE)."""
-    from q6serve.kernels.cuda import launch
-    from q6serve.kernels.cuda.launch import UPLOAD_PIPE_MIN
-
-    rows, k = 700, 4096
-    blocks = random_weight(rng, rows, k)
-    w = load(be, blocks, rows, k, Layout.SOA)
-    for n, dt, out, topk in ((64, np.float16, None, 0), (40, np.float32, None, 0),
-                             (32, np.float16, np.float16, 0), (64, np.float16, None, 16),
-                             (16, np.float32, None, 0)):
-        x = rng.standard_normal((n, k)).astype(dt)
-        assert x.nbytes >= UPLOAD_PIPE_MIN
-        st = be.staging(n, k, np.dtype(dt))
-        st[...] = x
-        want = be.matmul(w, st, precision=Precision.F16, out_dtype=out, topk=topk)
-        for i in range(8):  # direct, direct + capture, graph, graph: plain x, then staged x
-            poison()
-            arg = x.copy()
-            if i >= 4:
-                monkeypatch.setattr(launch, "STAGED_UPLOAD_OUTSIDE", 0)
-                arg = be.staging(n, k, np.dtype(dt))
-                arg[...] = x
-            got = be.matmul(w, arg, precision=Precision.F16, out_dtype=out, topk=topk)
-            if topk:
-                np.testing.assert_array_equal(got.topk.values, want.topk.values)
-                np.testing.assert_array_equal(got.topk.indices, want.topk.indices)
-            else:
-                np.testing.assert_array_equal(got.y, want.y, err_msg=f"N={n} {dt}")
-            assert got.timing.seconds() > 0
-        monkeypatch.undo()
-        if not topk:
-            assert rel_fro(got.y, reference.matmul_float64(x, blocks, rows)) <= TOL[Precision.F16]
-    outside = [b for key, b in w.data.plans.items() if key[-1] == "outside"]
-    assert len(outside) == 5 and all(b.graph for b in outside), "uploads before graphs unused"
-    be.free(w)
