@@ -66,8 +66,9 @@ GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that was
 SMALL_Y = 64 << 10
 # the same for an f32 y (no conversion): past it y is DMA'd into a pinned block that becomes the
 # returned array (enqueued after the graph launch, while the kernel runs) instead of copied out
-# of the slot's buffer after the sync (bench/backend_wall.py --small-y-f32 compares)
-SMALL_Y_F32 = SMALL_Y
+# of the slot's buffer after the sync. H200, session 9, in one process: 14336x4096 N=1 (57 KiB of
+# y) 15 us less host time that way, 4096x14336 N=1 (16 KiB) no gain (bench/RESULTS.md)
+SMALL_Y_F32 = 32 << 10
 SLOTS = 2  # launches in flight at once on one launcher (see the module docstring, point 5)
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)

@@ -505,3 +505,19 @@ def test_activations_built_in_the_staging_buffer(be, rng):
         for _ in range(3):  # direct, capture, graph
             np.testing.assert_array_equal(be.matmul(w, st, precision=Precision.F16).y, want)
 
+
+def test_small_y_ways_out_without_a_device():
+    """Which y the bound sequence downloads itself (then copied out after the sync) and which
+    goes straight into a pinned block that becomes the result: f32 up to SMALL_Y_F32 bytes,
+    f16 (converted on the device) up to SMALL_Y, bf16 never."""
+    from q6serve.kernels.cuda.launch import SMALL_Y, SMALL_Y_F32, _small_out
+
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    assert SMALL_Y_F32 < SMALL_Y
+    assert _small_out(1, 4096, None, 0) == f32  # 16 KiB: 4096x14336 at N=1
+    assert _small_out(1, SMALL_Y_F32 // 4, f32, 0) == f32
+    assert _small_out(1, SMALL_Y_F32 // 4 + 1, None, 0) is None
+    assert _small_out(1, 14336, None, 0) is None  # 56 KiB: 14336x4096 at N=1
+    assert _small_out(1, 14336, f16, 0) == f16  # 28 KiB of f16
+    assert _small_out(3, 14336, f16, 0) is None
+    assert _small_out(1, 64, BFLOAT16, 0) is None
