@@ -36,7 +36,9 @@ def test_cpu_window_tells_a_busy_process_from_an_idle_one() -> None:
             p.kill()
             p.wait()
     assert got["window_s"] > 0.5
-    assert got["device"] > 0.3 and got["fronts"][0] < 0.05, got  # (2 cores shared in CI)
-    assert len(got["load"]) == 1 and got["load"][0] > 0.3, got
-    assert 0.6 < got["machine_busy_cores"] <= (os.cpu_count() or 1) + 0.01, got
+    # (a shared 2-core CI machine may give each spinner a fraction of a core; the sleeper
+    # takes none)
+    assert got["device"] > 0.1 and got["fronts"][0] < 0.02, got
+    assert len(got["load"]) == 1 and got["load"][0] > 0.1, got
+    assert 0.2 < got["machine_busy_cores"] <= (os.cpu_count() or 1) + 0.01, got
     assert frontend_cpu.cpu_line(got).startswith("cpu (cores, ")
