@@ -343,10 +343,11 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------
-def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = ()) -> None:
+def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
     answer with (replies cached per size); nothing else is done. ``cpus``: run there (as the
-    worker does with --cpus)."""
+    worker does with --cpus); ``spin``: its loop busy-polls as the worker's does by default
+    (service/threads.py: the same rule, so the same cores decide)."""
     import asyncio
     import os
 
@@ -379,6 +380,10 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = ()) -> None:
             "U": grpc.unary_unary_rpc_method_handler(unary),
             "S": grpc.stream_stream_rpc_method_handler(stream)})])
         ports.put(server.add_insecure_port("127.0.0.1:0"))
+        if spin:
+            from q6serve.service.threads import busy_poll
+
+            busy_poll(asyncio.get_running_loop(), lambda: True)
         await server.start()
         await server.wait_for_termination()
 
@@ -456,13 +461,14 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
 
 
 def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
-             work: tuple[int, int] | None = None) -> dict[str, list[float]]:
+             work: tuple[int, int] | None = None, spin: bool = False) -> dict[str, list[float]]:
     """Bare gRPC round trips (server and caller in their own processes, as in the bench):
     p50 seconds per (request bytes, reply bytes), per mode; ``work``: see
-    :func:`_echo_client`."""
+    :func:`_echo_client`; ``spin``: see :func:`_sized_echo_server`."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS), daemon=True)
+    server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin),
+                         daemon=True)
     server.start()
     try:
         port = ports.get(timeout=60)
@@ -474,8 +480,9 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
 
 
 def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str], seconds: float,
-               work: tuple[int, int] | None = None) -> dict[str, float]:
+               work: tuple[int, int] | None = None, spin: bool = False) -> dict[str, float]:
     """p50 µs of a bare gRPC round trip of these sizes, per mode (``work``: with a T1
-    caller's own encoding and decoding, :class:`_ClientWork`)."""
-    got = echo_p50([(request_bytes, reply_bytes)], modes, seconds, work)
+    caller's own encoding and decoding, :class:`_ClientWork`; ``spin``: the echo's loop
+    busy-polls as the worker's does)."""
+    got = echo_p50([(request_bytes, reply_bytes)], modes, seconds, work, spin)
     return {m: v[0] * 1e6 for m, v in got.items()}

@@ -154,7 +154,8 @@ def test_stream_overhead_variants_run() -> None:
 
 def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """T1's second floor: the echo's caller encodes a real MatmulRequest and decodes a real
-    reply around each round trip (service_load._ClientWork); both floors come back."""
+    reply around each round trip (service_load._ClientWork); all three floors (plain, with the
+    caller's work, the echo busy-polling) come back."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # (spawned children get it too)
     import service_load
 
@@ -169,4 +170,6 @@ def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -
     plain = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3)
     with_work = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3,
                                         work=(512, 64))
-    assert plain["stream"] > 0 and with_work["stream"] > 0
+    monkeypatch.setenv("Q6SERVE_BUSY_POLL_US", "200")  # the spinning echo spins on 2 cores too
+    spin = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3, spin=True)
+    assert plain["stream"] > 0 and with_work["stream"] > 0 and spin["stream"] > 0
