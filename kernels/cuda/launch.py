@@ -51,6 +51,7 @@ from .storage import CudaWeight
 
 MATMUL_FILE = "q6k_matmul.cu"
 WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 6), built for sm_90a on compute capability 9.0
+TMA_FILE = "q6k_tma.cu"  # the TMA-fed tile (src 7), built for sm_90a on compute capability 9.0
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
@@ -82,8 +83,26 @@ def ring_stages(cfg: Cfg) -> int:
     return 3 if cfg.pf else 2
 
 
+def tma_stage_bytes(chunk: int) -> int:
+    """Bytes of one warp's ring stage of the TMA tile (src 7; q6k_tma.cu's TmaStage)."""
+    qh = 16 * chunk * 128 + 64
+    sc = qh + 16 * chunk * 64 + 32
+    d = sc + 16 * chunk * 16
+    doff = d + 16 * (16 * ((2 * chunk + 29) // 16))
+    return -(-(doff + 16) // 128) * 128
+
+
+def tma_fallback(cfg: Cfg) -> Cfg:
+    """The K-slice tile that serves a src 7 plan where the TMA tile does not run (AoS weights,
+    devices other than sm_90): same numerics and, at the same slice count, the same bits."""
+    return Cfg(nt=cfg.nt, src=4, pf=True, ksplit=cfg.ksplit)
+
+
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
+    if path == "mma_f16" and cfg.src == 7:  # stage_x_f16's slice, the warps' rings, mbarriers
+        ring = cfg.warps * cfg.stages * (tma_stage_bytes(cfg.chunk) + 8)
+        return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
     if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
@@ -112,6 +131,10 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
+    if path == "mma_f16" and cfg.src == 7:
+        if not soa:
+            raise DeviceError("the TMA tile reads SoA weights only (plan: tma_fallback)")
+        return f"q6k_tma_f16<{cfg.nt}, {in_t}, {cfg.warps}, {cfg.stages}, {cfg.chunk}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -122,7 +145,9 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
 
 def kernel_file(path: str, cfg: Cfg) -> str:
     """The source file that holds a tile path's kernel."""
-    return WG_FILE if path == "mma_f16" and cfg.src == 6 else MATMUL_FILE
+    if path == "mma_f16" and cfg.src in (6, 7):
+        return WG_FILE if cfg.src == 6 else TMA_FILE
+    return MATMUL_FILE
 
 
 @dataclass(frozen=True)
@@ -382,7 +407,8 @@ class Launcher:
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
             # blocks in flight per warp
-            ahead = ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf else 0.5
+            ahead = (ring_stages(cfg) - 1 if cfg.src == 5 else
+                     (cfg.stages - 1) * cfg.chunk if cfg.src == 7 else 1 if cfg.pf else 0.5)
             inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
@@ -404,15 +430,27 @@ class Launcher:
             # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
             # committed table was tuned on an H200) runs the K-slice tile of the same width
             cfg = Cfg(nt=cfg.nt, src=4, pf=True)
+        if path == "mma_f16" and cfg.src == 7 and arch_specific(TMA_FILE, self.ctx.cc) is None:
+            cfg = tma_fallback(cfg)  # the TMA tile builds for sm_90 only (as the wgmma tile)
         file = kernel_file(path, cfg)
-        fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
+        threads = 32 * cfg.warps
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:
             gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
         smem = smem_bytes(path, cfg, -(-bpr // ks))
+        if layout is Layout.SOA:
+            fn = soa_fn
+        elif path == "mma_f16" and cfg.src == 7:
+            # AoS weights: the K-slice tile on this plan's grid (its warps stride over the row
+            # tiles, its slice count is this plan's), so SoA and AoS results are bit-identical
+            fb = tma_fallback(cfg)
+            fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, fb, False, in_t))
+            threads = 32 * fb.warps
+        else:
+            fn = self.ctx.fn(file, kernel_name(path, cfg, False, in_t))
         for f in (fn, soa_fn):
             if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:
                 f.max_dynamic_shared_size_bytes = smem
@@ -428,7 +466,7 @@ class Launcher:
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
-        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
+        return LaunchPlan(path, fn, (gx, ks, nz), threads, smem, ks, gx * nz, bpr, nz,
                           prep, prep_grid, sizes, post)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
