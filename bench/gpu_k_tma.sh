@@ -19,6 +19,11 @@ timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p n
 test_rc=$?
 tail -4 "$OUT/pytest_tma.log"
 note "# tmatest rc=$test_rc $(elapsed)"
+if [[ $test_rc == 124 || $test_rc == 137 ]]; then  # a hung ring (mbarrier phases): stop here
+  tar czf "$FINAL/k_tma_logs.tgz" -C "$OUT" . 2>/dev/null
+  cp "$OUT/pytest_tma.log" "$FINAL/" 2>/dev/null
+  exit 1
+fi
 
 timeout "${PROBE_TIMEOUT:-240}" python3 bench/tile_probe.py --tma-only --shapes "$SHAPES" --ns "$NS" \
   --json "$OUT/tma_probe.json" >"$OUT/tma_probe.log" 2>&1
