@@ -170,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
 WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
 TMA = False  # probe the TMA-fed tile too (sm_90 devices; main() sets it)
 TMA_ONLY = False  # ... and nothing else
-# The TMA tile's shapes per n-tiles: (warps, ring stages, blocks per stage), the ones the nvcc
-# check builds (kernels/cuda/q6k_tma.cu): ring + activation slice fit one CTA per SM.
-TMA_SHAPES = {2: ((8, 6, 1), (8, 3, 2), (12, 4, 1), (16, 3, 1)),
-              4: ((8, 4, 1), (12, 3, 1), (8, 3, 2)), 8: ((8, 3, 1), (8, 2, 2))}
+# The TMA tile's shapes per n-tiles: (warps, ring stages, blocks per stage, 2D form), of the
+# ones the nvcc check builds (kernels/cuda/q6k_tma.cu): ring + activation slice fit one CTA per
+# SM. The 1D form (per-row copies) once per width: its first run was bound by the copies.
+TMA_SHAPES = {2: ((8, 3, 2, False), (8, 3, 2, True), (12, 2, 2, True), (16, 2, 1, True),
+                  (16, 3, 1, True), (8, 6, 1, True)),
+              4: ((8, 3, 2, False), (8, 3, 2, True), (12, 3, 1, True), (8, 4, 1, True)),
+              8: ((8, 2, 2, False), (8, 2, 2, True), (8, 3, 1, True))}
 
 
 def ks_cfgs(n: int) -> list[Cfg]:
@@ -183,8 +186,8 @@ def ks_cfgs(n: int) -> list[Cfg]:
             if w != 8]
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
     ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
-    tma = [Cfg(nt=nt, src=7, warps=w, stages=s, chunk=c)
-           for w, s, c in TMA_SHAPES.get(nt, ())] if TMA else []
+    tma = [Cfg(nt=nt, src=7, warps=w, stages=s, chunk=c, pf=tm)
+           for w, s, c, tm in TMA_SHAPES.get(nt, ())] if TMA else []
     if TMA_ONLY:
         return tma
     return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring + tma

@@ -81,7 +81,8 @@ class Cfg:
     #                 into a ring of `stages` stages of `chunk` blocks (q6k_tma_f16,
     #                 kernels/cuda/q6k_tma.cu; sm_90 only, SoA only: AoS weights run
     #                 q6k_ks_f16 with the same grid, bit-identical; nt 2/4/8, mt 1,
-    #                 warps 8/12/16; a bench variant, in no table entry)
+    #                 warps 8/12/16; pf: the 2D form, three tensor-map boxes per stage
+    #                 instead of per-row copies; a bench variant, in no table entry)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
     #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)

@@ -85,8 +85,8 @@ def ring_stages(cfg: Cfg) -> int:
 
 def tma_stage_bytes(chunk: int) -> int:
     """Bytes of one warp's ring stage of the TMA tile (src 7; q6k_tma.cu's TmaStage)."""
-    qh = 16 * chunk * 128 + 64
-    sc = qh + 16 * chunk * 64 + 32
+    qh = 16 * chunk * 128
+    sc = qh + 16 * chunk * 64
     d = sc + 16 * chunk * 16
     doff = d + 16 * (16 * ((2 * chunk + 29) // 16))
     return -(-(doff + 16) // 128) * 128
@@ -96,6 +96,35 @@ def tma_fallback(cfg: Cfg) -> Cfg:
     """The K-slice tile that serves a src 7 plan where the TMA tile does not run (AoS weights,
     devices other than sm_90): same numerics and, at the same slice count, the same bits."""
     return Cfg(nt=cfg.nt, src=4, pf=True, ksplit=cfg.ksplit)
+
+
+_ENCODE: Any = None
+
+
+def encode_tensor_map(out: np.ndarray, addr: int, width: int, bpr: int, rows: int,
+                      chunk: int) -> None:
+    """One rank-3 uint8 tensor map into ``out`` (128 bytes, 64-byte aligned): the plane at
+    ``addr`` as [rows][bpr][width], box [16][chunk][width], no swizzle, zero fill."""
+    import ctypes
+
+    global _ENCODE
+    if _ENCODE is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                       u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _ENCODE = fn
+    dims = (ctypes.c_uint64 * 3)(width, bpr, rows)
+    strides = (ctypes.c_uint64 * 2)(width, width * bpr)  # bytes, dims 1 and 2
+    box = (ctypes.c_uint32 * 3)(width, chunk, 16)
+    one = (ctypes.c_uint32 * 3)(1, 1, 1)
+    # CU_TENSOR_MAP_DATA_TYPE_UINT8, INTERLEAVE_NONE, SWIZZLE_NONE, L2_PROMOTION_L2_256B,
+    # FLOAT_OOB_FILL_NONE (zeros)
+    rc = _ENCODE(out.ctypes.data, 0, 3, addr, dims, strides, box, one, 0, 0, 3, 0)
+    if rc != 0:
+        raise DeviceError(f"cuTensorMapEncodeTiled failed ({rc}): width {width} bpr {bpr} "
+                          f"rows {rows} chunk {chunk}")
 
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
@@ -134,7 +163,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 7:
         if not soa:
             raise DeviceError("the TMA tile reads SoA weights only (plan: tma_fallback)")
-        return f"q6k_tma_f16<{cfg.nt}, {in_t}, {cfg.warps}, {cfg.stages}, {cfg.chunk}>"
+        tm = "true" if cfg.pf else "false"
+        return f"q6k_tma_f16<{cfg.nt}, {in_t}, {cfg.warps}, {cfg.stages}, {cfg.chunk}, {tm}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -167,6 +197,7 @@ class LaunchPlan:
     prep_grid: tuple[int]
     prep_sizes: tuple[int, int, int]  # prepass buffer elements
     post: Any = None  # K-slice tiles split along K: q6k_sum_parts adds the partial sums
+    tmaps: int = 0  # the TMA tile's 2D form (src 7, pf): its tensor maps' blocks per box
 
 
 @dataclass(frozen=True)
@@ -466,8 +497,9 @@ class Launcher:
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
+        tmaps = cfg.chunk if path == "mma_f16" and cfg.src == 7 and cfg.pf else 0
         return LaunchPlan(path, fn, (gx, ks, nz), threads, smem, ks, gx * nz, bpr, nz,
-                          prep, prep_grid, sizes, post)
+                          prep, prep_grid, sizes, post, tmaps if layout is Layout.SOA else 0)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
               n: int) -> list[Step]:
@@ -483,6 +515,8 @@ class Launcher:
                          lp.smem)]
         if lp.path == "mma_f16":
             out, xp = [], 0
+            if lp.tmaps:  # the TMA tile's tensor maps ride in the (otherwise unused) xp
+                xp = self._tensor_maps(cw, w, lp.tmaps)
             if lp.prep is not None:
                 xp = ws.ptr("xp", 4 * lp.prep_sizes[0])
                 out.append(Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xp))))
@@ -498,6 +532,27 @@ class Launcher:
         d8 = ws.ptr("d8", 4 * lp.prep_sizes[2])
         return [Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xq), u64(corr), u64(d8))),
                 Step(lp.fn, lp.grid, lp.threads, (*wargs, u64(xq), u64(corr), u64(d8), *oargs))]
+
+    def _tensor_maps(self, cw: CudaWeight, w: ResidentWeight, chunk: int) -> int:
+        """Device array of the TMA tile's tensor maps of an SoA weight: per slab, rank-3 maps
+        ([rows][blocks][plane bytes per block]) of the ql, qh and scale planes with boxes of
+        16 rows x ``chunk`` blocks (cuTensorMapEncodeTiled); kept with the weight's plans."""
+        key = ("tmaps", chunk)
+        got = cw.plans.get(key)
+        if got is None:
+            bpr = w.k // q6k.QK_K
+            host = np.zeros(len(cw.slabs) * 3 * 128 + 64, np.uint8)
+            at = (-host.ctypes.data) % 64  # CUtensorMap is 64-byte aligned
+            maps = host[at:at + len(cw.slabs) * 3 * 128]
+            for i, slab in enumerate(cw.slabs):
+                srows = min(cw.rps, w.rows - i * cw.rps)
+                nb = srows * bpr
+                for j, (off, width) in enumerate(((0, 128), (nb * 128, 64), (nb * 192, 16))):
+                    encode_tensor_map(maps[(3 * i + j) * 128:(3 * i + j + 1) * 128],
+                                      int(slab.data.ptr) + off, width, bpr, srows, chunk)
+            got = self.ctx.cp.asarray(maps)
+            cw.plans[key] = got
+        return int(got.data.ptr)
 
     # -- device-side call (bench, tests) -------------------------------------------------------
     def enqueue(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, path: str,

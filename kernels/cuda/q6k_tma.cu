@@ -13,9 +13,9 @@
 // planes store each row's blocks contiguously, a row's C blocks of one plane are one
 // contiguous run: 16 rows x 4 planes = 64 copies per stage, two per lane (lane l copies row
 // l & 15: ql and qh for l < 16, scales and d for l >= 16). Stage layout (bytes; G = TmaStage):
-//   ql [16][C*128] at QL + r*C*128 + (r&1)*64   (odd rows 64 bytes on: the 16-byte reads of a
-//   qh [16][C*64]  at QH + r*C*64  + (r&1)*32    quarter-warp, rows g and g+1, hit all banks)
-//   sc [16][C*16]  at SC + r*C*16
+//   ql [16][C*128] at QL + r*C*128   (no padding: the quarter-warp's 16-byte reads of rows g
+//   qh [16][C*64]  at QH + r*C*64     and g+1 meet in the banks, 2-way; a first version shifted
+//   sc [16][C*16]  at SC + r*C*16     odd rows by 64 bytes and overlapped the next row's bytes)
 //   d  [16][DS]    at D  + r*DS: the 16-byte-aligned span around the row's 2*C bytes of d (the
 //                  d plane is only 2-byte aligned per block; the span stays inside the slab,
 //                  whose size is rounded up to 16), DOFF[r] the offset of the first d in it
@@ -27,6 +27,14 @@
 // runs block_mma (deq2, mma.sync with all 8*NT tokens). A stage is refilled only after a
 // __syncwarp (all lanes done with it) and a proxy fence (generic reads before async writes).
 // Activations: the CTA's K slice staged once (stage_x_f16), as in every K-slice tile.
+//
+// TM (2D form): the ql, qh and scale planes of a tile's 16 rows x C blocks are one box each of a
+// rank-3 tensor map per slab and plane ([row][block][bytes of a block's plane]; maps built by
+// launch.py, passed as the `xp` argument: [slab][ql, qh, sc] x 128 bytes), so a stage takes 3
+// tensor copies (lane 0) and the 16 per-row d copies instead of 64 copies: the per-copy cost of
+// the 1D form (~130-140 copies/us per SM on the H200, its first measurement) falls away. Box
+// rows past a slab's end are zero-filled (never emitted); a tile that spans two slabs takes the
+// 1D copies. Box blocks past the slice's end (a short last chunk) are read and never used.
 //
 // Same numerics, block order and K slicing as q6k_ks_f16: with the same slice count the
 // outputs are bit-identical to it, which is how the AoS layout is served (launch.py runs
@@ -45,8 +53,8 @@
 template <int C>
 struct TmaStage {
     static constexpr int QL = 0;
-    static constexpr int QH = 16 * C * 128 + 64;
-    static constexpr int SC = QH + 16 * C * 64 + 32;
+    static constexpr int QH = 16 * C * 128;
+    static constexpr int SC = QH + 16 * C * 64;
     static constexpr int DS = 16 * ((2 * C + 29) / 16);  // >= ceil16(14 + 2C): any start offset
     static constexpr int D = SC + 16 * C * 16;
     static constexpr int DOFF = D + 16 * DS;
@@ -73,6 +81,12 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
                      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
     } while (!ok);
 }
+// Box (0, kb, row) of a rank-3 tensor map (global memory, 64-byte aligned) into shared memory.
+__device__ __forceinline__ void tensor_g2s(u32 dst, const void* map, int kb, int row, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];"
+                 ::"r"(dst), "l"(map), "r"(0), "r"(kb), "r"(row), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
                  "[%0], [%1], %2, [%3];" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -88,10 +102,8 @@ template <int C, int P>
 __device__ __forceinline__ void tma_raw_part(Raw& w, const u8* st, int row, int c, int t,
                                              int doff) {
     typedef TmaStage<C> G;
-    w.ql[P] = *(const uint4*)(st + G::QL + row * C * 128 + (row & 1) * 64 + c * 128 + 64 * P +
-                              16 * t);
-    w.qh[P] = *(const uint4*)(st + G::QH + row * C * 64 + (row & 1) * 32 + c * 64 + 32 * P +
-                              16 * (t & 1));
+    w.ql[P] = *(const uint4*)(st + G::QL + row * C * 128 + c * 128 + 64 * P + 16 * t);
+    w.qh[P] = *(const uint4*)(st + G::QH + row * C * 64 + c * 64 + 32 * P + 16 * (t & 1));
     if (P == 0) {
         w.sc = *(const uint4*)(st + G::SC + row * C * 16 + c * 16);
         w.d = *(const u16*)(st + G::D + row * G::DS + doff + 2 * c);
@@ -102,7 +114,7 @@ __device__ __forceinline__ void tma_raw_part(Raw& w, const u8* st, int row, int 
 // NW warps per CTA, S stages of C blocks per warp; one CTA per SM (the ring and the activation
 // slice take the shared memory). Dynamic shared memory: the activation slice, then NW*S stages
 // (TmaStage<C>::BYTES each), then NW*S mbarriers.
-template <int NT, class In, int NW, int S, int C>
+template <int NT, class In, int NW, int S, int C, bool TM>
 __global__ void __launch_bounds__(32 * NW, 1)
     q6k_tma_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
 #ifdef Q6SERVE_TMA
@@ -110,7 +122,6 @@ __global__ void __launch_bounds__(32 * NW, 1)
     typedef TmaStage<C> G;
     MAKE_W;
     MAKE_OUT;
-    (void)xp;
     const KsPos ps = ks_pos<NT>(w.bpr);
     const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
     const int kb0 = ps.kb0, nblk = ps.nblk;
@@ -126,6 +137,8 @@ __global__ void __launch_bounds__(32 * NW, 1)
     u8* const ring = rings + warp * S * G::BYTES;
     const u32 ring_s = smem_addr(ring);
     const u32 bar_s = smem_addr(rings) + NW * S * G::BYTES + warp * S * 8;
+    if (TM && (ring_s & 127u)) __trap();  // tensor copies need 128-byte aligned stages
+    const u8* maps = reinterpret_cast<const u8*>(xp);
     if (lane == 0)
         for (int s = 0; s < S; ++s) mbar_init(bar_s + 8 * s, 32);
     mbar_init_fence();
@@ -134,17 +147,25 @@ __global__ void __launch_bounds__(32 * NW, 1)
     // Fill side: lane copies row pr of the filled unit's tile, planes ql+qh or sc+d.
     const int pr = lane & 15;
     const bool hi = lane >= 16;
-    const u32 dst0 = hi ? G::SC + pr * C * 16 : G::QL + pr * C * 128 + (pr & 1) * 64;
-    const u32 dst1 = hi ? G::D + pr * G::DS : G::QH + pr * C * 64 + (pr & 1) * 32;
+    const u32 dst0 = hi ? G::SC + pr * C * 16 : G::QL + pr * C * 128;
+    const u32 dst1 = hi ? G::D + pr * G::DS : G::QH + pr * C * 64;
     const u32 step0 = hi ? 16u * C : 128u * C, step1 = hi ? 2u * C : 64u * C;
     int fj = 0, fc = 0;
     const u8* fbase = nullptr;
     u32 f0 = 0, f1 = 0;  // plane offsets of the lane's row at the filled chunk's first block
+    bool box = false;    // TM: the tile lies in one slab (tensor copies)
+    int tslab = 0, trow = 0;  // TM: its slab and first row there
     auto fill_refs = [&]() {
-        const RowRef r = row_ref<true>(w, min((wt0 + fj * wstride) * 16 + pr, w.rows - 1));
+        const int row0 = (wt0 + fj * wstride) * 16;
+        const RowRef r = row_ref<true>(w, min(row0 + pr, w.rows - 1));
         fbase = r.base;
         f0 = hi ? r.sc + (u32)kb0 * 16u : r.ql + (u32)kb0 * 128u;
         f1 = hi ? r.d + (u32)kb0 * 2u : r.qh + (u32)kb0 * 64u;
+        if (TM) {
+            tslab = row0 / w.rps;
+            trow = row0 - tslab * w.rps;
+            box = min(row0 + 15, w.rows - 1) / w.rps == tslab;
+        }
     };
     auto fill = [&](int slot) {
         const u32 cb = (u32)min(C, nblk - fc * C);
@@ -157,9 +178,21 @@ __global__ void __launch_bounds__(32 * NW, 1)
             n1 = (lo + 2u * cb + 15u) & ~15u;
             ring[slot * G::BYTES + G::DOFF + pr] = (u8)lo;
         }
-        mbar_arrive_tx(bar, n0 + n1);
-        bulk_g2s(st + dst0, fbase + f0, n0, bar);
-        bulk_g2s(st + dst1, fbase + a1, n1, bar);
+        if (TM && box) {  // lane 0: three boxes of 16 rows x C blocks; lanes 16..31: d
+            const int kb = kb0 + fc * C;
+            mbar_arrive_tx(bar, hi ? n1 : lane == 0 ? 16u * C * 208u : 0u);
+            if (lane == 0) {
+                const u8* m = maps + (size_t)tslab * 3 * 128;
+                tensor_g2s(st + G::QL, m, kb, trow, bar);
+                tensor_g2s(st + G::QH, m + 128, kb, trow, bar);
+                tensor_g2s(st + G::SC, m + 256, kb, trow, bar);
+            }
+            if (hi) bulk_g2s(st + dst1, fbase + a1, n1, bar);
+        } else {
+            mbar_arrive_tx(bar, n0 + n1);
+            bulk_g2s(st + dst0, fbase + f0, n0, bar);
+            bulk_g2s(st + dst1, fbase + a1, n1, bar);
+        }
         f0 += step0;
         f1 += step1;
         if (++fc == nch) {
@@ -222,10 +255,11 @@ __global__ void __launch_bounds__(32 * NW, 1)
 }
 
 #ifdef Q6SERVE_TMA_CHECK
-#define INST_TMA(NT, NW, S, C)                                                               \
-    template __global__ void q6k_tma_f16<NT, InF16, NW, S, C>(                                \
+#define INST_TMA2(NT, NW, S, C, TM)                                                          \
+    template __global__ void q6k_tma_f16<NT, InF16, NW, S, C, TM>(                            \
         const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-INST_TMA(2, 8, 6, 1) INST_TMA(2, 8, 3, 2) INST_TMA(2, 12, 4, 1) INST_TMA(2, 16, 3, 1)
-INST_TMA(4, 8, 4, 1) INST_TMA(4, 12, 3, 1) INST_TMA(4, 8, 3, 2)
+#define INST_TMA(NT, NW, S, C) INST_TMA2(NT, NW, S, C, false) INST_TMA2(NT, NW, S, C, true)
+INST_TMA(2, 8, 6, 1) INST_TMA(2, 8, 3, 2) INST_TMA(2, 12, 2, 2) INST_TMA(2, 16, 2, 1)
+INST_TMA(2, 16, 3, 1) INST_TMA(4, 8, 4, 1) INST_TMA(4, 12, 3, 1) INST_TMA(4, 8, 3, 2)
 INST_TMA(8, 8, 3, 1) INST_TMA(8, 8, 2, 2)
 #endif

@@ -33,9 +33,11 @@ from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
 
 pytestmark = [pytest.mark.gpu]
 # (nt, warps, stages, chunk): every instantiation the nvcc check builds (q6k_tma.cu)
-TMA_SHAPES = ((2, 8, 6, 1), (2, 8, 3, 2), (2, 12, 4, 1), (2, 16, 3, 1), (4, 8, 4, 1),
-              (4, 12, 3, 1), (4, 8, 3, 2), (8, 8, 3, 1), (8, 8, 2, 2))
-TMA_CFGS = tuple(Cfg(nt=nt, src=7, warps=w, stages=s, chunk=c) for nt, w, s, c in TMA_SHAPES)
+TMA_SHAPES = ((2, 8, 6, 1), (2, 8, 3, 2), (2, 12, 2, 2), (2, 16, 2, 1), (2, 16, 3, 1),
+              (4, 8, 4, 1), (4, 12, 3, 1), (4, 8, 3, 2), (8, 8, 3, 1), (8, 8, 2, 2))
+# pf: the 2D form (tensor-map boxes; tiles spanning slabs take the per-row copies)
+TMA_CFGS = tuple(Cfg(nt=nt, src=7, warps=w, stages=s, chunk=c, pf=pf) for pf in (False, True)
+                 for nt, w, s, c in TMA_SHAPES)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +119,30 @@ def test_activation_dtypes(be, rng, dtype):
 
 def test_tiles_across_slabs(be, rng, monkeypatch):
     check_tiles_across_slabs(be, rng, monkeypatch, TMA_CFGS)
+
+
+@pytest.mark.parametrize("rps", [40, 48])
+def test_tensor_boxes_over_slabs(be, rng, monkeypatch, rps):
+    """The 2D form with slabs of 40 rows (some tiles in one slab: boxes; some spanning two:
+    per-row copies) and of 48 (every tile boxed, the last slab's box past its rows)."""
+    from q6serve.kernels import q6k
+    from q6serve.kernels.cuda import storage
+
+    rows, k = 700, 256 * 11
+    monkeypatch.setattr(storage, "SLAB_BYTES", rps * q6k.aos_nbytes(1, k))
+    blocks = random_weight(rng, rows, k)
+    ws = load(be, blocks, rows, k, Layout.SOA)
+    assert len(ws.data.slabs) == -(-rows // rps)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    for c in TMA_CFGS:
+        if not c.pf:
+            continue
+        for ks in (1, 3):
+            cfg = replace(c, ksplit=ks)
+            if smem_bytes("mma_f16", cfg, -(-11 // ks)) > KS_SMEM_MAX:
+                continue
+            y = _run(be, ws, x[: 8 * c.nt - 1], cfg)
+            _check(y, y64[: 8 * c.nt - 1], cfg.label())
+            yk = _run(be, ws, x[: 8 * c.nt - 1], Cfg(nt=c.nt, src=4, pf=True, ksplit=ks))
+            same_bits(y, yk, f"{cfg.label()}: differs from q6k_ks_f16")
