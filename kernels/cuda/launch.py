@@ -35,6 +35,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,8 +106,6 @@ def encode_tensor_map(out: np.ndarray, addr: int, width: int, bpr: int, rows: in
                       chunk: int) -> None:
     """One rank-3 uint8 tensor map into ``out`` (128 bytes, 64-byte aligned): the plane at
     ``addr`` as [rows][bpr][width], box [16][chunk][width], no swizzle, zero fill."""
-    import ctypes
-
     global _ENCODE
     if _ENCODE is None:
         fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
@@ -163,7 +162,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 7:
         if not soa:
             raise DeviceError("the TMA tile reads SoA weights only (plan: tma_fallback)")
-        tm = "true" if cfg.pf else "false"
+        # 2D form; Q6SERVE_TMA_HINT=1 (bench A/B only): its waits with a suspend-time hint
+        tm = (2 if os.environ.get("Q6SERVE_TMA_HINT") == "1" else 1) if cfg.pf else 0
         return f"q6k_tma_f16<{cfg.nt}, {in_t}, {cfg.warps}, {cfg.stages}, {cfg.chunk}, {tm}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
