@@ -1,5 +1,5 @@
-"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5/6/7: q6k_ks_f16, q6k_ksr_f16, and on
-sm_90 the wgmma tile q6k_wg_f16 and the TMA-fed tile q6k_tma_f16; issue 16).
+"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5/6: q6k_ks_f16, q6k_ksr_f16, and on
+sm_90 the wgmma tile q6k_wg_f16; issue 16).
 
 Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
 the service receives): checks every K-slice launch shape of that N against the NumPy float64
@@ -13,7 +13,6 @@ only; never part of the test suite. (The stream-K tile it first probed, measured
 never dispatched, is in the history: commit 2f899f3, bench/RESULTS.md.)
 
     python bench/tile_probe.py [--shapes 4096x14336,...] [--ns 9,16,32,64] [--json out.json]
-                               [--tma-only]  (AUTO, torch and the TMA tile's shapes only)
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
-from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_file, kernel_name, tma_fallback
+from q6serve.kernels.cuda.launch import kernel_file, kernel_name
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -65,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-wg", action="store_true", help="leave out the wgmma tile (src 6)")
-    ap.add_argument("--tma-only", action="store_true",
-                    help="of the tiles, probe only the TMA-fed tile's shapes (src 7, sm_90)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
@@ -75,17 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     be = CudaBackend(0)
-    global WG, TMA, TMA_ONLY
+    global WG
     WG = be.ctx.cc == "90" and not a.no_wg
-    TMA = be.ctx.cc == "90"
-    TMA_ONLY = a.tma_only
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
     t0 = time.time()
-    todo = [fn for c in cfgs for fn in kernel_names(c)]
     with be.ctx.dev:
-        for file in dict.fromkeys(f for f, _ in todo):
-            be.ctx.prefetch(file, {n for f, n in todo if f == file}, threads=16)
+        for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
+            be.ctx.prefetch(file, {kernel_name("mma_f16", c, soa, "InF16") for c in cfgs
+                                   for soa in (True, False)
+                                   if kernel_file("mma_f16", c) == file}, threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
     for c in dict.fromkeys(cfgs):
@@ -168,15 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
-TMA = False  # probe the TMA-fed tile too (sm_90 devices; main() sets it)
-TMA_ONLY = False  # ... and nothing else
-# The TMA tile's shapes per n-tiles: (warps, ring stages, blocks per stage, 2D form), of the
-# ones the nvcc check builds (kernels/cuda/q6k_tma.cu): ring + activation slice fit one CTA per
-# SM. The 1D form (per-row copies) once per width: its first run was bound by the copies.
-TMA_SHAPES = {2: ((8, 3, 2, False), (8, 3, 2, True), (12, 2, 2, True), (16, 2, 1, True),
-                  (16, 3, 1, True), (8, 6, 1, True)),
-              4: ((8, 3, 2, False), (8, 3, 2, True), (12, 3, 1, True), (8, 4, 1, True)),
-              8: ((8, 2, 2, False), (8, 2, 2, True), (8, 3, 1, True))}
 
 
 def ks_cfgs(n: int) -> list[Cfg]:
@@ -186,22 +173,9 @@ def ks_cfgs(n: int) -> list[Cfg]:
             if w != 8]
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
     ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
-    tma = [Cfg(nt=nt, src=7, warps=w, stages=s, chunk=c, pf=tm)
-           for w, s, c, tm in TMA_SHAPES.get(nt, ())] if TMA else []
-    if TMA_ONLY:
-        return tma
-    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring + tma
+    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring
             + ([Cfg(nt=nt, src=6, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
                if WG and nt >= 2 else []))
-
-
-def kernel_names(c: Cfg) -> list[tuple[str, str]]:
-    """(file, template name) of a launch shape's SoA and AoS kernels (f16 activations): the
-    TMA tile's AoS weights run q6k_ks_f16 (launch.tma_fallback)."""
-    soa = (kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
-    if c.src == 7:
-        return [soa, (MATMUL_FILE, kernel_name("mma_f16", tma_fallback(c), False, "InF16"))]
-    return [soa, (kernel_file("mma_f16", c), kernel_name("mma_f16", c, False, "InF16"))]
 
 
 def profile_calls(be, ws, xd, n, rows, k) -> None:

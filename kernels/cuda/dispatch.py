@@ -77,26 +77,16 @@ class Cfg:
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
     #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 2/4/8, mt 1, pf, warps
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
-    #               7 the same schedule with each warp's weights streamed by TMA bulk copies
-    #                 into a ring of `stages` stages of `chunk` blocks (q6k_tma_f16,
-    #                 kernels/cuda/q6k_tma.cu; sm_90 only, SoA only: AoS weights run
-    #                 q6k_ks_f16 with the same grid, bit-identical; nt 2/4/8, mt 1,
-    #                 warps 8/12/16; pf: the 2D form, three tensor-map boxes per stage
-    #                 instead of per-row copies; a bench variant, in no table entry)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
     #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
-    stages: int = 0  # src 7 only: ring stages per warp (>= 2)
-    chunk: int = 0  # src 7 only: K blocks per stage (1, 2 or 4)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 7
+        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 6
         ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src >= 4
                                    else (4, 8))
-        ok = ok and ((self.stages, self.chunk) == (0, 0) if self.src != 7 else (
-            self.stages >= 2 and self.chunk in (1, 2, 4) and self.mt == 1 and self.nt >= 2))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
@@ -113,7 +103,6 @@ class Cfg:
     def label(self) -> str:
         """Short name for logs and the table (``nt4.m1.w8.s3.pf``)."""
         s = f"nt{self.nt}.m{self.mt}.w{self.warps}.s{self.src}" + (".pf" if self.pf else "")
-        s += f".r{self.stages}x{self.chunk}" if self.src == 7 else ""
         return s + (f".k{self.ksplit}" if self.ksplit else "")
 
 
@@ -195,9 +184,7 @@ class Entry:
         d = {"rows": self.rows, "k": self.k, "n": self.n, "column": self.column,
              "path": self.path, "us": round(self.us, 2)}
         if self.cfg is not None:
-            # the src 7 ring fields only where set (the entries of the other tiles unchanged)
-            d["cfg"] = {k: v for k, v in asdict(self.cfg).items()
-                        if v or k not in ("stages", "chunk")}
+            d["cfg"] = asdict(self.cfg)
         return d
 
 

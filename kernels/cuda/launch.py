@@ -35,7 +35,6 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +51,6 @@ from .storage import CudaWeight
 
 MATMUL_FILE = "q6k_matmul.cu"
 WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 6), built for sm_90a on compute capability 9.0
-TMA_FILE = "q6k_tma.cu"  # the TMA-fed tile (src 7), built for sm_90a on compute capability 9.0
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
@@ -84,53 +82,8 @@ def ring_stages(cfg: Cfg) -> int:
     return 3 if cfg.pf else 2
 
 
-def tma_stage_bytes(chunk: int) -> int:
-    """Bytes of one warp's ring stage of the TMA tile (src 7; q6k_tma.cu's TmaStage)."""
-    qh = 16 * chunk * 128
-    sc = qh + 16 * chunk * 64
-    d = sc + 16 * chunk * 16
-    doff = d + 16 * (16 * ((2 * chunk + 29) // 16))
-    return -(-(doff + 16) // 128) * 128
-
-
-def tma_fallback(cfg: Cfg) -> Cfg:
-    """The K-slice tile that serves a src 7 plan where the TMA tile does not run (AoS weights,
-    devices other than sm_90): same numerics and, at the same slice count, the same bits."""
-    return Cfg(nt=cfg.nt, src=4, pf=True, ksplit=cfg.ksplit)
-
-
-_ENCODE: Any = None
-
-
-def encode_tensor_map(out: np.ndarray, addr: int, width: int, bpr: int, rows: int,
-                      chunk: int) -> None:
-    """One rank-3 uint8 tensor map into ``out`` (128 bytes, 64-byte aligned): the plane at
-    ``addr`` as [rows][bpr][width], box [16][chunk][width], no swizzle, zero fill."""
-    global _ENCODE
-    if _ENCODE is None:
-        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
-                       u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _ENCODE = fn
-    dims = (ctypes.c_uint64 * 3)(width, bpr, rows)
-    strides = (ctypes.c_uint64 * 2)(width, width * bpr)  # bytes, dims 1 and 2
-    box = (ctypes.c_uint32 * 3)(width, chunk, 16)
-    one = (ctypes.c_uint32 * 3)(1, 1, 1)
-    # CU_TENSOR_MAP_DATA_TYPE_UINT8, INTERLEAVE_NONE, SWIZZLE_NONE, L2_PROMOTION_L2_256B,
-    # FLOAT_OOB_FILL_NONE (zeros)
-    rc = _ENCODE(out.ctypes.data, 0, 3, addr, dims, strides, box, one, 0, 0, 3, 0)
-    if rc != 0:
-        raise DeviceError(f"cuTensorMapEncodeTiled failed ({rc}): width {width} bpr {bpr} "
-                          f"rows {rows} chunk {chunk}")
-
-
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
-    if path == "mma_f16" and cfg.src == 7:  # stage_x_f16's slice, the warps' rings, mbarriers
-        ring = cfg.warps * cfg.stages * (tma_stage_bytes(cfg.chunk) + 8)
-        return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
     if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
     if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
@@ -159,12 +112,6 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
-    if path == "mma_f16" and cfg.src == 7:
-        if not soa:
-            raise DeviceError("the TMA tile reads SoA weights only (plan: tma_fallback)")
-        # 2D form; Q6SERVE_TMA_HINT=1 (bench A/B only): its waits with a suspend-time hint
-        tm = (2 if os.environ.get("Q6SERVE_TMA_HINT") == "1" else 1) if cfg.pf else 0
-        return f"q6k_tma_f16<{cfg.nt}, {in_t}, {cfg.warps}, {cfg.stages}, {cfg.chunk}, {tm}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -175,9 +122,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
 
 def kernel_file(path: str, cfg: Cfg) -> str:
     """The source file that holds a tile path's kernel."""
-    if path == "mma_f16" and cfg.src in (6, 7):
-        return WG_FILE if cfg.src == 6 else TMA_FILE
-    return MATMUL_FILE
+    return WG_FILE if path == "mma_f16" and cfg.src == 6 else MATMUL_FILE
 
 
 @dataclass(frozen=True)
@@ -197,7 +142,6 @@ class LaunchPlan:
     prep_grid: tuple[int]
     prep_sizes: tuple[int, int, int]  # prepass buffer elements
     post: Any = None  # K-slice tiles split along K: q6k_sum_parts adds the partial sums
-    tmaps: int = 0  # the TMA tile's 2D form (src 7, pf): its tensor maps' blocks per box
 
 
 @dataclass(frozen=True)
@@ -438,8 +382,7 @@ class Launcher:
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
             # blocks in flight per warp
-            ahead = (ring_stages(cfg) - 1 if cfg.src == 5 else
-                     (cfg.stages - 1) * cfg.chunk if cfg.src == 7 else 1 if cfg.pf else 0.5)
+            ahead = ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf else 0.5
             inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
@@ -461,27 +404,15 @@ class Launcher:
             # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
             # committed table was tuned on an H200) runs the K-slice tile of the same width
             cfg = Cfg(nt=cfg.nt, src=4, pf=True)
-        if path == "mma_f16" and cfg.src == 7 and arch_specific(TMA_FILE, self.ctx.cc) is None:
-            cfg = tma_fallback(cfg)  # the TMA tile builds for sm_90 only (as the wgmma tile)
         file = kernel_file(path, cfg)
-        threads = 32 * cfg.warps
+        fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:
             gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
         smem = smem_bytes(path, cfg, -(-bpr // ks))
-        if layout is Layout.SOA:
-            fn = soa_fn
-        elif path == "mma_f16" and cfg.src == 7:
-            # AoS weights: the K-slice tile on this plan's grid (its warps stride over the row
-            # tiles, its slice count is this plan's), so SoA and AoS results are bit-identical
-            fb = tma_fallback(cfg)
-            fn = self.ctx.fn(MATMUL_FILE, kernel_name(path, fb, False, in_t))
-            threads = 32 * fb.warps
-        else:
-            fn = self.ctx.fn(file, kernel_name(path, cfg, False, in_t))
         for f in (fn, soa_fn):
             if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:
                 f.max_dynamic_shared_size_bytes = smem
@@ -497,9 +428,8 @@ class Launcher:
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
-        tmaps = cfg.chunk if path == "mma_f16" and cfg.src == 7 and cfg.pf else 0
-        return LaunchPlan(path, fn, (gx, ks, nz), threads, smem, ks, gx * nz, bpr, nz,
-                          prep, prep_grid, sizes, post, tmaps if layout is Layout.SOA else 0)
+        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
+                          prep, prep_grid, sizes, post)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
               n: int) -> list[Step]:
@@ -515,8 +445,6 @@ class Launcher:
                          lp.smem)]
         if lp.path == "mma_f16":
             out, xp = [], 0
-            if lp.tmaps:  # the TMA tile's tensor maps ride in the (otherwise unused) xp
-                xp = self._tensor_maps(cw, w, lp.tmaps)
             if lp.prep is not None:
                 xp = ws.ptr("xp", 4 * lp.prep_sizes[0])
                 out.append(Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xp))))
@@ -532,27 +460,6 @@ class Launcher:
         d8 = ws.ptr("d8", 4 * lp.prep_sizes[2])
         return [Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xq), u64(corr), u64(d8))),
                 Step(lp.fn, lp.grid, lp.threads, (*wargs, u64(xq), u64(corr), u64(d8), *oargs))]
-
-    def _tensor_maps(self, cw: CudaWeight, w: ResidentWeight, chunk: int) -> int:
-        """Device array of the TMA tile's tensor maps of an SoA weight: per slab, rank-3 maps
-        ([rows][blocks][plane bytes per block]) of the ql, qh and scale planes with boxes of
-        16 rows x ``chunk`` blocks (cuTensorMapEncodeTiled); kept with the weight's plans."""
-        key = ("tmaps", chunk)
-        got = cw.plans.get(key)
-        if got is None:
-            bpr = w.k // q6k.QK_K
-            host = np.zeros(len(cw.slabs) * 3 * 128 + 64, np.uint8)
-            at = (-host.ctypes.data) % 64  # CUtensorMap is 64-byte aligned
-            maps = host[at:at + len(cw.slabs) * 3 * 128]
-            for i, slab in enumerate(cw.slabs):
-                srows = min(cw.rps, w.rows - i * cw.rps)
-                nb = srows * bpr
-                for j, (off, width) in enumerate(((0, 128), (nb * 128, 64), (nb * 192, 16))):
-                    encode_tensor_map(maps[(3 * i + j) * 128:(3 * i + j + 1) * 128],
-                                      int(slab.data.ptr) + off, width, bpr, srows, chunk)
-            got = self.ctx.cp.asarray(maps)
-            cw.plans[key] = got
-        return int(got.data.ptr)
 
     # -- device-side call (bench, tests) -------------------------------------------------------
     def enqueue(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, path: str,

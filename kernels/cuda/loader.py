@@ -25,11 +25,10 @@ from ..errors import DeviceError
 CUDA_DIR = Path(__file__).resolve().parent
 BASE_OPTIONS: tuple[str, ...] = ("--std=c++17",)
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$')
-# Files whose kernels use architecture-specific instructions (wgmma: sm_90a; the TMA tile
-# q6k_tma.cu, bulk copies and mbarrier transactions: sm_90 and up), and the compute
+# Files whose kernels use architecture-specific instructions (wgmma: sm_90a), and the compute
 # capabilities for which they are built as ``sm_<cc>a``; elsewhere they build as usual and their
 # kernels are traps (guarded by ``__CUDA_ARCH_FEAT_SM90_ALL``), which no launch plan picks.
-ARCH_SPECIFIC: dict[str, tuple[str, ...]] = {"q6k_wgmma.cu": ("90",), "q6k_tma.cu": ("90",)}
+ARCH_SPECIFIC: dict[str, tuple[str, ...]] = {"q6k_wgmma.cu": ("90",)}
 
 
 class KernelCompileError(DeviceError):
