@@ -7,13 +7,24 @@ caller, over the worker's Unix socket, x and y in one of the caller's regions.
 
 The record layouts are in the .proto's "Fast lane" section (service/lane.py is the worker's
 side). One call at a time per Lane (it is not thread-safe); open one lane per thread.
+
+Waiting for a reply, the caller first polls the socket without blocking for up to ``spin_us``
+(busy polling, as the worker's loop does before it sleeps: service/threads.py), then blocks in
+``recv``: a reply that comes within the spin is read by a thread that is running, on warm
+caches and clocks, instead of by one woken from sleep (a thread wake-up costs ~30 us on the
+H200 host, and the work after it runs slower). The spin takes a core of the caller while it
+lasts: by default ``LANE_SPIN_US`` where this process may run on ``SPIN_MIN_CPUS`` cores or
+more, else none; ``Q6SERVE_LANE_SPIN_US`` (microseconds, 0: never) or ``spin_us=`` override.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +32,15 @@ import grpc
 import numpy as np
 
 from . import core
-from .shm import ALIGN, Region
+from .shm import ALIGN, Region, ShmRegion
 
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
+SPIN_ENV = "Q6SERVE_LANE_SPIN_US"
+LANE_SPIN_US = 1000.0  # default spin where the caller may run on SPIN_MIN_CPUS cores or more
+MAX_KEPT = 64  # record codes and region views a lane keeps (cleared beyond)
+SPIN_MIN_CPUS = 8  # (the worker's busy polling rule: service/threads.py BUSY_POLL_MIN_CPUS)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -40,12 +55,36 @@ class LaneTiming:
     batch_requests: int
 
 
+def lane_spin_us(env: Mapping[str, str] | None = None) -> float:
+    """The caller's spin before it blocks for a reply, in us: ``Q6SERVE_LANE_SPIN_US`` when
+    set (a number >= 0; anything else is refused, naming the variable), else LANE_SPIN_US on
+    a process allowed SPIN_MIN_CPUS cores or more, else 0."""
+    raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
+    if not raw:
+        return LANE_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
+    try:
+        us = float(raw)
+    except ValueError:
+        us = math.nan
+    if not (math.isfinite(us) and us >= 0):
+        raise ValueError(f"{SPIN_ENV}={raw!r}: give microseconds the lane's caller polls for "
+                         "a reply before it blocks (0: never), 0 or more")
+    return us
+
+
 class Lane:
-    """An open lane on ``region``; ``matmul`` returns y as a view of the region."""
+    """An open lane on ``region``; ``matmul`` returns y as a view of the region.
+    ``spin_us``: how long a call polls for its reply before it blocks (None: the default of
+    :func:`lane_spin_us`); ``spun`` / ``slept`` count the replies read while spinning / after
+    blocking."""
 
     def __init__(self, region: Region, path: str, ticket: bytes,
-                 timeout: float | None = 60.0) -> None:
+                 timeout: float | None = 60.0, spin_us: float | None = None) -> None:
         self.region, self.path = region, path
+        self.spin_us = lane_spin_us() if spin_us is None else float(spin_us)
+        self.spun = self.slept = 0
+        self._codes: dict[tuple[Any, ...], tuple[bytes, int, int, int, int]] = {}
+        self._views: dict[tuple[Any, ...], Any] = {}  # the region's views by place
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self._seq = 0
@@ -76,26 +115,34 @@ class Lane:
         if x is not None:
             if not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
                 x = np.asarray(x)
-            self.region.put(x_offset, x)
             shape, dtype = (int(x.shape[0]), int(x.shape[1])), x.dtype
+            if isinstance(x, np.ndarray) and isinstance(self.region, ShmRegion):
+                dst = self._view(x_offset, x.dtype, shape)  # (region.put, its view kept)
+                if dst.__array_interface__["data"][0] != x.__array_interface__["data"][0]:
+                    dst[...] = x
+            else:
+                self.region.put(x_offset, x)
         if shape is None or dtype is None:
             raise ValueError("lane matmul needs x, or shape and dtype of the x in the region")
-        dt = np.dtype(dtype)
-        name = core.dtype_name(dt)
-        if name is None:
-            raise ValueError(f"dtype {dt} is not one of f32, f16, bf16")
+        codes = self._codes.get((weight, dtype, out_dtype, precision))
+        if codes is None:
+            codes = self._record_codes(weight, dtype, out_dtype, precision)
+        wname, x_code, out_code, prec_code, itemsize = codes
         n, k = shape
         if y_offset is None:
-            y_offset = x_offset + -(-n * k * dt.itemsize // ALIGN) * ALIGN
-        wname = weight.encode()
+            y_offset = x_offset + -(-n * k * itemsize // ALIGN) * ALIGN
         self._seq += 1
-        req = REQUEST.pack(self._seq, n, k, x_offset, y_offset, core._DTYPE_TO_PB[name],
-                           core._DTYPE_TO_PB[out_dtype],
-                           core._choice(core.PRECISIONS, precision, "precision"), 0,
+        req = REQUEST.pack(self._seq, n, k, x_offset, y_offset, x_code, out_code, prec_code, 0,
                            len(wname), 0)
         try:
-            self.sock.sendall(req + wname)
-            self._read_into(self._head)
+            data = req + wname
+            try:  # one write(2): sendall on a socket with a timeout would poll() first
+                sent = os.write(self.sock.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                self.sock.sendall(data[sent:])
+            self._read_head()
             seq, code, msg_len, cols, rows, reqs, _, queue, kernel, device = REPLY.unpack(
                 self._head)
             msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
@@ -109,11 +156,65 @@ class Lane:
             raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
         self.last = LaneTiming(queue, None if math.isnan(kernel) else kernel,
                                None if math.isnan(device) else device, rows, reqs)
-        return self.region.ndarray(y_offset, core.DTYPES[out_dtype], (n, cols))
+        return self._view(y_offset, core.DTYPES[out_dtype], (n, cols)).view()
 
-    def _read_into(self, buf: bytearray) -> None:
+    def _record_codes(self, weight: str, dtype: Any, out_dtype: str, precision: str,
+                      ) -> tuple[bytes, int, int, int, int]:
+        """What a request record says of (weight, x dtype, out dtype, precision): checked once
+        per combination, then kept (a handful per lane)."""
+        dt = np.dtype(dtype)
+        name = core.dtype_name(dt)
+        if name is None:
+            raise ValueError(f"dtype {dt} is not one of f32, f16, bf16")
+        codes = (weight.encode(), core._DTYPE_TO_PB[name],
+                 core._choice(core._DTYPE_TO_PB, out_dtype, "out_dtype"),
+                 core._choice(core.PRECISIONS, precision, "precision"), dt.itemsize)
+        if len(self._codes) >= MAX_KEPT:
+            self._codes.clear()
+        self._codes[(weight, dtype, out_dtype, precision)] = codes
+        return codes
+
+    def _view(self, offset: int, dtype: Any, shape: tuple[int, int]) -> Any:
+        """The region's view at ``offset`` (Region.ndarray, checked once per place and kept:
+        a lane reuses a handful of places)."""
+        key = (offset, dtype, shape)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= MAX_KEPT:
+                self._views.clear()
+            v = self._views[key] = self.region.ndarray(offset, dtype, shape)
+        return v
+
+    def _read_head(self) -> None:
+        """The reply's fixed part: polled for without blocking for up to ``spin_us``, then
+        read blocking (the socket's timeout) from where the spin left off."""
+        buf = self._head
         view, got = memoryview(buf), 0
-        while got < len(buf):
+        # a socket with a timeout has a non-blocking descriptor (its recv would poll(), i.e.
+        # sleep, first): readv takes what is there or raises BlockingIOError at once. A socket
+        # without a timeout blocks in readv: no spin then.
+        if self.spin_us > 0 and self.sock.gettimeout() is not None:
+            fd, now = self.sock.fileno(), time.perf_counter
+            end = now() + self.spin_us * 1e-6
+            while got < len(buf):
+                try:
+                    n = os.readv(fd, (view[got:],))
+                except BlockingIOError:
+                    if now() >= end:
+                        break
+                    continue
+                if n == 0:
+                    raise ConnectionError("the worker closed the lane")
+                got += n
+            else:
+                self.spun += 1
+                return
+        self.slept += 1
+        self._read_into(view[got:])
+
+    def _read_into(self, buf: bytearray | memoryview) -> None:
+        view, got = memoryview(buf), 0
+        while got < len(view):
             n = self.sock.recv_into(view[got:])
             if n == 0:
                 raise ConnectionError("the worker closed the lane")
@@ -125,6 +226,7 @@ class Lane:
         return bytes(buf)
 
     def close(self) -> None:
+        self._views.clear()  # (the region's mapping may close once nothing views it)
         self.sock.close()
 
     def __enter__(self) -> Lane:

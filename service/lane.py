@@ -7,8 +7,9 @@ the caller's region, and a 56-byte reply with status and timing; x and y never t
 socket is the wake-up (one write and one read per direction). Each request runs exactly as a
 Matmul naming x_region/y_region (the same checks, the batcher, CUDA regions on the device), so
 lane requests batch with everyone else's: with a system region as a front end's "rm" call runs
-in the device process (``LaneServer._direct``: no task per request), otherwise through
-``regions.matmul`` in a task.
+in the device process (``LaneServer._direct``: no task per request; a lone request on an
+idle device on the direct path, ``Engine.run_now``, in the trip that read it), otherwise
+through ``regions.matmul`` in a task.
 
 One ``LaneServer`` per worker (the device process with --frontends), started by the first
 OpenLane, closed with the region table (drain).
@@ -63,6 +64,7 @@ class LaneServer:
         self._server: asyncio.base_events.Server | None = None
         self._lanes: set[asyncio.BaseTransport] = set()
         self.direct = 0  # requests run by _direct (tests, benches)
+        self.now = 0  # of which run here and now, on the direct path (Engine.run_now)
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
 
     async def start(self) -> None:
@@ -93,12 +95,15 @@ class LaneServer:
             w.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _request(self, conn: _LaneConn, head: tuple[int, ...], name: str) -> None:
-        """One request record of ``conn``'s lane: run now (``_direct``) or in a task."""
+    def _request(self, conn: _LaneConn, head: tuple[int, ...], name: str,
+                 alone: bool = False) -> None:
+        """One request record of ``conn``'s lane: run now (``_direct``) or in a task.
+        ``alone``: no further record of this lane waits in its buffer (one that does could
+        join this one's batch)."""
         seq, n, k, x_off, y_off, x_dt, out_dt, prec, _, _, _ = head
         t = conn.ticket
         assert t is not None
-        if self._direct(conn, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec):
+        if self._direct(conn, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec, alone):
             return
         task = asyncio.get_running_loop().create_task(
             self._one(conn, t, seq, name, n, k, x_off, y_off, x_dt, out_dt, prec))
@@ -106,15 +111,20 @@ class LaneServer:
         task.add_done_callback(conn.task_done)
 
     def _direct(self, conn: _LaneConn, t: Ticket, seq: int, name: str, n: int, k: int,
-                x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> bool:
+                x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int,
+                alone: bool = False) -> bool:
         """One request with x and y in a system region, as a front end's "rm" call runs in
         the device process (service/frontends.py ``_region_matmul``): the checks of
         ``regions.matmul`` now, in this loop trip; the call queued with a sink that answers
         (y already in place where the backend took the route, else copied there), lets the
         region go and frees its place in the lane -- no task, no coroutine, no future awaited
         per request (on the H200 a lane call cost the device process ~550 us of CPU that way).
-        False: not for this path (a CUDA region, an engine without ``start_matmul``): the
-        caller runs it as a task. A refusal is answered here."""
+        A request ``alone`` (no other record of its lane, nor another lane's bytes, waiting in
+        this trip) that the engine would run at once as an inline job anyway runs here and
+        now instead (``Engine.run_now``, the direct path MatmulStream takes: the device idle,
+        nothing of its weight queued; no queue, future, sink or loop trip) and is answered
+        before its region is let go. False: not for this path (a CUDA region, an engine
+        without ``start_matmul``): the caller runs it as a task. A refusal is answered here."""
         table, engine = self.table, self.engine
         start = getattr(engine, "start_matmul", None)
         if start is None:
@@ -139,6 +149,24 @@ class LaneServer:
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
             key = table.route(call.x, dest)
             held = region
+            run_now = getattr(engine, "run_now", None)
+            r = (run_now(call) if alone and run_now is not None
+                 and not self._lane_ready(conn) else None)
+            if r is not None:  # run here and now: the direct path (Engine.run_now)
+                self.direct += 1
+                self.now += 1
+                try:
+                    taken = table.unroute(key)
+                    key = None
+                    regions.place_y(held, y_off, r.y, dest, taken)
+                    rec = REPLY.pack(seq, 0, 0, int(r.y.shape[1]), r.batch_rows,
+                                     r.batch_requests, 0, r.queue_seconds,
+                                     _nan(r.kernel_seconds), _nan(r.device_seconds))
+                except Exception as e:
+                    rec = _failed(seq, e)
+                conn.answer(rec)  # the reply first, the bookkeeping after it
+                table.let_go(held)
+                return True
 
             def answered(fut: asyncio.Future[Any]) -> None:
                 try:
@@ -153,9 +181,8 @@ class LaneServer:
                                      _nan(r.kernel_seconds), _nan(r.device_seconds))
                 except Exception as e:
                     rec = _failed(seq, e)
-                finally:
-                    table.let_go(held)
-                conn.answer(rec)
+                conn.answer(rec)  # the reply first, the region let go after it
+                table.let_go(held)
 
             if type(engine) is Engine:  # its sink runs in the trip that resolves the call
                 start(call, answered)
@@ -168,6 +195,16 @@ class LaneServer:
             table.let_go(region)
             conn.answer(_failed(seq, e))
             return True
+
+    def _lane_ready(self, conn: _LaneConn) -> bool:
+        """Whether another lane's bytes wait to be read in this loop trip (its read handle is
+        in asyncio's ready queue): its request could join this one's batch, so this one is
+        queued (``start_matmul``: launched at the trip's end) rather than run now."""
+        for h in getattr(asyncio.get_running_loop(), "_ready", ()):
+            t = getattr(h._callback, "__self__", None)
+            if t is not None and t is not conn.transport and t in self._lanes:
+                return True
+        return False
 
     async def _one(self, conn: _LaneConn, t: Ticket, seq: int, name: str, n: int, k: int,
                    x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
@@ -257,7 +294,7 @@ class _LaneConn(asyncio.Protocol):
                 self.paused = True
                 self.server.pauses += 1
                 self.transport.pause_reading()
-            self.server._request(self, head, name)
+            self.server._request(self, head, name, len(buf) - pos < REQUEST.size)
         del buf[:pos]
 
     def write(self, rec: bytes) -> None:
