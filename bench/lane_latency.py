@@ -2,27 +2,43 @@
 
 Starts ``q6serve worker --allow-shm`` (``--frontends`` as given), uploads a synthetic weight,
 then per path runs closed-loop calls for ``--seconds``: gRPC unary with the bytes in the
-messages, gRPC unary with x and y in a region, and the fast lane (x and y in the same region).
-Prints p50/p99 and p50 minus the worker's device time per call (the stretch target: p50 -
-kernel <= 50 us on the H200; on the CPU the kernel is NumPy's, so compare the paths).
+messages, gRPC unary with x and y in a region, and the fast lane (x and y in the same region;
+once per ``--spins`` value: the caller's poll for its reply before it blocks, client/lane.py,
+where the client has one). Prints p50/p99 and p50 minus the worker's device time and minus the
+kernel per call (the stretch target: p50 - kernel <= 50 us on the H200; on the CPU the kernel
+is NumPy's, so compare the paths).
+
+``--stamps``: the worker stamps each lane request (bench/lane_stamps.py, through
+bench/trips_site) and the caller its own write and read, on one clock, so each lane round trip
+splits into: client pre (x into the region, the record packed), up (write -> the worker read
+the bytes), pre-job (the worker's checks and queueing up to the job's launch), job (the device
+job: host launch, kernel, wait), post-job (job done -> reply written), down (reply written ->
+the caller's read returned), client post (the reply unpacked, y's view). ``--check``: the
+lane's y against a NumPy reference (dequantized weight, f32), in the F16 tolerance.
 
     python bench/lane_latency.py --backend numpy --rows 512 --k 3584 --seconds 3
     python bench/lane_latency.py --backend cuda --rows 3584 --k 18944 --json "$OUT/lane.json"
+    python bench/lane_latency.py --backend cuda --paths lane --spins 0,1000 --stamps --check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import lane_stamps  # bench/ is sys.path[0]
 import numpy as np
 
-from service import random_q6k, start_worker  # bench/ is sys.path[0]
+from service import random_q6k, start_worker
+
+PARTS = ("client_pre", "up", "pre_job", "job", "post_job", "down", "client_post")
+SITE = Path(__file__).resolve().parent / "trips_site"
 
 
 def timed(fn: Any, seconds: float, warmup: float) -> tuple[np.ndarray, np.ndarray]:
@@ -40,6 +56,82 @@ def timed(fn: Any, seconds: float, warmup: float) -> tuple[np.ndarray, np.ndarra
     return np.asarray(walls), np.asarray(dev)
 
 
+def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
+    from q6serve.kernels import q6k
+
+    w = q6k.dequantize_aos(blocks, rows, k).astype(np.float32)
+    return x.astype(np.float32) @ w.T
+
+
+def check(y: np.ndarray, ref: np.ndarray) -> dict[str, Any]:
+    """y against the reference: the F16 tolerance of the service's tests (rtol 1e-2,
+    atol 1e-1), and the largest error relative to the largest |ref|."""
+    y = np.asarray(y, np.float32)
+    ok = bool(np.allclose(y, ref, rtol=1e-2, atol=1e-1))
+    rel = float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+    return {"ok": ok, "max_rel_err": rel}
+
+
+def lane_run(lane: Any, x: np.ndarray, y_off: int, seconds: float, warmup: float,
+             stamps: bool) -> dict[str, Any]:
+    """Closed-loop lane calls: walls, device and kernel seconds, and per call (seq) the
+    caller's stamps (t0, send, wake, end)."""
+    marks = lane_stamps.client_hooks(lane) if stamps else {}
+    end = time.perf_counter() + warmup
+    while time.perf_counter() < end:
+        lane.matmul("w", x, y_offset=y_off)
+    rows: list[tuple[float, ...]] = []
+    now = time.perf_counter
+    end = now() + seconds
+    while now() < end:
+        marks.clear()
+        t0 = now()
+        lane.matmul("w", x, y_offset=y_off)
+        t1 = now()
+        last = lane.last
+        rows.append((lane._seq, t0, marks.get("send", np.nan), marks.get("wake", np.nan), t1,
+                     np.nan if last.device_seconds is None else last.device_seconds,
+                     np.nan if last.kernel_seconds is None else last.kernel_seconds))
+    return {"calls": np.asarray(rows)}
+
+
+def summarize(name: str, run: dict[str, Any], worker_stamps: dict[int, Any] | None,
+              ) -> dict[str, Any]:
+    a = run["calls"]
+    walls, dev, ker = a[:, 4] - a[:, 1], a[:, 5], a[:, 6]
+    p50, p99 = (float(np.percentile(walls, q) * 1e6) for q in (50, 99))
+    d50 = float(np.nanmedian(dev) * 1e6) if np.isfinite(dev).any() else 0.0
+    k50 = float(np.nanmedian(ker) * 1e6) if np.isfinite(ker).any() else 0.0
+    out: dict[str, Any] = {"calls": int(walls.size), "p50_us": p50, "p99_us": p99,
+                           "device_p50_us": d50, "kernel_p50_us": k50,
+                           "p50_minus_device_us": p50 - d50, "p50_minus_kernel_us": p50 - k50}
+    line = (f"{name:<16} calls {walls.size:>7}  p50 {p50:8.1f} us  p99 {p99:8.1f} us  device "
+            f"p50 {d50:7.1f}  kernel p50 {k50:6.1f}  p50 - device {p50 - d50:7.1f}  p50 - "
+            f"kernel {p50 - k50:7.1f}")
+    for key in ("spun", "slept"):
+        if key in run:
+            out[key] = run[key]
+    if worker_stamps:
+        got = [(r, worker_stamps[int(r[0])]) for r in a if int(r[0]) in worker_stamps]
+        if got:
+            c = np.asarray([r for r, _ in got])
+            w = np.asarray([s for _, s in got])
+            t0, send, wake, t1, devs = c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5]
+            t_read, t_launch, t_write = w[:, 0], w[:, 1], w[:, 2]
+            job = np.nan_to_num(devs)
+            parts = {"client_pre": send - t0, "up": t_read - send,
+                     "pre_job": t_launch - t_read, "job": job,
+                     "post_job": t_write - (t_launch + job), "down": wake - t_write,
+                     "client_post": t1 - wake}
+            out["parts_p50_us"] = {k: float(np.nanmedian(v) * 1e6) for k, v in parts.items()}
+            out["parts_mean_us"] = {k: float(np.nanmean(v) * 1e6) for k, v in parts.items()}
+            out["stamped_calls"] = len(got)
+            line += "\n" + " " * 17 + "p50 us: " + "  ".join(
+                f"{k} {out['parts_p50_us'][k]:.1f}" for k in PARTS)
+    print(line, flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
@@ -48,19 +140,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontends", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--paths", default="grpc,regions,lane",
+                    help="comma-separated: grpc (bytes), regions (gRPC with regions), lane")
+    ap.add_argument("--spins", default="",
+                    help="the lane caller's spins to run, us, comma-separated (empty: the "
+                         "client's default; ignored by a client without a spin)")
+    ap.add_argument("--stamps", action="store_true", help="per-stage breakdown of lane calls")
+    ap.add_argument("--check", action="store_true", help="lane y vs the NumPy reference")
+    ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     from q6serve.client.client import Client
 
+    paths = [p for p in a.paths.split(",") if p]
     out_dir = a.json.parent if a.json else Path(tempfile.mkdtemp(prefix="q6lane-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--allow-shm"] + (["--frontends", str(a.frontends)] if a.frontends > 1 else [])
-    worker = start_worker(a.backend, out_dir / "worker.log", extra)
+    stamp_file = out_dir / f"lane_stamps{'_' + a.label if a.label else ''}.json"
+    if a.stamps:  # the worker (a child: it inherits this environment) stamps its lane
+        stamp_file.unlink(missing_ok=True)
+        os.environ["Q6SERVE_LANE_STAMPS"] = str(stamp_file)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    worker = start_worker(a.backend, out_dir / f"worker{'_' + a.label if a.label else ''}.log",
+                          extra)
     results: dict[str, Any] = {}
+    lane_runs: dict[str, dict[str, Any]] = {}
+    blocks = random_q6k(a.rows, a.k, 1)
+    x = np.random.default_rng(0).standard_normal((1, a.k)).astype(np.float16)
     try:
         with Client(worker.target) as c:
-            c.upload("w", random_q6k(a.rows, a.k, 1), a.rows, a.k)
-            x = np.random.default_rng(0).standard_normal((1, a.k)).astype(np.float16)
+            c.upload("w", blocks, a.rows, a.k)
             with c.register_shm("io", 1 << 22) as region, c.open_lane(region) as lane:
                 y_off = 1 << 21
 
@@ -71,27 +181,49 @@ def main(argv: list[str] | None = None) -> int:
                     return c.matmul_full("w", x, x_region=region,
                                          y_region=(region, y_off)).device_seconds
 
-                def via_lane() -> float | None:
-                    lane.matmul("w", x, y_offset=y_off)
-                    return lane.last.device_seconds if lane.last else None
-
-                for name, fn in (("grpc bytes", rpc), ("grpc regions", rpc_region),
-                                 ("lane", via_lane)):
+                for key, name, fn in (("grpc", "grpc bytes", rpc),
+                                      ("regions", "grpc regions", rpc_region)):
+                    if key not in paths:
+                        continue
                     walls, dev = timed(fn, a.seconds, a.warmup)
-                    p50, p99 = (float(np.percentile(walls, q) * 1e6) for q in (50, 99))
-                    d50 = float(np.nanmedian(dev) * 1e6) if np.isfinite(dev).any() else 0.0
-                    results[name] = {"calls": int(walls.size), "p50_us": p50, "p99_us": p99,
-                                     "device_p50_us": d50, "p50_minus_device_us": p50 - d50}
-                    print(f"{name:<13} calls {walls.size:>7}  p50 {p50:8.1f} us  p99 {p99:8.1f} "
-                          f"us  device p50 {d50:7.1f} us  p50 - device {p50 - d50:7.1f} us",
-                          flush=True)
+                    run = {"calls": np.stack([np.zeros_like(walls), np.zeros_like(walls),
+                                              walls * 0, walls * 0, walls, dev,
+                                              np.full_like(walls, np.nan)], axis=1)}
+                    results[name] = summarize(name, run, None)
+                ref = None
+                if "lane" in paths:
+                    has_spin = hasattr(lane, "spin_us")
+                    spins = [float(s) for s in a.spins.split(",") if s] if has_spin else []
+                    for spin in spins or [None]:
+                        name = "lane" if spin is None else f"lane spin {spin:g}"
+                        if spin is not None:
+                            lane.spin_us = spin
+                        spun0 = getattr(lane, "spun", 0), getattr(lane, "slept", 0)
+                        run = lane_run(lane, x, y_off, a.seconds, a.warmup, a.stamps)
+                        if has_spin:
+                            run["spun"] = lane.spun - spun0[0]
+                            run["slept"] = lane.slept - spun0[1]
+                        run["spin_us"] = getattr(lane, "spin_us", None)
+                        lane_runs[name] = run
+                        if a.check:
+                            y = np.array(lane.matmul("w", x, y_offset=y_off))
+                            if ref is None:
+                                ref = reference(blocks, a.rows, a.k, x)
+                            run["check"] = check(y, ref)
             st = c.status()
             results["device"] = st.device
     finally:
         worker.stop()
+    ws = lane_stamps.load(str(stamp_file)) if a.stamps and stamp_file.exists() else None
+    for name, run in lane_runs.items():
+        results[name] = summarize(name, run, ws)
+        results[name]["spin_us"] = run["spin_us"]
+        if "check" in run:
+            results[name]["check"] = run["check"]
+            print(f"{'':17}check: y vs NumPy reference {run['check']}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else argv,
-                                      "results": results}, indent=1))
+                                      "label": a.label, "results": results}, indent=1))
     return 0
 
 

@@ -1,8 +1,9 @@
 """Loaded by Python at start-up when this folder is on PYTHONPATH: installs bench/loop_trips.py's
 loop-trip counter in the process if Q6SERVE_LOOP_TRIPS names an output file, and
-bench/reply_stamps.py's absolute times in stream replies if Q6SERVE_REPLY_STAMPS is set
-(diagnostics for bench/stream_overhead.py --trips / --stamps; nothing else puts this folder on
-the path)."""
+bench/reply_stamps.py's absolute times in stream replies if Q6SERVE_REPLY_STAMPS is set, and
+bench/lane_stamps.py's fast-lane stamps if Q6SERVE_LANE_STAMPS names an output file
+(diagnostics for bench/stream_overhead.py --trips / --stamps and bench/lane_latency.py
+--stamps; nothing else puts this folder on the path)."""
 
 import os
 import sys
@@ -18,3 +19,9 @@ if os.environ.get("Q6SERVE_REPLY_STAMPS"):
     import reply_stamps
 
     reply_stamps.install()
+
+if os.environ.get("Q6SERVE_LANE_STAMPS"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lane_stamps
+
+    lane_stamps.install(os.environ["Q6SERVE_LANE_STAMPS"])

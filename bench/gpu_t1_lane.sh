@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 15 stretch (helper t1, session 9): the fast lane's single-caller latency, one device
+# call, all on one machine. bench/lane_latency.py --backend cuda (ffn_down 3584x18944, N=1 f16
+# x, f32 y, one caller, the lane only) with the per-stage breakdown (--stamps: the worker's read,
+# job launch and reply write, the caller's write and wake, one clock) and y checked against the
+# NumPy reference (--check), alternated over two rounds:
+#   main      the base tree $OLD (its code through base_tree's PYTHONPATH), busy polling on
+#             (the default on 16 cores) and off (Q6SERVE_BUSY_POLL_US=0)
+#   new       this tree: the caller's spin 0 / 250 / 1000 us (client/lane.py) with the worker's
+#             busy polling on; spin 0 / 1000 with it off
+# $OUT gets t1lane.tgz, progress.txt and summary.txt.
+#   OLD=base bench/gpu_t1_lane.sh          env: SECONDS_PER_RUN (1.0), ROUNDS (2)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=bench/gpu_lib.sh
+source bench/gpu_lib.sh
+gpu_session /tmp/t1lane
+base_tree "${OLD:?set OLD to the base tree}"
+S=${SECONDS_PER_RUN:-1.0}
+lane() {  # label tree(old|new) spins [env...]
+  local label=$1 pp=$NOWPP spins=$3
+  [[ $2 == old ]] && pp=$BASEPP
+  shift 3
+  (cd bench && PYTHONPATH=$pp env "$@" timeout 45 python3 lane_latency.py --backend cuda \
+    --rows 3584 --k 18944 --paths lane --spins "$spins" --stamps --check --seconds "$S" \
+    --warmup 0.3 --label "$label" --json "$OUT/$label.json" >"$OUT/$label.log" 2>&1)
+  note "# $label rc=$? ($(elapsed))"
+  grep -E "^lane|p50 us|check" "$OUT/$label.log" | tee -a "$FINAL/progress.txt"
+}
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  lane "main_on_$r" old ""
+  lane "new_on_$r" new 0,250,1000
+  lane "main_off_$r" old "" Q6SERVE_BUSY_POLL_US=0
+  lane "new_off_$r" new 0,1000 Q6SERVE_BUSY_POLL_US=0
+done
+{
+  echo "# gpu_t1_lane now $(cat COMMIT 2>/dev/null) base $(cat "$BASE/COMMIT" 2>/dev/null)" \
+    "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" \
+    "$(date -u '+%F %H:%M') UTC, $(elapsed)"
+  python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+rows = []
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*_[0-9].json")):
+    d = json.loads(p.read_text())
+    for name, r in d["results"].items():
+        if not name.startswith("lane"):
+            continue
+        parts = r.get("parts_p50_us", {})
+        rows.append((p.stem, name, r["p50_us"], r["p99_us"], r["device_p50_us"],
+                     r["kernel_p50_us"], r["p50_minus_kernel_us"], r.get("spun"),
+                     r.get("slept"), r.get("check", {}).get("ok"), parts))
+print("| run | variant | p50 | p99 | device | kernel | p50-kernel | spun/slept | y ok | "
+      "client_pre up pre_job job post_job down client_post (p50 us) |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for run, name, p50, p99, dev, ker, pk, spun, slept, ok, parts in rows:
+    stages = " ".join(f"{parts[k]:.0f}" for k in ("client_pre", "up", "pre_job", "job",
+                                                  "post_job", "down", "client_post")
+                      ) if parts else ""
+    print(f"| {run} | {name} | {p50:.0f} | {p99:.0f} | {dev:.0f} | {ker:.0f} | {pk:.0f} | "
+          f"{spun}/{slept} | {ok} | {stages} |")
+EOF
+} >"$OUT/summary.txt" 2>&1
+tar czf "$FINAL/t1lane.tgz" -C "$OUT" .
+cp "$OUT/summary.txt" "$FINAL/"
+cat "$OUT/summary.txt"
