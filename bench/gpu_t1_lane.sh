@@ -7,22 +7,30 @@
 #   main      the base tree $OLD (its code through base_tree's PYTHONPATH), busy polling on
 #             (the default on 16 cores) and off (Q6SERVE_BUSY_POLL_US=0)
 #   new       this tree: the caller's spin 0 / 250 / 1000 us (client/lane.py) with the worker's
-#             busy polling on; spin 0 / 1000 with it off
+#             busy polling on; spin 0 / 1000 with it off (busy polling off: round 1 only)
 # $OUT gets t1lane.tgz, progress.txt and summary.txt.
 #   OLD=base bench/gpu_t1_lane.sh          env: SECONDS_PER_RUN (1.0), ROUNDS (2)
+#   DRY_RUN=1 BACKEND=numpy ROWS=64 K=512 OLD=/tmp/base OUT=/tmp/o bench/gpu_t1_lane.sh   (CPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
-gpu_session /tmp/t1lane
+if [[ -n ${DRY_RUN:-} ]]; then  # a CPU rehearsal (BACKEND=numpy): no install, no GPU
+  FINAL=${OUT:-$PWD/out} OUT=/tmp/t1lane T0=$(date +%s)
+  rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL"
+  nvidia-smi() { echo "no GPU (dry run)"; }
+else
+  gpu_session /tmp/t1lane
+fi
 base_tree "${OLD:?set OLD to the base tree}"
 S=${SECONDS_PER_RUN:-1.0}
+BACKEND=${BACKEND:-cuda}
 lane() {  # label tree(old|new) spins [env...]
   local label=$1 pp=$NOWPP spins=$3
   [[ $2 == old ]] && pp=$BASEPP
   shift 3
-  (cd bench && PYTHONPATH=$pp env "$@" timeout 45 python3 lane_latency.py --backend cuda \
-    --rows 3584 --k 18944 --paths lane --spins "$spins" --stamps --check --seconds "$S" \
+  (cd bench && PYTHONPATH=$pp env "$@" timeout 45 python3 lane_latency.py --backend "$BACKEND" \
+    --rows "${ROWS:-3584}" --k "${K:-18944}" --paths lane --spins "$spins" --stamps --check --seconds "$S" \
     --warmup 0.3 --label "$label" --json "$OUT/$label.json" >"$OUT/$label.log" 2>&1)
   note "# $label rc=$? ($(elapsed))"
   grep -E "^lane|p50 us|check" "$OUT/$label.log" | tee -a "$FINAL/progress.txt"
@@ -30,6 +38,7 @@ lane() {  # label tree(old|new) spins [env...]
 for r in $(seq 1 "${ROUNDS:-2}"); do
   lane "main_on_$r" old ""
   lane "new_on_$r" new 0,250,1000
+  ((r > 1)) && continue  # busy polling off: one round (a diagnostic, not an A/B of defaults)
   lane "main_off_$r" old "" Q6SERVE_BUSY_POLL_US=0
   lane "new_off_$r" new 0,1000 Q6SERVE_BUSY_POLL_US=0
 done
@@ -42,7 +51,7 @@ import json, pathlib, sys
 rows = []
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*_[0-9].json")):
     d = json.loads(p.read_text())
-    for name, r in d["results"].items():
+    for name, r in d.get("results", {}).items():  # (lane_stamps_*.json: the worker's stamps)
         if not name.startswith("lane"):
             continue
         parts = r.get("parts_p50_us", {})
