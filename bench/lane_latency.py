@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                          "client's default; ignored by a client without a spin)")
     ap.add_argument("--stamps", action="store_true", help="per-stage breakdown of lane calls")
     ap.add_argument("--check", action="store_true", help="lane y vs the NumPy reference")
+    ap.add_argument("--client-cpu", type=int, default=None,
+                    help="pin this caller to that CPU (after starting the worker)")
+    ap.add_argument("--worker-cpus", default="", help="the worker's --cpus (e.g. 0-6,8-14)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = a.json.parent if a.json else Path(tempfile.mkdtemp(prefix="q6lane-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--allow-shm"] + (["--frontends", str(a.frontends)] if a.frontends > 1 else [])
+    extra += ["--cpus", a.worker_cpus] if a.worker_cpus else []
     stamp_file = out_dir / f"lane_stamps{'_' + a.label if a.label else ''}.json"
     if a.stamps:  # the worker (a child: it inherits this environment) stamps its lane
         stamp_file.unlink(missing_ok=True)
@@ -170,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             [str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
     worker = start_worker(a.backend, out_dir / f"worker{'_' + a.label if a.label else ''}.log",
                           extra)
+    if a.client_cpu is not None:
+        os.sched_setaffinity(0, {a.client_cpu})
     results: dict[str, Any] = {}
     lane_runs: dict[str, dict[str, Any]] = {}
     blocks = random_q6k(a.rows, a.k, 1)
@@ -202,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                     spins = [float(s) for s in a.spins.split(",") if s] if has_spin else []
                     for spin in spins or [None]:
                         name = "lane" if spin is None else f"lane spin {spin:g}"
+                        if name in lane_runs:  # a repeat (alternated spins)
+                            name += f" #{sum(n.startswith(name) for n in lane_runs) + 1}"
                         if spin is not None:
                             lane.spin_us = spin
                         spun0 = getattr(lane, "spun", 0), getattr(lane, "slept", 0)

@@ -51,6 +51,8 @@ def install(path: str) -> None:
     engine.launch_ieee = stamped_launch
 
     def dump() -> None:
+        if not stamps:  # a child that inherited the variable (the caller's resource tracker)
+            return
         with open(path, "w") as f:
             json.dump({str(k): v for k, v in stamps.items()}, f)
 
