@@ -46,28 +46,7 @@ done
   echo "# gpu_t1_lane now $(cat COMMIT 2>/dev/null) base $(cat "$BASE/COMMIT" 2>/dev/null)" \
     "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" \
     "$(date -u '+%F %H:%M') UTC, $(elapsed)"
-  python3 - "$OUT" <<'EOF'
-import json, pathlib, sys
-rows = []
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*_[0-9].json")):
-    d = json.loads(p.read_text())
-    for name, r in d.get("results", {}).items():  # (lane_stamps_*.json: the worker's stamps)
-        if not name.startswith("lane"):
-            continue
-        parts = r.get("parts_p50_us", {})
-        rows.append((p.stem, name, r["p50_us"], r["p99_us"], r["device_p50_us"],
-                     r["kernel_p50_us"], r["p50_minus_kernel_us"], r.get("spun"),
-                     r.get("slept"), r.get("check", {}).get("ok"), parts))
-print("| run | variant | p50 | p99 | device | kernel | p50-kernel | spun/slept | y ok | "
-      "client_pre up pre_job job post_job down client_post (p50 us) |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for run, name, p50, p99, dev, ker, pk, spun, slept, ok, parts in rows:
-    stages = " ".join(f"{parts[k]:.0f}" for k in ("client_pre", "up", "pre_job", "job",
-                                                  "post_job", "down", "client_post")
-                      ) if parts else ""
-    print(f"| {run} | {name} | {p50:.0f} | {p99:.0f} | {dev:.0f} | {ker:.0f} | {pk:.0f} | "
-          f"{spun}/{slept} | {ok} | {stages} |")
-EOF
+  python3 bench/lane_table.py "$OUT"
 } >"$OUT/summary.txt" 2>&1
 tar czf "$FINAL/t1lane.tgz" -C "$OUT" .
 cp "$OUT/summary.txt" "$FINAL/"

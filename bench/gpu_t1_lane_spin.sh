@@ -50,25 +50,7 @@ lane apart --client-cpu "$last" --worker-cpus "$rest"
     "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" \
     "$(date -u '+%F %H:%M') UTC, $(elapsed); caller cpu $last, worker cpus $rest"
   cat "$OUT/lscpu.txt"
-  python3 - "$OUT" <<'EOF'
-import json, pathlib, sys
-print("| run | variant | p50 | p99 | device | kernel | p50-kernel | spun/slept | y ok | "
-      "client_pre up pre_job job post_job down client_post (p50 us) |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    d = json.loads(p.read_text())
-    for name, r in d.get("results", {}).items():  # (lane_stamps_*.json: the worker's stamps)
-        if not name.startswith("lane"):
-            continue
-        parts = r.get("parts_p50_us", {})
-        stages = " ".join(f"{parts[k]:.0f}" for k in (
-            "client_pre", "up", "pre_job", "job", "post_job", "down", "client_post")
-                          ) if parts else ""
-        print(f"| {p.stem} | {name} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | "
-              f"{r['device_p50_us']:.0f} | {r['kernel_p50_us']:.0f} | "
-              f"{r['p50_minus_kernel_us']:.0f} | {r.get('spun')}/{r.get('slept')} | "
-              f"{r.get('check', {}).get('ok')} | {stages} |")
-EOF
+  python3 bench/lane_table.py "$OUT"
 } >"$OUT/summary.txt" 2>&1
 tar czf "$FINAL/t1spin.tgz" -C "$OUT" .
 cp "$OUT/summary.txt" "$FINAL/"
