@@ -49,7 +49,7 @@ from .cuda.dispatch import (
     load_default_table,
 )
 from .cuda.launch import IN_TYPES, SLOTS, Launcher
-from .cuda.storage import Storage, weight_data
+from .cuda.storage import CudaWeight, Storage, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
 
@@ -152,9 +152,35 @@ class CudaBackend(Backend):
     def launch(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> Launched:
+        ws = self.launcher.ws
+        cw = w.data
+        staged = x is ws.staged  # built by staging(): C-contiguous [N, K] (K checked below)
+        if staged and type(cw) is CudaWeight and x.shape[1] == w.k:
+            slot = ws.staged_slot
+            key = (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
+            call = cw.plans.get(key)  # a BoundCall: the whole path after its first calls
+            if call is not None and call.live():
+                return call.launch()
+        else:
+            x = check_matmul(w, x, topk)
+            cw = weight_data(w)
+            if not self.hostio.covers(x):
+                slot = ws.free_slot()
+                key = (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
+                call = cw.plans.get(key)
+                if call is not None and call.live():
+                    return call.launch(x)
+        return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
+
+    def _launch(self, w: ResidentWeight, cw: Any, x: np.ndarray, staged: bool,
+                precision: Precision, flags: KernelFlags, out_dtype: np.dtype | None,
+                topk: int) -> Launched:
+        """:meth:`launch`'s full path: checks, dispatch, the launcher (binding, capture); once
+        the call's sequence is a graph, its :class:`BoundCall` is cached on the weight."""
         x = check_matmul(w, x, topk)
-        c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
         cw = weight_data(w)
+        c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
+        kernel = f"cuda.{c.path}.{w.layout.value}"
         io = self.hostio
         if (not topk and c.path != "cublas_f16" and c.cfg is not None and x.dtype in IN_TYPES
                 and io.covers(x)):  # x in page-locked host memory: no staging copy
@@ -165,9 +191,14 @@ class CudaBackend(Backend):
                 else:
                     finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
         else:
+            ws = self.launcher.ws
+            slot = ws.staged_slot if staged else ws.free_slot()
             with self.ctx.dev, self.ctx.stream:
                 finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
-        kernel = f"cuda.{c.path}.{w.layout.value}"
+            call = self.launcher.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot,
+                                            kernel, c.precision)
+            if call is not None:
+                cw.plans[(x.shape, x.dtype, precision, flags, out_dtype, topk, slot)] = call
 
         def wait() -> MatmulResult:
             y, top, seconds = finish()

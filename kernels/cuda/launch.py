@@ -29,6 +29,11 @@ host path of one batch:
    GPU never idles between two long batches: service/batcher.py's ``Device``); a wait
    synchronises on its own launch's completion event, not the whole stream.
 
+6. once a call's bound sequence is a captured graph, ``CudaBackend.launch`` caches the call
+   itself (:class:`BoundCall`, on the weight, per x shape/dtype, precision, flags, out dtype,
+   top-k and slot): the next such call is a dict lookup, the graph launch, y's way out and the
+   slot's event, then the sync and the result, with nothing re-checked that binding settled.
+
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
@@ -42,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .. import cuda_topk, q6k
-from ..api import BFLOAT16, Layout, ResidentWeight
+from ..api import BFLOAT16, KernelTiming, Launched, Layout, MatmulResult, Precision, ResidentWeight
 from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
 from .dispatch import Cfg
@@ -296,6 +301,89 @@ def _external_record() -> Any:
     return f
 
 
+class BoundCall:
+    """A call's whole host path once its bound sequence is a captured graph
+    (:meth:`Launcher.bound_call`; cached on the weight by ``CudaBackend.launch`` per (x's shape
+    and dtype, precision, flags, out dtype, top-k, launch slot)): x into the slot's staging
+    buffer unless built there, the graph launch, y's way out unless the graph downloads it,
+    the slot's completion event; after the sync the kernel time and the result. The plan, the
+    binding, the dispatch and the checks of the key were settled by the call that made it;
+    :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
+    was not dropped)."""
+
+    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "dev", "done", "half",
+                 "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision", "rows",
+                 "slot", "stream", "topk", "ws", "y")
+
+    def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
+                 out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
+                 precision: Precision) -> None:
+        cp = lc.ctx.cp
+        self.lc, self.b, self.ws, self.slot = lc, b, lc.ws, slot
+        self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
+        self.done = lc.ws.done_event(slot)
+        self.host = lc.ws.host(b.x_bytes, slot)
+        self.out = None if b.extra["out"] is None else b.extra["out"][1]  # in-graph download
+        self.topk, self.rows, self.n, self.y = topk, rows, n, b.extra["y"]
+        dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
+        self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
+        self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
+        self.nbytes = n * rows * (2 if self.half else 4)
+        self.kernel, self.layout, self.precision = kernel, layout, precision
+        self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
+        self._elapsed = cp.cuda.get_elapsed_time
+
+    def live(self) -> bool:
+        return (self.b.gen == self.ws.gen and bool(self.b.graph)
+                and (not self.topk or cuda_topk.bindable()))
+
+    def launch(self, x: np.ndarray | None = None) -> Launched:
+        """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
+        ws, slot, stream = self.ws, self.slot, self.stream
+        if ws._held[slot]:
+            raise DeviceError("x was staged in a buffer a launch in flight still uses")
+        if x is not None:
+            self.host[: self.b.x_bytes] = x.reshape(-1).view(np.uint8)
+        ws._held[slot] = True
+        try:
+            with self.dev:
+                self.b.graph.launch(stream)
+                y = None
+                if self.big:
+                    src = self.y
+                    if self.half:  # (a CuPy conversion: on the backend's stream)
+                        with stream:
+                            src = self.lc._y_out(src, self.n, self.rows, True)
+                    mem = self._pinned(self.nbytes)
+                    y = np.frombuffer(mem, np.float16 if self.half else np.float32,
+                                      self.n * self.rows).reshape(self.n, self.rows)
+                    self._memcpy(mem.ptr, src, self.nbytes, _D2H, stream.ptr)
+                self.done.record(stream)
+        except BaseException:
+            ws._held[slot] = False
+            raise
+        return Launched(lambda: self._wait(y))
+
+    def _wait(self, y: np.ndarray | None) -> MatmulResult:
+        top = None
+        try:
+            self.done.synchronize()
+            try:
+                seconds = self._elapsed(self.b.start, self.b.end) / 1e3
+            except Exception:  # its event nodes did not record: direct launches from now
+                seconds, self.b.graph = None, False
+            if self.topk:  # (a copy: the buffer is the slot's, and unpack may return views)
+                top = cuda_topk.unpack(self.out.copy(), self.topk)
+            elif y is None:
+                y = self.out.copy()  # the buffer is reused
+            elif self.bf16:
+                y = y.astype(BFLOAT16)
+        finally:
+            self.ws._held[self.slot] = False
+        return MatmulResult(y, self.kernel, self.layout, self.precision,
+                            KernelTiming(host_seconds=seconds), topk=top)
+
+
 class Launcher:
     """Plans, binds and runs the kernels of one device (see the module docstring)."""
 
@@ -540,6 +628,23 @@ class Launcher:
             host[: xb.size] = xb
         return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
                                                            out_dtype, topk, slot, host))
+
+    def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
+                   cfg: Cfg | None, out_dtype: np.dtype | None, topk: int, slot: int,
+                   kernel: str, precision: Precision) -> BoundCall | None:
+        """The :class:`BoundCall` of a call just launched by :meth:`launch` in ``slot`` (the
+        same arguments), or None while its sequence is not a captured graph (or has none:
+        cuBLAS, an epilogue that cannot be bound)."""
+        if path == "cublas_f16" or cfg is None or x.dtype not in IN_TYPES:
+            return None
+        n = int(x.shape[0])
+        small = _small_out(n, w.rows, out_dtype, topk)
+        if topk and small is None:
+            return None
+        b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
+        if b is None or not b.graph or b.gen != self.ws.gen:
+            return None
+        return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision)
 
     def _in_slot(self, slot: int, enqueue: Callable[[], Callable[[], Done]],
                  ) -> Callable[[], Done]:
