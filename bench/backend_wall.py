@@ -16,6 +16,8 @@ sync, Python). Modes:
   before the launch and just after it: upload, kernels, download and the gaps between them), so
   ``wall - span`` is the host's own part (the launch before the GPU starts, the sync's wake-up),
   and ``launch`` the host time of ``launch`` alone (an event record and the enqueueing);
+  ``--fill concat`` writes it as the batcher does for a batch of one-row requests
+  (``np.concatenate`` of N arrays into it) instead of one copy;
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
   the launches, ``y.get()``), for comparison.
 
@@ -108,7 +110,7 @@ def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
 
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
-            topk: int = 0, probe: bool = False) -> dict:
+            topk: int = 0, probe: bool = False, fill: str = "copy") -> dict:
     import cupy as cp
 
     walls, kerns, fills, spans, lts = [], [], [], [], []
@@ -116,6 +118,7 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
     parts: dict[str, list[float]] = {"pre": [], "graph": [], "mid": [], "finish": [],
                                      "rest": []}
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    rows_of = {id(x): [x[j : j + 1].copy() for j in range(len(x))] for x in xs}
     for i in range(calls + 5):
         x = xs[i % len(xs)]
         if probe and mode == "staged" and i == 5:  # bound and captured by now
@@ -126,7 +129,10 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
         elif mode == "staged":  # x built in the upload buffer by the caller (its concat)
             t0 = time.perf_counter()
             st = be.staging(*x.shape, x.dtype)
-            st[...] = x
+            if fill == "concat":  # the batcher's: one request a row, concatenated into it
+                np.concatenate(rows_of[id(x)], out=st)
+            else:
+                st[...] = x
             fills.append((time.perf_counter() - t0) * 1e6)
             t0 = time.perf_counter()
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
@@ -212,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                     "turn for every (shape, N), --rounds times")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--probe", action="store_true",
-                    help="staged: the host's clock around the graph launch and y's way out")
+                    help="staged: the host's clock around the graph launch and y's way out "
+                    "(Launcher._finish: the full path only, a cached BoundCall has its own)")
+    ap.add_argument("--fill", default="copy", choices=("copy", "concat"),
+                    help="staged: how x is written into the staging buffer: one copy, or "
+                    "np.concatenate of its rows as separate arrays (service/batcher.py's fill "
+                    "of a batch of one-row requests)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from q6serve.kernels.cuda import launch
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     print(f"# device: {bes['graph'].device_name()}  date: {time.strftime('%Y-%m-%d')}  "
           f"activations: {a.dtype}, {f'top-{a.topk}' if a.topk else 'y f32'}, {a.calls} calls "
-          "per row (us)")
+          f"per row (us), fill: {a.fill}")
     print(f"{'shape':>12} {'N':>3} {'mode':>7} {'wall p50':>9} {'kernel p50':>10} "
           f"{'host p50':>9} {'host p90':>9}")
     for shape_s in a.shapes.split(","):
@@ -260,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                                           for v in variants for m in modes):
                 apply(sets)
                 be = bes[m]
-                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk, a.probe)
-                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk,
+                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk, a.probe, a.fill)
+                r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
                          variant=label, round=rnd)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
