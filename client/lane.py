@@ -8,13 +8,15 @@ caller, over the worker's Unix socket, x and y in one of the caller's regions.
 The record layouts are in the .proto's "Fast lane" section (service/lane.py is the worker's
 side). One call at a time per Lane (it is not thread-safe); open one lane per thread.
 
-Opt-in (``spin_us=`` or ``Q6SERVE_LANE_SPIN_US``, microseconds; default 0: never): waiting for
-a reply, the caller first polls the socket without blocking for up to ``spin_us`` (busy
-polling, as the worker's loop does before it sleeps: service/threads.py), then blocks in
+Waiting for a reply, the caller first polls the socket without blocking for up to ``spin_us``
+(busy polling, as the worker's loop does before it sleeps: service/threads.py), then blocks in
 ``recv``: a reply that comes within the spin is read by a thread that is running instead of by
-one woken from sleep. The spin takes a core of the caller while it lasts. On the H200 host it
-took the reply's way down from ~11 to ~6 us, but the round trip was not reliably shorter
-(bench/RESULTS.md, "Fast lane latency, session 9"), so it is not on by default.
+one woken from sleep. The spin takes a core of the caller while it lasts: by default
+``LANE_SPIN_US`` where this process may run on ``SPIN_MIN_CPUS`` cores or more (the worker's
+busy-polling rule), else none; ``Q6SERVE_LANE_SPIN_US`` (microseconds, 0: never) or
+``spin_us=`` override. On the H200 host (16 cores) 1000 us took the reply's way down from
+~12 to ~6 us and p50 - kernel down 7-27 us in 6 of 6 alternated pairs (bench/RESULTS.md,
+"Fast lane latency, session 9").
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
 SPIN_ENV = "Q6SERVE_LANE_SPIN_US"
-LANE_SPIN_US = 0.0  # the default spin (opt-in: see above)
+LANE_SPIN_US = 1000.0  # default spin where the caller may run on SPIN_MIN_CPUS cores or more
+SPIN_MIN_CPUS = 8  # (the worker's busy polling rule: service/threads.py BUSY_POLL_MIN_CPUS)
 MAX_KEPT = 64  # record codes and region views a lane keeps (cleared beyond)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -56,10 +59,11 @@ class LaneTiming:
 
 def lane_spin_us(env: Mapping[str, str] | None = None) -> float:
     """The caller's spin before it blocks for a reply, in us: ``Q6SERVE_LANE_SPIN_US`` when
-    set (a number >= 0; anything else is refused, naming the variable), else LANE_SPIN_US."""
+    set (a number >= 0; anything else is refused, naming the variable), else LANE_SPIN_US on
+    a process allowed SPIN_MIN_CPUS cores or more, else 0."""
     raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
     if not raw:
-        return LANE_SPIN_US
+        return LANE_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
     try:
         us = float(raw)
     except ValueError:

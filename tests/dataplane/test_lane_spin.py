@@ -1,11 +1,13 @@
 """The fast lane's caller spin (client/lane.py): a reply that arrives while the caller polls is
 read there, one that arrives after the spin is read by the blocking recv, a reply that never
 comes ends in the lane's timeout (UNAVAILABLE), a reply split across the spin's end is read
-whole; the spin is opt-in (spin_us=, or the env); and the worker's direct path for a lone
-lane request (service/lane.py: Engine.run_now in the trip that read it) answers as before."""
+whole; the default follows the core count (the worker's busy-polling rule) and the env; and
+the worker's direct path for a lone lane request (service/lane.py: Engine.run_now in the trip
+that read it) answers as before."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -151,7 +153,12 @@ def test_a_lane_without_a_timeout_does_not_spin(tmp_path: Path, region: ShmRegio
 
 
 def test_the_default_spin(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert lane_spin_us({}) == 0.0  # opt-in: not shown faster on the H200
+    from q6serve.client import lane as lane_mod
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert lane_spin_us({}) == lane_mod.LANE_SPIN_US == 1000.0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(7)))
+    assert lane_spin_us({}) == 0.0  # fewer cores than the rule's: no spin
     monkeypatch.setenv("Q6SERVE_LANE_SPIN_US", "300")
     assert lane_spin_us() == 300.0
     assert lane_spin_us({"Q6SERVE_LANE_SPIN_US": " 250 "}) == 250.0
