@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -59,17 +58,14 @@ BUSY_POLL_ENV = envvars.BUSY_POLL_US.name  # > 0: the loop polls that long befor
 # asleep, 27 back to back), and a spinning loop thread does not sleep between a reply and the
 # next request.
 BUSY_POLL_US = 1000.0
-BUSY_POLL_MIN_CPUS = 8
+BUSY_POLL_MIN_CPUS = envvars.SPIN_MIN_CPUS
 
 
 def busy_poll_us(env: Mapping[str, str] | None = None) -> float:
     """The loop's spin before it sleeps, in us: ``Q6SERVE_BUSY_POLL_US`` when set (anything
     but a number >= 0 is refused: envvars), else BUSY_POLL_US on a process allowed
     BUSY_POLL_MIN_CPUS cores or more, else 0."""
-    us = envvars.BUSY_POLL_US.read(env)
-    if us is None:
-        return BUSY_POLL_US if len(os.sched_getaffinity(0)) >= BUSY_POLL_MIN_CPUS else 0.0
-    return float(us)
+    return envvars.spin_us(envvars.BUSY_POLL_US, BUSY_POLL_US, env)
 
 
 class _BusyPoll:

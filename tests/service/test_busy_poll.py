@@ -5,6 +5,7 @@ enough cores only."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -57,7 +58,7 @@ def test_busy_poll_sees_events_while_spinning_and_only_when_allowed(
 def test_busy_poll_default_depends_on_the_cores_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     many = set(range(threads.BUSY_POLL_MIN_CPUS))
     few = set(range(threads.BUSY_POLL_MIN_CPUS - 1))
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: many)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: many)
     assert threads.busy_poll_us({}) == threads.BUSY_POLL_US > 0
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "  "}) == threads.BUSY_POLL_US
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "0"}) == 0  # the env wins
@@ -65,6 +66,6 @@ def test_busy_poll_default_depends_on_the_cores_allowed(monkeypatch: pytest.Monk
     for bad in ("-5", "soon"):  # refused by name (envvars), not read as off
         with pytest.raises(ValueError, match=f"{threads.BUSY_POLL_ENV}={bad!r}"):
             threads.busy_poll_us({threads.BUSY_POLL_ENV: bad})
-    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: few)  # pinned, small host
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: few)  # pinned, small host
     assert threads.busy_poll_us({}) == 0
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250
