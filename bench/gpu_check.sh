@@ -10,7 +10,8 @@
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
 #   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
-#   fast lane at T3's shape, bench/gpu_dataplane_lane.sh),
+#   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
+#   bench/lane_latency.py),
 #   VARIANTS ("8 8:m0": :m0 = the device-side merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -73,6 +74,9 @@ if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls i
   SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
     >"$OUT/lane.log" 2>&1
   echo "# lane rc=$? at $(elapsed)"
+  # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
+  t lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
+    --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
 fi
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
@@ -96,4 +100,5 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   echo "## dataplane --frontends 4 pinned (2-6:7-15)"
   grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
+  grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
 } | tee "$FINAL/summary.txt"
