@@ -26,12 +26,14 @@ connection (no socket: records delivered and replies read in this process), x an
 lane's system region, as T3's shape through lanes: ``--lane --stack 64 --inflight 8``.
 
 ``--gpu-us US`` (a model of the GPU, for the CPU): the NumPy backend's weights and checks, but
-each launch only *models* a GPU: it takes ``--launch-us`` of host CPU (the CUDA host path:
-graph launch, copies enqueued), its "GPU work" takes US on one in-order stream (a launch
-starts when the previous one ends), and its wait sleeps until then, as a CUDA sync waits
-without the GIL; two launch slots and page-locked regions with y routes (``HostIO``), as the
-CUDA backend has. y's bytes are not computed (zeros; a routed y is left as it is): what is
-measured is the device process's host path and how it overlaps the modelled GPU, e.g.
+each launch only *models* a GPU: it copies x into a pinned-like upload buffer unless x was
+built there (``staging``, as the CUDA backend), takes ``--launch-us`` of host CPU (the rest of
+the CUDA host path: graph launch, copies enqueued), its "GPU work" takes US on one in-order
+stream (a launch starts when the previous one ends), and its wait sleeps until then, as a
+CUDA sync waits without the GIL; two launch slots and page-locked regions with y routes
+(``HostIO``), as the CUDA backend has. y's bytes are not computed (zeros; a routed y is left
+as it is): what is measured is the device process's host path and how it overlaps the
+modelled GPU, e.g.
 T3's shape with regions: ``--gpu-us 130 --region --stack 64 --rows 3584 --k 18944``.
 """
 
@@ -66,6 +68,10 @@ class ModelGpu:
         self.inner, self.gpu_s, self.launch_s = inner, gpu_s, launch_s
         self.hostio = HostIO()  # ranges recorded, y routes answered
         self._free_at = 0.0  # when the modelled stream has done everything launched so far
+        # the pinned upload buffers of the launch slots: x is copied into the next one unless
+        # it was built there (``staging``), as the CUDA backend does
+        self._upload = [np.empty(0, np.uint8)] * self.launch_slots
+        self._staged: np.ndarray | None = None
         self.launches = 0
         self.busy_s = 0.0  # modelled GPU seconds
 
@@ -75,10 +81,24 @@ class ModelGpu:
     def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
         return self.launch(w, x, **kw).wait()
 
+    def _host(self, nbytes: int) -> np.ndarray:
+        slot = self.launches % self.launch_slots
+        if self._upload[slot].size < nbytes:
+            self._upload[slot] = np.zeros(nbytes, np.uint8)  # (faulted in once)
+        return self._upload[slot][:nbytes]
+
+    def staging(self, n: int, k: int, dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        self._staged = self._host(n * k * dt.itemsize).view(dt).reshape(n, k)
+        return self._staged
+
     def launch(self, w: Any, x: np.ndarray, *, precision: Any = None, flags: Any = None,
                out_dtype: Any = None, topk: int = 0) -> Any:
         api = self._api
         x = api.check_matmul(w, x, topk)
+        if x is not self._staged:  # the host copy into the pinned upload buffer
+            self._host(x.nbytes)[...] = x.reshape(-1).view(np.uint8)
+        self._staged = None
         kernel, resolved = self.inner.plan(x.shape[0], precision or api.Precision.AUTO,
                                            flags or api.DEFAULT_FLAGS)
         t = time.perf_counter()
@@ -242,6 +262,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "messages_per_batch": msgs / max(j1 - j0, 1), "region": a.region,
             "merge": worker.merge,
             "jobs": engine.device.jobs, "inline_jobs": engine.device.inline_jobs,
+            "direct_jobs": engine.device.direct_jobs,
             "deferred_jobs": engine.device.deferred_jobs,
             "behind_jobs": engine.device.behind_jobs,
             "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None}
@@ -337,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['cpu_us_per_message']:.1f} us per message (loop thread "
           f"{r['loop_cpu_us_per_message']:.1f}) = {r['cpu_us_per_call']:.1f} us per "
           f"call; {r['messages_per_batch']:.1f} messages per batch ({r['inline_jobs']}/"
-          f"{r['jobs']} device jobs inline, {r['deferred_jobs']} launched and waited on the "
+          f"{r['jobs']} device jobs inline, {r['direct_jobs']} of them on the direct path, "
+          f"{r['deferred_jobs']} launched and waited on the "
           f"thread, {r['behind_jobs']} behind another)"
           + (f"; modelled GPU busy {r['gpu_busy']:.0%}" if a.gpu_us else ""), flush=True)
     return 0
