@@ -209,7 +209,10 @@ class _Out:
         self._flush_at: asyncio.Handle | None = None  # the flush scheduled by send
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        data = _encode(msg)
+        self.send_bytes(_encode(msg))
+
+    def send_bytes(self, data: bytes) -> None:
+        """A message already encoded (``_encode``'s payload)."""
         if len(data) >= 65536:
             self.flush_now()
             if not self.transport.is_closing():
@@ -247,8 +250,13 @@ class _Peer(asyncio.Protocol):
         self._buf = bytearray()  # the start of a frame not yet complete
         self._need = FRAME.size  # bytes _buf must hold before a frame can complete
         self._paused: asyncio.Future[None] | None = None
+        # a plain matmul's frame (b"M", ``_MM``) goes to plain_mm undecoded (the device end)
+        self.plain = False
 
     def message(self, msg: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def plain_mm(self, payload: memoryview) -> None:
         raise NotImplementedError
 
     def lost(self) -> None:
@@ -280,6 +288,17 @@ class _Peer(asyncio.Protocol):
                     self._need = FRAME.size + n
                     return pos
                 start, pos = pos + FRAME.size, pos + FRAME.size + n
+                if self.plain and data[start] == 0x4D:  # b"M"
+                    try:
+                        with mv[start:pos] as payload:
+                            self.plain_mm(payload)
+                    except Exception:
+                        log.exception("device-socket plain matmul failed; closing the "
+                                      "connection")
+                        assert self.transport is not None
+                        self.transport.close()
+                        return end
+                    continue
                 with mv[start:pos] as payload:
                     msg = _decode(payload)
                 try:
@@ -377,6 +396,20 @@ class Arena:
             raise Unavailable(f"front-end arena {self.name} is closed")
         return np.ndarray(shape, dtype, base, slot * self.slot_bytes + offset)
 
+    def put(self, slot: int, y: np.ndarray) -> None:
+        """``y`` at the start of slot ``slot``, little-endian (a C-contiguous native y on a
+        little-endian host: one copy into the mapping, no view made)."""
+        n = y.nbytes
+        if not 0 <= slot < self.slots or n > self.slot_bytes:
+            raise InvalidArgument(f"arena slot {slot} cannot hold {n} bytes at 0")
+        if self._rw is None:
+            raise Unavailable(f"front-end arena {self.name} is closed")
+        if _LITTLE and y.flags.c_contiguous and y.dtype.isnative:
+            start = slot * self.slot_bytes
+            self._mm[start : start + n] = y  # type: ignore[index]
+        else:
+            self.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
+
     def close(self) -> None:
         self._rw = self._ro = None
         with contextlib.suppress(BufferError):  # still viewed: unmapped when that array goes
@@ -389,6 +422,11 @@ _LE = {name: d.newbyteorder("<") for name, d in DTYPES.items()}
 _NAME = {d: name for name, d in DTYPES.items()}
 _PRECISION_OF = {p.value: p for p in Precision}
 _LAYOUT_OF = {v.value: v for v in Layout}
+# by the codes of a plain matmul's frame (``_MM``): x's little-endian dtype, y's dtype, precision
+_LE_BY_CODE = tuple(_LE[name] for name in _DTYPE_NAMES)
+_DTYPE_BY_CODE = tuple(DTYPES[name] for name in _DTYPE_NAMES)
+_PRECISION_BY_CODE = tuple(_PRECISION_OF[v] for v in _PRECISIONS)
+_LITTLE = sys.byteorder == "little"
 
 
 def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
@@ -412,6 +450,15 @@ def _fields(r: MatmulReply) -> tuple[Any, ...]:
     # plain values: pickling the dataclass (and its enums) cost ~40 us a reply
     return (r.kernel, r.layout.value, r.precision.value, r.queue_seconds, r.kernel_seconds,
             r.batch_rows, r.batch_requests, r.device_seconds, r.topk)
+
+
+def _mmok_head(f: tuple[Any, ...]) -> tuple[tuple[Any, ...], bytes] | None:
+    """What the "R" frames (``_MMOK``) of replies with fields ``f`` share: the values between
+    the request id and y's place, and the kernel's name; None: not that layout (top-k)."""
+    if f[8] is not None:
+        return None
+    return ((_LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], f[3], _opt(f[4]), f[5], f[6],
+             _opt(f[7])), f[0].encode())
 
 
 def _strip(reply: Any) -> Any:
@@ -507,6 +554,14 @@ class _DeviceStats:
             dispatch(fe, msg)
 
         worker._dispatch = counted_dispatch  # type: ignore[method-assign]
+        plain = worker._plain_mm
+
+        def counted_plain(fe: _Front, b: memoryview) -> None:
+            c["msg_mm"] += 1
+            c["mm_rows"] += _MM.unpack_from(b)[3]
+            plain(fe, b)
+
+        worker._plain_mm = counted_plain  # type: ignore[method-assign]
         for fe in worker._fronts.values():  # connected while the worker started
             self.connection(fe.transport.get_protocol())  # type: ignore[arg-type]
         self.t0 = pc()
@@ -800,6 +855,24 @@ class FrontendsWorker(Worker):
         del x, call  # the queued request holds x; once it ran, nothing here does
         self._count_pending(fe)
 
+    def _plain_mm(self, fe: _Front, b: memoryview) -> None:
+        """A plain matmul's frame (``_MM``: one weight, no top-k, x in its slot), parsed here:
+        ``_matmul``'s work for that one case, without the decoded message tuple."""
+        _, rid, slot, rows, k, xdt, out, prec, timeout = _MM.unpack_from(b)
+        weight = bytes(b[_MM.size :]).decode()
+        x_dtype, out_dtype, precision = _LE_BY_CODE[xdt], _DTYPE_BY_CODE[out], \
+            _PRECISION_BY_CODE[prec]
+        fe.calls += 1
+        try:
+            x = fe.arena.array(slot, x_dtype, (rows, k), writable=False)
+            self._queue_call(MatmulCall(weight, x, precision, out_dtype, _unopt(timeout)),
+                             functools.partial(self._matmul_done, fe, rid, slot))
+        except BaseException as e:
+            fe.send(("err", rid, _portable_error(e)))
+            return
+        del x  # the queued request holds x; once it ran, nothing here does
+        self._count_pending(fe)
+
     # -- the calls of one loop trip as one engine request ------------------------------------
     def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
         """Queue a single-weight call whose answer goes to ``sink(fut)``. A plain one (no
@@ -851,6 +924,8 @@ class FrontendsWorker(Worker):
             timeout = max(timeout, c.timeout)
         first = calls[0]
         try:
+            if self._run_merged_now(parts, rows, timeout):
+                return
             x = np.concatenate([c.x for c in calls])
             self.engine.start_matmul(  # type: ignore[union-attr]
                 MatmulCall(first.weight, x, first.precision, first.out_dtype, timeout),
@@ -862,38 +937,94 @@ class FrontendsWorker(Worker):
         self.merged[0] += 1
         self.merged[1] += len(parts)
 
-    def _start_alone(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
+    def _run_merged_now(self, parts: list[tuple[MatmulCall, Any]], rows: int,
+                        timeout: float | None) -> bool:
+        """The engine's direct path for merged calls (``Engine.direct_batchers`` and
+        ``run_direct``): when their request would run at once as an inline job anyway (the
+        device idle, nothing of the weight queued, a like job measured and short), x is
+        concatenated straight into the backend's upload buffer (``Backend.staging``: the CUDA
+        backend then skips its own copy of x) and the job runs here, now, its reply split
+        among the calls in this trip: no queue entry, future, deadline timer or loop trip per
+        merged request (the one-process servicer's direct path, for the device process).
+        False: nothing was done (queue it). A refusal is handled as ``_merged_done`` does."""
+        engine = self.engine
+        assert engine is not None
+        first = parts[0][0]
+        x0 = first.x
+        k = x0.shape[1]
+        # (the direct-path check reads only the rows and dtypes: a view of one row stands in)
+        probe = MatmulCall(first.weight, np.broadcast_to(x0[:1], (rows, k)), first.precision,
+                           first.out_dtype)
+        key = engine.batch_key(probe)
+        got = engine.direct_batchers((probe,), key)
+        if got is None:
+            return False
+        # the buffer is valid until the next launch, which is this call's (nothing runs between)
+        x = np.concatenate([c.x for c, _ in parts], out=engine.backend.staging(rows, k, x0.dtype))
+        self.merged[0] += 1
+        self.merged[1] += len(parts)
         try:
-            self.engine.start_matmul(call, sink)  # type: ignore[union-attr]
+            reply = engine.run_direct(got[0], MatmulCall(first.weight, x, first.precision,
+                                                         first.out_dtype, timeout), key)
+        except Exception as e:
+            self._merged_failed(parts, e)
+            return True
+        self._answer_merged(parts, reply)
+        return True
+
+    def _start_alone(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
+        """One call to the engine: run here and now on its direct path when it would run at
+        once as an inline job anyway (``Engine.run_now``), else queued."""
+        engine = self.engine
+        assert engine is not None
+        try:
+            reply = engine.run_now(call)
+            if reply is None:
+                engine.start_matmul(call, sink)
+                return
         except Exception as e:
             sink(_settled(e))
+            return
+        if getattr(sink, "func", None) == self._matmul_done and reply.y is not None:
+            self._answer_mm(*sink.args, _fields(reply), reply.y)  # (no future for it)
+        else:
+            sink(_settled(reply))
 
     def _merged_done(self, parts: list[tuple[MatmulCall, Any]],
                      fut: asyncio.Future[Any]) -> None:
-        """Each merged call's sink with its rows of y, or the failure; a refusal that may be
-        one caller's input (INVALID_ARGUMENT, FAILED_PRECONDITION) runs each call alone, as the
-        batcher isolates a bad request."""
+        """Each merged call's sink with its rows of y, or the failure."""
         if fut.cancelled() or fut.exception() is not None:
-            exc = _portable_error(fut.exception() if not fut.cancelled()  # type: ignore[arg-type]
-                                  else asyncio.CancelledError())
-            if isinstance(exc, InvalidArgument | FailedPrecondition):
-                for part in parts:
-                    self._start_alone(*part)
-                return
-            for _, sink in parts:
-                sink(_settled(exc))
+            self._merged_failed(parts, fut.exception() if not fut.cancelled()  # type: ignore[arg-type]
+                                else asyncio.CancelledError())
             return
-        r = fut.result()
-        fields = None  # the merged reply's fields: the same for every part
+        self._answer_merged(parts, fut.result())
+
+    def _merged_failed(self, parts: list[tuple[MatmulCall, Any]], e: BaseException) -> None:
+        """A merged request failed: a refusal that may be one caller's input
+        (INVALID_ARGUMENT, FAILED_PRECONDITION) runs each call alone, as the batcher isolates a
+        bad request; any other failure goes to every call."""
+        exc = _portable_error(e)
+        if isinstance(exc, InvalidArgument | FailedPrecondition):
+            for part in parts:
+                self._start_alone(*part)
+            return
+        for _, sink in parts:
+            sink(_settled(exc))
+
+    def _answer_merged(self, parts: list[tuple[MatmulCall, Any]], r: MatmulReply) -> None:
+        """Each merged call's sink with its rows of ``r.y``."""
+        fields = head = None  # the merged reply's fields: the same for every part
         row = 0
+        done = self._matmul_done
         for call, sink in parts:
             n = call.x.shape[0]
             y = r.y[row : row + n]
             row += n
-            if getattr(sink, "func", None) == self._matmul_done:  # a plain call: answered here
+            if getattr(sink, "func", None) == done:  # a plain call: answered here
                 if fields is None:
                     fields = _fields(r)
-                self._answer_mm(*sink.args, fields, y)  # (no reply object or future per call)
+                    head = _mmok_head(fields)
+                self._answer_mm(*sink.args, fields, y, head)  # (no reply object or future)
                 continue
             sink(_settled(MatmulReply(y, r.kernel, r.layout, r.precision, r.queue_seconds,
                                       r.kernel_seconds, r.batch_rows, r.batch_requests,
@@ -936,14 +1067,22 @@ class FrontendsWorker(Worker):
             self._one_done(fe)
 
     def _answer_mm(self, fe: _Front, rid: int, slot: int, fields: tuple[Any, ...],
-                   y: np.ndarray) -> None:
+                   y: np.ndarray, head: tuple[tuple[Any, ...], bytes] | None = None) -> None:
         """A plain call's answer: y into its slot (or in the message), "mmok" with the
-        reply's ``fields``."""
+        reply's ``fields``; ``head``: ``_mmok_head(fields)``, made once for a merged batch's
+        calls (None: made here)."""
         try:
             if not fe.alive:
                 return  # its front end died: the result has nobody to go to
             if slot >= 0 and y.nbytes <= fe.arena.slot_bytes:
-                fe.arena.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
+                fe.arena.put(slot, y)
+                if head is None:
+                    head = _mmok_head(fields)
+                dt = _DTYPE_CODE.get(_NAME.get(y.dtype))  # type: ignore[arg-type]
+                if head is not None and dt is not None and y.ndim == 2:  # _encode's "R" frame
+                    fe.out.send_bytes(_MMOK.pack(b"R", rid, *head[0], 0, dt, *y.shape)
+                                      + head[1])
+                    return
                 out: Any = (0, *_desc(y))
             else:
                 out = np.ascontiguousarray(y)
@@ -1162,8 +1301,13 @@ class _FrontConnection(_Peer):
     def message(self, msg: tuple[Any, ...]) -> None:
         if self.fe is None:
             self.fe = self.worker._hello(self, msg)
+            self.plain = True  # from now on plain matmuls go to plain_mm
         else:
             self.worker._dispatch(self.fe, msg)
+
+    def plain_mm(self, payload: memoryview) -> None:
+        assert self.fe is not None
+        self.worker._plain_mm(self.fe, payload)
 
     def lost(self) -> None:
         if self.fe is not None:

@@ -1,0 +1,295 @@
+"""The device process's per-trip path for plain front-end calls (service/frontends.py): once a
+like job has been measured, the calls merged in a loop trip (or a lone one) run on the engine's
+direct path there and then (``FrontendsWorker._run_merged_now``, ``_start_alone``), x
+concatenated straight into the backend's upload buffer (``Backend.staging``); a refusal still
+reaches only the caller whose input caused it. Plain matmul frames are parsed without the
+generic message tuple (``_Peer.plain_mm``), answers are written into the slot in one copy
+(``Arena.put``) and framed with the fields shared by the batch (``_mmok_head``): the bytes are
+``_encode``'s. Run in-process, as tests/dataplane/test_device_merge.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.errors import InvalidArgument
+from q6serve.kernels.numpy_backend import NumpyBackend
+from q6serve.service import batcher
+from q6serve.service import frontends as fe
+from q6serve.service.config import WorkerConfig
+from q6serve.service.engine import UploadSpec
+from tests.service.svc_util import random_q6k, reference
+
+ROWS, K, BAD = 48, 256, 777.0
+
+
+@pytest.fixture(autouse=True)
+def _short_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy's "kernel" of these batches may take longer than the wait a batch defers
+    (DEFER_KERNEL_S): no direct path then, as with a long CUDA kernel."""
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1e9)
+
+
+class Staged(NumpyBackend):
+    """Records each launch's rows and whether its x is the array ``staging`` handed out last;
+    refuses activations holding BAD (one caller's input a kernel cannot take)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: np.ndarray | None = None
+        self.launched: list[tuple[int, bool]] = []
+
+    def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
+        self.staged = super().staging(n, k, dtype)
+        return self.staged
+
+    def launch(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        self.launched.append((int(x.shape[0]), x is self.staged))
+        self.staged = None
+        if (x == BAD).any():
+            raise InvalidArgument("activations hold the refused value")
+        return super().launch(w, x, **kw)
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.answers: dict[int, tuple[Any, ...]] = {}
+        self.raw: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            (n,) = fe.FRAME.unpack_from(data, pos)
+            payload = bytes(data[pos + fe.FRAME.size : pos + fe.FRAME.size + n])
+            pos += fe.FRAME.size + n
+            msg = fe._decode(payload)
+            if msg[0] != "ack":
+                self.answers[msg[1]] = msg
+                self.raw.append(payload)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+class Device:
+    """A device process with one front end's connection, fed ready-made frames."""
+
+    def __init__(self, slots: int) -> None:
+        os.environ[fe.MERGE_ENV] = "1"
+        try:  # (inline jobs whatever this machine's load: every measured job is "short")
+            self.worker = fe.FrontendsWorker(
+                WorkerConfig(frontends=2, inline_device_us=10**6), Staged())
+        finally:
+            del os.environ[fe.MERGE_ENV]
+        self.slots = slots
+
+    async def start(self) -> None:
+        w = self.worker
+        w._init_metrics()
+        w.engine = engine = w.make_engine()
+        self.blocks = random_q6k(ROWS, K, 3)
+        data = self.blocks.tobytes()
+
+        async def once() -> Any:
+            yield data
+
+        await engine.upload(UploadSpec("w", ROWS, K, "q6_k", len(data),
+                                       hashlib.sha256(data).hexdigest()), once())
+        self.arena = fe.Arena.create(self.slots, 1 << 16)
+        self.out = Transport()
+        self.conn = conn = fe._FrontConnection(w)
+        fe._Peer.connection_made(conn, self.out)  # type: ignore[arg-type]  # (no peer pid)
+        conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 16))
+        self.arena.unlink()
+
+    async def trip(self, xs: list[np.ndarray], rid0: int) -> dict[int, tuple[Any, ...]]:
+        """One message per call (request ids rid0.., slot i), all read in one loop trip;
+        returns the answers once every call has one."""
+        frames = b""
+        for slot, x in enumerate(xs):
+            self.arena.array(slot, np.dtype("<f4"), x.shape, writable=True)[...] = x
+            payload = fe._encode(("mm", rid0 + slot, "w", (), 0, "exact", "f32", None,
+                                  ("f32", x.shape), slot))
+            frames += fe.FRAME.pack(len(payload)) + payload
+        self.out.answers.clear()
+        self.conn.data_received(frames)
+        for _ in range(400):
+            if len(self.out.answers) == len(xs):
+                break
+            await asyncio.sleep(0.005)
+        return dict(self.out.answers)
+
+    def y(self, slot: int, msg: tuple[Any, ...]) -> np.ndarray:
+        assert msg[0] == "mmok", msg
+        off, _, shape = msg[3][0]
+        return self.arena.array(slot, np.dtype("<f4"), shape, writable=False, offset=off)
+
+    async def close(self) -> None:
+        await self.worker.engine.close()  # type: ignore[union-attr]
+        self.arena.close()
+
+
+def test_merged_calls_run_on_the_direct_path_from_the_staging_buffer(
+        rng: np.random.Generator) -> None:
+    """The first trip's merged request is queued (no like job measured yet); the second's, of
+    the same rows, runs on the direct path, x built in the backend's upload buffer, and each
+    call gets its own rows and the batch's fields."""
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 3, 2)]
+
+    async def main() -> None:
+        d = Device(len(xs))
+        await d.start()
+        w, backend = d.worker, d.worker.backend
+        dev = w.engine.device  # type: ignore[union-attr]
+        await d.trip(xs, 1)
+        assert dev.direct_jobs == 0 and backend.launched == [(6, False)]  # type: ignore[attr-defined]
+        xs2 = [x[::-1] * 2 for x in xs]  # other values, the same rows
+        answers = await d.trip(xs2, 10)
+        assert dev.direct_jobs == 1
+        assert backend.launched[1:] == [(6, True)]  # type: ignore[attr-defined]
+        assert w.merged == [2, 6]
+        for slot, x in enumerate(xs2):
+            msg = answers[10 + slot]
+            np.testing.assert_allclose(d.y(slot, msg), reference(d.blocks, ROWS, K, x),
+                                       rtol=1e-5, atol=1e-4)
+            assert msg[2][5] == 6 and msg[2][6] == 1  # batch rows, requests
+            assert msg[2][3] == 0.0  # not queued
+        assert w._pending == 0
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_refused_direct_merge_reaches_only_the_bad_caller(rng: np.random.Generator) -> None:
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (2, 1, 2)]
+
+    async def main() -> None:
+        d = Device(len(xs))
+        await d.start()
+        dev = d.worker.engine.device  # type: ignore[union-attr]
+        await d.trip(xs, 1)  # measured
+        bad = [x.copy() for x in xs]
+        bad[1][0, 5] = BAD
+        answers = await d.trip(bad, 10)
+        assert dev.direct_jobs >= 1
+        assert answers[11][0] == "err" and isinstance(answers[11][2], InvalidArgument)
+        for slot in (0, 2):
+            np.testing.assert_allclose(d.y(slot, answers[10 + slot]),
+                                       reference(d.blocks, ROWS, K, bad[slot]),
+                                       rtol=1e-5, atol=1e-4)
+        assert d.worker._pending == 0
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_lone_call_runs_on_the_direct_path(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((3, K)).astype(np.float32)
+
+    async def main() -> None:
+        d = Device(1)
+        await d.start()
+        dev = d.worker.engine.device  # type: ignore[union-attr]
+        await d.trip([x], 1)
+        assert dev.direct_jobs == 0
+        answers = await d.trip([x * 3], 2)
+        assert dev.direct_jobs == 1
+        np.testing.assert_allclose(d.y(0, answers[2]), reference(d.blocks, ROWS, K, x * 3),
+                                   rtol=1e-5, atol=1e-4)
+        assert answers[2][2][5] == 3 and d.worker._pending == 0
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_an_answer_frame_is_encodes_frame() -> None:
+    """The "R" frame ``_answer_mm`` packs from the batch's shared head is byte for byte
+    what ``_encode`` makes of the same answer."""
+    fields = ("q6k_ks_f16", "soa", "f16", 1.5e-4, None, 32, 1, 2.5e-4, None)
+    head = fe._mmok_head(fields)
+    assert head is not None
+    y = np.zeros((3, 3584), np.float32)
+    fast = fe._MMOK.pack(b"R", 9, *head[0], 0, fe._DTYPE_CODE["f32"], *y.shape) + head[1]
+    assert fast == fe._encode(("mmok", 9, fields, [(0, "f32", (3, 3584))]))
+    assert fe._mmok_head(("k", "soa", "f16", 0.0, None, 1, 1, None, "top")) is None
+
+
+def test_arena_put_writes_little_endian_and_checks_the_slot() -> None:
+    arena = fe.Arena.create(2, 4096)
+    try:
+        y = np.arange(12, dtype=np.float32).reshape(3, 4)
+        arena.put(1, y)
+        np.testing.assert_array_equal(arena.array(1, np.dtype("<f4"), (3, 4), False), y)
+        odd = np.arange(24, dtype=">f2").reshape(4, 6)[:, ::2]  # strided, big-endian
+        arena.put(0, odd)
+        np.testing.assert_array_equal(arena.array(0, np.dtype("<f2"), (4, 3), False), odd)
+        with pytest.raises(InvalidArgument):
+            arena.put(2, y)
+        with pytest.raises(InvalidArgument):
+            arena.put(0, np.zeros(4097, np.uint8))
+    finally:
+        arena.unlink()
+        arena.close()
+
+
+class _Plain(fe._Peer):
+    """A peer taking plain matmul frames undecoded (as the device end does)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.plain, self.fail = True, fail
+        self.got: list[tuple[Any, ...]] = []
+
+    def message(self, msg: tuple[Any, ...]) -> None:
+        self.got.append(msg)
+
+    def plain_mm(self, payload: memoryview) -> None:
+        if self.fail:
+            raise RuntimeError("cannot take this")
+        self.got.append(("plain", fe._decode(bytes(payload))))
+
+
+class _Transport:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+@pytest.mark.parametrize("cut", [1, 7, 10**9])
+def test_plain_frames_reach_plain_mm_in_order(cut: int) -> None:
+    mm = ("mm", 7, "blk.0.ffn_down", (), 0, "auto", "f32", None, ("f16", (3, 256)), 2)
+    other = ("mm", 4, "w", (), 8, "auto", "f32", 1.0, ("f32", (1, 256)), 1)  # top-k: pickled
+    msgs = [mm, other, mm, ("ready",)]
+    data = b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, msgs))
+    peer = _Plain()
+
+    async def main() -> None:
+        peer.connection_made(_Transport())  # type: ignore[arg-type]
+        for at in range(0, len(data), cut):
+            peer.data_received(data[at : at + cut])
+
+    asyncio.run(main())
+    assert peer.got == [("plain", mm), other, ("plain", mm), ("ready",)]
+
+
+def test_a_failing_plain_frame_closes_the_connection() -> None:
+    mm = ("mm", 7, "w", (), 0, "auto", "f32", None, ("f16", (3, 256)), 2)
+    data = b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, [("ready",), mm,
+                                                                         ("ready",)]))
+    peer, transport = _Plain(fail=True), _Transport()
+
+    async def main() -> None:
+        peer.connection_made(transport)  # type: ignore[arg-type]
+        peer.data_received(data)
+
+    asyncio.run(main())
+    assert transport.closed and peer.got == [("ready",)]
