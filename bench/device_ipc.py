@@ -214,8 +214,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         conn = fe._FrontConnection(worker)
         fe._Peer.connection_made(conn, FrontEnd())  # type: ignore[arg-type]  # (no peer pid)
-        conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, a.inflight,
-                                       slot_bytes))
+        conn.message(("hello", 0, os.getpid(), arena.name, a.inflight, slot_bytes))
         arena.unlink()
 
         def deliver() -> None:

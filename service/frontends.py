@@ -952,9 +952,10 @@ class FrontendsWorker(Worker):
         first = parts[0][0]
         x0 = first.x
         k = x0.shape[1]
-        # (the direct-path check reads only the rows and dtypes: a view of one row stands in)
-        probe = MatmulCall(first.weight, np.broadcast_to(x0[:1], (rows, k)), first.precision,
-                           first.out_dtype)
+        # (the direct-path check reads only the rows and dtypes: one row, repeated, stands in)
+        probe = MatmulCall(first.weight, np.ndarray((rows, k), x0.dtype, x0, 0,
+                                                    (0, x0.strides[1])),
+                           first.precision, first.out_dtype)
         key = engine.batch_key(probe)
         got = engine.direct_batchers((probe,), key)
         if got is None:

@@ -79,32 +79,35 @@ class Transport:
 class Device:
     """A device process with one front end's connection, fed ready-made frames."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, backend: Any = None, dtype: str = "f32",
+                 precision: str = "exact", rows: int = ROWS, k: int = K) -> None:
         os.environ[fe.MERGE_ENV] = "1"
         try:  # (inline jobs whatever this machine's load: every measured job is "short")
             self.worker = fe.FrontendsWorker(
-                WorkerConfig(frontends=2, inline_device_us=10**6), Staged())
+                WorkerConfig(frontends=2, inline_device_us=10**6),
+                Staged() if backend is None else backend)
         finally:
             del os.environ[fe.MERGE_ENV]
-        self.slots = slots
+        self.slots, self.dtype, self.precision = slots, dtype, precision
+        self.rows, self.k = rows, k
 
     async def start(self) -> None:
         w = self.worker
         w._init_metrics()
         w.engine = engine = w.make_engine()
-        self.blocks = random_q6k(ROWS, K, 3)
+        self.blocks = random_q6k(self.rows, self.k, 3)
         data = self.blocks.tobytes()
 
         async def once() -> Any:
             yield data
 
-        await engine.upload(UploadSpec("w", ROWS, K, "q6_k", len(data),
+        await engine.upload(UploadSpec("w", self.rows, self.k, "q6_k", len(data),
                                        hashlib.sha256(data).hexdigest()), once())
-        self.arena = fe.Arena.create(self.slots, 1 << 16)
+        self.arena = fe.Arena.create(self.slots, 1 << 18)
         self.out = Transport()
         self.conn = conn = fe._FrontConnection(w)
         fe._Peer.connection_made(conn, self.out)  # type: ignore[arg-type]  # (no peer pid)
-        conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 16))
+        conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 18))
         self.arena.unlink()
 
     async def trip(self, xs: list[np.ndarray], rid0: int) -> dict[int, tuple[Any, ...]]:
@@ -112,9 +115,9 @@ class Device:
         returns the answers once every call has one."""
         frames = b""
         for slot, x in enumerate(xs):
-            self.arena.array(slot, np.dtype("<f4"), x.shape, writable=True)[...] = x
-            payload = fe._encode(("mm", rid0 + slot, "w", (), 0, "exact", "f32", None,
-                                  ("f32", x.shape), slot))
+            self.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
+            payload = fe._encode(("mm", rid0 + slot, "w", (), 0, self.precision, "f32", None,
+                                  (self.dtype, x.shape), slot))
             frames += fe.FRAME.pack(len(payload)) + payload
         self.out.answers.clear()
         self.conn.data_received(frames)
