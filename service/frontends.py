@@ -878,10 +878,13 @@ class FrontendsWorker(Worker):
         """Queue a single-weight call whose answer goes to ``sink(fut)``. A plain one (no
         top-k, at most ``_merge_rows`` rows) waits for the end of this loop trip and goes to
         the engine together with the others of its weight, dtypes and K read in the same trip
-        (from every front end): one request, one future, one MatmulReply for all of them, each
-        sink then gets its rows (``_merged_done``). The engine's per-request work was a third
-        of the device process's loop under T2 (bench/RESULTS.md, issue 15 session 5). Not
-        with dynamic batching off (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
+        (from every front end): one request, one MatmulReply for all of them, each sink then
+        gets its rows (``_answer_merged``). The engine's per-request work was a third of the
+        device process's loop under T2 (bench/RESULTS.md, issue 15 session 5). On an idle
+        device, once a like job is measured, that request takes the engine's direct path at
+        the end of the trip (``_run_merged_now``: no queue, future or timer; -27% of the
+        device process's CPU per call under T2, session 9). Not with dynamic batching off
+        (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
         x, engine = call.x, self.engine
         assert engine is not None
         if (not self.merge or call.topk or x.ndim != 2

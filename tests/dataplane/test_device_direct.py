@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.errors import InvalidArgument
-from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service import batcher
 from q6serve.service import frontends as fe
 from q6serve.service.config import WorkerConfig
 from q6serve.service.engine import UploadSpec
+from tests.dataplane.test_device_merge import BAD, ROWS, K, Picky, Transport
 from tests.service.svc_util import random_q6k, reference
-
-ROWS, K, BAD = 48, 256, 777.0
 
 
 @pytest.fixture(autouse=True)
@@ -35,9 +33,9 @@ def _short_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1e9)
 
 
-class Staged(NumpyBackend):
-    """Records each launch's rows and whether its x is the array ``staging`` handed out last;
-    refuses activations holding BAD (one caller's input a kernel cannot take)."""
+class Staged(Picky):
+    """Picky (refuses activations holding BAD), recording each launch's rows and whether its x
+    is the array ``staging`` handed out last."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,29 +49,7 @@ class Staged(NumpyBackend):
     def launch(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
         self.launched.append((int(x.shape[0]), x is self.staged))
         self.staged = None
-        if (x == BAD).any():
-            raise InvalidArgument("activations hold the refused value")
         return super().launch(w, x, **kw)
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.answers: dict[int, tuple[Any, ...]] = {}
-        self.raw: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        pos = 0
-        while pos < len(data):
-            (n,) = fe.FRAME.unpack_from(data, pos)
-            payload = bytes(data[pos + fe.FRAME.size : pos + fe.FRAME.size + n])
-            pos += fe.FRAME.size + n
-            msg = fe._decode(payload)
-            if msg[0] != "ack":
-                self.answers[msg[1]] = msg
-                self.raw.append(payload)
-
-    def is_closing(self) -> bool:
-        return False
 
 
 class Device:
