@@ -106,7 +106,8 @@ def summarize_stats(path: Path, t0: float, t1: float) -> dict[str, Any]:
             "per_call": {k: d.get(k, 0) / calls for k in (
                 "loop_iterations", "wakeups", "socket_reads", "socket_writes", "msg_mm",
                 "msg_rm", "call_region_matmul",
-                "batches", "inline_jobs", "deferred_jobs", "merged_requests", "merged_calls",
+                "batches", "inline_jobs", "direct_jobs", "deferred_jobs", "merged_requests",
+                "merged_calls",
                 "voluntary_ctxt_switches",
                 "nonvoluntary_ctxt_switches")},
             "threads_cpu_share": {k: v for k, v in sorted(threads.items()) if v > 0.005}}

@@ -516,17 +516,21 @@ class _DeviceStats:
 
         sel.select = counted_select
         dev = worker.engine.device  # type: ignore[union-attr]
-        run_here = dev._run_here
 
-        def timed_run_here(*a: Any) -> Any:
-            t, tc = pc(), time.thread_time()
-            try:
-                return run_here(*a)
-            finally:
-                c["inline_jobs_wall_s"] += pc() - t
-                c["inline_jobs_cpu_s"] += time.thread_time() - tc
+        def timed(run: Callable[..., Any]) -> Callable[..., Any]:
+            def timed_run(*a: Any) -> Any:
+                t, tc = pc(), time.thread_time()
+                try:
+                    return run(*a)
+                finally:
+                    c["inline_jobs_wall_s"] += pc() - t
+                    c["inline_jobs_cpu_s"] += time.thread_time() - tc
 
-        dev._run_here = timed_run_here  # type: ignore[method-assign]
+            return timed_run
+
+        dev._run_here = timed(dev._run_here)  # type: ignore[method-assign]
+        # the direct path's jobs (their answers are not in their time)
+        dev.run_now = timed(dev.run_now)  # type: ignore[method-assign]
         if worker.metrics is not None:
             observe = worker.metrics.observe_batch
 
@@ -604,7 +608,7 @@ class _DeviceStats:
                 "cpu_s": time.process_time(),
                 **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
                 "deferred_jobs": dev.deferred_jobs, "behind_jobs": dev.behind_jobs,
-                "merged_requests": self.w.merged[0],
+                "direct_jobs": dev.direct_jobs, "merged_requests": self.w.merged[0],
                 "merged_calls": self.w.merged[1], "threads_cpu_s": threads,
                 **{k.strip(): int(v) for k, v in status.items()}}
 

@@ -272,3 +272,25 @@ def test_a_failing_plain_frame_closes_the_connection() -> None:
 
     asyncio.run(main())
     assert transport.closed and peer.got == [("ready",)]
+
+
+def test_the_device_counters_see_plain_frames_and_direct_jobs(
+        rng: np.random.Generator, tmp_path: Any) -> None:
+    """Q6SERVE_DP_STATS's counters (bench/frontend_cpu.py --profile): plain matmul frames
+    counted as messages and rows, direct-path jobs as inline jobs with their time."""
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 3)]
+
+    async def main() -> None:
+        d = Device(len(xs))
+        await d.start()
+        d.out.get_protocol = lambda: d.conn  # type: ignore[attr-defined]
+        stats = fe._DeviceStats(d.worker, str(tmp_path / "stats.jsonl"))
+        await d.trip(xs, 1)
+        await d.trip(xs, 10)
+        snap = stats.snapshot()
+        assert snap["msg_mm"] == 4 and snap["mm_rows"] == 8
+        assert snap["direct_jobs"] == 1 and snap["inline_jobs_wall_s"] > 0
+        assert snap["socket_reads"] == 2 and snap["batches"] == 2
+        await d.close()
+
+    asyncio.run(main())
