@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from q6serve.kernels.api import DTYPES
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher
 from q6serve.service import frontends as fe
@@ -204,6 +205,10 @@ def test_arena_put_writes_little_endian_and_checks_the_slot() -> None:
         y = np.arange(12, dtype=np.float32).reshape(3, 4)
         arena.put(1, y)
         np.testing.assert_array_equal(arena.array(1, np.dtype("<f4"), (3, 4), False), y)
+        bf16 = DTYPES["bf16"]
+        yb = np.arange(6, dtype=np.float32).astype(bf16).reshape(2, 3)
+        arena.put(0, yb)  # (an ml_dtypes array through the buffer protocol)
+        np.testing.assert_array_equal(arena.array(0, bf16.newbyteorder("<"), (2, 3), False), yb)
         odd = np.arange(24, dtype=">f2").reshape(4, 6)[:, ::2]  # strided, big-endian
         arena.put(0, odd)
         np.testing.assert_array_equal(arena.array(0, np.dtype("<f2"), (4, 3), False), odd)
