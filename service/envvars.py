@@ -91,7 +91,8 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          PIPELINE, PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS)
 
 
-# A process's own spin (the worker's loop, a lane caller) defaults on only where it may run on
+# A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy
+# of the rule: the client library never imports the service) defaults on only where it may run on
 # SPIN_MIN_CPUS cores or more: a spin takes a core that gRPC's threads, the device thread or a
 # caller on the same host need (on the 2-core VM it was worse; service/threads.py says more).
 SPIN_MIN_CPUS = 8
@@ -105,11 +106,6 @@ def spin_us(var: Var, default_us: float, env: Mapping[str, str] | None = None) -
         return default_us if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
     return float(us)
 
-
-# Read by callers (client/), not by the worker: not checked at its start.
-LANE_SPIN_US = Var("Q6SERVE_LANE_SPIN_US", "number", None,
-                   "microseconds the lane's caller polls for a reply before it blocks (0: never)")
-CLIENT_VARS: tuple[Var, ...] = (LANE_SPIN_US,)
 
 
 def check(env: Mapping[str, str] | None = None) -> None:
