@@ -4,7 +4,7 @@
 # on CUDA, issue 14's targets (T1, the lm-head top-k in one process (busy polling on and off) and through 4 front ends, the 7B decode replay at S = 1, 8, 64 with
 # and without multi-weight calls), T1 and the S=8 replay again with the worker pinned (PIN,
 # bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
-# the data plane at 8 front ends (merge on and off) with its device-path and fast-lane probes,
+# the data plane at 4 and 8 front ends (DP_VARIANTS) with its device-path and fast-lane probes,
 # and at 4 front ends pinned
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
@@ -12,7 +12,8 @@
 #   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
 #   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py),
-#   VARIANTS ("8 8:m0": :m0 = the device-side merge off), PIN ("2:8-15")
+#   DP_VARIANTS (the data plane's front-end counts, "4 8"; "8:m0" = 8 with the device-side
+#   merge off), PIN ("2:8-15")
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -66,12 +67,13 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   [[ -z ${SKIP_PINNED:-} ]] && t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
     --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
     --json "$OUT/dataplane_pinned.json"
-  VARIANTS=${VARIANTS:-8 8:m0} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
+  # (not VARIANTS: gpu_dataplane_lane.sh reads that one with another meaning)
+  VARIANTS=${DP_VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
 fi
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
-  SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
+  env -u VARIANTS SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
     >"$OUT/lane.log" 2>&1
   echo "# lane rc=$? at $(elapsed)"
   # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
