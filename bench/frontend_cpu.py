@@ -110,7 +110,10 @@ def summarize_stats(path: Path, t0: float, t1: float) -> dict[str, Any]:
                 "merged_calls",
                 "voluntary_ctxt_switches",
                 "nonvoluntary_ctxt_switches")},
-            "threads_cpu_share": {k: v for k, v in sorted(threads.items()) if v > 0.005}}
+            "threads_cpu_share": {k: v for k, v in sorted(threads.items()) if v > 0.005},
+            # each front end's calls a second (by pid; the counters' window)
+            "front_calls_per_s": {int(k.rsplit("_", 1)[1]): v / span
+                                  for k, v in d.items() if k.startswith("front_rows_")}}
 
 
 def print_stats(s: dict[str, Any]) -> None:
@@ -129,6 +132,48 @@ def print_stats(s: dict[str, Any]) -> None:
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
+
+
+def front_sockets(port: int, pids: list[int]) -> dict[int, set[str]]:
+    """The established TCP connections to ``port`` that each of ``pids`` holds (its accepted
+    sockets' inodes: /proc/net/tcp{,6}, matched to the process's fds). SO_REUSEPORT's hash
+    decides which front end takes a connection; in a closed loop a front end's callers wait
+    in proportion to their count when its CPU is the limit (issue 15, session 9)."""
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f[9])
+    got: dict[int, set[str]] = {}
+    for p in pids:
+        mine = got[p] = set()
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{p}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        mine.add(link[8:-1])
+    return got
+
+
+def bytes_sent(port: int) -> dict[str, int]:
+    """Bytes sent so far on each established connection from ``port``, by socket inode (`ss`'s
+    tcp_info; {} without `ss`): a front end's are its gRPC replies, so their rate over the
+    reply's size is its calls a second."""
+    try:
+        out = subprocess.run(["ss", "-tieH", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    got, ino = {}, None
+    for tok in out.split():
+        if tok.startswith("ino:"):
+            ino = tok[4:]
+        elif tok.startswith("bytes_sent:") and ino is not None:
+            got[ino] = int(tok[11:])
+    return got
 
 
 def machine_jiffies() -> tuple[int, int]:
@@ -151,28 +196,37 @@ class CpuWindow(threading.Thread):
     """Per-process CPU shares (of one core) over a window in the middle of a load's timed
     part: the device process, each front end, each load process (this process's children but
     the worker) and the whole machine (busy share of all cores). It snapshots every 0.1 s from
-    its start; :meth:`shares` picks the snapshots inside [t0, t1] (perf_counter) once known."""
+    its start; :meth:`shares` picks the snapshots inside [t0, t1] (perf_counter) once known.
+    ``port``: also each front end's connections to it (:func:`front_sockets`) and the bytes
+    sent on them (:func:`bytes_sent`), every 0.2 s."""
 
-    def __init__(self, device: int, fronts: list[int], skip: set[int]) -> None:
+    def __init__(self, device: int, fronts: list[int], skip: set[int], port: int = 0) -> None:
         super().__init__(daemon=True)
-        self.device, self.fronts, self.skip = device, fronts, skip
+        self.device, self.fronts, self.skip, self.port = device, fronts, skip, port
         self.snaps: list[tuple[float, dict[int, float], tuple[int, int]]] = []
+        # (time, each front end's connections, bytes sent on each connection by inode)
+        self.conns: list[tuple[float, dict[int, set[str]], dict[str, int]]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
+        i = 0
         while not self.stop.is_set():
             load = [p for p in children(os.getpid()) if p not in self.skip]
             pids = [self.device, *self.fronts, *load]
             self.snaps.append((time.perf_counter(), cpu_snapshot(pids), machine_jiffies()))
+            if self.port and i % 2 == 0:
+                self.conns.append((time.perf_counter(), front_sockets(self.port, self.fronts),
+                                   bytes_sent(self.port)))
+            i += 1
             self.stop.wait(0.1)
 
     def shares(self, t0: float, t1: float) -> dict[str, Any]:
         self.stop.set()
         self.join(5)
-        inside = [s for s in self.snaps if t0 <= s[0] <= t1]
-        if len(inside) < 2:
+        at = [i for i, s in enumerate(self.snaps) if t0 <= s[0] <= t1]
+        if len(at) < 2:
             return {}
-        (ta, a, ja), (tb, b, jb) = inside[0], inside[-1]
+        (ta, a, ja), (tb, b, jb) = self.snaps[at[0]], self.snaps[at[-1]]
         span = tb - ta
         share = {p: (b[p] - a[p]) / span for p in b if p in a}
         load = sorted((v for p, v in share.items()
@@ -180,7 +234,24 @@ class CpuWindow(threading.Thread):
                       reverse=True)  # (the resource tracker and the like: ~0)
         fronts = sorted((share.get(p, 0.0) for p in self.fronts), reverse=True)
         cores = os.cpu_count() or 1
+        # the callers' connections are open through the timed part: the window's fullest
+        # look; each front end's bytes sent: from the window's first look to its last
+        looks = [c for c in self.conns if t0 <= c[0] <= t1]
+        socks = max((c[1] for c in looks), default=None,
+                    key=lambda c: sum(len(v) for v in c.values()))
+        rate: dict[int, float] = {}
+        if len(looks) >= 2 and looks[0][2] and looks[-1][2]:
+            (ca, _, sa), (cb, _, sb) = looks[0], looks[-1]
+            for p, inos in (socks or {}).items():
+                rate[p] = sum(sb.get(i, 0) - sa.get(i, 0) for i in inos) / (cb - ca)
+        # each front end (by pid): its share of a core, its connections (the load
+        # processes' own channels, idle in the timed part, are among them), bytes sent/s
+        per_front = {p: {"cores": share.get(p, 0.0),
+                         "conns": len(socks.get(p, ())) if socks else None,
+                         "bytes_out_per_s": rate.get(p)}
+                     for p in self.fronts}
         return {"window_s": span, "device": share.get(self.device, 0.0), "fronts": fronts,
+                "per_front": per_front,
                 "load": load, "machine_busy_cores": (jb[0] - ja[0]) / max(jb[1] - ja[1], 1)
                 * cores}
 
@@ -194,6 +265,27 @@ def cpu_line(c: dict[str, Any]) -> str:
             f"sum {sum(f):.2f} max {max(f, default=0):.2f} min {min(f, default=0):.2f}; "
             f"load x{len(ld)} sum {sum(ld):.2f} max {max(ld, default=0):.2f}; "
             f"machine {c['machine_busy_cores']:.1f} of {os.cpu_count()}")
+
+
+def per_front_line(c: dict[str, Any], calls_per_s: dict[int, float] | None = None,
+                   reply_bytes: float = 0.0) -> str:
+    """Each front end, busiest first: connections, cores and its calls a second (the device
+    process's counters, ``calls_per_s``, or its bytes sent over ``reply_bytes``, marked
+    ~), and the mean time of its callers' calls by Little's law (a closed loop, one call in
+    flight a caller: connections / calls a second; each load process's own channel, idle in
+    the timed part, is among the connections, so this is a little over)."""
+    rows = []
+    for pid, f in sorted(c["per_front"].items(), key=lambda kv: -kv[1]["cores"]):
+        row = f"{f['conns']} conns {f['cores']:.2f} cores"
+        r, approx = (calls_per_s or {}).get(pid), ""
+        if r is None and reply_bytes and f.get("bytes_out_per_s"):
+            r, approx = f["bytes_out_per_s"] / reply_bytes, "~"
+        if r:
+            row += f" {approx}{r:,.0f}/s"
+            if f["conns"]:
+                row += f" {f['conns'] / r * 1e3:.2f} ms"
+        rows.append(row)
+    return "per front end: " + "; ".join(rows)
 
 
 def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int, k: int,
@@ -318,20 +410,30 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     middle (:class:`CpuWindow`: who saturates)."""
     spec = LoadSpec(target, (("w", a.k),), callers, a.n, a.seconds, a.warmup, "stream",
                     "f16", PRECISIONS[a.precision], 0, a.region, a.rows, True)
-    window = CpuWindow(worker_pid, fronts, {spawned, worker_pid})
+    window = CpuWindow(worker_pid, fronts, {spawned, worker_pid}, int(target.rsplit(":", 1)[1]))
     window.start()
     t_load = time.time()
     before = {p: cpu_seconds(p) for p in [worker_pid, *fronts]}
     b0, r0 = batches(metrics_url)
     means: dict[str, float] = {}
+    tail: dict[str, float] = {}
+    reply_bytes = 0.0
+    part_p99: dict[str, float] = {}
     if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
         calls, wall, lat = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
                                       a.rows)
     else:
         samples, wall = run_load(spec, hosts)  # the warm-up's CPU is in too (~1/9)
+        reply_bytes = float(np.mean(samples["w"]["reply_bytes"]))
         lat = samples["w"]["e2e"]
         calls = int(lat.size)
-        means = {k: float(np.mean(v) * 1e6) for k, v in parts(samples["w"]).items()}
+        by_part = parts(samples["w"])
+        means = {k: float(np.mean(v) * 1e6) for k, v in by_part.items()}
+        # what the tail is made of: the slowest 1% of calls' parts (mean), each part's p99
+        slow = lat >= np.percentile(lat, 99)
+        tail = {k: float(np.mean(v[slow]) * 1e6) for k, v in by_part.items()}
+        tail["batch_rows"] = float(np.mean(samples["w"]["batch_rows"][slow]))
+        part_p99 = {k: float(np.percentile(v, 99) * 1e6) for k, v in by_part.items()}
     t_ret = time.perf_counter()
     # the timed part ended just before run_load returned: its middle 70%
     cpu = window.shares(t_ret - 0.85 * wall - 0.1, t_ret - 0.15 * wall - 0.1)
@@ -351,8 +453,14 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
           f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows; latency p50 "
           f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s", flush=True)
     print("#   " + cpu_line(cpu), flush=True)
+    if cpu:
+        print("#   " + per_front_line(cpu, reply_bytes=reply_bytes), flush=True)
     if means:
         print("#   mean us: " + ", ".join(f"{k} {v:.0f}" for k, v in means.items()), flush=True)
+        print("#   slowest 1% mean us: " + ", ".join(f"{k} {v:.0f}" for k, v in tail.items()),
+              flush=True)
+        print("#   p99 of each part us: " + ", ".join(f"{k} {v:.0f}"
+                                                      for k, v in part_p99.items()), flush=True)
     result: dict[str, Any] = {
         "backend": a.backend, "frontends": a.frontends, "path": path, "hosts": hosts,
         "callers": callers, "calls": calls, "calls_per_s": calls / wall,
@@ -360,12 +468,17 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
         "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
         "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg,
         "p50_us": p50, "p99_us": p99, "rows_per_s": calls * a.n / wall, "cpu": cpu,
-        "parts_mean_us": means,
+        "parts_mean_us": means, "tail_mean_us": tail if means else {},
+        "reply_bytes": reply_bytes,
+        "parts_p99_us": part_p99 if means else {},
         "env": {k: v for k, v in os.environ.items() if k.startswith("Q6SERVE_")}}
     if stats is not None:
         time.sleep(1.2)  # the counters' next line
         result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)
         print_stats(result["device"])
+        if cpu:
+            print("#   " + per_front_line(cpu, result["device"]["front_calls_per_s"]),
+                  flush=True)
     return result
 
 
