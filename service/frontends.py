@@ -490,7 +490,8 @@ class _DeviceStats:
     ``Q6SERVE_DP_STATS=FILE`` the device process wraps its selector, its connections, its
     dispatch, its inline device jobs and its batch metrics with counters, and appends one JSON
     line of cumulative figures to FILE every second (deltas of two lines = a window): loop
-    iterations and time blocked in epoll, socket reads and writes, messages and calls received,
+    iterations and time blocked in epoll, socket reads and writes, messages and calls received
+    (and each front end's rows, by pid),
     batches and their rows, inline jobs' wall and CPU, per-thread CPU and context switches.
     Off (no wrapper at all) unless the env names a file."""
 
@@ -554,7 +555,9 @@ class _DeviceStats:
                 c["region_rows"] += msg[3][3][0]
             elif msg[0] == "mm":
                 x = msg[8]
-                c["mm_rows"] += x[1][0] if isinstance(x, tuple) else len(x)
+                n = x[1][0] if isinstance(x, tuple) else len(x)
+                c["mm_rows"] += n
+                c[f"front_rows_{fe.pid}"] += n
             dispatch(fe, msg)
 
         worker._dispatch = counted_dispatch  # type: ignore[method-assign]
@@ -562,7 +565,9 @@ class _DeviceStats:
 
         def counted_plain(fe: _Front, b: memoryview) -> None:
             c["msg_mm"] += 1
-            c["mm_rows"] += _MM.unpack_from(b)[3]
+            n = _MM.unpack_from(b)[3]
+            c["mm_rows"] += n
+            c[f"front_rows_{fe.pid}"] += n  # each front end's rows (calls of one row)
             plain(fe, b)
 
         worker._plain_mm = counted_plain  # type: ignore[method-assign]
