@@ -910,6 +910,10 @@ class FrontendsWorker(Worker):
             got.append((call, sink))
 
     def _flush_calls(self) -> None:
+        """The calls merged in this trip to the engine (``_start_merged``). What ran here on
+        the direct path is answered here: those answers go out now (``_Out.flush_now``),
+        not a loop iteration later, after the messages read meanwhile were parsed and
+        merged."""
         merging, self._merging = self._merging, {}
         for parts in merging.values():
             chunk: list[tuple[MatmulCall, Any]] = []
@@ -922,6 +926,8 @@ class FrontendsWorker(Worker):
                 chunk.append(part)
                 rows += n
             self._start_merged(chunk, rows)
+        for fe in self._fronts.values():
+            fe.out.flush_now()
 
     def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
         if len(parts) == 1:

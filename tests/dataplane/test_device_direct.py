@@ -299,3 +299,48 @@ def test_the_device_counters_see_plain_frames_and_direct_jobs(
         await d.close()
 
     asyncio.run(main())
+
+
+def test_direct_path_answers_leave_in_the_trip_that_ran_them(
+        rng: np.random.Generator) -> None:
+    """The answers of calls run on the direct path are written to their front end by the
+    handle that ran them (``_flush_calls``: ``_Out.flush_now``), before any other handle of
+    that loop iteration (the next messages read meanwhile) runs, and in one write."""
+    xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 2, 1)]
+
+    async def main() -> None:
+        d = Device(len(xs))
+        await d.start()
+        dev = d.worker.engine.device  # type: ignore[union-attr]
+        await d.trip(xs, 1)  # (the first job of its kind: queued and measured)
+        for _ in range(400):  # (its answer may come before the device counts it done)
+            if not dev.inflight:
+                break
+            await asyncio.sleep(0.005)
+        writes: list[int] = []
+        write = d.out.write
+
+        def counted(data: bytes) -> None:
+            writes.append(len(data))
+            write(data)
+
+        d.out.write = counted  # type: ignore[method-assign]
+        d.out.answers.clear()
+        frames = b""
+        for slot, x in enumerate(xs):
+            d.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
+            payload = fe._encode(("mm", 20 + slot, "w", (), 0, "exact", "f32", None,
+                                  ("f32", x.shape), slot))
+            frames += fe.FRAME.pack(len(payload)) + payload
+        d.conn.data_received(frames)  # (the merge runs at the end of this trip)
+        seen: list[list[int]] = []  # the answers written when the merge's handle returned
+        # (a plain callback, not this task: a task ready to run keeps the direct path off)
+        asyncio.get_running_loop().call_soon(lambda: seen.append(sorted(d.out.answers)))
+        await asyncio.sleep(0.05)
+        assert dev.direct_jobs == 1 and seen == [[20, 21, 22]] and len(writes) == 1
+        for slot, x in enumerate(xs):
+            np.testing.assert_allclose(d.y(slot, d.out.answers[20 + slot]),
+                                       reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+        await d.close()
+
+    asyncio.run(main())
