@@ -2,8 +2,9 @@
 # Shared start of the bench/gpu_*.sh session scripts (sourced): `gpu_session DIR` makes $FINAL
 # the folder the device tool brings back ($OUT as given, or ./out), points $OUT at DIR (cleared:
 # every log lands there; the tool brings back 8 files at most, so scripts archive it into $FINAL),
-# installs the carried wheels and the project (bench/gpu_run.sh none), prints the tree's commit
-# from ./COMMIT where the sender wrote one, and starts the clock that `elapsed` reads.
+# installs the carried wheels and the project (bench/gpu_run.sh none; DRY_RUN=1: neither, a CPU
+# rehearsal with a stand-in nvidia-smi), prints the tree's commit from ./COMMIT where the sender
+# wrote one, and starts the clock that `elapsed` reads.
 gpu_session() {
   FINAL=${OUT:-$PWD/out}
   OUT=$1
@@ -11,6 +12,10 @@ gpu_session() {
   mkdir -p "$FINAL" "$OUT"
   export PYTHONUNBUFFERED=1
   T0=$(date +%s)
+  if [[ -n ${DRY_RUN:-} ]]; then  # a CPU rehearsal of a script (BACKEND=numpy): no install
+    nvidia-smi() { echo "no GPU (dry run)"; }
+    return 0
+  fi
   bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
   head -3 "$OUT/setup.log"

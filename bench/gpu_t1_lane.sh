@@ -15,13 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
-if [[ -n ${DRY_RUN:-} ]]; then  # a CPU rehearsal (BACKEND=numpy): no install, no GPU
-  FINAL=${OUT:-$PWD/out} OUT=/tmp/t1lane T0=$(date +%s)
-  rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL"
-  nvidia-smi() { echo "no GPU (dry run)"; }
-else
-  gpu_session /tmp/t1lane
-fi
+gpu_session /tmp/t1lane  # (DRY_RUN=1: a CPU rehearsal, gpu_lib.sh)
 base_tree "${OLD:?set OLD to the base tree}"
 S=${SECONDS_PER_RUN:-1.0}
 BACKEND=${BACKEND:-cuda}

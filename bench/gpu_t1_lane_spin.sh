@@ -13,13 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
 source bench/gpu_lib.sh
-if [[ -n ${DRY_RUN:-} ]]; then  # a CPU rehearsal (BACKEND=numpy): no install, no GPU
-  FINAL=${OUT:-$PWD/out} OUT=/tmp/t1spin T0=$(date +%s)
-  rm -rf "$OUT" && mkdir -p "$OUT" "$FINAL"
-  nvidia-smi() { echo "no GPU (dry run)"; }
-else
-  gpu_session /tmp/t1spin
-fi
+gpu_session /tmp/t1spin  # (DRY_RUN=1: a CPU rehearsal, gpu_lib.sh)
 S=${SECONDS_PER_RUN:-0.7}
 BACKEND=${BACKEND:-cuda}
 last=$(($(nproc) - 1))
