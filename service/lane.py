@@ -165,7 +165,7 @@ class LaneServer:
                 except Exception as e:
                     rec = _failed(seq, e)
                 conn.answer(rec)  # the reply first, the bookkeeping after it
-                table.let_go(held)
+                table.let_go(held)  # (if answering raised, the handler below lets it go)
                 return True
 
             def answered(fut: asyncio.Future[Any]) -> None:
@@ -181,8 +181,10 @@ class LaneServer:
                                      _nan(r.kernel_seconds), _nan(r.device_seconds))
                 except Exception as e:
                     rec = _failed(seq, e)
-                conn.answer(rec)  # the reply first, the region let go after it
-                table.let_go(held)
+                try:
+                    conn.answer(rec)  # the reply first, the region let go after it
+                finally:  # (a sink's raise reaches no handler: the region is never left held)
+                    table.let_go(held)
 
             if type(engine) is Engine:  # its sink runs in the trip that resolves the call
                 start(call, answered)
