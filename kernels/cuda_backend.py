@@ -56,6 +56,12 @@ from .hostio import HostIO
 __all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg"]
 
 
+def _call_key(x: np.ndarray, precision: Precision, flags: KernelFlags,
+              out_dtype: np.dtype | None, topk: int, slot: int) -> tuple[Any, ...]:
+    """A :class:`BoundCall`'s key in its weight's ``plans``: what settles the call's path."""
+    return (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
+
+
 class CudaBackend(Backend):
     """Q6_K matmuls on one CUDA device through CuPy; see the module docstring.
 
@@ -153,32 +159,26 @@ class CudaBackend(Backend):
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> Launched:
         ws = self.launcher.ws
-        cw = w.data
         staged = x is ws.staged  # built by staging(): C-contiguous [N, K] (K checked below)
-        if staged and type(cw) is CudaWeight and x.shape[1] == w.k:
-            slot = ws.staged_slot
-            key = (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
-            call = cw.plans.get(key)  # a BoundCall: the whole path after its first calls
+        if staged and type(w.data) is CudaWeight and x.shape[1] == w.k:
+            key = _call_key(x, precision, flags, out_dtype, topk, ws.staged_slot)
+            call = w.data.plans.get(key)  # a BoundCall: the whole path after its first calls
             if call is not None and call.live():
                 return call.launch()
-        else:
-            x = check_matmul(w, x, topk)
-            cw = weight_data(w)
-            if not self.hostio.covers(x):
-                slot = ws.free_slot()
-                key = (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
-                call = cw.plans.get(key)
-                if call is not None and call.live():
-                    return call.launch(x)
-        return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
-
-    def _launch(self, w: ResidentWeight, cw: Any, x: np.ndarray, staged: bool,
-                precision: Precision, flags: KernelFlags, out_dtype: np.dtype | None,
-                topk: int) -> Launched:
-        """:meth:`launch`'s full path: checks, dispatch, the launcher (binding, capture); once
-        the call's sequence is a graph, its :class:`BoundCall` is cached on the weight."""
         x = check_matmul(w, x, topk)
         cw = weight_data(w)
+        if not staged and not self.hostio.covers(x):
+            call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, ws.free_slot()))
+            if call is not None and call.live():
+                return call.launch(x)
+        return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
+
+    def _launch(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, staged: bool,
+                precision: Precision, flags: KernelFlags, out_dtype: np.dtype | None,
+                topk: int) -> Launched:
+        """:meth:`launch`'s full path for a checked ``x``: dispatch, the launcher (binding,
+        capture); once the call's sequence is a graph, its :class:`BoundCall` is cached on the
+        weight."""
         c = self.choose(x.shape[0], precision, flags, w.rows, w.k)
         kernel = f"cuda.{c.path}.{w.layout.value}"
         io = self.hostio
@@ -198,7 +198,7 @@ class CudaBackend(Backend):
             call = self.launcher.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot,
                                             kernel, c.precision)
             if call is not None:
-                cw.plans[(x.shape, x.dtype, precision, flags, out_dtype, topk, slot)] = call
+                cw.plans[_call_key(x, precision, flags, out_dtype, topk, slot)] = call
 
         def wait() -> MatmulResult:
             y, top, seconds = finish()
