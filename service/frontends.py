@@ -88,7 +88,7 @@ from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
 from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
 from .servicer import Q6ServeServicer, RegionPlane
-from .threads import _BusyPoll
+from .threads import busy_poll
 from .worker import Worker, build_server, stop_server
 
 log = logging.getLogger("q6serve.frontends")
@@ -107,7 +107,7 @@ def stacks_in_flight(env: Mapping[str, str] | None = None) -> int:
     return int(envvars.FRONTEND_STACKS.read(env)) or 1 << 30
 
 
-# a front end's loop may busy-poll (service/threads.py's _BusyPoll: select without blocking
+# a front end's loop may busy-poll (service/threads.py's busy_poll: select without blocking
 # for up to this many us after its last event before it sleeps) so that a device answer or a
 # gRPC event finds it running instead of woken from epoll. Env Q6SERVE_FRONTEND_BUSY_POLL_US
 # (read when a front end starts). Off by default: on the H200 (16 cores) T2 through 8 front
@@ -1881,9 +1881,7 @@ def frontend_main() -> None:
 
 async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, slots: int,
                     slot_bytes: int) -> None:
-    if (spin_us := frontend_busy_poll_us()) > 0:  # (FRONTEND_BUSY_POLL_ENV)
-        loop = asyncio.get_running_loop()
-        loop._selector = _BusyPoll(loop._selector, spin_us * 1e-6)  # type: ignore[attr-defined]
+    busy_poll(asyncio.get_running_loop(), lambda: True, frontend_busy_poll_us())
     arena = Arena.create(slots, slot_bytes)
     link = _Link(arena)
     try:

@@ -103,11 +103,13 @@ class _BusyPoll:
         return getattr(self._inner, name)
 
 
-def busy_poll(loop: asyncio.AbstractEventLoop, may_spin: Callable[[], bool]) -> _BusyPoll | None:
-    """When :func:`busy_poll_us` > 0: make ``loop`` busy-poll (see :class:`_BusyPoll`; once
-    per loop) while ``may_spin()`` and every earlier caller's say so; returns the poller
-    (None: off, or a loop without a selector to wrap)."""
-    spin_us = busy_poll_us()
+def busy_poll(loop: asyncio.AbstractEventLoop, may_spin: Callable[[], bool],
+              spin_us: float | None = None) -> _BusyPoll | None:
+    """When ``spin_us`` (None: :func:`busy_poll_us`) > 0: make ``loop`` busy-poll (see
+    :class:`_BusyPoll`; once per loop) while ``may_spin()`` and every earlier caller's say so;
+    returns the poller (None: off, or a loop without a selector to wrap)."""
+    if spin_us is None:
+        spin_us = busy_poll_us()
     selector = getattr(loop, "_selector", None)  # asyncio's selector loops
     if spin_us <= 0 or selector is None:
         return None
