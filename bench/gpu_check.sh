@@ -9,7 +9,7 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
 #   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py),
 #   DP_VARIANTS (the data plane's front-end counts, "4 8"; "8:m0" = 8 with the device-side
@@ -37,6 +37,14 @@ Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cac
   tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
   tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
 t demo 150 python3 -m q6serve.client.cli demo --backend cuda
+if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
+  t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+    --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
+  tar czf "$FINAL/check.tgz" -C "$OUT" .
+  { echo "# gpu_check TESTS_ONLY $(cat COMMIT 2>/dev/null) total $(elapsed)"; printf '%s\n' "${summary[@]}"
+    grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | tee "$FINAL/summary.txt"
+  exit 0
+fi
 # issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
 t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
   --modes graph,staged --json "$OUT/wall.json"
