@@ -573,11 +573,14 @@ class _Context:
         pass
 
 
-async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int) -> list[float]:
+async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
+                  cpu: list[float] | None = None) -> list[float]:
     """Seconds per request of one stream's handler driven directly (one request in flight:
     hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
     around Q6ServeServicer.MatmulStream over a _StubEngine; ``echo`` the proto echo handler
-    (the harness's own cost)."""
+    (the harness's own cost). ``cpu``: gets each request's CPU seconds of this thread, where
+    everything runs (a figure the other processes on a shared VM disturb far less than the
+    wall time: they take the core away, which this clock does not count)."""
     from collections import namedtuple
 
     import grpc
@@ -624,10 +627,13 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int) -> li
     serialize = handler.response_serializer
     out = []
     for _ in range(calls):
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         incoming.put_nowait(req)
         serialize(await ctx.written.get())
         out.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     incoming.put_nowait(None)
     await runner
     if worker is not None:
@@ -884,10 +890,13 @@ def main(argv: list[str] | None = None) -> int:
             servers.close()
         trips = servers.trip_counts()
     inproc: dict[str, list[float]] = {"echo": [], "handler": [], "engine": []}
+    inproc_cpu: dict[str, list[float]] = {v: [] for v in inproc}
     for _ in range(a.rounds if a.inproc > 0 else 0):
         for v, got in inproc.items():
+            cpu: list[float] = []
             got.append(float(np.median(asyncio.run(_inproc(v, req, a.rows, a.inproc,
-                                                            a.k)))) * 1e6)
+                                                            a.k, cpu)))) * 1e6)
+            inproc_cpu[v].append(float(np.median(cpu)) * 1e6)
     # each run against the bare echo under the same think time
     base = {t: statistics.median(p50[label]) for label, v, t in runs if v == "bare"}
     sbase = {t: statistics.median(p50[label]) for label, v, t in runs if v == "sbare"}
@@ -898,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
           "(voluntary context switches) per round trip; servers with stamped replies "
           "(bench/reply_stamps.py): the way up (write here -> raw request taken there), the "
           "server's window (-> reply encoded, minus the kernel) and the way down (-> read here)")
-    width = max(8, *(len(label) for label, _, _ in runs))
+    width = max([8, *(len(label) for label, _, _ in runs)])  # (no runs: --variants '')
     for v, variant, think in runs:
         med = statistics.median(p50[v])
         st = {name: statistics.median(got) for name, got in stats[v].items()}
@@ -936,6 +945,13 @@ def main(argv: list[str] | None = None) -> int:
               f"(+{eng - echo:.1f}); per round: "
               + " ".join(f"{v}=" + "/".join(f"{x:.1f}" for x in got)
                          for v, got in inproc.items()))
+        echo, ours, eng = (statistics.median(inproc_cpu[v])
+                           for v in ("echo", "handler", "engine"))
+        print(f"the same, this thread's CPU time (p50 us per request): proto echo {echo:.1f}, "
+              f"stub engine {ours:.1f} (+{ours - echo:.1f}), Engine {eng:.1f} "
+              f"(+{eng - echo:.1f}); per round: "
+              + " ".join(f"{v}=" + "/".join(f"{x:.1f}" for x in got)
+                         for v, got in inproc_cpu.items()))
     return 0
 
 

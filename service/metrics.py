@@ -11,14 +11,21 @@ each request inside a request/reply stream), codes come from grpc.StatusCode.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
+import math
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Gauge, Info
 from prometheus_client.exposition import generate_latest, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from q6serve.kernels.api import KernelTiming
 
@@ -36,6 +43,140 @@ N_BUCKETS: tuple[tuple[int, str], ...] = (
 MAX_PARKED = 4096  # unread device timings kept; beyond this the oldest are dropped
 
 
+# prometheus_client's own switch for the *_created series (its default: exported)
+_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in (
+    "true", "1", "t")
+
+
+class HistogramSeries:
+    """One labelled series of a :class:`PlainHistogram`: per-bucket counts and the sum, as
+    plain Python numbers (``observe`` is one bisect and two additions; prometheus_client's
+    takes two locks and walks the bounds in Python)."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf only)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        # bucket i counts amount <= bounds[i] (Prometheus' `le`); a NaN is counted in no
+        # bucket (nor the count), only added to the sum, as prometheus_client does
+        if amount == amount:
+            self.counts[bisect.bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+class CounterSeries:
+    """One labelled series of a :class:`PlainCounter`."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class _PlainFamily(Collector):
+    """A metric family whose series are plain Python objects, turned into samples only when
+    scraped (the hot path pays no prometheus_client call: per request it was 4 histogram
+    observes and a counter increment, each taking its locks). The exposition is
+    prometheus_client's for the same Histogram or Counter: names, label order, ``le``
+    formatting, ``_created``.
+
+    One writer: the series are updated on the event loop's thread only (every observation
+    of the worker's request and batch metrics happens there); a scrape (prometheus_client's
+    HTTP thread) reads them. Copies made with the GIL held (``list()`` of a dict's items, of a
+    series' counts) give it a consistent view of each series' buckets: its ``_count`` is their
+    total, its ``_sum`` at most an observation apart, as with prometheus_client's own locks."""
+
+    kind = ""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._series[()] = self._new()
+        registry.register(self)
+
+    def _new(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Any:
+        """The series of these label values (made on first use)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, "
+                             f"got {len(values)}")
+        key = tuple(str(v) for v in values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = self._new()
+        return series
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, self.kind)]
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, self.kind)
+        for key, series in list(self._series.items()):
+            self._samples(metric, dict(zip(self.labelnames, key, strict=True)), series)
+        return [metric]
+
+    def _samples(self, metric: Metric, labels: dict[str, str], series: Any) -> None:
+        raise NotImplementedError
+
+
+class PlainHistogram(_PlainFamily):
+    kind = "histogram"
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry, buckets: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in buckets if b != math.inf)
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new(self) -> HistogramSeries:
+        return HistogramSeries(self.bounds)
+
+    def observe(self, amount: float) -> None:
+        """The unlabelled family's one series."""
+        self._series[()].observe(amount)
+
+    def _samples(self, metric: Metric, labels: dict[str, str], series: HistogramSeries,
+                 ) -> None:
+        counts, total = list(series.counts), series.sum
+        acc = 0
+        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
+            acc += n
+            metric.add_sample(self.name + "_bucket", {**labels, "le": floatToGoString(bound)},
+                              float(acc))
+        metric.add_sample(self.name + "_count", labels, float(acc))
+        metric.add_sample(self.name + "_sum", labels, total)
+        if _CREATED:
+            metric.add_sample(self.name + "_created", labels, series.created)
+
+
+class PlainCounter(_PlainFamily):
+    kind = "counter"
+
+    def _new(self) -> CounterSeries:
+        return CounterSeries()
+
+    def _samples(self, metric: Metric, labels: dict[str, str], series: CounterSeries) -> None:
+        metric.add_sample(self.name + "_total", labels, series.value)
+        if _CREATED:
+            metric.add_sample(self.name + "_created", labels, series.created)
+
+
 def n_bucket(n: int) -> str:
     for top, label in N_BUCKETS:
         if n <= top:
@@ -48,26 +189,28 @@ class Metrics:
                  device: str) -> None:
         self.registry = registry
         r = registry
-        self.kernel_duration = Histogram(
+        # The families observed per request and per batch are plain series read at scrape
+        # time (PlainHistogram, PlainCounter: no prometheus_client call on the hot path)
+        self.kernel_duration = PlainHistogram(
             "q6serve_kernel_duration_seconds",
             "Kernel time of one batched matmul launch (device events on CUDA, host timer on "
-            "NumPy).", ["kernel", "layout", "n_bucket"], buckets=LATENCY_BUCKETS, registry=r)
+            "NumPy).", ["kernel", "layout", "n_bucket"], r, LATENCY_BUCKETS)
         # service: the full gRPC service name (q6serve.v1.Q6Serve, grpc.health.v1.Health,
         # grpc.reflection.v1.ServerReflection, ...); method: the RPC, or "<RPC>/request" for one
         # request inside a MatmulStream (the RPC's own series then counts whole streams).
-        self.request_duration = Histogram(
+        self.request_duration = PlainHistogram(
             "q6serve_request_duration_seconds",
             "Handling time of RPCs and of requests inside streams, by service, method and "
-            "status code.", ["service", "method", "code"], buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(
+            "status code.", ["service", "method", "code"], r, LATENCY_BUCKETS)
+        self.requests = PlainCounter(
             "q6serve_requests", "RPCs and requests inside streams finished, by service, method "
-            "and the status code the caller saw.", ["service", "method", "code"], registry=r)
-        self.queue_delay = Histogram(
+            "and the status code the caller saw.", ["service", "method", "code"], r)
+        self.queue_delay = PlainHistogram(
             "q6serve_queue_delay_seconds", "Time a matmul request waited before its batch ran.",
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_rows = Histogram(
+            [], r, LATENCY_BUCKETS)
+        self.batch_rows = PlainHistogram(
             "q6serve_batch_rows", "Activation rows (N) per kernel launch after coalescing.",
-            buckets=ROW_BUCKETS, registry=r)
+            [], r, ROW_BUCKETS)
         self.vram = {
             name: Gauge(f"q6serve_vram_{name}_bytes", help_, registry=r)
             for name, help_ in (
@@ -89,32 +232,41 @@ class Metrics:
         self._lock = threading.Lock()
         # (service, method, code) -> its duration and count series: labels() costs more
         # than the observation (bounded: the labels are)
-        self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._request_series: dict[tuple[str, str, str],
+                                   tuple[HistogramSeries, CounterSeries]] = {}
         # (kernel, layout, n_bucket) -> its kernel-duration series' observe (bounded: labels)
         self._kernel_series: dict[tuple[str, str, str], Callable[[float], None]] = {}
+        self._batch_rows = self.batch_rows.labels()
+        self._queue_delay = self.queue_delay.labels()
 
     # -- filled by the core -----------------------------------------------------------------
-    def observe_request(self, service: str, method: str, code: str, seconds: float) -> None:
-        self.observe_requests(service, method, code, (seconds,))
-
-    def observe_requests(self, service: str, method: str, code: str,
-                         seconds: Sequence[float]) -> None:
-        """Several finished requests of one (service, method, code) (a front end's batch)."""
-        key = (service, method, code)
+    def _requests_of(self, key: tuple[str, str, str]) -> tuple[HistogramSeries, CounterSeries]:
         series = self._request_series.get(key)
         if series is None:
             series = self._request_series[key] = (self.request_duration.labels(*key),
                                                   self.requests.labels(*key))
+        return series
+
+    def observe_request(self, service: str, method: str, code: str, seconds: float) -> None:
+        """One finished request (per request of a MatmulStream: kept to one lookup)."""
+        duration, count = self._requests_of((service, method, code))
+        duration.observe(seconds)
+        count.value += 1
+
+    def observe_requests(self, service: str, method: str, code: str,
+                         seconds: Sequence[float]) -> None:
+        """Several finished requests of one (service, method, code) (a front end's batch)."""
+        duration, count = self._requests_of((service, method, code))
         for s in seconds:
-            series[0].observe(s)
-        series[1].inc(len(seconds))
+            duration.observe(s)
+        count.value += len(seconds)
 
     def observe_batch(self, stats: BatchStats) -> None:
         res = stats.result
         labels = (res.kernel, res.layout.value, n_bucket(stats.rows))
-        self.batch_rows.observe(stats.rows)
+        self._batch_rows.observe(stats.rows)
         for q in stats.queue_seconds:
-            self.queue_delay.observe(max(0.0, q))
+            self._queue_delay.observe(max(0.0, q))
         series = self._kernel_series.get(labels)
         if series is None:  # the labelled series appears with its first value
             series = functools.partial(self._kernel_first, labels)

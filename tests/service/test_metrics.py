@@ -14,13 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from svc_util import RunningWorker, backend_name, random_q6k
 
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
 from q6serve.service.batcher import BatchStats
-from q6serve.service.metrics import LATENCY_BUCKETS, Metrics, n_bucket
+from q6serve.service.metrics import (
+    LATENCY_BUCKETS,
+    ROW_BUCKETS,
+    Metrics,
+    PlainCounter,
+    PlainHistogram,
+    n_bucket,
+)
 
 EXPECTED = {
     "q6serve_kernel_duration_seconds": {"kernel", "layout", "n_bucket"},
@@ -142,6 +150,43 @@ def test_device_timings_are_read_after_the_fact() -> None:
     assert m.registry.get_sample_value(count, labels) == 1
     assert m.registry.get_sample_value("q6serve_queue_delay_seconds_count") == 2
     assert m.registry.get_sample_value("q6serve_batch_rows_sum") == 3
+
+
+def _exposition_of(registry: CollectorRegistry) -> list[str]:
+    """The text exposition's lines, with each *_created series' time left out (made apart)."""
+    lines = generate_latest(registry).decode().splitlines()
+    return [line.rpartition(" ")[0] if "_created" in line and not line.startswith("#")
+            else line for line in lines]
+
+
+def test_plain_families_expose_what_prometheus_client_does() -> None:
+    """The worker's per-request families are plain series read at scrape time: for the same
+    observations (bucket edges, above every bucket, +inf, NaN, zero, several label sets and
+    a series made empty) the exposition is prometheus_client's Histogram's and Counter's."""
+    ours, ref = CollectorRegistry(), CollectorRegistry()
+    labels = ["service", "method", "code"]
+    h = PlainHistogram("t_seconds", "A histogram.", labels, ours, LATENCY_BUCKETS)
+    c = PlainCounter("t_requests", "A counter.", labels, ours)
+    u = PlainHistogram("t_rows", "Unlabelled.", [], ours, ROW_BUCKETS)
+    rh = Histogram("t_seconds", "A histogram.", labels, buckets=LATENCY_BUCKETS, registry=ref)
+    rc = Counter("t_requests", "A counter.", labels, registry=ref)
+    ru = Histogram("t_rows", "Unlabelled.", buckets=ROW_BUCKETS, registry=ref)
+    values = [0.0, 5e-6, 5.0001e-6, 1e-4, 0.3, 1.0, 2.0, float("inf"), float("nan"), 1e-5]
+    for i, v in enumerate(values):
+        key = ("svc", "M", "OK" if i % 3 else "NOT_FOUND")
+        h.labels(*key).observe(v)
+        rh.labels(*key).observe(v)
+        c.labels(*key).inc(i)
+        rc.labels(*key).inc(i)
+        u.observe(v * 100)
+        ru.observe(v * 100)
+    c.labels("svc", "Empty", "OK")
+    rc.labels("svc", "Empty", "OK")
+    assert _exposition_of(ours) == _exposition_of(ref)
+    with pytest.raises(ValueError):
+        c.labels("svc", "M", "OK").inc(-1)
+    with pytest.raises(ValueError):
+        h.labels("svc", "M")
 
 
 def _free_port() -> int:
