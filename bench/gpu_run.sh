@@ -21,7 +21,7 @@
 #         named in PROFILE_ROWS ("SHAPE:N:LABEL-TEXT ...").
 # SKIP_INSTALL=1: the wheels and the project are installed already (an earlier invocation).
 # BUNDLE=1: every log into $OUT/logs.tgz at the end (the device tool returns 8 files at most).
-# kstest: the K-slice tiles' GPU tests. wgtest: the wgmma tile's (sm_90). tile: bench/tile_probe.py (TILE_ARGS): the K-slice
+# kstest: the K-slice tiles' GPU tests (KSTEST_ARGS: more pytest arguments, e.g. -k). wgtest: the wgmma tile's (sm_90). tile: bench/tile_probe.py (TILE_ARGS): the K-slice
 #       tiles checked and timed on the model shapes. ncu: Nsight Compute (NCU_SET, default full)
 #       of AUTO, the heuristic f16 tile and the K-slice tiles on NCU_SHAPE at NCU_NS
 #       (bench/tile_probe.py --profile: one launch each), report + text under $OUT.
@@ -48,8 +48,9 @@ cat "$OUT/gpu.txt"
 git log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
 rc=0
 if want kstest; then  # the K-slice tile's GPU tests, before a tune may put it in the table
+  # shellcheck disable=SC2086
   timeout "${KSTEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rfE --maxfail=5 -p no:cacheprovider \
-    tests/kernels/test_cuda_ks.py 2>&1 | tee "$OUT/pytest_ks.log" | tail -15
+    ${KSTEST_ARGS:-} tests/kernels/test_cuda_ks.py 2>&1 | tee "$OUT/pytest_ks.log" | tail -15
   rc=${PIPESTATUS[0]}
 fi
 if want wgtest; then  # the wgmma tile's GPU tests (sm_90 only), before a tune may pick it
