@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-wg", action="store_true", help="leave out the wgmma tile (src 6)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="per shape and N: AUTO with the split-K sum launched plainly and with "
+                         "PDL (Launcher.pdl), interleaved off/on/off/on, bits compared; no tiles")
     ap.add_argument("--l2p", action="store_true",
                     help="probe only src 4's launch shapes and their twins with the L2 bulk "
                          "prefetch (src 8), side by side (N = 1..8 take the 8-token tile)")
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     L2P = a.l2p
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
+    if a.pdl_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
+        cfgs = [ch.cfg for sh in a.shapes.split(",") for n in ns
+                for ch in [be.choose(n, Precision.AUTO, KernelFlags(),
+                                     *map(int, sh.split("x")))]
+                if ch.path == "mma_f16" and ch.cfg is not None]
     t0 = time.time()
     with be.ctx.dev:
         for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{pick.size} rows checked", flush=True)
         for n in ns:
             x16 = rng.standard_normal((n, k)).astype(np.float16)
-            y64 = reference.matmul_float64(x16, sub, pick.size)
+            y64 = None if a.pdl_ab else reference.matmul_float64(x16, sub, pick.size)
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
             if a.profile:
@@ -132,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             def call_auto(i: int, c=choice, xd=xd, ws=ws) -> None:
                 be.run(ws[i], xd, np.dtype(np.float16), c.path, c.cfg)
 
+            if a.pdl_ab:
+                results.append(pdl_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies))
+                continue
             with be.ctx.dev, be.stream:
                 t_auto = _bk.time_calls(cp, call_auto, copies)
             row = {"shape": shape_s, "n": n, "mb": wbytes / 1e6, "torch_us": t_torch,
@@ -159,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
     if a.profile:
         return 0
+    if a.pdl_ab:
+        print_pdl_table(results)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
+                           "pdl_ab": results}, fh, indent=1)
+        return 0 if all(r["same"] for r in results) else 1
     print_table(results)
     if L2P:
         print_l2p_table(results)
@@ -258,6 +276,37 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['shape']:>12} {r['mb']:5.1f} {r['n']:>3} {r['auto_us']:7.1f} "
               f"({tb(r['auto_us']):.2f}) {t} {lab:>22} {us:6.1f} ({tb(us):.2f}) "
               f"{r['auto_us'] / us:6.2f} {xt}", flush=True)
+
+
+def pdl_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies) -> dict:
+    """AUTO's kernels with the split-K sum launched plainly, then with PDL, twice each in turn
+    (same process, same weights); y of both compared bit for bit."""
+    f16 = np.dtype(np.float16)
+    ys, times = {}, {False: [], True: []}
+    for rep in range(2):
+        for on in (False, True):
+            be.launcher.pdl = on
+            with be.ctx.dev, be.stream:
+                if rep == 0:
+                    ys[on] = be.run(ws[0], xd, f16, choice.path, choice.cfg).get(stream=be.stream)
+                times[on].append(_bk.time_calls(cp, call_auto, copies))
+    be.launcher.pdl = False
+    same = bool(np.array_equal(ys[False].view(np.uint32), ys[True].view(np.uint32)))
+    off, on = min(times[False]), min(times[True])
+    lab = f"{choice.path} {choice.cfg.label() if choice.cfg else ''}"
+    print(f"{shape_s:>12} {n:>3} {lab:>28} off {times[False][0]:7.1f} {times[False][1]:7.1f} "
+          f"on {times[True][0]:7.1f} {times[True][1]:7.1f}  x{off / on:.3f} "
+          f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
+    return {"shape": shape_s, "n": n, "kernel": lab, "off": times[False], "on": times[True],
+            "same": same}
+
+
+def print_pdl_table(results: list[dict]) -> None:
+    print("\n# PDL split-K sum: AUTO us, best of two runs each (interleaved), x = off / on")
+    for r in results:
+        off, on = min(r["off"]), min(r["on"])
+        print(f"{r['shape']:>12} {r['n']:>3} {r['kernel']:>28} {off:7.1f} {on:7.1f} "
+              f"x{off / on:.3f} {'' if r['same'] else 'BITS DIFFER'}", flush=True)
 
 
 def print_l2p_table(results: list[dict]) -> None:

@@ -40,6 +40,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,16 +155,80 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class Step:
-    """One kernel launch with its arguments bound (raw device pointers)."""
+    """One kernel launch with its arguments bound (raw device pointers). ``pdl``: launched
+    with programmatic stream serialization (:func:`launch_pdl`): its CTAs may start while the
+    launch before it is still running, and the kernel waits for that one's results itself
+    (``griddepcontrol.wait``)."""
 
     fn: Any
     grid: tuple[int, ...]
     block: int
     args: tuple
     smem: int = 0
+    pdl: Any = None  # the driver's cuLaunchKernelEx (ctypes) when launched that way
 
     def __call__(self) -> None:
-        self.fn(self.grid, (self.block,), self.args, shared_mem=self.smem)
+        if self.pdl is not None:
+            launch_pdl(self.pdl, self.fn, self.grid, self.block, self.args, self.smem)
+        else:
+            self.fn(self.grid, (self.block,), self.args, shared_mem=self.smem)
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4),
+                ("value", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_CTYPES = {("u", 8): ctypes.c_uint64, ("i", 8): ctypes.c_int64, ("i", 4): ctypes.c_int32,
+           ("u", 4): ctypes.c_uint32}
+
+
+def _driver_launch_ex() -> Any:
+    """The driver's ``cuLaunchKernelEx`` (ctypes), or None where it has none."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
+def launch_pdl(launch_ex: Any, fn: Any, grid: tuple[int, ...], block: int, args: tuple,
+               smem: int) -> None:
+    """``fn<<<grid, block, smem>>>(args)`` on the current stream through ``cuLaunchKernelEx``
+    with programmatic stream serialization (PDL, sm_90): the launch before it on the stream
+    lets it start once all its CTAs ran ``griddepcontrol.launch_dependents`` (or exited), so
+    this kernel's launch and CTA start overlap that kernel's tail; ``fn`` must begin with
+    ``griddepcontrol.wait`` before it reads what that kernel wrote. ``args``: NumPy scalars.
+    Under stream capture the driver records it as a programmatic graph edge."""
+    import cupy
+
+    vals = [_CTYPES[(np.dtype(type(a)).kind, np.dtype(type(a)).itemsize)](int(a)) for a in args]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # .programmaticStreamSerializationAllowed (an int at offset 0)
+    cfg = _LaunchConfig()
+    for i, v in enumerate(tuple(grid) + (1,) * (3 - len(grid))):
+        cfg.grid[i] = v
+    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
+    cfg.smem = smem
+    cfg.stream = cupy.cuda.get_current_stream().ptr or None
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.nattrs = 1
+    # a cupy.RawKernel (its Function for the current device) or a loader.ArchKernel
+    func = fn.kernel.ptr
+    rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
+    if rc != 0:
+        raise DeviceError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {rc}")
 
 
 @dataclass
@@ -396,6 +461,12 @@ class Launcher:
         self.ws = Workspace(ctx)
         self.graphs = graphs  # the wall bench compares both
         self._record_ext: Any = None
+        # Q6SERVE_PDL=1: the K-slice tiles' split-K sum (q6k_sum_parts) is launched with
+        # programmatic stream serialization (launch_pdl), so its launch overlaps the tile's
+        # tail; off by default until measured on the H200 (bench/RESULTS.md, session 10).
+        # Read per launch plan's steps: a bound sequence keeps what it was bound with.
+        self.pdl = os.environ.get("Q6SERVE_PDL", "0") == "1"
+        self._launch_ex: Any = None
 
     # -- planning (host arithmetic) ------------------------------------------------------------
     def grid(self, rows: int, k: int, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,
@@ -544,13 +615,23 @@ class Launcher:
             if lp.post is not None:
                 total = n * w.rows
                 out.append(Step(lp.post, (min(-(-total // 256), 4096),), 256,
-                                (u64(part), u64(y), i32(lp.ks), np.int64(total))))
+                                (u64(part), u64(y), i32(lp.ks), np.int64(total)),
+                                pdl=self._pdl_launcher()))
             return out
         xq = ws.ptr("xq", 4 * lp.prep_sizes[0])  # mmq_q8_1: quantize x, then the int8 tile
         corr = ws.ptr("corr", 4 * lp.prep_sizes[1])
         d8 = ws.ptr("d8", 4 * lp.prep_sizes[2])
         return [Step(lp.prep, lp.prep_grid, 256, (*pre, u64(xq), u64(corr), u64(d8))),
                 Step(lp.fn, lp.grid, lp.threads, (*wargs, u64(xq), u64(corr), u64(d8), *oargs))]
+
+    def _pdl_launcher(self) -> Any:
+        """cuLaunchKernelEx when the split-K sum is to be launched with PDL (``pdl`` on, a
+        device of compute capability 9.0 or newer, a driver that has it), else None."""
+        if not self.pdl or int(self.ctx.cc) < 90:
+            return None
+        if self._launch_ex is None:
+            self._launch_ex = _driver_launch_ex() or False
+        return self._launch_ex or None
 
     # -- device-side call (bench, tests) -------------------------------------------------------
     def enqueue(self, w: ResidentWeight, cw: CudaWeight, xd: Any, in_t: str, path: str,

@@ -320,6 +320,21 @@ __device__ __forceinline__ void finish_split(const Out& o, int rows, int row0, i
     finish_split_at(o, rows, blockIdx.z * gridDim.x + blockIdx.x, row0, rows_cta, tok0, toks_cta);
 }
 
+// Programmatic dependent launch (PDL, sm_90; no-ops elsewhere and when the launch had no such
+// attribute). A K-slice tile lets the split-K sum that follows it launch at once (its CTAs
+// start as the tile's CTAs leave the SMs, instead of after the whole grid and a launch); the
+// sum waits for the tile's completion and memory before reading the partials.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // K range of this CTA in blocks: ceil(bpr / ksplit) blocks per split.
 __device__ __forceinline__ void k_range(int bpr, int& kb0, int& kb1) {
     const int per = (bpr + gridDim.y - 1) / gridDim.y;

@@ -361,8 +361,11 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 struct KsPos {
     int lane, warp, g, t, tok0, kb0, nblk;
 };
+// Every K-slice tile (src 4, 5, 6, 8) starts here, so this is where it lets its split-K sum
+// launch (PDL; q6k_sum_parts waits for the tile's results itself).
 template <int NT>
 __device__ __forceinline__ KsPos ks_pos(int bpr) {
+    pdl_launch_dependents();
     KsPos p;
     p.lane = threadIdx.x & 31;
     p.warp = threadIdx.x >> 5;
@@ -399,6 +402,7 @@ __device__ __forceinline__ void ks_emit(const Out& o, int rows, int wrow, int to
 // before they are added.
 extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* part, float* y,
                                                                  int ks, long long total) {
+    pdl_wait();  // launched with PDL (Launcher.pdl): the tile's partials are complete past this
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const float* p = part + i;

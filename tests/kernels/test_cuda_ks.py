@@ -185,3 +185,54 @@ def test_l2_prefetch_same_bits_as_the_ks_tile(be, rng):
 
 def test_l2_prefetch_tiles_across_slabs(be, rng, monkeypatch):
     check_tiles_across_slabs(be, rng, monkeypatch, L2P_CFGS)
+
+
+# -- the split-K sum launched with PDL (Launcher.pdl, sm_90) ------------------------------------
+def test_pdl_sum_same_bits_direct_and_through_the_graph(be, rng):
+    """q6k_sum_parts launched with programmatic stream serialization waits for the tile's
+    partials itself (griddepcontrol.wait): the same bits as the plain launch at several slice
+    counts (partials poisoned with NaN before each call), for the register, ring and wgmma
+    tiles, and through the backend's captured graph."""
+    from q6serve.kernels.api import KernelFlags, Precision
+    from q6serve.kernels.cuda.dispatch import Choice
+
+    be.launcher.pdl = True
+    have = be.launcher._pdl_launcher() is not None
+    be.launcher.pdl = False
+    if not have:
+        pytest.skip("PDL needs compute capability 9.0 and the driver's cuLaunchKernelEx")
+    rows, k = 1100, 256 * 13
+    blocks = random_weight(rng, rows, k)
+    w = load(be, blocks, rows, k, Layout.SOA)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    cfgs = [Cfg(nt=1, src=4, pf=True, warps=16), Cfg(nt=2, src=4, pf=True, warps=12),
+            Cfg(nt=8, src=4, pf=True), Cfg(nt=2, src=5, pf=True, warps=16)]
+    if be.ctx.cc == "90":
+        cfgs.append(Cfg(nt=8, src=6, pf=True, warps=12))
+    try:
+        for c in cfgs:
+            for ks in (2, 5, 13):
+                cfg = replace(c, ksplit=ks)
+                n = 8 * c.nt - 3
+                be.launcher.pdl = False
+                plain = _run(be, w, x[:n], cfg)
+                be.launcher.pdl = True
+                pdl = _run(be, w, x[:n], cfg)
+                _check(pdl, y64[:n], f"{cfg.label()} PDL")
+                same_bits(plain, pdl, f"{cfg.label()} N={n}: PDL differs")
+        cfg = Cfg(nt=2, src=4, pf=True, warps=12, ksplit=3)
+        orig = be.dispatch.choose
+        be.dispatch.choose = lambda *a, **kw: Choice("mma_f16", Precision.F16, cfg, "test")
+        try:
+            w2 = load(be, blocks, rows, k, Layout.SOA)  # its own bound sequences, bound with PDL
+            ys = [be.matmul(w2, x[:13], precision=Precision.F16, flags=KernelFlags()).y
+                  for _ in range(4)]
+        finally:
+            be.dispatch.choose = orig
+        be.launcher.pdl = False
+        ref = _run(be, w, x[:13], cfg)
+        for y in ys:
+            same_bits(y, ref, "PDL through the graph")
+    finally:
+        be.launcher.pdl = False
