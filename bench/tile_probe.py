@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="per shape and N: AUTO with the split-K sum launched plainly and with "
                          "PDL (Launcher.pdl), interleaved off/on/off/on, bits compared; no tiles")
+    ap.add_argument("--ks-sweep", default=None, metavar="COUNTS",
+                    help="probe only src 4's launch shapes, each at these forced K-slice "
+                         "counts (e.g. 2,4,8; 0 = the grid model's) beside AUTO")
     ap.add_argument("--l2p", action="store_true",
                     help="probe only src 4's launch shapes and their twins with the L2 bulk "
                          "prefetch (src 8), side by side (N = 1..8 take the 8-token tile)")
@@ -79,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     be = CudaBackend(0)
-    global WG, L2P
+    global WG, L2P, KS_SWEEP
     WG = be.ctx.cc == "90" and not a.no_wg
     L2P = a.l2p
+    KS_SWEEP = tuple(int(v) for v in a.ks_sweep.split(",")) if a.ks_sweep else ()
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
     if a.pdl_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
@@ -190,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
 L2P = False  # --l2p: src 4's shapes and their src 8 twins only
+KS_SWEEP: tuple[int, ...] = ()  # --ks-sweep: src 4's shapes at these forced slice counts
 
 
 def ks_cfgs(n: int) -> list[Cfg]:
@@ -198,6 +203,9 @@ def ks_cfgs(n: int) -> list[Cfg]:
     if L2P:
         ks = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]]
         return ks + [replace(c, src=8) for c in ks]
+    if KS_SWEEP:
+        return [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w, ksplit=s)
+                for mt, pf, w in _bk.KS_SHAPES[nt] for s in KS_SWEEP]
     wide = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
             if w != 8]
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
