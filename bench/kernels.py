@@ -188,9 +188,6 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
     # the K-slice tile (src 4: activations staged once per CTA, warps stream many row tiles)
     nt = 1 if n <= 8 else n // 8
     mma += [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in KS_SHAPES[nt]]
-    # the same with each warp tile's K slice bulk-prefetched into L2 (src 8, sm_90)
-    if wg:
-        mma += [Cfg(nt=nt, mt=mt, src=8, pf=pf, warps=w) for mt, pf, w in KS_SHAPES[nt]]
     # two token chunks of the half-width tile (each weight decoded twice; the chunks' CTAs of
     # one wave read the same rows together, so the second read may come from L2)
     mma += {16: [Cfg(nt=1, src=4, pf=True, warps=w) for w in (8, 16)],

@@ -23,7 +23,6 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -71,9 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks-sweep", default=None, metavar="COUNTS",
                     help="probe only src 4's launch shapes, each at these forced K-slice "
                          "counts (e.g. 2,4,8; 0 = the grid model's) beside AUTO")
-    ap.add_argument("--l2p", action="store_true",
-                    help="probe only src 4's launch shapes and their twins with the L2 bulk "
-                         "prefetch (src 8), side by side (N = 1..8 take the 8-token tile)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
@@ -82,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     be = CudaBackend(0)
-    global WG, L2P, KS_SWEEP
+    global WG, KS_SWEEP
     WG = be.ctx.cc == "90" and not a.no_wg
-    L2P = a.l2p
     KS_SWEEP = tuple(int(v) for v in a.ks_sweep.split(",")) if a.ks_sweep else ()
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
@@ -182,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                            "pdl_ab": results}, fh, indent=1)
         return 0 if all(r["same"] for r in results) else 1
     print_table(results)
-    if L2P:
-        print_l2p_table(results)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
@@ -193,16 +186,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 WG = False  # probe the wgmma tile too (sm_90 devices; main() sets it)
-L2P = False  # --l2p: src 4's shapes and their src 8 twins only
 KS_SWEEP: tuple[int, ...] = ()  # --ks-sweep: src 4's shapes at these forced slice counts
 
 
 def ks_cfgs(n: int) -> list[Cfg]:
     """The K-slice launch shapes of an ``n``-token call (the tune's candidates)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
-    if L2P:
-        ks = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]]
-        return ks + [replace(c, src=8) for c in ks]
     if KS_SWEEP:
         return [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w, ksplit=s)
                 for mt, pf, w in _bk.KS_SHAPES[nt] for s in KS_SWEEP]
@@ -315,26 +304,6 @@ def print_pdl_table(results: list[dict]) -> None:
         off, on = min(r["off"]), min(r["on"])
         print(f"{r['shape']:>12} {r['n']:>3} {r['kernel']:>28} {off:7.1f} {on:7.1f} "
               f"x{off / on:.3f} {'' if r['same'] else 'BITS DIFFER'}", flush=True)
-
-
-def print_l2p_table(results: list[dict]) -> None:
-    """--l2p: per shape and N, the fastest correct src 4 shape, its src 8 twin's time and the
-    fastest src 8 shape, beside AUTO (same process, same machine)."""
-    print("\n# L2 bulk prefetch: us; s8/s4 = the src 8 twin of the fastest src 4 shape")
-    print(f"{'shape':>12} {'N':>3} {'AUTO':>7} {'best src 4':>22} {'twin s8':>8} {'s8/s4':>6} "
-          f"{'best src 8':>22} {'xAUTO':>6}")
-    for r in results:
-        ok = {lab: v["us"] for lab, v in r["tiles"].items() if v.get("ok")}
-        s4 = [(us, lab) for lab, us in ok.items() if ".s4." in lab]
-        s8 = [(us, lab) for lab, us in ok.items() if ".s8." in lab]
-        if not s4 or not s8:
-            print(f"{r['shape']:>12} {r['n']:>3} {r['auto_us']:7.1f}   (no correct pair)")
-            continue
-        u4, l4 = min(s4)
-        twin = ok.get(l4.replace(".s4.", ".s8."), float("nan"))
-        u8, l8 = min(s8)
-        print(f"{r['shape']:>12} {r['n']:>3} {r['auto_us']:7.1f} {l4:>15} {u4:6.1f} {twin:8.1f} "
-              f"{u4 / twin:6.2f} {l8:>15} {u8:6.1f} {r['auto_us'] / u8:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

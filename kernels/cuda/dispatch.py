@@ -77,9 +77,6 @@ class Cfg:
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
     #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 2/4/8, mt 1, pf, warps
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
-    #               8 src 4 with each warp tile's K slice bulk-prefetched into L2 at the
-    #                 tile's start (q6k_ks_f16's L2P; sm_90, SoA: the AoS twin and older
-    #                 devices run src 4's code on the same grid); mt 1, pf, src 4's widths
     pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
     #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
@@ -87,7 +84,7 @@ class Cfg:
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and (2 <= self.src <= 6 or self.src == 8)
+        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 6
         ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src >= 4
                                    else (4, 8))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
@@ -96,8 +93,6 @@ class Cfg:
             (4, 8, 12) if self.src == 6 else (8, 12, 16))))
         ok = ok and not (self.src == 4 and self.warps != 8 and (self.nt > 4 or self.mt != 1 or (
             self.warps == 16 and self.nt > 2)))  # the instantiations (q6k_matmul.cu)
-        ok = ok and not (self.src == 8 and (self.mt != 1 or not self.pf or (
-            self.warps == 12 and self.nt > 4) or (self.warps == 16 and self.nt > 2)))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)

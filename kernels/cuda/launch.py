@@ -92,7 +92,7 @@ def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
-    if path == "mma_f16" and cfg.src in (4, 5, 8):  # stage_x_f16: 8*nt rows of per*32+4 uint4
+    if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         ring = cfg.warps * ring_stages(cfg) * RING_STAGE if cfg.src == 5 else 0
         return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
     if path == "mma_f16" and cfg.src == 3:
@@ -112,11 +112,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
     pf = "true" if cfg.pf else "false"
     if path == "exact":
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
-    if path == "mma_f16" and (cfg.src == 4 or (cfg.src == 8 and not soa)):
-        # (src 8's AoS twin: src 4's code, the same grid, so the same bits)
+    if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
-    if path == "mma_f16" and cfg.src == 8:  # the L2 bulk prefetch (sm_90; a no-op before)
-        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}, true>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
@@ -569,7 +566,7 @@ class Launcher:
         file = kernel_file(path, cfg)
         fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 8)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:

@@ -75,36 +75,6 @@ __device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = src[mt][hr];
 }
-// L2P (src 8): a warp tile's weight bytes of blocks [kb, kb + nb) of its K slice, pulled
-// into L2 by one bulk prefetch per row and plane (cp.async.bulk.prefetch.L2, sm_90: the SM's
-// TMA unit makes the requests, no registers, no load slots, nothing to wait for). The register
-// prefetch keeps one block in flight per warp, ~54 KB per SM, which bounds N <= 8 on the 48-56
-// MB shapes at ~2.1 TB/s (docs/KERNELS.md, Little's law); this puts the whole slice in flight
-// at the tile's start, and the register loads then hit L2. Lane (g, t) prefetches plane t (ql,
-// qh, scales, d) of rows g and g+8: 64 bulk ops per warp tile. The d run is widened to 16-byte
-// bounds (the plane starts 16-byte aligned and the slab ends on one). SoA only: AoS blocks are
-// 2-byte aligned; the AoS twin runs without it (the same math and grid: bit-identical).
-template <int MT>
-__device__ __forceinline__ void warp_prefetch_l2(const RowRef (&rr)[MT][2], int kb, int nb, int t) {
-#if __CUDA_ARCH__ >= 900
-    if (nb <= 0) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const RowRef& r = rr[mt][hr];
-            u32 off = t == 0 ? r.ql + (u32)kb * 128u : t == 1 ? r.qh + (u32)kb * 64u
-                    : t == 2 ? r.sc + (u32)kb * 16u : r.d + (u32)kb * 2u;
-            u32 end = off + (u32)nb * (t == 0 ? 128u : t == 1 ? 64u : t == 2 ? 16u : 2u);
-            off &= ~15u;
-            end = (end + 15u) & ~15u;
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                         ::"l"(r.base + off), "r"(end - off) : "memory");
-        }
-#else
-    (void)rr, (void)kb, (void)nb, (void)t;
-#endif
-}
 template <class T, int MT, int NT>
 __device__ __forceinline__ void zero_acc(T (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -439,9 +409,7 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // <= 128 registers; q6k_ks_f16<2> spills there), the rest 1 (up to 255); 12 warps: one CTA of
 // <= 168 registers (12 warps per SM without the spills); 16 warps: one CTA of <= 128 (as two
 // 8-warp CTAs, but one activation slice per SM instead of two).
-// L2P (src 8, SoA): each warp tile's K slice bulk-prefetched into L2 at the tile's start
-// (warp_prefetch_l2); everything else as src 4.
-template <int NT, int MT, bool SOA, class In, bool PF, int NW, bool L2P = false>
+template <int NT, int MT, bool SOA, class In, bool PF, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -457,28 +425,20 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
 
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
-    // blocks of a tile the register loads ask for before the loop does: its first (PF) and,
-    // from the loop's first step, its second
-    constexpr int AHEAD = PF ? 2 : 1;
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
         if (PF) warp_load<SOA>(nxt, rr, kb0, t);
-        // after the demand loads, so the first blocks are not queued behind the slice
-        if (L2P && SOA) warp_prefetch_l2(rr, kb0 + AHEAD, nblk - AHEAD, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
-    bool first = true;
 
     // SPLIT: the next block in two parts (load_raw_part), 4 and 8 n-tiles only (see there).
     constexpr bool SPLIT = PF && NT >= 4;
     for (; wt < wtiles; wt += wstride) {
         const int wrow = wt * 16 * MT;
         const bool more = wt + wstride < wtiles;
-        if (L2P && SOA && !first) warp_prefetch_l2(rr, kb0 + AHEAD, nblk - AHEAD, t);
-        first = false;
         if (PF && !SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
         float acc[MT][NT][4];
         zero_acc(acc);
@@ -1078,12 +1038,6 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-// src 8: the L2 bulk prefetch (SoA; its AoS twin is the src 4 kernel)
-#define INST_KSP(NT, NW)                                                                       \
-    template __global__ void q6k_ks_f16<NT, 1, true, InF16, true, NW, true>(                  \
-        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-INST_KSP(1, 8) INST_KSP(2, 8) INST_KSP(4, 8) INST_KSP(8, 8) INST_KSP(1, 12) INST_KSP(2, 12)
-INST_KSP(4, 12) INST_KSP(1, 16) INST_KSP(2, 16)
 #define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
     template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);

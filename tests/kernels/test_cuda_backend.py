@@ -317,7 +317,7 @@ def variant_cases() -> list:
     cases += [("mma_f16", Cfg(nt=nt, mt=2, src=src, warps=wp), 2e-3) for nt in (1, 2, 4, 8)
               for src in (2, 3) for wp in (4, 8) if not (src == 2 and nt > 2)]
     cases += [("mmq_q8_1", Cfg(nt=nt), 2e-2) for nt in (1, 2, 4, 8)]
-    cases += [("mma_f16", c, 2e-3) for c in KS_CFGS + L2P_CFGS]
+    cases += [("mma_f16", c, 2e-3) for c in KS_CFGS]
     return cases
 
 
@@ -329,9 +329,6 @@ KS_CFGS = tuple(KsCfg(nt=nt, src=4, pf=True) for nt in (1, 2, 4, 8)) + tuple(
     KsCfg(nt=nt, src=5, pf=pf, warps=wp) for nt, wp, pf in (
         (1, 8, True), (2, 8, True), (1, 16, False), (1, 16, True), (2, 12, False),
         (2, 16, True), (4, 12, True), (4, 16, False)))
-# src 8: q6k_ks_f16 with each warp tile's K slice bulk-prefetched into L2 (its instantiations)
-L2P_CFGS = tuple(KsCfg(nt=nt, src=8, pf=True, warps=wp) for nt, wp in (
-    (1, 8), (2, 8), (4, 8), (8, 8), (1, 12), (2, 12), (4, 12), (1, 16), (2, 16)))
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------
