@@ -76,6 +76,10 @@ SMALL_Y = 64 << 10
 # y) 15 us less host time that way, 4096x14336 N=1 (16 KiB) no gain (bench/RESULTS.md)
 SMALL_Y_F32 = 32 << 10
 SLOTS = 2  # launches in flight at once on one launcher (see the module docstring, point 5)
+# The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
+# ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
+# bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
+PDL_SRCS = (4, 5)
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -148,6 +152,7 @@ class LaunchPlan:
     prep_grid: tuple[int]
     prep_sizes: tuple[int, int, int]  # prepass buffer elements
     post: Any = None  # K-slice tiles split along K: q6k_sum_parts adds the partial sums
+    src: int = 2  # the launch shape's kernel family (Cfg.src; PDL_SRCS take PDL for the sum)
 
 
 @dataclass(frozen=True)
@@ -458,10 +463,11 @@ class Launcher:
         self.ws = Workspace(ctx)
         self.graphs = graphs  # the wall bench compares both
         self._record_ext: Any = None
-        # Q6SERVE_PDL=1: the K-slice tiles' split-K sum (q6k_sum_parts) is launched with
-        # programmatic stream serialization (launch_pdl), so its launch overlaps the tile's
-        # tail; off by default until measured on the H200 (bench/RESULTS.md, session 10).
-        # Read per launch plan's steps: a bound sequence keeps what it was bound with.
+        # Q6SERVE_PDL=1: the split-K sum (q6k_sum_parts) of the PDL_SRCS tiles is launched
+        # with programmatic stream serialization (launch_pdl), so its launch overlaps the
+        # tile's tail. Measured on direct launches only (bench/RESULTS.md, session 10), so off
+        # by default until the graph path is run with it on the H200. Read when a call's steps
+        # are built: a bound sequence keeps what it was bound with.
         self.pdl = os.environ.get("Q6SERVE_PDL", "0") == "1"
         self._launch_ex: Any = None
 
@@ -588,7 +594,7 @@ class Launcher:
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
         return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
-                          prep, prep_grid, sizes, post)
+                          prep, prep_grid, sizes, post, cfg.src)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
               n: int) -> list[Step]:
@@ -613,7 +619,7 @@ class Launcher:
                 total = n * w.rows
                 out.append(Step(lp.post, (min(-(-total // 256), 4096),), 256,
                                 (u64(part), u64(y), i32(lp.ks), np.int64(total)),
-                                pdl=self._pdl_launcher()))
+                                pdl=self._pdl_launcher() if lp.src in PDL_SRCS else None))
             return out
         xq = ws.ptr("xq", 4 * lp.prep_sizes[0])  # mmq_q8_1: quantize x, then the int8 tile
         corr = ws.ptr("corr", 4 * lp.prep_sizes[1])
