@@ -358,13 +358,16 @@ class Q6ServeServicer:
             reply = await self._start(call)
         return wire.matmul_reply(reply, request.request_id, wire.Took(t0, decoded))
 
-    def _cost(self, req: Any) -> int:
+    def _cost(self, req: Any, call: MatmulCall | None = None) -> int:
         """Bytes a stream request holds until its reply is written: the request message and
         the reply it will produce (N x the weight's rows x the output dtype's size). Requests
-        that will fail count their own size only (their error reply is small)."""
+        that will fail count their own size only (their error reply is small). ``call``: the
+        request decoded already (its fields are not read from the message again)."""
         size = RPC_BYTES.get(None)  # as read (the interceptor's decoding); else upb's count
         if size is None:
             size = req.ByteSize()
+        if call is not None:
+            return self._call_cost(call, size)
         msg = wire.message(req)  # fields read once, from the message (this runs per request)
         names = msg.weights or (msg.weight,)  # a multi-weight reply holds one y per weight
         if len(names) > MAX_REQUEST_WEIGHTS:
@@ -380,6 +383,19 @@ class Q6ServeServicer:
             return size + n * rows * wire.dtype_from_pb(msg.out_dtype).itemsize
         except Q6Error:
             return size
+
+    def _call_cost(self, call: MatmulCall, size: int) -> int:
+        """:meth:`_cost` of a decoded request of ``size`` bytes."""
+        n = call.x.shape[0]
+        if call.topk:  # f32 values + int32 indices per k, f32 lse
+            return size + len(call.weights or (call.weight,)) * n * (8 * call.topk + 4)
+        rows_of = getattr(self.engine, "rows_of", None) or (lambda w: self.engine.get(w).rows)
+        try:
+            rows = (sum(rows_of(name) for name in call.weights) if call.weights
+                    else rows_of(call.weight))
+        except Q6Error:
+            return size
+        return size + n * rows * call.out_dtype.itemsize
 
     async def MatmulStream(self, request_iterator: AsyncIterator[Any],
                            context: grpc.aio.ServicerContext) -> None:
@@ -460,14 +476,25 @@ class Q6ServeServicer:
         context.add_done_callback(ended)
         try:
             async for req in request_iterator:
-                cost = self._cost(req)
-                if not window.take(cost):
-                    await window.acquire(cost)
                 t0 = RPC_START.get(None) or time.perf_counter()
                 rid = req.request_id
-                item = None
+                # decoded before its window share is taken, so that the share is counted
+                # from the call (its fields read once); a refusal is answered below
+                call = io = refused = None
                 try:
                     io = wire.region_io(req)
+                    if io is None:
+                        call = wire.matmul_call(req, None)
+                except Exception as e:
+                    refused = e
+                took = wire.Took(t0, time.perf_counter())
+                cost = self._cost(req, call)
+                if not window.take(cost):
+                    await window.acquire(cost)
+                item = None
+                try:
+                    if refused is not None:
+                        raise refused
                     if io is not None:  # rare path: a task holds the regions
                         replies.open += 1
                         fut = asyncio.ensure_future(self._stream_region(req, io, context, t0))
@@ -475,8 +502,8 @@ class Q6ServeServicer:
                         fut.add_done_callback(functools.partial(
                             answer, rid, None, cost, [False], contextvars.copy_context()))
                         continue
-                    call = wire.matmul_call(req, deadline.left())
-                    took = wire.Took(t0, time.perf_counter())
+                    assert call is not None  # (decoded: not refused, not a region request)
+                    call.timeout = deadline.left()  # (after a wait for the window, if any)
                     if (direct is not None and replies.idle()
                             and (reply := direct(call, rpc)) is not None):
                         item = wire.stream_reply(reply, rid, took)
@@ -496,6 +523,7 @@ class Q6ServeServicer:
                         continue
                 except Exception as e:
                     item = _stream_error(rid, e)
+                    refused = None  # (its traceback's frames hold the request)
                 finally:
                     del req  # the queued call holds what it needs (x); nothing else
                 # answered here and now (the direct path, or refused): written by this

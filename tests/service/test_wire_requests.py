@@ -101,6 +101,8 @@ def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra
     raw = _raw(np.zeros((3, 4), np.float32), **fields)
     for req in _both(raw):
         assert servicer._cost(req) == len(raw) + extra
+        # the same from the decoded call (MatmulStream decodes first)
+        assert servicer._cost(req, wire.matmul_call(req, None)) == len(raw) + extra
 
 
 def test_small_requests_are_parsed_whole_big_ones_keep_x_in_place() -> None:
