@@ -7,6 +7,7 @@ after checking that dtype, shape and byte count agree. Matmul requests are read 
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,7 +23,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from .engine import MatmulCall, MatmulReply, StatusView, UploadSpec, WeightView
 from .flags import FlagState
-from .rawmsg import Unusual, record, take_bytes_field
+from .rawmsg import Unusual, encode_varint, record, take_bytes_field
 from .regions import CudaIpcSource, RegionIO, RegionRef, RegionView, ShmSource
 from .shards import RowRange, RowSelect
 
@@ -292,7 +293,7 @@ def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
     """MatmulResponse wire bytes (see above), as pieces to join once."""
     resp = pb.MatmulResponse(request_id=request_id)
     tail: Pieces = []
-    if isinstance(r, MatmulReply):
+    if isinstance(r, MatmulReply):  # (a y of one weight goes through _result_pieces)
         _fill_result(resp, r, y_bytes=False)  # dtype and shape; topk in full
         if r.topk is None:
             tail = _yrecord(_F_RESP_Y, resp, r.y)
@@ -309,6 +310,94 @@ def _reply_pieces(r: Replies, request_id: str, took: Took | None) -> Pieces:
     return [resp.SerializeToString(), *tail]
 
 
+# -- one weight's y: the whole reply encoded here --------------------------------------------
+# The reply every plain request gets (one weight, y, no top-k) is written field by field in
+# the wire format upb itself writes (field-number order, proto3 defaults left out, the packed
+# shape; tests/service/test_wire_replies.py compares the bytes with upb's): setting ~15 fields
+# on upb messages and serializing them cost more Python than writing them (T1's reply, 1 x
+# 3584 f32, on the 2-core VM: 14-15 -> 8-9.5 us, hot loop). y's bytes are copied once, by the
+# final join. What depends on dtype, shape, kernel, layout and precision only is kept per
+# combination (_HEADS, a bounded table).
+def _tag(msg: Any, name: str, wire_type: int) -> bytes:
+    return encode_varint(msg.DESCRIPTOR.fields_by_name[name].number << 3 | wire_type)
+
+
+_VARINT1 = tuple(bytes((i,)) for i in range(128))
+_DOUBLE = struct.Struct("<d").pack
+_ZERO8 = bytes(8)
+_T_REQ_ID = _tag(pb.MatmulResponse, "request_id", 2)
+_T_TIMING = _tag(pb.MatmulResponse, "timing", 2)
+_T_STREAM_ID = _tag(pb.MatmulStreamResponse, "request_id", 2)
+_T_STREAM_RESULT = _tag(pb.MatmulStreamResponse, "result", 2)
+_T_QUEUE, _T_KERNEL_S, _T_DECODE, _T_DEVICE, _T_HANDLER = (
+    _tag(pb.MatmulTiming, name, 1) for name in ("queue_seconds", "kernel_seconds",
+                                                "decode_seconds", "device_seconds",
+                                                "handler_seconds"))
+_T_ROWS, _T_REQUESTS = (_tag(pb.MatmulTiming, name, 0) for name in ("batch_rows",
+                                                                    "batch_requests"))
+_HEADS: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+MAX_HEADS = 4096  # combinations kept (the table starts over beyond)
+
+
+def _varint(n: int) -> bytes:
+    return _VARINT1[n] if n < 128 else encode_varint(n)
+
+
+def _head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
+    """(y's record up to its data, the kernel/layout/precision fields) for ``r``'s y."""
+    key = (y.dtype, y.shape, r.kernel, r.layout, r.precision)
+    got = _HEADS.get(key)
+    if got is None:
+        t = pb.MatmulResponse(kernel=r.kernel, layout=_LAYOUT_TO_PB[r.layout],
+                              precision=_PREC_TO_PB[r.precision])
+        code = _PB_OF_DTYPE.get(y.dtype)
+        t.y.dtype = code if code is not None else _DTYPE_TO_PB[dtype_name(y.dtype)]
+        t.y.shape.extend(y.shape)
+        tensor = t.y.SerializeToString()  # dtype, shape: upb's own bytes
+        if y.nbytes:
+            tensor += record(_F_TENSOR_DATA, y.nbytes)
+        t.ClearField("y")
+        if len(_HEADS) >= MAX_HEADS:
+            _HEADS.clear()
+        got = _HEADS[key] = (record(_F_RESP_Y, len(tensor) + y.nbytes) + tensor,
+                             t.SerializeToString())
+    return got
+
+
+def _result_pieces(r: MatmulReply, request_id: bytes, took: Took | None) -> Pieces:
+    """A MatmulResponse of one weight's y (``r.topk`` None) as wire bytes, in pieces."""
+    y = r.y
+    assert y is not None
+    y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
+                                       copy=False)
+    head, fields = _head(y, r)
+    t = []
+    queue = _DOUBLE(r.queue_seconds)
+    if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
+        t.append(_T_QUEUE + queue)
+    if r.kernel_seconds is not None:
+        t.append(_T_KERNEL_S + _DOUBLE(r.kernel_seconds))
+    if r.batch_rows:
+        t.append(_T_ROWS + _varint(r.batch_rows))
+    if r.batch_requests:
+        t.append(_T_REQUESTS + _varint(r.batch_requests))
+    if took is not None:
+        t.append(_T_DECODE + _DOUBLE(took.decoded - took.start))
+    if r.device_seconds is not None:
+        t.append(_T_DEVICE + _DOUBLE(r.device_seconds))
+    if took is not None:  # last, so handler time includes encoding all but y's copy
+        t.append(_T_HANDLER + _DOUBLE(time.perf_counter() - took.start))
+    timing = b"".join(t)
+    nbytes = y.nbytes
+    # y's bytes: a view when large (copied once, by the join); a small y is copied twice,
+    # cheaper than making the view (~0.4 vs 1.8 us for 14 KiB on the VM)
+    data = y.tobytes() if nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
+    out: Pieces = [head, data, fields, _T_TIMING + _varint(len(timing)), timing]
+    if request_id:
+        out += (_T_REQ_ID + _varint(len(request_id)), request_id)
+    return out
+
+
 def _y_nbytes(r: Replies) -> int:
     parts = [r] if isinstance(r, MatmulReply) else [p for _, p in r]
     return sum(p.y.nbytes for p in parts if p.y is not None)
@@ -316,8 +405,10 @@ def _y_nbytes(r: Replies) -> int:
 
 def matmul_reply(r: Replies, request_id: str = "",
                  took: Took | None = None) -> pb.MatmulResponse | bytes:
-    """What Matmul returns: ``matmul_response(...)``, or its serialized bytes with y copied
-    once when y is large (see above)."""
+    """What Matmul returns: one weight's y as bytes written here (see above); else
+    ``matmul_response(...)``, or its serialized bytes with y copied once when y is large."""
+    if isinstance(r, MatmulReply) and r.topk is None:
+        return b"".join(_result_pieces(r, request_id.encode(), took))
     if _y_nbytes(r) < SPLICE_MIN_BYTES:
         return matmul_response(r, request_id, took)
     return b"".join(_reply_pieces(r, request_id, took))
@@ -325,8 +416,14 @@ def matmul_reply(r: Replies, request_id: str = "",
 
 def stream_reply(r: Replies, request_id: str,
                  took: Took | None = None) -> pb.MatmulStreamResponse | bytes:
-    """What MatmulStream yields for a result: ``stream_result(...)``, or its serialized bytes
-    with y copied once when y is large (see above)."""
+    """What MatmulStream yields for a result: one weight's y as bytes written here (see
+    above); else ``stream_result(...)``, or its serialized bytes with y copied once when y is
+    large."""
+    if isinstance(r, MatmulReply) and r.topk is None:
+        rid = request_id.encode()
+        body = _result_pieces(r, rid, took)
+        head = _T_STREAM_ID + _varint(len(rid)) + rid if rid else b""
+        return b"".join([head, _T_STREAM_RESULT + _varint(_size(body)), *body])
     if _y_nbytes(r) < SPLICE_MIN_BYTES:
         return stream_result(r, request_id, took)
     pieces = _reply_pieces(r, request_id, took)

@@ -75,11 +75,46 @@ def test_multi_weight_and_topk_replies_parse_to_the_message() -> None:
     assert wire.stream_reply_code(wire.stream_reply(parts[0][1], "x")).name == "OK"
 
 
-def test_small_replies_stay_messages() -> None:
+def test_small_multi_and_topk_replies_stay_messages() -> None:
     wire.SPLICE_MIN_BYTES = 64 << 10  # (restored by the fixture)
-    r = _reply(1, 3584, np.dtype(np.float16))
-    assert isinstance(wire.stream_reply(r, "s"), pb.MatmulStreamResponse)
+    top = _reply(1, 3584, np.dtype(np.float32), topk=4)
+    assert isinstance(wire.stream_reply(top, "s"), pb.MatmulStreamResponse)
+    multi = [("q", _reply(1, 300, np.dtype(np.float16)))]
+    assert isinstance(wire.matmul_reply(multi, "m"), pb.MatmulResponse)
+    # one weight's y: bytes at every size
+    assert isinstance(wire.stream_reply(_reply(1, 3584, np.dtype(np.float16)), "s"), bytes)
     assert isinstance(wire.matmul_reply(_reply(1, 16384, np.dtype(np.float32)), "b"), bytes)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
+@pytest.mark.parametrize("n,rows", [(1, 3584), (2, 70), (200, 1), (1, 40000)])
+@pytest.mark.parametrize("timing", [
+    (1e-5, 2e-5, 3, 2, 3e-5),  # every timing field set
+    (0.0, None, 1, 1, None),  # a zero left out, kernel and device time unknown
+    (-0.0, 0.0, 300, 200, 0.0),  # -0.0 kept, zeros with presence kept, 2-byte varints
+    (float("nan"), float("inf"), 0, 0, -1.0),
+])
+@pytest.mark.parametrize(("rid", "took"), [("id-7", wire.Took(1.0, 1.5)), ("", None),
+                                           ("é" * 100, wire.Took(2.0, 2.0))])
+def test_one_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, dtype: np.dtype,
+                                           n: int, rows: int, timing: tuple, rid: str,
+                                           took: wire.Took | None) -> None:
+    """A plain reply (one weight's y) is written by wire itself: byte for byte what upb
+    serializes for the message the protobuf path builds (handler time on a fixed clock)."""
+    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
+    y = np.random.default_rng(n).standard_normal((2 * n, rows)).astype(np.float32)
+    y = y.astype(dtype)[n:]  # a row slice of a batch's output
+    for kernel, layout, prec in (("cuda.gemv.soa", Layout.SOA, Precision.F16),
+                                 ("", Layout.AOS, Precision.AUTO)):
+        r = MatmulReply(y, kernel, layout, prec, *timing[:2], *timing[2:4], timing[4])
+        got = wire.stream_reply(r, rid, took)
+        assert isinstance(got, bytes)
+        assert got == wire.stream_result(r, rid, took).SerializeToString()
+        assert wire.matmul_reply(r, rid, took) == \
+            wire.matmul_response(r, rid, took).SerializeToString()
+    wide = np.zeros((1, 4), np.dtype(dtype).newbyteorder(">"))  # big-endian y: written LE
+    r = MatmulReply(wide + 1, "k", Layout.SOA, Precision.EXACT, 0.0, None, 1, 1)
+    assert wire.stream_reply(r, rid, took) == wire.stream_result(r, rid, took).SerializeToString()
 
 
 def test_spliced_replies_over_grpc(worker) -> None:  # type: ignore[no-untyped-def]
