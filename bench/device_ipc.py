@@ -27,13 +27,13 @@ lane's system region, as T3's shape through lanes: ``--lane --stack 64 --infligh
 
 ``--gpu-us US`` (a model of the GPU, for the CPU): the NumPy backend's weights and checks, but
 each launch only *models* a GPU: it copies x into a pinned-like upload buffer unless x was
-built there (``staging``, as the CUDA backend), takes ``--launch-us`` of host CPU (the rest of
-the CUDA host path: graph launch, copies enqueued), its "GPU work" takes US on one in-order
-stream (a launch starts when the previous one ends), and its wait sleeps until then, as a
-CUDA sync waits without the GIL; two launch slots and page-locked regions with y routes
-(``HostIO``), as the CUDA backend has. y's bytes are not computed (zeros; a routed y is left
-as it is): what is measured is the device process's host path and how it overlaps the
-modelled GPU, e.g.
+built there (``staging``) or lies in a page-locked region (as the CUDA backend), takes
+``--launch-us`` of host CPU (the rest of the CUDA host path: graph launch, copies enqueued),
+its "GPU work" takes US on one in-order stream (a launch starts when the previous one ends),
+and its wait sleeps until then, as a CUDA sync waits without the GIL; two launch slots and
+page-locked regions with y routes (``HostIO``), as the CUDA backend has. y's bytes are not
+computed (zeros; a routed y is left as it is): what is measured is the device process's host
+path and how it overlaps the modelled GPU, e.g.
 T3's shape with regions: ``--gpu-us 130 --region --stack 64 --rows 3584 --k 18944``.
 """
 
@@ -96,7 +96,9 @@ class ModelGpu:
                out_dtype: Any = None, topk: int = 0) -> Any:
         api = self._api
         x = api.check_matmul(w, x, topk)
-        if x is not self._staged:  # the host copy into the pinned upload buffer
+        # the host copy into the pinned upload buffer, unless x was built there or lies in a
+        # page-locked region (the CUDA backend DMAs such an x in place: no copy)
+        if x is not self._staged and not self.hostio.covers(x):
             self._host(x.nbytes)[...] = x.reshape(-1).view(np.uint8)
         self._staged = None
         kernel, resolved = self.inner.plan(x.shape[0], precision or api.Precision.AUTO,
