@@ -274,7 +274,9 @@ def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[An
     """--lane: one fast-lane connection per region (service/lane.py's ``_LaneConn``, its
     ticket taken, no socket), each with one request record in flight: x at 0, y at
     ``slot_bytes`` of its region. Each reply sends that lane's record again; the records of a
-    loop trip arrive at its end, as socket reads would. Returns (deliver, the LaneServer)."""
+    loop trip arrive in the next, each lane's read a handle of its own (as the selector's
+    events become handles: ``LaneServer._lane_ready`` sees the others waiting).
+    Returns (deliver, the LaneServer)."""
     from q6serve.client import core
     from q6serve.service.lane import REPLY, REQUEST, LaneServer, Ticket, _LaneConn
 
@@ -305,20 +307,28 @@ def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[An
         def is_closing(self) -> bool:
             return False
 
-    conns, records = [], []
+        def close(self) -> None:  # (LaneServer.close closes its lanes)
+            pass
+
+        def _read_ready(self) -> None:  # (the name and owner a socket transport's read has)
+            conns[self.i].data_received(records[self.i])
+
+    conns, records, ends = [], [], []
     for i, r in enumerate(regions):
         c = _LaneConn(server)
         c.transport = End(i)  # type: ignore[assignment]
+        server._lanes.add(c.transport)  # type: ignore[arg-type]
         c.ticket = Ticket("", r.name, float("inf"))
         conns.append(c)
+        ends.append(c.transport)
         records.append(REQUEST.pack(i, a.stack, a.k, 0, slot_bytes, f16, f32, 0, 0, 1, 0)
                        + b"w")
 
-    def deliver() -> None:
+    def deliver() -> None:  # each lane's read its own handle, as the selector's events are
         todo = list(ready)
         ready.clear()
         for i in todo:
-            conns[i].data_received(records[i])
+            loop.call_soon(ends[i]._read_ready)
 
     ready.extend(range(len(conns)))
     return deliver, server
