@@ -148,6 +148,8 @@ class Device:
         self.inline_jobs = 0  # of which run on the calling thread (see ``inline_s``)
         self.direct_jobs = 0  # of which run by ``run_now`` (the direct path)
         self._in_thread = 0  # jobs handed to the device thread and not yet done
+        self._now = 0  # launch_now's launches not yet waited for (all on the loop's thread)
+        self._settling = 0  # inline jobs done, their outcomes handed on in the next trip
         # One-shot: only batchers waiting for the device right now are woken (with hundreds of
         # resident weights, waking every batcher on each idle edge would cost milliseconds).
         self._idle_waiters: list[Callable[[], None]] = []
@@ -225,11 +227,53 @@ class Device:
         try:
             return fn(*args)
         finally:
-            self.inflight -= 1
-            if self.inflight == 0 and self._idle_waiters:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for w in waiters:
-                    w()
+            self._direct_done()
+
+    def _direct_done(self) -> None:
+        """A job of run_now or launch_now is over: the device idle again, if it is."""
+        self.inflight -= 1
+        if self.inflight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                w()
+
+    def may_launch_now(self) -> bool:
+        """Whether :meth:`launch_now` may launch here now: nothing on or held for the device
+        thread, and no device work but launch_now's own launches, fewer than the slots (and
+        inline jobs that are over, their outcomes not yet handed on)."""
+        return (self._in_thread == 0 and not self._held and self._now < self.launch_slots
+                and self.inflight == self._now + self._settling)
+
+    def launch_now(self, launch: Callable[..., Launched], *args: Any,
+                   ) -> Callable[[], MatmulResult]:
+        """:meth:`run_now` in two halves, for a pipeline of full batches on the loop's thread
+        (the fast lane's, service/lane.py): ``launch(*args)`` runs here; the function returned
+        waits for it, ends the job and returns its result (or raises). Only after
+        :meth:`may_launch_now`, and the caller waits for each launch, in launch order, before
+        its loop callback returns: no other launch (this thread's or the device thread's) can
+        come between, so launch i + 1 runs on the GPU while the loop answers launch i."""
+        self.inflight += 1
+        self._now += 1
+        self.jobs += 1
+        self.inline_jobs += 1
+        self.direct_jobs += 1
+        try:
+            launched = launch(*args)
+        except BaseException:
+            self._now_done()
+            raise
+
+        def finish() -> MatmulResult:
+            try:
+                return launched.wait()
+            finally:
+                self._now_done()
+
+        return finish
+
+    def _now_done(self) -> None:
+        self._now -= 1
+        self._direct_done()
 
     def _behind(self, launch: Callable[..., Any] | None, short: bool) -> bool:
         """A short job with a ``launch`` may be launched now behind the launched batches that
@@ -256,7 +300,8 @@ class Device:
         try:
             out: Any = (launch or fn)(*args)
         except Exception as e:  # the waiter hears of it, as from the device thread
-            loop.call_soon(self._done, done, None, e)
+            self._settling += 1
+            loop.call_soon(self._settled, done, None, e)
             return
         except BaseException:
             self.inflight -= 1
@@ -267,7 +312,13 @@ class Device:
         elif settle_now:
             self._done(done, out, None)
         else:
-            loop.call_soon(self._done, done, out, None)
+            self._settling += 1
+            loop.call_soon(self._settled, done, out, None)
+
+    def _settled(self, done: Any, result: Any, exc: BaseException | None) -> None:
+        """An inline job's outcome, a trip after it ran (the device was free meanwhile)."""
+        self._settling -= 1
+        self._done(done, result, exc)
 
     def _work(self) -> None:
         """The device thread: run jobs in order, hand each outcome back to its loop."""
@@ -584,14 +635,23 @@ class Batcher:
         try:
             result = self._device.run_now(self._run_batch, x, key)
         finally:
-            self._unfinished -= 1
-            self._running -= 1
-            if self._drained is not None and self._unfinished == 0 and not self._drained.done():
-                self._drained.set_result(None)
-            if self._queue:
-                self._wake.set()
+            self._now_end()
+        return self._now_reply(result, int(x.shape[0]), key, t0)
+
+    def _now_end(self) -> None:
+        """A direct job (run_now, launch_now) is over: its place given back."""
+        self._unfinished -= 1
+        self._running -= 1
+        if self._drained is not None and self._unfinished == 0 and not self._drained.done():
+            self._drained.set_result(None)
+        if self._queue:
+            self._wake.set()
+
+    def _now_reply(self, result: MatmulResult, rows: int, key: BatchKey, t0: float,
+                   ) -> MatmulReply:
+        """A direct job's reply, and a batch's bookkeeping: expected costs, batch metrics
+        (after the reply, as ``_hand_out``)."""
         t1 = time.perf_counter()
-        rows = int(x.shape[0])
         kernel_s = result.timing.seconds()
         b = _bucket(rows)
         self._job_s[(key, b)] = t1 - t0
@@ -600,6 +660,42 @@ class Batcher:
         self._loop_.call_soon(self._on_batch, BatchStats(result, rows, 1, (0.0,)))
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
                            kernel_s, rows, 1, t1 - t0, result.topk)
+
+    def can_launch_now(self, rows: int, key: BatchKey) -> bool:
+        """Whether a request of ``rows`` may be launched now by :meth:`launch_now`: a full
+        batch (no other request could join it: it need not wait for the trip's others, nor
+        for the queue, which the batcher's task still serves in the next trip), the device
+        free for it (``Device.may_launch_now``: at most launch_now's own launches in flight),
+        and a like job measured, short enough to inline and not one to defer."""
+        if (rows < self._s.max_rows or self._closed or self._launch_batch is None
+                or not self._device.may_launch_now()):
+            return False
+        b = _bucket(rows)
+        return (self._device.inlines(self._job_s.get((key, b)))
+                and self._kernel_s.get((key, b), 0.0) <= DEFER_KERNEL_S)
+
+    def launch_now(self, x: np.ndarray, key: BatchKey) -> Callable[[], MatmulReply]:
+        """:meth:`run_now` in two halves (after :meth:`can_launch_now`; ``Device.launch_now``
+        says how the caller waits): ``x`` launched now, alone; the function returned waits for
+        it and returns its reply (a failure raises), with run_now's bookkeeping. Its job time
+        spans launch to wait, what the loop did meanwhile included."""
+        self._unfinished += 1
+        self._running += 1
+        t0 = time.perf_counter()
+        try:
+            wait = self._device.launch_now(self._launch_batch, x, key)  # type: ignore[arg-type]
+        except BaseException:
+            self._now_end()
+            raise
+
+        def finish() -> MatmulReply:
+            try:
+                result = wait()
+            finally:
+                self._now_end()
+            return self._now_reply(result, int(x.shape[0]), key, t0)
+
+        return finish
 
     def _expect(self, key: BatchKey, rows: int) -> float | None:
         return self._job_s.get((key, _bucket(rows)))

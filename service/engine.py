@@ -803,6 +803,36 @@ class Engine:
         got = self.direct_batchers((call,), key, own)
         return None if got is None else self.run_direct(got[0], call, key)
 
+    def launch_now(self, call: MatmulCall) -> Callable[[], MatmulReply] | None:
+        """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
+        ``call`` and launch it now, returning the function that waits for it and returns its
+        reply; None: nothing was done (queue it). Refusals raise here, failures from the
+        function. The caller waits for each launch in order within its loop callback
+        (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py)."""
+        if call.weights or call.x.ndim != 2 or self._group is not None:
+            return None
+        try:
+            b = self.registry.get(call.weight).batcher
+        except NotFound:
+            return None  # (start_matmul says so, after the checks that come first)
+        key = self._key(call)
+        if b is None or not b.can_launch_now(int(call.x.shape[0]), key):
+            return None
+        e, key = self._admit(call, key)
+        try:
+            wait = b.launch_now(call.x, key)
+        except BaseException:
+            self.registry.release(e)
+            raise
+
+        def finish() -> MatmulReply:
+            try:
+                return wait()
+            finally:
+                self.registry.release(e)
+
+        return finish
+
     def direct_batchers(self, calls: Sequence[MatmulCall], key: BatchKey, own: object = None,
                         ) -> list[Batcher] | None:
         """The batchers of single-weight ``calls`` (of one x and ``key``: the parts of a
