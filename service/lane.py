@@ -8,8 +8,10 @@ socket is the wake-up (one write and one read per direction). Each request runs 
 Matmul naming x_region/y_region (the same checks, the batcher, CUDA regions on the device), so
 lane requests batch with everyone else's: with a system region as a front end's "rm" call runs
 in the device process (``LaneServer._direct``: no task per request; a lone request on an
-idle device on the direct path, ``Engine.run_now``, in the trip that read it), otherwise
-through ``regions.matmul`` in a task.
+idle device on the direct path, ``Engine.run_now``, in the trip that read it; full batches,
+N = --max-batch-rows, read in one trip as one pipeline on the loop, ``LaneServer._flush``:
+request i + 1 launched before i is waited for, so the GPU runs one while the loop answers
+the other), otherwise through ``regions.matmul`` in a task.
 
 One ``LaneServer`` per worker (the device process with --frontends), started by the first
 OpenLane, closed with the region table (drain).
@@ -18,6 +20,7 @@ OpenLane, closed with the region table (drain).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -29,6 +32,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
 
@@ -66,6 +71,10 @@ class LaneServer:
         self.direct = 0  # requests run by _direct (tests, benches)
         self.now = 0  # of which run here and now, on the direct path (Engine.run_now)
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
+        self.piped = 0  # of the direct ones, full batches run by _flush's pipeline (tests)
+        config = getattr(engine, "config", None)  # (a --devices worker's set has none)
+        self._full_rows = config.max_batch_rows if config is not None else math.inf
+        self._pipe: list[_Piped] = []  # full batches read in this trip, for _flush
 
     async def start(self) -> None:
         self._server = await asyncio.get_running_loop().create_unix_server(
@@ -149,6 +158,15 @@ class LaneServer:
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
             key = table.route(call.x, dest)
             held = region
+            if n >= self._full_rows and hasattr(engine, "launch_now"):
+                # a full batch joins no other: run by this trip's pipeline (_flush)
+                self._pipe.append(_Piped(conn, seq, call, held, y_off, dest, key))
+                self.direct += 1
+                if alone and not self._lane_ready(conn):  # nothing else read in this trip
+                    self._flush()
+                elif len(self._pipe) == 1:
+                    asyncio.get_running_loop().call_soon(self._flush)
+                return True
             run_now = getattr(engine, "run_now", None)
             r = (run_now(call) if alone and run_now is not None
                  and not self._lane_ready(conn) else None)
@@ -168,28 +186,7 @@ class LaneServer:
                 table.let_go(held)  # (if answering raised, the handler below lets it go)
                 return True
 
-            def answered(fut: asyncio.Future[Any]) -> None:
-                try:
-                    taken = table.unroute(key)
-                    if fut.cancelled():
-                        raise Unavailable("the call was cancelled")
-                    r = fut.result()
-                    y = r.y
-                    regions.place_y(held, y_off, y, dest, taken)
-                    rec = REPLY.pack(seq, 0, 0, int(y.shape[1]), r.batch_rows,
-                                     r.batch_requests, 0, r.queue_seconds,
-                                     _nan(r.kernel_seconds), _nan(r.device_seconds))
-                except Exception as e:
-                    rec = _failed(seq, e)
-                try:
-                    conn.answer(rec)  # the reply first, the region let go after it
-                finally:  # (a sink's raise reaches no handler: the region is never left held)
-                    table.let_go(held)
-
-            if type(engine) is Engine:  # its sink runs in the trip that resolves the call
-                start(call, answered)
-            else:  # (a --devices worker's sharded call does not call a sink)
-                start(call).add_done_callback(answered)
+            self._queue(_Piped(conn, seq, call, held, y_off, dest, key))
             self.direct += 1
             return True
         except Exception as e:
@@ -197,6 +194,80 @@ class LaneServer:
             table.let_go(region)
             conn.answer(_failed(seq, e))
             return True
+
+    def _queue(self, p: _Piped) -> None:
+        """``p`` queued (``start_matmul``) with a sink that answers it."""
+        def answered(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                self._answer(p, None, Unavailable("the call was cancelled"))
+            else:
+                exc = fut.exception()
+                self._answer(p, None if exc is not None else fut.result(), exc)
+
+        engine = self.engine
+        if type(engine) is Engine:  # its sink runs in the trip that resolves the call
+            engine.start_matmul(p.call, answered)
+        else:  # (a --devices worker's sharded call does not call a sink)
+            engine.start_matmul(p.call).add_done_callback(answered)
+
+    def _answer(self, p: _Piped, r: Any, exc: BaseException | None) -> None:
+        """``p``'s reply (``r``, or the failure ``exc``): y into place unless the backend
+        wrote it there, the record written, then its region let go."""
+        try:
+            taken = self.table.unroute(p.route)
+            if exc is not None:
+                raise exc
+            y = r.y
+            regions.place_y(p.region, p.y_off, y, p.dest, taken)
+            rec = REPLY.pack(p.seq, 0, 0, int(y.shape[1]), r.batch_rows, r.batch_requests, 0,
+                             r.queue_seconds, _nan(r.kernel_seconds), _nan(r.device_seconds))
+        except Exception as e:
+            rec = _failed(p.seq, e)
+        try:
+            p.conn.answer(rec)  # the reply first, the region let go after it
+        finally:  # (a sink's raise reaches no handler: the region is never left held)
+            self.table.let_go(p.region)
+
+    def _flush(self) -> None:
+        """The full batches read in the last trip, pipelined in this one callback
+        (``Engine.launch_now``): request i + 1 is launched before i is waited for and
+        answered, so the GPU runs one while the loop answers the other and prepares the
+        next (at most the device's launch slots in flight; with one slot, one after the
+        other). Each launch is waited for before this returns: nothing else launches
+        between. A request the engine will not launch now (its cost unknown, the device
+        busy elsewhere) is queued as any other, after the launches in flight are answered."""
+        pipe, self._pipe = self._pipe, []
+        engine = self.engine
+        waiting: collections.deque[tuple[_Piped, Any]] = collections.deque()
+
+        def answer_oldest() -> None:
+            q, finish = waiting.popleft()
+            try:
+                r = finish()
+            except Exception as e:
+                self._answer(q, None, e)
+            else:
+                self._answer(q, r, None)
+
+        for p in pipe:
+            try:
+                finish = engine.launch_now(p.call)
+                while finish is None and waiting:  # a launch slot freed, or the device idle
+                    answer_oldest()
+                    finish = engine.launch_now(p.call)
+            except Exception as e:  # a refusal (the checks), or the launch failed
+                self._answer(p, None, e)
+                continue
+            if finish is None:
+                try:
+                    self._queue(p)
+                except Exception as e:
+                    self._answer(p, None, e)
+                continue
+            self.piped += 1
+            waiting.append((p, finish))
+        while waiting:
+            answer_oldest()
 
     def _lane_ready(self, conn: _LaneConn) -> bool:
         """Whether another lane's bytes wait to be read in this loop trip (its read handle is
@@ -227,6 +298,20 @@ class LaneServer:
         except Exception as e:
             rec = _failed(seq, e)
         conn.write(rec)
+
+
+@dataclass(slots=True)
+class _Piped:
+    """A lane request checked and routed by ``LaneServer._direct``, on its way to the engine:
+    where its reply goes and what to let go once answered."""
+
+    conn: _LaneConn
+    seq: int
+    call: MatmulCall
+    region: Any  # regions.Region, held until answered
+    y_off: int
+    dest: np.ndarray
+    route: Any  # the table's y route key (unroute once)
 
 
 class _LaneConn(asyncio.Protocol):

@@ -5,6 +5,7 @@ refused, lanes work through --frontends (served by the device process) and end a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -154,6 +155,67 @@ def test_lane_pipelined_beyond_its_room(rng: np.random.Generator) -> None:
         w.stop()
 
 
+def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full-batch requests (N = --max-batch-rows: none could join another) read in one trip
+    run as one pipeline (``LaneServer._flush``, ``Engine.launch_now``: the next launched
+    before the last is answered, at most the device's launch slots in flight): each y right
+    and in its place, a refusal among them answered with its status, every region let go.
+    The first of its kind (no cost known) is queued as before."""
+    from q6serve.service import batcher
+    from tests.dataplane.test_frontends import Running
+
+    # NumPy's "kernel" is the whole job: not one to defer; every job counts as short (the
+    # loaded CI VM), as in test_lane_spin's direct-path test
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)
+    n, count = 4, 8
+    w = Running(dataclasses.replace(BASE, frontends=2, max_batch_rows=n,
+                                    inline_device_us=10_000_000))
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 9)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((count, n, K)).astype(np.float32)
+        xb, yb = n * K * 4, n * ROWS * 4
+        y0 = count * xb
+        with c.register_shm("io", y0 + count * yb) as region, c.open_lane(region) as lane:
+            np.testing.assert_allclose(lane.matmul("w", x[0]), reference(blocks, ROWS, K, x[0]),
+                                       rtol=1e-5, atol=1e-4)  # queued: its cost now known
+            lanes = w.worker.plane.lanes
+            assert lanes is not None
+            piped = lanes.piped
+            # NumPy computes at launch, so two in flight are safe: the pipeline then answers
+            # the oldest before it launches a third
+            w.worker.engine.device.launch_slots = 2
+            f32 = core._DTYPE_TO_PB["f32"]
+            recs = []
+            for i in range(count):
+                region.ndarray(i * xb, np.float32, (n, K))[...] = x[i]
+                recs.append(REQUEST.pack(i + 1, n, K, i * xb, y0 + i * yb, f32, f32, 0, 0, 1, 0)
+                            + b"w")
+            # K=256 against the weight's 512: refused by the engine's checks in the pipeline
+            recs.insert(3, REQUEST.pack(99, n, 256, 0, y0, f32, f32, 0, 0, 1, 0) + b"w")
+            lane.sock.sendall(b"".join(recs))
+            got = {}
+            for _ in range(count + 1):
+                head = bytearray(REPLY.size)
+                lane._read_into(head)
+                seq, code, msg_len, *_ = REPLY.unpack(head)
+                got[seq] = (code, lane._read(msg_len).decode())
+            code, msg = got.pop(99)
+            assert code == C.INVALID_ARGUMENT.value[0] and "K=256" in msg, msg
+            assert sorted(got) == list(range(1, count + 1))
+            for i in range(count):
+                assert got[i + 1] == (0, "")
+                np.testing.assert_allclose(region.ndarray(y0 + i * yb, np.float32, (n, ROWS)),
+                                           reference(blocks, ROWS, K, x[i]), rtol=1e-5,
+                                           atol=1e-4)
+            assert lanes.piped - piped == count
+            assert w.call(_held(w)) == [0]  # every answered call let its region go
+    finally:
+        w.stop()
+
+
 def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
     from tests.dataplane.test_frontends import Running
 
@@ -184,3 +246,50 @@ def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
 
 async def _held(w: Any) -> list[int]:
     return [r.users for r in w.worker.regions._regions.values()]
+
+
+def test_device_launch_now_keeps_its_launches_within_the_slots() -> None:
+    """``Device.launch_now`` (the lane's pipeline): at most ``launch_slots`` launches in flight,
+    none beside a job on the device thread or an inline job's pending outcome counted against
+    it; a launch that raises gives its place back; idle waiters hear of the last finish."""
+    import threading
+
+    from q6serve.kernels.api import Launched
+    from q6serve.service.batcher import Device
+
+    def launch(v: str) -> Launched:
+        if v == "bad":
+            raise ValueError(v)
+        return Launched(lambda: v)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        dev = Device("t", inline_s=1.0, launch_slots=2)
+        try:
+            assert dev.may_launch_now()
+            first = dev.launch_now(launch, "a")
+            assert not dev.idle and dev.may_launch_now()
+            second = dev.launch_now(launch, "b")
+            assert not dev.may_launch_now()  # both slots taken
+            assert first() == "a" and dev.may_launch_now()
+            with pytest.raises(ValueError):
+                dev.launch_now(launch, "bad")
+            woken: list[bool] = []
+            dev.notify_when_idle(lambda: woken.append(True))
+            assert second() == "b" and dev.idle and woken == [True]
+            # a job on the device thread: nothing launched beside it until it is over
+            go = threading.Event()
+            fut = dev.submit(go.wait, 10)
+            assert not dev.may_launch_now()
+            go.set()
+            await fut
+            assert dev.may_launch_now()
+            # an inline job that is over, its outcome handed on in the next trip: no bar
+            told = loop.create_future()
+            dev.call(loop, lambda: "c", (), told, expect_s=0.0)
+            assert not dev.idle and dev.may_launch_now()
+            assert await told == "c" and dev.idle
+        finally:
+            dev.close()
+
+    asyncio.run(run())

@@ -123,20 +123,9 @@ def _region_calls_equal_the_bytes_path(backend: Any, rng: np.random.Generator,
     device jobs the 200 calls took."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.dataplane.test_frontends import Running
 
-    cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=2 << 30),
-                       grace_period_s=2.0, allow_shm=True, frontends=2,
-                       frontend_shm_bytes=8 << 20)
-    w = Running(cfg, backend)
+    w, clients, xs, wants, regions = _eight_callers(backend, rng, 2)
     try:
-        c0 = w.client()
-        c0.upload("w", random_q6k(ROWS, K, 2), ROWS, K)
-        clients = [w.client() for _ in range(8)]
-        xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in clients]
-        wants = [c0.matmul_full("w", x, precision="f16").y for x in xs]
-        regions = [c.register_shm(f"p{i}", 4 << 20) for i, c in enumerate(clients)]
-
         def caller(i: int) -> int:
             for _ in range(25):
                 got = clients[i].matmul("w", xs[i], precision="f16", x_region=regions[i],
@@ -157,3 +146,58 @@ def _region_calls_equal_the_bytes_path(backend: Any, rng: np.random.Generator,
         return dev, jobs
     finally:
         w.stop()
+
+
+def test_lane_full_batches_pipelined(backend: Any, rng: np.random.Generator) -> None:
+    """T3's shape on lanes (8 callers of 64-row calls, x and y in each caller's page-locked
+    region, through two front ends): full batches read together run as the lane's pipeline
+    (``Engine.launch_now``, two launch slots), every y equal to the bytes path's; nothing is
+    left held, routed or pinned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w, clients, xs, wants, regions = _eight_callers(backend, rng, 3)
+    try:
+        lanes = [c.open_lane(r) for c, r in zip(clients, regions, strict=True)]
+
+        def caller(i: int) -> int:
+            for _ in range(25):
+                got = lanes[i].matmul("w", xs[i], y_offset=1 << 20, precision="f16")
+                same(np.array(got), wants[i])
+                del got
+            return 25
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(caller, range(8))) == 200
+        server = w.worker.plane.lanes
+        assert server is not None and server.piped > 0
+        assert w.worker.engine.device.inflight == 0 and backend.hostio.routes == 0
+        for lane in lanes:
+            lane.close()
+        for r in regions:
+            r.close()
+        assert backend.hostio.pinned == 0
+    finally:
+        w.stop()
+
+
+def _eight_callers(backend: Any, rng: np.random.Generator, seed: int,
+                   ) -> tuple[Any, list[Client], list[np.ndarray], list[np.ndarray], list[Any]]:
+    """A --frontends 2 worker on ``backend`` with a weight, and 8 clients each with its 64-row
+    f16 x, the bytes path's y for it and a 4 MiB region: (worker, clients, xs, ys, regions)."""
+    from tests.dataplane.test_frontends import Running
+
+    cfg = WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=2 << 30),
+                       grace_period_s=2.0, allow_shm=True, frontends=2,
+                       frontend_shm_bytes=8 << 20)
+    w = Running(cfg, backend)
+    try:
+        c0 = w.client()
+        c0.upload("w", random_q6k(ROWS, K, seed), ROWS, K)
+        clients = [w.client() for _ in range(8)]
+        xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in clients]
+        wants = [c0.matmul_full("w", x, precision="f16").y for x in xs]
+        regions = [c.register_shm(f"r{seed}_{i}", 4 << 20) for i, c in enumerate(clients)]
+    except BaseException:
+        w.stop()
+        raise
+    return w, clients, xs, wants, regions
