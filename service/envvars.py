@@ -75,6 +75,8 @@ FRONTEND_STACKS = Var("Q6SERVE_FRONTEND_STACKS", "count", 2,
                       "stacks a front end keeps in flight (0: no limit)")
 FRONTEND_BUSY_POLL_US = Var("Q6SERVE_FRONTEND_BUSY_POLL_US", "number", 0.0,
                             "microseconds a front end's loop polls before it sleeps (0: never)")
+FRONTEND_ROUND_ROBIN = Var("Q6SERVE_FRONTEND_ROUND_ROBIN", "switch", False,
+                           "new connections dealt to the front ends in turn (eBPF)")
 HANDOFF_YIELD = Var("Q6SERVE_HANDOFF_YIELD", "switch", True,
                     "yield the GIL when a job reaches an idle device thread")
 PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
@@ -87,8 +89,9 @@ PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
-                         JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US, HANDOFF_YIELD,
-                         PIPELINE, PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS)
+                         JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
+                         FRONTEND_ROUND_ROBIN, HANDOFF_YIELD, PIPELINE, PIPELINE_SHORT,
+                         DEVICE_MERGE, PIN_REGIONS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

@@ -77,7 +77,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
-from . import envvars, wire
+from . import envvars, reuseport, wire
 from . import regions as regions_mod
 from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
@@ -697,6 +697,9 @@ class FrontendsWorker(Worker):
         self.merge = bool(envvars.DEVICE_MERGE.read())
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
+        # Q6SERVE_FRONTEND_ROUND_ROBIN: the eBPF program and maps that deal new connections to
+        # the front ends in turn (service/reuseport.py), passed down to each front end
+        self._steering: reuseport.Steering | None = None
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -708,6 +711,8 @@ class FrontendsWorker(Worker):
                                  self.backend, self.engine)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
+        if envvars.FRONTEND_ROUND_ROBIN.read():
+            self._steering = reuseport.make(self.n)
         self._unix = await asyncio.get_running_loop().create_unix_server(
             lambda: _FrontConnection(self), path=self._sock_path)
         for i in range(self.n):
@@ -723,6 +728,9 @@ class FrontendsWorker(Worker):
                  self.engine.describe(), self.n,
                  ",".join(str(p.pid) for p in self._procs.values()), self.slots,
                  self.slot_bytes)
+        if self._steering is not None:
+            log.info("new connections are dealt to the front ends in turn "
+                     "(Q6SERVE_FRONTEND_ROUND_ROBIN: an eBPF program on the port's listeners)")
         self._start_metrics_http()
         self.engine.on_health(self._broadcast_health)
         if path := os.environ.get(STATS_ENV):
@@ -759,10 +767,13 @@ class FrontendsWorker(Worker):
         """Start front end ``index``: a fresh interpreter (never a fork of a process holding a
         device context), its arguments pickled on stdin."""
         self._ready[index] = asyncio.get_running_loop().create_future()
-        p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE)
+        steer = self._steering.fds if self._steering is not None else None
+        p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                             pass_fds=steer or ())
         assert p.stdin is not None
         p.stdin.write(pickle.dumps((index, self.config, self.port, self._sock_path, self.slots,
-                                    self.slot_bytes, logging.getLogger().getEffectiveLevel())))
+                                    self.slot_bytes, logging.getLogger().getEffectiveLevel(),
+                                    steer)))
         p.stdin.close()
         self._procs[index] = p
 
@@ -1295,6 +1306,9 @@ class FrontendsWorker(Worker):
             fe.transport.close()
         if self._reserved is not None:
             self._reserved.close()
+        if self._steering is not None:
+            self._steering.close()
+            self._steering = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -1869,18 +1883,19 @@ _CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
 
 def frontend_main() -> None:
     """Entry point of a front-end process (FrontendsWorker._spawn): arguments on stdin."""
-    index, config, port, sock_path, slots, slot_bytes, log_level = pickle.load(sys.stdin.buffer)
+    (index, config, port, sock_path, slots, slot_bytes, log_level,
+     steer) = pickle.load(sys.stdin.buffer)
     if config.cpus:  # its own core of --cpus where there are enough (service/affinity.py)
         pin_process(cores_of(config.cpus, index + 1, config.frontends))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the device drains
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s frontend{index}: %(name)s: "
                                "%(message)s")
-    asyncio.run(_frontend(index, config, port, sock_path, slots, slot_bytes))
+    asyncio.run(_frontend(index, config, port, sock_path, slots, slot_bytes, steer))
 
 
 async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, slots: int,
-                    slot_bytes: int) -> None:
+                    slot_bytes: int, steer: tuple[int, int, int] | None = None) -> None:
     busy_poll(asyncio.get_running_loop(), lambda: True, frontend_busy_poll_us())
     arena = Arena.create(slots, slot_bytes)
     link = _Link(arena)
@@ -1909,6 +1924,10 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
     server, health, _ = build_server(dataclasses.replace(cfg, port=port), servicer,
                                      interceptor, reuseport=True)
     await server.start()
+    if steer is not None:  # (Q6SERVE_FRONTEND_ROUND_ROBIN) before "ready": before any caller
+        reuseport.join(steer, index, port)
+        for fd in steer:  # the group holds the program, the program its maps
+            os.close(fd)
 
     async def set_health(ok: bool) -> None:
         for service in ("", wire.SERVICE_NAME):

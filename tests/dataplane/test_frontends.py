@@ -685,3 +685,45 @@ def test_busy_polling_front_ends_serve(start: Callable[..., Running],
     monkeypatch.setenv(FRONTEND_BUSY_POLL_ENV, "fast")
     with pytest.raises(Exception, match=FRONTEND_BUSY_POLL_ENV):
         start()
+
+
+def test_round_robin_deals_connections_to_the_front_ends_in_turn(
+        start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6SERVE_FRONTEND_ROUND_ROBIN=1 (service/reuseport.py): the k-th new connection goes to
+    front end k mod N (an eBPF program on the listeners' SO_REUSEPORT group), so 16
+    connections over 4 front ends are 4 each, where the kernel's hash spreads them unevenly;
+    calls are served as ever. Skipped where the kernel refuses the program (no privilege)."""
+    import socket
+
+    from q6serve.service import reuseport
+
+    if (probe := reuseport.make(1)) is None:
+        pytest.skip("this kernel or these privileges refuse an SK_REUSEPORT eBPF program")
+    probe.close()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        import frontend_cpu
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("Q6SERVE_FRONTEND_ROUND_ROBIN", "1")
+    w = start(frontends=4)
+    port = int(w.target.rsplit(":", 1)[1])
+    pids = list(w.worker.frontend_pids.values())
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+    try:
+        for _ in range(100):  # (each front end's gRPC accepts them from its own loop)
+            got = frontend_cpu.front_sockets(port, pids)
+            if sum(len(v) for v in got.values()) == 16:
+                break
+            time.sleep(0.05)
+        assert sorted(len(v) for v in got.values()) == [4, 4, 4, 4], got
+        assert w.worker._steering is not None and w.worker._steering.count() == 16
+    finally:
+        for c in conns:
+            c.close()
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 5)
+    c.upload("w", blocks, ROWS, K)
+    x = np.random.default_rng(5).standard_normal((2, K)).astype(np.float32)
+    np.testing.assert_allclose(c.matmul("w", x, precision="exact"), reference(blocks, ROWS, K, x),
+                               rtol=1e-5, atol=1e-4)
