@@ -446,9 +446,14 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     kernel = (kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
               if a.backend == "numpy" else 0.0)
     device = used[worker_pid] / calls
+    # the device process's cores in the timed window's middle over its calls a second: its
+    # CPU per call without the set-up and warm-up that ``device`` includes (--lane: all of
+    # the lane's set-up, regions page-locked, is in that one)
+    window = cpu["device"] / (calls / wall) if cpu and calls else float("nan")
     print(f"frontends={a.frontends} {path} load {hosts}x{callers}: {calls} calls, "
           f"{calls / wall:,.0f}/s; CPU per call: device process {device * 1e6:.0f} us "
-          f"(NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
+          f"(in the window {window * 1e6:.0f}; "
+          f"NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
           f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
           f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows; latency p50 "
           f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s", flush=True)
@@ -464,7 +469,7 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     result: dict[str, Any] = {
         "backend": a.backend, "frontends": a.frontends, "path": path, "hosts": hosts,
         "callers": callers, "calls": calls, "calls_per_s": calls / wall,
-        "device_cpu_us_per_call": device * 1e6,
+        "device_cpu_us_per_call": device * 1e6, "device_window_cpu_us_per_call": window * 1e6,
         "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
         "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg,
         "p50_us": p50, "p99_us": p99, "rows_per_s": calls * a.n / wall, "cpu": cpu,
