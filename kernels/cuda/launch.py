@@ -50,7 +50,7 @@ import numpy as np
 from .. import cuda_topk, q6k
 from ..api import BFLOAT16, KernelTiming, Launched, Layout, MatmulResult, Precision, ResidentWeight
 from ..epilogue import TopK
-from ..errors import DeviceError, FormatError
+from ..errors import DeviceError, FormatError, InvalidArgument
 from .dispatch import Cfg
 from .loader import arch_specific
 from .storage import CudaWeight
@@ -190,6 +190,18 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 _CTYPES = {("u", 8): ctypes.c_uint64, ("i", 8): ctypes.c_int64, ("i", 4): ctypes.c_int32,
            ("u", 4): ctypes.c_uint32}
+
+
+def pdl_from_env(env: Any = None) -> bool:
+    """``Q6SERVE_PDL`` (unset or empty: on). A kernels-level variable, read where a backend is
+    built (the worker builds its backends at start, so a bad value stops it there), because the
+    backend runs without the service too (bench, tests, library use)."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_PDL", "").strip().lower()
+    if not raw or raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise InvalidArgument(f"Q6SERVE_PDL={raw!r}: use 0 or 1 (the split-K sum's launch with PDL)")
 
 
 def _driver_launch_ex() -> Any:
@@ -463,12 +475,12 @@ class Launcher:
         self.ws = Workspace(ctx)
         self.graphs = graphs  # the wall bench compares both
         self._record_ext: Any = None
-        # Q6SERVE_PDL=1: the split-K sum (q6k_sum_parts) of the PDL_SRCS tiles is launched
-        # with programmatic stream serialization (launch_pdl), so its launch overlaps the
-        # tile's tail. Measured on direct launches only (bench/RESULTS.md, session 10), so off
-        # by default until the graph path is run with it on the H200. Read when a call's steps
-        # are built: a bound sequence keeps what it was bound with.
-        self.pdl = os.environ.get("Q6SERVE_PDL", "0") == "1"
+        # The split-K sum (q6k_sum_parts) of the PDL_SRCS tiles is launched with programmatic
+        # stream serialization (launch_pdl), so its launch overlaps the tile's tail: on by
+        # default (H200, session 10: 1.00-1.04x on every such AUTO cell, bits unchanged);
+        # Q6SERVE_PDL=0 turns it off. Read when a call's steps are built: a bound sequence
+        # keeps what it was bound with.
+        self.pdl = pdl_from_env()
         self._launch_ex: Any = None
 
     # -- planning (host arithmetic) ------------------------------------------------------------

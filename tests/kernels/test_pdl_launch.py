@@ -2,7 +2,7 @@
 (kernels/cuda/launch.py ``launch_pdl``), without a device: the ctypes mirrors of the driver's
 CUlaunchConfig / CUlaunchAttribute have the C layout, and a launch hands cuLaunchKernelEx the
 grid, block, shared memory, current stream, the one attribute and pointers to the argument
-values; the launcher only uses it where asked (Q6SERVE_PDL=1) and on compute capability 9.0+."""
+values; the launcher uses it by default on compute capability 9.0+ (Q6SERVE_PDL=0: never)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def test_launch_pdl_passes_config_attribute_and_argument_values(monkeypatch):
 
 
 @pytest.mark.parametrize("env, cc, want", [("1", "90", True), ("0", "90", False),
-                                           ("1", "89", False), (None, "90", False)])
+                                           ("1", "89", False), (None, "90", True),
+                                           ("off", "90", False), ("", "90", True)])
 def test_only_asked_for_and_on_sm90(monkeypatch, env, cc, want):
     if env is None:
         monkeypatch.delenv("Q6SERVE_PDL", raising=False)
@@ -77,3 +78,9 @@ def test_only_the_register_and_ring_tiles_sum_with_pdl(monkeypatch):
         steps = lc.steps(lp, w, cw, 16, 32, 8)
         assert [s.fn for s in steps] == ["tile", "sum"]
         assert (steps[1].pdl == "cuLaunchKernelEx") is want and steps[0].pdl is None
+
+
+def test_a_bad_value_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("Q6SERVE_PDL", "maybe")
+    with pytest.raises(lm.InvalidArgument, match="Q6SERVE_PDL='maybe'"):
+        lm.Launcher(SimpleNamespace(cc="90"), graphs=False)
