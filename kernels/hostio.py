@@ -28,6 +28,7 @@ unregistered under a copy that was enqueued while it was pinned.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable
@@ -64,6 +65,10 @@ class HostIO:
                  sync: Sync | None = None) -> None:
         self._register, self._unregister, self._sync = register, unregister, sync
         self._ranges: dict[int, int] = {}  # start address -> end address
+        # the starts, sorted: a range covering an address is the last one starting at or
+        # before it (ranges are distinct mappings, never overlapping), found by bisection
+        # rather than a walk over every region's range (T3's 32 lanes: ~9% of the loop)
+        self._starts: list[int] = []
         # x address -> [calls routing it, its Route or None once ambiguous]
         self._routes: dict[int, list] = {}
         self._by_id: dict[int, Route] = {}  # id(x) -> an unambiguous route of that x object
@@ -91,6 +96,7 @@ class HostIO:
                             "staged", nbytes, e)
                 return False
         self._ranges[address] = address + nbytes
+        bisect.insort(self._starts, address)
         return True
 
     def unpin(self, address: int) -> None:
@@ -104,6 +110,7 @@ class HostIO:
                     self._sync()
             finally:
                 del self._ranges[address]
+                self._starts.remove(address)
                 for r in self._by_id.values():  # what routes knew of the ranges is stale
                     r.x_in = r.y_in = None
                 if self._unregister is not None:
@@ -127,8 +134,8 @@ class HostIO:
         if not a.flags.c_contiguous:
             return False
         p = a.ctypes.data if p is None else p
-        end = p + a.nbytes
-        return any(s <= p and end <= e for s, e in self._ranges.items())
+        i = bisect.bisect_right(self._starts, p)
+        return i > 0 and p + a.nbytes <= self._ranges[self._starts[i - 1]]
 
     # -- y routes ----------------------------------------------------------------------------
     def route(self, x: np.ndarray, y: np.ndarray | None) -> Route:

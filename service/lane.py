@@ -238,6 +238,7 @@ class LaneServer:
         busy elsewhere) is queued as any other, after the launches in flight are answered."""
         pipe, self._pipe = self._pipe, []
         engine = self.engine
+        slots = getattr(getattr(engine, "device", None), "launch_slots", 1)
         waiting: collections.deque[tuple[_Piped, Any]] = collections.deque()
 
         def answer_oldest() -> None:
@@ -250,6 +251,8 @@ class LaneServer:
                 self._answer(q, r, None)
 
         for p in pipe:
+            while len(waiting) >= slots:  # a slot freed first (no launch_now refused for it)
+                answer_oldest()
             try:
                 finish = engine.launch_now(p.call)
                 while finish is None and waiting:  # a launch slot freed, or the device idle

@@ -94,6 +94,26 @@ def test_hostio_pins_covers_and_unpins_after_a_sync_under_the_lock() -> None:
     assert io.pinned == 0 and not io.covers(buf)
 
 
+def test_hostio_covers_among_many_ranges() -> None:
+    """With many ranges pinned (T3's 32 lanes), an array is covered only inside one of them:
+    not across two adjacent ones, not past a range's end, not in another buffer, not once
+    unpinned."""
+    io = HostIO()
+    buf = np.zeros(64 * 4096, np.uint8)
+    base = buf.ctypes.data
+    for i in range(0, 64, 2):  # every other 4 KiB block pinned, then the two next to block 10
+        assert io.pin(base + i * 4096, 4096)
+    assert io.pin(base + 11 * 4096, 4096) and io.pinned == 33
+    for i in range(0, 64, 2):
+        assert io.covers(buf[i * 4096 : (i + 1) * 4096]), i
+        assert not io.covers(buf[i * 4096 + 4000 : (i + 1) * 4096 + 8]), i  # runs past its end
+    assert not io.covers(buf[4096:8192])  # a block not pinned
+    assert not io.covers(buf[10 * 4096 : 12 * 4096])  # two adjacent ranges: neither holds it
+    assert not io.covers(np.zeros(8, np.uint8))  # another buffer (before or after them all)
+    io.unpin(base + 10 * 4096)
+    assert not io.covers(buf[10 * 4096 : 10 * 4096 + 8]) and io.covers(buf[11 * 4096 :][:8])
+
+
 def test_hostio_refused_pin_leaves_the_range_unpinned() -> None:
     rec = Recorder(fail=True)
     io = rec.hostio()
