@@ -477,7 +477,7 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
         "reply_bytes": reply_bytes,
         "parts_p99_us": part_p99 if means else {},
         "env": {k: v for k, v in os.environ.items() if k.startswith("Q6SERVE_")}}
-    if stats is not None:
+    if stats is not None and stats.exists():  # (written by a --frontends device process)
         time.sleep(1.2)  # the counters' next line
         result["device"] = summarize_stats(stats, t_load + a.warmup, t_end)
         print_stats(result["device"])
