@@ -354,18 +354,22 @@ class Workspace:
         self.gen += 1
 
 
-def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int,
-               ) -> np.dtype | tuple[str, int] | None:
+def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bool = False,
+               ) -> np.dtype | tuple[str, int] | str | None:
     """What the bound sequence downloads itself: ("topk", k) the top-k epilogue's packed rows
     (its launches bound in too: cuda_topk.group_launches), y's host dtype for a small y
-    (SMALL_Y), else None (y's way out is enqueued per call: :meth:`Launcher._finish`)."""
+    (SMALL_Y), else None (y's way out is enqueued per call: :meth:`Launcher._finish`), or with
+    ``y16`` (Launcher.y16_graph) "y16" for a larger f16 y: its f16 conversion is bound into the
+    sequence, only the copy into a pinned block is enqueued per call."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
     if dt == np.float32:
         return dt if n * rows * 4 <= SMALL_Y_F32 else None
-    if dt != np.float16 or n * rows * 2 > SMALL_Y:
+    if dt != np.float16:
         return None
+    if n * rows * 2 > SMALL_Y:
+        return "y16" if y16 else None
     return dt
 
 
@@ -395,7 +399,7 @@ class BoundCall:
 
     __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "dev", "done", "half",
                  "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision", "rows",
-                 "slot", "stream", "topk", "ws", "y")
+                 "slot", "stream", "topk", "ws", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
@@ -407,6 +411,7 @@ class BoundCall:
         self.host = lc.ws.host(b.x_bytes, slot)
         self.out = None if b.extra["out"] is None else b.extra["out"][1]  # in-graph download
         self.topk, self.rows, self.n, self.y = topk, rows, n, b.extra["y"]
+        self.y16 = b.extra.get("y16")  # y's f16 conversion bound into the graph (y16_graph)
         dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
@@ -433,7 +438,9 @@ class BoundCall:
                 y = None
                 if self.big:
                     src = self.y
-                    if self.half:  # (a CuPy conversion: on the backend's stream)
+                    if self.y16 is not None:  # converted by the graph
+                        src = self.y16
+                    elif self.half:  # (a CuPy conversion: on the backend's stream)
                         with stream:
                             src = self.lc._y_out(src, self.n, self.rows, True)
                     mem = self._pinned(self.nbytes)
@@ -481,6 +488,10 @@ class Launcher:
         # Q6SERVE_PDL=0 turns it off. Read when a call's steps are built: a bound sequence
         # keeps what it was bound with.
         self.pdl = pdl_from_env()
+        # A larger f16 y (> SMALL_Y) converted inside the bound sequence (its graph) instead
+        # of by a CuPy launch per call; off until measured on the H200 (bench/device_gap.py).
+        # Part of the binding key (_small_out): flipping it binds new sequences.
+        self.y16_graph = False
         self._launch_ex: Any = None
 
     # -- planning (host arithmetic) ------------------------------------------------------------
@@ -737,7 +748,7 @@ class Launcher:
         if path == "cublas_f16" or cfg is None or x.dtype not in IN_TYPES:
             return None
         n = int(x.shape[0])
-        small = _small_out(n, w.rows, out_dtype, topk)
+        small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph)
         if topk and small is None:
             return None
         b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
@@ -776,7 +787,7 @@ class Launcher:
             return self._matmul_direct(w, cw, x, in_t, out_dtype, topk, slot)
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
-        key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk), slot)
+        key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph), slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
@@ -901,8 +912,10 @@ class Launcher:
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
             steps = self.steps(lp, w, cw, xd, y, n)
-            out, post = None, []
-            if isinstance(small, tuple):  # the top-k epilogue and its download, bound in
+            out, post, y16big = None, [], None
+            if small == "y16":  # a larger f16 y: converted in the sequence, copied per call
+                y16big = self.ws.ptr("y16b", 2 * n * w.rows)
+            elif isinstance(small, tuple):  # the top-k epilogue and its download, bound in
                 k = small[1]
                 packed = self.ws.ptr("topk_packed", cuda_topk.packed_bytes(n, k))
                 scratch = self.ws.ptr("topk_scratch", cuda_topk.scratch_bytes(n, w.rows))
@@ -922,7 +935,8 @@ class Launcher:
         if len(cw.plans) >= MAX_PLANS_PER_WEIGHT:
             cw.plans.clear()
         b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
-                  extra={"xd": xd, "y": y, "out": out, "post": post})
+                  extra={"xd": xd, "y": y, "out": out, "post": post, "y16": y16big,
+                         "shape": (n, w.rows)})
         cw.plans[key] = b
         return b
 
@@ -931,9 +945,13 @@ class Launcher:
         its graph too): f16 converted on the device, then copied into the pinned out buffer;
         or the top-k epilogue's launches and its packed rows' copy into that buffer."""
         out = b.extra["out"]
-        if out is None:
-            return
         cp, stream = self.ctx.cp, self.ctx.stream
+        if out is None:
+            if b.extra.get("y16") is not None:  # a larger f16 y: only its conversion here
+                shape = b.extra["shape"]
+                cp.copyto(self.ws.array("y16b", shape, np.float16),
+                          self.ws.array("y", shape, np.float32), casting="same_kind")
+            return
         if b.extra["post"]:  # the top-k epilogue (after the end event: not kernel time)
             for s in b.extra["post"]:
                 s()
@@ -953,6 +971,9 @@ class Launcher:
         """:meth:`_finish` of a bound sequence: a small y is already on its way to the pinned
         out buffer (``_download``); the sync, then a copy of it, is all that is left."""
         out = b.extra["out"]
+        if out is None and b.extra.get("y16") is not None:  # converted by the sequence
+            return self._finish(b.extra["y16"], n, rows, out_dtype, b.start, b.end, topk, slot,
+                                converted=True)
         if out is None:
             return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk, slot)
         start, end, host = b.start, b.end, out[1]
@@ -1018,7 +1039,8 @@ class Launcher:
         return self._finish(int(y.data.ptr), n, w.rows, out_dtype, start, end, topk, slot)
 
     def _finish(self, y: int, n: int, rows: int, out_dtype: np.dtype | None, start: Any,
-                end: Any, topk: int, slot: int | None = None) -> Callable[[], Done]:
+                end: Any, topk: int, slot: int | None = None,
+                converted: bool = False) -> Callable[[], Done]:
         """Enqueue y's way out: the workspace's f32 "y" at ``y`` -> a new host array in a pinned
         block (the returned array owns it; no host copy), or the top-k epilogue. The returned
         function makes the one sync and reads the kernel seconds (the events are complete by
@@ -1035,7 +1057,8 @@ class Launcher:
 
             return top_done
         half = out_dtype is not None and np.dtype(out_dtype) == np.float16
-        y = self._y_out(y, n, rows, half)
+        if not converted:  # (converted: y is already the f16 conversion, bound in)
+            y = self._y_out(y, n, rows, half)
         item, dt = (2, np.dtype(np.float16)) if half else (4, np.dtype(np.float32))
         nbytes = n * rows * item
         mem = cp.cuda.alloc_pinned_memory(nbytes)

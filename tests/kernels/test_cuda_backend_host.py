@@ -218,6 +218,29 @@ def test_calls_return_the_device_y(monkeypatch, rows, n, out, staged):
     assert cp.counts["graph"] == 4  # the first two calls ran direct launches, then captured
 
 
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("n", [16, 64])
+def test_larger_f16_y_converted_in_the_graph(monkeypatch, n, staged):
+    """Launcher.y16_graph: a larger f16 y (> SMALL_Y) is converted by the bound sequence (in
+    its graph) instead of a CuPy launch per call; every call (direct, capture, replays; the
+    cached BoundCall) still hands back the device y's bytes as f16, and the conversion is one
+    graph node, not a launch per call."""
+    be, cp = fake_backend(monkeypatch)
+    be.launcher.y16_graph = True
+    rows, k = 4096, 14336
+    w = fake_weight(be, rows, k)
+    rng = np.random.default_rng(2)
+    be.matmul(w, _x(be, rng, n, k, staged), out_dtype=np.float16)
+    converts = []
+    monkeypatch.setattr(be.launcher, "_y_out", lambda *a: converts.append(a) or a[0])
+    for i in range(5):
+        y = _set_y(be, w, n, i)
+        res = be.launch(w, _x(be, rng, n, k, staged), out_dtype=np.float16).wait()
+        assert res.y.dtype == np.float16 and np.array_equal(res.y, y.astype(np.float16))
+    assert not converts  # never a per-call conversion
+    assert cp.counts["graph"] == 4
+
+
 def _counted(monkeypatch, seed: int):
     """A fake backend whose full path (``CudaBackend._launch``) counts its calls into
     ``full``, a 4096x14336 weight on it, a generator: (be, cp, full, w, rng)."""
