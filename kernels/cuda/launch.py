@@ -489,9 +489,10 @@ class Launcher:
         # keeps what it was bound with.
         self.pdl = pdl_from_env()
         # A larger f16 y (> SMALL_Y) converted inside the bound sequence (its graph) instead
-        # of by a CuPy launch per call; off until measured on the H200 (bench/device_gap.py).
+        # of by a CuPy launch per call: on the H200 (bench/device_gap.py, session 10) the
+        # 18944-row gate at N=8 spent 47-76 instead of 89-218 us outside its kernel per call.
         # Part of the binding key (_small_out): flipping it binds new sequences.
-        self.y16_graph = False
+        self.y16_graph = True
         self._launch_ex: Any = None
 
     # -- planning (host arithmetic) ------------------------------------------------------------

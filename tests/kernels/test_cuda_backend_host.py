@@ -226,7 +226,7 @@ def test_larger_f16_y_converted_in_the_graph(monkeypatch, n, staged):
     cached BoundCall) still hands back the device y's bytes as f16, and the conversion is one
     graph node, not a launch per call."""
     be, cp = fake_backend(monkeypatch)
-    be.launcher.y16_graph = True
+    assert be.launcher.y16_graph  # the default
     rows, k = 4096, 14336
     w = fake_weight(be, rows, k)
     rng = np.random.default_rng(2)
