@@ -9,6 +9,8 @@
 # $OUT gets summary.txt and t1s10.tgz (every log); progress.txt as it goes.
 #   BASE=base bench/gpu_t1_s10.sh      env: PAIRS (3), SECONDS_PER_RUN (1.5), TEST_TIMEOUT (60)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy PAIRS=1 BASE=... bench/gpu_t1_s10.sh
+# MODE=overhead: instead of T1, bench/stream_overhead.py's worker against the bare echo in
+# ROUNDS (5) alternated rounds per run (the floor measured beside it, in the same process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/gpu_lib.sh
@@ -27,8 +29,16 @@ t1() {  # label PYTHONPATH
     --modes stream --weights ffn_down --seconds "$S" --warmup 0.3 >"$OUT/$1.log" 2>&1
   note "# $1 rc=$? ($(elapsed)): $(grep -E '^# T1 stream' "$OUT/$1.log" | cut -c1-100)"
 }
+overhead() {  # label PYTHONPATH: bench/stream_overhead.py, the worker against the bare echo
+  # in alternated rounds within one run (T1's sizes: a round's "worker - bare" is the figure)
+  PYTHONPATH=$2 timeout 60 python3 bench/stream_overhead.py --backend "$BACKEND"     --variants bare,worker --rounds "${ROUNDS:-5}" --seconds 1 --warmup 0.2 --inproc 0     --rows 3584 --out f32 >"$OUT/ovh_$1.log" 2>&1
+  note "# overhead $1 rc=$? ($(elapsed)): $(grep -E '^worker ' "$OUT/ovh_$1.log" | cut -c1-150)"
+}
 for ((i = 1; i <= ${PAIRS:-3}; i++)); do
-  if ((i % 2)); then t1 "base$i" "$BASEPP"; t1 "now$i" "$NOWPP"
+  if [[ ${MODE:-t1} == overhead ]]; then
+    if ((i % 2)); then overhead "base$i" "$BASEPP"; overhead "now$i" "$NOWPP"
+    else overhead "now$i" "$NOWPP"; overhead "base$i" "$BASEPP"; fi
+  elif ((i % 2)); then t1 "base$i" "$BASEPP"; t1 "now$i" "$NOWPP"
   else t1 "now$i" "$NOWPP"; t1 "base$i" "$BASEPP"; fi
 done
 if [[ -n ${REPLAY:-} ]]; then
@@ -64,6 +74,7 @@ for label, got in rows.items():
         print(f"{label}: p50 - kernel median {statistics.median(got):.0f} us over {len(got)} runs "
               f"({', '.join(f'{g:.0f}' for g in got)})")
 EOF
+  grep -hE "^# overhead" "$FINAL/progress.txt" 2>/dev/null
   for l in base now; do
     [[ -f $OUT/${l}_replay.log ]] && { echo "## $l replay"; grep -E "step|S=" "$OUT/${l}_replay.log" | tail -4; }
   done
