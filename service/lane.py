@@ -156,7 +156,8 @@ class LaneServer:
             rows = (engine.rows_of(name) if hasattr(engine, "rows_of")
                     else engine.get(name).rows)
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
-            key = table.route(call.x, dest)
+            base = region.mapping.addr  # (a system region's: set)
+            key = table.route(call.x, dest, base + x_off, base + y_off)
             held = region
             if n >= self._full_rows and hasattr(engine, "launch_now"):
                 # a full batch joins no other: run by this trip's pipeline (_flush)

@@ -108,6 +108,8 @@ class Mapping:
     """What a region's bytes are: host memory (system regions) or device memory (CUDA
     regions, service/cuda_regions.py), viewed as arrays, and a liveness check."""
 
+    addr: int | None = None  # a host mapping's first byte (the region's offset 0)
+
     def view(self, offset: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...],
              writable: bool) -> Any:
         """``shape`` of ``dtype`` at ``offset`` (bounds checked by the caller): a NumPy array
@@ -158,6 +160,7 @@ class _ShmMapping(Mapping):
         self._rw: np.ndarray | None = np.frombuffer(self.buf, np.uint8)
         self._ro: np.ndarray | None = self._rw.view()
         self._ro.flags.writeable = False
+        self.addr = self._rw.ctypes.data
         # page-locked for the device's copies (kernels/hostio.py): the whole mapping, from
         # its page-aligned start; unlocked in close(), before the unmap
         self._hostio, self._pinned = hostio, 0
@@ -372,14 +375,16 @@ class RegionTable:
         self._mapped -= region.byte_size
 
     # -- y straight from the device (kernels/hostio.py) --------------------------------------
-    def route(self, x: np.ndarray, y: np.ndarray | None) -> Route | None:
+    def route(self, x: np.ndarray, y: np.ndarray | None, x_addr: int | None = None,
+              y_addr: int | None = None) -> Route | None:
         """Ask the backend to write the output of the call on ``x`` (a system region's view)
         into ``y`` (a system region's writable view; None: y comes back in the reply, and no
         other call on these x bytes is routed meanwhile); returns the key for :meth:`unroute`
-        (None: nothing routed)."""
+        (None: nothing routed). ``x_addr`` / ``y_addr``: their addresses, if known
+        (``Mapping.addr`` plus the offset: ``HostIO.route``)."""
         if self.hostio is None:
             return None
-        return self.hostio.route(x, y)
+        return self.hostio.route(x, y, x_addr, y_addr)
 
     def unroute(self, key: Route | None) -> bool:
         """The end of ``key``'s call: whether the backend wrote its y into the y region."""

@@ -146,6 +146,14 @@ def test_hostio_routes_exact_x_only_and_ambiguous_routes_nobody() -> None:
     assert io.output(x, 16, None) is y
     assert io.unroute(key)  # the backend took this call's y
     assert io.routes == 0
+    # the addresses given by a caller that knows them (a region's): the same routes
+    key = io.route(x, y, mem.ctypes.data, mem.ctypes.data + 8192)
+    assert io.output(x, 16, None) is y and io.covers(x)
+    assert io.unroute(key) and io.routes == 0
+    io.pin(mem.ctypes.data + mem.nbytes, 1)  # (another range: y's address decides, not y's)
+    key = io.route(x, y, mem.ctypes.data, mem.ctypes.data + mem.nbytes)
+    assert io.output(x, 16, None) is None  # "y" not inside one range: not taken
+    io.unroute(key)
     key3 = io.route(x, None)  # a call on these x bytes whose y comes back in the reply
     key = io.route(x, y)
     assert io.output(x, 16, None) is None  # so nobody may take a route meanwhile
