@@ -577,10 +577,10 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
                   cpu: list[float] | None = None) -> list[float]:
     """Seconds per request of one stream's handler driven directly (one request in flight:
     hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
-    around Q6ServeServicer.MatmulStream over a _StubEngine; ``echo`` the proto echo handler
-    (the harness's own cost). ``cpu``: gets each request's CPU seconds of this thread, where
-    everything runs (a figure the other processes on a shared VM disturb far less than the
-    wall time: they take the core away, which this clock does not count)."""
+    around Q6ServeServicer.MatmulStream over a _StubEngine (``direct``: one answering on the
+    direct path, ``run_now``); ``echo`` the proto echo handler (the harness's own cost).
+    ``cpu``: gets each request's CPU seconds of this thread, where everything runs (on the
+    shared VM it tracked the wall time: the other agents slow the core, not only take it)."""
     from collections import namedtuple
 
     import grpc
@@ -599,7 +599,7 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
             worker = await _noop_worker(rows, k)
             servicer = Q6ServeServicer(worker.engine)
         else:
-            servicer = Q6ServeServicer(_StubEngine(rows))  # type: ignore[arg-type]
+            servicer = Q6ServeServicer(_StubEngine(rows, variant == "direct"))  # type: ignore[arg-type]
         inner = grpc.stream_stream_rpc_method_handler(
             servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
             response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))

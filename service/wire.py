@@ -275,7 +275,7 @@ Pieces = list[bytes | memoryview]
 
 
 def _size(pieces: Pieces) -> int:
-    return sum(len(p) for p in pieces)
+    return sum(map(len, pieces))
 
 
 def _yrecord(field: int, m: Any, y: np.ndarray) -> Pieces:
@@ -340,7 +340,15 @@ MAX_HEADS = 4096  # combinations kept (the table starts over beyond)
 
 
 def _varint(n: int) -> bytes:
-    return _VARINT1[n] if n < 128 else encode_varint(n)
+    """``encode_varint`` with the sizes of a reply's records written out (its loop over a
+    bytearray was 1.6% of a direct-path request in process)."""
+    if n < 0x80:
+        return _VARINT1[n]
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, (n >> 7) & 0x7F | 0x80, n >> 14))
+    return encode_varint(n)
 
 
 def _head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
