@@ -35,6 +35,11 @@ page-locked regions with y routes (``HostIO``), as the CUDA backend has. y's byt
 computed (zeros; a routed y is left as it is): what is measured is the device process's host
 path and how it overlaps the modelled GPU, e.g.
 T3's shape with regions: ``--gpu-us 130 --region --stack 64 --rows 3584 --k 18944``.
+
+``--parts`` (with ``--lane``): where one pipelined lane call's loop time goes, without a
+sampler (py-spy's slowdown sends lane calls down the queued path): perf_counter around the
+functions in ``PARTS`` (inclusive; indented under their callers), summed over the timed
+window and printed per call. The wrappers add ~0.3 us each; compare totals without it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,80 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# --parts: the functions timed (inclusive), as (module, class or None, attribute, label);
+# "+" after the attribute: the function it returns (a launch's finish) is timed as well
+PARTS = [
+    ("q6serve.service.lane", "_LaneConn", "data_received", "lane read (parse + _direct)"),
+    ("q6serve.service.lane", "LaneServer", "_direct", " _direct (checks, views, route)"),
+    ("q6serve.service.regions", "RegionTable", "hold", "  table.hold"),
+    ("q6serve.service.regions", "Region", "array", "  region.array (x2)"),
+    ("q6serve.service.regions", "RegionTable", "route", "  table.route"),
+    ("q6serve.service.lane", "LaneServer", "_flush", "lane _flush (pipeline, all)"),
+    ("q6serve.service.engine", "Engine", "launch_now+", " engine.launch_now"),
+    ("q6serve.service.batcher", "Batcher", "can_launch_now", "  batcher.can_launch_now"),
+    ("q6serve.service.engine", "Engine", "_admit", "  engine._admit"),
+    ("q6serve.service.batcher", "Batcher", "launch_now", "  batcher.launch_now"),
+    ("q6serve.service.engine", None, "launch_ieee", "   api.launch_ieee"),
+    ("__main__", "ModelGpu", "launch", "    backend launch (model)"),
+    ("q6serve.service.batcher", "Batcher", "_now_reply", "  batcher._now_reply"),
+    ("q6serve.service.lane", "LaneServer", "_answer", " lane _answer"),
+    ("q6serve.service.regions", "RegionTable", "unroute", "  table.unroute"),
+    ("q6serve.service.lane", "_LaneConn", "answer", "  conn.answer (write)"),
+    ("q6serve.service.regions", "RegionTable", "let_go", "  table.let_go"),
+    ("q6serve.service.engine", "Engine", "_on_batch", "engine._on_batch (metrics)"),
+]
+
+
+class Parts:
+    """``--parts``: inclusive perf_counter time of each function in PARTS, summed (no sampler,
+    so the path taken is the unperturbed one; each wrapper adds ~0.3 us to its callers)."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.on = False
+
+    def _timed(self, fn: Any, label: str, returns: bool) -> Any:
+        s, n, pc = self.s, self.n, time.perf_counter
+        s.setdefault(label, 0.0)
+        n.setdefault(label, 0)
+        if returns:  # (listed after its launch)
+            s.setdefault(label + " finish", 0.0)
+            n.setdefault(label + " finish", 0)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            t = pc()
+            try:
+                r = fn(*args, **kw)
+            finally:
+                if self.on:
+                    s[label] += pc() - t
+                    n[label] += 1
+            return self._timed(r, label + " finish", False) if returns and r else r
+
+        return timed
+
+    def install(self) -> None:
+        import importlib
+
+        for mod, cls, attr, label in PARTS:
+            returns = attr.endswith("+")
+            attr = attr.rstrip("+")
+            owner: Any = sys.modules[mod] if mod == "__main__" else importlib.import_module(mod)
+            if cls is not None:
+                owner = getattr(owner, cls)
+            setattr(owner, attr, self._timed(owner.__dict__[attr] if cls else
+                                             getattr(owner, attr), label, returns))
+
+    def report(self, calls: int, loop_s: float) -> str:
+        lines = [f"parts, inclusive, per lane call ({calls} calls; loop thread "
+                 f"{loop_s / calls * 1e6:.1f} us a call with the wrappers):"]
+        for label in self.s:
+            if self.n[label]:
+                lines.append(f"  {label:<36} {self.s[label] / calls * 1e6:7.2f} us "
+                             f"({self.n[label] / calls:.2f} a call)")
+        return "\n".join(lines)
 
 
 class ModelGpu:
@@ -126,7 +205,7 @@ class ModelGpu:
         return api.Launched(wait)
 
 
-async def run(a: argparse.Namespace) -> dict[str, Any]:
+async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, Any]:
     from q6serve.kernels import q6k
     from q6serve.kernels.backends import make_backend
     from q6serve.service import frontends as fe
@@ -227,6 +306,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         resend.extend(frames)
         deliver()
     await asyncio.sleep(a.warmup)
+    if parts is not None:
+        parts.on = True
     prof = None
     if a.profile:
         import cProfile
@@ -240,6 +321,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     n1, c1, t1, j1 = answered[0], time.process_time(), time.perf_counter(), engine.device.jobs
     l1 = time.thread_time()
     g1 = getattr(backend, "busy_s", 0.0)
+    if parts is not None:
+        parts.on = False
     if prof is not None:
         prof.disable()
         prof.dump_stats(a.profile)
@@ -266,7 +349,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "direct_jobs": engine.device.direct_jobs,
             "deferred_jobs": engine.device.deferred_jobs,
             "behind_jobs": engine.device.behind_jobs,
-            "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None}
+            "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None,
+            "parts": parts.report(msgs, l1 - l0) if parts is not None else None}
 
 
 def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[Any],
@@ -354,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--gpu-us: host CPU each launch takes (the CUDA host path)")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="cProfile the timed part into FILE (pstats)")
+    ap.add_argument("--parts", action="store_true",
+                    help="--lane: time the lane call's parts (perf_counter around the "
+                         "functions in PARTS, no sampler) and print them per call")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     a.region = a.region or a.lane
@@ -361,7 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         import ctypes  # slack would add ~50 us to each sleep); threads made later inherit it
 
         ctypes.CDLL(None).prctl(29, 1000)  # PR_SET_TIMERSLACK: 1 us
-    r = asyncio.run(run(a))
+    parts = None
+    if a.parts:
+        parts = Parts()
+        parts.install()
+    r = asyncio.run(run(a, parts))
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
     print(f"device process alone, {a.backend} {a.rows}x{a.k}, {a.inflight} messages of "
@@ -373,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['deferred_jobs']} launched and waited on the "
           f"thread, {r['behind_jobs']} behind another)"
           + (f"; modelled GPU busy {r['gpu_busy']:.0%}" if a.gpu_us else ""), flush=True)
+    if r["parts"]:
+        print(r["parts"], flush=True)
     return 0
 
 
