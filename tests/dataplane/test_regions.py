@@ -361,3 +361,41 @@ def test_x_region_with_a_large_y_in_the_reply(weight: Any, rng: np.random.Genera
         np.testing.assert_array_equal(c.matmul("w", x, x_region=region), want)
         out = list(c.matmul_stream([("a", "w", x, region, None)]))
         np.testing.assert_array_equal(out[0].y, want)  # type: ignore[union-attr]
+
+
+def test_region_views_cached_yet_checked_every_call() -> None:
+    """A system region hands out the same view again for the same place (Region.array's
+    cache), still checks the object per call (shrunk: refused, not read), bounds-checks a
+    new place, holds at most VIEW_CACHE views and drops them before it unmaps."""
+    from q6serve.kernels.errors import FailedPrecondition, InvalidArgument
+    from q6serve.service.regions import VIEW_CACHE, RegionRef, RegionTable, ShmSource
+
+    table = RegionTable(True, 4, 1 << 30)
+    shm = ShmRegion.create(f"views{os.getpid()}", 8192)
+    try:
+        table.register("", shm.name, ShmSource(shm.key, 0, 8192))
+        r = table.hold("", RegionRef(shm.name, 0))
+        assert r is not None
+        f4 = np.dtype("<f4")
+        x = r.array(0, f4, (2, 4), "x")
+        assert r.array(0, f4, [2, 4], "x") is x  # (a list shape: the same place)
+        y = r.array(64, f4, (2, 4), "y", writable=True)
+        assert y is not x and r.array(64, f4, (2, 4), "y", writable=True) is y
+        assert r.array(64, f4, (2, 4), "y") is not y and not x.flags.writeable
+        y[...] = 3.0
+        np.testing.assert_array_equal(r.array(64, f4, (2, 4), "y"), 3.0)
+        with pytest.raises(InvalidArgument, match="overruns"):
+            r.array(8192 - 16, f4, (2, 4), "x")
+        for off in range(0, 4 * VIEW_CACHE + 4, 4):  # more places than the cache holds
+            r.array(off, f4, (1,), "x")
+        assert len(r._views or {}) <= VIEW_CACHE
+        os.truncate(f"/dev/shm/{shm.key.lstrip('/')}", 4096)
+        with pytest.raises(FailedPrecondition, match="shrank"):
+            r.array(0, f4, (2, 4), "x")  # cached, refused all the same
+        os.truncate(f"/dev/shm/{shm.key.lstrip('/')}", 8192)
+        del x, y
+        table.let_go(r)
+        table.unregister("", shm.name)
+        assert r._views == {} and r.mapping._mm.closed  # no view kept it mapped
+    finally:
+        shm.close()
