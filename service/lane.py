@@ -11,7 +11,8 @@ in the device process (``LaneServer._direct``: no task per request; a lone reque
 idle device on the direct path, ``Engine.run_now``, in the trip that read it; full batches,
 N = --max-batch-rows, read in one trip as one pipeline on the loop, ``LaneServer._flush``:
 request i + 1 launched before i is waited for, so the GPU runs one while the loop answers
-the other), otherwise through ``regions.matmul`` in a task.
+the other); with a CUDA IPC region through ``CudaPlane.start`` (``LaneServer._cuda``: no task
+either); otherwise (an engine without ``start_matmul``) through ``regions.matmul`` in a task.
 
 One ``LaneServer`` per worker (the device process with --frontends), started by the first
 OpenLane, closed with the region table (drain).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import os
@@ -72,6 +74,7 @@ class LaneServer:
         self.now = 0  # of which run here and now, on the direct path (Engine.run_now)
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
         self.piped = 0  # of the direct ones, full batches run by _flush's pipeline (tests)
+        self.cuda = 0  # of the direct ones, on a CUDA IPC region (_cuda) (tests)
         config = getattr(engine, "config", None)  # (a --devices worker's set has none)
         self._full_rows = config.max_batch_rows if config is not None else math.inf
         self._pipe: list[_Piped] = []  # full batches read in this trip, for _flush
@@ -133,7 +136,8 @@ class LaneServer:
         now instead (``Engine.run_now``, the direct path MatmulStream takes: the device idle,
         nothing of its weight queued; no queue, future, sink or loop trip) and is answered
         before its region is let go. False: not for this path (a CUDA region, an engine
-        without ``start_matmul``): the caller runs it as a task. A refusal is answered here."""
+        without ``start_matmul``): the caller runs it as a task. A refusal is answered here.
+        A CUDA IPC region: ``_cuda`` (no task either)."""
         table, engine = self.table, self.engine
         start = getattr(engine, "start_matmul", None)
         if start is None:
@@ -144,9 +148,14 @@ class LaneServer:
             region = table.hold(t.owner, RegionRef(t.region, x_off))
             assert region is not None
             if region.kind != regions.SYSTEM:
-                table.let_go(region)
-                region = None
-                return False
+                if table.cuda is None:  # (a CUDA region exists only where it is set)
+                    table.let_go(region)
+                    region = None
+                    return False
+                self._cuda(conn, seq, region, name, n, k, x_off, y_off, x_dt, out_dt, prec)
+                self.direct += 1
+                self.cuda += 1
+                return True
             out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)
             call = MatmulCall(name, region.array(x_off, wire.lane_dtype(x_dt, "x_dtype"),
                                                  (n, k), "x"),
@@ -195,6 +204,46 @@ class LaneServer:
             table.let_go(region)
             conn.answer(_failed(seq, e))
             return True
+
+    def _cuda(self, conn: _LaneConn, seq: int, region: regions.Region, name: str, n: int,
+              k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
+        """A request on a lane over a CUDA IPC region (held): the checks of
+        ``regions.matmul`` now, the job through ``CudaPlane.start`` (the device process's
+        "rm" path for CUDA regions, FrontendsWorker._cuda_region_matmul), answered from its
+        end by ``_cuda_done`` -- no task, coroutine, future or shield per request, as
+        ``_one`` (``regions.matmul``, ``CudaSupport.matmul``) took. A refusal raises here
+        (the caller answers it and lets the region go); nothing was queued then."""
+        table, engine = self.table, self.engine
+        assert table.cuda is not None
+        out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)
+        call = MatmulCall(name, region.array(x_off, wire.lane_dtype(x_dt, "x_dtype"), (n, k),
+                                             "x"),
+                          wire.lane_precision(prec), out)
+        if not engine.serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+        rows = engine.rows_of(name)
+        dest = region.array(y_off, out, (n, rows), "y", writable=True)
+        table.cuda.start(engine, call, dest,
+                         functools.partial(self._cuda_done, conn, seq, region, rows))
+
+    def _cuda_done(self, conn: _LaneConn, seq: int, region: regions.Region, rows: int,
+                   r: Any, exc: BaseException | None) -> None:
+        """A CUDA-region request's end (y written into the region by the job): the reply,
+        then the region let go."""
+        if exc is not None:
+            rec = _failed(seq, exc if isinstance(exc, Exception)
+                          else Unavailable("the call was cancelled"))
+        else:
+            try:
+                rec = REPLY.pack(seq, 0, 0, rows, r.batch_rows, r.batch_requests, 0,
+                                 r.queue_seconds, _nan(r.kernel_seconds),
+                                 _nan(r.device_seconds))
+            except Exception as e:
+                rec = _failed(seq, e)
+        try:
+            conn.answer(rec)
+        finally:
+            self.table.let_go(region)
 
     def _queue(self, p: _Piped) -> None:
         """``p`` queued (``start_matmul``) with a sink that answers it."""

@@ -156,6 +156,33 @@ def test_bad_cuda_regions(worker: tuple[str, np.ndarray], rng: np.random.Generat
         assert c.matmul("w", x).shape == (4, ROWS)  # the worker serves on
 
 
+def test_lane_on_a_cuda_region(worker: tuple[str, np.ndarray],
+                               rng: np.random.Generator) -> None:
+    """A fast lane over a CUDA IPC region (LaneServer._cuda: CudaSupport.start, no task per
+    request): x read from and y written into the caller's device memory, equal to the bytes
+    path's; a refusal answered on the lane, which goes on; nothing left registered."""
+    target, _ = worker
+    x = rng.standard_normal((64, K)).astype(np.float16)
+    with Client(target) as c:
+        want = c.matmul("w", x, precision="f16")
+        with c.register_cuda_ipc("lanedev", 4 << 20) as dev, c.open_lane(dev) as lane:
+            dev.ndarray(0, np.float16, x.shape).set(x)
+            cupy.cuda.get_current_stream().synchronize()
+            for y_off in (1 << 21, 3 << 20, 1 << 21):
+                dev.ndarray(y_off, np.float32, (64, ROWS)).fill(np.nan)  # poison: y is written
+                cupy.cuda.get_current_stream().synchronize()
+                y = lane.matmul("w", shape=x.shape, dtype=np.float16, y_offset=y_off,
+                                precision="f16")
+                assert isinstance(y, cupy.ndarray)
+                same(cupy.asnumpy(y), want)
+            code, msg = code_of(lambda: lane.matmul("w", shape=x.shape, dtype=np.float16,
+                                                    y_offset=(4 << 20) - 4096))
+            assert code == C.INVALID_ARGUMENT and "overruns region 'lanedev'" in msg, msg
+            same(cupy.asnumpy(lane.matmul("w", shape=x.shape, dtype=np.float16,
+                                          y_offset=1 << 21, precision="f16")), want)
+        assert c.list_regions() == []
+
+
 def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
                                                       rng: np.random.Generator) -> None:
     """``Q6SERVE_PIPELINE_SHORT=1``: 6 callers' 64-row calls with x and y in their own CUDA

@@ -282,3 +282,35 @@ def test_matmul_awaits_the_outcome_that_start_reports() -> None:
         assert waiter.cancelled()
 
     asyncio.run(main())
+
+
+def test_lane_on_a_cuda_region(plane: Any, rng: np.random.Generator) -> None:
+    """A lane over a CUDA IPC region: each request through CudaPlane.start (LaneServer._cuda:
+    no task per request), y written into the region, equal to the RPC path; a refusal is
+    answered on the lane before any device work and the lane goes on; nothing stays held."""
+    from q6serve.service.lane import LaneServer
+
+    p, w, c = plane
+    x = rng.standard_normal((3, K)).astype(np.float16)
+    want = c.matmul("w", x)
+    dev = FakeCudaRegion(p, "dev", 65536, offset=256)
+    c.register_region(dev)  # type: ignore[arg-type]
+    with c.open_lane(dev) as lane:  # type: ignore[arg-type]
+        for y_off in (8192, 16384, 8192):
+            y = lane.matmul("w", x, x_offset=128, y_offset=y_off)
+            np.testing.assert_array_equal(y, want)
+            np.testing.assert_array_equal(dev.mem[256 + y_off :][: want.nbytes]
+                                          .view(np.float32).reshape(want.shape), want)
+        assert lane.last is not None and lane.last.batch_rows >= 3
+        code, msg = code_of(lambda: lane.matmul("w", x, y_offset=65536 - 100))
+        assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
+        assert code_of(lambda: lane.matmul("nope", x))[0] == C.NOT_FOUND
+        assert p.started == 3  # the refusals reached no device work
+        np.testing.assert_array_equal(lane.matmul("w", x, x_offset=4096), want)
+        lanes = [f.__self__ for f in w.worker.regions.on_close
+                 if isinstance(getattr(f, "__self__", None), LaneServer)]
+        # every request through start (the task path would take HostPlane.matmul)
+        assert lanes[0].cuda == p.started == p.calls == 4
+    assert c.list_regions()[0].in_use == 0
+    c.unregister_region("dev")
+    assert p.open_count == 0
