@@ -93,6 +93,10 @@ def test_small_multi_and_topk_replies_stay_messages() -> None:
     (0.0, None, 1, 1, None),  # a zero left out, kernel and device time unknown
     (-0.0, 0.0, 300, 200, 0.0),  # -0.0 kept, zeros with presence kept, 2-byte varints
     (float("nan"), float("inf"), 0, 0, -1.0),
+    # wire._TIMING6 (every field but the queue set, counts below 128) at its edges
+    (0.0, 0.0, 127, 1, 0.0),
+    (float("nan"), float("nan"), 1, 127, float("inf")),
+    (2e-6, -0.0, 128, 127, 1e300),  # rows' varint 2 bytes: the field-by-field path
 ])
 @pytest.mark.parametrize(("rid", "took"), [("id-7", wire.Took(1.0, 1.5)), ("", None),
                                            ("é" * 100, wire.Took(2.0, 2.0))])
