@@ -50,6 +50,9 @@ MAX_DIM = 1 << 31
 # dtype (made once) and the Tensor.dtype code of the native ones
 _LITTLE = {dt: dt.newbyteorder("<") for dt in DTYPES.values()}
 _PB_OF_DTYPE = {dt: _DTYPE_TO_PB[name] for name, dt in DTYPES.items()}
+# Tensor.dtype code -> the little-endian numpy dtype x is read as (decode_tensor: one lookup
+# per request for what dtype_from_pb + _LITTLE did in three)
+_LE_OF_PB = {code: _LITTLE[DTYPES[name]] for code, name in _DTYPE_FROM_PB.items()}
 
 
 def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
@@ -139,15 +142,23 @@ def decode_tensor(t: pb.Tensor, what: str = "x",
                   data: bytes | memoryview | None = None) -> np.ndarray:
     """A read-only zero-copy view of ``t.data`` (or ``data``, the same field read by
     :func:`read_matmul_request`) as ``t.shape`` of ``t.dtype``."""
-    dt, shape = tensor_spec(t, what)
-    want = shape[0] * shape[1] * dt.itemsize
+    le = _LE_OF_PB.get(t.dtype)
+    dims = t.shape  # read once: upb makes a new container per access; Python ints (uint64)
+    if le is None or len(dims) != 2:
+        dt, shape = tensor_spec(t, what)  # (its refusal)
+        le = _LITTLE[dt]
+    else:
+        shape = n, k = dims[0], dims[1]  # (indexing: no tuple() of the container)
+        if n >= MAX_DIM or k >= MAX_DIM:
+            raise InvalidArgument(f"{what} shape {[n, k]} is too large")
+    want = shape[0] * shape[1] * le.itemsize
     if data is None:
         data = t.data  # read once: upb builds a fresh bytes copy on every access
     if len(data) != want:
-        raise InvalidArgument(f"{what} {list(shape)} {dtype_name(dt)} needs {want} bytes, "
+        raise InvalidArgument(f"{what} {list(shape)} {dtype_name(le)} needs {want} bytes, "
                               f"got {len(data)}")
     # one constructor over the (read-only) bytes: frombuffer + reshape is two arrays
-    return np.ndarray(shape, _LITTLE[dt], data)
+    return np.ndarray(shape, le, data)
 
 
 def encode_tensor(a: np.ndarray) -> pb.Tensor:
@@ -163,7 +174,10 @@ def matmul_call(req: pb.MatmulRequest | MatmulIn, timeout: float | None,
     service/multi.py), and the optional top-k epilogue; ``x``: activations already read from
     a region (else decoded). Each field is read once, from the message itself (not through
     MatmulIn's attribute fallback): this runs on the event loop for every request."""
-    msg = message(req)
+    if type(req) is MatmulIn:
+        msg, data = req.msg, req.x_data
+    else:
+        msg, data = req, None
     weight, weights = msg.weight, msg.weights
     weights = tuple(weights) if weights else ()  # (tuple() of an empty container: ~1 us)
     if weight and weights:
@@ -175,7 +189,7 @@ def matmul_call(req: pb.MatmulRequest | MatmulIn, timeout: float | None,
         raise InvalidArgument("MatmulRequest.x is missing")
     topk = check_k(msg.topk.k, what="MatmulRequest.topk.k") if msg.HasField("topk") else 0
     if x is None:
-        x = decode_tensor(msg.x, data=_x_data(req))
+        x = decode_tensor(msg.x, data=data)  # (data None: read there, once)
     return MatmulCall(weight, x, _enum(_PREC_FROM_PB, msg.precision, "precision"),
                       dtype_from_pb(msg.out_dtype), timeout, topk, weights)
 
