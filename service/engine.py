@@ -149,6 +149,11 @@ _FLAGS = {(soa, mmq): KernelFlags(soa=soa, decode_mmq=mmq)
           for soa in (False, True) for mmq in (False, True)}  # the native dtypes' names, by dict
 
 
+# Engine._key's BatchKeys by (x dtype, precision, out dtype, top-k k)
+_BATCH_KEYS: dict[tuple[np.dtype, Precision, np.dtype, int], BatchKey] = {}
+MAX_BATCH_KEYS = 1024
+
+
 def _dtype_name(dt: np.dtype) -> str:
     """``dtype_name`` by dict lookup (per request on the loop; the scan for the rest)."""
     return _NAME_OF.get(dt) or dtype_name(dt)
@@ -870,8 +875,16 @@ class Engine:
 
     @staticmethod
     def _key(call: MatmulCall) -> BatchKey:
-        return BatchKey(_dtype_name(call.x.dtype), call.precision,
-                        _dtype_name(call.out_dtype), call.topk)
+        # per request on the loop: a NamedTuple's construction (a Python __new__) and two
+        # dtype names cost ~3x the lookup of the one made before (VM: 1.26 -> 0.45 us)
+        sig = (call.x.dtype, call.precision, call.out_dtype, call.topk)
+        key = _BATCH_KEYS.get(sig)
+        if key is None:
+            if len(_BATCH_KEYS) >= MAX_BATCH_KEYS:  # (topk spans many values: bounded)
+                _BATCH_KEYS.clear()
+            key = _BATCH_KEYS[sig] = BatchKey(_dtype_name(call.x.dtype), call.precision,
+                                              _dtype_name(call.out_dtype), call.topk)
+        return key
 
     def rows_of(self, name: str) -> int:
         """The rows of weight ``name`` (NOT_FOUND if it is not loaded): ``get(name).rows``
