@@ -105,7 +105,9 @@ _F_TENSOR_DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 
 # Requests smaller than this are parsed whole by upb: copying their x costs less than the
 # Python walk that avoids the copy (VM, read + matmul_call: 38 KiB 36 vs 65 us, 57 KiB 36 vs
-# 80; 296 KiB 85 vs 63; 2.3 MiB 996 vs 71)
+# 80; 296 KiB 85 vs 63; 2.3 MiB 996 vs 71; again in session 10, min of 7 x 2000: 4 KiB 6-8 vs
+# 25, 37 KiB 12 vs 16-29, 128 KiB 18-21 vs 25-26: upb's parse of T1's 37 KB is ~2.8 us and
+# reading x.data ~2.3, less than the walk)
 ZERO_COPY_MIN = 128 << 10
 
 
