@@ -498,6 +498,11 @@ def _bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+# _bucket by list index for the rows a request or batch usually has: the direct path looks a
+# bucket up twice per request on the loop (the call, max and bit_length were ~0.5 us each)
+_BUCKETS = [_bucket(r) for r in range(1025)]
+
+
 Staging = Callable[[int, int, np.dtype], np.ndarray]  # Backend.staging
 LaunchBatch = Callable[[np.ndarray, BatchKey], Launched]  # RunBatch without the wait
 # A batch whose kernels are expected to take longer than this is only launched on the loop
@@ -525,6 +530,9 @@ class Batcher:
         self.queued_rows = 0
         self._wake = asyncio.Event()
         self._loop_ = asyncio.get_running_loop()
+        # asyncio's ready queue (direct_cost looks at it per request; made once per loop and
+        # never replaced: base_events), or () on a loop without one
+        self._ready: collections.deque[Any] | tuple[()] = getattr(self._loop_, "_ready", ())
         self._unfinished = 0  # launched batches not yet finished
         self._running = 0  # requests in launched batches not yet finished
         self._drained: asyncio.Future[None] | None = None  # close() waits for launches
@@ -611,15 +619,17 @@ class Batcher:
         another stream's reader, can join; ``own``, the caller's task, cannot).
         :meth:`run_now` does the queued path's work without the queue, future, timer and
         loop trips."""
-        if self._queue or self._unfinished or self._closed or not self._device.idle:
+        dev = self._device
+        if self._queue or self._unfinished or self._closed or dev.inflight:  # (not idle)
             return None
-        b = _bucket(rows)
-        cost = self._job_s.get((key, b))
-        if not self._device.inlines(cost):
+        kb = (key, _BUCKETS[rows] if 0 <= rows < len(_BUCKETS) else _bucket(rows))
+        cost = self._job_s.get(kb)
+        # Device.inlines(cost), written out: per direct-path request on the loop
+        if cost is None or cost > dev.inline_s or dev._in_thread:
             return None
-        if self._launch_batch is not None and self._kernel_s.get((key, b), 0.0) > DEFER_KERNEL_S:
+        if self._launch_batch is not None and self._kernel_s.get(kb, 0.0) > DEFER_KERNEL_S:
             return None
-        for h in getattr(self._loop_, "_ready", ()):  # asyncio's ready queue: a few handles
+        for h in self._ready:  # asyncio's ready queue: a few handles
             task = getattr(h._callback, "__self__", None)
             if isinstance(task, asyncio.Task) and task is not own:
                 return None
@@ -653,10 +663,10 @@ class Batcher:
         (after the reply, as ``_hand_out``)."""
         t1 = time.perf_counter()
         kernel_s = result.timing.seconds()
-        b = _bucket(rows)
-        self._job_s[(key, b)] = t1 - t0
+        kb = (key, _BUCKETS[rows] if rows < len(_BUCKETS) else _bucket(rows))
+        self._job_s[kb] = t1 - t0
         if kernel_s is not None:
-            self._kernel_s[(key, b)] = kernel_s
+            self._kernel_s[kb] = kernel_s
         self._loop_.call_soon(self._on_batch, BatchStats(result, rows, 1, (0.0,)))
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
                            kernel_s, rows, 1, t1 - t0, result.topk)
@@ -670,9 +680,9 @@ class Batcher:
         if (rows < self._s.max_rows or self._closed or self._launch_batch is None
                 or not self._device.may_launch_now()):
             return False
-        b = _bucket(rows)
-        return (self._device.inlines(self._job_s.get((key, b)))
-                and self._kernel_s.get((key, b), 0.0) <= DEFER_KERNEL_S)
+        kb = (key, _BUCKETS[rows] if rows < len(_BUCKETS) else _bucket(rows))
+        return (self._device.inlines(self._job_s.get(kb))
+                and self._kernel_s.get(kb, 0.0) <= DEFER_KERNEL_S)
 
     def launch_now(self, x: np.ndarray, key: BatchKey) -> Callable[[], MatmulReply]:
         """:meth:`run_now` in two halves (after :meth:`can_launch_now`; ``Device.launch_now``

@@ -370,6 +370,8 @@ class Engine:
         # (N, precision, flags) the backend's dispatch accepted (start_matmul; bounded: N <=
         # max_request_rows, four precisions, the flags' states)
         self._planned: dict[FlagState, set[tuple[int, Precision]]] = {}
+        self._plan_state: FlagState | None = None  # the last state _admit looked up, and its set
+        self._plan_set: set[tuple[int, Precision]] = set()
         self.flags.subscribe(self._on_flags)
         # Q6SERVE_BUSY_POLL_US: the loop busy-polls while no job is in the device thread
         self.busy_poll = busy_poll(asyncio.get_running_loop(), self.device.thread_idle)
@@ -741,7 +743,8 @@ class Engine:
         """The checks of a call before it may run (refusals raise here), and its batch key
         (``key``: made already); the weight's entry is acquired (the caller releases it
         when the call is done)."""
-        self._check_serving()
+        if not self._serving or not self.healthy:
+            self._check_serving()  # (its refusal)
         x = call.x
         if x.ndim != 2 or x.shape[0] < 1:
             raise InvalidArgument(f"activations must be [N, K] with N >= 1, got {x.shape}")
@@ -766,9 +769,13 @@ class Engine:
             # refuse what the current flags forbid before queueing (clear status, no batch);
             # what passed once passes again (the dispatch is a pure function of these)
             state = self.flags.state
-            planned = self._planned.get(state)  # by state: (N, precision) passed under it
-            if planned is None:
-                planned = self._planned[state] = set()
+            if state is self._plan_state:  # (a FlagState's hash is a Python call: ~1 us)
+                planned = self._plan_set
+            else:
+                planned = self._planned.get(state)  # by state: (N, precision) passed under it
+                if planned is None:
+                    planned = self._planned[state] = set()
+                self._plan_state, self._plan_set = state, planned
             if (n, call.precision) not in planned:
                 self.backend.plan(n, call.precision, state.kernel_flags())
                 planned.add((n, call.precision))
@@ -802,11 +809,23 @@ class Engine:
         nothing was done, queue it (``start_matmul``). A multi-weight call's direct path
         is ``multi.run_weights_now`` (on :meth:`direct_batchers` and :meth:`run_direct`).
         Refusals and failures raise, as ``start_matmul``'s future would fail."""
-        if call.weights or call.x.ndim != 2:
+        x = call.x
+        if call.weights or x.ndim != 2 or self._group is not None:
             return None
+        # direct_batchers and run_direct for one call, written out (no list, loop or sum;
+        # per request on the loop)
+        try:
+            b = self.registry.get(call.weight).batcher
+        except NotFound:
+            return None  # (start_matmul says so, after the checks that come first)
         key = self._key(call)
-        got = self.direct_batchers((call,), key, own)
-        return None if got is None else self.run_direct(got[0], call, key)
+        if b is None or b.direct_cost(int(x.shape[0]), key, own) is None:
+            return None
+        e, key = self._admit(call, key)
+        try:
+            return b.run_now(x, key)
+        finally:
+            self.registry.release(e)
 
     def launch_now(self, call: MatmulCall) -> Callable[[], MatmulReply] | None:
         """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
