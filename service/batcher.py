@@ -380,6 +380,23 @@ class Deferred:
         self.wait = wait
 
 
+class DirectCall:
+    """One weight's direct-path call of one :class:`BatchKey` (``Batcher.direct``), made once
+    and reused by every such request: its job with the key's fields bound (``job(x)``, the
+    batcher's ``bind``: no ``run(x, key)`` -> ``launch(x, key)`` layers and lookups per call)
+    and what the engine's checks passed for it (``Engine.run_now``: the request sizes ``rows``
+    checked under flag state ``state``; what passed once passes again while the state is the
+    same). Dropped with its batcher (a weight's reload or retired batcher starts afresh)."""
+
+    __slots__ = ("job", "key", "rows", "state")
+
+    def __init__(self, key: BatchKey, job: Callable[[np.ndarray], MatmulResult]) -> None:
+        self.key = key
+        self.job = job
+        self.state: object = None
+        self.rows: set[int] = set()
+
+
 class BatchKey(NamedTuple):
     """What requests must share to run in one batch (a tuple: hashed per request and
     batch on the loop, where a frozen dataclass's hash is a Python call)."""
@@ -510,15 +527,21 @@ LaunchBatch = Callable[[np.ndarray, BatchKey], Launched]  # RunBatch without the
 # Env Q6SERVE_DEFER_KERNEL_US sets it (benches A/B it; a huge value: never deferred).
 DEFER_ENV = envvars.DEFER_KERNEL_US.name
 DEFER_KERNEL_S = float(envvars.DEFER_KERNEL_US.read()) * 1e-6
+MAX_DIRECTS = 64  # a batcher's DirectCalls kept (one per key used on the direct path)
 
 
 class Batcher:
     def __init__(self, name: str, device: Device, run: RunBatch, settings: BatchSettings,
                  dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None],
-                 staging: Staging | None = None, launch: LaunchBatch | None = None) -> None:
+                 staging: Staging | None = None, launch: LaunchBatch | None = None,
+                 bind: Callable[[BatchKey], Callable[[np.ndarray], MatmulResult]] | None = None,
+                 ) -> None:
         self.name = name
         self._device = device
         self._run_batch = run
+        # run with a key's fields bound (DirectCall.job); without one, run(x, key) itself
+        self._bind = bind
+        self._directs: dict[BatchKey, DirectCall] = {}  # by key (bounded: MAX_DIRECTS)
         self._launch_batch = launch
         # where a batch of several requests is concatenated (the backend's upload buffer:
         # the CUDA backend then skips its own host copy of x; a T2 batch is 2.4 MB)
@@ -639,14 +662,30 @@ class Batcher:
         """The direct path: run ``x`` alone now (after :meth:`can_run_now` said yes) and return
         its reply; a refusal or failure raises. The bookkeeping is a batch's: launch slot,
         expected costs, batch metrics (after the reply, as ``_hand_out``)."""
+        return self.run_direct(self.direct(key), x)
+
+    def direct(self, key: BatchKey) -> DirectCall:
+        """The :class:`DirectCall` of ``key`` on this weight (made on its first use)."""
+        d = self._directs.get(key)
+        if d is None:
+            if len(self._directs) >= MAX_DIRECTS:  # (top-k's k spans many keys: bounded)
+                self._directs.clear()
+            run = self._run_batch
+            job = (self._bind(key) if self._bind is not None
+                   else lambda x: run(x, key))
+            d = self._directs[key] = DirectCall(key, job)
+        return d
+
+    def run_direct(self, d: DirectCall, x: np.ndarray) -> MatmulReply:
+        """:meth:`run_now` of ``d``'s key, ``d`` in hand (``Engine.run_now``)."""
         self._unfinished += 1
         self._running += 1
         t0 = time.perf_counter()
         try:
-            result = self._device.run_now(self._run_batch, x, key)
+            result = self._device.run_now(d.job, x)
         finally:
             self._now_end()
-        return self._now_reply(result, int(x.shape[0]), key, t0)
+        return self._now_reply(result, int(x.shape[0]), d.key, t0)
 
     def _now_end(self) -> None:
         """A direct job (run_now, launch_now) is over: its place given back."""

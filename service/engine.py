@@ -595,8 +595,25 @@ class Engine:
         def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
             return launch(x, key).wait()
 
+        def bind(key: BatchKey) -> Callable[[np.ndarray], MatmulResult]:
+            """``run`` with ``key``'s fields bound: a direct-path job (Batcher.direct)."""
+            backend, flags, soa = self.backend, self.flags, Layout.SOA
+            precision, out, topk = key.precision, DTYPES[key.out_dtype], key.topk
+
+            def job(x: np.ndarray) -> MatmulResult:
+                w = e.resident  # (as launch: read where the job runs)
+                try:
+                    return launch_ieee(backend, w, x, precision=precision, out_dtype=out,
+                                       flags=_FLAGS[w.layout is soa, flags.state.decode_mmq],
+                                       topk=topk).wait()
+                except DeviceError as err:
+                    failed(err)
+                    raise
+
+            return job
+
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
-                       self._on_batch, self.backend.staging, launch)
+                       self._on_batch, self.backend.staging, launch, bind)
 
     def _dynamic_batching(self) -> bool:
         return self.flags.state.dynamic_batching
@@ -815,15 +832,28 @@ class Engine:
         # direct_batchers and run_direct for one call, written out (no list, loop or sum;
         # per request on the loop)
         try:
-            b = self.registry.get(call.weight).batcher
+            e = self.registry.get(call.weight)
         except NotFound:
             return None  # (start_matmul says so, after the checks that come first)
+        b = e.batcher
+        rows = int(x.shape[0])
         key = self._key(call)
-        if b is None or b.direct_cost(int(x.shape[0]), key, own) is None:
+        if b is None or b.direct_cost(rows, key, own) is None:
             return None
-        e, key = self._admit(call, key)
+        d = b.direct(key)
+        state = self.flags.state
+        if (d.state is state and rows in d.rows and self._serving and self.healthy
+                and x.shape[1] == e.k and (call.timeout is None or call.timeout > 0)):
+            # _admit passed for this weight, key, N and flag state: of its checks only those
+            # of the call itself remain (serving, K, deadline); the entry acquired as there
+            self.registry.acquire(call.weight)
+        else:
+            self._admit(call, key)
+            if d.state is not state:
+                d.state, d.rows = state, set()
+            d.rows.add(rows)
         try:
-            return b.run_now(x, key)
+            return b.run_direct(d, x)
         finally:
             self.registry.release(e)
 

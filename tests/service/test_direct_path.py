@@ -322,3 +322,62 @@ def test_a_group_lets_go_of_its_parts_without_the_cyclic_gc() -> None:
         asyncio.run(main())
     finally:
         gc.enable()
+
+
+def test_a_direct_call_still_checks_each_request_after_a_like_one_passed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Engine.run_now`` keeps what ``_admit`` passed for a weight, key and N (the batcher's
+    ``DirectCall``): the checks of the request itself still refuse it (K, deadline, drain),
+    with the weight let go, and a new flag state plans the call again."""
+    import hashlib
+
+    from q6serve.kernels import q6k
+    from q6serve.kernels.errors import FormatError, Unavailable
+    from q6serve.kernels.numpy_backend import NumpyBackend
+    from q6serve.service.config import WorkerConfig
+    from q6serve.service.engine import Engine, MatmulCall, UploadSpec
+
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
+
+    async def main() -> None:
+        eng = Engine(NumpyBackend(), WorkerConfig(inline_device_us=10**9))  # (any cost inlines)
+        data = q6k.random_blocks(8, 256, np.random.default_rng(0)).tobytes()
+
+        async def chunks() -> Any:
+            yield data
+
+        await eng.upload(UploadSpec("w", 8, 256, "q6_k", len(data),
+                                    hashlib.sha256(data).hexdigest()), chunks())
+        x = np.ones((1, 256), np.float32)
+
+        def call(x: np.ndarray = x, timeout: float | None = None) -> MatmulCall:
+            return MatmulCall("w", x, Precision.EXACT, timeout=timeout)  # (EXACT: no plan
+            #                                                   per launch, only _admit's)
+
+        await eng.matmul(call())  # its cost measured on the device thread
+        await _quiet()
+        assert eng.run_now(call()) is not None  # checked in full, kept
+        admits: list[MatmulCall] = []
+        admit = eng._admit
+        monkeypatch.setattr(eng, "_admit", lambda c, k=None: admits.append(c) or admit(c, k))
+        await _quiet()
+        first = eng.run_now(call())
+        assert first is not None and first.batch_rows == 1 and admits == []
+        with pytest.raises(FormatError, match="K=128"):
+            eng.run_now(call(np.ones((1, 128), np.float32)))
+        with pytest.raises(batcher.DeadlineExceeded):
+            eng.run_now(call(timeout=0.0))
+        assert len(admits) == 2
+        eng.set_flags({"Q6SERVE_DYNAMIC_BATCHING": False})  # a new state (costs kept)
+        await _quiet()
+        again = eng.run_now(call())
+        assert again is not None and len(admits) == 3  # checked in full again
+        assert eng.run_now(call()) is not None and len(admits) == 3
+        assert eng.device.direct_jobs == 4
+        eng.begin_drain()
+        with pytest.raises(Unavailable, match="draining"):
+            eng.run_now(call())
+        assert eng.registry.get("w").refs == 0 and eng.device.inflight == 0
+        await eng.close()
+
+    asyncio.run(main())
