@@ -25,6 +25,26 @@ def random_q6k(rows: int, k: int, seed: int) -> np.ndarray:
     return q6k.random_blocks(rows, k, np.random.default_rng(seed))
 
 
+async def numpy_engine(name: str, rows: int, k: int) -> Any:
+    """An in-process Engine on the NumPy backend (any known cost inlines: a loaded CI
+    machine's thread job can take longer than the default 3 ms) with random Q6_K weight
+    ``name`` of ``rows`` x ``k`` uploaded."""
+    import hashlib
+
+    from q6serve.kernels.numpy_backend import NumpyBackend
+    from q6serve.service.engine import Engine, UploadSpec
+
+    eng = Engine(NumpyBackend(), WorkerConfig(inline_device_us=10**9))
+    data = q6k.random_blocks(rows, k, np.random.default_rng(0)).tobytes()
+
+    async def chunks() -> Any:
+        yield data
+
+    await eng.upload(UploadSpec(name, rows, k, "q6_k", len(data),
+                                hashlib.sha256(data).hexdigest()), chunks())
+    return eng
+
+
 def reference(blocks: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
     """float64 ``x @ W.T`` on exactly dequantized weights."""
     w = q6k.dequantize_aos(blocks, rows, k).astype(np.float64)

@@ -339,24 +339,13 @@ def test_a_long_batch_is_launched_on_the_loop_and_waited_for_on_the_device_threa
 def test_a_kernel_flag_flip_sends_the_next_batches_to_the_device_thread() -> None:
     """After a flip of a flag the kernels see, no batch runs inline on the loop until one like
     it has run on the device thread (the new kernels may still have to compile)."""
-    import hashlib
+    from svc_util import numpy_engine
 
-    from q6serve.kernels import q6k
-    from q6serve.kernels.numpy_backend import NumpyBackend
-    from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import Engine, MatmulCall, UploadSpec
+    from q6serve.service.engine import MatmulCall
 
     async def main() -> None:
-        # any known cost inlines: a loaded CI machine's thread job can take longer than the
-        # default 3 ms, and what is tested is the flip forgetting costs, not that limit
-        eng = Engine(NumpyBackend(), WorkerConfig(inline_device_us=10**9))
-        data = q6k.random_blocks(8, 256, np.random.default_rng(0)).tobytes()
-
-        async def chunks() -> Any:
-            yield data
-
-        await eng.upload(UploadSpec("w", 8, 256, "q6_k", len(data),
-                                    hashlib.sha256(data).hexdigest()), chunks())
+        # (what is tested is the flip forgetting costs, not the inline limit)
+        eng = await numpy_engine("w", 8, 256)
         x = np.ones((1, 256), np.float32)
         for _ in range(3):
             await eng.matmul(MatmulCall("w", x))

@@ -329,25 +329,15 @@ def test_a_direct_call_still_checks_each_request_after_a_like_one_passed(
     """``Engine.run_now`` keeps what ``_admit`` passed for a weight, key and N (the batcher's
     ``DirectCall``): the checks of the request itself still refuse it (K, deadline, drain),
     with the weight let go, and a new flag state plans the call again."""
-    import hashlib
+    from svc_util import numpy_engine
 
-    from q6serve.kernels import q6k
     from q6serve.kernels.errors import FormatError, Unavailable
-    from q6serve.kernels.numpy_backend import NumpyBackend
-    from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import Engine, MatmulCall, UploadSpec
+    from q6serve.service.engine import MatmulCall
 
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
 
     async def main() -> None:
-        eng = Engine(NumpyBackend(), WorkerConfig(inline_device_us=10**9))  # (any cost inlines)
-        data = q6k.random_blocks(8, 256, np.random.default_rng(0)).tobytes()
-
-        async def chunks() -> Any:
-            yield data
-
-        await eng.upload(UploadSpec("w", 8, 256, "q6_k", len(data),
-                                    hashlib.sha256(data).hexdigest()), chunks())
+        eng = await numpy_engine("w", 8, 256)
         x = np.ones((1, 256), np.float32)
 
         def call(x: np.ndarray = x, timeout: float | None = None) -> MatmulCall:
