@@ -182,7 +182,10 @@ def test_node_client_drives_every_rpc(tmp_path: Path, rng: np.random.Generator) 
     assert big["bytes"] == MAX_REQUEST_ROWS * BIG_ROWS * 4 > 4 << 20
     bx = ((np.arange(MAX_REQUEST_ROWS * 256) % 7 - 3) / 4).reshape(MAX_REQUEST_ROWS, 256)
     want = reference(w_big, BIG_ROWS, 256, bx)
-    np.testing.assert_allclose(big["first"], want.ravel()[:8], rtol=1e-5, atol=1e-6)
+    # EXACT's contract is an error relative to the output's scale (as _close), not per element:
+    # an element that cancels to ~0.02 among outputs of ~15 carries the sum's f32 rounding
+    # (~1e-6 absolute from the f32 summation order, which is not the reference's)
+    _close({"values": big["first"], "shape": [8]}, want.ravel()[:8], 1e-5)
     assert abs(big["sum"] - want.sum()) <= 1e-4 * np.abs(want).sum()
 
     assert r["unload"] == [OK] * 4 and r["list_after"] == 0
