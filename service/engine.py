@@ -58,6 +58,7 @@ from .batcher import (
     BatchStats,
     DeadlineExceeded,
     Device,
+    DirectCall,
     Group,
     MatmulReply,
     handoff_yield_for,
@@ -841,21 +842,27 @@ class Engine:
         if b is None or b.direct_cost(rows, key, own) is None:
             return None
         d = b.direct(key)
-        state = self.flags.state
-        if (d.state is state and rows in d.rows and self._serving and self.healthy
-                and x.shape[1] == e.k and (call.timeout is None or call.timeout > 0)):
-            # _admit passed for this weight, key, N and flag state: of its checks only those
-            # of the call itself remain (serving, K, deadline); the entry acquired as there
-            self.registry.acquire(call.weight)
-        else:
-            self._admit(call, key)
-            if d.state is not state:
-                d.state, d.rows = state, set()
-            d.rows.add(rows)
+        self._admit_direct(call, e, d, rows)
         try:
             return b.run_direct(d, x)
         finally:
             self.registry.release(e)
+
+    def _admit_direct(self, call: MatmulCall, e: WeightEntry, d: DirectCall, rows: int,
+                      ) -> None:
+        """:meth:`_admit` of a call of weight ``e`` (looked up in this loop trip) with ``rows``
+        rows, ``d`` its key's DirectCall: once ``_admit`` passed for this weight, key, N and
+        flag state, only the checks of the call itself remain (serving, K, deadline); the
+        entry is acquired as there (the caller releases it)."""
+        state = self.flags.state
+        if (d.state is state and rows in d.rows and self._serving and self.healthy
+                and call.x.shape[1] == e.k and (call.timeout is None or call.timeout > 0)):
+            self.registry.acquire(call.weight)
+            return
+        self._admit(call, d.key)
+        if d.state is not state:
+            d.state, d.rows = state, set()
+        d.rows.add(rows)
 
     def launch_now(self, call: MatmulCall) -> Callable[[], MatmulReply] | None:
         """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
@@ -866,13 +873,15 @@ class Engine:
         if call.weights or call.x.ndim != 2 or self._group is not None:
             return None
         try:
-            b = self.registry.get(call.weight).batcher
+            e = self.registry.get(call.weight)
         except NotFound:
             return None  # (start_matmul says so, after the checks that come first)
+        b = e.batcher
+        rows = int(call.x.shape[0])
         key = self._key(call)
-        if b is None or not b.can_launch_now(int(call.x.shape[0]), key):
+        if b is None or not b.can_launch_now(rows, key):
             return None
-        e, key = self._admit(call, key)
+        self._admit_direct(call, e, b.direct(key), rows)
         try:
             wait = b.launch_now(call.x, key)
         except BaseException:
