@@ -647,8 +647,7 @@ class Batcher:
             return None
         kb = (key, _BUCKETS[rows] if 0 <= rows < len(_BUCKETS) else _bucket(rows))
         cost = self._job_s.get(kb)
-        # Device.inlines(cost), written out: per direct-path request on the loop
-        if cost is None or cost > dev.inline_s or dev._in_thread:
+        if not dev.inlines(cost):  # (the inline rule stays Device's alone)
             return None
         if self._launch_batch is not None and self._kernel_s.get(kb, 0.0) > DEFER_KERNEL_S:
             return None
