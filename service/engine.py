@@ -827,26 +827,38 @@ class Engine:
         nothing was done, queue it (``start_matmul``). A multi-weight call's direct path
         is ``multi.run_weights_now`` (on :meth:`direct_batchers` and :meth:`run_direct`).
         Refusals and failures raise, as ``start_matmul``'s future would fail."""
-        x = call.x
-        if call.weights or x.ndim != 2 or self._group is not None:
-            return None
         # direct_batchers and run_direct for one call, written out (no list, loop or sum;
         # per request on the loop)
-        try:
-            e = self.registry.get(call.weight)
-        except NotFound:
-            return None  # (start_matmul says so, after the checks that come first)
-        b = e.batcher
-        rows = int(x.shape[0])
-        key = self._key(call)
-        if b is None or b.direct_cost(rows, key, own) is None:
+        got = self._direct_target(call)
+        if got is None:
+            return None
+        e, b, key, rows = got
+        if b.direct_cost(rows, key, own) is None:
             return None
         d = b.direct(key)
         self._admit_direct(call, e, d, rows)
         try:
-            return b.run_direct(d, x)
+            return b.run_direct(d, call.x)
         finally:
             self.registry.release(e)
+
+    def _direct_target(self, call: MatmulCall,
+                       ) -> tuple[WeightEntry, Batcher, BatchKey, int] | None:
+        """The weight entry (not acquired), batcher, batch key and rows of a single-weight
+        ``call`` that may take a direct path (:meth:`run_now`, :meth:`launch_now`); None:
+        queue it (a missing weight is refused by ``start_matmul``, after the checks that come
+        first)."""
+        x = call.x
+        if call.weights or x.ndim != 2 or self._group is not None:
+            return None
+        try:
+            e = self.registry.get(call.weight)
+        except NotFound:
+            return None
+        b = e.batcher
+        if b is None:
+            return None
+        return e, b, self._key(call), int(x.shape[0])
 
     def _admit_direct(self, call: MatmulCall, e: WeightEntry, d: DirectCall, rows: int,
                       ) -> None:
@@ -870,16 +882,11 @@ class Engine:
         reply; None: nothing was done (queue it). Refusals raise here, failures from the
         function. The caller waits for each launch in order within its loop callback
         (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py)."""
-        if call.weights or call.x.ndim != 2 or self._group is not None:
+        got = self._direct_target(call)
+        if got is None:
             return None
-        try:
-            e = self.registry.get(call.weight)
-        except NotFound:
-            return None  # (start_matmul says so, after the checks that come first)
-        b = e.batcher
-        rows = int(call.x.shape[0])
-        key = self._key(call)
-        if b is None or not b.can_launch_now(rows, key):
+        e, b, key, rows = got
+        if not b.can_launch_now(rows, key):
             return None
         self._admit_direct(call, e, b.direct(key), rows)
         try:
