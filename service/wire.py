@@ -50,9 +50,9 @@ MAX_DIM = 1 << 31
 # dtype (made once) and the Tensor.dtype code of the native ones
 _LITTLE = {dt: dt.newbyteorder("<") for dt in DTYPES.values()}
 _PB_OF_DTYPE = {dt: _DTYPE_TO_PB[name] for name, dt in DTYPES.items()}
-# Tensor.dtype code -> the little-endian numpy dtype x is read as (decode_tensor: one lookup
-# per request for what dtype_from_pb + _LITTLE did in three)
-_LE_OF_PB = {code: _LITTLE[DTYPES[name]] for code, name in _DTYPE_FROM_PB.items()}
+# Tensor.dtype code -> dtype (tensor_spec: one lookup per request for a known code; an unknown
+# one goes to dtype_from_pb for its refusal)
+_DT_OF_PB = {code: DTYPES[name] for code, name in _DTYPE_FROM_PB.items()}
 
 
 def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
@@ -68,7 +68,9 @@ def dtype_from_pb(value: int) -> np.dtype:
 
 def tensor_spec(t: pb.Tensor, what: str = "x") -> tuple[np.dtype, tuple[int, int]]:
     """dtype and 2-D shape of ``t``, checked."""
-    dt = dtype_from_pb(t.dtype)
+    dt = _DT_OF_PB.get(t.dtype)
+    if dt is None:
+        dt = dtype_from_pb(t.dtype)  # (its refusal)
     shape = t.shape  # read once: upb makes a new container per access; Python ints (uint64)
     if len(shape) != 2:
         raise InvalidArgument(f"{what} must be 2-D [N, K], got shape {list(shape)}")
@@ -144,15 +146,8 @@ def decode_tensor(t: pb.Tensor, what: str = "x",
                   data: bytes | memoryview | None = None) -> np.ndarray:
     """A read-only zero-copy view of ``t.data`` (or ``data``, the same field read by
     :func:`read_matmul_request`) as ``t.shape`` of ``t.dtype``."""
-    le = _LE_OF_PB.get(t.dtype)
-    dims = t.shape  # read once: upb makes a new container per access; Python ints (uint64)
-    if le is None or len(dims) != 2:
-        dt, shape = tensor_spec(t, what)  # (its refusal)
-        le = _LITTLE[dt]
-    else:
-        shape = n, k = dims[0], dims[1]  # (indexing: no tuple() of the container)
-        if n >= MAX_DIM or k >= MAX_DIM:
-            raise InvalidArgument(f"{what} shape {[n, k]} is too large")
+    dt, shape = tensor_spec(t, what)
+    le = _LITTLE[dt]
     want = shape[0] * shape[1] * le.itemsize
     if data is None:
         data = t.data  # read once: upb builds a fresh bytes copy on every access
@@ -338,7 +333,6 @@ def _tag(msg: Any, name: str, wire_type: int) -> bytes:
     return encode_varint(msg.DESCRIPTOR.fields_by_name[name].number << 3 | wire_type)
 
 
-_VARINT1 = tuple(bytes((i,)) for i in range(128))
 _DOUBLE = struct.Struct("<d").pack
 _ZERO8 = bytes(8)
 _T_REQ_ID = _tag(pb.MatmulResponse, "request_id", 2)
@@ -363,18 +357,6 @@ _TIMING6_TAGS = tuple(t[0] if len(t) == 1 else t for t in (
     _T_KERNEL_S, _T_ROWS, _T_REQUESTS, _T_DECODE, _T_DEVICE, _T_HANDLER))
 _HEADS: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 MAX_HEADS = 4096  # combinations kept (the table starts over beyond)
-
-
-def _varint(n: int) -> bytes:
-    """``encode_varint`` with the sizes of a reply's records written out (its loop over a
-    bytearray was 1.6% of a direct-path request in process)."""
-    if n < 0x80:
-        return _VARINT1[n]
-    if n < 0x4000:
-        return bytes((n & 0x7F | 0x80, n >> 7))
-    if n < 0x200000:
-        return bytes((n & 0x7F | 0x80, (n >> 7) & 0x7F | 0x80, n >> 14))
-    return encode_varint(n)
 
 
 def _head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
@@ -420,9 +402,9 @@ def _result_pieces(r: MatmulReply, request_id: bytes, took: Took | None) -> Piec
     if r.kernel_seconds is not None:
         t.append(_T_KERNEL_S + _DOUBLE(r.kernel_seconds))
     if r.batch_rows:
-        t.append(_T_ROWS + _varint(r.batch_rows))
+        t.append(_T_ROWS + encode_varint(r.batch_rows))
     if r.batch_requests:
-        t.append(_T_REQUESTS + _varint(r.batch_requests))
+        t.append(_T_REQUESTS + encode_varint(r.batch_requests))
     if took is not None:
         t.append(_T_DECODE + _DOUBLE(took.decoded - took.start))
     if r.device_seconds is not None:
@@ -439,9 +421,9 @@ def _pieces(head: bytes, fields: bytes, y: np.ndarray, timing: bytes,
     # y's bytes: a view when large (copied once, by the join); a small y is copied twice,
     # cheaper than making the view (~0.4 vs 1.8 us for 14 KiB on the VM)
     data = y.tobytes() if nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
-    out: Pieces = [head, data, fields, _T_TIMING + _varint(len(timing)), timing]
+    out: Pieces = [head, data, fields, _T_TIMING + encode_varint(len(timing)), timing]
     if request_id:
-        out += (_T_REQ_ID + _varint(len(request_id)), request_id)
+        out += (_T_REQ_ID + encode_varint(len(request_id)), request_id)
     return out
 
 
@@ -469,8 +451,8 @@ def stream_reply(r: Replies, request_id: str,
     if isinstance(r, MatmulReply) and r.topk is None:
         rid = request_id.encode()
         body = _result_pieces(r, rid, took)
-        head = _T_STREAM_ID + _varint(len(rid)) + rid if rid else b""
-        return b"".join([head, _T_STREAM_RESULT + _varint(_size(body)), *body])
+        head = _T_STREAM_ID + encode_varint(len(rid)) + rid if rid else b""
+        return b"".join([head, _T_STREAM_RESULT + encode_varint(_size(body)), *body])
     if _y_nbytes(r) < SPLICE_MIN_BYTES:
         return stream_result(r, request_id, took)
     pieces = _reply_pieces(r, request_id, took)
