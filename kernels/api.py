@@ -17,7 +17,7 @@ import numpy as np
 
 from . import q6k
 from .epilogue import TopK, check_k
-from .errors import FailedPrecondition, FormatError
+from .errors import FailedPrecondition, FormatError, InvalidArgument
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -34,6 +34,23 @@ def dtype_name(dt: np.dtype) -> str:
         if d == dt:
             return name
     raise FormatError(f"unsupported dtype {dt}; use one of {', '.join(DTYPES)}")
+
+
+# The words a 0/1 switch takes: the kill-switch flags (service/flags.py), the worker's tuning
+# variables (service/envvars.py) and the kernels' own (Q6SERVE_PDL, kernels/cuda/launch.py).
+_TRUE = frozenset(("1", "true", "on", "yes"))
+_FALSE = frozenset(("0", "false", "off", "no"))
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """``text`` (a switch's value, e.g. an environment variable's) as a bool; other words are
+    refused, naming ``name``."""
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise InvalidArgument(f"{name}={text!r}: use 0 or 1")
 
 
 class Precision(enum.StrEnum):

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 
-from q6serve.kernels.api import KernelFlags
+from q6serve.kernels.api import KernelFlags, parse_bool
 from q6serve.kernels.errors import InvalidArgument
 
 log = logging.getLogger("q6serve.flags")
@@ -22,19 +22,6 @@ FLAG_NAMES: dict[str, str] = {
     "Q6SERVE_DECODE_MMQ": "decode_mmq",
     "Q6SERVE_DYNAMIC_BATCHING": "dynamic_batching",
 }
-_TRUE = {"1", "true", "on", "yes"}
-_FALSE = {"0", "false", "off", "no"}
-
-
-def parse_bool(name: str, text: str) -> bool:
-    t = text.strip().lower()
-    if t in _TRUE:
-        return True
-    if t in _FALSE:
-        return False
-    raise InvalidArgument(f"{name}={text!r}: use 0 or 1")
-
-
 @dataclass(frozen=True)
 class FlagState:
     q6k_soa: bool = True

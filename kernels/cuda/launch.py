@@ -48,9 +48,18 @@ from typing import Any
 import numpy as np
 
 from .. import cuda_topk, q6k
-from ..api import BFLOAT16, KernelTiming, Launched, Layout, MatmulResult, Precision, ResidentWeight
+from ..api import (
+    BFLOAT16,
+    KernelTiming,
+    Launched,
+    Layout,
+    MatmulResult,
+    Precision,
+    ResidentWeight,
+    parse_bool,
+)
 from ..epilogue import TopK
-from ..errors import DeviceError, FormatError, InvalidArgument
+from ..errors import DeviceError, FormatError
 from .dispatch import Cfg
 from .loader import arch_specific
 from .storage import CudaWeight
@@ -196,12 +205,8 @@ def pdl_from_env(env: Any = None) -> bool:
     """``Q6SERVE_PDL`` (unset or empty: on). A kernels-level variable, read where a backend is
     built (the worker builds its backends at start, so a bad value stops it there), because the
     backend runs without the service too (bench, tests, library use)."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_PDL", "").strip().lower()
-    if not raw or raw in ("1", "on", "true", "yes"):
-        return True
-    if raw in ("0", "off", "false", "no"):
-        return False
-    raise InvalidArgument(f"Q6SERVE_PDL={raw!r}: use 0 or 1 (the split-K sum's launch with PDL)")
+    raw = (os.environ if env is None else env).get("Q6SERVE_PDL", "").strip()
+    return True if not raw else parse_bool("Q6SERVE_PDL", raw)
 
 
 def _driver_launch_ex() -> Any:

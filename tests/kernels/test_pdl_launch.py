@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.cuda import launch as lm
+from q6serve.kernels.errors import InvalidArgument
 
 
 def test_struct_layouts_match_the_driver_headers():
@@ -82,5 +83,5 @@ def test_only_the_register_and_ring_tiles_sum_with_pdl(monkeypatch):
 
 def test_a_bad_value_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("Q6SERVE_PDL", "maybe")
-    with pytest.raises(lm.InvalidArgument, match="Q6SERVE_PDL='maybe'"):
+    with pytest.raises(InvalidArgument, match="Q6SERVE_PDL='maybe'"):
         lm.Launcher(SimpleNamespace(cc="90"), graphs=False)
