@@ -18,6 +18,7 @@ never dispatched, is in the history: commit 2f899f3, bench/RESULTS.md.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -31,7 +32,7 @@ from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
-from q6serve.kernels.cuda.launch import kernel_file, kernel_name
+from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_file, kernel_name
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="per shape and N: AUTO's K-slice cell with the grid model's per-tile "
                          "charge at 0 and at launch.KS_TILE_BLOCKS, interleaved, where the two "
                          "grids differ; no tiles")
+    ap.add_argument("--rp", action="store_true",
+                    help="the session-11 repacked-decode probe: per shape and N, src 4's "
+                         "launch shapes on the SoA weights and q6k_ksp_f16 on a repacked copy "
+                         "(q6k_repack_pairs), same grids, bits compared, beside AUTO")
+    ap.add_argument("--rp-profile", action="store_true",
+                    help="with --rp: no checks or timing, one launch of each (Nsight Compute)")
     ap.add_argument("--ks-sweep", default=None, metavar="COUNTS",
                     help="probe only src 4's launch shapes, each at these forced K-slice "
                          "counts (e.g. 2,4,8; 0 = the grid model's) beside AUTO")
@@ -87,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     KS_SWEEP = tuple(int(v) for v in a.ks_sweep.split(",")) if a.ks_sweep else ()
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
+    if a.rp:
+        cfgs = [c for n in ns for c in rp_cfgs(n)]
     if a.pdl_ab or a.model_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
         cfgs = [ch.cfg for sh in a.shapes.split(",") for n in ns
                 for ch in [be.choose(n, Precision.AUTO, KernelFlags(),
@@ -100,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
                                    if kernel_file("mma_f16", c) == file}, threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
+    if a.rp:  # the probe kernels, and AUTO's kernels (not compiled one by one in the loop)
+        autos = [ch for sh in a.shapes.split(",") for n in ns
+                 for ch in [be.choose(n, Precision.AUTO, KernelFlags(), *map(int, sh.split("x")))]
+                 if ch.cfg is not None]
+        with be.ctx.dev:
+            be.ctx.prefetch(MATMUL_FILE, {rp_name(c) for c in cfgs}, threads=16)
+            for file in dict.fromkeys(kernel_file(ch.path, ch.cfg) for ch in autos):
+                be.ctx.prefetch(file, {kernel_name(ch.path, ch.cfg, True, "InF16") for ch in autos
+                                       if kernel_file(ch.path, ch.cfg) == file}, threads=16)
+        for c in dict.fromkeys(cfgs):
+            f = be.ctx.fn(MATMUL_FILE, rp_name(c))
+            print(f"# rp {c.label()}: {f.num_regs} regs", flush=True)
     for c in dict.fromkeys(cfgs):
         f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
         print(f"# {c.label()}: {f.num_regs} regs", flush=True)
@@ -119,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             aos[:, 208:210] = d.view(cp.uint8).reshape(nb, 2)
             ws = [device_weight(be, aos, rows, k, Layout.SOA) for _ in range(copies)]
             wa = device_weight(be, aos, rows, k, Layout.AOS)
+            if a.rp:  # the probe's weights: repacked copies of the same blocks
+                wr = [repack_pairs(be, device_weight(be, aos, rows, k, Layout.SOA))
+                      for _ in range(copies)]
             pick = np.unique(np.concatenate([
                 np.arange(min(rows, 128)), np.arange(max(0, rows - 128), rows),
                 rng.integers(0, rows, CHECK_ROWS)]))
@@ -129,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{pick.size} rows checked", flush=True)
         for n in ns:
             x16 = rng.standard_normal((n, k)).astype(np.float16)
-            y64 = None if a.pdl_ab or a.model_ab else reference.matmul_float64(x16, sub, pick.size)
+            no_ref = a.pdl_ab or a.model_ab or a.rp_profile
+            y64 = None if no_ref else reference.matmul_float64(x16, sub, pick.size)
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
             if a.profile:
                 profile_calls(be, ws, xd, n, rows, k)
+                continue
+            if a.rp:
+                results.append(rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies,
+                                        a.rp_profile))
                 continue
             t_torch = None if a.no_torch else _bk.torch_linear_us(
                 rows, k, n, max(2, min(16, math.ceil(3 * _bk.L2_BYTES / (2 * rows * k)))))
@@ -170,12 +199,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"err {res['err']:.2e} "
                       f"{'ok' if res['ok'] else 'BAD'}", flush=True)
             results.append(row)
-        for w in [*ws, wa]:
+        for w in [*ws, wa, *(wr if a.rp else ())]:
             be.free(w)
         ws.clear()
         cp.get_default_memory_pool().free_all_blocks()
     if a.profile:
         return 0
+    if a.rp:
+        if a.rp_profile:
+            return 0
+        print_rp_table(results)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
+                           "rp": results}, fh, indent=1)
+        return 0 if all(v["ok"] for r in results for v in r["rp"].values()) else 1
     if a.model_ab:
         print_model_table(results)
         if a.json:
@@ -357,6 +395,120 @@ def print_model_table(results: list[dict]) -> None:
         (g0, t0), (g1, t1) = ((r["grids"][c], min(v)) for c, v in r["times"].items())
         print(f"{r['shape']:>12} {r['n']:>3} {r['kernel']:>28} {g0} {t0:7.1f} -> {g1} {t1:7.1f} "
               f"x{t0 / t1:.3f}", flush=True)
+
+
+def rp_cfgs(n: int) -> list[Cfg]:
+    """src 4's register-prefetch launch shapes of an ``n``-token call (one m-tile), which the
+    probe kernel q6k_ksp_f16 mirrors."""
+    nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
+    return [Cfg(nt=nt, src=4, pf=True, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
+            if mt == 1 and pf]
+
+
+def rp_name(c: Cfg) -> str:
+    return f"q6k_ksp_f16<{c.nt}, InF16, {c.warps}>"
+
+
+def repack_pairs(be, w: ResidentWeight) -> ResidentWeight:
+    """Rewrite a SoA weight's slabs in place into the probe's pair streams (q6k_repack_pairs);
+    only q6k_ksp_f16 reads it afterwards."""
+    cw = storage.weight_data(w)
+    fn = be.ctx.fn(MATMUL_FILE, "q6k_repack_pairs")
+    bpr = w.k // q6k.QK_K
+    with be.ctx.dev, be.stream:
+        for i, slab in enumerate(cw.slabs):
+            nb = min(cw.rps, w.rows - i * cw.rps) * bpr
+            fn(((nb + 127) // 128,), (128,), (slab, np.int32(nb)))
+    return w
+
+
+def run_tile(cp, be, w: ResidentWeight, xd, n: int, c: Cfg, probe: bool):
+    """src 4's launch shape ``c`` through the launcher's own plan and steps; ``probe``: the
+    same plan (grid, K slices, shared memory, split-K sum) with q6k_ksp_f16 as the tile."""
+    la = be.launcher
+    with be.ctx.dev, be.stream:
+        lp = la.plan(w.rows, w.k, w.layout, "InF16", "mma_f16", c, n)
+        if probe:
+            fn = be.ctx.fn(MATMUL_FILE, rp_name(c))
+            if int(fn.max_dynamic_shared_size_bytes) < lp.smem:
+                fn.max_dynamic_shared_size_bytes = lp.smem
+            lp = dataclasses.replace(lp, fn=fn)
+        y = cp.empty((n, w.rows), cp.float32)
+        for st in la.steps(lp, w, storage.weight_data(w), int(xd.data.ptr), int(y.data.ptr), n):
+            st()
+    return y, lp.grid
+
+
+def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -> dict:
+    """AUTO, then per launch shape src 4 on the SoA copies and the probe on the repacked ones:
+    y compared bit for bit (same grid, same operation order), error vs the float64 reference,
+    times interleaved s4/rp twice (best of each)."""
+    rows, k = map(int, shape_s.split("x"))
+    choice = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+    f16 = np.dtype(np.float16)
+    if profile:
+        with be.ctx.dev, be.stream:
+            be.run(ws[0], xd, f16, choice.path, choice.cfg)
+        for i, c in enumerate(rp_cfgs(n)):
+            run_tile(cp, be, ws[(1 + i) % len(ws)], xd, n, c, False)
+            run_tile(cp, be, wr[(1 + i) % len(wr)], xd, n, c, True)
+        be.stream.synchronize()
+        return {}
+
+    def call_auto(i: int) -> None:
+        be.run(ws[i], xd, f16, choice.path, choice.cfg)
+
+    with be.ctx.dev, be.stream:
+        t_auto = _bk.time_calls(cp, call_auto, copies)
+    lab = f"{choice.path} {choice.cfg.label() if choice.cfg else ''}"
+    row = {"shape": shape_s, "n": n, "mb": q6k.aos_nbytes(rows, k) / 1e6, "auto": lab,
+           "auto_us": t_auto, "s4": {}, "rp": {}}
+    print(f"{shape_s:>12} {n:>3} {'auto=' + lab:>34} {t_auto:8.1f} us", flush=True)
+    for c in rp_cfgs(n):
+        try:
+            y4, g4 = run_tile(cp, be, ws[0], xd, n, c, False)
+            yp, gp = run_tile(cp, be, wr[0], xd, n, c, True)
+            y4, yp = y4.get(), yp.get()
+            same = bool(np.array_equal(y4.view(np.uint32), yp.view(np.uint32)))
+            err = _bk_rel(yp[:, pick], y64)
+            ok = same and bool(np.isfinite(yp).all()) and err <= TOL and g4 == gp
+            times: dict[str, list[float]] = {"s4": [], "rp": []}
+            for _ in range(2):
+                for key, wl, probe in (("s4", ws, False), ("rp", wr, True)):
+                    with be.ctx.dev, be.stream:
+                        times[key].append(_bk.time_calls(
+                            cp, lambda i, wl=wl, probe=probe, c=c: run_tile(
+                                cp, be, wl[i], xd, n, c, probe), copies))
+        except Exception as e:  # one broken shape must not end the run
+            first = str(e).splitlines()[0] if str(e) else ""
+            row["rp"][c.label()] = {"ok": False, "error": f"{type(e).__name__}: {first}"}
+            print(f"{shape_s:>12} {n:>3} {c.label():>34} FAILED {type(e).__name__}: {first}",
+                  flush=True)
+            continue
+        t4, tp = min(times["s4"]), min(times["rp"])
+        row["s4"][c.label()] = {"us": t4, "runs": times["s4"]}
+        row["rp"][c.label()] = {"us": tp, "runs": times["rp"], "err": err, "same_bits": same,
+                                "grid": list(gp), "ok": ok}
+        print(f"{shape_s:>12} {n:>3} {c.label():>34} grid {gp} s4 {t4:7.1f} rp {tp:7.1f} us "
+              f"x{t4 / tp:.3f} vs s4, x{t_auto / tp:.3f} vs auto  err {err:.2e} "
+              f"{'same bits' if same else 'BITS DIFFER'} {'ok' if ok else 'BAD'}", flush=True)
+    return row
+
+
+def print_rp_table(results: list[dict]) -> None:
+    print("\n# repacked-decode probe (q6k_ksp_f16) vs src 4 (same launch shape and grid) and "
+          "AUTO: us, best of two interleaved runs; best shape of each")
+    print(f"{'shape':>12} {'N':>3} {'AUTO':>8} {'best s4':>24} {'best rp':>24} {'rp/s4':>6} "
+          f"{'xAUTO':>6}")
+    for r in results:
+        good = [(v["us"], lab) for lab, v in r["rp"].items() if v.get("ok")]
+        if not good:
+            print(f"{r['shape']:>12} {r['n']:>3} {r['auto_us']:8.1f}  no correct probe")
+            continue
+        t4, l4 = min((v["us"], lab) for lab, v in r["s4"].items())
+        tp, lp = min(good)
+        print(f"{r['shape']:>12} {r['n']:>3} {r['auto_us']:8.1f} {l4:>16} {t4:7.1f} "
+              f"{lp:>16} {tp:7.1f} {t4 / tp:6.3f} {r['auto_us'] / tp:6.3f}", flush=True)
 
 
 def print_pdl_table(results: list[dict]) -> None:

@@ -1014,6 +1014,207 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Probe (session 11, issue 16; bench/tile_probe.py --rp, never dispatched): the K-slice tile
+// q6k_ks_f16 (mt 1, whole-block register prefetch) reading a repack of the same bytes in which
+// a 32-bit word yields an f16x2 pair of codes with one shift or byte permute and one LOP3.
+// Repacked block (same SoA planes, same sizes: resident bytes unchanged): lane t's 48 bytes are
+// ql-plane bytes [32t, 32t+32) (words W0..W7) and qh-plane bytes [16t, 16t+16) (W8..W11). Its
+// sub-block m = 2h + nib (scale byte t of scale word m, as in block_mma) is the triple
+// (W[2m], W[2m+1], W[8+m]): two 48-bit streams, the low halves and the high halves of the three
+// words, each holding 8 six-bit fields; field P of the low stream is the code of quad element
+// i = 2(P&1) of quad j = P>>1, of the high stream element i + 1 (so field P of both streams is
+// the A register pair a0/a2 of step j). pair_bits moves field P of both halves to bits 2-7
+// (fields 3 free, 0 1 4 6 7 one shift, 2 5 straddle two words: a byte permute and a shift),
+// then deq2p = LOP3 (mask | 0x6400 magic) + deq2f's HFMA2: the same A bits as deq2 (results
+// bit-identical to q6k_ks_f16 on the same grid). Decode: 23 instructions per 16 weights
+// against quad_q + deq2's 40 (the FMA form's 32), and 12 code words per row-lane instead of 16.
+struct RawP {
+    uint4 q[3];  // ql-plane bytes [32t, +32), qh-plane bytes [16t, +16) of the repacked block
+    uint4 sc;
+    u32 d;
+};
+__device__ __forceinline__ RawP load_rawp(const RowRef& r, int b, int t) {
+    RawP w;
+    const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
+    w.q[0] = ldg_stream128(ql);
+    w.q[1] = ldg_stream128(ql + 16);
+    w.q[2] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
+    w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+    w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    return w;
+}
+__device__ __forceinline__ u32 pair_bits(int p, u32 w0, u32 w1, u32 w2) {
+    switch (p) {
+        case 0: return w0 << 2;
+        case 1: return w0 >> 4;
+        case 2: return __byte_perm(w0, w1, 0x6341u) >> 2;  // w0 bits 12-15 + w1 bits 0-1
+        case 3: return w1;
+        case 4: return w1 >> 6;
+        case 5: return __byte_perm(w1, w2, 0x6341u) >> 4;  // w1 bits 14-15 + w2 bits 0-3
+        case 6: return w2 >> 2;
+        default: return w2 >> 8;
+    }
+}
+// (v & mask) | magic as one LOP3: with both constants as immediates ptxas emits two (a LOP3
+// takes one immediate), so the magic comes in a register (read once from constant memory).
+__constant__ u32 kPairMagic = 0x64006400u;
+__device__ __forceinline__ u32 deq2p(u32 v, u32 s4, u32 c, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;" : "=r"(r) : "r"(v), "r"(magic));
+    return hfma2(r, s4, c);
+}
+
+// block_mma<NT, 1, BX, NoMid, true> on the repacked words: the same operations in the same
+// order (accumulator rescale, mma sequence, final scale), only the A registers built otherwise.
+template <int NT, class BX>
+__device__ __forceinline__ void block_mma_rp(float (&acc)[1][NT][4], const RawP (&raw)[2], int t,
+                                             BX bx_of) {
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
+    const u32 magic = kPairMagic;
+    float dmul[2];
+    u32 s4[2][4], bias[2][4];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const float d = f16_to_f32(raw[hr].d);
+        const bool zero = (d == 0.f);
+        dmul[hr] = zero ? 1.f : d;
+        const float inv = zero ? 1.f : rcp_approx(d);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            acc[0][nt][2 * hr] *= inv;
+            acc[0][nt][2 * hr + 1] *= inv;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            s4[hr][k] = zero ? 0u : sc4_pair(word4(raw[hr].sc, k), scsel);
+            bias[hr][k] = bias_pair(s4[hr][k]);
+        }
+    }
+#pragma unroll
+    for (int sp = 0; sp < 8; ++sp) {
+        const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1, m = 2 * h + nib;
+        uint4 bx[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) bx[nt] = bx_of(sp, nt);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int j = 2 * jj + u;
+            u32 alo[2], ahi[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const u32 w0 = word4(raw[hr].q[m >> 1], 2 * (m & 1));
+                const u32 w1 = word4(raw[hr].q[m >> 1], 2 * (m & 1) + 1);
+                const u32 w2 = word4(raw[hr].q[2], m);
+                alo[hr] = deq2p(pair_bits(2 * j, w0, w1, w2), s4[hr][m], bias[hr][m], magic);
+                ahi[hr] = deq2p(pair_bits(2 * j + 1, w0, w1, w2), s4[hr][m], bias[hr][m], magic);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                mma_f16(acc[0][nt], alo[0], alo[1], ahi[0], ahi[1], u ? bx[nt].z : bx[nt].x,
+                        u ? bx[nt].w : bx[nt].y);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dmul[i >> 1];
+}
+
+// q6k_ks_f16<NT, 1, true, In, true, NW> (schedule, staging, prefetch, emit) on repacked SoA
+// weights. Same signature, so Launcher's plan and steps of the src 4 shape launch it.
+template <int NT, class In, int NW>
+__global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
+    q6k_ksp_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
+    MAKE_W;
+    MAKE_OUT;
+    (void)xp;
+    const KsPos ps = ks_pos<NT>(w.bpr);
+    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
+    const int kb0 = ps.kb0, nblk = ps.nblk;
+    const int wtiles = (w.rows + 15) / 16;
+    const int wstride = gridDim.x * NW;
+    int wt = blockIdx.x * NW + warp;
+    if (nblk <= 0) return;
+
+    RowRef rr[1][2], rn[1][2];
+    RawP nxt[2];
+    if (wt < wtiles) {
+        warp_rows<true>(w, wt * 16, g, rr);
+        nxt[0] = load_rawp(rr[0][0], kb0, t);
+        nxt[1] = load_rawp(rr[0][1], kb0, t);
+    }
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
+    __syncthreads();
+    const int tstride = nblk * 32 + 4;
+    for (; wt < wtiles; wt += wstride) {
+        const int wrow = wt * 16;
+        const bool more = wt + wstride < wtiles;
+        if (more) warp_rows<true>(w, (wt + wstride) * 16, g, rn);
+        float acc[1][NT][4];
+        zero_acc(acc);
+        for (int b = 0; b < nblk; ++b) {
+            const auto bx = [&](int sp, int nt) -> uint4 {
+                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+            };
+            RawP raw[2] = {nxt[0], nxt[1]};
+            if (b + 1 < nblk) {
+                nxt[0] = load_rawp(rr[0][0], kb0 + b + 1, t);
+                nxt[1] = load_rawp(rr[0][1], kb0 + b + 1, t);
+            } else if (more) {
+                nxt[0] = load_rawp(rn[0][0], kb0, t);
+                nxt[1] = load_rawp(rn[0][1], kb0, t);
+            }
+            block_mma_rp<NT>(acc, raw, t, bx);
+        }
+        if (more) {
+            rr[0][0] = rn[0][0];
+            rr[0][1] = rn[0][1];
+        }
+        ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
+    }
+}
+
+// The probe's repack, in place, of one SoA slab of nb blocks (one thread per block): the ql and
+// qh planes rewritten into the pair streams above (scales and d untouched). Not byte-exact
+// with ggml's order any more: only q6k_ksp_f16 reads such a slab.
+extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int nb) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nb) return;
+    u8* ql = slab + (size_t)b * 128u;
+    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
+    u8 q[256];
+    for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+            const u32 a = ql[64 * h + l], c = ql[64 * h + l + 32], hh = qh[32 * h + l];
+            q[128 * h + l] = (u8)((a & 15u) | ((hh & 3u) << 4));
+            q[128 * h + l + 32] = (u8)((c & 15u) | (((hh >> 2) & 3u) << 4));
+            q[128 * h + l + 64] = (u8)((a >> 4) | (((hh >> 4) & 3u) << 4));
+            q[128 * h + l + 96] = (u8)((c >> 4) | (((hh >> 6) & 3u) << 4));
+        }
+    for (int t = 0; t < 4; ++t) {
+        u32 W[12];
+        for (int i = 0; i < 12; ++i) W[i] = 0u;
+        for (int m = 0; m < 4; ++m)
+            for (int p = 0; p < 8; ++p)
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int j = p >> 1, i = 2 * (p & 1) + hf;
+                    const int e = (m >> 1) * 128 + 32 * ((t >> 1) + 2 * (m & 1)) + 16 * (t & 1) +
+                                  4 * j + i;
+                    const u32 code = q[e];
+                    for (int k = 0; k < 6; ++k) {
+                        const int sb = 6 * p + k, word = sb >> 4;
+                        const int wi = word == 2 ? 8 + m : 2 * m + word;
+                        W[wi] |= ((code >> k) & 1u) << ((sb & 15) + 16 * hf);
+                    }
+                }
+        u32* dl = (u32*)(ql + 32 * t);
+        u32* dh = (u32*)(qh + 16 * t);
+        for (int i = 0; i < 8; ++i) dl[i] = W[i];
+        for (int i = 0; i < 4; ++i) dh[i] = W[8 + i];
+    }
+}
+
 #ifdef Q6SERVE_NVCC_CHECK
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
@@ -1038,6 +1239,11 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
+#define INST_KSP(NT, NW)                                                                     \
+    template __global__ void q6k_ksp_f16<NT, InF16, NW>(                                      \
+        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
+INST_KSP(1, 8) INST_KSP(2, 8) INST_KSP(4, 8) INST_KSP(8, 8) INST_KSP(1, 12) INST_KSP(2, 12)
+INST_KSP(4, 12) INST_KSP(1, 16) INST_KSP(2, 16)
 #define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
     template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
