@@ -68,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="per shape and N: AUTO with the split-K sum launched plainly and with "
                          "PDL (Launcher.pdl), interleaved off/on/off/on, bits compared; no tiles")
-    ap.add_argument("--model-ab", action="store_true",
-                    help="per shape and N: AUTO's K-slice cell with the grid model's per-tile "
-                         "charge at 0 and at launch.KS_TILE_BLOCKS, interleaved, where the two "
-                         "grids differ; no tiles")
     ap.add_argument("--rp", action="store_true",
                     help="the session-11 repacked-decode probe: per shape and N, src 4's "
                          "launch shapes on the SoA weights and q6k_ksp_f16 on a repacked copy "
@@ -96,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = [c for n in ns for c in ks_cfgs(n)]
     if a.rp:
         cfgs = [c for n in ns for c in rp_cfgs(n)]
-    if a.pdl_ab or a.model_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
+    if a.pdl_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
         cfgs = [ch.cfg for sh in a.shapes.split(",") for n in ns
                 for ch in [be.choose(n, Precision.AUTO, KernelFlags(),
                                      *map(int, sh.split("x")))]
@@ -153,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{pick.size} rows checked", flush=True)
         for n in ns:
             x16 = rng.standard_normal((n, k)).astype(np.float16)
-            no_ref = a.pdl_ab or a.model_ab or a.rp_profile
+            no_ref = a.pdl_ab or a.rp_profile
             y64 = None if no_ref else reference.matmul_float64(x16, sub, pick.size)
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
@@ -174,9 +170,6 @@ def main(argv: list[str] | None = None) -> int:
 
             if a.pdl_ab:
                 results.append(pdl_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies))
-                continue
-            if a.model_ab:
-                results.append(model_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies))
                 continue
             with be.ctx.dev, be.stream:
                 t_auto = _bk.time_calls(cp, call_auto, copies)
@@ -214,13 +207,6 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
                            "rp": results}, fh, indent=1)
         return 0 if all(v["ok"] for r in results for v in r["rp"].values()) else 1
-    if a.model_ab:
-        print_model_table(results)
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump({"device": be.device_name(), "date": time.strftime("%Y-%m-%d"),
-                           "model_ab": results}, fh, indent=1)
-        return 0
     if a.pdl_ab:
         print_pdl_table(results)
         if a.json:
@@ -348,53 +334,6 @@ def pdl_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies) -> dict:
           f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
     return {"shape": shape_s, "n": n, "kernel": lab, "off": times[False], "on": times[True],
             "same": same}
-
-
-def model_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies) -> dict:
-    """AUTO's K-slice cell (a table entry that leaves the slice count to the model) with the
-    grid model's per-tile charge at 0 (before session 11) and at KS_TILE_BLOCKS, interleaved
-    0/new/0/new, where the two charges give different grids; the grids are printed either way."""
-    from q6serve.kernels.cuda.launch import KS_TILE_BLOCKS
-
-    lab = f"{choice.path} {choice.cfg.label() if choice.cfg else ''}"
-    row = {"shape": shape_s, "n": n, "kernel": lab, "grids": {}, "times": {}}
-    rows, k = map(int, shape_s.split("x"))
-    if choice.path != "mma_f16" or choice.cfg.src not in (4, 5, 6) or choice.cfg.ksplit:
-        print(f"{shape_s:>12} {n:>3} {lab:>28} not a model-split K-slice cell", flush=True)
-        return row
-    charges = (0.0, KS_TILE_BLOCKS)
-    for ch in charges:
-        be.launcher.ks_tile_blocks = ch
-        with be.ctx.dev:
-            lp = be.launcher.plan(rows, k, Layout.SOA, "InF16", choice.path, choice.cfg, n)
-        row["grids"][str(ch)] = list(lp.grid)
-    if row["grids"][str(charges[0])] == row["grids"][str(charges[1])]:
-        be.launcher.ks_tile_blocks = KS_TILE_BLOCKS
-        print(f"{shape_s:>12} {n:>3} {lab:>28} same grid {row['grids'][str(charges[0])]}",
-              flush=True)
-        return row
-    for _ in range(2):
-        for ch in charges:
-            be.launcher.ks_tile_blocks = ch
-            with be.ctx.dev, be.stream:
-                row["times"].setdefault(str(ch), []).append(_bk.time_calls(cp, call_auto, copies))
-    be.launcher.ks_tile_blocks = KS_TILE_BLOCKS
-    t0, t1 = (min(row["times"][str(ch)]) for ch in charges)
-    print(f"{shape_s:>12} {n:>3} {lab:>28} grid {row['grids'][str(charges[0])]} "
-          f"{row['times'][str(charges[0])]} -> {row['grids'][str(charges[1])]} "
-          f"{row['times'][str(charges[1])]}  x{t0 / t1:.3f}", flush=True)
-    return row
-
-
-def print_model_table(results: list[dict]) -> None:
-    print("\n# K-slice grid model, per-tile charge 0 -> KS_TILE_BLOCKS: AUTO us, best of two "
-          "interleaved runs each (cells whose grid moved)")
-    for r in results:
-        if not r["times"]:
-            continue
-        (g0, t0), (g1, t1) = ((r["grids"][c], min(v)) for c, v in r["times"].items())
-        print(f"{r['shape']:>12} {r['n']:>3} {r['kernel']:>28} {g0} {t0:7.1f} -> {g1} {t1:7.1f} "
-              f"x{t0 / t1:.3f}", flush=True)
 
 
 def rp_cfgs(n: int) -> list[Cfg]:

@@ -73,12 +73,6 @@ RING_STAGE = 3408  # src 5: bytes of one warp's ring stage (q6k_matmul.cu)
 # Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
 # loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
 KS_INFLIGHT = 48 << 10
-# Blocks the K-slice grid model charges each warp tile beyond its own (its partial sums emitted,
-# the register prefetch chain restarting): without it 16 one-block slices looked cheaper than
-# 2-4 of 8 blocks on 14336x4096 at N = 4 (27.0 vs 23.7-24.3 us, H200 session 10 sweep); with half
-# a block the model's pick came within 1.002x of the best swept count on average (worst 1.020x)
-# against 1.023x (worst 1.145x). Launcher.ks_tile_blocks (bench A/B: tile_probe.py --model-ab).
-KS_TILE_BLOCKS = 0.5
 CUBLAS_TILE_BYTES = 64 << 20  # f16 scratch per cuBLAS tile
 GROW_SLACK = 64 << 20  # a workspace buffer grows to 2x its size unless that wastes more than this
 # y bytes at most that the bound sequence converts and downloads itself (then copied out on the
@@ -490,7 +484,6 @@ class Launcher:
     def __init__(self, ctx: Any, graphs: bool = True) -> None:
         self.ctx = ctx
         self._grids: dict[tuple, tuple[int, int, int]] = {}
-        self.ks_tile_blocks = KS_TILE_BLOCKS  # the K-slice grid model's per-tile charge
         self.ws = Workspace(ctx)
         self.graphs = graphs  # the wall bench compares both
         self._record_ext: Any = None
@@ -550,10 +543,9 @@ class Launcher:
         CTAs (registers and shared memory bound the occupancy). Per slice count ks, the
         cost of the busiest SM is its CTAs x (weight bytes + activation staging + partial
         sums written and re-read), divided by the fraction of ``KS_INFLIGHT`` its warps keep
-        in flight (one block each with register prefetch, stages-1 with the ring); each warp
-        tile is charged ``ks_tile_blocks`` blocks beyond its own (emit, prefetch restart). The
+        in flight (one block each with register prefetch, stages-1 with the ring); the
         cheapest wins, then fewer slices. SoA twin only, so both layouts cut and sum alike."""
-        key = (rows, k, "ks", nz, cfg, n, self.ks_tile_blocks)
+        key = (rows, k, "ks", nz, cfg, n)
         hit = self._grids.get(key)
         if hit is not None:
             return hit
@@ -579,7 +571,7 @@ class Launcher:
             rounds = -(-wtiles // (wpc * gx))
             gx = -(-wtiles // (wpc * rounds))  # as few CTAs as give the same rounds
             per_sm = -(-(gx * ks_eff * nz) // sms)
-            wbytes = rounds * wpc * 16 * cfg.mt * (per + self.ks_tile_blocks) * 210
+            wbytes = rounds * wpc * 16 * cfg.mt * per * 210
             xbytes = 8 * cfg.nt * per * 512 // 2  # L2 -> smem once, half a weight byte each
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
