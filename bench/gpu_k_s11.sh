@@ -3,11 +3,12 @@
 # timeout; what is done comes back even if the call is cut):
 #  1. the repacked-decode probe (bench/tile_probe.py --rp): q6k_ksp_f16 on repacked copies vs
 #     src 4's launch shapes on the SoA weights (same grids, bits compared) beside AUTO;
-#  2. the K-slice grid model's per-tile charge (tile_probe.py --model-ab), every table shape;
+#  2. (at 324a9f2 only: the K-slice grid model's per-tile charge, tile_probe.py --model-ab, every
+#     table shape; the charge lost and was reverted with its --model-ab, so this step is gone)
 #  3. Nsight Compute of the probe cell (4096x14336 N=16: AUTO, src 4 and the probe per shape):
 #     instructions executed, issue use, the stall mix;
 #  4. the K-slice GPU tests (tests/kernels/test_cuda_ks.py).
-#   bench/gpu_k_s11.sh        (RP_SHAPES, RP_NS, MODEL_NS, NCU_SHAPE, NCU_N override)
+#   bench/gpu_k_s11.sh        (RP_SHAPES, RP_NS, NCU_SHAPE, NCU_N override)
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/ks11
@@ -18,11 +19,6 @@ timeout "${RP_TIMEOUT:-130}" python3 bench/tile_probe.py --rp --shapes "$SH" --n
 note "# rp rc=$? $(elapsed)"
 sed -n '/repacked-decode probe/,$p' "$OUT/rp.log"
 grep -E "FAILED|BAD|BITS DIFFER|Error" "$OUT/rp.log" | head -8
-timeout "${MODEL_TIMEOUT:-70}" python3 bench/tile_probe.py --model-ab --ns "${MODEL_NS:-1,2,4,8,16,32,64}" \
-  --no-torch --json "$OUT/model.json" >"$OUT/model.log" 2>&1
-note "# model-ab rc=$? $(elapsed)"
-grep -E "grid \[|Error" "$OUT/model.log" | grep -v "same grid" | head -20
-sed -n '/K-slice grid model/,$p' "$OUT/model.log"
 m=smsp__average_warps_issue_stalled
 metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum
 metrics+=,smsp__inst_executed.avg.per_cycle_active,sm__warps_active.avg.pct_of_peak_sustained_active
@@ -43,5 +39,5 @@ timeout "${KSTEST_TIMEOUT:-70}" python3 -m pytest -m gpu -q -rfE --maxfail=3 -p 
 note "# kstest rc=$? $(elapsed)"
 tail -4 "$OUT/pytest_ks.log"
 (cd "$OUT" && tar czf "$FINAL/k_s11_logs.tgz" -- *)
-cp "$OUT"/rp.log "$OUT"/model.log "$FINAL"/ 2>/dev/null
+cp "$OUT"/rp.log "$FINAL"/ 2>/dev/null
 note "# done $(elapsed)"
