@@ -48,7 +48,7 @@ from .cuda.dispatch import (
     default_cfg,
     load_default_table,
 )
-from .cuda.launch import IN_TYPES, SLOTS, Launcher
+from .cuda.launch import IN_TYPES, SLOTS, Launcher, RegionCall
 from .cuda.storage import CudaWeight, Storage, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
@@ -186,8 +186,16 @@ class CudaBackend(Backend):
                 and io.covers(x)):  # x in page-locked host memory: no staging copy
             with io.lock, self.ctx.dev, self.ctx.stream:
                 if io.covers(x):  # (still: an unpin may have come in between)
+                    r = io.take(x, w.rows, out_dtype)
+                    y_out = None if r is None else r.y
                     finish = self.launcher.launch_host(w, cw, x, c.path, c.cfg, out_dtype,
-                                                       io.output(x, w.rows, out_dtype))
+                                                       y_out)
+                    if r is not None and r.want and c.precision is not Precision.Q8_1:
+                        # the caller repeats this call at these places: the whole of it as
+                        # one graph from now on (a Q8_1 call is left out: launch_ieee
+                        # checks its x for non-finite rows per call)
+                        r.call = RegionCall(self.launcher, w, cw, x, y_out, c.path, c.cfg,
+                                            kernel, c.precision, io)
                 else:
                     finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
         else:

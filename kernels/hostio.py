@@ -20,6 +20,12 @@ bytes are in the y region: no check of the reply's y needed). The route of the v
 object routed is found by identity first (``ndarray.ctypes`` costs ~2 us, and a region call
 asked for addresses ~5 times: route, covers twice, y_for, covers of y).
 
+A call the service will repeat at the same places (a fast lane's request, service/lane.py)
+marks its route ``want``: a backend that took the route may leave in ``Route.call`` an object
+whose ``launch()`` repeats the call with everything settled (the CUDA backend's ``RegionCall``:
+x's copy, the kernels and y's copy as one graph launch), valid while its ``live()``; each
+unpin bumps :attr:`HostIO.epoch`, which such an object checks.
+
 Thread safety: pins and routes change on the event loop; launches may run on the device
 thread. :attr:`lock` is held by the backend from "is x pinned?" to the end of enqueueing its
 copies, and by :meth:`unpin` around "wait for the stream, unregister", so a range is never
@@ -46,12 +52,18 @@ class Route:
     """One call's y route (what :meth:`HostIO.route` returns; give it to :meth:`HostIO.unroute`
     once): ``taken`` once the backend took its y (:meth:`HostIO.output`)."""
 
-    __slots__ = ("addr", "taken", "x", "x_in", "y", "y_addr", "y_in")
+    __slots__ = ("addr", "call", "taken", "want", "x", "x_in", "y", "y_addr", "y_in")
 
     def __init__(self, addr: int, x: np.ndarray, y: np.ndarray | None,
                  y_addr: int | None = None) -> None:
         self.addr, self.x, self.y, self.y_addr = addr, x, y, y_addr
         self.taken = False
+        # ``want``: the caller will make this call again with x and y at these places (a
+        # fast lane's region slots): a backend that took the route may leave in ``call`` an
+        # object whose ``launch()`` repeats the call with its settled path (the CUDA
+        # backend's RegionCall: one graph launch), valid while its ``live()``
+        self.want = False
+        self.call: object | None = None
         self.x_in: bool | None = None  # covers(x) / covers(y), once asked (None: not yet)
         self.y_in: bool | None = None
 
@@ -74,6 +86,9 @@ class HostIO:
         self._routes: dict[int, list] = {}
         self._by_id: dict[int, Route] = {}  # id(x) -> an unambiguous route of that x object
         self.lock = threading.Lock()
+        # bumped by every unpin: what a backend bound to page-locked addresses (a route's
+        # ``call``) stays valid only while the epoch it saw lasts
+        self.epoch = 0
 
     # -- page-locked ranges ------------------------------------------------------------------
     @property
@@ -110,6 +125,7 @@ class HostIO:
                 if self._sync is not None:
                     self._sync()
             finally:
+                self.epoch += 1
                 del self._ranges[address]
                 self._starts.remove(address)
                 for r in self._by_id.values():  # what routes knew of the ranges is stale
@@ -200,6 +216,11 @@ class HostIO:
         """:meth:`y_for` if the backend can write it directly: ``[N, rows]`` of the call's
         out dtype (f32 or f16), C-contiguous, writable and page-locked. A y returned here is
         taken (:meth:`unroute` says so): the backend writes it."""
+        r = self.take(x, rows, out_dtype)
+        return None if r is None else r.y
+
+    def take(self, x: np.ndarray, rows: int, out_dtype: np.dtype | None) -> Route | None:
+        """:meth:`output`, returning the route taken (its ``y``; its ``want`` and ``call``)."""
         r = self._route_of(x)
         if r is None or (y := r.y) is None:
             return None
@@ -212,4 +233,4 @@ class HostIO:
         if not r.y_in:
             return None
         r.taken = True
-        return y
+        return r

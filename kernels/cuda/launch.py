@@ -478,6 +478,133 @@ class BoundCall:
                             KernelTiming(host_seconds=seconds), topk=top)
 
 
+class _RegionSeq:
+    """One launch slot's sequence of a :class:`RegionCall`: its pointers' generation, its
+    timing events, its steps and, once captured, its graph (False: capture refused)."""
+
+    __slots__ = ("calls", "end", "gen", "graph", "start", "steps", "xd", "y16", "yd")
+
+    def __init__(self, gen: int, start: Any, end: Any, steps: list[Step], xd: int, yd: int,
+                 y16: int) -> None:
+        self.gen, self.start, self.end, self.steps = gen, start, end, steps
+        self.xd, self.yd, self.y16 = xd, yd, y16
+        self.graph: Any = None
+        self.calls = 0
+
+
+class RegionCall:
+    """A call whose x and y lie at fixed page-locked host addresses (a fast lane's region
+    slots, kernels/hostio.py) repeated with its settled path: x's DMA from the region, the
+    kernels between their timing events, y's f16 conversion and y's DMA into the region are
+    ONE captured graph per launch slot, so a call is a free slot, one graph launch and the
+    slot's completion event; the wait is the event's sync and the kernel time. The
+    page-locked path of :meth:`Launcher.launch_host` enqueues the copies around its graph
+    each call, and ``CudaBackend.launch`` re-runs the checks, the dispatch and the route
+    lookups before it. Made by ``CudaBackend`` for a route that asked for it
+    (``Route.want``), from a call it just launched that way (its modules loaded); valid
+    while :meth:`live` (the caller checks it before each launch): the weight's data is the
+    one bound, no page-locked range was unpinned since (``HostIO.epoch``) and the timing
+    events recorded. Each slot's first ``GRAPH_AFTER`` + 1 calls run directly, the last of
+    them captured; a refused capture keeps direct launches."""
+
+    __slots__ = ("_seqs", "broken", "cfg", "cw", "epoch", "half", "in_t", "io", "kernel",
+                 "layout", "lc", "n", "path", "precision", "rows", "w", "x_addr", "x_bytes", "y",
+                 "y_addr", "y_bytes")
+
+    def __init__(self, lc: Launcher, w: ResidentWeight, cw: CudaWeight, x: np.ndarray,
+                 y: np.ndarray, path: str, cfg: Cfg, kernel: str, precision: Precision,
+                 io: Any) -> None:
+        self.lc, self.w, self.cw, self.io, self.epoch = lc, w, cw, io, io.epoch
+        self.x_addr, self.x_bytes = int(x.ctypes.data), int(x.nbytes)
+        self.in_t = IN_TYPES[x.dtype]
+        self.y, self.y_addr, self.y_bytes = y, int(y.ctypes.data), int(y.nbytes)
+        self.n, self.rows, self.half = int(x.shape[0]), w.rows, y.dtype == np.float16
+        self.path, self.cfg = path, cfg
+        self.kernel, self.layout, self.precision = kernel, w.layout, precision
+        self._seqs: list[_RegionSeq | None] = [None] * SLOTS
+        self.broken = False
+
+    def live(self) -> bool:
+        return not self.broken and self.io.epoch == self.epoch and self.w.data is self.cw
+
+    def launch(self) -> Launched:
+        lc = self.lc
+        ws, stream = lc.ws, lc.ctx.stream
+        slot = ws.free_slot()
+        ws.take(slot)
+        try:
+            with self.io.lock, lc.ctx.dev:
+                s = self._seqs[slot]
+                if s is not None and s.graph and s.gen == ws.gen:
+                    s.graph.launch(stream)
+                else:
+                    s = self._run(slot, s)
+                ws.done_event(slot).record(stream)
+        except BaseException:
+            ws.release(slot)
+            raise
+        return Launched(lambda: self._wait(slot, s))
+
+    def _wait(self, slot: int, s: _RegionSeq) -> MatmulResult:
+        lc = self.lc
+        try:
+            lc.ws.done_event(slot).synchronize()
+            seconds = lc._seconds(s.start, s.end)
+            if seconds is None:  # its event nodes did not record: not this way again
+                self.broken = True
+        finally:
+            lc.ws.release(slot)
+        return MatmulResult(self.y, self.kernel, self.layout, self.precision,
+                            KernelTiming(host_seconds=seconds))
+
+    def _run(self, slot: int, s: _RegionSeq | None) -> _RegionSeq:
+        """Slot ``slot``'s sequence launched directly (bound first if it is not, or its
+        buffers moved), and captured as its graph once it ran ``GRAPH_AFTER`` times."""
+        lc = self.lc
+        ws, cp, stream = lc.ws, lc.ctx.cp, lc.ctx.stream
+        with stream:
+            if s is None or s.gen != ws.gen:
+                lp = lc.plan(self.rows, self.w.k, self.w.layout, self.in_t, self.path,
+                             self.cfg, self.n)
+                n, rows = self.n, self.rows
+                for _ in range(2):  # all buffers first (any growth bumps the generation)
+                    gen = ws.gen
+                    xd = ws.ptr("x", self.x_bytes)
+                    yd = ws.ptr("y", 4 * n * rows)
+                    y16 = ws.ptr("y16b", 2 * n * rows) if self.half else 0
+                    steps = lc.steps(lp, self.w, self.cw, xd, yd, n)
+                    if gen == ws.gen:
+                        break
+                s = self._seqs[slot] = _RegionSeq(ws.gen, cp.cuda.Event(), cp.cuda.Event(),
+                                                  steps, xd, yd, y16)
+            self._enqueue(s, lambda ev: ev.record(stream))
+            s.calls += 1
+            if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
+                self._capture(s)
+        return s
+
+    def _enqueue(self, s: _RegionSeq, record: Callable[[Any], None]) -> None:
+        """The whole call on the stream: x in, the kernels between the events, y out."""
+        lc = self.lc
+        rt, stream = lc.ctx.cp.cuda.runtime, lc.ctx.stream
+        rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, stream.ptr)
+        record(s.start)
+        for st in s.steps:
+            st()
+        record(s.end)
+        src = s.yd
+        if self.half:  # (at the bound size: nothing grows)
+            shape = (self.n, self.rows)
+            lc.ctx.cp.copyto(lc.ws.array("y16b", shape, np.float16),
+                             lc.ws.array("y", shape, np.float32), casting="same_kind")
+            src = s.y16
+        rt.memcpyAsync(self.y_addr, src, self.y_bytes, _D2H, stream.ptr)
+
+    def _capture(self, s: _RegionSeq) -> None:
+        """Capture ``s`` (:meth:`_enqueue`); on any refusal it keeps direct launches."""
+        s.graph = self.lc.capture(lambda record: self._enqueue(s, record))
+
+
 class Launcher:
     """Plans, binds and runs the kernels of one device (see the module docstring)."""
 
@@ -999,35 +1126,47 @@ class Launcher:
 
     def _capture(self, b: Bound, host: np.ndarray) -> None:
         """Capture b's sequence as a graph; on any refusal keep direct launches for it."""
+        stream, rt = self.ctx.stream, self.ctx.cp.cuda.runtime
+
+        def enqueue(record: Callable[[Any], None]) -> None:
+            if not b.extra.get("device_x"):  # x from the host staging (else copied before)
+                rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
+            record(b.start)
+            for s in b.steps:
+                s()
+            record(b.end)
+            self._download(b)
+
+        b.graph = self.capture(enqueue)
+
+    def capture(self, enqueue: Callable[[Callable[[Any], None]], None]) -> Any:
+        """``enqueue(record)`` captured on the stream as a graph, each ``record(event)`` an
+        external event record node (so the events time the graph's kernels); False on any
+        refusal (the caller keeps direct launches)."""
         if self._record_ext is None:
             self._record_ext = _external_record() or False
         if not self._record_ext:
-            b.graph = False
-            return
+            return False
         stream, rt = self.ctx.stream, self.ctx.cp.cuda.runtime
-        mode = getattr(rt, "streamCaptureModeRelaxed", 2)
         try:
-            stream.begin_capture(mode)
+            stream.begin_capture(getattr(rt, "streamCaptureModeRelaxed", 2))
         except Exception:
-            b.graph = False
-            return
-        graph, ok = None, True
+            return False
+        ok, graph = [True], None
+
+        def record(ev: Any) -> None:
+            ok[0] = ok[0] and self._record_ext(ev.ptr, stream.ptr, 1) == 0
+
         try:
-            if not b.extra.get("device_x"):  # x from the host staging (else copied before)
-                rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
-            ok = self._record_ext(b.start.ptr, stream.ptr, 1) == 0
-            for s in b.steps:
-                s()
-            ok = ok and self._record_ext(b.end.ptr, stream.ptr, 1) == 0
-            self._download(b)
+            enqueue(record)
         except Exception:
-            ok = False
+            ok[0] = False
         finally:
             try:
                 graph = stream.end_capture()
             except Exception:
-                ok = False
-        b.graph = graph if ok and graph is not None else False
+                ok[0] = False
+        return graph if ok[0] and graph is not None else False
 
     def _matmul_direct(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
                        out_dtype: np.dtype | None, topk: int, slot: int) -> Callable[[], Done]:

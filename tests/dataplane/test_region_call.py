@@ -1,0 +1,112 @@
+"""The CUDA backend's region call (``kernels/cuda/launch.py`` ``RegionCall``) without a device,
+on tests/kernels/test_cuda_backend_host.py's fake CuPy (real copies, counted kernels, capture
+into a replayable graph): a call whose x and y lie in page-locked host memory and whose route
+asks for it (``Route.want``) leaves a region call that repeats it -- x DMA'd from the region,
+y (converted to f16 where asked) DMA'd into it, as direct launches and then one graph per
+launch slot -- valid until an unpin or the weight's data changes; a Q8_1 call leaves none."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import KernelFlags, Precision
+from q6serve.kernels.cuda.launch import RegionCall
+from tests.kernels.test_cuda_backend_host import _set_y, fake_backend, fake_weight
+
+ROWS, K = 4096, 14336  # a shape of the dispatch table (its cells settle the path)
+
+
+def _region(be, n: int, out: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A page-locked buffer with an f16 x [n, K] and a y [n, ROWS] of ``out`` in it."""
+    xb, yb = n * K * 2, n * ROWS * np.dtype(out).itemsize
+    buf = np.zeros(xb + yb + 4096, np.uint8)
+    addr = buf.ctypes.data
+    assert be.hostio.pin(addr, buf.nbytes)
+    x = buf[:xb].view(np.float16).reshape(n, K)
+    y = buf[xb : xb + yb].view(out).reshape(n, ROWS)
+    return buf, x, y, addr
+
+
+def _first(be, w, x: np.ndarray, y: np.ndarray, out: np.dtype, want: bool = True,
+           precision: Precision = Precision.AUTO, flags: KernelFlags | None = None):
+    """The call launched the usual way with its route asking for a region call: the route."""
+    r = be.hostio.route(x, y)
+    r.want = want
+    kw = {} if flags is None else {"flags": flags}
+    res = be.launch(w, x, out_dtype=out, precision=precision, **kw).wait()
+    assert be.hostio.unroute(r) and res.y is y  # y taken: DMA'd into the region
+    return r
+
+
+@pytest.mark.parametrize("n,out", [(64, np.float32), (64, np.float16), (1, np.float32),
+                                   (8, np.float16)])
+def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out):
+    be, cp = fake_backend(monkeypatch)
+    w = fake_weight(be, ROWS, K)
+    rng = np.random.default_rng(7)
+    buf, x, y, _ = _region(be, n, np.dtype(out))
+    x[...] = rng.standard_normal((n, K))
+    r = _first(be, w, x, y, out)
+    rc = r.call
+    assert isinstance(rc, RegionCall) and rc.live()
+    choice = be.choose(n, Precision.AUTO, KernelFlags(), ROWS, K)
+    graphs = cp.counts.get("graph", 0)
+    for i in range(5):
+        x[...] = rng.standard_normal((n, K))  # a new x at the same place each call
+        want = _set_y(be, w, n, 10 + i)
+        res = rc.launch().wait()
+        assert res.y is y and np.array_equal(y, want.astype(out))
+        assert np.array_equal(be.launcher.ws._dev["x"].a[: x.nbytes],
+                              x.reshape(-1).view(np.uint8))
+        assert res.timing.seconds() == pytest.approx(25e-6)
+        assert res.kernel == f"cuda.{choice.path}.soa" and res.precision is choice.precision
+    # one call at a time: slot 0's sequence, direct twice (the second captured), then graphs
+    assert cp.counts["graph"] - graphs == 3
+    assert not any(be.launcher.ws._held)
+    del buf
+
+
+def test_region_call_two_in_flight_use_both_slots(monkeypatch):
+    be, _ = fake_backend(monkeypatch)
+    w = fake_weight(be, ROWS, K)
+    _, x, y, _ = _region(be, 64, np.dtype(np.float32))
+    rc = _first(be, w, x, y, np.float32).call
+    for _ in range(3):
+        a, b = rc.launch(), rc.launch()
+        a.wait(), b.wait()
+    assert all(s is not None and s.graph for s in rc._seqs)
+    a, b = rc.launch(), rc.launch()
+    from q6serve.kernels.errors import DeviceError
+
+    with pytest.raises(DeviceError):
+        rc.launch()  # both slots in flight
+    a.wait(), b.wait()
+    assert not any(be.launcher.ws._held)
+
+
+def test_region_call_stale_after_an_unpin_or_a_freed_weight(monkeypatch):
+    be, _ = fake_backend(monkeypatch)
+    w = fake_weight(be, ROWS, K)
+    _, x, y, _ = _region(be, 64, np.dtype(np.float32))
+    other = np.zeros(8192, np.uint8)
+    assert be.hostio.pin(other.ctypes.data, other.nbytes)
+    rc = _first(be, w, x, y, np.float32).call
+    assert rc.live()
+    be.hostio.unpin(other.ctypes.data)  # any unpin: the addresses bound may be gone
+    assert not rc.live()
+    rc = _first(be, w, x, y, np.float32).call
+    be.free(w)
+    assert not rc.live()
+
+
+def test_no_region_call_unless_asked_or_for_q8_1(monkeypatch):
+    """No region call for a route that did not ask, nor for a Q8_1 call (``launch_ieee``
+    checks its x for non-finite rows each call), nor for a call not routed into a region."""
+    be, _ = fake_backend(monkeypatch)
+    w = fake_weight(be, ROWS, K)
+    _, x, y, _ = _region(be, 64, np.dtype(np.float32))
+    assert _first(be, w, x, y, np.float32, want=False).call is None
+    r = _first(be, w, x, y, np.float32, precision=Precision.Q8_1,
+               flags=KernelFlags(decode_mmq=True))
+    assert r.call is None
