@@ -675,13 +675,16 @@ class Batcher:
             d = self._directs[key] = DirectCall(key, job)
         return d
 
-    def run_direct(self, d: DirectCall, x: np.ndarray) -> MatmulReply:
-        """:meth:`run_now` of ``d``'s key, ``d`` in hand (``Engine.run_now``)."""
+    def run_direct(self, d: DirectCall, x: np.ndarray,
+                   launch: LaunchBatch | None = None) -> MatmulReply:
+        """:meth:`run_now` of ``d``'s key, ``d`` in hand (``Engine.run_now``); ``launch``: the
+        launch in place of the key's job (:meth:`launch_now`'s)."""
         self._unfinished += 1
         self._running += 1
         t0 = time.perf_counter()
+        job = d.job if launch is None else lambda x: launch(x, d.key).wait()
         try:
-            result = self._device.run_now(d.job, x)
+            result = self._device.run_now(job, x)
         finally:
             self._now_end()
         return self._now_reply(result, int(x.shape[0]), d.key, t0)
@@ -722,16 +725,19 @@ class Batcher:
         return (self._device.inlines(self._job_s.get(kb))
                 and self._kernel_s.get(kb, 0.0) <= DEFER_KERNEL_S)
 
-    def launch_now(self, x: np.ndarray, key: BatchKey) -> Callable[[], MatmulReply]:
+    def launch_now(self, x: np.ndarray, key: BatchKey,
+                   launch: LaunchBatch | None = None) -> Callable[[], MatmulReply]:
         """:meth:`run_now` in two halves (after :meth:`can_launch_now`; ``Device.launch_now``
         says how the caller waits): ``x`` launched now, alone; the function returned waits for
         it and returns its reply (a failure raises), with run_now's bookkeeping. Its job time
-        spans launch to wait, what the loop did meanwhile included."""
+        spans launch to wait, what the loop did meanwhile included. ``launch``: the launch in
+        place of this weight's own (the fast lane's region call: ``Engine.launch_now``)."""
         self._unfinished += 1
         self._running += 1
         t0 = time.perf_counter()
         try:
-            wait = self._device.launch_now(self._launch_batch, x, key)  # type: ignore[arg-type]
+            wait = self._device.launch_now(launch or self._launch_batch,  # type: ignore[arg-type]
+                                           x, key)
         except BaseException:
             self._now_end()
             raise

@@ -818,7 +818,9 @@ class Engine:
         fut.add_done_callback(lambda _: self.registry.release(e))
         return fut
 
-    def run_now(self, call: MatmulCall, own: object = None) -> MatmulReply | None:
+    def run_now(self, call: MatmulCall, own: object = None,
+                launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
+                ) -> MatmulReply | None:
         """The direct path (issue 14): run a single-weight ``call`` here and now, on the
         loop's thread, and return its reply -- when it would run at once as an inline job
         anyway (``Batcher.direct_cost``: the device idle, nothing of its weight queued or
@@ -826,7 +828,8 @@ class Engine:
         could join its batch; ``own``: the caller's task, which cannot). Otherwise None:
         nothing was done, queue it (``start_matmul``). A multi-weight call's direct path
         is ``multi.run_weights_now`` (on :meth:`direct_batchers` and :meth:`run_direct`).
-        Refusals and failures raise, as ``start_matmul``'s future would fail."""
+        Refusals and failures raise, as ``start_matmul``'s future would fail. ``launch``:
+        as :meth:`launch_now`'s."""
         # direct_batchers and run_direct for one call, written out (no list, loop or sum;
         # per request on the loop)
         got = self._direct_target(call)
@@ -838,7 +841,7 @@ class Engine:
         d = b.direct(key)
         self._admit_direct(call, e, d, rows)
         try:
-            return b.run_direct(d, call.x)
+            return b.run_direct(d, call.x, launch)
         finally:
             self.registry.release(e)
 
@@ -876,12 +879,17 @@ class Engine:
             d.state, d.rows = state, set()
         d.rows.add(rows)
 
-    def launch_now(self, call: MatmulCall) -> Callable[[], MatmulReply] | None:
+    def launch_now(self, call: MatmulCall,
+                   launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
+                   ) -> Callable[[], MatmulReply] | None:
         """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
         ``call`` and launch it now, returning the function that waits for it and returns its
         reply; None: nothing was done (queue it). Refusals raise here, failures from the
         function. The caller waits for each launch in order within its loop callback
-        (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py)."""
+        (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py).
+        ``launch(x, key)``: the launch itself, in place of the weight's own (the lane's
+        region call, which repeats a call of this weight launched before; the checks, the
+        accounting and the reply are the same)."""
         got = self._direct_target(call)
         if got is None:
             return None
@@ -890,7 +898,7 @@ class Engine:
             return None
         self._admit_direct(call, e, b.direct(key), rows)
         try:
-            wait = b.launch_now(call.x, key)
+            wait = b.launch_now(call.x, key, launch)
         except BaseException:
             self.registry.release(e)
             raise
