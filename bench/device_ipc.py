@@ -71,6 +71,7 @@ PARTS = [
     ("q6serve.service.batcher", "Batcher", "launch_now", "  batcher.launch_now"),
     ("q6serve.service.engine", None, "launch_ieee", "   api.launch_ieee"),
     ("__main__", "ModelGpu", "launch", "    backend launch (model)"),
+    ("__main__", "ModelRegionCall", "launch", "    region call launch (model)"),
     ("q6serve.service.batcher", "Batcher", "_now_reply", "  batcher._now_reply"),
     ("q6serve.service.lane", "LaneServer", "_answer", " lane _answer"),
     ("q6serve.service.regions", "RegionTable", "unroute", "  table.unroute"),
@@ -139,12 +140,14 @@ class ModelGpu:
     name = "cuda"  # (Device's hand-off yield, as on CUDA)
     launch_slots = 2
 
-    def __init__(self, inner: Any, gpu_s: float, launch_s: float) -> None:
+    def __init__(self, inner: Any, gpu_s: float, launch_s: float,
+                 region_launch_s: float = 5e-6) -> None:
         from q6serve.kernels import api
         from q6serve.kernels.hostio import HostIO
 
         self._api = api
         self.inner, self.gpu_s, self.launch_s = inner, gpu_s, launch_s
+        self.region_launch_s = region_launch_s
         self.hostio = HostIO()  # ranges recorded, y routes answered
         self._free_at = 0.0  # when the modelled stream has done everything launched so far
         # the pinned upload buffers of the launch slots: x is copied into the next one unless
@@ -185,16 +188,23 @@ class ModelGpu:
         t = time.perf_counter()
         while time.perf_counter() - t < self.launch_s:  # the host path's CPU
             pass
-        y = self.hostio.output(x, w.rows, out_dtype)  # "DMA'd" straight into a y region
+        take = getattr(self.hostio, "take", None)  # (a base tree's HostIO may have none)
+        route = take(x, w.rows, out_dtype) if take is not None else None
+        y = route.y if route is not None else self.hostio.output(x, w.rows, out_dtype)
         if y is None:
             y = np.zeros((x.shape[0], w.rows), out_dtype or np.float32)
-        now = time.perf_counter()
-        end = max(now, self._free_at) + self.gpu_s
+        result = api.MatmulResult(y, kernel, w.layout, resolved,
+                                  api.KernelTiming(host_seconds=self.gpu_s))
+        if route is not None and getattr(route, "want", False):  # as CudaBackend: RegionCall
+            route.call = ModelRegionCall(self, result)
+        return self.gpu(result)
+
+    def gpu(self, result: Any) -> Any:
+        """The modelled GPU work of one launch: ends ``gpu_s`` after the previous one."""
+        end = max(time.perf_counter(), self._free_at) + self.gpu_s
         self._free_at = end
         self.launches += 1
         self.busy_s += self.gpu_s
-        result = api.MatmulResult(y, kernel, w.layout, resolved,
-                                  api.KernelTiming(host_seconds=self.gpu_s))
 
         def wait() -> Any:
             left = end - time.perf_counter()
@@ -202,7 +212,24 @@ class ModelGpu:
                 time.sleep(left)
             return result
 
-        return api.Launched(wait)
+        return self._api.Launched(wait)
+
+
+class ModelRegionCall:
+    """The CUDA backend's ``RegionCall`` over the modelled GPU: ``region_launch_s`` of host
+    CPU (one graph launch and an event record: ``--region-launch-us``), then the GPU work."""
+
+    def __init__(self, gpu: ModelGpu, result: Any) -> None:
+        self.g, self.result = gpu, result
+
+    def live(self) -> bool:
+        return True
+
+    def launch(self) -> Any:
+        t = time.perf_counter()
+        while time.perf_counter() - t < self.g.region_launch_s:
+            pass
+        return self.g.gpu(self.result)
 
 
 async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, Any]:
@@ -215,7 +242,8 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
     cfg = WorkerConfig(max_batch_rows=64, frontends=1)
     backend = make_backend(a.backend)
     if a.gpu_us:
-        backend = ModelGpu(backend, a.gpu_us * 1e-6, a.launch_us * 1e-6)
+        backend = ModelGpu(backend, a.gpu_us * 1e-6, a.launch_us * 1e-6,
+                           a.region_launch_us * 1e-6)
     worker = fe.FrontendsWorker(cfg, backend)
     worker._init_metrics()
     worker.engine = engine = worker.make_engine()
@@ -436,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="model the GPU: each launch's device work takes this long (see above)")
     ap.add_argument("--launch-us", type=float, default=20.0,
                     help="--gpu-us: host CPU each launch takes (the CUDA host path)")
+    ap.add_argument("--region-launch-us", type=float, default=5.0,
+                    help="--gpu-us: host CPU a lane plan's region call takes (one graph "
+                         "launch and an event record: CUDA's RegionCall)")
     ap.add_argument("--profile", type=Path, metavar="FILE",
                     help="cProfile the timed part into FILE (pstats)")
     ap.add_argument("--parts", action="store_true",

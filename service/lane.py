@@ -75,6 +75,7 @@ class LaneServer:
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
         self.piped = 0  # of the direct ones, full batches run by _flush's pipeline (tests)
         self.cuda = 0  # of the direct ones, on a CUDA IPC region (_cuda) (tests)
+        self.planned = 0  # of the piped ones, launched by their region's plan (_Plan) (tests)
         config = getattr(engine, "config", None)  # (a --devices worker's set has none)
         self._full_rows = config.max_batch_rows if config is not None else math.inf
         self._pipe: list[_Piped] = []  # full batches read in this trip, for _flush
@@ -82,6 +83,7 @@ class LaneServer:
         self._start_matmul = hasattr(engine, "start_matmul")
         self._launch_now = hasattr(engine, "launch_now")
         self._run_now = getattr(engine, "run_now", None)
+        self._flags = getattr(engine, "flags", None)  # (its state: a plan's validity)
         self._rows_of = (engine.rows_of if hasattr(engine, "rows_of")
                          else lambda name: engine.get(name).rows)
 
@@ -161,6 +163,21 @@ class LaneServer:
                 self.direct += 1
                 self.cuda += 1
                 return True
+            plans = region.plans
+            pkey = (name, n, k, x_off, y_off, x_dt, out_dt, prec)
+            plan = plans.get(pkey) if plans else None
+            full = n >= self._full_rows and self._launch_now
+            if plan is not None:  # a repeat of a request planned before: its fields
+                region.mapping.check_alive(f"x region {region.name!r}")  # checked then
+                if not engine.serving:
+                    raise Unavailable("the worker is draining and takes no new requests")
+                if full:
+                    self._piped(conn, _Piped(conn, seq, plan.call, region, y_off, plan.dest,
+                                             None, plan, pkey), alone)
+                    return True
+                if self._now(conn, seq, region, plan, pkey, alone):
+                    return True
+                plan = None  # (not alone: queued below, where others may join its batch)
             x_dtype, out, precision = _codes(x_dt, out_dt, prec)
             call = MatmulCall(name, region.array(x_off, x_dtype, (n, k), "x"), precision, out)
             if not engine.serving:
@@ -170,23 +187,31 @@ class LaneServer:
             base = region.mapping.addr  # (a system region's: set)
             key = table.route(call.x, dest, base + x_off, base + y_off)
             held = region
-            if n >= self._full_rows and self._launch_now:
+            # a call alone on its x may leave the backend's region call for a plan
+            state = (self._flags.state if key is not None and plans is not None
+                     and self._flags is not None and len(plans) < regions.VIEW_CACHE
+                     else None)
+            if full:
                 # a full batch joins no other: run by this trip's pipeline (_flush)
-                self._pipe.append(_Piped(conn, seq, call, held, y_off, dest, key))
-                self.direct += 1
-                if alone and not self._lane_ready(conn):  # nothing else read in this trip
-                    self._flush()
-                elif len(self._pipe) == 1:
-                    asyncio.get_running_loop().call_soon(self._flush)
+                p = _Piped(conn, seq, call, held, y_off, dest, key)
+                if state is not None:
+                    key.want = True
+                    p.pkey, p.state = pkey, state
+                self._piped(conn, p, alone)
                 return True
             run_now = self._run_now
-            r = (run_now(call) if alone and run_now is not None
-                 and not self._lane_ready(conn) else None)
+            lone = alone and run_now is not None and not self._lane_ready(conn)
+            if lone and state is not None:
+                key.want = True
+            r = run_now(call) if lone else None
             if r is not None:  # run here and now: the direct path (Engine.run_now)
                 self.direct += 1
                 self.now += 1
                 try:
                     taken = table.unroute(key)
+                    if (state is not None and key.call is not None
+                            and self._flags.state is state):
+                        plans[pkey] = _Plan(call, dest, key.call, state)
                     key = None
                     regions.place_y(held, y_off, r.y, dest, taken)
                     rec = REPLY.pack(seq, 0, 0, int(r.y.shape[1]), r.batch_rows,
@@ -206,6 +231,47 @@ class LaneServer:
             table.let_go(region)
             conn.answer(_failed(seq, e))
             return True
+
+    def _now(self, conn: _LaneConn, seq: int, region: regions.Region, plan: _Plan,
+             pkey: tuple[Any, ...], alone: bool) -> bool:
+        """A request planned before (not a full batch) run here and now by its plan when it
+        is ``alone`` and the engine runs it on the direct path (``Engine.run_now`` with the
+        plan's launch), answered before its region is let go; False: nothing was done (a
+        stale plan is dropped). A refusal or failure raises (the plan dropped)."""
+        run_now = self._run_now
+        if not alone or run_now is None or self._lane_ready(conn):
+            return False
+        if not plan.live(self._flags):
+            region.plans.pop(pkey, None)
+            return False
+        try:
+            r = run_now(plan.call, None, plan.launch)
+        except Exception:
+            region.plans.pop(pkey, None)
+            raise
+        if r is None:
+            return False
+        self.direct += 1
+        self.now += 1
+        self.planned += 1
+        try:
+            rec = REPLY.pack(seq, 0, 0, int(r.y.shape[1]), r.batch_rows, r.batch_requests, 0,
+                             r.queue_seconds, _nan(r.kernel_seconds), _nan(r.device_seconds))
+        except Exception as e:
+            rec = _failed(seq, e)
+        conn.answer(rec)  # the reply first, the bookkeeping after it
+        self.table.let_go(region)
+        return True
+
+    def _piped(self, conn: _LaneConn, p: _Piped, alone: bool) -> None:
+        """A full batch ``p`` to this trip's pipeline (:meth:`_flush`): run at once when
+        nothing else was read in this trip, else at the trip's end."""
+        self._pipe.append(p)
+        self.direct += 1
+        if alone and not self._lane_ready(conn):  # nothing else read in this trip
+            self._flush()
+        elif len(self._pipe) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _cuda(self, conn: _LaneConn, seq: int, region: regions.Region, name: str, n: int,
               k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
@@ -264,9 +330,13 @@ class LaneServer:
         """``p``'s reply (``r``, or the failure ``exc``): y into place unless the backend
         wrote it there, the record written, then its region let go."""
         try:
-            taken = self.table.unroute(p.route)
+            route = p.route
+            taken = self.table.unroute(route) or p.plan is not None  # (a plan's y: in place)
             if exc is not None:
                 raise exc
+            if (route is not None and route.call is not None and p.pkey is not None
+                    and self._flags is not None and self._flags.state is p.state):
+                p.region.plans[p.pkey] = _Plan(p.call, p.dest, route.call, p.state)
             y = r.y
             regions.place_y(p.region, p.y_off, y, p.dest, taken)
             rec = REPLY.pack(p.seq, 0, 0, int(y.shape[1]), r.batch_rows, r.batch_requests, 0,
@@ -303,24 +373,45 @@ class LaneServer:
         for p in pipe:
             while len(waiting) >= slots:  # a slot freed first (no launch_now refused for it)
                 answer_oldest()
+            plan = p.plan
+            if plan is not None and not plan.live(self._flags):
+                self._unplan(p)  # stale (weight, flags, page-locked ranges): as any other
             try:
-                finish = engine.launch_now(p.call)
+                launch = None if p.plan is None else p.plan.launch
+                finish = engine.launch_now(p.call, launch)
                 while finish is None and waiting:  # a launch slot freed, or the device idle
                     answer_oldest()
-                    finish = engine.launch_now(p.call)
+                    finish = engine.launch_now(p.call, launch)
             except Exception as e:  # a refusal (the checks), or the launch failed
+                if p.plan is not None:
+                    self._unplan(p)  # (not that way again)
                 self._answer(p, None, e)
                 continue
             if finish is None:
                 try:
+                    if p.plan is not None:
+                        self._unplan(p)  # queued: routed as any other
                     self._queue(p)
                 except Exception as e:
                     self._answer(p, None, e)
                 continue
+            if p.plan is not None:
+                self.planned += 1
             self.piped += 1
             waiting.append((p, finish))
         while waiting:
             answer_oldest()
+
+    def _unplan(self, p: _Piped) -> None:
+        """``p``'s plan dropped from its region; ``p`` routed as any call whose x lies in a
+        region (no other call may take its y's route), asking for a new one."""
+        p.region.plans.pop(p.pkey, None)
+        p.plan = None
+        x_off = p.pkey[3]  # (name, n, k, x_off, y_off, x_dt, out_dt, prec)
+        base = p.region.mapping.addr
+        p.route = self.table.route(p.call.x, p.dest, base + x_off, base + p.y_off)
+        if p.route is not None and self._flags is not None:
+            p.route.want, p.state = True, self._flags.state
 
     def _lane_ready(self, conn: _LaneConn) -> bool:
         """Whether another lane's bytes wait to be read in this loop trip (its read handle is
@@ -365,6 +456,32 @@ class _Piped:
     y_off: int
     dest: np.ndarray
     route: Any  # the table's y route key (unroute once)
+    plan: _Plan | None = None  # launched by its region's plan (then not routed)
+    pkey: Any = None  # the plan's key in region.plans (to make one from this call, or drop)
+    state: Any = None  # the engine's flag state when a plan was asked for
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A full-batch lane request's repeats (same weight, shapes, dtypes, precision and places
+    in one system region): its call and y's view, settled by the first such call, and the
+    backend's region call (``Route.call``: the CUDA backend's ``RegionCall``, the whole call
+    one graph launch) that launches it without a route, the engine's own launch or the
+    backend's per-call checks. Valid while the backend's call is ``live()`` and the engine's
+    flags are the state it was made under; the engine still checks and accounts each launch
+    (``Engine.launch_now``)."""
+
+    call: MatmulCall
+    dest: np.ndarray
+    rc: Any
+    state: Any
+
+    def live(self, flags: Any) -> bool:
+        return flags.state is self.state and self.rc.live()
+
+    def launch(self, x: np.ndarray, key: Any) -> Any:
+        """``Engine.launch_now``'s launch: the backend's region call (x and y its own)."""
+        return self.rc.launch()
 
 
 class _LaneConn(asyncio.Protocol):

@@ -235,6 +235,10 @@ class Region:
         # view is ~1.6 us and its checks ~0.6 us, twice per request. Dropped before the
         # mapping closes (a cached view would keep it mapped); at most VIEW_CACHE entries.
         self._views: dict[tuple[Any, ...], np.ndarray] | None = {} if kind == SYSTEM else None
+        # a fast lane's plans of its repeated requests on this system region (service/lane.py:
+        # request fields -> what the first such call settled); dropped with the views, at
+        # most VIEW_CACHE entries
+        self.plans: dict[tuple[Any, ...], Any] | None = {} if kind == SYSTEM else None
 
     def view(self) -> RegionView:
         return RegionView(self.name, self.kind, self.key, self.offset, self.byte_size,
@@ -281,9 +285,11 @@ class Region:
         return a
 
     def forget_views(self) -> None:
-        """Drop the cached views (before the mapping closes)."""
+        """Drop the cached views and plans (before the mapping closes)."""
         if self._views:
             self._views.clear()
+        if self.plans:
+            self.plans.clear()
 
 
 class RegionTable:

@@ -293,3 +293,141 @@ def test_device_launch_now_keeps_its_launches_within_the_slots() -> None:
             dev.close()
 
     asyncio.run(run())
+
+
+class _CpuRegionCall:
+    """The CUDA backend's ``RegionCall`` on the NumPy backend: the call repeated with x read
+    from and y written into the region places it was made for; live while no page-locked
+    range was unpinned since."""
+
+    def __init__(self, backend: _PlanBackend, w: Any, x: np.ndarray, y: np.ndarray,
+                 kw: dict[str, Any]) -> None:
+        self.backend, self.w, self.x, self.y, self.kw = backend, w, x, y, kw
+        self.epoch = backend.hostio.epoch
+
+    def live(self) -> bool:
+        return self.backend.hostio.epoch == self.epoch
+
+    def launch(self) -> Any:
+        from q6serve.kernels.api import Launched
+
+        self.backend.region_launches += 1
+        r = self.backend.inner.matmul(self.w, self.x, **self.kw)
+        self.y[...] = r.y
+        return Launched.ready(dataclasses.replace(r, y=self.y))
+
+
+class _PlanBackend:
+    """The NumPy backend with the CUDA backend's contract for page-locked memory and plans:
+    a routed y written into its region, and for a route that asks for it (``Route.want``) a
+    region call left in ``Route.call``."""
+
+    def __init__(self) -> None:
+        from q6serve.kernels.backends import make_backend
+        from q6serve.kernels.hostio import HostIO
+
+        self.inner = make_backend()
+        self.name = self.inner.name
+        self.hostio = HostIO()
+        self.region_launches = 0
+        self.wanted = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        r = self.inner.matmul(w, x, **kw)
+        route = self.hostio.take(x, w.rows, kw.get("out_dtype"))
+        if route is None:
+            return r
+        route.y[...] = r.y
+        if route.want:
+            self.wanted += 1
+            route.call = _CpuRegionCall(self, w, x, route.y, kw)
+        return dataclasses.replace(r, y=route.y)
+
+    def launch(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        from q6serve.kernels.api import Launched
+
+        return Launched.ready(self.matmul(w, x, **kw))
+
+
+def test_full_batches_repeated_take_their_region_plan(rng: np.random.Generator,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full batch repeated at the same region places (weight, shapes, dtypes, precision)
+    runs by its region's plan once the backend left a region call for it (``Route.want``,
+    ``Route.call``): launched through ``Engine.launch_now`` with that call (no route, no
+    region views), x read anew each time and y right in place; a flag flip or an unpin makes
+    the plan stale (that call runs as any other, a new plan follows); another place, no
+    plan; a lone smaller request by its plan on the direct path; unregistering the region
+    drops its plans."""
+    from q6serve.service import batcher
+    from tests.dataplane.test_frontends import Running
+
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (as the pipeline test above)
+    n = 4
+    backend = _PlanBackend()
+    w = Running(dataclasses.replace(BASE, frontends=2, max_batch_rows=n,
+                                    inline_device_us=10_000_000), backend)
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 11)
+        c.upload("w", blocks, ROWS, K)
+        xb = n * K * 4
+        with c.register_shm("io", 4 * xb + 4 * n * ROWS * 4) as region, \
+                c.open_lane(region) as lane:
+            lanes = w.worker.plane.lanes
+
+            def call(x: np.ndarray, x_off: int = 0) -> np.ndarray:
+                region.ndarray(x_off, np.float32, (n, K))[...] = x
+                return lane.matmul("w", x_offset=x_off, y_offset=4 * xb, shape=(n, K),
+                                   dtype=np.float32)
+
+            planned = []
+            for _ in range(5):
+                x = rng.standard_normal((n, K)).astype(np.float32)
+                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
+                                           atol=1e-4)
+                planned.append(lanes.planned)
+            # the 1st (queued: no cost known) leaves the plan, the rest run by it
+            assert planned == [0, 1, 2, 3, 4] and backend.wanted == 1
+            assert backend.region_launches == 4
+
+            def flip() -> None:
+                w.worker.engine.set_flags({"Q6SERVE_DYNAMIC_BATCHING": False})
+
+            w.loop.call_soon_threadsafe(flip)
+            for expect in (4, 5, 6):  # stale: as any other (leaving a new plan), then by it
+                x = rng.standard_normal((n, K)).astype(np.float32)
+                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
+                                           atol=1e-4)
+                assert lanes.planned == expect
+            assert backend.wanted == 2
+            c.register_shm("other", 4096).close()  # an unpin: every region call stale
+            for expect in (6, 7):
+                x = rng.standard_normal((n, K)).astype(np.float32)
+                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
+                                           atol=1e-4)
+                assert lanes.planned == expect
+            assert backend.wanted == 3
+            x = rng.standard_normal((n, K)).astype(np.float32)  # another place: no plan yet
+            np.testing.assert_allclose(call(x, xb), reference(blocks, ROWS, K, x), rtol=1e-5,
+                                       atol=1e-4)
+            assert lanes.planned == 7 and backend.wanted == 4
+            assert backend.region_launches == 7
+            # a lone request below a full batch: on the direct path (Engine.run_now) by its
+            # plan once one is made (the first is queued: no cost known yet)
+            for _ in range(4):
+                x = rng.standard_normal((1, K)).astype(np.float32)
+                region.ndarray(2 * xb, np.float32, (1, K))[...] = x
+                y = lane.matmul("w", x_offset=2 * xb, y_offset=4 * xb, shape=(1, K),
+                                dtype=np.float32)
+                np.testing.assert_allclose(y, reference(blocks, ROWS, K, x), rtol=1e-5,
+                                           atol=1e-4)
+            assert lanes.planned >= 8 and backend.region_launches == lanes.planned
+            held = w.worker.regions._regions["io"]
+            assert len(held.plans) == 3
+            assert w.call(_held(w)) == [0]
+        assert held.plans == {} and backend.hostio.routes == 0
+    finally:
+        w.stop()

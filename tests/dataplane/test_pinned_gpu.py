@@ -169,13 +169,63 @@ def test_lane_full_batches_pipelined(backend: Any, rng: np.random.Generator) -> 
         with ThreadPoolExecutor(8) as pool:
             assert sum(pool.map(caller, range(8))) == 200
         server = w.worker.plane.lanes
-        assert server is not None and server.piped > 0
-        assert w.worker.engine.device.inflight == 0 and backend.hostio.routes == 0
-        for lane in lanes:
-            lane.close()
-        for r in regions:
-            r.close()
-        assert backend.hostio.pinned == 0
+        assert server is not None and server.piped > 0 and server.planned > 0
+        _nothing_left(w, backend, lanes, regions)
+    finally:
+        w.stop()
+
+
+def _nothing_left(w: Any, backend: Any, lanes: list[Any], regions: list[Any]) -> None:
+    """Nothing in flight or routed; the lanes and regions closed, nothing left pinned."""
+    assert w.worker.engine.device.inflight == 0 and backend.hostio.routes == 0
+    for lane in lanes:
+        lane.close()
+    for r in regions:
+        r.close()
+    assert backend.hostio.pinned == 0
+
+
+def test_lane_plans_replay_one_graph(backend: Any, rng: np.random.Generator) -> None:
+    """A lane request repeated at the same places runs by its region's plan, the CUDA
+    backend's ``RegionCall`` (x's DMA, the kernels, y's f16 conversion and y's DMA as one
+    captured graph per launch slot): y equal to the bytes path's for a new x each call, f32
+    and f16 out, a full batch (the lane's pipeline) and a lone row (the direct path); after
+    an unpin elsewhere the plan is remade; nothing is left held, routed or pinned."""
+    from q6serve.kernels.cuda.launch import RegionCall
+
+    w, clients, xs, wants, regions = _eight_callers(backend, rng, 5)
+    try:
+        c, region = clients[0], regions[0]
+        lane = c.open_lane(region)
+        server = w.worker.plane.lanes
+        for out in ("f32", "f16"):
+            for i in range(6):
+                j = i % 4
+                got = lane.matmul("w", xs[j], y_offset=1 << 20, precision="f16", out_dtype=out)
+                same(np.array(got), wants[j].astype(np.float16) if out == "f16" else wants[j])
+                del got
+        assert server is not None and server.planned >= 8
+        held = w.worker.regions._regions["r5_0"]
+        made = [p.rc for p in held.plans.values()]
+        assert len(made) == 2 and all(isinstance(rc, RegionCall) and rc.live() for rc in made)
+        # one call at a time: slot 0's sequence, captured on its second call
+        assert all(any(sq is not None and sq.graph for sq in rc._seqs) for rc in made)
+        planned = server.planned
+        x1 = [x[:1].copy() for x in xs[:3]]
+        want1 = [c.matmul_full("w", x, precision="f16").y for x in x1]
+        for i in range(8):
+            got = lane.matmul("w", x1[i % 3], x_offset=2 << 20, y_offset=3 << 20,
+                              precision="f16")
+            same(np.array(got), want1[i % 3])
+            del got
+        assert server.planned - planned >= 5  # (the first ones queued, then by the plan)
+        c.register_shm("other", 4096).close()  # an unpin: every region call stale
+        assert not any(rc.live() for rc in made)
+        for i in range(3):
+            got = lane.matmul("w", xs[i], y_offset=1 << 20, precision="f16")
+            same(np.array(got), wants[i])
+            del got
+        _nothing_left(w, backend, [lane], regions)
     finally:
         w.stop()
 
