@@ -9,7 +9,7 @@ closed-loop decode steps, one matmul per weight of ``--weights`` per step.
 
 Every call is split along one timeline into parts that add up to its end-to-end time:
 
-  client_encode   activations -> request bytes (tobytes + protobuf serialize)
+  client_encode   activations -> request bytes (the q6serve client's encoder: x copied once)
   transport       the rest of the RPC: HTTP/2 both ways, gRPC's queues and threads, reply
                   serialization in the worker (= RPC time minus the worker's handler time)
   server_decode   worker: RPC taken -> activations decoded (auth, protobuf parse, checks)
@@ -17,7 +17,7 @@ Every call is split along one timeline into parts that add up to its end-to-end 
   kernel          device time of the batch (CUDA events; host-timed on NumPy)
   device_other    rest of the device job: H2D/D2H copies, launches, syncs, batch concat
   server_other    rest of the handler: loop wake-ups, batch split, encoding y
-  client_decode   reply bytes -> y array (protobuf parse + frombuffer)
+  client_decode   reply bytes -> y array (the client's: protobuf parse + a view of y)
 
 The worker's parts come from the reply's MatmulTiming (queue, kernel, device, decode,
 handler seconds). ``--target-report`` measures issue 9's three targets in one invocation.

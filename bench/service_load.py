@@ -7,6 +7,7 @@ this module by name (bench/ is on their sys.path, as it is on the parent's).
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from q6serve.client import core
 from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
+from q6serve.v1 import q6serve_pb2 as pb
 
 FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",
           "handler", "batch_rows", "batch_requests", "reply_bytes")
@@ -49,23 +52,15 @@ class LoadSpec:
 
 def request_bytes(pb: Any, weights: tuple[str, ...], x: np.ndarray, precision: int,
                   out_dtype: str = "f32", topk: int = 0, rid: str = "") -> bytes:
-    """A serialized MatmulRequest (one weight, or several: a multi-weight request); x's
-    dtype is f16 or f32."""
-    req = pb.MatmulRequest(precision=precision, request_id=rid,
-                           out_dtype=pb.DTYPE_F16 if out_dtype == "f16" else pb.DTYPE_F32)
-    if len(weights) == 1:
-        req.weight = weights[0]
-    else:
-        req.weights.extend(weights)
-    if topk:
-        req.topk.k = topk
-    req.x.dtype = pb.DTYPE_F16 if x.dtype == np.float16 else pb.DTYPE_F32  # in place: see wire
-    req.x.shape.extend(x.shape)
-    req.x.data = x.tobytes()
-    return req.SerializeToString()
+    """A serialized MatmulRequest (one weight, or several: a multi-weight request) as the
+    q6serve client writes it (client/core.matmul_request_bytes: x's bytes copied once);
+    x's dtype is f16 or f32."""
+    weight = weights[0] if len(weights) == 1 else list(weights)
+    return core.matmul_request_bytes(weight, x, _precision_names()[precision], out_dtype, rid,
+                                     topk=topk or None)
 
 
-def reply_message(pb: Any, raw: bytes, stream: bool) -> Any:
+def reply_message(raw: bytes, stream: bool) -> Any:
     """The MatmulResponse of a raw reply (a stream's error reply raises)."""
     if not stream:
         return pb.MatmulResponse.FromString(raw)
@@ -75,16 +70,29 @@ def reply_message(pb: Any, raw: bytes, stream: bool) -> Any:
     return msg.result
 
 
-_NP_DTYPE = {1: np.float32, 2: np.float16}  # pb DType (bf16 is not asked for here)
+def reply_arrays(r: Any, y_region: Any = None) -> Any:
+    """What a host takes from a reply, as the q6serve client reads it: y (Client.matmul's
+    response_y), each weight's y of a multi-weight reply, or the top-k arrays."""
+    if r.HasField("topk"):
+        return core.decode_topk(r.topk)
+    if len(r.outputs):
+        return [core.response_y(o) for o in r.outputs]
+    return core.response_y(r, y_region)
 
 
-def view_output(o: Any) -> tuple[np.ndarray, ...]:
-    """What a host does with one reply (or WeightOutput): view y, or the top-k arrays."""
-    if o.HasField("topk"):
-        t = o.topk
-        return (np.frombuffer(t.values, np.float32), np.frombuffer(t.indices, np.int32),
-                np.frombuffer(t.lse, np.float32))
-    return (np.frombuffer(o.y.data, _NP_DTYPE[o.y.dtype]).reshape(tuple(o.y.shape)),)
+def reply_output(r: Any) -> Any:
+    """The whole reply as the client's MatmulOutput (its timing: read outside the timed
+    decode, as a host that wants only y skips it)."""
+    return core.output_of(r)
+
+
+@functools.cache
+def _precision_names() -> dict[int, str]:
+    return {v: k for k, v in core.PRECISIONS.items()}
+
+
+def nan_if_none(v: float | None) -> float:
+    return float("nan") if v is None else v
 
 
 def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
@@ -92,22 +100,17 @@ def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
     """Decode the reply (timed: client_decode) and append this call's figures. ``region``:
     the caller's region (y is a view of it there, as the client helper returns it)."""
     t0, t1, t2 = t
-    r = reply_message(pb, raw, stream)
-    if region is None:
-        view_output(r)
-    else:
-        region.ndarray(region.y_offset, np.float32, tuple(r.y.shape))
+    r = reply_message(raw, stream)
+    reply_arrays(r, None if region is None else (region, region.y_offset))
     t3 = time.perf_counter()
-    tm = r.timing
-
-    def opt(name: str) -> float:
-        return getattr(tm, name) if tm.HasField(name) else float("nan")
-
+    o = reply_output(r)
     for key, v in (("e2e", t3 - t0), ("encode", t1 - t0), ("rpc", t2 - t1),
-                   ("decode", t3 - t2), ("queue", tm.queue_seconds),
-                   ("kernel", opt("kernel_seconds")), ("device", opt("device_seconds")),
-                   ("srv_decode", opt("decode_seconds")), ("handler", opt("handler_seconds")),
-                   ("batch_rows", tm.batch_rows), ("batch_requests", tm.batch_requests),
+                   ("decode", t3 - t2), ("queue", o.queue_seconds),
+                   ("kernel", nan_if_none(o.kernel_seconds)),
+                   ("device", nan_if_none(o.device_seconds)),
+                   ("srv_decode", nan_if_none(o.decode_seconds)),
+                   ("handler", nan_if_none(o.handler_seconds)),
+                   ("batch_rows", o.batch_rows), ("batch_requests", o.batch_requests),
                    ("reply_bytes", len(raw))):
         out[key].append(v)
 
@@ -394,8 +397,8 @@ class _ClientWork:
     """What a T1 caller does around each round trip besides gRPC, done by the echo's caller
     for :func:`grpc_floor`'s ``client_work`` floor: x [1, K] f16 encoded into a real
     MatmulRequest (``request_bytes``, sent behind the echo's 8-byte size header), and a real
-    MatmulStreamResponse of ``rows`` f32 outputs decoded and viewed (``reply_message``,
-    ``view_output``; the echo's own reply is zeros of that size). The work and the pause it
+    MatmulStreamResponse of ``rows`` f32 outputs decoded (``reply_message``,
+    ``reply_arrays``; the echo's own reply is zeros of that size). The work and the pause it
     puts between round trips are the caller's, not the worker's."""
 
     def __init__(self, k: int, rows: int) -> None:
@@ -411,7 +414,7 @@ class _ClientWork:
         return header + request_bytes(self.pb, ("ffn_down",), self.x, 0, rid="r")
 
     def decode(self) -> None:
-        view_output(reply_message(self.pb, self.reply, True))
+        reply_arrays(reply_message(self.reply, True))
 
 
 def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,

@@ -26,10 +26,12 @@ from service_load import (
     MATMUL,
     MATMUL_STREAM,
     echo_p50,
+    nan_if_none,
+    reply_arrays,
     reply_message,
+    reply_output,
     request_bytes,
     spawn_hosts,
-    view_output,
 )
 
 # (role, rows, K) of one layer of a 7B-class model (Qwen2-7B shapes), and the lm-head
@@ -97,17 +99,11 @@ class ReplaySpec:
     out: str = "f16"  # y's dtype (f16 | f32)
 
 
-def _reply(pb: Any, raw: bytes, stream: bool) -> tuple[Any, list[Any]]:
-    """The MatmulResponse and its per-weight timings (outputs' for a multi-weight reply)."""
-    r = reply_message(pb, raw, stream)
-    outs = list(r.outputs) if len(r.outputs) else [r]
-    for o in outs:
-        view_output(o)
-    return r, [o.timing for o in outs]
-
-
-def _opt(t: Any, name: str) -> float:
-    return getattr(t, name) if t.HasField(name) else float("nan")
+def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The reply as the client's MatmulOutput and its per-weight outputs (itself for one
+    weight), read after the timed decode."""
+    o = reply_output(r)
+    return o, o.outputs or (o,)
 
 
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
@@ -140,19 +136,21 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                     await stream.write(req)
                     raw = await stream.read()
                 t2 = time.perf_counter()
-                r, timings = _reply(pb, raw, stream is not None)
+                reply = reply_message(raw, stream is not None)
+                reply_arrays(reply)
                 t3 = time.perf_counter()
-                handler = _opt(r.timing, "handler_seconds")
+                r, timings = _timings(reply)
+                handler = nan_if_none(r.handler_seconds)
                 sums["handler"] += handler
                 sums["transport"] += (t2 - t1) - handler
                 sums["client"] += (t1 - t0) + (t3 - t2)
                 for tm in timings:
-                    kern = _opt(tm, "kernel_seconds")
+                    kern = nan_if_none(tm.kernel_seconds)
                     if np.isnan(kern):
                         sums["kernel_missing"] += 1
                     else:
                         sums["kernel"] += kern
-                    sums["device"] += _opt(tm, "device_seconds")
+                    sums["device"] += nan_if_none(tm.device_seconds)
                 sums["queue"] += max(tm.queue_seconds for tm in timings)
             sums["e2e"] = time.perf_counter() - t_step
             if rec is not None:

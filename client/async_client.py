@@ -107,10 +107,9 @@ class AsyncClient(core.Transport):
                      x_region: RegionArg | None = None,
                      y_region: RegionArg | None = None) -> np.ndarray:
         """As :meth:`Client.matmul`."""
-        return core.y_of(await self.matmul_full(core.one_weight(weight), x,
-                                                precision=precision, out_dtype=out_dtype,
-                                                timeout=timeout, x_region=x_region,
-                                                y_region=y_region))
+        return await self._run(core.matmul_y_call(weight, x, precision, out_dtype,
+                                                  x_region=x_region, y_region=y_region),
+                               timeout)
 
     async def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
                            precision: str = "auto", out_dtype: str = "f32",
@@ -134,7 +133,7 @@ class AsyncClient(core.Transport):
         async generator may wait for replies before sending more)."""
         y_regions: dict[str, RegionArg] = {}
 
-        async def messages() -> AsyncIterator[pb.MatmulRequest]:
+        async def messages() -> AsyncIterator[bytes]:
             if isinstance(requests, AsyncIterable):
                 async for item in requests:
                     for m in core.stream_requests([item], precision, out_dtype, y_regions,
@@ -144,7 +143,7 @@ class AsyncClient(core.Transport):
                 for m in core.stream_requests(requests, precision, out_dtype, y_regions, topk):
                     yield m
 
-        call = self._stubs["q6serve"].MatmulStream(messages(), metadata=self._metadata,
+        call = self._stubs["bytes"].MatmulStream(messages(), metadata=self._metadata,
                                                    timeout=self._deadline(timeout))
         with core.rpc_errors():
             try:

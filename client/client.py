@@ -155,9 +155,8 @@ class Client(core.Transport):
                x_region: RegionArg | None = None,
                y_region: RegionArg | None = None) -> np.ndarray:
         """y = x · Wᵀ of one weight (see :meth:`matmul_multi`, :meth:`matmul_topk`)."""
-        return core.y_of(self.matmul_full(core.one_weight(weight), x, precision=precision,
-                                          out_dtype=out_dtype, timeout=timeout,
-                                          x_region=x_region, y_region=y_region))
+        return self._run(core.matmul_y_call(weight, x, precision, out_dtype, x_region=x_region,
+                                            y_region=y_region), timeout)
 
     def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
                      precision: str = "auto", out_dtype: str = "f32",
@@ -186,7 +185,7 @@ class Client(core.Transport):
         already sent may have run. ``timeout`` bounds the whole stream."""
         y_regions: dict[str, RegionArg] = {}
         msgs = core.stream_requests(requests, precision, out_dtype, y_regions, topk)
-        call = self._stubs["q6serve"].MatmulStream(msgs, metadata=self._metadata,
+        call = self._stubs["bytes"].MatmulStream(msgs, metadata=self._metadata,
                                                    timeout=self._deadline(timeout))
         with core.rpc_errors():
             try:

@@ -29,6 +29,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 from . import names, shm
 from .channel import token_metadata
+from .matmul_bytes import splice_for, x_bytes
 from .retry import NO_RETRY, RetryPolicy
 from .shm import RegionArg, ShmRegion
 
@@ -38,6 +39,9 @@ DTYPES = dict(zip(names.DTYPES, map(np.dtype, (np.float32, np.float16, ml_dtypes
                   strict=True))
 _DTYPE_TO_PB = dict(zip(names.DTYPES, (pb.DTYPE_F32, pb.DTYPE_F16, pb.DTYPE_BF16), strict=True))
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+_RESPONSE = pb.MatmulResponse
+_STREAM_RESPONSE = pb.MatmulStreamResponse
+_NP_OF_PB = {v: DTYPES[k].newbyteorder("<") for k, v in _DTYPE_TO_PB.items()}
 PRECISIONS = dict(zip(names.PRECISIONS, (pb.PRECISION_AUTO, pb.PRECISION_EXACT,
                                          pb.PRECISION_F16, pb.PRECISION_Q8_1), strict=True))
 _PRECISION_NAME = {v: k for k, v in PRECISIONS.items()}
@@ -53,6 +57,15 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 def dtype_name(dtype: np.dtype[Any]) -> str | None:
     """The wire name ("f32", "f16", "bf16") of a NumPy dtype, or None if it has none."""
     return next((n for n, d in DTYPES.items() if d == dtype), None)
+
+
+def wire_dtype(dtype: np.dtype[Any]) -> str:
+    """:func:`dtype_name`, or a ValueError naming the dtypes the wire has."""
+    name = dtype_name(dtype)
+    if name is None:
+        raise ValueError(f"dtype {dtype} is not one of {', '.join(DTYPES)} "
+                         "(bf16 is ml_dtypes.bfloat16)")
+    return name
 
 
 def _choice(table: Mapping[Any, Any], key: Any, what: str) -> Any:
@@ -114,7 +127,7 @@ class Weight:
                    w.in_flight, w.row_range.begin, end, w.tensor_rows or w.rows)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: its __init__ was 5.7 of a reply's 22 us decode (CI VM)
 class MatmulOutput:
     """One matmul's result. ``y`` [N, rows]; with ``topk=k`` it is None and ``topk`` holds the
     per-row top-k values f32 [N, k], column indices int32 [N, k] and log-sum-exp f32 [N]. A
@@ -143,11 +156,7 @@ class MatmulOutput:
 def fill_tensor(t: pb.Tensor, a: np.ndarray) -> pb.Tensor:
     """Set ``t`` to ``a`` in place (dtype, shape, little-endian bytes)."""
     a = np.ascontiguousarray(a)
-    name = dtype_name(a.dtype)
-    if name is None:
-        raise ValueError(f"dtype {a.dtype} is not one of {', '.join(DTYPES)} "
-                         "(bf16 is ml_dtypes.bfloat16)")
-    t.dtype = _DTYPE_TO_PB[name]
+    t.dtype = _DTYPE_TO_PB[wire_dtype(a.dtype)]
     t.shape.extend(a.shape)
     t.data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
     return t
@@ -158,8 +167,9 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
 
 
 def decode_tensor(t: pb.Tensor) -> np.ndarray:
-    dt = DTYPES[_DTYPE_FROM_PB[t.dtype]].newbyteorder("<")
-    return np.frombuffer(t.data, dtype=dt).reshape(tuple(t.shape))
+    a = np.frombuffer(t.data, dtype=_NP_OF_PB[t.dtype])
+    shape = t.shape  # a matmul's y is 2-D: two reads, not a tuple of the container (1.4 us)
+    return a.reshape(shape[0], shape[1]) if len(shape) == 2 else a.reshape(tuple(shape))
 
 
 def as_bytes_view(data: np.ndarray | bytes | memoryview) -> memoryview:
@@ -207,14 +217,9 @@ def upload_messages(header: pb.UploadHeader, raw: memoryview | bytes,
 Weights = str | Sequence[str]  # one weight, or several of the same K (a multi-weight call)
 
 
-def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
-                   out_dtype: str = "f32", request_id: str = "", *,
-                   x_region: RegionArg | None = None, y_region: RegionArg | None = None,
-                   topk: int | None = None) -> pb.MatmulRequest:
-    """``weight``: a name, or a list of names (MatmulRequest.weights: one output per weight);
-    ``topk``: the top-k epilogue's k (the worker checks 1..256 and <= the weight's rows);
-    ``x_region``: x travels through that shared-memory region (copied there unless x is
-    already its view at that offset); ``y_region``: the worker writes y there (.shm)."""
+def request_head(weight: Weights, precision: str = "auto", out_dtype: str = "f32",
+                 request_id: str = "", topk: int | None = None) -> pb.MatmulRequest:
+    """A MatmulRequest with everything but x and the regions, each argument checked."""
     req = pb.MatmulRequest(precision=_choice(PRECISIONS, precision, "precision"),
                            out_dtype=_choice(_DTYPE_TO_PB, out_dtype, "out_dtype"),
                            request_id=request_id)
@@ -230,13 +235,22 @@ def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
                 0 <= topk < 1 << 32):
             raise ValueError(f"topk={topk!r} must be an int (the worker takes 1..256)")
         req.topk.k = int(topk)
+    return req
+
+
+def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
+                   out_dtype: str = "f32", request_id: str = "", *,
+                   x_region: RegionArg | None = None, y_region: RegionArg | None = None,
+                   topk: int | None = None) -> pb.MatmulRequest:
+    """``weight``: a name, or a list of names (MatmulRequest.weights: one output per weight);
+    ``topk``: the top-k epilogue's k (the worker checks 1..256 and <= the weight's rows);
+    ``x_region``: x travels through that shared-memory region (copied there unless x is
+    already its view at that offset); ``y_region``: the worker writes y there (.shm)."""
+    req = request_head(weight, precision, out_dtype, request_id, topk)
     if x_region is not None:
         if not hasattr(x, "__cuda_array_interface__"):  # a CuPy x stays on the device
             x = np.asarray(x)
-        name = dtype_name(x.dtype)
-        if name is None:
-            raise ValueError(f"dtype {x.dtype} is not one of {', '.join(DTYPES)}")
-        shm.place_x(req, x, _DTYPE_TO_PB[name], x_region)
+        shm.place_x(req, x, _DTYPE_TO_PB[wire_dtype(x.dtype)], x_region)
     else:
         # x set in place: a big submessage passed to the constructor is copied the slow way
         # in upb (N=64 ffn_down activations: 489 -> 289 us with serialization; RESULTS.md)
@@ -244,6 +258,30 @@ def matmul_request(weight: Weights, x: np.ndarray, precision: str = "auto",
     if y_region is not None:
         shm.place_y(req, y_region)
     return req
+
+
+def matmul_request_bytes(weight: Weights, x: np.ndarray, precision: str = "auto",
+                         out_dtype: str = "f32", request_id: str = "", *,
+                         x_region: RegionArg | None = None, y_region: RegionArg | None = None,
+                         topk: int | None = None) -> bytes:
+    """``matmul_request(...).SerializeToString()``; without regions x's bytes are copied once
+    (:mod:`.matmul_bytes`)."""
+    if x_region is not None or y_region is not None or type(x) is not np.ndarray or (
+            not x.size):
+        return matmul_request(weight, x, precision, out_dtype, request_id, x_region=x_region,
+                              y_region=y_region, topk=topk).SerializeToString()
+    data = x_bytes(x)
+    # type(topk): True == 1 as a key, and only the builder refuses a bool
+    key = (weight if type(weight) is str else tuple(weight), x.shape, x.dtype, precision,
+           out_dtype, topk, type(topk))
+
+    def shell() -> pb.MatmulRequest:
+        req = request_head(weight, precision, out_dtype, "", topk)
+        req.x.dtype = _DTYPE_TO_PB[wire_dtype(x.dtype)]
+        req.x.shape.extend(x.shape)
+        return req
+
+    return splice_for(key, shell).join(data, request_id)
 
 
 def flags_request(changes: Mapping[str, bool]) -> pb.SetFlagsRequest:
@@ -281,28 +319,32 @@ def decode_topk(t: pb.TopKResult) -> TopK:
 def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> MatmulOutput:
     """``y_region``: the request's; y is then a view of that region (the reply has no bytes)."""
     t = r.timing
-
-    def opt(name: str) -> float | None:
-        return getattr(t, name) if t.HasField(name) else None
-
-    outputs = tuple(output_of(o) for o in getattr(r, "outputs", ()))
-    if r.HasField("topk") or outputs:
-        y = None
-    else:
-        y = (decode_tensor(r.y) if y_region is None
-             else shm.read_y(r.y, y_region, DTYPES[_DTYPE_FROM_PB[r.y.dtype]]))
+    has = t.HasField
+    outputs = tuple(map(output_of, r.outputs)) if type(r) is _RESPONSE and r.outputs else ()
+    topk = decode_topk(r.topk) if r.HasField("topk") else None
+    y = None if topk is not None or outputs else response_y(r, y_region)
     return MatmulOutput(y, r.kernel, _LAYOUT_NAME[r.layout],
-                        _PRECISION_NAME[r.precision], t.queue_seconds, opt("kernel_seconds"),
+                        _PRECISION_NAME[r.precision], t.queue_seconds,
+                        t.kernel_seconds if has("kernel_seconds") else None,
                         t.batch_rows, t.batch_requests, getattr(r, "request_id", ""),
-                        opt("decode_seconds"), opt("device_seconds"), opt("handler_seconds"),
-                        decode_topk(r.topk) if r.HasField("topk") else None,
-                        getattr(r, "weight", ""), outputs)
+                        t.decode_seconds if has("decode_seconds") else None,
+                        t.device_seconds if has("device_seconds") else None,
+                        t.handler_seconds if has("handler_seconds") else None,
+                        topk, getattr(r, "weight", ""), outputs)
 
 
-def stream_outcome(r: Any, y_regions: dict[str, RegionArg]) -> MatmulOutput | Q6ServeError:
-    """One MatmulStream reply as the caller sees it: its result (y read from the y_region its
-    request named, taken out of ``y_regions``), or that request's own error (the stream itself
-    goes on)."""
+def response_y(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> np.ndarray:
+    """y of a one-weight reply without top-k, and nothing else of it (``Client.matmul``'s
+    result: the reply's other fields cost 5-6 us to read on the CI VM)."""
+    y = r.y
+    return decode_tensor(y) if y_region is None else shm.read_y(y, y_region, _NP_OF_PB[y.dtype])
+
+
+def stream_outcome(raw: bytes, y_regions: dict[str, RegionArg]) -> MatmulOutput | Q6ServeError:
+    """One MatmulStream reply (its bytes) as the caller sees it: its result (y read from the
+    y_region its request named, taken out of ``y_regions``), or that request's own error (the
+    stream itself goes on)."""
+    r = _STREAM_RESPONSE.FromString(raw)
     y_region = y_regions.pop(r.request_id, None)
     if r.WhichOneof("outcome") == "error":
         code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
@@ -312,16 +354,16 @@ def stream_outcome(r: Any, y_regions: dict[str, RegionArg]) -> MatmulOutput | Q6
 
 def stream_requests(requests: Iterable[tuple[Any, ...]], precision: str, out_dtype: str,
                     y_regions: dict[str, RegionArg],
-                    topk: int | None = None) -> Iterator[pb.MatmulRequest]:
-    """MatmulStream requests from ``(request_id, weight, x)`` or ``(request_id, weight, x,
-    x_region, y_region)`` tuples (``weight`` a name or a list of names); records each
+                    topk: int | None = None) -> Iterator[bytes]:
+    """MatmulStream requests (serialized) from ``(request_id, weight, x)`` or ``(request_id,
+    weight, x, x_region, y_region)`` tuples (``weight`` a name or a list of names); records each
     y_region by request id (for stream_outcome)."""
     for rid, w, x, *io in requests:
         xr, yr = [*io, None, None][:2]
         if yr is not None:
             y_regions[rid] = yr
-        yield matmul_request(w, x, precision, out_dtype, rid, x_region=xr, y_region=yr,
-                             topk=topk)
+        yield matmul_request_bytes(w, x, precision, out_dtype, rid, x_region=xr,
+                                   y_region=yr, topk=topk)
 
 
 @dataclass(frozen=True)
@@ -406,9 +448,21 @@ class Call(Generic[T]):
         return replace(self, decode=lambda r: f(decode(r)))  # type: ignore[arg-type,return-value]
 
 
+class BytesStub:
+    """Matmul and MatmulStream with bytes both ways: the client writes requests and parses
+    replies itself (:func:`matmul_request_bytes`, :func:`output_of`), without the generated
+    stub's serializers."""
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
+        service = pb.DESCRIPTOR.services_by_name["Q6Serve"].full_name
+        self.Matmul = channel.unary_unary(f"/{service}/Matmul")
+        self.MatmulStream = channel.stream_stream(f"/{service}/MatmulStream")
+
+
 def stubs(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
     """The stubs a :class:`Call` names by ``service``, over one (sync or aio) channel."""
-    return {"q6serve": pb_grpc.Q6ServeStub(channel), "health": health_stub(channel)}
+    return {"q6serve": pb_grpc.Q6ServeStub(channel), "bytes": BytesStub(channel),
+            "health": health_stub(channel)}
 
 
 class Transport:
@@ -473,9 +527,20 @@ def matmul_call(weight: Weights, x: np.ndarray, precision: str = "auto", out_dty
                 *, x_region: RegionArg | None = None, y_region: RegionArg | None = None,
                 topk: int | None = None) -> Call[MatmulOutput]:
     """Matmul (:func:`matmul_request` checks the arguments); y read from ``y_region`` if set."""
-    req = matmul_request(weight, x, precision, out_dtype, x_region=x_region, y_region=y_region,
-                         topk=topk)
-    return Call("Matmul", req, lambda r: output_of(r, y_region))
+    req = matmul_request_bytes(weight, x, precision, out_dtype, x_region=x_region,
+                               y_region=y_region, topk=topk)
+    return Call("Matmul", req, lambda raw: output_of(_RESPONSE.FromString(raw), y_region),
+                service="bytes")
+
+
+def matmul_y_call(weight: str, x: np.ndarray, precision: str = "auto", out_dtype: str = "f32",
+                  *, x_region: RegionArg | None = None,
+                  y_region: RegionArg | None = None) -> Call[np.ndarray]:
+    """:func:`matmul_call` of one weight whose result is y alone (:func:`response_y`)."""
+    req = matmul_request_bytes(one_weight(weight), x, precision, out_dtype, x_region=x_region,
+                               y_region=y_region)
+    return Call("Matmul", req, lambda raw: response_y(_RESPONSE.FromString(raw), y_region),
+                service="bytes")
 
 
 def one_weight(weight: Weights) -> str:
