@@ -24,6 +24,8 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           kernel, interceptor, server options; its figure is p50 of (round trip - the
           kernel_seconds its reply reports)
   worker0 the same worker with its loop's busy polling off (Q6SERVE_BUSY_POLL_US=0)
+  workerpoll the same worker with gRPC's poll(2) poller (GRPC_POLL_STRATEGY=poll) instead of
+          its default epoll1
 
 On grpc's synchronous server (``grpc.server`` + a thread pool; the stream's handler is a
 generator on a pool thread that blocks in the request iterator; no event loop):
@@ -44,6 +46,9 @@ idle threads and background tasks, its heap threshold, logging and imports), e.g
 
 ``--out f32`` (T1's: bench/service.py asks for f32 y) sets the reply's dtype (default f16);
 ``--rows 3584 --out f32`` gives T1's message sizes.
+
+``--keepers N``: every run again with N spinning processes of the lowest priority beside
+(LABEL~keep, alternated with the plain run): what idle CPUs cost a round trip's wake-ups.
 
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
@@ -71,6 +76,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -81,9 +87,10 @@ from typing import Any
 import numpy as np
 
 VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker",
-            "worker0", "sbare", "sync")
+            "worker0", "workerpoll", "sbare", "sync")
 SYNC_VARIANTS = ("sbare", "sync")
-WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"}}  # variant: its env
+WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"},  # variant: its env
+           "workerpoll": {"GRPC_POLL_STRATEGY": "poll"}}
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
@@ -237,6 +244,10 @@ FEATURES = {
     "work": "WORK_US (default 150) us of Python per request in the handler (objects made and "
             "dropped), the worker's handler time without its code: does gRPC's own path slow "
             "down after a handler's work (caches)?",
+    "hold": "holdNNN: the handler holds each request NNN us (default 120) in a busy wait on "
+            "the clock before its reply, as the worker's direct path waits on the kernel's "
+            "event (no Python churn): a server window of that length and nothing else. Does "
+            "the way up and down grow with the window alone (gRPC's threads idle longer)?",
     "spin": "the loop's busy polling as the worker has it (service/threads.busy_poll: "
             "Q6SERVE_BUSY_POLL_US, else 1000 us on 8+ cores), always allowed to spin",
     "imports": "the worker's imports (service.worker, engine, the NumPy backend; cupy and the "
@@ -246,7 +257,8 @@ FEATURES = {
 
 def _features(variant: str) -> list[str]:
     """``bare+a+b`` -> ["a", "b"] (checked against FEATURES)."""
-    got = variant.split("+")[1:]
+    got = ["hold" if f.startswith("hold") and f[4:].isdigit() else f
+           for f in variant.split("+")[1:]]
     if bad := [f for f in got if f not in FEATURES]:
         raise ValueError(f"unknown feature(s) {bad} in {variant!r}; choose from "
                          + ", ".join(FEATURES))
@@ -366,10 +378,14 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
     decode = "proto" in feats
 
     work = _churn(float(os.environ.get("WORK_US", "150"))) if "work" in feats else None
+    hold = next((int(f[4:] or 120) * 1e-6 for f in variant.split("+")[1:]
+                 if f.startswith("hold")), 0.0)
 
     def reply(req: Any, start: float) -> Any:
         if work is not None:
             work()
+        while time.perf_counter() - start < hold:  # (start: the raw request's time)
+            pass
         return _reply_message(pb, req, y, rows, start) if decode else y
 
     def taken() -> float:  # the raw request's time (the interceptor's RPC_START), or now
@@ -787,6 +803,53 @@ class _Servers:
         return out
 
 
+_KEEPER = """import os
+os.nice(19)
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    print("SCHED_IDLE", flush=True)
+except (OSError, AttributeError) as e:
+    print(f"nice 19 (SCHED_IDLE refused: {e})", flush=True)
+while True:
+    pass
+"""
+
+
+class _Keepers:
+    """``n`` processes spinning at the lowest priority, stopped (SIGSTOP) except inside
+    ``on(True)``. Where the kernel places a woken thread on a CPU that runs only a SCHED_IDLE
+    task as on an idle one, and preempts that task at once, those CPUs never halt: what a
+    round trip's ~7 thread wake-ups cost beyond that is the threads' own."""
+
+    def __init__(self, n: int) -> None:
+        import subprocess
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", _KEEPER],
+                                       stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        self.policy = [p.stdout.readline().strip() for p in self.procs]  # type: ignore[union-attr]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        for p in self.procs:
+            os.kill(p.pid, sig)
+
+    @contextlib.contextmanager
+    def on(self, keep: bool) -> Any:
+        if not keep or not self.procs:
+            yield
+            return
+        self._signal(signal.SIGCONT)
+        try:
+            yield
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def thread_counters(pid: int) -> dict[str, float]:
     """Counters of process ``pid``'s threads alive now (Linux /proc): "cpu" (seconds on the
     CPU, all threads, in ns steps: schedstat), "loop" (the main thread's: the event loop),
@@ -838,6 +901,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the client sleeps this long between a reply and its next request "
                          "(does the server's work after a reply delay the next request?); "
                          "several: each variant runs under each (labels VARIANT@US)")
+    ap.add_argument("--keepers", type=int, default=0, metavar="N",
+                    help="also run every variant with N keeper processes spinning at the "
+                         "lowest priority (SCHED_IDLE where allowed, else nice 19; labels "
+                         "LABEL~keep, alternated with the plain runs): do the round trips "
+                         "pay for idle CPUs going to sleep, whose wake-up a preemptible "
+                         "spinner would save?")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"),
                     help="the worker variant's backend")
     a = ap.parse_args(argv)
@@ -855,15 +924,22 @@ def main(argv: list[str] | None = None) -> int:
     itemsize = 2 if a.out == "f16" else 4
     req = _request(a.k, itemsize)
     thinks = [float(t) for t in a.think.split(",") if t]
-    # (label, variant, think us): each variant under each think time
-    runs = [(v if len(thinks) == 1 and not t else f"{v}@{t:g}", v, t)
-            for v in variants for t in thinks]
-    p50: dict[str, list[float]] = {label: [] for label, _, _ in runs}
-    p99: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    # (label, variant, think us, keepers on): each variant under each think time, and with
+    # --keepers each of those again with the keepers running
+    runs = [(v if len(thinks) == 1 and not t else f"{v}@{t:g}", v, t) for v in variants
+            for t in thinks]
+    runs4 = [(f"{label}~keep" if keep else label, v, t, keep) for label, v, t in runs
+             for keep in ((False, True) if a.keepers else (False,))]
+    p50: dict[str, list[float]] = {label: [] for label, *_ in runs4}
+    p99: dict[str, list[float]] = {label: [] for label, *_ in runs4}
     stats: dict[str, dict[str, list[float]]] = {label: collections.defaultdict(list)
-                                                for label, _, _ in runs}
+                                                for label, *_ in runs4}
     calls = dict.fromkeys(variants, 0)
-    with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp:
+    keepers = _Keepers(a.keepers)
+    if a.keepers:
+        print(f"# keepers: {a.keepers} processes, {', '.join(sorted(set(keepers.policy)))}",
+              flush=True)
+    with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp, contextlib.closing(keepers):
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips, itemsize)
         if a.pin:
             from q6serve.service.affinity import parse_cpus, pin_process
@@ -874,11 +950,16 @@ def main(argv: list[str] | None = None) -> int:
             pin_process(cli)
         try:
             for r in range(a.rounds):
-                for label, v, think in runs:
-                    lat, got, n = asyncio.run(_roundtrips(
-                        servers.targets[v], req, a.seconds, a.warmup,
-                        v in WORKERS or v == "sync",
-                        servers.pids[v], _stamped(v), think * 1e-6))
+                # with keepers: without and with alternate, their order flipped every round
+                step = 2 if a.keepers else 1
+                order = runs4 if r % 2 == 0 else [
+                    x for i in range(0, len(runs4), step) for x in reversed(runs4[i:i + step])]
+                for label, v, think, keep in order:
+                    with keepers.on(keep):
+                        lat, got, n = asyncio.run(_roundtrips(
+                            servers.targets[v], req, a.seconds, a.warmup,
+                            v in WORKERS or v == "sync",
+                            servers.pids[v], _stamped(v), think * 1e-6))
                     p50[label].append(float(np.median(lat)) * 1e6)
                     p99[label].append(float(np.percentile(lat, 99)) * 1e6)
                     for name, value in got.items():
@@ -886,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
                             value * (1 if name.startswith("sleeps") else 1e6))
                     calls[v] += n
                 print(f"# round {r + 1}: " + "  ".join(f"{label} {p50[label][-1]:.0f}"
-                                                       for label, _, _ in runs), flush=True)
+                                                       for label, *_ in runs4), flush=True)
         finally:
             servers.close()
         trips = servers.trip_counts()
@@ -899,8 +980,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             a.k, cpu)))) * 1e6)
             inproc_cpu[v].append(float(np.median(cpu)) * 1e6)
     # each run against the bare echo under the same think time
-    base = {t: statistics.median(p50[label]) for label, v, t in runs if v == "bare"}
-    sbase = {t: statistics.median(p50[label]) for label, v, t in runs if v == "sbare"}
+    base = {(t, k): statistics.median(p50[label]) for label, v, t, k in runs4 if v == "bare"}
+    sbase = {(t, k): statistics.median(p50[label]) for label, v, t, k in runs4
+             if v == "sbare"}
     print(f"# K={a.k} rows={a.rows} y {a.out}, {a.rounds} rounds x {a.seconds} s; medians over "
           "rounds of: p50 (and p99) us per round trip (worker, sync: minus the kernel); server "
           "CPU us per round "
@@ -908,14 +990,14 @@ def main(argv: list[str] | None = None) -> int:
           "(voluntary context switches) per round trip; servers with stamped replies "
           "(bench/reply_stamps.py): the way up (write here -> raw request taken there), the "
           "server's window (-> reply encoded, minus the kernel) and the way down (-> read here)")
-    width = max([8, *(len(label) for label, _, _ in runs)])  # (no runs: --variants '')
-    for v, variant, think in runs:
+    width = max([8, *(len(label) for label, *_ in runs4)])  # (no runs: --variants '')
+    for v, variant, think, keep in runs4:
         med = statistics.median(p50[v])
         st = {name: statistics.median(got) for name, got in stats[v].items()}
-        extra = (f"  +{med - base[think]:5.0f} over bare"
-                 if think in base and variant != "bare" else "")
-        extra += (f"  +{med - sbase[think]:5.0f} over sbare"
-                  if think in sbase and variant not in ("bare", "sbare") else "")
+        extra = (f"  +{med - base[think, keep]:5.0f} over bare"
+                 if (think, keep) in base and variant != "bare" else "")
+        extra += (f"  +{med - sbase[think, keep]:5.0f} over sbare"
+                  if (think, keep) in sbase and variant not in ("bare", "sbare") else "")
         window = (f"  up {st['up']:4.0f} window {st['window']:4.0f} down {st['down']:4.0f}"
                   if "window" in st else "")
         print(f"{v:{width}s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
