@@ -674,13 +674,12 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
     between a reply and its next request (not timed), so that the server's work after a
     reply cannot delay the next request."""
     import grpc
-    import reply_stamps
 
     from q6serve.client.channel import channel_options
-    from q6serve.v1 import q6serve_pb2 as pb
 
-    out: list[tuple[float, float, bytes]] = []
+    out: list[tuple[float, float, Any]] = []
     total = 0
+    keep_raw = stamped and os.environ.get("KEEP_RAW") == "1"
     async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
         call = ch.stream_stream(METHOD)()
         before: dict[str, float] = {}
@@ -694,7 +693,11 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
                 t1 = time.perf_counter()
                 total += 1
                 if phase == "timed":
-                    out.append((t0, t1, raw if stamped else b""))
+                    # a stamped reply read here, after the timed span: keeping every
+                    # reply's bytes (KEEP_RAW=1, as before) grows this process by ~15 KB a
+                    # round trip, fresh pages to fault in on the way down
+                    out.append((t0, t1, raw if keep_raw else _reply_times(raw, worker)
+                                if stamped else None))
                 if think:
                     time.sleep(think)  # (blocks this loop: one call in flight, nothing else)
         after = thread_counters(pid)
@@ -704,19 +707,29 @@ async def _roundtrips(target: str, req: bytes, seconds: float, warmup: float,
     if not stamped:
         return [t1 - t0 for t0, t1, _ in out], stats, total
     lat, parts = [], collections.defaultdict(list)
-    for t0, t1, raw in out:
-        msg = pb.MatmulStreamResponse.FromString(raw)
-        if msg.WhichOneof("outcome") != "result":
-            raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
-        kernel = msg.result.timing.kernel_seconds if worker else 0.0
+    for t0, t1, got in out:
+        kernel, got = _reply_times(got, worker) if isinstance(got, bytes) else got
         lat.append(t1 - t0 - kernel)
-        if (got := reply_stamps.parse(msg.request_id)) is not None:
+        if got is not None:
             start, end = got
             parts["up"].append(start - t0)
             parts["window"].append(end - start - kernel)
             parts["down"].append(t1 - end)
     stats.update({name: float(np.median(v)) for name, v in parts.items()})
     return lat, stats, total
+
+
+def _reply_times(raw: bytes, worker: bool) -> tuple[float, tuple[float, float] | None]:
+    """(the kernel's seconds, the reply's stamps or None) of a stamped reply."""
+    import reply_stamps
+
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    msg = pb.MatmulStreamResponse.FromString(raw)
+    if msg.WhichOneof("outcome") != "result":
+        raise RuntimeError(f"worker error: {msg.error.code} {msg.error.message}")
+    kernel = msg.result.timing.kernel_seconds if worker else 0.0
+    return kernel, reply_stamps.parse(msg.request_id)
 
 
 def _request(k: int, itemsize: int = 2) -> bytes:
@@ -864,8 +877,10 @@ def thread_counters(pid: int) -> dict[str, float]:
             vol = next(int(line.split()[1])
                        for line in (task / "status").read_text().splitlines()
                        if line.startswith("voluntary_ctxt_switches"))
+            minflt = int((task / "stat").read_text().rpartition(")")[2].split()[7])
             out["cpu"] += ns * 1e-9
             out["sleeps"] += vol
+            out["faults"] += minflt
             out[f"cpu:{name}"] += ns * 1e-9
             out[f"sleeps:{name}"] += vol
     out["loop"] = out["cpu:main"]
@@ -964,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
                     p99[label].append(float(np.percentile(lat, 99)) * 1e6)
                     for name, value in got.items():
                         stats[label][name].append(
-                            value * (1 if name.startswith("sleeps") else 1e6))
+                            value * (1 if name.startswith(("sleeps", "faults")) else 1e6))
                     calls[v] += n
                 print(f"# round {r + 1}: " + "  ".join(f"{label} {p50[label][-1]:.0f}"
                                                        for label, *_ in runs4), flush=True)
@@ -1003,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v:{width}s} median {med:6.0f}  range {min(p50[v]):6.0f}-{max(p50[v]):6.0f}"
               f"  p99 {statistics.median(p99[v]):6.0f}"
               f"  server cpu/trip {st['cpu']:5.0f} (loop {st['loop']:4.0f})"
-              f"  sleeps/trip {st['sleeps']:4.2f}{window}{extra}")
+              f"  sleeps/trip {st['sleeps']:4.2f}  faults/trip {st['faults']:5.1f}{window}{extra}")
         threads = sorted((n.partition(":")[2] for n in st if n.startswith("sleeps:")),
                          key=lambda n: -st[f"sleeps:{n}"])
         print(" " * width + "  threads (sleeps, cpu us per round trip): " + ", ".join(
