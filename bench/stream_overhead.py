@@ -867,8 +867,8 @@ def thread_counters(pid: int) -> dict[str, float]:
     """Counters of process ``pid``'s threads alive now (Linux /proc): "cpu" (seconds on the
     CPU, all threads, in ns steps: schedstat), "loop" (the main thread's: the event loop),
     "sleeps" (voluntary context switches: a thread going to sleep; per round trip, the thread
-    hand-offs), and per thread name (comm; the main thread is "main") "cpu:NAME" and
-    "sleeps:NAME" (threads of one name summed)."""
+    hand-offs), "faults" (minor page faults), and per thread name (comm; the main thread is
+    "main") "cpu:NAME" and "sleeps:NAME" (threads of one name summed)."""
     out: dict[str, float] = collections.defaultdict(float)
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):
