@@ -152,6 +152,26 @@ def test_stream_overhead_variants_run() -> None:
     assert "in process, no gRPC" in done.stdout, done.stdout
 
 
+def test_stream_overhead_hold_and_keepers() -> None:
+    """bench/stream_overhead.py: a holdNNN rung's window is at least its hold (a busy wait
+    before the stamped reply), and --keepers runs every variant again beside the keepers
+    (labels ~keep), whose policy the run reports."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
+                           "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "256",
+                           "--rows", "2", "--inproc", "0", "--keepers", "1",
+                           "--variants", "bare,bare+proto+hold300"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^# keepers: 1 processes, (SCHED_IDLE|nice 19)", done.stdout,
+                     re.MULTILINE), done.stdout
+    for label in ("bare", "bare~keep"):
+        assert re.search(rf"^{re.escape(label)} +median", done.stdout, re.MULTILINE), done.stdout
+    for label in ("bare+proto+hold300", "bare+proto+hold300~keep"):
+        got = re.search(rf"^{re.escape(label)} +median .* window +([0-9]+) ", done.stdout,
+                        re.MULTILINE)
+        assert got and int(got.group(1)) >= 299, done.stdout
+
+
 def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """T1's second floor: the echo's caller encodes a real MatmulRequest and decodes a real
     reply around each round trip (service_load._ClientWork); all three floors (plain, with the
