@@ -52,28 +52,7 @@ fi
 {
   echo "# gpu_t1_s10 base $(cat "$BASE/COMMIT" 2>/dev/null) now $(cat COMMIT 2>/dev/null) $(elapsed)"
   tail -1 "$OUT/pytest_cuda.log"
-  python3 - "$OUT" <<'EOF'
-import json, pathlib, statistics, sys
-out = pathlib.Path(sys.argv[1])
-rows = {"base": [], "now": []}
-for log in sorted(out.glob("*.log")):
-    label = log.stem.rstrip("0123456789")
-    if label not in rows:
-        continue
-    text = log.read_text()
-    fig = [json.loads(line[2:]) for line in text.splitlines() if line.startswith('# {"target"')]
-    means = [line.strip() for line in text.splitlines() if line.strip().startswith("mean us:")]
-    if fig:
-        f = fig[-1]
-        rows[label].append(f["p50_minus_kernel_us"])
-        print(f"{log.stem:6s} p50-kernel {f['p50_minus_kernel_us']:6.0f}  bare {f['bare_grpc_p50_us']:5.0f}"
-              f"  spin {f['bare_grpc_spin_p50_us']:5.0f}  client work {f['bare_grpc_client_work_p50_us']:5.0f}"
-              f"  | {means[-1] if means else ''}")
-for label, got in rows.items():
-    if got:
-        print(f"{label}: p50 - kernel median {statistics.median(got):.0f} us over {len(got)} runs "
-              f"({', '.join(f'{g:.0f}' for g in got)})")
-EOF
+  python3 bench/t1_table.py "$OUT" base now
   grep -hE "^# overhead" "$FINAL/progress.txt" 2>/dev/null
   for l in base now; do
     [[ -f $OUT/${l}_replay.log ]] && { echo "## $l replay"; grep -E "step|S=" "$OUT/${l}_replay.log" | tail -4; }

@@ -68,21 +68,7 @@ done
   echo "# gpu_t1_s11 tree $(cat COMMIT 2>/dev/null) $(elapsed)"
   cat "$OUT/host.txt"
   grep -vE "^\s+threads" "$OUT/ladder.log" | grep -E "^[a-z#]" | cut -c1-230
-  python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-for log in sorted(out.glob("*.log")):
-    if not log.stem.rstrip("0123456789") in ("plain", "keep"):
-        continue
-    text = log.read_text()
-    fig = [json.loads(line[2:]) for line in text.splitlines() if line.startswith('# {"target"')]
-    means = [line.strip() for line in text.splitlines() if line.strip().startswith("mean us:")]
-    if fig:
-        f = fig[-1]
-        print(f"{log.stem:7s} p50-kernel {f['p50_minus_kernel_us']:5.0f}  bare {f['bare_grpc_p50_us']:4.0f}"
-              f"  spin {f['bare_grpc_spin_p50_us']:4.0f}  client work {f['bare_grpc_client_work_p50_us']:4.0f}"
-              f" | {means[-1] if means else ''}")
-PY
+  python3 bench/t1_table.py "$OUT" plain keep
 } >"$OUT/summary.txt" 2>&1
 tar czf "$FINAL/t1s11.tgz" -C "$OUT" .
 cp "$OUT/summary.txt" "$FINAL/"
