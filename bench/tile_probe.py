@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = [int(v) for v in a.ns.split(",")]
     cfgs = [c for n in ns for c in ks_cfgs(n)]
     if a.rp:
-        cfgs = [c for n in ns for c in rp_cfgs(n)]
+        cfgs = [c for sh in a.shapes.split(",") for n in ns
+                for c in rp_list(be, n, *map(int, sh.split("x")))]
     if a.pdl_ab:  # AUTO's launch shapes only (SoA twins compiled too: harmless)
         cfgs = [ch.cfg for sh in a.shapes.split(",") for n in ns
                 for ch in [be.choose(n, Precision.AUTO, KernelFlags(),
@@ -110,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                  for ch in [be.choose(n, Precision.AUTO, KernelFlags(), *map(int, sh.split("x")))]
                  if ch.cfg is not None]
         with be.ctx.dev:
-            be.ctx.prefetch(MATMUL_FILE, {rp_name(c) for c in cfgs}, threads=16)
+            for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
+                be.ctx.prefetch(file, {rp_name(c) for c in cfgs
+                                       if kernel_file("mma_f16", c) == file}, threads=16)
             for file in dict.fromkeys(kernel_file(ch.path, ch.cfg) for ch in autos):
                 be.ctx.prefetch(file, {kernel_name(ch.path, ch.cfg, True, "InF16") for ch in autos
                                        if kernel_file(ch.path, ch.cfg) == file}, threads=16)
         for c in dict.fromkeys(cfgs):
-            f = be.ctx.fn(MATMUL_FILE, rp_name(c))
+            f = be.ctx.fn(kernel_file("mma_f16", c), rp_name(c))
             print(f"# rp {c.label()}: {f.num_regs} regs", flush=True)
     for c in dict.fromkeys(cfgs):
         f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
@@ -344,7 +347,22 @@ def rp_cfgs(n: int) -> list[Cfg]:
             if mt == 1 and pf]
 
 
+def rp_list(be, n: int, rows: int, k: int) -> list[Cfg]:
+    """The probe's launch shapes of one cell: src 4's (rp_cfgs), AUTO's own if it is a K-slice
+    or wgmma shape, and at 4/8 n-tiles the wgmma tile at 12 warps (on sm_90)."""
+    out = rp_cfgs(n)
+    ch = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+    if ch.path == "mma_f16" and ch.cfg.src in (4, 6) and ch.cfg.mt == 1 and ch.cfg.pf and (
+            ch.cfg.src == 4 or WG):
+        out.append(ch.cfg)
+    if WG and out[0].nt >= 4:
+        out.append(Cfg(nt=out[0].nt, src=6, pf=True, warps=12))
+    return list(dict.fromkeys(out))
+
+
 def rp_name(c: Cfg) -> str:
+    if c.src == 6:
+        return f"q6k_wgp_f16<{c.nt}, InF16, {c.warps // 4}>"
     return f"q6k_ksp_f16<{c.nt}, InF16, {c.warps}>"
 
 
@@ -368,7 +386,7 @@ def run_tile(cp, be, w: ResidentWeight, xd, n: int, c: Cfg, probe: bool):
     with be.ctx.dev, be.stream:
         lp = la.plan(w.rows, w.k, w.layout, "InF16", "mma_f16", c, n)
         if probe:
-            fn = be.ctx.fn(MATMUL_FILE, rp_name(c))
+            fn = be.ctx.fn(kernel_file("mma_f16", c), rp_name(c))
             if int(fn.max_dynamic_shared_size_bytes) < lp.smem:
                 fn.max_dynamic_shared_size_bytes = lp.smem
             lp = dataclasses.replace(lp, fn=fn)
@@ -388,7 +406,7 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
     if profile:
         with be.ctx.dev, be.stream:
             be.run(ws[0], xd, f16, choice.path, choice.cfg)
-        for i, c in enumerate(rp_cfgs(n)):
+        for i, c in enumerate(rp_list(be, n, rows, k)):
             run_tile(cp, be, ws[(1 + i) % len(ws)], xd, n, c, False)
             run_tile(cp, be, wr[(1 + i) % len(wr)], xd, n, c, True)
         be.stream.synchronize()
@@ -403,7 +421,7 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
     row = {"shape": shape_s, "n": n, "mb": q6k.aos_nbytes(rows, k) / 1e6, "auto": lab,
            "auto_us": t_auto, "s4": {}, "rp": {}}
     print(f"{shape_s:>12} {n:>3} {'auto=' + lab:>34} {t_auto:8.1f} us", flush=True)
-    for c in rp_cfgs(n):
+    for c in rp_list(be, n, rows, k):
         try:
             y4, g4 = run_tile(cp, be, ws[0], xd, n, c, False)
             yp, gp = run_tile(cp, be, wr[0], xd, n, c, True)
@@ -435,9 +453,10 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
 
 
 def print_rp_table(results: list[dict]) -> None:
-    print("\n# repacked-decode probe (q6k_ksp_f16) vs src 4 (same launch shape and grid) and "
-          "AUTO: us, best of two interleaved runs; best shape of each")
-    print(f"{'shape':>12} {'N':>3} {'AUTO':>8} {'best s4':>24} {'best rp':>24} {'rp/s4':>6} "
+    print("\n# repacked-decode probe (q6k_ksp_f16 / q6k_wgp_f16) vs the plain tile (src 4 / 6, "
+          "same launch shape and grid) and AUTO: us, best of two interleaved runs; best shape "
+          "of each")
+    print(f"{'shape':>12} {'N':>3} {'AUTO':>8} {'best plain':>24} {'best rp':>24} {'rp/pl':>6} "
           f"{'xAUTO':>6}")
     for r in results:
         good = [(v["us"], lab) for lab, v in r["rp"].items() if v.get("ok")]

@@ -1044,6 +1044,20 @@ __device__ __forceinline__ RawP load_rawp(const RowRef& r, int b, int t) {
     w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
     return w;
 }
+// One part of load_rawp's bytes, as load_raw_part: P = 0 the first half's code words (q[0]) and
+// the qh-plane words of both halves (q[2]), P = 1 the second half's (q[1]), the scales and d.
+template <int P>
+__device__ __forceinline__ void load_rawp_part(RawP& w, const RowRef& r, int b, int t) {
+    const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
+    if (P == 0) {
+        w.q[0] = ldg_stream128(ql);
+        w.q[2] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
+    } else {
+        w.q[1] = ldg_stream128(ql + 16);
+        w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+        w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    }
+}
 __device__ __forceinline__ u32 pair_bits(int p, u32 w0, u32 w1, u32 w2) {
     switch (p) {
         case 0: return w0 << 2;
@@ -1067,9 +1081,9 @@ __device__ __forceinline__ u32 deq2p(u32 v, u32 s4, u32 c, u32 magic) {
 
 // block_mma<NT, 1, BX, NoMid, true> on the repacked words: the same operations in the same
 // order (accumulator rescale, mma sequence, final scale), only the A registers built otherwise.
-template <int NT, class BX>
+template <int NT, class BX, class MID = NoMid>
 __device__ __forceinline__ void block_mma_rp(float (&acc)[1][NT][4], const RawP (&raw)[2], int t,
-                                             BX bx_of) {
+                                             BX bx_of, MID mid = MID()) {
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
     const u32 magic = kPairMagic;
     float dmul[2];
@@ -1094,6 +1108,7 @@ __device__ __forceinline__ void block_mma_rp(float (&acc)[1][NT][4], const RawP 
 #pragma unroll
     for (int sp = 0; sp < 8; ++sp) {
         const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1, m = 2 * h + nib;
+        if (sp == 4) mid();
         uint4 bx[NT];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) bx[nt] = bx_of(sp, nt);
@@ -1121,8 +1136,9 @@ __device__ __forceinline__ void block_mma_rp(float (&acc)[1][NT][4], const RawP 
         for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dmul[i >> 1];
 }
 
-// q6k_ks_f16<NT, 1, true, In, true, NW> (schedule, staging, prefetch, emit) on repacked SoA
-// weights. Same signature, so Launcher's plan and steps of the src 4 shape launch it.
+// q6k_ks_f16<NT, 1, true, In, true, NW> (schedule, staging, prefetch - in two parts at 4 and 8
+// n-tiles, as there - and emit) on repacked SoA weights. Same signature, so Launcher's plan
+// and steps of the src 4 shape launch it.
 template <int NT, class In, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
     q6k_ksp_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
@@ -1147,6 +1163,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
+    constexpr bool SPLIT = NT >= 4;
     for (; wt < wtiles; wt += wstride) {
         const int wrow = wt * 16;
         const bool more = wt + wstride < wtiles;
@@ -1158,7 +1175,27 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
             };
             RawP raw[2] = {nxt[0], nxt[1]};
-            if (b + 1 < nblk) {
+            const bool in_tile = b + 1 < nblk;  // else the warp's next tile's first block
+            if (SPLIT) {  // as q6k_ks_f16 at 4 and 8 n-tiles: the next block in two parts
+                if (in_tile) {
+                    load_rawp_part<0>(nxt[0], rr[0][0], kb0 + b + 1, t);
+                    load_rawp_part<0>(nxt[1], rr[0][1], kb0 + b + 1, t);
+                } else if (more) {
+                    load_rawp_part<0>(nxt[0], rn[0][0], kb0, t);
+                    load_rawp_part<0>(nxt[1], rn[0][1], kb0, t);
+                }
+                block_mma_rp<NT>(acc, raw, t, bx, [&] {
+                    if (in_tile) {
+                        load_rawp_part<1>(nxt[0], rr[0][0], kb0 + b + 1, t);
+                        load_rawp_part<1>(nxt[1], rr[0][1], kb0 + b + 1, t);
+                    } else if (more) {
+                        load_rawp_part<1>(nxt[0], rn[0][0], kb0, t);
+                        load_rawp_part<1>(nxt[1], rn[0][1], kb0, t);
+                    }
+                });
+                continue;
+            }
+            if (in_tile) {
                 nxt[0] = load_rawp(rr[0][0], kb0 + b + 1, t);
                 nxt[1] = load_rawp(rr[0][1], kb0 + b + 1, t);
             } else if (more) {
@@ -1213,6 +1250,43 @@ extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int
         for (int i = 0; i < 8; ++i) dl[i] = W[i];
         for (int i = 0; i < 4; ++i) dh[i] = W[8 + i];
     }
+}
+
+// The inverse, in place: pair streams back to ggml's ql/qh planes (what the kill switch's
+// relayout and read_aos would need), bit-exact (tests/kernels/test_cuda_pairs.py round-trips).
+extern "C" __global__ void __launch_bounds__(128) q6k_unpack_pairs(u8* slab, int nb) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= nb) return;
+    u8* ql = slab + (size_t)b * 128u;
+    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
+    u8 q[256];
+    for (int t = 0; t < 4; ++t) {
+        u32 W[12];
+        for (int i = 0; i < 8; ++i) W[i] = ((const u32*)(ql + 32 * t))[i];
+        for (int i = 0; i < 4; ++i) W[8 + i] = ((const u32*)(qh + 16 * t))[i];
+        for (int m = 0; m < 4; ++m)
+            for (int p = 0; p < 8; ++p)
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int j = p >> 1, i = 2 * (p & 1) + hf;
+                    const int e = (m >> 1) * 128 + 32 * ((t >> 1) + 2 * (m & 1)) + 16 * (t & 1) +
+                                  4 * j + i;
+                    u32 code = 0u;
+                    for (int k = 0; k < 6; ++k) {
+                        const int sb = 6 * p + k, word = sb >> 4;
+                        const int wi = word == 2 ? 8 + m : 2 * m + word;
+                        code |= ((W[wi] >> ((sb & 15) + 16 * hf)) & 1u) << k;
+                    }
+                    q[e] = (u8)code;
+                }
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+            const u32 a = q[128 * h + l], c = q[128 * h + l + 32];
+            const u32 e = q[128 * h + l + 64], f = q[128 * h + l + 96];
+            ql[64 * h + l] = (u8)((a & 15u) | ((e & 15u) << 4));
+            ql[64 * h + l + 32] = (u8)((c & 15u) | ((f & 15u) << 4));
+            qh[32 * h + l] = (u8)((a >> 4) | ((c >> 4) << 2) | ((e >> 4) << 4) | ((f >> 4) << 6));
+        }
 }
 
 #ifdef Q6SERVE_NVCC_CHECK
