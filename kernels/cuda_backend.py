@@ -91,7 +91,7 @@ class CudaBackend(Backend):
         rt = self.ctx.cp.cuda.runtime
         self.hostio = HostIO(lambda p, n: self._on_dev(rt.hostRegister, p, n, 1),
                              lambda p: self._on_dev(rt.hostUnregister, p),
-                             self.ctx.stream.synchronize)
+                             self.launcher.sync)  # (its copy streams too: RegionCall)
 
     def _on_dev(self, fn: Any, *args: Any) -> Any:
         with self.ctx.dev:

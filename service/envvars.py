@@ -87,15 +87,19 @@ DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
-# read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env: kernels never import
-# service); listed here so the worker's start check names a bad value like the others
+# read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env, region_streams_from_env:
+# kernels never import service); listed here so the worker's start check names a bad value like
+# the others
 PDL = Var("Q6SERVE_PDL", "switch", True,
           "the split-K sum's launch with programmatic dependent launch (CUDA)")
+
+REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", False,
+                     "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, HANDOFF_YIELD, PIPELINE, PIPELINE_SHORT,
-                         DEVICE_MERGE, PIN_REGIONS, PDL)
+                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

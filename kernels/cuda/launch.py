@@ -209,6 +209,14 @@ def pdl_from_env(env: Any = None) -> bool:
     return True if not raw else parse_bool("Q6SERVE_PDL", raw)
 
 
+def region_streams_from_env(env: Any = None) -> bool:
+    """``Q6SERVE_REGION_STREAMS`` (unset or empty: off): :class:`RegionCall` moves x and y on
+    copy streams of their own (per-slot device buffers), so a call's copies overlap the kernels
+    of the call beside it. Read where a backend is built, as ``Q6SERVE_PDL``."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_REGION_STREAMS", "").strip()
+    return False if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
+
+
 def _driver_launch_ex() -> Any:
     """The driver's ``cuLaunchKernelEx`` (ctypes), or None where it has none."""
     try:
@@ -480,16 +488,21 @@ class BoundCall:
 
 class _RegionSeq:
     """One launch slot's sequence of a :class:`RegionCall`: its pointers' generation, its
-    timing events, its steps and, once captured, its graph (False: capture refused)."""
+    timing events, its steps and, once captured, its graph (False: capture refused); with copy
+    streams, the slot's own device buffers' names and the events that hand x and y between the
+    streams."""
 
-    __slots__ = ("calls", "end", "gen", "graph", "start", "steps", "xd", "y16", "yd")
+    __slots__ = ("calls", "end", "ev_x", "ev_y", "gen", "graph", "names", "start", "steps", "xd",
+                 "y16", "yd")
 
     def __init__(self, gen: int, start: Any, end: Any, steps: list[Step], xd: int, yd: int,
-                 y16: int) -> None:
+                 y16: int, names: tuple[str, str, str]) -> None:
         self.gen, self.start, self.end, self.steps = gen, start, end, steps
-        self.xd, self.yd, self.y16 = xd, yd, y16
+        self.xd, self.yd, self.y16, self.names = xd, yd, y16, names
         self.graph: Any = None
         self.calls = 0
+        self.ev_x: Any = None
+        self.ev_y: Any = None
 
 
 class RegionCall:
@@ -505,11 +518,19 @@ class RegionCall:
     while :meth:`live` (the caller checks it before each launch): the weight's data is the
     one bound, no page-locked range was unpinned since (``HostIO.epoch``) and the timing
     events recorded. Each slot's first ``GRAPH_AFTER`` + 1 calls run directly, the last of
-    them captured; a refused capture keeps direct launches."""
+    them captured; a refused capture keeps direct launches.
+
+    With ``Launcher.region_streams`` (``Q6SERVE_REGION_STREAMS=1``) x's DMA runs on a copy-in
+    stream and y's on a copy-out stream, into and out of device buffers of the launch slot's
+    own, handed over by events; only the kernels (and y's conversion) run on the backend's
+    stream, as the slot's graph. Two calls in flight (the lane's pipeline) then overlap: call
+    i + 1's x DMA and call i's y DMA run beside the other's kernels, where one stream runs
+    each call's copies and kernels one after the other. A slot's buffers are reused only after
+    its wait (the slot's completion event, recorded on the copy-out stream)."""
 
     __slots__ = ("_seqs", "broken", "cfg", "cw", "epoch", "half", "in_t", "io", "kernel",
-                 "layout", "lc", "n", "path", "precision", "rows", "w", "x_addr", "x_bytes", "y",
-                 "y_addr", "y_bytes")
+                 "layout", "lc", "n", "path", "precision", "rows", "streams", "w", "x_addr",
+                 "x_bytes", "y", "y_addr", "y_bytes")
 
     def __init__(self, lc: Launcher, w: ResidentWeight, cw: CudaWeight, x: np.ndarray,
                  y: np.ndarray, path: str, cfg: Cfg, kernel: str, precision: Precision,
@@ -523,6 +544,7 @@ class RegionCall:
         self.kernel, self.layout, self.precision = kernel, w.layout, precision
         self._seqs: list[_RegionSeq | None] = [None] * SLOTS
         self.broken = False
+        self.streams = lc.region_streams
 
     def live(self) -> bool:
         return not self.broken and self.io.epoch == self.epoch and self.w.data is self.cw
@@ -535,11 +557,14 @@ class RegionCall:
         try:
             with self.io.lock, lc.ctx.dev:
                 s = self._seqs[slot]
-                if s is not None and s.graph and s.gen == ws.gen:
+                if self.streams:
+                    s = self._run_streams(slot, s)
+                elif s is not None and s.graph and s.gen == ws.gen:
                     s.graph.launch(stream)
+                    ws.done_event(slot).record(stream)
                 else:
                     s = self._run(slot, s)
-                ws.done_event(slot).record(stream)
+                    ws.done_event(slot).record(stream)
         except BaseException:
             ws.release(slot)
             raise
@@ -561,26 +586,63 @@ class RegionCall:
         """Slot ``slot``'s sequence launched directly (bound first if it is not, or its
         buffers moved), and captured as its graph once it ran ``GRAPH_AFTER`` times."""
         lc = self.lc
-        ws, cp, stream = lc.ws, lc.ctx.cp, lc.ctx.stream
+        ws, stream = lc.ws, lc.ctx.stream
         with stream:
             if s is None or s.gen != ws.gen:
-                lp = lc.plan(self.rows, self.w.k, self.w.layout, self.in_t, self.path,
-                             self.cfg, self.n)
-                n, rows = self.n, self.rows
-                for _ in range(2):  # all buffers first (any growth bumps the generation)
-                    gen = ws.gen
-                    xd = ws.ptr("x", self.x_bytes)
-                    yd = ws.ptr("y", 4 * n * rows)
-                    y16 = ws.ptr("y16b", 2 * n * rows) if self.half else 0
-                    steps = lc.steps(lp, self.w, self.cw, xd, yd, n)
-                    if gen == ws.gen:
-                        break
-                s = self._seqs[slot] = _RegionSeq(ws.gen, cp.cuda.Event(), cp.cuda.Event(),
-                                                  steps, xd, yd, y16)
+                s = self._seqs[slot] = self._bind(("x", "y", "y16b"))
             self._enqueue(s, lambda ev: ev.record(stream))
             s.calls += 1
             if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
                 self._capture(s)
+        return s
+
+    def _bind(self, names: tuple[str, str, str]) -> _RegionSeq:
+        """A sequence on the workspace's buffers ``names`` (x, f32 y, f16 y); call under the
+        device and stream."""
+        lc = self.lc
+        ws, cp = lc.ws, lc.ctx.cp
+        lp = lc.plan(self.rows, self.w.k, self.w.layout, self.in_t, self.path, self.cfg,
+                     self.n)
+        n, rows = self.n, self.rows
+        for _ in range(2):  # all buffers first (any growth bumps the generation)
+            gen = ws.gen
+            xd = ws.ptr(names[0], self.x_bytes)
+            yd = ws.ptr(names[1], 4 * n * rows)
+            y16 = ws.ptr(names[2], 2 * n * rows) if self.half else 0
+            steps = lc.steps(lp, self.w, self.cw, xd, yd, n)
+            if gen == ws.gen:
+                break
+        return _RegionSeq(ws.gen, cp.cuda.Event(), cp.cuda.Event(), steps, xd, yd, y16, names)
+
+    def _run_streams(self, slot: int, s: _RegionSeq | None) -> _RegionSeq:
+        """One call with its copies on the copy streams: x in on the copy-in stream, the
+        kernels (the slot's graph, or direct launches captured after ``GRAPH_AFTER`` calls)
+        on the backend's stream once x is in, y out on the copy-out stream once the kernels
+        are done, the slot's completion event after it."""
+        lc = self.lc
+        ws, cp, stream = lc.ws, lc.ctx.cp, lc.ctx.stream
+        rt = cp.cuda.runtime
+        cin, cout = lc.copy_streams()
+        if s is None or s.gen != ws.gen:
+            with stream:
+                s = self._bind((f"rx{slot}", f"ry{slot}", f"ry16{slot}"))
+            s.ev_x, s.ev_y = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+            self._seqs[slot] = s
+        rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, cin.ptr)
+        s.ev_x.record(cin)
+        stream.wait_event(s.ev_x)
+        if s.graph:
+            s.graph.launch(stream)
+        else:
+            with stream:
+                self._kernels(s, lambda ev: ev.record(stream))
+            s.calls += 1
+            if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
+                s.graph = lc.capture(lambda record: self._kernels(s, record))
+        s.ev_y.record(stream)
+        cout.wait_event(s.ev_y)
+        rt.memcpyAsync(self.y_addr, s.y16 if self.half else s.yd, self.y_bytes, _D2H, cout.ptr)
+        ws.done_event(slot).record(cout)
         return s
 
     def _enqueue(self, s: _RegionSeq, record: Callable[[Any], None]) -> None:
@@ -588,17 +650,20 @@ class RegionCall:
         lc = self.lc
         rt, stream = lc.ctx.cp.cuda.runtime, lc.ctx.stream
         rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, stream.ptr)
+        self._kernels(s, record)
+        rt.memcpyAsync(self.y_addr, s.y16 if self.half else s.yd, self.y_bytes, _D2H,
+                       stream.ptr)
+
+    def _kernels(self, s: _RegionSeq, record: Callable[[Any], None]) -> None:
+        """The kernels between the timing events, then y's f16 conversion where asked."""
         record(s.start)
         for st in s.steps:
             st()
         record(s.end)
-        src = s.yd
         if self.half:  # (at the bound size: nothing grows)
-            shape = (self.n, self.rows)
-            lc.ctx.cp.copyto(lc.ws.array("y16b", shape, np.float16),
-                             lc.ws.array("y", shape, np.float32), casting="same_kind")
-            src = s.y16
-        rt.memcpyAsync(self.y_addr, src, self.y_bytes, _D2H, stream.ptr)
+            ws, shape = self.lc.ws, (self.n, self.rows)
+            self.lc.ctx.cp.copyto(ws.array(s.names[2], shape, np.float16),
+                                  ws.array(s.names[1], shape, np.float32), casting="same_kind")
 
     def _capture(self, s: _RegionSeq) -> None:
         """Capture ``s`` (:meth:`_enqueue`); on any refusal it keeps direct launches."""
@@ -620,12 +685,30 @@ class Launcher:
         # Q6SERVE_PDL=0 turns it off. Read when a call's steps are built: a bound sequence
         # keeps what it was bound with.
         self.pdl = pdl_from_env()
+        # RegionCall's copies on streams of their own (Q6SERVE_REGION_STREAMS; off by default)
+        self.region_streams = region_streams_from_env()
+        self._copy_streams: tuple[Any, Any] | None = None
         # A larger f16 y (> SMALL_Y) converted inside the bound sequence (its graph) instead
         # of by a CuPy launch per call: on the H200 (bench/device_gap.py, session 10) the
         # 18944-row gate at N=8 spent 47-76 instead of 89-218 us outside its kernel per call.
         # Part of the binding key (_small_out): flipping it binds new sequences.
         self.y16_graph = True
         self._launch_ex: Any = None
+
+    def copy_streams(self) -> tuple[Any, Any]:
+        """The copy-in and copy-out streams of ``RegionCall`` (made on first use, under the
+        device)."""
+        if self._copy_streams is None:
+            cp = self.ctx.cp
+            self._copy_streams = (cp.cuda.Stream(non_blocking=True),
+                                  cp.cuda.Stream(non_blocking=True))
+        return self._copy_streams
+
+    def sync(self) -> None:
+        """Wait for everything queued on the backend's stream and the copy streams."""
+        self.ctx.stream.synchronize()
+        for s in self._copy_streams or ():
+            s.synchronize()
 
     # -- planning (host arithmetic) ------------------------------------------------------------
     def grid(self, rows: int, k: int, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,

@@ -3,7 +3,9 @@ on tests/kernels/test_cuda_backend_host.py's fake CuPy (real copies, counted ker
 into a replayable graph): a call whose x and y lie in page-locked host memory and whose route
 asks for it (``Route.want``) leaves a region call that repeats it -- x DMA'd from the region,
 y (converted to f16 where asked) DMA'd into it, as direct launches and then one graph per
-launch slot -- valid until an unpin or the weight's data changes; a Q8_1 call leaves none."""
+launch slot; with copy streams (``Q6SERVE_REGION_STREAMS``) x and y through the launch slot's
+own device buffers -- valid until an unpin or the weight's data changes; a Q8_1 call leaves
+none."""
 
 from __future__ import annotations
 
@@ -12,9 +14,21 @@ import pytest
 
 from q6serve.kernels.api import KernelFlags, Precision
 from q6serve.kernels.cuda.launch import RegionCall
-from tests.kernels.test_cuda_backend_host import _set_y, fake_backend, fake_weight
+from tests.kernels.test_cuda_backend_host import _set_y, _Stream, fake_backend, fake_weight
 
 ROWS, K = 4096, 14336  # a shape of the dispatch table (its cells settle the path)
+
+
+def _backend(monkeypatch, streams: bool = False):
+    """The fake backend; ``streams``: RegionCall's copy streams on (the fake runs every
+    stream's work in program order, so what is checked is which buffers the bytes pass)."""
+    be, cp = fake_backend(monkeypatch)
+    if streams:
+        be.launcher.region_streams = True
+        monkeypatch.setattr(cp.cuda, "Stream", lambda non_blocking=False: _Stream(cp),
+                            raising=False)
+        monkeypatch.setattr(_Stream, "wait_event", lambda self, ev: None, raising=False)
+    return be, cp
 
 
 def _region(be, n: int, out: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -39,10 +53,11 @@ def _first(be, w, x: np.ndarray, y: np.ndarray, out: np.dtype, want: bool = True
     return r
 
 
+@pytest.mark.parametrize("streams", [False, True], ids=["one-stream", "copy-streams"])
 @pytest.mark.parametrize("n,out", [(64, np.float32), (64, np.float16), (1, np.float32),
                                    (8, np.float16)])
-def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out):
-    be, cp = fake_backend(monkeypatch)
+def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out, streams):
+    be, cp = _backend(monkeypatch, streams)
     w = fake_weight(be, ROWS, K)
     rng = np.random.default_rng(7)
     buf, x, y, _ = _region(be, n, np.dtype(out))
@@ -51,24 +66,29 @@ def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out):
     rc = r.call
     assert isinstance(rc, RegionCall) and rc.live()
     choice = be.choose(n, Precision.AUTO, KernelFlags(), ROWS, K)
+    rc.launch().wait()  # the first: bound (the slot's own buffers exist from here), direct
     graphs = cp.counts.get("graph", 0)
     for i in range(5):
         x[...] = rng.standard_normal((n, K))  # a new x at the same place each call
         want = _set_y(be, w, n, 10 + i)
+        ws = be.launcher.ws
+        if streams:  # the slot's own y (the kernels write there): the known values
+            ws._dev["ry0"].a[: want.nbytes] = want.reshape(-1).view(np.uint8)
         res = rc.launch().wait()
         assert res.y is y and np.array_equal(y, want.astype(out))
-        assert np.array_equal(be.launcher.ws._dev["x"].a[: x.nbytes],
-                              x.reshape(-1).view(np.uint8))
+        xd = ws._dev["rx0" if streams else "x"].a
+        assert np.array_equal(xd[: x.nbytes], x.reshape(-1).view(np.uint8))
         assert res.timing.seconds() == pytest.approx(25e-6)
         assert res.kernel == f"cuda.{choice.path}.soa" and res.precision is choice.precision
     # one call at a time: slot 0's sequence, direct twice (the second captured), then graphs
-    assert cp.counts["graph"] - graphs == 3
+    assert cp.counts["graph"] - graphs == 4
     assert not any(be.launcher.ws._held)
     del buf
 
 
-def test_region_call_two_in_flight_use_both_slots(monkeypatch):
-    be, _ = fake_backend(monkeypatch)
+@pytest.mark.parametrize("streams", [False, True], ids=["one-stream", "copy-streams"])
+def test_region_call_two_in_flight_use_both_slots(monkeypatch, streams):
+    be, _ = _backend(monkeypatch, streams)
     w = fake_weight(be, ROWS, K)
     _, x, y, _ = _region(be, 64, np.dtype(np.float32))
     rc = _first(be, w, x, y, np.float32).call
