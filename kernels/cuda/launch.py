@@ -634,11 +634,11 @@ class RegionCall:
         if s.graph:
             s.graph.launch(stream)
         else:
-            with stream:
+            with stream:  # (CuPy launches on the current stream: a capture's too)
                 self._kernels(s, lambda ev: ev.record(stream))
-            s.calls += 1
-            if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
-                s.graph = lc.capture(lambda record: self._kernels(s, record))
+                s.calls += 1
+                if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
+                    s.graph = lc.capture(lambda record: self._kernels(s, record))
         s.ev_y.record(stream)
         cout.wait_event(s.ev_y)
         rt.memcpyAsync(self.y_addr, s.y16 if self.half else s.yd, self.y_bytes, _D2H, cout.ptr)

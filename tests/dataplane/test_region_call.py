@@ -14,15 +14,30 @@ import pytest
 
 from q6serve.kernels.api import KernelFlags, Precision
 from q6serve.kernels.cuda.launch import RegionCall
-from tests.kernels.test_cuda_backend_host import _set_y, _Stream, fake_backend, fake_weight
+from tests.kernels.test_cuda_backend_host import _Fn, _set_y, _Stream, fake_backend, fake_weight
 
 ROWS, K = 4096, 14336  # a shape of the dispatch table (its cells settle the path)
 
 
 def _backend(monkeypatch, streams: bool = False):
     """The fake backend; ``streams``: RegionCall's copy streams on (the fake runs every
-    stream's work in program order, so what is checked is which buffers the bytes pass)."""
+    stream's work in program order, so what is checked is which buffers the bytes pass).
+    Every kernel and conversion must be launched with the backend's stream current (CuPy
+    launches on the current stream: one launched beside a capture is not in the graph)."""
     be, cp = fake_backend(monkeypatch)
+    current: list = []
+    monkeypatch.setattr(_Stream, "__enter__", lambda self: current.append(self) or self)
+    monkeypatch.setattr(_Stream, "__exit__", lambda self, *a: current.pop())
+
+    def on_main(fn):
+        def checked(*a, **kw):
+            assert current and current[-1] is be.ctx.stream, "launched off the backend's stream"
+            return fn(*a, **kw)
+
+        return checked
+
+    monkeypatch.setattr(_Fn, "__call__", on_main(_Fn.__call__))
+    monkeypatch.setattr(cp, "copyto", on_main(cp.copyto))
     if streams:
         be.launcher.region_streams = True
         monkeypatch.setattr(cp.cuda, "Stream", lambda non_blocking=False: _Stream(cp),
