@@ -1,8 +1,11 @@
 """The short table the GPU data-plane scripts (bench/gpu_dataplane_*.sh) print last: one row per
 target of each ``bench/service.py --dataplane --json`` file named ``dp_TAG.json`` in DIR
-(rows/s, p99, kernel p50, fraction of the kernel alone, and the mean parts of a call).
+(rows/s, p99, kernel p50, fraction of the kernel alone, and the mean parts of a call); with
+``--lanes``, one row per ``bench/frontend_cpu.py --lane --json`` file named ``lane_TAG.json``
+(rows/s, p50, p99, the device process's cores and its CPU a call in the timed window).
 
     python3 bench/dataplane_table.py DIR
+    python3 bench/dataplane_table.py --lanes DIR
 """
 
 from __future__ import annotations
@@ -13,8 +16,22 @@ import sys
 from pathlib import Path
 
 
+def lanes(out: str) -> None:
+    print("# T3 lane   rows/s   p50 us   p99 us  device cores  device CPU us/call (window)")
+    for path in sorted(glob.glob(f"{out}/lane_*.json")):
+        r = json.loads(Path(path).read_text())
+        r = r[0] if isinstance(r, list) else r
+        print(f"# {Path(path).stem[5:]:8} {r['rows_per_s']:>8,.0f} {r['p50_us']:>8,.0f} "
+              f"{r['p99_us']:>8,.0f} {r['cpu'].get('device', 0):>6.2f} "
+              f"{r.get('device_window_cpu_us_per_call', 0):>10,.0f}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    out = (argv or sys.argv[1:])[0]
+    args = argv or sys.argv[1:]
+    if args[0] == "--lanes":
+        lanes(args[1])
+        return 0
+    out = args[0]
     print("# run               target via     rows/s   p99 us kernel us  frac | mean us: queue "
           "kernel dev_other srv_other transport")
     for path in sorted(glob.glob(f"{out}/dp_*.json")):

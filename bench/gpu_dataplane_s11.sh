@@ -66,17 +66,7 @@ one new2 "$NOWPP"
 one base2 "$BASEPP"
 parts new "$NOWPP"
 parts base "$BASEPP"
-python3 - "$OUT" <<'PY' | tee "$FINAL/table.txt"
-import glob, json, os, sys
-out = sys.argv[1]
-print("# T3 lane  rows/s   p50 us   p99 us  device cores  device CPU us/call (window)")
-for path in sorted(glob.glob(f"{out}/lane_*.json")):
-    r = json.load(open(path))
-    r = r[0] if isinstance(r, list) else r
-    print(f"# {os.path.basename(path)[5:-5]:7} {r['rows_per_s']:>8,.0f} {r['p50_us']:>8,.0f} "
-          f"{r['p99_us']:>8,.0f} {r['cpu'].get('device', 0):>6.2f} "
-          f"{r.get('device_window_cpu_us_per_call', 0):>10,.0f}")
-PY
+python3 bench/dataplane_table.py --lanes "$OUT" | tee "$FINAL/table.txt"
 grep -hE "^lane|check:" "$OUT"/one_*.log 2>/dev/null | cut -c1-200
 for f in "$OUT"/parts_*.log; do
   [[ -f $f ]] && { echo "## $(basename "$f")"; grep -E "device process|loop thread|launch|flush" \

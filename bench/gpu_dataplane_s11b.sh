@@ -55,17 +55,7 @@ if left 7; then
     >"$OUT/parts_streams.log" 2>&1
   note "# parts streams rc=$? at $(elapsed)"
 fi
-python3 - "$OUT" <<'PY' | tee "$FINAL/table.txt"
-import glob, json, os, sys
-out = sys.argv[1]
-print("# T3 lane   rows/s   p50 us   p99 us  device cores  device CPU us/call (window)")
-for path in sorted(glob.glob(f"{out}/lane_*.json")):
-    r = json.load(open(path))
-    r = r[0] if isinstance(r, list) else r
-    print(f"# {os.path.basename(path)[5:-5]:8} {r['rows_per_s']:>8,.0f} {r['p50_us']:>8,.0f} "
-          f"{r['p99_us']:>8,.0f} {r['cpu'].get('device', 0):>6.2f} "
-          f"{r.get('device_window_cpu_us_per_call', 0):>10,.0f}")
-PY
+python3 bench/dataplane_table.py --lanes "$OUT" | tee "$FINAL/table.txt"
 grep -hE "device process|launch_now|flush" "$OUT/parts_streams.log" 2>/dev/null | cut -c1-200
 archive
 echo "# done at $(elapsed)"
