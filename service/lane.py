@@ -13,6 +13,10 @@ N = --max-batch-rows, read in one trip as one pipeline on the loop, ``LaneServer
 request i + 1 launched before i is waited for, so the GPU runs one while the loop answers
 the other); with a CUDA IPC region through ``CudaPlane.start`` (``LaneServer._cuda``: no task
 either); otherwise (an engine without ``start_matmul``) through ``regions.matmul`` in a task.
+A system-region request repeated at the same places (weight, shapes, dtypes, precision, x and
+y offsets) runs by its region's plan (``_Plan``: the backend's region call, on CUDA one graph
+launch for x's copy, the kernels and y's copy) once a call of it ran alone on its x: no views,
+route or dispatch per request; the engine still checks and accounts each launch.
 
 One ``LaneServer`` per worker (the device process with --frontends), started by the first
 OpenLane, closed with the region table (drain).

@@ -34,6 +34,11 @@ host path of one batch:
    top-k and slot): the next such call is a dict lookup, the graph launch, y's way out and the
    slot's event, then the sync and the result, with nothing re-checked that binding settled.
 
+7. a call whose x and y lie at fixed page-locked host addresses (a fast lane's region places)
+   and whose route asks for it becomes a :class:`RegionCall`: x's DMA, the kernels and y's
+   DMA as one graph per slot (``Q6SERVE_REGION_STREAMS=1``: the copies on streams of their
+   own, beside the kernels).
+
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
