@@ -5,7 +5,9 @@ many loop trips one MatmulStream round trip costs, and where the loop thread's t
 as JSON when the process exits (atexit) or gets SIGTERM (``sigterm``: only where nothing else
 handles it; the worker drains on SIGTERM and then exits, which atexit sees). The JSON also
 holds a timeline of ``TIMELINE`` consecutive trips from the middle of the run: per trip, the
-µs spent in the selector (the loop asleep, or polling) and each callback's name and µs.
+µs spent in the selector (the loop asleep, or polling) and each callback's name, µs and the
+loop thread's CPU µs in it (thread_time: a callback preempted on a busy host shows a long wall
+time but its own CPU); and each callback name's total CPU µs.
 Servers of bench/stream_overhead.py call it directly; the worker gets it through
 bench/trips_site/sitecustomize.py (``PYTHONPATH=bench/trips_site Q6SERVE_LOOP_TRIPS=PATH``).
 A diagnostic only: the patch costs ~1-2 µs per callback.
@@ -43,6 +45,8 @@ def install(path: str, sigterm: bool = False) -> None:
     trips = {"trips": 0, "slept": 0}
     ring: collections.deque[list[Any]] = collections.deque(maxlen=RING)
     now = time.perf_counter
+    cpu = time.thread_time_ns  # the loop thread's CPU (user + system): no preemption in it
+    cpu_ns: collections.Counter[str] = collections.Counter()
     run_once = base_events.BaseEventLoop._run_once  # type: ignore[attr-defined]
     handle_run = events.Handle._run
     select = selectors.EpollSelector.select
@@ -66,10 +70,12 @@ def install(path: str, sigterm: bool = False) -> None:
     def counted_handle_run(self: Any) -> None:
         name = _name(self._callback)
         counts[name] += 1
-        t0 = now()
+        t0, c0 = now(), cpu()
         handle_run(self)
+        c = cpu() - c0
+        cpu_ns[name] += c
         if ring:
-            ring[-1].append((name, round((now() - t0) * 1e6, 1)))
+            ring[-1].append((name, round((now() - t0) * 1e6, 1), round(c * 1e-3, 1)))
 
     base_events.BaseEventLoop._run_once = counted_run_once  # type: ignore[attr-defined]
     events.Handle._run = counted_handle_run  # type: ignore[method-assign]
@@ -81,8 +87,10 @@ def install(path: str, sigterm: bool = False) -> None:
         cut = trace[mid : mid + TIMELINE]
         timeline = [{"t_us": round((t[0] - cut[0][0]) * 1e6, 1), "slept": t[1],
                      "select_us": round(t[2], 1), "callbacks": t[3:]} for t in cut]
-        Path(path).write_text(json.dumps({**trips, "callbacks": dict(counts.most_common()),
-                                          "timeline": timeline}))
+        Path(path).write_text(json.dumps({
+            **trips, "callbacks": dict(counts.most_common()),
+            "callback_cpu_us": {k: v * 1e-3 for k, v in cpu_ns.most_common()},
+            "timeline": timeline}))
 
     atexit.register(dump)
     if sigterm:  # a terminated bench server: write, then go (no interpreter teardown)

@@ -1026,13 +1026,16 @@ def main(argv: list[str] | None = None) -> int:
             if st[f"sleeps:{n}"] >= 0.05 or st[f"cpu:{n}"] >= 5))
     for v, t in trips.items():
         n = max(1, calls[v])
-        cbs = ", ".join(f"{name} {c / n:.2f}" for name, c in t["callbacks"].items()
+        cpu = t.get("callback_cpu_us", {})
+        cbs = ", ".join(f"{name} {c / n:.2f} ({cpu.get(name, 0.0) / max(1, c):.1f} us CPU each)"
+                        for name, c in t["callbacks"].items()
                         if c / n >= 0.1)
         print(f"{v:{width}s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
               f"{t['slept'] / n:.2f}); callbacks per round trip: {cbs}")
         if a.timeline:
             for tr in t.get("timeline", [])[: a.timeline]:
-                cb = " ".join(f"{name}:{us}" for name, us in tr["callbacks"])
+                cb = " ".join(f"{c[0]}:{c[1]}" + (f"/cpu {c[2]}" if len(c) > 2 else "")
+                              for c in tr["callbacks"])
                 print(f"    {tr['t_us']:9.1f} {'sleep' if tr['slept'] else 'ready'} "
                       f"select {tr['select_us']:6.1f}  {cb}")
     if inproc["echo"]:
