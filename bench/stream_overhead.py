@@ -50,6 +50,9 @@ idle threads and background tasks, its heap threshold, logging and imports), e.g
 ``--keepers N``: every run again with N spinning processes of the lowest priority beside
 (LABEL~keep, alternated with the plain run): what idle CPUs cost a round trip's wake-ups.
 
+``ZERO_COPY_MIN=BYTES`` (env): the servicer variants read x as a view of the request from that
+size up (wire.read_matmul_request's walker; 0: always).
+
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
 run more than once per 10 round trips. ``--backend cuda``: the worker variant on the GPU.
@@ -424,6 +427,10 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
     import reply_stamps
 
     reply_stamps.install()  # direct, engine: their replies say when (servicer's own wire)
+    if (zc := os.environ.get("ZERO_COPY_MIN")) is not None:  # x as a view of the request
+        from q6serve.service import wire  # from this size up (wire.read_matmul_request)
+
+        wire.read_matmul_request.__defaults__ = (int(zc),)
 
     if trips:
         import loop_trips
