@@ -1045,17 +1045,34 @@ __device__ __forceinline__ RawP load_rawp(const RowRef& r, int b, int t) {
     return w;
 }
 // One part of load_rawp's bytes, as load_raw_part: P = 0 the first half's code words (q[0]) and
-// the qh-plane words of both halves (q[2]), P = 1 the second half's (q[1]), the scales and d.
+// the qh-plane words of both halves (q[2]), P = 1 the second half's (q[1]), the scales and d;
+// P = 2 all of them.
 template <int P>
 __device__ __forceinline__ void load_rawp_part(RawP& w, const RowRef& r, int b, int t) {
     const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
-    if (P == 0) {
+    if (P == 2) {  // the whole block
+        w = load_rawp(r, b, t);
+    } else if (P == 0) {
         w.q[0] = ldg_stream128(ql);
         w.q[2] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
     } else {
         w.q[1] = ldg_stream128(ql + 16);
         w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
         w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    }
+}
+// The warp's next loads (part P of load_rawp_part; 2 the whole block) of rows g, g+8: block b+1
+// of this tile, else the first block of the warp's next tile, else none.
+template <int P>
+__device__ __forceinline__ void rawp_next(RawP (&nxt)[2], const RowRef (&rr)[1][2],
+                                          const RowRef (&rn)[1][2], bool in_tile, bool more,
+                                          int kb0, int b, int t) {
+    if (in_tile) {
+        load_rawp_part<P>(nxt[0], rr[0][0], kb0 + b + 1, t);
+        load_rawp_part<P>(nxt[1], rr[0][1], kb0 + b + 1, t);
+    } else if (more) {
+        load_rawp_part<P>(nxt[0], rn[0][0], kb0, t);
+        load_rawp_part<P>(nxt[1], rn[0][1], kb0, t);
     }
 }
 __device__ __forceinline__ u32 pair_bits(int p, u32 w0, u32 w1, u32 w2) {
@@ -1177,31 +1194,12 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
             RawP raw[2] = {nxt[0], nxt[1]};
             const bool in_tile = b + 1 < nblk;  // else the warp's next tile's first block
             if (SPLIT) {  // as q6k_ks_f16 at 4 and 8 n-tiles: the next block in two parts
-                if (in_tile) {
-                    load_rawp_part<0>(nxt[0], rr[0][0], kb0 + b + 1, t);
-                    load_rawp_part<0>(nxt[1], rr[0][1], kb0 + b + 1, t);
-                } else if (more) {
-                    load_rawp_part<0>(nxt[0], rn[0][0], kb0, t);
-                    load_rawp_part<0>(nxt[1], rn[0][1], kb0, t);
-                }
-                block_mma_rp<NT>(acc, raw, t, bx, [&] {
-                    if (in_tile) {
-                        load_rawp_part<1>(nxt[0], rr[0][0], kb0 + b + 1, t);
-                        load_rawp_part<1>(nxt[1], rr[0][1], kb0 + b + 1, t);
-                    } else if (more) {
-                        load_rawp_part<1>(nxt[0], rn[0][0], kb0, t);
-                        load_rawp_part<1>(nxt[1], rn[0][1], kb0, t);
-                    }
-                });
+                rawp_next<0>(nxt, rr, rn, in_tile, more, kb0, b, t);
+                block_mma_rp<NT>(acc, raw, t, bx,
+                                 [&] { rawp_next<1>(nxt, rr, rn, in_tile, more, kb0, b, t); });
                 continue;
             }
-            if (in_tile) {
-                nxt[0] = load_rawp(rr[0][0], kb0 + b + 1, t);
-                nxt[1] = load_rawp(rr[0][1], kb0 + b + 1, t);
-            } else if (more) {
-                nxt[0] = load_rawp(rn[0][0], kb0, t);
-                nxt[1] = load_rawp(rn[0][1], kb0, t);
-            }
+            rawp_next<2>(nxt, rr, rn, in_tile, more, kb0, b, t);
             block_mma_rp<NT>(acc, raw, t, bx);
         }
         if (more) {
