@@ -4,7 +4,8 @@
 # whole round trip with a 12 us window): bench/stream_overhead.py's rungs one at a time at T1's
 # sizes, with every server's loop trips counted and a timeline of its callbacks (which loop
 # callback grows, by how many us of the loop thread's CPU), the rung with the worker's busy polling
-# (does a spinning loop take the excess away?) and the CUDA worker beside. Bench only.
+# (does a spinning loop take the excess away?), the servicer over a stub engine (direct), the
+# worker in process over a no-op backend (engine) and the CUDA worker beside. Bench only.
 #   bench/gpu_t1_s11b.sh       env: ROUNDS (2)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy bench/gpu_t1_s11b.sh
 set -uo pipefail
@@ -14,7 +15,7 @@ source bench/gpu_lib.sh
 gpu_session /tmp/t1s11b
 (cd bench && timeout 80 python3 stream_overhead.py --backend "${BACKEND:-cuda}" --inproc 0 \
   --rows 3584 --out f32 --rounds "${ROUNDS:-2}" --seconds 0.5 --warmup 0.15 --trips --timeline 8 \
-  --variants bare,bare+proto,bare+icpt,bare+coro,bare+icpt+coro,bare+icpt+proto+coro,bare+icpt+proto+coro+spin,worker) \
+  --variants bare,bare+proto,bare+icpt,bare+coro,bare+icpt+coro,bare+icpt+proto+coro,bare+icpt+proto+coro+spin,direct,engine,worker) \
   >"$OUT/bisect.log" 2>&1
 note "# bisect rc=$? ($(elapsed))"
 cp "$OUT/bisect.log" "$FINAL/"
