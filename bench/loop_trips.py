@@ -23,12 +23,27 @@ import json
 import os
 import selectors
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 TIMELINE = 60  # trips kept for the timeline
 RING = 4096  # recent trips kept (the timeline is cut from these at exit)
+STEPS = 20000  # marked callbacks kept for their medians
+
+# Marks set while a callback runs (:func:`mark`), taken by the counter when it returns: where
+# inside its loop step a request was taken and its reply encoded (bench/reply_stamps.py).
+MARKS: list[tuple[str, float, int | None]] = []
+
+
+def mark(label: str, t: float | None = None) -> None:
+    """Note ``label`` at perf_counter() time ``t`` (None: now, with the thread's CPU time) in
+    the callback running now; a no-op cost when no counter is installed (a list append)."""
+    if t is None:
+        MARKS.append((label, time.perf_counter(), time.thread_time_ns()))
+    else:
+        MARKS.append((label, t, None))
 
 
 def _name(cb: Any) -> str:
@@ -47,6 +62,11 @@ def install(path: str, sigterm: bool = False) -> None:
     now = time.perf_counter
     cpu = time.thread_time_ns  # the loop thread's CPU (user + system): no preemption in it
     cpu_ns: collections.Counter[str] = collections.Counter()
+    # (pre, window, post, post CPU, step CPU) of each callback that took a request and encoded
+    # its reply: pre = the step's start -> the request taken (RPC_START), post = the reply
+    # encoded -> the step's end (its write submitted), all seconds or ns (CPU)
+    steps: collections.deque[tuple[float, float, float, int | None, int]] = (
+        collections.deque(maxlen=STEPS))
     run_once = base_events.BaseEventLoop._run_once  # type: ignore[attr-defined]
     handle_run = events.Handle._run
     select = selectors.EpollSelector.select
@@ -70,12 +90,23 @@ def install(path: str, sigterm: bool = False) -> None:
     def counted_handle_run(self: Any) -> None:
         name = _name(self._callback)
         counts[name] += 1
+        MARKS.clear()
         t0, c0 = now(), cpu()
         handle_run(self)
-        c = cpu() - c0
-        cpu_ns[name] += c
+        t1, c1 = now(), cpu()
+        cpu_ns[name] += c1 - c0
+        entry: tuple[Any, ...] = (name, round((t1 - t0) * 1e6, 1), round((c1 - c0) * 1e-3, 1))
+        if MARKS:
+            marks = {label: (t, c) for label, t, c in MARKS}
+            entry += (tuple((label, round((t - t0) * 1e6, 1)) for label, t, _ in MARKS),)
+            if "taken" in marks and "encoded" in marks and marks["taken"][0] >= t0:
+                # (a request taken in this step: the direct path; a queued one's reply is
+                # encoded in a later callback)
+                (taken, _), (enc, enc_c) = marks["taken"], marks["encoded"]
+                steps.append((taken - t0, enc - taken, t1 - enc,
+                              None if enc_c is None else c1 - enc_c, c1 - c0))
         if ring:
-            ring[-1].append((name, round((now() - t0) * 1e6, 1), round(c * 1e-3, 1)))
+            ring[-1].append(entry)
 
     base_events.BaseEventLoop._run_once = counted_run_once  # type: ignore[attr-defined]
     events.Handle._run = counted_handle_run  # type: ignore[method-assign]
@@ -87,10 +118,19 @@ def install(path: str, sigterm: bool = False) -> None:
         cut = trace[mid : mid + TIMELINE]
         timeline = [{"t_us": round((t[0] - cut[0][0]) * 1e6, 1), "slept": t[1],
                      "select_us": round(t[2], 1), "callbacks": t[3:]} for t in cut]
+        marked = {}
+        if steps:
+            cols = list(zip(*steps, strict=True))
+            med = [statistics.median(x for x in col if x is not None) if any(
+                x is not None for x in col) else None for col in cols]
+            marked = {"n": len(steps), "pre_us": med[0] * 1e6, "window_us": med[1] * 1e6,
+                      "post_us": med[2] * 1e6,
+                      "post_cpu_us": None if med[3] is None else med[3] * 1e-3,
+                      "step_cpu_us": med[4] * 1e-3}
         Path(path).write_text(json.dumps({
             **trips, "callbacks": dict(counts.most_common()),
             "callback_cpu_us": {k: v * 1e-3 for k, v in cpu_ns.most_common()},
-            "timeline": timeline}))
+            "request_steps": marked, "timeline": timeline}))
 
     atexit.register(dump)
     if sigterm:  # a terminated bench server: write, then go (no interpreter teardown)

@@ -12,6 +12,7 @@ bench/stream_overhead.py call it directly.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -25,7 +26,11 @@ def install() -> None:
         out = inner(r, request_id, took)
         if took is None:
             return out
-        tag = f"{took.start!r} {time.perf_counter()!r}"
+        end = time.perf_counter()
+        if (trips := sys.modules.get("loop_trips")) is not None:  # where in its loop step
+            trips.mark("taken", took.start)
+            trips.mark("encoded")
+        tag = f"{took.start!r} {end!r}"
         if isinstance(out, bytes):  # a spliced reply: a later request_id field wins
             return out + rawmsg.record(1, len(tag)) + tag.encode()
         out.request_id = tag
@@ -36,7 +41,11 @@ def install() -> None:
 
 def stamp(start: float) -> str:
     """The request_id of an echo reply built now for a request taken at ``start``."""
-    return f"{start!r} {time.perf_counter()!r}"
+    end = time.perf_counter()
+    if (trips := sys.modules.get("loop_trips")) is not None:  # where in its loop step
+        trips.mark("taken", start)
+        trips.mark("encoded")
+    return f"{start!r} {end!r}"
 
 
 def parse(request_id: str) -> tuple[float, float] | None:

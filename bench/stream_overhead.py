@@ -1039,10 +1039,17 @@ def main(argv: list[str] | None = None) -> int:
                         if c / n >= 0.1)
         print(f"{v:{width}s} loop trips per round trip {t['trips'] / n:.2f} (slept first "
               f"{t['slept'] / n:.2f}); callbacks per round trip: {cbs}")
+        if st := t.get("request_steps"):  # the loop steps that took a request and encoded
+            post_cpu = "" if st["post_cpu_us"] is None else f" (CPU {st['post_cpu_us']:.1f})"
+            print(f"{v:{width}s} request step (median of {st['n']}): taken after "  # its reply
+                  f"{st['pre_us']:.1f} us, encoded {st['window_us']:.1f} us later, then "
+                  f"{st['post_us']:.1f} us to the step's end{post_cpu}; step CPU "
+                  f"{st['step_cpu_us']:.1f} us")
         if a.timeline:
             for tr in t.get("timeline", [])[: a.timeline]:
                 cb = " ".join(f"{c[0]}:{c[1]}" + (f"/cpu {c[2]}" if len(c) > 2 else "")
-                              for c in tr["callbacks"])
+                              + ("".join(f" [{m[0]} @{m[1]}]" for m in c[3])
+                                 if len(c) > 3 else "") for c in tr["callbacks"])
                 print(f"    {tr['t_us']:9.1f} {'sleep' if tr['slept'] else 'ready'} "
                       f"select {tr['select_us']:6.1f}  {cb}")
     if inproc["echo"]:

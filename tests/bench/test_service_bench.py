@@ -149,6 +149,10 @@ def test_stream_overhead_variants_run() -> None:
     assert re.search(r"^sbare +median +[0-9]+ .* p99 +[0-9]+", done.stdout, re.MULTILINE)
     assert not re.search(r"^s(bare|ync) +loop trips", done.stdout, re.MULTILINE), done.stdout
     assert "Task.task_wakeup" in done.stdout and " select " in done.stdout, done.stdout
+    for variant in ("direct", "engine", ladder):  # requests taken and answered in one step
+        assert re.search(rf"^{re.escape(variant)} +request step \(median of [0-9]+\): taken "
+                         r"after -?[0-9.]+ us, encoded [0-9.]+ us later", done.stdout,
+                         re.MULTILINE), done.stdout
     assert "in process, no gRPC" in done.stdout, done.stdout
 
 
