@@ -7,7 +7,11 @@ handles it; the worker drains on SIGTERM and then exits, which atexit sees). The
 holds a timeline of ``TIMELINE`` consecutive trips from the middle of the run: per trip, the
 µs spent in the selector (the loop asleep, or polling) and each callback's name, µs and the
 loop thread's CPU µs in it (thread_time: a callback preempted on a busy host shows a long wall
-time but its own CPU); and each callback name's total CPU µs.
+time but its own CPU); and each callback name's total CPU µs. Where bench/reply_stamps.py stamps
+a reply in the callback that took its request (the direct path), :func:`mark` notes both times
+and the JSON's ``request_steps`` gives the medians of that step's parts: its start -> the
+request taken (gRPC's receive, the interceptor), -> the reply encoded (the handler's window),
+-> the step's end (the write's submission: gRPC's send, the kernel's loopback), with its CPU.
 Servers of bench/stream_overhead.py call it directly; the worker gets it through
 bench/trips_site/sitecustomize.py (``PYTHONPATH=bench/trips_site Q6SERVE_LOOP_TRIPS=PATH``).
 A diagnostic only: the patch costs ~1-2 µs per callback.

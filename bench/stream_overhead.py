@@ -55,7 +55,9 @@ size up (wire.read_matmul_request's walker; 0: always).
 
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
-run more than once per 10 round trips. ``--backend cuda``: the worker variant on the GPU.
+run more than once per 10 round trips (the loop thread's CPU in each), and for stamped servers
+the loop step that took a request and submitted its reply, split at the request taken and the
+reply encoded. ``--backend cuda``: the worker variant on the GPU.
 
 ``--inproc``: the worker's interceptor and MatmulStream handler driven in this process with
 no gRPC (a stub engine; a request handed in, its serialized reply taken), next to the proto
