@@ -1,0 +1,96 @@
+"""bench/t2_timeline.py (T2's per-call timeline through front ends) and the stamps it reads
+(bench/frontend_stamps.py): the parts of a call add up to its round trip from stamps of one
+clock, the bands and overlaps are computed as documented, and a small run through a real
+two-front-end worker stamps every call with its front end's pid, in order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def tl():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import t2_timeline
+    finally:
+        sys.path.pop(0)
+    return t2_timeline
+
+
+def row(tl, caller: int, t0: float, gaps: list[float], pid: int = 7) -> list[float]:
+    """A call's row: the stamps START..SEND and the caller's read, ``gaps`` apart from t0."""
+    t = np.cumsum([t0, *gaps])
+    return [caller, t0, t[-1], 1e-4, 2e-4, 3, pid, *t[1:-1]]
+
+
+def test_parts_add_up_to_the_round_trip_in_stamp_order(tl) -> None:
+    gaps = [1e-3, 2e-4, 3e-4, 4e-3, 5e-5, 6e-5, 7e-4, 8e-4]  # up .. down
+    parts = tl.timeline(np.array([row(tl, 1, 10.0, gaps)]))
+    assert [parts[p][0] for p in tl.PARTS] == pytest.approx(gaps)
+    assert parts["e2e"][0] == pytest.approx(sum(gaps))
+    assert parts["batch"][0] == pytest.approx(3e-4)  # queue + device_seconds of the reply
+
+
+def test_bands_and_stall_overlaps(tl) -> None:
+    # 300 calls of 1.0-1.3 ms on front end 7, 2 slow ones of 10 ms on front end 8 (a GC
+    # pause of 4 ms inside each, and a loop stall that covers half of one)
+    rows = [row(tl, i % 4, i * 0.01, [1e-4] * 7 + [3e-4 + i * 1e-6]) for i in range(300)]
+    rows += [row(tl, 9, 5.0 + i, [1e-4] * 7 + [9.3e-3], pid=8) for i in range(2)]
+    stalls = {"front": [(8, np.array([[5.001, 0.004, 2, 0.004], [6.001, 0.004, 1, 0.004],
+                                      [6.005, 0.010, 0, 0.001]]))], "device": []}
+    r = tl.analyse(np.array(rows), stalls)
+    assert r["calls"] == r["stamped"] == 302
+    # the slowest 1%: the two slow calls and the two slowest others (1.298, 1.299 ms)
+    assert r["p99"]["calls"] == 4
+    assert r["p99"]["e2e"] == pytest.approx((20000 + 1298 + 1299) / 4)
+    assert 1100 < r["p50"]["e2e"] < 1200 and 29 <= r["p50"]["calls"] <= 31
+    assert r["p50"]["front_stalls"] == 0
+    # slow calls: 4 ms of GC each, + 5 ms of the loop stall in the second
+    assert r["p99"]["front_gc"] == pytest.approx(8000 / 4)
+    assert r["p99"]["front_stalls"] == pytest.approx(13000 / 4)
+    assert r["per_front"][8] == {"callers": 1, "calls": 2, "mean_us": pytest.approx(10000),
+                                 "slow_share": pytest.approx(2 / 4)}
+    assert r["per_front"][7]["callers"] == 4
+    assert r["stalls"]["front-8"]["gc2_n"] == 1 and r["stalls"]["front-8"]["gc_n"] == 2
+    assert r["stalls"]["front-8"]["loop_cpu_ms"] == pytest.approx(1.0)
+    assert tl.overlap(np.array([0.0]), np.array([1.0]), np.zeros((0, 2)))[0] == 0
+
+
+def test_stamps_parse_only_whole_tags() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import frontend_stamps
+    finally:
+        sys.path.pop(0)
+    assert frontend_stamps.parse("42 1 2 3 4 5 6 7") == (42, [1e-6 * i for i in range(1, 8)])
+    assert frontend_stamps.parse("") is None
+    assert frontend_stamps.parse("1.5 2.5") is None  # (bench/reply_stamps.py's tag)
+    assert frontend_stamps.parse("42 1 2 3 4 5 6 x") is None
+
+
+def test_a_small_run_stamps_every_call_in_order(tl, tmp_path: Path) -> None:
+    out = tmp_path / "t2.json"
+    r = subprocess.run([sys.executable, str(BENCH / "t2_timeline.py"), "--frontends", "2",
+                        "--hosts", "1", "--callers", "3", "--seconds", "0.6", "--warmup", "0.2",
+                        "--json", str(out), "--keep", str(tmp_path / "keep")],
+                       capture_output=True, text=True, timeout=240, cwd=BENCH)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["calls"] > 0 and got["stamped"] == got["calls"]
+    rows = np.load(tmp_path / "keep" / "calls-0.npy")
+    parts = tl.timeline(rows)
+    for p in tl.PARTS:  # one clock: every stamp after the one before
+        assert (parts[p] >= 0).all(), p
+    assert sum(got["p50"][p] for p in tl.PARTS) == pytest.approx(got["p50"]["e2e"])
+    pids = set(rows[:, tl.COLS.index("pid")].astype(int).tolist())
+    assert 1 <= len(pids) <= 2 and 0 not in pids
+    assert list((tmp_path / "keep").glob("stalls-front-*.run0"))  # each front end logs
