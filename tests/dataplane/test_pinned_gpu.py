@@ -198,13 +198,21 @@ def test_lane_plans_replay_one_graph(backend: Any, rng: np.random.Generator) -> 
         c, region = clients[0], regions[0]
         lane = c.open_lane(region)
         server = w.worker.plane.lanes
+        assert server is not None
+        # a repeat runs by its key's plan when the device is idle at its launch, else it goes
+        # the usual way and a later call makes the plan again (how many do is timing, not a
+        # contract: the first GPU run had 7 of 10): repeats until two ran by the plan, the
+        # last call among them (so the plan held now has replayed)
         for out in ("f32", "f16"):
-            for i in range(6):
-                j = i % 4
+            before = server.planned
+            for i in range(16):
+                j, last = i % 4, server.planned
                 got = lane.matmul("w", xs[j], y_offset=1 << 20, precision="f16", out_dtype=out)
                 same(np.array(got), wants[j].astype(np.float16) if out == "f16" else wants[j])
                 del got
-        assert server is not None and server.planned >= 8
+                if i >= 5 and server.planned - before >= 2 and server.planned > last:
+                    break
+            assert server.planned - before >= 2, out
         held = w.worker.regions._regions["r5_0"]
         made = [p.rc for p in held.plans.values()]
         assert len(made) == 2 and all(isinstance(rc, RegionCall) and rc.live() for rc in made)
@@ -213,12 +221,14 @@ def test_lane_plans_replay_one_graph(backend: Any, rng: np.random.Generator) -> 
         planned = server.planned
         x1 = [x[:1].copy() for x in xs[:3]]
         want1 = [c.matmul_full("w", x, precision="f16").y for x in x1]
-        for i in range(8):
+        for i in range(16):
             got = lane.matmul("w", x1[i % 3], x_offset=2 << 20, y_offset=3 << 20,
                               precision="f16")
             same(np.array(got), want1[i % 3])
             del got
-        assert server.planned - planned >= 5  # (the first ones queued, then by the plan)
+            if i >= 7 and server.planned - planned >= 3:
+                break
+        assert server.planned - planned >= 3  # (the first ones queued, then by the plan)
         c.register_shm("other", 4096).close()  # an unpin: every region call stale
         assert not any(rc.live() for rc in made)
         for i in range(3):
