@@ -20,9 +20,10 @@ errors) keep their request_id.
 In every worker process (``install_stalls``: the device process and each front end) the
 interpreter's pauses are logged to ``DIR/stalls-ROLE-PID.jsonl``: each cyclic-GC collection of
 at least 0.1 ms (every full one) and each stretch of at least 0.5 ms that the event loop ran
-without looking at its sockets (between two selector calls), as [start us, length us, kind]
-(kind "gc0".."gc2"), or [start us, length us, "loop", the loop thread's CPU us in it] (less
-CPU than length: the thread waited for a core or the GIL), written every 0.5 s by a daemon
+without looking at its sockets (between two selector calls), as [start us, length us, kind,
+the thread's CPU us in it (less than the length: it waited for a core or the GIL)], kind
+"gc0".."gc2" (then also the objects it collected, and after a full one the objects the GC
+tracks) or "loop", written every 0.5 s by a daemon
 thread.
 """
 
@@ -48,17 +49,19 @@ def install_stalls(folder: str, role: str) -> None:
     """Log this process's GC pauses and long loop iterations (module docstring)."""
     pc = time.perf_counter
     got: list[list[Any]] = []
-    gc_start = [0.0]
+    tt = time.thread_time
+    gc_start = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            gc_start[0] = pc()
+            gc_start[0], gc_start[1] = pc(), tt()
         elif (d := pc() - gc_start[0]) >= GC_MIN_S or info.get("generation") == 2:
-            got.append([_us(gc_start[0]), _us(d), f"gc{info.get('generation', '?')}"])
+            got.append([_us(gc_start[0]), _us(d), f"gc{info.get('generation', '?')}",
+                        _us(tt() - gc_start[1]), info.get("collected", 0),
+                        len(gc.get_objects()) if info.get("generation") == 2 else 0])
 
     gc.callbacks.append(on_gc)
     inner = selectors.EpollSelector.select
-    tt = time.thread_time
     last = [0.0, 0.0]  # when the previous select returned (0: none yet), the thread's CPU then
 
     def select(self: Any, timeout: float | None = None) -> Any:

@@ -125,14 +125,13 @@ def timeline(rows: np.ndarray) -> dict[str, np.ndarray]:
 def load_stalls(folder: Path) -> dict[str, list[tuple[int, np.ndarray]]]:
     """{"front"/"device": [(pid, array of [start, length, kind, CPU] seconds)]} (kind 0: a
     loop iteration, 1: a young GC collection, 2: a full one): the
-    worker's logged GC pauses and long loop iterations (CPU: the loop thread's in it)."""
+    worker's logged GC pauses and long loop iterations (CPU: the thread's in it)."""
     got: dict[str, list[tuple[int, np.ndarray]]] = {"front": [], "device": []}
     for p in sorted(folder.glob("stalls-*.jsonl")):
         _, role, pid = p.stem.split("-")
         rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
         arr = np.array([(r[0] * 1e-6, r[1] * 1e-6, {"loop": 0, "gc2": 2}.get(r[2], 1),
-                         (r[3] if r[2] == "loop" else r[1]) * 1e-6) for r in rows],
-                       np.float64).reshape(-1, 4)
+                         r[3] * 1e-6) for r in rows], np.float64).reshape(-1, 4)
         got.setdefault(role, []).append((int(pid), arr))
     return got
 
@@ -151,6 +150,8 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
             ) -> dict[str, Any]:
     ok = ~np.isnan(rows[:, COLS.index("start")])
     stamped = rows[ok]
+    if not stamped.size:
+        raise RuntimeError("no reply carried the front ends' stamps (bench/frontend_stamps.py)")
     tl = timeline(stamped)
     e2e = tl["e2e"]
     lo, mid, hi = np.percentile(e2e, (45, 50, 55))
@@ -202,6 +203,8 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
                 "gc2_n": int((inside[:, 2] == 2).sum()) if inside.size else 0,
                 "gc2_max_ms": float(inside[inside[:, 2] == 2, 1].max() * 1e3)
                 if inside.size and (inside[:, 2] == 2).any() else 0.0,
+                "gc2_cpu_ms": float(inside[inside[:, 2] == 2, 3].sum() * 1e3)
+                if inside.size else 0.0,
                 "loop_max_ms": float(inside[inside[:, 2] == 0, 1].max() * 1e3)
                 if inside.size and (inside[:, 2] == 0).any() else 0.0,
                 "loop_ms": float(inside[inside[:, 2] == 0, 1].sum() * 1e3)
@@ -230,7 +233,7 @@ def report(r: dict[str, Any], label: str = "") -> None:
         for v in sorted(r["per_front"].values(), key=lambda v: -v["callers"])))
     print("stalls in the timed part: " + "; ".join(
         f"{k} gc {v['gc_n']} ({v['gc_ms']:.1f} ms, max {v['gc_max_ms']:.1f}; full "
-        f"{v['gc2_n']}, max {v['gc2_max_ms']:.1f}) loop>=0.5ms "
+        f"{v['gc2_n']}, max {v['gc2_max_ms']:.1f}, CPU {v['gc2_cpu_ms']:.1f}) loop>=0.5ms "
         f"{v['loop_n']} ({v['loop_ms']:.0f} ms, of it CPU {v['loop_cpu_ms']:.0f}; max "
         f"{v['loop_max_ms']:.1f})" for k, v in r["stalls"].items()),
         flush=True)
@@ -257,7 +260,7 @@ def start_worker(a: argparse.Namespace, folder: Path, log: Path) -> tuple[subpro
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--frontends", type=int, default=2)
+    ap.add_argument("--frontends", type=int, default=2, help="2 or more")
     ap.add_argument("--hosts", type=int, default=2, help="load processes")
     ap.add_argument("--callers", type=int, default=8, help="callers per load process")
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the stall logs and calls in this folder")
     a = ap.parse_args(argv)
+    if a.frontends < 2:
+        ap.error("--frontends 2 or more (one is the one-process worker: no front ends)")
     from q6serve.client.client import PRECISIONS, Client
 
     folder = Path(tempfile.mkdtemp(prefix="t2_timeline_")) if a.keep is None else a.keep
