@@ -77,6 +77,8 @@ FRONTEND_BUSY_POLL_US = Var("Q6SERVE_FRONTEND_BUSY_POLL_US", "number", 0.0,
                             "microseconds a front end's loop polls before it sleeps (0: never)")
 FRONTEND_ROUND_ROBIN = Var("Q6SERVE_FRONTEND_ROUND_ROBIN", "switch", False,
                            "new connections dealt to the front ends in turn (eBPF)")
+FRONTEND_GC_FREEZE = Var("Q6SERVE_FRONTEND_GC_FREEZE", "switch", False,
+                         "a front end freezes its start-up objects out of the cyclic GC")
 HANDOFF_YIELD = Var("Q6SERVE_HANDOFF_YIELD", "switch", True,
                     "yield the GIL when a job reaches an idle device thread")
 PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
@@ -98,8 +100,8 @@ REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", False,
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
-                         FRONTEND_ROUND_ROBIN, HANDOFF_YIELD, PIPELINE, PIPELINE_SHORT,
-                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS)
+                         FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
+                         PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

@@ -45,6 +45,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import math
@@ -1881,6 +1882,20 @@ def frontend_limits(cfg: WorkerConfig, index: int) -> tuple[int, int, int]:
 _CHILD = "from q6serve.service.frontends import frontend_main; frontend_main()"
 
 
+def freeze_startup(env: Mapping[str, str] | None = None) -> bool:
+    """With ``Q6SERVE_FRONTEND_GC_FREEZE=1`` (off by default: not measured on the H200), what
+    a front end's start-up made (modules, gRPC's server, the servicer: ~47k objects the GC
+    tracks) leaves the cyclic GC's generations (``gc.freeze``), so that a full collection
+    walks only what came since. On the VM under T2-shaped load a front end ran a full
+    collection every ~10k calls, 34-41 ms of CPU (64-94 ms of wall time) each, a stall of every
+    call in flight on it; with the switch none came in 13k calls a front end
+    (bench/t2_timeline.py, bench/RESULTS.md, session 11). True if it froze."""
+    if not envvars.FRONTEND_GC_FREEZE.read(env):
+        return False
+    gc.freeze()
+    return True
+
+
 def frontend_main() -> None:
     """Entry point of a front-end process (FrontendsWorker._spawn): arguments on stdin."""
     (index, config, port, sock_path, slots, slot_bytes, log_level,
@@ -1942,6 +1957,7 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
         t.add_done_callback(health_tasks.discard)
 
     link.on_health = on_health
+    freeze_startup()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM,
                             lambda: link.stop_order.done() or link.stop_order.set_result(
