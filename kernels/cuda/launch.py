@@ -525,17 +525,20 @@ class RegionCall:
     events recorded. Each slot's first ``GRAPH_AFTER`` + 1 calls run directly, the last of
     them captured; a refused capture keeps direct launches.
 
-    With ``Launcher.region_streams`` (``Q6SERVE_REGION_STREAMS=1``) x's DMA runs on a copy-in
-    stream and y's on a copy-out stream, into and out of device buffers of the launch slot's
-    own, handed over by events; only the kernels (and y's conversion) run on the backend's
-    stream, as the slot's graph. Two calls in flight (the lane's pipeline) then overlap: call
-    i + 1's x DMA and call i's y DMA run beside the other's kernels, where one stream runs
-    each call's copies and kernels one after the other. A slot's buffers are reused only after
-    its wait (the slot's completion event, recorded on the copy-out stream)."""
+    With ``Launcher.region_streams`` (``Q6SERVE_REGION_STREAMS=1``) a call launched while
+    another launch is in flight has x's DMA on a copy-in stream and y's on a copy-out stream,
+    into and out of device buffers of the launch slot's own, handed over by events; only the
+    kernels (and y's conversion) run on the backend's stream, as the slot's graph (each slot
+    keeps a sequence of each kind). Two calls in flight (the lane's pipeline) then overlap:
+    call i + 1's x DMA and call i's y DMA run beside the other's kernels, where one stream runs
+    each call's copies and kernels one after the other. A call launched alone runs on the one
+    stream (nothing to overlap; the streams' hand-offs cost a lone call ~20 us). A slot's
+    buffers are reused only after its wait (the slot's completion event, recorded on the
+    copy-out stream)."""
 
-    __slots__ = ("_seqs", "broken", "cfg", "cw", "epoch", "half", "in_t", "io", "kernel",
-                 "layout", "lc", "n", "path", "precision", "rows", "streams", "w", "x_addr",
-                 "x_bytes", "y", "y_addr", "y_bytes")
+    __slots__ = ("_seqs", "_sseqs", "broken", "cfg", "cw", "epoch", "half", "in_t", "io",
+                 "kernel", "layout", "lc", "n", "path", "precision", "rows", "streams", "w",
+                 "x_addr", "x_bytes", "y", "y_addr", "y_bytes")
 
     def __init__(self, lc: Launcher, w: ResidentWeight, cw: CudaWeight, x: np.ndarray,
                  y: np.ndarray, path: str, cfg: Cfg, kernel: str, precision: Precision,
@@ -547,7 +550,8 @@ class RegionCall:
         self.n, self.rows, self.half = int(x.shape[0]), w.rows, y.dtype == np.float16
         self.path, self.cfg = path, cfg
         self.kernel, self.layout, self.precision = kernel, w.layout, precision
-        self._seqs: list[_RegionSeq | None] = [None] * SLOTS
+        self._seqs: list[_RegionSeq | None] = [None] * SLOTS  # one stream
+        self._sseqs: list[_RegionSeq | None] = [None] * SLOTS  # with the copy streams
         self.broken = False
         self.streams = lc.region_streams
 
@@ -558,12 +562,16 @@ class RegionCall:
         lc = self.lc
         ws, stream = lc.ws, lc.ctx.stream
         slot = ws.free_slot()
+        # the copy streams only beside another launch in flight: alone, there is nothing to
+        # overlap and one stream's serialized copies and kernels cost less (H200, session 11:
+        # a lone lane caller's p50 - kernel 71 us on one stream, 92 with the copy streams)
+        streams = self.streams and any(ws.held(o) for o in range(SLOTS) if o != slot)
         ws.take(slot)
         try:
             with self.io.lock, lc.ctx.dev:
                 s = self._seqs[slot]
-                if self.streams:
-                    s = self._run_streams(slot, s)
+                if streams:
+                    s = self._run_streams(slot, self._sseqs[slot])
                 elif s is not None and s.graph and s.gen == ws.gen:
                     s.graph.launch(stream)
                     ws.done_event(slot).record(stream)
@@ -632,7 +640,7 @@ class RegionCall:
             with stream:
                 s = self._bind((f"rx{slot}", f"ry{slot}", f"ry16{slot}"))
             s.ev_x, s.ev_y = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
-            self._seqs[slot] = s
+            self._sseqs[slot] = s
         rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, cin.ptr)
         s.ev_x.record(cin)
         stream.wait_event(s.ev_x)

@@ -72,6 +72,8 @@ def _first(be, w, x: np.ndarray, y: np.ndarray, out: np.dtype, want: bool = True
 @pytest.mark.parametrize("n,out", [(64, np.float32), (64, np.float16), (1, np.float32),
                                    (8, np.float16)])
 def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out, streams):
+    """One call at a time: with the copy streams on too, a call launched alone runs on the
+    one stream (nothing in flight to overlap)."""
     be, cp = _backend(monkeypatch, streams)
     w = fake_weight(be, ROWS, K)
     rng = np.random.default_rng(7)
@@ -87,17 +89,16 @@ def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out, streams)
         x[...] = rng.standard_normal((n, K))  # a new x at the same place each call
         want = _set_y(be, w, n, 10 + i)
         ws = be.launcher.ws
-        if streams:  # the slot's own y (the kernels write there): the known values
-            ws._dev["ry0"].a[: want.nbytes] = want.reshape(-1).view(np.uint8)
         res = rc.launch().wait()
         assert res.y is y and np.array_equal(y, want.astype(out))
-        xd = ws._dev["rx0" if streams else "x"].a
+        xd = ws._dev["x"].a
         assert np.array_equal(xd[: x.nbytes], x.reshape(-1).view(np.uint8))
         assert res.timing.seconds() == pytest.approx(25e-6)
         assert res.kernel == f"cuda.{choice.path}.soa" and res.precision is choice.precision
     # one call at a time: slot 0's sequence, direct twice (the second captured), then graphs
     assert cp.counts["graph"] - graphs == 4
     assert not any(be.launcher.ws._held)
+    assert rc._sseqs == [None, None] and "rx0" not in be.launcher.ws._dev
     del buf
 
 
@@ -110,7 +111,11 @@ def test_region_call_two_in_flight_use_both_slots(monkeypatch, streams):
     for _ in range(3):
         a, b = rc.launch(), rc.launch()
         a.wait(), b.wait()
-    assert all(s is not None and s.graph for s in rc._seqs)
+    if streams:  # the first alone on one stream, the second beside it on the copy streams
+        assert rc._seqs[0].graph and rc._sseqs[1].graph
+        assert rc._seqs[1] is None and rc._sseqs[0] is None
+    else:
+        assert all(s is not None and s.graph for s in rc._seqs)
     a, b = rc.launch(), rc.launch()
     from q6serve.kernels.errors import DeviceError
 
@@ -145,3 +150,40 @@ def test_no_region_call_unless_asked_or_for_q8_1(monkeypatch):
     r = _first(be, w, x, y, np.float32, precision=Precision.Q8_1,
                flags=KernelFlags(decode_mmq=True))
     assert r.call is None
+
+
+@pytest.mark.parametrize("out", [np.float32, np.float16])
+def test_copy_streams_only_beside_a_call_in_flight(monkeypatch, out):
+    """With the copy streams on, a call launched while another is in flight passes x and y
+    through its slot's own buffers (copy-in / copy-out streams), the one launched alone through
+    the one stream's; each gives its own y, and alone again is one stream again."""
+    be, _ = _backend(monkeypatch, streams=True)
+    w = fake_weight(be, ROWS, K)
+    rng = np.random.default_rng(3)
+    buf, x, y, _ = _region(be, 8, np.dtype(out))
+    x[...] = rng.standard_normal((8, K))
+    rc = _first(be, w, x, y, out).call
+    ws = be.launcher.ws
+    for i in range(4):  # direct launches, then each kind's graph
+        want_a = _set_y(be, w, 8, 20 + i)
+        x[...] = rng.standard_normal((8, K))
+        xa = x.copy()
+        a = rc.launch()  # alone: the one stream, slot 0
+        assert np.array_equal(y, want_a.astype(out))  # (the fake runs each copy at once)
+        assert np.array_equal(ws._dev["x"].a[: x.nbytes], xa.reshape(-1).view(np.uint8))
+        want_b = want_a + 1000
+        if i:  # (the first binds the slot's own buffers: set after it)
+            ws._dev["ry1"].a[: want_b.nbytes] = want_b.reshape(-1).view(np.uint8)
+        x[...] = rng.standard_normal((8, K))
+        b = rc.launch()  # beside a: the copy streams, slot 1
+        assert np.array_equal(ws._dev["rx1"].a[: x.nbytes], x.reshape(-1).view(np.uint8))
+        if i:
+            assert np.array_equal(y, want_b.astype(out))
+        assert a.wait().y is y and b.wait().y is y
+    assert rc._seqs[0].graph and rc._sseqs[1].graph
+    assert rc._seqs[1] is None and rc._sseqs[0] is None
+    assert not any(ws._held)
+    want = _set_y(be, w, 8, 99)
+    rc.launch().wait()  # alone again: the one stream
+    assert np.array_equal(y, want.astype(out)) and rc._sseqs[0] is None
+    del buf
