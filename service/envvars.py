@@ -95,7 +95,7 @@ PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
 PDL = Var("Q6SERVE_PDL", "switch", True,
           "the split-K sum's launch with programmatic dependent launch (CUDA)")
 
-REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", False,
+REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,

@@ -215,11 +215,12 @@ def pdl_from_env(env: Any = None) -> bool:
 
 
 def region_streams_from_env(env: Any = None) -> bool:
-    """``Q6SERVE_REGION_STREAMS`` (unset or empty: off): :class:`RegionCall` moves x and y on
-    copy streams of their own (per-slot device buffers), so a call's copies overlap the kernels
-    of the call beside it. Read where a backend is built, as ``Q6SERVE_PDL``."""
+    """``Q6SERVE_REGION_STREAMS`` (unset or empty: on): a :class:`RegionCall` launched beside
+    another launch in flight moves x and y on copy streams of their own (per-slot device
+    buffers), so its copies overlap the kernels of the call beside it. Read where a backend is
+    built, as ``Q6SERVE_PDL``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_REGION_STREAMS", "").strip()
-    return False if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
+    return True if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
 
 
 def _driver_launch_ex() -> Any:
@@ -698,7 +699,8 @@ class Launcher:
         # Q6SERVE_PDL=0 turns it off. Read when a call's steps are built: a bound sequence
         # keeps what it was bound with.
         self.pdl = pdl_from_env()
-        # RegionCall's copies on streams of their own (Q6SERVE_REGION_STREAMS; off by default)
+        # RegionCall's copies on streams of their own beside a launch in flight
+        # (Q6SERVE_REGION_STREAMS; on by default)
         self.region_streams = region_streams_from_env()
         self._copy_streams: tuple[Any, Any] | None = None
         # A larger f16 y (> SMALL_Y) converted inside the bound sequence (its graph) instead

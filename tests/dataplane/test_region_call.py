@@ -3,8 +3,9 @@ on tests/kernels/test_cuda_backend_host.py's fake CuPy (real copies, counted ker
 into a replayable graph): a call whose x and y lie in page-locked host memory and whose route
 asks for it (``Route.want``) leaves a region call that repeats it -- x DMA'd from the region,
 y (converted to f16 where asked) DMA'd into it, as direct launches and then one graph per
-launch slot; with copy streams (``Q6SERVE_REGION_STREAMS``) x and y through the launch slot's
-own device buffers -- valid until an unpin or the weight's data changes; a Q8_1 call leaves
+launch slot; with copy streams (``Q6SERVE_REGION_STREAMS``, on by default) a call launched
+beside another in flight passes x and y through its launch slot's own device buffers -- valid
+until an unpin or the weight's data changes; a Q8_1 call leaves
 none."""
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _backend(monkeypatch, streams: bool = False):
 
     monkeypatch.setattr(_Fn, "__call__", on_main(_Fn.__call__))
     monkeypatch.setattr(cp, "copyto", on_main(cp.copyto))
+    be.launcher.region_streams = streams  # (on by default: Q6SERVE_REGION_STREAMS)
     if streams:
-        be.launcher.region_streams = True
         monkeypatch.setattr(cp.cuda, "Stream", lambda non_blocking=False: _Stream(cp),
                             raising=False)
         monkeypatch.setattr(_Stream, "wait_event", lambda self, ev: None, raising=False)
@@ -187,3 +188,10 @@ def test_copy_streams_only_beside_a_call_in_flight(monkeypatch, out):
     rc.launch().wait()  # alone again: the one stream
     assert np.array_equal(y, want.astype(out)) and rc._sseqs[0] is None
     del buf
+
+
+def test_copy_streams_on_by_default():
+    from q6serve.kernels.cuda.launch import region_streams_from_env
+
+    assert region_streams_from_env({}) and region_streams_from_env({"Q6SERVE_REGION_STREAMS": ""})
+    assert not region_streams_from_env({"Q6SERVE_REGION_STREAMS": "0"})
