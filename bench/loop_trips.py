@@ -39,11 +39,14 @@ STEPS = 20000  # marked callbacks kept for their medians
 # Marks set while a callback runs (:func:`mark`), taken by the counter when it returns: where
 # inside its loop step a request was taken and its reply encoded (bench/reply_stamps.py).
 MARKS: list[tuple[str, float, int | None]] = []
+_INSTALLED: list[bool] = []  # [True] once install() ran: marks are taken (and cleared) only then
 
 
 def mark(label: str, t: float | None = None) -> None:
     """Note ``label`` at perf_counter() time ``t`` (None: now, with the thread's CPU time) in
-    the callback running now; a no-op cost when no counter is installed (a list append)."""
+    the callback running now; nothing where no counter is installed."""
+    if not _INSTALLED:
+        return
     if t is None:
         MARKS.append((label, time.perf_counter(), time.thread_time_ns()))
     else:
@@ -112,6 +115,7 @@ def install(path: str, sigterm: bool = False) -> None:
         if ring:
             ring[-1].append(entry)
 
+    _INSTALLED.append(True)
     base_events.BaseEventLoop._run_once = counted_run_once  # type: ignore[attr-defined]
     events.Handle._run = counted_handle_run  # type: ignore[method-assign]
     selectors.EpollSelector.select = timed_select  # type: ignore[method-assign]
