@@ -24,7 +24,7 @@ t2() {  # t2 TAG FREEZE
     --callers 8 --seconds "$S" --warmup 0.3 --runs "$RUNS" --json "$OUT/t2_$1.json" \
     --keep "$OUT/keep_$1" >"$OUT/t2_$1.log" 2>&1)
   note "# t2 $1 rc=$? at $(elapsed)"
-  grep -E "^run|^\| p|stalls" "$OUT/t2_$1.log" | cut -c1-400
+  grep -E "^run|^\| (p|band)|stalls" "$OUT/t2_$1.log" | cut -c1-400
   archive
 }
 t2 default 0
