@@ -155,7 +155,7 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
     tl = timeline(stamped)
     e2e = tl["e2e"]
     lo, mid, hi = np.percentile(e2e, (45, 50, 55))
-    p99 = np.percentile(e2e, 99)
+    p99, p999 = np.percentile(e2e, (99, 99.9))
     bands = {"p50": (e2e >= lo) & (e2e <= hi), "p99": e2e >= p99}
     t0, t1 = stamped[:, COLS.index("t0")], stamped[:, COLS.index("t1")]
     pids = stamped[:, COLS.index("pid")].astype(int)
@@ -171,6 +171,7 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
     dev_stall = overlap(t0, t1, dev[:, :2])
     out: dict[str, Any] = {"calls": int(rows.shape[0]), "stamped": int(ok.sum()),
                            "p50_us": float(mid * 1e6), "p99_us": float(p99 * 1e6),
+                           "p999_us": float(p999 * 1e6), "max_us": float(e2e.max() * 1e6),
                            "mean_us": float(e2e.mean() * 1e6)}
     for name, m in bands.items():
         out[name] = {**{p: float(tl[p][m].mean() * 1e6) for p in (*PARTS, "batch")},
@@ -217,7 +218,8 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
 
 def report(r: dict[str, Any], label: str = "") -> None:
     print(f"{label}{r['calls']} calls ({r['stamped']} stamped): p50 {r['p50_us']:,.0f} us, "
-          f"p99 {r['p99_us']:,.0f} us, mean {r['mean_us']:,.0f} us", flush=True)
+          f"p99 {r['p99_us']:,.0f} us, p99.9 {r['p999_us']:,.0f} us, max {r['max_us']:,.0f} us, "
+          f"mean {r['mean_us']:,.0f} us", flush=True)
     head = ["band", "e2e", *PARTS, "batch", "rows", "fe stall", "fe gc", "dev stall"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
