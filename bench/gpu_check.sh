@@ -9,7 +9,9 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
+#   with KERNELS_LAST=SECONDS the kernels' suite runs last, within that limit, so a short device
+#   budget spends itself on the rest first), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
 #   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py),
 #   DP_VARIANTS (the data plane's front-end counts, "4 8"; "8:m0" = 8 with the device-side
@@ -30,7 +32,8 @@ t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line fo
   printf '%s\n' "${summary[-1]}" >>"$FINAL/progress.txt"
   tar czf "$FINAL/check.tgz" -C "$OUT" . 2>/dev/null
 }
-t kernels_gpu 220 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels
+kernels() { t kernels_gpu "${1:-220}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
+[[ -z ${KERNELS_LAST:-} || -z ${TESTS_ONLY:-} ]] && kernels
 t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
 Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
@@ -40,6 +43,7 @@ t demo 150 python3 -m q6serve.client.cli demo --backend cuda
 if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
   t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
     --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
+  [[ -n ${KERNELS_LAST:-} ]] && kernels "$KERNELS_LAST"
   tar czf "$FINAL/check.tgz" -C "$OUT" .
   { echo "# gpu_check TESTS_ONLY $(cat COMMIT 2>/dev/null) total $(elapsed)"; printf '%s\n' "${summary[@]}"
     grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | tee "$FINAL/summary.txt"
