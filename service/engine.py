@@ -600,6 +600,22 @@ class Engine:
             """``run`` with ``key``'s fields bound: a direct-path job (Batcher.direct)."""
             backend, flags, soa = self.backend, self.flags, Layout.SOA
             precision, out, topk = key.precision, DTYPES[key.out_dtype], key.topk
+            if precision is Precision.EXACT or precision is Precision.F16:
+                # never resolved to q8_1: launch_ieee would call backend.launch as is (its
+                # keyword dict and checks were ~1 us of every direct call on the VM)
+                start = backend.launch
+
+                def exact_job(x: np.ndarray) -> MatmulResult:
+                    w = e.resident  # (as launch: read where the job runs)
+                    try:
+                        return start(w, x, precision=precision, out_dtype=out, topk=topk,
+                                     flags=_FLAGS[w.layout is soa, flags.state.decode_mmq],
+                                     ).wait()
+                    except DeviceError as err:
+                        failed(err)
+                        raise
+
+                return exact_job
 
             def job(x: np.ndarray) -> MatmulResult:
                 w = e.resident  # (as launch: read where the job runs)

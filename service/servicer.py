@@ -274,6 +274,9 @@ class Q6ServeServicer:
         self.plane = plane or RegionPlane(
             regions if regions is not None else RegionTable(False, 0, 0), engine)
         self.auth = auth or TokenAuth()
+        # a weight's rows, per stream request (_call_cost): the engine's, else from its view
+        self._rows_of: Callable[[str], int] = (getattr(engine, "rows_of", None)
+                                               or (lambda w: self.engine.get(w).rows))
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
         return self.auth.identity(context.invocation_metadata())
@@ -389,7 +392,7 @@ class Q6ServeServicer:
         n = call.x.shape[0]
         if call.topk:  # f32 values + int32 indices per k, f32 lse
             return size + len(call.weights or (call.weight,)) * n * (8 * call.topk + 4)
-        rows_of = getattr(self.engine, "rows_of", None) or (lambda w: self.engine.get(w).rows)
+        rows_of = self._rows_of
         try:
             rows = (sum(rows_of(name) for name in call.weights) if call.weights
                     else rows_of(call.weight))
@@ -421,6 +424,8 @@ class Q6ServeServicer:
         replies = _Replies(getattr(context, "send_reply", None) or context.write, window)
         pending: set[asyncio.Future[Any]] = set()
         direct = self._direct()
+        # a single-weight request's direct path called as is (one frame less per request)
+        run_now = getattr(self.engine, "run_now", None) if direct is not None else None
         rpc = asyncio.current_task()  # this coroutine's: it queues no request while running
         deadline = _Deadline(context)
 
@@ -505,7 +510,8 @@ class Q6ServeServicer:
                     assert call is not None  # (decoded: not refused, not a region request)
                     call.timeout = deadline.left()  # (after a wait for the window, if any)
                     if (direct is not None and replies.idle()
-                            and (reply := direct(call, rpc)) is not None):
+                            and (reply := (direct(call, rpc) if call.weights
+                                           else run_now(call, rpc))) is not None):
                         item = wire.stream_reply(reply, rid, took)
                     else:
                         answered = [False]

@@ -172,21 +172,35 @@ def test_drain_on_shutdown(start_worker) -> None:  # type: ignore[no-untyped-def
         assert_close(results[i], reference(blocks, ROWS, K, xs[i]))
 
 
-def test_device_error_turns_health_not_serving(start_worker) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("precision", ["auto", "f16"])
+def test_device_error_turns_health_not_serving(start_worker, precision, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Also on the direct path's job for a precision that never resolves to q8_1 (f16: the
+    engine calls the backend's launch itself, not through launch_ieee)."""
     from q6serve.kernels.errors import DeviceError
+    from q6serve.service import batcher
+
+    # NumPy's kernel here may take longer than DEFER_KERNEL_S (a job never run directly)
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)
 
     backend = InstrumentedBackend()
     worker = start_worker(backend=backend)
     c = worker.client()
     c.upload("w", random_q6k(8, 256, 6), 8, 256)
     assert c.health()
+    if precision != "auto":  # like calls first: the failing one runs on the direct path
+        for _ in range(3):
+            c.matmul("w", np.ones((1, 256), np.float32), precision=precision)
+        direct = worker.run(lambda: worker.engine.device.direct_jobs)
+        assert direct >= 1
 
     def broken(*a: object, **kw: object) -> None:
         raise DeviceError("injected: illegal memory access")
 
     backend.inner.matmul = broken
     with pytest.raises(Q6ServeError) as e:
-        c.matmul("w", np.ones((1, 256), np.float32))
+        c.matmul("w", np.ones((1, 256), np.float32), precision=precision)
+    if precision != "auto":
+        assert worker.run(lambda: worker.engine.device.direct_jobs) == direct + 1
     assert e.value.code == grpc.StatusCode.INTERNAL
     deadline = time.monotonic() + 5
     while c.health():

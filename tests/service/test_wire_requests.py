@@ -96,8 +96,7 @@ class _Engine:
     ({"weight": "missing"}, 0),
 ])
 def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra: int) -> None:
-    servicer = Q6ServeServicer.__new__(Q6ServeServicer)
-    servicer.engine = _Engine()  # type: ignore[assignment]
+    servicer = Q6ServeServicer(_Engine())  # type: ignore[arg-type]
     raw = _raw(np.zeros((3, 4), np.float32), **fields)
     for req in _both(raw):
         assert servicer._cost(req) == len(raw) + extra
