@@ -359,8 +359,24 @@ _HEADS: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 MAX_HEADS = 4096  # combinations kept (the table starts over beyond)
 
 
+# the last _head's (dtype, shape, kernel, layout, precision, result): a stream's replies are
+# alike, and comparing them by identity is cheaper than the table's tuple hash (its enums hash
+# in Python); one tuple, replaced whole (any thread reads a consistent one)
+_HEAD_LAST: list[tuple[Any, ...]] = [(None,) * 6]
+
+
 def _head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
     """(y's record up to its data, the kernel/layout/precision fields) for ``r``'s y."""
+    last = _HEAD_LAST[0]
+    if (y.dtype is last[0] and r.kernel is last[2] and r.layout is last[3]
+            and r.precision is last[4] and y.shape == last[1]):
+        return last[5]  # type: ignore[no-any-return]
+    got = _head_of(y, r)
+    _HEAD_LAST[0] = (y.dtype, y.shape, r.kernel, r.layout, r.precision, got)
+    return got
+
+
+def _head_of(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
     key = (y.dtype, y.shape, r.kernel, r.layout, r.precision)
     got = _HEADS.get(key)
     if got is None:
@@ -443,6 +459,45 @@ def matmul_reply(r: Replies, request_id: str = "",
     return b"".join(_reply_pieces(r, request_id, took))
 
 
+_T_TIMING6 = _T_TIMING + encode_varint(_TIMING6.size)  # a timing of _TIMING6 alone
+
+
+def _stream_bytes(r: MatmulReply, rid: bytes, took: Took) -> bytes | None:
+    """:func:`stream_reply` of one weight's y with a full timing (every direct-path and
+    batched reply of a finished kernel: ``_result_pieces``' packed case), the same bytes in
+    one join, its sizes added as it goes; None: not that case."""
+    kernel_s, device_s = r.kernel_seconds, r.device_seconds
+    if (kernel_s is None or device_s is None or not 0 < r.batch_rows < 0x80
+            or not 0 < r.batch_requests < 0x80):
+        return None
+    y = r.y
+    assert y is not None
+    y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
+                                       copy=False)
+    head, fields = _head(y, r)
+    queue = _DOUBLE(r.queue_seconds)
+    t_head = _T_TIMING6
+    if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
+        queue = _T_QUEUE + queue
+        t_head = _T_TIMING + encode_varint(len(queue) + _TIMING6.size)
+    else:
+        queue = b""
+    nbytes = y.nbytes
+    rec = sid = b""
+    if rid:
+        rid_len = encode_varint(len(rid))
+        rec, sid = _T_REQ_ID + rid_len + rid, _T_STREAM_ID + rid_len + rid
+    size = (len(head) + nbytes + len(fields) + len(t_head) + len(queue) + _TIMING6.size
+            + len(rec))
+    k, rows, reqs, dec, dev, hdl = _TIMING6_TAGS
+    timing = _TIMING6.pack(k, kernel_s, rows, r.batch_rows, reqs, r.batch_requests,
+                           dec, took.decoded - took.start, dev, device_s,
+                           hdl, time.perf_counter() - took.start)  # (as _result_pieces)
+    data = y.tobytes() if nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
+    return b"".join((sid, _T_STREAM_RESULT, encode_varint(size), head, data, fields, t_head,
+                     queue, timing, rec))
+
+
 def stream_reply(r: Replies, request_id: str,
                  took: Took | None = None) -> pb.MatmulStreamResponse | bytes:
     """What MatmulStream yields for a result: one weight's y as bytes written here (see
@@ -450,6 +505,8 @@ def stream_reply(r: Replies, request_id: str,
     large."""
     if isinstance(r, MatmulReply) and r.topk is None:
         rid = request_id.encode()
+        if took is not None and (got := _stream_bytes(r, rid, took)) is not None:
+            return got
         body = _result_pieces(r, rid, took)
         head = _T_STREAM_ID + encode_varint(len(rid)) + rid if rid else b""
         return b"".join([head, _T_STREAM_RESULT + encode_varint(_size(body)), *body])
