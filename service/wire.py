@@ -53,7 +53,6 @@ _PB_OF_DTYPE = {dt: _DTYPE_TO_PB[name] for name, dt in DTYPES.items()}
 # Tensor.dtype code -> dtype (tensor_spec: one lookup per request for a known code; an unknown
 # one goes to dtype_from_pb for its refusal)
 _DT_OF_PB = {code: DTYPES[name] for code, name in _DTYPE_FROM_PB.items()}
-_LE_OF_PB = {code: _LITTLE[dt] for code, dt in _DT_OF_PB.items()}  # ... little-endian
 
 
 def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
@@ -64,14 +63,13 @@ def _enum(table: dict, value: int, what: str):  # type: ignore[no-untyped-def]
 
 
 def dtype_from_pb(value: int) -> np.dtype:
-    return DTYPES[_enum(_DTYPE_FROM_PB, value, "dtype")]
+    dt = _DT_OF_PB.get(value)  # (one lookup for a known code: per request)
+    return dt if dt is not None else DTYPES[_enum(_DTYPE_FROM_PB, value, "dtype")]
 
 
 def tensor_spec(t: pb.Tensor, what: str = "x") -> tuple[np.dtype, tuple[int, int]]:
     """dtype and 2-D shape of ``t``, checked."""
-    dt = _DT_OF_PB.get(t.dtype)
-    if dt is None:
-        dt = dtype_from_pb(t.dtype)  # (its refusal)
+    dt = dtype_from_pb(t.dtype)
     shape = t.shape  # read once: upb makes a new container per access; Python ints (uint64)
     if len(shape) != 2:
         raise InvalidArgument(f"{what} must be 2-D [N, K], got shape {list(shape)}")
@@ -187,26 +185,9 @@ def matmul_call(req: pb.MatmulRequest | MatmulIn, timeout: float | None,
         raise InvalidArgument("MatmulRequest.x is missing")
     topk = check_k(msg.topk.k, what="MatmulRequest.topk.k") if msg.HasField("topk") else 0
     if x is None:
-        # decode_tensor written out for a known dtype and a 2-D shape of the right size (its
-        # calls were ~1 us of every request on the VM); anything else goes through it, for
-        # its refusals
-        t = msg.x
-        le = _LE_OF_PB.get(t.dtype)
-        shape = t.shape  # read once (see tensor_spec)
-        if le is not None and len(shape) == 2 and shape[0] < MAX_DIM and shape[1] < MAX_DIM:
-            n, k = shape[0], shape[1]
-            if data is None:
-                data = t.data  # read once: upb builds a fresh bytes copy on every access
-            x = (np.ndarray((n, k), le, data) if len(data) == n * k * le.itemsize
-                 else decode_tensor(t, data=data))
-        else:
-            x = decode_tensor(t, data=data)  # (data None: read there, once)
-    precision = _PREC_FROM_PB.get(msg.precision)
-    if precision is None:
-        precision = _enum(_PREC_FROM_PB, msg.precision, "precision")  # (its refusal)
-    out = _DT_OF_PB.get(msg.out_dtype)
-    if out is None:
-        out = dtype_from_pb(msg.out_dtype)  # (its refusal)
+        x = decode_tensor(msg.x, data=data)  # (data None: read there, once)
+    precision = _enum(_PREC_FROM_PB, msg.precision, "precision")
+    out = dtype_from_pb(msg.out_dtype)
     return MatmulCall(weight, x, precision, out, timeout, topk, weights)
 
 
