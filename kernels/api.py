@@ -312,7 +312,8 @@ def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
                        topk=topk).wait()
 
 
-_NEVER_Q8_1 = frozenset((Precision.EXACT, Precision.F16))
+# Only AUTO resolves to another precision: an explicit one runs as asked or is refused by launch
+NEVER_Q8_1 = frozenset((Precision.EXACT, Precision.F16))
 
 
 def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
@@ -321,9 +322,8 @@ def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
     """:func:`matmul_ieee` started with :meth:`Backend.launch` (a q8_1 call whose rows need
     the split below runs to the end now: two launches and a merge)."""
     kw = {"flags": flags, "out_dtype": out_dtype, "topk": topk}
-    # Only AUTO resolves to another precision (an explicit one runs as asked or is refused by
-    # launch), so an EXACT or F16 call skips plan(): ~3 us of every such launch on CUDA.
-    if precision in _NEVER_Q8_1 or backend.plan(int(x.shape[0]), precision,
+    # an EXACT or F16 call skips plan(): ~3 us of every such launch on CUDA
+    if precision in NEVER_Q8_1 or backend.plan(int(x.shape[0]), precision,
                                                 flags)[1] is not Precision.Q8_1:
         return backend.launch(w, x, precision=precision, **kw)
     bad = nonfinite_rows(x)
