@@ -57,6 +57,8 @@ def test_idle_streams_are_capped_and_give_way_to_other_connections(worker):
                   for _ in range(6)]
         wait_until(lambda: rw.run(lambda: (slots.open_streams, slots.refused)) == (4, 2),
                    what="4 open, 2 refused")
+        # the refusals reach their callers a moment after the worker counted them
+        wait_until(lambda: sum(c.done() for c in calls) == 2, what="2 calls refused")
         refused = [c for c in calls if c.done()]
         assert len(refused) == 2
         assert all(c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refused)
