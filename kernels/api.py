@@ -313,7 +313,7 @@ def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
 
 
 # Only AUTO resolves to another precision: an explicit one runs as asked or is refused by launch
-NEVER_Q8_1 = frozenset((Precision.EXACT, Precision.F16))
+_NEVER_Q8_1 = frozenset((Precision.EXACT, Precision.F16))
 
 
 def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
@@ -321,11 +321,13 @@ def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
                 out_dtype: np.dtype | None = None, topk: int = 0) -> Launched:
     """:func:`matmul_ieee` started with :meth:`Backend.launch` (a q8_1 call whose rows need
     the split below runs to the end now: two launches and a merge)."""
-    kw = {"flags": flags, "out_dtype": out_dtype, "topk": topk}
-    # an EXACT or F16 call skips plan(): ~3 us of every such launch on CUDA
-    if precision in NEVER_Q8_1 or backend.plan(int(x.shape[0]), precision,
+    # an EXACT or F16 call skips plan(): ~3 us of every such launch on CUDA; and the launch as
+    # is, before the keyword dict the split needs (the direct path's every call)
+    if precision in _NEVER_Q8_1 or backend.plan(int(x.shape[0]), precision,
                                                 flags)[1] is not Precision.Q8_1:
-        return backend.launch(w, x, precision=precision, **kw)
+        return backend.launch(w, x, precision=precision, flags=flags, out_dtype=out_dtype,
+                              topk=topk)
+    kw = {"flags": flags, "out_dtype": out_dtype, "topk": topk}
     bad = nonfinite_rows(x)
     if not bad.size:
         return backend.launch(w, x, precision=precision, **kw)

@@ -28,7 +28,6 @@ import numpy as np
 from q6serve.kernels import gguf_io, q6k  # gguf_io at import: ~0.2 s, never on the loop
 from q6serve.kernels.api import (
     DTYPES,
-    NEVER_Q8_1,
     Backend,
     KernelFlags,
     Launched,
@@ -601,23 +600,6 @@ class Engine:
             """``run`` with ``key``'s fields bound: a direct-path job (Batcher.direct)."""
             backend, flags, soa = self.backend, self.flags, Layout.SOA
             precision, out, topk = key.precision, DTYPES[key.out_dtype], key.topk
-            if precision in NEVER_Q8_1:
-                # launch_ieee would call backend.launch as is (its keyword dict and checks
-                # were ~1 us of every direct call on the VM)
-                start = backend.launch
-
-                def exact_job(x: np.ndarray) -> MatmulResult:
-                    w = e.resident  # (as launch: read where the job runs)
-                    try:
-                        return start(w, x, precision=precision, out_dtype=out, topk=topk,
-                                     flags=_FLAGS[w.layout is soa, flags.state.decode_mmq],
-                                     ).wait()
-                    except DeviceError as err:
-                        failed(err)
-                        raise
-
-                return exact_job
-
             def job(x: np.ndarray) -> MatmulResult:
                 w = e.resident  # (as launch: read where the job runs)
                 try:

@@ -424,8 +424,6 @@ class Q6ServeServicer:
         replies = _Replies(getattr(context, "send_reply", None) or context.write, window)
         pending: set[asyncio.Future[Any]] = set()
         direct = self._direct()
-        # a single-weight request's direct path called as is (one frame less per request)
-        run_now = getattr(self.engine, "run_now", None) if direct is not None else None
         rpc = asyncio.current_task()  # this coroutine's: it queues no request while running
         deadline = _Deadline(context)
 
@@ -510,8 +508,7 @@ class Q6ServeServicer:
                     assert call is not None  # (decoded: not refused, not a region request)
                     call.timeout = deadline.left()  # (after a wait for the window, if any)
                     if (direct is not None and replies.idle()
-                            and (reply := (direct(call, rpc) if call.weights
-                                           else run_now(call, rpc))) is not None):
+                            and (reply := direct(call, rpc)) is not None):
                         item = wire.stream_reply(reply, rid, took)
                     else:
                         answered = [False]
