@@ -17,15 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
 from q6serve.v1 import q6serve_pb2 as pb
 
 MAX_CACHED = 1024  # (weights, shape, dtype, options) combinations kept; the table starts over
 _F_X = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
 _F_ID = pb.MatmulRequest.DESCRIPTOR.fields_by_name["request_id"].number
-_LITTLE = frozenset(np.dtype(t).newbyteorder("<") for t in ("f4", "f2", ml_dtypes.bfloat16))
 
 
 def _only(req: pb.MatmulRequest, keep: Callable[[int], bool]) -> bytes:
@@ -44,9 +40,9 @@ class Splice:
 
     __slots__ = ("after_id", "before_id", "head")
 
-    def __init__(self, req: pb.MatmulRequest) -> None:
-        """``req``: the request with x's dtype and shape, no data, no request id."""
-        nbytes = int(np.prod(req.x.shape)) * np.dtype(_ITEMSIZE[req.x.dtype]).itemsize
+    def __init__(self, req: pb.MatmulRequest, nbytes: int) -> None:
+        """``req``: the request with x's dtype and shape, no data, no request id; ``nbytes``:
+        x's data size."""
         self.before_id = _only(req, lambda n: _F_X < n < _F_ID)
         self.after_id = _only(req, lambda n: n > _F_ID)
         m = pb.MatmulRequest()
@@ -66,24 +62,16 @@ class Splice:
         return b"".join((self.head, data, self.before_id, rid, self.after_id))
 
 
-_ITEMSIZE = {pb.DTYPE_F32: "f4", pb.DTYPE_F16: "f2", pb.DTYPE_BF16: "u2"}
 _splices: dict[tuple[Any, ...], Splice] = {}
 
 
-def splice_for(key: tuple[Any, ...], shell: Callable[[], pb.MatmulRequest]) -> Splice:
+def splice_for(key: tuple[Any, ...], shell: Callable[[], pb.MatmulRequest],
+               nbytes: int) -> Splice:
     """The cached :class:`Splice` of ``key``; ``shell()`` builds its request (no x data, no
     request id) on a miss."""
     s = _splices.get(key)
     if s is None:
         if len(_splices) >= MAX_CACHED:
             _splices.clear()
-        s = _splices[key] = Splice(shell())
+        s = _splices[key] = Splice(shell(), nbytes)
     return s
-
-
-def x_bytes(x: np.ndarray) -> np.ndarray:
-    """x itself when it is little-endian and row-major (bytes.join takes its buffer), else
-    that copy of it."""
-    if x.flags.c_contiguous and x.dtype in _LITTLE:
-        return x
-    return np.ascontiguousarray(x.astype(x.dtype.newbyteorder("<"), copy=False))
