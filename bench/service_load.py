@@ -80,12 +80,6 @@ def reply_arrays(r: Any, y_region: Any = None) -> Any:
     return core.response_y(r, y_region)
 
 
-def reply_output(r: Any) -> Any:
-    """The whole reply as the client's MatmulOutput (its timing: read outside the timed
-    decode, as a host that wants only y skips it)."""
-    return core.output_of(r)
-
-
 @functools.cache
 def _precision_names() -> dict[int, str]:
     return {v: k for k, v in core.PRECISIONS.items()}
@@ -103,7 +97,7 @@ def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
     r = reply_message(raw, stream)
     reply_arrays(r, None if region is None else (region, region.y_offset))
     t3 = time.perf_counter()
-    o = reply_output(r)
+    o = core.output_of(r)  # the timing, read after the timed decode (a host wanting y skips it)
     for key, v in (("e2e", t3 - t0), ("encode", t1 - t0), ("rpc", t2 - t1),
                    ("decode", t3 - t2), ("queue", o.queue_seconds),
                    ("kernel", nan_if_none(o.kernel_seconds)),

@@ -29,10 +29,11 @@ from service_load import (
     nan_if_none,
     reply_arrays,
     reply_message,
-    reply_output,
     request_bytes,
     spawn_hosts,
 )
+
+from q6serve.client import core
 
 # (role, rows, K) of one layer of a 7B-class model (Qwen2-7B shapes), and the lm-head
 LAYER: tuple[tuple[str, int, int], ...] = (
@@ -102,7 +103,7 @@ class ReplaySpec:
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
     """The reply as the client's MatmulOutput and its per-weight outputs (itself for one
     weight), read after the timed decode."""
-    o = reply_output(r)
+    o = core.output_of(r)
     return o, o.outputs or (o,)
 
 
