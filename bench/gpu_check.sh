@@ -11,7 +11,8 @@
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
 #   SKIP_TRIPS=1, REPLAY_SECONDS (2), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
 #   with KERNELS_LAST=SECONDS the kernels' suite runs last, within that limit, so a short device
-#   budget spends itself on the rest first), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
+#   budget spends itself on the rest first; KERNELS_LAST=0 leaves it out, for a call that runs the
+#   kernels' tests itself; WALL=1 adds the host wall of CudaBackend.matmul at N = 1, 64), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
 #   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py),
 #   DP_VARIANTS (the data plane's front-end counts, "4 8"; "8:m0" = 8 with the device-side
@@ -43,7 +44,9 @@ t demo 150 python3 -m q6serve.client.cli demo --backend cuda
 if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
   t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
     --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
-  [[ -n ${KERNELS_LAST:-} ]] && kernels "$KERNELS_LAST"
+  [[ -n ${WALL:-} ]] && t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 \
+    --ns 1,64 --modes graph,staged --json "$OUT/wall.json"
+  [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
   tar czf "$FINAL/check.tgz" -C "$OUT" .
   { echo "# gpu_check TESTS_ONLY $(cat COMMIT 2>/dev/null) total $(elapsed)"; printf '%s\n' "${summary[@]}"
     grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | tee "$FINAL/summary.txt"
