@@ -14,7 +14,12 @@ request taken (gRPC's receive, the interceptor), -> the reply encoded (the handl
 -> the step's end (the write's submission: gRPC's send, the kernel's loopback), with its CPU.
 Servers of bench/stream_overhead.py call it directly; the worker gets it through
 bench/trips_site/sitecustomize.py (``PYTHONPATH=bench/trips_site Q6SERVE_LOOP_TRIPS=PATH``).
-A diagnostic only: the patch costs ~1-2 µs per callback.
+With ``Q6SERVE_STEP_MARKS=1`` :func:`install` also marks the worker's own steps inside that
+callback (:func:`install_marks`: the request decoded, the direct job's start and end, the reply
+handed to the interceptor's write) and ``request_steps["marks_us"]`` gives each mark's median
+time from the step's start (and ``end_us``, the step's end): which part of the step outside the
+handler's window is gRPC's and which ours.
+A diagnostic only: the patch costs ~1-2 µs per callback (and per mark).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ def install(path: str, sigterm: bool = False) -> None:
     # encoded -> the step's end (its write submitted), all seconds or ns (CPU)
     steps: collections.deque[tuple[float, float, float, int | None, int]] = (
         collections.deque(maxlen=STEPS))
+    # each such step's marks: label -> µs from the step's start ("end": the step's end)
+    step_marks: collections.deque[dict[str, float]] = collections.deque(maxlen=STEPS)
     run_once = base_events.BaseEventLoop._run_once  # type: ignore[attr-defined]
     handle_run = events.Handle._run
     select = selectors.EpollSelector.select
@@ -112,10 +119,14 @@ def install(path: str, sigterm: bool = False) -> None:
                 (taken, _), (enc, enc_c) = marks["taken"], marks["encoded"]
                 steps.append((taken - t0, enc - taken, t1 - enc,
                               None if enc_c is None else c1 - enc_c, c1 - c0))
+                step_marks.append({**{label: (t - t0) * 1e6 for label, (t, _) in marks.items()},
+                                   "end": (t1 - t0) * 1e6})
         if ring:
             ring[-1].append(entry)
 
     _INSTALLED.append(True)
+    if os.environ.get("Q6SERVE_STEP_MARKS"):
+        install_marks()
     base_events.BaseEventLoop._run_once = counted_run_once  # type: ignore[attr-defined]
     events.Handle._run = counted_handle_run  # type: ignore[method-assign]
     selectors.EpollSelector.select = timed_select  # type: ignore[method-assign]
@@ -134,7 +145,7 @@ def install(path: str, sigterm: bool = False) -> None:
             marked = {"n": len(steps), "pre_us": med[0] * 1e6, "window_us": med[1] * 1e6,
                       "post_us": med[2] * 1e6,
                       "post_cpu_us": None if med[3] is None else med[3] * 1e-3,
-                      "step_cpu_us": med[4] * 1e-3}
+                      "step_cpu_us": med[4] * 1e-3, "marks_us": _mark_medians(step_marks)}
         Path(path).write_text(json.dumps({
             **trips, "callbacks": dict(counts.most_common()),
             "callback_cpu_us": {k: v * 1e-3 for k, v in cpu_ns.most_common()},
@@ -143,3 +154,52 @@ def install(path: str, sigterm: bool = False) -> None:
     atexit.register(dump)
     if sigterm:  # a terminated bench server: write, then go (no interpreter teardown)
         signal.signal(signal.SIGTERM, lambda *_: (dump(), os._exit(0)))
+
+
+def _mark_medians(step_marks: Any) -> dict[str, float]:
+    """Each label's median µs from its step's start, in the order of those medians (labels
+    seen in fewer than half the steps are left out: another path's)."""
+    by: dict[str, list[float]] = collections.defaultdict(list)
+    for m in step_marks:
+        for label, us in m.items():
+            by[label].append(us)
+    half = len(step_marks) / 2
+    med = {label: statistics.median(v) for label, v in by.items() if len(v) >= half}
+    return dict(sorted(med.items(), key=lambda kv: kv[1]))
+
+
+def install_marks() -> None:
+    """Mark the worker's steps inside a request's loop callback (see :func:`mark`):
+    "decoded" when ``wire.matmul_call`` returns, "job" and "job_end" around the direct job
+    (``Device.run_now``: the backend's launch and wait), "send" when the handler hands its
+    reply to the interceptor's write (``ErrorInterceptor._send_reply``; after it, up to the
+    step's end: the write's submission to gRPC). Patches this process's classes and module
+    (before any stream starts: it binds ``_send_reply`` at its start)."""
+    from q6serve.service import batcher, interceptor, wire
+
+    matmul_call = wire.matmul_call
+
+    def marked_call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return matmul_call(*args, **kwargs)
+        finally:
+            mark("decoded")
+
+    wire.matmul_call = marked_call
+    run_now = batcher.Device.run_now
+
+    def marked_run_now(self: Any, fn: Any, *args: Any) -> Any:
+        mark("job")
+        try:
+            return run_now(self, fn, *args)
+        finally:
+            mark("job_end")
+
+    batcher.Device.run_now = marked_run_now  # type: ignore[method-assign]
+    send_reply = interceptor.ErrorInterceptor._send_reply
+
+    def marked_send(self: Any, *args: Any) -> Any:
+        mark("send")
+        return send_reply(self, *args)  # (its coroutine, awaited by the caller)
+
+    interceptor.ErrorInterceptor._send_reply = marked_send  # type: ignore[method-assign]

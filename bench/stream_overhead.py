@@ -965,6 +965,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp, contextlib.closing(keepers):
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips, itemsize)
+        # (for a profiler attached from outside, e.g. bench/gpu_t1_s12.sh's py-spy)
+        print("# server pids: " + " ".join(f"{v}={pid}" for v, pid in servers.pids.items()),
+              flush=True)
         if a.pin:
             from q6serve.service.affinity import parse_cpus, pin_process
 
@@ -1047,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{st['pre_us']:.1f} us, encoded {st['window_us']:.1f} us later, then "
                   f"{st['post_us']:.1f} us to the step's end{post_cpu}; step CPU "
                   f"{st['step_cpu_us']:.1f} us")
+            if marks := st.get("marks_us"):  # Q6SERVE_STEP_MARKS=1: loop_trips.install_marks
+                print(f"{v:{width}s} its marks (median us from the step's start): " + ", ".join(
+                    f"{label} {us:.1f}" for label, us in marks.items()))
         if a.timeline:
             for tr in t.get("timeline", [])[: a.timeline]:
                 cb = " ".join(f"{c[0]}:{c[1]}" + (f"/cpu {c[2]}" if len(c) > 2 else "")

@@ -156,6 +156,47 @@ def test_stream_overhead_variants_run() -> None:
     assert "in process, no gRPC" in done.stdout, done.stdout
 
 
+def test_stream_overhead_step_marks(tmp_path: Path) -> None:
+    """bench/stream_overhead.py with Q6SERVE_STEP_MARKS=1 (bench/loop_trips.install_marks):
+    the engine's request step gives its marks' medians in the order the handler passes them
+    (request taken, decoded, the direct job's start and end, reply encoded, handed to the
+    write, the step's end); and bench/spy_summary.py --under splits a profile's stacks below a
+    frame, file paths and line numbers cut, unnamed native frames dropped."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
+                           "1", "--seconds", "0.3", "--warmup", "0.05", "--k", "256",
+                           "--rows", "2", "--out", "f32", "--inproc", "0", "--trips",
+                           "--variants", "engine"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "Q6SERVE_STEP_MARKS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^# server pids: engine=[0-9]+$", done.stdout, re.MULTILINE), done.stdout
+    line = re.search(r"^engine +its marks \(median us from the step's start\): (.*)$",
+                     done.stdout, re.MULTILINE)
+    assert line, done.stdout
+    marks = [(m.group(1), float(m.group(2)))
+             for m in re.finditer(r"(\w+) (-?[0-9.]+)", line.group(1))]
+    assert [label for label, _ in marks] == ["taken", "decoded", "job", "job_end", "encoded",
+                                             "send", "end"], line.group(0)
+    values = [us for _, us in marks]
+    assert values == sorted(values), line.group(0)
+    prof = tmp_path / "p.raw"
+    prof.write_text(
+        "thread (1): MainThread;run (/x/loop.py:5);MatmulStream (/a/servicer.py:9);"
+        "write (/a/servicer.py:150);0x7f00 (libgrpc.so);sendmsg (libc.so.6) 3\n"
+        "thread (1): MainThread;run (/x/loop.py:5);MatmulStream (/a/servicer.py:9);"
+        "write (/a/servicer.py:151);sendmsg (libc.so.6) 1\n"
+        "thread (1): MainThread;run (/x/loop.py:5);select (/x/sel.py:7) 4\n"
+        "thread (2): Other;MatmulStream (/a/servicer.py:9) 5\n")
+    done = subprocess.run([sys.executable, str(ROOT / "bench/spy_summary.py"), str(prof),
+                           "--thread", "MainThread", "--under", "MatmulStream", "--depth", "2"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "samples 8\n" in done.stdout, done.stdout
+    assert "under MatmulStream: 4 samples (50.0%)" in done.stdout, done.stdout
+    assert re.search(r"^ +4 +100.0% write \(servicer.py\) > sendmsg \(libc.so.6\)$",
+                     done.stdout, re.MULTILINE), done.stdout
+
+
 def test_stream_overhead_hold_and_keepers() -> None:
     """bench/stream_overhead.py: a holdNNN rung's window is at least its hold (a busy wait
     before the stamped reply), and --keepers runs every variant again beside the keepers
