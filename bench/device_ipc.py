@@ -72,6 +72,9 @@ PARTS = [
     ("q6serve.service.engine", None, "launch_ieee", "   api.launch_ieee"),
     ("__main__", "ModelGpu", "launch", "    backend launch (model)"),
     ("__main__", "ModelRegionCall", "launch", "    region call launch (model)"),
+    ("q6serve.kernels.cuda.launch", "RegionCall", "launch", "    region call launch (CUDA)"),
+    ("q6serve.kernels.cuda.launch", "RegionCall", "_run_streams", "     with the copy streams"),
+    ("q6serve.kernels.cuda.launch", "RegionCall", "_wait", "    region call wait (CUDA)"),
     ("q6serve.service.batcher", "Batcher", "_now_reply", "  batcher._now_reply"),
     ("q6serve.service.lane", "LaneServer", "_answer", " lane _answer"),
     ("q6serve.service.regions", "RegionTable", "unroute", "  table.unroute"),
@@ -377,6 +380,10 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
             "direct_jobs": engine.device.direct_jobs,
             "deferred_jobs": engine.device.deferred_jobs,
             "behind_jobs": engine.device.behind_jobs,
+            # the lane's pipelines: full batches per _flush (a flush starts and ends with the
+            # GPU idle: the records of a trip are read before it, the last waited for in it)
+            "calls_per_flush": (lane.piped / lane.flushes if lane is not None and lane.flushes
+                                else None),
             "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None,
             "parts": parts.report(msgs, l1 - l0) if parts is not None else None}
 
@@ -446,6 +453,65 @@ def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[An
     return deliver, server
 
 
+def dma_probe(x_bytes: int, y_bytes: int, reps: int = 30) -> dict[str, float]:
+    """``--dma`` (CUDA): the copies a system-region call needs, alone on the GPU, timed by
+    events (median of ``reps``, us): x's ``x_bytes`` host -> device and y's ``y_bytes`` device
+    -> host from/to page-locked shared memory (``cudaHostRegister`` of a mapping, as
+    ``HostIO.pin`` does a region), both at once on two streams (the copy streams'
+    overlap), and x from pageable memory (what an unregistered buffer pays). The floor of a
+    region call's copies: at N=64 on ffn_down, x 2.4 MB and y 0.9 MB."""
+    import mmap
+
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    maps = [mmap.mmap(-1, -(-b // 4096) * 4096) for b in (x_bytes, y_bytes)]
+    hx, hy = (np.frombuffer(m, np.uint8) for m in maps)
+    hx[:] = 1
+    hy[:] = 0
+    ax, ay = (int(h.ctypes.data) for h in (hx, hy))
+    for a_, h in ((ax, hx), (ay, hy)):
+        rt.hostRegister(a_, h.nbytes, 0)
+    plain = np.ones(x_bytes, np.uint8)
+    dx, dy = cp.empty(x_bytes, cp.uint8), cp.empty(y_bytes, cp.uint8)
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    h2d, d2h = rt.memcpyHostToDevice, rt.memcpyDeviceToHost
+
+    def timed(ops: list[tuple[Any, Any]]) -> float:
+        """ops: (stream, enqueue(stream)); the span from the first start to the last end."""
+        evs = []
+        for st, fn in ops:
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st)
+            fn(st)
+            e1.record(st)
+            evs.append((e0, e1))
+        for _, e1 in evs:
+            e1.synchronize()
+        t0 = evs[0][0]  # (recorded first)
+        return max(cp.cuda.get_elapsed_time(t0, e1) for _, e1 in evs) * 1e3
+
+    def xin(st: Any) -> None:
+        rt.memcpyAsync(dx.data.ptr, ax, x_bytes, h2d, st.ptr)
+
+    def yout(st: Any) -> None:
+        rt.memcpyAsync(ay, dy.data.ptr, y_bytes, d2h, st.ptr)
+
+    def xplain(st: Any) -> None:
+        rt.memcpyAsync(dx.data.ptr, int(plain.ctypes.data), x_bytes, h2d, st.ptr)
+
+    cases = {"x in (page-locked)": [(s1, xin)], "y out (page-locked)": [(s1, yout)],
+             "x in + y out, two streams": [(s1, xin), (s2, yout)],
+             "x in (pageable)": [(s1, xplain)]}
+    out = {}
+    for name, ops in cases.items():
+        timed(ops)  # (warm)
+        out[name] = float(np.median([timed(ops) for _ in range(reps)]))
+    for a_ in (ax, ay):
+        rt.hostUnregister(a_)
+    return out  # (the mappings go with the process: numpy views of them are alive here)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="numpy", choices=("numpy", "cuda"))
@@ -472,8 +538,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="--lane: time the lane call's parts (perf_counter around the "
                          "functions in PARTS, no sampler) and print them per call")
+    ap.add_argument("--dma", action="store_true",
+                    help="(CUDA) only time the copies of a system-region call of --stack rows "
+                         "(x f16 in, y f32 out; see dma_probe) and exit")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
+    if a.dma:
+        got = dma_probe(a.stack * a.k * 2, a.stack * a.rows * 4)
+        for name, us in got.items():
+            nbytes = a.stack * (a.rows * 4 if name.startswith("y") else a.k * 2)
+            if "+" in name:
+                nbytes = a.stack * (a.rows * 4 + a.k * 2)
+            print(f"dma {name}: {us:.1f} us ({nbytes / us / 1e3:.1f} GB/s)", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(got, indent=1))
+        return 0
     a.region = a.region or a.lane
     if a.gpu_us:  # the modelled waits end on time (a CUDA sync spins; Linux's default timer
         import ctypes  # slack would add ~50 us to each sleep); threads made later inherit it
@@ -495,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['deferred_jobs']} launched and waited on the "
           f"thread, {r['behind_jobs']} behind another)"
           + (f"; modelled GPU busy {r['gpu_busy']:.0%}" if a.gpu_us else ""), flush=True)
+    if r["calls_per_flush"] is not None:
+        print(f"lane pipelines: {r['calls_per_flush']:.1f} full batches per flush", flush=True)
     if r["parts"]:
         print(r["parts"], flush=True)
     return 0

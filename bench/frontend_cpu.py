@@ -289,10 +289,13 @@ def per_front_line(c: dict[str, Any], calls_per_s: dict[int, float] | None = Non
 
 
 def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int, k: int,
-               rows: int, idx: int, out: Any) -> None:
+               rows: int, idx: int, out: Any, cuda: bool = False) -> None:
     """One load process of --lane: ``callers`` threads, each on its own region and lane, x of
     ``n`` x ``k`` f16 copied into the region every call (as a host producing it would), y f32
-    read as the region's view; puts (calls, seconds, latencies) of the timed window."""
+    read as the region's view; puts (calls, seconds, latencies) of the timed window.
+    ``cuda`` (--region cuda): each caller's region is its device buffer on the worker's GPU
+    (CUDA IPC), x written there once (a producer on the GPU leaves it there: no copy a call),
+    y f32 left there (the reply's device view, not read)."""
     import threading
 
     from q6serve.client.client import Client
@@ -301,16 +304,25 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
     lat: list[list[float]] = [[] for _ in range(callers)]
     start = threading.Barrier(callers)
     xb = -(-n * k * 2 // 4096) * 4096
+    size = xb + n * rows * 4 + 4096
 
     def caller(i: int) -> None:
-        with Client(target) as c, c.register_shm(f"lane{idx}_{i}", xb + n * rows * 4 + 4096) \
-                as region, c.open_lane(region) as lane:
-            x = np.ones((n, k), np.float16)
+        with Client(target) as c, (c.register_cuda_ipc(f"lane{idx}_{i}", size) if cuda else
+                                   c.register_shm(f"lane{idx}_{i}", size)) as region, \
+                c.open_lane(region) as lane:
+            x: Any = np.ones((n, k), np.float16)
+            if cuda:
+                import cupy
+
+                region.ndarray(0, np.float16, (n, k)).set(x)
+                cupy.cuda.get_current_stream().synchronize()
+                x = None  # (in the region already: the record names its shape and dtype)
             start.wait()
             t0 = time.perf_counter() + warmup
             end = t0 + seconds
             while (t := time.perf_counter()) < end:
-                lane.matmul("w", x, y_offset=xb, precision="f16")  # (as bench/service.py)
+                lane.matmul("w", x, shape=(n, k), dtype=np.float16, y_offset=xb,
+                            precision="f16")  # (as bench/service.py)
                 if t >= t0:
                     counts[i] += 1
                     lat[i].append(time.perf_counter() - t)
@@ -324,14 +336,14 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
 
 
 def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: float, n: int,
-               k: int, rows: int) -> tuple[int, float, np.ndarray]:
+               k: int, rows: int, cuda: bool = False) -> tuple[int, float, np.ndarray]:
     """(calls in the timed window, its seconds, latencies) of ``hosts`` load processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_lane_host,
-                         args=(target, callers, seconds, warmup, n, k, rows, i, q))
+                         args=(target, callers, seconds, warmup, n, k, rows, i, q, cuda))
              for i in range(hosts)]
     for p in procs:
         p.start()
@@ -421,7 +433,7 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     part_p99: dict[str, float] = {}
     if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
         calls, wall, lat = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
-                                      a.rows)
+                                      a.rows, a.region == "cuda")
     else:
         samples, wall = run_load(spec, hosts)  # the warm-up's CPU is in too (~1/9)
         reply_bytes = float(np.mean(samples["w"]["reply_bytes"]))
@@ -441,7 +453,7 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     used = {p: cpu_seconds(p) - t for p, t in before.items()}
     t_end = time.time()
     b1, r1 = batches(metrics_url)
-    path = "lane" if a.lane else a.region or "bytes"
+    path = ("lane" + ("/cuda" if a.region == "cuda" else "")) if a.lane else a.region or "bytes"
     n_batches = max(b1 - b0, 1.0)
     kernel = (kernel_cpu(round((r1 - r0) / n_batches), a.rows, a.k) * n_batches / calls
               if a.backend == "numpy" else 0.0)
@@ -492,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontends", type=int, default=2)
     ap.add_argument("--hosts", type=int, default=2, help="load processes")
     ap.add_argument("--callers", type=int, default=16, help="callers per load process")
-    ap.add_argument("--region", default="", choices=("", "system"),
-                    help="x and y through each caller's region (default: bytes)")
+    ap.add_argument("--region", default="", choices=("", "system", "cuda"),
+                    help="x and y through each caller's region (default: bytes); cuda: only "
+                         "with --lane (each caller's device buffer by CUDA IPC, x written once)")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rows", type=int, default=16,
                     help="the weight's rows: more make each batch's kernel longer, so requests "
@@ -525,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure only a front end's own path, C calls per stack, in this "
                          "process (see above); no worker is started")
     a = ap.parse_args(argv)
+    if a.region == "cuda" and not (a.lane and a.backend == "cuda"):
+        ap.error("--region cuda: with --lane and --backend cuda (bytes and front ends' "
+                 "CUDA regions: bench/service.py --cuda-regions)")
     try:
         a.loads = [tuple(int(v) for v in x.split("x")) for x in a.loads.split(",") if x] or [
             (a.hosts, a.callers)]

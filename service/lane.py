@@ -80,6 +80,7 @@ class LaneServer:
         self.piped = 0  # of the direct ones, full batches run by _flush's pipeline (tests)
         self.cuda = 0  # of the direct ones, on a CUDA IPC region (_cuda) (tests)
         self.planned = 0  # of the piped ones, launched by their region's plan (_Plan) (tests)
+        self.flushes = 0  # _flush's pipelines run (benches: piped / flushes = calls a trip)
         config = getattr(engine, "config", None)  # (a --devices worker's set has none)
         self._full_rows = config.max_batch_rows if config is not None else math.inf
         self._pipe: list[_Piped] = []  # full batches read in this trip, for _flush
@@ -361,6 +362,7 @@ class LaneServer:
         between. A request the engine will not launch now (its cost unknown, the device
         busy elsewhere) is queued as any other, after the launches in flight are answered."""
         pipe, self._pipe = self._pipe, []
+        self.flushes += 1
         engine = self.engine
         slots = getattr(getattr(engine, "device", None), "launch_slots", 1)
         waiting: collections.deque[tuple[_Piped, Any]] = collections.deque()

@@ -89,7 +89,22 @@ SMALL_Y = 64 << 10
 # of the slot's buffer after the sync. H200, session 9, in one process: 14336x4096 N=1 (57 KiB of
 # y) 15 us less host time that way, 4096x14336 N=1 (16 KiB) no gain (bench/RESULTS.md)
 SMALL_Y_F32 = 32 << 10
-SLOTS = 2  # launches in flight at once on one launcher (see the module docstring, point 5)
+
+
+def slots_from_env(env: Any = None) -> int:
+    """``Q6SERVE_LAUNCH_SLOTS`` (unset or empty: 2), 1..4: launches in flight at once on one
+    launcher (read once, at import: the workspace's and RegionCall's per-slot state and the
+    Device's ``launch_slots`` follow it). An experiment, off by default: a lane's region call
+    has three GPU stages (x in, kernels, y out) that two calls in flight cannot all overlap."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_LAUNCH_SLOTS", "").strip()
+    if not raw:
+        return 2
+    if not raw.isdigit() or not 1 <= int(raw) <= 4:
+        raise ValueError(f"Q6SERVE_LAUNCH_SLOTS={raw!r}: a number of launches, 1 to 4")
+    return int(raw)
+
+
+SLOTS = slots_from_env()  # launches in flight at once on one launcher (module docstring, 5)
 # The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
 # ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
 # bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.

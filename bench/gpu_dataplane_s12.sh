@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 15, session 12 (helper dp), bundle A: what bounds T3 through lanes and through CUDA
+# regions; most important first, each step archived as it ends; the script skips
+# what would end past BUDGET_S:
+# 1. the copies' floor: a system-region call's x in (2.4 MB) and y out (0.9 MB) alone on the GPU,
+#    page-locked as the regions, and both at once (device_ipc.py --dma);
+# 2. T3 through the fast lane (8 hosts x 4 callers of N=64 on ffn_down 3584x18944,
+#    bench/frontend_cpu.py --lane): the copy streams' rule (this tree's default: the streams
+#    beside a launch in flight) / one stream (Q6SERVE_REGION_STREAMS=0) / three launches in
+#    flight (Q6SERVE_LAUNCH_SLOTS=3: x in, kernels and y out of three calls at once), alternated;
+# 3. the device process alone on T3's lane shape (device_ipc.py --lane --parts): the rule and
+#    three slots, its loop's parts and the full batches per pipeline (flush);
+# 4. T3 through lanes over CUDA IPC regions (frontend_cpu.py --lane --region cuda): no x/y DMA;
+# 5. the lane's GPU tests with three slots (test_pinned_gpu.py -k lane).
+# (T2's timeline with the GC freeze on/off: bench/gpu_dataplane_s11c.sh, bundle B.)
+#   bench/gpu_dataplane_s12.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95)
+#   DRY_RUN=1 BACKEND=numpy ROWS=64 K=512 OUT=/tmp/o bench/gpu_dataplane_s12.sh   (CPU)
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/dps12
+S=${SECONDS_PER_RUN:-2} BUDGET=${BUDGET_S:-95}
+BACKEND=${BACKEND:-cuda} ROWS=${ROWS:-3584} K=${K:-18944}  # (a CPU rehearsal: numpy, small)
+archive() { tar czf "$FINAL/dataplane_s12.tgz" -C "$OUT" .; }
+left() { (($(date +%s) - T0 + $1 < BUDGET)); }  # left SECONDS: still inside the budget
+if [[ $BACKEND == cuda ]]; then
+  timeout 20 python3 bench/device_ipc.py --backend cuda --dma --stack 64 --rows "$ROWS" \
+    --k "$K" --json "$OUT/dma.json" >"$OUT/dma.log" 2>&1
+  note "# dma rc=$? at $(elapsed): $(grep -h "^dma" "$OUT/dma.log" | cut -c5-80 | tr '\n' ';')"
+fi
+lane() {  # lane TAG ENV [ARGS...]: T3 through lanes under ENV (VAR=VALUE), more ARGS
+  local tag=$1 var=$2
+  shift 2
+  left 10 || { note "# lane $tag skipped at $(elapsed)"; return; }
+  env "$var" timeout 25 python3 bench/frontend_cpu.py --backend "$BACKEND" --rows "$ROWS" \
+    --k "$K" --n 64 --lane --frontends 1 --hosts 8 --callers 4 --seconds "$S" --warmup 0.5 \
+    --json "$OUT/lane_$tag.json" "$@" >"$OUT/lane_$tag.log" 2>&1
+  note "# lane $tag rc=$? at $(elapsed): $(grep -h "^frontends=" "$OUT/lane_$tag.log" \
+    | cut -c1-220)"
+  archive
+}
+parts() {  # parts TAG ENV: the device process alone on T3's lane shape under ENV
+  local tag=$1 var=$2
+  left 9 || { note "# parts $tag skipped at $(elapsed)"; return; }
+  env "$var" timeout 20 python3 bench/device_ipc.py --backend "$BACKEND" --rows "$ROWS" \
+    --k "$K" --lane --stack 64 --inflight 32 --seconds 1.5 --parts \
+    --json "$OUT/parts_$tag.json" >"$OUT/parts_$tag.log" 2>&1
+  note "# parts $tag rc=$? at $(elapsed): $(grep -h "^device process" "$OUT/parts_$tag.log" \
+    | cut -c1-150) $(grep -h "^lane pipelines" "$OUT/parts_$tag.log")"
+  archive
+}
+lane rule1 Q6SERVE_REGION_STREAMS=1
+lane one1 Q6SERVE_REGION_STREAMS=0
+lane slots3a Q6SERVE_LAUNCH_SLOTS=3
+parts rule Q6SERVE_REGION_STREAMS=1
+parts slots3 Q6SERVE_LAUNCH_SLOTS=3
+if [[ $BACKEND == cuda ]]; then
+  lane zcuda Q6SERVE_REGION_STREAMS=1 --region cuda
+fi
+lane rule2 Q6SERVE_REGION_STREAMS=1
+lane slots3b Q6SERVE_LAUNCH_SLOTS=3
+if [[ -z ${DRY_RUN:-} ]] && left 16; then  # the lane's GPU tests with three slots
+  Q6SERVE_LAUNCH_SLOTS=3 timeout $((BUDGET + T0 - $(date +%s))) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/dataplane/test_pinned_gpu.py -k lane >"$OUT/pytest_slots3_gpu.log" 2>&1
+  note "# gpu test (slots 3) rc=$? ($(tail -1 "$OUT/pytest_slots3_gpu.log")) at $(elapsed)"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_slots3_gpu.log" | head -6 | cut -c1-240
+fi
+python3 bench/dataplane_table.py --lanes "$OUT" | tee "$FINAL/table.txt"
+for f in "$OUT"/parts_*.log; do
+  [[ -f $f ]] || continue
+  echo "# $(basename "$f"):"
+  grep -hE "loop thread|launch_now|flush|region call|copy streams|_answer|lane read" "$f" \
+    | cut -c1-120
+done
+archive
+echo "# done at $(elapsed)"
