@@ -11,6 +11,7 @@
 # 3. the device process alone on T3's lane shape (device_ipc.py --lane --parts): the rule and
 #    three slots, its loop's parts and the full batches per pipeline (flush);
 # 4. T3 through lanes over CUDA IPC regions (frontend_cpu.py --lane --region cuda): no x/y DMA;
+#    T3 bytes' floor: a bare gRPC echo of T3's message sizes (bench/service_load.py grpc_floor);
 # 5. the lane's GPU tests with three slots (test_pinned_gpu.py -k lane).
 # (T2's timeline with the GC freeze on/off: bench/gpu_dataplane_s11c.sh, bundle B.)
 #   bench/gpu_dataplane_s12.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95)
@@ -56,6 +57,14 @@ parts rule Q6SERVE_REGION_STREAMS=1
 parts slots3 Q6SERVE_LAUNCH_SLOTS=3
 if [[ $BACKEND == cuda ]]; then
   lane zcuda Q6SERVE_REGION_STREAMS=1 --region cuda
+fi
+if left 8; then  # T3 bytes' floor: one bare gRPC stream round trip of T3's sizes (no worker)
+  (cd bench && timeout 20 python3 -c "from service_load import grpc_floor
+x, y = 64 * $K * 2 + 40, 64 * $ROWS * 4 + 60  # (as bench/service.py's floor: + the fields)
+us = grpc_floor(x, y, ['stream'], 2.0)['stream']
+print(f'echo {x} B up, {y} B down: p50 {us:,.0f} us; 8 callers x 64 rows at that: '
+      f'at most {8 * 64 / us * 1e6:,.0f} rows/s')" >"$OUT/echo_t3.log" 2>&1)
+  note "# echo T3 sizes rc=$? at $(elapsed): $(tail -1 "$OUT/echo_t3.log" | cut -c1-160)"
 fi
 lane rule2 Q6SERVE_REGION_STREAMS=1
 lane slots3b Q6SERVE_LAUNCH_SLOTS=3
