@@ -28,6 +28,11 @@ sync, Python). Modes:
 ``--topk K``: the calls ask for the top-k / log-sum-exp epilogue (graph, staged, direct), so
 ``host`` also holds the epilogue's kernel, which runs after the timed matmul kernel.
 
+``--y-chunks C`` / a variant's ``Y_CHUNKS=C``: a large y computed and downloaded in up to C row
+chunks (kernels/cuda/launch.py, point 8), which needs weights of several slabs: ``--slab-rows R``
+or a variant's ``SLAB_ROWS=R`` loads them in slabs of R rows; the rows of the chunks used are
+printed after the row (e.g. ``--variants 'off;slab:SLAB_ROWS=512;on:SLAB_ROWS=512,Y_CHUNKS=4'``).
+
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
 an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
@@ -107,6 +112,35 @@ def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
         return r
 
     lc._finish = finish
+
+
+def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int,
+         slab_rows: int = 0) -> ResidentWeight:
+    """``blocks`` resident on ``be`` (SoA), in slabs of ``slab_rows`` rows (0: storage's
+    default slab size)."""
+    from q6serve.kernels.cuda import storage
+
+    old = storage.SLAB_BYTES
+    if slab_rows:
+        storage.SLAB_BYTES = slab_rows * q6k.aos_nbytes(1, k)
+    try:
+        return be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA,
+                       64 << 20)
+    finally:
+        storage.SLAB_BYTES = old
+
+
+def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
+    """The row chunks (launch.Y_CHUNKS) of ``w``'s bound sequences at N = ``n`` under the
+    current setting, if any."""
+    want = ("rows", be.launcher.chunks_wanted())
+    for key, b in w.data.plans.items():
+        if (isinstance(key, tuple) and len(key) == 6 and key[2] == n and key[4] == want
+                and hasattr(b, "extra")):
+            got = b.extra.get("chunks")
+            if got:
+                return [(r0, r1) for r0, r1, _ in got]
+    return None
 
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
@@ -214,9 +248,18 @@ def main(argv: list[str] | None = None) -> int:
                     "downloaded by the launch sequence and copied out after the sync)")
     ap.add_argument("--variants", default="",
                     help="in-process A/B of the host path's constants: 'LABEL[:NAME=INT,...]' "
-                    "separated by ';' (NAME a constant of kernels/cuda/launch.py), measured in "
-                    "turn for every (shape, N), --rounds times")
+                    "separated by ';' (NAME a constant of kernels/cuda/launch.py, or SLAB_ROWS: "
+                    "the variant's own copy of the weight in slabs of that many rows), measured "
+                    "in turn for every (shape, N), --rounds times")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--y-chunks", type=int, default=None,
+                    help="launch.Y_CHUNKS for this run (row chunks of a large y, downloaded "
+                    "while the next chunk computes; needs weights of several slabs: "
+                    "--slab-rows or a variant's SLAB_ROWS)")
+    ap.add_argument("--slab-rows", type=int, default=0,
+                    help="rows per resident slab of the loaded weights (0: storage's "
+                    "SLAB_BYTES); a variant may set its own SLAB_ROWS (each value its own "
+                    "copy of the weight)")
     ap.add_argument("--probe", action="store_true",
                     help="staged: the host's clock around the graph launch and y's way out "
                     "(Launcher._finish: the full path only, a cached BoundCall has its own)")
@@ -230,20 +273,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.small_y_f32 is not None:
         launch.SMALL_Y_F32 = a.small_y_f32
+    if a.y_chunks is not None:
+        launch.Y_CHUNKS = a.y_chunks
     variants: list[tuple[str, dict[str, int]]] = []
     for spec in filter(None, a.variants.split(";")):
         label, _, sets = spec.partition(":")
         variants.append((label, {k: int(float(v)) for k, v in
                                  (kv.split("=") for kv in filter(None, sets.split(",")))}))
     variants = variants or [("", {})]
-    unknown = {k for _, sets in variants for k in sets if not hasattr(launch, k)}
+    unknown = {k for _, sets in variants for k in sets
+               if k != "SLAB_ROWS" and not hasattr(launch, k)}
     if unknown:
         ap.error(f"--variants: no constant {', '.join(sorted(unknown))} in kernels/cuda/launch.py")
-    defaults = {k: getattr(launch, k) for _, sets in variants for k in sets}
+    defaults = {k: getattr(launch, k) for _, sets in variants for k in sets if k != "SLAB_ROWS"}
+    slab_sets = sorted({sets.get("SLAB_ROWS", a.slab_rows) for _, sets in variants})
 
     def apply(sets: dict[str, int]) -> None:
         for k, v in {**defaults, **sets}.items():
-            setattr(launch, k, v)
+            if k != "SLAB_ROWS":
+                setattr(launch, k, v)
 
     modes = a.modes.split(",")
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
@@ -262,18 +310,19 @@ def main(argv: list[str] | None = None) -> int:
         ws = {}
         for m in modes:
             be = bes[m]
-            if id(be) not in ws:
-                ws[id(be)] = be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k,
-                                     Layout.SOA, 64 << 20)
+            for sr in slab_sets:
+                if (id(be), sr) not in ws:
+                    ws[id(be), sr] = load(be, blocks, rows, k, sr)
         for n in map(int, a.ns.split(",")):
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
             for rnd, (label, sets), m in ((rnd, v, m) for rnd in range(a.rounds)
                                           for v in variants for m in modes):
                 apply(sets)
                 be = bes[m]
-                r = measure(be, ws[id(be)], xs, a.calls, m, a.topk, a.probe, a.fill)
+                w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
+                r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill)
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
-                         variant=label, round=rnd)
+                         variant=label, round=rnd, chunks=chunks_of(be, w, n))
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
@@ -281,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                 if r["probe"]:
                     fill += " [" + " ".join(f"{k} {v:.1f}" for k, v in r["probe"].items()) + "]"
                 tag = f" {label}" if label else ""
+                if r["chunks"]:
+                    tag += " chunks " + "/".join(str(r1 - r0) for r0, r1 in r["chunks"])
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}{tag}", flush=True)
             apply({})
@@ -290,10 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape_s:>12} {n:>3} {'floor':>7} h2d {f['h2d']:.1f} ({xs[0].nbytes} B) "
                       f"d2h {f['d2h']:.1f} sync {f['sync']:.1f}: host beyond the bus "
                       f"{r['host_p50'] - f['h2d'] - f['d2h']:.1f}", flush=True)
-        for be in {id(b): b for b in bes.values()}.values():
-            w = ws.pop(id(be), None)
-            if w is not None:
-                be.free(w)
+        for (bid, _), w in ws.items():
+            next(b for b in bes.values() if id(b) == bid).free(w)
     if len(variants) > 1:  # per (shape, N, mode): each variant's host p50, median of rounds
         print("# variants (host p50, median over rounds; wall p50):")
         rows_: dict[tuple, dict[str, list[dict]]] = {}

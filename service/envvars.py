@@ -98,10 +98,15 @@ PDL = Var("Q6SERVE_PDL", "switch", True,
 REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
 
+Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,
+               "row chunks a large y is computed and downloaded in (CUDA; 0 or 1: off)",
+               high=16)
+
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
-                         PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS)
+                         PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
+                         Y_CHUNKS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

@@ -39,15 +39,26 @@ host path of one batch:
    DMA as one graph per slot (``Q6SERVE_REGION_STREAMS=1``: the copies on streams of their
    own, beside the kernels).
 
+8. ``Q6SERVE_Y_CHUNKS=C`` (off by default: unmeasured): a call whose f32 (or bf16) y is
+   ``Y_CHUNK_MIN`` bytes or more and whose tile is a K-slice tile (the grid's rows done in
+   rounds of ``gx x warps x 16`` rows) runs as up to C launches on row chunks of the weight -
+   runs of whole slabs (a view of the slab table: no kernel change), each one round of the full
+   call's grid, with the full call's K split, so every y value is the full call's, bit for bit -
+   each chunk writing its own [N, chunk rows] block of the device y; after the graph launch
+   each chunk's block is DMA'd (a 2D copy into its columns of the host y) on a copy stream as
+   soon as an event recorded after its kernels fires, so the download of chunk i runs while
+   chunk i + 1 computes. Weights of one slab (the default 64 MB slabs) are never chunked.
+
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -105,6 +116,13 @@ def slots_from_env(env: Any = None) -> int:
 
 
 SLOTS = slots_from_env()  # launches in flight at once on one launcher (module docstring, 5)
+# y's download beside the kernels (module docstring, point 8): a large f32/bf16 y of a K-slice
+# tile call is computed in up to Y_CHUNKS row chunks (runs of whole slabs, one launch round of
+# the full call's grid each, the full call's K split: bit-identical), chunk i's rows DMA'd on a
+# copy stream while chunk i+1 computes. 0/1: off (Q6SERVE_Y_CHUNKS overrides it where a backend
+# is built); only for a y of Y_CHUNK_MIN bytes or more.
+Y_CHUNKS = 0
+Y_CHUNK_MIN = 512 << 10
 # The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
 # ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
 # bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
@@ -236,6 +254,22 @@ def region_streams_from_env(env: Any = None) -> bool:
     built, as ``Q6SERVE_PDL``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_REGION_STREAMS", "").strip()
     return True if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
+
+
+def y_chunks_from_env(env: Any = None) -> int | None:
+    """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``): row chunks a
+    large y is computed and downloaded in (0 or 1: off; at most 16). Read where a backend is
+    built, as ``Q6SERVE_PDL``."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_Y_CHUNKS", "").strip()
+    if not raw:
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 16:
+        raise ValueError(f"Q6SERVE_Y_CHUNKS={raw!r}: expected a whole number 0..16")
+    return v
 
 
 def _driver_launch_ex() -> Any:
@@ -389,17 +423,21 @@ class Workspace:
 
 
 def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bool = False,
-               ) -> np.dtype | tuple[str, int] | str | None:
+               chunks: int = 0) -> np.dtype | tuple[str, int] | str | None:
     """What the bound sequence downloads itself: ("topk", k) the top-k epilogue's packed rows
     (its launches bound in too: cuda_topk.group_launches), y's host dtype for a small y
     (SMALL_Y), else None (y's way out is enqueued per call: :meth:`Launcher._finish`), or with
     ``y16`` (Launcher.y16_graph) "y16" for a larger f16 y: its f16 conversion is bound into the
-    sequence, only the copy into a pinned block is enqueued per call."""
+    sequence, only the copy into a pinned block is enqueued per call; ("rows", chunks) for an
+    f32/bf16 y of ``Y_CHUNK_MIN`` bytes or more when ``chunks`` > 1 (the row-chunked sequence,
+    module docstring point 8; its way out is enqueued per call, chunk by chunk)."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
-    if dt == np.float32:
-        return dt if n * rows * 4 <= SMALL_Y_F32 else None
+    if dt in (np.float32, BFLOAT16):
+        if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
+            return dt
+        return ("rows", chunks) if chunks > 1 and n * rows * 4 >= Y_CHUNK_MIN else None
     if dt != np.float16:
         return None
     if n * rows * 2 > SMALL_Y:
@@ -431,9 +469,9 @@ class BoundCall:
     :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
     was not dropped)."""
 
-    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "dev", "done", "half",
-                 "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision", "rows",
-                 "slot", "stream", "topk", "ws", "y", "y16")
+    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked", "chunks",
+                 "dev", "done", "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out",
+                 "precision", "rows", "slot", "stream", "topk", "ws", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
@@ -449,6 +487,8 @@ class BoundCall:
         dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
+        self.chunked = bool(b.extra.get("chunks"))  # ... chunk by chunk (Launcher._chunks_out)
+        self.chunks = lc.chunks_wanted()  # the setting it was bound under
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
         self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
@@ -456,7 +496,8 @@ class BoundCall:
 
     def live(self) -> bool:
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
-                and (not self.topk or cuda_topk.bindable()))
+                and (not self.topk or cuda_topk.bindable())
+                and self.chunks == self.lc.chunks_wanted())
 
     def launch(self, x: np.ndarray | None = None) -> Launched:
         """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
@@ -480,7 +521,10 @@ class BoundCall:
                     mem = self._pinned(self.nbytes)
                     y = np.frombuffer(mem, np.float16 if self.half else np.float32,
                                       self.n * self.rows).reshape(self.n, self.rows)
-                    self._memcpy(mem.ptr, src, self.nbytes, _D2H, stream.ptr)
+                    if self.chunked:
+                        self.lc._chunks_out(self.b, mem.ptr)
+                    else:
+                        self._memcpy(mem.ptr, src, self.nbytes, _D2H, stream.ptr)
                 self.done.record(stream)
         except BaseException:
             ws._held[slot] = False
@@ -724,6 +768,21 @@ class Launcher:
         # Part of the binding key (_small_out): flipping it binds new sequences.
         self.y16_graph = True
         self._launch_ex: Any = None
+        # row chunks of a large y (module docstring, point 8): Q6SERVE_Y_CHUNKS, else the
+        # module's Y_CHUNKS at each call (the wall bench's in-process variants set it)
+        self.y_chunks = y_chunks_from_env()
+        self._y_stream: Any = None
+
+    def chunks_wanted(self) -> int:
+        """Row chunks a large y is computed and downloaded in (<= 1: off)."""
+        return Y_CHUNKS if self.y_chunks is None else self.y_chunks
+
+    def y_stream(self) -> Any:
+        """The copy stream of the row chunks' downloads (made on first use, under the
+        device)."""
+        if self._y_stream is None:
+            self._y_stream = self.ctx.cp.cuda.Stream(non_blocking=True)
+        return self._y_stream
 
     def copy_streams(self) -> tuple[Any, Any]:
         """The copy-in and copy-out streams of ``RegionCall`` (made on first use, under the
@@ -737,8 +796,9 @@ class Launcher:
     def sync(self) -> None:
         """Wait for everything queued on the backend's stream and the copy streams."""
         self.ctx.stream.synchronize()
-        for s in self._copy_streams or ():
-            s.synchronize()
+        for s in (*(self._copy_streams or ()), self._y_stream):
+            if s is not None:
+                s.synchronize()
 
     # -- planning (host arithmetic) ------------------------------------------------------------
     def grid(self, rows: int, k: int, rows_cta: int, nz: int, cfg: Cfg, fn: Any, n: int,
@@ -828,16 +888,60 @@ class Launcher:
         self._grids[key] = (best[2], best[1], nz)
         return best[2], best[1], nz
 
+    def tile_cfg(self, path: str, cfg: Cfg) -> Cfg:
+        """The launch shape a plan of ``cfg`` runs on this device."""
+        if path == "mma_f16" and cfg.src == 6 and arch_specific(WG_FILE, self.ctx.cc) is None:
+            # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
+            # committed table was tuned on an H200) runs the K-slice tile of the same width
+            return Cfg(nt=cfg.nt, src=4, pf=True)
+        return cfg
+
+    def row_chunks(self, lp: LaunchPlan, rows: int, k: int, layout: Layout, in_t: str,
+                   path: str, cfg: Cfg, n: int, rps: int, want: int,
+                   ) -> list[tuple[int, int, LaunchPlan]] | None:
+        """The row chunks of a K-slice tile call (module docstring, point 8): [(r0, r1, plan)],
+        at most ``want``, each a run of whole slabs of ``rps`` rows as close as they allow to
+        one launch round of ``lp``'s grid (gx CTAs x warps x 16 rows), each planned with
+        ``lp``'s K split and token chunks (the in-kernel K slices follow gridDim.y, so every
+        value is the full call's). None where it does not apply: not a K-slice tile, one slab,
+        one round, or a chunk whose plan would split K otherwise."""
+        if want < 2 or lp.path != "mma_f16" or lp.src not in (4, 5, 6) or rps >= rows:
+            return None
+        tc = self.tile_cfg(path, cfg)
+        gx, ks, nz = lp.grid
+        per_round = gx * tc.warps * 16 * tc.mt
+        rounds = -(-rows // per_round)
+        c = min(want, rounds)
+        if c < 2:
+            return None
+        cuts = [0]
+        for i in range(1, c):
+            r = round(i * rounds / c) * per_round
+            r = round(r / rps) * rps  # the nearest slab boundary
+            if cuts[-1] < r < rows:
+                cuts.append(r)
+        cuts.append(rows)
+        if len(cuts) < 3:
+            return None
+        forced = replace(cfg, ksplit=ks)
+        out, total = [], 0
+        for r0, r1 in itertools.pairwise(cuts):
+            p = self.plan(r1 - r0, k, layout, in_t, path, forced, n)
+            if p.grid[1] != ks or p.grid[2] != nz:
+                return None
+            total += -(-(r1 - r0) // (16 * tc.mt * tc.warps * p.grid[0]))  # its rounds
+            out.append((r0, r1, p))
+        # no more rounds than the full call's (a chunk past its round's rows would take two
+        # rounds on fewer CTAs: slabs too coarse for this grid)
+        return out if total <= rounds else None
+
     def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
              n: int) -> LaunchPlan:
         bpr = k // q6k.QK_K
         tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
         nz = -(-n // tok_per_cta)
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
-        if path == "mma_f16" and cfg.src == 6 and arch_specific(WG_FILE, self.ctx.cc) is None:
-            # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
-            # committed table was tuned on an H200) runs the K-slice tile of the same width
-            cfg = Cfg(nt=cfg.nt, src=4, pf=True)
+        cfg = self.tile_cfg(path, cfg)
         file = kernel_file(path, cfg)
         fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
@@ -866,12 +970,16 @@ class Launcher:
                           prep, prep_grid, sizes, post, cfg.src)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
-              n: int) -> list[Step]:
-        """The launches of one tile call, scratch from the workspace (call under the stream)."""
+              n: int, r0: int = 0, r1: int | None = None) -> list[Step]:
+        """The launches of one tile call, scratch from the workspace (call under the stream).
+        ``r0``, ``r1``: a row chunk of whole slabs (:meth:`row_chunks`), its rows' own
+        [N, r1 - r0] y at ``y``; the weight is the slab table's view from its first slab."""
         ws, u64, i32 = self.ws, np.uint64, np.int32
-        part = ws.ptr("part", lp.ks * n * w.rows * 4) if lp.ks > 1 else 0
+        rows = w.rows if r1 is None else r1 - r0
+        table = int(cw.table.data.ptr) + 8 * (r0 // cw.rps)
+        part = ws.ptr("part", lp.ks * n * rows * 4) if lp.ks > 1 else 0
         tickets = ws.ptr("tickets", 4 * max(lp.tickets, 1024), zero=True)
-        wargs = (u64(cw.table.data.ptr), i32(w.rows), i32(lp.bpr), i32(cw.rps))
+        wargs = (u64(table), i32(rows), i32(lp.bpr), i32(cw.rps))
         oargs = (u64(y), u64(part), u64(tickets), i32(n))
         pre = (u64(xd), i32(n), i32(w.k), i32(lp.nz))
         if lp.path == "exact":
@@ -885,7 +993,7 @@ class Launcher:
             out.append(Step(lp.fn, lp.grid, lp.threads,
                             (*wargs, u64(xd), i32(w.k), u64(xp), *oargs), lp.smem))
             if lp.post is not None:
-                total = n * w.rows
+                total = n * rows
                 out.append(Step(lp.post, (min(-(-total // 256), 4096),), 256,
                                 (u64(part), u64(y), i32(lp.ks), np.int64(total)),
                                 pdl=self._pdl_launcher() if lp.src in PDL_SRCS else None))
@@ -994,7 +1102,7 @@ class Launcher:
         if path == "cublas_f16" or cfg is None or x.dtype not in IN_TYPES:
             return None
         n = int(x.shape[0])
-        small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph)
+        small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph, self.chunks_wanted())
         if topk and small is None:
             return None
         b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
@@ -1033,7 +1141,8 @@ class Launcher:
             return self._matmul_direct(w, cw, x, in_t, out_dtype, topk, slot)
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
-        key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph), slot)
+        key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph,
+                                               self.chunks_wanted()), slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
@@ -1050,10 +1159,7 @@ class Launcher:
             return graph_done
         cp.cuda.runtime.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D,
                                     stream.ptr)
-        b.start.record(stream)
-        for s in b.steps:
-            s()
-        b.end.record(stream)
+        self._kernels(b, lambda ev: ev.record(stream))
         self._download(b)
         b.calls += 1
         if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
@@ -1152,16 +1258,28 @@ class Launcher:
         cp = self.ctx.cp
         lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
         # All buffers first (any growth bumps the generation), then the pointers.
+        kind = small[0] if isinstance(small, tuple) else None
+        chunks = (self.row_chunks(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, cw.rps,
+                                  small[1]) if kind == "rows" else None)
         for _ in range(2):
             gen = self.ws.gen
             self.ws.host(x_bytes, slot)
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
-            steps = self.steps(lp, w, cw, xd, y, n)
+            marks: dict[int, Any] = {}
+            if chunks:  # point 8: each chunk's launches, then its event
+                steps = []
+                for r0, r1, cp_ in chunks:
+                    steps += self.steps(cp_, w, cw, xd, y + 4 * n * r0, n, r0, r1)
+                    marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+            else:
+                steps = self.steps(lp, w, cw, xd, y, n)
             out, post, y16big = None, [], None
-            if small == "y16":  # a larger f16 y: converted in the sequence, copied per call
+            if kind == "rows":  # y's way out is enqueued per call (_chunks_out or _finish)
+                pass
+            elif small == "y16":  # a larger f16 y: converted in the sequence, copied per call
                 y16big = self.ws.ptr("y16b", 2 * n * w.rows)
-            elif isinstance(small, tuple):  # the top-k epilogue and its download, bound in
+            elif kind == "topk":  # the top-k epilogue and its download, bound in
                 k = small[1]
                 packed = self.ws.ptr("topk_packed", cuda_topk.packed_bytes(n, k))
                 scratch = self.ws.ptr("topk_scratch", cuda_topk.scratch_bytes(n, w.rows))
@@ -1183,6 +1301,11 @@ class Launcher:
         b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
                   extra={"xd": xd, "y": y, "out": out, "post": post, "y16": y16big,
                          "shape": (n, w.rows)})
+        if chunks:
+            evs = list(marks.values())
+            b.extra.update(marks=marks, join=cp.cuda.Event(disable_timing=True),
+                           chunks=[(r0, r1, ev) for (r0, r1, _), ev in zip(chunks, evs,
+                                                                           strict=True)])
         cw.plans[key] = b
         return b
 
@@ -1221,7 +1344,8 @@ class Launcher:
             return self._finish(b.extra["y16"], n, rows, out_dtype, b.start, b.end, topk, slot,
                                 converted=True)
         if out is None:
-            return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk, slot)
+            return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk, slot,
+                                bound=b if b.extra.get("chunks") else None)
         start, end, host = b.start, b.end, out[1]
         if topk:
             def top_done() -> Done:
@@ -1244,13 +1368,39 @@ class Launcher:
         def enqueue(record: Callable[[Any], None]) -> None:
             if not b.extra.get("device_x"):  # x from the host staging (else copied before)
                 rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
-            record(b.start)
-            for s in b.steps:
-                s()
-            record(b.end)
+            self._kernels(b, record)
             self._download(b)
 
         b.graph = self.capture(enqueue)
+
+    def _kernels(self, b: Bound, record: Callable[[Any], None]) -> None:
+        """b's launches between its timing events, with each row chunk's event after its
+        launches (point 8; ``record``: a plain record, or a graph node under capture)."""
+        record(b.start)
+        marks = b.extra.get("marks")
+        for i, s in enumerate(b.steps):
+            s()
+            if marks and i in marks:
+                record(marks[i])
+        record(b.end)
+
+    def _chunks_out(self, b: Bound, dst: int) -> None:
+        """Enqueue a row-chunked y's way out into ``dst`` (host, [N, rows] f32): per chunk,
+        once its event fired, a 2D copy of its [N, r1 - r0] block into its columns, on the y
+        copy stream; the backend's stream then waits for the copies (a later launch reuses the
+        device y)."""
+        rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
+        ys = self.y_stream()
+        n, rows = b.extra["shape"]
+        y = b.extra["y"]
+        for r0, r1, ev in b.extra["chunks"]:
+            ys.wait_event(ev)
+            width = 4 * (r1 - r0)
+            rt.memcpy2DAsync(dst + 4 * r0, 4 * rows, y + 4 * n * r0, width, width, n, _D2H,
+                             ys.ptr)
+        join = b.extra["join"]
+        join.record(ys)
+        stream.wait_event(join)
 
     def capture(self, enqueue: Callable[[Callable[[Any], None]], None]) -> Any:
         """``enqueue(record)`` captured on the stream as a graph, each ``record(event)`` an
@@ -1298,11 +1448,11 @@ class Launcher:
 
     def _finish(self, y: int, n: int, rows: int, out_dtype: np.dtype | None, start: Any,
                 end: Any, topk: int, slot: int | None = None,
-                converted: bool = False) -> Callable[[], Done]:
+                converted: bool = False, bound: Bound | None = None) -> Callable[[], Done]:
         """Enqueue y's way out: the workspace's f32 "y" at ``y`` -> a new host array in a pinned
         block (the returned array owns it; no host copy), or the top-k epilogue. The returned
         function makes the one sync and reads the kernel seconds (the events are complete by
-        then)."""
+        then). ``bound``: a row-chunked sequence's, y's way out chunk by chunk."""
         cp, stream = self.ctx.cp, self.ctx.stream
         if topk:
             from ..cuda_topk import topk_enqueue
@@ -1321,7 +1471,10 @@ class Launcher:
         nbytes = n * rows * item
         mem = cp.cuda.alloc_pinned_memory(nbytes)
         out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
-        cp.cuda.runtime.memcpyAsync(mem.ptr, y, nbytes, _D2H, stream.ptr)
+        if bound is not None:
+            self._chunks_out(bound, mem.ptr)
+        else:
+            cp.cuda.runtime.memcpyAsync(mem.ptr, y, nbytes, _D2H, stream.ptr)
 
         def done() -> Done:
             self._wait(slot)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -81,6 +82,9 @@ class _Stream:
     def __init__(self, dev: _FakeCuda) -> None:
         self.dev = dev
 
+    def wait_event(self, ev) -> None:
+        self.dev.count("wait")
+
     def __enter__(self):
         return self
 
@@ -110,8 +114,9 @@ class _FakeCuda:
         dev = self
         self.cuda = SimpleNamespace(
             Event=_Event, alloc_pinned_memory=_Pinned,
-            get_elapsed_time=self.elapsed,
-            runtime=SimpleNamespace(memcpyAsync=self.memcpy, streamCaptureModeRelaxed=2))
+            get_elapsed_time=self.elapsed, Stream=lambda non_blocking=False: _Stream(dev),
+            runtime=SimpleNamespace(memcpyAsync=self.memcpy, memcpy2DAsync=self.memcpy2d,
+                                    streamCaptureModeRelaxed=2))
         self.fn = lambda file, name: _Fn(dev)
 
     unrecorded = False  # events a refused graph node never recorded: no elapsed time
@@ -135,6 +140,15 @@ class _FakeCuda:
         def run() -> None:
             self.count(("", "h2d", "d2h", "d2d")[kind])
             ctypes.memmove(dst, src, n)
+
+        self.op(run)
+
+    def memcpy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                 height: int, kind: int, stream: int) -> None:
+        def run() -> None:
+            self.count("d2h2d")
+            for i in range(height):
+                ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
 
         self.op(run)
 
@@ -324,3 +338,178 @@ def test_a_graph_whose_events_did_not_record_falls_back(monkeypatch):
     cp.unrecorded = False
     res = be.launch(w, _x(be, rng, 2, 14336, True)).wait()
     assert len(full) == 1 and cp.counts["graph"] == graphs and res.timing.seconds() == 25e-6
+
+
+def _chunked(monkeypatch, rows: int, k: int, slab_rows: int, chunks: int):
+    """A fake backend with ``Q6SERVE_Y_CHUNKS``-style row chunks on and a weight of slabs of
+    ``slab_rows`` rows (its slab table a fake device buffer)."""
+    be, cp = fake_backend(monkeypatch)
+    be.launcher.y_chunks = chunks
+    nslabs = -(-rows // slab_rows)
+    cw = CudaWeight(slabs=[], table=cp.empty(8 * nslabs, np.uint8), rps=slab_rows)
+    return be, cp, ResidentWeight(rows, k, Layout.SOA, rows * k, cw)
+
+
+def _chunks(w, n: int) -> list[tuple[int, int]]:
+    got = [b.extra["chunks"] for key, b in w.data.plans.items()
+           if isinstance(key, tuple) and len(key) == 6 and key[2] == n and hasattr(b, "extra")
+           and b.extra.get("chunks")]
+    assert got, "no row-chunked sequence was bound"
+    return [(r0, r1) for r0, r1, _ in got[0]]
+
+
+def _set_y_chunked(be, w, n: int, i: int, cuts) -> np.ndarray:
+    """Known values in the fake device's y laid out as the chunks' kernels write it: each
+    chunk's rows as its own [N, r1 - r0] block, one after the other."""
+    y = (np.arange(n * w.rows, dtype=np.float32) % 977 - 400 + i).reshape(n, w.rows)
+    dev = np.concatenate([np.ascontiguousarray(y[:, r0:r1]).reshape(-1) for r0, r1 in cuts])
+    be.launcher.ws._dev["y"].a[: dev.nbytes] = dev.view(np.uint8)
+    return y
+
+
+@pytest.mark.parametrize("rows,k,n,out", [(14336, 4096, 64, None), (4096, 14336, 64, None),
+                                          (14336, 4096, 64, BFLOAT16), (14336, 4096, 32, None)])
+@pytest.mark.parametrize("staged", [True, False])
+def test_row_chunked_y_comes_back_whole(monkeypatch, rows, k, n, out, staged):
+    """Launcher point 8: a large y computed in row chunks (runs of whole slabs, each chunk's
+    kernels writing its own [N, chunk rows] block) comes back as the whole [N, rows] y, every
+    call (direct launches, the capture, graph replays, the cached BoundCall): one 2D copy per
+    chunk after a wait for its event, then the stream waits for the copies."""
+    be, cp, w = _chunked(monkeypatch, rows, k, 512, 4)
+    rng = np.random.default_rng(7)
+    be.matmul(w, _x(be, rng, n, k, staged), out_dtype=out)
+    cuts = _chunks(w, n)
+    assert len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+    assert all(r0 % 512 == 0 for r0, _ in cuts)  # whole slabs
+    for i in range(5):
+        y = _set_y_chunked(be, w, n, i, cuts)
+        before = dict(cp.counts)
+        res = be.launch(w, _x(be, rng, n, k, staged), out_dtype=out).wait()
+        want = y if out is None else y.astype(out)
+        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+        assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == len(cuts)
+        assert cp.counts.get("d2h", 0) == before.get("d2h", 0)  # no whole-y copy
+        assert cp.counts["wait"] - before.get("wait", 0) == len(cuts) + 1
+    assert cp.counts["graph"] == 4
+
+
+def test_row_chunks_keep_the_k_split_and_the_rounds(monkeypatch):
+    """Each chunk's launches are the full call's kernel with the full call's K split and token
+    chunks on a view of the slab table from the chunk's first slab, its rows' count and its own
+    y block; the chunks' rounds are the full call's. A weight of one slab, a small y, an f16 y,
+    or the setting off bind the plain sequence."""
+    rows, k, n = 14336, 4096, 64
+    be, _, w = _chunked(monkeypatch, rows, k, 512, 4)
+    lc = be.launcher
+    c = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+    full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, n)
+    chunks = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", c.path, c.cfg, n, 512, 4)
+    assert chunks is not None and len(chunks) >= 2
+    tc = lc.tile_cfg(c.path, c.cfg)
+    per_round = full.grid[0] * tc.warps * 16 * tc.mt
+    assert sum(-(-(r1 - r0) // (p.grid[0] * tc.warps * 16 * tc.mt)) for r0, r1, p in chunks) \
+        == -(-rows // per_round)
+    for _, _, p in chunks:  # the same kernel and shared memory, the same K slices
+        assert p.grid[1:] == full.grid[1:] and (p.threads, p.smem) == (full.threads, full.smem)
+    seen = []
+    orig = lc.steps
+    monkeypatch.setattr(lc, "steps", lambda lp, w_, cw, xd, y, n_, r0=0, r1=None: seen.append(
+        (lp.grid, y, r0, r1)) or orig(lp, w_, cw, xd, y, n_, r0, r1))
+    be.matmul(w, np.ones((n, k), np.float16))
+    ybase = lc.ws._dev["y"].data.ptr
+    seen = seen[-len(chunks):]  # (the binding's last pass: the first one grew the buffers)
+    assert [(r0, r1) for _, _, r0, r1 in seen] == [(r0, r1) for r0, r1, _ in chunks]
+    assert [y - ybase for _, y, _, _ in seen] == [4 * n * r0 for r0, _, _ in chunks]
+    b = next(b for key, b in w.data.plans.items() if len(key) == 6 and b.extra.get("chunks"))
+    table = w.data.table.data.ptr
+    kernels = [s for s in b.steps if s.grid == chunks[0][2].grid or s.grid[1:] == full.grid[1:]]
+    assert [int(s.args[0]) - table for s in kernels] == [8 * (r0 // 512) for r0, _, _ in chunks]
+    assert [int(s.args[1]) for s in kernels] == [r1 - r0 for r0, r1, _ in chunks]
+    # plain: one slab, an f16 y, a small y, the setting off
+    for weight_rows, out, nn, want in ((rows, None, n, 0), (rows, np.float16, n, 4),
+                                       (rows, None, 1, 4), (rows, None, n, 4)):
+        be2, _, w2 = _chunked(monkeypatch, weight_rows, k, rows if want else 512, want)
+        be2.matmul(w2, np.ones((nn, k), np.float16), out_dtype=out)
+        assert not any(getattr(b, "extra", {}).get("chunks") for b in w2.data.plans.values())
+
+
+@pytest.mark.parametrize("value,want", [("", None), ("0", 0), ("3", 3), ("16", 16)])
+def test_y_chunks_env(value, want):
+    assert launch_mod.y_chunks_from_env({"Q6SERVE_Y_CHUNKS": value}) == want
+
+
+@pytest.mark.parametrize("value", ["-1", "17", "x"])
+def test_y_chunks_env_refuses(value):
+    with pytest.raises(ValueError, match="Q6SERVE_Y_CHUNKS"):
+        launch_mod.y_chunks_from_env({"Q6SERVE_Y_CHUNKS": value})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(4096, 14336), (14336, 4096)])
+def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
+    """On a device: a weight in 512-row slabs gives the default (one-slab) weight's y bit for
+    bit, without and with row chunks (Y_CHUNKS 4), on every kind of call (direct launches, the
+    capture, graph replays, the cached BoundCall; staged and copied x; f32 and bf16 y), and at
+    N=64 the chunks are really used."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        devices = 0
+    if not devices:
+        pytest.skip("needs a CUDA device")
+    from q6serve.kernels import q6k
+    from q6serve.kernels.api import iter_aos_chunks
+    from q6serve.kernels.cuda import storage
+    from q6serve.kernels.cuda_backend import CudaBackend
+    from tests.conftest import random_blocks
+
+    be = CudaBackend(0)
+    blocks = random_blocks(rng, rows * (k // 256))
+
+    def load():
+        return be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA)
+
+    w1 = load()
+    monkeypatch.setattr(storage, "SLAB_BYTES", 512 * q6k.aos_nbytes(1, k))
+    w = load()
+    assert len(w1.data.slabs) == 1 and len(w.data.slabs) == -(-rows // 512)
+    try:
+        for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
+                               (32, None, True), (16, None, False)):
+            x = rng.standard_normal((n, k)).astype(np.float16)
+            be.launcher.y_chunks = 0
+            ref = be.matmul(w1, x, out_dtype=out).y
+            np.testing.assert_array_equal(be.matmul(w, x, out_dtype=out).y, ref)
+            be.launcher.y_chunks = 4
+            for _ in range(4):
+                xi = x
+                if staged:
+                    xi = be.staging(n, k, np.float16)
+                    xi[...] = x
+                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+        used = {key[2] for key, b in w.data.plans.items()
+                if isinstance(key, tuple) and len(key) == 6
+                and getattr(b, "extra", {}).get("chunks")}
+        assert 64 in used, used
+    finally:
+        be.launcher.y_chunks = None
+        be.close()
+
+
+def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
+    """A cached BoundCall holds the chunk setting it was bound under: after the setting
+    changes, the next call takes the full path (the other binding), chunked or not."""
+    be, cp, w = _chunked(monkeypatch, 14336, 4096, 512, 4)
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        be.launch(w, _x(be, rng, 64, 4096, True)).wait()
+    n2d = cp.counts["d2h2d"]
+    be.launcher.y_chunks = 0
+    for _ in range(3):
+        be.launch(w, _x(be, rng, 64, 4096, True)).wait()
+    assert cp.counts["d2h2d"] == n2d and cp.counts["d2h"] >= 3
+    be.launcher.y_chunks = 4
+    be.launch(w, _x(be, rng, 64, 4096, True)).wait()
+    assert cp.counts["d2h2d"] > n2d
