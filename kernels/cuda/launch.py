@@ -47,7 +47,8 @@ host path of one batch:
    each chunk writing its own [N, chunk rows] block of the device y; after the graph launch
    each chunk's block is DMA'd (a 2D copy into its columns of the host y) on a copy stream as
    soon as an event recorded after its kernels fires, so the download of chunk i runs while
-   chunk i + 1 computes. Weights of one slab (the default 64 MB slabs) are never chunked.
+   chunk i + 1 computes (the last chunk's on the backend's stream, right after its kernels).
+   Weights of one slab (the default 64 MB slabs) are never chunked.
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
@@ -1267,11 +1268,12 @@ class Launcher:
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
             marks: dict[int, Any] = {}
-            if chunks:  # point 8: each chunk's launches, then its event
+            if chunks:  # point 8: each chunk's launches, then its event (not the last's)
                 steps = []
                 for r0, r1, cp_ in chunks:
                     steps += self.steps(cp_, w, cw, xd, y + 4 * n * r0, n, r0, r1)
-                    marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+                    if r1 < w.rows:
+                        marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
             else:
                 steps = self.steps(lp, w, cw, xd, y, n)
             out, post, y16big = None, [], None
@@ -1302,7 +1304,7 @@ class Launcher:
                   extra={"xd": xd, "y": y, "out": out, "post": post, "y16": y16big,
                          "shape": (n, w.rows)})
         if chunks:
-            evs = list(marks.values())
+            evs = [*marks.values(), None]  # (the last chunk's copy follows its kernels)
             b.extra.update(marks=marks, join=cp.cuda.Event(disable_timing=True),
                            chunks=[(r0, r1, ev) for (r0, r1, _), ev in zip(chunks, evs,
                                                                            strict=True)])
@@ -1385,22 +1387,28 @@ class Launcher:
         record(b.end)
 
     def _chunks_out(self, b: Bound, dst: int) -> None:
-        """Enqueue a row-chunked y's way out into ``dst`` (host, [N, rows] f32): per chunk,
-        once its event fired, a 2D copy of its [N, r1 - r0] block into its columns, on the y
-        copy stream; the backend's stream then waits for the copies (a later launch reuses the
-        device y)."""
+        """Enqueue a row-chunked y's way out into ``dst`` (host, [N, rows] f32): a 2D copy of
+        each chunk's [N, r1 - r0] block into its columns - all but the last on the y copy
+        stream, each once its chunk's event fired; the last on the backend's stream after its
+        kernels (no hand-off between streams at the end of the call) once the copy stream's
+        copies are done (the backend's stream orders everything after it: a later launch
+        reuses the device y)."""
         rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
         ys = self.y_stream()
         n, rows = b.extra["shape"]
         y = b.extra["y"]
-        for r0, r1, ev in b.extra["chunks"]:
-            ys.wait_event(ev)
+        chunks = b.extra["chunks"]
+        for i, (r0, r1, ev) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            if last:
+                join = b.extra["join"]
+                join.record(ys)
+                stream.wait_event(join)
+            else:
+                ys.wait_event(ev)
             width = 4 * (r1 - r0)
             rt.memcpy2DAsync(dst + 4 * r0, 4 * rows, y + 4 * n * r0, width, width, n, _D2H,
-                             ys.ptr)
-        join = b.extra["join"]
-        join.record(ys)
-        stream.wait_event(join)
+                             stream.ptr if last else ys.ptr)
 
     def capture(self, enqueue: Callable[[Callable[[Any], None]], None]) -> Any:
         """``enqueue(record)`` captured on the stream as a graph, each ``record(event)`` an
