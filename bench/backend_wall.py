@@ -186,6 +186,7 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
             if i >= 5:
+                e1.synchronize()  # (a launch's own wait may end before an event after it)
                 spans.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
         else:
             res = be.matmul(w, x, topk=topk)
