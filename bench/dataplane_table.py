@@ -17,13 +17,16 @@ from pathlib import Path
 
 
 def lanes(out: str) -> None:
-    print("# T3 lane   rows/s   p50 us   p99 us  device cores  device CPU us/call (window)")
+    print("# T3 lane   rows/s   p50 us   p99 us  device cores  device CPU us/call (window)  "
+          "kernel p50 us  of the kernel alone")
     for path in sorted(glob.glob(f"{out}/lane_*.json")):
         r = json.loads(Path(path).read_text())
         r = r[0] if isinstance(r, list) else r
+        k = r.get("kernel_p50_us") or float("nan")  # (NaN: not in the replies)
         print(f"# {Path(path).stem[5:]:8} {r['rows_per_s']:>8,.0f} {r['p50_us']:>8,.0f} "
               f"{r['p99_us']:>8,.0f} {r['cpu'].get('device', 0):>6.2f} "
-              f"{r.get('device_window_cpu_us_per_call', 0):>10,.0f}")
+              f"{r.get('device_window_cpu_us_per_call', 0):>10,.0f} {k:>17.1f} "
+              f"{r.get('kernel_fraction') or float('nan'):>10.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

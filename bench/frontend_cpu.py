@@ -302,6 +302,7 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
 
     counts = [0] * callers
     lat: list[list[float]] = [[] for _ in range(callers)]
+    kern: list[list[float]] = [[] for _ in range(callers)]  # the replies' kernel seconds
     start = threading.Barrier(callers)
     xb = -(-n * k * 2 // 4096) * 4096
     size = xb + n * rows * 4 + 4096
@@ -326,18 +327,22 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
                 if t >= t0:
                     counts[i] += 1
                     lat[i].append(time.perf_counter() - t)
+                    kern[i].append(lane.last.kernel_seconds or np.nan)
 
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    out.put((sum(counts), seconds, [v for li in lat for v in li]))
+    out.put((sum(counts), seconds, [v for li in lat for v in li],
+             [v for li in kern for v in li]))
 
 
 def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: float, n: int,
-               k: int, rows: int, cuda: bool = False) -> tuple[int, float, np.ndarray]:
-    """(calls in the timed window, its seconds, latencies) of ``hosts`` load processes."""
+               k: int, rows: int, cuda: bool = False,
+               ) -> tuple[int, float, np.ndarray, np.ndarray]:
+    """(calls in the timed window, its seconds, latencies, the replies' kernel seconds) of
+    ``hosts`` load processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -350,8 +355,8 @@ def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: fl
     got = [q.get(timeout=seconds + warmup + 120) for _ in procs]
     for p in procs:
         p.join(30)
-    return (sum(g[0] for g in got), seconds,
-            np.array([v for g in got for v in g[2]]))
+    return (sum(g[0] for g in got), seconds, np.array([v for g in got for v in g[2]]),
+            np.array([v for g in got for v in g[3]]))
 
 
 def proxy_cpu(callers: int, calls: int = 20000) -> float:
@@ -431,9 +436,12 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     tail: dict[str, float] = {}
     reply_bytes = 0.0
     part_p99: dict[str, float] = {}
+    kernel_p50 = float("nan")  # (--lane: the replies' kernel p50, as bench/service.py's T3)
     if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
-        calls, wall, lat = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
+        calls, wall, lat, kern = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
                                       a.rows, a.region == "cuda")
+        if np.isfinite(kern).any():
+            kernel_p50 = float(np.nanpercentile(kern, 50))
     else:
         samples, wall = run_load(spec, hosts)  # the warm-up's CPU is in too (~1/9)
         reply_bytes = float(np.mean(samples["w"]["reply_bytes"]))
@@ -469,6 +477,10 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
           f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
           f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows; latency p50 "
           f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s", flush=True)
+    if np.isfinite(kernel_p50):  # T3's fraction as bench/service.py counts it
+        print(f"#   kernel p50 {kernel_p50 * 1e6:.1f} us: the kernel alone "
+              f"{a.n / kernel_p50:,.0f} rows/s, this load {calls * kernel_p50 / wall:.3f} of it",
+              flush=True)
     print("#   " + cpu_line(cpu), flush=True)
     if cpu:
         print("#   " + per_front_line(cpu, reply_bytes=reply_bytes), flush=True)
@@ -486,7 +498,9 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
         "rows_per_batch": (r1 - r0) / n_batches, "worker_args": a.worker_arg,
         "p50_us": p50, "p99_us": p99, "rows_per_s": calls * a.n / wall, "cpu": cpu,
         "parts_mean_us": means, "tail_mean_us": tail if means else {},
-        "reply_bytes": reply_bytes,
+        "reply_bytes": reply_bytes, "kernel_p50_us": kernel_p50 * 1e6,
+        # of the kernel alone (its p50 in these replies), as bench/service.py's T3 fraction
+        "kernel_fraction": calls * kernel_p50 / wall,
         "parts_p99_us": part_p99 if means else {},
         "env": {k: v for k, v in os.environ.items() if k.startswith("Q6SERVE_")}}
     if stats is not None and stats.exists():  # (written by a --frontends device process)

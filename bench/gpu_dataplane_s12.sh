@@ -13,6 +13,9 @@
 # 4. T3 through lanes over CUDA IPC regions (frontend_cpu.py --lane --region cuda): no x/y DMA;
 #    T3 bytes' floor: a bare gRPC echo of T3's message sizes (bench/service_load.py grpc_floor);
 # 5. the lane's GPU tests with three slots (test_pinned_gpu.py -k lane).
+# ROUND=b (bundle A2): T3 through lanes, the rule / three / four slots alternated, each with the
+# replies' kernel p50 (T3's fraction as bench/service.py counts it); T3 bytes' echo floor; the
+# lane's GPU tests with three slots.
 # (T2's timeline with the GC freeze on/off: bench/gpu_dataplane_s11c.sh, bundle B.)
 #   bench/gpu_dataplane_s12.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95)
 #   DRY_RUN=1 BACKEND=numpy ROWS=64 K=512 OUT=/tmp/o bench/gpu_dataplane_s12.sh   (CPU)
@@ -24,11 +27,6 @@ S=${SECONDS_PER_RUN:-2} BUDGET=${BUDGET_S:-95}
 BACKEND=${BACKEND:-cuda} ROWS=${ROWS:-3584} K=${K:-18944}  # (a CPU rehearsal: numpy, small)
 archive() { tar czf "$FINAL/dataplane_s12.tgz" -C "$OUT" .; }
 left() { (($(date +%s) - T0 + $1 < BUDGET)); }  # left SECONDS: still inside the budget
-if [[ $BACKEND == cuda ]]; then
-  timeout 20 python3 bench/device_ipc.py --backend cuda --dma --stack 64 --rows "$ROWS" \
-    --k "$K" --json "$OUT/dma.json" >"$OUT/dma.log" 2>&1
-  note "# dma rc=$? at $(elapsed): $(grep -h "^dma" "$OUT/dma.log" | cut -c5-80 | tr '\n' ';')"
-fi
 lane() {  # lane TAG ENV [ARGS...]: T3 through lanes under ENV (VAR=VALUE), more ARGS
   local tag=$1 var=$2
   shift 2
@@ -50,29 +48,52 @@ parts() {  # parts TAG ENV: the device process alone on T3's lane shape under EN
     | cut -c1-150) $(grep -h "^lane pipelines" "$OUT/parts_$tag.log")"
   archive
 }
-lane rule1 Q6SERVE_REGION_STREAMS=1
-lane one1 Q6SERVE_REGION_STREAMS=0
-lane slots3a Q6SERVE_LAUNCH_SLOTS=3
-parts rule Q6SERVE_REGION_STREAMS=1
-parts slots3 Q6SERVE_LAUNCH_SLOTS=3
-if [[ $BACKEND == cuda ]]; then
-  lane zcuda Q6SERVE_REGION_STREAMS=1 --region cuda
-fi
-if left 8; then  # T3 bytes' floor: one bare gRPC stream round trip of T3's sizes (no worker)
+slots3_tests() {  # the lane's GPU tests with three slots
+  if [[ -n ${DRY_RUN:-} ]] || ! left 16; then
+    note "# gpu test (slots 3) skipped at $(elapsed)"
+    return
+  fi
+  Q6SERVE_LAUNCH_SLOTS=3 timeout $((BUDGET + T0 - $(date +%s))) python3 -m pytest -m gpu -q \
+    -rfE -p no:cacheprovider tests/dataplane/test_pinned_gpu.py -k lane \
+    >"$OUT/pytest_slots3_gpu.log" 2>&1
+  note "# gpu test (slots 3) rc=$? ($(tail -1 "$OUT/pytest_slots3_gpu.log")) at $(elapsed)"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_slots3_gpu.log" | head -6 | cut -c1-240
+}
+echo_floor() {  # T3 bytes' floor: one bare gRPC stream round trip of T3's sizes (no worker)
+  left 8 || { note "# echo skipped at $(elapsed)"; return; }
   (cd bench && timeout 20 python3 -c "from service_load import grpc_floor
 x, y = 64 * $K * 2 + 40, 64 * $ROWS * 4 + 60  # (as bench/service.py's floor: + the fields)
 us = grpc_floor(x, y, ['stream'], 2.0)['stream']
 print(f'echo {x} B up, {y} B down: p50 {us:,.0f} us; 8 callers x 64 rows at that: '
       f'at most {8 * 64 / us * 1e6:,.0f} rows/s')" >"$OUT/echo_t3.log" 2>&1)
   note "# echo T3 sizes rc=$? at $(elapsed): $(tail -1 "$OUT/echo_t3.log" | cut -c1-160)"
-fi
-lane rule2 Q6SERVE_REGION_STREAMS=1
-lane slots3b Q6SERVE_LAUNCH_SLOTS=3
-if [[ -z ${DRY_RUN:-} ]] && left 16; then  # the lane's GPU tests with three slots
-  Q6SERVE_LAUNCH_SLOTS=3 timeout $((BUDGET + T0 - $(date +%s))) python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
-    tests/dataplane/test_pinned_gpu.py -k lane >"$OUT/pytest_slots3_gpu.log" 2>&1
-  note "# gpu test (slots 3) rc=$? ($(tail -1 "$OUT/pytest_slots3_gpu.log")) at $(elapsed)"
-  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_slots3_gpu.log" | head -6 | cut -c1-240
+}
+if [[ ${ROUND:-a} == b ]]; then  # bundle A2: the slots' T3 with the kernel's own p50
+  lane rule1 Q6SERVE_REGION_STREAMS=1
+  lane slots3a Q6SERVE_LAUNCH_SLOTS=3
+  lane slots4a Q6SERVE_LAUNCH_SLOTS=4
+  lane rule2 Q6SERVE_REGION_STREAMS=1
+  lane slots3b Q6SERVE_LAUNCH_SLOTS=3
+  echo_floor
+  slots3_tests
+else
+  if [[ $BACKEND == cuda ]]; then
+    timeout 20 python3 bench/device_ipc.py --backend cuda --dma --stack 64 --rows "$ROWS" \
+      --k "$K" --json "$OUT/dma.json" >"$OUT/dma.log" 2>&1
+    note "# dma rc=$? at $(elapsed): $(grep -h "^dma" "$OUT/dma.log" | cut -c5-80 | tr '\n' ';')"
+  fi
+  lane rule1 Q6SERVE_REGION_STREAMS=1
+  lane one1 Q6SERVE_REGION_STREAMS=0
+  lane slots3a Q6SERVE_LAUNCH_SLOTS=3
+  parts rule Q6SERVE_REGION_STREAMS=1
+  parts slots3 Q6SERVE_LAUNCH_SLOTS=3
+  if [[ $BACKEND == cuda ]]; then
+    lane zcuda Q6SERVE_REGION_STREAMS=1 --region cuda
+  fi
+  echo_floor
+  lane rule2 Q6SERVE_REGION_STREAMS=1
+  lane slots3b Q6SERVE_LAUNCH_SLOTS=3
+  slots3_tests
 fi
 python3 bench/dataplane_table.py --lanes "$OUT" | tee "$FINAL/table.txt"
 for f in "$OUT"/parts_*.log; do
