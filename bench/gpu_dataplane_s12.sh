@@ -13,10 +13,10 @@
 # 4. T3 through lanes over CUDA IPC regions (frontend_cpu.py --lane --region cuda): no x/y DMA;
 #    T3 bytes' floor: a bare gRPC echo of T3's message sizes (bench/service_load.py grpc_floor);
 # 5. the lane's GPU tests with three slots (test_pinned_gpu.py -k lane).
-# ROUND=b (bundle A2): T3 through lanes, the rule / three / four slots alternated (three also
-# with the 32 callers as 32 load processes), each with the
-# replies' kernel p50 (T3's fraction as bench/service.py counts it); T3 bytes' echo floor; the
-# lane's GPU tests with three slots.
+# ROUND=b (bundle A2): T3 through lanes, the rule and three slots (also with the 32 callers as 32
+# load processes), lanes over CUDA regions with and without Q6SERVE_PIPELINE_SHORT=1, each with
+# the replies' kernel p50 (T3's fraction as bench/service.py counts it); T3 bytes' echo floor;
+# the lane's GPU tests with three slots.
 # (T2's timeline with the GC freeze on/off: bench/gpu_dataplane_s11c.sh, bundle B.)
 #   bench/gpu_dataplane_s12.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95)
 #   DRY_RUN=1 BACKEND=numpy ROWS=64 K=512 OUT=/tmp/o bench/gpu_dataplane_s12.sh   (CPU)
@@ -72,11 +72,16 @@ print(f'echo {x} B up, {y} B down: p50 {us:,.0f} us; 8 callers x 64 rows at that
 if [[ ${ROUND:-a} == b ]]; then  # bundle A2: the slots' T3 with the kernel's own p50
   lane rule1 Q6SERVE_REGION_STREAMS=1
   lane slots3a Q6SERVE_LAUNCH_SLOTS=3
-  lane slots4a Q6SERVE_LAUNCH_SLOTS=4
+  # lanes over CUDA regions: one request at a time through CudaPlane.start (bundle A: 586k
+  # rows/s, the device process at one core), and with PIPELINE_SHORT=1, which launches a
+  # busy device's CUDA-region calls behind each other and waits on the device thread
+  if [[ $BACKEND == cuda ]]; then
+    lane zcuda Q6SERVE_REGION_STREAMS=1 --region cuda
+    lane zcudaps Q6SERVE_PIPELINE_SHORT=1 --region cuda
+  fi
   # the same 32 callers as 32 load processes of one (bundle A: 8 processes of 4 callers took
   # 1.1-1.2 cores each, their GIL shared by 4 callers' x copies and reply polls)
   lane slots3p32 Q6SERVE_LAUNCH_SLOTS=3 --hosts 32 --callers 1
-  lane slots3b Q6SERVE_LAUNCH_SLOTS=3
   echo_floor
   slots3_tests
 else
