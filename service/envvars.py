@@ -89,7 +89,8 @@ DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
-# read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env, region_streams_from_env:
+# read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env, region_streams_from_env,
+# slots_from_env, the y chunks' reader:
 # kernels never import service); listed here so the worker's start check names a bad value like
 # the others
 PDL = Var("Q6SERVE_PDL", "switch", True,
@@ -102,11 +103,14 @@ Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,
                "row chunks a large y is computed and downloaded in (CUDA; 0 or 1: off)",
                high=16)
 
+LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 2,
+                   "launches in flight at once on one launcher (CUDA)", low=1, high=4)
+
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS)
+                         Y_CHUNKS, LAUNCH_SLOTS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy
