@@ -9,7 +9,7 @@
 # the worker's own marks in the request's step (Q6SERVE_STEP_MARKS=1, bench/loop_trips.py:
 # decoded, job, job_end, send). Then the CUDA worker again alone, sampled by py-spy --native
 # (gRPC's C frames of the read and the write included), summarised by bench/spy_summary.py.
-#   bench/gpu_t1_s12.sh         env: ROUNDS (2), SECONDS_PER (1.0), SPY_SECONDS (4), RATE (250)
+#   bench/gpu_t1_s12.sh         env: ROUNDS (2), SECONDS_PER (1.0), SPY_SECONDS (4; 0: no profile), RATE (250)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy bench/gpu_t1_s12.sh
 # $OUT: t1s12.tgz (logs, trips JSON, profiles), summary.txt.
 set -uo pipefail
@@ -27,8 +27,10 @@ VARIANTS=bare+icpt+proto+coro+spin,bare+icpt+proto+coro+spin+hold200,engine,work
   --inproc 0 --rows 3584 --out f32 --rounds "$ROUNDS" --seconds "${SECONDS_PER:-1.0}" \
   --warmup 0.2 --trips --timeline 6 --variants "$VARIANTS") >"$OUT/split.log" 2>&1
 note "# split rc=$? ($(elapsed))"
-# then the CUDA worker alone under py-spy --native (no marks: nothing but the profiler added)
-(cd bench && timeout 16 python3 stream_overhead.py --backend "${BACKEND:-cuda}" --inproc 0 \
+# then the CUDA worker alone under py-spy --native (no marks: nothing but the profiler added;
+# SPY_SECONDS=0: none, e.g. a short validation)
+: >"$OUT/spyrun.log"
+[[ ${SPY_SECONDS:-4} == 0 ]] || (cd bench && timeout 16 python3 stream_overhead.py --backend "${BACKEND:-cuda}" --inproc 0 \
   --rows 3584 --out f32 --rounds 1 --seconds "${SPY_SECONDS:-4}" --warmup 0.2 \
   --variants worker) >"$OUT/spyrun.log" 2>&1 &
 run=$!
