@@ -124,6 +124,13 @@ SLOTS = slots_from_env()  # launches in flight at once on one launcher (module d
 # is built); only for a y of Y_CHUNK_MIN bytes or more.
 Y_CHUNKS = 0
 Y_CHUNK_MIN = 512 << 10
+# x's pinned staging buffers allocated write-combined (cudaHostAllocWriteCombined): the fill's
+# stores bypass the CPU caches, so x's DMA reads memory with no dirty lines to pull from the
+# caches (session 9: non-temporal fills cut x's DMA at N=64 by ~13 us). CPU reads of such a
+# buffer are uncached and slow (only the Q8_1 non-finite check of a staged x reads it). An
+# experiment (0: off); the wall bench's variants set it.
+STAGING_WC = 0
+_WRITE_COMBINED = 4  # cudaHostAllocWriteCombined
 # The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
 # ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
 # bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
@@ -395,8 +402,9 @@ class Workspace:
         return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
 
     def host(self, nbytes: int, slot: int = 0) -> np.ndarray:
-        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``)."""
-        self._host[slot] = self._pinned(self._host[slot], nbytes)
+        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``; write-combined
+        under ``STAGING_WC``)."""
+        self._host[slot] = self._pinned(self._host[slot], nbytes, bool(STAGING_WC))
         return self._host[slot][1]
 
     def host_out(self, nbytes: int, slot: int = 0) -> np.ndarray:
@@ -404,13 +412,17 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
-    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
-        if have is not None and have[1].size >= nbytes:
+    def _pinned(self, have: Any, nbytes: int, wc: bool = False) -> tuple[Any, np.ndarray, bool]:
+        if have is not None and have[1].size >= nbytes and have[2] == wc:
             return have
-        size = self._grown(0 if have is None else have[1].size, nbytes)
-        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
+        size = self._grown(0 if have is None or have[2] != wc else have[1].size, nbytes)
+        cuda = self.ctx.cp.cuda
+        if wc:
+            mem = cuda.PinnedMemoryPointer(cuda.PinnedMemory(size, _WRITE_COMBINED), 0)
+        else:
+            mem = cuda.alloc_pinned_memory(size)
         self.gen += 1
-        return mem, np.frombuffer(mem, np.uint8, size)
+        return mem, np.frombuffer(mem, np.uint8, size), wc
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._dev.values())
@@ -489,7 +501,7 @@ class BoundCall:
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
         self.chunked = bool(b.extra.get("chunks"))  # ... chunk by chunk (Launcher._chunks_out)
-        self.chunks = lc.chunks_wanted()  # the setting it was bound under
+        self.chunks = lc.setting()  # the host path's settings it was bound under
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
         self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
@@ -498,7 +510,7 @@ class BoundCall:
     def live(self) -> bool:
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
                 and (not self.topk or cuda_topk.bindable())
-                and self.chunks == self.lc.chunks_wanted())
+                and self.chunks == self.lc.setting())
 
     def launch(self, x: np.ndarray | None = None) -> Launched:
         """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
@@ -777,6 +789,11 @@ class Launcher:
     def chunks_wanted(self) -> int:
         """Row chunks a large y is computed and downloaded in (<= 1: off)."""
         return Y_CHUNKS if self.y_chunks is None else self.y_chunks
+
+    def setting(self) -> tuple[int, int]:
+        """The host path's settings a cached call was bound under (row chunks, staging
+        kind); a change sends the next call through the full path."""
+        return self.chunks_wanted(), STAGING_WC
 
     def y_stream(self) -> Any:
         """The copy stream of the row chunks' downloads (made on first use, under the

@@ -113,13 +113,19 @@ class _FakeCuda:
         self.bufs: dict[int, _DevBuf] = {}
         dev = self
         self.cuda = SimpleNamespace(
-            Event=_Event, alloc_pinned_memory=_Pinned,
+            Event=_Event, alloc_pinned_memory=_Pinned, PinnedMemory=self.pinned_flags,
+            PinnedMemoryPointer=lambda mem, offset: mem,
             get_elapsed_time=self.elapsed, Stream=lambda non_blocking=False: _Stream(dev),
             runtime=SimpleNamespace(memcpyAsync=self.memcpy, memcpy2DAsync=self.memcpy2d,
                                     streamCaptureModeRelaxed=2))
         self.fn = lambda file, name: _Fn(dev)
 
     unrecorded = False  # events a refused graph node never recorded: no elapsed time
+
+    def pinned_flags(self, size: int, flags: int = 0) -> _Pinned:
+        """cupy.cuda.PinnedMemory(size, flags): counts the write-combined ones."""
+        self.count(("pinned", flags))
+        return _Pinned(size)
 
     def elapsed(self, start: _Event, end: _Event) -> float:
         if self.unrecorded:
@@ -515,3 +521,27 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
     be.launcher.y_chunks = 4
     be.launch(w, _x(be, rng, 64, 4096, True)).wait()
     assert cp.counts["d2h2d"] > n2d
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_write_combined_staging(monkeypatch, staged):
+    """STAGING_WC: x's staging buffers are allocated write-combined (cudaHostAllocWriteCombined
+    = 4), a switch of the setting re-allocates them and rebinds (the cached call too), and the
+    calls' x and y are unchanged."""
+    be, cp = fake_backend(monkeypatch)
+    rows, k, n = 14336, 4096, 64
+    w = fake_weight(be, rows, k)
+    rng = np.random.default_rng(9)
+    for wc in (0, 1, 0, 1):
+        monkeypatch.setattr(launch_mod, "STAGING_WC", wc)
+        for i in range(4):
+            y = _set_y(be, w, n, i) if i else None
+            x = _x(be, rng, n, k, staged)
+            xb = x.copy()
+            res = be.launch(w, x).wait()
+            if y is not None:
+                assert np.array_equal(res.y, y)
+            assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
+                                  xb.reshape(-1).view(np.uint8))
+        assert be.launcher.ws._host[be.launcher.ws.staged_slot if staged else 0][2] == bool(wc)
+    assert cp.counts[("pinned", 4)] >= 2
