@@ -18,7 +18,6 @@ never dispatched, is in the history: commit 2f899f3, bench/RESULTS.md.)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import math
@@ -32,7 +31,7 @@ from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import storage
 from q6serve.kernels.cuda.dispatch import Cfg, default_cfg
-from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_file, kernel_name
+from q6serve.kernels.cuda.launch import kernel_file, kernel_name
 from q6serve.kernels.cuda.storage import CudaWeight
 from q6serve.kernels.cuda_backend import CudaBackend
 
@@ -49,14 +48,20 @@ TOL = 2e-3
 
 
 def device_weight(be: CudaBackend, aos: object, rows: int, k: int,
-                  layout: Layout) -> ResidentWeight:
+                  layout: Layout, pairs: bool = False) -> ResidentWeight:
     """A resident weight built on the device from device AoS blocks (the backend's own
-    repack into its slabs, as ``load`` does chunk by chunk)."""
+    repack into its slabs, as ``load`` does chunk by chunk); ``pairs``: SoA slabs in
+    pair-stream order (Q6SERVE_Q6K_PAIRS)."""
     plan = storage.slab_plan(rows, k)
     slabs: list = []
-    be.storage._scatter(aos, 0, rows, plan, slabs, k, layout)
+    was, be.storage.pairs = be.storage.pairs, pairs
+    try:
+        be.storage._scatter(aos, 0, rows, plan, slabs, k, layout)
+    finally:
+        be.storage.pairs = was
     return ResidentWeight(rows, k, layout, be.weight_nbytes(rows, k, layout),
-                          CudaWeight(slabs, be.storage._table(slabs), storage.slab_rows(rows, k)))
+                          CudaWeight(slabs, be.storage._table(slabs), storage.slab_rows(rows, k),
+                                     pairs=pairs and layout is Layout.SOA))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="per shape and N: AUTO with the split-K sum launched plainly and with "
                          "PDL (Launcher.pdl), interleaved off/on/off/on, bits compared; no tiles")
     ap.add_argument("--rp", action="store_true",
-                    help="the session-11 repacked-decode probe: per shape and N, src 4's "
-                         "launch shapes on the SoA weights and q6k_ksp_f16 on a repacked copy "
-                         "(q6k_repack_pairs), same grids, bits compared, beside AUTO")
+                    help="the pair-stream layout (session 11): per shape and N, src 4's and the "
+                         "wgmma tile's launch shapes on SoA weights and on pair-stream copies "
+                         "(layout 2, the same plans), bits compared, beside AUTO")
     ap.add_argument("--rp-profile", action="store_true",
                     help="with --rp: no checks or timing, one launch of each (Nsight Compute)")
     ap.add_argument("--ks-sweep", default=None, metavar="COUNTS",
@@ -112,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                  if ch.cfg is not None]
         with be.ctx.dev:
             for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
-                be.ctx.prefetch(file, {rp_name(c) for c in cfgs
+                be.ctx.prefetch(file, {kernel_name("mma_f16", c, 2, "InF16") for c in cfgs
                                        if kernel_file("mma_f16", c) == file}, threads=16)
             for file in dict.fromkeys(kernel_file(ch.path, ch.cfg) for ch in autos):
                 be.ctx.prefetch(file, {kernel_name(ch.path, ch.cfg, True, "InF16") for ch in autos
                                        if kernel_file(ch.path, ch.cfg) == file}, threads=16)
         for c in dict.fromkeys(cfgs):
-            f = be.ctx.fn(kernel_file("mma_f16", c), rp_name(c))
+            f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, 2, "InF16"))
             print(f"# rp {c.label()}: {f.num_regs} regs", flush=True)
     for c in dict.fromkeys(cfgs):
         f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             ws = [device_weight(be, aos, rows, k, Layout.SOA) for _ in range(copies)]
             wa = device_weight(be, aos, rows, k, Layout.AOS)
             if a.rp:  # the probe's weights: repacked copies of the same blocks
-                wr = [repack_pairs(be, device_weight(be, aos, rows, k, Layout.SOA))
+                wr = [device_weight(be, aos, rows, k, Layout.SOA, pairs=True)
                       for _ in range(copies)]
             pick = np.unique(np.concatenate([
                 np.arange(min(rows, 128)), np.arange(max(0, rows - 128), rows),
@@ -360,44 +365,14 @@ def rp_list(be, n: int, rows: int, k: int) -> list[Cfg]:
     return list(dict.fromkeys(out))
 
 
-def rp_name(c: Cfg) -> str:
-    if c.src == 6:
-        return f"q6k_wgp_f16<{c.nt}, InF16, {c.warps // 4}>"
-    return f"q6k_ksp_f16<{c.nt}, InF16, {c.warps}>"
-
-
-def repack_pairs(be, w: ResidentWeight) -> ResidentWeight:
-    """Rewrite a SoA weight's slabs in place into the probe's pair streams (q6k_repack_pairs);
-    only q6k_ksp_f16 reads it afterwards."""
-    cw = storage.weight_data(w)
-    fn = be.ctx.fn(MATMUL_FILE, "q6k_repack_pairs")
-    bpr = w.k // q6k.QK_K
-    with be.ctx.dev, be.stream:
-        for i, slab in enumerate(cw.slabs):
-            nb = min(cw.rps, w.rows - i * cw.rps) * bpr
-            fn(((nb + 127) // 128,), (128,), (slab, np.int32(nb)))
-    return w
-
-
-def run_tile(cp, be, w: ResidentWeight, xd, n: int, c: Cfg, probe: bool):
-    """src 4's launch shape ``c`` through the launcher's own plan and steps; ``probe``: the
-    same plan (grid, K slices, shared memory, split-K sum) with q6k_ksp_f16 as the tile."""
-    la = be.launcher
-    with be.ctx.dev, be.stream:
-        lp = la.plan(w.rows, w.k, w.layout, "InF16", "mma_f16", c, n)
-        if probe:
-            fn = be.ctx.fn(kernel_file("mma_f16", c), rp_name(c))
-            if int(fn.max_dynamic_shared_size_bytes) < lp.smem:
-                fn.max_dynamic_shared_size_bytes = lp.smem
-            lp = dataclasses.replace(lp, fn=fn)
-        y = cp.empty((n, w.rows), cp.float32)
-        for st in la.steps(lp, w, storage.weight_data(w), int(xd.data.ptr), int(y.data.ptr), n):
-            st()
-    return y, lp.grid
+def run_tile(be, w: ResidentWeight, xd, c: Cfg):
+    """One call of the K-slice/wgmma launch shape ``c`` through the backend (a pair-stream
+    weight runs the layout-2 kernels on the SoA twin's plan)."""
+    return be.run(w, xd, np.dtype(np.float16), "mma_f16", c)
 
 
 def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -> dict:
-    """AUTO, then per launch shape src 4 on the SoA copies and the probe on the repacked ones:
+    """AUTO, then per launch shape the SoA copies and the pair-stream ones:
     y compared bit for bit (same grid, same operation order), error vs the float64 reference,
     times interleaved s4/rp twice (best of each)."""
     rows, k = map(int, shape_s.split("x"))
@@ -407,8 +382,8 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
         with be.ctx.dev, be.stream:
             be.run(ws[0], xd, f16, choice.path, choice.cfg)
         for i, c in enumerate(rp_list(be, n, rows, k)):
-            run_tile(cp, be, ws[(1 + i) % len(ws)], xd, n, c, False)
-            run_tile(cp, be, wr[(1 + i) % len(wr)], xd, n, c, True)
+            run_tile(be, ws[(1 + i) % len(ws)], xd, c)
+            run_tile(be, wr[(1 + i) % len(wr)], xd, c)
         be.stream.synchronize()
         return {}
 
@@ -423,19 +398,20 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
     print(f"{shape_s:>12} {n:>3} {'auto=' + lab:>34} {t_auto:8.1f} us", flush=True)
     for c in rp_list(be, n, rows, k):
         try:
-            y4, g4 = run_tile(cp, be, ws[0], xd, n, c, False)
-            yp, gp = run_tile(cp, be, wr[0], xd, n, c, True)
-            y4, yp = y4.get(), yp.get()
+            with be.ctx.dev, be.stream:
+                y4 = run_tile(be, ws[0], xd, c).get(stream=be.stream)
+                yp = run_tile(be, wr[0], xd, c).get(stream=be.stream)
             same = bool(np.array_equal(y4.view(np.uint32), yp.view(np.uint32)))
             err = _bk_rel(yp[:, pick], y64)
-            ok = same and bool(np.isfinite(yp).all()) and err <= TOL and g4 == gp
+            ok = same and bool(np.isfinite(yp).all()) and err <= TOL
+            with be.ctx.dev:
+                gp = be.launcher.plan(rows, k, Layout.SOA, "InF16", "mma_f16", c, n, True).grid
             times: dict[str, list[float]] = {"s4": [], "rp": []}
             for _ in range(2):
-                for key, wl, probe in (("s4", ws, False), ("rp", wr, True)):
+                for key, wl in (("s4", ws), ("rp", wr)):
                     with be.ctx.dev, be.stream:
                         times[key].append(_bk.time_calls(
-                            cp, lambda i, wl=wl, probe=probe, c=c: run_tile(
-                                cp, be, wl[i], xd, n, c, probe), copies))
+                            cp, lambda i, wl=wl, c=c: run_tile(be, wl[i], xd, c), copies))
         except Exception as e:  # one broken shape must not end the run
             first = str(e).splitlines()[0] if str(e) else ""
             row["rp"][c.label()] = {"ok": False, "error": f"{type(e).__name__}: {first}"}
@@ -453,9 +429,8 @@ def rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies, profile: bool) -
 
 
 def print_rp_table(results: list[dict]) -> None:
-    print("\n# repacked-decode probe (q6k_ksp_f16 / q6k_wgp_f16) vs the plain tile (src 4 / 6, "
-          "same launch shape and grid) and AUTO: us, best of two interleaved runs; best shape "
-          "of each")
+    print("\n# pair-stream weights (layout 2) vs SoA (src 4 / 6, same launch shape and grid) and "
+          "AUTO: us, best of two interleaved runs; best shape of each")
     print(f"{'shape':>12} {'N':>3} {'AUTO':>8} {'best plain':>24} {'best rp':>24} {'rp/pl':>6} "
           f"{'xAUTO':>6}")
     for r in results:

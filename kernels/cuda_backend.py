@@ -49,7 +49,7 @@ from .cuda.dispatch import (
     load_default_table,
 )
 from .cuda.launch import IN_TYPES, SLOTS, Launcher, RegionCall
-from .cuda.storage import CudaWeight, Storage, weight_data
+from .cuda.storage import CudaWeight, Storage, pairs_from_env, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
 
@@ -83,7 +83,7 @@ class CudaBackend(Backend):
             table = load_default_table()
         elif isinstance(table, str | Path):
             table = DispatchTable.load(table)
-        self.storage = Storage(self.ctx)
+        self.storage = Storage(self.ctx, pairs_from_env())
         self.dispatch = Dispatch(table or None, self.sm_count)
         self.launcher = Launcher(self.ctx, graphs=graphs)
         # callers' page-locked host memory (the service's shm regions): x and y DMA'd

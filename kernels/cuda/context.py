@@ -59,13 +59,15 @@ class DeviceContext:
                 self._fns[name] = fn
         return fn
 
-    def prefetch(self, file: str, names: Iterable[str], threads: int = 8) -> int:
-        """Compile the template instantiations ``names`` up front, a dozen per NVRTC program
-        on parallel threads (one program per name costs a whole front-end pass each: the GPU
-        tests and the tune would spend minutes compiling). Returns how many were compiled."""
+    def prefetch(self, file: str, names: Iterable[str], threads: int = 8,
+                 group: int = PREFETCH_GROUP) -> int:
+        """Compile the template instantiations ``names`` up front, ``group`` (a dozen) per NVRTC
+        program on parallel threads (one program per name costs a whole front-end pass each: the
+        GPU tests and the tune would spend minutes compiling; a few names on many cores compile
+        sooner in smaller groups). Returns how many were compiled."""
         todo = sorted({n for n in names if "<" in n and n not in self._fns})
-        groups = [tuple(todo[i:i + PREFETCH_GROUP]) for i in range(0, len(todo),
-                                                                   PREFETCH_GROUP)]
+        group = max(1, group)
+        groups = [tuple(todo[i:i + group]) for i in range(0, len(todo), group)]
 
         def build(group: tuple[str, ...]) -> None:
             with self.dev:  # a pool thread's current device is 0

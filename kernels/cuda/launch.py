@@ -165,9 +165,10 @@ def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     return 0
 
 
-def kernel_name(path: str, cfg: Cfg, soa: bool, in_t: str) -> str:
-    """The template instantiation of a tile path (``soa`` picks the address arithmetic)."""
-    lay = "true" if soa else "false"
+def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
+    """The template instantiation of a tile path (``soa`` picks the address arithmetic: False
+    AoS, True SoA, 2 SoA in pair-stream order; the ring tile has no pair-stream form)."""
+    lay = "2" if soa == 2 else "true" if soa else "false"
     pf = "true" if cfg.pf else "false"
     if path == "exact":
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
@@ -688,7 +689,7 @@ class RegionCall:
         lc = self.lc
         ws, cp = lc.ws, lc.ctx.cp
         lp = lc.plan(self.rows, self.w.k, self.w.layout, self.in_t, self.path, self.cfg,
-                     self.n)
+                     self.n, self.cw.pairs)
         n, rows = self.n, self.rows
         for _ in range(2):  # all buffers first (any growth bumps the generation)
             gen = ws.gen
@@ -954,14 +955,21 @@ class Launcher:
         return out if total <= rounds else None
 
     def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
-             n: int) -> LaunchPlan:
+             n: int, pairs: bool = False) -> LaunchPlan:
+        """``pairs``: the weight's SoA code planes are in pair-stream order (CudaWeight.pairs):
+        the layout-2 instantiation on the SoA twin's grid (so the same results), and the ring
+        tile's shapes run as the register K-slice tile of the same width."""
         bpr = k // q6k.QK_K
+        if pairs and path == "mma_f16" and cfg.src == 5:
+            cfg = Cfg(nt=cfg.nt, src=4, pf=True, warps=12 if cfg.warps == 16 and cfg.nt > 2
+                      else cfg.warps)
         tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
         nz = -(-n // tok_per_cta)
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
         cfg = self.tile_cfg(path, cfg)
         file = kernel_file(path, cfg)
-        fn = self.ctx.fn(file, kernel_name(path, cfg, layout is Layout.SOA, in_t))
+        fn = self.ctx.fn(file, kernel_name(path, cfg, 2 if pairs else layout is Layout.SOA,
+                                           in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
         ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
         if ks_tile:
@@ -1043,7 +1051,7 @@ class Launcher:
             return y
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
-        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
+        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n, cw.pairs)
         for s in self.steps(lp, w, cw, int(xd.data.ptr), int(y.data.ptr), n):
             s()
         return y
@@ -1067,6 +1075,7 @@ class Launcher:
         cublas.setStream(handle, self.ctx.stream.ptr)
         one, zero = np.array(1.0, np.float32), np.array(0.0, np.float32)
         bpr = w.k // q6k.QK_K
+        soa = "2" if cw.pairs else soa  # pair-stream slabs
         dequant = self.ctx.fn(MATMUL_FILE, f"q6k_dequant_f16<{soa}>")
         for r0 in range(0, w.rows, tile_rows):
             rt = min(tile_rows, w.rows - r0)
@@ -1274,7 +1283,7 @@ class Launcher:
         small = small if small != "device" else None  # launch_device: y stays on the device
         slot = slot or 0  # (None: launch_device's, which has no host buffers of its own)
         cp = self.ctx.cp
-        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n)
+        lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n, cw.pairs)
         # All buffers first (any growth bumps the generation), then the pointers.
         kind = small[0] if isinstance(small, tuple) else None
         chunks = (self.row_chunks(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, cw.rps,

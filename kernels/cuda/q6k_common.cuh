@@ -28,7 +28,9 @@ struct RowRef {
     u32 ql, qh, sc, d;
 };
 
-template <bool SOA>
+// SOA (the layout code): 0 AoS, 1 SoA, 2 SoA in pair-stream order (session 11: the same planes,
+// each block's code bytes re-ordered per lane; load_raw / quad_q below and docs/KERNELS.md).
+template <int SOA>
 __device__ __forceinline__ RowRef row_ref(const Weight& w, int r) {
     const int s = r / w.rps;
     const int lr = r - s * w.rps;
@@ -101,10 +103,17 @@ struct Raw {
     u32 d;
 };
 
-template <bool SOA>
+template <int SOA>
 __device__ __forceinline__ Raw load_raw(const RowRef& r, int b, int t) {
     Raw w;
-    if (SOA) {
+    if (SOA == 2) {  // pair streams: ql holds W0..W7, qh[0] W8..W11 (qh[1] unused)
+        const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
+        w.ql[0] = ldg_stream128(ql);
+        w.ql[1] = ldg_stream128(ql + 16);
+        w.qh[0] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
+        w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+        w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    } else if (SOA) {
         const u8* ql = r.base + r.ql + (u32)b * 128u + 16u * t;
         const u8* qh = r.base + r.qh + (u32)b * 64u + 16u * (t & 1);
         w.ql[0] = ldg_stream128(ql);
@@ -133,9 +142,19 @@ __device__ __forceinline__ Raw load_raw(const RowRef& r, int b, int t) {
 // N <= 16 on the lm-heads 0.77-0.90x (the next block's start waited on its scales; with the
 // scales in the first part the registers were those of the whole-block prefetch), so 1 and 2
 // n-tiles keep load_raw at the block's start.
-template <bool SOA, int P>
+template <int SOA, int P>
 __device__ __forceinline__ void load_raw_part(Raw& w, const RowRef& r, int b, int t) {
-    if (SOA) {
+    if (SOA == 2) {  // pair streams: P = 0 W0..W3 and W8..W11, P = 1 W4..W7, scales, d
+        const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
+        if (P == 0) {
+            w.ql[0] = ldg_stream128(ql);
+            w.qh[0] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
+        } else {
+            w.ql[1] = ldg_stream128(ql + 16);
+            w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+            w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+        }
+    } else if (SOA) {
         const u8* ql = r.base + r.ql + (u32)b * 128u + 16u * t + 64u * P;
         const u8* qh = r.base + r.qh + (u32)b * 64u + 16u * (t & 1) + 32u * P;
         w.ql[P] = ldg_stream128(ql);
@@ -159,16 +178,51 @@ __device__ __forceinline__ u32 word4(const uint4& v, int j) {
     return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
+// ---- pair streams (SOA == 2) ------------------------------------------------------------------
+// Lane t's 48 code bytes of a block: W0..W7 (ql plane [32t, +32)) and W8..W11 (qh plane [16t,
+// +16)). Sub-block m = 2h + nib is the triple (W[2m], W[2m+1], W[8+m]): two 48-bit streams (the
+// low and the high halves of the three words), 8 six-bit fields each; field P of the low stream
+// is element 2(P&1) of quad j = P>>1, of the high stream the element after it, so field P of
+// both is one f16x2 A pair. pair_bits brings field P of both halves to bits 2-7 (field 3 is
+// there; 0 1 4 6 7 one shift; 2 and 5 straddle two words: a byte permute and a shift).
+__device__ __forceinline__ u32 pair_bits(int p, u32 w0, u32 w1, u32 w2) {
+    switch (p) {
+        case 0: return w0 << 2;
+        case 1: return w0 >> 4;
+        case 2: return __byte_perm(w0, w1, 0x6341u) >> 2;  // w0 bits 12-15 + w1 bits 0-1
+        case 3: return w1;
+        case 4: return w1 >> 6;
+        case 5: return __byte_perm(w1, w2, 0x6341u) >> 4;  // w1 bits 14-15 + w2 bits 0-3
+        case 6: return w2 >> 2;
+        default: return w2 >> 8;
+    }
+}
+// Field P of sub-block m of a pair-stream Raw (both halves at bits 2-7, other bits garbage).
+__device__ __forceinline__ u32 pair_field(const Raw& w, int m, int p) {
+    return pair_bits(p, word4(w.ql[m >> 1], 2 * (m & 1)), word4(w.ql[m >> 1], 2 * (m & 1) + 1),
+                     word4(w.qh[0], m));
+}
+// The codes of quad (h, nib, j) as 4q, one per byte (quad_q4's form), from pair streams.
+__device__ __forceinline__ u32 pair_quad4(const Raw& w, int h, int nib, int j) {
+    const int m = 2 * h + nib;
+    return __byte_perm(pair_field(w, m, 2 * j) & 0x00FC00FCu,
+                       pair_field(w, m, 2 * j + 1) & 0x00FC00FCu, 0x6420u);
+}
+
 // 6-bit codes (0..63, one per byte) of quad (h, nib, j); qsh = 2*(t>>1). The high bits sit at
 // qh bits qsh (nib 0) and qsh + 4 (nib 1) of each byte: one shift each lands them on bits 4-5.
+template <int SOA = 1>
 __device__ __forceinline__ u32 quad_q(const Raw& w, int h, int nib, int j, int qsh) {
+    if (SOA == 2) return pair_quad4(w, h, nib, j) >> 2;
     const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
     return nib ? (((l >> 4) & 0x0F0F0F0Fu) | ((hw >> qsh) & 0x30303030u))
                : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
 }
 
 // The same codes as 4*q: bits 2-7 of each byte, bits 0-1 zero (deq2f's input).
+template <int SOA = 1>
 __device__ __forceinline__ u32 quad_q4(const Raw& w, int h, int nib, int j, int qsh) {
+    if (SOA == 2) return pair_quad4(w, h, nib, j);
     const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
     return nib ? (((l >> 2) & 0x3C3C3C3Cu) | ((hw << (2 - qsh)) & 0xC0C0C0C0u))
                : (((l << 2) & 0x3C3C3C3Cu) | ((hw << (6 - qsh)) & 0xC0C0C0C0u));

@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
 
 // The two tensor-core tiles' common setup: row references of a warp's MT m-tiles (rows g and
 // g+8 of each; rows past the end read the last row, never emitted) and zeroed accumulators.
-template <bool SOA, int MT>
+template <int SOA, int MT>
 __device__ __forceinline__ void warp_rows(const Weight& w, int wrow, int g, RowRef (&rr)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -52,7 +52,7 @@ __device__ __forceinline__ void warp_rows(const Weight& w, int wrow, int g, RowR
 }
 // One K block of a warp's MT m-tiles (rows g and g+8 of each), and the double buffer's step:
 // this block's weights from `nxt`, whose loads of the next block are issued.
-template <bool SOA, int MT>
+template <int SOA, int MT>
 __device__ __forceinline__ void warp_load(Raw (&dst)[MT][2], const RowRef (&rr)[MT][2], int kb,
                                           int t) {
 #pragma unroll
@@ -60,7 +60,7 @@ __device__ __forceinline__ void warp_load(Raw (&dst)[MT][2], const RowRef (&rr)[
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) dst[mt][hr] = load_raw<SOA>(rr[mt][hr], kb, t);
 }
-template <bool SOA, int P, int MT>
+template <int SOA, int P, int MT>
 __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (&rr)[MT][2],
                                                int kb, int t) {
 #pragma unroll
@@ -171,9 +171,13 @@ struct NoMid {
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
 // when the first half's steps are done (raw's ql[0]/qh[0] are dead: the split prefetch).
 // FMA: the one-HFMA2 decode (deq2f; the ring tile, where it measured 1.0-1.05x), else deq2.
-template <int NT, int MT, class BX, class MID = NoMid, bool FMA = false>
+// LAY 2 (pair streams): one shift or byte permute, one LOP3 and one HFMA2 per A pair (deq2p;
+// the same A bits as deq2, so the same results as the SoA twin on the same grid).
+template <int NT, int MT, int LAY = 1, class BX, class MID = NoMid, bool FMA = false>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
                                           int t, BX bx_of, MID mid = MID()) {
+    constexpr bool F4 = FMA || LAY == 2;  // scales as sc/4 pairs with the -288 sc bias
+    const u32 magic = LAY == 2 ? kPairMagic : 0u;
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
     float dmul[MT][2];
@@ -194,8 +198,8 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const u32 v = word4(raw[mt][hr].sc, k);
-                sc2[mt][hr][k] = zero ? 0u : FMA ? sc4_pair(v, scsel) : sc_pair(v, scsel);
-                bias[mt][hr][k] = FMA ? bias_pair(sc2[mt][hr][k]) : 0u;
+                sc2[mt][hr][k] = zero ? 0u : F4 ? sc4_pair(v, scsel) : sc_pair(v, scsel);
+                bias[mt][hr][k] = F4 ? bias_pair(sc2[mt][hr][k]) : 0u;
             }
         }
 #pragma unroll
@@ -212,7 +216,14 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
             for (int mt = 0; mt < MT; ++mt) {
                 const u32 s0 = sc2[mt][0][2 * h + nib], s1 = sc2[mt][1][2 * h + nib];
                 u32 a0, a1, a2, a3;
-                if (FMA) {
+                if (LAY == 2) {
+                    const int m = 2 * h + nib;
+                    const u32 c0 = bias[mt][0][m], c1 = bias[mt][1][m];
+                    a0 = deq2p(pair_field(raw[mt][0], m, 2 * j), s0, c0, magic);
+                    a1 = deq2p(pair_field(raw[mt][1], m, 2 * j), s1, c1, magic);
+                    a2 = deq2p(pair_field(raw[mt][0], m, 2 * j + 1), s0, c0, magic);
+                    a3 = deq2p(pair_field(raw[mt][1], m, 2 * j + 1), s1, c1, magic);
+                } else if (FMA) {
                     const u32 q0 = quad_q4(raw[mt][0], h, nib, j, qsh);
                     const u32 q1 = quad_q4(raw[mt][1], h, nib, j, qsh);
                     const u32 c0 = bias[mt][0][2 * h + nib], c1 = bias[mt][1][2 * h + nib];
@@ -250,7 +261,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 // block by block into two shared-memory stages with cp.async (the next block lands during this
 // one). (SRC 0, x read in the loop, and 1, the prepass read through L1, left with the K-slice
 // tiles: no table entry or heuristic picked them any more.)
-template <int NT, int MT, bool SOA, int SRC, class In, bool PF>
+template <int NT, int MT, int SOA, int SRC, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -308,7 +319,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             warp_load<SOA>(raw, rr, kb, t);
         }
 
-        block_mma<NT, MT>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+        block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
             if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
             return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
         });
@@ -409,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // <= 128 registers; q6k_ks_f16<2> spills there), the rest 1 (up to 255); 12 warps: one CTA of
 // <= 168 registers (12 warps per SM without the spills); 16 warps: one CTA of <= 128 (as two
 // 8-warp CTAs, but one activation slice per SM instead of two).
-template <int NT, int MT, bool SOA, class In, bool PF, int NW>
+template <int NT, int MT, int SOA, class In, bool PF, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -456,7 +467,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
                     warp_load_part<SOA, 0>(nxt, rr, kb0 + b + 1, t);
                 else if (more)
                     warp_load_part<SOA, 0>(nxt, rn, kb0, t);
-                block_mma<NT, MT>(acc, raw, t, bx, [&] {
+                block_mma<NT, MT, SOA>(acc, raw, t, bx, [&] {
                     if (in_tile)
                         warp_load_part<SOA, 1>(nxt, rr, kb0 + b + 1, t);
                     else if (more)
@@ -473,7 +484,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
             } else {
                 warp_load<SOA>(raw, rr, kb0 + b, t);
             }
-            block_mma<NT, MT>(acc, raw, t, bx);
+            block_mma<NT, MT, SOA>(acc, raw, t, bx);
         }
         if (more) {
             if (PF) {
@@ -684,7 +695,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
             ring_raw_part<1>(raw[0][0], st, g, t);
             ring_raw_part<1>(raw[0][1], st, g + 8, t);
         };
-        block_mma<NT, 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx, mid);
+        block_mma<NT, 1, 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx, mid);
         slot = slot + 1 == S ? 0 : slot + 1;
         if (++b == nblk) {
             ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
@@ -701,7 +712,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
 // Per lane and block: part = sum over its 64 weights of (sc*(q-32)) * x (exact weight factors,
 // f32 FMAs), acc += d * part; the 4 lanes of a row are added at the end.
 // The CTA first stages its activations in shared memory ([tok][block][sp][t] 8 floats).
-template <int TOK, bool SOA, class In, bool PF>
+template <int TOK, int SOA, class In, bool PF>
 __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T* x, int K,
                                                   PARAMS_OUT) {
     MAKE_W;
@@ -770,7 +781,7 @@ __global__ void __launch_bounds__(256) q6k_exact(PARAMS_W, const typename In::T*
                 const float scf = (float)quad_sc(raw[hr], 2 * h + nib, t);
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
-                    const u32 q = quad_q(raw[hr], h, nib, 2 * jj + u, qsh);
+                    const u32 q = quad_q<SOA>(raw[hr], h, nib, 2 * jj + u, qsh);
                     const float w0 = q_to_f32<0>(q) * scf, w1 = q_to_f32<1>(q) * scf;
                     const float w2 = q_to_f32<2>(q) * scf, w3 = q_to_f32<3>(q) * scf;
 #pragma unroll
@@ -872,14 +883,30 @@ __global__ void __launch_bounds__(256) q6k_prep_q8_1(const typename In::T* x, in
 struct Raw8 {
     u32 ql[8];  // [h][s&1][lh]
     u32 qh[4];  // [h][lh]
+    u32 q[16];  // pair streams (SOA == 2): group st's four codes, one per byte
     uint4 sc;
     u32 d;
 };
 
-template <bool SOA>
+template <int SOA>
 __device__ __forceinline__ Raw8 load_raw8(const RowRef& r, int b, int t) {
     Raw8 w;
-    if (SOA) {
+    if (SOA == 2) {
+        // Group st (elements 16st..16st+15, scale byte st) is sub-block m = st>>2 of the pair
+        // lane st&3; this lane's codes 4t..4t+3 of it are that lane's fields 2t and 2t+1.
+        const u8* ql = r.base + r.ql + (u32)b * 128u;
+        const u8* qh = r.base + r.qh + (u32)b * 64u;
+#pragma unroll
+        for (int st = 0; st < 16; ++st) {
+            const int tq = st & 3, m = st >> 2;
+            const uint2 v = ldg64(ql + 32 * tq + 8 * m);
+            const u32 w2 = ldg_stream32(qh + 16 * tq + 4 * m);
+            w.q[st] = __byte_perm(pair_bits(2 * t, v.x, v.y, w2) & 0x00FC00FCu,
+                                  pair_bits(2 * t + 1, v.x, v.y, w2) & 0x00FC00FCu, 0x6420u) >> 2;
+        }
+        w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
+        w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
+    } else if (SOA) {
         const u8* ql = r.base + r.ql + (u32)b * 128u + 4u * t;
         const u8* qh = r.base + r.qh + (u32)b * 64u + 4u * t;
 #pragma unroll
@@ -901,7 +928,9 @@ __device__ __forceinline__ Raw8 load_raw8(const RowRef& r, int b, int t) {
 }
 
 // u8 codes of group st (h = st>>3, s = (st>>1)&3, lh = st&1) held by this lane.
+template <int SOA>
 __device__ __forceinline__ u32 group_q(const Raw8& w, int st) {
+    if (SOA == 2) return w.q[st];
     const int h = st >> 3, s = (st >> 1) & 3, lh = st & 1;
     const u32 l = w.ql[h * 4 + (s & 1) * 2 + lh] >> (4 * (s >> 1));
     const u32 hh = w.qh[h * 2 + lh] >> (2 * s);
@@ -913,7 +942,7 @@ __device__ __forceinline__ int sc_byte(const uint4& v, int st) {
     return ((int)(word4(v, st >> 2) << (24 - 8 * (st & 3)))) >> 24;
 }
 
-template <int NT, int MT, bool SOA>
+template <int NT, int MT, int SOA>
 __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, const int2* corr,
                                                    const float2* d8, PARAMS_OUT) {
     MAKE_W;
@@ -952,7 +981,7 @@ __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, con
                 const int st = 4 * gq + u;
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    const u32 a0 = group_q(raw[mt][0], st), a1 = group_q(raw[mt][1], st);
+                    const u32 a0 = group_q<SOA>(raw[mt][0], st), a1 = group_q<SOA>(raw[mt][1], st);
                     const float dsc0 = dw[mt][0] * small_i2f(sc_byte(raw[mt][0].sc, st));
                     const float dsc1 = dw[mt][1] * small_i2f(sc_byte(raw[mt][1].sc, st));
 #pragma unroll
@@ -984,7 +1013,7 @@ __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, con
 
 // ---------------------------------------------------------------------------------------------
 // Rows [r0, r0+nrows) of W as f16 [nrows][K]: f16(d*sc * (q-32)) (f32 product, one rounding).
-template <bool SOA>
+template <int SOA>
 __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nrows, u16* out) {
     MAKE_W;
     const long long total = (long long)nrows * w.bpr * 4;
@@ -1004,7 +1033,7 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
                 const float dsc = d * (float)quad_sc(raw, 2 * h + nib, t);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const u32 q = quad_q(raw, h, nib, j, 2 * (t >> 1));
+                    const u32 q = quad_q<SOA>(raw, h, nib, j, 2 * (t >> 1));
                     const u32 lo = f16_bits(q_to_f32<0>(q) * dsc) | (f16_bits(q_to_f32<1>(q) * dsc) << 16);
                     const u32 hi = f16_bits(q_to_f32<2>(q) * dsc) | (f16_bits(q_to_f32<3>(q) * dsc) << 16);
                     *(uint2*)(dst + h * 128 + 32 * ((t >> 1) + 2 * nib) + 16 * (t & 1) + 4 * j) =
@@ -1015,207 +1044,13 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 }
 
 // ---------------------------------------------------------------------------------------------
-// Probe (session 11, issue 16; bench/tile_probe.py --rp, never dispatched): the K-slice tile
-// q6k_ks_f16 (mt 1, whole-block register prefetch) reading a repack of the same bytes in which
-// a 32-bit word yields an f16x2 pair of codes with one shift or byte permute and one LOP3.
-// Repacked block (same SoA planes, same sizes: resident bytes unchanged): lane t's 48 bytes are
-// ql-plane bytes [32t, 32t+32) (words W0..W7) and qh-plane bytes [16t, 16t+16) (W8..W11). Its
-// sub-block m = 2h + nib (scale byte t of scale word m, as in block_mma) is the triple
-// (W[2m], W[2m+1], W[8+m]): two 48-bit streams, the low halves and the high halves of the three
-// words, each holding 8 six-bit fields; field P of the low stream is the code of quad element
-// i = 2(P&1) of quad j = P>>1, of the high stream element i + 1 (so field P of both streams is
-// the A register pair a0/a2 of step j). pair_bits moves field P of both halves to bits 2-7
-// (fields 3 free, 0 1 4 6 7 one shift, 2 5 straddle two words: a byte permute and a shift),
-// then deq2p = LOP3 (mask | 0x6400 magic) + deq2f's HFMA2: the same A bits as deq2 (results
-// bit-identical to q6k_ks_f16 on the same grid). Decode: 23 instructions per 16 weights
-// against quad_q + deq2's 40 (the FMA form's 32), and 12 code words per row-lane instead of 16.
-struct RawP {
-    uint4 q[3];  // ql-plane bytes [32t, +32), qh-plane bytes [16t, +16) of the repacked block
-    uint4 sc;
-    u32 d;
-};
-__device__ __forceinline__ RawP load_rawp(const RowRef& r, int b, int t) {
-    RawP w;
-    const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
-    w.q[0] = ldg_stream128(ql);
-    w.q[1] = ldg_stream128(ql + 16);
-    w.q[2] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
-    w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
-    w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
-    return w;
-}
-// One part of load_rawp's bytes, as load_raw_part: P = 0 the first half's code words (q[0]) and
-// the qh-plane words of both halves (q[2]), P = 1 the second half's (q[1]), the scales and d;
-// P = 2 all of them.
-template <int P>
-__device__ __forceinline__ void load_rawp_part(RawP& w, const RowRef& r, int b, int t) {
-    const u8* ql = r.base + r.ql + (u32)b * 128u + 32u * t;
-    if (P == 2) {  // the whole block
-        w = load_rawp(r, b, t);
-    } else if (P == 0) {
-        w.q[0] = ldg_stream128(ql);
-        w.q[2] = ldg_stream128(r.base + r.qh + (u32)b * 64u + 16u * t);
-    } else {
-        w.q[1] = ldg_stream128(ql + 16);
-        w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
-        w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
-    }
-}
-// The warp's next loads (part P of load_rawp_part; 2 the whole block) of rows g, g+8: block b+1
-// of this tile, else the first block of the warp's next tile, else none.
-template <int P>
-__device__ __forceinline__ void rawp_next(RawP (&nxt)[2], const RowRef (&rr)[1][2],
-                                          const RowRef (&rn)[1][2], bool in_tile, bool more,
-                                          int kb0, int b, int t) {
-    if (in_tile) {
-        load_rawp_part<P>(nxt[0], rr[0][0], kb0 + b + 1, t);
-        load_rawp_part<P>(nxt[1], rr[0][1], kb0 + b + 1, t);
-    } else if (more) {
-        load_rawp_part<P>(nxt[0], rn[0][0], kb0, t);
-        load_rawp_part<P>(nxt[1], rn[0][1], kb0, t);
-    }
-}
-__device__ __forceinline__ u32 pair_bits(int p, u32 w0, u32 w1, u32 w2) {
-    switch (p) {
-        case 0: return w0 << 2;
-        case 1: return w0 >> 4;
-        case 2: return __byte_perm(w0, w1, 0x6341u) >> 2;  // w0 bits 12-15 + w1 bits 0-1
-        case 3: return w1;
-        case 4: return w1 >> 6;
-        case 5: return __byte_perm(w1, w2, 0x6341u) >> 4;  // w1 bits 14-15 + w2 bits 0-3
-        case 6: return w2 >> 2;
-        default: return w2 >> 8;
-    }
-}
-// (v & mask) | magic as one LOP3: with both constants as immediates ptxas emits two (a LOP3
-// takes one immediate), so the magic comes in a register (read once from constant memory).
-__constant__ u32 kPairMagic = 0x64006400u;
-__device__ __forceinline__ u32 deq2p(u32 v, u32 s4, u32 c, u32 magic) {
-    u32 r;
-    asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;" : "=r"(r) : "r"(v), "r"(magic));
-    return hfma2(r, s4, c);
-}
-
-// block_mma<NT, 1, BX, NoMid, true> on the repacked words: the same operations in the same
-// order (accumulator rescale, mma sequence, final scale), only the A registers built otherwise.
-template <int NT, class BX, class MID = NoMid>
-__device__ __forceinline__ void block_mma_rp(float (&acc)[1][NT][4], const RawP (&raw)[2], int t,
-                                             BX bx_of, MID mid = MID()) {
-    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
-    const u32 magic = kPairMagic;
-    float dmul[2];
-    u32 s4[2][4], bias[2][4];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const float d = f16_to_f32(raw[hr].d);
-        const bool zero = (d == 0.f);
-        dmul[hr] = zero ? 1.f : d;
-        const float inv = zero ? 1.f : rcp_approx(d);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            acc[0][nt][2 * hr] *= inv;
-            acc[0][nt][2 * hr + 1] *= inv;
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            s4[hr][k] = zero ? 0u : sc4_pair(word4(raw[hr].sc, k), scsel);
-            bias[hr][k] = bias_pair(s4[hr][k]);
-        }
-    }
-#pragma unroll
-    for (int sp = 0; sp < 8; ++sp) {
-        const int h = sp >> 2, nib = (sp >> 1) & 1, jj = sp & 1, m = 2 * h + nib;
-        if (sp == 4) mid();
-        uint4 bx[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) bx[nt] = bx_of(sp, nt);
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int j = 2 * jj + u;
-            u32 alo[2], ahi[2];
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const u32 w0 = word4(raw[hr].q[m >> 1], 2 * (m & 1));
-                const u32 w1 = word4(raw[hr].q[m >> 1], 2 * (m & 1) + 1);
-                const u32 w2 = word4(raw[hr].q[2], m);
-                alo[hr] = deq2p(pair_bits(2 * j, w0, w1, w2), s4[hr][m], bias[hr][m], magic);
-                ahi[hr] = deq2p(pair_bits(2 * j + 1, w0, w1, w2), s4[hr][m], bias[hr][m], magic);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                mma_f16(acc[0][nt], alo[0], alo[1], ahi[0], ahi[1], u ? bx[nt].z : bx[nt].x,
-                        u ? bx[nt].w : bx[nt].y);
-        }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dmul[i >> 1];
-}
-
-// q6k_ks_f16<NT, 1, true, In, true, NW> (schedule, staging, prefetch - in two parts at 4 and 8
-// n-tiles, as there - and emit) on repacked SoA weights. Same signature, so Launcher's plan
-// and steps of the src 4 shape launch it.
-template <int NT, class In, int NW>
-__global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 2 ? 2 : 1)
-    q6k_ksp_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
-    MAKE_W;
-    MAKE_OUT;
-    (void)xp;
-    const KsPos ps = ks_pos<NT>(w.bpr);
-    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
-    const int kb0 = ps.kb0, nblk = ps.nblk;
-    const int wtiles = (w.rows + 15) / 16;
-    const int wstride = gridDim.x * NW;
-    int wt = blockIdx.x * NW + warp;
-    if (nblk <= 0) return;
-
-    RowRef rr[1][2], rn[1][2];
-    RawP nxt[2];
-    if (wt < wtiles) {
-        warp_rows<true>(w, wt * 16, g, rr);
-        nxt[0] = load_rawp(rr[0][0], kb0, t);
-        nxt[1] = load_rawp(rr[0][1], kb0, t);
-    }
-    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
-    __syncthreads();
-    const int tstride = nblk * 32 + 4;
-    constexpr bool SPLIT = NT >= 4;
-    for (; wt < wtiles; wt += wstride) {
-        const int wrow = wt * 16;
-        const bool more = wt + wstride < wtiles;
-        if (more) warp_rows<true>(w, (wt + wstride) * 16, g, rn);
-        float acc[1][NT][4];
-        zero_acc(acc);
-        for (int b = 0; b < nblk; ++b) {
-            const auto bx = [&](int sp, int nt) -> uint4 {
-                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
-            };
-            RawP raw[2] = {nxt[0], nxt[1]};
-            const bool in_tile = b + 1 < nblk;  // else the warp's next tile's first block
-            if (SPLIT) {  // as q6k_ks_f16 at 4 and 8 n-tiles: the next block in two parts
-                rawp_next<0>(nxt, rr, rn, in_tile, more, kb0, b, t);
-                block_mma_rp<NT>(acc, raw, t, bx,
-                                 [&] { rawp_next<1>(nxt, rr, rn, in_tile, more, kb0, b, t); });
-                continue;
-            }
-            rawp_next<2>(nxt, rr, rn, in_tile, more, kb0, b, t);
-            block_mma_rp<NT>(acc, raw, t, bx);
-        }
-        if (more) {
-            rr[0][0] = rn[0][0];
-            rr[0][1] = rn[0][1];
-        }
-        ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
-    }
-}
-
-// The probe's repack, in place, of one SoA slab of nb blocks (one thread per block): the ql and
-// qh planes rewritten into the pair streams above (scales and d untouched). Not byte-exact
-// with ggml's order any more: only q6k_ksp_f16 reads such a slab.
-extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int nb) {
-    const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= nb) return;
+// Pair streams (layout code 2, session 11; q6k_common.cuh "pair streams"): one SoA slab's
+// blocks [b0, b1) of nb rewritten in place, one thread per block (scales and d untouched), and
+// the inverse. Only the layout-2 instantiations read such a slab.
+extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int nb, int b0,
+                                                                    int b1) {
+    const int b = b0 + blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= b1) return;
     u8* ql = slab + (size_t)b * 128u;
     u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
     u8 q[256];
@@ -1250,11 +1085,12 @@ extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int
     }
 }
 
-// The inverse, in place: pair streams back to ggml's ql/qh planes (what the kill switch's
-// relayout and read_aos would need), bit-exact (tests/kernels/test_cuda_pairs.py round-trips).
-extern "C" __global__ void __launch_bounds__(128) q6k_unpack_pairs(u8* slab, int nb) {
-    const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= nb) return;
+// The inverse, in place: pair streams back to ggml's ql/qh planes (relayout to AoS, read_aos),
+// bit-exact (tests/kernels/test_cuda_pairs.py round-trips).
+extern "C" __global__ void __launch_bounds__(128) q6k_unpack_pairs(u8* slab, int nb, int b0,
+                                                                    int b1) {
+    const int b = b0 + blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= b1) return;
     u8* ql = slab + (size_t)b * 128u;
     u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
     u8 q[256];
@@ -1311,11 +1147,6 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_KSP(NT, NW)                                                                     \
-    template __global__ void q6k_ksp_f16<NT, InF16, NW>(                                      \
-        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-INST_KSP(1, 8) INST_KSP(2, 8) INST_KSP(4, 8) INST_KSP(8, 8) INST_KSP(1, 12) INST_KSP(2, 12)
-INST_KSP(4, 12) INST_KSP(1, 16) INST_KSP(2, 16)
 #define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
     template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
@@ -1340,4 +1171,15 @@ INST_MMQ(1, 1, true) INST_MMQ(2, 1, true) INST_MMQ(4, 1, true) INST_MMQ(8, 1, tr
 INST_MMQ(1, 1, false) INST_MMQ(2, 1, false) INST_MMQ(4, 1, false) INST_MMQ(8, 1, false)
 template __global__ void q6k_dequant_f16<true>(const u64*, int, int, int, int, int, u16*);
 template __global__ void q6k_dequant_f16<false>(const u64*, int, int, int, int, int, u16*);
+// Layout 2 (pair streams), f16 activations: every reader the dispatch can send a pair weight to.
+INST_MMA(1, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 3, InF16)
+INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16) INST_MMA(4, 2, 2, 3, InF16)
+INST_KS2(1, 1, 2, InF16, true, 8) INST_KS2(2, 1, 2, InF16, true, 8)
+INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
+INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)
+INST_KS2(4, 1, 2, InF16, true, 12) INST_KS2(1, 1, 2, InF16, true, 16)
+INST_KS2(2, 1, 2, InF16, true, 16) INST_KS2(2, 2, 2, InF16, true, 8)
+INST_EXACT(1, 2, InF16) INST_EXACT(2, 2, InF16) INST_EXACT(4, 2, InF16)
+INST_MMQ(1, 1, 2) INST_MMQ(2, 1, 2) INST_MMQ(4, 1, 2) INST_MMQ(8, 1, 2)
+template __global__ void q6k_dequant_f16<2>(const u64*, int, int, int, int, int, u16*);
 #endif

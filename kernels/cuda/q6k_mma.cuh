@@ -60,6 +60,16 @@ __device__ __forceinline__ u32 sc4_pair(u32 v, u32 sel) {
 // deq2f's bias pair -288*sc = (sc/4) * -1152, exact (a zero scale gives -0; fma(v, 0, -0) = +0).
 __device__ __forceinline__ u32 bias_pair(u32 s4) { return hmul2(s4, 0xE480E480u); }
 
+// Pair streams (layout 2): field bits v (pair_bits) -> the A pair, deq2f's HFMA2 after one LOP3
+// ((v & mask) | 0x6400 magic). The magic comes in a register (read once from constant memory):
+// with both constants as immediates ptxas emits two LOP3s (a LOP3 takes one immediate).
+__constant__ u32 kPairMagic = 0x64006400u;
+__device__ __forceinline__ u32 deq2p(u32 v, u32 s4, u32 c, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;" : "=r"(r) : "r"(v), "r"(magic));
+    return hfma2(r, s4, c);
+}
+
 // 1/x to within 1 ulp (MUFU.RCP): the f16 tile scales its accumulators by 1/d then d around
 // each block, so this costs <= 2 ulp of f32 per block instead of the IEEE division's sequence.
 __device__ __forceinline__ float rcp_approx(float x) {

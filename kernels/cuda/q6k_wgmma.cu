@@ -140,7 +140,7 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
 // blocks of raw weights (this one and the prefetched next) and two k16 steps of A fragments
 // are live (142-190 on sm_90a, so one CTA of 8 warps per SM; NWG 1: up to three CTAs where the
 // shared memory allows; NWG 3: <= 168).
-template <int NT, bool SOA, class In, int NWG>
+template <int NT, int SOA, class In, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
 #ifdef Q6SERVE_WGMMA
@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                       ((u64)(256 >> 4) << 32);
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
+    const u32 magic = SOA == 2 ? kPairMagic : 0u;
 
     for (; gt < gtiles; gt += gstride) {
         const int wrow = gt * 64 + wq * 16;
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
             else if (more)
                 warp_load<SOA>(nxt, rn, kb0, t);
             float f[2];
-            u32 sc2[2][4];
+            u32 sc2[2][4], bias[2][4];  // layout 2: sc/4 pairs and the -288 sc bias (deq2p)
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
                 const float d = f16_to_f32(raw[hr].d);
@@ -201,8 +202,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                 f[hr] = dprev[hr] * (zero ? 1.f : rcp_approx(d));
                 dprev[hr] = dm;
 #pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    sc2[hr][k] = zero ? 0u : sc_pair(word4(raw[hr].sc, k), scsel);
+                for (int k = 0; k < 4; ++k) {
+                    const u32 v = word4(raw[hr].sc, k);
+                    sc2[hr][k] = zero ? 0u : SOA == 2 ? sc4_pair(v, scsel) : sc_pair(v, scsel);
+                    bias[hr][k] = SOA == 2 ? bias_pair(sc2[hr][k]) : 0u;
+                }
             }
             wg_wait<0>();  // the previous block's products are in acc
             wg_fence_acc(acc);
@@ -214,11 +218,22 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
                 const int hn = s >> 2, j = s & 3, h = hn >> 1, nib = hn & 1;
-                const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
-                const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
                 const u32 s0 = sc2[0][hn], s1 = sc2[1][hn];
-                const u32 a0 = deq2<0x4140u>(q0, s0), a1 = deq2<0x4140u>(q1, s1);
-                const u32 a2 = deq2<0x4342u>(q0, s0), a3 = deq2<0x4342u>(q1, s1);
+                u32 a0, a1, a2, a3;
+                if (SOA == 2) {  // pair streams: sub-block hn, fields 2j and 2j+1
+                    const u32 c0 = bias[0][hn], c1 = bias[1][hn];
+                    a0 = deq2p(pair_field(raw[0], hn, 2 * j), s0, c0, magic);
+                    a1 = deq2p(pair_field(raw[1], hn, 2 * j), s1, c1, magic);
+                    a2 = deq2p(pair_field(raw[0], hn, 2 * j + 1), s0, c0, magic);
+                    a3 = deq2p(pair_field(raw[1], hn, 2 * j + 1), s1, c1, magic);
+                } else {
+                    const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
+                    const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
+                    a0 = deq2<0x4140u>(q0, s0);
+                    a1 = deq2<0x4140u>(q1, s1);
+                    a2 = deq2<0x4342u>(q0, s0);
+                    a3 = deq2<0x4342u>(q1, s1);
+                }
                 wg_fence();
                 wgmma_rs<NT>(acc, a0, a1, a2, a3, dblk + (u64)(s * 16 * NT));
                 wg_commit();
@@ -242,118 +257,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 #endif
 }
 
-// Probe (session 11; bench/tile_probe.py --rp, never dispatched): q6k_wg_f16 on the pair-stream
-// repack of q6k_matmul.cu's probe section (load_rawp, pair_bits, deq2p: the same A bits, so
-// bit-identical to q6k_wg_f16 on the same grid). SoA only.
-template <int NT, class In, int NWG>
-__global__ void __launch_bounds__(128 * NWG, 1) q6k_wgp_f16(PARAMS_W, const typename In::T* x,
-                                                            int K, const uint4* xp, PARAMS_OUT) {
-#ifdef Q6SERVE_WGMMA
-    MAKE_W;
-    MAKE_OUT;
-    (void)xp;
-    const KsPos ps = ks_pos<NT>(w.bpr);
-    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
-    const int kb0 = ps.kb0, nblk = ps.nblk;
-    if (nblk <= 0) return;
-    const int wg = warp >> 2, wq = warp & 3;
-    const int gtiles = (w.rows + 63) >> 6;
-    const int gstride = gridDim.x * NWG;
-    int gt = blockIdx.x * NWG + wg;
-
-    RowRef rr[1][2], rn[1][2];
-    RawP nxt[2];
-    if (gt < gtiles) {
-        warp_rows<true>(w, gt * 64 + wq * 16, g, rr);
-        nxt[0] = load_rawp(rr[0][0], kb0, t);
-        nxt[1] = load_rawp(rr[0][1], kb0, t);
-    }
-    wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
-    fence_async_shared();
-    __syncthreads();
-
-    u32 sbase;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(sbase) : "l"(smem_x));
-    const u64 desc0 = (u64)((sbase & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) |
-                      ((u64)(256 >> 4) << 32);
-    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
-    const u32 magic = kPairMagic;
-
-    for (; gt < gtiles; gt += gstride) {
-        const int wrow = gt * 64 + wq * 16;
-        const bool more = gt + gstride < gtiles;
-        if (more) warp_rows<true>(w, (gt + gstride) * 64 + wq * 16, g, rn);
-        float acc[1][NT][4];
-        zero_acc(acc);
-        float dprev[2] = {1.f, 1.f};
-        for (int b = 0; b < nblk; ++b) {
-            const RawP raw[2] = {nxt[0], nxt[1]};
-            if (b + 1 < nblk) {
-                nxt[0] = load_rawp(rr[0][0], kb0 + b + 1, t);
-                nxt[1] = load_rawp(rr[0][1], kb0 + b + 1, t);
-            } else if (more) {
-                nxt[0] = load_rawp(rn[0][0], kb0, t);
-                nxt[1] = load_rawp(rn[0][1], kb0, t);
-            }
-            float f[2];
-            u32 s4[2][4], bias[2][4];
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const float d = f16_to_f32(raw[hr].d);
-                const bool zero = (d == 0.f);
-                const float dm = zero ? 1.f : d;
-                f[hr] = dprev[hr] * (zero ? 1.f : rcp_approx(d));
-                dprev[hr] = dm;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    s4[hr][k] = zero ? 0u : sc4_pair(word4(raw[hr].sc, k), scsel);
-                    bias[hr][k] = bias_pair(s4[hr][k]);
-                }
-            }
-            wg_wait<0>();
-            wg_fence_acc(acc);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[0][nt][i] *= f[i >> 1];
-            const u64 dblk = desc0 + (u64)(b * 16 * 16 * NT);
-#pragma unroll
-            for (int s = 0; s < 16; ++s) {
-                const int m = s >> 2, j = s & 3;  // step s = 4(2h+nib) + j
-                u32 alo[2], ahi[2];
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const u32 w0 = word4(raw[hr].q[m >> 1], 2 * (m & 1));
-                    const u32 w1 = word4(raw[hr].q[m >> 1], 2 * (m & 1) + 1);
-                    const u32 w2 = word4(raw[hr].q[2], m);
-                    alo[hr] = deq2p(pair_bits(2 * j, w0, w1, w2), s4[hr][m], bias[hr][m], magic);
-                    ahi[hr] = deq2p(pair_bits(2 * j + 1, w0, w1, w2), s4[hr][m], bias[hr][m],
-                                    magic);
-                }
-                wg_fence();
-                wgmma_rs<NT>(acc, alo[0], alo[1], ahi[0], ahi[1], dblk + (u64)(s * 16 * NT));
-                wg_commit();
-                wg_wait<1>();
-            }
-        }
-        wg_wait<0>();
-        wg_fence_acc(acc);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dprev[i >> 1];
-        if (more) {
-            rr[0][0] = rn[0][0];
-            rr[0][1] = rn[0][1];
-        }
-        ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
-    }
-#else
-    __trap();
-#endif
-}
-
 #ifdef Q6SERVE_WG_CHECK
 #define INST_WG2(NT, SOA, IN, NWG)                                                           \
     template __global__ void q6k_wg_f16<NT, SOA, IN, NWG>(                                    \
@@ -362,8 +265,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wgp_f16(PARAMS_W, const type
 INST_WG(2, 1) INST_WG(4, 1) INST_WG(8, 1)
 INST_WG(2, 2) INST_WG(4, 2) INST_WG(8, 2)
 INST_WG(2, 3) INST_WG(4, 3) INST_WG(8, 3)
-#define INST_WGP(NT, NWG)                                                                    \
-    template __global__ void q6k_wgp_f16<NT, InF16, NWG>(                                     \
-        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_WGP(NT, NWG) INST_WG2(NT, 2, InF16, NWG)  // pair streams
 INST_WGP(4, 3) INST_WGP(8, 3) INST_WGP(8, 2)
 #endif

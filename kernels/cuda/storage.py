@@ -10,19 +10,21 @@ full AoS copy ever exists; relayout converts one slab at a time (one slab of scr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import q6k
-from ..api import AosChunks, Layout, ResidentWeight
+from ..api import AosChunks, Layout, ResidentWeight, parse_bool
 from ..errors import FormatError
 from .context import DeviceContext
 
 SLAB_BYTES = 64 << 20  # resident slab size (whole rows): bounds relayout scratch
 POOL_ROUND = 512  # CuPy's pool rounds every allocation up to this
 REPACK_FILE = "q6k_repack.cu"
+PAIRS_FILE = "q6k_matmul.cu"  # q6k_repack_pairs / q6k_unpack_pairs
 
 
 def pool_round(n: int) -> int:
@@ -62,6 +64,9 @@ class CudaWeight:
     # Launch plans of this weight by call shape (kernels/cuda/launch.py): they hold the slab
     # table's address, so they live and die with it (relayout clears them).
     plans: dict = field(default_factory=dict)
+    # SoA slabs whose code planes are in pair-stream order (layout code 2 of the kernels;
+    # Q6SERVE_Q6K_PAIRS, pairs_from_env): the same planes and bytes, each block re-ordered.
+    pairs: bool = False
 
 
 def weight_data(w: ResidentWeight) -> CudaWeight:
@@ -70,11 +75,29 @@ def weight_data(w: ResidentWeight) -> CudaWeight:
     return w.data
 
 
+def pairs_from_env(env: Any = None) -> bool:
+    """``Q6SERVE_Q6K_PAIRS`` (unset or empty: off): SoA weights are kept with their code planes
+    in pair-stream order (docs/KERNELS.md "A decode from a resident repack": the same bytes,
+    one LOP3 + one HFMA2 per f16x2 in the tiles). Read where a backend is built."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_Q6K_PAIRS", "").strip()
+    return False if not raw else parse_bool("Q6SERVE_Q6K_PAIRS", raw)
+
+
 class Storage:
     """Loads, re-lays and reads back weights on one device (see the module docstring)."""
 
-    def __init__(self, ctx: DeviceContext) -> None:
+    def __init__(self, ctx: DeviceContext, pairs: bool = False) -> None:
         self.ctx = ctx
+        self.pairs = pairs  # SoA slabs loaded or re-laid from now on are kept as pair streams
+
+    def _pairs(self, slab: Any, nb: int, b0: int, b1: int, inverse: bool = False) -> None:
+        """Blocks [b0, b1) of a SoA slab of nb blocks into pair-stream order, in place (or back
+        to ggml's planes: ``inverse``)."""
+        if b1 <= b0:
+            return
+        name = "q6k_unpack_pairs" if inverse else "q6k_repack_pairs"
+        self.ctx.fn(PAIRS_FILE, name)((-(-(b1 - b0) // 128),), (128,), (
+            slab, np.int32(nb), np.int32(b0), np.int32(b1)))
 
     def _repack(self, src: Any, src_layout: Layout, src_nb: int, src_b0: int, dst: Any,
                 dst_layout: Layout, dst_nb: int, dst_b0: int, count: int) -> None:
@@ -129,7 +152,8 @@ class Storage:
                 raise
             finally:
                 del staging
-        data = CudaWeight(slabs, self._table(slabs), slab_rows(rows, k))
+        data = CudaWeight(slabs, self._table(slabs), slab_rows(rows, k),
+                          pairs=self.pairs and layout is Layout.SOA)
         return ResidentWeight(rows, k, layout, weight_nbytes(rows, k, layout), data)
 
     def _scatter(self, staging: Any, r0: int, r1: int, plan: list[tuple[int, int]],
@@ -145,6 +169,9 @@ class Storage:
                 slabs.append(self.ctx.cp.empty(slab_nbytes(b - a, k, layout), self.ctx.cp.uint8))
             self._repack(staging, Layout.AOS, 0, (lo - r0) * per_row, slabs[s], layout,
                          (s1 - s0) * per_row, (lo - s0) * per_row, (hi - lo) * per_row)
+            if self.pairs and layout is Layout.SOA:  # the chunk's own blocks, in place
+                self._pairs(slabs[s], (s1 - s0) * per_row, (lo - s0) * per_row,
+                            (hi - s0) * per_row)
 
     def relayout(self, w: ResidentWeight, layout: Layout) -> ResidentWeight:
         """One slab of scratch at a time: new slab, convert, drop the old one."""
@@ -153,14 +180,20 @@ class Storage:
         cw = weight_data(w)
         per_row = w.k // q6k.QK_K
         cp, stream = self.ctx.cp, self.ctx.stream
+        to_pairs = self.pairs and layout is Layout.SOA
         with self.ctx.dev, stream:
             for s, (s0, s1) in enumerate(slab_plan(w.rows, w.k)):
                 nb = (s1 - s0) * per_row
                 new = cp.empty(slab_nbytes(s1 - s0, w.k, layout), cp.uint8)
+                if cw.pairs:  # ggml's planes back first (the old slab is dropped anyway)
+                    self._pairs(cw.slabs[s], nb, 0, nb, inverse=True)
                 self._repack(cw.slabs[s], w.layout, nb, 0, new, layout, nb, 0, nb)
+                if to_pairs:
+                    self._pairs(new, nb, 0, nb)
                 stream.synchronize()
                 cw.slabs[s] = new  # the old slab returns to the pool for the next one
             cw.table = self._table(cw.slabs)
+            cw.pairs = to_pairs
             cw.plans.clear()  # they hold the old table's address
         out = ResidentWeight(w.rows, w.k, layout, weight_nbytes(w.rows, w.k, layout), cw)
         w.data = None
@@ -178,6 +211,10 @@ class Storage:
                     parts.append(cw.slabs[s].get(stream=stream))
                     continue
                 out = cp.empty(nb * q6k.BLOCK_BYTES, cp.uint8)
-                self._repack(cw.slabs[s], Layout.SOA, nb, 0, out, Layout.AOS, nb, 0, nb)
+                src = cw.slabs[s]
+                if cw.pairs:  # ggml's planes in a copy of the slab (one slab of scratch)
+                    src = src.copy()
+                    self._pairs(src, nb, 0, nb, inverse=True)
+                self._repack(src, Layout.SOA, nb, 0, out, Layout.AOS, nb, 0, nb)
                 parts.append(out.get(stream=stream))
         return np.concatenate(parts).reshape(-1, q6k.BLOCK_BYTES)

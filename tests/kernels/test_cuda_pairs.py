@@ -1,26 +1,26 @@
-"""The session-11 probe of a decode from a resident repack (``-m gpu``; skipped without CuPy or a
-GPU): ``q6k_repack_pairs`` rewrites a SoA weight's code planes into pair streams, and the probe
-tiles ``q6k_ksp_f16`` (K-slice, src 4's plans) and ``q6k_wgp_f16`` (wgmma, src 6's, sm_90 only)
-read them (kernels/cuda/q6k_matmul.cu, q6k_wgmma.cu; docs/KERNELS.md "A decode from a resident
-repack"). Their A fragments are the plain tiles' bit for bit, so on the same plan (grid, forced
-K-slice count, split-K sum) y must equal the plain tile's exactly, and the reference within the
-F16 contract: at 1, 2, 3 and all K slices, a partial and several token chunks, and with warp
-tiles spanning slabs. The probe's launcher is bench/tile_probe.py's (``run_tile``)."""
+"""The pair-stream layout (``Q6SERVE_Q6K_PAIRS``; kernels/cuda/q6k_common.cuh "pair streams",
+docs/KERNELS.md "A decode from a resident repack") through the backend (``-m gpu``; skipped
+without CuPy or a GPU).
+
+A pair-stream weight is a SoA weight whose code planes are re-ordered per block on the device
+(``Storage.pairs``: ``q6k_repack_pairs`` after each loaded chunk). Every reader decodes the same
+A values from it, on the SoA twin's grid, so every path (exact, the f16 tile, the K-slice and
+wgmma tiles, the ring tile's shapes as the K-slice tile, q8_1, cuBLAS) must give the SoA
+weight's results bit for bit; read-back and relayout restore ggml's bytes exactly."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cuda_backend import _gpu_count, load, random_weight, rel_fro
+from test_cuda_backend import _gpu_count, load, random_weight, recording_launcher, rel_fro
 
 from q6serve.kernels import q6k, reference
-from q6serve.kernels.api import Layout
+from q6serve.kernels.api import KernelFlags, Layout, Precision
 from q6serve.kernels.cuda.dispatch import Cfg
-from q6serve.kernels.cuda.launch import KS_SMEM_MAX, kernel_file, kernel_name, smem_bytes
+from q6serve.kernels.cuda.launch import IN_TYPES, KS_SMEM_MAX, MATMUL_FILE, smem_bytes
+from q6serve.kernels.cuda.storage import pairs_from_env
 
 try:
     import cupy
@@ -29,17 +29,48 @@ except ImportError:  # CI: no CuPy at all
 
 pytestmark = [pytest.mark.gpu]
 TOL = 2e-3
-KS = (Cfg(nt=1, src=4, pf=True), Cfg(nt=2, src=4, pf=True, warps=16),
-      Cfg(nt=4, src=4, pf=True, warps=12), Cfg(nt=8, src=4, pf=True))
-WG = (Cfg(nt=4, src=6, pf=True, warps=12), Cfg(nt=8, src=6, pf=True, warps=8))
+# One shape per reader the layout code changes (each costs two NVRTC instantiations, the SoA
+# twin and the pair one; the module compiles ~30 names in small parallel groups): the K-slice
+# tile at 8 and 12 warps (the latter is also what a ring shape runs as; AUTO's test adds the
+# table's nt 4 and 8 at 8 warps), the wgmma tile.
+CFGS = (Cfg(nt=2, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12))
+RING = Cfg(nt=4, src=5, warps=16)
+WG = (Cfg(nt=4, src=6, pf=True, warps=12),)
+# the exact tile, the plain f16 tile (src 2) and the staged one with two m-tiles (src 3), the
+# int8 tile, cuBLAS's dequant; f32 activations only where the reader's x staging differs
+OTHER = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)),
+         ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4)), ("mmq_q8_1", Cfg(nt=2)),
+         ("cublas_f16", None))
+F32 = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)))
 
 
-def _probe():
-    path = Path(__file__).resolve().parents[2] / "bench" / "tile_probe.py"
-    spec = importlib.util.spec_from_file_location("_q6_tile_probe", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def ring_as_ks(c: Cfg) -> Cfg:
+    """What Launcher.plan runs for a ring (src 5) shape on a pair-stream weight."""
+    if c.src != 5:
+        return c
+    return Cfg(nt=c.nt, src=4, pf=True, warps=12 if c.warps == 16 and c.nt > 2 else c.warps)
+
+
+def compile_for(be, jobs, rows: int = 300, k: int = 2304) -> None:
+    """Compile up front, in small parallel NVRTC programs, exactly the instantiations that
+    ``jobs`` ((path, cfg, n, activation dtype)) ask for on a SoA and on a pair-stream weight:
+    Launcher.plan on a device-less recording launcher names them (tiles, x prep, the split-K
+    sum), cuBLAS's dequant by hand. What a test asks for beyond these compiles lazily, one
+    program per name (slow): keep each test's jobs complete."""
+    lc = recording_launcher()
+    for path, cfg, n, dt in jobs:
+        if path == "cublas_f16":
+            lc.ctx.fn(MATMUL_FILE, "q6k_dequant_f16<true>")
+            lc.ctx.fn(MATMUL_FILE, "q6k_dequant_f16<2>")
+            continue
+        for pairs in (False, True):
+            lc.plan(rows, k, Layout.SOA, IN_TYPES[np.dtype(dt)], path, cfg, n, pairs)
+    by_file: dict[str, set] = {}
+    for file, name in lc.requested:
+        by_file.setdefault(file, set()).add(name)
+    with be.ctx.dev:
+        for file, names in by_file.items():
+            be.ctx.prefetch(file, names, threads=16, group=2)
 
 
 @pytest.fixture(scope="module")
@@ -49,90 +80,138 @@ def be():
     from q6serve.kernels.cuda_backend import CudaBackend
 
     b = CudaBackend(0)
-    tp = _probe()
-    cfgs = KS + (WG if b.ctx.cc == "90" else ())
-    with b.ctx.dev:
-        for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
-            names = {n for c in cfgs if kernel_file("mma_f16", c) == file
-                     for n in (kernel_name("mma_f16", c, True, "InF16"), tp.rp_name(c))}
-            b.ctx.prefetch(file, names, threads=16)
-    b.tp = tp
-    b.cfgs = cfgs
+    b.cfgs = CFGS + (WG if b.ctx.cc == "90" else ())
     yield b
     b.close()
 
 
-def _pair(be, rng, rows, k):
-    blocks = random_weight(rng, rows, k)
-    plain = load(be, blocks, rows, k, Layout.SOA)
-    pairs = be.tp.repack_pairs(be, load(be, blocks, rows, k, Layout.SOA))
-    return blocks, plain, pairs
+def _pair(be, blocks, rows, k, chunk=1 << 20):
+    """The same blocks as a SoA weight and as a pair-stream weight (loaded in ``chunk``-byte
+    pieces, so each piece's blocks are re-ordered on their own)."""
+    soa = load(be, blocks, rows, k, Layout.SOA)
+    be.storage.pairs = True
+    try:
+        pairs = load(be, blocks, rows, k, Layout.SOA, chunk)
+    finally:
+        be.storage.pairs = False
+    assert pairs.data.pairs and not soa.data.pairs
+    return soa, pairs
 
 
-def _same(be, plain, pairs, x, cfg, y64, label):
-    xd = cupy.asarray(x)
+def _y(be, w, x, path, cfg):
     with be.ctx.dev, be.stream:
-        part = be.launcher.ws.array("part", (1 << 20,), np.float32)
-        part.fill(np.nan)  # a partial sum the probe does not write shows up
-    y0, g0 = be.tp.run_tile(cupy, be, plain, xd, x.shape[0], cfg, False)
-    with be.ctx.dev, be.stream:
-        part.fill(np.nan)
-    y1, g1 = be.tp.run_tile(cupy, be, pairs, xd, x.shape[0], cfg, True)
-    y0, y1 = y0.get(), y1.get()
-    assert g0 == g1, label
-    assert np.isfinite(y1).all(), f"{label}: unwritten or non-finite outputs"
+        return be.run(w, cupy.asarray(x), x.dtype, path, cfg).get(stream=be.stream)
+
+
+def _same(y0, y1, label):
     np.testing.assert_array_equal(y1.view(np.uint32), y0.view(np.uint32),
-                                  err_msg=f"{label}: probe differs from the plain tile")
-    assert rel_fro(y1, y64) <= TOL, (label, rel_fro(y1, y64))
+                                  err_msg=f"{label}: pair streams differ from SoA")
 
 
-def test_repack_leaves_scales_and_changes_codes(be, rng):
+def test_switch_reads_zero_one():
+    assert pairs_from_env({}) is False and pairs_from_env({"Q6SERVE_Q6K_PAIRS": "1"}) is True
+
+
+def test_repack_keeps_scales_and_permutes_codes(be, rng):
     rows, k = 40, 512
-    _, plain, pairs = _pair(be, rng, rows, k)
-    a = plain.data.slabs[0].get()
-    b = pairs.data.slabs[0].get()
+    soa, pairs = _pair(be, random_weight(rng, rows, k), rows, k)
+    a, b = soa.data.slabs[0].get(), pairs.data.slabs[0].get()
     nb = rows * (k // 256)
     assert np.array_equal(a[192 * nb:], b[192 * nb:]), "scales and d must stay"
     assert not np.array_equal(a[:192 * nb], b[:192 * nb])
-    # same multiset of set bits per block: a permutation of the 1536 code bits
-    ones = np.unpackbits(a[:192 * nb]).sum(), np.unpackbits(b[:192 * nb]).sum()
-    assert ones[0] == ones[1]
+    for i in range(nb):  # each block's 1536 code bits, re-ordered within the block
+        assert (np.unpackbits(a[128 * i:128 * i + 128]).sum()
+                + np.unpackbits(a[128 * nb + 64 * i:128 * nb + 64 * i + 64]).sum()
+                == np.unpackbits(b[128 * i:128 * i + 128]).sum()
+                + np.unpackbits(b[128 * nb + 64 * i:128 * nb + 64 * i + 64]).sum())
 
 
-def test_unpack_restores_the_planes_bit_exactly(be, rng):
+def test_read_back_and_relayout_restore_ggml_bytes(be, rng):
     rows, k = 96, 1024
-    _, plain, pairs = _pair(be, rng, rows, k)
-    fn = be.ctx.fn("q6k_matmul.cu", "q6k_unpack_pairs")
-    nb = rows * (k // 256)
-    with be.ctx.dev, be.stream:
-        for slab in pairs.data.slabs:
-            fn(((nb + 127) // 128,), (128,), (slab, np.int32(nb)))
-    np.testing.assert_array_equal(pairs.data.slabs[0].get(), plain.data.slabs[0].get())
+    blocks = random_weight(rng, rows, k)
+    compile_for(be, [("mma_f16", Cfg(nt=2, src=4, pf=True), 9, np.float16)], rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    assert np.array_equal(be.read_aos(pairs), blocks)
+    x = rng.standard_normal((9, k)).astype(np.float16)
+    y = _y(be, soa, x, "mma_f16", Cfg(nt=2, src=4, pf=True))
+    aos = be.relayout(pairs, Layout.AOS)
+    assert not aos.data.pairs and np.array_equal(be.read_aos(aos), blocks)
+    be.storage.pairs = True
+    try:
+        back = be.relayout(aos, Layout.SOA)
+    finally:
+        be.storage.pairs = False
+    assert back.data.pairs and np.array_equal(be.read_aos(back), blocks)
+    _same(y, _y(be, back, x, "mma_f16", Cfg(nt=2, src=4, pf=True)), "after relayout")
 
 
-def test_probe_equals_plain_tile_at_every_slice_count(be, rng):
+def test_every_tile_shape_at_every_slice_count(be, rng):
     rows, k = 300, 2304
     bpr = k // 256
-    blocks, plain, pairs = _pair(be, rng, rows, k)
+    blocks = random_weight(rng, rows, k)
+    soa, pairs = _pair(be, blocks, rows, k, chunk=37 * q6k.aos_nbytes(1, k))
     x = rng.standard_normal((70, k)).astype(np.float16)
     y64 = reference.matmul_float64(x, blocks, rows)
+    compile_for(be, [("mma_f16", c, n, np.float16) for c in be.cfgs for n in (1, 8 * c.nt + 3)],
+                rows, k)  # (the slice count changes no name)
     for c in be.cfgs:
         for ks in sorted({0, 1, 2, 3, bpr}):
             cfg = replace(c, ksplit=ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue
             for n in sorted({1, 8 * c.nt + 3}):
-                _same(be, plain, pairs, x[:n], cfg, y64[:n], f"{cfg.label()} N={n}")
+                label = f"{cfg.label()} N={n}"
+                y1 = _y(be, pairs, x[:n], "mma_f16", cfg)
+                _same(_y(be, soa, x[:n], "mma_f16", cfg), y1, label)
+                assert rel_fro(y1, y64[:n]) <= TOL, (label, rel_fro(y1, y64[:n]))
 
 
-def test_probe_tiles_across_slabs(be, rng, monkeypatch):
+def test_other_paths_and_dtypes(be, rng):
+    rows, k = 517, 1536
+    jobs = [(p, c, 40, np.float16) for p, c in OTHER] + [(p, c, 40, np.float32) for p, c in F32]
+    compile_for(be, jobs, rows, k)
+    blocks = random_weight(rng, rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    for path, cfg, _, dt in jobs:
+        x = rng.standard_normal((40, k)).astype(np.float32).astype(dt)
+        _same(_y(be, soa, x, path, cfg), _y(be, pairs, x, path, cfg), f"{path} {cfg} {dt}")
+
+
+def test_ring_shape_runs_as_the_k_slice_tile(be, rng):
+    rows, k = 300, 2304
+    blocks = random_weight(rng, rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    x = rng.standard_normal((32, k)).astype(np.float16)
+    compile_for(be, [("mma_f16", ring_as_ks(RING), 32, np.float16)], rows, k)  # (both layouts)
+    _same(_y(be, soa, x, "mma_f16", ring_as_ks(RING)), _y(be, pairs, x, "mma_f16", RING), "ring")
+
+
+def test_matmul_auto_through_the_graph(be, rng):
+    rows, k = 4096, 4096
+    blocks = random_weight(rng, rows, k)
+    ns = (1, 8, 16, 32, 64, 300)
+    auto = [(be.choose(n, Precision.AUTO, KernelFlags(), rows, k), n) for n in ns]
+    compile_for(be, [(c.path, c.cfg, n, np.float16) for c, n in auto
+                     if c.cfg is not None or c.path == "cublas_f16"], rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    for n in ns:
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        for _ in range(3):  # direct, then captured
+            r0 = be.matmul(soa, x, precision=Precision.AUTO, flags=KernelFlags())
+            r1 = be.matmul(pairs, x, precision=Precision.AUTO, flags=KernelFlags())
+            _same(np.asarray(r0.y), np.asarray(r1.y), f"AUTO N={n}")
+
+
+def test_tiles_across_slabs(be, rng, monkeypatch):
     from q6serve.kernels.cuda import storage
 
     rows, k = 700, 1024
     monkeypatch.setattr(storage, "SLAB_BYTES", 37 * q6k.aos_nbytes(1, k))
-    blocks, plain, pairs = _pair(be, rng, rows, k)
+    blocks = random_weight(rng, rows, k)
+    soa, pairs = _pair(be, blocks, rows, k, chunk=50 * q6k.aos_nbytes(1, k))
     assert len(pairs.data.slabs) == 19
     x = rng.standard_normal((64, k)).astype(np.float16)
-    y64 = reference.matmul_float64(x, blocks, rows)
+    compile_for(be, [("mma_f16", c, 8 * c.nt, np.float16) for c in be.cfgs], rows, k)
     for c in be.cfgs:
-        _same(be, plain, pairs, x[: 8 * c.nt], c, y64[: 8 * c.nt], c.label())
+        _same(_y(be, soa, x[: 8 * c.nt], "mma_f16", c), _y(be, pairs, x[: 8 * c.nt], "mma_f16", c),
+              c.label())

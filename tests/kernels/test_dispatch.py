@@ -246,3 +246,35 @@ def test_wgmma_tile_plans_only_on_sm_90():
                 Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
+
+
+def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
+    """Device-less: a pair-stream weight (CudaWeight.pairs) gets the layout-2 instantiation of
+    the same launch shape on the SoA twin's grid (so its results are the SoA weight's); the
+    ring tile's shapes, which have no pair-stream form, plan the register K-slice tile of the
+    same width (16 warps at 4 n-tiles: 12, the widest that has)."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import Launcher
+
+    class Fn:
+        num_regs = 128
+        max_dynamic_shared_size_bytes = 48 << 10
+
+    asked = []
+    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
+                                  fn=lambda f, n: asked.append(n) or Fn()))
+    for path, cfg, n in (("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16),
+                         ("mma_f16", Cfg(nt=1), 1), ("exact", Cfg(nt=1, pf=True), 4),
+                         ("mmq_q8_1", Cfg(nt=2), 16), ("mma_f16", Cfg(nt=8, src=6, pf=True), 64)):
+        asked.clear()
+        soa = lc.plan(4096, 14336, Layout.SOA, "InF16", path, cfg, n)
+        pairs = lc.plan(4096, 14336, Layout.SOA, "InF16", path, cfg, n, True)
+        assert pairs.grid == soa.grid and pairs.smem == soa.smem
+        assert any(", 2, " in a or a.endswith(", 2>") for a in asked), asked
+    asked.clear()
+    lp = lc.plan(152064, 3584, Layout.SOA, "InF16", "mma_f16", Cfg(nt=4, src=5, warps=16), 32,
+                 True)
+    assert lp.src == 4 and "q6k_ks_f16<4, 1, 2, InF16, true, 12>" in asked
+    assert not any(a.startswith("q6k_ksr_f16") for a in asked)
