@@ -11,6 +11,7 @@ timed in the same run.
                             [--dtypes f16,f32] [--variants] [--summary] [--only TEXT]
                             [--json out.json]
     python bench/kernels.py --tune [--table-out kernels/cuda/dispatch_h200.json] [--json ..]
+    python bench/kernels.py --pairs-ab [--shapes ..] [--ns ..] [--no-torch] [--json ..]
 
 ``--tune`` times every candidate (kernel path x launch shape, ``tune_candidates``) of every
 shape and N bucket with f16 activations, writes the dispatch table (per shape, bucket and
@@ -237,12 +238,75 @@ def prefetch_auto(be: CudaBackend, jobs: list[tuple[int, int, int, Cfg | None, s
 
 
 def load_copies(be: CudaBackend, rng: np.random.Generator, rows: int, k: int,
-                layout: Layout) -> list:
+                layout: Layout, blocks: np.ndarray | None = None) -> list:
     wbytes = q6k.aos_nbytes(rows, k)
     copies = max(2, min(64, math.ceil(3 * L2_BYTES / wbytes)))
-    blocks = random_blocks(rng, rows, k)
+    blocks = random_blocks(rng, rows, k) if blocks is None else blocks
     return [be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, layout, 64 << 20)
             for _ in range(copies)]
+
+
+def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
+    """AUTO (the committed table) on SoA weights and on pair-stream weights of the same blocks
+    (``Storage.pairs``), f16 activations, in one process: per cell SoA, pairs, SoA, pairs
+    (the best median of each), the outputs compared bit for bit, torch's f16 linear beside."""
+    import cupy as cp
+
+    flags = KernelFlags(soa=True)
+    rng = np.random.default_rng(0)
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
+    ns = list(map(int, a.ns.split(",")))
+    t0 = time.perf_counter()
+    jobs = [(r, k, n, c.cfg, c.path, "InF16") for r, k in shapes for n in ns
+            for c in [be.choose(n, Precision.AUTO, flags, r, k)]]
+    got = 0
+    for pairs in (False, True):
+        be.storage.pairs = pairs
+        got += prefetch_auto(be, jobs, Layout.SOA)
+    be.storage.pairs = False
+    print(f"# compiled {got} instantiations for AUTO (SoA and pair streams) in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{'shape':>12} {'N':>3} {'AUTO':>26} {'SoA us':>7} {'TB/s':>5} {'pairs us':>8} "
+          f"{'TB/s':>5} {'x':>6} {'bits':>5} {'torch':>7} {'xtorch':>6}", flush=True)
+    out: list[dict] = []
+    for rows, k in shapes:
+        wbytes = q6k.aos_nbytes(rows, k)
+        blocks = random_blocks(rng, rows, k)
+        ws = load_copies(be, rng, rows, k, Layout.SOA, blocks)
+        be.storage.pairs = True
+        try:
+            wp = load_copies(be, rng, rows, k, Layout.SOA, blocks)
+        finally:
+            be.storage.pairs = False
+        for n in ns:
+            c = be.choose(n, Precision.AUTO, flags, rows, k)
+            x = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+            f16 = np.dtype(np.float16)
+            times: dict[str, list[float]] = {"soa": [], "pairs": []}
+            with be.ctx.dev, be.stream:
+                same = bool(cp.array_equal(be.run(ws[0], x, f16, c.path, c.cfg),
+                                           be.run(wp[0], x, f16, c.path, c.cfg)))
+                for _ in range(2):
+                    for key, wl in (("soa", ws), ("pairs", wp)):
+                        def call(i: int, wl=wl, x=x, dt=f16, c=c) -> None:
+                            be.run(wl[i], x, dt, c.path, c.cfg)
+
+                        times[key].append(time_calls(cp, call, len(wl), iters=a.iters))
+            t_s, t_p = min(times["soa"]), min(times["pairs"])
+            t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
+                16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
+            label = f"{c.path}.{c.cfg.label() if c.cfg else ''}"
+            xt = f"{t_torch / t_p:6.2f}" if t_torch else "     -"
+            tt = f"{t_torch:7.1f}" if t_torch else "      -"
+            print(f"{rows}x{k:<6} {n:>3} {label:>26} {t_s:7.1f} {wbytes / t_s / 1e6:5.2f} "
+                  f"{t_p:8.1f} {wbytes / t_p / 1e6:5.2f} {t_s / t_p:6.3f} "
+                  f"{'same' if same else 'DIFF':>5} {tt} {xt}", flush=True)
+            out.append({"shape": f"{rows}x{k}", "n": n, "path": label, "soa_us": t_s,
+                        "pairs_us": t_p, "runs": times, "same_bits": same, "torch_us": t_torch,
+                        "mb": wbytes / 1e6})
+        free_copies(be, ws)
+        free_copies(be, wp)
+    return out
 
 
 def free_copies(be: CudaBackend, ws: list) -> None:
@@ -379,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time every candidate per shape and N bucket, write the dispatch table")
     ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
     ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
+    ap.add_argument("--pairs-ab", action="store_true",
+                    help="AUTO on SoA and on pair-stream weights of the same blocks, f16 "
+                    "activations, alternated in one process, bits compared (pairs_ab)")
     a = ap.parse_args(argv)
     # the command recorded in the table: the arguments that shape it (no output paths)
     a.tune_args = [f"--iters {a.iters}"] + ([f"--shapes {a.shapes}"] if a.shapes != ",".join(
@@ -388,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     be = CudaBackend(0)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}"
           f"  table: {be.dispatch.table.meta.get('date', '?') if be.dispatch.table else 'none'}")
+    if a.pairs_ab:
+        results = pairs_ab(a, be)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"device": be.device_name(), "pairs_ab": results}, fh, indent=1)
+        return 0 if all(r["same_bits"] for r in results) else 1
     if a.tune:
         results = tune(a, be)
         if a.json:

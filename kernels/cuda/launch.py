@@ -167,7 +167,7 @@ def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
 
 def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
     """The template instantiation of a tile path (``soa`` picks the address arithmetic: False
-    AoS, True SoA, 2 SoA in pair-stream order; the ring tile has no pair-stream form)."""
+    AoS, True SoA, 2 SoA in pair-stream order)."""
     lay = "2" if soa == 2 else "true" if soa else "false"
     pf = "true" if cfg.pf else "false"
     if path == "exact":
@@ -184,6 +184,17 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
     if path == "mmq_q8_1":
         return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
     raise DeviceError(f"unknown tile path {path!r}")
+
+
+def pair_cfg(path: str, cfg: Cfg) -> Cfg:
+    """The launch shape a pair-stream weight runs for ``cfg``: the f16 tile's two m-tiles per
+    warp (src 2/3) become one m-tile per warp with twice the warps (the same rows per CTA, so
+    the SoA twin's grid and the same sums per output): the two-m-tile pair decode of
+    ``q6k_mma_f16`` takes minutes to build (117-147 s for one name, nvcc 13.0 sm_90 on the CI
+    VM; 1-3 s at one m-tile, and for the K-slice tile at two)."""
+    if path == "mma_f16" and cfg.mt > 1 and cfg.src in (2, 3) and cfg.warps * cfg.mt <= 8:
+        return replace(cfg, mt=1, warps=cfg.warps * cfg.mt)
+    return cfg
 
 
 def kernel_file(path: str, cfg: Cfg) -> str:
@@ -957,18 +968,16 @@ class Launcher:
     def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
              n: int, pairs: bool = False) -> LaunchPlan:
         """``pairs``: the weight's SoA code planes are in pair-stream order (CudaWeight.pairs):
-        the layout-2 instantiation on the SoA twin's grid (so the same results), and the ring
-        tile's shapes run as the register K-slice tile of the same width."""
+        the layout-2 instantiation on the SoA twin's grid (so the same results); a shape of
+        two m-tiles per warp runs as one m-tile per warp with twice the warps (``pair_cfg``)."""
         bpr = k // q6k.QK_K
-        if pairs and path == "mma_f16" and cfg.src == 5:
-            cfg = Cfg(nt=cfg.nt, src=4, pf=True, warps=12 if cfg.warps == 16 and cfg.nt > 2
-                      else cfg.warps)
         tok_per_cta = cfg.nt if path == "exact" else 8 * cfg.nt
         nz = -(-n // tok_per_cta)
         rows_cta = cfg.warps * 16 * (1 if path == "exact" else cfg.mt)
         cfg = self.tile_cfg(path, cfg)
         file = kernel_file(path, cfg)
-        fn = self.ctx.fn(file, kernel_name(path, cfg, 2 if pairs else layout is Layout.SOA,
+        run_cfg = pair_cfg(path, cfg) if pairs else cfg
+        fn = self.ctx.fn(file, kernel_name(path, run_cfg, 2 if pairs else layout is Layout.SOA,
                                            in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
         ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
@@ -992,8 +1001,8 @@ class Launcher:
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
         post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
-        return LaunchPlan(path, fn, (gx, ks, nz), 32 * cfg.warps, smem, ks, gx * nz, bpr, nz,
-                          prep, prep_grid, sizes, post, cfg.src)
+        return LaunchPlan(path, fn, (gx, ks, nz), 32 * run_cfg.warps, smem, ks, gx * nz, bpr,
+                          nz, prep, prep_grid, sizes, post, cfg.src)
 
     def steps(self, lp: LaunchPlan, w: ResidentWeight, cw: CudaWeight, xd: int, y: int,
               n: int, r0: int = 0, r1: int | None = None) -> list[Step]:

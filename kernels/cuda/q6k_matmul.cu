@@ -557,10 +557,12 @@ struct RingSoaFill {
     const u8* x;      // t < 2: the scales of row g + 8t; t >= 2: d of row g + 8(t - 2)
     u32 xstep, dq0, dq1, dqh, dx, ddp;
     bool sc;          // t < 2
-    __device__ __forceinline__ void offsets(int g, int t) {
+    __device__ __forceinline__ void offsets(int g, int t, bool pairs) {
         const int gp = g & 1;
-        dq0 = g * 128 + 16 * t + 64 * gp;
-        dq1 = g * 128 + 16 * t + 64 * (1 - gp);
+        // pair streams swizzle odd rows' chunks by ^1 instead of ^4 (ring_raw_part: a lane
+        // reads chunks 2t and 2t + 1; chunk t + 4 is 64 bytes after chunk t either way)
+        dq0 = g * 128 + (pairs ? 16 * (t ^ gp) : 16 * t + 64 * gp);
+        dq1 = g * 128 + (pairs ? 16 * (t ^ gp) + 64 : 16 * t + 64 * (1 - gp));
         dqh = RING_QH + g * 64 + 16 * t;
         sc = t < 2;
         const int xrow = g + 8 * (sc ? t : t - 2);
@@ -608,8 +610,20 @@ struct RingSoaFill {
 
 // Half P of row `row` of one ring stage as a lane would have loaded it (load_raw_part): the
 // codes of half P, and with P == 0 the scales and d.
-template <int P>
+// Pair streams (LAY 2, load_raw_part<2, P>): P = 0 ql chunk 2t and qh chunk t with the scales
+// and d, P = 1 ql chunk 2t + 1 (odd rows' chunks swizzled by ^1: a quarter-warp's reads of rows
+// 2i, 2i + 1 hit all banks).
+template <int P, int LAY = 1>
 __device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int t) {
+    if (LAY == 2) {
+        w.ql[P] = *(const uint4*)(st + row * 128 + (((2 * t + P) ^ (row & 1)) << 4));
+        if (P == 0) {
+            w.qh[0] = *(const uint4*)(st + RING_QH + row * 64 + 16 * t);
+            w.sc = *(const uint4*)(st + RING_SC + row * 16);
+            w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
+        }
+        return;
+    }
     const int sw = (row & 1) << 2;
     w.ql[P] = *(const uint4*)(st + row * 128 + (((t + 4 * P) ^ sw) << 4));
     w.qh[P] = *(const uint4*)(st + RING_QH + row * 64 + 32 * P + 16 * (t & 1));
@@ -623,7 +637,7 @@ __device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int
 // NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 96-138 at NT <= 4, no spills (no register
 // holds the next block). NT <= 4: at NT = 8 the activation slice and the ring leave too few
 // blocks per K slice.
-template <int NT, bool SOA, class In, int NW, int S>
+template <int NT, int SOA, class In, int NW, int S>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
     q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     static_assert(S >= 2, "a ring of one stage has nothing in flight");
@@ -648,7 +662,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
     int fj = 0, fb = 0;
     RowRef rf[2];
     RingSoaFill sf;
-    if (SOA) sf.offsets(g, t);
+    if (SOA) sf.offsets(g, t, SOA == 2);
     auto fill_refs = [&]() {
         const int r0 = (wt0 + fj * wstride) * 16 + g;
         rf[0] = row_ref<SOA>(w, min(r0, w.rows - 1));
@@ -686,16 +700,17 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
         cp_async_commit();
         const u8* st = ring + slot * RING_STAGE;
         Raw raw[1][2];
-        ring_raw_part<0>(raw[0][0], st, g, t);
-        ring_raw_part<0>(raw[0][1], st, g + 8, t);
+        ring_raw_part<0, SOA>(raw[0][0], st, g, t);
+        ring_raw_part<0, SOA>(raw[0][1], st, g + 8, t);
         const auto bx = [&](int sp, int nt) -> uint4 {
             return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
         };
         const auto mid = [&] {
-            ring_raw_part<1>(raw[0][0], st, g, t);
-            ring_raw_part<1>(raw[0][1], st, g + 8, t);
+            ring_raw_part<1, SOA>(raw[0][0], st, g, t);
+            ring_raw_part<1, SOA>(raw[0][1], st, g + 8, t);
         };
-        block_mma<NT, 1, 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx, mid);
+        block_mma<NT, 1, SOA == 2 ? 2 : 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx,
+                                                                              mid);
         slot = slot + 1 == S ? 0 : slot + 1;
         if (++b == nblk) {
             ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
@@ -1172,8 +1187,11 @@ INST_MMQ(1, 1, false) INST_MMQ(2, 1, false) INST_MMQ(4, 1, false) INST_MMQ(8, 1,
 template __global__ void q6k_dequant_f16<true>(const u64*, int, int, int, int, int, u16*);
 template __global__ void q6k_dequant_f16<false>(const u64*, int, int, int, int, int, u16*);
 // Layout 2 (pair streams), f16 activations: every reader the dispatch can send a pair weight to.
+// (Two m-tiles of q6k_mma_f16 run as one with twice the warps on pair weights: launch.pair_cfg.)
 INST_MMA(1, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 3, InF16)
-INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16) INST_MMA(4, 2, 2, 3, InF16)
+INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16)
+INST_KSR2(2, 2, InF16, 8, 3) INST_KSR2(2, 2, InF16, 12, 2) INST_KSR2(2, 2, InF16, 16, 2)
+INST_KSR2(4, 2, InF16, 12, 2) INST_KSR2(4, 2, InF16, 16, 2)
 INST_KS2(1, 1, 2, InF16, true, 8) INST_KS2(2, 1, 2, InF16, true, 8)
 INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
 INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)

@@ -4,9 +4,9 @@ without CuPy or a GPU).
 
 A pair-stream weight is a SoA weight whose code planes are re-ordered per block on the device
 (``Storage.pairs``: ``q6k_repack_pairs`` after each loaded chunk). Every reader decodes the same
-A values from it, on the SoA twin's grid, so every path (exact, the f16 tile, the K-slice and
-wgmma tiles, the ring tile's shapes as the K-slice tile, q8_1, cuBLAS) must give the SoA
-weight's results bit for bit; read-back and relayout restore ggml's bytes exactly."""
+A values from it, on the SoA twin's grid, so every path (exact, the f16 tile, the K-slice,
+ring and wgmma tiles, q8_1, cuBLAS) must give the SoA weight's results bit for bit; read-back
+and relayout restore ggml's bytes exactly."""
 
 from __future__ import annotations
 
@@ -31,24 +31,18 @@ pytestmark = [pytest.mark.gpu]
 TOL = 2e-3
 # One shape per reader the layout code changes (each costs two NVRTC instantiations, the SoA
 # twin and the pair one; the module compiles ~30 names in small parallel groups): the K-slice
-# tile at 8 and 12 warps (the latter is also what a ring shape runs as; AUTO's test adds the
-# table's nt 4 and 8 at 8 warps), the wgmma tile.
+# tile at 8 and 12 warps (AUTO's test adds the table's nt 4 and 8 at 8 warps), the wgmma tile;
+# the ring tile at the table's lm-head shape (2 stages) and with 3 stages.
 CFGS = (Cfg(nt=2, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12))
-RING = Cfg(nt=4, src=5, warps=16)
+RINGS = (Cfg(nt=4, src=5, warps=16), Cfg(nt=2, src=5, pf=True, warps=8))
 WG = (Cfg(nt=4, src=6, pf=True, warps=12),)
-# the exact tile, the plain f16 tile (src 2) and the staged one with two m-tiles (src 3), the
-# int8 tile, cuBLAS's dequant; f32 activations only where the reader's x staging differs
+# the exact tile, the plain f16 tile (src 2) and the staged one with two m-tiles (src 3: on a
+# pair weight it runs as one m-tile with twice the warps, launch.pair_cfg), the int8 tile,
+# cuBLAS's dequant; f32 activations only where the reader's x staging differs
 OTHER = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)),
          ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4)), ("mmq_q8_1", Cfg(nt=2)),
          ("cublas_f16", None))
 F32 = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)))
-
-
-def ring_as_ks(c: Cfg) -> Cfg:
-    """What Launcher.plan runs for a ring (src 5) shape on a pair-stream weight."""
-    if c.src != 5:
-        return c
-    return Cfg(nt=c.nt, src=4, pf=True, warps=12 if c.warps == 16 and c.nt > 2 else c.warps)
 
 
 def compile_for(be, jobs, rows: int = 300, k: int = 2304) -> None:
@@ -177,13 +171,18 @@ def test_other_paths_and_dtypes(be, rng):
         _same(_y(be, soa, x, path, cfg), _y(be, pairs, x, path, cfg), f"{path} {cfg} {dt}")
 
 
-def test_ring_shape_runs_as_the_k_slice_tile(be, rng):
+def test_ring_tile(be, rng):
     rows, k = 300, 2304
     blocks = random_weight(rng, rows, k)
     soa, pairs = _pair(be, blocks, rows, k)
     x = rng.standard_normal((32, k)).astype(np.float16)
-    compile_for(be, [("mma_f16", ring_as_ks(RING), 32, np.float16)], rows, k)  # (both layouts)
-    _same(_y(be, soa, x, "mma_f16", ring_as_ks(RING)), _y(be, pairs, x, "mma_f16", RING), "ring")
+    y64 = reference.matmul_float64(x, blocks, rows)
+    compile_for(be, [("mma_f16", c, 8 * c.nt, np.float16) for c in RINGS], rows, k)
+    for c in RINGS:
+        n = 8 * c.nt
+        y1 = _y(be, pairs, x[:n], "mma_f16", c)
+        _same(_y(be, soa, x[:n], "mma_f16", c), y1, f"ring {c.label()}")
+        assert rel_fro(y1, y64[:n]) <= TOL, (c.label(), rel_fro(y1, y64[:n]))
 
 
 def test_matmul_auto_through_the_graph(be, rng):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -250,9 +251,10 @@ def test_wgmma_tile_plans_only_on_sm_90():
 
 def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     """Device-less: a pair-stream weight (CudaWeight.pairs) gets the layout-2 instantiation of
-    the same launch shape on the SoA twin's grid (so its results are the SoA weight's); the
-    ring tile's shapes, which have no pair-stream form, plan the register K-slice tile of the
-    same width (16 warps at 4 n-tiles: 12, the widest that has)."""
+    the same launch shape on the SoA twin's grid (so its results are the SoA weight's), the
+    ring tile included; the f16 tile's two m-tiles per warp run as one m-tile with twice the
+    warps (the same rows per CTA: launch.pair_cfg), never its two-m-tile pair decode (minutes to
+    compile)."""
     from types import SimpleNamespace
 
     from q6serve.kernels.api import Layout
@@ -265,16 +267,27 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     asked = []
     lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
                                   fn=lambda f, n: asked.append(n) or Fn()))
-    for path, cfg, n in (("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16),
-                         ("mma_f16", Cfg(nt=1), 1), ("exact", Cfg(nt=1, pf=True), 4),
-                         ("mmq_q8_1", Cfg(nt=2), 16), ("mma_f16", Cfg(nt=8, src=6, pf=True), 64)):
-        asked.clear()
-        soa = lc.plan(4096, 14336, Layout.SOA, "InF16", path, cfg, n)
-        pairs = lc.plan(4096, 14336, Layout.SOA, "InF16", path, cfg, n, True)
-        assert pairs.grid == soa.grid and pairs.smem == soa.smem
-        assert any(", 2, " in a or a.endswith(", 2>") for a in asked), asked
-    asked.clear()
-    lp = lc.plan(152064, 3584, Layout.SOA, "InF16", "mma_f16", Cfg(nt=4, src=5, warps=16), 32,
-                 True)
-    assert lp.src == 4 and "q6k_ks_f16<4, 1, 2, InF16, true, 12>" in asked
-    assert not any(a.startswith("q6k_ksr_f16") for a in asked)
+    for path, cfg, n, pair_name in (
+            ("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16,
+             "q6k_ks_f16<2, 1, 2, InF16, true, 16>"),
+            ("mma_f16", Cfg(nt=1), 1, "q6k_mma_f16<1, 1, 2, 2, InF16, false>"),
+            ("exact", Cfg(nt=1, pf=True), 4, "q6k_exact<1, 2, InF16, true>"),
+            ("mmq_q8_1", Cfg(nt=2), 16, "q6k_mmq_q8<2, 1, 2>"),
+            ("mma_f16", Cfg(nt=8, src=6, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
+            ("mma_f16", Cfg(nt=4, src=5, warps=16), 32, "q6k_ksr_f16<4, 2, InF16, 16, 2>"),
+            ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
+             "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),
+            ("mma_f16", Cfg(nt=2, mt=2, src=4, pf=True), 16,
+             "q6k_ks_f16<2, 2, 2, InF16, true, 8>")):
+        for rows, k in ((4096, 14336), (152064, 3584)):
+            asked.clear()
+            soa = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n)
+            soa_asked = list(asked)
+            asked.clear()
+            pairs = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n, True)
+            assert pairs.grid == soa.grid and pairs.smem == soa.smem, (cfg, rows)
+            assert pair_name in asked, (pair_name, asked)
+            assert not any(re.match(r"q6k_mma_f16<\d+, 2, 2,", a) for a in asked), asked
+            mapped = cfg.mt if cfg.src in (2, 3) else 1  # the same rows per CTA
+            assert pairs.threads == soa.threads * mapped, (cfg, pairs.threads, soa.threads)
+            assert soa_asked[0] != pair_name
