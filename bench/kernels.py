@@ -356,10 +356,17 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                     if path == "mmq_q8_1":
                         names.add(f"q6k_prep_q8_1<{cfg.nt}, {in_t}>")
     t0 = time.perf_counter()
-    with be.ctx.dev:
-        got = sum(be.ctx.prefetch(f, {nm for nm in names if nm.startswith("q6k_wg_") == (
-            f == WG_FILE)}, threads=16) for f in (MATMUL_FILE, WG_FILE) if f != WG_FILE or wg)
-    print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s", flush=True)
+    if be.storage.pairs:  # pair-stream weights (--pairs): what plan asks for on them
+        got = prefetch_auto(be, [(rows, k, n, cfg, path, in_t) for rows, k in shapes
+                                 for n in BUCKETS
+                                 for path, cfg in tune_candidates(n, rows, k, sm, wg)
+                                 for in_t in ("InF16",)], Layout.SOA)
+    else:
+        with be.ctx.dev:
+            got = sum(be.ctx.prefetch(f, {nm for nm in names if nm.startswith("q6k_wg_") == (
+                f == WG_FILE)}, threads=16) for f in (MATMUL_FILE, WG_FILE) if f != WG_FILE or wg)
+    print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s"
+          f"{' (pair streams)' if be.storage.pairs else ''}", flush=True)
     entries: list[Entry] = []
     rows_out: list[dict] = []
     meta = {"device": be.device_name(), "sm_count": sm, "cc": str(be.cc),
@@ -396,12 +403,30 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
             auto = cells["auto"]
             if auto is None:
                 continue
+            if be.storage.pairs:  # the committed table's pick on these weights vs the best
+                now = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+                if (now.path, now.cfg) not in timed:
+                    def call_now(i: int, c=now, ws=ws, x=xs["f16"]) -> None:
+                        be.run(ws[i], x, np.dtype(np.float16), c.path, c.cfg)
+
+                    with be.ctx.dev, be.stream:
+                        timed[(now.path, now.cfg)] = time_calls(cp, call_now, len(ws), 2, a.iters)
+                t_now = timed[(now.path, now.cfg)]
+                print(f"{shape_s:>12} {n:>3} table {now.path}.{now.cfg.label() if now.cfg else ''}"
+                      f" {t_now:.1f} us on pairs; tuned {auto.path}."
+                      f"{auto.cfg.label() if auto.cfg else ''} {auto.us:.1f}: "
+                      f"x{t_now / auto.us:.3f}", flush=True)
+                rows_out.append({"shape": shape_s, "n": n, "table_pick": f"{now.path}."
+                                 f"{now.cfg.label() if now.cfg else ''}", "table_us": t_now,
+                                 "tuned_us": auto.us})
 
             def call32(i: int, e=auto, ws=ws, x=xs["f32"]) -> None:
                 be.run(ws[i], x, np.dtype(np.float32), e.path, e.cfg)
 
-            with be.ctx.dev, be.stream:
-                us32 = time_calls(cp, call32, len(ws), 2, a.iters)
+            us32 = float("nan")  # (--pairs: f16 only, the cells' picks are what it checks)
+            if not be.storage.pairs:
+                with be.ctx.dev, be.stream:
+                    us32 = time_calls(cp, call32, len(ws), 2, a.iters)
             t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
                 16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
             ranked = sorted(((us, p, c) for (p, c), us in timed.items()
@@ -443,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time every candidate per shape and N bucket, write the dispatch table")
     ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
     ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="load the weights as pair streams (Storage.pairs; with --tune: each "
+                    "cell's committed pick timed beside the tuned one)")
     ap.add_argument("--pairs-ab", action="store_true",
                     help="AUTO on SoA and on pair-stream weights of the same blocks, f16 "
                     "activations, alternated in one process, bits compared (pairs_ab)")
@@ -453,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp
 
     be = CudaBackend(0)
+    be.storage.pairs = a.pairs or be.storage.pairs
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}"
           f"  table: {be.dispatch.table.meta.get('date', '?') if be.dispatch.table else 'none'}")
     if a.pairs_ab:

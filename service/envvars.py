@@ -98,6 +98,9 @@ PDL = Var("Q6SERVE_PDL", "switch", True,
 
 REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
+# read by the CUDA backend's storage (kernels/cuda/storage.py pairs_from_env)
+Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", False,
+                "SoA weights' code planes in pair-stream order on the device (CUDA)")
 
 Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,
                "row chunks a large y is computed and downloaded in (CUDA; 0 or 1: off)",
@@ -110,7 +113,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS, LAUNCH_SLOTS)
+                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

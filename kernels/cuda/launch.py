@@ -188,12 +188,14 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
 
 def pair_cfg(path: str, cfg: Cfg) -> Cfg:
     """The launch shape a pair-stream weight runs for ``cfg``: the f16 tile's two m-tiles per
-    warp (src 2/3) become one m-tile per warp with twice the warps (the same rows per CTA, so
-    the SoA twin's grid and the same sums per output): the two-m-tile pair decode of
-    ``q6k_mma_f16`` takes minutes to build (117-147 s for one name, nvcc 13.0 sm_90 on the CI
-    VM; 1-3 s at one m-tile, and for the K-slice tile at two)."""
-    if path == "mma_f16" and cfg.mt > 1 and cfg.src in (2, 3) and cfg.warps * cfg.mt <= 8:
-        return replace(cfg, mt=1, warps=cfg.warps * cfg.mt)
+    warp (src 2/3) become one m-tile per warp, with twice the warps where the CTA allows (the
+    same rows per CTA), else twice the CTAs along rows (Launcher.plan), on the SoA twin's K
+    split, so the same sums per output: the two-m-tile pair decode of ``q6k_mma_f16`` takes
+    minutes to build (117-147 s for one name, nvcc 13.0 sm_90 on the CI VM; 1-3 s at one
+    m-tile, and for the K-slice tile at two)."""
+    if path == "mma_f16" and cfg.mt > 1 and cfg.src in (2, 3):
+        wide = cfg.warps * cfg.mt
+        return replace(cfg, mt=1, warps=wide if wide <= 8 else cfg.warps)
     return cfg
 
 
@@ -985,6 +987,8 @@ class Launcher:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
         else:
             gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
+            if run_cfg.warps * run_cfg.mt < cfg.warps * cfg.mt:  # pair_cfg: more CTAs
+                gx = -(-rows // (run_cfg.warps * 16 * run_cfg.mt))
         smem = smem_bytes(path, cfg, -(-bpr // ks))
         for f in (fn, soa_fn):
             if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:

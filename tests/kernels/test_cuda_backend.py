@@ -53,7 +53,7 @@ def be():
     # Every instantiation the tests ask for, compiled up front a dozen per NVRTC program on
     # parallel threads (one program per name spent minutes of device time).
     with b.ctx.dev:
-        b.ctx.prefetch("q6k_matmul.cu", [n for f, n in requested_kernels()
+        b.ctx.prefetch("q6k_matmul.cu", [n for f, n in requested_kernels(b.storage.pairs)
                                          if f == "q6k_matmul.cu"], threads=16)
     yield b
     b.close()
@@ -382,10 +382,10 @@ def recording_launcher():
     return launcher
 
 
-def requested_kernels() -> set:
+def requested_kernels(pairs: bool = False) -> set:
     """Every (file, template name) the backend asks NVRTC for: the bench's and tests' launch
     shapes, the heuristics' and the dispatch table's, N = 1..300, both layouts, every
-    activation dtype."""
+    activation dtype; ``pairs``: SoA weights held as pair streams (Storage.pairs) too."""
     from q6serve.kernels.cuda.dispatch import default_cfg, load_default_table
     from q6serve.kernels.cuda.launch import IN_TYPES
 
@@ -401,8 +401,9 @@ def requested_kernels() -> set:
                          for r in (300, 1 << 17)]
                 plans += [(p, c) for p, c, _ in variant_cases()] + tabled
                 for path, cfg in plans:
-                    lp = lc.plan(300, 2304, layout, in_t, path, cfg, n)
-                    assert lp.grid[0] >= 1 and 1 <= lp.ks == lp.grid[1] <= 9 and lp.threads
+                    for pair in (False, True) if pairs and layout is Layout.SOA else (False,):
+                        lp = lc.plan(300, 2304, layout, in_t, path, cfg, n, pair)
+                        assert lp.grid[0] >= 1 and 1 <= lp.ks == lp.grid[1] <= 9 and lp.threads
     return set(lc.requested)
 
 

@@ -39,7 +39,8 @@ def be():
     from q6serve.kernels.cuda_backend import CudaBackend
 
     b = CudaBackend(0)
-    names = [kernel_name("mma_f16", c, soa, t) for c in KS_CFGS for soa in (True, False)
+    lays = (True, False, 2) if b.storage.pairs else (True, False)  # SoA weights: pair streams
+    names = [kernel_name("mma_f16", c, soa, t) for c in KS_CFGS for soa in lays
              for t in IN_TYPES.values()]
     with b.ctx.dev:
         b.ctx.prefetch("q6k_matmul.cu", names, threads=16)

@@ -36,12 +36,13 @@ TOL = 2e-3
 CFGS = (Cfg(nt=2, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12))
 RINGS = (Cfg(nt=4, src=5, warps=16), Cfg(nt=2, src=5, pf=True, warps=8))
 WG = (Cfg(nt=4, src=6, pf=True, warps=12),)
-# the exact tile, the plain f16 tile (src 2) and the staged one with two m-tiles (src 3: on a
-# pair weight it runs as one m-tile with twice the warps, launch.pair_cfg), the int8 tile,
-# cuBLAS's dequant; f32 activations only where the reader's x staging differs
+# the exact tile, the plain f16 tile (src 2) and the staged one (src 3), each also with two
+# m-tiles (a pair weight runs them as one m-tile with twice the warps, or at 8 warps twice the
+# CTAs: launch.pair_cfg), the int8 tile, cuBLAS's dequant; f32 activations only where the
+# reader's x staging differs
 OTHER = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)),
-         ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4)), ("mmq_q8_1", Cfg(nt=2)),
-         ("cublas_f16", None))
+         ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4)), ("mma_f16", Cfg(nt=1, mt=2)),
+         ("mmq_q8_1", Cfg(nt=2)), ("cublas_f16", None))
 F32 = (("exact", Cfg(nt=1, pf=True)), ("mma_f16", Cfg(nt=1)))
 
 

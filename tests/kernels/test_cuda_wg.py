@@ -46,7 +46,8 @@ def be():
     if b.ctx.cc != "90":
         b.close()
         pytest.skip(f"wgmma tile: sm_90 only (device is compute capability {b.ctx.cc})")
-    names = [kernel_name("mma_f16", c, soa, t) for c in WG_CFGS for soa in (True, False)
+    lays = (True, False, 2) if b.storage.pairs else (True, False)  # SoA weights: pair streams
+    names = [kernel_name("mma_f16", c, soa, t) for c in WG_CFGS for soa in lays
              for t in IN_TYPES.values()]
     with b.ctx.dev:
         b.ctx.prefetch(WG_FILE, names, threads=16)

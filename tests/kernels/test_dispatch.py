@@ -278,16 +278,22 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
             ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
              "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),
             ("mma_f16", Cfg(nt=2, mt=2, src=4, pf=True), 16,
-             "q6k_ks_f16<2, 2, 2, InF16, true, 8>")):
+             "q6k_ks_f16<2, 2, 2, InF16, true, 8>"),
+            ("mma_f16", Cfg(nt=1, mt=2), 4, "q6k_mma_f16<1, 1, 2, 2, InF16, false>")):
         for rows, k in ((4096, 14336), (152064, 3584)):
             asked.clear()
             soa = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n)
             soa_asked = list(asked)
             asked.clear()
             pairs = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n, True)
-            assert pairs.grid == soa.grid and pairs.smem == soa.smem, (cfg, rows)
             assert pair_name in asked, (pair_name, asked)
             assert not any(re.match(r"q6k_mma_f16<\d+, 2, 2,", a) for a in asked), asked
-            mapped = cfg.mt if cfg.src in (2, 3) else 1  # the same rows per CTA
-            assert pairs.threads == soa.threads * mapped, (cfg, pairs.threads, soa.threads)
+            assert pairs.smem == soa.smem and pairs.grid[1:] == soa.grid[1:], (cfg, rows)
+            if cfg.mt == 1 or cfg.src == 4:
+                assert pairs.grid == soa.grid and pairs.threads == soa.threads
+            elif cfg.warps * cfg.mt <= 8:  # one m-tile per warp, twice the warps
+                assert pairs.grid == soa.grid and pairs.threads == 2 * soa.threads
+            else:  # one m-tile per warp, twice the CTAs along rows
+                assert pairs.threads == soa.threads and pairs.grid[0] == -(-rows // 128)
+                assert soa.grid[0] == -(-rows // 256)
             assert soa_asked[0] != pair_name
