@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in (loaded.popitem()[1] if loaded else ()):
                 be.free(w)
             blocks = q6k.random_blocks(rows, k, rng)
+            be.storage.pairs = False
             ws = be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA,
                          64 << 20)
             be.storage.pairs = True

@@ -346,7 +346,7 @@ def pdl_ab(cp, be, call_auto, choice, ws, xd, shape_s, n, copies) -> dict:
 
 def rp_cfgs(n: int) -> list[Cfg]:
     """src 4's register-prefetch launch shapes of an ``n``-token call (one m-tile), which the
-    probe kernel q6k_ksp_f16 mirrors."""
+    pair-stream weights run beside plain SoA (the session-11 probe q6k_ksp_f16 mirrored them)."""
     nt = 1 if n <= 8 else 1 << (-(-n // 8) - 1).bit_length()
     return [Cfg(nt=nt, src=4, pf=True, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
             if mt == 1 and pf]

@@ -99,7 +99,7 @@ PDL = Var("Q6SERVE_PDL", "switch", True,
 REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
 # read by the CUDA backend's storage (kernels/cuda/storage.py pairs_from_env)
-Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", False,
+Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", True,
                 "SoA weights' code planes in pair-stream order on the device (CUDA)")
 
 Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,

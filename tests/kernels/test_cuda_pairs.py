@@ -10,6 +10,7 @@ and relayout restore ggml's bytes exactly."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -80,15 +81,23 @@ def be():
     b.close()
 
 
+@contextmanager
+def held_as(be, pairs: bool):
+    """SoA weights loaded or re-laid inside are held as pair streams (``pairs``) or not."""
+    was, be.storage.pairs = be.storage.pairs, pairs
+    try:
+        yield
+    finally:
+        be.storage.pairs = was
+
+
 def _pair(be, blocks, rows, k, chunk=1 << 20):
     """The same blocks as a SoA weight and as a pair-stream weight (loaded in ``chunk``-byte
     pieces, so each piece's blocks are re-ordered on their own)."""
-    soa = load(be, blocks, rows, k, Layout.SOA)
-    be.storage.pairs = True
-    try:
+    with held_as(be, False):
+        soa = load(be, blocks, rows, k, Layout.SOA)
+    with held_as(be, True):
         pairs = load(be, blocks, rows, k, Layout.SOA, chunk)
-    finally:
-        be.storage.pairs = False
     assert pairs.data.pairs and not soa.data.pairs
     return soa, pairs
 
@@ -104,7 +113,9 @@ def _same(y0, y1, label):
 
 
 def test_switch_reads_zero_one():
-    assert pairs_from_env({}) is False and pairs_from_env({"Q6SERVE_Q6K_PAIRS": "1"}) is True
+    assert pairs_from_env({}) is True and pairs_from_env({"Q6SERVE_Q6K_PAIRS": " "}) is True
+    assert pairs_from_env({"Q6SERVE_Q6K_PAIRS": "0"}) is False
+    assert pairs_from_env({"Q6SERVE_Q6K_PAIRS": "1"}) is True
 
 
 def test_repack_keeps_scales_and_permutes_codes(be, rng):
@@ -131,11 +142,8 @@ def test_read_back_and_relayout_restore_ggml_bytes(be, rng):
     y = _y(be, soa, x, "mma_f16", Cfg(nt=2, src=4, pf=True))
     aos = be.relayout(pairs, Layout.AOS)
     assert not aos.data.pairs and np.array_equal(be.read_aos(aos), blocks)
-    be.storage.pairs = True
-    try:
+    with held_as(be, True):
         back = be.relayout(aos, Layout.SOA)
-    finally:
-        be.storage.pairs = False
     assert back.data.pairs and np.array_equal(be.read_aos(back), blocks)
     _same(y, _y(be, back, x, "mma_f16", Cfg(nt=2, src=4, pf=True)), "after relayout")
 
