@@ -159,21 +159,28 @@ def test_committed_table_covers_every_model_shape_bucket_and_column():
     assert {"device", "date", "commit", "command"} <= set(table.meta)
 
 
-def test_every_committed_entry_names_a_real_kernel_and_launch_shape():
-    """Path of its column; a launch shape the templates have that plans on a 132-SM device
-    (the nvcc test compiles the instantiations it names: requested_kernels() includes them)."""
+def _deviceless_launcher(names: list):
+    """A Launcher of a 132-SM sm_90 device without one: each kernel lookup appends its name."""
     from types import SimpleNamespace
 
-    from q6serve.kernels.api import Layout
-    from q6serve.kernels.cuda.launch import IN_TYPES, Launcher, kernel_name
+    from q6serve.kernels.cuda.launch import Launcher
 
     class Fn:
         num_regs = 128
         max_dynamic_shared_size_bytes = 48 << 10
 
+    return Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
+                                    fn=lambda f, n: names.append(n) or Fn()))
+
+
+def test_every_committed_entry_names_a_real_kernel_and_launch_shape():
+    """Path of its column; a launch shape the templates have that plans on a 132-SM device
+    (the nvcc test compiles the instantiations it names: requested_kernels() includes them)."""
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import IN_TYPES, kernel_name
+
     names = []
-    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
-                                  fn=lambda f, n: names.append(n) or Fn()))
+    lc = _deviceless_launcher(names)
     table = committed()
     for cells in table.cells.values():
         for e in cells.values():
@@ -255,18 +262,10 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     ring tile included; the f16 tile's two m-tiles per warp run as one m-tile with twice the
     warps (the same rows per CTA: launch.pair_cfg), never its two-m-tile pair decode (minutes to
     compile)."""
-    from types import SimpleNamespace
-
     from q6serve.kernels.api import Layout
-    from q6serve.kernels.cuda.launch import Launcher
-
-    class Fn:
-        num_regs = 128
-        max_dynamic_shared_size_bytes = 48 << 10
 
     asked = []
-    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
-                                  fn=lambda f, n: asked.append(n) or Fn()))
+    lc = _deviceless_launcher(asked)
     for path, cfg, n, pair_name in (
             ("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16,
              "q6k_ks_f16<2, 1, 2, InF16, true, 16>"),
