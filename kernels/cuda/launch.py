@@ -929,14 +929,15 @@ class Launcher:
         return cfg
 
     def row_chunks(self, lp: LaunchPlan, rows: int, k: int, layout: Layout, in_t: str,
-                   path: str, cfg: Cfg, n: int, rps: int, want: int,
+                   path: str, cfg: Cfg, n: int, rps: int, want: int, pairs: bool = False,
                    ) -> list[tuple[int, int, LaunchPlan]] | None:
         """The row chunks of a K-slice tile call (module docstring, point 8): [(r0, r1, plan)],
         at most ``want``, each a run of whole slabs of ``rps`` rows as close as they allow to
         one launch round of ``lp``'s grid (gx CTAs x warps x 16 rows), each planned with
         ``lp``'s K split and token chunks (the in-kernel K slices follow gridDim.y, so every
         value is the full call's). None where it does not apply: not a K-slice tile, one slab,
-        one round, or a chunk whose plan would split K otherwise."""
+        one round, or a chunk whose plan would split K otherwise. ``pairs``: the weight's
+        (CudaWeight.pairs), as for ``plan``."""
         if want < 2 or lp.path != "mma_f16" or lp.src not in (4, 5, 6) or rps >= rows:
             return None
         tc = self.tile_cfg(path, cfg)
@@ -958,7 +959,7 @@ class Launcher:
         forced = replace(cfg, ksplit=ks)
         out, total = [], 0
         for r0, r1 in itertools.pairwise(cuts):
-            p = self.plan(r1 - r0, k, layout, in_t, path, forced, n)
+            p = self.plan(r1 - r0, k, layout, in_t, path, forced, n, pairs)
             if p.grid[1] != ks or p.grid[2] != nz:
                 return None
             total += -(-(r1 - r0) // (16 * tc.mt * tc.warps * p.grid[0]))  # its rounds
@@ -1300,7 +1301,7 @@ class Launcher:
         # All buffers first (any growth bumps the generation), then the pointers.
         kind = small[0] if isinstance(small, tuple) else None
         chunks = (self.row_chunks(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, cw.rps,
-                                  small[1]) if kind == "rows" else None)
+                                  small[1], cw.pairs) if kind == "rows" else None)
         for _ in range(2):
             gen = self.ws.gen
             self.ws.host(x_bytes, slot)

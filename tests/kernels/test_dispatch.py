@@ -160,17 +160,17 @@ def test_committed_table_covers_every_model_shape_bucket_and_column():
 
 
 def _deviceless_launcher(names: list):
-    """A Launcher of a 132-SM sm_90 device without one: each kernel lookup appends its name."""
+    """A Launcher of a 132-SM sm_90 device without one: each kernel lookup appends its name
+    and returns a stand-in function that carries it (``.name``)."""
     from types import SimpleNamespace
 
     from q6serve.kernels.cuda.launch import Launcher
 
-    class Fn:
-        num_regs = 128
-        max_dynamic_shared_size_bytes = 48 << 10
+    def fn(file: str, name: str) -> SimpleNamespace:
+        names.append(name)
+        return SimpleNamespace(name=name, num_regs=128, max_dynamic_shared_size_bytes=48 << 10)
 
-    return Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
-                                    fn=lambda f, n: names.append(n) or Fn()))
+    return Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90", fn=fn))
 
 
 def test_every_committed_entry_names_a_real_kernel_and_launch_shape():
@@ -296,3 +296,19 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
                 assert pairs.threads == soa.threads and pairs.grid[0] == -(-rows // 128)
                 assert soa.grid[0] == -(-rows // 256)
             assert soa_asked[0] != pair_name
+
+
+def test_row_chunks_of_a_pair_stream_weight_run_its_kernel():
+    """Device-less: the row chunks of a K-slice call (Q6SERVE_Y_CHUNKS) on a pair-stream weight
+    plan the pair-stream kernel the full call runs, never its plain-SoA twin."""
+    from q6serve.kernels.api import Layout
+
+    lc = _deviceless_launcher([])
+    cfg = Cfg(nt=8, src=4, pf=True)
+    for pairs in (True, False):
+        full = lc.plan(14336, 4096, Layout.SOA, "InF16", "mma_f16", cfg, 64, pairs)
+        chunks = lc.row_chunks(full, 14336, 4096, Layout.SOA, "InF16", "mma_f16", cfg, 64, 512,
+                               4, pairs)
+        assert chunks is not None and len(chunks) >= 2
+        assert (", 2, " in full.fn.name) is pairs, full.fn.name
+        assert all(p.fn.name == full.fn.name for _, _, p in chunks)
