@@ -342,16 +342,18 @@ def pick(rows: int, k: int, n: int, column: str, timed: dict, sm_count: int) -> 
 
 def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     """Time every candidate per (shape, bucket) with f16 activations, write the table, print
-    the AUTO choice (f16 and f32 activations) beside torch's f16 linear."""
+    the AUTO choice (f16 and f32 activations) beside torch's f16 linear. The buckets are
+    ``--ns`` (all of BUCKETS by default; fewer write a partial table: for re-checks)."""
     import cupy as cp
 
     rng = np.random.default_rng(0)
     sm = be.sm_count
     wg = be.cc == "90"  # the wgmma tile builds for sm_90a only
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
+    buckets = [n for n in map(int, a.ns.split(",")) if n in BUCKETS]
     names = set()  # compile every candidate up front: parallel NVRTC programs
     for rows, k in shapes:
-        for n in BUCKETS:
+        for n in buckets:
             for path, cfg in tune_candidates(n, rows, k, sm, wg):
                 if cfg is None:
                     continue
@@ -364,7 +366,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     t0 = time.perf_counter()
     if be.storage.pairs:  # pair-stream weights (--pairs): what plan asks for on them
         got = prefetch_auto(be, [(rows, k, n, cfg, path, in_t) for rows, k in shapes
-                                 for n in BUCKETS
+                                 for n in buckets
                                  for path, cfg in tune_candidates(n, rows, k, sm, wg)
                                  for in_t in ("InF16",)], Layout.SOA)
     else:
@@ -388,7 +390,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
         ws = load_copies(be, rng, rows, k, Layout.SOA)
         print(f"\n{shape_s}: {wbytes / 1e6:.1f} MB Q6_K, {len(ws)} rotated copies\n{hdr}",
               flush=True)
-        for n in BUCKETS:
+        for n in buckets:
             xs = {d: cp.asarray(rng.standard_normal((n, k)).astype(t)) for d, t in DTYPES.items()}
             timed: dict[tuple[str, Cfg | None], float | None] = {}
             for path, cfg in tune_candidates(n, rows, k, sm, wg):
