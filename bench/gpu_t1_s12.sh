@@ -9,7 +9,8 @@
 # the worker's own marks in the request's step (Q6SERVE_STEP_MARKS=1, bench/loop_trips.py:
 # decoded, job, job_end, send). Then the CUDA worker again alone, sampled by py-spy --native
 # (gRPC's C frames of the read and the write included), summarised by bench/spy_summary.py.
-#   bench/gpu_t1_s12.sh         env: ROUNDS (2), SECONDS_PER (1.0), SPY_SECONDS (4; 0: no profile), RATE (250)
+#   bench/gpu_t1_s12.sh         env: ROUNDS (2), SECONDS_PER (1.0), SPLIT_TIMEOUT (32 s),
+#                               SPY_SECONDS (4; 0: no profile), RATE (250)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy bench/gpu_t1_s12.sh
 # $OUT: t1s12.tgz (logs, trips JSON, profiles), summary.txt.
 set -uo pipefail
@@ -23,7 +24,7 @@ ROUNDS=${ROUNDS:-2}
 # the CUDA worker's window with its kernel: does a longer window alone lengthen the way up and
 # down?), the Worker over a no-op backend, the CUDA worker
 VARIANTS=bare+icpt+proto+coro+spin,bare+icpt+proto+coro+spin+hold200,engine,worker
-(cd bench && Q6SERVE_STEP_MARKS=1 timeout 32 python3 stream_overhead.py --backend "${BACKEND:-cuda}" \
+(cd bench && Q6SERVE_STEP_MARKS=1 timeout "${SPLIT_TIMEOUT:-32}" python3 stream_overhead.py --backend "${BACKEND:-cuda}" \
   --inproc 0 --rows 3584 --out f32 --rounds "$ROUNDS" --seconds "${SECONDS_PER:-1.0}" \
   --warmup 0.2 --trips --timeline 6 --variants "$VARIANTS") >"$OUT/split.log" 2>&1
 note "# split rc=$? ($(elapsed))"
