@@ -9,9 +9,9 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
-#   with KERNELS_LAST=SECONDS the kernels' suite runs last, within that limit, so a short device
-#   budget spends itself on the rest first; KERNELS_LAST=0 leaves it out, for a call that runs the
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), REPLAY_SEQS (1,8,64), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
+#   KERNELS_LAST=SECONDS runs the kernels' suite last, within that limit, so a short device
+#   budget spends itself on the rest first (with or without TESTS_ONLY); KERNELS_LAST=0 leaves it out, for a call that runs the
 #   kernels' tests itself; WALL=1 adds the host wall of CudaBackend.matmul at N = 1, 64), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
 #   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py),
@@ -34,7 +34,7 @@ t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line fo
   tar czf "$FINAL/check.tgz" -C "$OUT" . 2>/dev/null
 }
 kernels() { t kernels_gpu "${1:-220}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
-[[ -z ${KERNELS_LAST:-} || -z ${TESTS_ONLY:-} ]] && kernels
+[[ -z ${KERNELS_LAST:-} ]] && kernels
 t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
 Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
@@ -72,7 +72,7 @@ PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load o
 [[ -z ${SKIP_TRIPS:-} ]] && t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
   --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
-  t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs 1,8,64 \
+  t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs "${REPLAY_SEQS:-1,8,64}" \
     --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
   [[ -z ${SKIP_PINNED:-} ]] && t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
@@ -95,6 +95,7 @@ if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls i
   t lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
     --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
 fi
+[[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
 tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
   # (the shipped tree's COMMIT: the device copy's git metadata may be another checkout's)
