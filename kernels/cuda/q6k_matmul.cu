@@ -1060,82 +1060,131 @@ __global__ void __launch_bounds__(256) q6k_dequant_f16(PARAMS_W, int r0, int nro
 
 // ---------------------------------------------------------------------------------------------
 // Pair streams (layout code 2, session 11; q6k_common.cuh "pair streams"): one SoA slab's
-// blocks [b0, b1) of nb rewritten in place, one thread per block (scales and d untouched), and
-// the inverse. Only the layout-2 instantiations read such a slab.
-extern "C" __global__ void __launch_bounds__(128) q6k_repack_pairs(u8* slab, int nb, int b0,
-                                                                    int b1) {
-    const int b = b0 + blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= b1) return;
-    u8* ql = slab + (size_t)b * 128u;
-    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
-    u8 q[256];
-    for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-            const u32 a = ql[64 * h + l], c = ql[64 * h + l + 32], hh = qh[32 * h + l];
-            q[128 * h + l] = (u8)((a & 15u) | ((hh & 3u) << 4));
-            q[128 * h + l + 32] = (u8)((c & 15u) | (((hh >> 2) & 3u) << 4));
-            q[128 * h + l + 64] = (u8)((a >> 4) | (((hh >> 4) & 3u) << 4));
-            q[128 * h + l + 96] = (u8)((c >> 4) | (((hh >> 6) & 3u) << 4));
-        }
-    for (int t = 0; t < 4; ++t) {
-        u32 W[12];
-        for (int i = 0; i < 12; ++i) W[i] = 0u;
-        for (int m = 0; m < 4; ++m)
+// blocks [b0, b1) of nb rewritten in place (scales and d untouched), and the inverse. Only the
+// layout-2 instantiations read such a slab. A block's quarter t (its pair-stream bytes
+// ql[32t, 32t+32) and qh[16t, 16t+16)) holds the 64 codes at ggml's ql[64h + 16t + i] (low
+// nibbles: codes of m = 2h, high: m = 2h+1) and the 2-bit fields 2(t>>1) + 4(m&1) of
+// qh[32h + 16(t&1) + i] (h = 0, 1; i < 16): per m and half hf, the eight codes i = 2p + hf
+// (p < 8) as one 48-bit stream (code p at bit 6p), its three 16-bit pieces the half hf of words
+// 2m, 2m+1 (ql) and 8+m (qh). (Session 12 round 2: the same bits as session 11's one-thread-per-
+// block kernels, now a thread per quarter with 16-byte loads and stores.)
+__host__ __device__ __forceinline__ void pairs_pack_quarter(const u32 (&qa)[2][4],
+                                                            const u32 (&qb)[2][4], int t,
+                                                            u32 (&W)[12]) {
+#pragma unroll
+    for (int i = 0; i < 12; ++i) W[i] = 0u;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int h = m >> 1, nib = m & 1, sh = 2 * (t >> 1) + 4 * nib;
+        u32 c[4];  // the 16 codes of (m, this quarter), byte i = code i
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+            c[w] = ((qa[h][w] >> (4 * nib)) & 0x0f0f0f0fu) | (((qb[h][w] >> sh) & 0x03030303u) << 4);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            unsigned long long v = 0ull;
+#pragma unroll
             for (int p = 0; p < 8; ++p)
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int j = p >> 1, i = 2 * (p & 1) + hf;
-                    const int e = (m >> 1) * 128 + 32 * ((t >> 1) + 2 * (m & 1)) + 16 * (t & 1) +
-                                  4 * j + i;
-                    const u32 code = q[e];
-                    for (int k = 0; k < 6; ++k) {
-                        const int sb = 6 * p + k, word = sb >> 4;
-                        const int wi = word == 2 ? 8 + m : 2 * m + word;
-                        W[wi] |= ((code >> k) & 1u) << ((sb & 15) + 16 * hf);
-                    }
-                }
-        u32* dl = (u32*)(ql + 32 * t);
-        u32* dh = (u32*)(qh + 16 * t);
-        for (int i = 0; i < 8; ++i) dl[i] = W[i];
-        for (int i = 0; i < 4; ++i) dh[i] = W[8 + i];
+                v |= (unsigned long long)((c[p >> 1] >> (8 * (2 * (p & 1) + hf))) & 63u) << (6 * p);
+            W[2 * m] |= (u32)(v & 0xffffu) << (16 * hf);
+            W[2 * m + 1] |= (u32)((v >> 16) & 0xffffu) << (16 * hf);
+            W[8 + m] |= (u32)((v >> 32) & 0xffffu) << (16 * hf);
+        }
     }
 }
 
-// The inverse, in place: pair streams back to ggml's ql/qh planes (relayout to AoS, read_aos),
-// bit-exact (tests/kernels/test_cuda_pairs.py round-trips).
-extern "C" __global__ void __launch_bounds__(128) q6k_unpack_pairs(u8* slab, int nb, int b0,
+// The inverse of one quarter: qa[h] = ggml's ql[64h + 16t, +16) (whole bytes), qb[h] = this
+// quarter's bits of qh[32h + 16(t&1), +16) (quarter t^2 holds the other half of the bits).
+__host__ __device__ __forceinline__ void pairs_unpack_quarter(const u32 (&W)[12], int t,
+                                                              u32 (&qa)[2][4], u32 (&qb)[2][4]) {
+    u32 c[4][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) c[m][w] = 0u;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const unsigned long long v =
+                (unsigned long long)((W[2 * m] >> (16 * hf)) & 0xffffu) |
+                ((unsigned long long)((W[2 * m + 1] >> (16 * hf)) & 0xffffu) << 16) |
+                ((unsigned long long)((W[8 + m] >> (16 * hf)) & 0xffffu) << 32);
+#pragma unroll
+            for (int p = 0; p < 8; ++p)
+                c[m][p >> 1] |= (u32)((v >> (6 * p)) & 63u) << (8 * (2 * (p & 1) + hf));
+        }
+    }
+    const int sh = 2 * (t >> 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            qa[h][w] = (c[2 * h][w] & 0x0f0f0f0fu) | ((c[2 * h + 1][w] & 0x0f0f0f0fu) << 4);
+            qb[h][w] = (((c[2 * h][w] >> 4) & 0x03030303u) << sh) |
+                       (((c[2 * h + 1][w] >> 4) & 0x03030303u) << (sh + 4));
+        }
+}
+
+// One thread per quarter of a block (4 * (b1 - b0) threads, blockDim a multiple of 32: a
+// block's four quarters sit in one warp, whose __syncwarp orders their reads before any write
+// of the in-place rewrite). Loads and stores are 16 bytes; a warp covers 8 whole blocks.
+extern "C" __global__ void __launch_bounds__(256) q6k_repack_pairs(u8* slab, int nb, int b0,
                                                                     int b1) {
-    const int b = b0 + blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= b1) return;
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = b0 + (g >> 2), t = g & 3;
+    const bool on = b < b1;
     u8* ql = slab + (size_t)b * 128u;
     u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
-    u8 q[256];
-    for (int t = 0; t < 4; ++t) {
-        u32 W[12];
-        for (int i = 0; i < 8; ++i) W[i] = ((const u32*)(ql + 32 * t))[i];
-        for (int i = 0; i < 4; ++i) W[8 + i] = ((const u32*)(qh + 16 * t))[i];
-        for (int m = 0; m < 4; ++m)
-            for (int p = 0; p < 8; ++p)
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int j = p >> 1, i = 2 * (p & 1) + hf;
-                    const int e = (m >> 1) * 128 + 32 * ((t >> 1) + 2 * (m & 1)) + 16 * (t & 1) +
-                                  4 * j + i;
-                    u32 code = 0u;
-                    for (int k = 0; k < 6; ++k) {
-                        const int sb = 6 * p + k, word = sb >> 4;
-                        const int wi = word == 2 ? 8 + m : 2 * m + word;
-                        code |= ((W[wi] >> ((sb & 15) + 16 * hf)) & 1u) << k;
-                    }
-                    q[e] = (u8)code;
-                }
-    }
-    for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-            const u32 a = q[128 * h + l], c = q[128 * h + l + 32];
-            const u32 e = q[128 * h + l + 64], f = q[128 * h + l + 96];
-            ql[64 * h + l] = (u8)((a & 15u) | ((e & 15u) << 4));
-            ql[64 * h + l + 32] = (u8)((c & 15u) | ((f & 15u) << 4));
-            qh[32 * h + l] = (u8)((a >> 4) | ((c >> 4) << 2) | ((e >> 4) << 4) | ((f >> 4) << 6));
+    u32 qa[2][4], qb[2][4];
+    if (on) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4 a = *(const uint4*)(ql + 64 * h + 16 * t);
+            const uint4 c = *(const uint4*)(qh + 32 * h + 16 * (t & 1));
+            qa[h][0] = a.x, qa[h][1] = a.y, qa[h][2] = a.z, qa[h][3] = a.w;
+            qb[h][0] = c.x, qb[h][1] = c.y, qb[h][2] = c.z, qb[h][3] = c.w;
         }
+    }
+    __syncwarp();  // the block's bytes read by all four quarters before any is rewritten
+    if (!on) return;
+    u32 W[12];
+    pairs_pack_quarter(qa, qb, t, W);
+    *(uint4*)(ql + 32 * t) = make_uint4(W[0], W[1], W[2], W[3]);
+    *(uint4*)(ql + 32 * t + 16) = make_uint4(W[4], W[5], W[6], W[7]);
+    *(uint4*)(qh + 16 * t) = make_uint4(W[8], W[9], W[10], W[11]);
+}
+
+// The inverse, in place: pair streams back to ggml's ql/qh planes (relayout to AoS, read_aos),
+// bit-exact (tests/kernels/test_cuda_pairs.py round-trips); quarters t and t^2 swap their qh
+// halves through a shuffle.
+extern "C" __global__ void __launch_bounds__(256) q6k_unpack_pairs(u8* slab, int nb, int b0,
+                                                                    int b1) {
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = b0 + (g >> 2), t = g & 3;
+    const bool on = b < b1;
+    u8* ql = slab + (size_t)b * 128u;
+    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
+    uint4 l0 = make_uint4(0u, 0u, 0u, 0u), l1 = l0, hq = l0;
+    if (on) {
+        l0 = *(const uint4*)(ql + 32 * t);
+        l1 = *(const uint4*)(ql + 32 * t + 16);
+        hq = *(const uint4*)(qh + 16 * t);
+    }
+    const u32 W[12] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w, hq.x, hq.y, hq.z, hq.w};
+    u32 qa[2][4], qb[2][4];
+    pairs_unpack_quarter(W, t, qa, qb);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) qb[h][w] |= __shfl_xor_sync(0xffffffffu, qb[h][w], 2);
+    __syncwarp();  // the block's bytes read by all four quarters before any is rewritten
+    if (!on) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        *(uint4*)(ql + 64 * h + 16 * t) = make_uint4(qa[h][0], qa[h][1], qa[h][2], qa[h][3]);
+    const bool hi = t >> 1;  // quarter t writes qh[32(t>>1) + 16(t&1), +16)
+    *(uint4*)(qh + 32 * (t >> 1) + 16 * (t & 1)) =
+        hi ? make_uint4(qb[1][0], qb[1][1], qb[1][2], qb[1][3])
+           : make_uint4(qb[0][0], qb[0][1], qb[0][2], qb[0][3]);
 }
 
 #ifdef Q6SERVE_NVCC_CHECK

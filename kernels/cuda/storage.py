@@ -94,11 +94,12 @@ class Storage:
 
     def _pairs(self, slab: Any, nb: int, b0: int, b1: int, inverse: bool = False) -> None:
         """Blocks [b0, b1) of a SoA slab of nb blocks into pair-stream order, in place (or back
-        to ggml's planes: ``inverse``)."""
+        to ggml's planes: ``inverse``): a thread per quarter block, 256 a CTA (a multiple of 32:
+        a block's four quarters share a warp)."""
         if b1 <= b0:
             return
         name = "q6k_unpack_pairs" if inverse else "q6k_repack_pairs"
-        self.ctx.fn(PAIRS_FILE, name)((-(-(b1 - b0) // 128),), (128,), (
+        self.ctx.fn(PAIRS_FILE, name)((-(-4 * (b1 - b0) // 256),), (256,), (
             slab, np.int32(nb), np.int32(b0), np.int32(b1)))
 
     def _repack(self, src: Any, src_layout: Layout, src_nb: int, src_b0: int, dst: Any,

@@ -15,13 +15,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from pairs_ref import pack_pairs
 from test_cuda_backend import _gpu_count, load, random_weight, recording_launcher, rel_fro
 
 from q6serve.kernels import q6k, reference
 from q6serve.kernels.api import KernelFlags, Layout, Precision
 from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import IN_TYPES, KS_SMEM_MAX, MATMUL_FILE, smem_bytes
-from q6serve.kernels.cuda.storage import pairs_from_env
+from q6serve.kernels.cuda.storage import pairs_from_env, slab_plan
 
 try:
     import cupy
@@ -130,6 +131,76 @@ def test_repack_keeps_scales_and_permutes_codes(be, rng):
                 + np.unpackbits(a[128 * nb + 64 * i:128 * nb + 64 * i + 64]).sum()
                 == np.unpackbits(b[128 * i:128 * i + 128]).sum()
                 + np.unpackbits(b[128 * nb + 64 * i:128 * nb + 64 * i + 64]).sum())
+
+
+def test_repack_is_the_reference_order_at_any_chunk_offset(be, rng, monkeypatch):
+    """The device repack's bytes are pairs_ref's (session 11's kernel, bit for bit) with chunks
+    and slabs that start mid-warp (21-block chunks, 123-block slabs), and the inverse kernel on
+    a block range restores exactly that range."""
+    from q6serve.kernels.cuda import storage
+
+    rows, k = 90, 768
+    monkeypatch.setattr(storage, "SLAB_BYTES", 41 * q6k.aos_nbytes(1, k))
+    soa, pairs = _pair(be, random_weight(rng, rows, k), rows, k, chunk=7 * q6k.aos_nbytes(1, k))
+    assert len(pairs.data.slabs) == 3
+    for (r0, r1), a, b in zip(slab_plan(rows, k), soa.data.slabs, pairs.data.slabs, strict=True):
+        nb = (r1 - r0) * (k // 256)
+        plain = a.get()
+        want = pack_pairs(plain, nb)
+        assert np.array_equal(b.get(), want), f"slab of rows {r0}..{r1}"
+        lo, hi = 5, nb - 3
+        part = want.copy()  # blocks [lo, hi) back to ggml's planes, the others left as they are
+        part[128 * lo:128 * hi] = plain[128 * lo:128 * hi]
+        part[128 * nb + 64 * lo:128 * nb + 64 * hi] = plain[128 * nb + 64 * lo:128 * nb + 64 * hi]
+        with be.ctx.dev, be.stream:
+            dev = cupy.asarray(want)
+            be.storage._pairs(dev, nb, lo, hi, inverse=True)
+            got = dev.get(stream=be.stream)
+        assert np.array_equal(got, part), f"inverse of blocks {lo}..{hi} of {nb}"
+
+
+def test_kill_switch_relayout_is_bit_identical(be, rng):
+    """Pair streams to AoS and back with the switch off give ggml's SoA bytes exactly (the
+    plain weight's slabs), and back on the pair order again; the results stay the same."""
+    rows, k = 96, 1024
+    blocks = random_weight(rng, rows, k)
+    compile_for(be, [("mma_f16", Cfg(nt=2, src=4, pf=True), 9, np.float16)], rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    plain = soa.data.slabs[0].get()
+    x = rng.standard_normal((9, k)).astype(np.float16)
+    y = _y(be, pairs, x, "mma_f16", Cfg(nt=2, src=4, pf=True))
+    with held_as(be, False):
+        aos = be.relayout(pairs, Layout.AOS)
+        assert np.array_equal(aos.data.slabs[0].get(), blocks.reshape(-1))
+        off = be.relayout(aos, Layout.SOA)
+    assert not off.data.pairs and np.array_equal(off.data.slabs[0].get(), plain)
+    _same(y, _y(be, off, x, "mma_f16", Cfg(nt=2, src=4, pf=True)), "switch off")
+    with held_as(be, True):
+        on = be.relayout(be.relayout(off, Layout.AOS), Layout.SOA)
+    assert on.data.pairs and np.array_equal(on.data.slabs[0].get(), pack_pairs(plain, rows * 4))
+    _same(y, _y(be, on, x, "mma_f16", Cfg(nt=2, src=4, pf=True)), "switch on again")
+
+
+def test_pairs_take_the_plain_weights_vram(be, rng):
+    """With pair streams the VRAM accountant's figures hold unchanged: the same pool bytes in
+    use after a chunked load as the plain SoA weight (weight_nbytes), and the load's peak
+    within the weight + one chunk (the repack is in place, per chunk)."""
+    rows, k, chunk = 2048, 4096, 1 << 20
+    blocks = random_weight(rng, rows, k)
+    pool = cupy.get_default_memory_pool()
+    used, peak, held = {}, {}, []
+    for on in (False, True, False, True):
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        before, total = pool.used_bytes(), pool.total_bytes()
+        with held_as(be, on):
+            w = load(be, blocks, rows, k, Layout.SOA, chunk)
+        assert w.data.pairs is on and w.nbytes == be.weight_nbytes(rows, k, Layout.SOA)
+        used.setdefault(on, set()).add(pool.used_bytes() - before)
+        peak[on] = pool.total_bytes() - total
+        held.append(w)  # kept, so each load starts from an emptied pool beside the others
+    assert used[True] == used[False] == {be.weight_nbytes(rows, k, Layout.SOA)}, used
+    assert peak[True] <= be.weight_nbytes(rows, k, Layout.SOA) + chunk, peak
 
 
 def test_read_back_and_relayout_restore_ggml_bytes(be, rng):
