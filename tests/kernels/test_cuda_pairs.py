@@ -145,9 +145,9 @@ def test_repack_is_the_reference_order_at_any_chunk_offset(be, rng, monkeypatch)
     assert len(pairs.data.slabs) == 3
     for (r0, r1), a, b in zip(slab_plan(rows, k), soa.data.slabs, pairs.data.slabs, strict=True):
         nb = (r1 - r0) * (k // 256)
-        plain = a.get()
+        plain = a.get()[:210 * nb]  # (a slab rounds up to 16 bytes: 123 blocks leave 10 unset)
         want = pack_pairs(plain, nb)
-        assert np.array_equal(b.get(), want), f"slab of rows {r0}..{r1}"
+        assert np.array_equal(b.get()[:210 * nb], want), f"slab of rows {r0}..{r1}"
         lo, hi = 5, nb - 3
         part = want.copy()  # blocks [lo, hi) back to ggml's planes, the others left as they are
         part[128 * lo:128 * hi] = plain[128 * lo:128 * hi]
