@@ -26,5 +26,5 @@ timeout "$t" python3 bench/pair_load.py --json "$OUT/pair_load.json" >"$OUT/pair
 note "# pair_load rc=$? (bound ${t} s) $(elapsed)"
 echo "== k bundle A3 (tree $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null))"
 tail -3 "$OUT/pair_tests.log"
-grep -E "^ *shape|^ *[0-9]+x[0-9]+ " "$OUT/pair_load.log" || tail -5 "$OUT/pair_load.log"
+grep -E "^ *shape|^ *[0-9]+x[0-9]+ " "$OUT/pair_load.log" | awk '!seen[$0]++' | grep . || tail -5 "$OUT/pair_load.log"
 (cd "$OUT" && tar czf "$FINAL/k_s12d_logs.tgz" -- *)

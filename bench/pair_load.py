@@ -166,6 +166,18 @@ def run_shape(be, old, rows: int, k: int, reps: int) -> dict:
             "bits_same_repack": same_r, "bits_same_unpack": same_u, **t}
 
 
+HEAD = (f"{'shape':>12} {'MB':>6} {'load off':>9} {'load on':>9} {'on-off':>7} "
+        f"{'repack new/s11 us':>18} {'unpack new/s11 us':>18} bits")
+
+
+def row(r: dict) -> str:
+    return (f"{r['shape']:>12} {r['mb']:6.1f} {r['load_off_ms']:7.1f}ms {r['load_on_ms']:7.1f}ms "
+            f"{r['load_on_ms'] - r['load_off_ms']:+6.1f} "
+            f"{r['repack_new_us']:8.0f}/{r['repack_s11_us']:<9.0f} "
+            f"{r['unpack_new_us']:8.0f}/{r['unpack_s11_us']:<9.0f} "
+            f"{'same' if r['bits_same_repack'] and r['bits_same_unpack'] else 'DIFFER'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="4096x14336,152064x3584")
@@ -176,23 +188,20 @@ def main() -> None:
     with be.ctx.dev:
         mod = be.ctx.cp.RawModule(code=S11_SRC)
         old = (mod.get_function("s11_repack_pairs"), mod.get_function("s11_unpack_pairs"))
+    print(HEAD, flush=True)
     out = []
     for s in args.shapes.split(","):
         rows, k = (int(v) for v in s.split("x"))
         r = run_shape(be, old, rows, k, args.reps)
         out.append(r)
         print(json.dumps(r), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(f"{'shape':>12} {'MB':>6} {'load off':>9} {'load on':>9} {'on-off':>7} "
-          f"{'repack new/s11 us':>18} {'unpack new/s11 us':>18} bits")
+        print(row(r), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    print(HEAD)
     for r in out:
-        print(f"{r['shape']:>12} {r['mb']:6.1f} {r['load_off_ms']:7.1f}ms {r['load_on_ms']:7.1f}ms "
-              f"{r['load_on_ms'] - r['load_off_ms']:+6.1f} "
-              f"{r['repack_new_us']:8.0f}/{r['repack_s11_us']:<9.0f} "
-              f"{r['unpack_new_us']:8.0f}/{r['unpack_s11_us']:<9.0f} "
-              f"{'same' if r['bits_same_repack'] and r['bits_same_unpack'] else 'DIFFER'}")
+        print(row(r))
 
 
 if __name__ == "__main__":
