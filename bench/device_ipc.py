@@ -56,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from q6serve.kernels.cuda.launch import BATCH_SLOTS, SLOTS
+
 # --parts: the functions timed (inclusive), as (module, class or None, attribute, label);
 # "+" after the attribute: the function it returns (a launch's finish) is timed as well
 PARTS = [
@@ -141,7 +143,7 @@ class ModelGpu:
     previous one ends (one in-order stream), waits that sleep until then."""
 
     name = "cuda"  # (Device's hand-off yield, as on CUDA)
-    launch_slots = 2
+    launch_slots, now_slots = BATCH_SLOTS, SLOTS  # (as CudaBackend's)
 
     def __init__(self, inner: Any, gpu_s: float, launch_s: float,
                  region_launch_s: float = 5e-6) -> None:
@@ -155,7 +157,7 @@ class ModelGpu:
         self._free_at = 0.0  # when the modelled stream has done everything launched so far
         # the pinned upload buffers of the launch slots: x is copied into the next one unless
         # it was built there (``staging``), as the CUDA backend does
-        self._upload = [np.empty(0, np.uint8)] * self.launch_slots
+        self._upload = [np.empty(0, np.uint8)] * self.now_slots
         self._staged: np.ndarray | None = None
         self.launches = 0
         self.busy_s = 0.0  # modelled GPU seconds
@@ -167,7 +169,7 @@ class ModelGpu:
         return self.launch(w, x, **kw).wait()
 
     def _host(self, nbytes: int) -> np.ndarray:
-        slot = self.launches % self.launch_slots
+        slot = self.launches % self.now_slots
         if self._upload[slot].size < nbytes:
             self._upload[slot] = np.zeros(nbytes, np.uint8)  # (faulted in once)
         return self._upload[slot][:nbytes]

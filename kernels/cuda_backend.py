@@ -48,7 +48,7 @@ from .cuda.dispatch import (
     default_cfg,
     load_default_table,
 )
-from .cuda.launch import IN_TYPES, SLOTS, Launcher, RegionCall
+from .cuda.launch import BATCH_SLOTS, IN_TYPES, SLOTS, Launcher, RegionCall
 from .cuda.storage import CudaWeight, Storage, pairs_from_env, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
@@ -69,7 +69,8 @@ class CudaBackend(Backend):
     that file). ``graphs``: capture each launch sequence as a CUDA graph (the wall bench
     turns it off to compare)."""
 
-    launch_slots = SLOTS  # launches in flight at once (kernels/cuda/launch.py)
+    launch_slots = BATCH_SLOTS  # the batcher's launches in flight (kernels/cuda/launch.py)
+    now_slots = SLOTS  # a launch_now pipeline's (the lane's full batches)
 
     name = "cuda"
 

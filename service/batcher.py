@@ -123,12 +123,16 @@ class Device:
     slower through front ends (a lone batch handed to the thread pays the hand-off)."""
 
     def __init__(self, name: str, handoff_yield: bool = False, inline_s: float = 0.0,
-                 launch_slots: int = 1) -> None:
+                 launch_slots: int = 1, now_slots: int | None = None) -> None:
         self.name = name
         self.handoff_yield = handoff_yield
         self.inline_s = inline_s
         pipeline = bool(envvars.PIPELINE.read())
         self.launch_slots = max(1, launch_slots) if pipeline else 1
+        # launch_now's own limit (a pipeline on the loop's thread: the lane's full batches):
+        # the backend's slots, which may be more than its batcher pipelines take
+        self.now_slots = (max(1, launch_slots if now_slots is None else now_slots)
+                          if pipeline else 1)
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
                                and bool(envvars.PIPELINE_SHORT.read()))
@@ -241,7 +245,7 @@ class Device:
         """Whether :meth:`launch_now` may launch here now: nothing on or held for the device
         thread, and no device work but launch_now's own launches, fewer than the slots (and
         inline jobs that are over, their outcomes not yet handed on)."""
-        return (self._in_thread == 0 and not self._held and self._now < self.launch_slots
+        return (self._in_thread == 0 and not self._held and self._now < self.now_slots
                 and self.inflight == self._now + self._settling)
 
     def launch_now(self, launch: Callable[..., Launched], *args: Any,

@@ -106,8 +106,9 @@ Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,
                "row chunks a large y is computed and downloaded in (CUDA; 0 or 1: off)",
                high=16)
 
-LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 2,
-                   "launches in flight at once on one launcher (CUDA)", low=1, high=4)
+LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
+                   "launches in flight on one launcher: all for the lane's pipeline, at most 2 "
+                   "for the batcher's (CUDA)", low=1, high=4)
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,

@@ -364,7 +364,7 @@ class LaneServer:
         pipe, self._pipe = self._pipe, []
         self.flushes += 1
         engine = self.engine
-        slots = getattr(getattr(engine, "device", None), "launch_slots", 1)
+        slots = getattr(getattr(engine, "device", None), "now_slots", 1)
         waiting: collections.deque[tuple[_Piped, Any]] = collections.deque()
 
         def answer_oldest() -> None:

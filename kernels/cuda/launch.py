@@ -104,19 +104,24 @@ SMALL_Y_F32 = 32 << 10
 
 
 def slots_from_env(env: Any = None) -> int:
-    """``Q6SERVE_LAUNCH_SLOTS`` (unset or empty: 2), 1..4: launches in flight at once on one
-    launcher (read once, at import: the workspace's and RegionCall's per-slot state and the
-    Device's ``launch_slots`` follow it). An experiment, off by default: a lane's region call
-    has three GPU stages (x in, kernels, y out) that two calls in flight cannot all overlap."""
+    """``Q6SERVE_LAUNCH_SLOTS`` (unset or empty: 3), 1..4: launches in flight at once on one
+    launcher (read once, at import: the workspace's and RegionCall's per-slot state follow
+    it). A ``launch_now`` pipeline (the fast lane's full batches, service/lane.py) may fill
+    them all: a lane plan's region call has three GPU stages (x in, kernels, y out) that
+    three calls in flight overlap (H200, session 12: T3 through lanes +13-24% over two,
+    alternated); the batcher's own pipelines keep at most ``BATCH_SLOTS``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_LAUNCH_SLOTS", "").strip()
     if not raw:
-        return 2
+        return 3
     if not raw.isdigit() or not 1 <= int(raw) <= 4:
         raise ValueError(f"Q6SERVE_LAUNCH_SLOTS={raw!r}: a number of launches, 1 to 4")
     return int(raw)
 
 
 SLOTS = slots_from_env()  # launches in flight at once on one launcher (module docstring, 5)
+# of which the batcher's pipelines (service/batcher.py ``Device.launch_slots``: batches launched
+# behind each other) take at most two, as measured; a launch_now pipeline takes all SLOTS
+BATCH_SLOTS = min(SLOTS, 2)
 # y's download beside the kernels (module docstring, point 8): a large f32/bf16 y of a K-slice
 # tile call is computed in up to Y_CHUNKS row chunks (runs of whole slabs, one launch round of
 # the full call's grid each, the full call's K split: bit-identical), chunk i's rows DMA'd on a

@@ -186,7 +186,7 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
             piped = lanes.piped
             # NumPy computes at launch, so two in flight are safe: the pipeline then answers
             # the oldest before it launches a third
-            w.worker.engine.device.launch_slots = 2
+            w.worker.engine.device.now_slots = 2
             f32 = core._DTYPE_TO_PB["f32"]
             recs = []
             for i in range(count):
@@ -249,7 +249,7 @@ async def _held(w: Any) -> list[int]:
 
 
 def test_device_launch_now_keeps_its_launches_within_the_slots() -> None:
-    """``Device.launch_now`` (the lane's pipeline): at most ``launch_slots`` launches in flight,
+    """``Device.launch_now`` (the lane's pipeline): at most ``now_slots`` launches in flight,
     none beside a job on the device thread or an inline job's pending outcome counted against
     it; a launch that raises gives its place back; idle waiters hear of the last finish."""
     import threading
@@ -277,6 +277,15 @@ def test_device_launch_now_keeps_its_launches_within_the_slots() -> None:
             woken: list[bool] = []
             dev.notify_when_idle(lambda: woken.append(True))
             assert second() == "b" and dev.idle and woken == [True]
+            # the backend's launch_now slots beyond its batcher pipelines' (CUDA: 3 and 2)
+            deep = Device("t", inline_s=1.0, launch_slots=2, now_slots=3)
+            try:
+                assert deep.launch_slots == 2 and deep.now_slots == 3
+                finishes = [deep.launch_now(launch, v) for v in "xyz"]
+                assert not deep.may_launch_now()  # all three taken
+                assert [f() for f in finishes] == ["x", "y", "z"] and deep.may_launch_now()
+            finally:
+                deep.close()
             # a job on the device thread: nothing launched beside it until it is over
             go = threading.Event()
             fut = dev.submit(go.wait, 10)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.api import KernelFlags, Precision
-from q6serve.kernels.cuda.launch import RegionCall
+from q6serve.kernels.cuda.launch import SLOTS, RegionCall
 from tests.kernels.test_cuda_backend_host import _Fn, _set_y, _Stream, fake_backend, fake_weight
 
 ROWS, K = 4096, 14336  # a shape of the dispatch table (its cells settle the path)
@@ -99,7 +99,7 @@ def test_region_call_repeats_the_call_in_one_graph(monkeypatch, n, out, streams)
     # one call at a time: slot 0's sequence, direct twice (the second captured), then graphs
     assert cp.counts["graph"] - graphs == 4
     assert not any(be.launcher.ws._held)
-    assert rc._sseqs == [None, None] and "rx0" not in be.launcher.ws._dev
+    assert rc._sseqs == [None] * SLOTS and "rx0" not in be.launcher.ws._dev
     del buf
 
 
@@ -116,13 +116,14 @@ def test_region_call_two_in_flight_use_both_slots(monkeypatch, streams):
         assert rc._seqs[0].graph and rc._sseqs[1].graph
         assert rc._seqs[1] is None and rc._sseqs[0] is None
     else:
-        assert all(s is not None and s.graph for s in rc._seqs)
-    a, b = rc.launch(), rc.launch()
+        assert all(s is not None and s.graph for s in rc._seqs[:2])
+    held = [rc.launch() for _ in range(SLOTS)]
     from q6serve.kernels.errors import DeviceError
 
     with pytest.raises(DeviceError):
-        rc.launch()  # both slots in flight
-    a.wait(), b.wait()
+        rc.launch()  # every slot in flight
+    for h in held:
+        h.wait()
     assert not any(be.launcher.ws._held)
 
 

@@ -291,28 +291,31 @@ def test_a_captured_call_takes_the_bound_call(monkeypatch, staged):
 
 
 def test_bound_calls_keep_the_slots_and_the_checks(monkeypatch):
-    """Two staged launches in flight (one per slot) return their own y; a third launch, a
+    """Staged launches in flight (one per slot) return their own y; one more launch, a
     staged buffer still in flight, a wrong K, an unsupported dtype and a freed weight are
     refused as on the full path."""
+    from q6serve.kernels.cuda.launch import SLOTS
     from q6serve.kernels.errors import DeviceError, FormatError
 
     be, _, full, w, rng = _counted(monkeypatch, 3)
-    for _ in range(3):  # both slots captured
-        a = be.launch(w, _x(be, rng, 8, 14336, True))
-        b = be.launch(w, _x(be, rng, 8, 14336, True))
-        a.wait(), b.wait()
+    for _ in range(3):  # every slot captured
+        for h in [be.launch(w, _x(be, rng, 8, 14336, True)) for _ in range(SLOTS)]:
+            h.wait()
     full.clear()
     ya = _set_y(be, w, 8, 1)
     a = be.launch(w, _x(be, rng, 8, 14336, True))
     yb = _set_y(be, w, 8, 2)
     st = _x(be, rng, 8, 14336, True)
     b = be.launch(w, st)
+    rest = [be.launch(w, _x(be, rng, 8, 14336, True)) for _ in range(SLOTS - 2)]
     assert not full
     with pytest.raises(DeviceError):
         be.launch(w, st)  # its slot is in flight
     with pytest.raises(DeviceError):
         be.launch(w, np.ones((8, 14336), np.float16))  # no free slot
     assert np.array_equal(a.wait().y, ya) and np.array_equal(b.wait().y, yb)
+    for r in rest:
+        r.wait()
     with pytest.raises(FormatError):
         be.launch(w, be.staging(8, 4096, np.float16))
     with pytest.raises(FormatError):

@@ -21,16 +21,16 @@ from q6serve.kernels.errors import DeviceError
 
 def test_slots_go_to_the_first_free_one_and_a_launch_past_them_is_refused() -> None:
     ws = Workspace(SimpleNamespace())
-    assert SLOTS == 2
-    assert ws.free_slot() == 0
-    ws.take(0)
-    assert ws.free_slot() == 1
-    ws.take(1)
+    assert SLOTS >= 2
+    for s in range(SLOTS):
+        assert ws.free_slot() == s
+        ws.take(s)
     with pytest.raises(DeviceError, match="in flight"):
         ws.free_slot()
     ws.release(0)
     assert ws.free_slot() == 0
-    ws.release(1)
+    for s in range(1, SLOTS):
+        ws.release(s)
     assert ws.free_slot() == 0
 
 
