@@ -17,6 +17,8 @@
 # load processes), lanes over CUDA regions with and without Q6SERVE_PIPELINE_SHORT=1, each with
 # the replies' kernel p50 (T3's fraction as bench/service.py counts it); T3 bytes' echo floor;
 # the lane's GPU tests with three slots.
+# ROUND=c (bundle A3): the lane's 3 slots by default: T3 through lanes default / =2, the lane's
+# GPU tests.
 # (T2's timeline with the GC freeze on/off: bench/gpu_dataplane_s11c.sh, bundle B.)
 #   bench/gpu_dataplane_s12.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95)
 #   DRY_RUN=1 BACKEND=numpy ROWS=64 K=512 OUT=/tmp/o bench/gpu_dataplane_s12.sh   (CPU)
@@ -49,16 +51,15 @@ parts() {  # parts TAG ENV: the device process alone on T3's lane shape under EN
     | cut -c1-150) $(grep -h "^lane pipelines" "$OUT/parts_$tag.log")"
   archive
 }
-slots3_tests() {  # the lane's GPU tests with three slots
-  if [[ -n ${DRY_RUN:-} ]] || ! left 16; then
-    note "# gpu test (slots 3) skipped at $(elapsed)"
+lane_tests() {  # lane_tests TAG ENV: the lane's GPU tests under ENV (VAR=VALUE)
+  if [[ -n ${DRY_RUN:-} ]] || ! left 12; then
+    note "# gpu test ($1) skipped at $(elapsed)"
     return
   fi
-  Q6SERVE_LAUNCH_SLOTS=3 timeout $((BUDGET + T0 - $(date +%s))) python3 -m pytest -m gpu -q \
-    -rfE -p no:cacheprovider tests/dataplane/test_pinned_gpu.py -k lane \
-    >"$OUT/pytest_slots3_gpu.log" 2>&1
-  note "# gpu test (slots 3) rc=$? ($(tail -1 "$OUT/pytest_slots3_gpu.log")) at $(elapsed)"
-  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_slots3_gpu.log" | head -6 | cut -c1-240
+  env "$2" timeout $((BUDGET + T0 - $(date +%s))) python3 -m pytest -m gpu -q -rfE \
+    -p no:cacheprovider tests/dataplane/test_pinned_gpu.py -k lane >"$OUT/pytest_$1_gpu.log" 2>&1
+  note "# gpu test ($1) rc=$? ($(tail -1 "$OUT/pytest_$1_gpu.log")) at $(elapsed)"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_$1_gpu.log" | head -6 | cut -c1-240
 }
 echo_floor() {  # T3 bytes' floor: one bare gRPC stream round trip of T3's sizes (no worker)
   left 8 || { note "# echo skipped at $(elapsed)"; return; }
@@ -69,7 +70,11 @@ print(f'echo {x} B up, {y} B down: p50 {us:,.0f} us; 8 callers x 64 rows at that
       f'at most {8 * 64 / us * 1e6:,.0f} rows/s')" >"$OUT/echo_t3.log" 2>&1)
   note "# echo T3 sizes rc=$? at $(elapsed): $(tail -1 "$OUT/echo_t3.log" | cut -c1-160)"
 }
-if [[ ${ROUND:-a} == b ]]; then  # bundle A2: the slots' T3 with the kernel's own p50
+if [[ ${ROUND:-a} == c ]]; then  # bundle A3: the new default (3 slots for the lane) validated
+  lane default1 Q6SERVE_REGION_STREAMS=1
+  lane slots2 Q6SERVE_LAUNCH_SLOTS=2
+  lane_tests default Q6SERVE_REGION_STREAMS=1
+elif [[ ${ROUND:-a} == b ]]; then  # bundle A2: the slots' T3 with the kernel's own p50
   lane rule1 Q6SERVE_REGION_STREAMS=1
   lane slots3a Q6SERVE_LAUNCH_SLOTS=3
   # lanes over CUDA regions: one request at a time through CudaPlane.start (bundle A: 586k
@@ -83,7 +88,7 @@ if [[ ${ROUND:-a} == b ]]; then  # bundle A2: the slots' T3 with the kernel's ow
   # 1.1-1.2 cores each, their GIL shared by 4 callers' x copies and reply polls)
   lane slots3p32 Q6SERVE_LAUNCH_SLOTS=3 --hosts 32 --callers 1
   echo_floor
-  slots3_tests
+  lane_tests slots3 Q6SERVE_LAUNCH_SLOTS=3
 else
   if [[ $BACKEND == cuda ]]; then
     timeout 20 python3 bench/device_ipc.py --backend cuda --dma --stack 64 --rows "$ROWS" \
@@ -101,7 +106,7 @@ else
   echo_floor
   lane rule2 Q6SERVE_REGION_STREAMS=1
   lane slots3b Q6SERVE_LAUNCH_SLOTS=3
-  slots3_tests
+  lane_tests slots3 Q6SERVE_LAUNCH_SLOTS=3
 fi
 python3 bench/dataplane_table.py --lanes "$OUT" | tee "$FINAL/table.txt"
 for f in "$OUT"/parts_*.log; do
