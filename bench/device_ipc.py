@@ -30,8 +30,9 @@ each launch only *models* a GPU: it copies x into a pinned-like upload buffer un
 built there (``staging``) or lies in a page-locked region (as the CUDA backend), takes
 ``--launch-us`` of host CPU (the rest of the CUDA host path: graph launch, copies enqueued),
 its "GPU work" takes US on one in-order stream (a launch starts when the previous one ends),
-and its wait sleeps until then, as a CUDA sync waits without the GIL; two launch slots and
-page-locked regions with y routes (``HostIO``), as the CUDA backend has. y's bytes are not
+and its wait sleeps until then, as a CUDA sync waits without the GIL; launch slots (2 for the
+batcher, 3 for launch_now) and page-locked regions with y routes (``HostIO``), as the CUDA
+backend has. y's bytes are not
 computed (zeros; a routed y is left as it is): what is measured is the device process's host
 path and how it overlaps the modelled GPU, e.g.
 T3's shape with regions: ``--gpu-us 130 --region --stack 64 --rows 3584 --k 18944``.
