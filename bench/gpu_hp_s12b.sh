@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (STAGING_WC, the write-combined staging of its wc variants, was removed after bundle A3: no effect.)
 # Session 12, helper hp, bundle A2 (bound 70 s): the row-chunked y (kernels/cuda/launch.py point 8)
 # 1. its GPU test (tests/kernels/test_cuda_backend_host.py -m gpu: 512-row slabs vs one slab,
 #    plain and chunked, bit for bit, every kind of call);

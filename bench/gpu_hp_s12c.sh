@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (STAGING_WC, the write-combined staging of its wc variants, was removed after bundle A3: no effect.)
 # Session 12, helper hp, bundle A3 (bound 40 s): what decides Y_CHUNKS' default (kernels/cuda/
 # launch.py point 8) and x's write-combined staging (STAGING_WC), pair streams on (main's default).
 # 1. bench/backend_wall.py staged, ONE process, variants alternated per (shape, N), 3 rounds, on

@@ -39,16 +39,16 @@ host path of one batch:
    DMA as one graph per slot (``Q6SERVE_REGION_STREAMS=1``: the copies on streams of their
    own, beside the kernels).
 
-8. ``Q6SERVE_Y_CHUNKS=C`` (off by default: unmeasured): a call whose f32 (or bf16) y is
-   ``Y_CHUNK_MIN`` bytes or more and whose tile is a K-slice tile (the grid's rows done in
-   rounds of ``gx x warps x 16`` rows) runs as up to C launches on row chunks of the weight -
-   runs of whole slabs (a view of the slab table: no kernel change), each one round of the full
-   call's grid, with the full call's K split, so every y value is the full call's, bit for bit -
-   each chunk writing its own [N, chunk rows] block of the device y; after the graph launch
-   each chunk's block is DMA'd (a 2D copy into its columns of the host y) on a copy stream as
-   soon as an event recorded after its kernels fires, so the download of chunk i runs while
-   chunk i + 1 computes (the last chunk's on the backend's stream, right after its kernels).
-   Weights of one slab (the default 64 MB slabs) are never chunked.
+8. ``Q6SERVE_Y_CHUNKS=C`` (off by default): a call whose f32 (or bf16) y is ``Y_CHUNK_MIN``
+   bytes or more and whose tile is a register or ring K-slice tile (``Y_CHUNK_SRCS``; the
+   grid's rows done in rounds of ``gx x warps x 16`` rows) runs as up to C launches on row
+   chunks of the weight - runs of whole slabs (a view of the slab table: no kernel change), each
+   one round of the full call's grid, with the full call's K split, so every y value is the
+   full call's, bit for bit - each chunk writing its own [N, chunk rows] block of the device y;
+   after the graph launch each chunk's block is DMA'd (a 2D copy into its columns of the host
+   y) on a copy stream as soon as an event recorded after its kernels fires, so the download of
+   chunk i runs while chunk i + 1 computes (the last chunk's on the backend's stream, right
+   after its kernels). Weights of one slab (the default 64 MB slabs) are never chunked.
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
@@ -129,13 +129,11 @@ BATCH_SLOTS = min(SLOTS, 2)
 # is built); only for a y of Y_CHUNK_MIN bytes or more.
 Y_CHUNKS = 0
 Y_CHUNK_MIN = 512 << 10
-# x's pinned staging buffers allocated write-combined (cudaHostAllocWriteCombined): the fill's
-# stores bypass the CPU caches, so x's DMA reads memory with no dirty lines to pull from the
-# caches (session 9: non-temporal fills cut x's DMA at N=64 by ~13 us). CPU reads of such a
-# buffer are uncached and slow (only the Q8_1 non-finite check of a staged x reads it). An
-# experiment (0: off); the wall bench's variants set it.
-STAGING_WC = 0
-_WRITE_COMBINED = 4  # cudaHostAllocWriteCombined
+# The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
+# the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
+# (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
+# up to 192 KB, again).
+Y_CHUNK_SRCS = (4, 5)
 # The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
 # ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
 # bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
@@ -421,9 +419,8 @@ class Workspace:
         return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
 
     def host(self, nbytes: int, slot: int = 0) -> np.ndarray:
-        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``; write-combined
-        under ``STAGING_WC``)."""
-        self._host[slot] = self._pinned(self._host[slot], nbytes, bool(STAGING_WC))
+        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``)."""
+        self._host[slot] = self._pinned(self._host[slot], nbytes)
         return self._host[slot][1]
 
     def host_out(self, nbytes: int, slot: int = 0) -> np.ndarray:
@@ -431,17 +428,13 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
-    def _pinned(self, have: Any, nbytes: int, wc: bool = False) -> tuple[Any, np.ndarray, bool]:
-        if have is not None and have[1].size >= nbytes and have[2] == wc:
+    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
+        if have is not None and have[1].size >= nbytes:
             return have
-        size = self._grown(0 if have is None or have[2] != wc else have[1].size, nbytes)
-        cuda = self.ctx.cp.cuda
-        if wc:
-            mem = cuda.PinnedMemoryPointer(cuda.PinnedMemory(size, _WRITE_COMBINED), 0)
-        else:
-            mem = cuda.alloc_pinned_memory(size)
+        size = self._grown(0 if have is None else have[1].size, nbytes)
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
         self.gen += 1
-        return mem, np.frombuffer(mem, np.uint8, size), wc
+        return mem, np.frombuffer(mem, np.uint8, size)
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._dev.values())
@@ -520,7 +513,7 @@ class BoundCall:
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
         self.chunked = bool(b.extra.get("chunks"))  # ... chunk by chunk (Launcher._chunks_out)
-        self.chunks = lc.setting()  # the host path's settings it was bound under
+        self.chunks = lc.chunks_wanted()  # the row chunks' setting it was bound under
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
         self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
@@ -529,7 +522,7 @@ class BoundCall:
     def live(self) -> bool:
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
                 and (not self.topk or cuda_topk.bindable())
-                and self.chunks == self.lc.setting())
+                and self.chunks == self.lc.chunks_wanted())
 
     def launch(self, x: np.ndarray | None = None) -> Launched:
         """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
@@ -809,11 +802,6 @@ class Launcher:
         """Row chunks a large y is computed and downloaded in (<= 1: off)."""
         return Y_CHUNKS if self.y_chunks is None else self.y_chunks
 
-    def setting(self) -> tuple[int, int]:
-        """The host path's settings a cached call was bound under (row chunks, staging
-        kind); a change sends the next call through the full path."""
-        return self.chunks_wanted(), STAGING_WC
-
     def y_stream(self) -> Any:
         """The copy stream of the row chunks' downloads (made on first use, under the
         device)."""
@@ -940,10 +928,10 @@ class Launcher:
         at most ``want``, each a run of whole slabs of ``rps`` rows as close as they allow to
         one launch round of ``lp``'s grid (gx CTAs x warps x 16 rows), each planned with
         ``lp``'s K split and token chunks (the in-kernel K slices follow gridDim.y, so every
-        value is the full call's). None where it does not apply: not a K-slice tile, one slab,
-        one round, or a chunk whose plan would split K otherwise. ``pairs``: the weight's
-        (CudaWeight.pairs), as for ``plan``."""
-        if want < 2 or lp.path != "mma_f16" or lp.src not in (4, 5, 6) or rps >= rows:
+        value is the full call's). None where it does not apply: not a ``Y_CHUNK_SRCS`` tile,
+        one slab, one round, or a chunk whose plan would split K otherwise. ``pairs``: the
+        weight's (CudaWeight.pairs), as for ``plan``."""
+        if want < 2 or lp.path != "mma_f16" or lp.src not in Y_CHUNK_SRCS or rps >= rows:
             return None
         tc = self.tile_cfg(path, cfg)
         gx, ks, nz = lp.grid
