@@ -10,6 +10,9 @@ setting's median over the rounds and its ratio to the first.
 
     python bench/slab_ab.py [--shapes 4096x14336,...] [--ns 1,8,64] [--slab-rows 0,512]
                             [--rounds 3] [--iters 30] [--json out.json]
+
+``--slab-rows``: per setting, 0 storage's default (``SLAB_BYTES``, 64 MB), R slabs of R rows, or
+``pP`` the weight in P slabs (ceil(rows / P) rows each, e.g. ``0,p2``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int, slab_rows: int)
         storage.SLAB_BYTES = old
 
 
+def slab_rows(setting: str, rows: int) -> int:
+    """A ``--slab-rows`` setting's rows a slab for a weight of ``rows`` (0: the default)."""
+    if setting.startswith("p"):
+        return -(-rows // int(setting[1:]))
+    return int(setting)
+
+
 def caller(be: CudaBackend, ws: list, xd: object, c: object):
     """``fn(i)``: AUTO's kernel on copy ``i`` of ``ws`` (enqueued, no sync)."""
     return lambda i: be.run(ws[i], xd, np.float16, c.path, c.cfg)
@@ -58,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--ns", default="1,8,64")
-    ap.add_argument("--slab-rows", default="0,512", help="settings (0: storage's SLAB_BYTES)")
+    ap.add_argument("--slab-rows", default="0,512",
+                    help="settings: 0 storage's SLAB_BYTES, R rows a slab, pP P slabs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     be = CudaBackend(0)
-    settings = [int(v) for v in a.slab_rows.split(",")]
+    settings = a.slab_rows.split(",")
     ns = [int(v) for v in a.ns.split(",")]
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     names = set()
@@ -79,18 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         be.ctx.prefetch(MATMUL_FILE, sorted(names), threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  AUTO f16 "
           f"kernel us (median of {a.rounds} rounds x {a.iters} calls), slab rows "
-          f"{' / '.join(str(v) if v else 'default' for v in settings)}", flush=True)
+          f"{' / '.join(v if v != '0' else 'default' for v in settings)}", flush=True)
     rng = np.random.default_rng(0)
     out = []
     for rows, k in shapes:
         blocks = q6k.random_blocks(rows, k, rng)
         copies = max(2, min(8, math.ceil(3 * L2_BYTES / q6k.aos_nbytes(rows, k))))
-        ws = {s: [load(be, blocks, rows, k, s) for _ in range(copies)] for s in settings}
+        ws = {s: [load(be, blocks, rows, k, slab_rows(s, rows)) for _ in range(copies)]
+              for s in settings}
         del blocks
         for n in ns:
             c = be.choose(n, Precision.AUTO, DEFAULT_FLAGS, rows, k)
             xd = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
-            got: dict[int, list[float]] = {s: [] for s in settings}
+            got: dict[str, list[float]] = {s: [] for s in settings}
             with be.ctx.dev, be.stream:
                 for _ in range(a.rounds):
                     for s in settings:
@@ -99,12 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             med = {s: statistics.median(v) for s, v in got.items()}
             base = med[settings[0]]
             slabs = {s: len(ws[s][0].data.slabs) for s in settings}
-            cells = "  ".join(f"{s or 'default'} ({slabs[s]} slabs) {med[s]:.1f}"
+            cells = "  ".join(f"{s if s != '0' else 'default'} ({slabs[s]} slabs) {med[s]:.1f}"
                               f" x{base / med[s]:.3f}" for s in settings)
             print(f"{rows:>6}x{k:<6} N={n:<3} {c.path} {c.cfg.label() if c.cfg else ''}: "
                   f"{cells}", flush=True)
-            out.append({"shape": f"{rows}x{k}", "n": n, "us": {str(s): v for s, v in got.items()},
-                        "slabs": {str(s): v for s, v in slabs.items()}})
+            out.append({"shape": f"{rows}x{k}", "n": n, "us": got, "slabs": slabs})
         for lst in ws.values():
             for w in lst:
                 be.free(w)

@@ -48,7 +48,10 @@ host path of one batch:
    after the graph launch each chunk's block is DMA'd (a 2D copy into its columns of the host
    y) on a copy stream as soon as an event recorded after its kernels fires, so the download of
    chunk i runs while chunk i + 1 computes (the last chunk's on the backend's stream, right
-   after its kernels). Weights of one slab (the default 64 MB slabs) are never chunked.
+   after its kernels). Weights of one slab (the default 64 MB slabs: every weight up to 64 MB)
+   are never chunked, so by default nothing is. H200, session 12 (bench/RESULTS.md): 14336x4096
+   N=64 in 2 chunks on 512-row slabs, wall 160.4 -> 143.5 us; but 512-row slabs cost 18944x3584
+   N=1 up to 2.5%, so storage's slabs stayed. Next step: such weights in 2 slabs (rows / chunk).
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
