@@ -1,10 +1,11 @@
-"""Two launches in flight on one CudaBackend (kernels/cuda/launch.py, point 5: launch slots).
+"""Launches in flight on one CudaBackend (kernels/cuda/launch.py, point 5: launch slots; SLOTS,
+3 by default, Q6SERVE_LAUNCH_SLOTS).
 
-CPU: the slot bookkeeping (which slot the next launch takes, a third launch refused while two
-await their waits). GPU (``-m gpu``): a second batch launched before the first's wait - same
-weight and N (the same bound sequence in the other slot), small and large y, the top-k
-epilogue, activations built in place in each slot's staging buffer - gives bit-identical
-results and kernel times for both; a third launch raises until one wait is called."""
+CPU: the slot bookkeeping (which slot the next launch takes, a launch past SLOTS refused while
+they await their waits). GPU (``-m gpu``): batches launched before the first's wait until every
+slot is taken - same weight and N (the same bound sequence in each slot), small and large y, the
+top-k epilogue, activations built in place in each slot's staging buffer - give bit-identical
+results and kernel times; one more launch raises until one wait is called."""
 
 from __future__ import annotations
 
@@ -59,26 +60,35 @@ def _same(a, b) -> None:
 @pytest.mark.parametrize("n, out, topk", [(1, np.float16, 0), (8, None, 0), (64, None, 0),
                                           (64, np.float16, 0), (16, None, 8)])
 @pytest.mark.parametrize("staged", [False, True])
-def test_two_launches_in_flight_equal_one_at_a_time(be, n, out, topk, staged) -> None:
+def test_launches_in_flight_equal_one_at_a_time(be, n, out, topk, staged) -> None:
     rng = np.random.default_rng(7)
     # y of N=64 f32 is 1 MiB (past SMALL_Y): both ways out of the launcher are taken
     w = load(be, random_weight(rng, 4096, 2048), 4096, 2048, Layout.SOA)
-    xs = [rng.standard_normal((n, 2048)).astype(np.float16) for _ in range(3)]
+    xs = [rng.standard_normal((n, 2048)).astype(np.float16) for _ in range(SLOTS + 1)]
     want = [be.matmul(w, x, out_dtype=out, topk=topk) for x in xs]  # one at a time
     for _ in range(3):  # the first calls bind, then capture: every path of the sequence
         got = []
         launched = []
-        for x in xs[:2]:
-            if staged:  # built in place in the next launch's slot
-                st = be.staging(n, 2048, np.float16)
-                st[...] = x
-                x = st
-            launched.append(be.launch(w, x, out_dtype=out, topk=topk))
-        with pytest.raises(DeviceError, match="in flight"):
-            be.launch(w, xs[2], out_dtype=out, topk=topk)
-        got.append(launched[0].wait())
-        launched.append(be.launch(w, xs[2], out_dtype=out, topk=topk))  # a slot is free again
-        got += [launched[1].wait(), launched[2].wait()]
+        waited = 0
+        try:
+            for x in xs[:SLOTS]:  # every slot taken
+                if staged:  # built in place in the next launch's slot
+                    st = be.staging(n, 2048, np.float16)
+                    st[...] = x
+                    x = st
+                launched.append(be.launch(w, x, out_dtype=out, topk=topk))
+            with pytest.raises(DeviceError, match="in flight"):
+                be.launch(w, xs[SLOTS], out_dtype=out, topk=topk)
+            got.append(launched[0].wait())
+            waited = 1
+            # a slot is free again
+            launched.append(be.launch(w, xs[SLOTS], out_dtype=out, topk=topk))
+            for c in launched[1:]:
+                got.append(c.wait())
+                waited += 1
+        finally:  # a failed check leaves no slot held for the tests after it
+            for c in launched[waited:]:
+                c.wait()
         for g, h in zip(got, want, strict=True):
             _same(g, h)
     be.free(w)
