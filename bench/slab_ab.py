@@ -25,26 +25,15 @@ import sys
 import time
 
 import numpy as np
+from backend_wall import load  # bench/ is sys.path[0]: the weight in slabs of R rows
 
 from q6serve.kernels import q6k
-from q6serve.kernels.api import DEFAULT_FLAGS, Layout, Precision, iter_aos_chunks
-from q6serve.kernels.cuda import storage
+from q6serve.kernels.api import DEFAULT_FLAGS, Precision
 from q6serve.kernels.cuda.launch import MATMUL_FILE, kernel_file, kernel_name
 from q6serve.kernels.cuda_backend import CudaBackend
 
 SHAPES = "4096x14336,14336x4096,18944x3584,3584x18944,152064x3584,3584x3584"
 L2_BYTES = 60e6
-
-
-def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int, slab_rows: int):
-    old = storage.SLAB_BYTES
-    if slab_rows:
-        storage.SLAB_BYTES = slab_rows * q6k.aos_nbytes(1, k)
-    try:
-        return be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA,
-                       64 << 20)
-    finally:
-        storage.SLAB_BYTES = old
 
 
 def slab_rows(setting: str, rows: int) -> int:
