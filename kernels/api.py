@@ -185,6 +185,12 @@ class Backend(abc.ABC):
     # batch can be launched while the previous one runs); the NumPy backend computes at launch
     launch_slots: int = 1
 
+    @property
+    def now_slots(self) -> int:
+        """Launches a ``launch_now`` pipeline (the lane's full batches) may keep in flight: the
+        batcher's ``launch_slots`` unless the backend has more (CUDA: its launcher's slots)."""
+        return self.launch_slots
+
     @abc.abstractmethod
     def device_name(self) -> str: ...
 

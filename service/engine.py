@@ -348,7 +348,7 @@ class Engine:
         self.device = Device(backend.name, handoff_yield_for(backend.name),
                              inline_s=config.inline_device_us * 1e-6,
                              launch_slots=backend.launch_slots,
-                             now_slots=getattr(backend, "now_slots", backend.launch_slots))
+                             now_slots=backend.now_slots)
         self.vram = VramAccountant(config.vram_budget.resolve(backend.memory().free),
                                    backend.memory)
         self.registry = Registry(self._on_unused, config.max_weights)
