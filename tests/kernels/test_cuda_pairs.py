@@ -23,6 +23,7 @@ from q6serve.kernels.api import KernelFlags, Layout, Precision
 from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import IN_TYPES, KS_SMEM_MAX, MATMUL_FILE, smem_bytes
 from q6serve.kernels.cuda.storage import pairs_from_env, slab_plan
+from q6serve.kernels.errors import InvalidArgument
 
 try:
     import cupy
@@ -117,6 +118,8 @@ def test_switch_reads_zero_one():
     assert pairs_from_env({}) is True and pairs_from_env({"Q6SERVE_Q6K_PAIRS": " "}) is True
     assert pairs_from_env({"Q6SERVE_Q6K_PAIRS": "0"}) is False
     assert pairs_from_env({"Q6SERVE_Q6K_PAIRS": "1"}) is True
+    with pytest.raises(InvalidArgument, match="Q6SERVE_Q6K_PAIRS"):
+        pairs_from_env({"Q6SERVE_Q6K_PAIRS": "maybe"})
 
 
 def test_repack_keeps_scales_and_permutes_codes(be, rng):

@@ -30,6 +30,8 @@ def test_a_switch_reads_as_the_flags_do(raw: str, want: bool) -> None:
     (envvars.BUSY_POLL_US, "-0.5"), (envvars.BUSY_POLL_US, "nan"), (envvars.BUSY_POLL_US, "inf"),
     (envvars.DEFER_KERNEL_US, "soon"), (envvars.GIL_SWITCH_US, "0"),
     (envvars.GIL_SWITCH_US, "2000000"),
+    (envvars.Q6K_PAIRS, "maybe"), (envvars.Y_CHUNKS, "17"), (envvars.Y_CHUNKS, "-1"),
+    (envvars.LAUNCH_SLOTS, "0"), (envvars.LAUNCH_SLOTS, "5"), (envvars.LAUNCH_SLOTS, "three"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(var: Var, raw: str) -> None:
     with pytest.raises(EnvError, match=f"^{var.name}={raw!r}: "):
