@@ -54,6 +54,7 @@ SHAPES = QWEN + LLAMA
 NS = BUCKETS
 DTYPES = {"f16": np.float16, "f32": np.float32}
 KEEP = 0.02  # --tune keeps the heuristic choice unless a candidate is more than this faster
+CONFIRM = 0.01  # --confirm: a changed cell's tuned pick must re-time this much faster to stay
 L2_BYTES = 60e6
 # ANCHORS.md: llama.cpp test-backend-ops MUL_MAT q6_K on the H200, µs per call.
 LLAMA_US = {
@@ -449,11 +450,63 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
             rows_out.append({"shape": shape_s, "n": n, "path": "auto=" + label, "dtype": "f16",
                              "us": auto.us, "us_f32": us32, "torch_us": t_torch,
                              "tbs": wbytes / auto.us / 1e6})
+        if a.confirm:  # each changed cell: committed vs tuned pick again, alternated
+            entries = confirm_shape(a, be, ws, rows, k, buckets, entries, rows_out)
         free_copies(be, ws)
-        # after every shape: a run cut short still leaves the shapes it finished
-        DispatchTable(entries, meta).dump(a.table_out)
-    print(f"\n# wrote {len(entries)} entries for {len(shapes)} shapes to {a.table_out}")
+        # after every shape: a run cut short still leaves the shapes it finished, and the
+        # committed table's cells not tuned (other shapes, other --ns) stay as they are
+        tuned = {(e.rows, e.k, e.n, e.column) for e in entries}
+        kept = [e for cells in (be.dispatch.table.cells.values() if be.dispatch.table else ())
+                for e in cells.values() if (e.rows, e.k, e.n, e.column) not in tuned]
+        DispatchTable(entries + kept, meta).dump(a.table_out)
+    print(f"\n# wrote {len(entries)} tuned entries for {len(shapes)} shapes (+ the committed "
+          f"table's other cells) to {a.table_out}")
     return rows_out
+
+
+def confirm_shape(a: argparse.Namespace, be: CudaBackend, ws: list, rows: int, k: int,
+                  buckets: list[int], entries: list[Entry], rows_out: list[dict]) -> list[Entry]:
+    """--confirm R: every (bucket, column) of this shape whose tuned pick differs from the
+    committed table's is timed again, committed and tuned alternated R times each (the best
+    median of each; the tune's own figure is the minimum over many candidates, so it favours
+    the tuned pick by its noise). The tuned entry stays only if this re-timing finds it more
+    than CONFIRM faster; else the committed pick is written back (with its re-timed us).
+    Prints one ``confirm`` line per changed cell; returns the entries."""
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    shape_s = f"{rows}x{k}"
+    out = []
+    for e in entries:
+        if (e.rows, e.k) != (rows, k) or e.n not in buckets:
+            out.append(e)
+            continue
+        now = be.choose(e.n, Precision(e.column), KernelFlags(), rows, k)
+        if (now.path, now.cfg) == (e.path, e.cfg):
+            out.append(e)
+            continue
+        x = cp.asarray(rng.standard_normal((e.n, k)).astype(np.float16))
+        times: dict[str, list[float]] = {"table": [], "tuned": []}
+        for _ in range(a.confirm):
+            for key, (path, cfg) in (("table", (now.path, now.cfg)), ("tuned", (e.path, e.cfg))):
+                def call(i: int, path=path, cfg=cfg, x=x) -> None:
+                    be.run(ws[i], x, np.dtype(np.float16), path, cfg)
+
+                with be.ctx.dev, be.stream:
+                    times[key].append(time_calls(cp, call, len(ws), 2, a.iters))
+        t_old, t_new = min(times["table"]), min(times["tuned"])
+        keep_new = t_new < t_old * (1 - CONFIRM)
+        lab = f"{now.path}.{now.cfg.label() if now.cfg else ''}"
+        lab_new = f"{e.path}.{e.cfg.label() if e.cfg else ''}"
+        print(f"{shape_s:>12} {e.n:>3} confirm {e.column:>5}: table {lab} {t_old:.1f} / tuned "
+              f"{lab_new} {t_new:.1f} us: x{t_old / t_new:.3f} -> "
+              f"{'tuned' if keep_new else 'table'}", flush=True)
+        rows_out.append({"shape": shape_s, "n": e.n, "column": e.column, "confirm": True,
+                         "table_pick": lab, "tuned_pick": lab_new, "table_us": t_old,
+                         "tuned_us": t_new, "runs": times, "kept": "tuned" if keep_new
+                         else "table"})
+        out.append(e if keep_new else Entry(rows, k, e.n, e.column, now.path, now.cfg, t_old))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time every candidate per shape and N bucket, write the dispatch table")
     ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
     ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
+    ap.add_argument("--confirm", type=int, default=0, metavar="R",
+                    help="with --tune: time each cell whose pick changed again, committed and "
+                    "tuned alternated R times each; keep the tuned pick only if it is more than "
+                    "CONFIRM faster (confirm_shape)")
     ap.add_argument("--pairs", action="store_true",
                     help="load the weights as pair streams (Storage.pairs; the default unless "
                     "Q6SERVE_Q6K_PAIRS=0; with --tune: each cell's committed pick timed beside "
@@ -485,8 +542,10 @@ def main(argv: list[str] | None = None) -> int:
                     "activations, alternated in one process, bits compared (pairs_ab)")
     a = ap.parse_args(argv)
     # the command recorded in the table: the arguments that shape it (no output paths)
-    a.tune_args = [f"--iters {a.iters}"] + ([f"--shapes {a.shapes}"] if a.shapes != ",".join(
-        f"{r}x{k}" for r, k in SHAPES) else [])
+    all_shapes = ",".join(f"{r}x{k}" for r, k in SHAPES)
+    a.tune_args = [f"--iters {a.iters}"] + (["--pairs"] if a.pairs else []) + (
+        [f"--confirm {a.confirm}"] if a.confirm else []) + (
+        [f"--shapes {a.shapes}"] if a.shapes != all_shapes else [])
     import cupy as cp
 
     be = CudaBackend(0)
