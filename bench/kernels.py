@@ -95,6 +95,10 @@ KS_SHAPES = {1: ((1, True, 8), (1, True, 12), (1, True, 16)),
 # nt=1 shapes (0.80-0.95x), 3 stages at 12/16 warps and the N=64 chunks (0.65-0.76x) never
 # came within 2% of the best, so they are no longer offered
 RING_SHAPES = {2: ((8, True), (12, False), (16, False)), 4: ((12, False), (16, False))}
+# Session 13: offered again on pair-stream weights (their decode is a fifth fewer instructions,
+# so the weight loads' latency weighs more): the 3-stage ring at 12/16 warps (two blocks in
+# flight per warp), and the wgmma tile at N=16 (both lost on plain SoA weights)
+RING_SHAPES_PAIRS = {2: ((12, True), (16, True)), 4: ((12, True),)}
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -169,11 +173,12 @@ def print_summary(results: list[dict]) -> None:
               f"{best['us'] / auto['us']:9.2f}", flush=True)
 
 
-def tune_candidates(n: int, rows: int, k: int, sm_count: int,
-                    wg: bool = False) -> list[tuple[str, Cfg | None]]:
+def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
+                    pairs: bool = False) -> list[tuple[str, Cfg | None]]:
     """Every (path, launch shape) --tune times for bucket ``n``: the heuristic's choice of each
     path and the launch-shape variants measured competitive before (bench/RESULTS.md);
-    ``wg`` (sm_90 devices): the wgmma tile too."""
+    ``wg`` (sm_90 devices): the wgmma tile too; ``pairs`` (pair-stream weights): the shapes of
+    RING_SHAPES_PAIRS and the wgmma tile at N=16."""
     exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
                                                      Cfg(nt=1, pf=True)]}.get(
         n, [Cfg(nt=4), Cfg(nt=2)])
@@ -198,6 +203,10 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]
             + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
+    if pairs:
+        mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
+        if wg and nt == 2:
+            mma += [Cfg(nt=2, src=6, pf=True, warps=w) for w in (12, 8)]
     # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
     # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
     # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too
@@ -350,12 +359,13 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     rng = np.random.default_rng(0)
     sm = be.sm_count
     wg = be.cc == "90"  # the wgmma tile builds for sm_90a only
+    pairs = be.storage.pairs
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     buckets = [n for n in map(int, a.ns.split(",")) if n in BUCKETS]
     names = set()  # compile every candidate up front: parallel NVRTC programs
     for rows, k in shapes:
         for n in buckets:
-            for path, cfg in tune_candidates(n, rows, k, sm, wg):
+            for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs):
                 if cfg is None:
                     continue
                 for in_t in (IN_TYPES[np.dtype(np.float16)], IN_TYPES[np.dtype(np.float32)]):
@@ -368,7 +378,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     if be.storage.pairs:  # pair-stream weights (--pairs): what plan asks for on them
         got = prefetch_auto(be, [(rows, k, n, cfg, path, in_t) for rows, k in shapes
                                  for n in buckets
-                                 for path, cfg in tune_candidates(n, rows, k, sm, wg)
+                                 for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs)
                                  for in_t in ("InF16",)], Layout.SOA)
     else:
         with be.ctx.dev:
@@ -394,7 +404,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
         for n in buckets:
             xs = {d: cp.asarray(rng.standard_normal((n, k)).astype(t)) for d, t in DTYPES.items()}
             timed: dict[tuple[str, Cfg | None], float | None] = {}
-            for path, cfg in tune_candidates(n, rows, k, sm, wg):
+            for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs):
                 def call(i: int, path=path, cfg=cfg, ws=ws, x=xs["f16"]) -> None:
                     be.run(ws[i], x, np.dtype(np.float16), path, cfg)
 
