@@ -297,3 +297,32 @@ def test_tiles_across_slabs(be, rng, monkeypatch):
     for c in be.cfgs:
         _same(_y(be, soa, x[: 8 * c.nt], "mma_f16", c), _y(be, pairs, x[: 8 * c.nt], "mma_f16", c),
               c.label())
+
+
+def test_every_table_shape(be, rng):
+    """Every launch shape the committed dispatch table names (re-tuned on pair weights in
+    session 13), at each N bucket it is named for: pair weights give the SoA weight's bits and
+    the float64 reference within the path's bound."""
+    from q6serve.kernels.cuda.dispatch import load_default_table
+
+    table = load_default_table()
+    if table is None:
+        pytest.skip("no committed dispatch table")
+    named: dict = {}
+    for cells in table.cells.values():
+        for e in cells.values():
+            if e.cfg is not None:
+                named.setdefault((e.path, e.cfg), set()).add(e.n)
+    rows, k = 300, 2304
+    jobs = [(p, c, n, np.float16) for (p, c), ns in named.items() for n in sorted(ns)]
+    compile_for(be, jobs, rows, k)
+    blocks = random_weight(rng, rows, k)
+    soa, pairs = _pair(be, blocks, rows, k)
+    x = rng.standard_normal((64, k)).astype(np.float16)
+    y64 = reference.matmul_float64(x, blocks, rows)
+    tol = {"exact": 1e-5, "mma_f16": TOL, "mmq_q8_1": 2e-2}
+    for path, cfg, n, _ in jobs:
+        label = f"{path}.{cfg.label()} N={n}"
+        y1 = _y(be, pairs, x[:n], path, cfg)
+        _same(_y(be, soa, x[:n], path, cfg), y1, label)
+        assert rel_fro(y1, y64[:n]) <= tol[path], (label, rel_fro(y1, y64[:n]))
