@@ -11,7 +11,8 @@ timed in the same run.
                             [--dtypes f16,f32] [--variants] [--summary] [--only TEXT]
                             [--json out.json]
     python bench/kernels.py --tune [--table-out kernels/cuda/dispatch_h200.json] [--json ..]
-    python bench/kernels.py --pairs-ab [--shapes ..] [--ns ..] [--no-torch] [--json ..]
+    python bench/kernels.py --pairs-ab [--shapes ..] [--ns ..] [--precision q8_1] [--no-torch]
+    python bench/kernels.py --table-ab OLD.json [--shapes ..] [--ns ..] [--columns auto,..]
 
 ``--tune`` times every candidate (kernel path x launch shape, ``tune_candidates``) of every
 shape and N bucket with f16 activations, writes the dispatch table (per shape, bucket and
@@ -38,6 +39,7 @@ from q6serve.kernels.cuda.dispatch import (
     BUCKETS,
     COLUMNS,
     KERNELS,
+    Dispatch,
     DispatchTable,
     Entry,
     default_cfg,
@@ -261,18 +263,20 @@ def load_copies(be: CudaBackend, rng: np.random.Generator, rows: int, k: int,
 
 
 def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
-    """AUTO (the committed table) on SoA weights and on pair-stream weights of the same blocks
-    (``Storage.pairs``), f16 activations, in one process: per cell SoA, pairs, SoA, pairs
-    (the best median of each), the outputs compared bit for bit, torch's f16 linear beside."""
+    """AUTO (the committed table; ``--precision``: that column) on SoA weights and on
+    pair-stream weights of the same blocks (``Storage.pairs``), f16 activations, in one
+    process: per cell SoA, pairs, SoA, pairs (the best median of each), the outputs compared
+    bit for bit, torch's f16 linear beside."""
     import cupy as cp
 
     flags = KernelFlags(soa=True)
+    prec = Precision(a.precision)
     rng = np.random.default_rng(0)
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     ns = list(map(int, a.ns.split(",")))
     t0 = time.perf_counter()
     jobs = [(r, k, n, c.cfg, c.path, "InF16") for r, k in shapes for n in ns
-            for c in [be.choose(n, Precision.AUTO, flags, r, k)]]
+            for c in [be.choose(n, prec, flags, r, k)]]
     got = 0
     for pairs in (False, True):
         be.storage.pairs = pairs
@@ -293,7 +297,7 @@ def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
         finally:
             be.storage.pairs = False
         for n in ns:
-            c = be.choose(n, Precision.AUTO, flags, rows, k)
+            c = be.choose(n, prec, flags, rows, k)
             f16 = np.dtype(np.float16)
             times: dict[str, list[float]] = {"soa": [], "pairs": []}
             with be.ctx.dev, be.stream:
@@ -322,6 +326,58 @@ def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                         "mb": wbytes / 1e6})
         free_copies(be, ws)
         free_copies(be, wp)
+    return out
+
+
+def table_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
+    """The committed table against ``--table-ab OLD`` (another table file) on the weights as
+    the storage holds them (pair streams by default), f16 activations, in one process: every
+    (shape, N, column) whose pick differs between the two is timed old, new, old, new (the
+    best median of each); the others are the same kernel. Prints one line per changed cell."""
+    import cupy as cp
+
+    old = Dispatch(DispatchTable.load(a.table_ab), be.sm_count)
+    flags = KernelFlags(soa=True)
+    rng = np.random.default_rng(2)
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
+    ns = list(map(int, a.ns.split(",")))
+    cols = [Precision(c) for c in a.columns.split(",")]
+    cells = [(r, k, n, p, old.choose(n, p, flags, r, k), be.choose(n, p, flags, r, k))
+             for r, k in shapes for n in ns for p in cols]
+    cells = [c for c in cells if (c[4].path, c[4].cfg) != (c[5].path, c[5].cfg)]
+    t0 = time.perf_counter()
+    got = prefetch_auto(be, [(r, k, n, ch.cfg, ch.path, "InF16") for r, k, n, _, co, cn in cells
+                             for ch in (co, cn)], Layout.SOA)
+    print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s; "
+          f"{len(cells)} changed cells of {len(shapes) * len(ns) * len(cols)}", flush=True)
+    print(f"{'shape':>12} {'N':>3} {'column':>6} {'old pick':>28} {'us':>7} {'new pick':>28} "
+          f"{'us':>7} {'TB/s':>5} {'old/new':>7}", flush=True)
+    out: list[dict] = []
+    f16 = np.dtype(np.float16)
+    for rows, k in shapes:
+        mine = [c for c in cells if c[:2] == (rows, k)]
+        if not mine:
+            continue
+        wbytes = q6k.aos_nbytes(rows, k)
+        ws = load_copies(be, rng, rows, k, Layout.SOA)
+        for _, _, n, p, co, cn in mine:
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            with be.ctx.dev, be.stream:
+                x = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+                for _ in range(2):
+                    for key, ch in (("old", co), ("new", cn)):
+                        def call(i: int, ch=ch, x=x, ws=ws) -> None:
+                            be.run(ws[i], x, f16, ch.path, ch.cfg)
+
+                        times[key].append(time_calls(cp, call, len(ws), iters=a.iters))
+            t_o, t_n = min(times["old"]), min(times["new"])
+            lo = f"{co.path}.{co.cfg.label() if co.cfg else ''}"
+            ln = f"{cn.path}.{cn.cfg.label() if cn.cfg else ''}"
+            print(f"{rows}x{k:<6} {n:>3} {p.value:>6} {lo:>28} {t_o:7.1f} {ln:>28} {t_n:7.1f} "
+                  f"{wbytes / t_n / 1e6:5.2f} {t_o / t_n:7.3f}", flush=True)
+            out.append({"shape": f"{rows}x{k}", "n": n, "column": p.value, "old": lo, "new": ln,
+                        "old_us": t_o, "new_us": t_n, "runs": times})
+        free_copies(be, ws)
     return out
 
 
@@ -547,6 +603,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="load the weights as pair streams (Storage.pairs; the default unless "
                     "Q6SERVE_Q6K_PAIRS=0; with --tune: each cell's committed pick timed beside "
                     "the tuned one)")
+    ap.add_argument("--precision", default="auto", choices=[p.value for p in Precision],
+                    help="--pairs-ab: the table column timed (default auto)")
+    ap.add_argument("--table-ab", default=None, metavar="OLD.json",
+                    help="the committed table against this one: every changed cell timed "
+                    "old/new alternated (table_ab)")
+    ap.add_argument("--columns", default="auto,f16,exact,q8_1", help="--table-ab's columns")
     ap.add_argument("--pairs-ab", action="store_true",
                     help="AUTO on SoA and on pair-stream weights of the same blocks, f16 "
                     "activations, alternated in one process, bits compared (pairs_ab)")
@@ -562,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     be.storage.pairs = a.pairs or be.storage.pairs
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}"
           f"  table: {be.dispatch.table.meta.get('date', '?') if be.dispatch.table else 'none'}")
+    if a.table_ab:
+        results = table_ab(a, be)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"device": be.device_name(), "table_ab": results}, fh, indent=1)
+        return 0
     if a.pairs_ab:
         results = pairs_ab(a, be)
         if a.json:
