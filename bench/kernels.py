@@ -448,7 +448,11 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
             "date": time.strftime("%Y-%m-%d"), "commit": a.commit,
             "command": "python bench/kernels.py --tune " + " ".join(a.tune_args),
             "activations": "f16", "iters": a.iters, "keep": KEEP,
-            "note": "written by bench/kernels.py --tune; read by kernels/cuda/dispatch.py"}
+            "weights": "pair streams" if pairs else "plain SoA",
+            "note": "written by bench/kernels.py --tune; read by kernels/cuda/dispatch.py" + (
+                f"; --confirm {a.confirm}: a cell whose tuned pick differs from the previous "
+                f"table's keeps it only if an alternated re-timing finds it > {CONFIRM:.0%} "
+                "faster, else the previous pick" if a.confirm else "")}
     hdr = (f"{'shape':>12} {'N':>3} {'AUTO (table)':>28} {'f16 us':>7} {'TB/s':>5} "
            f"{'f32 us':>7} {'torch':>7} {'xtorch':>6}  runner-up")
     for rows, k in shapes:
