@@ -628,23 +628,21 @@ def main(argv: list[str] | None = None) -> int:
     be.storage.pairs = a.pairs or be.storage.pairs
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  layout: {a.layout}"
           f"  table: {be.dispatch.table.meta.get('date', '?') if be.dispatch.table else 'none'}")
-    if a.table_ab:
-        results = table_ab(a, be)
+
+    def dump(key: str, results: list[dict]) -> None:
         if a.json:
             with open(a.json, "w") as fh:
-                json.dump({"device": be.device_name(), "table_ab": results}, fh, indent=1)
+                json.dump({"device": be.device_name(), key: results}, fh, indent=1)
+
+    if a.table_ab:
+        dump("table_ab", table_ab(a, be))
         return 0
     if a.pairs_ab:
         results = pairs_ab(a, be)
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump({"device": be.device_name(), "pairs_ab": results}, fh, indent=1)
+        dump("pairs_ab", results)
         return 0 if all(r["same_bits"] for r in results) else 1
     if a.tune:
-        results = tune(a, be)
-        if a.json:
-            with open(a.json, "w") as fh:
-                json.dump({"device": be.device_name(), "results": results}, fh, indent=1)
+        dump("results", tune(a, be))
         return 0
     layout = Layout(a.layout)
     flags = KernelFlags(soa=layout is Layout.SOA)
@@ -720,9 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         free_copies(be, ws)
     if a.summary:
         print_summary(results)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"device": be.device_name(), "results": results}, fh, indent=1)
+    dump("results", results)
     return 0
 
 
