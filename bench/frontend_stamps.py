@@ -24,7 +24,9 @@ without looking at its sockets (between two selector calls), as [start us, lengt
 the thread's CPU us in it (less than the length: it waited for a core or the GIL)], kind
 "gc0".."gc2" (then also the objects it collected, and after a full one the objects the GC
 tracks) or "loop", written every 0.5 s by a daemon
-thread.
+thread, which also writes the process's cumulative counters then as [when us, loop busy us,
+"cpu", loop in select us, process CPU us, loop thread CPU us] (busy: the loop's time outside
+its selector's select, less a busy-polling spin's own steps).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 
 GC_MIN_S = 1e-4
 LOOP_MIN_S = 5e-4
+SPIN_GAP_S = 1e-5
 
 
 def _us(t: float) -> int:
@@ -63,26 +66,42 @@ def install_stalls(folder: str, role: str) -> None:
     gc.callbacks.append(on_gc)
     inner = selectors.EpollSelector.select
     last = [0.0, 0.0]  # when the previous select returned (0: none yet), the thread's CPU then
+    # the loop's time outside select (its work) and inside; a gap after an empty select shorter
+    # than SPIN_GAP_S is a busy-polling spin's own step (service/threads.py), not work
+    busy = [0.0, 0.0]
+    found = [True]  # the previous select returned events
 
     def select(self: Any, timeout: float | None = None) -> Any:
         t = pc()
-        if last[0] and (d := t - last[0]) >= LOOP_MIN_S:
-            got.append([_us(last[0]), _us(d), "loop", _us(tt() - last[1])])
+        if last[0]:
+            d = t - last[0]
+            if d >= LOOP_MIN_S:
+                got.append([_us(last[0]), _us(d), "loop", _us(tt() - last[1])])
+            if found[0] or d >= SPIN_GAP_S:
+                busy[0] += d
+        events: Any = ()
         try:
-            return inner(self, timeout)
+            events = inner(self, timeout)
+            return events
         finally:
             last[0], last[1] = pc(), tt()
+            busy[1] += last[0] - t
+            found[0] = bool(events)
 
     selectors.EpollSelector.select = select  # type: ignore[method-assign]
     path = os.path.join(folder, f"stalls-{role}-{os.getpid()}.jsonl")
+    main_clock = time.pthread_getcpuclockid(threading.main_thread().ident or 0)
 
     def writer() -> None:
         while True:
             time.sleep(0.5)
-            if got:
-                out, got[:] = got[:], []
-                with open(path, "a") as f:
-                    f.write("".join(json.dumps(x) + "\n" for x in out))
+            # the cumulative counters: [when, "cpu", loop busy, in select, process CPU, the
+            # loop (main) thread's CPU], us
+            got.append([_us(pc()), _us(busy[0]), "cpu", _us(busy[1]), _us(time.process_time()),
+                        _us(time.clock_gettime(main_clock))])
+            out, got[:] = got[:], []
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(x) + "\n" for x in out))
 
     threading.Thread(target=writer, daemon=True, name="fe-stamps").start()
 

@@ -97,10 +97,19 @@ async def _host(spec: dict[str, Any], barrier: Any) -> dict[str, Any]:
     await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 120)
     out: list[list[Any]] = []
     until[0] = time.perf_counter() + spec["seconds"]
+    cpu, wall, machine = time.process_time(), time.perf_counter(), _machine_busy()
     await asyncio.gather(*(_caller(spec["target"], base + 500 + i, spec["k"],
                                    spec["precision"], until, out)
                            for i in range(spec["callers"])))
-    return {"rows": out}
+    wall = time.perf_counter() - wall
+    return {"rows": out, "cores": (time.process_time() - cpu) / wall,
+            "machine": (_machine_busy() - machine) / wall}
+
+
+def _machine_busy() -> float:
+    """The host's busy CPU seconds so far, all cores (/proc/stat: all but idle and iowait)."""
+    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _host_numbered(spec: dict[str, Any], barrier: Any) -> Any:
@@ -125,15 +134,36 @@ def timeline(rows: np.ndarray) -> dict[str, np.ndarray]:
 def load_stalls(folder: Path) -> dict[str, list[tuple[int, np.ndarray]]]:
     """{"front"/"device": [(pid, array of [start, length, kind, CPU] seconds)]} (kind 0: a
     loop iteration, 1: a young GC collection, 2: a full one): the
-    worker's logged GC pauses and long loop iterations (CPU: the thread's in it)."""
+    worker's logged GC pauses and long loop iterations (CPU: the thread's in it). The
+    processes' cumulative counters (kind "cpu") are under "usage-front"/"usage-device": arrays
+    of [when, loop busy, loop in select, process CPU, loop thread CPU] seconds."""
     got: dict[str, list[tuple[int, np.ndarray]]] = {"front": [], "device": []}
     for p in sorted(folder.glob("stalls-*.jsonl")):
         _, role, pid = p.stem.split("-")
         rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
         arr = np.array([(r[0] * 1e-6, r[1] * 1e-6, {"loop": 0, "gc2": 2}.get(r[2], 1),
-                         r[3] * 1e-6) for r in rows], np.float64).reshape(-1, 4)
+                         r[3] * 1e-6) for r in rows if r[2] != "cpu"],
+                       np.float64).reshape(-1, 4)
         got.setdefault(role, []).append((int(pid), arr))
+        use = np.array([(r[0], r[1], r[3], r[4], r[5]) for r in rows if r[2] == "cpu"],
+                       np.float64).reshape(-1, 5) * 1e-6
+        got.setdefault(f"usage-{role}", []).append((int(pid), use))
     return got
+
+
+def usage(use: np.ndarray, span: tuple[float, float]) -> dict[str, float] | None:
+    """A process's shares over ``span`` from its cumulative counters (rows of [when, loop
+    busy, in select, process CPU, loop thread CPU], every ~0.5 s): the last sample at or
+    before the span's start to the first at or after its end (None: not bracketed)."""
+    if use.shape[0] < 2:
+        return None
+    before, after = use[use[:, 0] <= span[0]], use[use[:, 0] >= span[1]]
+    if not before.size or not after.size:
+        return None
+    a, b = before[-1], after[0]
+    wall = b[0] - a[0]
+    return {"seconds": float(wall), "loop_busy": float((b[1] - a[1]) / wall),
+            "cores": float((b[3] - a[3]) / wall), "loop_thread": float((b[4] - a[4]) / wall)}
 
 
 def overlap(t0: np.ndarray, t1: np.ndarray, stalls: np.ndarray) -> np.ndarray:
@@ -193,6 +223,8 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
     span = (t0.min(), t1.max())
     totals = {}
     for role, procs in stalls.items():
+        if role.startswith("usage-"):
+            continue
         for pid, arr in procs:
             inside = arr[(arr[:, 0] >= span[0]) & (arr[:, 0] <= span[1])] if arr.size else arr
             totals[f"{role}-{pid}"] = {
@@ -213,6 +245,9 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
                 "loop_cpu_ms": float(inside[inside[:, 2] == 0, 3].sum() * 1e3)
                 if inside.size else 0.0}
     out["stalls"] = totals
+    out["usage"] = {f"{role[6:]}-{pid}": u for role, procs in stalls.items()
+                    if role.startswith("usage-") for pid, use in procs
+                    if (u := usage(use, span)) is not None}
     return out
 
 
@@ -239,6 +274,13 @@ def report(r: dict[str, Any], label: str = "") -> None:
         f"{v['loop_n']} ({v['loop_ms']:.0f} ms, of it CPU {v['loop_cpu_ms']:.0f}; max "
         f"{v['loop_max_ms']:.1f})" for k, v in r["stalls"].items()),
         flush=True)
+    if use := r.get("usage"):
+        print("cores (loop busy, loop thread) over the timed part: " + "; ".join(
+            f"{k} {v['cores']:.2f} ({v['loop_busy']:.2f}, {v['loop_thread']:.2f})"
+            for k, v in sorted(use.items())), flush=True)
+    if load := r.get("load_cores"):
+        print(f"load processes: {sum(load):.2f} cores, max {max(load):.2f}; the machine "
+              f"{r.get('machine_cores', 0):.1f} of {r.get('machine_cpus')} busy", flush=True)
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -300,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.7)  # the stall logs' next write
             r = analyse(rows, load_stalls(folder))
             r["calls_per_s"] = rows.shape[0] / a.seconds
+            r["load_cores"] = [g["cores"] for g in got]
+            r["machine_cores"] = float(np.mean([g["machine"] for g in got]))
+            r["machine_cpus"] = os.cpu_count()
             r["config"] = {k: v for k, v in vars(a).items() if k not in ("json", "keep")}
             r["env"] = {k: v for k, v in os.environ.items() if k.startswith("Q6SERVE_")}
             report(r, f"run {run}: {r['calls_per_s']:,.0f} calls/s; ")
