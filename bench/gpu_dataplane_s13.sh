@@ -4,7 +4,9 @@
 # 3584x18944; each variant is one worker and one load of bench/t2_timeline.py (the call-by-call
 # parts at p50 and over the slowest 1%, and now each worker process's cores and loop-busy share,
 # the load processes' cores and the machine's busy cores over the timed part). Alternated; the
-# script skips what would end past BUDGET_S and prints a table last.
+# script skips what would end past BUDGET_S and prints a table last. Then T3's shape through
+# lanes over CUDA IPC regions with and without the lane's pipeline for them
+# (Q6SERVE_LANE_CUDA_PIPELINE=1, off by default), after its GPU test.
 #   bench/gpu_dataplane_s13.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95), VARIANTS (below)
 #   DRY_RUN=1 BACKEND=numpy ROWS=16 K=256 OUT=/tmp/o bench/gpu_dataplane_s13.sh   (CPU)
 set -uo pipefail
@@ -14,9 +16,8 @@ gpu_session /tmp/dps13
 S=${SECONDS_PER_RUN:-2} BUDGET=${BUDGET_S:-95}
 BACKEND=${BACKEND:-cuda} ROWS=${ROWS:-3584} K=${K:-18944}
 # TAG:FRONTENDS[:ENV=VALUE,...]  (rr = Q6SERVE_FRONTEND_ROUND_ROBIN=1)
-VARIANTS=${VARIANTS:-"f4:4 f8rr:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1 f4rr:4:Q6SERVE_FRONTEND_ROUND_ROBIN=1 \
-f8rrnospin:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1,Q6SERVE_BUSY_POLL_US=0 f4st0:4:Q6SERVE_FRONTEND_STACKS=0 \
-f6rr:6:Q6SERVE_FRONTEND_ROUND_ROBIN=1 f4b:4"}
+VARIANTS=${VARIANTS:-"f4:4 f8rr:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1 f4st0:4:Q6SERVE_FRONTEND_STACKS=0 \
+f8rrnospin:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1,Q6SERVE_BUSY_POLL_US=0"}
 archive() { tar czf "$FINAL/dataplane_s13.tgz" -C "$OUT" .; }
 left() { (($(date +%s) - T0 + $1 < BUDGET)); }  # left SECONDS: still inside the budget
 t2() {  # t2 TAG FRONTENDS ENVS
@@ -32,10 +33,40 @@ t2() {  # t2 TAG FRONTENDS ENVS
   grep -E "^run|^\| (p|band)|^cores|^load" "$OUT/t2_$1.log" | cut -c1-400
   archive
 }
-for v in $VARIANTS; do
+lane() {  # lane TAG ENV [ARGS...]: T3's shape through lanes under ENV (VAR=VALUE), more ARGS
+  local tag=$1 var=$2
+  shift 2
+  left 10 || { note "# lane $tag skipped at $(elapsed)"; return; }
+  env "$var" timeout 22 python3 bench/frontend_cpu.py --backend "$BACKEND" --rows "$ROWS" \
+    --k "$K" --n 64 --lane --frontends 1 --hosts 8 --callers 4 --seconds "$S" --warmup 0.5 \
+    --json "$OUT/lane_$tag.json" "$@" >"$OUT/lane_$tag.log" 2>&1
+  note "# lane $tag rc=$? at $(elapsed): $(grep -h "^frontends=" "$OUT/lane_$tag.log" \
+    | cut -c1-220)"
+  archive
+}
+gpu_tests() {  # the CUDA-region lane tests (the new pipeline's with Q6SERVE_LANE_CUDA_PIPELINE=1)
+  if [[ -n ${DRY_RUN:-} ]] || ! left 14; then
+    note "# gpu test skipped at $(elapsed)"
+    return
+  fi
+  timeout 25 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/dataplane/test_cuda_ipc_gpu.py -k "pipelined" >"$OUT/pytest_gpu.log" 2>&1
+  note "# gpu test rc=$? ($(tail -1 "$OUT/pytest_gpu.log")) at $(elapsed)"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_gpu.log" | head -6 | cut -c1-240
+}
+[[ -n ${SKIP_T2:-} ]] || for v in $VARIANTS; do
   IFS=: read -r tag fe envs <<<"$v"
   t2 "$tag" "$fe" "${envs:-}"
 done
+# T3's shape through lanes over CUDA IPC regions: one CudaPlane.start job a request (the
+# default) against the lane's pipeline (Q6SERVE_LANE_CUDA_PIPELINE=1), alternated
+if [[ $BACKEND == cuda && -z ${SKIP_LANES:-} ]]; then
+  gpu_tests
+  lane cudapipe1 Q6SERVE_LANE_CUDA_PIPELINE=1 --region cuda
+  lane cudaone1 Q6SERVE_LANE_CUDA_PIPELINE=0 --region cuda
+  lane cudapipe2 Q6SERVE_LANE_CUDA_PIPELINE=1 --region cuda
+  lane cudaone2 Q6SERVE_LANE_CUDA_PIPELINE=0 --region cuda
+fi
 archive
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -53,3 +84,4 @@ for p in sorted(Path(sys.argv[1]).glob("t2_*.json"), key=lambda p: p.stat().st_m
     print(f"{sum(v['cores'] for v in fe):.2f} ({max((v['loop_busy'] for v in fe), default=0):.2f}) | "
           f"{sum(r.get('load_cores', [])):.2f} | {r.get('machine_cores', 0):.1f} of {r.get('machine_cpus')} |")
 PY
+grep -h "^# lane" "$FINAL/progress.txt" 2>/dev/null | cut -c1-240

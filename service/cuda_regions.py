@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
+from q6serve.kernels.api import (
+    BFLOAT16,
+    KernelFlags,
+    KernelTiming,
+    Launched,
+    Layout,
+    MatmulResult,
+    Precision,
+)
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
@@ -208,6 +216,38 @@ class CudaSupport:
                                t1 - t0)
 
         return Deferred(wait)
+
+    def lane_launch(self, e: Any, call: Any, yd: Any, flags: KernelFlags) -> Launched:
+        """A full batch of a fast lane over a CUDA region, for ``Engine.launch_now`` (the
+        lane's pipeline, service/lane.py ``LaneServer._flush``; ``e``: the weight's entry,
+        acquired by the engine for the launch): the kernels and y's store into ``yd`` enqueued
+        now in a launch slot of its own, its completion event recorded behind them; the wait
+        synchronises on that event only (a call launched behind this one keeps running) and
+        gives ``yd`` as y (in its region already)."""
+        b, cp = self.backend, self.cp
+        ws = b.launcher.ws
+        slot = ws.free_slot()
+        ws.take(slot)
+        try:
+            with b.ctx.dev, b.ctx.stream:
+                c, y, start, end = self._enqueue(e, call, flags, slot)
+                _store(cp, y, yd, np.dtype(call.out_dtype))
+                ws.done_event(slot).record(b.ctx.stream)
+        except BaseException:
+            ws.release(slot)
+            raise
+        layout = e.resident.layout
+        kernel = f"cuda.{c.path}.{layout.value}"
+
+        def wait() -> MatmulResult:
+            try:
+                ws.done_event(slot).synchronize()
+                seconds = self._seconds(start, end)
+            finally:
+                ws.release(slot)
+            return MatmulResult(yd, kernel, layout, c.precision, KernelTiming(seconds))
+
+        return Launched(wait)
 
     def _seconds(self, start: Any, end: Any) -> float | None:
         try:

@@ -85,6 +85,8 @@ PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
                "launch a batch while the previous one runs")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
+LANE_CUDA_PIPELINE = Var("Q6SERVE_LANE_CUDA_PIPELINE", "switch", False,
+                         "a lane's full batches over a CUDA IPC region launched as a pipeline")
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
@@ -113,8 +115,8 @@ LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
-                         PIPELINE_SHORT, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
+                         PIPELINE_SHORT, LANE_CUDA_PIPELINE, DEVICE_MERGE, PIN_REGIONS, PDL,
+                         REGION_STREAMS, Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

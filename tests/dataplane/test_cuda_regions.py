@@ -314,3 +314,105 @@ def test_lane_on_a_cuda_region(plane: Any, rng: np.random.Generator) -> None:
     assert c.list_regions()[0].in_use == 0
     c.unregister_region("dev")
     assert p.open_count == 0
+
+
+def test_lane_cuda_region_full_batches_pipelined(monkeypatch: pytest.MonkeyPatch,
+                                                 rng: np.random.Generator) -> None:
+    """``Q6SERVE_LANE_CUDA_PIPELINE=1``: full batches (N = --max-batch-rows) on a lane over a
+    CUDA IPC region, read in one trip, run as the lane's pipeline (``Engine.launch_now`` with
+    ``CudaSupport.lane_launch``; here a stand-in that computes at launch and writes y into the
+    region at the wait): each y right and in its place; a refusal among them (K) answered
+    with its status, an overrun of the region before any launch; the first of its kind (no
+    cost known) runs as before (``start``); nothing left held or open."""
+    from q6serve.client.lane import REPLY, REQUEST
+    from q6serve.kernels.api import Launched
+    from q6serve.service import batcher
+    from q6serve.service.lane import LaneServer
+
+    class PipePlane(HostPlane):
+        launched = 0
+
+        def lane_launch(self, e: Any, call: Any, yd: Any, flags: Any) -> Launched:
+            self.launched += 1
+            got = self.backend.launch(e.resident, np.array(call.x), precision=call.precision,
+                                      flags=flags, out_dtype=call.out_dtype)
+
+            def wait() -> Any:
+                r = got.wait()
+                yd[...] = r.y
+                return dataclasses.replace(r, y=yd)
+
+            return Launched(wait)
+
+    p = PipePlane()
+
+    def support(backend: Any, engine: Any) -> PipePlane:
+        p.backend = backend
+        return p
+
+    monkeypatch.setattr(cuda_regions, "support", support)
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (NumPy's "kernel": the whole job)
+    monkeypatch.setenv("Q6SERVE_LANE_CUDA_PIPELINE", "1")
+    n, count = 4, 6
+    w = RunningWorker(WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
+                                   grace_period_s=1.0, allow_shm=True, max_regions=3,
+                                   max_region_bytes=1 << 20, max_batch_rows=n,
+                                   inline_device_us=10_000_000))
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 6)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((count, n, K)).astype(np.float32)
+        xb, yb = n * K * 4, n * ROWS * 4
+        y0 = count * xb
+        dev = FakeCudaRegion(p, "dev", y0 + count * yb)
+        c.register_region(dev)  # type: ignore[arg-type]
+        with c.open_lane(dev) as lane:  # type: ignore[arg-type]
+            dev.put(0, x[0])
+            y = lane.matmul("w", x[0], y_offset=y0)  # the first: no cost known, start
+            np.testing.assert_allclose(y, reference(blocks, ROWS, K, x[0]), rtol=1e-5,
+                                       atol=1e-4)
+            assert p.started == 1 and p.launched == 0
+            lanes = next(f.__self__ for f in w.worker.regions.on_close
+                         if isinstance(getattr(f, "__self__", None), LaneServer))
+            piped = lanes.piped
+            f32 = core_f32()
+            recs = []
+            for i in range(count):
+                dev.put(i * xb, x[i])
+                dev.ndarray(y0 + i * yb, np.float32, (n, ROWS))[...] = np.nan
+                recs.append(REQUEST.pack(i + 1, n, K, i * xb, y0 + i * yb, f32, f32, 0, 0, 1, 0)
+                            + b"w")
+            recs.insert(2, REQUEST.pack(98, n, 256, 0, y0, f32, f32, 0, 0, 1, 0) + b"w")
+            recs.insert(4, REQUEST.pack(99, n, K, 0, y0 + count * yb - 64, f32, f32, 0, 0, 1, 0)
+                        + b"w")
+            lane.sock.sendall(b"".join(recs))
+            got = {}
+            for _ in range(count + 2):
+                head = bytearray(REPLY.size)
+                lane._read_into(head)
+                seq, code, msg_len, cols, *_ = REPLY.unpack(head)
+                got[seq] = (code, lane._read(msg_len).decode(), cols)
+            code, msg, _ = got.pop(98)
+            assert code == C.INVALID_ARGUMENT.value[0] and "K=256" in msg, msg
+            code, msg, _ = got.pop(99)
+            assert code == C.INVALID_ARGUMENT.value[0] and "overruns region 'dev'" in msg, msg
+            assert sorted(got) == list(range(1, count + 1))
+            for i in range(count):
+                assert got[i + 1] == (0, "", ROWS)
+                np.testing.assert_allclose(dev.ndarray(y0 + i * yb, np.float32, (n, ROWS)),
+                                           reference(blocks, ROWS, K, x[i]), rtol=1e-5,
+                                           atol=1e-4)
+            assert lanes.piped - piped == count and p.launched == count
+            assert p.started == 1  # none of them took the one-by-one job
+        assert c.list_regions()[0].in_use == 0
+        c.unregister_region("dev")
+        assert p.open_count == 0
+    finally:
+        w.stop()
+
+
+def core_f32() -> int:
+    from q6serve.client import core
+
+    return core._DTYPE_TO_PB["f32"]
