@@ -189,27 +189,12 @@ class CudaSupport:
         the device thread, synchronises on the slot's completion event only (a call
         launched behind this one keeps running)."""
         t0 = time.perf_counter()
-        b, cp = self.backend, self.cp
-        ws = b.launcher.ws
-        slot = ws.free_slot()
-        ws.take(slot)
-        try:
-            with b.ctx.dev, b.ctx.stream:
-                c, y, start, end = self._enqueue(e, call, flags, slot)
-                _store(cp, y, yd, np.dtype(call.out_dtype))
-                ws.done_event(slot).record(b.ctx.stream)
-        except BaseException:
-            ws.release(slot)
-            raise
+        slot, c, start, end = self._in_slot(e, call, yd, flags)
         kernel = f"cuda.{c.path}.{e.resident.layout.value}"
         layout, n = e.resident.layout, int(call.x.shape[0])
 
         def wait() -> MatmulReply:
-            try:
-                ws.done_event(slot).synchronize()
-                kernel_s = self._seconds(start, end)
-            finally:
-                ws.release(slot)
+            kernel_s = self._slot_wait(slot, start, end)
             t1 = time.perf_counter()
             self._cost(cost, t1 - t0)
             return MatmulReply(None, kernel, layout, c.precision, t0 - t_enq, kernel_s, n, 1,
@@ -224,30 +209,44 @@ class CudaSupport:
         now in a launch slot of its own, its completion event recorded behind them; the wait
         synchronises on that event only (a call launched behind this one keeps running) and
         gives ``yd`` as y (in its region already)."""
-        b, cp = self.backend, self.cp
+        slot, c, start, end = self._in_slot(e, call, yd, flags)
+        layout = e.resident.layout
+        kernel = f"cuda.{c.path}.{layout.value}"
+
+        def wait() -> MatmulResult:
+            seconds = self._slot_wait(slot, start, end)
+            return MatmulResult(yd, kernel, layout, c.precision, KernelTiming(seconds))
+
+        return Launched(wait)
+
+    def _in_slot(self, e: Any, call: Any, yd: Any, flags: KernelFlags,
+                 ) -> tuple[int, Any, Any, Any]:
+        """``call``'s kernels and y's store into ``yd`` enqueued in a launch slot of its own
+        (held until :meth:`_slot_wait`), its completion event recorded behind them: (slot,
+        choice, start, end events around the kernels)."""
+        b = self.backend
         ws = b.launcher.ws
         slot = ws.free_slot()
         ws.take(slot)
         try:
             with b.ctx.dev, b.ctx.stream:
                 c, y, start, end = self._enqueue(e, call, flags, slot)
-                _store(cp, y, yd, np.dtype(call.out_dtype))
+                _store(self.cp, y, yd, np.dtype(call.out_dtype))
                 ws.done_event(slot).record(b.ctx.stream)
         except BaseException:
             ws.release(slot)
             raise
-        layout = e.resident.layout
-        kernel = f"cuda.{c.path}.{layout.value}"
+        return slot, c, start, end
 
-        def wait() -> MatmulResult:
-            try:
-                ws.done_event(slot).synchronize()
-                seconds = self._seconds(start, end)
-            finally:
-                ws.release(slot)
-            return MatmulResult(yd, kernel, layout, c.precision, KernelTiming(seconds))
-
-        return Launched(wait)
+    def _slot_wait(self, slot: int, start: Any, end: Any) -> float | None:
+        """Wait for the launch in ``slot`` (its completion event only), let the slot go;
+        the kernels' seconds."""
+        ws = self.backend.launcher.ws
+        try:
+            ws.done_event(slot).synchronize()
+            return self._seconds(start, end)
+        finally:
+            ws.release(slot)
 
     def _seconds(self, start: Any, end: Any) -> float | None:
         try:

@@ -298,14 +298,20 @@ class LaneServer:
         (the caller answers it and lets the region go); nothing was queued then."""
         table, engine = self.table, self.engine
         assert table.cuda is not None
-        x_dtype, out, precision = _codes(x_dt, out_dt, prec)
-        call = MatmulCall(name, region.array(x_off, x_dtype, (n, k), "x"), precision, out)
-        if not engine.serving:
-            raise Unavailable("the worker is draining and takes no new requests")
+        call = self._cuda_call(region, name, n, k, x_off, x_dt, out_dt, prec)
         rows = engine.rows_of(name)
-        dest = region.array(y_off, out, (n, rows), "y", writable=True)
+        dest = region.array(y_off, call.out_dtype, (n, rows), "y", writable=True)
         table.cuda.start(engine, call, dest,
                          functools.partial(self._cuda_done, conn, seq, region, rows))
+
+    def _cuda_call(self, region: regions.Region, name: str, n: int, k: int, x_off: int,
+                   x_dt: int, out_dt: int, prec: int) -> MatmulCall:
+        """A CUDA-region request's call (x: the region's view); refusals raise."""
+        x_dtype, out, precision = _codes(x_dt, out_dt, prec)
+        call = MatmulCall(name, region.array(x_off, x_dtype, (n, k), "x"), precision, out)
+        if not self.engine.serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+        return call
 
     def _cuda_piped(self, conn: _LaneConn, seq: int, region: regions.Region, name: str, n: int,
                     k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int,
@@ -318,12 +324,9 @@ class LaneServer:
         loop ran and waited for one at a time. A refusal raises here (nothing was queued)."""
         table, engine = self.table, self.engine
         assert table.cuda is not None
-        x_dtype, out, precision = _codes(x_dt, out_dt, prec)
-        call = MatmulCall(name, region.array(x_off, x_dtype, (n, k), "x"), precision, out)
-        if not engine.serving:
-            raise Unavailable("the worker is draining and takes no new requests")
+        call = self._cuda_call(region, name, n, k, x_off, x_dt, out_dt, prec)
         e = engine.registry.get(name)
-        dest = region.array(y_off, out, (n, e.rows), "y", writable=True)
+        dest = region.array(y_off, call.out_dtype, (n, e.rows), "y", writable=True)
         p = _Piped(conn, seq, call, region, y_off, dest, None)
         p.cuda = functools.partial(_cuda_launch, table.cuda, e, call, dest,
                                    engine.flags.state.kernel_flags())
