@@ -4,9 +4,9 @@
 # 3584x18944; each variant is one worker and one load of bench/t2_timeline.py (the call-by-call
 # parts at p50 and over the slowest 1%, and now each worker process's cores and loop-busy share,
 # the load processes' cores and the machine's busy cores over the timed part). Alternated; the
-# script skips what would end past BUDGET_S and prints a table last. Then T3's shape through
-# lanes over CUDA IPC regions with and without the lane's pipeline for them
-# (Q6SERVE_LANE_CUDA_PIPELINE=1, off by default), after its GPU test.
+# script skips what would end past BUDGET_S and prints a table last. Beside them T3's shape
+# through lanes over CUDA IPC regions with and without the lane's pipeline for them
+# (Q6SERVE_LANE_CUDA_PIPELINE=1, off by default), and its GPU test.
 #   bench/gpu_dataplane_s13.sh   env: SECONDS_PER_RUN (2), BUDGET_S (95), VARIANTS (below)
 #   DRY_RUN=1 BACKEND=numpy ROWS=16 K=256 OUT=/tmp/o bench/gpu_dataplane_s13.sh   (CPU)
 set -uo pipefail
@@ -16,7 +16,8 @@ gpu_session /tmp/dps13
 S=${SECONDS_PER_RUN:-2} BUDGET=${BUDGET_S:-95}
 BACKEND=${BACKEND:-cuda} ROWS=${ROWS:-3584} K=${K:-18944}
 # TAG:FRONTENDS[:ENV=VALUE,...]  (rr = Q6SERVE_FRONTEND_ROUND_ROBIN=1)
-VARIANTS=${VARIANTS:-"f4:4 f8rr:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1 f4st0:4:Q6SERVE_FRONTEND_STACKS=0 \
+VARIANTS=${VARIANTS:-"f4:4 f8rr:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1 \
+f8rrst1:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1,Q6SERVE_FRONTEND_STACKS=1 \
 f8rrnospin:8:Q6SERVE_FRONTEND_ROUND_ROBIN=1,Q6SERVE_BUSY_POLL_US=0"}
 archive() { tar czf "$FINAL/dataplane_s13.tgz" -C "$OUT" .; }
 left() { (($(date +%s) - T0 + $1 < BUDGET)); }  # left SECONDS: still inside the budget
@@ -54,19 +55,24 @@ gpu_tests() {  # the CUDA-region lane tests (the new pipeline's with Q6SERVE_LAN
   note "# gpu test rc=$? ($(tail -1 "$OUT/pytest_gpu.log")) at $(elapsed)"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_gpu.log" | head -6 | cut -c1-240
 }
-[[ -n ${SKIP_T2:-} ]] || for v in $VARIANTS; do
+t2s() { [[ -n ${SKIP_T2:-} ]] || for v in "$@"; do
   IFS=: read -r tag fe envs <<<"$v"
   t2 "$tag" "$fe" "${envs:-}"
-done
-# T3's shape through lanes over CUDA IPC regions: one CudaPlane.start job a request (the
-# default) against the lane's pipeline (Q6SERVE_LANE_CUDA_PIPELINE=1), alternated
-if [[ $BACKEND == cuda && -z ${SKIP_LANES:-} ]]; then
-  gpu_tests
-  lane cudapipe1 Q6SERVE_LANE_CUDA_PIPELINE=1 --region cuda
-  lane cudaone1 Q6SERVE_LANE_CUDA_PIPELINE=0 --region cuda
-  lane cudapipe2 Q6SERVE_LANE_CUDA_PIPELINE=1 --region cuda
-  lane cudaone2 Q6SERVE_LANE_CUDA_PIPELINE=0 --region cuda
-fi
+done; }
+lanes() { [[ $BACKEND == cuda && -z ${SKIP_LANES:-} ]] && for tag in "$@"; do
+  lane "$tag" "Q6SERVE_LANE_CUDA_PIPELINE=$([[ $tag == cudapipe* ]] && echo 1 || echo 0)" \
+    --region cuda
+done; }
+# in this order (what the budget cuts is the last): T2's first two variants, T3's shape
+# through lanes over CUDA IPC regions with the lane's pipeline for them
+# (Q6SERVE_LANE_CUDA_PIPELINE=1) and without (one CudaPlane.start job a request, the
+# default), T2's other variants, the pipeline's GPU test, the lanes' second pair
+read -ra V <<<"$VARIANTS"
+t2s "${V[@]:0:2}"
+lanes cudapipe1 cudaone1
+t2s "${V[@]:2}"
+[[ $BACKEND == cuda && -z ${SKIP_LANES:-} ]] && gpu_tests
+lanes cudaone2 cudapipe2
 archive
 python3 - "$OUT" <<'PY'
 import json, sys
