@@ -325,11 +325,10 @@ class LaneServer:
         table, engine = self.table, self.engine
         assert table.cuda is not None
         call = self._cuda_call(region, name, n, k, x_off, x_dt, out_dt, prec)
-        e = engine.registry.get(name)
-        dest = region.array(y_off, call.out_dtype, (n, e.rows), "y", writable=True)
+        dest = region.array(y_off, call.out_dtype, (n, engine.rows_of(name)), "y",
+                            writable=True)
         p = _Piped(conn, seq, call, region, y_off, dest, None)
-        p.cuda = functools.partial(_cuda_launch, table.cuda, e, call, dest,
-                                   engine.flags.state.kernel_flags())
+        p.cuda = functools.partial(_cuda_launch, table.cuda, engine, call, dest)
         self._piped(conn, p, alone)
 
     def _cuda_done(self, conn: _LaneConn, seq: int, region: regions.Region, rows: int,
@@ -652,10 +651,11 @@ def _codes(x_dt: int, out_dt: int, prec: int) -> tuple[np.dtype, np.dtype, Any]:
     return got
 
 
-def _cuda_launch(cuda: Any, e: Any, call: MatmulCall, yd: Any, flags: Any, x: Any,
-                 key: Any) -> Any:
-    """``Engine.launch_now``'s ``launch(x, key)`` of a CUDA-region full batch."""
-    return cuda.lane_launch(e, call, yd, flags)
+def _cuda_launch(cuda: Any, engine: Any, call: MatmulCall, yd: Any, x: Any, key: Any) -> Any:
+    """``Engine.launch_now``'s ``launch(x, key)`` of a CUDA-region full batch: the weight's
+    entry (acquired by the engine for this launch) and the flags as they are now."""
+    return cuda.lane_launch(engine.registry.get(call.weight), call, yd,
+                            engine.flags.state.kernel_flags())
 
 
 def _nan(v: float | None) -> float:
