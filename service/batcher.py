@@ -133,6 +133,14 @@ class Device:
         # the backend's slots, which may be more than its batcher pipelines take
         self.now_slots = (max(1, launch_slots if now_slots is None else now_slots)
                           if pipeline else 1)
+        # batches whose kernels are deferred (a launch, Batcher._start) launched behind each
+        # other: launch_slots, or Q6SERVE_DEFER_SLOTS (off by default; at most now_slots, the
+        # launcher's own): more of them queued on the GPU, so a late loop leaves it idle less
+        ds = envvars.DEFER_SLOTS.read()
+        self.defer_slots = (self.launch_slots if ds is None or not pipeline
+                            else max(1, min(int(ds), self.now_slots)))
+        # Q6SERVE_DEFER_NOW=1 (off by default): Batcher._finish launches the next such batch
+        self.defer_now = bool(envvars.DEFER_NOW.read())
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
                                and bool(envvars.PIPELINE_SHORT.read()))
@@ -281,10 +289,11 @@ class Device:
 
     def _behind(self, launch: Callable[..., Any] | None, short: bool) -> bool:
         """A short job with a ``launch`` may be launched now behind the launched batches that
-        are all the device thread has (fewer than ``launch_slots``)."""
+        are all the device thread has (fewer than ``defer_slots``: ``launch_slots`` unless
+        Q6SERVE_DEFER_SLOTS says more)."""
         if launch is None or not short or not self._in_thread:
             return False
-        if self._in_thread == self._waits < self.launch_slots:
+        if self._in_thread == self._waits < self.defer_slots:
             self.behind_jobs += 1
             return True
         return False
@@ -786,6 +795,39 @@ class Batcher:
         return (bool(self._queue) and self._device.idle
                 and self._unfinished < self._s.max_inflight_batches)
 
+    def _defers(self, p: _Pending) -> bool:
+        """A batch headed by ``p`` is one whose kernels are deferred (launched on the loop,
+        waited for on the device thread): a like batch's kernels took over DEFER_KERNEL_S."""
+        return (self._launch_batch is not None
+                and self._kernel_s.get((p.key, _bucket(p.rows)), 0.0) > DEFER_KERNEL_S)
+
+    def _full(self) -> bool:
+        """No further batch of this weight may launch now: ``max_inflight_batches`` are
+        unfinished or, when the head's batch is one to defer and the device takes more of
+        those (``Device.defer_slots``, Q6SERVE_DEFER_SLOTS), that many."""
+        n = self._unfinished
+        if n < self._s.max_inflight_batches:
+            return False
+        return (n >= self._device.defer_slots or not self._queue
+                or not self._defers(self._queue[0]))
+
+    def _start_deferred(self) -> bool:
+        """``Device.defer_now`` (Q6SERVE_DEFER_NOW=1): in the loop trip that hears of a batch's
+        end, the next batch, if it is one to defer and may launch now, is started here, as the
+        batcher's task would do a trip later (the GPU gets it a trip sooner). Only where the
+        task would not wait to fill it (no delay, an idle device or a full batch)."""
+        if not self._device.defer_now or self._closed:
+            return False
+        self._drop_dead_head()
+        if not self._queue or self._full() or not self._defers(self._queue[0]):
+            return False
+        head = self._queue[0]
+        if (self._dynamic() and self._s.max_delay_s > 0 and not self._device.idle
+                and self._ready_rows(head.key) < self._s.max_rows):
+            return False
+        self._start(self._take())
+        return True
+
     def _expire(self, p: _Pending, timeout: float) -> None:
         p.timer = None
         self._resolve(p, DeadlineExceeded(
@@ -854,7 +896,7 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._unfinished >= self._s.max_inflight_batches:
+            if self._full():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -1057,7 +1099,9 @@ class Batcher:
         try:
             self._hand_out(batch, done, exc)
         finally:
-            if self._queue and not self._start_behind():
+            # (a deferred start leaves the task asleep unless a further batch may launch)
+            if (self._queue and not self._start_behind()
+                    and not (self._start_deferred() and self._full())):
                 self._wake.set()
 
     def _hand_out(self, batch: list[_Pending], done: _Done | None,

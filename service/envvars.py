@@ -83,6 +83,11 @@ HANDOFF_YIELD = Var("Q6SERVE_HANDOFF_YIELD", "switch", True,
                     "yield the GIL when a job reaches an idle device thread")
 PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
                "launch a batch while the previous one runs")
+DEFER_SLOTS = Var("Q6SERVE_DEFER_SLOTS", "count", None,
+                  "launched batches in flight whose kernels are deferred (at most the "
+                  "backend's launch slots)", low=1, high=4)
+DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", False,
+                "launch a deferred batch's successor in the trip that hears of its end")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
 LANE_CUDA_PIPELINE = Var("Q6SERVE_LANE_CUDA_PIPELINE", "switch", False,
@@ -115,8 +120,9 @@ LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
-                         PIPELINE_SHORT, LANE_CUDA_PIPELINE, DEVICE_MERGE, PIN_REGIONS, PDL,
-                         REGION_STREAMS, Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
+                         DEFER_SLOTS, DEFER_NOW, PIPELINE_SHORT, LANE_CUDA_PIPELINE,
+                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS, Y_CHUNKS, LAUNCH_SLOTS,
+                         Q6K_PAIRS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

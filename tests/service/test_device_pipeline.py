@@ -124,3 +124,77 @@ def test_a_job_without_launch_is_never_put_behind() -> None:
         dev.close()
 
     asyncio.run(main())
+
+
+def test_defer_slots_takes_a_third_deferred_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6SERVE_DEFER_SLOTS=3 (on a backend with three launch slots): a third deferred batch is
+    launched behind two, not held; capped at the backend's own (now_slots)."""
+    monkeypatch.setenv("Q6SERVE_DEFER_SLOTS", "3")
+
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
+        assert dev.defer_slots == 3
+        lz, launched = await _three_batches(dev)
+        assert launched == ["1.0", "2.0", "3.0"], lz.where
+        dev.close()
+        assert Device("u", launch_slots=2, now_slots=2).defer_slots == 2  # the cap
+
+    asyncio.run(main())
+
+
+async def _one_weight(dev: Device, n: int) -> tuple[Launches, list[tuple[float, bool]], int]:
+    """``n`` requests on one weight, each a full batch (max_rows 1); what was launched before
+    any wait ended (value, launched from the batcher's task), and how many launches of the
+    value 3.0 or later were made outside any task (Batcher._finish's trip)."""
+    lz = Launches()
+    tasks: list[tuple[float, bool]] = []
+    launch = lz.launch
+
+    def spy(x: np.ndarray, key: BatchKey) -> Launched:
+        tasks.append((float(x[0, 0]), asyncio.current_task() is not None))
+        return launch(x, key)
+
+    b = Batcher("w", dev, lz.run, BatchSettings(max_rows=1), lambda: True, lambda s: None,
+                launch=spy)
+    b._job_s[(KEY, 1)] = 1e-4
+    b._kernel_s[(KEY, 1)] = 2 * DEFER_KERNEL_S
+    futs = [b.enqueue(_x(float(i + 1)), KEY, None) for i in range(n)]
+    await asyncio.sleep(0.05)
+    before = len(tasks)
+    lz.release.set()
+    ys = [float((await f).y[0, 0]) for f in futs]
+    assert ys == [2.0 * (i + 1) for i in range(n)]
+    waits = [v for what, v, _ in lz.where if what == "wait"]
+    assert waits == [float(i + 1) for i in range(n)]  # in launch order
+    assert dev.inflight == 0 and b._unfinished == 0
+    await b.close()
+    return lz, tasks[:before], sum(1 for v, in_task in tasks if v >= 3.0 and not in_task)
+
+
+def test_one_weight_keeps_two_deferred_batches_unless_defer_slots_says_more(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main(expect: int) -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
+        _, first, _ = await _one_weight(dev, 5)
+        assert [v for v, _ in first] == [float(i + 1) for i in range(expect)], first
+        dev.close()
+
+    asyncio.run(main(2))
+    monkeypatch.setenv("Q6SERVE_DEFER_SLOTS", "3")
+    asyncio.run(main(3))
+
+
+def test_defer_now_launches_the_next_batch_in_the_finishing_trip(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6SERVE_DEFER_NOW=1: once a deferred batch ends, the next queued one is launched from
+    Batcher._finish (no task), not by the batcher's task a trip later; off by default."""
+    async def main() -> int:
+        dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
+        _, first, outside = await _one_weight(dev, 5)
+        assert len(first) == 2
+        dev.close()
+        return outside
+
+    assert asyncio.run(main()) == 0
+    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "1")
+    assert asyncio.run(main()) == 3

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue 14, session 13, the lead's bundle A (bound 70 s): the lm-head target in one process
+# (8 callers x N=64 on 152064x3584, top-64, MatmulStream; p50 5.10 ms against 5 ms at the
+# session 12 closing check, 64-row batches: one request each, ~1,526 calls/s, so ~655 us a
+# call for ~330 us of GPU). Is the loop thread saturated, or does the GPU wait for it? (a) The
+# worker under the load sampled by `top -H` (CPU per thread) and py-spy (the loop's frames).
+# (b) Alternated A/B of the two deferred-launch switches (service/batcher.py, off by default):
+# Q6SERVE_DEFER_NOW=1 (the next deferred batch launched in the loop trip that hears of the
+# previous one's end, not by the batcher's task a trip later) and Q6SERVE_DEFER_SLOTS=3 (three
+# deferred batches in flight instead of two: the launcher has three slots).
+#   bench/gpu_t1_s13.sh   env: ROUNDS (2), LM_SECONDS (1.0), VARIANTS ("base now s3 s3now"),
+#                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none)
+#   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
+# $OUT: t1s13.tgz (logs, JSON, profile), summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=bench/gpu_lib.sh
+source bench/gpu_lib.sh
+gpu_session /tmp/t1s13
+SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+BOUND=${BOUND:-66}
+LM=(python3 bench/service.py --backend "${BACKEND:-cuda}" --lm-head --mode stream --warmup 0.2)
+# shellcheck disable=SC2206
+LM+=(${LM_EXTRA:-})
+
+variant_env() {  # the environment of a variant
+  case $1 in
+    base) echo "Q6SERVE_DEFER_NOW=0" ;;
+    now) echo "Q6SERVE_DEFER_NOW=1" ;;
+    s3) echo "Q6SERVE_DEFER_SLOTS=3" ;;
+    s3now) echo "Q6SERVE_DEFER_SLOTS=3 Q6SERVE_DEFER_NOW=1" ;;
+  esac
+}
+
+# (a) the profile: the default worker, top -H and py-spy while it serves the lm-head load
+if [[ ${SPY_SECONDS:-2.5} != 0 ]]; then
+  timeout 20 "${LM[@]}" --seconds 3.6 --json "$OUT/spy.json" >"$OUT/spy_run.log" 2>&1 &
+  run=$!
+  for _ in $(seq 60); do
+    grep -q "uploaded" "$OUT/spy_run.log" 2>/dev/null && break
+    sleep 0.25
+  done
+  sleep 0.6
+  wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
+  if [[ -n $wpid ]]; then
+    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-2.5}" -r 500 -t -f raw \
+      --nonblocking -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
+    spy=$!
+    top -H -b -n 2 -d 1 -p "$wpid" >"$OUT/top.txt" 2>&1
+    nvidia-smi --query-gpu=utilization.gpu,clocks.sm --format=csv,noheader >"$OUT/gpu_util.txt" 2>&1
+    wait "$spy"
+  fi
+  wait "$run"
+  note "# profile run rc=$? ($(elapsed))"
+fi
+
+# (b) the A/B, alternated
+for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
+  for v in ${VARIANTS:-base now s3 s3now}; do
+    if (($(date +%s) - T0 > BOUND - 8)); then
+      note "# $v round $r skipped: $(elapsed) of $BOUND"
+      continue
+    fi
+    # shellcheck disable=SC2046
+    env $(variant_env "$v") timeout 15 "${LM[@]}" --seconds "${LM_SECONDS:-1.0}" \
+      --json "$OUT/${v}_$r.json" >"$OUT/${v}_$r.log" 2>&1
+    note "# $v round $r rc=$? ($(elapsed))"
+  done
+done
+
+{
+  echo "# gpu_t1_s13 tree $(cat COMMIT 2>/dev/null) ($(elapsed))"
+  python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print("# lm-head N=64 x8 top-64, one process: variant round: p50 ms, p99 ms, calls/s; mean us:"
+      " transport, queue, device_other, server_other")
+for f in sorted(out.glob("*_[0-9].json")) + sorted(out.glob("spy.json")):
+    try:
+        r = json.loads(f.read_text())["runs"][0]
+    except Exception as e:  # a run that died: say so
+        print(f"{f.stem:<10} no result ({type(e).__name__})")
+        continue
+    m = r["parts_mean_us"]
+    print(f"{f.stem:<10} p50 {r['p50_us'] / 1e3:5.2f}  p99 {r['p99_us'] / 1e3:5.2f}  "
+          f"calls/s {r['calls_per_s']:6.0f}  kernel {r['kernel_p50_us']:4.0f}  "
+          f"tr {m['transport']:5.0f} q {m['queue']:5.0f} dev {m['device_other']:4.0f} "
+          f"srv {m['server_other']:4.0f}")
+EOF
+  echo "## gpu: $(cat "$OUT/gpu_util.txt" 2>/dev/null)"
+  echo "## top -H (second sample), the worker's busiest threads"
+  awk '/^top -/{n++} n==2' "$OUT/top.txt" 2>/dev/null | grep -E "^ *[0-9]" | head -8 | cut -c1-110
+  if [[ -s $OUT/spy.raw ]]; then
+    echo "## py-spy, loop thread (MainThread), 500 Hz x ${SPY_SECONDS:-2.5} s"
+    python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 22 | cut -c1-150
+  fi
+} >"$OUT/summary.txt" 2>&1
+tar czf "$FINAL/t1s13.tgz" -C "$OUT" .
+cp "$OUT/summary.txt" "$FINAL/"
+cat "$OUT/summary.txt"
