@@ -3,13 +3,15 @@
 # (8 callers x N=64 on 152064x3584, top-64, MatmulStream; p50 5.10 ms against 5 ms at the
 # session 12 closing check, 64-row batches: one request each, ~1,526 calls/s, so ~655 us a
 # call for ~330 us of GPU). Is the loop thread saturated, or does the GPU wait for it? (a) The
-# worker under the load sampled by `top -H` (CPU per thread) and py-spy (the loop's frames).
+# worker under the load sampled by `top -H` (CPU per thread) and py-spy --native (the loop's
+# frames, gRPC's C frames included).
 # (b) Alternated A/B of the two deferred-launch switches (service/batcher.py, off by default):
 # Q6SERVE_DEFER_NOW=1 (the next deferred batch launched in the loop trip that hears of the
 # previous one's end, not by the batcher's task a trip later) and Q6SERVE_DEFER_SLOTS=3 (three
 # deferred batches in flight instead of two: the launcher has three slots).
 #   bench/gpu_t1_s13.sh   env: ROUNDS (2), LM_SECONDS (1.0), VARIANTS ("base now s3 s3now"),
-#                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none)
+#                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none),
+#                         RATE (250 Hz)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
 # $OUT: t1s13.tgz (logs, JSON, profile), summary.txt.
 set -uo pipefail
@@ -43,8 +45,8 @@ if [[ ${SPY_SECONDS:-2.5} != 0 ]]; then
   sleep 0.6
   wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
   if [[ -n $wpid ]]; then
-    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-2.5}" -r 500 -t -f raw \
-      --nonblocking -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
+    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-2.5}" -r "${RATE:-250}" --native -t \
+      -f raw -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
     spy=$!
     top -H -b -n 2 -d 1 -p "$wpid" >"$OUT/top.txt" 2>&1
     nvidia-smi --query-gpu=utilization.gpu,clocks.sm --format=csv,noheader >"$OUT/gpu_util.txt" 2>&1
@@ -91,8 +93,15 @@ EOF
   echo "## top -H (second sample), the worker's busiest threads"
   awk '/^top -/{n++} n==2' "$OUT/top.txt" 2>/dev/null | grep -E "^ *[0-9]" | head -8 | cut -c1-110
   if [[ -s $OUT/spy.raw ]]; then
-    echo "## py-spy, loop thread (MainThread), 500 Hz x ${SPY_SECONDS:-2.5} s"
-    python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 22 | cut -c1-150
+    echo "## py-spy --native, loop thread (MainThread), ${RATE:-250} Hz x ${SPY_SECONDS:-2.5} s"
+    python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 40 \
+      | sed '/^leaf/,$d' | cut -c1-140
+    python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 16 --under task_step_impl \
+      --depth 3 | sed -n '/^under/,$p' | cut -c1-170
+    python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 12 --under Handle._run \
+      --depth 2 | sed -n '/^under/,$p' | cut -c1-170
+    echo "## all threads"
+    python3 bench/spy_summary.py "$OUT/spy.raw" --top 1 | sed -n '2,12p' | cut -c1-120
   fi
 } >"$OUT/summary.txt" 2>&1
 tar czf "$FINAL/t1s13.tgz" -C "$OUT" .
