@@ -139,7 +139,8 @@ class Device:
         ds = envvars.DEFER_SLOTS.read()
         self.defer_slots = (self.launch_slots if ds is None or not pipeline
                             else max(1, min(int(ds), self.now_slots)))
-        # Q6SERVE_DEFER_NOW=1 (off by default): Batcher._finish launches the next such batch
+        # Q6SERVE_DEFER_NOW=1 (off by default): Batcher._finish launches the next such batch,
+        # and Batcher.enqueue does not wake the batcher's task while no batch may launch
         self.defer_now = bool(envvars.DEFER_NOW.read())
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
@@ -619,7 +620,8 @@ class Batcher:
             group.parts.append((self, p))
         elif len(self._queue) == 1 and self._can_start_now():
             self._kick()  # idle device, nothing queued: launch now
-        elif not self._start_behind():
+        elif not self._start_behind() and not (self._device.defer_now and self._full()):
+            # (DEFER_NOW: no wake while no batch may launch; the next end wakes the task)
             self._wake.set()
         return p.fut
 
@@ -815,7 +817,10 @@ class Batcher:
         """``Device.defer_now`` (Q6SERVE_DEFER_NOW=1): in the loop trip that hears of a batch's
         end, the next batch, if it is one to defer and may launch now, is started here, as the
         batcher's task would do a trip later (the GPU gets it a trip sooner). Only where the
-        task would not wait to fill it (no delay, an idle device or a full batch)."""
+        task would not wait to fill it (no delay, an idle device or a full batch). With it,
+        :meth:`enqueue` does not wake the task while :meth:`_full` (it would only find that
+        and sleep again: one task step a request under the lm-head's load); the end of a
+        batch wakes it (here or in ``_finish``)."""
         if not self._device.defer_now or self._closed:
             return False
         self._drop_dead_head()

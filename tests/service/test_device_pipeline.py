@@ -198,3 +198,33 @@ def test_defer_now_launches_the_next_batch_in_the_finishing_trip(
     assert asyncio.run(main()) == 0
     monkeypatch.setenv("Q6SERVE_DEFER_NOW", "1")
     assert asyncio.run(main()) == 3
+
+
+def test_defer_now_does_not_wake_the_task_while_no_batch_may_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Q6SERVE_DEFER_NOW=1 a request queued behind two unfinished batches of its weight
+    does not wake the batcher's task (it could launch nothing); without it, it does."""
+    async def main() -> list[bool]:
+        dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
+        lz = Launches()
+        b = Batcher("w", dev, lz.run, BatchSettings(max_rows=1), lambda: True, lambda s: None,
+                    launch=lz.launch)
+        b._job_s[(KEY, 1)] = 1e-4
+        b._kernel_s[(KEY, 1)] = 2 * DEFER_KERNEL_S
+        futs = [b.enqueue(_x(1.0), KEY, None), b.enqueue(_x(2.0), KEY, None)]
+        await asyncio.sleep(0.05)
+        assert b._unfinished == 2
+        woken = []
+        for v in (3.0, 4.0):
+            futs.append(b.enqueue(_x(v), KEY, None))
+            woken.append(b._wake.is_set())
+            await asyncio.sleep(0.01)
+        lz.release.set()
+        assert [float((await f).y[0, 0]) for f in futs] == [2.0, 4.0, 6.0, 8.0]
+        await b.close()
+        dev.close()
+        return woken
+
+    assert asyncio.run(main()) == [True, True]
+    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "1")
+    assert asyncio.run(main()) == [False, False]
