@@ -378,6 +378,9 @@ class Engine:
         # Q6SERVE_BUSY_POLL_US: the loop busy-polls while no job is in the device thread
         self.busy_poll = busy_poll(asyncio.get_running_loop(), self.device.thread_idle)
         self._mmap_threshold = mmap_threshold()  # (a bad value fails the start)
+        # Q6SERVE_MULTI_PIPELINE=1 (off by default): multi.run_weights_now launches a call's
+        # parts behind each other (launch_direct) and waits for them in order
+        self.multi_pipeline = bool(envvars.MULTI_PIPELINE.read())
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
         self._publish()
@@ -942,6 +945,28 @@ class Engine:
             return b.run_now(call.x, key)
         finally:
             self.registry.release(e)
+
+    def launch_direct(self, b: Batcher, call: MatmulCall, key: BatchKey,
+                      ) -> Callable[[], MatmulReply]:
+        """:meth:`run_direct` in two halves (``Batcher.launch_now``): check ``call`` and launch
+        it now; the function returned waits for it and returns its reply (a failure raises).
+        For the parts of a multi-weight call on the direct path (``multi.run_weights_now``
+        with ``multi_pipeline``): each part's launch goes behind the previous one, so the GPU
+        runs them back to back while the host launches the next."""
+        e, key = self._admit(call, key)
+        try:
+            wait = b.launch_now(call.x, key)
+        except BaseException:
+            self.registry.release(e)
+            raise
+
+        def finish() -> MatmulReply:
+            try:
+                return wait()
+            finally:
+                self.registry.release(e)
+
+        return finish
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)

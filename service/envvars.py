@@ -88,6 +88,8 @@ DEFER_SLOTS = Var("Q6SERVE_DEFER_SLOTS", "count", None,
                   "backend's launch slots)", low=1, high=4)
 DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", False,
                 "launch a deferred batch's successor in the trip that hears of its end")
+MULTI_PIPELINE = Var("Q6SERVE_MULTI_PIPELINE", "switch", False,
+                     "a multi-weight call's direct path launches its parts behind each other")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
 LANE_CUDA_PIPELINE = Var("Q6SERVE_LANE_CUDA_PIPELINE", "switch", False,
@@ -120,9 +122,9 @@ LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
-                         DEFER_SLOTS, DEFER_NOW, PIPELINE_SHORT, LANE_CUDA_PIPELINE,
-                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS, Y_CHUNKS, LAUNCH_SLOTS,
-                         Q6K_PAIRS)
+                         DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, PIPELINE_SHORT,
+                         LANE_CUDA_PIPELINE, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
+                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

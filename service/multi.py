@@ -16,6 +16,7 @@ as a lone inline job, :func:`run_weights_now` runs them in the caller's own loop
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
@@ -105,12 +106,57 @@ def run_weights_now(engine: Engine, call: MatmulCall, own: object = None,
     batchers = engine.direct_batchers(parts, key, own)
     if batchers is None:
         return None
+    slots = engine.device.now_slots
+    if engine.multi_pipeline and len(parts) > 1 and slots > 1:
+        return _launch_parts(engine, parts, batchers, key, slots)
     out: list[tuple[str, MatmulReply]] = []
     for i, (part, b) in enumerate(zip(parts, batchers, strict=True)):
         try:
             out.append((part.weight, engine.run_direct(b, part, key)))
         except Q6Error as e:
             raise _named(i, part.weight, e) from None
+    return out
+
+
+def _launch_parts(engine: Engine, parts: list[MatmulCall], batchers: list[Any], key: Any,
+                  slots: int) -> list[tuple[str, MatmulReply]]:
+    """:func:`run_weights_now`'s parts launched behind each other (``Engine.launch_direct``;
+    at most ``slots`` launched and not yet waited for), then waited for in order: the GPU
+    runs part i + 1 while the host finishes part i's launch and the next, instead of the
+    host waiting for each part's end before it launches the next. Every launch is waited
+    for, also after a failure (the first one raises, naming its weight, after all are
+    done; the parts' results are then dropped, as the queued path's are)."""
+    out: list[Any] = [None] * len(parts)
+    waits: collections.deque[tuple[int, Callable[[], MatmulReply]]] = collections.deque()
+    err: BaseException | None = None
+
+    def wait_oldest() -> None:
+        nonlocal err
+        i, finish = waits.popleft()
+        try:
+            out[i] = (parts[i].weight, finish())
+        except Q6Error as e:
+            err = err or _named(i, parts[i].weight, e)
+        except BaseException as e:
+            err = err or e
+
+    for i, (part, b) in enumerate(zip(parts, batchers, strict=True)):
+        if len(waits) >= slots:
+            wait_oldest()
+        if err is not None:
+            break
+        try:
+            waits.append((i, engine.launch_direct(b, part, key)))
+        except Q6Error as e:
+            err = _named(i, part.weight, e)
+        except BaseException as e:
+            err = e
+        if err is not None:
+            break
+    while waits:
+        wait_oldest()
+    if err is not None:
+        raise err
     return out
 
 

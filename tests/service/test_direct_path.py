@@ -371,3 +371,84 @@ def test_a_direct_call_still_checks_each_request_after_a_like_one_passed(
         await eng.close()
 
     asyncio.run(main())
+
+
+class _Deferring(InstrumentedBackend):
+    """Its launches compute at ``wait()`` (as a GPU's end), logging (what, weight rows) in
+    order; launches of the weight with ``refuse_rows`` rows are refused while set. Three
+    launch slots, as the CUDA backend's."""
+
+    launch_slots = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+        self.refuse_rows = 0
+
+    def launch(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        from q6serve.kernels.api import Launched
+
+        if w.rows == self.refuse_rows:
+            raise FailedPrecondition("refused at launch by the test")
+        self.events.append(("launch", w.rows))
+
+        def wait() -> Any:
+            self.events.append(("wait", w.rows))
+            return self.matmul(w, x, **kw)
+
+        return Launched(wait)
+
+
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+def test_multi_weight_direct_parts_launched_behind_each_other(
+        start_worker: Any, monkeypatch: pytest.MonkeyPatch, pipeline: str) -> None:
+    """Q6SERVE_MULTI_PIPELINE=1: a multi-weight call on the direct path launches its parts
+    behind each other, then waits for them in order (without it: each part's launch and wait
+    in turn); the same replies; a part refused at launch fails the call naming its weight,
+    after the parts launched before it are waited for (nothing left in flight)."""
+    monkeypatch.setenv("Q6SERVE_MULTI_PIPELINE", pipeline)
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)
+    backend = _Deferring()
+    worker = start_worker(backend=backend, inline_device_us=10_000_000)
+    rows = {"q": 16, "k": 8, "v": 24}
+    blocks = {n: random_q6k(r, K, s) for s, (n, r) in enumerate(rows.items())}
+    c = worker.client()
+    for n, r in rows.items():
+        c.upload(n, blocks[n], r, K)
+    eng = worker.engine
+    xs = [np.random.default_rng(j).standard_normal((2, K)).astype(np.float32) for j in range(8)]
+    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
+    with grpc.insecure_channel(worker.target) as ch:
+        replies = pb_grpc.Q6ServeStub(ch).MatmulStream(iter(sent.get, None), timeout=60)
+
+        def ask(req: pb.MatmulRequest) -> pb.MatmulStreamResponse:
+            sent.put(req)
+            return next(replies)
+
+        outs = [ask(_multi(x, str(j), ("q", "k", "v"))) for j, x in enumerate(xs)]
+        backend.refuse_rows = rows["k"]
+        n0 = len(backend.events)
+        failed = ask(_multi(xs[0], "failed", ("q", "k", "v")))
+        sent.put(None)
+        assert list(replies) == []
+    for x, r in zip(xs, outs, strict=True):
+        for o in r.result.outputs:
+            y = np.frombuffer(o.y.data, "<f4").reshape(2, rows[o.weight])
+            assert_close(y, reference(blocks[o.weight], rows[o.weight], K, x))
+    # each request's six events: the first (the costs unknown) and any another task's wake
+    # sent through the queue run each part in turn; the direct ones launch all, then wait
+    serial = [("launch", 16), ("wait", 16), ("launch", 8), ("wait", 8), ("launch", 24),
+              ("wait", 24)]
+    behind = [("launch", 16), ("launch", 8), ("launch", 24), ("wait", 16), ("wait", 8),
+              ("wait", 24)]
+    per = [backend.events[i:i + 6] for i in range(0, n0, 6)]
+    assert len(per) == len(xs) and per[0] == serial, backend.events
+    assert all(e in (serial, behind) for e in per), backend.events
+    assert (behind in per) == (pipeline == "1"), backend.events
+    assert failed.error.code == 9
+    assert failed.error.message == "weights[1] 'k': refused at launch by the test"
+    assert backend.events[n0:] == [("launch", 16), ("wait", 16)]  # q waited for; v not run
+    assert worker.run(lambda: eng.device.inflight) == 0
+    assert worker.run(lambda: eng.device._now) == 0
+    for n in rows:  # nothing holds a weight: each unloads
+        c.unload(n)
