@@ -7,9 +7,12 @@
 # frames, gRPC's C frames included).
 # (b) Alternated A/B of the two deferred-launch switches (service/batcher.py, off by default):
 # Q6SERVE_DEFER_NOW=1 (the next deferred batch launched in the loop trip that hears of the
-# previous one's end, not by the batcher's task a trip later) and Q6SERVE_DEFER_SLOTS=3 (three
-# deferred batches in flight instead of two: the launcher has three slots).
-#   bench/gpu_t1_s13.sh   env: ROUNDS (2), LM_SECONDS (1.0), VARIANTS ("base now s3 s3now"),
+# previous one's end, not by the batcher's task a trip later; no task wake-up per request
+# while no batch may launch) and Q6SERVE_DEFER_SLOTS=3 (three deferred batches in flight
+# instead of two: the launcher has three slots). (c) A 4-layer decode replay at S = 1, 8 with
+# multi-weight calls, Q6SERVE_MULTI_PIPELINE=1 (a multi-weight call's parts launched behind
+# each other on the direct path, service/multi.py) against off.
+#   bench/gpu_t1_s13.sh   env: RUNS (KIND:VARIANT list), LM_SECONDS (1.0), RP_SECONDS (1.0),
 #                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none),
 #                         RATE (250 Hz)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
@@ -31,6 +34,7 @@ variant_env() {  # the environment of a variant
     now) echo "Q6SERVE_DEFER_NOW=1" ;;
     s3) echo "Q6SERVE_DEFER_SLOTS=3" ;;
     s3now) echo "Q6SERVE_DEFER_SLOTS=3 Q6SERVE_DEFER_NOW=1" ;;
+    pipe) echo "Q6SERVE_MULTI_PIPELINE=1" ;;
   esac
 }
 
@@ -56,18 +60,33 @@ if [[ ${SPY_SECONDS:-2.5} != 0 ]]; then
   note "# profile run rc=$? ($(elapsed))"
 fi
 
-# (b) the A/B, alternated
-for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
-  for v in ${VARIANTS:-base now s3 s3now}; do
-    if (($(date +%s) - T0 > BOUND - 8)); then
-      note "# $v round $r skipped: $(elapsed) of $BOUND"
-      continue
-    fi
+# (b) the A/Bs, in RUNS order (KIND:VARIANT; lm: the lm-head target, rp: a 4-layer replay at
+# S = 1 and 8 with multi-weight calls, the lm-head top-k included; no floor)
+RP=(python3 bench/service.py --backend "${BACKEND:-cuda}" --replay --layers "${RP_LAYERS:-4}"
+  --replay-seqs 1,8 --multi on --no-replay-floor --warmup 0.3)
+# shellcheck disable=SC2206
+RP+=(${RP_EXTRA:-})
+declare -A seen=()
+for kv in ${RUNS:-lm:base lm:s3now lm:base lm:s3now rp:base rp:pipe lm:now lm:s3 rp:base rp:pipe}; do
+  kind=${kv%%:*} v=${kv#*:}
+  r=$((${seen[$kv]:-0} + 1))
+  seen[$kv]=$r
+  need=8
+  [[ $kind == rp ]] && need=14  # what a run takes, start and upload included
+  if (($(date +%s) - T0 > BOUND - need)); then
+    note "# $kv round $r skipped: $(elapsed) of $BOUND"
+    continue
+  fi
+  if [[ $kind == lm ]]; then
     # shellcheck disable=SC2046
     env $(variant_env "$v") timeout 15 "${LM[@]}" --seconds "${LM_SECONDS:-1.0}" \
-      --json "$OUT/${v}_$r.json" >"$OUT/${v}_$r.log" 2>&1
-    note "# $v round $r rc=$? ($(elapsed))"
-  done
+      --json "$OUT/lm_${v}_$r.json" >"$OUT/lm_${v}_$r.log" 2>&1
+  else
+    # shellcheck disable=SC2046
+    env $(variant_env "$v") timeout 22 "${RP[@]}" --seconds "${RP_SECONDS:-1.0}" \
+      --json "$OUT/rp_${v}_$r.json" >"$OUT/rp_${v}_$r.log" 2>&1
+  fi
+  note "# $kv round $r rc=$? ($(elapsed))"
 done
 
 {
@@ -77,17 +96,32 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("# lm-head N=64 x8 top-64, one process: variant round: p50 ms, p99 ms, calls/s; mean us:"
       " transport, queue, device_other, server_other")
-for f in sorted(out.glob("*_[0-9].json")) + sorted(out.glob("spy.json")):
+for f in sorted(out.glob("lm_*.json")) + sorted(out.glob("spy.json")):
     try:
         r = json.loads(f.read_text())["runs"][0]
     except Exception as e:  # a run that died: say so
-        print(f"{f.stem:<10} no result ({type(e).__name__})")
+        print(f"{f.stem:<12} no result ({type(e).__name__})")
         continue
     m = r["parts_mean_us"]
-    print(f"{f.stem:<10} p50 {r['p50_us'] / 1e3:5.2f}  p99 {r['p99_us'] / 1e3:5.2f}  "
+    print(f"{f.stem:<12} p50 {r['p50_us'] / 1e3:5.2f}  p99 {r['p99_us'] / 1e3:5.2f}  "
           f"calls/s {r['calls_per_s']:6.0f}  kernel {r['kernel_p50_us']:4.0f}  "
           f"tr {m['transport']:5.0f} q {m['queue']:5.0f} dev {m['device_other']:4.0f} "
           f"srv {m['server_other']:4.0f}")
+print("# replay (4 layers + lm-head top-64, multi on): S: step p50 / p99 ms; per step p50 ms:"
+      " worker (device), transport, client; calls/step")
+for f in sorted(out.glob("rp_*.json")):
+    try:
+        rs = json.loads(f.read_text())["replay"]
+    except Exception as e:
+        print(f"{f.stem:<12} no result ({type(e).__name__})")
+        continue
+    cells = []
+    for r in rs:
+        p = r["step_parts_p50_ms"]
+        cells.append(f"{r['label'].split()[1]}: {r['step_p50_ms']:6.2f} / {r['step_p99_ms']:6.2f}"
+                     f"  w {p['handler']:5.2f} ({p['device']:5.2f}) tr {p['transport']:5.2f} "
+                     f"cl {p['client']:4.2f} c {r['calls_per_step']}")
+    print(f"{f.stem:<12} " + " | ".join(cells))
 EOF
   echo "## gpu: $(cat "$OUT/gpu_util.txt" 2>/dev/null)"
   echo "## top -H (second sample), the worker's busiest threads"
