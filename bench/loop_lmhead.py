@@ -23,7 +23,6 @@ import cProfile
 import pstats
 import sys
 import time
-from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -84,46 +83,13 @@ def _request(n: int, k: int, topk: int) -> bytes:
     return req.SerializeToString()
 
 
-class _Context:
-    def __init__(self) -> None:
-        self.written: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def write(self, msg: Any) -> None:
-        self.written.put_nowait(msg)
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:1"
-
-    def invocation_metadata(self) -> tuple[()]:
-        return ()
-
-    def time_remaining(self) -> None:
-        return None
-
-    def add_done_callback(self, fn: Any) -> None:
-        pass
-
-    def code(self) -> Any:
-        return None
-
-    def set_code(self, code: Any) -> None:
-        pass
-
-    def set_details(self, details: str) -> None:
-        pass
-
-
 async def _run(a: argparse.Namespace) -> dict[str, float]:
     import dataclasses
 
-    import grpc
     from batcher_overhead import upload_random
-    from prometheus_client import CollectorRegistry
+    from stream_overhead import _Context, stream_handler
 
-    from q6serve.service import wire
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.interceptor import ErrorInterceptor
-    from q6serve.service.metrics import Metrics
     from q6serve.service.servicer import Q6ServeServicer
     from q6serve.service.worker import Worker
 
@@ -131,17 +97,7 @@ async def _run(a: argparse.Namespace) -> dict[str, float]:
                     _stub_backend(a.gpu_us * 1e-6, a.topk))
     await worker.start()
     await upload_random(worker.engine, "w", a.rows, 3584)
-    servicer = Q6ServeServicer(worker.engine)
-    inner = grpc.stream_stream_rpc_method_handler(
-        servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
-        response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
-    metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
-    details = namedtuple("Details", "method invocation_metadata")(METHOD, ())
-
-    async def continuation(_: Any) -> Any:
-        return inner
-
-    handler = await ErrorInterceptor(metrics).intercept_service(continuation, details)
+    handler = await stream_handler(Q6ServeServicer(worker.engine))
     req = _request(a.n, 3584, a.topk)
     serialize = handler.response_serializer
     counts = {"calls": 0}

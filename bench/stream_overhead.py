@@ -598,14 +598,9 @@ class _Context:
         pass
 
 
-async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
-                  cpu: list[float] | None = None) -> list[float]:
-    """Seconds per request of one stream's handler driven directly (one request in flight:
-    hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
-    around Q6ServeServicer.MatmulStream over a _StubEngine (``direct``: one answering on the
-    direct path, ``run_now``); ``echo`` the proto echo handler (the harness's own cost).
-    ``cpu``: gets each request's CPU seconds of this thread, where everything runs (on the
-    shared VM it tracked the wall time: the other agents slow the core, not only take it)."""
+async def stream_handler(servicer: Any) -> Any:
+    """``servicer``'s MatmulStream behind the worker's ErrorInterceptor (its own metrics), as
+    gRPC would call it: a handler to drive in process."""
     from collections import namedtuple
 
     import grpc
@@ -614,6 +609,29 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
     from q6serve.service import wire
     from q6serve.service.interceptor import ErrorInterceptor
     from q6serve.service.metrics import Metrics
+
+    inner = grpc.stream_stream_rpc_method_handler(
+        servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
+        response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
+    metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
+    details = namedtuple("Details", "method invocation_metadata")(METHOD, ())
+
+    async def continuation(_: Any) -> Any:
+        return inner
+
+    return await ErrorInterceptor(metrics).intercept_service(continuation, details)
+
+
+async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
+                  cpu: list[float] | None = None) -> list[float]:
+    """Seconds per request of one stream's handler driven directly (one request in flight:
+    hand it a raw request, take its serialized reply): ``handler`` the worker's interceptor
+    around Q6ServeServicer.MatmulStream over a _StubEngine (``direct``: one answering on the
+    direct path, ``run_now``); ``echo`` the proto echo handler (the harness's own cost).
+    ``cpu``: gets each request's CPU seconds of this thread, where everything runs (on the
+    shared VM it tracked the wall time: the other agents slow the core, not only take it)."""
+
+
     from q6serve.service.servicer import Q6ServeServicer
 
     worker = None
@@ -625,16 +643,7 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
             servicer = Q6ServeServicer(worker.engine)
         else:
             servicer = Q6ServeServicer(_StubEngine(rows, variant == "direct"))  # type: ignore[arg-type]
-        inner = grpc.stream_stream_rpc_method_handler(
-            servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
-            response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
-        metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
-        details = namedtuple("Details", "method invocation_metadata")(METHOD, ())
-
-        async def continuation(_: Any) -> Any:
-            return inner
-
-        handler = await ErrorInterceptor(metrics).intercept_service(continuation, details)
+        handler = await stream_handler(servicer)
     incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     async def requests() -> Any:

@@ -900,8 +900,15 @@ class Engine:
         if not b.can_launch_now(rows, key):
             return None
         self._admit_direct(call, e, b.direct(key), rows)
+        return self._launch_held(e, b, call.x, key, launch)
+
+    def _launch_held(self, e: WeightEntry, b: Batcher, x: np.ndarray, key: BatchKey,
+                     launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
+                     ) -> Callable[[], MatmulReply]:
+        """``b.launch_now(x, key, launch)`` for a call that holds ``e`` (admitted): the
+        function returned waits and lets go of ``e``, as a failed launch does at once."""
         try:
-            wait = b.launch_now(call.x, key, launch)
+            wait = b.launch_now(x, key, launch)
         except BaseException:
             self.registry.release(e)
             raise
@@ -954,19 +961,7 @@ class Engine:
         with ``multi_pipeline``): each part's launch goes behind the previous one, so the GPU
         runs them back to back while the host launches the next."""
         e, key = self._admit(call, key)
-        try:
-            wait = b.launch_now(call.x, key)
-        except BaseException:
-            self.registry.release(e)
-            raise
-
-        def finish() -> MatmulReply:
-            try:
-                return wait()
-            finally:
-                self.registry.release(e)
-
-        return finish
+        return self._launch_held(e, b, call.x, key)
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)
