@@ -947,11 +947,21 @@ class Engine:
     def run_direct(self, b: Batcher, call: MatmulCall, key: BatchKey) -> MatmulReply:
         """Check ``call`` (as ``start_matmul`` does) and run it now through ``b``, its weight's
         batcher, which :meth:`direct_batchers` gave."""
-        e, key = self._admit(call, key)
+        e, d = self._admit_part(b, call, key)
         try:
-            return b.run_now(call.x, key)
+            return b.run_direct(d, call.x)
         finally:
             self.registry.release(e)
+
+    def _admit_part(self, b: Batcher, call: MatmulCall, key: BatchKey,
+                    ) -> tuple[WeightEntry, DirectCall]:
+        """:meth:`_admit` of a multi-weight call's part (a 2-D x: ``multi.check_parts``) for
+        the direct path, through its key's DirectCall (``_admit_direct``: once the full
+        checks passed for this weight, key, N and flag state, only the call's own remain)."""
+        d = b.direct(key)
+        e = self.registry.get(call.weight)
+        self._admit_direct(call, e, d, int(call.x.shape[0]))
+        return e, d
 
     def launch_direct(self, b: Batcher, call: MatmulCall, key: BatchKey,
                       ) -> Callable[[], MatmulReply]:
@@ -960,8 +970,8 @@ class Engine:
         For the parts of a multi-weight call on the direct path (``multi.run_weights_now``
         with ``multi_pipeline``): each part's launch goes behind the previous one, so the GPU
         runs them back to back while the host launches the next."""
-        e, key = self._admit(call, key)
-        return self._launch_held(e, b, call.x, key)
+        e, d = self._admit_part(b, call, key)
+        return self._launch_held(e, b, call.x, d.key)
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)

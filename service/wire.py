@@ -498,6 +498,89 @@ def _stream_bytes(r: MatmulReply, rid: bytes, took: Took) -> bytes | None:
                      queue, timing, rec))
 
 
+# -- a multi-weight reply of y parts, written here too ------------------------------------------
+# One WeightOutput record per weight (weight, y, kernel, layout, precision, timing: its field
+# numbers, in order), then the response's timing and request id before them (field-number
+# order: timing 5, request_id 6, outputs 8), byte for byte upb's (tests/service/
+# test_wire_replies.py compares): upb's fill of three small parts and its serialization took
+# ~35 us on the 2-core VM (a plain reply's writer ~5).
+_T_OUT_WEIGHT = _tag(pb.WeightOutput, "weight", 2)
+_T_OUTPUTS = _tag(pb.MatmulResponse, "outputs", 2)
+_T_OUT_TIMING = _tag(pb.WeightOutput, "timing", 2)
+# a part's timing with kernel, both counts (each below 128) and device seconds set
+_PART_TIMING = struct.Struct("<BdBBBBBd")
+_PT_TAGS = tuple(t[0] for t in (_T_KERNEL_S, _T_ROWS, _T_REQUESTS, _T_DEVICE))
+_T_PART_TIMING = _T_OUT_TIMING + encode_varint(_PART_TIMING.size)
+# the response's own timing: decode and handler seconds
+_RESP_TIMING = struct.Struct("<BdBd")
+_T_RESP_TIMING = _T_TIMING + encode_varint(_RESP_TIMING.size)
+_PART_HEADS: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
+
+
+def _part_head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
+    """(y's WeightOutput record up to its data, the kernel/layout/precision fields)."""
+    key = (y.dtype, y.shape, r.kernel, r.layout, r.precision)
+    got = _PART_HEADS.get(key)
+    if got is None:
+        t = pb.WeightOutput(kernel=r.kernel, layout=_LAYOUT_TO_PB[r.layout],
+                            precision=_PREC_TO_PB[r.precision])
+        code = _PB_OF_DTYPE.get(y.dtype)
+        t.y.dtype = code if code is not None else _DTYPE_TO_PB[dtype_name(y.dtype)]
+        t.y.shape.extend(y.shape)
+        tensor = t.y.SerializeToString()
+        if y.nbytes:
+            tensor += record(_F_TENSOR_DATA, y.nbytes)
+        t.ClearField("y")
+        if len(_PART_HEADS) >= MAX_HEADS:
+            _PART_HEADS.clear()
+        got = _PART_HEADS[key] = (record(_F_OUT_Y, len(tensor) + y.nbytes) + tensor,
+                                  t.SerializeToString())
+    return got
+
+
+def _multi_stream_bytes(r: Sequence[tuple[str, MatmulReply]], rid: bytes,
+                        took: Took) -> bytes | None:
+    """:func:`stream_reply` of a multi-weight reply whose every part is a y with a full
+    timing (kernel and device seconds, counts below 128), its bytes in one join; None: not
+    that case (a top-k part, a timing not known)."""
+    pieces: list[bytes | memoryview] = []
+    for name, part in r:
+        kernel_s, device_s, y = part.kernel_seconds, part.device_seconds, part.y
+        if (y is None or kernel_s is None or device_s is None
+                or not 0 < part.batch_rows < 0x80 or not 0 < part.batch_requests < 0x80):
+            return None
+        y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
+                                           copy=False)
+        head, fields = _part_head(y, part)
+        nbytes = y.nbytes
+        data = (y.tobytes() if nbytes < SPLICE_MIN_BYTES
+                else memoryview(y.reshape(-1).view(np.uint8)))
+        w = name.encode()
+        wrec = _T_OUT_WEIGHT + encode_varint(len(w)) + w if w else b""
+        queue = _DOUBLE(part.queue_seconds)
+        k, rows, reqs, dev = _PT_TAGS
+        timing = _PART_TIMING.pack(k, kernel_s, rows, part.batch_rows, reqs,
+                                   part.batch_requests, dev, device_s)
+        if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
+            queue = _T_QUEUE + queue
+            t_head = _T_OUT_TIMING + encode_varint(len(queue) + len(timing))
+        else:
+            queue, t_head = b"", _T_PART_TIMING
+        size = (len(wrec) + len(head) + nbytes + len(fields) + len(t_head) + len(queue)
+                + len(timing))
+        pieces += (_T_OUTPUTS, encode_varint(size), wrec, head, data, fields, t_head, queue,
+                   timing)
+    rec = sid = b""
+    if rid:
+        rid_len = encode_varint(len(rid))
+        rec, sid = _T_REQ_ID + rid_len + rid, _T_STREAM_ID + rid_len + rid
+    d, h = _TIMING6_TAGS[3], _TIMING6_TAGS[5]
+    t = _T_RESP_TIMING + _RESP_TIMING.pack(d, took.decoded - took.start,
+                                           h, time.perf_counter() - took.start)
+    size = len(t) + len(rec) + _size(pieces)
+    return b"".join((sid, _T_STREAM_RESULT, encode_varint(size), t, rec, *pieces))
+
+
 def stream_reply(r: Replies, request_id: str,
                  took: Took | None = None) -> pb.MatmulStreamResponse | bytes:
     """What MatmulStream yields for a result: one weight's y as bytes written here (see
@@ -510,6 +593,9 @@ def stream_reply(r: Replies, request_id: str,
         body = _result_pieces(r, rid, took)
         head = _T_STREAM_ID + encode_varint(len(rid)) + rid if rid else b""
         return b"".join([head, _T_STREAM_RESULT + encode_varint(_size(body)), *body])
+    if (not isinstance(r, MatmulReply) and took is not None
+            and (got := _multi_stream_bytes(r, request_id.encode(), took)) is not None):
+        return got
     if _y_nbytes(r) < SPLICE_MIN_BYTES:
         return stream_result(r, request_id, took)
     pieces = _reply_pieces(r, request_id, took)

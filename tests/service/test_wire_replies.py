@@ -175,3 +175,41 @@ def test_y_is_one_whole_record_for_last_wins_parsers() -> None:
     for (_name, part), rec in zip(multi, outs, strict=True):
         ys = [v for f, v in _fields(rec) if f == out_y]
         assert len(ys) == 1 and list(pb.Tensor.FromString(ys[0]).shape) == list(part.y.shape)
+
+
+@pytest.mark.parametrize("splice", [0, 64 << 10])
+@pytest.mark.parametrize("timing", [
+    (1e-5, 2e-5, 3, 2, 3e-5),  # every part timing field set (the queue too)
+    (0.0, 0.0, 127, 1, 0.0),  # no queue; counts at the one-byte edge
+    (-0.0, float("nan"), 1, 127, float("inf")),
+    (0.0, None, 1, 1, 1e-5),  # kernel time unknown: upb's path
+    (0.0, 1e-5, 128, 1, 1e-5),  # a two-byte count: upb's path
+])
+@pytest.mark.parametrize(("rid", "took"), [("id-7", wire.Took(1.0, 1.5)), ("", None),
+                                           ("é" * 100, wire.Took(2.0, 2.0))])
+def test_multi_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, splice: int,
+                                             timing: tuple, rid: str,
+                                             took: wire.Took | None) -> None:
+    """A multi-weight reply of y parts is written by wire itself (wire._multi_stream_bytes):
+    byte for byte what upb serializes for the message the protobuf path builds."""
+    monkeypatch.setattr(wire, "SPLICE_MIN_BYTES", splice)
+    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
+    rng = np.random.default_rng(len(rid))
+    parts = []
+    for name, rows, dtype in (("q", 3584, np.float16), ("k", 70, np.float32),
+                              ("", 1, BFLOAT16), ("é" * 20, 600, np.float16)):
+        y = rng.standard_normal((4, rows)).astype(np.float32).astype(dtype)[2:]
+        parts.append((name, MatmulReply(y, "cuda.gemv.soa", Layout.SOA, Precision.F16,
+                                        *timing[:2], *timing[2:4], timing[4])))
+    parts[1] = ("k", MatmulReply(parts[1][1].y, "", Layout.AOS, Precision.AUTO, *timing[:2],
+                                 *timing[2:4], timing[4]))
+    got = wire.stream_reply(parts, rid, took)
+    want = wire.stream_result(parts, rid, took).SerializeToString()
+    if took is not None and timing[1] is not None and timing[2] < 128:  # written here
+        assert got == want
+    else:  # as before: upb's message, or (spliced) the same message when parsed
+        msg = got if isinstance(got, bytes) else got.SerializeToString()
+        assert pb.MatmulStreamResponse.FromString(msg) == \
+            pb.MatmulStreamResponse.FromString(want)
+    top = _reply(2, 500, np.dtype(np.float32), 3, topk=5)  # a top-k part: upb's path
+    assert wire._multi_stream_bytes([("lm", top), *parts], b"t", wire.Took(1.0, 1.5)) is None
