@@ -376,12 +376,17 @@ def _head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
     return got
 
 
-def _head_of(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
+def _head_of(y: np.ndarray, r: MatmulReply, msg: Any = pb.MatmulResponse,
+             field: int = _F_RESP_Y, table: dict[tuple[Any, ...], tuple[bytes, bytes]] = _HEADS,
+             ) -> tuple[bytes, bytes]:
+    """(y's record in ``msg``'s ``field`` up to its data, ``msg``'s kernel/layout/precision
+    fields' bytes), kept in ``table`` (a MatmulResponse's by default; a WeightOutput's:
+    _part_head)."""
     key = (y.dtype, y.shape, r.kernel, r.layout, r.precision)
-    got = _HEADS.get(key)
+    got = table.get(key)
     if got is None:
-        t = pb.MatmulResponse(kernel=r.kernel, layout=_LAYOUT_TO_PB[r.layout],
-                              precision=_PREC_TO_PB[r.precision])
+        t = msg(kernel=r.kernel, layout=_LAYOUT_TO_PB[r.layout],
+                precision=_PREC_TO_PB[r.precision])
         code = _PB_OF_DTYPE.get(y.dtype)
         t.y.dtype = code if code is not None else _DTYPE_TO_PB[dtype_name(y.dtype)]
         t.y.shape.extend(y.shape)
@@ -389,10 +394,10 @@ def _head_of(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
         if y.nbytes:
             tensor += record(_F_TENSOR_DATA, y.nbytes)
         t.ClearField("y")
-        if len(_HEADS) >= MAX_HEADS:
-            _HEADS.clear()
-        got = _HEADS[key] = (record(_F_RESP_Y, len(tensor) + y.nbytes) + tensor,
-                             t.SerializeToString())
+        if len(table) >= MAX_HEADS:
+            table.clear()
+        got = table[key] = (record(field, len(tensor) + y.nbytes) + tensor,
+                            t.SerializeToString())
     return got
 
 
@@ -519,23 +524,7 @@ _PART_HEADS: dict[tuple[Any, ...], tuple[bytes, bytes]] = {}
 
 def _part_head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
     """(y's WeightOutput record up to its data, the kernel/layout/precision fields)."""
-    key = (y.dtype, y.shape, r.kernel, r.layout, r.precision)
-    got = _PART_HEADS.get(key)
-    if got is None:
-        t = pb.WeightOutput(kernel=r.kernel, layout=_LAYOUT_TO_PB[r.layout],
-                            precision=_PREC_TO_PB[r.precision])
-        code = _PB_OF_DTYPE.get(y.dtype)
-        t.y.dtype = code if code is not None else _DTYPE_TO_PB[dtype_name(y.dtype)]
-        t.y.shape.extend(y.shape)
-        tensor = t.y.SerializeToString()
-        if y.nbytes:
-            tensor += record(_F_TENSOR_DATA, y.nbytes)
-        t.ClearField("y")
-        if len(_PART_HEADS) >= MAX_HEADS:
-            _PART_HEADS.clear()
-        got = _PART_HEADS[key] = (record(_F_OUT_Y, len(tensor) + y.nbytes) + tensor,
-                                  t.SerializeToString())
-    return got
+    return _head_of(y, r, pb.WeightOutput, _F_OUT_Y, _PART_HEADS)
 
 
 def _multi_stream_bytes(r: Sequence[tuple[str, MatmulReply]], rid: bytes,
