@@ -12,7 +12,9 @@
 # instead of two: the launcher has three slots). (c) A 4-layer decode replay at S = 1, 8 with
 # multi-weight calls, Q6SERVE_MULTI_PIPELINE=1 (a multi-weight call's parts launched behind
 # each other on the direct path, service/multi.py) against off.
-#   bench/gpu_t1_s13.sh   env: RUNS (KIND:VARIANT list), LM_SECONDS (1.0), RP_SECONDS (1.0),
+#   bench/gpu_t1_s13.sh   env: RUNS (KIND:VARIANT list; variants base now s3 s3now pipe, and
+#                         off / def: the three switches as in session 12 / the tree's defaults),
+#                         LM_SECONDS (1.0), RP_SECONDS (1.0),
 #                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none),
 #                         RATE (250 Hz)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
@@ -35,6 +37,8 @@ variant_env() {  # the environment of a variant
     s3) echo "Q6SERVE_DEFER_SLOTS=3" ;;
     s3now) echo "Q6SERVE_DEFER_SLOTS=3 Q6SERVE_DEFER_NOW=1" ;;
     pipe) echo "Q6SERVE_MULTI_PIPELINE=1" ;;
+    off) echo "Q6SERVE_DEFER_SLOTS=2 Q6SERVE_DEFER_NOW=0 Q6SERVE_MULTI_PIPELINE=0" ;;  # (s12's)
+    def) echo "Q6SERVE_HANDOFF_YIELD=1" ;;  # the defaults (that one is the default too)
   esac
 }
 
