@@ -14,7 +14,7 @@
 # each other on the direct path, service/multi.py) against off.
 #   bench/gpu_t1_s13.sh   env: RUNS (KIND:VARIANT list; variants base now s3 s3now pipe, and
 #                         off / def: the three switches as in session 12 / the tree's defaults),
-#                         LM_SECONDS (1.0), RP_SECONDS (1.0),
+#                         LM_SECONDS (1.0), RP_SECONDS (1.0), RP_SEQS (1,8),
 #                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none),
 #                         RATE (250 Hz)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
@@ -67,7 +67,7 @@ fi
 # (b) the A/Bs, in RUNS order (KIND:VARIANT; lm: the lm-head target, rp: a 4-layer replay at
 # S = 1 and 8 with multi-weight calls, the lm-head top-k included; no floor)
 RP=(python3 bench/service.py --backend "${BACKEND:-cuda}" --replay --layers "${RP_LAYERS:-4}"
-  --replay-seqs 1,8 --multi on --no-replay-floor --warmup 0.3)
+  --replay-seqs "${RP_SEQS:-1,8}" --multi on --no-replay-floor --warmup 0.3)
 # shellcheck disable=SC2206
 RP+=(${RP_EXTRA:-})
 declare -A seen=()
