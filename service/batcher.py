@@ -139,8 +139,9 @@ class Device:
         ds = envvars.DEFER_SLOTS.read()
         self.defer_slots = (self.launch_slots if ds is None or not pipeline
                             else max(1, min(int(ds), self.now_slots)))
-        # Q6SERVE_DEFER_NOW=1 (off by default): Batcher._finish launches the next such batch,
-        # and Batcher.enqueue does not wake the batcher's task while no batch may launch
+        # Q6SERVE_DEFER_NOW (on by default; 0: off): Batcher._finish launches the next such
+        # batch, and Batcher.enqueue does not wake the batcher's task while no batch may launch
+        # (H200, session 13: the lm-head target's p50 5.49/5.76 -> 4.09 ms, bench/RESULTS.md)
         self.defer_now = bool(envvars.DEFER_NOW.read())
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
@@ -814,7 +815,7 @@ class Batcher:
                 or not self._defers(self._queue[0]))
 
     def _start_deferred(self) -> bool:
-        """``Device.defer_now`` (Q6SERVE_DEFER_NOW=1): in the loop trip that hears of a batch's
+        """``Device.defer_now`` (Q6SERVE_DEFER_NOW, on by default): in the loop trip that hears of a batch's
         end, the next batch, if it is one to defer and may launch now, is started here, as the
         batcher's task would do a trip later (the GPU gets it a trip sooner). Only where the
         task would not wait to fill it (no delay, an idle device or a full batch). With it,

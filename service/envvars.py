@@ -86,7 +86,7 @@ PIPELINE = Var("Q6SERVE_PIPELINE", "switch", True,
 DEFER_SLOTS = Var("Q6SERVE_DEFER_SLOTS", "count", None,
                   "launched batches in flight whose kernels are deferred (at most the "
                   "backend's launch slots)", low=1, high=4)
-DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", False,
+DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", True,
                 "launch a deferred batch's successor in the trip that hears of its end")
 MULTI_PIPELINE = Var("Q6SERVE_MULTI_PIPELINE", "switch", False,
                      "a multi-weight call's direct path launches its parts behind each other")

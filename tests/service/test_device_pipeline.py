@@ -186,8 +186,8 @@ def test_one_weight_keeps_two_deferred_batches_unless_defer_slots_says_more(
 
 def test_defer_now_launches_the_next_batch_in_the_finishing_trip(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q6SERVE_DEFER_NOW=1: once a deferred batch ends, the next queued one is launched from
-    Batcher._finish (no task), not by the batcher's task a trip later; off by default."""
+    """Q6SERVE_DEFER_NOW (on by default): once a deferred batch ends, the next queued one is
+    launched from Batcher._finish (no task), not by the batcher's task a trip later (=0)."""
     async def main() -> int:
         dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
         _, first, outside = await _one_weight(dev, 5)
@@ -195,15 +195,15 @@ def test_defer_now_launches_the_next_batch_in_the_finishing_trip(
         dev.close()
         return outside
 
+    assert asyncio.run(main()) == 3  # the default
+    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "0")
     assert asyncio.run(main()) == 0
-    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "1")
-    assert asyncio.run(main()) == 3
 
 
 def test_defer_now_does_not_wake_the_task_while_no_batch_may_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With Q6SERVE_DEFER_NOW=1 a request queued behind two unfinished batches of its weight
-    does not wake the batcher's task (it could launch nothing); without it, it does."""
+    """With Q6SERVE_DEFER_NOW (the default) a request queued behind two unfinished batches of
+    its weight does not wake the batcher's task (it could launch nothing); with =0, it does."""
     async def main() -> list[bool]:
         dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
         lz = Launches()
@@ -225,6 +225,6 @@ def test_defer_now_does_not_wake_the_task_while_no_batch_may_launch(
         dev.close()
         return woken
 
+    assert asyncio.run(main()) == [False, False]  # the default
+    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "0")
     assert asyncio.run(main()) == [True, True]
-    monkeypatch.setenv("Q6SERVE_DEFER_NOW", "1")
-    assert asyncio.run(main()) == [False, False]
