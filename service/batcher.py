@@ -817,11 +817,11 @@ class Batcher:
     def _start_deferred(self) -> bool:
         """``Device.defer_now`` (Q6SERVE_DEFER_NOW, on by default): in the loop trip that hears
         of a batch's end, the next batch, if it is one to defer and may launch now, is started
-        here, as the batcher's task would do a trip later (the GPU gets it a trip sooner). Only
-        where the task would not wait to fill it (no delay, an idle device or a full batch). With it,
-        :meth:`enqueue` does not wake the task while :meth:`_full` (it would only find that
-        and sleep again: one task step a request under the lm-head's load); the end of a
-        batch wakes it (here or in ``_finish``)."""
+        here, as the batcher's task would do a trip later (the GPU gets it a trip sooner).
+        Only where the task would not wait to fill it (no delay, an idle device or a full
+        batch). With it, :meth:`enqueue` does not wake the task while :meth:`_full` (it would
+        only find that and sleep again: one task step a request under the lm-head's load);
+        the end of a batch wakes it (here or in ``_finish``)."""
         if not self._device.defer_now or self._closed:
             return False
         self._drop_dead_head()
