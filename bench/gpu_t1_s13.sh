@@ -15,7 +15,7 @@
 #   bench/gpu_t1_s13.sh   env: RUNS (KIND:VARIANT list; variants base now s3 s3now pipe, and
 #                         off / def: the three switches as in session 12 / the tree's defaults),
 #                         LM_SECONDS (1.0), RP_SECONDS (1.0), RP_SEQS (1,8),
-#                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (2.5; 0: none),
+#                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (3, whole seconds: py-spy; 0: none),
 #                         RATE (250 Hz)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
 # $OUT: t1s13.tgz (logs, JSON, profile), summary.txt.
@@ -43,17 +43,17 @@ variant_env() {  # the environment of a variant
 }
 
 # (a) the profile: the default worker, top -H and py-spy while it serves the lm-head load
-if [[ ${SPY_SECONDS:-2.5} != 0 ]]; then
+if [[ ${SPY_SECONDS:-3} != 0 ]]; then
   timeout 20 "${LM[@]}" --seconds 3.6 --json "$OUT/spy.json" >"$OUT/spy_run.log" 2>&1 &
   run=$!
   for _ in $(seq 60); do
     grep -q "uploaded" "$OUT/spy_run.log" 2>/dev/null && break
     sleep 0.25
   done
-  sleep 0.6
+  sleep 1.5  # past the bench's warm-up calls
   wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
   if [[ -n $wpid ]]; then
-    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-2.5}" -r "${RATE:-250}" --native -t \
+    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-3}" -r "${RATE:-250}" --native -t \
       -f raw -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
     spy=$!
     top -H -b -n 2 -d 1 -p "$wpid" >"$OUT/top.txt" 2>&1
@@ -131,7 +131,7 @@ EOF
   echo "## top -H (second sample), the worker's busiest threads"
   awk '/^top -/{n++} n==2' "$OUT/top.txt" 2>/dev/null | grep -E "^ *[0-9]" | head -8 | cut -c1-110
   if [[ -s $OUT/spy.raw ]]; then
-    echo "## py-spy --native, loop thread (MainThread), ${RATE:-250} Hz x ${SPY_SECONDS:-2.5} s"
+    echo "## py-spy --native, loop thread (MainThread), ${RATE:-250} Hz x ${SPY_SECONDS:-3} s"
     python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 40 \
       | sed '/^leaf/,$d' | cut -c1-140
     python3 bench/spy_summary.py "$OUT/spy.raw" --thread MainThread --top 16 --under task_step_impl \
