@@ -16,7 +16,8 @@
 #                         off / def: the three switches as in session 12 / the tree's defaults),
 #                         LM_SECONDS (1.0), RP_SECONDS (1.0), RP_SEQS (1,8),
 #                         BOUND (66: no run starts after BOUND - 8 s), SPY_SECONDS (3, whole seconds: py-spy; 0: none),
-#                         RATE (250 Hz)
+#                         RATE (250 Hz), SPY_VARIANT (base), SPY_AT (first; last: after the
+#                         runs, if BOUND - 14 s is not past)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LM_EXTRA="--row-scale 0.005" bench/gpu_t1_s13.sh
 # $OUT: t1s13.tgz (logs, JSON, profile), summary.txt.
 set -uo pipefail
@@ -42,9 +43,13 @@ variant_env() {  # the environment of a variant
   esac
 }
 
-# (a) the profile: the default worker, top -H and py-spy while it serves the lm-head load
-if [[ ${SPY_SECONDS:-3} != 0 ]]; then
-  timeout 20 "${LM[@]}" --seconds 3.6 --json "$OUT/spy.json" >"$OUT/spy_run.log" 2>&1 &
+# (a) the profile: a worker (variant SPY_VARIANT, base unless said) under top -H and py-spy
+# while it serves the lm-head load; first, or with SPY_AT=last after the runs if the time allows
+profile() {
+  local run spy wpid
+  # shellcheck disable=SC2046
+  env $(variant_env "${SPY_VARIANT:-base}") timeout 20 "${LM[@]}" \
+    --seconds "$((${SPY_SECONDS:-3} + 2))" --json "$OUT/spy.json" >"$OUT/spy_run.log" 2>&1 &
   run=$!
   for _ in $(seq 60); do
     grep -q "uploaded" "$OUT/spy_run.log" 2>/dev/null && break
@@ -53,16 +58,17 @@ if [[ ${SPY_SECONDS:-3} != 0 ]]; then
   sleep 1.5  # past the bench's warm-up calls
   wpid=$(pgrep -f "q6serve.client.cli worker" | head -1)
   if [[ -n $wpid ]]; then
-    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-3}" -r "${RATE:-250}" --native -t \
-      -f raw -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
+    [[ -x $SPY ]] && timeout 8 "$SPY" record -p "$wpid" -d "${SPY_SECONDS:-3}" -r "${RATE:-250}" \
+      --native -t -f raw -o "$OUT/spy.raw" >"$OUT/spy.log" 2>&1 &
     spy=$!
     top -H -b -n 2 -d 1 -p "$wpid" >"$OUT/top.txt" 2>&1
     nvidia-smi --query-gpu=utilization.gpu,clocks.sm --format=csv,noheader >"$OUT/gpu_util.txt" 2>&1
     wait "$spy"
   fi
   wait "$run"
-  note "# profile run rc=$? ($(elapsed))"
-fi
+  note "# profile run (${SPY_VARIANT:-base}) rc=$? ($(elapsed))"
+}
+[[ ${SPY_SECONDS:-3} != 0 && ${SPY_AT:-first} == first ]] && profile
 
 # (b) the A/Bs, in RUNS order (KIND:VARIANT; lm: the lm-head target, rp: a 4-layer replay at
 # S = 1 and 8 with multi-weight calls, the lm-head top-k included; no floor)
@@ -92,6 +98,14 @@ for kv in ${RUNS:-lm:base lm:s3now lm:base lm:s3now rp:base rp:pipe lm:now lm:s3
   fi
   note "# $kv round $r rc=$? ($(elapsed))"
 done
+
+if [[ ${SPY_SECONDS:-3} != 0 && ${SPY_AT:-first} == last ]]; then
+  if (($(date +%s) - T0 > BOUND - 14)); then
+    note "# profile skipped: $(elapsed) of $BOUND"
+  else
+    profile
+  fi
+fi
 
 {
   echo "# gpu_t1_s13 tree $(cat COMMIT 2>/dev/null) ($(elapsed))"
