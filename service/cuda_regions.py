@@ -28,15 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from q6serve.kernels.api import (
-    BFLOAT16,
-    KernelFlags,
-    KernelTiming,
-    Launched,
-    Layout,
-    MatmulResult,
-    Precision,
-)
+from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
@@ -189,64 +181,33 @@ class CudaSupport:
         the device thread, synchronises on the slot's completion event only (a call
         launched behind this one keeps running)."""
         t0 = time.perf_counter()
-        slot, c, start, end = self._in_slot(e, call, yd, flags)
-        kernel = f"cuda.{c.path}.{e.resident.layout.value}"
-        layout, n = e.resident.layout, int(call.x.shape[0])
-
-        def wait() -> MatmulReply:
-            kernel_s = self._slot_wait(slot, start, end)
-            t1 = time.perf_counter()
-            self._cost(cost, t1 - t0)
-            return MatmulReply(None, kernel, layout, c.precision, t0 - t_enq, kernel_s, n, 1,
-                               t1 - t0)
-
-        return Deferred(wait)
-
-    def lane_launch(self, e: Any, call: Any, yd: Any, flags: KernelFlags) -> Launched:
-        """A full batch of a fast lane over a CUDA region, for ``Engine.launch_now`` (the
-        lane's pipeline, service/lane.py ``LaneServer._flush``; ``e``: the weight's entry,
-        acquired by the engine for the launch): the kernels and y's store into ``yd`` enqueued
-        now in a launch slot of its own, its completion event recorded behind them; the wait
-        synchronises on that event only (a call launched behind this one keeps running) and
-        gives ``yd`` as y (in its region already)."""
-        slot, c, start, end = self._in_slot(e, call, yd, flags)
-        layout = e.resident.layout
-        kernel = f"cuda.{c.path}.{layout.value}"
-
-        def wait() -> MatmulResult:
-            seconds = self._slot_wait(slot, start, end)
-            return MatmulResult(yd, kernel, layout, c.precision, KernelTiming(seconds))
-
-        return Launched(wait)
-
-    def _in_slot(self, e: Any, call: Any, yd: Any, flags: KernelFlags,
-                 ) -> tuple[int, Any, Any, Any]:
-        """``call``'s kernels and y's store into ``yd`` enqueued in a launch slot of its own
-        (held until :meth:`_slot_wait`), its completion event recorded behind them: (slot,
-        choice, start, end events around the kernels)."""
-        b = self.backend
+        b, cp = self.backend, self.cp
         ws = b.launcher.ws
         slot = ws.free_slot()
         ws.take(slot)
         try:
             with b.ctx.dev, b.ctx.stream:
                 c, y, start, end = self._enqueue(e, call, flags, slot)
-                _store(self.cp, y, yd, np.dtype(call.out_dtype))
+                _store(cp, y, yd, np.dtype(call.out_dtype))
                 ws.done_event(slot).record(b.ctx.stream)
         except BaseException:
             ws.release(slot)
             raise
-        return slot, c, start, end
+        kernel = f"cuda.{c.path}.{e.resident.layout.value}"
+        layout, n = e.resident.layout, int(call.x.shape[0])
 
-    def _slot_wait(self, slot: int, start: Any, end: Any) -> float | None:
-        """Wait for the launch in ``slot`` (its completion event only), let the slot go;
-        the kernels' seconds."""
-        ws = self.backend.launcher.ws
-        try:
-            ws.done_event(slot).synchronize()
-            return self._seconds(start, end)
-        finally:
-            ws.release(slot)
+        def wait() -> MatmulReply:
+            try:
+                ws.done_event(slot).synchronize()
+                kernel_s = self._seconds(start, end)
+            finally:
+                ws.release(slot)
+            t1 = time.perf_counter()
+            self._cost(cost, t1 - t0)
+            return MatmulReply(None, kernel, layout, c.precision, t0 - t_enq, kernel_s, n, 1,
+                               t1 - t0)
+
+        return Deferred(wait)
 
     def _seconds(self, start: Any, end: Any) -> float | None:
         try:

@@ -92,8 +92,6 @@ MULTI_PIPELINE = Var("Q6SERVE_MULTI_PIPELINE", "switch", False,
                      "a multi-weight call's direct path launches its parts behind each other")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
-LANE_CUDA_PIPELINE = Var("Q6SERVE_LANE_CUDA_PIPELINE", "switch", False,
-                         "a lane's full batches over a CUDA IPC region launched as a pipeline")
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
@@ -123,7 +121,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, PIPELINE_SHORT,
-                         LANE_CUDA_PIPELINE, DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
+                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
 
-from . import envvars, regions, wire
+from . import regions, wire
 from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
 
@@ -89,8 +89,6 @@ class LaneServer:
         self._launch_now = hasattr(engine, "launch_now")
         self._run_now = getattr(engine, "run_now", None)
         self._flags = getattr(engine, "flags", None)  # (its state: a plan's validity)
-        # a lane's full batches over a CUDA region as a pipeline (_cuda_piped; off by default)
-        self._cuda_pipe = envvars.LANE_CUDA_PIPELINE.read()
         self._rows_of = (engine.rows_of if hasattr(engine, "rows_of")
                          else lambda name: engine.get(name).rows)
 
@@ -116,9 +114,6 @@ class LaneServer:
 
     def close(self) -> None:
         if self._server is not None:
-            log.info("fast lane closed: %d requests direct, %d run now, %d piped (%d by a plan), "
-                     "%d on CUDA regions", self.direct, self.now, self.piped, self.planned,
-                     self.cuda)
             self._server.close()
             self._server = None
         for w in list(self._lanes):
@@ -169,13 +164,8 @@ class LaneServer:
                     table.let_go(region)
                     region = None
                     return False
-                if n >= self._full_rows and self._launch_now and self._cuda_pipe:
-                    self._cuda_piped(conn, seq, region, name, n, k, x_off, y_off, x_dt,
-                                     out_dt, prec, alone)
-                else:
-                    self._cuda(conn, seq, region, name, n, k, x_off, y_off, x_dt, out_dt,
-                               prec)
-                    self.direct += 1
+                self._cuda(conn, seq, region, name, n, k, x_off, y_off, x_dt, out_dt, prec)
+                self.direct += 1
                 self.cuda += 1
                 return True
             plans = region.plans
@@ -298,38 +288,14 @@ class LaneServer:
         (the caller answers it and lets the region go); nothing was queued then."""
         table, engine = self.table, self.engine
         assert table.cuda is not None
-        call = self._cuda_call(region, name, n, k, x_off, x_dt, out_dt, prec)
-        rows = engine.rows_of(name)
-        dest = region.array(y_off, call.out_dtype, (n, rows), "y", writable=True)
-        table.cuda.start(engine, call, dest,
-                         functools.partial(self._cuda_done, conn, seq, region, rows))
-
-    def _cuda_call(self, region: regions.Region, name: str, n: int, k: int, x_off: int,
-                   x_dt: int, out_dt: int, prec: int) -> MatmulCall:
-        """A CUDA-region request's call (x: the region's view); refusals raise."""
         x_dtype, out, precision = _codes(x_dt, out_dt, prec)
         call = MatmulCall(name, region.array(x_off, x_dtype, (n, k), "x"), precision, out)
-        if not self.engine.serving:
+        if not engine.serving:
             raise Unavailable("the worker is draining and takes no new requests")
-        return call
-
-    def _cuda_piped(self, conn: _LaneConn, seq: int, region: regions.Region, name: str, n: int,
-                    k: int, x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int,
-                    alone: bool) -> None:
-        """A full batch on a lane over a CUDA IPC region (held), with
-        ``Q6SERVE_LANE_CUDA_PIPELINE=1``: the checks of ``_cuda`` now, then this trip's
-        pipeline (``_flush``), launched by ``CudaSupport.lane_launch`` through
-        ``Engine.launch_now`` (the engine's checks and accounting; the launch i + 1 runs on the
-        GPU while the loop answers i), instead of one ``CudaPlane.start`` job each, which the
-        loop ran and waited for one at a time. A refusal raises here (nothing was queued)."""
-        table, engine = self.table, self.engine
-        assert table.cuda is not None
-        call = self._cuda_call(region, name, n, k, x_off, x_dt, out_dt, prec)
-        dest = region.array(y_off, call.out_dtype, (n, engine.rows_of(name)), "y",
-                            writable=True)
-        p = _Piped(conn, seq, call, region, y_off, dest, None)
-        p.cuda = functools.partial(_cuda_launch, table.cuda, engine, call, dest)
-        self._piped(conn, p, alone)
+        rows = engine.rows_of(name)
+        dest = region.array(y_off, out, (n, rows), "y", writable=True)
+        table.cuda.start(engine, call, dest,
+                         functools.partial(self._cuda_done, conn, seq, region, rows))
 
     def _cuda_done(self, conn: _LaneConn, seq: int, region: regions.Region, rows: int,
                    r: Any, exc: BaseException | None) -> None:
@@ -370,8 +336,7 @@ class LaneServer:
         wrote it there, the record written, then its region let go."""
         try:
             route = p.route
-            # (a plan's y, a CUDA region's: in place)
-            taken = self.table.unroute(route) or p.plan is not None or p.cuda is not None
+            taken = self.table.unroute(route) or p.plan is not None  # (a plan's y: in place)
             if exc is not None:
                 raise exc
             if (route is not None and route.call is not None and p.pkey is not None
@@ -418,7 +383,7 @@ class LaneServer:
             if plan is not None and not plan.live(self._flags):
                 self._unplan(p)  # stale (weight, flags, page-locked ranges): as any other
             try:
-                launch = p.cuda if p.plan is None else p.plan.launch
+                launch = None if p.plan is None else p.plan.launch
                 finish = engine.launch_now(p.call, launch)
                 while finish is None and waiting:  # a launch slot freed, or the device idle
                     answer_oldest()
@@ -430,9 +395,6 @@ class LaneServer:
                 continue
             if finish is None:
                 try:
-                    if p.cuda is not None:  # as a lone CUDA-region call (_cuda)
-                        self._cuda_start(p)
-                        continue
                     if p.plan is not None:
                         self._unplan(p)  # queued: routed as any other
                     self._queue(p)
@@ -445,15 +407,6 @@ class LaneServer:
             waiting.append((p, finish))
         while waiting:
             answer_oldest()
-
-    def _cuda_start(self, p: _Piped) -> None:
-        """A CUDA-region full batch the engine would not launch now: one job
-        (``CudaPlane.start``), answered by ``_cuda_done`` as ``_cuda``'s."""
-        table = self.table
-        assert table.cuda is not None
-        table.cuda.start(self.engine, p.call, p.dest,
-                         functools.partial(self._cuda_done, p.conn, p.seq, p.region,
-                                           int(p.dest.shape[1])))
 
     def _unplan(self, p: _Piped) -> None:
         """``p``'s plan dropped from its region; ``p`` routed as any call whose x lies in a
@@ -512,7 +465,6 @@ class _Piped:
     plan: _Plan | None = None  # launched by its region's plan (then not routed)
     pkey: Any = None  # the plan's key in region.plans (to make one from this call, or drop)
     state: Any = None  # the engine's flag state when a plan was asked for
-    cuda: Any = None  # a CUDA-region full batch's launch (``Engine.launch_now``'s ``launch``)
 
 
 @dataclass(slots=True)
@@ -649,13 +601,6 @@ def _codes(x_dt: int, out_dt: int, prec: int) -> tuple[np.dtype, np.dtype, Any]:
         got = (wire.lane_dtype(x_dt, "x_dtype"), out, wire.lane_precision(prec))  # before)
         _CODES[(x_dt, out_dt, prec)] = got
     return got
-
-
-def _cuda_launch(cuda: Any, engine: Any, call: MatmulCall, yd: Any, x: Any, key: Any) -> Any:
-    """``Engine.launch_now``'s ``launch(x, key)`` of a CUDA-region full batch: the weight's
-    entry (acquired by the engine for this launch) and the flags as they are now."""
-    return cuda.lane_launch(engine.registry.get(call.weight), call, yd,
-                            engine.flags.state.kernel_flags())
 
 
 def _nan(v: float | None) -> float:
