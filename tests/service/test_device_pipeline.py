@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.api import KernelTiming, Launched, Layout, MatmulResult, Precision
+from q6serve.service import batcher
 from q6serve.service.batcher import DEFER_KERNEL_S, Batcher, BatchKey, BatchSettings, Device
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
@@ -228,3 +229,34 @@ def test_defer_now_does_not_wake_the_task_while_no_batch_may_launch(
     assert asyncio.run(main()) == [False, False]  # the default
     monkeypatch.setenv("Q6SERVE_DEFER_NOW", "0")
     assert asyncio.run(main()) == [True, True]
+
+
+def test_deferred_successors_skip_cancelled_and_expired_requests() -> None:
+    """With DEFER_NOW (the default) the batches launched from Batcher._finish drop what was
+    cancelled or whose deadline passed while queued, as the task's launches do: those never
+    launch, the rest run in order, nothing stays unfinished."""
+    async def main() -> None:
+        dev = Device("t", inline_s=10.0, launch_slots=2, now_slots=3)
+        assert dev.defer_now
+        lz = Launches()
+        b = Batcher("w", dev, lz.run, BatchSettings(max_rows=1), lambda: True, lambda s: None,
+                    launch=lz.launch)
+        b._job_s[(KEY, 1)] = 1e-4
+        b._kernel_s[(KEY, 1)] = 2 * DEFER_KERNEL_S
+        first = [b.enqueue(_x(1.0), KEY, None), b.enqueue(_x(2.0), KEY, None)]
+        await asyncio.sleep(0.05)
+        cancelled = b.enqueue(_x(3.0), KEY, None)
+        expired = b.enqueue(_x(4.0), KEY, 0.01)
+        last = b.enqueue(_x(5.0), KEY, None)
+        cancelled.cancel()
+        await asyncio.sleep(0.05)  # the deadline passes while both batches still run
+        assert expired.done() and isinstance(expired.exception(), batcher.DeadlineExceeded)
+        lz.release.set()
+        assert [float((await f).y[0, 0]) for f in (*first, last)] == [2.0, 4.0, 10.0]
+        launched = [v for what, v, _ in lz.where if what == "launch"]
+        assert launched == [1.0, 2.0, 5.0], lz.where
+        assert b._unfinished == 0 and b.queued_rows == 0 and dev.inflight == 0
+        await b.close()
+        dev.close()
+
+    asyncio.run(main())
