@@ -153,17 +153,19 @@ def load_stalls(folder: Path) -> dict[str, list[tuple[int, np.ndarray]]]:
 
 def usage(use: np.ndarray, span: tuple[float, float]) -> dict[str, float] | None:
     """A process's shares over ``span`` from its cumulative counters (rows of [when, loop
-    busy, in select, process CPU, loop thread CPU], every ~0.5 s): the last sample at or
-    before the span's start to the first at or after its end (None: not bracketed)."""
-    if use.shape[0] < 2:
+    busy, in select, process CPU, loop thread CPU], every ~0.5 s), each read at the span's
+    start and end by linear interpolation between the samples around them (a sample's
+    bracket would add up to 0.5 s of warm-up before and of idle after; None: not bracketed)."""
+    if use.shape[0] < 2 or use[0, 0] > span[0] or use[-1, 0] < span[1]:
         return None
-    before, after = use[use[:, 0] <= span[0]], use[use[:, 0] >= span[1]]
-    if not before.size or not after.size:
-        return None
-    a, b = before[-1], after[0]
-    wall = b[0] - a[0]
-    return {"seconds": float(wall), "loop_busy": float((b[1] - a[1]) / wall),
-            "cores": float((b[3] - a[3]) / wall), "loop_thread": float((b[4] - a[4]) / wall)}
+    wall = span[1] - span[0]
+
+    def share(col: int) -> float:
+        return float((np.interp(span[1], use[:, 0], use[:, col])
+                      - np.interp(span[0], use[:, 0], use[:, col])) / wall)
+
+    return {"seconds": float(wall), "loop_busy": share(1), "cores": share(3),
+            "loop_thread": share(4)}
 
 
 def overlap(t0: np.ndarray, t1: np.ndarray, stalls: np.ndarray) -> np.ndarray:

@@ -94,3 +94,17 @@ def test_a_small_run_stamps_every_call_in_order(tl, tmp_path: Path) -> None:
     pids = set(rows[:, tl.COLS.index("pid")].astype(int).tolist())
     assert 1 <= len(pids) <= 2 and 0 not in pids
     assert list((tmp_path / "keep").glob("stalls-front-*.run0"))  # each front end logs
+
+
+def test_usage_reads_the_counters_at_the_span_edges(tl) -> None:
+    """A process's shares over the timed part: its cumulative counters interpolated at the
+    span's start and end (not the samples around them, which add warm-up and idle)."""
+    # [when, loop busy, in select, process CPU, loop thread CPU]: busy 0.5 s a second until
+    # t=2, then idle; CPU 1.0 core until t=2, then nothing
+    use = np.array([[t, 0.5 * min(t, 2.0), 0.0, min(t, 2.0), 0.8 * min(t, 2.0)]
+                    for t in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)])
+    u = tl.usage(use, (0.7, 1.9))
+    assert u == pytest.approx({"seconds": 1.2, "loop_busy": 0.5, "cores": 1.0,
+                               "loop_thread": 0.8})
+    assert tl.usage(use, (0.7, 2.2))["cores"] == pytest.approx(1.3 / 1.5)
+    assert tl.usage(use, (0.7, 3.5)) is None and tl.usage(use[:1], (0.0, 0.0)) is None
