@@ -903,21 +903,38 @@ struct Raw8 {
     u32 d;
 };
 
+// Fields 2t and 2t+1 of both 48-bit streams of a pair-stream triple (w0, w1, w2) as four codes,
+// one per byte: (low 2t, high 2t, low 2t+1, high 2t+1), sh = 12t. Field P of a stream is bits
+// 6P..6P+5 of (w0, w1, w2)'s 16-bit halves end to end (pair_bits' cases), so the lane's two
+// fields are the stream shifted by 12t: one code path for every lane. (pair_bits(2t, ..) with
+// the lane's t was a switch on a per-lane value, four ways divergent in every warp: the int8
+// tile ran ~4x slower on pair weights than on plain SoA, session 13's tune.)
+__device__ __forceinline__ u32 pair_codes4(u32 w0, u32 w1, u32 w2, u32 sh) {
+    const u64 lo = ((u64)(w2 & 0xFFFFu) << 32) | __byte_perm(w0, w1, 0x5410u);
+    const u64 hi = ((u64)(w2 >> 16) << 32) | __byte_perm(w0, w1, 0x7632u);
+    const u32 p = __byte_perm((u32)(lo >> sh), (u32)(hi >> sh), 0x5410u);
+    return __byte_perm(p & 0x003F003Fu, (p >> 6) & 0x003F003Fu, 0x6420u);
+}
+
 template <int SOA>
 __device__ __forceinline__ Raw8 load_raw8(const RowRef& r, int b, int t) {
     Raw8 w;
     if (SOA == 2) {
         // Group st (elements 16st..16st+15, scale byte st) is sub-block m = st>>2 of the pair
-        // lane st&3; this lane's codes 4t..4t+3 of it are that lane's fields 2t and 2t+1.
+        // lane tq = st&3; this lane's codes 4t..4t+3 of it are that lane's fields 2t and 2t+1.
+        // Pair lane tq's 48 bytes in three 16-byte loads (every lane of a quad reads the same
+        // row bytes: the whole row once per warp), its triples m = 0..3 taken from them.
         const u8* ql = r.base + r.ql + (u32)b * 128u;
         const u8* qh = r.base + r.qh + (u32)b * 64u;
+        const u32 sh = 12u * (u32)t;
 #pragma unroll
-        for (int st = 0; st < 16; ++st) {
-            const int tq = st & 3, m = st >> 2;
-            const uint2 v = ldg64(ql + 32 * tq + 8 * m);
-            const u32 w2 = ldg_stream32(qh + 16 * tq + 4 * m);
-            w.q[st] = __byte_perm(pair_bits(2 * t, v.x, v.y, w2) & 0x00FC00FCu,
-                                  pair_bits(2 * t + 1, v.x, v.y, w2) & 0x00FC00FCu, 0x6420u) >> 2;
+        for (int tq = 0; tq < 4; ++tq) {
+            const uint4 a = ldg_stream128(ql + 32 * tq), c = ldg_stream128(ql + 32 * tq + 16);
+            const uint4 e = ldg_stream128(qh + 16 * tq);
+            w.q[tq] = pair_codes4(a.x, a.y, e.x, sh);
+            w.q[4 + tq] = pair_codes4(a.z, a.w, e.y, sh);
+            w.q[8 + tq] = pair_codes4(c.x, c.y, e.z, sh);
+            w.q[12 + tq] = pair_codes4(c.z, c.w, e.w, sh);
         }
         w.sc = ldg128(r.base + r.sc + (u32)b * 16u);
         w.d = ldg_u16(r.base + r.d + (u32)b * 2u);
