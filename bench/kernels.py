@@ -418,10 +418,17 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     pairs = be.storage.pairs
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     buckets = [n for n in map(int, a.ns.split(",")) if n in BUCKETS]
+    columns = [c for c in COLUMNS if c in a.tune_columns.split(",")]
+    paths = {p for c in columns for p in COLUMNS[c]}
+
+    def cands(n: int, rows: int, k: int) -> list[tuple[str, Cfg | None]]:
+        """tune_candidates of the paths of the columns tuned (--tune-columns)."""
+        return [(p, c) for p, c in tune_candidates(n, rows, k, sm, wg, pairs) if p in paths]
+
     names = set()  # compile every candidate up front: parallel NVRTC programs
     for rows, k in shapes:
         for n in buckets:
-            for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs):
+            for path, cfg in cands(n, rows, k):
                 if cfg is None:
                     continue
                 for in_t in (IN_TYPES[np.dtype(np.float16)], IN_TYPES[np.dtype(np.float32)]):
@@ -434,7 +441,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     if be.storage.pairs:  # pair-stream weights (--pairs): what plan asks for on them
         got = prefetch_auto(be, [(rows, k, n, cfg, path, in_t) for rows, k in shapes
                                  for n in buckets
-                                 for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs)
+                                 for path, cfg in cands(n, rows, k)
                                  for in_t in ("InF16",)], Layout.SOA)
     else:
         with be.ctx.dev:
@@ -464,7 +471,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
         for n in buckets:
             xs = {d: cp.asarray(rng.standard_normal((n, k)).astype(t)) for d, t in DTYPES.items()}
             timed: dict[tuple[str, Cfg | None], float | None] = {}
-            for path, cfg in tune_candidates(n, rows, k, sm, wg, pairs):
+            for path, cfg in cands(n, rows, k):
                 def call(i: int, path=path, cfg=cfg, ws=ws, x=xs["f16"]) -> None:
                     be.run(ws[i], x, np.dtype(np.float16), path, cfg)
 
@@ -477,9 +484,9 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
                     timed[(path, cfg)] = None
                 rows_out.append({"shape": shape_s, "n": n, "path": path, "dtype": "f16",
                                  "cfg": cfg.label() if cfg else None, "us": timed[(path, cfg)]})
-            cells = {c: pick(rows, k, n, c, timed, sm) for c in COLUMNS}
+            cells = {c: pick(rows, k, n, c, timed, sm) for c in columns}
             entries += [e for e in cells.values() if e is not None]
-            auto = cells["auto"]
+            auto = cells.get("auto")
             if auto is None:
                 continue
             if be.storage.pairs:  # the committed table's pick on these weights vs the best
@@ -599,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time every candidate per shape and N bucket, write the dispatch table")
     ap.add_argument("--table-out", default="kernels/cuda/dispatch_h200.json")
     ap.add_argument("--commit", default="", help="recorded in the table (the tuned tree)")
+    ap.add_argument("--tune-columns", default=",".join(COLUMNS),
+                    help="with --tune: the table columns tuned (their paths' candidates "
+                    "only); the committed table's other columns stay")
     ap.add_argument("--confirm", type=int, default=0, metavar="R",
                     help="with --tune: time each cell whose pick changed again, committed and "
                     "tuned alternated R times each; keep the tuned pick only if it is more than "
@@ -621,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     all_shapes = ",".join(f"{r}x{k}" for r, k in SHAPES)
     a.tune_args = [f"--iters {a.iters}"] + (["--pairs"] if a.pairs else []) + (
         [f"--confirm {a.confirm}"] if a.confirm else []) + (
+        [f"--tune-columns {a.tune_columns}"] if a.tune_columns != ",".join(COLUMNS) else []) + (
         [f"--shapes {a.shapes}"] if a.shapes != all_shapes else [])
     import cupy as cp
 
