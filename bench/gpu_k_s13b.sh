@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 13's second own call of k (issue 16), on branch k-pairs (main + the int8 tile's pair
 # reader fix, q6k_mmq_q8 / pair_codes4). A first attempt got no machine and cost 90 s, so this
-# one is trimmed: bounded by CALL_S (80 s of command; ~170 s of device time with the cold start
+# one is trimmed: bounded by CALL_S (85 s of command; ~175 s as an own call of device time with the cold start
 # and the idle tail); each step by what is left, in order of need:
 #   1. tests/kernels/test_cuda_pairs.py -k "other_paths or every_table_shape": the fixed int8
 #      tile bit-identical on pair and SoA weights (and every launch shape the table names);
@@ -9,18 +9,19 @@
 #      and pair copies of the same blocks, alternated, bits compared (before the fix: ~4x);
 #   3. bench/kernels.py --tune --pairs --tune-columns q8_1 --confirm 2: the q8_1 column re-tuned
 #      on the fixed reader (call 1 tuned it on the slow one); the table is put in place;
-#   4. bench/kernels.py --table-ab base/dispatch_e786e72.json: every cell whose pick differs
+#   4. bench/kernels.py --table-ab bench/results/2026-12-02_dispatch_h200_e786e72.json: every cell whose pick differs
 #      between the new table and the one session 13 started from, old/new alternated (the
 #      landing check: no cell slower by > 3%);
 #   5. test_cuda_pairs.py -k every_table_shape with the new table, if time is left.
-# Send: the TEAM.md recipe with NAME=k, plus
-#   mkdir -p /work/main/.gpu/k/base && git -C /work/main show e786e72:kernels/cuda/dispatch_h200.json > /work/main/.gpu/k/base/dispatch_e786e72.json
+# (bench/results/2026-12-02_dispatch_h200_e786e72.json: the table session 13 started from.)
+# Run: in the lead's bundle A (warm machine), `bash bench/gpu_k_s13b.sh` from the tree's root
+# (gpu_session installs the wheels), bound 90 s; or as an own call:
 #   run(carry=[".gpu/k", ".whl"], command="cd .gpu/k && ln -sfn ../../.whl .whl && bash bench/gpu_k_s13b.sh", timeout_s=95)
 # CPU rehearsal: DRY_RUN=1 OUT=/tmp/o PATH=$PWD/.venv/bin:$PATH bash bench/gpu_k_s13b.sh
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/ks13b
-CALL_S=${CALL_S:-80}
+CALL_S=${CALL_S:-85}
 left() { echo $((CALL_S - $(date +%s) + T0)); }
 bound() { local l; l=$(($(left) - ${2:-0})); ((l < $1)) && echo "$l" || echo "$1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
@@ -48,8 +49,8 @@ note "# tune q8_1 rc=$? (bound ${t} s) $(elapsed)"
 [[ -s $OUT/dispatch_h200.json ]] && cp "$OUT/dispatch_h200.json" kernels/cuda/dispatch_h200.json
 
 t=$(bound 20 2)
-if [[ -f base/dispatch_e786e72.json ]]; then
-  timeout "$t" python3 bench/kernels.py --table-ab base/dispatch_e786e72.json --shapes "$SHAPES" \
+if [[ -f bench/results/2026-12-02_dispatch_h200_e786e72.json ]]; then
+  timeout "$t" python3 bench/kernels.py --table-ab bench/results/2026-12-02_dispatch_h200_e786e72.json --shapes "$SHAPES" \
     --ns 1,2,4,8,16,32,64 --iters 20 --json "$OUT/table_ab.json" >"$OUT/table_ab.log" 2>&1
   note "# table-ab rc=$? (bound ${t} s) $(elapsed)"
 fi
