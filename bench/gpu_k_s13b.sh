@@ -12,7 +12,8 @@
 #   4. bench/kernels.py --table-ab bench/results/2026-12-02_dispatch_h200_e786e72.json: every cell whose pick differs
 #      between the new table and the one session 13 started from, old/new alternated (the
 #      landing check: no cell slower by > 3%);
-#   5. test_cuda_pairs.py -k every_table_shape with the new table, if time is left.
+#   5. test_cuda_pairs.py -k every_table_shape with the new table, if time is left;
+#   6. the timing floor (an empty kernel timed as bench/kernels.py times a call), if time is left.
 # (bench/results/2026-12-02_dispatch_h200_e786e72.json: the table session 13 started from.)
 # Run: in the lead's bundle A (warm machine), `bash bench/gpu_k_s13b.sh` from the tree's root
 # (gpu_session installs the wheels), bound 90 s; or as an own call:
@@ -62,6 +63,23 @@ if ((t >= 10)); then
   note "# table-shape test rc=$? (bound ${t} s) $(elapsed)"
 fi
 
+t=$(bound 6 0)
+if ((t >= 4)); then  # the timing floor: an empty kernel timed as bench/kernels.py times a call
+  timeout "$t" python3 - >"$OUT/floor.log" 2>&1 <<'PY'
+import sys
+sys.path.insert(0, "bench")
+import cupy as cp
+import numpy as np
+from kernels import time_calls
+k = cp.RawKernel('extern "C" __global__ void nop(int* p) { if (p == nullptr) return; }', "nop")
+with cp.cuda.Stream(non_blocking=True):
+    for blocks in (1, 132, 264):
+        us = time_calls(cp, lambda i, b=blocks: k((b,), (256,), (np.uint64(0),)), 2, 3, 40)
+        print(f"empty kernel, {blocks} CTAs x 256 threads: {us:.2f} us between its events")
+PY
+  note "# floor rc=$? $(elapsed)"
+fi
+
 echo "== k s13 call 2 (tree $(cat COMMIT 2>/dev/null || echo '?'))"
 for f in pytest_pairs pytest_table; do
   echo "$f: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/$f.log" 2>/dev/null | tail -1)"
@@ -75,6 +93,7 @@ echo "# table-ab vs e786e72's table (old/new < 0.97 = slower by > 3%):"
 grep -E "^# compiled" "$OUT/table_ab.log" 2>/dev/null
 awk '$NF ~ /^[0-9.]+$/ && $2 ~ /^[0-9]+$/ {n++; if ($NF < 0.97) bad++; if (m == "" || $NF < m) m = $NF; if ($NF > M) M = $NF} END {print "# cells " n ", slower by > 3%: " bad+0 ", old/new " m " - " M}' "$OUT/table_ab.log" 2>/dev/null
 grep -E " auto " "$OUT/table_ab.log" 2>/dev/null | cut -c1-120
+cat "$OUT/floor.log" 2>/dev/null
 (cd "$OUT" && tar czf "$FINAL/k_s13b_logs.tgz" -- *)
 cp "$OUT/dispatch_h200.json" "$FINAL/" 2>/dev/null
 note "# done $(elapsed)"
