@@ -15,7 +15,10 @@ sync, Python). Modes:
   ``staged`` also prints the GPU's span of each call (CUDA events recorded on the stream just
   before the launch and just after it: upload, kernels, download and the gaps between them), so
   ``wall - span`` is the host's own part (the launch before the GPU starts, the sync's wake-up),
-  and ``launch`` the host time of ``launch`` alone (an event record and the enqueueing);
+  ``launch`` the host time of ``launch`` alone (the enqueueing), and ``loop`` the loop's own
+  time per call with those bench events (their records, the span's read; up to session 12 the
+  staged ``wall`` was this: since session 13 it is ``launch`` .. ``wait`` and the kernel time
+  read, as in the other modes);
   ``--fill concat`` writes it as the batcher does for a batch of one-row requests
   (``np.concatenate`` of N arrays into it) instead of one copy;
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
@@ -147,7 +150,7 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             topk: int = 0, probe: bool = False, fill: str = "copy") -> dict:
     import cupy as cp
 
-    walls, kerns, fills, spans, lts = [], [], [], [], []
+    walls, kerns, fills, spans, lts, loops = [], [], [], [], [], []
     stamps: dict = {}
     parts: dict[str, list[float]] = {"pre": [], "graph": [], "mid": [], "finish": [],
                                      "rest": []}
@@ -168,12 +171,15 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             else:
                 st[...] = x
             fills.append((time.perf_counter() - t0) * 1e6)
-            t0 = time.perf_counter()
+            t00 = time.perf_counter()  # (the loop's own time, bench events included: ``loop``)
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
+            t0 = time.perf_counter()  # the wall: launch .. the result (no bench event in it)
             launched = be.launch(w, st, topk=topk)
             t1 = time.perf_counter()  # the host's launch (its part before the GPU starts)
             e1.record(be.stream)
             res = launched.wait()
+            ks = res.timing.seconds(wait=True)
+            t2 = time.perf_counter()
             if i >= 5:
                 lts.append((t1 - t0) * 1e6)
             if probe and i >= 5 and "g1" in stamps:  # (a small y: no _finish)
@@ -183,16 +189,17 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
                                      ("finish", f0, f1), ("rest", f1, t1)):
                     parts[name].append((b_ - a_) * 1e6)
             stamps.clear()
-            ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks
             if i >= 5:
                 e1.synchronize()  # (a launch's own wait may end before an event after it)
                 spans.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+                loops.append((time.perf_counter() - t00) * 1e6)
+            wall = t2 - t0
         else:
             res = be.matmul(w, x, topk=topk)
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks  # no figure: shows as nan, run goes on
-        wall = time.perf_counter() - t0
+            wall = time.perf_counter() - t0
         if i >= 5:  # warm-up: compile, bind, capture
             walls.append(wall * 1e6)
             kerns.append(ks * 1e6)
@@ -204,7 +211,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))],
             "fill_p50": statistics.median(fills) if fills else None,
             "span_p50": statistics.median(spans) if spans else None,
-            "launch_p50": statistics.median(lts) if lts else None}
+            "launch_p50": statistics.median(lts) if lts else None,
+            "loop_p50": statistics.median(loops) if loops else None}
 
 
 def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
@@ -327,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
-                    fill += f" gpu span {r['span_p50']:.1f} launch {r['launch_p50']:.1f}"
+                    fill += (f" gpu span {r['span_p50']:.1f} launch {r['launch_p50']:.1f}"
+                             f" loop {r['loop_p50']:.1f}")
                 if r["probe"]:
                     fill += " [" + " ".join(f"{k} {v:.1f}" for k, v in r["probe"].items()) + "]"
                 tag = f" {label}" if label else ""
