@@ -57,9 +57,12 @@ __all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg"]
 
 
 def _call_key(x: np.ndarray, precision: Precision, flags: KernelFlags,
-              out_dtype: np.dtype | None, topk: int, slot: int) -> tuple[Any, ...]:
-    """A :class:`BoundCall`'s key in its weight's ``plans``: what settles the call's path."""
-    return (x.shape, x.dtype, precision, flags, out_dtype, topk, slot)
+              out_dtype: np.dtype | None, topk: int, slot: int,
+              chunks: int) -> tuple[Any, ...]:
+    """A :class:`BoundCall`'s key in its weight's ``plans``: what settles the call's path
+    (``chunks``: a large y's row chunks, ``Launcher.chunks_for``: none while another launch
+    is in flight, so an idle and a busy launch each keep their own)."""
+    return (x.shape, x.dtype, precision, flags, out_dtype, topk, slot, chunks)
 
 
 class CudaBackend(Backend):
@@ -159,17 +162,22 @@ class CudaBackend(Backend):
     def launch(self, w: ResidentWeight, x: np.ndarray, *, precision: Precision = Precision.AUTO,
                flags: KernelFlags = DEFAULT_FLAGS, out_dtype: np.dtype | None = None,
                topk: int = 0) -> Launched:
-        ws = self.launcher.ws
+        lc = self.launcher
+        ws = lc.ws
         staged = x is ws.staged  # built by staging(): C-contiguous [N, K] (K checked below)
         if staged and type(w.data) is CudaWeight and x.shape[1] == w.k:
-            key = _call_key(x, precision, flags, out_dtype, topk, ws.staged_slot)
+            slot = ws.staged_slot
+            key = _call_key(x, precision, flags, out_dtype, topk, slot,
+                            lc.chunks_for(w.data, slot))
             call = w.data.plans.get(key)  # a BoundCall: the whole path after its first calls
             if call is not None and call.live():
                 return call.launch()
         x = check_matmul(w, x, topk)
         cw = weight_data(w)
         if not staged and not self.hostio.covers(x):
-            call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, ws.free_slot()))
+            slot = ws.free_slot()
+            call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, slot,
+                                          lc.chunks_for(cw, slot)))
             if call is not None and call.live():
                 return call.launch(x)
         return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
@@ -200,14 +208,15 @@ class CudaBackend(Backend):
                 else:
                     finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
         else:
-            ws = self.launcher.ws
-            slot = ws.staged_slot if staged else ws.free_slot()
+            lc = self.launcher
+            slot = lc.ws.staged_slot if staged else lc.ws.free_slot()
+            chunks = lc.chunks_for(cw, slot)
             with self.ctx.dev, self.ctx.stream:
-                finish = self.launcher.launch(w, cw, x, c.path, c.cfg, out_dtype, topk)
-            call = self.launcher.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot,
-                                            kernel, c.precision)
+                finish = lc.launch(w, cw, x, c.path, c.cfg, out_dtype, topk, chunks)
+            call = lc.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot, kernel,
+                                 c.precision, chunks)
             if call is not None:
-                cw.plans[_call_key(x, precision, flags, out_dtype, topk, slot)] = call
+                cw.plans[_call_key(x, precision, flags, out_dtype, topk, slot, chunks)] = call
 
         def wait() -> MatmulResult:
             y, top, seconds = finish()

@@ -39,19 +39,24 @@ host path of one batch:
    DMA as one graph per slot (``Q6SERVE_REGION_STREAMS=1``: the copies on streams of their
    own, beside the kernels).
 
-8. ``Q6SERVE_Y_CHUNKS=C`` (off by default): a call whose f32 (or bf16) y is ``Y_CHUNK_MIN``
-   bytes or more and whose tile is a register or ring K-slice tile (``Y_CHUNK_SRCS``; the
-   grid's rows done in rounds of ``gx x warps x 16`` rows) runs as up to C launches on row
-   chunks of the weight - runs of whole slabs (a view of the slab table: no kernel change), each
-   one round of the full call's grid, with the full call's K split, so every y value is the
-   full call's, bit for bit - each chunk writing its own [N, chunk rows] block of the device y;
+8. row chunks of a large y (``CudaWeight.y_chunks``: 2 for storage's two-slab weights, else
+   none; ``Q6SERVE_Y_CHUNKS=C`` sets C for every weight, 0 turns them off): a call whose f32 (or
+   bf16) y is ``Y_CHUNK_MIN`` bytes or more, whose tile is a register or ring K-slice tile
+   (``Y_CHUNK_SRCS``; the grid's rows done in rounds of ``gx x warps x 16`` rows) and that is
+   launched while no other launch is in flight on the launcher (``Y_CHUNKS_IDLE``: under load
+   the chunks' extra GPU time is throughput lost, and the calls beside it overlap its copies
+   anyway) runs as up to C launches on row chunks of the weight - runs of whole slabs (a view
+   of the slab table: no kernel change), each one round of the full call's grid, with the full
+   call's K split, so every y value is the full call's, bit for bit - each chunk writing its
+   own [N, chunk rows] block of the device y;
    after the graph launch each chunk's block is DMA'd (a 2D copy into its columns of the host
    y) on a copy stream as soon as an event recorded after its kernels fires, so the download of
    chunk i runs while chunk i + 1 computes (the last chunk's on the backend's stream, right
-   after its kernels). Weights of one slab (the default 64 MB slabs: every weight up to 64 MB)
-   are never chunked, so by default nothing is. H200, session 12 (bench/RESULTS.md): 14336x4096
-   N=64 in 2 chunks on 512-row slabs, wall 160.4 -> 143.5 us; but 512-row slabs cost 18944x3584
-   N=1 up to 2.5%, so storage's slabs stayed. Next step: such weights in 2 slabs (rows / chunk).
+   after its kernels). Weights of one slab are never chunked. H200, session 12
+   (bench/RESULTS.md): 14336x4096 N=64 in 2 chunks on 512-row slabs, wall 160.4 -> 143.5 us;
+   but 512-row slabs cost 18944x3584 N=1 up to 2.5%; session 13: two slabs cost nothing, and
+   14336x4096 N=64 in two slabs and 2 chunks took 141.7 us of wall against 158.4 (storage's
+   ``TWO_SLAB_MIN_ROWS``: tall weights of one slab's size are kept in two).
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
@@ -128,10 +133,14 @@ BATCH_SLOTS = min(SLOTS, 2)
 # y's download beside the kernels (module docstring, point 8): a large f32/bf16 y of a K-slice
 # tile call is computed in up to Y_CHUNKS row chunks (runs of whole slabs, one launch round of
 # the full call's grid each, the full call's K split: bit-identical), chunk i's rows DMA'd on a
-# copy stream while chunk i+1 computes. 0/1: off (Q6SERVE_Y_CHUNKS overrides it where a backend
-# is built); only for a y of Y_CHUNK_MIN bytes or more.
-Y_CHUNKS = 0
+# copy stream while chunk i+1 computes. None: each weight's own (CudaWeight.y_chunks: 2 for
+# storage's two-slab weights, else 0); 0/1: off; C: C for every weight (Q6SERVE_Y_CHUNKS
+# overrides it where a backend is built; the wall bench's variants set it); only for a y of
+# Y_CHUNK_MIN bytes or more.
+Y_CHUNKS: int | None = None
 Y_CHUNK_MIN = 512 << 10
+# chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
+Y_CHUNKS_IDLE = 1
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -285,9 +294,9 @@ def region_streams_from_env(env: Any = None) -> bool:
 
 
 def y_chunks_from_env(env: Any = None) -> int | None:
-    """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``): row chunks a
-    large y is computed and downloaded in (0 or 1: off; at most 16). Read where a backend is
-    built, as ``Q6SERVE_PDL``."""
+    """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``, by default each
+    weight's own): row chunks a large y is computed and downloaded in (0 or 1: off; at most
+    16). Read where a backend is built, as ``Q6SERVE_PDL``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_Y_CHUNKS", "").strip()
     if not raw:
         return None
@@ -389,6 +398,11 @@ class Workspace:
 
     def release(self, slot: int) -> None:
         self._held[slot] = False
+
+    def busy(self, slot: int) -> bool:
+        """Whether a launch other than ``slot``'s is in flight (launched, not waited for)."""
+        held = self._held
+        return any(held[s] for s in range(SLOTS) if s != slot)
 
     def done_event(self, slot: int) -> Any:
         """The slot's completion event (recorded after each launch's last operation)."""
@@ -497,7 +511,7 @@ class BoundCall:
     :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
     was not dropped)."""
 
-    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked", "chunks",
+    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked",
                  "dev", "done", "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out",
                  "precision", "rows", "slot", "stream", "topk", "ws", "y", "y16")
 
@@ -516,16 +530,15 @@ class BoundCall:
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
         self.chunked = bool(b.extra.get("chunks"))  # ... chunk by chunk (Launcher._chunks_out)
-        self.chunks = lc.chunks_wanted()  # the row chunks' setting it was bound under
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
         self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
         self._elapsed = cp.cuda.get_elapsed_time
 
     def live(self) -> bool:
+        # (the row chunks' setting is part of its key: CudaBackend's _call_key)
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
-                and (not self.topk or cuda_topk.bindable())
-                and self.chunks == self.lc.chunks_wanted())
+                and (not self.topk or cuda_topk.bindable()))
 
     def launch(self, x: np.ndarray | None = None) -> Launched:
         """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
@@ -797,13 +810,25 @@ class Launcher:
         self.y16_graph = True
         self._launch_ex: Any = None
         # row chunks of a large y (module docstring, point 8): Q6SERVE_Y_CHUNKS, else the
-        # module's Y_CHUNKS at each call (the wall bench's in-process variants set it)
+        # module's Y_CHUNKS at each call (the wall bench's in-process variants set it), else
+        # the weight's own
         self.y_chunks = y_chunks_from_env()
         self._y_stream: Any = None
 
-    def chunks_wanted(self) -> int:
-        """Row chunks a large y is computed and downloaded in (<= 1: off)."""
-        return Y_CHUNKS if self.y_chunks is None else self.y_chunks
+    def chunks_wanted(self, cw: CudaWeight | None = None) -> int:
+        """Row chunks ``cw``'s large y is computed and downloaded in (<= 1: off)."""
+        v = Y_CHUNKS if self.y_chunks is None else self.y_chunks
+        if v is None:
+            return 0 if cw is None else cw.y_chunks
+        return v
+
+    def chunks_for(self, cw: CudaWeight, slot: int) -> int:
+        """:meth:`chunks_wanted` for a launch in ``slot`` now: none while another launch is in
+        flight (``Y_CHUNKS_IDLE``)."""
+        v = self.chunks_wanted(cw)
+        if v > 1 and Y_CHUNKS_IDLE and self.ws.busy(slot):
+            return 0
+        return v
 
     def y_stream(self) -> Any:
         """The copy stream of the row chunks' downloads (made on first use, under the
@@ -1110,11 +1135,12 @@ class Launcher:
 
     def launch(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
                cfg: Cfg | None, out_dtype: np.dtype | None, topk: int = 0,
-               ) -> Callable[[], Done]:
+               chunks: int | None = None) -> Callable[[], Done]:
         """:meth:`matmul` up to its sync: everything is enqueued (upload, kernels, epilogue,
         download into pinned memory) in a free launch slot; the returned function waits for
         this launch's completion event and returns what :meth:`matmul` does (call it once,
-        from any thread; at most ``SLOTS`` launches may await their wait)."""
+        from any thread; at most ``SLOTS`` launches may await their wait). ``chunks``: the
+        row chunks of a large y (None: :meth:`chunks_for` the slot now)."""
         in_t = IN_TYPES.get(x.dtype)
         if in_t is None:
             raise FormatError(f"unsupported activation dtype {x.dtype}")
@@ -1127,19 +1153,23 @@ class Launcher:
         host = ws.host(xb.size, slot)
         if not staged:
             host[: xb.size] = xb
+        if chunks is None:
+            chunks = self.chunks_for(cw, slot)
         return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
-                                                           out_dtype, topk, slot, host))
+                                                           out_dtype, topk, slot, host,
+                                                           chunks))
 
     def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
                    cfg: Cfg | None, out_dtype: np.dtype | None, topk: int, slot: int,
-                   kernel: str, precision: Precision) -> BoundCall | None:
+                   kernel: str, precision: Precision, chunks: int = 0) -> BoundCall | None:
         """The :class:`BoundCall` of a call just launched by :meth:`launch` in ``slot`` (the
-        same arguments), or None while its sequence is not a captured graph (or has none:
-        cuBLAS, an epilogue that cannot be bound)."""
+        same arguments; ``chunks``: the row chunks it was launched with, :meth:`chunks_for`),
+        or None while its sequence is not a captured graph (or has none: cuBLAS, an epilogue
+        that cannot be bound)."""
         if path == "cublas_f16" or cfg is None or x.dtype not in IN_TYPES:
             return None
         n = int(x.shape[0])
-        small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph, self.chunks_wanted())
+        small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph, chunks)
         if topk and small is None:
             return None
         b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
@@ -1170,8 +1200,9 @@ class Launcher:
 
     def _launch_in(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, in_t: str,
                    path: str, cfg: Cfg | None, out_dtype: np.dtype | None, topk: int,
-                   slot: int, host: np.ndarray) -> Callable[[], Done]:
-        """:meth:`launch`'s enqueueing in ``slot`` (x already in its staging buffer ``host``)."""
+                   slot: int, host: np.ndarray, chunks: int) -> Callable[[], Done]:
+        """:meth:`launch`'s enqueueing in ``slot`` (x already in its staging buffer ``host``;
+        ``chunks``: a large y's row chunks)."""
         cp, stream = self.ctx.cp, self.ctx.stream
         n = int(x.shape[0])
         if path == "cublas_f16":
@@ -1179,7 +1210,7 @@ class Launcher:
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
         key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph,
-                                               self.chunks_wanted()), slot)
+                                               chunks), slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)

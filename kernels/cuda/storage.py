@@ -1,11 +1,12 @@
 """Resident Q6_K weights in VRAM: load, relayout, read-back, and the exact VRAM figures.
 
-A weight is a list of *slabs* of at most ``SLAB_BYTES`` (whole rows each), every slab one
-allocation laid out as AoS blocks or as the packed SoA planes of :class:`q6k.SoaLayout` for
-that slab's blocks; the kernels find a row's slab through a small device table of slab
-pointers. Loading streams AoS chunks through one pinned host buffer and one device staging
-buffer (both <= ``chunk_bytes``) and repacks them on the GPU straight into the slabs, so no
-full AoS copy ever exists; relayout converts one slab at a time (one slab of scratch).
+A weight is a list of *slabs* of at most ``SLAB_BYTES`` (whole rows each; a tall weight of one
+slab's size in two, ``TWO_SLAB_MIN_ROWS``), every slab one allocation laid out as AoS blocks or
+as the packed SoA planes of :class:`q6k.SoaLayout` for that slab's blocks; the kernels find a
+row's slab through a small device table of slab pointers. Loading streams AoS chunks through
+one pinned host buffer and one device staging buffer (both <= ``chunk_bytes``) and repacks them
+on the GPU straight into the slabs, so no full AoS copy ever exists; relayout converts one slab
+at a time (one slab of scratch).
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ from ..errors import FormatError
 from .context import DeviceContext
 
 SLAB_BYTES = 64 << 20  # resident slab size (whole rows): bounds relayout scratch
+# A weight that fits one slab but is tall (rows >= TWO_SLAB_RATIO x K, TWO_SLAB_MIN_ROWS rows or
+# more: a y large against its x, e.g. Llama's 14336x4096 gate/up) is kept in two slabs of
+# ceil(rows / 2) rows (rounded up to 16), so that its calls can compute and download y in two
+# row chunks (kernels/cuda/launch.py point 8: chunk 0's y is DMA'd while chunk 1 computes). H200,
+# session 13 (bench/RESULTS.md): two slabs cost the kernels nothing (AUTO f16 14336x4096 N=1/64
+# x1.004/1.009, 18944x3584 x1.000/1.027), and 14336x4096 N=64 staged took 141.7 us of wall
+# against 158.4 in one slab without chunks. TWO_SLAB_MIN_ROWS = 0: never.
+TWO_SLAB_MIN_ROWS = 8192
+TWO_SLAB_RATIO = 3
+# the row chunks a two-slab weight's calls take by default (CudaWeight.y_chunks)
+TWO_SLAB_CHUNKS = 2
 POOL_ROUND = 512  # CuPy's pool rounds every allocation up to this
 REPACK_FILE = "q6k_repack.cu"
 PAIRS_FILE = "q6k_matmul.cu"  # q6k_repack_pairs / q6k_unpack_pairs
@@ -31,7 +43,16 @@ def pool_round(n: int) -> int:
     return -(-n // POOL_ROUND) * POOL_ROUND
 
 
+def two_slabs(rows: int, k: int) -> bool:
+    """Whether a ``rows`` x ``k`` weight is kept in two slabs (``TWO_SLAB_MIN_ROWS``)."""
+    return (0 < TWO_SLAB_MIN_ROWS <= rows and rows >= TWO_SLAB_RATIO * k
+            and rows <= SLAB_BYTES // q6k.aos_nbytes(1, k))
+
+
 def slab_rows(rows: int, k: int) -> int:
+    """Rows per slab of a ``rows`` x ``k`` weight (the last slab may have fewer)."""
+    if two_slabs(rows, k):
+        return -(-rows // 32) * 16  # ceil(rows / 2), rounded up to 16
     return max(1, SLAB_BYTES // q6k.aos_nbytes(1, k))
 
 
@@ -67,6 +88,9 @@ class CudaWeight:
     # SoA slabs whose code planes are in pair-stream order (layout code 2 of the kernels;
     # Q6SERVE_Q6K_PAIRS, pairs_from_env): the same planes and bytes, each block re-ordered.
     pairs: bool = False
+    # row chunks its calls' large y takes by default (launch.py point 8; TWO_SLAB_CHUNKS for a
+    # two-slab weight, else 0: none)
+    y_chunks: int = 0
 
 
 def weight_data(w: ResidentWeight) -> CudaWeight:
@@ -156,7 +180,8 @@ class Storage:
             finally:
                 del staging
         data = CudaWeight(slabs, self._table(slabs), slab_rows(rows, k),
-                          pairs=self.pairs and layout is Layout.SOA)
+                          pairs=self.pairs and layout is Layout.SOA,
+                          y_chunks=TWO_SLAB_CHUNKS if two_slabs(rows, k) else 0)
         return ResidentWeight(rows, k, layout, weight_nbytes(rows, k, layout), data)
 
     def _scatter(self, staging: Any, r0: int, r1: int, plan: list[tuple[int, int]],

@@ -455,13 +455,127 @@ def test_y_chunks_env_refuses(value):
         launch_mod.y_chunks_from_env({"Q6SERVE_Y_CHUNKS": value})
 
 
+# The ten model shapes (bench/kernels.py): Qwen2.5-7B's and Llama-3.1-8B's
+TEN = ((3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584),
+       (4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
+
+
+def test_tall_weights_of_one_slab_are_kept_in_two(monkeypatch):
+    """Storage: a weight that fits one slab and is tall (rows >= 3 K, 8192 rows or more) is
+    kept in two slabs of ceil(rows / 2) rows rounded up to 16 - of the ten model shapes the
+    two measured on the H200 (14336x4096, 18944x3584); every other weight keeps SLAB_BYTES'
+    slabs; the VRAM figure is the two slabs and a two-entry table; TWO_SLAB_MIN_ROWS 0: never."""
+    from q6serve.kernels import q6k
+    from q6serve.kernels.cuda import storage
+
+    def plain(rows, k):
+        per = storage.SLAB_BYTES // q6k.aos_nbytes(1, k)
+        return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
+
+    two = {s for s in TEN if storage.two_slabs(*s)}
+    assert two == {(14336, 4096), (18944, 3584)}
+    assert storage.slab_plan(14336, 4096) == [(0, 7168), (7168, 14336)]
+    assert storage.slab_plan(18944, 3584) == [(0, 9472), (9472, 18944)]
+    assert storage.slab_plan(9000, 2048) == [(0, 4512), (4512, 9000)]  # rounded up to 16
+    for rows, k in set(TEN) - two:
+        assert storage.slab_plan(rows, k) == plain(rows, k)
+    assert len(storage.slab_plan(152064, 3584)) == 7  # the lm-head: SLAB_BYTES' slabs
+    for layout in (Layout.SOA, Layout.AOS):
+        assert storage.weight_nbytes(14336, 4096, layout) == (
+            2 * storage.pool_round(storage.slab_nbytes(7168, 4096, layout))
+            + storage.pool_round(16))
+    monkeypatch.setattr(storage, "TWO_SLAB_MIN_ROWS", 0)
+    assert storage.slab_plan(14336, 4096) == plain(14336, 4096) == [(0, 14336)]
+
+
+def _two_slab(monkeypatch, y_chunks: int = 2):
+    """A fake backend and a 14336x4096 weight as storage keeps it: two slabs of 7168 rows,
+    ``y_chunks`` its own row chunks; its full path's calls counted into ``full``. (The fake
+    kernels' registers make N=64's grid one the slabs cut in two, as the H200's build did:
+    chunks 7168/7168, bench/RESULTS.md sessions 12-13.)"""
+    monkeypatch.setattr(_Fn, "num_regs", 168)
+    be, cp = fake_backend(monkeypatch)
+    full: list = []
+    orig = be._launch
+    monkeypatch.setattr(be, "_launch", lambda *a, **kw: full.append(1) or orig(*a, **kw))
+    cw = CudaWeight(slabs=[], table=cp.empty(16, np.uint8), rps=7168, y_chunks=y_chunks)
+    return be, cp, full, ResidentWeight(14336, 4096, Layout.SOA, 14336 * 4096, cw)
+
+
+def test_two_slab_weights_take_their_own_chunks_by_default(monkeypatch):
+    """Unset Q6SERVE_Y_CHUNKS: a two-slab weight's large y comes in its own 2 row chunks (one
+    a slab), whole and right on every kind of call; Q6SERVE_Y_CHUNKS=0 turns them off; a
+    weight of several slabs without chunks of its own (an lm-head) stays plain."""
+    assert launch_mod.Y_CHUNKS is None
+    be, cp, _, w = _two_slab(monkeypatch)
+    assert be.launcher.y_chunks is None  # (the test environment has no Q6SERVE_Y_CHUNKS)
+    rng = np.random.default_rng(11)
+    for staged in (True, False):
+        be.matmul(w, _x(be, rng, 64, 4096, staged))
+        assert _chunks(w, 64) == [(0, 7168), (7168, 14336)]
+        for i in range(4):
+            y = _set_y_chunked(be, w, 64, i, [(0, 7168), (7168, 14336)])
+            before = cp.counts.get("d2h2d", 0)
+            res = be.launch(w, _x(be, rng, 64, 4096, staged)).wait()
+            assert np.array_equal(res.y, y) and cp.counts["d2h2d"] == before + 2
+    for chunks, own in ((0, 2), (None, 0)):
+        be2, cp2, _, w2 = _two_slab(monkeypatch, own)
+        be2.launcher.y_chunks = chunks
+        be2.matmul(w2, _x(be2, rng, 64, 4096, True))  # binds: the buffers exist now
+        for i in range(4):
+            y = _set_y(be2, w2, 64, i)
+            assert np.array_equal(be2.launch(w2, _x(be2, rng, 64, 4096, True)).wait().y, y)
+        assert not cp2.counts.get("d2h2d") and cp2.counts["graph"] == 3
+
+
+def test_no_chunks_beside_a_launch_in_flight(monkeypatch):
+    """Y_CHUNKS_IDLE: a launch made while another is in flight on the launcher runs the plain
+    sequence (one whole-y copy), an idle one the chunks; each state keeps its own cached
+    BoundCall, so alternating between them never takes the full path again once both are
+    bound. Y_CHUNKS_IDLE = 0: chunks beside a launch in flight too."""
+    be, cp, full, w = _two_slab(monkeypatch)
+    rng = np.random.default_rng(12)
+    cuts = [(0, 7168), (7168, 14336)]
+
+    def busy_call(i):  # a small call in flight (another slot), then the large one
+        a = be.launch(w, _x(be, rng, 1, 4096, True))
+        y = _set_y(be, w, 64, i)
+        b = be.launch(w, _x(be, rng, 64, 4096, True))
+        res = b.wait()
+        a.wait()
+        return res, y
+
+    for i in range(3):  # bind and capture both states
+        be.launch(w, _x(be, rng, 64, 4096, True)).wait()
+        busy_call(i)
+    full.clear()
+    for i in range(4):
+        n2d, n1d = cp.counts.get("d2h2d", 0), cp.counts.get("d2h", 0)
+        y = _set_y_chunked(be, w, 64, i, cuts)
+        assert np.array_equal(be.launch(w, _x(be, rng, 64, 4096, True)).wait().y, y)
+        assert cp.counts["d2h2d"] == n2d + 2 and cp.counts.get("d2h", 0) == n1d
+        res, y = busy_call(i)
+        assert np.array_equal(res.y, y) and cp.counts["d2h2d"] == n2d + 2
+    assert not full
+    monkeypatch.setattr(launch_mod, "Y_CHUNKS_IDLE", 0)
+    n2d = cp.counts["d2h2d"]
+    for i in range(3):
+        a = be.launch(w, _x(be, rng, 1, 4096, True))
+        y = _set_y_chunked(be, w, 64, i, cuts)
+        assert np.array_equal(be.launch(w, _x(be, rng, 64, 4096, True)).wait().y, y)
+        a.wait()
+    assert cp.counts["d2h2d"] == n2d + 6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,k", [(4096, 14336), (14336, 4096)])
 def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
-    """On a device: a weight in 512-row slabs gives the default (one-slab) weight's y bit for
-    bit, without and with row chunks (Y_CHUNKS 4), on every kind of call (direct launches, the
-    capture, graph replays, the cached BoundCall; staged and copied x; f32 and bf16 y), and at
-    N=64 the chunks are really used where the tile is a register K-slice tile."""
+    """On a device: a weight in 512-row slabs, and the weight as storage keeps it by default
+    (14336x4096: two slabs, its own 2 chunks), give the one-slab weight's y bit for bit,
+    without and with row chunks (Y_CHUNKS 4; the default's own), on every kind of call (direct
+    launches, the capture, graph replays, the cached BoundCall; staged and copied x; f32 and
+    bf16 y; beside a launch in flight: plain), and at N=64 the chunks are really used where the
+    tile is a register K-slice tile."""
     cupy = pytest.importorskip("cupy")
     try:
         devices = cupy.cuda.runtime.getDeviceCount()
@@ -481,10 +595,19 @@ def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
     def load():
         return be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA)
 
+    wd = load()  # storage's default: 14336x4096 in two slabs
+    assert (len(wd.data.slabs), wd.data.y_chunks) == ((2, 2) if rows == 14336 else (1, 0))
+    monkeypatch.setattr(storage, "TWO_SLAB_MIN_ROWS", 0)
     w1 = load()
     monkeypatch.setattr(storage, "SLAB_BYTES", 512 * q6k.aos_nbytes(1, k))
     w = load()
     assert len(w1.data.slabs) == 1 and len(w.data.slabs) == -(-rows // 512)
+
+    def staged_x(x):
+        xi = be.staging(*x.shape, np.float16)
+        xi[...] = x
+        return xi
+
     try:
         for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
                                (32, None, True), (16, None, False)):
@@ -492,25 +615,23 @@ def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
             be.launcher.y_chunks = 0
             ref = be.matmul(w1, x, out_dtype=out).y
             np.testing.assert_array_equal(be.matmul(w, x, out_dtype=out).y, ref)
-            be.launcher.y_chunks = 4
-            for _ in range(4):
-                xi = x
-                if staged:
-                    xi = be.staging(n, k, np.float16)
-                    xi[...] = x
-                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
-        used = {key[2] for key, b in w.data.plans.items()
-                if isinstance(key, tuple) and len(key) == 6
-                and getattr(b, "extra", {}).get("chunks")}
-        # chunked at N=64 where the launcher's row_chunks cuts the call (the register K-slice
-        # tile, rounds to cut: 14336x4096 in every table so far)
-        lc = be.launcher
-        c = be.choose(64, Precision.AUTO, KernelFlags(), rows, k)
-        full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, w.data.pairs)
-        cut = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, 512, 4,
-                            w.data.pairs)
-        assert (64 in used) == (cut is not None), used
-        assert rows != 14336 or 64 in used
+            for chunks, wc in ((4, w), (None, wd)):
+                be.launcher.y_chunks = chunks
+                for _ in range(4):
+                    xi = staged_x(x) if staged else x
+                    np.testing.assert_array_equal(be.launch(wc, xi, out_dtype=out).wait().y, ref)
+            # beside a launch in flight: the plain sequence (Y_CHUNKS_IDLE)
+            for _ in range(3):
+                a = be.launch(wd, staged_x(x[:1]))
+                np.testing.assert_array_equal(be.launch(wd, x, out_dtype=out).wait().y, ref)
+                a.wait()
+        for wc in (w, wd):
+            used = {key[2] for key, b in wc.data.plans.items()
+                    if isinstance(key, tuple) and len(key) == 6
+                    and getattr(b, "extra", {}).get("chunks")}
+            # 14336x4096 runs the register K-slice tile at N=64 (chunked); 4096x14336 the wgmma
+            # tile (never chunked: Y_CHUNK_SRCS)
+            assert (64 in used) == (rows == 14336), used
     finally:
         be.launcher.y_chunks = None
         be.close()
