@@ -32,9 +32,10 @@ sync, Python). Modes:
 ``host`` also holds the epilogue's kernel, which runs after the timed matmul kernel.
 
 ``--y-chunks C`` / a variant's ``Y_CHUNKS=C``: a large y computed and downloaded in up to C row
-chunks (kernels/cuda/launch.py, point 8), which needs weights of several slabs: ``--slab-rows R``
-or a variant's ``SLAB_ROWS=R`` loads them in slabs of R rows; the rows of the chunks used are
-printed after the row (e.g. ``--variants 'off;slab:SLAB_ROWS=512;on:SLAB_ROWS=512,Y_CHUNKS=4'``).
+chunks (kernels/cuda/launch.py, point 8; by default a two-slab weight's own 2, ``Y_CHUNKS=0``
+none), which needs weights of several slabs: ``--slab-rows R`` or a variant's ``SLAB_ROWS=R``
+loads them in slabs of R rows (a value over the rows: one slab, as before session 13); the rows of
+the chunks used are printed after the row (e.g. ``--variants 'one:SLAB_ROWS=16384;new'``).
 
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
@@ -120,25 +121,26 @@ def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
 def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int,
          slab_rows: int = 0) -> ResidentWeight:
     """``blocks`` resident on ``be`` (SoA), in slabs of ``slab_rows`` rows (0: storage's
-    default slab size)."""
+    default slabs, a tall weight of one slab's size in two: ``storage.TWO_SLAB_MIN_ROWS``)."""
     from q6serve.kernels.cuda import storage
 
-    old = storage.SLAB_BYTES
+    old = storage.SLAB_BYTES, storage.TWO_SLAB_MIN_ROWS
     if slab_rows:
         storage.SLAB_BYTES = slab_rows * q6k.aos_nbytes(1, k)
+        storage.TWO_SLAB_MIN_ROWS = 0
     try:
         return be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA,
                        64 << 20)
     finally:
-        storage.SLAB_BYTES = old
+        storage.SLAB_BYTES, storage.TWO_SLAB_MIN_ROWS = old
 
 
 def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
-    """The row chunks (launch.Y_CHUNKS) of ``w``'s bound sequences at N = ``n`` under the
-    current setting, if any."""
-    want = ("rows", be.launcher.chunks_wanted())
+    """The row chunks (launch.Y_CHUNKS, or the weight's own) of ``w``'s bound sequences at
+    N = ``n`` under the current setting, if any."""
+    want = ("rows", be.launcher.chunks_wanted(w.data))
     for key, b in w.data.plans.items():
-        if (isinstance(key, tuple) and len(key) == 6 and key[2] == n and key[4] == want
+        if (isinstance(key, tuple) and len(key) in (6, 7) and key[2] == n and key[4] == want
                 and hasattr(b, "extra")):
             got = b.extra.get("chunks")
             if got:

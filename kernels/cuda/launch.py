@@ -141,6 +141,10 @@ Y_CHUNKS: int | None = None
 Y_CHUNK_MIN = 512 << 10
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
+# An experiment (0: off): an x of X_APART_MIN bytes or more is uploaded by a copy enqueued just
+# before the graph launch instead of by the graph's own first node, so its DMA starts while the
+# host is still in cudaGraphLaunch (the sequence is bound and captured without the upload).
+X_APART_MIN = 0
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -487,6 +491,11 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     return dt
 
 
+def _apart(x_bytes: int) -> tuple[str, ...]:
+    """The bound sequence key's tail for an x uploaded apart from the graph (X_APART_MIN)."""
+    return ("xa",) if X_APART_MIN and x_bytes >= X_APART_MIN else ()
+
+
 def _external_record() -> Any:
     """``cuEventRecordWithFlags(.., CU_EVENT_RECORD_EXTERNAL)``: an event record that stream
     capture keeps as a graph node (a plain record inside a capture is only a dependency).
@@ -511,9 +520,9 @@ class BoundCall:
     :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
     was not dropped)."""
 
-    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked",
-                 "dev", "done", "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out",
-                 "precision", "rows", "slot", "stream", "topk", "ws", "y", "y16")
+    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked", "dev", "done",
+                 "half", "host", "host_ptr", "kernel", "layout", "lc", "n", "nbytes", "out",
+                 "precision", "rows", "slot", "stream", "topk", "ws", "xa", "xd", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
@@ -523,6 +532,9 @@ class BoundCall:
         self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
         self.done = lc.ws.done_event(slot)
         self.host = lc.ws.host(b.x_bytes, slot)
+        self.host_ptr = lc.ws._host[slot][0].ptr
+        self.xa = bool(b.extra.get("device_x"))  # x uploaded apart (X_APART_MIN), then the graph
+        self.xd = b.extra["xd"]
         self.out = None if b.extra["out"] is None else b.extra["out"][1]  # in-graph download
         self.topk, self.rows, self.n, self.y = topk, rows, n, b.extra["y"]
         self.y16 = b.extra.get("y16")  # y's f16 conversion bound into the graph (y16_graph)
@@ -550,6 +562,8 @@ class BoundCall:
         ws._held[slot] = True
         try:
             with self.dev:
+                if self.xa:
+                    self._memcpy(self.xd, self.host_ptr, self.b.x_bytes, _H2D, stream.ptr)
                 self.b.graph.launch(stream)
                 y = None
                 if self.big:
@@ -1172,7 +1186,7 @@ class Launcher:
         small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph, chunks)
         if topk and small is None:
             return None
-        b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
+        b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot, *_apart(x.nbytes)))
         if b is None or not b.graph or b.gen != self.ws.gen:
             return None
         return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision)
@@ -1209,12 +1223,18 @@ class Launcher:
             return self._matmul_direct(w, cw, x, in_t, out_dtype, topk, slot)
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
+        xa = _apart(x.nbytes)
         key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph,
-                                               chunks), slot)
+                                               chunks), slot, *xa)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
+            if xa:
+                b.extra["device_x"] = True  # (its capture leaves the upload out)
         if b.graph:
+            if xa:
+                cp.cuda.runtime.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D,
+                                            stream.ptr)
             b.graph.launch(stream)
             finish = self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
 
@@ -1320,7 +1340,7 @@ class Launcher:
             self.ws.done_event(slot).synchronize()
 
     def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
-        path, cfg, n, in_t, small, slot = key
+        path, cfg, n, in_t, small, slot = key[:6]  # (a 7th: x uploaded apart, _apart)
         small = small if small != "device" else None  # launch_device: y stays on the device
         slot = slot or 0  # (None: launch_device's, which has no host buffers of its own)
         cp = self.ctx.cp

@@ -567,6 +567,35 @@ def test_no_chunks_beside_a_launch_in_flight(monkeypatch):
     assert cp.counts["d2h2d"] == n2d + 6
 
 
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("rows,n", [(4096, 64), (4096, 1), (14336, 64)])
+def test_x_uploaded_apart_from_the_graph(monkeypatch, rows, n, staged):
+    """X_APART_MIN (an experiment): an x that large is uploaded by one copy enqueued before the
+    graph launch, the graph captured without it - x reaches the device once a call, the call's
+    y is the device y's, on the full path and the cached BoundCall; below the threshold the
+    graph uploads it as before."""
+    monkeypatch.setattr(launch_mod, "X_APART_MIN", 64 * 4096 * 2)
+    be, cp = fake_backend(monkeypatch)
+    k = 14336 if rows == 4096 else 4096
+    w = fake_weight(be, rows, k)
+    rng = np.random.default_rng(13)
+    be.matmul(w, _x(be, rng, n, k, staged))
+    apart = n * k * 2 >= launch_mod.X_APART_MIN
+    for i in range(5):
+        y = _set_y(be, w, n, i)
+        x = _x(be, rng, n, k, staged)
+        xb = x.copy()
+        h2d = cp.counts.get("h2d", 0)
+        assert np.array_equal(be.launch(w, x).wait().y, y)
+        assert cp.counts["h2d"] == h2d + 1  # once: apart, or the graph's node
+        assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
+                              xb.reshape(-1).view(np.uint8))
+    assert cp.counts["graph"] == 4
+    keys = [key for key in w.data.plans if isinstance(key, tuple) and len(key) in (6, 7)]
+    assert {len(key) for key in keys} == {7 if apart else 6}
+    assert all(bool(w.data.plans[key].extra.get("device_x")) == apart for key in keys)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,k", [(4096, 14336), (14336, 4096)])
 def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
