@@ -63,6 +63,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -141,6 +142,14 @@ Y_CHUNKS: int | None = None
 Y_CHUNK_MIN = 512 << 10
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
+# An experiment (0: off): x's pinned staging buffers on 2 MiB transparent huge pages (an
+# anonymous mapping, madvise(MADV_HUGEPAGE), page-locked by cudaHostRegister) instead of
+# cudaHostAlloc's 4 KiB pages: a 1.8 MB fill then touches one TLB entry instead of ~450 (the
+# host path right after a fill ran ~2x slower at N=64, bench/RESULTS.md session 9: TLB and
+# cache pollution suspected), and x's DMA reads fewer pages. A switch re-allocates them (the
+# workspace's generation: every binding rebinds).
+STAGING_HUGE = 0
+HUGE = 2 << 20
 # An experiment (0: off): an x of X_APART_MIN bytes or more is uploaded by a copy enqueued just
 # before the graph launch instead of by the graph's own first node, so its DMA starts while the
 # host is still in cudaGraphLaunch (the sequence is bound and captured without the upload).
@@ -440,8 +449,9 @@ class Workspace:
         return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
 
     def host(self, nbytes: int, slot: int = 0) -> np.ndarray:
-        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``)."""
-        self._host[slot] = self._pinned(self._host[slot], nbytes)
+        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``; on huge pages
+        under ``STAGING_HUGE``)."""
+        self._host[slot] = self._pinned(self._host[slot], nbytes, bool(STAGING_HUGE))
         return self._host[slot][1]
 
     def host_out(self, nbytes: int, slot: int = 0) -> np.ndarray:
@@ -449,13 +459,19 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
-    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
-        if have is not None and have[1].size >= nbytes:
+    def _pinned(self, have: Any, nbytes: int, huge: bool = False) -> tuple[Any, np.ndarray]:
+        if (have is not None and have[1].size >= nbytes
+                and isinstance(have[0], HugePinned) == huge):
             return have
         size = self._grown(0 if have is None else have[1].size, nbytes)
-        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
+        if huge:
+            mem = HugePinned(self.ctx, size)
+            view = mem.view
+        else:
+            mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
+            view = np.frombuffer(mem, np.uint8, size)
         self.gen += 1
-        return mem, np.frombuffer(mem, np.uint8, size)
+        return mem, view
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._dev.values())
@@ -466,6 +482,34 @@ class Workspace:
         self._held, self._done = [False] * SLOTS, [None] * SLOTS
         self.staged = None
         self.gen += 1
+
+
+class HugePinned:
+    """``nbytes`` of page-locked host memory on transparent huge pages (``STAGING_HUGE``): an
+    anonymous mapping with a 2 MiB-aligned interior, ``madvise(MADV_HUGEPAGE)``, touched, then
+    registered with CUDA (portable). ``ptr`` its address, ``view`` a uint8 array over it; the
+    registration ends when it is dropped (the mapping lives as long as a view of it)."""
+
+    def __init__(self, ctx: Any, nbytes: int) -> None:
+        import mmap
+
+        size = -(-nbytes // HUGE) * HUGE
+        self._mm = mmap.mmap(-1, size + HUGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        off = -base % HUGE
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # (no THP on a host: 4 KiB pages, still locked)
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_HUGEPAGE, off, size)
+        self.view = np.frombuffer(self._mm, np.uint8, size, off)
+        self.view[::4096] = 0  # fault the pages in (huge where the kernel gives them)
+        self.ptr = base + off
+        self._rt = ctx.cp.cuda.runtime
+        with ctx.dev:
+            self._rt.hostRegister(self.ptr, size, 1)  # cudaHostRegisterPortable
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (interpreter shutdown, a context already gone)
+            self._rt.hostUnregister(self.ptr)
 
 
 def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bool = False,

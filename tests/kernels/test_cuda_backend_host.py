@@ -596,6 +596,44 @@ def test_x_uploaded_apart_from_the_graph(monkeypatch, rows, n, staged):
     assert all(bool(w.data.plans[key].extra.get("device_x")) == apart for key in keys)
 
 
+def test_staging_on_huge_pages(monkeypatch):
+    """STAGING_HUGE (an experiment): x's staging buffers are 2 MiB-aligned runs of whole huge
+    pages registered with CUDA (unregistered when replaced); calls on them return the device
+    y and put x on the device; switching it on or off re-allocates them, and the calls after
+    rebind (then take the cached calls again)."""
+    be, cp, full, w, rng = _counted(monkeypatch, 14)
+    reg: dict[int, int] = {}
+    monkeypatch.setattr(cp.cuda.runtime, "hostRegister",
+                        lambda p, n, f: reg.__setitem__(p, n), raising=False)
+    monkeypatch.setattr(cp.cuda.runtime, "hostUnregister", reg.pop, raising=False)
+    for huge in (1, 0, 1):
+        monkeypatch.setattr(launch_mod, "STAGING_HUGE", huge)
+        full.clear()
+        for i in range(5):
+            be.launch(w, _x(be, rng, 64, 14336, True)).wait()
+            y = _set_y(be, w, 64, i)
+            x = _x(be, rng, 64, 14336, i % 2 == 0)
+            xb = x.copy()
+            assert np.array_equal(be.launch(w, x).wait().y, y)
+            assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
+                                  xb.reshape(-1).view(np.uint8))
+        full.clear()
+        for i in range(4):  # rebound by now: the cached calls again
+            be.launch(w, _x(be, rng, 64, 14336, i % 2 == 0)).wait()
+        assert not full
+        mems = [h[0] for h in be.launcher.ws._host if h is not None]
+        assert mems and all(isinstance(m, launch_mod.HugePinned) == bool(huge) for m in mems)
+        if huge:
+            for m in mems:
+                assert m.ptr % (2 << 20) == 0 and reg[m.ptr] % (2 << 20) == 0
+                assert m.view.ctypes.data == m.ptr and m.view.size >= 64 * 14336 * 2
+    del mems, m
+    import gc
+
+    gc.collect()
+    assert len(reg) == len([h for h in be.launcher.ws._host if h is not None])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,k", [(4096, 14336), (14336, 4096)])
 def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
@@ -682,3 +720,39 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
     be.launch(w, _x(be, rng, 64, 4096, True)).wait()
     assert cp.counts["d2h2d"] > n2d
 
+
+
+@pytest.mark.gpu
+def test_huge_page_staging_on_the_gpu(rng, monkeypatch):
+    """On a device: x staged on huge pages (STAGING_HUGE) gives the same y bit for bit as the
+    default staging, staged and copied, on the first calls and the cached ones."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        devices = 0
+    if not devices:
+        pytest.skip("needs a CUDA device")
+    from q6serve.kernels.api import iter_aos_chunks
+    from q6serve.kernels.cuda_backend import CudaBackend
+    from tests.conftest import random_blocks
+
+    rows, k = 1024, 4096
+    be = CudaBackend(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    try:
+        for n in (64, 1):
+            x = rng.standard_normal((n, k)).astype(np.float16)
+            ref = be.matmul(w, x).y
+            monkeypatch.setattr(launch_mod, "STAGING_HUGE", 1)
+            for i in range(4):
+                xi = x
+                if i % 2:
+                    xi = be.staging(n, k, np.float16)
+                    xi[...] = x
+                np.testing.assert_array_equal(be.launch(w, xi).wait().y, ref)
+            assert isinstance(be.launcher.ws._host[0][0], launch_mod.HugePinned)
+            monkeypatch.setattr(launch_mod, "STAGING_HUGE", 0)
+    finally:
+        be.close()
