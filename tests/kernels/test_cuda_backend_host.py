@@ -455,6 +455,20 @@ def test_y_chunks_env_refuses(value):
         launch_mod.y_chunks_from_env({"Q6SERVE_Y_CHUNKS": value})
 
 
+def _gpu_backend():
+    """The CudaBackend class where CuPy sees a CUDA device, else the test is skipped."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        devices = 0
+    if not devices:
+        pytest.skip("needs a CUDA device")
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    return CudaBackend
+
+
 # The ten model shapes (bench/kernels.py): Qwen2.5-7B's and Llama-3.1-8B's
 TEN = ((3584, 3584), (512, 3584), (18944, 3584), (3584, 18944), (152064, 3584),
        (4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096))
@@ -643,20 +657,13 @@ def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
     launches, the capture, graph replays, the cached BoundCall; staged and copied x; f32 and
     bf16 y; beside a launch in flight: plain), and at N=64 the chunks are really used where the
     tile is a register K-slice tile."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        devices = cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        devices = 0
-    if not devices:
-        pytest.skip("needs a CUDA device")
+    gpu_backend = _gpu_backend()
     from q6serve.kernels import q6k
     from q6serve.kernels.api import iter_aos_chunks
     from q6serve.kernels.cuda import storage
-    from q6serve.kernels.cuda_backend import CudaBackend
     from tests.conftest import random_blocks
 
-    be = CudaBackend(0)
+    be = gpu_backend(0)
     blocks = random_blocks(rng, rows * (k // 256))
 
     def load():
@@ -726,19 +733,12 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
 def test_huge_page_staging_on_the_gpu(rng, monkeypatch):
     """On a device: x staged on huge pages (STAGING_HUGE) gives the same y bit for bit as the
     default staging, staged and copied, on the first calls and the cached ones."""
-    cupy = pytest.importorskip("cupy")
-    try:
-        devices = cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        devices = 0
-    if not devices:
-        pytest.skip("needs a CUDA device")
+    gpu_backend = _gpu_backend()
     from q6serve.kernels.api import iter_aos_chunks
-    from q6serve.kernels.cuda_backend import CudaBackend
     from tests.conftest import random_blocks
 
     rows, k = 1024, 4096
-    be = CudaBackend(0)
+    be = gpu_backend(0)
     w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
                 rows, k, Layout.SOA)
     try:
