@@ -15,10 +15,10 @@ set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/hp13a
-timeout 18 python3 -m pytest -q -m gpu tests/kernels/test_cuda_backend_host.py -p no:cacheprovider \
+timeout 22 python3 -m pytest -q -m gpu tests/kernels/test_cuda_backend_host.py -p no:cacheprovider \
   >"$OUT/tests.log" 2>&1
 note "tests rc=$? at $(elapsed): $(tail -1 "$OUT/tests.log")"
-timeout 36 python3 bench/backend_wall.py --shapes 14336x4096,4096x14336,18944x3584 \
+timeout 33 python3 bench/backend_wall.py --shapes 14336x4096,4096x14336,18944x3584 \
   --ns 64,32,16,1 --modes staged,graph --calls 100 --rounds 3 --floor \
   --variants 'one:SLAB_ROWS=20000;new;xa:X_APART_MIN=1;hp:STAGING_HUGE=1' --json "$OUT/wall.json" >"$OUT/wall.log" 2>&1
 note "wall rc=$? at $(elapsed)"
