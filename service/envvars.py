@@ -109,9 +109,10 @@ REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
 Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", True,
                 "SoA weights' code planes in pair-stream order on the device (CUDA)")
 
-Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", 0,
-               "row chunks a large y is computed and downloaded in (CUDA; 0 or 1: off)",
-               high=16)
+# None: each weight's own (2 for the CUDA storage's two-slab weights, else none)
+Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", None,
+               "row chunks a large y is computed and downloaded in (CUDA; unset: each "
+               "weight's own, 0 or 1: off)", high=16)
 
 LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
                    "launches in flight on one launcher: all for the lane's pipeline, at most 2 "

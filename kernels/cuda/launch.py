@@ -56,7 +56,10 @@ host path of one batch:
    (bench/RESULTS.md): 14336x4096 N=64 in 2 chunks on 512-row slabs, wall 160.4 -> 143.5 us;
    but 512-row slabs cost 18944x3584 N=1 up to 2.5%; session 13: two slabs cost nothing, and
    14336x4096 N=64 in two slabs and 2 chunks took 141.7 us of wall against 158.4 (storage's
-   ``TWO_SLAB_MIN_ROWS``: tall weights of one slab's size are kept in two).
+   ``TWO_SLAB_MIN_ROWS``: tall weights of one slab's size are kept in two). Not built, for
+   the wgmma tile's calls (4096x14336 N=64, no chunks): x uploaded in K slices beside the
+   kernel - its grid is one wave of CTAs that take the same time whenever they start (latency
+   bound, ~1.1 TB/s), so the last slice's CTAs would still end at x's arrival + one CTA's time.
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """

@@ -491,6 +491,8 @@ def test_tall_weights_of_one_slab_are_kept_in_two(monkeypatch):
     assert storage.slab_plan(14336, 4096) == [(0, 7168), (7168, 14336)]
     assert storage.slab_plan(18944, 3584) == [(0, 9472), (9472, 18944)]
     assert storage.slab_plan(9000, 2048) == [(0, 4512), (4512, 9000)]  # rounded up to 16
+    assert storage.slab_plan(8176, 2048) == [(0, 8176)]  # >= 3 K, under 8192 rows: one
+    assert storage.slab_plan(9000, 4096) == [(0, 9000)]  # 8192 rows or more, under 3 K: one
     for rows, k in set(TEN) - two:
         assert storage.slab_plan(rows, k) == plain(rows, k)
     assert len(storage.slab_plan(152064, 3584)) == 7  # the lm-head: SLAB_BYTES' slabs
