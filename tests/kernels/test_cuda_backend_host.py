@@ -701,13 +701,18 @@ def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
                 a = be.launch(wd, staged_x(x[:1]))
                 np.testing.assert_array_equal(be.launch(wd, x, out_dtype=out).wait().y, ref)
                 a.wait()
-        for wc in (w, wd):
+        lc = be.launcher
+        c = be.choose(64, Precision.AUTO, KernelFlags(), rows, k)
+        for wc, want in ((w, 4), (wd, wd.data.y_chunks)):
             used = {key[2] for key, b in wc.data.plans.items()
                     if isinstance(key, tuple) and len(key) == 6
                     and getattr(b, "extra", {}).get("chunks")}
-            # 14336x4096 runs the register K-slice tile at N=64 (chunked); 4096x14336 the wgmma
-            # tile (never chunked: Y_CHUNK_SRCS)
-            assert (64 in used) == (rows == 14336), used
+            full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, wc.data.pairs)
+            cut = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64,
+                                wc.data.rps, want, wc.data.pairs)
+            assert (64 in used) == (cut is not None), used
+        # the default two-slab 14336x4096 takes its chunks at N=64 (the point of the two slabs)
+        assert (64 in used) == (rows == 14336), used
     finally:
         be.launcher.y_chunks = None
         be.close()
