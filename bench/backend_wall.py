@@ -34,8 +34,9 @@ sync, Python). Modes:
 ``--y-chunks C`` / a variant's ``Y_CHUNKS=C``: a large y computed and downloaded in up to C row
 chunks (kernels/cuda/launch.py, point 8; by default a two-slab weight's own 2, ``Y_CHUNKS=0``
 none), which needs weights of several slabs: ``--slab-rows R`` or a variant's ``SLAB_ROWS=R``
-loads them in slabs of R rows (a value over the rows: one slab, as before session 13); the rows of
-the chunks used are printed after the row (e.g. ``--variants 'one:SLAB_ROWS=16384;new'``).
+loads them in slabs of R rows (a value over the rows: one slab, as before session 13; -P: in P
+slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
+'one:SLAB_ROWS=20000;new;two:SLAB_ROWS=-2,Y_CHUNKS=2'``).
 
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
@@ -121,10 +122,13 @@ def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
 def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int,
          slab_rows: int = 0) -> ResidentWeight:
     """``blocks`` resident on ``be`` (SoA), in slabs of ``slab_rows`` rows (0: storage's
-    default slabs, a tall weight of one slab's size in two: ``storage.TWO_SLAB_MIN_ROWS``)."""
+    default slabs, a tall weight of one slab's size in two: ``storage.TWO_SLAB_MIN_ROWS``;
+    -P: P slabs of ceil(rows / P) rows rounded up to 16)."""
     from q6serve.kernels.cuda import storage
 
     old = storage.SLAB_BYTES, storage.TWO_SLAB_MIN_ROWS
+    if slab_rows < 0:
+        slab_rows = -(-rows // (-16 * slab_rows)) * 16
     if slab_rows:
         storage.SLAB_BYTES = slab_rows * q6k.aos_nbytes(1, k)
         storage.TWO_SLAB_MIN_ROWS = 0
