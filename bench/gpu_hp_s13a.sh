@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran at fdbe634 in bundle A, 2026-12-02 06:09 UTC; the xa and hp variants' constants, X_APART_MIN and
+# STAGING_HUGE, were removed after it: no gain. bench/RESULTS.md, host path session 13.)
 # Session 13, helper hp, bundle A (bound 70 s): issue 14's host time at N=64 on the 48 MB weights,
 # on main's table re-tuned for pair weights (d7d6f1b: N=64 left the wgmma tile, src 4 now).
 # 1. GPU tests of the host path: the default two-slab 14336x4096 (its own 2 row chunks), 512-row

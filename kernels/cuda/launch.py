@@ -66,7 +66,6 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import os
@@ -140,23 +139,14 @@ BATCH_SLOTS = min(SLOTS, 2)
 # copy stream while chunk i+1 computes. None: each weight's own (CudaWeight.y_chunks: 2 for
 # storage's two-slab weights, else 0); 0/1: off; C: C for every weight (Q6SERVE_Y_CHUNKS
 # overrides it where a backend is built; the wall bench's variants set it); only for a y of
-# Y_CHUNK_MIN bytes or more.
+# Y_CHUNK_MIN bytes or more: H200, session 13 (bench/RESULTS.md), two chunks on two slabs:
+# 18944x3584 N=16 (1.2 MB of f32 y) kept its wall (90.9 vs 89.9 us) for 5.8 us more of kernels;
+# 14336x4096 N=32 (1.8 MB) took 8 us less wall, 18944x3584 N=32 (2.4 MB) 11, 14336x4096 N=64
+# (3.7 MB) 16.
 Y_CHUNKS: int | None = None
-Y_CHUNK_MIN = 512 << 10
+Y_CHUNK_MIN = 3 << 19  # 1.5 MiB
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
-# An experiment (0: off): x's pinned staging buffers on 2 MiB transparent huge pages (an
-# anonymous mapping, madvise(MADV_HUGEPAGE), page-locked by cudaHostRegister) instead of
-# cudaHostAlloc's 4 KiB pages: a 1.8 MB fill then touches one TLB entry instead of ~450 (the
-# host path right after a fill ran ~2x slower at N=64, bench/RESULTS.md session 9: TLB and
-# cache pollution suspected), and x's DMA reads fewer pages. A switch re-allocates them (the
-# workspace's generation: every binding rebinds).
-STAGING_HUGE = 0
-HUGE = 2 << 20
-# An experiment (0: off): an x of X_APART_MIN bytes or more is uploaded by a copy enqueued just
-# before the graph launch instead of by the graph's own first node, so its DMA starts while the
-# host is still in cudaGraphLaunch (the sequence is bound and captured without the upload).
-X_APART_MIN = 0
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -418,7 +408,7 @@ class Workspace:
     def busy(self, slot: int) -> bool:
         """Whether a launch other than ``slot``'s is in flight (launched, not waited for)."""
         held = self._held
-        return any(held[s] for s in range(SLOTS) if s != slot)
+        return sum(held) > held[slot]
 
     def done_event(self, slot: int) -> Any:
         """The slot's completion event (recorded after each launch's last operation)."""
@@ -452,9 +442,8 @@ class Workspace:
         return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
 
     def host(self, nbytes: int, slot: int = 0) -> np.ndarray:
-        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``; on huge pages
-        under ``STAGING_HUGE``)."""
-        self._host[slot] = self._pinned(self._host[slot], nbytes, bool(STAGING_HUGE))
+        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``)."""
+        self._host[slot] = self._pinned(self._host[slot], nbytes)
         return self._host[slot][1]
 
     def host_out(self, nbytes: int, slot: int = 0) -> np.ndarray:
@@ -462,19 +451,13 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
-    def _pinned(self, have: Any, nbytes: int, huge: bool = False) -> tuple[Any, np.ndarray]:
-        if (have is not None and have[1].size >= nbytes
-                and isinstance(have[0], HugePinned) == huge):
+    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
+        if have is not None and have[1].size >= nbytes:
             return have
         size = self._grown(0 if have is None else have[1].size, nbytes)
-        if huge:
-            mem = HugePinned(self.ctx, size)
-            view = mem.view
-        else:
-            mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
-            view = np.frombuffer(mem, np.uint8, size)
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
         self.gen += 1
-        return mem, view
+        return mem, np.frombuffer(mem, np.uint8, size)
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._dev.values())
@@ -485,34 +468,6 @@ class Workspace:
         self._held, self._done = [False] * SLOTS, [None] * SLOTS
         self.staged = None
         self.gen += 1
-
-
-class HugePinned:
-    """``nbytes`` of page-locked host memory on transparent huge pages (``STAGING_HUGE``): an
-    anonymous mapping with a 2 MiB-aligned interior, ``madvise(MADV_HUGEPAGE)``, touched, then
-    registered with CUDA (portable). ``ptr`` its address, ``view`` a uint8 array over it; the
-    registration ends when it is dropped (the mapping lives as long as a view of it)."""
-
-    def __init__(self, ctx: Any, nbytes: int) -> None:
-        import mmap
-
-        size = -(-nbytes // HUGE) * HUGE
-        self._mm = mmap.mmap(-1, size + HUGE)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-        off = -base % HUGE
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # (no THP on a host: 4 KiB pages, still locked)
-            with contextlib.suppress(OSError):
-                self._mm.madvise(mmap.MADV_HUGEPAGE, off, size)
-        self.view = np.frombuffer(self._mm, np.uint8, size, off)
-        self.view[::4096] = 0  # fault the pages in (huge where the kernel gives them)
-        self.ptr = base + off
-        self._rt = ctx.cp.cuda.runtime
-        with ctx.dev:
-            self._rt.hostRegister(self.ptr, size, 1)  # cudaHostRegisterPortable
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # (interpreter shutdown, a context already gone)
-            self._rt.hostUnregister(self.ptr)
 
 
 def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bool = False,
@@ -536,11 +491,6 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     if n * rows * 2 > SMALL_Y:
         return "y16" if y16 else None
     return dt
-
-
-def _apart(x_bytes: int) -> tuple[str, ...]:
-    """The bound sequence key's tail for an x uploaded apart from the graph (X_APART_MIN)."""
-    return ("xa",) if X_APART_MIN and x_bytes >= X_APART_MIN else ()
 
 
 def _external_record() -> Any:
@@ -568,8 +518,8 @@ class BoundCall:
     was not dropped)."""
 
     __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked", "dev", "done",
-                 "half", "host", "host_ptr", "kernel", "layout", "lc", "n", "nbytes", "out",
-                 "precision", "rows", "slot", "stream", "topk", "ws", "xa", "xd", "y", "y16")
+                 "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision",
+                 "rows", "slot", "stream", "topk", "ws", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
@@ -579,9 +529,6 @@ class BoundCall:
         self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
         self.done = lc.ws.done_event(slot)
         self.host = lc.ws.host(b.x_bytes, slot)
-        self.host_ptr = lc.ws._host[slot][0].ptr
-        self.xa = bool(b.extra.get("device_x"))  # x uploaded apart (X_APART_MIN), then the graph
-        self.xd = b.extra["xd"]
         self.out = None if b.extra["out"] is None else b.extra["out"][1]  # in-graph download
         self.topk, self.rows, self.n, self.y = topk, rows, n, b.extra["y"]
         self.y16 = b.extra.get("y16")  # y's f16 conversion bound into the graph (y16_graph)
@@ -609,8 +556,6 @@ class BoundCall:
         ws._held[slot] = True
         try:
             with self.dev:
-                if self.xa:
-                    self._memcpy(self.xd, self.host_ptr, self.b.x_bytes, _H2D, stream.ptr)
                 self.b.graph.launch(stream)
                 y = None
                 if self.big:
@@ -883,11 +828,14 @@ class Launcher:
             return 0 if cw is None else cw.y_chunks
         return v
 
-    def chunks_for(self, cw: CudaWeight, slot: int) -> int:
+    def chunks_for(self, cw: CudaWeight, slot: int, ys: int | None = None) -> int:
         """:meth:`chunks_wanted` for a launch in ``slot`` now: none while another launch is in
-        flight (``Y_CHUNKS_IDLE``)."""
+        flight (``Y_CHUNKS_IDLE``), nor for a y of ``ys`` values (N x rows) under
+        ``Y_CHUNK_MIN`` as f32 (never chunked: the state a small call's cached BoundCall is
+        keyed by stays 0, with no look at the slots)."""
         v = self.chunks_wanted(cw)
-        if v > 1 and Y_CHUNKS_IDLE and self.ws.busy(slot):
+        if v > 1 and ((ys is not None and 4 * ys < Y_CHUNK_MIN)
+                      or (Y_CHUNKS_IDLE and self.ws.busy(slot))):
             return 0
         return v
 
@@ -1233,7 +1181,7 @@ class Launcher:
         small = _small_out(n, w.rows, out_dtype, topk, self.y16_graph, chunks)
         if topk and small is None:
             return None
-        b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot, *_apart(x.nbytes)))
+        b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
         if b is None or not b.graph or b.gen != self.ws.gen:
             return None
         return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision)
@@ -1270,18 +1218,12 @@ class Launcher:
             return self._matmul_direct(w, cw, x, in_t, out_dtype, topk, slot)
         if cfg is None:
             raise DeviceError(f"{path} needs a launch shape")
-        xa = _apart(x.nbytes)
         key = (path, cfg, n, in_t, _small_out(n, w.rows, out_dtype, topk, self.y16_graph,
-                                               chunks), slot, *xa)
+                                               chunks), slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
-            if xa:
-                b.extra["device_x"] = True  # (its capture leaves the upload out)
         if b.graph:
-            if xa:
-                cp.cuda.runtime.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D,
-                                            stream.ptr)
             b.graph.launch(stream)
             finish = self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
 
@@ -1387,7 +1329,7 @@ class Launcher:
             self.ws.done_event(slot).synchronize()
 
     def _bind(self, w: ResidentWeight, cw: CudaWeight, key: tuple, x_bytes: int) -> Bound:
-        path, cfg, n, in_t, small, slot = key[:6]  # (a 7th: x uploaded apart, _apart)
+        path, cfg, n, in_t, small, slot = key
         small = small if small != "device" else None  # launch_device: y stays on the device
         slot = slot or 0  # (None: launch_device's, which has no host buffers of its own)
         cp = self.ctx.cp

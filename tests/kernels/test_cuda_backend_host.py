@@ -520,8 +520,9 @@ def _two_slab(monkeypatch, y_chunks: int = 2):
 
 def test_two_slab_weights_take_their_own_chunks_by_default(monkeypatch):
     """Unset Q6SERVE_Y_CHUNKS: a two-slab weight's large y comes in its own 2 row chunks (one
-    a slab), whole and right on every kind of call; Q6SERVE_Y_CHUNKS=0 turns them off; a
-    weight of several slabs without chunks of its own (an lm-head) stays plain."""
+    a slab), whole and right on every kind of call; a y under Y_CHUNK_MIN stays whole;
+    Q6SERVE_Y_CHUNKS=0 turns them off; a weight of several slabs without chunks of its own
+    (an lm-head) stays plain."""
     assert launch_mod.Y_CHUNKS is None
     be, cp, _, w = _two_slab(monkeypatch)
     assert be.launcher.y_chunks is None  # (the test environment has no Q6SERVE_Y_CHUNKS)
@@ -534,6 +535,13 @@ def test_two_slab_weights_take_their_own_chunks_by_default(monkeypatch):
             before = cp.counts.get("d2h2d", 0)
             res = be.launch(w, _x(be, rng, 64, 4096, staged)).wait()
             assert np.array_equal(res.y, y) and cp.counts["d2h2d"] == before + 2
+    # a y under Y_CHUNK_MIN (1.5 MiB of f32: 18944x3584 N=16's 1.2 MB) stays whole, and its
+    # chunk state is 0; 14336x4096 N=32's 1.8 MB is chunked
+    small_out = launch_mod._small_out
+    assert small_out(16, 18944, None, 0, True, 2) is None
+    assert small_out(32, 14336, None, 0, True, 2) == ("rows", 2)
+    assert be.launcher.chunks_for(w.data, 0, 16 * 18944) == 0
+    assert be.launcher.chunks_for(w.data, 0, 32 * 14336) == 2
     for chunks, own in ((0, 2), (None, 0)):
         be2, cp2, _, w2 = _two_slab(monkeypatch, own)
         be2.launcher.y_chunks = chunks
@@ -573,6 +581,8 @@ def test_no_chunks_beside_a_launch_in_flight(monkeypatch):
         res, y = busy_call(i)
         assert np.array_equal(res.y, y) and cp.counts["d2h2d"] == n2d + 2
     assert not full
+    # the small calls' cached BoundCalls: one chunk state (0), idle or beside a launch
+    assert {key[-1] for key in w.data.plans if len(key) == 8 and key[0][0] == 1} == {0}
     monkeypatch.setattr(launch_mod, "Y_CHUNKS_IDLE", 0)
     n2d = cp.counts["d2h2d"]
     for i in range(3):
@@ -581,73 +591,6 @@ def test_no_chunks_beside_a_launch_in_flight(monkeypatch):
         assert np.array_equal(be.launch(w, _x(be, rng, 64, 4096, True)).wait().y, y)
         a.wait()
     assert cp.counts["d2h2d"] == n2d + 6
-
-
-@pytest.mark.parametrize("staged", [True, False])
-@pytest.mark.parametrize("rows,n", [(4096, 64), (4096, 1), (14336, 64)])
-def test_x_uploaded_apart_from_the_graph(monkeypatch, rows, n, staged):
-    """X_APART_MIN (an experiment): an x that large is uploaded by one copy enqueued before the
-    graph launch, the graph captured without it - x reaches the device once a call, the call's
-    y is the device y's, on the full path and the cached BoundCall; below the threshold the
-    graph uploads it as before."""
-    monkeypatch.setattr(launch_mod, "X_APART_MIN", 64 * 4096 * 2)
-    be, cp = fake_backend(monkeypatch)
-    k = 14336 if rows == 4096 else 4096
-    w = fake_weight(be, rows, k)
-    rng = np.random.default_rng(13)
-    be.matmul(w, _x(be, rng, n, k, staged))
-    apart = n * k * 2 >= launch_mod.X_APART_MIN
-    for i in range(5):
-        y = _set_y(be, w, n, i)
-        x = _x(be, rng, n, k, staged)
-        xb = x.copy()
-        h2d = cp.counts.get("h2d", 0)
-        assert np.array_equal(be.launch(w, x).wait().y, y)
-        assert cp.counts["h2d"] == h2d + 1  # once: apart, or the graph's node
-        assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
-                              xb.reshape(-1).view(np.uint8))
-    assert cp.counts["graph"] == 4
-    keys = [key for key in w.data.plans if isinstance(key, tuple) and len(key) in (6, 7)]
-    assert {len(key) for key in keys} == {7 if apart else 6}
-    assert all(bool(w.data.plans[key].extra.get("device_x")) == apart for key in keys)
-
-
-def test_staging_on_huge_pages(monkeypatch):
-    """STAGING_HUGE (an experiment): x's staging buffers are 2 MiB-aligned runs of whole huge
-    pages registered with CUDA (unregistered when replaced); calls on them return the device
-    y and put x on the device; switching it on or off re-allocates them, and the calls after
-    rebind (then take the cached calls again)."""
-    be, cp, full, w, rng = _counted(monkeypatch, 14)
-    reg: dict[int, int] = {}
-    monkeypatch.setattr(cp.cuda.runtime, "hostRegister",
-                        lambda p, n, f: reg.__setitem__(p, n), raising=False)
-    monkeypatch.setattr(cp.cuda.runtime, "hostUnregister", reg.pop, raising=False)
-    for huge in (1, 0, 1):
-        monkeypatch.setattr(launch_mod, "STAGING_HUGE", huge)
-        full.clear()
-        for i in range(5):
-            be.launch(w, _x(be, rng, 64, 14336, True)).wait()
-            y = _set_y(be, w, 64, i)
-            x = _x(be, rng, 64, 14336, i % 2 == 0)
-            xb = x.copy()
-            assert np.array_equal(be.launch(w, x).wait().y, y)
-            assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
-                                  xb.reshape(-1).view(np.uint8))
-        full.clear()
-        for i in range(4):  # rebound by now: the cached calls again
-            be.launch(w, _x(be, rng, 64, 14336, i % 2 == 0)).wait()
-        assert not full
-        mems = [h[0] for h in be.launcher.ws._host if h is not None]
-        assert mems and all(isinstance(m, launch_mod.HugePinned) == bool(huge) for m in mems)
-        if huge:
-            for m in mems:
-                assert m.ptr % (2 << 20) == 0 and reg[m.ptr] % (2 << 20) == 0
-                assert m.view.ctypes.data == m.ptr and m.view.size >= 64 * 14336 * 2
-    del mems, m
-    import gc
-
-    gc.collect()
-    assert len(reg) == len([h for h in be.launcher.ws._host if h is not None])
 
 
 @pytest.mark.gpu
@@ -733,33 +676,3 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
     be.launcher.y_chunks = 4
     be.launch(w, _x(be, rng, 64, 4096, True)).wait()
     assert cp.counts["d2h2d"] > n2d
-
-
-
-@pytest.mark.gpu
-def test_huge_page_staging_on_the_gpu(rng, monkeypatch):
-    """On a device: x staged on huge pages (STAGING_HUGE) gives the same y bit for bit as the
-    default staging, staged and copied, on the first calls and the cached ones."""
-    gpu_backend = _gpu_backend()
-    from q6serve.kernels.api import iter_aos_chunks
-    from tests.conftest import random_blocks
-
-    rows, k = 1024, 4096
-    be = gpu_backend(0)
-    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
-                rows, k, Layout.SOA)
-    try:
-        for n in (64, 1):
-            x = rng.standard_normal((n, k)).astype(np.float16)
-            ref = be.matmul(w, x).y
-            monkeypatch.setattr(launch_mod, "STAGING_HUGE", 1)
-            for i in range(4):
-                xi = x
-                if i % 2:
-                    xi = be.staging(n, k, np.float16)
-                    xi[...] = x
-                np.testing.assert_array_equal(be.launch(w, xi).wait().y, ref)
-            assert isinstance(be.launcher.ws._host[0][0], launch_mod.HugePinned)
-            monkeypatch.setattr(launch_mod, "STAGING_HUGE", 0)
-    finally:
-        be.close()
