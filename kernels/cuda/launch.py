@@ -833,9 +833,10 @@ class Launcher:
         flight (``Y_CHUNKS_IDLE``), nor for a y of ``ys`` values (N x rows) under
         ``Y_CHUNK_MIN`` as f32 (never chunked: the state a small call's cached BoundCall is
         keyed by stays 0, with no look at the slots)."""
+        if ys is not None and 4 * ys < Y_CHUNK_MIN:
+            return 0
         v = self.chunks_wanted(cw)
-        if v > 1 and ((ys is not None and 4 * ys < Y_CHUNK_MIN)
-                      or (Y_CHUNKS_IDLE and self.ws.busy(slot))):
+        if v > 1 and Y_CHUNKS_IDLE and self.ws.busy(slot):
             return 0
         return v
 
