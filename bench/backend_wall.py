@@ -96,12 +96,53 @@ class _Stamped:
         self.stamps["g1"] = time.perf_counter()
 
 
+class _StampedEvent:
+    """A cached BoundCall's completion event with the host's clock read after its record
+    (``--probe``: the end of the launch's enqueueing)."""
+
+    def __init__(self, ev: object, stamps: dict) -> None:
+        self.ev, self.stamps = ev, stamps
+
+    def record(self, stream: object = None) -> None:
+        self.ev.record(stream)
+        self.stamps["f1"] = time.perf_counter()
+
+    def synchronize(self) -> None:
+        self.ev.synchronize()
+
+
+def _probe_call(call: object, stamps: dict | None) -> None:
+    """A cached BoundCall (kernels/cuda/launch.py): f0 when y's way out starts (its pinned
+    block), f1 after its completion event's record; None: undo that."""
+    if stamps is None:
+        if isinstance(call.done, _StampedEvent):
+            call.done = call.done.ev
+            call._pinned = call._pinned.__wrapped__
+        return
+    if isinstance(call.done, _StampedEvent):
+        return
+    pinned = call._pinned
+
+    def stamped(n: int) -> object:
+        stamps["f0"] = time.perf_counter()
+        return pinned(n)
+
+    stamped.__wrapped__ = pinned
+    call._pinned = stamped
+    call.done = _StampedEvent(call.done, stamps)
+
+
 def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
-    """``stamps`` a dict: time-stamp the graph launches of ``w``'s bound sequences and the
-    launcher's ``_finish`` (y's way out, enqueued after the launch); None: undo that."""
+    """``stamps`` a dict: time-stamp the graph launches of ``w``'s bound sequences, the
+    launcher's ``_finish`` (y's way out, enqueued after the launch) and the cached calls' way
+    out (``_probe_call``); None: undo that."""
+    from q6serve.kernels.cuda.launch import BoundCall
+
     lc = be.launcher
     for b in w.data.plans.values():
-        if stamps is not None and b.graph and not isinstance(b.graph, _Stamped):
+        if isinstance(b, BoundCall):
+            _probe_call(b, stamps)
+        elif stamps is not None and b.graph and not isinstance(b.graph, _Stamped):
             b.graph = _Stamped(b.graph, stamps)
         elif stamps is None and isinstance(b.graph, _Stamped):
             b.graph = b.graph.graph
