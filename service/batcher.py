@@ -141,7 +141,8 @@ class Device:
                             else max(1, min(int(ds), self.now_slots)))
         # Q6SERVE_DEFER_NOW (on by default; 0: off): Batcher._finish launches the next such
         # batch, and Batcher.enqueue does not wake the batcher's task while no batch may launch
-        # (H200, session 13: the lm-head target's p50 5.49/5.76 -> 4.09 ms, bench/RESULTS.md)
+        # (H200, session 13: the lm-head target's p50 5.49/5.76 -> 4.09 ms, a second call
+        # mixed, 5.20/5.32 -> 4.68/5.41: bench/RESULTS.md)
         self.defer_now = bool(envvars.DEFER_NOW.read())
         # short batches under load launched like long ones (Batcher._pipelined)
         self.pipeline_short = (self.launch_slots > 1
