@@ -904,16 +904,23 @@ struct Raw8 {
 };
 
 // Fields 2t and 2t+1 of both 48-bit streams of a pair-stream triple (w0, w1, w2) as four codes,
-// one per byte: (low 2t, high 2t, low 2t+1, high 2t+1), sh = 12t. Field P of a stream is bits
-// 6P..6P+5 of (w0, w1, w2)'s 16-bit halves end to end (pair_bits' cases), so the lane's two
-// fields are the stream shifted by 12t: one code path for every lane. (pair_bits(2t, ..) with
-// the lane's t was a switch on a per-lane value, four ways divergent in every warp: the int8
-// tile ran ~4x slower on pair weights than on plain SoA, session 13's tune.)
-__device__ __forceinline__ u32 pair_codes4(u32 w0, u32 w1, u32 w2, u32 sh) {
-    const u64 lo = ((u64)(w2 & 0xFFFFu) << 32) | __byte_perm(w0, w1, 0x5410u);
-    const u64 hi = ((u64)(w2 >> 16) << 32) | __byte_perm(w0, w1, 0x7632u);
-    const u32 p = __byte_perm((u32)(lo >> sh), (u32)(hi >> sh), 0x5410u);
-    return __byte_perm(p & 0x003F003Fu, (p >> 6) & 0x003F003Fu, 0x6420u);
+// one per byte: (low 2t, high 2t, low 2t+1, high 2t+1). Field P of a stream is bits 6P..6P+5
+// of (w0, w1, w2)'s 16-bit halves end to end (pair_bits' cases), so lane t's two fields are
+// stream bits 12t..12t+11: w0's (t=0), w0 bits 12-15 + w1 bits 0-7 (t=1), w1 bits 8-15 + w2
+// bits 0-3 (t=2), w2 bits 4-15 (t=3), for both halves at once: one byte permute of (a, b) =
+// (w0, w1) or (w1, w2) and a shift by 0 or 4 (PairSel: the lane's constants), the same
+// instructions in every lane. (pair_bits(2t, ..) with the lane's t was a switch on a per-lane
+// value, four ways divergent in every warp: the int8 tile ran ~4x slower on pair weights than
+// on plain SoA, session 13's tune.)
+struct PairSel {
+    bool lo;  // t < 2: (w0, w1), else (w1, w2)
+    u32 sel, sh;
+    __device__ __forceinline__ explicit PairSel(int t)
+        : lo(t < 2), sel(t == 0 ? 0x3210u : t == 3 ? 0x7654u : 0x6341u), sh(t & 1 ? 4u : 0u) {}
+};
+__device__ __forceinline__ u32 pair_codes4(u32 w0, u32 w1, u32 w2, const PairSel& ps) {
+    const u32 v = __byte_perm(ps.lo ? w0 : w1, ps.lo ? w1 : w2, ps.sel) >> ps.sh;
+    return __byte_perm(v & 0x003F003Fu, (v >> 6) & 0x003F003Fu, 0x6420u);
 }
 
 template <int SOA>
@@ -926,7 +933,7 @@ __device__ __forceinline__ Raw8 load_raw8(const RowRef& r, int b, int t) {
         // row bytes: the whole row once per warp), its triples m = 0..3 taken from them.
         const u8* ql = r.base + r.ql + (u32)b * 128u;
         const u8* qh = r.base + r.qh + (u32)b * 64u;
-        const u32 sh = 12u * (u32)t;
+        const PairSel sh(t);
 #pragma unroll
         for (int tq = 0; tq < 4; ++tq) {
             const uint4 a = ldg_stream128(ql + 32 * tq), c = ldg_stream128(ql + 32 * tq + 16);
