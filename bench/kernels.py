@@ -11,7 +11,7 @@ timed in the same run.
                             [--dtypes f16,f32] [--variants] [--summary] [--only TEXT]
                             [--json out.json]
     python bench/kernels.py --tune [--table-out kernels/cuda/dispatch_h200.json] [--json ..]
-    python bench/kernels.py --pairs-ab [--shapes ..] [--ns ..] [--precision q8_1] [--no-torch]
+    python bench/kernels.py --pairs-ab [--shapes ..] [--ns ..] [--precision q8_1] [--nts 1,2]
     python bench/kernels.py --table-ab OLD.json [--shapes ..] [--ns ..] [--columns auto,..]
 
 ``--tune`` times every candidate (kernel path x launch shape, ``tune_candidates``) of every
@@ -275,8 +275,16 @@ def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
     ns = list(map(int, a.ns.split(",")))
     t0 = time.perf_counter()
-    jobs = [(r, k, n, c.cfg, c.path, "InF16") for r, k in shapes for n in ns
-            for c in [be.choose(n, prec, flags, r, k)]]
+
+    def picks(n: int, r: int, k: int) -> list[tuple[str, Cfg | None]]:
+        """The column's pick, or (--nts) its path at each of those n-tile counts."""
+        c = be.choose(n, prec, flags, r, k)
+        if not a.nts or c.cfg is None:
+            return [(c.path, c.cfg)]
+        return [(c.path, replace(c.cfg, nt=int(x))) for x in a.nts.split(",")]
+
+    jobs = [(r, k, n, cfg, path, "InF16") for r, k in shapes for n in ns
+            for path, cfg in picks(n, r, k)]
     got = 0
     for pairs in (False, True):
         be.storage.pairs = pairs
@@ -296,26 +304,25 @@ def pairs_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
             wp = load_copies(be, rng, rows, k, Layout.SOA, blocks)
         finally:
             be.storage.pairs = False
-        for n in ns:
-            c = be.choose(n, prec, flags, rows, k)
+        for n, (path, cfg) in [(nn, pc) for nn in ns for pc in picks(nn, rows, k)]:
             f16 = np.dtype(np.float16)
             times: dict[str, list[float]] = {"soa": [], "pairs": []}
             with be.ctx.dev, be.stream:
                 # x on the backend's (non-blocking) stream: uploaded on the null stream, the
                 # first kernel could read it half-written (session 12's one unrepeatable DIFF)
                 x = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
-                ys, yp = (be.run(w[0], x, f16, c.path, c.cfg) for w in (ws, wp))
+                ys, yp = (be.run(w[0], x, f16, path, cfg) for w in (ws, wp))
                 same = bool((ys.view(cp.uint32) == yp.view(cp.uint32)).all())
                 for _ in range(2):
                     for key, wl in (("soa", ws), ("pairs", wp)):
-                        def call(i: int, wl=wl, x=x, dt=f16, c=c) -> None:
-                            be.run(wl[i], x, dt, c.path, c.cfg)
+                        def call(i: int, wl=wl, x=x, dt=f16, p=path, c=cfg) -> None:
+                            be.run(wl[i], x, dt, p, c)
 
                         times[key].append(time_calls(cp, call, len(wl), iters=a.iters))
             t_s, t_p = min(times["soa"]), min(times["pairs"])
             t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
                 16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
-            label = f"{c.path}.{c.cfg.label() if c.cfg else ''}"
+            label = f"{path}.{cfg.label() if cfg else ''}"
             xt = f"{t_torch / t_p:6.2f}" if t_torch else "     -"
             tt = f"{t_torch:7.1f}" if t_torch else "      -"
             print(f"{rows}x{k:<6} {n:>3} {label:>26} {t_s:7.1f} {wbytes / t_s / 1e6:5.2f} "
@@ -619,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                     "the tuned one)")
     ap.add_argument("--precision", default="auto", choices=[p.value for p in Precision],
                     help="--pairs-ab: the table column timed (default auto)")
+    ap.add_argument("--nts", default=None,
+                    help="--pairs-ab: the column's path at each of these n-tile counts (e.g. "
+                    "1,2,8) instead of the table's launch shape")
     ap.add_argument("--table-ab", default=None, metavar="OLD.json",
                     help="the committed table against this one: every changed cell timed "
                     "old/new alternated (table_ab)")
