@@ -98,7 +98,8 @@ SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the me
 GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (EngineProxy)
 # a front end's stacked requests per (weight, dtypes, K) on the device at once; later calls
 # wait for one of them to be answered and go stacked (EngineProxy: fewer, larger messages).
-# Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit) for experiments.
+# Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit). One since session 13
+# (two before): bench/RESULTS.md, issue 15 session 13 (T2 through 4 front ends, alternated).
 STACKS_IN_FLIGHT = int(envvars.FRONTEND_STACKS.default)
 STACKS_ENV = envvars.FRONTEND_STACKS.name
 
