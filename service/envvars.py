@@ -71,7 +71,7 @@ MMAP_THRESHOLD = Var("Q6SERVE_MMAP_THRESHOLD", "count", 32 << 20,
                      "malloc's mmap threshold in bytes (0: glibc's own)")
 JOB_BATCHES = Var("Q6SERVE_JOB_BATCHES", "count", 1,
                   "batches of one weight per device-thread job", low=1)
-FRONTEND_STACKS = Var("Q6SERVE_FRONTEND_STACKS", "count", 1,
+FRONTEND_STACKS = Var("Q6SERVE_FRONTEND_STACKS", "count", 2,
                       "stacks a front end keeps in flight (0: no limit)")
 FRONTEND_BUSY_POLL_US = Var("Q6SERVE_FRONTEND_BUSY_POLL_US", "number", 0.0,
                             "microseconds a front end's loop polls before it sleeps (0: never)")

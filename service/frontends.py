@@ -98,8 +98,9 @@ SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the me
 GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (EngineProxy)
 # a front end's stacked requests per (weight, dtypes, K) on the device at once; later calls
 # wait for one of them to be answered and go stacked (EngineProxy: fewer, larger messages).
-# Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit). One since session 13
-# (two before): bench/RESULTS.md, issue 15 session 13 (T2 through 4 front ends, alternated).
+# Env Q6SERVE_FRONTEND_STACKS (read when a front end starts; 0: no limit). Two: one measured
+# better only with round-robin connections, and T2 under the default connection hash fell with
+# it in session 13's closing check (bench/RESULTS.md, issue 15 session 13).
 STACKS_IN_FLIGHT = int(envvars.FRONTEND_STACKS.default)
 STACKS_ENV = envvars.FRONTEND_STACKS.name
 

@@ -358,7 +358,6 @@ def test_front_end_stacks_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
 
     async def main() -> None:
         arena, w, link, proxy = _proxy(4)
-        proxy.stacks_in_flight = 2  # (round 2's odd and solo go while round 1's are out)
         xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
         for copy_max in (1 << 16, 0):  # y copied out of the slot, then y viewed in it
             monkeypatch.setattr(frontends, "COPY_Y_BYTES", copy_max)
@@ -434,15 +433,14 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
     from q6serve.service.engine import MatmulCall
     from q6serve.service.frontends import stacks_in_flight
 
-    assert stacks_in_flight({}) == 1 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
+    assert stacks_in_flight({}) == 2 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
     assert stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "0"}) > 1 << 20  # no limit
     with pytest.raises(InvalidArgument, match="Q6SERVE_FRONTEND_STACKS='two'"):
         stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "two"})
 
     async def main() -> None:
         arena, w, link, proxy = _proxy(8)
-        assert proxy.stacks_in_flight == 1  # (the default; two here: Q6SERVE_FRONTEND_STACKS=2)
-        proxy.stacks_in_flight = 2
+        assert proxy.stacks_in_flight == 2
 
         async def call(x: np.ndarray) -> tuple[asyncio.Future[Any], list[tuple[Any, ...]]]:
             fut = proxy.start_matmul(MatmulCall("w", x))
