@@ -110,7 +110,7 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   grep -E "^# T1|mean us|bare gRPC|\"target\": \"T1\"" "$OUT/t1.log" | tail -5 | cut -c1-400
   echo "## pinned ($PIN)"
   grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
-  grep -E "median|loop trips" "$OUT/trips.log" | cut -c1-160
+  grep -E "median|loop trips" "$OUT/trips.log" 2>/dev/null | cut -c1-160
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   echo "## replay pinned ($PIN)"
   grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
