@@ -120,3 +120,5 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
   grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
 } | tee "$FINAL/summary.txt"
+# each step's status is in the table; the greps above of skipped steps' logs must not set the exit status
+exit 0
