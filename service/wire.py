@@ -401,23 +401,50 @@ def _head_of(y: np.ndarray, r: MatmulReply, msg: Any = pb.MatmulResponse,
     return got
 
 
+def _wire_y(y: np.ndarray) -> np.ndarray:
+    """``y`` as its wire bytes lie: C-contiguous, little-endian."""
+    return np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
+                                          copy=False)
+
+
+def _y_data(y: np.ndarray) -> bytes | memoryview:
+    """A wire ``y``'s bytes: a view when large (copied once, by the join); a small y is copied
+    twice, cheaper than making the view (~0.4 vs 1.8 us for 14 KiB on the VM)."""
+    return y.tobytes() if y.nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
+
+
+def _packs(r: MatmulReply) -> bool:
+    """Whether ``r``'s timing takes the packed form (_TIMING6, _PART_TIMING): kernel and
+    device seconds known, both counts one varint byte (1..127)."""
+    return (r.kernel_seconds is not None and r.device_seconds is not None
+            and 0 < r.batch_rows < 0x80 and 0 < r.batch_requests < 0x80)
+
+
+def _queue_field(r: MatmulReply) -> bytes:
+    """The timing's queue field, or nothing for a zero (proto3 leaves it out; -0.0 is kept)."""
+    queue = _DOUBLE(r.queue_seconds)
+    return _T_QUEUE + queue if queue != _ZERO8 else b""
+
+
+def _rid_records(rid: bytes) -> tuple[bytes, bytes]:
+    """(the response's request_id record, the stream response's), both empty for no id."""
+    if not rid:
+        return b"", b""
+    rid_len = encode_varint(len(rid))
+    return _T_REQ_ID + rid_len + rid, _T_STREAM_ID + rid_len + rid
+
+
 def _result_pieces(r: MatmulReply, request_id: bytes, took: Took | None) -> Pieces:
     """A MatmulResponse of one weight's y (``r.topk`` None) as wire bytes, in pieces."""
-    y = r.y
-    assert y is not None
-    y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
-                                       copy=False)
+    assert r.y is not None
+    y = _wire_y(r.y)
     head, fields = _head(y, r)
-    t = []
-    queue = _DOUBLE(r.queue_seconds)
-    if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
-        t.append(_T_QUEUE + queue)
-    kernel_s, device_s = r.kernel_seconds, r.device_seconds
-    if (took is not None and kernel_s is not None and device_s is not None
-            and 0 < r.batch_rows < 0x80 and 0 < r.batch_requests < 0x80):
+    t = [_queue_field(r)]
+    if took is not None and _packs(r):
         k, rows, reqs, dec, dev, hdl = _TIMING6_TAGS
-        t.append(_TIMING6.pack(k, kernel_s, rows, r.batch_rows, reqs, r.batch_requests,
-                               dec, took.decoded - took.start, dev, device_s,
+        t.append(_TIMING6.pack(k, r.kernel_seconds, rows, r.batch_rows, reqs,
+                               r.batch_requests, dec, took.decoded - took.start, dev,
+                               r.device_seconds,
                                hdl, time.perf_counter() - took.start))
         return _pieces(head, fields, y, b"".join(t), request_id)
     if r.kernel_seconds is not None:
@@ -438,11 +465,7 @@ def _result_pieces(r: MatmulReply, request_id: bytes, took: Took | None) -> Piec
 def _pieces(head: bytes, fields: bytes, y: np.ndarray, timing: bytes,
             request_id: bytes) -> Pieces:
     """_result_pieces' list: y's record, the other fields, the timing, the request id."""
-    nbytes = y.nbytes
-    # y's bytes: a view when large (copied once, by the join); a small y is copied twice,
-    # cheaper than making the view (~0.4 vs 1.8 us for 14 KiB on the VM)
-    data = y.tobytes() if nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
-    out: Pieces = [head, data, fields, _T_TIMING + encode_varint(len(timing)), timing]
+    out: Pieces = [head, _y_data(y), fields, _T_TIMING + encode_varint(len(timing)), timing]
     if request_id:
         out += (_T_REQ_ID + encode_varint(len(request_id)), request_id)
     return out
@@ -471,34 +494,21 @@ def _stream_bytes(r: MatmulReply, rid: bytes, took: Took) -> bytes | None:
     """:func:`stream_reply` of one weight's y with a full timing (every direct-path and
     batched reply of a finished kernel: ``_result_pieces``' packed case), the same bytes in
     one join, its sizes added as it goes; None: not that case."""
-    kernel_s, device_s = r.kernel_seconds, r.device_seconds
-    if (kernel_s is None or device_s is None or not 0 < r.batch_rows < 0x80
-            or not 0 < r.batch_requests < 0x80):
+    if not _packs(r):
         return None
-    y = r.y
-    assert y is not None
-    y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
-                                       copy=False)
+    assert r.y is not None
+    y = _wire_y(r.y)
     head, fields = _head(y, r)
-    queue = _DOUBLE(r.queue_seconds)
-    t_head = _T_TIMING6
-    if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
-        queue = _T_QUEUE + queue
-        t_head = _T_TIMING + encode_varint(len(queue) + _TIMING6.size)
-    else:
-        queue = b""
-    nbytes = y.nbytes
-    rec = sid = b""
-    if rid:
-        rid_len = encode_varint(len(rid))
-        rec, sid = _T_REQ_ID + rid_len + rid, _T_STREAM_ID + rid_len + rid
-    size = (len(head) + nbytes + len(fields) + len(t_head) + len(queue) + _TIMING6.size
+    queue = _queue_field(r)
+    t_head = _T_TIMING + encode_varint(len(queue) + _TIMING6.size) if queue else _T_TIMING6
+    rec, sid = _rid_records(rid)
+    size = (len(head) + y.nbytes + len(fields) + len(t_head) + len(queue) + _TIMING6.size
             + len(rec))
     k, rows, reqs, dec, dev, hdl = _TIMING6_TAGS
-    timing = _TIMING6.pack(k, kernel_s, rows, r.batch_rows, reqs, r.batch_requests,
-                           dec, took.decoded - took.start, dev, device_s,
+    timing = _TIMING6.pack(k, r.kernel_seconds, rows, r.batch_rows, reqs, r.batch_requests,
+                           dec, took.decoded - took.start, dev, r.device_seconds,
                            hdl, time.perf_counter() - took.start)  # (as _result_pieces)
-    data = y.tobytes() if nbytes < SPLICE_MIN_BYTES else memoryview(y.reshape(-1).view(np.uint8))
+    data = _y_data(y)
     return b"".join((sid, _T_STREAM_RESULT, encode_varint(size), head, data, fields, t_head,
                      queue, timing, rec))
 
@@ -534,35 +544,24 @@ def _multi_stream_bytes(r: Sequence[tuple[str, MatmulReply]], rid: bytes,
     that case (a top-k part, a timing not known)."""
     pieces: list[bytes | memoryview] = []
     for name, part in r:
-        kernel_s, device_s, y = part.kernel_seconds, part.device_seconds, part.y
-        if (y is None or kernel_s is None or device_s is None
-                or not 0 < part.batch_rows < 0x80 or not 0 < part.batch_requests < 0x80):
+        if part.y is None or not _packs(part):
             return None
-        y = np.ascontiguousarray(y).astype(_LITTLE.get(y.dtype) or y.dtype.newbyteorder("<"),
-                                           copy=False)
+        y = _wire_y(part.y)
         head, fields = _part_head(y, part)
-        nbytes = y.nbytes
-        data = (y.tobytes() if nbytes < SPLICE_MIN_BYTES
-                else memoryview(y.reshape(-1).view(np.uint8)))
+        data = _y_data(y)
         w = name.encode()
         wrec = _T_OUT_WEIGHT + encode_varint(len(w)) + w if w else b""
-        queue = _DOUBLE(part.queue_seconds)
         k, rows, reqs, dev = _PT_TAGS
-        timing = _PART_TIMING.pack(k, kernel_s, rows, part.batch_rows, reqs,
-                                   part.batch_requests, dev, device_s)
-        if queue != _ZERO8:  # (proto3: a zero is left out, -0.0 is not)
-            queue = _T_QUEUE + queue
-            t_head = _T_OUT_TIMING + encode_varint(len(queue) + len(timing))
-        else:
-            queue, t_head = b"", _T_PART_TIMING
-        size = (len(wrec) + len(head) + nbytes + len(fields) + len(t_head) + len(queue)
+        timing = _PART_TIMING.pack(k, part.kernel_seconds, rows, part.batch_rows, reqs,
+                                   part.batch_requests, dev, part.device_seconds)
+        queue = _queue_field(part)
+        t_head = (_T_OUT_TIMING + encode_varint(len(queue) + len(timing)) if queue
+                  else _T_PART_TIMING)
+        size = (len(wrec) + len(head) + y.nbytes + len(fields) + len(t_head) + len(queue)
                 + len(timing))
         pieces += (_T_OUTPUTS, encode_varint(size), wrec, head, data, fields, t_head, queue,
                    timing)
-    rec = sid = b""
-    if rid:
-        rid_len = encode_varint(len(rid))
-        rec, sid = _T_REQ_ID + rid_len + rid, _T_STREAM_ID + rid_len + rid
+    rec, sid = _rid_records(rid)
     d, h = _TIMING6_TAGS[3], _TIMING6_TAGS[5]
     t = _T_RESP_TIMING + _RESP_TIMING.pack(d, took.decoded - took.start,
                                            h, time.perf_counter() - took.start)
