@@ -43,6 +43,16 @@ and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``),
 an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
 the copies with the kernel.
 
+``--many GROUPS``: multi-weight calls instead (one x, several weights of its K: ``qkv`` =
+3584x3584 + 512x3584 + 512x3584, ``gateup`` = 2 x 18944x3584, or ``NAME=RxK+RxK...``; comma
+separated), each (group, N) measured in three ways alternated over ``--rounds``: ``parts``
+(each part's launch and wait in turn: the service's multi-weight direct path), ``pipe`` (the
+parts launched behind each other, then waited for in order: ``Q6SERVE_MULTI_PIPELINE=1``) and
+``many`` (``CudaBackend.launch_many``: one sequence, one download, one sync); ``kernel`` is the
+parts' kernel times summed, ``host`` = wall - kernel; every way's y's are compared bit for bit
+with ``parts``' (``equal``). x is a fresh host array per call (``--many-staged``: built in
+``CudaBackend.staging``, the fill not in the wall).
+
 Targets (issue 14): wall <= kernel + 30 us at N=1 and <= kernel + 100 us at N=64 on a 48 MB
 weight.
 """
@@ -262,6 +272,105 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             "loop_p50": statistics.median(loops) if loops else None}
 
 
+MANY = {"qkv": ((3584, 3584), (512, 3584), (512, 3584)), "gateup": ((18944, 3584),) * 2}
+MANY_WAYS = ("parts", "pipe", "many")
+
+
+def many_groups(spec: str) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """``--many``'s groups: preset names or ``NAME=RxK+RxK...``, comma separated."""
+    out = []
+    for g in filter(None, spec.split(",")):
+        name, _, shapes = g.partition("=")
+        if not shapes:
+            out.append((name, MANY[name]))
+            continue
+        out.append((name, tuple(tuple(map(int, sh.split("x"))) for sh in shapes.split("+"))))
+    return out
+
+
+def many_call(be: CudaBackend, ws: list[ResidentWeight], x: np.ndarray, way: str) -> list:
+    """One multi-weight call ``way`` (MANY_WAYS): the parts' MatmulResults, in order."""
+    if way == "many":
+        return be.launch_many(ws, x).wait()
+    if way == "parts":
+        return [be.launch(w, x).wait() for w in ws]
+    slots, out, pending = be.now_slots, [], []  # "pipe": service/multi.py's _launch_parts
+    for i, w in enumerate(ws):
+        if len(pending) >= slots:
+            out.append(pending.pop(0).wait())
+        # (a staged x is the first part's upload buffer: the others copy it, as any x)
+        pending.append(be.launch(w, x if i == 0 else x.view()))
+    return out + [p.wait() for p in pending]
+
+
+def measure_many(be: CudaBackend, ws: list[ResidentWeight], xs: list[np.ndarray], calls: int,
+                 way: str, staged: bool) -> dict:
+    walls, kerns = [], []
+    for i in range(calls + 5):
+        x = xs[i % len(xs)]
+        if staged:
+            st = be.staging(*x.shape, x.dtype)
+            st[...] = x
+            x = st
+        t0 = time.perf_counter()
+        res = many_call(be, ws, x, way)
+        secs = [r.timing.seconds(wait=True) for r in res]
+        wall = time.perf_counter() - t0
+        if i >= 5:
+            walls.append(wall * 1e6)
+            kerns.append(sum(float("nan") if s is None else s for s in secs) * 1e6)
+    host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
+    return {"wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
+            "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))]}
+
+
+def run_many(a: argparse.Namespace) -> int:
+    """``--many``: per (group, N) the three ways alternated, then a summary table."""
+    be = CudaBackend(0)
+    rng = np.random.default_rng(0)
+    out: list[dict] = []
+    print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  multi-weight calls, "
+          f"activations {a.dtype}, y f32, {a.calls} calls per row, {a.rounds} rounds, x "
+          f"{'staged' if a.many_staged else 'fresh'} (us)")
+    print(f"{'group':>8} {'N':>3} {'way':>5} {'wall p50':>9} {'kernel p50':>10} {'host p50':>9} "
+          f"{'host p90':>9} equal")
+    for name, shapes in many_groups(a.many):
+        ws = [load(be, random_blocks(rng, r, k), r, k) for r, k in shapes]
+        k = shapes[0][1]
+        for n in map(int, a.ns.split(",")):
+            xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
+            ref = [r.y for r in many_call(be, ws, xs[0], "parts")]
+            for rnd in range(a.rounds):
+                for way in (MANY_WAYS if rnd % 2 == 0 else MANY_WAYS[::-1]):
+                    r = measure_many(be, ws, xs, a.calls, way, a.many_staged)
+                    got = [p.y for p in many_call(be, ws, xs[0], way)]
+                    eq = all(np.array_equal(g, f) for g, f in zip(got, ref, strict=True))
+                    r.update(group=name, n=n, way=way, round=rnd, equal=eq)
+                    out.append(r)
+                    print(f"{name:>8} {n:>3} {way:>5} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
+                          f"{r['host_p50']:9.1f} {r['host_p90']:9.1f} {'yes' if eq else 'NO'}",
+                          flush=True)
+        for w in ws:
+            be.free(w)
+    print("# multi-weight summary (median over rounds: wall / host p50, us; equal over all):")
+    print(f"{'group':>8} {'N':>3} " + " ".join(f"{w:>15}" for w in MANY_WAYS) + "  many/parts")
+    keys = dict.fromkeys((r["group"], r["n"]) for r in out)
+    for g, n in keys:
+        cells, walls = [], {}
+        for way in MANY_WAYS:
+            rs = [r for r in out if (r["group"], r["n"], r["way"]) == (g, n, way)]
+            walls[way] = statistics.median(r["wall_p50"] for r in rs)
+            host = statistics.median(r["host_p50"] for r in rs)
+            eq = "" if all(r["equal"] for r in rs) else "!"
+            cells.append(f"{walls[way]:7.1f}/{host:6.1f}{eq}")
+        print(f"{g:>8} {n:>3} " + " ".join(f"{c:>15}" for c in cells)
+              + f"  {walls['many'] / walls['parts']:.3f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": be.device_name(), "results": out}, fh, indent=1)
+    return 0 if all(r["equal"] for r in out) else 1
+
+
 def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
     """Median µs of an x-sized upload and a y-sized download (pinned, CUDA events) and of an
     empty ``stream.synchronize()`` (wall)."""
@@ -323,8 +432,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="staged: how x is written into the staging buffer: one copy, or "
                     "np.concatenate of its rows as separate arrays (service/batcher.py's fill "
                     "of a batch of one-row requests)")
+    ap.add_argument("--many", default="",
+                    help="multi-weight calls: groups (qkv, gateup, NAME=RxK+RxK...), comma "
+                    "separated; the parts' launches in turn, pipelined, and launch_many, "
+                    "alternated (--ns, --calls, --rounds, --dtype apply)")
+    ap.add_argument("--many-staged", action="store_true",
+                    help="--many: x built in CudaBackend.staging (the fill not in the wall)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.many:
+        return run_many(a)
     from q6serve.kernels.cuda import launch
 
     if a.small_y_f32 is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,33 @@ class Launched:
         return cls(lambda: result, finished=True)
 
 
+class LaunchedMany(Launched):
+    """A multi-weight call started on its device (:meth:`Backend.launch_many`): :meth:`wait`
+    returns one :class:`MatmulResult` per weight, in order. The rules of :class:`Launched`."""
+
+    __slots__ = ()
+
+    def wait(self) -> list[MatmulResult]:  # type: ignore[override]
+        return self._wait()  # type: ignore[return-value]
+
+    @classmethod
+    def ready(cls, results: list[MatmulResult]) -> LaunchedMany:  # type: ignore[override]
+        return cls(lambda: results, finished=True)  # type: ignore[arg-type,return-value]
+
+
+FlagsArg = KernelFlags | Sequence[KernelFlags]
+
+
+def flags_of(flags: FlagsArg, parts: int) -> tuple[KernelFlags, ...]:
+    """:meth:`Backend.launch_many`'s ``flags`` as one per weight (one given: for all)."""
+    if isinstance(flags, KernelFlags):
+        return (flags,) * parts
+    out = tuple(flags)
+    if len(out) != parts:
+        raise InvalidArgument(f"{len(out)} kernel flags for {parts} weights")
+    return out
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """Device (or host, on NumPy) memory figures in bytes."""
@@ -249,6 +276,23 @@ class Backend(abc.ABC):
         return Launched.ready(self.matmul(w, x, precision=precision, flags=flags,
                                           out_dtype=out_dtype, topk=topk))
 
+    def launch_many(self, weights: Sequence[ResidentWeight], x: np.ndarray, *,
+                    precision: Precision = Precision.AUTO, flags: FlagsArg = DEFAULT_FLAGS,
+                    out_dtype: np.dtype | None = None, topk: int = 0) -> LaunchedMany:
+        """One x applied to several weights of its K (a multi-weight call: q/k/v, gate/up):
+        ``wait()`` returns one :class:`MatmulResult` per weight, in order, each as
+        :meth:`launch` of that weight would (its kernel, layout, precision and kernel time).
+        ``flags``: one for every weight, or one per weight. Every part is checked before any
+        is launched (a refusal raises here); the call holds one launch slot until its wait.
+        Default: each part's :meth:`launch` and wait in turn (computed now on NumPy); the
+        CUDA backend launches every part's kernels in one sequence (kernels/cuda/launch.py)."""
+        fl = flags_of(flags, len(weights))
+        for w in check_many(weights, x, topk):
+            check_matmul(w, x, topk)
+        return LaunchedMany.ready([
+            self.launch(w, x, precision=precision, flags=f, out_dtype=out_dtype,
+                        topk=topk).wait() for w, f in zip(weights, fl, strict=True)])
+
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """An ``[n, k]`` array to build the next :meth:`matmul`'s activations in (e.g. a batch
         concatenated straight into it). The CUDA backend hands out the pinned upload buffer of
@@ -284,6 +328,15 @@ def check_matmul(w: ResidentWeight, x: np.ndarray, topk: int = 0) -> np.ndarray:
     if topk:
         check_k(topk, w.rows)
     return x
+
+
+def check_many(weights: Sequence[ResidentWeight], x: np.ndarray,
+               topk: int = 0) -> Sequence[ResidentWeight]:
+    """What :meth:`Backend.launch_many` checks first: 1 or more weights (each part's own
+    checks are :func:`check_matmul`'s)."""
+    if not len(weights):
+        raise InvalidArgument("launch_many needs at least one weight")
+    return weights
 
 
 def refuse_q8_1_without_mmq(precision: Precision, flags: KernelFlags) -> None:
@@ -363,3 +416,26 @@ def _split_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, bad: np.ndar
         return MatmulResult(None, res.kernel, res.layout, res.precision, res.timing, top)
     assert res.y is not None and ieee.y is not None
     return MatmulResult(rows(res.y, ieee.y), res.kernel, res.layout, res.precision, res.timing)
+
+
+def launch_many_ieee(backend: Backend, weights: Sequence[ResidentWeight], x: np.ndarray, *,
+                     precision: Precision = Precision.AUTO, flags: FlagsArg = DEFAULT_FLAGS,
+                     out_dtype: np.dtype | None = None, topk: int = 0) -> LaunchedMany:
+    """:func:`launch_ieee` of a multi-weight call (:meth:`Backend.launch_many`): x's
+    non-finite rows are looked for once for all parts, and only when a part resolves to Q8_1;
+    with such rows each part runs :func:`launch_ieee`'s split, in turn."""
+    fl = flags_of(flags, len(weights))
+    n = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else 0
+    if precision in _NEVER_Q8_1 or not n or all(
+            backend.plan(n, precision, f)[1] is not Precision.Q8_1 for f in set(fl)):
+        return backend.launch_many(weights, x, precision=precision, flags=fl,
+                                   out_dtype=out_dtype, topk=topk)
+    bad = nonfinite_rows(x)
+    if not bad.size:
+        return backend.launch_many(weights, x, precision=precision, flags=fl,
+                                   out_dtype=out_dtype, topk=topk)
+    for w in check_many(weights, x, topk):
+        check_matmul(w, x, topk)
+    return LaunchedMany.ready([
+        launch_ieee(backend, w, x, precision=precision, flags=f, out_dtype=out_dtype,
+                    topk=topk).wait() for w, f in zip(weights, fl, strict=True)])

@@ -17,6 +17,7 @@ the AoS address arithmetic and the same grid, so their results are bit-identical
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,21 @@ from .api import (
     DEFAULT_FLAGS,
     AosChunks,
     Backend,
+    FlagsArg,
     KernelFlags,
     KernelTiming,
     Launched,
+    LaunchedMany,
     Layout,
     MatmulResult,
     MemoryInfo,
     Precision,
     ResidentWeight,
+    check_many,
     check_matmul,
+    flags_of,
 )
+from .cuda import launch as launch_mod
 from .cuda import storage
 from .cuda.context import DeviceContext
 from .cuda.dispatch import (
@@ -224,6 +230,59 @@ class CudaBackend(Backend):
                                 KernelTiming(host_seconds=seconds), topk=top)
 
         return Launched(wait)
+
+    def launch_many(self, weights: Sequence[ResidentWeight], x: np.ndarray, *,
+                    precision: Precision = Precision.AUTO, flags: FlagsArg = DEFAULT_FLAGS,
+                    out_dtype: np.dtype | None = None, topk: int = 0) -> LaunchedMany:
+        """:meth:`Backend.launch_many` in one launch sequence (``Launcher.launch_many``): x
+        uploaded once, every part's kernels between its own events, every y in one device
+        buffer and one download, one sync; a CUDA graph from its second call, and from then
+        on the cached :class:`ManyCall` (a dict lookup and the graph launch). One weight, a
+        top-k epilogue, a part on cuBLAS (N > 256, the kill switch) or x in a caller's
+        page-locked region: each part's :meth:`launch` and wait in turn (the default)."""
+        lc = self.launcher
+        ws = lc.ws
+        staged = x is ws.staged
+        fl = flags if isinstance(flags, KernelFlags) else tuple(flags)
+        if not topk and len(weights) > 1 and type(weights[0].data) is CudaWeight:
+            slot = ws.staged_slot if staged else -1
+            if staged or not self.hostio.covers(x):
+                if not staged:
+                    slot = ws.free_slot()
+                call = weights[0].data.plans.get(
+                    (tuple(id(w.data) for w in weights), x.shape, x.dtype, precision, fl,
+                     out_dtype, slot))
+                if call is not None and call.live(weights):
+                    return call.launch(None if staged else x)
+        fls = flags_of(flags, len(weights))
+        for w in check_many(weights, x, topk):
+            x = check_matmul(w, x, topk)
+        cws = [weight_data(w) for w in weights]
+        n = int(x.shape[0])
+        cs = [self.choose(n, precision, f, w.rows, w.k) for w, f in zip(weights, fls, strict=True)]
+        if (topk or len(weights) < 2 or x.dtype not in IN_TYPES or self.hostio.covers(x)
+                or any(c.path == "cublas_f16" or c.cfg is None for c in cs)):
+            return super().launch_many(weights, x, precision=precision, flags=fls,
+                                       out_dtype=out_dtype, topk=topk)
+        parts = [(c.path, c.cfg) for c in cs]
+        slot = ws.staged_slot if staged else ws.free_slot()
+        with self.ctx.dev, self.ctx.stream:
+            finish = lc.launch_many(list(weights), cws, x, parts, out_dtype, slot, staged)
+        names = [(f"cuda.{c.path}.{w.layout.value}", w.layout, c.precision)
+                 for c, w in zip(cs, weights, strict=True)]
+        key = lc.many_key(cws, parts, n, IN_TYPES[x.dtype],
+                          launch_mod.many_out(n, sum(w.rows for w in weights), out_dtype), slot)
+        ckey = (tuple(map(id, cws)), x.shape, x.dtype, precision, fl, out_dtype, slot)
+        call = lc.many_call(key, ckey, slot, names, out_dtype, cws)
+        if call is not None:
+            for cw in cws:
+                cw.plans[ckey] = call
+
+        def wait() -> list[MatmulResult]:
+            return [MatmulResult(y, kernel, layout, prec, KernelTiming(host_seconds=sec))
+                    for (y, sec), (kernel, layout, prec) in zip(finish(), names, strict=True)]
+
+        return LaunchedMany(wait)  # type: ignore[arg-type]
 
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """A view of the pinned buffer ``matmul`` uploads x from: activations built in it

@@ -676,3 +676,211 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
     be.launcher.y_chunks = 4
     be.launch(w, _x(be, rng, 64, 4096, True)).wait()
     assert cp.counts["d2h2d"] > n2d
+
+
+# -- a multi-weight call: launch_many (issue 14, one launch per multi-weight call) ------------
+QKV = ((3584, 3584), (512, 3584), (512, 3584))
+GATE_UP = ((18944, 3584), (18944, 3584))
+
+
+def _set_many_y(be, rows: list[int], n: int, i: int) -> list[np.ndarray]:
+    """Known values in the fake device's y for a multi-weight call: each part's [N, rows]
+    block after the one before it (what each part's kernels would have written)."""
+    flat = (np.arange(n * sum(rows), dtype=np.float32) % 997 - 400 + i)
+    be.launcher.ws._dev["y"].a[: flat.nbytes] = flat.view(np.uint8)
+    out, off = [], 0
+    for r in rows:
+        out.append(flat[n * off : n * (off + r)].reshape(n, r))
+        off += r
+    return out
+
+
+def _many_counted(monkeypatch, shapes, seed: int):
+    """A fake backend whose full multi-weight path (``Launcher.launch_many``) counts its calls
+    into ``full``, the weights of ``shapes`` on it, a generator."""
+    be, cp = fake_backend(monkeypatch)
+    full: list = []
+    orig = be.launcher.launch_many
+    monkeypatch.setattr(be.launcher, "launch_many",
+                        lambda *a, **kw: full.append(1) or orig(*a, **kw))
+    ws = [fake_weight(be, r, k) for r, k in shapes]
+    return be, cp, full, ws, np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("shapes", [QKV, GATE_UP], ids=["qkv", "gate_up"])
+@pytest.mark.parametrize("n,out", [(1, None), (8, None), (64, None), (1, np.float16),
+                                   (64, np.float16), (8, BFLOAT16)])
+@pytest.mark.parametrize("staged", [True, False])
+def test_launch_many_returns_each_parts_y(monkeypatch, shapes, n, out, staged):
+    """Every multi-weight call (direct launches, the capture, graph replays, then the cached
+    ManyCall; staged or copied x) uploads x once, hands back each part's own block of the
+    device y in the asked dtype, each part named and timed as its own launch, with one
+    download; from the third call on it is one graph launch."""
+    be, cp, full, ws, rng = _many_counted(monkeypatch, shapes, 11)
+    k = shapes[0][1]
+    rows = [r for r, _ in shapes]
+    be.launch_many(ws, _x(be, rng, n, k, staged), out_dtype=out).wait()  # binds
+    for i in range(6):
+        ys = _set_many_y(be, rows, n, i)
+        x = _x(be, rng, n, k, staged)
+        xb = x.copy()
+        h2d, d2h, graphs = (cp.counts.get(c, 0) for c in ("h2d", "d2h", "graph"))
+        res = be.launch_many(ws, x, out_dtype=out).wait()
+        assert len(res) == len(ws)
+        for r, y, w in zip(res, ys, ws, strict=True):
+            want = y if out is None else y.astype(out)
+            assert r.y.dtype == want.dtype and np.array_equal(r.y, want)
+            assert r.timing.seconds() == pytest.approx(25e-6)
+            c = be.choose(n, Precision.AUTO, KernelFlags(), w.rows, w.k)
+            assert (r.kernel, r.precision) == (f"cuda.{c.path}.soa", c.precision)
+        assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
+                              xb.reshape(-1).view(np.uint8))
+        assert cp.counts["h2d"] - h2d == 1 and cp.counts["d2h"] - d2h == 1  # x in, y out once
+        if i >= 1:
+            assert cp.counts["graph"] - graphs == 1
+    assert len(full) == 2  # direct, direct + capture; then the cached ManyCall (graphs)
+
+
+def test_launch_many_matches_each_parts_launch(monkeypatch):
+    """The kernels' launches of a multi-weight call are each part's own (the same steps a
+    launch of that part takes), in order, and the result equals per-part launches."""
+    be, cp, _, ws, rng = _many_counted(monkeypatch, QKV, 12)
+    x = rng.standard_normal((8, 3584)).astype(np.float16)
+    kernels = cp.counts.get("kernel", 0)
+    be.launch_many(ws, x).wait()
+    many = cp.counts["kernel"] - kernels
+    kernels = cp.counts["kernel"]
+    for w in ws:
+        be.launch(w, x).wait()
+    assert many == cp.counts["kernel"] - kernels
+
+
+def test_launch_many_refuses_before_launching(monkeypatch):
+    """A part that would be refused (wrong K, a freed weight, a wrong flags count, no
+    weights) refuses the whole call before anything is launched or a slot taken; the cached
+    call is dropped by a freed or re-laid weight."""
+    from q6serve.kernels.errors import FormatError, InvalidArgument
+
+    be, cp, full, ws, rng = _many_counted(monkeypatch, QKV, 13)
+    for _ in range(4):
+        be.launch_many(ws, _x(be, rng, 4, 3584, True)).wait()
+    odd = fake_weight(be, 512, 4096)
+    before = dict(cp.counts)
+    with pytest.raises(FormatError):
+        be.launch_many([*ws, odd], _x(be, rng, 4, 3584, True))
+    with pytest.raises(InvalidArgument):
+        be.launch_many(ws, _x(be, rng, 4, 3584, True), flags=[KernelFlags()])
+    with pytest.raises(InvalidArgument):
+        be.launch_many([], _x(be, rng, 4, 3584, True))
+    assert cp.counts == before and not any(be.launcher.ws._held)
+    full.clear()
+    ws[1].data.plans.clear()  # what a relayout does: the cached call is not live any more
+    be.launch_many(ws, _x(be, rng, 4, 3584, True)).wait()
+    assert len(full) == 1
+    be.free(ws[2])
+    with pytest.raises(FormatError):
+        be.launch_many(ws, _x(be, rng, 4, 3584, True))
+    assert not any(be.launcher.ws._held)
+
+
+def test_launch_many_holds_one_slot(monkeypatch):
+    """A multi-weight call in flight holds one launch slot until its wait, as a launch; two
+    in flight return their own y's."""
+    from q6serve.kernels.cuda.launch import SLOTS
+    from q6serve.kernels.errors import DeviceError
+
+    be, _, full, ws, rng = _many_counted(monkeypatch, GATE_UP, 14)
+    rows = [w.rows for w in ws]
+    for _ in range(3):
+        for h in [be.launch_many(ws, _x(be, rng, 2, 3584, True)) for _ in range(SLOTS)]:
+            h.wait()
+    full.clear()
+    ya = _set_many_y(be, rows, 2, 1)
+    a = be.launch_many(ws, _x(be, rng, 2, 3584, True))
+    yb = _set_many_y(be, rows, 2, 2)
+    b = be.launch_many(ws, _x(be, rng, 2, 3584, False))
+    rest = [be.launch(ws[0], _x(be, rng, 2, 3584, True)) for _ in range(SLOTS - 2)]
+    with pytest.raises(DeviceError):
+        be.launch_many(ws, np.ones((2, 3584), np.float16))
+    assert not full
+    for r, y in zip(a.wait(), ya, strict=True):
+        assert np.array_equal(r.y, y)
+    for r, y in zip(b.wait(), yb, strict=True):
+        assert np.array_equal(r.y, y)
+    for r in rest:
+        r.wait()
+    assert not any(be.launcher.ws._held)
+
+
+def test_launch_many_falls_back_to_each_parts_launch(monkeypatch):
+    """A top-k epilogue and a single weight take each part's launch in turn (the ABC's
+    default): the same results as per-part launches."""
+    be, _, full, ws, rng = _many_counted(monkeypatch, QKV, 15)
+    x = rng.standard_normal((4, 3584)).astype(np.float16)
+    res = be.launch_many(ws, x, topk=8).wait()
+    assert [r.topk.indices.shape for r in res] == [(4, 8)] * 3 and not full
+    _set_many_y(be, [ws[0].rows], 4, 0)
+    y = be.launch_many(ws[:1], x).wait()
+    assert len(y) == 1 and not full
+
+
+def test_launch_many_on_numpy_is_each_parts_matmul(rng):
+    """The NumPy backend's launch_many (the ABC's default) and launch_many_ieee: each part's
+    matmul, bit for bit, also with non-finite rows at q8_1 (checked once for all parts)."""
+    from q6serve.kernels import q6k
+    from q6serve.kernels.api import iter_aos_chunks, launch_ieee, launch_many_ieee
+    from q6serve.kernels.numpy_backend import NumpyBackend
+
+    be = NumpyBackend(threads=1)
+    shapes = ((64, 512), (16, 512), (32, 512))
+    ws = [be.load(iter_aos_chunks(q6k.random_blocks(r, k, rng), r, k, 1 << 20), r, k,
+                  Layout.SOA, 1 << 20) for r, k in shapes]
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    for prec in (Precision.AUTO, Precision.EXACT, Precision.Q8_1):
+        got = be.launch_many(ws, x, precision=prec, out_dtype=np.float16).wait()
+        for r, w in zip(got, ws, strict=True):
+            want = be.matmul(w, x, precision=prec, out_dtype=np.float16)
+            assert np.array_equal(r.y, want.y) and r.kernel == want.kernel
+    xn = x.copy()
+    xn[1, 7] = np.nan
+    got = launch_many_ieee(be, ws, xn, precision=Precision.Q8_1).wait()
+    for r, w in zip(got, ws, strict=True):
+        want = launch_ieee(be, w, xn, precision=Precision.Q8_1).wait()
+        assert np.array_equal(r.y, want.y, equal_nan=True)
+        assert np.isnan(r.y[1]).all() and np.isfinite(r.y[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [QKV, GATE_UP], ids=["qkv", "gate_up"])
+def test_launch_many_on_the_gpu_is_bit_identical(rng, shapes):
+    """On a device: a multi-weight call gives each part's launch's y bit for bit on every
+    kind of call (direct, capture, graph replays, the cached ManyCall; staged and copied x;
+    f32, f16 and bf16 y) at N = 1, 8, 64 and 300 (cuBLAS: each part's launch in turn)."""
+    gpu_backend = _gpu_backend()
+    from q6serve.kernels.api import iter_aos_chunks
+    from tests.conftest import random_blocks
+
+    be = gpu_backend(0)
+    ws = [be.load(iter_aos_chunks(random_blocks(rng, r * (k // 256)), r, k, 64 << 20), r, k,
+                  Layout.SOA) for r, k in shapes]
+    k = shapes[0][1]
+    try:
+        for n, out, staged in ((1, None, True), (1, np.float16, False), (8, None, False),
+                               (8, BFLOAT16, True), (64, None, True), (64, np.float16, True),
+                               (300, None, False)):
+            x = rng.standard_normal((n, k)).astype(np.float16)
+            refs = [be.launch(w, x, out_dtype=out).wait() for w in ws]
+            for _ in range(4):
+                xi = x
+                if staged:
+                    xi = be.staging(n, k, np.float16)
+                    xi[...] = x
+                got = be.launch_many(ws, xi, out_dtype=out).wait()
+                for g, r in zip(got, refs, strict=True):
+                    assert g.y.dtype == r.y.dtype and g.kernel == r.kernel
+                    np.testing.assert_array_equal(g.y, r.y)
+                    assert g.timing.seconds() is not None and g.timing.seconds() > 0
+    finally:
+        for w in ws:
+            be.free(w)
+        be.close()
