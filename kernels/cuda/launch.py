@@ -1273,17 +1273,24 @@ class Launcher:
         ws = self.ws
         staged = x is ws.staged  # built in place (CudaBackend.staging): by identity, as
         slot = ws.staged_slot if staged else ws.free_slot()  # ndarray.ctypes costs ~4 us
+        host = self._stage_x(x, slot, staged)
+        if chunks is None:
+            chunks = self.chunks_for(cw, slot)
+        return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
+                                                           out_dtype, topk, slot, host,
+                                                           chunks))
+
+    def _stage_x(self, x: np.ndarray, slot: int, staged: bool) -> np.ndarray:
+        """``slot``'s pinned staging buffer with x in it (``staged``: built there already, and
+        refused while a launch in flight still uses it)."""
+        ws = self.ws
         if staged and ws.held(slot):
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         xb = x.reshape(-1).view(np.uint8)
         host = ws.host(xb.size, slot)
         if not staged:
             host[: xb.size] = xb
-        if chunks is None:
-            chunks = self.chunks_for(cw, slot)
-        return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
-                                                           out_dtype, topk, slot, host,
-                                                           chunks))
+        return host
 
     def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
                    cfg: Cfg | None, out_dtype: np.dtype | None, topk: int, slot: int,
@@ -1712,13 +1719,7 @@ class Launcher:
         part. A :class:`ManyBound` per (parts, N, dtype, y's way out, slot), captured as a
         graph from its second call (``GRAPH_AFTER``). Call under the device and stream."""
         in_t = IN_TYPES[x.dtype]
-        ws = self.ws
-        if staged and ws.held(slot):
-            raise DeviceError("x was staged in a buffer a launch in flight still uses")
-        xb = x.reshape(-1).view(np.uint8)
-        host = ws.host(xb.size, slot)
-        if not staged:
-            host[: xb.size] = xb
+        host = self._stage_x(x, slot, staged)
         return self._in_slot(slot, lambda: self._many_in(weights, cws, x, in_t, parts,
                                                          out_dtype, slot, host))
 
