@@ -61,6 +61,18 @@ host path of one batch:
    kernel - its grid is one wave of CTAs that take the same time whenever they start (latency
    bound, ~1.1 TB/s), so the last slice's CTAs would still end at x's arrival + one CTA's time.
 
+9. a multi-weight call (one x, several weights of its K: q/k/v, gate/up;
+   ``CudaBackend.launch_many``) is one sequence (:class:`ManyBound`): x's one upload, each
+   part's launches (the steps its own launch would take, so its y is the same bit for bit)
+   between its own events (part i's kernel time is events i .. i + 1), every part's f32 y
+   adjacent in the workspace's y, y's f16 conversion, and one download - in the sequence for a
+   small y (``many_out``), else one copy into a pinned block whose views the parts' results
+   are - then the slot's event: one launch slot, one sync. It is bound per (weights, launch
+   shapes, N, dtype, y's way out, slot), captured from its second call, and then cached as a
+   :class:`ManyCall` in every part's plans (a relayout clears them, a freed weight has none:
+   either ends it). Its device y is N x (the parts' rows together) x 4 bytes. No row chunks;
+   a top-k epilogue, a part on cuBLAS or x in a pinned region take each part's launch in turn.
+
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
