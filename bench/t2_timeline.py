@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,6 +306,26 @@ def start_worker(a: argparse.Namespace, folder: Path, log: Path) -> tuple[subpro
     return worker, m.group(1)
 
 
+def _spy(worker_pid: int, a: argparse.Namespace) -> subprocess.Popen[Any] | None:
+    """py-spy on the worker's first front end (its first child running frontend_main) from
+    about the load's warm-up end for the timed part less a second (whole seconds), C frames
+    included (--native: it stops the process for each sample); None (and a line) if there
+    is no py-spy."""
+    exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
+    kids = subprocess.run(["pgrep", "-P", str(worker_pid)], capture_output=True,
+                          text=True).stdout.split()
+    fronts = [k for k in kids if "frontend_main" in Path(f"/proc/{k}/cmdline").read_text()]
+    if not fronts or not os.path.exists(exe):
+        print(f"# no profile: py-spy {exe} front ends {fronts}", flush=True)
+        return None
+    d = max(1, int(a.seconds) - 1)
+    print(f"# py-spy on front end {fronts[0]} for {d} s", flush=True)
+    return subprocess.Popen(
+        ["sh", "-c", f"sleep {a.warmup + 1.0}; exec {exe} record -p {fronts[0]} -d {d} "
+                     f"-r 200 --native -t -f raw -o {a.spy}"],
+        stdout=subprocess.DEVNULL, stderr=open(f"{a.spy}.log", "w"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frontends", type=int, default=2, help="2 or more")
@@ -320,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=1, help="loads on one worker, one row each")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the stall logs and calls in this folder")
+    ap.add_argument("--spy", type=Path, help="py-spy (--native, raw) one front end's threads "
+                    "through the first run's timed part into this file")
     a = ap.parse_args(argv)
     if a.frontends < 2:
         ap.error("--frontends 2 or more (one is the one-process worker: no front ends)")
@@ -339,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"target": target, "k": a.k, "precision": PRECISIONS[a.precision],
                 "callers": a.callers, "seconds": a.seconds, "warmup": a.warmup}
         for run in range(a.runs):
+            spy = _spy(worker.pid, a) if a.spy is not None and run == 0 else None
             got = spawn_hosts(_host_numbered, spec, a.hosts, a.warmup + a.seconds + 150)
             rows = np.array([r for g in got for r in g["rows"]], np.float64)
+            if spy is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    spy.wait(5)
             time.sleep(0.7)  # the stall logs' next write
             r = analyse(rows, load_stalls(folder))
             r["calls_per_s"] = rows.shape[0] / a.seconds
