@@ -74,20 +74,5 @@ t2s "${V[@]:2}"
 [[ $BACKEND == cuda && -z ${SKIP_LANES:-} ]] && gpu_tests
 lanes cudaone2 cudapipe2
 archive
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-print("| variant | calls/s | p50 / p99 / p99.9 ms | up p50 / slow 1% us | device loop busy | front ends cores (loop busy max) | load cores | machine busy |")
-print("|---|---|---|---|---|---|---|---|")
-for p in sorted(Path(sys.argv[1]).glob("t2_*.json"), key=lambda p: p.stat().st_mtime):
-    r = json.loads(p.read_text())
-    u = r.get("usage", {})
-    dev = [v for k, v in u.items() if k.startswith("device")]
-    fe = [v for k, v in u.items() if k.startswith("front")]
-    print(f"| {p.stem[3:]} | {r['calls_per_s']:,.0f} | {r['p50_us']/1e3:.2f} / {r['p99_us']/1e3:.2f} / "
-          f"{r['p999_us']/1e3:.2f} | {r['p50']['up']:,.0f} / {r['p99']['up']:,.0f} | "
-          f"{dev[0]['loop_busy']:.2f} | " if dev else "| - | ", end="")
-    print(f"{sum(v['cores'] for v in fe):.2f} ({max((v['loop_busy'] for v in fe), default=0):.2f}) | "
-          f"{sum(r.get('load_cores', [])):.2f} | {r.get('machine_cores', 0):.1f} of {r.get('machine_cpus')} |")
-PY
+python3 bench/t2_table.py "$OUT"
 grep -h "^# lane" "$FINAL/progress.txt" 2>/dev/null | cut -c1-240

@@ -220,6 +220,7 @@ def analyse(rows: np.ndarray, stalls: dict[str, list[tuple[int, np.ndarray]]],
         m = pids == pid
         per_front[pid] = {"callers": len(set(callers[m].tolist())), "calls": int(m.sum()),
                           "mean_us": float(e2e[m].mean() * 1e6),
+                          "p99_us": float(np.percentile(e2e[m], 99) * 1e6),
                           "slow_share": float((m & bands["p99"]).sum()
                                               / max(bands["p99"].sum(), 1))}
     out["per_front"] = per_front
@@ -269,8 +270,9 @@ def report(r: dict[str, Any], label: str = "") -> None:
                  f"{b['batch_rows']:.1f}", f"{b['front_stalls']:,.0f}",
                  f"{b['front_gc']:,.0f}", f"{b['device_stalls']:,.0f}"]
         print("| " + " | ".join(cells) + " |")
-    print("per front end (callers, mean us, share of the slowest 1%): " + "; ".join(
-        f"{v['callers']}c {v['mean_us']:,.0f} us {v['slow_share'] * 100:.0f}%"
+    print("per front end (callers, mean / p99 us, share of the slowest 1%): " + "; ".join(
+        f"{v['callers']}c {v['mean_us']:,.0f} / {v.get('p99_us', 0):,.0f} us "
+        f"{v['slow_share'] * 100:.0f}%"
         for v in sorted(r["per_front"].values(), key=lambda v: -v["callers"])))
     print("stalls in the timed part: " + "; ".join(
         f"{k} gc {v['gc_n']} ({v['gc_ms']:.1f} ms, max {v['gc_max_ms']:.1f}; full "

@@ -58,7 +58,8 @@ def test_bands_and_stall_overlaps(tl) -> None:
     assert r["p99"]["front_gc"] == pytest.approx(8000 / 4)
     assert r["p99"]["front_stalls"] == pytest.approx(13000 / 4)
     assert r["per_front"][8] == {"callers": 1, "calls": 2, "mean_us": pytest.approx(10000),
-                                 "slow_share": pytest.approx(2 / 4)}
+                                 "p99_us": pytest.approx(10000), "slow_share": pytest.approx(2 / 4)}
+    assert 1290 < r["per_front"][7]["p99_us"] < 1300  # its own slowest 1%, not front end 8's
     assert r["per_front"][7]["callers"] == 4
     assert r["stalls"]["front-8"]["gc2_n"] == 1 and r["stalls"]["front-8"]["gc_n"] == 2
     assert r["stalls"]["front-8"]["loop_cpu_ms"] == pytest.approx(1.0)
@@ -108,3 +109,24 @@ def test_usage_reads_the_counters_at_the_span_edges(tl) -> None:
                                "loop_thread": 0.8})
     assert tl.usage(use, (0.7, 2.2))["cores"] == pytest.approx(1.3 / 1.5)
     assert tl.usage(use, (0.7, 3.5)) is None and tl.usage(use[:1], (0.0, 0.0)) is None
+
+
+def test_table_row(tmp_path):
+    """bench/t2_table.py: one row per run's JSON, each front end's callers (most first) and the
+    lowest and highest front-end p99."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import t2_table
+    finally:
+        sys.path.pop(0)
+    r = {"calls_per_s": 21000.4, "p50_us": 2700, "p99_us": 6050, "p999_us": 15600,
+         "p50": {"up": 740}, "p99": {"up": 5153},
+         "usage": {"device-1": {"loop_busy": 0.64, "cores": 0.9},
+                   "front-2": {"loop_busy": 0.93, "cores": 1.4},
+                   "front-3": {"loop_busy": 0.91, "cores": 1.3}},
+         "per_front": {"2": {"callers": 14, "p99_us": 5250}, "3": {"callers": 20, "p99_us": 6500}},
+         "load_cores": [0.5, 0.6], "machine_cores": 11.2, "machine_cpus": 16}
+    (tmp_path / "t2_f4a.json").write_text(json.dumps(r))
+    row = t2_table.row(tmp_path / "t2_f4a.json")
+    assert row == ("| f4a | 21,000 | 2.70 / 6.05 / 15.60 | 740 / 5,153 | 0.64 | 2.70 (0.93) | "
+                   "20/14 | 5.25-6.50 | 1.10 | 11.2 of 16 |")
