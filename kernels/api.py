@@ -7,6 +7,7 @@ in, arrays out. Nothing here knows about gRPC, metrics or flags' sources.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import numpy as np
 
 from . import q6k
 from .epilogue import TopK, check_k
-from .errors import FailedPrecondition, FormatError, InvalidArgument
+from .errors import FailedPrecondition, FormatError, InvalidArgument, Q6Error
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -283,15 +284,19 @@ class Backend(abc.ABC):
         ``wait()`` returns one :class:`MatmulResult` per weight, in order, each as
         :meth:`launch` of that weight would (its kernel, layout, precision and kernel time).
         ``flags``: one for every weight, or one per weight. Every part is checked before any
-        is launched (a refusal raises here); the call holds one launch slot until its wait.
+        is launched (a refusal raises here, ``e.part`` the index of the weight it is about);
+        device errors may surface at ``wait()``. The call holds one launch slot until its
+        wait; x may be :meth:`staging`'s buffer.
         Default: each part's :meth:`launch` and wait in turn (computed now on NumPy); the
         CUDA backend launches every part's kernels in one sequence (kernels/cuda/launch.py)."""
         fl = flags_of(flags, len(weights))
-        for w in check_many(weights, x, topk):
-            check_matmul(w, x, topk)
-        return LaunchedMany.ready([
-            self.launch(w, x, precision=precision, flags=f, out_dtype=out_dtype,
-                        topk=topk).wait() for w, f in zip(weights, fl, strict=True)])
+        check_many(weights, x, topk)
+        out = []
+        for i, (w, f) in enumerate(zip(weights, fl, strict=True)):
+            with part_error(i):
+                out.append(self.launch(w, x, precision=precision, flags=f,
+                                       out_dtype=out_dtype, topk=topk).wait())
+        return LaunchedMany.ready(out)
 
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """An ``[n, k]`` array to build the next :meth:`matmul`'s activations in (e.g. a batch
@@ -330,13 +335,28 @@ def check_matmul(w: ResidentWeight, x: np.ndarray, topk: int = 0) -> np.ndarray:
     return x
 
 
-def check_many(weights: Sequence[ResidentWeight], x: np.ndarray,
-               topk: int = 0) -> Sequence[ResidentWeight]:
-    """What :meth:`Backend.launch_many` checks first: 1 or more weights (each part's own
-    checks are :func:`check_matmul`'s)."""
+@contextlib.contextmanager
+def part_error(i: int) -> Iterator[None]:
+    """A :class:`Q6Error` raised inside names the multi-weight call's part it is about:
+    ``e.part = i`` (the index into the call's weights), unless an inner part set it."""
+    try:
+        yield
+    except Q6Error as e:
+        if getattr(e, "part", None) is None:
+            e.part = i  # type: ignore[attr-defined]
+        raise
+
+
+def check_many(weights: Sequence[ResidentWeight], x: np.ndarray, topk: int = 0) -> np.ndarray:
+    """What :meth:`Backend.launch_many` checks before anything is launched: one weight or
+    more, then each part's :func:`check_matmul` (a refusal names its part: ``e.part``).
+    Returns x C-contiguous."""
     if not len(weights):
         raise InvalidArgument("launch_many needs at least one weight")
-    return weights
+    for i, w in enumerate(weights):
+        with part_error(i):
+            x = check_matmul(w, x, topk)
+    return x
 
 
 def refuse_q8_1_without_mmq(precision: Precision, flags: KernelFlags) -> None:
@@ -434,8 +454,10 @@ def launch_many_ieee(backend: Backend, weights: Sequence[ResidentWeight], x: np.
     if not bad.size:
         return backend.launch_many(weights, x, precision=precision, flags=fl,
                                    out_dtype=out_dtype, topk=topk)
-    for w in check_many(weights, x, topk):
-        check_matmul(w, x, topk)
-    return LaunchedMany.ready([
-        launch_ieee(backend, w, x, precision=precision, flags=f, out_dtype=out_dtype,
-                    topk=topk).wait() for w, f in zip(weights, fl, strict=True)])
+    check_many(weights, x, topk)
+    out = []
+    for i, (w, f) in enumerate(zip(weights, fl, strict=True)):
+        with part_error(i):
+            out.append(launch_ieee(backend, w, x, precision=precision, flags=f,
+                                   out_dtype=out_dtype, topk=topk).wait())
+    return LaunchedMany.ready(out)

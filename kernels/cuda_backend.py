@@ -41,6 +41,7 @@ from .api import (
     check_many,
     check_matmul,
     flags_of,
+    part_error,
 )
 from .cuda import launch as launch_mod
 from .cuda import storage
@@ -255,11 +256,13 @@ class CudaBackend(Backend):
                 if call is not None and call.live(weights):
                     return call.launch(None if staged else x)
         fls = flags_of(flags, len(weights))
-        for w in check_many(weights, x, topk):
-            x = check_matmul(w, x, topk)
-        cws = [weight_data(w) for w in weights]
+        x = check_many(weights, x, topk)
         n = int(x.shape[0])
-        cs = [self.choose(n, precision, f, w.rows, w.k) for w, f in zip(weights, fls, strict=True)]
+        cws, cs = [], []
+        for i, (w, f) in enumerate(zip(weights, fls, strict=True)):
+            with part_error(i):
+                cws.append(weight_data(w))
+                cs.append(self.choose(n, precision, f, w.rows, w.k))
         if (topk or len(weights) < 2 or x.dtype not in IN_TYPES or self.hostio.covers(x)
                 or any(c.path == "cublas_f16" or c.cfg is None for c in cs)):
             return super().launch_many(weights, x, precision=precision, flags=fls,

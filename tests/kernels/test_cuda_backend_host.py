@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 from types import SimpleNamespace
 
@@ -766,8 +767,9 @@ def test_launch_many_refuses_before_launching(monkeypatch):
         be.launch_many(ws, _x(be, rng, 4, 3584, True)).wait()
     odd = fake_weight(be, 512, 4096)
     before = dict(cp.counts)
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError) as e:
         be.launch_many([*ws, odd], _x(be, rng, 4, 3584, True))
+    assert e.value.part == 3  # the index of the weight it is about
     with pytest.raises(InvalidArgument):
         be.launch_many(ws, _x(be, rng, 4, 3584, True), flags=[KernelFlags()])
     with pytest.raises(InvalidArgument):
@@ -778,8 +780,9 @@ def test_launch_many_refuses_before_launching(monkeypatch):
     be.launch_many(ws, _x(be, rng, 4, 3584, True)).wait()
     assert len(full) == 1
     be.free(ws[2])
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError) as e:
         be.launch_many(ws, _x(be, rng, 4, 3584, True))
+    assert e.value.part == 2
     assert not any(be.launcher.ws._held)
 
 
@@ -841,6 +844,14 @@ def test_launch_many_on_numpy_is_each_parts_matmul(rng):
         for r, w in zip(got, ws, strict=True):
             want = be.matmul(w, x, precision=prec, out_dtype=np.float16)
             assert np.array_equal(r.y, want.y) and r.kernel == want.kernel
+    from q6serve.kernels.errors import FormatError
+
+    odd = be.load(iter_aos_chunks(q6k.random_blocks(16, 256, rng), 16, 256, 1 << 20), 16, 256,
+                  Layout.SOA, 1 << 20)
+    for f in (be.launch_many, functools.partial(launch_many_ieee, be)):
+        with pytest.raises(FormatError) as e:
+            f([ws[0], odd, ws[1]], x)
+        assert e.value.part == 1
     xn = x.copy()
     xn[1, 7] = np.nan
     got = launch_many_ieee(be, ws, xn, precision=Precision.Q8_1).wait()
