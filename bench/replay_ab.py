@@ -1,0 +1,189 @@
+"""An A/B of worker variants on the decode replay of ``bench/service.py --replay`` (issue 14),
+alternated in one call: one worker per variant (its environment), all started first and each
+given the whole synthetic model once (uploads in parallel), then the replay runs round by
+round in ``--order``, each S of ``--seqs`` per run. Same calls, same client code, same
+figures as ``bench/service.py --replay`` (bench/service_replay.py; no bare-gRPC floor), but
+the ~12 s upload of the 28-layer model is paid once per worker, not once per run, so an
+alternated pair fits a short device call.
+
+    python3 bench/replay_ab.py --backend cuda --variants "def: pipe:Q6SERVE_MULTI_PIPELINE=1" \
+        --order def,pipe,pipe,def --seqs 1,8 --seconds 1.5 --json out.json
+    a CPU rehearsal: --backend numpy --layers 2 --scale 0.002
+
+``--variants``: space-separated ``NAME:ENV=V,ENV=V`` (an empty list: the tree's defaults).
+``--bound S``: no run starts after S seconds from the start (what would end past it is
+skipped, said so); the table of what ran is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_plan
+
+from q6serve.client.worker_process import WorkerProcess
+from q6serve.kernels import q6k
+
+
+def parse_variants(text: str) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for item in text.split():
+        name, _, envs = item.partition(":")
+        env = {}
+        for kv in filter(None, envs.split(",")):
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise SystemExit(f"--variants: {kv!r} is not ENV=VALUE")
+            env[k] = v
+        out[name] = env
+    return out
+
+
+def start(backend: str, env: dict[str, str], log: Path) -> WorkerProcess:
+    """A worker with ``env`` on top of ours (the child inherits os.environ at its start)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return WorkerProcess(["--backend", backend, "--log-level", "INFO"], log).start()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main(argv: list[str] | None = None) -> int:
+    from q6serve.client.client import PRECISIONS, Client
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--variants", default="def: pipe:Q6SERVE_MULTI_PIPELINE=1")
+    ap.add_argument("--order", default="def,pipe,pipe,def")
+    ap.add_argument("--seqs", default="1,8")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--multi", default="on", choices=("on", "off"))
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--warmup", type=float, default=0.4)
+    ap.add_argument("--bound", type=float, default=1e9)
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    variants = parse_variants(a.variants)
+    order = [v for v in a.order.split(",") if v]
+    if unknown := [v for v in order if v not in variants]:
+        ap.error(f"--order names {unknown} not in --variants")
+    seqs = [int(s) for s in a.seqs.split(",") if s]
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"argv": sys.argv, "variants": variants, "runs": [], "errors": [],
+                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def save() -> None:
+        if a.json is not None:
+            doc["wall_seconds"] = time.perf_counter() - t_start
+            a.json.write_text(json.dumps(doc, indent=1))
+
+    with ThreadPoolExecutor(len(variants)) as pool:
+        workers = dict(zip(variants, pool.map(
+            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log"), variants),
+            strict=True))
+    clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
+    try:
+        st = next(iter(clients.values())).status()
+        doc["backend"], doc["device"] = st.backend, st.device
+        weights = model_weights(a.layers, a.scale)
+        data = {}
+        for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
+            data[(rows, k)] = q6k.random_blocks(rows, k, np.random.default_rng(100 + i))
+        t0 = time.perf_counter()
+        jobs = [(v, name, rows, k) for v in clients for name, rows, k in weights]
+        with ThreadPoolExecutor(4 * len(clients)) as pool:
+            list(pool.map(lambda j: clients[j[0]].upload(j[1], data[(j[2], j[3])], j[2], j[3]),
+                          jobs))
+        total = sum(data[(r, k)].nbytes for _, r, k in weights)
+        print(f"# {len(clients)} workers given {len(weights)} weights each ({total / 1e9:.2f} GB "
+              f"of Q6_K) in {time.perf_counter() - t0:.1f} s", flush=True)
+        for c in clients.values():
+            c.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
+        rows = {name: r for name, r, _ in weights}
+        plan = tuple(step_plan(a.layers, rows, a.multi == "on", a.topk))
+        need = a.seconds + a.warmup + 4.0  # a run, its host process's start included
+        seen: dict[str, int] = {}
+        for v in order:
+            seen[v] = seen.get(v, 0) + 1
+            for s in seqs:
+                label = f"{v}_{seen[v]} S={s}"
+                if time.perf_counter() - t_start + need > a.bound:
+                    print(f"# {label} skipped: {time.perf_counter() - t_start:.0f} s of "
+                          f"{a.bound:.0f}", flush=True)
+                    doc["errors"].append({"run": label, "error": "skipped (bound)"})
+                    continue
+                spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, 2, "stream",
+                                  "f16", PRECISIONS["auto"], "f16")
+                try:
+                    st_, wall = run_replay(spec, 1)
+                except Exception as e:
+                    print(f"# {label} FAILED: {e}", flush=True)
+                    doc["errors"].append({"run": label, "error": repr(e)[:2000]})
+                    save()
+                    continue
+                ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
+                      if f != "kernel_missing"}
+                r = {"variant": v, "round": seen[v], "seqs": s, "label": label,
+                     "calls_per_step": len(plan), "steps": int(st_["e2e"].size),
+                     "steps_per_s": st_["e2e"].size / wall,
+                     "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
+                     "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
+                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start}
+                doc["runs"].append(r)
+                save()
+                print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps)",
+                      flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
+        for w in workers.values():
+            w.stop()
+        save()
+    print(table(doc, a))
+    return 0
+
+
+def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
+    lines = [f"# replay A/B: {a.layers} layers, multi {a.multi}, top-{a.topk}; step p50 / p99 "
+             "ms; per step p50 ms: worker (device) transport client; steps",
+             f"# {doc.get('device', '?')}; variants {doc['variants']}"]
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        by.setdefault((r["variant"], r["round"]), []).append(r)
+    for (v, rnd), rs in by.items():
+        cells = []
+        for r in rs:
+            p = r["step_parts_p50_ms"]
+            cells.append(f"S={r['seqs']}: {r['step_p50_ms']:6.2f} / {r['step_p99_ms']:6.2f}  "
+                         f"w {p['handler']:5.2f} ({p['device']:5.2f}) tr {p['transport']:5.2f} "
+                         f"cl {p['client']:4.2f} n {r['steps']}")
+        lines.append(f"{v + '_' + str(rnd):<10} " + " | ".join(cells))
+    for s in sorted({r["seqs"] for r in doc["runs"]}):
+        med = {v: float(np.median([r["step_p50_ms"] for r in doc["runs"]
+                                   if r["variant"] == v and r["seqs"] == s]))
+               for v in doc["variants"] if any(r["variant"] == v and r["seqs"] == s
+                                               for r in doc["runs"])}
+        lines.append(f"# S={s} median of the runs' p50: "
+                     + ", ".join(f"{v} {m:.2f}" for v, m in med.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
