@@ -26,7 +26,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -538,6 +538,11 @@ _BUCKETS = [_bucket(r) for r in range(1025)]
 
 Staging = Callable[[int, int, np.dtype], np.ndarray]  # Backend.staging
 LaunchBatch = Callable[[np.ndarray, BatchKey], Launched]  # RunBatch without the wait
+# x on several batchers' weights as one backend call (Engine._launch_many, asked on the loop):
+# the function that makes the call for an x (its Launched waits for one result per batcher,
+# in order), or None: not as one call (the parts run each as usual)
+ManyCall = Callable[[np.ndarray], Launched]
+LaunchMany = Callable[[Sequence["Batcher"], BatchKey], "ManyCall | None"]
 # A batch whose kernels are expected to take longer than this is only launched on the loop
 # and waited for on the device thread (Device: ``launch``); a shorter one runs whole there.
 # Env Q6SERVE_DEFER_KERNEL_US sets it (benches A/B it; a huge value: never deferred).
@@ -551,9 +556,13 @@ class Batcher:
                  dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None],
                  staging: Staging | None = None, launch: LaunchBatch | None = None,
                  bind: Callable[[BatchKey], Callable[[np.ndarray], MatmulResult]] | None = None,
-                 ) -> None:
+                 many: LaunchMany | None = None, entry: Any = None) -> None:
         self.name = name
         self._device = device
+        # one backend call for the same x on several weights (a multi-weight call's parts:
+        # _start's group job, run_direct_many); ``entry``: this weight's, for ``many``
+        self.many = many
+        self.entry = entry
         self._run_batch = run
         # run with a key's fields bound (DirectCall.job); without one, run(x, key) itself
         self._bind = bind
@@ -706,6 +715,33 @@ class Batcher:
             self._now_end()
         return self._now_reply(result, int(x.shape[0]), d.key, t0)
 
+    def run_direct_many(self, ds: Sequence[tuple[Batcher, DirectCall]], x: np.ndarray,
+                        ) -> list[MatmulReply] | None:
+        """:meth:`run_direct` of the same ``x`` on several weights (a multi-weight call's
+        parts, each ``(batcher, DirectCall)`` of one key, this batcher's first) as one
+        backend call (``many``) in one direct device job; one reply each, in order, each with
+        its own result and an equal share of the job's time as its device seconds (and as the
+        cost its batcher expects of a like call). None: ``many`` declined (nothing was done:
+        run the parts each as usual). A refusal or failure raises (``e.part``, where the
+        backend set it: the index of the part it is about)."""
+        key = ds[0][1].key
+        go = self.many([b for b, _ in ds], key)  # type: ignore[misc]
+        if go is None:
+            return None
+        for b, _ in ds:
+            b._unfinished += 1
+            b._running += 1
+        t0 = time.perf_counter()
+        try:
+            results = self._device.run_now(_wait_launched, go, x)
+        finally:
+            for b, _ in ds:
+                b._now_end()
+        share = (time.perf_counter() - t0) / len(ds)
+        rows = int(x.shape[0])
+        return [b._now_reply(r, rows, key, t0, share)
+                for (b, _), r in zip(ds, results, strict=True)]
+
     def _now_end(self) -> None:
         """A direct job (run_now, launch_now) is over: its place given back."""
         self._unfinished -= 1
@@ -716,18 +752,20 @@ class Batcher:
             self._wake.set()
 
     def _now_reply(self, result: MatmulResult, rows: int, key: BatchKey, t0: float,
-                   ) -> MatmulReply:
+                   job_s: float | None = None) -> MatmulReply:
         """A direct job's reply, and a batch's bookkeeping: expected costs, batch metrics
-        (after the reply, as ``_hand_out``)."""
-        t1 = time.perf_counter()
+        (after the reply, as ``_hand_out``). ``job_s``: this call's share of the job's time
+        (one backend call for several weights: ``run_direct_many``), else since ``t0``."""
+        if job_s is None:
+            job_s = time.perf_counter() - t0
         kernel_s = result.timing.seconds()
         kb = (key, _BUCKETS[rows] if rows < len(_BUCKETS) else _bucket(rows))
-        self._job_s[kb] = t1 - t0
+        self._job_s[kb] = job_s
         if kernel_s is not None:
             self._kernel_s[kb] = kernel_s
         self._loop_.call_soon(self._on_batch, BatchStats(result, rows, 1, (0.0,)))
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
-                           kernel_s, rows, 1, t1 - t0, result.topk)
+                           kernel_s, rows, 1, job_s, result.topk)
 
     def can_launch_now(self, rows: int, key: BatchKey) -> bool:
         """Whether a request of ``rows`` may be launched now by :meth:`launch_now`: a full
@@ -951,7 +989,10 @@ class Batcher:
                               lambda done, exc: self._finish(batch, done, exc), expect, launch,
                               settle_now=not self._queue)
         else:
-            self._device.call(self._loop_, _run_jobs, (jobs,),
+            go = (self.many([b for b, _ in jobs], batch[0].key)
+                  if self.many is not None and _same_rows(jobs) else None)
+            self._device.call(self._loop_, _run_jobs if go is None else _run_many,
+                              (jobs,) if go is None else (jobs, go),
                               lambda done, exc: _finish_jobs(jobs, done, exc), expect)
 
     def _more_batches(self, batch: list[_Pending]) -> list[list[_Pending]] | None:
@@ -1062,13 +1103,7 @@ class Batcher:
         live = [p for p in batch if not p.dead(t0)]  # dropped while staged: skip rows
         if not live:
             return live, None, None, t_job, t0, t0
-        if len(live) == 1:
-            x = live[0].x
-        else:
-            xs = [p.x for p in live]
-            out = None if self._staging is None else self._staging(
-                sum(len(a) for a in xs), xs[0].shape[1], xs[0].dtype)
-            x = np.concatenate(xs, out=out)
+        x = self._concat(live)
         try:
             if defer and self._launch_batch is not None:
                 launched = self._launch_batch(x, key)
@@ -1083,6 +1118,16 @@ class Batcher:
                 raise
             result = self._run_each(live, key)  # isolate the request that failed it
         return live, x, result, t_job, t0, time.perf_counter()
+
+    def _concat(self, live: list[_Pending]) -> np.ndarray:
+        """The x of a batch of ``live`` requests: one's own, or theirs concatenated into the
+        backend's staging buffer (where it has one)."""
+        if len(live) == 1:
+            return live[0].x
+        xs = [p.x for p in live]
+        out = None if self._staging is None else self._staging(
+            sum(len(a) for a in xs), xs[0].shape[1], xs[0].dtype)
+        return np.concatenate(xs, out=out)
 
     def _run_each(self, live: list[_Pending], key: BatchKey,
                   ) -> list[MatmulResult | Q6Error]:
@@ -1196,6 +1241,51 @@ def _run_jobs(jobs: _Jobs) -> list[tuple[_Done | None, BaseException | None]]:
         except BaseException as e:  # every waiter must hear of a failure
             out.append((None, e))
     return out
+
+
+def _wait_launched(go: ManyCall, x: np.ndarray) -> Any:
+    return go(x).wait()
+
+
+def _same_rows(jobs: _Jobs) -> bool:
+    """Whether every batch of a group job holds the same requests' x, in the same order, of
+    one key (each caller's multi-weight parts, and nothing else: their concatenated x is the
+    same for every weight), so one backend call can run them all (``_run_many``)."""
+    b0, first = jobs[0]
+    key = first[0].key
+    return all(b.many == b0.many and len(bt) == len(first)
+               and all(p.x is q.x and p.key == key for p, q in zip(bt, first, strict=True))
+               for b, bt in jobs[1:])
+
+
+def _run_many(jobs: _Jobs, go: ManyCall) -> list[tuple[_Done | None, BaseException | None]]:
+    """``_run_jobs`` as one backend call (``Batcher.many``: x concatenated and uploaded once,
+    every weight's kernel launched behind the others, one wait), where ``_same_rows`` held at
+    the start: one outcome per batch, each with its own result (kernel name, kernel time) and
+    a share of the job's time as its own (its device seconds, the cost its batcher expects of
+    a like batch). Falls back to ``_run_jobs`` when the batches' live requests no longer match
+    (one expired since), or when the launch
+    refuses its input (each batch then runs alone and isolates the request that caused it).
+    ``go``: the call (``Batcher.many``'s, asked on the loop by ``_start``)."""
+    t0 = time.perf_counter()
+    b0 = jobs[0][0]
+    lives = [[p for p in bt if not p.dead(t0)] for _, bt in jobs]
+    live = lives[0]
+    if not live or any(len(lv) != len(live)
+                       or any(p.x is not q.x for p, q in zip(lv, live, strict=False))
+                       for lv in lives[1:]):
+        return _run_jobs(jobs)
+    x = b0._concat(live)
+    try:
+        results = go(x).wait()
+    except (InvalidArgument, FailedPrecondition):
+        return _run_jobs(jobs)
+    except BaseException as e:  # every waiter must hear of a failure
+        return [(None, e)] * len(jobs)
+    t1 = time.perf_counter()
+    share = (t1 - t0) / len(jobs)
+    return [((lv, x, r, t0, t0 + i * share, t0 + (i + 1) * share), None)
+            for i, (lv, r) in enumerate(zip(lives, results, strict=True))]
 
 
 def _finish_jobs(jobs: _Jobs, done: list[tuple[_Done | None, BaseException | None]] | None,

@@ -36,6 +36,7 @@ from q6serve.kernels.api import (
     Precision,
     dtype_name,
     launch_ieee,
+    launch_many_ieee,
 )
 from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import (
@@ -46,6 +47,7 @@ from q6serve.kernels.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    Q6Error,
     ResourceExhausted,
     Unavailable,
 )
@@ -148,6 +150,21 @@ _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 # the kernels' flags by (soa, decode_mmq): made once, not per launch
 _FLAGS = {(soa, mmq): KernelFlags(soa=soa, decode_mmq=mmq)
           for soa in (False, True) for mmq in (False, True)}  # the native dtypes' names, by dict
+
+
+def _watched(started: Launched, failed: Callable[[DeviceError], None]) -> Launched:
+    """``started`` with a device error at its wait passed to ``failed`` (then raised)."""
+    if started.finished:
+        return started
+
+    def wait() -> Any:
+        try:
+            return started.wait()
+        except DeviceError as err:
+            failed(err)
+            raise
+
+    return Launched(wait)
 
 
 # Engine._key's BatchKeys by (x dtype, precision, out dtype, top-k k)
@@ -381,6 +398,11 @@ class Engine:
         # Q6SERVE_MULTI_PIPELINE=1 (off by default): multi.run_weights_now launches a call's
         # parts behind each other (launch_direct) and waits for them in order
         self.multi_pipeline = bool(envvars.MULTI_PIPELINE.read())
+        # Q6SERVE_MULTI_LAUNCH=1 (off by default): a multi-weight call's parts that run
+        # together (the direct path; a group job of the same requests) are one backend call
+        # (Backend.launch_many: x uploaded once, every part's kernel, one sync)
+        self.multi_launch = bool(envvars.MULTI_LAUNCH.read())
+        self._loop = asyncio.get_running_loop()
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
         self._publish()
@@ -585,17 +607,7 @@ class Engine:
             except DeviceError as err:
                 failed(err)
                 raise
-            if started.finished:
-                return started
-
-            def wait() -> MatmulResult:
-                try:
-                    return started.wait()
-                except DeviceError as err:
-                    failed(err)
-                    raise
-
-            return Launched(wait)
+            return _watched(started, failed)
 
         def run(x: np.ndarray, key: BatchKey) -> MatmulResult:
             return launch(x, key).wait()
@@ -617,7 +629,50 @@ class Engine:
             return job
 
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
-                       self._on_batch, self.backend.staging, launch, bind)
+                       self._on_batch, self.backend.staging, launch, bind,
+                       self._launch_many if self.multi_launch else None, e)
+
+    def _launch_many(self, batchers: Sequence[Batcher], key: BatchKey,
+                     ) -> Callable[[np.ndarray], Launched] | None:
+        """``Batcher.many`` (on the loop): the function that runs an ``x`` on every batcher's
+        weight as one backend call (``launch_many_ieee``: ``Backend.launch_many``, x's
+        non-finite rows looked for once), called where the job runs (the loop or the device
+        thread); its ``wait()`` gives one result per batcher, in order. The call's y (N x
+        the weights' rows together) must fit the matmul workspace: where it exceeds the one
+        reserved for the largest weight, the reservation grows to it now (VRAM accounting
+        stays exact; the next unload shrinks it back to the largest weight's), or, over the
+        budget, None: the parts run each as usual. A device error marks the worker
+        unhealthy, as a part's own launch does."""
+        entries = [b.entry for b in batchers]
+        need = self._workspace(sum(e.rows for e in entries), entries[0].k)
+        if need > self._scratch:
+            try:
+                self.vram.reserve(scratch=need - self._scratch)  # (kept: it is ours now)
+            except ResourceExhausted:
+                return None
+            self._scratch = need
+            self._publish()
+        backend, precision = self.backend, key.precision
+        out, topk, failed = DTYPES[key.out_dtype], key.topk, self._failed_anywhere
+
+        def go(x: np.ndarray) -> Launched:
+            # (read where the job runs, as launch's: relayouts swap them on the device thread)
+            ws = [e.resident for e in entries]
+            mmq = self.flags.state.decode_mmq
+            try:
+                started = launch_many_ieee(
+                    backend, ws, x, precision=precision, out_dtype=out, topk=topk,
+                    flags=[_FLAGS[w.layout is Layout.SOA, mmq] for w in ws])
+            except DeviceError as err:
+                failed(err)
+                raise
+            return _watched(started, failed)
+
+        return go
+
+    def _failed_anywhere(self, err: DeviceError) -> None:
+        """A device error heard on either thread: the worker marked unhealthy, on the loop."""
+        self._loop.call_soon_threadsafe(self._device_failed, err)
 
     def _dynamic_batching(self) -> bool:
         return self.flags.state.dynamic_batching
@@ -952,6 +1007,33 @@ class Engine:
             return b.run_direct(d, call.x)
         finally:
             self.registry.release(e)
+
+    def run_direct_many(self, batchers: Sequence[Batcher], calls: Sequence[MatmulCall],
+                        key: BatchKey) -> list[MatmulReply] | None:
+        """:meth:`run_direct` of every part of a multi-weight call (``calls``, their
+        ``batchers`` from :meth:`direct_batchers`) as one backend call
+        (``Batcher.run_direct_many``): the same checks (a refusal raises with ``e.part``, the
+        index of its part), then one reply per part, in order. None: not as one call, or the
+        one call refused its input (run the parts each: the refusal then names its part,
+        and the parts before it answer as they did part by part)."""
+        held: list[WeightEntry] = []
+        try:
+            ds = []
+            for i, (b, call) in enumerate(zip(batchers, calls, strict=True)):
+                try:
+                    e, d = self._admit_part(b, call, key)
+                except Q6Error as err:
+                    err.part = i  # type: ignore[attr-defined]
+                    raise
+                held.append(e)
+                ds.append((b, d))
+            try:
+                return batchers[0].run_direct_many(ds, calls[0].x)
+            except (InvalidArgument, FailedPrecondition):
+                return None
+        finally:
+            for e in held:
+                self.registry.release(e)
 
     def _admit_part(self, b: Batcher, call: MatmulCall, key: BatchKey,
                     ) -> tuple[WeightEntry, DirectCall]:

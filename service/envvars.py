@@ -90,6 +90,9 @@ DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", True,
                 "launch a deferred batch's successor in the trip that hears of its end")
 MULTI_PIPELINE = Var("Q6SERVE_MULTI_PIPELINE", "switch", False,
                      "a multi-weight call's direct path launches its parts behind each other")
+MULTI_LAUNCH = Var("Q6SERVE_MULTI_LAUNCH", "switch", False,
+                   "a multi-weight call's parts that run together are one backend call "
+                   "(Backend.launch_many: x uploaded once, one sync)")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
@@ -121,7 +124,7 @@ LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
-                         DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, PIPELINE_SHORT,
+                         DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 

@@ -106,6 +106,14 @@ def run_weights_now(engine: Engine, call: MatmulCall, own: object = None,
     batchers = engine.direct_batchers(parts, key, own)
     if batchers is None:
         return None
+    if engine.multi_launch and len(parts) > 1:
+        try:
+            got = engine.run_direct_many(batchers, parts, key)
+        except Q6Error as e:
+            i = getattr(e, "part", 0)
+            raise _named(i, parts[i].weight, e) from None
+        if got is not None:
+            return [(p.weight, r) for p, r in zip(parts, got, strict=True)]
     slots = engine.device.now_slots
     if engine.multi_pipeline and len(parts) > 1 and slots > 1:
         return _launch_parts(engine, parts, batchers, key, slots)

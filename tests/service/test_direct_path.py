@@ -203,7 +203,9 @@ def test_multi_weight_calls_take_the_direct_path_with_the_same_replies(
         start_worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every part of a multi-weight request runs directly when each would (after the first
     request, which measures the parts' costs through the queue): the same replies, errors
-    (named after their weight, refusals before any part runs) and metrics as queued."""
+    (named after their weight, refusals before any part runs) and metrics as queued. (Part
+    by part: one backend call per request is test_multi_launch.py's.)"""
+    monkeypatch.setenv("Q6SERVE_MULTI_LAUNCH", "0")
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
     backend = _Refusing(rows=8)
     # any measured cost inlines (a part's first job on a loaded machine may take > 3 ms)
@@ -407,6 +409,7 @@ def test_multi_weight_direct_parts_launched_behind_each_other(
     in turn); the same replies; a part refused at launch fails the call naming its weight,
     after the parts launched before it are waited for (nothing left in flight)."""
     monkeypatch.setenv("Q6SERVE_MULTI_PIPELINE", pipeline)
+    monkeypatch.setenv("Q6SERVE_MULTI_LAUNCH", "0")  # (the parts' own launches)
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)
     backend = _Deferring()
     worker = start_worker(backend=backend, inline_device_us=10_000_000)
