@@ -3,8 +3,12 @@
 # `bench/service.py --replay` (multi-weight calls, lm-head top-64, S = 1 and 8, MatmulStream,
 # f16 x and y) with worker variants alternated in one call (bench/replay_ab.py: one worker
 # per variant, the model uploaded to each once, then the runs in ORDER).
-#   bench/gpu_t1_s14.sh   env: VARIANTS ("def: pipe:Q6SERVE_MULTI_PIPELINE=1"),
-#                         ORDER (def,pipe,pipe,def), SEQS (1,8), SECONDS_RUN (1.8), WARMUP (0.4),
+# Variants: def (the tree's defaults), pipe (Q6SERVE_MULTI_PIPELINE=1: the direct path's parts
+# launched behind each other), one (Q6SERVE_MULTI_LAUNCH=1: a multi-weight call's parts as one
+# Backend.launch_many: x uploaded once, one sync).
+#   bench/gpu_t1_s14.sh   env: VARIANTS ("def: pipe:Q6SERVE_MULTI_PIPELINE=1
+#                         one:Q6SERVE_MULTI_LAUNCH=1"), ORDER (def,one,pipe,pipe,one,def),
+#                         SEQS (1,8), SECONDS_RUN (1.4), WARMUP (0.3),
 #                         BOUND (88: the replay is cut with `timeout` to end by then),
 #                         LAYERS (28), RP_EXTRA (more replay_ab.py options)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LAYERS=2 RP_EXTRA="--scale 0.002" bench/gpu_t1_s14.sh
@@ -19,9 +23,10 @@ left=$((BOUND - $(date +%s) + T0 - 2))
 # shellcheck disable=SC2206
 EXTRA=(${RP_EXTRA:-})
 timeout -k 2 "$left" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
-  --variants "${VARIANTS:-def: pipe:Q6SERVE_MULTI_PIPELINE=1}" --order "${ORDER:-def,pipe,pipe,def}" \
-  --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" --seconds "${SECONDS_RUN:-1.8}" \
-  --warmup "${WARMUP:-0.4}" --bound "$((left - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json" \
+  --variants "${VARIANTS:-def: pipe:Q6SERVE_MULTI_PIPELINE=1 one:Q6SERVE_MULTI_LAUNCH=1}" \
+  --order "${ORDER:-def,one,pipe,pipe,one,def}" \
+  --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" --seconds "${SECONDS_RUN:-1.4}" \
+  --warmup "${WARMUP:-0.3}" --bound "$((left - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json" \
   "${EXTRA[@]}" >"$OUT/replay_ab.log" 2>&1
 rc=$?
 note "# replay_ab rc=$rc ($(elapsed))"
