@@ -32,7 +32,7 @@ rc=$?
 note "# replay_ab rc=$rc ($(elapsed))"
 {
   echo "# gpu_t1_s14 tree $(cat COMMIT 2>/dev/null) rc=$rc ($(elapsed))"
-  grep -E "^# [0-9]+ workers|skipped|FAILED" "$OUT/replay_ab.log"
+  grep -E "^# [0-9]+ workers|^# the workers|skipped|FAILED" "$OUT/replay_ab.log"
   sed -n '/^# replay A\/B/,$p' "$OUT/replay_ab.log"
   [[ $rc != 0 ]] && tail -5 "$OUT/replay_ab.log"
 } >"$OUT/summary.txt" 2>&1

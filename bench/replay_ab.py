@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,17 +47,19 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
 
 
 def start(backend: str, env: dict[str, str], log: Path) -> WorkerProcess:
-    """A worker with ``env`` on top of ours (the child inherits os.environ at its start)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    """A worker with ``env`` on top of our environment (given to its exec: os.environ is never
+    changed here, as the workers start from several threads at once)."""
+    return WorkerProcess(["--backend", backend, "--log-level", "INFO"], log, env=env).start()
+
+
+def worker_env(w: WorkerProcess) -> dict[str, str]:
+    """The Q6SERVE_ variables the worker process really has (its /proc environ)."""
     try:
-        return WorkerProcess(["--backend", backend, "--log-level", "INFO"], log).start()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        raw = Path(f"/proc/{w.proc.pid}/environ").read_bytes()  # type: ignore[union-attr]
+    except OSError as e:
+        return {"?": type(e).__name__}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0"))
+    return {k: v for k, _, v in pairs if k.startswith("Q6SERVE_")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log"), variants),
             strict=True))
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
+    doc["worker_env"] = {v: worker_env(w) for v, w in workers.items()}
+    print(f"# the workers' Q6SERVE_ variables: {doc['worker_env']}", flush=True)
     try:
         st = next(iter(clients.values())).status()
         doc["backend"], doc["device"] = st.backend, st.device

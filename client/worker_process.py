@@ -8,6 +8,7 @@ latency it shows is partly the caller's). Its address is read from its first log
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -28,20 +29,24 @@ class WorkerStartError(RuntimeError):
 class WorkerProcess:
     """``with WorkerProcess(["--backend", "numpy"], log) as w: Client(w.target) ...``
 
-    ``args`` are ``q6serve worker`` options; ``--port 0`` is added unless a port is given."""
+    ``args`` are ``q6serve worker`` options; ``--port 0`` is added unless a port is given.
+    ``env``: variables set for the worker on top of this process's environment (given to its
+    exec, never set here: os.environ changed while another thread starts a process fails it)."""
 
-    def __init__(self, args: list[str], log_path: Path, start_timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], log_path: Path, start_timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         port = [] if "--port" in args else ["--port", "0"]
         self.cmd = [sys.executable, "-m", "q6serve.client.cli", "worker", *port, *args]
         self.log_path = log_path
         self.start_timeout = start_timeout
+        self.env = None if not env else {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = ""
 
     def start(self) -> WorkerProcess:
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=self.env)
         end = time.monotonic() + self.start_timeout
         while time.monotonic() < end:
             m = _LISTENING.search(self.log())
