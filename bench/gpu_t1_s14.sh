@@ -8,7 +8,7 @@
 # Backend.launch_many: x uploaded once, one sync).
 #   bench/gpu_t1_s14.sh   env: VARIANTS ("def: pipe:Q6SERVE_MULTI_PIPELINE=1
 #                         one:Q6SERVE_MULTI_LAUNCH=1"), ORDER (def,one,pipe,pipe,one,def),
-#                         SEQS (1,8), SECONDS_RUN (1.4), WARMUP (0.3),
+#                         SEQS (1,8), SECONDS_RUN (1.3), WARMUP (0.2),
 #                         BOUND (88: the replay is cut with `timeout` to end by then),
 #                         LAYERS (28), RP_EXTRA (more replay_ab.py options)
 #   a CPU rehearsal: DRY_RUN=1 BACKEND=numpy LAYERS=2 RP_EXTRA="--scale 0.002" bench/gpu_t1_s14.sh
@@ -25,8 +25,8 @@ EXTRA=(${RP_EXTRA:-})
 timeout -k 2 "$left" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
   --variants "${VARIANTS:-def: pipe:Q6SERVE_MULTI_PIPELINE=1 one:Q6SERVE_MULTI_LAUNCH=1}" \
   --order "${ORDER:-def,one,pipe,pipe,one,def}" \
-  --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" --seconds "${SECONDS_RUN:-1.4}" \
-  --warmup "${WARMUP:-0.3}" --bound "$((left - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json" \
+  --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" --seconds "${SECONDS_RUN:-1.3}" \
+  --warmup "${WARMUP:-0.2}" --bound "$((left - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json" \
   "${EXTRA[@]}" >"$OUT/replay_ab.log" 2>&1
 rc=$?
 note "# replay_ab rc=$rc ($(elapsed))"
