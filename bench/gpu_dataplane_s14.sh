@@ -21,7 +21,9 @@ BACKEND=${BACKEND:-cuda} ROWS=${ROWS:-3584} K=${K:-18944}
 # TAG:FRONTENDS[:ENV=VALUE,...]  (rr = Q6SERVE_FRONTEND_ROUND_ROBIN=1)
 VARIANTS=${VARIANTS:-"f4a:4 f6a:6 f5a:5 f6rra:6:Q6SERVE_FRONTEND_ROUND_ROBIN=1 f4b:4 f6b:6 f5b:5 \
 f6rrb:6:Q6SERVE_FRONTEND_ROUND_ROBIN=1"}
-archive() { tar -I "gzip -1" -cf "$FINAL/dataplane_s14.tgz" -C "$OUT" .; }  # (fast: after each run)
+archive() {  # (fast: after each run; the per-call .npy arrays stay behind: 5 MB a run)
+  tar -I "gzip -1" --exclude="*.npy" -cf "$FINAL/dataplane_s14.tgz" -C "$OUT" .
+}
 left() { (($(date +%s) - T0 + $1 < BUDGET)); }  # left SECONDS: still inside the budget
 t2() {  # t2 TAG FRONTENDS ENVS [SECONDS [MORE ARGS]]
   local s=${4:-$S}
