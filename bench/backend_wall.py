@@ -64,6 +64,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -288,23 +289,25 @@ def many_groups(spec: str) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
     return out
 
 
-def many_call(be: CudaBackend, ws: list[ResidentWeight], x: np.ndarray, way: str) -> list:
-    """One multi-weight call ``way`` (MANY_WAYS): the parts' MatmulResults, in order."""
-    if way == "many":
-        return be.launch_many(ws, x).wait()
+def many_call(be: CudaBackend, ws: list[ResidentWeight], x: np.ndarray, way: str,
+              out: np.dtype | None = None) -> list:
+    """One multi-weight call ``way`` (MANY_WAYS; "many:LABEL" is "many"): the parts'
+    MatmulResults, in order."""
+    if way.startswith("many"):
+        return be.launch_many(ws, x, out_dtype=out).wait()
     if way == "parts":
-        return [be.launch(w, x).wait() for w in ws]
-    slots, out, pending = be.now_slots, [], []  # "pipe": service/multi.py's _launch_parts
+        return [be.launch(w, x, out_dtype=out).wait() for w in ws]
+    slots, done, pending = be.now_slots, [], []  # "pipe": service/multi.py's _launch_parts
     for i, w in enumerate(ws):
         if len(pending) >= slots:
-            out.append(pending.pop(0).wait())
+            done.append(pending.pop(0).wait())
         # (a staged x is the first part's upload buffer: the others copy it, as any x)
-        pending.append(be.launch(w, x if i == 0 else x.view()))
-    return out + [p.wait() for p in pending]
+        pending.append(be.launch(w, x if i == 0 else x.view(), out_dtype=out))
+    return done + [p.wait() for p in pending]
 
 
 def measure_many(be: CudaBackend, ws: list[ResidentWeight], xs: list[np.ndarray], calls: int,
-                 way: str, staged: bool) -> dict:
+                 way: str, staged: bool, out: np.dtype | None = None) -> dict:
     walls, kerns = [], []
     for i in range(calls + 5):
         x = xs[i % len(xs)]
@@ -313,7 +316,7 @@ def measure_many(be: CudaBackend, ws: list[ResidentWeight], xs: list[np.ndarray]
             st[...] = x
             x = st
         t0 = time.perf_counter()
-        res = many_call(be, ws, x, way)
+        res = many_call(be, ws, x, way, out)
         secs = [r.timing.seconds(wait=True) for r in res]
         wall = time.perf_counter() - t0
         if i >= 5:
@@ -324,47 +327,57 @@ def measure_many(be: CudaBackend, ws: list[ResidentWeight], xs: list[np.ndarray]
             "host_p50": statistics.median(host), "host_p90": host[int(0.9 * (len(host) - 1))]}
 
 
-def run_many(a: argparse.Namespace) -> int:
-    """``--many``: per (group, N) the three ways alternated, then a summary table."""
+def run_many(a: argparse.Namespace, variants: list[tuple[str, dict[str, int]]],
+             apply: Any) -> int:
+    """``--many``: per (group, N) the three ways alternated (``many`` once per variant of
+    ``--variants``, its constants applied by ``apply``), then a summary table."""
     be = CudaBackend(0)
+    out_dt = None if a.many_out == "f32" else DTYPES[a.many_out]
+    many_ways = [f"many:{lb}" if lb else "many" for lb, _ in variants]
+    sets_of = {w: sets for w, (_, sets) in zip(many_ways, variants, strict=True)}
+    ways = ["parts", "pipe", *many_ways]
     rng = np.random.default_rng(0)
     out: list[dict] = []
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d')}  multi-weight calls, "
-          f"activations {a.dtype}, y f32, {a.calls} calls per row, {a.rounds} rounds, x "
+          f"activations {a.dtype}, y {a.many_out}, {a.calls} calls per row, {a.rounds} rounds, x "
           f"{'staged' if a.many_staged else 'fresh'} (us)")
-    print(f"{'group':>8} {'N':>3} {'way':>5} {'wall p50':>9} {'kernel p50':>10} {'host p50':>9} "
+    print(f"{'group':>8} {'N':>3} {'way':>10} {'wall p50':>9} {'kernel p50':>10} {'host p50':>9} "
           f"{'host p90':>9} equal")
     for name, shapes in many_groups(a.many):
         ws = [load(be, random_blocks(rng, r, k), r, k) for r, k in shapes]
         k = shapes[0][1]
         for n in map(int, a.ns.split(",")):
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
-            ref = [r.y for r in many_call(be, ws, xs[0], "parts")]
+            ref = [r.y for r in many_call(be, ws, xs[0], "parts", out_dt)]
             for rnd in range(a.rounds):
-                for way in (MANY_WAYS if rnd % 2 == 0 else MANY_WAYS[::-1]):
-                    r = measure_many(be, ws, xs, a.calls, way, a.many_staged)
-                    got = [p.y for p in many_call(be, ws, xs[0], way)]
+                for way in (ways if rnd % 2 == 0 else ways[::-1]):
+                    apply(sets_of.get(way, {}))
+                    r = measure_many(be, ws, xs, a.calls, way, a.many_staged, out_dt)
+                    # (after calls on other x: a copy that ran before its kernels would show)
+                    got = [p.y for p in many_call(be, ws, xs[0], way, out_dt)]
+                    apply({})
                     eq = all(np.array_equal(g, f) for g, f in zip(got, ref, strict=True))
                     r.update(group=name, n=n, way=way, round=rnd, equal=eq)
                     out.append(r)
-                    print(f"{name:>8} {n:>3} {way:>5} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
-                          f"{r['host_p50']:9.1f} {r['host_p90']:9.1f} {'yes' if eq else 'NO'}",
+                    print(f"{name:>8} {n:>3} {way:>10} {r['wall_p50']:9.1f} "
+                          f"{r['kernel_p50']:10.1f} {r['host_p50']:9.1f} {r['host_p90']:9.1f} "
+                          f"{'yes' if eq else 'NO'}",
                           flush=True)
         for w in ws:
             be.free(w)
     print("# multi-weight summary (median over rounds: wall / host p50, us; equal over all):")
-    print(f"{'group':>8} {'N':>3} " + " ".join(f"{w:>15}" for w in MANY_WAYS) + "  many/parts")
+    print(f"{'group':>8} {'N':>3} " + " ".join(f"{w:>15}" for w in ways) + "  many/parts each")
     keys = dict.fromkeys((r["group"], r["n"]) for r in out)
     for g, n in keys:
         cells, walls = [], {}
-        for way in MANY_WAYS:
+        for way in ways:
             rs = [r for r in out if (r["group"], r["n"], r["way"]) == (g, n, way)]
             walls[way] = statistics.median(r["wall_p50"] for r in rs)
             host = statistics.median(r["host_p50"] for r in rs)
             eq = "" if all(r["equal"] for r in rs) else "!"
             cells.append(f"{walls[way]:7.1f}/{host:6.1f}{eq}")
         print(f"{g:>8} {n:>3} " + " ".join(f"{c:>15}" for c in cells)
-              + f"  {walls['many'] / walls['parts']:.3f}", flush=True)
+              + "  " + " ".join(f"{walls[w] / walls['parts']:.3f}" for w in many_ways), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": be.device_name(), "results": out}, fh, indent=1)
@@ -439,9 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-staged", action="store_true",
                     help="--many: x built in CudaBackend.staging (the fill not in the wall)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--many-out", default="f32", choices=("f32", "f16"),
+                    help="--many: the calls' y dtype")
     a = ap.parse_args(argv)
-    if a.many:
-        return run_many(a)
     from q6serve.kernels.cuda import launch
 
     if a.small_y_f32 is not None:
@@ -466,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
             if k != "SLAB_ROWS":
                 setattr(launch, k, v)
 
+    if a.many:
+        return run_many(a, variants, apply)
     modes = a.modes.split(",")
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
     bes["naive"] = bes["direct"]

@@ -158,6 +158,11 @@ BATCH_SLOTS = min(SLOTS, 2)
 # (3.7 MB) 16.
 Y_CHUNKS: int | None = None
 Y_CHUNK_MIN = 3 << 19  # 1.5 MiB
+# A multi-weight call's f32 (or bf16) y of this many bytes or more (all parts together) leaves
+# part by part, each part's block DMA'd on the y copy stream as soon as its kernels are done,
+# beside the next part's kernels (the last on the backend's stream); 0: one download after all
+# parts. Off until measured on the H200 (session 14's bundle B: 1 MiB against 0).
+MANY_APART_MIN = 0
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
@@ -808,13 +813,15 @@ def many_out(n: int, rows: int, out_dtype: np.dtype | None) -> np.dtype | str | 
     downloads itself, as :func:`_small_out`: y's host dtype for a small y (every part's y
     together at most ``SMALL_Y_F32`` bytes as f32, ``SMALL_Y`` as f16), "y16" for a larger
     f16 y (converted in the sequence, copied per call), else None (f32 or bf16: y copied per
-    call into a pinned block whose views the parts' results are)."""
+    call into a pinned block whose views the parts' results are), or "apart" for such a y of
+    ``MANY_APART_MIN`` bytes or more: each part's block copied as soon as its kernels are
+    done, all but the last on the y copy stream, beside the next part's kernels."""
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
-    if dt == np.float32:
-        return dt if n * rows * 4 <= SMALL_Y_F32 else None
+    if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
+        return dt
     if dt == np.float16:
         return dt if n * rows * 2 <= SMALL_Y else "y16"
-    return None
+    return "apart" if MANY_APART_MIN and n * rows * 4 >= MANY_APART_MIN else None
 
 
 @dataclass
@@ -839,6 +846,7 @@ class ManyBound:
     rows: tuple[int, ...]
     n: int
     counts: tuple[int, ...]  # each part's steps, in order
+    join: Any = None  # "apart" (many_out): the y copy stream's copies done, for the last part's
     calls: int = 0
     graph: Any = None  # cupy Graph once captured; False once capture was refused
 
@@ -882,10 +890,7 @@ class ManyCall:
         try:
             with self.dev:
                 b.graph.launch(stream)
-                flat = None
-                if b.out is None:
-                    flat, src, nbytes = self.lc._many_block(b)
-                    self._memcpy(flat.ctypes.data, src, nbytes, _D2H, stream.ptr)
+                flat = None if b.out is not None else self.lc._many_y_out(b)
                 self.done.record(stream)
         except BaseException:
             ws._held[slot] = False
@@ -1752,16 +1757,14 @@ class Launcher:
             b = self._bind_many(weights, cws, parts, key, x.nbytes)
         if b.graph:
             b.graph.launch(stream)
+            flat = None if b.out is not None else self._many_y_out(b)
         else:
             cp.cuda.runtime.memcpyAsync(b.xd, host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
             self._many_kernels(b, lambda ev: ev.record(stream))
+            flat = None if b.out is not None else self._many_y_out(b)  # (before a capture)
             b.calls += 1
             if self.graphs and b.graph is None and b.calls > GRAPH_AFTER:
                 self._capture_many(b, host)
-        flat = None
-        if b.out is None:
-            flat, src, nbytes = self._many_block(b)
-            cp.cuda.runtime.memcpyAsync(flat.ctypes.data, src, nbytes, _D2H, stream.ptr)
         bf16 = out_dtype is not None and np.dtype(out_dtype) == BFLOAT16
 
         def done() -> list[tuple[np.ndarray, float | None]]:
@@ -1772,15 +1775,32 @@ class Launcher:
 
         return done
 
-    def _many_block(self, b: ManyBound) -> tuple[np.ndarray, int, int]:
-        """A pinned block for a multi-weight call's whole y (flat; f16 when the sequence
-        converts it), the device address it comes from and its bytes."""
+    def _many_y_out(self, b: ManyBound) -> np.ndarray:
+        """Enqueue a multi-weight call's y's way out into a new pinned block and return the
+        block (flat; f16 where the sequence converts y): one copy after the sequence, or with
+        ``b.join`` ("apart") each part's block once its end event fired, all but the last on
+        the y copy stream, the last on the backend's stream once those are done (so the
+        backend's stream orders everything after it: a later launch reuses the device y)."""
         half = bool(b.y16)
         size = b.n * sum(b.rows)
-        nbytes = size * (2 if half else 4)
-        mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(size * (2 if half else 4))
         flat = np.frombuffer(mem, np.float16 if half else np.float32, size)
-        return flat, (b.y16 if half else b.y), nbytes
+        rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
+        if b.join is None:
+            rt.memcpyAsync(mem.ptr, b.y16 if half else b.y, flat.nbytes, _D2H, stream.ptr)
+            return flat
+        ys = self.y_stream()
+        off, last = 0, len(b.rows) - 1
+        for i, r in enumerate(b.rows):
+            if i == last:
+                b.join.record(ys)
+                stream.wait_event(b.join)
+            else:
+                ys.wait_event(b.events[i + 1])  # part i's end
+            rt.memcpyAsync(mem.ptr + 4 * b.n * off, b.y + 4 * b.n * off, 4 * b.n * r, _D2H,
+                           stream.ptr if i == last else ys.ptr)
+            off += r
+        return flat
 
     def _many_seconds(self, b: ManyBound) -> list[float | None]:
         """Each part's kernel seconds (after the sync); a graph whose event nodes did not
@@ -1816,7 +1836,7 @@ class Launcher:
                                       and small == np.float16)
             y16 = ws.ptr("y16b", 2 * n * total) if half else 0
             out = None
-            if small is not None and small != "y16":
+            if small is not None and not isinstance(small, str):  # a small y, downloaded here
                 nbytes = n * total * small.itemsize
                 out = ws.host_out(nbytes, slot)[:nbytes].view(small)
             if gen == ws.gen:
@@ -1827,6 +1847,8 @@ class Launcher:
         b = ManyBound(ws.gen, x_bytes, [s for st in steps for s in st],
                       [cp.cuda.Event() for _ in range(len(rows) + 1)], xd, y, y16, out, rows, n,
                       tuple(map(len, steps)))
+        if small == "apart":
+            b.join = cp.cuda.Event(disable_timing=True)
         for cw in cws:
             cw.plans[key] = b
         return b
