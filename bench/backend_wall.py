@@ -38,6 +38,9 @@ loads them in slabs of R rows (a value over the rows: one slab, as before sessio
 slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 'one:SLAB_ROWS=20000;new;two:SLAB_ROWS=-2,Y_CHUNKS=2'``).
 
+``STAGING_WC_MIN=B`` in a variant: x's pinned staging buffer write-combined from B bytes on
+(kernels/cuda/launch.py; every bound sequence rebinds at each variant switch).
+
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
 an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
@@ -507,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                                           for v in variants for m in modes):
                 apply(sets)
                 be = bes[m]
+                if "STAGING_WC_MIN" in defaults:  # x's buffer per variant: rebind to it
+                    be.launcher.ws.gen += 1
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill)
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,

@@ -78,6 +78,7 @@ cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence direc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -163,6 +164,14 @@ Y_CHUNK_MIN = 3 << 19  # 1.5 MiB
 # beside the next part's kernels (the last on the backend's stream); 0: one download after all
 # parts. Off until measured on the H200 (session 14's bundle B: 1 MiB against 0).
 MANY_APART_MIN = 0
+# x's pinned staging buffer is write-combined for an x of this many bytes or more (a buffer of its
+# own per slot, ``Workspace.host``): the fill (the caller's, into ``CudaBackend.staging``, or the
+# backend's copy of an unstaged x) leaves the CPU's caches clean and x's DMA reads memory, as a
+# fill with non-temporal stores did in session 9 (GLIBC_TUNABLES, process-wide: -15 us staged and
+# -53 us unstaged at 4096x14336 N=64). CPU reads of such an x are uncached (slow): an explicit
+# q8_1 call's non-finite scan (api.launch_ieee) reads it. 0: off (not measured yet: session 14's
+# bundle B).
+STAGING_WC_MIN = 0
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
@@ -399,6 +408,8 @@ class Workspace:
         self.gen = 0
         self._dev: dict[str, Any] = {}
         self._host: list[Any] = [None] * SLOTS  # per slot: (pinned memory, numpy uint8 view)
+        self._host_wc: list[Any] = [None] * SLOTS  # the same, write-combined (STAGING_WC_MIN)
+        self._wc_min = STAGING_WC_MIN  # the setting the buffers handed out so far followed
         self._out: list[Any] = [None] * SLOTS  # the same for small outputs (SMALL_Y)
         self._held = [False] * SLOTS  # launched, its wait not yet called
         self._done: list[Any] = [None] * SLOTS  # per slot: event recorded after its launch
@@ -460,7 +471,15 @@ class Workspace:
         return cp.ndarray(shape, dtype, memptr=self._dev[name].data)
 
     def host(self, nbytes: int, slot: int = 0) -> np.ndarray:
-        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``)."""
+        """The slot's pinned staging buffer for x (uint8, at least ``nbytes``): from
+        ``STAGING_WC_MIN`` bytes on a write-combined one of its own."""
+        wc = STAGING_WC_MIN
+        if wc != self._wc_min:  # (a bench's variants: sequences bound to the other rebind)
+            self._wc_min = wc
+            self.gen += 1
+        if wc and nbytes >= wc:
+            self._host_wc[slot] = self._pinned(self._host_wc[slot], nbytes, True)
+            return self._host_wc[slot][1]
         self._host[slot] = self._pinned(self._host[slot], nbytes)
         return self._host[slot][1]
 
@@ -469,12 +488,15 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
-    def _pinned(self, have: Any, nbytes: int) -> tuple[Any, np.ndarray]:
+    def _pinned(self, have: Any, nbytes: int, wc: bool = False) -> tuple[Any, np.ndarray]:
         if have is not None and have[1].size >= nbytes:
             return have
         size = self._grown(0 if have is None else have[1].size, nbytes)
-        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
         self.gen += 1
+        if wc:
+            mem = _WriteCombined(self.ctx.cp.cuda.runtime, size)
+            return mem, mem.array()
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(size)
         return mem, np.frombuffer(mem, np.uint8, size)
 
     def nbytes(self) -> int:
@@ -483,9 +505,33 @@ class Workspace:
     def clear(self) -> None:
         self._dev.clear()
         self._host, self._out = [None] * SLOTS, [None] * SLOTS
+        self._host_wc = [None] * SLOTS
         self._held, self._done = [False] * SLOTS, [None] * SLOTS
         self.staged = None
         self.gen += 1
+
+
+class _WriteCombined:
+    """Page-locked, write-combined host memory (``cudaHostAlloc(..., WriteCombined |
+    Portable)``) as a NumPy uint8 array: the CPU's stores to it bypass its caches (as
+    non-temporal stores do) and the GPU's DMA reads it without snooping them; CPU reads of it
+    are uncached (slow). Freed once neither it nor any array of it is left (the arrays keep it:
+    their base holds it)."""
+
+    def __init__(self, rt: Any, size: int) -> None:
+        self._rt, self.size = rt, size
+        self.ptr = int(rt.hostAlloc(size, 5))  # cudaHostAllocWriteCombined | Portable
+
+    def array(self) -> np.ndarray:
+        """A uint8 array of all of it, which keeps it (no reference back: NumPy's ``base``
+        is not seen by the cycle collector, so a cycle through it would never be freed)."""
+        raw = (ctypes.c_uint8 * self.size).from_address(self.ptr)
+        raw._owner = self  # type: ignore[attr-defined]
+        return np.frombuffer(raw, np.uint8)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (interpreter shutdown, a lost device)
+            self._rt.freeHost(self.ptr)
 
 
 def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bool = False,

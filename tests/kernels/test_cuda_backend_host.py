@@ -117,10 +117,21 @@ class _FakeCuda:
             Event=_Event, alloc_pinned_memory=_Pinned,
             get_elapsed_time=self.elapsed, Stream=lambda non_blocking=False: _Stream(dev),
             runtime=SimpleNamespace(memcpyAsync=self.memcpy, memcpy2DAsync=self.memcpy2d,
-                                    streamCaptureModeRelaxed=2))
+                                    streamCaptureModeRelaxed=2, hostAlloc=self.host_alloc,
+                                    freeHost=self.host_free))
         self.fn = lambda file, name: _Fn(dev)
 
     unrecorded = False  # events a refused graph node never recorded: no elapsed time
+
+    def host_alloc(self, size: int, flags: int) -> int:
+        """cudaHostAlloc: host memory (its flags recorded in ``host_flags``)."""
+        a = np.zeros(size, np.uint8)
+        self.host_bufs = getattr(self, "host_bufs", {})
+        self.host_bufs[a.ctypes.data] = (a, flags)
+        return a.ctypes.data
+
+    def host_free(self, ptr: int) -> None:
+        self.host_bufs.pop(ptr)
 
     def elapsed(self, start: _Event, end: _Event) -> float:
         if self.unrecorded:
@@ -921,3 +932,69 @@ def test_launch_many_apart_off(monkeypatch):
         res = be.launch_many(ws, _x(be, rng, 64, 3584, i % 2 == 0)).wait()
         assert cp.counts["d2h"] - d2h == 1 and "wait" not in cp.counts
         assert all(np.array_equal(r.y, y) for r, y in zip(res, ys, strict=True))
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_write_combined_staging(monkeypatch, staged):
+    """STAGING_WC_MIN: an x of that many bytes or more is staged in a write-combined buffer of
+    its own per slot (staging() hands it out too), smaller ones in the usual one; every call
+    (direct, capture, graph, cached) still uploads x unchanged and returns the device y; a
+    grown buffer is freed."""
+    monkeypatch.setattr(launch_mod, "STAGING_WC_MIN", 1 << 18)
+    be, cp = fake_backend(monkeypatch)
+    w = fake_weight(be, 4096, 14336)
+    rng = np.random.default_rng(17)
+    ws = be.launcher.ws
+    for n in (1, 64, 1, 32):
+        be.matmul(w, _x(be, rng, n, 14336, staged))
+        for i in range(4):
+            y = _set_y(be, w, n, i)
+            x = _x(be, rng, n, 14336, staged)
+            xb = x.copy()
+            assert np.array_equal(be.launch(w, x).wait().y, y)
+            assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+        big = xb.nbytes >= 1 << 18
+        wc = [h for h in ws._host_wc if h is not None]
+        assert wc or not big  # (a WC buffer once any x was big enough)
+        if staged and big:
+            assert x.ctypes.data in {h[1].ctypes.data for h in wc}
+        if staged and not big:
+            assert x.ctypes.data in {h[1].ctypes.data for h in ws._host if h is not None}
+    assert all(f == 5 for _, f in cp.host_bufs.values())  # write-combined | portable
+    assert cp.host_bufs
+    ws.clear()
+    be.free(w)  # (its cached calls hold views of the buffers: the buffers outlive no view)
+    del x, wc
+    import gc
+
+    gc.collect()
+    assert not cp.host_bufs
+
+
+@pytest.mark.gpu
+def test_write_combined_staging_on_the_gpu_is_bit_identical(rng, monkeypatch):
+    """On a device: calls whose x is staged in a write-combined buffer (STAGING_WC_MIN) give
+    the usual buffer's y bit for bit (staged and copied x, a new x each call)."""
+    gpu_backend = _gpu_backend()
+    from q6serve.kernels.api import iter_aos_chunks
+    from tests.conftest import random_blocks
+
+    rows, k = 4096, 14336
+    be = gpu_backend(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20), rows,
+                k, Layout.SOA)
+    try:
+        for n, staged in ((64, True), (64, False), (32, True), (1, True)):
+            for _ in range(4):
+                x = rng.standard_normal((n, k)).astype(np.float16)
+                monkeypatch.setattr(launch_mod, "STAGING_WC_MIN", 0)
+                ref = be.matmul(w, x).y
+                monkeypatch.setattr(launch_mod, "STAGING_WC_MIN", 1 << 18)
+                xi = x
+                if staged:
+                    xi = be.staging(n, k, np.float16)
+                    xi[...] = x
+                np.testing.assert_array_equal(be.launch(w, xi).wait().y, ref)
+    finally:
+        be.free(w)
+        be.close()
