@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran at 7ef62fd in bundle B, 2026-12-02 ~09:05 UTC; MANY_APART_MIN was removed after it: no gain.
+# bench/RESULTS.md, host path session 14.)
 # Session 14, helper hp, bundle B (bound 50 s): launch_many's large y part by part, its f16 y, and
 # x staged in write-combined memory.
 # 1. GPU tests: launch_many bit-identical to each part's launch on every kind of call (a new x

@@ -159,18 +159,16 @@ BATCH_SLOTS = min(SLOTS, 2)
 # (3.7 MB) 16.
 Y_CHUNKS: int | None = None
 Y_CHUNK_MIN = 3 << 19  # 1.5 MiB
-# A multi-weight call's f32 (or bf16) y of this many bytes or more (all parts together) leaves
-# part by part, each part's block DMA'd on the y copy stream as soon as its kernels are done,
-# beside the next part's kernels (the last on the backend's stream); 0: one download after all
-# parts. Off until measured on the H200 (session 14's bundle B: 1 MiB against 0).
-MANY_APART_MIN = 0
 # x's pinned staging buffer is write-combined for an x of this many bytes or more (a buffer of its
 # own per slot, ``Workspace.host``): the fill (the caller's, into ``CudaBackend.staging``, or the
 # backend's copy of an unstaged x) leaves the CPU's caches clean and x's DMA reads memory, as a
 # fill with non-temporal stores did in session 9 (GLIBC_TUNABLES, process-wide: -15 us staged and
 # -53 us unstaged at 4096x14336 N=64). CPU reads of such an x are uncached (slow): an explicit
-# q8_1 call's non-finite scan (api.launch_ieee) reads it. 0: off (not measured yet: session 14's
-# bundle B).
+# q8_1 call's non-finite scan (api.launch_ieee) reads it. 0: off. H200, session 14 (bundle B,
+# 256 KiB, alternated, bench/RESULTS.md): an unstaged x (the backend's own copy) 4096x14336 N=64
+# host 272.1 -> 247.9 us, 14336x4096 N=64 134.0 -> 130.6; a staged x (the caller's fill) 105.5
+# -> 104.7 and 95.2 -> 93.2, N=32 within 1 us: the staged N=64 target is not moved, so it stays
+# off (a gain for large unstaged x only, against the read cliff).
 STAGING_WC_MIN = 0
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
@@ -859,15 +857,15 @@ def many_out(n: int, rows: int, out_dtype: np.dtype | None) -> np.dtype | str | 
     downloads itself, as :func:`_small_out`: y's host dtype for a small y (every part's y
     together at most ``SMALL_Y_F32`` bytes as f32, ``SMALL_Y`` as f16), "y16" for a larger
     f16 y (converted in the sequence, copied per call), else None (f32 or bf16: y copied per
-    call into a pinned block whose views the parts' results are), or "apart" for such a y of
-    ``MANY_APART_MIN`` bytes or more: each part's block copied as soon as its kernels are
-    done, all but the last on the y copy stream, beside the next part's kernels."""
+    call into a pinned block whose views the parts' results are). (Each part's block copied on
+    a copy stream as soon as its kernels were done, beside the next part's, was tried: H200,
+    session 14, no change, gate/up N=64 wall 374.5 vs 376.1 us.)"""
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
     if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
         return dt
     if dt == np.float16:
         return dt if n * rows * 2 <= SMALL_Y else "y16"
-    return "apart" if MANY_APART_MIN and n * rows * 4 >= MANY_APART_MIN else None
+    return None
 
 
 @dataclass
@@ -892,7 +890,6 @@ class ManyBound:
     rows: tuple[int, ...]
     n: int
     counts: tuple[int, ...]  # each part's steps, in order
-    join: Any = None  # "apart" (many_out): the y copy stream's copies done, for the last part's
     calls: int = 0
     graph: Any = None  # cupy Graph once captured; False once capture was refused
 
@@ -1822,30 +1819,14 @@ class Launcher:
         return done
 
     def _many_y_out(self, b: ManyBound) -> np.ndarray:
-        """Enqueue a multi-weight call's y's way out into a new pinned block and return the
-        block (flat; f16 where the sequence converts y): one copy after the sequence, or with
-        ``b.join`` ("apart") each part's block once its end event fired, all but the last on
-        the y copy stream, the last on the backend's stream once those are done (so the
-        backend's stream orders everything after it: a later launch reuses the device y)."""
+        """Enqueue a multi-weight call's y's one copy into a new pinned block after the
+        sequence and return the block (flat; f16 where the sequence converts y)."""
         half = bool(b.y16)
         size = b.n * sum(b.rows)
         mem = self.ctx.cp.cuda.alloc_pinned_memory(size * (2 if half else 4))
         flat = np.frombuffer(mem, np.float16 if half else np.float32, size)
-        rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
-        if b.join is None:
-            rt.memcpyAsync(mem.ptr, b.y16 if half else b.y, flat.nbytes, _D2H, stream.ptr)
-            return flat
-        ys = self.y_stream()
-        off, last = 0, len(b.rows) - 1
-        for i, r in enumerate(b.rows):
-            if i == last:
-                b.join.record(ys)
-                stream.wait_event(b.join)
-            else:
-                ys.wait_event(b.events[i + 1])  # part i's end
-            rt.memcpyAsync(mem.ptr + 4 * b.n * off, b.y + 4 * b.n * off, 4 * b.n * r, _D2H,
-                           stream.ptr if i == last else ys.ptr)
-            off += r
+        self.ctx.cp.cuda.runtime.memcpyAsync(mem.ptr, b.y16 if half else b.y, flat.nbytes, _D2H,
+                                             self.ctx.stream.ptr)
         return flat
 
     def _many_seconds(self, b: ManyBound) -> list[float | None]:
@@ -1893,8 +1874,6 @@ class Launcher:
         b = ManyBound(ws.gen, x_bytes, [s for st in steps for s in st],
                       [cp.cuda.Event() for _ in range(len(rows) + 1)], xd, y, y16, out, rows, n,
                       tuple(map(len, steps)))
-        if small == "apart":
-            b.join = cp.cuda.Event(disable_timing=True)
         for cw in cws:
             cw.plans[key] = b
         return b

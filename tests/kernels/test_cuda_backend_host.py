@@ -723,25 +723,20 @@ def _many_counted(monkeypatch, shapes, seed: int):
 @pytest.mark.parametrize("n,out", [(1, None), (8, None), (64, None), (1, np.float16),
                                    (64, np.float16), (8, BFLOAT16)])
 @pytest.mark.parametrize("staged", [True, False])
-@pytest.mark.parametrize("apart_min", [0, 1 << 20])
-def test_launch_many_returns_each_parts_y(monkeypatch, shapes, n, out, staged, apart_min):
+def test_launch_many_returns_each_parts_y(monkeypatch, shapes, n, out, staged):
     """Every multi-weight call (direct launches, the capture, graph replays, then the cached
     ManyCall; staged or copied x) uploads x once, hands back each part's own block of the
     device y in the asked dtype, each part named and timed as its own launch, with one
-    download (a large f32/bf16 y: one per part, after its part's end event); from the third
-    call on it is one graph launch."""
-    monkeypatch.setattr(launch_mod, "MANY_APART_MIN", apart_min)
+    download; from the third call on it is one graph launch."""
     be, cp, full, ws, rng = _many_counted(monkeypatch, shapes, 11)
     k = shapes[0][1]
     rows = [r for r, _ in shapes]
-    apart = launch_mod.many_out(n, sum(rows), out) == "apart"
-    assert apart == (out != np.float16 and 0 < apart_min <= n * sum(rows) * 4)
     be.launch_many(ws, _x(be, rng, n, k, staged), out_dtype=out).wait()  # binds
     for i in range(6):
         ys = _set_many_y(be, rows, n, i)
         x = _x(be, rng, n, k, staged)
         xb = x.copy()
-        h2d, d2h, graphs, waits = (cp.counts.get(c, 0) for c in ("h2d", "d2h", "graph", "wait"))
+        h2d, d2h, graphs = (cp.counts.get(c, 0) for c in ("h2d", "d2h", "graph"))
         res = be.launch_many(ws, x, out_dtype=out).wait()
         assert len(res) == len(ws)
         for r, y, w in zip(res, ys, ws, strict=True):
@@ -752,11 +747,7 @@ def test_launch_many_returns_each_parts_y(monkeypatch, shapes, n, out, staged, a
             assert (r.kernel, r.precision) == (f"cuda.{c.path}.soa", c.precision)
         assert np.array_equal(be.launcher.ws._dev["x"].a[: xb.nbytes],
                               xb.reshape(-1).view(np.uint8))
-        assert cp.counts["h2d"] - h2d == 1  # x in once
-        # y out once, or part by part from MANY_APART_MIN bytes on (one stream hand-off each)
-        parts = len(ws) if apart else 1
-        assert cp.counts["d2h"] - d2h == parts
-        assert cp.counts.get("wait", 0) - waits == (parts if apart else 0)
+        assert cp.counts["h2d"] - h2d == 1 and cp.counts["d2h"] - d2h == 1  # x in, y out once
         if i >= 1:
             assert cp.counts["graph"] - graphs == 1
     assert len(full) == 2  # direct, direct + capture; then the cached ManyCall (graphs)
@@ -883,17 +874,15 @@ def test_launch_many_on_numpy_is_each_parts_matmul(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [QKV, GATE_UP], ids=["qkv", "gate_up"])
-@pytest.mark.parametrize("apart_min", [0, 1 << 20])
-def test_launch_many_on_the_gpu_is_bit_identical(rng, monkeypatch, shapes, apart_min):
+def test_launch_many_on_the_gpu_is_bit_identical(rng, shapes):
     """On a device: a multi-weight call gives each part's launch's y bit for bit on every
     kind of call (direct, capture, graph replays, the cached ManyCall; staged and copied x;
-    f32, f16 and bf16 y; a large y in one download and part by part: MANY_APART_MIN) at
-    N = 1, 8, 64 and 300 (cuBLAS: each part's launch in turn), with a new x each call."""
+    f32, f16 and bf16 y) at N = 1, 8, 64 and 300 (cuBLAS: each part's launch in turn), with
+    a new x each call."""
     gpu_backend = _gpu_backend()
     from q6serve.kernels.api import iter_aos_chunks
     from tests.conftest import random_blocks
 
-    monkeypatch.setattr(launch_mod, "MANY_APART_MIN", apart_min)
     be = gpu_backend(0)
     ws = [be.load(iter_aos_chunks(random_blocks(rng, r * (k // 256)), r, k, 64 << 20), r, k,
                   Layout.SOA) for r, k in shapes]
@@ -918,20 +907,6 @@ def test_launch_many_on_the_gpu_is_bit_identical(rng, monkeypatch, shapes, apart
         for w in ws:
             be.free(w)
         be.close()
-
-
-def test_launch_many_apart_off(monkeypatch):
-    """MANY_APART_MIN 0 (the default until measured): a large y leaves in one download
-    after every part."""
-    assert launch_mod.MANY_APART_MIN == 0
-    be, cp, _, ws, rng = _many_counted(monkeypatch, GATE_UP, 16)
-    be.launch_many(ws, _x(be, rng, 64, 3584, False)).wait()  # binds: the buffers exist now
-    for i in range(4):
-        ys = _set_many_y(be, [w.rows for w in ws], 64, i)
-        d2h = cp.counts.get("d2h", 0)
-        res = be.launch_many(ws, _x(be, rng, 64, 3584, i % 2 == 0)).wait()
-        assert cp.counts["d2h"] - d2h == 1 and "wait" not in cp.counts
-        assert all(np.array_equal(r.y, y) for r, y in zip(res, ys, strict=True))
 
 
 @pytest.mark.parametrize("staged", [True, False])
