@@ -388,6 +388,100 @@ def table_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
     return out
 
 
+def parse_cands(spec: str) -> list[tuple[int, Cfg]]:
+    """``--cfg-ab``'s candidates: ``N:field=v,field=v;N:...`` (Cfg fields; pf as 0/1)."""
+    out: list[tuple[int, Cfg]] = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        n_s, _, fields = item.partition(":")
+        kv = {f: int(v) for f, v in (x.split("=") for x in fields.split(",") if x)}
+        cfg = Cfg(**{f: bool(v) if f in ("pf", "xa") else v for f, v in kv.items()})
+        cfg.check("mma_f16")
+        out.append((int(n_s), cfg))
+    return out
+
+
+def cfg_ab(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
+    """AUTO (the committed table) against the mma_f16 launch shapes of ``--cfg-ab`` at their
+    N, on the weights as the storage holds them (pair streams by default), f16 activations, in
+    one process: per cell AUTO, each candidate, AUTO, each candidate, ... (``--rounds``; the
+    best median of each). Each candidate's y (partial-sum scratch poisoned with NaN first) is
+    compared with AUTO's: rel = |y - y_auto| / |y_auto| (the same F16 numerics, only the K
+    split's order of the sums differs: ~1e-7; a broken shape shows up as NaN or ~1). torch's
+    f16 linear once per cell unless --no-torch."""
+    import cupy as cp
+
+    flags = KernelFlags(soa=True)
+    rng = np.random.default_rng(3)
+    cands = parse_cands(a.cfg_ab)
+    shapes = [tuple(map(int, s.split("x"))) for s in a.shapes.split(",")]
+    ns = sorted({n for n, _ in cands})
+    t0 = time.perf_counter()
+    got = prefetch_auto(be, [(r, k, n, ch.cfg, ch.path, "InF16") for r, k in shapes for n in ns
+                             for ch in [be.choose(n, Precision.AUTO, flags, r, k)]]
+                        + [(r, k, n, c, "mma_f16", "InF16") for r, k in shapes
+                           for n, c in cands], Layout.SOA)
+    print(f"# compiled {got} instantiations in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{'shape':>12} {'N':>3} {'AUTO':>26} {'us':>7} {'candidate':>22} {'us':>7} "
+          f"{'AUTO/cand':>9} {'rel':>8} {'torch':>7}", flush=True)
+    out: list[dict] = []
+    f16 = np.dtype(np.float16)
+    for rows, k in shapes:
+        wbytes = q6k.aos_nbytes(rows, k)
+        ws = load_copies(be, rng, rows, k, Layout.SOA)
+        for n in ns:
+            ch = be.choose(n, Precision.AUTO, flags, rows, k)
+            runs = [("auto", ch.path, ch.cfg)] + [(c.label(), "mma_f16", c)
+                                                   for nn, c in cands if nn == n]
+            times: dict[str, list[float]] = {r[0]: [] for r in runs}
+            rel: dict[str, float] = {}
+            with be.ctx.dev, be.stream:
+                x = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+                ys = {}
+                for label, path, cfg in runs:
+                    try:
+                        part = be.launcher.ws.array("part", (1 << 22,), np.float32)
+                        part.fill(np.nan)  # a partial sum nothing wrote shows up as NaN
+                    except Exception:  # (no such workspace buffer: nothing to poison)
+                        pass
+                    try:
+                        ys[label] = be.run(ws[0], x, f16, path, cfg).get(stream=be.stream)
+                    except Exception as e:  # a candidate that fails must not end the run
+                        print(f"{rows}x{k:<6} {n:>3} {label}: FAILED {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                        times.pop(label)
+                y0 = ys.get("auto")
+                for label in times:
+                    if label != "auto" and y0 is not None:
+                        d = np.linalg.norm((ys[label] - y0).astype(np.float64))
+                        rel[label] = float(d / max(np.linalg.norm(y0.astype(np.float64)),
+                                                   1e-300))
+                for _ in range(a.rounds):
+                    for label, path, cfg in runs:
+                        if label not in times:
+                            continue
+
+                        def call(i: int, path=path, cfg=cfg, x=x, ws=ws) -> None:
+                            be.run(ws[i], x, f16, path, cfg)
+
+                        times[label].append(time_calls(cp, call, len(ws), iters=a.iters))
+            t_torch = None if a.no_torch else torch_linear_us(rows, k, n, max(2, min(
+                16, math.ceil(3 * L2_BYTES / (2 * rows * k)))))
+            ta = min(times["auto"])
+            la = f"{ch.path}.{ch.cfg.label() if ch.cfg else ''}"
+            for label in times:
+                if label == "auto":
+                    continue
+                tc = min(times[label])
+                tt = f"{t_torch:7.1f}" if t_torch else "      -"
+                print(f"{rows}x{k:<6} {n:>3} {la:>26} {ta:7.1f} {label:>22} {tc:7.1f} "
+                      f"{ta / tc:9.3f} {rel.get(label, float('nan')):8.1e} {tt}", flush=True)
+                out.append({"shape": f"{rows}x{k}", "n": n, "auto": la, "auto_us": ta,
+                            "cand": label, "cand_us": tc, "rel": rel.get(label),
+                            "torch_us": t_torch, "runs": times, "mb": wbytes / 1e6})
+        free_copies(be, ws)
+    return out
+
+
 def free_copies(be: CudaBackend, ws: list) -> None:
     import cupy as cp
 
@@ -629,6 +723,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nts", default=None,
                     help="--pairs-ab: the column's path at each of these n-tile counts (e.g. "
                     "1,2,8) instead of the table's launch shape")
+    ap.add_argument("--cfg-ab", default=None, metavar="N:CFG;..",
+                    help="AUTO vs these mma_f16 launch shapes (N:nt=8,warps=12,src=4,pf=1;..), "
+                         "alternated --rounds times, outputs compared with AUTO's")
+    ap.add_argument("--rounds", type=int, default=2, help="--cfg-ab's alternations")
     ap.add_argument("--table-ab", default=None, metavar="OLD.json",
                     help="the committed table against this one: every changed cell timed "
                     "old/new alternated (table_ab)")
@@ -658,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.table_ab:
         dump("table_ab", table_ab(a, be))
         return 0
+    if a.cfg_ab:
+        results = cfg_ab(a, be)
+        dump("cfg_ab", results)
+        return 0 if all(r["rel"] is not None and r["rel"] < 1e-4 for r in results) else 1
     if a.pairs_ab:
         results = pairs_ab(a, be)
         dump("pairs_ab", results)

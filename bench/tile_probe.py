@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="no checks or timing: per shape and N, one call of AUTO, of the f16 "
                          "tile's heuristic shape and of the K-slice tiles (for Nsight Compute)")
+    ap.add_argument("--profile-cfgs", default=None, metavar="N:CFG;..",
+                    help="with --profile: AUTO, then only these mma_f16 launch shapes at their N "
+                         "(bench/kernels.py --cfg-ab's syntax)")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -103,11 +106,18 @@ def main(argv: list[str] | None = None) -> int:
                 for ch in [be.choose(n, Precision.AUTO, KernelFlags(),
                                      *map(int, sh.split("x")))]
                 if ch.path == "mma_f16" and ch.cfg is not None]
+    lays: tuple = (True, False)
+    if a.profile_cfgs is not None:  # AUTO and these shapes, on pair-stream weights as resident
+        cfgs = [c for n in ns for nn, c in _bk.parse_cands(a.profile_cfgs) if nn == n] + [
+            ch.cfg for sh in a.shapes.split(",") for n in ns
+            for ch in [be.choose(n, Precision.AUTO, KernelFlags(), *map(int, sh.split("x")))]
+            if ch.path == "mma_f16" and ch.cfg is not None]
+        lays = (2,) if be.storage.pairs else (True,)
     t0 = time.time()
     with be.ctx.dev:
         for file in dict.fromkeys(kernel_file("mma_f16", c) for c in cfgs):
             be.ctx.prefetch(file, {kernel_name("mma_f16", c, soa, "InF16") for c in cfgs
-                                   for soa in (True, False)
+                                   for soa in lays
                                    if kernel_file("mma_f16", c) == file}, threads=16)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  "
           f"compile {time.time() - t0:.1f} s", flush=True)
@@ -126,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, 2, "InF16"))
             print(f"# rp {c.label()}: {f.num_regs} regs", flush=True)
     for c in dict.fromkeys(cfgs):
-        f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, True, "InF16"))
-        print(f"# {c.label()}: {f.num_regs} regs", flush=True)
+        f = be.ctx.fn(kernel_file("mma_f16", c), kernel_name("mma_f16", c, lays[0], "InF16"))
+        print(f"# {c.label()}{' (pairs)' if lays[0] == 2 else ''}: {f.num_regs} regs", flush=True)
 
     rng = np.random.default_rng(0)
     results: list[dict] = []
@@ -142,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             aos = cp.random.randint(0, 256, size=(nb, 210), dtype=cp.int32).astype(cp.uint8)
             d = (cp.random.standard_normal(nb, dtype=cp.float32) * 1e-3).astype(cp.float16)
             aos[:, 208:210] = d.view(cp.uint8).reshape(nb, 2)
-            ws = [device_weight(be, aos, rows, k, Layout.SOA) for _ in range(copies)]
+            ws = [device_weight(be, aos, rows, k, Layout.SOA,
+                                pairs=a.profile_cfgs is not None and be.storage.pairs)
+                  for _ in range(copies)]
             wa = device_weight(be, aos, rows, k, Layout.AOS)
             if a.rp:  # the probe's weights: repacked copies of the same blocks
                 wr = [device_weight(be, aos, rows, k, Layout.SOA, pairs=True)
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             with be.ctx.dev, be.stream:
                 xd = cp.asarray(x16)
             if a.profile:
-                profile_calls(be, ws, xd, n, rows, k)
+                profile_calls(be, ws, xd, n, rows, k, a.profile_cfgs)
                 continue
             if a.rp:
                 results.append(rp_probe(cp, be, ws, wr, xd, shape_s, n, pick, y64, copies,
@@ -250,15 +262,18 @@ def ks_cfgs(n: int) -> list[Cfg]:
                if WG and nt >= 2 else []))
 
 
-def profile_calls(be, ws, xd, n, rows, k) -> None:
+def profile_calls(be, ws, xd, n, rows, k, only: str | None = None) -> None:
     """One call each of: AUTO (the dispatch's kernel and launch shape), then the f16 tile's
-    heuristic shape and the K-slice tiles where AUTO is another; each on another resident
-    copy (so a profiler's replay reads HBM, not the L2 the previous kernel filled)."""
+    heuristic shape and the K-slice tiles where AUTO is another (``only``: the launch shapes of
+    that --cfg-ab spec at this N instead); each on another resident copy (so a profiler's
+    replay reads HBM, not the L2 the previous kernel filled)."""
     choice = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
     runs = [(choice.path, choice.cfg)]
     nt = ks_cfgs(n)[0].nt
-    for cand in (default_cfg("mma_f16", n, rows, be.sm_count), Cfg(nt=nt, src=2 if nt == 1 else 3,
-                                                                 pf=nt > 2), *ks_cfgs(n)):
+    cands = ([c for nn, c in _bk.parse_cands(only) if nn == n] if only is not None else
+             [default_cfg("mma_f16", n, rows, be.sm_count),
+              Cfg(nt=nt, src=2 if nt == 1 else 3, pf=nt > 2), *ks_cfgs(n)])
+    for cand in cands:
         if ("mma_f16", cand) not in runs:
             runs.append(("mma_f16", cand))
     print(f"# profile {rows}x{k} N={n}: "

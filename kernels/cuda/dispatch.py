@@ -71,7 +71,7 @@ class Cfg:
     #               loop, left: no table entry or heuristic picked them),
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
     #                 staged once per CTA, warps stream many row tiles; ksplit = K slices;
-    #                 warps 8, or 12 (nt <= 4) / 16 (nt <= 2) in one CTA per SM),
+    #                 warps 8, or 12 / 16 (nt <= 4) in one CTA per SM),
     #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1,
     #                 nt <= 4, warps 8/12/16; pf: 3 ring stages per warp, else 2)
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
@@ -80,6 +80,7 @@ class Cfg:
     pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
     #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
+    xa: bool = False  # src 4: the activations staged by cp.async (q6k_ks_f16's XA; session 14)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
@@ -91,8 +92,10 @@ class Cfg:
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
             (4, 8, 12) if self.src == 6 else (8, 12, 16))))
-        ok = ok and not (self.src == 4 and self.warps != 8 and (self.nt > 4 or self.mt != 1 or (
-            self.warps == 16 and self.nt > 2)))  # the instantiations (q6k_matmul.cu)
+        ok = ok and not (self.src == 4 and self.warps != 8 and (self.mt != 1 or (
+            self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
+        #                                         warps and nt4 at 16 since session 14)
+        ok = ok and not (self.xa and (path != "mma_f16" or self.src != 4 or self.mt != 1))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
@@ -103,7 +106,7 @@ class Cfg:
     def label(self) -> str:
         """Short name for logs and the table (``nt4.m1.w8.s3.pf``)."""
         s = f"nt{self.nt}.m{self.mt}.w{self.warps}.s{self.src}" + (".pf" if self.pf else "")
-        return s + (f".k{self.ksplit}" if self.ksplit else "")
+        return s + (f".k{self.ksplit}" if self.ksplit else "") + (".xa" if self.xa else "")
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,8 @@ class Entry:
              "path": self.path, "us": round(self.us, 2)}
         if self.cfg is not None:
             d["cfg"] = asdict(self.cfg)
+            if not self.cfg.xa:  # (written only where set: the tables before session 14)
+                del d["cfg"]["xa"]
         return d
 
 
