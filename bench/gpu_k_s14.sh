@@ -9,6 +9,8 @@
 #      weights (the profile the issue asks for; bench/results' N=64 profiles are of older
 #      tiles), then of nt8 at 12 warps and of nt8 with xa;
 #   3. the GPU tests of the new shapes (tests/kernels/test_cuda_ks_xa.py).
+# Ran in bundle A at tree 83b8f4c (Cfg.xa, the cp.async staging, was removed after it lost:
+# bench/results/2026-12-02_k_xa_staging.patch; its candidates fail to parse here).
 # Run: `bash bench/gpu_k_s14.sh` from the tree's root (gpu_session installs the wheels).
 # CPU rehearsal: DRY_RUN=1 OUT=/tmp/o PATH=$PWD/.venv/bin:$PATH bash bench/gpu_k_s14.sh
 set -uo pipefail

@@ -204,6 +204,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
             32: [Cfg(nt=2, src=4, pf=True, warps=w) for w in (12, 16)],
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]
             + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
+    # session 14: 8 n-tiles at 12 warps and 4 at 16, without the prefetch (no spills there)
+    mma += {32: [Cfg(nt=4, src=4, warps=16)], 64: [Cfg(nt=8, src=4, warps=12)]}.get(n, [])
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
     if pairs:
         mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
@@ -394,7 +396,7 @@ def parse_cands(spec: str) -> list[tuple[int, Cfg]]:
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         n_s, _, fields = item.partition(":")
         kv = {f: int(v) for f, v in (x.split("=") for x in fields.split(",") if x)}
-        cfg = Cfg(**{f: bool(v) if f in ("pf", "xa") else v for f, v in kv.items()})
+        cfg = Cfg(**{f: bool(v) if f == "pf" else v for f, v in kv.items()})
         cfg.check("mma_f16")
         out.append((int(n_s), cfg))
     return out

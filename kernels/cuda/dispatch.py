@@ -80,7 +80,6 @@ class Cfg:
     pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
     #                   two blocks ahead in the ring)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
-    xa: bool = False  # src 4: the activations staged by cp.async (q6k_ks_f16's XA; session 14)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
@@ -95,7 +94,6 @@ class Cfg:
         ok = ok and not (self.src == 4 and self.warps != 8 and (self.mt != 1 or (
             self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
         #                                         warps and nt4 at 16 since session 14)
-        ok = ok and not (self.xa and (path != "mma_f16" or self.src != 4 or self.mt != 1))
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
@@ -106,7 +104,7 @@ class Cfg:
     def label(self) -> str:
         """Short name for logs and the table (``nt4.m1.w8.s3.pf``)."""
         s = f"nt{self.nt}.m{self.mt}.w{self.warps}.s{self.src}" + (".pf" if self.pf else "")
-        return s + (f".k{self.ksplit}" if self.ksplit else "") + (".xa" if self.xa else "")
+        return s + (f".k{self.ksplit}" if self.ksplit else "")
 
 
 @dataclass(frozen=True)
@@ -188,8 +186,6 @@ class Entry:
              "path": self.path, "us": round(self.us, 2)}
         if self.cfg is not None:
             d["cfg"] = asdict(self.cfg)
-            if not self.cfg.xa:  # (written only where set: the tables before session 14)
-                del d["cfg"]["xa"]
         return d
 
 

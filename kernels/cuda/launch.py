@@ -219,8 +219,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
     if path == "exact":
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 4:
-        xa = ", true" if cfg.xa else ""  # cp.async activation staging (session 14)
-        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}{xa}>"
+        return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:

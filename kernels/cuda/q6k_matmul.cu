@@ -163,35 +163,6 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
     }
 }
 
-// stage_x_f16's items (f16 activations only) as cp.async copies, all in flight at once: no
-// registers held per item (the batched loads keep 4 per thread: at N=64 a CTA stages up to
-// ~220 KB, ~56 items a thread, in 14 rounds of L2 round trips). Tokens past N are zero-filled
-// (source size 0). The same bytes as the loads, so the same results bit for bit (session 14,
-// the K-slice tile's XA option).
-template <class In>
-struct IsF16 {
-    static constexpr bool value = false;
-};
-template <>
-struct IsF16<InF16> {
-    static constexpr bool value = true;
-};
-template <int NT>
-__device__ __forceinline__ void stage_x_async(const unsigned short* x, int K, int n_tok, int tok0,
-                                              int kb0, int nblk) {
-    const int per_tok = nblk * 32, tstride = per_tok + 4;
-    const u32 s0 = smem_addr(smem_x);
-    for (Walk w(per_tok); w.row < 8 * NT; w.next()) {
-        const int c = w.c, b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
-        const bool on = tok0 + w.row < n_tok;
-        const unsigned short* src =
-            x + (size_t)(on ? tok0 + w.row : 0) * K + (kb0 + b) * 256 + quad_x_off(sp, tt);
-        cp_async16_z(s0 + 16u * (u32)(w.row * tstride + c), src, on ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-}
-
 struct NoMid {
     __device__ __forceinline__ void operator()() const {}
 };
@@ -449,9 +420,7 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // <= 128 registers; q6k_ks_f16<2> spills there), the rest 1 (up to 255); 12 warps: one CTA of
 // <= 168 registers (12 warps per SM without the spills); 16 warps: one CTA of <= 128 (as two
 // 8-warp CTAs, but one activation slice per SM instead of two).
-// XA: the activations staged by cp.async (stage_x_async; f16 activations only, the others
-// keep the loads): the same bytes, the same results.
-template <int NT, int MT, int SOA, class In, bool PF, int NW, bool XA = false>
+template <int NT, int MT, int SOA, class In, bool PF, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -472,10 +441,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
         if (PF) warp_load<SOA>(nxt, rr, kb0, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
-    if constexpr (XA && IsF16<In>::value)
-        stage_x_async<NT>((const unsigned short*)x, K, o.n_tok, tok0, kb0, nblk);
-    else
-        stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
@@ -1304,17 +1270,11 @@ INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
 INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)
 INST_KS2(4, 1, 2, InF16, true, 12) INST_KS2(1, 1, 2, InF16, true, 16)
 INST_KS2(2, 1, 2, InF16, true, 16) INST_KS2(2, 2, 2, InF16, true, 8)
-// Session 14's N = 32/64 candidates (bench/kernels.py --cfg-ab): 8 n-tiles at 12 warps (with
-// the prefetch 168 registers and 56 bytes of spills, without it 166 and none; ptxas sm_90), 4
-// n-tiles at 16 warps (without the prefetch 128 registers and no spills; with it 64 bytes)
-INST_KS2(8, 1, 2, InF16, true, 12) INST_KS2(8, 1, 2, InF16, false, 12)
-INST_KS2(4, 1, 2, InF16, false, 16) INST_KS2(4, 1, 2, InF16, true, 16)
-// the activations staged by cp.async (XA) at 4 and 8 n-tiles, pair weights (session 14)
-#define INST_KSX(NT, SOA, IN, PF, NW)                                                         \
-    template __global__ void q6k_ks_f16<NT, 1, SOA, IN, PF, NW, true>(                        \
-        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-INST_KSX(8, 2, InF16, true, 8) INST_KSX(8, 2, InF16, true, 12) INST_KSX(4, 2, InF16, true, 8)
-INST_KSX(4, 2, InF16, true, 12) INST_KSX(8, true, InF16, true, 8) INST_KSX(8, 2, InF32, true, 8)
+// Session 14 (the table's 4096x14336 N=64 and 4-n-tile N=32 cells): 8 n-tiles at 12 warps and
+// 4 at 16, without the register prefetch (ptxas sm_90 pair: 166 and 128 registers, no spills;
+// 8 n-tiles at 12 warps with it: 168 and 56 bytes of spills, 0.86-0.96x of AUTO)
+INST_KS2(8, 1, 2, InF16, false, 12) INST_KS2(4, 1, 2, InF16, false, 16)
+INST_KS(8, 1, false, 12) INST_KS(4, 1, false, 16)
 INST_EXACT(1, 2, InF16) INST_EXACT(2, 2, InF16) INST_EXACT(4, 2, InF16)
 INST_MMQ(1, 1, 2) INST_MMQ(2, 1, 2) INST_MMQ(4, 1, 2) INST_MMQ(8, 1, 2)
 template __global__ void q6k_dequant_f16<2>(const u64*, int, int, int, int, int, u16*);

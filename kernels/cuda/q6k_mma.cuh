@@ -84,11 +84,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
                  : "=r"(a) : "l"(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
 }
-// The 16-byte copy with a source size (0: the 16 shared bytes are zero-filled, nothing read).
-__device__ __forceinline__ void cp_async16_z(u32 s, const void* gmem, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes)
-                 : "memory");
-}
 // 4-byte copy through L1 (cp.async.cg only moves 16 bytes).
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
     u32 a;

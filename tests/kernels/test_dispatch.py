@@ -251,38 +251,9 @@ def test_wgmma_tile_plans_only_on_sm_90():
     for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=2, src=6), Cfg(nt=2, mt=2, src=6, pf=True),
                 Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
                 Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=8, src=5, warps=12),
-                Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4), Cfg(nt=4, src=5, xa=True),
-                Cfg(nt=4, mt=2, src=4, xa=True), Cfg(nt=4, src=6, pf=True, xa=True)):
+                Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
-
-
-def test_cp_async_staging_names_its_instantiation():
-    """Device-less: ``Cfg.xa`` (session 14) asks for q6k_ks_f16's XA instantiation, the same
-    grid and shared memory as without it; the table file writes the field only where set."""
-    from types import SimpleNamespace
-
-    from q6serve.kernels.api import Layout
-    from q6serve.kernels.cuda.launch import Launcher
-
-    class Fn:
-        num_regs = 200
-        max_dynamic_shared_size_bytes = 48 << 10
-
-    asked: list[tuple[str, str]] = []
-    lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
-                                  fn=lambda f, n: asked.append((f, n)) or Fn()))
-    plain = lc.plan(4096, 14336, Layout.SOA, "InF16", "mma_f16", Cfg(nt=8, src=4, pf=True), 64)
-    cfg = Cfg(nt=8, src=4, pf=True, xa=True)
-    cfg.check("mma_f16")
-    xa = lc.plan(4096, 14336, Layout.SOA, "InF16", "mma_f16", cfg, 64)
-    assert (xa.grid, xa.smem, xa.ks) == (plain.grid, plain.smem, plain.ks)
-    assert any(n == "q6k_ks_f16<8, 1, true, InF16, true, 8, true>" for _, n in asked)
-    assert cfg.label().endswith(".xa")
-    e = Entry(4096, 14336, 64, "auto", "mma_f16", cfg, 1.0)
-    assert e.to_json()["cfg"]["xa"] is True
-    assert "xa" not in Entry(4096, 14336, 64, "auto", "mma_f16", Cfg(nt=8, src=4, pf=True),
-                             1.0).to_json()["cfg"]
 
 
 def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
