@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # k's bundle-B command (session 14): validates what lands, bounded by CALL_S (105 s):
 #   1. the GPU tests of the changed kernel (q6k_ks_f16: its XA option and the new launch
-#      shapes): tests/kernels/test_cuda_ks_xa.py, tests/kernels/test_cuda_ks.py, and
+#      shapes): tests/kernels/test_cuda_ks14.py, tests/kernels/test_cuda_ks.py, and
 #      test_cuda_pairs.py -k every_table_shape (every launch shape the new table names, pair
 #      and SoA bits the same, within bound of the float64 reference);
 #   2. the landing check: bench/kernels.py --table-ab against the table main had
@@ -25,7 +25,7 @@ timeout "$t" python3 bench/kernels.py --table-ab "$OLD" --columns auto,f16 --ite
 note "# table-ab rc=$? (bound ${t} s) $(elapsed)"
 t=$(bound 40 20)
 timeout "$t" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=35 \
-  tests/kernels/test_cuda_ks_xa.py "tests/kernels/test_cuda_pairs.py::test_every_table_shape" \
+  tests/kernels/test_cuda_ks14.py "tests/kernels/test_cuda_pairs.py::test_every_table_shape" \
   >"$OUT/pytest.log" 2>&1
 note "# tests rc=$? (bound ${t} s) $(elapsed)"
 t=$(bound 60 1)
