@@ -2,7 +2,8 @@
 # k's bundle-B command (session 14), bounded by CALL_S (105 s):
 #   1. the landing check: bench/kernels.py --table-ab against the table main had
 #      (bench/results/2026-12-02_dispatch_h200_ca935db.json), every changed cell (4096x14336
-#      N=64, 14336x4096 and 18944x3584 N=32; auto and f16) old/new alternated twice;
+#      N=64, auto and f16) old/new alternated twice (the 14336x4096 / 18944x3584 N=32 cells
+#      stay: nt4.w16 is one launch round there, which turns their y row chunks off);
 #   2. the GPU tests of the new launch shapes: tests/kernels/test_cuda_ks14.py and
 #      test_cuda_pairs.py::test_every_table_shape (every launch shape the new table names, pair
 #      and SoA bits the same, within bound of the float64 reference). q6k_ks_f16's code is

@@ -1270,7 +1270,7 @@ INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
 INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)
 INST_KS2(4, 1, 2, InF16, true, 12) INST_KS2(1, 1, 2, InF16, true, 16)
 INST_KS2(2, 1, 2, InF16, true, 16) INST_KS2(2, 2, 2, InF16, true, 8)
-// Session 14 (the table's 4096x14336 N=64 and 4-n-tile N=32 cells): 8 n-tiles at 12 warps and
+// Session 14 (the table's 4096x14336 N=64 cell; tune candidates): 8 n-tiles at 12 warps and
 // 4 at 16, without the register prefetch (ptxas sm_90 pair: 166 and 128 registers, no spills;
 // 8 n-tiles at 12 warps with it: 168 and 56 bytes of spills, 0.86-0.96x of AUTO)
 INST_KS2(8, 1, 2, InF16, false, 12) INST_KS2(4, 1, 2, InF16, false, 16)
