@@ -1,7 +1,7 @@
 """Session 14's K-slice launch shapes (``-m gpu``; skipped without CuPy or a GPU): 8 n-tiles
 at 12 warps per CTA and 4 at 16, without the register prefetch (the table's 4096x14336 N=64
-cell; both offered by bench/kernels.py --tune). A module of its own with a light fixture: only these names are
-compiled (test_cuda_ks.py's fixture compiles every K-slice shape first).
+cell; both offered by bench/kernels.py --tune). A module of its own with a light fixture: only
+these names are compiled (test_cuda_ks.py's fixture compiles every K-slice shape first).
 """
 
 from __future__ import annotations
