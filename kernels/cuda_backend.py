@@ -251,7 +251,7 @@ class CudaBackend(Backend):
                 if not staged:
                     slot = ws.free_slot()
                 call = weights[0].data.plans.get(
-                    (tuple(id(w.data) for w in weights), x.shape, x.dtype, precision, fl,
+                    (tuple([id(w.data) for w in weights]), x.shape, x.dtype, precision, fl,
                      out_dtype, slot))
                 if call is not None and call.live(weights):
                     return call.launch(None if staged else x)
@@ -277,9 +277,10 @@ class CudaBackend(Backend):
                           launch_mod.many_out(n, sum(w.rows for w in weights), out_dtype), slot)
         ckey = (tuple(map(id, cws)), x.shape, x.dtype, precision, fl, out_dtype, slot)
         call = lc.many_call(key, ckey, slot, names, out_dtype, cws)
-        if call is not None:
+        if call is not None:  # (found under its key in the first part's plans; live while
+            cws[0].plans[ckey] = call  # every part's plans hold it under itself)
             for cw in cws:
-                cw.plans[ckey] = call
+                cw.plans[call] = call
 
         def wait() -> list[MatmulResult]:
             return [MatmulResult(y, kernel, layout, prec, KernelTiming(host_seconds=sec))

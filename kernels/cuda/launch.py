@@ -896,10 +896,11 @@ class ManyBound:
 
 class ManyCall:
     """A multi-weight call's whole host path once its :class:`ManyBound` is a captured graph
-    (cached by ``CudaBackend.launch_many`` in every part's plans, per (weights, x's shape and
-    dtype, precision, flags, out dtype, slot)): x into the slot's staging buffer unless built
-    there, the graph launch, y's one copy into a pinned block unless the graph downloads it,
-    the slot's completion event; after the sync each part's kernel time and result."""
+    (cached by ``CudaBackend.launch_many`` in its first weight's plans per (weights, x's shape
+    and dtype, precision, flags, out dtype, slot), and in every part's plans under itself): x
+    into the slot's staging buffer unless built there, the graph launch, y's one copy into a
+    pinned block unless the graph downloads it, the slot's completion event; after the sync
+    each part's kernel time and result."""
 
     __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "dev", "done", "host", "key",
                  "lc", "parts", "slot", "stream", "ws")
@@ -917,9 +918,12 @@ class ManyCall:
         self._elapsed = cp.cuda.get_elapsed_time
 
     def live(self, weights: Any) -> bool:
-        key = self.key
+        """Whether it still holds for ``weights`` (the call's, the first of which held it under
+        its key): the workspace did not grow, the graph stands, and every part's plans still
+        hold it under itself (a relayout clears them, a freed weight has none; an identity
+        lookup: no key tuple hashed again per part)."""
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
-                and all(type(w.data) is CudaWeight and w.data.plans.get(key) is self
+                and all(type(w.data) is CudaWeight and w.data.plans.get(self) is self
                         for w in weights))
 
     def launch(self, x: np.ndarray | None = None) -> LaunchedMany:
