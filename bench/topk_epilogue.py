@@ -1,12 +1,12 @@
 """The top-k / log-sum-exp epilogue alone on the GPU (kernels/cuda_topk.py): CUDA-event time of
-its kernels on y already on the device, per shape and k, for each form of ``cuda_topk.KERNELS``
-(``split``: the previous passes as dispatched, one CTA per row or column chunks + a merge;
-``groups``: q6_topk_scan + q6_topk_pick, with the scan's share); medians over --iters calls
-after a warm-up. Each timed call is queued behind a spinning kernel, so the events time the
-device's work and not the host's launches (a GPU idle between the start event and a late
-launch counted that gap). ``warm``: the same y again and again (it stays in L2 when it fits, as
-a y the matmul just wrote partly does); ``cold``: L2 refilled before each call by reading
-256 MiB of other data (clean lines: a memset's dirty lines slowed y's reads by their write-back).
+its kernels on y already on the device, per shape and k: the group form (q6_topk_scan +
+q6_topk_pick, with the scan's share; the split form it was measured against left the product in
+session 14, its figures stay in bench/RESULTS.md); medians over --iters calls after a warm-up.
+Each timed call is queued behind a spinning kernel, so the events time the device's work and
+not the host's launches (a GPU idle between the start event and a late launch counted that
+gap). ``warm``: the same y again and again (it stays in L2 when it fits, as a y the matmul just
+wrote partly does); ``cold``: L2 refilled before each call by reading 256 MiB of other data
+(clean lines: a memset's dirty lines slowed y's reads by their write-back).
 
     python bench/topk_epilogue.py [--iters 50] [--ks 64,256] [--json out.json]
 """
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     aux = cp.RawModule(code=_AUX)
     spin, flush_read = aux.get_function("spin"), aux.get_function("flush_read")
     mod = loader.load(cuda_topk.TOPK_FILE, (), 0)
-    print(f"{'shape':>14} {'k':>4} {'split warm':>10} {'groups warm':>11} {'(scan)':>7} "
-          f"{'split cold':>10} {'groups cold':>11} {'(scan)':>7}  speed-up warm/cold")
+    print(f"{'shape':>14} {'k':>4} {'groups warm':>11} {'(scan)':>7} {'groups cold':>11} "
+          f"{'(scan)':>7}")
     for shape in a.shapes.split(","):
         n, cols = (int(v) for v in shape.split("x"))
         y = cp.asarray((rng.standard_normal((n, cols)) * 4).astype(np.float32))
@@ -92,40 +92,28 @@ def main(argv: list[str] | None = None) -> int:
             packed = cp.empty((n, 2 * k + 1), cp.int32)
             row: dict[str, float] = {}
             for cold in (False, True):
-                for form in ("split", "groups"):
-                    with stream:
-                        for _ in range(5):
-                            cuda_topk.KERNELS = form
-                            cuda_topk._fused(cp, y, k, packed)
-                        t, scan = [], []
-                        for _ in range(a.iters):
-                            if cold:
-                                flush_read((1056,), (256,), (flush, np.int64(flush.size // 4),
-                                                             sink))
-                            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
-                            s, m, e = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
-                            s.record(stream)
-                            if form == "groups":
-                                cuda_topk._groups(cp, _Marked(mod, m, stream), y, n, cols, k,
-                                                  packed)
-                            else:
-                                cuda_topk._fused(cp, y, k, packed)
-                            e.record(stream)
-                            e.synchronize()
-                            t.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
-                            if form == "groups":
-                                scan.append(cp.cuda.get_elapsed_time(s, m) * 1e3)
-                    tag = "cold" if cold else "warm"
-                    row[f"{form}_{tag}_us"] = float(np.median(t))
-                    if scan:
-                        row[f"scan_{tag}_us"] = float(np.median(scan))
-            cuda_topk.KERNELS = "groups"
-            print(f"{n:>5}x{cols:<8} {k:>4} {row['split_warm_us']:>10.1f} "
-                  f"{row['groups_warm_us']:>11.1f} {row['scan_warm_us']:>7.1f} "
-                  f"{row['split_cold_us']:>10.1f} {row['groups_cold_us']:>11.1f} "
-                  f"{row['scan_cold_us']:>7.1f}  "
-                  f"{row['split_warm_us'] / row['groups_warm_us']:.1f}x / "
-                  f"{row['split_cold_us'] / row['groups_cold_us']:.1f}x")
+                with stream:
+                    for _ in range(5):
+                        cuda_topk._fused(cp, y, k, packed)
+                    t, scan = [], []
+                    for _ in range(a.iters):
+                        if cold:
+                            flush_read((1056,), (256,), (flush, np.int64(flush.size // 4),
+                                                         sink))
+                        spin((1,), (1,), (np.int64(SPIN_CYCLES),))
+                        s, m, e = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+                        s.record(stream)
+                        cuda_topk._groups(cp, _Marked(mod, m, stream), y, n, cols, k, packed)
+                        e.record(stream)
+                        e.synchronize()
+                        t.append(cp.cuda.get_elapsed_time(s, e) * 1e3)
+                        scan.append(cp.cuda.get_elapsed_time(s, m) * 1e3)
+                tag = "cold" if cold else "warm"
+                row[f"groups_{tag}_us"] = float(np.median(t))
+                row[f"scan_{tag}_us"] = float(np.median(scan))
+            print(f"{n:>5}x{cols:<8} {k:>4} {row['groups_warm_us']:>11.1f} "
+                  f"{row['scan_warm_us']:>7.1f} {row['groups_cold_us']:>11.1f} "
+                  f"{row['scan_cold_us']:>7.1f}")
             out.append({"n": n, "cols": cols, "k": k, **row})
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -4,7 +4,7 @@ Implementations of the contract, all on the backend's stream, all writing one pa
 per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) bytes are downloaded
 (instead of N x rows x 4), in one copy and one synchronisation:
 
-- ``cuda/q6_topk.cu``, group form (``FUSED`` and ``KERNELS = "groups"``, the default): y is read
+- ``cuda/q6_topk.cu``, group form (``FUSED``, the default): y is read
   once. ``q6_topk_scan`` runs one CTA per (chunk of ``SCAN_CHUNK`` columns, row), every SM
   streaming: each thread keeps 16 columns in registers, each quad of threads writes the largest
   order key of its 64 columns (a group), each CTA its chunk's max / f64 sum of exp / NaN flag.
@@ -13,11 +13,12 @@ per row of y ([values bits | columns | lse bits]) so that only N x (8k + 4) byte
   columns), re-reads only the groups whose maximum is >= tau (~k of them), ranks their columns
   >= tau in shared memory (a bitonic sort past 512) and writes the first k, with the lse from
   the chunks' sums. A row with more than 1024 such groups or ``CAND_CAP`` such columns (heavy
-  ties) runs the one-CTA-per-row passes below inside the same kernel; rows known to (at most k
-  groups, :func:`rows_only`) run them alone (q6_topk_rows).
-- ``KERNELS = "split"`` (the previous form): one CTA per row (max, f64 sum of exp, a 4-pass
-  radix select of the k-th largest value, a gather and a bitonic sort), rows wide enough split
-  into column chunks (:func:`chunks_for`) with a merge kernel. Each pass reads the row again.
+  ties) runs the one-CTA-per-row passes (max, f64 sum of exp, a 4-pass radix select of the
+  k-th largest value, a gather and a bitonic sort) inside the same kernel; rows known to (at
+  most k groups, :func:`rows_only`) run them alone (q6_topk_rows). (The previous "split" form,
+  rows cut into column chunks + a merge kernel, 140 us against these 37 at N=64 x 152064 on
+  the H200, left in session 14: nothing in the product picked it; bench/RESULTS.md keeps its
+  figures.)
 - :func:`epilogue.topk_xp` on CuPy ops (the same code CI runs with NumPy): group maxima bound
   the candidates, one 64-bit key sort. Rows in chunks of at most ``CHUNK_ELEMS`` elements of
   y (~5 x 4 bytes of transient memory per chunk element: ~40 MiB) whatever N and the rows.
@@ -38,7 +39,6 @@ import numpy as np
 from .epilogue import TopK, topk_xp
 
 FUSED = True  # the kernels of cuda/q6_topk.cu; False: topk_xp on CuPy ops
-KERNELS = "groups"  # FUSED's form: "groups" (y read once) or "split" (the previous passes)
 TOPK_FILE = "q6_topk.cu"
 THREADS = 1024  # per CTA (Q6_TOPK_THREADS in the kernel's __launch_bounds__)
 SCAN_THREADS = 256  # group form: q6_topk_scan's CTA (Q6_TOPK_SCAN_THREADS)
@@ -46,10 +46,6 @@ SCAN_CHUNK = SCAN_THREADS * 16  # its columns per CTA (Q6_TOPK_CHUNK)
 CAND_CAP = 2048  # q6_topk_pick: most staged columns >= tau (<= Q6_TOPK_CAND_CAP; 0: all rows
 #                 take the one-CTA-per-row passes, as the tests force)
 CHUNK_ELEMS = 2 << 20  # topk_xp path: elements of y per chunk (8 MiB f32, ~40 MiB transient)
-MIN_CHUNK = 4096  # fused path: fewest columns per chunk of a split row
-SPLIT_MIN_COLS = 65536  # narrower rows stay unsplit: the merge's fixed cost outweighs the gain
-CTAS_PER_SM = 2  # fused path: resident CTAs of THREADS per SM the split aims to fill
-_SMS: dict[int, int] = {}  # device id -> SM count
 
 
 def topk_on_device(cp: Any, y: Any, k: int, stream: Any, fused: bool | None = None) -> TopK:
@@ -108,31 +104,15 @@ def unpack(host: np.ndarray, k: int) -> TopK:
                 np.ascontiguousarray(host[:, 2 * k]).view(np.float32))
 
 
-def chunks_for(n: int, cols: int, k: int, sms: int) -> int:
-    """Column chunks per row for the fused path (1 = unsplit: rows narrower than
-    ``SPLIT_MIN_COLS``): enough (n x chunks) CTAs to fill every SM ``CTAS_PER_SM`` deep, each
-    chunk at least ``MIN_CHUNK`` and ``k`` columns. H200 (bench/topk_epilogue.py, RESULTS.md):
-    64 x 152064 210 -> 170 us (5 chunks), 8 x 152064 209 -> 80, 1 x 152064 205 -> 64; but
-    8 x 18944 in 4 chunks 52 -> 59 (the merge's fixed cost)."""
-    if cols < SPLIT_MIN_COLS:
-        return 1
-    want = -(-CTAS_PER_SM * sms // max(n, 1))
-    return max(1, min(want, cols // max(k, MIN_CHUNK, 1)))
-
-
 def _fused(cp: Any, y: Any, k: int, packed: Any) -> None:
-    """cuda/q6_topk.cu on the current stream, in the form ``KERNELS`` names."""
+    """cuda/q6_topk.cu's group form on the current stream."""
     from .cuda import loader
 
     if y.dtype != cp.float32 or not y.flags.c_contiguous:
         y = cp.ascontiguousarray(y, dtype=cp.float32)
     n, cols = (int(d) for d in y.shape)
-    dev = int(y.device.id)
-    mod = loader.load(TOPK_FILE, (), dev)
-    if KERNELS == "groups":
-        _groups(cp, mod, y, n, cols, k, packed)
-    else:
-        _split(cp, mod, y, n, cols, k, packed, dev)
+    mod = loader.load(TOPK_FILE, (), int(y.device.id))
+    _groups(cp, mod, y, n, cols, k, packed)
 
 
 def rows_only(cols: int, k: int) -> bool:
@@ -170,7 +150,7 @@ def packed_bytes(n: int, k: int) -> int:
 def bindable() -> bool:
     """Whether :func:`group_launches` is the epilogue the settings name (the group form:
     fixed launches on raw pointers, so a caller may bind them once and capture them)."""
-    return FUSED and KERNELS == "groups"
+    return FUSED
 
 
 def group_launches(y: int, n: int, cols: int, k: int, packed: int, scratch: int,
@@ -192,26 +172,3 @@ def group_launches(y: int, n: int, cols: int, k: int, packed: int, scratch: int,
             ("q6_topk_pick", (n,), THREADS,
              (u64(y), i32(cols), i32(chunks), i32(k), i32(CAND_CAP), u64(gkey), u64(cmax),
               u64(csum), u64(cnan), u64(packed)))]
-
-
-def _split(cp: Any, mod: Any, y: Any, n: int, cols: int, k: int, packed: Any, dev: int) -> None:
-    """The previous form: one CTA of THREADS per row, or per (chunk, row) and then one per row
-    to merge (see :func:`chunks_for`)."""
-    sms = _SMS.get(dev)
-    if sms is None:
-        sms = _SMS[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    chunks = chunks_for(n, cols, k, sms)
-    if chunks == 1:
-        mod.function("q6_topk_rows")((n,), (THREADS,), (y, np.int32(cols), np.int32(k), packed))
-        return
-    chunk = -(-cols // chunks)
-    chunks = -(-cols // chunk)  # no empty chunk at the end
-    cand = cp.empty(n * chunks * k, cp.uint64)
-    cmax = cp.empty(n * chunks, cp.float32)
-    csum = cp.empty(n * chunks, cp.float64)
-    cnan = cp.empty(n * chunks, cp.int32)
-    i32 = np.int32
-    mod.function("q6_topk_chunks")((chunks, n), (THREADS,), (
-        y, i32(cols), i32(chunk), i32(k), cand, cmax, csum, cnan))
-    mod.function("q6_topk_merge")((n,), (THREADS,), (
-        y, i32(cols), i32(chunks), i32(k), cand, cmax, csum, cnan, packed))

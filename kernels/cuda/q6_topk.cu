@@ -7,20 +7,17 @@
 // first to arrive). Output: one packed int32 row per row of y, [values bits | columns | lse
 // bits] (2k + 1 words), downloaded in one copy by kernels/cuda_topk.py.
 //
-// Three forms (kernels/cuda_topk.py picks):
-// - q6_topk_scan + q6_topk_pick (the default, "groups", at the end of this file): y read once
-//   by every SM, then per row only the ~k groups of 64 columns that can hold a top-k column.
+// Two ways (kernels/cuda_topk.py picks per row width and k):
+// - q6_topk_scan + q6_topk_pick (the group form, at the end of this file): y read once by every
+//   SM, then per row only the ~k groups of 64 columns that can hold a top-k column.
 // - q6_topk_rows (also the groups form's way for rows it cannot bound): one CTA per row. Passes over the row (read from L2/HBM 7 times; nothing
 //   staged): 1. max over non-NaN values, NaN flag  2. sum of exp(y - max) in f64  3-6. radix
 //   select of the k-th largest order key, 8 bits per pass (256-bin histogram in shared memory
 //   over the columns still matching the prefix chosen so far; one atomic per bin per warp, not
 //   per lane)  7. gather: columns above the k-th key, then as many equal to it as still needed;
 //   then a bitonic sort of the (at most 256) candidates by one 64-bit key (~value, column).
-// - q6_topk_chunks + q6_topk_merge: rows split into column chunks, one CTA per (chunk, row)
-//   doing the same passes on its chunk and writing its top-min(k, chunk) candidates and its
-//   (max, sum of exp(y - its max), NaN) unsorted; then one CTA per row selects the k best of
-//   those candidates and combines the lse. For wide rows at small N: one CTA per row used 64 of
-//   the 132 SMs for an N=64 lm-head, 209 us for 39 MB of logits.
+// (The split form, q6_topk_chunks + q6_topk_merge - rows cut into column chunks, one CTA per
+// (chunk, row), then a merge per row - left in session 14: nothing in the product picked it.)
 #define Q6_TOPK_THREADS 1024
 #define Q6_TOPK_MAX 256
 #define Q6_TOPK_UNROLL 8
@@ -285,95 +282,6 @@ q6_topk_rows(const float* __restrict__ y, int cols, int k, int* __restrict__ pac
                       packed + (size_t)blockIdx.x * (size_t)(2 * k + 1));
 }
 
-// Stage 1 of the split form: CTA (chunk c = blockIdx.x, row r = blockIdx.y) over columns
-// [c * chunk, min(cols, (c + 1) * chunk)). Writes its top-min(k, len) candidates, unsorted,
-// to cand[(r * chunks + c) * k ...] (the rest of its k slots ~0: below every real key), and
-// its max / sum of exp(y - shift) / NaN flag to stats[r * chunks + c].
-extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
-q6_topk_chunks(const float* __restrict__ y, int cols, int chunk, int k,
-               unsigned long long* __restrict__ cand, float* __restrict__ cmax,
-               double* __restrict__ csum, int* __restrict__ cnan) {
-    // (staging the chunk in shared memory, to read y once instead of 7 times, measured slower:
-    // 64 x 152064 170 -> 208 us with the 14 chunks of <= 44 KiB it needs; the passes after
-    // the first hit L2)
-    __shared__ Q6TopkShared sh;
-    const int c = (int)blockIdx.x, chunks = (int)gridDim.x;
-    const int col0 = c * chunk;
-    const int len = min(chunk, cols - col0);
-    const int kk = min(k, len);
-    const float* row = y + (size_t)blockIdx.y * (size_t)cols + col0;
-    const size_t slot = (size_t)blockIdx.y * (size_t)chunks + (size_t)c;
-    q6_row_stats(row, len, sh);
-    unsigned int need;
-    const unsigned int T = q6_select_row(row, len, kk, sh, need);
-    q6_gather_row(row, len, col0, T, (unsigned int)kk - need, need, sh);
-    for (int i = (int)threadIdx.x; i < k; i += (int)blockDim.x)
-        cand[slot * (size_t)k + (size_t)i] = i < kk ? sh.cand[i] : ~0ull;
-    if (threadIdx.x == 0) {
-        cmax[slot] = sh.row_max;
-        csum[slot] = sh.row_sum;
-        cnan[slot] = sh.row_nan;
-    }
-}
-
-// Stage 2: one CTA per row over the chunks x k candidates of stage 1 (L2-resident): the k
-// best by the same 4-pass radix select (candidate order key = ~(c >> 32); the ~0 padding has
-// key 0, below every float's), gather, sort, and the lse from the chunks' stats:
-// M = max of the chunk maxima; NaN if a chunk had one, +-inf if M is, else
-// M + log(sum_c csum_c * exp(max_c - M)) (chunks of -inf only add 0).
-extern "C" __global__ void __launch_bounds__(Q6_TOPK_THREADS)
-q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
-              const unsigned long long* __restrict__ cand, const float* __restrict__ cmax,
-              const double* __restrict__ csum, const int* __restrict__ cnan,
-              int* __restrict__ packed) {
-    __shared__ Q6TopkShared sh;
-    __shared__ float lse;
-    const int tid = (int)threadIdx.x, B = (int)blockDim.x;
-    const size_t r = blockIdx.x;
-    const unsigned long long* rc = cand + r * (size_t)chunks * (size_t)k;
-    const int total = chunks * k;
-    if (tid == 0) {
-        const float NEG_INF = __int_as_float(0xff800000);
-        const float POS_INF = __int_as_float(0x7f800000);
-        float M = NEG_INF;
-        int nan = 0;
-        for (int c = 0; c < chunks; ++c) {
-            nan |= cnan[r * chunks + c];
-            M = fmaxf(M, cmax[r * chunks + c]);
-        }
-        if (nan) {
-            lse = __int_as_float(0x7fc00000);
-        } else if (M == POS_INF || M == NEG_INF) {
-            lse = M;  // a +inf term makes the sum +inf; a row of -inf sums to 0
-        } else {
-            double s = 0.0;
-            for (int c = 0; c < chunks; ++c) {
-                const float mc = cmax[r * chunks + c];
-                if (mc != NEG_INF) s += csum[r * chunks + c] * exp((double)mc - (double)M);
-            }
-            lse = (float)((double)M + log(s));
-        }
-    }
-    unsigned int prefix = 0u, mask = 0u, need = (unsigned int)k;
-    for (int shb = 24; shb >= 0; shb -= 8) {
-        for (int b = tid; b < 256; b += B) sh.hist[b] = 0u;
-        __syncthreads();
-        for (int i = tid; i < total; i += B) {
-            const unsigned int key = ~(unsigned int)(rc[i] >> 32);
-            if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shb) & 255u], 1u);
-        }
-        q6_pick_bin(sh, prefix, mask, need, shb);
-    }
-    const unsigned int T = prefix, n_gt = (unsigned int)k - need;
-    q6_cand_reset(sh);
-    for (int i = tid; i < total; i += B) {
-        const unsigned long long c = rc[i];
-        q6_cand_offer(sh, ~(unsigned int)(c >> 32), c, T, n_gt, need);
-    }
-    __syncthreads();
-    q6_sort_and_write(sh, y + r * (size_t)cols, k, lse, packed + r * (size_t)(2 * k + 1));
-}
-
 // ---- The group form (kernels/cuda_topk.py's default): y read once, candidates bounded ----
 //
 // q6_topk_scan: one CTA of Q6_TOPK_SCAN_THREADS per (chunk of Q6_TOPK_CHUNK columns, row), so
@@ -381,7 +289,7 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
 // chunk0 + u * 1024 + 4t + e (u, e < 4: float4-coalesced) once into registers; the 4 threads of
 // a quad q = t / 4 make a "group" of 64 columns, chunk0 + u * 1024 + 16q + w (u < 4, w < 16),
 // whose largest order key the quad writes; the CTA writes its chunk's (max, sum of
-// exp(y - its max) in f64, NaN) as q6_topk_chunks does.
+// exp(y - its max) in f64, NaN).
 // q6_topk_pick: one CTA per row. tau = the top 16 bits of the k-th largest group key (two radix
 // passes over the row's cols/64 group keys). Every top-k column has a key >= tau: the k largest
 // group maxima are k distinct columns, so the k-th largest column is >= the k-th largest group
@@ -390,7 +298,7 @@ q6_topk_merge(const float* __restrict__ y, int cols, int chunks, int k,
 // ranked (or sorted) there by the 64-bit (~key, column) key and the first k written. Rows with
 // more than Q6_TOPK_SEL_CAP such groups or `cap` such columns (heavy ties: a row of zeros) run
 // the one-CTA-per-row passes instead. H200, N=64 x 152064, k=64 (bench/RESULTS.md): 140 us
-// for q6_topk_chunks + q6_topk_merge, 37 us for these two (the scan 23 of them).
+// for the split form (chunks + merge, removed), 37 us for these two (the scan 23 of them).
 #define Q6_TOPK_SCAN_THREADS 256
 #define Q6_TOPK_CHUNK (Q6_TOPK_SCAN_THREADS * 16)
 #define Q6_TOPK_GROUPS (Q6_TOPK_SCAN_THREADS / 4)  // groups of 64 columns per chunk
@@ -508,9 +416,8 @@ q6_topk_scan_v4(const float* __restrict__ y, int cols, unsigned int* __restrict_
     q6_topk_scan_impl<true>(y, cols, gkey, cmax, csum, cnan);
 }
 
-// The row's lse from its chunks' (max, sum of exp(y - max), NaN), by one whole warp (as
-// q6_topk_merge: NaN if a chunk had one, +-inf if the max is, else
-// M + log(sum_c csum_c * exp(max_c - M))).
+// The row's lse from its chunks' (max, sum of exp(y - max), NaN), by one whole warp: NaN if
+// a chunk had one, +-inf if the max is, else M + log(sum_c csum_c * exp(max_c - M)).
 __device__ __forceinline__ float q6_chunks_lse(const float* __restrict__ cmax,
                                                const double* __restrict__ csum,
                                                const int* __restrict__ cnan, int chunks) {

@@ -160,32 +160,16 @@ def _assert_matches(top: TopK, y: np.ndarray, k: int) -> None:
 
 # The device paths: the group form as dispatched (q6_topk_scan + q6_topk_pick), the same with
 # every row through q6_topk_pick's one-CTA-per-row passes (its fallback for rows with too many
-# columns at or above the group bound), the previous form with every row split into chunks
-# however narrow (q6_topk_chunks + q6_topk_merge), CuPy ops.
-PATHS = ["groups", "groups_rowpasses", "split", "cupy_ops"]
+# columns at or above the group bound), CuPy ops.
+PATHS = ["groups", "groups_rowpasses", "cupy_ops"]
 
 
 def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> bool:
     from q6serve.kernels import cuda_topk
 
-    monkeypatch.setattr(cuda_topk, "KERNELS", "split" if path == "split" else "groups")
     if path == "groups_rowpasses":
         monkeypatch.setattr(cuda_topk, "CAND_CAP", 0)
-    if path == "split":
-        monkeypatch.setattr(cuda_topk, "MIN_CHUNK", 1)
-        monkeypatch.setattr(cuda_topk, "SPLIT_MIN_COLS", 1)
-        monkeypatch.setattr(cuda_topk, "CTAS_PER_SM", 64)
     return path != "cupy_ops"
-
-
-def test_split_chunks_fill_the_sms_and_keep_k_columns_each() -> None:
-    from q6serve.kernels.cuda_topk import MIN_CHUNK, chunks_for
-
-    assert chunks_for(64, 152064, 64, 132) == 5  # 320 CTAs for 264 slots
-    assert chunks_for(1, 152064, 256, 132) == 152064 // MIN_CHUNK
-    assert chunks_for(64, 4096, 64, 132) == 1  # narrow rows stay one CTA per row
-    assert chunks_for(8, 18944, 64, 132) == 1
-    assert chunks_for(300, 152064, 8, 132) == 1  # enough rows already
 
 
 def test_group_form_sends_rows_it_cannot_bound_to_the_row_passes() -> None:
@@ -282,7 +266,7 @@ def test_cuda_epilogue_special_rows(cuda_be, path: str,  # type: ignore[no-untyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path,n,cols,k", [
-    *((p, *s) for p in ("groups", "groups_rowpasses", "split")
+    *((p, *s) for p in ("groups", "groups_rowpasses")
       for s in ((3, 9000, 64), (64, 152064, 256), (2, 4099, 1))),
     ("groups", 256, 152064, 64), ("groups_rowpasses", 300, 128256, 32)])
 def test_cuda_epilogue_writes_every_word_and_reads_unaligned_rows(  # type: ignore[no-untyped-def]
