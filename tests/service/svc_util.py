@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,28 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "con
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def matmul_stream(target: str) -> Iterator[tuple[Callable[[Any], Any], Any]]:
+    """``(ask, stub)``: a MatmulStream on its own channel, asked one request at a time
+    (``ask(req)`` sends ``req`` and returns its reply), and a stub on the same channel for
+    other calls. On a clean exit the stream is ended, and it must have no reply left over."""
+    import grpc
+
+    from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
+
+    sent: queue.Queue[Any] = queue.Queue()
+    with grpc.insecure_channel(target) as ch:
+        stub = pb_grpc.Q6ServeStub(ch)
+        replies = stub.MatmulStream(iter(sent.get, None), timeout=60)
+
+        def ask(req: Any) -> Any:
+            sent.put(req)
+            return next(replies)
+
+        try:
+            yield ask, stub
+        finally:
+            sent.put(None)  # (on an error too: the stream ends instead of waiting)
+        assert list(replies) == []

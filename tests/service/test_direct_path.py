@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import queue
 import threading
 import weakref
 from typing import Any
@@ -18,6 +17,7 @@ from svc_util import (
     InstrumentedBackend,
     RunningWorker,
     assert_close,
+    matmul_stream,
     random_q6k,
     reference,
     wait_until,
@@ -36,7 +36,6 @@ from q6serve.service.batcher import (
     Group,
 )
 from q6serve.v1 import q6serve_pb2 as pb
-from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
 ROWS, K = 16, 256  # a kernel far shorter than DEFER_KERNEL_S on NumPy
@@ -128,15 +127,10 @@ def test_stream_round_trips_take_the_direct_path_with_the_same_replies(
     xs = [rng.standard_normal((1, K)).astype(np.float32) for _ in range(20)]
     bad_k = _request(np.ones((1, K // 2), np.float32), "bad-k")
     unknown = _request(xs[0], "nope", weight="nope")
-    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
-    with grpc.insecure_channel(worker.target) as ch:
-        replies = pb_grpc.Q6ServeStub(ch).MatmulStream(iter(sent.get, None), timeout=60)
+    with matmul_stream(worker.target) as (ask, _):
         outs = []
         for req in [_request(x, str(j)) for j, x in enumerate(xs)] + [bad_k, unknown]:
-            sent.put(req)
-            outs.append(next(replies))
-        sent.put(None)
-        assert list(replies) == []
+            outs.append(ask(req))
     for i, x in enumerate(xs):
         r = outs[i]
         assert r.request_id == str(i) and r.WhichOneof("outcome") == "result"
@@ -220,15 +214,7 @@ def test_multi_weight_calls_take_the_direct_path_with_the_same_replies(
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((2, K)).astype(np.float32) for _ in range(8)]
     qkv = ("q", "k", "v")
-    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
-    with grpc.insecure_channel(worker.target) as ch:
-        stub = pb_grpc.Q6ServeStub(ch)
-        replies = stub.MatmulStream(iter(sent.get, None), timeout=60)
-
-        def ask(req: pb.MatmulRequest) -> pb.MatmulStreamResponse:
-            sent.put(req)
-            return next(replies)
-
+    with matmul_stream(worker.target) as (ask, stub):
         first = ask(_multi(xs[0], "0", qkv))  # the queue (costs unknown), one device job
         direct0 = worker.run(lambda: eng.device.direct_jobs)
         outs = [first] + [ask(_multi(x, str(j + 1), qkv)) for j, x in enumerate(xs[1:])]
@@ -258,8 +244,6 @@ def test_multi_weight_calls_take_the_direct_path_with_the_same_replies(
         failed = ask(_multi(xs[0], "failed", qkv))
         backend.refuse = False
         again = ask(_multi(xs[1], "again", qkv))
-        sent.put(None)
-        assert list(replies) == []
         unary = stub.Matmul(_multi(xs[2], "unary", qkv), timeout=30)
     for j, (x, r) in enumerate(zip(xs, outs, strict=True)):
         assert r.request_id == str(j) and r.WhichOneof("outcome") == "result"
@@ -420,20 +404,11 @@ def test_multi_weight_direct_parts_launched_behind_each_other(
         c.upload(n, blocks[n], r, K)
     eng = worker.engine
     xs = [np.random.default_rng(j).standard_normal((2, K)).astype(np.float32) for j in range(8)]
-    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
-    with grpc.insecure_channel(worker.target) as ch:
-        replies = pb_grpc.Q6ServeStub(ch).MatmulStream(iter(sent.get, None), timeout=60)
-
-        def ask(req: pb.MatmulRequest) -> pb.MatmulStreamResponse:
-            sent.put(req)
-            return next(replies)
-
+    with matmul_stream(worker.target) as (ask, _):
         outs = [ask(_multi(x, str(j), ("q", "k", "v"))) for j, x in enumerate(xs)]
         backend.refuse_rows = rows["k"]
         n0 = len(backend.events)
         failed = ask(_multi(xs[0], "failed", ("q", "k", "v")))
-        sent.put(None)
-        assert list(replies) == []
     for x, r in zip(xs, outs, strict=True):
         for o in r.result.outputs:
             y = np.frombuffer(o.y.data, "<f4").reshape(2, rows[o.weight])

@@ -6,14 +6,20 @@ part, and each weight still batches with other callers' requests."""
 from __future__ import annotations
 
 import concurrent.futures
-import queue
 import threading
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
-from svc_util import InstrumentedBackend, assert_close, random_q6k, reference, wait_until
+from svc_util import (
+    InstrumentedBackend,
+    assert_close,
+    matmul_stream,
+    random_q6k,
+    reference,
+    wait_until,
+)
 
 from q6serve.kernels.api import Launched, LaunchedMany, flags_of
 from q6serve.kernels.errors import FailedPrecondition, Q6Error
@@ -98,15 +104,7 @@ def test_each_multi_weight_call_is_one_backend_call(
     eng = worker.engine
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((2, K)).astype(np.float32) for _ in range(6)]
-    sent: queue.Queue[pb.MatmulRequest | None] = queue.Queue()
-    with grpc.insecure_channel(worker.target) as ch:
-        stub = pb_grpc.Q6ServeStub(ch)
-        replies = stub.MatmulStream(iter(sent.get, None), timeout=60)
-
-        def ask(req: pb.MatmulRequest) -> pb.MatmulStreamResponse:
-            sent.put(req)
-            return next(replies)
-
+    with matmul_stream(worker.target) as (ask, stub):
         direct0 = worker.run(lambda: eng.device.direct_jobs)
         outs = [ask(_multi(x, str(j), QKV)) for j, x in enumerate(xs)]
         direct = worker.run(lambda: eng.device.direct_jobs) - direct0
@@ -116,8 +114,6 @@ def test_each_multi_weight_call_is_one_backend_call(
         failed = ask(_multi(xs[1], "failed", QKV))
         backend.refuse_rows = 0
         again = ask(_multi(xs[2], "again", QKV))
-        sent.put(None)
-        assert list(replies) == []
         unary = stub.Matmul(_multi(xs[3], "unary", QKV), timeout=30)
     for x, r in zip(xs, outs, strict=True):
         _check(r.result, x, blocks)
