@@ -191,7 +191,10 @@ def test_bench_ctrl_c_prints_the_finished_cells(served: Any) -> None:
         [*CLI, "bench", "--target", served.target, "--duration", "0.3", "--warmup", "0",
          "--concurrency", "1", "2", "--n", *map(str, range(1, 21))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "COLUMNS": "160"})
+        env={**os.environ, "COLUMNS": "160"},
+        # Ctrl-C as in a terminal: a run started in the background of a non-interactive shell
+        # (`cmd &`) inherits SIGINT ignored, and Python then never sees it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None and proc.stdout is not None
     seen = []
     deadline = time.monotonic() + 60
