@@ -221,10 +221,12 @@ class Device:
         short = self._short(expect_s)
         if not self._held and self._behind(launch, short):
             self._run_here(loop, fn, args, done, launch, False)
-        elif self._held or (short and self._in_thread):
+        elif self._held or self._now or (short and self._in_thread):
             # held until the thread is free, in order: a job that comes later never goes
             # ahead of a held one (a held short job waited for ever behind other callers'
-            # stream of long jobs: the device thread was never idle)
+            # stream of long jobs: the device thread was never idle); and while launch_now's
+            # launches are out (one may be waited for a loop trip later: launch_now), until
+            # the last of them is waited for
             self._held.append((loop, fn, args, done, launch, False, short))
         elif short:
             self._run_here(loop, fn, args, done, launch, settle_now)
@@ -266,7 +268,11 @@ class Device:
         waits for it, ends the job and returns its result (or raises). Only after
         :meth:`may_launch_now`, and the caller waits for each launch, in launch order, before
         its loop callback returns: no other launch (this thread's or the device thread's) can
-        come between, so launch i + 1 runs on the GPU while the loop answers launch i."""
+        come between, so launch i + 1 runs on the GPU while the loop answers launch i. Or it
+        waits a loop trip later (the device process's merged batches, ``Engine.launch_direct``
+        with ``own_time``: the loop reads the next messages while the GPU runs): until then
+        :meth:`call` holds every job, and the last wait runs the held ones (``_run_held``), so
+        nothing else launches meanwhile either."""
         self.inflight += 1
         self._now += 1
         self.jobs += 1
@@ -289,6 +295,8 @@ class Device:
     def _now_done(self) -> None:
         self._now -= 1
         self._direct_done()
+        if not self._now and self._held:  # (held while launch_now's launches were out)
+            self._run_held()
 
     def _behind(self, launch: Callable[..., Any] | None, short: bool) -> bool:
         """A short job with a ``launch`` may be launched now behind the launched batches that
@@ -355,9 +363,14 @@ class Device:
         self._in_thread -= 1
         self._waits -= wait
         self._done(done, result, exc)
-        while self._held:  # held jobs, in order: when the thread is free, or behind launches
+        self._run_held()
+
+    def _run_held(self) -> None:
+        """Held jobs, in order: when the thread is free and no launch_now launch is out, or
+        behind launches."""
+        while self._held:
             loop, fn, args, done, launch, settle, short = self._held[0]
-            if self._in_thread == 0:
+            if self._in_thread == 0 and not self._now:
                 self._held.popleft()
                 if short:
                     self._run_here(loop, fn, args, done, launch, settle)
@@ -781,12 +794,15 @@ class Batcher:
                 and self._kernel_s.get(kb, 0.0) <= DEFER_KERNEL_S)
 
     def launch_now(self, x: np.ndarray, key: BatchKey,
-                   launch: LaunchBatch | None = None) -> Callable[[], MatmulReply]:
+                   launch: LaunchBatch | None = None, own_time: bool = False,
+                   ) -> Callable[[], MatmulReply]:
         """:meth:`run_now` in two halves (after :meth:`can_launch_now`; ``Device.launch_now``
         says how the caller waits): ``x`` launched now, alone; the function returned waits for
         it and returns its reply (a failure raises), with run_now's bookkeeping. Its job time
-        spans launch to wait, what the loop did meanwhile included. ``launch``: the launch in
-        place of this weight's own (the fast lane's region call: ``Engine.launch_now``)."""
+        spans launch to wait, what the loop did meanwhile included; ``own_time``: only the
+        launch's and the wait's own time (a wait a loop trip later: the trip is not the
+        job's). ``launch``: the launch in place of this weight's own (the fast lane's region
+        call: ``Engine.launch_now``)."""
         self._unfinished += 1
         self._running += 1
         t0 = time.perf_counter()
@@ -796,13 +812,17 @@ class Batcher:
         except BaseException:
             self._now_end()
             raise
+        t_launch = time.perf_counter() - t0 if own_time else None
 
         def finish() -> MatmulReply:
+            tw = time.perf_counter()
             try:
                 result = wait()
             finally:
                 self._now_end()
-            return self._now_reply(result, int(x.shape[0]), key, t0)
+            return self._now_reply(result, int(x.shape[0]), key, t0,
+                                   None if t_launch is None
+                                   else t_launch + time.perf_counter() - tw)
 
         return finish
 

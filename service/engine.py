@@ -964,11 +964,11 @@ class Engine:
 
     def _launch_held(self, e: WeightEntry, b: Batcher, x: np.ndarray, key: BatchKey,
                      launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
-                     ) -> Callable[[], MatmulReply]:
-        """``b.launch_now(x, key, launch)`` for a call that holds ``e`` (admitted): the
-        function returned waits and lets go of ``e``, as a failed launch does at once."""
+                     own_time: bool = False) -> Callable[[], MatmulReply]:
+        """``b.launch_now(x, key, launch, own_time)`` for a call that holds ``e`` (admitted):
+        the function returned waits and lets go of ``e``, as a failed launch does at once."""
         try:
-            wait = b.launch_now(x, key, launch)
+            wait = b.launch_now(x, key, launch, own_time)
         except BaseException:
             self.registry.release(e)
             raise
@@ -1051,14 +1051,16 @@ class Engine:
         return e, d
 
     def launch_direct(self, b: Batcher, call: MatmulCall, key: BatchKey,
-                      ) -> Callable[[], MatmulReply]:
+                      own_time: bool = False) -> Callable[[], MatmulReply]:
         """:meth:`run_direct` in two halves (``Batcher.launch_now``): check ``call`` and launch
         it now; the function returned waits for it and returns its reply (a failure raises).
         For the parts of a multi-weight call on the direct path (``multi.run_weights_now``
         with ``multi_pipeline``): each part's launch goes behind the previous one, so the GPU
-        runs them back to back while the host launches the next."""
+        runs them back to back while the host launches the next. With ``own_time`` (the
+        device process's merged batches, Q6SERVE_DEVICE_PIPELINE) the wait may come a loop
+        trip later (``Device.launch_now``) and the job's time is the launch's and the wait's."""
         e, d = self._admit_part(b, call, key)
-        return self._launch_held(e, b, call.x, d.key)
+        return self._launch_held(e, b, call.x, d.key, own_time=own_time)
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)

@@ -617,7 +617,8 @@ class _DeviceStats:
                 **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
                 "deferred_jobs": dev.deferred_jobs, "behind_jobs": dev.behind_jobs,
                 "direct_jobs": dev.direct_jobs, "merged_requests": self.w.merged[0],
-                "merged_calls": self.w.merged[1], "threads_cpu_s": threads,
+                "merged_calls": self.w.merged[1], "pipelined_batches": self.w.pipelined[0],
+                "pipelined_wait_s": self.w.pipelined[1], "threads_cpu_s": threads,
                 **{k.strip(): int(v) for k, v in status.items()}}
 
     def _tick(self) -> None:
@@ -698,6 +699,13 @@ class FrontendsWorker(Worker):
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
         self.merge = bool(envvars.DEVICE_MERGE.read())
+        # Q6SERVE_DEVICE_PIPELINE: a merged batch on the direct path is launched in its trip and
+        # waited for at the start of the next (_settle), not inline: the loop reads and merges
+        # the next messages while the GPU runs. At most one is out; (wait, its parts).
+        self.pipeline = bool(envvars.DEVICE_PIPELINE.read())
+        self._out_batch: tuple[Callable[[], MatmulReply], list[tuple[MatmulCall, Any]]] \
+            | None = None
+        self.pipelined = [0, 0.0]  # batches launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
         # Q6SERVE_FRONTEND_ROUND_ROBIN: the eBPF program and maps that deal new connections to
@@ -944,7 +952,9 @@ class FrontendsWorker(Worker):
             fe.out.flush_now()
 
     def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
-        if len(parts) == 1:
+        if self._out_batch is not None:  # (another batch of this trip: at most one is out)
+            self._settle()
+        if len(parts) == 1 and not self.pipeline:
             self._start_alone(*parts[0])
             return
         calls = [c for c, _ in parts]
@@ -957,6 +967,9 @@ class FrontendsWorker(Worker):
         first = calls[0]
         try:
             if self._run_merged_now(parts, rows, timeout):
+                return
+            if len(parts) == 1:  # (pipelined, but not on the direct path now)
+                self._start_alone(*parts[0])
                 return
             x = np.concatenate([c.x for c in calls])
             self.engine.start_matmul(  # type: ignore[union-attr]
@@ -994,16 +1007,46 @@ class FrontendsWorker(Worker):
             return False
         # the buffer is valid until the next launch, which is this call's (nothing runs between)
         x = np.concatenate([c.x for c, _ in parts], out=engine.backend.staging(rows, k, x0.dtype))
-        self.merged[0] += 1
-        self.merged[1] += len(parts)
+        if len(parts) > 1:
+            self.merged[0] += 1
+            self.merged[1] += len(parts)
+        call = MatmulCall(first.weight, x, first.precision, first.out_dtype, timeout)
         try:
-            reply = engine.run_direct(got[0], MatmulCall(first.weight, x, first.precision,
-                                                         first.out_dtype, timeout), key)
+            if self.pipeline:
+                wait = engine.launch_direct(got[0], call, key, own_time=True)
+                self._out_batch = (wait, parts)
+                self.pipelined[0] += 1
+                asyncio.get_running_loop().call_soon(self._settle)
+                return True
+            reply = engine.run_direct(got[0], call, key)
         except Exception as e:
             self._merged_failed(parts, e)
             return True
         self._answer_merged(parts, reply)
         return True
+
+    def _settle(self) -> None:
+        """Q6SERVE_DEVICE_PIPELINE: wait for the batch launched by ``_run_merged_now`` and
+        answer its calls. Scheduled by its launch, so it runs first in the next loop trip:
+        the launch's trip read and merged the messages that came meanwhile (their merged
+        batch launches right after this, in the same trip) while the GPU ran; on an idle
+        worker the next trip comes at once (a callback is ready: no wait in epoll), so a lone
+        call waits no longer than inline. Until the wait, ``Device.call`` holds other jobs."""
+        out, self._out_batch = self._out_batch, None
+        if out is None:
+            return  # (settled already: a second batch of its trip came first)
+        wait, parts = out
+        t = time.perf_counter()
+        try:
+            reply = wait()
+        except Exception as e:
+            self.pipelined[1] += time.perf_counter() - t
+            self._merged_failed(parts, e)
+        else:
+            self.pipelined[1] += time.perf_counter() - t
+            self._answer_merged(parts, reply)
+        for fe in self._fronts.values():
+            fe.out.flush_now()
 
     def _start_alone(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
         """One call to the engine: run here and now on its direct path when it would run at
