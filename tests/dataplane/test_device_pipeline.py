@@ -18,6 +18,7 @@ from q6serve.service import batcher, envvars
 from q6serve.service import frontends as fe
 from tests.dataplane.test_device_direct import Device
 from tests.dataplane.test_device_merge import BAD, ROWS, K
+from tests.dataplane.test_frontends import start  # noqa: F401  (the fixture)
 from tests.service.svc_util import reference
 
 
@@ -178,3 +179,29 @@ def test_a_job_that_comes_while_a_launch_is_out_is_held() -> None:
         dev.close()
 
     asyncio.run(main())
+
+
+def test_callers_through_front_ends_get_their_own_rows(
+        start: Any, rng: np.random.Generator) -> None:  # noqa: F811
+    """Through two front-end processes, with the switch on: every caller gets its own x's
+    result, and the device process took the pipelined path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.service.svc_util import random_q6k
+
+    w = start()
+    blocks = random_q6k(ROWS, K, 9)
+    w.client().upload("w", blocks, ROWS, K)
+    clients = [w.client() for _ in range(8)]
+    xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float32) for i in range(8)]
+    want = [reference(blocks, ROWS, K, x) for x in xs]
+
+    def run(i: int) -> None:
+        for _ in range(25):
+            np.testing.assert_allclose(clients[i].matmul("w", xs[i]), want[i], rtol=1e-5,
+                                       atol=1e-4)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(run, range(8)))
+    assert w.worker.pipeline and w.worker.pipelined[0] > 0
+    assert w.worker._out_batch is None and w.worker._pending == 0
