@@ -7,9 +7,12 @@
 # at 6 front ends the device process's loop is 0.84-0.89 busy, of it the synchronous wait for
 # each inline batch's GPU job. The script skips what would end past BUDGET_S and prints a table
 # last. STATS=1: one more run of the last variant with Q6SERVE_DP_STATS (the device process's
-# counters, pipelined waits included; not in the A/B: the counters cost loop time).
+# counters, pipelined waits included; not in the A/B: the counters cost loop time). LANE=1: first
+# the lane's figures of this session: one caller N=1 through the fast lane with its stamped parts
+# (bench/lane_latency.py --stamps; the stretch: p50 - kernel <= 50 us) and T3 through lanes
+# (8 hosts x 4 callers of N=64, bench/frontend_cpu.py --lane; >= 0.5 of the kernel alone).
 #   bench/gpu_dataplane_s15.sh   env: SECONDS_PER_RUN (2), BUDGET_S (100), VARIANTS (below),
-#                                STATS (0)
+#                                STATS (0), LANE (0)
 #   DRY_RUN=1 BACKEND=numpy ROWS=16 K=256 OUT=/tmp/o bench/gpu_dataplane_s15.sh   (CPU)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -40,6 +43,20 @@ t2() {  # t2 TAG FRONTENDS ENVS [SECONDS [MORE ARGS]]
   grep -E "^run|^\| (p|band)|^per front|^cores|^load" "$OUT/t2_$1.log" | cut -c1-400
   archive
 }
+if [[ ${LANE:-0} != 0 ]]; then  # this session's lane figures first: the stretch and T3
+  # the stretch: one caller, N=1, through the fast lane (p50 - kernel <= 50 us), stamped parts
+  (cd bench && timeout 45 python3 lane_latency.py --backend "$BACKEND" --rows "$ROWS" --k "$K" \
+    --paths lane --stamps --seconds "$S" --json "$OUT/lane_n1.json" >"$OUT/lane_n1.log" 2>&1)
+  note "# lane N=1 rc=$? at $(elapsed)"
+  grep -v "^#" "$OUT/lane_n1.log" | tail -12 | cut -c1-300
+  # T3 through lanes: 8 hosts x 4 callers of N=64, x and y in page-locked system regions
+  timeout 45 python3 bench/frontend_cpu.py --backend "$BACKEND" --rows "$ROWS" --k "$K" --n 64 \
+    --lane --frontends 1 --hosts 8 --callers 4 --seconds "$S" --warmup 0.5 \
+    --json "$OUT/lane_t3.json" >"$OUT/lane_t3.log" 2>&1
+  note "# T3 lanes rc=$? at $(elapsed): $(tail -1 "$OUT/lane_t3.log" | cut -c1-300)"
+  grep -iE "rows/s|kernel|fraction" "$OUT/lane_t3.log" | tail -4 | cut -c1-300
+  archive
+fi
 read -ra V <<<"$VARIANTS"
 for v in "${V[@]}"; do
   IFS=: read -r tag fe envs <<<"$v"
