@@ -67,12 +67,10 @@ LLAMA_US = {
 PATHS = {"exact": Precision.EXACT, "mma_f16": Precision.F16, "mmq_q8_1": Precision.Q8_1,
          "cublas_f16": Precision.F16}
 VARIANTS = {  # mma_f16 launch shapes compared with --variants
-    "nt1.sm": Cfg(nt=1), "nt1.sm.pf": Cfg(nt=1, pf=True), "nt1.sm.w4": Cfg(nt=1, warps=4),
-    "nt2.sm": Cfg(nt=2), "nt2.sm.pf": Cfg(nt=2, pf=True),
-    "nt2.cpa": Cfg(nt=2, src=3), "nt2.cpa.pf": Cfg(nt=2, src=3, pf=True),
-    "nt4.cpa.pf": Cfg(nt=4, src=3, pf=True),
-    "nt8.cpa.pf": Cfg(nt=8, src=3, pf=True),
-    "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.pf.w4": Cfg(nt=8, src=3, pf=True, warps=4),
+    # (the f16 tile's register prefetch, `.pf` at src 2/3, left the kernels in session 15)
+    "nt1.sm": Cfg(nt=1), "nt1.sm.w4": Cfg(nt=1, warps=4), "nt2.sm": Cfg(nt=2),
+    "nt2.cpa": Cfg(nt=2, src=3), "nt4.cpa": Cfg(nt=4, src=3),
+    "nt8.cpa": Cfg(nt=8, src=3), "nt8.cpa.w4": Cfg(nt=8, src=3, warps=4),
     # 32 rows per warp (mt=2): each activation fragment feeds two m-tiles
     "nt1.sm.m2": Cfg(nt=1, mt=2), "nt1.sm.m2.w4": Cfg(nt=1, mt=2, warps=4),
     "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
@@ -179,15 +177,14 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
                     pairs: bool = False) -> list[tuple[str, Cfg | None]]:
     """Every (path, launch shape) --tune times for bucket ``n``: the heuristic's choice of each
     path and the launch-shape variants measured competitive before (bench/RESULTS.md);
-    ``wg`` (sm_90 devices): the wgmma tile too; ``pairs`` (pair-stream weights): the shapes of
-    RING_SHAPES_PAIRS and the wgmma tile at N=16."""
+    ``wg`` (sm_90 devices): the wgmma tile too (N=64); ``pairs`` (pair-stream weights): the
+    shapes of RING_SHAPES_PAIRS."""
     exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
                                                      Cfg(nt=1, pf=True)]}.get(
         n, [Cfg(nt=4), Cfg(nt=2)])
-    mma = {16: [Cfg(nt=2, src=3, pf=True), Cfg(nt=2, mt=2, src=3, warps=4)],
-           32: [Cfg(nt=4, src=3, pf=True), Cfg(nt=4, mt=2, src=3, warps=4)],
-           64: [Cfg(nt=8, src=3, pf=True), Cfg(nt=8, mt=2, src=3, warps=4), Cfg(nt=8, src=3),
-                Cfg(nt=4, src=3, pf=True)]}.get(
+    mma = {16: [Cfg(nt=2, src=3), Cfg(nt=2, mt=2, src=3, warps=4)],
+           32: [Cfg(nt=4, src=3), Cfg(nt=4, mt=2, src=3, warps=4)],
+           64: [Cfg(nt=8, mt=2, src=3, warps=4), Cfg(nt=8, src=3), Cfg(nt=4, src=3)]}.get(
         n, [Cfg(nt=1), Cfg(nt=1, mt=2), Cfg(nt=1, warps=4)])
     q8 = default_cfg("mmq_q8_1", n)
     mmq = [q8, Cfg(nt=max(1, q8.nt // 2)) if q8.nt > 1 else Cfg(nt=2)]
@@ -202,19 +199,17 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
     # one wave read the same rows together, so the second read may come from L2)
     mma += {16: [Cfg(nt=1, src=4, pf=True, warps=w) for w in (8, 16)],
             32: [Cfg(nt=2, src=4, pf=True, warps=w) for w in (12, 16)],
-            64: [Cfg(nt=4, src=4, pf=True, warps=12)]
-            + ([Cfg(nt=4, src=6, pf=True, warps=12)] if wg else [])}.get(n, [])
+            64: [Cfg(nt=4, src=4, pf=True, warps=12)]}.get(n, [])
     # session 14: 8 n-tiles at 12 warps and 4 at 16, without the prefetch (no spills there)
     mma += {32: [Cfg(nt=4, src=4, warps=16)], 64: [Cfg(nt=8, src=4, warps=12)]}.get(n, [])
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
     if pairs:
         mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
-        if wg and nt == 2:
-            mma += [Cfg(nt=2, src=6, pf=True, warps=w) for w in (12, 8)]
-    # the wgmma tile (src 6, sm_90): N = 32/64 only (slower than src 4 at N = 16 on every shape
-    # probed); 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12
-    # warps (18944x3584 N=32: 99 CTAs), so a few fixed splits too
-    if wg and nt >= 4:
+    # the wgmma tile (src 6, sm_90): 8 n-tiles only since session 15 (its 2/4 n-tile widths
+    # lost every cell of the session 13/14 tunes and left the kernels); 12 warps won, 8
+    # sometimes; the grid model's K split can leave SMs idle with 12 warps, so a few fixed
+    # splits too
+    if wg and nt == 8:
         mma += [Cfg(nt=nt, src=6, pf=True, warps=w) for w in (12, 8)]
         mma += [Cfg(nt=nt, src=6, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
                 if s <= k // 256]

@@ -27,9 +27,9 @@ SHAPES = {"nt2.w12": Cfg(nt=2, src=4, pf=True, warps=12),
           "nt2.w16": Cfg(nt=2, src=4, pf=True, warps=16),
           "nt2.w8": Cfg(nt=2, src=4, pf=True),
           "nt1.w16": Cfg(nt=1, src=4, pf=True, warps=16),
-          "wg.nt4.w12": Cfg(nt=4, src=6, pf=True, warps=12)}
+          "wg.nt8.w12": Cfg(nt=8, src=6, pf=True, warps=12)}
 CELLS = ("152064x3584:16:nt2.w12,152064x3584:16:nt2.w16,18944x3584:16:nt2.w12,"
-         "128256x4096:16:nt2.w12,152064x3584:32:wg.nt4.w12")
+         "128256x4096:16:nt2.w12,152064x3584:64:wg.nt8.w12")
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:

@@ -259,7 +259,7 @@ def ks_cfgs(n: int) -> list[Cfg]:
     ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
     return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring
             + ([Cfg(nt=nt, src=6, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
-               if WG and nt >= 2 else []))
+               if WG and nt == 8 else []))  # (the wgmma tile has 8 n-tiles only)
 
 
 def profile_calls(be, ws, xd, n, rows, k, only: str | None = None) -> None:
@@ -369,14 +369,14 @@ def rp_cfgs(n: int) -> list[Cfg]:
 
 def rp_list(be, n: int, rows: int, k: int) -> list[Cfg]:
     """The probe's launch shapes of one cell: src 4's (rp_cfgs), AUTO's own if it is a K-slice
-    or wgmma shape, and at 4/8 n-tiles the wgmma tile at 12 warps (on sm_90)."""
+    or wgmma shape, and at 8 n-tiles the wgmma tile at 12 warps (on sm_90)."""
     out = rp_cfgs(n)
     ch = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
     if ch.path == "mma_f16" and ch.cfg.src in (4, 6) and ch.cfg.mt == 1 and ch.cfg.pf and (
             ch.cfg.src == 4 or WG):
         out.append(ch.cfg)
-    if WG and out[0].nt >= 4:
-        out.append(Cfg(nt=out[0].nt, src=6, pf=True, warps=12))
+    if WG and out[0].nt == 8:
+        out.append(Cfg(nt=8, src=6, pf=True, warps=12))
     return list(dict.fromkeys(out))
 
 

@@ -75,10 +75,11 @@ class Cfg:
     #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1,
     #                 nt <= 4, warps 8/12/16; pf: 3 ring stages per warp, else 2)
     #               6 the same schedule with wgmma on 64-row warpgroup tiles (q6k_wg_f16,
-    #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 2/4/8, mt 1, pf, warps
+    #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 8, mt 1, pf, warps
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
-    pf: bool = False  # prefetch the next block's weights (double buffer in registers; src 5:
-    #                   two blocks ahead in the ring)
+    pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
+    #                   kernel and src 4, always on at src 6; src 5: two blocks ahead in the
+    #                   ring; src 2/3 have none since session 15)
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
@@ -95,8 +96,9 @@ class Cfg:
             self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
         #                                         warps and nt4 at 16 since session 14)
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
-        ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt < 2))
+        ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt != 8))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
+        ok = ok and not (path == "mma_f16" and self.src in (2, 3) and self.pf)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))
         if not ok:
             raise FormatError(f"launch shape {self} is not one {path} has")

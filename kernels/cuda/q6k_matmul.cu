@@ -259,9 +259,10 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 // of chunk blockIdx.z, over the K blocks of split blockIdx.y. Activations (SRC): 2 staged once
 // per CTA into shared memory in fragment order (stage_x_f16), 3 the q6k_prep_f16 buffer copied
 // block by block into two shared-memory stages with cp.async (the next block lands during this
-// one). (SRC 0, x read in the loop, and 1, the prepass read through L1, left with the K-slice
-// tiles: no table entry or heuristic picked them any more.)
-template <int NT, int MT, int SOA, int SRC, class In, bool PF>
+// one). Each block's weights are loaded at the block's start (no double buffer: the prefetch
+// variant lost every tuned cell and left, session 15). (SRC 0, x read in the loop, and 1, the
+// prepass read through L1, left with the K-slice tiles: no table entry or heuristic picked them.)
+template <int NT, int MT, int SOA, int SRC, class In>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -283,10 +284,6 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     constexpr int STAGE = NT * 256;  // uint4 of one block's activations (SRC 3)
     const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
 
-    // PF: the next block's weights are loaded before this block's math (double buffer).
-    Raw nxt[MT][2];
-    if (PF && kb0 < kb1) warp_load<SOA>(nxt, rr, kb0, t);
-    // The first weight loads are in flight while the CTA stages its activations.
     const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
     if (SRC == 2) {
         stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
@@ -312,12 +309,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             __syncthreads();
         }
         Raw raw[MT][2];
-        if (PF) {
-            warp_take(raw, nxt);
-            if (kb + 1 < kb1) warp_load<SOA>(nxt, rr, kb + 1, t);
-        } else {
-            warp_load<SOA>(raw, rr, kb, t);
-        }
+        warp_load<SOA>(raw, rr, kb, t);
 
         block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
             if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
@@ -1214,11 +1206,9 @@ extern "C" __global__ void __launch_bounds__(256) q6k_unpack_pairs(u8* slab, int
 #ifdef Q6SERVE_NVCC_CHECK
 // Explicit instantiations so an offline nvcc build checks (and reports registers for) every
 // variant the backend can ask NVRTC for.
-#define INST_MMA2(NT, MT, SOA, SRC, IN, PF)                                                 \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, SRC, IN, PF>(                           \
+#define INST_MMA(NT, MT, SOA, SRC, IN)                                                      \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, SRC, IN>(                               \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_MMA(NT, MT, SOA, SRC, IN) \
-    INST_MMA2(NT, MT, SOA, SRC, IN, true) INST_MMA2(NT, MT, SOA, SRC, IN, false)
 #define INST_MMA_IN(NT, MT, SOA, SRC) \
     INST_MMA(NT, MT, SOA, SRC, InF32) INST_MMA(NT, MT, SOA, SRC, InF16) INST_MMA(NT, MT, SOA, SRC, InBF16)
 INST_MMA_IN(1, 1, true, 2) INST_MMA_IN(2, 1, true, 2)

@@ -53,32 +53,13 @@ __device__ __forceinline__ void fence_async_shared() {
 }
 
 // acc (m64nN, warp q's 16 rows: acc[nt][i] = row g + 8(i>>1), token 8nt + 2t + (i&1), the
-// mma.sync C layout) += A (registers) . B (descriptor), for N = 8*NT.
+// mma.sync C layout) += A (registers) . B (descriptor), for N = 8*NT. Only NT = 8 (m64n64k16):
+// the one width the dispatch picks (the lm-heads' N = 33..64); n16/n32 lost every tuned cell
+// and left (session 15).
 template <int NT>
 __device__ __forceinline__ void wgmma_rs(float (&c)[1][NT][4], u32 a0, u32 a1, u32 a2, u32 a3,
                                          u64 desc);
 #define WG_ACC4(nt) "+f"(c[0][nt][0]), "+f"(c[0][nt][1]), "+f"(c[0][nt][2]), "+f"(c[0][nt][3])
-template <>
-__device__ __forceinline__ void wgmma_rs<2>(float (&c)[1][2][4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                            u64 desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-        : WG_ACC4(0), WG_ACC4(1)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<4>(float (&c)[1][4][4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                            u64 desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
-        "p, 1, 1, 0;\n}\n"
-        : WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
-}
 template <>
 __device__ __forceinline__ void wgmma_rs<8>(float (&c)[1][8][4], u32 a0, u32 a1, u32 a2, u32 a3,
                                             u64 desc) {
@@ -143,6 +124,7 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
 template <int NT, int SOA, class In, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
+    static_assert(NT == 8, "q6k_wg_f16: 8 n-tiles (m64n64k16) only");
 #ifdef Q6SERVE_WGMMA
     MAKE_W;
     MAKE_OUT;
@@ -262,9 +244,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
     template __global__ void q6k_wg_f16<NT, SOA, IN, NWG>(                                    \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_WG(NT, NWG) INST_WG2(NT, true, InF16, NWG) INST_WG2(NT, false, InF16, NWG)
-INST_WG(2, 1) INST_WG(4, 1) INST_WG(8, 1)
-INST_WG(2, 2) INST_WG(4, 2) INST_WG(8, 2)
-INST_WG(2, 3) INST_WG(4, 3) INST_WG(8, 3)
+INST_WG(8, 1) INST_WG(8, 2) INST_WG(8, 3)
 #define INST_WGP(NT, NWG) INST_WG2(NT, 2, InF16, NWG)  // pair streams
-INST_WGP(4, 3) INST_WGP(8, 3) INST_WGP(8, 2)
+INST_WGP(8, 3) INST_WGP(8, 2)
 #endif

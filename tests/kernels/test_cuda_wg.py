@@ -30,9 +30,8 @@ from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
 
 pytestmark = [pytest.mark.gpu]
-# two warpgroups per CTA at every width, one and three at one width each
-WG_CFGS = (*(Cfg(nt=nt, src=6, pf=True) for nt in (2, 4, 8)),
-           Cfg(nt=4, src=6, pf=True, warps=4), Cfg(nt=8, src=6, pf=True, warps=12))
+# 8 n-tiles (its one width since session 15) at one, two and three warpgroups per CTA
+WG_CFGS = tuple(Cfg(nt=8, src=6, pf=True, warps=w) for w in (4, 8, 12))
 
 
 @pytest.fixture(scope="module")

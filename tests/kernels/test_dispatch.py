@@ -36,7 +36,7 @@ def small_table() -> DispatchTable:
                 Entry(rows, k, n, "f16", "cublas_f16", None, 12.0),
                 Entry(rows, k, n, "q8_1", "mmq_q8_1", Cfg(nt=4), 13.0),
             ]
-    entries.append(Entry(4096, 14336, 16, "auto", "mma_f16", Cfg(nt=2, src=3, pf=True), 9.0))
+    entries.append(Entry(4096, 14336, 16, "auto", "mma_f16", Cfg(nt=2, src=3, warps=4), 9.0))
     entries.append(Entry(4096, 14336, 32, "auto", "mma_f16", Cfg(nt=4, src=3, ksplit=2), 9.0))
     return DispatchTable(entries, {"device": "test"})
 
@@ -50,7 +50,7 @@ def test_table_answers_for_its_shapes_and_buckets():
     d = Dispatch(small_table(), 132)
     c = d.choose(9, Precision.AUTO, SOA, 4096, 14336)  # bucket 16: its own entry
     assert (c.path, c.precision, c.cfg, c.source) == (
-        "mma_f16", Precision.F16, Cfg(nt=2, src=3, pf=True), "table")
+        "mma_f16", Precision.F16, Cfg(nt=2, src=3, warps=4), "table")
     c = d.choose(3, Precision.AUTO, SOA, 4096, 14336)
     assert (c.path, c.precision, c.cfg) == ("exact", Precision.EXACT, Cfg(nt=2))
     assert d.choose(5, Precision.F16, SOA, 512, 3584).path == "cublas_f16"
@@ -244,12 +244,16 @@ def test_wgmma_tile_plans_only_on_sm_90():
     asked.clear()
     lc89 = Launcher(SimpleNamespace(sm_count=128, smem_sm=102400, cc="89",
                                     fn=lambda f, n: asked.append((f, n)) or Fn()))
-    lc89.plan(4096, 4096, Layout.SOA, "InF16", "mma_f16", Cfg(nt=4, src=6, pf=True, warps=12,
-                                                              ksplit=3), 32)
-    assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<4, 1,", "q6k_sum_parts"))
+    lc89.plan(4096, 4096, Layout.SOA, "InF16", "mma_f16", Cfg(nt=8, src=6, pf=True, warps=12,
+                                                              ksplit=3), 64)
+    assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<8, 1,", "q6k_sum_parts"))
                          for f, n in asked)
-    for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=2, src=6), Cfg(nt=2, mt=2, src=6, pf=True),
-                Cfg(nt=2, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
+    # the wgmma tile has 8 n-tiles only, the f16 tile (src 2/3) no register prefetch (session
+    # 15: the variants the dispatch never picked left the kernels)
+    for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=8, src=6), Cfg(nt=8, mt=2, src=6, pf=True),
+                Cfg(nt=2, src=6, pf=True), Cfg(nt=4, src=6, pf=True, warps=12),
+                Cfg(nt=8, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
+                Cfg(nt=1, pf=True), Cfg(nt=2, src=3, pf=True), Cfg(nt=8, src=3, pf=True, warps=4),
                 Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=8, src=5, warps=12),
                 Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
         with pytest.raises(FormatError):
@@ -269,16 +273,16 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     for path, cfg, n, pair_name in (
             ("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16,
              "q6k_ks_f16<2, 1, 2, InF16, true, 16>"),
-            ("mma_f16", Cfg(nt=1), 1, "q6k_mma_f16<1, 1, 2, 2, InF16, false>"),
+            ("mma_f16", Cfg(nt=1), 1, "q6k_mma_f16<1, 1, 2, 2, InF16>"),
             ("exact", Cfg(nt=1, pf=True), 4, "q6k_exact<1, 2, InF16, true>"),
             ("mmq_q8_1", Cfg(nt=2), 16, "q6k_mmq_q8<2, 1, 2>"),
             ("mma_f16", Cfg(nt=8, src=6, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
             ("mma_f16", Cfg(nt=4, src=5, warps=16), 32, "q6k_ksr_f16<4, 2, InF16, 16, 2>"),
             ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
-             "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),
+             "q6k_mma_f16<4, 1, 2, 3, InF16>"),
             ("mma_f16", Cfg(nt=2, mt=2, src=4, pf=True), 16,
              "q6k_ks_f16<2, 2, 2, InF16, true, 8>"),
-            ("mma_f16", Cfg(nt=1, mt=2), 4, "q6k_mma_f16<1, 1, 2, 2, InF16, false>")):
+            ("mma_f16", Cfg(nt=1, mt=2), 4, "q6k_mma_f16<1, 1, 2, 2, InF16>")):
         for rows, k in ((4096, 14336), (152064, 3584)):
             asked.clear()
             soa = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n)
