@@ -272,7 +272,7 @@ def profile_calls(be, ws, xd, n, rows, k, only: str | None = None) -> None:
     nt = ks_cfgs(n)[0].nt
     cands = ([c for nn, c in _bk.parse_cands(only) if nn == n] if only is not None else
              [default_cfg("mma_f16", n, rows, be.sm_count),
-              Cfg(nt=nt, src=2 if nt == 1 else 3, pf=nt > 2), *ks_cfgs(n)])
+              Cfg(nt=nt, src=2 if nt == 1 else 3), *ks_cfgs(n)])
     for cand in cands:
         if ("mma_f16", cand) not in runs:
             runs.append(("mma_f16", cand))
