@@ -41,6 +41,13 @@ slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 ``STAGING_WC_MIN=B`` in a variant: x's pinned staging buffer write-combined from B bytes on
 (kernels/cuda/launch.py; every bound sequence rebinds at each variant switch).
 
+``X_SPLIT_MIN=B`` in a variant: an idle call whose x is B bytes or more runs in token halves
+(kernels/cuda/launch.py, point 10: x's second half uploaded beside the first half's kernels,
+the first half's y downloaded beside the second's); the halves used are printed after the row
+(``tokens 32/32``); ``X_SPLIT_FIT=0``: the halves keep the full call's tile (every bound
+sequence rebinds at each variant switch). ``COPY_SPLIT_MIN=B`` (``COPY_THREADS=T``): the
+backend's own copy of an unstaged x (modes graph, direct) in T parts at once from B bytes on.
+
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
 an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
@@ -204,6 +211,16 @@ def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int
             got = b.extra.get("chunks")
             if got:
                 return [(r0, r1) for r0, r1, _ in got]
+    return None
+
+
+def tokens_of(w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
+    """The token halves (launch.X_SPLIT_MIN) of ``w``'s bound sequences at N = ``n``, if any
+    (bound under the current setting or an earlier one)."""
+    for key, b in w.data.plans.items():
+        if (isinstance(key, tuple) and len(key) == 6 and key[2] == n
+                and key[4] == ("tokens", 2) and hasattr(b, "extra") and b.extra.get("tokens")):
+            return list(b.extra["tokens"])
     return None
 
 
@@ -510,12 +527,13 @@ def main(argv: list[str] | None = None) -> int:
                                           for v in variants for m in modes):
                 apply(sets)
                 be = bes[m]
-                if "STAGING_WC_MIN" in defaults:  # x's buffer per variant: rebind to it
-                    be.launcher.ws.gen += 1
+                if {"STAGING_WC_MIN", "X_SPLIT_FIT"} & set(defaults):  # bound per variant:
+                    be.launcher.ws.gen += 1  # x's buffer, the halves' tiles: rebind
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill)
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
-                         variant=label, round=rnd, chunks=chunks_of(be, w, n))
+                         variant=label, round=rnd, chunks=chunks_of(be, w, n),
+                         tokens=tokens_of(w, n) if launch.X_SPLIT_MIN else None)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
@@ -526,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
                 tag = f" {label}" if label else ""
                 if r["chunks"]:
                     tag += " chunks " + "/".join(str(r1 - r0) for r0, r1 in r["chunks"])
+                if r["tokens"]:
+                    tag += " tokens " + "/".join(str(t1 - t0) for t0, t1 in r["tokens"])
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}{tag}", flush=True)
             apply({})

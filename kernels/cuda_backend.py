@@ -67,8 +67,9 @@ def _call_key(x: np.ndarray, precision: Precision, flags: KernelFlags,
               out_dtype: np.dtype | None, topk: int, slot: int,
               chunks: int) -> tuple[Any, ...]:
     """A :class:`BoundCall`'s key in its weight's ``plans``: what settles the call's path
-    (``chunks``: a large y's row chunks, ``Launcher.chunks_for``: none while another launch
-    is in flight, so an idle and a busy launch each keep their own)."""
+    (``chunks``: a large call's split, ``Launcher.chunks_for``: row chunks or token halves,
+    none while another launch is in flight, so an idle and a busy launch each keep their
+    own)."""
     return (x.shape, x.dtype, precision, flags, out_dtype, topk, slot, chunks)
 
 
@@ -175,7 +176,7 @@ class CudaBackend(Backend):
         if staged and type(w.data) is CudaWeight and x.shape[1] == w.k:
             slot = ws.staged_slot
             key = _call_key(x, precision, flags, out_dtype, topk, slot,
-                            lc.chunks_for(w.data, slot, x.shape[0] * w.rows))
+                            lc.chunks_for(w.data, slot, x.shape[0] * w.rows, x.nbytes))
             call = w.data.plans.get(key)  # a BoundCall: the whole path after its first calls
             if call is not None and call.live():
                 return call.launch()
@@ -184,7 +185,7 @@ class CudaBackend(Backend):
         if not staged and not self.hostio.covers(x):
             slot = ws.free_slot()
             call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, slot,
-                                          lc.chunks_for(cw, slot, x.shape[0] * w.rows)))
+                                          lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes)))
             if call is not None and call.live():
                 return call.launch(x)
         return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
@@ -217,7 +218,7 @@ class CudaBackend(Backend):
         else:
             lc = self.launcher
             slot = lc.ws.staged_slot if staged else lc.ws.free_slot()
-            chunks = lc.chunks_for(cw, slot, x.shape[0] * w.rows)
+            chunks = lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes)
             with self.ctx.dev, self.ctx.stream:
                 finish = lc.launch(w, cw, x, c.path, c.cfg, out_dtype, topk, chunks)
             call = lc.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot, kernel,

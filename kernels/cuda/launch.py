@@ -73,6 +73,17 @@ host path of one batch:
    either ends it). Its device y is N x (the parts' rows together) x 4 bytes. No row chunks;
    a top-k epilogue, a part on cuBLAS or x in a pinned region take each part's launch in turn.
 
+10. token halves of a call with a large x (``X_SPLIT_MIN`` bytes or more; idle, as the row
+   chunks; not row-chunked; a K-slice tile, ``X_SPLIT_SRCS``): two launches on the first and
+   the last tokens (runs of whole 8-token columns), each with the full call's K split, so every
+   y value is the full call's, bit for bit (tokens are independent columns of the same sums);
+   the first half's x is uploaded on the stream, then the stream forks to an x copy stream
+   that uploads the second half while the first half computes (the stream waits for it before
+   the second half's kernels; all inside the captured graph), and the first half's y rows are
+   DMA'd on the y copy stream while the second half computes (as point 8's chunks). Each half
+   reads the whole weight: the GPU time grows, the wall shrinks where the bus dominates
+   (4096x14336 N=64: 1.8 MB of x up and 1 MiB of y down around a 40 us kernel).
+
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
@@ -172,6 +183,42 @@ Y_CHUNK_MIN = 3 << 19  # 1.5 MiB
 STAGING_WC_MIN = 0
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
+# x's upload beside the kernels by token halves (module docstring, point 10): an idle call
+# (Y_CHUNKS_IDLE's rule) whose x is X_SPLIT_MIN bytes or more, not row-chunked, on a K-slice
+# tile (X_SPLIT_SRCS), runs as two launches on the first and the last tokens with the full
+# call's K split: x's second half goes up on a copy stream while the first half computes, and
+# the first half's y goes down while the second computes. 0: off. X_SPLIT_FIT: the halves'
+# tile narrowed to their tokens (nt: 8 token columns each), else the full call's.
+X_SPLIT_MIN = 0
+X_SPLIT_FIT = 1
+X_SPLIT_SRCS = (4, 5, 6)
+# The backend's own copy of an unstaged x into its pinned staging buffer (a caller's x that was
+# not built in ``CudaBackend.staging``: one request's rows on the service's direct path) from
+# COPY_SPLIT_MIN bytes on in COPY_THREADS parts copied at once (NumPy's copy releases the GIL):
+# the calling thread copies the first part, a small pool the others. 0: one copy.
+COPY_SPLIT_MIN = 0
+COPY_THREADS = 4
+_copy_pool: Any = None
+
+
+def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[: src.size] = src`` (uint8, flat): from ``COPY_SPLIT_MIN`` bytes on in
+    ``COPY_THREADS`` parts at once, the calling thread's part first in line."""
+    n = src.size
+    if not COPY_SPLIT_MIN or n < COPY_SPLIT_MIN or COPY_THREADS < 2:
+        dst[:n] = src
+        return
+    global _copy_pool
+    if _copy_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _copy_pool = ThreadPoolExecutor(max_workers=7, thread_name_prefix="q6-copy")
+    step = -(-n // (COPY_THREADS * 4096)) * 4096  # whole pages apart
+    futs = [_copy_pool.submit(dst.__setitem__, slice(i, min(n, i + step)), src[i : i + step])
+            for i in range(step, n, step)]
+    dst[:step] = src[:step]
+    for f in futs:
+        f.result()
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -540,13 +587,17 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     ``y16`` (Launcher.y16_graph) "y16" for a larger f16 y: its f16 conversion is bound into the
     sequence, only the copy into a pinned block is enqueued per call; ("rows", chunks) for an
     f32/bf16 y of ``Y_CHUNK_MIN`` bytes or more when ``chunks`` > 1 (the row-chunked sequence,
-    module docstring point 8; its way out is enqueued per call, chunk by chunk)."""
+    module docstring point 8; its way out is enqueued per call, chunk by chunk); ("tokens", 2)
+    for a larger f32/bf16 y of 16 tokens or more when ``chunks`` is -2 (the token halves,
+    point 10; its way out likewise, half by half)."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
     if dt in (np.float32, BFLOAT16):
         if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
             return dt
+        if chunks < -1:
+            return ("tokens", -chunks) if n >= 16 else None
         return ("rows", chunks) if chunks > 1 and n * rows * 4 >= Y_CHUNK_MIN else None
     if dt != np.float16:
         return None
@@ -597,7 +648,7 @@ class BoundCall:
         dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
         self.half, self.bf16 = dt == np.float16, dt == BFLOAT16
         self.big = self.out is None  # y DMA'd into a pinned block that becomes the result
-        self.chunked = bool(b.extra.get("chunks"))  # ... chunk by chunk (Launcher._chunks_out)
+        self.chunked = bool(b.extra.get("copies"))  # ... part by part (Launcher._chunks_out)
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
         self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
@@ -614,7 +665,7 @@ class BoundCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            self.host[: self.b.x_bytes] = x.reshape(-1).view(np.uint8)
+            copy_in(self.host, x.reshape(-1).view(np.uint8))
         ws._held[slot] = True
         try:
             with self.dev:
@@ -932,7 +983,7 @@ class ManyCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            self.host[: b.x_bytes] = x.reshape(-1).view(np.uint8)
+            copy_in(self.host, x.reshape(-1).view(np.uint8))
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1000,6 +1051,7 @@ class Launcher:
         # the weight's own
         self.y_chunks = y_chunks_from_env()
         self._y_stream: Any = None
+        self._x_stream: Any = None
 
     def chunks_wanted(self, cw: CudaWeight | None = None) -> int:
         """Row chunks ``cw``'s large y is computed and downloaded in (<= 1: off)."""
@@ -1008,15 +1060,22 @@ class Launcher:
             return 0 if cw is None else cw.y_chunks
         return v
 
-    def chunks_for(self, cw: CudaWeight, slot: int, ys: int | None = None) -> int:
-        """:meth:`chunks_wanted` for a launch in ``slot`` now: none while another launch is in
-        flight (``Y_CHUNKS_IDLE``), nor for a y of ``ys`` values (N x rows) under
-        ``Y_CHUNK_MIN`` as f32 (never chunked: the state a small call's cached BoundCall is
-        keyed by stays 0, with no look at the slots)."""
-        if ys is not None and 4 * ys < Y_CHUNK_MIN:
+    def chunks_for(self, cw: CudaWeight, slot: int, ys: int | None = None,
+                   xs: int = 0) -> int:
+        """The split of a launch in ``slot`` now: C > 1 row chunks (:meth:`chunks_wanted`),
+        -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked),
+        0 none; none while another launch is in flight (``Y_CHUNKS_IDLE``). A y of ``ys``
+        values (N x rows) under ``Y_CHUNK_MIN`` as f32 is never row-chunked, and with an x
+        under ``X_SPLIT_MIN`` the state is 0 with no look at the slots (a small call's cached
+        BoundCall is keyed by it)."""
+        rows = ys is None or 4 * ys >= Y_CHUNK_MIN
+        tokens = bool(X_SPLIT_MIN) and xs >= X_SPLIT_MIN
+        if not rows and not tokens:
             return 0
-        v = self.chunks_wanted(cw)
-        if v > 1 and Y_CHUNKS_IDLE and self.ws.busy(slot):
+        v = self.chunks_wanted(cw) if rows else 0
+        if v <= 1:
+            v = -2 if tokens else 0
+        if v and Y_CHUNKS_IDLE and self.ws.busy(slot):
             return 0
         return v
 
@@ -1026,6 +1085,13 @@ class Launcher:
         if self._y_stream is None:
             self._y_stream = self.ctx.cp.cuda.Stream(non_blocking=True)
         return self._y_stream
+
+    def x_stream(self) -> Any:
+        """The copy stream of the token halves' second x upload (point 10; made on first use,
+        under the device; a captured sequence forks onto it and joins back)."""
+        if self._x_stream is None:
+            self._x_stream = self.ctx.cp.cuda.Stream(non_blocking=True)
+        return self._x_stream
 
     def copy_streams(self) -> tuple[Any, Any]:
         """The copy-in and copy-out streams of ``RegionCall`` (made on first use, under the
@@ -1039,7 +1105,7 @@ class Launcher:
     def sync(self) -> None:
         """Wait for everything queued on the backend's stream and the copy streams."""
         self.ctx.stream.synchronize()
-        for s in (*(self._copy_streams or ()), self._y_stream):
+        for s in (*(self._copy_streams or ()), self._y_stream, self._x_stream):
             if s is not None:
                 s.synchronize()
 
@@ -1178,6 +1244,32 @@ class Launcher:
         # no more rounds than the full call's (a chunk past its round's rows would take two
         # rounds on fewer CTAs: slabs too coarse for this grid)
         return out if total <= rounds else None
+
+    def token_parts(self, lp: LaunchPlan, rows: int, k: int, layout: Layout, in_t: str,
+                    path: str, cfg: Cfg, n: int, want: int, pairs: bool = False,
+                    ) -> list[tuple[int, int, LaunchPlan]] | None:
+        """The token parts of a K-slice tile call (module docstring, point 10): [(t0, t1,
+        plan)], ``want`` runs of whole 8-token columns, each planned with ``lp``'s K split (so
+        every value is the full call's: tokens are independent columns of the same sums), its
+        tile narrowed to its tokens with ``X_SPLIT_FIT``. None where it does not apply: not an
+        ``X_SPLIT_SRCS`` tile, fewer than two parts, or a part whose plan would split K
+        otherwise. ``pairs``: as for ``plan``."""
+        if want < 2 or lp.path != "mma_f16" or lp.src not in X_SPLIT_SRCS:
+            return None
+        h = -(-n // (8 * want)) * 8
+        cuts = [*range(0, n, h), n]
+        if len(cuts) < 3:
+            return None
+        ks, out = lp.grid[1], []
+        for t0, t1 in itertools.pairwise(cuts):
+            c = replace(cfg, ksplit=ks)
+            if X_SPLIT_FIT and cfg.src in (4, 5):
+                c = replace(c, nt=min(cfg.nt, 1 << (-(-(t1 - t0) // 8) - 1).bit_length()))
+            p = self.plan(rows, k, layout, in_t, path, c, t1 - t0, pairs)
+            if p.grid[1] != ks:
+                return None
+            out.append((t0, t1, p))
+        return out
 
     def plan(self, rows: int, k: int, layout: Layout, in_t: str, path: str, cfg: Cfg,
              n: int, pairs: bool = False) -> LaunchPlan:
@@ -1339,7 +1431,7 @@ class Launcher:
         slot = ws.staged_slot if staged else ws.free_slot()  # ndarray.ctypes costs ~4 us
         host = self._stage_x(x, slot, staged)
         if chunks is None:
-            chunks = self.chunks_for(cw, slot)
+            chunks = self.chunks_for(cw, slot, int(x.shape[0]) * w.rows, x.nbytes)
         return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
                                                            out_dtype, topk, slot, host,
                                                            chunks))
@@ -1353,7 +1445,7 @@ class Launcher:
         xb = x.reshape(-1).view(np.uint8)
         host = ws.host(xb.size, slot)
         if not staged:
-            host[: xb.size] = xb
+            copy_in(host, xb)
         return host
 
     def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
@@ -1399,8 +1491,8 @@ class Launcher:
                    path: str, cfg: Cfg | None, out_dtype: np.dtype | None, topk: int,
                    slot: int, host: np.ndarray, chunks: int) -> Callable[[], Done]:
         """:meth:`launch`'s enqueueing in ``slot`` (x already in its staging buffer ``host``;
-        ``chunks``: a large y's row chunks)."""
-        cp, stream = self.ctx.cp, self.ctx.stream
+        ``chunks``: a large y's split, :meth:`chunks_for`)."""
+        stream = self.ctx.stream
         n = int(x.shape[0])
         if path == "cublas_f16":
             return self._matmul_direct(w, cw, x, in_t, out_dtype, topk, slot)
@@ -1422,8 +1514,7 @@ class Launcher:
                 return done
 
             return graph_done
-        cp.cuda.runtime.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D,
-                                    stream.ptr)
+        self._upload(b, host.ctypes.data)
         self._kernels(b, lambda ev: ev.record(stream))
         self._download(b)
         b.calls += 1
@@ -1526,22 +1617,43 @@ class Launcher:
         kind = small[0] if isinstance(small, tuple) else None
         chunks = (self.row_chunks(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, cw.rps,
                                   small[1], cw.pairs) if kind == "rows" else None)
+        halves = (self.token_parts(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, small[1],
+                                   cw.pairs) if kind == "tokens" else None)
+        isz = x_bytes // (n * w.k)
         for _ in range(2):
             gen = self.ws.gen
             self.ws.host(x_bytes, slot)
             xd = self.ws.ptr("x", x_bytes)
             y = self.ws.ptr("y", 4 * n * w.rows)
             marks: dict[int, Any] = {}
+            waits: dict[int, Any] = {}
+            xparts: list[tuple[int, int, Any]] = []
+            copies: list[tuple[int, int, int, int, int, int]] = []
             if chunks:  # point 8: each chunk's launches, then its event (not the last's)
                 steps = []
                 for r0, r1, cp_ in chunks:
                     steps += self.steps(cp_, w, cw, xd, y + 4 * n * r0, n, r0, r1)
                     if r1 < w.rows:
                         marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+                    width = 4 * (r1 - r0)  # its [N, r1 - r0] block into its columns
+                    copies.append((4 * r0, 4 * n * r0, 4 * w.rows, width, width, n))
+            elif halves:  # point 10: each half's x, launches and y
+                steps = []
+                for t0, t1, tp in halves:
+                    ev = cp.cuda.Event(disable_timing=True) if t0 else None
+                    xparts.append((t0 * w.k * isz, (t1 - t0) * w.k * isz, ev))
+                    if ev is not None:  # its x uploaded on the x stream: waited for here
+                        waits[len(steps)] = ev
+                    steps += self.steps(tp, w, cw, xd + t0 * w.k * isz, y + 4 * t0 * w.rows,
+                                        t1 - t0)
+                    if t1 < n:
+                        marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+                    off, row = 4 * t0 * w.rows, 4 * w.rows  # its tokens' rows of y, in place
+                    copies.append((off, off, row, row, row, t1 - t0))
             else:
                 steps = self.steps(lp, w, cw, xd, y, n)
             out, post, y16big = None, [], None
-            if kind == "rows":  # y's way out is enqueued per call (_chunks_out or _finish)
+            if kind in ("rows", "tokens"):  # y's way out enqueued per call (_chunks_out/_finish)
                 pass
             elif small == "y16":  # a larger f16 y: converted in the sequence, copied per call
                 y16big = self.ws.ptr("y16b", 2 * n * w.rows)
@@ -1567,11 +1679,16 @@ class Launcher:
         b = Bound(self.ws.gen, x_bytes, steps, cp.cuda.Event(), cp.cuda.Event(),
                   extra={"xd": xd, "y": y, "out": out, "post": post, "y16": y16big,
                          "shape": (n, w.rows)})
-        if chunks:
+        if copies:
             evs = [*marks.values(), None]  # (the last chunk's copy follows its kernels)
             b.extra.update(marks=marks, join=cp.cuda.Event(disable_timing=True),
-                           chunks=[(r0, r1, ev) for (r0, r1, _), ev in zip(chunks, evs,
-                                                                           strict=True)])
+                           copies=[(*c, ev) for c, ev in zip(copies, evs, strict=True)])
+        if chunks:
+            b.extra["chunks"] = [(r0, r1, ev) for (r0, r1, _), ev in zip(chunks, evs,
+                                                                         strict=True)]
+        if halves:
+            b.extra.update(waits=waits, xparts=xparts, tokens=[(t0, t1) for t0, t1, _ in halves],
+                           fork=cp.cuda.Event(disable_timing=True))
         cw.plans[key] = b
         return b
 
@@ -1611,7 +1728,7 @@ class Launcher:
                                 converted=True)
         if out is None:
             return self._finish(b.extra["y"], n, rows, out_dtype, b.start, b.end, topk, slot,
-                                bound=b if b.extra.get("chunks") else None)
+                                bound=b if b.extra.get("copies") else None)
         start, end, host = b.start, b.end, out[1]
         if topk:
             def top_done() -> Done:
@@ -1629,11 +1746,10 @@ class Launcher:
 
     def _capture(self, b: Bound, host: np.ndarray) -> None:
         """Capture b's sequence as a graph; on any refusal keep direct launches for it."""
-        stream, rt = self.ctx.stream, self.ctx.cp.cuda.runtime
 
         def enqueue(record: Callable[[Any], None]) -> None:
             if not b.extra.get("device_x"):  # x from the host staging (else copied before)
-                rt.memcpyAsync(b.extra["xd"], host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
+                self._upload(b, host.ctypes.data)
             self._kernels(b, record)
             self._download(b)
 
@@ -1643,36 +1759,56 @@ class Launcher:
         """b's launches between its timing events, with each row chunk's event after its
         launches (point 8; ``record``: a plain record, or a graph node under capture)."""
         record(b.start)
-        marks = b.extra.get("marks")
+        marks, waits = b.extra.get("marks"), b.extra.get("waits")
         for i, s in enumerate(b.steps):
+            if waits and i in waits:  # (point 10: the token half's x, uploaded on the x stream)
+                self.ctx.stream.wait_event(waits[i])
             s()
             if marks and i in marks:
                 record(marks[i])
         record(b.end)
 
     def _chunks_out(self, b: Bound, dst: int) -> None:
-        """Enqueue a row-chunked y's way out into ``dst`` (host, [N, rows] f32): a 2D copy of
-        each chunk's [N, r1 - r0] block into its columns - all but the last on the y copy
-        stream, each once its chunk's event fired; the last on the backend's stream after its
-        kernels (no hand-off between streams at the end of the call) once the copy stream's
-        copies are done (the backend's stream orders everything after it: a later launch
-        reuses the device y)."""
+        """Enqueue a split y's way out into ``dst`` (host, [N, rows] f32): a 2D copy of each
+        part (a row chunk's [N, r1 - r0] block into its columns, point 8; a token half's rows,
+        point 10) - all but the last on the y copy stream, each once its part's event fired;
+        the last on the backend's stream after its kernels (no hand-off between streams at the
+        end of the call) once the copy stream's copies are done (the backend's stream orders
+        everything after it: a later launch reuses the device y)."""
         rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
         ys = self.y_stream()
-        n, rows = b.extra["shape"]
         y = b.extra["y"]
-        chunks = b.extra["chunks"]
-        for i, (r0, r1, ev) in enumerate(chunks):
-            last = i == len(chunks) - 1
+        copies = b.extra["copies"]
+        for i, (doff, soff, dpitch, spitch, width, height, ev) in enumerate(copies):
+            last = i == len(copies) - 1
             if last:
                 join = b.extra["join"]
                 join.record(ys)
                 stream.wait_event(join)
             else:
                 ys.wait_event(ev)
-            width = 4 * (r1 - r0)
-            rt.memcpy2DAsync(dst + 4 * r0, 4 * rows, y + 4 * n * r0, width, width, n, _D2H,
+            rt.memcpy2DAsync(dst + doff, dpitch, y + soff, spitch, width, height, _D2H,
                              stream.ptr if last else ys.ptr)
+
+    def _upload(self, b: Bound, src: int) -> None:
+        """x's upload from the host at ``src`` into the sequence's device x, on the stream; the
+        token halves' (point 10): the first half's on the stream, then the stream forks to the
+        x stream, which uploads the rest (each half's event after its copy: the stream waits
+        for it before that half's kernels, ``_kernels``)."""
+        rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
+        xd, xparts = b.extra["xd"], b.extra.get("xparts")
+        if not xparts:
+            rt.memcpyAsync(xd, src, b.x_bytes, _H2D, stream.ptr)
+            return
+        xs = self.x_stream()
+        for off, nbytes, ev in xparts:
+            if ev is None:
+                rt.memcpyAsync(xd + off, src + off, nbytes, _H2D, stream.ptr)
+                b.extra["fork"].record(stream)
+                xs.wait_event(b.extra["fork"])
+            else:
+                rt.memcpyAsync(xd + off, src + off, nbytes, _H2D, xs.ptr)
+                ev.record(xs)
 
     def capture(self, enqueue: Callable[[Callable[[Any], None]], None]) -> Any:
         """``enqueue(record)`` captured on the stream as a graph, each ``record(event)`` an

@@ -693,6 +693,140 @@ def test_a_changed_chunk_setting_rebinds_the_bound_call(monkeypatch):
     assert cp.counts["d2h2d"] > n2d
 
 
+# -- x's upload beside the kernels by token halves (launch.py point 10) -------------------------
+def _halves(w, n: int) -> list[tuple[int, int]] | None:
+    got = [b.extra["tokens"] for key, b in w.data.plans.items()
+           if isinstance(key, tuple) and len(key) == 6 and key[2] == n and hasattr(b, "extra")
+           and b.extra.get("tokens")]
+    return got[0] if got else None
+
+
+@pytest.mark.parametrize("n,out", [(64, None), (64, BFLOAT16), (40, None), (16, None)])
+@pytest.mark.parametrize("staged", [True, False])
+def test_token_halves_upload_x_and_return_y_whole(monkeypatch, n, out, staged):
+    """X_SPLIT_MIN: an idle call with a large x runs in two token halves: x reaches the device
+    whole (the first half's copy on the stream, the second's on the x stream, which the stream
+    waits for before the second half's kernels), and y comes back whole, on every kind of call
+    (direct launches, the capture, graph replays, the cached BoundCall; staged or copied x):
+    one 2D copy per half, the first after a wait for its half's event on the y stream."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 18)
+    be, cp = fake_backend(monkeypatch)
+    rows, k = 4096, 14336
+    w = fake_weight(be, rows, k)
+    rng = np.random.default_rng(21)
+    be.matmul(w, _x(be, rng, n, k, staged), out_dtype=out)
+    h = -(-n // 16) * 8
+    assert _halves(w, n) == [(0, h), (h, n)]
+    for i in range(5):
+        y = _set_y(be, w, n, i)
+        x = _x(be, rng, n, k, staged)
+        xb = x.copy()
+        before = dict(cp.counts)
+        res = be.launch(w, x, out_dtype=out).wait()
+        want = y if out is None else y.astype(out)
+        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+        ws = be.launcher.ws
+        assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+        assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == 2
+        assert cp.counts.get("d2h", 0) == before.get("d2h", 0)  # no whole-y copy
+        assert cp.counts["h2d"] - before.get("h2d", 0) == 2
+        # per call: the y stream waits for the first half's kernels, the stream for the y
+        # stream; bound in the sequence (the fake counts them when enqueued, not replayed):
+        # the x stream for the fork, the stream for the second x half
+        waits = cp.counts["wait"] - before.get("wait", 0)
+        assert waits == (6 if i == 0 else 2), waits  # (i == 0: direct, then the capture)
+    assert cp.counts["graph"] == 4
+
+
+def test_token_halves_keep_the_k_split(monkeypatch):
+    """Each half is the full call's K split on its own tokens (x and y at the half's first
+    token), its tile narrowed to its tokens (X_SPLIT_FIT); a small x, the setting off, an f16
+    y, a launch in flight or a row-chunked call bind no halves; a call whose x is under the
+    setting has state 0."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 20)
+    be, _, _, w, rng = _counted(monkeypatch, 22)
+    lc, n, k = be.launcher, 64, 14336
+    c = be.choose(n, Precision.AUTO, KernelFlags(), 4096, k)
+    whole = lc.plan(4096, k, Layout.SOA, "InF16", c.path, c.cfg, n)
+    parts = lc.token_parts(whole, 4096, k, Layout.SOA, "InF16", c.path, c.cfg, n, 2)
+    assert [(t0, t1) for t0, t1, _ in parts] == [(0, 32), (32, 64)]
+    assert all(p.grid[1] == whole.grid[1] for _, _, p in parts)
+    seen = []
+    orig = lc.steps
+    monkeypatch.setattr(lc, "steps", lambda lp, w_, cw, xd, y, n_, r0=0, r1=None: seen.append(
+        (xd, y, n_)) or orig(lp, w_, cw, xd, y, n_, r0, r1))
+    be.matmul(w, np.ones((n, k), np.float16))
+    xd, yd = lc.ws._dev["x"].data.ptr, lc.ws._dev["y"].data.ptr
+    assert seen[-2:] == [(xd, yd, 32), (xd + 32 * k * 2, yd + 4 * 32 * 4096, 32)]
+    assert lc.chunks_for(w.data, 0, 64 * 4096, n * k * 2) == -2
+    assert lc.chunks_for(w.data, 0, 16 * 4096, 16 * k * 2) == 0  # 448 KiB of x
+    for nn, out in ((16, None), (n, np.float16)):
+        be.matmul(w, np.ones((nn, k), np.float16), out_dtype=out)
+    assert _halves(w, 16) is None
+    assert not [b for key, b in w.data.plans.items() if len(key) == 6 and key[2] == n
+                and key[4] != ("tokens", 2) and b.extra.get("tokens")]
+    a = be.launch(w, _x(be, rng, 1, k, True))  # beside a launch in flight: plain
+    assert lc.chunks_for(w.data, lc.ws.free_slot(), 64 * 4096, n * k * 2) == 0
+    a.wait()
+    monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 0)
+    assert lc.chunks_for(w.data, 0, 64 * 4096, n * k * 2) == 0
+    be2, _, w2 = _chunked(monkeypatch, 14336, 4096, 512, 4)  # row chunks first
+    monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 18)
+    assert be2.launcher.chunks_for(w2.data, 0, 64 * 14336, 64 * 4096 * 2) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fit", [1, 0])
+def test_token_halves_on_the_gpu_are_bit_identical(rng, monkeypatch, fit):
+    """On a device: 4096x14336 and 3584x18944 calls in token halves (X_SPLIT_MIN 256 KiB)
+    give the whole call's y bit for bit on every kind of call (direct launches, the capture,
+    graph replays, the cached BoundCall; staged and copied x; f32 and bf16 y; N = 64, 40,
+    16), the halves really used; beside a launch in flight: plain."""
+    gpu_backend = _gpu_backend()
+    from q6serve.kernels.api import iter_aos_chunks
+    from tests.conftest import random_blocks
+
+    be = gpu_backend(0)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_FIT", fit)
+    try:
+        for rows, k in ((4096, 14336), (3584, 18944)):
+            blocks = random_blocks(rng, rows * (k // 256))
+            w = be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA)
+            for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
+                                   (40, None, False), (16, None, True)):
+                x = rng.standard_normal((n, k)).astype(np.float16)
+                monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 0)
+                ref = be.matmul(w, x, out_dtype=out).y
+                monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 18)
+                for _ in range(4):
+                    xi = x
+                    if staged:
+                        xi = be.staging(n, k, np.float16)
+                        xi[...] = x
+                    np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+                assert _halves(w, n) is not None, (rows, k, n)
+                for _ in range(3):  # beside a launch in flight: the plain sequence
+                    a = be.launch(w, x[:1])
+                    np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
+                    a.wait()
+            be.free(w)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 7])
+@pytest.mark.parametrize("n", [1, 4095, 4096, 1 << 20, (1 << 20) + 12345])
+def test_copy_in_parts_copies_every_byte(monkeypatch, threads, n):
+    """COPY_SPLIT_MIN: x's copy into the staging buffer in COPY_THREADS parts at once leaves
+    the same bytes as one copy, and nothing past x's end is written."""
+    monkeypatch.setattr(launch_mod, "COPY_SPLIT_MIN", 4096)
+    monkeypatch.setattr(launch_mod, "COPY_THREADS", threads)
+    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n + 100, np.uint8)
+    launch_mod.copy_in(dst, src)
+    assert np.array_equal(dst[:n], src) and not dst[n:].any()
+
+
 # -- a multi-weight call: launch_many (issue 14, one launch per multi-weight call) ------------
 QKV = ((3584, 3584), (512, 3584), (512, 3584))
 GATE_UP = ((18944, 3584), (18944, 3584))
