@@ -827,6 +827,29 @@ def test_copy_in_parts_copies_every_byte(monkeypatch, threads, n):
     assert np.array_equal(dst[:n], src) and not dst[n:].any()
 
 
+def test_copy_in_parts_on_every_kind_of_call(monkeypatch):
+    """COPY_SPLIT_MIN: an unstaged x copied in parts reaches the device whole on the full
+    path, the cached BoundCall and a multi-weight call's ManyCall."""
+    monkeypatch.setattr(launch_mod, "COPY_SPLIT_MIN", 1 << 16)
+    be, _, full, w, rng = _counted(monkeypatch, 23)
+    w2 = fake_weight(be, 1024, 14336)
+    for i in range(5):
+        for many in (False, True):
+            x = rng.standard_normal((64, 14336)).astype(np.float16)
+            if many:
+                be.launch_many([w, w2], x).wait()
+            else:
+                be.launch(w, x).wait()
+            got = be.launcher.ws._dev["x"].a[: x.nbytes]
+            assert np.array_equal(got, x.reshape(-1).view(np.uint8)), (i, many)
+    before = len(full)  # (the multi-weight call's larger y grew the buffers: rebound once)
+    for _ in range(3):
+        x = rng.standard_normal((64, 14336)).astype(np.float16)
+        be.launch(w, x).wait()
+        assert np.array_equal(be.launcher.ws._dev["x"].a[: x.nbytes], x.reshape(-1).view(np.uint8))
+    assert len(full) == before  # the cached BoundCall
+
+
 # -- a multi-weight call: launch_many (issue 14, one launch per multi-weight call) ------------
 QKV = ((3584, 3584), (512, 3584), (512, 3584))
 GATE_UP = ((18944, 3584), (18944, 3584))
