@@ -635,6 +635,33 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
     assert w.call(held()) == (0, 0, 0)
 
 
+def test_another_callers_region_through_frontends(start: Callable[..., Running]) -> None:
+    """A region belongs to the caller that registered it on every front end: another token's
+    matmul naming it (x or y) or unregistering it is PERMISSION_DENIED, and it does not list
+    it (tests/dataplane/test_regions.py's one-process case, through the front ends)."""
+    from tests.dataplane.test_regions import ADMIN, TOKEN
+
+    w = start(token=TOKEN, admin_token=ADMIN)
+    user, admin = w.client(token=TOKEN), w.client(token=ADMIN)
+    x = np.ones((1, K), np.float32)
+    admin.upload("w", random_q6k(ROWS, K, 3), ROWS, K)
+
+    def denied(fn: Callable[..., Any], *a: Any, **kw: Any) -> None:
+        with pytest.raises(Q6ServeError) as e:
+            fn(*a, **kw)
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED, e.value
+        assert "another caller" in e.value.message
+
+    with user.register_shm("mine", 8192) as region:
+        for other in (admin, w.client(token=ADMIN)):  # (two connections: any front end)
+            assert other.list_regions() == []
+            denied(other.matmul, "w", x, x_region=region)
+            denied(other.matmul, "w", x, x_region=region, y_region=(region, 4096))
+            denied(other.unregister_region, "mine")
+        user.matmul("w", x, x_region=region, y_region=(region, 4096))
+        assert [r.name for r in user.list_regions()] == ["mine"]
+
+
 @pytest.mark.parametrize("raw", ["soon", "-5", "inf", "nan"])
 def test_a_bad_frontend_busy_poll_value_is_refused_by_name(raw: str) -> None:
     from q6serve.kernels.errors import InvalidArgument
