@@ -87,15 +87,20 @@ class Device:
         conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 18))
         self.arena.unlink()
 
-    async def trip(self, xs: list[np.ndarray], rid0: int) -> dict[int, tuple[Any, ...]]:
-        """One message per call (request ids rid0.., slot i), all read in one loop trip;
-        returns the answers once every call has one."""
+    def frames(self, xs: list[np.ndarray], rid0: int) -> bytes:
+        """One message per call (request ids rid0.., x in slot i)."""
         frames = b""
         for slot, x in enumerate(xs):
             self.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
             payload = fe._encode(("mm", rid0 + slot, "w", (), 0, self.precision, "f32", None,
                                   (self.dtype, x.shape), slot))
             frames += fe.FRAME.pack(len(payload)) + payload
+        return frames
+
+    async def trip(self, xs: list[np.ndarray], rid0: int) -> dict[int, tuple[Any, ...]]:
+        """``frames`` all read in one loop trip; returns the answers once every call has
+        one."""
+        frames = self.frames(xs, rid0)
         self.out.answers.clear()
         self.conn.data_received(frames)
         for _ in range(400):
@@ -103,6 +108,29 @@ class Device:
                 break
             await asyncio.sleep(0.005)
         return dict(self.out.answers)
+
+    async def measured(self, xs: list[np.ndarray]) -> None:
+        """A trip of ``xs`` (the first job of its kind: queued and measured), then until the
+        device counts it done (its answer may come first)."""
+        await self.trip(xs, 1)
+        dev = self.worker.engine.device  # type: ignore[union-attr]
+        for _ in range(400):
+            if not dev.inflight:
+                break
+            await asyncio.sleep(0.005)
+
+    def count_writes(self) -> list[int]:
+        """From now on, the byte count of each write to the front end (answers cleared)."""
+        writes: list[int] = []
+        write = self.out.write
+
+        def counted(data: bytes) -> None:
+            writes.append(len(data))
+            write(data)
+
+        self.out.write = counted  # type: ignore[method-assign]
+        self.out.answers.clear()
+        return writes
 
     def y(self, slot: int, msg: tuple[Any, ...]) -> np.ndarray:
         assert msg[0] == "mmok", msg
@@ -312,27 +340,9 @@ def test_direct_path_answers_leave_in_the_trip_that_ran_them(
         d = Device(len(xs))
         await d.start()
         dev = d.worker.engine.device  # type: ignore[union-attr]
-        await d.trip(xs, 1)  # (the first job of its kind: queued and measured)
-        for _ in range(400):  # (its answer may come before the device counts it done)
-            if not dev.inflight:
-                break
-            await asyncio.sleep(0.005)
-        writes: list[int] = []
-        write = d.out.write
-
-        def counted(data: bytes) -> None:
-            writes.append(len(data))
-            write(data)
-
-        d.out.write = counted  # type: ignore[method-assign]
-        d.out.answers.clear()
-        frames = b""
-        for slot, x in enumerate(xs):
-            d.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
-            payload = fe._encode(("mm", 20 + slot, "w", (), 0, "exact", "f32", None,
-                                  ("f32", x.shape), slot))
-            frames += fe.FRAME.pack(len(payload)) + payload
-        d.conn.data_received(frames)  # (the merge runs at the end of this trip)
+        await d.measured(xs)
+        writes = d.count_writes()
+        d.conn.data_received(d.frames(xs, 20))  # (the merge runs at the end of this trip)
         seen: list[list[int]] = []  # the answers written when the merge's handle returned
         # (a plain callback, not this task: a task ready to run keeps the direct path off)
         asyncio.get_running_loop().call_soon(lambda: seen.append(sorted(d.out.answers)))

@@ -15,10 +15,12 @@ import pytest
 from q6serve.kernels.api import Launched
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher, envvars
-from q6serve.service import frontends as fe
 from tests.dataplane.test_device_direct import Device
 from tests.dataplane.test_device_merge import BAD, ROWS, K
-from tests.dataplane.test_frontends import start  # noqa: F401  (the fixture)
+from tests.dataplane.test_frontends import (
+    callers_get_their_own_rows,
+    start,  # noqa: F401  (the fixture)
+)
 from tests.service.svc_util import reference
 
 
@@ -26,16 +28,6 @@ from tests.service.svc_util import reference
 def _pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1e9)  # (as test_device_direct)
     monkeypatch.setenv(envvars.DEVICE_PIPELINE.name, "1")
-
-
-def _frames(d: Device, xs: list[np.ndarray], rid0: int) -> bytes:
-    frames = b""
-    for slot, x in enumerate(xs):
-        d.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
-        payload = fe._encode(("mm", rid0 + slot, "w", (), 0, "exact", "f32", None,
-                              ("f32", x.shape), slot))
-        frames += fe.FRAME.pack(len(payload)) + payload
-    return frames
 
 
 def _check(d: Device, xs: list[np.ndarray], answers: dict[int, Any], rid0: int) -> None:
@@ -61,21 +53,9 @@ def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -
         w = d.worker
         dev = w.engine.device  # type: ignore[union-attr]
         assert w.pipeline
-        await d.trip(xs, 1)  # (the first job of its kind: queued and measured)
-        for _ in range(400):
-            if not dev.inflight:
-                break
-            await asyncio.sleep(0.005)
-        writes: list[int] = []
-        write = d.out.write
-
-        def counted(data: bytes) -> None:
-            writes.append(len(data))
-            write(data)
-
-        d.out.write = counted  # type: ignore[method-assign]
-        d.out.answers.clear()
-        d.conn.data_received(_frames(d, xs, 20))  # (merged at the end of this trip)
+        await d.measured(xs)
+        writes = d.count_writes()
+        d.conn.data_received(d.frames(xs, 20))  # (merged at the end of this trip)
         seen: list[tuple[list[int], int, int]] = []
         loop = asyncio.get_running_loop()
 
@@ -185,23 +165,7 @@ def test_callers_through_front_ends_get_their_own_rows(
         start: Any, rng: np.random.Generator) -> None:  # noqa: F811
     """Through two front-end processes, with the switch on: every caller gets its own x's
     result, and the device process took the pipelined path."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.service.svc_util import random_q6k
-
     w = start()
-    blocks = random_q6k(ROWS, K, 9)
-    w.client().upload("w", blocks, ROWS, K)
-    clients = [w.client() for _ in range(8)]
-    xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float32) for i in range(8)]
-    want = [reference(blocks, ROWS, K, x) for x in xs]
-
-    def run(i: int) -> None:
-        for _ in range(25):
-            np.testing.assert_allclose(clients[i].matmul("w", xs[i]), want[i], rtol=1e-5,
-                                       atol=1e-4)
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(run, range(8)))
+    callers_get_their_own_rows(w, 8, 25, rng)
     assert w.worker.pipeline and w.worker.pipelined[0] > 0
     assert w.worker._out_batch is None and w.worker._pending == 0

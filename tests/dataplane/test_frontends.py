@@ -546,20 +546,27 @@ def test_concurrent_callers_get_their_own_rows(start: Callable[..., Running],
                                                rng: np.random.Generator) -> None:
     """Many callers at once through the front ends (their calls stacked as it happens):
     every caller gets the result of its own x."""
-    w = start(backend=InstrumentedBackend(matmul_delay=0.01))
+    callers_get_their_own_rows(start(backend=InstrumentedBackend(matmul_delay=0.01)), 12, 6,
+                               rng)
+
+
+def callers_get_their_own_rows(w: Running, callers: int, calls: int,
+                               rng: np.random.Generator) -> None:
+    """``callers`` clients at once, each on its own connection, ``calls`` each of 1-3 rows of
+    its own x on a fresh weight "w": each result is its own x's."""
     blocks = random_q6k(ROWS, K, 9)
     w.client().upload("w", blocks, ROWS, K)
-    clients = [w.client() for _ in range(12)]
-    xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float32) for i in range(12)]
+    clients = [w.client() for _ in range(callers)]
+    xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float32) for i in range(callers)]
     want = [reference(blocks, ROWS, K, x) for x in xs]
 
     def run(i: int) -> None:
-        for _ in range(6):
+        for _ in range(calls):
             np.testing.assert_allclose(clients[i].matmul("w", xs[i]), want[i], rtol=1e-5,
                                        atol=1e-4)
 
-    with ThreadPoolExecutor(12) as pool:
-        list(pool.map(run, range(12)))
+    with ThreadPoolExecutor(callers) as pool:
+        list(pool.map(run, range(callers)))
 
 
 def test_region_calls_through_frontends(start: Callable[..., Running],
