@@ -12,7 +12,7 @@
 # (bench/lane_latency.py --stamps; the stretch: p50 - kernel <= 50 us) and T3 through lanes
 # (8 hosts x 4 callers of N=64, bench/frontend_cpu.py --lane; >= 0.5 of the kernel alone).
 #   bench/gpu_dataplane_s15.sh   env: SECONDS_PER_RUN (2), BUDGET_S (100), VARIANTS (below),
-#                                STATS (0), LANE (0), WITH4 (0)
+#                                STATS (0), LANE (0), WITH4 (0), CLOSE (0: see below)
 #   DRY_RUN=1 BACKEND=numpy ROWS=16 K=256 OUT=/tmp/o bench/gpu_dataplane_s15.sh   (CPU)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -25,6 +25,10 @@ RR=Q6SERVE_FRONTEND_ROUND_ROBIN=1 PIPE=Q6SERVE_DEVICE_PIPELINE=1
 VARIANTS=${VARIANTS:-"off6a:6:$RR pipe6a:6:$RR,$PIPE pipe6b:6:$RR,$PIPE off6b:6:$RR \
 off6c:6:$RR pipe6c:6:$RR,$PIPE"}
 [[ ${WITH4:-0} != 0 ]] && VARIANTS="$VARIANTS pipe4a:4:$PIPE off4a:4"  # (4 front ends, hash)
+if [[ ${CLOSE:-0} != 0 ]]; then  # the closing check's add-on: the default (pipelined) vs off
+  OFF=Q6SERVE_DEVICE_PIPELINE=0
+  VARIANTS="def6a:6:$RR off6a:6:$RR,$OFF off6b:6:$RR,$OFF def6b:6:$RR"
+fi
 archive() {  # (fast: after each run; the per-call .npy arrays stay behind: 5 MB a run)
   tar -I "gzip -1" --exclude="*.npy" -cf "$FINAL/dataplane_s15.tgz" -C "$OUT" .
 }

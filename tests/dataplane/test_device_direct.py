@@ -57,14 +57,18 @@ class Device:
     """A device process with one front end's connection, fed ready-made frames."""
 
     def __init__(self, slots: int, backend: Any = None, dtype: str = "f32",
-                 precision: str = "exact", rows: int = ROWS, k: int = K) -> None:
+                 precision: str = "exact", rows: int = ROWS, k: int = K,
+                 pipeline: bool = False) -> None:
+        """``pipeline``: Q6SERVE_DEVICE_PIPELINE (a direct batch waited for a trip later; on
+        by default in a worker, off here, where the tests look at the inline path)."""
         os.environ[fe.MERGE_ENV] = "1"
+        os.environ[fe.PIPELINE_ENV] = "1" if pipeline else "0"
         try:  # (inline jobs whatever this machine's load: every measured job is "short")
             self.worker = fe.FrontendsWorker(
                 WorkerConfig(frontends=2, inline_device_us=10**6),
                 Staged() if backend is None else backend)
         finally:
-            del os.environ[fe.MERGE_ENV]
+            del os.environ[fe.MERGE_ENV], os.environ[fe.PIPELINE_ENV]
         self.slots, self.dtype, self.precision = slots, dtype, precision
         self.rows, self.k = rows, k
 

@@ -36,10 +36,11 @@ def _check(d: Device, xs: list[np.ndarray], answers: dict[int, Any], rid0: int) 
                                    reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
 
 
-def test_the_switch_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(envvars.DEVICE_PIPELINE.name)
-    assert envvars.DEVICE_PIPELINE.read({}) is False
-    assert Device(1).worker.pipeline is False
+    assert envvars.DEVICE_PIPELINE.read({}) is True
+    assert Device(1, pipeline=True).worker.pipeline is True
+    assert Device(1).worker.pipeline is False  # (the inline path's tests: test_device_direct)
 
 
 def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -> None:
@@ -48,7 +49,7 @@ def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -
     xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 2, 1)]
 
     async def main() -> None:
-        d = Device(len(xs))
+        d = Device(len(xs), pipeline=True)
         await d.start()
         w = d.worker
         dev = w.engine.device  # type: ignore[union-attr]
@@ -78,7 +79,7 @@ def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -
 
 def test_a_lone_call_and_repeated_trips(rng: np.random.Generator) -> None:
     async def main() -> None:
-        d = Device(1)
+        d = Device(1, pipeline=True)
         await d.start()
         w = d.worker
         x = rng.standard_normal((3, K)).astype(np.float32)
@@ -99,7 +100,7 @@ def test_a_refused_pipelined_merge_reaches_only_the_bad_caller(
     xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (2, 1, 2)]
 
     async def main() -> None:
-        d = Device(len(xs))
+        d = Device(len(xs), pipeline=True)
         await d.start()
         await d.trip(xs, 1)  # measured
         bad = [x.copy() for x in xs]
@@ -121,7 +122,7 @@ def test_two_batches_of_one_trip_one_out_at_a_time(rng: np.random.Generator) -> 
     xs = [rng.standard_normal((3, K)).astype(np.float32) for _ in range(4)]
 
     async def main() -> None:
-        d = Device(len(xs))
+        d = Device(len(xs), pipeline=True)
         d.worker._merge_rows = 6  # (two calls of 3 rows a batch)
         await d.start()
         w = d.worker
