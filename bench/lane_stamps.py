@@ -4,7 +4,8 @@ item 3; a bench diagnostic, never in the product).
 Worker side, ``install(path)`` (through bench/trips_site/sitecustomize.py when
 ``Q6SERVE_LANE_STAMPS`` names the output file): per reply record, perf_counter() when the
 lane's bytes were read (``_LaneConn.data_received``), when the last device job before the reply
-called ``launch_ieee`` (the job's start, give or take its Python before the launch) and when
+called ``launch_ieee`` or its region plan's launch (``lane._Plan.launch``: a repeated call's
+graph; the job's start, give or take its Python before the launch) and when
 the reply was written (``_LaneConn.write``), by the request's seq; written as JSON at exit
 (the worker drains on SIGTERM, then exits: atexit sees it). Caller side, ``client_hooks(lane)``:
 perf_counter() just before the request's write and after the read that completed the reply's
@@ -30,7 +31,7 @@ def install(path: str) -> None:
     launched = [0.0]
     conn_cls = lane._LaneConn
     received, write = conn_cls.data_received, conn_cls.write
-    launch = engine.launch_ieee
+    launch, plan_launch = engine.launch_ieee, lane._Plan.launch
 
     def stamped_received(self: Any, data: bytes) -> None:
         self._t_read = now()
@@ -39,6 +40,12 @@ def install(path: str) -> None:
     def stamped_launch(*args: Any, **kw: Any) -> Any:
         launched[0] = now()
         return launch(*args, **kw)
+
+    def stamped_plan_launch(self: Any, *args: Any) -> Any:
+        # a repeated call's region plan launches without launch_ieee (session 11): without
+        # this stamp its pre-job and post-job read the last launch_ieee's time
+        launched[0] = now()
+        return plan_launch(self, *args)
 
     def stamped_write(self: Any, rec: bytes) -> None:
         t = now()
@@ -49,6 +56,7 @@ def install(path: str) -> None:
     conn_cls.data_received = stamped_received
     conn_cls.write = stamped_write
     engine.launch_ieee = stamped_launch
+    lane._Plan.launch = stamped_plan_launch  # type: ignore[method-assign]
 
     def dump() -> None:
         if not stamps:  # a child that inherited the variable (the caller's resource tracker)
