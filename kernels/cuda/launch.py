@@ -244,8 +244,10 @@ def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
-    if path == "mma_f16" and cfg.src in (4, 5):  # stage_x_f16: 8*nt rows of per*32+4 uint4
+    if path == "mma_f16" and cfg.src in (4, 5, 7):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         ring = cfg.warps * ring_stages(cfg) * RING_STAGE if cfg.src == 5 else 0
+        if cfg.src == 7:  # the cluster's partial sums: a float per row and token of the CTA
+            ring = cfg.warps * 16 * cfg.mt * 8 * cfg.nt * 4
         return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
     if path == "mma_f16" and cfg.src == 3:
         return 2 * cfg.nt * 256 * 16
@@ -267,6 +269,9 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
         return f"q6k_exact<{cfg.nt}, {lay}, {in_t}, {pf}>"
     if path == "mma_f16" and cfg.src == 4:
         return f"q6k_ks_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}>"
+    if path == "mma_f16" and cfg.src == 7:
+        return (f"q6k_ksc_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}, "
+                f"{cfg.ksplit}>")
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
@@ -1203,6 +1208,8 @@ class Launcher:
             # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
             # committed table was tuned on an H200) runs the K-slice tile of the same width
             return Cfg(nt=cfg.nt, src=4, pf=True)
+        if path == "mma_f16" and cfg.src == 7 and int(self.ctx.cc) < 90:
+            return replace(cfg, src=4)  # no clusters before sm_90: the sum as its own launch
         return cfg
 
     def row_chunks(self, lp: LaunchPlan, rows: int, k: int, layout: Layout, in_t: str,
@@ -1286,9 +1293,12 @@ class Launcher:
         fn = self.ctx.fn(file, kernel_name(path, run_cfg, 2 if pairs else layout is Layout.SOA,
                                            in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
+            if cfg.src == 7 and ks != cfg.ksplit:  # the cluster is the grid's ksplit slices
+                raise DeviceError(f"mma_f16 {cfg.label()}: K={k} cuts into {ks} slices, "
+                                  f"not {cfg.ksplit}")
         else:
             gx, ks, _ = self.grid(rows, k, rows_cta, nz, cfg, soa_fn, n, path)
             if run_cfg.warps * run_cfg.mt < cfg.warps * cfg.mt:  # pair_cfg: more CTAs
@@ -1308,7 +1318,8 @@ class Launcher:
             prep = self.ctx.fn(MATMUL_FILE, f"q6k_prep_q8_1<{nt}, {in_t}>")
             prep_grid = (min(65535, -(-total // 256)),)
             sizes = (nz * bpr * nt * 4 * 32 * 4, nz * bpr * nt * 16 * 8, nz * bpr * nt * 8 * 8)
-        post = self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1 else None
+        post = (self.ctx.fn(MATMUL_FILE, "q6k_sum_parts") if ks_tile and ks > 1
+                and cfg.src != 7 else None)
         return LaunchPlan(path, fn, (gx, ks, nz), 32 * run_cfg.warps, smem, ks, gx * nz, bpr,
                           nz, prep, prep_grid, sizes, post, cfg.src)
 

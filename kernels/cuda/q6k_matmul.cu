@@ -394,6 +394,75 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
     }
 }
 
+// Thread-block clusters (sm_90+): the barrier of all the cluster's threads, and a float2 from
+// the shared memory of the cluster's CTA ``rank`` at the address ``p`` has in this CTA.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+#endif
+}
+__device__ __forceinline__ float2 ld_cluster_f2(const float2* p, u32 rank) {
+    float2 v = make_float2(0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    u32 a, ra;
+    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(ra)
+                 : "memory");
+#endif
+    return v;
+}
+// The partial-sum area of the cluster form: after the activation slice of the widest K slice
+// (the same offset in every CTA of the cluster), float2 [warp][mt][nt][h][lane] = the tokens
+// (2t, 2t+1) of row g + 8h of m-tile mt, n-tile nt.
+template <int NT>
+__device__ __forceinline__ float2* ks_cluster_area(int bpr) {
+    const int per = (bpr + gridDim.y - 1) / gridDim.y;
+    return reinterpret_cast<float2*>(smem_x + 8 * NT * (per * 32 + 4));
+}
+template <int NT, int MT>
+__device__ __forceinline__ void ks_cluster_put(const float (&acc)[MT][NT][4], int warp, int lane,
+                                               int bpr) {
+    float2* red = ks_cluster_area<NT>(bpr);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                red[(((warp * MT + mt) * NT + nt) * 2 + h) * 32 + lane] =
+                    make_float2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+}
+// wt0: the CTA's first warp tile of this round (warp w's is wt0 + w).
+template <int NT, int MT, int NW, int KC>
+__device__ __forceinline__ void ks_cluster_emit(const Out& o, int rows, int wt0, int tok0,
+                                                int bpr) {
+    const float2* red = ks_cluster_area<NT>(bpr);
+    cluster_sync();  // every CTA's partials of this round are in its shared memory
+    constexpr int E = NW * MT * NT * 2 * 32, C = KC > 0 ? KC : 1;
+    const int r = (int)blockIdx.y;  // cluster rank = blockIdx.y (cluster dims 1 x KC)
+    const int e1 = (r + 1) * E / C;
+    for (int e = r * E / C + (int)threadIdx.x; e < e1; e += (int)blockDim.x) {
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int q = 0; q < KC; ++q) {  // slice order, as q6k_sum_parts
+            const float2 v = ld_cluster_f2(red + e, (u32)q);
+            s0 += v.x;
+            s1 += v.y;
+        }
+        const int lane = e & 31, idx = e >> 5, h = idx & 1, nt = (idx >> 1) % NT;
+        const int mt = (idx >> 1) / NT % MT, wq = idx / (2 * NT * MT);
+        const int row = (wt0 + wq) * 16 * MT + mt * 16 + (lane >> 2) + 8 * h;
+        const int tok = tok0 + nt * 8 + 2 * (lane & 3);
+        if (row < rows) {
+            if (tok < o.n_tok) o.y[(size_t)tok * rows + row] = s0;
+            if (tok + 1 < o.n_tok) o.y[(size_t)(tok + 1) * rows + row] = s1;
+        }
+    }
+    cluster_sync();  // every CTA has read the partials before any is overwritten or leaves
+}
+
 // ---------------------------------------------------------------------------------------------
 // K-slice tile (issue 16, N = 9..64): the F16 numerics of q6k_mma_f16 with each weight unpacked
 // once per call and no CTA barrier in the weight loop. CTA (blockIdx.x, K slice blockIdx.y,
@@ -412,19 +481,23 @@ extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* par
 // <= 128 registers; q6k_ks_f16<2> spills there), the rest 1 (up to 255); 12 warps: one CTA of
 // <= 168 registers (12 warps per SM without the spills); 16 warps: one CTA of <= 128 (as two
 // 8-warp CTAs, but one activation slice per SM instead of two).
-template <int NT, int MT, int SOA, class In, bool PF, int NW>
-__global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
-    q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
+// KC: 0, the kernel q6k_ks_f16 (ks == 1 writes y, else partial sums for q6k_sum_parts); > 0,
+// q6k_ksc_f16 (below): the KC K slices of a row group are one thread-block cluster and add
+// their partial sums through distributed shared memory (ks_cluster_emit), no second launch.
+template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
+__device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K,
+                                        PARAMS_OUT) {
     MAKE_W;
     MAKE_OUT;
-    (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
     const KsPos ps = ks_pos<NT>(w.bpr);
     const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
     const int kb0 = ps.kb0, nblk = ps.nblk;
     const int wtiles = (w.rows + 16 * MT - 1) / (16 * MT);
     const int wstride = gridDim.x * NW;
     int wt = blockIdx.x * NW + warp;
-    if (nblk <= 0) return;  // CTA-uniform: no barrier is skipped by part of a CTA
+    // CTA-uniform: no barrier is skipped by part of a CTA (the cluster form's plan gives
+    // every slice blocks: a CTA leaving early would hang its cluster's barriers)
+    if (KC == 0 && nblk <= 0) return;
 
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
@@ -439,7 +512,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
 
     // SPLIT: the next block in two parts (load_raw_part), 4 and 8 n-tiles only (see there).
     constexpr bool SPLIT = PF && NT >= 4;
-    for (; wt < wtiles; wt += wstride) {
+    // KC > 0: every warp runs the CTA's rounds (wt - warp is the CTA's first warp tile of the
+    // round), a warp without a tile in the last round only joins its cluster's sum
+    for (; (KC > 0 ? wt - warp : wt) < wtiles; wt += wstride) {
+      if (KC == 0 || wt < wtiles) {
         const int wrow = wt * 16 * MT;
         const bool more = wt + wstride < wtiles;
         if (PF && !SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
@@ -489,8 +565,36 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
                 warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
             }
         }
-        ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
+        if (KC == 0)
+            ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
+        else
+            ks_cluster_put<NT, MT>(acc, warp, lane, w.bpr);
+      }  // (a warp without a tile puts nothing: its rows are past w.rows, never written)
+      if (KC > 0) ks_cluster_emit<NT, MT, NW, KC>(o, w.rows, wt - warp, tok0, w.bpr);
     }
+}
+
+template <int NT, int MT, int SOA, class In, bool PF, int NW>
+__global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
+    q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
+    (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
+    ks_body<NT, MT, SOA, In, PF, NW, 0>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
+}
+
+// The K-slice tile with its split-K sum inside a thread-block cluster (src 7; sm_90+; session
+// 15's experiment on the fixed cost of N <= 16): the grid's KC K slices of each row group and
+// token chunk are one cluster (gridDim.y == KC, so cluster rank = blockIdx.y = the slice). After
+// each round of warp tiles every CTA puts its partial sums in its own shared memory
+// (ks_cluster_put, after the activation slice), the cluster meets at a barrier, and CTA r adds
+// the r-th 1/KC of the tile's outputs from all KC CTAs' shared memory in slice order 0..KC-1
+// (ld.shared::cluster), the order and float adds of q6k_sum_parts (the same bits as src 4 at
+// ksplit KC), and writes y; a second barrier keeps every CTA's partials alive until they are
+// read. No partial sums in global memory, no second launch.
+template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
+__global__ void __cluster_dims__(1, KC, 1) __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
+    q6k_ksc_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
+    (void)xp;
+    ks_body<NT, MT, SOA, In, PF, NW, KC>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
 }
 
 // ---------------------------------------------------------------------------------------------

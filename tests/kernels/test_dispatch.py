@@ -316,3 +316,34 @@ def test_row_chunks_of_a_pair_stream_weight_run_its_kernel():
         assert chunks is not None and len(chunks) >= 2
         assert (", 2, " in full.fn.name) is pairs, full.fn.name
         assert all(p.fn.name == full.fn.name for _, _, p in chunks)
+
+
+def test_cluster_sum_tile_plans_its_k_split_or_refuses():
+    """Device-less: src 7 (q6k_ksc_f16, session 15's experiment) is src 4 with the split-K sum
+    inside a cluster of exactly ``ksplit`` K slices: its name carries the cluster size, it has
+    no q6k_sum_parts launch, a K that cuts into another slice count is refused, and before
+    sm_90 it plans src 4 at the same split."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda.launch import Launcher
+
+    asked = []
+    lc = _deviceless_launcher(asked)
+    lp = lc.plan(4096, 14336, Layout.SOA, "InF16", "mma_f16",
+                 Cfg(nt=2, src=7, pf=True, warps=16, ksplit=8), 16, True)
+    assert lp.grid[1] == 8 and lp.post is None
+    assert "q6k_ksc_f16<2, 1, 2, InF16, true, 16, 8>" in asked
+    with pytest.raises(DeviceError, match="not 7"):  # 8 blocks: 4 slices of 2
+        lc.plan(300, 2048, Layout.SOA, "InF16", "mma_f16", Cfg(nt=1, src=7, pf=True,
+                                                               ksplit=7), 8)
+    asked.clear()
+    lc89 = Launcher(SimpleNamespace(sm_count=128, smem_sm=102400, cc="89", fn=lambda f, n: (
+        asked.append(n) or SimpleNamespace(num_regs=128, max_dynamic_shared_size_bytes=0))))
+    lp = lc89.plan(4096, 14336, Layout.SOA, "InF16", "mma_f16",
+                   Cfg(nt=2, src=7, pf=True, warps=16, ksplit=8), 16)
+    assert lp.grid[1] == 8 and lp.post is not None and not any("ksc" in n for n in asked)
+    for bad in (Cfg(nt=2, src=7, pf=True), Cfg(nt=2, src=7, ksplit=9),
+                Cfg(nt=2, mt=2, src=7, ksplit=2), Cfg(nt=8, src=7, warps=16, ksplit=2)):
+        with pytest.raises(FormatError):
+            bad.check("mma_f16")
