@@ -590,8 +590,13 @@ __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
 // (ld.shared::cluster), the order and float adds of q6k_sum_parts (the same bits as src 4 at
 // ksplit KC), and writes y; a second barrier keeps every CTA's partials alive until they are
 // read. No partial sums in global memory, no second launch.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define Q6_CLUSTER_DIMS(x, y, z)  // no clusters before sm_90 (the plan runs src 4 there)
+#else
+#define Q6_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
+#endif
 template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
-__global__ void __cluster_dims__(1, KC, 1) __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
+__global__ void Q6_CLUSTER_DIMS(1, KC, 1) __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ksc_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     (void)xp;
     ks_body<NT, MT, SOA, In, PF, NW, KC>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
