@@ -10,7 +10,9 @@
 #      N = 8, 16, 32, 64 (a candidate whose K does not cut into its cluster size is reported
 #      FAILED and skipped);
 #   3. Nsight Compute (--set full) of AUTO on missed cells not profiled before: 18944x3584
-#      (56 MB) at N = 8, 16, 64 and 3584x3584 (11 MB) at N = 16, 64, with their split-K sums.
+#      (56 MB) and 3584x3584 (11 MB) at N = 16, 64, with their split-K sums;
+#   4. Nsight Compute of torch's f16 linear (cuBLAS) on 3584x3584 and 18944x3584 at N=64
+#      (weights copied from the host: the linear's are the only kernels).
 # Run: `bash bench/gpu_k_s15.sh` from the tree's root (gpu_session installs the wheels).
 set -uo pipefail
 source bench/gpu_lib.sh
@@ -19,7 +21,7 @@ CALL_S=${CALL_S:-105}
 left() { echo $((CALL_S - $(date +%s) + T0)); }
 bound() { local l; l=$(($(left) - ${2:-0})); ((l < $1)) && echo "$l" || echo "$1"; }
 note "# setup done $(elapsed)"
-t=$(bound 45 55)
+t=$(bound 40 60)
 timeout "$t" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
   tests/kernels/test_cuda_wg.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
   -k "test_every or other_paths or auto_through or zero_and_extreme or agrees or wg or ksc" \
@@ -29,22 +31,36 @@ C8="8:nt=1,src=7,pf=1,ksplit=8;8:nt=1,src=7,pf=1,ksplit=7;8:nt=1,src=7,pf=1,kspl
 C8+=";8:nt=1,warps=16,src=7,pf=1,ksplit=8"
 C16="16:nt=2,warps=16,src=7,pf=1,ksplit=8;16:nt=2,warps=16,src=7,pf=1,ksplit=2"
 C16+=";16:nt=2,src=7,pf=1,ksplit=7"
-C32="32:nt=4,src=7,pf=1,ksplit=8;32:nt=4,warps=12,src=7,pf=1,ksplit=3"
-C64="64:nt=8,src=7,pf=1,ksplit=4;64:nt=8,warps=12,src=7,ksplit=8"
-t=$(bound 32 25)
-timeout "$t" python3 bench/kernels.py --cfg-ab "$C8;$C16;$C32;$C64" --rounds 2 --iters 20 \
-  --shapes 4096x14336,14336x4096,18944x3584,3584x18944,3584x3584 \
+C64="64:nt=8,src=7,pf=1,ksplit=4"
+t=$(bound 25 35)
+timeout "$t" python3 bench/kernels.py --cfg-ab "$C8;$C16;$C64" --rounds 2 --iters 20 \
+  --shapes 4096x14336,14336x4096,18944x3584,3584x3584 \
   --json "$OUT/cfg_ab_ksc.json" >"$OUT/cfg_ab_ksc.log" 2>&1
 note "# cfg-ab ksc rc=$? (bound ${t} s) $(elapsed)"
 M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,gpc__cycles_elapsed.max,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__grid_size,launch__block_size,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio
-t=$(bound 30 1)
+t=$(bound 22 13)
 if command -v ncu >/dev/null && ((t > 10)); then
   timeout "$t" ncu --clock-control none --set full -k "regex:q6k_|sum_parts" \
     -o "$OUT/ncu_auto" -f python3 bench/tile_probe.py --profile --no-torch \
-    --shapes 18944x3584,3584x3584 --ns 8,16,64 --profile-cfgs "" >"$OUT/ncu_auto_run.log" 2>&1
+    --shapes 18944x3584,3584x3584 --ns 16,64 --profile-cfgs "" >"$OUT/ncu_auto_run.log" 2>&1
   note "# ncu auto rc=$? (bound ${t} s) $(elapsed)"
   ncu --import "$OUT/ncu_auto.ncu-rep" --page details >"$OUT/ncu_auto_details.txt" 2>&1
   ncu --import "$OUT/ncu_auto.ncu-rep" --page raw --csv --metrics "$M" >"$OUT/ncu_auto.csv" 2>&1
+fi
+t=$(bound 12 1)
+if command -v ncu >/dev/null && ((t > 6)); then
+  timeout "$t" ncu --clock-control none --set full -o "$OUT/ncu_torch" -f python3 -c '
+import torch
+f = torch.nn.functional.linear
+for rows, k, n in ((3584, 3584, 64), (18944, 3584, 64)):
+    w = torch.ones(rows, k, dtype=torch.float16).cuda()  # host copies: no kernels but the linear
+    x = torch.ones(n, k, dtype=torch.float16).cuda()
+    f(x, w)
+    torch.cuda.synchronize()
+' >"$OUT/ncu_torch_run.log" 2>&1
+  note "# ncu torch rc=$? (bound ${t} s) $(elapsed)"
+  ncu --import "$OUT/ncu_torch.ncu-rep" --page details >"$OUT/ncu_torch_details.txt" 2>&1
+  ncu --import "$OUT/ncu_torch.ncu-rep" --page raw --csv --metrics "$M" >"$OUT/ncu_torch.csv" 2>&1
 fi
 rm -f "$OUT"/*.ncu-rep
 echo "== k bundle A (tree $(cat COMMIT 2>/dev/null || echo '?'))"
@@ -55,7 +71,7 @@ echo "# cfg-ab ksc: shape N AUTO us cand us AUTO/cand rel torch (FAILED: K not c
 grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/cfg_ab_ksc.log" 2>/dev/null | grep -v FAILED | awk '{print $1, $2, $3, $4, $5, $6, $7, $8, $9}'
 echo "# failed candidates: $(grep -c FAILED "$OUT/cfg_ab_ksc.log" 2>/dev/null)"
 grep -E "^# profile" "$OUT/ncu_auto_run.log" 2>/dev/null | cut -c1-160
-for f in ncu_auto; do
+for f in ncu_auto ncu_torch; do
   echo "# $f: kernel, us, DRAM %, SM active/elapsed, achieved occ %, regs, grid, smem-pipe %, issue %, tensor %, stalls/issue long-sb wait short-sb mio math not-sel"
   python3 - "$OUT/$f.csv" <<'EOF' 2>/dev/null
 import csv, sys
