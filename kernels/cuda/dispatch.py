@@ -326,7 +326,9 @@ class Dispatch:
                 e, source = hit
                 cfg = e.cfg
                 if cfg is not None and cfg.ksplit and source != "table":
-                    cfg = replace(cfg, ksplit=0)  # a K split measured for another K: re-derive
+                    # a K split measured for another K: re-derive (the cluster-sum tile's
+                    # cluster is its K split, so it becomes the plain K-slice tile)
+                    cfg = replace(cfg, ksplit=0, src=4 if cfg.src == 7 else cfg.src)
                 return Choice(e.path, KERNELS[e.path], cfg, source)
         path, prec = heuristic_path(n, precision, flags, rows, k)
         cfg = default_cfg(path, n, rows, self.sm_count) if path in TILE_PATHS else None

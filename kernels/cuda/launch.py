@@ -404,6 +404,40 @@ def _driver_launch_ex() -> Any:
     return f
 
 
+def _driver_max_clusters() -> Any:
+    """The driver's ``cuOccupancyMaxActiveClusters`` (ctypes), or None where it has none."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    f.restype = ctypes.c_int
+    return f
+
+
+def clusters_fit(fn: Any, grid: tuple[int, int, int], block: int, smem: int,
+                 clusters: int) -> bool:
+    """Whether ``clusters`` clusters of ``fn``'s compile-time size run at once on the device
+    (``cuOccupancyMaxActiveClusters``: the GPCs' SMs bound how many co-reside; the cluster-sum
+    tile's grid is planned as one wave, and a second wave of clusters cost it 0.58-0.76x on
+    the H200). True without a device (a device-less launcher's stand-in functions), False
+    where the driver cannot answer."""
+    kern = getattr(fn, "kernel", None)
+    if kern is None:
+        return True
+    f = _driver_max_clusters()
+    if f is None:
+        return False
+    cfg = _LaunchConfig()
+    for i, v in enumerate(grid):
+        cfg.grid[i] = v
+    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
+    cfg.smem = smem
+    got = ctypes.c_int(0)
+    rc = f(ctypes.byref(got), ctypes.c_void_p(kern.ptr), ctypes.byref(cfg))
+    return rc == 0 and got.value >= clusters
+
+
 def launch_pdl(launch_ex: Any, fn: Any, grid: tuple[int, ...], block: int, args: tuple,
                smem: int) -> None:
     """``fn<<<grid, block, smem>>>(args)`` on the current stream through ``cuLaunchKernelEx``
@@ -1307,6 +1341,11 @@ class Launcher:
         for f in (fn, soa_fn):
             if smem > SMEM_LIMIT and int(f.max_dynamic_shared_size_bytes) < smem:
                 f.max_dynamic_shared_size_bytes = smem
+        if ks_tile and cfg.src == 7 and not clusters_fit(fn, (gx, ks, nz), 32 * run_cfg.warps,
+                                                         smem, gx * nz):
+            # the clusters would not all co-reside: the plain K-slice tile at the same split
+            # (the same sums in the same order, so the same bits)
+            return self.plan(rows, k, layout, in_t, path, replace(cfg, src=4), n, pairs)
         prep, prep_grid, sizes = None, (1,), (0, 0, 0)
         if path == "mma_f16" and cfg.src == 3:
             words = nz * bpr * cfg.nt * 8 * 32 * 4

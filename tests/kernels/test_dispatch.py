@@ -347,3 +347,23 @@ def test_cluster_sum_tile_plans_its_k_split_or_refuses():
                 Cfg(nt=2, mt=2, src=7, ksplit=2), Cfg(nt=8, src=7, warps=16, ksplit=2)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
+
+
+def test_cluster_sum_cells_of_the_table():
+    """The committed table's src 7 cells (session 15: 14336x4096 and 3584x3584 at N = 8/16)
+    name the K split the grid model gives src 4 there on the H200 (the measured, bit-identical
+    pair); a shape near one of them, whose K differs, gets the plain K-slice tile with its
+    split re-derived; without a device every cluster fits (clusters_fit)."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.cuda.launch import clusters_fit
+
+    d = Dispatch(committed(), 132)
+    for rows, k, n, ks in ((14336, 4096, 8, 2), (14336, 4096, 16, 2), (3584, 3584, 8, 7),
+                           (3584, 3584, 16, 7)):
+        for prec in (Precision.AUTO, Precision.F16):
+            c = d.choose(n, prec, SOA, rows, k)
+            assert (c.cfg.src, c.cfg.ksplit, c.source) == (7, ks, "table"), (rows, k, n, c)
+    near = d.choose(16, Precision.AUTO, SOA, 3584, 3072)  # 3584x3584's neighbour
+    assert near.source == "table~3584x3584" and (near.cfg.src, near.cfg.ksplit) == (4, 0)
+    assert clusters_fit(SimpleNamespace(num_regs=128), (16, 8, 1), 512, 0, 16)
