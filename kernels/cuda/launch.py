@@ -434,7 +434,10 @@ def clusters_fit(fn: Any, grid: tuple[int, int, int], block: int, smem: int,
     cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
     cfg.smem = smem
     got = ctypes.c_int(0)
-    rc = f(ctypes.byref(got), ctypes.c_void_p(kern.ptr), ctypes.byref(cfg))
+    try:
+        rc = f(ctypes.byref(got), ctypes.c_void_p(kern.ptr), ctypes.byref(cfg))
+    except (ctypes.ArgumentError, AttributeError, TypeError):
+        return False
     return rc == 0 and got.value >= clusters
 
 
