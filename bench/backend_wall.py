@@ -216,11 +216,12 @@ def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int
 
 def tokens_of(w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
     """The token halves (launch.X_SPLIT_MIN) of ``w``'s bound sequences at N = ``n``, if any
-    (bound under the current setting or an earlier one)."""
+    (bound under the current setting or an earlier one); a last entry (0, 0) where no such
+    sequence is a captured graph (its capture refused: direct launches)."""
     for key, b in w.data.plans.items():
         if (isinstance(key, tuple) and len(key) == 6 and key[2] == n
                 and key[4] == ("tokens", 2) and hasattr(b, "extra") and b.extra.get("tokens")):
-            return list(b.extra["tokens"])
+            return list(b.extra["tokens"]) + ([] if b.graph else [(0, 0)])
     return None
 
 
