@@ -45,8 +45,7 @@ slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 (kernels/cuda/launch.py, point 10: x's second half uploaded beside the first half's kernels,
 the first half's y downloaded beside the second's); the halves used are printed after the row
 (``tokens 32/32``); ``X_SPLIT_FIT=0``: the halves keep the full call's tile (every bound
-sequence rebinds at each variant switch). ``COPY_SPLIT_MIN=B`` (``COPY_THREADS=T``): the
-backend's own copy of an unstaged x (modes graph, direct) in T parts at once from B bytes on.
+sequence rebinds at each variant switch).
 
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of

@@ -81,8 +81,12 @@ host path of one batch:
    that uploads the second half while the first half computes (the stream waits for it before
    the second half's kernels; all inside the captured graph), and the first half's y rows are
    DMA'd on the y copy stream while the second half computes (as point 8's chunks). Each half
-   reads the whole weight: the GPU time grows, the wall shrinks where the bus dominates
-   (4096x14336 N=64: 1.8 MB of x up and 1 MiB of y down around a 40 us kernel).
+   reads the whole weight: the GPU time grows (the reported kernel time is both halves'), the
+   wall shrinks where the bus dominates: H200, session 15, 4096x14336 N=64 (1.8 MB of x up, 1
+   MiB of y down around a 44 us kernel) staged wall 150.3 -> 138.4 us for 63 us of kernels.
+   (Tried with it and not kept: the backend's own copy of an unstaged x in 4 parts on a thread
+   pool, as NumPy's copy releases the GIL: 4096x14336 N=64 unstaged host 269.6 -> 402.6 us,
+   14336x4096 N=32 83.7 -> 284.5: the hand-offs cost more than the copy.)
 
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
@@ -184,41 +188,20 @@ STAGING_WC_MIN = 0
 # chunks only for a launch with no other launch in flight on its launcher (1; 0: always)
 Y_CHUNKS_IDLE = 1
 # x's upload beside the kernels by token halves (module docstring, point 10): an idle call
-# (Y_CHUNKS_IDLE's rule) whose x is X_SPLIT_MIN bytes or more, not row-chunked, on a K-slice
-# tile (X_SPLIT_SRCS), runs as two launches on the first and the last tokens with the full
-# call's K split: x's second half goes up on a copy stream while the first half computes, and
-# the first half's y goes down while the second computes. 0: off. X_SPLIT_FIT: the halves'
-# tile narrowed to their tokens (nt: 8 token columns each), else the full call's.
-X_SPLIT_MIN = 0
+# (Y_CHUNKS_IDLE's rule) whose x is X_SPLIT_MIN bytes or more, of at most X_SPLIT_MAX_N tokens
+# and not row-chunked, on a K-slice tile (X_SPLIT_SRCS), runs as two launches on the first and
+# the last tokens with the full call's K split: x's second half goes up on a copy stream while
+# the first half computes, and the first half's y goes down while the second computes. 0: off.
+# X_SPLIT_FIT: the halves' tile narrowed to their tokens (nt: 8 token columns each), else the
+# full call's. H200, session 15 (bundle A, 3 rounds alternated, bench/RESULTS.md): 4096x14336
+# N=64 (1.75 MiB of f16 x) staged wall 150.3 -> 138.4 us (graph, an unstaged x: 311.6 -> 299.0)
+# for 43.7 -> 63.3 us of kernels; N=32 (0.875 MiB) 98.3 -> 111.7 (worse: two 16-token kernels
+# cost more than the 21 us of x they overlap), hence 1.5 MiB; the full call's tile on the halves
+# (X_SPLIT_FIT 0) 154.5; bits equal (GPU test, 4096x14336 and 3584x18944).
+X_SPLIT_MIN = 3 << 19  # 1.5 MiB
+X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
 X_SPLIT_SRCS = (4, 5, 6)
-# The backend's own copy of an unstaged x into its pinned staging buffer (a caller's x that was
-# not built in ``CudaBackend.staging``: one request's rows on the service's direct path) from
-# COPY_SPLIT_MIN bytes on in COPY_THREADS parts copied at once (NumPy's copy releases the GIL):
-# the calling thread copies the first part, a small pool the others. 0: one copy.
-COPY_SPLIT_MIN = 0
-COPY_THREADS = 4
-_copy_pool: Any = None
-
-
-def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[: src.size] = src`` (uint8, flat): from ``COPY_SPLIT_MIN`` bytes on in
-    ``COPY_THREADS`` parts at once, the calling thread's part first in line."""
-    n = src.size
-    if not COPY_SPLIT_MIN or n < COPY_SPLIT_MIN or COPY_THREADS < 2:
-        dst[:n] = src
-        return
-    global _copy_pool
-    if _copy_pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _copy_pool = ThreadPoolExecutor(max_workers=7, thread_name_prefix="q6-copy")
-    step = -(-n // (COPY_THREADS * 4096)) * 4096  # whole pages apart
-    futs = [_copy_pool.submit(dst.__setitem__, slice(i, min(n, i + step)), src[i : i + step])
-            for i in range(step, n, step)]
-    dst[:step] = src[:step]
-    for f in futs:
-        f.result()
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -631,7 +614,7 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     f32/bf16 y of ``Y_CHUNK_MIN`` bytes or more when ``chunks`` > 1 (the row-chunked sequence,
     module docstring point 8; its way out is enqueued per call, chunk by chunk); ("tokens", 2)
     for a larger f32/bf16 y of 16 tokens or more when ``chunks`` is -2 (the token halves,
-    point 10; its way out likewise, half by half)."""
+    point 10; its way out likewise, half by half) for 16 to ``X_SPLIT_MAX_N`` tokens."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
@@ -639,7 +622,7 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
         if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
             return dt
         if chunks < -1:
-            return ("tokens", -chunks) if n >= 16 else None
+            return ("tokens", -chunks) if 16 <= n <= X_SPLIT_MAX_N else None
         return ("rows", chunks) if chunks > 1 and n * rows * 4 >= Y_CHUNK_MIN else None
     if dt != np.float16:
         return None
@@ -707,7 +690,7 @@ class BoundCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            copy_in(self.host, x.reshape(-1).view(np.uint8))
+            self.host[: self.b.x_bytes] = x.reshape(-1).view(np.uint8)
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1025,7 +1008,7 @@ class ManyCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            copy_in(self.host, x.reshape(-1).view(np.uint8))
+            self.host[: b.x_bytes] = x.reshape(-1).view(np.uint8)
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1498,7 +1481,7 @@ class Launcher:
         xb = x.reshape(-1).view(np.uint8)
         host = ws.host(xb.size, slot)
         if not staged:
-            copy_in(host, xb)
+            host[: xb.size] = xb
         return host
 
     def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
