@@ -25,3 +25,17 @@ def test_the_lm_head_calls_run_as_deferred_batches() -> None:
     # the stub's kernel (300 us, over DEFER_KERNEL_US) makes the batches deferred: launched on
     # the loop and waited for on the device thread, as the CUDA lm-head's are
     assert r["deferred_jobs"] >= 30
+
+
+def test_the_grpc_mode_reports_the_workers_threads() -> None:
+    """--grpc: the same worker served over real gRPC in a child process, the callers here."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import loop_lmhead
+
+        a = argparse.Namespace(streams=2, n=4, topk=8, rows=256, gpu_us=300.0, seconds=0.4,
+                               warmup_s=0.3)
+        r = loop_lmhead._grpc_round(a, None)
+    finally:
+        sys.path.pop(0)
+    assert r["calls_s"] > 0 and r["p50_ms"] > 0 and r["loop_us"] > 0
