@@ -25,7 +25,7 @@ RR=Q6SERVE_FRONTEND_ROUND_ROBIN=1 PIPE=Q6SERVE_DEVICE_PIPELINE=1
 VARIANTS=${VARIANTS:-"off6a:6:$RR pipe6a:6:$RR,$PIPE pipe6b:6:$RR,$PIPE off6b:6:$RR \
 off6c:6:$RR pipe6c:6:$RR,$PIPE"}
 [[ ${WITH4:-0} != 0 ]] && VARIANTS="$VARIANTS pipe4a:4:$PIPE off4a:4"  # (4 front ends, hash)
-if [[ ${CLOSE:-0} != 0 ]]; then  # the closing check's add-on: the default (pipelined) vs off
+if [[ ${CLOSE:-0} != 0 ]]; then  # the closing check's add-on: def (the worker's default) vs =0
   OFF=Q6SERVE_DEVICE_PIPELINE=0
   VARIANTS="def6a:6:$RR off6a:6:$RR,$OFF off6b:6:$RR,$OFF def6b:6:$RR"
 fi

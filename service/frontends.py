@@ -700,11 +700,13 @@ class FrontendsWorker(Worker):
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
         self.merge = bool(envvars.DEVICE_MERGE.read())
-        # Q6SERVE_DEVICE_PIPELINE (on by default; 0: the inline wait): a merged batch on the
+        # Q6SERVE_DEVICE_PIPELINE (off by default: the inline wait): a merged batch on the
         # direct path is launched in its trip and waited for at the start of the next
-        # (_settle): the loop reads and merges the next messages while the GPU runs (H200,
-        # session 15, T2 at 6 front ends, three alternated pairs: calls/s +1-12%, p99 0.2-1.4
-        # ms lower: bench/RESULTS.md). At most one is out; (wait, its parts).
+        # (_settle): the loop reads and merges the next messages while the GPU runs. H200,
+        # session 15, T2 at 6 front ends: +1-12% calls/s in three pairs on a slow host, -4%
+        # and -23% in two on a faster one, and a region call through the front ends took
+        # one host-DMA launch of three (test_pinned_gpu): off until both are understood
+        # (bench/RESULTS.md, "Closing check, session 15"). At most one is out; (wait, parts).
         self.pipeline = bool(envvars.DEVICE_PIPELINE.read())
         self._out_batch: tuple[Callable[[], MatmulReply], list[tuple[MatmulCall, Any]]] \
             | None = None

@@ -59,8 +59,8 @@ class Device:
     def __init__(self, slots: int, backend: Any = None, dtype: str = "f32",
                  precision: str = "exact", rows: int = ROWS, k: int = K,
                  pipeline: bool = False) -> None:
-        """``pipeline``: Q6SERVE_DEVICE_PIPELINE (a direct batch waited for a trip later; on
-        by default in a worker, off here, where the tests look at the inline path)."""
+        """``pipeline``: Q6SERVE_DEVICE_PIPELINE (a direct batch waited for a trip later; off
+        by default, as here, where the tests look at the inline path)."""
         os.environ[fe.MERGE_ENV] = "1"
         os.environ[fe.PIPELINE_ENV] = "1" if pipeline else "0"
         try:  # (inline jobs whatever this machine's load: every measured job is "short")

@@ -3,7 +3,7 @@ without CuPy or a GPU): x concatenated into the CUDA backend's pinned upload buf
 (``Backend.staging``) runs the launch a batch of the same rows runs, through its captured
 graph and cached call too (several trips): every call's rows equal that batch's (the same
 kernel: bit-equal up to the output's rounding). Inline and with the batch waited for a loop trip
-later (Q6SERVE_DEVICE_PIPELINE, the default)."""
+later (Q6SERVE_DEVICE_PIPELINE=1)."""
 
 from __future__ import annotations
 
