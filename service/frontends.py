@@ -704,8 +704,9 @@ class FrontendsWorker(Worker):
         # direct path is launched in its trip and waited for at the start of the next
         # (_settle): the loop reads and merges the next messages while the GPU runs. H200,
         # session 15, T2 at 6 front ends: +1-12% calls/s in three pairs on a slow host, -4%
-        # and -23% in two on a faster one, and a region call through the front ends took
-        # one host-DMA launch of three (test_pinned_gpu): off until both are understood
+        # and -23% in two on a faster one; and with it a lone call takes _run_merged_now,
+        # not _start_alone's run_now, and region calls through the front ends got no y
+        # (test_pinned_gpu, the check's T2/T3 with regions): off until both are fixed
         # (bench/RESULTS.md, "Closing check, session 15"). At most one is out; (wait, parts).
         self.pipeline = bool(envvars.DEVICE_PIPELINE.read())
         self._out_batch: tuple[Callable[[], MatmulReply], list[tuple[MatmulCall, Any]]] \
