@@ -95,9 +95,11 @@ def _record(pb: Any, out: dict[str, list[float]], t: tuple[float, float, float],
     the caller's region (y is a view of it there, as the client helper returns it)."""
     t0, t1, t2 = t
     r = reply_message(raw, stream)
-    reply_arrays(r, None if region is None else (region, region.y_offset))
+    y_region = None if region is None else (region, region.y_offset)
+    reply_arrays(r, y_region)
     t3 = time.perf_counter()
-    o = core.output_of(r)  # the timing, read after the timed decode (a host wanting y skips it)
+    # the timing, read after the timed decode (a host wanting y skips it); y in the region
+    o = core.output_of(r, y_region)
     for key, v in (("e2e", t3 - t0), ("encode", t1 - t0), ("rpc", t2 - t1),
                    ("decode", t3 - t2), ("queue", o.queue_seconds),
                    ("kernel", nan_if_none(o.kernel_seconds)),

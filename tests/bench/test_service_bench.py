@@ -238,3 +238,22 @@ def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("Q6SERVE_BUSY_POLL_US", "200")  # the spinning echo spins on 2 cores too
     spin = service_load.grpc_floor(2 * 512 + 40, 4 * 64 + 60, ["stream"], 0.3, spin=True)
     assert plain["stream"] > 0 and with_work["stream"] > 0 and spin["stream"] > 0
+
+
+def test_dataplane_region_rows_run(tmp_path: Path) -> None:
+    """--dataplane through shared-memory regions: the load reads y (and the timing) from the
+    caller's region, not from the reply's empty y (its `output_of` once read the message: every
+    region row failed with "cannot reshape array of size 0", the H200 closing check of session
+    15 included)."""
+    out = tmp_path / "dp.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy",
+           "--row-scale", "0.005", "--dataplane", "--regions", "bytes,system", "--modes",
+           "stream", "--frontends", "1", "--t3-hosts", "1", "--targets", "T3", "--seconds",
+           "0.3", "--warmup", "0.1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "FAILED" not in done.stdout, done.stdout[-2000:]
+    doc = json.loads(out.read_text())
+    got = {t["region"]: t for t in doc["targets"] if t["target"] == "T3"}
+    assert set(got) == {"bytes", "system"}, doc["targets"]
+    assert all(t["service_rows_per_s"] > 0 for t in got.values()), got
