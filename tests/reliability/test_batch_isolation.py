@@ -23,7 +23,7 @@ from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service.config import Budget, WorkerConfig
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.harness import RunningWorker, health, random_q6k, vram_figures
-from tests.service.svc_util import backend_name, make_backend
+from tests.service.svc_util import assert_close, backend_name, make_backend
 
 ROWS, K = 64, 512
 POISON = 12345.0  # an activation value the refusing backend below will not take
@@ -150,7 +150,7 @@ def test_a_refused_request_fails_only_its_caller(start, rng):
             counts["refused"] += 1
         else:
             assert not isinstance(out, Q6ServeError), f"clean caller {i} failed: {out}"
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+            assert_close(out, want, 1e-5)
             counts["ok"] += 1
 
     hammer(rw, 8, 6, request, check)

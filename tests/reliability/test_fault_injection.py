@@ -210,15 +210,14 @@ def test_clients_cancelling_mid_batch(start: Callable[..., RunningWorker]) -> No
         blocker.result()
         for f, x in zip(futs[5:], xs[6:], strict=True):
             y = np.frombuffer(f.result().y.data, np.float32).reshape(2, rows)
-            np.testing.assert_allclose(y, reference(blocks, rows, K, x), rtol=1e-5, atol=1e-5)
+            assert_close(y, reference(blocks, rows, K, x), 1e-5)
         for f in futs[:5]:
             assert f.cancelled()
     # The requests cancelled while waiting never ran: 2 launches, 2 + 5 * 2 rows.
     assert backend.launches == [2, 10], backend.launches
     _wait(lambda: w.run(lambda: w.engine.registry.get("w").batcher.in_flight) == 0)
     assert vram_figures(c) == base and health(w.target) == "SERVING"
-    np.testing.assert_allclose(c.matmul("w", xs[1]), reference(blocks, rows, K, xs[1]),
-                               rtol=1e-5, atol=1e-5)
+    assert_close(c.matmul("w", xs[1]), reference(blocks, rows, K, xs[1]), 1e-5)
 
 
 def test_deadlines_expire_in_the_queue(start: Callable[..., RunningWorker]) -> None:
@@ -257,8 +256,7 @@ def test_deadlines_expire_in_the_queue(start: Callable[..., RunningWorker]) -> N
     # Only the two blockers ran: the 7 expired requests were dropped, never computed.
     assert backend.launches == [1, 1] and backend.rows_computed == 2
     backend.matmul_delay_s = 0.0
-    np.testing.assert_allclose(c.matmul("w", x), reference(blocks, rows, K, x), rtol=1e-5,
-                               atol=1e-5)
+    assert_close(c.matmul("w", x), reference(blocks, rows, K, x), 1e-5)
     assert vram_figures(c) == base and health(w.target) == "SERVING"
 
 
@@ -297,8 +295,7 @@ def test_allocation_failure_mid_load_rolls_back(kind: str, start: Callable[..., 
     loaded = {x.name for x in c.load("m.gguf")}  # the same load now succeeds
     assert loaded == {"a", "b", "c"}
     x = np.ones((1, K), np.float32)
-    np.testing.assert_allclose(c.matmul("b", x), reference(parts["b"], rows, K, x), rtol=1e-5,
-                               atol=1e-5)
+    assert_close(c.matmul("b", x), reference(parts["b"], rows, K, x), 1e-5)
 
 
 def test_allocation_failure_mid_upload_rolls_back(start: Callable[..., RunningWorker]) -> None:

@@ -32,6 +32,7 @@ from q6serve.kernels.errors import FormatError, NotFound
 from q6serve.service.config import Budget, WorkerConfig
 from tests.reliability.gguf_corpus import CASES, Case, valid_file
 from tests.reliability.harness import RunningWorker, health, vram_figures
+from tests.service.svc_util import assert_close
 
 FUZZ_EXAMPLES = int(os.environ.get("Q6SERVE_FUZZ_EXAMPLES", "300"))
 PEAK_BYTES = 4 << 20  # no case may allocate more than this while being refused
@@ -123,7 +124,7 @@ def test_worker_still_loads_and_serves_after_corpus(corpus_worker: RunningWorker
     from q6serve.kernels import q6k
 
     want = x.astype(np.float64) @ q6k.dequantize_aos(np.asarray(t.aos), 4, 512).T
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert_close(y, want, 1e-5)
     c.unload(w.name)
 
 

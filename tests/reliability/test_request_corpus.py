@@ -29,7 +29,7 @@ from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2 as pb
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
 from tests.reliability.harness import RunningWorker, health, random_q6k, reference, vram_figures
-from tests.service.svc_util import wait_until
+from tests.service.svc_util import assert_close, wait_until
 
 FUZZ_EXAMPLES = int(os.environ.get("Q6SERVE_FUZZ_EXAMPLES", "300"))
 ROWS, K = 8, 256
@@ -430,7 +430,7 @@ def test_nan_rows_do_not_leak_into_batch_neighbours(corpus_worker: RunningWorker
                 else:
                     out = c.matmul_full("w", clean)
                     batch_rows.append(out.batch_rows)
-                    np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-5)
+                    assert_close(out.y, want, 1e-5)
         except BaseException as e:
             errors.append(e)
 
@@ -535,7 +535,7 @@ def test_worker_unchanged_after_everything(corpus_worker: RunningWorker) -> None
     c = corpus_worker.client()
     assert sorted(w.name for w in c.list()) == ["pre.a", "w"]
     x = np.ones((1, K), np.float32)
-    np.testing.assert_allclose(c.matmul("w", x), reference(
-        corpus_worker.blocks, ROWS, K, x), rtol=1e-5, atol=1e-5)  # type: ignore[attr-defined]
+    assert_close(c.matmul("w", x), reference(
+        corpus_worker.blocks, ROWS, K, x), 1e-5)  # type: ignore[attr-defined]
     assert health(corpus_worker.target) == "SERVING"
 
