@@ -1,13 +1,30 @@
 # shellcheck shell=bash
-# Shared start of the bench/gpu_*.sh session scripts (sourced): `gpu_session DIR` makes $FINAL
-# the folder the device tool brings back ($OUT as given, or ./out), points $OUT at DIR (cleared:
-# every log lands there; the tool brings back 8 files at most, so scripts archive it into $FINAL),
-# installs the carried wheels and the project (bench/gpu_run.sh none; DRY_RUN=1: neither, a CPU
-# rehearsal with a stand-in nvidia-smi), prints the tree's commit from ./COMMIT where the sender
-# wrote one, and starts the clock that `elapsed` reads.
+# The pieces every bench/gpu_*.sh device script shares (sourced). A device call runs one command
+# on a fresh machine and brings back at most 8 files from $OUT, so a script is:
+#
+#   source "$(dirname "$0")/gpu_lib.sh"
+#   gpu_session /tmp/NAME                 # install; logs in $OUT=/tmp/NAME, results in $FINAL
+#   BOUND=${BOUND:-100}                   # the bundle's bound, s from the start (unset: none)
+#   step NAME LIMIT CMD...                # one command, cut to LIMIT s and to the bound
+#   ab_runs NEED FN "a" "b:Q6SERVE_X=1" "b:Q6SERVE_X=1" "a"   # alternated variants
+#   { grep ... "$OUT"/*.log; } | table    # the short table, printed last; every log archived
+#
+# DRY_RUN=1 rehearses a script on a CPU machine: no install, a stand-in nvidia-smi, DIR made under
+# $FINAL/dry (a rehearsal never clears a real run's folder); the commands themselves run (pass
+# BACKEND=numpy and small shapes where the script takes them). tests/bench/test_gpu_scripts.py
+# rehearses every bench/gpu_*.sh that way with the timed commands stood in for.
+
+# gpu_session DIR: FINAL = the folder the device tool brings back ($OUT as given, or ./out), OUT =
+# DIR (cleared: every log lands there, and `archive` packs it into $FINAL/NAME.tgz, NAME = DIR's
+# last part); installs the carried wheels and the project (bench/gpu_run.sh none; with
+# SKIP_INSTALL=1 it only points PYTHONPATH at what an earlier script of the same call
+# installed), prints the tree's commit and starts the clock that `elapsed` and `bound` read.
 gpu_session() {
   FINAL=${OUT:-$PWD/out}
   OUT=$1
+  [[ -n ${DRY_RUN:-} ]] && OUT=$FINAL/dry$1
+  ARCHIVE=${1##*/}
+  STEPS=()
   rm -rf "$OUT"
   mkdir -p "$FINAL" "$OUT"
   export PYTHONUNBUFFERED=1
@@ -19,10 +36,100 @@ gpu_session() {
   bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
   head -3 "$OUT/setup.log"
-  # the shipped tree's commit (a copy's git metadata may be another checkout's)
-  [[ -f COMMIT ]] && echo "tree $(cat COMMIT)"
+  echo "tree $(tree_commit)"
 }
 elapsed() { echo "$(($(date +%s) - T0)) s"; }
+
+# tree_commit [DIR]: the commit of the tree at DIR (.): its COMMIT file, which the sender writes
+# into a shipped copy (whose git metadata, if any, may be another checkout's), else git's.
+tree_commit() {
+  cat "${1:-.}/COMMIT" 2>/dev/null || git -C "${1:-.}" log -1 --format=%h 2>/dev/null || echo "?"
+}
+
+# bound LIMIT [RESERVE]: LIMIT, or less where the bundle's bound (BOUND seconds after
+# gpu_session's start) comes sooner, keeping RESERVE seconds for what comes after; a command
+# given that many seconds cannot take the bundle past its bound. BOUND unset: LIMIT.
+bound() {
+  [[ -z ${BOUND:-} ]] && { echo "$1"; return; }
+  local rest=$((BOUND - $(date +%s) + T0 - ${2:-0}))
+  ((rest < $1)) && echo "$rest" || echo "$1"
+}
+# left SECONDS: whether SECONDS more still end inside BOUND (always, BOUND unset).
+left() { [[ -z ${BOUND:-} ]] || (($(date +%s) - T0 + $1 <= BOUND)); }
+
+# step NAME LIMIT CMD...: CMD under `timeout` (LIMIT, cut by `bound`; skipped with rc 124 when
+# under a second is left), its output in $OUT/NAME.log; prints "# NAME rc=RC at S s", keeps
+# "NAME rc=RC <the log's last line>" in STEPS (`steps` prints them) and in $FINAL/progress.txt,
+# and archives, so what has run comes back even if the device time runs out before the end.
+# Returns CMD's exit status. (A variable set before `step` reaches CMD; `env -C DIR CMD` runs it
+# in DIR.)
+step() {
+  local name=$1 limit rc=124
+  limit=$(bound "$2")
+  shift 2
+  if ((limit >= 1)); then
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+  else
+    echo "skipped: $(elapsed) of the bound ($BOUND s)" >"$OUT/$name.log"
+  fi
+  STEPS+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" \
+    "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
+  echo "# $name rc=$rc at $(elapsed)"
+  printf '%s\n' "${STEPS[-1]}" >>"$FINAL/progress.txt"
+  archive 2>/dev/null  # (a log still being written makes tar warn)
+  return "$rc"
+}
+steps() { printf '%s\n' "${STEPS[@]}"; }
+
+# ab_runs NEED FN VARIANT...: an alternated A/B. Calls `FN RUN NAME` once per VARIANT, in the
+# order given (e.g. "a b b a": a drift of the machine then weighs on both sides alike), RUN =
+# NAME_ROUND (NAME's first, second, ... run: a file stem for its logs). VARIANT = NAME or
+# NAME:VAR=VALUE[,VAR=VALUE...]: FN runs with those variables exported (the worker's Q6SERVE_*
+# switches, or the script's own knobs, e.g. FRONTENDS=6). A NAME that starts with "base" runs
+# with the base tree's q6serve first on PYTHONPATH (`base_tree` first). A run that would not end
+# inside BOUND (NEED seconds) is skipped and noted.
+ab_runs() {
+  local need=$1 fn=$2 v name run
+  local -A round=()
+  shift 2
+  for v in "$@"; do
+    name=${v%%:*}
+    round[$name]=$((${round[$name]:-0} + 1))
+    run=${name}_${round[$name]}
+    if ! left "$need"; then
+      note "# $run skipped at $(elapsed) (bound $BOUND s)"
+      continue
+    fi
+    local envs=()
+    [[ $v == *:* ]] && IFS=, read -ra envs <<<"${v#*:}"
+    _ab_run "$fn" "$run" "$name" "${envs[@]}"
+  done
+}
+_ab_run() {  # FN RUN NAME [VAR=VALUE...]: one run, the variables local to it (gone after it)
+  local fn=$1 run=$2 name=$3
+  shift 3
+  (($#)) && local -x "$@"
+  [[ $name == base* ]] && local -x PYTHONPATH=${BASEPP:?ab_runs: a base variant needs base_tree}
+  "$fn" "$run" "$name"
+}
+
+# archive: every file under $OUT into $FINAL/$ARCHIVE.tgz (the device tool brings back 8 files
+# at most, so the logs travel as one), fast (gzip -1), without what is too large to bring back
+# and read as text anyway: per-call arrays (*.npy) and Nsight Compute reports (*.ncu-rep: import
+# them into text first).
+archive() {
+  tar -I "gzip -1" --exclude="*.npy" --exclude="*.ncu-rep" -cf "$FINAL/$ARCHIVE.tgz" -C "$OUT" .
+}
+
+# table: the script's short table from stdin into summary.txt (in $OUT and $FINAL), every log
+# archived, then the table printed: a script's last output.
+table() {
+  cat >"$OUT/summary.txt"
+  archive
+  cp "$OUT/summary.txt" "$FINAL/"
+  cat "$OUT/summary.txt"
+}
 
 # worker_pid [TRIES]: the pid of the bench's worker process (`q6serve worker`), polled every
 # 0.25 s up to TRIES times (40); empty if none started.
@@ -38,7 +145,8 @@ worker_pid() {
 
 # base_tree DIR: BASE = DIR's absolute path and BASEPP a PYTHONPATH that imports q6serve from
 # that tree (its source folders linked under a package root) ahead of this tree's install, for
-# A/Bs of two trees in one call; NOWPP keeps this tree's PYTHONPATH. Prints where the base code is.
+# A/Bs of two trees in one call (ab_runs' "base" variants); NOWPP keeps this tree's PYTHONPATH.
+# DIR is a copy of the base commit shipped beside this tree. Prints where the base code is.
 base_tree() {
   local over=/tmp/base_path_$$ d
   BASE=$(cd "$1" && pwd) || exit 1
