@@ -21,65 +21,52 @@ set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/check
-summary=()
-t() {  # t NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, keep its last line for the table
-  local name=$1 limit=$2
-  shift 2
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
-  echo "# $name rc=$rc at $(elapsed)"
-  # what has run so far comes back even if the device time runs out before the end
-  printf '%s\n' "${summary[-1]}" >>"$FINAL/progress.txt"
-  tar czf "$FINAL/check.tgz" -C "$OUT" . 2>/dev/null
-}
-kernels() { t kernels_gpu "${1:-220}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
+kernels() { step kernels_gpu "${1:-220}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
 [[ -z ${KERNELS_LAST:-} ]] && kernels
-t dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
-Q6SERVE_TEST_BACKEND=cuda t service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
+step dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
+Q6SERVE_TEST_BACKEND=cuda step service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
   tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
   tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
   tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
-t demo 150 python3 -m q6serve.client.cli demo --backend cuda
+step demo 150 python3 -m q6serve.client.cli demo --backend cuda
 if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
-  t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+  step t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
     --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
-  [[ -n ${WALL:-} ]] && t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 \
+  [[ -n ${WALL:-} ]] && step wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 \
     --ns 1,64 --modes graph,staged --json "$OUT/wall.json"
   [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
-  tar czf "$FINAL/check.tgz" -C "$OUT" .
-  { echo "# gpu_check TESTS_ONLY $(cat COMMIT 2>/dev/null) total $(elapsed)"; printf '%s\n' "${summary[@]}"
-    grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | tee "$FINAL/summary.txt"
+  { echo "# gpu_check TESTS_ONLY $(tree_commit) total $(elapsed)"; steps
+    grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | table
   exit 0
 fi
 # issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
-t wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
+step wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
   --modes graph,staged --json "$OUT/wall.json"
-t lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+step lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
 # the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
 # one process with the loop's busy polling off (session 8 turned it on by default on 8+ cores)
-Q6SERVE_BUSY_POLL_US=0 t lm_head_nospin 90 python3 bench/service.py --backend cuda --lm-head \
+Q6SERVE_BUSY_POLL_US=0 step lm_head_nospin 90 python3 bench/service.py --backend cuda --lm-head \
   --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
-t lm_head_fe4 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+step lm_head_fe4 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --frontends 4 --json "$OUT/lm_head_fe4.json"
-t t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+step t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
   --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
 PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
-[[ -z ${SKIP_PINNED:-} ]] && t t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
+[[ -z ${SKIP_PINNED:-} ]] && step t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
   --modes stream --weights ffn_down --seconds 2 --warmup 0.3 --pin "$PIN" \
   --json "$OUT/t1_pinned.json"
-[[ -z ${SKIP_TRIPS:-} ]] && t trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
+[[ -z ${SKIP_TRIPS:-} ]] && step trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
   --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
-  t replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs "${REPLAY_SEQS:-1,8,64}" \
+  step replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs "${REPLAY_SEQS:-1,8,64}" \
     --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
-  [[ -z ${SKIP_PINNED:-} ]] && t replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
+  [[ -z ${SKIP_PINNED:-} ]] && step replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   # T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
-  [[ -z ${SKIP_PINNED:-} ]] && t dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
+  [[ -z ${SKIP_PINNED:-} ]] && step dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
     --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
     --json "$OUT/dataplane_pinned.json"
   # (not VARIANTS: gpu_dataplane_lane.sh reads that one with another meaning)
@@ -92,15 +79,13 @@ if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls i
     >"$OUT/lane.log" 2>&1
   echo "# lane rc=$? at $(elapsed)"
   # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
-  t lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
+  step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
     --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
 fi
 [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
-tar czf "$FINAL/check.tgz" -C "$OUT" .
 {
-  # (the shipped tree's COMMIT: the device copy's git metadata may be another checkout's)
-  echo "# gpu_check $(cat COMMIT 2>/dev/null || git log -1 --format=%h 2>/dev/null) total $(elapsed)"
-  printf '%s\n' "${summary[@]}"
+  echo "# gpu_check $(tree_commit) total $(elapsed)"
+  steps
   grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
   echo "## lm-head, busy polling off"
   grep -E "lm-head|reply|p50" "$OUT/lm_head_nospin.log" | tail -3
@@ -119,6 +104,6 @@ tar czf "$FINAL/check.tgz" -C "$OUT" .
   grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
   grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
-} | tee "$FINAL/summary.txt"
+} | table
 # each step's status is in the table; the greps above of skipped steps' logs must not set the exit status
 exit 0

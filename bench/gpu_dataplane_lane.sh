@@ -11,7 +11,7 @@
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
-gpu_session /tmp/dplane
+gpu_session /tmp/dataplane_lane
 S=${SECONDS_PER_RUN:-2}
 for F in ${FRONTENDS:-1}; do
   for v in ${VARIANTS:-1:1:0 2:1:0 2:4:0}; do
@@ -23,13 +23,13 @@ for F in ${FRONTENDS:-1}; do
     echo "# $tag rc=$? at $(elapsed): $(tail -1 "$OUT/$tag.log" | cut -c1-300)"
   done
 done
-tar czf "$FINAL/dataplane_lane.tgz" -C "$OUT" .
+archive
 if [[ -z ${SKIP_TESTS:-} ]]; then
   timeout "${TESTS_TIMEOUT:-90}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
     tests/dataplane >"$OUT/pytest_dataplane_gpu.log" 2>&1
   echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(elapsed)"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_dataplane_gpu.log" | head -8 | cut -c1-240
 fi
-tar czf "$FINAL/dataplane_lane.tgz" -C "$OUT" .
+archive
 grep -h "lane:" "$OUT"/lane_*.log | cut -c1-300
 echo "# done at $(elapsed)"

@@ -22,7 +22,7 @@
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
-gpu_session /tmp/dprun
+gpu_session /tmp/dataplane_run
 S=${SECONDS_PER_RUN:-1.5}
 if [[ ${BENCH_FIX:-1} == 1 && -f COMMIT ]]; then
   sed -i 's/got = self.run(label, \[weight\], hosts, callers, n, mode, region, own_channel)/got = self.run(label, [weight], hosts, callers, n, mode, region=region,\n                       own_channel=own_channel)/' bench/service.py
@@ -50,9 +50,11 @@ for v in ${VARIANTS:-1 2 4 8}; do
   [[ $v =~ :p([01]?) ]] && PP=${BASH_REMATCH[1]:-1}
   F=${F%rr}
   tag=f$F${US:+_gil$US}${ST:+_stacks$ST}${MG:+_merge0}${RR:+_rr}${PP:+_pipe$PP}
-  # per-process CPU while T2 runs (which of load, front ends, device process is busy)
+  # per-process CPU while T2 runs (which of load, front ends, device process is busy); a run
+  # over before the sampler (one that failed to start) ends it
   (sleep 5; top -b -c -w 200 -d 1 -n 3 | grep -E "^top|python|q6serve" | head -120) \
     >"$OUT/top_$tag.log" 2>&1 &
+  sampler=$!
   Q6SERVE_GIL_SWITCH_US=$US Q6SERVE_FRONTEND_STACKS=$ST Q6SERVE_DEVICE_MERGE=${MG:-1} \
     Q6SERVE_FRONTEND_ROUND_ROBIN=${RR:-0} env ${PP:+Q6SERVE_DEVICE_PIPELINE=$PP} \
     timeout 80 python3 bench/service.py \
@@ -61,6 +63,7 @@ for v in ${VARIANTS:-1 2 4 8}; do
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
   echo "# frontends=$F${RR:+ round robin}${PP:+ device pipeline $PP} gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(elapsed)"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
+  kill "$sampler" 2>/dev/null
   wait
 done
 # the device path without gRPC (T2's and T3's shapes in-process) and the fast lane's latency
@@ -81,6 +84,7 @@ grep -h "FAILED\|Traceback" "$OUT"/dataplane_f*.log | head -5
 python3 - "$OUT" <<'EOF'
 import glob, json, sys
 rows = []
+commit, device = "?", "no results (every run failed)"
 for path in sorted(glob.glob(f"{sys.argv[1]}/dataplane_f*.json")):
     doc = json.load(open(path))
     tag = path.rsplit("dataplane_", 1)[1][:-5]  # f8, f8_gil200, f8_stacks0
@@ -95,6 +99,5 @@ for target, fe, region, t in sorted(rows, key=lambda r: (r[0], r[2], r[1])):
           f" {t.get('kernel_rows_per_s', 0):>13,.0f} {t.get('fraction', 0):>9.2f}"
           f"  {'yes' if t['met'] else 'no'}")
 EOF
-tar czf "$FINAL/dataplane_run.tgz" -C "$OUT" . && cp "$OUT/pytest_dataplane_gpu.log" \
-  "$FINAL/" 2>/dev/null  # every log and JSON is in the archive (8 files come back at most)
+archive && cp "$OUT/pytest_dataplane_gpu.log" "$FINAL/" 2>/dev/null
 echo "# done at $(elapsed)"

@@ -14,7 +14,7 @@
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
-gpu_session /tmp/svcrun
+gpu_session /tmp/service_run
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
   --format=csv,noheader,nounits -lms 100 >"$OUT/clocks.csv" 2>&1 &
 SMI=$!
@@ -42,8 +42,6 @@ if [[ -z ${SKIP_AB:-} ]]; then
 fi
 kill "$SMI" 2>/dev/null
 grep -E "FAILED|Error|error" "$OUT/main.log" "$OUT/yield0.log" 2>/dev/null | head -5
-python3 bench/service_summary.py run "$OUT" >"$OUT/summary.txt"
-tar czf "$FINAL/service_run.tgz" -C "$OUT" .
-cp "$OUT"/main.json "$OUT"/yield0.json "$OUT"/kernels.log "$OUT"/summary.txt "$FINAL/" 2>/dev/null
+cp "$OUT"/main.json "$OUT"/yield0.json "$OUT"/kernels.log "$FINAL/" 2>/dev/null
 echo "# total $(elapsed)"
-cat "$OUT/summary.txt"
+python3 bench/service_summary.py run "$OUT" | table
