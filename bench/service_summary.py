@@ -1,8 +1,7 @@
-"""The short tables the GPU scripts print last (bench/gpu_service_run.sh, gpu_service_ab.sh),
-from the JSON files bench/service.py wrote into one output folder.
+"""The short table bench/gpu_service_run.sh prints last, from the JSON files bench/service.py
+wrote into one output folder.
 
-    python3 bench/service_summary.py run OUT   # gpu_service_run.sh: clocks, T1, lm-head, replay
-    python3 bench/service_summary.py ab OUT    # gpu_service_ab.sh: base vs this tree, lm-head
+    python3 bench/service_summary.py run OUT   # clocks, T1, lm-head, replay
 """
 
 from __future__ import annotations
@@ -98,28 +97,7 @@ def run_summary(out: Path) -> None:
         print(f"ERROR {e['run']}: {e['error'][:200]}")
 
 
-def ab_summary(out: Path) -> None:
-    for label in ("base", "now", "nowy0"):
-        d = load(out, f"{label}_t1")
-        for r in d.get("runs", []):
-            print(f"{label:5} commit {d.get('commit')} T1-shaped p50 {r['p50_us']:.0f} us p99 "
-                  f"{r['p99_us']:.0f}  p50-kernel {r['p50_us'] - (r['kernel_p50_us'] or 0):.0f}"
-                  f"\n{parts(r)}")
-        for r in load(out, f"{label}_replay").get("replay", []):
-            p = r["step_parts_p50_ms"]
-            print(f"{label:5} {r['label']:18} calls {r['calls_per_step']} step p50 "
-                  f"{r['step_p50_ms']:.1f} ms p99 {r['step_p99_ms']:.1f}  kernel "
-                  f"{r['kernel_step_ms'] or 0:.2f}  transport {p['transport']:.1f} worker "
-                  f"{p['handler']:.1f} device {p['device']:.1f} queue {p['queue']:.1f} client "
-                  f"{p['client']:.1f}")
-    for rows in (256, 512):
-        d = load(out, f"lm{rows}")
-        lm, r = d.get("lm_head"), next(iter(d.get("runs", [])), None)
-        if lm and r:
-            print(lm_line(lm, f"lm-head max-batch-rows {rows}") + "\n" + parts(r))
-
-
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("run", "ab"):
+    if len(sys.argv) != 3 or sys.argv[1] != "run":
         sys.exit(__doc__)
-    (run_summary if sys.argv[1] == "run" else ab_summary)(Path(sys.argv[2]))
+    run_summary(Path(sys.argv[2]))

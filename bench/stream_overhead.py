@@ -974,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     with tempfile.TemporaryDirectory(prefix="q6stream-") as tmp, contextlib.closing(keepers):
         servers = _Servers(variants, a.rows, a.k, Path(tmp), a.backend, a.trips, itemsize)
-        # (for a profiler attached from outside, e.g. bench/gpu_t1_s12.sh's py-spy)
+        # (for a profiler attached from outside, e.g. py-spy record -p PID)
         print("# server pids: " + " ".join(f"{v}={pid}" for v, pid in servers.pids.items()),
               flush=True)
         if a.pin:
