@@ -11,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from q6serve.kernels.api import AosChunks, Backend, Layout, MemoryInfo, ResidentWeight
+from q6serve.kernels.api import AosChunks, Layout, ResidentWeight
 from q6serve.kernels.backends import make_backend
+from tests.service.svc_util import ForwardingBackend
 
 
-class FaultyBackend(Backend):
+class FaultyBackend(ForwardingBackend):
     def __init__(self, matmul_delay_s: float = 0.0) -> None:
-        self.inner = make_backend("numpy")
-        self.name = self.inner.name
+        super().__init__(make_backend("numpy"))
         self.matmul_delay_s = matmul_delay_s
         # load number -> (chunks to pass before failing, exception factory)
         self.fail_load: dict[int, tuple[int, Callable[[], Exception]]] = {}
@@ -61,34 +61,5 @@ class FaultyBackend(Backend):
         finally:
             self.running.clear()
 
-    # -- forwarded ----------------------------------------------------------------------------
     def device_name(self) -> str:
         return f"faulty({self.inner.device_name()})"
-
-    def memory(self) -> MemoryInfo:
-        return self.inner.memory()
-
-    def weight_nbytes(self, rows: int, k: int, layout: Layout) -> int:
-        return self.inner.weight_nbytes(rows, k, layout)
-
-    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
-        return self.inner.load_scratch_nbytes(rows, k, chunk_bytes)
-
-    def relayout(self, w: ResidentWeight, layout: Layout, chunk_bytes: int) -> ResidentWeight:
-        return self.inner.relayout(w, layout, chunk_bytes)
-
-    def relayout_scratch_nbytes(self, rows: int, k: int, layout: Layout,
-                                chunk_bytes: int) -> int:
-        return self.inner.relayout_scratch_nbytes(rows, k, layout, chunk_bytes)
-
-    def free(self, w: ResidentWeight) -> None:
-        self.inner.free(w)
-
-    def read_aos(self, w: ResidentWeight) -> np.ndarray:
-        return self.inner.read_aos(w)
-
-    def plan(self, n: int, precision: Any, flags: Any) -> Any:
-        return self.inner.plan(n, precision, flags)
-
-    def close(self) -> None:
-        self.inner.close()

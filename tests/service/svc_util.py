@@ -112,13 +112,58 @@ class RunningWorker:
         self.loop.close()
 
 
-class InstrumentedBackend(Backend):
+class ForwardingBackend(Backend):
+    """A backend that hands every call to ``inner``: the one place the test wrappers
+    (InstrumentedBackend here, tests/reliability's FaultyBackend) forward the Backend methods
+    they do not change, so a method added to Backend is forwarded by all of them at once."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def matmul(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        return self.inner.matmul(w, x, **kw)
+
+    def load(self, chunks: Any, rows: int, k: int, layout: Any, chunk_bytes: int) -> Any:
+        return self.inner.load(chunks, rows, k, layout, chunk_bytes)
+
+    def device_name(self) -> str:
+        return self.inner.device_name()
+
+    def memory(self) -> Any:
+        return self.inner.memory()
+
+    def weight_nbytes(self, rows: int, k: int, layout: Any) -> int:
+        return self.inner.weight_nbytes(rows, k, layout)
+
+    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
+        return self.inner.load_scratch_nbytes(rows, k, chunk_bytes)
+
+    def relayout(self, w: Any, layout: Any, chunk_bytes: int) -> Any:
+        return self.inner.relayout(w, layout, chunk_bytes)
+
+    def relayout_scratch_nbytes(self, rows: int, k: int, layout: Any, chunk_bytes: int) -> int:
+        return self.inner.relayout_scratch_nbytes(rows, k, layout, chunk_bytes)
+
+    def free(self, w: Any) -> None:
+        self.inner.free(w)
+
+    def read_aos(self, w: Any) -> np.ndarray:
+        return self.inner.read_aos(w)
+
+    def plan(self, n: int, precision: Any, flags: Any) -> Any:
+        return self.inner.plan(n, precision, flags)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class InstrumentedBackend(ForwardingBackend):
     """Wraps the test backend: optional matmul delay, a log of launched N, injected load
     failures. Everything else is forwarded unchanged."""
 
     def __init__(self, matmul_delay: float = 0.0, fail_load_call: int | None = None) -> None:
-        self.inner = make_backend()
-        self.name = self.inner.name
+        super().__init__(make_backend())
         self.matmul_delay = matmul_delay
         self.fail_load_call = fail_load_call
         self.launches: list[int] = []
@@ -137,33 +182,6 @@ class InstrumentedBackend(Backend):
         if self.fail_load_call is not None and self.loads == self.fail_load_call:
             raise DeviceError(f"injected allocation failure on load #{self.loads}")
         return self.inner.load(chunks, rows, k, layout, chunk_bytes)
-
-    def device_name(self) -> str:
-        return self.inner.device_name()
-
-    def memory(self) -> Any:
-        return self.inner.memory()
-
-    def weight_nbytes(self, rows: int, k: int, layout: Any) -> int:
-        return self.inner.weight_nbytes(rows, k, layout)
-
-    def load_scratch_nbytes(self, rows: int, k: int, chunk_bytes: int) -> int:
-        return self.inner.load_scratch_nbytes(rows, k, chunk_bytes)
-
-    def relayout(self, w: Any, layout: Any, chunk_bytes: int) -> Any:
-        return self.inner.relayout(w, layout, chunk_bytes)
-
-    def free(self, w: Any) -> None:
-        self.inner.free(w)
-
-    def read_aos(self, w: Any) -> np.ndarray:
-        return self.inner.read_aos(w)
-
-    def plan(self, n: int, precision: Any, flags: Any) -> Any:
-        return self.inner.plan(n, precision, flags)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def write_gguf(path: Path, tensors: dict[str, tuple[int, int, int]]) -> dict[str, np.ndarray]:
