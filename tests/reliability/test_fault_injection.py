@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from q6serve.client.client import Client, Q6ServeError, matmul_request
+from q6serve.client.client import Q6ServeError, matmul_request
 from q6serve.kernels.errors import DeviceError, NotFound, ResourceExhausted
 from q6serve.service.batcher import DeadlineExceeded
 from q6serve.service.config import Budget, WorkerConfig
@@ -30,7 +29,7 @@ from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.gguf_corpus import File, Tensor
 from tests.reliability.harness import RunningWorker, health, random_q6k, reference, vram_figures
-from tests.service.svc_util import assert_close
+from tests.service.svc_util import assert_close, verified_callers
 
 K = 256
 RACE_ITERATIONS = 1000
@@ -125,43 +124,16 @@ def test_unload_races_grpc_callers(start: Callable[..., RunningWorker]) -> None:
     c = w.client()
     c.upload("w", blocks, rows, K)
     base_pool = pool_used(w)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    counts: Counter[str] = Counter()
-
-    def caller(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with Client(w.target, timeout=30) as cc:
-            while not stop.is_set():
-                x = rng.standard_normal((1 + seed % 4, K)).astype(np.float32)
-                try:
-                    y = cc.matmul("w", x)
-                except Q6ServeError as e:
-                    if e.code != C.NOT_FOUND:
-                        errors.append(e)
-                    counts["not_found"] += 1
-                    continue
-                try:
-                    # EXACT's contract, 1e-5 of the output's scale: each row's f32 sums depend on
-                    # the batch it ran in (CI: elements near 0 off by 1.3-2.6e-5 of outputs ~25)
-                    assert_close(y, reference(blocks, rows, K, x), 1e-5)
-                    counts["ok"] += 1
-                except AssertionError as e:
-                    errors.append(e)
-
-    threads = [threading.Thread(target=caller, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
+    callers = verified_callers(w.target, blocks, rows, K, {C.NOT_FOUND}, threads=8, max_n=4,
+                               client_kw={"timeout": 30})
     try:
         for _ in range(200):
             c.unload("w")
             c.upload("w", blocks, rows, K)
     finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not errors, errors[:3]
-    assert counts["ok"] > 100
+        callers.join()
+    assert not callers.errors, callers.errors[:3]
+    assert sum(callers.ok) > 100
     assert pool_used(w) == base_pool
     c.unload("w")
     assert vram_figures(c)["weights"] == 0 and pool_used(w) == 0

@@ -9,13 +9,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from q6serve.client.client import Client
+from q6serve.client.client import Client, Q6ServeError
 from q6serve.kernels import q6k
 from q6serve.kernels.api import Backend
 from q6serve.service.config import WorkerConfig
@@ -201,6 +202,54 @@ def assert_close(y: np.ndarray, want: np.ndarray, rtol: float | None = None) -> 
     scale = max(1.0, float(np.abs(want).max()))
     err = float(np.abs(y - want).max())
     assert err <= rtol * scale, f"max error {err:.3g} > {rtol:.1g} x scale {scale:.3g}"
+
+
+@dataclass
+class Callers:
+    """Caller threads started by :func:`verified_callers`; ``stop`` ends them."""
+
+    threads: list[threading.Thread]
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[BaseException] = field(default_factory=list)
+    ok: list[int] = field(default_factory=list)  # verified results, per thread
+
+    def join(self, timeout: float = 30.0) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout)
+
+
+def verified_callers(target: str, blocks: np.ndarray, rows: int, k: int, allowed: set[Any],
+                     threads: int = 6, max_n: int = 3, client_kw: dict[str, Any] | None = None,
+                     **matmul_kw: Any) -> Callers:
+    """``threads`` threads, each its own Client calling ``matmul("w", x)`` with 1..max_n
+    random tokens until ``stop``, every y checked against the float64 reference with EXACT's
+    contract (:func:`assert_close`, 1e-5 of the output's scale: each row's f32 sums depend on
+    the batch it ran in). A refusal whose code is in ``allowed`` is expected (e.g. NOT_FOUND
+    while the weight is away); any other refusal or a wrong y goes to ``errors``."""
+    got = Callers(threads=[], ok=[0] * threads)
+
+    def run(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with Client(target, **(client_kw or {})) as c:
+            while not got.stop.is_set():
+                x = rng.standard_normal((1 + seed % max_n, k)).astype(np.float32)
+                try:
+                    y = c.matmul("w", x, **matmul_kw)
+                except Q6ServeError as e:
+                    if e.code not in allowed:
+                        got.errors.append(e)
+                    continue
+                try:
+                    assert_close(y, reference(blocks, rows, k, x), 1e-5)
+                    got.ok[seed] += 1
+                except AssertionError as e:
+                    got.errors.append(e)
+
+    got.threads = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in got.threads:
+        t.start()
+    return got
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -15,6 +15,7 @@ from svc_util import (
     backend_name,
     random_q6k,
     reference,
+    verified_callers,
     wait_until,
 )
 
@@ -23,51 +24,22 @@ from q6serve.client.client import Client, Q6ServeError
 ROWS, K = 32, 512
 
 
-def _hammer(worker: RunningWorker, blocks: np.ndarray, stop: threading.Event, errors: list,
-            allowed: set[grpc.StatusCode], counts: list[int], threads: int = 6,
-            ) -> list[threading.Thread]:
-    """Threads doing verified matmuls until ``stop``; unexpected outcomes go to ``errors``."""
-    def run(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        with Client(worker.target) as c:
-            while not stop.is_set():
-                x = rng.standard_normal((1 + seed % 3, K)).astype(np.float32)
-                try:
-                    y = c.matmul("w", x, timeout=20, precision="exact")
-                except Q6ServeError as e:
-                    if e.code not in allowed:
-                        errors.append(e)
-                    continue
-                want = reference(blocks, ROWS, K, x)
-                err = float(np.abs(y - want).max())
-                if err > 1e-5 * max(1.0, float(np.abs(want).max())):
-                    errors.append(AssertionError(f"wrong result, error {err}"))
-                counts[seed] += 1
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    return ts
-
-
 def test_unload_racing_matmuls(worker: RunningWorker) -> None:
     c = worker.client()
     blocks = random_q6k(ROWS, K, 1)
     c.upload("w", blocks, ROWS, K)
     base_weights = 0
-    stop, errors, counts = threading.Event(), [], [0] * 6
-    ts = _hammer(worker, blocks, stop, errors, {grpc.StatusCode.NOT_FOUND}, counts)
+    callers = verified_callers(worker.target, blocks, ROWS, K, {grpc.StatusCode.NOT_FOUND},
+                               timeout=20, precision="exact")
     try:
         for _ in range(40):
             time.sleep(0.005)
             c.unload("w")
             c.upload("w", blocks, ROWS, K)
     finally:
-        stop.set()
-        for t in ts:
-            t.join(30)
-    assert not errors, errors[:3]
-    assert sum(counts) > 0
+        callers.join()
+    assert not callers.errors, callers.errors[:3]
+    assert sum(callers.ok) > 0
     c.unload("w")
     v = c.status().vram
     assert v.weights_bytes == base_weights and v.scratch_bytes == 0 and v.staging_bytes == 0
@@ -96,8 +68,8 @@ def test_flags_toggled_under_load(worker: RunningWorker) -> None:
     c = worker.client()
     blocks = random_q6k(ROWS, K, 3)
     c.upload("w", blocks, ROWS, K)
-    stop, errors, counts = threading.Event(), [], [0] * 6
-    ts = _hammer(worker, blocks, stop, errors, set(), counts)
+    callers = verified_callers(worker.target, blocks, ROWS, K, set(), timeout=20,
+                               precision="exact")
     try:
         for i in range(12):
             c.flags({"Q6SERVE_Q6K_SOA": i % 2 == 1,
@@ -110,11 +82,9 @@ def test_flags_toggled_under_load(worker: RunningWorker) -> None:
             assert time.monotonic() < deadline, "relayout did not finish"
             time.sleep(0.02)
     finally:
-        stop.set()
-        for t in ts:
-            t.join(30)
-    assert not errors, errors[:3]
-    assert all(n > 0 for n in counts), counts
+        callers.join()
+    assert not callers.errors, callers.errors[:3]
+    assert all(n > 0 for n in callers.ok), callers.ok
     out = c.matmul_full("w", np.ones((1, K), np.float32))
     assert out.layout == "aos"
     assert c.get("w").nbytes == c.status().vram.weights_bytes
