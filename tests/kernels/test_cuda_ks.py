@@ -72,6 +72,20 @@ def same_bits(a, b, msg=""):
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=msg)
 
 
+def check_tokens(be, ws, wa, x, y64, cfg, also=None):
+    """``cfg`` at N = one token, a partial and a full chunk, and several chunks: within F16's
+    bound of the reference ``y64``, repeat and AoS twin ``wa`` identical to SoA ``ws``;
+    ``also(n, y, label)`` for a caller's own comparison of each y."""
+    for n in sorted({1, 8 * cfg.nt - 1, 8 * cfg.nt + 3}):
+        label = f"{cfg.label()} N={n}"
+        y = _run(be, ws, x[:n], cfg)
+        _check(y, y64[:n], label)
+        if also is not None:
+            also(n, y, label)
+        same_bits(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
+        same_bits(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
+
+
 def sweep_slice_counts(be, rng, shape, cfgs):
     """Every launch shape of ``cfgs`` as it is (warps, ring, tile) x forced K-slice counts (1,
     2, 3, all blocks) x N (one token, a partial and a full chunk, several chunks): reference,
@@ -88,12 +102,7 @@ def sweep_slice_counts(be, rng, shape, cfgs):
             cfg = replace(c, ksplit=ks)
             if ks and smem_bytes("mma_f16", cfg, -(-bpr // ks)) > KS_SMEM_MAX:
                 continue  # the slice's activations do not fit one CTA
-            for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
-                label = f"{cfg.label()} N={n}"
-                y = _run(be, ws, x[:n], cfg)
-                _check(y, y64[:n], label)
-                same_bits(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
-                same_bits(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
+            check_tokens(be, ws, wa, x, y64, cfg)
 
 
 def check_activation_dtype(be, rng, dtype, cfgs):

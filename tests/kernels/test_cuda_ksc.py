@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from test_cuda_backend import _gpu_count, load, random_weight
-from test_cuda_ks import _check, _run, same_bits
+from test_cuda_ks import _run, check_tokens, same_bits
 
 from q6serve.kernels import reference
 from q6serve.kernels.api import Layout
@@ -56,13 +56,10 @@ def test_cluster_sum_is_the_split_k_sum_bit_for_bit(be, rng, case):
     for c in KSC:
         for ks in sizes:
             cfg = replace(c, ksplit=ks)
-            for n in sorted({1, 8 * c.nt - 1, 8 * c.nt + 3}):
-                label = f"{cfg.label()} N={n}"
-                y = _run(be, ws, x[:n], cfg)
-                _check(y, y64[:n], label)
+            def src4(n, y, label, cfg=cfg):
                 same_bits(y, _run(be, ws, x[:n], replace(cfg, src=4)), f"{label}: not src 4's")
-                same_bits(y, _run(be, ws, x[:n], cfg), f"{label}: repeat differs")
-                same_bits(y, _run(be, wa, x[:n], cfg), f"{label}: AoS twin differs")
+
+            check_tokens(be, ws, wa, x, y64, cfg, also=src4)
 
 
 def test_a_k_split_that_is_not_the_cluster_is_refused(be, rng):
