@@ -18,7 +18,11 @@ sync, Python). Modes:
   ``launch`` the host time of ``launch`` alone (the enqueueing), and ``loop`` the loop's own
   time per call with those bench events (their records, the span's read; up to session 12 the
   staged ``wall`` was this: since session 13 it is ``launch`` .. ``wait`` and the kernel time
-  read, as in the other modes);
+  read, as in the other modes); ``pre`` / ``tail``: the span from its start to the reported
+  kernel's start event (the graph launch's latency, x's upload) and from its end event to the
+  span's end (y's download after the kernels); ``--parts``: also when a split call's (row
+  chunks, token halves) first part's y has landed (an event on the y copy stream recorded after
+  the launch: one more host call in the wall);
   ``--fill concat`` writes it as the batcher does for a batch of one-row requests
   (``np.concatenate`` of N arrays into it) instead of one copy;
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
@@ -48,9 +52,13 @@ the first half's y downloaded beside the second's); the halves used are printed 
 sequence rebinds at each variant switch).
 
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
-and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``), and the wall of
-an empty stream sync (``sync``): the part of ``host`` no host code can remove without overlapping
-the copies with the kernel.
+and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``; y's also as two
+2D copies of its column halves, the row chunks' way, and as two copies of its token halves), and
+the wall of an empty stream sync (``sync``): the part of ``host`` no host code can remove without
+overlapping the copies with the kernel.
+
+Every row's y (a call on the first x after its timed calls) is compared bit for bit with the
+defaults' (no top-k): a row that differs is marked and the exit status is 1.
 
 ``--many GROUPS``: multi-weight calls instead (one x, several weights of its K: ``qkv`` =
 3584x3584 + 512x3584 + 512x3584, ``gateup`` = 2 x 18944x3584, or ``NAME=RxK+RxK...``; comma
@@ -180,6 +188,33 @@ def _probe(be: CudaBackend, w: ResidentWeight, stamps: dict | None) -> None:
     lc._finish = finish
 
 
+def _hook_events(be: CudaBackend, w: ResidentWeight, sink: dict | None) -> None:
+    """``sink`` a dict: every kernel-time read of ``w``'s calls (a cached BoundCall's, the
+    launcher's) leaves its (start, end) events in ``sink["ev"]``, so the staged mode can place
+    them in the GPU's span of the call; None: undo that."""
+    from q6serve.kernels.cuda.launch import BoundCall
+
+    lc = be.launcher
+    for b in w.data.plans.values():
+        if not isinstance(b, BoundCall):
+            continue
+        orig = getattr(b._elapsed, "__wrapped__", b._elapsed)
+        b._elapsed = orig if sink is None else _recording(orig, sink)
+    if sink is None:
+        lc.__dict__.pop("_seconds", None)
+    elif "_seconds" not in lc.__dict__:
+        lc._seconds = _recording(type(lc)._seconds.__get__(lc), sink)
+
+
+def _recording(f: Any, sink: dict) -> Any:
+    def rec(start: object, end: object) -> object:
+        sink["ev"] = (start, end)
+        return f(start, end)
+
+    rec.__wrapped__ = f
+    return rec
+
+
 def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int,
          slab_rows: int = 0) -> ResidentWeight:
     """``blocks`` resident on ``be`` (SoA), in slabs of ``slab_rows`` rows (0: storage's
@@ -225,11 +260,14 @@ def tokens_of(w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
 
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
-            topk: int = 0, probe: bool = False, fill: str = "copy") -> dict:
+            topk: int = 0, probe: bool = False, fill: str = "copy", parts: bool = False) -> dict:
     import cupy as cp
 
     walls, kerns, fills, spans, lts, loops = [], [], [], [], [], []
+    gpu: dict[str, list[float]] = {"pre": [], "tail": [], "y1": []}  # staged: the span's parts
     stamps: dict = {}
+    seen: dict = {}  # the kernel time's events of the last call (_hook_events)
+    ey = cp.cuda.Event()
     parts: dict[str, list[float]] = {"pre": [], "graph": [], "mid": [], "finish": [],
                                      "rest": []}
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -238,6 +276,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
         x = xs[i % len(xs)]
         if probe and mode == "staged" and i == 5:  # bound and captured by now
             _probe(be, w, stamps)
+        if mode == "staged" and i == 5:
+            _hook_events(be, w, seen)
         t0 = time.perf_counter()
         if mode == "naive":
             _, ks = naive_call(be, w, x)
@@ -255,6 +295,9 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             launched = be.launch(w, st, topk=topk)
             t1 = time.perf_counter()  # the host's launch (its part before the GPU starts)
             e1.record(be.stream)
+            ys = be.launcher._y_stream  # (a split call's first part's y goes down on it)
+            if parts and ys is not None:
+                ey.record(ys)
             res = launched.wait()
             ks = res.timing.seconds(wait=True)
             t2 = time.perf_counter()
@@ -272,6 +315,13 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
                 e1.synchronize()  # (a launch's own wait may end before an event after it)
                 spans.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
                 loops.append((time.perf_counter() - t00) * 1e6)
+                if "ev" in seen:  # launch .. the kernels' start, their end .. the last copy
+                    start, end = seen.pop("ev")
+                    gpu["pre"].append(cp.cuda.get_elapsed_time(e0, start) * 1e3)
+                    gpu["tail"].append(cp.cuda.get_elapsed_time(end, e1) * 1e3)
+                    if parts and ys is not None:  # launch .. the first part's y landed
+                        ey.synchronize()
+                        gpu["y1"].append(cp.cuda.get_elapsed_time(e0, ey) * 1e3)
             wall = t2 - t0
         else:
             res = be.matmul(w, x, topk=topk)
@@ -283,6 +333,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             kerns.append(ks * 1e6)
     if probe and mode == "staged":
         _probe(be, w, None)
+    if mode == "staged":
+        _hook_events(be, w, None)
     host = sorted(a - b for a, b in zip(walls, kerns, strict=True))
     return {"probe": {k: statistics.median(v) for k, v in parts.items() if v} or None,
             "wall_p50": statistics.median(walls), "kernel_p50": statistics.median(kerns),
@@ -290,7 +342,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             "fill_p50": statistics.median(fills) if fills else None,
             "span_p50": statistics.median(spans) if spans else None,
             "launch_p50": statistics.median(lts) if lts else None,
-            "loop_p50": statistics.median(loops) if loops else None}
+            "loop_p50": statistics.median(loops) if loops else None,
+            **{f"{k}_p50": statistics.median(v) if v else None for k, v in gpu.items()}}
 
 
 MANY = {"qkv": ((3584, 3584), (512, 3584), (512, 3584)), "gateup": ((18944, 3584),) * 2}
@@ -404,22 +457,41 @@ def run_many(a: argparse.Namespace, variants: list[tuple[str, dict[str, int]]],
     return 0 if all(r["equal"] for r in out) else 1
 
 
-def floor(be: CudaBackend, x_bytes: int, y_bytes: int, calls: int) -> dict:
-    """Median µs of an x-sized upload and a y-sized download (pinned, CUDA events) and of an
-    empty ``stream.synchronize()`` (wall)."""
+def floor(be: CudaBackend, x_bytes: int, n: int, rows: int, calls: int) -> dict:
+    """Median µs of an x-sized upload and a y-sized download (f32 [n, rows]; pinned, CUDA
+    events), of the same y as two 2D copies of its column halves (``d2h_cols``: the row
+    chunks' way out, point 8) and as two copies of its token halves (``d2h_toks``: the token
+    halves', point 10), each pair back to back on one stream, and of an empty
+    ``stream.synchronize()`` (wall)."""
     import cupy as cp
 
+    y_bytes = 4 * n * rows
     stream, rt = be.stream, cp.cuda.runtime
     with be.ctx.dev, stream:
         hx, hy = cp.cuda.alloc_pinned_memory(x_bytes), cp.cuda.alloc_pinned_memory(y_bytes)
         dx, dy = cp.empty(x_bytes, cp.uint8), cp.empty(y_bytes, cp.uint8)
         start, end = cp.cuda.Event(), cp.cuda.Event()
-        got: dict[str, list[float]] = {"h2d": [], "d2h": [], "sync": []}
+        got: dict[str, list[float]] = {"h2d": [], "d2h": [], "d2h_cols": [], "d2h_toks": [],
+                                       "sync": []}
+        c0 = 4 * (rows // 2)  # the first column block's bytes per token
+        th = n // 2 * 4 * rows  # the first token half's bytes
+        cols = [(0, 0, c0), (c0, n * c0, 4 * rows - c0)]  # (host off, device off, width)
         for i in range(calls + 5):
-            for name, (dst, src, nb, kind) in {"h2d": (dx.data.ptr, hx.ptr, x_bytes, 1),
-                                               "d2h": (hy.ptr, dy.data.ptr, y_bytes, 2)}.items():
+            for name in got:
+                if name == "sync":
+                    continue
                 start.record(stream)
-                rt.memcpyAsync(dst, src, nb, kind, stream.ptr)
+                if name == "h2d":
+                    rt.memcpyAsync(dx.data.ptr, hx.ptr, x_bytes, 1, stream.ptr)
+                elif name == "d2h":
+                    rt.memcpyAsync(hy.ptr, dy.data.ptr, y_bytes, 2, stream.ptr)
+                elif name == "d2h_toks":
+                    for off, nb in ((0, th), (th, y_bytes - th)):
+                        rt.memcpyAsync(hy.ptr + off, dy.data.ptr + off, nb, 2, stream.ptr)
+                else:  # [n, width] device blocks into their columns of the host [n, rows]
+                    for hoff, doff, width in cols:
+                        rt.memcpy2DAsync(hy.ptr + hoff, 4 * rows, dy.data.ptr + doff, width,
+                                         width, n, 2, stream.ptr)
                 end.record(stream)
                 end.synchronize()
                 if i >= 5:
@@ -461,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", action="store_true",
                     help="staged: the host's clock around the graph launch and y's way out "
                     "(Launcher._finish: the full path only, a cached BoundCall has its own)")
+    ap.add_argument("--parts", action="store_true",
+                    help="staged: also an event on the y copy stream after the launch, read as "
+                    "when a split call's first part's y has landed (one more host call in the "
+                    "wall)")
     ap.add_argument("--fill", default="copy", choices=("copy", "concat"),
                     help="staged: how x is written into the staging buffer: one copy, or "
                     "np.concatenate of its rows as separate arrays (service/batcher.py's fill "
@@ -523,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                     ws[id(be), sr] = load(be, blocks, rows, k, sr)
         for n in map(int, a.ns.split(",")):
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
+            b0 = bes[modes[0]]  # y of xs[0] under the defaults: each row's y is checked on it
+            ref = (None if a.topk else
+                   b0.matmul(ws[id(b0), variants[0][1].get("SLAB_ROWS", a.slab_rows)], xs[0]).y)
             for rnd, (label, sets), m in ((rnd, v, m) for rnd in range(a.rounds)
                                           for v in variants for m in modes):
                 apply(sets)
@@ -530,15 +609,22 @@ def main(argv: list[str] | None = None) -> int:
                 if {"STAGING_WC_MIN", "X_SPLIT_FIT"} & set(defaults):  # bound per variant:
                     be.launcher.ws.gen += 1  # x's buffer, the halves' tiles: rebind
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
-                r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill)
+                r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts)
+                # (after calls on other x: a copy that ran before its kernels would show)
+                r["equal"] = None if ref is None else bool(np.array_equal(
+                    be.matmul(w, xs[0]).y, ref))
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
                          variant=label, round=rnd, chunks=chunks_of(be, w, n),
-                         tokens=tokens_of(w, n) if launch.X_SPLIT_MIN else None)
+                         # (halves under this row's setting: tokens_of sees earlier ones too)
+                         tokens=tokens_of(w, n) if be.launcher.chunks_for(
+                             w.data, 0, n * rows, xs[0].nbytes) == -2 else None)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
                     fill += (f" gpu span {r['span_p50']:.1f} launch {r['launch_p50']:.1f}"
                              f" loop {r['loop_p50']:.1f}")
+                    if r["pre_p50"] is not None:  # the span around the reported kernel
+                        fill += f" (pre {r['pre_p50']:.1f} tail {r['tail_p50']:.1f})"
                 if r["probe"]:
                     fill += " [" + " ".join(f"{k} {v:.1f}" for k, v in r["probe"].items()) + "]"
                 tag = f" {label}" if label else ""
@@ -546,19 +632,24 @@ def main(argv: list[str] | None = None) -> int:
                     tag += " chunks " + "/".join(str(r1 - r0) for r0, r1 in r["chunks"])
                 if r["tokens"]:
                     tag += " tokens " + "/".join(str(t1 - t0) for t0, t1 in r["tokens"])
+                if (r["chunks"] or r["tokens"]) and r["y1_p50"] is not None:
+                    tag += f" (first y down at {r['y1_p50']:.1f})"
+                if r["equal"] is False:
+                    tag += " y DIFFERS from the defaults'"
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "
                       f"{r['host_p50']:9.1f} {r['host_p90']:9.1f}{fill}{tag}", flush=True)
             apply({})
             if a.floor:
-                f = floor(bes["graph"], xs[0].nbytes, n * rows * 4, a.calls)  # y f32
+                f = floor(bes["graph"], xs[0].nbytes, n, rows, a.calls)  # y f32
                 out.append({"shape": shape_s, "n": n, "mode": "floor", **f})
                 print(f"{shape_s:>12} {n:>3} {'floor':>7} h2d {f['h2d']:.1f} ({xs[0].nbytes} B) "
-                      f"d2h {f['d2h']:.1f} sync {f['sync']:.1f}: host beyond the bus "
+                      f"d2h {f['d2h']:.1f} (2 column blocks {f['d2h_cols']:.1f}, 2 token "
+                      f"halves {f['d2h_toks']:.1f}) sync {f['sync']:.1f}: host beyond the bus "
                       f"{r['host_p50'] - f['h2d'] - f['d2h']:.1f}", flush=True)
         for (bid, _), w in ws.items():
             next(b for b in bes.values() if id(b) == bid).free(w)
     if len(variants) > 1:  # per (shape, N, mode): each variant's host p50, median of rounds
-        print("# variants (host p50, median over rounds; wall p50):")
+        print("# variants (host p50, median over rounds; wall p50, kernel p50):")
         rows_: dict[tuple, dict[str, list[dict]]] = {}
         for r in out:
             if "variant" in r:
@@ -566,13 +657,14 @@ def main(argv: list[str] | None = None) -> int:
                     r["variant"], []).append(r)
         for (shape_s, n, m), by in rows_.items():
             cells = [f"{v} {statistics.median(x['host_p50'] for x in rs):.1f} "
-                     f"({statistics.median(x['wall_p50'] for x in rs):.1f})"
+                     f"({statistics.median(x['wall_p50'] for x in rs):.1f}, "
+                     f"{statistics.median(x['kernel_p50'] for x in rs):.1f})"
                      for v, rs in by.items()]
             print(f"{shape_s:>12} {n:>3} {m:>7}  " + "  ".join(cells), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"device": bes["graph"].device_name(), "results": out}, fh, indent=1)
-    return 0
+    return 1 if any(r.get("equal") is False for r in out) else 0
 
 
 if __name__ == "__main__":
