@@ -460,8 +460,9 @@ def run_many(a: argparse.Namespace, variants: list[tuple[str, dict[str, int]]],
 def floor(be: CudaBackend, x_bytes: int, n: int, rows: int, calls: int) -> dict:
     """Median µs of an x-sized upload and a y-sized download (f32 [n, rows]; pinned, CUDA
     events), of the same y as two 2D copies of its column halves (``d2h_cols``: the row
-    chunks' way out, point 8) and as two copies of its token halves (``d2h_toks``: the token
-    halves', point 10), each pair back to back on one stream, and of an empty
+    chunks' way out, point 8) and as two copies of its token halves (``d2h_toks``; as 2D
+    copies of whole rows, ``d2h_toks2d``: the token halves' way out, point 10), each pair back
+    to back on one stream, and of an empty
     ``stream.synchronize()`` (wall)."""
     import cupy as cp
 
@@ -472,7 +473,7 @@ def floor(be: CudaBackend, x_bytes: int, n: int, rows: int, calls: int) -> dict:
         dx, dy = cp.empty(x_bytes, cp.uint8), cp.empty(y_bytes, cp.uint8)
         start, end = cp.cuda.Event(), cp.cuda.Event()
         got: dict[str, list[float]] = {"h2d": [], "d2h": [], "d2h_cols": [], "d2h_toks": [],
-                                       "sync": []}
+                                       "d2h_toks2d": [], "sync": []}
         c0 = 4 * (rows // 2)  # the first column block's bytes per token
         th = n // 2 * 4 * rows  # the first token half's bytes
         cols = [(0, 0, c0), (c0, n * c0, 4 * rows - c0)]  # (host off, device off, width)
@@ -488,6 +489,10 @@ def floor(be: CudaBackend, x_bytes: int, n: int, rows: int, calls: int) -> dict:
                 elif name == "d2h_toks":
                     for off, nb in ((0, th), (th, y_bytes - th)):
                         rt.memcpyAsync(hy.ptr + off, dy.data.ptr + off, nb, 2, stream.ptr)
+                elif name == "d2h_toks2d":  # the same as 2D copies of whole rows (point 10's)
+                    for off, nb in ((0, th), (th, y_bytes - th)):
+                        rt.memcpy2DAsync(hy.ptr + off, 4 * rows, dy.data.ptr + off, 4 * rows,
+                                         4 * rows, nb // (4 * rows), 2, stream.ptr)
                 else:  # [n, width] device blocks into their columns of the host [n, rows]
                     for hoff, doff, width in cols:
                         rt.memcpy2DAsync(hy.ptr + hoff, 4 * rows, dy.data.ptr + doff, width,
@@ -617,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                          variant=label, round=rnd, chunks=chunks_of(be, w, n),
                          # (halves under this row's setting: tokens_of sees earlier ones too)
                          tokens=tokens_of(w, n) if be.launcher.chunks_for(
-                             w.data, 0, n * rows, xs[0].nbytes) == -2 else None)
+                             w.data, 0, n * rows, xs[0].nbytes, n) == -2 else None)
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
@@ -644,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
                 out.append({"shape": shape_s, "n": n, "mode": "floor", **f})
                 print(f"{shape_s:>12} {n:>3} {'floor':>7} h2d {f['h2d']:.1f} ({xs[0].nbytes} B) "
                       f"d2h {f['d2h']:.1f} (2 column blocks {f['d2h_cols']:.1f}, 2 token "
-                      f"halves {f['d2h_toks']:.1f}) sync {f['sync']:.1f}: host beyond the bus "
+                      f"halves {f['d2h_toks']:.1f}, as 2D {f['d2h_toks2d']:.1f}) sync "
+                      f"{f['sync']:.1f}: host beyond the bus "
                       f"{r['host_p50'] - f['h2d'] - f['d2h']:.1f}", flush=True)
         for (bid, _), w in ws.items():
             next(b for b in bes.values() if id(b) == bid).free(w)

@@ -176,7 +176,8 @@ class CudaBackend(Backend):
         if staged and type(w.data) is CudaWeight and x.shape[1] == w.k:
             slot = ws.staged_slot
             key = _call_key(x, precision, flags, out_dtype, topk, slot,
-                            lc.chunks_for(w.data, slot, x.shape[0] * w.rows, x.nbytes))
+                            lc.chunks_for(w.data, slot, x.shape[0] * w.rows, x.nbytes,
+                                          x.shape[0]))
             call = w.data.plans.get(key)  # a BoundCall: the whole path after its first calls
             if call is not None and call.live():
                 return call.launch()
@@ -185,7 +186,8 @@ class CudaBackend(Backend):
         if not staged and not self.hostio.covers(x):
             slot = ws.free_slot()
             call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, slot,
-                                          lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes)))
+                                          lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes,
+                                                        x.shape[0])))
             if call is not None and call.live():
                 return call.launch(x)
         return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
@@ -218,7 +220,7 @@ class CudaBackend(Backend):
         else:
             lc = self.launcher
             slot = lc.ws.staged_slot if staged else lc.ws.free_slot()
-            chunks = lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes)
+            chunks = lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes, x.shape[0])
             with self.ctx.dev, self.ctx.stream:
                 finish = lc.launch(w, cw, x, c.path, c.cfg, out_dtype, topk, chunks)
             call = lc.bound_call(w, cw, x, c.path, c.cfg, out_dtype, topk, slot, kernel,

@@ -199,6 +199,12 @@ Y_CHUNKS_IDLE = 1
 # cost more than the 21 us of x they overlap), hence 1.5 MiB; the full call's tile on the halves
 # (X_SPLIT_FIT 0) 154.5; bits equal (GPU test, 4096x14336 and 3584x18944).
 X_SPLIT_MIN = 3 << 19  # 1.5 MiB
+# ... and an idle call of 16 to X_SPLIT_MAX_N tokens whose f32 y is X_SPLIT_Y_MIN bytes or more
+# (0: off), on such a tile, runs in token halves even where row chunks would apply (point 10: the
+# first half's y rows are one contiguous block of the host y; a row chunk's are a 2D copy of
+# [N, chunk rows] into its columns): 14336x4096 and 18944x3584, whose y (3.7 / 4.8 MB at N=64)
+# takes longer to come down than their kernels take.
+X_SPLIT_Y_MIN = 0
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
 X_SPLIT_SRCS = (4, 5, 6)
@@ -1086,18 +1092,21 @@ class Launcher:
         return v
 
     def chunks_for(self, cw: CudaWeight, slot: int, ys: int | None = None,
-                   xs: int = 0) -> int:
+                   xs: int = 0, n: int = 0) -> int:
         """The split of a launch in ``slot`` now: C > 1 row chunks (:meth:`chunks_wanted`),
-        -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked),
-        0 none; none while another launch is in flight (``Y_CHUNKS_IDLE``). A y of ``ys``
-        values (N x rows) under ``Y_CHUNK_MIN`` as f32 is never row-chunked, and with an x
-        under ``X_SPLIT_MIN`` the state is 0 with no look at the slots (a small call's cached
-        BoundCall is keyed by it)."""
+        -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked; or
+        ``X_SPLIT_Y_MIN``: ``n`` tokens, 16 to ``X_SPLIT_MAX_N``, of an f32 y that large,
+        before row chunks), 0 none; none while another launch is in flight
+        (``Y_CHUNKS_IDLE``). A y of ``ys`` values (N x rows) under ``Y_CHUNK_MIN`` as f32 is
+        never row-chunked, and with an x under ``X_SPLIT_MIN`` and a y under both the state is
+        0 with no look at the slots (a small call's cached BoundCall is keyed by it)."""
         rows = ys is None or 4 * ys >= Y_CHUNK_MIN
-        tokens = bool(X_SPLIT_MIN) and xs >= X_SPLIT_MIN
+        by_y = (bool(X_SPLIT_Y_MIN) and ys is not None and 4 * ys >= X_SPLIT_Y_MIN
+                and 16 <= n <= X_SPLIT_MAX_N)
+        tokens = by_y or (bool(X_SPLIT_MIN) and xs >= X_SPLIT_MIN)
         if not rows and not tokens:
             return 0
-        v = self.chunks_wanted(cw) if rows else 0
+        v = self.chunks_wanted(cw) if rows and not by_y else 0
         if v <= 1:
             v = -2 if tokens else 0
         if v and Y_CHUNKS_IDLE and self.ws.busy(slot):
@@ -1467,7 +1476,8 @@ class Launcher:
         slot = ws.staged_slot if staged else ws.free_slot()  # ndarray.ctypes costs ~4 us
         host = self._stage_x(x, slot, staged)
         if chunks is None:
-            chunks = self.chunks_for(cw, slot, int(x.shape[0]) * w.rows, x.nbytes)
+            chunks = self.chunks_for(cw, slot, int(x.shape[0]) * w.rows, x.nbytes,
+                                     int(x.shape[0]))
         return self._in_slot(slot, lambda: self._launch_in(w, cw, x, in_t, path, cfg,
                                                            out_dtype, topk, slot, host,
                                                            chunks))

@@ -1,0 +1,112 @@
+"""Which split a large call takes (kernels/cuda/launch.py points 8 and 10), on the fake device of
+tests/kernels/test_cuda_backend_host.py: ``X_SPLIT_Y_MIN`` sends an idle call whose f32 y is
+large (16 to ``X_SPLIT_MAX_N`` tokens) to token halves before row chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from q6serve.kernels.api import BFLOAT16
+from q6serve.kernels.cuda import launch as launch_mod
+from tests.kernels.test_cuda_backend_host import _chunks, _halves, _set_y, _two_slab, _x
+
+Y_MIN = 3 << 19  # 1.5 MiB of f32 y
+
+
+def test_the_y_rule_is_off_by_default():
+    assert launch_mod.X_SPLIT_Y_MIN == 0
+
+
+@pytest.mark.parametrize("n,want", [(64, -2), (32, -2), (16, 0), (128, 2), (8, 0)])
+def test_a_large_y_takes_token_halves_before_row_chunks(monkeypatch, n, want):
+    """14336x4096 (two slabs, its own 2 row chunks): N=64 (3.7 MB of y) and N=32 (1.8 MB) take
+    halves; N=16 (0.9 MB: under the rule and Y_CHUNK_MIN) nothing; N=128 (past X_SPLIT_MAX_N)
+    its row chunks as before; N=8 nothing. Unknown tokens (n 0): the rule does not apply."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    be, _, _, w = _two_slab(monkeypatch)
+    lc = be.launcher
+    assert lc.chunks_for(w.data, 0, n * 14336, n * 4096 * 2, n) == want
+    assert lc.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2) == 2  # (n unknown: chunks)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+    assert lc.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == 2
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("out", [None, BFLOAT16])
+def test_halves_by_y_return_y_whole(monkeypatch, staged, out):
+    """The rule on: 14336x4096 at N=64 binds halves of 32 tokens (no row chunks), and y comes
+    back whole on every kind of call (direct, capture, graph, the cached BoundCall): one copy
+    per half."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    be, cp, _, w = _two_slab(monkeypatch)
+    rng = np.random.default_rng(31)
+    for i in range(5):
+        y = _set_y(be, w, 64, i) if i else None
+        before = cp.counts.get("d2h2d", 0)
+        res = be.launch(w, _x(be, rng, 64, 4096, staged), out_dtype=out).wait()
+        if y is not None:
+            want = y if out is None else y.astype(out)
+            assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+            assert cp.counts["d2h2d"] == before + 2
+    assert _halves(w, 64) == [(0, 32), (32, 64)]
+    assert not [b for key, b in w.data.plans.items() if len(key) == 6 and key[2] == 64
+                and b.extra.get("chunks")]
+
+
+def test_halves_by_y_not_beside_a_launch_in_flight(monkeypatch):
+    """Beside a launch in flight the call runs whole (Y_CHUNKS_IDLE's rule), and with the rule
+    off the weight's row chunks come back."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    be, _, _, w = _two_slab(monkeypatch)
+    rng = np.random.default_rng(32)
+    a = be.launch(w, _x(be, rng, 1, 4096, False))
+    assert be.launcher.chunks_for(w.data, be.launcher.ws.free_slot(), 64 * 14336,
+                                  64 * 4096 * 2, 64) == 0
+    a.wait()
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+    be.matmul(w, _x(be, rng, 64, 4096, True))
+    assert _chunks(w, 64) == [(0, 7168), (7168, 14336)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
+def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
+    """On a device, the weights as storage keeps them (two slabs, their own 2 row chunks): with
+    the rule on, N = 64 and 32 calls run in token halves (really bound) and give the plain
+    call's y bit for bit on every kind of call (direct, capture, graph, the cached BoundCall;
+    staged and copied x; f32 and bf16 y); beside a launch in flight: plain."""
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend
+
+    be = _gpu_backend()(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+
+    def staged_x(x):
+        xi = be.staging(*x.shape, np.float16)
+        xi[...] = x
+        return xi
+
+    try:
+        for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
+                               (32, None, True)):
+            x = rng.standard_normal((n, k)).astype(np.float16)
+            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+            be.launcher.y_chunks = 0
+            ref = be.matmul(w, x, out_dtype=out).y
+            be.launcher.y_chunks = None
+            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+            for _ in range(4):
+                xi = staged_x(x) if staged else x
+                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+            assert _halves(w, n) == [(0, n // 2), (n // 2, n)], (rows, n)
+            for _ in range(3):  # beside a launch in flight: the plain sequence
+                a = be.launch(w, staged_x(x[:1]))
+                np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
+                a.wait()
+    finally:
+        be.launcher.y_chunks = None
+        be.free(w)
+        be.close()
