@@ -49,7 +49,9 @@ slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 (kernels/cuda/launch.py, point 10: x's second half uploaded beside the first half's kernels,
 the first half's y downloaded beside the second's); the halves used are printed after the row
 (``tokens 32/32``); ``X_SPLIT_FIT=0``: the halves keep the full call's tile (every bound
-sequence rebinds at each variant switch).
+sequence rebinds at each variant switch). ``X_SPLIT_Y_MIN=B``: an idle call of 16-64 tokens
+whose f32 y is B bytes or more runs in token halves before row chunks; ``X_SPLIT_ROWS=1``: each
+half in the weight's own row chunks (``tokens 32/32 x rows 7168/7168/7168/7168``).
 
 ``--floor``: beside each (shape, N), what the bus alone costs at the call's sizes: x's upload
 and y's download between CUDA events from/into pinned memory (``h2d``, ``d2h``; y's also as two
@@ -248,14 +250,19 @@ def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int
     return None
 
 
-def tokens_of(w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
-    """The token halves (launch.X_SPLIT_MIN) of ``w``'s bound sequences at N = ``n``, if any
-    (bound under the current setting or an earlier one); a last entry (0, 0) where no such
-    sequence is a captured graph (its capture refused: direct launches)."""
+def tokens_of(w: ResidentWeight, n: int, state: int) -> dict | None:
+    """The token halves (launch.X_SPLIT_MIN, X_SPLIT_Y_MIN) of ``w``'s bound sequences at
+    N = ``n`` under the chunk state ``state`` (Launcher.chunks_for: -2 halves, -2 C halves in
+    C row chunks each), if any: {"tokens": [(t0, t1)], "rows": [(t0, t1, r0, r1)] (the parts of
+    X_SPLIT_ROWS; empty: halves whole), "graph": whether the sequence is a captured graph}."""
+    if state > -2:
+        return None
+    want = ("tokens", 2) if state == -2 else ("tokens", 2, -state // 2)
     for key, b in w.data.plans.items():
-        if (isinstance(key, tuple) and len(key) == 6 and key[2] == n
-                and key[4] == ("tokens", 2) and hasattr(b, "extra") and b.extra.get("tokens")):
-            return list(b.extra["tokens"]) + ([] if b.graph else [(0, 0)])
+        if (isinstance(key, tuple) and len(key) == 6 and key[2] == n and key[4] == want
+                and hasattr(b, "extra") and b.extra.get("tokens")):
+            return {"tokens": list(b.extra["tokens"]), "rows": b.extra.get("token_rows", []),
+                    "graph": bool(b.graph)}
     return None
 
 
@@ -620,9 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                     be.matmul(w, xs[0]).y, ref))
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
                          variant=label, round=rnd, chunks=chunks_of(be, w, n),
-                         # (halves under this row's setting: tokens_of sees earlier ones too)
-                         tokens=tokens_of(w, n) if be.launcher.chunks_for(
-                             w.data, 0, n * rows, xs[0].nbytes, n) == -2 else None)
+                         tokens=tokens_of(w, n, be.launcher.chunks_for(
+                             w.data, 0, n * rows, xs[0].nbytes, n)))
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
@@ -636,7 +642,12 @@ def main(argv: list[str] | None = None) -> int:
                 if r["chunks"]:
                     tag += " chunks " + "/".join(str(r1 - r0) for r0, r1 in r["chunks"])
                 if r["tokens"]:
-                    tag += " tokens " + "/".join(str(t1 - t0) for t0, t1 in r["tokens"])
+                    tok = r["tokens"]
+                    tag += " tokens " + "/".join(str(t1 - t0) for t0, t1 in tok["tokens"])
+                    if tok["rows"]:
+                        tag += " x rows " + "/".join(str(r1 - r0) for _, _, r0, r1 in tok["rows"])
+                    if not tok["graph"]:
+                        tag += " (not a graph)"
                 if (r["chunks"] or r["tokens"]) and r["y1_p50"] is not None:
                     tag += f" (first y down at {r['y1_p50']:.1f})"
                 if r["equal"] is False:

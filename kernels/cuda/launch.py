@@ -205,6 +205,11 @@ X_SPLIT_MIN = 3 << 19  # 1.5 MiB
 # [N, chunk rows] into its columns): 14336x4096 and 18944x3584, whose y (3.7 / 4.8 MB at N=64)
 # takes longer to come down than their kernels take.
 X_SPLIT_Y_MIN = 0
+# ... and with X_SPLIT_ROWS (0: off) each token half of a weight with row chunks of its own
+# (CudaWeight.y_chunks) is computed in those row chunks too (point 10): four parts on a two-slab
+# weight, each one's y block DMA'd while the next computes, so the first y bytes leave after a
+# quarter of the work instead of a half.
+X_SPLIT_ROWS = 0
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
 X_SPLIT_SRCS = (4, 5, 6)
@@ -620,7 +625,8 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     f32/bf16 y of ``Y_CHUNK_MIN`` bytes or more when ``chunks`` > 1 (the row-chunked sequence,
     module docstring point 8; its way out is enqueued per call, chunk by chunk); ("tokens", 2)
     for a larger f32/bf16 y of 16 tokens or more when ``chunks`` is -2 (the token halves,
-    point 10; its way out likewise, half by half) for 16 to ``X_SPLIT_MAX_N`` tokens."""
+    point 10; its way out likewise, half by half) for 16 to ``X_SPLIT_MAX_N`` tokens; ("tokens",
+    2, C) when it is -2 C (each half in C row chunks: X_SPLIT_ROWS)."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
@@ -628,7 +634,9 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
         if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
             return dt
         if chunks < -1:
-            return ("tokens", -chunks) if 16 <= n <= X_SPLIT_MAX_N else None
+            if not 16 <= n <= X_SPLIT_MAX_N:
+                return None
+            return ("tokens", 2) if chunks == -2 else ("tokens", 2, -chunks // 2)
         return ("rows", chunks) if chunks > 1 and n * rows * 4 >= Y_CHUNK_MIN else None
     if dt != np.float16:
         return None
@@ -1096,19 +1104,21 @@ class Launcher:
         """The split of a launch in ``slot`` now: C > 1 row chunks (:meth:`chunks_wanted`),
         -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked; or
         ``X_SPLIT_Y_MIN``: ``n`` tokens, 16 to ``X_SPLIT_MAX_N``, of an f32 y that large,
-        before row chunks), 0 none; none while another launch is in flight
-        (``Y_CHUNKS_IDLE``). A y of ``ys`` values (N x rows) under ``Y_CHUNK_MIN`` as f32 is
-        never row-chunked, and with an x under ``X_SPLIT_MIN`` and a y under both the state is
-        0 with no look at the slots (a small call's cached BoundCall is keyed by it)."""
+        before row chunks), -2 C token halves in C row chunks each (``X_SPLIT_ROWS``), 0
+        none; none while another launch is in flight (``Y_CHUNKS_IDLE``). A y of ``ys``
+        values (N x rows) under ``Y_CHUNK_MIN`` as f32 is never row-chunked, and with an x
+        under ``X_SPLIT_MIN`` and a y under both the state is 0 with no look at the slots (a
+        small call's cached BoundCall is keyed by it)."""
         rows = ys is None or 4 * ys >= Y_CHUNK_MIN
         by_y = (bool(X_SPLIT_Y_MIN) and ys is not None and 4 * ys >= X_SPLIT_Y_MIN
                 and 16 <= n <= X_SPLIT_MAX_N)
         tokens = by_y or (bool(X_SPLIT_MIN) and xs >= X_SPLIT_MIN)
         if not rows and not tokens:
             return 0
-        v = self.chunks_wanted(cw) if rows and not by_y else 0
-        if v <= 1:
-            v = -2 if tokens else 0
+        want = self.chunks_wanted(cw)
+        v = want if rows and not by_y else 0
+        if v <= 1:  # token halves: -2, or in C row chunks each (X_SPLIT_ROWS): -2 C
+            v = (-2 * want if X_SPLIT_ROWS and want > 1 and rows else -2) if tokens else 0
         if v and Y_CHUNKS_IDLE and self.ws.busy(slot):
             return 0
         return v
@@ -1281,6 +1291,15 @@ class Launcher:
         # rounds on fewer CTAs: slabs too coarse for this grid)
         return out if total <= rounds else None
 
+    @staticmethod
+    def part_cfg(cfg: Cfg, ks: int, m: int) -> Cfg:
+        """The launch shape of a token part of ``m`` tokens of a ``cfg`` call split ``ks`` ways
+        along K: that split, its tile narrowed to its tokens with ``X_SPLIT_FIT``."""
+        c = replace(cfg, ksplit=ks)
+        if X_SPLIT_FIT and cfg.src in (4, 5):
+            c = replace(c, nt=min(cfg.nt, 1 << (-(-m // 8) - 1).bit_length()))
+        return c
+
     def token_parts(self, lp: LaunchPlan, rows: int, k: int, layout: Layout, in_t: str,
                     path: str, cfg: Cfg, n: int, want: int, pairs: bool = False,
                     ) -> list[tuple[int, int, LaunchPlan]] | None:
@@ -1298,10 +1317,8 @@ class Launcher:
             return None
         ks, out = lp.grid[1], []
         for t0, t1 in itertools.pairwise(cuts):
-            c = replace(cfg, ksplit=ks)
-            if X_SPLIT_FIT and cfg.src in (4, 5):
-                c = replace(c, nt=min(cfg.nt, 1 << (-(-(t1 - t0) // 8) - 1).bit_length()))
-            p = self.plan(rows, k, layout, in_t, path, c, t1 - t0, pairs)
+            p = self.plan(rows, k, layout, in_t, path, self.part_cfg(cfg, ks, t1 - t0),
+                          t1 - t0, pairs)
             if p.grid[1] != ks:
                 return None
             out.append((t0, t1, p))
@@ -1665,6 +1682,12 @@ class Launcher:
                                   small[1], cw.pairs) if kind == "rows" else None)
         halves = (self.token_parts(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, small[1],
                                    cw.pairs) if kind == "tokens" else None)
+        sub = small[2] if kind == "tokens" and len(small) > 2 else 0  # X_SPLIT_ROWS's chunks
+        # each half's row chunks (its own plan's rounds; None: the half whole)
+        parts = [(t0, t1, tp, self.row_chunks(tp, w.rows, w.k, w.layout, in_t, path,
+                                               self.part_cfg(cfg, tp.grid[1], t1 - t0), t1 - t0,
+                                               cw.rps, sub, cw.pairs) if sub > 1 else None)
+                 for t0, t1, tp in halves or ()]
         isz = x_bytes // (n * w.k)
         for _ in range(2):
             gen = self.ws.gen
@@ -1685,17 +1708,26 @@ class Launcher:
                     copies.append((4 * r0, 4 * n * r0, 4 * w.rows, width, width, n))
             elif halves:  # point 10: each half's x, launches and y
                 steps = []
-                for t0, t1, tp in halves:
+                for t0, t1, tp, rcs in parts:
+                    m, xh, yh = t1 - t0, xd + t0 * w.k * isz, y + 4 * t0 * w.rows
                     ev = cp.cuda.Event(disable_timing=True) if t0 else None
-                    xparts.append((t0 * w.k * isz, (t1 - t0) * w.k * isz, ev))
+                    xparts.append((t0 * w.k * isz, m * w.k * isz, ev))
                     if ev is not None:  # its x uploaded on the x stream: waited for here
                         waits[len(steps)] = ev
-                    steps += self.steps(tp, w, cw, xd + t0 * w.k * isz, y + 4 * t0 * w.rows,
-                                        t1 - t0)
-                    if t1 < n:
-                        marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
-                    off, row = 4 * t0 * w.rows, 4 * w.rows  # its tokens' rows of y, in place
-                    copies.append((off, off, row, row, row, t1 - t0))
+                    row = 4 * w.rows
+                    if not rcs:  # its tokens' rows of y, in place
+                        steps += self.steps(tp, w, cw, xh, yh, m)
+                        if t1 < n:
+                            marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+                        copies.append((4 * t0 * w.rows, 4 * t0 * w.rows, row, row, row, m))
+                        continue
+                    for r0, r1, rp in rcs:  # (X_SPLIT_ROWS) its [m, r1 - r0] blocks in turn
+                        steps += self.steps(rp, w, cw, xh, yh + 4 * m * r0, m, r0, r1)
+                        if t1 < n or r1 < w.rows:
+                            marks[len(steps) - 1] = cp.cuda.Event(disable_timing=True)
+                        width = 4 * (r1 - r0)  # into its tokens' rows, its columns
+                        copies.append((4 * (t0 * w.rows + r0), 4 * (t0 * w.rows + m * r0), row,
+                                       width, width, m))
             else:
                 steps = self.steps(lp, w, cw, xd, y, n)
             out, post, y16big = None, [], None
@@ -1734,7 +1766,9 @@ class Launcher:
                                                                          strict=True)]
         if halves:
             b.extra.update(waits=waits, xparts=xparts, tokens=[(t0, t1) for t0, t1, _ in halves],
-                           fork=cp.cuda.Event(disable_timing=True))
+                           fork=cp.cuda.Event(disable_timing=True),
+                           token_rows=[(t0, t1, r0, r1) for t0, t1, _, rcs in parts
+                                       for r0, r1, _ in rcs or ()])
         cw.plans[key] = b
         return b
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from q6serve.kernels.api import BFLOAT16
+from q6serve.kernels.api import BFLOAT16, KernelFlags, Precision
 from q6serve.kernels.cuda import launch as launch_mod
 from tests.kernels.test_cuda_backend_host import _chunks, _halves, _set_y, _two_slab, _x
 
@@ -69,13 +69,79 @@ def test_halves_by_y_not_beside_a_launch_in_flight(monkeypatch):
     assert _chunks(w, 64) == [(0, 7168), (7168, 14336)]
 
 
+def _set_y_parts(be, w, n: int, i: int, parts) -> np.ndarray:
+    """Known values in the fake device's y laid out as X_SPLIT_ROWS's kernels write it: each
+    token half's rows of y in place, within them each row chunk's own [m, r1 - r0] block."""
+    y = (np.arange(n * w.rows, dtype=np.float32) % 991 - 450 + i).reshape(n, w.rows)
+    dev = be.launcher.ws._dev["y"].a
+    for t0, t1, r0, r1 in parts:
+        block = np.ascontiguousarray(y[t0:t1, r0:r1]).reshape(-1).view(np.uint8)
+        off = 4 * (t0 * w.rows + (t1 - t0) * r0)
+        dev[off : off + block.size] = block
+    return y
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("out", [None, BFLOAT16])
+def test_halves_in_row_chunks_return_y_whole(monkeypatch, staged, out):
+    """X_SPLIT_ROWS on: 14336x4096 at N=64 runs as 4 parts (each token half in the weight's 2
+    row chunks: its slabs), each part's kernels writing its own [32, 7168] block, and y comes
+    back whole on every kind of call: x up in two halves, 4 2D copies, the first three after
+    waits for their parts' events on the y stream."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 1)
+    be, cp, _, w = _two_slab(monkeypatch)
+    assert be.launcher.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == -4
+    rng = np.random.default_rng(33)
+    parts = [(0, 32, 0, 7168), (0, 32, 7168, 14336), (32, 64, 0, 7168), (32, 64, 7168, 14336)]
+    for i in range(5):
+        y = _set_y_parts(be, w, 64, i, parts) if i else None
+        before = dict(cp.counts)
+        res = be.launch(w, _x(be, rng, 64, 4096, staged), out_dtype=out).wait()
+        if y is not None:
+            want = y if out is None else y.astype(out)
+            assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+            assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == 4
+            assert cp.counts["h2d"] - before.get("h2d", 0) == 2
+    got = [b.extra["token_rows"] for key, b in w.data.plans.items()
+           if len(key) == 6 and key[2] == 64 and b.extra.get("token_rows")]
+    assert got and got[0] == parts
+    # off: the plain halves (2 copies) under the y rule
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 0)
+    assert be.launcher.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == -2
+
+
+def test_halves_in_row_chunks_keep_the_k_split(monkeypatch):
+    """Each part is its half's plan on its slabs' rows: the full call's K split, the half's
+    tile, x at the half's first token, y at its own block."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 1)
+    be, _, _, w = _two_slab(monkeypatch)
+    lc = be.launcher
+    seen = []
+    orig = lc.steps
+    monkeypatch.setattr(lc, "steps", lambda lp, w_, cw, xd, y, n_, r0=0, r1=None: seen.append(
+        (lp.grid[1], xd, y, n_, r0, r1)) or orig(lp, w_, cw, xd, y, n_, r0, r1))
+    be.matmul(w, np.ones((64, 4096), np.float16))
+    c = be.choose(64, Precision.AUTO, KernelFlags(), 14336, 4096)
+    ks = lc.plan(14336, 4096, w.layout, "InF16", c.path, c.cfg, 64).grid[1]
+    xd, yd = lc.ws._dev["x"].data.ptr, lc.ws._dev["y"].data.ptr
+    assert seen[-4:] == [(ks, xd, yd, 32, 0, 7168),
+                         (ks, xd, yd + 4 * 32 * 7168, 32, 7168, 14336),
+                         (ks, xd + 32 * 4096 * 2, yd + 4 * 32 * 14336, 32, 0, 7168),
+                         (ks, xd + 32 * 4096 * 2, yd + 4 * (32 * 14336 + 32 * 7168), 32, 7168,
+                          14336)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("split_rows", [0, 1])
 @pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
-def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
+def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, split_rows):
     """On a device, the weights as storage keeps them (two slabs, their own 2 row chunks): with
-    the rule on, N = 64 and 32 calls run in token halves (really bound) and give the plain
-    call's y bit for bit on every kind of call (direct, capture, graph, the cached BoundCall;
-    staged and copied x; f32 and bf16 y); beside a launch in flight: plain."""
+    the rule on, N = 64 and 32 calls run in token halves (really bound; with X_SPLIT_ROWS each
+    half in its row chunks where its own grid takes two rounds) and give the plain call's y
+    bit for bit on every kind of call (direct, capture, graph, the cached BoundCall; staged
+    and copied x; f32 and bf16 y); beside a launch in flight: plain."""
     from q6serve.kernels.api import Layout, iter_aos_chunks
     from tests.conftest import random_blocks
     from tests.kernels.test_cuda_backend_host import _gpu_backend
@@ -98,10 +164,27 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
             ref = be.matmul(w, x, out_dtype=out).y
             be.launcher.y_chunks = None
             monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+            monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", split_rows)
             for _ in range(4):
                 xi = staged_x(x) if staged else x
                 np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
             assert _halves(w, n) == [(0, n // 2), (n // 2, n)], (rows, n)
+            want = ("tokens", 2, 2) if split_rows else ("tokens", 2)
+            bound = [b for key, b in w.data.plans.items()
+                     if len(key) == 6 and key[2] == n and key[4] == want]
+            assert bound, (rows, n, split_rows)
+            if split_rows:  # the parts are the halves' own row chunks, where they have them
+                lc, c = be.launcher, be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+                full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, n, w.data.pairs)
+                cut = []
+                for t0, t1, tp in lc.token_parts(full, rows, k, Layout.SOA, "InF16", c.path,
+                                                 c.cfg, n, 2, w.data.pairs):
+                    rcs = lc.row_chunks(tp, rows, k, Layout.SOA, "InF16", c.path,
+                                        lc.part_cfg(c.cfg, tp.grid[1], t1 - t0), t1 - t0,
+                                        w.data.rps, 2, w.data.pairs)
+                    cut += [(t0, t1, r0, r1) for r0, r1, _ in rcs or ()]
+                assert bound[0].extra["token_rows"] == cut
+                print(f"{rows}x{k} N={n}: parts {cut or 'halves only'}")
             for _ in range(3):  # beside a launch in flight: the plain sequence
                 a = be.launch(w, staged_x(x[:1]))
                 np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
