@@ -22,7 +22,7 @@ sync, Python). Modes:
   kernel's start event (the graph launch's latency, x's upload) and from its end event to the
   span's end (y's download after the kernels); ``--parts``: also when a split call's (row
   chunks, token halves) first part's y has landed (an event on the y copy stream recorded after
-  the launch: one more host call in the wall);
+  the launch: one more host call in the wall; with 4 parts, when the first three have);
   ``--fill concat`` writes it as the batcher does for a batch of one-row requests
   (``np.concatenate`` of N arrays into it) instead of one copy;
 - ``naive``: the host path before issue 14 (``cupy.asarray(x)`` from pageable memory, events,
@@ -237,10 +237,13 @@ def load(be: CudaBackend, blocks: np.ndarray, rows: int, k: int,
         storage.SLAB_BYTES, storage.TWO_SLAB_MIN_ROWS = old
 
 
-def chunks_of(be: CudaBackend, w: ResidentWeight, n: int) -> list[tuple[int, int]] | None:
+def chunks_of(be: CudaBackend, w: ResidentWeight, n: int,
+              state: int) -> list[tuple[int, int]] | None:
     """The row chunks (launch.Y_CHUNKS, or the weight's own) of ``w``'s bound sequences at
-    N = ``n`` under the current setting, if any."""
-    want = ("rows", be.launcher.chunks_wanted(w.data))
+    N = ``n`` under the chunk state ``state`` (Launcher.chunks_for: C > 1), if any."""
+    if state < 2:
+        return None
+    want = ("rows", state)
     for key, b in w.data.plans.items():
         if (isinstance(key, tuple) and len(key) in (6, 7) and key[2] == n and key[4] == want
                 and hasattr(b, "extra")):
@@ -622,13 +625,14 @@ def main(argv: list[str] | None = None) -> int:
                     be.launcher.ws.gen += 1  # x's buffer, the halves' tiles: rebind
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts)
+                # the split this row's calls took (an idle launcher, the staging slot)
+                state = be.launcher.chunks_for(w.data, 0, n * rows, xs[0].nbytes, n)
                 # (after calls on other x: a copy that ran before its kernels would show)
                 r["equal"] = None if ref is None else bool(np.array_equal(
                     be.matmul(w, xs[0]).y, ref))
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
-                         variant=label, round=rnd, chunks=chunks_of(be, w, n),
-                         tokens=tokens_of(w, n, be.launcher.chunks_for(
-                             w.data, 0, n * rows, xs[0].nbytes, n)))
+                         variant=label, round=rnd, chunks=chunks_of(be, w, n, state),
+                         tokens=tokens_of(w, n, state))
                 out.append(r)
                 fill = f" (fill {r['fill_p50']:.1f})" if r["fill_p50"] is not None else ""
                 if r["span_p50"] is not None:  # GPU span of launch..last copy vs the wall
@@ -649,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not tok["graph"]:
                         tag += " (not a graph)"
                 if (r["chunks"] or r["tokens"]) and r["y1_p50"] is not None:
-                    tag += f" (first y down at {r['y1_p50']:.1f})"
+                    tag += f" (the y stream's copies done at {r['y1_p50']:.1f})"
                 if r["equal"] is False:
                     tag += " y DIFFERS from the defaults'"
                 print(f"{shape_s:>12} {n:>3} {m:>7} {r['wall_p50']:9.1f} {r['kernel_p50']:10.1f} "

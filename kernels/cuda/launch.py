@@ -84,6 +84,12 @@ host path of one batch:
    reads the whole weight: the GPU time grows (the reported kernel time is both halves'), the
    wall shrinks where the bus dominates: H200, session 15, 4096x14336 N=64 (1.8 MB of x up, 1
    MiB of y down around a 44 us kernel) staged wall 150.3 -> 138.4 us for 63 us of kernels.
+   A call with a large f32 y (``X_SPLIT_Y_MIN``) takes the halves before point 8's row chunks,
+   and with ``X_SPLIT_ROWS`` each half in the weight's own row chunks (each part its [tokens,
+   chunk rows] block of the device y, DMA'd by a 2D copy into its place while the next part
+   computes): 4 parts on a two-slab weight, y's download started after a quarter of the work:
+   H200, session 16, 14336x4096 N=64 (3.7 MB of y, 70 us of DMA) staged wall 152.8 -> 141.3 us,
+   18944x3584 N=64 182.2 -> 157.7 (kernels 54 -> 76, 50 -> 86 us).
    (Tried with it and not kept: the backend's own copy of an unstaged x in 4 parts on a thread
    pool, as NumPy's copy releases the GIL: 4096x14336 N=64 unstaged host 269.6 -> 402.6 us,
    14336x4096 N=32 83.7 -> 284.5: the hand-offs cost more than the copy.)
@@ -200,16 +206,19 @@ Y_CHUNKS_IDLE = 1
 # (X_SPLIT_FIT 0) 154.5; bits equal (GPU test, 4096x14336 and 3584x18944).
 X_SPLIT_MIN = 3 << 19  # 1.5 MiB
 # ... and an idle call of 16 to X_SPLIT_MAX_N tokens whose f32 y is X_SPLIT_Y_MIN bytes or more
-# (0: off), on such a tile, runs in token halves even where row chunks would apply (point 10: the
-# first half's y rows are one contiguous block of the host y; a row chunk's are a 2D copy of
-# [N, chunk rows] into its columns): 14336x4096 and 18944x3584, whose y (3.7 / 4.8 MB at N=64)
-# takes longer to come down than their kernels take.
-X_SPLIT_Y_MIN = 0
-# ... and with X_SPLIT_ROWS (0: off) each token half of a weight with row chunks of its own
-# (CudaWeight.y_chunks) is computed in those row chunks too (point 10): four parts on a two-slab
-# weight, each one's y block DMA'd while the next computes, so the first y bytes leave after a
-# quarter of the work instead of a half.
-X_SPLIT_ROWS = 0
+# (0: off), on such a tile, runs in token halves even where row chunks would apply, with
+# X_SPLIT_ROWS (0: off) each half in the weight's own row chunks (CudaWeight.y_chunks): four
+# parts on a two-slab weight, each part's y block DMA'd while the next computes, so y starts
+# down after a quarter of the work (point 10). For 14336x4096 and 18944x3584, whose y (3.7 /
+# 4.8 MB at N=64) takes longer to come down (70 / 91 us) than their kernels take (47 / 50).
+# H200, session 16 (bundle A, 3 rounds alternated, bench/RESULTS.md), staged wall: 14336x4096
+# N=64 row chunks 152.8, halves 149.4, halves x rows 141.3 us (the unsplit kernel 47.2: 94.1 over
+# it, the limit 100); 18944x3584 N=64 182.2 / 169.6 / 157.7; at N=32 (1.8 / 2.4 MB) both lose to
+# the row chunks (99.9 -> 113.2 / 120.7; 107.2 -> 112.9 / 113.5): two 16-token kernels cost more
+# than the download they hide, hence 3 MiB. Bits equal (GPU tests). The 2D copies are not what
+# cost: y down as two column blocks took 72.4 us against 69.9 in one copy.
+X_SPLIT_Y_MIN = 3 << 20  # 3 MiB
+X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
 X_SPLIT_SRCS = (4, 5, 6)

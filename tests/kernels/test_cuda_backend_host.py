@@ -180,6 +180,14 @@ class _FakeCuda:
         self.op(lambda: np.copyto(dst, src, casting=casting))
 
 
+@pytest.fixture(autouse=True)
+def _no_halves_by_y(monkeypatch):
+    """These tests are about the row chunks (point 8) and the token halves of a large x (point
+    10): a large y's halves before the row chunks (X_SPLIT_Y_MIN, on by default) are off here,
+    as they were when they were written; tests/service/test_launch_split.py has that rule."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+
+
 def fake_backend(monkeypatch, graphs: bool = True):
     """A :class:`CudaBackend` on :class:`_FakeCuda` (the committed dispatch table)."""
     from q6serve.kernels.cuda_backend import CudaBackend

@@ -14,16 +14,28 @@ from tests.kernels.test_cuda_backend_host import _chunks, _halves, _set_y, _two_
 Y_MIN = 3 << 19  # 1.5 MiB of f32 y
 
 
-def test_the_y_rule_is_off_by_default():
-    assert launch_mod.X_SPLIT_Y_MIN == 0
+@pytest.mark.parametrize("rows,n,want", [(14336, 64, -4), (14336, 48, 2), (14336, 32, 2),
+                                         (18944, 64, -4), (18944, 48, -4), (18944, 32, 2),
+                                         (14336, 128, 2)])
+def test_the_defaults_split_where_measured(monkeypatch, rows, n, want):
+    """The defaults (X_SPLIT_Y_MIN 3 MiB, X_SPLIT_ROWS on): the two-slab weights' calls whose
+    f32 y is 3 MiB or more (14336x4096 at N=64: 3.7 MB; 18944x3584 from N=42) run in halves x
+    their row chunks; N=32 (1.8 / 2.4 MB: measured slower so) and N=128 (past X_SPLIT_MAX_N)
+    keep the row chunks."""
+    assert (launch_mod.X_SPLIT_Y_MIN, launch_mod.X_SPLIT_ROWS) == (3 << 20, 1)
+    be, _, _, w = _two_slab(monkeypatch)
+    k = 4096 if rows == 14336 else 3584
+    assert be.launcher.chunks_for(w.data, 0, n * rows, n * k * 2, n) == want
 
 
 @pytest.mark.parametrize("n,want", [(64, -2), (32, -2), (16, 0), (128, 2), (8, 0)])
 def test_a_large_y_takes_token_halves_before_row_chunks(monkeypatch, n, want):
-    """14336x4096 (two slabs, its own 2 row chunks): N=64 (3.7 MB of y) and N=32 (1.8 MB) take
-    halves; N=16 (0.9 MB: under the rule and Y_CHUNK_MIN) nothing; N=128 (past X_SPLIT_MAX_N)
-    its row chunks as before; N=8 nothing. Unknown tokens (n 0): the rule does not apply."""
+    """14336x4096 (two slabs, its own 2 row chunks), the rule at 1.5 MiB, X_SPLIT_ROWS off:
+    N=64 (3.7 MB of y) and N=32 (1.8 MB) take halves; N=16 (0.9 MB: under the rule and
+    Y_CHUNK_MIN) nothing; N=128 (past X_SPLIT_MAX_N) its row chunks as before; N=8 nothing.
+    Unknown tokens (n 0): the rule does not apply."""
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 0)
     be, _, _, w = _two_slab(monkeypatch)
     lc = be.launcher
     assert lc.chunks_for(w.data, 0, n * 14336, n * 4096 * 2, n) == want
@@ -35,10 +47,11 @@ def test_a_large_y_takes_token_halves_before_row_chunks(monkeypatch, n, want):
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("out", [None, BFLOAT16])
 def test_halves_by_y_return_y_whole(monkeypatch, staged, out):
-    """The rule on: 14336x4096 at N=64 binds halves of 32 tokens (no row chunks), and y comes
-    back whole on every kind of call (direct, capture, graph, the cached BoundCall): one copy
-    per half."""
+    """The rule on, X_SPLIT_ROWS off: 14336x4096 at N=64 binds halves of 32 tokens (no row
+    chunks), and y comes back whole on every kind of call (direct, capture, graph, the cached
+    BoundCall): one copy per half."""
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 0)
     be, cp, _, w = _two_slab(monkeypatch)
     rng = np.random.default_rng(31)
     for i in range(5):
