@@ -269,7 +269,7 @@ class Device:
         :meth:`may_launch_now`, and the caller waits for each launch, in launch order, before
         its loop callback returns: no other launch (this thread's or the device thread's) can
         come between, so launch i + 1 runs on the GPU while the loop answers launch i. Or it
-        waits a loop trip later (the device process's merged batches, ``Engine.launch_direct``
+        waits a loop trip later (the device process's trip batches, ``Engine.launch_now``
         with ``own_time``: the loop reads the next messages while the GPU runs): until then
         :meth:`call` holds every job, and the last wait runs the held ones (``_run_held``), so
         nothing else launches meanwhile either."""
@@ -780,14 +780,17 @@ class Batcher:
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
                            kernel_s, rows, 1, job_s, result.topk)
 
-    def can_launch_now(self, rows: int, key: BatchKey) -> bool:
+    def can_launch_now(self, rows: int, key: BatchKey, full: bool = True) -> bool:
         """Whether a request of ``rows`` may be launched now by :meth:`launch_now`: a full
         batch (no other request could join it: it need not wait for the trip's others, nor
         for the queue, which the batcher's task still serves in the next trip), the device
         free for it (``Device.may_launch_now``: at most launch_now's own launches in flight),
-        and a like job measured, short enough to inline and not one to defer."""
-        if (rows < self._s.max_rows or self._closed or self._launch_batch is None
-                or not self._device.may_launch_now()):
+        and a like job measured, short enough to inline and not one to defer. ``full``
+        False: any rows, with nothing of this weight queued (the device process's trip
+        batches, Q6SERVE_DEVICE_PIPELINE: the trip's merge took every call that could join,
+        and a queued request is not overtaken)."""
+        if ((rows < self._s.max_rows if full else bool(self._queue)) or self._closed
+                or self._launch_batch is None or not self._device.may_launch_now()):
             return False
         kb = (key, _BUCKETS[rows] if rows < len(_BUCKETS) else _bucket(rows))
         return (self._device.inlines(self._job_s.get(kb))

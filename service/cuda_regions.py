@@ -116,6 +116,60 @@ class CudaSupport:
         service/frontends.py): the checks run now (a refusal raises here), the job is queued,
         and ``done(reply, exception)`` runs on the loop when it ends; the weight is held
         until then."""
+        e, flags, cost = self._admit(engine, call, yd)
+        try:
+            def finished(reply: Any, exc: BaseException | None) -> None:
+                engine.registry.release(e)
+                done(reply, exc)
+
+            dev = engine.device
+            # under load (Device.pipeline_short, the device busy), a call whose y goes to a
+            # CUDA region is launched on the loop and waited for on the device thread, the
+            # next one launched behind it (Device.launch_slots): the loop does not wait for
+            # the GPU inline. Alone on an idle device it runs inline whole, as before.
+            launch = (self._launch if yd is not None and dev.pipeline_short and not dev.idle
+                      else None)
+            dev.call(asyncio.get_running_loop(), self._job,
+                     (e, call, yd, flags, time.perf_counter(), cost), finished,
+                     expect_s=self._job_s.get(cost), launch=launch)
+        except BaseException:
+            engine.registry.release(e)
+            raise
+
+    def launch_now(self, engine: Any, call: Any, yd: Any) -> Callable[[], MatmulReply] | None:
+        """:meth:`start` in two halves for a y in a CUDA region (the device process's
+        pipeline, Q6SERVE_DEVICE_PIPELINE): the checks, then - when the device may launch
+        here now (``Device.may_launch_now``: at most launch_now's own launches out, fewer
+        than its slots) and a like job was measured short - the launch in a slot of its own
+        (:meth:`_launch`), returning the function that waits for it and returns the reply
+        (a failure raises); the weight is held until then. None: nothing was done
+        (:meth:`start` it). A refusal raises here."""
+        if yd is None:  # (y back to the host: a whole job, :meth:`_job`)
+            return None
+        dev = engine.device
+        e, flags, cost = self._admit(engine, call, yd)
+        try:
+            if not (dev.may_launch_now() and dev.inlines(self._job_s.get(cost))):
+                engine.registry.release(e)
+                return None
+            finish = dev.launch_now(self._launch, e, call, yd, flags, time.perf_counter(),
+                                    cost, True)
+        except BaseException:
+            engine.registry.release(e)
+            raise
+
+        def wait() -> MatmulReply:
+            try:
+                return finish()  # type: ignore[return-value]
+            finally:
+                engine.registry.release(e)
+
+        return wait
+
+    def _admit(self, engine: Any, call: Any, yd: Any,
+               ) -> tuple[Any, KernelFlags, tuple[Any, ...]]:
+        """The checks of a call (a refusal raises): its weight's entry, held (the caller lets
+        go of it), the flags it runs under and its cost key (``_job_s``)."""
         if not engine.serving:
             raise Unavailable("the worker is draining and takes no new requests")
         x = call.x
@@ -134,25 +188,10 @@ class CudaSupport:
                                   f"K={e.k}")
             flags = engine.flags.state.kernel_flags()
             engine.backend.plan(n, call.precision, flags)  # what the flags forbid: refused now
-            cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
-
-            def finished(reply: Any, exc: BaseException | None) -> None:
-                engine.registry.release(e)
-                done(reply, exc)
-
-            dev = engine.device
-            # under load (Device.pipeline_short, the device busy), a call whose y goes to a
-            # CUDA region is launched on the loop and waited for on the device thread, the
-            # next one launched behind it (Device.launch_slots): the loop does not wait for
-            # the GPU inline. Alone on an idle device it runs inline whole, as before.
-            launch = (self._launch if yd is not None and dev.pipeline_short and not dev.idle
-                      else None)
-            dev.call(asyncio.get_running_loop(), self._job,
-                     (e, call, yd, flags, time.perf_counter(), cost), finished,
-                     expect_s=self._job_s.get(cost), launch=launch)
         except BaseException:
             engine.registry.release(e)
             raise
+        return e, flags, (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
 
     def _enqueue(self, e: Any, call: Any, flags: KernelFlags, slot: int | None,
                  ) -> tuple[Any, Any, Any, Any]:
@@ -175,11 +214,13 @@ class CudaSupport:
         return (c, *b.launch_device(w, x, dtype, c.path, c.cfg, slot))
 
     def _launch(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,
-                cost: tuple[Any, ...]) -> Deferred:
+                cost: tuple[Any, ...], own_time: bool = False) -> Deferred:
         """:meth:`_job` for a y in a CUDA region, launched on the loop in a launch slot of its
         own (its bound sequence and events; held until the wait): the returned wait, run on
         the device thread, synchronises on the slot's completion event only (a call
-        launched behind this one keeps running)."""
+        launched behind this one keeps running). ``own_time``: the job's time is the
+        launch's and the wait's only (:meth:`launch_now`: a wait a loop trip later, the trip
+        not the job's)."""
         t0 = time.perf_counter()
         b, cp = self.backend, self.cp
         ws = b.launcher.ws
@@ -195,17 +236,20 @@ class CudaSupport:
             raise
         kernel = f"cuda.{c.path}.{e.resident.layout.value}"
         layout, n = e.resident.layout, int(call.x.shape[0])
+        t_launch = time.perf_counter() - t0
 
         def wait() -> MatmulReply:
+            tw = time.perf_counter()
             try:
                 ws.done_event(slot).synchronize()
                 kernel_s = self._seconds(start, end)
             finally:
                 ws.release(slot)
             t1 = time.perf_counter()
-            self._cost(cost, t1 - t0)
+            job_s = t_launch + t1 - tw if own_time else t1 - t0
+            self._cost(cost, job_s)
             return MatmulReply(None, kernel, layout, c.precision, t0 - t_enq, kernel_s, n, 1,
-                               t1 - t0)
+                               job_s)
 
         return Deferred(wait)
 

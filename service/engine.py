@@ -944,6 +944,8 @@ class Engine:
 
     def launch_now(self, call: MatmulCall,
                    launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
+                   full: bool = True, own_time: bool = False,
+                   fill: Callable[[], np.ndarray] | None = None,
                    ) -> Callable[[], MatmulReply] | None:
         """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
         ``call`` and launch it now, returning the function that waits for it and returns its
@@ -952,15 +954,27 @@ class Engine:
         (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py).
         ``launch(x, key)``: the launch itself, in place of the weight's own (the lane's
         region call, which repeats a call of this weight launched before; the checks, the
-        accounting and the reply are the same)."""
+        accounting and the reply are the same). ``full`` False: a request of any rows
+        (``Batcher.can_launch_now``); ``own_time``: the job's time is the launch's and the wait's
+        only (``Batcher.launch_now``): the device process's trip batches,
+        Q6SERVE_DEVICE_PIPELINE, waited for a loop trip later (``Device.launch_now``).
+        ``fill()``: the x to launch, built once the checks passed (``call.x`` then stands for
+        its rows and dtype only: a merged batch built in the backend's upload buffer)."""
         got = self._direct_target(call)
         if got is None:
             return None
         e, b, key, rows = got
-        if not b.can_launch_now(rows, key):
+        if not b.can_launch_now(rows, key, full):
             return None
         self._admit_direct(call, e, b.direct(key), rows)
-        return self._launch_held(e, b, call.x, key, launch)
+        x = call.x
+        if fill is not None:
+            try:
+                x = fill()
+            except BaseException:
+                self.registry.release(e)
+                raise
+        return self._launch_held(e, b, x, key, launch, own_time)
 
     def _launch_held(self, e: WeightEntry, b: Batcher, x: np.ndarray, key: BatchKey,
                      launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
@@ -1051,16 +1065,14 @@ class Engine:
         return e, d
 
     def launch_direct(self, b: Batcher, call: MatmulCall, key: BatchKey,
-                      own_time: bool = False) -> Callable[[], MatmulReply]:
+                      ) -> Callable[[], MatmulReply]:
         """:meth:`run_direct` in two halves (``Batcher.launch_now``): check ``call`` and launch
         it now; the function returned waits for it and returns its reply (a failure raises).
         For the parts of a multi-weight call on the direct path (``multi.run_weights_now``
         with ``multi_pipeline``): each part's launch goes behind the previous one, so the GPU
-        runs them back to back while the host launches the next. With ``own_time`` (the
-        device process's merged batches, Q6SERVE_DEVICE_PIPELINE) the wait may come a loop
-        trip later (``Device.launch_now``) and the job's time is the launch's and the wait's."""
+        runs them back to back while the host launches the next."""
         e, d = self._admit_part(b, call, key)
-        return self._launch_held(e, b, call.x, d.key, own_time=own_time)
+        return self._launch_held(e, b, call.x, d.key)
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)

@@ -98,7 +98,8 @@ PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
 DEVICE_PIPELINE = Var("Q6SERVE_DEVICE_PIPELINE", "switch", False,
-                      "the device process waits for a merged batch a loop trip after its launch")
+                      "the device process launches a trip's calls behind those out and waits "
+                      "for them a loop trip later")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
 # read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env, region_streams_from_env,

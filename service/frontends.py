@@ -84,7 +84,7 @@ from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
 from .auth import TokenAuth
 from .config import WorkerConfig
-from .engine import MatmulCall, MatmulReply
+from .engine import Engine, MatmulCall, MatmulReply
 from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
 from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
@@ -648,6 +648,35 @@ def _told_failure(fe: _Front, rid: int, fut: asyncio.Future[Any]) -> bool:
     return True
 
 
+def _longest(parts: list[tuple[MatmulCall, Any]]) -> float | None:
+    """The deadline of merged calls' one request: the longest (each caller's own deadline
+    ends its RPC); None if any has none."""
+    timeout = 0.0
+    for c, _ in parts:
+        if c.timeout is None:
+            return None
+        timeout = max(timeout, c.timeout)
+    return timeout
+
+
+def _probe(parts: list[tuple[MatmulCall, Any]], rows: int, timeout: float | None) -> MatmulCall:
+    """Merged calls' request as the engine's checks read it (rows and dtypes; x one row,
+    repeated: nothing copied), before x is built (``_staged``)."""
+    first = parts[0][0]
+    x0 = first.x
+    return MatmulCall(first.weight, np.ndarray((rows, x0.shape[1]), x0.dtype, x0, 0,
+                                               (0, x0.strides[1])),
+                      first.precision, first.out_dtype, timeout)
+
+
+def _staged(engine: Engine, parts: list[tuple[MatmulCall, Any]], rows: int) -> np.ndarray:
+    """Merged calls' x concatenated straight into the backend's upload buffer
+    (``Backend.staging``: valid until the next launch, which must be this one's)."""
+    x0 = parts[0][0].x
+    return np.concatenate([c.x for c, _ in parts],
+                          out=engine.backend.staging(rows, x0.shape[1], x0.dtype))
+
+
 # ============================================================================================
 # The device process
 # ============================================================================================
@@ -700,18 +729,23 @@ class FrontendsWorker(Worker):
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
         self.merge = bool(envvars.DEVICE_MERGE.read())
-        # Q6SERVE_DEVICE_PIPELINE (off by default: the inline wait): a merged batch on the
-        # direct path is launched in its trip and waited for at the start of the next
-        # (_settle): the loop reads and merges the next messages while the GPU runs. H200,
-        # session 15, T2 at 6 front ends: +1-12% calls/s in three pairs on a slow host, -4%
-        # and -23% in two on a faster one; and with it a lone call takes _run_merged_now,
-        # not _start_alone's run_now, and region calls through the front ends got no y
-        # (test_pinned_gpu, the check's T2/T3 with regions): off until both are fixed
-        # (bench/RESULTS.md, "Closing check, session 15"). At most one is out; (wait, parts).
+        # Q6SERVE_DEVICE_PIPELINE (off by default: the inline wait): each call of a trip (a
+        # merged batch, a lone call, bytes or region) is launched at the trip's end behind
+        # the launches still out, and waited for a loop trip later (_tick), or, once the
+        # device may launch no more, before the next launch: the loop reads, merges and
+        # launches the next calls while the GPU runs the previous ones (bench/RESULTS.md,
+        # "What bounds T3 now"). Out: (wait, done(reply, exception), launch number).
         self.pipeline = bool(envvars.DEVICE_PIPELINE.read())
-        self._out_batch: tuple[Callable[[], MatmulReply], list[tuple[MatmulCall, Any]]] \
-            | None = None
-        self.pipelined = [0, 0.0]  # batches launched so, and the loop's seconds in their waits
+        self._out: collections.deque[tuple[Callable[[], Any],
+                                           Callable[[Any, BaseException | None], None], int]] \
+            = collections.deque()
+        self._launches = 0  # launches so far (each out entry's number)
+        self._tick_due = False
+        # CUDA-region calls read in this trip, launched at its end (with the pipeline):
+        # (call, y's CUDA view or None, done)
+        self._cuda_due: list[tuple[MatmulCall, Any, Callable[[Any, BaseException | None],
+                                                             None]]] = []
+        self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
         # Q6SERVE_FRONTEND_ROUND_ROBIN: the eBPF program and maps that deal new connections to
@@ -913,36 +947,46 @@ class FrontendsWorker(Worker):
     # -- the calls of one loop trip as one engine request ------------------------------------
     def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
         """Queue a single-weight call whose answer goes to ``sink(fut)``. A plain one (no
-        top-k, at most ``_merge_rows`` rows) waits for the end of this loop trip and goes to
+        top-k, fewer than ``_merge_rows`` rows) waits for the end of this loop trip and goes to
         the engine together with the others of its weight, dtypes and K read in the same trip
         (from every front end): one request, one MatmulReply for all of them, each sink then
         gets its rows (``_answer_merged``). The engine's per-request work was a third of the
         device process's loop under T2 (bench/RESULTS.md, issue 15 session 5). On an idle
         device, once a like job is measured, that request takes the engine's direct path at
         the end of the trip (``_run_merged_now``: no queue, future or timer; -27% of the
-        device process's CPU per call under T2, session 9). Not with dynamic batching off
+        device process's CPU per call under T2, session 9). With Q6SERVE_DEVICE_PIPELINE a
+        full one (``_merge_rows``, T3's calls) waits for the trip's end too, to be launched
+        there behind the others (``_pipe``). Not with dynamic batching off
         (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
         x, engine = call.x, self.engine
         assert engine is not None
         if (not self.merge or call.topk or x.ndim != 2
-                or not 0 < x.shape[0] < self._merge_rows  # (a full one merges with nothing)
+                # (a full one merges with nothing: to the engine, unless it is to be pipelined)
+                or not 0 < x.shape[0] < self._merge_rows + self.pipeline
                 or not engine.flags.state.dynamic_batching):  # (batching off: one by one)
             engine.start_matmul(call, sink)
             return
-        if not self._merging:
-            asyncio.get_running_loop().call_soon(self._flush_calls)
+        self._flush_due()
         key = (call.weight, x.dtype, x.shape[1], call.precision, call.out_dtype)
         if (got := self._merging.get(key)) is None:
             self._merging[key] = [(call, sink)]
         else:
             got.append((call, sink))
 
+    def _flush_due(self) -> None:
+        """A call for the trip's end (``_flush_calls``, scheduled once a trip)."""
+        if not self._merging and not self._cuda_due:
+            asyncio.get_running_loop().call_soon(self._flush_calls)
+
     def _flush_calls(self) -> None:
         """The calls merged in this trip to the engine (``_start_merged``). What ran here on
         the direct path is answered here: those answers go out now (``_Out.flush_now``),
         not a loop iteration later, after the messages read meanwhile were parsed and
-        merged."""
+        merged. With the pipeline, this trip's calls are launched first, then the launches
+        of earlier trips are waited for and answered (the GPU has this trip's to run
+        meanwhile)."""
         merging, self._merging = self._merging, {}
+        earlier = self._launches
         for parts in merging.values():
             chunk: list[tuple[MatmulCall, Any]] = []
             rows = 0
@@ -954,29 +998,37 @@ class FrontendsWorker(Worker):
                 chunk.append(part)
                 rows += n
             self._start_merged(chunk, rows)
+        if self._cuda_due:
+            self._launch_cuda_due()
+        if self.pipeline:
+            self._settle(earlier)
         for fe in self._fronts.values():
             fe.out.flush_now()
 
     def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
-        if self._out_batch is not None:  # (another batch of this trip: at most one is out)
-            self._settle()
-        if len(parts) == 1 and not self.pipeline:
+        if self.pipeline:
+            self._pipe_merged(parts, rows)
+            return
+        if len(parts) == 1:
             self._start_alone(*parts[0])
             return
-        calls = [c for c, _ in parts]
-        timeout: float | None = 0.0  # the longest: each caller's own deadline ends its RPC
-        for c in calls:
-            if c.timeout is None:
-                timeout = None
-                break
-            timeout = max(timeout, c.timeout)
-        first = calls[0]
+        timeout = _longest(parts)
         try:
             if self._run_merged_now(parts, rows, timeout):
                 return
-            if len(parts) == 1:  # (pipelined, but not on the direct path now)
-                self._start_alone(*parts[0])
-                return
+        except Exception:  # (a refusal may be one caller's: each gets its own answer)
+            for part in parts:
+                self._start_alone(*part)
+            return
+        self._start_queued(parts, timeout)
+
+    def _start_queued(self, parts: list[tuple[MatmulCall, Any]],
+                      timeout: float | None) -> None:
+        """Merged calls as one queued engine request (x concatenated), each answered from
+        its reply (``_merged_done``)."""
+        calls = [c for c, _ in parts]
+        first = calls[0]
+        try:
             x = np.concatenate([c.x for c in calls])
             self.engine.start_matmul(  # type: ignore[union-attr]
                 MatmulCall(first.weight, x, first.precision, first.out_dtype, timeout),
@@ -1000,30 +1052,17 @@ class FrontendsWorker(Worker):
         False: nothing was done (queue it). A refusal is handled as ``_merged_done`` does."""
         engine = self.engine
         assert engine is not None
-        first = parts[0][0]
-        x0 = first.x
-        k = x0.shape[1]
-        # (the direct-path check reads only the rows and dtypes: one row, repeated, stands in)
-        probe = MatmulCall(first.weight, np.ndarray((rows, k), x0.dtype, x0, 0,
-                                                    (0, x0.strides[1])),
-                           first.precision, first.out_dtype)
+        probe = _probe(parts, rows, timeout)
         key = engine.batch_key(probe)
         got = engine.direct_batchers((probe,), key)
         if got is None:
             return False
-        # the buffer is valid until the next launch, which is this call's (nothing runs between)
-        x = np.concatenate([c.x for c, _ in parts], out=engine.backend.staging(rows, k, x0.dtype))
+        x = _staged(engine, parts, rows)
         if len(parts) > 1:
             self.merged[0] += 1
             self.merged[1] += len(parts)
-        call = MatmulCall(first.weight, x, first.precision, first.out_dtype, timeout)
+        call = MatmulCall(probe.weight, x, probe.precision, probe.out_dtype, timeout)
         try:
-            if self.pipeline:
-                wait = engine.launch_direct(got[0], call, key, own_time=True)
-                self._out_batch = (wait, parts)
-                self.pipelined[0] += 1
-                asyncio.get_running_loop().call_soon(self._settle)
-                return True
             reply = engine.run_direct(got[0], call, key)
         except Exception as e:
             self._merged_failed(parts, e)
@@ -1031,26 +1070,113 @@ class FrontendsWorker(Worker):
         self._answer_merged(parts, reply)
         return True
 
-    def _settle(self) -> None:
-        """Q6SERVE_DEVICE_PIPELINE: wait for the batch launched by ``_run_merged_now`` and
-        answer its calls. Scheduled by its launch, so it runs first in the next loop trip:
-        the launch's trip read and merged the messages that came meanwhile (their merged
-        batch launches right after this, in the same trip) while the GPU ran; on an idle
-        worker the next trip comes at once (a callback is ready: no wait in epoll), so a lone
-        call waits no longer than inline. Until the wait, ``Device.call`` holds other jobs."""
-        out, self._out_batch = self._out_batch, None
-        if out is None:
-            return  # (settled already: a second batch of its trip came first)
-        wait, parts = out
-        t = time.perf_counter()
+    # -- Q6SERVE_DEVICE_PIPELINE: launched at a trip's end, waited for a trip later ----------
+    def _pipe_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
+        """A trip's merged batch, or a lone call, launched now behind the launches out
+        (``_pipe``): a lone call as it is (``Engine.launch_now``, the launch ``run_now``
+        takes: a system region's x is DMA'd from its region and its y into the caller's
+        region, as ``_start_alone``'s), several with x concatenated into the backend's
+        upload buffer (as ``_run_merged_now``). Where none may launch, as without the
+        pipeline (``_start_alone``, ``_start_queued``)."""
+        engine = self.engine
+        assert engine is not None
+        if len(parts) == 1:
+            call, sink = parts[0]
+            try:
+                self._pipe(lambda: engine.launch_now(call, full=False, own_time=True),
+                           functools.partial(self._pipe_done, parts),
+                           lambda: self._start_alone(call, sink))
+            except Exception as e:  # a refusal
+                sink(_settled(e))
+            return
+        timeout = _longest(parts)
+        probe = _probe(parts, rows, timeout)
         try:
-            reply = wait()
-        except Exception as e:
-            self.pipelined[1] += time.perf_counter() - t
+            launched = self._pipe(
+                lambda: engine.launch_now(probe, full=False, own_time=True,
+                                          fill=lambda: _staged(engine, parts, rows)),
+                functools.partial(self._pipe_done, parts),
+                lambda: self._start_queued(parts, timeout))
+        except Exception as e:  # (a refusal may be one caller's: each gets its own answer)
             self._merged_failed(parts, e)
+            return
+        if launched:
+            self.merged[0] += 1
+            self.merged[1] += len(parts)
+
+    def _pipe_done(self, parts: list[tuple[MatmulCall, Any]], reply: MatmulReply | None,
+                   exc: BaseException | None) -> None:
+        """A launch of ``_pipe_merged`` waited for: each call answered with its rows."""
+        if exc is None:
+            self._answer_merged(parts, reply)  # type: ignore[arg-type]
+        elif len(parts) == 1:
+            parts[0][1](_settled(exc))
         else:
-            self.pipelined[1] += time.perf_counter() - t
-            self._answer_merged(parts, reply)
+            self._merged_failed(parts, exc)
+
+    def _launch_cuda_due(self) -> None:
+        """The trip's CUDA-region calls (y in a CUDA region: ``CudaSupport.launch_now``;
+        else, or where none may launch, ``CudaSupport.start``), in the pipeline."""
+        due, self._cuda_due = self._cuda_due, []
+        cuda, engine = self.regions.cuda, self.engine  # type: ignore[union-attr]
+        assert cuda is not None
+        for call, yd, done in due:
+            try:
+                self._pipe(lambda c=call, y=yd: cuda.launch_now(engine, c, y), done,
+                           lambda c=call, y=yd, d=done: cuda.start(engine, c, y, d))
+            except Exception as e:
+                done(None, e)
+
+    def _pipe(self, launch: Callable[[], Callable[[], Any] | None],
+              done: Callable[[Any, BaseException | None], None],
+              otherwise: Callable[[], None]) -> bool:
+        """``launch()`` (the wait of a launch, or None: the device may not launch it now) now,
+        behind the launches out; while it may not, the oldest out is waited for and
+        answered, then it is tried again; with none out, ``otherwise()``. Launched, its
+        wait and ``done(reply, exception)`` are out until ``_settle``: a loop trip later, or
+        before a later launch that needs its slot. Refusals raise from ``launch``."""
+        while True:
+            wait = launch()
+            if wait is not None:
+                self._out.append((wait, done, self._launches))
+                self._launches += 1
+                self.pipelined[0] += 1
+                if not self._tick_due:
+                    self._tick_due = True
+                    asyncio.get_running_loop().call_soon(self._tick, True)
+                return True
+            if not self._out:
+                otherwise()
+                return False
+            self._settle(self._out[0][2] + 1)
+
+    def _settle(self, before: int) -> None:
+        """Wait for the launches out numbered below ``before``, in order, each answered."""
+        out = self._out
+        while out and out[0][2] < before:
+            wait, done, _ = out.popleft()
+            t = time.perf_counter()
+            try:
+                reply, exc = wait(), None
+            except Exception as e:
+                reply, exc = None, e
+            finally:
+                self.pipelined[1] += time.perf_counter() - t
+            done(reply, exc)
+
+    def _tick(self, first: bool) -> None:
+        """A loop trip after a launch: the launches out are waited for and answered. In two
+        steps: the first, at the start of the next trip, only schedules the second, so the
+        messages that trip reads are parsed first; the second runs before that trip's end
+        (``_flush_calls``), which, where the trip read calls, launches them before it waits
+        for the earlier ones: the second then leaves the waits to it."""
+        if first:
+            asyncio.get_running_loop().call_soon(self._tick, False)
+            return
+        self._tick_due = False
+        if self._merging or self._cuda_due:
+            return  # (_flush_calls comes: it settles them, after its own launches)
+        self._settle(self._launches)
         for fe in self._fronts.values():
             fe.out.flush_now()
 
@@ -1259,9 +1385,14 @@ class FrontendsWorker(Worker):
                           _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
         shape = (io.x_shape[0], self.engine.get(weight).rows)  # type: ignore[union-attr]
         dest = yr.array(io.y.offset, call.out_dtype, shape, "y", writable=True)
-        table.cuda.start(self.engine, call, dest if yr.kind == CUDA else None,
-                         functools.partial(self._cuda_region_done, fe, rid, xr, yr, io.y.offset,
-                                           dest, np.dtype(call.out_dtype), shape))
+        yd = dest if yr.kind == CUDA else None
+        done = functools.partial(self._cuda_region_done, fe, rid, xr, yr, io.y.offset, dest,
+                                 np.dtype(call.out_dtype), shape)
+        if self.pipeline:  # launched at the trip's end, in the pipeline (_launch_cuda_due)
+            self._flush_due()
+            self._cuda_due.append((call, yd, done))
+            return
+        table.cuda.start(self.engine, call, yd, done)
 
     def _cuda_region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
                           dest: Any, out: np.dtype, shape: tuple[int, int], reply: Any,

@@ -91,20 +91,21 @@ class Device:
         conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 18))
         self.arena.unlink()
 
-    def frames(self, xs: list[np.ndarray], rid0: int) -> bytes:
-        """One message per call (request ids rid0.., x in slot i)."""
+    def frames(self, xs: list[np.ndarray], rid0: int, slot0: int = 0) -> bytes:
+        """One message per call (request ids rid0.., x in slot slot0 + i)."""
         frames = b""
-        for slot, x in enumerate(xs):
+        for slot, x in enumerate(xs, slot0):
             self.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
-            payload = fe._encode(("mm", rid0 + slot, "w", (), 0, self.precision, "f32", None,
-                                  (self.dtype, x.shape), slot))
+            payload = fe._encode(("mm", rid0 + slot - slot0, "w", (), 0, self.precision, "f32",
+                                  None, (self.dtype, x.shape), slot))
             frames += fe.FRAME.pack(len(payload)) + payload
         return frames
 
-    async def trip(self, xs: list[np.ndarray], rid0: int) -> dict[int, tuple[Any, ...]]:
+    async def trip(self, xs: list[np.ndarray], rid0: int,
+                   slot0: int = 0) -> dict[int, tuple[Any, ...]]:
         """``frames`` all read in one loop trip; returns the answers once every call has
         one."""
-        frames = self.frames(xs, rid0)
+        frames = self.frames(xs, rid0, slot0)
         self.out.answers.clear()
         self.conn.data_received(frames)
         for _ in range(400):

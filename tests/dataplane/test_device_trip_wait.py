@@ -1,8 +1,11 @@
-"""Q6SERVE_DEVICE_PIPELINE: the device process launches a trip's merged batch on the direct path
-and waits for it at the start of the next loop trip (``FrontendsWorker._settle``), so the loop
-reads and merges the next messages while the GPU runs. Each call still gets its own rows, a
-refusal only its own caller, and a job that comes while the batch is out (``Device.call``) is
-held until it is waited for. Run in-process on NumPy, as tests/dataplane/test_device_direct.py."""
+"""Q6SERVE_DEVICE_PIPELINE: the device process launches each call of a trip (a merged batch, a
+lone call, bytes or region) at the trip's end behind the launches out, and waits for them a loop
+trip later (``FrontendsWorker._tick``) or, in the next trip that reads calls, after launching
+those (``_flush_calls``): the loop reads, merges and launches the next calls while the GPU runs.
+Each call still gets its own rows, a refusal only its own caller, a lone region call takes the
+route into its y region (the fault that turned the switch off in session 15), and a job that
+comes while a launch is out (``Device.call``) is held until it is waited for. Run in-process on
+NumPy, as tests/dataplane/test_device_direct.py."""
 
 from __future__ import annotations
 
@@ -15,13 +18,31 @@ import pytest
 from q6serve.kernels.api import Launched
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher, envvars
-from tests.dataplane.test_device_direct import Device
+from tests.dataplane.test_device_direct import Device, Staged
 from tests.dataplane.test_device_merge import BAD, ROWS, K
 from tests.dataplane.test_frontends import (
     callers_get_their_own_rows,
     start,  # noqa: F401  (the fixture)
 )
-from tests.service.svc_util import reference
+from tests.dataplane.test_pinned_regions import DmaBackend, Recorder
+from tests.service.svc_util import assert_close, random_q6k, reference
+
+
+class Ordered(Staged):
+    """Two launches may be out (as the CUDA backend's slots); records each launch and each
+    wait, by the launch's rows, in order."""
+
+    launch_slots = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def launch(self, w: Any, x: np.ndarray, **kw: Any) -> Any:
+        done = super().launch(w, x, **kw)  # (computed now: NumPy)
+        n = int(x.shape[0])
+        self.events.append(("launch", n))
+        return Launched(lambda: self.events.append(("wait", n)) or done.wait())
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +64,10 @@ def test_the_switch_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Device(1).worker.pipeline is False  # (the inline path's tests: test_device_direct)
 
 
-def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -> None:
-    """Launched in the trip that merged it (the direct path), not answered there; its answers
-    leave in the next trip's first handle (one write), each call with its rows."""
+def test_a_merged_batch_is_answered_a_trip_later(rng: np.random.Generator) -> None:
+    """Launched in the trip that merged it (the direct path), not answered there, nor at the
+    start of the next trip (whose reads come first); when that trip read no calls, its
+    answers leave in the trip after (one write), each call with its rows."""
     xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 2, 1)]
 
     async def main() -> None:
@@ -60,18 +82,51 @@ def test_a_merged_batch_is_answered_in_the_next_trip(rng: np.random.Generator) -
         seen: list[tuple[list[int], int, int]] = []
         loop = asyncio.get_running_loop()
 
-        def after_merge() -> None:  # (runs in the merge's trip, after it)
+        def look(trips: int) -> None:
             seen.append((sorted(d.out.answers), dev.inflight, w.pipelined[0]))
-            loop.call_soon(lambda: seen.append((sorted(d.out.answers), dev.inflight,
-                                                w.pipelined[0])))
+            if trips:
+                loop.call_soon(look, trips - 1)
 
-        loop.call_soon(after_merge)
+        loop.call_soon(look, 2)  # (runs in the merge's trip, after it, then in the next two)
         await asyncio.sleep(0.05)
-        assert seen == [([], 1, 1), ([20, 21, 22], 0, 1)]
+        assert seen == [([], 1, 1), ([], 1, 1), ([20, 21, 22], 0, 1)]
         assert dev.direct_jobs == 1 and len(writes) == 1 and w._pending == 0
         assert w.merged == [2, 6]  # (requests that merged calls, and those calls)
         _check(d, xs, d.out.answers, 20)
         assert d.out.answers[21][2][5] == 4  # the batch's rows
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_the_next_trips_calls_launch_before_the_earlier_wait(rng: np.random.Generator) -> None:
+    """Calls read while a launch is out are launched behind it before it is waited for
+    (the backend has two slots): the GPU always has the next call; both answered."""
+    a = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 2)]
+    b = [rng.standard_normal((n, K)).astype(np.float32) for n in (2, 2)]
+
+    async def main() -> None:
+        backend = Ordered()
+        d = Device(4, backend, pipeline=True)
+        await d.start()
+        await d.measured(a)
+        await d.trip(b, 1, 2)  # (each batch's like job measured now)
+        backend.events.clear()
+        d.out.answers.clear()
+        loop = asyncio.get_running_loop()
+        d.conn.data_received(d.frames(a, 20))  # (launched at this trip's end)
+        loop.call_soon(d.conn.data_received, d.frames(b, 30, 2))  # (read in the next trip)
+        for _ in range(400):
+            if len(d.out.answers) == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert backend.events == [("launch", 3), ("launch", 4), ("wait", 3), ("wait", 4)]
+        _check(d, a, d.out.answers, 20)
+        for slot, x in enumerate(b, 2):
+            np.testing.assert_allclose(d.y(slot, d.out.answers[28 + slot]),
+                                       reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+        assert d.worker._pending == 0 and not d.worker._out
+        assert d.worker.engine.device.inflight == 0  # type: ignore[union-attr]
         await d.close()
 
     asyncio.run(main())
@@ -116,22 +171,28 @@ def test_a_refused_pipelined_merge_reaches_only_the_bad_caller(
     asyncio.run(main())
 
 
-def test_two_batches_of_one_trip_one_out_at_a_time(rng: np.random.Generator) -> None:
-    """More rows than a batch takes: the trip's second batch waits for its first before it is
-    launched (at most one is out), and both are answered."""
+@pytest.mark.parametrize("slots", [1, 2])
+def test_two_batches_of_one_trip(rng: np.random.Generator, slots: int) -> None:
+    """More rows than a batch takes: the trip's second batch is launched behind its first
+    where the backend has two slots, else after its first was waited for; both answered."""
     xs = [rng.standard_normal((3, K)).astype(np.float32) for _ in range(4)]
 
     async def main() -> None:
-        d = Device(len(xs), pipeline=True)
+        backend = Ordered()
+        backend.launch_slots = slots
+        d = Device(len(xs), backend, pipeline=True)
         d.worker._merge_rows = 6  # (two calls of 3 rows a batch)
         await d.start()
         w = d.worker
         await d.trip(xs, 1)
         await d.trip(xs, 10)  # (each batch's like job measured now)
         before = w.pipelined[0]
+        backend.events.clear()
         xs2 = [x * 2 for x in xs]
         answers = await d.trip(xs2, 20)
         assert w.pipelined[0] - before == 2
+        assert backend.events == ([("launch", 6), ("launch", 6), ("wait", 6), ("wait", 6)]
+                                  if slots == 2 else [("launch", 6), ("wait", 6)] * 2)
         _check(d, xs2, answers, 20)
         assert w._pending == 0
         await d.close()
@@ -169,4 +230,34 @@ def test_callers_through_front_ends_get_their_own_rows(
     w = start()
     callers_get_their_own_rows(w, 8, 25, rng)
     assert w.worker.pipeline and w.worker.pipelined[0] > 0
-    assert w.worker._out_batch is None and w.worker._pending == 0
+    assert not w.worker._out and w.worker._pending == 0
+
+
+def test_lone_region_calls_through_front_ends_write_y_into_their_region(
+        start: Any, rng: np.random.Generator) -> None:  # noqa: F811
+    """With the switch on, a lone region call (x and y in a page-locked region) is launched
+    as ``_start_alone``'s would be: x read where it is, y written by the backend into the
+    caller's region (the route), for a call of a few rows (merged with nothing) and a full
+    one (T3's); every y is the call's own. Session 15's fault: such a call took the merged
+    path, x copied into the upload buffer and y not routed (test_pinned_gpu, frontends-2)."""
+    backend = DmaBackend(Recorder())
+    w = start(backend=backend)
+    c = w.client()
+    blocks = random_q6k(96, 512, 5)
+    c.upload("w", blocks, 96, 512)
+    region = c.register_shm("r", 1 << 20)
+    calls = 0
+    for n in (4, 64):
+        for i in range(6):
+            x = rng.standard_normal((n, 512)).astype(np.float32) * (i + 1)
+            poison = region.ndarray(1 << 19, np.uint8, (1 << 18,))
+            poison[...] = 0xFF  # y is written every call
+            del poison
+            got = c.matmul("w", x, x_region=region, y_region=(region, 1 << 19))
+            assert_close(got, reference(blocks, 96, 512, x))
+            del got
+            calls += 1
+    assert backend.direct_x == calls and backend.direct_y == calls
+    assert w.worker.pipelined[0] >= calls - 2  # (the first of each size is measured)
+    assert not w.worker._out and w.worker._pending == 0
+    region.close()
