@@ -195,7 +195,10 @@ def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
     from concurrent.futures import ThreadPoolExecutor
 
     stats = tmp_path / "dp_stats.jsonl"
-    env = {**os.environ, "Q6SERVE_PIPELINE_SHORT": "1", "Q6SERVE_DP_STATS": str(stats)}
+    # (the device process's own pipeline, Q6SERVE_DEVICE_PIPELINE, would take these calls
+    # before Device.call's launch slots: off here, where those are tested)
+    env = {**os.environ, "Q6SERVE_PIPELINE_SHORT": "1", "Q6SERVE_DP_STATS": str(stats),
+           "Q6SERVE_DEVICE_PIPELINE": "0"}
     with cuda_worker(2, 2, env) as (target, _):
         xs = [rng.standard_normal((64, K)).astype(np.float16) for _ in range(6)]
 

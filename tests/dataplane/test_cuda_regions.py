@@ -79,6 +79,7 @@ class HostPlane:
         self.open_count = 0
         self.calls = 0
         self.started = 0  # calls through start (no task)
+        self.launched = 0  # calls through launch_now (Q6SERVE_DEVICE_PIPELINE)
 
     def open(self, src: CudaIpcSource) -> Mapping:
         alloc = self.allocations.get(src.handle)
@@ -113,6 +114,25 @@ class HostPlane:
             done(reply, None)
 
         engine.start_matmul(dataclasses.replace(call, x=np.array(call.x)), sink)
+
+    def launch_now(self, engine: Any, call: Any, yd: Any) -> Callable[[], Any] | None:
+        """start in two halves (the device process's pipeline): launched now where the engine
+        may launch it (y into the region at the wait), else None."""
+        if yd is None:
+            return None
+        wait = engine.launch_now(dataclasses.replace(call, x=np.array(call.x)), full=False,
+                                 own_time=True)
+        if wait is None:
+            return None
+        self.calls += 1
+        self.launched += 1
+
+        def done() -> Any:
+            reply = wait()
+            yd[...] = reply.y
+            return dataclasses.replace(reply, y=None)
+
+        return done
 
 
 class HostMapping(Mapping):
