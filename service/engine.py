@@ -1074,6 +1074,15 @@ class Engine:
         e, d = self._admit_part(b, call, key)
         return self._launch_held(e, b, call.x, d.key)
 
+    def queued(self, weight: str) -> bool:
+        """Whether requests of ``weight`` wait in its batcher's queue (the device process's
+        pipeline lets them run first: ``Batcher.can_launch_now`` with ``full`` False)."""
+        try:
+            b = self.registry.get(weight).batcher
+        except NotFound:
+            return False
+        return b is not None and b.queued_rows > 0
+
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)
 

@@ -130,6 +130,9 @@ def frontend_busy_poll_us(env: Mapping[str, str] | None = None) -> float:
 # request (FrontendsWorker._queue_call). Env Q6SERVE_DEVICE_MERGE=0 turns it off (experiments).
 MERGE_ENV = envvars.DEVICE_MERGE.name
 PIPELINE_ENV = envvars.DEVICE_PIPELINE.name
+# Q6SERVE_DEVICE_PIPELINE: trips in a row that calls may be put off while their weight's
+# requests are queued (FrontendsWorker._put_off); the batcher runs a queued batch a trip
+DEFER_TRIPS = 16
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -741,6 +744,9 @@ class FrontendsWorker(Worker):
             = collections.deque()
         self._launches = 0  # launches so far (each out entry's number)
         self._tick_due = False
+        # trips in a row that put calls off because requests of their weight were queued
+        # (_pipe_merged): at most DEFER_TRIPS, then they join that queue
+        self._deferred_trips = 0
         # CUDA-region calls read in this trip, launched at its end (with the pipeline):
         # (call, y's CUDA view or None, done)
         self._cuda_due: list[tuple[MatmulCall, Any, Callable[[Any, BaseException | None],
@@ -987,6 +993,7 @@ class FrontendsWorker(Worker):
         meanwhile)."""
         merging, self._merging = self._merging, {}
         earlier = self._launches
+        deferred = self._deferred_trips
         for parts in merging.values():
             chunk: list[tuple[MatmulCall, Any]] = []
             rows = 0
@@ -1001,6 +1008,8 @@ class FrontendsWorker(Worker):
         if self._cuda_due:
             self._launch_cuda_due()
         if self.pipeline:
+            if self._deferred_trips == deferred:  # (none put off in this trip)
+                self._deferred_trips = 0
             self._settle(earlier)
         for fe in self._fronts.values():
             fe.out.flush_now()
@@ -1077,7 +1086,11 @@ class FrontendsWorker(Worker):
         takes: a system region's x is DMA'd from its region and its y into the caller's
         region, as ``_start_alone``'s), several with x concatenated into the backend's
         upload buffer (as ``_run_merged_now``). Where none may launch, as without the
-        pipeline (``_start_alone``, ``_start_queued``)."""
+        pipeline (``_start_alone``, ``_start_queued``); but while requests of the weight are
+        queued (the first calls of a kind, measured on the queued path), the calls are put
+        off to the next trip (``_put_off``) rather than queued behind them: the queue drains
+        and the calls after it are pipelined, instead of each trip's calls joining a queue
+        that never empties."""
         engine = self.engine
         assert engine is not None
         if len(parts) == 1:
@@ -1085,7 +1098,7 @@ class FrontendsWorker(Worker):
             try:
                 self._pipe(lambda: engine.launch_now(call, full=False, own_time=True),
                            functools.partial(self._pipe_done, parts),
-                           lambda: self._start_alone(call, sink))
+                           lambda: self._put_off(parts) or self._start_alone(call, sink))
             except Exception as e:  # a refusal
                 sink(_settled(e))
             return
@@ -1096,13 +1109,28 @@ class FrontendsWorker(Worker):
                 lambda: engine.launch_now(probe, full=False, own_time=True,
                                           fill=lambda: _staged(engine, parts, rows)),
                 functools.partial(self._pipe_done, parts),
-                lambda: self._start_queued(parts, timeout))
+                lambda: self._put_off(parts) or self._start_queued(parts, timeout))
         except Exception as e:  # (a refusal may be one caller's: each gets its own answer)
             self._merged_failed(parts, e)
             return
         if launched:
             self.merged[0] += 1
             self.merged[1] += len(parts)
+
+    def _put_off(self, parts: list[tuple[MatmulCall, Any]]) -> bool:
+        """Put ``parts`` (calls that may not launch now) off to the next trip's end while
+        requests of their weight are queued, at most ``DEFER_TRIPS`` trips in a row (then
+        they join the queue: a stream of queued requests, e.g. top-k calls of the weight,
+        does not hold them up for longer); False: not put off."""
+        call = parts[0][0]
+        if self._deferred_trips >= DEFER_TRIPS or not self.engine.queued(call.weight):  # type: ignore[union-attr]
+            return False
+        self._flush_due()
+        x = call.x
+        key = (call.weight, x.dtype, x.shape[1], call.precision, call.out_dtype)
+        self._merging.setdefault(key, []).extend(parts)
+        self._deferred_trips += 1
+        return True
 
     def _pipe_done(self, parts: list[tuple[MatmulCall, Any]], reply: MatmulReply | None,
                    exc: BaseException | None) -> None:
