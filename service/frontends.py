@@ -132,7 +132,7 @@ MERGE_ENV = envvars.DEVICE_MERGE.name
 PIPELINE_ENV = envvars.DEVICE_PIPELINE.name
 # Q6SERVE_DEVICE_PIPELINE: trips in a row that calls may be put off while their weight's
 # requests are queued (FrontendsWorker._put_off); the batcher runs a queued batch a trip
-DEFER_TRIPS = 16
+DEFER_TRIPS = 64
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -1119,11 +1119,14 @@ class FrontendsWorker(Worker):
 
     def _put_off(self, parts: list[tuple[MatmulCall, Any]]) -> bool:
         """Put ``parts`` (calls that may not launch now) off to the next trip's end while
-        requests of their weight are queued, at most ``DEFER_TRIPS`` trips in a row (then
-        they join the queue: a stream of queued requests, e.g. top-k calls of the weight,
-        does not hold them up for longer); False: not put off."""
-        call = parts[0][0]
-        if self._deferred_trips >= DEFER_TRIPS or not self.engine.queued(call.weight):  # type: ignore[union-attr]
+        requests of their weight are queued and the device is free for launches here (the
+        batcher runs its queued batches meanwhile, on this thread), at most ``DEFER_TRIPS``
+        trips in a row (then they join the queue: a stream of queued requests, e.g. top-k
+        calls of the weight, does not hold them up for longer); False: not put off."""
+        call, engine = parts[0][0], self.engine
+        assert engine is not None
+        if (self._deferred_trips >= DEFER_TRIPS or not engine.device.may_launch_now()
+                or not engine.queued(call.weight)):
             return False
         self._flush_due()
         x = call.x

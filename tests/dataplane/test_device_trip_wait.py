@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from q6serve.kernels.api import Launched
+from q6serve.kernels.api import Launched, Precision
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher, envvars
+from q6serve.service.engine import MatmulCall
 from tests.dataplane.test_device_direct import Device, Staged
 from tests.dataplane.test_device_merge import BAD, ROWS, K
 from tests.dataplane.test_frontends import (
@@ -166,6 +167,39 @@ def test_a_refused_pipelined_merge_reaches_only_the_bad_caller(
         np.testing.assert_allclose(d.y(2, answers[12]), reference(d.blocks, ROWS, K, bad[2]),
                                    rtol=1e-5, atol=1e-4)
         assert d.worker._pending == 0
+        await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_is_put_off_while_its_weights_queue_drains(rng: np.random.Generator) -> None:
+    """A call read while a request of its weight is queued (to run at the trip's end) is not
+    queued behind it: put off a trip, it is launched once the queue has run (the first calls
+    of a kind, queued, left a queue that each trip's calls refilled: nothing was pipelined
+    again)."""
+    x, q = (rng.standard_normal((3, K)).astype(np.float32) for _ in range(2))
+
+    async def main() -> None:
+        d = Device(1, pipeline=True)
+        await d.start()
+        w = d.worker
+        engine = w.engine
+        assert engine is not None
+        await d.measured([x])
+        before = w.pipelined[0]
+        d.out.answers.clear()
+        d.conn.data_received(d.frames([x], 40))  # (its launch at this trip's end)...
+        queued = engine.start_matmul(MatmulCall("w", q, Precision.EXACT))  # ...after this
+        assert engine.queued("w")  # (one request queued, its batch started at trip's end)
+        for _ in range(400):
+            if 40 in d.out.answers and queued.done():
+                break
+            await asyncio.sleep(0.005)
+        assert w.pipelined[0] == before + 1  # launched, not queued
+        _check(d, [x], d.out.answers, 40)
+        np.testing.assert_allclose(queued.result().y, reference(d.blocks, ROWS, K, q),
+                                   rtol=1e-5, atol=1e-4)
+        assert w._deferred_trips == 0 and not engine.queued("w") and w._pending == 0
         await d.close()
 
     asyncio.run(main())
