@@ -1166,7 +1166,11 @@ class FrontendsWorker(Worker):
         answered, then it is tried again; with none out, ``otherwise()``. Launched, its
         wait and ``done(reply, exception)`` are out until ``_settle``: a loop trip later, or
         before a later launch that needs its slot. Refusals raise from ``launch``."""
+        dev = self.engine.device  # type: ignore[union-attr]
         while True:
+            if self._out and not dev.may_launch_now():  # (its slots taken: no launch() try)
+                self._settle(self._out[0][2] + 1)
+                continue
             wait = launch()
             if wait is not None:
                 self._out.append((wait, done, self._launches))
