@@ -999,6 +999,9 @@ class FrontendsWorker(Worker):
             rows = 0
             for part in parts:
                 n = part[0].x.shape[0]
+                if n >= self._merge_rows:  # (a full one: alone, the chunk around it goes on)
+                    self._start_merged([part], n)
+                    continue
                 if chunk and rows + n > self._merge_rows:
                     self._start_merged(chunk, rows)
                     chunk, rows = [], 0
