@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from q6serve.client.client import Client, Q6ServeError
-from q6serve.service import cuda_regions
+from q6serve.service import batcher, cuda_regions
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.regions import CudaIpcSource, Mapping
 from q6serve.v1 import q6serve_pb2 as pb
@@ -243,6 +243,10 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
 
     p = HostPlane()
     monkeypatch.setattr(cuda_regions, "support", lambda backend, engine: p)
+    # (NumPy's "kernel" may take longer than a batch defers: no launch here then, as with a
+    # long CUDA kernel; the pipeline's launches below need a short one)
+    monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1e9)
+    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "1")
     w = Running(WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
                              grace_period_s=1.0, allow_shm=True, frontends=2,
                              frontend_shm_bytes=4 << 20))
@@ -266,11 +270,20 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
                                        rtol=1e-5, atol=1e-4)
             assert code_of(lambda: c.matmul("nope", x, x_region=(dev, 128),  # type: ignore[arg-type]
                                             y_region=sysr))[0] == C.NOT_FOUND
-        assert p.calls == p.started == 3
+        assert p.calls == p.started + p.launched == 3
         code, msg = code_of(lambda: c.matmul("w", x, x_region=(dev, 128),  # type: ignore[arg-type]
                                              y_region=(dev, 65536 - 100)))
         assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
         assert p.calls == 3
+        assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
+        # with Q6SERVE_DEVICE_PIPELINE (the default), once a like job was measured: launched
+        # at the trip's end (CudaSupport.launch_now), y in the region by the answer
+        for i in range(4):
+            xi = x * (i + 2)
+            out = c.matmul_full("w", xi, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
+            np.testing.assert_allclose(out.y, reference(blocks, ROWS, K, xi), rtol=1e-5,
+                                       atol=1e-4)
+        assert w.worker.pipeline and p.launched >= 3 and p.calls == 7
         assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
         c.unregister_region("dev")
         assert p.open_count == 0
