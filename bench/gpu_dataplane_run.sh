@@ -46,7 +46,7 @@ for v in ${VARIANTS:-1 2 4 8}; do
   [[ $v == *:m0* ]] && MG=0
   RR=""
   [[ $v == *rr* ]] && RR=1
-  PP=""  # (unset: the worker's default, pipelined since session 16)
+  PP=""  # (unset: the worker's default, pipelined since session 15)
   [[ $v =~ :p([01]?) ]] && PP=${BASH_REMATCH[1]:-1}
   F=${F%rr}
   tag=f$F${US:+_gil$US}${ST:+_stacks$ST}${MG:+_merge0}${RR:+_rr}${PP:+_pipe$PP}

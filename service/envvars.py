@@ -97,7 +97,7 @@ PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
-DEVICE_PIPELINE = Var("Q6SERVE_DEVICE_PIPELINE", "switch", True,
+DEVICE_PIPELINE = Var("Q6SERVE_DEVICE_PIPELINE", "switch", False,
                       "the device process launches a trip's calls behind those out and waits "
                       "for them a loop trip later")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,

@@ -732,9 +732,7 @@ class FrontendsWorker(Worker):
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
         self.merge = bool(envvars.DEVICE_MERGE.read())
-        # Q6SERVE_DEVICE_PIPELINE (on by default since session 16; 0: the inline wait, as
-        # before; H200 T3 with regions +26-75% rows/s in two alternated pairs, T2 even,
-        # bench/RESULTS.md "Session 16's bundle A"): each call of a trip (a
+        # Q6SERVE_DEVICE_PIPELINE (off by default: the inline wait): each call of a trip (a
         # merged batch, a lone call, bytes or region) is launched at the trip's end behind
         # the launches still out, and waited for a loop trip later (_tick), or, once the
         # device may launch no more, before the next launch: the loop reads, merges and

@@ -58,10 +58,9 @@ def _check(d: Device, xs: list[np.ndarray], answers: dict[int, Any], rid0: int) 
                                    reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
 
 
-def test_the_switch_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(envvars.DEVICE_PIPELINE.name)
-    assert envvars.DEVICE_PIPELINE.read({}) is True
-    assert envvars.DEVICE_PIPELINE.read({envvars.DEVICE_PIPELINE.name: "0"}) is False
+    assert envvars.DEVICE_PIPELINE.read({}) is False
     assert Device(1, pipeline=True).worker.pipeline is True
     assert Device(1).worker.pipeline is False  # (the inline path's tests: test_device_direct)
 

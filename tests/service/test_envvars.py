@@ -44,12 +44,6 @@ def test_a_bad_value_is_refused_naming_the_variable(var: Var, raw: str) -> None:
         envvars.check({var.name: raw})
 
 
-@pytest.mark.parametrize("raw,want", [("", True), ("1", True), ("0", False), ("off", False)])
-def test_the_device_pipeline_is_on_unless_switched_off(raw: str, want: bool) -> None:
-    """Q6SERVE_DEVICE_PIPELINE defaults to on since session 16 (the H200's T3 with regions)."""
-    assert envvars.DEVICE_PIPELINE.read({"Q6SERVE_DEVICE_PIPELINE": raw}) is want
-
-
 def test_good_values_are_read_as_numbers() -> None:
     assert envvars.JOB_BATCHES.read({"Q6SERVE_JOB_BATCHES": " 4 "}) == 4
     assert envvars.BUSY_POLL_US.read({"Q6SERVE_BUSY_POLL_US": "250.5"}) == 250.5
