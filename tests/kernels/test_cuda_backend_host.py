@@ -180,6 +180,13 @@ class _FakeCuda:
         self.op(lambda: np.copyto(dst, src, casting=casting))
 
 
+def staged_copy(be, x: np.ndarray) -> np.ndarray:
+    """x copied into the backend's page-locked staging buffer (a staged call's input)."""
+    xi = be.staging(*x.shape, np.float16)
+    xi[...] = x
+    return xi
+
+
 @pytest.fixture(autouse=True)
 def _no_halves_by_y(monkeypatch):
     """These tests are about the row chunks (point 8) and the token halves of a large x (point
@@ -642,10 +649,7 @@ def test_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
     w = load()
     assert len(w1.data.slabs) == 1 and len(w.data.slabs) == -(-rows // 512)
 
-    def staged_x(x):
-        xi = be.staging(*x.shape, np.float16)
-        xi[...] = x
-        return xi
+    staged_x = functools.partial(staged_copy, be)
 
     try:
         for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),

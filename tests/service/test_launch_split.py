@@ -4,6 +4,8 @@ large (16 to ``X_SPLIT_MAX_N`` tokens) to token halves before row chunks."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -157,16 +159,13 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
     and copied x; f32 and bf16 y); beside a launch in flight: plain."""
     from q6serve.kernels.api import Layout, iter_aos_chunks
     from tests.conftest import random_blocks
-    from tests.kernels.test_cuda_backend_host import _gpu_backend
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
 
     be = _gpu_backend()(0)
     w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
                 rows, k, Layout.SOA)
 
-    def staged_x(x):
-        xi = be.staging(*x.shape, np.float16)
-        xi[...] = x
-        return xi
+    staged_x = functools.partial(staged_copy, be)
 
     try:
         for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
