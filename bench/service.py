@@ -494,37 +494,82 @@ def model_replay(b: Bench) -> None:
     b.batching(True)
     for s_ in a.replay_seqs:
         for multi in styles:
-            label = f"replay S={s_} {'multi' if multi else 'single'}"
             plan = step_plan(a.layers, rows, multi, a.topk)
-            spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, 2,
-                              a.replay_mode, a.dtype, PRECISIONS[a.precision], a.replay_out)
-            try:
-                floor = (step_floor(plan, s_, itemsize, a.replay_mode,
-                                    2 if a.replay_out == "f16" else 4)
-                         if a.replay_floor else float("nan"))
-                st, wall = run_replay(spec, a.replay_hosts)
-            except Exception as e:
-                print(f"# {label} FAILED: {e}", flush=True)
-                b.errors.append({"run": label, "error": repr(e)[:2000]})
+            floors: dict[float, dict[str, float]] = {}  # host spin -> floor per echo kind
+            for spin in a.replay_spins:
+                label = f"replay S={s_} {'multi' if multi else 'single'}"
+                if len(a.replay_spins) > 1 or spin:
+                    label += f" spin={spin:g}"
+                spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, 2,
+                                  a.replay_mode, a.dtype, PRECISIONS[a.precision],
+                                  a.replay_out, spin)
+                try:
+                    if a.replay_floor and spin not in floors:
+                        floors[spin] = replay_floors(plan, s_, itemsize, a, spin)
+                    st, wall, roles = run_replay(spec, a.replay_hosts)
+                except Exception as e:
+                    print(f"# {label} FAILED: {e}", flush=True)
+                    b.errors.append({"run": label, "error": repr(e)[:2000]})
+                    b.save()
+                    continue
+                fl = floors.get(spin, {})
+                # judged on the faster echo (its loop busy-polling as the worker's, or not),
+                # as T1 is; the caller's loop as the host's (spin or not): like for like
+                floor = min(fl.values()) if fl else float("nan")
+                ms = {f: float(np.nanmedian(v) * 1e3) if v.size and not np.isnan(v).all()
+                      else float("nan")
+                      for f, v in st.items() if f not in ("kernel_missing", "stamped")}
+                stamped = bool(st["stamped"].size and st["stamped"].min() == len(plan))
+                if not stamped:  # the worker ran without bench/reply_stamps.py
+                    ms["up"] = ms["down"] = float("nan")
+                kernel = ms["kernel"] if not st["kernel_missing"].any() else None
+                limit = (None if kernel is None or np.isnan(floor)
+                         else 1.5 * (floor * 1e3 + kernel))
+                r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_,
+                     "multi": multi, "layers": a.layers, "scale": a.scale, "topk": a.topk,
+                     "mode": a.replay_mode, "out_dtype": a.replay_out, "host_spin_us": spin,
+                     "calls_per_step": len(plan), "steps": int(st["e2e"].size),
+                     "seconds": wall, "steps_per_s": st["e2e"].size / wall,
+                     "tokens_per_s": st["e2e"].size * s_ / wall,
+                     "step_p50_ms": float(np.percentile(st["e2e"], 50) * 1e3),
+                     "step_p99_ms": float(np.percentile(st["e2e"], 99) * 1e3),
+                     "kernel_step_ms": kernel, "floor_step_ms": floor * 1e3,
+                     "floors_step_ms": {k: v * 1e3 for k, v in fl.items()},
+                     "stamped": stamped,
+                     "step_parts_p50_ms": ms, "limit_ms": limit,
+                     "per_call_p50_us": {role: {f: v * 1e6 if f != "calls" else v
+                                                for f, v in got.items()}
+                                         for role, got in roles.items()},
+                     "met": None if limit is None else ms["e2e"] <= limit}
+                b.replay.append(r)
                 b.save()
-                continue
-            ms = {f: float(np.median(v) * 1e3) for f, v in st.items() if f != "kernel_missing"}
-            kernel = ms["kernel"] if not st["kernel_missing"].any() else None
-            limit = None if kernel is None or np.isnan(floor) else 1.5 * (floor * 1e3 + kernel)
-            r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_, "multi": multi,
-                 "layers": a.layers, "scale": a.scale, "topk": a.topk, "mode": a.replay_mode,
-                 "out_dtype": a.replay_out,
-                 "calls_per_step": len(plan), "steps": int(st["e2e"].size),
-                 "seconds": wall, "steps_per_s": st["e2e"].size / wall,
-                 "tokens_per_s": st["e2e"].size * s_ / wall,
-                 "step_p50_ms": float(np.percentile(st["e2e"], 50) * 1e3),
-                 "step_p99_ms": float(np.percentile(st["e2e"], 99) * 1e3),
-                 "kernel_step_ms": kernel, "floor_step_ms": floor * 1e3,
-                 "step_parts_p50_ms": ms, "limit_ms": limit,
-                 "met": None if limit is None else ms["e2e"] <= limit}
-            b.replay.append(r)
-            b.save()
-            print(replay_line(r), flush=True)
+                print(replay_line(r), flush=True)
+                print(roles_table(r), flush=True)
+
+
+def replay_floors(plan: list[Any], n: int, itemsize: int, a: argparse.Namespace,
+                  spin: float) -> dict[str, float]:
+    """The step's bare-gRPC floor (seconds) with a plain echo and with one whose loop
+    busy-polls as the worker's does; the echo's caller spins as the replay host does."""
+    out = {}
+    for kind, echo_spin in (("plain", False), ("spin", True)):
+        out[kind] = step_floor(plan, n, itemsize, a.replay_mode,
+                               2 if a.replay_out == "f16" else 4, spin=echo_spin,
+                               client_spin_us=spin)
+    print(f"# replay S={n} floor per step (ms), host spin {spin:g} us: "
+          + ", ".join(f"{k} echo {v * 1e3:.2f}" for k, v in out.items()), flush=True)
+    return out
+
+
+def roles_table(r: dict[str, Any]) -> str:
+    """Per call role, p50 us of one call: where a step's time goes (up / down: the worker's
+    reply stamps, when it was run with them)."""
+    cols = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client")
+    lines = [f"    per call p50 us  {'role':<10} {'calls':>6} " + " ".join(f"{c:>9}" for c in cols)]
+    for role, got in r["per_call_p50_us"].items():
+        lines.append(f"    per call p50 us  {role:<10} {got['calls']:>6.0f} "
+                     + " ".join(f"{got[c]:>9.1f}" for c in cols))
+    return "\n".join(lines)
 
 
 def replay_line(r: dict[str, Any]) -> str:
@@ -536,7 +581,10 @@ def replay_line(r: dict[str, Any]) -> str:
             f"steps/s {r['steps_per_s']:8.2f}  step p50 {r['step_p50_ms']:8.2f} ms  "
             f"p99 {r['step_p99_ms']:8.2f} ms  kernel/step {k} ms  "
             f"bare gRPC/step {r['floor_step_ms']:.2f} ms{verdict}\n"
-            f"    per step p50 ms: transport {p['transport']:.2f}  worker {p['handler']:.2f} "
+            f"    per step p50 ms: transport {p['transport']:.2f}"
+            + ("" if np.isnan(p.get("up", float("nan")))
+               else f" (up {p['up']:.2f}, down {p['down']:.2f})")
+            + f"  worker {p['handler']:.2f} "
             f"(device {p['device']:.2f}, queue {p['queue']:.2f})  client {p['client']:.2f}")
 
 
@@ -639,6 +687,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "top-k epilogue (--topk), --mode calls; reply bytes vs f32 logits, p50/p99")
     ap.add_argument("--lm-callers", type=int, default=8, help="--lm-head: callers (8)")
     ap.add_argument("--lm-n", type=int, default=64, help="--lm-head: rows per call (64)")
+    ap.add_argument("--replay-spins", default="0",
+                    help="--replay: the host's loop busy-polls this long (us) before it sleeps, "
+                    "each value a run in the order given (e.g. 0,1000,0,1000: alternated); 0: "
+                    "a plain asyncio caller")
     ap.add_argument("--no-replay-floor", dest="replay_floor", action="store_false",
                     help="--replay: skip the bare-gRPC floor of the step's call sizes")
     ap.add_argument("--t2-procs", type=int, default=0,
@@ -655,6 +707,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not a.targets <= {"T1", "T2", "T3"}:
         ap.error(f"--targets {sorted(a.targets)}: use T1, T2, T3")
     a.replay_seqs = [int(x) for x in a.replay_seqs.split(",") if x]
+    a.replay_spins = [float(x) for x in a.replay_spins.split(",") if x]
+    if not a.replay_spins or any(x < 0 for x in a.replay_spins):
+        ap.error("--replay-spins: one or more numbers >= 0")
     if a.scale is None:
         a.scale = a.row_scale
     if a.layers < 1 or any(x < 1 for x in a.replay_seqs) or a.replay_hosts < 1:

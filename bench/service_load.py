@@ -414,11 +414,13 @@ class _ClientWork:
 
 
 def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
-                 seconds: float, work: tuple[int, int] | None = None) -> list[float]:
+                 seconds: float, work: tuple[int, int] | None = None,
+                 client_spin_us: float = 0.0) -> list[float]:
     """p50 seconds of one closed-loop round trip per (request bytes, reply bytes); ``work``
     (K, rows): each round trip with a T1 caller's own encoding and decoding around it
     (:class:`_ClientWork`), timed from before the encoding to after the decoding, as T1's
-    p50 is."""
+    p50 is; ``client_spin_us``: this caller's loop busy-polls that long before it sleeps (as
+    a replay host run with ``--replay-spin`` does: its like-for-like floor)."""
     import asyncio
 
     import grpc
@@ -429,6 +431,10 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
     cw = _ClientWork(*work) if work else None
 
     async def go() -> list[float]:
+        if client_spin_us > 0:
+            from q6serve.service.threads import busy_poll
+
+            busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
         out = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
                                              options=channel_options()) as ch:
@@ -460,9 +466,10 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
 
 
 def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
-             work: tuple[int, int] | None = None, spin: bool = False) -> dict[str, list[float]]:
+             work: tuple[int, int] | None = None, spin: bool = False,
+             client_spin_us: float = 0.0) -> dict[str, list[float]]:
     """Bare gRPC round trips (server and caller in their own processes, as in the bench):
-    p50 seconds per (request bytes, reply bytes), per mode; ``work``: see
+    p50 seconds per (request bytes, reply bytes), per mode; ``work``, ``client_spin_us``: see
     :func:`_echo_client`; ``spin``: see :func:`_sized_echo_server`."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
@@ -472,7 +479,8 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
-            return {m: pool.apply(_echo_client, (port, sizes, m, seconds, work)) for m in modes}
+            return {m: pool.apply(_echo_client, (port, sizes, m, seconds, work, client_spin_us))
+                    for m in modes}
     finally:
         server.terminate()
         server.join(10)

@@ -43,7 +43,9 @@ LM_HEAD = ("lm_head", 152064, 3584)
 LAYERS = 28
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight calls of a layer
 STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "client",
-               "kernel_missing")
+               "kernel_missing", "up", "down", "stamped")
+# per call, by its role in the step (``Call.role``): what the step's sums are made of
+CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client")
 
 
 def layer_name(layer: int, role: str) -> str:
@@ -63,6 +65,12 @@ class Call:
     k: int
     topk: int  # > 0 on the lm-head with the epilogue
     out_cols: int  # reply payload per row: sum of the weights' rows (or the top-k bytes)
+
+    @property
+    def role(self) -> str:
+        """The call's place in a layer ("q+k+v", "o", "gate+up", "down", "lm_head"): calls
+        of one role have the same sizes, so their figures are compared as a group."""
+        return "+".join(w.rsplit(".", 1)[-1] for w in self.weights)
 
     def reply_bytes(self, n: int, out_itemsize: int = 4) -> int:
         """Payload of the reply (y, or top-k values + indices + lse), for the floor."""
@@ -98,6 +106,10 @@ class ReplaySpec:
     dtype: str  # f16 | f32 (activations)
     precision: int  # pb Precision value
     out: str = "f16"  # y's dtype (f16 | f32)
+    # > 0: the host's event loop busy-polls this long (us) before it sleeps, as the worker's
+    # does (service/threads.busy_poll): a reply that comes within the spin is seen by a thread
+    # that is running instead of one woken from sleep; 0: it sleeps (a plain asyncio caller)
+    spin_us: float = 0.0
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -118,6 +130,11 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     rng = np.random.default_rng(0)
     dt = np.float16 if spec.dtype == "f16" else np.float32
     xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {c.k for c in spec.plan}}
+    if spec.spin_us > 0:
+        from q6serve.service.threads import busy_poll
+
+        busy_poll(asyncio.get_running_loop(), lambda: True, spec.spin_us)
+    calls: dict[str, dict[str, list[float]]] = {}
     async with grpc.aio.insecure_channel(spec.target, options=channel_options()) as ch:
         await ch.channel_ready()
         unary = ch.unary_unary(MATMUL)
@@ -142,17 +159,33 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 t3 = time.perf_counter()
                 r, timings = _timings(reply)
                 handler = nan_if_none(r.handler_seconds)
+                one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
+                       "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
+                       "up": float("nan"), "down": float("nan")}
+                if stream is not None and (st := _stamps(raw)) is not None:
+                    # the worker's absolute times (bench/reply_stamps.py, one clock for the
+                    # host's processes): write -> taken there, encoded there -> read here
+                    one["up"], one["down"] = st[0] - t1, t2 - st[1]
+                    sums["up"] += one["up"]
+                    sums["down"] += one["down"]
+                    sums["stamped"] += 1
                 sums["handler"] += handler
-                sums["transport"] += (t2 - t1) - handler
-                sums["client"] += (t1 - t0) + (t3 - t2)
+                sums["transport"] += one["transport"]
+                sums["client"] += one["client"]
                 for tm in timings:
                     kern = nan_if_none(tm.kernel_seconds)
                     if np.isnan(kern):
                         sums["kernel_missing"] += 1
                     else:
                         sums["kernel"] += kern
+                        one["kernel"] += kern
                     sums["device"] += nan_if_none(tm.device_seconds)
+                    one["device"] += nan_if_none(tm.device_seconds)
                 sums["queue"] += max(tm.queue_seconds for tm in timings)
+                if rec is not None:
+                    got = calls.setdefault(call.role, {f: [] for f in CALL_FIELDS})
+                    for f in CALL_FIELDS:
+                        got[f].append(one[f])
             sums["e2e"] = time.perf_counter() - t_step
             if rec is not None:
                 for f in STEP_FIELDS:
@@ -171,31 +204,66 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         rec["_wall"] = [time.perf_counter() - t0]
         if stream is not None:
             await stream.done_writing()
+        rec["_calls"] = calls  # type: ignore[assignment]
         return rec
 
 
-def run_replay(spec: ReplaySpec, hosts: int) -> tuple[dict[str, np.ndarray], float]:
-    """``hosts`` host processes stepping the model; per-step figures merged, wall seconds."""
+def _stamps(raw: bytes) -> tuple[float, float] | None:
+    """(taken, encoded) of a stream reply stamped by bench/reply_stamps.py (the worker run
+    with bench/trips_site on its PYTHONPATH and Q6SERVE_REPLY_STAMPS=1), else None. Field 1
+    of MatmulStreamResponse is its request_id; a stamped reply's is "START END" (a spliced
+    reply appends it: the last one wins, as protobuf reads it)."""
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    msg = pb.MatmulStreamResponse.FromString(raw)
+    parts = msg.request_id.split()
+    if len(parts) != 2:
+        return None
+    try:
+        return float(parts[0]), float(parts[1])
+    except ValueError:
+        return None
+
+
+def run_replay(spec: ReplaySpec, hosts: int,
+               ) -> tuple[dict[str, np.ndarray], float, dict[str, dict[str, float]]]:
+    """``hosts`` host processes stepping the model; per-step figures merged, wall seconds,
+    and per call role the p50 seconds of each CALL_FIELDS figure (and its call count)."""
     merged: dict[str, list[float]] = {f: [] for f in STEP_FIELDS}
+    by_role: dict[str, dict[str, list[float]]] = {}
     wall = 0.0
     for rec in spawn_hosts(_host, spec, hosts, spec.warmup + spec.seconds + 900):
         wall = max(wall, rec.pop("_wall")[0])
+        for role, cols in rec.pop("_calls").items():
+            dst = by_role.setdefault(role, {f: [] for f in CALL_FIELDS})
+            for f in CALL_FIELDS:
+                dst[f].extend(cols[f])
         for f in STEP_FIELDS:
             merged[f].extend(rec[f])
-    return {f: np.asarray(v, np.float64) for f, v in merged.items()}, wall
+    roles = {role: {**{f: _p50(v) for f, v in cols.items()}, "calls": float(len(cols["rpc"]))}
+             for role, cols in by_role.items()}
+    return {f: np.asarray(v, np.float64) for f, v in merged.items()}, wall, roles
+
+
+def _p50(v: list[float]) -> float:
+    a = np.asarray(v, np.float64)
+    a = a[~np.isnan(a)]
+    return float(np.median(a)) if a.size else float("nan")
 
 
 # -- the floor: bare gRPC round trips of the step's call sizes -------------------------------
 def step_floor(plan: list[Call], n: int, itemsize: int, mode: str, out_itemsize: int = 4,
-               seconds: float = 0.3) -> float:
+               seconds: float = 0.3, spin: bool = False, client_spin_us: float = 0.0) -> float:
     """Sum over a step's calls of a bare gRPC round trip of the same request and reply sizes
-    (server and caller in their own processes, as in the replay; service_load.echo_p50)."""
+    (server and caller in their own processes, as in the replay; service_load.echo_p50;
+    ``spin``: the echo's loop busy-polls as the worker's does; ``client_spin_us``: the
+    caller's loop busy-polls, as a host run with ReplaySpec.spin_us)."""
     def sizes(c: Call) -> tuple[int, int]:
         names = sum(len(w) + 2 for w in c.weights)
         return (n * c.k * itemsize + 24 + names,
                 c.reply_bytes(n, out_itemsize) + 64 * len(c.weights))
 
     distinct = sorted({sizes(c) for c in plan})
-    p50 = echo_p50(distinct, [mode], seconds)[mode]
+    p50 = echo_p50(distinct, [mode], seconds, spin=spin, client_spin_us=client_spin_us)[mode]
     table = dict(zip(distinct, p50, strict=True))
     return float(sum(table[sizes(c)] for c in plan))

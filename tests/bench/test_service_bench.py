@@ -84,6 +84,44 @@ def test_tiny_model_replay(tmp_path: Path) -> None:
     assert "replay S=2 multi" in table.stdout and "replay S=2 single" in table.stdout
 
 
+def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
+    """--replay with the worker's replies stamped (bench/reply_stamps.py through
+    bench/trips_site, as bench/gpu_t1_s17a.sh runs it) and two host spins: one row per spin,
+    each with its floors (plain and busy-polling echo) and the per-call p50s of every role of
+    the step, the transport split into a way up and a way down that add up to at most it."""
+    import os
+
+    out = tmp_path / "replay.json"
+    env = {**os.environ, "Q6SERVE_REPLY_STAMPS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench/trips_site"),
+                                                     os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--replay",
+           "--layers", "1", "--scale", "0.002", "--replay-seqs", "1", "--multi", "on",
+           "--replay-spins", "0,100", "--seconds", "0.4", "--warmup", "0.1",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"]
+    assert [r["host_spin_us"] for r in doc["replay"]] == [0.0, 100.0]
+    assert [r["label"] for r in doc["replay"]] == ["replay S=1 multi spin=0",
+                                                   "replay S=1 multi spin=100"]
+    for r in doc["replay"]:
+        assert r["stamped"] and set(r["floors_step_ms"]) == {"plain", "spin"}
+        assert r["floor_step_ms"] == min(r["floors_step_ms"].values()) > 0
+        roles = r["per_call_p50_us"]
+        assert list(roles) == ["q+k+v", "o", "gate+up", "down", "lm_head"]
+        for got in roles.values():
+            assert got["calls"] == r["steps"]
+            assert got["up"] > 0 and got["down"] > 0 and got["kernel"] > 0
+            assert got["device"] <= got["handler"] <= got["rpc"]
+        p = r["step_parts_p50_ms"]
+        # up + down = the round trip less the worker's taken -> encoded: the transport less
+        # the reply's last encoding step (a few us a call), never more
+        assert 0.5 * p["transport"] <= p["up"] + p["down"] <= 1.02 * p["transport"]
+    assert "per call p50 us  gate+up" in done.stdout
+
+
 def test_lm_head_topk_scenario(tmp_path: Path) -> None:
     """--lm-head: callers of N rows on the lm-head with the top-k epilogue; the row states the
     reply's bytes against the f32 logits it replaces, and p50/p99."""
