@@ -61,7 +61,15 @@ from typing import Any
 import numpy as np
 import service_load  # bench/ is sys.path[0]
 from service_load import LoadSpec, grpc_floor, run_load
-from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_floor, step_plan
+from service_replay import (
+    LAYERS,
+    ReplaySpec,
+    floor_sizes,
+    model_weights,
+    run_replay,
+    step_floor,
+    step_plan,
+)
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
@@ -537,14 +545,22 @@ def model_replay(b: Bench) -> None:
                      "floors_step_ms": {k: v * 1e3 for k, v in fl.items()},
                      "stamped": stamped,
                      "step_parts_p50_ms": ms, "limit_ms": limit,
-                     "per_call_p50_us": {role: {f: v * 1e6 if f != "calls" else v
+                     "per_call_p50_us": {role: {f: v if f in UNSCALED else v * 1e6
                                                 for f, v in got.items()}
                                          for role, got in roles.items()},
+                     # the floor's echo sizes per role, beside the real ones (req_bytes,
+                     # reply_bytes above): the bare round trip is of the same sizes
+                     "floor_bytes": {c.role: floor_sizes(c, s_, itemsize,
+                                                         2 if a.replay_out == "f16" else 4)
+                                     for c in plan},
                      "met": None if limit is None else ms["e2e"] <= limit}
                 b.replay.append(r)
                 b.save()
                 print(replay_line(r), flush=True)
                 print(roles_table(r), flush=True)
+
+
+UNSCALED = ("calls", "req_bytes", "reply_bytes")  # per_call_p50_us: counts and bytes as they are
 
 
 def replay_floors(plan: list[Any], n: int, itemsize: int, a: argparse.Namespace,
@@ -565,10 +581,13 @@ def roles_table(r: dict[str, Any]) -> str:
     """Per call role, p50 us of one call: where a step's time goes (up / down: the worker's
     reply stamps, when it was run with them)."""
     cols = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client")
-    lines = [f"    per call p50 us  {'role':<10} {'calls':>6} " + " ".join(f"{c:>9}" for c in cols)]
+    lines = [f"    per call p50 us  {'role':<10} {'calls':>6} " + " ".join(f"{c:>9}" for c in cols)
+             + "  bytes up/down (floor's)"]
     for role, got in r["per_call_p50_us"].items():
+        fl = r["floor_bytes"].get(role, (0, 0))
         lines.append(f"    per call p50 us  {role:<10} {got['calls']:>6.0f} "
-                     + " ".join(f"{got[c]:>9.1f}" for c in cols))
+                     + " ".join(f"{got[c]:>9.1f}" for c in cols)
+                     + f"  {got['req_bytes']:.0f}/{got['reply_bytes']:.0f} ({fl[0]}/{fl[1]})")
     return "\n".join(lines)
 
 

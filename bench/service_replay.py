@@ -45,7 +45,8 @@ GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight ca
 STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "client",
                "kernel_missing", "up", "down", "stamped")
 # per call, by its role in the step (``Call.role``): what the step's sums are made of
-CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client")
+CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client",
+               "req_bytes", "reply_bytes")
 
 
 def layer_name(layer: int, role: str) -> str:
@@ -161,7 +162,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 handler = nan_if_none(r.handler_seconds)
                 one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
                        "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
-                       "up": float("nan"), "down": float("nan")}
+                       "up": float("nan"), "down": float("nan"),
+                       "req_bytes": float(len(req)), "reply_bytes": float(len(raw))}
                 if stream is not None and (st := _stamps(raw)) is not None:
                     # the worker's absolute times (bench/reply_stamps.py, one clock for the
                     # host's processes): write -> taken there, encoded there -> read here
@@ -258,12 +260,17 @@ def step_floor(plan: list[Call], n: int, itemsize: int, mode: str, out_itemsize:
     (server and caller in their own processes, as in the replay; service_load.echo_p50;
     ``spin``: the echo's loop busy-polls as the worker's does; ``client_spin_us``: the
     caller's loop busy-polls, as a host run with ReplaySpec.spin_us)."""
-    def sizes(c: Call) -> tuple[int, int]:
-        names = sum(len(w) + 2 for w in c.weights)
-        return (n * c.k * itemsize + 24 + names,
-                c.reply_bytes(n, out_itemsize) + 64 * len(c.weights))
-
-    distinct = sorted({sizes(c) for c in plan})
+    distinct = sorted({floor_sizes(c, n, itemsize, out_itemsize) for c in plan})
     p50 = echo_p50(distinct, [mode], seconds, spin=spin, client_spin_us=client_spin_us)[mode]
     table = dict(zip(distinct, p50, strict=True))
-    return float(sum(table[sizes(c)] for c in plan))
+    return float(sum(table[floor_sizes(c, n, itemsize, out_itemsize)] for c in plan))
+
+
+def floor_sizes(c: Call, n: int, itemsize: int, out_itemsize: int) -> tuple[int, int]:
+    """(request bytes, reply bytes) the floor's echo sends for call ``c``: x's bytes and the
+    weight names' fields; y's (or the top-k's) bytes and ~64 bytes of timing per weight. The
+    replay records the real sizes per role beside them (ReplaySpec's host: req_bytes,
+    reply_bytes)."""
+    names = sum(len(w) + 2 for w in c.weights)
+    return (n * c.k * itemsize + 24 + names,
+            c.reply_bytes(n, out_itemsize) + 64 * len(c.weights))

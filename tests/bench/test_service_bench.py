@@ -111,8 +111,12 @@ def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
         assert r["floor_step_ms"] == min(r["floors_step_ms"].values()) > 0
         roles = r["per_call_p50_us"]
         assert list(roles) == ["q+k+v", "o", "gate+up", "down", "lm_head"]
-        for got in roles.values():
+        for role, got in roles.items():
             assert got["calls"] == r["steps"]
+            # the floor's echo is of the same sizes (within a few fields' bytes; a stamped
+            # reply carries the two times' ~40 bytes more)
+            req, reply = r["floor_bytes"][role]
+            assert abs(got["req_bytes"] - req) <= 64 and abs(got["reply_bytes"] - reply) <= 128
             assert got["up"] > 0 and got["down"] > 0 and got["kernel"] > 0
             assert got["device"] <= got["handler"] <= got["rpc"]
         p = r["step_parts_p50_ms"]
