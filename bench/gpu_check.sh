@@ -9,7 +9,9 @@
 # (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), REPLAY_SEQS (1,8,64), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
+#   SKIP_TRIPS=1, REPLAY_SECONDS (2), REPLAY_SEQS (1,8,64), REPLAY_SPINS (0: the replay host's
+#   loop busy-polling, bench/service.py --replay-spins), REPLAY_STAMPS=1 (the worker's replies
+#   stamped: the replay's way up and down per call), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
 #   KERNELS_LAST=SECONDS runs the kernels' suite last, within that limit, so a short device
 #   budget spends itself on the rest first (with or without TESTS_ONLY); KERNELS_LAST=0 leaves it out, for a call that runs the
 #   kernels' tests itself; WALL=1 adds the host wall of CudaBackend.matmul at N = 1, 64), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
@@ -59,7 +61,14 @@ PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load o
 [[ -z ${SKIP_TRIPS:-} ]] && step trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
   --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
-  step replay 200 python3 bench/service.py --backend cuda --replay --replay-seqs "${REPLAY_SEQS:-1,8,64}" \
+  # REPLAY_STAMPS=1: the worker's replies stamped (bench/reply_stamps.py through
+  # bench/trips_site: each call's transport split into its way up and down); REPLAY_SPINS:
+  # the host's loop busy-polls (bench/service.py --replay-spins, e.g. "0,1000")
+  stamps=()
+  [[ -n ${REPLAY_STAMPS:-} ]] && stamps=(env "PYTHONPATH=$PWD/bench/trips_site${PYTHONPATH:+:$PYTHONPATH}"
+    Q6SERVE_REPLY_STAMPS=1)
+  step replay 200 "${stamps[@]}" python3 bench/service.py --backend cuda --replay \
+    --replay-seqs "${REPLAY_SEQS:-1,8,64}" --replay-spins "${REPLAY_SPINS:-0}" \
     --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
   [[ -z ${SKIP_PINNED:-} ]] && step replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
     --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
@@ -97,6 +106,7 @@ fi
   grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
   grep -E "median|loop trips" "$OUT/trips.log" 2>/dev/null | cut -c1-160
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
+  grep -E "^    per call" "$OUT/replay.log" 2>/dev/null | head -6 | cut -c1-200
   echo "## replay pinned ($PIN)"
   grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
   grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14

@@ -67,7 +67,7 @@ from service_replay import (
     floor_sizes,
     model_weights,
     run_replay,
-    step_floor,
+    step_floors,
     step_plan,
 )
 
@@ -501,9 +501,12 @@ def model_replay(b: Bench) -> None:
     styles = {"both": [True, False], "on": [True], "off": [False]}[a.multi]
     b.batching(True)
     for s_ in a.replay_seqs:
+        plans = {multi: step_plan(a.layers, rows, multi, a.topk) for multi in styles}
+        # (host spin, multi) -> the step's floor per echo kind; every style's sizes in one
+        # echo run per kind (one server process each)
+        floors: dict[tuple[float, bool], dict[str, float]] = {}
         for multi in styles:
-            plan = step_plan(a.layers, rows, multi, a.topk)
-            floors: dict[float, dict[str, float]] = {}  # host spin -> floor per echo kind
+            plan = plans[multi]
             for spin in a.replay_spins:
                 label = f"replay S={s_} {'multi' if multi else 'single'}"
                 if len(a.replay_spins) > 1 or spin:
@@ -512,15 +515,16 @@ def model_replay(b: Bench) -> None:
                                   a.replay_mode, a.dtype, PRECISIONS[a.precision],
                                   a.replay_out, spin)
                 try:
-                    if a.replay_floor and spin not in floors:
-                        floors[spin] = replay_floors(plan, s_, itemsize, a, spin)
+                    if a.replay_floor and (spin, multi) not in floors:
+                        got = replay_floors(plans, s_, itemsize, a, spin)
+                        floors.update({(spin, m): f for m, f in got.items()})
                     st, wall, roles = run_replay(spec, a.replay_hosts)
                 except Exception as e:
                     print(f"# {label} FAILED: {e}", flush=True)
                     b.errors.append({"run": label, "error": repr(e)[:2000]})
                     b.save()
                     continue
-                fl = floors.get(spin, {})
+                fl = floors.get((spin, multi), {})
                 # judged on the faster echo (its loop busy-polling as the worker's, or not),
                 # as T1 is; the caller's loop as the host's (spin or not): like for like
                 floor = min(fl.values()) if fl else float("nan")
@@ -563,17 +567,21 @@ def model_replay(b: Bench) -> None:
 UNSCALED = ("calls", "req_bytes", "reply_bytes")  # per_call_p50_us: counts and bytes as they are
 
 
-def replay_floors(plan: list[Any], n: int, itemsize: int, a: argparse.Namespace,
-                  spin: float) -> dict[str, float]:
-    """The step's bare-gRPC floor (seconds) with a plain echo and with one whose loop
-    busy-polls as the worker's does; the echo's caller spins as the replay host does."""
-    out = {}
+def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argparse.Namespace,
+                  spin: float) -> dict[bool, dict[str, float]]:
+    """Each plan's bare-gRPC floor per step (seconds) with a plain echo and with one whose
+    loop busy-polls as the worker's does; the echo's caller spins as the replay host does."""
+    out: dict[bool, dict[str, float]] = {m: {} for m in plans}
     for kind, echo_spin in (("plain", False), ("spin", True)):
-        out[kind] = step_floor(plan, n, itemsize, a.replay_mode,
-                               2 if a.replay_out == "f16" else 4, spin=echo_spin,
-                               client_spin_us=spin)
-    print(f"# replay S={n} floor per step (ms), host spin {spin:g} us: "
-          + ", ".join(f"{k} echo {v * 1e3:.2f}" for k, v in out.items()), flush=True)
+        got = step_floors(list(plans.values()), n, itemsize, a.replay_mode,
+                          2 if a.replay_out == "f16" else 4, spin=echo_spin,
+                          client_spin_us=spin)
+        for m, f in zip(plans, got, strict=True):
+            out[m][kind] = f
+    for m, fl in out.items():
+        print(f"# replay S={n} {'multi' if m else 'single'} floor per step (ms), host spin "
+              f"{spin:g} us: " + ", ".join(f"{k} echo {v * 1e3:.2f}" for k, v in fl.items()),
+              flush=True)
     return out
 
 

@@ -35,6 +35,8 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_check.sh": [
         ("full", {"LANE": "1", "KERNELS_LAST": "30"}, []),
         ("tests_only", {"TESTS_ONLY": "1", "WALL": "1"}, []),
+        ("replay_stamps", {"SKIP_DATAPLANE": "1", "REPLAY_STAMPS": "1",
+                           "REPLAY_SPINS": "0,1000"}, []),
     ],
     # every mode but `ab`, which installs a second tree ($AB_BASE) with pip
     "gpu_run.sh": [("modes", {"SKIP_INSTALL": "1", "BUNDLE": "1",
