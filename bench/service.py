@@ -612,7 +612,8 @@ def replay_line(r: dict[str, Any]) -> str:
             + ("" if np.isnan(p.get("up", float("nan")))
                else f" (up {p['up']:.2f}, down {p['down']:.2f})")
             + f"  worker {p['handler']:.2f} "
-            f"(device {p['device']:.2f}, queue {p['queue']:.2f})  client {p['client']:.2f}")
+            f"(device {p['device']:.2f}, queue {p['queue']:.2f})  client {p['client']:.2f}"
+            + (f"  bench {p['bench']:.2f}" if "bench" in p else ""))
 
 
 def target_line(t: dict[str, Any]) -> str:

@@ -28,7 +28,6 @@ from service_load import (
     echo_p50,
     nan_if_none,
     reply_arrays,
-    reply_message,
     request_bytes,
     spawn_hosts,
 )
@@ -43,7 +42,7 @@ LM_HEAD = ("lm_head", 152064, 3584)
 LAYERS = 28
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight calls of a layer
 STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "client",
-               "kernel_missing", "up", "down", "stamped")
+               "kernel_missing", "up", "down", "stamped", "bench")
 # per call, by its role in the step (``Call.role``): what the step's sums are made of
 CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client",
                "req_bytes", "reply_bytes")
@@ -141,8 +140,48 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         unary = ch.unary_unary(MATMUL)
         stream = ch.stream_stream(MATMUL_STREAM)() if spec.mode == "stream" else None
 
+        def account(sums: dict[str, float], rec: dict[str, list[float]] | None,
+                    call: Call, t: tuple[float, float, float, float], req_bytes: int,
+                    raw_bytes: int, msg: Any, reply: Any) -> None:
+            """One call's figures into the step's sums (and, timed, the per-role lists):
+            run while the next call is in flight (or after the step's clock stopped), so
+            the bench's own bookkeeping is not a host's time in the step."""
+            t0, t1, t2, t3 = t
+            r, timings = _timings(reply)
+            handler = nan_if_none(r.handler_seconds)
+            one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
+                   "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
+                   "up": float("nan"), "down": float("nan"),
+                   "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes)}
+            if msg is not None and (st := _stamps(msg.request_id)) is not None:
+                # the worker's absolute times (bench/reply_stamps.py, one clock for the
+                # host's processes): write -> taken there, encoded there -> read here
+                one["up"], one["down"] = st[0] - t1, t2 - st[1]
+                sums["up"] += one["up"]
+                sums["down"] += one["down"]
+                sums["stamped"] += 1
+            sums["handler"] += handler
+            sums["transport"] += one["transport"]
+            sums["client"] += one["client"]
+            sums["calls"] += t3 - t0
+            for tm in timings:
+                kern = nan_if_none(tm.kernel_seconds)
+                if np.isnan(kern):
+                    sums["kernel_missing"] += 1
+                else:
+                    sums["kernel"] += kern
+                    one["kernel"] += kern
+                sums["device"] += nan_if_none(tm.device_seconds)
+                one["device"] += nan_if_none(tm.device_seconds)
+            sums["queue"] += max(tm.queue_seconds for tm in timings)
+            if rec is not None:
+                got = calls.setdefault(call.role, {f: [] for f in CALL_FIELDS})
+                for f in CALL_FIELDS:
+                    got[f].append(one[f])
+
         async def step(rec: dict[str, list[float]] | None) -> None:
-            sums = dict.fromkeys(STEP_FIELDS, 0.0)
+            sums = dict.fromkeys((*STEP_FIELDS, "calls"), 0.0)
+            last: tuple[Any, ...] | None = None  # the previous call, not yet accounted
             t_step = time.perf_counter()
             for call in spec.plan:
                 t0 = time.perf_counter()
@@ -150,45 +189,33 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                                     "f32" if call.topk else spec.out, call.topk)
                 t1 = time.perf_counter()
                 if stream is None:
+                    # (a unary call starts when awaited: the previous call's accounting
+                    # runs before it, in the step's time, as it did before session 17)
+                    if last is not None:
+                        account(sums, rec, *last)
                     raw = await unary(req, timeout=120.0)
                 else:
                     await stream.write(req)
+                    if last is not None:  # the worker has the request: its reply is far
+                        account(sums, rec, *last)
                     raw = await stream.read()
                 t2 = time.perf_counter()
-                reply = reply_message(raw, stream is not None)
+                if stream is None:
+                    msg, reply = None, pb.MatmulResponse.FromString(raw)
+                else:
+                    msg = pb.MatmulStreamResponse.FromString(raw)
+                    if msg.WhichOneof("outcome") != "result":
+                        raise RuntimeError(f"stream error: {msg.error.code} "
+                                           f"{msg.error.message}")
+                    reply = msg.result
                 reply_arrays(reply)
                 t3 = time.perf_counter()
-                r, timings = _timings(reply)
-                handler = nan_if_none(r.handler_seconds)
-                one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
-                       "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
-                       "up": float("nan"), "down": float("nan"),
-                       "req_bytes": float(len(req)), "reply_bytes": float(len(raw))}
-                if stream is not None and (st := _stamps(raw)) is not None:
-                    # the worker's absolute times (bench/reply_stamps.py, one clock for the
-                    # host's processes): write -> taken there, encoded there -> read here
-                    one["up"], one["down"] = st[0] - t1, t2 - st[1]
-                    sums["up"] += one["up"]
-                    sums["down"] += one["down"]
-                    sums["stamped"] += 1
-                sums["handler"] += handler
-                sums["transport"] += one["transport"]
-                sums["client"] += one["client"]
-                for tm in timings:
-                    kern = nan_if_none(tm.kernel_seconds)
-                    if np.isnan(kern):
-                        sums["kernel_missing"] += 1
-                    else:
-                        sums["kernel"] += kern
-                        one["kernel"] += kern
-                    sums["device"] += nan_if_none(tm.device_seconds)
-                    one["device"] += nan_if_none(tm.device_seconds)
-                sums["queue"] += max(tm.queue_seconds for tm in timings)
-                if rec is not None:
-                    got = calls.setdefault(call.role, {f: [] for f in CALL_FIELDS})
-                    for f in CALL_FIELDS:
-                        got[f].append(one[f])
+                last = (call, (t0, t1, t2, t3), len(req), len(raw), msg, reply)
             sums["e2e"] = time.perf_counter() - t_step
+            if last is not None:
+                account(sums, rec, *last)
+            # what the step spent outside its calls (encode to decode): the bench's loop
+            sums["bench"] = sums["e2e"] - sums.pop("calls")
             if rec is not None:
                 for f in STEP_FIELDS:
                     rec[f].append(sums[f])
@@ -210,15 +237,12 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         return rec
 
 
-def _stamps(raw: bytes) -> tuple[float, float] | None:
+def _stamps(request_id: str) -> tuple[float, float] | None:
     """(taken, encoded) of a stream reply stamped by bench/reply_stamps.py (the worker run
-    with bench/trips_site on its PYTHONPATH and Q6SERVE_REPLY_STAMPS=1), else None. Field 1
-    of MatmulStreamResponse is its request_id; a stamped reply's is "START END" (a spliced
-    reply appends it: the last one wins, as protobuf reads it)."""
-    from q6serve.v1 import q6serve_pb2 as pb
-
-    msg = pb.MatmulStreamResponse.FromString(raw)
-    parts = msg.request_id.split()
+    with bench/trips_site on its PYTHONPATH and Q6SERVE_REPLY_STAMPS=1), else None: the
+    MatmulStreamResponse's request_id is then "START END" (a spliced reply appends it: the
+    last one wins, as protobuf reads it)."""
+    parts = request_id.split()
     if len(parts) != 2:
         return None
     try:
