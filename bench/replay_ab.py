@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, 2, "stream",
                                   "f16", PRECISIONS["auto"], "f16")
                 try:
-                    st_, wall = run_replay(spec, 1)
+                    st_, wall, _ = run_replay(spec, 1)
                 except Exception as e:
                     print(f"# {label} FAILED: {e}", flush=True)
                     doc["errors"].append({"run": label, "error": repr(e)[:2000]})

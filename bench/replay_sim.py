@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                          "-d", str(int(a.seconds + a.warmup + 2)), "-o", str(out), "--nonblocking"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 cpu0, flt0 = _proc(proc.pid)
-                st, _ = run_replay(spec, 1)
+                st, _, _ = run_replay(spec, 1)
                 cpu1, flt1 = _proc(proc.pid)  # (the warm-up steps counted too)
                 if spy is not None:
                     spy.wait()
