@@ -524,7 +524,8 @@ def model_replay(b: Bench) -> None:
                     b.errors.append({"run": label, "error": repr(e)[:2000]})
                     b.save()
                     continue
-                fl = floors.get((spin, multi), {})
+                fl = dict(floors.get((spin, multi), {}))
+                per_call_floor = fl.pop("per_call", {})
                 # judged on the faster echo (its loop busy-polling as the worker's, or not),
                 # as T1 is; the caller's loop as the host's (spin or not): like for like
                 floor = min(fl.values()) if fl else float("nan")
@@ -557,6 +558,9 @@ def model_replay(b: Bench) -> None:
                      "floor_bytes": {c.role: floor_sizes(c, s_, itemsize,
                                                          2 if a.replay_out == "f16" else 4)
                                      for c in plan},
+                     # the bare round trip of each role's sizes (us, per echo kind)
+                     "floor_per_call_us": {role: {k: v * 1e6 for k, v in got.items()}
+                                           for role, got in per_call_floor.items()},
                      "met": None if limit is None else ms["e2e"] <= limit}
                 b.replay.append(r)
                 b.save()
@@ -568,33 +572,39 @@ UNSCALED = ("calls", "req_bytes", "reply_bytes")  # per_call_p50_us: counts and 
 
 
 def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argparse.Namespace,
-                  spin: float) -> dict[bool, dict[str, float]]:
+                  spin: float) -> dict[bool, dict[str, Any]]:
     """Each plan's bare-gRPC floor per step (seconds) with a plain echo and with one whose
-    loop busy-polls as the worker's does; the echo's caller spins as the replay host does."""
-    out: dict[bool, dict[str, float]] = {m: {} for m in plans}
+    loop busy-polls as the worker's does (the echo's caller spins as the replay host does),
+    and under "per_call" each of its roles' round trip (seconds, per echo kind)."""
+    out: dict[bool, dict[str, Any]] = {m: {"per_call": {}} for m in plans}
+    out_size = 2 if a.replay_out == "f16" else 4
     for kind, echo_spin in (("plain", False), ("spin", True)):
-        got = step_floors(list(plans.values()), n, itemsize, a.replay_mode,
-                          2 if a.replay_out == "f16" else 4, spin=echo_spin,
-                          client_spin_us=spin)
-        for m, f in zip(plans, got, strict=True):
+        table: dict[tuple[int, int], float] = {}
+        got = step_floors(list(plans.values()), n, itemsize, a.replay_mode, out_size,
+                          spin=echo_spin, client_spin_us=spin, per_size=table)
+        for (m, plan), f in zip(plans.items(), got, strict=True):
             out[m][kind] = f
+            for c in plan:
+                out[m]["per_call"].setdefault(c.role, {})[kind] = table[
+                    floor_sizes(c, n, itemsize, out_size)]
     for m, fl in out.items():
         print(f"# replay S={n} {'multi' if m else 'single'} floor per step (ms), host spin "
-              f"{spin:g} us: " + ", ".join(f"{k} echo {v * 1e3:.2f}" for k, v in fl.items()),
-              flush=True)
+              f"{spin:g} us: " + ", ".join(f"{k} echo {fl[k] * 1e3:.2f}"
+                                           for k in ("plain", "spin")), flush=True)
     return out
 
 
 def roles_table(r: dict[str, Any]) -> str:
     """Per call role, p50 us of one call: where a step's time goes (up / down: the worker's
-    reply stamps, when it was run with them)."""
+    reply stamps, when it was run with them), beside the faster bare echo of its sizes."""
     cols = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client")
     lines = [f"    per call p50 us  {'role':<10} {'calls':>6} " + " ".join(f"{c:>9}" for c in cols)
-             + "  bytes up/down (floor's)"]
+             + f" {'echo':>9}  bytes up/down (floor's)"]
     for role, got in r["per_call_p50_us"].items():
         fl = r["floor_bytes"].get(role, (0, 0))
+        echo = min(r["floor_per_call_us"].get(role, {}).values(), default=float("nan"))
         lines.append(f"    per call p50 us  {role:<10} {got['calls']:>6.0f} "
-                     + " ".join(f"{got[c]:>9.1f}" for c in cols)
+                     + " ".join(f"{got[c]:>9.1f}" for c in cols) + f" {echo:>9.1f}"
                      + f"  {got['req_bytes']:.0f}/{got['reply_bytes']:.0f} ({fl[0]}/{fl[1]})")
     return "\n".join(lines)
 

@@ -280,18 +280,22 @@ def _p50(v: list[float]) -> float:
 # -- the floor: bare gRPC round trips of the step's call sizes -------------------------------
 def step_floors(plans: list[list[Call]], n: int, itemsize: int, mode: str,
                 out_itemsize: int = 4, seconds: float = 0.3, spin: bool = False,
-                client_spin_us: float = 0.0) -> list[float]:
+                client_spin_us: float = 0.0,
+                per_size: dict[tuple[int, int], float] | None = None) -> list[float]:
     """Per plan, the sum over a step's calls of a bare gRPC round trip of the same request and
     reply sizes (server and caller in their own processes, as in the replay;
     service_load.echo_p50), every distinct size of all the plans measured in one echo run;
     ``spin``: the echo's loop busy-polls as the worker's does; ``client_spin_us``: the
-    caller's loop busy-polls, as a host run with ReplaySpec.spin_us."""
+    caller's loop busy-polls, as a host run with ReplaySpec.spin_us; ``per_size``: gets each
+    (request bytes, reply bytes)'s p50 seconds."""
     def sizes(c: Call) -> tuple[int, int]:
         return floor_sizes(c, n, itemsize, out_itemsize)
 
     distinct = sorted({sizes(c) for plan in plans for c in plan})
     p50 = echo_p50(distinct, [mode], seconds, spin=spin, client_spin_us=client_spin_us)[mode]
     table = dict(zip(distinct, p50, strict=True))
+    if per_size is not None:
+        per_size.update(table)
     return [float(sum(table[sizes(c)] for c in plan)) for plan in plans]
 
 

@@ -119,6 +119,10 @@ def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
             assert abs(got["req_bytes"] - req) <= 64 and abs(got["reply_bytes"] - reply) <= 128
             assert got["up"] > 0 and got["down"] > 0 and got["kernel"] > 0
             assert got["device"] <= got["handler"] <= got["rpc"]
+        # one layer: each role once a step, so its echo round trips add up to the floor
+        for kind in ("plain", "spin"):
+            per_call = sum(r["floor_per_call_us"][role][kind] for role in roles)
+            assert abs(per_call * 1e-3 - r["floors_step_ms"][kind]) < 1e-6
         p = r["step_parts_p50_ms"]
         # up + down = the round trip less the worker's taken -> encoded: the transport less
         # the reply's last encoding step (a few us a call), never more
