@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--warmup", type=float, default=0.4)
     ap.add_argument("--bound", type=float, default=1e9)
+    ap.add_argument("--spin", type=float, default=0.0,
+                    help="the host's loop busy-polls this long (us) before it sleeps "
+                    "(bench/service.py --replay-spins; 0: a plain asyncio caller)")
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     doc["errors"].append({"run": label, "error": "skipped (bound)"})
                     continue
                 spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, 2, "stream",
-                                  "f16", PRECISIONS["auto"], "f16")
+                                  "f16", PRECISIONS["auto"], "f16", a.spin)
                 try:
                     st_, wall, _ = run_replay(spec, 1)
                 except Exception as e:
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     save()
                     continue
                 ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
-                      if f != "kernel_missing"}
+                      if f not in ("kernel_missing", "stamped")}
                 r = {"variant": v, "round": seen[v], "seqs": s, "label": label,
                      "calls_per_step": len(plan), "steps": int(st_["e2e"].size),
                      "steps_per_s": st_["e2e"].size / wall,
@@ -164,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
-    lines = [f"# replay A/B: {a.layers} layers, multi {a.multi}, top-{a.topk}; step p50 / p99 "
-             "ms; per step p50 ms: worker (device) transport client; steps",
+    lines = [f"# replay A/B: {a.layers} layers, multi {a.multi}, top-{a.topk}, host spin "
+             f"{a.spin:g} us; step p50 / p99 ms; per step p50 ms: worker (device) transport "
+             "client; steps",
              f"# {doc.get('device', '?')}; variants {doc['variants']}"]
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in doc["runs"]:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# t1's bundle B, session 17 (issue 14's replay): the 28-layer replay (multi-weight calls, the
+# lm-head's top-64, S = 1 and 8) under worker variants alternated in one call (bench/replay_ab.py:
+# one worker per variant, the model uploaded to each once); by default the worker's GIL switch
+# interval (Python's 5000 us against Q6SERVE_GIL_SWITCH_US=200: hp's goal 3 across T1, the
+# lm-head and the replay). The replay's hosts account each call while the next is in flight.
+#   bash bench/gpu_t1_s17b.sh   env: BOUND (78 s), VARIANTS, ORDER, SEQS (1,8), SPIN (0),
+#   BACKEND (cuda), LAYERS (28), SCALE (1)
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_session /tmp/t1s17b
+BOUND=${BOUND:-78}
+limit=$(bound 80 2)
+# replay_ab's own bound: no run starts that would end past it (its workers' stop and the
+# table after it, ~4 s)
+step replay_ab "$limit" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+  --variants "${VARIANTS:-def: g200:Q6SERVE_GIL_SWITCH_US=200}" \
+  --order "${ORDER:-def,g200,g200,def,def,g200}" --seqs "${SEQS:-1,8}" \
+  --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --spin "${SPIN:-0}" --seconds 1.0 \
+  --warmup 0.3 --bound "$((limit - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
+{
+  echo "# gpu_t1_s17b $(tree_commit) total $(elapsed)"
+  steps
+  grep -E "^# (the workers|[0-9]+ workers)|^# replay A/B|^# NVIDIA|^# S=|^[a-z0-9]+_[0-9]+ " \
+    "$OUT/replay_ab.log" | cut -c1-220
+} | table
+exit 0
