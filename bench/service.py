@@ -562,10 +562,17 @@ def model_replay(b: Bench) -> None:
                      "floor_per_call_us": {role: {k: v * 1e6 for k, v in got.items()}
                                            for role, got in per_call_floor.items()},
                      "met": None if limit is None else ms["e2e"] <= limit}
+                if a.replay_seq_echo:
+                    try:
+                        r["seq_echo"] = seq_echo(plan, r, s_, itemsize, a, spin)
+                    except Exception as e:
+                        b.errors.append({"run": f"{label} seq echo", "error": repr(e)[:2000]})
                 b.replay.append(r)
                 b.save()
                 print(replay_line(r), flush=True)
                 print(roles_table(r), flush=True)
+                if "seq_echo" in r:
+                    print(seq_echo_table(r), flush=True)
 
 
 UNSCALED = ("calls", "req_bytes", "reply_bytes")  # per_call_p50_us: counts and bytes as they are
@@ -592,6 +599,45 @@ def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argpar
               f"{spin:g} us: " + ", ".join(f"{k} echo {fl[k] * 1e3:.2f}"
                                            for k in ("plain", "spin")), flush=True)
     return out
+
+
+def seq_echo(plan: list[Any], r: dict[str, Any], n: int, itemsize: int,
+             a: argparse.Namespace, spin: float) -> dict[str, Any]:
+    """The step's calls in order against a busy-polling echo (service_load.echo_sequence),
+    each answered at once ("bare") and each held its role's handler p50 of this replay run
+    ("held": the worker's window, busy-waited on the echo's loop): per role the p50 round
+    trip, and for "held" the same less its hold (the transport a bare server with the
+    worker's windows pays)."""
+    out_size = 2 if a.replay_out == "f16" else 4
+    handler_ns = {role: int(got["handler"] * 1e3) for role, got in r["per_call_p50_us"].items()}
+    got: dict[str, Any] = {}
+    for kind in ("bare", "held"):
+        seq = [(*floor_sizes(c, n, itemsize, out_size),
+                handler_ns.get(c.role, 0) if kind == "held" else 0) for c in plan]
+        res = service_load.echo_sequence(seq, a.replay_mode, min(a.seconds, 1.0),
+                                         client_spin_us=spin)
+        per: dict[str, list[float]] = {}
+        for c, rt in zip(plan, res["each"], strict=True):
+            per.setdefault(c.role, []).append(rt)
+        got[kind] = {"step_ms": res["pass"] * 1e3, "passes": res["passes"],
+                     "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
+    got["held"]["transport_us"] = {role: rt - handler_ns[role] * 1e-3
+                                   for role, rt in got["held"]["rt_us"].items()}
+    return got
+
+
+def seq_echo_table(r: dict[str, Any]) -> str:
+    """The replay's transport per call beside the sequence echo's (bare, and held for the
+    worker's window)."""
+    se = r["seq_echo"]
+    lines = [f"    seq echo: step bare {se['bare']['step_ms']:.2f} ms, held "
+             f"{se['held']['step_ms']:.2f} ms; per call p50 us: role, echo bare RT, "
+             "echo held RT - hold, replay transport (up + down)"]
+    for role, got in r["per_call_p50_us"].items():
+        lines.append(f"    seq echo  {role:<10} {se['bare']['rt_us'][role]:>8.1f} "
+                     f"{se['held']['transport_us'][role]:>8.1f} {got['transport']:>8.1f} "
+                     f"({got['up']:.1f} + {got['down']:.1f})")
+    return "\n".join(lines)
 
 
 def roles_table(r: dict[str, Any]) -> str:
@@ -729,6 +775,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--replay: the host's loop busy-polls this long (us) before it sleeps, "
                     "each value a run in the order given (e.g. 0,1000,0,1000: alternated); 0: "
                     "a plain asyncio caller")
+    ap.add_argument("--replay-seq-echo", action="store_true",
+                    help="--replay: after each run, its step's calls in order against an echo, "
+                    "answered at once and held for each role's handler p50 (the transport a bare "
+                    "server with the worker's windows pays)")
     ap.add_argument("--no-replay-floor", dest="replay_floor", action="store_false",
                     help="--replay: skip the bare-gRPC floor of the step's call sizes")
     ap.add_argument("--t2-procs", type=int, default=0,

@@ -342,11 +342,14 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------
-def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False) -> None:
+def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False,
+                       hold: bool = False) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
     answer with (replies cached per size); nothing else is done. ``cpus``: run there (as the
     worker does with --cpus); ``spin``: its loop busy-polls as the worker's does by default
-    (service/threads.py: the same rule, so the same cores decide)."""
+    (service/threads.py: the same rule, so the same cores decide); ``hold``: the next 8 bytes
+    say for how many ns the handler busy-waits on the loop, GIL held, before it answers (a
+    worker's window: its inline job and Python; :func:`echo_sequence`)."""
     import asyncio
     import os
 
@@ -360,6 +363,10 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = Fals
 
     def reply(req: bytes) -> bytes:
         n = int.from_bytes(req[:8], "little")
+        if hold and (ns := int.from_bytes(req[8:16], "little")):
+            end = time.perf_counter_ns() + ns
+            while time.perf_counter_ns() < end:
+                pass
         if n not in replies:
             replies[n] = b"\0" * n
         return replies[n]
@@ -474,7 +481,7 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin),
-                         daemon=True)
+                         daemon=True)  # (hold off: the first 8 bytes' size, then filler)
     server.start()
     try:
         port = ports.get(timeout=60)
@@ -493,3 +500,71 @@ def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str], seconds: 
     busy-polls as the worker's does)."""
     got = echo_p50([(request_bytes, reply_bytes)], modes, seconds, work, spin)
     return {m: v[0] * 1e6 for m, v in got.items()}
+
+
+# -- the replay's calls in order against an echo (bench/service.py --replay-seq-echo) ---------
+def _echo_sequence_client(port: int, seq: list[tuple[int, int, int]], mode: str,
+                          seconds: float, client_spin_us: float) -> dict[str, Any]:
+    """Closed-loop passes over ``seq`` ((request bytes, reply bytes, hold ns) per call, a
+    replay step's calls in order) on one stream; p50 seconds of a pass and of each position's
+    round trip (the first fifth of the passes: warm-up)."""
+    import asyncio
+
+    import grpc
+
+    from q6serve.client.channel import channel_options
+
+    fix_heap_thresholds(*HOST_HEAP)
+    reqs = [reply.to_bytes(8, "little") + ns.to_bytes(8, "little") + b"\1" * max(0, req - 16)
+            for req, reply, ns in seq]
+
+    async def go() -> dict[str, Any]:
+        if client_spin_us > 0:
+            from q6serve.service.threads import busy_poll
+
+            busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
+        passes: list[float] = []
+        each: list[list[float]] = [[] for _ in seq]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                             options=channel_options()) as ch:
+            unary = ch.unary_unary("/echo.Echo/U")
+            call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end or len(passes) < 5:
+                t_pass = time.perf_counter()
+                for i, req in enumerate(reqs):
+                    t0 = time.perf_counter()
+                    if call is None:
+                        await unary(req)
+                    else:
+                        await call.write(req)
+                        await call.read()
+                    each[i].append(time.perf_counter() - t0)
+                passes.append(time.perf_counter() - t_pass)
+            if call is not None:
+                await call.done_writing()
+        skip = len(passes) // 5
+        return {"pass": float(np.median(passes[skip:])), "passes": len(passes) - skip,
+                "each": [float(np.median(v[skip:])) for v in each]}
+
+    return asyncio.run(go())
+
+
+def echo_sequence(seq: list[tuple[int, int, int]], mode: str, seconds: float,
+                  spin: bool = True, client_spin_us: float = 0.0) -> dict[str, Any]:
+    """A replay step's calls in order against an echo that answers each with its reply size
+    after holding it its hold (ns; the worker's window of that call, or 0): how much of the
+    replay's transport a bare server with the same sizes, order and windows pays too. The
+    echo's loop busy-polls as the worker's does (``spin``)."""
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin, True),
+                         daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        with ctx.Pool(1) as pool:
+            return pool.apply(_echo_sequence_client, (port, seq, mode, seconds, client_spin_us))
+    finally:
+        server.terminate()
+        server.join(10)

@@ -98,7 +98,7 @@ def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--replay",
            "--layers", "1", "--scale", "0.002", "--replay-seqs", "1", "--multi", "on",
            "--replay-spins", "0,100", "--seconds", "0.4", "--warmup", "0.1",
-           "--json", str(out)]
+           "--replay-seq-echo", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -130,6 +130,16 @@ def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
         # the step less its calls (encode to decode): the bench's own loop, its bookkeeping
         # done while the next call is in flight
         assert 0 <= p["bench"] < p["e2e"]
+        # the step's calls in order against an echo: answered at once, and held each role's
+        # handler p50 (the hold is honoured: a held round trip is at least its hold)
+        se = r["seq_echo"]
+        assert se["bare"]["passes"] >= 4 and se["held"]["passes"] >= 4
+        assert set(se["bare"]["rt_us"]) == set(se["held"]["rt_us"]) == set(roles)
+        for role, got in roles.items():
+            assert se["bare"]["rt_us"][role] > 0
+            assert se["held"]["rt_us"][role] >= got["handler"]
+            assert se["held"]["transport_us"][role] == pytest.approx(
+                se["held"]["rt_us"][role] - int(got["handler"] * 1e3) * 1e-3)
     assert "per call p50 us  gate+up" in done.stdout
 
 
