@@ -15,8 +15,8 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/t1s17b
 BOUND=${BOUND:-78}
 HOLDS=${HOLDS:-"1:q+k+v=211,o=89,gate+up=200,down=125,lm_head=263;8:q+k+v=287,o=128,gate+up=251,down=214,lm_head=312"}
-step replay_echo 20 python3 bench/replay_echo.py --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" \
-  --scale "${SCALE:-1}" --holds "$HOLDS" --seconds 1.0 --spin "${SPIN:-0}" \
+step replay_echo 22 python3 bench/replay_echo.py --seqs "${SEQS:-1,8}" --layers "${LAYERS:-28}" \
+  --scale "${SCALE:-1}" --holds "$HOLDS" --seconds 0.7 --spin "${SPIN:-0}" \
   --json "$OUT/replay_echo.json"
 limit=$(bound 80 2)
 # replay_ab's own bound: no run starts that would end past it (its workers' stop and the
