@@ -11,8 +11,9 @@
 #   bench/gpu_dataplane_run.sh   env: SECONDS_PER_RUN, VARIANTS ("1 2 4 8"; "8@200": --frontends 8
 #                                with a 200 us GIL switch interval; "8:0": with
 #                                Q6SERVE_FRONTEND_STACKS=0; "8:m0": with Q6SERVE_DEVICE_MERGE=0;
-#                                "6rr": with Q6SERVE_FRONTEND_ROUND_ROBIN=1; "6rr:p0" / "6rr:p":
-#                                and Q6SERVE_DEVICE_PIPELINE=0 / 1; unset: the default),
+#                                "6rr": with Q6SERVE_FRONTEND_ROUND_ROBIN=1; unset: the
+#                                default; the device pipeline's switch is gone (dp, session
+#                                17: CUDA-region calls are always pipelined)),
 #                                SKIP_TESTS, SKIP_PROBES, BENCH_FIX (1: see below)
 # BENCH_FIX=1 (default): bench/service.py's Bench.one passed region/own_channel positionally
 # into run()'s topk/region, so every --dataplane run used shm regions and a connection per
@@ -46,22 +47,19 @@ for v in ${VARIANTS:-1 2 4 8}; do
   [[ $v == *:m0* ]] && MG=0
   RR=""
   [[ $v == *rr* ]] && RR=1
-  PP=""  # (unset: the worker's default, pipelined since session 15)
-  [[ $v =~ :p([01]?) ]] && PP=${BASH_REMATCH[1]:-1}
   F=${F%rr}
-  tag=f$F${US:+_gil$US}${ST:+_stacks$ST}${MG:+_merge0}${RR:+_rr}${PP:+_pipe$PP}
+  tag=f$F${US:+_gil$US}${ST:+_stacks$ST}${MG:+_merge0}${RR:+_rr}
   # per-process CPU while T2 runs (which of load, front ends, device process is busy); a run
   # over before the sampler (one that failed to start) ends it
   (sleep 5; top -b -c -w 200 -d 1 -n 3 | grep -E "^top|python|q6serve" | head -120) \
     >"$OUT/top_$tag.log" 2>&1 &
   sampler=$!
   Q6SERVE_GIL_SWITCH_US=$US Q6SERVE_FRONTEND_STACKS=$ST Q6SERVE_DEVICE_MERGE=${MG:-1} \
-    Q6SERVE_FRONTEND_ROUND_ROBIN=${RR:-0} env ${PP:+Q6SERVE_DEVICE_PIPELINE=$PP} \
-    timeout 80 python3 bench/service.py \
+    Q6SERVE_FRONTEND_ROUND_ROBIN=${RR:-0} timeout 80 python3 bench/service.py \
     --backend cuda --dataplane \
     --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
-  echo "# frontends=$F${RR:+ round robin}${PP:+ device pipeline $PP} gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(elapsed)"
+  echo "# frontends=$F${RR:+ round robin} gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(elapsed)"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
   kill "$sampler" 2>/dev/null
   wait
