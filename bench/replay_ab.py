@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from service_replay import LAYERS, ReplaySpec, model_weights, run_replay, step_plan
+from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{a.bound:.0f}", flush=True)
                     doc["errors"].append({"run": label, "error": "skipped (bound)"})
                     continue
-                spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, 2, "stream",
-                                  "f16", PRECISIONS["auto"], "f16", a.spin)
+                spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, WARM_STEPS,
+                                  "stream", "f16", PRECISIONS["auto"], "f16", a.spin)
                 try:
                     st_, wall, _ = run_replay(spec, 1)
                 except Exception as e:

@@ -63,6 +63,7 @@ import service_load  # bench/ is sys.path[0]
 from service_load import LoadSpec, grpc_floor, run_load
 from service_replay import (
     LAYERS,
+    WARM_STEPS,
     ReplaySpec,
     floor_sizes,
     model_weights,
@@ -511,7 +512,7 @@ def model_replay(b: Bench) -> None:
                 label = f"replay S={s_} {'multi' if multi else 'single'}"
                 if len(a.replay_spins) > 1 or spin:
                     label += f" spin={spin:g}"
-                spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, 2,
+                spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, WARM_STEPS,
                                   a.replay_mode, a.dtype, PRECISIONS[a.precision],
                                   a.replay_out, spin)
                 try:

@@ -41,6 +41,12 @@ LAYER: tuple[tuple[str, int, int], ...] = (
 LM_HEAD = ("lm_head", 152064, 3584)
 LAYERS = 28
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight calls of a layer
+# Untimed steps a host runs at least before its timed ones: a weight's first calls at a new N
+# run before its launch plan, inline-cost estimate and CUDA graph are made (a graph from its
+# 2nd call), and every weight is called once a step. With 2 (up to session 16) bundle A of
+# session 17 had its first S=8 run at 128.65 ms a step (p99 242) against 102.2 for the same run
+# later in the call (p99 108).
+WARM_STEPS = 4
 STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "client",
                "kernel_missing", "up", "down", "stamped", "bench")
 # per call, by its role in the step (``Call.role``): what the step's sums are made of
