@@ -49,14 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     holds = parse_holds(a.holds)
     rows = {name: r for name, r, _ in model_weights(a.layers, a.scale)}
     doc: dict[str, Any] = {"argv": sys.argv, "runs": []}
-    for s in (int(x) for x in a.seqs.split(",") if x):
-        plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
+    plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
+    kinds = ("bare", "held")
+    ss = [int(x) for x in a.seqs.split(",") if x]
+    seqs = [[(*floor_sizes(c, s, 2, 2),
+              int(holds.get(s, {}).get(c.role, 0) * 1e3) if kind == "held" else 0)
+             for c in plan] for s in ss for kind in kinds]
+    # one echo and one caller process for every sequence (their starts cost more than a run)
+    results = iter(service_load.echo_sequence(seqs, "stream", a.seconds,
+                                              client_spin_us=a.spin))
+    for s in ss:
         hold = holds.get(s, {})
         res = {}
-        for kind in ("bare", "held"):
-            seq = [(*floor_sizes(c, s, 2, 2), int(hold.get(c.role, 0) * 1e3) if kind == "held"
-                    else 0) for c in plan]
-            got = service_load.echo_sequence(seq, "stream", a.seconds, client_spin_us=a.spin)
+        for kind in kinds:
+            got = next(results)
             per: dict[str, list[float]] = {}
             for c, rt in zip(plan, got["each"], strict=True):
                 per.setdefault(c.role, []).append(rt)

@@ -612,11 +612,13 @@ def seq_echo(plan: list[Any], r: dict[str, Any], n: int, itemsize: int,
     out_size = 2 if a.replay_out == "f16" else 4
     handler_ns = {role: int(got["handler"] * 1e3) for role, got in r["per_call_p50_us"].items()}
     got: dict[str, Any] = {}
-    for kind in ("bare", "held"):
-        seq = [(*floor_sizes(c, n, itemsize, out_size),
-                handler_ns.get(c.role, 0) if kind == "held" else 0) for c in plan]
-        res = service_load.echo_sequence(seq, a.replay_mode, min(a.seconds, 1.0),
+    kinds = ("bare", "held")
+    seqs = [[(*floor_sizes(c, n, itemsize, out_size),
+              handler_ns.get(c.role, 0) if kind == "held" else 0) for c in plan]
+            for kind in kinds]
+    results = service_load.echo_sequence(seqs, a.replay_mode, min(a.seconds, 1.0),
                                          client_spin_us=spin)
+    for kind, res in zip(kinds, results, strict=True):
         per: dict[str, list[float]] = {}
         for c, rt in zip(plan, res["each"], strict=True):
             per.setdefault(c.role, []).append(rt)

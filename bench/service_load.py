@@ -503,11 +503,12 @@ def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str], seconds: 
 
 
 # -- the replay's calls in order against an echo (bench/service.py --replay-seq-echo) ---------
-def _echo_sequence_client(port: int, seq: list[tuple[int, int, int]], mode: str,
-                          seconds: float, client_spin_us: float) -> dict[str, Any]:
-    """Closed-loop passes over ``seq`` ((request bytes, reply bytes, hold ns) per call, a
-    replay step's calls in order) on one stream; p50 seconds of a pass and of each position's
-    round trip (the first fifth of the passes: warm-up)."""
+def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mode: str,
+                          seconds: float, client_spin_us: float) -> list[dict[str, Any]]:
+    """Per sequence of ``seqs`` ((request bytes, reply bytes, hold ns) per call, a replay
+    step's calls in order), closed-loop passes over it on one stream for ``seconds``: p50
+    seconds of a pass and of each position's round trip (the first fifth of the passes:
+    warm-up)."""
     import asyncio
 
     import grpc
@@ -515,47 +516,51 @@ def _echo_sequence_client(port: int, seq: list[tuple[int, int, int]], mode: str,
     from q6serve.client.channel import channel_options
 
     fix_heap_thresholds(*HOST_HEAP)
-    reqs = [reply.to_bytes(8, "little") + ns.to_bytes(8, "little") + b"\1" * max(0, req - 16)
-            for req, reply, ns in seq]
 
-    async def go() -> dict[str, Any]:
-        if client_spin_us > 0:
-            from q6serve.service.threads import busy_poll
-
-            busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
+    async def one(ch: Any, seq: list[tuple[int, int, int]]) -> dict[str, Any]:
+        reqs = [reply.to_bytes(8, "little") + ns.to_bytes(8, "little")
+                + b"\1" * max(0, req - 16) for req, reply, ns in seq]
         passes: list[float] = []
         each: list[list[float]] = [[] for _ in seq]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             options=channel_options()) as ch:
-            unary = ch.unary_unary("/echo.Echo/U")
-            call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end or len(passes) < 5:
-                t_pass = time.perf_counter()
-                for i, req in enumerate(reqs):
-                    t0 = time.perf_counter()
-                    if call is None:
-                        await unary(req)
-                    else:
-                        await call.write(req)
-                        await call.read()
-                    each[i].append(time.perf_counter() - t0)
-                passes.append(time.perf_counter() - t_pass)
-            if call is not None:
-                await call.done_writing()
+        unary = ch.unary_unary("/echo.Echo/U")
+        call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end or len(passes) < 5:
+            t_pass = time.perf_counter()
+            for i, req in enumerate(reqs):
+                t0 = time.perf_counter()
+                if call is None:
+                    await unary(req)
+                else:
+                    await call.write(req)
+                    await call.read()
+                each[i].append(time.perf_counter() - t0)
+            passes.append(time.perf_counter() - t_pass)
+        if call is not None:
+            await call.done_writing()
         skip = len(passes) // 5
         return {"pass": float(np.median(passes[skip:])), "passes": len(passes) - skip,
                 "each": [float(np.median(v[skip:])) for v in each]}
 
+    async def go() -> list[dict[str, Any]]:
+        if client_spin_us > 0:
+            from q6serve.service.threads import busy_poll
+
+            busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                             options=channel_options()) as ch:
+            return [await one(ch, seq) for seq in seqs]
+
     return asyncio.run(go())
 
 
-def echo_sequence(seq: list[tuple[int, int, int]], mode: str, seconds: float,
-                  spin: bool = True, client_spin_us: float = 0.0) -> dict[str, Any]:
-    """A replay step's calls in order against an echo that answers each with its reply size
-    after holding it its hold (ns; the worker's window of that call, or 0): how much of the
-    replay's transport a bare server with the same sizes, order and windows pays too. The
-    echo's loop busy-polls as the worker's does (``spin``)."""
+def echo_sequence(seqs: list[list[tuple[int, int, int]]], mode: str, seconds: float,
+                  spin: bool = True, client_spin_us: float = 0.0) -> list[dict[str, Any]]:
+    """Replay steps' calls in order (one list per sequence, run one after the other by one
+    caller against one echo) answered with each call's reply size after holding it its hold
+    (ns; the worker's window of that call, or 0): how much of the replay's transport a bare
+    server with the same sizes, order and windows pays too. The echo's loop busy-polls as the
+    worker's does (``spin``)."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin, True),
@@ -564,7 +569,8 @@ def echo_sequence(seq: list[tuple[int, int, int]], mode: str, seconds: float,
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
-            return pool.apply(_echo_sequence_client, (port, seq, mode, seconds, client_spin_us))
+            return pool.apply(_echo_sequence_client, (port, seqs, mode, seconds,
+                                                      client_spin_us))
     finally:
         server.terminate()
         server.join(10)
