@@ -23,7 +23,7 @@ limit=$(bound 80 2)
 # table after it, ~4 s)
 step replay_ab "$limit" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
   --variants "${VARIANTS:-def: g200:Q6SERVE_GIL_SWITCH_US=200}" \
-  --order "${ORDER:-def,g200,g200,def}" --seqs "${SEQS:-1,8}" \
+  --order "${ORDER:-def,g200,g200,def,def,g200}" --seqs "${SEQS:-1,8}" \
   --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --spin "${SPIN:-0}" --seconds 1.0 \
   --warmup 0.3 --bound "$((limit - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 {
