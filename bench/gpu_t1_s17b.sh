@@ -20,16 +20,16 @@ step replay_echo 22 python3 bench/replay_echo.py --seqs "${SEQS:-1,8}" --layers 
   --json "$OUT/replay_echo.json"
 limit=$(bound 80 2)
 # replay_ab's own bound: no run starts that would end past it (its workers' stop and the
-# table after it, ~4 s)
+# table after it: 8 s kept)
 step replay_ab "$limit" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
   --variants "${VARIANTS:-def: g200:Q6SERVE_GIL_SWITCH_US=200}" \
   --order "${ORDER:-def,g200,g200,def,def,g200}" --seqs "${SEQS:-1,8}" \
   --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --spin "${SPIN:-0}" --seconds 1.0 \
-  --warmup 0.3 --bound "$((limit - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
+  --warmup 0.3 --bound "$((limit - 8))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 {
   echo "# gpu_t1_s17b $(tree_commit) total $(elapsed)"
   steps
-  grep -E "^# (the workers|[0-9]+ workers)|^# replay A/B|^# NVIDIA|^# S=|^[a-z0-9]+_[0-9]+ " \
+  grep -E "^# (the workers|[0-9]+ workers)|^# replay A/B|^# NVIDIA|^# S=|^[a-z0-9]+_[0-9]+ |^# [a-z0-9]+_[0-9]+ S=.*step p50" \
     "$OUT/replay_ab.log" | cut -c1-220
   grep -E "^# replay echo|^S=" "$OUT/replay_echo.log"
 } | table
