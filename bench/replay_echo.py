@@ -18,9 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import service_load
-from service_replay import LAYERS, floor_sizes, model_weights, step_plan
+from service_replay import LAYERS, held_echo, model_weights, step_plan
 
 
 def parse_holds(text: str) -> dict[int, dict[str, float]]:
@@ -51,29 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"argv": sys.argv, "runs": []}
     plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
     kinds = ("bare", "held")
-    order = ("bare", "held", "held", "bare")  # alternated: a drift weighs on both alike
     ss = [int(x) for x in a.seqs.split(",") if x]
-    seqs = [[(*floor_sizes(c, s, 2, 2),
-              int(holds.get(s, {}).get(c.role, 0) * 1e3) if kind == "held" else 0)
-             for c in plan] for s in ss for kind in order]
     # one echo and one caller process for every sequence (their starts cost more than a run)
-    results = iter(service_load.echo_sequence(seqs, "stream", a.seconds,
-                                              client_spin_us=a.spin))
-    for s in ss:
+    got = held_echo([(plan, s, holds.get(s, {})) for s in ss], 2, 2, "stream", a.seconds,
+                    a.spin)
+    for s, res in zip(ss, got, strict=True):
         hold = holds.get(s, {})
-        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
-        for kind in order:
-            runs[kind].append(next(results))
-        res = {}
-        for kind in kinds:  # the mean of its two runs, per call position
-            got = runs[kind]
-            per: dict[str, list[float]] = {}
-            for i, c in enumerate(plan):
-                per.setdefault(c.role, []).append(float(np.mean([g["each"][i] for g in got])))
-            res[kind] = {"step_ms": float(np.mean([g["pass"] for g in got])) * 1e3,
-                         "runs_step_ms": [g["pass"] * 1e3 for g in got],
-                         "passes": sum(g["passes"] for g in got),
-                         "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
         doc["runs"].append({"seqs": s, "holds_us": hold, **res})
         held_ms = sum(hold.get(c.role, 0) for c in plan) / 1e3
         runs_ms = {k: "/".join(f"{v:.2f}" for v in res[k]["runs_step_ms"]) for k in kinds}

@@ -66,6 +66,7 @@ from service_replay import (
     WARM_STEPS,
     ReplaySpec,
     floor_sizes,
+    held_echo,
     model_weights,
     run_replay,
     step_floors,
@@ -604,29 +605,13 @@ def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argpar
 
 def seq_echo(plan: list[Any], r: dict[str, Any], n: int, itemsize: int,
              a: argparse.Namespace, spin: float) -> dict[str, Any]:
-    """The step's calls in order against a busy-polling echo (service_load.echo_sequence),
-    each answered at once ("bare") and each held its role's handler p50 of this replay run
-    ("held": the worker's window, busy-waited on the echo's loop): per role the p50 round
-    trip, and for "held" the same less its hold (the transport a bare server with the
-    worker's windows pays)."""
-    out_size = 2 if a.replay_out == "f16" else 4
-    handler_ns = {role: int(got["handler"] * 1e3) for role, got in r["per_call_p50_us"].items()}
-    got: dict[str, Any] = {}
-    kinds = ("bare", "held")
-    seqs = [[(*floor_sizes(c, n, itemsize, out_size),
-              handler_ns.get(c.role, 0) if kind == "held" else 0) for c in plan]
-            for kind in kinds]
-    results = service_load.echo_sequence(seqs, a.replay_mode, min(a.seconds, 1.0),
-                                         client_spin_us=spin)
-    for kind, res in zip(kinds, results, strict=True):
-        per: dict[str, list[float]] = {}
-        for c, rt in zip(plan, res["each"], strict=True):
-            per.setdefault(c.role, []).append(rt)
-        got[kind] = {"step_ms": res["pass"] * 1e3, "passes": res["passes"],
-                     "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
-    got["held"]["transport_us"] = {role: rt - handler_ns[role] * 1e-3
-                                   for role, rt in got["held"]["rt_us"].items()}
-    return got
+    """The step's calls in order against a busy-polling echo (service_replay.held_echo),
+    answered at once ("bare") and each held its role's handler p50 of this replay run
+    ("held": the worker's window): per role the p50 round trip, and for "held" the same less
+    its hold (the transport a bare server with the worker's windows pays)."""
+    hold = {role: got["handler"] for role, got in r["per_call_p50_us"].items()}
+    return held_echo([(plan, n, hold)], itemsize, 2 if a.replay_out == "f16" else 4,
+                     a.replay_mode, min(a.seconds, 1.0), spin)[0]
 
 
 def seq_echo_table(r: dict[str, Any]) -> str:

@@ -26,6 +26,7 @@ from service_load import (
     MATMUL,
     MATMUL_STREAM,
     echo_p50,
+    echo_sequence,
     nan_if_none,
     reply_arrays,
     request_bytes,
@@ -313,3 +314,37 @@ def floor_sizes(c: Call, n: int, itemsize: int, out_itemsize: int) -> tuple[int,
     names = sum(len(w) + 2 for w in c.weights)
     return (n * c.k * itemsize + 24 + names,
             c.reply_bytes(n, out_itemsize) + 64 * len(c.weights))
+
+
+def held_echo(plans: list[tuple[list[Call], int, dict[str, float]]], itemsize: int,
+              out_itemsize: int, mode: str, seconds: float, client_spin_us: float = 0.0,
+              ) -> list[dict[str, Any]]:
+    """Per (plan, n, hold us per role): the step's calls in order against a busy-polling echo
+    (service_load.echo_sequence), answered at once ("bare") and each held its role's hold
+    ("held": the worker's window, busy-waited on the echo's loop), alternated bare, held, held,
+    bare (a drift weighs on both alike). Per kind: the mean step (ms) of its two runs and per
+    role the p50 round trip (us); "held" also the round trip less its hold (transport_us)."""
+    kinds, order = ("bare", "held"), ("bare", "held", "held", "bare")
+    seqs = [[(*floor_sizes(c, n, itemsize, out_itemsize),
+              int(hold.get(c.role, 0) * 1e3) if kind == "held" else 0) for c in plan]
+            for plan, n, hold in plans for kind in order]
+    results = iter(echo_sequence(seqs, mode, seconds, client_spin_us=client_spin_us))
+    out = []
+    for plan, _, hold in plans:
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+        for kind in order:
+            runs[kind].append(next(results))
+        res: dict[str, Any] = {}
+        for kind in kinds:  # the mean of its two runs, per call position
+            got = runs[kind]
+            per: dict[str, list[float]] = {}
+            for i, c in enumerate(plan):
+                per.setdefault(c.role, []).append(float(np.mean([g["each"][i] for g in got])))
+            res[kind] = {"step_ms": float(np.mean([g["pass"] for g in got])) * 1e3,
+                         "runs_step_ms": [g["pass"] * 1e3 for g in got],
+                         "passes": sum(g["passes"] for g in got),
+                         "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
+        res["held"]["transport_us"] = {role: rt - int(hold.get(role, 0) * 1e3) * 1e-3
+                                       for role, rt in res["held"]["rt_us"].items()}
+        out.append(res)
+    return out
