@@ -225,8 +225,7 @@ class Device:
             # held until the thread is free, in order: a job that comes later never goes
             # ahead of a held one (a held short job waited for ever behind other callers'
             # stream of long jobs: the device thread was never idle); and while launch_now's
-            # launches are out (one may be waited for a loop trip later: launch_now), until
-            # the last of them is waited for
+            # launches are out, until the last of them is waited for
             self._held.append((loop, fn, args, done, launch, False, short))
         elif short:
             self._run_here(loop, fn, args, done, launch, settle_now)
@@ -268,11 +267,9 @@ class Device:
         waits for it, ends the job and returns its result (or raises). Only after
         :meth:`may_launch_now`, and the caller waits for each launch, in launch order, before
         its loop callback returns: no other launch (this thread's or the device thread's) can
-        come between, so launch i + 1 runs on the GPU while the loop answers launch i. Or it
-        waits a loop trip later (the device process's trip batches, ``Engine.launch_now``
-        with ``own_time``: the loop reads the next messages while the GPU runs): until then
-        :meth:`call` holds every job, and the last wait runs the held ones (``_run_held``), so
-        nothing else launches meanwhile either."""
+        come between, so launch i + 1 runs on the GPU while the loop answers launch i. Until
+        the last wait, :meth:`call` holds every job, and that wait runs the held ones
+        (``_run_held``), so nothing else launches meanwhile either."""
         self.inflight += 1
         self._now += 1
         self.jobs += 1
@@ -780,32 +777,26 @@ class Batcher:
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
                            kernel_s, rows, 1, job_s, result.topk)
 
-    def can_launch_now(self, rows: int, key: BatchKey, full: bool = True) -> bool:
+    def can_launch_now(self, rows: int, key: BatchKey) -> bool:
         """Whether a request of ``rows`` may be launched now by :meth:`launch_now`: a full
         batch (no other request could join it: it need not wait for the trip's others, nor
         for the queue, which the batcher's task still serves in the next trip), the device
         free for it (``Device.may_launch_now``: at most launch_now's own launches in flight),
-        and a like job measured, short enough to inline and not one to defer. ``full``
-        False: any rows, with nothing of this weight queued (the device process's trip
-        batches, Q6SERVE_DEVICE_PIPELINE: the trip's merge took every call that could join,
-        and a queued request is not overtaken)."""
-        if ((rows < self._s.max_rows if full else bool(self._queue)) or self._closed
-                or self._launch_batch is None or not self._device.may_launch_now()):
+        and a like job measured, short enough to inline and not one to defer."""
+        if (rows < self._s.max_rows or self._closed or self._launch_batch is None
+                or not self._device.may_launch_now()):
             return False
         kb = (key, _BUCKETS[rows] if rows < len(_BUCKETS) else _bucket(rows))
         return (self._device.inlines(self._job_s.get(kb))
                 and self._kernel_s.get(kb, 0.0) <= DEFER_KERNEL_S)
 
     def launch_now(self, x: np.ndarray, key: BatchKey,
-                   launch: LaunchBatch | None = None, own_time: bool = False,
-                   ) -> Callable[[], MatmulReply]:
+                   launch: LaunchBatch | None = None) -> Callable[[], MatmulReply]:
         """:meth:`run_now` in two halves (after :meth:`can_launch_now`; ``Device.launch_now``
         says how the caller waits): ``x`` launched now, alone; the function returned waits for
         it and returns its reply (a failure raises), with run_now's bookkeeping. Its job time
-        spans launch to wait, what the loop did meanwhile included; ``own_time``: only the
-        launch's and the wait's own time (a wait a loop trip later: the trip is not the
-        job's). ``launch``: the launch in place of this weight's own (the fast lane's region
-        call: ``Engine.launch_now``)."""
+        spans launch to wait, what the loop did meanwhile included. ``launch``: the launch in
+        place of this weight's own (the fast lane's region call: ``Engine.launch_now``)."""
         self._unfinished += 1
         self._running += 1
         t0 = time.perf_counter()
@@ -815,17 +806,13 @@ class Batcher:
         except BaseException:
             self._now_end()
             raise
-        t_launch = time.perf_counter() - t0 if own_time else None
 
         def finish() -> MatmulReply:
-            tw = time.perf_counter()
             try:
                 result = wait()
             finally:
                 self._now_end()
-            return self._now_reply(result, int(x.shape[0]), key, t0,
-                                   None if t_launch is None
-                                   else t_launch + time.perf_counter() - tw)
+            return self._now_reply(result, int(x.shape[0]), key, t0)
 
         return finish
 

@@ -138,9 +138,10 @@ class CudaSupport:
 
     def launch_now(self, engine: Any, call: Any, yd: Any) -> Callable[[], MatmulReply] | None:
         """:meth:`start` in two halves for a y in a CUDA region (the device process's
-        pipeline, Q6SERVE_DEVICE_PIPELINE): the checks, then - when the device may launch
-        here now (``Device.may_launch_now``: at most launch_now's own launches out, fewer
-        than its slots) and a like job was measured short - the launch in a slot of its own
+        pipeline of CUDA-region calls, ``FrontendsWorker._launch_cuda_due``): the checks,
+        then - when the device may launch here now (``Device.may_launch_now``: at most
+        launch_now's own launches out, fewer than its slots) and a like job was measured
+        short - the launch in a slot of its own
         (:meth:`_launch`), returning the function that waits for it and returns the reply
         (a failure raises); the weight is held until then. None: nothing was done
         (:meth:`start` it). A refusal raises here."""

@@ -944,8 +944,6 @@ class Engine:
 
     def launch_now(self, call: MatmulCall,
                    launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
-                   full: bool = True, own_time: bool = False,
-                   fill: Callable[[], np.ndarray] | None = None,
                    ) -> Callable[[], MatmulReply] | None:
         """:meth:`run_now` in two halves, for a full batch (``Batcher.can_launch_now``): check
         ``call`` and launch it now, returning the function that waits for it and returns its
@@ -954,35 +952,23 @@ class Engine:
         (``Device.launch_now``): the fast lane pipelines full batches so (service/lane.py).
         ``launch(x, key)``: the launch itself, in place of the weight's own (the lane's
         region call, which repeats a call of this weight launched before; the checks, the
-        accounting and the reply are the same). ``full`` False: a request of any rows
-        (``Batcher.can_launch_now``); ``own_time``: the job's time is the launch's and the wait's
-        only (``Batcher.launch_now``): the device process's trip batches,
-        Q6SERVE_DEVICE_PIPELINE, waited for a loop trip later (``Device.launch_now``).
-        ``fill()``: the x to launch, built once the checks passed (``call.x`` then stands for
-        its rows and dtype only: a merged batch built in the backend's upload buffer)."""
+        accounting and the reply are the same)."""
         got = self._direct_target(call)
         if got is None:
             return None
         e, b, key, rows = got
-        if not b.can_launch_now(rows, key, full):
+        if not b.can_launch_now(rows, key):
             return None
         self._admit_direct(call, e, b.direct(key), rows)
-        x = call.x
-        if fill is not None:
-            try:
-                x = fill()
-            except BaseException:
-                self.registry.release(e)
-                raise
-        return self._launch_held(e, b, x, key, launch, own_time)
+        return self._launch_held(e, b, call.x, key, launch)
 
     def _launch_held(self, e: WeightEntry, b: Batcher, x: np.ndarray, key: BatchKey,
                      launch: Callable[[np.ndarray, BatchKey], Launched] | None = None,
-                     own_time: bool = False) -> Callable[[], MatmulReply]:
-        """``b.launch_now(x, key, launch, own_time)`` for a call that holds ``e`` (admitted):
-        the function returned waits and lets go of ``e``, as a failed launch does at once."""
+                     ) -> Callable[[], MatmulReply]:
+        """``b.launch_now(x, key, launch)`` for a call that holds ``e`` (admitted): the
+        function returned waits and lets go of ``e``, as a failed launch does at once."""
         try:
-            wait = b.launch_now(x, key, launch, own_time)
+            wait = b.launch_now(x, key, launch)
         except BaseException:
             self.registry.release(e)
             raise
@@ -1073,15 +1059,6 @@ class Engine:
         runs them back to back while the host launches the next."""
         e, d = self._admit_part(b, call, key)
         return self._launch_held(e, b, call.x, d.key)
-
-    def queued(self, weight: str) -> bool:
-        """Whether requests of ``weight`` wait in its batcher's queue (the device process's
-        pipeline lets them run first: ``Batcher.can_launch_now`` with ``full`` False)."""
-        try:
-            b = self.registry.get(weight).batcher
-        except NotFound:
-            return False
-        return b is not None and b.queued_rows > 0
 
     def batch_key(self, call: MatmulCall) -> BatchKey:
         return self._key(call)

@@ -97,9 +97,6 @@ PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
                      "pipeline short batches under load too")
 DEVICE_MERGE = Var("Q6SERVE_DEVICE_MERGE", "switch", True,
                    "merge front-end calls read in one loop trip")
-DEVICE_PIPELINE = Var("Q6SERVE_DEVICE_PIPELINE", "switch", False,
-                      "the device process launches a trip's calls behind those out and waits "
-                      "for them a loop trip later")
 PIN_REGIONS = Var("Q6SERVE_PIN_REGIONS", "switch", True,
                   "page-lock system regions for the device's copies")
 # read by the CUDA backend itself (kernels/cuda/launch.py pdl_from_env, region_streams_from_env,
@@ -128,7 +125,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
-                         DEVICE_MERGE, DEVICE_PIPELINE, PIN_REGIONS, PDL, REGION_STREAMS,
+                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS)
 
 

@@ -129,10 +129,6 @@ def frontend_busy_poll_us(env: Mapping[str, str] | None = None) -> float:
 # plain calls read in one loop trip for the same weight, dtypes and K go to the engine as one
 # request (FrontendsWorker._queue_call). Env Q6SERVE_DEVICE_MERGE=0 turns it off (experiments).
 MERGE_ENV = envvars.DEVICE_MERGE.name
-PIPELINE_ENV = envvars.DEVICE_PIPELINE.name
-# Q6SERVE_DEVICE_PIPELINE: trips in a row that calls may be put off while their weight's
-# requests are queued (FrontendsWorker._put_off); the batcher runs a queued batch a trip
-DEFER_TRIPS = 64
 FRAME = struct.Struct("<Q")
 METRICS_FLUSH_S = 0.2
 START_TIMEOUT_S = 120.0
@@ -732,23 +728,22 @@ class FrontendsWorker(Worker):
         # calls to merge at the end of this loop trip, by (weight, x dtype, K, precision, out)
         self._merging: dict[tuple[Any, ...], list[tuple[MatmulCall, Any]]] = {}
         self.merge = bool(envvars.DEVICE_MERGE.read())
-        # Q6SERVE_DEVICE_PIPELINE (off by default: the inline wait): each call of a trip (a
-        # merged batch, a lone call, bytes or region) is launched at the trip's end behind
-        # the launches still out, and waited for a loop trip later (_tick), or, once the
-        # device may launch no more, before the next launch: the loop reads, merges and
-        # launches the next calls while the GPU runs the previous ones (bench/RESULTS.md,
-        # "What bounds T3 now"). Out: (wait, done(reply, exception), launch number).
-        self.pipeline = bool(envvars.DEVICE_PIPELINE.read())
+        # CUDA-region calls (y in a CUDA region) are launched at the trip's end behind the
+        # launches still out, and waited for a loop trip later (_tick), or, once the device
+        # may launch no more, before the next launch: the loop reads and launches the next
+        # calls while the GPU runs the previous ones. T3 through front ends over CUDA IPC
+        # regions, H200, alternated: 414-462k rows/s against 264-329k waiting inline (session
+        # 17, 3 pairs of 3; 6 of 7 pairs since session 16). Bytes and system-region calls wait
+        # inline: the same pipeline lost T3 through system regions (162-186k against
+        # 163-238k) and left T2 even (docs/SCALEOUT.md, session 17). Out: (wait,
+        # done(reply, exception), launch number).
         self._out: collections.deque[tuple[Callable[[], Any],
                                            Callable[[Any, BaseException | None], None], int]] \
             = collections.deque()
         self._launches = 0  # launches so far (each out entry's number)
         self._tick_due = False
-        # trips in a row that put calls off because requests of their weight were queued
-        # (_pipe_merged): at most DEFER_TRIPS, then they join that queue
-        self._deferred_trips = 0
-        # CUDA-region calls read in this trip, launched at its end (with the pipeline):
-        # (call, y's CUDA view or None, done)
+        # CUDA-region calls read in this trip, launched at its end: (call, y's CUDA view or
+        # None, done)
         self._cuda_due: list[tuple[MatmulCall, Any, Callable[[Any, BaseException | None],
                                                              None]]] = []
         self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
@@ -960,15 +955,13 @@ class FrontendsWorker(Worker):
         device process's loop under T2 (bench/RESULTS.md, issue 15 session 5). On an idle
         device, once a like job is measured, that request takes the engine's direct path at
         the end of the trip (``_run_merged_now``: no queue, future or timer; -27% of the
-        device process's CPU per call under T2, session 9). With Q6SERVE_DEVICE_PIPELINE a
-        full one (``_merge_rows``, T3's calls) waits for the trip's end too, to be launched
-        there behind the others (``_pipe``). Not with dynamic batching off
+        device process's CPU per call under T2, session 9). Not with dynamic batching off
         (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
         x, engine = call.x, self.engine
         assert engine is not None
         if (not self.merge or call.topk or x.ndim != 2
-                # (a full one merges with nothing: to the engine, unless it is to be pipelined)
-                or not 0 < x.shape[0] < self._merge_rows + self.pipeline
+                # (a full one merges with nothing: to the engine)
+                or not 0 < x.shape[0] < self._merge_rows
                 or not engine.flags.state.dynamic_batching):  # (batching off: one by one)
             engine.start_matmul(call, sink)
             return
@@ -988,20 +981,15 @@ class FrontendsWorker(Worker):
         """The calls merged in this trip to the engine (``_start_merged``). What ran here on
         the direct path is answered here: those answers go out now (``_Out.flush_now``),
         not a loop iteration later, after the messages read meanwhile were parsed and
-        merged. With the pipeline, this trip's calls are launched first, then the launches
-        of earlier trips are waited for and answered (the GPU has this trip's to run
-        meanwhile)."""
+        merged. The trip's CUDA-region calls are launched next, then the launches of earlier
+        trips are waited for and answered (the GPU has this trip's to run meanwhile)."""
         merging, self._merging = self._merging, {}
         earlier = self._launches
-        deferred = self._deferred_trips
         for parts in merging.values():
             chunk: list[tuple[MatmulCall, Any]] = []
             rows = 0
             for part in parts:
                 n = part[0].x.shape[0]
-                if n >= self._merge_rows:  # (a full one: alone, the chunk around it goes on)
-                    self._start_merged([part], n)
-                    continue
                 if chunk and rows + n > self._merge_rows:
                     self._start_merged(chunk, rows)
                     chunk, rows = [], 0
@@ -1010,17 +998,11 @@ class FrontendsWorker(Worker):
             self._start_merged(chunk, rows)
         if self._cuda_due:
             self._launch_cuda_due()
-        if self.pipeline:
-            if self._deferred_trips == deferred:  # (none put off in this trip)
-                self._deferred_trips = 0
-            self._settle(earlier)
+        self._settle(earlier)
         for fe in self._fronts.values():
             fe.out.flush_now()
 
     def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
-        if self.pipeline:
-            self._pipe_merged(parts, rows)
-            return
         if len(parts) == 1:
             self._start_alone(*parts[0])
             return
@@ -1082,75 +1064,10 @@ class FrontendsWorker(Worker):
         self._answer_merged(parts, reply)
         return True
 
-    # -- Q6SERVE_DEVICE_PIPELINE: launched at a trip's end, waited for a trip later ----------
-    def _pipe_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
-        """A trip's merged batch, or a lone call, launched now behind the launches out
-        (``_pipe``): a lone call as it is (``Engine.launch_now``, the launch ``run_now``
-        takes: a system region's x is DMA'd from its region and its y into the caller's
-        region, as ``_start_alone``'s), several with x concatenated into the backend's
-        upload buffer (as ``_run_merged_now``). Where none may launch, as without the
-        pipeline (``_start_alone``, ``_start_queued``); but while requests of the weight are
-        queued (the first calls of a kind, measured on the queued path), the calls are put
-        off to the next trip (``_put_off``) rather than queued behind them: the queue drains
-        and the calls after it are pipelined, instead of each trip's calls joining a queue
-        that never empties."""
-        engine = self.engine
-        assert engine is not None
-        if len(parts) == 1:
-            call, sink = parts[0]
-            try:
-                self._pipe(lambda: engine.launch_now(call, full=False, own_time=True),
-                           functools.partial(self._pipe_done, parts),
-                           lambda: self._put_off(parts) or self._start_alone(call, sink))
-            except Exception as e:  # a refusal
-                sink(_settled(e))
-            return
-        timeout = _longest(parts)
-        probe = _probe(parts, rows, timeout)
-        try:
-            launched = self._pipe(
-                lambda: engine.launch_now(probe, full=False, own_time=True,
-                                          fill=lambda: _staged(engine, parts, rows)),
-                functools.partial(self._pipe_done, parts),
-                lambda: self._put_off(parts) or self._start_queued(parts, timeout))
-        except Exception as e:  # (a refusal may be one caller's: each gets its own answer)
-            self._merged_failed(parts, e)
-            return
-        if launched:
-            self.merged[0] += 1
-            self.merged[1] += len(parts)
-
-    def _put_off(self, parts: list[tuple[MatmulCall, Any]]) -> bool:
-        """Put ``parts`` (calls that may not launch now) off to the next trip's end while
-        requests of their weight are queued and the device is free for launches here (the
-        batcher runs its queued batches meanwhile, on this thread), at most ``DEFER_TRIPS``
-        trips in a row (then they join the queue: a stream of queued requests, e.g. top-k
-        calls of the weight, does not hold them up for longer); False: not put off."""
-        call, engine = parts[0][0], self.engine
-        assert engine is not None
-        if (self._deferred_trips >= DEFER_TRIPS or not engine.device.may_launch_now()
-                or not engine.queued(call.weight)):
-            return False
-        self._flush_due()
-        x = call.x
-        key = (call.weight, x.dtype, x.shape[1], call.precision, call.out_dtype)
-        self._merging.setdefault(key, []).extend(parts)
-        self._deferred_trips += 1
-        return True
-
-    def _pipe_done(self, parts: list[tuple[MatmulCall, Any]], reply: MatmulReply | None,
-                   exc: BaseException | None) -> None:
-        """A launch of ``_pipe_merged`` waited for: each call answered with its rows."""
-        if exc is None:
-            self._answer_merged(parts, reply)  # type: ignore[arg-type]
-        elif len(parts) == 1:
-            parts[0][1](_settled(exc))
-        else:
-            self._merged_failed(parts, exc)
-
+    # -- CUDA-region calls: launched at a trip's end, waited for a trip later ---------------
     def _launch_cuda_due(self) -> None:
         """The trip's CUDA-region calls (y in a CUDA region: ``CudaSupport.launch_now``;
-        else, or where none may launch, ``CudaSupport.start``), in the pipeline."""
+        else, or where none may launch, ``CudaSupport.start``), behind the launches out."""
         due, self._cuda_due = self._cuda_due, []
         cuda, engine = self.regions.cuda, self.engine  # type: ignore[union-attr]
         assert cuda is not None
@@ -1163,7 +1080,7 @@ class FrontendsWorker(Worker):
 
     def _pipe(self, launch: Callable[[], Callable[[], Any] | None],
               done: Callable[[Any, BaseException | None], None],
-              otherwise: Callable[[], None]) -> bool:
+              otherwise: Callable[[], None]) -> None:
         """``launch()`` (the wait of a launch, or None: the device may not launch it now) now,
         behind the launches out; while it may not, the oldest out is waited for and
         answered, then it is tried again; with none out, ``otherwise()``. Launched, its
@@ -1182,10 +1099,10 @@ class FrontendsWorker(Worker):
                 if not self._tick_due:
                     self._tick_due = True
                     asyncio.get_running_loop().call_soon(self._tick, True)
-                return True
+                return
             if not self._out:
                 otherwise()
-                return False
+                return
             self._settle(self._out[0][2] + 1)
 
     def _settle(self, before: int) -> None:
@@ -1426,11 +1343,8 @@ class FrontendsWorker(Worker):
         yd = dest if yr.kind == CUDA else None
         done = functools.partial(self._cuda_region_done, fe, rid, xr, yr, io.y.offset, dest,
                                  np.dtype(call.out_dtype), shape)
-        if self.pipeline:  # launched at the trip's end, in the pipeline (_launch_cuda_due)
-            self._flush_due()
-            self._cuda_due.append((call, yd, done))
-            return
-        table.cuda.start(self.engine, call, yd, done)
+        self._flush_due()  # launched at the trip's end (_launch_cuda_due)
+        self._cuda_due.append((call, yd, done))
 
     def _cuda_region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
                           dest: Any, out: np.dtype, shape: tuple[int, int], reply: Any,

@@ -79,7 +79,7 @@ class HostPlane:
         self.open_count = 0
         self.calls = 0
         self.started = 0  # calls through start (no task)
-        self.launched = 0  # calls through launch_now (Q6SERVE_DEVICE_PIPELINE)
+        self.launched = 0  # calls through launch_now (the device process's pipeline)
 
     def open(self, src: CudaIpcSource) -> Mapping:
         alloc = self.allocations.get(src.handle)
@@ -117,11 +117,11 @@ class HostPlane:
 
     def launch_now(self, engine: Any, call: Any, yd: Any) -> Callable[[], Any] | None:
         """start in two halves (the device process's pipeline): launched now where the engine
-        may launch it (y into the region at the wait), else None."""
+        may launch it (its direct path's launch of a batch no other joins: the test's worker
+        takes batches of the calls' rows; y into the region at the wait), else None."""
         if yd is None:
             return None
-        wait = engine.launch_now(dataclasses.replace(call, x=np.array(call.x)), full=False,
-                                 own_time=True)
+        wait = engine.launch_now(dataclasses.replace(call, x=np.array(call.x)))
         if wait is None:
             return None
         self.calls += 1
@@ -237,19 +237,20 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
                                         rng: np.random.Generator) -> None:
     """With --frontends, a request naming CUDA regions for x and y reaches the device-side
     matmul through the device process's "rm" message (FrontendsWorker._cuda_region_matmul:
-    CudaSupport.start, no task); mixed with a system region either way; a bad y offset or
-    weight is refused before any device work; nothing stays held."""
+    CudaSupport.start, no task; once a like job was measured, CudaSupport.launch_now at the
+    trip's end, waited for a trip later); mixed with a system region either way; a bad y
+    offset or weight is refused before any device work; nothing stays held."""
     from tests.dataplane.test_frontends import Running
 
     p = HostPlane()
     monkeypatch.setattr(cuda_regions, "support", lambda backend, engine: p)
-    # (NumPy's "kernel" may take longer than a batch defers: no launch here then, as with a
-    # long CUDA kernel; the pipeline's launches below need a short one)
+    # (NumPy's "kernel" may take longer than a batch defers or inlines: no launch here then,
+    # as with a long CUDA kernel; the pipeline's launches below need a short one)
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1e9)
-    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "1")
     w = Running(WorkerConfig(host="127.0.0.1", port=0, vram_budget=Budget(nbytes=64 << 20),
                              grace_period_s=1.0, allow_shm=True, frontends=2,
-                             frontend_shm_bytes=4 << 20))
+                             frontend_shm_bytes=4 << 20, max_batch_rows=3,
+                             inline_device_us=10**6))
     try:
         c = w.client()
         blocks = random_q6k(ROWS, K, 5)
@@ -276,14 +277,14 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
         assert code == C.INVALID_ARGUMENT and "overruns region 'dev'" in msg, msg
         assert p.calls == 3
         assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
-        # with Q6SERVE_DEVICE_PIPELINE (the default), once a like job was measured: launched
-        # at the trip's end (CudaSupport.launch_now), y in the region by the answer
+        # once a like job was measured: launched at the trip's end (CudaSupport.launch_now),
+        # y in the region by the answer
         for i in range(4):
             xi = x * (i + 2)
             out = c.matmul_full("w", xi, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
             np.testing.assert_allclose(out.y, reference(blocks, ROWS, K, xi), rtol=1e-5,
                                        atol=1e-4)
-        assert w.worker.pipeline and p.launched >= 3 and p.calls == 7
+        assert p.launched >= 3 and p.calls == 7 and w.worker.pipelined[0] == p.launched
         assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
         c.unregister_region("dev")
         assert p.open_count == 0

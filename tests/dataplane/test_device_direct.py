@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from q6serve.kernels.api import DTYPES
+from q6serve.kernels.api import DTYPES, Launched
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher
 from q6serve.service import frontends as fe
@@ -57,18 +57,14 @@ class Device:
     """A device process with one front end's connection, fed ready-made frames."""
 
     def __init__(self, slots: int, backend: Any = None, dtype: str = "f32",
-                 precision: str = "exact", rows: int = ROWS, k: int = K,
-                 pipeline: bool = False) -> None:
-        """``pipeline``: Q6SERVE_DEVICE_PIPELINE (a direct batch waited for a trip later; off
-        by default, as here, where the tests look at the inline path)."""
+                 precision: str = "exact", rows: int = ROWS, k: int = K) -> None:
         os.environ[fe.MERGE_ENV] = "1"
-        os.environ[fe.PIPELINE_ENV] = "1" if pipeline else "0"
         try:  # (inline jobs whatever this machine's load: every measured job is "short")
             self.worker = fe.FrontendsWorker(
                 WorkerConfig(frontends=2, inline_device_us=10**6),
                 Staged() if backend is None else backend)
         finally:
-            del os.environ[fe.MERGE_ENV], os.environ[fe.PIPELINE_ENV]
+            del os.environ[fe.MERGE_ENV]
         self.slots, self.dtype, self.precision = slots, dtype, precision
         self.rows, self.k = rows, k
 
@@ -357,5 +353,29 @@ def test_direct_path_answers_leave_in_the_trip_that_ran_them(
             np.testing.assert_allclose(d.y(slot, d.out.answers[20 + slot]),
                                        reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
         await d.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_that_comes_while_a_launch_is_out_is_held() -> None:
+    """``Device.call`` holds jobs while a launch_now launch is out, across loop trips (no other
+    launch may come between the pipeline's: service/lane.py); the wait of the last one runs
+    them, in order."""
+
+    async def main() -> None:
+        dev = batcher.Device("t", inline_s=1.0)
+        loop = asyncio.get_running_loop()
+        ran: list[str] = []
+        finish = dev.launch_now(lambda: Launched(lambda: ran.append("wait") or "r"))
+        got: list[Any] = []
+        dev.call(loop, lambda: ran.append("job") or 7, (), lambda r, e: got.append(r),
+                 expect_s=1e-6)
+        await asyncio.sleep(0)  # a loop trip later: still held
+        assert ran == [] and dev.inflight == 2
+        assert finish() == "r"
+        assert ran == ["wait", "job"]
+        await asyncio.sleep(0)
+        assert got == [7] and dev.inflight == 0
+        dev.close()
 
     asyncio.run(main())

@@ -54,15 +54,13 @@ class Transport:
         return False
 
 
-async def _device(merge: bool, xs: list[np.ndarray], pipeline: bool = False,
+async def _device(merge: bool, xs: list[np.ndarray],
                   ) -> tuple[Any, dict[int, tuple[Any, ...]], fe.Arena, Any]:
-    """``pipeline``: Q6SERVE_DEVICE_PIPELINE (off here: the merge's own path, one trip)."""
     os.environ[fe.MERGE_ENV] = "1" if merge else "0"
-    os.environ[fe.PIPELINE_ENV] = "1" if pipeline else "0"
     try:
         worker = fe.FrontendsWorker(WorkerConfig(frontends=2), Picky())
     finally:
-        del os.environ[fe.MERGE_ENV], os.environ[fe.PIPELINE_ENV]
+        del os.environ[fe.MERGE_ENV]
     worker._init_metrics()
     worker.engine = engine = worker.make_engine()
     blocks = random_q6k(ROWS, K, 3)
@@ -140,15 +138,13 @@ def test_a_refused_merge_runs_its_calls_alone(rng: np.random.Generator) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_a_full_call_goes_to_the_engine_alone(rng: np.random.Generator, pipeline: bool) -> None:
+def test_a_full_call_goes_to_the_engine_alone(rng: np.random.Generator) -> None:
     """A call of max_batch_rows merges with nothing: it is queued when read (not at the end of
-    the trip; with Q6SERVE_DEVICE_PIPELINE, launched alone at the trip's end), and the small
-    calls around it still merge."""
+    the trip), and the small calls around it still merge."""
     xs = [rng.standard_normal((n, K)).astype(np.float32) for n in (1, 64, 2)]
 
     async def main() -> None:
-        worker, answers, arena, blocks = await _device(True, xs, pipeline)
+        worker, answers, arena, blocks = await _device(True, xs)
         assert worker._merge_rows == 64
         assert worker.merged == [1, 2]
         for slot, x in enumerate(xs):

@@ -33,8 +33,6 @@ from tests.dataplane.test_pipeline_short import (
 @pytest.fixture
 def job4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("Q6SERVE_JOB_BATCHES", "4")
-    # (the device process's own pipeline launches each call: no queued batches to join)
-    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "0")
 
 
 def _batcher(dev: Device, lz: Launches, launch: Any = None) -> Batcher:

@@ -102,8 +102,6 @@ def test_region_calls_launched_behind_each_other(backend: Any, rng: np.random.Ge
     front ends are launched behind each other (two launch slots, waits on the device thread)
     and every result equals the bytes path's; nothing is left held, routed or pinned."""
     monkeypatch.setenv("Q6SERVE_PIPELINE_SHORT", "1")
-    # (the device process's own pipeline would take these calls before Device.call's slots)
-    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "0")
     dev, _ = _region_calls_equal_the_bytes_path(backend, rng)
     assert dev.pipeline_short and dev.behind_jobs > 0 and dev.deferred_jobs > 0
 
@@ -114,8 +112,6 @@ def test_region_calls_run_several_to_a_job(backend: Any, rng: np.random.Generato
     to a device job (launched behind each other in the launch slots), every result equal to
     the bytes path's; nothing is left held, routed or pinned."""
     monkeypatch.setenv("Q6SERVE_JOB_BATCHES", "4")
-    # (the device process's own pipeline launches each call: no queued batches to join)
-    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "0")
     dev, jobs = _region_calls_equal_the_bytes_path(backend, rng)
     assert dev.job_batches == 4 and jobs < 200  # fewer device jobs than calls
 

@@ -76,8 +76,6 @@ class SlotBackend(DmaBackend):
 @pytest.fixture
 def pipelined(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("Q6SERVE_PIPELINE_SHORT", "1")
-    # (the device process's own pipeline would take these calls before Device.call's slots)
-    monkeypatch.setenv("Q6SERVE_DEVICE_PIPELINE", "0")
 
 
 # -- the batcher and device alone ----------------------------------------------------------
