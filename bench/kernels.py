@@ -684,6 +684,64 @@ def confirm_shape(a: argparse.Namespace, be: CudaBackend, ws: list, rows: int, k
     return out
 
 
+def cfg_from_label(label: str) -> Cfg:
+    """The launch shape of a ``Cfg.label()`` (``nt4.m1.w12.s4.pf.k2``; --cfg-ab's JSON)."""
+    kv: dict = {}
+    for part in label.split("."):
+        if part == "pf":
+            kv["pf"] = True
+            continue
+        key = {"nt": "nt", "m": "mt", "w": "warps", "s": "src", "k": "ksplit"}
+        name = next((n for n in sorted(key, key=len, reverse=True) if part.startswith(n)
+                     and part[len(n):].isdigit()), None)
+        if name is None:
+            raise ValueError(f"not a launch-shape label: {label!r}")
+        kv[key[name]] = int(part[len(name):])
+    return Cfg(**kv)
+
+
+def ab_cells(files: list[str], table: DispatchTable, gain: float,
+             columns: tuple[str, ...] = ("auto", "f16")) -> tuple[DispatchTable, list[str]]:
+    """--ab-cells: the table with each (shape, N bucket) cell of ``files`` (--cfg-ab JSON of one
+    or more runs; a candidate's time is its best over the runs) whose fastest candidate beat
+    AUTO by more than ``gain`` (AUTO / candidate) with AUTO's numerics (rel < 1e-4) set to that
+    candidate, in ``columns`` where the cell held AUTO's pick (the launch shape the A/B ran).
+    Returns the table and one line per cell (kept or changed)."""
+    best: dict[tuple[str, int], dict[str, list[float]]] = {}
+    auto: dict[tuple[str, int], tuple[str, list[float]]] = {}
+    for f in files:
+        with open(f) as fh:
+            results = json.load(fh)["cfg_ab"]
+        for r in results:
+            key = (r["shape"], int(r["n"]))
+            if r.get("rel") is None or not r["rel"] < 1e-4 or r["n"] not in BUCKETS:
+                continue
+            best.setdefault(key, {}).setdefault(r["cand"], []).append(r["cand_us"])
+            auto.setdefault(key, (r["auto"], []))[1].append(r["auto_us"])
+    entries = {(e.rows, e.k, e.n, e.column): e for cells in table.cells.values()
+               for e in cells.values()}
+    lines = []
+    for (shape, n), cands in sorted(best.items()):
+        rows, k = map(int, shape.split("x"))
+        lab, ts = auto[(shape, n)]
+        t_auto = min(ts)
+        cand, t = min(((c, min(v)) for c, v in cands.items()), key=lambda cv: cv[1])
+        cfg = cfg_from_label(cand)
+        if t_auto / t <= gain:
+            lines.append(f"{shape} N={n}: kept {lab} {t_auto:.2f} us (best {cand} {t:.2f}, "
+                         f"x{t_auto / t:.3f})")
+            continue
+        for col in columns:
+            e = entries.get((rows, k, n, col))
+            if e is None or f"{e.path}.{e.cfg.label() if e.cfg else ''}" != lab:
+                continue
+            cfg.check(e.path)
+            entries[(rows, k, n, col)] = Entry(rows, k, n, col, e.path, cfg, t)
+            lines.append(f"{shape} N={n} {col}: {lab} {t_auto:.2f} -> mma_f16.{cand} {t:.2f} us "
+                         f"(x{t_auto / t:.3f})")
+    return DispatchTable(entries.values(), table.meta), lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES))
@@ -731,7 +789,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs-ab", action="store_true",
                     help="AUTO on SoA and on pair-stream weights of the same blocks, f16 "
                     "activations, alternated in one process, bits compared (pairs_ab)")
+    ap.add_argument("--ab-cells", default=None, metavar="AB.json[,..]",
+                    help="no device: set the table cells (auto, f16) of these --cfg-ab results "
+                    "whose best candidate beat AUTO by more than --gain, into --table-out")
+    ap.add_argument("--gain", type=float, default=1.01, help="--ab-cells: AUTO/candidate above")
+    ap.add_argument("--note", default="", help="--ab-cells: appended to the table's note")
     a = ap.parse_args(argv)
+    if a.ab_cells:
+        from q6serve.kernels.cuda.dispatch import DEFAULT_TABLE
+
+        table, lines = ab_cells(a.ab_cells.split(","), DispatchTable.load(DEFAULT_TABLE), a.gain)
+        if a.note:
+            table.meta["note"] = table.meta.get("note", "") + "; " + a.note
+        table.dump(a.table_out)
+        print("\n".join(lines))
+        return 0
     # the command recorded in the table: the arguments that shape it (no output paths)
     all_shapes = ",".join(f"{r}x{k}" for r, k in SHAPES)
     a.tune_args = [f"--iters {a.iters}"] + (["--pairs"] if a.pairs else []) + (
