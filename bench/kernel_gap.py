@@ -1,0 +1,276 @@
+"""Why the service's kernel time is longer than bench/kernels.py's (issue 14, item 2; GPU only).
+
+The service reports, per call, the time between the CUDA events its launch sequence records
+around the kernels (kernels/cuda/launch.py point 3: event nodes inside the call's graph).
+bench/kernels.py times the same kernel between stream events, 40 calls queued back to back
+behind a spin kernel, the weight rotated over copies that the L2 cannot hold. On the H200 the
+two differ: T1's kernel (3584x18944, N=1, f16) 28.9 us in the service against 23.0 alone
+(session 16's closing check: 1.258x, limit 1.25x; session 14: 1.16x). This runs the same
+weight and N in one process under each of the differences, one at a time, and prints per
+phase the median (p10, p90) of the time each way reports:
+
+- ``kpy``: bench/kernels.py's own timing (``time_calls``: ``CudaBackend.run`` between stream
+  events, queued behind a spin kernel), rotated copies; ``kpy1``: the same on one copy;
+- ``run-G``: ``CudaBackend.run`` between stream events, each call waited for, then a gap
+  ``G`` on the host (``spinU``: busy for U us, the GPU idle; ``sleepU``; ``0``): the kernel
+  launched onto an idle GPU, direct launches;
+- ``svc-G``: the service's call (``CudaBackend.launch`` of a staged x, its graph, the time
+  its event nodes report) with the same gaps, one copy as the service (``svc-rot-G``: rotated);
+- ``svc-busy-G``: as ``svc-G`` but a spin kernel of ``--busy-us`` is enqueued on the stream
+  just before the launch, so the graph lands on a busy GPU (its nodes queued, as kernels.py's);
+- ``svc-outer-G``: ``svc-G``'s calls with stream events also recorded just before and after
+  the graph launch: the whole sequence (x up, kernels, y down) on the GPU, ``outer``;
+- ``svc-direct-G``: the same launches without a graph (``Launcher.graphs`` off: plain
+  event records between direct launches).
+
+``--smi``: ``nvidia-smi`` samples the SM and memory clocks, power and clock-event reasons
+every 20 ms in the background; each phase prints the median SM / memory clock over its span.
+
+    python bench/kernel_gap.py [--shape 3584x18944] [--n 1] [--calls 300]
+                               [--gaps 0,spin300,sleep300] [--smi] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from q6serve.kernels import q6k
+from q6serve.kernels.api import Layout, Precision, iter_aos_chunks
+from q6serve.kernels.cuda_backend import CudaBackend
+
+# bench/kernels.py, loaded by its path (a bare ``import kernels`` could find the package's
+# kernels/ folder): its timing is the figure the service's is compared against
+_spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name(
+    "kernels.py"))
+assert _spec is not None and _spec.loader is not None
+_kpy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_kpy)
+SPIN_SRC, time_calls = _kpy.SPIN_SRC, _kpy.time_calls
+L2_BYTES = 60e6  # as bench/kernels.py: enough copies that the L2 cannot serve the weight
+
+
+class Smi:
+    """nvidia-smi sampling in the background: (unix time, SM MHz, mem MHz, W, reasons)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, float, float, float, str]] = []
+        try:
+            self.p: subprocess.Popen | None = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,"
+                 "clocks_event_reasons.active", "--format=csv,noheader,nounits", "-lms", "20"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.p = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p is not None and self.p.stdout is not None
+        for line in self.p.stdout:
+            f = [s.strip() for s in line.split(",")]
+            try:  # (its timestamp is local time, as datetime's naive timestamp() reads it)
+                t = datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self.rows.append((t, float(f[1]), float(f[2]), float(f[3]), f[4]))
+            except (ValueError, IndexError):
+                continue
+
+    def span(self, t0: float, t1: float) -> dict | None:
+        got = [r for r in self.rows if t0 <= r[0] <= t1]
+        if not got:
+            return None
+        return {"sm_mhz": statistics.median(r[1] for r in got),
+                "sm_min": min(r[1] for r in got),
+                "mem_mhz": statistics.median(r[2] for r in got),
+                "watts": statistics.median(r[3] for r in got),
+                "reasons": sorted({r[4] for r in got}), "samples": len(got)}
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.terminate()
+
+
+def gap(g: str) -> None:
+    """The host's pause between two calls: nothing, a busy spin or a sleep of U us."""
+    if g == "0":
+        return
+    us = float(g[5:] if g.startswith("sleep") else g[4:])
+    if g.startswith("sleep"):
+        time.sleep(us * 1e-6)
+        return
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def stats(v: list[float]) -> dict:
+    s = sorted(v)
+    return {"p50": statistics.median(s), "p10": s[int(0.1 * (len(s) - 1))],
+            "p90": s[int(0.9 * (len(s) - 1))], "n": len(s)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="3584x18944")
+    ap.add_argument("--n", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--gaps", default="0,spin300,sleep300")
+    ap.add_argument("--busy-us", type=float, default=40.0,
+                    help="svc-busy: the spin kernel enqueued before each launch (us)")
+    ap.add_argument("--phases", default="kpy,kpy1,run,svc,svc-rot,svc-busy,svc-outer,"
+                    "svc-direct,kpy")
+    ap.add_argument("--smi", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+
+    rows, k = map(int, a.shape.split("x"))
+    be = CudaBackend(0)
+    rng = np.random.default_rng(0)
+    blocks = q6k.random_blocks(rows, k, rng)
+    ncopy = max(2, min(16, math.ceil(3 * L2_BYTES / q6k.aos_nbytes(rows, k))))
+    ws = [be.load(iter_aos_chunks(blocks, rows, k, 64 << 20), rows, k, Layout.SOA, 64 << 20)
+          for _ in range(ncopy)]
+    x = rng.standard_normal((a.n, k)).astype(np.float16)
+    xd = cp.asarray(x)
+    c = be.choose(a.n, Precision.AUTO, be_flags(), rows, k)
+    spin = cp.RawKernel(SPIN_SRC, "spin")
+    clk = cp.cuda.Device(0).attributes["ClockRate"] * 1e3  # Hz (the spin's cycles per second)
+    smi = Smi() if a.smi else None
+    print(f"# {a.shape} N={a.n} f16: {c.path} {c.cfg}; {ncopy} copies; "
+          f"{be.device_name()}", flush=True)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    results: list[dict] = []
+
+    def svc_call(w: Any, g: str, busy: bool, outer: list[float] | None) -> float:
+        st = be.staging(a.n, k, np.float16)
+        st[...] = x
+        if busy:
+            with be.ctx.dev, be.stream:
+                spin((1,), (1,), (np.int64(a.busy_us * 1e-6 * clk),))
+        if outer is not None:
+            e0.record(be.stream)
+        launched = be.launch(w, st)
+        if outer is not None:
+            e1.record(be.stream)
+        res = launched.wait()
+        ks = res.timing.seconds(wait=True)
+        if outer is not None:
+            e1.synchronize()
+            outer.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        gap(g)
+        return float("nan") if ks is None else ks * 1e6
+
+    def run_call(w: Any, g: str) -> float:
+        with be.ctx.dev, be.stream:
+            e0.record(be.stream)
+            be.run(w, xd, np.float16, c.path, c.cfg)
+            e1.record(be.stream)
+        e1.synchronize()
+        t = cp.cuda.get_elapsed_time(e0, e1) * 1e3
+        gap(g)
+        return t
+
+    def phase(name: str, fn: Any) -> None:
+        t0 = time.time()
+        try:
+            out = fn()
+        except Exception as e:  # one phase that fails must not end the others
+            print(f"{name:>22}  FAILED: {type(e).__name__}: {e}", flush=True)
+            results.append({"phase": name, "error": repr(e)})
+            return
+        t1 = time.time()
+        row = {"phase": name, **out}
+        if smi is not None:
+            time.sleep(0.05)  # (the last samples' lines)
+            row["smi"] = smi.span(t0, t1)
+        results.append(row)
+        s = row.get("smi") or {}
+        extra = "".join(f"  {key} {row[key]['p50']:7.2f}" for key in ("outer",) if key in row)
+        print(f"{name:>22}  kernel p50 {row['kernel']['p50']:7.2f}  p10 {row['kernel']['p10']:7.2f}"
+              f"  p90 {row['kernel']['p90']:7.2f} us{extra}"
+              + (f"  sm {s['sm_mhz']:.0f} (min {s['sm_min']:.0f}) mem {s['mem_mhz']:.0f} MHz "
+                 f"{s['watts']:.0f} W {','.join(s['reasons'])}" if s else ""), flush=True)
+
+    gaps = a.gaps.split(",")
+    for w in ws:  # compile, bind, capture (the service's graph from its second call)
+        for _ in range(4):
+            svc_call(w, "0", False, None)
+        with be.ctx.dev, be.stream:
+            be.run(w, xd, np.float16, c.path, c.cfg)
+    be.stream.synchronize()
+    for p in a.phases.split(","):
+        if p in ("kpy", "kpy1"):
+            cw = ws if p == "kpy" else ws[:1]
+
+            def kpy(cw: list = cw) -> dict:
+                def call(i: int) -> None:
+                    be.run(cw[i], xd, np.float16, c.path, c.cfg)
+
+                with be.ctx.dev, be.stream:
+                    v = [time_calls(cp, call, len(cw), iters=40) for _ in range(5)]
+                return {"kernel": stats(v)}  # (each a median of 40 calls)
+
+            phase(p, kpy)
+            continue
+        for g in gaps:
+            if p == "run":
+                phase(f"run-{g}", lambda g=g: {"kernel": stats(
+                    [run_call(ws[0], g) for _ in range(a.calls)])})
+            elif p in ("svc", "svc-rot", "svc-busy"):
+                phase(f"{p}-{g}", lambda g=g, p=p: {"kernel": stats(
+                    [svc_call(ws[i % len(ws)] if p == "svc-rot" else ws[0], g, p == "svc-busy",
+                              None) for i in range(a.calls)])})
+            elif p == "svc-outer":
+                def outer_phase(g: str = g) -> dict:
+                    o: list[float] = []
+                    kv = [svc_call(ws[0], g, False, o) for _ in range(a.calls)]
+                    return {"kernel": stats(kv), "outer": stats(o)}
+
+                phase(f"{p}-{g}", outer_phase)
+            elif p == "svc-direct":
+                def direct_phase(g: str = g) -> dict:
+                    lc = be.launcher
+                    lc.graphs = False
+                    wd = ws[0].data
+                    saved = dict(wd.plans)
+                    wd.plans.clear()  # (bound calls and graphs: rebound without a graph)
+                    try:
+                        for _ in range(4):
+                            svc_call(ws[0], "0", False, None)
+                        return {"kernel": stats([svc_call(ws[0], g, False, None)
+                                                 for _ in range(a.calls)])}
+                    finally:
+                        lc.graphs = True
+                        wd.plans.clear()
+                        wd.plans.update(saved)
+
+                phase(f"{p}-{g}", direct_phase)
+    if smi is not None:
+        smi.close()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"shape": a.shape, "n": a.n, "path": c.path,
+                                            "cfg": str(c.cfg), "results": results}, indent=1))
+    return 0
+
+
+def be_flags() -> Any:
+    from q6serve.kernels.api import KernelFlags
+
+    return KernelFlags()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
