@@ -21,7 +21,21 @@ phase the median (p10, p90) of the time each way reports:
 - ``svc-outer-G``: ``svc-G``'s calls with stream events also recorded just before and after
   the graph launch: the whole sequence (x up, kernels, y down) on the GPU, ``outer``;
 - ``svc-direct-G``: the same launches without a graph (``Launcher.graphs`` off: plain
-  event records between direct launches).
+  event records between direct launches);
+- ``svc-fork-G``: the service's call with ``Launcher.timing_fork`` (Q6SERVE_TIMING_FORK): its
+  graph records the start event on a side branch forked after x's upload.
+
+Graphs built here from the service's bound sequence (its steps and events; bundle A showed
+the graph's events read ~6 us over kernels.py's whatever the gap, copies or clocks):
+
+- ``g-kern-G``: a graph of the start event node, the kernel(s) and the end event node only (no
+  copies: x's upload before it is what the service's graph has and this lacks);
+- ``g-bare-G``: a graph of the kernel(s) alone, timed by stream events recorded just before and
+  after its launch (what a graph launch adds on the GPU around its kernels);
+- ``g-fork-G``: the service's sequence with the start event on a side branch forked after x's
+  upload (the kernel depends on the upload, not on the event node);
+- ``cupti``: the service's calls, ``g-kern`` and kernels.py's timing under torch's profiler
+  (CUPTI): each kernel's own GPU duration, beside what the events said.
 
 ``--smi``: ``nvidia-smi`` samples the SM and memory clocks, power and clock-event reasons
 every 20 ms in the background; each phase prints the median SM / memory clock over its span.
@@ -212,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             be.run(w, xd, np.float16, c.path, c.cfg)
     be.stream.synchronize()
     for p in a.phases.split(","):
+        if p.startswith("g-") or p == "cupti":
+            continue  # (below, with the graphs built from the service's bound sequence)
         if p in ("kpy", "kpy1"):
             cw = ws if p == "kpy" else ws[:1]
 
@@ -240,30 +256,169 @@ def main(argv: list[str] | None = None) -> int:
                     return {"kernel": stats(kv), "outer": stats(o)}
 
                 phase(f"{p}-{g}", outer_phase)
-            elif p == "svc-direct":
-                def direct_phase(g: str = g) -> dict:
+            elif p in ("svc-direct", "svc-fork"):
+                def rebound_phase(g: str = g, p: str = p) -> dict:
                     lc = be.launcher
-                    lc.graphs = False
+                    attr, value = ("graphs", False) if p == "svc-direct" else ("timing_fork",
+                                                                              True)
+                    old = getattr(lc, attr)
+                    setattr(lc, attr, value)
                     wd = ws[0].data
                     saved = dict(wd.plans)
-                    wd.plans.clear()  # (bound calls and graphs: rebound without a graph)
+                    wd.plans.clear()  # (bound calls and graphs: rebound and recaptured)
                     try:
                         for _ in range(4):
                             svc_call(ws[0], "0", False, None)
                         return {"kernel": stats([svc_call(ws[0], g, False, None)
                                                  for _ in range(a.calls)])}
                     finally:
-                        lc.graphs = True
+                        setattr(lc, attr, old)
                         wd.plans.clear()
                         wd.plans.update(saved)
 
-                phase(f"{p}-{g}", direct_phase)
+                phase(f"{p}-{g}", rebound_phase)
+    late = [p for p in a.phases.split(",") if p.startswith("g-") or p == "cupti"]
+    try:
+        gv = GraphVariants(be, ws[0], spin, clk)
+    except Exception as e:  # (the phases above still count)
+        print(f"# graph variants: FAILED: {type(e).__name__}: {e}", flush=True)
+        late = []
+    for p in late:
+        if p.startswith("g-"):
+            for g in gaps:
+                phase(f"{p}-{g}", lambda g=g, p=p: gv.run(p, g, a.calls, a.busy_us))
+        elif p == "cupti":
+            def cupti_phase() -> dict:
+                out = {}
+                for name, fn in (("svc", lambda: svc_call(ws[0], "spin300", False, None)),
+                                 ("g-kern", lambda: gv.one("g-kern", "spin300", 0.0)),
+                                 ("kpy", None)):
+                    if fn is None:
+                        def kcall(i: int) -> None:
+                            be.run(ws[i % len(ws)], xd, np.float16, c.path, c.cfg)
+
+                        def many() -> list[float]:
+                            with be.ctx.dev, be.stream:
+                                return [time_calls(cp, kcall, len(ws), iters=40)]
+                        ev, kern = cupti(many, a.json)
+                    else:
+                        ev, kern = cupti(lambda fn=fn: [fn() for _ in range(60)], a.json)
+                    out[name] = {"events": stats(ev) if ev else None,
+                                 "cupti": stats(kern) if kern else None}
+                    print(f"{'cupti ' + name:>22}  events p50 "
+                          f"{stats(ev)['p50'] if ev else float('nan'):7.2f}  CUPTI kernel(s) "
+                          f"p50 {stats(kern)['p50'] if kern else float('nan'):7.2f} us "
+                          f"({len(kern)} launches)", flush=True)
+                return {"kernel": out["svc"]["cupti"] or {"p50": float("nan"), "p10": 0,
+                                                           "p90": 0}, "cupti": out}
+
+            phase("cupti", cupti_phase)
     if smi is not None:
         smi.close()
     if a.json:
         Path(a.json).write_text(json.dumps({"shape": a.shape, "n": a.n, "path": c.path,
                                             "cfg": str(c.cfg), "results": results}, indent=1))
     return 0
+
+
+class GraphVariants:
+    """Graphs built from the service's bound sequence of ``w`` (its steps, events, buffers):
+    see the module docstring (``g-kern``, ``g-bare``, ``g-fork``)."""
+
+    def __init__(self, be: CudaBackend, w: Any, spin: Any, clk: float) -> None:
+        import cupy as cp
+
+        self.cp, self.be, self.lc, self.spin, self.clk = cp, be, be.launcher, spin, clk
+        bs = [v for v in w.data.plans.values() if type(v).__name__ == "Bound" and v.graph]
+        if not bs:
+            raise RuntimeError("no captured bound sequence on the weight")
+        self.b = bs[0]
+        self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
+        self.graphs: dict[str, Any] = {}
+
+    def graph(self, kind: str) -> Any:
+        g = self.graphs.get(kind)
+        if g is not None:
+            return g
+        cp, lc, b, st = self.cp, self.lc, self.b, self.be.stream
+        host = lc.ws.host(b.x_bytes, 0).ctypes.data
+
+        def kern(record: Any) -> None:
+            lc._kernels(b, record)
+
+        def bare(record: Any) -> None:
+            for step in b.steps:
+                step()
+
+        side = cp.cuda.Stream(non_blocking=True)
+        fork, join = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+
+        def forked(record: Any) -> None:  # the start event beside the kernel, after x's upload
+            lc._upload(b, host)
+            fork.record(st)
+            side.wait_event(fork)
+            if lc._record_ext(b.start.ptr, side.ptr, 1) != 0:
+                raise RuntimeError("external record on the side stream refused")
+            join.record(side)
+            for step in b.steps:
+                step()
+            record(b.end)
+            st.wait_event(join)
+            lc._download(b)
+
+        fn = {"g-kern": kern, "g-bare": bare, "g-fork": forked}[kind]
+        with self.be.ctx.dev, st:
+            g = lc.capture(fn)
+        if not g:
+            raise RuntimeError(f"{kind}: capture refused")
+        self.graphs[kind] = (g, side)
+        return self.graphs[kind]
+
+    def one(self, kind: str, g: str, busy_us: float) -> float:
+        graph, _ = self.graph(kind)
+        st = self.be.stream
+        with self.be.ctx.dev:
+            if busy_us:
+                with st:
+                    self.spin((1,), (1,), (np.int64(busy_us * 1e-6 * self.clk),))
+            if kind == "g-bare":
+                self.e0.record(st)
+            graph.launch(st)
+            if kind == "g-bare":
+                self.e1.record(st)
+            st.synchronize()
+        a_, b_ = (self.e0, self.e1) if kind == "g-bare" else (self.b.start, self.b.end)
+        t = self.cp.cuda.get_elapsed_time(a_, b_) * 1e3
+        gap(g)
+        return t
+
+    def run(self, kind: str, g: str, calls: int, busy_us: float) -> dict:
+        busy = kind.endswith("-busy")
+        kind = kind.removesuffix("-busy")
+        for _ in range(3):
+            self.one(kind, "0", 0.0)
+        return {"kernel": stats([self.one(kind, g, busy_us if busy else 0.0)
+                                 for _ in range(calls)])}
+
+
+def cupti(fn: Any, json_path: str | None) -> tuple[list[float], list[float]]:
+    """``fn()`` (returns the events' figures, us) under torch's profiler: (those figures, the
+    CUPTI durations in us of every q6k kernel it ran, in launch order)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ev = fn()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    trace = json.loads(Path(path).read_text())
+    Path(path).unlink()
+    kern = [float(e["dur"]) for e in sorted(trace.get("traceEvents", []),
+                                              key=lambda e: e.get("ts", 0))
+            if e.get("cat") == "kernel" and "q6k" in e.get("name", "")]
+    return ev, kern
 
 
 def be_flags() -> Any:

@@ -205,3 +205,32 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
         be.launcher.y_chunks = None
         be.free(w)
         be.close()
+
+
+@pytest.mark.parametrize("fork", [False, True])
+@pytest.mark.parametrize("staged", [True, False])
+def test_timing_fork_puts_the_start_event_beside_the_kernel(monkeypatch, fork, staged):
+    """``Launcher.timing_fork`` (Q6SERVE_TIMING_FORK): a captured sequence records its start
+    event on the side stream (forked after x's upload, joined after the end event), its end
+    event on the call's stream; off, both on the call's stream. y is the device y either way,
+    on every kind of call (direct launches, the capture, graph replays, the cached call)."""
+    from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
+
+    be, cp = fake_backend(monkeypatch)
+    lc = be.launcher
+    lc.timing_fork = fork
+    side = lc._timing_fork()[0]
+    side.ptr = 2  # (the fake's streams all have ptr 1: the side stream told apart)
+    recs: list[int] = []
+    monkeypatch.setattr(launch_mod, "_external_record",
+                        lambda: (lambda ev, st, flags: recs.append(st) or 0))
+    w = fake_weight(be, 4096, 14336)
+    rng = np.random.default_rng(2)
+    be.matmul(w, _x(be, rng, 1, 14336, staged))  # binds
+    for i in range(5):
+        y = _set_y(be, w, 1, i)
+        res = be.launch(w, _x(be, rng, 1, 14336, staged)).wait()
+        assert np.array_equal(res.y, y)
+        assert res.timing.seconds() == pytest.approx(25e-6)
+    assert recs == ([2, 1] if fork else [1, 1])  # one capture: its start and end event nodes
+    assert cp.counts["graph"] == 4
