@@ -10,6 +10,7 @@
 #    decode replay at S = 1 and 8 (multi-weight calls, top-64), two workers in one call
 #    (bench/replay_ab.py: `def` Python's 5000 us, `g200` Q6SERVE_GIL_SWITCH_US=200), order
 #    def,g200,g200,def.
+#    The fork's GPU test (y bit for bit with it, a kernel time) runs after kernel_gap.
 # 3. T1 (bench/service.py --target-report --targets T1) with Q6SERVE_TIMING_FORK=1 and without:
 #    the kernel time the service reports, and its p50 - kernel.
 set -uo pipefail
@@ -21,12 +22,16 @@ GIL=${GIL:-200}
 step gap 25 python3 bench/kernel_gap.py --smi --calls 300 --gaps 0,spin300 \
   --phases svc,svc-fork,svc-busy,g-kern,g-kern-busy,g-bare,g-bare-busy,g-fork,kpy,cupti \
   --json "$OUT/gap.json"
-step replay 50 python3 bench/replay_ab.py --backend cuda \
+step tests 15 python3 -m pytest -q -m gpu tests/service/test_launch_split.py -p no:cacheprovider \
+  -k timing_fork -rA
+rest=$((BOUND - $(date +%s) + T0 - 36))  # (what the T1 pair after it needs)
+step replay "$rest" python3 bench/replay_ab.py --backend cuda \
   --variants "def: g$GIL:Q6SERVE_GIL_SWITCH_US=$GIL" --order "def,g$GIL,g$GIL,def" \
-  --seqs 1,8 --seconds 1.5 --bound 44 --out-dir "$OUT" --json "$OUT/replay.json"
+  --seqs 1,8 --seconds 1.2 --warmup 0.3 --bound $((rest - 5)) --out-dir "$OUT" \
+  --json "$OUT/replay.json"
 t1_run() {  # t1_run RUN NAME
   step "t1_$1" 20 python3 bench/service.py --backend cuda --target-report --targets T1 \
-    --modes stream --weights ffn_down --seconds 1.5 --warmup 0.3 --json "$OUT/t1_$1.json"
+    --modes stream --weights ffn_down --seconds 1.2 --warmup 0.3 --json "$OUT/t1_$1.json"
 }
 ab_runs 16 t1_run fork:Q6SERVE_TIMING_FORK=1 def fork:Q6SERVE_TIMING_FORK=1 def
 {

@@ -234,3 +234,38 @@ def test_timing_fork_puts_the_start_event_beside_the_kernel(monkeypatch, fork, s
         assert res.timing.seconds() == pytest.approx(25e-6)
     assert recs == ([2, 1] if fork else [1, 1])  # one capture: its start and end event nodes
     assert cp.counts["graph"] == 4
+
+
+@pytest.mark.gpu
+def test_timing_fork_on_the_gpu(rng):
+    """On a device, with ``timing_fork`` the captured sequence (its start event on the side
+    branch) gives the same y bit for bit as without, on every kind of call (direct, capture,
+    graph, the cached BoundCall; staged and copied x), and a kernel time (its events recorded)
+    that is positive and under the call's wall."""
+    import time
+
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
+
+    rows, k = 3584, 18944
+    be = _gpu_backend()(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    try:
+        x = rng.standard_normal((1, k)).astype(np.float16)
+        ref = be.matmul(w, x).y
+        be.launcher.timing_fork = True
+        w.data.plans.clear()
+        for i in range(6):
+            xi = staged_copy(be, x) if i % 2 else x
+            t0 = time.perf_counter()
+            res = be.launch(w, xi).wait()
+            wall = time.perf_counter() - t0
+            np.testing.assert_array_equal(res.y, ref)
+            s = res.timing.seconds(wait=True)
+            assert s is not None and 0 < s < wall, (i, s, wall)
+        assert any(b.graph for b in w.data.plans.values() if type(b).__name__ == "Bound")
+    finally:
+        be.free(w)
+        be.close()
