@@ -22,8 +22,8 @@ phase the median (p10, p90) of the time each way reports:
   the graph launch: the whole sequence (x up, kernels, y down) on the GPU, ``outer``;
 - ``svc-direct-G``: the same launches without a graph (``Launcher.graphs`` off: plain
   event records between direct launches);
-- ``svc-fork-G``: the service's call with ``Launcher.timing_fork`` (Q6SERVE_TIMING_FORK): its
-  graph records the start event on a side branch forked after x's upload.
+- ``svc-anchor-G``: the service's call with ``Launcher.timing_anchor`` (Q6SERVE_TIMING_ANCHOR):
+  its graph launches an empty kernel between x's upload and the start event.
 
 Graphs built here from the service's bound sequence (its steps and events; bundle A showed
 the graph's events read ~6 us over kernels.py's whatever the gap, copies or clocks):
@@ -33,9 +33,11 @@ the graph's events read ~6 us over kernels.py's whatever the gap, copies or cloc
 - ``g-bare-G``: a graph of the kernel(s) alone, timed by stream events recorded just before and
   after its launch (what a graph launch adds on the GPU around its kernels);
 - ``g-fork-G``: the service's sequence with the start event on a side branch forked after x's
-  upload (the kernel depends on the upload, not on the event node);
-- ``cupti``: the service's calls, ``g-kern`` and kernels.py's timing under torch's profiler
-  (CUPTI): each kernel's own GPU duration, beside what the events said.
+  upload (the kernel depends on the upload, not on the event node; bundle B: racy, the side
+  node ran before or after the kernel's start: 28.1 us in process, 21 in the service);
+- ``cupti``: the service's calls (with and without the anchor), ``g-kern`` and kernels.py's
+  timing under torch's profiler (CUPTI): each q6k kernel's own GPU duration, beside what the
+  events said.
 
 ``--smi``: ``nvidia-smi`` samples the SM and memory clocks, power and clock-event reasons
 every 20 ms in the background; each phase prints the median SM / memory clock over its span.
@@ -47,6 +49,7 @@ every 20 ms in the background; each phase prints the median SM / memory clock ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -55,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -256,25 +260,14 @@ def main(argv: list[str] | None = None) -> int:
                     return {"kernel": stats(kv), "outer": stats(o)}
 
                 phase(f"{p}-{g}", outer_phase)
-            elif p in ("svc-direct", "svc-fork"):
+            elif p in ("svc-direct", "svc-anchor"):
                 def rebound_phase(g: str = g, p: str = p) -> dict:
-                    lc = be.launcher
-                    attr, value = ("graphs", False) if p == "svc-direct" else ("timing_fork",
-                                                                              True)
-                    old = getattr(lc, attr)
-                    setattr(lc, attr, value)
-                    wd = ws[0].data
-                    saved = dict(wd.plans)
-                    wd.plans.clear()  # (bound calls and graphs: rebound and recaptured)
-                    try:
+                    with rebound(be, ws[0], *(("graphs", False) if p == "svc-direct"
+                                              else ("timing_anchor", True))):
                         for _ in range(4):
                             svc_call(ws[0], "0", False, None)
                         return {"kernel": stats([svc_call(ws[0], g, False, None)
                                                  for _ in range(a.calls)])}
-                    finally:
-                        setattr(lc, attr, old)
-                        wd.plans.clear()
-                        wd.plans.update(saved)
 
                 phase(f"{p}-{g}", rebound_phase)
     late = [p for p in a.phases.split(",") if p.startswith("g-") or p == "cupti"]
@@ -291,9 +284,15 @@ def main(argv: list[str] | None = None) -> int:
             def cupti_phase() -> dict:
                 out = {}
                 for name, fn in (("svc", lambda: svc_call(ws[0], "spin300", False, None)),
+                                 ("svc-anchor", lambda: svc_call(ws[0], "spin300", False, None)),
                                  ("g-kern", lambda: gv.one("g-kern", "spin300", 0.0)),
                                  ("kpy", None)):
-                    if fn is None:
+                    if name == "svc-anchor":
+                        with rebound(be, ws[0], "timing_anchor", True):
+                            for _ in range(4):
+                                svc_call(ws[0], "0", False, None)
+                            ev, kern = cupti(lambda fn=fn: [fn() for _ in range(60)], a.json)
+                    elif fn is None:
                         def kcall(i: int) -> None:
                             be.run(ws[i % len(ws)], xd, np.float16, c.path, c.cfg)
 
@@ -319,6 +318,23 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps({"shape": a.shape, "n": a.n, "path": c.path,
                                             "cfg": str(c.cfg), "results": results}, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def rebound(be: CudaBackend, w: Any, attr: str, value: Any) -> Iterator[None]:
+    """The launcher's ``attr`` set to ``value`` with ``w``'s bound sequences and cached calls
+    dropped (rebound and recaptured by the next calls), both restored after."""
+    lc = be.launcher
+    old = getattr(lc, attr)
+    setattr(lc, attr, value)
+    saved = dict(w.data.plans)
+    w.data.plans.clear()
+    try:
+        yield
+    finally:
+        setattr(lc, attr, old)
+        w.data.plans.clear()
+        w.data.plans.update(saved)
 
 
 class GraphVariants:

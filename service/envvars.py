@@ -108,8 +108,9 @@ PDL = Var("Q6SERVE_PDL", "switch", True,
 
 REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
-TIMING_FORK = Var("Q6SERVE_TIMING_FORK", "switch", False,
-                  "a captured call's start event beside its kernel, not before it (CUDA)")
+TIMING_ANCHOR = Var("Q6SERVE_TIMING_ANCHOR", "switch", False,
+                    "an empty kernel between a captured call's x upload and its start event "
+                    "(CUDA)")
 # read by the CUDA backend's storage (kernels/cuda/storage.py pairs_from_env)
 Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", True,
                 "SoA weights' code planes in pair-stream order on the device (CUDA)")
@@ -128,7 +129,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_FORK)
+                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

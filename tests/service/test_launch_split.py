@@ -207,23 +207,34 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
         be.close()
 
 
-@pytest.mark.parametrize("fork", [False, True])
+@pytest.mark.parametrize("anchor", [False, True])
 @pytest.mark.parametrize("staged", [True, False])
-def test_timing_fork_puts_the_start_event_beside_the_kernel(monkeypatch, fork, staged):
-    """``Launcher.timing_fork`` (Q6SERVE_TIMING_FORK): a captured sequence records its start
-    event on the side stream (forked after x's upload, joined after the end event), its end
-    event on the call's stream; off, both on the call's stream. y is the device y either way,
-    on every kind of call (direct launches, the capture, graph replays, the cached call)."""
+def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, anchor, staged):
+    """``Launcher.timing_anchor`` (Q6SERVE_TIMING_ANCHOR): a captured sequence launches the empty
+    anchor kernel after x's upload and before its start event node (once per capture, not on
+    direct launches); off, none. y is the device y either way, on every kind of call (direct
+    launches, the capture, graph replays, the cached call)."""
     from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
 
     be, cp = fake_backend(monkeypatch)
-    lc = be.launcher
-    lc.timing_fork = fork
-    side = lc._timing_fork()[0]
-    side.ptr = 2  # (the fake's streams all have ptr 1: the side stream told apart)
-    recs: list[int] = []
+    be.launcher.timing_anchor = anchor
+    order: list[str] = []
+
+    def raw_kernel(src: str, name: str):
+        assert name in src
+        return lambda grid, block, args: order.append(name)
+
+    cp.RawKernel = raw_kernel
+    memcpy = cp.cuda.runtime.memcpyAsync
+
+    def copy(dst: int, src: int, n: int, kind: int, stream: int) -> None:
+        if cp.capturing is not None:  # (what a capture records, in order)
+            order.append(("", "h2d", "d2h", "d2d")[kind])
+        memcpy(dst, src, n, kind, stream)
+
+    cp.cuda.runtime.memcpyAsync = copy
     monkeypatch.setattr(launch_mod, "_external_record",
-                        lambda: (lambda ev, st, flags: recs.append(st) or 0))
+                        lambda: (lambda ev, st, flags: order.append("event") or 0))
     w = fake_weight(be, 4096, 14336)
     rng = np.random.default_rng(2)
     be.matmul(w, _x(be, rng, 1, 14336, staged))  # binds
@@ -232,16 +243,18 @@ def test_timing_fork_puts_the_start_event_beside_the_kernel(monkeypatch, fork, s
         res = be.launch(w, _x(be, rng, 1, 14336, staged)).wait()
         assert np.array_equal(res.y, y)
         assert res.timing.seconds() == pytest.approx(25e-6)
-    assert recs == ([2, 1] if fork else [1, 1])  # one capture: its start and end event nodes
+    # one capture: x's upload, the anchor, the two event nodes around the kernel, y's download
+    assert order == (["h2d", "q6_timing_anchor", "event", "event", "d2h"] if anchor
+                     else ["h2d", "event", "event", "d2h"])
     assert cp.counts["graph"] == 4
 
 
 @pytest.mark.gpu
-def test_timing_fork_on_the_gpu(rng):
-    """On a device, with ``timing_fork`` the captured sequence (its start event on the side
-    branch) gives the same y bit for bit as without, on every kind of call (direct, capture,
-    graph, the cached BoundCall; staged and copied x), and a kernel time (its events recorded)
-    that is positive and under the call's wall."""
+def test_timing_anchor_on_the_gpu(rng):
+    """On a device, with ``timing_anchor`` the captured sequence (the empty kernel before its
+    start event) gives the same y bit for bit as without, on every kind of call (direct,
+    capture, graph, the cached BoundCall; staged and copied x), and a kernel time (its events
+    recorded) that is positive and under the call's wall."""
     import time
 
     from q6serve.kernels.api import Layout, iter_aos_chunks
@@ -255,7 +268,7 @@ def test_timing_fork_on_the_gpu(rng):
     try:
         x = rng.standard_normal((1, k)).astype(np.float16)
         ref = be.matmul(w, x).y
-        be.launcher.timing_fork = True
+        be.launcher.timing_anchor = True
         w.data.plans.clear()
         for i in range(6):
             xi = staged_copy(be, x) if i % 2 else x
@@ -266,6 +279,7 @@ def test_timing_fork_on_the_gpu(rng):
             s = res.timing.seconds(wait=True)
             assert s is not None and 0 < s < wall, (i, s, wall)
         assert any(b.graph for b in w.data.plans.values() if type(b).__name__ == "Bound")
+        assert be.launcher._anchor is not None  # (it ran)
     finally:
         be.free(w)
         be.close()
