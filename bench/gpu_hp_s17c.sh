@@ -6,7 +6,10 @@
 # alone 22.7, kernels.py's stream events 23.1. The start event node after x's upload copy is
 # recorded before the copy's hand-off to the kernels' engine. The anchor (an empty kernel between
 # the upload and the start event) is meant to move that hand-off before the start event.
-# 1. bench/kernel_gap.py: the service's call with and without the anchor, CUPTI beside them.
+# 1. bench/kernel_gap.py: the service's call with and without the anchor, CUPTI beside them;
+#    and (for the next session: goal 2) the service's graph against the same sequence with x's
+#    upload and y's download done by a copy kernel on the pinned buffers (g-zc: no copy-engine
+#    node), their GPU span and host wall per call.
 # 2. T1 through gRPC alternated `anchor` (Q6SERVE_TIMING_ANCHOR=1) / `def`: the reported kernel
 #    p50 and p50 - kernel (the anchor's GPU time is in the call).
 # 3. The split-call and host-path GPU tests with the anchor on (y bit for bit on every kind of
@@ -17,7 +20,7 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/hp17c
 BOUND=${BOUND:-100}
 step gap 25 python3 bench/kernel_gap.py --smi --calls 300 --gaps 0,spin300 \
-  --phases svc,svc-anchor,svc-busy,g-kern,kpy,cupti --json "$OUT/gap.json"
+  --phases svc,svc-anchor,svc-busy,g-kern,g-svc,g-zc,kpy,cupti --json "$OUT/gap.json"
 t1_run() {  # t1_run RUN NAME
   step "t1_$1" 18 python3 bench/service.py --backend cuda --target-report --targets T1 \
     --modes stream --weights ffn_down --seconds 1.2 --warmup 0.3 --json "$OUT/t1_$1.json"

@@ -35,6 +35,11 @@ the graph's events read ~6 us over kernels.py's whatever the gap, copies or cloc
 - ``g-fork-G``: the service's sequence with the start event on a side branch forked after x's
   upload (the kernel depends on the upload, not on the event node; bundle B: racy, the side
   node ran before or after the kernel's start: 28.1 us in process, 21 in the service);
+- ``g-svc-G``: the service's own captured graph launched the same way (its events, the GPU
+  span ``outer`` of the launch between stream events, the host's ``wall`` from launch to sync);
+- ``g-zc-G``: the service's sequence with x's upload and y's download done by a small copy
+  kernel reading / writing the pinned buffers (no copy-engine nodes: every node on the
+  kernels' engine), timed as ``g-svc`` (a small f32 y only);
 - ``cupti``: the service's calls (with and without the anchor), ``g-kern`` and kernels.py's
   timing under torch's profiler (CUPTI): each q6k kernel's own GPU duration, beside what the
   events said.
@@ -77,6 +82,13 @@ assert _spec is not None and _spec.loader is not None
 _kpy = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_kpy)
 SPIN_SRC, time_calls = _kpy.SPIN_SRC, _kpy.time_calls
+# g-zc's copies: 16-byte words from src to dst, one a thread (pinned host memory is the
+# device's to read and write at the same address under unified addressing)
+COPY_SRC = r"""extern "C" __global__ void q6_copy16(const int4* __restrict__ src,
+                                                 int4* __restrict__ dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}"""
 L2_BYTES = 60e6  # as bench/kernels.py: enough copies that the L2 cannot serve the weight
 
 
@@ -216,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             row["smi"] = smi.span(t0, t1)
         results.append(row)
         s = row.get("smi") or {}
-        extra = "".join(f"  {key} {row[key]['p50']:7.2f}" for key in ("outer",) if key in row)
+        extra = "".join(f"  {key} {row[key]['p50']:7.2f}" for key in ("outer", "wall")
+                        if key in row)
         print(f"{name:>22}  kernel p50 {row['kernel']['p50']:7.2f}  p10 {row['kernel']['p10']:7.2f}"
               f"  p90 {row['kernel']['p90']:7.2f} us{extra}"
               + (f"  sm {s['sm_mhz']:.0f} (min {s['sm_min']:.0f}) mem {s['mem_mhz']:.0f} MHz "
@@ -382,7 +395,20 @@ class GraphVariants:
             st.wait_event(join)
             lc._download(b)
 
-        fn = {"g-kern": kern, "g-bare": bare, "g-fork": forked}[kind]
+        y_host = b.extra["out"][1] if b.extra.get("out") else None
+
+        def zc(record: Any) -> None:  # the copies as kernels reading/writing pinned memory
+            if y_host is None or b.extra["out"][0]:
+                raise RuntimeError("g-zc: only for a small f32 y downloaded in the graph")
+            cin = cp.RawKernel(COPY_SRC, "q6_copy16")
+            n_in, n_out = b.x_bytes // 16, y_host.nbytes // 16
+            cin((-(-n_in // 256),), (256,), (np.uint64(host), np.uint64(b.extra["xd"]),
+                                              np.int64(n_in)))
+            lc._kernels(b, record)
+            cin((-(-n_out // 256),), (256,), (np.uint64(b.extra["y"]),
+                                               np.uint64(y_host.ctypes.data), np.int64(n_out)))
+
+        fn = {"g-kern": kern, "g-bare": bare, "g-fork": forked, "g-zc": zc}[kind]
         with self.be.ctx.dev, st:
             g = lc.capture(fn)
         if not g:
@@ -390,21 +416,28 @@ class GraphVariants:
         self.graphs[kind] = (g, side)
         return self.graphs[kind]
 
-    def one(self, kind: str, g: str, busy_us: float) -> float:
-        graph, _ = self.graph(kind)
+    def one(self, kind: str, g: str, busy_us: float, sink: dict | None = None) -> float:
+        """One launch of ``kind``'s graph, waited for; its events' time (us). ``sink``: also
+        the GPU span of the launch (stream events around it, ``outer``) and the host's wall
+        from the launch to the sync's return (``wall``), appended."""
+        graph = self.b.graph if kind == "g-svc" else self.graph(kind)[0]
         st = self.be.stream
         with self.be.ctx.dev:
             if busy_us:
                 with st:
                     self.spin((1,), (1,), (np.int64(busy_us * 1e-6 * self.clk),))
-            if kind == "g-bare":
-                self.e0.record(st)
+            self.e0.record(st)
+            t0 = time.perf_counter()
             graph.launch(st)
-            if kind == "g-bare":
-                self.e1.record(st)
+            self.e1.record(st)
             st.synchronize()
-        a_, b_ = (self.e0, self.e1) if kind == "g-bare" else (self.b.start, self.b.end)
-        t = self.cp.cuda.get_elapsed_time(a_, b_) * 1e3
+            wall = (time.perf_counter() - t0) * 1e6
+        outer = self.cp.cuda.get_elapsed_time(self.e0, self.e1) * 1e3
+        t = (outer if kind == "g-bare"
+             else self.cp.cuda.get_elapsed_time(self.b.start, self.b.end) * 1e3)
+        if sink is not None:
+            sink.setdefault("outer", []).append(outer)
+            sink.setdefault("wall", []).append(wall)
         gap(g)
         return t
 
@@ -413,8 +446,9 @@ class GraphVariants:
         kind = kind.removesuffix("-busy")
         for _ in range(3):
             self.one(kind, "0", 0.0)
-        return {"kernel": stats([self.one(kind, g, busy_us if busy else 0.0)
-                                 for _ in range(calls)])}
+        sink: dict[str, list[float]] = {}
+        kern = [self.one(kind, g, busy_us if busy else 0.0, sink) for _ in range(calls)]
+        return {"kernel": stats(kern), **{k: stats(v) for k, v in sink.items()}}
 
 
 def cupti(fn: Any, json_path: str | None) -> tuple[list[float], list[float]]:
