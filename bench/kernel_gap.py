@@ -22,8 +22,9 @@ phase the median (p10, p90) of the time each way reports:
   the graph launch: the whole sequence (x up, kernels, y down) on the GPU, ``outer``;
 - ``svc-direct-G``: the same launches without a graph (``Launcher.graphs`` off: plain
   event records between direct launches);
-- ``svc-anchor-G``: the service's call with ``Launcher.timing_anchor`` (Q6SERVE_TIMING_ANCHOR):
-  its graph launches an empty kernel between x's upload and the start event.
+- ``svc-anchor-G``: the service's call with ``Launcher.timing_anchor`` 1 (Q6SERVE_TIMING_ANCHOR):
+  its graph launches an empty kernel between x's upload and the start event; ``svc-anchor2-G``:
+  2, also one after the end event, before y's download.
 
 Graphs built here from the service's bound sequence (its steps and events; bundle A showed
 the graph's events read ~6 us over kernels.py's whatever the gap, copies or clocks):
@@ -35,6 +36,8 @@ the graph's events read ~6 us over kernels.py's whatever the gap, copies or cloc
 - ``g-fork-G``: the service's sequence with the start event on a side branch forked after x's
   upload (the kernel depends on the upload, not on the event node; bundle B: racy, the side
   node ran before or after the kernel's start: 28.1 us in process, 21 in the service);
+- ``g-up-G`` / ``g-down-G``: the events-only graph with x's upload before it / y's download
+  after it (which side of the kernel the service's extra time is on);
 - ``g-svc-G``: the service's own captured graph launched the same way (its events, the GPU
   span ``outer`` of the launch between stream events, the host's ``wall`` from launch to sync);
 - ``g-zc-G``: the service's sequence with x's upload and y's download done by a small copy
@@ -273,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                     return {"kernel": stats(kv), "outer": stats(o)}
 
                 phase(f"{p}-{g}", outer_phase)
-            elif p in ("svc-direct", "svc-anchor"):
+            elif p in ("svc-direct", "svc-anchor", "svc-anchor2"):
                 def rebound_phase(g: str = g, p: str = p) -> dict:
                     with rebound(be, ws[0], *(("graphs", False) if p == "svc-direct"
-                                              else ("timing_anchor", True))):
+                                              else ("timing_anchor", 2 if p[-1] == "2"
+                                                    else 1))):
                         for _ in range(4):
                             svc_call(ws[0], "0", False, None)
                         return {"kernel": stats([svc_call(ws[0], g, False, None)
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                                  ("g-kern", lambda: gv.one("g-kern", "spin300", 0.0)),
                                  ("kpy", None)):
                     if name == "svc-anchor":
-                        with rebound(be, ws[0], "timing_anchor", True):
+                        with rebound(be, ws[0], "timing_anchor", 1):
                             for _ in range(4):
                                 svc_call(ws[0], "0", False, None)
                             ev, kern = cupti(lambda fn=fn: [fn() for _ in range(60)], a.json)
@@ -408,7 +412,16 @@ class GraphVariants:
             cin((-(-n_out // 256),), (256,), (np.uint64(b.extra["y"]),
                                                np.uint64(y_host.ctypes.data), np.int64(n_out)))
 
-        fn = {"g-kern": kern, "g-bare": bare, "g-fork": forked, "g-zc": zc}[kind]
+        def up(record: Any) -> None:  # x's upload before the events, no download after
+            lc._upload(b, host)
+            lc._kernels(b, record)
+
+        def down(record: Any) -> None:  # y's download after the events, no upload before
+            lc._kernels(b, record)
+            lc._download(b)
+
+        fn = {"g-kern": kern, "g-bare": bare, "g-fork": forked, "g-zc": zc, "g-up": up,
+              "g-down": down}[kind]
         with self.be.ctx.dev, st:
             g = lc.capture(fn)
         if not g:

@@ -379,13 +379,18 @@ def region_streams_from_env(env: Any = None) -> bool:
     return True if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
 
 
-def timing_anchor_from_env(env: Any = None) -> bool:
-    """``Q6SERVE_TIMING_ANCHOR`` (unset or empty: off): a captured sequence launches an empty
-    one-thread kernel between x's upload and its start event (:meth:`Launcher._kernels`), so
-    the upload's hand-off to the kernels' engine lands before the start event, not inside the
-    kernel time. Read where a backend is built, as ``Q6SERVE_PDL``."""
+def timing_anchor_from_env(env: Any = None) -> int:
+    """``Q6SERVE_TIMING_ANCHOR`` (unset or empty: 0, off): 1, a captured sequence launches an
+    empty one-thread kernel between x's upload and its start event
+    (:meth:`Launcher._anchor_step`), so the upload's hand-off to the kernels' engine lands
+    before the start event, not inside the kernel time; 2, also one after its end event
+    (before y's download). Read where a backend is built, as ``Q6SERVE_PDL``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_TIMING_ANCHOR", "").strip()
-    return False if not raw else parse_bool("Q6SERVE_TIMING_ANCHOR", raw)
+    if not raw:
+        return 0
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"Q6SERVE_TIMING_ANCHOR={raw!r}: 0, 1 or 2")
+    return int(raw)
 
 
 ANCHOR_SRC = 'extern "C" __global__ void q6_timing_anchor() {}'
@@ -1112,8 +1117,8 @@ class Launcher:
         self.y_chunks = y_chunks_from_env()
         self._y_stream: Any = None
         self._x_stream: Any = None
-        # An empty kernel before a captured sequence's start event (Q6SERVE_TIMING_ANCHOR;
-        # off until measured): compiled on first use
+        # An empty kernel before a captured sequence's start event (Q6SERVE_TIMING_ANCHOR 1;
+        # 2: also after its end event; off until measured): compiled on first use
         self.timing_anchor = timing_anchor_from_env()
         self._anchor: Any = None
 
@@ -1857,17 +1862,19 @@ class Launcher:
                 self._upload(b, host.ctypes.data)
                 self._anchor_step()
             self._kernels(b, record)
+            self._anchor_step(after_end=True)
             self._download(b)
 
         b.graph = self.capture(enqueue)
 
-    def _anchor_step(self) -> None:
+    def _anchor_step(self, after_end: bool = False) -> None:
         """``timing_anchor`` (under capture, after x's upload): an empty one-thread kernel
         before the start event. H200, session 17 (bench/kernel_gap.py): the events around a
         graph's kernel read 22.7 us with no copy before them, 29.3 after x's upload, for a
         kernel of 20.2 us by CUPTI either way; the start event node after the copy node is
-        recorded before the copy's hand-off to the kernels' engine."""
-        if not self.timing_anchor:
+        recorded before the copy's hand-off to the kernels' engine. ``after_end``: the one after
+        the end event (``timing_anchor`` 2), before y's download."""
+        if self.timing_anchor < (2 if after_end else 1):
             return
         if self._anchor is None:
             self._anchor = self.ctx.cp.RawKernel(ANCHOR_SRC, "q6_timing_anchor")

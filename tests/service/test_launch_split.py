@@ -207,12 +207,13 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
         be.close()
 
 
-@pytest.mark.parametrize("anchor", [False, True])
+@pytest.mark.parametrize("anchor", [0, 1, 2])
 @pytest.mark.parametrize("staged", [True, False])
 def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, anchor, staged):
-    """``Launcher.timing_anchor`` (Q6SERVE_TIMING_ANCHOR): a captured sequence launches the empty
-    anchor kernel after x's upload and before its start event node (once per capture, not on
-    direct launches); off, none. y is the device y either way, on every kind of call (direct
+    """``Launcher.timing_anchor`` (Q6SERVE_TIMING_ANCHOR): 1, a captured sequence launches the
+    empty anchor kernel after x's upload and before its start event node (once per capture,
+    not on direct launches); 2, also one after its end event node, before y's download; 0,
+    none. y is the device y either way, on every kind of call (direct
     launches, the capture, graph replays, the cached call)."""
     from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
 
@@ -244,8 +245,10 @@ def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, 
         assert np.array_equal(res.y, y)
         assert res.timing.seconds() == pytest.approx(25e-6)
     # one capture: x's upload, the anchor, the two event nodes around the kernel, y's download
-    assert order == (["h2d", "q6_timing_anchor", "event", "event", "d2h"] if anchor
-                     else ["h2d", "event", "event", "d2h"])
+    anchor_ = "q6_timing_anchor"
+    assert order == {0: ["h2d", "event", "event", "d2h"],
+                     1: ["h2d", anchor_, "event", "event", "d2h"],
+                     2: ["h2d", anchor_, "event", "event", anchor_, "d2h"]}[anchor]
     assert cp.counts["graph"] == 4
 
 
@@ -268,7 +271,7 @@ def test_timing_anchor_on_the_gpu(rng):
     try:
         x = rng.standard_normal((1, k)).astype(np.float16)
         ref = be.matmul(w, x).y
-        be.launcher.timing_anchor = True
+        be.launcher.timing_anchor = 2
         w.data.plans.clear()
         for i in range(6):
             xi = staged_copy(be, x) if i % 2 else x
