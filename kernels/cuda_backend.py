@@ -97,7 +97,8 @@ class CudaBackend(Backend):
             table = DispatchTable.load(table)
         self.storage = Storage(self.ctx, pairs_from_env())
         self.dispatch = Dispatch(table or None, self.sm_count)
-        self.launcher = Launcher(self.ctx, graphs=graphs)
+        self.launcher = Launcher(self.ctx, graphs=graphs,
+                                 anchor=launch_mod.timing_anchor_from_env())
         # callers' page-locked host memory (the service's shm regions): x and y DMA'd
         # straight from/to it (Launcher.launch_host); portable: pinned for every context
         rt = self.ctx.cp.cuda.runtime

@@ -253,7 +253,7 @@ def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, 
 
 
 @pytest.mark.gpu
-def test_timing_anchor_on_the_gpu(rng):
+def test_timing_anchor_on_the_gpu(rng, monkeypatch):
     """On a device, with ``timing_anchor`` the captured sequence (the empty kernel before its
     start event) gives the same y bit for bit as without, on every kind of call (direct,
     capture, graph, the cached BoundCall; staged and copied x), and a kernel time (its events
@@ -265,12 +265,16 @@ def test_timing_anchor_on_the_gpu(rng):
     from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
 
     rows, k = 3584, 18944
+    monkeypatch.setenv("Q6SERVE_TIMING_ANCHOR", "2")
     be = _gpu_backend()(0)
+    assert be.launcher.timing_anchor == 2  # (the backend passes the variable's value)
     w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
                 rows, k, Layout.SOA)
     try:
         x = rng.standard_normal((1, k)).astype(np.float16)
+        be.launcher.timing_anchor = 0
         ref = be.matmul(w, x).y
+        w.data.plans.clear()
         be.launcher.timing_anchor = 2
         w.data.plans.clear()
         for i in range(6):
