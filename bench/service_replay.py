@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import reply_stamps  # a stream reply stamped by the worker run with bench/trips_site
 from service_load import (
     MATMUL,
     MATMUL_STREAM,
@@ -160,7 +161,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                    "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
                    "up": float("nan"), "down": float("nan"),
                    "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes)}
-            if msg is not None and (st := _stamps(msg.request_id)) is not None:
+            if msg is not None and (st := reply_stamps.parse(msg.request_id)) is not None:
                 # the worker's absolute times (bench/reply_stamps.py, one clock for the
                 # host's processes): write -> taken there, encoded there -> read here
                 one["up"], one["down"] = st[0] - t1, t2 - st[1]
@@ -242,20 +243,6 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
             await stream.done_writing()
         rec["_calls"] = calls  # type: ignore[assignment]
         return rec
-
-
-def _stamps(request_id: str) -> tuple[float, float] | None:
-    """(taken, encoded) of a stream reply stamped by bench/reply_stamps.py (the worker run
-    with bench/trips_site on its PYTHONPATH and Q6SERVE_REPLY_STAMPS=1), else None: the
-    MatmulStreamResponse's request_id is then "START END" (a spliced reply appends it: the
-    last one wins, as protobuf reads it)."""
-    parts = request_id.split()
-    if len(parts) != 2:
-        return None
-    try:
-        return float(parts[0]), float(parts[1])
-    except ValueError:
-        return None
 
 
 def run_replay(spec: ReplaySpec, hosts: int,
