@@ -108,7 +108,7 @@ PDL = Var("Q6SERVE_PDL", "switch", True,
 
 REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
                      "a lane plan's copies on streams of their own, beside the kernels (CUDA)")
-TIMING_ANCHOR = Var("Q6SERVE_TIMING_ANCHOR", "count", 0,
+TIMING_ANCHOR = Var("Q6SERVE_TIMING_ANCHOR", "count", 1,
                     "empty kernels around a captured call's kernel events: 1 before the start "
                     "event, 2 also after the end event (CUDA)", high=2)
 # read by the CUDA backend's storage (kernels/cuda/storage.py pairs_from_env)

@@ -380,14 +380,14 @@ def region_streams_from_env(env: Any = None) -> bool:
 
 
 def timing_anchor_from_env(env: Any = None) -> int:
-    """``Q6SERVE_TIMING_ANCHOR`` (unset or empty: 0, off): 1, a captured sequence launches an
+    """``Q6SERVE_TIMING_ANCHOR`` (unset or empty: 1; 0: off): 1, a captured sequence launches an
     empty one-thread kernel between x's upload and its start event
     (:meth:`Launcher._anchor_step`), so the upload's hand-off to the kernels' engine lands
     before the start event, not inside the kernel time; 2, also one after its end event
     (before y's download). Read where a backend is built, as ``Q6SERVE_PDL``."""
     raw = (os.environ if env is None else env).get("Q6SERVE_TIMING_ANCHOR", "").strip()
     if not raw:
-        return 0
+        return 1  # (H200, session 17, bundle C: docs/SERVICE.md "The kernel time a reply reports")
     if raw not in ("0", "1", "2"):
         raise ValueError(f"Q6SERVE_TIMING_ANCHOR={raw!r}: 0, 1 or 2")
     return int(raw)

@@ -290,3 +290,13 @@ def test_timing_anchor_on_the_gpu(rng, monkeypatch):
     finally:
         be.free(w)
         be.close()
+
+
+def test_timing_anchor_default_and_values() -> None:
+    """Q6SERVE_TIMING_ANCHOR: unset, the measured default (1: the anchor before the start
+    event); 0, 1 and 2 as given; anything else refused naming the variable."""
+    assert launch_mod.timing_anchor_from_env({}) == 1
+    assert [launch_mod.timing_anchor_from_env({"Q6SERVE_TIMING_ANCHOR": v})
+            for v in ("0", "1", "2")] == [0, 1, 2]
+    with pytest.raises(ValueError, match="Q6SERVE_TIMING_ANCHOR"):
+        launch_mod.timing_anchor_from_env({"Q6SERVE_TIMING_ANCHOR": "3"})
