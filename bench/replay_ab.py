@@ -31,6 +31,9 @@ from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_re
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
 
+# per call role, what a run keeps (p50 us; "calls": how many were timed)
+ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "calls")
+
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, WARM_STEPS,
                                   "stream", "f16", PRECISIONS["auto"], "f16", a.spin)
                 try:
-                    st_, wall, _ = run_replay(spec, 1)
+                    st_, wall, roles = run_replay(spec, 1)
                 except Exception as e:
                     print(f"# {label} FAILED: {e}", flush=True)
                     doc["errors"].append({"run": label, "error": repr(e)[:2000]})
@@ -151,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                      "steps_per_s": st_["e2e"].size / wall,
                      "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
                      "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
-                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start}
+                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
+                     # per call role, the p50 us of a call's parts (what bench/replay_echo.py
+                     # --holds-from holds an echo's calls for, and sets its round trips beside)
+                     "roles_p50_us": {role: {f: (v if f == "calls" else v * 1e6)
+                                             for f, v in got.items() if f in ROLE_FIELDS}
+                                      for role, got in roles.items()}}
                 doc["runs"].append(r)
                 save()
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps)",
@@ -189,7 +197,29 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
                                                for r in doc["runs"])}
         lines.append(f"# S={s} median of the runs' p50: "
                      + ", ".join(f"{v} {m:.2f}" for v, m in med.items()))
+        for v in med:
+            per = role_medians(doc["runs"], v, s)
+            lines.append(f"# S={s} {v} per call p50 us (median of runs), rpc / handler: "
+                         + ", ".join(f"{role} {got['rpc']:.0f} / {got['handler']:.0f}"
+                                     for role, got in per.items()))
     return "\n".join(lines)
+
+
+def role_medians(runs: list[dict[str, Any]], variant: str, seqs: int,
+                 ) -> dict[str, dict[str, float]]:
+    """Per call role, the median over ``variant``'s runs at S = ``seqs`` of each run's p50
+    (us) of every ROLE_FIELDS figure ("calls": summed)."""
+    got: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        if r["variant"] != variant or r["seqs"] != seqs:
+            continue
+        for role, fields in r.get("roles_p50_us", {}).items():
+            dst = got.setdefault(role, {})
+            for f, v in fields.items():
+                dst.setdefault(f, []).append(v)
+    return {role: {f: float(np.sum(v) if f == "calls" else np.nanmedian(v))
+                   for f, v in fields.items()}
+            for role, fields in got.items()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""bench/replay_ab.py's per-role figures and bench/replay_echo.py's holds taken from them: the
+held echo of a device call is held for the windows that call measured, so these must pick the
+right variant, S and role, and refuse what is not there rather than hold 0."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import replay_ab
+import replay_echo
+
+
+def run(variant: str, seqs: int, rnd: int, handler: float, rpc: float) -> dict[str, Any]:
+    return {"variant": variant, "seqs": seqs, "round": rnd,
+            "roles_p50_us": {"o": {"rpc": rpc, "handler": handler, "calls": 10.0},
+                             "down": {"rpc": rpc + 100, "handler": handler + 50,
+                                      "calls": 10.0}}}
+
+
+DOC = {"variants": {"def": {}, "g200": {"Q6SERVE_GIL_SWITCH_US": "200"}},
+       "runs": [run("def", 1, 1, 100, 400), run("g200", 1, 1, 900, 900),
+                run("def", 1, 2, 120, 380), run("def", 1, 3, 300, 700),
+                run("def", 8, 1, 200, 600)]}
+
+
+def test_role_medians_take_one_variant_and_s() -> None:
+    got = replay_ab.role_medians(DOC["runs"], "def", 1)
+    assert got["o"] == {"rpc": 400.0, "handler": 120.0, "calls": 30.0}
+    assert got["down"]["handler"] == 170.0
+    assert replay_ab.role_medians(DOC["runs"], "g200", 1)["o"]["handler"] == 900.0
+    assert replay_ab.role_medians(DOC["runs"], "g200", 8) == {}
+
+
+def test_holds_from_a_replay_ab_json() -> None:
+    holds, per = replay_echo.holds_from(DOC, "def", [1, 8])
+    assert holds == {1: {"o": 120.0, "down": 170.0}, 8: {"o": 200.0, "down": 250.0}}
+    assert per[1]["down"]["rpc"] == 500.0
+
+
+def test_holds_from_refuses_what_is_not_there() -> None:
+    with pytest.raises(SystemExit, match="not in the A/B's variants"):
+        replay_echo.holds_from(DOC, "g100", [1])
+    with pytest.raises(SystemExit, match=r"no run of 'g200' at S = \[8\]"):
+        replay_echo.holds_from(DOC, "g200", [1, 8])
+
+
+def test_parse_holds() -> None:
+    assert replay_echo.parse_holds("1:q+k+v=207,o=89; 8:o=130") == {
+        1: {"q+k+v": 207.0, "o": 89.0}, 8: {"o": 130.0}}
