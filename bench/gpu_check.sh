@@ -6,7 +6,9 @@
 # bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
 # the data plane at 4 and 8 front ends (DP_VARIANTS) with its device-path and fast-lane probes,
 # and at 4 front ends pinned
-# (bench/gpu_dataplane_run.sh). Prints a short table last; $OUT gets the
+# (bench/gpu_dataplane_run.sh). Prints a short table last, ending with every target's figure,
+# limit and verdict (bench/check_targets.py; the kernel reference: bench/kernels.py on the
+# targets' shapes, kernel_ref); $OUT gets the
 # logs (8 files at most come back: an archive + the table).
 #   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
 #   SKIP_TRIPS=1, REPLAY_SECONDS (2), REPLAY_SEQS (1,8,64), REPLAY_SPINS (0: the replay host's
@@ -44,6 +46,9 @@ fi
 # issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
 step wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
   --modes graph,staged --json "$OUT/wall.json"
+# the kernel the targets hold the host wall and the reply's kernel time to (check_targets.py)
+step kernel_ref 60 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,64 --no-torch \
+  --shapes 3584x18944,4096x14336,14336x4096 --json "$OUT/kernels_ref.json"
 step lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
   --warmup 0.3 --json "$OUT/lm_head.json"
 # the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
@@ -82,6 +87,9 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then
   VARIANTS=${DP_VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
     bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
   echo "# dataplane rc=$? at $(elapsed)"
+  # its T2/T3 JSONs beside the others for the targets' table (they travel in its archive)
+  tar -xzf "$OUT/dataplane/dataplane_run.tgz" -C "$OUT/dataplane" --wildcards \
+    "./dataplane_f*.json" 2>/dev/null
 fi
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
   env -u VARIANTS SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
@@ -114,6 +122,8 @@ fi
   grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
   grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
+  # one row per issue 14 / 15 target: figure, limit, met / missed (for bench/RESULTS.md)
+  python3 bench/check_targets.py "$OUT"
 } | table
 # each step's status is in the table; the greps above of skipped steps' logs must not set the exit status
 exit 0

@@ -1,0 +1,221 @@
+"""The closing check's target table (bench/gpu_check.sh prints it last): one row per issue 14 /
+15 target with the run's figure, its limit and met / missed, read from the JSON files the check
+wrote into its output folder, ready to copy into bench/RESULTS.md.
+
+    python3 bench/check_targets.py OUT [--kernels kernels.json] [--dataplane DIR]
+
+A target whose run is not in OUT (skipped, cut short, failed) gets its row with "not run", so
+a missing figure is never read as met. The kernel the host wall and the reply's kernel time are
+held to is bench/kernels.py's (OUT/kernels_ref.json, or --kernels): AUTO, f16, same shape and N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+# issue 14's 48 MB weights of the host wall target, and T1's weight (ffn_down)
+WALL_SHAPES = ("4096x14336", "14336x4096")
+T1_SHAPE = "3584x18944"
+WALL_LIMIT_US = {1: 30.0, 64: 100.0}  # wall - kernel, per N
+KERNEL_RATIO = 1.25  # the reply's kernel p50 / bench/kernels.py's
+# the suites and the demo: the step's log and what its last line must say
+SUITES = (("kernels_gpu", "GPU tests, tests/kernels"),
+          ("dataplane_gpu", "GPU tests, tests/dataplane"),
+          ("service_cuda", "service + issue-18 tests on CUDA"),
+          ("demo", "q6serve demo --backend cuda"))
+
+Row = tuple[str, str, str, str]  # target, figure, limit, result
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The JSON at ``path``, or {} when it is missing or cut short."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def verdict(met: bool | None) -> str:
+    return "not run" if met is None else ("**met**" if met else "missed")
+
+
+def kernel_us(kern: dict[str, Any], shape: str, n: int) -> float | None:
+    """bench/kernels.py's AUTO f16 time (us) for ``shape`` at ``n``."""
+    for r in kern.get("results", []):
+        if (r.get("shape") == shape and r.get("n") == n and r.get("dtype") == "f16"
+                and str(r.get("path", "")).startswith("auto=") and "us" in r):
+            return float(r["us"])
+    return None
+
+
+def last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def suite_rows(out: Path) -> list[Row]:
+    rows = []
+    for step, what in SUITES:
+        line = last_line(out / f"{step}.log")
+        if step == "demo":
+            m = re.search(r"all (\d+) results match", line)
+            ok = None if not line else bool(m)
+            fig = f"{m.group(1)}/{m.group(1)} match" if m else (line[:80] or "-")
+        else:
+            m = re.search(r"(\d+) passed", line)
+            bad = re.search(r"\d+ (failed|errors?)\b", line)
+            ok = None if not m and not bad else (bool(m) and not bad)
+            fig = re.sub(r"\s*in [\d.]+s.*$", "", line.strip("= "))[:80] or "-"
+        rows.append((what, fig, "all pass", verdict(ok)))
+    return rows
+
+
+def t1_rows(t1: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
+    tg = next((t for t in t1.get("targets", []) if t.get("target") == "T1"), None)
+    if tg is None:
+        row1: Row = ("T1, p50 - kernel (N=1 f16 ffn_down, stream)", "-", "echo + 100 us",
+                     verdict(None))
+    else:
+        row1 = ("T1, p50 - kernel (N=1 f16 ffn_down, stream)",
+                f"{tg['p50_minus_kernel_us']:.0f} us (echo {tg['bare_grpc_p50_us']:.0f})",
+                f"{tg['limit_us']:.0f} us (echo + 100)", verdict(bool(tg["met"])))
+    run = next((r for r in t1.get("runs", []) if str(r.get("label", "")).startswith("T1")),
+               None)
+    ref = kernel_us(kern, T1_SHAPE, 1)
+    what = f"kernel in the service (T1 p50) / bench/kernels.py ({T1_SHAPE} N=1 f16)"
+    if run is None or run.get("kernel_p50_us") is None or ref is None:
+        row2: Row = (what, "-", f"{KERNEL_RATIO}x", verdict(None))
+    else:
+        ratio = run["kernel_p50_us"] / ref
+        row2 = (what, f"{run['kernel_p50_us']:.2f} / {ref:.2f} us = {ratio:.2f}x",
+                f"{KERNEL_RATIO}x", verdict(ratio <= KERNEL_RATIO))
+    return [row1, row2]
+
+
+def wall_rows(wall: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
+    rows = []
+    for n, limit in WALL_LIMIT_US.items():
+        figs, oks = [], []
+        for shape in WALL_SHAPES:
+            got = [r for r in wall.get("results", []) if r.get("shape") == shape
+                   and r.get("n") == n and r.get("mode") == "staged" and not r.get("variant")]
+            ref = kernel_us(kern, shape, n)
+            if not got or ref is None:
+                figs.append(f"{shape}: -")
+                oks.append(None)
+                continue
+            w = float(got[-1]["wall_p50"])
+            figs.append(f"{shape}: {w:.1f} - {ref:.1f} = {w - ref:.1f} us")
+            oks.append(w - ref <= limit)
+        met = None if None in oks else all(oks)
+        rows.append((f"host wall (staged) - kernel, N={n}", "; ".join(figs),
+                     f"{limit:.0f} us", verdict(met)))
+    return rows
+
+
+def lm_rows(out: Path) -> list[Row]:
+    figs, oks = [], []
+    for name, what in (("lm_head", "one process"), ("lm_head_nospin", "busy polling off"),
+                       ("lm_head_fe4", "--frontends 4")):
+        lm = load(out / f"{name}.json").get("lm_head")
+        if not lm:
+            figs.append(f"{what}: -")
+            oks.append(None)
+            continue
+        figs.append(f"{what}: p50 {lm['p50_us'] / 1e3:.2f} ms, {lm['ratio']:,.0f}x")
+        oks.append(bool(lm["met"]))
+    # the target is one worker process; the other two are how it moves
+    return [("lm-head N=64 x8 top-64: p50, reply smaller than f32 logits", "; ".join(figs),
+             "5 ms, 100x", verdict(oks[0]))]
+
+
+def replay_rows(rep: dict[str, Any]) -> list[Row]:
+    rows = []
+    runs = rep.get("replay") or []
+    for s in (1, 8, 64):
+        got = {("multi" if r.get("multi") else "single"): r for r in runs
+               if r.get("seqs") == s and r.get("hosts", 1) == 1}
+        what = f"replay S={s} step p50, multi / single{' (the target)' if s == 8 else ''}"
+        if not got:
+            rows.append((what, "-", "1.5 x (floor + kernel)", verdict(None)))
+            continue
+        keys = [k for k in ("multi", "single") if k in got]
+        fig = " / ".join(f"{got[k]['step_p50_ms']:.2f}" for k in keys) + " ms (floor " + \
+            " / ".join(f"{got[k]['floor_step_ms']:.2f}" for k in keys) + ")"
+        lim = " / ".join(f"{got[k]['limit_ms']:.1f}" for k in keys) + " ms"
+        oks = [bool(got[k]["met"]) for k in keys]
+        res = "**met**" if all(oks) else ("missed" if not any(oks) else
+                                           " / ".join(verdict(o) for o in oks))
+        rows.append((what, fig, lim, res))
+    return rows
+
+
+def dataplane_rows(docs: list[dict[str, Any]]) -> list[Row]:
+    rows = []
+    for doc in docs:
+        for t in doc.get("targets", []):
+            fe = f"{t.get('frontends', '?')} front ends, {t.get('region', '?')}"
+            if t.get("target") == "T2":
+                rows.append((f"T2, 64 callers N=1 ({fe})",
+                             f"{t['rows_per_s']:,.0f} rows/s, p99 {t['p99_us'] / 1e3:.2f} ms",
+                             f"{t['rows_per_s_min']:,.0f}; {t['p99_limit_us'] / 1e3:.0f} ms",
+                             verdict(bool(t["met"]))))
+            elif t.get("target") == "T3":
+                rows.append((f"T3, N=64 x{t.get('hosts', '?')} hosts ({fe}), of the kernel "
+                             "alone", f"{t['fraction']:.2f} ({t['service_rows_per_s']:,.0f} / "
+                             f"{t['kernel_rows_per_s']:,.0f} rows/s)",
+                             f"{t['fraction_min']:.2f}", verdict(bool(t["met"]))))
+    if not rows:
+        rows.append(("T2 / T3 (data plane)", "-", "20,000 rows/s p99 4 ms; 0.25 / 0.5",
+                     verdict(None)))
+    return rows
+
+
+def lane_rows(lane: dict[str, Any]) -> list[Row]:
+    got = lane.get("results", {}).get("lane")
+    if not got:
+        return []
+    return [("stretch: one caller N=1 ffn_down on the lane, p50 - kernel",
+             f"{got['p50_minus_kernel_us']:.1f} us", "50 us",
+             verdict(got["p50_minus_kernel_us"] <= 50.0))]
+
+
+def table(out: Path, kernels: Path | None, dataplane: list[Path]) -> str:
+    kern = load(kernels if kernels is not None else out / "kernels_ref.json")
+    dp_docs = [load(p) for d in dataplane for p in sorted(d.glob("dataplane_f*.json"))]
+    rows = [*suite_rows(out), *t1_rows(load(out / "t1.json"), kern),
+            *wall_rows(load(out / "wall.json"), kern), *lm_rows(out),
+            *replay_rows(load(out / "replay.json")), *dataplane_rows(dp_docs),
+            *lane_rows(load(out / "lane_latency.json"))]
+    dev = next((d.get("device") for d in (load(out / "t1.json"), kern) if d.get("device")), "?")
+    lines = [f"# targets ({dev}; kernel reference: "
+             f"{'bench/kernels.py' if kern else 'none'})",
+             "| target | figure | limit | result |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the check's output folder (bench/gpu_check.sh $OUT)")
+    ap.add_argument("--kernels", type=Path, help="a bench/kernels.py --json (default "
+                    "OUT/kernels_ref.json)")
+    ap.add_argument("--dataplane", type=Path, action="append", default=[],
+                    help="a folder of bench/service.py --dataplane JSONs (dataplane_f*.json; "
+                    "repeatable; default OUT/dataplane)")
+    a = ap.parse_args(argv)
+    print(table(a.out, a.kernels, a.dataplane or [a.out / "dataplane"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

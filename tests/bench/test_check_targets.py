@@ -1,0 +1,98 @@
+"""bench/check_targets.py: the closing check's target rows from its JSON files. A verdict must
+follow the figure and the limit (not a flag copied blindly where the table computes it), and a
+target whose run is missing must read "not run", never met."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench/check_targets.py"
+
+
+def kernel(shape: str, n: int, us: float) -> dict:
+    return {"shape": shape, "n": n, "path": "auto=mma_f16.f16", "dtype": "f16", "us": us}
+
+
+def write(d: Path, name: str, doc: dict) -> None:
+    (d / f"{name}.json").write_text(json.dumps(doc))
+
+
+def rows(out: str) -> dict[str, list[str]]:
+    """target -> [figure, limit, result] from the printed markdown table."""
+    got = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("| target"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            got[cells[0]] = cells[1:]
+    return got
+
+
+def run(out: Path) -> dict[str, list[str]]:
+    done = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return rows(done.stdout)
+
+
+def test_verdicts_from_figures_and_limits(tmp_path: Path) -> None:
+    write(tmp_path, "kernels_ref", {"device": "test GPU", "results": [
+        kernel("3584x18944", 1, 20.0), kernel("4096x14336", 1, 20.0),
+        kernel("14336x4096", 1, 20.0), kernel("4096x14336", 64, 40.0),
+        kernel("14336x4096", 64, 40.0)]})
+    write(tmp_path, "t1", {"device": "test GPU", "targets": [
+        {"target": "T1", "p50_minus_kernel_us": 300.0, "limit_us": 367.0, "met": True,
+         "bare_grpc_p50_us": 267.0}],
+        "runs": [{"label": "T1 1 caller N=1 stream", "kernel_p50_us": 26.0}]})
+    # N=1: one shape 0.5 us over its 30 us: the row is missed; N=64 both inside 100
+    write(tmp_path, "wall", {"results": [
+        {"shape": "4096x14336", "n": 1, "mode": "staged", "variant": "", "wall_p50": 45.0},
+        {"shape": "14336x4096", "n": 1, "mode": "staged", "variant": "", "wall_p50": 50.5},
+        {"shape": "14336x4096", "n": 1, "mode": "graph", "variant": "", "wall_p50": 30.0},
+        {"shape": "4096x14336", "n": 64, "mode": "staged", "variant": "", "wall_p50": 120.0},
+        {"shape": "14336x4096", "n": 64, "mode": "staged", "variant": "", "wall_p50": 139.0}]})
+    write(tmp_path, "lm_head", {"lm_head": {"p50_us": 4200.0, "ratio": 1175.0, "met": True}})
+    write(tmp_path, "replay", {"replay": [
+        {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 80.0, "floor_step_ms": 40.0,
+         "limit_ms": 86.0, "met": True},
+        {"seqs": 8, "hosts": 1, "multi": False, "step_p50_ms": 190.0, "floor_step_ms": 70.0,
+         "limit_ms": 112.5, "met": False}]})
+    (tmp_path / "dataplane").mkdir()
+    write(tmp_path / "dataplane", "dataplane_f6_rr", {"targets": [
+        {"target": "T2", "frontends": 6, "region": "bytes", "rows_per_s": 36808.0,
+         "rows_per_s_min": 20000.0, "p99_us": 3331.0, "p99_limit_us": 4000.0, "met": True},
+        {"target": "T3", "frontends": 6, "region": "cuda", "hosts": 8, "fraction": 0.46,
+         "fraction_min": 0.5, "service_rows_per_s": 6.0e5, "kernel_rows_per_s": 1.3e6,
+         "met": False}]})
+    (tmp_path / "kernels_gpu.log").write_text("255 passed, 4 skipped in 71.09s (0:01:11)\n")
+    (tmp_path / "service_cuda.log").write_text("1 failed, 77 passed in 19.25s\n")
+    (tmp_path / "demo.log").write_text("all 288 results match the NumPy reference\n")
+    got = run(tmp_path)
+    t1 = got["T1, p50 - kernel (N=1 f16 ffn_down, stream)"]
+    assert t1 == ["300 us (echo 267)", "367 us (echo + 100)", "**met**"]
+    kr = got["kernel in the service (T1 p50) / bench/kernels.py (3584x18944 N=1 f16)"]
+    assert kr == ["26.00 / 20.00 us = 1.30x", "1.25x", "missed"]
+    assert got["host wall (staged) - kernel, N=1"][2] == "missed"
+    assert "14336x4096: 50.5 - 20.0 = 30.5 us" in got["host wall (staged) - kernel, N=1"][0]
+    assert got["host wall (staged) - kernel, N=64"][2] == "**met**"
+    lm = got["lm-head N=64 x8 top-64: p50, reply smaller than f32 logits"]
+    assert lm[0].startswith("one process: p50 4.20 ms, 1,175x; busy polling off: -")
+    assert lm[2] == "**met**"
+    assert got["replay S=8 step p50, multi / single (the target)"] == [
+        "80.00 / 190.00 ms (floor 40.00 / 70.00)", "86.0 / 112.5 ms", "**met** / missed"]
+    assert got["replay S=1 step p50, multi / single"][2] == "not run"
+    assert got["T2, 64 callers N=1 (6 front ends, bytes)"][2] == "**met**"
+    assert got["T3, N=64 x8 hosts (6 front ends, cuda), of the kernel alone"][2] == "missed"
+    assert got["GPU tests, tests/kernels"][2] == "**met**"
+    assert got["service + issue-18 tests on CUDA"][2] == "missed"
+    assert got["GPU tests, tests/dataplane"][2] == "not run"
+    assert got["q6serve demo --backend cuda"][:1] == ["288/288 match"]
+
+
+def test_an_empty_folder_is_not_run_everywhere(tmp_path: Path) -> None:
+    got = run(tmp_path)
+    assert got, "no rows"
+    assert {r[2] for r in got.values()} == {"not run"}
