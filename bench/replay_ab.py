@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_re
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
+from q6serve.service.affinity import parse_cpus
 
 # per call role, what a run keeps (p50 us; "calls": how many were timed)
 ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "calls")
@@ -49,10 +51,32 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def start(backend: str, env: dict[str, str], log: Path) -> WorkerProcess:
+def start(backend: str, env: dict[str, str], log: Path,
+          cpus: tuple[int, ...] = ()) -> WorkerProcess:
     """A worker with ``env`` on top of our environment (given to its exec: os.environ is never
-    changed here, as the workers start from several threads at once)."""
-    return WorkerProcess(["--backend", backend, "--log-level", "INFO"], log, env=env).start()
+    changed here, as the workers start from several threads at once); ``cpus``: pinned there
+    (its --cpus: every thread of it)."""
+    args = ["--backend", backend, "--log-level", "INFO"]
+    if cpus:
+        args += ["--cpus", ",".join(map(str, cpus))]
+    return WorkerProcess(args, log, env=env).start()
+
+
+def pin_plan(text: str, variants: list[str]) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...]]:
+    """``--pin WORKER_CPUS:LOAD_CPUS`` -> each variant's worker cores and the hosts' cores.
+    As many worker cores as variants: one core each (an idle worker's threads then never share
+    the measured one's core); else every worker on all of them. Empty: nothing pinned."""
+    if not text:
+        return {v: () for v in variants}, ()
+    worker, sep, load = text.partition(":")
+    if not sep or not worker or not load:
+        raise SystemExit(f"--pin {text!r}: WORKER_CPUS:LOAD_CPUS, e.g. 2,3:8-15")
+    w, ld = parse_cpus(worker), parse_cpus(load)
+    if set(w) & set(ld):
+        raise SystemExit(f"--pin {text!r}: the workers' and the hosts' cores overlap")
+    if len(w) == len(variants):
+        return {v: (c,) for v, c in zip(variants, w, strict=True)}, ld
+    return {v: w for v in variants}, ld
 
 
 def worker_env(w: WorkerProcess) -> dict[str, str]:
@@ -83,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spin", type=float, default=0.0,
                     help="the host's loop busy-polls this long (us) before it sleeps "
                     "(bench/service.py --replay-spins; 0: a plain asyncio caller)")
+    ap.add_argument("--pin", default="", metavar="WORKER_CPUS:LOAD_CPUS",
+                    help="each worker pinned (--cpus; one core each when as many as the "
+                    "variants), the replay's host processes on LOAD_CPUS")
     ap.add_argument("--out-dir", type=Path, default=Path("."))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -101,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             doc["wall_seconds"] = time.perf_counter() - t_start
             a.json.write_text(json.dumps(doc, indent=1))
 
+    cpus, load_cpus = pin_plan(a.pin, list(variants))
+    doc["pin"] = {"workers": cpus, "hosts": load_cpus}
     with ThreadPoolExecutor(len(variants)) as pool:
         workers = dict(zip(variants, pool.map(
-            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log"), variants),
-            strict=True))
+            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log", cpus[v]),
+            variants), strict=True))
+    if load_cpus:  # the hosts are spawned from here (after the workers: not theirs)
+        os.sched_setaffinity(0, load_cpus)
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
     doc["worker_env"] = {v: worker_env(w) for v, w in workers.items()}
     print(f"# the workers' Q6SERVE_ variables: {doc['worker_env']}", flush=True)
@@ -178,7 +209,8 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
     lines = [f"# replay A/B: {a.layers} layers, multi {a.multi}, top-{a.topk}, host spin "
              f"{a.spin:g} us; step p50 / p99 ms; per step p50 ms: worker (device) transport "
              "client; steps",
-             f"# {doc.get('device', '?')}; variants {doc['variants']}"]
+             f"# {doc.get('device', '?')}; variants {doc['variants']}; pinned "
+             f"{doc.get('pin') or 'no'}"]
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         by.setdefault((r["variant"], r["round"]), []).append(r)

@@ -53,3 +53,14 @@ def test_holds_from_refuses_what_is_not_there() -> None:
 def test_parse_holds() -> None:
     assert replay_echo.parse_holds("1:q+k+v=207,o=89; 8:o=130") == {
         1: {"q+k+v": 207.0, "o": 89.0}, 8: {"o": 130.0}}
+
+
+def test_pin_plan() -> None:
+    assert replay_ab.pin_plan("", ["a", "b"]) == ({"a": (), "b": ()}, ())
+    # as many worker cores as variants: one each; else all of them for every worker
+    assert replay_ab.pin_plan("2,3:8-10", ["a", "b"]) == ({"a": (2,), "b": (3,)}, (8, 9, 10))
+    assert replay_ab.pin_plan("2-4:8", ["a", "b"]) == ({"a": (2, 3, 4), "b": (2, 3, 4)}, (8,))
+    with pytest.raises(SystemExit, match="overlap"):
+        replay_ab.pin_plan("2,3:3-5", ["a", "b"])
+    with pytest.raises(SystemExit, match="WORKER_CPUS:LOAD_CPUS"):
+        replay_ab.pin_plan("2,3", ["a", "b"])
