@@ -96,3 +96,13 @@ def test_an_empty_folder_is_not_run_everywhere(tmp_path: Path) -> None:
     got = run(tmp_path)
     assert got, "no rows"
     assert {r[2] for r in got.values()} == {"not run"}
+
+
+def test_a_suite_cut_short_is_missed_and_a_skipped_one_not_run(tmp_path: Path) -> None:
+    (tmp_path / "kernels_gpu.log").write_text("........................F....\n")
+    (tmp_path / "dataplane_gpu.log").write_text("skipped: 300 s of the bound (290 s)\n")
+    (tmp_path / "demo.log").write_text("demo: 3 of 288 results differ\n")
+    got = run(tmp_path)
+    assert got["GPU tests, tests/kernels"][2] == "missed"
+    assert got["GPU tests, tests/dataplane"][2] == "not run"
+    assert got["q6serve demo --backend cuda"][2] == "missed"
