@@ -46,8 +46,11 @@ def test_holds_from_a_replay_ab_json() -> None:
 def test_holds_from_refuses_what_is_not_there() -> None:
     with pytest.raises(SystemExit, match="not in the A/B's variants"):
         replay_echo.holds_from(DOC, "g100", [1])
+    # an S the A/B did not reach is left out (the rest is echoed); none at all: refused
+    holds, _ = replay_echo.holds_from(DOC, "g200", [1, 8])
+    assert holds == {1: {"o": 900.0, "down": 950.0}}
     with pytest.raises(SystemExit, match=r"no run of 'g200' at S = \[8\]"):
-        replay_echo.holds_from(DOC, "g200", [1, 8])
+        replay_echo.holds_from(DOC, "g200", [8])
 
 
 def test_parse_holds() -> None:
