@@ -9,13 +9,13 @@
 # --holds-from): if the held echo's round trip is the replay's, the replay's per-call cost beyond
 # the window is Python gRPC's (issue 14's "which part of the floor is left and why").
 #   bash bench/gpu_t1_s18a.sh   env: BOUND (78 s), VARIANTS, ORDER, SEQS (1,8), SPIN (0),
-#   BACKEND (cuda), LAYERS (28), SCALE (1), HOLD_VARIANT (def), ECHO_S (12: kept for the echo)
+#   BACKEND (cuda), LAYERS (28), SCALE (1), HOLD_VARIANT (def), ECHO_S (14: kept for the echo)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/t1s18a
 BOUND=${BOUND:-78}
-ECHO_S=${ECHO_S:-12}
+ECHO_S=${ECHO_S:-14}
 limit=$(bound 80 "$((ECHO_S + 2))")
 # replay_ab's own bound: no run starts that would end past it (its workers' stop and the
 # table after it: 8 s kept)
@@ -26,7 +26,7 @@ step replay_ab "$limit" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" 
   --warmup 0.3 --bound "$((limit - 8))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 step replay_echo "$ECHO_S" python3 bench/replay_echo.py --seqs "${SEQS:-1,8}" \
   --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --holds-from "$OUT/replay_ab.json" \
-  --holds-variant "${HOLD_VARIANT:-def}" --seconds 0.6 --spin "${SPIN:-0}" \
+  --holds-variant "${HOLD_VARIANT:-def}" --hold-fields kernel,device,handler --seconds 0.5 --spin "${SPIN:-0}" \
   --json "$OUT/replay_echo.json"
 {
   echo "# gpu_t1_s18a $(tree_commit) total $(elapsed)"

@@ -14,6 +14,10 @@ does the same after each run with that run's windows).
 median over that variant's runs of the worker's handler p50, and the replay's own round trip
 (its rpc p50, same median) is printed beside the echo's: if the echo held for the worker's
 window costs what the replay's call costs, the rest of the call is Python gRPC's own.
+``--hold-fields kernel,device,handler`` holds each call, in turn, for the worker's kernel, its
+device job and its whole window: what a step would cost through Python gRPC if the worker's
+window were only its kernel (the least any worker can hold a call), only its device job, or
+what it is.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from replay_ab import role_medians
-from service_replay import LAYERS, held_echo, model_weights, step_plan
+from replay_ab import ROLE_FIELDS, role_medians
+from service_replay import LAYERS, ladder_echo, model_weights, step_plan
 
 
 def parse_holds(text: str) -> dict[int, dict[str, float]]:
@@ -39,16 +43,20 @@ def parse_holds(text: str) -> dict[int, dict[str, float]]:
 
 
 def holds_from(doc: dict[str, Any], variant: str, seqs: list[int],
-               ) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, dict[str, float]]]]:
-    """From a bench/replay_ab.py JSON: per S, each role's hold (the median over ``variant``'s
-    runs of the handler p50, us) and the role's median figures themselves (rpc, ...)."""
+               fields: tuple[str, ...] = ("handler",),
+               ) -> tuple[dict[int, dict[str, dict[str, float]]],
+                          dict[int, dict[str, dict[str, float]]]]:
+    """From a bench/replay_ab.py JSON: per S, per field of ``fields`` (a held kind named by
+    it), each role's hold (the median over ``variant``'s runs of that field's p50, us), and
+    the role's median figures themselves (rpc, ...). An S without a run is left out."""
     if variant not in doc.get("variants", {}):
         raise SystemExit(f"--holds-variant {variant!r} not in the A/B's variants "
                          f"{sorted(doc.get('variants', {}))}")
     per = {s: got for s in seqs if (got := role_medians(doc["runs"], variant, s))}
     if not per:
         raise SystemExit(f"--holds-from: no run of {variant!r} at S = {seqs}")
-    return {s: {role: got["handler"] for role, got in p.items()} for s, p in per.items()}, per
+    return {s: {f: {role: got[f] for role, got in p.items()} for f in fields}
+            for s, p in per.items()}, per
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,16 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holds", default="", help='per S, each role\'s hold in us: '
                     '"1:q+k+v=207,o=89;8:..." (a role not named: held 0)')
     ap.add_argument("--holds-from", type=Path, help="a bench/replay_ab.py JSON: the holds are "
-                    "its --holds-variant runs' handler p50 per role (replaces --holds)")
+                    "its --holds-variant runs' p50s per role (replaces --holds)")
     ap.add_argument("--holds-variant", default="def")
+    ap.add_argument("--hold-fields", default="handler",
+                    help="with --holds-from: one held kind per figure, e.g. kernel,device,"
+                    "handler (the window at its least: the kernel; the device job; all of it)")
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--spin", type=float, default=0.0, help="the caller's loop busy-polls (us)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     ss = [int(x) for x in a.seqs.split(",") if x]
-    holds, replay = parse_holds(a.holds), {}
+    holds = {s: {"held": h} for s, h in parse_holds(a.holds).items()}
+    replay: dict[int, dict[str, dict[str, float]]] = {}
     if a.holds_from is not None:
-        holds, replay = holds_from(json.loads(a.holds_from.read_text()), a.holds_variant, ss)
+        fields = tuple(f for f in a.hold_fields.split(",") if f)
+        if bad := [f for f in fields if f not in ROLE_FIELDS or f == "calls"]:
+            ap.error(f"--hold-fields {bad}: not among {ROLE_FIELDS[:-1]}")
+        holds, replay = holds_from(json.loads(a.holds_from.read_text()), a.holds_variant, ss,
+                                   fields)
         if missing := [s for s in ss if s not in holds]:  # (an A/B cut by its bound)
             print(f"# no {a.holds_variant} run at S = {missing} in {a.holds_from}: not echoed",
                   flush=True)
@@ -78,29 +94,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: r for name, r, _ in model_weights(a.layers, a.scale)}
     doc: dict[str, Any] = {"argv": sys.argv, "runs": [], "replay_roles_p50_us": replay}
     plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
-    kinds = ("bare", "held")
+    kinds_of = {s: list(holds.get(s, {"held": {}})) for s in ss}
     # one echo and one caller process for every sequence (their starts cost more than a run)
-    got = held_echo([(plan, s, holds.get(s, {})) for s in ss], 2, 2, "stream", a.seconds,
-                    a.spin)
+    got = ladder_echo([(plan, s, holds.get(s, {"held": {}})) for s in ss], 2, 2, "stream",
+                      a.seconds, a.spin)
     for s, res in zip(ss, got, strict=True):
-        hold = holds.get(s, {})
-        doc["runs"].append({"seqs": s, "holds_us": hold, **res})
-        held_ms = sum(hold.get(c.role, 0) for c in plan) / 1e3
-        runs_ms = {k: "/".join(f"{v:.2f}" for v in res[k]["runs_step_ms"]) for k in kinds}
-        print(f"# replay echo S={s} ({len(plan)} calls): step bare {res['bare']['step_ms']:.2f} "
-              f"ms ({runs_ms['bare']}), held {res['held']['step_ms']:.2f} ms ({runs_ms['held']}; "
-              f"holds {held_ms:.2f} ms)", flush=True)
+        kinds = kinds_of[s]
+        hs = holds.get(s, {"held": {}})
+        doc["runs"].append({"seqs": s, "holds_us": hs, **res})
+        cells = [f"bare {res['bare']['step_ms']:.2f} ms"]
+        for k in kinds:
+            held_ms = sum(hs[k].get(c.role, 0) for c in plan) / 1e3
+            cells.append(f"held {k} {res[k]['step_ms']:.2f} ms (holds {held_ms:.2f})")
+        print(f"# replay echo S={s} ({len(plan)} calls) step: " + ", ".join(cells), flush=True)
         if s in replay:  # the replay's step: calls in the same order, the same windows
             step = sum(replay[s].get(c.role, {}).get("rpc", float("nan")) for c in plan) / 1e3
-            print(f"# replay S={s}: its calls' rpc p50s summed over the step {step:.2f} ms "
-                  f"against the held echo's {res['held']['step_ms']:.2f} ms", flush=True)
+            print(f"# replay S={s}: its calls' rpc p50s summed over the step {step:.2f} ms",
+                  flush=True)
+        print(f"# S={s} per call p50 us: role, bare RT, per held kind RT - hold = transport"
+              + (", the replay's RT / the last kind's RT" if s in replay else ""), flush=True)
         for role, rt in res["bare"]["rt_us"].items():
-            held = res["held"]["rt_us"][role]
-            line = (f"S={s:<3} {role:<10} bare RT {rt:7.1f} us  held RT {held:7.1f} - hold "
-                    f"{hold.get(role, 0):6.1f} = {held - hold.get(role, 0):7.1f} us")
+            line = f"S={s:<3} {role:<10} bare {rt:7.1f}"
+            for k in kinds:
+                held, hold = res[k]["rt_us"][role], hs[k].get(role, 0)
+                line += f" | {k} {held:7.1f} - {hold:6.1f} = {held - hold:6.1f}"
             if role in replay.get(s, {}):
                 rpc = replay[s][role]["rpc"]
-                line += f"  replay RT {rpc:7.1f} us = held x {rpc / held:.2f}"
+                line += f" | replay {rpc:7.1f} = x{rpc / res[kinds[-1]]['rt_us'][role]:.2f}"
             print(line, flush=True)
     if a.json is not None:
         a.json.write_text(json.dumps(doc, indent=1))

@@ -311,19 +311,34 @@ def held_echo(plans: list[tuple[list[Call], int, dict[str, float]]], itemsize: i
     ("held": the worker's window, busy-waited on the echo's loop), alternated bare, held, held,
     bare (a drift weighs on both alike). Per kind: the mean step (ms) of its two runs and per
     role the p50 round trip (us); "held" also the round trip less its hold (transport_us)."""
-    kinds, order = ("bare", "held"), ("bare", "held", "held", "bare")
-    seqs = [[(*floor_sizes(c, n, itemsize, out_itemsize),
-              int(hold.get(c.role, 0) * 1e3) if kind == "held" else 0) for c in plan]
-            for plan, n, hold in plans for kind in order]
+    return ladder_echo([(plan, n, {"held": hold}) for plan, n, hold in plans], itemsize,
+                       out_itemsize, mode, seconds, client_spin_us)
+
+
+def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]], itemsize: int,
+                out_itemsize: int, mode: str, seconds: float, client_spin_us: float = 0.0,
+                ) -> list[dict[str, Any]]:
+    """As :func:`held_echo`, with several held kinds per plan (name -> hold us per role, e.g.
+    each role held for the worker's kernel, its device job, its whole handler): run bare, each
+    kind in turn, the kinds again in reverse, bare. Per plan {"bare": ..., kind: ...}."""
+    out_order: list[list[str]] = []
+    seqs = []
+    for plan, n, holds in plans:
+        names = list(holds)
+        order = ["bare", *names, *reversed(names), "bare"]
+        out_order.append(order)
+        for kind in order:
+            hold = holds.get(kind, {})
+            seqs.append([(*floor_sizes(c, n, itemsize, out_itemsize),
+                          int(hold.get(c.role, 0) * 1e3)) for c in plan])
     results = iter(echo_sequence(seqs, mode, seconds, client_spin_us=client_spin_us))
     out = []
-    for plan, _, hold in plans:
-        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    for (plan, _, holds), order in zip(plans, out_order, strict=True):
+        runs: dict[str, list[dict[str, Any]]] = {}
         for kind in order:
-            runs[kind].append(next(results))
+            runs.setdefault(kind, []).append(next(results))
         res: dict[str, Any] = {}
-        for kind in kinds:  # the mean of its two runs, per call position
-            got = runs[kind]
+        for kind, got in runs.items():  # the mean of its two runs, per call position
             per: dict[str, list[float]] = {}
             for i, c in enumerate(plan):
                 per.setdefault(c.role, []).append(float(np.mean([g["each"][i] for g in got])))
@@ -331,7 +346,8 @@ def held_echo(plans: list[tuple[list[Call], int, dict[str, float]]], itemsize: i
                          "runs_step_ms": [g["pass"] * 1e3 for g in got],
                          "passes": sum(g["passes"] for g in got),
                          "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
-        res["held"]["transport_us"] = {role: rt - int(hold.get(role, 0) * 1e3) * 1e-3
-                                       for role, rt in res["held"]["rt_us"].items()}
+        for kind, hold in holds.items():
+            res[kind]["transport_us"] = {role: rt - int(hold.get(role, 0) * 1e3) * 1e-3
+                                         for role, rt in res[kind]["rt_us"].items()}
         out.append(res)
     return out

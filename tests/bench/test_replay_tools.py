@@ -39,8 +39,13 @@ def test_role_medians_take_one_variant_and_s() -> None:
 
 def test_holds_from_a_replay_ab_json() -> None:
     holds, per = replay_echo.holds_from(DOC, "def", [1, 8])
-    assert holds == {1: {"o": 120.0, "down": 170.0}, 8: {"o": 200.0, "down": 250.0}}
+    assert holds == {1: {"handler": {"o": 120.0, "down": 170.0}},
+                     8: {"handler": {"o": 200.0, "down": 250.0}}}
     assert per[1]["down"]["rpc"] == 500.0
+    # one held kind per field: the rpc's medians as holds too
+    holds, _ = replay_echo.holds_from(DOC, "def", [1], ("rpc", "handler"))
+    assert holds == {1: {"rpc": {"o": 400.0, "down": 500.0},
+                         "handler": {"o": 120.0, "down": 170.0}}}
 
 
 def test_holds_from_refuses_what_is_not_there() -> None:
@@ -48,7 +53,7 @@ def test_holds_from_refuses_what_is_not_there() -> None:
         replay_echo.holds_from(DOC, "g100", [1])
     # an S the A/B did not reach is left out (the rest is echoed); none at all: refused
     holds, _ = replay_echo.holds_from(DOC, "g200", [1, 8])
-    assert holds == {1: {"o": 900.0, "down": 950.0}}
+    assert holds == {1: {"handler": {"o": 900.0, "down": 950.0}}}
     with pytest.raises(SystemExit, match=r"no run of 'g200' at S = \[8\]"):
         replay_echo.holds_from(DOC, "g200", [8])
 
@@ -67,3 +72,21 @@ def test_pin_plan() -> None:
         replay_ab.pin_plan("2,3:3-5", ["a", "b"])
     with pytest.raises(SystemExit, match="WORKER_CPUS:LOAD_CPUS"):
         replay_ab.pin_plan("2,3", ["a", "b"])
+
+
+def test_ladder_echo_holds_each_kind() -> None:
+    """A one-layer plan against the real echo: every kind comes back, each call's round trip
+    at least its hold (busy-waited by the echo), and transport_us is the round trip less it."""
+    from service_replay import ladder_echo, model_weights, step_plan
+
+    rows = {name: r for name, r, _ in model_weights(1, 0.001)}
+    plan = step_plan(1, rows, True, 4)
+    holds = {"short": {"o": 100.0}, "long": {"o": 3000.0, "down": 500.0}}
+    (res,) = ladder_echo([(plan, 1, holds)], 2, 2, "stream", 0.05)
+    assert set(res) == {"bare", "short", "long"}
+    assert res["long"]["rt_us"]["o"] >= 3000.0
+    assert res["long"]["rt_us"]["down"] >= 500.0
+    assert res["short"]["rt_us"]["o"] >= 100.0
+    assert res["long"]["transport_us"]["o"] == pytest.approx(res["long"]["rt_us"]["o"] - 3000.0)
+    assert "transport_us" not in res["bare"]
+    assert len(res["long"]["runs_step_ms"]) == 2  # run on either side of the other kinds
