@@ -81,7 +81,8 @@ class Cfg:
     #                 K slices (q6k_ksc_f16; sm_90+; mt 1, ksplit 2..8; session 15)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
     #                   kernel and src 4, always on at src 6; src 5: two blocks ahead in the
-    #                   ring; src 2/3 have none since session 15)
+    #                   ring; src 3 has none since session 15); src 2 (session 17): the first
+    #                   block's loads issued before the activations are staged
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
@@ -101,7 +102,8 @@ class Cfg:
         ok = ok and not (self.src == 7 and (self.mt != 1 or not 2 <= self.ksplit <= 8))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt != 8))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
-        ok = ok and not (path == "mma_f16" and self.src in (2, 3) and self.pf)
+        ok = ok and not (path == "mma_f16" and self.src == 3 and self.pf)
+        ok = ok and not (path == "mma_f16" and self.src == 2 and self.pf and self.mt != 1)
         ok = ok and not (path == "mmq_q8_1" and (self.src, self.pf, self.warps) != (2, False, 8))
         if not ok:
             raise FormatError(f"launch shape {self} is not one {path} has")

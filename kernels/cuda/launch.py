@@ -281,7 +281,7 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
-        return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}>"
+        return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
     if path == "mmq_q8_1":
         return f"q6k_mmq_q8<{cfg.nt}, {cfg.mt}, {lay}>"
     raise DeviceError(f"unknown tile path {path!r}")

@@ -262,7 +262,7 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
 // one). Each block's weights are loaded at the block's start (no double buffer: the prefetch
 // variant lost every tuned cell and left, session 15). (SRC 0, x read in the loop, and 1, the
 // prepass read through L1, left with the K-slice tiles: no table entry or heuristic picked them.)
-template <int NT, int MT, int SOA, int SRC, class In>
+template <int NT, int MT, int SOA, int SRC, class In, bool PF = false>
 __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::T* x, int K,
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
@@ -285,37 +285,66 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
     const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
 
     const int tstride = (kb1 - kb0) * 32 + 4;  // uint4 per token row of smem_x
-    if (SRC == 2) {
-        stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
-        __syncthreads();
-    }
-    if (SRC == 3 && kb0 < kb1) {
-        for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
-            cp_async16(smem_x + i, xpz + (size_t)kb0 * STAGE + i);
-        cp_async_commit();
-    }
-    for (int kb = kb0; kb < kb1; ++kb) {
-        const uint4* stage = smem_x + ((kb - kb0) & 1) * STAGE;
-        if (SRC == 3) {
-            if (kb + 1 < kb1) {
-                uint4* nxt_stage = smem_x + ((kb + 1 - kb0) & 1) * STAGE;
-                for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
-                    cp_async16(nxt_stage + i, xpz + (size_t)(kb + 1) * STAGE + i);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+    static_assert(!PF || SRC == 2, "PF (the first block early) is src 2's");
+    if (PF) {
+        // The first block's weight loads are issued before the activations are staged, so their
+        // DRAM latency overlaps the staging's round trip and barrier (as the K-slice tiles do).
+        // The first block is peeled (a `first` live in the loop would hold its registers
+        // through every block_mma). Same math, same bits as PF = false. Per table cell: on the
+        // H200 it ran 18944x3584 N = 1/2 1.02-1.04x, 4096x14336 and 3584x18944 0.95-0.98x
+        // (session 17, docs/KERNELS.md).
+        const auto bx = [&](int kb) {
+            return [&, kb](int sp, int nt) -> uint4 {
+                return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
+            };
+        };
+        if (kb0 < kb1) {
+            Raw first[MT][2];
+            warp_load<SOA>(first, rr, kb0, t);
+            stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
+            __syncthreads();
+            block_mma<NT, MT, SOA>(acc, first, t, bx(kb0));
+        } else {
+            __syncthreads();  // (as PF = false: the staging's barrier)
+        }
+        for (int kb = kb0 + 1; kb < kb1; ++kb) {
+            Raw raw[MT][2];
+            warp_load<SOA>(raw, rr, kb, t);
+            block_mma<NT, MT, SOA>(acc, raw, t, bx(kb));
+        }
+    } else {
+        if (SRC == 2) {
+            stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
             __syncthreads();
         }
-        Raw raw[MT][2];
-        warp_load<SOA>(raw, rr, kb, t);
+        if (SRC == 3 && kb0 < kb1) {
+            for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
+                cp_async16(smem_x + i, xpz + (size_t)kb0 * STAGE + i);
+            cp_async_commit();
+        }
+        for (int kb = kb0; kb < kb1; ++kb) {
+            const uint4* stage = smem_x + ((kb - kb0) & 1) * STAGE;
+            if (SRC == 3) {
+                if (kb + 1 < kb1) {
+                    uint4* nxt_stage = smem_x + ((kb + 1 - kb0) & 1) * STAGE;
+                    for (int i = threadIdx.x; i < STAGE; i += blockDim.x)
+                        cp_async16(nxt_stage + i, xpz + (size_t)(kb + 1) * STAGE + i);
+                    cp_async_commit();
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                __syncthreads();
+            }
+            Raw raw[MT][2];
+            warp_load<SOA>(raw, rr, kb, t);
 
-        block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
-            if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
-            return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
-        });
-        if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
+            block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+                if (SRC == 3) return stage[(nt * 8 + sp) * 32 + lane];
+                return smem_x[(nt * 8 + g) * tstride + (kb - kb0) * 32 + sp * 4 + t];
+            });
+            if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
+        }
     }
 
 #pragma unroll
@@ -1361,6 +1390,12 @@ template __global__ void q6k_dequant_f16<false>(const u64*, int, int, int, int, 
 // Layout 2 (pair streams), f16 activations: every reader the dispatch can send a pair weight to.
 // (Two m-tiles of q6k_mma_f16 run as one with twice the warps on pair weights: launch.pair_cfg.)
 INST_MMA(1, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 3, InF16)
+// Session 17: src 2 with its first block's loads ahead of the staging (PF), per table cell
+#define INST_MMA_PF(NT, SOA, IN)                                                             \
+    template __global__ void q6k_mma_f16<NT, 1, SOA, 2, IN, true>(                            \
+        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
+INST_MMA_PF(1, 2, InF16) INST_MMA_PF(1, true, InF16) INST_MMA_PF(1, false, InF16)
+INST_MMA_PF(1, true, InF32) INST_MMA_PF(1, true, InBF16)
 INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16)
 INST_KSR2(2, 2, InF16, 8, 3) INST_KSR2(2, 2, InF16, 12, 2) INST_KSR2(2, 2, InF16, 16, 2)
 INST_KSR2(4, 2, InF16, 12, 2) INST_KSR2(4, 2, InF16, 16, 2)

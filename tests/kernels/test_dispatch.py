@@ -248,12 +248,14 @@ def test_wgmma_tile_plans_only_on_sm_90():
                                                               ksplit=3), 64)
     assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<8, 1,", "q6k_sum_parts"))
                          for f, n in asked)
-    # the wgmma tile has 8 n-tiles only, the f16 tile (src 2/3) no register prefetch (session
-    # 15: the variants the dispatch never picked left the kernels)
+    # the wgmma tile has 8 n-tiles only, the f16 tile's src 3 no register prefetch (session
+    # 15: the variants the dispatch never picked left the kernels); src 2's pf (session 17: the
+    # first block early) at one m-tile only
     for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=8, src=6), Cfg(nt=8, mt=2, src=6, pf=True),
                 Cfg(nt=2, src=6, pf=True), Cfg(nt=4, src=6, pf=True, warps=12),
                 Cfg(nt=8, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
-                Cfg(nt=1, pf=True), Cfg(nt=2, src=3, pf=True), Cfg(nt=8, src=3, pf=True, warps=4),
+                Cfg(nt=1, mt=2, pf=True), Cfg(nt=2, src=3, pf=True),
+                Cfg(nt=8, src=3, pf=True, warps=4),
                 Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=8, src=5, warps=12),
                 Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
         with pytest.raises(FormatError):
@@ -273,16 +275,17 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     for path, cfg, n, pair_name in (
             ("mma_f16", Cfg(nt=2, src=4, pf=True, warps=16), 16,
              "q6k_ks_f16<2, 1, 2, InF16, true, 16>"),
-            ("mma_f16", Cfg(nt=1), 1, "q6k_mma_f16<1, 1, 2, 2, InF16>"),
+            ("mma_f16", Cfg(nt=1), 1, "q6k_mma_f16<1, 1, 2, 2, InF16, false>"),
+            ("mma_f16", Cfg(nt=1, pf=True), 1, "q6k_mma_f16<1, 1, 2, 2, InF16, true>"),
             ("exact", Cfg(nt=1, pf=True), 4, "q6k_exact<1, 2, InF16, true>"),
             ("mmq_q8_1", Cfg(nt=2), 16, "q6k_mmq_q8<2, 1, 2>"),
             ("mma_f16", Cfg(nt=8, src=6, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
             ("mma_f16", Cfg(nt=4, src=5, warps=16), 32, "q6k_ksr_f16<4, 2, InF16, 16, 2>"),
             ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
-             "q6k_mma_f16<4, 1, 2, 3, InF16>"),
+             "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),
             ("mma_f16", Cfg(nt=2, mt=2, src=4, pf=True), 16,
              "q6k_ks_f16<2, 2, 2, InF16, true, 8>"),
-            ("mma_f16", Cfg(nt=1, mt=2), 4, "q6k_mma_f16<1, 1, 2, 2, InF16>")):
+            ("mma_f16", Cfg(nt=1, mt=2), 4, "q6k_mma_f16<1, 1, 2, 2, InF16, false>")):
         for rows, k in ((4096, 14336), (152064, 3584)):
             asked.clear()
             soa = lc.plan(rows, k, Layout.SOA, "InF16", path, cfg, n)
