@@ -53,6 +53,12 @@ F16_TILE_N = 256  # above: dequantized f16 tiles + cuBLAS beat re-reading Q6_K p
 # SMALL_EXACT_N and cuBLAS above it (the 48 boundary is interpolated, not measured).
 SMALL_WEIGHT = 1 << 21
 SMALL_EXACT_N = (8, 48)
+# N <= 8 on a weight of >= KSLICE_WEIGHT elements outside the table (far from it, or answered by
+# a nearer, smaller shape's cell): the K-slice tile (src 4, 8 warps, register prefetch), not the
+# f16 tile src 2. H200, session 17 (docs/KERNELS.md): src 2 took 82.5-87.9 us on 16384x14336 at
+# N=1 where the K-slice tile took 58.1-58.8 (1.40-1.51x), 1.10-1.47x on 28672x8192, 8192x28672
+# and 32768x4096, 1.17-1.24x at N=8; 8192x14336 (1.2e8) 1.02x; session 18 sweeps the threshold.
+KSLICE_WEIGHT = 120_000_000
 NEAR_SIZE = 1.0  # log2: the nearest table shape counts within 2x of rows*K ...
 NEAR_ASPECT = 2.0  # ... and 4x of rows/K
 TABLE_DIR = Path(__file__).resolve().parent
@@ -122,6 +128,17 @@ class Choice:
     precision: Precision
     cfg: Cfg | None
     source: str  # "table", "table~RxK" (nearest shape), "heuristic", "flags"
+
+
+def big_weight_cfg(cfg: Cfg, n: int, rows: int, k: int) -> Cfg:
+    """``cfg`` (an mma_f16 launch shape chosen without a table cell of this exact shape), or the
+    K-slice tile where the f16 tile src 2 would stream a weight of >= ``KSLICE_WEIGHT`` elements
+    at N <= 8: src 2's grid is one wave of 8-warp CTAs with no block ahead in flight, so on such
+    weights it streams at ~2.3 TB/s where the K-slice tile, one block ahead per warp, reaches
+    ~3.3 (session 17's figures above KSLICE_WEIGHT)."""
+    if cfg.src == 2 and n <= 8 and rows * k >= KSLICE_WEIGHT:
+        return Cfg(nt=1, src=4, pf=True)
+    return cfg
 
 
 def bucket(n: int) -> int:
@@ -331,7 +348,11 @@ class Dispatch:
                     # a K split measured for another K: re-derive (the cluster-sum tile's
                     # cluster is its K split, so it becomes the plain K-slice tile)
                     cfg = replace(cfg, ksplit=0, src=4 if cfg.src == 7 else cfg.src)
+                if cfg is not None and e.path == "mma_f16" and source != "table":
+                    cfg = big_weight_cfg(cfg, n, rows, k)
                 return Choice(e.path, KERNELS[e.path], cfg, source)
         path, prec = heuristic_path(n, precision, flags, rows, k)
         cfg = default_cfg(path, n, rows, self.sm_count) if path in TILE_PATHS else None
+        if cfg is not None and path == "mma_f16":
+            cfg = big_weight_cfg(cfg, n, rows, k)
         return Choice(path, prec, cfg, "heuristic")

@@ -12,13 +12,16 @@ from q6serve.kernels.cuda.dispatch import (
     BUCKETS,
     COLUMNS,
     KERNELS,
+    KSLICE_WEIGHT,
     Cfg,
     Dispatch,
     DispatchTable,
     Entry,
+    big_weight_cfg,
     bucket,
     default_cfg,
     heuristic_path,
+    load_default_table,
 )
 from q6serve.kernels.errors import DeviceError, FailedPrecondition, FormatError
 
@@ -66,13 +69,47 @@ def test_nearest_shape_then_heuristics():
     # a fixed K split holds for the measured K only: elsewhere the occupancy model decides
     assert d.choose(32, Precision.AUTO, SOA, 4096, 14336).cfg.ksplit == 2
     assert d.choose(32, Precision.AUTO, SOA, 4096, 12288).cfg == Cfg(nt=4, src=3)
-    far = d.choose(8, Precision.AUTO, SOA, 152064, 3584)  # 40x larger: no table shape is near
+    far = d.choose(16, Precision.AUTO, SOA, 152064, 3584)  # 40x larger: no table shape is near
     assert far.source == "heuristic"
-    assert (far.path, far.cfg) == ("mma_f16", default_cfg("mma_f16", 8, 152064, 132))
+    assert (far.path, far.cfg) == ("mma_f16", default_cfg("mma_f16", 16, 152064, 132))
     tall = d.choose(8, Precision.AUTO, SOA, 14336, 4096)  # same size, aspect 12x off
     assert tall.source == "heuristic"
     unknown = d.choose(8, Precision.AUTO, SOA)  # no shape given: the heuristics
     assert unknown.source == "heuristic" and unknown.path == "mma_f16"
+
+
+def test_large_weights_outside_the_table_take_the_k_slice_tile_at_n_le_8():
+    """The rule for N <= 8 on weights of >= KSLICE_WEIGHT elements without a cell of their own
+    (H200: src 2 1.1-1.5x slower there, docs/KERNELS.md sessions 17-18): the K-slice tile,
+    whether the heuristics or a nearer, smaller shape's src 2 cell would answer."""
+    ks = Cfg(nt=1, src=4, pf=True)
+    assert KSLICE_WEIGHT >= 1 << 26  # above every model shape of the table but the lm-heads
+    d = Dispatch(small_table(), 132)
+    for n in (1, 2, 3, 5, 8):
+        for p in (Precision.AUTO, Precision.F16):
+            c = d.choose(n, p, SOA, 16384, 14336)  # 2.3e8, far from both table shapes
+            assert (c.path, c.cfg, c.source) == ("mma_f16", ks, "heuristic")
+        # just below the threshold: the heuristic's src 2 stays
+        rows = (KSLICE_WEIGHT - 1) // 8192
+        assert d.choose(n, Precision.AUTO, SOA, rows, 8192).cfg == Cfg(nt=1)
+        assert d.choose(n, Precision.AUTO, SOA, rows + 1, 8192).cfg == ks
+    # N > 8 and the other columns keep their answers
+    assert d.choose(9, Precision.AUTO, SOA, 16384, 14336).cfg == default_cfg(
+        "mma_f16", 9, 16384, 132)
+    assert d.choose(1, Precision.EXACT, SOA, 16384, 14336).path == "exact"
+    assert d.choose(1, Precision.Q8_1, SOA, 16384, 14336).cfg == default_cfg("mmq_q8_1", 1)
+    # a nearest-shape src 2 cell on a large weight becomes the K-slice tile (the committed
+    # table: 32768x4096 is answered by 18944x3584, whose N = 1 cell is src 2 at 4 warps)
+    real = Dispatch(load_default_table(), 132)
+    near = real.choose(1, Precision.AUTO, SOA, 18944, 3584)
+    assert near.source == "table" and near.cfg.src == 2
+    big = real.choose(1, Precision.AUTO, SOA, 32768, 4096)
+    assert big.source == "table~18944x3584" and big.cfg == ks
+    # a table shape keeps its own cells; other launch shapes pass through
+    assert real.choose(1, Precision.AUTO, SOA, 18944, 3584).cfg == near.cfg
+    for cfg in (Cfg(nt=1, src=4, pf=True, warps=16), Cfg(nt=1, src=7, pf=True, ksplit=2)):
+        assert big_weight_cfg(cfg, 1, 32768, 8192) == cfg
+    assert big_weight_cfg(Cfg(nt=2), 16, 32768, 8192) == Cfg(nt=2)
 
 
 def test_above_the_tile_range_and_the_kill_switch_ignore_the_table():

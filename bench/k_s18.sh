@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# k's device command, session 18 (issue 16), bounded by BOUND (s). Bundle A:
+#   1. tableab: the table to land against main's (bench/results/2026-12-03_dispatch_h200_482b631.json):
+#      each changed cell old / new alternated in one process (session 17's cells on today's main;
+#      the src 2 pf cells are the first-block-early A/B in one process);
+#   2. sweep_lo / sweep_hi: the N <= 8 rule for weights outside the table (dispatch.KSLICE_WEIGHT):
+#      per shape and N = 1, 2, 4, 8, AUTO (this tree's dispatch) against the f16 tile src 2 (what
+#      the heuristic ran before the rule) and the K-slice tile at 8 and 16 warps, alternated, bits
+#      compared; shapes around the threshold (45-117 M elements) and 14B/32B/70B/72B shapes above;
+#   3. pytest: the GPU tests of the changed paths (src 2 with pf bit-identical to without, every
+#      table launch shape on pair/SoA weights against the reference, src 7);
+#   4. ncu / ncu_torch: Nsight Compute, metrics only, of AUTO's kernels on the missed cells
+#      (4096x14336, 18944x3584, 3584x3584 at N = 8..64) and of torch's f16 linear at N = 64 on
+#      4096x14336 and 3584x3584, imported to CSV (ncu_*.csv) and summarized.
+set -uo pipefail
+source bench/gpu_lib.sh
+gpu_session /tmp/ks18
+BOUND=${BOUND:-196}
+note "# setup done $(elapsed)"
+step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_482b631.json \
+  --columns auto --iters 40 --shapes 14336x4096,4096x14336,18944x3584 --ns 1,2 \
+  --json "$OUT/tableab.json"
+C=""
+for n in 1 2 4 8; do C+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=4,pf=1,warps=16;"; done
+step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
+  --shapes 8192x14336,13824x5120,5120x13824,8192x8192,11008x4096 --json "$OUT/sweep_lo.json"
+step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
+  --shapes 32768x4096,27648x5120,5120x27648,28672x8192,8192x28672,29568x8192 \
+  --json "$OUT/sweep_hi.json"
+step pytest 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+  tests/kernels/test_cuda_src2_pf.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
+  -k "src2 or first_block or every_table_shape or ksc or cluster"
+M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+M+=,dram__bytes_read.sum.per_second,sm__cycles_active.avg,gpc__cycles_elapsed.max
+M+=,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread,launch__grid_size
+M+=,launch__block_size,smsp__issue_active.avg.pct_of_peak_sustained_active
+M+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed
+M+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+    not_selected lg_throttle; do M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
+if command -v ncu >/dev/null; then
+  step ncu 30 ncu --clock-control none --metrics "$M" -k "regex:q6k_(ks|ksc|ksr|mma|wg)_f16|q6k_sum_parts" \
+    -o "$OUT/ncu_auto" -f python3 bench/tile_probe.py --profile --no-torch --profile-cfgs "" \
+    --shapes 4096x14336,18944x3584,3584x3584 --ns 8,16,32,64
+  step ncu_torch 20 ncu --clock-control none --metrics "$M" -k "regex:nvjet|gemm|gemv|cutlass|xmma" \
+    -o "$OUT/ncu_torch" -f python3 -c "
+import torch
+for r, k in ((4096, 14336), (3584, 3584)):
+    ws = [torch.randn(r, k, device='cuda', dtype=torch.float16) * 0.02 for _ in range(2)]
+    x = torch.randn(64, k, device='cuda', dtype=torch.float16)
+    for w in ws:
+        torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize()
+    print('# torch', r, k, 'N=64', flush=True)
+"
+  for f in ncu_auto ncu_torch; do
+    [[ -f $OUT/$f.ncu-rep ]] && ncu --import "$OUT/$f.ncu-rep" --page raw --csv >"$OUT/$f.csv" 2>&1
+  done
+else
+  note "# no ncu on this machine"
+fi
+{
+  echo "== k bundle A (tree $(tree_commit)), $(elapsed)"
+  steps
+  echo "# table A/B (one process, old/new alternated): shape N column old pick us new pick us TB/s old/new"
+  grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" | awk '{print $1, $2, $3, $4, $5, $6, $7, $8, $9}'
+  echo "# N<=8 rule sweep: shape N AUTO us | src2 (nt1.m1.w8.s2) us, ks8 (nt1.m1.w8.s4.pf) us, ks16 us | src2/best-ks"
+  python3 - "$OUT" <<'EOF'
+import glob, os, re, sys
+# --cfg-ab's lines (the log, so a step cut by its bound still counts): shape N AUTO us cand us ...
+t = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "sweep_*.log"))):
+    for line in open(f):
+        m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s", line)
+        if m:
+            d = t.setdefault((m[1], int(m[2])), {"auto": (m[3], float(m[4]))})
+            d[m[5]] = float(m[6])
+fmt = lambda v: f"{v:.1f}" if v else "-"
+for (shape, n), d in t.items():
+    s2, k8, k16 = (d.get(x) for x in ("nt1.m1.w8.s2", "nt1.m1.w8.s4.pf", "nt1.m1.w16.s4.pf"))
+    ks = min(v for v in (k8, k16) if v) if (k8 or k16) else None
+    print(shape, n, d["auto"][0], fmt(d["auto"][1]), "|", fmt(s2), fmt(k8), fmt(k16), "|",
+          f"{s2 / ks:.3f}" if s2 and ks else "-")
+EOF
+  echo "# ncu (metrics only): kernel grid block regs us DRAM% TB/s SMactive% warps/SM issue% smem% hmma% | stalls lsb ssb mio math bar wait nsel lg"
+  python3 - "$OUT" <<'EOF'
+import csv, os, sys
+for f in ("ncu_auto.csv", "ncu_torch.csv"):
+    p = os.path.join(sys.argv[1], f)
+    if not os.path.exists(p):
+        continue
+    rows = [r for r in csv.reader(open(p)) if len(r) > 5]
+    if len(rows) < 3:
+        print(f, "unreadable:", open(p).read()[:200].replace("\n", " "))
+        continue
+    h = rows[0]
+    g = lambda row, m: row[h.index(m)] if m in h else "?"
+    st = "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio"
+    for row in rows[2:]:
+        try:
+            act = 100 * float(g(row, "sm__cycles_active.avg").replace(",", "")) / float(
+                g(row, "gpc__cycles_elapsed.max").replace(",", ""))
+        except ValueError:
+            act = float("nan")
+        name = g(row, "Kernel Name").split("(")[0][:34]
+        vals = [g(row, m) for m in ("launch__grid_size", "launch__block_size",
+                "launch__registers_per_thread", "gpu__time_duration.sum",
+                "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                "dram__bytes_read.sum.per_second")]
+        vals += [f"{act:.0f}"] + [g(row, m) for m in (
+            "sm__warps_active.avg.per_cycle_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+            "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed",
+            "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")]
+        vals += ["|"] + [g(row, st % s) for s in ("long_scoreboard", "short_scoreboard",
+                 "mio_throttle", "math_pipe_throttle", "barrier", "wait", "not_selected", "lg_throttle")]
+        print(f[:-4], name, " ".join(vals))
+EOF
+} | table
