@@ -25,7 +25,7 @@ for n in 1 2 4 8; do C+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=4,pf=1,warps=16;
 step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
   --shapes 8192x14336,13824x5120,5120x13824,8192x8192,11008x4096 --json "$OUT/sweep_lo.json"
 step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
-  --shapes 32768x4096,27648x5120,5120x27648,28672x8192,8192x28672,29568x8192 \
+  --shapes 32768x4096,27648x5120,5120x27648,16384x14336,28672x8192,8192x28672,29568x8192,8192x29568 \
   --json "$OUT/sweep_hi.json"
 step pytest 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_src2_pf.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
@@ -38,21 +38,37 @@ M+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed
 M+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
     not_selected lg_throttle; do M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
-if command -v ncu >/dev/null; then
-  step ncu 30 ncu --clock-control none --metrics "$M" -k "regex:q6k_(ks|ksc|ksr|mma|wg)_f16|q6k_sum_parts" \
+# (the metrics gpu_run.sh's kstall/stalls modes ran: the fallback if a newer name is refused)
+M_SAFE=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+M_SAFE+=,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+M_SAFE+=,smsp__issue_active.avg.pct_of_peak_sustained_active
+M_SAFE+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+    not_selected lg_throttle; do M_SAFE+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
+ncu_auto() {
+  ncu --clock-control none --metrics "$1" -k "regex:q6k_(ks|ksc|ksr|mma|wg)_f16|q6k_sum_parts" \
     -o "$OUT/ncu_auto" -f python3 bench/tile_probe.py --profile --no-torch --profile-cfgs "" \
-    --shapes 4096x14336,18944x3584,3584x3584 --ns 8,16,32,64
-  step ncu_torch 20 ncu --clock-control none --metrics "$M" -k "regex:nvjet|gemm|gemv|cutlass|xmma" \
+    --shapes 4096x14336,18944x3584,3584x3584 --ns 1,8,16,32,64
+}
+ncu_torch() {
+  ncu --clock-control none --metrics "$1" -k "regex:nvjet|gemm|gemv|cutlass|xmma" \
     -o "$OUT/ncu_torch" -f python3 -c "
 import torch
-for r, k in ((4096, 14336), (3584, 3584)):
+for r, k, n in ((4096, 14336, 16), (4096, 14336, 64), (3584, 3584, 64), (18944, 3584, 64)):
     ws = [torch.randn(r, k, device='cuda', dtype=torch.float16) * 0.02 for _ in range(2)]
-    x = torch.randn(64, k, device='cuda', dtype=torch.float16)
+    x = torch.randn(n, k, device='cuda', dtype=torch.float16)
     for w in ws:
         torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
-    print('# torch', r, k, 'N=64', flush=True)
+    print('# torch', r, k, 'N', n, flush=True)
 "
+}
+export OUT
+export -f ncu_auto ncu_torch  # (step's `timeout` runs a command: the functions through bash -c)
+if command -v ncu >/dev/null; then
+  step ncu 40 bash -c 'ncu_auto "$1"' _ "$M" || step ncu_safe 40 bash -c 'ncu_auto "$1"' _ "$M_SAFE"
+  step ncu_torch 25 bash -c 'ncu_torch "$1"' _ "$M" ||
+    step ncu_torch_safe 25 bash -c 'ncu_torch "$1"' _ "$M_SAFE"
   for f in ncu_auto ncu_torch; do
     [[ -f $OUT/$f.ncu-rep ]] && ncu --import "$OUT/$f.ncu-rep" --page raw --csv >"$OUT/$f.csv" 2>&1
   done
@@ -102,7 +118,7 @@ for f in ("ncu_auto.csv", "ncu_torch.csv"):
                 g(row, "gpc__cycles_elapsed.max").replace(",", ""))
         except ValueError:
             act = float("nan")
-        name = g(row, "Kernel Name").split("(")[0][:34]
+        name = g(row, "Kernel Name").split("(")[0].replace(" ", "")[:40]
         vals = [g(row, m) for m in ("launch__grid_size", "launch__block_size",
                 "launch__registers_per_thread", "gpu__time_duration.sum",
                 "dram__throughput.avg.pct_of_peak_sustained_elapsed",
