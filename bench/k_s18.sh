@@ -27,9 +27,11 @@ step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --
 step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
   --shapes 32768x4096,27648x5120,5120x27648,16384x14336,28672x8192,8192x28672,29568x8192,8192x29568 \
   --json "$OUT/sweep_hi.json"
-step pytest 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+step pytest 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_src2_pf.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
-  -k "src2 or first_block or every_table_shape or ksc or cluster"
+  tests/kernels/test_cuda_backend.py -k "src2 or first_block or every_table_shape or auto_through \
+or accuracy or odd_shapes or half_act or soa_and_aos or every_launch_variant or deterministic \
+or n_sweep or graphs_and or ksc or cluster"
 M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 M+=,dram__bytes_read.sum.per_second,sm__cycles_active.avg,gpc__cycles_elapsed.max
 M+=,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread,launch__grid_size
