@@ -12,22 +12,39 @@
 #   4. ncu / ncu_torch: Nsight Compute, metrics only, of AUTO's kernels on the missed cells
 #      (4096x14336, 18944x3584, 3584x3584 at N = 8..64) and of torch's f16 linear at N = 64 on
 #      4096x14336 and 3584x3584, imported to CSV (ncu_*.csv) and summarized.
+# PHASE=b (bundle B): goal 3, N = 32/64 below the lm-heads (0.68-0.99x of torch in session 17's
+# closing check): --cfg-ab of launch shapes the tune never timed (K splits of the K-slice, wgmma
+# and cluster-sum tiles) against AUTO on the six 11-56 MB shapes, then the steps PHASE_B_MORE
+# names (a subset of bundle A's: "tableab sweep pytest ncu").
 set -uo pipefail
 source bench/gpu_lib.sh
-gpu_session /tmp/ks18
+gpu_session /tmp/ks18${PHASE:-}
 BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
-step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_482b631.json \
+want() { [[ ${PHASE:-a} == a || " ${PHASE_B_MORE:-} " == *" $1 "* ]]; }
+if [[ ${PHASE:-a} == b ]]; then
+  C64="" C32=""
+  for k in 0 2 3 4; do C64+="64:nt=8,src=6,pf=1,warps=12,ksplit=$k;"; done
+  for k in 0 2 3; do C64+="64:nt=8,src=6,pf=1,ksplit=$k;"; done
+  for k in 2 3 4; do C64+="64:nt=8,src=4,pf=1,ksplit=$k;64:nt=8,src=7,pf=1,ksplit=$k;"; done
+  C64+="64:nt=8,src=4,warps=12;"
+  for k in 2 3 4; do C32+="32:nt=4,src=4,pf=1,ksplit=$k;32:nt=4,src=7,pf=1,ksplit=$k;"; done
+  C32+="32:nt=4,src=4,pf=1,warps=12;32:nt=4,src=4,pf=1,warps=16;32:nt=4,src=5,warps=16;"
+  C32+="32:nt=8,src=6,pf=1,warps=12;"
+  step n64 60 python3 bench/kernels.py --cfg-ab "$C64$C32" --rounds 2 --iters 40 \
+    --shapes 3584x3584,4096x4096,14336x4096,4096x14336,18944x3584,3584x18944 --json "$OUT/n64.json"
+fi
+want tableab && step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_482b631.json \
   --columns auto --iters 40 --shapes 14336x4096,4096x14336,18944x3584 --ns 1,2 \
   --json "$OUT/tableab.json"
 C=""
 for n in 1 2 4 8; do C+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=4,pf=1,warps=16;"; done
-step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
+want sweep && step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
   --shapes 8192x14336,13824x5120,5120x13824,8192x8192,11008x4096 --json "$OUT/sweep_lo.json"
-step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
+want sweep && step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
   --shapes 32768x4096,27648x5120,5120x27648,16384x14336,28672x8192,8192x28672,29568x8192,8192x29568 \
   --json "$OUT/sweep_hi.json"
-step pytest 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+want pytest && step pytest 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_src2_pf.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
   tests/kernels/test_cuda_backend.py -k "src2 or first_block or every_table_shape or auto_through \
 or accuracy or odd_shapes or half_act or soa_and_aos or every_launch_variant or deterministic \
@@ -67,19 +84,34 @@ for r, k, n in ((4096, 14336, 16), (4096, 14336, 64), (3584, 3584, 64), (18944, 
 }
 export OUT
 export -f ncu_auto ncu_torch  # (step's `timeout` runs a command: the functions through bash -c)
-if command -v ncu >/dev/null; then
+if want ncu && command -v ncu >/dev/null; then
   step ncu 40 bash -c 'ncu_auto "$1"' _ "$M" || step ncu_safe 40 bash -c 'ncu_auto "$1"' _ "$M_SAFE"
   step ncu_torch 25 bash -c 'ncu_torch "$1"' _ "$M" ||
     step ncu_torch_safe 25 bash -c 'ncu_torch "$1"' _ "$M_SAFE"
   for f in ncu_auto ncu_torch; do
     [[ -f $OUT/$f.ncu-rep ]] && ncu --import "$OUT/$f.ncu-rep" --page raw --csv >"$OUT/$f.csv" 2>&1
   done
-else
+elif want ncu; then
   note "# no ncu on this machine"
 fi
 {
-  echo "== k bundle A (tree $(tree_commit)), $(elapsed)"
+  echo "== k bundle ${PHASE:-a} (tree $(tree_commit)), $(elapsed)"
   steps
+  echo "# N=32/64 launch shapes vs AUTO (one process, alternated): shape N AUTO us torch | best 3 candidates us AUTO/cand rel"
+  python3 - "$OUT" <<'EOF'
+import os, re, sys
+p = os.path.join(sys.argv[1], "n64.log")
+t = {}
+for line in open(p) if os.path.exists(p) else []:
+    m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s+(\S+)", line)
+    if m:
+        d = t.setdefault((m[1], int(m[2])), {"auto": (m[3], m[4], m[9]), "c": []})
+        d["c"].append((float(m[6]), m[5], m[7], m[8]))
+for (shape, n), d in t.items():
+    best = sorted(d["c"])[:3]
+    print(shape, n, d["auto"][0], d["auto"][1], "torch", d["auto"][2], "|",
+          "  ".join(f"{lab} {us:.1f} {x} {rel}" for us, lab, x, rel in best))
+EOF
   echo "# table A/B (one process, old/new alternated): shape N column old pick us new pick us TB/s old/new"
   grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" | awk '{print $1, $2, $3, $4, $5, $6, $7, $8, $9}'
   echo "# N<=8 rule sweep: shape N AUTO us | src2 (nt1.m1.w8.s2) us, ks8 (nt1.m1.w8.s4.pf) us, ks16 us | src2/best-ks"
