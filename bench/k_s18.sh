@@ -31,18 +31,25 @@ if [[ ${PHASE:-a} == b ]]; then
   for k in 2 3 4; do C32+="32:nt=4,src=4,pf=1,ksplit=$k;32:nt=4,src=7,pf=1,ksplit=$k;"; done
   C32+="32:nt=4,src=4,pf=1,warps=12;32:nt=4,src=4,pf=1,warps=16;32:nt=4,src=5,warps=16;"
   C32+="32:nt=8,src=6,pf=1,warps=12;"
+  # the N <= 8 rule at its threshold (1e8) and below: AUTO against src 2, the K-slice tile, and
+  # the cluster-sum / src 2 tiles at K split 2 (11008x4096 takes 14336x4096's cells, whose K split
+  # the nearest-shape lookup drops)
+  R=""
+  for n in 1 2 4 8; do R+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=7,pf=1,ksplit=2;$n:nt=1,ksplit=2;"; done
+  step rule 40 python3 bench/kernels.py --cfg-ab "$R" --rounds 2 --iters 30 --no-torch \
+    --shapes 10240x10240,8192x11264,8192x14336,11008x4096,27648x5120 --json "$OUT/rule.json"
   step n64 60 python3 bench/kernels.py --cfg-ab "$C64$C32" --rounds 2 --iters 40 \
     --shapes 3584x3584,4096x4096,14336x4096,4096x14336,18944x3584,3584x18944 --json "$OUT/n64.json"
 fi
 want tableab && step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_482b631.json \
-  --columns auto --iters 40 --shapes 14336x4096,4096x14336,18944x3584 --ns 1,2 \
+  --columns auto --iters 40 --shapes 14336x4096,18944x3584 --ns 1,2 \
   --json "$OUT/tableab.json"
 C=""
 for n in 1 2 4 8; do C+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=4,pf=1,warps=16;"; done
 want sweep && step sweep_lo 40 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
   --shapes 8192x14336,13824x5120,5120x13824,8192x8192,11008x4096 --json "$OUT/sweep_lo.json"
 want sweep && step sweep_hi 45 python3 bench/kernels.py --cfg-ab "$C" --rounds 2 --iters 30 --no-torch \
-  --shapes 32768x4096,27648x5120,5120x27648,16384x14336,28672x8192,8192x28672,29568x8192,8192x29568 \
+  --shapes 32768x4096,27648x5120,5120x27648,16384x14336,28672x8192,8192x28672,29568x8192 \
   --json "$OUT/sweep_hi.json"
 want pytest && step pytest 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_src2_pf.py tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py \
@@ -114,12 +121,13 @@ for (shape, n), d in t.items():
 EOF
   echo "# table A/B (one process, old/new alternated): shape N column old pick us new pick us TB/s old/new"
   grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" | awk '{print $1, $2, $3, $4, $5, $6, $7, $8, $9}'
-  echo "# N<=8 rule sweep: shape N AUTO us | src2 (nt1.m1.w8.s2) us, ks8 (nt1.m1.w8.s4.pf) us, ks16 us | src2/best-ks"
+  echo "# N<=8 rule sweep: shape N AUTO us | src2 (nt1.m1.w8.s2) us, ks8 (nt1.m1.w8.s4.pf) us, ks16 us | src2/best-ks | others"
   python3 - "$OUT" <<'EOF'
 import glob, os, re, sys
 # --cfg-ab's lines (the log, so a step cut by its bound still counts): shape N AUTO us cand us ...
 t = {}
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "sweep_*.log"))):
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "sweep_*.log"))) + sorted(
+        glob.glob(os.path.join(sys.argv[1], "rule.log"))):
     for line in open(f):
         m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s", line)
         if m:
@@ -129,8 +137,10 @@ fmt = lambda v: f"{v:.1f}" if v else "-"
 for (shape, n), d in t.items():
     s2, k8, k16 = (d.get(x) for x in ("nt1.m1.w8.s2", "nt1.m1.w8.s4.pf", "nt1.m1.w16.s4.pf"))
     ks = min(v for v in (k8, k16) if v) if (k8 or k16) else None
+    rest = " ".join(f"{lab} {us:.1f}" for lab, us in d.items() if lab not in (
+        "auto", "nt1.m1.w8.s2", "nt1.m1.w8.s4.pf", "nt1.m1.w16.s4.pf"))
     print(shape, n, d["auto"][0], fmt(d["auto"][1]), "|", fmt(s2), fmt(k8), fmt(k16), "|",
-          f"{s2 / ks:.3f}" if s2 and ks else "-")
+          f"{s2 / ks:.3f}" if s2 and ks else "-", "|", rest)
 EOF
   echo "# ncu (metrics only): kernel grid block regs us DRAM% TB/s SMactive% warps/SM issue% smem% hmma% | stalls lsb ssb mio math bar wait nsel lg"
   python3 - "$OUT" <<'EOF'

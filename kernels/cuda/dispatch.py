@@ -55,10 +55,12 @@ SMALL_WEIGHT = 1 << 21
 SMALL_EXACT_N = (8, 48)
 # N <= 8 on a weight of >= KSLICE_WEIGHT elements outside the table (far from it, or answered by
 # a nearer, smaller shape's cell): the K-slice tile (src 4, 8 warps, register prefetch), not the
-# f16 tile src 2. H200, session 17 (docs/KERNELS.md): src 2 took 82.5-87.9 us on 16384x14336 at
-# N=1 where the K-slice tile took 58.1-58.8 (1.40-1.51x), 1.10-1.47x on 28672x8192, 8192x28672
-# and 32768x4096, 1.17-1.24x at N=8; 8192x14336 (1.2e8) 1.02x; session 18 sweeps the threshold.
-KSLICE_WEIGHT = 120_000_000
+# f16 tile src 2. H200, session 18's sweep (docs/KERNELS.md; src 2 / the K-slice tile, same
+# process, N = 1..8): 8192x14336 (1.17e8) 1.03-1.15x, 32768x4096, 27648x5120, 5120x27648
+# (1.3-1.4e8) 1.04-1.45x, 16384x14336, 28672x8192, 8192x28672, 29568x8192 (2.3-2.4e8) 1.13-1.48x;
+# below it mixed: 5120x13824 (7.1e7) 0.94x at N <= 4, 8192x8192 (6.7e7) 0.97x at N = 1,
+# 11008x4096 (4.5e7) 0.90x. The threshold sits between the largest loss and the smallest win.
+KSLICE_WEIGHT = 100_000_000
 NEAR_SIZE = 1.0  # log2: the nearest table shape counts within 2x of rows*K ...
 NEAR_ASPECT = 2.0  # ... and 4x of rows/K
 TABLE_DIR = Path(__file__).resolve().parent
@@ -133,9 +135,9 @@ class Choice:
 def big_weight_cfg(cfg: Cfg, n: int, rows: int, k: int) -> Cfg:
     """``cfg`` (an mma_f16 launch shape chosen without a table cell of this exact shape), or the
     K-slice tile where the f16 tile src 2 would stream a weight of >= ``KSLICE_WEIGHT`` elements
-    at N <= 8: src 2's grid is one wave of 8-warp CTAs with no block ahead in flight, so on such
-    weights it streams at ~2.3 TB/s where the K-slice tile, one block ahead per warp, reaches
-    ~3.3 (session 17's figures above KSLICE_WEIGHT)."""
+    at N <= 8: src 2 loads each block's weights at the block's start (no block ahead in flight),
+    so on such weights it streams at 2.3-2.9 TB/s where the K-slice tile, one block ahead per
+    warp, reaches 3.3-3.5 (sessions 17-18, figures at KSLICE_WEIGHT)."""
     if cfg.src == 2 and n <= 8 and rows * k >= KSLICE_WEIGHT:
         return Cfg(nt=1, src=4, pf=True)
     return cfg
