@@ -42,6 +42,11 @@ loads them in slabs of R rows (a value over the rows: one slab, as before sessio
 slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 'one:SLAB_ROWS=20000;new;two:SLAB_ROWS=-2,Y_CHUNKS=2'``).
 
+``COPY_KERNEL_MAX=B`` in a variant: x's upload and a small y's download of at most B bytes by
+a copy kernel on the kernels' engine instead of the copy engine (kernels/cuda/launch.py
+COPY_SRC; unless Q6SERVE_COPY_KERNEL_MAX is set; every bound sequence rebinds at each variant
+switch).
+
 ``STAGING_WC_MIN=B`` in a variant: x's pinned staging buffer write-combined from B bytes on
 (kernels/cuda/launch.py; every bound sequence rebinds at each variant switch).
 
@@ -435,6 +440,8 @@ def run_many(a: argparse.Namespace, variants: list[tuple[str, dict[str, int]]],
             for rnd in range(a.rounds):
                 for way in (ways if rnd % 2 == 0 else ways[::-1]):
                     apply(sets_of.get(way, {}))
+                    if any("COPY_KERNEL_MAX" in v for v in sets_of.values()):
+                        be.launcher.ws.gen += 1  # (the copies' way is bound: rebind)
                     r = measure_many(be, ws, xs, a.calls, way, a.many_staged, out_dt)
                     # (after calls on other x: a copy that ran before its kernels would show)
                     got = [p.y for p in many_call(be, ws, xs[0], way, out_dt)]
@@ -621,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
                                           for v in variants for m in modes):
                 apply(sets)
                 be = bes[m]
-                if {"STAGING_WC_MIN", "X_SPLIT_FIT"} & set(defaults):  # bound per variant:
-                    be.launcher.ws.gen += 1  # x's buffer, the halves' tiles: rebind
+                # bound per variant (x's buffer, the halves' tiles, the copies' way): rebind
+                if {"STAGING_WC_MIN", "X_SPLIT_FIT", "COPY_KERNEL_MAX"} & set(defaults):
+                    be.launcher.ws.gen += 1
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts)
                 # the split this row's calls took (an idle launcher, the staging slot)

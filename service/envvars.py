@@ -111,6 +111,10 @@ REGION_STREAMS = Var("Q6SERVE_REGION_STREAMS", "switch", True,
 TIMING_ANCHOR = Var("Q6SERVE_TIMING_ANCHOR", "count", 1,
                     "empty kernels around a captured call's kernel events: 1 before the start "
                     "event, 2 also after the end event (CUDA)", high=2)
+# None: the launcher module's COPY_KERNEL_MAX (kernels/cuda/launch.py)
+COPY_KERNEL_MAX = Var("Q6SERVE_COPY_KERNEL_MAX", "count", None,
+                      "bytes up to which x's upload and a small y's download are a copy kernel's, "
+                      "not the copy engine's (CUDA; 0: none)")
 # read by the CUDA backend's storage (kernels/cuda/storage.py pairs_from_env)
 Q6K_PAIRS = Var("Q6SERVE_Q6K_PAIRS", "switch", True,
                 "SoA weights' code planes in pair-stream order on the device (CUDA)")
@@ -129,7 +133,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR)
+                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

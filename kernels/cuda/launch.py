@@ -395,6 +395,55 @@ def timing_anchor_from_env(env: Any = None) -> int:
 
 ANCHOR_SRC = 'extern "C" __global__ void q6_timing_anchor() {}'
 
+# x's upload and a small y's download by a kernel on the kernels' engine instead of a copy-engine
+# node (COPY_KERNEL_MAX, Q6SERVE_COPY_KERNEL_MAX): page-locked host memory from cudaHostAlloc is
+# the device's to read and write at the same address under unified addressing. H200, session 17
+# (bench/kernel_gap.py g-zc, T1's 3584x18944 N=1 f16 graph): GPU span 40.8 -> 31.1 us, host wall
+# 45.7 -> 36.3, and no copy engine's hand-off inside the kernel's events. 16-byte words (both
+# addresses 16-byte aligned, else the copy engine), the last n % 16 bytes one a thread.
+COPY_SRC = r"""extern "C" __global__ void q6_copy(const unsigned char* __restrict__ src,
+                                        unsigned char* __restrict__ dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x, words = n >> 4;
+    for (long long j = i; j < words; j += stride)
+        reinterpret_cast<int4*>(dst)[j] = reinterpret_cast<const int4*>(src)[j];
+    if (i < (n & 15)) dst[(words << 4) + i] = src[(words << 4) + i];
+}"""
+COPY_THREADS = 256
+COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
+# copies of at most this many bytes go by COPY_SRC (0: none; the copy engine, as before session
+# 18); Q6SERVE_COPY_KERNEL_MAX overrides it where a backend is built
+COPY_KERNEL_MAX = 0
+
+
+def copy_kernel_from_env(env: Any = None) -> int | None:
+    """``Q6SERVE_COPY_KERNEL_MAX`` (unset or empty: None, the module's ``COPY_KERNEL_MAX``):
+    x's upload and a small y's download of at most this many bytes are done by a copy kernel
+    (:meth:`Launcher._copy`), 0: by the copy engine. Read where a backend is built, as
+    ``Q6SERVE_PDL``."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_COPY_KERNEL_MAX", "").strip()
+    if not raw:
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ValueError(f"Q6SERVE_COPY_KERNEL_MAX={raw!r}: expected bytes, a whole number >= 0")
+    return v
+
+
+def _host_device_ptr() -> Any:
+    """``cuMemHostGetDevicePointer_v2``: the device address of page-locked host memory (a
+    region registered by ``HostIO``), or None where the driver has none."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
 
 def y_chunks_from_env(env: Any = None) -> int | None:
     """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``, by default each
@@ -782,8 +831,8 @@ class _RegionSeq:
     streams, the slot's own device buffers' names and the events that hand x and y between the
     streams."""
 
-    __slots__ = ("calls", "end", "ev_x", "ev_y", "gen", "graph", "names", "start", "steps", "xd",
-                 "y16", "yd")
+    __slots__ = ("calls", "end", "ev_x", "ev_y", "gen", "graph", "hx", "hy", "names", "start",
+                 "steps", "xd", "y16", "yd")
 
     def __init__(self, gen: int, start: Any, end: Any, steps: list[Step], xd: int, yd: int,
                  y16: int, names: tuple[str, str, str]) -> None:
@@ -793,6 +842,10 @@ class _RegionSeq:
         self.calls = 0
         self.ev_x: Any = None
         self.ev_y: Any = None
+        # the region's x and y at the device's addresses, where the one-stream sequence copies
+        # them by the copy kernel (Launcher.by_kernel; None: the copy engine)
+        self.hx: int | None = None
+        self.hy: int | None = None
 
 
 class RegionCall:
@@ -888,11 +941,22 @@ class RegionCall:
         with stream:
             if s is None or s.gen != ws.gen:
                 s = self._seqs[slot] = self._bind(("x", "y", "y16b"))
+                s.hx, s.hy = self._mapped(s.xd, self.x_addr, self.x_bytes), self._mapped(
+                    s.y16 if self.half else s.yd, self.y_addr, self.y_bytes)
             self._enqueue(s, lambda ev: ev.record(stream))
             s.calls += 1
             if lc.graphs and s.graph is None and s.calls > GRAPH_AFTER:
                 self._capture(s)
         return s
+
+    def _mapped(self, dev: int, host: int, nbytes: int) -> int | None:
+        """The device's address of the region's ``host`` where the copy kernel is to move its
+        ``nbytes`` to or from ``dev`` (``Launcher.by_kernel``), else None (the copy engine)."""
+        lc = self.lc
+        if not lc.by_kernel(nbytes, dev, host):
+            return None
+        d = lc.device_ptr(host)
+        return d if d is not None and d % 16 == 0 else None
 
     def _bind(self, names: tuple[str, str, str]) -> _RegionSeq:
         """A sequence on the workspace's buffers ``names`` (x, f32 y, f16 y); call under the
@@ -943,14 +1007,26 @@ class RegionCall:
         ws.done_event(slot).record(cout)
         return s
 
-    def _enqueue(self, s: _RegionSeq, record: Callable[[Any], None]) -> None:
-        """The whole call on the stream: x in, the kernels between the events, y out."""
+    def _enqueue(self, s: _RegionSeq, record: Callable[[Any], None],
+                 captured: bool = False) -> None:
+        """The whole call on the stream: x in, the kernels between the events, y out. x and
+        y by the copy kernel where ``Launcher.by_kernel`` takes them and the driver maps the
+        region (``s.hx`` / ``s.hy``); ``captured``: the timing anchor after a copy engine's
+        upload, as a bound sequence's (``Launcher._capture``)."""
         lc = self.lc
         rt, stream = lc.ctx.cp.cuda.runtime, lc.ctx.stream
-        rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, stream.ptr)
+        ysrc = s.y16 if self.half else s.yd
+        if s.hx is not None:
+            lc._kernel_copy(s.xd, s.hx, self.x_bytes)
+        else:
+            rt.memcpyAsync(s.xd, self.x_addr, self.x_bytes, _H2D, stream.ptr)
+            if captured:
+                lc._anchor_step()
         self._kernels(s, record)
-        rt.memcpyAsync(self.y_addr, s.y16 if self.half else s.yd, self.y_bytes, _D2H,
-                       stream.ptr)
+        if s.hy is not None:
+            lc._kernel_copy(s.hy, ysrc, self.y_bytes)
+        else:
+            rt.memcpyAsync(self.y_addr, ysrc, self.y_bytes, _D2H, stream.ptr)
 
     def _kernels(self, s: _RegionSeq, record: Callable[[Any], None]) -> None:
         """The kernels between the timing events, then y's f16 conversion where asked."""
@@ -965,7 +1041,7 @@ class RegionCall:
 
     def _capture(self, s: _RegionSeq) -> None:
         """Capture ``s`` (:meth:`_enqueue`); on any refusal it keeps direct launches."""
-        s.graph = self.lc.capture(lambda record: self._enqueue(s, record))
+        s.graph = self.lc.capture(lambda record: self._enqueue(s, record, True))
 
 
 def many_out(n: int, rows: int, out_dtype: np.dtype | None) -> np.dtype | str | None:
@@ -1122,6 +1198,11 @@ class Launcher:
         # value; a launcher built without one (the host tests' fake device) has none
         self.timing_anchor = anchor
         self._anchor: Any = None
+        # x's upload / a small y's download by a kernel up to this many bytes (None: the
+        # module's COPY_KERNEL_MAX at each binding; see COPY_SRC); compiled on first use
+        self.copy_kernel_max = copy_kernel_from_env()
+        self._copy_fn: Any = None
+        self._dev_ptr: Any = None
 
     def chunks_wanted(self, cw: CudaWeight | None = None) -> int:
         """Row chunks ``cw``'s large y is computed and downloaded in (<= 1: off)."""
@@ -1808,7 +1889,7 @@ class Launcher:
         its graph too): f16 converted on the device, then copied into the pinned out buffer;
         or the top-k epilogue's launches and its packed rows' copy into that buffer."""
         out = b.extra["out"]
-        cp, stream = self.ctx.cp, self.ctx.stream
+        cp = self.ctx.cp
         if out is None:
             if b.extra.get("y16") is not None:  # a larger f16 y: only its conversion here
                 shape = b.extra["shape"]
@@ -1819,7 +1900,7 @@ class Launcher:
             for s in b.extra["post"]:
                 s()
             packed, host = out
-            cp.cuda.runtime.memcpyAsync(host.ctypes.data, packed, host.nbytes, _D2H, stream.ptr)
+            self._copy(host.ctypes.data, packed, host.nbytes, _D2H)
             return
         y16, host = out
         src = b.extra["y"]
@@ -1827,7 +1908,7 @@ class Launcher:
             cp.copyto(self.ws.array("y16b", host.shape, np.float16),
                       self.ws.array("y", host.shape, np.float32), casting="same_kind")
             src = y16
-        cp.cuda.runtime.memcpyAsync(host.ctypes.data, src, host.nbytes, _D2H, stream.ptr)
+        self._copy(host.ctypes.data, src, host.nbytes, _D2H)
 
     def _finish_bound(self, b: Bound, n: int, rows: int, out_dtype: np.dtype | None,
                       topk: int, slot: int) -> Callable[[], Done]:
@@ -1859,14 +1940,58 @@ class Launcher:
         """Capture b's sequence as a graph; on any refusal keep direct launches for it."""
 
         def enqueue(record: Callable[[Any], None]) -> None:
-            if not b.extra.get("device_x"):  # x from the host staging (else copied before)
-                self._upload(b, host.ctypes.data)
+            # x from the host staging (else copied before); a copy kernel's upload has no
+            # copy engine's hand-off to keep out of the events (no anchor)
+            if not b.extra.get("device_x") and not self._upload(b, host.ctypes.data):
                 self._anchor_step()
             self._kernels(b, record)
             self._anchor_step(after_end=True)
             self._download(b)
 
         b.graph = self.capture(enqueue)
+
+    def copy_limit(self) -> int:
+        """Bytes up to which :meth:`_copy` uses the copy kernel (0: never)."""
+        return COPY_KERNEL_MAX if self.copy_kernel_max is None else self.copy_kernel_max
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int) -> bool:
+        """``nbytes`` from ``src`` to ``dst`` on the stream (a direct launch, or a node under
+        capture): by the copy kernel (COPY_SRC; True) when it is at most :meth:`copy_limit`
+        bytes and both addresses are 16-byte aligned, else by ``memcpyAsync`` (``kind``: its
+        direction) on the copy engine (False). Host addresses must be the device's too
+        (cudaHostAlloc'd, or mapped: :meth:`device_ptr`)."""
+        if not self.by_kernel(nbytes, dst, src):
+            self.ctx.cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, self.ctx.stream.ptr)
+            return False
+        self._kernel_copy(dst, src, nbytes)
+        return True
+
+    def by_kernel(self, nbytes: int, *ptrs: int) -> bool:
+        """Whether :meth:`_copy` moves ``nbytes`` between ``ptrs`` by the copy kernel."""
+        return 0 < nbytes <= self.copy_limit() and all(p % 16 == 0 for p in ptrs)
+
+    def _kernel_copy(self, dst: int, src: int, nbytes: int) -> None:
+        """The copy kernel (COPY_SRC) on the stream; both addresses the device's."""
+        stream = self.ctx.stream
+        if self._copy_fn is None:
+            self._copy_fn = self.ctx.cp.RawKernel(COPY_SRC, "q6_copy")
+        blocks = max(1, min(COPY_MAX_BLOCKS, -(-(nbytes >> 4) // COPY_THREADS)))
+        self._copy_fn((blocks,), (COPY_THREADS,), (np.uint64(src), np.uint64(dst),
+                                                    np.int64(nbytes)), stream=stream)
+
+    def device_ptr(self, host: int) -> int | None:
+        """The device's address of registered page-locked host memory at ``host`` (a region:
+        ``cudaHostRegister``ed, whose device address need not be the host's), or None where
+        the driver gives none."""
+        if self._dev_ptr is None:
+            self._dev_ptr = _host_device_ptr() or False
+        if not self._dev_ptr:
+            return None
+        out = ctypes.c_uint64()
+        with self.ctx.dev:
+            if self._dev_ptr(ctypes.byref(out), ctypes.c_void_p(host), 0) != 0:
+                return None
+        return int(out.value)
 
     def _anchor_step(self, after_end: bool = False) -> None:
         """``timing_anchor`` (under capture, after x's upload): an empty one-thread kernel
@@ -1916,16 +2041,16 @@ class Launcher:
             rt.memcpy2DAsync(dst + doff, dpitch, y + soff, spitch, width, height, _D2H,
                              stream.ptr if last else ys.ptr)
 
-    def _upload(self, b: Bound, src: int) -> None:
-        """x's upload from the host at ``src`` into the sequence's device x, on the stream; the
-        token halves' (point 10): the first half's on the stream, then the stream forks to the
-        x stream, which uploads the rest (each half's event after its copy: the stream waits
-        for it before that half's kernels, ``_kernels``)."""
+    def _upload(self, b: Bound, src: int) -> bool:
+        """x's upload from the host at ``src`` into the sequence's device x, on the stream (by
+        the copy kernel where :meth:`_copy` takes it: True); the token halves' (point 10): the
+        first half's on the stream, then the stream forks to the x stream, which uploads the
+        rest (each half's event after its copy: the stream waits for it before that half's
+        kernels, ``_kernels``)."""
         rt, stream = self.ctx.cp.cuda.runtime, self.ctx.stream
         xd, xparts = b.extra["xd"], b.extra.get("xparts")
         if not xparts:
-            rt.memcpyAsync(xd, src, b.x_bytes, _H2D, stream.ptr)
-            return
+            return self._copy(xd, src, b.x_bytes, _H2D)
         xs = self.x_stream()
         for off, nbytes, ev in xparts:
             if ev is None:
@@ -1935,6 +2060,7 @@ class Launcher:
             else:
                 rt.memcpyAsync(xd + off, src + off, nbytes, _H2D, xs.ptr)
                 ev.record(xs)
+        return False
 
     def capture(self, enqueue: Callable[[Callable[[Any], None]], None]) -> Any:
         """``enqueue(record)`` captured on the stream as a graph, each ``record(event)`` an
@@ -2056,7 +2182,7 @@ class Launcher:
     def _many_in(self, weights: list[ResidentWeight], cws: list[CudaWeight], x: np.ndarray,
                  in_t: str, parts: list[tuple[str, Cfg]], out_dtype: np.dtype | None,
                  slot: int, host: np.ndarray) -> Callable[[], Any]:
-        cp, stream = self.ctx.cp, self.ctx.stream
+        stream = self.ctx.stream
         n = int(x.shape[0])
         rows = sum(w.rows for w in weights)
         key = self.many_key(cws, parts, n, in_t, many_out(n, rows, out_dtype), slot)
@@ -2068,7 +2194,7 @@ class Launcher:
             b.graph.launch(stream)
             flat = None if b.out is not None else self._many_y_out(b)
         else:
-            cp.cuda.runtime.memcpyAsync(b.xd, host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
+            self._copy(b.xd, host.ctypes.data, b.x_bytes, _H2D)
             self._many_kernels(b, lambda ev: ev.record(stream))
             flat = None if b.out is not None else self._many_y_out(b)  # (before a capture)
             b.calls += 1
@@ -2147,7 +2273,7 @@ class Launcher:
     def _many_kernels(self, b: ManyBound, record: Callable[[Any], None]) -> None:
         """Each part's launches after its event, the last event, then y's f16 conversion and a
         small y's download (``record``: a plain record, or a graph node under capture)."""
-        cp, ws, stream = self.ctx.cp, self.ws, self.ctx.stream
+        cp, ws = self.ctx.cp, self.ws
         i = 0
         for ev, count in zip(b.events, b.counts, strict=False):  # (the last event: after)
             record(ev)
@@ -2160,15 +2286,12 @@ class Launcher:
             cp.copyto(ws.array("y16b", (size,), np.float16),
                       ws.array("y", (size,), np.float32), casting="same_kind")
         if b.out is not None:
-            cp.cuda.runtime.memcpyAsync(b.out.ctypes.data, b.y16 or b.y, b.out.nbytes, _D2H,
-                                        stream.ptr)
+            self._copy(b.out.ctypes.data, b.y16 or b.y, b.out.nbytes, _D2H)
 
     def _capture_many(self, b: ManyBound, host: np.ndarray) -> None:
-        stream, rt = self.ctx.stream, self.ctx.cp.cuda.runtime
-
         def enqueue(record: Callable[[Any], None]) -> None:
-            rt.memcpyAsync(b.xd, host.ctypes.data, b.x_bytes, _H2D, stream.ptr)
-            self._anchor_step()
+            if not self._copy(b.xd, host.ctypes.data, b.x_bytes, _H2D):
+                self._anchor_step()  # (a copy kernel's upload needs none: _capture)
             self._many_kernels(b, record)
 
         b.graph = self.capture(enqueue)

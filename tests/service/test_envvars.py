@@ -36,6 +36,7 @@ def test_a_switch_reads_as_the_flags_do(raw: str, want: bool) -> None:
     (envvars.DEFER_NOW, "soon"), (envvars.MULTI_PIPELINE, "2"),
     (envvars.MULTI_LAUNCH, "2"), (envvars.MULTI_LAUNCH, "both"),
     (envvars.TIMING_ANCHOR, "3"), (envvars.TIMING_ANCHOR, "yes"),
+    (envvars.COPY_KERNEL_MAX, "-1"), (envvars.COPY_KERNEL_MAX, "64K"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(var: Var, raw: str) -> None:
     with pytest.raises(EnvError, match=f"^{var.name}={raw!r}: "):

@@ -300,3 +300,215 @@ def test_timing_anchor_default_and_values() -> None:
             for v in ("0", "1", "2")] == [0, 1, 2]
     with pytest.raises(ValueError, match="Q6SERVE_TIMING_ANCHOR"):
         launch_mod.timing_anchor_from_env({"Q6SERVE_TIMING_ANCHOR": "3"})
+
+
+def _copy_kernel_fake(monkeypatch, limit: int):
+    """A fake backend whose launcher moves copies of up to ``limit`` bytes by the copy kernel
+    (``copy_kernel_max``), the fake's kernels doing the copy (or recording it under capture),
+    and ``order``: what each capture recorded (copy-engine copies, kernels, event nodes)."""
+    import ctypes
+
+    from tests.kernels.test_cuda_backend_host import fake_backend
+
+    be, cp = fake_backend(monkeypatch)
+    be.launcher.copy_kernel_max = limit
+    order: list[str] = []
+
+    def raw_kernel(src: str, name: str):
+        assert name in src
+
+        def launch(grid, block, args, stream=None) -> None:
+            if cp.capturing is not None:
+                order.append(name)
+            if name == "q6_copy":  # (src, dst, bytes): as many threads as 16-byte words
+                src_, dst, n = int(args[0]), int(args[1]), int(args[2])
+                assert grid[0] * block[0] >= min(-(-n // 16), launch_mod.COPY_MAX_BLOCKS
+                                                 * launch_mod.COPY_THREADS)
+                assert stream is be.ctx.stream  # (the backend's stream, captured or not)
+                cp.op(lambda: ctypes.memmove(dst, src_, n))
+
+        return launch
+
+    cp.RawKernel = raw_kernel
+    memcpy = cp.cuda.runtime.memcpyAsync
+
+    def copy(dst: int, src: int, n: int, kind: int, stream: int) -> None:
+        if cp.capturing is not None:
+            order.append(("", "h2d", "d2h", "d2d")[kind])
+        memcpy(dst, src, n, kind, stream)
+
+    cp.cuda.runtime.memcpyAsync = copy
+    monkeypatch.setattr(launch_mod, "_external_record",
+                        lambda: (lambda ev, st, flags: order.append("event") or 0))
+    return be, cp, order
+
+
+@pytest.mark.parametrize("limit,want", [
+    (0, ["h2d", "q6_timing_anchor", "event", "event", "d2h"]),  # off: the copy engine
+    (1 << 20, ["q6_copy", "event", "event", "q6_copy"]),  # both by kernel, no anchor needed
+    (16 << 10, ["h2d", "q6_timing_anchor", "event", "event", "q6_copy"]),  # x (28 KB) too large
+])
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("out", [None, np.float16])
+def test_copy_kernel_moves_x_and_y_in_the_captured_sequence(monkeypatch, limit, want, staged,
+                                                            out):
+    """``Launcher.copy_kernel_max`` (Q6SERVE_COPY_KERNEL_MAX): x's upload and a small y's
+    download of at most that many bytes are the copy kernel's (a capture records it where the
+    copy-engine node was; with x's upload a kernel, no timing anchor), the rest the copy
+    engine's as before; y is the device y and x reaches the device on every kind of call."""
+    from tests.kernels.test_cuda_backend_host import fake_weight
+
+    be, cp, order = _copy_kernel_fake(monkeypatch, limit)
+    be.launcher.timing_anchor = 1
+    w = fake_weight(be, 4096, 14336)
+    rng = np.random.default_rng(5)
+    be.matmul(w, _x(be, rng, 1, 14336, staged), out_dtype=out)  # binds
+    for i in range(5):
+        y = _set_y(be, w, 1, i)
+        x = _x(be, rng, 1, 14336, staged)
+        xb = x.copy()
+        res = be.launch(w, x, out_dtype=out).wait()
+        want_y = y if out is None else y.astype(out)
+        assert res.y.dtype == want_y.dtype and np.array_equal(res.y, want_y)
+        ws = be.launcher.ws
+        assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+    assert order == want
+    assert cp.counts["graph"] == 4
+
+
+def test_copy_kernel_in_the_multi_weight_sequence(monkeypatch):
+    """A multi-weight call (q/k/v, N=1) with the copy kernel: its capture has the kernel's x
+    upload (no anchor) and its small y's download, and each part's y comes back right."""
+    from tests.kernels.test_cuda_backend_host import QKV, _set_many_y, fake_weight
+
+    be, _, order = _copy_kernel_fake(monkeypatch, 1 << 20)
+    be.launcher.timing_anchor = 1
+    ws = [fake_weight(be, r, k) for r, k in QKV]
+    rng = np.random.default_rng(6)
+    be.launch_many(ws, _x(be, rng, 1, 3584, False)).wait()  # binds
+    for i in range(5):
+        ys = _set_many_y(be, [r for r, _ in QKV], 1, i)
+        res = be.launch_many(ws, _x(be, rng, 1, 3584, i % 2 == 0)).wait()
+        for r, y in zip(res, ys, strict=True):
+            assert np.array_equal(r.y, y)
+    assert order[0] == "q6_copy" and order[-1] == "q6_copy"
+    assert "h2d" not in order and "d2h" not in order and "q6_timing_anchor" not in order
+    assert order.count("event") == len(QKV) + 1
+
+
+def test_copy_kernel_unaligned_goes_by_the_copy_engine(monkeypatch):
+    """An address not 16-byte aligned, or a copy of 0 bytes, is the copy engine's."""
+    be, _, _ = _copy_kernel_fake(monkeypatch, 1 << 20)
+    lc = be.launcher
+    assert lc.by_kernel(4096, 256, 512) and not lc.by_kernel(4096, 256, 520)
+    assert not lc.by_kernel(0, 256, 512) and not lc.by_kernel((1 << 20) + 1, 256, 512)
+    lc.copy_kernel_max = None  # unset: the module's
+    monkeypatch.setattr(launch_mod, "COPY_KERNEL_MAX", 0)
+    assert not lc.by_kernel(4096, 256, 512)
+
+
+def test_copy_kernel_variable_values() -> None:
+    """Q6SERVE_COPY_KERNEL_MAX: unset or empty, None (the module's COPY_KERNEL_MAX); bytes as
+    given; anything else refused naming the variable."""
+    assert launch_mod.copy_kernel_from_env({}) is None
+    assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": " "}) is None
+    assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": "65536"}) == 65536
+    assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": "0"}) == 0
+    for bad in ("-1", "1.5", "big"):
+        with pytest.raises(ValueError, match="Q6SERVE_COPY_KERNEL_MAX"):
+            launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": bad})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_copy_kernel_on_the_gpu(rng, monkeypatch, n):
+    """On a device, with every copy by the copy kernel (Q6SERVE_COPY_KERNEL_MAX large), a call's
+    y equals the copy engine's bit for bit on every kind of call (direct, capture, graph, the
+    cached BoundCall; staged and copied x; f32 and f16 y), with a kernel time under the call's
+    wall; q/k/v as one multi-weight call too; and the copy kernel alone moves a count of bytes
+    that is not whole 16-byte words (its tail) between device and pinned host memory."""
+    import time
+
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
+
+    rows, k = 3584, 18944
+    monkeypatch.setenv("Q6SERVE_COPY_KERNEL_MAX", str(64 << 20))
+    be = _gpu_backend()(0)
+    assert be.launcher.copy_kernel_max == 64 << 20  # (the backend passes the variable's value)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    qkv = [be.load(iter_aos_chunks(random_blocks(rng, r * 14), r, 3584, 64 << 20), r, 3584,
+                   Layout.SOA) for r in (3584, 512, 512)]
+    try:
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        xq = rng.standard_normal((n, 3584)).astype(np.float16)
+        be.launcher.copy_kernel_max = 0
+        refs = {out: be.matmul(w, x, out_dtype=out).y for out in (None, np.float16)}
+        ref_q = [r.y for r in be.launch_many(qkv, xq).wait()]
+        for cw in (w, *qkv):
+            cw.data.plans.clear()
+        be.launcher.copy_kernel_max = 64 << 20
+        for out in (None, np.float16):
+            for i in range(6):
+                xi = staged_copy(be, x) if i % 2 else x
+                t0 = time.perf_counter()
+                res = be.launch(w, xi, out_dtype=out).wait()
+                wall = time.perf_counter() - t0
+                np.testing.assert_array_equal(res.y, refs[out])
+                s = res.timing.seconds(wait=True)
+                assert s is not None and 0 < s < wall, (i, s, wall)
+        for _ in range(5):
+            for r, want in zip(be.launch_many(qkv, xq).wait(), ref_q, strict=True):
+                np.testing.assert_array_equal(r.y, want)
+        assert any(b.graph for b in w.data.plans.values() if type(b).__name__ == "Bound")
+        assert be.launcher._copy_fn is not None  # (it ran)
+        cp, lc = be.ctx.cp, be.launcher
+        src = rng.integers(0, 255, 4004 + 64, dtype=np.uint8)
+        with be.ctx.dev:
+            dsrc = cp.asarray(src)
+            host = cp.cuda.alloc_pinned_memory(len(src))
+            dst = np.frombuffer(host, np.uint8, len(src))
+            dst[:] = 7
+            lc._kernel_copy(host.ptr, int(dsrc.data.ptr), 4004)  # 250 words and 4 bytes
+            be.ctx.stream.synchronize()
+        np.testing.assert_array_equal(dst[:4004], src[:4004])
+        assert (dst[4004:] == 7).all()  # (nothing past the count)
+    finally:
+        for cw in (w, *qkv):
+            be.free(cw)
+        be.close()
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+@pytest.mark.parametrize("out", [np.float32, np.float16])
+def test_copy_kernel_in_the_region_call(monkeypatch, mapped, out):
+    """A fast lane's region call (one stream) with the copy kernel: x from the region and y
+    into it are the copy kernel's at the region's device addresses (``Launcher.device_ptr``),
+    its capture has no copy-engine node; where the driver maps no device address, the copy
+    engine's with the timing anchor after x's upload (as a bound sequence's)."""
+    from tests.dataplane.test_region_call import K, ROWS, _first, _region
+    from tests.kernels.test_cuda_backend_host import fake_weight
+
+    be, _, order = _copy_kernel_fake(monkeypatch, 8 << 20)
+    lc = be.launcher
+    lc.timing_anchor, lc.region_streams = 1, False
+    seen: list[int] = []
+    monkeypatch.setattr(lc, "device_ptr",
+                        lambda host: seen.append(host) or (host if mapped else None))
+    w = fake_weight(be, ROWS, K)
+    rng = np.random.default_rng(9)
+    buf, x, y, _ = _region(be, 8, np.dtype(out))
+    x[...] = rng.standard_normal((8, K))
+    rc = _first(be, w, x, y, out).call
+    for i in range(5):
+        x[...] = rng.standard_normal((8, K))
+        want = _set_y(be, w, 8, 40 + i)
+        assert rc.launch().wait().y is y
+        assert np.array_equal(y, want.astype(out))
+        assert np.array_equal(lc.ws._dev["x"].a[: x.nbytes], x.reshape(-1).view(np.uint8))
+    assert seen == [x.ctypes.data, y.ctypes.data]  # (once, at the binding)
+    assert order == (["q6_copy", "event", "event", "q6_copy"] if mapped else
+                     ["h2d", "q6_timing_anchor", "event", "event", "d2h"])
+    del buf
