@@ -98,7 +98,8 @@ class CudaBackend(Backend):
         self.storage = Storage(self.ctx, pairs_from_env())
         self.dispatch = Dispatch(table or None, self.sm_count)
         self.launcher = Launcher(self.ctx, graphs=graphs,
-                                 anchor=launch_mod.timing_anchor_from_env())
+                                 anchor=launch_mod.timing_anchor_from_env(),
+                                 copy_max=launch_mod.copy_kernel_from_env())
         # callers' page-locked host memory (the service's shm regions): x and y DMA'd
         # straight from/to it (Launcher.launch_host); portable: pinned for every context
         rt = self.ctx.cp.cuda.runtime

@@ -411,9 +411,13 @@ COPY_SRC = r"""extern "C" __global__ void q6_copy(const unsigned char* __restric
 }"""
 COPY_THREADS = 256
 COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
-# copies of at most this many bytes go by COPY_SRC (0: none; the copy engine, as before session
-# 18); Q6SERVE_COPY_KERNEL_MAX overrides it where a backend is built
-COPY_KERNEL_MAX = 0
+# copies of at most this many bytes go by COPY_SRC (0: none, the copy engine, as before session
+# 18); Q6SERVE_COPY_KERNEL_MAX overrides it where a backend is built. 64 KiB: T1's x (37 KB) and
+# f32 y (14 KB), q/k/v's at N=1. H200, session 18 bundle A (ca37662, bench/gpu_hp_s18a.sh):
+# 3584x18944 N=1 f16 host (wall - kernel) 30.0 -> 18.0 us staged, 31.6 -> 20.9 fresh x, GPU span
+# 45.1 -> 33.6, the kernel 21.5 either way; N=64 unchanged (its x is in token halves, the copy
+# engine's; its y is not small); q/k/v in one call 28.6 -> 26.3
+COPY_KERNEL_MAX = 64 << 10
 
 
 def copy_kernel_from_env(env: Any = None) -> int | None:
@@ -1165,7 +1169,8 @@ def _many_split(flat: np.ndarray, n: int, rows: tuple[int, ...],
 class Launcher:
     """Plans, binds and runs the kernels of one device (see the module docstring)."""
 
-    def __init__(self, ctx: Any, graphs: bool = True, anchor: int = 0) -> None:
+    def __init__(self, ctx: Any, graphs: bool = True, anchor: int = 0,
+                 copy_max: int | None = 0) -> None:
         self.ctx = ctx
         self._grids: dict[tuple, tuple[int, int, int]] = {}
         self.ws = Workspace(ctx)
@@ -1199,8 +1204,10 @@ class Launcher:
         self.timing_anchor = anchor
         self._anchor: Any = None
         # x's upload / a small y's download by a kernel up to this many bytes (None: the
-        # module's COPY_KERNEL_MAX at each binding; see COPY_SRC); compiled on first use
-        self.copy_kernel_max = copy_kernel_from_env()
+        # module's COPY_KERNEL_MAX at each binding; see COPY_SRC); compiled on first use.
+        # CudaBackend passes Q6SERVE_COPY_KERNEL_MAX's value (unset: None); a launcher built
+        # without one (the host tests' fake device) has none
+        self.copy_kernel_max = copy_max
         self._copy_fn: Any = None
         self._dev_ptr: Any = None
 

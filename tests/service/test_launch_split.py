@@ -408,9 +408,16 @@ def test_copy_kernel_unaligned_goes_by_the_copy_engine(monkeypatch):
 
 
 def test_copy_kernel_variable_values() -> None:
-    """Q6SERVE_COPY_KERNEL_MAX: unset or empty, None (the module's COPY_KERNEL_MAX); bytes as
-    given; anything else refused naming the variable."""
+    """Q6SERVE_COPY_KERNEL_MAX: unset or empty, None (the module's COPY_KERNEL_MAX, 64 KiB as
+    measured: T1's x and y by the kernel); bytes as given; anything else refused naming the
+    variable. A launcher built without a value (the fake device's) has none."""
+    from types import SimpleNamespace
+
+    assert launch_mod.COPY_KERNEL_MAX == 64 << 10
     assert launch_mod.copy_kernel_from_env({}) is None
+    lc = launch_mod.Launcher(SimpleNamespace(), copy_max=None)
+    assert lc.copy_limit() == 64 << 10 and lc.by_kernel(37888, 256, 512)
+    assert launch_mod.Launcher(SimpleNamespace()).copy_limit() == 0
     assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": " "}) is None
     assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": "65536"}) == 65536
     assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": "0"}) == 0
@@ -488,7 +495,7 @@ def test_copy_kernel_in_the_region_call(monkeypatch, mapped, out):
     into it are the copy kernel's at the region's device addresses (``Launcher.device_ptr``),
     its capture has no copy-engine node; where the driver maps no device address, the copy
     engine's with the timing anchor after x's upload (as a bound sequence's)."""
-    from tests.dataplane.test_region_call import K, ROWS, _first, _region
+    from tests.dataplane.test_region_call import ROWS, K, _first, _region
     from tests.kernels.test_cuda_backend_host import fake_weight
 
     be, _, order = _copy_kernel_fake(monkeypatch, 8 << 20)
