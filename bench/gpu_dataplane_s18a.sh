@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Session 18, issue 15, bundle A: what bounds T3 through CUDA regions (0.46 of the kernel alone at
-# session 17's closing check), and the device process's lean path for CUDA-region calls.
-# 1. `pytest -m gpu tests/dataplane` (the lean path is the default of this tree).
+# session 17's closing check) and through system regions (0.20), and two changes of the device
+# process, each A/B'd by a switch of this tree.
+# 1. `pytest -m gpu tests/dataplane` (both changes on: the tree's default).
 # 2. One T3 run over CUDA regions (8 hosts of N=64, 6 front ends round robin) with the device
 #    process's counters (Q6SERVE_DP_STATS: loop busy, CPU, messages) and `py-spy record` on it
 #    (where its loop's time goes per call), then the same over system regions.
-# 3. T3 over CUDA regions with Q6SERVE_DP_LEAN=0 (session 17's path: a CuPy view of x and y per
-#    call, the dispatch looked up twice, y through the backend's view) / 1 (views cached per
-#    place, the choice kept per cost key, y copied from the workspace's address), alternated.
+# 3. Alternated: T3 over CUDA regions with Q6SERVE_DP_LEAN=0 (session 17's path: a CuPy view of x
+#    and y per call, the dispatch looked up twice, y through the backend's view) / 1 (views cached
+#    per place, the choice kept per cost key, y copied from the workspace's address); T3 over
+#    system regions with Q6SERVE_DP_SYS_PIPE=0 (a full call queued to the batcher, waited for
+#    inline) / 1 (launched at the trip's end through Engine.launch_now behind the launches out,
+#    repeats by their region's plan: the lane's full-batch route).
 # No run starts past BOUND - NEED s; a table last.
-#   bench/gpu_dataplane_s18a.sh   env: BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
+#   bench/gpu_dataplane_s18a.sh   env: BOUND (95), NEED (8), BACKEND (cuda; numpy: a CPU
 #                                 rehearsal with DRY_RUN=1, ROW_SCALE)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -29,7 +33,7 @@ t3() {  # t3 RUN NAME: bench/service.py's T3 over $REGION regions (cuda unless s
     --modes stream --frontends 6 --t3-hosts 8 --seconds "${SECONDS_PER_RUN:-1.5}" \
     --warmup 0.3 --targets T3 --regions "${REGION:-cuda}" --row-scale "${ROW_SCALE:-1.0}" \
     --json "$OUT/t3_$1.json" >"$OUT/t3_$1.log" 2>&1
-  note "# $1 (service.py T3 ${REGION:-cuda}, lean ${Q6SERVE_DP_LEAN:-1}) rc=$? at $(elapsed)"
+  note "# $1 (service.py T3 ${REGION:-cuda}, lean ${Q6SERVE_DP_LEAN:-1}, sys pipe ${Q6SERVE_DP_SYS_PIPE:-1}) rc=$? at $(elapsed)"
   archive 2>/dev/null
 }
 prof() {  # prof RUN NAME: t3 with the device process's counters and py-spy on it
@@ -53,9 +57,10 @@ prof() {  # prof RUN NAME: t3 with the device process's counters and py-spy on i
   note "# $1 profiled (worker pid ${pid:-none}, py-spy ${SPY:-none})"
   archive 2>/dev/null
 }
-ab_runs "${NEED:-12}" prof "pcuda:REGION=cuda" "psys:REGION=system"
-ab_runs "${NEED:-12}" t3 "off:Q6SERVE_DP_LEAN=0" "on" "on" "off:Q6SERVE_DP_LEAN=0" \
-  "off:Q6SERVE_DP_LEAN=0" "on" "on" "off:Q6SERVE_DP_LEAN=0"
+ab_runs "${NEED:-8}" prof "pcuda:REGION=cuda" "psys:REGION=system"
+C0=REGION=cuda,Q6SERVE_DP_LEAN=0 S0=REGION=system,Q6SERVE_DP_SYS_PIPE=0
+ab_runs "${NEED:-8}" t3 "coff:$C0" "con:REGION=cuda" "soff:$S0" "son:REGION=system" \
+  "con:REGION=cuda" "coff:$C0" "son:REGION=system" "soff:$S0" "coff:$C0" "con:REGION=cuda"
 {
   echo "# device process under T3 (Q6SERVE_DP_STATS, the timed second): calls, loop busy, CPU us a call"
   python3 bench/device_stats_table.py "$OUT" 2>&1
@@ -71,9 +76,10 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/t3_*.json")):
         print(f"# {name:8} {t['region']:6} {t['service_rows_per_s']:>10,.0f} {t['p99_us']:>8,.0f}"
               f" {min(k):>6.1f} {t['fraction']:6.3f}")
         got.setdefault(name.split("_")[0], []).append(t["service_rows_per_s"])
-if "on" in got and "off" in got:
-    on, off = statistics.median(got["on"]), statistics.median(got["off"])
-    print(f"# median cuda rows/s off {off:,.0f} ({len(got['off'])}) on {on:,.0f} "
-          f"({len(got['on'])}) on/off {on / off:.3f}")
+for kind, what in (("c", "cuda (lean)"), ("s", "system (pipe)")):
+    if f"{kind}on" in got and f"{kind}off" in got:
+        on, off = statistics.median(got[f"{kind}on"]), statistics.median(got[f"{kind}off"])
+        print(f"# median {what} rows/s off {off:,.0f} ({len(got[f'{kind}off'])}) on {on:,.0f} "
+              f"({len(got[f'{kind}on'])}) on/off {on / off:.3f}")
 PY
 } | table

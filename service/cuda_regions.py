@@ -32,8 +32,9 @@ from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision
 from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
+from . import envvars
 from .batcher import DeadlineExceeded, Deferred, MatmulReply
-from .regions import LEAN, CudaIpcSource, Mapping
+from .regions import CudaIpcSource, Mapping
 from .threads import settle
 
 log = logging.getLogger("q6serve.regions")
@@ -103,6 +104,7 @@ class CudaSupport:
         # dispatch is not looked up twice a call again (``_admit``'s refusal check and the
         # launch's); bounded as _job_s
         self._choice: dict[tuple[Any, ...], Any] = {}
+        self.lean = bool(envvars.DP_LEAN.read())  # (Q6SERVE_DP_LEAN: session 18's A/B)
         from q6serve.kernels.cuda.launch import IN_TYPES
         from q6serve.kernels.cuda.storage import weight_data
 
@@ -197,7 +199,7 @@ class CudaSupport:
                                   f"K={e.k}")
             flags = engine.flags.state.kernel_flags()
             cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
-            if not (LEAN and (cost, e.resident.layout, e.rows, e.k) in self._choice):
+            if not (self.lean and (cost, e.resident.layout, e.rows, e.k) in self._choice):
                 # what the flags forbid: refused now (a cached choice passed it already)
                 engine.backend.plan(n, call.precision, flags)
         except BaseException:
@@ -272,7 +274,7 @@ class CudaSupport:
         ws.take(slot)
         try:
             with b.ctx.dev, b.ctx.stream:
-                got = self._launch_known(e, call, yd, cost, slot) if LEAN else None
+                got = self._launch_known(e, call, yd, cost, slot) if self.lean else None
                 if got is None:
                     c, y, start, end = self._enqueue(e, call, flags, slot, cost)
                     _store(cp, y, yd, np.dtype(call.out_dtype))

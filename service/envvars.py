@@ -128,12 +128,19 @@ LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
                    "launches in flight on one launcher: all for the lane's pipeline, at most 2 "
                    "for the batcher's (CUDA)", low=1, high=4)
 
+# the device process of a --frontends worker (service/frontends.py, service/cuda_regions.py)
+DP_LEAN = Var("Q6SERVE_DP_LEAN", "switch", True,
+              "CUDA-region calls' lean launch: views cached per place, the launch choice kept")
+DP_SYS_PIPE = Var("Q6SERVE_DP_SYS_PIPE", "switch", True,
+                  "full system-region calls launched through the device process's pipeline")
+
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
-                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX)
+                         Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
+                         DP_LEAN, DP_SYS_PIPE)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

@@ -79,6 +79,7 @@ from q6serve.kernels.errors import (
 )
 
 from . import envvars, reuseport, wire
+from . import lane as lane_mod
 from . import regions as regions_mod
 from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
@@ -93,7 +94,6 @@ from .threads import busy_poll
 from .worker import Worker, build_server, stop_server
 
 log = logging.getLogger("q6serve.frontends")
-
 SLOT_BYTES = 4 << 20  # one matmul's x, then its y; bigger ones travel in the message
 GROUP_MAX_ROWS = 64  # a front end stacks small calls up to this many rows (EngineProxy)
 # a front end's stacked requests per (weight, dtypes, K) on the device at once; later calls
@@ -679,6 +679,25 @@ def _staged(engine: Engine, parts: list[tuple[MatmulCall, Any]], rows: int) -> n
 # ============================================================================================
 # The device process
 # ============================================================================================
+@dataclasses.dataclass(slots=True)
+class _SysCall:
+    """A full system-region call on its way through the device process's pipeline
+    (``FrontendsWorker._sys_call``): who gets the answer, its region (x and y, held), y's
+    place, the call, y's view, the route key (unrouted once), its plan (launched by it), the
+    plan's key in ``region.plans`` and the flag state a plan from it would be valid for."""
+
+    fe: _Front
+    rid: int
+    region: Region
+    y_off: int
+    call: MatmulCall
+    dest: np.ndarray
+    key: Any
+    plan: Any
+    pkey: tuple[Any, ...]
+    state: Any
+
+
 @dataclasses.dataclass(eq=False)
 class _Front:
     """One connected front end, as the device process sees it."""
@@ -746,6 +765,11 @@ class FrontendsWorker(Worker):
         # None, done)
         self._cuda_due: list[tuple[MatmulCall, Any, Callable[[Any, BaseException | None],
                                                              None]]] = []
+        # full system-region calls read in this trip (x and y page-locked in one region),
+        # launched at its end through the same pipeline (``_launch_sys_due``)
+        self._sys_due: list[_SysCall] = []
+        self.sys_pipe = bool(envvars.DP_SYS_PIPE.read())  # (0: queued to the batcher)
+        self.sys_planned = 0  # of them, launched by their region's plan (tests)
         self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
@@ -974,7 +998,7 @@ class FrontendsWorker(Worker):
 
     def _flush_due(self) -> None:
         """A call for the trip's end (``_flush_calls``, scheduled once a trip)."""
-        if not self._merging and not self._cuda_due:
+        if not self._merging and not self._cuda_due and not self._sys_due:
             asyncio.get_running_loop().call_soon(self._flush_calls)
 
     def _flush_calls(self) -> None:
@@ -998,6 +1022,8 @@ class FrontendsWorker(Worker):
             self._start_merged(chunk, rows)
         if self._cuda_due:
             self._launch_cuda_due()
+        if self._sys_due:
+            self._launch_sys_due()
         self._settle(earlier)
         for fe in self._fronts.values():
             fe.out.flush_now()
@@ -1129,7 +1155,7 @@ class FrontendsWorker(Worker):
             asyncio.get_running_loop().call_soon(self._tick, False)
             return
         self._tick_due = False
-        if self._merging or self._cuda_due:
+        if self._merging or self._cuda_due or self._sys_due:
             return  # (_flush_calls comes: it settles them, after its own launches)
         self._settle(self._launches)
         for fe in self._fronts.values():
@@ -1283,6 +1309,11 @@ class FrontendsWorker(Worker):
                                          timeout)
                 self._count_pending(fe)
                 return
+            if (self.sys_pipe and xr is yr and len(x_shape) == 2
+                    and x_shape[0] >= self.config.max_batch_rows):
+                self._sys_call(fe, rid, xr, xs, ys[1], weight, precision, out_dtype, timeout)
+                self._count_pending(fe)
+                return
             call = MatmulCall(weight, xr.array(x_off, _LE[x_dtype], x_shape, "x"),
                               _PRECISION_OF[precision], DTYPES[out_dtype], timeout)
             shape = (x_shape[0], self.engine.rows_of(weight))  # type: ignore[union-attr]
@@ -1306,6 +1337,134 @@ class FrontendsWorker(Worker):
             return
         del call, dest
         self._count_pending(fe)
+
+    def _sys_call(self, fe: _Front, rid: int, r: Region, xs: tuple[Any, ...], y_off: int,
+                  weight: str, precision: str, out_dtype: str, timeout: float | None) -> None:
+        """A full batch (N >= --max-batch-rows) with x and y in one system
+        region, both held: the fast lane's route for full batches (service/lane.py
+        ``_direct``/``_flush``) in this process's pipeline. A repeat of a call planned before
+        (same weight, shapes, dtypes, precision and places) takes its plan (``lane._Plan``:
+        the backend's region call, one graph launch, the copies on copy streams beside
+        another launch); else x and y are viewed, y routed (the backend DMAs it into the
+        region, and is asked for a region call to plan with). Launched at the trip's end
+        (``_launch_sys_due``) behind the launches out, waited for a trip later; a call the
+        engine will not launch now is queued as any other. Raises what refuses the call."""
+        engine, table = self.engine, self.regions
+        assert engine is not None and table is not None
+        x_off, x_dtype, x_shape = xs[1], _LE[xs[2]], tuple(xs[3])
+        out, prec = DTYPES[out_dtype], _PRECISION_OF[precision]
+        pkey = (weight, x_shape, x_off, y_off, x_dtype, out, prec)
+        plans = r.plans
+        # (a plan's call has its first call's deadline, which only had to be ahead: a call
+        # whose deadline passed is checked, and refused, by a call of its own)
+        plan = plans.get(pkey) if plans and (timeout is None or timeout > 0) else None
+        flags = engine.flags
+        if plan is not None:
+            r.mapping.check_alive(f"x region {r.name!r}")  # (checked when it was made)
+            if plan.live(flags):
+                if not engine.serving:
+                    raise Unavailable("the worker is draining and takes no new requests")
+                self._flush_due()
+                self._sys_due.append(_SysCall(fe, rid, r, y_off, plan.call, plan.dest, None,
+                                              plan, pkey, None))
+                return
+            plans.pop(pkey, None)  # stale (weight, flags, page-locked ranges)
+        call = MatmulCall(weight, r.array(x_off, x_dtype, x_shape, "x", alive=plan is not None),
+                          prec, out, timeout)
+        if not engine.serving:
+            raise Unavailable("the worker is draining and takes no new requests")
+        dest = r.array(y_off, out, (x_shape[0], engine.rows_of(weight)), "y", writable=True,
+                       alive=True)
+        self._flush_due()
+        self._sys_due.append(self._sys_routed(_SysCall(fe, rid, r, y_off, call, dest, None,
+                                                       None, pkey, None)))
+
+    def _sys_routed(self, p: _SysCall) -> _SysCall:
+        """``p`` with y routed into its region (the backend DMAs it there) and, where its
+        region has room for another plan, a region call asked for (``Route.want``)."""
+        table = self.regions
+        assert table is not None and self.engine is not None
+        r, base = p.region, p.region.mapping.addr
+        x_off = p.pkey[2]
+        p.plan = None
+        p.key = table.route(p.call.x, p.dest, None if base is None else base + x_off,
+                            None if base is None else base + p.y_off)
+        if (p.key is not None and r.plans is not None
+                and len(r.plans) < regions_mod.VIEW_CACHE):
+            p.key.want, p.state = True, self.engine.flags.state
+        return p
+
+    def _launch_sys_due(self) -> None:
+        """The trip's full system-region calls (``_sys_call``) through ``Engine.launch_now``
+        (a plan's call by its region call), behind the launches out; one the engine will not
+        launch now (a like job not measured yet, or the device busy otherwise) is queued."""
+        due, self._sys_due = self._sys_due, []
+        engine = self.engine
+        assert engine is not None
+        for p in due:
+            try:
+                self._pipe(functools.partial(self._sys_launch, p),
+                           functools.partial(self._sys_done, p),
+                           functools.partial(self._sys_queue, p))
+            except Exception as e:
+                self._sys_done(p, None, e)
+
+    def _sys_launch(self, p: _SysCall) -> Callable[[], Any] | None:
+        engine = self.engine
+        assert engine is not None
+        plan = p.plan
+        if plan is not None and not plan.live(engine.flags):
+            p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]
+            self._sys_routed(p)
+            plan = None
+        try:
+            wait = engine.launch_now(p.call, None if plan is None else plan.launch)
+        except Exception:
+            if plan is not None:
+                p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]  # (not again)
+            raise
+        if wait is not None and plan is not None:
+            self.sys_planned += 1
+        return wait
+
+    def _sys_queue(self, p: _SysCall) -> None:
+        """``p`` queued as any full call (the engine would not launch it now)."""
+        if p.plan is not None:
+            p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]
+            self._sys_routed(p)  # (queued: routed as any other)
+
+        def answered(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                self._sys_done(p, None, Unavailable("the call was cancelled"))
+            else:
+                exc = fut.exception()
+                self._sys_done(p, None if exc is not None else fut.result(), exc)
+
+        self.engine.start_matmul(p.call, answered)  # type: ignore[union-attr]
+
+    def _sys_done(self, p: _SysCall, reply: Any, exc: BaseException | None) -> None:
+        """``p``'s answer: y into place unless the backend wrote it there (its route, or its
+        plan's region call), a plan made from a routed call's region call, "rmok"; then its
+        region let go."""
+        table, fe = self.regions, p.fe
+        assert table is not None
+        try:
+            taken = table.unroute(p.key) or p.plan is not None
+            if exc is not None:
+                fe.send(("err", p.rid, _portable_error(exc)))
+                return
+            key, plans = p.key, p.region.plans
+            if (key is not None and key.call is not None and plans is not None
+                    and self.engine.flags.state is p.state):  # type: ignore[union-attr]
+                plans[p.pkey] = lane_mod._Plan(p.call, p.dest, key.call, p.state)
+            y = reply.y
+            regions_mod.place_y(p.region, p.y_off, y, p.dest, taken)
+            fe.send(("rmok", p.rid, _fields(reply), (_NAME.get(y.dtype) or dtype_name(y.dtype),
+                                                      y.shape)))
+        except Exception as e:
+            fe.send(("err", p.rid, _portable_error(e)))
+        finally:
+            self._region_call_ended(fe, p.region, p.region)
 
     def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
                      dest: np.ndarray, key: Any, fut: asyncio.Future[Any]) -> None:

@@ -65,9 +65,6 @@ _KEY = re.compile(r"^/?([A-Za-z0-9._-]{1,255})$")
 CUDA_IPC_HANDLE_BYTES = 64
 SYSTEM, CUDA = "system", "cuda"
 VIEW_CACHE = 64  # cached views per region (Region.array); all dropped when full
-# Session 18's A/B switch (bundle A, then removed): the device process's lean path for CUDA-region
-# calls (views cached per place, as system regions' are; service/cuda_regions.py's launch)
-LEAN = os.environ.get("Q6SERVE_DP_LEAN", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -233,11 +230,13 @@ class Region:
         self.mapping = mapping
         self.users = 0
         self.removed = False
-        # a system region's views by (offset, dtype, shape, writable), bounds-checked once:
-        # a lane or front-end caller names the same x and y places call after call, and a
-        # view is ~1.6 us and its checks ~0.6 us, twice per request. Dropped before the
+        # a region's views by (offset, dtype, shape, writable), bounds-checked once: a lane or
+        # front-end caller names the same x and y places call after call, and a view is ~1.6
+        # us (NumPy; a CUDA region's CuPy view more) and its checks ~0.6 us, twice per
+        # request (CUDA regions: with Q6SERVE_DP_LEAN, session 18's A/B). Dropped before the
         # mapping closes (a cached view would keep it mapped); at most VIEW_CACHE entries.
-        self._views: dict[tuple[Any, ...], Any] | None = {} if kind == SYSTEM or LEAN else None
+        self._views: dict[tuple[Any, ...], Any] | None = (
+            {} if kind == SYSTEM or envvars.DP_LEAN.read() else None)
         # a fast lane's plans of its repeated requests on this system region (service/lane.py:
         # request fields -> what the first such call settled); dropped with the views, at
         # most VIEW_CACHE entries

@@ -33,6 +33,9 @@ from tests.dataplane.test_pipeline_short import (
 @pytest.fixture
 def job4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("Q6SERVE_JOB_BATCHES", "4")
+    # full region calls through the batcher's jobs (the device process's pipeline takes them
+    # by default: tests/dataplane/test_sys_pipe.py)
+    monkeypatch.setenv("Q6SERVE_DP_SYS_PIPE", "0")
 
 
 def _batcher(dev: Device, lz: Launches, launch: Any = None) -> Batcher:

@@ -270,3 +270,33 @@ def _eight_callers(backend: Any, rng: np.random.Generator, seed: int,
         w.stop()
         raise
     return w, clients, xs, wants, regions
+
+
+def test_full_region_calls_through_frontends_pipelined_and_planned(
+        backend: Any, rng: np.random.Generator) -> None:
+    """T3's shape through front ends (8 callers of 64-row calls, x and y in each caller's
+    page-locked region, gRPC requests naming them): the device process launches them at its
+    loop trips' ends through ``Engine.launch_now`` (``FrontendsWorker._sys_call``), repeats by
+    their region's plan (the backend's ``RegionCall``); every y equals the bytes path's for
+    the x written into the region before the call; nothing is left held, routed or pinned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w, clients, xs, wants, regions = _eight_callers(backend, rng, 7)
+    try:
+        def caller(i: int) -> int:
+            c, r = clients[i], regions[i]
+            for j in range(30):
+                k = (i + j % 2) % 8  # two x's in turn: a plan reads the region's x anew
+                r.put(0, xs[k])
+                y = c.matmul("w", r.ndarray(0, np.float16, xs[k].shape), precision="f16",
+                             x_region=(r, 0), y_region=(r, 1 << 20))
+                same(np.array(y), wants[k])
+            return 30
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(caller, range(8))) == 240
+        assert w.worker.pipelined[0] > 0 and w.worker.sys_planned > 0, (
+            w.worker.pipelined, w.worker.sys_planned)
+        _nothing_left(w, backend, [], regions)
+    finally:
+        w.stop()
