@@ -151,6 +151,13 @@ _MM = struct.Struct("<cQiIIBBBd")
 # batch rows, batch requests, device s (NaN: None), y offset, y dtype, y rows, y columns; then
 # the kernel's name (UTF-8) to the end
 _MMOK = struct.Struct("<cQBBddIIdIBII")
+# "rm" (x and y in regions, x [rows, k]): b"G", request id, x offset, rows, k, y offset, x dtype,
+# out dtype, precision, timeout s (NaN: none), the UTF-8 lengths of the owner, x's region and y's
+# region; then those three and the weight's name to the end
+_RM = struct.Struct("<cQQIIQBBBdHHH")
+# "rmok" of a 2-D y (no top-k): b"K", request id, layout, precision, queue s, kernel s, batch
+# rows, batch requests, device s (NaN: None), y dtype, y rows, y columns; then the kernel's name
+_RMOK = struct.Struct("<cQBBddIIdBII")
 _NAN = float("nan")
 
 
@@ -179,6 +186,22 @@ def _encode(msg: tuple[Any, ...]) -> bytes:
             return _MMOK.pack(b"R", rid, _LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], f[3],
                               _opt(f[4]), f[5], f[6], _opt(f[7]), off, _DTYPE_CODE[dt], rows,
                               cols) + f[0].encode()
+    elif kind == "rm":
+        _, rid, owner, (xn, xo, xdt, xsh), (yn, yo), weight, prec, out, timeout = msg
+        if (len(xsh) == 2 and xdt in _DTYPE_CODE and out in _DTYPE_CODE
+                and prec in _PRECISION_CODE):
+            names = (owner.encode(), xn.encode(), yn.encode())
+            if all(len(b) < 65536 for b in names):
+                return b"".join((_RM.pack(b"G", rid, xo, xsh[0], xsh[1], yo, _DTYPE_CODE[xdt],
+                                          _DTYPE_CODE[out], _PRECISION_CODE[prec],
+                                          _opt(timeout), *map(len, names)),
+                                 *names, weight.encode()))
+    elif kind == "rmok":
+        _, rid, f, (dt, shape) = msg
+        if f[8] is None and len(shape) == 2 and dt in _DTYPE_CODE:
+            return _RMOK.pack(b"K", rid, _LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], _opt(f[3]),
+                              _opt(f[4]), f[5], f[6], _opt(f[7]), _DTYPE_CODE[dt], shape[0],
+                              shape[1]) + f[0].encode()
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -195,6 +218,22 @@ def _decode(b: memoryview | bytes) -> tuple[Any, ...]:
         return ("mmok", rid, (bytes(b[_MMOK.size:]).decode(), _LAYOUTS[layout],
                               _PRECISIONS[prec], queue, _unopt(kernel_s), rows, reqs,
                               _unopt(device_s), None), [(off, _DTYPE_NAMES[dt], (yrows, ycols))])
+    if tag == 0x47:  # b"G"
+        (_, rid, xo, rows, k, yo, xdt, out, prec, timeout, lo, lx,
+         ly) = _RM.unpack_from(b)
+        p = _RM.size
+        owner = bytes(b[p : p + lo]).decode()
+        xn = bytes(b[p + lo : p + lo + lx]).decode()
+        yn = bytes(b[p + lo + lx : p + lo + lx + ly]).decode()
+        return ("rm", rid, owner, (xn, xo, _DTYPE_NAMES[xdt], (rows, k)), (yn, yo),
+                bytes(b[p + lo + lx + ly :]).decode(), _PRECISIONS[prec], _DTYPE_NAMES[out],
+                _unopt(timeout))
+    if tag == 0x4B:  # b"K"
+        (_, rid, layout, prec, queue, kernel_s, rows, reqs, device_s, dt, yrows,
+         ycols) = _RMOK.unpack_from(b)
+        return ("rmok", rid, (bytes(b[_RMOK.size:]).decode(), _LAYOUTS[layout],
+                              _PRECISIONS[prec], _unopt(queue), _unopt(kernel_s), rows, reqs,
+                              _unopt(device_s), None), (_DTYPE_NAMES[dt], (yrows, ycols)))
     # pickle: both ends are this worker's own processes, over a socket in a 0700 directory
     return pickle.loads(b)  # type: ignore[no-any-return]
 

@@ -18,7 +18,16 @@ MESSAGES: list[tuple[Any, ...]] = [
     ("mmok", 9, ("q6k_ks_f16", "soa", "f16", 1.5e-4, None, 32, 5, 2.5e-4, None),
      [(64, "f16", (3, 3584))]),
     ("mmok", 10, ("numpy", "aos", "exact", 0.0, 1e-5, 1, 1, None, None), [(0, "f32", (1, 16))]),
+    # x and y in regions (T3), and its answer
+    ("rm", 11, "tok-é", ("r0", 0, "f16", (64, 18944)), ("r0", 1 << 20), "ffn_down", "f16",
+     "f32", None),
+    ("rm", 2**50, "", ("x", 2**40, "bf16", (1, 256)), ("ÿ", 8), "w", "q8_1", "bf16", 0.5),
+    ("rmok", 12, ("cuda.q6k_ks_f16.soa", "soa", "f16", 1.5e-5, 4.7e-5, 64, 1, 4.1e-5, None),
+     ("f32", (64, 3584))),
+    ("rmok", 13, ("numpy", "aos", "exact", 0.0, None, 3, 2, None, None), ("f16", (3, 16))),
     # pickled: what the fixed layouts do not cover
+    ("rm", 14, "o", ("x", 0, "f32", (2, 3, 256)), ("y", 0), "w", "auto", "f32", None),  # 3-D
+    ("rmok", 15, ("k", "soa", "f16", 0.0, None, 1, 1, None, 8), ("f32", (1, 8))),  # top-k
     ("mm", 3, "", ("a", "b"), 0, "auto", "f32", None, ("f32", (1, 256)), 1),  # multi-weight
     ("mm", 4, "w", (), 8, "auto", "f32", 1.0, ("f32", (1, 256)), 1),  # top-k
     ("mm", 5, "w", (), 0, "auto", "f32", None, np.ones((2, 256), np.float16), -1),  # x inline
@@ -49,7 +58,9 @@ def test_messages_round_trip(msg: tuple[Any, ...]) -> None:
 def test_hot_messages_use_the_fixed_layouts() -> None:
     assert fe._encode(MESSAGES[0])[:1] == b"M" and fe._encode(MESSAGES[2])[:1] == b"R"
     assert len(fe._encode(MESSAGES[0])) == fe._MM.size + len("blk.0.ffn_down")
-    assert fe._encode(MESSAGES[4])[:1] == b"\x80"  # pickle
+    assert fe._encode(MESSAGES[4])[:1] == b"G" and fe._encode(MESSAGES[6])[:1] == b"K"
+    assert fe._encode(MESSAGES[8])[:1] == b"\x80" and fe._encode(MESSAGES[9])[:1] == b"\x80"
+    assert fe._encode(MESSAGES[10])[:1] == b"\x80"  # pickle
 
 
 class _Capture(fe._Peer):
@@ -116,7 +127,8 @@ def test_a_failing_message_closes_the_connection() -> None:
 
     asyncio.run(main())
     assert transport.closed
-    assert [m[0] for m in peer.got] == [m[0] for m in MESSAGES[:9]]
+    first_err = next(i for i, m in enumerate(MESSAGES) if m[0] == "err")
+    assert [m[0] for m in peer.got] == [m[0] for m in MESSAGES[:first_err]]
 
 
 def test_flush_now_writes_pending_messages_once_in_order() -> None:
