@@ -27,6 +27,7 @@ KERNEL_RATIO = 1.25  # the reply's kernel p50 / bench/kernels.py's
 SUITES = (("kernels_gpu", "GPU tests, tests/kernels"),
           ("dataplane_gpu", "GPU tests, tests/dataplane"),
           ("service_cuda", "service + issue-18 tests on CUDA"),
+          ("launch_gpu", "GPU tests, tests/service/test_launch_split.py"),
           ("demo", "q6serve demo --backend cuda"))
 
 Row = tuple[str, str, str, str]  # target, figure, limit, result

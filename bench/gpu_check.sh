@@ -32,6 +32,10 @@ Q6SERVE_TEST_BACKEND=cuda step service_cuda 150 python3 -m pytest -q -rfE -p no:
   tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
   tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
   tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
+# the captured launch sequences' GPU tests: the copy kernel's and the timing anchor's y against
+# the copy engine's, bit for bit (both defaults since sessions 17-18)
+step launch_gpu 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+  tests/service/test_launch_split.py
 step demo 150 python3 -m q6serve.client.cli demo --backend cuda
 if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
   step t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
