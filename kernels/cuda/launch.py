@@ -412,12 +412,14 @@ COPY_SRC = r"""extern "C" __global__ void q6_copy(const unsigned char* __restric
 COPY_THREADS = 256
 COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
 # copies of at most this many bytes go by COPY_SRC (0: none, the copy engine, as before session
-# 18); Q6SERVE_COPY_KERNEL_MAX overrides it where a backend is built. 64 KiB: T1's x (37 KB) and
-# f32 y (14 KB), q/k/v's at N=1. H200, session 18 bundle A (ca37662, bench/gpu_hp_s18a.sh):
-# 3584x18944 N=1 f16 host (wall - kernel) 30.0 -> 18.0 us staged, 31.6 -> 20.9 fresh x, GPU span
-# 45.1 -> 33.6, the kernel 21.5 either way; N=64 unchanged (its x is in token halves, the copy
-# engine's; its y is not small); q/k/v in one call 28.6 -> 26.3
-COPY_KERNEL_MAX = 64 << 10
+# 18); Q6SERVE_COPY_KERNEL_MAX overrides it where a backend is built. H200, session 18 bundle A
+# (ca37662, bench/gpu_hp_s18a.sh): 3584x18944 N=1 f16 host (wall - kernel) 30.0 -> 18.0 us
+# staged, 31.6 -> 20.9 fresh x, GPU span 45.1 -> 33.6, the kernel 21.5 either way; N=64 unchanged
+# (its x is in token halves, the copy engine's; its y is not small). Bundle C (ebf82f2,
+# gpu_hp_s18c.sh): 1 MiB against 64 KiB, x of N=2..16 (76-606 KB) by the kernel too, staged host
+# 3584x18944 N=2/4/8/16 36.2/48.5/51.3/74.1 -> 31.3/40.0/50.2/67.0 us, 4096x14336 N=4/8/16
+# 44.1/48.5/60.9 -> 34.6/41.4/55.6, kernels unchanged, y equal
+COPY_KERNEL_MAX = 1 << 20
 
 
 def copy_kernel_from_env(env: Any = None) -> int | None:
