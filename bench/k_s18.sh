@@ -38,6 +38,12 @@ if [[ ${PHASE:-a} == b ]]; then
   for n in 1 2 4 8; do R+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=7,pf=1,ksplit=2;$n:nt=1,ksplit=2;"; done
   step rule 40 python3 bench/kernels.py --cfg-ab "$R" --rounds 2 --iters 30 --no-torch \
     --shapes 10240x10240,8192x11264,8192x14336,11008x4096,27648x5120 --json "$OUT/rule.json"
+  # the K-slice grid model's K split at N = 1 on the rule's shapes (27648x5120: 20 slices of one
+  # block at N = 1/2, 46 us, where N = 4's one slice took 39.6): forced splits against AUTO
+  G=""
+  for k in 1 2 4 5 8 10; do G+="1:nt=1,src=4,pf=1,ksplit=$k;"; done
+  step grid 30 python3 bench/kernels.py --cfg-ab "$G" --rounds 2 --iters 30 --no-torch \
+    --shapes 27648x5120,29568x8192,5120x27648,8192x8192 --json "$OUT/grid.json"
   step n64 60 python3 bench/kernels.py --cfg-ab "$C64$C32" --rounds 2 --iters 40 \
     --shapes 3584x3584,4096x4096,14336x4096,4096x14336,18944x3584,3584x18944 --json "$OUT/n64.json"
 fi
@@ -127,7 +133,8 @@ import glob, os, re, sys
 # --cfg-ab's lines (the log, so a step cut by its bound still counts): shape N AUTO us cand us ...
 t = {}
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "sweep_*.log"))) + sorted(
-        glob.glob(os.path.join(sys.argv[1], "rule.log"))):
+        glob.glob(os.path.join(sys.argv[1], "rule.log"))) + sorted(
+        glob.glob(os.path.join(sys.argv[1], "grid.log"))):
     for line in open(f):
         m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s", line)
         if m:
