@@ -15,13 +15,13 @@
 # PHASE=b (bundle B): goal 3, N = 32/64 below the lm-heads (0.68-0.99x of torch in session 17's
 # closing check): --cfg-ab of launch shapes the tune never timed (K splits of the K-slice, wgmma
 # and cluster-sum tiles) against AUTO on the six 11-56 MB shapes, then the steps PHASE_B_MORE
-# names (a subset of bundle A's: "tableab sweep pytest ncu").
+# names (a subset of bundle A's: "tableab sweep pytest ncu"). PHASE=c: bundle C (below).
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/ks18${PHASE:-}
 BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
-want() { [[ ${PHASE:-a} == a || " ${PHASE_B_MORE:-} " == *" $1 "* ]]; }
+want() { [[ ${PHASE:-a} == a || " ${PHASE_B_MORE:-} " == *" $1 "* ]]; }  # (PHASE c: its own)
 if [[ ${PHASE:-a} == b ]]; then
   C64="" C32=""
   for k in 0 2 3 4; do C64+="64:nt=8,src=6,pf=1,warps=12,ksplit=$k;"; done
@@ -38,14 +38,23 @@ if [[ ${PHASE:-a} == b ]]; then
   for n in 1 2 4 8; do R+="$n:nt=1;$n:nt=1,src=4,pf=1;$n:nt=1,src=7,pf=1,ksplit=2;$n:nt=1,ksplit=2;"; done
   step rule 40 python3 bench/kernels.py --cfg-ab "$R" --rounds 2 --iters 30 --no-torch \
     --shapes 10240x10240,8192x11264,8192x14336,11008x4096,27648x5120 --json "$OUT/rule.json"
-  # the K-slice grid model's K split at N = 1 on the rule's shapes (27648x5120: 20 slices of one
-  # block at N = 1/2, 46 us, where N = 4's one slice took 39.6): forced splits against AUTO
-  G=""
-  for k in 1 2 4 5 8 10; do G+="1:nt=1,src=4,pf=1,ksplit=$k;"; done
-  step grid 30 python3 bench/kernels.py --cfg-ab "$G" --rounds 2 --iters 30 --no-torch \
-    --shapes 27648x5120,29568x8192,5120x27648,8192x8192 --json "$OUT/grid.json"
   step n64 60 python3 bench/kernels.py --cfg-ab "$C64$C32" --rounds 2 --iters 40 \
     --shapes 3584x3584,4096x4096,14336x4096,4096x14336,18944x3584,3584x18944 --json "$OUT/n64.json"
+fi
+if [[ ${PHASE:-a} == c ]]; then
+  # bundle C: the two N = 32 cells bundle B's --cfg-ab found (14336x4096 nt4.w8 at K split 4 1.031,
+  # 3584x3584 src 7 at K split 4 1.023) against the table landed before them, the GPU tests of
+  # the table's launch shapes, and the K-slice grid model's K split at N = 1 (27648x5120: 20
+  # one-block slices, 46.3 us, where N = 4's one slice took 39.6; 8192x11264: 44 slices 34.1 us,
+  # N = 2's 4 slices 27.1): forced splits against AUTO
+  step tableab 20 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_ce8a3fe.json \
+    --columns auto --iters 40 --shapes 14336x4096,3584x3584 --ns 32 --json "$OUT/tableab.json"
+  step pytest 25 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+    tests/kernels/test_cuda_pairs.py tests/kernels/test_cuda_ksc.py -k "every_table_shape or ksc or cluster"
+  G=""
+  for k in 1 2 4 7 10 20; do G+="1:nt=1,src=4,pf=1,ksplit=$k;"; done
+  step grid 20 python3 bench/kernels.py --cfg-ab "$G" --rounds 2 --iters 30 --no-torch \
+    --shapes 27648x5120,8192x11264,10240x10240 --json "$OUT/grid.json"
 fi
 want tableab && step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_482b631.json \
   --columns auto --iters 40 --shapes 14336x4096,18944x3584 --ns 1,2 \
