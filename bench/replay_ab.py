@@ -159,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = {name: r for name, r, _ in weights}
         plan = tuple(step_plan(a.layers, rows, a.multi == "on", a.topk))
         # what a run at S takes, its host process's start included: a guess until one has
-        # run, then the last one's time and 1 s (a fixed guess of 4 s over the timed part
-        # skipped runs that fitted: a run's start and warm-up take ~1-1.5 s on the H200; the
-        # longest seen did too: a worker's first run at an S, its graphs made, took 5.0 s
-        # against 2.5 after it, session 18 bundle B)
+        # run, then the shortest seen and 1 s, the call's first run left out (a fixed guess of
+        # 4 s over the timed part skipped runs that fitted: a run's start and warm-up take
+        # ~1-1.5 s on the H200; so did the longest or the last seen: the call's first run took
+        # 5.0-6.4 s against 2.1-2.9 for every later one, session 18 bundles B and C; a run
+        # longer than its estimate ends inside the reserve the scripts keep after --bound)
         need: dict[int, float] = {}
         seen: dict[str, int] = {}
         for v in order:
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "stream", "f16", PRECISIONS["auto"], "f16", a.spin)
                 try:
                     st_, wall, roles = run_replay(spec, 1)
-                    need[s] = time.perf_counter() - t_run + 1.0
+                    if doc["runs"]:  # (this run is not yet in them: not the first)
+                        need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
                 except Exception as e:
                     print(f"# {label} FAILED: {e}", flush=True)
                     doc["errors"].append({"run": label, "error": repr(e)[:2000]})
