@@ -427,15 +427,21 @@ def copy_kernel_from_env(env: Any = None) -> int | None:
     x's upload and a small y's download of at most this many bytes are done by a copy kernel
     (:meth:`Launcher._copy`), 0: by the copy engine. Read where a backend is built, as
     ``Q6SERVE_PDL``."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_COPY_KERNEL_MAX", "").strip()
+    return _env_int(env, "Q6SERVE_COPY_KERNEL_MAX", 0, None, "bytes, a whole number >= 0")
+
+
+def _env_int(env: Any, name: str, lo: int, hi: int | None, expected: str) -> int | None:
+    """A whole-number variable in ``lo..hi`` (``hi`` None: no upper bound); unset or empty:
+    None; anything else raises ValueError naming the variable and what it expects."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return None
     try:
         v = int(raw)
     except ValueError:
-        v = -1
-    if v < 0:
-        raise ValueError(f"Q6SERVE_COPY_KERNEL_MAX={raw!r}: expected bytes, a whole number >= 0")
+        v = lo - 1
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}={raw!r}: expected {expected}")
     return v
 
 
@@ -455,16 +461,7 @@ def y_chunks_from_env(env: Any = None) -> int | None:
     """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``, by default each
     weight's own): row chunks a large y is computed and downloaded in (0 or 1: off; at most
     16). Read where a backend is built, as ``Q6SERVE_PDL``."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_Y_CHUNKS", "").strip()
-    if not raw:
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= 16:
-        raise ValueError(f"Q6SERVE_Y_CHUNKS={raw!r}: expected a whole number 0..16")
-    return v
+    return _env_int(env, "Q6SERVE_Y_CHUNKS", 0, 16, "a whole number 0..16")
 
 
 def _driver_launch_ex() -> Any:
