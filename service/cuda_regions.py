@@ -199,13 +199,19 @@ class CudaSupport:
                                   f"K={e.k}")
             flags = engine.flags.state.kernel_flags()
             cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
-            if not (self.lean and (cost, e.resident.layout, e.rows, e.k) in self._choice):
+            if not (self.lean and self._choice_key(cost, e) in self._choice):
                 # what the flags forbid: refused now (a cached choice passed it already)
                 engine.backend.plan(n, call.precision, flags)
         except BaseException:
             engine.registry.release(e)
             raise
         return e, flags, cost
+
+    @staticmethod
+    def _choice_key(cost: tuple[Any, ...], e: Any) -> tuple[Any, ...]:
+        """``_choice``'s key: the call's cost key and the resident weight's layout and shape
+        (a relayout or a reload of the name under other rows or K chooses again)."""
+        return (cost, e.resident.layout, e.rows, e.k)
 
     def _launch_known(self, e: Any, call: Any, yd: Any, cost: tuple[Any, ...], slot: int,
                       ) -> tuple[Any, Any, Any] | None:
@@ -216,7 +222,7 @@ class CudaSupport:
         into ``yd`` from the workspace's address, without the backend's y view or a CuPy
         launch. Returns (choice, start, end), or None: not such a call (``_enqueue``)."""
         w = e.resident
-        c = self._choice.get((cost, w.layout, e.rows, e.k))
+        c = self._choice.get(self._choice_key(cost, e))
         x = call.x
         if (c is None or yd.dtype != np.float32 or not yd.flags.c_contiguous
                 or isinstance(x, np.ndarray) or not x.flags.c_contiguous):
@@ -256,7 +262,7 @@ class CudaSupport:
               and c.path != "cublas_f16" and c.cfg is not None):
             if len(self._choice) >= 4096:  # bounded: forget all, choose again
                 self._choice.clear()
-            self._choice[(cost, w.layout, e.rows, e.k)] = c
+            self._choice[self._choice_key(cost, e)] = c
         return (c, *b.launch_device(w, x, dtype, c.path, c.cfg, slot))
 
     def _launch(self, e: Any, call: Any, yd: Any, flags: KernelFlags, t_enq: float,

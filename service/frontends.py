@@ -736,6 +736,12 @@ class _SysCall:
     pkey: tuple[Any, ...]
     state: Any
 
+    def drop_plan(self) -> None:
+        """Forget the region's plan for this call's place (stale, refused, or the call queued:
+        a later repeat plans again)."""
+        if self.region.plans is not None:
+            self.region.plans.pop(self.pkey, None)
+
 
 @dataclasses.dataclass(eq=False)
 class _Front:
@@ -1453,14 +1459,14 @@ class FrontendsWorker(Worker):
         assert engine is not None
         plan = p.plan
         if plan is not None and not plan.live(engine.flags):
-            p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]
+            p.drop_plan()
             self._sys_routed(p)
             plan = None
         try:
             wait = engine.launch_now(p.call, None if plan is None else plan.launch)
         except Exception:
             if plan is not None:
-                p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]  # (not again)
+                p.drop_plan()  # (not again)
             raise
         if wait is not None and plan is not None:
             self.sys_planned += 1
@@ -1469,7 +1475,7 @@ class FrontendsWorker(Worker):
     def _sys_queue(self, p: _SysCall) -> None:
         """``p`` queued as any full call (the engine would not launch it now)."""
         if p.plan is not None:
-            p.region.plans.pop(p.pkey, None)  # type: ignore[union-attr]
+            p.drop_plan()
             self._sys_routed(p)  # (queued: routed as any other)
 
         def answered(fut: asyncio.Future[Any]) -> None:
