@@ -64,22 +64,5 @@ ab_runs "${NEED:-8}" t3 "coff:$C0" "con:REGION=cuda" "soff:$S0" "son:REGION=syst
 {
   echo "# device process under T3 (Q6SERVE_DP_STATS, the timed second): calls, loop busy, CPU us a call"
   python3 bench/device_stats_table.py "$OUT" 2>&1
-  echo "# T3 (8 hosts N=64, 6 front ends round robin): run, regions, rows/s, p99 us, kernel p50 us, fraction"
-  python3 - "$OUT" <<'PY'
-import glob, json, statistics, sys
-got = {}
-for path in sorted(glob.glob(f"{sys.argv[1]}/t3_*.json")):
-    doc = json.load(open(path))
-    name = path.rsplit("/", 1)[1][3:-5]
-    for t in doc["targets"]:
-        k = [r["kernel_p50_us"] for r in doc["runs"]] or [0.0]
-        print(f"# {name:8} {t['region']:6} {t['service_rows_per_s']:>10,.0f} {t['p99_us']:>8,.0f}"
-              f" {min(k):>6.1f} {t['fraction']:6.3f}")
-        got.setdefault(name.split("_")[0], []).append(t["service_rows_per_s"])
-for kind, what in (("c", "cuda (lean)"), ("s", "system (pipe)")):
-    if f"{kind}on" in got and f"{kind}off" in got:
-        on, off = statistics.median(got[f"{kind}on"]), statistics.median(got[f"{kind}off"])
-        print(f"# median {what} rows/s off {off:,.0f} ({len(got[f'{kind}off'])}) on {on:,.0f} "
-              f"({len(got[f'{kind}on'])}) on/off {on / off:.3f}")
-PY
+  python3 bench/t3_ab_table.py "$OUT" --pair coff:con:"cuda, lean 0 / 1" --pair soff:son:"system, pipe 0 / 1"
 } | table

@@ -34,22 +34,6 @@ S1=REGION=system S0=REGION=system,Q6SERVE_DP_SYS_PIPE=0
 ab_runs "${NEED:-8}" t3 "c6:$C6" "c8:$C8" "soff:$S0" "son:$S1" "coff:$C0" "c8:$C8" "c6:$C6" \
   "son:$S1" "soff:$S0" "coff:$C0"
 {
-  echo "# T3 (8 hosts N=64, round robin): run, regions, front ends, rows/s, p99 us, kernel p50 us, fraction"
-  python3 - "$OUT" <<'PY'
-import glob, json, statistics, sys
-got = {}
-for path in sorted(glob.glob(f"{sys.argv[1]}/t3_*.json")):
-    doc = json.load(open(path))
-    name = path.rsplit("/", 1)[1][3:-5]
-    for t in doc["targets"]:
-        k = [r["kernel_p50_us"] for r in doc["runs"]] or [0.0]
-        print(f"# {name:8} {t['region']:6} {t['frontends']:2} {t['service_rows_per_s']:>10,.0f}"
-              f" {t['p99_us']:>8,.0f} {min(k):>6.1f} {t['fraction']:6.3f}")
-        got.setdefault(name.split("_")[0], []).append(t["service_rows_per_s"])
-for a, b, what in (("coff", "c6", "cuda, lean 0 / 1"), ("c6", "c8", "cuda, 6 / 8 front ends"),
-                   ("soff", "son", "system, pipe 0 / 1")):
-    if a in got and b in got:
-        x, y = statistics.median(got[a]), statistics.median(got[b])
-        print(f"# median {what}: {x:,.0f} ({len(got[a])}) / {y:,.0f} ({len(got[b])}) = {y / x:.3f}")
-PY
+  python3 bench/t3_ab_table.py "$OUT" --pair coff:c6:"cuda, lean 0 / 1" --pair c6:c8:"cuda, 6 / 8 front ends" \
+    --pair soff:son:"system, pipe 0 / 1"
 } | table
