@@ -4,9 +4,13 @@ wrote into its output folder, ready to copy into bench/RESULTS.md.
 
     python3 bench/check_targets.py OUT [--kernels kernels.json] [--dataplane DIR]
 
-A target whose run is not in OUT (skipped, cut short, failed) gets its row with "not run", so
-a missing figure is never read as met. The kernel the host wall and the reply's kernel time are
-held to is bench/kernels.py's (OUT/kernels_ref.json, or --kernels): AUTO, f16, same shape and N.
+A target without its figure in OUT is never read as met: its row says why, from the check's
+OUT/steps.tsv (bench/gpu_lib.sh's `step`): "cut" (its step was killed at its limit or skipped
+for want of time in the check's bound), "failed (rc N)" (its step ended with an error), "no
+figure" (its steps ended well without it), or "not run" (no step of it ran, or an older check
+without steps.tsv). A suite cut short says how far
+it got. The kernel the host wall and the reply's kernel time are held to is bench/kernels.py's
+(OUT/kernels_ref.json, or --kernels): AUTO, f16, same shape and N.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ SUITES = (("kernels_gpu", "GPU tests, tests/kernels"),
           ("demo", "q6serve demo --backend cuda"))
 
 Row = tuple[str, str, str, str]  # target, figure, limit, result
+Steps = dict[str, tuple[int, str]]  # step name -> (rc, how: ran / cut / skipped)
+# pytest -q's progress lines: one character a test, then the percentage
+PROGRESS = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -44,6 +51,44 @@ def load(path: Path) -> dict[str, Any]:
 
 def verdict(met: bool | None) -> str:
     return "not run" if met is None else ("**met**" if met else "missed")
+
+
+def read_steps(out: Path) -> Steps:
+    """OUT/steps.tsv: each step's exit status and how it ended (the last line of a name
+    wins); {} for a check that wrote none."""
+    got: Steps = {}
+    try:
+        text = (out / "steps.tsv").read_text()
+    except OSError:
+        return got
+    for line in text.splitlines():
+        f = line.split("\t")
+        if len(f) >= 5 and f[1].lstrip("-").isdigit():
+            got[f[0]] = (int(f[1]), f[4])
+    return got
+
+
+def absent(steps: Steps, names: list[str]) -> str:
+    """The result of a target whose figure is missing, from its steps ``names``: cut (one was
+    killed at its limit or skipped for want of time), failed (one ended with an error), no
+    figure (they ran and ended well: the run did not ask for it), or not run."""
+    ran = [steps[n] for n in names if n in steps]
+    if any(how in ("cut", "skipped") for _, how in ran):
+        return "cut"
+    bad = [rc for rc, _ in ran if rc != 0]
+    return f"failed (rc {bad[0]})" if bad else ("no figure" if ran else "not run")
+
+
+def progress(log: Path) -> str:
+    """How far a pytest -q run got by its progress lines: "N passed, M failed" ('' if none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    marks = "".join(m.group(1) for ln in lines if (m := PROGRESS.match(ln.strip())))
+    if not marks:
+        return ""
+    return f"{marks.count('.')} passed, {marks.count('F') + marks.count('E')} failed"
 
 
 def kernel_us(kern: dict[str, Any], shape: str, n: int) -> float | None:
@@ -63,12 +108,17 @@ def last_line(log: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def suite_rows(out: Path) -> list[Row]:
+def suite_rows(out: Path, steps: Steps) -> list[Row]:
     rows = []
     for step, what in SUITES:
         line = last_line(out / f"{step}.log")
+        if steps.get(step, (0, ""))[1] in ("cut", "skipped"):
+            got = progress(out / f"{step}.log") if step != "demo" else ""
+            rows.append((what, f"cut after {got}" if got else "-", "all pass", "cut"))
+            continue
         if not line or line.startswith("skipped:"):  # no log, or gpu_lib's step skipped it
-            rows.append((what, line[:80] or "-", "all pass", verdict(None)))
+            rows.append((what, line[:80] or "-", "all pass",
+                         "cut" if line.startswith("skipped:") else absent(steps, [step])))
             continue
         if step == "demo":
             m = re.search(r"all (\d+) results match", line)
@@ -83,11 +133,11 @@ def suite_rows(out: Path) -> list[Row]:
     return rows
 
 
-def t1_rows(t1: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
+def t1_rows(t1: dict[str, Any], kern: dict[str, Any], steps: Steps) -> list[Row]:
     tg = next((t for t in t1.get("targets", []) if t.get("target") == "T1"), None)
     if tg is None:
         row1: Row = ("T1, p50 - kernel (N=1 f16 ffn_down, stream)", "-", "echo + 100 us",
-                     verdict(None))
+                     absent(steps, ["t1"]))
     else:
         row1 = ("T1, p50 - kernel (N=1 f16 ffn_down, stream)",
                 f"{tg['p50_minus_kernel_us']:.0f} us (echo {tg['bare_grpc_p50_us']:.0f})",
@@ -97,7 +147,7 @@ def t1_rows(t1: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
     ref = kernel_us(kern, T1_SHAPE, 1)
     what = f"kernel in the service (T1 p50) / bench/kernels.py ({T1_SHAPE} N=1 f16)"
     if run is None or run.get("kernel_p50_us") is None or ref is None:
-        row2: Row = (what, "-", f"{KERNEL_RATIO}x", verdict(None))
+        row2: Row = (what, "-", f"{KERNEL_RATIO}x", absent(steps, ["t1", "kernel_ref"]))
     else:
         ratio = run["kernel_p50_us"] / ref
         row2 = (what, f"{run['kernel_p50_us']:.2f} / {ref:.2f} us = {ratio:.2f}x",
@@ -105,7 +155,7 @@ def t1_rows(t1: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
     return [row1, row2]
 
 
-def wall_rows(wall: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
+def wall_rows(wall: dict[str, Any], kern: dict[str, Any], steps: Steps) -> list[Row]:
     rows = []
     for n, limit in WALL_LIMIT_US.items():
         figs, oks = [], []
@@ -120,13 +170,13 @@ def wall_rows(wall: dict[str, Any], kern: dict[str, Any]) -> list[Row]:
             w = float(got[-1]["wall_p50"])
             figs.append(f"{shape}: {w:.1f} - {ref:.1f} = {w - ref:.1f} us")
             oks.append(w - ref <= limit)
-        met = None if None in oks else all(oks)
+        res = absent(steps, ["wall", "kernel_ref"]) if None in oks else verdict(all(oks))
         rows.append((f"host wall (staged) - kernel, N={n}", "; ".join(figs),
-                     f"{limit:.0f} us", verdict(met)))
+                     f"{limit:.0f} us", res))
     return rows
 
 
-def lm_rows(out: Path) -> list[Row]:
+def lm_rows(out: Path, steps: Steps) -> list[Row]:
     figs, oks = [], []
     for name, what in (("lm_head", "one process"), ("lm_head_nospin", "busy polling off"),
                        ("lm_head_fe4", "--frontends 4")):
@@ -139,10 +189,10 @@ def lm_rows(out: Path) -> list[Row]:
         oks.append(bool(lm["met"]))
     # the target is one worker process; the other two are how it moves
     return [("lm-head N=64 x8 top-64: p50, reply smaller than f32 logits", "; ".join(figs),
-             "5 ms, 100x", verdict(oks[0]))]
+             "5 ms, 100x", absent(steps, ["lm_head"]) if oks[0] is None else verdict(oks[0]))]
 
 
-def replay_rows(rep: dict[str, Any]) -> list[Row]:
+def replay_rows(rep: dict[str, Any], steps: Steps) -> list[Row]:
     rows = []
     runs = rep.get("replay") or []
     for s in (1, 8, 64):
@@ -150,7 +200,7 @@ def replay_rows(rep: dict[str, Any]) -> list[Row]:
                if r.get("seqs") == s and r.get("hosts", 1) == 1}
         what = f"replay S={s} step p50, multi / single{' (the target)' if s == 8 else ''}"
         if not got:
-            rows.append((what, "-", "1.5 x (floor + kernel)", verdict(None)))
+            rows.append((what, "-", "1.5 x (floor + kernel)", absent(steps, ["replay"])))
             continue
         keys = [k for k in ("multi", "single") if k in got]
         fig = " / ".join(f"{got[k]['step_p50_ms']:.2f}" for k in keys) + " ms (floor " + \
@@ -159,11 +209,15 @@ def replay_rows(rep: dict[str, Any]) -> list[Row]:
         oks = [bool(got[k]["met"]) for k in keys]
         res = "**met**" if all(oks) else ("missed" if not any(oks) else
                                            " / ".join(verdict(o) for o in oks))
+        if len(keys) == 1:  # the other style did not run (--multi on/off, or cut)
+            fig = f"{keys[0]} {fig}"
+            if absent(steps, ["replay"]) == "cut":
+                res += f"; {'single' if keys[0] == 'multi' else 'multi'} cut"
         rows.append((what, fig, lim, res))
     return rows
 
 
-def dataplane_rows(docs: list[dict[str, Any]]) -> list[Row]:
+def dataplane_rows(docs: list[dict[str, Any]], steps: Steps) -> list[Row]:
     rows = []
     for doc in docs:
         for t in doc.get("targets", []):
@@ -180,7 +234,7 @@ def dataplane_rows(docs: list[dict[str, Any]]) -> list[Row]:
                              f"{t['fraction_min']:.2f}", verdict(bool(t["met"]))))
     if not rows:
         rows.append(("T2 / T3 (data plane)", "-", "20,000 rows/s p99 4 ms; 0.25 / 0.5",
-                     verdict(None)))
+                     absent(steps, [s for s in steps if s.startswith("dataplane_f")])))
     return rows
 
 
@@ -196,10 +250,13 @@ def lane_rows(lane: dict[str, Any]) -> list[Row]:
 def table(out: Path, kernels: Path | None, dataplane: list[Path]) -> str:
     kern = load(kernels if kernels is not None else out / "kernels_ref.json")
     dp_docs = [load(p) for d in dataplane for p in sorted(d.glob("dataplane_f*.json"))]
-    rows = [*suite_rows(out), *t1_rows(load(out / "t1.json"), kern),
-            *wall_rows(load(out / "wall.json"), kern), *lm_rows(out),
-            *replay_rows(load(out / "replay.json")), *dataplane_rows(dp_docs),
-            *lane_rows(load(out / "lane_latency.json"))]
+    steps = read_steps(out)
+    # the targets first, as the check runs them; the suites after
+    rows = [*t1_rows(load(out / "t1.json"), kern, steps),
+            *wall_rows(load(out / "wall.json"), kern, steps),
+            *replay_rows(load(out / "replay.json"), steps), *lm_rows(out, steps),
+            *dataplane_rows(dp_docs, steps), *lane_rows(load(out / "lane_latency.json")),
+            *suite_rows(out, steps)]
     dev = next((d.get("device") for d in (load(out / "t1.json"), kern) if d.get("device")), "?")
     lines = [f"# targets ({dev}; kernel reference: "
              f"{'bench/kernels.py' if kern else 'none'})",

@@ -1,74 +1,85 @@
 #!/usr/bin/env bash
-# The closing GPU check of a session (one device call, ~5 min): the GPU test suites of the
-# kernels and the data plane, the service and issue-18 tests on the CUDA backend, `q6serve demo`
-# on CUDA, issue 14's targets (T1, the lm-head top-k in one process (busy polling on and off) and through 4 front ends, the 7B decode replay at S = 1, 8, 64 with
-# and without multi-weight calls), T1 and the S=8 replay again with the worker pinned (PIN,
-# bench/service.py --pin), the loop-trip timeline of a T1 round trip (stream_overhead --trips),
-# the data plane at 4 and 8 front ends (DP_VARIANTS) with its device-path and fast-lane probes,
-# and at 4 front ends pinned
-# (bench/gpu_dataplane_run.sh). Prints a short table last, ending with every target's figure,
-# limit and verdict (bench/check_targets.py; the kernel reference: bench/kernels.py on the
-# targets' shapes, kernel_ref); $OUT gets the
-# logs (8 files at most come back: an archive + the table).
-#   bench/gpu_check.sh   env: SKIP_DATAPLANE=1, SKIP_REPLAY=1, SKIP_PINNED=1 (no pinned runs),
-#   SKIP_TRIPS=1, REPLAY_SECONDS (2), REPLAY_SEQS (1,8,64), REPLAY_SPINS (0: the replay host's
-#   loop busy-polling, bench/service.py --replay-spins), REPLAY_STAMPS=1 (the worker's replies
-#   stamped: the replay's way up and down per call), TESTS_ONLY=1 (the test suites, the demo and T1; nothing else;
-#   KERNELS_LAST=SECONDS runs the kernels' suite last, within that limit, so a short device
-#   budget spends itself on the rest first (with or without TESTS_ONLY); KERNELS_LAST=0 leaves it out, for a call that runs the
-#   kernels' tests itself; WALL=1 adds the host wall of CudaBackend.matmul at N = 1, 64), SKIP_PROBES=1 (the data plane's probes), LANE=1 (the
-#   fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
-#   bench/lane_latency.py),
-#   DP_VARIANTS (the data plane's front-end counts, "4 8"; "8:m0" = 8 with the device-side
-#   merge off), PIN ("2:8-15")
+# The closing GPU check of a session (one device call, ~7 min): issue 14's and 15's targets
+# first, then the GPU test suites, then the extras; the targets table printed last even when
+# a step was cut. Order (session 19: session 18's check ran the suites first on a slow host, the
+# kernels' suite took 154 s instead of 71, and the replay's S=8/S=64, T2 and T3 never ran):
+#   1. targets: T1 (bench/service.py --target-report), the host wall of CudaBackend.matmul on
+#      the 48 MB weights (bench/backend_wall.py) and the kernel it is held to (bench/kernels.py
+#      on the targets' shapes, kernel_ref), the 7B decode replay (S = 8 first: the target; then
+#      1, 64; with and without multi-weight calls; one process, its JSON written after each run,
+#      so a cut replay keeps the S it finished), the lm-head top-k in one process, through 4
+#      front ends and with busy polling off, T2/T3 of the data plane (DP_VARIANTS, each a step);
+#   2. suites: q6serve demo, the launch sequences' GPU tests, the service and issue-18 tests on
+#      CUDA, the data plane's GPU tests, the kernels' GPU tests (the longest, last);
+#   3. extras (each off by a switch): T1 and the S=8 replay with the worker pinned (PIN), the
+#      data plane pinned, the loop-trip timeline (trips), the data plane's probes, the lane.
+# Every step has its own limit and is cut to what is left of BOUND (default 440 s from the
+# start, so run it under `timeout 450`), keeping RESERVE (8) s for the table; a step cut or
+# skipped by the bound reads "cut" in the targets table (bench/check_targets.py, from
+# $OUT/steps.tsv), a target whose step never ran "not run". $OUT gets the logs (an archive +
+# the table).
+#   env: BOUND (440), SKIP_SUITES=1 (the targets only), SKIP_DATAPLANE=1, SKIP_REPLAY=1,
+#   SKIP_PINNED=1 (no pinned runs), SKIP_TRIPS=1, SKIP_PROBES=1 (the data plane's probes),
+#   LANE=1 (the fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
+#   bench/lane_latency.py), REPLAY_SECONDS (2), REPLAY_SEQS (8,1,64), REPLAY_SPINS (0: the
+#   replay host's loop busy-polling, bench/service.py --replay-spins), REPLAY_STAMPS=1 (the
+#   worker's replies stamped: the replay's way up and down per call), DP_VARIANTS (the data
+#   plane's front-end counts and switches, gpu_lib.sh's dp_variant: "4 8"; "6rr" = 6 round
+#   robin), PIN ("2:8-15"), TESTS_ONLY=1 (T1, the suites and the demo; WALL=1 adds the host
+#   wall), KERNELS_LAST=SECONDS (the kernels' suite after the extras, within that limit;
+#   0: left out, for a call that runs the kernels' tests itself).
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/check
-kernels() { step kernels_gpu "${1:-220}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
-[[ -z ${KERNELS_LAST:-} ]] && kernels
-step dataplane_gpu 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/dataplane
-Q6SERVE_TEST_BACKEND=cuda step service_cuda 150 python3 -m pytest -q -rfE -p no:cacheprovider \
-  tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
-  tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
-  tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
-# the captured launch sequences' GPU tests: the copy kernel's and the timing anchor's y against
-# the copy engine's, bit for bit (both defaults since sessions 17-18)
-step launch_gpu 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
-  tests/service/test_launch_split.py
-step demo 150 python3 -m q6serve.client.cli demo --backend cuda
-if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: the suites, the demo, T1
-  step t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
-    --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
-  [[ -n ${WALL:-} ]] && step wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 \
-    --ns 1,64 --modes graph,staged --json "$OUT/wall.json"
+BOUND=${BOUND:-440}
+RESERVE=${RESERVE:-8}
+PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
+
+t1() {  # T1 and the kernel time the reply reports (NAME [bench/service.py args...])
+  local name=$1
+  shift
+  step "$name" 60 python3 bench/service.py --backend cuda --target-report --targets T1 \
+    --modes stream --weights ffn_down --seconds 2 --warmup 0.3 "$@" --json "$OUT/$name.json"
+}
+wall() {  # issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
+  step wall 45 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
+    --modes graph,staged --json "$OUT/wall.json"
+}
+suites() {
+  step demo 60 python3 -m q6serve.client.cli demo --backend cuda
+  # the captured launch sequences' GPU tests: the copy kernel's and the timing anchor's y
+  # against the copy engine's, bit for bit (both defaults since sessions 17-18)
+  step launch_gpu 40 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/service/test_launch_split.py
+  Q6SERVE_TEST_BACKEND=cuda step service_cuda 90 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/service/test_multi_topk.py tests/service/test_rpcs.py tests/service/test_vram.py \
+    tests/reliability/test_slow_reader.py tests/reliability/test_batch_isolation.py \
+    tests/reliability/test_refused_requests.py tests/reliability/test_upload_buffers.py
+  [[ -z ${SKIP_DATAPLANE:-} ]] && step dataplane_gpu 60 python3 -m pytest -m gpu -q -rfE \
+    -p no:cacheprovider tests/dataplane
+  [[ -z ${KERNELS_LAST:-} ]] && kernels 220
+  return 0
+}
+kernels() { step kernels_gpu "$1" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels; }
+
+if [[ -n ${TESTS_ONLY:-} ]]; then  # a first check of a session's main: T1, the suites, the demo
+  t1 t1
+  [[ -n ${WALL:-} ]] && wall
+  suites
   [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
   { echo "# gpu_check TESTS_ONLY $(tree_commit) total $(elapsed)"; steps
-    grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400; } | table
+    grep -E "^# T1|mean us|bare gRPC" "$OUT/t1.log" | tail -5 | cut -c1-400
+    python3 bench/check_targets.py "$OUT"; } | table
   exit 0
 fi
-# issue 14: CudaBackend.matmul wall vs kernel on the 48 MB weights (no gRPC)
-step wall 90 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
-  --modes graph,staged --json "$OUT/wall.json"
+
+# -- 1. the targets ---------------------------------------------------------------------------
+t1 t1
+wall
 # the kernel the targets hold the host wall and the reply's kernel time to (check_targets.py)
-step kernel_ref 60 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,64 --no-torch \
+step kernel_ref 40 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,64 --no-torch \
   --shapes 3584x18944,4096x14336,14336x4096 --json "$OUT/kernels_ref.json"
-step lm_head 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
-  --warmup 0.3 --json "$OUT/lm_head.json"
-# the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
-# one process with the loop's busy polling off (session 8 turned it on by default on 8+ cores)
-Q6SERVE_BUSY_POLL_US=0 step lm_head_nospin 90 python3 bench/service.py --backend cuda --lm-head \
-  --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
-step lm_head_fe4 90 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
-  --warmup 0.3 --frontends 4 --json "$OUT/lm_head_fe4.json"
-step t1 90 python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
-  --weights ffn_down --seconds 2 --warmup 0.3 --json "$OUT/t1.json"
-PIN=${PIN:-2:8-15}  # the worker (and the bare gRPC floor) on core 2, the load on 8-15
-[[ -z ${SKIP_PINNED:-} ]] && step t1_pinned 90 python3 bench/service.py --backend cuda --target-report --targets T1 \
-  --modes stream --weights ffn_down --seconds 2 --warmup 0.3 --pin "$PIN" \
-  --json "$OUT/t1_pinned.json"
-[[ -z ${SKIP_TRIPS:-} ]] && step trips 60 python3 bench/stream_overhead.py --backend cuda --variants bare,worker --trips \
-  --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
 if [[ -z ${SKIP_REPLAY:-} ]]; then
   # REPLAY_STAMPS=1: the worker's replies stamped (bench/reply_stamps.py through
   # bench/trips_site: each call's transport split into its way up and down); REPLAY_SPINS:
@@ -76,57 +87,76 @@ if [[ -z ${SKIP_REPLAY:-} ]]; then
   stamps=()
   [[ -n ${REPLAY_STAMPS:-} ]] && stamps=(env "PYTHONPATH=$PWD/bench/trips_site${PYTHONPATH:+:$PYTHONPATH}"
     Q6SERVE_REPLY_STAMPS=1)
-  step replay 200 "${stamps[@]}" python3 bench/service.py --backend cuda --replay \
-    --replay-seqs "${REPLAY_SEQS:-1,8,64}" --replay-spins "${REPLAY_SPINS:-0}" \
+  step replay 170 "${stamps[@]}" python3 bench/service.py --backend cuda --replay \
+    --replay-seqs "${REPLAY_SEQS:-8,1,64}" --replay-spins "${REPLAY_SPINS:-0}" \
     --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
-  [[ -z ${SKIP_PINNED:-} ]] && step replay_pinned 100 python3 bench/service.py --backend cuda --replay --replay-seqs 8 \
-    --multi on --seconds 2 --warmup 0.5 --pin "$PIN" --json "$OUT/replay_pinned.json"
 fi
-if [[ -z ${SKIP_DATAPLANE:-} ]]; then
-  # T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
-  [[ -z ${SKIP_PINNED:-} ]] && step dataplane_pinned 150 python3 bench/service.py --backend cuda --dataplane --modes stream \
-    --frontends 4 --t3-hosts 8 --seconds 2 --warmup 0.5 --pin 2-6:7-15 \
-    --json "$OUT/dataplane_pinned.json"
-  # (not VARIANTS: gpu_dataplane_lane.sh reads that one with another meaning)
-  VARIANTS=${DP_VARIANTS:-4 8} SKIP_TESTS=1 OUT="$OUT/dataplane" timeout 240 \
-    bench/gpu_dataplane_run.sh >"$OUT/dataplane.log" 2>&1
-  echo "# dataplane rc=$? at $(elapsed)"
-  # its T2/T3 JSONs beside the others for the targets' table (they travel in its archive)
-  tar -xzf "$OUT/dataplane/dataplane_run.tgz" -C "$OUT/dataplane" --wildcards \
-    "./dataplane_f*.json" 2>/dev/null
+step lm_head 45 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+  --warmup 0.3 --json "$OUT/lm_head.json"
+# the same through 4 front-end processes (the 458 KB requests read and decoded beside the loop)
+step lm_head_fe4 45 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \
+  --warmup 0.3 --frontends 4 --json "$OUT/lm_head_fe4.json"
+# one process with the loop's busy polling off (session 8 turned it on by default on 8+ cores)
+Q6SERVE_BUSY_POLL_US=0 step lm_head_nospin 45 python3 bench/service.py --backend cuda --lm-head \
+  --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
+if [[ -z ${SKIP_DATAPLANE:-} ]]; then  # T2 and T3, one step per variant
+  mkdir -p "$OUT/dataplane"
+  for v in ${DP_VARIANTS:-4 8}; do
+    dp_variant "$v"
+    step "dataplane_$DP_TAG" 80 env "${DP_ENV[@]}" python3 bench/service.py --backend cuda \
+      --dataplane --modes stream --frontends "$DP_F" --t3-hosts 8 --seconds 1.5 --warmup 0.3 \
+      --cuda-regions --json "$OUT/dataplane/dataplane_$DP_TAG.json"
+  done
 fi
+
+# -- 2. the suites ----------------------------------------------------------------------------
+[[ -z ${SKIP_SUITES:-} ]] && suites
+
+# -- 3. the extras ----------------------------------------------------------------------------
+[[ -z ${SKIP_PINNED:-} ]] && t1 t1_pinned --pin "$PIN"
+[[ -n ${SKIP_PINNED:-} || -n ${SKIP_REPLAY:-} ]] || step replay_pinned 100 python3 \
+  bench/service.py --backend cuda --replay --replay-seqs 8 --multi on --seconds 2 --warmup 0.5 \
+  --pin "$PIN" --json "$OUT/replay_pinned.json"
+# T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
+[[ -n ${SKIP_PINNED:-} || -n ${SKIP_DATAPLANE:-} ]] || step dataplane_pinned 150 python3 \
+  bench/service.py --backend cuda --dataplane --modes stream --frontends 4 --t3-hosts 8 \
+  --seconds 2 --warmup 0.5 --pin 2-6:7-15 --json "$OUT/dataplane_pinned.json"
+[[ -z ${SKIP_TRIPS:-} ]] && step trips 60 python3 bench/stream_overhead.py --backend cuda \
+  --variants bare,worker --trips --timeline 12 --rounds 1 --seconds 1.5 --inproc 0
+# the data plane's probes (device path, lane latency, device IPC): its script, no variants
+[[ -n ${SKIP_PROBES:-} || -n ${SKIP_DATAPLANE:-} ]] || step dataplane_probes 150 env VARIANTS= \
+  SKIP_TESTS=1 SKIP_INSTALL=1 OUT="$OUT/dataplane" bench/gpu_dataplane_run.sh
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
-  env -u VARIANTS SKIP_TESTS=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" timeout 90 bench/gpu_dataplane_lane.sh \
-    >"$OUT/lane.log" 2>&1
-  echo "# lane rc=$? at $(elapsed)"
+  step lane 90 env -u VARIANTS SKIP_TESTS=1 SKIP_INSTALL=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" \
+    bench/gpu_dataplane_lane.sh
   # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
   step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
     --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
 fi
 [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
 {
-  echo "# gpu_check $(tree_commit) total $(elapsed)"
+  echo "# gpu_check $(tree_commit) total $(elapsed) (bound $BOUND s)"
   steps
-  grep -E "lm-head|reply|p50" "$OUT/lm_head.log" | tail -3
-  echo "## lm-head, busy polling off"
-  grep -E "lm-head|reply|p50" "$OUT/lm_head_nospin.log" | tail -3
-  echo "## lm-head --frontends 4"
-  grep -E "lm-head|reply|p50" "$OUT/lm_head_fe4.log" | tail -3
-  grep -v "^\s*$" "$OUT/wall.log" | tail -8
+  for f in lm_head lm_head_nospin lm_head_fe4; do
+    echo "## $f"
+    grep -E "lm-head|reply|p50" "$OUT/$f.log" 2>/dev/null | tail -2 | cut -c1-220
+  done
+  grep -v "^\s*$" "$OUT/wall.log" 2>/dev/null | tail -8
   grep -E "^# T1|mean us|bare gRPC|\"target\": \"T1\"" "$OUT/t1.log" | tail -5 | cut -c1-400
-  echo "## pinned ($PIN)"
-  grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
-  grep -E "median|loop trips" "$OUT/trips.log" 2>/dev/null | cut -c1-160
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   grep -E "^    per call" "$OUT/replay.log" 2>/dev/null | head -6 | cut -c1-200
-  echo "## replay pinned ($PIN)"
-  grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
-  grep "^# " "$OUT/dataplane.log" 2>/dev/null | tail -14
-  echo "## dataplane --frontends 4 pinned (2-6:7-15)"
-  grep -E "^T2|^T3|^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
+  grep -hE "^# T2|^# T3" "$OUT"/dataplane/dataplane_f*.log 2>/dev/null | cut -c1-200
+  if [[ -z ${SKIP_PINNED:-} ]]; then
+    echo "## pinned ($PIN)"
+    grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
+    grep -E "^# replay|per step" "$OUT/replay_pinned.log" 2>/dev/null | tail -4
+    grep -E "^# T2|^# T3" "$OUT/dataplane_pinned.log" 2>/dev/null | tail -8
+  fi
+  grep -E "median|loop trips" "$OUT/trips.log" 2>/dev/null | cut -c1-160
+  grep "^# " "$OUT/dataplane_probes.log" 2>/dev/null | tail -6
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
   grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
-  # one row per issue 14 / 15 target: figure, limit, met / missed (for bench/RESULTS.md)
+  # one row per issue 14 / 15 target: figure, limit, met / missed / cut (for bench/RESULTS.md)
   python3 bench/check_targets.py "$OUT"
 } | table
 # each step's status is in the table; the greps above of skipped steps' logs must not set the exit status

@@ -34,32 +34,22 @@ if [[ -z ${SKIP_TESTS:-} ]]; then
     >"$OUT/pytest_dataplane_gpu.log" 2>&1
   echo "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(elapsed)"
 fi
-# VARIANTS: front-end counts, each optionally @US: the worker's GIL switch interval in us
-# (Q6SERVE_GIL_SWITCH_US; Python's default 5000) and :S: a front end's stacks in flight per
-# key (Q6SERVE_FRONTEND_STACKS; default 2, 0 = no limit)
-for v in ${VARIANTS:-1 2 4 8}; do
-  F=${v%%[@:]*}
-  US=""
-  ST=""
-  [[ $v =~ @([0-9]+) ]] && US=${BASH_REMATCH[1]}
-  [[ $v =~ :([0-9]+) ]] && ST=${BASH_REMATCH[1]}
-  MG=""
-  [[ $v == *:m0* ]] && MG=0
-  RR=""
-  [[ $v == *rr* ]] && RR=1
-  F=${F%rr}
-  tag=f$F${US:+_gil$US}${ST:+_stacks$ST}${MG:+_merge0}${RR:+_rr}
+# VARIANTS: front-end counts and switches (gpu_lib.sh's dp_variant); set and empty: none (the
+# probes alone, as bench/gpu_check.sh runs them after its own variants)
+for v in ${VARIANTS-1 2 4 8}; do
+  dp_variant "$v"
+  F=$DP_F
+  tag=$DP_TAG
   # per-process CPU while T2 runs (which of load, front ends, device process is busy); a run
   # over before the sampler (one that failed to start) ends it
   (sleep 5; top -b -c -w 200 -d 1 -n 3 | grep -E "^top|python|q6serve" | head -120) \
     >"$OUT/top_$tag.log" 2>&1 &
   sampler=$!
-  Q6SERVE_GIL_SWITCH_US=$US Q6SERVE_FRONTEND_STACKS=$ST Q6SERVE_DEVICE_MERGE=${MG:-1} \
-    Q6SERVE_FRONTEND_ROUND_ROBIN=${RR:-0} timeout 80 python3 bench/service.py \
+  env "${DP_ENV[@]}" timeout 80 python3 bench/service.py \
     --backend cuda --dataplane \
     --modes stream --frontends "$F" --t3-hosts 8 --seconds "$S" --warmup 0.3 --cuda-regions \
     --json "$OUT/dataplane_$tag.json" >"$OUT/dataplane_$tag.log" 2>&1
-  echo "# frontends=$F${RR:+ round robin} gil switch ${US:-default} us stacks ${ST:-default} rc=$? at $(elapsed)"
+  echo "# frontends=$F ${DP_ENV[*]} rc=$? at $(elapsed)"
   mv "$OUT/worker.log" "$OUT/worker_$tag.log" 2>/dev/null
   kill "$sampler" 2>/dev/null
   wait

@@ -47,11 +47,12 @@ tree_commit() {
 }
 
 # bound LIMIT [RESERVE]: LIMIT, or less where the bundle's bound (BOUND seconds after
-# gpu_session's start) comes sooner, keeping RESERVE seconds for what comes after; a command
-# given that many seconds cannot take the bundle past its bound. BOUND unset: LIMIT.
+# gpu_session's start) comes sooner, keeping RESERVE seconds (default $RESERVE, else 0) for
+# what comes after; a command given that many seconds cannot take the bundle past its bound.
+# BOUND unset: LIMIT.
 bound() {
   [[ -z ${BOUND:-} ]] && { echo "$1"; return; }
-  local rest=$((BOUND - $(date +%s) + T0 - ${2:-0}))
+  local rest=$((BOUND - $(date +%s) + T0 - ${2:-${RESERVE:-0}}))
   ((rest < $1)) && echo "$rest" || echo "$1"
 }
 # left SECONDS: whether SECONDS more still end inside BOUND (always, BOUND unset).
@@ -60,19 +61,25 @@ left() { [[ -z ${BOUND:-} ]] || (($(date +%s) - T0 + $1 <= BOUND)); }
 # step NAME LIMIT CMD...: CMD under `timeout` (LIMIT, cut by `bound`; skipped with rc 124 when
 # under a second is left), its output in $OUT/NAME.log; prints "# NAME rc=RC at S s", keeps
 # "NAME rc=RC <the log's last line>" in STEPS (`steps` prints them) and in $FINAL/progress.txt,
-# and archives, so what has run comes back even if the device time runs out before the end.
-# Returns CMD's exit status. (A variable set before `step` reaches CMD; `env -C DIR CMD` runs it
-# in DIR.)
+# adds "NAME<TAB>RC<TAB>SECONDS<TAB>LIMIT<TAB>how" to $OUT/steps.tsv (how: ran, cut = killed at
+# its limit, skipped = no time left in the bound; bench/check_targets.py reads it: a target whose
+# step was cut reads "cut", not "not run"), and archives, so what has run comes back even if the
+# device time runs out before the end. Returns CMD's exit status. (A variable set before `step`
+# reaches CMD; `env -C DIR CMD` runs it in DIR.)
 step() {
-  local name=$1 limit rc=124
+  local name=$1 limit rc=124 t=$SECONDS how=skipped
   limit=$(bound "$2")
   shift 2
   if ((limit >= 1)); then
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
+    how=ran
+    ((rc == 124 || rc == 137)) && how=cut
   else
     echo "skipped: $(elapsed) of the bound ($BOUND s)" >"$OUT/$name.log"
   fi
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t))" "$limit" "$how" \
+    >>"$OUT/steps.tsv"
   STEPS+=("$(printf '%-16s rc=%-3s %s' "$name" "$rc" \
     "$(grep -v '^\s*$' "$OUT/$name.log" | tail -1 | cut -c1-110)")")
   echo "# $name rc=$rc at $(elapsed)"
@@ -156,6 +163,25 @@ base_tree() {
   BASEPP="$over${PYTHONPATH:+:$PYTHONPATH}"
   NOWPP=${PYTHONPATH:-}
   PYTHONPATH=$BASEPP python3 -c "import q6serve.service as s; print('# base code', s.__file__)"
+}
+
+# dp_variant V: a data-plane variant of bench/gpu_dataplane_run.sh's VARIANTS: front ends, each
+# optionally @US (the worker's GIL switch interval, Q6SERVE_GIL_SWITCH_US; Python's default 5000),
+# :S (a front end's stacks in flight per key, Q6SERVE_FRONTEND_STACKS; default 2, 0 = no
+# limit), :m0 (Q6SERVE_DEVICE_MERGE=0), rr (Q6SERVE_FRONTEND_ROUND_ROBIN=1); e.g. "8@200",
+# "8:0", "8:m0", "6rr". Sets DP_F (the front-end count), DP_TAG (its file stem's part: f8,
+# f8_gil200, f8_stacks0, f8_merge0, f6_rr) and DP_ENV (the worker's VAR=VALUE for `env`).
+dp_variant() {
+  local v=$1 us="" st="" mg="" rr=""
+  DP_F=${v%%[@:]*}
+  [[ $v =~ @([0-9]+) ]] && us=${BASH_REMATCH[1]}
+  [[ $v =~ :([0-9]+) ]] && st=${BASH_REMATCH[1]}
+  [[ $v == *:m0* ]] && mg=0
+  [[ $v == *rr* ]] && rr=1
+  DP_F=${DP_F%rr}
+  DP_TAG=f$DP_F${us:+_gil$us}${st:+_stacks$st}${mg:+_merge0}${rr:+_rr}
+  DP_ENV=("Q6SERVE_GIL_SWITCH_US=$us" "Q6SERVE_FRONTEND_STACKS=$st"
+    "Q6SERVE_DEVICE_MERGE=${mg:-1}" "Q6SERVE_FRONTEND_ROUND_ROBIN=${rr:-0}")
 }
 
 # note TEXT: print it and add it to $FINAL/progress.txt (what is done comes back even if the

@@ -99,10 +99,50 @@ def test_an_empty_folder_is_not_run_everywhere(tmp_path: Path) -> None:
 
 
 def test_a_suite_cut_short_is_missed_and_a_skipped_one_not_run(tmp_path: Path) -> None:
+    """Without steps.tsv (a check before session 19): a suite's log without pytest's summary
+    is missed; one gpu_lib's step skipped for want of time is cut."""
     (tmp_path / "kernels_gpu.log").write_text("........................F....\n")
     (tmp_path / "dataplane_gpu.log").write_text("skipped: 300 s of the bound (290 s)\n")
     (tmp_path / "demo.log").write_text("demo: 3 of 288 results differ\n")
     got = run(tmp_path)
     assert got["GPU tests, tests/kernels"][2] == "missed"
-    assert got["GPU tests, tests/dataplane"][2] == "not run"
+    assert got["GPU tests, tests/dataplane"][2] == "cut"
     assert got["q6serve demo --backend cuda"][2] == "missed"
+
+
+def steps_tsv(d: Path, *rows: tuple[str, int, str]) -> None:
+    """OUT/steps.tsv as gpu_lib.sh's step writes it: name, rc, seconds, limit, how."""
+    (d / "steps.tsv").write_text("".join(f"{n}\t{rc}\t12\t60\t{how}\n" for n, rc, how in rows))
+
+
+def test_a_cut_step_reads_cut_a_failed_one_failed(tmp_path: Path) -> None:
+    """steps.tsv says why a figure is missing: the replay cut after S=8 (S=1's single style and
+    S=64 cut, S=8 kept), T1 failed, the lm-head skipped by the bound, a suite cut with how far
+    it got; a step that never ran (T2/T3's) stays "not run"."""
+    steps_tsv(tmp_path, ("t1", 1, "ran"), ("wall", 0, "ran"), ("kernel_ref", 0, "ran"),
+              ("replay", 124, "cut"), ("lm_head", 124, "skipped"),
+              ("kernels_gpu", 124, "cut"), ("demo", 0, "ran"))
+    write(tmp_path, "replay", {"replay": [
+        {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 80.0, "floor_step_ms": 40.0,
+         "limit_ms": 86.0, "met": True},
+        {"seqs": 8, "hosts": 1, "multi": False, "step_p50_ms": 190.0, "floor_step_ms": 70.0,
+         "limit_ms": 112.5, "met": False},
+        {"seqs": 1, "hosts": 1, "multi": True, "step_p50_ms": 60.0, "floor_step_ms": 20.0,
+         "limit_ms": 36.0, "met": False}]})
+    (tmp_path / "kernels_gpu.log").write_text(
+        "........................................ [ 15%]\n..F.....s...\n")
+    (tmp_path / "lm_head.log").write_text("skipped: 441 s of the bound (440 s)\n")
+    (tmp_path / "demo.log").write_text("all 288 results match the NumPy reference\n")
+    got = run(tmp_path)
+    assert got["replay S=8 step p50, multi / single (the target)"][2] == "**met** / missed"
+    assert got["replay S=1 step p50, multi / single"][0].startswith("multi 60.00 ms")
+    assert got["replay S=1 step p50, multi / single"][2] == "missed; single cut"
+    assert got["replay S=64 step p50, multi / single"][2] == "cut"
+    assert got["T1, p50 - kernel (N=1 f16 ffn_down, stream)"][2] == "failed (rc 1)"
+    assert got["host wall (staged) - kernel, N=1"][2] == "no figure"  # ran well, no JSON
+    assert got["lm-head N=64 x8 top-64: p50, reply smaller than f32 logits"][2] == "cut"
+    assert got["T2 / T3 (data plane)"][2] == "not run"
+    assert got["GPU tests, tests/kernels"] == ["cut after 50 passed, 1 failed", "all pass",
+                                               "cut"]
+    assert got["q6serve demo --backend cuda"][2] == "**met**"
+    assert got["GPU tests, tests/dataplane"][2] == "not run"

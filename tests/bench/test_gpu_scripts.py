@@ -33,8 +33,12 @@ GPU_RUN_MODES = ("kstest wgtest retune envab tune wall tests bench record varian
                  "ncu stalls kstall")
 RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_check.sh": [
-        ("full", {"LANE": "1", "KERNELS_LAST": "30"}, []),
+        ("full", {"LANE": "1", "KERNELS_LAST": "30", "DP_VARIANTS": "4 6rr"}, []),
+        ("closing", {"SKIP_PINNED": "1", "SKIP_TRIPS": "1", "SKIP_PROBES": "1", "WALL": "1",
+                     "DP_VARIANTS": "6rr"}, []),
         ("tests_only", {"TESTS_ONLY": "1", "WALL": "1"}, []),
+        ("targets_only", {"SKIP_SUITES": "1", "SKIP_PINNED": "1", "SKIP_TRIPS": "1",
+                          "SKIP_PROBES": "1", "REPLAY_SEQS": "8", "DP_VARIANTS": "6rr"}, []),
         ("replay_stamps", {"SKIP_DATAPLANE": "1", "REPLAY_STAMPS": "1",
                            "REPLAY_SPINS": "0,1000"}, []),
     ],
@@ -50,7 +54,8 @@ BROKEN = re.compile(r"command not found|unbound variable|syntax error|"
 TIMEOUT_STUB = """\
 #!{python}
 # stands in for coreutils' timeout: records the command (bench/test_gpu_scripts.py) and runs it
-# only if it is a bench/*.sh script (so that its own timed commands are recorded too)
+# only if it is a bench/*.sh script, also behind `env [-u NAME] [VAR=VALUE...]` (so that its
+# own timed commands are recorded too)
 import json, os, subprocess, sys
 args = sys.argv[1:]
 while args[0].startswith("-"):  # timeout's own options
@@ -59,7 +64,15 @@ while args[0].startswith("-"):  # timeout's own options
 limit, cmd = args[0], args[1:]
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps({{"cwd": os.getcwd(), "limit": limit, "argv": cmd}}) + "\\n")
-sys.exit(subprocess.call(cmd) if cmd[0].endswith(".sh") else 0)
+if (nap := float(os.environ.get("STUB_SLEEP", "0"))):  # a command that takes this long
+    import time
+    time.sleep(min(nap, float(limit)))
+    if nap > float(limit):
+        sys.exit(124)  # as timeout says a command it killed
+i = 1 if cmd[0] == "env" else 0
+while i and i < len(cmd) and (cmd[i].startswith("-") or "=" in cmd[i]):
+    i += 2 if cmd[i] in ("-u", "--unset") else 1
+sys.exit(subprocess.call(cmd) if cmd[i].endswith(".sh") else 0)
 """
 
 
@@ -225,3 +238,38 @@ def test_gpu_lib_functions(tmp_path: Path) -> None:
     assert (out / "summary.txt").read_text() == "table line\n"
     assert (out / "libtest.tgz").exists()
     assert re.search(r"^late +rc=124 +skipped", (out / "progress.txt").read_text(), re.M)
+
+
+def test_gpu_check_order_and_bound(tmp_path: Path) -> None:
+    """bench/gpu_check.sh as the closing check runs it, on a slow host: the targets' steps run
+    before any test suite, each cut to what is left of BOUND; what does not fit is skipped, and
+    the targets table still comes last, its rows "cut" (not "not run") for those steps."""
+    out, log = tmp_path / "out", tmp_path / "commands.jsonl"
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "STUB_LOG": str(log),
+           "PATH": f"{_stub_bin(tmp_path)}{os.pathsep}{os.environ['PATH']}",
+           "SKIP_PINNED": "1", "SKIP_TRIPS": "1", "SKIP_PROBES": "1", "DP_VARIANTS": "6rr",
+           "BOUND": "7", "RESERVE": "1", "STUB_SLEEP": "2.5"}
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [line.split("\t") for line in
+             (out / "dry/tmp/check/steps.tsv").read_text().splitlines()]
+    names = [s[0] for s in steps]
+    suites = ["demo", "launch_gpu", "service_cuda", "dataplane_gpu", "kernels_gpu"]
+    assert names == ["t1", "wall", "kernel_ref", "replay", "lm_head", "lm_head_fe4",
+                     "lm_head_nospin", "dataplane_f6_rr", *suites], names
+    # 7 s less 1 s of reserve: t1 and wall take 2.5 s each; kernel_ref gets the 1-2 s left and
+    # is cut at its limit (or skipped); everything after is skipped (no second left)
+    how = {s[0]: (s[1], s[3], s[4]) for s in steps}
+    assert how["t1"] == ("0", "6", "ran") and how["wall"][2] == "ran", how
+    assert how["kernel_ref"][2] in ("cut", "skipped"), how
+    assert all(how[n][:3:2] == ("124", "skipped") for n in names[3:]), how
+    said = done.stdout.rstrip().splitlines()
+    table = said[said.index("| target | figure | limit | result |"):]
+    assert said[-1] == table[-1] and said[-1].startswith("| q6serve demo"), said[-5:]
+    got = {c[0]: c[-1] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                 for line in table[2:])}
+    assert got["replay S=8 step p50, multi / single (the target)"] == "cut"
+    assert got["T2 / T3 (data plane)"] == "cut"
+    assert got["GPU tests, tests/kernels"] == "cut"
+    assert got["T1, p50 - kernel (N=1 f16 ffn_down, stream)"] == "no figure"  # (a rehearsal)
