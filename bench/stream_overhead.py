@@ -253,6 +253,11 @@ FEATURES = {
             "the clock before its reply, as the worker's direct path waits on the kernel's "
             "event (no Python churn): a server window of that length and nothing else. Does "
             "the way up and down grow with the window alone (gRPC's threads idle longer)?",
+    "job": "the request decoded and run as the worker's direct job on --backend (_direct_job: "
+           "launch_ieee, x staged, the (weight, N)'s captured launch graph from its second "
+           "call, the wait on its event), the reply written by wire.stream_reply: the least "
+           "Python a worker needs for T1's call (with spin: the floor probe of session 19); its "
+           "figure is p50 of round trip - the kernel its reply reports",
     "spin": "the loop's busy polling as the worker has it (service/threads.busy_poll: "
             "Q6SERVE_BUSY_POLL_US, else 1000 us on 8+ cores), always allowed to spin",
     "imports": "the worker's imports (service.worker, engine, the NumPy backend; cupy and the "
@@ -289,7 +294,8 @@ def _churn(us: float) -> Any:
     return work
 
 
-async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 2) -> Any:
+async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 2,
+                         k: int = 0) -> Any:
     """The bare echo with ``variant``'s features (see FEATURES) added; returns (server, port,
     what must stay referenced)."""
     import grpc
@@ -380,13 +386,18 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
         print(f"# spin: {spin.spin_s * 1e6 if spin else 0:.0f} us", file=sys.stderr, flush=True)
     server = grpc.aio.server(interceptors=interceptors, options=opts)
     y = b"\0" * (itemsize * rows)
-    decode = "proto" in feats
+    decode = "proto" in feats or "job" in feats
+    job = _direct_job(rows, k, backend) if "job" in feats else None
 
     work = _churn(float(os.environ.get("WORK_US", "150"))) if "work" in feats else None
     hold = next((int(f[4:] or 120) * 1e-6 for f in variant.split("+")[1:]
                  if f.startswith("hold")), 0.0)
 
     def reply(req: Any, start: float) -> Any:
+        if job is not None:  # (no error path: the bench's requests are all valid)
+            call = wire.matmul_call(req, None)
+            return wire.stream_reply(job(call), req.request_id,
+                                     wire.Took(start, time.perf_counter()))
         if work is not None:
             work()
         while time.perf_counter() - start < hold:  # (start: the raw request's time)
@@ -407,7 +418,8 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
                 yield reply(req, taken())
     method = grpc.stream_stream_rpc_method_handler(
         handler, request_deserializer=wire.read_matmul_request if decode else None,
-        response_serializer=pb.MatmulStreamResponse.SerializeToString if decode else None)
+        response_serializer=(wire._bytes_or(pb.MatmulStreamResponse.SerializeToString)
+                             if decode else None))
     service, _, name = METHOD.lstrip("/").rpartition("/")
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service,
                                                                           {name: method})])
@@ -420,7 +432,7 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
 def _stamped(variant: str) -> bool:
     """Whether ``variant``'s replies carry bench/reply_stamps.py's times."""
     return (variant in ("direct", "engine", "sync", *WORKERS)
-            or "proto" in _features(variant))
+            or bool({"proto", "job"} & set(_features(variant))))
 
 
 def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 0,
@@ -443,7 +455,7 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
 
     async def serve() -> None:
         if "+" in variant:
-            server, port, _keep = await _ladder_server(variant, rows, backend, itemsize)
+            server, port, _keep = await _ladder_server(variant, rows, backend, itemsize, k)
             ports.put(port)
             await server.start()
             await server.wait_for_termination()
@@ -994,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
                     with keepers.on(keep):
                         lat, got, n = asyncio.run(_roundtrips(
                             servers.targets[v], req, a.seconds, a.warmup,
-                            v in WORKERS or v == "sync",
+                            v in WORKERS or v == "sync" or "job" in _features(v),
                             servers.pids[v], _stamped(v), think * 1e-6))
                     p50[label].append(float(np.median(lat)) * 1e6)
                     p99[label].append(float(np.percentile(lat, 99)) * 1e6)

@@ -276,6 +276,20 @@ def test_stream_overhead_hold_and_keepers() -> None:
         assert got and int(got.group(1)) >= 299, done.stdout
 
 
+def test_stream_overhead_job_rung() -> None:
+    """bench/stream_overhead.py's floor probe (session 19): the echo running the worker's
+    direct job (bare+spin+job) answers each request with a result (an error reply fails the
+    run: _reply_times raises), stamped (up, window, down) and set against the bare echo."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
+                           "1", "--seconds", "0.2", "--warmup", "0.05", "--k", "512",
+                           "--rows", "64", "--out", "f32", "--inproc", "0",
+                           "--variants", "bare,bare+spin+job"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^bare\+spin\+job +median +[0-9]+ .* up +[0-9]+ window +-?[0-9]+ down "
+                     r"+[0-9]+ +\+ *-?[0-9]+ over bare", done.stdout, re.MULTILINE), done.stdout
+
+
 def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """T1's second floor: the echo's caller encodes a real MatmulRequest and decodes a real
     reply around each round trip (service_load._ClientWork); all three floors (plain, with the
