@@ -5,12 +5,13 @@
 # since session 17's check: S=8 135.4 ms against 86.0). One bench/service.py --replay process
 # (the model uploaded once; its JSON written after each run, so a cut keeps what finished);
 # the targets' rows by bench/check_targets.py, the per-call split of each run after them.
-#   bash bench/gpu_t1_s19b.sh   env: BOUND (58 s), SEQS (8,64), REPLAY_S (1.5)
+#   bash bench/gpu_t1_s19b.sh   env: BOUND (58 s), RESERVE (5 s), SEQS (8,64), REPLAY_S (1.5)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/t1s19b
 BOUND=${BOUND:-58}
+RESERVE=${RESERVE:-5}  # the worker's stop after a cut (SIGTERM: bench/service.py's finally) and the table
 step replay 60 python3 bench/service.py --backend cuda --replay --replay-seqs "${SEQS:-8,64}" \
   --seconds "${REPLAY_S:-1.5}" --warmup 0.3 --json "$OUT/replay.json"
 {
