@@ -528,6 +528,67 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     // every slice blocks: a CTA leaving early would hang its cluster's barriers)
     if (KC == 0 && nblk <= 0) return;
 
+    // D2 (session 19): one n-tile at 12 warps keeps TWO blocks ahead per warp (one CTA of 12
+    // warps per SM may use 168 registers; 8 warps are capped at 128 by their 2 CTAs per SM and
+    // 16 at 128 by the register file, where the third Raw spills). Session 18's profile of the
+    // N <= 8 cells: long scoreboard the top stall, DRAM at half its peak, one block in flight
+    // per warp; at 12 warps x 2 blocks an SM keeps 24 blocks in flight (16 at 2 x 8 warps x 1),
+    // and the first two blocks of every warp are issued before the activations are staged.
+    // The loads run on their own iterator over the warp's (tile, block) stream; the math takes
+    // the same blocks in the same order as the loop below: the same bits as src 4 at the same K
+    // split (any warp count).
+    constexpr bool D2 = PF && NT == 1 && MT == 1 && NW == 12 && KC == 0;
+    if constexpr (D2) {
+        const int ntiles = wt < wtiles ? (wtiles - 1 - wt) / wstride + 1 : 0;
+        const int total = ntiles * nblk;  // blocks this warp computes (warp-uniform)
+        RowRef rl[MT][2];
+        Raw q0[MT][2], q1[MT][2];
+        int lt = wt, lb = 0, issued = 0;  // the next block to load: tile lt, block lb
+        if (ntiles > 0) warp_rows<SOA>(w, lt * 16 * MT, g, rl);
+        const auto issue = [&](Raw(&dst)[MT][2]) {
+            if (issued < total) {
+                warp_load<SOA>(dst, rl, kb0 + lb, t);
+                ++issued;
+                if (++lb == nblk) {
+                    lb = 0;
+                    lt += wstride;
+                    if (issued < total) warp_rows<SOA>(w, lt * 16 * MT, g, rl);
+                }
+            }
+        };
+        issue(q0);
+        issue(q1);
+        stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
+        __syncthreads();
+        const int tstride = nblk * 32 + 4;
+        float acc[MT][NT][4];
+        zero_acc(acc);
+        int ct = wt, cb = 0;  // the block being computed: tile ct, block cb
+        // q's block arrives (the copy waits for it), q's registers take the block two ahead,
+        // then the math; static slots (q0, q1 alternate), so no register array is indexed at
+        // run time and no copy reads a load still in flight
+        const auto step = [&](Raw(&q)[MT][2]) {
+            Raw raw[MT][2];
+            warp_take(raw, q);
+            issue(q);
+            const int b = cb;
+            block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
+                return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
+            });
+            if (++cb == nblk) {
+                ks_emit<NT, MT>(o, w.rows, ct * 16 * MT, tok0, acc, lane);
+                zero_acc(acc);
+                cb = 0;
+                ct += wstride;
+            }
+        };
+        for (int s = 0; s < total; s += 2) {
+            step(q0);
+            if (s + 1 < total) step(q1);
+        }
+        return;
+    }
+
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
     if (wt < wtiles) {
