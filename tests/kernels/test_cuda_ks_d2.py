@@ -50,12 +50,14 @@ def test_two_blocks_ahead_is_the_same_sums(be, rng, rows, k):  # noqa: F811
             _same(_y(be, pairs, xs, a), y2, label + " vs 8 warps")
             if dt is not BFLOAT16:
                 _same(_y(be, soa, xs, b), y2, label + " SoA")
-                _same(_y(be, aos, xs, b), y2, label + " AoS")
+                if dt is np.float16:  # (AoS names compile one program each: f16 only)
+                    _same(_y(be, aos, xs, b), y2, label + " AoS")
                 assert rel_fro(y2, y64[:n]) <= TOL, (label, rel_fro(y2, y64[:n]))
     # the occupancy's own split (ksplit 0): the reference, and SoA/AoS twins bit-identical
     b = d2[0]
-    for n, dt in dts[:3]:
+    for n, dt in ((1, np.float16), (11, np.float16), (5, np.float32)):
         xs = x[:n].astype(dt)
         y2 = _y(be, pairs, xs, b)
-        _same(_y(be, aos, xs, b), _y(be, soa, xs, b), f"{b.label()} N={n} AoS/SoA")
+        if dt is np.float16:
+            _same(_y(be, aos, xs, b), _y(be, soa, xs, b), f"{b.label()} N={n} AoS/SoA")
         assert rel_fro(y2, y64[:n]) <= TOL, (b.label(), n, rel_fro(y2, y64[:n]))
