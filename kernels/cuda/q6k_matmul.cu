@@ -536,8 +536,9 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     // and the first two blocks of every warp are issued before the activations are staged.
     // The loads run on their own iterator over the warp's (tile, block) stream; the math takes
     // the same blocks in the same order as the loop below: the same bits as src 4 at the same K
-    // split (any warp count).
-    constexpr bool D2 = PF && NT == 1 && MT == 1 && NW == 12 && KC == 0;
+    // split (any warp count). The cluster form (KC > 0, src 7) puts and sums each tile's
+    // partials when its last block is done, round by round as below.
+    constexpr bool D2 = PF && NT == 1 && MT == 1 && NW == 12;
     if constexpr (D2) {
         const int ntiles = wt < wtiles ? (wtiles - 1 - wt) / wstride + 1 : 0;
         const int total = ntiles * nblk;  // blocks this warp computes (warp-uniform)
@@ -575,16 +576,30 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
             block_mma<NT, MT, SOA>(acc, raw, t, [&](int sp, int nt) -> uint4 {
                 return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
             });
+        };
+        // one emit site: the tile's sums leave once per nblk blocks
+        for (int s = 0; s < total; ++s) {
+            if (s & 1)
+                step(q1);
+            else
+                step(q0);
             if (++cb == nblk) {
-                ks_emit<NT, MT>(o, w.rows, ct * 16 * MT, tok0, acc, lane);
+                if (KC == 0) {
+                    ks_emit<NT, MT>(o, w.rows, ct * 16 * MT, tok0, acc, lane);
+                } else {  // ct - warp: the CTA's first warp tile of this round
+                    ks_cluster_put<NT, MT>(acc, warp, lane, w.bpr);
+                    ks_cluster_emit<NT, MT, NW, KC>(o, w.rows, ct - warp, tok0, w.bpr);
+                }
                 zero_acc(acc);
                 cb = 0;
                 ct += wstride;
             }
-        };
-        for (int s = 0; s < total; s += 2) {
-            step(q0);
-            if (s + 1 < total) step(q1);
+        }
+        if (KC > 0) {  // a warp without a tile in the CTA's last round still joins its sum
+            const int first = blockIdx.x * NW;
+            const int rounds = first < wtiles ? (wtiles - 1 - first) / wstride + 1 : 0;
+            for (int r = ntiles; r < rounds; ++r)
+                ks_cluster_emit<NT, MT, NW, KC>(o, w.rows, first + r * wstride, tok0, w.bpr);
         }
         return;
     }
