@@ -528,8 +528,9 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     // every slice blocks: a CTA leaving early would hang its cluster's barriers)
     if (KC == 0 && nblk <= 0) return;
 
-    // D2 (session 19): one n-tile at 12 warps keeps TWO blocks ahead per warp (one CTA of 12
-    // warps per SM may use 168 registers; 8 warps are capped at 128 by their 2 CTAs per SM and
+    // D2 (session 19): one or two n-tiles at 12 warps keep TWO blocks ahead per warp (one CTA
+    // of 12 warps per SM may use 168 registers: ptxas sm_90, pair weights, 154 at one n-tile,
+    // 168 and 16 bytes of spills at two; 8 warps are capped at 128 by their 2 CTAs per SM and
     // 16 at 128 by the register file, where the third Raw spills). Session 18's profile of the
     // N <= 8 cells: long scoreboard the top stall, DRAM at half its peak, one block in flight
     // per warp; at 12 warps x 2 blocks an SM keeps 24 blocks in flight (16 at 2 x 8 warps x 1),
@@ -538,7 +539,7 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     // the same blocks in the same order as the loop below: the same bits as src 4 at the same K
     // split (any warp count). The cluster form (KC > 0, src 7) puts and sums each tile's
     // partials when its last block is done, round by round as below.
-    constexpr bool D2 = PF && NT == 1 && MT == 1 && NW == 12;
+    constexpr bool D2 = PF && NT <= 2 && MT == 1 && NW == 12;
     if constexpr (D2) {
         const int ntiles = wt < wtiles ? (wtiles - 1 - wt) / wstride + 1 : 0;
         const int total = ntiles * nblk;  // blocks this warp computes (warp-uniform)

@@ -1,11 +1,11 @@
-"""GPU: the K-slice tile's two-blocks-ahead loop (session 19: ``q6k_ks_f16`` at one n-tile and
-12 warps keeps two weight blocks in flight per warp, loads on their own (tile, block) iterator)
-computes what the one-block-ahead loop at 8 warps does, bit for bit, at the same K split (also
-as the cluster-sum tile, src 7):
-warps with several tiles (the load iterator crossing into the next tile), an odd number of
-blocks per warp (the second slot's guard), a warp without a tile, uneven slices, one block per
-CTA; pair-stream, SoA and AoS weights, every activation dtype, token chunks past 8; and the
-float64 reference within F16's bound."""
+"""GPU: the K-slice tile's two-blocks-ahead loop (session 19: ``q6k_ks_f16`` at one or two
+n-tiles and 12 warps keeps two weight blocks in flight per warp, loads on their own (tile,
+block) iterator) computes what the one-block-ahead loop at 8 warps does, bit for bit, at the
+same K split (also as the cluster-sum tile, src 7): warps with several tiles (the load
+iterator crossing into the next tile), an odd number of blocks per warp (the second slot's
+guard), a warp without a tile, uneven slices, one block per CTA; pair-stream, SoA and AoS
+weights, every activation dtype, token chunks past 8; and the float64 reference within F16's
+bound."""
 
 from __future__ import annotations
 
@@ -27,17 +27,19 @@ TOL = 2e-3
 
 # 4000 rows: 250 warp tiles, so a small grid gives a warp several tiles; 130 rows: 9 tiles, so
 # most of a 12-warp CTA has none; 7 and 13 blocks per row: odd per-warp block counts
-@pytest.mark.parametrize("rows, k", [(4000, 13 * 256), (130, 7 * 256), (1000, 2304)])
-def test_two_blocks_ahead_is_the_same_sums(be, rng, rows, k):  # noqa: F811
+# (two n-tiles on one shape: each further shape compiles its own programs)
+@pytest.mark.parametrize("rows, k, nt", [(4000, 13 * 256, 1), (130, 7 * 256, 1),
+                                         (1000, 2304, 1), (4000, 13 * 256, 2)])
+def test_two_blocks_ahead_is_the_same_sums(be, rng, rows, k, nt):  # noqa: F811
     bpr = k // 256
     splits = sorted({0, 1, 2, 3, bpr} & set(range(bpr + 1)))
-    d1 = [Cfg(nt=1, src=4, pf=True, warps=8, ksplit=s) for s in splits]
+    d1 = [Cfg(nt=nt, src=4, pf=True, warps=8, ksplit=s) for s in splits]
     d2 = [replace(c, warps=12) for c in d1]
     # the cluster form (src 7: the split-K sum in the cluster, round by round) at 12 warps: the
     # same bits as src 4 at its split
     cl = [s for s in (2, 3) if s <= bpr]
-    d1 += [Cfg(nt=1, src=4, pf=True, warps=8, ksplit=s) for s in cl]
-    d2 += [Cfg(nt=1, src=7, pf=True, warps=12, ksplit=s) for s in cl]
+    d1 += [Cfg(nt=nt, src=4, pf=True, warps=8, ksplit=s) for s in cl]
+    d2 += [Cfg(nt=nt, src=7, pf=True, warps=12, ksplit=s) for s in cl]
     dts = ((1, np.float16), (5, np.float32), (11, np.float16), (3, BFLOAT16))
     jobs = [("mma_f16", c, n, dt) for c in d1 + d2 for n, dt in dts]
     compile_for(be, jobs, rows, k)
