@@ -13,6 +13,65 @@ source bench/gpu_lib.sh
 gpu_session /tmp/ks19${PHASE:-}
 BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
+if [[ ${PHASE:-a} == b ]]; then
+  # bundle B: (1) splits: the N <= 8 rule's K-slice tile (8 warps, one block ahead) on the
+  # weights above its threshold at forced K splits of ~2, 3 and 5 blocks per slice, against
+  # AUTO (the split model's: one-block slices on 27648x5120 at N = 1/2, 46.6-47.2 us in bundle
+  # A), per shape (the candidates' splits depend on the shape's blocks per row); (2) ncu: AUTO,
+  # the two-blocks-ahead tile at 12 warps (its K split and AUTO's) and the one-block tile at 8
+  # warps at K split 4, on 4096x14336 N=8 (bundle A: 21.6 / 25.4 / 25.6 us): what the extra
+  # block in flight changed
+  for shape in 27648x5120 10240x10240 8192x14336 32768x4096 5120x27648 16384x14336 28672x8192 \
+      8192x28672; do
+    bpr=$((${shape#*x} / 256))
+    S=""
+    for per in 2 3 5; do
+      for n in 1 2 4 8; do S+="$n:nt=1,src=4,pf=1,ksplit=$(((bpr + per - 1) / per));"; done
+    done
+    step "splits_$shape" 12 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 --no-torch \
+      --shapes "$shape" --json "$OUT/splits_$shape.json"
+  done
+  if command -v ncu >/dev/null; then
+    M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+    M+=,sm__cycles_active.avg,gpc__cycles_elapsed.max,sm__warps_active.avg.per_cycle_active
+    M+=,launch__registers_per_thread,launch__grid_size,launch__block_size
+    M+=,smsp__issue_active.avg.pct_of_peak_sustained_active
+    for r in long_scoreboard short_scoreboard wait barrier not_selected lg_throttle; do
+      M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+    done
+    step ncu 30 ncu --clock-control none --metrics "$M" -k "regex:q6k_(ks|ksc)_f16|q6k_sum_parts" \
+      -o "$OUT/ncu" -f python3 bench/tile_probe.py --profile --no-torch --profile-cfgs \
+      "8:nt=1,src=4,pf=1,warps=12;8:nt=1,src=4,pf=1,warps=12,ksplit=8;8:nt=1,src=4,pf=1,ksplit=4" \
+      --shapes 4096x14336 --ns 8
+    [[ -f $OUT/ncu.ncu-rep ]] && ncu --import "$OUT/ncu.ncu-rep" --page raw --csv >"$OUT/ncu.csv" 2>&1
+  fi
+  {
+    echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
+    steps | grep -v "^splits_"
+    echo "# the rule's shapes, forced K splits (one process per shape, alternated): shape N AUTO us | label us AUTO/cand rel"
+    cat "$OUT"/splits_*.log | grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " | awk '{print $1, $2, $3, $4, "|", $5, $6, $7, $8}'
+    echo "# ncu: kernel grid block regs us DRAM% warps/SM issue% | long_sb short_sb wait barrier nsel lg"
+    python3 - "$OUT/ncu.csv" <<'PY'
+import csv, os, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5] if os.path.exists(sys.argv[1]) else []
+if len(rows) > 2:
+    h = rows[0]
+    g = lambda row, m: row[h.index(m)] if m in h else "?"
+    st = "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio"
+    for row in rows[2:]:
+        name = g(row, "Kernel Name").split("(")[0].replace(" ", "")[:44]
+        vals = [g(row, m) for m in ("launch__grid_size", "launch__block_size",
+                "launch__registers_per_thread", "gpu__time_duration.sum",
+                "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                "sm__warps_active.avg.per_cycle_active",
+                "smsp__issue_active.avg.pct_of_peak_sustained_active")]
+        vals += ["|"] + [g(row, st % s) for s in ("long_scoreboard", "short_scoreboard", "wait",
+                                                  "barrier", "not_selected", "lg_throttle")]
+        print(name, " ".join(vals))
+PY
+  } | table
+  exit 0
+fi
 C=""
 for n in 1 2 4 8; do
   for k in 0 2 4 8; do C+="$n:nt=1,src=4,pf=1,warps=12,ksplit=$k;"; done
