@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# k's device command, session 19 (issue 16), bounded by BOUND (s). Bundle A:
+# k's device command, session 19 (issue 16), bounded by BOUND (s). Bundle A (ran on tree c7b30df:
+# the two-blocks-ahead loop it measured lost every cell and left the kernel; its code and GPU
+# test are bench/results/2026-12-03_k_d2_two_blocks_ahead.patch, apply it to run PHASE=a again):
 #   1. d2: --cfg-ab on the four 48-56 MB shapes at N = 1, 2, 4, 8 (the N <= 8 cells short of
 #      2.4 TB/s): AUTO (the table) against the two-blocks-ahead tile (nt1 w12 pf) at the
 #      occupancy's K split and at 2 / 4 / 8, as the cluster-sum tile (src 7) at 2 / 4, and the
