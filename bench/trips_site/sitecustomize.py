@@ -2,6 +2,7 @@
 loop-trip counter in the process if Q6SERVE_LOOP_TRIPS names an output file, and
 bench/reply_stamps.py's absolute times in stream replies if Q6SERVE_REPLY_STAMPS is set, and
 bench/lane_stamps.py's fast-lane stamps if Q6SERVE_LANE_STAMPS names an output file
+and bench/job_stamps.py's device-job stamps if Q6SERVE_JOB_STAMPS names an output file
 (diagnostics for bench/stream_overhead.py --trips / --stamps and bench/lane_latency.py
 --stamps; nothing else puts this folder on the path)."""
 
@@ -25,3 +26,9 @@ if os.environ.get("Q6SERVE_LANE_STAMPS"):
     import lane_stamps
 
     lane_stamps.install(os.environ["Q6SERVE_LANE_STAMPS"])
+
+if os.environ.get("Q6SERVE_JOB_STAMPS"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import job_stamps
+
+    job_stamps.install(os.environ["Q6SERVE_JOB_STAMPS"])
