@@ -800,10 +800,17 @@ class FrontendsWorker(Worker):
         # 17, 3 pairs of 3; 6 of 7 pairs since session 16). Bytes and system-region calls wait
         # inline: the same pipeline lost T3 through system regions (162-186k against
         # 163-238k) and left T2 even (docs/SCALEOUT.md, session 17). Out: (wait,
-        # done(reply, exception), launch number).
+        # done(reply, exception), launch number, its slot's completion event or None).
         self._out: collections.deque[tuple[Callable[[], Any],
-                                           Callable[[Any, BaseException | None], None], int]] \
-            = collections.deque()
+                                           Callable[[Any, BaseException | None], None], int,
+                                           Any]] = collections.deque()
+        # Q6SERVE_DP_READY_POLL: the launches out are answered at a loop trip once their launch
+        # slot's completion event says they are done (a query, no sync), in order; one not
+        # done yet is looked at again a trip later, the loop reading messages meanwhile
+        # (bundle A: the loop blocked in those syncs 15 us a CUDA-region call, 43 a system-
+        # region one). Where a slot is needed the oldest is still waited for.
+        self.ready_poll = bool(envvars.DP_READY_POLL.read())
+        self._ws: Any = None  # the CUDA launcher's workspace (its slots), set at start
         self._launches = 0  # launches so far (each out entry's number)
         self._tick_due = False
         # CUDA-region calls read in this trip, launched at its end: (call, y's CUDA view or
@@ -828,6 +835,8 @@ class FrontendsWorker(Worker):
         frontend_busy_poll_us()  # a bad value fails the start here, not in every front end
         self._init_metrics()
         self.engine = self.make_engine()
+        if self.ready_poll:
+            self._ws = getattr(getattr(self.backend, "launcher", None), "ws", None)
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
         self.plane = RegionPlane(self.regions, self.engine)
@@ -1069,7 +1078,7 @@ class FrontendsWorker(Worker):
             self._launch_cuda_due()
         if self._sys_due:
             self._launch_sys_due()
-        self._settle(earlier)
+        self._settle_done(earlier)
         for fe in self._fronts.values():
             fe.out.flush_now()
 
@@ -1162,9 +1171,12 @@ class FrontendsWorker(Worker):
             if self._out and not dev.may_launch_now():  # (its slots taken: no launch() try)
                 self._settle(self._out[0][2] + 1)
                 continue
+            slot = self._free_slot()
             wait = launch()
             if wait is not None:
-                self._out.append((wait, done, self._launches))
+                ws = self._ws
+                ev = (ws.done_event(slot) if slot is not None and ws.held(slot) else None)
+                self._out.append((wait, done, self._launches, ev))
                 self._launches += 1
                 self.pipelined[0] += 1
                 if not self._tick_due:
@@ -1176,11 +1188,40 @@ class FrontendsWorker(Worker):
                 return
             self._settle(self._out[0][2] + 1)
 
+    def _free_slot(self) -> int | None:
+        """The launch slot the next launch takes (``Workspace.free_slot``: the first free), to
+        find its completion event after it; None: no ready polling (off, not CUDA, or none
+        free)."""
+        ws = self._ws
+        if ws is None:
+            return None
+        try:
+            return int(ws.free_slot())
+        except Exception:  # (every slot held: the launch is refused, no event to find)
+            return None
+
+    def _settle_done(self, before: int) -> None:
+        """:meth:`_settle`, with ready polling only those done by now (their slot's event; no
+        event: waited for), in order up to the first that is not; a tick looks at the rest a
+        loop trip later."""
+        if self._ws is None:
+            self._settle(before)
+            return
+        out = self._out
+        while out and out[0][2] < before:
+            ev = out[0][3]
+            if ev is not None and not ev.done:
+                if not self._tick_due:
+                    self._tick_due = True
+                    asyncio.get_running_loop().call_soon(self._tick, True)
+                return
+            self._settle(out[0][2] + 1)
+
     def _settle(self, before: int) -> None:
         """Wait for the launches out numbered below ``before``, in order, each answered."""
         out = self._out
         while out and out[0][2] < before:
-            wait, done, _ = out.popleft()
+            wait, done, _, _ = out.popleft()
             t = time.perf_counter()
             try:
                 reply, exc = wait(), None
@@ -1202,7 +1243,7 @@ class FrontendsWorker(Worker):
         self._tick_due = False
         if self._merging or self._cuda_due or self._sys_due:
             return  # (_flush_calls comes: it settles them, after its own launches)
-        self._settle(self._launches)
+        self._settle_done(self._launches)
         for fe in self._fronts.values():
             fe.out.flush_now()
 

@@ -111,3 +111,55 @@ def test_refused_full_region_calls_hold_nothing(running: Any,
         y = c.matmul("w", r.ndarray(0, np.float16, x.shape), x_region=(r, 0), y_region=(r, 8192))
         np.testing.assert_array_equal(y, ok)
     assert w.worker._pending == 0
+
+
+class _SlowEvents:
+    """A stand-in for the CUDA launcher's workspace as the device process's ready polling
+    sees it (``FrontendsWorker._ws``): one slot, always taken by the launch, whose completion
+    event reports "not done" to its first two queries after each launch."""
+
+    def __init__(self) -> None:
+        self.queries = self.not_done = 0
+        self._left = 0
+        self.event = self
+
+    def free_slot(self) -> int:
+        self._left = 2  # a new launch: its event is "running" for two queries
+        return 0
+
+    def held(self, slot: int) -> bool:
+        return True
+
+    def done_event(self, slot: int) -> Any:
+        return self
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        if self._left:
+            self._left -= 1
+            self.not_done += 1
+            return False
+        return True
+
+
+def test_launches_answered_once_their_event_is_done(running: Any,
+                                                    rng: np.random.Generator) -> None:
+    """Ready polling (Q6SERVE_DP_READY_POLL): a launch whose slot's event is not done yet is
+    not waited for at the next trip; a later trip answers it once the event says done.
+    Every y right, every call answered, nothing left out."""
+    w = running
+    ws = _SlowEvents()
+    w.worker._ws = ws
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 6)
+    c.upload("w", blocks, ROWS, K)
+    with c.register_shm("r", 65536) as r:
+        for _ in range(6):
+            x = rng.standard_normal((N, K)).astype(np.float16)
+            r.put(0, x)
+            y = c.matmul("w", r.ndarray(0, np.float16, x.shape), x_region=(r, 0),
+                         y_region=(r, 8192))
+            np.testing.assert_allclose(y, reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+    assert w.worker.pipelined[0] >= 4 and ws.not_done >= 8, (w.worker.pipelined, ws.not_done)
+    assert w.worker._pending == 0 and not w.worker._out
