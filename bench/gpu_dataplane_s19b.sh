@@ -7,7 +7,7 @@
 #   is done, the loop reading messages meanwhile);
 # - CUDA regions, c0 / c1: the same (15 us a call blocked; bundle A of session 19: 4 pairs with
 #   session 18's, even).
-# No run starts past BOUND - NEED s; a table last.
+# First the GPU test of the pipelined CUDA-region calls (ready polling on). No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dataplane_s19b.sh   env: BOUND (57), NEED (8), BACKEND (cuda; numpy: a CPU
 #                                 rehearsal with DRY_RUN=1, ROW_SCALE)
 set -uo pipefail
@@ -16,6 +16,11 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/dp19b
 BOUND=${BOUND:-57} BACKEND=${BACKEND:-cuda}
 export Q6SERVE_FRONTEND_ROUND_ROBIN=1
+if left 40; then  # the pipelined CUDA-region calls with ready polling on (this tree's default)
+  timeout "$(bound 15 4)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/dataplane/test_cuda_ipc_gpu.py -k behind_each_other >"$OUT/pytest_dataplane_gpu.log" 2>&1
+  note "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_dataplane_gpu.log")) at $(elapsed)"
+fi
 t3() {  # t3 RUN NAME: bench/service.py's T3 over $REGION regions, the device process's counters
   Q6SERVE_DP_STATS=$OUT/dpstats_$1.jsonl timeout "$(bound 30 4)" python3 bench/service.py \
     --backend "$BACKEND" --dataplane --modes stream --frontends "${FRONTENDS:-6}" --t3-hosts 8 \
