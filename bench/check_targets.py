@@ -195,12 +195,16 @@ def lm_rows(out: Path, steps: Steps) -> list[Row]:
 def replay_rows(rep: dict[str, Any], steps: Steps) -> list[Row]:
     rows = []
     runs = rep.get("replay") or []
+    argv = rep.get("argv") or []  # the S the run was asked for (bench/service.py's default)
+    asked = next((argv[i + 1] for i, x in enumerate(argv[:-1]) if x == "--replay-seqs"),
+                 "1,8,64")
     for s in (1, 8, 64):
         got = {("multi" if r.get("multi") else "single"): r for r in runs
                if r.get("seqs") == s and r.get("hosts", 1) == 1}
         what = f"replay S={s} step p50, multi / single{' (the target)' if s == 8 else ''}"
         if not got:
-            rows.append((what, "-", "1.5 x (floor + kernel)", absent(steps, ["replay"])))
+            rows.append((what, "-", "1.5 x (floor + kernel)", absent(steps, ["replay"])
+                         if str(s) in asked.split(",") else "not run"))
             continue
         keys = [k for k in ("multi", "single") if k in got]
         fig = " / ".join(f"{got[k]['step_p50_ms']:.2f}" for k in keys) + " ms (floor " + \

@@ -122,7 +122,7 @@ def test_a_cut_step_reads_cut_a_failed_one_failed(tmp_path: Path) -> None:
     steps_tsv(tmp_path, ("t1", 1, "ran"), ("wall", 0, "ran"), ("kernel_ref", 0, "ran"),
               ("replay", 124, "cut"), ("lm_head", 124, "skipped"),
               ("kernels_gpu", 124, "cut"), ("demo", 0, "ran"))
-    write(tmp_path, "replay", {"replay": [
+    write(tmp_path, "replay", {"argv": ["--replay", "--replay-seqs", "8,1,64"], "replay": [
         {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 80.0, "floor_step_ms": 40.0,
          "limit_ms": 86.0, "met": True},
         {"seqs": 8, "hosts": 1, "multi": False, "step_p50_ms": 190.0, "floor_step_ms": 70.0,
@@ -146,3 +146,15 @@ def test_a_cut_step_reads_cut_a_failed_one_failed(tmp_path: Path) -> None:
                                                "cut"]
     assert got["q6serve demo --backend cuda"][2] == "**met**"
     assert got["GPU tests, tests/dataplane"][2] == "not run"
+
+
+def test_a_cut_replay_names_only_the_s_it_was_asked_for(tmp_path: Path) -> None:
+    """A replay asked for S=8,64 and cut: S=64 reads cut, S=1 (never asked) not run."""
+    steps_tsv(tmp_path, ("replay", 124, "cut"))
+    write(tmp_path, "replay", {"argv": ["--replay", "--replay-seqs", "8,64"], "replay": [
+        {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 96.3, "floor_step_ms": 47.3,
+         "limit_ms": 76.0, "met": False}]})
+    got = run(tmp_path)
+    assert got["replay S=64 step p50, multi / single"][2] == "cut"
+    assert got["replay S=1 step p50, multi / single"][2] == "not run"
+    assert got["replay S=8 step p50, multi / single (the target)"][2] == "missed; single cut"
