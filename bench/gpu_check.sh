@@ -145,7 +145,7 @@ fi
   grep -E "^# T1|mean us|bare gRPC|\"target\": \"T1\"" "$OUT/t1.log" | tail -5 | cut -c1-400
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   grep -E "^    per call" "$OUT/replay.log" 2>/dev/null | head -6 | cut -c1-200
-  grep -hE "^# T2|^# T3" "$OUT"/dataplane/dataplane_f*.log 2>/dev/null | cut -c1-200
+  grep -hE "^# T2|^# T3" "$OUT"/dataplane_f*.log 2>/dev/null | cut -c1-200
   if [[ -z ${SKIP_PINNED:-} ]]; then
     echo "## pinned ($PIN)"
     grep -E "^# T1|mean us" "$OUT/t1_pinned.log" 2>/dev/null | tail -3
