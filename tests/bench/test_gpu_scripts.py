@@ -258,10 +258,11 @@ def test_gpu_check_order_and_bound(tmp_path: Path) -> None:
     suites = ["demo", "launch_gpu", "service_cuda", "dataplane_gpu", "kernels_gpu"]
     assert names == ["t1", "wall", "kernel_ref", "replay", "lm_head", "lm_head_fe4",
                      "lm_head_nospin", "dataplane_f6_rr", *suites], names
-    # 7 s less 1 s of reserve: t1 and wall take 2.5 s each; kernel_ref gets the 1-2 s left and
-    # is cut at its limit (or skipped); everything after is skipped (no second left)
+    # 7 s less 1 s of reserve: t1 takes 2.5 s; wall gets 3-4 s (2 on a loaded host: then it is
+    # cut at 2), kernel_ref what is left (cut at it, or skipped); everything after is skipped
+    # (each step takes at least its 2.5 s or its whole limit: no second left by the replay)
     how = {s[0]: (s[1], s[3], s[4]) for s in steps}
-    assert how["t1"] == ("0", "6", "ran") and how["wall"][2] == "ran", how
+    assert how["t1"] == ("0", "6", "ran") and how["wall"][2] in ("ran", "cut"), how
     assert how["kernel_ref"][2] in ("cut", "skipped"), how
     assert all(how[n][:3:2] == ("124", "skipped") for n in names[3:]), how
     said = done.stdout.rstrip().splitlines()

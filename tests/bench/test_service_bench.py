@@ -125,8 +125,12 @@ def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
             assert abs(per_call * 1e-3 - r["floors_step_ms"][kind]) < 1e-6
         p = r["step_parts_p50_ms"]
         # up + down = the round trip less the worker's taken -> encoded: the transport less
-        # the reply's last encoding step (a few us a call), never more
-        assert 0.5 * p["transport"] <= p["up"] + p["down"] <= 1.02 * p["transport"]
+        # the reply's last encoding step (a few us a call), never more, call by call; these
+        # are p50s, and a sum of two medians is not the median of the sum: on a loaded 2-core
+        # host the two tails need not line up (this test failed once in session 18's CI; in
+        # session 19 one tests/bench test failed once, its output lost), so 1.2x, not 1.02x:
+        # a way counted twice still fails it
+        assert 0.5 * p["transport"] <= p["up"] + p["down"] <= 1.2 * p["transport"]
         # the step less its calls (encode to decode): the bench's own loop, its bookkeeping
         # done while the next call is in flight
         assert 0 <= p["bench"] < p["e2e"]
