@@ -90,7 +90,7 @@ from .interceptor import ErrorInterceptor
 from .multi import start_matmul_weights
 from .regions import CUDA, SHM_DIR, Region, RegionIO, RegionRef, YSpec, table_for
 from .servicer import Q6ServeServicer, RegionPlane
-from .threads import busy_poll
+from .threads import busy_poll, outcome
 from .worker import Worker, build_server, stop_server
 
 log = logging.getLogger("q6serve.frontends")
@@ -1520,11 +1520,7 @@ class FrontendsWorker(Worker):
             self._sys_routed(p)  # (queued: routed as any other)
 
         def answered(fut: asyncio.Future[Any]) -> None:
-            if fut.cancelled():
-                self._sys_done(p, None, Unavailable("the call was cancelled"))
-            else:
-                exc = fut.exception()
-                self._sys_done(p, None if exc is not None else fut.result(), exc)
+            self._sys_done(p, *outcome(fut))
 
         self.engine.start_matmul(p.call, answered)  # type: ignore[union-attr]
 

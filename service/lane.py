@@ -46,6 +46,7 @@ from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
 from . import regions, wire
 from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
+from .threads import outcome
 
 log = logging.getLogger("q6serve.lane")
 
@@ -319,11 +320,7 @@ class LaneServer:
     def _queue(self, p: _Piped) -> None:
         """``p`` queued (``start_matmul``) with a sink that answers it."""
         def answered(fut: asyncio.Future[Any]) -> None:
-            if fut.cancelled():
-                self._answer(p, None, Unavailable("the call was cancelled"))
-            else:
-                exc = fut.exception()
-                self._answer(p, None if exc is not None else fut.result(), exc)
+            self._answer(p, *outcome(fut))
 
         engine = self.engine
         if type(engine) is Engine:  # its sink runs in the trip that resolves the call

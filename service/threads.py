@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from q6serve.kernels.errors import Unavailable
+
 from . import envvars
 
 T = TypeVar("T")
@@ -27,6 +29,15 @@ def settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> 
             fut.set_result(result)
         else:
             fut.set_exception(exc)
+
+
+def outcome(fut: asyncio.Future[Any]) -> tuple[Any, BaseException | None]:
+    """A done future's (result, None) or (None, exception), the inverse of :func:`settle`; a
+    cancelled one reads as Unavailable (its caller is answered, not left waiting)."""
+    if fut.cancelled():
+        return None, Unavailable("the call was cancelled")
+    exc = fut.exception()
+    return (None, exc) if exc is not None else (fut.result(), None)
 
 
 def run_in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:

@@ -69,3 +69,24 @@ def test_busy_poll_default_depends_on_the_cores_allowed(monkeypatch: pytest.Monk
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: few)  # pinned, small host
     assert threads.busy_poll_us({}) == 0
     assert threads.busy_poll_us({threads.BUSY_POLL_ENV: "250"}) == 250
+
+
+def test_outcome_reads_a_done_future_back() -> None:
+    """threads.outcome, settle's inverse: a result, an exception, and a cancelled future
+    (read as Unavailable, so its caller is answered)."""
+    from q6serve.kernels.errors import Unavailable
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ok, bad, gone = loop.create_future(), loop.create_future(), loop.create_future()
+        threads.settle(ok, 7, None)
+        err = ValueError("x")
+        threads.settle(bad, None, err)
+        gone.cancel()
+        assert threads.outcome(ok) == (7, None)
+        assert threads.outcome(bad) == (None, err)
+        res, exc = threads.outcome(gone)
+        assert res is None and isinstance(exc, Unavailable), exc
+        assert "cancelled" in str(exc)
+
+    asyncio.run(main())
