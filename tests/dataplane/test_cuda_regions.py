@@ -20,6 +20,7 @@ from q6serve.service import batcher, cuda_regions
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.regions import CudaIpcSource, Mapping
 from q6serve.v1 import q6serve_pb2 as pb
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import RunningWorker, random_q6k, reference
 
 ROWS, K = 96, 512
@@ -192,21 +193,18 @@ def test_cuda_region_message_path(plane: Any, rng: np.random.Generator) -> None:
     info = c.register_region(dev)  # type: ignore[arg-type]
     assert (info.name, info.kind, info.offset, info.byte_size) == ("dev", "cuda", 256, 65536)
     out = c.matmul_full("w", x, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
-    np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-4)
+    assert_ref(out.y, want)
     # y was written at the region's offset in the allocation (256 + 8192), x read at 256 + 128
     np.testing.assert_array_equal(dev.mem[256 + 8192 :][: out.y.nbytes].view(np.float32),
                                   out.y.reshape(-1))
     assert p.calls == 1
     # x from the CUDA region, y back in the reply's bytes; x inline, y into the CUDA region;
     # x in a system region, y in the CUDA region
-    np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128)), want, rtol=1e-5,
-                               atol=1e-4)
-    np.testing.assert_allclose(c.matmul("w", x, y_region=(dev, 0)), want, rtol=1e-5, atol=1e-4)
+    assert_ref(c.matmul("w", x, x_region=(dev, 128)), want)
+    assert_ref(c.matmul("w", x, y_region=(dev, 0)), want)
     with c.register_shm("sys", 8192) as sysr:
-        np.testing.assert_allclose(c.matmul("w", x, x_region=sysr, y_region=(dev, 0)), want,
-                                   rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128), y_region=sysr), want,
-                                   rtol=1e-5, atol=1e-4)
+        assert_ref(c.matmul("w", x, x_region=sysr, y_region=(dev, 0)), want)
+        assert_ref(c.matmul("w", x, x_region=(dev, 128), y_region=sysr), want)
     assert p.calls == 5
     # bounds and ownership as for system regions, checked before any device work
     code, msg = code_of(lambda: c.matmul("w", x, y_region=(dev, 65536 - 100)))  # type: ignore[arg-type]
@@ -260,15 +258,13 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
         dev = FakeCudaRegion(p, "dev", 65536, offset=256)
         c.register_region(dev)  # type: ignore[arg-type]
         out = c.matmul_full("w", x, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
-        np.testing.assert_allclose(out.y, want, rtol=1e-5, atol=1e-4)
+        assert_ref(out.y, want)
         with c.register_shm("sys", 16384) as sysr:
-            np.testing.assert_allclose(c.matmul("w", x, x_region=(dev, 128), y_region=sysr),
-                                       want, rtol=1e-5, atol=1e-4)
+            assert_ref(c.matmul("w", x, x_region=(dev, 128), y_region=sysr), want)
             sysr.put(8192, x)
             c.matmul("w", sysr.ndarray(8192, np.float16, x.shape), x_region=(sysr, 8192),
                      y_region=(dev, 16384))
-            np.testing.assert_allclose(dev.ndarray(16384, np.float32, want.shape), want,
-                                       rtol=1e-5, atol=1e-4)
+            assert_ref(dev.ndarray(16384, np.float32, want.shape), want)
             assert code_of(lambda: c.matmul("nope", x, x_region=(dev, 128),  # type: ignore[arg-type]
                                             y_region=sysr))[0] == C.NOT_FOUND
         assert p.calls == p.started + p.launched == 3
@@ -282,8 +278,7 @@ def test_cuda_regions_through_frontends(monkeypatch: pytest.MonkeyPatch,
         for i in range(4):
             xi = x * (i + 2)
             out = c.matmul_full("w", xi, x_region=(dev, 128), y_region=(dev, 8192))  # type: ignore[arg-type]
-            np.testing.assert_allclose(out.y, reference(blocks, ROWS, K, xi), rtol=1e-5,
-                                       atol=1e-4)
+            assert_ref(out.y, reference(blocks, ROWS, K, xi))
         assert p.launched >= 3 and p.calls == 7 and w.worker.pipelined[0] == p.launched
         assert c.list_regions()[0].in_use == 0 and w.worker._pending == 0
         c.unregister_region("dev")

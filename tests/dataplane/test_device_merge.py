@@ -19,6 +19,7 @@ from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service import frontends as fe
 from q6serve.service.config import WorkerConfig
 from q6serve.service.engine import UploadSpec
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import random_q6k, reference
 
 ROWS, K, BAD = 48, 256, 777.0
@@ -98,7 +99,7 @@ def _check_y(arena: fe.Arena, slot: int, msg: tuple[Any, ...], want: np.ndarray)
     assert msg[0] == "mmok", msg
     off, _, shape = msg[3][0]
     y = arena.array(slot, np.dtype("<f4"), shape, writable=False, offset=off)
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+    assert_ref(y, want)
 
 
 @pytest.mark.parametrize("merge", [True, False])

@@ -26,6 +26,7 @@ from q6serve.client.client import Client, Q6ServeError
 from q6serve.client.retry import RetryPolicy
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.frontends import FrontendsWorker
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import InstrumentedBackend, make_backend, random_q6k, reference
 
 ROWS, K = 96, 512
@@ -99,7 +100,7 @@ def test_every_frontend_serves_the_whole_contract(start: Callable[..., Running],
     want = reference(blocks, ROWS, K, x)
     for _ in range(40):  # connections land on front ends by the kernel's hash: try a few
         c = w.client()
-        np.testing.assert_allclose(c.matmul("w", x), want, rtol=1e-5, atol=1e-4)
+        assert_ref(c.matmul("w", x), want)
         if all(w.worker.frontend_calls.get(i, 0) for i in range(2)):
             break
     calls = w.worker.frontend_calls
@@ -114,12 +115,12 @@ def test_every_frontend_serves_the_whole_contract(start: Callable[..., Running],
             c.matmul("w", np.zeros((2, 256), np.float32))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "K=256" in e.value.message
         outs = {o.request_id: o for o in c.matmul_stream([("a", "w", x), ("b", "nope", x)])}
-        np.testing.assert_allclose(outs["a"].y, want, rtol=1e-5, atol=1e-4)
+        assert_ref(outs["a"].y, want)
         assert outs["b"].code == grpc.StatusCode.NOT_FOUND  # type: ignore[union-attr]
         # big activations travel in the message instead of a slot (8 MiB arena, 4 MiB slots)
         big = rng.standard_normal((256, K)).astype(np.float32)
         y = c.matmul_full("w", big).y
-        np.testing.assert_allclose(y, reference(blocks, ROWS, K, big), rtol=1e-5, atol=1e-4)
+        assert_ref(y, reference(blocks, ROWS, K, big))
         # regions live in the device process: registered through one front end, used (or
         # refused) through any
         assert [wt.name for wt in c.list()] == ["w"] and c.get("w").rows == ROWS
@@ -127,8 +128,7 @@ def test_every_frontend_serves_the_whole_contract(start: Callable[..., Running],
         assert c.flags()["Q6SERVE_DYNAMIC_BATCHING"] is True
     with first.register_shm("r", 1 << 16) as region:
         for c in w.clients:
-            np.testing.assert_allclose(c.matmul("w", x, x_region=region, y_region=(region, 8192)),
-                                       want, rtol=1e-5, atol=1e-4)
+            assert_ref(c.matmul("w", x, x_region=region, y_region=(region, 8192)), want)
         assert [r.name for r in w.clients[-1].list_regions()] == ["r"]
     # one /metrics: the front ends' request metrics reach the device process's registry
     time.sleep(0.5)
@@ -167,8 +167,7 @@ def test_frontend_killed_mid_call(start: Callable[..., Running],
         assert time.monotonic() < deadline, "no replacement front end"
         time.sleep(0.1)
     fresh = w.client()
-    np.testing.assert_allclose(fresh.matmul("w", x), reference(blocks, ROWS, K, x), rtol=1e-5,
-                               atol=1e-4)
+    assert_ref(fresh.matmul("w", x), reference(blocks, ROWS, K, x))
     assert fresh.status().serving
     assert w.call(_in_flight(w)) == 0  # nothing of the dead front end's left queued
     assert arenas([victim, *w.worker.frontend_pids.values()]) == []
@@ -241,14 +240,12 @@ def test_multi_weight_and_topk_through_frontends(start: Callable[..., Running],
     for cl in (c, w.client()):
         ys = cl.matmul_multi(["q", "k"], x)
         for y, n in zip(ys, ("q", "k"), strict=True):
-            np.testing.assert_allclose(y, want[n], rtol=1e-5, atol=1e-4)
+            assert_ref(y, want[n])
         # 256 x 2048 f32 of "big" (2 MiB) does not fit the slot after q's y: it travels inline
         xl = rng.standard_normal((256, K)).astype(np.float32)
         ys = cl.matmul_multi(["q", "big"], xl)
-        np.testing.assert_allclose(ys[1], reference(blocks["big"], 2048, K, xl), rtol=1e-5,
-                                   atol=1e-3)
-        np.testing.assert_allclose(ys[0], reference(blocks["q"], 96, K, xl), rtol=1e-5,
-                                   atol=1e-3)
+        assert_ref(ys[1], reference(blocks["big"], 2048, K, xl), atol=1e-3)
+        assert_ref(ys[0], reference(blocks["q"], 96, K, xl), atol=1e-3)
         top = cl.matmul_topk("big", x, 5)
         ref = topk_reference(want["big"], 5)
         np.testing.assert_array_equal(top.indices, ref.indices)
@@ -256,8 +253,7 @@ def test_multi_weight_and_topk_through_frontends(start: Callable[..., Running],
         outs = {o.request_id: o for o in cl.matmul_stream(
             [("m", ["q", "k"], x), ("t", "q", x), ("bad", ["q", "other_k"], x)])}
         assert [o.weight for o in outs["m"].outputs] == ["q", "k"]  # type: ignore[union-attr]
-        np.testing.assert_allclose(outs["m"].outputs[1].y, want["k"],  # type: ignore[union-attr]
-                                   rtol=1e-5, atol=1e-4)
+        assert_ref(outs["m"].outputs[1].y, want["k"])  # type: ignore[union-attr]
         assert outs["t"].y.shape == (3, 96)  # type: ignore[union-attr]
         bad = outs["bad"]
         assert isinstance(bad, Q6ServeError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -562,8 +558,7 @@ def callers_get_their_own_rows(w: Running, callers: int, calls: int,
 
     def run(i: int) -> None:
         for _ in range(calls):
-            np.testing.assert_allclose(clients[i].matmul("w", xs[i]), want[i], rtol=1e-5,
-                                       atol=1e-4)
+            assert_ref(clients[i].matmul("w", xs[i]), want[i])
 
     with ThreadPoolExecutor(callers) as pool:
         list(pool.map(run, range(callers)))
@@ -595,9 +590,7 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
     with first.register_shm("r", 1 << 16) as region:
         for _ in range(40):  # clients on both front ends (the kernel's hash places them)
             c = w.client()
-            np.testing.assert_allclose(c.matmul("w", x, x_region=region,
-                                                y_region=(region, 8192)),
-                                       want, rtol=1e-5, atol=1e-4)
+            assert_ref(c.matmul("w", x, x_region=region, y_region=(region, 8192)), want)
             if len(w.clients) > 3 and all(w.worker.frontend_calls.get(i, 0)
                                           for i in range(2)):
                 break
@@ -607,7 +600,7 @@ def test_region_calls_through_frontends(start: Callable[..., Running],
                 [("bad", "w", x, region, (region, 65536 - 100)),
                  ("ok", "w", x, region, (region, 16384)),
                  ("nope", "nope", x, region, (region, 16384))])}
-            np.testing.assert_allclose(outs["ok"].y, want, rtol=1e-5, atol=1e-4)
+            assert_ref(outs["ok"].y, want)
             assert outs["bad"].code == C.INVALID_ARGUMENT  # type: ignore[union-attr]
             assert outs["nope"].code == C.NOT_FOUND  # type: ignore[union-attr]
             # the one-process statuses (tests/dataplane/test_regions.py)
@@ -708,8 +701,7 @@ def test_busy_polling_front_ends_serve(start: Callable[..., Running],
         w.client().upload("w", blocks, ROWS, K)
         for i, c in enumerate([w.client() for _ in range(4)]):
             x = rng.standard_normal((1 + i, K)).astype(np.float32)
-            np.testing.assert_allclose(c.matmul("w", x), reference(blocks, ROWS, K, x),
-                                       rtol=1e-5, atol=1e-4)
+            assert_ref(c.matmul("w", x), reference(blocks, ROWS, K, x))
         pids = list(w.worker.frontend_pids.values())
         c0, t0 = cpu(pids), time.perf_counter()
         time.sleep(0.6)
@@ -759,5 +751,4 @@ def test_round_robin_deals_connections_to_the_front_ends_in_turn(
     blocks = random_q6k(ROWS, K, 5)
     c.upload("w", blocks, ROWS, K)
     x = np.random.default_rng(5).standard_normal((2, K)).astype(np.float32)
-    np.testing.assert_allclose(c.matmul("w", x, precision="exact"), reference(blocks, ROWS, K, x),
-                               rtol=1e-5, atol=1e-4)
+    assert_ref(c.matmul("w", x, precision="exact"), reference(blocks, ROWS, K, x))

@@ -19,6 +19,7 @@ from q6serve.client import core
 from q6serve.client.client import Client, Q6ServeError
 from q6serve.client.lane import REPLY, REQUEST, Lane
 from q6serve.service.config import Budget, WorkerConfig
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import RunningWorker, random_q6k, reference
 
 ROWS, K = 96, 512
@@ -144,11 +145,9 @@ def test_lane_pipelined_beyond_its_room(rng: np.random.Generator) -> None:
                 assert (code, msg_len, cols) == (0, 0, ROWS)
                 seqs.append(seq)
             assert sorted(seqs) == list(range(1, count + 1))
-            np.testing.assert_allclose(region.ndarray(8192, np.float32, (2, ROWS)),
-                                       reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+            assert_ref(region.ndarray(8192, np.float32, (2, ROWS)), reference(blocks, ROWS, K, x))
             # the lane goes on as usual
-            np.testing.assert_allclose(lane.matmul("w", x), reference(blocks, ROWS, K, x),
-                                       rtol=1e-5, atol=1e-4)
+            assert_ref(lane.matmul("w", x), reference(blocks, ROWS, K, x))
             lanes = w.worker.plane.lanes
             assert lanes is not None and lanes.pauses >= 1 and lanes.direct >= count
     finally:
@@ -179,8 +178,8 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
         xb, yb = n * K * 4, n * ROWS * 4
         y0 = count * xb
         with c.register_shm("io", y0 + count * yb) as region, c.open_lane(region) as lane:
-            np.testing.assert_allclose(lane.matmul("w", x[0]), reference(blocks, ROWS, K, x[0]),
-                                       rtol=1e-5, atol=1e-4)  # queued: its cost now known
+            # queued: its cost now known
+            assert_ref(lane.matmul("w", x[0]), reference(blocks, ROWS, K, x[0]))
             lanes = w.worker.plane.lanes
             assert lanes is not None
             piped = lanes.piped
@@ -207,9 +206,8 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
             assert sorted(got) == list(range(1, count + 1))
             for i in range(count):
                 assert got[i + 1] == (0, "")
-                np.testing.assert_allclose(region.ndarray(y0 + i * yb, np.float32, (n, ROWS)),
-                                           reference(blocks, ROWS, K, x[i]), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(region.ndarray(y0 + i * yb, np.float32, (n, ROWS)),
+                           reference(blocks, ROWS, K, x[i]))
             assert lanes.piped - piped == count
             assert w.call(_held(w)) == [0]  # every answered call let its region go
     finally:
@@ -395,8 +393,7 @@ def test_full_batches_repeated_take_their_region_plan(rng: np.random.Generator,
             planned = []
             for _ in range(5):
                 x = rng.standard_normal((n, K)).astype(np.float32)
-                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(call(x), reference(blocks, ROWS, K, x))
                 planned.append(lanes.planned)
             # the 1st (queued: no cost known) leaves the plan, the rest run by it
             assert planned == [0, 1, 2, 3, 4] and backend.wanted == 1
@@ -408,20 +405,17 @@ def test_full_batches_repeated_take_their_region_plan(rng: np.random.Generator,
             w.loop.call_soon_threadsafe(flip)
             for expect in (4, 5, 6):  # stale: as any other (leaving a new plan), then by it
                 x = rng.standard_normal((n, K)).astype(np.float32)
-                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(call(x), reference(blocks, ROWS, K, x))
                 assert lanes.planned == expect
             assert backend.wanted == 2
             c.register_shm("other", 4096).close()  # an unpin: every region call stale
             for expect in (6, 7):
                 x = rng.standard_normal((n, K)).astype(np.float32)
-                np.testing.assert_allclose(call(x), reference(blocks, ROWS, K, x), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(call(x), reference(blocks, ROWS, K, x))
                 assert lanes.planned == expect
             assert backend.wanted == 3
             x = rng.standard_normal((n, K)).astype(np.float32)  # another place: no plan yet
-            np.testing.assert_allclose(call(x, xb), reference(blocks, ROWS, K, x), rtol=1e-5,
-                                       atol=1e-4)
+            assert_ref(call(x, xb), reference(blocks, ROWS, K, x))
             assert lanes.planned == 7 and backend.wanted == 4
             assert backend.region_launches == 7
             # a lone request below a full batch: on the direct path (Engine.run_now) by its
@@ -431,8 +425,7 @@ def test_full_batches_repeated_take_their_region_plan(rng: np.random.Generator,
                 region.ndarray(2 * xb, np.float32, (1, K))[...] = x
                 y = lane.matmul("w", x_offset=2 * xb, y_offset=4 * xb, shape=(1, K),
                                 dtype=np.float32)
-                np.testing.assert_allclose(y, reference(blocks, ROWS, K, x), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(y, reference(blocks, ROWS, K, x))
             assert lanes.planned >= 8 and backend.region_launches == lanes.planned
             held = w.worker.regions._regions["io"]
             assert len(held.plans) == 3

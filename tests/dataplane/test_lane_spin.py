@@ -23,6 +23,7 @@ from q6serve.client import core
 from q6serve.client.client import Q6ServeError
 from q6serve.client.lane import ACCEPTED, REPLY, REQUEST, Lane, lane_spin_us
 from q6serve.client.shm import ShmRegion
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import RunningWorker, random_q6k, reference
 
 ROWS, K = 8, 256
@@ -197,8 +198,7 @@ def test_a_lone_lane_request_takes_the_direct_path(rng: np.random.Generator,
             for spin in (0.0, 1e6):
                 lane.spin_us = spin
                 for _ in range(4):
-                    np.testing.assert_allclose(lane.matmul("w", x), reference(blocks, ROWS, K, x),
-                                               rtol=1e-5, atol=1e-4)
+                    assert_ref(lane.matmul("w", x), reference(blocks, ROWS, K, x))
             assert dev.direct_jobs >= 6 and lane.spun >= 4
             assert lane.last is not None and lane.last.batch_requests == 1
             with pytest.raises(Q6ServeError) as e:

@@ -21,6 +21,7 @@ from q6serve.kernels.hostio import HostIO
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_regions import ROWS, K, code_of, mapped, matmul_holding_region
 from tests.dataplane.test_regions import start as one_process  # noqa: F401  (fixture)
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import InstrumentedBackend, random_q6k, reference
 
 C = grpc.StatusCode
@@ -195,13 +196,13 @@ def test_one_process_pins_writes_y_in_place_and_releases(one_process: Any,  # no
     region = c.register_shm("r", 1 << 16)
     assert backend.hostio.pinned == 1 and backend.hostio.pinned_bytes >= 1 << 16
     got = c.matmul("w", x, x_region=region, y_region=(region, 16384))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert_ref(got, want)
     assert backend.direct_x == 1 and backend.direct_y == 1
     # f16 out straight into the region; x as bytes with y in the region (routed too)
     got16 = c.matmul("w", x, x_region=region, y_region=(region, 32768), out_dtype="f16")
     np.testing.assert_allclose(got16.astype(np.float32), want, rtol=2e-3, atol=2e-3)
     got = c.matmul("w", x, y_region=(region, 40960))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert_ref(got, want)
     assert backend.direct_y == 3 and backend.direct_x == 2
     # bf16 out: no route the backend can take (staged y, copied into the region as before)
     got = c.matmul("w", x, x_region=region, y_region=(region, 49152), out_dtype="bf16")
@@ -257,7 +258,7 @@ def test_pinning_off(one_process: Any, rng: np.random.Generator,  # noqa: F811
     x = rng.standard_normal((2, K)).astype(np.float32)
     with c.register_shm("r", 1 << 16) as region:
         got = c.matmul("w", x, x_region=region, y_region=(region, 8192))
-        np.testing.assert_allclose(got, reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+        assert_ref(got, reference(blocks, ROWS, K, x))
     assert rec.log == [] and backend.direct_x == backend.direct_y == 0
 
 
@@ -274,7 +275,7 @@ def test_unregister_while_in_use_unpins_when_the_call_ends(one_process: Any,  # 
     c.unregister_region("r")
     assert backend.hostio.pinned == 1  # its call still reads x and writes y
     t.join(10)
-    np.testing.assert_allclose(out.pop(), reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+    assert_ref(out.pop(), reference(blocks, ROWS, K, x))
     assert backend.direct_y == 1
     assert w.run(lambda: backend.hostio.pinned) == 0
     region.on_close = None
@@ -296,8 +297,7 @@ def test_front_ends_write_y_in_place_and_release(start: Any,  # noqa: F811
     region = c.register_shm("r", 1 << 16)
     assert w.call(_pinned(backend)) == 1
     for off in (8192, 16384):
-        np.testing.assert_allclose(c.matmul("w", x, x_region=region, y_region=(region, off)),
-                                   want, rtol=1e-5, atol=1e-4)
+        assert_ref(c.matmul("w", x, x_region=region, y_region=(region, off)), want)
     assert backend.direct_x >= 2 and backend.direct_y >= 2
     got_code, _ = code_of(lambda: c.matmul("w", x, x_region=region, y_region=(region, 65500)))
     assert got_code == C.INVALID_ARGUMENT

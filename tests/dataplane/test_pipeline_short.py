@@ -28,6 +28,7 @@ from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_pinned_regions import DmaBackend, Recorder
 from tests.dataplane.test_regions import ROWS, K, code_of
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import random_q6k, reference
 from tests.service.test_device_pipeline import Launches as LongLaunches
 
@@ -261,8 +262,7 @@ def _region_load(w: Any, callers: int, calls: int, rng: np.random.Generator) -> 
         outs = list(pool.map(caller, range(callers)))
     for i, ys in enumerate(outs):
         for y in ys:
-            np.testing.assert_allclose(y, reference(blocks, ROWS, K, xs[i]), rtol=1e-5,
-                                       atol=1e-4)
+            assert_ref(y, reference(blocks, ROWS, K, xs[i]))
     return regions
 
 
@@ -319,8 +319,7 @@ def test_a_refused_launch_under_pipelining_reaches_only_its_caller(
             x = bad if (i == 2 and j % 3 == 0) else good
             try:
                 y = clients[i].matmul("w", x, x_region=regions[i], y_region=(regions[i], 16384))
-                np.testing.assert_allclose(y, reference(blocks, ROWS, K, x), rtol=1e-5,
-                                           atol=1e-4)
+                assert_ref(y, reference(blocks, ROWS, K, x))
                 out.append("OK")
             except Q6ServeError as e:
                 out.append(e.code.name)
@@ -384,6 +383,5 @@ def front_end_killed_under_region_load(w: Any, rng: np.random.Generator, seed: i
         time.sleep(0.05)
     assert w.call(_held(w)) == [0] * len(regions) and w.worker.backend.hostio.routes == 0
     fresh = w.client()
-    np.testing.assert_allclose(fresh.matmul("w", x), reference(blocks, ROWS, K, x),
-                               rtol=1e-5, atol=1e-4)
+    assert_ref(fresh.matmul("w", x), reference(blocks, ROWS, K, x))
     return behind

@@ -19,6 +19,7 @@ import pytest
 from q6serve.client.client import Client, Q6ServeError
 from q6serve.client.shm import ShmRegion
 from q6serve.service.config import Budget, WorkerConfig
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import RunningWorker, random_q6k, reference
 
 ROWS, K = 96, 512
@@ -87,7 +88,7 @@ def test_matmul_through_regions_equals_bytes(weight: Any, rng: np.random.Generat
     _w, c, blocks = weight
     x = rng.standard_normal((5, K)).astype(np.float16)
     want = c.matmul("w", x)
-    np.testing.assert_allclose(want, reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+    assert_ref(want, reference(blocks, ROWS, K, x))
     with c.register_shm("io", 1 << 16) as region:
         xv = region.ndarray(128, np.float16, x.shape)
         xv[...] = x
@@ -291,8 +292,8 @@ def test_unregister_while_in_use(start: Callable[..., RunningWorker],
     code, _ = code_of(lambda: c.matmul("w", x, x_region=region))
     assert code == grpc.StatusCode.NOT_FOUND
     t.join(10)
-    np.testing.assert_allclose(out.pop(), reference(blocks, ROWS, K, x), rtol=1e-5,
-                               atol=1e-4)  # out held y: a view of the client's mapping
+    # out held y: a view of the client's mapping
+    assert_ref(out.pop(), reference(blocks, ROWS, K, x))
     assert w.run(lambda: w.worker.regions.mapped_bytes) == 0
     region.on_close = None
     key = region.key

@@ -19,6 +19,7 @@ import pytest
 from q6serve.client.client import Q6ServeError
 from q6serve.service import batcher
 from q6serve.service.config import Budget, WorkerConfig
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import random_q6k, reference
 
 ROWS, K, N = 96, 512, 3
@@ -53,7 +54,7 @@ def _six_region_calls(w: Any, seed: int, rng: np.random.Generator) -> None:
             r.put(0, x)
             y = c.matmul("w", r.ndarray(0, np.float16, x.shape), x_region=(r, 0),
                          y_region=(r, 8192))
-            np.testing.assert_allclose(y, reference(blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+            assert_ref(y, reference(blocks, ROWS, K, x))
             np.testing.assert_allclose(r.ndarray(8192, np.float32, (N, ROWS)), y)
         in_use = c.list_regions()[0].in_use
     assert in_use == 0
@@ -85,7 +86,7 @@ def test_pipelined_calls_of_several_callers_each_get_their_y(running: Any,
             for _ in range(8):
                 y = c.matmul("w", r.ndarray(1024, np.float16, xs[i].shape),
                              x_region=(r, 1024), y_region=(r, 16384))
-                np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+                assert_ref(y, want)
         return 8
 
     with ThreadPoolExecutor(4) as pool:
