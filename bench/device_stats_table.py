@@ -2,9 +2,12 @@
 ``_DeviceStats``: one JSON line of cumulative counters a second): per file ``dpstats_TAG.jsonl``
 in DIR, the one-second window with the most calls (the timed part of a short bench run), as one
 row: calls a second, the loop's busy share (1 - time blocked in epoll), the process's CPU a call,
-loop iterations a call, socket reads a call, and each thread's cores.
+loop iterations a call, socket reads a call, and each thread's cores. With --stages, a second
+line per file: each timed stage's wall time a call (us) and how many times a call it ran
+(``st_*`` counters, ``_DeviceStats._stages``; a stage's time includes the stages it calls),
+and the loop's busy time a call left outside the top-level stages (asyncio's own share).
 
-    python3 bench/device_stats_table.py DIR
+    python3 bench/device_stats_table.py DIR [--stages]
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def busiest(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
              "pipelined": b["pipelined_batches"] - a["pipelined_batches"],
              "wait_s": b["pipelined_wait_s"] - a["pipelined_wait_s"],
              "threads": {k.split(":", 1)[1]: (v - a["threads_cpu_s"].get(k, v)) / dt
-                         for k, v in b["threads_cpu_s"].items()}}
+                         for k, v in b["threads_cpu_s"].items()},
+             "stages": {k: b[k] - a.get(k, 0.0) for k in b if k.startswith("st_")}}
         if best is None or w["calls"] / dt > best["calls"] / best["dt"]:
             best = w
     return best
@@ -55,13 +59,35 @@ def row(tag: str, w: dict[str, Any]) -> str:
             f"cores: {threads}")
 
 
+def stages_row(tag: str, w: dict[str, Any]) -> str:
+    """The stages' us a call (and runs a call), largest first; ``other``: the loop's busy
+    time a call outside the top-level stages a loop trip runs (read, flush_calls, tick): asyncio's
+    own share, the scheduled answer flushes and the counters' own tick."""
+    n = max(w["calls"], 1.0)
+    st = w["stages"]
+    names = [k[3:-2] for k in st if k.endswith("_s")]
+    if not names:
+        return f"# {tag:8} stages: none counted"
+    busy = w["dt"] - w["select_s"]
+    # (a top-level stage may also run inside another: out_flush inside flush_calls' flush_now)
+    top = st.get("st_read_s", 0.0) + st.get("st_flush_calls_s", 0.0) + st.get("st_tick_s", 0.0)
+    parts = sorted(names, key=lambda k: -st[f"st_{k}_s"])
+    cells = "  ".join(f"{k} {1e6 * st[f'st_{k}_s'] / n:.1f} ({st.get(f'st_{k}_n', 0) / n:.2f})"
+                      for k in parts)
+    return (f"# {tag:8} stages us/call (runs/call): busy {1e6 * busy / n:.1f}  "
+            f"other {1e6 * (busy - top) / n:.1f}  {cells}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    out = (argv or sys.argv[1:])[0]
+    args = argv if argv is not None else sys.argv[1:]
+    out, stages = args[0], "--stages" in args[1:]
     for path in sorted(glob.glob(f"{out}/dpstats_*.jsonl")):
         lines = [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
         w = busiest(lines)
         tag = Path(path).stem[len("dpstats_"):]
         print(row(tag, w) if w else f"# {tag:8} fewer than two lines")
+        if w and stages:
+            print(stages_row(tag, w))
     return 0
 
 

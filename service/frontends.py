@@ -613,29 +613,94 @@ class _DeviceStats:
             plain(fe, b)
 
         worker._plain_mm = counted_plain  # type: ignore[method-assign]
+        self._stages(worker)
         for fe in worker._fronts.values():  # connected while the worker started
             self.connection(fe.transport.get_protocol())  # type: ignore[arg-type]
         self.t0 = pc()
         loop.call_later(1.0, self._tick)
 
+    def _timed(self, obj: Any, attr: str, key: str) -> None:
+        """``obj.attr`` (a bound method or a module function) wrapped to add its wall time
+        and calls to ``st_KEY_s`` / ``st_KEY_n`` (inclusive of what it calls: a stage's
+        nested stages are inside its time). Two perf_counter reads a call (~0.1 us)."""
+        fn, c, pc = getattr(obj, attr, None), self.c, time.perf_counter
+        if fn is None:
+            return
+        s_key, n_key = f"st_{key}_s", f"st_{key}_n"
+
+        def timed_stage(*a: Any, **kw: Any) -> Any:
+            t = pc()
+            try:
+                return fn(*a, **kw)
+            finally:
+                c[s_key] += pc() - t
+                c[n_key] += 1
+
+        setattr(obj, attr, timed_stage)
+
+    def _stages(self, worker: FrontendsWorker) -> None:
+        """Where the loop's busy time goes per call (issue 15, session 20: 100-160 us of
+        loop a region call with nothing dominant in py-spy's few samples): wall time of the
+        device process's stages, each a method of the worker, its region table, its CUDA
+        region support or its engine, or this module's message codec. The top-level ones
+        (what a loop trip runs: ``read``, ``flush_calls``, ``tick``, ``out_flush``) sum to
+        the loop's busy time less asyncio's own share; bench/device_stats_table.py
+        --stages prints them a call."""
+        t = self._timed
+        t(worker, "_dispatch", "dispatch")  # (inside read: a decoded message)
+        t(worker, "_plain_mm", "plain_mm")
+        t(worker, "_region_matmul", "region_mm")  # the checks, x/y views, queued for the trip
+        t(worker, "_flush_calls", "flush_calls")  # the trip's end: launches, waits, answers
+        t(worker, "_launch_cuda_due", "launch_cuda")
+        t(worker, "_launch_sys_due", "launch_sys")
+        t(worker, "_settle", "settle")  # waits (pipelined_wait_s) and the answers
+        t(worker, "_cuda_region_done", "cuda_done")
+        t(worker, "_sys_done", "sys_done")
+        t(worker, "_tick", "tick")
+        t(worker, "_start_merged", "start_merged")
+        if worker.regions is not None:
+            t(worker.regions, "hold", "hold")
+            t(worker.regions, "let_go", "let_go")
+            if (cuda := worker.regions.cuda) is not None:
+                t(cuda, "launch_now", "cuda_launch_now")
+                t(cuda, "_admit", "cuda_admit")
+                t(cuda, "_launch", "cuda_launch")  # the slot, the bound sequence, the event
+                t(cuda, "_launch_known", "cuda_launch_known")
+        if worker.engine is not None:
+            t(worker.engine, "launch_now", "engine_launch_now")
+
     def connection(self, conn: _FrontConnection) -> None:
-        """Count one front end's socket reads and writes."""
+        """Count one front end's socket reads and writes (and their time: ``read`` is a
+        socket read's frames parsed and handed on, ``write`` the transport's send)."""
         c, received = self.c, conn.data_received
         transport = conn.transport
         assert transport is not None
         write = transport.write
+        pc = time.perf_counter
 
         def counted_received(data: bytes) -> None:
             c["socket_reads"] += 1
             c["socket_read_bytes"] += len(data)
-            received(data)
+            t = pc()
+            try:
+                received(data)
+            finally:
+                c["st_read_s"] += pc() - t
+                c["st_read_n"] += 1
 
         def counted_write(data: Any) -> None:
             c["socket_writes"] += 1
-            write(data)
+            t = pc()
+            try:
+                write(data)
+            finally:
+                c["st_write_s"] += pc() - t
+                c["st_write_n"] += 1
 
         conn.data_received = counted_received  # type: ignore[method-assign]
         transport.write = counted_write  # type: ignore[method-assign]
+        if conn.out is not None:  # its answers' writes, scheduled or at a trip's end
+            self._timed(conn.out, "flush", "out_flush")
 
     def snapshot(self) -> dict[str, Any]:
         names = {t.native_id: t.name for t in self._threading.enumerate()}

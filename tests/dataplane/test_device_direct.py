@@ -24,6 +24,7 @@ from q6serve.service import frontends as fe
 from q6serve.service.config import WorkerConfig
 from q6serve.service.engine import UploadSpec
 from tests.dataplane.test_device_merge import BAD, ROWS, K, Picky, Transport
+from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import random_q6k, reference
 
 
@@ -164,8 +165,7 @@ def test_merged_calls_run_on_the_direct_path_from_the_staging_buffer(
         assert w.merged == [2, 6]
         for slot, x in enumerate(xs2):
             msg = answers[10 + slot]
-            np.testing.assert_allclose(d.y(slot, msg), reference(d.blocks, ROWS, K, x),
-                                       rtol=1e-5, atol=1e-4)
+            assert_ref(d.y(slot, msg), reference(d.blocks, ROWS, K, x))
             assert msg[2][5] == 6 and msg[2][6] == 1  # batch rows, requests
             assert msg[2][3] == 0.0  # not queued
         assert w._pending == 0
@@ -188,9 +188,7 @@ def test_a_refused_direct_merge_reaches_only_the_bad_caller(rng: np.random.Gener
         assert dev.direct_jobs >= 1
         assert answers[11][0] == "err" and isinstance(answers[11][2], InvalidArgument)
         for slot in (0, 2):
-            np.testing.assert_allclose(d.y(slot, answers[10 + slot]),
-                                       reference(d.blocks, ROWS, K, bad[slot]),
-                                       rtol=1e-5, atol=1e-4)
+            assert_ref(d.y(slot, answers[10 + slot]), reference(d.blocks, ROWS, K, bad[slot]))
         assert d.worker._pending == 0
         await d.close()
 
@@ -208,8 +206,7 @@ def test_a_lone_call_runs_on_the_direct_path(rng: np.random.Generator) -> None:
         assert dev.direct_jobs == 0
         answers = await d.trip([x * 3], 2)
         assert dev.direct_jobs == 1
-        np.testing.assert_allclose(d.y(0, answers[2]), reference(d.blocks, ROWS, K, x * 3),
-                                   rtol=1e-5, atol=1e-4)
+        assert_ref(d.y(0, answers[2]), reference(d.blocks, ROWS, K, x * 3))
         assert answers[2][2][5] == 3 and d.worker._pending == 0
         await d.close()
 
@@ -325,6 +322,10 @@ def test_the_device_counters_see_plain_frames_and_direct_jobs(
         assert snap["msg_mm"] == 4 and snap["mm_rows"] == 8
         assert snap["direct_jobs"] == 1 and snap["inline_jobs_wall_s"] > 0
         assert snap["socket_reads"] == 2 and snap["batches"] == 2
+        # the stages' wall time (bench/device_stats_table.py --stages): each socket read's
+        # frames, each plain frame, each trip's end
+        assert snap["st_read_n"] == 2 and snap["st_plain_mm_n"] == 4
+        assert snap["st_flush_calls_n"] == 2 and 0 < snap["st_plain_mm_s"] < snap["st_read_s"]
         await d.close()
 
     asyncio.run(main())
@@ -350,8 +351,7 @@ def test_direct_path_answers_leave_in_the_trip_that_ran_them(
         await asyncio.sleep(0.05)
         assert dev.direct_jobs == 1 and seen == [[20, 21, 22]] and len(writes) == 1
         for slot, x in enumerate(xs):
-            np.testing.assert_allclose(d.y(slot, d.out.answers[20 + slot]),
-                                       reference(d.blocks, ROWS, K, x), rtol=1e-5, atol=1e-4)
+            assert_ref(d.y(slot, d.out.answers[20 + slot]), reference(d.blocks, ROWS, K, x))
         await d.close()
 
     asyncio.run(main())
