@@ -876,6 +876,7 @@ class FrontendsWorker(Worker):
         # region one). Where a slot is needed the oldest is still waited for.
         self.ready_poll = bool(envvars.DP_READY_POLL.read())
         self._ws: Any = None  # the CUDA launcher's workspace (its slots), set at start
+        self._ws_slots = 0  # its launch slots (kernels/cuda/launch.py SLOTS)
         self._launches = 0  # launches so far (each out entry's number)
         self._tick_due = False
         # CUDA-region calls read in this trip, launched at its end: (call, y's CUDA view or
@@ -902,6 +903,10 @@ class FrontendsWorker(Worker):
         self.engine = self.make_engine()
         if self.ready_poll:
             self._ws = getattr(getattr(self.backend, "launcher", None), "ws", None)
+            if self._ws is not None:
+                from ..kernels.cuda.launch import SLOTS
+
+                self._ws_slots = SLOTS
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
         self.plane = RegionPlane(self.regions, self.engine)
@@ -1236,12 +1241,10 @@ class FrontendsWorker(Worker):
             if self._out and not dev.may_launch_now():  # (its slots taken: no launch() try)
                 self._settle(self._out[0][2] + 1)
                 continue
-            slot = self._free_slot()
+            held = self._held_slots()
             wait = launch()
             if wait is not None:
-                ws = self._ws
-                ev = (ws.done_event(slot) if slot is not None and ws.held(slot) else None)
-                self._out.append((wait, done, self._launches, ev))
+                self._out.append((wait, done, self._launches, self._taken_event(held)))
                 self._launches += 1
                 self.pipelined[0] += 1
                 if not self._tick_due:
@@ -1253,17 +1256,26 @@ class FrontendsWorker(Worker):
                 return
             self._settle(self._out[0][2] + 1)
 
-    def _free_slot(self) -> int | None:
-        """The launch slot the next launch takes (``Workspace.free_slot``: the first free), to
-        find its completion event after it; None: no ready polling (off, not CUDA, or none
-        free)."""
+    def _held_slots(self) -> int:
+        """The workspace's launch slots held now (bit s: slot s), before a launch, for
+        :meth:`_taken_event` (0: no ready polling)."""
+        ws = self._ws
+        if ws is None:
+            return 0
+        return sum(1 << s for s in range(self._ws_slots) if ws.held(s))
+
+    def _taken_event(self, before: int) -> Any:
+        """The completion event of the slot a launch just took: the one held now that was
+        not before it (``held``: :meth:`_held_slots` then), as the launch itself marked it
+        (``Workspace.take``), whichever slot its launcher chose; None (no ready polling, or
+        a launch that took no slot of this workspace): its wait is called a trip later."""
         ws = self._ws
         if ws is None:
             return None
-        try:
-            return int(ws.free_slot())
-        except Exception:  # (every slot held: the launch is refused, no event to find)
-            return None
+        for s in range(self._ws_slots):
+            if not before >> s & 1 and ws.held(s):
+                return ws.done_event(s)
+        return None
 
     def _settle_done(self, before: int) -> None:
         """:meth:`_settle`, with ready polling only those done by now (their slot's event; no

@@ -125,20 +125,39 @@ def test_refused_full_region_calls_hold_nothing(running: Any,
 
 class _SlowEvents:
     """A stand-in for the CUDA launcher's workspace as the device process's ready polling
-    sees it (``FrontendsWorker._ws``): one slot, always taken by the launch, whose completion
-    event reports "not done" to its first two queries after each launch."""
+    sees it (``FrontendsWorker._ws``): one slot, taken by a launch (``take``, which the CUDA
+    launcher calls as it launches: here the engine's ``launch_now``, wrapped by ``watch``)
+    and let go by its wait, whose completion event reports "not done" to its first two
+    queries after each launch."""
 
     def __init__(self) -> None:
-        self.queries = self.not_done = 0
+        self.queries = self.not_done = self.launches = 0
         self._left = 0
+        self._taken = False
         self.event = self
 
-    def free_slot(self) -> int:
-        self._left = 2  # a new launch: its event is "running" for two queries
-        return 0
+    def watch(self, engine: Any) -> None:
+        launch_now = engine.launch_now
+
+        def taking(*a: Any) -> Any:
+            wait = launch_now(*a)
+            if wait is None:
+                return None
+            assert not self._taken  # (one slot: the device process waits for it first)
+            self._taken, self._left = True, 2  # its event "running" for two queries
+            self.launches += 1
+
+            def released() -> Any:
+                self._taken = False
+                return wait()
+
+            return released
+
+        engine.launch_now = taking
 
     def held(self, slot: int) -> bool:
-        return True
+        assert slot == 0
+        return self._taken
 
     def done_event(self, slot: int) -> Any:
         return self
@@ -160,7 +179,9 @@ def test_launches_answered_once_their_event_is_done(running: Any,
     Every y right, every call answered, nothing left out."""
     w = running
     ws = _SlowEvents()
-    w.worker._ws = ws
+    w.worker._ws, w.worker._ws_slots = ws, 1
+    ws.watch(w.worker.engine)  # (before any call: nothing runs on the loop yet)
     _six_region_calls(w, 6, rng)
     assert w.worker.pipelined[0] >= 4 and ws.not_done >= 8, (w.worker.pipelined, ws.not_done)
+    assert ws.launches == w.worker.pipelined[0]  # each launch's own slot event polled
     assert w.worker._pending == 0 and not w.worker._out
