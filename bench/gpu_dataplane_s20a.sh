@@ -17,6 +17,11 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/dp20a
 BOUND=${BOUND:-95} BACKEND=${BACKEND:-cuda}
 export Q6SERVE_FRONTEND_ROUND_ROBIN=1
+if left 50; then  # the pipelined CUDA-region calls, ready polling's event now the taken slot's
+  timeout "$(bound 15 4)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/dataplane/test_cuda_ipc_gpu.py -k behind_each_other >"$OUT/pytest_ready_poll.log" 2>&1
+  note "# ready-poll gpu test rc=$? ($(tail -1 "$OUT/pytest_ready_poll.log")) at $(elapsed)"
+fi
 if left 40; then  # the region, lane and full-system-region paths on the backend under test
   # shellcheck disable=SC2086  # (TESTS: several paths)
   Q6SERVE_TEST_BACKEND=$BACKEND timeout "$(bound 26 4)" python3 -m pytest -q -rfE \
@@ -44,6 +49,7 @@ CB=REGION=cuda,Q6SERVE_FRONTEND_BUSY_POLL_US=500
 ab_runs "${NEED:-8}" t3 "c:REGION=cuda" "cb:$CB" "cb:$CB" "c:REGION=cuda" "s:REGION=system"
 ab_runs "${NEED:-8}" t2 "f6:FRONTENDS=6" "f8:FRONTENDS=8"
 {
+  echo "# ready-poll gpu test: $(tail -1 "$OUT/pytest_ready_poll.log" 2>/dev/null)"
   echo "# tests on $BACKEND: $(tail -1 "$OUT/pytest_dataplane_cuda.log" 2>/dev/null)"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_dataplane_cuda.log" 2>/dev/null | cut -c1-160 | head -8
   echo "# device process (Q6SERVE_DP_STATS, the busiest second), then its stages a call"
