@@ -10,7 +10,10 @@ alternated pair fits a short device call.
         --order def,pipe,pipe,def --seqs 1,8 --seconds 1.5 --json out.json
     a CPU rehearsal: --backend numpy --layers 2 --scale 0.002
 
-``--variants``: space-separated ``NAME:ENV=V,ENV=V`` (an empty list: the tree's defaults).
+``--variants``: space-separated ``NAME:ENV=V,ENV=V`` (an empty list: the tree's defaults);
+``host.spin=US`` in a variant's list is the replay host's own option, not the worker's (its
+loop busy-polls US before it sleeps, as ``--spin`` for every variant): variants whose worker
+environments are equal share one worker, so host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
 skipped, said so); the table of what ran is printed last.
 """
@@ -34,7 +37,9 @@ from q6serve.kernels import q6k
 from q6serve.service.affinity import parse_cpus
 
 # per call role, what a run keeps (p50 us; "calls": how many were timed)
-ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "calls")
+ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "ccpu", "up",
+               "down", "calls")
+HOST_KEYS = {"host.spin": float}  # a variant's options for the replay host (its caller)
 
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
@@ -49,6 +54,27 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
             env[k] = v
         out[name] = env
     return out
+
+
+def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, float]]:
+    """A variant's worker environment and its host options (HOST_KEYS, typed)."""
+    worker = {k: v for k, v in env.items() if not k.startswith("host.")}
+    host = {}
+    for k, v in env.items():
+        if k.startswith("host."):
+            if k not in HOST_KEYS:
+                raise SystemExit(f"--variants: unknown host option {k!r} (known: "
+                                 f"{', '.join(HOST_KEYS)})")
+            host[k] = HOST_KEYS[k](v)
+    return worker, host
+
+
+def worker_keys(variants: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Variant -> the name of the worker it runs on: the first variant with the same worker
+    environment (host options aside)."""
+    first: dict[tuple[tuple[str, str], ...], str] = {}
+    return {v: first.setdefault(tuple(sorted(split_variant(env)[0].items())), v)
+            for v, env in variants.items()}
 
 
 def start(backend: str, env: dict[str, str], log: Path,
@@ -128,12 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             doc["wall_seconds"] = time.perf_counter() - t_start
             a.json.write_text(json.dumps(doc, indent=1))
 
-    cpus, load_cpus = pin_plan(a.pin, list(variants))
+    on = worker_keys(variants)  # variant -> its worker's name
+    names = list(dict.fromkeys(on.values()))
+    cpus, load_cpus = pin_plan(a.pin, names)
     doc["pin"] = {"workers": cpus, "hosts": load_cpus}
-    with ThreadPoolExecutor(len(variants)) as pool:
-        workers = dict(zip(variants, pool.map(
-            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log", cpus[v]),
-            variants), strict=True))
+    doc["worker_of"] = on
+    with ThreadPoolExecutor(len(names)) as pool:
+        workers = dict(zip(names, pool.map(
+            lambda v: start(a.backend, split_variant(variants[v])[0],
+                            a.out_dir / f"worker_{v}.log", cpus[v]),
+            names), strict=True))
     if load_cpus:  # the hosts are spawned from here (after the workers: not theirs)
         os.sched_setaffinity(0, load_cpus)
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
@@ -176,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{a.bound:.0f}", flush=True)
                     doc["errors"].append({"run": label, "error": "skipped (bound)"})
                     continue
-                spec = ReplaySpec(workers[v].target, plan, s, a.seconds, a.warmup, WARM_STEPS,
-                                  "stream", "f16", PRECISIONS["auto"], "f16", a.spin)
+                host = split_variant(variants[v])[1]
+                spec = ReplaySpec(workers[on[v]].target, plan, s, a.seconds, a.warmup,
+                                  WARM_STEPS, "stream", "f16", PRECISIONS["auto"], "f16",
+                                  host.get("host.spin", a.spin))
                 try:
                     st_, wall, roles = run_replay(spec, 1)
                     if doc["runs"]:  # (this run is not yet in them: not the first)
@@ -216,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
+    nan = float("nan")  # a figure an older run's JSON or an unstamped worker lacks
     lines = [f"# replay A/B: {a.layers} layers, multi {a.multi}, top-{a.topk}, host spin "
              f"{a.spin:g} us; step p50 / p99 ms; per step p50 ms: worker (device) transport "
-             "client; steps",
+             "client (encode + decode) ccpu (the caller's CPU in its calls); steps",
              f"# {doc.get('device', '?')}; variants {doc['variants']}; pinned "
              f"{doc.get('pin') or 'no'}"]
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -230,7 +263,7 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
             p = r["step_parts_p50_ms"]
             cells.append(f"S={r['seqs']}: {r['step_p50_ms']:6.2f} / {r['step_p99_ms']:6.2f}  "
                          f"w {p['handler']:5.2f} ({p['device']:5.2f}) tr {p['transport']:5.2f} "
-                         f"cl {p['client']:4.2f} n {r['steps']}")
+                         f"cl {p['client']:4.2f} ccpu {p.get('ccpu', nan):5.2f} n {r['steps']}")
         lines.append(f"{v + '_' + str(rnd):<10} " + " | ".join(cells))
     for s in sorted({r["seqs"] for r in doc["runs"]}):
         med = {v: float(np.median([r["step_p50_ms"] for r in doc["runs"]
@@ -241,8 +274,11 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
                      + ", ".join(f"{v} {m:.2f}" for v, m in med.items()))
         for v in med:
             per = role_medians(doc["runs"], v, s)
-            lines.append(f"# S={s} {v} per call p50 us (median of runs), rpc / handler: "
-                         + ", ".join(f"{role} {got['rpc']:.0f} / {got['handler']:.0f}"
+            lines.append(f"# S={s} {v} per call p50 us (median of runs), rpc / handler / "
+                         "caller CPU (its encode + decode) / up + down: "
+                         + ", ".join(f"{role} {got['rpc']:.0f} / {got['handler']:.0f} / "
+                                     f"{got.get('ccpu', nan):.0f} ({got['client']:.0f}) / "
+                                     f"{got.get('up', nan):.0f} + {got.get('down', nan):.0f}"
                                      for role, got in per.items()))
     return "\n".join(lines)
 

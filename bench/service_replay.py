@@ -50,10 +50,13 @@ GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight ca
 # later in the call (p99 108).
 WARM_STEPS = 4
 STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "client",
-               "kernel_missing", "up", "down", "stamped", "bench")
+               "kernel_missing", "up", "down", "stamped", "bench", "ccpu")
 # per call, by its role in the step (``Call.role``): what the step's sums are made of
+# "ccpu": the caller process's CPU seconds (every thread: its loop, gRPC's poller) from the
+# encoding to the decoded reply, the previous call's bookkeeping left out: the caller's own
+# share of the call, beside the worker's handler; wall minus it is the caller waiting
 CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client",
-               "req_bytes", "reply_bytes")
+               "req_bytes", "reply_bytes", "ccpu")
 
 
 def layer_name(layer: int, role: str) -> str:
@@ -136,6 +139,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     from q6serve.v1 import q6serve_pb2 as pb
 
     rng = np.random.default_rng(0)
+    cpu = time.process_time  # the whole process's CPU (~1 us a read: two a call in the step)
     dt = np.float16 if spec.dtype == "f16" else np.float32
     xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {c.k for c in spec.plan}}
     if spec.spin_us > 0:
@@ -150,7 +154,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
 
         def account(sums: dict[str, float], rec: dict[str, list[float]] | None,
                     call: Call, t: tuple[float, float, float, float], req_bytes: int,
-                    raw_bytes: int, msg: Any, reply: Any) -> None:
+                    raw_bytes: int, msg: Any, reply: Any, ccpu: float) -> None:
             """One call's figures into the step's sums (and, timed, the per-role lists):
             run while the next call is in flight (or after the step's clock stopped), so
             the bench's own bookkeeping is not a host's time in the step."""
@@ -160,7 +164,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
             one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
                    "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
                    "up": float("nan"), "down": float("nan"),
-                   "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes)}
+                   "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes),
+                   "ccpu": ccpu}
             if msg is not None and (st := reply_stamps.parse(msg.request_id)) is not None:
                 # the worker's absolute times (bench/reply_stamps.py, one clock for the
                 # host's processes): write -> taken there, encoded there -> read here
@@ -171,6 +176,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
             sums["handler"] += handler
             sums["transport"] += one["transport"]
             sums["client"] += one["client"]
+            sums["ccpu"] += ccpu
             sums["calls"] += t3 - t0
             for tm in timings:
                 kern = nan_if_none(tm.kernel_seconds)
@@ -192,20 +198,26 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
             last: tuple[Any, ...] | None = None  # the previous call, not yet accounted
             t_step = time.perf_counter()
             for call in spec.plan:
+                c0 = cpu()
                 t0 = time.perf_counter()
                 req = request_bytes(pb, call.weights, xs[call.k], spec.precision,
                                     "f32" if call.topk else spec.out, call.topk)
                 t1 = time.perf_counter()
+                acc = 0.0  # the previous call's bookkeeping: not this call's CPU
                 if stream is None:
                     # (a unary call starts when awaited: the previous call's accounting
                     # runs before it, in the step's time, as it did before session 17)
                     if last is not None:
+                        a0 = cpu()
                         account(sums, rec, *last)
+                        acc = cpu() - a0
                     raw = await unary(req, timeout=120.0)
                 else:
                     await stream.write(req)
                     if last is not None:  # the worker has the request: its reply is far
+                        a0 = cpu()
                         account(sums, rec, *last)
+                        acc = cpu() - a0
                     raw = await stream.read()
                 t2 = time.perf_counter()
                 if stream is None:
@@ -218,7 +230,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                     reply = msg.result
                 reply_arrays(reply)
                 t3 = time.perf_counter()
-                last = (call, (t0, t1, t2, t3), len(req), len(raw), msg, reply)
+                last = (call, (t0, t1, t2, t3), len(req), len(raw), msg, reply,
+                        cpu() - c0 - acc)
             sums["e2e"] = time.perf_counter() - t_step
             if last is not None:
                 account(sums, rec, *last)

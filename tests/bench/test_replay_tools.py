@@ -90,3 +90,14 @@ def test_ladder_echo_holds_each_kind() -> None:
     assert res["long"]["transport_us"]["o"] == pytest.approx(res["long"]["rt_us"]["o"] - 3000.0)
     assert "transport_us" not in res["bare"]
     assert len(res["long"]["runs_step_ms"]) == 2  # run on either side of the other kinds
+
+
+def test_host_variants_share_a_worker() -> None:
+    """host.* options are the replay host's, not the worker's: variants that differ only in
+    them run on one worker (the first one's), so a caller-side A/B alternates on one worker."""
+    v = replay_ab.parse_variants(
+        "plain: spin:host.spin=300 g:Q6SERVE_X=1 gs:Q6SERVE_X=1,host.spin=5")
+    assert replay_ab.worker_keys(v) == {"plain": "plain", "spin": "plain", "g": "g", "gs": "g"}
+    assert replay_ab.split_variant(v["gs"]) == ({"Q6SERVE_X": "1"}, {"host.spin": 5.0})
+    with pytest.raises(SystemExit, match="unknown host option"):
+        replay_ab.split_variant({"host.nope": "1"})
