@@ -4,7 +4,10 @@
 # (bench/trips_site: each call's way up and down), the replay host's loop plain against busy-
 # polling (host.spin=300: a caller-side variant, bench/replay_ab.py, alternated on the same
 # worker); every call's figures per role: the worker's handler, the caller's encode + decode and
-# its process's CPU in the call (ccpu). Then (no worker, no GPU) the step's calls in order
+# its process's CPU in the call (ccpu); then the q6serve client's own stream decoding
+# (host.decode=client: core.stream_outcome, replies from 256 KiB read as views of their bytes,
+# client/reply_bytes.py) against the same with every reply parsed whole by upb (clcopy). Then
+# (no worker, no GPU) the step's calls in order
 # against a bare busy-polling echo, bare and held for the runs' handler p50 per role, with the
 # caller plain and spinning (bench/replay_echo.py): the floor each host variant is judged on.
 #   bash bench/gpu_t1_s20a.sh   env: BOUND (78 s), VARIANTS, ORDER, SEQS (1,8), BACKEND (cuda),
@@ -21,8 +24,8 @@ limit=$(bound 80 "$((ECHO_S + 2))")
 # after it: 8 s kept)
 step replay_ab "$limit" env "PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}" Q6SERVE_REPLY_STAMPS=1 \
   python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
-  --variants "${VARIANTS:-plain: spin:host.spin=300}" \
-  --order "${ORDER:-plain,spin,spin,plain,plain,spin}" --seqs "${SEQS:-1,8}" \
+  --variants "${VARIANTS:-plain: spin:host.spin=300 cl:host.decode=client clcopy:host.decode=client,host.view_min=1e18}" \
+  --order "${ORDER:-plain,spin,spin,plain,cl,clcopy,clcopy,cl}" --seqs "${SEQS:-1,8}" \
   --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --seconds 1.0 \
   --warmup 0.3 --bound "$((limit - 8))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 for spin in 0 300; do

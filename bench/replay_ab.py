@@ -11,9 +11,12 @@ alternated pair fits a short device call.
     a CPU rehearsal: --backend numpy --layers 2 --scale 0.002
 
 ``--variants``: space-separated ``NAME:ENV=V,ENV=V`` (an empty list: the tree's defaults);
-``host.spin=US`` in a variant's list is the replay host's own option, not the worker's (its
-loop busy-polls US before it sleeps, as ``--spin`` for every variant): variants whose worker
-environments are equal share one worker, so host-side variants alternate on one worker.
+``host.*`` in a variant's list are the replay host's own options, not the worker's:
+``host.spin=US`` (its loop busy-polls US before it sleeps, as ``--spin`` for every variant),
+``host.decode=arrays|client`` (upb and the arrays, as up to session 19, or the q6serve client's
+own stream decoding), ``host.view_min=BYTES`` (client/reply_bytes.VIEW_MIN there: 1e18 never
+reads arrays as views). Variants whose worker environments are equal share one worker, so
+host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
 skipped, said so); the table of what ran is printed last.
 """
@@ -39,7 +42,15 @@ from q6serve.service.affinity import parse_cpus
 # per call role, what a run keeps (p50 us; "calls": how many were timed)
 ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "ccpu", "up",
                "down", "calls")
-HOST_KEYS = {"host.spin": float}  # a variant's options for the replay host (its caller)
+def _decode_mode(v: str) -> str:
+    if v not in ("arrays", "client"):
+        raise SystemExit(f"--variants: host.decode={v!r}: arrays or client")
+    return v
+
+
+# a variant's options for the replay host (its caller): ReplaySpec's spin_us, decode, view_min
+HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
+                             "host.view_min": lambda v: int(float(v))}
 
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
@@ -56,7 +67,7 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, float]]:
+def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """A variant's worker environment and its host options (HOST_KEYS, typed)."""
     worker = {k: v for k, v in env.items() if not k.startswith("host.")}
     host = {}
@@ -209,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                 host = split_variant(variants[v])[1]
                 spec = ReplaySpec(workers[on[v]].target, plan, s, a.seconds, a.warmup,
                                   WARM_STEPS, "stream", "f16", PRECISIONS["auto"], "f16",
-                                  host.get("host.spin", a.spin))
+                                  host.get("host.spin", a.spin),
+                                  host.get("host.decode", "arrays"),
+                                  host.get("host.view_min", 0))
                 try:
                     st_, wall, roles = run_replay(spec, 1)
                     if doc["runs"]:  # (this run is not yet in them: not the first)

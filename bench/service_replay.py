@@ -121,13 +121,52 @@ class ReplaySpec:
     # does (service/threads.busy_poll): a reply that comes within the spin is seen by a thread
     # that is running instead of one woken from sleep; 0: it sleeps (a plain asyncio caller)
     spin_us: float = 0.0
+    # how the host reads a reply: "arrays" (upb parses it, then y / the top-k as arrays: the
+    # replay up to session 19) or "client" (the q6serve client's own stream decoding,
+    # core.stream_outcome: what Client.matmul_stream yields, timing included, large replies'
+    # arrays as views of the reply's bytes, client/reply_bytes.py)
+    decode: str = "arrays"
+    # > 0: client/reply_bytes.VIEW_MIN in the host process (replies from this many bytes read
+    # as views; a huge value: never), 0: the client's default
+    view_min: int = 0
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
     """The reply as the client's MatmulOutput and its per-weight outputs (itself for one
-    weight), read after the timed decode."""
-    o = core.output_of(r)
+    weight), read after the timed decode (a MatmulOutput already: as it is)."""
+    o = r if isinstance(r, core.MatmulOutput) else core.output_of(r)
     return o, o.outputs or (o,)
+
+
+def stream_request_id(raw: bytes) -> str:
+    """A MatmulStreamResponse's request_id (its last field 1: a stamped reply's is appended)
+    from its top-level fields alone, for a reply the client decoded (its MatmulOutput has the
+    result's request_id, not the stream reply's)."""
+    i, got = 0, b""
+    while i < len(raw):
+        tag, i = _varint(raw, i)
+        wt = tag & 7
+        if wt == 2:
+            n, i = _varint(raw, i)
+            if tag >> 3 == 1:
+                got = raw[i:i + n]
+            i += n
+        elif wt == 0:
+            _, i = _varint(raw, i)
+        else:
+            i += 8 if wt == 1 else 4
+    return got.decode(errors="replace")
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    x, shift = 0, 0
+    while True:
+        c = b[i]
+        i += 1
+        x |= (c & 0x7F) << shift
+        if c < 0x80:
+            return x, i
+        shift += 7
 
 
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
@@ -138,8 +177,13 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
 
+    if spec.view_min:
+        from q6serve.client import reply_bytes
+
+        reply_bytes.VIEW_MIN = spec.view_min
     rng = np.random.default_rng(0)
     cpu = time.process_time  # the whole process's CPU (~1 us a read: two a call in the step)
+    client = spec.decode == "client"
     dt = np.float16 if spec.dtype == "f16" else np.float32
     xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {c.k for c in spec.plan}}
     if spec.spin_us > 0:
@@ -166,7 +210,9 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                    "up": float("nan"), "down": float("nan"),
                    "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes),
                    "ccpu": ccpu}
-            if msg is not None and (st := reply_stamps.parse(msg.request_id)) is not None:
+            rid = (stream_request_id(msg) if isinstance(msg, bytes)
+                   else msg.request_id if msg is not None else "")
+            if (st := reply_stamps.parse(rid)) is not None:
                 # the worker's absolute times (bench/reply_stamps.py, one clock for the
                 # host's processes): write -> taken there, encoded there -> read here
                 one["up"], one["down"] = st[0] - t1, t2 - st[1]
@@ -220,7 +266,14 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                         acc = cpu() - a0
                     raw = await stream.read()
                 t2 = time.perf_counter()
-                if stream is None:
+                if client:  # the client's own decoding; the stamps read from raw later
+                    if stream is None:
+                        msg, reply = None, core.parse_response(raw)
+                    else:
+                        msg, reply = raw, core.stream_outcome(raw, {})
+                        if isinstance(reply, Exception):
+                            raise reply
+                elif stream is None:
                     msg, reply = None, pb.MatmulResponse.FromString(raw)
                 else:
                     msg = pb.MatmulStreamResponse.FromString(raw)
@@ -228,7 +281,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                         raise RuntimeError(f"stream error: {msg.error.code} "
                                            f"{msg.error.message}")
                     reply = msg.result
-                reply_arrays(reply)
+                if not client:
+                    reply_arrays(reply)
                 t3 = time.perf_counter()
                 last = (call, (t0, t1, t2, t3), len(req), len(raw), msg, reply,
                         cpu() - c0 - acc)

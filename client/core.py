@@ -27,7 +27,7 @@ from q6serve.kernels.epilogue import TopK
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from . import names, shm
+from . import names, reply_bytes, shm
 from .channel import token_metadata
 from .matmul_bytes import splice_for
 from .retry import NO_RETRY, RetryPolicy
@@ -172,8 +172,10 @@ def encode_tensor(a: np.ndarray) -> pb.Tensor:
     return fill_tensor(pb.Tensor(), a)
 
 
-def decode_tensor(t: pb.Tensor) -> np.ndarray:
-    a = np.frombuffer(t.data, dtype=_NP_OF_PB[t.dtype])
+def decode_tensor(t: pb.Tensor, data: Any = None) -> np.ndarray:
+    """``data``: t's data bytes where ``t`` was parsed without them (a view of the reply:
+    :mod:`.reply_bytes`)."""
+    a = np.frombuffer(t.data if data is None else data, dtype=_NP_OF_PB[t.dtype])
     shape = t.shape  # a matmul's y is 2-D: two reads, not a tuple of the container (1.4 us)
     return a.reshape(shape[0], shape[1]) if len(shape) == 2 else a.reshape(tuple(shape))
 
@@ -316,21 +318,42 @@ def is_serving(reply: Any) -> bool:
 
 
 # -- replies ----------------------------------------------------------------------------------
-def decode_topk(t: pb.TopKResult) -> TopK:
-    """TopKResult's bytes as arrays (views of the reply): f32 [N, k], int32 [N, k], f32 [N]."""
+def decode_topk(t: pb.TopKResult, views: reply_bytes.Views | None = None,
+                path: tuple[int, ...] = ()) -> TopK:
+    """TopKResult's bytes as arrays (views of the reply): f32 [N, k], int32 [N, k], f32 [N];
+    ``views``, ``path``: its bytes fields where ``t`` was parsed without them."""
     n, k = int(t.rows), int(t.k)
-    return TopK(np.frombuffer(t.values, "<f4").reshape(n, k),
-                np.frombuffer(t.indices, "<i4").reshape(n, k),
-                np.frombuffer(t.lse, "<f4").reshape(n))
+    if views is None:
+        return TopK(np.frombuffer(t.values, "<f4").reshape(n, k),
+                    np.frombuffer(t.indices, "<i4").reshape(n, k),
+                    np.frombuffer(t.lse, "<f4").reshape(n))
+    return TopK(np.frombuffer(views.get((*path, 3, 0), b""), "<f4").reshape(n, k),
+                np.frombuffer(views.get((*path, 4, 0), b""), "<i4").reshape(n, k),
+                np.frombuffer(views.get((*path, 5, 0), b""), "<f4").reshape(n))
 
 
-def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None) -> MatmulOutput:
-    """``y_region``: the request's; y is then a view of that region (the reply has no bytes)."""
+def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None,
+              views: reply_bytes.Views | None = None, path: tuple[int, ...] = ()) -> MatmulOutput:
+    """``y_region``: the request's; y is then a view of that region (the reply has no bytes).
+    ``views``, ``path``: the arrays' bytes where ``r`` (at ``path`` in the reply) was parsed
+    without them (:func:`parse_response`)."""
     t = r.timing
     has = t.HasField
-    outputs = tuple(map(output_of, r.outputs)) if type(r) is _RESPONSE and r.outputs else ()
-    topk = decode_topk(r.topk) if r.HasField("topk") else None
-    y = None if topk is not None or outputs else response_y(r, y_region)
+    response = type(r) is _RESPONSE
+    if response and r.outputs:
+        outputs = tuple(output_of(o, None, views, (*path, 8, i)) if views is not None
+                        else output_of(o) for i, o in enumerate(r.outputs))
+    else:
+        outputs = ()
+    f_y, f_topk = (1, 7) if response else (2, 3)  # MatmulResponse's, WeightOutput's
+    topk = (decode_topk(r.topk, views, (*path, f_topk, 0)) if r.HasField("topk")
+            else None)
+    if topk is not None or outputs:
+        y = None
+    elif views is None or y_region is not None:
+        y = response_y(r, y_region)
+    else:
+        y = decode_tensor(r.y, views.get((*path, f_y, 0, 3, 0), b""))
     return MatmulOutput(y, r.kernel, _LAYOUT_NAME[r.layout],
                         _PRECISION_NAME[r.precision], t.queue_seconds,
                         t.kernel_seconds if has("kernel_seconds") else None,
@@ -352,12 +375,27 @@ def stream_outcome(raw: bytes, y_regions: dict[str, RegionArg]) -> MatmulOutput 
     """One MatmulStream reply (its bytes) as the caller sees it: its result (y read from the
     y_region its request named, taken out of ``y_regions``), or that request's own error (the
     stream itself goes on)."""
-    r = _STREAM_RESPONSE.FromString(raw)
+    r, views = reply_bytes.parse(_STREAM_RESPONSE, raw, reply_bytes.STREAM)
     y_region = y_regions.pop(r.request_id, None)
     if r.WhichOneof("outcome") == "error":
         code = _CODES.get(r.error.code, grpc.StatusCode.UNKNOWN)
         return Q6ServeError(code, r.error.message, r.request_id)
-    return output_of(r.result, y_region)
+    return output_of(r.result, y_region, views, (2, 0))
+
+
+def parse_response(raw: bytes, y_region: RegionArg | None = None) -> MatmulOutput:
+    """A Matmul reply's bytes as the caller sees it; its arrays are views of ``raw``
+    (:mod:`.reply_bytes`)."""
+    r, views = reply_bytes.parse(_RESPONSE, raw, reply_bytes.RESPONSE)
+    return output_of(r, y_region, views)
+
+
+def response_y_bytes(raw: bytes, y_region: RegionArg | None = None) -> np.ndarray:
+    """y alone of a one-weight Matmul reply's bytes (:func:`response_y`), a view of ``raw``."""
+    r, views = reply_bytes.parse(_RESPONSE, raw, reply_bytes.RESPONSE)
+    if views is None or y_region is not None:
+        return response_y(r, y_region)
+    return decode_tensor(r.y, views.get((1, 0, 3, 0), b""))
 
 
 def stream_requests(requests: Iterable[tuple[Any, ...]], precision: str, out_dtype: str,
@@ -537,8 +575,7 @@ def matmul_call(weight: Weights, x: np.ndarray, precision: str = "auto", out_dty
     """Matmul (:func:`matmul_request` checks the arguments); y read from ``y_region`` if set."""
     req = matmul_request_bytes(weight, x, precision, out_dtype, x_region=x_region,
                                y_region=y_region, topk=topk)
-    return Call("Matmul", req, lambda raw: output_of(_RESPONSE.FromString(raw), y_region),
-                service="bytes")
+    return Call("Matmul", req, lambda raw: parse_response(raw, y_region), service="bytes")
 
 
 def matmul_y_call(weight: str, x: np.ndarray, precision: str = "auto", out_dtype: str = "f32",
@@ -547,8 +584,7 @@ def matmul_y_call(weight: str, x: np.ndarray, precision: str = "auto", out_dtype
     """:func:`matmul_call` of one weight whose result is y alone (:func:`response_y`)."""
     req = matmul_request_bytes(one_weight(weight), x, precision, out_dtype, x_region=x_region,
                                y_region=y_region)
-    return Call("Matmul", req, lambda raw: response_y(_RESPONSE.FromString(raw), y_region),
-                service="bytes")
+    return Call("Matmul", req, lambda raw: response_y_bytes(raw, y_region), service="bytes")
 
 
 def one_weight(weight: Weights) -> str:

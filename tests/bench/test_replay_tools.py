@@ -101,3 +101,46 @@ def test_host_variants_share_a_worker() -> None:
     assert replay_ab.split_variant(v["gs"]) == ({"Q6SERVE_X": "1"}, {"host.spin": 5.0})
     with pytest.raises(SystemExit, match="unknown host option"):
         replay_ab.split_variant({"host.nope": "1"})
+
+
+def test_stream_request_id_is_the_last_field_one() -> None:
+    """A stamped stream reply (bench/reply_stamps.py appends a request_id after the result)
+    read without parsing the result: the last request_id wins, as upb reads it."""
+    import service_replay
+
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    result = pb.MatmulResponse(y=pb.Tensor(data=bytes(300), shape=[1, 150]), kernel="k")
+    raw = pb.MatmulStreamResponse(request_id="r", result=result).SerializeToString()
+    assert service_replay.stream_request_id(raw) == "r"
+    stamped = raw + pb.MatmulStreamResponse(request_id="1.5 2.5").SerializeToString()
+    assert service_replay.stream_request_id(stamped) == "1.5 2.5"
+    assert pb.MatmulStreamResponse.FromString(stamped).request_id == "1.5 2.5"
+    assert service_replay.stream_request_id(b"") == ""
+
+
+def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
+    """A caller-side A/B (the client's own decoding, views on and off) on one NumPy worker,
+    its replies stamped: every run has each role's caller CPU and way up / down."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "bench/trips_site"),
+           "Q6SERVE_REPLY_STAMPS": "1"}
+    out = tmp_path / "ab.json"
+    got = subprocess.run(
+        [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
+         "--scale", "0.002", "--variants", "cl:host.decode=client "
+         "clcopy:host.decode=client,host.view_min=1e18", "--order", "cl,clcopy", "--seqs", "2",
+         "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert got.returncode == 0, got.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["worker_of"] == {"cl": "cl", "clcopy": "cl"}
+    assert [r["variant"] for r in doc["runs"]] == ["cl", "clcopy"]
+    for r in doc["runs"]:
+        for role, f in r["roles_p50_us"].items():
+            assert f["ccpu"] > 0 and f["up"] > 0 and f["down"] > 0, (role, f)
+    assert "caller CPU" in got.stdout
