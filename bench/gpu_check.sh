@@ -101,11 +101,13 @@ Q6SERVE_BUSY_POLL_US=0 step lm_head_nospin 45 python3 bench/service.py --backend
   --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then  # T2 and T3, one step per variant
   mkdir -p "$OUT/dataplane"
+  # T2_RUNS (3): T2 as that many 1.5 s runs pooled (its p99 over all their calls, each run's
+  # beside: the tail moved 3.33 -> 4.80 ms between sessions 17 and 19's hosts; ~5 s a run)
   for v in ${DP_VARIANTS:-4 8}; do
     dp_variant "$v"
     step "dataplane_$DP_TAG" 80 env "${DP_ENV[@]}" python3 bench/service.py --backend cuda \
       --dataplane --modes stream --frontends "$DP_F" --t3-hosts 8 --seconds 1.5 --warmup 0.3 \
-      --cuda-regions --json "$OUT/dataplane/dataplane_$DP_TAG.json"
+      --t2-runs "${T2_RUNS:-3}" --cuda-regions --json "$OUT/dataplane/dataplane_$DP_TAG.json"
   done
 fi
 

@@ -63,7 +63,9 @@ def test_verdicts_from_figures_and_limits(tmp_path: Path) -> None:
     (tmp_path / "dataplane").mkdir()
     write(tmp_path / "dataplane", "dataplane_f6_rr", {"targets": [
         {"target": "T2", "frontends": 6, "region": "bytes", "rows_per_s": 36808.0,
-         "rows_per_s_min": 20000.0, "p99_us": 3331.0, "p99_limit_us": 4000.0, "met": True},
+         "rows_per_s_min": 20000.0, "p99_us": 3331.0, "p99_limit_us": 4000.0, "met": True,
+         "runs": [{"rows_per_s": 36000.0, "p99_us": 3100.0},
+                  {"rows_per_s": 37600.0, "p99_us": 4450.0}]},
         {"target": "T3", "frontends": 6, "region": "cuda", "hosts": 8, "fraction": 0.46,
          "fraction_min": 0.5, "service_rows_per_s": 6.0e5, "kernel_rows_per_s": 1.3e6,
          "met": False}]})
@@ -85,6 +87,8 @@ def test_verdicts_from_figures_and_limits(tmp_path: Path) -> None:
         "80.00 / 190.00 ms (floor 40.00 / 70.00)", "86.0 / 112.5 ms", "**met** / missed"]
     assert got["replay S=1 step p50, multi / single"][2] == "not run"
     assert got["T2, 64 callers N=1 (6 front ends, bytes)"][2] == "**met**"
+    assert got["T2, 64 callers N=1 (6 front ends, bytes)"][0] == (
+        "36,808 rows/s, p99 3.33 ms (2 runs pooled; each p99 3.10-4.45 ms, 36,000-37,600 rows/s)")
     assert got["T3, N=64 x8 hosts (6 front ends, cuda), of the kernel alone"][2] == "missed"
     assert got["GPU tests, tests/kernels"][2] == "**met**"
     assert got["service + issue-18 tests on CUDA"][2] == "missed"

@@ -334,3 +334,24 @@ def test_dataplane_region_rows_run(tmp_path: Path) -> None:
     got = {t["region"]: t for t in doc["targets"] if t["target"] == "T3"}
     assert set(got) == {"bytes", "system"}, doc["targets"]
     assert all(t["service_rows_per_s"] > 0 for t in got.values()), got
+
+
+def test_dataplane_t2_runs_pooled(tmp_path: Path) -> None:
+    """--t2-runs 2: T2 is judged on the calls of both runs pooled (p99 of all of them, rows/s
+    over both walls), each run's own figures beside it (the spread between runs)."""
+    out = tmp_path / "dp.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy",
+           "--row-scale", "0.005", "--dataplane", "--regions", "bytes", "--modes", "stream",
+           "--frontends", "1", "--targets", "T2", "--t2-procs", "1", "--t2-runs", "2",
+           "--seconds", "0.3", "--warmup", "0.1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (t2,) = [t for t in doc["targets"] if t["target"] == "T2"]
+    runs = [r for r in doc["runs"] if r["label"].startswith("T2 ")]
+    assert [r["label"][-5:] for r in runs] == ["(1/2)", "(2/2)"]
+    assert [e["p99_us"] for e in t2["runs"]] == [r["p99_us"] for r in runs]
+    calls = sum(r["calls"] for r in runs)
+    assert t2["rows_per_s"] == pytest.approx(calls / sum(r["seconds"] for r in runs))
+    assert min(r["p50_us"] for r in runs) <= t2["p99_us"] <= max(r["p99_us"] for r in runs) * 1.001
+    assert "2 runs pooled, each p99" in done.stdout
