@@ -25,8 +25,8 @@
 #   replay host's loop busy-polling, bench/service.py --replay-spins), REPLAY_STAMPS=1 (the
 #   worker's replies stamped: the replay's way up and down per call), DP_VARIANTS (the data
 #   plane's front-end counts and switches, gpu_lib.sh's dp_variant: "4 8"; "6rr" = 6 round
-#   robin), PIN ("2:8-15"), TESTS_ONLY=1 (T1, the suites and the demo; WALL=1 adds the host
-#   wall), KERNELS_LAST=SECONDS (the kernels' suite after the extras, within that limit;
+#   robin), T2_RUNS (3: T2 as runs pooled, each run's p99 beside), PIN ("2:8-15"),
+#   TESTS_ONLY=1 (T1, the suites and the demo; WALL=1 adds the host wall), KERNELS_LAST=SECONDS (the kernels' suite after the extras, within that limit;
 #   0: left out, for a call that runs the kernels' tests itself).
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
