@@ -148,22 +148,23 @@ class _StampedEvent:
 
 def _probe_call(call: object, stamps: dict | None) -> None:
     """A cached BoundCall (kernels/cuda/launch.py): f0 when y's way out starts (its pinned
-    block), f1 after its completion event's record; None: undo that."""
+    block: ``Workspace.y_block``, stamped on the call's workspace), f1 after its completion
+    event's record; None: undo that."""
+    ws = call.ws
     if stamps is None:
         if isinstance(call.done, _StampedEvent):
             call.done = call.done.ev
-            call._pinned = call._pinned.__wrapped__
+            ws.__dict__.pop("y_block", None)
         return
     if isinstance(call.done, _StampedEvent):
         return
-    pinned = call._pinned
+    block = type(ws).y_block
 
     def stamped(n: int) -> object:
         stamps["f0"] = time.perf_counter()
-        return pinned(n)
+        return block(ws, n)
 
-    stamped.__wrapped__ = pinned
-    call._pinned = stamped
+    ws.y_block = stamped  # (an instance attribute over the method: removed to undo)
     call.done = _StampedEvent(call.done, stamps)
 
 

@@ -103,6 +103,7 @@ import contextlib
 import ctypes
 import itertools
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -147,6 +148,23 @@ SMALL_Y = 64 << 10
 # of the slot's buffer after the sync. H200, session 9, in one process: 14336x4096 N=1 (57 KiB of
 # y) 15 us less host time that way, 4096x14336 N=1 (16 KiB) no gain (bench/RESULTS.md)
 SMALL_Y_F32 = 32 << 10
+# a large y (past SMALL_Y / SMALL_Y_F32) is DMA'd into a pinned block that becomes the returned
+# array. Up to Y_BLOCKS such blocks are kept per backend (``Workspace.y_block``), each grown to
+# the largest y it held, and one is reused once no array of its last result is left (its base
+# array's reference count back to the pool's own), so a call takes no pinned block from CuPy's
+# pool: in situ that block, its array and the copy cost 21 us a call (H200, session 19, the
+# replay's S=8 gate/up, 303 KB of f16 y; docs/SERVICE.md). 0: CuPy's pool per call, as before.
+Y_BLOCKS = 8
+
+
+def _free_refs() -> int:
+    """sys.getrefcount of a list's item nothing else holds, read as ``Workspace.y_block``
+    reads it (measured, not assumed: interpreters count borrowed references differently)."""
+    held = [np.empty(0)]
+    return sys.getrefcount(held[0])
+
+
+_FREE_REFS = _free_refs()
 
 
 def slots_from_env(env: Any = None) -> int:
@@ -570,6 +588,8 @@ class Workspace:
         self._host_wc: list[Any] = [None] * SLOTS  # the same, write-combined (STAGING_WC_MIN)
         self._wc_min = STAGING_WC_MIN  # the setting the buffers handed out so far followed
         self._out: list[Any] = [None] * SLOTS  # the same for small outputs (SMALL_Y)
+        self._yb: list[np.ndarray] = []  # large y's pinned blocks (Y_BLOCKS; uint8, whole)
+        self._yb_ptr: list[int] = []  # their addresses (ndarray.ctypes costs ~4 us)
         self._held = [False] * SLOTS  # launched, its wait not yet called
         self._done: list[Any] = [None] * SLOTS  # per slot: event recorded after its launch
         self.staged: np.ndarray | None = None  # the last view CudaBackend.staging handed out
@@ -647,6 +667,35 @@ class Workspace:
         self._out[slot] = self._pinned(self._out[slot], nbytes)
         return self._out[slot][1]
 
+    def y_block(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """A pinned block for a large y of ``nbytes``: (its address, a uint8 array of exactly
+        ``nbytes`` over it, to be viewed as y and handed out). The first kept block no array
+        refers to any more (every view of a block has its whole array as base) and large
+        enough; else a free one too small is replaced by one grown to ``nbytes``, or a new one
+        is kept while fewer than ``Y_BLOCKS`` are; else (all in use) a block from CuPy's pool
+        for this call only. Call under the backend's device."""
+        blocks, free = self._yb, _FREE_REFS
+        if not Y_BLOCKS:
+            mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
+            return int(mem.ptr), np.frombuffer(mem, np.uint8, nbytes)
+        small = -1
+        for i in range(len(blocks)):
+            if sys.getrefcount(blocks[i]) == free:
+                if blocks[i].size >= nbytes:
+                    return self._yb_ptr[i], blocks[i][:nbytes]
+                small = i if small < 0 else small
+        if small < 0 and len(blocks) >= Y_BLOCKS:
+            mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
+            return int(mem.ptr), np.frombuffer(mem, np.uint8, nbytes)
+        mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
+        arr = np.frombuffer(mem, np.uint8, nbytes)
+        if small < 0:
+            blocks.append(arr)
+            self._yb_ptr.append(int(mem.ptr))
+        else:
+            blocks[small], self._yb_ptr[small] = arr, int(mem.ptr)
+        return int(mem.ptr), arr[:nbytes]
+
     def _pinned(self, have: Any, nbytes: int, wc: bool = False) -> tuple[Any, np.ndarray]:
         if have is not None and have[1].size >= nbytes:
             return have
@@ -665,6 +714,7 @@ class Workspace:
         self._dev.clear()
         self._host, self._out = [None] * SLOTS, [None] * SLOTS
         self._host_wc = [None] * SLOTS
+        self._yb, self._yb_ptr = [], []
         self._held, self._done = [False] * SLOTS, [None] * SLOTS
         self.staged = None
         self.gen += 1
@@ -747,7 +797,7 @@ class BoundCall:
     :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
     was not dropped)."""
 
-    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "big", "chunked", "dev", "done",
+    __slots__ = ("_elapsed", "_memcpy", "b", "bf16", "big", "chunked", "dev", "done",
                  "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision",
                  "rows", "slot", "stream", "topk", "ws", "y", "y16")
 
@@ -768,7 +818,7 @@ class BoundCall:
         self.chunked = bool(b.extra.get("copies"))  # ... part by part (Launcher._chunks_out)
         self.nbytes = n * rows * (2 if self.half else 4)
         self.kernel, self.layout, self.precision = kernel, layout, precision
-        self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
+        self._memcpy = cp.cuda.runtime.memcpyAsync
         self._elapsed = cp.cuda.get_elapsed_time
 
     def live(self) -> bool:
@@ -795,13 +845,13 @@ class BoundCall:
                     elif self.half:  # (a CuPy conversion: on the backend's stream)
                         with stream:
                             src = self.lc._y_out(src, self.n, self.rows, True)
-                    mem = self._pinned(self.nbytes)
-                    y = np.frombuffer(mem, np.float16 if self.half else np.float32,
-                                      self.n * self.rows).reshape(self.n, self.rows)
+                    ptr, blk = ws.y_block(self.nbytes)
+                    y = blk.view(np.float16 if self.half else np.float32).reshape(
+                        self.n, self.rows)
                     if self.chunked:
-                        self.lc._chunks_out(self.b, mem.ptr)
+                        self.lc._chunks_out(self.b, ptr)
                     else:
-                        self._memcpy(mem.ptr, src, self.nbytes, _D2H, stream.ptr)
+                        self._memcpy(ptr, src, self.nbytes, _D2H, stream.ptr)
                 self.done.record(stream)
         except BaseException:
             ws._held[slot] = False
@@ -1094,10 +1144,10 @@ class ManyCall:
     (cached by ``CudaBackend.launch_many`` in its first weight's plans per (weights, x's shape
     and dtype, precision, flags, out dtype, slot), and in every part's plans under itself): x
     into the slot's staging buffer unless built there, the graph launch, y's one copy into a
-    pinned block unless the graph downloads it, the slot's completion event; after the sync
-    each part's kernel time and result."""
+    pinned block (``Workspace.y_block``) unless the graph downloads it, the slot's completion
+    event; after the sync each part's kernel time and result."""
 
-    __slots__ = ("_elapsed", "_memcpy", "_pinned", "b", "bf16", "dev", "done", "host", "key",
+    __slots__ = ("_elapsed", "_memcpy", "b", "bf16", "dev", "done", "host", "key",
                  "lc", "parts", "slot", "stream", "ws")
 
     def __init__(self, lc: Launcher, b: ManyBound, slot: int, key: tuple,
@@ -1109,7 +1159,7 @@ class ManyCall:
         self.host = lc.ws.host(b.x_bytes, slot)
         self.parts = parts
         self.bf16 = out_dtype is not None and np.dtype(out_dtype) == BFLOAT16
-        self._pinned, self._memcpy = cp.cuda.alloc_pinned_memory, cp.cuda.runtime.memcpyAsync
+        self._memcpy = cp.cuda.runtime.memcpyAsync
         self._elapsed = cp.cuda.get_elapsed_time
 
     def live(self, weights: Any) -> bool:
@@ -2115,10 +2165,11 @@ class Launcher:
     def _finish(self, y: int, n: int, rows: int, out_dtype: np.dtype | None, start: Any,
                 end: Any, topk: int, slot: int | None = None,
                 converted: bool = False, bound: Bound | None = None) -> Callable[[], Done]:
-        """Enqueue y's way out: the workspace's f32 "y" at ``y`` -> a new host array in a pinned
-        block (the returned array owns it; no host copy), or the top-k epilogue. The returned
-        function makes the one sync and reads the kernel seconds (the events are complete by
-        then). ``bound``: a row-chunked sequence's, y's way out chunk by chunk."""
+        """Enqueue y's way out: the workspace's f32 "y" at ``y`` -> a host array over a pinned
+        block (``Workspace.y_block``: reused once no array of it is left; no host copy), or
+        the top-k epilogue. The returned function makes the one sync and reads the kernel
+        seconds (the events are complete by then). ``bound``: a row-chunked sequence's, y's
+        way out chunk by chunk."""
         cp, stream = self.ctx.cp, self.ctx.stream
         if topk:
             from ..cuda_topk import topk_enqueue
@@ -2135,12 +2186,12 @@ class Launcher:
             y = self._y_out(y, n, rows, half)
         item, dt = (2, np.dtype(np.float16)) if half else (4, np.dtype(np.float32))
         nbytes = n * rows * item
-        mem = cp.cuda.alloc_pinned_memory(nbytes)
-        out = np.frombuffer(mem, dt, n * rows).reshape(n, rows)
+        ptr, blk = self.ws.y_block(nbytes)
+        out = blk.view(dt).reshape(n, rows)
         if bound is not None:
-            self._chunks_out(bound, mem.ptr)
+            self._chunks_out(bound, ptr)
         else:
-            cp.cuda.runtime.memcpyAsync(mem.ptr, y, nbytes, _D2H, stream.ptr)
+            cp.cuda.runtime.memcpyAsync(ptr, y, nbytes, _D2H, stream.ptr)
 
         def done() -> Done:
             self._wait(slot)
@@ -2221,9 +2272,9 @@ class Launcher:
         sequence and return the block (flat; f16 where the sequence converts y)."""
         half = bool(b.y16)
         size = b.n * sum(b.rows)
-        mem = self.ctx.cp.cuda.alloc_pinned_memory(size * (2 if half else 4))
-        flat = np.frombuffer(mem, np.float16 if half else np.float32, size)
-        self.ctx.cp.cuda.runtime.memcpyAsync(mem.ptr, b.y16 if half else b.y, flat.nbytes, _D2H,
+        ptr, blk = self.ws.y_block(size * (2 if half else 4))
+        flat = blk.view(np.float16 if half else np.float32)
+        self.ctx.cp.cuda.runtime.memcpyAsync(ptr, b.y16 if half else b.y, flat.nbytes, _D2H,
                                              self.ctx.stream.ptr)
         return flat
 

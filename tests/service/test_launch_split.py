@@ -521,3 +521,70 @@ def test_copy_kernel_in_the_region_call(monkeypatch, mapped, out):
     assert order == (["q6_copy", "event", "event", "q6_copy"] if mapped else
                      ["h2d", "q6_timing_anchor", "event", "event", "d2h"])
     del buf
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_large_y_blocks_are_reused_only_once_released(monkeypatch, staged):
+    """A large y (4096x14336 at N=16: 256 KiB of f32, past SMALL_Y_F32) is DMA'd into one of
+    the workspace's kept pinned blocks (Workspace.y_block): a result still held (or any view of
+    it) keeps its block and its values while later calls run; a released one's block is the
+    next call's; at most Y_BLOCKS are kept (past them, a block for the call alone), and a free
+    block too small is replaced by one grown to the call."""
+    from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
+
+    monkeypatch.setattr(launch_mod, "Y_BLOCKS", 3)
+    be, _ = fake_backend(monkeypatch)
+    w = fake_weight(be, 4096, 14336)
+    ws = be.launcher.ws
+    rng = np.random.default_rng(41)
+    for _ in range(3):  # direct, capture, graph: then the cached BoundCall
+        be.launch(w, _x(be, rng, 16, 14336, staged)).wait()
+    assert len(ws._yb) == 1
+    held, want = [], []
+    for i in range(5):  # each result held: 3 kept blocks, then 2 of the call's own
+        want.append(_set_y(be, w, 16, i).copy())
+        held.append(be.launch(w, _x(be, rng, 16, 14336, staged)).wait().y)
+    assert len(ws._yb) == 3
+    assert len({_ptr(y) for y in held}) == 5
+    for y, v in zip(held, want, strict=True):
+        assert np.array_equal(y, v)  # no later call wrote into a held result
+    kept = _ptr(held[1])
+    view = held[1][3:5]  # a view keeps the block too
+    del held[1]
+    y = be.launch(w, _x(be, rng, 16, 14336, staged)).wait().y
+    assert _ptr(y) not in (kept, *map(_ptr, held))
+    del y, view
+    v = _set_y(be, w, 16, 9).copy()
+    y = be.launch(w, _x(be, rng, 16, 14336, staged)).wait().y
+    assert _ptr(y) == kept and np.array_equal(y, v)  # released: reused
+    del y, held[:]
+    be.launch(w, _x(be, rng, 64, 14336, staged)).wait()  # binds N=64 (its buffers grow)
+    big = _set_y(be, w, 64, 3).copy()  # 1 MiB: a free block grown to it, none added
+    y = be.launch(w, _x(be, rng, 64, 14336, staged)).wait().y
+    assert np.array_equal(y, big) and len(ws._yb) == 3 and max(b.size for b in ws._yb) >= y.nbytes
+
+
+def test_multi_weight_y_blocks_are_reused(monkeypatch):
+    """A multi-weight call's one y (gate + up at N=8: 1.2 MB of f32) takes a kept block too,
+    its parts' y's views of it: held parts keep it, released ones hand it back."""
+    from tests.kernels.test_cuda_backend_host import GATE_UP, _many_counted, _set_many_y
+
+    be, _, _, wts, rng = _many_counted(monkeypatch, GATE_UP, 12)
+    ws = be.launcher.ws
+    for _ in range(3):
+        be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
+    ys = _set_many_y(be, [18944, 18944], 8, 1)
+    first = be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
+    up = first[1].y  # one part held
+    del first
+    _set_many_y(be, [18944, 18944], 8, 2)
+    second = be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
+    assert np.array_equal(up, ys[1])  # not overwritten by the second call
+    p = _ptr(second[0].y)
+    del second
+    third = be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
+    assert _ptr(third[0].y) == p and len(ws._yb) == 2
