@@ -218,7 +218,7 @@ class CudaSupport:
         """A repeated call's launch (under the device and stream) whose choice is known
         (``_choice``: a tile path, not q8_1, which checks x per call), x a contiguous CUDA
         view and y an f32 CUDA view: x's copy into the workspace and the bound sequence
-        (``Launcher._run_copied_x``, as ``CudaBackend.launch_device``), then y's one copy
+        (``Launcher.run_copied_x``, as ``CudaBackend.launch_device``), then y's one copy
         into ``yd`` from the workspace's address, without the backend's y view or a CuPy
         launch. Returns (choice, start, end), or None: not such a call (``_enqueue``)."""
         w = e.resident
@@ -232,9 +232,9 @@ class CudaSupport:
         if in_t is None:
             return None
         b = self.backend
-        bound = b.launcher._run_copied_x(w, self._weight_data(w), c.path, c.cfg,
-                                         int(x.shape[0]), in_t, int(x.data.ptr),
-                                         int(x.nbytes), _D2D, slot)
+        bound = b.launcher.run_copied_x(w, self._weight_data(w), c.path, c.cfg,
+                                        int(x.shape[0]), in_t, int(x.data.ptr),
+                                        int(x.nbytes), _D2D, slot)
         self.cp.cuda.runtime.memcpyAsync(int(yd.data.ptr), bound.extra["y"], int(yd.nbytes),
                                          _D2D, b.ctx.stream.ptr)
         return c, bound.start, bound.end

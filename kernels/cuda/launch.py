@@ -1765,17 +1765,22 @@ class Launcher:
         sequence and events this call uses, so that two calls can be in flight (None: one
         waited for before anything else launches)."""
         n = int(xd.shape[0])
-        b = self._run_copied_x(w, cw, path, cfg, n, in_t, int(xd.data.ptr), int(xd.nbytes),
-                               _D2D, slot)
+        b = self.run_copied_x(w, cw, path, cfg, n, in_t, int(xd.data.ptr), int(xd.nbytes),
+                              _D2D, slot)
         return self.ws.array("y", (n, w.rows), np.float32), b.start, b.end
 
-    def _run_copied_x(self, w: ResidentWeight, cw: CudaWeight, path: str, cfg: Cfg, n: int,
-                      in_t: str, src: int, nbytes: int, kind: int, slot: int | None) -> Bound:
+    def run_copied_x(self, w: ResidentWeight, cw: CudaWeight, path: str, cfg: Cfg, n: int,
+                     in_t: str, src: int, nbytes: int, kind: int, slot: int | None) -> Bound:
         """x copied from ``src`` (``kind``: device or page-locked host memory) into the
         workspace's x, then the kernels of the bound sequence that has no upload of its own
         (:meth:`launch_device`, :meth:`launch_host`): its graph, or direct launches between
         its events (captured from the call after ``GRAPH_AFTER``), of launch slot ``slot``
-        (None: a call waited for before anything else launches). Returns the sequence."""
+        (None: a call waited for before anything else launches). Returns the sequence, whose
+        ``extra["y"]`` is the device address of its f32 y [N, rows] (valid until the next
+        launch) and ``start`` / ``end`` the events around its kernels. Public: a caller that
+        already chose the path and shape for a repeated call (service/cuda_regions.py's
+        ``CudaSupport._launch_known``) runs it without the backend's checks. Call under the
+        device and stream; no sync."""
         key = (path, cfg, n, in_t, "device", slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
@@ -1813,8 +1818,8 @@ class Launcher:
                         cfg: Cfg, out_dtype: np.dtype | None, y_out: np.ndarray | None,
                         slot: int) -> Callable[[], Done]:
         n = int(x.shape[0])
-        b = self._run_copied_x(w, cw, path, cfg, n, IN_TYPES[x.dtype], x.ctypes.data,
-                               x.nbytes, _H2D, slot)
+        b = self.run_copied_x(w, cw, path, cfg, n, IN_TYPES[x.dtype], x.ctypes.data,
+                              x.nbytes, _H2D, slot)
         cp, stream = self.ctx.cp, self.ctx.stream
         if y_out is None:
             return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, 0, slot)
