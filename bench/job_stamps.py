@@ -12,7 +12,9 @@ window (wire.stream_reply: the request taken and decoded, ``Took``, the reply en
 joined to the direct jobs run since the last reply. Per job one row; at exit (the worker
 drains on SIGTERM, then exits: atexit sees it) the rows' medians per part and per role and the
 rows themselves go to ``path`` as JSON, and :func:`summary` prints them. Each stamp costs
-~0.3-1 us (of the job it stamps).
+~0.3-1 us (of the job it stamps). ``Q6SERVE_JOB_Y_BLOCKS=B`` also sets the launcher's
+``Y_BLOCKS`` to B in the stamped process (0: a large y's pinned block from CuPy's pool per
+call, as before session 20), for an A/B of the kept blocks in situ.
 
 Parts (us): pre = j0 -> l0 (launch_ieee, CudaBackend.launch's lookup), launch = l0 -> l1: x_in
 = l0 -> g0 (x into the pinned buffer, the device's context), graph = g0 -> g1 (the graph
@@ -48,6 +50,9 @@ def install(path: str) -> None:
     path = path.replace("{pid}", str(os.getpid()))
     from q6serve.kernels.cuda import launch as L
     from q6serve.service import batcher, wire
+
+    if os.environ.get("Q6SERVE_JOB_Y_BLOCKS"):  # (an A/B of Workspace.y_block, session 20)
+        L.Y_BLOCKS = int(os.environ["Q6SERVE_JOB_Y_BLOCKS"])
 
     try:
         query = ctypes.PyDLL("libcuda.so.1").cuEventQuery
