@@ -8,6 +8,7 @@
 # 2. The 2-layer replay at S=8 and S=1 (bench/replay_ab.py), every direct job stamped
 #    (bench/job_stamps.py): def (blocks on), one (Q6SERVE_MULTI_LAUNCH=1: a multi-weight call's
 #    parts as one launch_many), old (Q6SERVE_JOB_Y_BLOCKS=0), alternated def,one,old,one,def.
+# 3. tests/service/test_launch_split.py's GPU tests, if time is left.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -29,6 +30,9 @@ if left 25; then
     --seconds 1.0 --warmup 0.3 --bound "$((limit - 6))" --out-dir "$OUT" \
     --json "$OUT/replay_ab.json"
 fi
+# the launcher's GPU tests (y's bit-identical ways out, the split calls) if time is left
+left 12 && step tests 12 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+  tests/service/test_launch_split.py
 {
   echo "# hp bundle A, tree $(tree_commit), $(elapsed)"
   grep -A14 "^# variants" "$OUT/wall.log" | cut -c1-170
@@ -36,6 +40,7 @@ fi
   grep -E "^#|many|parts|pipe" "$OUT/many.log" | tail -24 | cut -c1-170
   python3 bench/job_stamps.py "$OUT"/js_*.json 2>&1 | grep -v "?" | cut -c1-230
   grep -E "^# replay A/B|^# S=|^[a-z0-9]+_[0-9]+ " "$OUT/replay.log" 2>/dev/null | cut -c1-200
+  tail -1 "$OUT/tests.log" 2>/dev/null
   steps
 } | table
 exit 0
