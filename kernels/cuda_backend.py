@@ -174,25 +174,26 @@ class CudaBackend(Backend):
                topk: int = 0) -> Launched:
         lc = self.launcher
         ws = lc.ws
-        staged = x is ws.staged  # built by staging(): C-contiguous [N, K] (K checked below)
-        if staged and type(w.data) is CudaWeight and x.shape[1] == w.k:
-            slot = ws.staged_slot
-            key = _call_key(x, precision, flags, out_dtype, topk, slot,
-                            lc.chunks_for(w.data, slot, x.shape[0] * w.rows, x.nbytes,
-                                          x.shape[0]))
-            call = w.data.plans.get(key)  # a BoundCall: the whole path after its first calls
-            if call is not None and call.live():
-                return call.launch()
+        staged = x is ws.staged  # built by staging(): C-contiguous [N, K]
+        cw = w.data
+        # A repeated call first: its cached BoundCall (the whole path after its first calls)
+        # is looked up before check_matmul, which its key makes redundant for a C-contiguous
+        # x: a key of this weight's plans holds x's shape and dtype and the top-k, which passed
+        # the checks when it was made (an x of another K never matches; a strided x takes the
+        # checks' contiguous copy); x in a caller's page-locked region takes launch_host's
+        # path (_launch); with every slot held, _launch refuses it after the checks, as before.
+        if (type(cw) is CudaWeight and type(x) is np.ndarray and x.ndim == 2
+                and x.shape[1] == w.k and x.flags.c_contiguous
+                and (staged or not self.hostio.covers(x))):
+            slot = ws.staged_slot if staged else ws.first_free()
+            if slot >= 0:
+                n = x.shape[0]
+                call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, slot,
+                                              lc.chunks_for(cw, slot, n * w.rows, x.nbytes, n)))
+                if call is not None and call.live():
+                    return call.launch() if staged else call.launch(x)
         x = check_matmul(w, x, topk)
-        cw = weight_data(w)
-        if not staged and not self.hostio.covers(x):
-            slot = ws.free_slot()
-            call = cw.plans.get(_call_key(x, precision, flags, out_dtype, topk, slot,
-                                          lc.chunks_for(cw, slot, x.shape[0] * w.rows, x.nbytes,
-                                                        x.shape[0])))
-            if call is not None and call.live():
-                return call.launch(x)
-        return self._launch(w, cw, x, staged, precision, flags, out_dtype, topk)
+        return self._launch(w, weight_data(w), x, staged, precision, flags, out_dtype, topk)
 
     def _launch(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, staged: bool,
                 precision: Precision, flags: KernelFlags, out_dtype: np.dtype | None,

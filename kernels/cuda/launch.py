@@ -595,11 +595,19 @@ class Workspace:
         self.staged: np.ndarray | None = None  # the last view CudaBackend.staging handed out
         self.staged_slot = 0
 
+    def first_free(self) -> int:
+        """The first slot whose wait was called, or -1 while every slot awaits its wait."""
+        held = self._held
+        for s in range(SLOTS):
+            if not held[s]:
+                return s
+        return -1
+
     def free_slot(self) -> int:
         """The slot the next launch takes (the first whose wait was called)."""
-        for s in range(SLOTS):
-            if not self._held[s]:
-                return s
+        s = self.first_free()
+        if s >= 0:
+            return s
         raise DeviceError(f"more than {SLOTS} launches in flight on one device: wait for one "
                           "before launching another")
 

@@ -588,3 +588,39 @@ def test_multi_weight_y_blocks_are_reused(monkeypatch):
     del second
     third = be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
     assert _ptr(third[0].y) == p and len(ws._yb) == 2
+
+
+def test_a_cached_call_is_found_before_the_checks_and_keeps_them(monkeypatch):
+    """CudaBackend.launch looks a repeated call's BoundCall up before check_matmul: a strided
+    x of the cached shape (one a 1-D view can cover: the fill's byte view of it would fail)
+    takes the checks' contiguous copy, gives the device y and reaches the device unchanged;
+    an x of another K, of one dimension or of another dtype is refused as before (the key
+    never matches), and with every slot held the call is refused by the full path."""
+    from q6serve.kernels.errors import DeviceError, FormatError
+    from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
+
+    be, cp = fake_backend(monkeypatch)
+    w = fake_weight(be, 4096, 14336)
+    rng = np.random.default_rng(42)
+    for _ in range(3):  # direct, capture, graph: then the cached BoundCall
+        be.launch(w, _x(be, rng, 4, 14336, False)).wait()
+    calls = cp.counts["graph"]
+    wide = rng.standard_normal((4, 2 * 14336)).astype(np.float16)
+    x = wide[:, ::2]  # strided
+    assert not x.flags.c_contiguous
+    y = _set_y(be, w, 4, 5).copy()
+    res = be.launch(w, x).wait()
+    assert np.array_equal(res.y, y) and cp.counts["graph"] == calls + 1
+    xd = be.launcher.ws._dev["x"].a[: x.nbytes]
+    assert np.array_equal(xd, np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+    with pytest.raises(FormatError, match="K=4096"):
+        be.launch(w, np.zeros((4, 4096), np.float16))
+    with pytest.raises(FormatError, match="2-D"):
+        be.launch(w, np.zeros(14336, np.float16))
+    with pytest.raises(FormatError):
+        be.launch(w, np.zeros((4, 14336), np.int32))
+    held = [be.launch(w, _x(be, rng, 4, 14336, False)) for _ in range(launch_mod.SLOTS)]
+    with pytest.raises(DeviceError, match="in flight"):
+        be.launch(w, _x(be, rng, 4, 14336, False))
+    for h in held:
+        h.wait()
