@@ -87,6 +87,9 @@ class Cfg:
     #                 4/8/12 = 1/2/3 warpgroups per CTA)
     #               7 src 4 with its split-K sum inside a thread-block cluster of the ksplit
     #                 K slices (q6k_ksc_f16; sm_90+; mt 1, ksplit 2..8; session 15)
+    #               8 src 6 with each block's scale folded into A (no wgmma wait at block
+    #                 boundaries; pf: two wgmma groups in flight; session 20), 9 src 6 with
+    #                 two groups in flight (q6k_wg_f16's V; bench candidates)
     pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
     #                   kernel and src 4, always on at src 6; src 5: two blocks ahead in the
     #                   ring; src 3 has none since session 15); src 2 (session 17): the first
@@ -96,19 +99,22 @@ class Cfg:
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
-        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 7
-        ok = ok and self.warps in ((4, 8, 12) if self.src == 6 else (8, 12, 16) if self.src >= 4
+        wg = self.src in (6, 8, 9)  # the wgmma tile and its variants
+        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 9
+        ok = ok and self.warps in ((4, 8, 12) if wg else (8, 12, 16) if self.src >= 4
                                    else (4, 8))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
-            (4, 8, 12) if self.src == 6 else (8, 12, 16))))
+            (4, 8, 12) if wg else (8, 12, 16))))
         ok = ok and not (self.src in (4, 7) and self.warps != 8 and (self.mt != 1 or (
             self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
         #                                         warps and nt4 at 16 since session 14)
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 7 and (self.mt != 1 or not 2 <= self.ksplit <= 8))
         ok = ok and not (self.src == 6 and (self.mt != 1 or not self.pf or self.nt != 8))
+        ok = ok and not (self.src in (8, 9) and (self.mt != 1 or self.nt != 8 or (
+            self.src == 9 and not self.pf)))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mma_f16" and self.src == 3 and self.pf)
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.pf and self.mt != 1)

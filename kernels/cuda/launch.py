@@ -239,7 +239,11 @@ X_SPLIT_Y_MIN = 3 << 20  # 3 MiB
 X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
-X_SPLIT_SRCS = (4, 5, 6)
+X_SPLIT_SRCS = (4, 5, 6, 8, 9)
+# The wgmma tile's sources: src 6, and session 20's variants of it (src 8: the block scale folded
+# into A, no wait at block boundaries, pf = two wgmma groups in flight; src 9: src 6 with two
+# groups in flight), kernels/cuda/q6k_wgmma.cu's V.
+WG_SRCS = (6, 8, 9)
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -263,7 +267,7 @@ def ring_stages(cfg: Cfg) -> int:
 
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
-    if path == "mma_f16" and cfg.src == 6:  # wg_stage_x: per block 16 k16 steps of 8*nt x 16 f16
+    if path == "mma_f16" and cfg.src in WG_SRCS:  # wg_stage_x: 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
     if path == "mma_f16" and cfg.src in (4, 5, 7):  # stage_x_f16: 8*nt rows of per*32+4 uint4
         ring = cfg.warps * ring_stages(cfg) * RING_STAGE if cfg.src == 5 else 0
@@ -297,6 +301,9 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 6:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
+    if path == "mma_f16" and cfg.src in (8, 9):  # the wgmma tile's variants V (q6k_wgmma.cu)
+        v = 1 if cfg.src == 9 else 2 | int(cfg.pf)
+        return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}, {v}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -320,7 +327,7 @@ def pair_cfg(path: str, cfg: Cfg) -> Cfg:
 
 def kernel_file(path: str, cfg: Cfg) -> str:
     """The source file that holds a tile path's kernel."""
-    return WG_FILE if path == "mma_f16" and cfg.src == 6 else MATMUL_FILE
+    return WG_FILE if path == "mma_f16" and cfg.src in WG_SRCS else MATMUL_FILE
 
 
 @dataclass(frozen=True)
@@ -1405,7 +1412,8 @@ class Launcher:
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
             # blocks in flight per warp
-            ahead = ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf else 0.5
+            ahead = (ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf or cfg.src in WG_SRCS
+                     else 0.5)  # (the wgmma tiles always load one block ahead)
             inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
@@ -1419,7 +1427,8 @@ class Launcher:
 
     def tile_cfg(self, path: str, cfg: Cfg) -> Cfg:
         """The launch shape a plan of ``cfg`` runs on this device."""
-        if path == "mma_f16" and cfg.src == 6 and arch_specific(WG_FILE, self.ctx.cc) is None:
+        if path == "mma_f16" and cfg.src in WG_SRCS and arch_specific(WG_FILE,
+                                                                        self.ctx.cc) is None:
             # the wgmma tile builds for sm_90a only: elsewhere a table entry naming it (the
             # committed table was tuned on an H200) runs the K-slice tile of the same width
             return Cfg(nt=cfg.nt, src=4, pf=True)
@@ -1515,7 +1524,7 @@ class Launcher:
         fn = self.ctx.fn(file, kernel_name(path, run_cfg, 2 if pairs else layout is Layout.SOA,
                                            in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7, 8, 9)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
             if cfg.src == 7 and ks != cfg.ksplit:  # the cluster is the grid's ksplit slices

@@ -117,15 +117,62 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
     }
 }
 
+// The block scale folded into A (V & 2): A = f16((4q - 128) * s), s = f16(sc * f16(r)), the
+// same value in every layout (SoA, AoS and pair-stream twins stay bit-identical; 4q - 128 is
+// exact, |A| <= 128 * 128). Pair streams: field bits v -> 1024 + 4q (deq2p's LOP3) - 1152.
+__device__ __forceinline__ u32 wg_deq_r(u32 v, u32 s, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;" : "=r"(r) : "r"(v), "r"(magic));
+    asm("add.rn.f16x2 %0, %0, %1;" : "+r"(r) : "r"(0xE480E480u));
+    return hmul2(r, s);
+}
+// SoA / AoS: codes q (one per byte) -> 1024 + q (deq2's PRMT), * 4 - 4224 (exact: multiples of 4
+// below 8192).
+template <u32 SEL>
+__device__ __forceinline__ u32 wg_deq4_r(u32 q, u32 s) {
+    return hmul2(hfma2(__byte_perm(q, kDeqMagic, SEL), 0x44004400u, 0xEC20EC20u), s);
+}
+
+// The largest |d| of rows g and g + 8 (rr) over the blocks [kb0, kb0 + nblk) of a warp's K
+// slice (V & 2, below): lane t of a quad reads blocks t, t + 4, ..., two rows a trip with both
+// loads in flight, and the quad's maxima meet by two shuffles. 0 when every d is 0.
+template <int SOA>
+__device__ __forceinline__ float2 wg_dmax(const RowRef (&rr)[1][2], int kb0, int nblk, int t) {
+    float m0 = 0.f, m1 = 0.f;
+    const u32 step = SOA ? 2u : 210u;
+    for (int b = t; b < nblk; b += 4) {
+        const u32 h0 = ldg_u16(rr[0][0].base + rr[0][0].d + (u32)(kb0 + b) * step);
+        const u32 h1 = ldg_u16(rr[0][1].base + rr[0][1].d + (u32)(kb0 + b) * step);
+        m0 = fmaxf(m0, fabsf(f16_to_f32(h0)));
+        m1 = fmaxf(m1, fabsf(f16_to_f32(h1)));
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, o));
+        m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, o));
+    }
+    return make_float2(m0, m1);
+}
+
 // CTA = NWG warpgroups (blockDim.x = 128 * NWG). Registers: the accumulators (4*NT), two
 // blocks of raw weights (this one and the prefetched next) and two k16 steps of A fragments
 // are live (142-190 on sm_90a, so one CTA of 8 warps per SM; NWG 1: up to three CTAs where the
 // shared memory allows; NWG 3: <= 168).
-template <int NT, int SOA, class In, int NWG>
+// V (session 20, issue 16 goal 1: N = 64; the dispatch's src 6 is V = 0): bit 0, two wgmma
+// groups in flight per warpgroup instead of one (wait_group 2: three k16 steps of A live);
+// bit 1, no wait at the block boundary: instead of acc *= d_prev / d before each block (which
+// needs the block's wgmmas done first, a drain of the chain every 16 steps) each block's A is
+// scaled by r = d / dmax in f16 (dmax: the largest |d| of the row over the warp's K slice,
+// read ahead one tile), A = f16((4q - 128) * f16(sc/4 * f16(r))) (layout 2) or
+// f16((q - 32) * f16(sc * f16(r))), and acc *= dmax once per tile: |r| <= 1, so no overflow for
+// any d; two more f16 roundings per weight (the cuBLAS path's f16(d*sc*(q-32)) has one), a
+// block whose |d| is below ~6e-8 of the slice's largest adds nothing. Different bits from V 0/1.
+template <int NT, int SOA, class In, int NWG, int V = 0>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
     static_assert(NT == 8, "q6k_wg_f16: 8 n-tiles (m64n64k16) only");
 #ifdef Q6SERVE_WGMMA
+    constexpr bool FOLD = (V & 2) != 0;
     MAKE_W;
     MAKE_OUT;
     (void)xp;
@@ -140,9 +187,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 
     RowRef rr[1][2], rn[1][2];
     Raw nxt[1][2];
+    float2 dmx = make_float2(0.f, 0.f);  // FOLD: this tile's dmax per row (g, g + 8)
     if (gt < gtiles) {
         warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
         warp_load<SOA>(nxt, rr, kb0, t);
+        if (FOLD) dmx = wg_dmax<SOA>(rr, kb0, nblk, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
@@ -163,6 +212,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
         const int wrow = gt * 64 + wq * 16;
         const bool more = gt + gstride < gtiles;
         if (more) warp_rows<SOA>(w, (gt + gstride) * 64 + wq * 16, g, rn);
+        // FOLD: the next tile's dmax, read now (its loads' latency hidden behind this tile)
+        float2 dmx_next = make_float2(0.f, 0.f);
+        if (FOLD && more) dmx_next = wg_dmax<SOA>(rn, kb0, nblk, t);
+        float rinv[2];  // FOLD: 1 / dmax (0 for a row whose blocks all have d = 0)
+        rinv[0] = dmx.x > 0.f ? 1.f / dmx.x : 0.f;
+        rinv[1] = dmx.y > 0.f ? 1.f / dmx.y : 0.f;
         float acc[1][NT][4];
         zero_acc(acc);
         float dprev[2] = {1.f, 1.f};
@@ -180,6 +235,17 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
             for (int hr = 0; hr < 2; ++hr) {
                 const float d = f16_to_f32(raw[hr].d);
                 const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
+                if (FOLD) {
+                    const u32 rh = f16_bits(d * rinv[hr]);  // |r| <= 1 (0 for a zero d)
+                    const u32 r2 = rh | (rh << 16);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const u32 v = word4(raw[hr].sc, k);
+                        sc2[hr][k] = hmul2(sc_pair(v, scsel), r2);  // f16(sc * f16(r))
+                        bias[hr][k] = 0u;
+                    }
+                    continue;
+                }
                 const float dm = zero ? 1.f : d;
                 f[hr] = dprev[hr] * (zero ? 1.f : rcp_approx(d));
                 dprev[hr] = dm;
@@ -190,24 +256,38 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                     bias[hr][k] = SOA == 2 ? bias_pair(sc2[hr][k]) : 0u;
                 }
             }
-            wg_wait<0>();  // the previous block's products are in acc
-            wg_fence_acc(acc);
+            if (!FOLD) {
+                wg_wait<0>();  // the previous block's products are in acc
+                wg_fence_acc(acc);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[0][nt][i] *= f[i >> 1];
+                    for (int i = 0; i < 4; ++i) acc[0][nt][i] *= f[i >> 1];
+            }
             const u64 dblk = desc0 + (u64)(b * 16 * 16 * NT);  // 16 steps of 256*NT bytes
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
                 const int hn = s >> 2, j = s & 3, h = hn >> 1, nib = hn & 1;
                 const u32 s0 = sc2[0][hn], s1 = sc2[1][hn];
                 u32 a0, a1, a2, a3;
-                if (SOA == 2) {  // pair streams: sub-block hn, fields 2j and 2j+1
+                if (SOA == 2 && FOLD) {  // pair streams, V & 2: sub-block hn, fields 2j, 2j+1
+                    a0 = wg_deq_r(pair_field(raw[0], hn, 2 * j), s0, magic);
+                    a1 = wg_deq_r(pair_field(raw[1], hn, 2 * j), s1, magic);
+                    a2 = wg_deq_r(pair_field(raw[0], hn, 2 * j + 1), s0, magic);
+                    a3 = wg_deq_r(pair_field(raw[1], hn, 2 * j + 1), s1, magic);
+                } else if (SOA == 2) {  // pair streams: sub-block hn, fields 2j and 2j+1
                     const u32 c0 = bias[0][hn], c1 = bias[1][hn];
                     a0 = deq2p(pair_field(raw[0], hn, 2 * j), s0, c0, magic);
                     a1 = deq2p(pair_field(raw[1], hn, 2 * j), s1, c1, magic);
                     a2 = deq2p(pair_field(raw[0], hn, 2 * j + 1), s0, c0, magic);
                     a3 = deq2p(pair_field(raw[1], hn, 2 * j + 1), s1, c1, magic);
+                } else if (FOLD) {  // (1024 + q) * 4 - 4224 = 4q - 128 exact, as layout 2's
+                    const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
+                    const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
+                    a0 = wg_deq4_r<0x4140u>(q0, s0);
+                    a1 = wg_deq4_r<0x4140u>(q1, s1);
+                    a2 = wg_deq4_r<0x4342u>(q0, s0);
+                    a3 = wg_deq4_r<0x4342u>(q1, s1);
                 } else {
                     const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
                     const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
@@ -219,18 +299,21 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                 wg_fence();
                 wgmma_rs<NT>(acc, a0, a1, a2, a3, dblk + (u64)(s * 16 * NT));
                 wg_commit();
-                wg_wait<1>();
+                wg_wait<(V & 1) ? 2 : 1>();
             }
         }
         wg_wait<0>();
         wg_fence_acc(acc);
+        // FOLD: A held 4 (q - 32) sc r; the power of two is exact
+        const float dl0 = FOLD ? 0.25f * dmx.x : dprev[0], dl1 = FOLD ? 0.25f * dmx.y : dprev[1];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= dprev[i >> 1];
+            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
         if (more) {
             rr[0][0] = rn[0][0];
             rr[0][1] = rn[0][1];
+            dmx = dmx_next;
         }
         ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
     }
@@ -247,4 +330,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 INST_WG(8, 1) INST_WG(8, 2) INST_WG(8, 3)
 #define INST_WGP(NT, NWG) INST_WG2(NT, 2, InF16, NWG)  // pair streams
 INST_WGP(8, 3) INST_WGP(8, 2)
+#define INST_WGV2(SOA, NWG, V)                                                                \
+    template __global__ void q6k_wg_f16<8, SOA, InF16, NWG, V>(                               \
+        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_WGV(NWG, V) INST_WGV2(true, NWG, V) INST_WGV2(false, NWG, V) INST_WGV2(2, NWG, V)
+INST_WGV(2, 1) INST_WGV(3, 1) INST_WGV(2, 2) INST_WGV(3, 2) INST_WGV(2, 3) INST_WGV(3, 3)
 #endif
