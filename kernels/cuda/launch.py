@@ -1584,7 +1584,11 @@ class Launcher:
                             (*wargs, u64(xd), i32(w.k), u64(xp), *oargs), lp.smem))
             if lp.post is not None:
                 total = n * rows
-                out.append(Step(lp.post, (min(-(-total // 256), 4096),), 256,
+                # a thread per four outputs where the sum reads and writes float4 (total a
+                # multiple of 4; the kernel also checks the pointers' alignment, and its
+                # grid-stride loop covers any total either way)
+                per = 4 if total % 4 == 0 else 1
+                out.append(Step(lp.post, (min(-(-total // (256 * per)), 4096),), 256,
                                 (u64(part), u64(y), i32(lp.ks), np.int64(total)),
                                 pdl=self._pdl_launcher() if lp.src in PDL_SRCS else None))
             return out
