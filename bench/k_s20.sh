@@ -3,6 +3,9 @@
 #   1. pytest: the GPU test of the wgmma tile's variants (src 8: the block scale folded into A,
 #      no wait at block boundaries, pf = two wgmma groups in flight; src 9: src 6 with two groups
 #      in flight; tests/kernels/test_cuda_wg_v.py);
+#   1b. sum_ab: the split-K sum q6k_sum_parts (float4, the remainder's loads together) against
+#      session 19's on every K-split AUTO cell's (K slices, outputs) at N = 8..64, same process,
+#      alternated, bits compared (bench/sum_ab.py);
 #   2. n64: --cfg-ab at N = 64 on the six 11-56 MB shapes slower than torch there (session 19's
 #      closing check): AUTO (the table: the K-slice tile) against src 6 / 9 / 8 (pf 0/1) at two
 #      and three warpgroups per CTA, the split model's K split, alternated twice in one process,
@@ -18,6 +21,7 @@ BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
 step pytest 50 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg_v.py
+step sum_ab 30 python3 bench/sum_ab.py --ns 8,16,32,64 --rounds 3 --json "$OUT/sum_ab.json"
 V=""
 for w in 8 12; do
   V+="64:nt=8,src=6,pf=1,warps=$w;64:nt=8,src=9,pf=1,warps=$w;"
@@ -92,6 +96,8 @@ for (shape, n), d in t.items():
     print(shape, n, d["auto"][0], d["auto"][1], "torch", d.get("torch", "-"), "|",
           "  ".join(f"{lab} {us:.1f} {x} {rel}" for us, lab, x, rel in best[:6]))
 PY
+  echo "# sum_ab: shape N ks outputs s19_us now_us s19/now bits"
+  grep -E "^ *[0-9]+x[0-9]+ " "$OUT/sum_ab.log" 2>/dev/null
   echo "# ncu: kernel grid block regs us DRAM% warps/SM issue% smem% hmma% | long_sb short_sb wait barrier nsel math mio lg"
   python3 - "$OUT/ncu.csv" <<'PY'
 import csv, os, sys

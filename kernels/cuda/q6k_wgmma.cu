@@ -134,18 +134,39 @@ __device__ __forceinline__ u32 wg_deq4_r(u32 q, u32 s) {
 }
 
 // The largest |d| of rows g and g + 8 (rr) over the blocks [kb0, kb0 + nblk) of a warp's K
-// slice (V & 2, below): lane t of a quad reads blocks t, t + 4, ..., two rows a trip with both
-// loads in flight, and the quad's maxima meet by two shuffles. 0 when every d is 0.
+// slice (V & 2, below), in two parts so that the loads' latency hides behind other work:
+// wg_dload issues lane t's loads (blocks t and t + 4 of both rows: nblk <= 7 here, a K slice of
+// 64 tokens' activations takes 32 KB of shared memory per block), wg_dmax reduces them (the
+// quad's maxima meet by two shuffles; 0 when every d is 0).
+struct DLoad {
+    u32 h[2][2];  // [row g / g + 8][block t / t + 4], f16 bits (0 past the slice)
+    float more[2];  // blocks t + 8, t + 12, ..: |d| maxima, read at once (not reached under
+                    // the shared-memory bound; kept so that any slice is right)
+};
 template <int SOA>
-__device__ __forceinline__ float2 wg_dmax(const RowRef (&rr)[1][2], int kb0, int nblk, int t) {
-    float m0 = 0.f, m1 = 0.f;
+__device__ __forceinline__ DLoad wg_dload(const RowRef (&rr)[1][2], int kb0, int nblk, int t) {
+    DLoad o;
     const u32 step = SOA ? 2u : 210u;
-    for (int b = t; b < nblk; b += 4) {
-        const u32 h0 = ldg_u16(rr[0][0].base + rr[0][0].d + (u32)(kb0 + b) * step);
-        const u32 h1 = ldg_u16(rr[0][1].base + rr[0][1].d + (u32)(kb0 + b) * step);
-        m0 = fmaxf(m0, fabsf(f16_to_f32(h0)));
-        m1 = fmaxf(m1, fabsf(f16_to_f32(h1)));
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int b = t + 4 * u;
+            o.h[hr][u] = b < nblk ? ldg_u16(rr[0][hr].base + rr[0][hr].d + (u32)(kb0 + b) * step)
+                                  : 0u;
+        }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        o.more[hr] = 0.f;
+        for (int b = t + 8; b < nblk; b += 4)
+            o.more[hr] = fmaxf(o.more[hr], fabsf(f16_to_f32(ldg_u16(
+                rr[0][hr].base + rr[0][hr].d + (u32)(kb0 + b) * step))));
     }
+    return o;
+}
+__device__ __forceinline__ float2 wg_dmax(const DLoad& l) {
+    float m0 = fmaxf(fmaxf(fabsf(f16_to_f32(l.h[0][0])), fabsf(f16_to_f32(l.h[0][1]))), l.more[0]);
+    float m1 = fmaxf(fmaxf(fabsf(f16_to_f32(l.h[1][0])), fabsf(f16_to_f32(l.h[1][1]))), l.more[1]);
 #pragma unroll
     for (int o = 1; o <= 2; o <<= 1) {
         m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, o));
@@ -187,11 +208,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 
     RowRef rr[1][2], rn[1][2];
     Raw nxt[1][2];
-    float2 dmx = make_float2(0.f, 0.f);  // FOLD: this tile's dmax per row (g, g + 8)
+    DLoad dl = {};  // FOLD: the d of this tile's rows over the slice, loads in flight
     if (gt < gtiles) {
         warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
         warp_load<SOA>(nxt, rr, kb0, t);
-        if (FOLD) dmx = wg_dmax<SOA>(rr, kb0, nblk, t);
+        if (FOLD) dl = wg_dload<SOA>(rr, kb0, nblk, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
@@ -212,9 +233,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
         const int wrow = gt * 64 + wq * 16;
         const bool more = gt + gstride < gtiles;
         if (more) warp_rows<SOA>(w, (gt + gstride) * 64 + wq * 16, g, rn);
-        // FOLD: the next tile's dmax, read now (its loads' latency hidden behind this tile)
-        float2 dmx_next = make_float2(0.f, 0.f);
-        if (FOLD && more) dmx_next = wg_dmax<SOA>(rn, kb0, nblk, t);
+        // FOLD: this tile's dmax (loads issued a tile ago, or before the staging), and the next
+        // tile's loads issued now (their latency hidden behind this tile)
+        const float2 dmx = FOLD ? wg_dmax(dl) : make_float2(0.f, 0.f);
+        if (FOLD && more) dl = wg_dload<SOA>(rn, kb0, nblk, t);
         float rinv[2];  // FOLD: 1 / dmax (0 for a row whose blocks all have d = 0)
         rinv[0] = dmx.x > 0.f ? 1.f / dmx.x : 0.f;
         rinv[1] = dmx.y > 0.f ? 1.f / dmx.y : 0.f;
@@ -313,7 +335,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
         if (more) {
             rr[0][0] = rn[0][0];
             rr[0][1] = rn[0][1];
-            dmx = dmx_next;
         }
         ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);
     }
