@@ -701,10 +701,13 @@ def cfg_from_label(label: str) -> Cfg:
 
 
 def ab_cells(files: list[str], table: DispatchTable, gain: float,
-             columns: tuple[str, ...] = ("auto", "f16")) -> tuple[DispatchTable, list[str]]:
+             columns: tuple[str, ...] = ("auto", "f16"),
+             max_rel: float = 1e-4) -> tuple[DispatchTable, list[str]]:
     """--ab-cells: the table with each (shape, N bucket) cell of ``files`` (--cfg-ab JSON of one
     or more runs; a candidate's time is its best over the runs) whose fastest candidate beat
-    AUTO by more than ``gain`` (AUTO / candidate) with AUTO's numerics (rel < 1e-4) set to that
+    AUTO by more than ``gain`` (AUTO / candidate) with AUTO's numerics (rel < ``max_rel``, 1e-4:
+    the same sums up to the order; session 20's src 8 rounds A differently, ~1e-4 to 1e-3 from
+    AUTO within the F16 contract, and enters only with a larger ``max_rel``) set to that
     candidate, in ``columns`` where the cell held AUTO's pick (the launch shape the A/B ran).
     Returns the table and one line per cell (kept or changed)."""
     best: dict[tuple[str, int], dict[str, list[float]]] = {}
@@ -714,7 +717,7 @@ def ab_cells(files: list[str], table: DispatchTable, gain: float,
             results = json.load(fh)["cfg_ab"]
         for r in results:
             key = (r["shape"], int(r["n"]))
-            if r.get("rel") is None or not r["rel"] < 1e-4 or r["n"] not in BUCKETS:
+            if r.get("rel") is None or not r["rel"] < max_rel or r["n"] not in BUCKETS:
                 continue
             best.setdefault(key, {}).setdefault(r["cand"], []).append(r["cand_us"])
             auto.setdefault(key, (r["auto"], []))[1].append(r["auto_us"])
@@ -793,12 +796,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="no device: set the table cells (auto, f16) of these --cfg-ab results "
                     "whose best candidate beat AUTO by more than --gain, into --table-out")
     ap.add_argument("--gain", type=float, default=1.01, help="--ab-cells: AUTO/candidate above")
+    ap.add_argument("--ab-rel", type=float, default=1e-4,
+                    help="--ab-cells: a candidate's |y - y_AUTO| / |y_AUTO| below this")
     ap.add_argument("--note", default="", help="--ab-cells: appended to the table's note")
     a = ap.parse_args(argv)
     if a.ab_cells:
         from q6serve.kernels.cuda.dispatch import DEFAULT_TABLE
 
-        table, lines = ab_cells(a.ab_cells.split(","), DispatchTable.load(DEFAULT_TABLE), a.gain)
+        table, lines = ab_cells(a.ab_cells.split(","), DispatchTable.load(DEFAULT_TABLE), a.gain,
+                                max_rel=a.ab_rel)
         if a.note:
             table.meta["note"] = table.meta.get("note", "") + "; " + a.note
         table.dump(a.table_out)

@@ -24,7 +24,8 @@ def label(rows: int, k: int, n: int, column: str = "auto") -> str:
     return f"{e.path}.{e.cfg.label()}"
 
 
-def run(tmp: Path, *runs: list[dict], gain: str = "1.01") -> tuple[DispatchTable, str]:
+def run(tmp: Path, *runs: list[dict], gain: str = "1.01",
+        more: tuple[str, ...] = ()) -> tuple[DispatchTable, str]:
     files = []
     for i, rows in enumerate(runs):
         f = tmp / f"ab{i}.json"
@@ -32,7 +33,8 @@ def run(tmp: Path, *runs: list[dict], gain: str = "1.01") -> tuple[DispatchTable
         files.append(str(f))
     out = tmp / "table.json"
     done = subprocess.run([sys.executable, "bench/kernels.py", "--ab-cells", ",".join(files),
-                           "--gain", gain, "--table-out", str(out), "--note", "test cells"],
+                           "--gain", gain, "--table-out", str(out), "--note", "test cells",
+                           *more],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return DispatchTable.load(out), done.stdout
@@ -80,3 +82,16 @@ def test_below_the_gain_nothing_changes(tmp_path):
                      gain="1.05")
     assert table.cells == load_default_table().cells
     assert "kept" in out
+
+
+def test_other_numerics_enter_only_below_ab_rel(tmp_path):
+    """A candidate whose y differs from AUTO's by more than the default 1e-4 (session 20's src 8
+    rounds A otherwise) is ignored, and taken with --ab-rel above its difference."""
+    a64 = label(4096, 14336, 64)
+    rows = [ab_row("4096x14336", 64, a64, 39.5, "nt8.m1.w12.s8.pf", 35.0, rel=4e-4)]
+    table, out = run(tmp_path, rows)
+    assert table.cells[(4096, 14336)][(64, "auto")] == load_default_table().cells[
+        (4096, 14336)][(64, "auto")]
+    table, out = run(tmp_path, rows, more=("--ab-rel", "1e-3"))
+    e = table.cells[(4096, 14336)][(64, "auto")]
+    assert e.cfg == Cfg(nt=8, warps=12, src=8, pf=True) and e.us == 35.0, out
