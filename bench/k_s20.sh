@@ -6,6 +6,7 @@
 #   1b. sum_ab: the split-K sum q6k_sum_parts (float4, the remainder's loads together) against
 #      session 19's on every K-split AUTO cell's (K slices, outputs) at N = 8..64, same process,
 #      alternated, bits compared (bench/sum_ab.py);
+#   1c. pytest_ks: the K-slice tile's GPU test (the sum kernel behind every K split);
 #   2. n64: --cfg-ab at N = 64 on the six 11-56 MB shapes slower than torch there (session 19's
 #      closing check): AUTO (the table: the K-slice tile) against src 6 / 9 / 8 (pf 0/1) at two
 #      and three warpgroups per CTA, the split model's K split, alternated twice in one process,
@@ -19,22 +20,26 @@ source bench/gpu_lib.sh
 gpu_session /tmp/ks20${PHASE:-}
 BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
-step pytest 50 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+step pytest 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg_v.py
-step sum_ab 30 python3 bench/sum_ab.py --ns 8,16,32,64 --rounds 3 --json "$OUT/sum_ab.json"
+step sum_ab 25 python3 bench/sum_ab.py --ns 8,16,32,64 --rounds 3 --json "$OUT/sum_ab.json"
 V=""
 for w in 8 12; do
   V+="64:nt=8,src=6,pf=1,warps=$w;64:nt=8,src=9,pf=1,warps=$w;"
   V+="64:nt=8,src=8,pf=0,warps=$w;64:nt=8,src=8,pf=1,warps=$w;"
 done
-step n64 60 python3 bench/kernels.py --cfg-ab "$V" --rounds 2 --iters 30 \
+# the K-slice tile's GPU test (its split-K sums through q6k_sum_parts: vector and scalar totals,
+# PDL, the graph)
+step pytest_ks 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+  tests/kernels/test_cuda_ks.py
+step n64 55 python3 bench/kernels.py --cfg-ab "$V" --rounds 2 --iters 30 \
   --shapes 4096x14336,14336x4096,18944x3584,3584x18944,3584x3584,4096x4096 --json "$OUT/n64.json"
 L=""
 for k in 3 0; do
   L+="64:nt=8,src=9,pf=1,warps=12,ksplit=$k;64:nt=8,src=8,pf=0,warps=12,ksplit=$k;"
   L+="64:nt=8,src=8,pf=1,warps=12,ksplit=$k;"
 done
-step lmhead 25 python3 bench/kernels.py --cfg-ab "$L" --rounds 2 --iters 20 \
+step lmhead 20 python3 bench/kernels.py --cfg-ab "$L" --rounds 2 --iters 20 \
   --shapes 152064x3584 --json "$OUT/lmhead.json"
 if command -v ncu >/dev/null; then
   M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
@@ -47,7 +52,7 @@ if command -v ncu >/dev/null; then
       mio_throttle lg_throttle; do
     M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
   done
-  step ncu 30 ncu --clock-control none --metrics "$M" \
+  step ncu 25 ncu --clock-control none --metrics "$M" \
     -k "regex:q6k_(ks|wg)_f16|q6k_sum_parts" -o "$OUT/ncu" -f python3 bench/tile_probe.py \
     --profile --no-torch --profile-cfgs \
     "64:nt=8,src=6,pf=1,warps=12;64:nt=8,src=9,pf=1,warps=12;64:nt=8,src=8,pf=1,warps=12" \
