@@ -48,6 +48,9 @@ extern "C" __global__ void __launch_bounds__(256) sum_parts_s19(const float* par
 
 def cells(be, shapes: list[tuple[int, int]], ns: list[int]) -> list[tuple[str, int, int, int]]:
     """(shape, N, K slices, outputs) of every AUTO cell whose plan has a split-K sum."""
+    jobs = [(rows, k, n, ch.cfg, ch.path, "InF16") for rows, k in shapes for n in ns
+            for ch in [be.choose(n, Precision.AUTO, KernelFlags(soa=True), rows, k)]]
+    _bk.prefetch_auto(be, jobs, Layout.SOA)  # the plans' tiles compiled in parallel first
     out = []
     for rows, k in shapes:
         for n in ns:
