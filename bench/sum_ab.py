@@ -55,7 +55,7 @@ def cells(be, shapes: list[tuple[int, int]], ns: list[int]) -> list[tuple[str, i
     for rows, k in shapes:
         for n in ns:
             ch = be.choose(n, Precision.AUTO, KernelFlags(soa=True), rows, k)
-            if ch.cfg is None:
+            if ch.cfg is None or ch.path != "mma_f16":
                 continue
             lp = be.launcher.plan(rows, k, Layout.SOA, "InF16", ch.path, ch.cfg, n,
                                   be.storage.pairs)
