@@ -20,6 +20,40 @@ source bench/gpu_lib.sh
 gpu_session /tmp/ks20${PHASE:-}
 BOUND=${BOUND:-196}
 note "# setup done $(elapsed)"
+if [[ ${PHASE:-a} == b ]]; then
+  # bundle B (bound 100): (1) the variants' GPU test with bundle A's two test errors fixed (K
+  # splits whose slice fits a CTA); (2) the K-slice tile's GPU test and (3) sum_ab with the
+  # float4 sum only from SUM_VEC_MIN = 2^18 outputs (below it session 19's loop, bundle A:
+  # the quarter-size grid lost 3-15% there); (4) every table shape's launch (pair vs SoA bits,
+  # the reference) with the src 8 cells; (5) tableab: the src 8 cells against main's table,
+  # alternated twice in one process; (6) the lm-head 128256x4096 N=64 (AUTO src 6) and the two
+  # tall shapes' N=64 against src 8 at forced K splits
+  step pytest 35 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+    tests/kernels/test_cuda_wg_v.py
+  step pytest_ks 20 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+    tests/kernels/test_cuda_ks.py
+  step sum_ab 15 python3 bench/sum_ab.py --ns 8,16,64 --rounds 2 \
+    --shapes 1024x4096,4096x4096,4096x14336,18944x3584,152064x3584 --json "$OUT/sum_ab.json"
+  step pytest_tables 25 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    -o faulthandler_timeout=60 "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
+  step tableab 15 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_f0a209e.json \
+    --columns auto --iters 30 --shapes 4096x14336,3584x18944,152064x3584 --ns 64 --json "$OUT/tableab.json"
+  L="64:nt=8,src=8,pf=1,warps=12;64:nt=8,src=8,pf=1,warps=12,ksplit=2;"
+  L+="64:nt=8,src=8,pf=1,warps=12,ksplit=3;64:nt=8,src=8,pf=1,warps=12,ksplit=4;"
+  step more64 15 python3 bench/kernels.py --cfg-ab "$L" --rounds 2 --iters 20 \
+    --shapes 128256x4096,14336x4096,18944x3584 --json "$OUT/more64.json"
+  {
+    echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# tableab: shape N column old new us ratio"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" 2>/dev/null
+    echo "# more64 (cfg-ab): shape N AUTO us | cand us AUTO/cand rel torch"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/more64.log" 2>/dev/null
+    echo "# sum_ab: shape N ks outputs s19_us now_us s19/now bits"
+    grep -E "^ *[0-9]+x[0-9]+ " "$OUT/sum_ab.log" 2>/dev/null
+  } | table
+  exit 0
+fi
 step pytest 45 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg_v.py
 step sum_ab 25 python3 bench/sum_ab.py --ns 8,16,32,64 --rounds 3 --json "$OUT/sum_ab.json"

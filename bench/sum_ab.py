@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as _bk
 from q6serve.kernels.api import KernelFlags, Layout, Precision
-from q6serve.kernels.cuda.launch import MATMUL_FILE
+from q6serve.kernels.cuda.launch import MATMUL_FILE, SUM_VEC_MIN
 
 # Session 19's q6k_sum_parts (main 5c10af8), verbatim but for the PDL wait written out.
 OLD_SRC = r"""
@@ -90,7 +90,8 @@ def main() -> int:
             part = cp.asarray(rng.standard_normal(ks * total, dtype=np.float32))
             ys = {"old": cp.empty(total, np.float32), "new": cp.empty(total, np.float32)}
             grids = {"old": (min(-(-total // 256), 4096),),
-                     "new": (min(-(-total // (256 * (4 if total % 4 == 0 else 1))), 4096),)}
+                     "new": (min(-(-total // (256 * (4 if total >= SUM_VEC_MIN and total % 4 == 0
+                                                     else 1))), 4096),)}
             fns = {"old": old, "new": new}
             args = {k: (part, ys[k], np.int32(ks), np.int64(total)) for k in ys}
             for k in ys:

@@ -253,6 +253,10 @@ Y_CHUNK_SRCS = (4, 5)
 # ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
 # bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
 PDL_SRCS = (4, 5)
+# q6k_sum_parts' SUM_VEC_MIN (q6k_matmul.cu, the same figure): from this many outputs on the
+# sum adds four per thread (H200, session 20, bench/sum_ab.py: 1.02-1.53x there; below it the
+# quarter-size grid ran 0.85-0.97x, so one float per thread as before)
+SUM_VEC_MIN = 1 << 18
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -1584,10 +1588,9 @@ class Launcher:
                             (*wargs, u64(xd), i32(w.k), u64(xp), *oargs), lp.smem))
             if lp.post is not None:
                 total = n * rows
-                # a thread per four outputs where the sum reads and writes float4 (total a
-                # multiple of 4; the kernel also checks the pointers' alignment, and its
-                # grid-stride loop covers any total either way)
-                per = 4 if total % 4 == 0 else 1
+                # a thread per four outputs where the sum reads and writes float4 (the kernel
+                # also checks the pointers' alignment; its grid-stride loop covers any total)
+                per = 4 if total >= SUM_VEC_MIN and total % 4 == 0 else 1
                 out.append(Step(lp.post, (min(-(-total // (256 * per)), 4096),), 256,
                                 (u64(part), u64(y), i32(lp.ks), np.int64(total)),
                                 pdl=self._pdl_launcher() if lp.src in PDL_SRCS else None))

@@ -400,70 +400,68 @@ __device__ __forceinline__ void ks_emit(const Out& o, int rows, int wrow, int to
 }
 
 // Split-K epilogue of the K-slice tiles: y[i] = part[0][i] + ... + part[ks-1][i] in slice order
-// (results never depend on timing), i < total = n_tok * rows. Session 20: four outputs per
-// thread (16-byte loads and store) where total and both pointers allow it, and every slice's
-// load of a group of four (the remainder's too) issued before its adds: the same adds in the
-// same order per output as the scalar loop (four slices' loads in flight, the remainder one
-// dependent load at a time), so the same bits, with 4x the bytes per load and fewer L2 round
-// trips in a row (the grid, Launcher.steps, has a thread per four outputs then).
-template <class V>
-__device__ __forceinline__ void sum_add(V& s, const V& v);
-template <>
-__device__ __forceinline__ void sum_add<float>(float& s, const float& v) { s += v; }
-template <>
-__device__ __forceinline__ void sum_add<float4>(float4& s, const float4& v) {
+// (results never depend on timing), i < total = n_tok * rows; four slices' loads in flight
+// before they are added. Session 20: from SUM_VEC_MIN outputs on (total a multiple of 4, both
+// pointers 16-byte aligned), four outputs per thread (16-byte loads and store) and the
+// remainder's slices (ks mod 4) loaded together before they are added: the same adds in the
+// same order per output, so the same bits (bench/sum_ab.py on the H200: 1.02-1.53x on the cells
+// of >= 151552 outputs, 0.85-0.97x on the small ones, which therefore keep one float per thread;
+// Launcher.steps sizes the grid alike, launch.SUM_VEC_MIN).
+constexpr long long SUM_VEC_MIN = 1 << 18;
+__device__ __forceinline__ void add4(float4& s, const float4& v) {
     s.x += v.x;
     s.y += v.y;
     s.z += v.z;
     s.w += v.w;
 }
-template <class V>
-__device__ __forceinline__ V sum_zero();
-template <>
-__device__ __forceinline__ float sum_zero<float>() { return 0.f; }
-template <>
-__device__ __forceinline__ float4 sum_zero<float4>() { return make_float4(0.f, 0.f, 0.f, 0.f); }
-template <class V>
-__device__ __forceinline__ void sum_slices(const V* part, V* y, int ks, long long total) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        const V* p = part + i;
-        V s = sum_zero<V>();
-        int k = 0;
-        for (; k + 4 <= ks; k += 4) {
-            const V v0 = p[k * total], v1 = p[(k + 1) * total];
-            const V v2 = p[(k + 2) * total], v3 = p[(k + 3) * total];
-            sum_add(s, v0);
-            sum_add(s, v1);
-            sum_add(s, v2);
-            sum_add(s, v3);
-        }
-        const int r = ks - k;  // 0..3: loaded together, added in order
-        V v0, v1, v2;
-        if (r > 0) v0 = p[k * total];
-        if (r > 1) v1 = p[(k + 1) * total];
-        if (r > 2) v2 = p[(k + 2) * total];
-        if (r > 0) sum_add(s, v0);
-        if (r > 1) sum_add(s, v1);
-        if (r > 2) sum_add(s, v2);
-        y[i] = s;
-    }
-}
-// The grid's thread count: one per four outputs when sum_parts_vec (Launcher.steps asks the
-// same of total and the buffers' alignment; a thread past the end does nothing).
-__device__ __forceinline__ bool sum_parts_vec(const float* part, const float* y,
-                                              long long total) {
-    return (total & 3) == 0 && ((reinterpret_cast<size_t>(part) |
-                                 reinterpret_cast<size_t>(y)) & 15) == 0;
-}
 extern "C" __global__ void __launch_bounds__(256) q6k_sum_parts(const float* part, float* y,
                                                                  int ks, long long total) {
     pdl_wait();  // launched with PDL (Launcher.pdl): the tile's partials are complete past this
-    if (sum_parts_vec(part, y, total))
-        sum_slices<float4>(reinterpret_cast<const float4*>(part), reinterpret_cast<float4*>(y),
-                           ks, total >> 2);
-    else
-        sum_slices<float>(part, y, ks, total);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long i0 = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (total >= SUM_VEC_MIN && (total & 3) == 0 &&
+        ((reinterpret_cast<size_t>(part) | reinterpret_cast<size_t>(y)) & 15) == 0) {
+        const long long t4 = total >> 2;
+        const float4* part4 = reinterpret_cast<const float4*>(part);
+        for (long long i = i0; i < t4; i += stride) {
+            const float4* p = part4 + i;
+            float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+            int k = 0;
+            for (; k + 4 <= ks; k += 4) {
+                const float4 v0 = p[k * t4], v1 = p[(k + 1) * t4];
+                const float4 v2 = p[(k + 2) * t4], v3 = p[(k + 3) * t4];
+                add4(s, v0);
+                add4(s, v1);
+                add4(s, v2);
+                add4(s, v3);
+            }
+            const int r = ks - k;  // 0..3: loaded together, added in order
+            float4 v0 = s, v1 = s, v2 = s;
+            if (r > 0) v0 = p[k * t4];
+            if (r > 1) v1 = p[(k + 1) * t4];
+            if (r > 2) v2 = p[(k + 2) * t4];
+            if (r > 0) add4(s, v0);
+            if (r > 1) add4(s, v1);
+            if (r > 2) add4(s, v2);
+            reinterpret_cast<float4*>(y)[i] = s;
+        }
+        return;
+    }
+    for (long long i = i0; i < total; i += stride) {  // session 19's loop
+        const float* p = part + i;
+        float s = 0.f;
+        int k = 0;
+        for (; k + 4 <= ks; k += 4) {
+            const float v0 = p[k * total], v1 = p[(k + 1) * total];
+            const float v2 = p[(k + 2) * total], v3 = p[(k + 3) * total];
+            s += v0;
+            s += v1;
+            s += v2;
+            s += v3;
+        }
+        for (; k < ks; ++k) s += p[k * total];
+        y[i] = s;
+    }
 }
 
 // Thread-block clusters (sm_90+): the barrier of all the cluster's threads, and a float2 from
