@@ -142,31 +142,11 @@ def stream_request_id(raw: bytes) -> str:
     """A MatmulStreamResponse's request_id (its last field 1: a stamped reply's is appended)
     from its top-level fields alone, for a reply the client decoded (its MatmulOutput has the
     result's request_id, not the stream reply's)."""
-    i, got = 0, b""
-    while i < len(raw):
-        tag, i = _varint(raw, i)
-        wt = tag & 7
-        if wt == 2:
-            n, i = _varint(raw, i)
-            if tag >> 3 == 1:
-                got = raw[i:i + n]
-            i += n
-        elif wt == 0:
-            _, i = _varint(raw, i)
-        else:
-            i += 8 if wt == 1 else 4
-    return got.decode(errors="replace")
+    from q6serve.service.rawmsg import fields
 
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    x, shift = 0, 0
-    while True:
-        c = b[i]
-        i += 1
-        x |= (c & 0x7F) << shift
-        if c < 0x80:
-            return x, i
-        shift += 7
+    buf = memoryview(raw)
+    ids = [buf[v0:v1] for num, wt, _, v0, v1 in fields(buf, 0, len(raw)) if num == 1 and wt == 2]
+    return bytes(ids[-1]).decode(errors="replace") if ids else ""
 
 
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:

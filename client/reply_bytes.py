@@ -16,7 +16,9 @@ reply's bytes at its field's place. The arrays are read-only views of the reply 
 walk does not expect (a message field twice where it is not repeated, a group, a length past
 the end) is parsed whole by upb instead, which raises what it always raised for a bad one.
 Replies under :data:`VIEW_MIN` bytes are parsed whole too: there the walk in Python costs more
-than the copies it saves.
+than the copies it saves. The varint helpers are this module's own: the worker's walker of
+requests (``service/rawmsg.py``) sits below the client library's layer, which never imports
+the service (DESIGN.md; tests/client/test_layers.py).
 """
 
 from __future__ import annotations
