@@ -68,6 +68,23 @@ def random_weight(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return blocks
 
 
+def extreme_scale_weight(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """:func:`random_weight` with the block scales a tile must survive: d = 0 blocks (15%),
+    f16-subnormal d (10%), d = 40 beside d ~ 1e-3 in the same rows (10%), and sub-block scale
+    bytes -128 and 127 (10% each)."""
+    blocks = random_weight(rng, rows, k)
+    n = blocks.shape[0]
+    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
+    d[rng.random(n) < 0.15] = 0
+    d[rng.random(n) < 0.1] = np.float16(3e-7)  # f16 subnormal
+    d[rng.random(n) < 0.1] = np.float16(40.0)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
+    sc = blocks[:, 192:208].view(np.int8)
+    sc[rng.random(sc.shape) < 0.1] = -128
+    sc[rng.random(sc.shape) < 0.1] = 127
+    return blocks
+
+
 def rel_fro(a: np.ndarray, b: np.ndarray) -> float:
     a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a64 - b64) / max(np.linalg.norm(b64), 1e-300))

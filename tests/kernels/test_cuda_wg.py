@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cuda_backend import _gpu_count, load, random_weight, rel_fro
+from test_cuda_backend import _gpu_count, extreme_scale_weight, load, random_weight, rel_fro
 from test_cuda_ks import (  # one call with NaN-poisoned outputs and partials, the sweeps
     _check,
     _run,
@@ -63,16 +63,7 @@ def test_zero_and_extreme_block_scales(be, rng):
     """d = 0 blocks (masked), tiny and large d, scale bytes -128 and 127: the accumulators
     are rescaled by d_prev / d between blocks while the tensor cores run."""
     rows, k = 200, 4096
-    blocks = random_weight(rng, rows, k)
-    n = blocks.shape[0]
-    d = (rng.standard_normal(n) * 1e-3).astype(np.float16)
-    d[rng.random(n) < 0.15] = 0
-    d[rng.random(n) < 0.1] = np.float16(3e-7)  # f16 subnormal
-    d[rng.random(n) < 0.1] = np.float16(40.0)
-    blocks[:, 208:210] = d.view(np.uint8).reshape(n, 2)
-    sc = blocks[:, 192:208].view(np.int8)
-    sc[rng.random(sc.shape) < 0.1] = -128
-    sc[rng.random(sc.shape) < 0.1] = 127
+    blocks = extreme_scale_weight(rng, rows, k)
     ws = load(be, blocks, rows, k, Layout.SOA)
     wa = load(be, blocks, rows, k, Layout.AOS)
     x = rng.standard_normal((64, k)).astype(np.float16)
