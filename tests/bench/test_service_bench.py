@@ -86,9 +86,10 @@ def test_tiny_model_replay(tmp_path: Path) -> None:
 
 def test_replay_stamped_per_role_and_host_spin(tmp_path: Path) -> None:
     """--replay with the worker's replies stamped (bench/reply_stamps.py through
-    bench/trips_site, as bench/gpu_t1_s17a.sh runs it) and two host spins: one row per spin,
-    each with its floors (plain and busy-polling echo) and the per-call p50s of every role of
-    the step, the transport split into a way up and a way down that add up to at most it."""
+    bench/trips_site, as session 17's bench/gpu_t1_s17a.sh ran it) and two host spins: one row
+    per spin, each with its floors (plain and busy-polling echo) and the per-call p50s of every
+    role of the step, the transport split into a way up and a way down that add up to at most
+    it."""
     import os
 
     out = tmp_path / "replay.json"
