@@ -676,29 +676,20 @@ class _DeviceStats:
         transport = conn.transport
         assert transport is not None
         write = transport.write
-        pc = time.perf_counter
 
         def counted_received(data: bytes) -> None:
             c["socket_reads"] += 1
             c["socket_read_bytes"] += len(data)
-            t = pc()
-            try:
-                received(data)
-            finally:
-                c["st_read_s"] += pc() - t
-                c["st_read_n"] += 1
+            received(data)
 
         def counted_write(data: Any) -> None:
             c["socket_writes"] += 1
-            t = pc()
-            try:
-                write(data)
-            finally:
-                c["st_write_s"] += pc() - t
-                c["st_write_n"] += 1
+            write(data)
 
         conn.data_received = counted_received  # type: ignore[method-assign]
         transport.write = counted_write  # type: ignore[method-assign]
+        self._timed(conn, "data_received", "read")
+        self._timed(transport, "write", "write")
         if conn.out is not None:  # its answers' writes, scheduled or at a trip's end
             self._timed(conn.out, "flush", "out_flush")
 
