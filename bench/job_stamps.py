@@ -212,6 +212,13 @@ PARTS = (("pre", "j0", "l0"), ("launch", "l0", "l1"), ("x_in", "l0", "g0"),
          ("after", "w1", "j1"), ("job", "j0", "j1"))
 
 
+def span_medians(rows: list[dict[str, Any]],
+                 spans: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
+    """Per (name, start stamp, end stamp) of ``spans``: the median over ``rows`` of end -
+    start, in us."""
+    return {name: statistics.median((r[b] - r[a]) * 1e6 for r in rows) for name, a, b in spans}
+
+
 def parts(rows: list[dict[str, Any]], skip: float = 0.2) -> dict[str, Any]:
     """Medians (us) of each part over the rows (the first ``skip`` of them left out: warm-up,
     first calls' binding and capture), and the share of waits whose event was done at w0."""
@@ -220,9 +227,7 @@ def parts(rows: list[dict[str, Any]], skip: float = 0.2) -> dict[str, Any]:
     full = full[int(len(full) * skip):]
     if not full:
         return {"n": 0}
-    out: dict[str, Any] = {"n": len(full)}
-    for name, a, b in PARTS:
-        out[name] = statistics.median((r[b] - r[a]) * 1e6 for r in full)
+    out: dict[str, Any] = {"n": len(full), **span_medians(full, PARTS)}
     ks = [r["kernel"] * 1e6 for r in full if r.get("kernel") is not None]
     out["kernel"] = statistics.median(ks) if ks else None
     bey = [(r["j1"] - r["j0"] - r["kernel"]) * 1e6 for r in full if r.get("kernel") is not None]
@@ -244,9 +249,7 @@ def handler_parts(rows: list[dict[str, Any]], skip: float = 0.2) -> dict[str, An
     rows = rows[int(len(rows) * skip):]
     if not rows:
         return {"n": 0}
-    out: dict[str, Any] = {"n": len(rows)}
-    for name, a, b in HANDLER:
-        out[name] = statistics.median((r[b] - r[a]) * 1e6 for r in rows)
+    out: dict[str, Any] = {"n": len(rows), **span_medians(rows, HANDLER)}
     bey = [(r["e1"] - r["start"] - r["kernel"]) * 1e6 for r in rows if r["kernel"] is not None]
     out["beyond"] = statistics.median(bey) if bey else None
     out["job_beyond"] = statistics.median(
