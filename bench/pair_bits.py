@@ -27,7 +27,7 @@ SHAPES = {"nt2.w12": Cfg(nt=2, src=4, pf=True, warps=12),
           "nt2.w16": Cfg(nt=2, src=4, pf=True, warps=16),
           "nt2.w8": Cfg(nt=2, src=4, pf=True),
           "nt1.w16": Cfg(nt=1, src=4, pf=True, warps=16),
-          "wg.nt8.w12": Cfg(nt=8, src=6, pf=True, warps=12)}
+          "wg.nt8.w12": Cfg(nt=8, src=8, pf=True, warps=12)}
 CELLS = ("152064x3584:16:nt2.w12,152064x3584:16:nt2.w16,18944x3584:16:nt2.w12,"
          "128256x4096:16:nt2.w12,152064x3584:64:wg.nt8.w12")
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         shape, n_s, name = cell.split(":")
         rows, k = map(int, shape.split("x"))
         n, cfg = int(n_s), SHAPES[name]
-        if cfg.src == 6 and be.cc != "90":
+        if cfg.src == 8 and be.cc != "90":
             continue
         if shape not in loaded:
             for w in (loaded.popitem()[1] if loaded else ()):

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--no-wg", action="store_true", help="leave out the wgmma tile (src 6)")
+    ap.add_argument("--no-wg", action="store_true", help="leave out the wgmma tile (src 8)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="per shape and N: AUTO with the split-K sum launched plainly and with "
                          "PDL (Launcher.pdl), interleaved off/on/off/on, bits compared; no tiles")
@@ -258,7 +258,7 @@ def ks_cfgs(n: int) -> list[Cfg]:
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
     ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
     return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring
-            + ([Cfg(nt=nt, src=6, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
+            + ([Cfg(nt=nt, src=8, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
                if WG and nt == 8 else []))  # (the wgmma tile has 8 n-tiles only)
 
 
@@ -376,7 +376,7 @@ def rp_list(be, n: int, rows: int, k: int) -> list[Cfg]:
             ch.cfg.src == 4 or WG):
         out.append(ch.cfg)
     if WG and out[0].nt == 8:
-        out.append(Cfg(nt=8, src=6, pf=True, warps=12))
+        out.append(Cfg(nt=8, src=8, pf=True, warps=12))
     return list(dict.fromkeys(out))
 
 

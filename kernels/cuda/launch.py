@@ -129,7 +129,7 @@ from .loader import arch_specific
 from .storage import CudaWeight
 
 MATMUL_FILE = "q6k_matmul.cu"
-WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 6), built for sm_90a on compute capability 9.0
+WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 8), built for sm_90a on compute capability 9.0
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
 KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
@@ -239,11 +239,10 @@ X_SPLIT_Y_MIN = 3 << 20  # 3 MiB
 X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
-X_SPLIT_SRCS = (4, 5, 6, 8, 9)
-# The wgmma tile's sources: src 6, and session 20's variants of it (src 8: the block scale folded
-# into A, no wait at block boundaries, pf = two wgmma groups in flight; src 9: src 6 with two
-# groups in flight), kernels/cuda/q6k_wgmma.cu's V.
-WG_SRCS = (6, 8, 9)
+X_SPLIT_SRCS = (4, 5, 8)
+# The wgmma tile's source: src 8 (kernels/cuda/q6k_wgmma.cu; session 21 removed src 6 and 9,
+# which no table cell picked).
+WG_SRCS = (8,)
 # The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
 # the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
 # (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
@@ -303,11 +302,8 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
                 f"{cfg.ksplit}>")
     if path == "mma_f16" and cfg.src == 5:
         return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
-    if path == "mma_f16" and cfg.src == 6:
+    if path == "mma_f16" and cfg.src == 8:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
-    if path == "mma_f16" and cfg.src in (8, 9):  # the wgmma tile's variants V (q6k_wgmma.cu)
-        v = 1 if cfg.src == 9 else 2 | int(cfg.pf)
-        return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}, {v}>"
     if path == "mma_f16":
         t_in = "InF16" if cfg.src == 3 else in_t  # it reads only the prepass
         return f"q6k_mma_f16<{cfg.nt}, {cfg.mt}, {lay}, {cfg.src}, {t_in}, {pf}>"
@@ -1528,7 +1524,7 @@ class Launcher:
         fn = self.ctx.fn(file, kernel_name(path, run_cfg, 2 if pairs else layout is Layout.SOA,
                                            in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 6, 7, 8, 9)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 7, 8)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
             if cfg.src == 7 and ks != cfg.ksplit:  # the cluster is the grid's ksplit slices

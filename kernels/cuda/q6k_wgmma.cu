@@ -1,21 +1,23 @@
-// Hopper warpgroup tile (issue 16, N = 9..64; mma_f16 src 6): the K-slice schedule of
+// Hopper warpgroup tile (issue 16, N = 33..64; mma_f16 src 8): the K-slice schedule of
 // q6k_ks_f16 with `wgmma.mma_async` (sm_90a only) instead of mma.sync.
 //
 // A warpgroup (4 warps) owns a 64-row tile; warp q of it decodes rows 16q + g and 16q + g + 8
-// exactly as q6k_ks_f16 does (load_raw, quad_q, deq2: A = f16(sc*(q-32)) in the register
-// fragment of mma.m16n8k16, which is also wgmma's m64nNk16 A fragment for warp q's 16 rows).
-// B (the activations) is read by the tensor cores from shared memory through a matrix
-// descriptor: the CTA stages its K slice once, per k16 step a K-major N x 16 f16 tile in the
-// no-swizzle core-matrix layout ([8-token group][k half][8 tokens][8 f16], LBO 128 bytes
-// between the k halves, SBO 256 bytes between token groups), whose k-slot c holds the
-// activation of the quad-order element the A fragment puts in slot c (so, as in every f16
-// tile, neither weights nor activations need a permutation beyond the staging's). One wgmma
-// per k16 step replaces NT mma.sync and NT/2 16-byte shared loads per warp, and it is
-// asynchronous: the decode of step s+1 runs while step s is in the tensor cores (one group
-// in flight, wgmma.wait_group 1, which also bounds the A registers kept live to two steps).
-// The block scale d is applied as in q6k_mma_f16 (acc *= d_prev / d before each block, one
-// wait for the block's wgmmas first; a zero d masks the block), split-K partial sums and
-// q6k_sum_parts as in q6k_ks_f16, whose launch plan (grid, K slices) this tile shares.
+// (load_raw, quad_q / pair_field) into the register fragment of mma.m16n8k16, which is also
+// wgmma's m64nNk16 A fragment for warp q's 16 rows. B (the activations) is read by the tensor
+// cores from shared memory through a matrix descriptor: the CTA stages its K slice once, per
+// k16 step a K-major N x 16 f16 tile in the no-swizzle core-matrix layout ([8-token group][k
+// half][8 tokens][8 f16], LBO 128 bytes between the k halves, SBO 256 bytes between token
+// groups), whose k-slot c holds the activation of the quad-order element the A fragment puts in
+// slot c (so, as in every f16 tile, neither weights nor activations need a permutation beyond
+// the staging's). One wgmma per k16 step replaces NT mma.sync and NT/2 16-byte shared loads per
+// warp, and it is asynchronous: the decode of steps s+1, s+2 runs while steps s-1, s are in the
+// tensor cores (two groups in flight, wgmma.wait_group 2: three steps' A registers live).
+// The block scale d is folded into A (below), so nothing waits at block boundaries; split-K
+// partial sums and q6k_sum_parts as in q6k_ks_f16, whose launch plan (grid, K slices) this tile
+// shares. Session 21 removed the forms the dispatch never picked (git history before main's
+// session-21 commits, and docs/KERNELS.md "Session 20" for their figures): src 6 (acc *=
+// d_prev / d before each block: a drain of the wgmma chain every 16 steps; one group in
+// flight), src 9 (src 6 with two groups) and src 8 with one group.
 // The loader compiles this file for sm_90a on compute capability 9.0 (kernels/cuda/loader.py);
 // anywhere else the kernel body is a trap and the plan refuses the launch.
 #ifdef Q6SERVE_NVCC_CHECK  // q6k_matmul.cu's own instantiations are checked in its own build
@@ -117,24 +119,32 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
     }
 }
 
-// The block scale folded into A (V & 2): A = f16((4q - 128) * s), s = f16(sc * f16(r)), the
-// same value in every layout (SoA, AoS and pair-stream twins stay bit-identical; 4q - 128 is
-// exact, |A| <= 128 * 128). Pair streams: field bits v -> 1024 + 4q (deq2p's LOP3) - 1152.
-__device__ __forceinline__ u32 wg_deq_r(u32 v, u32 s, u32 magic) {
-    u32 r;
-    asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;" : "=r"(r) : "r"(v), "r"(magic));
-    asm("add.rn.f16x2 %0, %0, %1;" : "+r"(r) : "r"(0xE480E480u));
-    return hmul2(r, s);
-}
-// SoA / AoS: codes q (one per byte) -> 1024 + q (deq2's PRMT), * 4 - 4224 (exact: multiples of 4
-// below 8192).
-template <u32 SEL>
-__device__ __forceinline__ u32 wg_deq4_r(u32 q, u32 s) {
-    return hmul2(hfma2(__byte_perm(q, kDeqMagic, SEL), 0x44004400u, 0xEC20EC20u), s);
+// One row's two A registers of k16 step (sub-block hn, j) with the block scale folded in:
+// A = f16((4q - 128) * s), s = f16(sc * f16(r)) (the kernel's comment), the same value in every
+// layout, so SoA, AoS and pair-stream twins stay bit-identical (4q - 128 is exact, |A| <= 128 *
+// 128). Pair streams: fields 2j and 2j + 1, bits v -> 1024 + 4q (deq2p's LOP3) - 1152. SoA /
+// AoS: the quad's codes q (one per byte) -> 1024 + q (deq2's PRMT), * 4 - 4224 (exact:
+// multiples of 4 below 8192); its bytes 0-1 and 2-3 are the two registers.
+template <int SOA>
+__device__ __forceinline__ uint2 wg_deq(const Raw& raw, int hn, int j, int qsh, u32 s) {
+    if (SOA == 2) {
+        uint2 r;
+        asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;"
+            : "=r"(r.x) : "r"(pair_field(raw, hn, 2 * j)), "r"(kPairMagic));
+        asm("lop3.b32 %0, %1, 0x00FC00FC, %2, 0xEA;"
+            : "=r"(r.y) : "r"(pair_field(raw, hn, 2 * j + 1)), "r"(kPairMagic));
+        asm("add.rn.f16x2 %0, %0, %1;" : "+r"(r.x) : "r"(0xE480E480u));
+        asm("add.rn.f16x2 %0, %0, %1;" : "+r"(r.y) : "r"(0xE480E480u));
+        return make_uint2(hmul2(r.x, s), hmul2(r.y, s));
+    }
+    const u32 q = quad_q(raw, hn >> 1, hn & 1, j, qsh);
+    const u32 lo = hfma2(__byte_perm(q, kDeqMagic, 0x4140u), 0x44004400u, 0xEC20EC20u);
+    const u32 hi = hfma2(__byte_perm(q, kDeqMagic, 0x4342u), 0x44004400u, 0xEC20EC20u);
+    return make_uint2(hmul2(lo, s), hmul2(hi, s));
 }
 
 // The largest |d| of rows g and g + 8 (rr) over the blocks [kb0, kb0 + nblk) of a warp's K
-// slice (V & 2, below), in two parts so that the loads' latency hides behind other work:
+// slice (below), in two parts so that the loads' latency hides behind other work:
 // wg_dload issues lane t's loads (blocks t and t + 4 of both rows: nblk <= 7 here, a K slice of
 // 64 tokens' activations takes 32 KB of shared memory per block), wg_dmax reduces them (the
 // quad's maxima meet by two shuffles; 0 when every d is 0).
@@ -176,24 +186,19 @@ __device__ __forceinline__ float2 wg_dmax(const DLoad& l) {
 }
 
 // CTA = NWG warpgroups (blockDim.x = 128 * NWG). Registers: the accumulators (4*NT), two
-// blocks of raw weights (this one and the prefetched next) and two k16 steps of A fragments
-// are live (142-190 on sm_90a, so one CTA of 8 warps per SM; NWG 1: up to three CTAs where the
-// shared memory allows; NWG 3: <= 168).
-// V (session 20, issue 16 goal 1: N = 64; the dispatch's src 6 is V = 0): bit 0, two wgmma
-// groups in flight per warpgroup instead of one (wait_group 2: three k16 steps of A live);
-// bit 1, no wait at the block boundary: instead of acc *= d_prev / d before each block (which
-// needs the block's wgmmas done first, a drain of the chain every 16 steps) each block's A is
-// scaled by r = d / dmax in f16 (dmax: the largest |d| of the row over the warp's K slice,
-// read ahead one tile), A = f16((4q - 128) * f16(sc/4 * f16(r))) (layout 2) or
-// f16((q - 32) * f16(sc * f16(r))), and acc *= dmax once per tile: |r| <= 1, so no overflow for
-// any d; two more f16 roundings per weight (the cuBLAS path's f16(d*sc*(q-32)) has one), a
-// block whose |d| is below ~6e-8 of the slice's largest adds nothing. Different bits from V 0/1.
-template <int NT, int SOA, class In, int NWG, int V = 0>
+// blocks of raw weights (this one and the prefetched next) and three k16 steps of A fragments
+// are live (152-163 on sm_90a with pair streams at NWG 2 / 3, no spills; one CTA per SM).
+// The block scale (session 20): instead of acc *= d_prev / d before each block (which needs the
+// block's wgmmas done first) each block's A is scaled by r = d / dmax in f16 (dmax: the largest
+// |d| of the row over the warp's K slice, read ahead one tile), A = f16((4q - 128) * f16(sc *
+// f16(r))), and acc *= dmax / 4 once per tile: |r| <= 1, so no overflow for any d; two f16
+// roundings per weight more than the cuBLAS path's f16(d*sc*(q-32)), within the F16 contract; a
+// block whose |d| is below ~6e-8 of the slice's largest adds nothing.
+template <int NT, int SOA, class In, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
     static_assert(NT == 8, "q6k_wg_f16: 8 n-tiles (m64n64k16) only");
 #ifdef Q6SERVE_WGMMA
-    constexpr bool FOLD = (V & 2) != 0;
     MAKE_W;
     MAKE_OUT;
     (void)xp;
@@ -208,11 +213,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 
     RowRef rr[1][2], rn[1][2];
     Raw nxt[1][2];
-    DLoad dl = {};  // FOLD: the d of this tile's rows over the slice, loads in flight
+    DLoad dl = {};  // the d of this tile's rows over the slice, loads in flight
     if (gt < gtiles) {
         warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
         warp_load<SOA>(nxt, rr, kb0, t);
-        if (FOLD) dl = wg_dload<SOA>(rr, kb0, nblk, t);
+        dl = wg_dload<SOA>(rr, kb0, nblk, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
@@ -227,22 +232,20 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                       ((u64)(256 >> 4) << 32);
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
-    const u32 magic = SOA == 2 ? kPairMagic : 0u;
 
     for (; gt < gtiles; gt += gstride) {
         const int wrow = gt * 64 + wq * 16;
         const bool more = gt + gstride < gtiles;
         if (more) warp_rows<SOA>(w, (gt + gstride) * 64 + wq * 16, g, rn);
-        // FOLD: this tile's dmax (loads issued a tile ago, or before the staging), and the next
-        // tile's loads issued now (their latency hidden behind this tile)
-        const float2 dmx = FOLD ? wg_dmax(dl) : make_float2(0.f, 0.f);
-        if (FOLD && more) dl = wg_dload<SOA>(rn, kb0, nblk, t);
-        float rinv[2];  // FOLD: 1 / dmax (0 for a row whose blocks all have d = 0)
+        // this tile's dmax (loads issued a tile ago, or before the staging), and the next tile's
+        // loads issued now (their latency hidden behind this tile)
+        const float2 dmx = wg_dmax(dl);
+        if (more) dl = wg_dload<SOA>(rn, kb0, nblk, t);
+        float rinv[2];  // 1 / dmax (0 for a row whose blocks all have d = 0)
         rinv[0] = dmx.x > 0.f ? 1.f / dmx.x : 0.f;
         rinv[1] = dmx.y > 0.f ? 1.f / dmx.y : 0.f;
         float acc[1][NT][4];
         zero_acc(acc);
-        float dprev[2] = {1.f, 1.f};
         for (int b = 0; b < nblk; ++b) {
             Raw raw[2];
             raw[0] = nxt[0][0];
@@ -251,83 +254,31 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
                 warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
             else if (more)
                 warp_load<SOA>(nxt, rn, kb0, t);
-            float f[2];
-            u32 sc2[2][4], bias[2][4];  // layout 2: sc/4 pairs and the -288 sc bias (deq2p)
+            u32 sc2[2][4];  // f16(sc * f16(r)) pairs per sub-block
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-                const float d = f16_to_f32(raw[hr].d);
-                const bool zero = (d == 0.f);  // a zero block adds nothing: mask it, scale by 1
-                if (FOLD) {
-                    const u32 rh = f16_bits(d * rinv[hr]);  // |r| <= 1 (0 for a zero d)
-                    const u32 r2 = rh | (rh << 16);
+                const u32 rh = f16_bits(f16_to_f32(raw[hr].d) * rinv[hr]);  // |r| <= 1, 0 for d 0
+                const u32 r2 = rh | (rh << 16);
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const u32 v = word4(raw[hr].sc, k);
-                        sc2[hr][k] = hmul2(sc_pair(v, scsel), r2);  // f16(sc * f16(r))
-                        bias[hr][k] = 0u;
-                    }
-                    continue;
-                }
-                const float dm = zero ? 1.f : d;
-                f[hr] = dprev[hr] * (zero ? 1.f : rcp_approx(d));
-                dprev[hr] = dm;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const u32 v = word4(raw[hr].sc, k);
-                    sc2[hr][k] = zero ? 0u : SOA == 2 ? sc4_pair(v, scsel) : sc_pair(v, scsel);
-                    bias[hr][k] = SOA == 2 ? bias_pair(sc2[hr][k]) : 0u;
-                }
-            }
-            if (!FOLD) {
-                wg_wait<0>();  // the previous block's products are in acc
-                wg_fence_acc(acc);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[0][nt][i] *= f[i >> 1];
+                for (int k = 0; k < 4; ++k)
+                    sc2[hr][k] = hmul2(sc_pair(word4(raw[hr].sc, k), scsel), r2);
             }
             const u64 dblk = desc0 + (u64)(b * 16 * 16 * NT);  // 16 steps of 256*NT bytes
 #pragma unroll
             for (int s = 0; s < 16; ++s) {
-                const int hn = s >> 2, j = s & 3, h = hn >> 1, nib = hn & 1;
-                const u32 s0 = sc2[0][hn], s1 = sc2[1][hn];
-                u32 a0, a1, a2, a3;
-                if (SOA == 2 && FOLD) {  // pair streams, V & 2: sub-block hn, fields 2j, 2j+1
-                    a0 = wg_deq_r(pair_field(raw[0], hn, 2 * j), s0, magic);
-                    a1 = wg_deq_r(pair_field(raw[1], hn, 2 * j), s1, magic);
-                    a2 = wg_deq_r(pair_field(raw[0], hn, 2 * j + 1), s0, magic);
-                    a3 = wg_deq_r(pair_field(raw[1], hn, 2 * j + 1), s1, magic);
-                } else if (SOA == 2) {  // pair streams: sub-block hn, fields 2j and 2j+1
-                    const u32 c0 = bias[0][hn], c1 = bias[1][hn];
-                    a0 = deq2p(pair_field(raw[0], hn, 2 * j), s0, c0, magic);
-                    a1 = deq2p(pair_field(raw[1], hn, 2 * j), s1, c1, magic);
-                    a2 = deq2p(pair_field(raw[0], hn, 2 * j + 1), s0, c0, magic);
-                    a3 = deq2p(pair_field(raw[1], hn, 2 * j + 1), s1, c1, magic);
-                } else if (FOLD) {  // (1024 + q) * 4 - 4224 = 4q - 128 exact, as layout 2's
-                    const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
-                    const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
-                    a0 = wg_deq4_r<0x4140u>(q0, s0);
-                    a1 = wg_deq4_r<0x4140u>(q1, s1);
-                    a2 = wg_deq4_r<0x4342u>(q0, s0);
-                    a3 = wg_deq4_r<0x4342u>(q1, s1);
-                } else {
-                    const u32 q0 = quad_q(raw[0], h, nib, j, qsh);
-                    const u32 q1 = quad_q(raw[1], h, nib, j, qsh);
-                    a0 = deq2<0x4140u>(q0, s0);
-                    a1 = deq2<0x4140u>(q1, s1);
-                    a2 = deq2<0x4342u>(q0, s0);
-                    a3 = deq2<0x4342u>(q1, s1);
-                }
+                const int hn = s >> 2, j = s & 3;
+                const uint2 a02 = wg_deq<SOA>(raw[0], hn, j, qsh, sc2[0][hn]);  // row g
+                const uint2 a13 = wg_deq<SOA>(raw[1], hn, j, qsh, sc2[1][hn]);  // row g + 8
                 wg_fence();
-                wgmma_rs<NT>(acc, a0, a1, a2, a3, dblk + (u64)(s * 16 * NT));
+                wgmma_rs<NT>(acc, a02.x, a13.x, a02.y, a13.y, dblk + (u64)(s * 16 * NT));
                 wg_commit();
-                wg_wait<(V & 1) ? 2 : 1>();
+                wg_wait<2>();
             }
         }
         wg_wait<0>();
         wg_fence_acc(acc);
-        // FOLD: A held 4 (q - 32) sc r; the power of two is exact
-        const float dl0 = FOLD ? 0.25f * dmx.x : dprev[0], dl1 = FOLD ? 0.25f * dmx.y : dprev[1];
+        // A held 4 (q - 32) sc r; the power of two is exact
+        const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -344,16 +295,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 }
 
 #ifdef Q6SERVE_WG_CHECK
-#define INST_WG2(NT, SOA, IN, NWG)                                                           \
-    template __global__ void q6k_wg_f16<NT, SOA, IN, NWG>(                                    \
-        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_WG(NT, NWG) INST_WG2(NT, true, InF16, NWG) INST_WG2(NT, false, InF16, NWG)
-INST_WG(8, 1) INST_WG(8, 2) INST_WG(8, 3)
-#define INST_WGP(NT, NWG) INST_WG2(NT, 2, InF16, NWG)  // pair streams
-INST_WGP(8, 3) INST_WGP(8, 2)
-#define INST_WGV2(SOA, NWG, V)                                                                \
-    template __global__ void q6k_wg_f16<8, SOA, InF16, NWG, V>(                               \
+#define INST_WG2(SOA, NWG)                                                                    \
+    template __global__ void q6k_wg_f16<8, SOA, InF16, NWG>(                                  \
         const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_WGV(NWG, V) INST_WGV2(true, NWG, V) INST_WGV2(false, NWG, V) INST_WGV2(2, NWG, V)
-INST_WGV(2, 1) INST_WGV(3, 1) INST_WGV(2, 2) INST_WGV(3, 2) INST_WGV(2, 3) INST_WGV(3, 3)
+#define INST_WG(NWG) INST_WG2(true, NWG) INST_WG2(false, NWG) INST_WG2(2, NWG)  // 2: pair streams
+INST_WG(1) INST_WG(2) INST_WG(3)
 #endif

@@ -191,7 +191,7 @@ def test_pdl_sum_same_bits_direct_and_through_the_graph(be, rng):
     cfgs = [Cfg(nt=1, src=4, pf=True, warps=16), Cfg(nt=2, src=4, pf=True, warps=12),
             Cfg(nt=8, src=4, pf=True), Cfg(nt=2, src=5, pf=True, warps=16)]
     if be.ctx.cc == "90":
-        cfgs.append(Cfg(nt=8, src=6, pf=True, warps=12))
+        cfgs.append(Cfg(nt=8, src=8, pf=True, warps=12))
     try:
         for c in cfgs:
             for ks in (2, 5, 13):

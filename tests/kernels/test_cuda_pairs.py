@@ -38,7 +38,7 @@ TOL = 2e-3
 # the ring tile at the table's lm-head shape (2 stages) and with 3 stages.
 CFGS = (Cfg(nt=2, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12))
 RINGS = (Cfg(nt=4, src=5, warps=16), Cfg(nt=2, src=5, pf=True, warps=8))
-WG = (Cfg(nt=8, src=6, pf=True, warps=12),)
+WG = (Cfg(nt=8, src=8, pf=True, warps=12),)
 # the exact tile, the plain f16 tile (src 2) and the staged one (src 3), each also with two
 # m-tiles (a pair weight runs them as one m-tile with twice the warps, or at 8 warps twice the
 # CTAs: launch.pair_cfg), the int8 tile, cuBLAS's dequant; f32 activations only where the

@@ -260,7 +260,7 @@ def test_forced_k_split_past_the_shared_memory_is_refused():
 
 
 def test_wgmma_tile_plans_only_on_sm_90():
-    """Device-less: the wgmma tile (src 6) plans on compute capability 9.0 from its own file;
+    """Device-less: the wgmma tile (src 8) plans on compute capability 9.0 from its own file;
     on 8.9 (no sm_90a) a table entry naming it plans the K-slice tile of the same width."""
     from types import SimpleNamespace
 
@@ -270,7 +270,7 @@ def test_wgmma_tile_plans_only_on_sm_90():
         num_regs = 168
         max_dynamic_shared_size_bytes = 48 << 10
 
-    cfg = Cfg(nt=8, src=6, pf=True)
+    cfg = Cfg(nt=8, src=8, pf=True)
     asked = []
     lc = Launcher(SimpleNamespace(sm_count=132, smem_sm=233472, cc="90",
                                   fn=lambda f, n: asked.append((f, n)) or Fn()))
@@ -281,16 +281,18 @@ def test_wgmma_tile_plans_only_on_sm_90():
     asked.clear()
     lc89 = Launcher(SimpleNamespace(sm_count=128, smem_sm=102400, cc="89",
                                     fn=lambda f, n: asked.append((f, n)) or Fn()))
-    lc89.plan(4096, 4096, Layout.SOA, "InF16", "mma_f16", Cfg(nt=8, src=6, pf=True, warps=12,
+    lc89.plan(4096, 4096, Layout.SOA, "InF16", "mma_f16", Cfg(nt=8, src=8, pf=True, warps=12,
                                                               ksplit=3), 64)
     assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<8, 1,", "q6k_sum_parts"))
                          for f, n in asked)
-    # the wgmma tile has 8 n-tiles only, the f16 tile's src 3 no register prefetch (session
-    # 15: the variants the dispatch never picked left the kernels); src 2's pf (session 17: the
-    # first block early) at one m-tile only
-    for bad in (Cfg(nt=1, src=6, pf=True), Cfg(nt=8, src=6), Cfg(nt=8, mt=2, src=6, pf=True),
-                Cfg(nt=2, src=6, pf=True), Cfg(nt=4, src=6, pf=True, warps=12),
-                Cfg(nt=8, src=6, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
+    # the wgmma tile has 8 n-tiles only and two wgmma groups in flight (pf), the f16 tile's src
+    # 3 no register prefetch (sessions 15 / 21: the variants the dispatch never picked left the
+    # kernels: src 6 and 9, src 8 without pf); src 2's pf (session 17: the first block early) at
+    # one m-tile only
+    for bad in (Cfg(nt=1, src=8, pf=True), Cfg(nt=8, src=8), Cfg(nt=8, mt=2, src=8, pf=True),
+                Cfg(nt=2, src=8, pf=True), Cfg(nt=4, src=8, pf=True, warps=12),
+                Cfg(nt=8, src=8, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
+                Cfg(nt=8, src=6, pf=True, warps=12), Cfg(nt=8, src=9, pf=True, warps=12),
                 Cfg(nt=1, mt=2, pf=True), Cfg(nt=2, src=3, pf=True),
                 Cfg(nt=8, src=3, pf=True, warps=4),
                 Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=8, src=5, warps=12),
@@ -316,7 +318,7 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
             ("mma_f16", Cfg(nt=1, pf=True), 1, "q6k_mma_f16<1, 1, 2, 2, InF16, true>"),
             ("exact", Cfg(nt=1, pf=True), 4, "q6k_exact<1, 2, InF16, true>"),
             ("mmq_q8_1", Cfg(nt=2), 16, "q6k_mmq_q8<2, 1, 2>"),
-            ("mma_f16", Cfg(nt=8, src=6, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
+            ("mma_f16", Cfg(nt=8, src=8, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
             ("mma_f16", Cfg(nt=4, src=5, warps=16), 32, "q6k_ksr_f16<4, 2, InF16, 16, 2>"),
             ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
              "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),

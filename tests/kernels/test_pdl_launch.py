@@ -66,14 +66,15 @@ def test_only_asked_for_and_on_sm90(monkeypatch, env, cc, want):
 
 
 def test_only_the_register_and_ring_tiles_sum_with_pdl(monkeypatch):
-    """The sum step of a src 4/5 plan takes PDL, a src 6 plan's (mixed on the H200) does not."""
+    """The sum step of a src 4/5 plan takes PDL, a wgmma tile plan's (src 8; its src 6 form was
+    mixed on the H200) does not."""
     monkeypatch.setattr(lm, "_driver_launch_ex", lambda: "cuLaunchKernelEx")
     lc = lm.Launcher(SimpleNamespace(cc="90"), graphs=False)
     lc.pdl = True
     lc.ws.ptr = lambda *a, **kw: 4096  # no device buffers
     w = SimpleNamespace(rows=64, k=512)
     cw = SimpleNamespace(table=SimpleNamespace(data=SimpleNamespace(ptr=8)), rps=64)
-    for src, want in ((4, True), (5, True), (6, False)):
+    for src, want in ((4, True), (5, True), (8, False)):
         lp = lm.LaunchPlan("mma_f16", "tile", (4, 2, 1), 256, 0, 2, 4, 2, 1, None, (1,),
                            (0, 0, 0), "sum", src)
         steps = lc.steps(lp, w, cw, 16, 32, 8)
