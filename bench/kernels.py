@@ -111,22 +111,62 @@ def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return q6k.random_blocks(rows, k, rng)
 
 
+# The last time_calls' details (bench/kernels.py --samples prints them): every call's us, the
+# host's enqueue time per call, and whether the spin kernel still ran when the last call was
+# enqueued (if not, the GPU waited on Python between calls and an event pair can hold host time:
+# session 20's closing check read 14336x4096 N=8 at 69.9 us against 21.2 the session before)
+TIMING: dict = {}
+SPIN_CYCLES = 400_000  # per queued call: ~200 us at the H200's clock
+
+
 def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:
-    """Median µs of ``fn(i)`` over ``iters`` calls, each timed alone with device events."""
+    """Median µs of ``fn(i)`` over ``iters`` calls, each timed alone with device events. The
+    GPU spins while the host enqueues; where the spin ended before the last call was enqueued
+    (a slow or preempted host) the calls are timed again once behind a spin 8x longer
+    (``TIMING['covered']`` says how the returned figure was taken)."""
     stream = cp.cuda.get_current_stream()
     for i in range(warmup):
         fn(i % copies)
     stream.synchronize()
-    evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
-    # Keep the GPU busy while the host enqueues, so the events time the GPU, not Python.
-    # (~200 us per queued call: more than Python needs to enqueue one; 16 ms at 40 calls)
-    cp.RawKernel(SPIN_SRC, "spin")((1,), (1,), (np.int64(400_000 * iters),))
-    for i, (a, b) in enumerate(evs):
-        a.record(stream)
-        fn(i % copies)
-        b.record(stream)
-    stream.synchronize()
-    return statistics.median(cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in evs)
+    spin = cp.RawKernel(SPIN_SRC, "spin")
+    for scale in (1, 8):
+        evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
+        # Keep the GPU busy while the host enqueues, so the events time the GPU, not Python.
+        # (~200 us per queued call: more than Python needs to enqueue one; 16 ms at 40 calls)
+        spin((1,), (1,), (np.int64(SPIN_CYCLES * scale * iters),))
+        spun = cp.cuda.Event(disable_timing=True)
+        spun.record(stream)
+        t0 = time.perf_counter()
+        for i, (a, b) in enumerate(evs):
+            a.record(stream)
+            fn(i % copies)
+            b.record(stream)
+        host_us = (time.perf_counter() - t0) / iters * 1e6
+        covered = not spun.done  # the GPU was still spinning: every call was queued ahead
+        stream.synchronize()
+        us = [cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in evs]
+        first = TIMING.get("samples") if scale > 1 else None
+        TIMING.clear()
+        TIMING.update(samples=us, host_us=host_us, covered=covered, spin_scale=scale)
+        if first:  # the uncovered attempt's median, for the record
+            TIMING["uncovered_p50"] = statistics.median(first)
+        if covered:
+            break
+    return statistics.median(TIMING["samples"])
+
+
+def timing_note() -> str:
+    """The last time_calls' spread and host side, one line: min / p10 / p50 / p90 / max us,
+    the host's enqueue us per call, and whether the spin covered the enqueue."""
+    us = sorted(TIMING.get("samples", ()))
+    if not us:
+        return ""
+    q = [us[min(len(us) - 1, int(f * len(us)))] for f in (0.1, 0.5, 0.9)]
+    cov = "covered" if TIMING["covered"] else "NOT covered"
+    if "uncovered_p50" in TIMING:
+        cov += f" (the first try, spin x1 not covered: p50 {TIMING['uncovered_p50']:.1f})"
+    return (f"min {us[0]:.1f} p10 {q[0]:.1f} p50 {q[1]:.1f} p90 {q[2]:.1f} max {us[-1]:.1f}; "
+            f"host {TIMING['host_us']:.1f} us/call; spin x{TIMING['spin_scale']} {cov}")
 
 
 def torch_linear_us(rows: int, k: int, n: int, copies: int) -> float | None:
@@ -205,13 +245,13 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
     if pairs:
         mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
-    # the wgmma tile (src 6, sm_90): 8 n-tiles only since session 15 (its 2/4 n-tile widths
-    # lost every cell of the session 13/14 tunes and left the kernels); 12 warps won, 8
-    # sometimes; the grid model's K split can leave SMs idle with 12 warps, so a few fixed
-    # splits too
+    # the wgmma tile (src 8, sm_90; src 6 until session 21): 8 n-tiles only since session 15
+    # (its 2/4 n-tile widths lost every cell of the session 13/14 tunes and left the kernels);
+    # 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12 warps, so
+    # a few fixed splits too
     if wg and nt == 8:
-        mma += [Cfg(nt=nt, src=6, pf=True, warps=w) for w in (12, 8)]
-        mma += [Cfg(nt=nt, src=6, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
+        mma += [Cfg(nt=nt, src=8, pf=True, warps=w) for w in (12, 8)]
+        mma += [Cfg(nt=nt, src=8, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
                 if s <= k // 256]
     out: list[tuple[str, Cfg | None]] = []
     for path, cfgs in (("exact", exact), ("mma_f16", mma), ("mmq_q8_1", mmq)):
@@ -755,6 +795,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", action="store_true", help="compare mma_f16 launch shapes")
     ap.add_argument("--summary", action="store_true",
                     help="end with one line per shape and N: AUTO vs the fastest row")
+    ap.add_argument("--samples", action="store_true",
+                    help="after each row its calls' spread and the host's enqueue time")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time each row this many times in a row (each printed)")
     ap.add_argument("--only", default=None,
                     help="time only the rows whose label contains this text (or any of a "
                     "comma-separated list; for profilers and A/Bs)")
@@ -891,25 +935,35 @@ def main(argv: list[str] | None = None) -> int:
                     def call(i: int, path=path, c=cfg, ws=ws, x=x, dt=dt) -> None:
                         be.run(ws[i], x, dt, path, c)  # None: the dispatch's shape
 
-                    try:
-                        with be.ctx.dev, be.stream:
-                            us = time_calls(cp, call, copies, iters=a.iters)
-                    except Exception as e:  # a new variant that fails must not end the run
-                        print(f"{shape_s:>14} {n:>3} {label:>26} FAILED: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
-                        results.append({"shape": shape_s, "n": n, "path": label,
-                                        "error": str(e)})
-                        continue
-                    tbs = wbytes / us / 1e6
-                    llama = LLAMA_US.get((rows, k), {}).get(n)
-                    row = {"shape": shape_s, "n": n, "path": label, "dtype": dname, "us": us,
-                           "tbs": tbs, "x_llama": llama / us if llama else None,
-                           "x_torch": t_torch / us if t_torch else None, "torch_us": t_torch}
-                    results.append(row)
-                    xl = f"{llama / us:7.2f}" if llama else "      -"
-                    xt = f"{t_torch / us:7.2f}" if t_torch else "      -"
-                    print(f"{shape_s:>14} {n:>3} {label:>26} {us:8.1f} {tbs:6.2f} {xl} {xt}",
-                          flush=True)
+                    for _rep in range(a.repeat):
+                        try:
+                            with be.ctx.dev, be.stream:
+                                us = time_calls(cp, call, copies, iters=a.iters)
+                        except Exception as e:  # a new variant that fails must not end the run
+                            print(f"{shape_s:>14} {n:>3} {label:>26} FAILED: "
+                                  f"{type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                            results.append({"shape": shape_s, "n": n, "path": label,
+                                            "error": str(e)})
+                            break
+                        tbs = wbytes / us / 1e6
+                        llama = LLAMA_US.get((rows, k), {}).get(n)
+                        row = {"shape": shape_s, "n": n, "path": label, "dtype": dname,
+                               "us": us, "tbs": tbs, "x_llama": llama / us if llama else None,
+                               "x_torch": t_torch / us if t_torch else None,
+                               "torch_us": t_torch, "host_us": TIMING["host_us"],
+                               "covered": TIMING["covered"]}
+                        if "uncovered_p50" in TIMING:
+                            row["uncovered_p50"] = TIMING["uncovered_p50"]
+                        if a.samples:
+                            row["samples"] = TIMING["samples"]
+                        results.append(row)
+                        xl = f"{llama / us:7.2f}" if llama else "      -"
+                        xt = f"{t_torch / us:7.2f}" if t_torch else "      -"
+                        print(f"{shape_s:>14} {n:>3} {label:>26} {us:8.1f} {tbs:6.2f} {xl} {xt}",
+                              flush=True)
+                        if a.samples or "uncovered_p50" in TIMING:
+                            print(f"{'':>14} {'':>3} {'#':>26} {timing_note()}", flush=True)
             if t_torch:
                 print(f"{shape_s:>14} {n:>3} {'torch f16 linear':>26} {t_torch:8.1f} "
                       f"{2 * rows * k / t_torch / 1e6:6.2f}", flush=True)
