@@ -21,10 +21,10 @@ clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,temperature.gpu \
     --format=csv,noheader 2>&1 | head -2
 }
-step pytest 80 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+step pytest 75 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg.py tests/kernels/test_cuda_ks.py \
   "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
-step wg_ab 30 python3 bench/wg_ab.py --rounds 3 --iters 30 --json "$OUT/wg_ab.json"
+step wg_ab 40 python3 bench/wg_ab.py --rounds 3 --iters 30 --json "$OUT/wg_ab.json"
 clocks >"$OUT/clocks_before.txt"
 # the closing check's order around the cell (1024x4096 before it, 4096x14336 after), torch beside
 step anomaly1 25 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,2,4,8,16,32,64 \
@@ -33,13 +33,13 @@ clocks >"$OUT/clocks_mid.txt"
 # the cell alone, N = 8 between its neighbours and three times in a row, no torch
 step anomaly2 15 python3 bench/kernels.py --paths auto --dtypes f16 --ns 16,8,4,8 --repeat 3 \
   --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly2.json"
-step anomaly3 15 python3 bench/kernels.py --paths auto --dtypes f16,f32 --ns 8 --repeat 2 \
+step anomaly3 12 python3 bench/kernels.py --paths auto --dtypes f16,f32 --ns 8 --repeat 2 \
   --iters 200 --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly3.json"
 clocks >"$OUT/clocks_after.txt"
 S=""
 for w in 4 8 12; do for k in 2 4 7; do S+="64:nt=8,src=8,pf=1,warps=$w,ksplit=$k;"; done; done
 S+="64:nt=8,src=8,pf=1,warps=12;64:nt=8,src=8,pf=1,warps=8;"
-step small64 30 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
+step small64 25 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
   --shapes 3584x3584,4096x4096 --json "$OUT/small64.json"
 {
   echo "== k bundle ${PHASE:-a} (tree $(tree_commit)), $(elapsed)"
