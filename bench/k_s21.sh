@@ -6,6 +6,9 @@
 #      SoA bits, the float64 reference: test_cuda_pairs.py::test_every_table_shape);
 #   2. wg_ab: session 20's q6k_wgmma.cu (bench/ab/q6k_wgmma_s20.cu, V = 3) against today's on
 #      the table's four src 8 cells, the same plan, alternated in one process, bits compared;
+#      beside them (goal 3) today's with three wgmma groups in flight (w3: wait_group 3; 165
+#      registers at 3 warpgroups on pair streams, no spills), also on the two tall weights and
+#      3584x3584 at their model's K split;
 #   3. anomaly (goal 1: 14336x4096 N=8 read 69.9 us in session 20's closing check): the cell
 #      re-timed in three processes and orders, every call's spread and the host's enqueue time
 #      beside it (bench/kernels.py --samples; time_calls now retimes behind a longer spin where
@@ -21,19 +24,22 @@ clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,temperature.gpu \
     --format=csv,noheader 2>&1 | head -2
 }
-step pytest 75 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+step pytest 70 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg.py tests/kernels/test_cuda_ks.py \
   "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
-step wg_ab 40 python3 bench/wg_ab.py --rounds 3 --iters 30 --json "$OUT/wg_ab.json"
+C="4096x14336:64,3584x18944:64,14336x4096:64:nt8.m1.w12.s8.pf,18944x3584:64:nt8.m1.w12.s8.pf"
+C+=",3584x3584:64:nt8.m1.w12.s8.pf,152064x3584:64,128256x4096:64"
+step wg_ab 45 python3 bench/wg_ab.py --rounds 3 --iters 30 --cells "$C" \
+  --variant 'w3|wg_wait<2>();|wg_wait<3>();' --json "$OUT/wg_ab.json"
 clocks >"$OUT/clocks_before.txt"
 # the closing check's order around the cell (1024x4096 before it, 4096x14336 after), torch beside
-step anomaly1 25 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,2,4,8,16,32,64 \
+step anomaly1 20 python3 bench/kernels.py --paths auto --dtypes f16 --ns 1,4,8,16,64 \
   --shapes 1024x4096,14336x4096,4096x14336 --samples --json "$OUT/anomaly1.json"
 clocks >"$OUT/clocks_mid.txt"
 # the cell alone, N = 8 between its neighbours and three times in a row, no torch
-step anomaly2 15 python3 bench/kernels.py --paths auto --dtypes f16 --ns 16,8,4,8 --repeat 3 \
+step anomaly2 12 python3 bench/kernels.py --paths auto --dtypes f16 --ns 16,8,4,8 --repeat 3 \
   --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly2.json"
-step anomaly3 12 python3 bench/kernels.py --paths auto --dtypes f16,f32 --ns 8 --repeat 2 \
+step anomaly3 10 python3 bench/kernels.py --paths auto --dtypes f16,f32 --ns 8 --repeat 2 \
   --iters 200 --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly3.json"
 clocks >"$OUT/clocks_after.txt"
 S=""
@@ -44,7 +50,7 @@ step small64 25 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
 {
   echo "== k bundle ${PHASE:-a} (tree $(tree_commit)), $(elapsed)"
   steps
-  echo "# wg_ab: shape N cfg s20_us now_us s20/now bits"
+  echo "# wg_ab: shape N cfg kernel us now_us now/it bits-vs-now"
   grep -E "^ *[0-9]+x[0-9]+ " "$OUT/wg_ab.log" 2>/dev/null
   echo "# anomaly: the 14336x4096 rows (us TB/s; # lines: min p10 p50 p90 max, host us/call, spin)"
   for f in anomaly1 anomaly2 anomaly3; do
