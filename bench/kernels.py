@@ -245,11 +245,11 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
     mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
     if pairs:
         mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
-    # the wgmma tile (src 8, sm_90; src 6 until session 21): 8 n-tiles only since session 15
-    # (its 2/4 n-tile widths lost every cell of the session 13/14 tunes and left the kernels);
+    # the wgmma tile (src 8, sm_90; src 6 until session 21): 8 n-tiles, and 4 again since
+    # session 21 (src 6's 2/4 n-tile widths lost every cell of the session 13/14 tunes);
     # 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12 warps, so
     # a few fixed splits too
-    if wg and nt == 8:
+    if wg and nt in (4, 8):
         mma += [Cfg(nt=nt, src=8, pf=True, warps=w) for w in (12, 8)]
         mma += [Cfg(nt=nt, src=8, pf=True, warps=12, ksplit=s) for s in (2, 3, 4)
                 if s <= k // 256]

@@ -86,10 +86,11 @@ class Cfg:
     #                 K slices (q6k_ksc_f16; sm_90+; mt 1, ksplit 2..8; session 15)
     #               8 the same schedule with wgmma on 64-row warpgroup tiles, each block's
     #                 scale folded into A, two wgmma groups in flight (q6k_wg_f16,
-    #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 8, mt 1, pf, warps 4/8/12 =
-    #                 1/2/3 warpgroups per CTA; session 20). 6 (the wgmma tile that rescaled
-    #                 its accumulators per block) and 9 (6 with two groups in flight) and 8
-    #                 without pf (one group) left in session 21: no table cell picked them
+    #                 kernels/cuda/q6k_wgmma.cu; sm_90 only; nt 8 (nt 4: session 21), mt 1,
+    #                 pf, warps 4/8/12 = 1/2/3 warpgroups per CTA; session 20). 6 (the wgmma
+    #                 tile that rescaled its accumulators per block), 9 (6 with two groups in
+    #                 flight) and 8 without pf (one group) left in session 21: no table cell
+    #                 picked them
     pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
     #                   kernel and src 4, always on at src 8; src 5: two blocks ahead in the
     #                   ring; src 3 has none since session 15); src 2 (session 17): the first
@@ -112,7 +113,7 @@ class Cfg:
         #                                         warps and nt4 at 16 since session 14)
         ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 7 and (self.mt != 1 or not 2 <= self.ksplit <= 8))
-        ok = ok and not (self.src == 8 and (self.mt != 1 or not self.pf or self.nt != 8))
+        ok = ok and not (self.src == 8 and (self.mt != 1 or not self.pf or self.nt < 4))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)
         ok = ok and not (path == "mma_f16" and self.src == 3 and self.pf)
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.pf and self.mt != 1)

@@ -55,9 +55,9 @@ __device__ __forceinline__ void fence_async_shared() {
 }
 
 // acc (m64nN, warp q's 16 rows: acc[nt][i] = row g + 8(i>>1), token 8nt + 2t + (i&1), the
-// mma.sync C layout) += A (registers) . B (descriptor), for N = 8*NT. Only NT = 8 (m64n64k16):
-// the one width the dispatch picks (the lm-heads' N = 33..64); n16/n32 lost every tuned cell
-// and left (session 15).
+// mma.sync C layout) += A (registers) . B (descriptor), for N = 8*NT: NT = 8 (m64n64k16, the
+// N = 33..64 cells) and NT = 4 (m64n32k16, session 21: N = 17..32, half the B bytes per step
+// and half the accumulators; src 6's n16/n32 forms lost every tuned cell in session 15).
 template <int NT>
 __device__ __forceinline__ void wgmma_rs(float (&c)[1][NT][4], u32 a0, u32 a1, u32 a2, u32 a3,
                                          u64 desc);
@@ -72,6 +72,17 @@ __device__ __forceinline__ void wgmma_rs<8>(float (&c)[1][8][4], u32 a0, u32 a1,
         "%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
         : WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3), WG_ACC4(4), WG_ACC4(5), WG_ACC4(6),
           WG_ACC4(7)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&c)[1][4][4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                            u64 desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, "
+        "1, 0;\n}\n"
+        : WG_ACC4(0), WG_ACC4(1), WG_ACC4(2), WG_ACC4(3)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "n"(1));
 }
 #undef WG_ACC4
@@ -145,22 +156,25 @@ __device__ __forceinline__ uint2 wg_deq(const Raw& raw, int hn, int j, int qsh, 
 
 // The largest |d| of rows g and g + 8 (rr) over the blocks [kb0, kb0 + nblk) of a warp's K
 // slice (below), in two parts so that the loads' latency hides behind other work:
-// wg_dload issues lane t's loads (blocks t and t + 4 of both rows: nblk <= 7 here, a K slice of
-// 64 tokens' activations takes 32 KB of shared memory per block), wg_dmax reduces them (the
-// quad's maxima meet by two shuffles; 0 when every d is 0).
+// wg_dload issues lane t's loads (blocks t, t + 4, .. t + 4(U - 1) of both rows: U = 2 at 64
+// tokens, whose activations take 32 KB of shared memory per block, so nblk <= 7; U = 4 at 32
+// tokens, 16 KB per block, nblk <= 14), wg_dmax reduces them (the quad's maxima meet by two
+// shuffles; 0 when every d is 0).
+template <int U>
 struct DLoad {
-    u32 h[2][2];  // [row g / g + 8][block t / t + 4], f16 bits (0 past the slice)
-    float more[2];  // blocks t + 8, t + 12, ..: |d| maxima, read at once (not reached under
-                    // the shared-memory bound; kept so that any slice is right)
+    u32 h[2][U];  // [row g / g + 8][block t + 4u], f16 bits (0 past the slice)
+    float more[2];  // blocks t + 4U, ..: |d| maxima, read at once (not reached under the
+                    // shared-memory bound; kept so that any slice is right)
 };
-template <int SOA>
-__device__ __forceinline__ DLoad wg_dload(const RowRef (&rr)[1][2], int kb0, int nblk, int t) {
-    DLoad o;
+template <int SOA, int U>
+__device__ __forceinline__ DLoad<U> wg_dload(const RowRef (&rr)[1][2], int kb0, int nblk,
+                                             int t) {
+    DLoad<U> o;
     const u32 step = SOA ? 2u : 210u;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int b = t + 4 * u;
             o.h[hr][u] = b < nblk ? ldg_u16(rr[0][hr].base + rr[0][hr].d + (u32)(kb0 + b) * step)
                                   : 0u;
@@ -168,21 +182,28 @@ __device__ __forceinline__ DLoad wg_dload(const RowRef (&rr)[1][2], int kb0, int
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         o.more[hr] = 0.f;
-        for (int b = t + 8; b < nblk; b += 4)
+        for (int b = t + 4 * U; b < nblk; b += 4)
             o.more[hr] = fmaxf(o.more[hr], fabsf(f16_to_f32(ldg_u16(
                 rr[0][hr].base + rr[0][hr].d + (u32)(kb0 + b) * step))));
     }
     return o;
 }
-__device__ __forceinline__ float2 wg_dmax(const DLoad& l) {
-    float m0 = fmaxf(fmaxf(fabsf(f16_to_f32(l.h[0][0])), fabsf(f16_to_f32(l.h[0][1]))), l.more[0]);
-    float m1 = fmaxf(fmaxf(fabsf(f16_to_f32(l.h[1][0])), fabsf(f16_to_f32(l.h[1][1]))), l.more[1]);
+template <int U>
+__device__ __forceinline__ float2 wg_dmax(const DLoad<U>& l) {
+    float m[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        m[hr] = fabsf(f16_to_f32(l.h[hr][0]));
+#pragma unroll
+        for (int u = 1; u < U; ++u) m[hr] = fmaxf(m[hr], fabsf(f16_to_f32(l.h[hr][u])));
+        m[hr] = fmaxf(m[hr], l.more[hr]);
+    }
 #pragma unroll
     for (int o = 1; o <= 2; o <<= 1) {
-        m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, o));
-        m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, o));
+        m[0] = fmaxf(m[0], __shfl_xor_sync(0xFFFFFFFFu, m[0], o));
+        m[1] = fmaxf(m[1], __shfl_xor_sync(0xFFFFFFFFu, m[1], o));
     }
-    return make_float2(m0, m1);
+    return make_float2(m[0], m[1]);
 }
 
 // CTA = NWG warpgroups (blockDim.x = 128 * NWG). Registers: the accumulators (4*NT), two
@@ -197,7 +218,7 @@ __device__ __forceinline__ float2 wg_dmax(const DLoad& l) {
 template <int NT, int SOA, class In, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typename In::T* x,
                                                            int K, const uint4* xp, PARAMS_OUT) {
-    static_assert(NT == 8, "q6k_wg_f16: 8 n-tiles (m64n64k16) only");
+    static_assert(NT == 8 || NT == 4, "q6k_wg_f16: 8 or 4 n-tiles (m64n64k16, m64n32k16)");
 #ifdef Q6SERVE_WGMMA
     MAKE_W;
     MAKE_OUT;
@@ -213,11 +234,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 
     RowRef rr[1][2], rn[1][2];
     Raw nxt[1][2];
-    DLoad dl = {};  // the d of this tile's rows over the slice, loads in flight
+    constexpr int DU = NT == 8 ? 2 : 4;  // d loads per lane and row (DLoad)
+    DLoad<DU> dl = {};  // the d of this tile's rows over the slice, loads in flight
     if (gt < gtiles) {
         warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
         warp_load<SOA>(nxt, rr, kb0, t);
-        dl = wg_dload<SOA>(rr, kb0, nblk, t);
+        dl = wg_dload<SOA, DU>(rr, kb0, nblk, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
@@ -240,7 +262,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
         // this tile's dmax (loads issued a tile ago, or before the staging), and the next tile's
         // loads issued now (their latency hidden behind this tile)
         const float2 dmx = wg_dmax(dl);
-        if (more) dl = wg_dload<SOA>(rn, kb0, nblk, t);
+        if (more) dl = wg_dload<SOA, DU>(rn, kb0, nblk, t);
         float rinv[2];  // 1 / dmax (0 for a row whose blocks all have d = 0)
         rinv[0] = dmx.x > 0.f ? 1.f / dmx.x : 0.f;
         rinv[1] = dmx.y > 0.f ? 1.f / dmx.y : 0.f;
@@ -295,9 +317,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
 }
 
 #ifdef Q6SERVE_WG_CHECK
-#define INST_WG2(SOA, NWG)                                                                    \
-    template __global__ void q6k_wg_f16<8, SOA, InF16, NWG>(                                  \
+#define INST_WG2(NT, SOA, NWG)                                                                \
+    template __global__ void q6k_wg_f16<NT, SOA, InF16, NWG>(                                 \
         const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_WG(NWG) INST_WG2(true, NWG) INST_WG2(false, NWG) INST_WG2(2, NWG)  // 2: pair streams
-INST_WG(1) INST_WG(2) INST_WG(3)
+#define INST_WG(NT, NWG) INST_WG2(NT, true, NWG) INST_WG2(NT, false, NWG) INST_WG2(NT, 2, NWG)
+INST_WG(8, 1) INST_WG(8, 2) INST_WG(8, 3)  // (layout 2: pair streams)
+INST_WG(4, 2) INST_WG(4, 3)
 #endif

@@ -4,7 +4,8 @@ skipped without CuPy, a GPU, or on a device that is not compute capability 9.0).
 
 Its own risks beyond the K-slice tile's: the B tiles' shared-memory layout and descriptors
 (every k16 step, both k halves, every 8-token group), 64-row warpgroup tiles over rows that
-fill no whole tile, two wgmma groups in flight while the next steps decode, tokens past N
+fill no whole tile, two wgmma groups in flight while the next steps decode (m64n64k16 and
+m64n32k16, whose slices hold up to 14 blocks: more of each row's d ahead), tokens past N
 zero-filled in the staging, split-K partial sums. Each block's scale is folded into A: it adds
 f16((4q - 128) * f16(sc * f16(d / dmax))) and scales by dmax / 4 once per tile (dmax: the row's
 largest |d| over the warp's K slice), other roundings than the K-slice tile's, within the F16
@@ -36,9 +37,10 @@ from q6serve.kernels.cuda.dispatch import Cfg
 from q6serve.kernels.cuda.launch import KS_SMEM_MAX, smem_bytes
 
 pytestmark = [pytest.mark.gpu]
-# 8 n-tiles (its one width since session 15) at one, two and three warpgroups per CTA (the
-# table's cells run three)
-WG_CFGS = tuple(Cfg(nt=8, src=8, pf=True, warps=w) for w in (4, 8, 12))
+# 8 n-tiles (m64n64k16) at one, two and three warpgroups per CTA (the table's cells run three),
+# and 4 (m64n32k16, session 21) at two and three
+WG_CFGS = (tuple(Cfg(nt=8, src=8, pf=True, warps=w) for w in (4, 8, 12))
+           + tuple(Cfg(nt=4, src=8, pf=True, warps=w) for w in (8, 12)))
 
 
 @pytest.fixture(scope="module")

@@ -278,6 +278,11 @@ def test_wgmma_tile_plans_only_on_sm_90():
     assert lp.ks == lp.grid[1] >= 1 and lp.smem <= 227 << 10
     assert (WG_FILE, "q6k_wg_f16<8, false, InF16, 2>") in asked
     assert (WG_FILE, "q6k_wg_f16<8, true, InF16, 2>") in asked
+    # its 32-token form (session 21): 16 KB of activations per K block, so fewer K slices
+    lp4 = lc.plan(4096, 14336, Layout.AOS, "InF16", "mma_f16", Cfg(nt=4, src=8, pf=True,
+                                                                    warps=12), 32)
+    assert (WG_FILE, "q6k_wg_f16<4, false, InF16, 3>") in asked
+    assert lp4.smem == 4 * 8 * 512 * -(-56 // lp4.ks) and lp4.ks <= lp.ks
     asked.clear()
     lc89 = Launcher(SimpleNamespace(sm_count=128, smem_sm=102400, cc="89",
                                     fn=lambda f, n: asked.append((f, n)) or Fn()))
@@ -285,12 +290,12 @@ def test_wgmma_tile_plans_only_on_sm_90():
                                                               ksplit=3), 64)
     assert asked and all(f != WG_FILE and n.startswith(("q6k_ks_f16<8, 1,", "q6k_sum_parts"))
                          for f, n in asked)
-    # the wgmma tile has 8 n-tiles only and two wgmma groups in flight (pf), the f16 tile's src
+    # the wgmma tile has 8 or 4 n-tiles and two wgmma groups in flight (pf), the f16 tile's src
     # 3 no register prefetch (sessions 15 / 21: the variants the dispatch never picked left the
     # kernels: src 6 and 9, src 8 without pf); src 2's pf (session 17: the first block early) at
     # one m-tile only
     for bad in (Cfg(nt=1, src=8, pf=True), Cfg(nt=8, src=8), Cfg(nt=8, mt=2, src=8, pf=True),
-                Cfg(nt=2, src=8, pf=True), Cfg(nt=4, src=8, pf=True, warps=12),
+                Cfg(nt=2, src=8, pf=True), Cfg(nt=4, src=8, warps=12),
                 Cfg(nt=8, src=8, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
                 Cfg(nt=8, src=6, pf=True, warps=12), Cfg(nt=8, src=9, pf=True, warps=12),
                 Cfg(nt=1, mt=2, pf=True), Cfg(nt=2, src=3, pf=True),
