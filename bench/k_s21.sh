@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # k's device command, session 21 (issue 16), bounded by BOUND (s). Bundle A:
 #   1. pytest: the wgmma tile's GPU test after src 6 / 9 left it (tests/kernels/test_cuda_wg.py:
-#      src 8 only, every shape x slice count, extreme scales, zero rows, dtypes, slabs), the
-#      K-slice tests that include it (test_cuda_ks.py) and every table shape's launch (pair vs
+#      src 8 only, at 8 and (new) 4 n-tiles, every shape x slice count, extreme scales, zero
+#      rows, dtypes, slabs), the K-slice tests that include it (test_cuda_ks.py) and every table shape's launch (pair vs
 #      SoA bits, the float64 reference: test_cuda_pairs.py::test_every_table_shape);
 #   2. wg_ab: session 20's q6k_wgmma.cu (bench/ab/q6k_wgmma_s20.cu, V = 3) against today's on
 #      the table's four src 8 cells, the same plan, alternated in one process, bits compared;
 #      beside them (goal 3) today's with three wgmma groups in flight (w3: wait_group 3; 165
-#      registers at 3 warpgroups on pair streams, no spills), also on the two tall weights and
-#      3584x3584 at their model's K split;
+#      registers at 3 warpgroups on pair streams, no spills), also on the two tall weights at
+#      their model's K split;
 #   3. anomaly (goal 1: 14336x4096 N=8 read 69.9 us in session 20's closing check): the cell
-#      re-timed in three processes and orders, every call's spread and the host's enqueue time
+#      re-timed in two processes and orders, every call's spread and the host's enqueue time
 #      beside it (bench/kernels.py --samples; time_calls now retimes behind a longer spin where
 #      the spin ended before the last call was queued), GPU clocks and throttle reasons around;
-#   4. small64: the wgmma tile (src 8) at 1/2/3 warpgroups and forced K splits on the 11-14 MB
-#      weights at N = 64 (goal 3), --cfg-ab against AUTO (the K-slice tile), torch beside.
+#   4. n32: the wgmma tile's 32-token form (src 8 nt 4, m64n32k16: new) at N = 32 on the four
+#      48-56 MB weights, --cfg-ab against AUTO (the K-slice tile), torch beside (goal 3);
+#   5. small64: the wgmma tile (src 8) at 2/3 warpgroups and forced K splits, and as two
+#      32-token chunks (nt 4), on the 11-14 MB weights at N = 64 (goal 3), --cfg-ab.
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/ks21${PHASE:-}
@@ -24,12 +26,12 @@ clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,temperature.gpu \
     --format=csv,noheader 2>&1 | head -2
 }
-step pytest 70 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+step pytest 85 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg.py tests/kernels/test_cuda_ks.py \
   "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
 C="4096x14336:64,3584x18944:64,14336x4096:64:nt8.m1.w12.s8.pf,18944x3584:64:nt8.m1.w12.s8.pf"
-C+=",3584x3584:64:nt8.m1.w12.s8.pf,152064x3584:64,128256x4096:64"
-step wg_ab 45 python3 bench/wg_ab.py --rounds 3 --iters 30 --cells "$C" \
+C+=",152064x3584:64,128256x4096:64"
+step wg_ab 40 python3 bench/wg_ab.py --rounds 3 --iters 30 --cells "$C" \
   --variant 'w3|wg_wait<2>();|wg_wait<3>();' --json "$OUT/wg_ab.json"
 clocks >"$OUT/clocks_before.txt"
 # the closing check's order around the cell (1024x4096 before it, 4096x14336 after), torch beside
@@ -39,13 +41,16 @@ clocks >"$OUT/clocks_mid.txt"
 # the cell alone, N = 8 between its neighbours and three times in a row, no torch
 step anomaly2 12 python3 bench/kernels.py --paths auto --dtypes f16 --ns 16,8,4,8 --repeat 3 \
   --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly2.json"
-step anomaly3 10 python3 bench/kernels.py --paths auto --dtypes f16,f32 --ns 8 --repeat 2 \
-  --iters 200 --shapes 14336x4096 --samples --no-torch --json "$OUT/anomaly3.json"
 clocks >"$OUT/clocks_after.txt"
 S=""
-for w in 4 8 12; do for k in 2 4 7; do S+="64:nt=8,src=8,pf=1,warps=$w,ksplit=$k;"; done; done
-S+="64:nt=8,src=8,pf=1,warps=12;64:nt=8,src=8,pf=1,warps=8;"
-step small64 25 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
+for w in 8 12; do S+="32:nt=4,src=8,pf=1,warps=$w;"; done
+S+="32:nt=4,src=8,pf=1,warps=12,ksplit=2;32:nt=4,src=8,pf=1,warps=12,ksplit=4;"
+step n32 18 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
+  --shapes 4096x14336,14336x4096,18944x3584,3584x18944 --json "$OUT/n32.json"
+S=""
+for w in 8 12; do for k in 2 4 7; do S+="64:nt=8,src=8,pf=1,warps=$w,ksplit=$k;"; done; done
+S+="64:nt=8,src=8,pf=1,warps=12;64:nt=4,src=8,pf=1,warps=12;64:nt=4,src=8,pf=1,warps=12,ksplit=1;"
+step small64 20 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
   --shapes 3584x3584,4096x4096 --json "$OUT/small64.json"
 {
   echo "== k bundle ${PHASE:-a} (tree $(tree_commit)), $(elapsed)"
@@ -53,7 +58,7 @@ step small64 25 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
   echo "# wg_ab: shape N cfg kernel us now_us now/it bits-vs-now"
   grep -E "^ *[0-9]+x[0-9]+ " "$OUT/wg_ab.log" 2>/dev/null
   echo "# anomaly: the 14336x4096 rows (us TB/s; # lines: min p10 p50 p90 max, host us/call, spin)"
-  for f in anomaly1 anomaly2 anomaly3; do
+  for f in anomaly1 anomaly2; do
     echo "## $f"
     grep -A1 -E "^ *14336x4096 +(4|8|16) +auto" "$OUT/$f.log" 2>/dev/null | grep -v "^--" \
       | sed -E 's/ +/ /g' | cut -c1-150
@@ -61,12 +66,14 @@ step small64 25 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
   done
   echo "# clocks (sm, mem, throttle, power, temp): before / mid / after"
   cat "$OUT"/clocks_before.txt "$OUT"/clocks_mid.txt "$OUT"/clocks_after.txt 2>/dev/null
-  echo "# small64 (cfg-ab): shape N AUTO us | cand us AUTO/cand rel torch (best 5)"
-  python3 - "$OUT/small64.log" <<'PY'
+  echo "# n32, small64 (cfg-ab): shape N AUTO us | cand us AUTO/cand rel torch (best 5)"
+  python3 - "$OUT/n32.log" "$OUT/small64.log" <<'PY'
 import os, re, sys
 rows = {}
-if os.path.exists(sys.argv[1]):
-    for line in open(sys.argv[1]):
+for f in sys.argv[1:]:
+    if not os.path.exists(f):
+        continue
+    for line in open(f):
         m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*(\S*)", line)
         if m:
             d = rows.setdefault((m[1], m[2]), {"auto": f"{m[3]} {m[4]}", "torch": m[9], "c": []})
