@@ -4,9 +4,9 @@
 #      src 8 only, at 8 and (new) 4 n-tiles, every shape x slice count, extreme scales, zero
 #      rows, dtypes, slabs), the K-slice tests that include it (test_cuda_ks.py) and every table shape's launch (pair vs
 #      SoA bits, the float64 reference: test_cuda_pairs.py::test_every_table_shape);
-#   2. wg_ab: session 20's q6k_wgmma.cu (bench/ab/q6k_wgmma_s20.cu, V = 3) against today's on
-#      the table's four src 8 cells, the same plan, alternated in one process, bits compared;
-#      beside them (goal 3) today's with three wgmma groups in flight (w3: wait_group 3; 165
+#   2. wg_ab (at tree 7a7eded also session 20's q6k_wgmma.cu, bench/ab/q6k_wgmma_s20.cu there,
+#      V = 3, against today's on the src 8 cells: the same plan, alternated in one process, bits
+#      compared; that copy left after bundle A) (goal 3) today's with three wgmma groups in flight (w3: wait_group 3; 165
 #      registers at 3 warpgroups on pair streams, no spills), also on the two tall weights at
 #      their model's K split;
 #   3. anomaly (goal 1: 14336x4096 N=8 read 69.9 us in session 20's closing check): the cell
@@ -17,6 +17,15 @@
 #      48-56 MB weights, --cfg-ab against AUTO (the K-slice tile), torch beside (goal 3);
 #   5. small64: the wgmma tile (src 8) at 2/3 warpgroups and forced K splits, and as two
 #      32-token chunks (nt 4), on the 11-14 MB weights at N = 64 (goal 3), --cfg-ab.
+# Bundle B (PHASE=b, bound 130):
+#   1. pytest: test_cuda_wg.py with the 32-token form (nt 4) beside nt 8;
+#   2. spin0: the anomaly's mechanism: 14336x4096 N = 4/8/16 timed with no spin kernel ahead of
+#      the calls (--spin-cycles 0: the GPU waits on the host between calls, as when a slow host
+#      outruns the spin), beside the default (bundle A: the host enqueues a call in 73-137 us,
+#      the spin buys ~200 us per call);
+#   3. n32: the 32-token wgmma tile (src 8 nt 4) at N = 32 on the four 48-56 MB weights and the
+#      two lm-heads, --cfg-ab against AUTO, torch beside;
+#   4. n64c: the same as two 32-token chunks at N = 64 on the 11-14 MB weights.
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/ks21${PHASE:-}
@@ -26,6 +35,48 @@ clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,power.draw,temperature.gpu \
     --format=csv,noheader 2>&1 | head -2
 }
+cfgab_table() {  # cfg-ab logs -> shape N AUTO us torch | the five best candidates
+  python3 - "$@" <<'PY'
+import os, re, sys
+rows = {}
+for f in sys.argv[1:]:
+    if not os.path.exists(f):
+        continue
+    for line in open(f):
+        m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*(\S*)", line)
+        if m:
+            d = rows.setdefault((m[1], m[2]), {"auto": f"{m[3]} {m[4]}", "torch": m[9], "c": []})
+            d["c"].append((float(m[6]), m[5], m[7], m[8]))
+for (s, n), d in rows.items():
+    best = sorted(d["c"])[:5]
+    print(s, n, d["auto"], "torch", d["torch"], "|", "  ".join(f"{l} {u:.1f} {x} {r}" for u, l, x, r in best))
+PY
+}
+if [[ ${PHASE:-a} == b ]]; then
+  step pytest 50 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
+    tests/kernels/test_cuda_wg.py
+  step spin0 12 python3 bench/kernels.py --paths auto --dtypes f16 --ns 4,8,16 --shapes 14336x4096 \
+    --samples --no-torch --spin-cycles 0 --repeat 2 --json "$OUT/spin0.json"
+  S=""
+  for w in 8 12; do S+="32:nt=4,src=8,pf=1,warps=$w;"; done
+  S+="32:nt=4,src=8,pf=1,warps=12,ksplit=2;32:nt=4,src=8,pf=1,warps=12,ksplit=4;"
+  step n32 45 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
+    --shapes 4096x14336,3584x18944,14336x4096,18944x3584,152064x3584,128256x4096 \
+    --json "$OUT/n32.json"
+  S="64:nt=4,src=8,pf=1,warps=12;64:nt=4,src=8,pf=1,warps=8;64:nt=4,src=8,pf=1,warps=12,ksplit=1;"
+  step n64c 12 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
+    --shapes 3584x3584,4096x4096 --json "$OUT/n64c.json"
+  {
+    echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# spin0: 14336x4096 with no spin ahead (us TB/s; # min p10 p50 p90 max, host us/call)"
+    grep -A1 -E "^ *14336x4096 +(4|8|16) +auto" "$OUT/spin0.log" 2>/dev/null | grep -v "^--" \
+      | sed -E 's/ +/ /g' | cut -c1-150
+    echo "# n32, n64c (cfg-ab): shape N AUTO us torch | cand us AUTO/cand rel (best 5)"
+    cfgab_table "$OUT/n32.log" "$OUT/n64c.log"
+  } | table
+  exit 0
+fi
 step pytest 85 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
   tests/kernels/test_cuda_wg.py tests/kernels/test_cuda_ks.py \
   "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
@@ -67,19 +118,5 @@ step small64 20 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 \
   echo "# clocks (sm, mem, throttle, power, temp): before / mid / after"
   cat "$OUT"/clocks_before.txt "$OUT"/clocks_mid.txt "$OUT"/clocks_after.txt 2>/dev/null
   echo "# n32, small64 (cfg-ab): shape N AUTO us | cand us AUTO/cand rel torch (best 5)"
-  python3 - "$OUT/n32.log" "$OUT/small64.log" <<'PY'
-import os, re, sys
-rows = {}
-for f in sys.argv[1:]:
-    if not os.path.exists(f):
-        continue
-    for line in open(f):
-        m = re.match(r"\s*(\d+x\d+)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*(\S*)", line)
-        if m:
-            d = rows.setdefault((m[1], m[2]), {"auto": f"{m[3]} {m[4]}", "torch": m[9], "c": []})
-            d["c"].append((float(m[6]), m[5], m[7], m[8]))
-for (s, n), d in rows.items():
-    best = sorted(d["c"])[:5]
-    print(s, n, d["auto"], "torch", d["torch"], "|", "  ".join(f"{l} {u:.1f} {x} {r}" for u, l, x, r in best))
-PY
+  cfgab_table "$OUT/n32.log" "$OUT/small64.log"
 } | table

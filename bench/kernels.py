@@ -116,7 +116,7 @@ def random_blocks(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
 # enqueued (if not, the GPU waited on Python between calls and an event pair can hold host time:
 # session 20's closing check read 14336x4096 N=8 at 69.9 us against 21.2 the session before)
 TIMING: dict = {}
-SPIN_CYCLES = 400_000  # per queued call: ~200 us at the H200's clock
+SPIN_CYCLES = 400_000  # per queued call: ~200 us at the H200's clock (--spin-cycles)
 
 
 def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:
@@ -129,7 +129,7 @@ def time_calls(cp, fn, copies: int, warmup: int = 3, iters: int = 40) -> float:
         fn(i % copies)
     stream.synchronize()
     spin = cp.RawKernel(SPIN_SRC, "spin")
-    for scale in (1, 8):
+    for scale in (1, 8) if SPIN_CYCLES else (1,):
         evs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(iters)]
         # Keep the GPU busy while the host enqueues, so the events time the GPU, not Python.
         # (~200 us per queued call: more than Python needs to enqueue one; 16 ms at 40 calls)
@@ -797,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="end with one line per shape and N: AUTO vs the fastest row")
     ap.add_argument("--samples", action="store_true",
                     help="after each row its calls' spread and the host's enqueue time")
+    ap.add_argument("--spin-cycles", type=int, default=None,
+                    help="GPU cycles the spin kernel buys per queued call (0: no spin, so the "
+                    "GPU waits on the host between calls: what a slow host does to the figure; "
+                    f"default {SPIN_CYCLES})")
     ap.add_argument("--repeat", type=int, default=1,
                     help="time each row this many times in a row (each printed)")
     ap.add_argument("--only", default=None,
@@ -844,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--ab-cells: a candidate's |y - y_AUTO| / |y_AUTO| below this")
     ap.add_argument("--note", default="", help="--ab-cells: appended to the table's note")
     a = ap.parse_args(argv)
+    if a.spin_cycles is not None:
+        globals()["SPIN_CYCLES"] = a.spin_cycles  # time_calls reads the module's value
     if a.ab_cells:
         from q6serve.kernels.cuda.dispatch import DEFAULT_TABLE
 

@@ -1,16 +1,17 @@
-"""Session 21 (issue 16 item 2): the wgmma tile as session 20 left it (its file kept for this
-A/B as bench/ab/q6k_wgmma_s20.cu, the instantiation V = 3 its src 8 pf cells ran) against
-today's ``q6k_wg_f16`` (src 6 / 9 and V removed, the dequantize branches merged) on the table's
-src 8 cells: the same launch plan (grid, K split, shared memory, split-K sum) with either
-kernel, alternated ``--rounds`` times in one process (device events, the weight rotated over
-copies as in bench/kernels.py), y compared bit for bit.
+"""Variants of the wgmma tile ``q6k_wg_f16`` (src 8) against today's on the same launch plan
+(grid, K split, shared memory, split-K sum): each variant is today's kernels/cuda/q6k_wgmma.cu
+with a text replacement (``--variant 'LABEL|OLD TEXT|NEW TEXT'``, every occurrence), compiled
+for sm_90a as the loader builds that file; the kernels alternated ``--rounds`` times in one
+process (device events, the weight rotated over copies as in bench/kernels.py), y compared bit
+for bit with today's (a variant may change the bits: the line says so).
 
-    python bench/wg_ab.py [--cells 4096x14336:64,...] [--rounds 3] [--iters 30] [--json f]
-                          [--no-s20] [--variant 'LABEL|OLD TEXT|NEW TEXT' ...]
+    python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
+                          [--rounds 3] [--iters 30] [--json f]
 
-``--variant``: also today's q6k_wgmma.cu with OLD TEXT replaced by NEW TEXT (every occurrence;
-an experiment timed on the same plan, e.g. another wgmma wait depth); its bits are compared with
-today's too (a variant may change them: the line says so).
+Session 21 (H200, bundle A, tree 7a7eded) ran it with session 20's file as a further kernel
+(the same bits and 0.98-1.02x in the seven src 8 cells after src 6 / 9 left the file; that copy
+is in git history, bench/ab/q6k_wgmma_s20.cu at 7a7eded) and with w3 (three wgmma groups in
+flight: 1.000-1.015x, the same bits).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from q6serve.kernels.cuda import loader
 from q6serve.kernels.cuda.launch import kernel_name
 from q6serve.kernels.cuda_backend import weight_data
 
-OLD_FILE = Path(__file__).resolve().parent / "ab" / "q6k_wgmma_s20.cu"
 CELLS = "4096x14336:64,3584x18944:64,152064x3584:64,128256x4096:64"
 
 
@@ -66,11 +66,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--no-s20", action="store_true", help="leave out session 20's kernel")
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL|OLD TEXT|NEW TEXT: today's file with a replacement")
     a = ap.parse_args()
     variants = [variant_text(v) for v in a.variant]
+    if not variants:
+        raise SystemExit("no --variant given")
     import cupy as cp
 
     from q6serve.kernels.cuda_backend import CudaBackend
@@ -100,10 +101,8 @@ def main() -> int:
                                   be.storage.pairs)
             name = kernel_name("mma_f16", ch.cfg, 2 if be.storage.pairs else True, "InF16")
             plans = {"now": lp}
-            texts = ([] if a.no_s20 else [("s20", OLD_FILE.read_text(), name[:-1] + ", 3>")])
-            texts += [(lab, text, name) for lab, text in variants]
-            for lab, text, nm in texts:
-                fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, nm)
+            for lab, text in variants:
+                fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
                 if lp.smem > int(fo.max_dynamic_shared_size_bytes):
                     fo.max_dynamic_shared_size_bytes = lp.smem
                 plans[lab] = replace(lp, fn=fo)
@@ -137,8 +136,7 @@ def main() -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"results": out}, fh, indent=1)
-    # the exit status: session 20's kernel gave today's bits in every cell (variants may not)
-    return 0 if out and all(r["same_bits"].get("s20", True) for r in out) else 1
+    return 0 if out else 1
 
 
 if __name__ == "__main__":

@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 struct KsPos {
     int lane, warp, g, t, tok0, kb0, nblk;
 };
-// Every K-slice tile (src 4, 5, 6, 8) starts here, so this is where it lets its split-K sum
+// Every K-slice tile (src 4, 5, 7, 8) starts here, so this is where it lets its split-K sum
 // launch (PDL; q6k_sum_parts waits for the tile's results itself).
 template <int NT>
 __device__ __forceinline__ KsPos ks_pos(int bpr) {
