@@ -52,6 +52,22 @@ for (s, n), d in rows.items():
     print(s, n, d["auto"], "torch", d["torch"], "|", "  ".join(f"{l} {u:.1f} {x} {r}" for u, l, x, r in best))
 PY
 }
+if [[ ${PHASE:-a} == c ]]; then
+  # bundle C (optional, bound 60): bundle B's two table cells (the lm-heads' N=32 on the
+  # 32-token wgmma tile) checked: every table shape's launch (pair vs SoA bits, the reference)
+  # and --table-ab against main d1a3fcc's table, old / new alternated twice in one process
+  step pytest_tables 30 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    -o faulthandler_timeout=60 "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
+  step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_d1a3fcc.json \
+    --columns auto --iters 30 --shapes 152064x3584,128256x4096 --ns 32 --json "$OUT/tableab.json"
+  {
+    echo "== k bundle c (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# tableab: shape N column old new us ratio"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" 2>/dev/null
+  } | table
+  exit 0
+fi
 if [[ ${PHASE:-a} == b ]]; then
   step pytest 50 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=60 \
     tests/kernels/test_cuda_wg.py
