@@ -53,18 +53,26 @@ for (s, n), d in rows.items():
 PY
 }
 if [[ ${PHASE:-a} == c ]]; then
-  # bundle C (optional, bound 60): bundle B's two table cells (the lm-heads' N=32 on the
-  # 32-token wgmma tile) checked: every table shape's launch (pair vs SoA bits, the reference)
-  # and --table-ab against main d1a3fcc's table, old / new alternated twice in one process
+  # bundle C (bound 100): bundle B's two table cells (the lm-heads' N=32 on the 32-token wgmma
+  # tile) checked: every table shape's launch (pair vs SoA bits, the reference) and --table-ab
+  # against main d1a3fcc's table, old / new alternated twice in one process; then the
+  # 152064x3584 cell's K split (B: k2 171.3, k4 201.2, the model's 243.7 us) at 2 / 3 against
+  # AUTO (now k2), alternated twice in one process
   step pytest_tables 30 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
     -o faulthandler_timeout=60 "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
   step tableab 25 python3 bench/kernels.py --table-ab bench/results/2026-12-03_dispatch_h200_d1a3fcc.json \
     --columns auto --iters 30 --shapes 152064x3584,128256x4096 --ns 32 --json "$OUT/tableab.json"
+  S="32:nt=4,src=8,pf=1,warps=12,ksplit=3;32:nt=4,src=8,pf=1,warps=8,ksplit=2;"
+  S+="32:nt=4,src=8,pf=1,warps=8,ksplit=3;"
+  step k3 20 python3 bench/kernels.py --cfg-ab "$S" --rounds 2 --iters 30 --shapes 152064x3584 \
+    --json "$OUT/k3.json"
   {
     echo "== k bundle c (tree $(tree_commit)), $(elapsed)"
     steps
     echo "# tableab: shape N column old new us ratio"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16)" "$OUT/tableab.log" 2>/dev/null
+    echo "# k3 (cfg-ab): shape N AUTO us torch | cand us AUTO/cand rel"
+    cfgab_table "$OUT/k3.log"
   } | table
   exit 0
 fi
