@@ -4,6 +4,7 @@ large (16 to ``X_SPLIT_MAX_N`` tokens) to token halves before row chunks."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -624,3 +625,111 @@ def test_a_cached_call_is_found_before_the_checks_and_keeps_them(monkeypatch):
         be.launch(w, _x(be, rng, 4, 14336, False))
     for h in held:
         h.wait()
+
+
+def _kernel_writes_y(monkeypatch, n: int, rows: int) -> list[np.ndarray]:
+    """The fake device's tile kernel stores a y of its own (a new one each launch, appended to
+    the list returned) at its y argument, as a device kernel would: into the device y, or
+    with point 11 into the pinned block whose address it was given."""
+    from tests.kernels.test_cuda_backend_host import _Fn
+
+    made: list[np.ndarray] = []
+
+    def call(self, grid, block, args, shared_mem=0) -> None:
+        def run() -> None:
+            self.dev.count("kernel")
+            if len(args) == 11 and int(args[10]) == n:  # (the mma_f16 tile's: y is args[7])
+                y = (np.arange(n * rows, dtype=np.float32) % 997 + len(made)).reshape(n, rows)
+                made.append(y)
+                ctypes.memmove(int(args[7]), y.ctypes.data, y.nbytes)
+
+        self.dev.op(run)
+
+    monkeypatch.setattr(_Fn, "__call__", call)
+    return made
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_direct_y_is_stored_into_its_block(monkeypatch, staged):
+    """Point 11 on (Y_DIRECT_MIN 1.5 MiB): 14336x4096 at N=64 (3.7 MB of f32 y) is neither
+    split nor downloaded: its kernel's y argument is the pinned block the result is handed out
+    in, on every kind of call (the first, then the cached DirectYCall); a held result keeps
+    its block and values while later calls run; beside a launch in flight, or for a bf16 y,
+    the plain sequence and its DMA as before."""
+    from q6serve.kernels.cuda.launch import DirectYCall
+
+    monkeypatch.setattr(launch_mod, "Y_DIRECT_MIN", Y_MIN)
+    be, cp, _, w = _two_slab(monkeypatch)
+    made = _kernel_writes_y(monkeypatch, 64, 14336)
+    lc = be.launcher
+    assert lc.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == 1
+    assert lc.chunks_for(w.data, 0, 16 * 14336, 16 * 4096 * 2, 16) == 0  # 0.9 MB: under it
+    rng = np.random.default_rng(51)
+    held = []
+    for _ in range(5):
+        res = be.launch(w, _x(be, rng, 64, 4096, staged)).wait()
+        assert res.y.dtype == np.float32 and np.array_equal(res.y, made[-1])
+        held.append(res.y)
+    assert not cp.counts.get("d2h") and not cp.counts.get("d2h2d") and not cp.counts.get("graph")
+    assert [type(c) for c in w.data.plans.values()].count(DirectYCall) == 1
+    for y, want in zip(held, made, strict=True):  # each result its own block, untouched
+        assert np.array_equal(y, want)
+    assert len({_ptr(y) for y in held}) == 5
+    p = _ptr(held[2])
+    del held[2:]
+    y = be.launch(w, _x(be, rng, 64, 4096, staged)).wait().y  # a released block again
+    assert _ptr(y) == p and np.array_equal(y, made[-1])
+    del y
+    a = be.launch(w, _x(be, rng, 1, 4096, False))  # beside a launch in flight: plain, DMA'd
+    assert lc.chunks_for(w.data, lc.ws.free_slot(), 64 * 14336, 64 * 4096 * 2, 64) == 0
+    y = be.launch(w, _x(be, rng, 64, 4096, staged)).wait().y
+    a.wait()
+    assert np.array_equal(y, made[-1]) and cp.counts.get("d2h")
+    before = cp.counts["d2h"]
+    y = be.launch(w, _x(be, rng, 64, 4096, staged), out_dtype=BFLOAT16).wait().y
+    assert y.dtype == BFLOAT16 and np.array_equal(y, made[-1].astype(BFLOAT16))
+    assert cp.counts["d2h"] == before + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584), (4096, 14336)])
+def test_direct_y_on_the_gpu_is_bit_identical(rng, monkeypatch, rows, k):
+    """On a device (point 11 on from 512 KiB): N = 64 and 32 calls whose kernels store y into
+    its pinned block give the plain call's y (nothing split, y DMA'd) bit for bit, staged and
+    copied x, the first calls and the cached DirectYCall; a held result keeps its values while
+    later calls run; beside a launch in flight: plain."""
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from q6serve.kernels.cuda.launch import DirectYCall
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
+
+    be = _gpu_backend()(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    try:
+        for n in (64, 32):
+            xs = [rng.standard_normal((n, k)).astype(np.float16) for _ in range(3)]
+            monkeypatch.setattr(launch_mod, "Y_DIRECT_MIN", 0)
+            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+            monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 0)
+            be.launcher.y_chunks = 0
+            refs = [be.matmul(w, x).y.copy() for x in xs]
+            be.launcher.y_chunks = None
+            monkeypatch.setattr(launch_mod, "Y_DIRECT_MIN", 1 << 19)
+            held = []
+            for i in range(6):
+                x = xs[i % 3]
+                r = be.launch(w, staged_copy(be, x) if i % 2 else x).wait()
+                np.testing.assert_array_equal(r.y, refs[i % 3])
+                assert r.timing.seconds() is not None
+                held.append((r.y, refs[i % 3]))
+            assert any(isinstance(c, DirectYCall) for c in w.data.plans.values())
+            for y, ref in held:
+                np.testing.assert_array_equal(y, ref)
+            a = be.launch(w, staged_copy(be, xs[0][:1]))  # beside a launch in flight: plain
+            np.testing.assert_array_equal(be.launch(w, xs[1]).wait().y, refs[1])
+            a.wait()
+    finally:
+        be.launcher.y_chunks = None
+        be.free(w)
+        be.close()
