@@ -94,15 +94,6 @@ host path of one batch:
    pool, as NumPy's copy releases the GIL: 4096x14336 N=64 unstaged host 269.6 -> 402.6 us,
    14336x4096 N=32 83.7 -> 284.5: the hand-offs cost more than the copy.)
 
-11. y stored by the kernels straight into host memory (``Y_DIRECT_MIN`` bytes of f32 y or more;
-   idle, as the row chunks; 0: off): the call's launches take the device address of a kept
-   pinned y block (``Workspace.y_block``; cudaHostAlloc'd, so mapped) as their y, so y crosses
-   the bus while the kernels run instead of in a DMA after them (no row chunks, no token
-   halves, no extra kernel time, the same kernels and so the same bits). Its launches are
-   direct (each block its own steps: a graph would bake one block in), cached as a
-   :class:`DirectYCall`; the events around them time the kernels with their stores to the
-   host. Issue 14 goal 1, session 21 (bench/host_y_probe.py, bench/backend_wall.py).
-
 cuBLAS calls (N > 256, or the kill switch) run their dequant+GEMM sequence directly each time.
 """
 
@@ -245,12 +236,6 @@ X_SPLIT_MIN = 3 << 19  # 1.5 MiB
 # than the download they hide, hence 3 MiB. Bits equal (GPU tests). The 2D copies are not what
 # cost: y down as two column blocks took 72.4 us against 69.9 in one copy.
 X_SPLIT_Y_MIN = 3 << 20  # 3 MiB
-# point 11: an idle call's f32 y of Y_DIRECT_MIN bytes or more stored by its kernels into the
-# pinned block it is handed out in (before the row chunks and token halves); 0: off
-Y_DIRECT_MIN = 0
-# the steps kept per direct-y sequence, one list per pinned block address seen (Y_BLOCKS blocks
-# are kept; a call past them takes a block from CuPy's pool, at an address of its own)
-Y_DIRECT_STEPS = 16
 X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
@@ -784,16 +769,13 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     module docstring point 8; its way out is enqueued per call, chunk by chunk); ("tokens", 2)
     for a larger f32/bf16 y of 16 tokens or more when ``chunks`` is -2 (the token halves,
     point 10; its way out likewise, half by half) for 16 to ``X_SPLIT_MAX_N`` tokens; ("tokens",
-    2, C) when it is -2 C (each half in C row chunks: X_SPLIT_ROWS); ("direct",) for an f32 y
-    when ``chunks`` is 1 (the kernels store it into its pinned block, point 11)."""
+    2, C) when it is -2 C (each half in C row chunks: X_SPLIT_ROWS)."""
     if topk:
         return ("topk", topk) if cuda_topk.bindable() else None
     dt = np.dtype(np.float32) if out_dtype is None else np.dtype(out_dtype)
     if dt in (np.float32, BFLOAT16):
         if dt == np.float32 and n * rows * 4 <= SMALL_Y_F32:
             return dt
-        if chunks == 1:  # point 11 (an f32 y only: a bf16 one is converted on the host)
-            return ("direct",) if dt == np.float32 else None
         if chunks < -1:
             if not 16 <= n <= X_SPLIT_MAX_N:
                 return None
@@ -909,56 +891,6 @@ class BoundCall:
             self.ws._held[self.slot] = False
         return MatmulResult(y, self.kernel, self.layout, self.precision,
                             KernelTiming(host_seconds=seconds), topk=top)
-
-
-class DirectYCall:
-    """A cached call of a direct-y sequence (module docstring, point 11; the counterpart of
-    :class:`BoundCall`, which needs a graph): x into the slot's staging buffer unless built
-    there, :meth:`Launcher.launch_direct_y`, the slot's completion event; after the sync the
-    kernel time and the result, y being the pinned block the kernels stored it in."""
-
-    __slots__ = ("b", "cw", "dev", "done", "host", "host_ptr", "kernel", "layout", "lc", "n",
-                 "precision", "slot", "stream", "w", "ws")
-
-    def __init__(self, lc: Launcher, b: Bound, slot: int, w: ResidentWeight, cw: CudaWeight,
-                 kernel: str, precision: Precision) -> None:
-        self.lc, self.b, self.ws, self.slot, self.w, self.cw = lc, b, lc.ws, slot, w, cw
-        self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
-        self.done = lc.ws.done_event(slot)
-        self.host = lc.ws.host(b.x_bytes, slot)
-        self.host_ptr = self.host.ctypes.data  # (ndarray.ctypes costs ~4 us: once)
-        self.n = b.extra["shape"][0]
-        self.kernel, self.layout, self.precision = kernel, w.layout, precision
-
-    def live(self) -> bool:
-        return self.b.gen == self.ws.gen
-
-    def launch(self, x: np.ndarray | None = None) -> Launched:
-        """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
-        ws, slot, stream = self.ws, self.slot, self.stream
-        if ws._held[slot]:
-            raise DeviceError("x was staged in a buffer a launch in flight still uses")
-        if x is not None:
-            self.host[: self.b.x_bytes] = x.reshape(-1).view(np.uint8)
-        ws._held[slot] = True
-        try:
-            with self.dev, stream:
-                finish = self.lc.launch_direct_y(self.b, self.w, self.cw, self.n,
-                                                 self.host_ptr)
-                self.done.record(stream)
-        except BaseException:
-            ws._held[slot] = False
-            raise
-        return Launched(lambda: self._wait(finish))
-
-    def _wait(self, finish: Callable[[], Done]) -> MatmulResult:
-        try:
-            self.done.synchronize()
-            y, _, seconds = finish()
-        finally:
-            self.ws._held[self.slot] = False
-        return MatmulResult(y, self.kernel, self.layout, self.precision,
-                            KernelTiming(host_seconds=seconds))
 
 
 class _RegionSeq:
@@ -1353,16 +1285,13 @@ class Launcher:
     def chunks_for(self, cw: CudaWeight, slot: int, ys: int | None = None,
                    xs: int = 0, n: int = 0) -> int:
         """The split of a launch in ``slot`` now: C > 1 row chunks (:meth:`chunks_wanted`),
-        1 y stored into host memory by the kernels (``Y_DIRECT_MIN``, point 11; before the
-        rest), -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked; or
+        -2 token halves (``X_SPLIT_MIN``: an x of ``xs`` bytes or more, not row-chunked; or
         ``X_SPLIT_Y_MIN``: ``n`` tokens, 16 to ``X_SPLIT_MAX_N``, of an f32 y that large,
         before row chunks), -2 C token halves in C row chunks each (``X_SPLIT_ROWS``), 0
         none; none while another launch is in flight (``Y_CHUNKS_IDLE``). A y of ``ys``
         values (N x rows) under ``Y_CHUNK_MIN`` as f32 is never row-chunked, and with an x
         under ``X_SPLIT_MIN`` and a y under both the state is 0 with no look at the slots (a
         small call's cached BoundCall is keyed by it)."""
-        if Y_DIRECT_MIN and ys is not None and 4 * ys >= Y_DIRECT_MIN:  # point 11
-            return 0 if Y_CHUNKS_IDLE and self.ws.busy(slot) else 1
         rows = ys is None or 4 * ys >= Y_CHUNK_MIN
         by_y = (bool(X_SPLIT_Y_MIN) and ys is not None and 4 * ys >= X_SPLIT_Y_MIN
                 and 16 <= n <= X_SPLIT_MAX_N)
@@ -1784,8 +1713,6 @@ class Launcher:
         if topk and small is None:
             return None
         b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
-        if b is not None and "ysteps" in b.extra and b.gen == self.ws.gen:
-            return DirectYCall(self, b, slot, w, cw, kernel, precision)
         if b is None or not b.graph or b.gen != self.ws.gen:
             return None
         return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision)
@@ -1827,14 +1754,6 @@ class Launcher:
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
             b = self._bind(w, cw, key, x.nbytes)
-        if "ysteps" in b.extra:  # point 11
-            finish_y = self.launch_direct_y(b, w, cw, n, host.ctypes.data)
-
-            def direct_done() -> Done:
-                self._wait(slot)
-                return finish_y()
-
-            return direct_done
         if b.graph:
             b.graph.launch(stream)
             finish = self._finish_bound(b, n, w.rows, out_dtype, topk, slot)
@@ -1937,45 +1856,6 @@ class Launcher:
 
         return done
 
-    def launch_direct_y(self, b: Bound, w: ResidentWeight, cw: CudaWeight, n: int,
-                        src: int) -> Callable[[], Done]:
-        """Enqueue a direct-y sequence (point 11): x up from ``src`` (the address of the
-        slot's staging buffer), the launches between the timing events with a pinned y
-        block's device address as their y. Returns what reads the result once the caller
-        has waited for the slot's event (which it records after this): (the block's f32 y
-        [N, rows], None, the kernels' seconds). Call under the device and stream."""
-        stream = self.ctx.stream
-        ptr, blk = self.ws.y_block(4 * n * w.rows)
-        steps = b.extra["ysteps"].get(ptr)
-        if steps is None:
-            steps = self._direct_steps(b, w, cw, n, ptr)
-        self._upload(b, src)
-        start, end = b.start, b.end
-        start.record(stream)
-        for s in steps:
-            s()
-        end.record(stream)
-        y = blk.view(np.float32).reshape(n, w.rows)
-        seconds = self._seconds
-
-        def done() -> Done:  # (the slot's event: recorded by the caller after this)
-            return y, None, seconds(start, end)
-
-        return done
-
-    def _direct_steps(self, b: Bound, w: ResidentWeight, cw: CudaWeight, n: int,
-                      ptr: int) -> list[Step]:
-        """``b``'s launches with y at the device address of the pinned block at ``ptr``
-        (kept per address, at most ``Y_DIRECT_STEPS``; the workspace's scratch as bound)."""
-        dev = self.device_ptr(ptr)
-        steps = self.steps(b.extra["direct"], w, cw, b.extra["xd"], ptr if dev is None else dev,
-                           n)
-        kept = b.extra["ysteps"]
-        if len(kept) >= Y_DIRECT_STEPS:
-            kept.clear()
-        kept[ptr] = steps
-        return steps
-
     def _wait(self, slot: int | None) -> None:
         """Block until the launch in ``slot`` is done (None: everything on the stream)."""
         if slot is None:
@@ -2044,7 +1924,7 @@ class Launcher:
             else:
                 steps = self.steps(lp, w, cw, xd, y, n)
             out, post, y16big = None, [], None
-            if kind in ("rows", "tokens", "direct"):  # y's way out per call (_finish, ...)
+            if kind in ("rows", "tokens"):  # y's way out enqueued per call (_chunks_out/_finish)
                 pass
             elif small == "y16":  # a larger f16 y: converted in the sequence, copied per call
                 y16big = self.ws.ptr("y16b", 2 * n * w.rows)
@@ -2077,9 +1957,6 @@ class Launcher:
         if chunks:
             b.extra["chunks"] = [(r0, r1, ev) for (r0, r1, _), ev in zip(chunks, evs,
                                                                          strict=True)]
-        if kind == "direct":  # point 11: steps per y block (_direct_steps), no graph
-            b.extra.update(direct=lp, ysteps={})
-            b.graph = False
         if halves:
             b.extra.update(waits=waits, xparts=xparts, tokens=[(t0, t1) for t0, t1, _ in halves],
                            fork=cp.cuda.Event(disable_timing=True),
