@@ -9,7 +9,9 @@
 #    Python before the graph launch, cuGraphLaunch, y's way out), alternated per round: def; one
 #    (nothing split); ck (one, x up by the copy kernel up to 2 MiB: no memcpy node in the
 #    graph); r4 (14336x4096 in 4 slabs and 4 row chunks, no halves).
-# 2. Goal 3: the 2-layer replay at S=1 with the caller's loop spinning 1000 us (longer than a
+# 2. bench/graph_launch_probe.py: Graph.launch's host time for one H2D memcpy node against the
+#    copy kernel, 64 KiB .. 3.5 MiB, with the staging buffer just filled or not.
+# 3. Goal 3: the 2-layer replay at S=1 with the caller's loop spinning 1000 us (longer than a
 #    call's round trip) against a plain caller, alternated 0,1000,0,1000.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -21,6 +23,7 @@ if [[ $PHASE == b ]]; then
   step wall 20 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 64 \
     --modes staged --probe --calls 200 --rounds 3 --json "$OUT/wall.json" \
     --variants "def;one:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,Y_CHUNKS=0;ck:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,Y_CHUNKS=0,COPY_KERNEL_MAX=2097152;r4:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,SLAB_ROWS=-4,Y_CHUNKS=4"
+  step glp 10 python3 bench/graph_launch_probe.py --calls 200 --json "$OUT/glp.json"
   if left 15; then
     step spin "$(bound 35 2)" python3 bench/service.py --backend "${BACKEND:-cuda}" --replay \
       --layers 2 --replay-seqs 1 --multi on --replay-spins 0,1000,0,1000 --seconds 1.0 \
@@ -30,6 +33,7 @@ if [[ $PHASE == b ]]; then
     echo "# hp bundle B, tree $(tree_commit), $(elapsed)"
     grep -E "staged +[0-9]" "$OUT/wall.log" | tail -8 | cut -c1-260  # the last round's
     grep -A8 "^# variants" "$OUT/wall.log" | cut -c1-200
+    cat "$OUT/glp.log"
     grep -E "^replay|step p50" "$OUT/spin.log" 2>/dev/null | tail -8 | cut -c1-200
     steps
   } | table
