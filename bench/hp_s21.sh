@@ -7,8 +7,10 @@
 # 1. Where the unsplit N=64 call's launch goes (4096x14336: the host's launch 27-45 us before the
 #    GPU starts x's 1.8 MB upload, 14336x4096's 13): bench/backend_wall.py staged --probe (the
 #    Python before the graph launch, cuGraphLaunch, y's way out), alternated per round: def; one
-#    (nothing split); ck (one, x up by the copy kernel up to 2 MiB: no memcpy node in the
-#    graph); r4 (14336x4096 in 4 slabs and 4 row chunks, no halves).
+#    (nothing split); ck (a candidate default: x up by the copy kernel up to 2 MiB, no memcpy
+#    node in the graph, and token halves by x only past 2 MiB: 4096x14336 N=64 whole, 3584x18944
+#    N=64's 2.4 MB still in halves, its N=32's 1.2 MB by the kernel); r4 (14336x4096 in 4 slabs
+#    and 4 row chunks, no halves).
 # 2. bench/graph_launch_probe.py: Graph.launch's host time for one H2D memcpy node against the
 #    copy kernel, 64 KiB .. 3.5 MiB, with the staging buffer just filled or not.
 # 3. Goal 3: the 2-layer replay at S=1 with the caller's loop spinning 1000 us (longer than a
@@ -20,9 +22,9 @@ PHASE=${PHASE:-b}
 gpu_session "/tmp/hp21$PHASE"
 if [[ $PHASE == b ]]; then
   BOUND=${BOUND:-60}
-  step wall 20 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 64 \
-    --modes staged --probe --calls 200 --rounds 3 --json "$OUT/wall.json" \
-    --variants "def;one:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,Y_CHUNKS=0;ck:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,Y_CHUNKS=0,COPY_KERNEL_MAX=2097152;r4:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,SLAB_ROWS=-4,Y_CHUNKS=4"
+  step wall 22 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096,3584x18944 \
+    --ns 64,32 --modes staged --probe --calls 200 --rounds 3 --json "$OUT/wall.json" \
+    --variants "def;one:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,Y_CHUNKS=0;ck:X_SPLIT_MIN=2097153,COPY_KERNEL_MAX=2097152;r4:X_SPLIT_MIN=0,X_SPLIT_Y_MIN=0,SLAB_ROWS=-4,Y_CHUNKS=4"
   step glp 10 python3 bench/graph_launch_probe.py --calls 200 --json "$OUT/glp.json"
   if left 15; then
     step spin "$(bound 35 2)" python3 bench/service.py --backend "${BACKEND:-cuda}" --replay \
@@ -31,8 +33,8 @@ if [[ $PHASE == b ]]; then
   fi
   {
     echo "# hp bundle B, tree $(tree_commit), $(elapsed)"
-    grep -E "staged +[0-9]" "$OUT/wall.log" | tail -8 | cut -c1-260  # the last round's
-    grep -A8 "^# variants" "$OUT/wall.log" | cut -c1-200
+    grep -E "staged +[0-9]" "$OUT/wall.log" | tail -24 | cut -c1-230  # the last round's
+    grep -A6 "^# variants" "$OUT/wall.log" | cut -c1-200
     cat "$OUT/glp.log"
     grep -E "^replay|step p50" "$OUT/spin.log" 2>/dev/null | tail -8 | cut -c1-200
     steps
