@@ -221,8 +221,12 @@ Y_CHUNKS_IDLE = 1
 # N=64 (1.75 MiB of f16 x) staged wall 150.3 -> 138.4 us (graph, an unstaged x: 311.6 -> 299.0)
 # for 43.7 -> 63.3 us of kernels; N=32 (0.875 MiB) 98.3 -> 111.7 (worse: two 16-token kernels
 # cost more than the 21 us of x they overlap), hence 1.5 MiB; the full call's tile on the halves
-# (X_SPLIT_FIT 0) 154.5; bits equal (GPU test, 4096x14336 and 3584x18944).
-X_SPLIT_MIN = 3 << 19  # 1.5 MiB
+# (X_SPLIT_FIT 0) 154.5; bits equal (GPU test, 4096x14336 and 3584x18944). Session 21 (bundle B,
+# H200, b127232, 3 rounds alternated): with 4096x14336 N=64 on src 8 (36-38 us whole, its halves
+# 74.9) and its 1.8 MB x by the copy kernel (COPY_KERNEL_MAX 2 MiB), whole 130.4 us against the
+# halves' 139.0 (whole by the copy engine 135.0), hence 2 MiB: 3584x18944 N=64 (2.4 MB of x)
+# keeps its halves (152.0-153.1, whole 149.1-151.4).
+X_SPLIT_MIN = 2 << 20  # 2 MiB
 # ... and an idle call of 16 to X_SPLIT_MAX_N tokens whose f32 y is X_SPLIT_Y_MIN bytes or more
 # (0: off), on such a tile, runs in token halves even where row chunks would apply, with
 # X_SPLIT_ROWS (0: off) each half in the weight's own row chunks (CudaWeight.y_chunks): four
@@ -443,8 +447,13 @@ COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host 
 # (its x is in token halves, the copy engine's; its y is not small). Bundle C (ebf82f2,
 # gpu_hp_s18c.sh): 1 MiB against 64 KiB, x of N=2..16 (76-606 KB) by the kernel too, staged host
 # 3584x18944 N=2/4/8/16 36.2/48.5/51.3/74.1 -> 31.3/40.0/50.2/67.0 us, 4096x14336 N=4/8/16
-# 44.1/48.5/60.9 -> 34.6/41.4/55.6, kernels unchanged, y equal
-COPY_KERNEL_MAX = 1 << 20
+# 44.1/48.5/60.9 -> 34.6/41.4/55.6, kernels unchanged, y equal. Session 21 (bundle B, b127232,
+# with X_SPLIT_MIN 2 MiB): 2 MiB, x of N=64 at K=14336 (1.8 MB, now whole) and N=32 at K=18944
+# (1.2 MB) by the kernel: staged wall 4096x14336 N=64 139.0 (halves) -> 130.4 us, 3584x18944 N=32
+# 105.7 -> 101.0; bench/graph_launch_probe.py: Graph.launch's host time does not grow with a
+# memcpy node's size (1.8 us clean), the copy's GPU span does after a fill of its source (1.8 MB
+# 37.3 -> 55.8 us by the engine, 40.7 -> 54.8 by the kernel)
+COPY_KERNEL_MAX = 2 << 20
 
 
 def copy_kernel_from_env(env: Any = None) -> int | None:

@@ -408,17 +408,19 @@ def test_copy_kernel_unaligned_goes_by_the_copy_engine(monkeypatch):
 
 
 def test_copy_kernel_variable_values() -> None:
-    """Q6SERVE_COPY_KERNEL_MAX: unset or empty, None (the module's COPY_KERNEL_MAX, 1 MiB as
-    measured: x up to N=16 of K=18944 f16 by the kernel, N=32's and more by the copy engine);
+    """Q6SERVE_COPY_KERNEL_MAX: unset or empty, None (the module's COPY_KERNEL_MAX, 2 MiB as
+    measured: x up to N=32 of K=18944 f16 and N=64 of K=14336 by the kernel, N=64 of K=18944 by
+    the copy engine);
     bytes as given; anything else refused naming the variable. A launcher built without a
     value (the fake device's) has none."""
     from types import SimpleNamespace
 
-    assert launch_mod.COPY_KERNEL_MAX == 1 << 20
+    assert launch_mod.COPY_KERNEL_MAX == 2 << 20
     assert launch_mod.copy_kernel_from_env({}) is None
     lc = launch_mod.Launcher(SimpleNamespace(), copy_max=None)
-    assert lc.copy_limit() == 1 << 20 and lc.by_kernel(16 * 18944 * 2, 256, 512)
-    assert not lc.by_kernel(32 * 18944 * 2, 256, 512)
+    assert lc.copy_limit() == 2 << 20 and lc.by_kernel(32 * 18944 * 2, 256, 512)
+    assert lc.by_kernel(64 * 14336 * 2, 256, 512)
+    assert not lc.by_kernel(64 * 18944 * 2, 256, 512)
     assert launch_mod.Launcher(SimpleNamespace()).copy_limit() == 0
     assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": " "}) is None
     assert launch_mod.copy_kernel_from_env({"Q6SERVE_COPY_KERNEL_MAX": "65536"}) == 65536
