@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, helper hp (issue 14 goals 1-3); PHASE=b (bundle B, bound 60 s).
+# Session 21, helper hp (issue 14 goals 1-3); PHASE=b (bundle B, bound 60 s), c (bundle C, 60 s).
 # Bundle A ran PHASE=a at d923d21 (branch hp-ydirect-s21: the probe bench/host_y_probe.py, the
 # N=64/32 split rules def / alt / one and point 11's y stored by the kernels into host memory,
 # yd, which lost and is not on this branch; docs/SERVICE.md has the figures).
@@ -37,6 +37,28 @@ if [[ $PHASE == b ]]; then
     grep -A6 "^# variants" "$OUT/wall.log" | cut -c1-200
     cat "$OUT/glp.log"
     grep -E "^replay|step p50" "$OUT/spin.log" 2>/dev/null | tail -8 | cut -c1-200
+    steps
+  } | table
+fi
+if [[ $PHASE == c ]]; then  # bundle C (bound 60 s): the new defaults (X_SPLIT_MIN, COPY_KERNEL_MAX
+  # 2 MiB) against the old, c4 (no halves by x at all, x by the kernel up to 4 MiB: 3584x18944
+  # N=64 whole too) and wc (the new + x's staging write-combined from 256 KiB: B's probe saw a
+  # fill slow x's DMA by half), alternated per round, staged and graph (x copied by the backend,
+  # as the service's); then the launcher's GPU tests on the new defaults
+  BOUND=${BOUND:-60}
+  step wall 26 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096,3584x18944 \
+    --ns 64,32 --modes staged,graph --calls 200 --rounds 3 --json "$OUT/wall.json" \
+    --variants "def;old:X_SPLIT_MIN=1572864,COPY_KERNEL_MAX=1048576;c4:X_SPLIT_MIN=0,COPY_KERNEL_MAX=4194304;wc:STAGING_WC_MIN=262144"
+  step tests 20 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE \
+    tests/service/test_launch_split.py
+  left 8 && step tests_halves "$(bound 14 1)" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    -rfE tests/kernels/test_cuda_backend_host.py -k "halves or copy or chunks"
+  {
+    echo "# hp bundle C, tree $(tree_commit), $(elapsed)"
+    grep -A12 "^# variants" "$OUT/wall.log" | cut -c1-200
+    grep -c DIFFERS "$OUT/wall.log" | sed 's/^/rows with y differing: /'
+    tail -1 "$OUT/tests.log" 2>/dev/null
+    tail -1 "$OUT/tests_halves.log" 2>/dev/null
     steps
   } | table
 fi
