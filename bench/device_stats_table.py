@@ -2,7 +2,8 @@
 ``_DeviceStats``: one JSON line of cumulative counters a second): per file ``dpstats_TAG.jsonl``
 in DIR, the one-second window with the most calls (the timed part of a short bench run), as one
 row: calls a second, the loop's busy share (1 - time blocked in epoll), the process's CPU a call,
-loop iterations a call, socket reads a call, and each thread's cores. With --stages, a second
+loop iterations a call, socket reads a call, the share of calls launched pipelined and as
+their place's graph (``place``), and each thread's cores. With --stages, a second
 line per file: each timed stage's wall time a call (us) and how many times a call it ran
 (``st_*`` counters, ``_DeviceStats._stages``; a stage's time includes the stages it calls),
 and the loop's busy time a call left outside the top-level stages (asyncio's own share).
@@ -40,6 +41,8 @@ def busiest(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
              "reads": b.get("socket_reads", 0) - a.get("socket_reads", 0),
              "pipelined": b["pipelined_batches"] - a["pipelined_batches"],
              "wait_s": b["pipelined_wait_s"] - a["pipelined_wait_s"],
+             # (CUDA-region calls launched as their place's graph; 0 before session 21)
+             "place": b.get("place_launches", 0) - a.get("place_launches", 0),
              "threads": {k.split(":", 1)[1]: (v - a["threads_cpu_s"].get(k, v)) / dt
                          for k, v in b["threads_cpu_s"].items()},
              "stages": {k: b[k] - a.get(k, 0.0) for k in b if k.startswith("st_")}}
@@ -55,7 +58,8 @@ def row(tag: str, w: dict[str, Any]) -> str:
     return (f"# {tag:8} {w['calls'] / w['dt']:>9,.0f} calls/s  loop busy "
             f"{1 - w['select_s'] / w['dt']:.2f}  CPU {1e6 * w['cpu_s'] / n:6.1f} us/call  "
             f"loops/call {w['loops'] / n:.2f}  reads/call {w['reads'] / n:.2f}  pipelined "
-            f"{w['pipelined'] / n:.2f} (wait {1e6 * w['wait_s'] / n:.1f} us/call)  "
+            f"{w['pipelined'] / n:.2f} (wait {1e6 * w['wait_s'] / n:.1f} us/call)  place "
+            f"{w.get('place', 0) / n:.2f}  "
             f"cores: {threads}")
 
 

@@ -40,6 +40,9 @@ from .threads import settle
 log = logging.getLogger("q6serve.regions")
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+# place graphs a launch slot's bound sequence keeps (CudaSupport._launch_known): T3's hosts
+# each call at one place; a caller moving its buffers each call gets direct launches past this
+PLACES = 64
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 
@@ -105,6 +108,17 @@ class CudaSupport:
         # launch's); bounded as _job_s
         self._choice: dict[tuple[Any, ...], Any] = {}
         self.lean = bool(envvars.DP_LEAN.read())  # (Q6SERVE_DP_LEAN: session 18's A/B)
+        # (Q6SERVE_DP_PLACE_GRAPH, session 21's A/B: the launch's three CUDA runtime calls,
+        # ~37 us of a CUDA-region call's ~175 in the device process in session 20, made one)
+        self.place_graphs = self.lean and bool(envvars.DP_PLACE_GRAPH.read())
+        self.place_launches = 0  # calls launched as their place's graph (Q6SERVE_DP_STATS)
+        # per call, the Python around a launch (session 20: ~40 us of the device process's
+        # ~175 a CUDA-region call): the kernel flags built once per flag state, and the
+        # choice _admit looked up kept for the same call's launch (its cost key, by identity:
+        # the memo holds it, so no other key can take its id)
+        self._state: Any = None
+        self._flags = KernelFlags()
+        self._memo: tuple[Any, Any] = ((), None)
         from q6serve.kernels.cuda.launch import IN_TYPES
         from q6serve.kernels.cuda.storage import weight_data
 
@@ -197,11 +211,16 @@ class CudaSupport:
             if x.shape[1] != e.k:
                 raise FormatError(f"activations have K={x.shape[1]}, weight {e.name!r} has "
                                   f"K={e.k}")
-            flags = engine.flags.state.kernel_flags()
+            state = engine.flags.state
+            if state is not self._state:  # (a FlagState is replaced on a change, never edited)
+                self._state, self._flags = state, state.kernel_flags()
+            flags = self._flags
             cost = (e.name, n, x.dtype, call.out_dtype, yd is None, call.precision, flags)
-            if not (self.lean and self._choice_key(cost, e) in self._choice):
+            c = self._choice.get(self._choice_key(cost, e)) if self.lean else None
+            if c is None:
                 # what the flags forbid: refused now (a cached choice passed it already)
                 engine.backend.plan(n, call.precision, flags)
+            self._memo = (cost, c)
         except BaseException:
             engine.registry.release(e)
             raise
@@ -213,31 +232,101 @@ class CudaSupport:
         (a relayout or a reload of the name under other rows or K chooses again)."""
         return (cost, e.resident.layout, e.rows, e.k)
 
-    def _launch_known(self, e: Any, call: Any, yd: Any, cost: tuple[Any, ...], slot: int,
-                      ) -> tuple[Any, Any, Any] | None:
-        """A repeated call's launch (under the device and stream) whose choice is known
-        (``_choice``: a tile path, not q8_1, which checks x per call), x a contiguous CUDA
-        view and y an f32 CUDA view: x's copy into the workspace and the bound sequence
-        (``Launcher.run_copied_x``, as ``CudaBackend.launch_device``), then y's one copy
-        into ``yd`` from the workspace's address, without the backend's y view or a CuPy
-        launch. Returns (choice, start, end), or None: not such a call (``_enqueue``)."""
-        w = e.resident
-        c = self._choice.get(self._choice_key(cost, e))
+    def _known(self, e: Any, call: Any, yd: Any, cost: tuple[Any, ...],
+               ) -> tuple[Any, str] | None:
+        """(choice, kernel input type) of a repeated call whose choice is known (``_choice``:
+        a tile path, not q8_1, which checks x per call), x a contiguous CUDA view and y an f32
+        CUDA view; None: not such a call."""
+        memo = self._memo  # (this call's own _admit looked it up: the same cost key object)
+        c = memo[1] if memo[0] is cost else self._choice.get(self._choice_key(cost, e))
         x = call.x
         if (c is None or yd.dtype != np.float32 or not yd.flags.c_contiguous
                 or isinstance(x, np.ndarray) or not x.flags.c_contiguous):
             return None
-        dtype = BFLOAT16 if x.dtype == np.uint16 else np.dtype(x.dtype)
-        in_t = self._in_types.get(dtype)
-        if in_t is None:
+        in_t = self._in_types.get(BFLOAT16 if x.dtype == np.uint16 else np.dtype(x.dtype))
+        return None if in_t is None else (c, in_t)
+
+    def _launch_place(self, e: Any, call: Any, yd: Any, cost: tuple[Any, ...], slot: int,
+                      ) -> tuple[Any, Any, Any, tuple[Any, Any]] | None:
+        """A repeated call at a place (x's and y's device addresses and sizes) whose graph
+        was captured (:meth:`_launch_known`) as ONE graph launch on the backend's stream
+        (under the device only): x's copy, the kernels between their events, y's copy and
+        the slot's completion event are its nodes. Valid while the slot's bound sequence is
+        the one it was captured from (the same weight data, bound at the workspace's
+        generation): the graph lives in that sequence's ``extra``, so a reload or a rebind
+        drops it with the sequence. Returns (choice, start, end, (places, key)) or None:
+        none captured for it (launch it the usual way)."""
+        known = self._known(e, call, yd, cost)
+        if known is None:
             return None
+        c, in_t = known
+        x, w, lc = call.x, e.resident, self.backend.launcher
+        bound = self._weight_data(w).plans.get((c.path, c.cfg, int(x.shape[0]), in_t,
+                                                "device", slot))
+        if bound is None or bound.gen != lc.ws.gen or not bound.graph:
+            return None
+        places = bound.extra.get("places")
+        pk = (int(x.data.ptr), int(yd.data.ptr), int(x.nbytes), int(yd.nbytes))
+        g = places.get(pk) if places else None
+        if not g:
+            return None
+        g.launch(self.backend.ctx.stream)
+        self.place_launches += 1
+        return c, bound.start, bound.end, (places, pk)
+
+    def _launch_known(self, e: Any, call: Any, yd: Any, cost: tuple[Any, ...], slot: int,
+                      ) -> tuple[Any, Any, Any] | None:
+        """A repeated call's launch (under the device and stream) whose choice is known
+        (:meth:`_known`): x's copy into the workspace and the bound sequence
+        (``Launcher.run_copied_x``, as ``CudaBackend.launch_device``), then y's one copy
+        into ``yd`` from the workspace's address, without the backend's y view or a CuPy
+        launch. The second call at a place (``place_graphs``) also captures its place's
+        graph (:meth:`_launch_place`: the same copies and kernels, the slot's completion
+        event after them), once the bound sequence is a graph. Returns (choice, start, end),
+        or None: not such a call (``_enqueue``)."""
+        known = self._known(e, call, yd, cost)
+        if known is None:
+            return None
+        c, in_t = known
+        w, x = e.resident, call.x
         b = self.backend
+        xp, xn, yp, yn = int(x.data.ptr), int(x.nbytes), int(yd.data.ptr), int(yd.nbytes)
         bound = b.launcher.run_copied_x(w, self._weight_data(w), c.path, c.cfg,
-                                        int(x.shape[0]), in_t, int(x.data.ptr),
-                                        int(x.nbytes), _D2D, slot)
-        self.cp.cuda.runtime.memcpyAsync(int(yd.data.ptr), bound.extra["y"], int(yd.nbytes),
-                                         _D2D, b.ctx.stream.ptr)
+                                        int(x.shape[0]), in_t, xp, xn, _D2D, slot)
+        self.cp.cuda.runtime.memcpyAsync(yp, bound.extra["y"], yn, _D2D, b.ctx.stream.ptr)
+        if self.place_graphs and bound.graph and not (bound.extra.get("marks")
+                                                      or bound.extra.get("waits")):
+            places = bound.extra.setdefault("places", {})
+            pk = (xp, yp, xn, yn)
+            seen = places.get(pk)
+            if seen is None and len(places) < PLACES:
+                places[pk] = 0  # seen once: captured at its next call
+            elif seen == 0:
+                places[pk] = self._capture_place(bound, slot, pk)
         return c, bound.start, bound.end
+
+    def _capture_place(self, bound: Any, slot: int, pk: tuple[int, int, int, int]) -> Any:
+        """The place graph of ``bound``'s sequence for the place ``pk`` (under the device
+        and stream), as the launcher captures a sequence with an upload
+        (``Launcher._capture``: the timing anchor after x's copy-engine copy, so the start
+        event does not record before the copy's hand-off); False where refused."""
+        lc = self.backend.launcher
+        rt, stream = self.cp.cuda.runtime, self.backend.ctx.stream
+        xp, yp, xn, yn = pk
+        done = lc.ws.done_event(slot)
+        # the anchor's module loaded outside the capture (a first use under it would load it
+        # there): one empty kernel on the stream, once a place
+        lc._anchor_step()
+
+        def enqueue(record: Callable[[Any], None]) -> None:
+            rt.memcpyAsync(bound.extra["xd"], xp, xn, _D2D, stream.ptr)
+            lc._anchor_step()
+            lc._kernels(bound, record)
+            lc._anchor_step(after_end=True)
+            rt.memcpyAsync(yp, bound.extra["y"], yn, _D2D, stream.ptr)
+            record(done)
+
+        return lc.capture(enqueue)
 
     def _enqueue(self, e: Any, call: Any, flags: KernelFlags, slot: int | None,
                  cost: tuple[Any, ...] | None = None) -> tuple[Any, Any, Any, Any]:
@@ -278,15 +367,23 @@ class CudaSupport:
         ws = b.launcher.ws
         slot = ws.free_slot()
         ws.take(slot)
+        place = None
         try:
-            with b.ctx.dev, b.ctx.stream:
-                got = self._launch_known(e, call, yd, cost, slot) if self.lean else None
-                if got is None:
-                    c, y, start, end = self._enqueue(e, call, flags, slot, cost)
-                    _store(cp, y, yd, np.dtype(call.out_dtype))
+            with b.ctx.dev:
+                got = (self._launch_place(e, call, yd, cost, slot) if self.place_graphs
+                       else None)
+                if got is not None:  # (its graph recorded the slot's completion event)
+                    c, start, end, place = got
                 else:
-                    c, start, end = got
-                ws.done_event(slot).record(b.ctx.stream)
+                    with b.ctx.stream:
+                        known = (self._launch_known(e, call, yd, cost, slot) if self.lean
+                                 else None)
+                        if known is None:
+                            c, y, start, end = self._enqueue(e, call, flags, slot, cost)
+                            _store(cp, y, yd, np.dtype(call.out_dtype))
+                        else:
+                            c, start, end = known
+                        ws.done_event(slot).record(b.ctx.stream)
         except BaseException:
             ws.release(slot)
             raise
@@ -299,6 +396,8 @@ class CudaSupport:
             try:
                 ws.done_event(slot).synchronize()
                 kernel_s = self._seconds(start, end)
+                if kernel_s is None and place is not None:  # its event nodes did not record
+                    place[0][place[1]] = False  # (not this way again)
             finally:
                 ws.release(slot)
             t1 = time.perf_counter()

@@ -135,6 +135,9 @@ DP_SYS_PIPE = Var("Q6SERVE_DP_SYS_PIPE", "switch", True,
                   "full system-region calls launched through the device process's pipeline")
 DP_READY_POLL = Var("Q6SERVE_DP_READY_POLL", "switch", True,
                     "the device process answers its launches once done, without a blocking sync")
+DP_PLACE_GRAPH = Var("Q6SERVE_DP_PLACE_GRAPH", "switch", True,
+                     "a repeated CUDA-region call is one graph launch per (weight, N, x and y "
+                     "place, slot): x's and y's copies and the completion event inside")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
@@ -142,7 +145,8 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
-                         DP_LEAN, DP_SYS_PIPE, DP_READY_POLL)
+                         DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
+                         DP_PLACE_GRAPH)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

@@ -666,6 +666,7 @@ class _DeviceStats:
                 t(cuda, "_admit", "cuda_admit")
                 t(cuda, "_launch", "cuda_launch")  # the slot, the bound sequence, the event
                 t(cuda, "_launch_known", "cuda_launch_known")
+                t(cuda, "_launch_place", "cuda_launch_place")  # (a place graph's launch)
         if worker.engine is not None:
             t(worker.engine, "launch_now", "engine_launch_now")
 
@@ -714,6 +715,8 @@ class _DeviceStats:
                 "direct_jobs": dev.direct_jobs, "merged_requests": self.w.merged[0],
                 "merged_calls": self.w.merged[1], "pipelined_batches": self.w.pipelined[0],
                 "pipelined_wait_s": self.w.pipelined[1], "threads_cpu_s": threads,
+                "place_launches": getattr(self.w.regions and self.w.regions.cuda,
+                                          "place_launches", 0),
                 **{k.strip(): int(v) for k, v in status.items()}}
 
     def _tick(self) -> None:

@@ -219,3 +219,37 @@ def test_cuda_region_calls_launched_behind_each_other(tmp_path: Any,
         assert last["pipelined_batches"] >= 90, last  # (the first of a kind is measured)
         with Client(target) as c:
             assert c.list_regions() == [] and c.status().serving
+
+
+def test_place_graphs_follow_x_and_the_weight(tmp_path: Any, rng: np.random.Generator) -> None:
+    """A CUDA-region call repeated at one place runs as that place's graph (x's and y's copies
+    inside: Q6SERVE_DP_PLACE_GRAPH, the device process's ``place_launches``) and reads the x
+    there now, each y equal to the bytes path's; after the weight is unloaded and another
+    uploaded under its name, the same place computes with the new weight (the graphs lived
+    with the old weight's bound sequences)."""
+    import json
+    import os
+    import time
+
+    stats = tmp_path / "dp_stats.jsonl"
+    env = {**os.environ, "Q6SERVE_DP_STATS": str(stats), "Q6SERVE_DP_PLACE_GRAPH": "1"}
+    with cuda_worker(2, 3, env) as (target, _), Client(target) as c:
+        with c.register_cuda_ipc("d", 2 << 20) as dev:
+            xd = dev.ndarray(0, np.float16, (64, K))
+            for rnd in range(2):
+                for _ in range(12):
+                    x = rng.standard_normal((64, K)).astype(np.float16)
+                    want = c.matmul_full("w", x, precision="f16").y
+                    xd.set(x)
+                    cupy.cuda.get_current_stream().synchronize()
+                    out = c.matmul_full("w", xd, precision="f16", x_region=dev,
+                                        y_region=(dev, 1 << 20))
+                    same(cupy.asnumpy(out.y), want)
+                if rnd == 0:  # another weight under the same name, the same places
+                    c.unload("w")
+                    c.upload("w", random_q6k(ROWS, K, 4), ROWS, K)
+        time.sleep(1.3)  # one more line of the device process's counters
+        last = json.loads(stats.read_text().splitlines()[-1])
+        # (per round: the first call measured, a slot's first two calls at a place direct)
+        assert last["place_launches"] >= 8, last
+        assert c.list_regions() == [] and c.status().serving
