@@ -25,3 +25,23 @@ def assert_ref(y: Any, want: Any, atol: float = 1e-4) -> None:
         return
     scale = float(np.abs(want).max()) if want.size else 0.0
     np.testing.assert_allclose(y, want, rtol=auto_rtol(), atol=max(atol, 2e-2 * scale))
+
+
+def assert_topk(top: Any, want: Any, k: int) -> None:
+    """A top-k reply (``values``, ``indices`` [N, k]) is the top ``k`` of the reference y
+    ``want``: on NumPy the reference's indices and values exactly (f32 rounding); on a GPU,
+    whose y differs within :func:`assert_ref`'s tolerance (so a near tie may swap two
+    indices), k distinct indices per row, each value ``want`` at its index, and the values
+    the reference's top k, both within that tolerance."""
+    from q6serve.kernels.epilogue import topk_reference
+
+    want = np.asarray(want)
+    ref = topk_reference(want, k)
+    if backend_name() == "numpy":
+        np.testing.assert_array_equal(top.indices, ref.indices)
+        np.testing.assert_allclose(top.values, ref.values, rtol=1e-6)
+        return
+    idx = np.asarray(top.indices).astype(np.int64)
+    assert idx.shape == (want.shape[0], k) and all(len(set(r)) == k for r in idx.tolist())
+    assert_ref(top.values, np.take_along_axis(want, idx, axis=1))
+    assert_ref(top.values, ref.values)
