@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Session 21, issue 15, bundle B (bound 60 s). 1. GPU_TESTS (default: the place graphs' GPU test
-# and the pipelined CUDA-region calls') at the tree to land. 2. T3 over CUDA regions, place
-# graphs on / off alternated (T3_RUNS, default "p0 p1"), the device process's stages on each.
-# 3. T2 (64 callers of N=1, bytes, round robin, as the closing check runs it) at 8 and 6 front
-# ends alternated (T2_RUNS, default "f8 f6"; session 20's one pair: 8 held p99 ~1 ms lower).
-# 4. TESTS on the CUDA backend with what is left. No run starts past BOUND - NEED s; a table last.
+# with the device process's place_launches counter fixed) at the tree to land. 2. TESTS on CUDA (cut
+# to leave 20 s). 3. T3 over CUDA regions, place graphs on / off alternated (T3_RUNS, default
+# "p0 p1"), the device process's stages on each. 4. T2 (64 callers of N=1, bytes, round robin,
+# as the closing check runs it) at 8 and 6 front ends alternated (T2_RUNS, default "f8 f6";
+# session 20's one pair: 8 held p99 ~1 ms lower). No run starts past BOUND - NEED s; a table
+# last.
 #   bench/gpu_dataplane_s21b.sh   env: BOUND (57), NEED (9), BACKEND (cuda; numpy: a CPU
 #                                 rehearsal with DRY_RUN=1, ROW_SCALE), T3_RUNS, T2_RUNS,
-#                                 GPU_TESTS (pytest -k expression), TESTS (the test files)
+#                                 GPU_TESTS (pytest -k expression), TESTS (pytest's arguments;
+#                                 default: test_frontends.py but the 5 bundle A passed on CUDA)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -16,9 +18,21 @@ BOUND=${BOUND:-57} BACKEND=${BACKEND:-cuda}
 export Q6SERVE_FRONTEND_ROUND_ROBIN=1
 if [[ -n ${GPU_TESTS-x} ]] && left 40; then
   timeout "$(bound 20 4)" python3 -m pytest -m gpu -v -rfE -p no:cacheprovider \
-    tests/dataplane/test_cuda_ipc_gpu.py -k "${GPU_TESTS:-behind_each_other or place_graphs}" \
+    tests/dataplane/test_cuda_ipc_gpu.py -k "${GPU_TESTS:-place_graphs}" \
     >"$OUT/pytest_place.log" 2>&1
   note "# gpu tests rc=$? ($(tail -1 "$OUT/pytest_place.log")) at $(elapsed)"
+fi
+# test_frontends.py's tests that bundle A did not reach on CUDA (its 5 first passed there)
+F=tests/dataplane/test_frontends.py
+TESTS=${TESTS-$F --deselect $F::test_every_frontend_serves_the_whole_contract --deselect \
+$F::test_frontend_killed_mid_call --deselect $F::test_drain_finishes_in_flight_calls --deselect \
+$F::test_worker_command_with_frontends --deselect $F::test_multi_weight_and_topk_through_frontends}
+if [[ -n $TESTS ]] && left 20; then
+  # shellcheck disable=SC2086  # (TESTS: several paths)
+  Q6SERVE_TEST_BACKEND=$BACKEND timeout "$(bound 30 20)" python3 -m pytest -v -rfE \
+    -p no:cacheprovider $TESTS >"$OUT/pytest_dataplane_cuda.log" 2>&1
+  note "# tests on $BACKEND rc=$? ($(grep -c " PASSED" "$OUT/pytest_dataplane_cuda.log") passed,\
+ $(grep -c " FAILED" "$OUT/pytest_dataplane_cuda.log") failed) at $(elapsed)"
 fi
 t3() {  # t3 RUN NAME: bench/service.py's T3 over CUDA regions, the device process's stages
   Q6SERVE_DP_STATS=$OUT/dpstats_$1.jsonl timeout "$(bound 20 2)" python3 bench/service.py \
@@ -48,13 +62,6 @@ variants() {  # variants FN RUNS: ab_runs over RUNS' names (pN: place graphs N, 
 }
 variants t3 "${T3_RUNS-p0 p1}"
 variants t2 "${T2_RUNS-f8 f6}"
-if [[ -n ${TESTS:-} ]] && left 8; then
-  # shellcheck disable=SC2086  # (TESTS: several paths)
-  Q6SERVE_TEST_BACKEND=$BACKEND timeout "$(bound 40 2)" python3 -m pytest -v -rfE \
-    -p no:cacheprovider $TESTS >"$OUT/pytest_dataplane_cuda.log" 2>&1
-  note "# tests on $BACKEND rc=$? ($(grep -c " PASSED" "$OUT/pytest_dataplane_cuda.log") passed,\
- $(grep -c " FAILED" "$OUT/pytest_dataplane_cuda.log") failed) at $(elapsed)"
-fi
 {
   echo "# gpu tests: $(tail -1 "$OUT/pytest_place.log" 2>/dev/null | cut -c1-120)"
   grep -E " (PASSED|FAILED|ERROR)" "$OUT/pytest_place.log" 2>/dev/null \

@@ -715,8 +715,9 @@ class _DeviceStats:
                 "direct_jobs": dev.direct_jobs, "merged_requests": self.w.merged[0],
                 "merged_calls": self.w.merged[1], "pipelined_batches": self.w.pipelined[0],
                 "pipelined_wait_s": self.w.pipelined[1], "threads_cpu_s": threads,
-                "place_launches": getattr(self.w.regions and self.w.regions.cuda,
-                                          "place_launches", 0),
+                # (not ``regions and ...``: a RegionTable with no region left is falsy)
+                "place_launches": getattr(None if self.w.regions is None
+                                          else self.w.regions.cuda, "place_launches", 0),
                 **{k.strip(): int(v) for k, v in status.items()}}
 
     def _tick(self) -> None:
