@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Session 21, issue 15, bundle B (bound 60 s). 1. GPU_TESTS (default: the place graphs' GPU test
 # with the device process's place_launches counter fixed) at the tree to land. 2. TESTS on CUDA (cut
-# to leave 20 s). 3. T3 over CUDA regions, place graphs on / off alternated (T3_RUNS, default
-# "p0 p1"), the device process's stages on each. 4. T2 (64 callers of N=1, bytes, round robin,
-# as the closing check runs it) at 8 and 6 front ends alternated (T2_RUNS, default "f8 f6";
-# session 20's one pair: 8 held p99 ~1 ms lower). No run starts past BOUND - NEED s; a table
-# last.
+# to leave 20 s). 3. T2 (64 callers of N=1, bytes, round robin, as the closing check runs it) at
+# 6 front ends (T2_RUNS: fN runs at N front ends), the device process's stages with the merged
+# batch cut in three (x staged, the inline job, the answers). 4. T3 over CUDA regions, place
+# graphs on / off (T3_RUNS, default "p1 p0"), with what is left. No run starts past
+# BOUND - NEED s; a table last.
 #   bench/gpu_dataplane_s21b.sh   env: BOUND (57), NEED (9), BACKEND (cuda; numpy: a CPU
 #                                 rehearsal with DRY_RUN=1, ROW_SCALE), T3_RUNS, T2_RUNS,
 #                                 GPU_TESTS (pytest -k expression), TESTS (pytest's arguments;
@@ -60,8 +60,8 @@ variants() {  # variants FN RUNS: ab_runs over RUNS' names (pN: place graphs N, 
   done
   ((${#out[@]})) && ab_runs "${NEED:-9}" "$1" "${out[@]}"
 }
-variants t3 "${T3_RUNS-p0 p1}"
-variants t2 "${T2_RUNS-f8 f6}"
+variants t2 "${T2_RUNS-f6}"
+variants t3 "${T3_RUNS-p1 p0}"
 {
   echo "# gpu tests: $(tail -1 "$OUT/pytest_place.log" 2>/dev/null | cut -c1-120)"
   grep -E " (PASSED|FAILED|ERROR)" "$OUT/pytest_place.log" 2>/dev/null \

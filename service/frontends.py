@@ -658,6 +658,9 @@ class _DeviceStats:
         t(worker, "_sys_done", "sys_done")
         t(worker, "_tick", "tick")
         t(worker, "_start_merged", "start_merged")
+        # (inside start_merged: T2's merged batch, x's rows staged, the job, the answers)
+        t(worker, "_stage_x", "stage_x")
+        t(worker, "_answer_merged", "answer_merged")
         if worker.regions is not None:
             t(worker.regions, "hold", "hold")
             t(worker.regions, "let_go", "let_go")
@@ -669,6 +672,7 @@ class _DeviceStats:
                 t(cuda, "_launch_place", "cuda_launch_place")  # (a place graph's launch)
         if worker.engine is not None:
             t(worker.engine, "launch_now", "engine_launch_now")
+            t(worker.engine, "run_direct", "run_direct")  # (the merged batch's inline job)
 
     def connection(self, conn: _FrontConnection) -> None:
         """Count one front end's socket reads and writes (and their time: ``read`` is a
@@ -1196,7 +1200,7 @@ class FrontendsWorker(Worker):
         got = engine.direct_batchers((probe,), key)
         if got is None:
             return False
-        x = _staged(engine, parts, rows)
+        x = self._stage_x(engine, parts, rows)
         if len(parts) > 1:
             self.merged[0] += 1
             self.merged[1] += len(parts)
@@ -1208,6 +1212,12 @@ class FrontendsWorker(Worker):
             return True
         self._answer_merged(parts, reply)
         return True
+
+    def _stage_x(self, engine: Engine, parts: list[tuple[MatmulCall, Any]],
+                 rows: int) -> np.ndarray:
+        """``_staged``, as a method: a stage of its own for the stage timers (T2's merged
+        batch: x's rows copied into the upload buffer, ``_DeviceStats._stages``)."""
+        return _staged(engine, parts, rows)
 
     # -- CUDA-region calls: launched at a trip's end, waited for a trip later ---------------
     def _launch_cuda_due(self) -> None:

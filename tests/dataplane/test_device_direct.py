@@ -326,6 +326,11 @@ def test_the_device_counters_see_plain_frames_and_direct_jobs(
         # frames, each plain frame, each trip's end
         assert snap["st_read_n"] == 2 and snap["st_plain_mm_n"] == 4
         assert snap["st_flush_calls_n"] == 2 and 0 < snap["st_plain_mm_s"] < snap["st_read_s"]
+        # the merged batch that ran on the direct path in its parts (T2's device cost): x
+        # staged and the inline job once; answered twice (the first trip's batch was queued)
+        assert snap["st_stage_x_n"] == snap["st_run_direct_n"] == 1
+        assert snap["st_answer_merged_n"] == 2
+        assert 0 < snap["st_stage_x_s"] + snap["st_run_direct_s"] < snap["st_start_merged_s"]
         await d.close()
 
     asyncio.run(main())
