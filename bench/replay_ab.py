@@ -15,7 +15,9 @@ alternated pair fits a short device call.
 ``host.spin=US`` (its loop busy-polls US before it sleeps, as ``--spin`` for every variant),
 ``host.decode=arrays|client`` (upb and the arrays, as up to session 19, or the q6serve client's
 own stream decoding), ``host.view_min=BYTES`` (client/reply_bytes.VIEW_MIN there: 1e18 never
-reads arrays as views). Variants whose worker environments are equal share one worker, so
+reads arrays as views), ``host.transport=aio|sync`` (the host's gRPC: grpc.aio or the sync stub,
+bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary Matmul calls).
+Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
 skipped, said so); the table of what ran is printed last.
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
+from svc_util_transport import TRANSPORTS
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
@@ -42,6 +45,14 @@ from q6serve.service.affinity import parse_cpus
 # per call role, what a run keeps (p50 us; "calls": how many were timed)
 ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "ccpu", "up",
                "down", "calls")
+def _choice(key: str, choices: tuple[str, ...]) -> Any:
+    def check(v: str) -> str:
+        if v not in choices:
+            raise SystemExit(f"--variants: {key}={v!r}: one of {', '.join(choices)}")
+        return v
+    return check
+
+
 def _decode_mode(v: str) -> str:
     if v not in ("arrays", "client"):
         raise SystemExit(f"--variants: host.decode={v!r}: arrays or client")
@@ -50,7 +61,9 @@ def _decode_mode(v: str) -> str:
 
 # a variant's options for the replay host (its caller): ReplaySpec's spin_us, decode, view_min
 HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
-                             "host.view_min": lambda v: int(float(v))}
+                             "host.view_min": lambda v: int(float(v)),
+                             "host.transport": _choice("host.transport", TRANSPORTS),
+                             "host.mode": _choice("host.mode", ("stream", "unary"))}
 
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
@@ -219,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 host = split_variant(variants[v])[1]
                 spec = ReplaySpec(workers[on[v]].target, plan, s, a.seconds, a.warmup,
-                                  WARM_STEPS, "stream", "f16", PRECISIONS["auto"], "f16",
+                                  WARM_STEPS, host.get("host.mode", "stream"), "f16",
+                                  PRECISIONS["auto"], "f16",
                                   host.get("host.spin", a.spin),
                                   host.get("host.decode", "arrays"),
-                                  host.get("host.view_min", 0))
+                                  host.get("host.view_min", 0),
+                                  host.get("host.transport", "aio"))
                 try:
                     st_, wall, roles = run_replay(spec, 1)
                     if doc["runs"]:  # (this run is not yet in them: not the first)

@@ -30,6 +30,7 @@ from typing import Any
 
 from replay_ab import ROLE_FIELDS, role_medians
 from service_replay import LAYERS, ladder_echo, model_weights, step_plan
+from svc_util_transport import TRANSPORTS
 
 
 def parse_holds(text: str) -> dict[int, dict[str, float]]:
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                     "handler (the window at its least: the kernel; the device job; all of it)")
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--spin", type=float, default=0.0, help="the caller's loop busy-polls (us)")
+    ap.add_argument("--transport", default="aio", choices=TRANSPORTS,
+                    help="the caller's gRPC (bench/svc_util_transport.py): as the replay's host")
+    ap.add_argument("--mode", default="stream", choices=("stream", "unary"))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     ss = [int(x) for x in a.seqs.split(",") if x]
@@ -96,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
     kinds_of = {s: list(holds.get(s, {"held": {}})) for s in ss}
     # one echo and one caller process for every sequence (their starts cost more than a run)
-    got = ladder_echo([(plan, s, holds.get(s, {"held": {}})) for s in ss], 2, 2, "stream",
-                      a.seconds, a.spin)
+    got = ladder_echo([(plan, s, holds.get(s, {"held": {}})) for s in ss], 2, 2, a.mode,
+                      a.seconds, a.spin, a.transport)
     for s, res in zip(ss, got, strict=True):
         kinds = kinds_of[s]
         hs = holds.get(s, {"held": {}})

@@ -422,15 +422,16 @@ class _ClientWork:
 
 def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
                  seconds: float, work: tuple[int, int] | None = None,
-                 client_spin_us: float = 0.0) -> list[float]:
+                 client_spin_us: float = 0.0, transport: str = "aio") -> list[float]:
     """p50 seconds of one closed-loop round trip per (request bytes, reply bytes); ``work``
     (K, rows): each round trip with a T1 caller's own encoding and decoding around it
     (:class:`_ClientWork`), timed from before the encoding to after the decoding, as T1's
     p50 is; ``client_spin_us``: this caller's loop busy-polls that long before it sleeps (as
-    a replay host run with ``--replay-spin`` does: its like-for-like floor)."""
+    a replay host run with ``--replay-spin`` does: its like-for-like floor); ``transport``:
+    the caller's gRPC, aio or sync (bench/svc_util_transport.py), as the replay host's."""
     import asyncio
 
-    import grpc
+    from svc_util_transport import Channel
 
     from q6serve.client.channel import channel_options
 
@@ -443,10 +444,9 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
 
             busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
         out = []
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             options=channel_options()) as ch:
-            unary = ch.unary_unary("/echo.Echo/U")
-            call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
+        async with Channel(transport, f"127.0.0.1:{port}", channel_options()) as ch:
+            unary = ch.unary("/echo.Echo/U")
+            call = ch.stream("/echo.Echo/S") if mode != "unary" else None
             for req_bytes, reply_bytes in sizes:
                 header = reply_bytes.to_bytes(8, "little")
                 req = header + b"\1" * max(0, req_bytes - 8)
@@ -474,10 +474,10 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
 
 def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
              work: tuple[int, int] | None = None, spin: bool = False,
-             client_spin_us: float = 0.0) -> dict[str, list[float]]:
+             client_spin_us: float = 0.0, transport: str = "aio") -> dict[str, list[float]]:
     """Bare gRPC round trips (server and caller in their own processes, as in the bench):
-    p50 seconds per (request bytes, reply bytes), per mode; ``work``, ``client_spin_us``: see
-    :func:`_echo_client`; ``spin``: see :func:`_sized_echo_server`."""
+    p50 seconds per (request bytes, reply bytes), per mode; ``work``, ``client_spin_us``,
+    ``transport``: see :func:`_echo_client`; ``spin``: see :func:`_sized_echo_server`."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin),
@@ -486,7 +486,8 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
-            return {m: pool.apply(_echo_client, (port, sizes, m, seconds, work, client_spin_us))
+            return {m: pool.apply(_echo_client, (port, sizes, m, seconds, work, client_spin_us,
+                                                 transport))
                     for m in modes}
     finally:
         server.terminate()
@@ -504,14 +505,15 @@ def grpc_floor(request_bytes: int, reply_bytes: int, modes: list[str], seconds: 
 
 # -- the replay's calls in order against an echo (bench/service.py --replay-seq-echo) ---------
 def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mode: str,
-                          seconds: float, client_spin_us: float) -> list[dict[str, Any]]:
+                          seconds: float, client_spin_us: float,
+                          transport: str = "aio") -> list[dict[str, Any]]:
     """Per sequence of ``seqs`` ((request bytes, reply bytes, hold ns) per call, a replay
     step's calls in order), closed-loop passes over it on one stream for ``seconds``: p50
     seconds of a pass and of each position's round trip (the first fifth of the passes:
-    warm-up)."""
+    warm-up); ``transport``: the caller's gRPC (bench/svc_util_transport.py)."""
     import asyncio
 
-    import grpc
+    from svc_util_transport import Channel
 
     from q6serve.client.channel import channel_options
 
@@ -522,8 +524,8 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
                 + b"\1" * max(0, req - 16) for req, reply, ns in seq]
         passes: list[float] = []
         each: list[list[float]] = [[] for _ in seq]
-        unary = ch.unary_unary("/echo.Echo/U")
-        call = ch.stream_stream("/echo.Echo/S")() if mode != "unary" else None
+        unary = ch.unary("/echo.Echo/U")
+        call = ch.stream("/echo.Echo/S") if mode != "unary" else None
         end = time.perf_counter() + seconds
         while time.perf_counter() < end or len(passes) < 5:
             t_pass = time.perf_counter()
@@ -547,15 +549,15 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
             from q6serve.service.threads import busy_poll
 
             busy_poll(asyncio.get_running_loop(), lambda: True, client_spin_us)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                             options=channel_options()) as ch:
+        async with Channel(transport, f"127.0.0.1:{port}", channel_options()) as ch:
             return [await one(ch, seq) for seq in seqs]
 
     return asyncio.run(go())
 
 
 def echo_sequence(seqs: list[list[tuple[int, int, int]]], mode: str, seconds: float,
-                  spin: bool = True, client_spin_us: float = 0.0) -> list[dict[str, Any]]:
+                  spin: bool = True, client_spin_us: float = 0.0,
+                  transport: str = "aio") -> list[dict[str, Any]]:
     """Replay steps' calls in order (one list per sequence, run one after the other by one
     caller against one echo) answered with each call's reply size after holding it its hold
     (ns; the worker's window of that call, or 0): how much of the replay's transport a bare
@@ -570,7 +572,7 @@ def echo_sequence(seqs: list[list[tuple[int, int, int]]], mode: str, seconds: fl
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
             return pool.apply(_echo_sequence_client, (port, seqs, mode, seconds,
-                                                      client_spin_us))
+                                                      client_spin_us, transport))
     finally:
         server.terminate()
         server.join(10)

@@ -129,6 +129,9 @@ class ReplaySpec:
     # > 0: client/reply_bytes.VIEW_MIN in the host process (replies from this many bytes read
     # as views; a huge value: never), 0: the client's default
     view_min: int = 0
+    # the host's gRPC: "aio" (grpc.aio on its event loop: up to session 20) or "sync" (the
+    # sync stub's C-core calls from the host's thread; bench/svc_util_transport.py)
+    transport: str = "aio"
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -152,7 +155,7 @@ def stream_request_id(raw: bytes) -> str:
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     import asyncio
 
-    import grpc
+    from svc_util_transport import Channel
 
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
@@ -171,10 +174,9 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
 
         busy_poll(asyncio.get_running_loop(), lambda: True, spec.spin_us)
     calls: dict[str, dict[str, list[float]]] = {}
-    async with grpc.aio.insecure_channel(spec.target, options=channel_options()) as ch:
-        await ch.channel_ready()
-        unary = ch.unary_unary(MATMUL)
-        stream = ch.stream_stream(MATMUL_STREAM)() if spec.mode == "stream" else None
+    async with Channel(spec.transport, spec.target, channel_options()) as ch:
+        unary = ch.unary(MATMUL)
+        stream = ch.stream(MATMUL_STREAM) if spec.mode == "stream" else None
 
         def account(sums: dict[str, float], rec: dict[str, list[float]] | None,
                     call: Call, t: tuple[float, float, float, float], req_bytes: int,
@@ -322,18 +324,21 @@ def _p50(v: list[float]) -> float:
 def step_floors(plans: list[list[Call]], n: int, itemsize: int, mode: str,
                 out_itemsize: int = 4, seconds: float = 0.3, spin: bool = False,
                 client_spin_us: float = 0.0,
-                per_size: dict[tuple[int, int], float] | None = None) -> list[float]:
+                per_size: dict[tuple[int, int], float] | None = None,
+                transport: str = "aio") -> list[float]:
     """Per plan, the sum over a step's calls of a bare gRPC round trip of the same request and
     reply sizes (server and caller in their own processes, as in the replay;
     service_load.echo_p50), every distinct size of all the plans measured in one echo run;
     ``spin``: the echo's loop busy-polls as the worker's does; ``client_spin_us``: the
     caller's loop busy-polls, as a host run with ReplaySpec.spin_us; ``per_size``: gets each
-    (request bytes, reply bytes)'s p50 seconds."""
+    (request bytes, reply bytes)'s p50 seconds; ``transport``: the caller's gRPC, as the
+    replay host's (ReplaySpec.transport: a like-for-like floor)."""
     def sizes(c: Call) -> tuple[int, int]:
         return floor_sizes(c, n, itemsize, out_itemsize)
 
     distinct = sorted({sizes(c) for plan in plans for c in plan})
-    p50 = echo_p50(distinct, [mode], seconds, spin=spin, client_spin_us=client_spin_us)[mode]
+    p50 = echo_p50(distinct, [mode], seconds, spin=spin, client_spin_us=client_spin_us,
+                   transport=transport)[mode]
     table = dict(zip(distinct, p50, strict=True))
     if per_size is not None:
         per_size.update(table)
@@ -352,19 +357,19 @@ def floor_sizes(c: Call, n: int, itemsize: int, out_itemsize: int) -> tuple[int,
 
 def held_echo(plans: list[tuple[list[Call], int, dict[str, float]]], itemsize: int,
               out_itemsize: int, mode: str, seconds: float, client_spin_us: float = 0.0,
-              ) -> list[dict[str, Any]]:
+              transport: str = "aio") -> list[dict[str, Any]]:
     """Per (plan, n, hold us per role): the step's calls in order against a busy-polling echo
     (service_load.echo_sequence), answered at once ("bare") and each held its role's hold
     ("held": the worker's window, busy-waited on the echo's loop), alternated bare, held, held,
     bare (a drift weighs on both alike). Per kind: the mean step (ms) of its two runs and per
     role the p50 round trip (us); "held" also the round trip less its hold (transport_us)."""
     return ladder_echo([(plan, n, {"held": hold}) for plan, n, hold in plans], itemsize,
-                       out_itemsize, mode, seconds, client_spin_us)
+                       out_itemsize, mode, seconds, client_spin_us, transport)
 
 
 def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]], itemsize: int,
                 out_itemsize: int, mode: str, seconds: float, client_spin_us: float = 0.0,
-                ) -> list[dict[str, Any]]:
+                transport: str = "aio") -> list[dict[str, Any]]:
     """As :func:`held_echo`, with several held kinds per plan (name -> hold us per role, e.g.
     each role held for the worker's kernel, its device job, its whole handler): run bare, each
     kind in turn, the kinds again in reverse, bare. Per plan {"bare": ..., kind: ...}."""
@@ -378,7 +383,8 @@ def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]]
             hold = holds.get(kind, {})
             seqs.append([(*floor_sizes(c, n, itemsize, out_itemsize),
                           int(hold.get(c.role, 0) * 1e3)) for c in plan])
-    results = iter(echo_sequence(seqs, mode, seconds, client_spin_us=client_spin_us))
+    results = iter(echo_sequence(seqs, mode, seconds, client_spin_us=client_spin_us,
+                                 transport=transport))
     out = []
     for (plan, _, holds), order in zip(plans, out_order, strict=True):
         runs: dict[str, list[dict[str, Any]]] = {}

@@ -74,15 +74,18 @@ def test_pin_plan() -> None:
         replay_ab.pin_plan("2,3", ["a", "b"])
 
 
-def test_ladder_echo_holds_each_kind() -> None:
-    """A one-layer plan against the real echo: every kind comes back, each call's round trip
-    at least its hold (busy-waited by the echo), and transport_us is the round trip less it."""
+@pytest.mark.parametrize(("transport", "mode"),
+                         [("aio", "stream"), ("sync", "stream"), ("sync", "unary")])
+def test_ladder_echo_holds_each_kind(transport: str, mode: str) -> None:
+    """A one-layer plan against the real echo, with each caller transport (the replay host's:
+    bench/svc_util_transport.py): every kind comes back, each call's round trip at least its
+    hold (busy-waited by the echo), and transport_us is the round trip less it."""
     from service_replay import ladder_echo, model_weights, step_plan
 
     rows = {name: r for name, r, _ in model_weights(1, 0.001)}
     plan = step_plan(1, rows, True, 4)
     holds = {"short": {"o": 100.0}, "long": {"o": 3000.0, "down": 500.0}}
-    (res,) = ladder_echo([(plan, 1, holds)], 2, 2, "stream", 0.05)
+    (res,) = ladder_echo([(plan, 1, holds)], 2, 2, mode, 0.05, transport=transport)
     assert set(res) == {"bare", "short", "long"}
     assert res["long"]["rt_us"]["o"] >= 3000.0
     assert res["long"]["rt_us"]["down"] >= 500.0
@@ -101,6 +104,12 @@ def test_host_variants_share_a_worker() -> None:
     assert replay_ab.split_variant(v["gs"]) == ({"Q6SERVE_X": "1"}, {"host.spin": 5.0})
     with pytest.raises(SystemExit, match="unknown host option"):
         replay_ab.split_variant({"host.nope": "1"})
+    assert replay_ab.split_variant({"host.transport": "sync", "host.mode": "unary"}) == (
+        {}, {"host.transport": "sync", "host.mode": "unary"})
+    with pytest.raises(SystemExit, match=r"host\.transport='grpc'"):
+        replay_ab.split_variant({"host.transport": "grpc"})
+    with pytest.raises(SystemExit, match=r"host\.mode='bidi'"):
+        replay_ab.split_variant({"host.mode": "bidi"})
 
 
 def test_stream_request_id_is_the_last_field_one() -> None:
@@ -144,3 +153,35 @@ def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
         for role, f in r["roles_p50_us"].items():
             assert f["ccpu"] > 0 and f["up"] > 0 and f["down"] > 0, (role, f)
     assert "caller CPU" in got.stdout
+
+
+def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
+    """The host's gRPC alternated on one NumPy worker, its replies stamped: grpc.aio and the
+    sync stub on MatmulStream (stamped: each role's way up and down), the sync stub's unary
+    Matmul (no stream reply, so no stamps: the mode really changed), every role with its
+    round trip above the worker's handler and the caller's CPU."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "bench/trips_site"),
+           "Q6SERVE_REPLY_STAMPS": "1"}
+    out = tmp_path / "ab.json"
+    got = subprocess.run(
+        [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
+         "--scale", "0.002", "--variants", "aio: s:host.transport=sync "
+         "su:host.transport=sync,host.mode=unary", "--order", "aio,s,su", "--seqs", "2",
+         "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert got.returncode == 0, got.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["worker_of"].values()) == {"aio"}
+    runs = {r["variant"]: r for r in doc["runs"]}
+    assert set(runs) == {"aio", "s", "su"}
+    for v, r in runs.items():
+        assert r["steps"] > 0
+        for role, f in r["roles_p50_us"].items():
+            assert f["rpc"] > f["handler"] > 0 and f["ccpu"] > 0, (v, role, f)
+            stamped = f["up"] > 0 and f["down"] > 0
+            assert stamped == (v != "su"), (v, role, f)  # (NaN: not stamped)
