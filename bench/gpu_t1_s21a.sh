@@ -5,7 +5,8 @@
 # (bench/replay_ab.py host.* options): grpc.aio on MatmulStream (aio: the replay up to session
 # 20), the sync stub on MatmulStream (sync: gRPC's request-iterator thread and the channel's
 # poller hand each message over), the sync stub's blocking unary Matmul (syncu: C-core from the
-# host's one thread, no loop, no hand-off; what Client.matmul does). Then (no worker, no GPU)
+# host's one thread, no loop, no hand-off; what Client.matmul does), and last, if the bound
+# leaves time, grpc.aio's unary Matmul (aiou: AsyncClient.matmul's). Then (no worker, no GPU)
 # the step's calls in order against the bare busy-polling echo with each caller transport: the
 # floor each variant is judged on (bench/replay_echo.py --transport / --mode).
 #   bash bench/gpu_t1_s21a.sh   env: BOUND (78 s), VARIANTS, ORDER, SEQS (1,8), BACKEND (cuda),
@@ -22,8 +23,8 @@ limit=$(bound 80 "$((ECHO_S + 2))")
 # after it: 8 s kept)
 step replay_ab "$limit" env "PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}" Q6SERVE_REPLY_STAMPS=1 \
   python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
-  --variants "${VARIANTS:-aio: sync:host.transport=sync syncu:host.transport=sync,host.mode=unary}" \
-  --order "${ORDER:-aio,sync,syncu,syncu,sync,aio}" --seqs "${SEQS:-1,8}" \
+  --variants "${VARIANTS:-aio: sync:host.transport=sync syncu:host.transport=sync,host.mode=unary aiou:host.mode=unary}" \
+  --order "${ORDER:-aio,syncu,sync,sync,syncu,aio,aiou}" --seqs "${SEQS:-1,8}" \
   --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --seconds 1.0 \
   --warmup 0.3 --bound "$((limit - 8))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 for tm in aio:stream sync:stream sync:unary; do
