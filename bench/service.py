@@ -72,6 +72,7 @@ from service_replay import (
     step_floors,
     step_plan,
 )
+from svc_util_transport import TRANSPORTS
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
@@ -544,7 +545,7 @@ def model_replay(b: Bench) -> None:
                     label += f" spin={spin:g}"
                 spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, WARM_STEPS,
                                   a.replay_mode, a.dtype, PRECISIONS[a.precision],
-                                  a.replay_out, spin)
+                                  a.replay_out, spin, transport=a.replay_transport)
                 try:
                     if a.replay_floor and (spin, multi) not in floors:
                         got = replay_floors(plans, s_, itemsize, a, spin)
@@ -571,7 +572,8 @@ def model_replay(b: Bench) -> None:
                          else 1.5 * (floor * 1e3 + kernel))
                 r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_,
                      "multi": multi, "layers": a.layers, "scale": a.scale, "topk": a.topk,
-                     "mode": a.replay_mode, "out_dtype": a.replay_out, "host_spin_us": spin,
+                     "mode": a.replay_mode, "transport": a.replay_transport,
+                     "out_dtype": a.replay_out, "host_spin_us": spin,
                      "calls_per_step": len(plan), "steps": int(st["e2e"].size),
                      "seconds": wall, "steps_per_s": st["e2e"].size / wall,
                      "tokens_per_s": st["e2e"].size * s_ / wall,
@@ -619,7 +621,8 @@ def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argpar
     for kind, echo_spin in (("plain", False), ("spin", True)):
         table: dict[tuple[int, int], float] = {}
         got = step_floors(list(plans.values()), n, itemsize, a.replay_mode, out_size,
-                          spin=echo_spin, client_spin_us=spin, per_size=table)
+                          spin=echo_spin, client_spin_us=spin, per_size=table,
+                          transport=a.replay_transport)
         for (m, plan), f in zip(plans.items(), got, strict=True):
             out[m][kind] = f
             for c in plan:
@@ -640,7 +643,7 @@ def seq_echo(plan: list[Any], r: dict[str, Any], n: int, itemsize: int,
     its hold (the transport a bare server with the worker's windows pays)."""
     hold = {role: got["handler"] for role, got in r["per_call_p50_us"].items()}
     return held_echo([(plan, n, hold)], itemsize, 2 if a.replay_out == "f16" else 4,
-                     a.replay_mode, min(a.seconds, 1.0), spin)[0]
+                     a.replay_mode, min(a.seconds, 1.0), spin, a.replay_transport)[0]
 
 
 def seq_echo_table(r: dict[str, Any]) -> str:
@@ -681,6 +684,8 @@ def replay_line(r: dict[str, Any]) -> str:
             f"steps/s {r['steps_per_s']:8.2f}  step p50 {r['step_p50_ms']:8.2f} ms  "
             f"p99 {r['step_p99_ms']:8.2f} ms  kernel/step {k} ms  "
             f"bare gRPC/step {r['floor_step_ms']:.2f} ms{verdict}\n"
+            f"    caller gRPC {r.get('transport', 'aio')} {r['mode']} (the floor's echo "
+            "caller the same)\n"
             f"    per step p50 ms: transport {p['transport']:.2f}"
             + ("" if np.isnan(p.get("up", float("nan")))
                else f" (up {p['up']:.2f}, down {p['down']:.2f})")
@@ -786,6 +791,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replay-hosts", type=int, default=1, help="--replay: hosts")
     ap.add_argument("--replay-mode", default="stream", choices=("unary", "stream"),
                     help="--replay: one MatmulStream per host (default) or unary calls")
+    ap.add_argument("--replay-transport", default="aio", choices=TRANSPORTS,
+                    help="--replay: the hosts' gRPC, grpc.aio (default) or the sync stub "
+                    "(bench/svc_util_transport.py); the floor's echo caller uses the same")
     ap.add_argument("--multi", default="both", choices=("both", "on", "off"),
                     help="--replay: multi-weight calls for q/k/v and gate/up, or not, or both")
     ap.add_argument("--replay-out", default="f16", choices=("f16", "f32"),

@@ -356,3 +356,59 @@ def test_dataplane_t2_runs_pooled(tmp_path: Path) -> None:
     assert t2["rows_per_s"] == pytest.approx(calls / sum(r["seconds"] for r in runs))
     assert min(r["p50_us"] for r in runs) <= t2["p99_us"] <= max(r["p99_us"] for r in runs) * 1.001
     assert "2 runs pooled, each p99" in done.stdout
+
+
+def test_replay_floor_uses_the_replays_caller_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's limit is 1.5 x (bare round trips + kernels): the bare round trips must be
+    made with the gRPC the replay's hosts use (--replay-transport, --replay-mode), or the floor
+    is not the replay's. bench/service.py's floor and its sequence echo both pass them on."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import argparse
+
+    from service_replay import floor_sizes, model_weights, step_plan
+
+    import service as bench_service
+
+    got: list[tuple[str, str]] = []
+
+    def floors(plans: list, n: int, itemsize: int, mode: str, out_size: int,
+               **kw: object) -> list[float]:
+        got.append((mode, str(kw["transport"])))
+        kw["per_size"].update({floor_sizes(c, n, itemsize, out_size): 1e-3  # type: ignore[attr-defined]
+                               for plan in plans for c in plan})
+        return [0.001 for _ in plans]
+
+    def held(plans: list, itemsize: int, out_itemsize: int, mode: str, seconds: float,
+             spin: float, transport: str) -> list[dict]:
+        got.append((mode, transport))
+        return [{}]
+
+    monkeypatch.setattr(bench_service, "step_floors", floors)
+    monkeypatch.setattr(bench_service, "held_echo", held)
+    rows = {name: r for name, r, _ in model_weights(1, 0.001)}
+    plan = step_plan(1, rows, True, 4)
+    for transport, mode in (("sync", "unary"), ("aio", "stream"), ("sync", "stream")):
+        a = argparse.Namespace(replay_out="f16", replay_mode=mode, replay_transport=transport,
+                               seconds=0.1)
+        got.clear()
+        bench_service.replay_floors({True: plan}, 1, 2, a, 0.0)
+        bench_service.seq_echo(plan, {"per_call_p50_us": {}}, 1, 2, a, 0.0)
+        assert got == [(mode, transport)] * 3  # the plain and spinning echo, the sequence echo
+    assert bench_service.parse_args(["--replay", "--replay-transport", "sync"]).replay_transport \
+        == "sync"
+    assert bench_service.parse_args(["--replay"]).replay_transport == "aio"
+
+
+def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
+    """--replay with the sync stub's unary calls: runs, and the row says which gRPC it used."""
+    out = tmp_path / "replay.json"
+    cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--replay",
+           "--layers", "1", "--scale", "0.002", "--replay-seqs", "2", "--topk", "8",
+           "--multi", "on", "--replay-transport", "sync", "--replay-mode", "unary",
+           "--seconds", "0.3", "--warmup", "0.1", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["replay"]
+    assert (r["transport"], r["mode"]) == ("sync", "unary")
+    assert r["steps"] > 0 and r["floor_step_ms"] > 0 and r["limit_ms"] is not None
+    assert "caller gRPC sync unary" in done.stdout
