@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from q6serve.client.channel import channel_options
 from q6serve.client.client import matmul_request
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
@@ -77,23 +78,43 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
     assert health(worker.target) == "SERVING"
 
 
-def test_nothing_is_dropped_while_nobody_waits(worker):
-    """A client that stops reading keeps what it holds while no one else needs a place."""
+def test_nothing_is_dropped_while_nobody_waits():
+    """A client that stops reading keeps what it holds while no one else needs a place.
+
+    Its four calls all fit the gate (nobody ever waits) and ask for 16 MiB replies, more than
+    the sockets between the worker and the client can buffer, so none can be written: once
+    the four are computed, four places are watched (replies not taken) and stay so, undropped,
+    for four reply timeouts. (Watched also counts a request being read; the wait is for the
+    four replies computed -- q6serve_requests_total -- not for a number of watched places,
+    which read 2 while the requests were read, 0 while computed, then 3.)"""
+    worker = RunningWorker(WorkerConfig(  # the fixture's, with room for the wide weight
+        port=0, vram_budget=Budget(nbytes=128 << 20), max_inflight_rpcs=4,
+        max_inflight_rpcs_per_connection=4, min_inflight_rpcs_per_connection=1,
+        reply_timeout_s=0.5))
     gate = worker.worker.admission
+    rows = 65536  # 64 x 65536 f32 = 16 MiB a reply: beyond the loopback sockets' buffers
+    worker.client().upload("wide", random_q6k(rows, K, 2), rows, K)
     proxy = StallingProxy(worker.target)
-    ch = grpc.insecure_channel(proxy.target)
-    big = matmul_request("w", np.ones((64, K), np.float32))
+    # (a client's default 4 MiB receive limit would refuse the reply on its first bytes)
+    ch = grpc.insecure_channel(proxy.target, options=channel_options())
+    big = matmul_request("wide", np.ones((64, K), np.float32))
     futs = [pb_grpc.Q6ServeStub(ch).Matmul.future(big, timeout=60) for _ in range(4)]
-    try:  # the first replies fill the sockets' buffers, the others stay unwritten
-        # every call has its reply computed: written (gone) or stuck (watched)
-        wait_until(lambda: worker.run(lambda: gate.watched >= 2 and gate.running == gate.watched
-                                      and not gate.waiting), timeout=30)
-        stuck = worker.run(lambda: gate.watched)
+
+    def computed() -> float:  # replies returned by the handler (then watched until written)
+        return worker.registry.get_sample_value("q6serve_requests_total", {
+            "service": "q6serve.v1.Q6Serve", "method": "Matmul", "code": "OK"}) or 0.0
+
+    try:
+        wait_until(lambda: worker.run(computed) == 4, timeout=30, what="the 4 replies")
+        assert worker.run(lambda: (gate.running, gate.watched, gate.waiting)) == (4, 4, 0)
         time.sleep(4 * gate.timeout)
-        assert worker.run(lambda: (gate.watched, gate.waiting, gate.dropped)) == (stuck, 0, 0)
+        assert worker.run(lambda: (gate.running, gate.watched, gate.waiting,
+                                   gate.dropped)) == (4, 4, 0, 0)
+        assert not any(f.done() for f in futs)  # none answered, none cancelled
     finally:
         stop_all(futs, [ch, proxy])
     wait_until(lambda: worker.run(lambda: (gate.running, gate.watched)) == (0, 0))
+    worker.stop()
 
 
 def test_a_clean_caller_waits_for_a_stall_not_for_the_reply_timeout():
