@@ -16,7 +16,9 @@ alternated pair fits a short device call.
 ``host.decode=arrays|client`` (upb and the arrays, as up to session 19, or the q6serve client's
 own stream decoding), ``host.view_min=BYTES`` (client/reply_bytes.VIEW_MIN there: 1e18 never
 reads arrays as views), ``host.transport=aio|sync`` (the host's gRPC: grpc.aio or the sync stub,
-bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary Matmul calls).
+bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary Matmul calls),
+``host.grpc.NAME=INT`` (channel argument grpc.NAME of the host's channel, beside the client's
+own, e.g. host.grpc.enable_retries=0).
 Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
@@ -83,9 +85,14 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
 def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """A variant's worker environment and its host options (HOST_KEYS, typed)."""
     worker = {k: v for k, v in env.items() if not k.startswith("host.")}
-    host = {}
+    host: dict[str, Any] = {}
     for k, v in env.items():
-        if k.startswith("host."):
+        if k.startswith("host.grpc."):  # a channel argument of the host's gRPC channel
+            try:
+                host.setdefault("host.grpc", {})[k[len("host."):]] = int(v)
+            except ValueError:
+                raise SystemExit(f"--variants: {k}={v!r}: an integer") from None
+        elif k.startswith("host."):
             if k not in HOST_KEYS:
                 raise SystemExit(f"--variants: unknown host option {k!r} (known: "
                                  f"{', '.join(HOST_KEYS)})")
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                                   host.get("host.spin", a.spin),
                                   host.get("host.decode", "arrays"),
                                   host.get("host.view_min", 0),
-                                  host.get("host.transport", "aio"))
+                                  host.get("host.transport", "aio"),
+                                  tuple(sorted(host.get("host.grpc", {}).items())))
                 try:
                     st_, wall, roles = run_replay(spec, 1)
                     if doc["runs"]:  # (this run is not yet in them: not the first)

@@ -132,6 +132,8 @@ class ReplaySpec:
     # the host's gRPC: "aio" (grpc.aio on its event loop: up to session 20) or "sync" (the
     # sync stub's C-core calls from the host's thread; bench/svc_util_transport.py)
     transport: str = "aio"
+    # more channel arguments of the host's channel, after the client's (channel_options)
+    channel_args: tuple[tuple[str, int], ...] = ()
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -174,7 +176,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
 
         busy_poll(asyncio.get_running_loop(), lambda: True, spec.spin_us)
     calls: dict[str, dict[str, list[float]]] = {}
-    async with Channel(spec.transport, spec.target, channel_options()) as ch:
+    async with Channel(spec.transport, spec.target,
+                       [*channel_options(), *spec.channel_args]) as ch:
         unary = ch.unary(MATMUL)
         stream = ch.stream(MATMUL_STREAM) if spec.mode == "stream" else None
 

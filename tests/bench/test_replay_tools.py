@@ -110,6 +110,10 @@ def test_host_variants_share_a_worker() -> None:
         replay_ab.split_variant({"host.transport": "grpc"})
     with pytest.raises(SystemExit, match=r"host\.mode='bidi'"):
         replay_ab.split_variant({"host.mode": "bidi"})
+    assert replay_ab.split_variant({"host.grpc.enable_retries": "0", "Q6SERVE_X": "1"}) == (
+        {"Q6SERVE_X": "1"}, {"host.grpc": {"grpc.enable_retries": 0}})
+    with pytest.raises(SystemExit, match="an integer"):
+        replay_ab.split_variant({"host.grpc.enable_retries": "no"})
 
 
 def test_stream_request_id_is_the_last_field_one() -> None:
@@ -171,7 +175,8 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
          "--scale", "0.002", "--variants", "aio: s:host.transport=sync "
-         "su:host.transport=sync,host.mode=unary", "--order", "aio,s,su", "--seqs", "2",
+         "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0", "--order",
+         "aio,s,su", "--seqs", "2",
          "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=240)
     assert got.returncode == 0, got.stderr[-2000:]
