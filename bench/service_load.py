@@ -431,12 +431,13 @@ def _echo_client(port: int, sizes: list[tuple[int, int]], mode: str,
     the caller's gRPC, aio or sync (bench/svc_util_transport.py), as the replay host's."""
     import asyncio
 
-    from svc_util_transport import Channel
+    from svc_util_transport import Channel, floor_transport
 
     from q6serve.client.channel import channel_options
 
     fix_heap_thresholds(*HOST_HEAP)
     cw = _ClientWork(*work) if work else None
+    transport = floor_transport(transport)
 
     async def go() -> list[float]:
         if client_spin_us > 0:
@@ -513,11 +514,12 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
     warm-up); ``transport``: the caller's gRPC (bench/svc_util_transport.py)."""
     import asyncio
 
-    from svc_util_transport import Channel
+    from svc_util_transport import Channel, floor_transport
 
     from q6serve.client.channel import channel_options
 
     fix_heap_thresholds(*HOST_HEAP)
+    transport = floor_transport(transport)
 
     async def one(ch: Any, seq: list[tuple[int, int, int]]) -> dict[str, Any]:
         reqs = [reply.to_bytes(8, "little") + ns.to_bytes(8, "little")

@@ -178,7 +178,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     calls: dict[str, dict[str, list[float]]] = {}
     async with Channel(spec.transport, spec.target,
                        [*channel_options(), *spec.channel_args]) as ch:
-        unary = ch.unary(MATMUL)
+        unary = ch.unary(MATMUL) if spec.mode == "unary" else None
         stream = ch.stream(MATMUL_STREAM) if spec.mode == "stream" else None
 
         def account(sums: dict[str, float], rec: dict[str, list[float]] | None,

@@ -10,6 +10,12 @@ drives either and the floor is measured with the transport the replay used.
   request iterator on a thread of its own, so each write is a hand-off to that thread, and each
   read waits for the channel's polling thread to hand the reply over.
 
+- ``session`` / ``asession``: the q6serve client's closed-loop sessions on the worker's
+  MatmulStream (client/session.py): ``Client.session()`` (grpc.aio on a loop thread of its own,
+  each call a blocking hand-off to it) and ``AsyncClient.session()`` (on the host's loop), each
+  exchange the product's code. Stream mode, the worker's MatmulStream only (no echo floor: the
+  same grpc.aio stream as ``aio``).
+
 The sync calls are wrapped as coroutines that never suspend: awaiting one runs the blocking call
 in place (no loop trip), which is what a caller with nothing else to do on its thread pays.
 """
@@ -19,7 +25,8 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-TRANSPORTS = ("aio", "sync")
+TRANSPORTS = ("aio", "sync", "session", "asession")
+SESSIONS = ("session", "asession")  # the client's sessions: MatmulStream on a q6serve worker
 
 
 class SyncUnary:
@@ -52,6 +59,29 @@ class SyncStream:
             pass
 
 
+def floor_transport(transport: str) -> str:
+    """The echo caller's transport for a replay host's: a session's stream is grpc.aio's."""
+    return "aio" if transport in SESSIONS else transport
+
+
+class SessionStream:
+    """A client session's exchange behind aio's write / read: write keeps the request, read
+    sends it and returns its reply (``exchange``: a blocking or async callable)."""
+
+    def __init__(self, exchange: Any, is_async: bool) -> None:
+        self._exchange, self._async, self._req = exchange, is_async, b""
+
+    async def write(self, req: bytes) -> None:
+        self._req = req
+
+    async def read(self) -> bytes:
+        got = self._exchange(self._req)
+        return await got if self._async else got
+
+    async def done_writing(self) -> None:
+        pass  # the session's close ends the stream
+
+
 class Channel:
     """An async context manager giving ``unary(method)`` / ``stream(method)`` of one transport
     on one channel to ``target`` (the client's channel options)."""
@@ -61,11 +91,22 @@ class Channel:
             raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
         self.transport, self.target, self.options = transport, target, options
         self._ch: Any = None
+        self._client: Any = None
 
     async def __aenter__(self) -> Channel:
         import grpc
 
-        if self.transport == "aio":
+        if self.transport == "session":
+            from q6serve.client.client import Client
+
+            self._client = Client(self.target)
+            self._ch = self._client.session()
+        elif self.transport == "asession":
+            from q6serve.client.async_client import AsyncClient
+
+            self._client = AsyncClient(self.target)
+            self._ch = await self._client.session().open()
+        elif self.transport == "aio":
             self._ch = grpc.aio.insecure_channel(self.target, options=self.options)
             await self._ch.channel_ready()
         else:
@@ -74,15 +115,27 @@ class Channel:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.transport == "aio":
+        if self.transport == "session":
+            self._ch.close()
+            self._client.close()
+        elif self.transport == "asession":
+            await self._ch.close()
+            await self._client.close()
+        elif self.transport == "aio":
             await self._ch.close()
         else:
             self._ch.close()
 
     def unary(self, method: str) -> Any:
+        if self.transport in SESSIONS:
+            raise ValueError(f"{self.transport}: a session is a stream (no unary calls)")
         return self._ch.unary_unary(method) if self.transport == "aio" else SyncUnary(
             self._ch, method)
 
     def stream(self, method: str) -> Any:
+        if self.transport in SESSIONS:
+            if not method.endswith("/MatmulStream"):
+                raise ValueError(f"{self.transport}: the worker's MatmulStream only, not {method}")
+            return SessionStream(self._ch.exchange, self.transport == "asession")
         return self._ch.stream_stream(method)() if self.transport == "aio" else SyncStream(
             self._ch, method)

@@ -26,6 +26,7 @@ from . import core
 from .channel import aio_channel
 from .core import MatmulOutput, Q6ServeError, RegionInfo, TopK, Weight, Weights
 from .retry import RetryPolicy, acall_with_retry
+from .session import AsyncMatmulSession
 from .shm import CudaRegion, Region, RegionArg, ShmRegion
 
 T = TypeVar("T")
@@ -151,6 +152,12 @@ class AsyncClient(core.Transport):
                     yield core.stream_outcome(r, y_regions)
             finally:
                 call.cancel()  # no-op once finished; stops the stream if the caller broke out
+
+    def session(self, *, timeout: float | None = None) -> AsyncMatmulSession:
+        """A closed-loop session on this client's channel (:mod:`.session`): ``async with
+        client.session() as s: y = await s.matmul(w, x)``, each call one request and its
+        reply on one MatmulStream; ``timeout`` bounds the whole session (default: none)."""
+        return AsyncMatmulSession(self._stubs["bytes"], self._metadata, timeout)
 
     # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
     async def register_shm(self, name: str, size: int, *, key: str | None = None,

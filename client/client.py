@@ -55,6 +55,7 @@ from .core import (  # noqa: F401  (re-exported: the public names of this module
 )
 from .lane import Lane
 from .retry import RetryPolicy, call_with_retry
+from .session import MatmulSession
 from .shm import CudaRegion, Region, RegionArg, ShmRegion
 
 T = TypeVar("T")
@@ -83,6 +84,7 @@ class Client(core.Transport):
                  **channel_kw: Any) -> None:
         super().__init__(token=token, timeout=timeout, retry=retry)
         self.target = target
+        self._channel_kw = channel_kw
         self._channel = channel or sync_channel(target, **channel_kw)
         self._stubs = core.stubs(self._channel)
 
@@ -193,6 +195,16 @@ class Client(core.Transport):
                     yield core.stream_outcome(r, y_regions)
             finally:
                 call.cancel()  # no-op once finished; stops the stream if the caller broke out
+
+    def session(self, *, timeout: float | None = None, **channel_kw: Any) -> MatmulSession:
+        """A closed-loop session (:mod:`.session`): one MatmulStream, each ``matmul*`` call of
+        it one request and its reply, on a grpc.aio channel run by a thread of the session's
+        own -- a decode host's sequence of dependent calls, faster than this client's unary
+        calls (docs/SERVICE.md "The caller's gRPC"). Its channel takes this client's channel
+        arguments, or ``channel_kw`` (e.g. for a client made with ``channel=``); ``timeout``
+        bounds the whole session (default: none). Close it (``with``) when done."""
+        return MatmulSession(self.target, channel_kw or self._channel_kw, self._metadata,
+                             timeout)
 
     # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
     def register_shm(self, name: str, size: int, *, key: str | None = None,

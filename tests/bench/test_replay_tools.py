@@ -160,10 +160,11 @@ def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
 
 
 def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
-    """The host's gRPC alternated on one NumPy worker, its replies stamped: grpc.aio and the
-    sync stub on MatmulStream (stamped: each role's way up and down), the sync stub's unary
-    Matmul (no stream reply, so no stamps: the mode really changed), every role with its
-    round trip above the worker's handler and the caller's CPU."""
+    """The host's gRPC alternated on one NumPy worker, its replies stamped: grpc.aio, the sync
+    stub and the client's two sessions (client/session.py) on MatmulStream (stamped: each
+    role's way up and down), the sync stub's unary Matmul (no stream reply, so no stamps: the
+    mode really changed), every role with its round trip above the worker's handler and the
+    caller's CPU."""
     import json
     import os
     import subprocess
@@ -175,15 +176,16 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
     got = subprocess.run(
         [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
          "--scale", "0.002", "--variants", "aio: s:host.transport=sync "
-         "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0", "--order",
-         "aio,s,su", "--seqs", "2",
+         "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0 "
+         "ss:host.transport=session as:host.transport=asession", "--order",
+         "aio,s,su,ss,as", "--seqs", "2",
          "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=240)
     assert got.returncode == 0, got.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert set(doc["worker_of"].values()) == {"aio"}
     runs = {r["variant"]: r for r in doc["runs"]}
-    assert set(runs) == {"aio", "s", "su"}
+    assert set(runs) == {"aio", "s", "su", "ss", "as"}
     for v, r in runs.items():
         assert r["steps"] > 0
         for role, f in r["roles_p50_us"].items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -78,21 +79,34 @@ def test_connections_that_never_read_cannot_hold_every_place(worker):
     assert health(worker.target) == "SERVING"
 
 
+def unbufferable_rows() -> int:
+    """Rows of a weight whose N=64 f32 reply (256 B a row) is at least twice the most a TCP
+    socket may buffer for sending here (tcp_wmem's max, which loopback autotuning reaches; the
+    stalling proxy's side takes 4 KiB more), and at least 16 MiB: a reply that cannot be
+    written while its client does not read."""
+    try:
+        wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        wmem = 4 << 20  # Linux's default
+    return max(65536, -(-2 * wmem // 256))
+
+
 def test_nothing_is_dropped_while_nobody_waits():
     """A client that stops reading keeps what it holds while no one else needs a place.
 
-    Its four calls all fit the gate (nobody ever waits) and ask for 16 MiB replies, more than
-    the sockets between the worker and the client can buffer, so none can be written: once
+    Its four calls all fit the gate (nobody ever waits) and ask for replies larger than the
+    sockets between the worker and the client can buffer (:func:`unbufferable_rows`), so none
+    can be written (with 2 MiB replies one in four was, on a 4 MiB tcp_wmem): once
     the four are computed, four places are watched (replies not taken) and stay so, undropped,
     for four reply timeouts. (Watched also counts a request being read; the wait is for the
     four replies computed -- q6serve_requests_total -- not for a number of watched places,
     which read 2 while the requests were read, 0 while computed, then 3.)"""
+    rows = unbufferable_rows()
     worker = RunningWorker(WorkerConfig(  # the fixture's, with room for the wide weight
-        port=0, vram_budget=Budget(nbytes=128 << 20), max_inflight_rpcs=4,
+        port=0, vram_budget=Budget(nbytes=rows * 1536 + (32 << 20)), max_inflight_rpcs=4,
         max_inflight_rpcs_per_connection=4, min_inflight_rpcs_per_connection=1,
         reply_timeout_s=0.5))
     gate = worker.worker.admission
-    rows = 65536  # 64 x 65536 f32 = 16 MiB a reply: beyond the loopback sockets' buffers
     worker.client().upload("wide", random_q6k(rows, K, 2), rows, K)
     proxy = StallingProxy(worker.target)
     # (a client's default 4 MiB receive limit would refuse the reply on its first bytes)

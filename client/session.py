@@ -1,0 +1,194 @@
+"""Closed-loop matmul sessions: one MatmulStream kept open, one request and its reply at a time.
+
+A decode host calls the worker once per matmul of a step, each call needing the previous one's
+output. Measured on the H200's 28-layer replay (session 21, docs/SERVICE.md "The caller's
+gRPC"), the cheapest way to make such calls from Python is grpc.aio on one MatmulStream: at S=1
+a step took 105 ms so, 154-175 ms through the sync stub's stream (its request-iterator thread
+and the channel's poller hand each message over) and 259 ms through the sync stub's unary
+calls (what :meth:`Client.matmul` makes: each call a new HTTP/2 stream).
+
+    async with client.session() as s:              # AsyncClient
+        q, k, v = await s.matmul_multi(["q", "k", "v"], x)
+    with client.session() as s:                     # Client: the same stream, run on a
+        y = s.matmul("down", x)                     # private event loop thread
+
+Calls of one session are made one at a time (concurrent ones wait their turn); a reply that is
+an error raises :class:`Q6ServeError` and the stream goes on. Not retried: a request already
+sent may have run. ``timeout`` bounds the whole session, as for ``matmul_stream``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from . import core
+from .core import MatmulOutput, Q6ServeError, TopK, Weights
+
+T = TypeVar("T")
+
+
+class AsyncMatmulSession:
+    """One MatmulStream of an :class:`~.async_client.AsyncClient`'s channel (``stub``: its
+    bytes stub), used closed-loop: :meth:`matmul_full` writes one request and reads its
+    reply. Open with ``async with`` (or :meth:`open`), end with :meth:`close`."""
+
+    def __init__(self, stub: Any, metadata: Any, timeout: float | None) -> None:
+        self._stub, self._metadata, self._timeout = stub, metadata, timeout
+        self._call: Any = None
+        self._lock: asyncio.Lock | None = None
+
+    async def open(self) -> AsyncMatmulSession:
+        self._lock = asyncio.Lock()
+        self._call = self._stub.MatmulStream(metadata=self._metadata, timeout=self._timeout)
+        return self
+
+    async def __aenter__(self) -> AsyncMatmulSession:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """End the stream: half-close, then its end (no reply is pending); cancelled if the
+        worker does not end it."""
+        call, self._call = self._call, None
+        if call is None:
+            return
+        try:
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        except grpc.RpcError:
+            pass  # the stream failed or was cancelled: nothing left to end
+        finally:
+            call.cancel()
+
+    async def exchange(self, request: bytes) -> bytes:
+        """One serialized MatmulRequest out, its serialized MatmulStreamResponse back."""
+        if self._call is None or self._lock is None:
+            raise ValueError("the session is not open (use it inside `async with`)")
+        async with self._lock:  # a write and its read together: replies come in order
+            with core.rpc_errors():
+                await self._call.write(request)
+                raw = await self._call.read()
+        if raw is grpc.aio.EOF:
+            raise Q6ServeError(grpc.StatusCode.UNAVAILABLE, "the stream ended before its reply")
+        return raw
+
+    async def matmul_full(self, weight: Weights, x: np.ndarray, *, precision: str = "auto",
+                          out_dtype: str = "f32", topk: int | None = None) -> MatmulOutput:
+        """As :meth:`Client.matmul_full` (no shared-memory regions)."""
+        raw = await self.exchange(core.matmul_request_bytes(weight, x, precision, out_dtype,
+                                                            topk=topk))
+        return _result(raw)
+
+    async def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
+                     out_dtype: str = "f32") -> np.ndarray:
+        return core.y_of(await self.matmul_full(core.one_weight(weight), x,
+                                                precision=precision, out_dtype=out_dtype))
+
+    async def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *,
+                           precision: str = "auto", out_dtype: str = "f32") -> list[np.ndarray]:
+        return core.ys_of(await self.matmul_full(core.weight_list(weights), x,
+                                                 precision=precision, out_dtype=out_dtype))
+
+    async def matmul_topk(self, weight: str, x: np.ndarray, k: int, *,
+                          precision: str = "auto") -> TopK:
+        return core.topk_of(await self.matmul_full(weight, x, precision=precision, topk=k))
+
+
+def _result(raw: bytes) -> MatmulOutput:
+    out = core.stream_outcome(raw, {})
+    if isinstance(out, Q6ServeError):
+        raise out
+    return out
+
+
+class MatmulSession:
+    """:class:`AsyncMatmulSession` for the blocking :class:`~.client.Client`: the stream lives
+    on an event loop of its own, in a daemon thread, on a grpc.aio channel to the client's
+    target (``channel_kw``: the client's channel arguments); each call blocks its caller
+    until the reply. Usable from any thread, async code included. ``with`` (or
+    :meth:`close`) ends the stream, the channel and the thread."""
+
+    def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
+                 timeout: float | None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="q6serve-session")
+        self._thread.start()
+        try:
+            self._channel, self._session = self._run(self._open(target, channel_kw, metadata,
+                                                                timeout))
+        except BaseException:
+            self._stop()
+            raise
+
+    @staticmethod
+    async def _open(target: str, channel_kw: dict[str, Any], metadata: Any,
+                    timeout: float | None) -> tuple[Any, AsyncMatmulSession]:
+        from .channel import aio_channel
+
+        channel = aio_channel(target, **channel_kw)
+        session = AsyncMatmulSession(core.BytesStub(channel), metadata, timeout)
+        return channel, await session.open()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._thread.is_alive():
+            coro.close()
+            raise ValueError("the session is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> MatmulSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def end() -> None:
+            await self._session.close()
+            await self._channel.close()
+
+        try:
+            self._run(end())
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def exchange(self, request: bytes) -> bytes:
+        """As :meth:`AsyncMatmulSession.exchange`, blocking."""
+        return self._run(self._session.exchange(request))
+
+    def matmul_full(self, weight: Weights, x: np.ndarray, *, precision: str = "auto",
+                    out_dtype: str = "f32", topk: int | None = None) -> MatmulOutput:
+        """As :meth:`Client.matmul_full` (no shared-memory regions)."""
+        return _result(self.exchange(core.matmul_request_bytes(weight, x, precision,
+                                                               out_dtype, topk=topk)))
+
+    def matmul(self, weight: str, x: np.ndarray, *, precision: str = "auto",
+               out_dtype: str = "f32") -> np.ndarray:
+        return core.y_of(self.matmul_full(core.one_weight(weight), x, precision=precision,
+                                          out_dtype=out_dtype))
+
+    def matmul_multi(self, weights: Sequence[str], x: np.ndarray, *, precision: str = "auto",
+                     out_dtype: str = "f32") -> list[np.ndarray]:
+        return core.ys_of(self.matmul_full(core.weight_list(weights), x, precision=precision,
+                                           out_dtype=out_dtype))
+
+    def matmul_topk(self, weight: str, x: np.ndarray, k: int, *,
+                    precision: str = "auto") -> TopK:
+        return core.topk_of(self.matmul_full(weight, x, precision=precision, topk=k))

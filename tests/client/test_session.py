@@ -1,0 +1,112 @@
+"""Closed-loop sessions (client/session.py): Client.session() and AsyncClient.session() make
+each call one request and its reply on one MatmulStream -- the same results as the unary
+calls, an error reply raised without ending the stream, nothing sent as a unary Matmul."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from svc_util import random_q6k
+
+from q6serve.client.async_client import AsyncClient
+from q6serve.client.client import Client, Q6ServeError
+
+K = 512
+SHAPES = {"q": (48, 1), "k": (32, 2), "v": (16, 3)}
+SVC = "q6serve.v1.Q6Serve"
+
+
+def _count(worker: Any, method: str, code: str = "OK") -> float:
+    return worker.registry.get_sample_value(
+        "q6serve_requests_total", {"service": SVC, "method": method, "code": code}) or 0.0
+
+
+@pytest.fixture
+def loaded(worker: Any) -> Iterator[Client]:
+    c = Client(worker.target)
+    for name, (rows, seed) in SHAPES.items():
+        c.upload(name, random_q6k(rows, K, seed), rows, K)
+    yield c
+    c.close()
+
+
+def _x(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, K)).astype(np.float32)
+
+
+def test_sync_session_matches_the_unary_calls(worker: Any, loaded: Client) -> None:
+    x = _x(3)
+    want_q = loaded.matmul("q", x)
+    want_qkv = loaded.matmul_multi(["q", "k", "v"], x, out_dtype="f16")
+    want_top = loaded.matmul_topk("q", x, 5)
+    unary = _count(worker, "Matmul")
+    threads = threading.active_count()
+    with loaded.session() as s:
+        assert threading.active_count() == threads + 1  # the session's loop
+        for _ in range(3):  # closed loop on one stream: each call its own reply
+            np.testing.assert_array_equal(s.matmul("q", x), want_q)
+            for got, want in zip(s.matmul_multi(["q", "k", "v"], x, out_dtype="f16"), want_qkv,
+                                 strict=True):
+                assert got.dtype == np.float16
+                np.testing.assert_array_equal(got, want)
+            top = s.matmul_topk("q", x, 5)
+            np.testing.assert_array_equal(top.indices, want_top.indices)
+            np.testing.assert_array_equal(top.values, want_top.values)
+        with pytest.raises(Q6ServeError) as e:  # an error reply: the stream goes on
+            s.matmul("nope", x)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        np.testing.assert_array_equal(s.matmul("q", x), want_q)
+    assert threading.active_count() == threads  # closed: the thread is gone
+    with pytest.raises(ValueError, match="closed"):
+        s.matmul("q", x)
+    assert _count(worker, "Matmul") == unary  # nothing went as a unary call
+    assert _count(worker, "MatmulStream/request") == 3 * 3 + 1
+    assert _count(worker, "MatmulStream/request", "NOT_FOUND") == 1
+
+
+def test_sync_session_from_several_threads(loaded: Client) -> None:
+    """Calls from several threads take turns on the one stream: each gets its own reply."""
+    xs = [_x(1, seed) for seed in range(8)]
+    want = [loaded.matmul("k", x) for x in xs]
+    got: list[Any] = [None] * len(xs)
+    with loaded.session() as s:
+        def run(i: int) -> None:
+            for _ in range(3):
+                got[i] = s.matmul("k", xs[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_async_session_matches_the_unary_calls(worker: Any, loaded: Client) -> None:
+    x = _x(2, 4)
+    want = loaded.matmul_multi(["q", "v"], x)
+    unary = _count(worker, "Matmul")
+
+    async def go() -> None:
+        async with AsyncClient(worker.target) as c, c.session() as s:
+            got = await asyncio.gather(*(s.matmul_multi(["q", "v"], x) for _ in range(4)))
+            for ys in got:  # concurrent calls of one session: each its own reply
+                for y, w in zip(ys, want, strict=True):
+                    np.testing.assert_array_equal(y, w)
+            with pytest.raises(Q6ServeError) as e:
+                await s.matmul_full(["q", "nope"], x)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            np.testing.assert_array_equal(await s.matmul("v", x), want[1])
+        with pytest.raises(ValueError, match="not open"):
+            await s.matmul("v", x)
+
+    asyncio.run(go())
+    assert _count(worker, "Matmul") == unary
+    assert _count(worker, "MatmulStream/request") == 4 + 1
