@@ -14,7 +14,10 @@ calls (what :meth:`Client.matmul` makes: each call a new HTTP/2 stream).
 
 Calls of one session are made one at a time (concurrent ones wait their turn); a reply that is
 an error raises :class:`Q6ServeError` and the stream goes on. Not retried: a request already
-sent may have run. ``timeout`` bounds the whole session, as for ``matmul_stream``.
+sent may have run. ``timeout`` bounds the whole session, as for ``matmul_stream``; a stream
+that failed (the worker gone, the deadline passed) fails every later call: open a new session.
+Why it is not what ``Client.matmul`` does by default: unary calls have a deadline each and are
+retried on UNAVAILABLE (client/retry.py), which a call on an open stream cannot be.
 """
 
 from __future__ import annotations
