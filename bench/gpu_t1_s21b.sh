@@ -4,12 +4,12 @@
 # replay (4 layers + the lm-head's top-64: 17 calls a step, so a short run has steps enough;
 # multi-weight calls, S = 1 and 8), alternated on one worker, its replies stamped:
 # ss = Client.session() (grpc.aio's MatmulStream on the session's own loop thread, each call a
-# blocking hand-off: what a sync caller can use now), su = the sync stub's unary calls (what
-# Client.matmul makes), aio = grpc.aio's MatmulStream on the host's loop (the replay's host),
-# and last, if the bound leaves time, as = AsyncClient.session() (bench/replay_ab.py
+# blocking hand-off), is = Client.session(thread=False) (the same loop run by the caller's
+# thread in each call: no hand-off), su = the sync stub's unary calls (what Client.matmul
+# makes), aio = grpc.aio's MatmulStream on the host's loop (the replay's host; bench/replay_ab.py
 # host.transport).
 #   bash bench/gpu_t1_s21b.sh   env: BOUND (48 s), VARIANTS, ORDER, SEQS (1,8), BACKEND (cuda),
-#   LAYERS (4), SCALE (1), SECONDS_RUN (0.8)
+#   LAYERS (4), SCALE (1), SECONDS_RUN (0.6)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -21,9 +21,9 @@ limit=$(bound 50 2)
 # after it: 6 s kept)
 step replay_ab "$limit" env "PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}" Q6SERVE_REPLY_STAMPS=1 \
   python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
-  --variants "${VARIANTS:-ss:host.transport=session su:host.transport=sync,host.mode=unary aio: as:host.transport=asession}" \
-  --order "${ORDER:-ss,su,aio,aio,su,ss,as}" --seqs "${SEQS:-1,8}" \
-  --layers "${LAYERS:-4}" --scale "${SCALE:-1}" --seconds "${SECONDS_RUN:-0.8}" \
+  --variants "${VARIANTS:-aio: is:host.transport=isession ss:host.transport=session su:host.transport=sync,host.mode=unary}" \
+  --order "${ORDER:-aio,is,ss,su,ss,is,aio}" --seqs "${SEQS:-1,8}" \
+  --layers "${LAYERS:-4}" --scale "${SCALE:-1}" --seconds "${SECONDS_RUN:-0.6}" \
   --warmup 0.3 --bound "$((limit - 6))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
 {
   echo "# gpu_t1_s21b $(tree_commit) total $(elapsed)"

@@ -13,7 +13,9 @@ drives either and the floor is measured with the transport the replay used.
 - ``session`` / ``asession``: the q6serve client's closed-loop sessions on the worker's
   MatmulStream (client/session.py): ``Client.session()`` (grpc.aio on a loop thread of its own,
   each call a blocking hand-off to it) and ``AsyncClient.session()`` (on the host's loop), each
-  exchange the product's code. Stream mode, the worker's MatmulStream only (no echo floor: the
+  exchange the product's code; ``isession``: ``Client.session(thread=False)``, its loop run
+  by the host's thread in each call (the host's own asyncio loop set aside meanwhile: what a
+  host without one does). Stream mode, the worker's MatmulStream only (no echo floor: the
   same grpc.aio stream as ``aio``).
 
 The sync calls are wrapped as coroutines that never suspend: awaiting one runs the blocking call
@@ -25,8 +27,9 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-TRANSPORTS = ("aio", "sync", "session", "asession")
-SESSIONS = ("session", "asession")  # the client's sessions: MatmulStream on a q6serve worker
+TRANSPORTS = ("aio", "sync", "session", "isession", "asession")
+# the client's sessions: MatmulStream on a q6serve worker
+SESSIONS = ("session", "isession", "asession")
 
 
 class SyncUnary:
@@ -57,6 +60,20 @@ class SyncStream:
         self._q.put(None)
         for _ in self._call:  # the server's end of the stream (no reply is pending)
             pass
+
+
+def outside_loop(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with this thread's running asyncio loop set aside: a sync session that
+    runs its own loop in the calling thread, called from the replay host's coroutine (which
+    never yields meanwhile), as a host with no loop of its own would call it."""
+    import asyncio
+
+    outer = asyncio.events._get_running_loop()
+    asyncio.events._set_running_loop(None)
+    try:
+        return fn(*args)
+    finally:
+        asyncio.events._set_running_loop(outer)
 
 
 def floor_transport(transport: str) -> str:
@@ -101,6 +118,11 @@ class Channel:
 
             self._client = Client(self.target)
             self._ch = self._client.session()
+        elif self.transport == "isession":
+            from q6serve.client.client import Client
+
+            self._client = Client(self.target)
+            self._ch = outside_loop(lambda: self._client.session(thread=False))
         elif self.transport == "asession":
             from q6serve.client.async_client import AsyncClient
 
@@ -117,6 +139,9 @@ class Channel:
     async def __aexit__(self, *exc: object) -> None:
         if self.transport == "session":
             self._ch.close()
+            self._client.close()
+        elif self.transport == "isession":
+            outside_loop(self._ch.close)
             self._client.close()
         elif self.transport == "asession":
             await self._ch.close()
@@ -136,6 +161,8 @@ class Channel:
         if self.transport in SESSIONS:
             if not method.endswith("/MatmulStream"):
                 raise ValueError(f"{self.transport}: the worker's MatmulStream only, not {method}")
+            if self.transport == "isession":
+                return SessionStream(lambda req: outside_loop(self._ch.exchange, req), False)
             return SessionStream(self._ch.exchange, self.transport == "asession")
         return self._ch.stream_stream(method)() if self.transport == "aio" else SyncStream(
             self._ch, method)

@@ -196,15 +196,17 @@ class Client(core.Transport):
             finally:
                 call.cancel()  # no-op once finished; stops the stream if the caller broke out
 
-    def session(self, *, timeout: float | None = None, **channel_kw: Any) -> MatmulSession:
+    def session(self, *, timeout: float | None = None, thread: bool = True,
+                **channel_kw: Any) -> MatmulSession:
         """A closed-loop session (:mod:`.session`): one MatmulStream, each ``matmul*`` call of
-        it one request and its reply, on a grpc.aio channel run by a thread of the session's
-        own -- a decode host's sequence of dependent calls, faster than this client's unary
+        it one request and its reply, on a grpc.aio channel and event loop of the session's
+        own (``thread``: run by a thread of its own, else by the calling thread during each
+        call) -- a decode host's sequence of dependent calls, faster than this client's unary
         calls (docs/SERVICE.md "The caller's gRPC"). Its channel takes this client's channel
         arguments, or ``channel_kw`` (e.g. for a client made with ``channel=``); ``timeout``
         bounds the whole session (default: none). Close it (``with``) when done."""
         return MatmulSession(self.target, channel_kw or self._channel_kw, self._metadata,
-                             timeout)
+                             timeout, thread=thread)
 
     # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
     def register_shm(self, name: str, size: int, *, key: str | None = None,

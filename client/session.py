@@ -114,18 +114,25 @@ def _result(raw: bytes) -> MatmulOutput:
 
 
 class MatmulSession:
-    """:class:`AsyncMatmulSession` for the blocking :class:`~.client.Client`: the stream lives
-    on an event loop of its own, in a daemon thread, on a grpc.aio channel to the client's
-    target (``channel_kw``: the client's channel arguments); each call blocks its caller
-    until the reply. Usable from any thread, async code included. ``with`` (or
-    :meth:`close`) ends the stream, the channel and the thread."""
+    """:class:`AsyncMatmulSession` for the blocking :class:`~.client.Client`, on a grpc.aio
+    channel of its own to the client's target (``channel_kw``: the client's channel
+    arguments) and an event loop of its own; each call blocks its caller until the reply.
+
+    ``thread=True``: the loop runs in a daemon thread and each call is handed to it (usable
+    from any thread, async code included). ``thread=False``: each call runs the loop in the
+    calling thread, one caller at a time (no hand-off; not from a thread whose own event loop
+    is running). ``with`` (or :meth:`close`) ends the stream, the channel (and the thread)."""
 
     def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
-                 timeout: float | None) -> None:
+                 timeout: float | None, *, thread: bool = True) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="q6serve-session")
-        self._thread.start()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # thread=False: one caller runs the loop at a time
+        if thread:
+            self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                            name="q6serve-session")
+            self._thread.start()
         try:
             self._channel, self._session = self._run(self._open(target, channel_kw, metadata,
                                                                 timeout))
@@ -143,10 +150,13 @@ class MatmulSession:
         return channel, await session.open()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if not self._thread.is_alive():
+        if self._closed:
             coro.close()
             raise ValueError("the session is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if self._thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        with self._lock:
+            return self._loop.run_until_complete(coro)
 
     def __enter__(self) -> MatmulSession:
         return self
@@ -155,7 +165,7 @@ class MatmulSession:
         self.close()
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if self._closed:
             return
 
         async def end() -> None:
@@ -168,8 +178,10 @@ class MatmulSession:
             self._stop()
 
     def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._closed = True
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
         self._loop.close()
 
     def exchange(self, request: bytes) -> bytes:

@@ -177,15 +177,15 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
         [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
          "--scale", "0.002", "--variants", "aio: s:host.transport=sync "
          "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0 "
-         "ss:host.transport=session as:host.transport=asession", "--order",
-         "aio,s,su,ss,as", "--seqs", "2",
+         "ss:host.transport=session is:host.transport=isession as:host.transport=asession",
+         "--order", "aio,s,su,ss,is,as", "--seqs", "2",
          "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=240)
     assert got.returncode == 0, got.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert set(doc["worker_of"].values()) == {"aio"}
     runs = {r["variant"]: r for r in doc["runs"]}
-    assert set(runs) == {"aio", "s", "su", "ss", "as"}
+    assert set(runs) == {"aio", "s", "su", "ss", "is", "as"}
     for v, r in runs.items():
         assert r["steps"] > 0
         for role, f in r["roles_p50_us"].items():

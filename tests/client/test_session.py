@@ -40,15 +40,16 @@ def _x(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, K)).astype(np.float32)
 
 
-def test_sync_session_matches_the_unary_calls(worker: Any, loaded: Client) -> None:
+@pytest.mark.parametrize("thread", [True, False])
+def test_sync_session_matches_the_unary_calls(worker: Any, loaded: Client, thread: bool) -> None:
     x = _x(3)
     want_q = loaded.matmul("q", x)
     want_qkv = loaded.matmul_multi(["q", "k", "v"], x, out_dtype="f16")
     want_top = loaded.matmul_topk("q", x, 5)
     unary = _count(worker, "Matmul")
     threads = threading.active_count()
-    with loaded.session() as s:
-        assert threading.active_count() == threads + 1  # the session's loop
+    with loaded.session(thread=thread) as s:
+        assert threading.active_count() == threads + thread  # the session's loop's thread
         for _ in range(3):  # closed loop on one stream: each call its own reply
             np.testing.assert_array_equal(s.matmul("q", x), want_q)
             for got, want in zip(s.matmul_multi(["q", "k", "v"], x, out_dtype="f16"), want_qkv,
@@ -70,12 +71,14 @@ def test_sync_session_matches_the_unary_calls(worker: Any, loaded: Client) -> No
     assert _count(worker, "MatmulStream/request", "NOT_FOUND") == 1
 
 
-def test_sync_session_from_several_threads(loaded: Client) -> None:
-    """Calls from several threads take turns on the one stream: each gets its own reply."""
+@pytest.mark.parametrize("thread", [True, False])
+def test_sync_session_from_several_threads(loaded: Client, thread: bool) -> None:
+    """Calls from several threads take turns on the one stream (thread=False: on the loop,
+    which one caller runs at a time): each gets its own reply."""
     xs = [_x(1, seed) for seed in range(8)]
     want = [loaded.matmul("k", x) for x in xs]
     got: list[Any] = [None] * len(xs)
-    with loaded.session() as s:
+    with loaded.session(thread=thread) as s:
         def run(i: int) -> None:
             for _ in range(3):
                 got[i] = s.matmul("k", xs[i])
