@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -120,8 +121,9 @@ class MatmulSession:
 
     ``thread=True``: the loop runs in a daemon thread and each call is handed to it (usable
     from any thread, async code included). ``thread=False``: each call runs the loop in the
-    calling thread, one caller at a time (no hand-off; not from a thread whose own event loop
-    is running). ``with`` (or :meth:`close`) ends the stream, the channel (and the thread)."""
+    calling thread, one caller at a time (no hand-off; called from a thread whose own event
+    loop is running, in a helper thread for that call). ``with`` (or :meth:`close`) ends the
+    stream, the channel (and the thread)."""
 
     def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
                  timeout: float | None, *, thread: bool = True) -> None:
@@ -156,7 +158,14 @@ class MatmulSession:
         if self._thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         with self._lock:
-            return self._loop.run_until_complete(coro)
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs here: ours runs in this thread for the call
+                return self._loop.run_until_complete(coro)
+            # this thread's own loop is running (a blocking call from async code): ours
+            # cannot run here, so a helper thread runs it for this call
+            with ThreadPoolExecutor(1) as helper:
+                return helper.submit(self._loop.run_until_complete, coro).result()
 
     def __enter__(self) -> MatmulSession:
         return self

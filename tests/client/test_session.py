@@ -92,6 +92,21 @@ def test_sync_session_from_several_threads(loaded: Client, thread: bool) -> None
         np.testing.assert_array_equal(g, w)
 
 
+def test_sync_session_without_a_thread_from_async_code(loaded: Client) -> None:
+    """thread=False called where an event loop runs (a blocking call from async code): the
+    session's loop cannot run in that thread, so a helper thread runs it for the call."""
+    x = _x(2, 7)
+    want = loaded.matmul("v", x)
+    with loaded.session(thread=False) as s:
+        np.testing.assert_array_equal(s.matmul("v", x), want)  # in this thread
+
+        async def inside() -> np.ndarray:
+            return s.matmul("v", x)
+
+        np.testing.assert_array_equal(asyncio.run(inside()), want)
+        np.testing.assert_array_equal(s.matmul("v", x), want)  # and back in this thread
+
+
 def test_async_session_matches_the_unary_calls(worker: Any, loaded: Client) -> None:
     x = _x(2, 4)
     want = loaded.matmul_multi(["q", "v"], x)
