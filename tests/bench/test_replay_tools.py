@@ -132,9 +132,10 @@ def test_stream_request_id_is_the_last_field_one() -> None:
     assert service_replay.stream_request_id(b"") == ""
 
 
-def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
-    """A caller-side A/B (the client's own decoding, views on and off) on one NumPy worker,
-    its replies stamped: every run has each role's caller CPU and way up / down."""
+
+def _stamped_replay_ab(tmp_path: Path, variants: str, order: str) -> tuple[str, dict[str, Any]]:
+    """bench/replay_ab.py on a 1-layer NumPy model at S=2, the worker's replies stamped (each
+    role's way up and down): its stdout and its JSON document (the run must succeed)."""
     import json
     import os
     import subprocess
@@ -145,18 +146,23 @@ def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     got = subprocess.run(
         [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
-         "--scale", "0.002", "--variants", "cl:host.decode=client "
-         "clcopy:host.decode=client,host.view_min=1e18", "--order", "cl,clcopy", "--seqs", "2",
+         "--scale", "0.002", "--variants", variants, "--order", order, "--seqs", "2",
          "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=240)
     assert got.returncode == 0, got.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    return got.stdout, json.loads(out.read_text())
+
+def test_replay_ab_host_decoding_on_one_worker(tmp_path: Path) -> None:
+    """A caller-side A/B (the client's own decoding, views on and off) on one NumPy worker,
+    its replies stamped: every run has each role's caller CPU and way up / down."""
+    stdout, doc = _stamped_replay_ab(tmp_path, "cl:host.decode=client "
+                                     "clcopy:host.decode=client,host.view_min=1e18", "cl,clcopy")
     assert doc["worker_of"] == {"cl": "cl", "clcopy": "cl"}
     assert [r["variant"] for r in doc["runs"]] == ["cl", "clcopy"]
     for r in doc["runs"]:
         for role, f in r["roles_p50_us"].items():
             assert f["ccpu"] > 0 and f["up"] > 0 and f["down"] > 0, (role, f)
-    assert "caller CPU" in got.stdout
+    assert "caller CPU" in stdout
 
 
 def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
@@ -165,24 +171,11 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
     role's way up and down), the sync stub's unary Matmul (no stream reply, so no stamps: the
     mode really changed), every role with its round trip above the worker's handler and the
     caller's CPU."""
-    import json
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root / "bench/trips_site"),
-           "Q6SERVE_REPLY_STAMPS": "1"}
-    out = tmp_path / "ab.json"
-    got = subprocess.run(
-        [sys.executable, str(root / "bench/replay_ab.py"), "--backend", "numpy", "--layers", "1",
-         "--scale", "0.002", "--variants", "aio: s:host.transport=sync "
-         "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0 "
-         "ss:host.transport=session is:host.transport=isession as:host.transport=asession",
-         "--order", "aio,s,su,ss,is,as", "--seqs", "2",
-         "--seconds", "0.3", "--warmup", "0.1", "--out-dir", str(tmp_path), "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=240)
-    assert got.returncode == 0, got.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    _, doc = _stamped_replay_ab(
+        tmp_path, "aio: s:host.transport=sync "
+        "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0 "
+        "ss:host.transport=session is:host.transport=isession as:host.transport=asession",
+        "aio,s,su,ss,is,as")
     assert set(doc["worker_of"].values()) == {"aio"}
     runs = {r["variant"]: r for r in doc["runs"]}
     assert set(runs) == {"aio", "s", "su", "ss", "is", "as"}
