@@ -15,7 +15,8 @@ calls (what :meth:`Client.matmul` makes: each call a new HTTP/2 stream).
 Calls of one session are made one at a time (concurrent ones wait their turn); a reply that is
 an error raises :class:`Q6ServeError` and the stream goes on. Not retried: a request already
 sent may have run. ``timeout`` bounds the whole session, as for ``matmul_stream``; a stream
-that failed (the worker gone, the deadline passed) fails every later call: open a new session.
+that failed (the worker gone, the deadline passed, a call cancelled before its reply, e.g. by
+``asyncio.wait_for``) fails every later call: open a new session.
 Why it is not what ``Client.matmul`` does by default: unary calls have a deadline each and are
 retried on UNAVAILABLE (client/retry.py), which a call on an open stream cannot be.
 """
@@ -46,6 +47,7 @@ class AsyncMatmulSession:
         self._stub, self._metadata, self._timeout = stub, metadata, timeout
         self._call: Any = None
         self._lock: asyncio.Lock | None = None
+        self._cut = False  # a call was cancelled between its write and its reply
 
     async def open(self) -> AsyncMatmulSession:
         self._lock = asyncio.Lock()
@@ -64,6 +66,8 @@ class AsyncMatmulSession:
         call, self._call = self._call, None
         if call is None:
             return
+        if self._cut:  # already cancelled: nothing to half-close
+            return
         try:
             await call.done_writing()
             while await call.read() is not grpc.aio.EOF:
@@ -78,9 +82,21 @@ class AsyncMatmulSession:
         if self._call is None or self._lock is None:
             raise ValueError("the session is not open (use it inside `async with`)")
         async with self._lock:  # a write and its read together: replies come in order
-            with core.rpc_errors():
-                await self._call.write(request)
-                raw = await self._call.read()
+            if self._cut:
+                raise Q6ServeError(grpc.StatusCode.CANCELLED,
+                                   "an earlier call of this session was cancelled before its "
+                                   "reply, which ended the stream: open a new session")
+            try:
+                with core.rpc_errors():
+                    await self._call.write(request)
+                    raw = await self._call.read()
+            except asyncio.CancelledError:
+                # interrupted (a caller's own timeout) between its write and its reply: that
+                # reply would be read as the next call's, so the stream ends here and later
+                # calls fail as on a failed stream (open a new session)
+                self._cut = True
+                self._call.cancel()
+                raise
         if raw is grpc.aio.EOF:
             raise Q6ServeError(grpc.StatusCode.UNAVAILABLE, "the stream ended before its reply")
         return raw

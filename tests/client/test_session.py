@@ -128,3 +128,24 @@ def test_async_session_matches_the_unary_calls(worker: Any, loaded: Client) -> N
     asyncio.run(go())
     assert _count(worker, "Matmul") == unary
     assert _count(worker, "MatmulStream/request") == 4 + 1
+
+
+def test_async_session_ends_when_a_call_is_cancelled_before_its_reply(loaded: Client) -> None:
+    """A call cancelled after its request went out (a caller's own timeout) leaves a reply on
+    the stream that the next call would read as its own: the session ends the stream instead,
+    so the next call raises (CANCELLED) and never returns the stale y."""
+    x_q, x_v = _x(2, 1), _x(2, 2)
+
+    async def go() -> None:
+        async with AsyncClient(loaded.target) as c, c.session() as s:
+            task = asyncio.ensure_future(s.matmul("q", x_q))
+            await asyncio.sleep(0)  # the call starts: its request is being written
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+            with pytest.raises(Q6ServeError) as e:
+                await s.matmul("v", x_v)
+            assert e.value.code == grpc.StatusCode.CANCELLED
+
+    asyncio.run(go())
