@@ -699,16 +699,13 @@ class Workspace:
         is kept while fewer than ``Y_BLOCKS`` are; else (all in use) a block from CuPy's pool
         for this call only. Call under the backend's device."""
         blocks, free = self._yb, _FREE_REFS
-        if not Y_BLOCKS:
-            mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
-            return int(mem.ptr), np.frombuffer(mem, np.uint8, nbytes)
         small = -1
         for i in range(len(blocks)):
             if sys.getrefcount(blocks[i]) == free:
                 if blocks[i].size >= nbytes:
                     return self._yb_ptr[i], blocks[i][:nbytes]
                 small = i if small < 0 else small
-        if small < 0 and len(blocks) >= Y_BLOCKS:
+        if small < 0 and len(blocks) >= Y_BLOCKS:  # every kept block in use (or Y_BLOCKS 0)
             mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
             return int(mem.ptr), np.frombuffer(mem, np.uint8, nbytes)
         mem = self.ctx.cp.cuda.alloc_pinned_memory(nbytes)
