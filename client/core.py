@@ -340,11 +340,8 @@ def output_of(r: pb.MatmulResponse, y_region: RegionArg | None = None,
     t = r.timing
     has = t.HasField
     response = type(r) is _RESPONSE
-    if response and r.outputs:
-        outputs = tuple(output_of(o, None, views, (*path, 8, i)) if views is not None
-                        else output_of(o) for i, o in enumerate(r.outputs))
-    else:
-        outputs = ()
+    outputs = (tuple(output_of(o, None, views, (*path, 8, i)) for i, o in enumerate(r.outputs))
+               if response and r.outputs else ())  # (path is read only with views)
     f_y, f_topk = (1, 7) if response else (2, 3)  # MatmulResponse's, WeightOutput's
     topk = (decode_topk(r.topk, views, (*path, f_topk, 0)) if r.HasField("topk")
             else None)
