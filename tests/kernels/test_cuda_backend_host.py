@@ -201,6 +201,11 @@ def fake_backend(monkeypatch, graphs: bool = True):
     from q6serve.kernels.hostio import HostIO
 
     monkeypatch.setattr(launch_mod, "_external_record", lambda: (lambda ev, st, flags: 0))
+    # The fake device has no driver: on a GPU host the real libcuda's entry points would take
+    # the fake kernels (PDL's cuLaunchKernelEx reads a real function handle), so the launcher
+    # sees what a host without libcuda sees.
+    for name in ("_driver_launch_ex", "_driver_max_clusters", "_host_device_ptr"):
+        monkeypatch.setattr(launch_mod, name, lambda: None)
     cp = _FakeCuda()
     ctx = SimpleNamespace(cp=cp, sm_count=132, smem_sm=233472, cc="90", fn=cp.fn,
                           dev=contextlib.nullcontext(), stream=_Stream(cp))
