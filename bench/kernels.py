@@ -76,29 +76,23 @@ VARIANTS = {  # mma_f16 launch shapes compared with --variants
     "nt2.cpa.m2.w4": Cfg(nt=2, mt=2, src=3, warps=4),
     "nt4.cpa.m2": Cfg(nt=4, mt=2, src=3), "nt4.cpa.m2.w4": Cfg(nt=4, mt=2, src=3, warps=4),
     "nt8.cpa.m2": Cfg(nt=8, mt=2, src=3), "nt8.cpa.m2.w4": Cfg(nt=8, mt=2, src=3, warps=4),
-    # the K-slice tiles at 16 warps: weights one block ahead in registers (src 4) / in the ring
-    "nt2.ks.w16": Cfg(nt=2, src=4, pf=True, warps=16), "nt2.ring.w16": Cfg(nt=2, src=5, warps=16),
-    "nt2.ks.w12": Cfg(nt=2, src=4, pf=True, warps=12), "nt2.ring.w12": Cfg(nt=2, src=5, warps=12),
-    "nt4.ks.w12": Cfg(nt=4, src=4, pf=True, warps=12), "nt4.ring.w16": Cfg(nt=4, src=5, warps=16),
+    # the K-slice tile at 12 / 16 warps: weights one block ahead in registers (src 4; the ring
+    # tile src 5 beside it left the kernels after session 21)
+    "nt2.ks.w16": Cfg(nt=2, src=4, pf=True, warps=16),
+    "nt2.ks.w12": Cfg(nt=2, src=4, pf=True, warps=12),
+    "nt4.ks.w12": Cfg(nt=4, src=4, pf=True, warps=12),
 }
 # K-slice tile shapes (mt, prefetch, warps per CTA) per n-tiles, as instantiated in
-# q6k_matmul.cu (and the ring variant src=5 at nt 1, 2: at nt 4, 8 it never won); mt=2 spilled
+# q6k_matmul.cu; mt=2 spilled
 # and lost everywhere (bench/RESULTS.md); 12 warps (<= 168 registers: q6k_ks_f16<2> spills at
 # 8 warps x 2 CTAs) and 16 (one activation slice per SM) at nt <= 4 / 2
 KS_SHAPES = {1: ((1, True, 8), (1, True, 12), (1, True, 16)),
              2: ((1, True, 8), (1, True, 12), (1, True, 16)),
              4: ((1, True, 8), (1, True, 12)), 8: ((1, True, 8),)}
-# The ring tile (src 5: weights through a warp-private cp.async ring in shared memory, no
-# prefetch registers: 96-138 registers at every width, no spills, ptxas sm_90) per n-tiles:
-# (warps, pf = 3 ring stages, else 2). Session 8 (bench/RESULTS.md) offered it at nt 1, 2, 4
-# with 12/16 warps and 2/3 stages and at N=64 as two chunks: it won only 152064x3584 N=32; the
-# nt=1 shapes (0.80-0.95x), 3 stages at 12/16 warps and the N=64 chunks (0.65-0.76x) never
-# came within 2% of the best, so they are no longer offered
-RING_SHAPES = {2: ((8, True), (12, False), (16, False)), 4: ((12, False), (16, False))}
-# Session 13: offered again on pair-stream weights (their decode is a fifth fewer instructions,
-# so the weight loads' latency weighs more): the 3-stage ring at 12/16 warps (two blocks in
-# flight per warp), and the wgmma tile at N=16 (both lost on plain SoA weights)
-RING_SHAPES_PAIRS = {2: ((12, True), (16, True)), 4: ((12, True),)}
+# The ring tile (src 5: weights through a warp-private cp.async ring in shared memory) left the
+# kernels after session 21: session 8 offered it at nt 1, 2, 4 (bench/RESULTS.md), session 13
+# again on pair-stream weights; its last cell, 152064x3584 N=32, went to the wgmma tile src 8
+# nt 4 in session 21 (184.7 -> 171.3 us).
 VARIANT_NS = {"nt1": (1, 2, 4, 8), "nt2": (16, 32), "nt4": (32, 64), "nt8": (64,)}
 EXACT_VARIANTS = {"exact.sm.pf": Cfg(nt=1, pf=True), "exact.sm": Cfg(nt=1)}
 SPIN_SRC = r"""extern "C" __global__ void spin(long long cycles) {
@@ -213,12 +207,11 @@ def print_summary(results: list[dict]) -> None:
               f"{best['us'] / auto['us']:9.2f}", flush=True)
 
 
-def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
-                    pairs: bool = False) -> list[tuple[str, Cfg | None]]:
+def tune_candidates(n: int, rows: int, k: int, sm_count: int,
+                    wg: bool = False) -> list[tuple[str, Cfg | None]]:
     """Every (path, launch shape) --tune times for bucket ``n``: the heuristic's choice of each
     path and the launch-shape variants measured competitive before (bench/RESULTS.md);
-    ``wg`` (sm_90 devices): the wgmma tile too (N=64); ``pairs`` (pair-stream weights): the
-    shapes of RING_SHAPES_PAIRS."""
+    ``wg`` (sm_90 devices): the wgmma tile too (N=32 / 64)."""
     exact = {1: [Cfg(nt=1, pf=True), Cfg(nt=1)], 2: [Cfg(nt=2, pf=True), Cfg(nt=2),
                                                      Cfg(nt=1, pf=True)]}.get(
         n, [Cfg(nt=4), Cfg(nt=2)])
@@ -242,9 +235,6 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int, wg: bool = False,
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]}.get(n, [])
     # session 14: 8 n-tiles at 12 warps and 4 at 16, without the prefetch (no spills there)
     mma += {32: [Cfg(nt=4, src=4, warps=16)], 64: [Cfg(nt=8, src=4, warps=12)]}.get(n, [])
-    mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES.get(nt, ())]
-    if pairs:
-        mma += [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in RING_SHAPES_PAIRS.get(nt, ())]
     # the wgmma tile (src 8, sm_90; src 6 until session 21): 8 n-tiles, and 4 again since
     # session 21 (src 6's 2/4 n-tile widths lost every cell of the session 13/14 tunes);
     # 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12 warps, so
@@ -561,7 +551,7 @@ def tune(a: argparse.Namespace, be: CudaBackend) -> list[dict]:
 
     def cands(n: int, rows: int, k: int) -> list[tuple[str, Cfg | None]]:
         """tune_candidates of the paths of the columns tuned (--tune-columns)."""
-        return [(p, c) for p, c in tune_candidates(n, rows, k, sm, wg, pairs) if p in paths]
+        return [(p, c) for p, c in tune_candidates(n, rows, k, sm, wg) if p in paths]
 
     names = set()  # compile every candidate up front: parallel NVRTC programs
     for rows, k in shapes:

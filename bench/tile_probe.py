@@ -1,5 +1,5 @@
-"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/5/6: q6k_ks_f16, q6k_ksr_f16, and on
-sm_90 the wgmma tile q6k_wg_f16; issue 16).
+"""Probe of the K-slice tensor-core tiles (mma_f16 src 4/8: q6k_ks_f16 and on sm_90 the wgmma
+tile q6k_wg_f16; issue 16; the ring tile it also probed, src 5, left the kernels after session 21).
 
 Per weight shape of Qwen2.5-7B and Llama-3.1-8B and N = 9, 16, 32, 64 (f16 activations, what
 the service receives): checks every K-slice launch shape of that N against the NumPy float64
@@ -256,8 +256,7 @@ def ks_cfgs(n: int) -> list[Cfg]:
     wide = [Cfg(nt=nt, mt=mt, src=4, pf=pf, warps=w) for mt, pf, w in _bk.KS_SHAPES[nt]
             if w != 8]
     wide += [Cfg(nt=1, src=4, pf=True)] if nt == 2 else []  # two chunks of the 8-token tile
-    ring = [Cfg(nt=nt, src=5, pf=pf, warps=w) for w, pf in _bk.RING_SHAPES.get(nt, ())]
-    return ([Cfg(nt=nt, src=4, pf=True)] + wide + ring
+    return ([Cfg(nt=nt, src=4, pf=True)] + wide
             + ([Cfg(nt=nt, src=8, pf=True, warps=12)]  # (4 and 8 warps lost in every cell)
                if WG and nt == 8 else []))  # (the wgmma tile has 8 n-tiles only)
 

@@ -80,8 +80,6 @@ class Cfg:
     #               4 the K-slice tile q6k_ks_f16 (mma_f16 only: the K slice's activations
     #                 staged once per CTA, warps stream many row tiles; ksplit = K slices;
     #                 warps 8, or 12 / 16 (nt <= 4) in one CTA per SM),
-    #               5 the same with a warp-private cp.async weight ring (q6k_ksr_f16; mt 1,
-    #                 nt <= 4, warps 8/12/16; pf: 3 ring stages per warp, else 2)
     #               7 src 4 with its split-K sum inside a thread-block cluster of the ksplit
     #                 K slices (q6k_ksc_f16; sm_90+; mt 1, ksplit 2..8; session 15)
     #               8 the same schedule with wgmma on 64-row warpgroup tiles, each block's
@@ -90,18 +88,19 @@ class Cfg:
     #                 pf, warps 4/8/12 = 1/2/3 warpgroups per CTA; session 20). 6 (the wgmma
     #                 tile that rescaled its accumulators per block), 9 (6 with two groups in
     #                 flight) and 8 without pf (one group) left in session 21: no table cell
-    #                 picked them
+    #                 picked them; so did 5 (src 4 with a warp-private cp.async weight ring,
+    #                 q6k_ksr_f16) once its one cell went to src 8 nt 4
     pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
-    #                   kernel and src 4, always on at src 8; src 5: two blocks ahead in the
-    #                   ring; src 3 has none since session 15); src 2 (session 17): the first
-    #                   block's loads issued before the activations are staged
+    #                   kernel and src 4, always on at src 8; src 3 has none since session
+    #                   15); src 2 (session 17): the first block's loads issued before the
+    #                   activations are staged
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` can launch this shape (the limits of the templates)."""
         ok = (self.nt in (1, 2, 4) if path == "exact" else self.nt in (1, 2, 4, 8))
         wg = self.src == 8  # the wgmma tile
-        ok = ok and self.mt in (1, 2) and 2 <= self.src <= 8 and self.src != 6
+        ok = ok and self.mt in (1, 2) and self.src in (2, 3, 4, 7, 8)
         ok = ok and self.warps in ((4, 8, 12) if wg else (8, 12, 16) if self.src >= 4
                                    else (4, 8))
         ok = ok and self.ksplit >= 0 and not (path == "exact" and (
@@ -111,7 +110,6 @@ class Cfg:
         ok = ok and not (self.src in (4, 7) and self.warps != 8 and (self.mt != 1 or (
             self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
         #                                         warps and nt4 at 16 since session 14)
-        ok = ok and not (self.src == 5 and (self.mt != 1 or self.nt > 4))
         ok = ok and not (self.src == 7 and (self.mt != 1 or not 2 <= self.ksplit <= 8))
         ok = ok and not (self.src == 8 and (self.mt != 1 or not self.pf or self.nt < 4))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)

@@ -41,7 +41,7 @@ host path of one batch:
 
 8. row chunks of a large y (``CudaWeight.y_chunks``: 2 for storage's two-slab weights, else
    none; ``Q6SERVE_Y_CHUNKS=C`` sets C for every weight, 0 turns them off): a call whose f32 (or
-   bf16) y is ``Y_CHUNK_MIN`` bytes or more, whose tile is a register or ring K-slice tile
+   bf16) y is ``Y_CHUNK_MIN`` bytes or more, whose tile is the register K-slice tile
    (``Y_CHUNK_SRCS``; the grid's rows done in rounds of ``gx x warps x 16`` rows) and that is
    launched while no other launch is in flight on the launcher (``Y_CHUNKS_IDLE``: under load
    the chunks' extra GPU time is throughput lost, and the calls beside it overlap its copies
@@ -132,8 +132,7 @@ MATMUL_FILE = "q6k_matmul.cu"
 WG_FILE = "q6k_wgmma.cu"  # the wgmma tile (src 8), built for sm_90a on compute capability 9.0
 IN_TYPES = {np.dtype(np.float32): "InF32", np.dtype(np.float16): "InF16", BFLOAT16: "InBF16"}
 SMEM_LIMIT = 47 << 10  # staged activations per CTA: 48 KiB (no opt-in) minus static smem
-KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 5, 6): dynamic shared memory per CTA (sm_90 opt-in)
-RING_STAGE = 3408  # src 5: bytes of one warp's ring stage (q6k_matmul.cu)
+KS_SMEM_MAX = 227 << 10  # K-slice tiles (src 4, 7, 8): dynamic shared memory per CTA (sm_90 opt-in)
 # Bytes in flight per SM that keep its share of HBM busy (4.8 TB/s / 132 SMs x ~1.3 us of
 # loaded latency): the K-slice grid model charges an SM with fewer a proportionally lower rate.
 KS_INFLIGHT = 48 << 10
@@ -243,19 +242,19 @@ X_SPLIT_Y_MIN = 3 << 20  # 3 MiB
 X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
-X_SPLIT_SRCS = (4, 5, 8)
+X_SPLIT_SRCS = (4, 8)
 # The wgmma tile's source: src 8 (kernels/cuda/q6k_wgmma.cu; session 21 removed src 6 and 9,
-# which no table cell picked).
+# which no table cell picked, and then the ring K-slice tile src 5, whose one cell went to src 8).
 WG_SRCS = (8,)
-# The tiles whose calls are chunked: the register (src 4) and ring (src 5) K-slice tiles. Not
-# the wgmma tile (src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall
-# (149-157 vs 150 us) for 8-10 us more of kernels (each chunk stages its CTAs' activation slices,
-# up to 192 KB, again).
-Y_CHUNK_SRCS = (4, 5)
-# The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register (src 4) and
-# ring (src 5) tiles, where every AUTO cell with a sum ran 1.00-1.04x on the H200 (session 10,
-# bench/RESULTS.md); the wgmma tile (src 6) was mixed (0.975-1.032x), so its sum stays plain.
-PDL_SRCS = (4, 5)
+# The tiles whose calls are chunked: the register K-slice tile (src 4). Not the wgmma tile (then
+# src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall (149-157 vs 150 us) for
+# 8-10 us more of kernels (each chunk stages its CTAs' activation slices, up to 192 KB, again).
+Y_CHUNK_SRCS = (4,)
+# The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register tile (src 4;
+# with the ring tile src 5, since removed, every AUTO cell with a sum ran 1.00-1.04x on the H200,
+# session 10, bench/RESULTS.md); the wgmma tile (then src 6) was mixed (0.975-1.032x), so its
+# sum stays plain.
+PDL_SRCS = (4,)
 # q6k_sum_parts' SUM_VEC_MIN (q6k_matmul.cu, the same figure): from this many outputs on the
 # sum adds four per thread (H200, session 20, bench/sum_ab.py: 1.02-1.53x there; below it the
 # quarter-size grid ran 0.85-0.97x, so one float per thread as before)
@@ -267,20 +266,14 @@ _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, 
 Done = tuple[np.ndarray | None, TopK | None, float | None]  # y, top-k, kernel seconds
 
 
-def ring_stages(cfg: Cfg) -> int:
-    """Weight ring stages per warp of the ring tile (src 5): pf keeps two blocks in flight."""
-    return 3 if cfg.pf else 2
-
-
 def smem_bytes(path: str, cfg: Cfg, per: int) -> int:
     """Shared memory of one CTA that owns ``per`` K blocks."""
     if path == "mma_f16" and cfg.src in WG_SRCS:  # wg_stage_x: 16 k16 steps of 8*nt x 16 f16
         return 8 * cfg.nt * per * 512
-    if path == "mma_f16" and cfg.src in (4, 5, 7):  # stage_x_f16: 8*nt rows of per*32+4 uint4
-        ring = cfg.warps * ring_stages(cfg) * RING_STAGE if cfg.src == 5 else 0
-        if cfg.src == 7:  # the cluster's partial sums: a float per row and token of the CTA
-            ring = cfg.warps * 16 * cfg.mt * 8 * cfg.nt * 4
-        return 8 * cfg.nt * (per * 32 + 4) * 16 + ring
+    if path == "mma_f16" and cfg.src in (4, 7):  # stage_x_f16: 8*nt rows of per*32+4 uint4
+        # src 7: the cluster's partial sums, a float per row and token of the CTA
+        sums = cfg.warps * 16 * cfg.mt * 8 * cfg.nt * 4 if cfg.src == 7 else 0
+        return 8 * cfg.nt * (per * 32 + 4) * 16 + sums
     if path == "mma_f16" and cfg.src == 3:
         return 2 * cfg.nt * 256 * 16
     if cfg.src != 2:
@@ -304,8 +297,6 @@ def kernel_name(path: str, cfg: Cfg, soa: bool | int, in_t: str) -> str:
     if path == "mma_f16" and cfg.src == 7:
         return (f"q6k_ksc_f16<{cfg.nt}, {cfg.mt}, {lay}, {in_t}, {pf}, {cfg.warps}, "
                 f"{cfg.ksplit}>")
-    if path == "mma_f16" and cfg.src == 5:
-        return f"q6k_ksr_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps}, {ring_stages(cfg)}>"
     if path == "mma_f16" and cfg.src == 8:
         return f"q6k_wg_f16<{cfg.nt}, {lay}, {in_t}, {cfg.warps // 4}>"
     if path == "mma_f16":
@@ -1385,8 +1376,8 @@ class Launcher:
         CTAs (registers and shared memory bound the occupancy). Per slice count ks, the
         cost of the busiest SM is its CTAs x (weight bytes + activation staging + partial
         sums written and re-read), divided by the fraction of ``KS_INFLIGHT`` its warps keep
-        in flight (one block each with register prefetch, stages-1 with the ring); the
-        cheapest wins, then fewer slices. SoA twin only, so both layouts cut and sum alike."""
+        in flight (one block each with register prefetch); the cheapest wins, then fewer
+        slices. SoA twin only, so both layouts cut and sum alike."""
         key = (rows, k, "ks", nz, cfg, n)
         hit = self._grids.get(key)
         if hit is not None:
@@ -1418,8 +1409,7 @@ class Launcher:
             # partial sums written, re-read by q6k_sum_parts, and that launch (~2 us of an SM)
             pbytes = 0 if ks_eff == 1 else 2 * rounds * wpc * 16 * cfg.mt * toks * 4 + (64 << 10)
             # blocks in flight per warp
-            ahead = (ring_stages(cfg) - 1 if cfg.src == 5 else 1 if cfg.pf or cfg.src in WG_SRCS
-                     else 0.5)  # (the wgmma tiles always load one block ahead)
+            ahead = 1 if cfg.pf or cfg.src in WG_SRCS else 0.5  # (wgmma: always one ahead)
             inflight = min(occ, per_sm) * wpc * ahead * 16 * cfg.mt * 210
             cost = per_sm * (wbytes + xbytes + pbytes) / min(1.0, inflight / KS_INFLIGHT)
             if best is None or cost < best[0] * (1 - 1e-9):
@@ -1487,7 +1477,7 @@ class Launcher:
         """The launch shape of a token part of ``m`` tokens of a ``cfg`` call split ``ks`` ways
         along K: that split, its tile narrowed to its tokens with ``X_SPLIT_FIT``."""
         c = replace(cfg, ksplit=ks)
-        if X_SPLIT_FIT and cfg.src in (4, 5):
+        if X_SPLIT_FIT and cfg.src == 4:
             c = replace(c, nt=min(cfg.nt, 1 << (-(-m // 8) - 1).bit_length()))
         return c
 
@@ -1530,7 +1520,7 @@ class Launcher:
         fn = self.ctx.fn(file, kernel_name(path, run_cfg, 2 if pairs else layout is Layout.SOA,
                                            in_t))
         soa_fn = self.ctx.fn(file, kernel_name(path, cfg, True, in_t))
-        ks_tile = path == "mma_f16" and cfg.src in (4, 5, 7, 8)
+        ks_tile = path == "mma_f16" and cfg.src in (4, 7, 8)
         if ks_tile:
             gx, ks, _ = self.ks_grid(rows, k, nz, cfg, soa_fn, n)
             if cfg.src == 7 and ks != cfg.ksplit:  # the cluster is the grid's ksplit slices

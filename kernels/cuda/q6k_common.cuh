@@ -202,7 +202,7 @@ __device__ __forceinline__ u32 pair_field(const Raw& w, int m, int p) {
     return pair_bits(p, word4(w.ql[m >> 1], 2 * (m & 1)), word4(w.ql[m >> 1], 2 * (m & 1) + 1),
                      word4(w.qh[0], m));
 }
-// The codes of quad (h, nib, j) as 4q, one per byte (quad_q4's form), from pair streams.
+// The codes of quad (h, nib, j) as 4q (bits 2-7 of each byte, bits 0-1 zero), from pair streams.
 __device__ __forceinline__ u32 pair_quad4(const Raw& w, int h, int nib, int j) {
     const int m = 2 * h + nib;
     return __byte_perm(pair_field(w, m, 2 * j) & 0x00FC00FCu,
@@ -217,15 +217,6 @@ __device__ __forceinline__ u32 quad_q(const Raw& w, int h, int nib, int j, int q
     const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
     return nib ? (((l >> 4) & 0x0F0F0F0Fu) | ((hw >> qsh) & 0x30303030u))
                : ((l & 0x0F0F0F0Fu) | ((hw << (4 - qsh)) & 0x30303030u));
-}
-
-// The same codes as 4*q: bits 2-7 of each byte, bits 0-1 zero (deq2f's input).
-template <int SOA = 1>
-__device__ __forceinline__ u32 quad_q4(const Raw& w, int h, int nib, int j, int qsh) {
-    if (SOA == 2) return pair_quad4(w, h, nib, j);
-    const u32 l = word4(w.ql[h], j), hw = word4(w.qh[h], j);
-    return nib ? (((l >> 2) & 0x3C3C3C3Cu) | ((hw << (2 - qsh)) & 0xC0C0C0C0u))
-               : (((l << 2) & 0x3C3C3C3Cu) | ((hw << (6 - qsh)) & 0xC0C0C0C0u));
 }
 
 // Signed scale byte t of scale word k.

@@ -170,13 +170,12 @@ struct NoMid {
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
 // when the first half's steps are done (raw's ql[0]/qh[0] are dead: the split prefetch).
-// FMA: the one-HFMA2 decode (deq2f; the ring tile, where it measured 1.0-1.05x), else deq2.
 // LAY 2 (pair streams): one shift or byte permute, one LOP3 and one HFMA2 per A pair (deq2p;
 // the same A bits as deq2, so the same results as the SoA twin on the same grid).
-template <int NT, int MT, int LAY = 1, class BX, class MID = NoMid, bool FMA = false>
+template <int NT, int MT, int LAY = 1, class BX, class MID = NoMid>
 __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&raw)[MT][2],
                                           int t, BX bx_of, MID mid = MID()) {
-    constexpr bool F4 = FMA || LAY == 2;  // scales as sc/4 pairs with the -288 sc bias
+    constexpr bool F4 = LAY == 2;  // scales as sc/4 pairs with the -288 sc bias
     const u32 magic = LAY == 2 ? kPairMagic : 0u;
     const int qsh = 2 * (t >> 1);
     const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);  // sc_pair: scale byte t, both halves
@@ -223,14 +222,6 @@ __device__ __forceinline__ void block_mma(float (&acc)[MT][NT][4], const Raw (&r
                     a1 = deq2p(pair_field(raw[mt][1], m, 2 * j), s1, c1, magic);
                     a2 = deq2p(pair_field(raw[mt][0], m, 2 * j + 1), s0, c0, magic);
                     a3 = deq2p(pair_field(raw[mt][1], m, 2 * j + 1), s1, c1, magic);
-                } else if (FMA) {
-                    const u32 q0 = quad_q4(raw[mt][0], h, nib, j, qsh);
-                    const u32 q1 = quad_q4(raw[mt][1], h, nib, j, qsh);
-                    const u32 c0 = bias[mt][0][2 * h + nib], c1 = bias[mt][1][2 * h + nib];
-                    a0 = deq2f<0x4140u>(q0, s0, c0);
-                    a1 = deq2f<0x4140u>(q1, s1, c1);
-                    a2 = deq2f<0x4342u>(q0, s0, c0);
-                    a3 = deq2f<0x4342u>(q1, s1, c1);
                 } else {
                     const u32 q0 = quad_q(raw[mt][0], h, nib, j, qsh);
                     const u32 q1 = quad_q(raw[mt][1], h, nib, j, qsh);
@@ -363,7 +354,7 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 struct KsPos {
     int lane, warp, g, t, tok0, kb0, nblk;
 };
-// Every K-slice tile (src 4, 5, 7, 8) starts here, so this is where it lets its split-K sum
+// Every K-slice tile (src 4, 7, 8) starts here, so this is where it lets its split-K sum
 // launch (PDL; q6k_sum_parts waits for the tile's results itself).
 template <int NT>
 __device__ __forceinline__ KsPos ks_pos(int bpr) {
@@ -670,227 +661,6 @@ __global__ void Q6_CLUSTER_DIMS(1, KC, 1) __launch_bounds__(32 * NW, NW == 8 && 
     q6k_ksc_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     (void)xp;
     ks_body<NT, MT, SOA, In, PF, NW, KC>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
-}
-
-// ---------------------------------------------------------------------------------------------
-// K-slice tile with a warp-private cp.async weight ring (src 5): q6k_ks_f16's schedule and
-// math (16-row warp tiles), but each warp streams its weights through S shared-memory stages of
-// its own, S-1 blocks ahead, instead of one block ahead in registers: more bytes in flight per
-// warp at fewer registers (Nsight Compute on the H200: the register-prefetch tiles run 12-16
-// warps per SM, stall on long scoreboard, and spill at 16 warps). NW warps per CTA (8, 12 or
-// 16: one CTA per SM once the ring and the activation slice take the shared memory). Only
-// warp-level synchronisation: per block one cp.async.wait_group and one __syncwarp (lanes read
-// bytes their quad neighbours copied). A lane reads a stage's first half (codes, scales, d) at
-// the block's start and the second half's codes after the first half's math (block_mma's mid):
-// no register holds a whole block ahead. Stage of one warp (bytes): ql [16][128] (16-byte
-// chunk c of row r at c ^ ((r & 1) << 2): a quarter-warp's reads of rows 2i, 2i+1 hit all
-// banks), qh [16][64], sc [16][16], the aligned 4-byte word holding d [16][4], which half is d
-// [16] (1 byte each). Lane (g, t) copies ql chunks t and t+4, qh chunk t of rows g and g+8, the
-// scales of row g+8t (t < 2) and the d word of row g+8(t-2) (t >= 2). The AoS twin fills the
-// same stages with 2-byte loads and plain shared stores (210-byte blocks are 2-byte aligned):
-// same bytes, same math, same grid, so SoA and AoS results are bit-identical.
-constexpr int RING_QH = 16 * 128, RING_SC = RING_QH + 16 * 64, RING_DW = RING_SC + 16 * 16;
-constexpr int RING_DP = RING_DW + 16 * 4, RING_STAGE = RING_DP + 16;
-
-// The AoS twin's fill: 2-byte loads (210-byte blocks are 2-byte aligned) and plain shared stores
-// of the bytes RingSoaFill copies (below).
-__device__ __forceinline__ void ring_fill_aos(u8* st, const RowRef (&rf)[2], int kb, int g,
-                                              int t) {
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-        const u8* blk = rf[hr].base + rf[hr].ql + (u32)kb * 210u;
-        const int row = g + 8 * hr;
-#pragma unroll
-        for (int c2 = 0; c2 < 2; ++c2) {
-            const int c = t + 4 * c2;
-            *(uint4*)(st + row * 128 + ((c ^ ((row & 1) << 2)) << 4)) = ld_u128_a2(blk + 16 * c);
-        }
-        *(uint4*)(st + RING_QH + row * 64 + 16 * t) = ld_u128_a2(blk + 128 + 16 * t);
-        if (t == hr) *(uint4*)(st + RING_SC + row * 16) = ld_u128_a2(blk + 192);
-        if (t == 2 + hr) {
-            ((u32*)(st + RING_DW))[row] = ldg_u16(blk + 208);
-            st[RING_DP + row] = 0;
-        }
-    }
-}
-
-// The SoA fill: a lane keeps the source pointers of the block it fills next (advanced by the
-// planes' strides) and its offsets inside a stage (constant), and each copy is one cp.async
-// with constant offsets (recomputing every source and shared address per block, as a first
-// version did, cost ~115 SASS instructions per block in q6k_ksr_f16<2, .., 16, 2>, ptxas sm_90,
-// beside ~410 for the block's math). Stage layout above: ql chunk c of row r at
-// (c ^ ((r & 1) << 2)) * 16, i.e. the lane's chunk t at 16t + 64 (g & 1) and chunk t + 4 at
-// 16t + 64 (1 - (g & 1)); the scales (t < 2) or the aligned word around d and which half d is
-// (t >= 2) of row g + 8t or g + 8(t - 2).
-struct RingSoaFill {
-    const u8* ql[2];  // rows g, g + 8: ql chunk t of the block (chunk t + 4 is 64 bytes on)
-    const u8* qh[2];  // rows g, g + 8: qh chunk t
-    const u8* x;      // t < 2: the scales of row g + 8t; t >= 2: d of row g + 8(t - 2)
-    u32 xstep, dq0, dq1, dqh, dx, ddp;
-    bool sc;          // t < 2
-    __device__ __forceinline__ void offsets(int g, int t, bool pairs) {
-        const int gp = g & 1;
-        // pair streams swizzle odd rows' chunks by ^1 instead of ^4 (ring_raw_part: a lane
-        // reads chunks 2t and 2t + 1; chunk t + 4 is 64 bytes after chunk t either way)
-        dq0 = g * 128 + (pairs ? 16 * (t ^ gp) : 16 * t + 64 * gp);
-        dq1 = g * 128 + (pairs ? 16 * (t ^ gp) + 64 : 16 * t + 64 * (1 - gp));
-        dqh = RING_QH + g * 64 + 16 * t;
-        sc = t < 2;
-        const int xrow = g + 8 * (sc ? t : t - 2);
-        dx = sc ? RING_SC + 16 * xrow : RING_DW + 4 * xrow;
-        ddp = RING_DP + xrow;
-        xstep = sc ? 16u : 2u;
-    }
-    // Pointers of block kb of rows rf (row_ref<true> of rows g, g + 8).
-    __device__ __forceinline__ void at(const RowRef (&rf)[2], int kb, int t) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            ql[hr] = rf[hr].base + rf[hr].ql + (u32)kb * 128u + 16u * t;
-            qh[hr] = rf[hr].base + rf[hr].qh + (u32)kb * 64u + 16u * t;
-        }
-        const bool r1 = (sc ? t : t - 2) != 0;  // field by field: no local-memory copy of rf
-        const u32 xoff = sc ? (r1 ? rf[1].sc : rf[0].sc) + (u32)kb * 16u
-                            : (r1 ? rf[1].d : rf[0].d) + (u32)kb * 2u;
-        x = (r1 ? rf[1].base : rf[0].base) + xoff;
-    }
-    // Copies of the block into the stage at shared address s (generic pointer st); the pointers
-    // step to the next block of the row first (the copies read 128/64/xstep bytes back: no
-    // register copy of a pointer per copy).
-    __device__ __forceinline__ void fill(u32 s, u8* st) {
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            ql[hr] += 128;
-            qh[hr] += 64;
-        }
-        x += xstep;
-        cp_async16_at<0, -128>(s + dq0, ql[0]);
-        cp_async16_at<0, -64>(s + dq1, ql[0]);
-        cp_async16_at<8 * 128, -128>(s + dq0, ql[1]);
-        cp_async16_at<8 * 128, -64>(s + dq1, ql[1]);
-        cp_async16_at<0, -64>(s + dqh, qh[0]);
-        cp_async16_at<8 * 64, -64>(s + dqh, qh[1]);
-        if (sc) {
-            cp_async16_at<0, -16>(s + dx, x);
-        } else {  // the aligned word around d (slabs and the d plane are 16-byte aligned)
-            const size_t a = (size_t)x - 2;
-            cp_async4_at(s + dx, (const void*)(a & ~(size_t)3));
-            st[ddp] = (u8)((a >> 1) & 1);
-        }
-    }
-};
-
-// Half P of row `row` of one ring stage as a lane would have loaded it (load_raw_part): the
-// codes of half P, and with P == 0 the scales and d.
-// Pair streams (LAY 2, load_raw_part<2, P>): P = 0 ql chunk 2t and qh chunk t with the scales
-// and d, P = 1 ql chunk 2t + 1 (odd rows' chunks swizzled by ^1: a quarter-warp's reads of rows
-// 2i, 2i + 1 hit all banks).
-template <int P, int LAY = 1>
-__device__ __forceinline__ void ring_raw_part(Raw& w, const u8* st, int row, int t) {
-    if (LAY == 2) {
-        w.ql[P] = *(const uint4*)(st + row * 128 + (((2 * t + P) ^ (row & 1)) << 4));
-        if (P == 0) {
-            w.qh[0] = *(const uint4*)(st + RING_QH + row * 64 + 16 * t);
-            w.sc = *(const uint4*)(st + RING_SC + row * 16);
-            w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
-        }
-        return;
-    }
-    const int sw = (row & 1) << 2;
-    w.ql[P] = *(const uint4*)(st + row * 128 + (((t + 4 * P) ^ sw) << 4));
-    w.qh[P] = *(const uint4*)(st + RING_QH + row * 64 + 32 * P + 16 * (t & 1));
-    if (P == 0) {
-        w.sc = *(const uint4*)(st + RING_SC + row * 16);
-        w.d = (((const u32*)(st + RING_DW))[row] >> (16 * st[RING_DP + row])) & 0xFFFFu;
-    }
-}
-
-// Registers: NW = 8: <= 128 (2 CTAs per SM where the shared memory allows); NW = 12: <= 168;
-// NW = 16: <= 128 (one CTA per SM). ptxas sm_90: 96-138 at NT <= 4, no spills (no register
-// holds the next block). NT <= 4: at NT = 8 the activation slice and the ring leave too few
-// blocks per K slice.
-template <int NT, int SOA, class In, int NW, int S>
-__global__ void __launch_bounds__(32 * NW, NW == 8 && NT <= 4 ? 2 : 1)
-    q6k_ksr_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
-    static_assert(S >= 2, "a ring of one stage has nothing in flight");
-    MAKE_W;
-    MAKE_OUT;
-    (void)xp;
-    const KsPos ps = ks_pos<NT>(w.bpr);
-    const int lane = ps.lane, warp = ps.warp, g = ps.g, t = ps.t, tok0 = ps.tok0;
-    const int kb0 = ps.kb0, nblk = ps.nblk;
-    if (nblk <= 0) return;  // CTA-uniform
-    const int wtiles = (w.rows + 15) >> 4;
-    const int wstride = gridDim.x * NW;
-    const int wt0 = blockIdx.x * NW + warp;
-    const int my_tiles = wt0 < wtiles ? (wtiles - wt0 + wstride - 1) / wstride : 0;
-    const int units = my_tiles * nblk;
-    const int tstride = nblk * 32 + 4;
-    u8* ring = reinterpret_cast<u8*>(smem_x + 8 * NT * tstride) + warp * S * RING_STAGE;
-
-    const u32 ring_s = smem_addr(ring);
-    // fill side: unit f = (tile j, block b), row references of tile j (SoA: the lane's source
-    // pointers of unit f, RingSoaFill)
-    int fj = 0, fb = 0;
-    RowRef rf[2];
-    RingSoaFill sf;
-    if (SOA) sf.offsets(g, t, SOA == 2);
-    auto fill_refs = [&]() {
-        const int r0 = (wt0 + fj * wstride) * 16 + g;
-        rf[0] = row_ref<SOA>(w, min(r0, w.rows - 1));
-        rf[1] = row_ref<SOA>(w, min(r0 + 8, w.rows - 1));
-        if (SOA) sf.at(rf, kb0, t);
-    };
-    if (units > 0) fill_refs();
-    auto fill_next = [&](int slot) {
-        if (SOA)
-            sf.fill(ring_s + slot * RING_STAGE, ring + slot * RING_STAGE);
-        else
-            ring_fill_aos(ring + slot * RING_STAGE, rf, kb0 + fb, g, t);
-        if (++fb == nblk) {
-            fb = 0;
-            ++fj;
-            if (fj < my_tiles) fill_refs();
-        }
-    };
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-        if (s < units) fill_next(s);
-        cp_async_commit();  // empty groups keep the wait count uniform
-    }
-    // The first weight copies are in flight while the CTA stages its activations.
-    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
-    __syncthreads();
-
-    float acc[1][NT][4];
-    zero_acc(acc);
-    int slot = 0, b = 0, wt = wt0;
-    for (int u = 0; u < units; ++u) {
-        cp_async_wait<S - 2>();  // this lane's copies of unit u have landed ...
-        __syncwarp();            // ... its quad's too; and everyone is done with u-1
-        if (u + S - 1 < units) fill_next(slot == 0 ? S - 1 : slot - 1);
-        cp_async_commit();
-        const u8* st = ring + slot * RING_STAGE;
-        Raw raw[1][2];
-        ring_raw_part<0, SOA>(raw[0][0], st, g, t);
-        ring_raw_part<0, SOA>(raw[0][1], st, g + 8, t);
-        const auto bx = [&](int sp, int nt) -> uint4 {
-            return smem_x[(nt * 8 + g) * tstride + b * 32 + sp * 4 + t];
-        };
-        const auto mid = [&] {
-            ring_raw_part<1, SOA>(raw[0][0], st, g, t);
-            ring_raw_part<1, SOA>(raw[0][1], st, g + 8, t);
-        };
-        block_mma<NT, 1, SOA == 2 ? 2 : 1, decltype(bx), decltype(mid), true>(acc, raw, t, bx,
-                                                                              mid);
-        slot = slot + 1 == S ? 0 : slot + 1;
-        if (++b == nblk) {
-            ks_emit<NT, 1>(o, w.rows, wt * 16, tok0, acc, lane);
-            zero_acc(acc);
-            b = 0;
-            wt += wstride;
-        }
-    }
-    cp_async_wait<0>();  // no copy outlives the CTA's shared memory
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1404,13 +1174,6 @@ INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, f
 INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
 INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
 INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_KSR2(NT, SOA, IN, NW, S)                                                        \
-    template __global__ void q6k_ksr_f16<NT, SOA, IN, NW, S>(                                 \
-        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_KSR(NT, NW, S) INST_KSR2(NT, true, InF16, NW, S) INST_KSR2(NT, false, InF16, NW, S)
-INST_KSR(1, 8, 3) INST_KSR(2, 8, 3) INST_KSR(1, 12, 3) INST_KSR(2, 12, 2) INST_KSR(2, 12, 3)
-INST_KSR(4, 12, 2) INST_KSR(4, 12, 3) INST_KSR(1, 16, 2) INST_KSR(1, 16, 3) INST_KSR(2, 16, 2)
-INST_KSR(2, 16, 3) INST_KSR(4, 16, 2)
 #define INST_PREP(NT, IN) \
     template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
     template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
@@ -1438,8 +1201,6 @@ INST_MMA(1, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 3, InF
 INST_MMA_PF(1, 2, InF16) INST_MMA_PF(1, true, InF16) INST_MMA_PF(1, false, InF16)
 INST_MMA_PF(1, true, InF32) INST_MMA_PF(1, true, InBF16)
 INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16)
-INST_KSR2(2, 2, InF16, 8, 3) INST_KSR2(2, 2, InF16, 12, 2) INST_KSR2(2, 2, InF16, 16, 2)
-INST_KSR2(4, 2, InF16, 12, 2) INST_KSR2(4, 2, InF16, 16, 2)
 INST_KS2(1, 1, 2, InF16, true, 8) INST_KS2(2, 1, 2, InF16, true, 8)
 INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
 INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)

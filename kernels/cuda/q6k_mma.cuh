@@ -38,31 +38,28 @@ __device__ __forceinline__ u32 sc_pair(u32 v, u32 sel) {
     return hsub2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x64806480u);
 }
 
-// The one-HFMA2 decode (session 7: measured on the register-prefetch tiles and reverted there,
-// which stall on load latency; session 8: the ring tile's, which stalls on the pipes instead,
-// 1.00-1.05x): with the code
-// two bits up (quad_q4: 4q), v = 0x64XX = 1024 + 4q and fma(v, sc/4, -288*sc) = sc*(q-32)
-// rounded once, the same A bits as deq2 (both constants are exact f16 for every scale byte:
-// sc/4, and 288*sc = 9*sc*32 with 9*|sc| <= 1152 < 2^11).
+// The one-HFMA2 decode, now the pair streams' (deq2p below; on the nibble layouts session 7
+// measured it on the register-prefetch tiles and reverted it there, which stall on load latency,
+// and session 8 kept it on the ring tile src 5, 1.00-1.05x, until that tile left the product code
+// after session 21): with the code two bits up (4q),
+// v = 0x64XX = 1024 + 4q and fma(v, sc/4, -288*sc) = sc*(q-32) rounded once, the same A bits as
+// deq2 (both constants are exact f16 for every scale byte: sc/4, and 288*sc = 9*sc*32 with
+// 9*|sc| <= 1152 < 2^11).
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
 }
-template <u32 SEL>
-__device__ __forceinline__ u32 deq2f(u32 q4, u32 s4, u32 c) {
-    return hfma2(__byte_perm(q4, kDeqMagic, SEL), s4, c);
-}
 // f16x2 (sc/4, sc/4) of the scale byte `sel` picks (as sc_pair): (1152 + sc)/4 - 288, exact.
 __device__ __forceinline__ u32 sc4_pair(u32 v, u32 sel) {
     return hfma2(__byte_perm(v ^ 0x80808080u, 0x64646464u, sel), 0x34003400u, 0xDC80DC80u);
 }
-// deq2f's bias pair -288*sc = (sc/4) * -1152, exact (a zero scale gives -0; fma(v, 0, -0) = +0).
+// deq2p's bias pair -288*sc = (sc/4) * -1152, exact (a zero scale gives -0; fma(v, 0, -0) = +0).
 __device__ __forceinline__ u32 bias_pair(u32 s4) { return hmul2(s4, 0xE480E480u); }
 
-// Pair streams (layout 2): field bits v (pair_bits) -> the A pair, deq2f's HFMA2 after one LOP3
-// ((v & mask) | 0x6400 magic). The magic comes in a register (read once from constant memory):
-// with both constants as immediates ptxas emits two LOP3s (a LOP3 takes one immediate).
+// Pair streams (layout 2): field bits v (pair_bits) -> the A pair, the one-HFMA2 decode after
+// one LOP3 ((v & mask) | 0x6400 magic). The magic comes in a register (read once from constant
+// memory): with both constants as immediates ptxas emits two LOP3s (a LOP3 takes one immediate).
 __constant__ u32 kPairMagic = 0x64006400u;
 __device__ __forceinline__ u32 deq2p(u32 v, u32 s4, u32 c, u32 magic) {
     u32 r;
@@ -90,22 +87,6 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
                  : "=r"(a) : "l"(smem));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
-}
-// The same copies with the shared address given (a u32 from smem_addr) and constant byte offsets
-// on both sides: a fill loop that keeps its pointers in registers issues no address arithmetic
-// per copy (the generic forms above convert the shared address every time).
-__device__ __forceinline__ u32 smem_addr(const void* smem) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(smem));
-    return a;
-}
-template <int DOFF, int SOFF>
-__device__ __forceinline__ void cp_async16_at(u32 s, const void* gmem) {
-    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;"
-                 ::"r"(s), "l"(gmem), "n"(DOFF), "n"(SOFF) : "memory");
-}
-__device__ __forceinline__ void cp_async4_at(u32 s, const void* gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");

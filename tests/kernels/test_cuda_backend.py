@@ -337,14 +337,11 @@ def variant_cases() -> list:
     return cases
 
 
-# The K-slice tiles' launch shapes (q6k_ks_f16 at 8, 12 and 16 warps per CTA; q6k_ksr_f16 at
-# 8, 12, 16 warps with 2 or 3 ring stages (pf): every instantiation the nvcc check builds).
+# The K-slice tile's launch shapes (q6k_ks_f16 at 8, 12 and 16 warps per CTA, with the register
+# prefetch: every such instantiation the nvcc check builds).
 KS_CFGS = tuple(KsCfg(nt=nt, src=4, pf=True) for nt in (1, 2, 4, 8)) + tuple(
     KsCfg(nt=nt, src=4, pf=True, warps=wp) for nt, wp in ((1, 12), (2, 12), (4, 12), (1, 16),
-                                                          (2, 16))) + tuple(
-    KsCfg(nt=nt, src=5, pf=pf, warps=wp) for nt, wp, pf in (
-        (1, 8, True), (2, 8, True), (1, 16, False), (1, 16, True), (2, 12, False),
-        (2, 16, True), (4, 12, True), (4, 16, False)))
+                                                          (2, 16)))
 
 
 # -- dispatch and launch-shape logic (no device needed) -----------------------------------------

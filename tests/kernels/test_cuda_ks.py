@@ -87,7 +87,7 @@ def check_tokens(be, ws, wa, x, y64, cfg, also=None):
 
 
 def sweep_slice_counts(be, rng, shape, cfgs):
-    """Every launch shape of ``cfgs`` as it is (warps, ring, tile) x forced K-slice counts (1,
+    """Every launch shape of ``cfgs`` as it is (warps, tile) x forced K-slice counts (1,
     2, 3, all blocks) x N (one token, a partial and a full chunk, several chunks): reference,
     repeat and AoS twin identical."""
     rows, k = shape
@@ -173,8 +173,8 @@ def test_backend_matmul_through_the_graph(be, rng):
 def test_pdl_sum_same_bits_direct_and_through_the_graph(be, rng):
     """q6k_sum_parts launched with programmatic stream serialization waits for the tile's
     partials itself (griddepcontrol.wait): the same bits as the plain launch at several slice
-    counts (partials poisoned with NaN before each call), for the register, ring and wgmma
-    tiles, and through the backend's captured graph."""
+    counts (partials poisoned with NaN before each call), for the register and wgmma tiles,
+    and through the backend's captured graph."""
     from q6serve.kernels.api import KernelFlags, Precision
     from q6serve.kernels.cuda.dispatch import Choice
 
@@ -189,7 +189,7 @@ def test_pdl_sum_same_bits_direct_and_through_the_graph(be, rng):
     x = rng.standard_normal((64, k)).astype(np.float16)
     y64 = reference.matmul_float64(x, blocks, rows)
     cfgs = [Cfg(nt=1, src=4, pf=True, warps=16), Cfg(nt=2, src=4, pf=True, warps=12),
-            Cfg(nt=8, src=4, pf=True), Cfg(nt=2, src=5, pf=True, warps=16)]
+            Cfg(nt=8, src=4, pf=True)]
     if be.ctx.cc == "90":
         cfgs.append(Cfg(nt=8, src=8, pf=True, warps=12))
     try:

@@ -4,8 +4,8 @@ without CuPy or a GPU).
 
 A pair-stream weight is a SoA weight whose code planes are re-ordered per block on the device
 (``Storage.pairs``: ``q6k_repack_pairs`` after each loaded chunk). Every reader decodes the same
-A values from it, on the SoA twin's grid, so every path (exact, the f16 tile, the K-slice,
-ring and wgmma tiles, q8_1, cuBLAS) must give the SoA weight's results bit for bit; read-back
+A values from it, on the SoA twin's grid, so every path (exact, the f16 tile, the K-slice
+and wgmma tiles, q8_1, cuBLAS) must give the SoA weight's results bit for bit; read-back
 and relayout restore ggml's bytes exactly."""
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ pytestmark = [pytest.mark.gpu]
 TOL = 2e-3
 # One shape per reader the layout code changes (each costs two NVRTC instantiations, the SoA
 # twin and the pair one; the module compiles ~30 names in small parallel groups): the K-slice
-# tile at 8 and 12 warps (AUTO's test adds the table's nt 4 and 8 at 8 warps), the wgmma tile;
-# the ring tile at the table's lm-head shape (2 stages) and with 3 stages.
+# tile at 8 and 12 warps (AUTO's test adds the table's nt 4 and 8 at 8 warps), the wgmma tile.
 CFGS = (Cfg(nt=2, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12))
-RINGS = (Cfg(nt=4, src=5, warps=16), Cfg(nt=2, src=5, pf=True, warps=8))
 WG = (Cfg(nt=8, src=8, pf=True, warps=12),)
 # the exact tile, the plain f16 tile (src 2) and the staged one (src 3), each also with two
 # m-tiles (a pair weight runs them as one m-tile with twice the warps, or at 8 warps twice the
@@ -252,20 +250,6 @@ def test_other_paths_and_dtypes(be, rng):
     for path, cfg, _, dt in jobs:
         x = rng.standard_normal((40, k)).astype(np.float32).astype(dt)
         _same(_y(be, soa, x, path, cfg), _y(be, pairs, x, path, cfg), f"{path} {cfg} {dt}")
-
-
-def test_ring_tile(be, rng):
-    rows, k = 300, 2304
-    blocks = random_weight(rng, rows, k)
-    soa, pairs = _pair(be, blocks, rows, k)
-    x = rng.standard_normal((32, k)).astype(np.float16)
-    y64 = reference.matmul_float64(x, blocks, rows)
-    compile_for(be, [("mma_f16", c, 8 * c.nt, np.float16) for c in RINGS], rows, k)
-    for c in RINGS:
-        n = 8 * c.nt
-        y1 = _y(be, pairs, x[:n], "mma_f16", c)
-        _same(_y(be, soa, x[:n], "mma_f16", c), y1, f"ring {c.label()}")
-        assert rel_fro(y1, y64[:n]) <= TOL, (c.label(), rel_fro(y1, y64[:n]))
 
 
 def test_matmul_auto_through_the_graph(be, rng):

@@ -292,16 +292,17 @@ def test_wgmma_tile_plans_only_on_sm_90():
                          for f, n in asked)
     # the wgmma tile has 8 or 4 n-tiles and two wgmma groups in flight (pf), the f16 tile's src
     # 3 no register prefetch (sessions 15 / 21: the variants the dispatch never picked left the
-    # kernels: src 6 and 9, src 8 without pf); src 2's pf (session 17: the first block early) at
-    # one m-tile only
+    # kernels: src 6 and 9, src 8 without pf, then the ring tile src 5: two of its former launch
+    # shapes, the lm-head's and a 3-stage one); src 2's pf (session 17: the first block early)
+    # at one m-tile only
     for bad in (Cfg(nt=1, src=8, pf=True), Cfg(nt=8, src=8), Cfg(nt=8, mt=2, src=8, pf=True),
                 Cfg(nt=2, src=8, pf=True), Cfg(nt=4, src=8, warps=12),
                 Cfg(nt=8, src=8, pf=True, warps=16), Cfg(nt=8, src=4, pf=True, warps=16),
                 Cfg(nt=8, src=6, pf=True, warps=12), Cfg(nt=8, src=9, pf=True, warps=12),
                 Cfg(nt=1, mt=2, pf=True), Cfg(nt=2, src=3, pf=True),
                 Cfg(nt=8, src=3, pf=True, warps=4),
-                Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=8, src=5, warps=12),
-                Cfg(nt=2, mt=2, src=5), Cfg(nt=2, src=5, warps=4)):
+                Cfg(nt=2, mt=2, src=4, pf=True, warps=12), Cfg(nt=4, src=5, warps=16),
+                Cfg(nt=2, src=5, pf=True, warps=8)):
         with pytest.raises(FormatError):
             bad.check("mma_f16")
 
@@ -309,9 +310,9 @@ def test_wgmma_tile_plans_only_on_sm_90():
 def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
     """Device-less: a pair-stream weight (CudaWeight.pairs) gets the layout-2 instantiation of
     the same launch shape on the SoA twin's grid (so its results are the SoA weight's), the
-    ring tile included; the f16 tile's two m-tiles per warp run as one m-tile with twice the
-    warps (the same rows per CTA: launch.pair_cfg), never its two-m-tile pair decode (minutes to
-    compile)."""
+    wgmma tile's 4 n-tiles included; the f16 tile's two m-tiles per warp run as one m-tile with
+    twice the warps (the same rows per CTA: launch.pair_cfg), never its two-m-tile pair decode
+    (minutes to compile)."""
     from q6serve.kernels.api import Layout
 
     asked = []
@@ -324,7 +325,7 @@ def test_pair_stream_weights_plan_layout_two_on_the_soa_grid():
             ("exact", Cfg(nt=1, pf=True), 4, "q6k_exact<1, 2, InF16, true>"),
             ("mmq_q8_1", Cfg(nt=2), 16, "q6k_mmq_q8<2, 1, 2>"),
             ("mma_f16", Cfg(nt=8, src=8, pf=True), 64, "q6k_wg_f16<8, 2, InF16, 2>"),
-            ("mma_f16", Cfg(nt=4, src=5, warps=16), 32, "q6k_ksr_f16<4, 2, InF16, 16, 2>"),
+            ("mma_f16", Cfg(nt=4, src=8, pf=True, warps=12), 32, "q6k_wg_f16<4, 2, InF16, 3>"),
             ("mma_f16", Cfg(nt=4, mt=2, src=3, warps=4), 32,
              "q6k_mma_f16<4, 1, 2, 3, InF16, false>"),
             ("mma_f16", Cfg(nt=2, mt=2, src=4, pf=True), 16,
