@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # k's device command, session 22 (issue 16 item 2: the ring K-slice tile q6k_ksr_f16, src 5,
 # out of the product code; branch k-src5-out), bounded by BOUND (s). It lands only after this.
-# Bundle A (PHASE=a, bound 100; `PHASE=a BOUND=96 bash bench/k_s22.sh`):
+# Bundle A (PHASE=a, bound 130; `PHASE=a BOUND=126 bash bench/k_s22.sh`):
 #   1. tableab: bench/kernels.py --table-ab against main's table (TABLE_OLD, default the
 #      committed table, which the branch leaves as main c69b148 has it): it must load (no cell
 #      names src 5) and report 0 changed cells of 140 (auto and f16, ten shapes, N = 1..64);
@@ -40,6 +40,21 @@ if [[ ${PHASE:-a} == a ]]; then
     step auto 14 python3 bench/kernels.py --paths auto --dtypes f16 --ns 16,32,64 --no-torch \
       --shapes 152064x3584,128256x4096,4096x14336 --iters 30 --json "$OUT/auto.json"
   fi
+  # 4. ncu8 (goal 2's first reading, where 26 s are left): Nsight Compute, metrics only, of src 8
+  #    (nt 8, 12 warps, the plan's K split) beside AUTO on two N=64 cells still slower than torch
+  #    (3584x3584, 14336x4096): long-scoreboard stalls, DRAM and issue for the weight ring's case.
+  M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  M+=,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread,launch__grid_size
+  M+=,launch__block_size,smsp__issue_active.avg.pct_of_peak_sustained_active
+  M+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  M+=,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,lts__t_sector_hit_rate.pct
+  for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+      not_selected lg_throttle; do M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
+  if left 26 && command -v ncu >/dev/null; then
+    step ncu8 24 ncu --clock-control none --metrics "$M" -k "regex:q6k_(ks|ksc|mma|wg)_f16" \
+      python3 bench/tile_probe.py --profile --no-torch \
+      --profile-cfgs "64:nt=8,src=8,pf=1,warps=12" --shapes 3584x3584,14336x4096 --ns 64
+  fi
   {
     echo "== k bundle a (tree $(tree_commit)), $(elapsed)"
     steps
@@ -47,6 +62,10 @@ if [[ ${PHASE:-a} == a ]]; then
     grep -E "^# compiled|^ *[0-9]+x[0-9]+ +[0-9]+ +(auto|f16) " "$OUT/tableab.log" 2>/dev/null
     echo "# auto (f16, us TB/s): shape N pick"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ +auto" "$OUT/auto.log" 2>/dev/null | sed -E 's/ +/ /g'
+    echo "# ncu8: kernel, then the metrics (us, DRAM %, warps/SM, issue %, hmma %, stalls)"
+    grep -E "q6k_|duration|dram__|warps_active|issue_active|registers|hmma|sectors|hit_rate|stalled" \
+      "$OUT/ncu8.log" 2>/dev/null | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
+      | awk '{$1=$1};1' | cut -c1-100 | head -60
   } | table
   exit 0
 fi
