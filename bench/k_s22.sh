@@ -69,5 +69,30 @@ if [[ ${PHASE:-a} == a ]]; then
   } | table
   exit 0
 fi
+if [[ ${PHASE} == b ]]; then
+  # Bundle B (goal 2, bound 120; `PHASE=b BOUND=116 bash bench/k_s22.sh`): src 8's weight stream
+  # through a warp-private cp.async ring of S stages (bench/ab/q6k_wgmma_ring.cu, S - 1 blocks in
+  # flight per warp; today: one block ahead in registers) against today's src 8 on the same plan
+  # (bits compared: the ring feeds the same bytes to the same math) and AUTO (the table's cell)
+  # in one process, on the N=64 cells slower than torch and the K-long ones. The ring takes
+  # 12 x S x 3408 B of shared memory beside the activations (32 KB per K block at N=64), so the
+  # cells run at K splits that leave each CTA <= 3 blocks (2 for S = 4).
+  RING=bench/ab/q6k_wgmma_ring.cu
+  V=(--variant "r2|#define WG_RING_S 3|#define WG_RING_S 2|$RING|6816"
+     --variant "r3|||$RING|10224"
+     --variant "r4|#define WG_RING_S 3|#define WG_RING_S 4|$RING|13632")
+  L=nt8.m1.w12.s8.pf
+  C="3584x3584:64:$L.k5,3584x3584:64:$L.k7,4096x4096:64:$L.k6,4096x4096:64:$L.k8"
+  C+=",14336x4096:64:$L.k6,18944x3584:64:$L.k5,3584x18944:64:$L.k25,4096x14336:64:$L.k19"
+  step ring 80 python3 bench/wg_ab.py "${V[@]}" --auto --cells "$C" --rounds 2 --iters 30 \
+    --json "$OUT/ring.json"
+  {
+    echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# ring: shape N cfg variant us | src 8 now us, now/variant, bits, rel vs AUTO | AUTO us, AUTO/variant"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/ring.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
 echo "PHASE=${PHASE} not written yet (session 22 adds its other bundles)"
 exit 2

@@ -6,7 +6,14 @@ process (device events, the weight rotated over copies as in bench/kernels.py), 
 for bit with today's (a variant may change the bits: the line says so).
 
     python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
-                          [--rounds 3] [--iters 30] [--json f]
+                          [--rounds 3] [--iters 30] [--auto] [--json f]
+
+A variant may name another base file and shared memory of its own (session 22's weight ring,
+bench/ab/q6k_wgmma_ring.cu): ``LABEL|OLD|NEW|FILE|EXTRA`` compiles FILE (OLD -> NEW; OLD empty:
+no replacement) and launches it with the plan's shared memory plus EXTRA bytes per warp (a
+cell whose plan leaves too little is skipped for that variant). ``--auto`` times AUTO's own
+launch (the table's kernel and plan, whatever its src) in the same alternation, so a variant
+reads against the product's cell too, not only against today's src 8 on the same plan.
 
 Session 21 (H200, bundle A, tree 7a7eded) ran it with session 20's file as a further kernel
 (the same bits and 0.98-1.02x in the seven src 8 cells after src 6 / 9 left the file; that copy
@@ -50,13 +57,19 @@ def compile_text(be, file: str, text: str, name: str):
     return fn
 
 
-def variant_text(spec: str) -> tuple[str, str]:
-    """``LABEL|OLD|NEW`` -> (label, today's q6k_wgmma.cu with OLD replaced by NEW)."""
-    label, old, new = spec.split("|")
-    text = (loader.CUDA_DIR / "q6k_wgmma.cu").read_text()
-    if old not in text:
-        raise SystemExit(f"variant {label}: {old!r} is not in q6k_wgmma.cu")
-    return label, text.replace(old, new)
+SMEM_MAX = 232448  # dynamic shared memory a CTA may opt into on sm_90 (227 KB)
+
+
+def variant_text(spec: str) -> tuple[str, str, int]:
+    """``LABEL|OLD|NEW[|FILE[|EXTRA]]`` -> (label, FILE's text (default today's q6k_wgmma.cu)
+    with OLD replaced by NEW (OLD empty: as it is), EXTRA shared-memory bytes per warp)."""
+    label, old, new, *rest = spec.split("|")
+    path = Path(rest[0]) if rest and rest[0] else loader.CUDA_DIR / "q6k_wgmma.cu"
+    extra = int(rest[1]) if len(rest) > 1 else 0
+    text = path.read_text()
+    if old and old not in text:
+        raise SystemExit(f"variant {label}: {old!r} is not in {path}")
+    return label, text.replace(old, new) if old else text, extra
 
 
 def main() -> int:
@@ -67,7 +80,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--variant", action="append", default=[],
-                    help="LABEL|OLD TEXT|NEW TEXT: today's file with a replacement")
+                    help="LABEL|OLD TEXT|NEW TEXT[|FILE[|EXTRA SMEM PER WARP]]: today's file "
+                    "(or FILE) with a replacement")
+    ap.add_argument("--auto", action="store_true",
+                    help="also time AUTO's own launch (the table's cell) in the alternation")
     a = ap.parse_args()
     variants = [variant_text(v) for v in a.variant]
     if not variants:
@@ -84,7 +100,7 @@ def main() -> int:
     flags = KernelFlags(soa=True)
     out = []
     print(f"{'shape':>12} {'N':>3} {'cfg':>22} {'kernel':>10} {'us':>8} {'now us':>8} "
-          f"{'now/it':>7} bits against now")
+          f"{'now/it':>7} bits against now  (auto: AUTO's us, auto/it)")
     for cell in a.cells.split(","):
         shape, n, *own = cell.split(":")
         rows, k = map(int, shape.split("x"))
@@ -101,11 +117,21 @@ def main() -> int:
                                   be.storage.pairs)
             name = kernel_name("mma_f16", ch.cfg, 2 if be.storage.pairs else True, "InF16")
             plans = {"now": lp}
-            for lab, text in variants:
+            for lab, text, extra in variants:
+                smem = lp.smem + extra * ch.cfg.warps
+                if smem > SMEM_MAX:
+                    print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} skipped: plan "
+                          f"{lp.smem} + ring {extra * ch.cfg.warps} B > {SMEM_MAX}", flush=True)
+                    continue
                 fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
-                if lp.smem > int(fo.max_dynamic_shared_size_bytes):
-                    fo.max_dynamic_shared_size_bytes = lp.smem
-                plans[lab] = replace(lp, fn=fo)
+                if smem > int(fo.max_dynamic_shared_size_bytes):
+                    fo.max_dynamic_shared_size_bytes = smem
+                plans[lab] = replace(lp, fn=fo, smem=smem)
+            if a.auto:  # the table's own cell (its kernel's module, as the backend loads it)
+                au = be.choose(n, Precision.AUTO, flags, rows, k)
+                if au.path == "mma_f16" and au.cfg is not None:
+                    plans["auto"] = be.launcher.plan(rows, k, Layout.SOA, "InF16", "mma_f16",
+                                                     au.cfg, n, be.storage.pairs)
             x = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
             ys = {lab: cp.full((n, rows), np.nan, cp.float32) for lab in plans}
 
@@ -119,19 +145,28 @@ def main() -> int:
                 call(0, lab)
             be.stream.synchronize()
             same = {lab: bool((ys[lab].view(cp.uint32) == ys["now"].view(cp.uint32)).all())
-                    for lab in plans if lab != "now"}
+                    for lab in plans if lab not in ("now", "auto")}
+            ref = ys["auto" if "auto" in ys else "now"]
+            rel = {lab: float(cp.abs(ys[lab] - ref).max() / cp.abs(ref).max()) for lab in plans}
             times: dict[str, list[float]] = {lab: [] for lab in plans}
             for _ in range(a.rounds):
                 for lab in plans:
                     times[lab].append(_bk.time_calls(
                         cp, lambda i, lab=lab: call(i, lab), len(ws), iters=a.iters))
         tn = min(times["now"])
+        ta = min(times["auto"]) if "auto" in times else None
         for lab in same:
             to = min(times[lab])
+            au_s = f"  auto {ta:.1f} {ta / to:.3f}" if ta else ""
             print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} {to:8.1f} {tn:8.1f} "
-                  f"{tn / to:7.3f} {'same' if same[lab] else 'DIFFER'}", flush=True)
+                  f"{tn / to:7.3f} {'same' if same[lab] else 'DIFFER'} rel {rel[lab]:.1e}{au_s}",
+                  flush=True)
+        if not same and ta:
+            print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {'(no var)':>10} {tn:8.1f} "
+                  f"  auto {ta:.1f} {ta / tn:.3f}", flush=True)
         out.append({"shape": shape, "n": n, "cfg": ch.cfg.label(), "us": {
-            lab: min(t) for lab, t in times.items()}, "same_bits": same, "runs": times})
+            lab: min(t) for lab, t in times.items()}, "same_bits": same, "rel": rel,
+            "runs": times})
         _bk.free_copies(be, ws)
     if a.json:
         with open(a.json, "w") as fh:
