@@ -84,13 +84,15 @@ if [[ ${PHASE} == b ]]; then
   L=nt8.m1.w12.s8.pf
   C="3584x3584:64:$L.k5,3584x3584:64:$L.k7,4096x4096:64:$L.k6,4096x4096:64:$L.k8"
   C+=",14336x4096:64:$L.k6,18944x3584:64:$L.k5,3584x18944:64:$L.k25,4096x14336:64:$L.k19"
-  step ring 80 python3 bench/wg_ab.py "${V[@]}" --auto --cells "$C" --rounds 2 --iters 30 \
-    --json "$OUT/ring.json"
+  step ring 84 python3 bench/wg_ab.py "${V[@]}" --auto --trace now,r3 --cells "$C" --rounds 2 \
+    --iters 30 --json "$OUT/ring.json"
   {
     echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
     steps
     echo "# ring: shape N cfg variant us | src 8 now us, now/variant, bits, rel vs AUTO | AUTO us, AUTO/variant"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/ring.log" 2>/dev/null | sed -E 's/ +/ /g'
+    echo "# trace: one call each, SM clocks and globaltimer per warp (bench/wg_ab.py --trace)"
+    grep -E "^# trace" "$OUT/ring.log" 2>/dev/null | cut -c9-
   } | table
   exit 0
 fi

@@ -14,6 +14,12 @@ no replacement) and launches it with the plan's shared memory plus EXTRA bytes p
 cell whose plan leaves too little is skipped for that variant). ``--auto`` times AUTO's own
 launch (the table's kernel and plan, whatever its src) in the same alternation, so a variant
 reads against the product's cell too, not only against today's src 8 on the same plan.
+``--trace now,LABEL`` (session 22) runs one more call of today's kernel / those variants,
+compiled with timestamps (``traced``: lane 0 of every warp writes the SM clock at its start,
+after the CTA's activation staging and at each tile's end, and %globaltimer at its start and
+end, into a buffer whose device address the source is compiled with), and prints where the
+call's time goes: the spread of the warps' starts, the staging, the first tile, each warp's
+busy time, the tail.
 
 Session 21 (H200, bundle A, tree 7a7eded) ran it with session 20's file as a further kernel
 (the same bits and 0.98-1.02x in the seven src 8 cells after src 6 / 9 left the file; that copy
@@ -57,6 +63,79 @@ def compile_text(be, file: str, text: str, name: str):
     return fn
 
 
+TRACE_WORDS = 8  # per warp: see traced()
+TRACE_WARPS = 1 << 16
+# The trace points (anchors present in today's q6k_wgmma.cu and in bench/ab/q6k_wgmma_ring.cu).
+TRACE_HEAD = r"""
+#define WGT_REC ((unsigned long long*)(WG_TRACE_PTR) + 8ull * min(TRACE_WARPS - 1u, \
+    ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + \
+    (threadIdx.x >> 5)))
+__device__ __forceinline__ unsigned long long wgt_gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned wgt_smid() {
+    unsigned s;
+    asm volatile("mov.u32 %0, %smid;" : "=r"(s));
+    return s;
+}
+"""
+TRACE_POINTS = (
+    ("    const int kb0 = ps.kb0, nblk = ps.nblk;\n",
+     "    const long long wgt_c0 = clock64();\n    int wgt_tiles = 0;\n"
+     "    if ((threadIdx.x & 31) == 0) { WGT_REC[0] = wgt_gtime(); WGT_REC[1] = nblk; "
+     "WGT_REC[6] = wgt_smid(); }\n"),
+    ("    fence_async_shared();\n    __syncthreads();\n",
+     "    if ((threadIdx.x & 31) == 0) { WGT_REC[2] = WGT_REC[4] = clock64() - wgt_c0; "
+     "WGT_REC[7] = wgt_gtime(); }\n"),
+    ("        ks_emit<NT, 1>(o, w.rows, wrow, tok0, acc, lane);\n",
+     "        ++wgt_tiles;\n        if ((threadIdx.x & 31) == 0) { const unsigned long long c = "
+     "clock64() - wgt_c0; if (wgt_tiles == 1) WGT_REC[3] = c; WGT_REC[4] = c; "
+     "WGT_REC[5] = wgt_tiles; WGT_REC[7] = wgt_gtime(); }\n"),
+)
+
+
+def traced(text: str, ptr: int) -> str:
+    """``text`` (a q6k_wgmma.cu) with the trace points after their anchors, writing to ``ptr``
+    (TRACE_WARPS records of TRACE_WORDS u64: globaltimer at the start, the K slice's blocks,
+    clocks since the start at the staging's end, the first and the last tile's end, tiles, SM,
+    globaltimer at the end)."""
+    for anchor, add in TRACE_POINTS:
+        if anchor not in text:
+            raise SystemExit(f"trace anchor {anchor!r} not in the kernel text")
+        text = text.replace(anchor, anchor + add)
+    head = f"#define WG_TRACE_PTR {ptr}ull\n#define TRACE_WARPS {TRACE_WARPS}u\n" + TRACE_HEAD
+    inc = '#include "q6k_matmul.cu"\n'
+    return text.replace(inc, inc + head)
+
+
+def trace_summary(rec: np.ndarray) -> str:
+    """One line from the records of the warps that ran (start stamp set). The SM clock is
+    read off the records themselves (clocks over globaltimer ns from each warp's start to its
+    end, the median over warps that ran > 1 us), as the device's clock attribute is the boost
+    clock at best."""
+    r = rec[rec[:, 0] != 0].astype(np.float64)
+    if not len(r):
+        return "no records"
+    ns = r[:, 7] - r[:, 0]
+    ghz = float(np.median(r[ns > 1000, 4] / ns[ns > 1000])) if (ns > 1000).any() else 1.98
+    us = 1e-3 / ghz  # us per clock
+    t0 = r[:, 0].min()
+    busy = r[:, 4] * us
+    worked = r[:, 5] > 0
+    per_blk = (r[worked, 4] - r[worked, 2]) * us / np.maximum(1, r[worked, 5] * r[worked, 1])
+    return (f"warps {len(r)} on {len(np.unique(r[:, 6]))} SMs | start spread "
+            f"{(r[:, 0].max() - t0) * 1e-3:.2f} us | staging med {np.median(r[:, 2]) * us:.2f} "
+            f"max {r[:, 2].max() * us:.2f} | 1st tile med "
+            f"{np.median((r[worked, 3] - r[worked, 2]) * us) if worked.any() else 0:.2f} | busy "
+            f"med {np.median(busy):.2f} max {busy.max():.2f} | span "
+            f"{(r[:, 7].max() - t0) * 1e-3:.2f} us | per block med "
+            f"{np.median(per_blk) if worked.any() else 0:.3f} us | tiles "
+            f"{int(r[:, 5].min())}-{int(r[:, 5].max())} blocks {int(r[:, 1].min())}-"
+            f"{int(r[:, 1].max())} | clock {ghz:.2f} GHz")
+
+
 SMEM_MAX = 232448  # dynamic shared memory a CTA may opt into on sm_90 (227 KB)
 
 
@@ -82,6 +161,8 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL|OLD TEXT|NEW TEXT[|FILE[|EXTRA SMEM PER WARP]]: today's file "
                     "(or FILE) with a replacement")
+    ap.add_argument("--trace", default="", metavar="LABELS",
+                    help="one traced call per cell of these kernels (now and variant labels)")
     ap.add_argument("--auto", action="store_true",
                     help="also time AUTO's own launch (the table's cell) in the alternation")
     a = ap.parse_args()
@@ -98,6 +179,11 @@ def main() -> int:
         return 2
     rng = np.random.default_rng(5)
     flags = KernelFlags(soa=True)
+    trbuf = cp.zeros(TRACE_WARPS * TRACE_WORDS, cp.uint64) if a.trace else None
+    if a.trace and a.trace.split(",")[0] not in ("now", *(lab for lab, _, _ in variants)):
+        raise SystemExit(f"--trace {a.trace}: not now or a variant label")
+    texts = {"now": (loader.CUDA_DIR / "q6k_wgmma.cu").read_text()}
+    texts.update({lab: text for lab, text, _ in variants})
     out = []
     print(f"{'shape':>12} {'N':>3} {'cfg':>22} {'kernel':>10} {'us':>8} {'now us':>8} "
           f"{'now/it':>7} bits against now  (auto: AUTO's us, auto/it)")
@@ -141,6 +227,14 @@ def main() -> int:
                                            int(ys[lab].data.ptr), n):
                     s()
 
+            traces = {}
+            if trbuf is not None:
+                for lab in [lb for lb in plans if lb in a.trace.split(",")]:
+                    fo = compile_text(be, f"q6k_wgmma_{lab}_trace.cu",
+                                      traced(texts[lab], int(trbuf.data.ptr)), name)
+                    if plans[lab].smem > int(fo.max_dynamic_shared_size_bytes):
+                        fo.max_dynamic_shared_size_bytes = plans[lab].smem
+                    traces[lab] = replace(plans[lab], fn=fo)
             for lab in plans:
                 call(0, lab)
             be.stream.synchronize()
@@ -153,8 +247,19 @@ def main() -> int:
                 for lab in plans:
                     times[lab].append(_bk.time_calls(
                         cp, lambda i, lab=lab: call(i, lab), len(ws), iters=a.iters))
+            trace_lines = {}
+            for lab, tp in traces.items():  # after the timed calls: warm clocks, a cold copy
+                trbuf.fill(0)
+                yt = cp.empty_like(ys[lab])
+                for s in be.launcher.steps(tp, ws[len(ws) // 2], weight_data(ws[len(ws) // 2]),
+                                           int(x.data.ptr), int(yt.data.ptr), n):
+                    s()
+                be.stream.synchronize()
+                trace_lines[lab] = trace_summary(trbuf.get().reshape(-1, TRACE_WORDS))
         tn = min(times["now"])
         ta = min(times["auto"]) if "auto" in times else None
+        for lab, line in trace_lines.items():
+            print(f"# trace {shape} N={n} {ch.cfg.label()} {lab}: {line}", flush=True)
         for lab in same:
             to = min(times[lab])
             au_s = f"  auto {ta:.1f} {ta / to:.3f}" if ta else ""
@@ -166,7 +271,7 @@ def main() -> int:
                   f"  auto {ta:.1f} {ta / tn:.3f}", flush=True)
         out.append({"shape": shape, "n": n, "cfg": ch.cfg.label(), "us": {
             lab: min(t) for lab, t in times.items()}, "same_bits": same, "rel": rel,
-            "runs": times})
+            "runs": times, "trace": trace_lines})
         _bk.free_copies(be, ws)
     if a.json:
         with open(a.json, "w") as fh:
