@@ -1,0 +1,96 @@
+"""bench/wg_ab.py's CPU parts (session 22): variant specs, the trace points and their summary,
+and (where nvcc is) that the ring variant and the traced kernels compile for sm_90a, so a
+broken A/B kernel fails here rather than in a bundle's device time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import wg_ab  # noqa: E402
+
+from q6serve.kernels.cuda import loader  # noqa: E402
+
+RING = ROOT / "bench" / "ab" / "q6k_wgmma_ring.cu"
+NVCC = next((p for p in ("nvcc", "/usr/local/cuda/bin/nvcc")
+             if subprocess.run(["which", p], capture_output=True).returncode == 0
+             or Path(p).exists()), None)
+
+
+def test_variant_spec_forms() -> None:
+    lab, text, extra = wg_ab.variant_text("w3|wg_wait<2>();|wg_wait<3>();")
+    assert (lab, extra) == ("w3", 0) and "wg_wait<3>();" in text and "wg_wait<2>();" not in text
+    lab, text, extra = wg_ab.variant_text(f"r3|||{RING}|10224")
+    assert (lab, extra) == ("r3", 10224) and text == RING.read_text()
+    lab, text, _ = wg_ab.variant_text(
+        f"r2|#define WG_RING_S 3|#define WG_RING_S 2|{RING}|6816")
+    assert "#define WG_RING_S 2" in text and "#define WG_RING_S 3" not in text
+    with pytest.raises(SystemExit):
+        wg_ab.variant_text("bad|no such text|x")
+
+
+@pytest.mark.parametrize("path", [loader.CUDA_DIR / "q6k_wgmma.cu", RING])
+def test_trace_points_go_in_once_each(path: Path) -> None:
+    text = path.read_text()
+    out = wg_ab.traced(text, 0x7F0000001000)
+    for anchor, add in wg_ab.TRACE_POINTS:
+        assert text.count(anchor) == 1, anchor  # one kernel, one place per point
+        assert out.count(anchor + add) == 1
+    assert "#define WG_TRACE_PTR 139637976731648ull" in out
+    # the definitions follow the include (the kernels' helpers exist there), before the kernel
+    assert out.index("WG_TRACE_PTR") > out.index('#include "q6k_matmul.cu"')
+    assert out.index("WG_TRACE_PTR") < out.index("q6k_wg_f16(")
+    with pytest.raises(SystemExit):
+        wg_ab.traced(text.replace(wg_ab.TRACE_POINTS[1][0], ""), 1)
+
+
+def test_trace_summary_reads_clocks_and_phases() -> None:
+    rec = np.zeros((8, wg_ab.TRACE_WORDS), np.uint64)
+    # six warps on two SMs: start 100 ns apart, 3 blocks per slice; staging 2000 clocks, the
+    # first tile ends at 5000, warps 0-3 run two tiles, 4-5 one; globaltimer at 2 GHz clocks
+    for i in range(6):
+        tiles = 2 if i < 4 else 1
+        end = 8000 if tiles == 2 else 5000
+        rec[i] = [10_000 + 100 * i, 3, 2000, 5000, end, tiles, i % 2, 10_000 + 100 * i + end // 2]
+    line = wg_ab.trace_summary(rec)
+    assert "warps 6 on 2 SMs" in line
+    assert "start spread 0.50 us" in line
+    assert "staging med 1.00 max 1.00" in line  # 2000 clocks at 2 GHz
+    assert "1st tile med 1.50" in line
+    assert "busy med 4.00 max 4.00" in line
+    assert "span 4.30 us" in line  # last end (warp 3: 10300 + 4000) - first start
+    assert "per block med 0.500 us" in line  # (8000 - 2000) / (2 tiles x 3 blocks) clocks
+    assert "tiles 1-2 blocks 3-3" in line and "clock 2.00 GHz" in line
+    assert wg_ab.trace_summary(np.zeros((4, wg_ab.TRACE_WORDS), np.uint64)) == "no records"
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc")
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_ring_variant_and_traced_kernels_compile(tmp_path: Path, stages: int) -> None:
+    texts = {"ring": RING.read_text().replace("#define WG_RING_S 3",
+                                               f"#define WG_RING_S {stages}")}
+    texts["ring_traced"] = wg_ab.traced(texts["ring"], 0x7F0000001000)
+    if stages == 3:
+        texts["now_traced"] = wg_ab.traced((loader.CUDA_DIR / "q6k_wgmma.cu").read_text(),
+                                           0x7F0000001000)
+    for name, text in texts.items():
+        src = tmp_path / f"{name}.cu"
+        src.write_text(text)
+        done = subprocess.run(
+            [NVCC, "-cubin", "-std=c++17", "-DQ6SERVE_NVCC_CHECK", "-arch", "sm_90a",
+             "-I", str(loader.CUDA_DIR), "-Xptxas", "-v", "-o", str(tmp_path / f"{name}.cubin"),
+             str(src)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        # the instantiation the bench times (nt 8, pair streams, 3 warpgroups) spills nothing,
+        # nor its traced form at the depth bundle B traces (S = 3; at S = 2 / 4 the stamps
+        # cost 12 bytes of spill: traces of those would not read the timed kernel)
+        if name == "ring" or stages == 3:
+            log = done.stderr
+            at = log.index("_Z10q6k_wg_f16ILi8ELi2E5InF16Li3E")
+            assert "0 bytes spill stores" in log[at:at + 400], log[at:at + 400]
