@@ -279,6 +279,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             topk: int = 0, probe: bool = False, fill: str = "copy", parts: bool = False) -> dict:
     import cupy as cp
 
+    from q6serve.kernels.cuda.launch import fill_x
+
     walls, kerns, fills, spans, lts, loops = [], [], [], [], [], []
     gpu: dict[str, list[float]] = {"pre": [], "tail": [], "y1": []}  # staged: the span's parts
     stamps: dict = {}
@@ -302,8 +304,8 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             st = be.staging(*x.shape, x.dtype)
             if fill == "concat":  # the batcher's: one request a row, concatenated into it
                 np.concatenate(rows_of[id(x)], out=st)
-            else:
-                st[...] = x
+            else:  # (launch.NT_FILL_MIN: by non-temporal stores from that size on)
+                fill_x(st.reshape(-1).view(np.uint8), x)
             fills.append((time.perf_counter() - t0) * 1e6)
             t00 = time.perf_counter()  # (the loop's own time, bench events included: ``loop``)
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy

@@ -124,6 +124,7 @@ from ..api import (
 )
 from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
+from . import hostcopy
 from .dispatch import Cfg
 from .loader import arch_specific
 from .storage import CudaWeight
@@ -445,6 +446,20 @@ COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host 
 # memcpy node's size (1.8 us clean), the copy's GPU span does after a fill of its source (1.8 MB
 # 37.3 -> 55.8 us by the engine, 40.7 -> 54.8 by the kernel)
 COPY_KERNEL_MAX = 2 << 20
+# x's copy into the pinned staging buffer (a cached call's unstaged x, ``_stage_x``, and
+# ``fill_x`` for callers that build a staged x) by non-temporal stores from this many bytes on
+# (kernels/cuda/hostcopy.py: the device's read of lines just written and still modified in the
+# CPU's cache is slower); 0: NumPy's copy for all (session 22's A/B sets it)
+NT_FILL_MIN = 0
+
+
+def fill_x(dst: np.ndarray, src: np.ndarray) -> None:
+    """``src``'s bytes into the start of ``dst`` (a pinned uint8 staging buffer): by
+    non-temporal stores from ``NT_FILL_MIN`` bytes on (hostcopy.copy_into), else NumPy's."""
+    if NT_FILL_MIN and src.nbytes >= NT_FILL_MIN:
+        hostcopy.copy_into(dst, src)
+        return
+    dst[: src.nbytes] = src.reshape(-1).view(np.uint8)
 
 
 def copy_kernel_from_env(env: Any = None) -> int | None:
@@ -844,7 +859,7 @@ class BoundCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            self.host[: self.b.x_bytes] = x.reshape(-1).view(np.uint8)
+            fill_x(self.host, x)
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1189,7 +1204,7 @@ class ManyCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            self.host[: b.x_bytes] = x.reshape(-1).view(np.uint8)
+            fill_x(self.host, x)
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1692,7 +1707,7 @@ class Launcher:
         xb = x.reshape(-1).view(np.uint8)
         host = ws.host(xb.size, slot)
         if not staged:
-            host[: xb.size] = xb
+            fill_x(host, xb)
         return host
 
     def bound_call(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,

@@ -626,3 +626,77 @@ def test_a_cached_call_is_found_before_the_checks_and_keeps_them(monkeypatch):
         be.launch(w, _x(be, rng, 4, 14336, False))
     for h in held:
         h.wait()
+
+
+@pytest.mark.parametrize("n", [0, 15, 64, 100, 4096 + 17, 1 << 18])
+@pytest.mark.parametrize("off", [0, 3, 16, 40])
+def test_non_temporal_fill_copies_every_byte(n, off):
+    """hostcopy.copy_into: the same bytes as NumPy's copy at any size and alignment (the
+    aligned middle by the non-temporal routine where it runs here, head and tail by NumPy), and
+    nothing past them; the routine ran for every body of a 64-byte line or more."""
+    from q6serve.kernels.cuda import hostcopy
+
+    src = np.random.default_rng(n + off).integers(0, 255, n, dtype=np.uint8)
+    buf = np.zeros(n + 128, np.uint8)
+    dst = buf[off:]
+    used = hostcopy.copy_into(dst, src)
+    assert np.array_equal(dst[:n], src) and not dst[n:].any()
+    head = (-dst.ctypes.data) % 16
+    assert used == (hostcopy.available() and n - head >= 64)
+
+
+def test_fill_x_by_non_temporal_stores_from_its_size(monkeypatch):
+    """launch.fill_x: x's bytes into the staging buffer, by hostcopy from NT_FILL_MIN bytes on
+    (0: never), the same bytes either way; an f16 [N, K] x as the launcher's copies pass it."""
+    from q6serve.kernels.cuda import hostcopy
+
+    calls = []
+    real = hostcopy.copy_into
+    monkeypatch.setattr(hostcopy, "copy_into", lambda d, s: calls.append(s.nbytes) or real(d, s))
+    x = np.random.default_rng(0).standard_normal((64, 4096)).astype(np.float16)
+    for nt_min, want in ((0, []), (1 << 20, []), (512 << 10, [x.nbytes])):
+        calls.clear()
+        monkeypatch.setattr(launch_mod, "NT_FILL_MIN", nt_min)
+        dst = np.zeros(x.nbytes + 64, np.uint8)
+        launch_mod.fill_x(dst, x)
+        assert calls == want
+        assert np.array_equal(dst[: x.nbytes].view(np.float16).reshape(x.shape), x)
+        assert not dst[x.nbytes :].any()
+
+
+def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
+    """A cached call (BoundCall, the graph's third call on the fake device) and a multi-weight
+    one (ManyCall) with NT_FILL_MIN at 1 byte: each unstaged x reaches the slot's staging
+    buffer whole, by hostcopy."""
+    from q6serve.kernels.cuda import hostcopy
+    from tests.kernels.test_cuda_backend_host import (
+        GATE_UP,
+        _many_counted,
+        fake_backend,
+        fake_weight,
+    )
+
+    calls = []
+    real = hostcopy.copy_into
+    monkeypatch.setattr(hostcopy, "copy_into", lambda d, s: calls.append(s.nbytes) or real(d, s))
+    be, _ = fake_backend(monkeypatch)
+    w = fake_weight(be, 4096, 14336)
+    rng = np.random.default_rng(5)
+    for _ in range(3):  # direct, capture, graph: then the cached BoundCall
+        be.launch(w, _x(be, rng, 64, 14336, False)).wait()
+    monkeypatch.setattr(launch_mod, "NT_FILL_MIN", 1)
+    for _ in range(2):
+        x = _x(be, rng, 64, 14336, False)
+        be.launch(w, x).wait()
+        host = be.launcher.ws.host(x.nbytes, 0)
+        assert np.array_equal(host[: x.nbytes], x.reshape(-1).view(np.uint8))
+    assert calls == [x.nbytes] * 2
+    calls.clear()
+    be, _, _, wts, rng = _many_counted(monkeypatch, GATE_UP, 12)
+    for _ in range(3):
+        be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
+    x = _x(be, rng, 8, 3584, False)
+    be.launch_many(wts, x).wait()
+    assert calls[-1] == x.nbytes
+    host = be.launcher.ws.host(x.nbytes, 0)
+    assert np.array_equal(host[: x.nbytes], x.reshape(-1).view(np.uint8))
