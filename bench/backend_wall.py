@@ -50,6 +50,10 @@ switch).
 ``STAGING_WC_MIN=B`` in a variant: x's pinned staging buffer write-combined from B bytes on
 (kernels/cuda/launch.py; every bound sequence rebinds at each variant switch).
 
+``NT_FILL_MIN=B`` in a variant: x's copy into the staging buffer (the staged fill here, the
+backend's own in graph mode) by non-temporal stores from B bytes on (kernels/cuda/hostcopy.py;
+0: NumPy's copy).
+
 ``X_SPLIT_MIN=B`` in a variant: an idle call whose x is B bytes or more runs in token halves
 (kernels/cuda/launch.py, point 10: x's second half uploaded beside the first half's kernels,
 the first half's y downloaded beside the second's); the halves used are printed after the row

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, helper hp (issue 14 goals 0-2); PHASE=a (bundle A, bound 90 s).
+# Session 22, helper hp (issue 14 goals 0-2); PHASE=a (bundle A, bound 90 s), b (B, 60 s).
 # A:
 # 0. Goal 2, T1 on what may be a fresh machine (the closing checks' T1 runs first there: session
 #    21's read 780 us, re-runs 535/469/392): bench/stream_overhead.py, the bare echo and the CUDA
@@ -46,6 +46,44 @@ if [[ $PHASE == a ]]; then
     grep -A6 "^# variants" "$OUT/wall.log" | cut -c1-200
     grep -c DIFFERS "$OUT/wall.log" | sed 's/^/rows with y differing: /'
     tail -1 "$OUT/tests.log" 2>/dev/null
+    steps
+  } | table
+fi
+if [[ $PHASE == b ]]; then  # bundle B (bound 60 s)
+  # 1. T1 as the closing check runs it (bench/service.py --target-report, its floors), first on
+  #    the machine (a fresh one, if B gets one: the check's first T1 read 780 us, re-runs
+  #    535/469/392), the worker's direct jobs and handler windows stamped (bench/job_stamps.py);
+  #    again after the wall if the bound leaves time (the second run of the same machine).
+  # 2. bench/backend_wall.py N=64/32 staged and graph on the three 48-56 MB shapes: def (this
+  #    tree: x's fill non-temporal from 256 KiB, NT_FILL_MIN), old (NumPy's fill: main),
+  #    E (def + x's upload by the copy engine past 1 MiB instead of the copy kernel up to 2 MiB:
+  #    bundle A's probe read a 1.8 MB upload 49.2 us by the engine after a non-temporal fill
+  #    against 70.4 by the kernel), E0 (E with NumPy's fill); alternated per round, y bit-equal.
+  BOUND=${BOUND:-60}
+  SITE=$PWD/bench/trips_site
+  PP=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  t1run() {  # NAME SECONDS-LIMIT
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_$1_{pid}.json" step "$1" "$2" python3 \
+      bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+      --weights ffn_down --seconds 1.2 --warmup 0.3 --json "$OUT/$1.json"
+  }
+  snap host0
+  t1run t1a 26
+  snap host1
+  step wall 20 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096,3584x18944 \
+    --ns 64,32 --modes staged,graph --calls 100 --rounds 3 --json "$OUT/wall.json" \
+    --variants "def;old:NT_FILL_MIN=0;E:COPY_KERNEL_MAX=1048576;E0:NT_FILL_MIN=0,COPY_KERNEL_MAX=1048576"
+  left 12 && t1run t1b "$(bound 26 1)"
+  snap host2
+  {
+    echo "# hp bundle B, tree $(tree_commit), $(elapsed)"
+    for r in t1a t1b; do
+      grep -E "^# bare|^T1 |mean us|^# T1 stream" "$OUT/$r.log" 2>/dev/null | cut -c1-170
+      python3 bench/job_stamps.py "$OUT"/js_"$r"_*.json 2>&1 | grep -E "all:|^# job stamps|^# handler" | cut -c1-170
+    done
+    grep -h "load average\|MHz mean" "$OUT"/host*.txt | cut -c1-100
+    grep -A12 "^# variants" "$OUT/wall.log" | cut -c1-200
+    grep -c DIFFERS "$OUT/wall.log" | sed 's/^/rows with y differing: /'
     steps
   } | table
 fi

@@ -449,8 +449,15 @@ COPY_KERNEL_MAX = 2 << 20
 # x's copy into the pinned staging buffer (a cached call's unstaged x, ``_stage_x``, and
 # ``fill_x`` for callers that build a staged x) by non-temporal stores from this many bytes on
 # (kernels/cuda/hostcopy.py: the device's read of lines just written and still modified in the
-# CPU's cache is slower); 0: NumPy's copy for all (session 22's A/B sets it)
-NT_FILL_MIN = 0
+# CPU's cache is slower); 0: NumPy's copy for all. H200, session 22 bundle A (b41b232,
+# bench/x_dma_probe.py): an upload's GPU span by the copy engine / the copy kernel after a NumPy
+# fill, a non-temporal fill, an idle wait as long as the fill: 512 KiB 26.6 / 32.8, 15.1 /
+# 22.3, 14.9 / 21.9 us; 1.8 MB 64.2 / 81.6, 49.2 / 70.4, 43.6 / 61.1 (write-combined staging:
+# as the NumPy fill); bench/backend_wall.py N=64 wall, NumPy / non-temporal, 3 rounds
+# alternated: 14336x4096 staged 140.4 -> 127.5 us, graph (the fill in the wall) 173.3 ->
+# 165.1; 4096x14336 136.1 -> 132.8, 272.7 -> 270.5; y bit-equal. The non-temporal fill itself:
+# 512 KiB 32 us against NumPy's 19 (NumPy's stays in the cache), 1.8 MB 134 against 152
+NT_FILL_MIN = 256 << 10
 
 
 def fill_x(dst: np.ndarray, src: np.ndarray) -> None:

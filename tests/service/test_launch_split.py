@@ -666,8 +666,8 @@ def test_fill_x_by_non_temporal_stores_from_its_size(monkeypatch):
 
 def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
     """A cached call (BoundCall, the graph's third call on the fake device) and a multi-weight
-    one (ManyCall) with NT_FILL_MIN at 1 byte: each unstaged x reaches the slot's staging
-    buffer whole, by hostcopy."""
+    one (ManyCall) with NT_FILL_MIN at 1 byte (0 before: none by hostcopy): each unstaged x
+    reaches the slot's staging buffer whole, by hostcopy; the default sends 1.8 MB by it."""
     from q6serve.kernels.cuda import hostcopy
     from tests.kernels.test_cuda_backend_host import (
         GATE_UP,
@@ -682,6 +682,8 @@ def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
     be, _ = fake_backend(monkeypatch)
     w = fake_weight(be, 4096, 14336)
     rng = np.random.default_rng(5)
+    default = launch_mod.NT_FILL_MIN
+    monkeypatch.setattr(launch_mod, "NT_FILL_MIN", 0)
     for _ in range(3):  # direct, capture, graph: then the cached BoundCall
         be.launch(w, _x(be, rng, 64, 14336, False)).wait()
     monkeypatch.setattr(launch_mod, "NT_FILL_MIN", 1)
@@ -691,7 +693,11 @@ def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
         host = be.launcher.ws.host(x.nbytes, 0)
         assert np.array_equal(host[: x.nbytes], x.reshape(-1).view(np.uint8))
     assert calls == [x.nbytes] * 2
+    monkeypatch.setattr(launch_mod, "NT_FILL_MIN", default)
+    be.launch(w, _x(be, rng, 64, 14336, False)).wait()
+    assert default == 256 << 10 and calls[-1] == x.nbytes == 64 * 14336 * 2
     calls.clear()
+    monkeypatch.setattr(launch_mod, "NT_FILL_MIN", 1)
     be, _, _, wts, rng = _many_counted(monkeypatch, GATE_UP, 12)
     for _ in range(3):
         be.launch_many(wts, _x(be, rng, 8, 3584, False)).wait()
