@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 22, helper hp (issue 14 goals 0-2); PHASE=a (bundle A, bound 90 s), b (B, 60 s).
+# Session 22, helper hp (issue 14 goals 0-2); PHASE=a (bundle A, bound 90 s), b (B, 60 s), c (C, 60 s).
 # A:
 # 0. Goal 2, T1 on what may be a fresh machine (the closing checks' T1 runs first there: session
 #    21's read 780 us, re-runs 535/469/392): bench/stream_overhead.py, the bare echo and the CUDA
@@ -84,6 +84,42 @@ if [[ $PHASE == b ]]; then  # bundle B (bound 60 s)
     grep -h "load average\|MHz mean" "$OUT"/host*.txt | cut -c1-100
     grep -A12 "^# variants" "$OUT/wall.log" | cut -c1-200
     grep -c DIFFERS "$OUT/wall.log" | sed 's/^/rows with y differing: /'
+    steps
+  } | table
+fi
+if [[ $PHASE == c ]]; then  # bundle C (bound 60 s)
+  # 1. the closing check's wall (bench/gpu_check.sh wall(): N=1 and 64, graph and staged) on this
+  #    tree, x's fill non-temporal from 256 KiB (def) against NumPy's (old), alternated per round
+  # 2. goal 2: T1 (the check's command) with the worker unpinned, then pinned to core 2 (its
+  #    caller on 8-15: the check's PIN), job stamps in each: does the run-to-run spread of the
+  #    worker's parts (B: every part 1.4-1.7x between two runs) follow the worker's placement?
+  # 3. the two launcher test files' GPU tests on this tree, if the bound leaves time
+  BOUND=${BOUND:-60}
+  SITE=$PWD/bench/trips_site
+  PP=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  t1run() {  # NAME SECONDS-LIMIT [bench/service.py args...]
+    local name=$1 limit=$2
+    shift 2
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_${name}_{pid}.json" step "$name" "$limit" \
+      python3 bench/service.py --backend cuda --target-report --targets T1 --modes stream \
+      --weights ffn_down --seconds 1.0 --warmup 0.3 --json "$OUT/$name.json" "$@"
+  }
+  step wall 16 python3 bench/backend_wall.py --shapes 4096x14336,14336x4096 --ns 1,64 \
+    --modes graph,staged --calls 100 --rounds 3 --json "$OUT/wall.json" \
+    --variants "def;old:NT_FILL_MIN=0"
+  left 14 && t1run t1u "$(bound 20 1)"
+  left 10 && t1run t1p "$(bound 16 1)" --pin 2:8-15
+  left 10 && step tests "$(bound 30 1)" python3 -m pytest -q -m gpu -rfE -p no:cacheprovider \
+    tests/service/test_launch_split.py tests/kernels/test_cuda_backend_host.py
+  {
+    echo "# hp bundle C, tree $(tree_commit), $(elapsed)"
+    grep -A8 "^# variants" "$OUT/wall.log" | cut -c1-200
+    grep -c DIFFERS "$OUT/wall.log" | sed 's/^/rows with y differing: /'
+    tail -1 "$OUT/tests.log" 2>/dev/null
+    for r in t1u t1p; do
+      grep -E "^# bare|^T1 |mean us|^# T1 stream" "$OUT/$r.log" 2>/dev/null | cut -c1-170
+      python3 bench/job_stamps.py "$OUT"/js_"$r"_*.json 2>&1 | grep -E "all:" | cut -c1-170
+    done
     steps
   } | table
 fi
