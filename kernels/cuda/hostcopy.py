@@ -78,6 +78,9 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> bool:
     non-temporal routine ran (False: all of it by NumPy)."""
     sb = src.reshape(-1).view(np.uint8)
     n = sb.size
+    if dst.dtype != np.uint8 or dst.ndim != 1 or not dst.flags.c_contiguous or dst.size < n:
+        # (the routine writes raw memory: never past dst's end)
+        raise ValueError(f"copy_into: {n} bytes into a {dst.dtype} array of shape {dst.shape}")
     fn = _load()
     d = dst.ctypes.data
     head = (-d) % 16

@@ -645,6 +645,19 @@ def test_non_temporal_fill_copies_every_byte(n, off):
     assert used == (hostcopy.available() and n - head >= 64)
 
 
+def test_non_temporal_fill_refuses_a_short_or_strided_destination():
+    """copy_into writes raw memory: a destination shorter than the source, strided, or not
+    bytes is refused before anything is written."""
+    from q6serve.kernels.cuda import hostcopy
+
+    src = np.arange(4096, dtype=np.uint8)
+    buf = np.zeros(8192, np.uint8)
+    for dst in (buf[:4095], buf[::2], buf.view(np.uint16), buf.reshape(2, 4096)):
+        with pytest.raises(ValueError, match="copy_into"):
+            hostcopy.copy_into(dst, src)
+    assert not buf.any()
+
+
 def test_fill_x_by_non_temporal_stores_from_its_size(monkeypatch):
     """launch.fill_x: x's bytes into the staging buffer, by hostcopy from NT_FILL_MIN bytes on
     (0: never), the same bytes either way; an f16 [N, K] x as the launcher's copies pass it."""
