@@ -77,6 +77,7 @@ from q6serve.kernels.errors import (
     Q6Error,
     Unavailable,
 )
+from q6serve.kernels.hostio import HostIO, Route
 
 from . import envvars, reuseport, wire
 from . import lane as lane_mod
@@ -395,6 +396,8 @@ class Arena:
         self._rw: np.ndarray | None = np.frombuffer(mm, np.uint8)
         self._ro: np.ndarray | None = self._rw.view()
         self._ro.flags.writeable = False
+        self.addr = int(self._rw.ctypes.data)  # slot s starts at addr + s * slot_bytes
+        self._hostio: HostIO | None = None  # page-locked with it (pin), until close
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> Arena:
@@ -427,6 +430,19 @@ class Arena:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_DIR / self.name)
 
+    def pin(self, hostio: HostIO) -> bool:
+        """Page-lock the whole arena for the device's copies (the device process, on a backend
+        that DMAs host memory: ``HostIO.pin``): an x viewing a slot is then DMA'd from there
+        (no copy into the staging buffer) and a routed y DMA'd into its slot. False where the
+        backend refuses (correct, only slower). Undone by :meth:`close`."""
+        if self._hostio is None and hostio.pin(self.addr, self.slots * self.slot_bytes):
+            self._hostio = hostio
+        return self._hostio is not None
+
+    @property
+    def pinned(self) -> bool:
+        return self._hostio is not None
+
     def array(self, slot: int, dtype: np.dtype, shape: tuple[int, ...],
               writable: bool, offset: int = 0) -> np.ndarray:
         """``shape`` of ``dtype`` at byte ``offset`` of slot ``slot``."""
@@ -452,7 +468,14 @@ class Arena:
         else:
             self.array(slot, y.dtype.newbyteorder("<"), y.shape, writable=True)[...] = y
 
+    def unpin(self) -> None:
+        """Undo :meth:`pin` (waits for the device's copies first: call before the unmap)."""
+        if self._hostio is not None:
+            self._hostio, hostio = None, self._hostio
+            hostio.unpin(self.addr)
+
     def close(self) -> None:
+        self.unpin()
         self._rw = self._ro = None
         with contextlib.suppress(BufferError):  # still viewed: unmapped when that array goes
             self._mm.close()
@@ -893,6 +916,11 @@ class FrontendsWorker(Worker):
         # Q6SERVE_FRONTEND_ROUND_ROBIN: the eBPF program and maps that deal new connections to
         # the front ends in turn (service/reuseport.py), passed down to each front end
         self._steering: reuseport.Steering | None = None
+        # Q6SERVE_DP_PIN_ARENA: the backend's page-locked ranges (kernels/hostio.py) that each
+        # front end's arena joins when it connects (None: arenas stay pageable), and the
+        # arenas pinned so far (unpinned when one closes, or at stop before the backend goes)
+        self._arena_io: HostIO | None = None
+        self._pinned_arenas: set[Arena] = set()
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -908,6 +936,8 @@ class FrontendsWorker(Worker):
                 self._ws_slots = SLOTS
         self.regions = table_for(cfg.allow_shm, cfg.max_regions, cfg.max_region_bytes,
                                  self.backend, self.engine)
+        if envvars.DP_PIN_ARENA.read():
+            self._arena_io = getattr(self.backend, "hostio", None)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
         if envvars.FRONTEND_ROUND_ROBIN.read():
@@ -1001,6 +1031,8 @@ class FrontendsWorker(Worker):
         assert conn.transport is not None and conn.out is not None
         fe = _Front(index, pid, conn.transport, Arena.attach(arena_name, slots, slot_bytes),
                     conn.out)
+        if self._arena_io is not None and fe.arena.pin(self._arena_io):
+            self._pinned_arenas.add(fe.arena)
         self._fronts[index] = fe
         if self.stats is not None:
             self.stats.connection(conn)
@@ -1082,15 +1114,49 @@ class FrontendsWorker(Worker):
         x_dtype, out_dtype, precision = _LE_BY_CODE[xdt], _DTYPE_BY_CODE[out], \
             _PRECISION_BY_CODE[prec]
         fe.calls += 1
+        key: Route | None = None
         try:
             x = fe.arena.array(slot, x_dtype, (rows, k), writable=False)
-            self._queue_call(MatmulCall(weight, x, precision, out_dtype, _unopt(timeout)),
-                             functools.partial(self._matmul_done, fe, rid, slot))
+            if rows >= self._merge_rows and fe.arena.pinned:  # a full call, alone: y routed
+                key = self._route_arena(fe, slot, x, weight, out_dtype)
+            sink = (functools.partial(self._matmul_done, fe, rid, slot) if key is None else
+                    functools.partial(self._routed_done, fe, rid, slot, key))
+            self._queue_call(MatmulCall(weight, x, precision, out_dtype, _unopt(timeout)), sink)
         except BaseException as e:
+            if key is not None:
+                self._arena_io.unroute(key)  # type: ignore[union-attr]
             fe.send(("err", rid, _portable_error(e)))
             return
         del x  # the queued request holds x; once it ran, nothing here does
         self._count_pending(fe)
+
+    def _route_arena(self, fe: _Front, slot: int, x: np.ndarray, weight: str,
+                     out_dtype: np.dtype) -> Route | None:
+        """A full call's y routed to the start of its slot in the page-locked arena (where
+        the front end reads it; kernels/hostio.py): the backend DMAs y there (x's upload from
+        the same bytes comes first on its stream). None where y does not fit the slot."""
+        io = self._arena_io
+        assert io is not None and self.engine is not None
+        shape = (x.shape[0], self.engine.rows_of(weight))
+        if shape[0] * shape[1] * out_dtype.itemsize > fe.arena.slot_bytes:
+            return None
+        at = fe.arena.addr + slot * fe.arena.slot_bytes
+        return io.route(x, fe.arena.array(slot, out_dtype.newbyteorder("<"), shape,
+                                          writable=True), at, at)
+
+    def _routed_done(self, fe: _Front, rid: int, slot: int, key: Route,
+                     fut: asyncio.Future[Any]) -> None:
+        """``_matmul_done`` for a call whose y was routed into its slot (``_route_arena``):
+        where the backend took the route, y is in the slot already (no copy)."""
+        taken = self._arena_io.unroute(key)  # type: ignore[union-attr]
+        if not taken or _told_failure(fe, rid, fut):
+            if taken:
+                self._one_done(fe)
+            else:
+                self._matmul_done(fe, rid, slot, fut)
+            return
+        reply = fut.result()
+        self._answer_mm(fe, rid, slot, _fields(reply), reply.y, placed=True)
 
     # -- the calls of one loop trip as one engine request ------------------------------------
     def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
@@ -1424,15 +1490,18 @@ class FrontendsWorker(Worker):
             self._one_done(fe)
 
     def _answer_mm(self, fe: _Front, rid: int, slot: int, fields: tuple[Any, ...],
-                   y: np.ndarray, head: tuple[tuple[Any, ...], bytes] | None = None) -> None:
+                   y: np.ndarray, head: tuple[tuple[Any, ...], bytes] | None = None,
+                   placed: bool = False) -> None:
         """A plain call's answer: y into its slot (or in the message), "mmok" with the
         reply's ``fields``; ``head``: ``_mmok_head(fields)``, made once for a merged batch's
-        calls (None: made here)."""
+        calls (None: made here); ``placed``: y is in its slot already (the device wrote it
+        there: ``_routed_done``)."""
         try:
             if not fe.alive:
                 return  # its front end died: the result has nobody to go to
             if slot >= 0 and y.nbytes <= fe.arena.slot_bytes:
-                fe.arena.put(slot, y)
+                if not placed:
+                    fe.arena.put(slot, y)
                 if head is None:
                     head = _mmok_head(fields)
                 dt = _DTYPE_CODE.get(_NAME.get(y.dtype))  # type: ignore[arg-type]
@@ -1745,6 +1814,9 @@ class FrontendsWorker(Worker):
         await self._teardown()
         if self.regions is not None:
             self.regions.close()
+        for arena in self._pinned_arenas:  # (before the backend goes; its copies waited for)
+            arena.unpin()
+        self._pinned_arenas.clear()
         await self.engine.close()
         self._stop_metrics_http()
         self._stopped.set()
