@@ -200,13 +200,13 @@ def test_one_process_pins_writes_y_in_place_and_releases(one_process: Any,  # no
     assert backend.direct_x == 1 and backend.direct_y == 1
     # f16 out straight into the region; x as bytes with y in the region (routed too)
     got16 = c.matmul("w", x, x_region=region, y_region=(region, 32768), out_dtype="f16")
-    np.testing.assert_allclose(got16.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    assert_ref(got16.astype(np.float32), want, rtol=2e-3, atol=2e-3)
     got = c.matmul("w", x, y_region=(region, 40960))
     assert_ref(got, want)
     assert backend.direct_y == 3 and backend.direct_x == 2
     # bf16 out: no route the backend can take (staged y, copied into the region as before)
     got = c.matmul("w", x, x_region=region, y_region=(region, 49152), out_dtype="bf16")
-    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+    assert_ref(got.astype(np.float32), want, rtol=2e-2, atol=2e-2)
     assert backend.direct_y == 3
     assert w.run(lambda: backend.hostio.routes) == 0
     # bad regions keep their statuses and hold nothing

@@ -12,19 +12,21 @@ import numpy as np
 from tests.service.svc_util import auto_rtol, backend_name
 
 
-def assert_ref(y: Any, want: Any, atol: float = 1e-4) -> None:
+def assert_ref(y: Any, want: Any, atol: float = 1e-4, rtol: float = 1e-5) -> None:
     """``y`` equals the reference ``want``: on NumPy within f32 rounding (``rtol`` 1e-5, the
     given ``atol``); on a GPU within what its AUTO precision may differ by (the f16 tiles or
     x quantized to q8_1: ~1e-2 of an element, ``auto_rtol``), plus 2% of ``want``'s largest
     value for elements near zero (q8_1's error of a sum is about |y|'s scale over sqrt(K), not
     relative to the element), which still tells a y of the wrong rows, offset or call (off by
-    about |y| itself) from a right one."""
+    about |y| itself) from a right one. ``rtol``: NumPy's (a y rounded to f16 or bf16 needs
+    its own), and at least that on a GPU."""
     want = np.asarray(want)
     if backend_name() == "numpy":
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(y, want, rtol=rtol, atol=atol)
         return
     scale = float(np.abs(want).max()) if want.size else 0.0
-    np.testing.assert_allclose(y, want, rtol=auto_rtol(), atol=max(atol, 2e-2 * scale))
+    np.testing.assert_allclose(y, want, rtol=max(rtol, auto_rtol()),
+                               atol=max(atol, 2e-2 * scale))
 
 
 def assert_topk(top: Any, want: Any, k: int) -> None:
