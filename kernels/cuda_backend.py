@@ -17,6 +17,7 @@ the AoS address arithmetic and the same grid, so their results are bit-identical
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,17 @@ from .cuda.storage import CudaWeight, Storage, pairs_from_env, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
 
-__all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg"]
+__all__ = ["IN_TYPES", "Cfg", "CudaBackend", "default_cfg", "fill_gathered"]
+
+
+def fill_gathered(x: np.ndarray, pieces: Sequence[tuple[int, int]]) -> None:
+    """x's bytes from its pieces ((address, bytes) each, in order): a gathered placeholder
+    (``CudaBackend.gathered``) filled on the host, for a launch that takes the staged way."""
+    flat = x.reshape(-1).view(np.uint8)
+    at = 0
+    for p, nb in pieces:
+        flat[at : at + nb] = np.ctypeslib.as_array((ctypes.c_uint8 * nb).from_address(p))
+        at += nb
 
 
 def _call_key(x: np.ndarray, precision: Precision, flags: KernelFlags,
@@ -84,6 +95,9 @@ class CudaBackend(Backend):
     now_slots = SLOTS  # a launch_now pipeline's (the lane's full batches)
 
     name = "cuda"
+    # gathered(): the placeholder x it handed out and its pieces, (address, bytes) each,
+    # until the next launch of it or staging (None: none out)
+    _gather: tuple[np.ndarray, tuple[tuple[int, int], ...]] | None = None
 
     def __init__(self, device: int = 0, table: DispatchTable | str | Path | bool | None = True,
                  graphs: bool = True) -> None:
@@ -174,6 +188,13 @@ class CudaBackend(Backend):
                topk: int = 0) -> Launched:
         lc = self.launcher
         ws = lc.ws
+        g = self._gather
+        if g is not None and x is g[0]:  # gathered()'s placeholder: by its pieces, or filled
+            self._gather = None
+            got = self._launch_gathered(w, x, g[1], precision, flags, out_dtype, topk)
+            if got is not None:
+                return got
+            fill_gathered(x, g[1])  # the usual staged launch from here
         staged = x is ws.staged  # built by staging(): C-contiguous [N, K]
         cw = w.data
         # A repeated call first: its cached BoundCall (the whole path after its first calls)
@@ -294,9 +315,61 @@ class CudaBackend(Backend):
 
         return LaunchedMany(wait)  # type: ignore[arg-type]
 
+    def gathered(self, pieces: Sequence[tuple[int, int]], n: int, k: int,
+                 dtype: np.dtype) -> np.ndarray | None:
+        """x [n, k] of ``dtype`` (C-contiguous) whose rows lie, in order, in the ``pieces`` of
+        page-locked host memory ((address, bytes) each; the service's pinned front-end
+        arenas, kernels/hostio.py): a placeholder in the staging buffer, NOT filled, which
+        the next launch of exactly it (F16 or EXACT precision: a Q8_1 call reads x on the
+        host first) takes by :meth:`Launcher.launch_pieces` (each piece DMA'd into its rows of
+        the device's x: no concatenation on the host); a launch that cannot (cuBLAS, a
+        top-k epilogue, a piece unpinned meanwhile) fills it from the pieces first and goes
+        the staged way. None (nothing handed out): a piece outside the page-locked ranges,
+        or a dtype the kernels do not take."""
+        dt = np.dtype(dtype)
+        io = self.hostio
+        if dt not in IN_TYPES or not pieces or sum(nb for _, nb in pieces) != n * k * dt.itemsize:
+            return None
+        for p, nb in pieces:
+            if not io.covers_range(p, nb):
+                return None
+        x = self.staging(n, k, dt)
+        self._gather = (x, tuple(pieces))
+        return x
+
+    def _launch_gathered(self, w: ResidentWeight, x: np.ndarray,
+                         pieces: tuple[tuple[int, int], ...], precision: Precision,
+                         flags: KernelFlags, out_dtype: np.dtype | None,
+                         topk: int) -> Launched | None:
+        """:meth:`launch` of a :meth:`gathered` placeholder by its pieces; None: not so (fill
+        it and launch it staged)."""
+        cw = w.data
+        n = int(x.shape[0])
+        if topk or type(cw) is not CudaWeight or x.shape[1] != w.k:
+            return None
+        c = self.choose(n, precision, flags, w.rows, w.k)
+        if c.path == "cublas_f16" or c.cfg is None:
+            return None
+        io, lc = self.hostio, self.launcher
+        with io.lock, self.ctx.dev, self.ctx.stream:
+            for p, nb in pieces:  # (still: an unpin may have come in between)
+                if not io.covers_range(p, nb):
+                    return None
+            finish = lc.launch_pieces(w, cw, pieces, n, IN_TYPES[x.dtype], c.path, c.cfg,
+                                      out_dtype, lc.ws.staged_slot)
+        kernel = f"cuda.{c.path}.{w.layout.value}"
+
+        def wait() -> MatmulResult:
+            y, _, seconds = finish()
+            return MatmulResult(y, kernel, w.layout, c.precision,
+                                KernelTiming(host_seconds=seconds))
+
+        return Launched(wait)
+
     def staging(self, n: int, k: int, dtype: np.dtype) -> np.ndarray:
         """A view of the pinned buffer ``matmul`` uploads x from: activations built in it
         are not copied again (see :meth:`Backend.staging`)."""
+        self._gather = None  # (a gathered placeholder not launched: never to be)
         dt = np.dtype(dtype)
         ws = self.launcher.ws
         ws.staged_slot = ws.free_slot()  # the next launch's: not one a launch in flight uses

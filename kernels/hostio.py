@@ -150,9 +150,12 @@ class HostIO:
     def _covers(self, a: np.ndarray, p: int | None = None) -> bool:
         if not a.flags.c_contiguous:
             return False
-        p = a.ctypes.data if p is None else p
+        return self.covers_range(a.ctypes.data if p is None else p, a.nbytes)
+
+    def covers_range(self, p: int, nbytes: int) -> bool:
+        """Is ``[p, p + nbytes)`` inside one page-locked range?"""
         i = bisect.bisect_right(self._starts, p)
-        return i > 0 and p + a.nbytes <= self._ranges[self._starts[i - 1]]
+        return i > 0 and p + nbytes <= self._ranges[self._starts[i - 1]]
 
     # -- y routes ----------------------------------------------------------------------------
     def route(self, x: np.ndarray, y: np.ndarray | None, x_addr: int | None = None,

@@ -141,6 +141,9 @@ DP_PLACE_GRAPH = Var("Q6SERVE_DP_PLACE_GRAPH", "switch", True,
 DP_PIN_ARENA = Var("Q6SERVE_DP_PIN_ARENA", "switch", False,
                    "page-lock the front ends' arenas in the device process: x DMA'd from its "
                    "slot, a full call's y DMA'd into it (CUDA)")
+DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,
+                      "with pinned arenas: a merged batch's x DMA'd from its calls' slots, no "
+                      "concatenation on the host (CUDA)")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
@@ -149,7 +152,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
                          DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
-                         DP_PLACE_GRAPH, DP_PIN_ARENA)
+                         DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

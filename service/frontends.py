@@ -443,6 +443,12 @@ class Arena:
     def pinned(self) -> bool:
         return self._hostio is not None
 
+    @property
+    def base(self) -> np.ndarray | None:
+        """The array every view of a slot has as its base (NumPy's base of a view of the
+        read-only view is this one): ``x.base is arena.base`` says x views this arena."""
+        return self._rw
+
     def array(self, slot: int, dtype: np.dtype, shape: tuple[int, ...],
               writable: bool, offset: int = 0) -> np.ndarray:
         """``shape`` of ``dtype`` at byte ``offset`` of slot ``slot``."""
@@ -492,6 +498,9 @@ _LE_BY_CODE = tuple(_LE[name] for name in _DTYPE_NAMES)
 _DTYPE_BY_CODE = tuple(DTYPES[name] for name in _DTYPE_NAMES)
 _PRECISION_BY_CODE = tuple(_PRECISION_OF[v] for v in _PRECISIONS)
 _LITTLE = sys.byteorder == "little"
+# a merged batch's x is gathered from its calls' slots only at these precisions: the others
+# may resolve to Q8_1, whose launch reads x on the host first (kernels/api.py launch_ieee)
+_GATHER_PRECISIONS = frozenset((Precision.EXACT, Precision.F16))
 
 
 def _desc(a: np.ndarray) -> tuple[str, tuple[int, ...]]:
@@ -921,6 +930,10 @@ class FrontendsWorker(Worker):
         # arenas pinned so far (unpinned when one closes, or at stop before the backend goes)
         self._arena_io: HostIO | None = None
         self._pinned_arenas: set[Arena] = set()
+        # Q6SERVE_DP_ARENA_GATHER (with pinned arenas): the backend's ``gathered`` (a merged
+        # batch's x DMA'd from its calls' slots), or None: x's rows concatenated (``_staged``)
+        self._gather: Callable[..., np.ndarray | None] | None = None
+        self.gathered = 0  # merged batches launched so (tests)
 
     # -- start ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -938,6 +951,8 @@ class FrontendsWorker(Worker):
                                  self.backend, self.engine)
         if envvars.DP_PIN_ARENA.read():
             self._arena_io = getattr(self.backend, "hostio", None)
+            if self._arena_io is not None and envvars.DP_ARENA_GATHER.read():
+                self._gather = getattr(self.backend, "gathered", None)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
         if envvars.FRONTEND_ROUND_ROBIN.read():
@@ -1282,8 +1297,37 @@ class FrontendsWorker(Worker):
     def _stage_x(self, engine: Engine, parts: list[tuple[MatmulCall, Any]],
                  rows: int) -> np.ndarray:
         """``_staged``, as a method: a stage of its own for the stage timers (T2's merged
-        batch: x's rows copied into the upload buffer, ``_DeviceStats._stages``)."""
+        batch: x's rows copied into the upload buffer, ``_DeviceStats._stages``); with the
+        arenas pinned, ``_gathered`` first."""
+        if self._gather is not None and (x := self._gathered(parts, rows)) is not None:
+            return x
         return _staged(engine, parts, rows)
+
+    def _gathered(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> np.ndarray | None:
+        """The merged calls' x as the backend's placeholder for their slots' bytes
+        (``CudaBackend.gathered``: each call's rows DMA'd from its slot in its pinned arena
+        into the device's x at the launch, instead of ~36 us of concatenation a batch on the
+        H200 under T2: session 21, bundle B), or None (a call whose x is not at the start of
+        its slot, e.g. sent in its message; a Q8_1-capable precision, whose launch reads x on
+        the host; an arena not pinned)."""
+        first = parts[0][0]
+        if first.precision not in _GATHER_PRECISIONS:
+            return None
+        pieces = []
+        done = self._matmul_done
+        for call, sink in parts:
+            if getattr(sink, "func", None) != done:
+                return None
+            fe, _, slot = sink.args
+            a = fe.arena
+            if call.x.base is not a.base or not a.pinned:  # (x in its slot, at offset 0)
+                return None
+            pieces.append((a.addr + slot * a.slot_bytes, call.x.nbytes))
+        x0 = first.x
+        x = self._gather(pieces, rows, x0.shape[1], x0.dtype)  # type: ignore[misc]
+        if x is not None:
+            self.gathered += 1
+        return x
 
     # -- CUDA-region calls: launched at a trip's end, waited for a trip later ---------------
     def _launch_cuda_due(self) -> None:

@@ -1808,7 +1808,8 @@ class Launcher:
         return self.ws.array("y", (n, w.rows), np.float32), b.start, b.end
 
     def run_copied_x(self, w: ResidentWeight, cw: CudaWeight, path: str, cfg: Cfg, n: int,
-                     in_t: str, src: int, nbytes: int, kind: int, slot: int | None) -> Bound:
+                     in_t: str, src: int, nbytes: int, kind: int, slot: int | None,
+                     more: tuple[tuple[int, int], ...] = ()) -> Bound:
         """x copied from ``src`` (``kind``: device or page-locked host memory) into the
         workspace's x, then the kernels of the bound sequence that has no upload of its own
         (:meth:`launch_device`, :meth:`launch_host`): its graph, or direct launches between
@@ -1818,14 +1819,22 @@ class Launcher:
         launch) and ``start`` / ``end`` the events around its kernels. Public: a caller that
         already chose the path and shape for a repeated call (service/cuda_regions.py's
         ``CudaSupport._launch_known``) runs it without the backend's checks. Call under the
-        device and stream; no sync."""
+        device and stream; no sync. ``more``: x's further pieces, (address, bytes) each, copied
+        after ``src``'s ``nbytes`` in order (x's rows from several page-locked places:
+        :meth:`launch_pieces`)."""
         key = (path, cfg, n, in_t, "device", slot)
         b = cw.plans.get(key)
         if b is None or b.gen != self.ws.gen:
-            b = self._bind(w, cw, key, nbytes)
+            b = self._bind(w, cw, key, nbytes + sum(nb for _, nb in more))
             b.extra["device_x"] = True
         stream = self.ctx.stream
-        self.ctx.cp.cuda.runtime.memcpyAsync(b.extra["xd"], src, nbytes, kind, stream.ptr)
+        copy = self.ctx.cp.cuda.runtime.memcpyAsync
+        copy(b.extra["xd"], src, nbytes, kind, stream.ptr)
+        if more:
+            at = b.extra["xd"] + nbytes
+            for p, nb in more:
+                copy(at, p, nb, kind, stream.ptr)
+                at += nb
         if b.graph:
             b.graph.launch(stream)
             return b
@@ -1851,6 +1860,22 @@ class Launcher:
         slot = self.ws.free_slot()
         return self._in_slot(slot, lambda: self._launch_host_in(w, cw, x, path, cfg, out_dtype,
                                                                 y_out, slot))
+
+    def launch_pieces(self, w: ResidentWeight, cw: CudaWeight,
+                      pieces: tuple[tuple[int, int], ...], n: int, in_t: str, path: str,
+                      cfg: Cfg, out_dtype: np.dtype | None, slot: int) -> Callable[[], Done]:
+        """:meth:`launch_host` for an x of ``n`` rows whose pieces, (address, bytes) each in
+        row order, lie in page-locked host memory (a merged batch's rows in the service's
+        front-end arenas: ``CudaBackend.gathered``): each DMA'd straight into its rows of the
+        workspace's x (no concatenation on the host), then :meth:`launch_device`'s bound
+        sequence; y the usual way out (:meth:`_finish`). In launch slot ``slot`` (free). Call
+        under the device and stream; the returned function makes the one sync."""
+        def enqueue() -> Callable[[], Done]:
+            b = self.run_copied_x(w, cw, path, cfg, n, in_t, pieces[0][0], pieces[0][1], _H2D,
+                                  slot, pieces[1:])
+            return self._finish(b.extra["y"], n, w.rows, out_dtype, b.start, b.end, 0, slot)
+
+        return self._in_slot(slot, enqueue)
 
     def _launch_host_in(self, w: ResidentWeight, cw: CudaWeight, x: np.ndarray, path: str,
                         cfg: Cfg, out_dtype: np.dtype | None, y_out: np.ndarray | None,
