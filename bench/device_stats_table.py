@@ -43,6 +43,10 @@ def busiest(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
              "wait_s": b["pipelined_wait_s"] - a["pipelined_wait_s"],
              # (CUDA-region calls launched as their place's graph; 0 before session 21)
              "place": b.get("place_launches", 0) - a.get("place_launches", 0),
+             # (merged batches on the direct path, and of them those whose x the backend took
+             # from the calls' pinned slots; no column before session 22)
+             "merged": b.get("merged_requests", 0) - a.get("merged_requests", 0),
+             "gathered": b.get("gathered_batches", 0) - a.get("gathered_batches", 0),
              "threads": {k.split(":", 1)[1]: (v - a["threads_cpu_s"].get(k, v)) / dt
                          for k, v in b["threads_cpu_s"].items()},
              "stages": {k: b[k] - a.get(k, 0.0) for k in b if k.startswith("st_")}}
@@ -60,7 +64,9 @@ def row(tag: str, w: dict[str, Any]) -> str:
             f"loops/call {w['loops'] / n:.2f}  reads/call {w['reads'] / n:.2f}  pipelined "
             f"{w['pipelined'] / n:.2f} (wait {1e6 * w['wait_s'] / n:.1f} us/call)  place "
             f"{w.get('place', 0) / n:.2f}  "
-            f"cores: {threads}")
+            + (f"merged {w['merged'] / n:.2f} (gathered {w['gathered'] / n:.2f})  "
+               if w.get("merged") else "")
+            + f"cores: {threads}")
 
 
 def stages_row(tag: str, w: dict[str, Any]) -> str:

@@ -749,7 +749,8 @@ class _DeviceStats:
                 **self.c, "jobs": dev.jobs, "inline_jobs": dev.inline_jobs,
                 "deferred_jobs": dev.deferred_jobs, "behind_jobs": dev.behind_jobs,
                 "direct_jobs": dev.direct_jobs, "merged_requests": self.w.merged[0],
-                "merged_calls": self.w.merged[1], "pipelined_batches": self.w.pipelined[0],
+                "merged_calls": self.w.merged[1], "gathered_batches": self.w.gathered,
+                "pipelined_batches": self.w.pipelined[0],
                 "pipelined_wait_s": self.w.pipelined[1], "threads_cpu_s": threads,
                 # (not ``regions and ...``: a RegionTable with no region left is falsy)
                 "place_launches": getattr(None if self.w.regions is None
