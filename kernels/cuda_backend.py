@@ -351,6 +351,8 @@ class CudaBackend(Backend):
         if c.path == "cublas_f16" or c.cfg is None:
             return None
         io, lc = self.hostio, self.launcher
+        if lc.ws.held(lc.ws.staged_slot):  # (the staged way refuses it, as any staged x)
+            return None
         with io.lock, self.ctx.dev, self.ctx.stream:
             for p, nb in pieces:  # (still: an unpin may have come in between)
                 if not io.covers_range(p, nb):
