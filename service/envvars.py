@@ -138,7 +138,7 @@ DP_READY_POLL = Var("Q6SERVE_DP_READY_POLL", "switch", True,
 DP_PLACE_GRAPH = Var("Q6SERVE_DP_PLACE_GRAPH", "switch", True,
                      "a repeated CUDA-region call is one graph launch per (weight, N, x and y "
                      "place, slot): x's and y's copies and the completion event inside")
-DP_PIN_ARENA = Var("Q6SERVE_DP_PIN_ARENA", "switch", False,
+DP_PIN_ARENA = Var("Q6SERVE_DP_PIN_ARENA", "switch", True,
                    "page-lock the front ends' arenas in the device process: x DMA'd from its "
                    "slot, a full call's y DMA'd into it (CUDA)")
 DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,

@@ -41,8 +41,10 @@ def test_gathered_x_is_dma_d_piece_by_piece(monkeypatch: pytest.MonkeyPatch, out
     k = 14336
     w = fake_weight(be, 4096, k)
     rng = np.random.default_rng(3)
+    kept = []  # (every part stays allocated: a pinned range's address is never reused)
     for i in range(5):
         parts, pieces = _pieces(be, rng, [2, 1, 3], k)
+        kept.append(parts)
         n = sum(p.shape[0] for p in parts)
         x = be.gathered(pieces, n, k, np.float16)
         assert x is not None and x.shape == (n, k) and x is be.launcher.ws.staged
@@ -90,6 +92,7 @@ def test_a_launch_that_cannot_take_the_pieces_fills_x_first(monkeypatch: pytest.
     assert x is not None
     be.launch(w, x, topk=4).wait()
     assert np.array_equal(x, np.concatenate(parts))  # filled on the host
+    kept = parts  # (still pinned: its addresses are not to be reused)
     parts, pieces = _pieces(be, rng, [1, 3], k)
     x = be.gathered(pieces, 4, k, np.float16)
     be.hostio.unpin(pieces[1][0])
@@ -99,6 +102,7 @@ def test_a_launch_that_cannot_take_the_pieces_fills_x_first(monkeypatch: pytest.
     ws = be.launcher.ws
     assert np.array_equal(ws._dev["x"].a[: x.nbytes], x.reshape(-1).view(np.uint8))
     assert cp.counts["h2d"] - h2d <= 1  # the staged upload (or the copy kernel), not 2 pieces
+    del kept
 
 
 def test_fill_gathered() -> None:

@@ -110,7 +110,9 @@ def test_a_refused_or_expired_request_in_a_job_reaches_only_its_caller(job4: Non
 
 # -- the device process of a --frontends worker: region calls of many callers --------------
 def test_region_calls_through_frontends_run_several_to_a_job(
-        job4: None, start: Any, rng: np.random.Generator) -> None:  # noqa: F811
+        job4: None, start: Any, rng: np.random.Generator,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("Q6SERVE_DP_PIN_ARENA", "0")  # (the pins counted are the regions')
     backend = SlotBackend(Recorder(), wait_s=0.01)
     # calls of 4 rows are full batches (as T3's N=64 calls are at the default 64)
     w = start(backend=backend, inline_device_us=100_000, max_batch_rows=4)

@@ -87,19 +87,24 @@ def test_arenas_pinned_full_calls_y_in_place(start: Any,  # noqa: F811
     assert all(rec.lock_held_at_unregister)
 
 
-def test_arenas_stay_pageable_by_default(start: Any,  # noqa: F811
-                                         monkeypatch: pytest.MonkeyPatch,
-                                         rng: np.random.Generator) -> None:
+def test_arenas_pinned_by_default_and_not_when_switched_off(
+        start: Any, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        rng: np.random.Generator) -> None:
     monkeypatch.delenv("Q6SERVE_DP_PIN_ARENA", raising=False)
-    rec = Recorder()
-    backend = DmaBackend(rec)
-    w = start(backend=backend, max_batch_rows=FULL)
-    c = w.client()
-    blocks = random_q6k(ROWS, K, 12)
-    c.upload("w", blocks, ROWS, K)
-    x = rng.standard_normal((FULL, K)).astype(np.float32)
-    assert_ref(c.matmul("w", x), reference(blocks, ROWS, K, x))
-    assert rec.log == [] and backend.direct_x == backend.direct_y == 0
+    for env, pinned in (("", 2), ("0", 0)):
+        monkeypatch.setenv("Q6SERVE_DP_PIN_ARENA", env)
+        rec = Recorder()
+        backend = DmaBackend(rec)
+        w = start(backend=backend, max_batch_rows=FULL)
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 12)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((FULL, K)).astype(np.float32)
+        assert_ref(c.matmul("w", x), reference(blocks, ROWS, K, x))
+        assert _run(w, lambda: backend.hostio.pinned) == pinned  # noqa: B023
+        assert backend.direct_y == (1 if pinned else 0)
+        w.stop()
+        assert backend.hostio.pinned == 0
 
 
 @pytest.mark.gpu

@@ -24,6 +24,13 @@ pytestmark = [pytest.mark.gpu,
 ROWS, K = 2048, 3584
 
 
+@pytest.fixture(autouse=True)
+def _regions_pins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front ends' arenas stay pageable here (Q6SERVE_DP_PIN_ARENA, on by default): the
+    pins these tests count are the regions' (test_pinned_arena.py has the arenas')."""
+    monkeypatch.setenv("Q6SERVE_DP_PIN_ARENA", "0")
+
+
 @pytest.fixture(scope="module")
 def backend() -> Any:
     from q6serve.kernels.cuda_backend import CudaBackend
