@@ -76,7 +76,7 @@ if [[ ${PHASE} == b ]]; then
   # (bits compared: the ring feeds the same bytes to the same math) and AUTO (the table's cell)
   # in one process, on the N=64 cells slower than torch and the K-long ones. The ring takes
   # 12 x S x 3408 B of shared memory beside the activations (32 KB per K block at N=64), so the
-  # cells run at K splits that leave each CTA <= 3 blocks (2 for S = 4).
+  # cells run at K splits that leave each CTA <= 3 blocks (2 for S = 4). Then (goal 3) ncu16.
   RING=bench/ab/q6k_wgmma_ring.cu
   V=(--variant "r2|#define WG_RING_S 3|#define WG_RING_S 2|$RING|6816"
      --variant "r3|||$RING|10224"
@@ -86,6 +86,19 @@ if [[ ${PHASE} == b ]]; then
   C+=",14336x4096:64:$L.k6,18944x3584:64:$L.k5,3584x18944:64:$L.k25,4096x14336:64:$L.k19"
   step ring 84 python3 bench/wg_ab.py "${V[@]}" --auto --trace now,r3 --cells "$C" --rounds 2 \
     --iters 30 --json "$OUT/ring.json"
+  # goal 3's reading (where 20 s are left): Nsight Compute of AUTO at N=16 on two 48 MB shapes
+  # (the K-slice tile and its split-K sum): DRAM, SM active over elapsed, stalls
+  M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+  M+=,dram__bytes_read.sum,sm__cycles_active.avg,gpc__cycles_elapsed.max
+  M+=,sm__warps_active.avg.per_cycle_active,launch__registers_per_thread,launch__grid_size
+  M+=,launch__block_size,smsp__issue_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct
+  for r in long_scoreboard short_scoreboard mio_throttle math_pipe_throttle barrier wait \
+      not_selected lg_throttle; do M+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
+  if left 20 && command -v ncu >/dev/null; then
+    step ncu16 18 ncu --clock-control none --metrics "$M" -k "regex:q6k_(ks|ksc|mma|wg)_f16|q6k_sum_parts" \
+      python3 bench/tile_probe.py --profile --no-torch --profile-cfgs "" \
+      --shapes 4096x14336,14336x4096 --ns 16
+  fi
   {
     echo "== k bundle b (tree $(tree_commit)), $(elapsed)"
     steps
@@ -93,6 +106,10 @@ if [[ ${PHASE} == b ]]; then
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/ring.log" 2>/dev/null | sed -E 's/ +/ /g'
     echo "# trace: one call each, SM clocks and globaltimer per warp (bench/wg_ab.py --trace)"
     grep -E "^# trace" "$OUT/ring.log" 2>/dev/null | cut -c9-
+    echo "# ncu16: kernel, then the metrics"
+    grep -E "q6k_|duration|dram__|cycles|warps_active|issue_active|registers|grid_size|hit_rate|stalled" \
+      "$OUT/ncu16.log" 2>/dev/null | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' \
+      | awk '{$1=$1};1' | cut -c1-100 | head -80
   } | table
   exit 0
 fi
