@@ -113,5 +113,37 @@ if [[ ${PHASE} == b ]]; then
   } | table
   exit 0
 fi
+if [[ ${PHASE} == c ]]; then
+  # Bundle C (goal 2, bound 100; `PHASE=c BOUND=96 bash bench/k_s22.sh`): bundle B's traces put
+  # the N=64 tiles' activation staging at 5.8-9.6 us of the kernel (4 loads in flight per
+  # thread: 4 dependent L2 round trips). This tree stages with 16 in flight at 4 / 8 n-tiles
+  # (Q6SERVE_STAGE_U, q6k_matmul.cu; the K-slice tile src 4 and the wgmma tile src 8); it lands
+  # only if it wins here:
+  #   1. stage: bench/wg_ab.py, today's tree ("now", 16) against u4 (the same file with 4: the
+  #      code on main) and c (this tree's text compiled as the variants are: for src 4 cells the
+  #      product builds sm_90, the variants sm_90a), alternated in one process, bits compared,
+  #      AUTO's cells at N=64 (src 4 and src 8), src 8 at the model's split on the 11-14 MB
+  #      weights, N=32 on 4096x14336; traces of now and u4 on the src 8 cells;
+  #   2. pytest: every table cell's launch shape (pair vs SoA bits, the reference), the K-slice,
+  #      cluster-sum and wgmma GPU tests on this tree.
+  V=(--variant $'u4|#include "q6k_matmul.cu"|#define Q6SERVE_STAGE_U 4\n#include "q6k_matmul.cu"'
+     --variant "c||")
+  C="3584x3584:64,4096x4096:64,14336x4096:64,18944x3584:64,4096x14336:64,3584x18944:64"
+  C+=",3584x3584:64:nt8.m1.w12.s8.pf,4096x4096:64:nt8.m1.w12.s8.pf,4096x14336:32"
+  step stage 48 python3 bench/wg_ab.py "${V[@]}" --trace now,u4 --cells "$C" --rounds 2 \
+    --iters 30 --json "$OUT/stage.json"
+  step pytest 46 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=40 \
+    "tests/kernels/test_cuda_pairs.py::test_every_table_shape" tests/kernels/test_cuda_ks.py \
+    tests/kernels/test_cuda_ksc.py tests/kernels/test_cuda_wg.py
+  {
+    echo "== k bundle c (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# stage: shape N cfg variant us | now us (16 in flight), now/variant, bits"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/stage.log" 2>/dev/null | sed -E 's/ +/ /g'
+    echo "# trace (src 8 cells): now = 16 in flight, u4 = 4"
+    grep -E "^# trace" "$OUT/stage.log" 2>/dev/null | cut -c9-
+  } | table
+  exit 0
+fi
 echo "PHASE=${PHASE} not written yet (session 22 adds its other bundles)"
 exit 2

@@ -3,7 +3,10 @@
 with a text replacement (``--variant 'LABEL|OLD TEXT|NEW TEXT'``, every occurrence), compiled
 for sm_90a as the loader builds that file; the kernels alternated ``--rounds`` times in one
 process (device events, the weight rotated over copies as in bench/kernels.py), y compared bit
-for bit with today's (a variant may change the bits: the line says so).
+for bit with today's (a variant may change the bits: the line says so). Since session 22 a cell
+may also be a K-slice tile's (src 4): q6k_matmul.cu is inlined into the variant's text, so its
+kernels compile from it too (for sm_90a, where the product builds them for sm_90: a variant
+with no replacement is the control for that).
 
     python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
                           [--rounds 3] [--iters 30] [--auto] [--json f]
@@ -194,8 +197,8 @@ def main() -> int:
         ch = be.choose(n, Precision.AUTO, flags, rows, k)
         if own:
             ch = replace(ch, path="mma_f16", cfg=_bk.cfg_from_label(own[0]))
-        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src != 8:
-            print(f"{shape:>12} {n:>3} not a src 8 cell: {ch.path} {ch.cfg}")
+        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src not in (4, 8):
+            print(f"{shape:>12} {n:>3} not a src 4 / 8 cell: {ch.path} {ch.cfg}")
             continue
         ws = _bk.load_copies(be, rng, rows, k, Layout.SOA)
         with be.ctx.dev, be.stream:

@@ -140,12 +140,33 @@ __device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld
 // per item, which the many short CTAs of q6k_mma_f16 (1-2 items per thread) ran faster on the
 // H200. (Eight loads in flight, and cp.async copies of the f16 activations, measured slower
 // still; bench/RESULTS.md, issue 16 fourth session.)
+// Loads in flight per thread in the K-slice tiles' activation staging (stage_x_f16 with BATCH,
+// and q6k_wgmma.cu's wg_stage_x): Q6SERVE_STAGE_U at 4 and 8 n-tiles (N = 17..64), _SMALL at
+// 1 and 2. Session 22's per-warp timestamps of the wgmma tile at N=64 (bench/wg_ab.py --trace,
+// H200) put the staging at 5.8-9.6 us of a 12.5-35 us kernel with 4 in flight: 16 items per
+// thread in 4 dependent L2 round trips while the SM's weight stream waits; 16 in flight stage a
+// 3-block slice in one (ptxas sm_90 / sm_90a: no spills in the pair-stream instantiations). At 1
+// and 2 n-tiles (N <= 16) it stays 4 (those cells were not measured with more; 16 spilled
+// there: q6k_ks_f16<1 / 2, .., 8 / 16>, 128 registers). A bench A/B may set other values
+// before this file (as bench/wg_ab.py's variants do; session 4 measured 8 slower on the
+// K-slice tile of its day, bench/RESULTS.md).
+#ifndef Q6SERVE_STAGE_U
+#define Q6SERVE_STAGE_U 16
+#endif
+#ifndef Q6SERVE_STAGE_U_SMALL
+#define Q6SERVE_STAGE_U_SMALL 4
+#endif
+template <int NT>
+__host__ __device__ constexpr int stage_u() {
+    return NT >= 4 ? Q6SERVE_STAGE_U : Q6SERVE_STAGE_U_SMALL;
+}
 template <int NT, class In, bool BATCH>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
                                             int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
     if (BATCH) {
-        stage_items<4>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok, [&](int tk, int c) -> uint4 {
+        stage_items<stage_u<NT>()>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok,
+                                   [&](int tk, int c) -> uint4 {
             const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
             return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 +
                                    quad_x_off(sp, tt));

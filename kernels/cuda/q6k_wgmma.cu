@@ -94,18 +94,19 @@ __device__ __forceinline__ void wgmma_rs<4>(float (&c)[1][4][4], u32 a0, u32 a1,
 // i.e. elements h*128 + 64nib + 16t + 4j + 2kc + {0,1} of block b (the quad order). Item
 // (token group, b, hn, jj, n&7, t) loads 8 activations (4 words: steps 2jj and 2jj+1, k halves
 // 0 and 1); the 32 lanes of a warp are 8 tokens x 4 t, so each of its four stores writes 128
-// contiguous bytes (no bank conflict). Four items' loads are in flight per thread.
+// contiguous bytes (no bank conflict). stage_u<NT>() items' loads are in flight per thread.
 template <int NT, class In>
 __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n_tok, int tok0,
                                            int kb0, int nblk) {
     u32* sw = reinterpret_cast<u32*>(smem_x);
     const int total = NT * nblk * 256;
     const int last = min(8 * NT, n_tok - tok0) - 1;  // >= 0: a chunk has at least one token
-    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
-        uint4 v[4];
-        int it[4];
+    constexpr int U = stage_u<NT>();  // loads in flight per thread (q6k_matmul.cu)
+    for (int i0 = threadIdx.x; i0 < total; i0 += U * blockDim.x) {
+        uint4 v[U];
+        int it[U];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int i = min(i0 + u * (int)blockDim.x, total - 1);
             it[u] = i0 + u * (int)blockDim.x;
             const int t = i & 3, n8 = (i >> 2) & 7, jj = (i >> 5) & 1, hn = (i >> 6) & 3;
@@ -114,7 +115,7 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
                                    hn * 64 + 16 * t + 8 * jj);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int i = it[u];
             if (i >= total) break;
             const int t = i & 3, n8 = (i >> 2) & 7, jj = (i >> 5) & 1, hn = (i >> 6) & 3;
