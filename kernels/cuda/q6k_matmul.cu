@@ -145,7 +145,9 @@ __device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld
 // 1 and 2. Session 22's per-warp timestamps of the wgmma tile at N=64 (bench/wg_ab.py --trace,
 // H200) put the staging at 5.8-9.6 us of a 12.5-35 us kernel with 4 in flight: 16 items per
 // thread in 4 dependent L2 round trips while the SM's weight stream waits; 16 in flight stage a
-// 3-block slice in one (ptxas sm_90 / sm_90a: no spills in the pair-stream instantiations). At 1
+// 3-block slice in one (ptxas sm_90 / sm_90a: no spills in the pair-stream instantiations;
+// bundle C: 1.025-1.06x on the N = 32 / 64 cells of src 4 and 8, 0.994 on 18944x3584 N=64, the
+// same bits; the staging itself only ~0.5 us shorter: docs/KERNELS.md "Session 22"). At 1
 // and 2 n-tiles (N <= 16) it stays 4 (those cells were not measured with more; 16 spilled
 // there: q6k_ks_f16<1 / 2, .., 8 / 16>, 128 registers). A bench A/B may set other values
 // before this file (as bench/wg_ab.py's variants do; session 4 measured 8 slower on the
