@@ -33,12 +33,59 @@ gpu_session() {
     nvidia-smi() { echo "no GPU (dry run)"; }
     return 0
   fi
+  machine_watch
   bench/gpu_run.sh none >"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
   [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site
   head -3 "$OUT/setup.log"
   echo "tree $(tree_commit)"
 }
 elapsed() { echo "$(($(date +%s) - T0)) s"; }
+
+# machine_watch: samples the machine every second into $OUT/machine.log while the script runs
+# (it ends within a second of the script's shell, or after WATCH_S, default 900 s): the
+# busy, iowait and steal shares of all cores since the last sample (/proc/stat; steal: time
+# the hypervisor gave this VM's CPUs to someone else), the 1-minute load, the cores' MHz
+# (mean, min, max of /proc/cpuinfo) and the GPU's SM clock; every 10 s the processes using
+# most CPU. Why: session 21's closing check read T1 at 780 us on its first run and 535 / 469
+# / 392 on re-runs minutes later, every CPU part of the call (the caller's encode too) up to
+# 2.4x slower at first; whether the machine (other processes, steal, clocks) or our code
+# warms up is read from here. `machine_summary` prints the short form.
+machine_watch() {
+  local parent=$$ log=$OUT/machine.log
+  (
+    trap - EXIT
+    echo "# machine.log: t_s busy% iowait% steal% load1 mhz_mean mhz_min mhz_max gpu_sm_mhz"
+    ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -12 | sed 's/^/# ps /'
+    read -r _ u n sy id io irq sirq st _ </proc/stat
+    local prev=$((u + n + sy + id + io + irq + sirq + st)) pidle=$id pio=$io pst=$st i=0
+    while kill -0 "$parent" 2>/dev/null && ((i < ${WATCH_S:-900})); do
+      sleep 1
+      i=$((i + 1))
+      read -r _ u n sy id io irq sirq st _ </proc/stat
+      local tot=$((u + n + sy + id + io + irq + sirq + st))
+      local d=$((tot - prev > 0 ? tot - prev : 1))
+      local gpu
+      gpu=$( ((i % 2)) && nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,nounits \
+        2>/dev/null | head -1)
+      printf '%d %d %d %d %s %s %s\n' "$i" "$((100 * (d - (id - pidle) - (io - pio)) / d))" \
+        "$((100 * (io - pio) / d))" "$((100 * (st - pst) / d))" \
+        "$(cut -d' ' -f1 /proc/loadavg)" \
+        "$(awk -F: '/^cpu MHz/ {s += $2; n++; if (!mn || $2 < mn) mn = $2; if ($2 > mx) mx = $2}
+          END {if (n) printf "%.0f %.0f %.0f", s / n, mn, mx; else printf "- - -"}' /proc/cpuinfo)" \
+        "${gpu:--}"
+      prev=$tot pidle=$id pio=$io pst=$st
+      ((i % 10)) || ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -6 | sed "s/^/# ps $i s /"
+    done
+  ) </dev/null >"$log" 2>&1 &
+}
+# machine_summary: machine.log's busiest and most stolen seconds, and the processes first seen.
+machine_summary() {
+  awk '!/^#/ {n++; if ($2 > b) b = $2; if ($4 > s) s = $4; st += $4; if ($6 != "-") {
+         if (!m || $6 < m) m = $6; if ($6 > M) M = $6}}
+       END {printf "# machine: %d s sampled, busy max %d%%, steal max %d%% mean %.1f%%, " \
+         "mean MHz %s-%s\n", n, b, s, (n ? st / n : 0), m, M}' "$OUT/machine.log" 2>/dev/null
+  grep -m 6 '^# ps ' "$OUT/machine.log" 2>/dev/null | cut -c1-100
+}
 
 # tree_commit [DIR]: the commit of the tree at DIR (.): its COMMIT file, which the sender writes
 # into a shipped copy (whose git metadata, if any, may be another checkout's), else git's.

@@ -18,7 +18,8 @@ own stream decoding), ``host.view_min=BYTES`` (client/reply_bytes.VIEW_MIN there
 reads arrays as views), ``host.transport=aio|sync`` (the host's gRPC: grpc.aio or the sync stub,
 bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary Matmul calls),
 ``host.grpc.NAME=INT`` (channel argument grpc.NAME of the host's channel, beside the client's
-own, e.g. host.grpc.enable_retries=0).
+own, e.g. host.grpc.enable_retries=0), ``host.chains=C`` (the host's S sequences as C
+concurrent chains of S / C rows, a stream each; an S that C does not divide is not run).
 Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
@@ -65,7 +66,8 @@ def _decode_mode(v: str) -> str:
 HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
                              "host.view_min": lambda v: int(float(v)),
                              "host.transport": _choice("host.transport", TRANSPORTS),
-                             "host.mode": _choice("host.mode", ("stream", "unary"))}
+                             "host.mode": _choice("host.mode", ("stream", "unary")),
+                             "host.chains": int}
 
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
@@ -238,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                     doc["errors"].append({"run": label, "error": "skipped (bound)"})
                     continue
                 host = split_variant(variants[v])[1]
+                chains = host.get("host.chains", 1)
+                if s % chains:  # S=1 has no sequences to split
+                    print(f"# {label} not run: S={s} is not {chains} chains of equal rows",
+                          flush=True)
+                    continue
                 spec = ReplaySpec(workers[on[v]].target, plan, s, a.seconds, a.warmup,
                                   WARM_STEPS, host.get("host.mode", "stream"), "f16",
                                   PRECISIONS["auto"], "f16",
@@ -245,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                                   host.get("host.decode", "arrays"),
                                   host.get("host.view_min", 0),
                                   host.get("host.transport", "aio"),
-                                  tuple(sorted(host.get("host.grpc", {}).items())))
+                                  tuple(sorted(host.get("host.grpc", {}).items())),
+                                  chains)
                 try:
                     st_, wall, roles = run_replay(spec, 1)
                     if doc["runs"]:  # (this run is not yet in them: not the first)

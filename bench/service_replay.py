@@ -134,6 +134,11 @@ class ReplaySpec:
     transport: str = "aio"
     # more channel arguments of the host's channel, after the client's (channel_options)
     channel_args: tuple[tuple[str, int], ...] = ()
+    # > 1: the host's S sequences as this many independent chains of n / chains rows, each on
+    # a stream (or unary calls) of its own on the host's channel, run concurrently; a step
+    # ends when every chain has made all its calls (a decode host may do this: its sequences
+    # do not wait for each other). The step's sums add the chains' calls up.
+    chains: int = 1
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -157,7 +162,7 @@ def stream_request_id(raw: bytes) -> str:
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     import asyncio
 
-    from svc_util_transport import Channel
+    from svc_util_transport import SESSIONS, Channel
 
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
@@ -171,6 +176,11 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     client = spec.decode == "client"
     dt = np.float16 if spec.dtype == "f16" else np.float32
     xs = {k: rng.standard_normal((spec.n, k)).astype(dt) for k in {c.k for c in spec.plan}}
+    if spec.chains < 1 or spec.n % spec.chains:
+        raise ValueError(f"chains {spec.chains}: a divisor of the host's S = {spec.n}")
+    if spec.chains > 1 and spec.transport in SESSIONS:
+        raise ValueError(f"chains {spec.chains}: {spec.transport} is one session (one stream)")
+    rows_per_chain = spec.n // spec.chains
     if spec.spin_us > 0:
         from q6serve.service.threads import busy_poll
 
@@ -179,7 +189,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     async with Channel(spec.transport, spec.target,
                        [*channel_options(), *spec.channel_args]) as ch:
         unary = ch.unary(MATMUL) if spec.mode == "unary" else None
-        stream = ch.stream(MATMUL_STREAM) if spec.mode == "stream" else None
+        streams = ([ch.stream(MATMUL_STREAM) for _ in range(spec.chains)]
+                   if spec.mode == "stream" else None)
 
         def account(sums: dict[str, float], rec: dict[str, list[float]] | None,
                     call: Call, t: tuple[float, float, float, float], req_bytes: int,
@@ -224,41 +235,30 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 for f in CALL_FIELDS:
                     got[f].append(one[f])
 
-        async def step(rec: dict[str, list[float]] | None) -> None:
-            sums = dict.fromkeys((*STEP_FIELDS, "calls"), 0.0)
-            last: tuple[Any, ...] | None = None  # the previous call, not yet accounted
-            t_step = time.perf_counter()
+        async def chain(c: int, out: list[tuple[Any, ...]]) -> None:
+            """One chain's calls of a step, in order; each call's figures into ``out``."""
+            x_of = xs if spec.chains == 1 else {
+                k: x[c * rows_per_chain:(c + 1) * rows_per_chain] for k, x in xs.items()}
             for call in spec.plan:
                 c0 = cpu()
                 t0 = time.perf_counter()
-                req = request_bytes(pb, call.weights, xs[call.k], spec.precision,
+                req = request_bytes(pb, call.weights, x_of[call.k], spec.precision,
                                     "f32" if call.topk else spec.out, call.topk)
                 t1 = time.perf_counter()
-                acc = 0.0  # the previous call's bookkeeping: not this call's CPU
-                if stream is None:
-                    # (a unary call starts when awaited: the previous call's accounting
-                    # runs before it, in the step's time, as it did before session 17)
-                    if last is not None:
-                        a0 = cpu()
-                        account(sums, rec, *last)
-                        acc = cpu() - a0
+                if streams is None:
                     raw = await unary(req, timeout=120.0)
                 else:
-                    await stream.write(req)
-                    if last is not None:  # the worker has the request: its reply is far
-                        a0 = cpu()
-                        account(sums, rec, *last)
-                        acc = cpu() - a0
-                    raw = await stream.read()
+                    await streams[c].write(req)
+                    raw = await streams[c].read()
                 t2 = time.perf_counter()
                 if client:  # the client's own decoding; the stamps read from raw later
-                    if stream is None:
+                    if streams is None:
                         msg, reply = None, core.parse_response(raw)
                     else:
                         msg, reply = raw, core.stream_outcome(raw, {})
                         if isinstance(reply, Exception):
                             raise reply
-                elif stream is None:
+                elif streams is None:
                     msg, reply = None, pb.MatmulResponse.FromString(raw)
                 else:
                     msg = pb.MatmulStreamResponse.FromString(raw)
@@ -269,12 +269,27 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 if not client:
                     reply_arrays(reply)
                 t3 = time.perf_counter()
-                last = (call, (t0, t1, t2, t3), len(req), len(raw), msg, reply,
-                        cpu() - c0 - acc)
+                out.append((call, (t0, t1, t2, t3), len(req), len(raw), msg, reply,
+                            cpu() - c0))
+
+        async def step(rec: dict[str, list[float]] | None) -> None:
+            sums = dict.fromkeys((*STEP_FIELDS, "calls"), 0.0)
+            # every call's figures are accounted after the step's clock stops: a session
+            # (client/session.py) writes and reads in one exchange, so nothing of the host's
+            # could run while its call is in flight; all transports are timed alike (up to
+            # session 21 a stream's previous call was accounted between its write and read)
+            done: list[list[tuple[Any, ...]]] = [[] for _ in range(spec.chains)]
+            t_step = time.perf_counter()
+            if spec.chains == 1:
+                await chain(0, done[0])
+            else:
+                await asyncio.gather(*(chain(c, done[c]) for c in range(spec.chains)))
             sums["e2e"] = time.perf_counter() - t_step
-            if last is not None:
-                account(sums, rec, *last)
+            for got in done:
+                for one in got:
+                    account(sums, rec, *one)
             # what the step spent outside its calls (encode to decode): the bench's loop
+            # (with chains > 1 the calls overlap: negative)
             sums["bench"] = sums["e2e"] - sums.pop("calls")
             if rec is not None:
                 for f in STEP_FIELDS:
@@ -291,7 +306,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         while time.perf_counter() < end or not rec["e2e"]:
             await step(rec)
         rec["_wall"] = [time.perf_counter() - t0]
-        if stream is not None:
+        for stream in streams or ():
             await stream.done_writing()
         rec["_calls"] = calls  # type: ignore[assignment]
         return rec

@@ -185,3 +185,17 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
             assert f["rpc"] > f["handler"] > 0 and f["ccpu"] > 0, (v, role, f)
             stamped = f["up"] > 0 and f["down"] > 0
             assert stamped == (v != "su"), (v, role, f)  # (NaN: not stamped)
+
+
+def test_replay_ab_host_chains(tmp_path: Path) -> None:
+    """host.chains=2 at S=2: the host's two sequences as two concurrent chains of one row, a
+    stream each: every role makes two calls a step (one a step with one chain), each as
+    large as one row's; the step still ends with its calls done."""
+    _, doc = _stamped_replay_ab(tmp_path, "one: two:host.chains=2", "one,two")
+    runs = {r["variant"]: r for r in doc["runs"]}
+    assert set(runs) == {"one", "two"}
+    for v, per_step in (("one", 1), ("two", 2)):
+        r = runs[v]
+        for role, f in r["roles_p50_us"].items():
+            assert f["calls"] == per_step * r["steps"], (v, role, f)
+            assert f["rpc"] > f["handler"] > 0, (v, role, f)
