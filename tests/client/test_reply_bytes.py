@@ -131,3 +131,22 @@ def test_what_the_walk_does_not_read_is_parsed_whole() -> None:
           core.parse_response(reordered))
     with pytest.raises(DecodeError):
         core.parse_response(second[:-10])
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_each_output_has_its_own_fields(monkeypatch: pytest.MonkeyPatch, views: bool) -> None:
+    """What output_of reads per message type: a response's request id and timing on the
+    whole result, each entry of a multi-weight reply its weight, kernel and timing (and no
+    request id), a one-weight result no weight; the same parsed whole or walked."""
+    if not views:
+        monkeypatch.setattr(reply_bytes, "VIEW_MIN", 1 << 62)
+    got = core.parse_response(_responses()["multi"].SerializeToString())
+    assert (got.request_id, got.weight, got.y, got.handler_seconds) == ("r2", "", None, 9 + 1e-4)
+    assert [o.weight for o in got.outputs] == ["blk.0.q", "blk.0.k", "blk.0.v"]
+    assert [o.request_id for o in got.outputs] == ["", "", ""]
+    assert [o.batch_rows for o in got.outputs] == [0, 1, 2]
+    assert [o.y.shape for o in got.outputs if o.y is not None] == [(8, 3584), (8, 512), (8, 512)]
+    assert {(o.kernel, o.layout, o.precision) for o in got.outputs} == {("k", "soa", "f16")}
+    one = core.parse_response(_responses()["y f16"].SerializeToString())
+    assert (one.request_id, one.weight, one.kernel, one.outputs) == ("r1", "", "q6k", ())
+    assert one.y is not None and one.y.shape == (8, 3584)
