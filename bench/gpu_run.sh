@@ -202,7 +202,7 @@ if want kstall; then  # Nsight Compute stall metrics of AUTO's K-slice/wgmma ker
     n=${row%%:*} only=${row#*:}
     sel=(--paths auto)
     [[ -n $only ]] && sel=(--paths auto --variants --only "$only")
-    timeout 90 ncu --clock-control none --launch-skip 4 --launch-count 1 -k "regex:q6k_(ksr?|wg)_f16" \
+    timeout 90 ncu --clock-control none --launch-skip 4 --launch-count 1 -k "regex:q6k_(ks|wg)_f16" \
       --metrics "$metrics" python3 bench/kernels.py --shapes "${PROFILE_SHAPE:-4096x14336}" --ns "$n" \
       "${sel[@]}" --dtypes f16 --no-torch --iters 4 >"$OUT/kstall$i.txt" 2>&1
     echo "# kstall $row rc=$?"
