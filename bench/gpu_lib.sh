@@ -67,12 +67,13 @@ machine_watch() {
       local gpu
       gpu=$( ((i % 2)) && nvidia-smi --query-gpu=clocks.sm --format=csv,noheader,nounits \
         2>/dev/null | head -1)
+      [[ $gpu =~ ^[0-9]+$ ]] || gpu=-  # (none, or a message: no GPU)
       printf '%d %d %d %d %s %s %s\n' "$i" "$((100 * (d - (id - pidle) - (io - pio)) / d))" \
         "$((100 * (io - pio) / d))" "$((100 * (st - pst) / d))" \
         "$(cut -d' ' -f1 /proc/loadavg)" \
         "$(awk -F: '/^cpu MHz/ {s += $2; n++; if (!mn || $2 < mn) mn = $2; if ($2 > mx) mx = $2}
           END {if (n) printf "%.0f %.0f %.0f", s / n, mn, mx; else printf "- - -"}' /proc/cpuinfo)" \
-        "${gpu:--}"
+        "$gpu"
       prev=$tot pidle=$id pio=$io pst=$st
       ((i % 10)) || ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -6 | sed "s/^/# ps $i s /"
     done

@@ -240,6 +240,37 @@ def test_gpu_lib_functions(tmp_path: Path) -> None:
     assert re.search(r"^late +rc=124 +skipped", (out / "progress.txt").read_text(), re.M)
 
 
+def test_machine_watch_samples_and_ends_with_the_script(tmp_path: Path) -> None:
+    """gpu_lib.sh's machine_watch: one line a second (busy, iowait, steal %, load, MHz, GPU
+    clock: '-' without nvidia-smi) and the processes first seen, summarised by
+    machine_summary; the sampler ends within a second or two of the shell that started it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = ('source bench/gpu_lib.sh\nOUT=$1\nmachine_watch\necho "pid $!"\n'
+              'sleep 3.5\nmachine_summary\n')
+    done = subprocess.run(["bash", "-c", script, "bash", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{_stub_bin(tmp_path)}{os.pathsep}"
+                               f"{os.environ['PATH']}"})
+    assert done.returncode == 0 and not done.stderr, done.stdout + done.stderr
+    pid = int(done.stdout.split()[1])
+    summary = re.search(r"# machine: (\d+) s sampled, busy max \d+%, steal max \d+% mean "
+                        r"[\d.]+%, mean MHz \S+", done.stdout)
+    assert summary and int(summary[1]) >= 2, done.stdout
+    assert "# ps " in done.stdout
+    rows = [line.split() for line in (out / "machine.log").read_text().splitlines()
+            if not line.startswith("#")]
+    assert len(rows) >= 2 and all(len(r) == 9 for r in rows), rows
+    assert all(0 <= int(r[1]) <= 100 and 0 <= int(r[3]) <= 100 for r in rows), rows
+    import time
+
+    for _ in range(40):  # the shell is gone: the sampler follows within its next second
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), "machine_watch outlived its script"
+
+
 def test_gpu_check_order_and_bound(tmp_path: Path) -> None:
     """bench/gpu_check.sh as the closing check runs it, on a slow host: the targets' steps run
     before any test suite, each cut to what is left of BOUND; what does not fit is skipped, and
