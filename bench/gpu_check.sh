@@ -28,6 +28,7 @@
 #   worker's replies stamped: the replay's way up and down per call), DP_VARIANTS (the data
 #   plane's front-end counts and switches, gpu_lib.sh's dp_variant: "4 8"; "6rr" = 6 round
 #   robin), T2_RUNS (3: T2 as runs pooled, each run's p99 beside), PIN ("2:8-15"),
+#   T1_AGAIN=0 (no second T1 after the lm-head steps; default: one, shown beside the first),
 #   TESTS_ONLY=1 (T1, the suites and the demo; WALL=1 adds the host wall), KERNELS_LAST=SECONDS (the kernels' suite after the extras, within that limit;
 #   0: left out, for a call that runs the kernels' tests itself).
 set -uo pipefail
@@ -102,6 +103,11 @@ step lm_head_fe4 45 python3 bench/service.py --backend cuda --lm-head --mode str
 # one process with the loop's busy polling off (session 8 turned it on by default on 8+ cores)
 Q6SERVE_BUSY_POLL_US=0 step lm_head_nospin 45 python3 bench/service.py --backend cuda --lm-head \
   --mode stream --seconds 2 --warmup 0.3 --json "$OUT/lm_head_nospin.json"
+# T1 again, minutes into the call (T1_AGAIN=0: not): session 21's check read 780 us on its first
+# run and 392-535 on re-runs; session 22's bundle A read 372 first and 453 last (t1's
+# gpu_t1_s22a.sh): the host's state moves between runs, so the table shows both beside
+# machine.log's summary (steal, busy, clocks); the target is judged on the first, as before
+[[ ${T1_AGAIN:-1} != 0 ]] && t1 t1_again
 if [[ -z ${SKIP_DATAPLANE:-} ]]; then  # T2 and T3, one step per variant
   mkdir -p "$OUT/dataplane"
   # T2_RUNS (3): T2 as that many 1.5 s runs pooled (its p99 over all their calls, each run's
@@ -148,6 +154,9 @@ fi
   done
   grep -v "^\s*$" "$OUT/wall.log" 2>/dev/null | tail -8
   grep -E "^# T1|mean us|bare gRPC|\"target\": \"T1\"" "$OUT/t1.log" | tail -5 | cut -c1-400
+  [[ -f $OUT/t1_again.log ]] && { echo "## T1 again"; grep -E "^# T1|mean us" \
+    "$OUT/t1_again.log" | tail -3 | cut -c1-300; }
+  machine_summary
   grep -E "^# replay|per step" "$OUT/replay.log" 2>/dev/null | tail -12
   grep -E "^    per call" "$OUT/replay.log" 2>/dev/null | head -6 | cut -c1-200
   grep -hE "^# T2|^# T3" "$OUT"/dataplane_f*.log 2>/dev/null | cut -c1-200

@@ -119,7 +119,8 @@ class ReplaySpec:
     out: str = "f16"  # y's dtype (f16 | f32)
     # > 0: the host's event loop busy-polls this long (us) before it sleeps, as the worker's
     # does (service/threads.busy_poll): a reply that comes within the spin is seen by a thread
-    # that is running instead of one woken from sleep; 0: it sleeps (a plain asyncio caller)
+    # that is running instead of one woken from sleep; 0: it sleeps (a plain asyncio caller).
+    # A sync session's (transport session / isession): its own loop's, Client.session(spin_us)
     spin_us: float = 0.0
     # how the host reads a reply: "arrays" (upb parses it, then y / the top-k as arrays: the
     # replay up to session 19) or "client" (the q6serve client's own stream decoding,
@@ -181,13 +182,16 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     if spec.chains > 1 and spec.transport in SESSIONS:
         raise ValueError(f"chains {spec.chains}: {spec.transport} is one session (one stream)")
     rows_per_chain = spec.n // spec.chains
-    if spec.spin_us > 0:
+    # a sync session's calls run its own loop, not the host's: the spin is that loop's
+    own_loop = spec.transport in ("session", "isession")
+    if spec.spin_us > 0 and not own_loop:
         from q6serve.service.threads import busy_poll
 
         busy_poll(asyncio.get_running_loop(), lambda: True, spec.spin_us)
     calls: dict[str, dict[str, list[float]]] = {}
     async with Channel(spec.transport, spec.target,
-                       [*channel_options(), *spec.channel_args]) as ch:
+                       [*channel_options(), *spec.channel_args],
+                       spec.spin_us if own_loop else 0.0) as ch:
         unary = ch.unary(MATMUL) if spec.mode == "unary" else None
         streams = ([ch.stream(MATMUL_STREAM) for _ in range(spec.chains)]
                    if spec.mode == "stream" else None)

@@ -103,10 +103,14 @@ class Channel:
     """An async context manager giving ``unary(method)`` / ``stream(method)`` of one transport
     on one channel to ``target`` (the client's channel options)."""
 
-    def __init__(self, transport: str, target: str, options: list[tuple[str, Any]]) -> None:
+    def __init__(self, transport: str, target: str, options: list[tuple[str, Any]],
+                 session_spin_us: float = 0.0) -> None:
+        """``session_spin_us``: a sync session's own loop busy-polls that long before it
+        sleeps (``Client.session(spin_us=...)``; session / isession only)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
         self.transport, self.target, self.options = transport, target, options
+        self.session_spin_us = session_spin_us
         self._ch: Any = None
         self._client: Any = None
 
@@ -117,12 +121,13 @@ class Channel:
             from q6serve.client.client import Client
 
             self._client = Client(self.target)
-            self._ch = self._client.session()
+            self._ch = self._client.session(spin_us=self.session_spin_us)
         elif self.transport == "isession":
             from q6serve.client.client import Client
 
             self._client = Client(self.target)
-            self._ch = outside_loop(lambda: self._client.session(thread=False))
+            self._ch = outside_loop(lambda: self._client.session(
+                thread=False, spin_us=self.session_spin_us))
         elif self.transport == "asession":
             from q6serve.client.async_client import AsyncClient
 

@@ -197,16 +197,17 @@ class Client(core.Transport):
                 call.cancel()  # no-op once finished; stops the stream if the caller broke out
 
     def session(self, *, timeout: float | None = None, thread: bool = True,
-                **channel_kw: Any) -> MatmulSession:
+                spin_us: float = 0.0, **channel_kw: Any) -> MatmulSession:
         """A closed-loop session (:mod:`.session`): one MatmulStream, each ``matmul*`` call of
         it one request and its reply, on a grpc.aio channel and event loop of the session's
         own (``thread``: run by a thread of its own, else by the calling thread during each
         call) -- a decode host's sequence of dependent calls, faster than this client's unary
         calls (docs/SERVICE.md "The caller's gRPC"). Its channel takes this client's channel
         arguments, or ``channel_kw`` (e.g. for a client made with ``channel=``); ``timeout``
-        bounds the whole session (default: none). Close it (``with``) when done."""
+        bounds the whole session (default: none); ``spin_us``: its loop polls that long
+        before it sleeps (a core busy meanwhile). Close it (``with``) when done."""
         return MatmulSession(self.target, channel_kw or self._channel_kw, self._metadata,
-                             timeout, thread=thread)
+                             timeout, thread=thread, spin_us=spin_us)
 
     # -- shared-memory regions (client/shm.py; the worker needs --allow-shm) -----------------
     def register_shm(self, name: str, size: int, *, key: str | None = None,

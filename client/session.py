@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -130,6 +131,37 @@ def _result(raw: bytes) -> MatmulOutput:
     return out
 
 
+class _SpinSelector:
+    """An event loop's selector that polls without blocking for up to ``spin_s`` before it
+    blocks: the reply's wake-up (gRPC's poller thread writing a byte to the loop's socket) is
+    then seen by a thread that is running instead of one woken from epoll. The worker's loop
+    does the same (service/threads.py's busy poll; the client library does not import the
+    service, hence this copy). Each non-blocking poll releases the GIL in its system call."""
+
+    def __init__(self, inner: Any, spin_s: float) -> None:
+        self._inner = inner
+        self.spin_s = spin_s
+        self.spun = 0  # selects that found an event while spinning
+
+    def select(self, timeout: float | None = None) -> Any:
+        if timeout == 0:
+            return self._inner.select(0)
+        now = time.perf_counter
+        t0 = now()
+        spin = self.spin_s if timeout is None else min(self.spin_s, timeout)
+        while True:
+            events = self._inner.select(0)
+            if events:
+                self.spun += 1
+                return events
+            if now() - t0 >= spin:
+                break
+        return self._inner.select(None if timeout is None else max(0.0, timeout - spin))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class MatmulSession:
     """:class:`AsyncMatmulSession` for the blocking :class:`~.client.Client`, on a grpc.aio
     channel of its own to the client's target (``channel_kw``: the client's channel
@@ -138,12 +170,19 @@ class MatmulSession:
     ``thread=True``: the loop runs in a daemon thread and each call is handed to it (usable
     from any thread, async code included). ``thread=False``: each call runs the loop in the
     calling thread, one caller at a time (no hand-off; called from a thread whose own event
-    loop is running, in a helper thread for that call). ``with`` (or :meth:`close`) ends the
-    stream, the channel (and the thread)."""
+    loop is running, in a helper thread for that call). ``spin_us`` > 0: the session's loop
+    polls without sleeping for up to that long before it blocks (:class:`_SpinSelector`),
+    burning a core meanwhile. ``with`` (or :meth:`close`) ends the stream, the channel (and
+    the thread)."""
 
     def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
-                 timeout: float | None, *, thread: bool = True) -> None:
+                 timeout: float | None, *, thread: bool = True, spin_us: float = 0.0) -> None:
+        if not spin_us >= 0:
+            raise ValueError(f"spin_us {spin_us!r}: a number of microseconds >= 0")
         self._loop = asyncio.new_event_loop()
+        selector = getattr(self._loop, "_selector", None)  # asyncio's selector loops
+        if spin_us > 0 and selector is not None:
+            self._loop._selector = _SpinSelector(selector, spin_us * 1e-6)  # type: ignore[attr-defined]
         self._closed = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # thread=False: one caller runs the loop at a time

@@ -288,7 +288,7 @@ def test_gpu_check_order_and_bound(tmp_path: Path) -> None:
     names = [s[0] for s in steps]
     suites = ["demo", "launch_gpu", "service_cuda", "dataplane_gpu", "kernels_gpu"]
     assert names == ["t1", "wall", "kernel_ref", "replay", "lm_head", "lm_head_fe4",
-                     "lm_head_nospin", "dataplane_f6_rr", *suites], names
+                     "lm_head_nospin", "t1_again", "dataplane_f6_rr", *suites], names
     # 7 s less 1 s of reserve: t1 takes 2.5 s; wall gets 3-4 s (2 on a loaded host: then it is
     # cut at 2), kernel_ref what is left (cut at it, or skipped); everything after is skipped
     # (each step takes at least its 2.5 s or its whole limit: no second left by the replay)

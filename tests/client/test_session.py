@@ -149,3 +149,22 @@ def test_async_session_ends_when_a_call_is_cancelled_before_its_reply(loaded: Cl
             assert e.value.code == grpc.StatusCode.CANCELLED
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("thread", [True, False])
+def test_sync_session_spinning(loaded: Client, thread: bool) -> None:
+    """Client.session(spin_us=...): the session's loop polls without sleeping before it
+    blocks, so a reply that comes within the spin (a second here, far above a NumPy call) is
+    found while spinning; the results are the unary calls'. No spin: the loop's own selector."""
+    x = _x(2)
+    want = loaded.matmul_multi(["q", "k", "v"], x)
+    with loaded.session(thread=thread, spin_us=1e6) as s:
+        for _ in range(3):
+            for got, w in zip(s.matmul_multi(["q", "k", "v"], x), want, strict=True):
+                np.testing.assert_array_equal(got, w)
+        assert s._loop._selector.spun >= 3  # type: ignore[attr-defined]
+    with loaded.session(thread=thread) as s:
+        np.testing.assert_array_equal(s.matmul("q", x), want[0])
+        assert not hasattr(s._loop._selector, "spun")  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="spin_us"):
+        loaded.session(spin_us=-1.0)
