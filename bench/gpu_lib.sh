@@ -56,6 +56,7 @@ machine_watch() {
     trap - EXIT
     echo "# machine.log: t_s busy% iowait% steal% load1 mhz_mean mhz_min mhz_max gpu_sm_mhz"
     ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -12 | sed 's/^/# ps /'
+    lscpu 2>/dev/null | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA|Model name)" | sed 's/^/# lscpu /'
     read -r _ u n sy id io irq sirq st _ </proc/stat
     local prev=$((u + n + sy + id + io + irq + sirq + st)) pidle=$id pio=$io pst=$st i=0
     while kill -0 "$parent" 2>/dev/null && ((i < ${WATCH_S:-900})); do
@@ -75,7 +76,10 @@ machine_watch() {
           END {if (n) printf "%.0f %.0f %.0f", s / n, mn, mx; else printf "- - -"}' /proc/cpuinfo)" \
         "$gpu"
       prev=$tot pidle=$id pio=$io pst=$st
-      ((i % 10)) || ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -6 | sed "s/^/# ps $i s /"
+      # every 10 s the busiest processes, and their busiest threads with the CPU each is on
+      # (psr): where the worker's and the caller's threads ran
+      ((i % 10)) || { ps -eo pid,pcpu,etimes,rss,comm --sort=-pcpu | head -6 | sed "s/^/# ps $i s /"
+        ps -eLo pid,tid,psr,pcpu,comm --sort=-pcpu | head -9 | sed "s/^/# threads $i s /"; }
     done
   ) </dev/null >"$log" 2>&1 &
 }
