@@ -72,7 +72,7 @@ from service_replay import (
     step_floors,
     step_plan,
 )
-from svc_util_transport import TRANSPORTS
+from svc_util_transport import SESSIONS, TRANSPORTS, caller_spin_us
 
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
@@ -545,7 +545,10 @@ def model_replay(b: Bench) -> None:
                     label += f" spin={spin:g}"
                 spec = ReplaySpec(b.worker.target, tuple(plan), s_, a.seconds, a.warmup, WARM_STEPS,
                                   a.replay_mode, a.dtype, PRECISIONS[a.precision],
-                                  a.replay_out, spin, transport=a.replay_transport)
+                                  a.replay_out, spin, transport=a.replay_transport,
+                                  # a client session's replies as its calls return them
+                                  decode="client" if a.replay_transport in SESSIONS
+                                  else "arrays")
                 try:
                     if a.replay_floor and (spin, multi) not in floors:
                         got = replay_floors(plans, s_, itemsize, a, spin)
@@ -573,7 +576,11 @@ def model_replay(b: Bench) -> None:
                 r = {"label": label, "hosts": a.replay_hosts, "seqs": s_, "n": s_,
                      "multi": multi, "layers": a.layers, "scale": a.scale, "topk": a.topk,
                      "mode": a.replay_mode, "transport": a.replay_transport,
+                     "decode": spec.decode,
                      "out_dtype": a.replay_out, "host_spin_us": spin,
+                     # the caller's loop's spin, the session's own where it has one (and
+                     # the floor's echo caller's)
+                     "caller_spin_us": caller_spin_us(a.replay_transport, spin),
                      "calls_per_step": len(plan), "steps": int(st["e2e"].size),
                      "seconds": wall, "steps_per_s": st["e2e"].size / wall,
                      "tokens_per_s": st["e2e"].size * s_ / wall,
@@ -621,7 +628,9 @@ def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argpar
     for kind, echo_spin in (("plain", False), ("spin", True)):
         table: dict[tuple[int, int], float] = {}
         got = step_floors(list(plans.values()), n, itemsize, a.replay_mode, out_size,
-                          spin=echo_spin, client_spin_us=spin, per_size=table,
+                          spin=echo_spin,
+                          client_spin_us=caller_spin_us(a.replay_transport, spin),
+                          per_size=table,
                           transport=a.replay_transport)
         for (m, plan), f in zip(plans.items(), got, strict=True):
             out[m][kind] = f
@@ -629,8 +638,9 @@ def replay_floors(plans: dict[bool, list[Any]], n: int, itemsize: int, a: argpar
                 out[m]["per_call"].setdefault(c.role, {})[kind] = table[
                     floor_sizes(c, n, itemsize, out_size)]
     for m, fl in out.items():
-        print(f"# replay S={n} {'multi' if m else 'single'} floor per step (ms), host spin "
-              f"{spin:g} us: " + ", ".join(f"{k} echo {fl[k] * 1e3:.2f}"
+        print(f"# replay S={n} {'multi' if m else 'single'} floor per step (ms), caller spin "
+              f"{caller_spin_us(a.replay_transport, spin):g} us: "
+              + ", ".join(f"{k} echo {fl[k] * 1e3:.2f}"
                                            for k in ("plain", "spin")), flush=True)
     return out
 
@@ -643,7 +653,8 @@ def seq_echo(plan: list[Any], r: dict[str, Any], n: int, itemsize: int,
     its hold (the transport a bare server with the worker's windows pays)."""
     hold = {role: got["handler"] for role, got in r["per_call_p50_us"].items()}
     return held_echo([(plan, n, hold)], itemsize, 2 if a.replay_out == "f16" else 4,
-                     a.replay_mode, min(a.seconds, 1.0), spin, a.replay_transport)[0]
+                     a.replay_mode, min(a.seconds, 1.0),
+                     caller_spin_us(a.replay_transport, spin), a.replay_transport)[0]
 
 
 def seq_echo_table(r: dict[str, Any]) -> str:
@@ -684,7 +695,8 @@ def replay_line(r: dict[str, Any]) -> str:
             f"steps/s {r['steps_per_s']:8.2f}  step p50 {r['step_p50_ms']:8.2f} ms  "
             f"p99 {r['step_p99_ms']:8.2f} ms  kernel/step {k} ms  "
             f"bare gRPC/step {r['floor_step_ms']:.2f} ms{verdict}\n"
-            f"    caller gRPC {r.get('transport', 'aio')} {r['mode']} (the floor's echo "
+            f"    caller gRPC {r.get('transport', 'aio')} {r['mode']}, its loop spinning "
+            f"{r.get('caller_spin_us', r.get('host_spin_us', 0)):g} us (the floor's echo "
             "caller the same)\n"
             f"    per step p50 ms: transport {p['transport']:.2f}"
             + ("" if np.isnan(p.get("up", float("nan")))
@@ -791,9 +803,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replay-hosts", type=int, default=1, help="--replay: hosts")
     ap.add_argument("--replay-mode", default="stream", choices=("unary", "stream"),
                     help="--replay: one MatmulStream per host (default) or unary calls")
-    ap.add_argument("--replay-transport", default="aio", choices=TRANSPORTS,
-                    help="--replay: the hosts' gRPC, grpc.aio (default) or the sync stub "
-                    "(bench/svc_util_transport.py); the floor's echo caller uses the same")
+    ap.add_argument("--replay-transport", default="session", choices=TRANSPORTS,
+                    help="--replay: the hosts' gRPC: session (default: Client.session() as a "
+                    "user runs it, spinning for each reply on 8+ cores), aio (grpc.aio's "
+                    "stream on the host's loop: up to session 21), the sync stub, ... "
+                    "(bench/svc_util_transport.py); the floor's echo caller uses the same, "
+                    "its loop spinning as the host's")
     ap.add_argument("--multi", default="both", choices=("both", "on", "off"),
                     help="--replay: multi-weight calls for q/k/v and gate/up, or not, or both")
     ap.add_argument("--replay-out", default="f16", choices=("f16", "f32"),
@@ -810,7 +825,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replay-spins", default="0",
                     help="--replay: the host's loop busy-polls this long (us) before it sleeps, "
                     "each value a run in the order given (e.g. 0,1000,0,1000: alternated); 0: "
-                    "a plain asyncio caller")
+                    "a plain asyncio caller (--replay-transport session: the session's own "
+                    "default spin)")
     ap.add_argument("--replay-seq-echo", action="store_true",
                     help="--replay: after each run, its step's calls in order against an echo, "
                     "answered at once and held for each role's handler p50 (the transport a bare "

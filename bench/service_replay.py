@@ -120,7 +120,8 @@ class ReplaySpec:
     # > 0: the host's event loop busy-polls this long (us) before it sleeps, as the worker's
     # does (service/threads.busy_poll): a reply that comes within the spin is seen by a thread
     # that is running instead of one woken from sleep; 0: it sleeps (a plain asyncio caller).
-    # A sync session's (transport session / isession): its own loop's, Client.session(spin_us)
+    # A sync session's (transport session / tsession / isession): its own loop's,
+    # Client.session(spin_us); 0 there: the product's default spin for session, none else
     spin_us: float = 0.0
     # how the host reads a reply: "arrays" (upb parses it, then y / the top-k as arrays: the
     # replay up to session 19) or "client" (the q6serve client's own stream decoding,
@@ -163,7 +164,7 @@ def stream_request_id(raw: bytes) -> str:
 async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
     import asyncio
 
-    from svc_util_transport import SESSIONS, Channel
+    from svc_util_transport import SESSIONS, SYNC_SESSIONS, Channel
 
     from q6serve.client.channel import channel_options
     from q6serve.v1 import q6serve_pb2 as pb
@@ -183,7 +184,7 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         raise ValueError(f"chains {spec.chains}: {spec.transport} is one session (one stream)")
     rows_per_chain = spec.n // spec.chains
     # a sync session's calls run its own loop, not the host's: the spin is that loop's
-    own_loop = spec.transport in ("session", "isession")
+    own_loop = spec.transport in SYNC_SESSIONS
     if spec.spin_us > 0 and not own_loop:
         from q6serve.service.threads import busy_poll
 

@@ -11,12 +11,15 @@ drives either and the floor is measured with the transport the replay used.
   read waits for the channel's polling thread to hand the reply over.
 
 - ``session`` / ``asession``: the q6serve client's closed-loop sessions on the worker's
-  MatmulStream (client/session.py): ``Client.session()`` (grpc.aio on a loop thread of its own,
-  each call a blocking hand-off to it) and ``AsyncClient.session()`` (on the host's loop), each
-  exchange the product's code; ``isession``: ``Client.session(thread=False)``, its loop run
-  by the host's thread in each call (the host's own asyncio loop set aside meanwhile: what a
-  host without one does). Stream mode, the worker's MatmulStream only (no echo floor: the
-  same grpc.aio stream as ``aio``).
+  MatmulStream (client/session.py): ``Client.session()`` with the product's defaults (since
+  session 22: its loop run by the host's thread in each call, spinning for the reply as
+  ``session_spin_us`` says: 2000 us on 8+ cores) and ``AsyncClient.session()`` (on the host's
+  loop), each exchange the product's code; ``tsession``: ``Client.session(thread=True)``
+  (grpc.aio on a loop thread of its own, each call a blocking hand-off to it: session 21's
+  default); ``isession``: ``Client.session(thread=False)`` without a spin (the host's own
+  asyncio loop set aside meanwhile: what a host without one does). A sync session's spin is
+  ``host.spin`` where given (> 0). Stream mode, the worker's MatmulStream only (the floor's
+  echo caller: grpc.aio's stream, spinning as the session's loop does: :func:`caller_spin_us`).
 
 The sync calls are wrapped as coroutines that never suspend: awaiting one runs the blocking call
 in place (no loop trip), which is what a caller with nothing else to do on its thread pays.
@@ -27,9 +30,23 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-TRANSPORTS = ("aio", "sync", "session", "isession", "asession")
+TRANSPORTS = ("aio", "sync", "session", "tsession", "isession", "asession")
 # the client's sessions: MatmulStream on a q6serve worker
-SESSIONS = ("session", "isession", "asession")
+SESSIONS = ("session", "tsession", "isession", "asession")
+# the blocking client's sessions: their calls run the session's own loop, not the host's
+SYNC_SESSIONS = ("session", "tsession", "isession")
+
+
+def caller_spin_us(transport: str, spin_us: float) -> float:
+    """How long the caller's loop polls for a reply before it sleeps (us), for a replay host
+    of ``transport`` given ``spin_us`` (its host.spin / --replay-spins): that, or for the
+    product's default session where none is given, the session's own default spin
+    (client/session.session_spin_us). The floor's echo caller spins as long: like for like."""
+    if transport == "session" and spin_us <= 0:
+        from q6serve.client.session import session_spin_us
+
+        return session_spin_us()
+    return spin_us
 
 
 class SyncUnary:
@@ -105,8 +122,9 @@ class Channel:
 
     def __init__(self, transport: str, target: str, options: list[tuple[str, Any]],
                  session_spin_us: float = 0.0) -> None:
-        """``session_spin_us``: a sync session's own loop busy-polls that long before it
-        sleeps (``Client.session(spin_us=...)``; session / isession only)."""
+        """``session_spin_us`` > 0: a sync session's own loop busy-polls that long before it
+        sleeps (``Client.session(spin_us=...)``); 0: ``session`` spins as the product's
+        default does, ``tsession`` / ``isession`` not at all."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {TRANSPORTS}")
         self.transport, self.target, self.options = transport, target, options
@@ -117,17 +135,20 @@ class Channel:
     async def __aenter__(self) -> Channel:
         import grpc
 
-        if self.transport == "session":
+        spin = self.session_spin_us if self.session_spin_us > 0 else None
+        if self.transport == "tsession":
             from q6serve.client.client import Client
 
             self._client = Client(self.target)
-            self._ch = self._client.session(spin_us=self.session_spin_us)
-        elif self.transport == "isession":
+            self._ch = self._client.session(thread=True, spin_us=spin or 0.0)
+        elif self.transport in ("session", "isession"):
             from q6serve.client.client import Client
 
             self._client = Client(self.target)
-            self._ch = outside_loop(lambda: self._client.session(
-                thread=False, spin_us=self.session_spin_us))
+            # session: the product's defaults (its own spin unless one is given)
+            kw = ({"spin_us": spin} if self.transport == "session" else
+                  {"thread": False, "spin_us": spin or 0.0})
+            self._ch = outside_loop(lambda: self._client.session(**kw))
         elif self.transport == "asession":
             from q6serve.client.async_client import AsyncClient
 
@@ -142,10 +163,10 @@ class Channel:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.transport == "session":
+        if self.transport == "tsession":
             self._ch.close()
             self._client.close()
-        elif self.transport == "isession":
+        elif self.transport in ("session", "isession"):
             outside_loop(self._ch.close)
             self._client.close()
         elif self.transport == "asession":
@@ -166,7 +187,7 @@ class Channel:
         if self.transport in SESSIONS:
             if not method.endswith("/MatmulStream"):
                 raise ValueError(f"{self.transport}: the worker's MatmulStream only, not {method}")
-            if self.transport == "isession":
+            if self.transport in ("session", "isession"):
                 return SessionStream(lambda req: outside_loop(self._ch.exchange, req), False)
             return SessionStream(self._ch.exchange, self.transport == "asession")
         return self._ch.stream_stream(method)() if self.transport == "aio" else SyncStream(

@@ -196,16 +196,17 @@ class Client(core.Transport):
             finally:
                 call.cancel()  # no-op once finished; stops the stream if the caller broke out
 
-    def session(self, *, timeout: float | None = None, thread: bool = True,
-                spin_us: float = 0.0, **channel_kw: Any) -> MatmulSession:
+    def session(self, *, timeout: float | None = None, thread: bool = False,
+                spin_us: float | None = None, **channel_kw: Any) -> MatmulSession:
         """A closed-loop session (:mod:`.session`): one MatmulStream, each ``matmul*`` call of
         it one request and its reply, on a grpc.aio channel and event loop of the session's
-        own (``thread``: run by a thread of its own, else by the calling thread during each
-        call) -- a decode host's sequence of dependent calls, faster than this client's unary
+        own (run by the calling thread during each call; ``thread``: by a thread of its own)
+        -- a decode host's sequence of dependent calls, faster than this client's unary
         calls (docs/SERVICE.md "The caller's gRPC"). Its channel takes this client's channel
         arguments, or ``channel_kw`` (e.g. for a client made with ``channel=``); ``timeout``
-        bounds the whole session (default: none); ``spin_us``: its loop polls that long
-        before it sleeps (a core busy meanwhile). Close it (``with``) when done."""
+        bounds the whole session (default: none); ``spin_us``: its loop polls that long for
+        a reply before it sleeps (a core busy meanwhile; None: 2000 us on a host of 8 cores
+        or more, else 0, or ``$Q6SERVE_SESSION_SPIN_US``). Close it (``with``) when done."""
         return MatmulSession(self.target, channel_kw or self._channel_kw, self._metadata,
                              timeout, thread=thread, spin_us=spin_us)
 

@@ -12,6 +12,16 @@ calls (what :meth:`Client.matmul` makes: each call a new HTTP/2 stream).
     with client.session() as s:                     # Client: the same stream, run on a
         y = s.matmul("down", x)                     # private event loop thread
 
+The blocking client's session runs its event loop in the calling thread during each call
+(``thread=False``, the default) and, on a host where this process may use SPIN_MIN_CPUS cores or
+more, polls for the reply without sleeping for up to ``SESSION_SPIN_US`` before it blocks (the
+worker's and the fast lane's busy-polling rule): the reply is then read by a thread that is
+running, not one woken from epoll. H200, session 22 bundle B (docs/SERVICE.md "The caller's
+side, session 22"): a step of the 4-layer replay at S=1 / S=8, 10.3 / 14.5 ms so against
+13.6 / 19.5 through the session's own loop thread (session 21's default) and 11.1 / 16.3 for
+grpc.aio on the host's own loop. ``Q6SERVE_SESSION_SPIN_US`` (microseconds, 0: never) or
+``spin_us=`` override; ``thread=True`` hands each call to a loop thread of the session's own.
+
 Calls of one session are made one at a time (concurrent ones wait their turn); a reply that is
 an error raises :class:`Q6ServeError` and the stream goes on. Not retried: a request already
 sent may have run. ``timeout`` bounds the whole session, as for ``matmul_stream``; a stream
@@ -24,9 +34,11 @@ retried on UNAVAILABLE (client/retry.py), which a call on an open stream cannot 
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -37,6 +49,30 @@ from . import core
 from .core import MatmulOutput, Q6ServeError, TopK, Weights
 
 T = TypeVar("T")
+SPIN_ENV = "Q6SERVE_SESSION_SPIN_US"
+# the blocking session's default spin where the caller may run on SPIN_MIN_CPUS cores or more:
+# a reply of the replay comes 0.4-1.3 ms after its request on the H200 (S = 1-8), within it
+SESSION_SPIN_US = 2000.0
+SPIN_MIN_CPUS = 8  # the worker's busy-polling rule (service/envvars.py; client/lane.py's copy)
+
+
+def session_spin_us(env: Mapping[str, str] | None = None) -> float:
+    """A blocking session's spin before it blocks for a reply, in us: ``Q6SERVE_SESSION_SPIN_US``
+    when set (a number >= 0; anything else is refused, naming the variable), else
+    SESSION_SPIN_US on a process allowed SPIN_MIN_CPUS cores or more, else 0 (on fewer cores a
+    spinning caller takes a core the worker or gRPC's threads need: the 2-core CI VM's replay
+    step doubled)."""
+    raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
+    if not raw:
+        return SESSION_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
+    try:
+        us = float(raw)
+    except ValueError:
+        us = math.nan
+    if not (math.isfinite(us) and us >= 0):
+        raise ValueError(f"{SPIN_ENV}={raw!r}: give microseconds a session's caller polls for "
+                         "a reply before it blocks (0: never), 0 or more")
+    return us
 
 
 class AsyncMatmulSession:
@@ -172,11 +208,15 @@ class MatmulSession:
     calling thread, one caller at a time (no hand-off; called from a thread whose own event
     loop is running, in a helper thread for that call). ``spin_us`` > 0: the session's loop
     polls without sleeping for up to that long before it blocks (:class:`_SpinSelector`),
-    burning a core meanwhile. ``with`` (or :meth:`close`) ends the stream, the channel (and
-    the thread)."""
+    burning a core meanwhile (None: :func:`session_spin_us`). ``with`` (or :meth:`close`)
+    ends the stream, the channel (and the thread)."""
 
     def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
-                 timeout: float | None, *, thread: bool = True, spin_us: float = 0.0) -> None:
+                 timeout: float | None, *, thread: bool = False,
+                 spin_us: float | None = None) -> None:
+        if spin_us is None:
+            spin_us = session_spin_us()
+        self.spin_us = spin_us
         if not spin_us >= 0:
             raise ValueError(f"spin_us {spin_us!r}: a number of microseconds >= 0")
         self._loop = asyncio.new_event_loop()

@@ -174,11 +174,11 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
     _, doc = _stamped_replay_ab(
         tmp_path, "aio: s:host.transport=sync "
         "su:host.transport=sync,host.mode=unary,host.grpc.enable_retries=0 "
-        "ss:host.transport=session is:host.transport=isession as:host.transport=asession",
-        "aio,s,su,ss,is,as")
+        "ss:host.transport=session ts:host.transport=tsession is:host.transport=isession "
+        "as:host.transport=asession", "aio,s,su,ss,ts,is,as")
     assert set(doc["worker_of"].values()) == {"aio"}
     runs = {r["variant"]: r for r in doc["runs"]}
-    assert set(runs) == {"aio", "s", "su", "ss", "is", "as"}
+    assert set(runs) == {"aio", "s", "su", "ss", "ts", "is", "as"}
     for v, r in runs.items():
         assert r["steps"] > 0
         for role, f in r["roles_p50_us"].items():

@@ -396,7 +396,8 @@ def test_replay_floor_uses_the_replays_caller_transport(monkeypatch: pytest.Monk
         assert got == [(mode, transport)] * 3  # the plain and spinning echo, the sequence echo
     assert bench_service.parse_args(["--replay", "--replay-transport", "sync"]).replay_transport \
         == "sync"
-    assert bench_service.parse_args(["--replay"]).replay_transport == "aio"
+    # the replay's host is what a user runs: the blocking client's session (session 22)
+    assert bench_service.parse_args(["--replay"]).replay_transport == "session"
 
 
 def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
@@ -412,3 +413,40 @@ def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
     assert (r["transport"], r["mode"]) == ("sync", "unary")
     assert r["steps"] > 0 and r["floor_step_ms"] > 0 and r["limit_ms"] is not None
     assert "caller gRPC sync unary" in done.stdout
+
+
+def test_replay_floor_caller_spins_as_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's session (--replay-transport session, the default) spins for each reply
+    as client/session.session_spin_us says: the floor's echo caller must spin as long, else
+    the bare round trips are a sleeping caller's and the limit is not like for like. A spin
+    given (--replay-spins) is the session's and the floor's; other transports keep theirs."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import argparse
+
+    from service_replay import floor_sizes, model_weights, step_plan
+    from svc_util_transport import caller_spin_us
+
+    import service as bench_service
+
+    monkeypatch.setenv("Q6SERVE_SESSION_SPIN_US", "700")
+    assert caller_spin_us("session", 0.0) == 700.0
+    assert caller_spin_us("session", 300.0) == 300.0
+    assert caller_spin_us("aio", 0.0) == caller_spin_us("tsession", 0.0) == 0.0
+    got: list[float] = []
+
+    def floors(plans: list, n: int, itemsize: int, mode: str, out_size: int,
+               **kw: object) -> list[float]:
+        got.append(float(kw["client_spin_us"]))  # type: ignore[arg-type]
+        kw["per_size"].update({floor_sizes(c, n, itemsize, out_size): 1e-3  # type: ignore[attr-defined]
+                               for plan in plans for c in plan})
+        return [0.001 for _ in plans]
+
+    monkeypatch.setattr(bench_service, "step_floors", floors)
+    plan = step_plan(1, {name: r for name, r, _ in model_weights(1, 0.001)}, True, 4)
+    for transport, spin, want in (("session", 0.0, 700.0), ("session", 250.0, 250.0),
+                                  ("aio", 0.0, 0.0), ("aio", 100.0, 100.0)):
+        a = argparse.Namespace(replay_out="f16", replay_mode="stream",
+                               replay_transport=transport, seconds=0.1)
+        got.clear()
+        bench_service.replay_floors({True: plan}, 1, 2, a, spin)
+        assert got == [want, want], (transport, spin)  # the plain and the spinning echo

@@ -163,8 +163,43 @@ def test_sync_session_spinning(loaded: Client, thread: bool) -> None:
             for got, w in zip(s.matmul_multi(["q", "k", "v"], x), want, strict=True):
                 np.testing.assert_array_equal(got, w)
         assert s._loop._selector.spun >= 3  # type: ignore[attr-defined]
-    with loaded.session(thread=thread) as s:
+    with loaded.session(thread=thread, spin_us=0) as s:
         np.testing.assert_array_equal(s.matmul("q", x), want[0])
         assert not hasattr(s._loop._selector, "spun")  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="spin_us"):
         loaded.session(spin_us=-1.0)
+
+
+def test_session_spin_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocking session's default spin: SESSION_SPIN_US where the process may run on
+    SPIN_MIN_CPUS cores or more, none on fewer; $Q6SERVE_SESSION_SPIN_US overrides (0: never),
+    and a bad value is refused naming the variable."""
+    from q6serve.client import session
+
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda _: set(range(16)))
+    assert session.session_spin_us({}) == session.SESSION_SPIN_US == 2000.0
+    monkeypatch.setattr(session.os, "sched_getaffinity", lambda _: {0, 1})
+    assert session.session_spin_us({}) == 0.0
+    assert session.session_spin_us({"Q6SERVE_SESSION_SPIN_US": "300"}) == 300.0
+    assert session.session_spin_us({"Q6SERVE_SESSION_SPIN_US": " 0 "}) == 0.0
+    for bad in ("-1", "fast", "nan", "inf"):
+        with pytest.raises(ValueError, match="Q6SERVE_SESSION_SPIN_US"):
+            session.session_spin_us({"Q6SERVE_SESSION_SPIN_US": bad})
+
+
+def test_sync_session_defaults(loaded: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Client.session() with no arguments: the session's loop run by the calling thread (no
+    thread of its own) and spinning as session_spin_us says (bundle B, session 22: faster
+    than the threaded session at S = 1 and 8 on the H200)."""
+    monkeypatch.setenv("Q6SERVE_SESSION_SPIN_US", "1000000")
+    x = _x(1)
+    want = loaded.matmul("v", x)
+    threads = threading.active_count()
+    with loaded.session() as s:
+        assert threading.active_count() == threads
+        assert s.spin_us == 1e6
+        np.testing.assert_array_equal(s.matmul("v", x), want)
+        assert s._loop._selector.spun >= 1  # type: ignore[attr-defined]
+    monkeypatch.setenv("Q6SERVE_SESSION_SPIN_US", "0")
+    with loaded.session() as s:
+        assert s.spin_us == 0 and not hasattr(s._loop._selector, "spun")  # type: ignore[attr-defined]
