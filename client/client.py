@@ -206,7 +206,8 @@ class Client(core.Transport):
         arguments, or ``channel_kw`` (e.g. for a client made with ``channel=``); ``timeout``
         bounds the whole session (default: none); ``spin_us``: its loop polls that long for
         a reply before it sleeps (a core busy meanwhile; None: 2000 us on a host of 8 cores
-        or more, else 0, or ``$Q6SERVE_SESSION_SPIN_US``). Close it (``with``) when done."""
+        or more, else 0, or ``$Q6SERVE_SESSION_SPIN_US``; with ``thread``: 0). Close it
+        (``with``) when done."""
         return MatmulSession(self.target, channel_kw or self._channel_kw, self._metadata,
                              timeout, thread=thread, spin_us=spin_us)
 

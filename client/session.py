@@ -208,14 +208,14 @@ class MatmulSession:
     calling thread, one caller at a time (no hand-off; called from a thread whose own event
     loop is running, in a helper thread for that call). ``spin_us`` > 0: the session's loop
     polls without sleeping for up to that long before it blocks (:class:`_SpinSelector`),
-    burning a core meanwhile (None: :func:`session_spin_us`). ``with`` (or :meth:`close`)
-    ends the stream, the channel (and the thread)."""
+    burning a core meanwhile (None: :func:`session_spin_us` without a thread, 0 with one).
+    ``with`` (or :meth:`close`) ends the stream, the channel (and the thread)."""
 
     def __init__(self, target: str, channel_kw: dict[str, Any], metadata: Any,
                  timeout: float | None, *, thread: bool = False,
                  spin_us: float | None = None) -> None:
-        if spin_us is None:
-            spin_us = session_spin_us()
+        if spin_us is None:  # (a spinning loop thread would hold the GIL its callers need)
+            spin_us = 0.0 if thread else session_spin_us()
         self.spin_us = spin_us
         if not spin_us >= 0:
             raise ValueError(f"spin_us {spin_us!r}: a number of microseconds >= 0")

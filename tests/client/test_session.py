@@ -200,6 +200,8 @@ def test_sync_session_defaults(loaded: Client, monkeypatch: pytest.MonkeyPatch) 
         assert s.spin_us == 1e6
         np.testing.assert_array_equal(s.matmul("v", x), want)
         assert s._loop._selector.spun >= 1  # type: ignore[attr-defined]
+    with loaded.session(thread=True) as s:  # its loop thread does not spin by default
+        assert s.spin_us == 0 and not hasattr(s._loop._selector, "spun")  # type: ignore[attr-defined]
     monkeypatch.setenv("Q6SERVE_SESSION_SPIN_US", "0")
     with loaded.session() as s:
         assert s.spin_us == 0 and not hasattr(s._loop._selector, "spun")  # type: ignore[attr-defined]
