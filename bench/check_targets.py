@@ -209,6 +209,10 @@ def replay_rows(rep: dict[str, Any], steps: Steps) -> list[Row]:
         keys = [k for k in ("multi", "single") if k in got]
         fig = " / ".join(f"{got[k]['step_p50_ms']:.2f}" for k in keys) + " ms (floor " + \
             " / ".join(f"{got[k]['floor_step_ms']:.2f}" for k in keys) + ")"
+        first = got[keys[0]]
+        if "transport" in first:  # the caller's gRPC (the floor's echo caller the same)
+            spin = first.get("caller_spin_us", first.get("host_spin_us", 0.0))
+            fig += f"; caller {first['transport']}" + (f" spinning {spin:g} us" if spin else "")
         lim = " / ".join(f"{got[k]['limit_ms']:.1f}" for k in keys) + " ms"
         oks = [bool(got[k]["met"]) for k in keys]
         res = "**met**" if all(oks) else ("missed" if not any(oks) else

@@ -59,7 +59,9 @@ def test_verdicts_from_figures_and_limits(tmp_path: Path) -> None:
         {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 80.0, "floor_step_ms": 40.0,
          "limit_ms": 86.0, "met": True},
         {"seqs": 8, "hosts": 1, "multi": False, "step_p50_ms": 190.0, "floor_step_ms": 70.0,
-         "limit_ms": 112.5, "met": False}]})
+         "limit_ms": 112.5, "met": False},
+        {"seqs": 64, "hosts": 1, "multi": True, "step_p50_ms": 300.0, "floor_step_ms": 250.0,
+         "limit_ms": 400.0, "met": True, "transport": "session", "caller_spin_us": 2000.0}]})
     (tmp_path / "dataplane").mkdir()
     write(tmp_path / "dataplane", "dataplane_f6_rr", {"targets": [
         {"target": "T2", "frontends": 6, "region": "bytes", "rows_per_s": 36808.0,
@@ -86,6 +88,9 @@ def test_verdicts_from_figures_and_limits(tmp_path: Path) -> None:
     assert got["replay S=8 step p50, multi / single (the target)"] == [
         "80.00 / 190.00 ms (floor 40.00 / 70.00)", "86.0 / 112.5 ms", "**met** / missed"]
     assert got["replay S=1 step p50, multi / single"][2] == "not run"
+    # a row that says its caller: the figure names it (the floor's echo caller the same)
+    assert got["replay S=64 step p50, multi / single"][0] == (
+        "multi 300.00 ms (floor 250.00); caller session spinning 2000 us")
     assert got["T2, 64 callers N=1 (6 front ends, bytes)"][2] == "**met**"
     assert got["T2, 64 callers N=1 (6 front ends, bytes)"][0] == (
         "36,808 rows/s, p99 3.33 ms (2 runs pooled; each p99 3.10-4.45 ms, 36,000-37,600 rows/s)")
