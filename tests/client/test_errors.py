@@ -65,10 +65,26 @@ def test_tokens(start_worker: Callable[..., Any], make_client: Callable[..., Any
     expect("UNAUTHENTICATED", anon.list)
     expect("UNAUTHENTICATED", make_client(w.target, token="wrong").list)
     assert anon.health() is True  # health stays open for probes
-    expect("PERMISSION_DENIED", lambda: user.upload("w", random_q6k(64, K, 1), 64, K), "admin")
+    expect("PERMISSION_DENIED", lambda: user.unload("w"), "admin")
+    _upload_refused(user)
     admin.upload("w", random_q6k(64, K, 1), 64, K)
-    assert [x.name for x in user.list()] == ["w"]
+    assert [x.name for x in user.list()] == ["w"]  # the user's upload left nothing
     assert user.matmul("w", np.ones((1, K), np.float32)).shape == (1, 64)
+
+
+def _upload_refused(user: Any) -> None:
+    """A user's upload is refused with PERMISSION_DENIED. The worker refuses it from the call's
+    metadata, before it reads the stream, so the client may still be writing chunks: grpc.aio
+    then reports the call as INTERNAL "Internal error from Core" when a chunk's failed write is
+    handled after the server's status (grpc/grpc issue 36066, open in grpcio 1.84; the sync
+    client reports the server's status). Seen once in CI on a loaded 2-core machine."""
+    with pytest.raises(Q6ServeError) as info:
+        user.upload("w", random_q6k(64, K, 1), 64, K)
+    e = info.value
+    if e.code == grpc.StatusCode.INTERNAL and e.message == "Internal error from Core":
+        assert type(user).__name__ == "AsyncFacade", e  # only grpc.aio has the race
+        return
+    assert e.code == grpc.StatusCode.PERMISSION_DENIED and "admin" in e.message, e
 
 
 def test_per_call_deadline(start_worker: Callable[..., Any],
