@@ -35,15 +35,13 @@ import numpy as np
 
 from . import core
 from .shm import ALIGN, Region, ShmRegion
+from .spin import caller_spin_us
 
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
 SPIN_ENV = "Q6SERVE_LANE_SPIN_US"
 LANE_SPIN_US = 1000.0  # default spin where the caller may run on SPIN_MIN_CPUS cores or more
-# the worker's busy-polling rule (service/envvars.py SPIN_MIN_CPUS), kept here as a copy: the
-# client library never imports the service (tests/client/test_layers.py)
-SPIN_MIN_CPUS = 8
 MAX_KEPT = 64  # record codes and region views a lane keeps (cleared beyond)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -61,19 +59,9 @@ class LaneTiming:
 
 def lane_spin_us(env: Mapping[str, str] | None = None) -> float:
     """The caller's spin before it blocks for a reply, in us: ``Q6SERVE_LANE_SPIN_US`` when
-    set (a number >= 0; anything else is refused, naming the variable), else LANE_SPIN_US on
-    a process allowed SPIN_MIN_CPUS cores or more, else 0."""
-    raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
-    if not raw:
-        return LANE_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
-    try:
-        us = float(raw)
-    except ValueError:
-        us = math.nan
-    if not (math.isfinite(us) and us >= 0):
-        raise ValueError(f"{SPIN_ENV}={raw!r}: give microseconds the lane's caller polls for "
-                         "a reply before it blocks (0: never), 0 or more")
-    return us
+    set, else LANE_SPIN_US on a process allowed SPIN_MIN_CPUS cores or more, else 0
+    (client/spin.py)."""
+    return caller_spin_us(SPIN_ENV, LANE_SPIN_US, "the lane's caller", env)
 
 
 class Lane:

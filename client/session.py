@@ -34,8 +34,6 @@ retried on UNAVAILABLE (client/retry.py), which a call on an open stream cannot 
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -47,32 +45,20 @@ import numpy as np
 
 from . import core
 from .core import MatmulOutput, Q6ServeError, TopK, Weights
+from .spin import caller_spin_us
 
 T = TypeVar("T")
 SPIN_ENV = "Q6SERVE_SESSION_SPIN_US"
 # the blocking session's default spin where the caller may run on SPIN_MIN_CPUS cores or more:
 # a reply of the replay comes 0.4-1.3 ms after its request on the H200 (S = 1-8), within it
 SESSION_SPIN_US = 2000.0
-SPIN_MIN_CPUS = 8  # the worker's busy-polling rule (service/envvars.py; client/lane.py's copy)
 
 
 def session_spin_us(env: Mapping[str, str] | None = None) -> float:
     """A blocking session's spin before it blocks for a reply, in us: ``Q6SERVE_SESSION_SPIN_US``
-    when set (a number >= 0; anything else is refused, naming the variable), else
-    SESSION_SPIN_US on a process allowed SPIN_MIN_CPUS cores or more, else 0 (on fewer cores a
-    spinning caller takes a core the worker or gRPC's threads need: the 2-core CI VM's replay
-    step doubled)."""
-    raw = (os.environ if env is None else env).get(SPIN_ENV, "").strip()
-    if not raw:
-        return SESSION_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0.0
-    try:
-        us = float(raw)
-    except ValueError:
-        us = math.nan
-    if not (math.isfinite(us) and us >= 0):
-        raise ValueError(f"{SPIN_ENV}={raw!r}: give microseconds a session's caller polls for "
-                         "a reply before it blocks (0: never), 0 or more")
-    return us
+    when set, else SESSION_SPIN_US on a process allowed SPIN_MIN_CPUS cores or more, else 0
+    (client/spin.py)."""
+    return caller_spin_us(SPIN_ENV, SESSION_SPIN_US, "a session's caller", env)
 
 
 class AsyncMatmulSession:

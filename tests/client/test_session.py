@@ -5,6 +5,7 @@ calls, an error reply raised without ending the stream, nothing sent as a unary 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -176,9 +177,9 @@ def test_session_spin_default(monkeypatch: pytest.MonkeyPatch) -> None:
     and a bad value is refused naming the variable."""
     from q6serve.client import session
 
-    monkeypatch.setattr(session.os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)))
     assert session.session_spin_us({}) == session.SESSION_SPIN_US == 2000.0
-    monkeypatch.setattr(session.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
     assert session.session_spin_us({}) == 0.0
     assert session.session_spin_us({"Q6SERVE_SESSION_SPIN_US": "300"}) == 300.0
     assert session.session_spin_us({"Q6SERVE_SESSION_SPIN_US": " 0 "}) == 0.0
