@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# t1's device script, session 23 (issue 14: the caller's side, T1 and the decode replay);
+# PHASE=a (bundle A, bound 75 s), b (B, 70 s), c (C, 60 s).
+# A: the 28-layer replay A/B that session 22 lacked (its default replay host changed from grpc.aio
+#    on a sleeping loop to Client.session() spinning 2000 us on 4-layer A/Bs only): S=8 (the
+#    target), multi-weight calls, alternated on one worker with its replies stamped (bench/
+#    replay_ab.py: the model uploaded once): aio = grpc.aio's MatmulStream on the host's loop,
+#    arrays decoding (session 21's check host); ss = Client.session() as the product runs it
+#    (the check's host since session 22), a b b a. Then the step's floor (bench/replay_echo.py,
+#    no worker): the same calls against a bare echo, and against one holding each call for the
+#    worker's kernel and for its handler window (ss's medians): what the transport costs with a
+#    worker's windows, beside the replay's own round trip per role.
+#   PHASE=a bash bench/gpu_t1_s23.sh   env: BOUND, VARIANTS, ORDER, SEQS (8), BACKEND (cuda),
+#   LAYERS (28), SCALE (1), SECONDS_RUN (1.5)
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+PHASE=${PHASE:-a}
+gpu_session "/tmp/t1"
+SITE=$PWD/bench/trips_site  # its sitecustomize installs the reply stamps in the worker
+STAMPED=(env "PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}" Q6SERVE_REPLY_STAMPS=1)
+ab_grep() {  # replay_ab's table
+  grep -E "^# (the workers|[0-9]+ workers)|^# replay A/B|^# NVIDIA|^# S=|^[a-z0-9]+_[0-9]+ |^# [a-z0-9]+_[0-9]+ .*(skipped|FAILED|not run)" \
+    "$OUT/$1.log" | cut -c1-400
+}
+if [[ $PHASE == a ]]; then
+  BOUND=${BOUND:-75}
+  limit=$(bound 60 14)
+  # replay_ab's own bound: no run starts that would end past it (the worker's stop: 4 s kept)
+  step replay_ab "$limit" "${STAMPED[@]}" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --variants "${VARIANTS:-aio: ss:host.transport=session,host.decode=client}" \
+    --order "${ORDER:-aio,ss,ss,aio}" --seqs "${SEQS:-8}" --layers "${LAYERS:-28}" \
+    --scale "${SCALE:-1}" --seconds "${SECONDS_RUN:-1.5}" --warmup 0.3 \
+    --bound "$((limit - 4))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
+  # the floor: the caller spinning 2000 us as the session does (like for like)
+  step echo "$(bound 14)" python3 bench/replay_echo.py --seqs "${SEQS:-8}" \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --holds-from "$OUT/replay_ab.json" \
+    --holds-variant ss --hold-fields kernel,handler --transport aio --spin 2000 \
+    --seconds 0.8 --json "$OUT/echo.json"
+  {
+    echo "# gpu_t1_s23 PHASE=a $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -E "^# [0-9]+ workers given" "$OUT/replay_ab.log"
+    ab_grep replay_ab
+    grep -E "^# replay|^S=" "$OUT/echo.log" | cut -c1-200
+  } | table
+fi
+exit 0
