@@ -12,6 +12,10 @@
 #    worker's windows, beside the replay's own round trip per role.
 #   PHASE=a bash bench/gpu_t1_s23.sh   env: BOUND, VARIANTS, ORDER, SEQS (8), BACKEND (cuda),
 #   LAYERS (28), SCALE (1), SECONDS_RUN (1.5)
+# B: T1's first run on a fresh machine (goal 3; this script first in its call): the machine
+#    probed (bench/machine_probe.py: each core's speed, a page's first touch, a process wake-up)
+#    at the start, after T1 as the closing check runs it, and after T1 again.
+#   PHASE=b bash bench/gpu_t1_s23.sh   env: BOUND, BACKEND (cuda), T1_SECONDS (1)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -44,6 +48,26 @@ if [[ $PHASE == a ]]; then
     grep -E "^# [0-9]+ workers given" "$OUT/replay_ab.log"
     ab_grep replay_ab
     grep -E "^# replay|^S=" "$OUT/echo.log" | cut -c1-200
+  } | table
+elif [[ $PHASE == b ]]; then
+  BOUND=${BOUND:-70}
+  probe() { step "probe_$1" 10 python3 bench/machine_probe.py --label "$1" --json "$OUT/probe_$1.json"; }
+  t1() {  # T1 as bench/gpu_check.sh runs it (1 s timed, not 2: two runs fit the bound)
+    step "$1" "$(bound 30 3)" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+      --target-report --targets T1 --modes stream --weights ffn_down \
+      --seconds "${T1_SECONDS:-1}" --warmup 0.3 --json "$OUT/$1.json"
+  }
+  probe start
+  t1 t1_first
+  probe mid
+  t1 t1_again
+  probe end
+  {
+    echo "# gpu_t1_s23 PHASE=b $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    for p in start mid end; do grep -hE "^probe |^# [a-z]+ cpu loop" "$OUT/probe_$p.log"; done
+    grep -hE "^T1 |mean us|bare gRPC round trip(, echo| with)" "$OUT"/t1_*.log | cut -c1-200
   } | table
 fi
 exit 0

@@ -199,3 +199,23 @@ def test_replay_ab_host_chains(tmp_path: Path) -> None:
         for role, f in r["roles_p50_us"].items():
             assert f["calls"] == per_step * r["steps"], (v, role, f)
             assert f["rpc"] > f["handler"] > 0, (v, role, f)
+
+
+def test_machine_probe_measures_every_part(tmp_path: Path) -> None:
+    """bench/machine_probe.py: a figure for every core this process may use, a first touch that
+    costs more than touching the same pages again, a ping-pong through a real child process."""
+    import json
+    import os
+
+    import machine_probe
+
+    out = tmp_path / "probe.json"
+    assert machine_probe.main(["--label", "t", "--touch-mib", "8", "--iters", "2000",
+                               "--rounds", "50", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(map(int, doc["cpu"]["per_core_ns"])) == sorted(os.sched_getaffinity(0))
+    assert 0 < doc["cpu"]["min_ns"] <= doc["cpu"]["median_ns"] <= doc["cpu"]["max_ns"]
+    touch = doc["touch"]
+    assert touch["first_us"] > touch["again_us"] > 0 and touch["copy_gbs"] > 0
+    assert 0 < doc["wake"]["p50_us"] <= doc["wake"]["p90_us"]
+    assert os.sched_getaffinity(0) == set(map(int, doc["cpu"]["per_core_ns"]))  # restored
