@@ -46,7 +46,7 @@ from q6serve.kernels import q6k
 from q6serve.service.affinity import parse_cpus
 
 # per call role, what a run keeps (p50 us; "calls": how many were timed)
-ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "ccpu", "up",
+ROLE_FIELDS = ("rpc", "transport", "handler", "device", "kernel", "client", "enc", "ccpu", "up",
                "down", "calls")
 def _choice(key: str, choices: tuple[str, ...]) -> Any:
     def check(v: str) -> str:
@@ -319,9 +319,10 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
         for v in med:
             per = role_medians(doc["runs"], v, s)
             lines.append(f"# S={s} {v} per call p50 us (median of runs), rpc / handler / "
-                         "caller CPU (its encode + decode) / up + down: "
+                         "caller CPU (its encode + decode, the encode) / up + down: "
                          + ", ".join(f"{role} {got['rpc']:.0f} / {got['handler']:.0f} / "
-                                     f"{got.get('ccpu', nan):.0f} ({got['client']:.0f}) / "
+                                     f"{got.get('ccpu', nan):.0f} ({got['client']:.0f}, "
+                                     f"{got.get('enc', nan):.0f}) / "
                                      f"{got.get('up', nan):.0f} + {got.get('down', nan):.0f}"
                                      for role, got in per.items()))
     return "\n".join(lines)

@@ -55,8 +55,10 @@ STEP_FIELDS = ("e2e", "kernel", "device", "queue", "handler", "transport", "clie
 # "ccpu": the caller process's CPU seconds (every thread: its loop, gRPC's poller) from the
 # encoding to the decoded reply, the previous call's bookkeeping left out: the caller's own
 # share of the call, beside the worker's handler; wall minus it is the caller waiting
+# "enc": the client's part before the call (x's request encoded), the rest of "client" its
+# decoding of the reply
 CALL_FIELDS = ("rpc", "transport", "up", "down", "handler", "device", "kernel", "client",
-               "req_bytes", "reply_bytes", "ccpu")
+               "enc", "req_bytes", "reply_bytes", "ccpu")
 
 
 def layer_name(layer: int, role: str) -> str:
@@ -207,7 +209,8 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
             r, timings = _timings(reply)
             handler = nan_if_none(r.handler_seconds)
             one = {"rpc": t2 - t1, "transport": (t2 - t1) - handler, "handler": handler,
-                   "client": (t1 - t0) + (t3 - t2), "kernel": 0.0, "device": 0.0,
+                   "client": (t1 - t0) + (t3 - t2), "enc": t1 - t0, "kernel": 0.0,
+                   "device": 0.0,
                    "up": float("nan"), "down": float("nan"),
                    "req_bytes": float(req_bytes), "reply_bytes": float(raw_bytes),
                    "ccpu": ccpu}
