@@ -14,7 +14,11 @@
 #   LAYERS (28), SCALE (1), SECONDS_RUN (1.5)
 # B: T1's first run on a fresh machine (goal 3; this script first in its call): the machine
 #    probed (bench/machine_probe.py: each core's speed, a page's first touch, a process wake-up)
-#    at the start, after T1 as the closing check runs it, and after T1 again.
+#    at the start and the end; T1 as the closing check runs it (1 s timed) three times: first,
+#    again (CuPy's kernel cache on disk filled by the first), and with an empty kernel cache
+#    (CUPY_CACHE_DIR: the first run's compiles again on an older machine); during each, where
+#    every busy python thread ran (bench/psr_watch.py: the worker's loop and the caller on one
+#    CPU?).
 #   PHASE=b bash bench/gpu_t1_s23.sh   env: BOUND, BACKEND (cuda), T1_SECONDS (1)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -51,23 +55,36 @@ if [[ $PHASE == a ]]; then
   } | table
 elif [[ $PHASE == b ]]; then
   BOUND=${BOUND:-70}
-  probe() { step "probe_$1" 10 python3 bench/machine_probe.py --label "$1" --json "$OUT/probe_$1.json"; }
-  t1() {  # T1 as bench/gpu_check.sh runs it (1 s timed, not 2: two runs fit the bound)
-    step "$1" "$(bound 30 3)" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+  probe() { step "probe_$1" 8 python3 bench/machine_probe.py --label "$1" --json "$OUT/probe_$1.json"; }
+  t1() {  # NAME [VAR=VALUE...]: T1 as bench/gpu_check.sh runs it (1 s timed, not 2: three runs
+    # fit the bound), every python thread's CPU sampled meanwhile (bench/psr_watch.py)
+    local name=$1
+    shift
+    python3 bench/psr_watch.py --seconds 40 --json "$OUT/psr_$name.json" >"$OUT/psr_$name.log" 2>&1 &
+    local w=$!
+    step "$name" "$(bound 20 3)" env "$@" python3 bench/service.py --backend "${BACKEND:-cuda}" \
       --target-report --targets T1 --modes stream --weights ffn_down \
-      --seconds "${T1_SECONDS:-1}" --warmup 0.3 --json "$OUT/$1.json"
+      --seconds "${T1_SECONDS:-1}" --warmup 0.3 --json "$OUT/$name.json"
+    kill -TERM "$w" 2>/dev/null
+    wait "$w"
   }
   probe start
-  t1 t1_first
-  probe mid
-  t1 t1_again
+  t1 t1_first  # the machine's first (CuPy's kernel cache empty if this script runs first)
+  t1 t1_again  # the kernels cached on disk now
+  mkdir -p /tmp/t1_empty_cache
+  t1 t1_cold CUPY_CACHE_DIR=/tmp/t1_empty_cache  # an empty kernel cache again, the machine older
   probe end
   {
     echo "# gpu_t1_s23 PHASE=b $(tree_commit) total $(elapsed)"
     steps
     machine_summary
-    for p in start mid end; do grep -hE "^probe |^# [a-z]+ cpu loop" "$OUT/probe_$p.log"; done
-    grep -hE "^T1 |mean us|bare gRPC round trip(, echo| with)" "$OUT"/t1_*.log | cut -c1-200
+    for p in start end; do grep -hE "^probe |^# [a-z]+ cpu loop" "$OUT/probe_$p.log"; done
+    for r in first again cold; do
+      echo "## t1_$r"
+      grep -hE "^T1 |mean us|bare gRPC round trip(, echo| with)" "$OUT/t1_$r.log" | cut -c1-200
+      grep -E "^thread" "$OUT/psr_t1_$r.log" | head -6 | cut -c1-150
+      grep -E "^pair" "$OUT/psr_t1_$r.log" | head -6 | cut -c1-150
+    done
   } | table
 fi
 exit 0

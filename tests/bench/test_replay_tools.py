@@ -219,3 +219,21 @@ def test_machine_probe_measures_every_part(tmp_path: Path) -> None:
     assert touch["first_us"] > touch["again_us"] > 0 and touch["copy_gbs"] > 0
     assert 0 < doc["wake"]["p50_us"] <= doc["wake"]["p90_us"]
     assert os.sched_getaffinity(0) == set(map(int, doc["cpu"]["per_core_ns"]))  # restored
+
+
+def test_psr_watch_pairs_count_samples_on_one_cpu() -> None:
+    """bench/psr_watch.py's report: per pair of busy threads of different processes, the
+    samples where both ran and those on one CPU; idle and same-process pairs left out."""
+    import psr_watch
+
+    w1, c1, w2, idle = ("10", "10"), ("20", "20"), ("10", "11"), ("30", "30")
+    running = [{w1: 3, c1: 3, w2: 5}, {w1: 3, c1: 4}, {w1: 2, c1: 2}, {c1: 1}]
+    w = {"wall": 1.0, "samples": 4, "cmds": {"10": "worker", "20": "caller", "30": "x"},
+         "names": {w1: "py", c1: "py", w2: "py", idle: "py"},
+         "busy": {w1: 0.9, c1: 0.8, w2: 0.5, idle: 0.0},
+         "cpus": {}, "running": running}
+    lines, doc = psr_watch.report(w, 0.2)
+    got = {(tuple(p["a"]), tuple(p["b"])): (p["both"], p["same"]) for p in doc["pairs"]}
+    assert got == {(w1, c1): (3, 2), (c1, w2): (1, 0)}
+    assert [t["tid"] for t in doc["threads"]] == ["10", "20", "11"]
+    assert any("on one CPU in 67%" in line for line in lines)
