@@ -4,9 +4,9 @@ factor between runs minutes apart (1.4-2.4x) while the kernel does not. One caus
 that is placement: the worker's loop busy-polls after each reply and the caller's session
 spins for its reply, so two of them on one CPU take turns at it. This samples every thread of
 every process whose command line matches ``--match`` each ``--interval`` ms for ``--seconds``
-(or until SIGTERM / SIGINT), and prints per busy thread its CPU time and the
-CPUs it ran on, and per pair of busy threads of different processes the share of samples in
-which both were running on the same CPU.
+(or until SIGTERM / SIGINT), and prints per busy thread its CPU time, the CPUs it ran on and
+its minor page faults a second, and per pair of busy threads of different processes the share
+of samples in which both were running on the same CPU.
 
     python3 bench/psr_watch.py --seconds 60 --json psr.json & w=$!   # beside the run
     ...; kill -TERM $w; wait $w   # the report is printed at the end, however it ends
@@ -38,8 +38,8 @@ def _cmdline(pid: str) -> str:
     return " ".join(raw.decode(errors="replace").replace("\0", " ").split())
 
 
-def _stat(path: str) -> tuple[str, str, int, int] | None:
-    """(comm, state, cpu, utime + stime ticks) of /proc/PID/task/TID/stat."""
+def _stat(path: str) -> tuple[str, str, int, int, int] | None:
+    """(comm, state, cpu, utime + stime ticks, minor faults) of /proc/PID/task/TID/stat."""
     try:
         raw = Path(path).read_text()
     except OSError:
@@ -47,10 +47,10 @@ def _stat(path: str) -> tuple[str, str, int, int] | None:
     head, _, rest = raw.rpartition(")")
     comm = head.partition("(")[2]
     f = rest.split()  # f[0] is field 3 (state)
-    return comm, f[0], int(f[36]), int(f[11]) + int(f[12])
+    return comm, f[0], int(f[36]), int(f[11]) + int(f[12]), int(f[7])
 
 
-def sample(pids: dict[str, str]) -> dict[tuple[str, str], tuple[str, str, int, int]]:
+def sample(pids: dict[str, str]) -> dict[tuple[str, str], tuple[str, str, int, int, int]]:
     out = {}
     for pid in pids:
         try:
@@ -84,10 +84,12 @@ def _on_signal(*_: object) -> None:
 def watch(match: str, seconds: float, interval: float) -> dict[str, Any]:
     me = os.getpid()
     t0 = time.perf_counter()
-    first: dict[tuple[str, str], tuple[float, int]] = {}  # (when, CPU ticks) first seen
-    last: dict[tuple[str, str], tuple[float, int]] = {}
+    # (when, CPU ticks, minor faults) first and last seen
+    first: dict[tuple[str, str], tuple[float, int, int]] = {}
+    last: dict[tuple[str, str], tuple[float, int, int]] = {}
     names: dict[tuple[str, str], str] = {}
     cpus: dict[tuple[str, str], Counter[int]] = {}
+    fault_hist: dict[tuple[str, str], list[tuple[float, int]]] = {}
     running: list[dict[tuple[str, str], int]] = []  # per sample: thread -> its CPU (state R)
     cmds: dict[str, str] = {}
     next_scan = 0.0
@@ -97,9 +99,10 @@ def watch(match: str, seconds: float, interval: float) -> dict[str, Any]:
             next_scan = now + 0.5
         snap = sample(cmds)
         run: dict[tuple[str, str], int] = {}
-        for key, (comm, state, cpu, ticks) in snap.items():
-            first.setdefault(key, (now, ticks))
-            last[key] = (now, ticks)
+        for key, (comm, state, cpu, ticks, faults) in snap.items():
+            first.setdefault(key, (now, ticks, faults))
+            last[key] = (now, ticks, faults)
+            fault_hist.setdefault(key, []).append((now, faults))
             names[key] = comm
             if state == "R":
                 run[key] = cpu
@@ -108,13 +111,24 @@ def watch(match: str, seconds: float, interval: float) -> dict[str, Any]:
         time.sleep(interval)
     wall = time.perf_counter() - t0
     # over the thread's own span in the window (a run's caller lives a second of it)
-    busy = {k: (last[k][1] - first[k][1]) / TICK / max(last[k][0] - first[k][0], 0.5) for k in last}
+    span = {k: max(last[k][0] - first[k][0], 0.5) for k in last}
+    busy = {k: (last[k][1] - first[k][1]) / TICK / span[k] for k in last}
+    # minor page faults a second over the second half of the thread's span (its start-up's
+    # imports and allocations left out): pages mapped anew, which on a VM whose memory the host
+    # backs lazily also cost the host's fault at the guest's first touch
+    faults = {}
+    for k, hist in fault_hist.items():
+        t_mid = (hist[0][0] + hist[-1][0]) / 2
+        later = [h for h in hist if h[0] >= t_mid]
+        dt = later[-1][0] - later[0][0]
+        faults[k] = (later[-1][1] - later[0][1]) / dt if dt > 0 else float("nan")
     return {
         "wall": wall,
         "samples": len(running),
         "cmds": cmds,
         "names": names,
         "busy": busy,
+        "faults": faults,
         "cpus": cpus,
         "running": running,
     }
@@ -128,10 +142,11 @@ def report(w: dict[str, Any], min_busy: float) -> tuple[list[str], dict[str, Any
         c = w["cpus"].get(k, Counter())
         n = sum(c.values())
         top = ", ".join(f"cpu{cpu} {cnt / n:.0%}" for cpu, cnt in c.most_common(3)) if n else "-"
-        cmd = w["cmds"].get(k[0], "")[:60]
+        cmd = w["cmds"].get(k[0], "").partition(" ")[2][:50]  # (the interpreter's path off)
+        flt = w.get("faults", {}).get(k, float("nan"))
         lines.append(
-            f"thread {k[0]}/{k[1]} {w['names'][k]:<16} busy {w['busy'][k]:.2f} core "
-            f"| on {top} | {cmd}"
+            f"thread {k[0]}/{k[1]} {w['names'][k]:<15} busy {w['busy'][k]:.2f} core, faults "
+            f"{flt:.0f}/s | on {top} | {cmd}"
         )
         doc["threads"].append(
             {
@@ -139,6 +154,7 @@ def report(w: dict[str, Any], min_busy: float) -> tuple[list[str], dict[str, Any
                 "tid": k[1],
                 "comm": w["names"][k],
                 "busy": w["busy"][k],
+                "faults_per_s": flt,
                 "cpus": dict(c),
                 "cmd": cmd,
             }
