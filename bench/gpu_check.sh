@@ -22,9 +22,9 @@
 #   SKIP_PINNED=1 (no pinned runs), SKIP_TRIPS=1, SKIP_PROBES=1 (the data plane's probes),
 #   LANE=1 (the fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
 #   bench/lane_latency.py), REPLAY_SECONDS (2), REPLAY_SEQS (8,1,64), REPLAY_SPINS (0: the
-#   replay host's loop busy-polling, bench/service.py --replay-spins), REPLAY_TRANSPORT (session:
-#   Client.session() as a user runs it, spinning for its replies on 8+ cores; aio: grpc.aio on
-#   the host's loop, up to session 21) and REPLAY_MODE (stream): the replay hosts' gRPC and
+#   replay host's loop busy-polling, bench/service.py --replay-spins), REPLAY_TRANSPORT (aio:
+#   grpc.aio on the host's loop, as up to session 21 and again from session 23; session:
+#   Client.session() as a user runs it, spinning for its replies on 8+ cores, session 22's) and REPLAY_MODE (stream): the replay hosts' gRPC and
 #   calls, the floor's echo caller the same, its loop spinning as the host's (bench/service.py
 #   --replay-transport / --replay-mode), REPLAY_STAMPS=1 (the
 #   worker's replies stamped: the replay's way up and down per call), DP_VARIANTS (the data
@@ -94,7 +94,7 @@ if [[ -z ${SKIP_REPLAY:-} ]]; then
     Q6SERVE_REPLY_STAMPS=1)
   step replay 170 "${stamps[@]}" python3 bench/service.py --backend cuda --replay \
     --replay-seqs "${REPLAY_SEQS:-8,1,64}" --replay-spins "${REPLAY_SPINS:-0}" \
-    --replay-transport "${REPLAY_TRANSPORT:-session}" --replay-mode "${REPLAY_MODE:-stream}" \
+    --replay-transport "${REPLAY_TRANSPORT:-aio}" --replay-mode "${REPLAY_MODE:-stream}" \
     --seconds "${REPLAY_SECONDS:-2}" --warmup 0.5 --json "$OUT/replay.json"
 fi
 step lm_head 45 python3 bench/service.py --backend cuda --lm-head --mode stream --seconds 2 \

@@ -396,8 +396,9 @@ def test_replay_floor_uses_the_replays_caller_transport(monkeypatch: pytest.Monk
         assert got == [(mode, transport)] * 3  # the plain and spinning echo, the sequence echo
     assert bench_service.parse_args(["--replay", "--replay-transport", "sync"]).replay_transport \
         == "sync"
-    # the replay's host is what a user runs: the blocking client's session (session 22)
-    assert bench_service.parse_args(["--replay"]).replay_transport == "session"
+    # the replay's host: grpc.aio on the host's loop (session 23's 28-layer A/B: the spinning
+    # Client.session(), session 22's default, was no faster)
+    assert bench_service.parse_args(["--replay"]).replay_transport == "aio"
 
 
 def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
@@ -416,7 +417,7 @@ def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
 
 
 def test_replay_floor_caller_spins_as_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The product's session (--replay-transport session, the default) spins for each reply
+    """The product's session (--replay-transport session) spins for each reply
     as client/session.session_spin_us says: the floor's echo caller must spin as long, else
     the bare round trips are a sleeping caller's and the limit is not like for like. A spin
     given (--replay-spins) is the session's and the floor's; other transports keep theirs."""
