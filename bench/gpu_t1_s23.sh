@@ -20,6 +20,13 @@
 #    every busy python thread ran (bench/psr_watch.py: the worker's loop and the caller on one
 #    CPU?).
 #   PHASE=b bash bench/gpu_t1_s23.sh   env: BOUND, BACKEND (cuda), T1_SECONDS (1)
+# C: A's A/B again with the spin apart (goal 1: A's first pair mixed the session with the fresh
+#    machine's first minute): aio, ss as in A, asp = aio with the host's loop polling 2000 us
+#    (the session's spin without the session), alternated aio, ss, asp, asp, ss, aio, 2 s
+#    runs, every busy python thread watched meanwhile (bench/psr_watch.py: CPUs shared, page
+#    faults a second of the worker's and the caller's threads).
+#   PHASE=c bash bench/gpu_t1_s23.sh   env: BOUND, VARIANTS, ORDER, SEQS (8), BACKEND (cuda),
+#   LAYERS (28), SCALE (1), SECONDS_RUN (2.0)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -85,6 +92,28 @@ elif [[ $PHASE == b ]]; then
       grep -E "^thread" "$OUT/psr_t1_$r.log" | head -6 | cut -c1-150
       grep -E "^pair" "$OUT/psr_t1_$r.log" | head -6 | cut -c1-150
     done
+  } | table
+elif [[ $PHASE == c ]]; then
+  BOUND=${BOUND:-60}
+  # every busy python thread's CPUs and page faults beside the whole A/B (bench/psr_watch.py)
+  python3 bench/psr_watch.py --seconds 70 --json "$OUT/psr_replay.json" >"$OUT/psr_replay.log" 2>&1 &
+  w=$!
+  limit=$(bound 57 3)
+  step replay_ab "$limit" "${STAMPED[@]}" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --variants "${VARIANTS:-aio: ss:host.transport=session,host.decode=client asp:host.spin=2000}" \
+    --order "${ORDER:-aio,ss,asp,asp,ss,aio}" --seqs "${SEQS:-8}" --layers "${LAYERS:-28}" \
+    --scale "${SCALE:-1}" --seconds "${SECONDS_RUN:-2.0}" --warmup 0.3 \
+    --bound "$((limit - 3))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
+  kill -TERM "$w" 2>/dev/null
+  wait "$w"
+  {
+    echo "# gpu_t1_s23 PHASE=c $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -E "^# [0-9]+ workers given" "$OUT/replay_ab.log"
+    ab_grep replay_ab
+    grep -E "^thread" "$OUT/psr_replay.log" | head -8 | cut -c1-150
+    grep -E "^pair" "$OUT/psr_replay.log" | head -6 | cut -c1-150
   } | table
 fi
 exit 0
