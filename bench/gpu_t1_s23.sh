@@ -20,11 +20,12 @@
 #    every busy python thread ran (bench/psr_watch.py: the worker's loop and the caller on one
 #    CPU?).
 #   PHASE=b bash bench/gpu_t1_s23.sh   env: BOUND, BACKEND (cuda), T1_SECONDS (1)
-# C: A's A/B again with the spin apart (goal 1: A's first pair mixed the session with the fresh
-#    machine's first minute): aio, ss as in A, asp = aio with the host's loop polling 2000 us
-#    (the session's spin without the session), alternated aio, ss, asp, asp, ss, aio, 2 s
-#    runs, every busy python thread watched meanwhile (bench/psr_watch.py: CPUs shared, page
-#    faults a second of the worker's and the caller's threads).
+# C: A's A/B again (goal 1: A's first pair mixed the session with the fresh machine's first
+#    minute) beside a worker variant (goal 2): aio, ss as in A, mt = aio against a second
+#    worker whose glibc malloc keeps what it frees (GLIBC_TUNABLES: mmap threshold 64 MiB, trim
+#    threshold 1 GiB: a large reply's bytes are not faulted in anew each call), alternated aio,
+#    mt, ss, ss, mt, aio, 2 s runs, every busy python thread watched meanwhile
+#    (bench/psr_watch.py: CPUs shared, page faults a second of the workers' and callers').
 #   PHASE=c bash bench/gpu_t1_s23.sh   env: BOUND, VARIANTS, ORDER, SEQS (8), BACKEND (cuda),
 #   LAYERS (28), SCALE (1), SECONDS_RUN (2.0)
 set -uo pipefail
@@ -98,10 +99,13 @@ elif [[ $PHASE == c ]]; then
   # every busy python thread's CPUs and page faults beside the whole A/B (bench/psr_watch.py)
   python3 bench/psr_watch.py --seconds 70 --json "$OUT/psr_replay.json" >"$OUT/psr_replay.log" 2>&1 &
   w=$!
+  # glibc's malloc never giving memory back nor mapping a large block anew: no page is faulted
+  # in again per reply (the VM: a 606 KB reply joined per call, 32 faults a call -> 1)
+  TUNE=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=1073741824
   limit=$(bound 57 3)
   step replay_ab "$limit" "${STAMPED[@]}" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
-    --variants "${VARIANTS:-aio: ss:host.transport=session,host.decode=client asp:host.spin=2000}" \
-    --order "${ORDER:-aio,ss,asp,asp,ss,aio}" --seqs "${SEQS:-8}" --layers "${LAYERS:-28}" \
+    --variants "${VARIANTS:-aio: ss:host.transport=session,host.decode=client mt:GLIBC_TUNABLES=$TUNE}" \
+    --order "${ORDER:-aio,mt,ss,ss,mt,aio}" --seqs "${SEQS:-8}" --layers "${LAYERS:-28}" \
     --scale "${SCALE:-1}" --seconds "${SECONDS_RUN:-2.0}" --warmup 0.3 \
     --bound "$((limit - 3))" --out-dir "$OUT" --json "$OUT/replay_ab.json"
   kill -TERM "$w" 2>/dev/null
@@ -112,7 +116,7 @@ elif [[ $PHASE == c ]]; then
     machine_summary
     grep -E "^# [0-9]+ workers given" "$OUT/replay_ab.log"
     ab_grep replay_ab
-    grep -E "^thread" "$OUT/psr_replay.log" | head -8 | cut -c1-150
+    grep -E "^thread" "$OUT/psr_replay.log" | head -12 | cut -c1-150
     grep -E "^pair" "$OUT/psr_replay.log" | head -6 | cut -c1-150
   } | table
 fi

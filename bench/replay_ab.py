@@ -139,13 +139,14 @@ def pin_plan(text: str, variants: list[str]) -> tuple[dict[str, tuple[int, ...]]
 
 
 def worker_env(w: WorkerProcess) -> dict[str, str]:
-    """The Q6SERVE_ variables the worker process really has (its /proc environ)."""
+    """The Q6SERVE_ variables (and GLIBC_TUNABLES) the worker process really has (its /proc
+    environ)."""
     try:
         raw = Path(f"/proc/{w.proc.pid}/environ").read_bytes()  # type: ignore[union-attr]
     except OSError as e:
         return {"?": type(e).__name__}
     pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0"))
-    return {k: v for k, _, v in pairs if k.startswith("Q6SERVE_")}
+    return {k: v for k, _, v in pairs if k.startswith("Q6SERVE_") or k == "GLIBC_TUNABLES"}
 
 
 def main(argv: list[str] | None = None) -> int:
