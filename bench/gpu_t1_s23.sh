@@ -15,15 +15,16 @@
 # B: T1's first run on a fresh machine (goal 3; this script first in its call): the machine
 #    probed (bench/machine_probe.py: each core's speed, a page's first touch, a process wake-up)
 #    at the start and the end; T1 as the closing check runs it (1 s timed) three times: first,
-#    again (CuPy's kernel cache on disk filled by the first), and with an empty kernel cache
-#    (CUPY_CACHE_DIR: the first run's compiles again on an older machine); during each, where
+#    again (CuPy's kernel cache on disk filled by the first), with glibc's heap-top trim at
+#    256 MiB in every process (GLIBC_TUNABLES), and with an empty kernel cache (CUPY_CACHE_DIR:
+#    the first run's compiles again on an older machine); during each, where
 #    every busy python thread ran (bench/psr_watch.py: the worker's loop and the caller on one
 #    CPU?).
 #   PHASE=b bash bench/gpu_t1_s23.sh   env: BOUND, BACKEND (cuda), T1_SECONDS (1)
 # C: A's A/B again (goal 1: A's first pair mixed the session with the fresh machine's first
 #    minute) beside a worker variant (goal 2): aio, ss as in A, mt = aio against a second
-#    worker whose glibc malloc keeps what it frees (GLIBC_TUNABLES: mmap threshold 64 MiB, trim
-#    threshold 1 GiB: a large reply's bytes are not faulted in anew each call), alternated aio,
+#    worker whose glibc malloc keeps its heap's free top up to 256 MiB (GLIBC_TUNABLES trim
+#    threshold: a large reply's bytes are not faulted in anew each call), alternated aio,
 #    mt, ss, ss, mt, aio, 2 s runs, every busy python thread watched meanwhile
 #    (bench/psr_watch.py: CPUs shared, page faults a second of the workers' and callers').
 #   PHASE=c bash bench/gpu_t1_s23.sh   env: BOUND, VARIANTS, ORDER, SEQS (8), BACKEND (cuda),
@@ -79,6 +80,10 @@ elif [[ $PHASE == b ]]; then
   probe start
   t1 t1_first  # the machine's first (CuPy's kernel cache empty if this script runs first)
   t1 t1_again  # the kernels cached on disk now
+  # glibc's heap top kept up to 256 MiB in every process (the worker fixes only its mmap
+  # threshold, so a freed block at its heap's top beyond 128 KiB is handed back and the next
+  # one faulted in anew)
+  t1 t1_trim GLIBC_TUNABLES=glibc.malloc.trim_threshold=268435456
   mkdir -p /tmp/t1_empty_cache
   t1 t1_cold CUPY_CACHE_DIR=/tmp/t1_empty_cache  # an empty kernel cache again, the machine older
   probe end
@@ -87,7 +92,7 @@ elif [[ $PHASE == b ]]; then
     steps
     machine_summary
     for p in start end; do grep -hE "^probe |^# [a-z]+ cpu loop" "$OUT/probe_$p.log"; done
-    for r in first again cold; do
+    for r in first again trim cold; do
       echo "## t1_$r"
       grep -hE "^T1 |mean us|bare gRPC round trip(, echo| with)" "$OUT/t1_$r.log" | cut -c1-200
       grep -E "^thread" "$OUT/psr_t1_$r.log" | head -6 | cut -c1-150
@@ -99,9 +104,10 @@ elif [[ $PHASE == c ]]; then
   # every busy python thread's CPUs and page faults beside the whole A/B (bench/psr_watch.py)
   python3 bench/psr_watch.py --seconds 70 --json "$OUT/psr_replay.json" >"$OUT/psr_replay.log" 2>&1 &
   w=$!
-  # glibc's malloc never giving memory back nor mapping a large block anew: no page is faulted
-  # in again per reply (the VM: a 606 KB reply joined per call, 32 faults a call -> 1)
-  TUNE=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=1073741824
+  # glibc's heap top kept up to 256 MiB (the worker fixes its mmap threshold at 32 MiB but not
+  # the trim threshold: a freed reply at the heap's top beyond 128 KiB is handed back at once
+  # and the next one faulted in anew; its trim loop still hands the free pages back every 5 s)
+  TUNE=glibc.malloc.trim_threshold=268435456
   limit=$(bound 57 3)
   step replay_ab "$limit" "${STAMPED[@]}" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --variants "${VARIANTS:-aio: ss:host.transport=session,host.decode=client mt:GLIBC_TUNABLES=$TUNE}" \
