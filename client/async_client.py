@@ -25,7 +25,7 @@ from q6serve.v1 import q6serve_pb2 as pb
 from . import core
 from .channel import aio_channel
 from .core import MatmulOutput, Q6ServeError, RegionInfo, TopK, Weight, Weights
-from .retry import RetryPolicy, acall_with_retry
+from .retry import RetryPolicy, acall_with_retry, core_race
 from .session import AsyncMatmulSession
 from .shm import CudaRegion, Region, RegionArg, ShmRegion
 
@@ -61,6 +61,16 @@ class AsyncClient(core.Transport):
         fn = getattr(self._stubs[call.service], call.method)
 
         async def attempt(left: float | None) -> Any:
+            try:
+                return await fn(call.fresh_request(), timeout=left, metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                if not (callable(call.request) and core_race(e)):
+                    raise
+            # grpc.aio's race (grpc/grpc issue 36066, open in grpcio 1.84): when the worker
+            # ends a client stream early (it refused the upload before reading it all), a
+            # chunk's failed write can overwrite the worker's status with this INTERNAL. The
+            # worker applied nothing then (a stream it accepts is read to its end before any
+            # status), so the one more attempt is safe and returns the worker's own answer.
             return await fn(call.fresh_request(), timeout=left, metadata=self._metadata)
 
         with core.rpc_errors():

@@ -93,3 +93,13 @@ async def acall_with_retry(fn: Callable[[float | None], Awaitable[T]], policy: R
         except grpc.RpcError as e:
             await asyncio.sleep(pause_or_raise(e, attempt, policy, deadline))
     raise AssertionError("unreachable")
+
+
+CORE_RACE_DETAILS = "Internal error from Core"
+
+
+def core_race(e: grpc.RpcError) -> bool:
+    """Whether ``e`` is grpc.aio's status of a client stream whose failed write was handled after
+    the worker's early status (grpc/grpc issue 36066): INTERNAL "Internal error from Core"."""
+    return (e.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+            and e.details() == CORE_RACE_DETAILS)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from q6serve.client.client import Q6ServeError
-from q6serve.client.retry import NO_RETRY, RetryPolicy, call_with_retry
+from q6serve.client.retry import NO_RETRY, RetryPolicy, call_with_retry, core_race
 
 
 class FakeRpcError(grpc.RpcError):
@@ -104,3 +104,19 @@ def test_retry_can_be_disabled(flaky: Any, make_client: Callable[..., Any]) -> N
     with pytest.raises(Q6ServeError) as e:
         make_client(target, retry=NO_RETRY).status()
     assert e.value.code is grpc.StatusCode.UNAVAILABLE and servicer.calls["GetStatus"] == 1
+
+
+def test_core_race_is_only_grpc_aio_internal_from_core() -> None:
+    class E(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode, details: str) -> None:
+            self._c, self._d = code, details
+
+        def code(self) -> grpc.StatusCode:
+            return self._c
+
+        def details(self) -> str:
+            return self._d
+
+    assert core_race(E(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert not core_race(E(grpc.StatusCode.INTERNAL, "boom"))
+    assert not core_race(E(grpc.StatusCode.ALREADY_EXISTS, "Internal error from Core"))
