@@ -14,6 +14,7 @@ backoff inside the call's deadline (see :mod:`q6serve.client.retry`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -61,6 +62,7 @@ class AsyncClient(core.Transport):
         fn = getattr(self._stubs[call.service], call.method)
 
         async def attempt(left: float | None) -> Any:
+            t0 = time.monotonic()
             try:
                 return await fn(call.fresh_request(), timeout=left, metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
@@ -70,7 +72,9 @@ class AsyncClient(core.Transport):
             # ends a client stream early (it refused the upload before reading it all), a
             # chunk's failed write can overwrite the worker's status with this INTERNAL. The
             # worker applied nothing then (a stream it accepts is read to its end before any
-            # status), so the one more attempt is safe and returns the worker's own answer.
+            # status), so the one more attempt is safe and returns the worker's own answer,
+            # inside what is left of the same deadline.
+            left = None if left is None else left - (time.monotonic() - t0)
             return await fn(call.fresh_request(), timeout=left, metadata=self._metadata)
 
         with core.rpc_errors():
