@@ -6,7 +6,8 @@ process (device events, the weight rotated over copies as in bench/kernels.py), 
 for bit with today's (a variant may change the bits: the line says so). Since session 22 a cell
 may also be a K-slice tile's (src 4): q6k_matmul.cu is inlined into the variant's text, so its
 kernels compile from it too (for sm_90a, where the product builds them for sm_90: a variant
-with no replacement is the control for that).
+with no replacement is the control for that); since session 23 the cluster-sum tile's (src 7)
+as well.
 
     python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
                           [--rounds 3] [--iters 30] [--auto] [--json f]
@@ -99,17 +100,39 @@ TRACE_POINTS = (
 )
 
 
-def traced(text: str, ptr: int) -> str:
+# The same points in the K-slice tiles' body (ks_body of q6k_matmul.cu: src 4 / 7; session 23):
+# its start, the activation staging's barrier, and each warp tile's end (after its partial sums
+# are written or put in the cluster's shared memory).
+TRACE_POINTS_KS = (
+    ("    const int wtiles = (w.rows + 16 * MT - 1) / (16 * MT);\n", TRACE_POINTS[0][1]),
+    ("    const int tstride = nblk * 32 + 4;\n", TRACE_POINTS[1][1]),
+    ("            ks_cluster_put<NT, MT>(acc, warp, lane, w.bpr);\n", TRACE_POINTS[2][1]),
+)
+
+
+def traced(text: str, ptr: int, ks: bool = False) -> str:
     """``text`` (a q6k_wgmma.cu) with the trace points after their anchors, writing to ``ptr``
     (TRACE_WARPS records of TRACE_WORDS u64: globaltimer at the start, the K slice's blocks,
     clocks since the start at the staging's end, the first and the last tile's end, tiles, SM,
-    globaltimer at the end)."""
+    globaltimer at the end). ``ks``: the K-slice tiles' points instead (q6k_matmul.cu inlined
+    here from today's tree, its points put in)."""
+    inc = '#include "q6k_matmul.cu"\n'
+    head = f"#define WG_TRACE_PTR {ptr}ull\n#define TRACE_WARPS {TRACE_WARPS}u\n" + TRACE_HEAD
+    if ks:
+        mm = loader.source_text("q6k_matmul.cu") + "\n"
+        for anchor, add in TRACE_POINTS_KS:
+            if mm.count(anchor) != 1:
+                raise SystemExit(f"trace anchor {anchor!r} not once in q6k_matmul.cu")
+            mm = mm.replace(anchor, anchor + add)
+        if inc not in text:
+            raise SystemExit("no q6k_matmul.cu include in the kernel text")
+        # the helpers before the K-slice tiles (they follow q6k_matmul.cu's includes)
+        at = mm.index("extern __shared__ uint4 smem_x[];")
+        return text.replace(inc, mm[:at] + head + mm[at:])
     for anchor, add in TRACE_POINTS:
         if anchor not in text:
             raise SystemExit(f"trace anchor {anchor!r} not in the kernel text")
         text = text.replace(anchor, anchor + add)
-    head = f"#define WG_TRACE_PTR {ptr}ull\n#define TRACE_WARPS {TRACE_WARPS}u\n" + TRACE_HEAD
-    inc = '#include "q6k_matmul.cu"\n'
     return text.replace(inc, inc + head)
 
 
@@ -197,8 +220,8 @@ def main() -> int:
         ch = be.choose(n, Precision.AUTO, flags, rows, k)
         if own:
             ch = replace(ch, path="mma_f16", cfg=_bk.cfg_from_label(own[0]))
-        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src not in (4, 8):
-            print(f"{shape:>12} {n:>3} not a src 4 / 8 cell: {ch.path} {ch.cfg}")
+        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src not in (4, 7, 8):
+            print(f"{shape:>12} {n:>3} not a src 4 / 7 / 8 cell: {ch.path} {ch.cfg}")
             continue
         ws = _bk.load_copies(be, rng, rows, k, Layout.SOA)
         with be.ctx.dev, be.stream:
@@ -234,7 +257,8 @@ def main() -> int:
             if trbuf is not None:
                 for lab in [lb for lb in plans if lb in a.trace.split(",")]:
                     fo = compile_text(be, f"q6k_wgmma_{lab}_trace.cu",
-                                      traced(texts[lab], int(trbuf.data.ptr)), name)
+                                      traced(texts[lab], int(trbuf.data.ptr),
+                                             ks=ch.cfg.src != 8), name)
                     if plans[lab].smem > int(fo.max_dynamic_shared_size_bytes):
                         fo.max_dynamic_shared_size_bytes = plans[lab].smem
                     traces[lab] = replace(plans[lab], fn=fo)

@@ -94,3 +94,26 @@ def test_ring_variant_and_traced_kernels_compile(tmp_path: Path, stages: int) ->
             log = done.stderr
             at = log.index("_Z10q6k_wg_f16ILi8ELi2E5InF16Li3E")
             assert "0 bytes spill stores" in log[at:at + 400], log[at:at + 400]
+
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc")
+def test_ks_trace_points_compile(tmp_path: Path) -> None:
+    """The K-slice tiles' trace points (session 23: ``traced(ks=True)``, the cells of src 4 / 7)
+    go in once each and the traced q6k_ks_f16 / q6k_ksc_f16 build for sm_90a."""
+    text = (loader.CUDA_DIR / "q6k_wgmma.cu").read_text()
+    out = wg_ab.traced(text, 0x7F0000001000, ks=True)
+    for anchor, add in wg_ab.TRACE_POINTS_KS:
+        assert out.count(anchor + add) == 1, anchor
+    sig = ("(const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*,"
+           " int);")
+    out += (f"\ntemplate __global__ void q6k_ks_f16<2, 1, 2, InF16, true, 16>{sig}\n"
+            f"template __global__ void q6k_ksc_f16<2, 1, 2, InF16, true, 16, 2>{sig}\n")
+    src = tmp_path / "ks_traced.cu"
+    src.write_text(out)
+    done = subprocess.run([NVCC, "-cubin", "-std=c++17", "-arch", "sm_90a", "-o",
+                           str(tmp_path / "ks.cubin"), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with pytest.raises(SystemExit):
+        wg_ab.traced(text.replace('#include "q6k_matmul.cu"', ""), 1, ks=True)
