@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # k's device command, session 23 (issue 16 goal 1: src 8's activation staging overlapped with
 # its weight math), bounded by BOUND (s); PHASE=a/b/c picks the bundle's part.
+# The switches it sets (Q6SERVE_X_PIPE / _X_FIRST / _XP_GROUPS / _X_DIRECT in q6k_matmul.cu /
+# q6k_wgmma.cu) are not on main: they are on branch k-s23-exp (fd61a33; bundle A ran 3d49079,
+# B / C 31d8410 / fd61a33), docs/KERNELS.md "Session 23". On main the variants compile as
+# today's code (the defines are ignored): run it from a checkout of that branch.
 # Bundle A (PHASE=a, bound 75): Q6SERVE_X_PIPE (q6k_matmul.cu; off in this tree): the K-slice
 # tiles (src 4 / 7) and the wgmma tile (src 8) stage their activations by cp.async in up to 8
 # groups of K blocks, group j waited for (named barrier j) just before its first block's math,
