@@ -144,6 +144,9 @@ DP_PIN_ARENA = Var("Q6SERVE_DP_PIN_ARENA", "switch", True,
 DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,
                       "with pinned arenas: a merged batch's x DMA'd from its calls' slots, no "
                       "concatenation on the host (CUDA)")
+DP_LANE_PIPE = Var("Q6SERVE_DP_LANE_PIPE", "switch", False,
+                   "a --frontends worker's fast lanes launch their full batches through the "
+                   "device process's pipeline and answer them a loop trip later, not inline")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
@@ -152,7 +155,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
                          DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
-                         DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER)
+                         DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER, DP_LANE_PIPE)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy

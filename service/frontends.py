@@ -923,6 +923,9 @@ class FrontendsWorker(Worker):
         self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
+        # Q6SERVE_DP_LANE_PIPE: the fast lanes' full batches through the same pipeline
+        # (LaneServer.pipe), not waited for inline in the lane's flush
+        self.lane_pipe = bool(envvars.DP_LANE_PIPE.read())
         # Q6SERVE_FRONTEND_ROUND_ROBIN: the eBPF program and maps that deal new connections to
         # the front ends in turn (service/reuseport.py), passed down to each front end
         self._steering: reuseport.Steering | None = None
@@ -1955,7 +1958,10 @@ async def _dev_region(w: FrontendsWorker, op: str, *a: Any) -> Any:
         return reply, took
     if op not in ("register", "unregister", "list", "open_lane"):
         raise InvalidArgument(f"unknown region call {op!r}")
-    return await getattr(w.plane, op)(*a)
+    got = await getattr(w.plane, op)(*a)
+    if op == "open_lane" and w.lane_pipe and (lanes := w.plane.lanes) is not None:
+        lanes.pipe = w._pipe  # (the lanes' full batches through this process's pipeline)
+    return got
 
 
 _DEVICE_CALLS: dict[str, Callable[..., Any]] = {

@@ -36,6 +36,7 @@ import socket
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class LaneServer:
         config = getattr(engine, "config", None)  # (a --devices worker's set has none)
         self._full_rows = config.max_batch_rows if config is not None else math.inf
         self._pipe: list[_Piped] = []  # full batches read in this trip, for _flush
+        # Q6SERVE_DP_LANE_PIPE: the device process's pipeline (FrontendsWorker._pipe: launch
+        # now behind the launches out, wait and answer a loop trip later), set by a --frontends
+        # worker; None: _flush waits for its launches before it returns
+        self.pipe: Callable[[Callable[[], Any], Callable[[Any, BaseException | None], None],
+                             Callable[[], None]], None] | None = None
         # what the engine offers, looked up once (not per request)
         self._start_matmul = hasattr(engine, "start_matmul")
         self._launch_now = hasattr(engine, "launch_now")
@@ -285,8 +291,10 @@ class LaneServer:
         ``regions.matmul`` now, the job through ``CudaPlane.start`` (the device process's
         "rm" path for CUDA regions, FrontendsWorker._cuda_region_matmul), answered from its
         end by ``_cuda_done`` -- no task, coroutine, future or shield per request, as
-        ``_one`` (``regions.matmul``, ``CudaSupport.matmul``) took. A refusal raises here
-        (the caller answers it and lets the region go); nothing was queued then."""
+        ``_one`` (``regions.matmul``, ``CudaSupport.matmul``) took; with ``self.pipe``
+        (Q6SERVE_DP_LANE_PIPE) through ``CudaSupport.launch_now`` in the device process's
+        pipeline. A refusal raises here (the caller answers it and lets the region go);
+        nothing was queued then."""
         table, engine = self.table, self.engine
         assert table.cuda is not None
         x_dtype, out, precision = _codes(x_dt, out_dt, prec)
@@ -295,8 +303,15 @@ class LaneServer:
             raise Unavailable("the worker is draining and takes no new requests")
         rows = engine.rows_of(name)
         dest = region.array(y_off, out, (n, rows), "y", writable=True)
-        table.cuda.start(engine, call, dest,
-                         functools.partial(self._cuda_done, conn, seq, region, rows))
+        done = functools.partial(self._cuda_done, conn, seq, region, rows)
+        cuda = table.cuda
+        if self.pipe is not None:  # launched now behind the launches out (its place's graph
+            # where it has one), answered a loop trip later, as the front ends' CUDA-region
+            # calls (FrontendsWorker._launch_cuda_due); where none may launch, as before
+            self.pipe(lambda: cuda.launch_now(engine, call, dest), done,
+                      lambda: cuda.start(engine, call, dest, done))
+            return
+        cuda.start(engine, call, dest, done)
 
     def _cuda_done(self, conn: _LaneConn, seq: int, region: regions.Region, rows: int,
                    r: Any, exc: BaseException | None) -> None:
@@ -360,6 +375,10 @@ class LaneServer:
         busy elsewhere) is queued as any other, after the launches in flight are answered."""
         pipe, self._pipe = self._pipe, []
         self.flushes += 1
+        if self.pipe is not None:
+            for p in pipe:
+                self._pipe_one(p)
+            return
         engine = self.engine
         slots = getattr(getattr(engine, "device", None), "now_slots", 1)
         waiting: collections.deque[tuple[_Piped, Any]] = collections.deque()
@@ -404,6 +423,43 @@ class LaneServer:
             waiting.append((p, finish))
         while waiting:
             answer_oldest()
+
+    def _pipe_one(self, p: _Piped) -> None:
+        """A full batch through the device process's pipeline (``self.pipe``): launched now
+        behind the launches out (its region's plan when it has a live one), waited for and
+        answered a loop trip later (``_answer``), so that the loop reads and launches the next
+        lanes' requests while the GPU runs this one (T3's 8 callers with one request in flight
+        each: a lone request was waited for inline, the loop blocked on its x's DMA, the
+        kernels and y's DMA); one the engine will not launch now is queued as in ``_flush``."""
+        plan = p.plan
+        if plan is not None and not plan.live(self._flags):
+            self._unplan(p)  # stale (weight, flags, page-locked ranges): as any other
+        try:
+            self.pipe(functools.partial(self._launch_piped, p),  # type: ignore[misc]
+                      functools.partial(self._answer, p),
+                      functools.partial(self._queue_unplanned, p))
+        except Exception as e:  # a refusal (the checks), or the launch failed
+            if p.plan is not None:
+                self._unplan(p)  # (not that way again)
+            self._answer(p, None, e)
+
+    def _launch_piped(self, p: _Piped) -> Callable[[], Any] | None:
+        """``Engine.launch_now`` of ``p`` (by its plan's launch, if it has one): the wait, or
+        None (the engine will not launch it now)."""
+        finish = self.engine.launch_now(p.call, None if p.plan is None else p.plan.launch)
+        if finish is not None:
+            self.planned += p.plan is not None
+            self.piped += 1
+        return finish
+
+    def _queue_unplanned(self, p: _Piped) -> None:
+        """``p`` queued (the engine would not launch it now): routed as any other."""
+        try:
+            if p.plan is not None:
+                self._unplan(p)
+            self._queue(p)
+        except Exception as e:
+            self._answer(p, None, e)
 
     def _unplan(self, p: _Piped) -> None:
         """``p``'s plan dropped from its region; ``p`` routed as any call whose x lies in a
