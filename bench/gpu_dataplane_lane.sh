@@ -7,13 +7,15 @@
 # (session 8: +20-51% there, H200); per front-end count in FRONTENDS (the lane lives in the
 # device process); then the GPU tests of tests/dataplane. $OUT gets one archive (after the lane
 # runs and at the end).
-#   bench/gpu_dataplane_lane.sh   env: SECONDS_PER_RUN (2), VARIANTS, FRONTENDS ("1"), SKIP_TESTS
+#   bench/gpu_dataplane_lane.sh   env: SECONDS_PER_RUN (2), VARIANTS, FRONTENDS ("2": a
+#   --frontends worker, whose device process pipelines the lanes' full batches since session
+#   24, Q6SERVE_DP_LANE_PIPE; "1": a one-process worker's lanes, no such pipeline), SKIP_TESTS
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
 gpu_session /tmp/dataplane_lane
 S=${SECONDS_PER_RUN:-2}
-for F in ${FRONTENDS:-1}; do
+for F in ${FRONTENDS:-2}; do
   for v in ${VARIANTS:-1:1:0 2:1:0 2:4:0}; do
     IFS=: read -r C J P <<<"$v"
     tag=lane_f${F}_c${C}_job${J}_pipe$P

@@ -144,7 +144,7 @@ DP_PIN_ARENA = Var("Q6SERVE_DP_PIN_ARENA", "switch", True,
 DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,
                       "with pinned arenas: a merged batch's x DMA'd from its calls' slots, no "
                       "concatenation on the host (CUDA)")
-DP_LANE_PIPE = Var("Q6SERVE_DP_LANE_PIPE", "switch", False,
+DP_LANE_PIPE = Var("Q6SERVE_DP_LANE_PIPE", "switch", True,
                    "a --frontends worker's fast lanes launch their full batches through the "
                    "device process's pipeline and answer them a loop trip later, not inline")
 

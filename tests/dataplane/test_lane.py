@@ -154,20 +154,24 @@ def test_lane_pipelined_beyond_its_room(rng: np.random.Generator) -> None:
         w.stop()
 
 
-@pytest.mark.parametrize("pipe", ["0", "1"])
+@pytest.mark.parametrize("pipe", ["0", "1", None])
 def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
                                                   monkeypatch: pytest.MonkeyPatch,
-                                                  pipe: str) -> None:
+                                                  pipe: str | None) -> None:
     """Full-batch requests (N = --max-batch-rows: none could join another) read in one trip
     run as one pipeline (``LaneServer._flush``, ``Engine.launch_now``: the next launched
     before the last is answered, at most the device's launch slots in flight): each y right
     and in its place, a refusal among them answered with its status, every region let go.
     The first of its kind (no cost known) is queued as before. Q6SERVE_DP_LANE_PIPE=1: the
-    same through the device process's pipeline (answered a loop trip later)."""
+    same through the device process's pipeline (answered a loop trip later); unset: the
+    pipeline (the default since session 24)."""
     from q6serve.service import batcher
     from tests.dataplane.test_frontends import Running
 
-    monkeypatch.setenv("Q6SERVE_DP_LANE_PIPE", pipe)
+    if pipe is None:
+        monkeypatch.delenv("Q6SERVE_DP_LANE_PIPE", raising=False)
+    else:
+        monkeypatch.setenv("Q6SERVE_DP_LANE_PIPE", pipe)
 
     # NumPy's "kernel" is the whole job: not one to defer; every job counts as short (the
     # loaded CI VM), as in test_lane_spin's direct-path test
@@ -187,7 +191,7 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
             assert_ref(lane.matmul("w", x[0]), reference(blocks, ROWS, K, x[0]))
             lanes = w.worker.plane.lanes
             assert lanes is not None
-            assert (lanes.pipe == w.worker._pipe) == (pipe == "1")
+            assert (lanes.pipe == w.worker._pipe) == (pipe != "0")
             piped, out = lanes.piped, w.worker.pipelined[0]
             # NumPy computes at launch, so two in flight are safe: the pipeline then answers
             # the oldest before it launches a third
@@ -215,7 +219,7 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
                 assert_ref(region.ndarray(y0 + i * yb, np.float32, (n, ROWS)),
                            reference(blocks, ROWS, K, x[i]))
             assert lanes.piped - piped == count
-            assert w.worker.pipelined[0] - out == (count if pipe == "1" else 0)
+            assert w.worker.pipelined[0] - out == (count if pipe != "0" else 0)
             assert not w.worker._out
             assert w.call(_held(w)) == [0]  # every answered call let its region go
     finally:
