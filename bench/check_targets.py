@@ -263,6 +263,32 @@ def lane_rows(lane: dict[str, Any]) -> list[Row]:
              verdict(got["p50_minus_kernel_us"] <= 50.0))]
 
 
+def lane_t3_rows(out: Path, steps: Steps) -> list[Row]:
+    """T3's shape through the fast lane (bench/gpu_dataplane_lane.sh, the check's LANE=1:
+    OUT/lane/lane_fF_c1_job1_pipe0.json, 8 hosts x 1 caller of N=64, no gRPC a call, x and y in
+    each caller's page-locked system region): issue 15's T3 with regions counts co-located
+    callers on shared memory, and the lane is that path. A row per front-end count; none when
+    the check ran no lane step (LANE unset), its absence's reason when it did."""
+    rows = []
+    for path in sorted((out / "lane").glob("lane_f*_c1_job1_pipe0.json")):
+        doc = load(path)
+        if not doc.get("kernel_fraction"):
+            continue
+        fe = doc.get("frontends", "?")
+        where = "one process" if fe == 1 else f"{fe} front ends"
+        rows.append((f"T3 through the fast lane (no gRPC a call), N=64 x{doc.get('hosts', '?')} "
+                     f"hosts x{doc.get('callers', '?')} caller (system regions, {where}), of the "
+                     "kernel alone",
+                     f"{doc['kernel_fraction']:.2f} ({doc['rows_per_s']:,.0f} rows/s; kernel "
+                     f"p50 {doc['kernel_p50_us']:.1f} us)", "0.50",
+                     verdict(doc["kernel_fraction"] >= 0.5)))
+    if not rows and "lane" in steps:
+        rows.append(("T3 through the fast lane (no gRPC a call), N=64 x8 hosts x1 caller "
+                     "(system regions), of the kernel alone", "-", "0.50",
+                     absent(steps, ["lane"])))
+    return rows
+
+
 def table(out: Path, kernels: Path | None, dataplane: list[Path]) -> str:
     kern = load(kernels if kernels is not None else out / "kernels_ref.json")
     dp_docs = [load(p) for d in dataplane for p in sorted(d.glob("dataplane_f*.json"))]
@@ -271,7 +297,8 @@ def table(out: Path, kernels: Path | None, dataplane: list[Path]) -> str:
     rows = [*t1_rows(load(out / "t1.json"), kern, steps),
             *wall_rows(load(out / "wall.json"), kern, steps),
             *replay_rows(load(out / "replay.json"), steps), *lm_rows(out, steps),
-            *dataplane_rows(dp_docs, steps), *lane_rows(load(out / "lane_latency.json")),
+            *dataplane_rows(dp_docs, steps), *lane_t3_rows(out, steps),
+            *lane_rows(load(out / "lane_latency.json")),
             *suite_rows(out, steps)]
     dev = next((d.get("device") for d in (load(out / "t1.json"), kern) if d.get("device")), "?")
     lines = [f"# targets ({dev}; kernel reference: "

@@ -167,3 +167,33 @@ def test_a_cut_replay_names_only_the_s_it_was_asked_for(tmp_path: Path) -> None:
     assert got["replay S=64 step p50, multi / single"][2] == "cut"
     assert got["replay S=1 step p50, multi / single"][2] == "not run"
     assert got["replay S=8 step p50, multi / single (the target)"][2] == "missed; single cut"
+
+
+def test_t3_through_the_lane_row_per_front_end_count(tmp_path: Path) -> None:
+    """LANE=1's T3 shape through the fast lane (OUT/lane, gpu_dataplane_lane.sh's files): one
+    row per front-end count from 1 caller a host, met by its fraction against 0.50, named as
+    the lane's (not gRPC's); the 2-callers variant is no row; a lane step cut without its
+    file reads cut; without a lane step there is no row."""
+    lane = tmp_path / "lane"
+    lane.mkdir()
+    doc = {"frontends": 2, "hosts": 8, "callers": 1, "rows_per_s": 916800.0,
+           "kernel_p50_us": 55.58, "kernel_fraction": 0.7962}
+    write(lane, "lane_f2_c1_job1_pipe0", doc)
+    write(lane, "lane_f1_c1_job1_pipe0", {**doc, "frontends": 1, "rows_per_s": 520000.0,
+                                          "kernel_fraction": 0.42})
+    write(lane, "lane_f2_c2_job1_pipe0", {**doc, "callers": 2, "kernel_fraction": 0.9})
+    got = run(tmp_path)
+    name = ("T3 through the fast lane (no gRPC a call), N=64 x8 hosts x1 caller (system "
+            "regions, {}), of the kernel alone")
+    assert got[name.format("2 front ends")] == [
+        "0.80 (916,800 rows/s; kernel p50 55.6 us)", "0.50", "**met**"]
+    assert got[name.format("one process")][2] == "missed"
+    assert sum(k.startswith("T3 through the fast lane") for k in got) == 2
+    for p in lane.iterdir():
+        p.unlink()
+    steps_tsv(tmp_path, ("lane", 124, "cut"))
+    got = run(tmp_path)
+    assert got["T3 through the fast lane (no gRPC a call), N=64 x8 hosts x1 caller (system "
+               "regions), of the kernel alone"][2] == "cut"
+    (tmp_path / "steps.tsv").unlink()
+    assert not any(k.startswith("T3 through the fast lane") for k in run(tmp_path))
