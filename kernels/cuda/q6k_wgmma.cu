@@ -131,6 +131,55 @@ __device__ __forceinline__ void wg_stage_x(const typename In::T* x, int K, int n
     }
 }
 
+// f16 activations (session 24; Q6SERVE_WG_XFIRST, on): wg_stage_x's layout by cp.async, every
+// copy issued before the CTA's first weight loads and waited for once before the weight loop.
+// Sessions 22-23's traces: the staging took 4.4-11.8 us at N=64 before any wgmma, its loads
+// queued behind each warp's opening weight burst; issued first, its bytes (one K slice of 8*NT
+// tokens, L2-resident: every CTA of a token chunk reads them) land before the weight stream.
+// Session 24 bundle A (session 23's X_FIRST, one group): 1.033x on 4096x14336 N=64, 1.087x on
+// 14336x4096 N=64 at K split 6. Item (token group, hn, jj, n&7, t) of block b copies its 8
+// activations as the 4 words wg_stage_x stores (4-byte copies: the words lie 128 B / 256*NT B
+// apart); a token past the chunk's last is written as zeros (source size 0). The same bytes in
+// the same places: the same bits. Other activation types convert on the way (wg_stage_x).
+#ifndef Q6SERVE_WG_XFIRST
+#define Q6SERVE_WG_XFIRST 1
+#endif
+template <class In>
+struct WgXFirst {
+    static constexpr bool on = false;
+};
+template <>
+struct WgXFirst<InF16> {
+    static constexpr bool on = Q6SERVE_WG_XFIRST != 0;
+};
+__device__ __forceinline__ void cp_async4z(u32 sdst, const void* g, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sdst), "l"(g),
+                 "r"(src_bytes) : "memory");
+}
+template <int NT>
+__device__ __forceinline__ void wg_stage_x_async(const unsigned short* x, int K, int n_tok,
+                                                 int tok0, int kb0, int nblk) {
+    u32 sbase;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+        : "=r"(sbase) : "l"(smem_x));
+    const int last = min(8 * NT, n_tok - tok0) - 1;  // >= 0: a chunk has at least one token
+    constexpr int per = NT * 256;                     // items per block
+    for (int b = 0; b < nblk; ++b)
+        for (int i = threadIdx.x; i < per; i += blockDim.x) {
+            const int t = i & 3, n8 = (i >> 2) & 7, jj = (i >> 5) & 1, hn = (i >> 6) & 3;
+            const int ng = i >> 8, n = ng * 8 + n8, src = n <= last ? 4 : 0;
+            const unsigned short* gp = x + (size_t)(tok0 + min(n, last)) * K + (kb0 + b) * 256 +
+                                       hn * 64 + 16 * t + 8 * jj;
+            const int s0 = b * 16 + hn * 4 + 2 * jj;
+            const u32 p = sbase + 4u * (u32)(s0 * 64 * NT + ng * 64 + n8 * 4 + t);
+            cp_async4z(p, gp, src);                           // step 2jj,   k half 0
+            cp_async4z(p + 4 * 32, gp + 2, src);              // step 2jj,   k half 1
+            cp_async4z(p + 4 * 64 * NT, gp + 4, src);         // step 2jj+1, k half 0
+            cp_async4z(p + 4 * (64 * NT + 32), gp + 6, src);  // step 2jj+1, k half 1
+        }
+    cp_async_commit();
+}
+
 // One row's two A registers of k16 step (sub-block hn, j) with the block scale folded in:
 // A = f16((4q - 128) * s), s = f16(sc * f16(r)) (the kernel's comment), the same value in every
 // layout, so SoA, AoS and pair-stream twins stay bit-identical (4q - 128 is exact, |A| <= 128 *
@@ -237,13 +286,20 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
     Raw nxt[1][2];
     constexpr int DU = NT == 8 ? 2 : 4;  // d loads per lane and row (DLoad)
     DLoad<DU> dl = {};  // the d of this tile's rows over the slice, loads in flight
+    constexpr bool XF = WgXFirst<In>::on;  // f16: the activations' copies go first
+    if (XF)
+        wg_stage_x_async<NT>(reinterpret_cast<const unsigned short*>(x), K, o.n_tok, tok0, kb0,
+                             nblk);
     if (gt < gtiles) {
         warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
         warp_load<SOA>(nxt, rr, kb0, t);
         dl = wg_dload<SOA, DU>(rr, kb0, nblk, t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
-    wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
+    if (XF)
+        cp_async_wait<0>();  // this thread's copies landed (the barrier below: everyone's)
+    else
+        wg_stage_x<NT, In>(x, K, o.n_tok, tok0, kb0, nblk);
     fence_async_shared();
     __syncthreads();
 
