@@ -25,6 +25,12 @@ end, into a buffer whose device address the source is compiled with), and prints
 call's time goes: the spread of the warps' starts, the staging, the first tile, each warp's
 busy time, the tail.
 
+``--nopost LABELS`` (session 24) runs those variants without the split-K sum launch
+(q6k_sum_parts): a variant that adds its partials inside the tile (session 24's
+``Q6SERVE_KS_FUSE``, branch ``k-s24-fuse``), or today's kernel so (its y incomplete: DIFFER), whose
+time against now is the sum's whole cost; ``--pdl LABELS`` launches their sum with PDL whatever
+the tile (the product does so after src 4 only). Variants of one text share one build per kernel.
+
 Session 21 (H200, bundle A, tree 7a7eded) ran it with session 20's file as a further kernel
 (the same bits and 0.98-1.02x in the seven src 8 cells after src 6 / 9 left the file; that copy
 is in git history, bench/ab/q6k_wgmma_s20.cu at 7a7eded) and with w3 (three wgmma groups in
@@ -45,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels as _bk
 from q6serve.kernels.api import KernelFlags, Layout, Precision
 from q6serve.kernels.cuda import loader
-from q6serve.kernels.cuda.launch import kernel_name
+from q6serve.kernels.cuda.launch import PDL_SRCS, kernel_name
 from q6serve.kernels.cuda_backend import weight_data
 
 CELLS = "4096x14336:64,3584x18944:64,152064x3584:64,128256x4096:64"
@@ -56,14 +62,15 @@ _built: dict[tuple[str, str], object] = {}
 
 def compile_text(be, file: str, text: str, name: str):
     """A q6k_wgmma.cu text compiled for sm_90a as the loader builds that file (its include of
-    q6k_matmul.cu inlined from today's tree); once per (file, name) in a process."""
-    fn = _built.get((file, name))
+    q6k_matmul.cu inlined from today's tree); once per (text, name) in a process (variants of
+    one text, e.g. a control and the same kernel without the sum launch, share the build)."""
+    fn = _built.get((text, name))
     if fn is None:
         src = text.replace('#include "q6k_matmul.cu"', loader.source_text("q6k_matmul.cu"))
         with be.ctx.dev:
             mod, lowered = loader._compile_arch(file, src, loader.BASE_OPTIONS, (name,),
                                                 "sm_90a")
-        fn = _built[(file, name)] = loader.ArchKernel(mod.get_function(lowered[name]))
+        fn = _built[(text, name)] = loader.ArchKernel(mod.get_function(lowered[name]))
     return fn
 
 
@@ -177,6 +184,18 @@ def variant_text(spec: str) -> tuple[str, str, int]:
     return label, text.replace(old, new) if old else text, extra
 
 
+def plan_for(label: str, lp, nopost: str, pdl: str):
+    """``lp`` as the variant ``label`` runs it: without the split-K sum launch when it is in
+    ``nopost`` (session 24: a fused sum adds its partials in the tile; the plain tile so
+    timed is the sum's whole cost), with the sum launched by PDL when in ``pdl`` (the plan's
+    src only picks that: PDL_SRCS)."""
+    if label in nopost.split(","):
+        lp = replace(lp, post=None)
+    if label in pdl.split(","):
+        lp = replace(lp, src=PDL_SRCS[0])
+    return lp
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default=CELLS, help="shape:N of AUTO cells on src 8, or "
@@ -191,6 +210,11 @@ def main() -> int:
                     help="one traced call per cell of these kernels (now and variant labels)")
     ap.add_argument("--auto", action="store_true",
                     help="also time AUTO's own launch (the table's cell) in the alternation")
+    ap.add_argument("--nopost", default="", metavar="LABELS",
+                    help="these kernels (variant labels) run without the split-K sum launch "
+                    "(a variant that adds its partials itself, or the sum's cost read off)")
+    ap.add_argument("--pdl", default="", metavar="LABELS",
+                    help="these kernels' split-K sum launched with PDL whatever their src")
     a = ap.parse_args()
     variants = [variant_text(v) for v in a.variant]
     if not variants:
@@ -238,7 +262,7 @@ def main() -> int:
                 fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
                 if smem > int(fo.max_dynamic_shared_size_bytes):
                     fo.max_dynamic_shared_size_bytes = smem
-                plans[lab] = replace(lp, fn=fo, smem=smem)
+                plans[lab] = plan_for(lab, replace(lp, fn=fo, smem=smem), a.nopost, a.pdl)
             if a.auto:  # the table's own cell (its kernel's module, as the backend loads it)
                 au = be.choose(n, Precision.AUTO, flags, rows, k)
                 if au.path == "mma_f16" and au.cfg is not None:

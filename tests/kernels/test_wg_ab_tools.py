@@ -117,3 +117,19 @@ def test_ks_trace_points_compile(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     with pytest.raises(SystemExit):
         wg_ab.traced(text.replace('#include "q6k_matmul.cu"', ""), 1, ks=True)
+
+
+def test_plan_for_drops_the_sum_or_takes_pdl() -> None:
+    """--nopost runs a variant without the split-K sum launch (session 24's fused sum adds its
+    partials itself); --pdl launches its sum with PDL (the plan's src picks that)."""
+    from types import SimpleNamespace
+
+    from q6serve.kernels.cuda.launch import PDL_SRCS, LaunchPlan
+
+    lp = LaunchPlan(path="mma_f16", fn=None, grid=(11, 12, 1), threads=384, smem=0, ks=12,
+                    tickets=11, bpr=56, nz=1, prep=None, prep_grid=(1,), prep_sizes=(0, 0, 0),
+                    post=SimpleNamespace(name="q6k_sum_parts"), src=8)
+    assert wg_ab.plan_for("fz", lp, "fz,ns", "").post is None
+    assert wg_ab.plan_for("c", lp, "fz,ns", "") == lp
+    pd = wg_ab.plan_for("pd", lp, "fz", "pd")
+    assert pd.post is lp.post and pd.src == PDL_SRCS[0] and 8 not in PDL_SRCS
