@@ -17,6 +17,7 @@
 #    ns  today's tile without the sum launch (y incomplete: DIFFER): the sum's whole cost, the
 #        most any fused sum can win;
 #    pd  today's tile with its sum launched by PDL whatever the src (src 8's cells).
+#    (Q6SERVE_KS_FUSE lost and stays on branch k-s24-fuse; without it fz runs as ns.)
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/k
@@ -42,6 +43,21 @@ if [[ ${PHASE:-a} == a ]]; then
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/xfirst.log" 2>/dev/null | sed -E 's/ +/ /g'
     echo "# fuse: shape N cfg variant us | now us, now/variant, bits, rel | AUTO us, AUTO/variant"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/fuse.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
+if [[ ${PHASE} == b ]]; then
+  # Bundle C (bound 50): the GPU tests of the wgmma tile on this tree, whose f16 staging is
+  # the cp.async one bundle B measured (the session's closing check ran on main without it):
+  # every launch shape of the tile against the float64 reference, tokens past N zero-filled,
+  # extreme scales, f32 / bf16 activations (wg_stage_x), across slabs, SoA/AoS bits; then
+  # every table cell's launch shape, pair vs SoA bits and the reference (src 8 cells among them).
+  step wg_tests 30 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_cuda_wg.py
+  step table_shapes 20 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/kernels/test_cuda_pairs.py -k test_every_table_shape
+  {
+    echo "== k bundle c, PHASE=b (tree $(tree_commit)), $(elapsed)"
+    steps
   } | table
   exit 0
 fi
