@@ -26,6 +26,9 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
   worker0 the same worker with its loop's busy polling off (Q6SERVE_BUSY_POLL_US=0)
   workerpoll the same worker with gRPC's poll(2) poller (GRPC_POLL_STRATEGY=poll) instead of
           its default epoll1
+  workeree, bareee  the worker, the bare echo, with gRPC's EventEngine experiments off
+          (GRPC_EXPERIMENTS=EE_OFF in the server's process: gRPC's older iomgr path; this
+          process, the caller, keeps its own environment's)
 
 On grpc's synchronous server (``grpc.server`` + a thread pool; the stream's handler is a
 generator on a pool thread that blocks in the request iterator; no event loop):
@@ -92,10 +95,18 @@ from typing import Any
 import numpy as np
 
 VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker",
-            "worker0", "workerpoll", "sbare", "sync")
+            "worker0", "workerpoll", "sbare", "sync", "bareee", "workeree")
 SYNC_VARIANTS = ("sbare", "sync")
+# gRPC's EventEngine experiments (grpcio 1.8x: its sockets polled by the EventEngine's own
+# poller and thread pool); "-" turns each off: the iomgr path, where the thread that waits on
+# the completion queue polls the sockets itself. Read once, when gRPC is first imported.
+EE_OFF = ("-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,"
+          "-event_engine_callback_cq")
 WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"},  # variant: its env
-           "workerpoll": {"GRPC_POLL_STRATEGY": "poll"}}
+           "workerpoll": {"GRPC_POLL_STRATEGY": "poll"},
+           "workeree": {"GRPC_EXPERIMENTS": EE_OFF}}
+# an echo variant that is another one in its own environment: variant -> (as, env)
+ECHOES = {"bareee": ("bare", {"GRPC_EXPERIMENTS": EE_OFF})}
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
@@ -793,14 +804,24 @@ class _Servers:
                 self.pids[v] = self._workers[-1].proc.pid
                 continue
             ports = ctx.Queue()
+            as_v, env = ECHOES.get(v, (v, {}))
             if v in SYNC_VARIANTS:
                 p = ctx.Process(target=_sync_server,
                                 args=(v, rows, ports, k, backend, itemsize), daemon=True)
             else:
                 p = ctx.Process(target=_echo_server,
-                                args=(v, rows, ports, self.trips.get(v, ""), k, backend,
+                                args=(as_v, rows, ports, self.trips.get(v, ""), k, backend,
                                       itemsize), daemon=True)
-            p.start()
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)  # (a spawned process starts with this one's environment)
+            try:
+                p.start()
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
             self._procs.append(p)
             self.pids[v] = p.pid
             self.targets[v] = f"127.0.0.1:{ports.get(timeout=60)}"

@@ -220,6 +220,27 @@ def test_stream_overhead_variants_run() -> None:
     assert "in process, no gRPC" in done.stdout, done.stdout
 
 
+def test_stream_overhead_event_engine_off() -> None:
+    """bench/stream_overhead.py's bareee and workeree: the echo and the worker with gRPC's
+    EventEngine experiments off in their own processes (GRPC_EXPERIMENTS), this caller's
+    environment untouched. The bare echo's round trips wake gRPC's EventEngine threads; the
+    bareee echo has none to wake (the variable reached its process before gRPC started)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench/stream_overhead.py"), "--rounds",
+                           "1", "--seconds", "0.3", "--warmup", "0.05", "--k", "256",
+                           "--rows", "2", "--out", "f32", "--inproc", "0",
+                           "--variants", "bare,bareee,workeree"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^workeree +median .* up +[0-9]+ window +-?[0-9]+ down +[0-9]+",
+                     done.stdout, re.MULTILINE), done.stdout
+    threads = dict(re.findall(r"^(bare|bareee) +median .*\n +threads[^:]*: (.*)$", done.stdout,
+                              re.MULTILINE))
+    assert set(threads) == {"bare", "bareee"}, done.stdout
+    assert "event_engine" in threads["bare"], done.stdout
+    assert "event_engine" not in threads["bareee"], done.stdout
+
+
 def test_stream_overhead_step_marks(tmp_path: Path) -> None:
     """bench/stream_overhead.py with Q6SERVE_STEP_MARKS=1 (bench/loop_trips.install_marks):
     the engine's request step gives its marks' medians in the order the handler passes them
