@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from q6serve.service import config_limits as lim
 from q6serve.service import envvars
 
+from . import grpc_env
 from .cli_target import EXIT_FAILED, UsageError, port_arg
 
 EXAMPLE = """example:
@@ -233,6 +234,8 @@ class PortInUse(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    # before anything imports gRPC, which reads GRPC_EXPERIMENTS once (client/grpc_env.py)
+    grpc_tuned = grpc_env.apply()
     first = _setup_logging(args.log_level)
     envvars.check()  # a bad tuning variable: one line naming it, before anything starts
     from q6serve.kernels.backends import make_backend
@@ -267,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
                 from q6serve.service.frontends import FrontendsWorker
 
                 worker = FrontendsWorker(config, backend)
+        logging.getLogger("q6serve.worker").info(  # (held until "listening on" is logged)
+            "gRPC: %s=%r%s", grpc_env.VAR, os.environ.get(grpc_env.VAR, ""),
+            "" if grpc_tuned else " (gRPC was imported before the worker set it: not read)")
         if not asyncio.run(run_worker(config, backend, worker)):
             return EXIT_FAILED  # the drain abandoned work (logged): not a clean stop
     except PortInUse as e:

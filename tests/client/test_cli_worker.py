@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from q6serve.client import grpc_env
 from q6serve.client.cli import build_parser, main
 from q6serve.kernels import q6k
 from q6serve.kernels.gguf_io import write_q6k_gguf
@@ -35,6 +36,7 @@ def worker_proc(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Pa
     models = tmp_path / "models"
     models.mkdir()
     env = {**os.environ, "Q6SERVE_DYNAMIC_BATCHING": "1"}
+    env.pop("GRPC_EXPERIMENTS", None)  # the worker's own (client/grpc_env.py)
     proc = subprocess.Popen(
         [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
          "numpy", "--model-dir", str(models), "--vram-budget", "64MiB",
@@ -117,6 +119,8 @@ def test_worker_and_admin_commands(worker_proc, tmp_path: Path,  # type: ignore[
     assert proc.stderr is not None
     rest = proc.stderr.read()
     assert "draining" in rest and "stopped" in rest
+    # every call above ran on the gRPC the worker set up before importing it (grpc_env.py)
+    assert f"gRPC: GRPC_EXPERIMENTS='{grpc_env.EVENT_ENGINE_OFF}'" in rest, rest
     assert main(["health", *t, "--timeout", "2"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
 

@@ -1,0 +1,43 @@
+"""gRPC's process-wide settings that ``q6serve worker`` makes before gRPC starts (issue 14, T1).
+
+gRPC reads ``GRPC_EXPERIMENTS`` once, when its core is first imported. grpcio 1.8x polls its
+sockets with the EventEngine (a poller thread and a thread pool of its own) unless the
+``event_engine_*`` experiments are turned off, which gives back the older iomgr path: the
+thread that waits on the completion queue (grpc.aio's poller) polls the sockets itself, so a
+request reaches the worker's loop with fewer thread wake-ups. VM (2 cores, numpy;
+bench/stream_overhead.py at T1's sizes, 3 rounds alternated): the bare echo's round trip 238 ->
+169 us p50 with them off in its process (its EventEngine threads' 3 wake-ups and 50 us of CPU a
+round trip gone), the worker's 744 -> 704 beyond its kernel (its EventEngine threads' 10.8
+wake-ups and 209 us of CPU a round trip -> 3.4 and 69). docs/SERVICE.md has the H200 figures.
+
+The worker sets the variable only where its environment has none (an empty value keeps
+gRPC's defaults) and only before gRPC is imported (after that it would not be read: nothing
+is changed then). Its front-end processes inherit it. A client process may do the same before
+it imports grpc (:func:`apply`); the library does not change a caller's environment itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
+
+VAR = "GRPC_EXPERIMENTS"
+# the experiments turned off ("-NAME"); grpcio 1.84-1.85 know each (an unknown name is logged
+# and ignored)
+EVENT_ENGINE_OFF = ("-event_engine_client,-event_engine_listener,"
+                    "-event_engine_for_all_other_endpoints,-event_engine_callback_cq")
+
+
+def apply(env: MutableMapping[str, str] | None = None,
+          modules: Mapping[str, object] | None = None) -> bool:
+    """Set ``GRPC_EXPERIMENTS`` to :data:`EVENT_ENGINE_OFF` in ``env`` (this process's
+    environment) unless it is set already or gRPC is imported already (``modules``:
+    ``sys.modules``). Returns whether the variable now holds what this process's gRPC will
+    read, i.e. whether gRPC is not imported yet."""
+    env = os.environ if env is None else env
+    modules = sys.modules if modules is None else modules
+    if "grpc" in modules or "grpc._cython.cygrpc" in modules:
+        return False
+    env.setdefault(VAR, EVENT_ENGINE_OFF)
+    return True

@@ -1,0 +1,39 @@
+"""client/grpc_env.py: the worker's gRPC experiments, set only where nothing is set and only
+before gRPC is imported (gRPC reads GRPC_EXPERIMENTS once, at its import)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from q6serve.client import grpc_env
+
+
+def test_set_where_unset_before_grpc() -> None:
+    env: dict[str, str] = {}
+    assert grpc_env.apply(env, modules={}) is True
+    assert env == {"GRPC_EXPERIMENTS": grpc_env.EVENT_ENGINE_OFF}
+
+
+def test_a_set_value_is_kept_even_empty() -> None:
+    for value in ("", "-event_engine_client"):
+        env = {"GRPC_EXPERIMENTS": value}
+        assert grpc_env.apply(env, modules={}) is True
+        assert env == {"GRPC_EXPERIMENTS": value}
+
+
+def test_nothing_changes_once_grpc_is_imported() -> None:
+    env: dict[str, str] = {}
+    assert grpc_env.apply(env, modules={"grpc": object()}) is False
+    assert env == {}
+
+
+def test_grpc_knows_every_experiment_named() -> None:
+    """This grpcio reads each name (an unknown one is logged as such and ignored)."""
+    r = subprocess.run([sys.executable, "-c", "import grpc, grpc.aio; grpc.aio.server()"],
+                       capture_output=True, text=True, timeout=60,
+                       env={"GRPC_EXPERIMENTS": grpc_env.EVENT_ENGINE_OFF + ",no_such_one",
+                            "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert "Unknown experiment: no_such_one" in r.stderr, r.stderr  # (names are checked)
+    assert r.stderr.count("Unknown experiment") == 1, r.stderr
