@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from q6serve.client import core
+from q6serve.client import core, grpc_env
 from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
 from q6serve.v1 import q6serve_pb2 as pb
 
@@ -342,6 +343,20 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------
+def _start_as_worker(proc: Any) -> None:
+    """Start the spawned echo ``proc`` with gRPC set up as ``q6serve worker`` sets up its own
+    (client/grpc_env.py: GRPC_EXPERIMENTS, read when the child imports gRPC) unless this
+    environment says otherwise: the echo stands for the worker's transport, like for like (as
+    its heap thresholds and busy polling are the worker's)."""
+    had = grpc_env.VAR in os.environ
+    os.environ.setdefault(grpc_env.VAR, grpc_env.EVENT_ENGINE_OFF)
+    try:
+        proc.start()
+    finally:
+        if not had:
+            os.environ.pop(grpc_env.VAR, None)
+
+
 def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False,
                        hold: bool = False) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
@@ -483,7 +498,7 @@ def echo_p50(sizes: list[tuple[int, int]], modes: list[str], seconds: float,
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin),
                          daemon=True)  # (hold off: the first 8 bytes' size, then filler)
-    server.start()
+    _start_as_worker(server)
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:
@@ -569,7 +584,7 @@ def echo_sequence(seqs: list[list[tuple[int, int, int]]], mode: str, seconds: fl
     ports = ctx.Queue()
     server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin, True),
                          daemon=True)
-    server.start()
+    _start_as_worker(server)
     try:
         port = ports.get(timeout=60)
         with ctx.Pool(1) as pool:

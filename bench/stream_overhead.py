@@ -28,7 +28,9 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           its default epoll1
   workeree, bareee  the worker, the bare echo, with gRPC's EventEngine experiments off
           (GRPC_EXPERIMENTS=EE_OFF in the server's process: gRPC's older iomgr path; this
-          process, the caller, keeps its own environment's)
+          process, the caller, keeps its own environment's). ``q6serve worker`` sets EE_OFF
+          itself where nothing is set (client/grpc_env.py): worker is workeree then, and
+  workerdef the worker on gRPC's defaults (GRPC_EXPERIMENTS empty)
 
 On grpc's synchronous server (``grpc.server`` + a thread pool; the stream's handler is a
 generator on a pool thread that blocks in the request iterator; no event loop):
@@ -95,7 +97,7 @@ from typing import Any
 import numpy as np
 
 VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker",
-            "worker0", "workerpoll", "sbare", "sync", "bareee", "workeree")
+            "worker0", "workerpoll", "sbare", "sync", "bareee", "workeree", "workerdef")
 SYNC_VARIANTS = ("sbare", "sync")
 # gRPC's EventEngine experiments (grpcio 1.8x: its sockets polled by the EventEngine's own
 # poller and thread pool); "-" turns each off: the iomgr path, where the thread that waits on
@@ -104,7 +106,8 @@ EE_OFF = ("-event_engine_client,-event_engine_listener,-event_engine_for_all_oth
           "-event_engine_callback_cq")
 WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"},  # variant: its env
            "workerpoll": {"GRPC_POLL_STRATEGY": "poll"},
-           "workeree": {"GRPC_EXPERIMENTS": EE_OFF}}
+           "workeree": {"GRPC_EXPERIMENTS": EE_OFF},
+           "workerdef": {"GRPC_EXPERIMENTS": ""}}  # gRPC's defaults (an empty value)
 # an echo variant that is another one in its own environment: variant -> (as, env)
 ECHOES = {"bareee": ("bare", {"GRPC_EXPERIMENTS": EE_OFF})}
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"

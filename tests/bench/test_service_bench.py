@@ -339,6 +339,36 @@ def test_grpc_floor_with_the_callers_own_work(monkeypatch: pytest.MonkeyPatch) -
     assert plain["stream"] > 0 and with_work["stream"] > 0 and spin["stream"] > 0
 
 
+def test_echo_servers_run_the_workers_grpc(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """The floors' echo servers stand for the worker's transport: spawned with gRPC set up as
+    `q6serve worker` sets up its own (client/grpc_env.py), unless the environment says
+    otherwise (an empty GRPC_EXPERIMENTS: gRPC's defaults in both), and this process's own
+    environment left as it was."""
+    import multiprocessing as mp
+
+    from q6serve.client import grpc_env
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import service_load
+
+    def child_sees(name: str) -> str:
+        out = tmp_path / name
+        # (os.system pickles by name: the spawned child's shell writes what it was given)
+        p = mp.get_context("spawn").Process(
+            target=os.system, args=(f'printf %s "${{GRPC_EXPERIMENTS-unset}}" > {out}',))
+        service_load._start_as_worker(p)
+        p.join(60)
+        return out.read_text()
+
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    assert child_sees("default") == grpc_env.EVENT_ENGINE_OFF
+    assert "GRPC_EXPERIMENTS" not in os.environ
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")
+    assert child_sees("empty") == ""
+    assert os.environ["GRPC_EXPERIMENTS"] == ""
+
+
 def test_dataplane_region_rows_run(tmp_path: Path) -> None:
     """--dataplane through shared-memory regions: the load reads y (and the timing) from the
     caller's region, not from the reply's empty y (its `output_of` once read the message: every
