@@ -29,15 +29,22 @@ EVENT_ENGINE_OFF = ("-event_engine_client,-event_engine_listener,"
                     "-event_engine_for_all_other_endpoints,-event_engine_callback_cq")
 
 
+_before_grpc = False  # this process's environment was set up before gRPC was imported
+
+
 def apply(env: MutableMapping[str, str] | None = None,
           modules: Mapping[str, object] | None = None) -> bool:
-    """Set ``GRPC_EXPERIMENTS`` to :data:`EVENT_ENGINE_OFF` in ``env`` (this process's
+    """Set ``GRPC_EXPERIMENTS`` to :data:`EVENT_ENGINE_OFF` in ``env`` (default: this process's
     environment) unless it is set already or gRPC is imported already (``modules``:
-    ``sys.modules``). Returns whether the variable now holds what this process's gRPC will
-    read, i.e. whether gRPC is not imported yet."""
+    ``sys.modules``). Returns whether gRPC reads (or read) the variable as it now is: gRPC not
+    imported yet, or, for this process's environment, an earlier call made before gRPC's import
+    (bench/trips_site does so for a worker whose start-up imports gRPC)."""
+    global _before_grpc
+    own = env is None
     env = os.environ if env is None else env
     modules = sys.modules if modules is None else modules
     if "grpc" in modules or "grpc._cython.cygrpc" in modules:
-        return False
+        return own and _before_grpc
     env.setdefault(VAR, EVENT_ENGINE_OFF)
+    _before_grpc = _before_grpc or own
     return True

@@ -9,6 +9,15 @@ and bench/job_stamps.py's device-job stamps if Q6SERVE_JOB_STAMPS names an outpu
 import os
 import sys
 
+# `q6serve worker` sets gRPC up before it imports gRPC (client/grpc_env.py: GRPC_EXPERIMENTS is
+# read once, at gRPC's import); the stamps below import gRPC first, so a worker's process does
+# it here, as its own start would have (other processes on this path keep their environment's)
+_argv = getattr(sys, "orig_argv", sys.argv)
+if "worker" in _argv and any(a.endswith(("q6serve.client.cli", "q6serve")) for a in _argv):
+    from q6serve.client import grpc_env
+
+    grpc_env.apply()
+
 if os.environ.get("Q6SERVE_LOOP_TRIPS"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import loop_trips

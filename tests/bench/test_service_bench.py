@@ -369,6 +369,30 @@ def test_echo_servers_run_the_workers_grpc(monkeypatch: pytest.MonkeyPatch,
     assert os.environ["GRPC_EXPERIMENTS"] == ""
 
 
+def test_stamped_worker_sets_up_grpc_first(tmp_path: Path) -> None:
+    """A worker with bench/trips_site on its path (its reply stamps import gRPC at start-up)
+    still runs gRPC as `q6serve worker` sets it up (client/grpc_env.py): the site does it first."""
+    from q6serve.client import grpc_env
+    from q6serve.client.worker_process import WorkerProcess
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "bench/trips_site"),
+                                                      env.get("PYTHONPATH", "")) if p),
+               Q6SERVE_REPLY_STAMPS="1")
+    log = tmp_path / "worker.log"
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # (WorkerProcess starts the worker with this environment)
+    try:
+        with WorkerProcess(["--backend", "numpy"], log):
+            pass
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    text = log.read_text()
+    assert f"gRPC: GRPC_EXPERIMENTS='{grpc_env.EVENT_ENGINE_OFF}'\n" in text, text
+
+
 def test_dataplane_region_rows_run(tmp_path: Path) -> None:
     """--dataplane through shared-memory regions: the load reads y (and the timing) from the
     caller's region, not from the reply's empty y (its `output_of` once read the message: every

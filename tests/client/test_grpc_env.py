@@ -3,6 +3,7 @@ before gRPC is imported (gRPC reads GRPC_EXPERIMENTS once, at its import)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,20 @@ def test_grpc_knows_every_experiment_named() -> None:
     assert r.returncode == 0, r.stderr
     assert "Unknown experiment: no_such_one" in r.stderr, r.stderr  # (names are checked)
     assert r.stderr.count("Unknown experiment") == 1, r.stderr
+
+
+def test_a_process_set_up_before_grpc_says_so_after_too() -> None:
+    """Called again once gRPC is imported, apply() says whether the process's first call came
+    before gRPC's import (bench/trips_site's worker): True then, False where gRPC came first."""
+    code = ("from q6serve.client import grpc_env\n"
+            "{first}"
+            "import grpc\n"
+            "import os\n"
+            "print(grpc_env.apply(), os.environ.get('GRPC_EXPERIMENTS'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    for first, want in (("grpc_env.apply()\n", f"True {grpc_env.EVENT_ENGINE_OFF}"),
+                        ("", "False None")):
+        r = subprocess.run([sys.executable, "-c", code.format(first=first)],
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, r.stdout
