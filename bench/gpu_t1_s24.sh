@@ -14,6 +14,12 @@
 #    process (worker, its floors' echoes and callers), if the bound leaves time; the machine
 #    probed first (bench/machine_probe.py: each core's speed).
 #   PHASE=a bash bench/gpu_t1_s24.sh   env: BOUND, BACKEND (cuda), ROUNDS (4), SECONDS_RUN (0.6)
+# B: T1 as the closing check runs it on the tree where `q6serve worker` turns the EventEngine
+#    off itself (client/grpc_env.py) and the floors' echoes run as the worker (bench/
+#    service_load.py), the caller on gRPC's defaults (bundle C, bound 50 s; A's t1_ee was cut
+#    at its 17 s step); then, if the bound leaves time, with GRPC_EXPERIMENTS empty (gRPC's
+#    defaults in every process: main's T1).
+#   PHASE=b bash bench/gpu_t1_s24.sh   env: BOUND, BACKEND (cuda)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -47,6 +53,28 @@ if [[ $PHASE == a ]]; then
     grep -E "^# round|^(bare|bareee|worker|workeree) |^ +threads" "$OUT/overhead.log" | cut -c1-220
     [[ -f $OUT/t1_ee.log ]] && grep -hE "^T1 |mean us|bare gRPC round trip|MISSED|met$" \
       "$OUT/t1_ee.log" | cut -c1-220
+  } | table
+elif [[ $PHASE == b ]]; then
+  BOUND=${BOUND:-50}
+  t1() {  # RUN [VAR=VALUE]: T1 as bench/gpu_check.sh runs it
+    local run=$1
+    shift
+    step "$run" "$(bound 32 1)" env "$@" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+      --target-report --targets T1 --modes stream --weights ffn_down --seconds 1.0 \
+      --warmup 0.3 --json "$OUT/$run.json"
+  }
+  t1 t1_new
+  if left 16; then t1 t1_grpcdef GRPC_EXPERIMENTS=; else note "# t1_grpcdef skipped at $(elapsed)"; fi
+  {
+    echo "# gpu_t1_s24 PHASE=b $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    for r in t1_new t1_grpcdef; do
+      [[ -f $OUT/$r.log ]] || continue
+      echo "## $r"
+      grep -hE "^T1 |mean us|bare gRPC round trip|MISSED|met$" "$OUT/$r.log" | cut -c1-220
+    done
+    grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT/worker.log" | cut -c1-200
   } | table
 fi
 exit 0
