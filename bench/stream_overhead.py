@@ -96,14 +96,14 @@ from typing import Any
 
 import numpy as np
 
+from q6serve.client import grpc_env
+
 VARIANTS = ("bare", "proto", "struct", "icpt", "servicer", "direct", "engine", "worker",
             "worker0", "workerpoll", "sbare", "sync", "bareee", "workeree", "workerdef")
 SYNC_VARIANTS = ("sbare", "sync")
-# gRPC's EventEngine experiments (grpcio 1.8x: its sockets polled by the EventEngine's own
-# poller and thread pool); "-" turns each off: the iomgr path, where the thread that waits on
-# the completion queue polls the sockets itself. Read once, when gRPC is first imported.
-EE_OFF = ("-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,"
-          "-event_engine_callback_cq")
+# gRPC's EventEngine experiments off, as `q6serve worker` sets them (client/grpc_env.py says
+# why; importing it does not import gRPC)
+EE_OFF = grpc_env.EVENT_ENGINE_OFF
 WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"},  # variant: its env
            "workerpoll": {"GRPC_POLL_STRATEGY": "poll"},
            "workeree": {"GRPC_EXPERIMENTS": EE_OFF},
