@@ -3,7 +3,9 @@
 in DIR, the one-second window with the most calls (the timed part of a short bench run), as one
 row: calls a second, the loop's busy share (1 - time blocked in epoll), the process's CPU a call,
 loop iterations a call, socket reads a call, the share of calls launched pipelined and as
-their place's graph (``place``), and each thread's cores. With --stages, a second
+their place's graph (``place``), the full system-region calls' shares (``sys``: launched
+through the pipeline, of them by their region's plan, and queued; only where there were any),
+and each thread's cores. With --stages, a second
 line per file: each timed stage's wall time a call (us) and how many times a call it ran
 (``st_*`` counters, ``_DeviceStats._stages``; a stage's time includes the stages it calls),
 and the loop's busy time a call left outside the top-level stages (asyncio's own share).
@@ -47,6 +49,10 @@ def busiest(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
              # from the calls' pinned slots; no column before session 22)
              "merged": b.get("merged_requests", 0) - a.get("merged_requests", 0),
              "gathered": b.get("gathered_batches", 0) - a.get("gathered_batches", 0),
+             # (full system-region calls launched through the pipeline, of them by their
+             # region's plan, and queued to the batcher; no column before session 25)
+             **{k: b.get(f"sys_{k}", 0) - a.get(f"sys_{k}", 0)
+                for k in ("launched", "planned", "queued")},
              "threads": {k.split(":", 1)[1]: (v - a["threads_cpu_s"].get(k, v)) / dt
                          for k, v in b["threads_cpu_s"].items()},
              "stages": {k: b[k] - a.get(k, 0.0) for k in b if k.startswith("st_")}}
@@ -66,6 +72,8 @@ def row(tag: str, w: dict[str, Any]) -> str:
             f"{w.get('place', 0) / n:.2f}  "
             + (f"merged {w['merged'] / n:.2f} (gathered {w['gathered'] / n:.2f})  "
                if w.get("merged") else "")
+            + (f"sys {w['launched'] / n:.2f} (planned {w['planned'] / n:.2f}, queued "
+               f"{w['queued'] / n:.2f})  " if w.get("launched") or w.get("queued") else "")
             + f"cores: {threads}")
 
 

@@ -752,6 +752,9 @@ class _DeviceStats:
                 "merged_calls": self.w.merged[1], "gathered_batches": self.w.gathered,
                 "pipelined_batches": self.w.pipelined[0],
                 "pipelined_wait_s": self.w.pipelined[1], "threads_cpu_s": threads,
+                # the full system-region calls: launched, by their plan, queued
+                "sys_launched": self.w.sys_launched, "sys_planned": self.w.sys_planned,
+                "sys_queued": self.w.sys_queued,
                 # (not ``regions and ...``: a RegionTable with no region left is falsy)
                 "place_launches": getattr(None if self.w.regions is None
                                           else self.w.regions.cuda, "place_launches", 0),
@@ -919,7 +922,12 @@ class FrontendsWorker(Worker):
         # launched at its end through the same pipeline (``_launch_sys_due``)
         self._sys_due: list[_SysCall] = []
         self.sys_pipe = bool(envvars.DP_SYS_PIPE.read())  # (0: queued to the batcher)
-        self.sys_planned = 0  # of them, launched by their region's plan (tests)
+        # of the full system-region calls: launched (by their plan or routed), by their
+        # region's plan, and queued to the batcher (the engine would not launch them now);
+        # in Q6SERVE_DP_STATS' lines (bench/device_stats_table.py's "sys" cell)
+        self.sys_launched = 0
+        self.sys_planned = 0
+        self.sys_queued = 0
         self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
@@ -1708,12 +1716,14 @@ class FrontendsWorker(Worker):
             if plan is not None:
                 p.drop_plan()  # (not again)
             raise
-        if wait is not None and plan is not None:
-            self.sys_planned += 1
+        if wait is not None:
+            self.sys_launched += 1
+            self.sys_planned += plan is not None
         return wait
 
     def _sys_queue(self, p: _SysCall) -> None:
         """``p`` queued as any full call (the engine would not launch it now)."""
+        self.sys_queued += 1
         if p.plan is not None:
             p.drop_plan()
             self._sys_routed(p)  # (queued: routed as any other)

@@ -51,3 +51,17 @@ def test_without_stages_one_line_a_file(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "dpstats_s0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert _table().main([str(tmp_path)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_system_region_calls_by_their_plan(tmp_path: Path, capsys: Any) -> None:
+    """The ``sys`` cell: of 1,000 calls, 900 launched through the pipeline (800 by their
+    region's plan) and 100 queued; a file with none has no such cell."""
+    lines = [_line(0.0, 0, 0.0, sys_launched=10, sys_planned=5, sys_queued=1),
+             _line(1.0, 1000, 0.4, sys_launched=910, sys_planned=805, sys_queued=101)]
+    (tmp_path / "dpstats_s1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "dpstats_s2.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in [_line(0.0, 0, 0.0), _line(1.0, 10, 0.5)]))
+    assert _table().main([str(tmp_path)]) == 0
+    s1, s2 = capsys.readouterr().out.splitlines()
+    assert "sys 0.90 (planned 0.80, queued 0.10)" in s1, s1
+    assert "sys " not in s2, s2

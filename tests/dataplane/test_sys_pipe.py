@@ -67,6 +67,11 @@ def test_full_system_region_calls_are_pipelined(running: Any,
     # the first was queued (no like job measured); the later ones launched at trip ends
     assert w.worker.pipelined[0] >= 4, w.worker.pipelined
     assert w.worker._pending == 0
+    # Q6SERVE_DP_STATS' counts of them: each launched or queued, none by a plan (the NumPy
+    # backend makes no region calls to plan with)
+    counts = (w.worker.sys_launched, w.worker.sys_planned, w.worker.sys_queued)
+    assert counts[0] == w.worker.pipelined[0] and counts[0] + counts[2] == 6, counts
+    assert counts[1] == 0 and counts[2] >= 1, counts
 
 
 def test_pipelined_calls_of_several_callers_each_get_their_y(running: Any,
