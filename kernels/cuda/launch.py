@@ -41,8 +41,9 @@ host path of one batch:
 
 8. row chunks of a large y (``CudaWeight.y_chunks``: 2 for storage's two-slab weights, else
    none; ``Q6SERVE_Y_CHUNKS=C`` sets C for every weight, 0 turns them off): a call whose f32 (or
-   bf16) y is ``Y_CHUNK_MIN`` bytes or more, whose tile is the register K-slice tile
-   (``Y_CHUNK_SRCS``; the grid's rows done in rounds of ``gx x warps x 16`` rows) and that is
+   bf16) y is ``Y_CHUNK_MIN`` bytes or more, whose tile is the register K-slice tile or the
+   wgmma tile (``Y_CHUNK_SRCS``; the grid's rows done in rounds of ``gx x warps x 16`` rows;
+   the wgmma tile also where point 10's rule by y would halve it: ``X_SPLIT_Y_SRCS``) and that is
    launched while no other launch is in flight on the launcher (``Y_CHUNKS_IDLE``: under load
    the chunks' extra GPU time is throughput lost, and the calls beside it overlap its copies
    anyway) runs as up to C launches on row chunks of the weight - runs of whole slabs (a view
@@ -84,7 +85,8 @@ host path of one batch:
    reads the whole weight: the GPU time grows (the reported kernel time is both halves'), the
    wall shrinks where the bus dominates: H200, session 15, 4096x14336 N=64 (1.8 MB of x up, 1
    MiB of y down around a 44 us kernel) staged wall 150.3 -> 138.4 us for 63 us of kernels.
-   A call with a large f32 y (``X_SPLIT_Y_MIN``) takes the halves before point 8's row chunks,
+   A call with a large f32 y (``X_SPLIT_Y_MIN``) on the register K-slice tile
+   (``X_SPLIT_Y_SRCS``; on the wgmma tile: point 8's row chunks) takes the halves before them,
    and with ``X_SPLIT_ROWS`` each half in the weight's own row chunks (each part its [tokens,
    chunk rows] block of the device y, DMA'd by a 2D copy into its place while the next part
    computes): 4 parts on a two-slab weight, y's download started after a quarter of the work:
@@ -244,13 +246,24 @@ X_SPLIT_ROWS = 1
 X_SPLIT_MAX_N = 64
 X_SPLIT_FIT = 1
 X_SPLIT_SRCS = (4, 8)
+# The tiles whose calls X_SPLIT_Y_MIN sends to token halves: the register K-slice tile (src 4),
+# whose halves run its tile narrowed to their tokens (X_SPLIT_FIT). A call on another tile that
+# the rule sends to halves (not X_SPLIT_MIN's: x is small) takes its weight's row chunks instead
+# (point 8; the whole call where the weight has none): the wgmma tile's halves would each run
+# its full 64-token tile over the whole weight, twice the weight's reads for one 32-token
+# column each. Session 25 (k): 14336x4096 and 18944x3584 N=64 on src 8 (its kernel alone 39.8
+# / 41.4 us against src 4's 41.4 / 46.3, H200, session 24's bundle B) in their two slab chunks.
+X_SPLIT_Y_SRCS = (4,)
 # The wgmma tile's source: src 8 (kernels/cuda/q6k_wgmma.cu; session 21 removed src 6 and 9,
 # which no table cell picked, and then the ring K-slice tile src 5, whose one cell went to src 8).
 WG_SRCS = (8,)
-# The tiles whose calls are chunked: the register K-slice tile (src 4). Not the wgmma tile (then
-# src 6): H200, session 12, 4096x14336 N=64 in two chunks kept its wall (149-157 vs 150 us) for
-# 8-10 us more of kernels (each chunk stages its CTAs' activation slices, up to 192 KB, again).
-Y_CHUNK_SRCS = (4,)
+# The tiles whose calls are chunked: the register K-slice tile (src 4) and, since session 25, the
+# wgmma tile (src 8) for the tall two-slab weights' N=64 cells (K 3584-4096: each chunk re-stages
+# its CTAs' K slices of 3 blocks, 96 KB at N=64, by cp.async beside the first weight loads).
+# Session 12 left the wgmma tile (then src 6) out: 4096x14336 N=64 (then of 512-row slabs; one
+# slab since session 13, so never chunked) in two chunks kept its wall (149-157 vs 150 us) for
+# 8-10 us more of kernels (each chunk staged its CTAs' activation slices, up to 192 KB, again).
+Y_CHUNK_SRCS = (4, 8)
 # The K-slice tiles whose split-K sum Launcher.pdl launches with PDL: the register tile (src 4;
 # with the ring tile src 5, since removed, every AUTO cell with a sum ran 1.00-1.04x on the H200,
 # session 10, bench/RESULTS.md); the wgmma tile (then src 6) was mixed (0.975-1.032x), so its
@@ -1914,6 +1927,14 @@ class Launcher:
         lp = self.plan(w.rows, w.k, w.layout, in_t, path, cfg, n, cw.pairs)
         # All buffers first (any growth bumps the generation), then the pointers.
         kind = small[0] if isinstance(small, tuple) else None
+        if (kind == "tokens" and lp.src not in X_SPLIT_Y_SRCS
+                and not (X_SPLIT_MIN and x_bytes >= X_SPLIT_MIN)):
+            # halves by y's size on a tile whose halves re-read the weight on its full width
+            # (src 8): the weight's own row chunks instead (X_SPLIT_Y_SRCS; none: whole). The
+            # call's key keeps its state (Launcher.chunks_for knows no tile).
+            want = small[2] if len(small) > 2 else self.chunks_wanted(cw)
+            small = ("rows", want) if want > 1 else None
+            kind = small[0] if small else None
         chunks = (self.row_chunks(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, cw.rps,
                                   small[1], cw.pairs) if kind == "rows" else None)
         halves = (self.token_parts(lp, w.rows, w.k, w.layout, in_t, path, cfg, n, small[1],

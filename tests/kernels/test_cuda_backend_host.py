@@ -435,7 +435,9 @@ def test_row_chunks_keep_the_k_split_and_the_rounds(monkeypatch):
     """Each chunk's launches are the full call's kernel with the full call's K split and token
     chunks on a view of the slab table from the chunk's first slab, its rows' count and its own
     y block; the chunks' rounds are the full call's. A weight of one slab, a small y, an f16 y,
-    the setting off, or the wgmma tile (not in Y_CHUNK_SRCS) bind the plain sequence."""
+    the setting off, or the lm-head's wgmma cell (its slab-rounded chunks would take more rounds
+    than the whole call) bind the plain sequence. (14336x4096 N=64 is the wgmma tile's cell
+    since session 25, in Y_CHUNK_SRCS since.)"""
     rows, k, n = 14336, 4096, 64
     be, _, w = _chunked(monkeypatch, rows, k, 512, 4)
     lc = be.launcher
@@ -463,8 +465,8 @@ def test_row_chunks_keep_the_k_split_and_the_rounds(monkeypatch):
     kernels = [s for s in b.steps if s.grid == chunks[0][2].grid or s.grid[1:] == full.grid[1:]]
     assert [int(s.args[0]) - table for s in kernels] == [8 * (r0 // 512) for r0, _, _ in chunks]
     assert [int(s.args[1]) for s in kernels] == [r1 - r0 for r0, r1, _ in chunks]
-    # plain: the setting off, an f16 y, a small y, one slab, the wgmma tile (the lm-head at
-    # N=64 in the table re-tuned on pair weights, d7d6f1b; 4096x14336 N=64 left it there)
+    # plain: the setting off, an f16 y, a small y, one slab, the lm-head's wgmma cell at N=64
+    # (K split 3 on 44 CTAs: 18 rounds; chunks of 512-row slabs would take 4 + 5 + 6 + 4)
     for shape, out, nn, want, slab in (((rows, k), None, n, 0, 512),
                                        ((rows, k), np.float16, n, 4, 512),
                                        ((rows, k), None, 1, 4, 512), ((rows, k), None, n, 4, rows),

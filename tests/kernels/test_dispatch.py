@@ -415,3 +415,32 @@ def test_cluster_sum_cells_of_the_table():
     near = d.choose(16, Precision.AUTO, SOA, 3584, 3072)  # 3584x3584's neighbour
     assert near.source == "table~3584x3584" and (near.cfg.src, near.cfg.ksplit) == (4, 0)
     assert clusters_fit(SimpleNamespace(num_regs=128), (16, 8, 1), 512, 0, 16)
+
+
+def test_wgmma_cells_of_the_two_slab_weights():
+    """Session 25: the committed table gives 14336x4096 and 18944x3584 at N = 33..64 (auto, f16)
+    to the wgmma tile at the K split measured (6 / 5; session 24's bundle B: 39.8 / 41.4 us
+    against the K-slice tile's 41.4 / 46.3), N = 32 stays the K-slice tile's; device-less, each
+    weight's two slabs (storage.two_slabs) are its row chunks, each on the whole call's grid
+    (19 / 25 CTAs per K slice, the same rounds), so a large y can go down by chunks."""
+    from q6serve.kernels.api import Layout
+    from q6serve.kernels.cuda import storage
+
+    d = Dispatch(committed(), 132)
+    lc = _deviceless_launcher([])
+    for rows, k, ks, gx in ((14336, 4096, 6, 19), (18944, 3584, 5, 25)):
+        assert storage.two_slabs(rows, k)
+        for prec in (Precision.AUTO, Precision.F16):
+            for n in (33, 48, 64):
+                c = d.choose(n, prec, SOA, rows, k)
+                assert (c.cfg, c.source) == (Cfg(nt=8, warps=12, src=8, pf=True, ksplit=ks),
+                                             "table"), (rows, k, n, c)
+            assert d.choose(32, prec, SOA, rows, k).cfg.src == 4
+        c = d.choose(64, Precision.AUTO, SOA, rows, k)
+        full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, True)
+        assert full.grid == (gx, ks, 1)
+        chunks = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, rows // 2,
+                               2, True)
+        assert [(r0, r1) for r0, r1, _ in chunks] == [(0, rows // 2), (rows // 2, rows)]
+        assert all((p.grid, p.smem, p.fn.name) == (full.grid, full.smem, full.fn.name)
+                   for _, _, p in chunks)

@@ -5,15 +5,41 @@ large (16 to ``X_SPLIT_MAX_N`` tokens) to token halves before row chunks."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from q6serve.kernels.api import BFLOAT16, KernelFlags, Precision
+from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision, ResidentWeight
 from q6serve.kernels.cuda import launch as launch_mod
-from tests.kernels.test_cuda_backend_host import _chunks, _halves, _set_y, _two_slab, _x
+from q6serve.kernels.cuda.dispatch import Cfg, Dispatch, DispatchTable
+from q6serve.kernels.cuda.storage import CudaWeight
+from tests.kernels.test_cuda_backend_host import (
+    _chunks,
+    _halves,
+    _set_y,
+    _set_y_chunked,
+    _two_slab,
+    _x,
+    fake_backend,
+)
 
 Y_MIN = 3 << 19  # 1.5 MiB of f32 y
+# The two-slab weights' N=64 cells before session 25 (the register K-slice tile, whose token
+# halves the tests below are about); the committed table gives both to the wgmma tile since
+# session 25, whose large y goes by row chunks instead (test_wgmma_cells_take_row_chunks)
+K_SLICE_N64 = {(14336, 4096): Cfg(nt=8, warps=8, src=4, pf=True),
+               (18944, 3584): Cfg(nt=4, warps=12, src=4, pf=True)}
+
+
+def _k_slice_n64(be) -> None:
+    """``be``'s dispatch with the N=64 cells of ``K_SLICE_N64`` (auto, f16) on the K-slice
+    tile, the rest the committed table's."""
+    t = be.dispatch.table
+    cells = [replace(e, cfg=K_SLICE_N64[e.rows, e.k])
+             if (e.rows, e.k) in K_SLICE_N64 and e.n == 64 and e.column in ("auto", "f16")
+             else e for cell in t.cells.values() for e in cell.values()]
+    be.dispatch = Dispatch(DispatchTable(cells, t.meta), be.sm_count)
 
 
 @pytest.mark.parametrize("rows,n,want", [(14336, 64, -4), (14336, 48, 2), (14336, 32, 2),
@@ -55,6 +81,7 @@ def test_halves_by_y_return_y_whole(monkeypatch, staged, out):
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
     monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 0)
     be, cp, _, w = _two_slab(monkeypatch)
+    _k_slice_n64(be)
     rng = np.random.default_rng(31)
     for i in range(5):
         y = _set_y(be, w, 64, i) if i else None
@@ -106,6 +133,7 @@ def test_halves_in_row_chunks_return_y_whole(monkeypatch, staged, out):
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
     monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 1)
     be, cp, _, w = _two_slab(monkeypatch)
+    _k_slice_n64(be)
     assert be.launcher.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == -4
     rng = np.random.default_rng(33)
     parts = [(0, 32, 0, 7168), (0, 32, 7168, 14336), (32, 64, 0, 7168), (32, 64, 7168, 14336)]
@@ -132,6 +160,7 @@ def test_halves_in_row_chunks_keep_the_k_split(monkeypatch):
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
     monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", 1)
     be, _, _, w = _two_slab(monkeypatch)
+    _k_slice_n64(be)
     lc = be.launcher
     seen = []
     orig = lc.steps
@@ -148,6 +177,86 @@ def test_halves_in_row_chunks_keep_the_k_split(monkeypatch):
                           14336)]
 
 
+def _tall(monkeypatch, rows: int, k: int, y_chunks: int = 2):
+    """A fake backend and a tall ``rows`` x ``k`` weight as storage keeps it: two slabs of
+    ``rows / 2`` rows, ``y_chunks`` its own row chunks."""
+    be, cp = fake_backend(monkeypatch)
+    cw = CudaWeight(slabs=[], table=cp.empty(16, np.uint8), rps=rows // 2, y_chunks=y_chunks)
+    return be, cp, ResidentWeight(rows, k, Layout.SOA, rows * k, cw)
+
+
+@pytest.mark.parametrize("rows,k,n,state", [(14336, 4096, 64, -4), (18944, 3584, 64, -4),
+                                            (18944, 3584, 48, -4), (14336, 4096, 48, 2)])
+@pytest.mark.parametrize("staged,out", [(True, None), (False, None), (True, BFLOAT16)])
+def test_wgmma_cells_take_row_chunks(monkeypatch, rows, k, n, state, staged, out):
+    """The table's N=64 cells of the two-slab weights are the wgmma tile's (session 25): a call
+    whose y the rule by y's size would send to token halves (state -4: halves x row chunks)
+    takes the weight's 2 row chunks instead (X_SPLIT_Y_SRCS: each half would run the full
+    64-token tile over the whole weight), as does one the rows rule sends there (state 2):
+    x up in one copy, each slab's [N, rows / 2] block of y down by its 2D copy, y whole on every
+    kind of call (direct, capture, graph, the cached BoundCall)."""
+    be, cp, w = _tall(monkeypatch, rows, k)
+    c = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+    assert c.cfg.src == 8 and c.cfg.ksplit == (6 if k == 4096 else 5)
+    assert be.launcher.chunks_for(w.data, 0, n * rows, n * k * 2, n) == state
+    rng = np.random.default_rng(41)
+    cuts = [(0, rows // 2), (rows // 2, rows)]
+    for i in range(5):
+        y = _set_y_chunked(be, w, n, i, cuts) if i else None
+        before = dict(cp.counts)
+        res = be.launch(w, _x(be, rng, n, k, staged), out_dtype=out).wait()
+        if y is not None:
+            want = y if out is None else y.astype(out)
+            assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+            assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == 2
+            assert cp.counts["h2d"] - before.get("h2d", 0) == 1
+            assert cp.counts.get("d2h", 0) == before.get("d2h", 0)
+    assert _chunks(w, n) == cuts and _halves(w, n) is None
+
+
+def test_wgmma_row_chunks_keep_the_k_split_and_grid(monkeypatch):
+    """Each chunk is the full call's plan on its slab's rows: the table's K split, the same
+    CTAs, threads and shared memory (the chunk's rows in the same rounds), x whole, y at its
+    own [64, 9472] block: every value is the whole call's."""
+    be, _, w = _tall(monkeypatch, 18944, 3584)
+    lc = be.launcher
+    seen = []
+    orig = lc.steps
+    monkeypatch.setattr(lc, "steps", lambda lp, w_, cw, xd, y, n_, r0=0, r1=None: seen.append(
+        (lp.grid, lp.threads, lp.smem, xd, y, n_, r0, r1)) or orig(lp, w_, cw, xd, y, n_, r0,
+                                                                  r1))
+    be.matmul(w, np.ones((64, 3584), np.float16))
+    c = be.choose(64, Precision.AUTO, KernelFlags(), 18944, 3584)
+    full = lc.plan(18944, 3584, w.layout, "InF16", c.path, c.cfg, 64)
+    assert full.grid[1] == 5
+    xd, yd = lc.ws._dev["x"].data.ptr, lc.ws._dev["y"].data.ptr
+    g = (full.grid, full.threads, full.smem)
+    assert seen[-2:] == [(*g, xd, yd, 64, 0, 9472), (*g, xd, yd + 4 * 64 * 9472, 64, 9472, 18944)]
+
+
+def test_wgmma_halves_by_y_fall_back_to_whole_or_halves(monkeypatch):
+    """Where the weight has no row chunks of its own the wgmma cell runs whole (one copy down);
+    with the tile in X_SPLIT_Y_SRCS it takes the halves (x 4 parts) as before session 25; an x
+    of X_SPLIT_MIN bytes or more (the rule by x's size) keeps its halves."""
+    rng = np.random.default_rng(42)
+    be, cp, w = _tall(monkeypatch, 14336, 4096, y_chunks=0)
+    assert be.launcher.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == -2
+    for _ in range(3):
+        before = cp.counts.get("d2h", 0)
+        be.launch(w, _x(be, rng, 64, 4096, True)).wait()
+        assert cp.counts["d2h"] == before + 1
+    assert _halves(w, 64) is None and not any(
+        getattr(b, "extra", {}).get("chunks") for b in w.data.plans.values())
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_SRCS", (4, 8))
+    be, _, w = _tall(monkeypatch, 14336, 4096)
+    be.matmul(w, _x(be, rng, 64, 4096, True))
+    assert _halves(w, 64) == [(0, 32), (32, 64)]
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_SRCS", (4,))
+    monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 18)  # x: 512 KiB
+    be, _, w = _tall(monkeypatch, 14336, 4096)
+    be.matmul(w, _x(be, rng, 64, 4096, True))
+    assert _halves(w, 64) == [(0, 32), (32, 64)]
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_rows", [0, 1])
 @pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
@@ -156,12 +265,14 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
     the rule on, N = 64 and 32 calls run in token halves (really bound; with X_SPLIT_ROWS each
     half in its row chunks where its own grid takes two rounds) and give the plain call's y
     bit for bit on every kind of call (direct, capture, graph, the cached BoundCall; staged
-    and copied x; f32 and bf16 y); beside a launch in flight: plain."""
+    and copied x; f32 and bf16 y); beside a launch in flight: plain. (The N=64 cells on the
+    K-slice tile, as before session 25: ``_k_slice_n64``.)"""
     from q6serve.kernels.api import Layout, iter_aos_chunks
     from tests.conftest import random_blocks
     from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
 
     be = _gpu_backend()(0)
+    _k_slice_n64(be)
     w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
                 rows, k, Layout.SOA)
 
@@ -206,6 +317,49 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
         be.free(w)
         be.close()
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
+def test_wgmma_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
+    """On a device, the weights as storage keeps them (two slabs, their own 2 row chunks): the
+    table's wgmma cells at N = 64 and 48 run in the 2 row chunks (really bound, no halves) and
+    give the whole call's y bit for bit on every kind of call (direct, capture, graph, the
+    cached BoundCall; staged and copied x; f32 and bf16 y); beside a launch in flight: whole.
+    (The whole call's own values: test_cuda_pairs.py's test_every_table_shape.)"""
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
+
+    be = _gpu_backend()(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    staged_x = functools.partial(staged_copy, be)
+    y_min, cuts = launch_mod.X_SPLIT_Y_MIN, [(0, rows // 2), (rows // 2, rows)]
+    try:
+        assert (w.data.rps, w.data.y_chunks) == (rows // 2, 2)
+        for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
+                               (48, None, True)):
+            c = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
+            if be.launcher.tile_cfg(c.path, c.cfg).src != 8:
+                pytest.skip(f"the table's cell runs {c.cfg.label()} here (no wgmma tile)")
+            x = rng.standard_normal((n, k)).astype(np.float16)
+            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+            be.launcher.y_chunks = 0
+            ref = be.matmul(w, x, out_dtype=out).y
+            be.launcher.y_chunks = None
+            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", y_min)
+            for _ in range(4):
+                xi = staged_x(x) if staged else x
+                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+            assert _chunks(w, n) == cuts and _halves(w, n) is None, (rows, n)
+            for _ in range(3):  # beside a launch in flight: the whole call
+                a = be.launch(w, staged_x(x[:1]))
+                np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
+                a.wait()
+    finally:
+        be.launcher.y_chunks = None
+        be.free(w)
+        be.close()
 
 @pytest.mark.parametrize("anchor", [0, 1, 2])
 @pytest.mark.parametrize("staged", [True, False])
