@@ -12,7 +12,9 @@ A variant is a dispatch table and constants of kernels/cuda/launch.py:
   ``Cfg.label()`` each, in the auto and f16 columns of N's bucket): what the table was;
 - ``--variant 'LABEL:TABLE[:NAME=V,...]'`` (TABLE ``new`` or ``old``; NAME a constant of
   launch.py, V an int or ints joined by ``/`` for a tuple, e.g. ``Y_CHUNKS=0,X_SPLIT_Y_MIN=0``:
-  the call whole; ``X_SPLIT_Y_SRCS=4/8``: token halves on every tile).
+  the call whole; ``X_SPLIT_Y_SRCS=4/8``: token halves on every tile; or ``SLAB_ROWS=R``: the
+  variant's own copy of the weight in slabs of R rows, -P: P slabs (backend_wall.py's ``load``;
+  such a weight has no row chunks of its own: give ``Y_CHUNKS=C``)).
 
 At every switch the cached calls (``BoundCall``: keyed without the table's pick) are dropped
 and the bound sequences rebound (a split's binding follows the constants), inside the
@@ -183,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         if table not in tables:
             raise SystemExit(f"--variant {spec!r}: table {table!r} is not new or old")
         variants.append((label, table, parse_sets(rest[0] if rest else "")))
-    unknown = {k for _, _, s in variants for k in s if not hasattr(launch, k)}
+    unknown = {k for _, _, s in variants for k in s if k != "SLAB_ROWS" and not hasattr(launch, k)}
     if unknown:
         raise SystemExit(f"--variant: no constant {', '.join(sorted(unknown))} in launch.py")
-    defaults = {k: getattr(launch, k) for _, _, s in variants for k in s}
+    defaults = {k: getattr(launch, k) for _, _, s in variants for k in s if k != "SLAB_ROWS"}
+    slab_sets = sorted({s.get("SLAB_ROWS", 0) for _, _, s in variants})
     flags = KernelFlags()
     rng = np.random.default_rng(0)
     out: list[dict] = []
@@ -201,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for shape in a.shapes.split(","):
         rows, k = map(int, shape.split("x"))
-        w = _bw.load(be, _bw.random_blocks(rng, rows, k), rows, k)
+        blocks = _bw.random_blocks(rng, rows, k)
+        # the weight as storage keeps it (0), and in the variants' own slabs (SLAB_ROWS)
+        ws = {sr: _bw.load(be, blocks, rows, k, sr) for sr in slab_sets}
+        del blocks
         for n in map(int, a.ns.split(",")):
             xs = [rng.standard_normal((n, k)).astype(np.float16) for _ in range(4)]
             ys: dict[str, np.ndarray] = {}
@@ -212,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             for rnd, (label, table, sets) in enumerate(order):
                 be.dispatch = tables[table]
                 for name, v in {**defaults, **sets}.items():
-                    setattr(launch, name, v)
+                    if name != "SLAB_ROWS":
+                        setattr(launch, name, v)
+                w = ws[sets.get("SLAB_ROWS", 0)]
                 drop_calls(w)
                 be.launcher.ws.gen += 1  # (a split's binding follows the constants: rebind)
                 c = be.choose(n, Precision.AUTO, flags, rows, k)
@@ -255,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, v in defaults.items():
                 setattr(launch, name, v)
             be.dispatch = tables["new"]
-            drop_calls(w)
-        be.free(w)
+            for w in ws.values():
+                drop_calls(w)
+        for w in ws.values():
+            be.free(w)
     print("# per (shape, N): median over rounds of wall / kernel / host p50 (us); wall old/it")
     for shape, n in dict.fromkeys((r["shape"], r["n"]) for r in out):
         med = {}
