@@ -26,7 +26,10 @@ def test_old_table_replaces_only_the_given_cells() -> None:
     """The auto and f16 entries of each given (shape, N bucket) take the label's launch shape;
     every other entry (other columns, buckets, shapes) is the committed table's."""
     new = load_default_table()
-    old = table_wall.old_table(new, OLD.replace(":64:", ":48:", 1))  # (48: bucket 64's cell)
+    # (48: bucket 64's cell; 14336x4096's committed cell is src 4: src 8 there, to differ)
+    old = table_wall.old_table(
+        new, "14336x4096:48:nt8.m1.w12.s8.pf.k6,18944x3584:64:nt4.m1.w12.s4.pf"
+    )
     changed = {}
     for shape, cells in new.cells.items():
         for key, e in cells.items():
@@ -34,8 +37,8 @@ def test_old_table_replaces_only_the_given_cells() -> None:
             if o != e:
                 changed[(*shape, *key)] = o.cfg
     assert changed == {
-        (14336, 4096, 64, "auto"): Cfg(nt=8, src=4, pf=True),
-        (14336, 4096, 64, "f16"): Cfg(nt=8, src=4, pf=True),
+        (14336, 4096, 64, "auto"): Cfg(nt=8, warps=12, src=8, pf=True, ksplit=6),
+        (14336, 4096, 64, "f16"): Cfg(nt=8, warps=12, src=8, pf=True, ksplit=6),
         (18944, 3584, 64, "auto"): Cfg(nt=4, warps=12, src=4, pf=True),
         (18944, 3584, 64, "f16"): Cfg(nt=4, warps=12, src=4, pf=True),
     }

@@ -436,8 +436,8 @@ def test_row_chunks_keep_the_k_split_and_the_rounds(monkeypatch):
     chunks on a view of the slab table from the chunk's first slab, its rows' count and its own
     y block; the chunks' rounds are the full call's. A weight of one slab, a small y, an f16 y,
     the setting off, or the lm-head's wgmma cell (its slab-rounded chunks would take more rounds
-    than the whole call) bind the plain sequence. (14336x4096 N=64 is the wgmma tile's cell
-    since session 25, in Y_CHUNK_SRCS since.)"""
+    than the whole call) bind the plain sequence. (The wgmma tile is in Y_CHUNK_SRCS since
+    session 25, for 18944x3584 N=64.)"""
     rows, k, n = 14336, 4096, 64
     be, _, w = _chunked(monkeypatch, rows, k, 512, 4)
     lc = be.launcher

@@ -418,28 +418,32 @@ def test_cluster_sum_cells_of_the_table():
 
 
 def test_wgmma_cells_of_the_two_slab_weights():
-    """Session 25: the committed table gives 14336x4096 and 18944x3584 at N = 33..64 (auto, f16)
-    to the wgmma tile at the K split measured (6 / 5; session 24's bundle B: 39.8 / 41.4 us
-    against the K-slice tile's 41.4 / 46.3), N = 32 stays the K-slice tile's; device-less, each
-    weight's two slabs (storage.two_slabs) are its row chunks, each on the whole call's grid
-    (19 / 25 CTAs per K slice, the same rounds), so a large y can go down by chunks."""
+    """Session 25: the committed table gives 18944x3584 at N = 33..64 (auto, f16) to the wgmma
+    tile at the K split measured (5; bundle A: 41.2 us against the K-slice tile's 46.3, its
+    staged wall in 2 row chunks 1.004 / 1.082 of src 4's at N = 64 / 48), 14336x4096 keeps the
+    K-slice tile there (src 8 at K split 6: kernel 1.044x, wall 0.979), N = 32 stays the K-slice
+    tile's; device-less, each weight's two slabs (storage.two_slabs) are its row chunks, each on
+    the whole call's grid (19 / 25 CTAs per K slice, the same rounds) for the wgmma tile at
+    either weight's K split, so a large y can go down by chunks."""
     from q6serve.kernels.api import Layout
     from q6serve.kernels.cuda import storage
 
     d = Dispatch(committed(), 132)
     lc = _deviceless_launcher([])
+    for prec in (Precision.AUTO, Precision.F16):
+        for n in (33, 48, 64):
+            c = d.choose(n, prec, SOA, 18944, 3584)
+            assert (c.cfg, c.source) == (Cfg(nt=8, warps=12, src=8, pf=True, ksplit=5),
+                                         "table"), (n, c)
+            c = d.choose(n, prec, SOA, 14336, 4096)
+            assert (c.cfg, c.source) == (Cfg(nt=8, warps=8, src=4, pf=True), "table"), (n, c)
+        assert d.choose(32, prec, SOA, 18944, 3584).cfg.src == 4
     for rows, k, ks, gx in ((14336, 4096, 6, 19), (18944, 3584, 5, 25)):
         assert storage.two_slabs(rows, k)
-        for prec in (Precision.AUTO, Precision.F16):
-            for n in (33, 48, 64):
-                c = d.choose(n, prec, SOA, rows, k)
-                assert (c.cfg, c.source) == (Cfg(nt=8, warps=12, src=8, pf=True, ksplit=ks),
-                                             "table"), (rows, k, n, c)
-            assert d.choose(32, prec, SOA, rows, k).cfg.src == 4
-        c = d.choose(64, Precision.AUTO, SOA, rows, k)
-        full = lc.plan(rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, True)
+        cfg = Cfg(nt=8, warps=12, src=8, pf=True, ksplit=ks)
+        full = lc.plan(rows, k, Layout.SOA, "InF16", "mma_f16", cfg, 64, True)
         assert full.grid == (gx, ks, 1)
-        chunks = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", c.path, c.cfg, 64, rows // 2,
+        chunks = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", "mma_f16", cfg, 64, rows // 2,
                                2, True)
         assert [(r0, r1) for r0, r1, _ in chunks] == [(0, rows // 2), (rows // 2, rows)]
         assert all((p.grid, p.smem, p.fn.name) == (full.grid, full.smem, full.fn.name)

@@ -25,21 +25,29 @@ from tests.kernels.test_cuda_backend_host import (
 )
 
 Y_MIN = 3 << 19  # 1.5 MiB of f32 y
-# The two-slab weights' N=64 cells before session 25 (the register K-slice tile, whose token
-# halves the tests below are about); the committed table gives both to the wgmma tile since
-# session 25, whose large y goes by row chunks instead (test_wgmma_cells_take_row_chunks)
+# The two-slab weights' N=64 cells on the register K-slice tile (as before session 25; whose
+# token halves the tests below are about); the committed table gives 18944x3584's to the wgmma
+# tile since session 25, whose large y goes by row chunks instead (test_wgmma_cells_take_row_
+# chunks), and keeps 14336x4096's on the K-slice tile (bundle A: its wall in 2 chunks 0.979)
 K_SLICE_N64 = {(14336, 4096): Cfg(nt=8, warps=8, src=4, pf=True),
                (18944, 3584): Cfg(nt=4, warps=12, src=4, pf=True)}
+# Both on the wgmma tile at their measured K split (the mechanism holds for either weight)
+WGMMA_N64 = {(14336, 4096): Cfg(nt=8, warps=12, src=8, pf=True, ksplit=6),
+             (18944, 3584): Cfg(nt=8, warps=12, src=8, pf=True, ksplit=5)}
+
+
+def _n64_cells(be, cfgs: dict[tuple[int, int], Cfg]) -> None:
+    """``be``'s dispatch with the N=64 cells (auto, f16) of the weights in ``cfgs`` on the
+    given tiles, the rest the committed table's."""
+    t = be.dispatch.table
+    cells = [replace(e, cfg=cfgs[e.rows, e.k])
+             if (e.rows, e.k) in cfgs and e.n == 64 and e.column in ("auto", "f16")
+             else e for cell in t.cells.values() for e in cell.values()]
+    be.dispatch = Dispatch(DispatchTable(cells, t.meta), be.sm_count)
 
 
 def _k_slice_n64(be) -> None:
-    """``be``'s dispatch with the N=64 cells of ``K_SLICE_N64`` (auto, f16) on the K-slice
-    tile, the rest the committed table's."""
-    t = be.dispatch.table
-    cells = [replace(e, cfg=K_SLICE_N64[e.rows, e.k])
-             if (e.rows, e.k) in K_SLICE_N64 and e.n == 64 and e.column in ("auto", "f16")
-             else e for cell in t.cells.values() for e in cell.values()]
-    be.dispatch = Dispatch(DispatchTable(cells, t.meta), be.sm_count)
+    _n64_cells(be, K_SLICE_N64)
 
 
 @pytest.mark.parametrize("rows,n,want", [(14336, 64, -4), (14336, 48, 2), (14336, 32, 2),
@@ -189,13 +197,15 @@ def _tall(monkeypatch, rows: int, k: int, y_chunks: int = 2):
                                             (18944, 3584, 48, -4), (14336, 4096, 48, 2)])
 @pytest.mark.parametrize("staged,out", [(True, None), (False, None), (True, BFLOAT16)])
 def test_wgmma_cells_take_row_chunks(monkeypatch, rows, k, n, state, staged, out):
-    """The table's N=64 cells of the two-slab weights are the wgmma tile's (session 25): a call
-    whose y the rule by y's size would send to token halves (state -4: halves x row chunks)
-    takes the weight's 2 row chunks instead (X_SPLIT_Y_SRCS: each half would run the full
-    64-token tile over the whole weight), as does one the rows rule sends there (state 2):
-    x up in one copy, each slab's [N, rows / 2] block of y down by its 2D copy, y whole on every
-    kind of call (direct, capture, graph, the cached BoundCall)."""
+    """A two-slab weight's N=64 cell on the wgmma tile (18944x3584's in the table since session
+    25; 14336x4096's set so here): a call whose y the rule by y's size would send to token
+    halves (state -4: halves x row chunks) takes the weight's 2 row chunks instead
+    (X_SPLIT_Y_SRCS: each half would run the full 64-token tile over the whole weight), as does
+    one the rows rule sends there (state 2): x up in one copy, each slab's [N, rows / 2] block
+    of y down by its 2D copy, y whole on every kind of call (direct, capture, graph, the cached
+    BoundCall)."""
     be, cp, w = _tall(monkeypatch, rows, k)
+    _n64_cells(be, WGMMA_N64)
     c = be.choose(n, Precision.AUTO, KernelFlags(), rows, k)
     assert c.cfg.src == 8 and c.cfg.ksplit == (6 if k == 4096 else 5)
     assert be.launcher.chunks_for(w.data, 0, n * rows, n * k * 2, n) == state
@@ -240,6 +250,7 @@ def test_wgmma_halves_by_y_fall_back_to_whole_or_halves(monkeypatch):
     of X_SPLIT_MIN bytes or more (the rule by x's size) keeps its halves."""
     rng = np.random.default_rng(42)
     be, cp, w = _tall(monkeypatch, 14336, 4096, y_chunks=0)
+    _n64_cells(be, WGMMA_N64)
     assert be.launcher.chunks_for(w.data, 0, 64 * 14336, 64 * 4096 * 2, 64) == -2
     for _ in range(3):
         before = cp.counts.get("d2h", 0)
@@ -249,11 +260,13 @@ def test_wgmma_halves_by_y_fall_back_to_whole_or_halves(monkeypatch):
         getattr(b, "extra", {}).get("chunks") for b in w.data.plans.values())
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_SRCS", (4, 8))
     be, _, w = _tall(monkeypatch, 14336, 4096)
+    _n64_cells(be, WGMMA_N64)
     be.matmul(w, _x(be, rng, 64, 4096, True))
     assert _halves(w, 64) == [(0, 32), (32, 64)]
     monkeypatch.setattr(launch_mod, "X_SPLIT_Y_SRCS", (4,))
     monkeypatch.setattr(launch_mod, "X_SPLIT_MIN", 1 << 18)  # x: 512 KiB
     be, _, w = _tall(monkeypatch, 14336, 4096)
+    _n64_cells(be, WGMMA_N64)
     be.matmul(w, _x(be, rng, 64, 4096, True))
     assert _halves(w, 64) == [(0, 32), (32, 64)]
 
@@ -321,16 +334,18 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
 def test_wgmma_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k):
-    """On a device, the weights as storage keeps them (two slabs, their own 2 row chunks): the
-    table's wgmma cells at N = 64 and 48 run in the 2 row chunks (really bound, no halves) and
-    give the whole call's y bit for bit on every kind of call (direct, capture, graph, the
-    cached BoundCall; staged and copied x; f32 and bf16 y); beside a launch in flight: whole.
+    """On a device, the weights as storage keeps them (two slabs, their own 2 row chunks): their
+    N = 33..64 cells on the wgmma tile (18944x3584's in the table; 14336x4096's set so) at N =
+    64 and 48 run in the 2 row chunks (really bound, no halves) and give the whole call's y bit
+    for bit on every kind of call (direct, capture, graph, the cached BoundCall; staged and
+    copied x; f32 and bf16 y); beside a launch in flight: whole.
     (The whole call's own values: test_cuda_pairs.py's test_every_table_shape.)"""
     from q6serve.kernels.api import Layout, iter_aos_chunks
     from tests.conftest import random_blocks
     from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
 
     be = _gpu_backend()(0)
+    _n64_cells(be, WGMMA_N64)
     w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
                 rows, k, Layout.SOA)
     staged_x = functools.partial(staged_copy, be)
