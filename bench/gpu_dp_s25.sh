@@ -17,11 +17,14 @@
 #       bench/service.py's T3 (8 hosts x 1 caller of N=64, 6 front ends round robin) over
 #       system regions (bundle A: ~190 us of the device process's CPU a call).
 #    3. The GPU tests named in GPU_TESTS (default none).
+#  c (bound 60 s, bundle C: a confirmation): the lane row's slots alternated again (LANE_RUNS,
+#    default l4 l3 l3 l4), T3 over system regions likewise (T3_RUNS, e.g. "s4 s3": the digit is
+#    the slots; default none), then GPU_TESTS with Q6SERVE_LAUNCH_SLOTS=TEST_SLOTS.
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s25.sh   env: PHASE (b), BOUND, NEED (11), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), LANE_RUNS, SPY_RUNS, SPY_S (2, whole
 #                         seconds), SPY_RUN_S (3.5), SPY (py-spy), SECONDS_PER_RUN (1.5),
-#                         HOSTS (8), GPU_TESTS (pytest's arguments)
+#                         HOSTS (8), T3_RUNS, GPU_TESTS (pytest's arguments), TEST_SLOTS
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -57,6 +60,12 @@ t3_cmd() {  # t3_cmd STEM: bench/service.py's T3 over system regions, 6 front en
     python3 bench/service.py --backend "$BACKEND" --dataplane --modes stream --frontends 6 \
     --t3-hosts "${HOSTS:-8}" --seconds "${SECONDS_PER_RUN:-1.5}" --warmup 0.3 --targets T3 \
     --regions system --row-scale "${ROW_SCALE:-1.0}" --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
+}
+t3() {  # t3 RUN NAME: T3 over system regions, Q6SERVE_LAUNCH_SLOTS = NAME's digit (none: default)
+  local slots=${2:1:1}
+  Q6SERVE_LAUNCH_SLOTS=${slots:-${Q6SERVE_LAUNCH_SLOTS:-}} t3_cmd "t3_$1"
+  note "# t3_$1 (slots ${slots:-default}) rc=$? at $(elapsed)"
+  archive 2>/dev/null
 }
 spy() {  # spy WHAT (lane, t3): WHAT's run at the defaults, its device process under py-spy
   # for SPY_S s once its counters (Q6SERVE_DP_STATS, a line a second) show the load's calls
@@ -97,6 +106,16 @@ case $PHASE in
     # shellcheck disable=SC2086  # (several paths)
     gpu_tests 20 ${GPU_TESTS-}
     ;;
+  c)
+    LANE_RUNS=${LANE_RUNS-l4 l3 l3 l4}
+    # shellcheck disable=SC2086  # (run names)
+    [[ -n $LANE_RUNS ]] && ab_runs "${NEED:-11}" lane $LANE_RUNS
+    T3_RUNS=${T3_RUNS-}
+    # shellcheck disable=SC2086  # (run names)
+    [[ -n $T3_RUNS ]] && ab_runs "${NEED:-11}" t3 $T3_RUNS
+    # shellcheck disable=SC2086  # (several paths)
+    Q6SERVE_LAUNCH_SLOTS=${TEST_SLOTS:-${Q6SERVE_LAUNCH_SLOTS:-}} gpu_tests 20 ${GPU_TESTS-}
+    ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
 {
@@ -105,6 +124,9 @@ esac
     | sed -E 's/^tests\/dataplane\///; s/ +\[ *[0-9]+%\]//' | cut -c1-110
   echo "# device process (Q6SERVE_DP_STATS, the busiest second), then its stages a call"
   python3 bench/device_stats_table.py "$OUT" --stages 2>&1
+  for f in "$OUT"/t3_*.log; do
+    [[ -f $f ]] && echo "# ${f##*/} $(grep -h -m1 -A1 "^T3 fe=" "$f" | cut -c1-150 | tr -s ' ')"
+  done
   for f in "$OUT"/lane_*.log "$OUT"/spy_lane.log; do
     [[ -f $f ]] || continue
     echo "# ${f##*/} $(grep -h -A1 "lane load" "$f" | cut -c1-300 | tr -s ' ')"
