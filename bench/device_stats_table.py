@@ -1,14 +1,15 @@
 """The device process's load under a run, from its ``Q6SERVE_DP_STATS`` file (service/frontends.py
-``_DeviceStats``: one JSON line of cumulative counters a second): per file ``dpstats_TAG.jsonl``
-in DIR, the one-second window with the most calls (the timed part of a short bench run), as one
-row: calls a second, the loop's busy share (1 - time blocked in epoll), the process's CPU a call,
-loop iterations a call, socket reads a call, the share of calls launched pipelined and as
-their place's graph (``place``), the full system-region calls' shares (``sys``: launched
-through the pipeline, of them by their region's plan, and queued; only where there were any),
-and each thread's cores. With --stages, a second
-line per file: each timed stage's wall time a call (us) and how many times a call it ran
-(``st_*`` counters, ``_DeviceStats._stages``; a stage's time includes the stages it calls),
-and the loop's busy time a call left outside the top-level stages (asyncio's own share).
+``_DeviceStats``: one JSON line of cumulative counters a second): per file ``dpstats_TAG.jsonl`` in
+DIR, the one-second window with the most calls (front-end messages and fast-lane requests: the timed
+part of a short bench run), as one row: calls a second, the loop's busy share (1 - time blocked in
+epoll), the process's CPU a call, loop iterations a call, socket reads a call, the share of calls
+launched pipelined and as their place's graph (``place``), the full system-region calls' shares
+(``sys``: launched through the pipeline, of them by their region's plan, and queued; only where
+there were any), and each thread's cores. With --stages, a second line per file: each timed stage's
+wall time a call (us) and how many times a call it ran (``st_*`` counters, ``_DeviceStats._stages``;
+a stage's time includes the stages it calls), and the loop's busy time a call left outside the
+top-level stages (asyncio's own share; a lane's record parsing and a trip's ``lane_flush`` run on
+its own are in it too).
 
     python3 bench/device_stats_table.py DIR [--stages]
 """
@@ -22,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CALLS = ("msg_rm", "msg_mm", "msg_call")
+# (a fast lane's request is a call too: ``lane_requests``, none before session 25)
+CALLS = ("msg_rm", "msg_mm", "msg_call", "lane_requests")
 
 
 def calls(d: dict[str, Any]) -> float:
@@ -88,7 +90,11 @@ def stages_row(tag: str, w: dict[str, Any]) -> str:
         return f"# {tag:8} stages: none counted"
     busy = w["dt"] - w["select_s"]
     # (a top-level stage may also run inside another: out_flush inside flush_calls' flush_now)
-    top = st.get("st_read_s", 0.0) + st.get("st_flush_calls_s", 0.0) + st.get("st_tick_s", 0.0)
+    # (a lane's records are read by its own connection: lane_request is its top-level stage,
+    # lane_flush runs inside it or on its own a trip later; lane_answer runs in a tick's or
+    # flush_calls' settle, or in lane_flush)
+    top = (st.get("st_read_s", 0.0) + st.get("st_flush_calls_s", 0.0) + st.get("st_tick_s", 0.0)
+           + st.get("st_lane_request_s", 0.0))
     parts = sorted(names, key=lambda k: -st[f"st_{k}_s"])
     cells = "  ".join(f"{k} {1e6 * st[f'st_{k}_s'] / n:.1f} ({st.get(f'st_{k}_n', 0) / n:.2f})"
                       for k in parts)

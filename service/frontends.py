@@ -573,6 +573,7 @@ class _DeviceStats:
         import threading
 
         self.w, self.path, self._threading = worker, path, threading
+        self._lanes: lane_mod.LaneServer | None = None  # the fast lanes', once one opened
         self.c: dict[str, float] = collections.defaultdict(float)
         loop = asyncio.get_running_loop()
         sel = loop._selector  # type: ignore[attr-defined]
@@ -706,6 +707,18 @@ class _DeviceStats:
             t(worker.engine, "launch_now", "engine_launch_now")
             t(worker.engine, "run_direct", "run_direct")  # (the merged batch's inline job)
 
+    def lanes(self, server: lane_mod.LaneServer) -> None:
+        """Time the fast lanes' stages (once, when the first lane opens): a request record
+        handled (``lane_request``: the checks, then launched or queued), the trip's full
+        batches pipelined (``lane_flush``) and a reply (``lane_answer``); their requests
+        are the snapshot's ``lane_requests`` (bench/device_stats_table.py counts them as
+        calls: a lane's request is one, as a front end's message is)."""
+        if self._lanes is None:
+            self._lanes = server
+            self._timed(server, "_request", "lane_request")
+            self._timed(server, "_flush", "lane_flush")
+            self._timed(server, "_answer", "lane_answer")
+
     def connection(self, conn: _FrontConnection) -> None:
         """Count one front end's socket reads and writes (and their time: ``read`` is a
         socket read's frames parsed and handed on, ``write`` the transport's send)."""
@@ -755,6 +768,8 @@ class _DeviceStats:
                 # the full system-region calls: launched, by their plan, queued
                 "sys_launched": self.w.sys_launched, "sys_planned": self.w.sys_planned,
                 "sys_queued": self.w.sys_queued,
+                # the fast lanes' requests (each a call; none before a lane opened)
+                "lane_requests": 0 if self._lanes is None else self._lanes.direct,
                 # (not ``regions and ...``: a RegionTable with no region left is falsy)
                 "place_launches": getattr(None if self.w.regions is None
                                           else self.w.regions.cuda, "place_launches", 0),
@@ -1969,8 +1984,11 @@ async def _dev_region(w: FrontendsWorker, op: str, *a: Any) -> Any:
     if op not in ("register", "unregister", "list", "open_lane"):
         raise InvalidArgument(f"unknown region call {op!r}")
     got = await getattr(w.plane, op)(*a)
-    if op == "open_lane" and w.lane_pipe and (lanes := w.plane.lanes) is not None:
-        lanes.pipe = w._pipe  # (the lanes' full batches through this process's pipeline)
+    if op == "open_lane" and (lanes := w.plane.lanes) is not None:
+        if w.lane_pipe:
+            lanes.pipe = w._pipe  # (the lanes' full batches through this process's pipeline)
+        if w.stats is not None:
+            w.stats.lanes(lanes)
     return got
 
 

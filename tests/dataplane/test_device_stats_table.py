@@ -65,3 +65,18 @@ def test_system_region_calls_by_their_plan(tmp_path: Path, capsys: Any) -> None:
     s1, s2 = capsys.readouterr().out.splitlines()
     assert "sys 0.90 (planned 0.80, queued 0.10)" in s1, s1
     assert "sys " not in s2, s2
+
+
+def test_lane_requests_are_calls_and_their_stage_top_level(tmp_path: Path, capsys: Any) -> None:
+    """A lane load's second: 2,000 lane requests (and 10 front-end messages) are 2,010 calls;
+    lane_request (600 ms) is a top-level stage beside tick (100 ms): of 0.8 s busy, 100 ms
+    (~49.8 us a call) outside them."""
+    base = {"msg_rm": 0, "lane_requests": 0}
+    lines = [{**_line(0.0, 0, 0.0), **base},
+             {**_line(1.0, 10, 0.2, st_lane_request_s=0.6, st_lane_request_n=2000,
+                      st_tick_s=0.1, st_tick_n=1000), "lane_requests": 2000}]
+    (tmp_path / "dpstats_lane.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert _table().main([str(tmp_path), "--stages"]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert "2,010 calls/s" in first, first
+    assert "busy 398.0  other 49.8  lane_request 298.5 (1.00)" in second, second

@@ -254,6 +254,38 @@ def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
         w.stop()
 
 
+def test_lane_requests_in_the_device_stats(rng: np.random.Generator, tmp_path: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6SERVE_DP_STATS of a --frontends worker counts its lanes' requests as calls
+    (``lane_requests``) and times their stages (a record handled, a trip's pipeline, a
+    reply), from the first lane's opening on: bench/device_stats_table.py's per-call figures
+    of a lane load (bundle A's lane row read 16 "calls" a second without them)."""
+    from tests.dataplane.test_frontends import Running
+
+    monkeypatch.setenv("Q6SERVE_DP_STATS", str(tmp_path / "dpstats.jsonl"))
+    w = Running(dataclasses.replace(BASE, frontends=2))
+    try:
+        c = w.client()
+        blocks = random_q6k(ROWS, K, 4)
+        c.upload("w", blocks, ROWS, K)
+        x = rng.standard_normal((4, K)).astype(np.float32)
+        stats = w.worker.stats
+        assert stats is not None
+
+        async def snapshot() -> dict[str, Any]:
+            return stats.snapshot()
+
+        assert w.call(snapshot())["lane_requests"] == 0  # (no lane yet)
+        with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
+            for _ in range(3):
+                np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+            got = w.call(snapshot())
+        assert got["lane_requests"] == 3, got
+        assert got["st_lane_request_n"] == 3 and got["st_lane_request_s"] > 0, got
+    finally:
+        w.stop()
+
+
 async def _held(w: Any) -> list[int]:
     return [r.users for r in w.worker.regions._regions.values()]
 
