@@ -33,6 +33,8 @@ host path of one batch:
    itself (:class:`BoundCall`, on the weight, per x shape/dtype, precision, flags, out dtype,
    top-k and slot): the next such call is a dict lookup, the graph launch, y's way out and the
    slot's event, then the sync and the result, with nothing re-checked that binding settled.
+   The lookup itself is by (x's shape, slot) and the identity of the call's arguments first
+   (``HOT_CALLS``, :meth:`BoundCall.same`), the keyed one only where that misses.
 
 7. a call whose x and y lie at fixed page-locked host addresses (a fast lane's region places)
    and whose route asks for it becomes a :class:`RegionCall`: x's DMA, the kernels and y's
@@ -274,6 +276,13 @@ PDL_SRCS = (4,)
 # sum adds four per thread (H200, session 20, bench/sum_ab.py: 1.02-1.53x there; below it the
 # quarter-size grid ran 0.85-0.97x, so one float per thread as before)
 SUM_VEC_MIN = 1 << 18
+# CudaBackend.launch finds a repeated call's BoundCall by (x's shape, slot) and the identity of
+# its arguments before the keyed lookup (BoundCall.same: no key tuple built and hashed, no
+# dataclass or enum hash in Python); 0: the keyed lookup only (a bench's A/B). H200, session 25
+# bundle B (b818352, 4 rounds alternated): staged wall 4096x14336 N=64 114.4 -> 111.5 us (every
+# round), N=1 36.7 -> 36.3, 14336x4096 N=1 42.2 -> 41.1; the host's part before the graph launch
+# 6.0 -> 4.3 us at N=64 (it runs on caches the staging fill has just cooled)
+HOT_CALLS = 1
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
@@ -845,14 +854,21 @@ class BoundCall:
     :meth:`live` says whether the binding still holds (the workspace did not grow, the graph
     was not dropped)."""
 
-    __slots__ = ("_elapsed", "_memcpy", "b", "bf16", "big", "chunked", "dev", "done",
-                 "half", "host", "kernel", "layout", "lc", "n", "nbytes", "out", "precision",
-                 "rows", "slot", "stream", "topk", "ws", "y", "y16")
+    __slots__ = ("_elapsed", "_memcpy", "asked", "b", "bf16", "big", "chunked", "chunks",
+                 "dev", "done", "dtype", "flags", "half", "host", "kernel", "layout", "lc", "n",
+                 "nbytes", "out", "out_dtype", "precision", "rows", "slot", "stream", "topk",
+                 "ws", "x_bytes", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
-                 precision: Precision) -> None:
+                 precision: Precision, dtype: np.dtype | None = None, chunks: int = 0) -> None:
         cp = lc.ctx.cp
+        # what same() compares (hot() sets the caller's objects); the chunk state it was
+        # launched with (Launcher.chunks_for, read again per call) and its x's bytes
+        self.asked: Any = None
+        self.flags: Any = None
+        self.out_dtype, self.dtype, self.chunks = out_dtype, dtype, chunks
+        self.x_bytes = b.x_bytes
         self.lc, self.b, self.ws, self.slot = lc, b, lc.ws, slot
         self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
         self.done = lc.ws.done_event(slot)
@@ -873,6 +889,26 @@ class BoundCall:
         # (the row chunks' setting is part of its key: CudaBackend's _call_key)
         return (self.b.gen == self.ws.gen and bool(self.b.graph)
                 and (not self.topk or cuda_topk.bindable()))
+
+    def hot(self, precision: Precision, flags: Any, out_dtype: Any) -> BoundCall:
+        """This call, to be found by (x's shape, slot) in its weight's plans
+        (``CudaBackend.launch``): ``same`` holds for these very objects from now on (the call
+        was found under its key with them, so they equal what made it)."""
+        self.asked, self.flags, self.out_dtype = precision, flags, out_dtype
+        return self
+
+    def same(self, cw: CudaWeight, precision: Precision, flags: Any, out_dtype: Any,
+             topk: int, dtype: np.dtype) -> bool:
+        """Whether a call of this x shape in this slot is this one, by identity of its
+        arguments (an equal but other object: False, and the keyed lookup decides), with the
+        chunk state the launcher gives it now (``Launcher.chunks_for``, as the key holds it),
+        while :meth:`live`."""
+        b = self.b
+        return (precision is self.asked and flags is self.flags and out_dtype is self.out_dtype
+                and topk == self.topk and dtype is self.dtype and b.gen == self.ws.gen
+                and bool(b.graph) and (not topk or cuda_topk.bindable())
+                and self.lc.chunks_for(cw, self.slot, self.n * self.rows, self.x_bytes,
+                                       self.n) == self.chunks)
 
     def launch(self, x: np.ndarray | None = None) -> Launched:
         """Launch (``x``: copied into the slot's staging buffer first; None: built there)."""
@@ -1747,7 +1783,8 @@ class Launcher:
         b = cw.plans.get((path, cfg, n, IN_TYPES[x.dtype], small, slot))
         if b is None or not b.graph or b.gen != self.ws.gen:
             return None
-        return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision)
+        return BoundCall(self, b, slot, n, w.rows, out_dtype, topk, kernel, w.layout, precision,
+                         x.dtype, chunks)
 
     def _in_slot(self, slot: int, enqueue: Callable[[], Callable[[], Done]],
                  ) -> Callable[[], Done]:

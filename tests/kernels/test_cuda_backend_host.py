@@ -351,6 +351,54 @@ def test_bound_calls_keep_the_slots_and_the_checks(monkeypatch):
         be.launch(w, be.staging(8, 14336, np.float16))
 
 
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_repeated_call_is_found_by_its_shape_and_slot(monkeypatch, staged):
+    """``HOT_CALLS``: a repeated call whose arguments are the very objects of the call before is
+    its BoundCall found by (x's shape, slot), with no key built; an equal but other flags object
+    takes the keyed lookup once, then the hot way; another out dtype or precision is its own
+    call (its own y); with HOT_CALLS 0 every repeated call takes the keyed lookup. y right in
+    every case."""
+    from q6serve.kernels import cuda_backend
+
+    be, _, full, w, rng = _counted(monkeypatch, 6)
+    keyed: list = []
+    key = cuda_backend._call_key
+    monkeypatch.setattr(cuda_backend, "_call_key", lambda *a: keyed.append(1) or key(*a))
+    flags = KernelFlags()
+    for _ in range(3):  # bound, captured, cached
+        be.launch(w, _x(be, rng, 8, 14336, staged), flags=flags).wait()
+    full.clear(), keyed.clear()
+    for i in range(4):
+        y = _set_y(be, w, 8, i)
+        assert np.array_equal(be.launch(w, _x(be, rng, 8, 14336, staged), flags=flags).wait().y,
+                              y)
+    assert not full and not keyed
+    other = KernelFlags()  # equal, not the same object
+    for i in range(3):
+        y = _set_y(be, w, 8, i)
+        assert np.array_equal(be.launch(w, _x(be, rng, 8, 14336, staged), flags=other).wait().y,
+                              y)
+    assert not full and len(keyed) == 1
+    for i in range(3):  # f16 y: bound, captured, cached of its own; then f32 again
+        y = _set_y(be, w, 8, i)
+        got = be.launch(w, _x(be, rng, 8, 14336, staged), flags=other,
+                        out_dtype=np.float16).wait().y
+        assert got.dtype == np.float16 and np.array_equal(got, y.astype(np.float16))
+    y = _set_y(be, w, 8, 5)
+    res = be.launch(w, _x(be, rng, 8, 14336, staged), flags=other,
+                    precision=Precision.F16).wait()
+    assert res.y.dtype == np.float32 and np.array_equal(res.y, y)
+    monkeypatch.setattr(launch_mod, "HOT_CALLS", 0)
+    for _ in range(2):  # (f16 y grew the workspace: rebound, recaptured)
+        be.launch(w, _x(be, rng, 8, 14336, staged), flags=other).wait()
+    full.clear(), keyed.clear()
+    for i in range(3):
+        y = _set_y(be, w, 8, i)
+        assert np.array_equal(be.launch(w, _x(be, rng, 8, 14336, staged), flags=other).wait().y,
+                              y)
+    assert not full and len(keyed) == 3
+
+
 def test_bound_call_with_the_topk_epilogue(monkeypatch):
     be, _, full, w, rng = _counted(monkeypatch, 4)
     for _ in range(5):
@@ -1133,3 +1181,4 @@ def test_write_combined_staging_on_the_gpu_is_bit_identical(rng, monkeypatch):
     finally:
         be.free(w)
         be.close()
+
