@@ -148,6 +148,7 @@ class _StampedEvent:
 
     def synchronize(self) -> None:
         self.ev.synchronize()
+        self.stamps["s1"] = time.perf_counter()
 
 
 def _probe_call(call: object, stamps: dict | None) -> None:
@@ -291,7 +292,7 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
     seen: dict = {}  # the kernel time's events of the last call (_hook_events)
     ey = cp.cuda.Event()
     parts: dict[str, list[float]] = {"pre": [], "graph": [], "mid": [], "finish": [],
-                                     "rest": []}
+                                     "rest": [], "post": []}
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     rows_of = {id(x): [x[j : j + 1].copy() for j in range(len(x))] for x in xs}
     for i in range(calls + 5):
@@ -327,10 +328,13 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
                 lts.append((t1 - t0) * 1e6)
             if probe and i >= 5 and "g1" in stamps:  # (a small y: no _finish)
                 f0, f1 = stamps.get("f0", stamps["g1"]), stamps.get("f1", stamps["g1"])
-                for name, a_, b_ in (("pre", t0, stamps["g0"]), ("graph", stamps["g0"],
-                                     stamps["g1"]), ("mid", stamps["g1"], f0),
-                                     ("finish", f0, f1), ("rest", f1, t1)):
+                for name, a_, b_ in (("pre", t0, stamps["g0"]),
+                                     ("graph", stamps["g0"], stamps["g1"]),
+                                     ("mid", stamps["g1"], f0), ("finish", f0, f1),
+                                     ("rest", f1, t1)):
                     parts[name].append((b_ - a_) * 1e6)
+                if "s1" in stamps:  # the wait's return from the sync to the result read
+                    parts["post"].append((t2 - stamps["s1"]) * 1e6)
             stamps.clear()
             ks = float("nan") if ks is None else ks
             if i >= 5:
@@ -561,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                     "copy of the weight)")
     ap.add_argument("--probe", action="store_true",
                     help="staged: the host's clock around the graph launch and y's way out "
-                    "(Launcher._finish: the full path only, a cached BoundCall has its own)")
+                    "(Launcher._finish: the full path only, a cached BoundCall has its own): "
+                    "pre (to the graph launch), graph, mid, finish (y's way out and the "
+                    "event), rest (to launch's return), post (a cached call's sync returned .. "
+                    "the result read)")
     ap.add_argument("--parts", action="store_true",
                     help="staged: also an event on the y copy stream after the launch, read as "
                     "when a split call's first part's y has landed (one more host call in the "
@@ -631,8 +638,10 @@ def main(argv: list[str] | None = None) -> int:
             b0 = bes[modes[0]]  # y of xs[0] under the defaults: each row's y is checked on it
             ref = (None if a.topk else
                    b0.matmul(ws[id(b0), variants[0][1].get("SLAB_ROWS", a.slab_rows)], xs[0]).y)
-            for rnd, (label, sets), m in ((rnd, v, m) for rnd in range(a.rounds)
-                                          for v in variants for m in modes):
+            # (the variants' order reversed every other round: a drift weighs on all alike)
+            for rnd, (label, sets), m in ((i, v, m) for i in range(a.rounds)
+                                          for v in (variants[::-1] if i % 2 else variants)
+                                          for m in modes):
                 apply(sets)
                 be = bes[m]
                 # bound per variant (x's buffer, the halves' tiles, the copies' way): rebind
