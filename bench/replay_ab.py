@@ -19,7 +19,9 @@ reads arrays as views), ``host.transport=aio|sync`` (the host's gRPC: grpc.aio o
 bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary Matmul calls),
 ``host.grpc.NAME=INT`` (channel argument grpc.NAME of the host's channel, beside the client's
 own, e.g. host.grpc.enable_retries=0), ``host.chains=C`` (the host's S sequences as C
-concurrent chains of S / C rows, a stream each; an S that C does not divide is not run).
+concurrent chains of S / C rows, a stream each; an S that C does not divide is not run),
+``host.ee=off|def`` (the host processes' GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve
+worker` runs it, client/grpc_env.py, or gRPC's defaults; not given: this process's environment).
 Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
@@ -41,6 +43,7 @@ import numpy as np
 from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
 from svc_util_transport import TRANSPORTS
 
+from q6serve.client import grpc_env
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
 from q6serve.service.affinity import parse_cpus
@@ -67,7 +70,19 @@ HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
                              "host.view_min": lambda v: int(float(v)),
                              "host.transport": _choice("host.transport", TRANSPORTS),
                              "host.mode": _choice("host.mode", ("stream", "unary")),
-                             "host.chains": int}
+                             "host.chains": int,
+                             "host.ee": _choice("host.ee", ("off", "def"))}
+# host.ee: the replay host's GRPC_EXPERIMENTS (its gRPC's EventEngine off as `q6serve worker`
+# runs it, or gRPC's defaults); not given: the bench's environment (gRPC's defaults unless set)
+HOST_EE = {"off": grpc_env.EVENT_ENGINE_OFF, "def": ""}
+
+
+def ee_name(value: str | None) -> str:
+    """A GRPC_EXPERIMENTS value, short: "EE off" (client/grpc_env's), "defaults" (unset or
+    empty), else the value itself."""
+    if value == grpc_env.EVENT_ENGINE_OFF:
+        return "EE off"
+    return "defaults" if not value else repr(value)
 
 
 def parse_variants(text: str) -> dict[str, dict[str, str]]:
@@ -254,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                                   host.get("host.view_min", 0),
                                   host.get("host.transport", "aio"),
                                   tuple(sorted(host.get("host.grpc", {}).items())),
-                                  chains)
+                                  chains,
+                                  HOST_EE.get(host.get("host.ee", "")))
+                info: dict[str, Any] = {}
                 try:
-                    st_, wall, roles = run_replay(spec, 1)
+                    st_, wall, roles = run_replay(spec, 1, info)
                     if doc["runs"]:  # (this run is not yet in them: not the first)
                         need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
                 except Exception as e:
@@ -273,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                      "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
                      "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
                      "run_s": time.perf_counter() - t_run,
+                     # the host's GRPC_EXPERIMENTS as its gRPC read it (None: unset)
+                     "host_grpc_experiments": info.get("grpc_experiments", [None])[0],
                      # per call role, the p50 us of a call's parts (what bench/replay_echo.py
                      # --holds-from holds an echo's calls for, and sets its round trips beside)
                      "roles_p50_us": {role: {f: (v if f == "calls" else v * 1e6)
@@ -281,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 doc["runs"].append(r)
                 save()
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps; "
-                      f"run {r['run_s']:.1f} s, at {r['t']:.0f} s)", flush=True)
+                      f"run {r['run_s']:.1f} s, at {r['t']:.0f} s; host gRPC "
+                      f"{ee_name(r['host_grpc_experiments'])})", flush=True)
     finally:
         for c in clients.values():
             c.close()

@@ -7,10 +7,12 @@ this module by name (bench/ is on their sys.path, as it is on the parent's).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,16 +311,20 @@ def _host_main(main: Any, spec: Any, barrier: Any, results: Any) -> None:
         results.put({"_error": repr(e)})
 
 
-def spawn_hosts(main: Any, spec: Any, hosts: int, timeout: float) -> list[dict[str, Any]]:
+def spawn_hosts(main: Any, spec: Any, hosts: int, timeout: float,
+                grpc_experiments: str | None = None) -> list[dict[str, Any]]:
     """Run ``asyncio.run(main(spec, barrier))`` in ``hosts`` spawned processes (a barrier
-    starts their timed parts together); their results, or RuntimeError if one failed."""
+    starts their timed parts together); their results, or RuntimeError if one failed.
+    ``grpc_experiments``: the hosts' GRPC_EXPERIMENTS (client/grpc_env.py; "" = gRPC's
+    defaults), None: as this process's environment has it."""
     ctx = mp.get_context("spawn")  # never fork a process that may hold gRPC state
     barrier = ctx.Barrier(hosts)
     results = ctx.Queue()
     procs = [ctx.Process(target=_host_main, args=(main, spec, barrier, results), daemon=True)
              for _ in range(hosts)]
-    for p in procs:
-        p.start()
+    with child_env(grpc_env.VAR, grpc_experiments):
+        for p in procs:
+            p.start()
     got = [results.get(timeout=timeout) for _ in procs]
     for p in procs:
         p.join(30)
@@ -340,6 +346,26 @@ def run_load(spec: LoadSpec, hosts: int) -> tuple[dict[str, dict[str, np.ndarray
                 dst[f].extend(cols[f])
     return {n: {f: np.asarray(v, np.float64) for f, v in c.items()}
             for n, c in merged.items()}, wall
+
+
+@contextlib.contextmanager
+def child_env(var: str, value: str | None) -> Iterator[None]:
+    """``var`` = ``value`` in this process's environment while processes are started (a
+    spawned child gets the environment as it is at its start; gRPC reads GRPC_EXPERIMENTS when
+    the child imports it, and this process's gRPC, already imported, never again), as it was
+    after; None: nothing changed."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
 
 
 # -- the floor: bare gRPC with the same message sizes ------------------------------------------

@@ -17,6 +17,7 @@ Runs in spawned processes (service_load.spawn_hosts): everything here imports by
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,10 @@ class ReplaySpec:
     # ends when every chain has made all its calls (a decode host may do this: its sequences
     # do not wait for each other). The step's sums add the chains' calls up.
     chains: int = 1
+    # the host processes' GRPC_EXPERIMENTS (client/grpc_env.EVENT_ENGINE_OFF: gRPC's
+    # EventEngine off as the worker runs it; "": gRPC's defaults); None: as the bench's own
+    # environment has it (a caller on gRPC's defaults unless set)
+    grpc_experiments: str | None = None
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -317,17 +322,24 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
         for stream in streams or ():
             await stream.done_writing()
         rec["_calls"] = calls  # type: ignore[assignment]
+        # what this process's gRPC was set up with (read when it imported gRPC)
+        rec["_grpc_experiments"] = os.environ.get("GRPC_EXPERIMENTS")  # type: ignore[assignment]
         return rec
 
 
-def run_replay(spec: ReplaySpec, hosts: int,
+def run_replay(spec: ReplaySpec, hosts: int, info: dict[str, Any] | None = None,
                ) -> tuple[dict[str, np.ndarray], float, dict[str, dict[str, float]]]:
     """``hosts`` host processes stepping the model; per-step figures merged, wall seconds,
-    and per call role the p50 seconds of each CALL_FIELDS figure (and its call count)."""
+    and per call role the p50 seconds of each CALL_FIELDS figure (and its call count).
+    ``info`` gets "grpc_experiments": each host's GRPC_EXPERIMENTS (None: unset)."""
     merged: dict[str, list[float]] = {f: [] for f in STEP_FIELDS}
     by_role: dict[str, dict[str, list[float]]] = {}
     wall = 0.0
-    for rec in spawn_hosts(_host, spec, hosts, spec.warmup + spec.seconds + 900):
+    for rec in spawn_hosts(_host, spec, hosts, spec.warmup + spec.seconds + 900,
+                           spec.grpc_experiments):
+        exp = rec.pop("_grpc_experiments", None)
+        if info is not None:
+            info.setdefault("grpc_experiments", []).append(exp)
         wall = max(wall, rec.pop("_wall")[0])
         for role, cols in rec.pop("_calls").items():
             dst = by_role.setdefault(role, {f: [] for f in CALL_FIELDS})

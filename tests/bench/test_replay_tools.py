@@ -201,6 +201,26 @@ def test_replay_ab_host_chains(tmp_path: Path) -> None:
             assert f["rpc"] > f["handler"] > 0, (v, role, f)
 
 
+def test_replay_ab_grpc_experiments_of_host_and_worker(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """host.ee alternates the replay host's gRPC setup on one worker (EventEngine off as
+    `q6serve worker` runs it, gRPC's defaults, or the bench's environment: here unset), and
+    each run says what its host's gRPC read; a worker variant GRPC_EXPERIMENTS= runs a worker
+    on gRPC's defaults beside one that sets its own (client/grpc_env.py)."""
+    from q6serve.client import grpc_env
+
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    stdout, doc = _stamped_replay_ab(
+        tmp_path, "w: off:host.ee=off def:host.ee=def gd:GRPC_EXPERIMENTS=", "w,off,def,gd")
+    assert doc["worker_of"] == {"w": "w", "off": "w", "def": "w", "gd": "gd"}
+    host = {r["variant"]: r["host_grpc_experiments"] for r in doc["runs"]}
+    assert host == {"w": None, "off": grpc_env.EVENT_ENGINE_OFF, "def": "", "gd": None}
+    assert "host gRPC EE off" in stdout and "host gRPC defaults" in stdout
+    assert f"gRPC: GRPC_EXPERIMENTS='{grpc_env.EVENT_ENGINE_OFF}'" in (
+        tmp_path / "worker_w.log").read_text()
+    assert "gRPC: GRPC_EXPERIMENTS=''" in (tmp_path / "worker_gd.log").read_text()
+
+
 def test_machine_probe_measures_every_part(tmp_path: Path) -> None:
     """bench/machine_probe.py: a figure for every core this process may use, a first touch that
     costs more than touching the same pages again, a ping-pong through a real child process."""
@@ -219,6 +239,28 @@ def test_machine_probe_measures_every_part(tmp_path: Path) -> None:
     assert touch["first_us"] > touch["again_us"] > 0 and touch["copy_gbs"] > 0
     assert 0 < doc["wake"]["p50_us"] <= doc["wake"]["p90_us"]
     assert os.sched_getaffinity(0) == set(map(int, doc["cpu"]["per_core_ns"]))  # restored
+
+
+def test_service_pin_by_core_speed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/service_pin.py: the W fastest cores for the worker, the L next for the load (ties
+    by core number), and the same from the slow end, in bench/service.py --pin's form; none
+    where the cores are too few; read from bench/machine_probe.py's JSON."""
+    import json
+
+    import service_pin
+
+    ns = {0: 40.0, 1: 33.0, 2: 70.0, 3: 33.0, 4: 35.0, 5: 60.0}
+    assert service_pin.pin_by_speed(ns, 2, 1) == ("1,3:4", "2,5:0")
+    assert service_pin.pin_by_speed(ns, 1, 2) == ("1:3,4", "2:0,5")
+    assert service_pin.pin_by_speed(ns, 4, 3) is None
+    assert service_pin.pin_by_speed({0: 1.0, 1: 2.0}, 1, 1) == ("0:1", "1:0")
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"cpu": {"per_core_ns": {str(c): v for c, v in ns.items()}}}))
+    assert service_pin.main([str(probe), "2,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split("  #")[0] for ln in lines] == ["fastest 1,3:4", "slowest 2,5:0"]
+    assert service_pin.main([str(probe), "4,3"]) == 0
+    assert "too few" in capsys.readouterr().out
 
 
 def test_psr_watch_pairs_count_samples_on_one_cpu() -> None:

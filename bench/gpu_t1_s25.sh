@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# t1's device script, session 25 (issue 14: T1 and the replay).
+# B: the 28-layer decode replay (S=8, then S=1; multi-weight calls, top-64 lm-head) with gRPC's
+#    EventEngine off, which `q6serve worker` does itself since 56c1add (client/grpc_env.py),
+#    against gRPC's defaults: bench/replay_ab.py, one worker per worker environment, uploads
+#    once, runs alternated: main (the tree's defaults: the worker EE off, the replay's caller
+#    on gRPC's defaults), gd (the worker on gRPC's defaults, GRPC_EXPERIMENTS empty: session
+#    24's closing check's worker), eh (main's worker, the caller's gRPC EE off too:
+#    replay_ab's host.ee=off). The replay had no figure with the EventEngine off.
+#   PHASE=b bash bench/gpu_t1_s25.sh   env: BOUND (75), BACKEND (cuda), LAYERS (28), SCALE (1),
+#     SECONDS_RUN (1.0), ORDER
+# C: T1 as the closing check runs it (bench/service.py --target-report --targets T1), unpinned
+#    and with the worker (and its echo floors) and the caller pinned to the cores a probe finds
+#    fastest (bench/machine_probe.py's pure-Python loop per core, bench/service_pin.py; session 24's
+#    probe saw 5-8 of 16 cores at 47-75 ns an iteration against 32-38 on the others), the
+#    worker's loop busy-polling in both (Q6SERVE_BUSY_POLL_US=1000: pinned to fewer than 8
+#    cores it would not), then, if the bound leaves time, pinned to the slowest cores.
+#   PHASE=c bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda), WCORES (2), LCORES (1)
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+PHASE=${PHASE:-b}
+gpu_session "/tmp/t1"
+if [[ $PHASE == b ]]; then
+  BOUND=${BOUND:-75}
+  step probe 6 python3 bench/machine_probe.py --label start --json "$OUT/probe.json"
+  # replay_ab's own bound: no run starts that would end past it (8 s kept for the table)
+  rest=$(($(bound 1000 8) - 1))
+  step replay "$(bound 70 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --variants "main: gd:GRPC_EXPERIMENTS= eh:host.ee=off" \
+    --order "${ORDER:-main,gd,eh,eh,gd,main,main,gd,eh}" --seqs 8,1 \
+    --seconds "${SECONDS_RUN:-1.0}" --warmup 0.4 --bound "$rest" --out-dir "$OUT" \
+    --json "$OUT/replay.json"
+  {
+    echo "# gpu_t1_s25 PHASE=b $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "^probe " "$OUT/probe.log"
+    grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT"/worker_*.log | cut -c1-160
+    grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
+    sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
+  } | table
+elif [[ $PHASE == c ]]; then
+  BOUND=${BOUND:-60}
+  export Q6SERVE_BUSY_POLL_US=1000
+  step probe 6 python3 bench/machine_probe.py --label start --json "$OUT/probe.json"
+  step pins 4 python3 bench/service_pin.py "$OUT/probe.json" "${WCORES:-2},${LCORES:-1}"
+  fast=$(grep -oE "^fastest [0-9,:-]+" "$OUT/pins.log" | cut -d' ' -f2)
+  slow=$(grep -oE "^slowest [0-9,:-]+" "$OUT/pins.log" | cut -d' ' -f2)
+  t1() {  # RUN [ARGS...]: T1 as bench/gpu_check.sh runs it
+    local run=$1
+    shift
+    step "$run" "$(bound 24 1)" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+      --target-report --targets T1 --modes stream --weights ffn_down --seconds 0.8 \
+      --warmup 0.3 --json "$OUT/$run.json" "$@"
+  }
+  if [[ -n $fast ]]; then t1 t1_fast --pin "$fast"; else note "# no fastest cores"; fi
+  t1 t1_free
+  if [[ -n $slow ]] && left 16; then t1 t1_slow --pin "$slow"; else note "# t1_slow not run"; fi
+  {
+    echo "# gpu_t1_s25 PHASE=c $(tree_commit) total $(elapsed); fast $fast slow $slow"
+    steps
+    machine_summary
+    grep -hE "^probe |cpu loop ns" "$OUT/probe.log" | cut -c1-240
+    cat "$OUT/pins.log"
+    for r in t1_fast t1_free t1_slow; do
+      [[ -f $OUT/$r.log ]] || continue
+      echo "## $r"
+      grep -hE "^T1 |mean us|bare gRPC round trip|MISSED|met$" "$OUT/$r.log" | cut -c1-220
+    done
+  } | table
+fi
+exit 0
