@@ -15,7 +15,7 @@
 #    probe saw 5-8 of 16 cores at 47-75 ns an iteration against 32-38 on the others), the
 #    worker's loop busy-polling in both (Q6SERVE_BUSY_POLL_US=1000: pinned to fewer than 8
 #    cores it would not), then, if the bound leaves time, pinned to the slowest cores.
-#   PHASE=c bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda), WCORES (2), LCORES (1)
+#   PHASE=c bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda), WCORES (2), LCORES (2)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -44,7 +44,7 @@ elif [[ $PHASE == c ]]; then
   BOUND=${BOUND:-60}
   export Q6SERVE_BUSY_POLL_US=1000
   step probe 6 python3 bench/machine_probe.py --label start --json "$OUT/probe.json"
-  step pins 4 python3 bench/service_pin.py "$OUT/probe.json" "${WCORES:-2},${LCORES:-1}"
+  step pins 4 python3 bench/service_pin.py "$OUT/probe.json" "${WCORES:-2},${LCORES:-2}"
   fast=$(grep -oE "^fastest [0-9,:-]+" "$OUT/pins.log" | cut -d' ' -f2)
   slow=$(grep -oE "^slowest [0-9,:-]+" "$OUT/pins.log" | cut -d' ' -f2)
   t1() {  # RUN [ARGS...]: T1 as bench/gpu_check.sh runs it
