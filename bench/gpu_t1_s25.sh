@@ -16,6 +16,13 @@
 #    worker's loop busy-polling in both (Q6SERVE_BUSY_POLL_US=1000: pinned to fewer than 8
 #    cores it would not), then, if the bound leaves time, pinned to the slowest cores.
 #   PHASE=c bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda), WCORES (2), LCORES (2)
+# D: which side's pinning closes T1's gap (C: both pinned 166 / 167 us beyond the kernel, met,
+#    fastest cores or slowest alike; unpinned 398, missed): T1 as C runs it, unpinned (free),
+#    both pinned (wc), the worker only (w: its --cpus, the echo floor's server alike), the
+#    callers only (c: the T1 caller and the floors' callers), then w and c again if the bound
+#    leaves time; the callers' gRPC EventEngine off by the client library's default now (every
+#    process of the bench: q6serve.client's import, client/grpc_env.py).
+#   PHASE=d bash bench/gpu_t1_s25.sh   env: BOUND (75), BACKEND (cuda), WCORES (2), LCORES (2)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -40,8 +47,8 @@ if [[ $PHASE == b ]]; then
     grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
     sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
   } | table
-elif [[ $PHASE == c ]]; then
-  BOUND=${BOUND:-60}
+elif [[ $PHASE == c || $PHASE == d ]]; then
+  [[ $PHASE == c ]] && BOUND=${BOUND:-60} || BOUND=${BOUND:-75}
   export Q6SERVE_BUSY_POLL_US=1000
   step probe 6 python3 bench/machine_probe.py --label start --json "$OUT/probe.json"
   step pins 4 python3 bench/service_pin.py "$OUT/probe.json" "${WCORES:-2},${LCORES:-2}"
@@ -54,16 +61,32 @@ elif [[ $PHASE == c ]]; then
       --target-report --targets T1 --modes stream --weights ffn_down --seconds 0.8 \
       --warmup 0.3 --json "$OUT/$run.json" "$@"
   }
-  if [[ -n $fast ]]; then t1 t1_fast --pin "$fast"; else note "# no fastest cores"; fi
-  t1 t1_free
-  if [[ -n $slow ]] && left 16; then t1 t1_slow --pin "$slow"; else note "# t1_slow not run"; fi
+  if [[ $PHASE == c ]]; then
+    runs=(t1_fast t1_free t1_slow)
+    if [[ -n $fast ]]; then t1 t1_fast --pin "$fast"; else note "# no fastest cores"; fi
+    t1 t1_free
+    if [[ -n $slow ]] && left 16; then t1 t1_slow --pin "$slow"; else note "# t1_slow not run"; fi
+  else
+    runs=(t1_free t1_wc t1_w t1_c t1_c2 t1_w2)
+    t1 t1_free
+    if [[ -n $fast ]]; then
+      t1 t1_wc --pin "$fast"
+      left 10 && t1 t1_w --pin "${fast%%:*}:"
+      left 10 && t1 t1_c --pin ":${fast##*:}"
+      left 10 && t1 t1_c2 --pin ":${fast##*:}"
+      left 10 && t1 t1_w2 --pin "${fast%%:*}:"
+    else
+      note "# no fastest cores: nothing pinned"
+    fi
+  fi
   {
-    echo "# gpu_t1_s25 PHASE=c $(tree_commit) total $(elapsed); fast $fast slow $slow"
+    echo "# gpu_t1_s25 PHASE=$PHASE $(tree_commit) total $(elapsed); fast $fast slow $slow"
     steps
     machine_summary
     grep -hE "^probe |cpu loop ns" "$OUT/probe.log" | cut -c1-240
     cat "$OUT/pins.log"
-    for r in t1_fast t1_free t1_slow; do
+    grep -hm1 "^# callers' gRPC" "$OUT/t1_free.log" 2>/dev/null | cut -c1-160
+    for r in "${runs[@]}"; do
       [[ -f $OUT/$r.log ]] || continue
       echo "## $r"
       grep -hE "^T1 |mean us|bare gRPC round trip|MISSED|met$" "$OUT/$r.log" | cut -c1-220

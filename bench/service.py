@@ -161,6 +161,17 @@ def print_result(r: RunResult) -> None:
           + f"  = {sum(r.parts_mean_us.values()):.0f} (e2e {r.e2e_mean_us:.0f})", flush=True)
 
 
+def pin_parts(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``--pin WORKER_CPUS:LOAD_CPUS`` -> (the worker's cores, the load's); a side left empty
+    is not pinned (``()``), e.g. ``:8,9`` pins only the callers."""
+    worker, sep, load = text.partition(":")
+    if not sep or not (worker or load):
+        raise SystemExit(f"--pin {text!r}: WORKER_CPUS:LOAD_CPUS, e.g. 2,3:8,9 (a side may be "
+                         "empty: not pinned)")
+    return (parse_cpus(worker) if worker else (),
+            parse_cpus(load) if load else ())
+
+
 # -- orchestration ----------------------------------------------------------------------------
 class Bench:
     def __init__(self, args: argparse.Namespace, out_dir: Path) -> None:
@@ -171,8 +182,8 @@ class Bench:
             extra += ["--max-batch-delay-us", str(args.max_batch_delay_us)]
         if args.inline_device_us is not None:
             extra += ["--inline-device-us", str(args.inline_device_us)]
-        if args.pin:  # the worker pins itself (every thread); the echo floor gets the same
-            extra += ["--cpus", args.pin.split(":")[0]]
+        if args.pin and (cpus := args.pin.split(":")[0]):  # the worker pins itself (every
+            extra += ["--cpus", cpus]  # thread); the echo floor gets the same
         if args.vram_budget:
             extra += ["--vram-budget", args.vram_budget]
         if args.frontends > 1:  # issue 15: N gRPC front-end processes feed one device
@@ -777,7 +788,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the worker's --inline-device-us (default: the worker's)")
     ap.add_argument("--pin", default="", metavar="WORKER_CPUS:LOAD_CPUS",
                     help="the worker's --cpus (and the bare gRPC echo's cores) and the cores "
-                         "of the load processes, e.g. 2:8-15 (docs/SERVICE.md, pinning)")
+                         "of the load processes (the callers, the floors' callers), e.g. "
+                         "2:8-15; either side empty: that side unpinned, e.g. :8,9 the "
+                         "callers only (docs/SERVICE.md, pinning)")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
@@ -874,15 +887,21 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = sys.argv[1:] if argv is None else argv
     out_dir = Path(a.json).parent if a.json else Path(tempfile.mkdtemp(prefix="q6bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    pins = pin_parts(a.pin) if a.pin else None  # (refused before a worker starts)
     b = Bench(a, out_dir)
-    if a.pin:  # load processes and floor clients are spawned from here: they inherit it
-        server, load = (parse_cpus(part) for part in a.pin.split(":"))
+    if pins is not None:  # load processes and floor clients are spawned from here: they
+        server, load = pins  # inherit it
         service_load.SERVER_CPUS = server
-        os.sched_setaffinity(0, load)
+        if load:
+            os.sched_setaffinity(0, load)
     try:
         print(f"# worker {b.worker.target}: {b.backend} on {b.device}; commit {_commit()}; "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"{os.cpu_count()} cores", flush=True)
+        # what the callers' and the floors' processes inherit (q6serve.client's import sets
+        # it where unset: client/grpc_env.py)
+        print(f"# callers' gRPC: GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS')!r}",
+              flush=True)
         if a.target_report:
             b.upload(["ffn_down"])
             target_report(b)

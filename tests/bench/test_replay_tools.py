@@ -263,6 +263,19 @@ def test_service_pin_by_core_speed(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "too few" in capsys.readouterr().out
 
 
+def test_service_pin_sides() -> None:
+    """bench/service.py --pin: either side may be left unpinned (empty); both empty, or no
+    colon, is refused."""
+    import service
+
+    assert service.pin_parts("2,3:8-9") == ((2, 3), (8, 9))
+    assert service.pin_parts("2,3:") == ((2, 3), ())
+    assert service.pin_parts(":8,9") == ((), (8, 9))
+    for bad in (":", "2,3"):
+        with pytest.raises(SystemExit, match="WORKER_CPUS:LOAD_CPUS"):
+            service.pin_parts(bad)
+
+
 def test_psr_watch_pairs_count_samples_on_one_cpu() -> None:
     """bench/psr_watch.py's report: per pair of busy threads of different processes, the
     samples where both ran and those on one CPU; idle and same-process pairs left out."""

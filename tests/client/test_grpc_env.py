@@ -1,5 +1,6 @@
-"""client/grpc_env.py: the worker's gRPC experiments, set only where nothing is set and only
-before gRPC is imported (gRPC reads GRPC_EXPERIMENTS once, at its import)."""
+"""client/grpc_env.py: the worker's and the client library's gRPC experiments, set only where
+nothing is set and only before gRPC is imported (gRPC reads GRPC_EXPERIMENTS once, at its
+import)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,36 @@ def test_a_process_set_up_before_grpc_says_so_after_too() -> None:
             "print(grpc_env.apply(), os.environ.get('GRPC_EXPERIMENTS'))\n")
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     for first, want in (("grpc_env.apply()\n", f"True {grpc_env.EVENT_ENGINE_OFF}"),
-                        ("", "False None")):
+                        ("", f"True {grpc_env.EVENT_ENGINE_OFF}")):  # (the package's import)
         r = subprocess.run([sys.executable, "-c", code.format(first=first)],
                            capture_output=True, text=True, timeout=60, env=env)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == want, r.stdout
+    late = ("import grpc\n"
+            "import os\n"
+            "from q6serve.client import grpc_env\n"
+            "print(grpc_env.apply(), os.environ.get('GRPC_EXPERIMENTS'))\n")
+    r = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False None", r.stdout
+
+
+def test_the_client_library_sets_up_its_callers_grpc() -> None:
+    """Importing q6serve.client (any of it) before gRPC turns the EventEngine off for the
+    process (and what it starts) where nothing is set; a set value, empty too, is kept; gRPC
+    imported first: nothing changes. The package's import itself loads no gRPC."""
+    code = ("import os, sys\n"
+            "{first}"
+            "import q6serve.client\n"
+            "print('grpc' in sys.modules, os.environ.get('GRPC_EXPERIMENTS'))\n")
+    base = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    for first, extra, want in (("", {}, f"False {grpc_env.EVENT_ENGINE_OFF}"),
+                               ("", {"GRPC_EXPERIMENTS": ""}, "False "),
+                               ("", {"GRPC_EXPERIMENTS": "-event_engine_client"},
+                                "False -event_engine_client"),
+                               ("import grpc\n", {}, "True None")):
+        r = subprocess.run([sys.executable, "-c", code.format(first=first)],
+                           capture_output=True, text=True, timeout=60, env={**base, **extra})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.rstrip("\n") == want, (first, extra, r.stdout)
