@@ -18,6 +18,29 @@
 #    them as before (the old cells forced), every table cell's launch shape against the reference.
 # 3. table_ab: bench/kernels.py --table-ab (kernels alone, old / new alternated twice): the two
 #    cells' kernel (the loaded service's calls run whole: Y_CHUNKS_IDLE).
+# PHASE=b (bound 75; ran in bundle B on branch k-s25, tree 6117101, whose q6k_matmul.cu has the
+# experiment: main's has not, so sp here is main's kernel; lost: docs/KERNELS.md "Session 25"):
+# the split-K sum spread over each row group's K-slice CTAs
+# (Q6SERVE_KS_SPREAD, q6k_matmul.cu; off in the product): every K-slice / wgmma cell with a K
+# split ends in q6k_sum_parts, 2.0-4.3 us a call (session 24's bundle B: today's tile without it);
+# session 24's fused sum (the last CTA of a group adds it all) lost 5-26%. Here each CTA, its
+# partials written, counts itself in, waits (bounded) for its group's other slices and claims
+# 1/ks shares of the group's outputs, adding each in slice order (the same bits); no sum launch.
+# 1. spread: bench/wg_ab.py, sp (that) and ns (today's tile without the sum: its whole cost, y
+#    incomplete) against now (today's kernel and sum), AUTO beside, alternated twice in one
+#    process, bits compared (sp: the same expected; and on 3 more calls each on a fresh x: the
+#    counters reset between launches), on the N=16 cells of the 48-56 MB weights
+#    (target 2.5 TB/s) and the N=64 cells slower than torch (3584x3584, 4096x4096, 14336x4096,
+#    18944x3584) and 4096x14336 N=64 (src 8, K split 12); and src 8 on the N=64 cells the table
+#    gives the K-slice tile (3584x3584 k5, 4096x4096 k6, 14336x4096 k6: its sum is a plain
+#    launch there, so it may gain more; auto/sp reads it against the table's cell).
+# PHASE=c (bound 60): bundle B's ns read the split-K sum's whole cost at 1.9-3.2 us on the N=16
+# cells and 4.2-8.0 us on src 8's N=64 cells (18944x3584 k5: 42.3 -> 34.3 us without it): the
+# sum's bytes (ks x N x rows x 4, written and re-read) grow with the K split. The K splits of
+# src 8 at N=64 (table: 18944x3584 k5, 4096x14336 k12, 3584x18944 k13; 14336x4096 is src 4)
+# and of src 4 / 7 at N=16 were set by sweeps before src 8's activations were copied first
+# (session 24); bench/kernels.py --cfg-ab re-reads them: AUTO against each candidate,
+# alternated twice in one process, y against AUTO's (rel), no torch.
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/k
@@ -42,6 +65,41 @@ if [[ ${PHASE:-a} == a ]]; then
     grep -E "^ *[0-9]+x[0-9]+ |^# per" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
     echo "# table_ab: shape N column old pick us new pick us TB/s old/new"
     grep -E "^[0-9]+x[0-9]+ " "$OUT/table_ab.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
+if [[ ${PHASE} == b ]]; then
+  D='#include "q6k_matmul.cu"'
+  V=(--variant "$(printf "sp|$D|#define Q6SERVE_KS_SPREAD 1\n$D")" --variant "ns||")
+  C="4096x14336:16,18944x3584:16,3584x18944:16,3584x3584:64,4096x4096:64,14336x4096:64"
+  C+=",18944x3584:64,4096x14336:64,4096x4096:16"
+  L=nt8.m1.w12.s8.pf
+  C+=",3584x3584:64:$L.k5,4096x4096:64:$L.k6,14336x4096:64:$L.k6"
+  step spread 55 python3 bench/wg_ab.py "${V[@]}" --nopost sp,ns --auto --cells "$C" \
+    --rounds 2 --iters 30 --recheck 3 --json "$OUT/spread.json"
+  {
+    echo "== k session 25 PHASE=b (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# spread: shape N cfg variant us | now us, now/variant, bits, rel | AUTO us, AUTO/variant"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/spread.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
+if [[ ${PHASE} == c ]]; then
+  W="nt=8,src=8,pf=1"
+  A="64:$W,warps=12,ksplit=2;64:$W,warps=12,ksplit=3;64:$W,warps=12,ksplit=4"
+  A+=";64:$W,warps=12,ksplit=6;64:$W,warps=12,ksplit=8;64:$W,warps=8,ksplit=3"
+  A+=";64:$W,warps=8,ksplit=4;64:$W,warps=8,ksplit=6"
+  A+=";16:nt=2,src=4,pf=1,warps=8,ksplit=4;16:nt=2,src=4,pf=1,warps=8,ksplit=5"
+  A+=";16:nt=2,src=4,pf=1,warps=16,ksplit=4;16:nt=2,src=7,pf=1,warps=16,ksplit=2"
+  A+=";16:nt=2,src=7,pf=1,warps=8,ksplit=4"
+  step ksplit 40 python3 bench/kernels.py --cfg-ab "$A" --no-torch --rounds 2 \
+    --shapes 18944x3584,4096x14336,3584x18944,14336x4096 --json "$OUT/ksplit.json"
+  {
+    echo "== k session 25 PHASE=c (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# ksplit: shape N AUTO us candidate us AUTO/cand rel torch"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/ksplit.log" 2>/dev/null | sed -E 's/ +/ /g'
   } | table
   exit 0
 fi

@@ -30,6 +30,9 @@ busy time, the tail.
 ``Q6SERVE_KS_FUSE``, branch ``k-s24-fuse``), or today's kernel so (its y incomplete: DIFFER), whose
 time against now is the sum's whole cost; ``--pdl LABELS`` launches their sum with PDL whatever
 the tile (the product does so after src 4 only). Variants of one text share one build per kernel.
+Session 25's ``Q6SERVE_KS_SPREAD`` (the sum spread over each row group's K-slice CTAs; lost, on
+branch ``k-s25``, commit 7b5b692) was run so too, with ``--recheck C``: C more calls per kernel,
+each on a fresh x, bits against now's (a variant that keeps state between launches shows there).
 
 Session 21 (H200, bundle A, tree 7a7eded) ran it with session 20's file as a further kernel
 (the same bits and 0.98-1.02x in the seven src 8 cells after src 6 / 9 left the file; that copy
@@ -210,6 +213,11 @@ def main() -> int:
                     help="one traced call per cell of these kernels (now and variant labels)")
     ap.add_argument("--auto", action="store_true",
                     help="also time AUTO's own launch (the table's cell) in the alternation")
+    ap.add_argument("--recheck", type=int, default=0, metavar="C",
+                    help="after the timed calls, C more calls of each kernel, each on a fresh x "
+                    "(and the next weight copy), bits against now's on it (a variant that keeps "
+                    "state between launches, e.g. counters, shows here: the timed calls repeat "
+                    "one x)")
     ap.add_argument("--nopost", default="", metavar="LABELS",
                     help="these kernels (variant labels) run without the split-K sum launch "
                     "(a variant that adds its partials itself, or the sum's cost read off)")
@@ -298,6 +306,18 @@ def main() -> int:
                 for lab in plans:
                     times[lab].append(_bk.time_calls(
                         cp, lambda i, lab=lab: call(i, lab), len(ws), iters=a.iters))
+            for j in range(a.recheck):  # a fresh x per call: stale state would show
+                xr = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+                yr = {lab: cp.full((n, rows), np.nan, cp.float32) for lab in plans}
+                for lab in plans:
+                    for st in be.launcher.steps(plans[lab], ws[j % len(ws)],
+                                                weight_data(ws[j % len(ws)]),
+                                                int(xr.data.ptr), int(yr[lab].data.ptr), n):
+                        st()
+                be.stream.synchronize()
+                for lab in same:
+                    same[lab] = same[lab] and bool(
+                        (yr[lab].view(cp.uint32) == yr["now"].view(cp.uint32)).all())
             trace_lines = {}
             for lab, tp in traces.items():  # after the timed calls: warm clocks, a cold copy
                 trbuf.fill(0)
