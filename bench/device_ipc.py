@@ -23,7 +23,12 @@ loop trip (compare).
 
 ``--lane``: each call is a fast-lane request record (service/lane.py) on its own lane
 connection (no socket: records delivered and replies read in this process), x and y in the
-lane's system region, as T3's shape through lanes: ``--lane --stack 64 --inflight 8``.
+lane's system region, as T3's shape through lanes: ``--lane --stack 64 --inflight 8``. Its full
+batches go through the device process's pipeline (``FrontendsWorker._pipe``, answered a loop
+trip later), as a --frontends worker's lanes do by default since session 24
+(``Q6SERVE_DP_LANE_PIPE``); ``--no-lane-pipe``: each lane flush waits for its own launches
+(the path this probe measured before session 25). On the CUDA backend the launches out are
+polled by their slots' events (ready polling), as in ``FrontendsWorker.start``.
 
 ``--gpu-us US`` (a model of the GPU, for the CPU): the NumPy backend's weights and checks, but
 each launch only *models* a GPU: it copies x into a pinned-like upload buffer unless x was
@@ -79,6 +84,9 @@ PARTS = [
     ("q6serve.kernels.cuda.launch", "RegionCall", "_run_streams", "     with the copy streams"),
     ("q6serve.kernels.cuda.launch", "RegionCall", "_wait", "    region call wait (CUDA)"),
     ("q6serve.service.batcher", "Batcher", "_now_reply", "  batcher._now_reply"),
+    ("q6serve.service.frontends", "FrontendsWorker", "_pipe", " worker._pipe (launch, slot)"),
+    ("q6serve.service.frontends", "FrontendsWorker", "_settle", " worker._settle (waits)"),
+    ("q6serve.service.frontends", "FrontendsWorker", "_tick", "worker._tick (a trip later)"),
     ("q6serve.service.lane", "LaneServer", "_answer", " lane _answer"),
     ("q6serve.service.regions", "RegionTable", "unroute", "  table.unroute"),
     ("q6serve.service.lane", "_LaneConn", "answer", "  conn.answer (write)"),
@@ -253,6 +261,9 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
     worker = fe.FrontendsWorker(cfg, backend)
     worker._init_metrics()
     worker.engine = engine = worker.make_engine()
+    if worker.ready_poll:  # (as FrontendsWorker.start: the CUDA launcher's slots' events)
+        worker._ws = getattr(getattr(worker.backend, "launcher", None), "ws", None)
+        worker._ws_slots = SLOTS
     data = q6k.random_blocks(a.rows, a.k, np.random.default_rng(1)).tobytes()
 
     async def once() -> Any:
@@ -387,6 +398,9 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
             # GPU idle: the records of a trip are read before it, the last waited for in it)
             "calls_per_flush": (lane.piped / lane.flushes if lane is not None and lane.flushes
                                 else None),
+            # launches through the device process's pipeline (FrontendsWorker._pipe: the
+            # lanes' full batches by default, full system-region calls), answered a trip later
+            "pipelined": worker.pipelined[0],
             "gpu_busy": (g1 - g0) / (t1 - t0) if a.gpu_us else None,
             "parts": parts.report(msgs, l1 - l0) if parts is not None else None}
 
@@ -404,6 +418,8 @@ def _lane_ends(a: argparse.Namespace, worker: Any, engine: Any, regions: list[An
 
     loop = asyncio.get_running_loop()
     server = LaneServer(worker.regions, engine)
+    if worker.lane_pipe and not a.no_lane_pipe:  # (as _dev_region's open_lane: the default)
+        server.pipe = worker._pipe
     f16, f32 = core._DTYPE_TO_PB["f16"], core._DTYPE_TO_PB["f32"]
     ready: list[int] = []
 
@@ -526,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--region", action="store_true",
                     help="x and y in a system shm region per message (the 'rm' message)")
+    ap.add_argument("--no-lane-pipe", action="store_true",
+                    help="--lane: the lanes' full batches waited for in their own flush, not "
+                         "through the device process's pipeline (Q6SERVE_DP_LANE_PIPE=0; the "
+                         "pipeline is a --frontends worker's default since session 24)")
     ap.add_argument("--lane", action="store_true",
                     help="x and y in a region per lane, each call a fast-lane request record "
                          "(service/lane.py) instead of a front end's message (implies --region)")
