@@ -161,6 +161,29 @@ def print_result(r: RunResult) -> None:
           + f"  = {sum(r.parts_mean_us.values()):.0f} (e2e {r.e2e_mean_us:.0f})", flush=True)
 
 
+# --pin auto / auto-w / auto-c: the cores a probe finds fastest (bench/service_pin.py), this
+# many for the worker and for the callers; -w / -c: only that side pinned
+AUTO_PIN = {"auto": (True, True), "auto-w": (True, False), "auto-c": (False, True)}
+AUTO_CORES = (2, 2)
+
+
+def auto_pin(text: str) -> str:
+    """``--pin auto[-w|-c]`` as WORKER_CPUS:LOAD_CPUS: each core's speed at a pure-Python loop
+    (bench/machine_probe.py), the worker on the AUTO_CORES[0] fastest and the callers on the
+    AUTO_CORES[1] next fastest (session 25: T1 pinned so met its target where unpinned it
+    missed; the cores' speed mattered less than keeping each process on its own two)."""
+    import machine_probe
+    import service_pin
+
+    w, c = AUTO_PIN[text]
+    pins = service_pin.pin_by_speed(machine_probe.cpu_ns(20_000, 3)["per_core_ns"],
+                                    *AUTO_CORES)
+    if pins is None:
+        raise SystemExit(f"--pin {text}: fewer than {sum(AUTO_CORES)} cores to pin on")
+    worker, _, load = pins[0].partition(":")
+    return f"{worker if w else ''}:{load if c else ''}"
+
+
 def pin_parts(text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``--pin WORKER_CPUS:LOAD_CPUS`` -> (the worker's cores, the load's); a side left empty
     is not pinned (``()``), e.g. ``:8,9`` pins only the callers."""
@@ -790,7 +813,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the worker's --cpus (and the bare gRPC echo's cores) and the cores "
                          "of the load processes (the callers, the floors' callers), e.g. "
                          "2:8-15; either side empty: that side unpinned, e.g. :8,9 the "
-                         "callers only (docs/SERVICE.md, pinning)")
+                         "callers only; auto, auto-w, auto-c: both sides, the worker's, the "
+                         "callers' on the cores a probe finds fastest, 2 each "
+                         "(docs/SERVICE.md, pinning)")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
@@ -887,6 +912,9 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = sys.argv[1:] if argv is None else argv
     out_dir = Path(a.json).parent if a.json else Path(tempfile.mkdtemp(prefix="q6bench-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if a.pin in AUTO_PIN:
+        asked, a.pin = a.pin, auto_pin(a.pin)
+        print(f"# --pin {asked}: {a.pin} (the fastest cores)", flush=True)
     pins = pin_parts(a.pin) if a.pin else None  # (refused before a worker starts)
     b = Bench(a, out_dir)
     if pins is not None:  # load processes and floor clients are spawned from here: they

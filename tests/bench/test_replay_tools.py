@@ -276,6 +276,22 @@ def test_service_pin_sides() -> None:
             service.pin_parts(bad)
 
 
+def test_service_auto_pin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pin auto / auto-w / auto-c: the probe's fastest cores, both sides or one."""
+    import machine_probe
+
+    import service
+
+    ns = {0: 40.0, 1: 33.0, 2: 70.0, 3: 33.0, 4: 35.0, 5: 60.0, 6: 34.0}
+    monkeypatch.setattr(machine_probe, "cpu_ns", lambda *_: {"per_core_ns": ns})
+    assert service.auto_pin("auto") == "1,3:4,6"
+    assert service.auto_pin("auto-w") == "1,3:"
+    assert service.auto_pin("auto-c") == ":4,6"
+    monkeypatch.setattr(machine_probe, "cpu_ns", lambda *_: {"per_core_ns": {0: 1.0}})
+    with pytest.raises(SystemExit, match="fewer than 4 cores"):
+        service.auto_pin("auto")
+
+
 def test_psr_watch_pairs_count_samples_on_one_cpu() -> None:
     """bench/psr_watch.py's report: per pair of busy threads of different processes, the
     samples where both ran and those on one CPU; idle and same-process pairs left out."""
