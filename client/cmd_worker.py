@@ -60,8 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--cpus", metavar="LIST",
       help="CPU cores for every thread of the worker (and its front ends), e.g. 2 or 2,3 or "
            "8-11: wake-ups between the gRPC and event-loop threads stay on warm cores. It can "
-           "cut one caller's latency and can cost some; measure first (default: any core; "
-           "docs/SERVICE.md, Pinning)")
+           "cut one caller's latency (with the callers pinned too, and Q6SERVE_BUSY_POLL_US="
+           "1000 on fewer than 8 cores) and can cost some; measure first (default: "
+           f"${CPUS_ENV}, else any core; docs/SERVICE.md, Pinning)")
     a("--max-request-rows", type=int, help="N limit of one request (default 256)")
     a("--max-queue-rows", type=int, help="queued rows per weight (default 8192)")
     sz = lim.show_size
@@ -140,6 +141,10 @@ def register(sub: argparse._SubParsersAction) -> None:
       help="logging level (default INFO)")
     p.set_defaults(func=run)
 
+
+# the worker's --cpus when the option is not given (a deployment's environment, as a container
+# sets it)
+CPUS_ENV = "Q6SERVE_CPUS"
 
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "inline_device_us",
@@ -244,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
     from q6serve.service.worker import run_worker
 
     try:
+        if args.cpus is None and os.environ.get(CPUS_ENV):
+            args.cpus = os.environ[CPUS_ENV]
         config = config_from({k: getattr(args, k) for k in CONFIG_KEYS}, os.environ)
         if config.cpus:  # before the backend and the server start their threads
             check_cpus(config.cpus)  # here, not in the config: front ends narrow their own

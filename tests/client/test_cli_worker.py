@@ -164,3 +164,28 @@ def test_missing_input_file_is_one_line_error(capsys: pytest.CaptureFixture[str]
                str(tmp_path / "absent.npy"), "--output", str(tmp_path / "y.npy")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("q6serve matmul: error:") and err.count("\n") == 1
+
+
+def _allowed_cpus(pid: int) -> set[int]:
+    """The cores every thread of ``pid`` may run on (their union)."""
+    got: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        got |= os.sched_getaffinity(int(tid))
+    return got
+
+
+def test_worker_cpus_from_the_environment(tmp_path: Path) -> None:
+    """Q6SERVE_CPUS pins the worker as --cpus does (every thread); --cpus given wins."""
+    from q6serve.client.cmd_worker import CPUS_ENV
+    from q6serve.client.worker_process import WorkerProcess
+
+    cores = sorted(os.sched_getaffinity(0))
+    first, last = cores[0], cores[-1]
+    with WorkerProcess(["--backend", "numpy"], tmp_path / "env.log",
+                       env={CPUS_ENV: str(first)}) as w:
+        assert w.proc is not None
+        assert _allowed_cpus(w.proc.pid) == {first}
+    with WorkerProcess(["--backend", "numpy", "--cpus", str(last)], tmp_path / "opt.log",
+                       env={CPUS_ENV: str(first)}) as w:
+        assert w.proc is not None
+        assert _allowed_cpus(w.proc.pid) == {last}
