@@ -23,6 +23,11 @@
 #    leaves time; the callers' gRPC EventEngine off by the client library's default now (every
 #    process of the bench: q6serve.client's import, client/grpc_env.py).
 #   PHASE=d bash bench/gpu_t1_s25.sh   env: BOUND (75), BACKEND (cuda), WCORES (2), LCORES (2)
+# E: T1 with bench/service.py --pin auto (the worker and the echo floor's server on the 2 cores
+#    a probe finds fastest, the callers on the next 2, the loop busy-polling) against unpinned,
+#    alternated: free, auto, auto, free (then auto if the bound leaves time); nothing exported
+#    (the free runs at the defaults: busy polling on 16 cores).
+#   PHASE=e bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -46,6 +51,32 @@ if [[ $PHASE == b ]]; then
     grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT"/worker_*.log | cut -c1-160
     grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
     sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
+  } | table
+elif [[ $PHASE == e ]]; then
+  BOUND=${BOUND:-60}
+  t1() {  # RUN [ARGS...]: T1 as bench/gpu_check.sh runs it
+    local run=$1
+    shift
+    step "$run" "$(bound 24 1)" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+      --target-report --targets T1 --modes stream --weights ffn_down --seconds 0.8 \
+      --warmup 0.3 --json "$OUT/$run.json" "$@"
+  }
+  runs=(free_1 auto_1 auto_2 free_2 auto_3)
+  t1 free_1
+  left 10 && t1 auto_1 --pin auto
+  left 10 && t1 auto_2 --pin auto
+  left 10 && t1 free_2
+  left 10 && t1 auto_3 --pin auto
+  {
+    echo "# gpu_t1_s25 PHASE=e $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hm1 "^# callers' gRPC" "$OUT/free_1.log" 2>/dev/null | cut -c1-160
+    for r in "${runs[@]}"; do
+      [[ -f $OUT/$r.log ]] || continue
+      echo "## $r"
+      grep -hE "^# --pin|^T1 |mean us|bare gRPC round trip|MISSED|met$" "$OUT/$r.log" | cut -c1-220
+    done
   } | table
 elif [[ $PHASE == c || $PHASE == d ]]; then
   [[ $PHASE == c ]] && BOUND=${BOUND:-60} || BOUND=${BOUND:-75}

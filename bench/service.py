@@ -814,8 +814,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "of the load processes (the callers, the floors' callers), e.g. "
                          "2:8-15; either side empty: that side unpinned, e.g. :8,9 the "
                          "callers only; auto, auto-w, auto-c: both sides, the worker's, the "
-                         "callers' on the cores a probe finds fastest, 2 each "
-                         "(docs/SERVICE.md, pinning)")
+                         "callers' on the cores a probe finds fastest, 2 each, the worker's "
+                         "loop busy-polling (Q6SERVE_BUSY_POLL_US=1000 unless set; "
+                         "docs/SERVICE.md, pinning)")
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--frontends", type=int, default=1,
                     help="worker --frontends N: gRPC front-end processes (run 1, 2, 4, 8 to "
@@ -914,7 +915,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.pin in AUTO_PIN:
         asked, a.pin = a.pin, auto_pin(a.pin)
-        print(f"# --pin {asked}: {a.pin} (the fastest cores)", flush=True)
+        # a worker pinned to fewer than 8 cores would not busy-poll (service/threads.py):
+        # session 25's pinned T1 ran with it on, the worker's and the echo floor's alike
+        if AUTO_PIN[asked][0]:
+            os.environ.setdefault("Q6SERVE_BUSY_POLL_US", "1000")
+        print(f"# --pin {asked}: {a.pin} (the fastest cores); Q6SERVE_BUSY_POLL_US="
+              f"{os.environ.get('Q6SERVE_BUSY_POLL_US')}", flush=True)
     pins = pin_parts(a.pin) if a.pin else None  # (refused before a worker starts)
     b = Bench(a, out_dir)
     if pins is not None:  # load processes and floor clients are spawned from here: they
