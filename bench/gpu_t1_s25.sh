@@ -28,6 +28,13 @@
 #    alternated: free, auto, auto, free (then auto if the bound leaves time); nothing exported
 #    (the free runs at the defaults: busy polling on 16 cores).
 #   PHASE=e bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda)
+# F: the 28-layer replay (S=1, then S=8; multi-weight) as the closing check runs it, with
+#    --pin auto (the worker, and the floors' echo servers, on the 2 fastest cores of a probe,
+#    busy-polling; the replay host and the floors' callers on the next 2): the check on
+#    067daa7 read S=1 57.73 ms / S=8 76.51 unpinned, where bundle B's replay_ab read 27.55 /
+#    61.90 on a faster host, every CPU part of both processes 1.9-2.6x slower (the check's
+#    hosts ran on the machine's slowest cores, 12 and 13); then T1 --pin auto if time is left.
+#   PHASE=f bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -51,6 +58,23 @@ if [[ $PHASE == b ]]; then
     grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT"/worker_*.log | cut -c1-160
     grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
     sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
+  } | table
+elif [[ $PHASE == f ]]; then
+  BOUND=${BOUND:-60}
+  step replay "$(bound 48 1)" python3 bench/service.py --backend "${BACKEND:-cuda}" --replay \
+    --replay-seqs 1,8 --multi on --seconds 1.0 --warmup 0.4 --pin auto \
+    --json "$OUT/replay.json"
+  left 12 && step t1 "$(bound 20 1)" python3 bench/service.py --backend "${BACKEND:-cuda}" \
+    --target-report --targets T1 --modes stream --weights ffn_down --seconds 0.8 \
+    --warmup 0.3 --pin auto --json "$OUT/t1.json"
+  {
+    echo "# gpu_t1_s25 PHASE=f $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "^# --pin|^# callers' gRPC|^# uploaded|^replay |^    per step|floor per step" \
+      "$OUT/replay.log" | cut -c1-240
+    [[ -f $OUT/t1.log ]] && grep -hE "^# --pin|^T1 |mean us|bare gRPC round trip|MISSED|met$" \
+      "$OUT/t1.log" | cut -c1-220
   } | table
 elif [[ $PHASE == e ]]; then
   BOUND=${BOUND:-60}
