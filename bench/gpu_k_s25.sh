@@ -41,6 +41,12 @@
 # and of src 4 / 7 at N=16 were set by sweeps before src 8's activations were copied first
 # (session 24); bench/kernels.py --cfg-ab re-reads them: AUTO against each candidate,
 # alternated twice in one process, y against AUTO's (rel), no torch.
+# PHASE=d (bound 60), on branch k-s25-k4: the table gives 14336x4096 N = 33..64 to src 8 nt8 w8
+# at K split 4 (bundle C: 38.1 us against src 4's 41.4), its y by the two slab row chunks (28
+# CTAs x 4 slices, 2 rounds each). 1. wall: bench/table_wall.py old (src 4, 4 parts at N=64) /
+# new, alternated a b b a twice, N = 64 and 48 (bundle A: src 8 w12 k6 in 2 chunks lost 0.979
+# at N=64); 2. table_ab: the kernel, old / new; 3. tests: src 8's row chunks bit-identical to the
+# whole call on the GPU, every table cell against the reference.
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/k
@@ -100,6 +106,26 @@ if [[ ${PHASE} == c ]]; then
     steps
     echo "# ksplit: shape N AUTO us candidate us AUTO/cand rel torch"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/ksplit.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
+if [[ ${PHASE} == d ]]; then
+  O=14336x4096:64:nt8.m1.w8.s4.pf
+  step wall 20 python3 bench/table_wall.py --shapes 14336x4096 --ns 64,48 --old "$O" \
+    --rounds 2 --calls 200 --json "$OUT/wall.json"
+  python3 bench/table_wall.py --old "$O" --write-old "$OUT/old_table.json"
+  step table_ab 8 python3 bench/kernels.py --table-ab "$OUT/old_table.json" \
+    --shapes 14336x4096 --ns 48,64 --columns auto --iters 30
+  step tests 22 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/service/test_launch_split.py tests/kernels/test_cuda_pairs.py \
+    -k "wgmma_row_chunks_on_the_gpu or test_every_table_shape"
+  {
+    echo "== k session 25 PHASE=d (tree $(tree_commit)), $(elapsed)"
+    steps
+    echo "# wall: shape N variant pick wall kernel host span pre tail y1 | split, y"
+    grep -E "^ *[0-9]+x[0-9]+ |^# per" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
+    echo "# table_ab: shape N column old pick us new pick us TB/s old/new"
+    grep -E "^[0-9]+x[0-9]+ " "$OUT/table_ab.log" 2>/dev/null | sed -E 's/ +/ /g'
   } | table
   exit 0
 fi

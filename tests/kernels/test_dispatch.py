@@ -419,12 +419,12 @@ def test_cluster_sum_cells_of_the_table():
 
 def test_wgmma_cells_of_the_two_slab_weights():
     """Session 25: the committed table gives 18944x3584 at N = 33..64 (auto, f16) to the wgmma
-    tile at the K split measured (5; bundle A: 41.2 us against the K-slice tile's 46.3, its
-    staged wall in 2 row chunks 1.004 / 1.082 of src 4's at N = 64 / 48), 14336x4096 keeps the
-    K-slice tile there (src 8 at K split 6: kernel 1.044x, wall 0.979), N = 32 stays the K-slice
-    tile's; device-less, each weight's two slabs (storage.two_slabs) are its row chunks, each on
-    the whole call's grid (19 / 25 CTAs per K slice, the same rounds) for the wgmma tile at
-    either weight's K split, so a large y can go down by chunks."""
+    tile at K split 5 (bundle A: 41.2 us against the K-slice tile's 46.3, its staged wall in 2
+    row chunks 1.004 / 1.082 of src 4's at N = 64 / 48) and 14336x4096 to the wgmma tile of 8
+    warps at K split 4 (bundle C: 38.1 us against the K-slice tile's 41.4), N = 32 stays the
+    K-slice tile's; device-less, each weight's two slabs (storage.two_slabs) are its row chunks,
+    each on the whole call's grid (the same rounds) for the wgmma tile at these K splits, so a
+    large y can go down by chunks; 18944x3584 at K split 4 (33 CTAs x 3 rounds) has none."""
     from q6serve.kernels.api import Layout
     from q6serve.kernels.cuda import storage
 
@@ -436,11 +436,17 @@ def test_wgmma_cells_of_the_two_slab_weights():
             assert (c.cfg, c.source) == (Cfg(nt=8, warps=12, src=8, pf=True, ksplit=5),
                                          "table"), (n, c)
             c = d.choose(n, prec, SOA, 14336, 4096)
-            assert (c.cfg, c.source) == (Cfg(nt=8, warps=8, src=4, pf=True), "table"), (n, c)
+            assert (c.cfg, c.source) == (Cfg(nt=8, warps=8, src=8, pf=True, ksplit=4),
+                                         "table"), (n, c)
         assert d.choose(32, prec, SOA, 18944, 3584).cfg.src == 4
-    for rows, k, ks, gx in ((14336, 4096, 6, 19), (18944, 3584, 5, 25)):
+    cfg = Cfg(nt=8, warps=12, src=8, pf=True, ksplit=4)
+    full = lc.plan(18944, 3584, Layout.SOA, "InF16", "mma_f16", cfg, 64, True)
+    assert full.grid == (33, 4, 1) and lc.row_chunks(
+        full, 18944, 3584, Layout.SOA, "InF16", "mma_f16", cfg, 64, 9472, 2, True) is None
+    for rows, k, ks, gx, wp in ((14336, 4096, 6, 19, 12), (18944, 3584, 5, 25, 12),
+                                (14336, 4096, 4, 28, 8)):
         assert storage.two_slabs(rows, k)
-        cfg = Cfg(nt=8, warps=12, src=8, pf=True, ksplit=ks)
+        cfg = Cfg(nt=8, warps=wp, src=8, pf=True, ksplit=ks)
         full = lc.plan(rows, k, Layout.SOA, "InF16", "mma_f16", cfg, 64, True)
         assert full.grid == (gx, ks, 1)
         chunks = lc.row_chunks(full, rows, k, Layout.SOA, "InF16", "mma_f16", cfg, 64, rows // 2,
