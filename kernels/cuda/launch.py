@@ -255,14 +255,15 @@ X_SPLIT_SRCS = (4, 8)
 # its full 64-token tile over the whole weight, twice the weight's reads for one 32-token
 # column each. Session 25 (k): 18944x3584 N=64 on src 8 in its two slab chunks (H200, bundle A,
 # staged wall against src 4's 4 parts 1.004 at N=64, 1.082 at N=48; kernel 46.3 -> 41.2 us);
-# 14336x4096 stays src 4 (src 8 in 2 chunks: wall 0.979 for a kernel 1.044x faster).
+# 14336x4096 N=64 on src 8 w8 k4 in its two slab chunks (bundle D: wall 0.986 / 1.048 at N = 64
+# / 48 against src 4's parts, kernel 41.4 -> 37.3 us; w12 k6 lost 0.979 in bundle A).
 X_SPLIT_Y_SRCS = (4,)
 # The wgmma tile's source: src 8 (kernels/cuda/q6k_wgmma.cu; session 21 removed src 6 and 9,
 # which no table cell picked, and then the ring K-slice tile src 5, whose one cell went to src 8).
 WG_SRCS = (8,)
 # The tiles whose calls are chunked: the register K-slice tile (src 4) and, since session 25, the
-# wgmma tile (src 8) for 18944x3584's N=64 cell (K 3584: each chunk re-stages its CTAs' K slices
-# of 3 blocks, 96 KB at N=64, by cp.async beside the first weight loads).
+# wgmma tile (src 8) for the two-slab weights' N=64 cells (each chunk re-stages its CTAs' K slices
+# of 3-4 blocks, 96-128 KB at N=64, by cp.async beside the first weight loads).
 # Session 12 left the wgmma tile (then src 6) out: 4096x14336 N=64 (then of 512-row slabs; one
 # slab since session 13, so never chunked) in two chunks kept its wall (149-157 vs 150 us) for
 # 8-10 us more of kernels (each chunk staged its CTAs' activation slices, up to 192 KB, again).
