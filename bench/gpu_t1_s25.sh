@@ -36,6 +36,13 @@
 #    hosts ran on the machine's slowest cores, 12 and 13); T1 --pin auto first (as the check
 #    runs T1, pinned).
 #   PHASE=f bash bench/gpu_t1_s25.sh   env: BOUND (75), BACKEND (cuda)
+# G: the replay through bench/service.py --replay (its own worker, no floors) and through
+#    bench/replay_ab.py (one worker; ab: replay_ab's requests, precision auto; f16: precision
+#    f16, service.py's default) on one machine and one tree, S=1 (SEQS), multi: bundle B's
+#    replay_ab read S=1 27.55 ms where the check's and bundle D's service.py read 57.73 /
+#    62.11 on other machines and trees.
+#   PHASE=g bash bench/gpu_t1_s25.sh   env: BOUND (60), BACKEND (cuda), LAYERS (28), SCALE (1),
+#     SEQS (1)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -59,6 +66,25 @@ if [[ $PHASE == b ]]; then
     grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT"/worker_*.log | cut -c1-160
     grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
     sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
+  } | table
+elif [[ $PHASE == g ]]; then
+  BOUND=${BOUND:-60}
+  step svc "$(bound 24 21)" python3 bench/service.py --backend "${BACKEND:-cuda}" --replay \
+    --replay-seqs "${SEQS:-1}" --multi on --seconds 1.0 --warmup 0.4 --no-replay-floor \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --json "$OUT/svc.json"
+  rest=$(($(bound 1000 4) - 1))
+  step ab "$(bound 40 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
+    --variants "ab: f16:host.precision=f16" --order ab,f16,ab,f16 --seqs "${SEQS:-1}" \
+    --seconds 1.0 \
+    --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/ab.json"
+  {
+    echo "# gpu_t1_s25 PHASE=g $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "^# uploaded|^replay |^    per step|^    per call" "$OUT/svc.log" | cut -c1-200
+    grep -E "given|skipped|FAILED|host gRPC" "$OUT/ab.log" | cut -c1-200
+    sed -n '/^# replay A\/B/,$p' "$OUT/ab.log" | cut -c1-400
   } | table
 elif [[ $PHASE == f ]]; then
   BOUND=${BOUND:-75}

@@ -20,8 +20,10 @@ bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary 
 ``host.grpc.NAME=INT`` (channel argument grpc.NAME of the host's channel, beside the client's
 own, e.g. host.grpc.enable_retries=0), ``host.chains=C`` (the host's S sequences as C
 concurrent chains of S / C rows, a stream each; an S that C does not divide is not run),
-``host.ee=off|def`` (the host processes' GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve
-worker` runs it, client/grpc_env.py, or gRPC's defaults; not given: this process's environment).
+``host.precision=auto|exact|f16|q8_1`` (the requests' precision: auto by default,
+bench/service.py --replay's default is f16), ``host.ee=off|def`` (the host processes'
+GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve worker` runs it, client/grpc_env.py, or
+gRPC's defaults; not given: this process's environment).
 Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
@@ -71,7 +73,9 @@ HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
                              "host.transport": _choice("host.transport", TRANSPORTS),
                              "host.mode": _choice("host.mode", ("stream", "unary")),
                              "host.chains": int,
-                             "host.ee": _choice("host.ee", ("off", "def"))}
+                             "host.ee": _choice("host.ee", ("off", "def")),
+                             "host.precision": _choice("host.precision",
+                                                       ("auto", "exact", "f16", "q8_1"))}
 # host.ee: the replay host's GRPC_EXPERIMENTS (its gRPC's EventEngine off as `q6serve worker`
 # runs it, or gRPC's defaults); not given: the bench's environment (gRPC's defaults unless set)
 HOST_EE = {"off": grpc_env.EVENT_ENGINE_OFF, "def": ""}
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 spec = ReplaySpec(workers[on[v]].target, plan, s, a.seconds, a.warmup,
                                   WARM_STEPS, host.get("host.mode", "stream"), "f16",
-                                  PRECISIONS["auto"], "f16",
+                                  PRECISIONS[host.get("host.precision", "auto")], "f16",
                                   host.get("host.spin", a.spin),
                                   host.get("host.decode", "arrays"),
                                   host.get("host.view_min", 0),
