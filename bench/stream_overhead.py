@@ -28,7 +28,8 @@ process; this process is the client (raw bytes both ways, nothing decoded in the
           its default epoll1
   workeree, bareee  the worker, the bare echo, with gRPC's EventEngine experiments off
           (GRPC_EXPERIMENTS=EE_OFF in the server's process: gRPC's older iomgr path; this
-          process, the caller, keeps its own environment's). ``q6serve worker`` sets EE_OFF
+          process, the caller, runs as importing q6serve.client leaves it: EE_OFF where
+          nothing was set; bare itself runs on gRPC's defaults). ``q6serve worker`` sets EE_OFF
           itself where nothing is set (client/grpc_env.py): worker is workeree then, and
   workerdef the worker on gRPC's defaults (GRPC_EXPERIMENTS empty)
 
@@ -109,7 +110,10 @@ WORKERS = {"worker": {}, "worker0": {"Q6SERVE_BUSY_POLL_US": "0"},  # variant: i
            "workeree": {"GRPC_EXPERIMENTS": EE_OFF},
            "workerdef": {"GRPC_EXPERIMENTS": ""}}  # gRPC's defaults (an empty value)
 # an echo variant that is another one in its own environment: variant -> (as, env)
-ECHOES = {"bareee": ("bare", {"GRPC_EXPERIMENTS": EE_OFF})}
+# (bare is gRPC's defaults, an empty value: importing q6serve.client above set EE_OFF in this
+# process's environment where it was unset, and the echoes inherit it)
+ECHOES = {"bare": ("bare", {"GRPC_EXPERIMENTS": ""}),
+          "bareee": ("bare", {"GRPC_EXPERIMENTS": EE_OFF})}
 METHOD = "/q6serve.v1.Q6Serve/MatmulStream"
 
 
