@@ -53,6 +53,16 @@ gpu_session /tmp/k
 BOUND=${BOUND:-75}
 note "# setup done $(elapsed)"
 OLD=14336x4096:64:nt8.m1.w8.s4.pf,18944x3584:64:nt4.m1.w12.s4.pf
+# PHASE a and d's summary: the staged host wall of old / new table cells, then the kernels'
+wall_report() {
+  echo "== k session 25 PHASE=${PHASE:-a} (tree $(tree_commit)), $(elapsed)"
+  steps
+  echo "# wall: shape N variant pick wall kernel host span pre tail y1 | split, y"
+  grep -E "^ *[0-9]+x[0-9]+ |^# per" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
+  echo "# table_ab: shape N column old pick us new pick us TB/s old/new"
+  grep -E "^[0-9]+x[0-9]+ " "$OUT/table_ab.log" 2>/dev/null | sed -E 's/ +/ /g'
+}
+
 if [[ ${PHASE:-a} == a ]]; then
   step wall 30 python3 bench/table_wall.py --shapes 14336x4096,18944x3584 --ns 64,48 \
     --old "$OLD" --variant "whole:new:Y_CHUNKS=0,X_SPLIT_Y_MIN=0" \
@@ -64,14 +74,7 @@ if [[ ${PHASE:-a} == a ]]; then
   python3 bench/table_wall.py --old "$OLD" --write-old "$OUT/old_table.json"
   step table_ab 12 python3 bench/kernels.py --table-ab "$OUT/old_table.json" \
     --shapes 14336x4096,18944x3584 --ns 64 --columns auto --iters 30
-  {
-    echo "== k session 25 PHASE=a (tree $(tree_commit)), $(elapsed)"
-    steps
-    echo "# wall: shape N variant pick wall kernel host span pre tail y1 | split, y"
-    grep -E "^ *[0-9]+x[0-9]+ |^# per" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
-    echo "# table_ab: shape N column old pick us new pick us TB/s old/new"
-    grep -E "^[0-9]+x[0-9]+ " "$OUT/table_ab.log" 2>/dev/null | sed -E 's/ +/ /g'
-  } | table
+  wall_report | table
   exit 0
 fi
 if [[ ${PHASE} == b ]]; then
@@ -119,14 +122,7 @@ if [[ ${PHASE} == d ]]; then
   step tests 22 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
     tests/service/test_launch_split.py tests/kernels/test_cuda_pairs.py \
     -k "wgmma_row_chunks_on_the_gpu or test_every_table_shape"
-  {
-    echo "== k session 25 PHASE=d (tree $(tree_commit)), $(elapsed)"
-    steps
-    echo "# wall: shape N variant pick wall kernel host span pre tail y1 | split, y"
-    grep -E "^ *[0-9]+x[0-9]+ |^# per" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
-    echo "# table_ab: shape N column old pick us new pick us TB/s old/new"
-    grep -E "^[0-9]+x[0-9]+ " "$OUT/table_ab.log" 2>/dev/null | sed -E 's/ +/ /g'
-  } | table
+  wall_report | table
   exit 0
 fi
 echo "PHASE=${PHASE} not written yet"
