@@ -142,6 +142,9 @@ fi
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
   step lane 90 env -u VARIANTS SKIP_TESTS=1 SKIP_INSTALL=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" \
     bench/gpu_dataplane_lane.sh
+  # its JSONs sit inside its archive; bench/check_targets.py reads OUT/lane/lane_f*.json (the
+  # check's T3-through-the-lane row, missed in session 25's device run without this)
+  tar -xzf "$OUT/lane/dataplane_lane.tgz" -C "$OUT/lane" --wildcards './lane_f*.json' 2>/dev/null
   # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
   step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
     --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
