@@ -282,8 +282,21 @@ SUM_VEC_MIN = 1 << 18
 # dataclass or enum hash in Python); 0: the keyed lookup only (a bench's A/B). H200, session 25
 # bundle B (b818352, 4 rounds alternated): staged wall 4096x14336 N=64 114.4 -> 111.5 us (every
 # round), N=1 36.7 -> 36.3, 14336x4096 N=1 42.2 -> 41.1; the host's part before the graph launch
-# 6.0 -> 4.3 us at N=64 (it runs on caches the staging fill has just cooled)
-HOT_CALLS = 1
+# 6.0 -> 4.3 us at N=64 (it runs on caches the staging fill has just cooled).
+# ``Q6SERVE_HOT_CALLS`` (hot_calls_from_env, read once at import) sets it for a process, so a
+# worker can be A/B'd without a code edit.
+
+
+def hot_calls_from_env(env: Any = None) -> int:
+    """``Q6SERVE_HOT_CALLS`` (unset or empty: 1; 0: off): ``CudaBackend.launch`` looks a
+    repeated call up by (x's shape, slot) and the identity of its arguments first (HOT_CALLS).
+    Read once, at import (the module constant the benches set); a bad value is refused there,
+    and by the worker's start check (service/envvars.py)."""
+    raw = (os.environ if env is None else env).get("Q6SERVE_HOT_CALLS", "").strip()
+    return 1 if not raw else int(parse_bool("Q6SERVE_HOT_CALLS", raw))
+
+
+HOT_CALLS = hot_calls_from_env()
 GRAPH_AFTER = 1  # direct calls of a bound sequence before it is captured (first: lazy loads)
 MAX_PLANS_PER_WEIGHT = 256  # bound sequences cached per weight (distinct N x dtype x path)
 _H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind

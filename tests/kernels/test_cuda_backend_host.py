@@ -399,6 +399,36 @@ def test_a_repeated_call_is_found_by_its_shape_and_slot(monkeypatch, staged):
     assert not full and len(keyed) == 3
 
 
+@pytest.mark.parametrize("raw,want", [(None, 1), ("", 1), (" ", 1), ("1", 1), ("on", 1),
+                                      ("0", 0), ("off", 0), (" No ", 0)])
+def test_hot_calls_from_the_environment(raw, want):
+    """``Q6SERVE_HOT_CALLS`` (unset or empty: on) sets ``launch.HOT_CALLS``, so a worker can
+    be A/B'd without a code edit; another word is refused, naming the variable."""
+    from q6serve.kernels.errors import InvalidArgument
+
+    env = {} if raw is None else {"Q6SERVE_HOT_CALLS": raw}
+    assert launch_mod.hot_calls_from_env(env) == want
+    with pytest.raises(InvalidArgument, match="Q6SERVE_HOT_CALLS='maybe'"):
+        launch_mod.hot_calls_from_env({"Q6SERVE_HOT_CALLS": "maybe"})
+
+
+def test_hot_calls_is_read_once_at_import():
+    """A process started with ``Q6SERVE_HOT_CALLS=0`` runs the keyed lookup only (the module's
+    constant, which CudaBackend.launch reads per call); a bad value stops the import."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from q6serve.kernels.cuda import launch; print(launch.HOT_CALLS)"
+    for raw, want in (("0", "0"), ("1", "1"), ("", "1")):
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "Q6SERVE_HOT_CALLS": raw}, timeout=60)
+        assert got.returncode == 0 and got.stdout.strip() == want, got.stderr[-500:]
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "Q6SERVE_HOT_CALLS": "2"}, timeout=60)
+    assert got.returncode != 0 and "Q6SERVE_HOT_CALLS='2'" in got.stderr
+
+
 def test_bound_call_with_the_topk_epilogue(monkeypatch):
     be, _, full, w, rng = _counted(monkeypatch, 4)
     for _ in range(5):
