@@ -42,6 +42,12 @@ loads them in slabs of R rows (a value over the rows: one slab, as before sessio
 slabs); the rows of the chunks used are printed after the row (e.g. ``--variants
 'one:SLAB_ROWS=20000;new;two:SLAB_ROWS=-2,Y_CHUNKS=2'``).
 
+``PRECISION=auto|f16|exact|q8_1`` in a variant: its calls go through ``api.launch_ieee`` at
+that precision with one flags object, as the worker's batcher calls the backend (a variant
+without it: ``CudaBackend.launch`` / ``matmul`` at AUTO, as before); e.g. ``--variants
+'a:PRECISION=auto;f:PRECISION=f16;a0:PRECISION=auto,HOT_CALLS=0'`` (session 26: is a call at
+AUTO dearer on the host than one at F16?).
+
 ``COPY_KERNEL_MAX=B`` in a variant: x's upload and a small y's download of at most B bytes by
 a copy kernel on the kernels' engine instead of the copy engine (kernels/cuda/launch.py
 COPY_SRC; unless Q6SERVE_COPY_KERNEL_MAX is set; every bound sequence rebinds at each variant
@@ -101,6 +107,9 @@ from q6serve.kernels.api import KernelFlags, Layout, Precision, ResidentWeight, 
 from q6serve.kernels.cuda_backend import CudaBackend
 
 SHAPES = ((4096, 14336), (14336, 4096), (3584, 3584), (512, 3584))
+# --variants keys that are not launch.py constants: SLAB_ROWS (the variant's own copy of the
+# weight), PRECISION (auto, f16, ...: the calls through api.launch_ieee at it, the worker's way)
+LOCAL_KEYS = ("SLAB_ROWS", "PRECISION")
 DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
@@ -280,10 +289,20 @@ def tokens_of(w: ResidentWeight, n: int, state: int) -> dict | None:
     return None
 
 
+# the engine's kernel flags object (service/engine.py _FLAGS: one object per flag state, so a
+# cached call's identity checks hold as in the worker)
+ENGINE_FLAGS = KernelFlags()
+
+
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
-            topk: int = 0, probe: bool = False, fill: str = "copy", parts: bool = False) -> dict:
+            topk: int = 0, probe: bool = False, fill: str = "copy", parts: bool = False,
+            precision: Precision | None = None) -> dict:
+    """``precision`` given: every call goes through ``api.launch_ieee`` at that precision with
+    one flags object, as the worker's batcher calls the backend (service/engine.py); None: the
+    backend's ``launch`` / ``matmul`` at its default (AUTO), as before."""
     import cupy as cp
 
+    from q6serve.kernels.api import launch_ieee
     from q6serve.kernels.cuda.launch import fill_x
 
     walls, kerns, fills, spans, lts, loops = [], [], [], [], [], []
@@ -315,7 +334,9 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             t00 = time.perf_counter()  # (the loop's own time, bench events included: ``loop``)
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
             t0 = time.perf_counter()  # the wall: launch .. the result (no bench event in it)
-            launched = be.launch(w, st, topk=topk)
+            launched = (be.launch(w, st, topk=topk) if precision is None else
+                        launch_ieee(be, w, st, precision=precision, flags=ENGINE_FLAGS,
+                                    topk=topk))
             t1 = time.perf_counter()  # the host's launch (its part before the GPU starts)
             e1.record(be.stream)
             ys = be.launcher._y_stream  # (a split call's first part's y goes down on it)
@@ -350,7 +371,9 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
                         gpu["y1"].append(cp.cuda.get_elapsed_time(e0, ey) * 1e3)
             wall = t2 - t0
         else:
-            res = be.matmul(w, x, topk=topk)
+            res = (be.matmul(w, x, topk=topk) if precision is None else
+                   launch_ieee(be, w, x, precision=precision, flags=ENGINE_FLAGS,
+                               topk=topk).wait())
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks  # no figure: shows as nan, run goes on
             wall = time.perf_counter() - t0
@@ -552,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="",
                     help="in-process A/B of the host path's constants: 'LABEL[:NAME=INT,...]' "
                     "separated by ';' (NAME a constant of kernels/cuda/launch.py, or SLAB_ROWS: "
-                    "the variant's own copy of the weight in slabs of that many rows), measured "
+                    "the variant's own copy of the weight in slabs of that many rows; or "
+                    "PRECISION: its calls through api.launch_ieee at it), measured "
                     "in turn for every (shape, N), --rounds times")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--y-chunks", type=int, default=None,
@@ -594,21 +618,29 @@ def main(argv: list[str] | None = None) -> int:
     if a.y_chunks is not None:
         launch.Y_CHUNKS = a.y_chunks
     variants: list[tuple[str, dict[str, int]]] = []
+    precisions: dict[str, Precision | None] = {}  # a variant's PRECISION (None: not given)
     for spec in filter(None, a.variants.split(";")):
         label, _, sets = spec.partition(":")
-        variants.append((label, {k: int(float(v)) for k, v in
-                                 (kv.split("=") for kv in filter(None, sets.split(",")))}))
+        pairs = [kv.split("=") for kv in filter(None, sets.split(","))]
+        prec = [v for k, v in pairs if k == "PRECISION"]
+        try:
+            precisions[label] = Precision(prec[-1]) if prec else None
+        except ValueError:
+            ap.error(f"--variants: PRECISION={prec[-1]!r}: one of "
+                     f"{', '.join(p.value for p in Precision)}")
+        variants.append((label, {k: int(float(v)) for k, v in pairs if k != "PRECISION"}))
     variants = variants or [("", {})]
     unknown = {k for _, sets in variants for k in sets
-               if k != "SLAB_ROWS" and not hasattr(launch, k)}
+               if k not in LOCAL_KEYS and not hasattr(launch, k)}
     if unknown:
         ap.error(f"--variants: no constant {', '.join(sorted(unknown))} in kernels/cuda/launch.py")
-    defaults = {k: getattr(launch, k) for _, sets in variants for k in sets if k != "SLAB_ROWS"}
+    defaults = {k: getattr(launch, k) for _, sets in variants for k in sets
+                if k not in LOCAL_KEYS}
     slab_sets = sorted({sets.get("SLAB_ROWS", a.slab_rows) for _, sets in variants})
 
     def apply(sets: dict[str, int]) -> None:
         for k, v in {**defaults, **sets}.items():
-            if k != "SLAB_ROWS":
+            if k not in LOCAL_KEYS:
                 setattr(launch, k, v)
 
     if a.many:
@@ -648,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
                 if {"STAGING_WC_MIN", "X_SPLIT_FIT", "COPY_KERNEL_MAX"} & set(defaults):
                     be.launcher.ws.gen += 1
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
-                r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts)
+                r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts,
+                            precisions.get(label))
                 # the split this row's calls took (an idle launcher, the staging slot)
                 state = be.launcher.chunks_for(w.data, 0, n * rows, xs[0].nbytes, n)
                 # (after calls on other x: a copy that ran before its kernels would show)
