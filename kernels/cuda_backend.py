@@ -95,6 +95,11 @@ class CudaBackend(Backend):
     now_slots = SLOTS  # a launch_now pipeline's (the lane's full batches)
 
     name = "cuda"
+    # the precisions a call never resolves to Q8_1 at on this backend (dispatch's COLUMNS:
+    # AUTO's paths are exact, mma_f16 and cublas_f16 only): api.launch_ieee needs neither
+    # plan() nor a non-finite scan for them, so a call at AUTO costs the host what one at F16
+    # does (tests/kernels/test_cuda_backend_host.py holds the dispatch to it)
+    no_q8_1 = frozenset((Precision.EXACT, Precision.F16, Precision.AUTO))
     # gathered(): the placeholder x it handed out and its pieces, (address, bytes) each,
     # until the next launch of it or staging (None: none out)
     _gather: tuple[np.ndarray, tuple[tuple[int, int], ...]] | None = None

@@ -399,6 +399,28 @@ def test_a_repeated_call_is_found_by_its_shape_and_slot(monkeypatch, staged):
     assert not full and len(keyed) == 3
 
 
+def test_auto_never_resolves_to_q8_1():
+    """``CudaBackend.no_q8_1`` lets api.launch_ieee skip plan() for AUTO (a call at AUTO then
+    costs the host what one at F16 does): it holds only while no AUTO call can run the q8_1
+    kernel - not in the table's column (a table that lists it is refused on load), not in
+    the heuristics, under any flags, at any N, on table shapes and far from them."""
+    from q6serve.kernels.cuda.dispatch import COLUMNS, KERNELS
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    for p in CudaBackend.no_q8_1:
+        assert all(KERNELS[path] is not Precision.Q8_1 for path in COLUMNS[p.value])
+    assert Precision.Q8_1 not in CudaBackend.no_q8_1
+    d = Dispatch(load_default_table(), 132)
+    shapes = [(4096, 14336), (14336, 4096), (512, 3584), (152064, 3584), (0, 0), (1024, 1024),
+              (65536, 8192), (256, 256)]
+    for soa, mmq in itertools.product((True, False), (True, False)):
+        flags = KernelFlags(soa=soa, decode_mmq=mmq)
+        for (rows, k), n in itertools.product(shapes, (1, 2, 3, 8, 9, 16, 33, 64, 65, 256, 257,
+                                                       1024)):
+            for p in CudaBackend.no_q8_1:
+                assert d.choose(n, p, flags, rows, k).precision is not Precision.Q8_1
+
+
 @pytest.mark.parametrize("raw,want", [(None, 1), ("", 1), (" ", 1), ("1", 1), ("on", 1),
                                       ("0", 0), ("off", 0), (" No ", 0)])
 def test_hot_calls_from_the_environment(raw, want):
