@@ -16,7 +16,7 @@
 # 2. replay: bench/replay_ab.py (t1's), the replay S=1, multi, top-64, LAYERS layers (10: two
 #    workers' uploads and 8 runs inside the bound), worker HOT_CALLS 1 / 0 (Q6SERVE_HOT_CALLS=0)
 #    x the requests at AUTO / F16, order a1,f1,a0,f0,f0,a0,f1,a1: step p50, the worker's window,
-#    per call role handler / device / kernel.
+#    per call role handler / device / kernel; the workers on cores 0-7, the hosts on 8-15 (RPIN).
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -27,6 +27,11 @@ LAYERS=${LAYERS:-10}
 V=${V:-"a1:PRECISION=auto;f1:PRECISION=f16;a0:PRECISION=auto,HOT_CALLS=0;f0:PRECISION=f16,HOT_CALLS=0"}
 RV=${RV:-"a1: f1:host.precision=f16 a0:Q6SERVE_HOT_CALLS=0 f0:Q6SERVE_HOT_CALLS=0,host.precision=f16"}
 RORDER=${RORDER:-a1,f1,a0,f0,f0,a0,f1,a1}
+# the workers on cores 0-7 (8: the loop still busy-polls, SPIN_MIN_CPUS), every replay host on
+# 8-15 (replay_ab --pin): a host process never shares a core with the worker it measures
+# (session 25's bundle E read AUTO 40% dearer in two of two alternated pairs, unpinned;
+# whether a host's placement did that is not known)
+RPIN=${RPIN:-0-7:8-15}
 report() {  # the short table
   echo "# hp bundle $PHASE, tree $(tree_commit), $(elapsed); wall variants: $V; replay: $RV"
   echo "## backend wall (host p50 (wall p50, kernel p50), median of the rounds, us)"
@@ -64,7 +69,7 @@ if [[ $PHASE == a ]]; then
   rest=$(($(bound 1000 4) - 1))
   step replay "$(bound 70 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --layers "$LAYERS" --variants "$RV" --order "$RORDER" --seqs 1 --seconds 1.0 \
-    --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+    --warmup 0.4 --pin "$RPIN" --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   report | table
 fi
 exit 0
