@@ -48,6 +48,10 @@ without it: ``CudaBackend.launch`` / ``matmul`` at AUTO, as before); e.g. ``--va
 'a:PRECISION=auto;f:PRECISION=f16;a0:PRECISION=auto,HOT_CALLS=0'`` (session 26: is a call at
 AUTO dearer on the host than one at F16?).
 
+``ASK_PLAN=1`` in a variant (with ``PRECISION=auto``): the backend's ``no_q8_1`` set back to
+``api.Backend``'s, so launch_ieee asks plan() at AUTO as before session 26 (the A/B of that
+change in one process).
+
 ``COPY_KERNEL_MAX=B`` in a variant: x's upload and a small y's download of at most B bytes by
 a copy kernel on the kernels' engine instead of the copy engine (kernels/cuda/launch.py
 COPY_SRC; unless Q6SERVE_COPY_KERNEL_MAX is set; every bound sequence rebinds at each variant
@@ -109,7 +113,10 @@ from q6serve.kernels.cuda_backend import CudaBackend
 SHAPES = ((4096, 14336), (14336, 4096), (3584, 3584), (512, 3584))
 # --variants keys that are not launch.py constants: SLAB_ROWS (the variant's own copy of the
 # weight), PRECISION (auto, f16, ...: the calls through api.launch_ieee at it, the worker's way)
-LOCAL_KEYS = ("SLAB_ROWS", "PRECISION")
+# ASK_PLAN=1: the backend's ``no_q8_1`` set back to api.Backend's (EXACT, F16): a call at AUTO
+# through api.launch_ieee asks plan() first, as before session 26 (a tree whose api.launch_ieee
+# does not read ``no_q8_1`` always asks)
+LOCAL_KEYS = ("SLAB_ROWS", "PRECISION", "ASK_PLAN")
 DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
@@ -680,8 +687,12 @@ def main(argv: list[str] | None = None) -> int:
                 if {"STAGING_WC_MIN", "X_SPLIT_FIT", "COPY_KERNEL_MAX"} & set(defaults):
                     be.launcher.ws.gen += 1
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
+                if sets.get("ASK_PLAN"):  # (an instance attribute over the class's: removed)
+                    from q6serve.kernels.api import Backend
+                    be.no_q8_1 = Backend.no_q8_1 if hasattr(Backend, "no_q8_1") else frozenset()
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts,
                             precisions.get(label))
+                be.__dict__.pop("no_q8_1", None)
                 # the split this row's calls took (an idle launcher, the staging slot)
                 state = be.launcher.chunks_for(w.data, 0, n * rows, xs[0].nbytes, n)
                 # (after calls on other x: a copy that ran before its kernels would show)
