@@ -212,6 +212,10 @@ class Backend(abc.ABC):
     # launches that may await their ``wait`` at once (the CUDA backend: its launch slots, so a
     # batch can be launched while the previous one runs); the NumPy backend computes at launch
     launch_slots: int = 1
+    # precisions a call of this backend never resolves to Q8_1 at: launch_ieee asks plan()
+    # for the others only (AUTO may resolve to Q8_1 where a backend says nothing; the CUDA and
+    # NumPy backends list it: a call at AUTO then costs the host what one at F16 does)
+    no_q8_1: frozenset[Precision] = frozenset((Precision.EXACT, Precision.F16))
 
     @property
     def now_slots(self) -> int:
@@ -391,18 +395,15 @@ def matmul_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
                        topk=topk).wait()
 
 
-# Only AUTO resolves to another precision: an explicit one runs as asked or is refused by launch
-_NEVER_Q8_1 = frozenset((Precision.EXACT, Precision.F16))
-
-
 def launch_ieee(backend: Backend, w: ResidentWeight, x: np.ndarray, *,
                 precision: Precision = Precision.AUTO, flags: KernelFlags = DEFAULT_FLAGS,
                 out_dtype: np.dtype | None = None, topk: int = 0) -> Launched:
     """:func:`matmul_ieee` started with :meth:`Backend.launch` (a q8_1 call whose rows need
     the split below runs to the end now: two launches and a merge)."""
-    # an EXACT or F16 call skips plan(): ~3 us of every such launch on CUDA; and the launch as
+    # a call at a precision the backend never resolves to Q8_1 (EXACT, F16; AUTO on CUDA and
+    # NumPy: Backend.no_q8_1) skips plan(): ~0.5-3 us of every such launch; and the launch as
     # is, before the keyword dict the split needs (the direct path's every call)
-    if precision in _NEVER_Q8_1 or backend.plan(int(x.shape[0]), precision,
+    if precision in backend.no_q8_1 or backend.plan(int(x.shape[0]), precision,
                                                 flags)[1] is not Precision.Q8_1:
         return backend.launch(w, x, precision=precision, flags=flags, out_dtype=out_dtype,
                               topk=topk)
@@ -446,7 +447,7 @@ def launch_many_ieee(backend: Backend, weights: Sequence[ResidentWeight], x: np.
     with such rows each part runs :func:`launch_ieee`'s split, in turn."""
     fl = flags_of(flags, len(weights))
     n = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else 0
-    if precision in _NEVER_Q8_1 or not n or all(
+    if precision in backend.no_q8_1 or not n or all(
             backend.plan(n, precision, f)[1] is not Precision.Q8_1 for f in set(fl)):
         return backend.launch_many(weights, x, precision=precision, flags=fl,
                                    out_dtype=out_dtype, topk=topk)

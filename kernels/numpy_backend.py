@@ -163,6 +163,7 @@ class NumpyBackend(Backend):
     """Chunked dequantization + BLAS on the host. AUTO precision is EXACT here."""
 
     name = "numpy"
+    no_q8_1 = frozenset((Precision.EXACT, Precision.F16, Precision.AUTO))  # AUTO is EXACT here
     TILE_ROWS_BYTES = 2 << 20  # float32 tile per thread, sized for L2
     SLAB_BYTES = 64 << 20  # resident slab size: bounds load and relayout transients
 
