@@ -124,6 +124,10 @@ Y_CHUNKS = Var("Q6SERVE_Y_CHUNKS", "count", None,
                "row chunks a large y is computed and downloaded in (CUDA; unset: each "
                "weight's own, 0 or 1: off)", high=16)
 
+HOT_CALLS = Var("Q6SERVE_HOT_CALLS", "switch", True,
+                "a repeated call found by x's shape, slot and its arguments' identity first "
+                "(CUDA)")
+
 LAUNCH_SLOTS = Var("Q6SERVE_LAUNCH_SLOTS", "count", 3,
                    "launches in flight on one launcher: all for the lane's pipeline, at most 2 "
                    "for the batcher's (CUDA)", low=1, high=4)
@@ -154,7 +158,7 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
-                         DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
+                         HOT_CALLS, DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
                          DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER, DP_LANE_PIPE)
 
 
