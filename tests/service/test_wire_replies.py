@@ -213,3 +213,30 @@ def test_multi_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, sp
             pb.MatmulStreamResponse.FromString(want)
     top = _reply(2, 500, np.dtype(np.float32), 3, topk=5)  # a top-k part: upb's path
     assert wire._multi_stream_bytes([("lm", top), *parts], b"t", wire.Took(1.0, 1.5)) is None
+
+
+def test_multi_weight_part_records_follow_a_changed_part(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The part records kept per weight name (wire._PART_LAST) are remade when the same name
+    comes back with another shape, dtype, kernel, layout or precision: every reply is upb's
+    bytes."""
+    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
+    took = wire.Took(1.0, 1.5)
+    rng = np.random.default_rng(3)
+    cases = [(3584, np.float16, "cuda.a", Layout.SOA, Precision.F16),
+             (3584, np.float16, "cuda.a", Layout.SOA, Precision.F16),  # kept
+             (100, np.float16, "cuda.a", Layout.SOA, Precision.F16),
+             (100, np.float32, "cuda.a", Layout.SOA, Precision.F16),
+             (100, np.float32, "cuda.b", Layout.SOA, Precision.F16),
+             (100, np.float32, "cuda.b", Layout.AOS, Precision.F16),
+             (100, np.float32, "cuda.b", Layout.AOS, Precision.AUTO),
+             (3584, np.float16, "cuda.a", Layout.SOA, Precision.F16)]
+    for rows, dtype, kernel, layout, prec in cases:
+        parts = [(name, MatmulReply(rng.standard_normal((2, rows)).astype(dtype), kernel,
+                                    layout, prec, 0.0, 1e-5, 2, 1, 2e-5))
+                 for name in ("blk.0.q", "blk.0.k")]
+        parts.append(("blk.0.v", MatmulReply(np.ones((2, 7), np.float16), "cuda.a",
+                                             Layout.SOA, Precision.F16, 0.0, 1e-5, 2, 1,
+                                             2e-5)))
+        got = wire.stream_reply(parts, "r", took)
+        assert got == wire.stream_result(parts, "r", took).SerializeToString()
