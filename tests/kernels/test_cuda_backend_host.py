@@ -399,6 +399,34 @@ def test_a_repeated_call_is_found_by_its_shape_and_slot(monkeypatch, staged):
     assert not full and len(keyed) == 3
 
 
+@pytest.mark.parametrize("n", [1, 64])
+def test_repeated_auto_calls_take_the_hot_way_as_f16_calls_do(monkeypatch, n):
+    """The worker's calls (api.launch_ieee, one flags object, the out dtype's object): a
+    repeated call at AUTO finds its BoundCall the hot way (no key built, no full path), as
+    one at F16 does; AUTO's key is not one per call (session 25's open question: bundles E/F
+    read AUTO 15-45% dearer a replay step than F16 on one worker)."""
+    from q6serve.kernels import cuda_backend
+    from q6serve.kernels.api import DTYPES, launch_ieee
+
+    be, _, full, w, rng = _counted(monkeypatch, 8)
+    keyed: list = []
+    key = cuda_backend._call_key
+    monkeypatch.setattr(cuda_backend, "_call_key", lambda *a: keyed.append(1) or key(*a))
+    flags, out = KernelFlags(), DTYPES["f16"]
+    for prec in (Precision.AUTO, Precision.F16):
+        for _ in range(3):  # bound, captured, cached
+            launch_ieee(be, w, _x(be, rng, n, 14336, False), precision=prec, flags=flags,
+                        out_dtype=out).wait()
+        full.clear(), keyed.clear()
+        for i in range(4):
+            y = _set_y(be, w, n, i)
+            got = launch_ieee(be, w, _x(be, rng, n, 14336, False), precision=prec,
+                              flags=flags, out_dtype=out).wait()
+            assert np.array_equal(got.y, y.astype(np.float16))
+            assert got.precision is Precision.F16
+        assert not full and not keyed, prec
+
+
 def test_auto_never_resolves_to_q8_1():
     """``CudaBackend.no_q8_1`` lets api.launch_ieee skip plan() for AUTO (a call at AUTO then
     costs the host what one at F16 does): it holds only while no AUTO call can run the q8_1
