@@ -71,5 +71,20 @@ if [[ $PHASE == a ]]; then
     --layers "$LAYERS" --variants "$RV" --order "$RORDER" --seqs 1 --seconds 1.0 \
     --warmup 0.4 --pin "$RPIN" --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   report | table
+elif [[ $PHASE == b ]]; then
+  # the fix (branch hp-s26-autofix: api.launch_ieee asks plan() only for a precision outside
+  # Backend.no_q8_1, which holds AUTO on CUDA): wall a1 (AUTO), ap (AUTO asking plan, as
+  # before: ASK_PLAN=1), f1 (F16); replay a (AUTO) / f (F16) on one worker, LAYERS layers
+  BOUND=${BOUND:-95}
+  V=${VB:-"a1:PRECISION=auto;ap:PRECISION=auto,ASK_PLAN=1;f1:PRECISION=f16"}
+  RV=${RVB:-"a: f:host.precision=f16"}
+  RORDER=${RORDERB:-a,f,f,a,a,f}
+  step wall "$(bound 26 45)" python3 bench/backend_wall.py --shapes "$SHAPES" --ns 1,64 \
+    --modes graph,staged --calls 150 --rounds 4 --json "$OUT/wall.json" --variants "$V"
+  rest=$(($(bound 1000 4) - 1))
+  step replay "$(bound 70 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "$LAYERS" --variants "$RV" --order "$RORDER" --seqs "${SEQS:-1}" --seconds 1.0 \
+    --warmup 0.4 --pin "$RPIN" --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  report | table
 fi
 exit 0
