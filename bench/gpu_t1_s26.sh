@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# t1's device script, session 26 (issue 14: the replay's worker window per call).
+# A: the 28-layer decode replay (S=1, then S=8; multi-weight calls, top-64 lm-head, F16 as
+#    bench/service.py --replay asks) with one backend call per multi-weight call
+#    (Q6SERVE_MULTI_LAUNCH=1, ml) against the tree's default (off, main), alternated on one
+#    machine by bench/replay_ab.py (one worker per variant, uploads once). Measured off three
+#    times (sessions 14, 18) while each step's transport was 36-54 ms of gRPC with the
+#    EventEngine on; since session 25 the replay's caller runs it off (S=1 ~27-34 ms a step,
+#    the worker 15 of it), so the ~2.8 ms of window a step it saved may now show.
+#   PHASE=a bash bench/gpu_t1_s26.sh   env: BOUND (95), BACKEND (cuda), LAYERS (28), SCALE (1),
+#     SECONDS_RUN (1.0), ORDER, SEQS (1,8), VARIANTS
+# B: as A with VARIANTS/ORDER given by the entry (this tree's change against main's code).
+#   PHASE=b bash bench/gpu_t1_s26.sh   env: as A
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+PHASE=${PHASE:-a}
+gpu_session "/tmp/t1"
+if [[ $PHASE == a || $PHASE == b ]]; then
+  BOUND=${BOUND:-95}
+  # replay_ab's own bound: no run starts that would end past it (6 s kept for the table)
+  rest=$(($(bound 1000 6) - 1))
+  step replay "$(bound 90 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
+    --variants "${VARIANTS:-main:host.precision=f16 ml:Q6SERVE_MULTI_LAUNCH=1,host.precision=f16}" \
+    --order "${ORDER:-main,ml,ml,main,main,ml}" --seqs "${SEQS:-1,8}" \
+    --seconds "${SECONDS_RUN:-1.0}" --warmup 0.4 --bound "$rest" --out-dir "$OUT" \
+    --json "$OUT/replay.json"
+  {
+    echo "# gpu_t1_s26 PHASE=$PHASE $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "gRPC: GRPC_EXPERIMENTS" "$OUT"/worker_*.log | cut -c1-160
+    grep -E "given|skipped|FAILED|host gRPC" "$OUT/replay.log" | cut -c1-200
+    sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-400
+  } | table
+fi
+exit 0
