@@ -23,7 +23,7 @@ if [[ $PHASE == a || $PHASE == b ]]; then
   step replay "$(bound 90 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
     --variants "${VARIANTS:-main:host.precision=f16 ml:Q6SERVE_MULTI_LAUNCH=1,host.precision=f16}" \
-    --order "${ORDER:-main,ml,ml,main,main,ml}" --seqs "${SEQS:-1,8}" \
+    --order "${ORDER:-main,ml,ml,main,main,ml,ml,main}" --seqs "${SEQS:-1,8}" \
     --seconds "${SECONDS_RUN:-1.0}" --warmup 0.4 --bound "$rest" --out-dir "$OUT" \
     --json "$OUT/replay.json"
   {
