@@ -9,7 +9,9 @@
 #    the worker 15 of it), so the ~2.8 ms of window a step it saved may now show.
 #   PHASE=a bash bench/gpu_t1_s26.sh   env: BOUND (95), BACKEND (cuda), LAYERS (28), SCALE (1),
 #     SECONDS_RUN (1.0), ORDER, SEQS (1,8), VARIANTS
-# B: as A with VARIANTS/ORDER given by the entry (this tree's change against main's code).
+# B: A again, the order mirrored (ml first: A's 4 pairs split S=1 3:1 for ml, S=8 1:3, on a
+#    slow host whose runs of one variant spread 45-70 ms; q+k+v's handler p50 300 -> 270 us at
+#    S=1, 350 -> 290 at S=8): 8 more runs, so that the two bundles give 8 pairs.
 #   PHASE=b bash bench/gpu_t1_s26.sh   env: as A
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
@@ -23,7 +25,8 @@ if [[ $PHASE == a || $PHASE == b ]]; then
   step replay "$(bound 90 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
     --variants "${VARIANTS:-main:host.precision=f16 ml:Q6SERVE_MULTI_LAUNCH=1,host.precision=f16}" \
-    --order "${ORDER:-main,ml,ml,main,main,ml,ml,main}" --seqs "${SEQS:-1,8}" \
+    --order "${ORDER:-$([[ $PHASE == a ]] && echo main,ml,ml,main,main,ml,ml,main ||
+      echo ml,main,main,ml,ml,main,main,ml)}" --seqs "${SEQS:-1,8}" \
     --seconds "${SECONDS_RUN:-1.0}" --warmup 0.4 --bound "$rest" --out-dir "$OUT" \
     --json "$OUT/replay.json"
   {
