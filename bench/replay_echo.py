@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="1,8")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--multi", default="on", choices=("on", "off"))
+    ap.add_argument("--multi", default="on",
+                    help="on | off | mlp (each layer's MLP as one call, gate+up+down: its "
+                         "hold, when not given, gate+up's and down's summed), or several "
+                         "comma-separated: each plan in turn, on one echo")
     ap.add_argument("--topk", type=int, default=64)
     ap.add_argument("--holds", default="", help='per S, each role\'s hold in us: '
                     '"1:q+k+v=207,o=89;8:..." (a role not named: held 0)')
@@ -97,20 +100,30 @@ def main(argv: list[str] | None = None) -> int:
             ss = [s for s in ss if s in holds]
     rows = {name: r for name, r, _ in model_weights(a.layers, a.scale)}
     doc: dict[str, Any] = {"argv": sys.argv, "runs": [], "replay_roles_p50_us": replay}
-    plan = step_plan(a.layers, rows, a.multi == "on", a.topk)
-    kinds_of = {s: list(holds.get(s, {"held": {}})) for s in ss}
-    # one echo and one caller process for every sequence (their starts cost more than a run)
-    got = ladder_echo([(plan, s, holds.get(s, {"held": {}})) for s in ss], 2, 2, a.mode,
-                      a.seconds, a.spin, a.transport)
-    for s, res in zip(ss, got, strict=True):
-        kinds = kinds_of[s]
+    styles = [m for m in a.multi.split(",") if m]
+    if bad := [m for m in styles if m not in ("on", "off", "mlp")]:
+        ap.error(f"--multi {bad}: on, off or mlp")
+    for hs in holds.values():  # the MLP call holds gate+up's window and down's
+        for h in hs.values():
+            if "gate+up+down" not in h and "gate+up" in h and "down" in h:
+                h["gate+up+down"] = h["gate+up"] + h["down"]
+    plans = {m: step_plan(a.layers, rows, m != "off", a.topk, mlp=m == "mlp") for m in styles}
+    cases = [(m, s) for m in styles for s in ss]
+    # one echo and one caller process for every plan and sequence (their starts cost more
+    # than a run)
+    got = ladder_echo([(plans[m], s, holds.get(s, {"held": {}})) for m, s in cases], 2, 2,
+                      a.mode, a.seconds, a.spin, a.transport)
+    for (m, s), res in zip(cases, got, strict=True):
+        plan = plans[m]
         hs = holds.get(s, {"held": {}})
-        doc["runs"].append({"seqs": s, "holds_us": hs, **res})
+        kinds = list(hs)
+        doc["runs"].append({"seqs": s, "multi": m, "calls": len(plan), "holds_us": hs, **res})
         cells = [f"bare {res['bare']['step_ms']:.2f} ms"]
         for k in kinds:
             held_ms = sum(hs[k].get(c.role, 0) for c in plan) / 1e3
             cells.append(f"held {k} {res[k]['step_ms']:.2f} ms (holds {held_ms:.2f})")
-        print(f"# replay echo S={s} ({len(plan)} calls) step: " + ", ".join(cells), flush=True)
+        print(f"# replay echo S={s} multi {m} ({len(plan)} calls) step: " + ", ".join(cells),
+              flush=True)
         if s in replay:  # the replay's step: calls in the same order, the same windows
             step = sum(replay[s].get(c.role, {}).get("rpc", float("nan")) for c in plan) / 1e3
             print(f"# replay S={s}: its calls' rpc p50s summed over the step {step:.2f} ms",
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# S={s} per call p50 us: role, bare RT, per held kind RT - hold = transport"
               + (", the replay's RT / the last kind's RT" if s in replay else ""), flush=True)
         for role, rt in res["bare"]["rt_us"].items():
-            line = f"S={s:<3} {role:<10} bare {rt:7.1f}"
+            line = f"S={s:<3} {role:<12} bare {rt:7.1f}"
             for k in kinds:
                 held, hold = res[k]["rt_us"][role], hs[k].get(role, 0)
                 line += f" | {k} {held:7.1f} - {hold:6.1f} = {held - hold:6.1f}"

@@ -44,6 +44,10 @@ LAYER: tuple[tuple[str, int, int], ...] = (
 LM_HEAD = ("lm_head", 152064, 3584)
 LAYERS = 28
 GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # multi-weight calls of a layer
+# A layer whose MLP is one call (step_plan's ``mlp``, the echo floors only: no worker serves it
+# yet): x -> down(silu(gate x) * up x), gate+up -> down being the one boundary of a layer with
+# no host state between (attention, residual and norm sit at the others); its reply is down's y
+MLP_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up", "down"))
 # Untimed steps a host runs at least before its timed ones: a weight's first calls at a new N
 # run before its launch plan, inline-cost estimate and CUDA graph are made (a graph from its
 # 2nd call), and every weight is called once a step. With 2 (up to session 16) bundle A of
@@ -93,16 +97,19 @@ class Call:
         return out_itemsize * n * self.out_cols
 
 
-def step_plan(layers: int, rows: dict[str, int], multi: bool, topk: int) -> list[Call]:
-    """The calls of one decode step, in order."""
+def step_plan(layers: int, rows: dict[str, int], multi: bool, topk: int,
+              mlp: bool = False) -> list[Call]:
+    """The calls of one decode step, in order. ``mlp`` (with ``multi``): each layer's MLP as
+    one call (MLP_GROUPS; its role "gate+up+down", its reply down's y)."""
     ks = {role: k for role, _, k in LAYER}
     plan: list[Call] = []
     for i in range(layers):
-        for group in GROUPS:
+        for group in (MLP_GROUPS if mlp and multi else GROUPS):
             parts = [group] if multi else [(r,) for r in group]
             for g in parts:
                 names = tuple(layer_name(i, r) for r in g)
-                plan.append(Call(names, ks[g[0]], 0, sum(rows[n] for n in names)))
+                cols = rows[names[-1]] if g[-1] == "down" else sum(rows[n] for n in names)
+                plan.append(Call(names, ks[g[0]], 0, cols))
     lm = LM_HEAD[0]
     plan.append(Call((lm,), LM_HEAD[2], min(topk, rows[lm]), rows[lm]))
     return plan

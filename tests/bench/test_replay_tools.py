@@ -308,3 +308,39 @@ def test_psr_watch_pairs_count_samples_on_one_cpu() -> None:
     assert got == {(w1, c1): (3, 2), (c1, w2): (1, 0)}
     assert [t["tid"] for t in doc["threads"]] == ["10", "20", "11"]
     assert any("on one CPU in 67%" in line for line in lines)
+
+
+def test_mlp_plan_is_one_call_per_mlp() -> None:
+    """step_plan's mlp: each layer's gate, up and down as one call (3 a layer + the lm-head),
+    K of gate, its reply down's y; the other calls as the multi-weight plan's."""
+    from service_replay import model_weights, step_plan
+
+    rows = {name: r for name, r, _ in model_weights(2, 1.0)}
+    multi, mlp = step_plan(2, rows, True, 64), step_plan(2, rows, True, 64, mlp=True)
+    assert (len(multi), len(mlp)) == (9, 7)
+    assert [c.role for c in mlp[:3]] == ["q+k+v", "o", "gate+up+down"]
+    fused = mlp[2]
+    assert fused.weights == ("blk.0.gate", "blk.0.up", "blk.0.down")
+    assert (fused.k, fused.out_cols) == (3584, 3584)
+    assert mlp[:2] == multi[:2] and mlp[-1] == multi[-1]
+    assert step_plan(2, rows, False, 64, mlp=True) == step_plan(2, rows, False, 64)
+
+
+def test_replay_echo_holds_the_mlp_call_for_both_windows(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: Any) -> None:
+    """replay_echo --multi on,mlp: one echo run for both plans; the MLP call is held for
+    gate+up's hold and down's together."""
+    seen: list[Any] = []
+
+    def ladder(plans: Any, *args: Any, **kw: Any) -> list[dict[str, Any]]:
+        seen.extend(plans)
+        return [{"bare": {"step_ms": 1.0, "rt_us": {c.role: 1.0 for c in plan}},
+                 "held": {"step_ms": 2.0, "rt_us": {c.role: 2.0 for c in plan}}}
+                for plan, _, _ in plans]
+
+    monkeypatch.setattr(replay_echo, "ladder_echo", ladder)
+    assert replay_echo.main(["--seqs", "1", "--layers", "1", "--multi", "on,mlp", "--holds",
+                             "1:gate+up=200,down=100,o=50"]) == 0
+    assert [len(p) for p, _, _ in seen] == [5, 4]
+    assert seen[1][2]["held"]["gate+up+down"] == 300
+    assert "multi mlp (4 calls)" in capsys.readouterr().out
