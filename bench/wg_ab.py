@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -175,6 +176,34 @@ def trace_summary(rec: np.ndarray) -> str:
 SMEM_MAX = 232448  # dynamic shared memory a CTA may opt into on sm_90 (227 KB)
 
 
+def cluster_size(text: str) -> int:
+    """The K slices per cluster a variant text is built for (session 26's cluster-sum wgmma
+    tile, bench/ab/q6k_wgmma_cl.cu: ``#define WG_KC n``), 0 for a plain text. A cell runs such
+    a variant only where its plan's K split is n (the cluster is the grid's K slices)."""
+    m = re.search(r"^#define WG_KC (\d+)$", text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def max_clusters(fn, grid: tuple[int, int, int], block: int, smem: int) -> int:
+    """cuOccupancyMaxActiveClusters of ``fn`` (its compile-time cluster size) at this grid,
+    block and shared memory: how many clusters run at once (-1 where the driver cannot say)."""
+    import ctypes
+
+    from q6serve.kernels.cuda import launch as _launch
+
+    f = _launch._driver_max_clusters()
+    if f is None:
+        return -1
+    cfg = _launch._LaunchConfig()
+    for i, v in enumerate(grid):
+        cfg.grid[i] = v
+    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
+    cfg.smem = smem
+    got = ctypes.c_int(0)
+    rc = f(ctypes.byref(got), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
+    return got.value if rc == 0 else -1
+
+
 def variant_text(spec: str) -> tuple[str, str, int]:
     """``LABEL|OLD|NEW[|FILE[|EXTRA]]`` -> (label, FILE's text (default today's q6k_wgmma.cu)
     with OLD replaced by NEW (OLD empty: as it is), EXTRA shared-memory bytes per warp)."""
@@ -267,9 +296,19 @@ def main() -> int:
                     print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} skipped: plan "
                           f"{lp.smem} + ring {extra * ch.cfg.warps} B > {SMEM_MAX}", flush=True)
                     continue
+                kc = cluster_size(text)
+                if kc and kc != lp.ks:
+                    print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} skipped: "
+                          f"clusters of {kc}, K split {lp.ks}", flush=True)
+                    continue
                 fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
                 if smem > int(fo.max_dynamic_shared_size_bytes):
                     fo.max_dynamic_shared_size_bytes = smem
+                if kc:
+                    need = lp.grid[0] * lp.grid[2]
+                    print(f"# {shape} N={n} {lab}: grid {lp.grid} x {lp.threads}, smem {smem}, "
+                          f"{need} clusters of {kc}, at once "
+                          f"{max_clusters(fo, lp.grid, lp.threads, smem)}", flush=True)
                 plans[lab] = plan_for(lab, replace(lp, fn=fo, smem=smem), a.nopost, a.pdl)
             if a.auto:  # the table's own cell (its kernel's module, as the backend loads it)
                 au = be.choose(n, Precision.AUTO, flags, rows, k)

@@ -133,3 +133,36 @@ def test_plan_for_drops_the_sum_or_takes_pdl() -> None:
     assert wg_ab.plan_for("c", lp, "fz,ns", "") == lp
     pd = wg_ab.plan_for("pd", lp, "fz", "pd")
     assert pd.post is lp.post and pd.src == PDL_SRCS[0] and 8 not in PDL_SRCS
+
+
+CL = ROOT / "bench" / "ab" / "q6k_wgmma_cl.cu"
+
+
+def test_cluster_size_of_a_variant_text() -> None:
+    """Session 26's cluster-sum wgmma tile runs only on cells whose K split is its cluster."""
+    assert wg_ab.cluster_size(CL.read_text()) == 5
+    _, text, extra = wg_ab.variant_text(f"c4|#define WG_KC 5|#define WG_KC 4|{CL}|4096")
+    assert wg_ab.cluster_size(text) == 4 and extra == 4096
+    assert wg_ab.cluster_size((loader.CUDA_DIR / "q6k_wgmma.cu").read_text()) == 0
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc")
+@pytest.mark.parametrize("kc", [4, 5])
+def test_cluster_variant_compiles_without_spills(tmp_path: Path, kc: int) -> None:
+    """The cluster-sum wgmma tile (bench/ab/q6k_wgmma_cl.cu) builds for sm_90a at the cells'
+    cluster sizes, the timed instantiations (nt 8, pair streams, 2 / 3 warpgroups) unspilled."""
+    sig = ("(const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*,"
+           " int);")
+    text = CL.read_text().replace("#define WG_KC 5", f"#define WG_KC {kc}")
+    text += "".join(f"\ntemplate __global__ void q6k_wg_f16<8, 2, InF16, {g}>{sig}"
+                    for g in (2, 3))
+    src = tmp_path / "cl.cu"
+    src.write_text(text)
+    done = subprocess.run([NVCC, "-cubin", "-std=c++17", "-arch", "sm_90a", "-I",
+                           str(loader.CUDA_DIR), "-Xptxas", "-v", "-o",
+                           str(tmp_path / "cl.cubin"), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for g in (2, 3):
+        at = done.stderr.index(f"_Z10q6k_wg_f16ILi8ELi2E5InF16Li{g}E")
+        assert "0 bytes spill stores" in done.stderr[at:at + 400], done.stderr[at:at + 400]
