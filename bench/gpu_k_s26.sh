@@ -7,8 +7,8 @@
 # own shared memory after the activation slice, cluster barrier, CTA r adds the r-th 1/KC of the
 # outputs from every rank's shared memory in slice order (q6k_sum_parts' adds: the same bits),
 # writes y; no partials in global memory, no sum launch. Session 25 measured src 8's sum at
-# 3.7-8.0 us of an N=64 call (ns: the tile without it). bench/wg_ab.py, c5 / c4 (clusters of 5 /
-# 4, run only on cells with that K split) and ns (today's tile without the sum: its whole cost,
+# 3.7-8.0 us of an N=64 call (ns: the tile without it). bench/wg_ab.py, c5 / c4 / c6 (clusters of
+# 5 / 4 / 6, run only on cells with that K split) and ns (today's tile without the sum: its whole cost,
 # y incomplete) against now (today's src 8 + q6k_sum_parts), AUTO beside, alternated twice in
 # one process, bits compared, 2 more calls on fresh x; the line "# shape N=.. cK: .. at once M"
 # says how many clusters co-reside (cuOccupancyMaxActiveClusters) against the grid's.
@@ -31,10 +31,11 @@ cluster_report() {
 
 if [[ ${PHASE:-a} == a ]]; then
   V=(--variant "c5|||$CL|4096" --variant "c4|#define WG_KC 5|#define WG_KC 4|$CL|4096"
-     --variant "ns||")
+     --variant "c6|#define WG_KC 5|#define WG_KC 6|$CL|4096" --variant "ns||")
   C="3584x3584:64:$L12.k5,3584x3584:64:$L8.k4,4096x4096:64:$L12.k4,4096x4096:64:$L8.k4"
+  C+=",4096x4096:64:$L12.k6"
   C+=",14336x4096:64,18944x3584:64,18944x3584:64:$L12.k4"
-  step cluster 62 python3 bench/wg_ab.py "${V[@]}" --nopost c5,c4,ns --auto --cells "$C" \
+  step cluster 62 python3 bench/wg_ab.py "${V[@]}" --nopost c5,c4,c6,ns --auto --cells "$C" \
     --rounds 2 --iters 30 --recheck 2 --json "$OUT/cluster.json"
   cluster_report cluster | table
   exit 0
