@@ -304,12 +304,19 @@ def main() -> int:
                 fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
                 if smem > int(fo.max_dynamic_shared_size_bytes):
                     fo.max_dynamic_shared_size_bytes = smem
+                vp = replace(lp, fn=fo, smem=smem)
                 if kc:
                     need = lp.grid[0] * lp.grid[2]
+                    fit = max_clusters(fo, lp.grid, lp.threads, smem)
+                    # (session 26) a grid whose clusters do not all co-reside runs a second
+                    # wave (0.52-0.64x in bundle A): such a variant takes as many CTAs along
+                    # rows as co-reside (more rounds; the kernel strides over the row tiles)
+                    if 0 < fit < need:
+                        vp = replace(vp, grid=(max(1, fit // lp.grid[2]), *lp.grid[1:]))
                     print(f"# {shape} N={n} {lab}: grid {lp.grid} x {lp.threads}, smem {smem}, "
-                          f"{need} clusters of {kc}, at once "
-                          f"{max_clusters(fo, lp.grid, lp.threads, smem)}", flush=True)
-                plans[lab] = plan_for(lab, replace(lp, fn=fo, smem=smem), a.nopost, a.pdl)
+                          f"{need} clusters of {kc}, at once {fit}; runs grid {vp.grid}",
+                          flush=True)
+                plans[lab] = plan_for(lab, vp, a.nopost, a.pdl)
             if a.auto:  # the table's own cell (its kernel's module, as the backend loads it)
                 au = be.choose(n, Precision.AUTO, flags, rows, k)
                 if au.path == "mma_f16" and au.cfg is not None:

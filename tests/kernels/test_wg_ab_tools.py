@@ -147,13 +147,17 @@ def test_cluster_size_of_a_variant_text() -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc")
-@pytest.mark.parametrize("kc", [4, 5])
-def test_cluster_variant_compiles_without_spills(tmp_path: Path, kc: int) -> None:
-    """The cluster-sum wgmma tile (bench/ab/q6k_wgmma_cl.cu) builds for sm_90a at the cells'
-    cluster sizes, the timed instantiations (nt 8, pair streams, 2 / 3 warpgroups) unspilled."""
+@pytest.mark.parametrize("kc", [2, 4, 5])
+@pytest.mark.parametrize("file", ["q6k_wgmma_cl.cu", "q6k_wgmma_cp.cu"])
+def test_cluster_variant_compiles_without_spills(tmp_path: Path, kc: int, file: str) -> None:
+    """The cluster-sum wgmma tiles (bench/ab/q6k_wgmma_cl.cu: partials pulled, _cp.cu: pushed,
+    session 26) build for sm_90a at the cells' cluster sizes, the timed instantiations (nt 8,
+    pair streams, 2 / 3 warpgroups) unspilled."""
     sig = ("(const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*,"
            " int);")
-    text = CL.read_text().replace("#define WG_KC 5", f"#define WG_KC {kc}")
+    path = CL.parent / file
+    assert wg_ab.cluster_size(path.read_text()) == 5
+    text = path.read_text().replace("#define WG_KC 5", f"#define WG_KC {kc}")
     text += "".join(f"\ntemplate __global__ void q6k_wg_f16<8, 2, InF16, {g}>{sig}"
                     for g in (2, 3))
     src = tmp_path / "cl.cu"
