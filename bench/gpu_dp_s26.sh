@@ -67,6 +67,19 @@ for f in sorted(Path(sys.argv[1]).glob("calls-*.npy")):
         print(f"neighbours ending within {w * 1e3:.1f} ms, their mean round trip: around the "
               f"slowest 1% {nb[slow].mean() * 1e6:,.0f} us, around p45-p55 "
               f"{nb[mid].mean() * 1e6:,.0f}")
+    pid = c["pid"].astype(int)
+    same = np.zeros(len(e2e))  # within 1 ms: its own front end's calls, then the others'
+    other = np.zeros(len(e2e))
+    for i in np.flatnonzero(slow | mid):
+        near = np.abs(t1 - t1[i]) <= 1e-3
+        near[i] = False
+        s = near & (pid == pid[i])
+        same[i] = e2e[s].mean() if s.any() else np.nan
+        other[i] = e2e[near & ~s].mean() if (near & ~s).any() else np.nan
+    print(f"within 1 ms, its own front end's calls / the other front ends' calls, mean round "
+          f"trip: around the slowest 1% {np.nanmean(same[slow]) * 1e6:,.0f} / "
+          f"{np.nanmean(other[slow]) * 1e6:,.0f} us, around p45-p55 "
+          f"{np.nanmean(same[mid]) * 1e6:,.0f} / {np.nanmean(other[mid]) * 1e6:,.0f}")
     b = ((t1 - t1.min()) / 0.01).astype(int)
     nw = b.max() + 1
     wm = np.bincount(b, e2e, nw) / np.maximum(np.bincount(b, None, nw), 1)
@@ -87,7 +100,6 @@ for f in sorted(Path(sys.argv[1]).glob("calls-*.npy")):
     bt.sort()
     before = np.searchsorted(bt, c["read"]) - np.searchsorted(bt, c["sent"])
     held = np.zeros(len(e2e))
-    pid = c["pid"].astype(int)
     for p in np.unique(pid):
         m = pid == p
         reads = np.unique(c["read"][m])
