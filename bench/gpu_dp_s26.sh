@@ -2,25 +2,26 @@
 # Session 26, issue 15 (dp), one script for the bundles (session 25's, PHASE=a/b/c: T3 over
 # system regions with Q6SERVE_DP_TICK_LEAN, the lane row's launch slots, py-spy of the device
 # process: `git show b76a477:bench/gpu_dp_s25.sh`, docs/SCALEOUT.md "Session 25").
-#  a (bound 100 s, bundle A): where T2's slowest calls wait, and the device process's CPU a
-#    call by stage at the defaults.
+#  a (bound 100 s, bundle A): where T2's slowest calls wait, and the lanes' device process by stage.
 #    1. T2's timeline (bench/t2_timeline.py: 64 callers of N=1 on ffn_down 3584x18944 as 8 load
-#       processes x 8, 6 front ends round robin, TL_RUNS runs of TL_S s on one worker, the
-#       device process's counters on), its calls kept; then `tail` below reads them: whether
-#       the slowest 1% come in episodes (the mean round trip of the calls that ended within
-#       0.5 / 2 ms of each; the share of them in the worst tenth of 10 ms windows) or one by one
-#       (callers; the device batches answered between a call's hand-off and its own answer,
-#       the stacks its front end got answered while it waited in its stack), and which part
-#       is the largest in each. The calls come back as $FINAL/t2_calls.npz (us, int32).
-#    2. The lane row (T3's shape through the fast lane, the closing check's LANE=1: 8 hosts x 1
-#       caller of N=64, --frontends 2) and bench/service.py's T3 over system regions (6 front
-#       ends round robin), one run each (RUNS, default "lane t3"), the device process's stages
-#       timed (Q6SERVE_DP_STATS, bench/device_stats_table.py --stages): the lanes' stages
-#       (lane_request / lane_flush / lane_answer) have not run on a GPU yet.
+#       processes x 8, front ends round robin, TL_RUNS runs of TL_S s on one worker, the device
+#       process's counters on) with TL_FIRST (f6: 6 front ends) first, RUNS next, TL_LAST (f8)
+#       last (session 20's one pair on a slow host: 8 held p99 ~1 ms lower), its calls kept; the
+#       heredoc below reads them: whether the slowest 1% come in episodes (the mean round trip
+#       of the calls that ended within 0.5 / 2 ms of each, of its own front end's and of the
+#       others' within 1 ms; the share of them in the worst tenth of 10 ms windows) or one by
+#       one (callers; the device batches answered between a call's hand-off and its own
+#       answer; the stacks its front end got answered while it waited in its stack), and which
+#       part is the largest in each. The calls come back as $FINAL/RUN_calls.npz (us, int32).
+#    2. RUNS (default "lane"; also "t3"), one run each, the device process's stages timed
+#       (Q6SERVE_DP_STATS, bench/device_stats_table.py --stages): the lane row (T3's shape
+#       through the fast lane, the closing check's LANE=1: 8 hosts x 1 caller of N=64,
+#       --frontends 2), whose stages (lane_request / lane_flush / lane_answer) have not run on a
+#       GPU yet; bench/service.py's T3 over system regions (6 front ends round robin).
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s26.sh   env: PHASE (a), BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
-#                         rehearsal with DRY_RUN=1), TL_RUNS (2), TL_S (2), RUNS, HOSTS (8),
-#                         SECONDS_PER_RUN (1.5)
+#                         rehearsal with DRY_RUN=1), TL_FIRST (f6), TL_LAST (f8), TL_RUNS (2),
+#                         TL_S (2), RUNS, HOSTS (8), SECONDS_PER_RUN (1.5)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -28,14 +29,15 @@ gpu_session /tmp/dp
 PHASE=${PHASE:-a} BOUND=${BOUND:-95} BACKEND=${BACKEND:-cuda}
 ROWS=3584 K=18944
 [[ $BACKEND == numpy ]] && ROWS=256 K=3584
-timeline() {  # timeline RUN: T2's timeline, its calls kept in $OUT/RUN
+timeline() {  # timeline RUN NAME: T2's timeline (NAME fN: N front ends), its calls kept in $OUT/RUN
+  local fe=${2#f}
   Q6SERVE_FRONTEND_ROUND_ROBIN=1 Q6SERVE_DP_STATS=$OUT/dpstats_$1.jsonl \
     timeout "$(bound $((14 + ${TL_RUNS:-2} * (${TL_S:-2} + 4))) 6)" python3 bench/t2_timeline.py \
-    --backend "$BACKEND" --rows $ROWS --k $K --frontends 6 --hosts "${HOSTS:-8}" --callers 8 \
+    --backend "$BACKEND" --rows $ROWS --k $K --frontends "$fe" --hosts "${HOSTS:-8}" --callers 8 \
     --seconds "${TL_S:-2}" --warmup 0.5 --runs "${TL_RUNS:-2}" --keep "$OUT/$1" \
     --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
   note "# $1 (T2's timeline) rc=$? at $(elapsed)"
-  timeout "$(bound 20 1)" python3 - "$OUT/$1" "$FINAL/t2_calls.npz" >"$OUT/$1.tail" 2>&1 <<'EOF'
+  timeout "$(bound 20 1)" python3 - "$OUT/$1" "$FINAL/$1_calls.npz" >"$OUT/$1.tail" 2>&1 <<'EOF'
 # the kept calls of bench/t2_timeline.py --keep: where the slowest 1% wait (the script's header)
 import sys
 from pathlib import Path
@@ -143,20 +145,23 @@ t3() {  # t3 RUN: bench/service.py's T3 over system regions, 6 front ends round 
 }
 case $PHASE in
   a)
-    left 30 && timeline tl
-    for r in ${RUNS-lane t3}; do
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs 30 timeline ${TL_FIRST-f6}
+    for r in ${RUNS-lane}; do
       if left "${NEED:-12}"; then "$r" "${r}_a"; else note "# ${r}_a skipped at $(elapsed)"; fi
     done
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs 30 timeline ${TL_LAST-f8}
     ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
 {
   echo "# phase $PHASE"
-  for f in "$OUT"/tl*.log; do
-    [[ -f $f ]] && grep -h -A4 "^run " "$f" | cut -c1-200
+  for f in "$OUT"/f[0-9]*_[0-9].log; do
+    [[ -f $f ]] && { echo "## ${f##*/}"; grep -h -A5 "^run " "$f" | cut -c1-200; }
   done
-  for f in "$OUT"/tl*.tail; do
-    [[ -f $f ]] && cut -c1-260 "$f"
+  for f in "$OUT"/f[0-9]*_[0-9].tail; do
+    [[ -f $f ]] && { echo "## ${f##*/}"; cut -c1-260 "$f"; }
   done
   echo "# device process (Q6SERVE_DP_STATS, the busiest second), then its stages a call"
   python3 bench/device_stats_table.py "$OUT" --stages 2>&1
