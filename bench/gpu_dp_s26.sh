@@ -18,6 +18,8 @@
 #       through the fast lane, the closing check's LANE=1: 8 hosts x 1 caller of N=64,
 #       --frontends 2), whose stages (lane_request / lane_flush / lane_answer) have not run on a
 #       GPU yet; bench/service.py's T3 over system regions (6 front ends round robin).
+#  b (bound 100 s, bundle B): T2's timeline alternated over TL_VARIANTS (ab_runs' NAME[:VAR=VALUE,...],
+#    NAME fN...: N front ends; default "f6 f8 f8 f6"), TL_RUNS (here 1) runs each, read as in a.
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s26.sh   env: PHASE (a), BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), TL_FIRST (f6), TL_LAST (f8), TL_RUNS (2),
@@ -29,8 +31,9 @@ gpu_session /tmp/dp
 PHASE=${PHASE:-a} BOUND=${BOUND:-95} BACKEND=${BACKEND:-cuda}
 ROWS=3584 K=18944
 [[ $BACKEND == numpy ]] && ROWS=256 K=3584
-timeline() {  # timeline RUN NAME: T2's timeline (NAME fN: N front ends), its calls kept in $OUT/RUN
+timeline() {  # timeline RUN NAME: T2's timeline (NAME fN...: N front ends), its calls kept in $OUT/RUN
   local fe=${2#f}
+  fe=${fe%%[!0-9]*}
   Q6SERVE_FRONTEND_ROUND_ROBIN=1 Q6SERVE_DP_STATS=$OUT/dpstats_$1.jsonl \
     timeout "$(bound $((14 + ${TL_RUNS:-2} * (${TL_S:-2} + 4))) 6)" python3 bench/t2_timeline.py \
     --backend "$BACKEND" --rows $ROWS --k $K --frontends "$fe" --hosts "${HOSTS:-8}" --callers 8 \
@@ -153,11 +156,15 @@ case $PHASE in
     # shellcheck disable=SC2086  # (run names)
     ab_runs 30 timeline ${TL_LAST-f8}
     ;;
+  b)
+    # shellcheck disable=SC2086  # (run names)
+    TL_RUNS=${TL_RUNS:-1} ab_runs "${NEED:-20}" timeline ${TL_VARIANTS-f6 f8 f8 f6}
+    ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
 {
   echo "# phase $PHASE"
-  for f in "$OUT"/f[0-9]*_[0-9].log; do
+  for f in "$OUT"/f[0-9]*_[0-9].log; do  # (ab_runs' RUN: NAME_ROUND)
     [[ -f $f ]] && { echo "## ${f##*/}"; grep -h -A5 "^run " "$f" | cut -c1-200; }
   done
   for f in "$OUT"/f[0-9]*_[0-9].tail; do
