@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,13 @@ def parse_bool(name: str, text: str) -> bool:
     if t in _FALSE:
         return False
     raise InvalidArgument(f"{name}={text!r}: use 0 or 1")
+
+
+def env_switch(name: str, default: bool = True, env: Any = None) -> bool:
+    """The switch variable ``name`` of ``env`` (os.environ if None): unset or empty,
+    ``default``; else :func:`parse_bool` (other words refused, naming it)."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
+    return default if not raw else parse_bool(name, raw)
 
 
 class Precision(enum.StrEnum):

@@ -124,7 +124,7 @@ from ..api import (
     MatmulResult,
     Precision,
     ResidentWeight,
-    parse_bool,
+    env_switch,
 )
 from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
@@ -292,8 +292,7 @@ def hot_calls_from_env(env: Any = None) -> int:
     repeated call up by (x's shape, slot) and the identity of its arguments first (HOT_CALLS).
     Read once, at import (the module constant the benches set); a bad value is refused there,
     and by the worker's start check (service/envvars.py)."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_HOT_CALLS", "").strip()
-    return 1 if not raw else int(parse_bool("Q6SERVE_HOT_CALLS", raw))
+    return int(env_switch("Q6SERVE_HOT_CALLS", env=env))
 
 
 HOT_CALLS = hot_calls_from_env()
@@ -424,8 +423,7 @@ def pdl_from_env(env: Any = None) -> bool:
     """``Q6SERVE_PDL`` (unset or empty: on). A kernels-level variable, read where a backend is
     built (the worker builds its backends at start, so a bad value stops it there), because the
     backend runs without the service too (bench, tests, library use)."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_PDL", "").strip()
-    return True if not raw else parse_bool("Q6SERVE_PDL", raw)
+    return env_switch("Q6SERVE_PDL", env=env)
 
 
 def region_streams_from_env(env: Any = None) -> bool:
@@ -433,8 +431,7 @@ def region_streams_from_env(env: Any = None) -> bool:
     another launch in flight moves x and y on copy streams of their own (per-slot device
     buffers), so its copies overlap the kernels of the call beside it. Read where a backend is
     built, as ``Q6SERVE_PDL``."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_REGION_STREAMS", "").strip()
-    return True if not raw else parse_bool("Q6SERVE_REGION_STREAMS", raw)
+    return env_switch("Q6SERVE_REGION_STREAMS", env=env)
 
 
 def timing_anchor_from_env(env: Any = None) -> int:

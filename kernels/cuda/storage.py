@@ -11,14 +11,13 @@ at a time (one slab of scratch).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import q6k
-from ..api import AosChunks, Layout, ResidentWeight, parse_bool
+from ..api import AosChunks, Layout, ResidentWeight, env_switch
 from ..errors import FormatError
 from .context import DeviceContext
 
@@ -105,8 +104,7 @@ def pairs_from_env(env: Any = None) -> bool:
     their code planes in pair-stream order (docs/KERNELS.md "A decode from a resident repack":
     the same bytes, one LOP3 + one HFMA2 per f16x2 in the tiles, results bit-identical to
     plain SoA). ``=0``: ggml's plane order. Read where a backend is built."""
-    raw = (os.environ if env is None else env).get("Q6SERVE_Q6K_PAIRS", "").strip()
-    return True if not raw else parse_bool("Q6SERVE_Q6K_PAIRS", raw)
+    return env_switch("Q6SERVE_Q6K_PAIRS", env=env)
 
 
 class Storage:
