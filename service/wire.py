@@ -537,27 +537,47 @@ def _part_head(y: np.ndarray, r: MatmulReply) -> tuple[bytes, bytes]:
     return _head_of(y, r, pb.WeightOutput, _F_OUT_Y, _PART_HEADS)
 
 
-# per weight name, the last (dtype, shape, kernel, layout, precision) of its part and, for a
-# part with no queue time (every direct-path part), its record's bytes before y's data
-# (outputs tag and length, the weight's name, y's head) and after it up to the timing's values
-# (kernel/layout/precision fields, the timing's tag and length): a replay's q+k+v reply on the
-# 2-core VM, in process, 6.3 -> ~4 us; one tuple per name, replaced whole
-_PART_LAST: dict[str, tuple[Any, ...]] = {}
+class _PartRecord(NamedTuple):
+    """One weight name's multi-weight part record, kept while its y's dtype and shape and its
+    kernel, layout and precision stay (``_PART_LAST``)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    kernel: str
+    layout: Any
+    precision: Any
+    wrec: bytes  # the weight's name field
+    head: bytes  # y's WeightOutput record up to its data
+    fields: bytes  # the kernel/layout/precision fields
+    # a part with no queue time (every direct-path part): the record's bytes before y's data
+    # (outputs tag and length, wrec, head) and after it up to the timing's values (fields, the
+    # timing's tag and length)
+    before: bytes
+    after: bytes
 
 
-def _part_prefix(name: str, y: np.ndarray, r: MatmulReply) -> tuple[Any, ...]:
-    """``_PART_LAST``'s entry of ``name`` for ``r``'s wire ``y`` (made and kept)."""
+# per weight name, its last part record: a replay's q+k+v reply on the 2-core VM, in process,
+# 6.3 -> ~4 us; one entry per name, replaced whole
+_PART_LAST: dict[str, _PartRecord] = {}
+
+
+def _part_record(name: str, y: np.ndarray, r: MatmulReply) -> _PartRecord:
+    """``name``'s part record for ``r``'s wire ``y``: the one kept, else made and kept."""
+    c = _PART_LAST.get(name)
+    if c is not None and y.dtype is c.dtype and r.kernel == c.kernel and \
+            r.layout is c.layout and r.precision is c.precision and y.shape == c.shape:
+        return c
     head, fields = _part_head(y, r)
     w = name.encode()
     wrec = _T_OUT_WEIGHT + encode_varint(len(w)) + w if w else b""
     size = len(wrec) + len(head) + y.nbytes + len(fields) + len(_T_PART_TIMING) + \
         _PART_TIMING.size
-    got = (y.dtype, y.shape, r.kernel, r.layout, r.precision,
-           _T_OUTPUTS + encode_varint(size) + wrec + head, fields + _T_PART_TIMING)
+    c = _PartRecord(y.dtype, y.shape, r.kernel, r.layout, r.precision, wrec, head, fields,
+                    _T_OUTPUTS + encode_varint(size) + wrec + head, fields + _T_PART_TIMING)
     if len(_PART_LAST) >= MAX_HEADS:
         _PART_LAST.clear()
-    _PART_LAST[name] = got
-    return got
+    _PART_LAST[name] = c
+    return c
 
 
 def _multi_stream_bytes(r: Sequence[tuple[str, MatmulReply]], rid: bytes,
@@ -571,28 +591,19 @@ def _multi_stream_bytes(r: Sequence[tuple[str, MatmulReply]], rid: bytes,
         if part.y is None or not _packs(part):
             return None
         y = _wire_y(part.y)
-        c = _PART_LAST.get(name)
-        if c is None or not (y.dtype is c[0] and part.kernel == c[2] and part.layout is c[3]
-                             and part.precision is c[4] and y.shape == c[1]):
-            c = _part_prefix(name, y, part)
-        if _DOUBLE(part.queue_seconds) == _ZERO8:  # (every direct-path part's: no queue)
-            pieces += (c[5], _y_data(y), c[6], _PART_TIMING.pack(
-                k, part.kernel_seconds, rows, part.batch_rows, reqs, part.batch_requests,
-                dev, part.device_seconds))
-            continue
-        head, fields = _part_head(y, part)
-        data = _y_data(y)
-        w = name.encode()
-        wrec = _T_OUT_WEIGHT + encode_varint(len(w)) + w if w else b""
+        c = _part_record(name, y, part)
         timing = _PART_TIMING.pack(k, part.kernel_seconds, rows, part.batch_rows, reqs,
                                    part.batch_requests, dev, part.device_seconds)
+        if _DOUBLE(part.queue_seconds) == _ZERO8:  # (every direct-path part's: no queue)
+            pieces += (c.before, _y_data(y), c.after, timing)
+            continue
         queue = _queue_field(part)
         t_head = (_T_OUT_TIMING + encode_varint(len(queue) + len(timing)) if queue
                   else _T_PART_TIMING)
-        size = (len(wrec) + len(head) + y.nbytes + len(fields) + len(t_head) + len(queue)
-                + len(timing))
-        pieces += (_T_OUTPUTS, encode_varint(size), wrec, head, data, fields, t_head, queue,
-                   timing)
+        size = (len(c.wrec) + len(c.head) + y.nbytes + len(c.fields) + len(t_head)
+                + len(queue) + len(timing))
+        pieces += (_T_OUTPUTS, encode_varint(size), c.wrec, c.head, _y_data(y), c.fields,
+                   t_head, queue, timing)
     rec, sid = _rid_records(rid)
     d, h = _TIMING6_TAGS[3], _TIMING6_TAGS[5]
     t = _T_RESP_TIMING + _RESP_TIMING.pack(d, took.decoded - took.start,
