@@ -69,22 +69,9 @@ def _requests(seqs: int) -> dict[str, bytes]:
 async def _drive(handler: Any, reqs: list[bytes], calls: int,
                  ) -> tuple[list[float], list[float]]:
     """``calls`` rounds of ``reqs`` in turn, one in flight: per request (wall, CPU) s."""
-    from stream_overhead import _Context
+    from stream_overhead import start_stream
 
-    incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-    async def requests() -> Any:
-        while (raw := await incoming.get()) is not None:
-            yield raw if handler.request_deserializer is None else \
-                handler.request_deserializer(raw)
-
-    ctx = _Context()
-
-    async def run() -> None:
-        async for item in handler.stream_stream(requests(), ctx):
-            await ctx.write(item)
-
-    runner = asyncio.get_running_loop().create_task(run())
+    incoming, ctx, runner = start_stream(handler)
     serialize = handler.response_serializer
     wall: list[float] = []
     cpu: list[float] = []

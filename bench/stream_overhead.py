@@ -627,6 +627,26 @@ class _Context:
     def set_details(self, details: str) -> None:
         pass
 
+def start_stream(handler: Any) -> tuple[asyncio.Queue[bytes | None], _Context, asyncio.Task[None]]:
+    """Runs ``handler``'s stream in process as gRPC iterates one: requests are the queue's
+    (None ends the stream), what the handler yields is written to the context
+    (``ctx.written``); returns (the queue, the context, the running task)."""
+    incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while (raw := await incoming.get()) is not None:
+            yield raw if handler.request_deserializer is None else \
+                handler.request_deserializer(raw)
+
+    ctx = _Context()
+
+    async def run() -> None:  # as gRPC iterates a handler: what it yields is written
+        async for item in handler.stream_stream(requests(), ctx):
+            await ctx.write(item)
+
+    return incoming, ctx, asyncio.get_running_loop().create_task(run())
+
+
 
 async def stream_handler(servicer: Any) -> Any:
     """``servicer``'s MatmulStream behind the worker's ErrorInterceptor (its own metrics), as
@@ -674,20 +694,7 @@ async def _inproc(variant: str, req: bytes, rows: int, calls: int, k: int,
         else:
             servicer = Q6ServeServicer(_StubEngine(rows, variant == "direct"))  # type: ignore[arg-type]
         handler = await stream_handler(servicer)
-    incoming: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-    async def requests() -> Any:
-        while (raw := await incoming.get()) is not None:
-            yield raw if handler.request_deserializer is None else \
-                handler.request_deserializer(raw)
-
-    ctx = _Context()
-
-    async def run() -> None:  # as gRPC iterates a handler: what it yields is written
-        async for item in handler.stream_stream(requests(), ctx):
-            await ctx.write(item)
-
-    runner = asyncio.get_running_loop().create_task(run())
+    incoming, ctx, runner = start_stream(handler)
     serialize = handler.response_serializer
     out = []
     clock = time.thread_time if cpu is not None else time.perf_counter  # (a syscall: py-spy
