@@ -20,6 +20,8 @@ bench/svc_util_transport.py), ``host.mode=stream|unary`` (MatmulStream or unary 
 ``host.grpc.NAME=INT`` (channel argument grpc.NAME of the host's channel, beside the client's
 own, e.g. host.grpc.enable_retries=0), ``host.chains=C`` (the host's S sequences as C
 concurrent chains of S / C rows, a stream each; an S that C does not divide is not run),
+``host.multi=on|off`` (this variant's calls with or without multi-weight requests, in place of
+``--multi``: multi-weight and single calls alternated on one worker),
 ``host.precision=auto|exact|f16|q8_1`` (the requests' precision: auto by default,
 bench/service.py --replay's default is f16), ``host.ee=off|def`` (the host processes'
 GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve worker` runs it, client/grpc_env.py, or
@@ -73,6 +75,7 @@ HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
                              "host.transport": _choice("host.transport", TRANSPORTS),
                              "host.mode": _choice("host.mode", ("stream", "unary")),
                              "host.chains": int,
+                             "host.multi": _choice("host.multi", ("on", "off")),
                              "host.ee": _choice("host.ee", ("off", "def")),
                              "host.precision": _choice("host.precision",
                                                        ("auto", "exact", "f16", "q8_1"))}
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in clients.values():
             c.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
         rows = {name: r for name, r, _ in weights}
-        plan = tuple(step_plan(a.layers, rows, a.multi == "on", a.topk))
+        plans = {m: tuple(step_plan(a.layers, rows, m == "on", a.topk)) for m in ("on", "off")}
         # what a run at S takes, its host process's start included: a guess until one has
         # run, then the shortest seen and 1 s, the call's first run left out (a fixed guess of
         # 4 s over the timed part skipped runs that fitted: a run's start and warm-up take
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     doc["errors"].append({"run": label, "error": "skipped (bound)"})
                     continue
                 host = split_variant(variants[v])[1]
+                plan = plans[host.get("host.multi", a.multi)]
                 chains = host.get("host.chains", 1)
                 if s % chains:  # S=1 has no sequences to split
                     print(f"# {label} not run: S={s} is not {chains} chains of equal rows",

@@ -187,6 +187,18 @@ def test_replay_ab_caller_transports_on_one_worker(tmp_path: Path) -> None:
             assert stamped == (v != "su"), (v, role, f)  # (NaN: not stamped)
 
 
+def test_replay_ab_multi_and_single_calls_on_one_worker(tmp_path: Path) -> None:
+    """host.multi=on / off alternated on one NumPy worker: the multi variant's step has the
+    q+k+v and gate+up calls, the single one a call per weight (q, k, v, gate, up)."""
+    _, doc = _stamped_replay_ab(tmp_path, "mul:host.multi=on one:host.multi=off", "mul,one")
+    assert doc["worker_of"] == {"mul": "mul", "one": "mul"}
+    runs = {r["variant"]: r for r in doc["runs"]}
+    assert {"q+k+v", "gate+up"} <= set(runs["mul"]["roles_p50_us"])
+    assert {"q", "k", "v", "gate", "up"} <= set(runs["one"]["roles_p50_us"])
+    assert not {"q+k+v", "gate+up"} & set(runs["one"]["roles_p50_us"])
+    assert runs["one"]["calls_per_step"] > runs["mul"]["calls_per_step"]
+
+
 def test_replay_ab_host_chains(tmp_path: Path) -> None:
     """host.chains=2 at S=2: the host's two sequences as two concurrent chains of one row, a
     stream each: every role makes two calls a step (one a step with one chain), each as

@@ -526,3 +526,28 @@ def test_replay_floor_caller_spins_as_the_session(monkeypatch: pytest.MonkeyPatc
         got.clear()
         bench_service.replay_floors({True: plan}, 1, 2, a, spin)
         assert got == [want, want], (transport, spin)  # the plain and the spinning echo
+
+
+def test_t1_ab_of_two_trees(tmp_path: Path) -> None:
+    """bench/service_t1ab.py on NumPy: a variant on another tree's q6serve (PYTHONPATH, as the
+    device script's main) and this tree's, alternated; each run's parts add up to its mean
+    round trip and the table gives a median per variant."""
+    other = tmp_path / "other"
+    (other / "q6serve").mkdir(parents=True)
+    for d in ("kernels", "service", "client"):
+        (other / "q6serve" / d).symlink_to(ROOT / d)
+    (other / "q6serve" / "v1").symlink_to(ROOT / "proto/q6serve/v1")
+    out = tmp_path / "t1ab.json"
+    got = subprocess.run(
+        [sys.executable, str(ROOT / "bench/service_t1ab.py"), "--backend", "numpy",
+         "--row-scale", "0.002", "--variants", f"main:PYTHONPATH={other} new:",
+         "--order", "main,new", "--seconds", "0.3", "--warmup", "0.1",
+         "--out-dir", str(tmp_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ})
+    assert got.returncode == 0, got.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [r["label"] for r in doc["runs"]] == ["main_1", "new_1"]
+    for r in doc["runs"]:
+        assert r["calls"] > 0 and r["gap_us"] > 0
+        assert min(r["parts_mean_us"].values()) > -5.0
+    assert "# main median of 1 runs" in got.stdout and "# new median of 1 runs" in got.stdout

@@ -105,6 +105,7 @@ def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra
 
 
 def test_small_requests_are_parsed_whole_big_ones_keep_x_in_place() -> None:
+    wire._SKELETONS.clear()  # (a first request of its kind: upb's)
     small = _raw(np.ones((1, 64), np.float16), weight="w")
     assert isinstance(wire.read_matmul_request(small), pb.MatmulRequest)
     rows = wire.ZERO_COPY_MIN // (2 * 1024) + 1
@@ -112,3 +113,89 @@ def test_small_requests_are_parsed_whole_big_ones_keep_x_in_place() -> None:
     read = wire.read_matmul_request(big)
     assert isinstance(read, wire.MatmulIn)
     assert np.shares_memory(wire.matmul_call(read, None).x, np.frombuffer(big, np.uint8))
+
+
+# -- requests like one seen before, read through its skeleton -----------------------------------
+def _fields(call: object) -> tuple[object, ...]:
+    c = call
+    return (c.weight, c.weights, c.precision, c.out_dtype, c.topk, c.timeout,  # type: ignore[attr-defined]
+            c.x.dtype, c.x.shape, c.x.tobytes())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fields", [
+    {"weight": "ffn_down", "precision": pb.PRECISION_F16, "out_dtype": pb.DTYPE_F16},
+    {"weight": "w"},  # x unaligned in the bytes (a 1-byte name): read as such
+    {"weights": ["blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v"]},
+    {"weight": "lm", "topk": pb.TopKEpilogue(k=8)},
+])
+@pytest.mark.parametrize("rid", ["", "r1", "é" * 40])
+def test_a_request_like_one_seen_is_read_through_its_skeleton(fields: dict[str, object],
+                                                              rid: str) -> None:
+    wire._SKELETONS.clear()
+    rng = np.random.default_rng(0)
+    first = _raw(rng.standard_normal((2, 40)).astype(np.float16), request_id="a", **fields)
+    assert not isinstance(wire.read_matmul_request(first), wire.MatmulSeen)  # upb's, kept
+    x = rng.standard_normal((2, 40)).astype(np.float16)
+    raw = _raw(x, request_id=rid, **fields)
+    seen = wire.read_matmul_request(raw)
+    assert isinstance(seen, wire.MatmulSeen)
+    whole = pb.MatmulRequest.FromString(raw)
+    assert seen.request_id == whole.request_id == rid
+    assert wire.region_io(seen) is None
+    assert _fields(wire.matmul_call(seen, 2.0)) == _fields(wire.matmul_call(whole, 2.0))
+    assert np.array_equal(wire.matmul_call(seen, None).x, x)
+    # any other field from upb's parse of the same bytes
+    assert seen.SerializeToString() == raw and seen.ByteSize() == len(raw)
+    assert list(seen.weights) == list(whole.weights) and seen.x.data == x.tobytes()
+
+
+@pytest.mark.parametrize("change", [
+    "other weight", "other shape", "other precision", "extra field", "bad utf-8 id",
+    "long id", "x region", "two ids",
+])
+def test_a_request_unlike_its_skeleton_is_parsed_by_upb(change: str) -> None:
+    wire._SKELETONS.clear()
+    x = np.ones((1, 32), np.float16)
+    wire.read_matmul_request(_raw(x, weight="wa", request_id="1"))  # the skeleton
+    assert isinstance(wire.read_matmul_request(_raw(x, weight="wa", request_id="2")),
+                      wire.MatmulSeen)
+    fields: dict[str, object] = {"weight": "wa", "request_id": "3"}
+    tail = b""
+    if change == "other weight":
+        fields["weight"] = "wb"
+    elif change == "other shape":
+        x = np.ones((2, 16), np.float16)
+    elif change == "other precision":
+        fields["precision"] = pb.PRECISION_EXACT
+    elif change == "extra field":
+        fields["out_dtype"] = pb.DTYPE_F16
+    elif change == "bad utf-8 id":
+        fields["request_id"] = ""
+        tail = b"\x2a\x02\xff\xfe"
+    elif change == "long id":
+        fields["request_id"] = "i" * 200
+    elif change == "x region":
+        fields["x_region"] = pb.RegionRef(region="r")
+    elif change == "two ids":  # the last one wins (upb's rule)
+        tail = pb.MatmulRequest(request_id="4").SerializeToString()
+    raw = _raw(x, **fields) + tail
+    if change == "bad utf-8 id":
+        with pytest.raises(Exception) as upb_err:
+            pb.MatmulRequest.FromString(raw)
+        with pytest.raises(type(upb_err.value)):
+            wire.read_matmul_request(raw)
+        return
+    read = wire.read_matmul_request(raw)
+    assert not isinstance(read, wire.MatmulSeen)
+    assert read == pb.MatmulRequest.FromString(raw)
+
+
+def test_skeletons_are_kept_only_for_requests_that_pass_the_checks() -> None:
+    wire._SKELETONS.clear()
+    raw = _raw(np.ones((1, 8), np.float16), weight="w", precision=99)  # an unknown enum
+    for _ in range(2):
+        read = wire.read_matmul_request(raw)
+        assert not isinstance(read, wire.MatmulSeen)
+        with pytest.raises(InvalidArgument, match="unknown precision"):
+            wire.matmul_call(read, None)
+    assert not wire._SKELETONS

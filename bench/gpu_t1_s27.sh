@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# t1's device script, session 27 (issue 14: T1's server_decode / server_other; the replay's
+# S=1 multi-vs-single worker window).
+# A: T1 (one caller, N=1 f16 ffn_down, MatmulStream, f32 y) with this tree's worker against
+#    main 6fb1383's (`main`: this tree with service/wire.py as it was there, shipped as
+#    bench/gpu_t1_s27.wire_main.txt; this tree's only worker-side change is wire.py's request
+#    skeletons), alternated by bench/service_t1ab.py (one worker per variant, ffn_down uploaded
+#    once, each run's load its own process; the busy-polling echo of T1's sizes first). Then
+#    the 28-layer replay at S=1 with multi-weight calls (mul) and without (one), alternated on
+#    this tree's one worker by bench/replay_ab.py (host.multi), for the per-call table.
+#   PHASE=a bash bench/gpu_t1_s27.sh   env: BOUND (100), BACKEND (cuda), ORDER, SECONDS_RUN (0.8),
+#     ROW_SCALE (1), LAYERS (28), SCALE (1), RORDER, SEQS (1)
+# B: as A, the orders mirrored (new first).
+#   PHASE=b bash bench/gpu_t1_s27.sh
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+PHASE=${PHASE:-a}
+gpu_session "/tmp/t1"
+if [[ $PHASE == a || $PHASE == b ]]; then
+  BOUND=${BOUND:-100}
+  base=/tmp/t1base_$$
+  rm -rf "$base" && mkdir -p "$base"
+  cp -r kernels service client proto "$base/"
+  cp bench/gpu_t1_s27.wire_main.txt "$base/service/wire.py"
+  base_tree "$base"
+  PYTHONPATH=$BASEPP python3 -c "import q6serve.service.wire as w; print('# main wire has \
+skeletons:', hasattr(w, 'MatmulSeen'))"
+  python3 -c "import q6serve.service.wire as w; print('# this wire has skeletons:', \
+hasattr(w, 'MatmulSeen'))"
+  if [[ $PHASE == a ]]; then
+    order=main,new,new,main,main,new,new,main,main,new,new,main
+    rorder=one,mul,mul,one,one,mul
+  else
+    order=new,main,main,new,new,main,main,new,new,main,main,new
+    rorder=mul,one,one,mul,mul,one
+  fi
+  # T1 first, its own bound: ~60 s of the call (the replay's workers start and upload ~15 s)
+  t1end=$(bound 62 30)
+  step t1ab "$t1end" python3 bench/service_t1ab.py --backend "${BACKEND:-cuda}" \
+    --variants "main:PYTHONPATH=$BASEPP new:" --order "${ORDER:-$order}" \
+    --seconds "${SECONDS_RUN:-0.8}" --warmup 0.3 --row-scale "${ROW_SCALE:-1}" --floor \
+    --bound "$((t1end - 2))" --out-dir "$OUT" --json "$OUT/t1ab.json"
+  rest=$(($(bound 1000 6) - 1))
+  if left 25; then
+    step replay "$(bound 60 4)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+      --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
+      --variants "mul:host.multi=on,host.precision=f16 one:host.multi=off,host.precision=f16" \
+      --order "${RORDER:-$rorder}" --seqs "${SEQS:-1}" --seconds 1.0 --warmup 0.4 \
+      --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  else
+    note "# replay not run at $(elapsed) (bound $BOUND s)"
+  fi
+  {
+    echo "# gpu_t1_s27 PHASE=$PHASE $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "skeletons|FAILED|skipped" "$OUT"/*.log | cut -c1-200
+    sed -n '/^# T1 A\/B/,$p' "$OUT/t1ab.log" | cut -c1-400
+    [[ -f $OUT/replay.log ]] && sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-900
+  } | table
+fi
+exit 0

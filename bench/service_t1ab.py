@@ -1,0 +1,172 @@
+"""An A/B of worker variants on T1 (issue 14: one caller, MatmulStream, N=1 f16 x on ffn_down
+3584x18944, f32 y, closed loop), alternated in one call: one worker per variant (its
+environment, e.g. ``PYTHONPATH`` to another tree's q6serve), all started first and each given
+ffn_down once, then T1's load runs in ``--order``, each in its own spawned process (as
+``bench/service.py --target-report --targets T1 --modes stream --weights ffn_down`` runs it:
+the same LoadSpec, prewarm and per-call split), so a run costs its timed seconds and a process
+start, not a worker start and an upload. No bare-gRPC floor (``--floor``: one busy-polling
+echo of T1's sizes first, for scale).
+
+    python3 bench/service_t1ab.py --backend cuda --variants "main:PYTHONPATH=/tmp/base new:" \
+        --order main,new,new,main --seconds 0.8 --json out.json
+    a CPU rehearsal: --backend numpy --row-scale 0.01
+
+Per run: p50, kernel p50, p50 - kernel and the mean us of each part of bench/service.py's
+split (client_encode, transport, server_decode, queue, kernel, device_other, server_other,
+client_decode); last, per variant, the median over its runs of each.
+``--bound S``: no run starts that would end past S seconds from the start (skipped, said so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from replay_ab import parse_variants, start, worker_env  # bench/ is sys.path[0]
+from service_load import LoadSpec, grpc_floor, run_load
+
+from service import PARTS, WARM_NS, WEIGHTS, parts, random_q6k
+
+WEIGHT = "ffn_down"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from q6serve.client.client import PRECISIONS, Client
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--variants", default="main: new:")
+    ap.add_argument("--order", default="main,new,new,main")
+    ap.add_argument("--seconds", type=float, default=0.8)
+    ap.add_argument("--warmup", type=float, default=0.3)
+    ap.add_argument("--row-scale", type=float, default=1.0)
+    ap.add_argument("--bound", type=float, default=1e9)
+    ap.add_argument("--floor", action="store_true",
+                    help="the busy-polling bare echo of T1's sizes first (p50 us)")
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    variants = parse_variants(a.variants)
+    order = [v for v in a.order.split(",") if v]
+    if unknown := [v for v in order if v not in variants]:
+        ap.error(f"--order names {unknown} not in --variants")
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    rows, k = WEIGHTS[WEIGHT]
+    rows = max(1, round(rows * a.row_scale))
+    doc: dict[str, Any] = {"argv": sys.argv, "variants": variants, "runs": [], "errors": [],
+                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "shape": [rows, k], "parts": PARTS}
+
+    def save() -> None:
+        if a.json is not None:
+            doc["wall_seconds"] = time.perf_counter() - t_start
+            a.json.write_text(json.dumps(doc, indent=1))
+
+    names = list(variants)
+    with ThreadPoolExecutor(len(names)) as pool:
+        workers = dict(zip(names, pool.map(
+            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log"), names),
+            strict=True))
+    clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
+    doc["worker_env"] = {v: worker_env(w) for v, w in workers.items()}
+    print(f"# the workers' Q6SERVE_ variables: {doc['worker_env']}", flush=True)
+    try:
+        st = next(iter(clients.values())).status()
+        doc["backend"], doc["device"] = st.backend, st.device
+        blocks = random_q6k(rows, k, 1)  # (bench/service.py's ffn_down: its seed)
+        for v, c in clients.items():
+            t0 = time.perf_counter()
+            c.upload(WEIGHT, blocks, rows, k)
+            c.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
+            for m in WARM_NS:  # kernels compile on first use, never inside a run
+                c.matmul_full(WEIGHT, np.ones((m, k), np.float16), precision="f16",
+                              timeout=600.0)
+            print(f"# {v}: {WEIGHT} {rows}x{k} uploaded and warmed in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        if a.floor:
+            try:
+                doc["floor_spin_us"] = grpc_floor(k * 2 + 40, rows * 4 + 60, ["stream"],
+                                                  min(a.seconds, 3.0), spin=True)["stream"]
+                print(f"# bare gRPC round trip, echo busy-polling (p50 us): "
+                      f"{doc['floor_spin_us']:.1f}", flush=True)
+            except Exception as e:
+                doc["errors"].append({"run": "floor", "error": repr(e)[:2000]})
+        need = a.seconds + a.warmup + 4.0  # a guess until one has run, then the longest
+        seen: dict[str, int] = {}
+        for v in order:
+            seen[v] = seen.get(v, 0) + 1
+            label = f"{v}_{seen[v]}"
+            t_run = time.perf_counter()
+            if t_run - t_start + need > a.bound:
+                print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}",
+                      flush=True)
+                doc["errors"].append({"run": label, "error": "skipped (bound)"})
+                continue
+            spec = LoadSpec(workers[v].target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup,
+                            "stream", "f16", PRECISIONS["f16"], 0, "", rows, False)
+            try:
+                samples, _ = run_load(spec, 1)
+                s = samples[WEIGHT]
+            except Exception as e:
+                print(f"# {label} FAILED: {e}", flush=True)
+                doc["errors"].append({"run": label, "error": repr(e)[:2000]})
+                save()
+                continue
+            need = max(need if doc["runs"] else 0.0, time.perf_counter() - t_run + 0.5)
+            pt = parts(s)
+            kern = s["kernel"][~np.isnan(s["kernel"])]
+            p50 = float(np.percentile(s["e2e"], 50) * 1e6)
+            kp50 = float(np.percentile(kern, 50) * 1e6) if kern.size else 0.0
+            r = {"variant": v, "round": seen[v], "label": label, "calls": int(s["e2e"].size),
+                 "p50_us": p50, "kernel_p50_us": kp50, "gap_us": p50 - kp50,
+                 "parts_mean_us": {p: float(np.mean(pt[p]) * 1e6) for p in PARTS},
+                 "parts_p50_us": {p: float(np.median(pt[p]) * 1e6) for p in PARTS},
+                 "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run}
+            doc["runs"].append(r)
+            save()
+            print(f"# {label}: p50 {p50:.1f} us, kernel {kp50:.1f}, p50 - kernel "
+                  f"{p50 - kp50:.1f} ({r['calls']} calls; run {r['run_s']:.1f} s)", flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
+        for w in workers.values():
+            w.stop()
+        save()
+    print(table(doc))
+    return 0
+
+
+def table(doc: dict[str, Any]) -> str:
+    short = {"client_encode": "enc", "transport": "tr", "server_decode": "dec", "queue": "q",
+             "kernel": "k", "device_other": "dev", "server_other": "oth",
+             "client_decode": "cdec"}
+    lines = [f"# T1 A/B ({doc.get('device', '?')}; {doc['shape'][0]}x{doc['shape'][1]} N=1 "
+             f"f16 stream): p50, kernel p50, p50 - kernel us; mean us of each part"
+             + (f"; bare echo (busy-polling) {doc['floor_spin_us']:.1f} us"
+                if "floor_spin_us" in doc else "")]
+    for r in doc["runs"]:
+        pm = r["parts_mean_us"]
+        lines.append(f"{r['label']:<10} {r['p50_us']:7.1f} {r['kernel_p50_us']:6.1f} "
+                     f"{r['gap_us']:7.1f}  " + " ".join(f"{short[p]} {pm[p]:.1f}"
+                                                       for p in PARTS))
+    for v in doc["variants"]:
+        rs = [r for r in doc["runs"] if r["variant"] == v]
+        if not rs:
+            continue
+        med = {p: float(np.median([r["parts_mean_us"][p] for r in rs])) for p in PARTS}
+        lines.append(f"# {v} median of {len(rs)} runs: p50 - kernel "
+                     f"{np.median([r['gap_us'] for r in rs]):.1f} us (each "
+                     + ", ".join(f"{r['gap_us']:.0f}" for r in rs) + "); mean parts "
+                     + " ".join(f"{short[p]} {med[p]:.1f}" for p in PARTS))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
