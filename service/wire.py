@@ -216,17 +216,18 @@ def _seen(raw: bytes, kind: bytes) -> MatmulSeen | None:
     return None
 
 
-def _learn(raw: bytes, kind: bytes, msg: pb.MatmulRequest) -> None:
-    """Keep ``msg``'s skeleton under ``kind`` when its call passes the checks and ``raw`` is
+def _learn(raw: bytes, kind: bytes, req: pb.MatmulRequest | MatmulIn) -> None:
+    """Keep ``req``'s skeleton under ``kind`` when its call passes the checks and ``raw`` is
     its canonical serialization (else nothing: it is parsed whole each time)."""
+    msg = message(req)
     if msg.HasField("x_region") or msg.HasField("y_region"):
         return
     try:
-        call = matmul_call(msg, None)
+        call = matmul_call(req, None)
     except Exception:
         return
     x = call.x
-    if not x.nbytes or x.nbytes != len(msg.x.data):
+    if not x.nbytes:
         return
     t = pb.Tensor(dtype=msg.x.dtype)
     t.shape.extend(x.shape)
@@ -241,7 +242,9 @@ def _learn(raw: bytes, kind: bytes, msg: pb.MatmulRequest) -> None:
         after.topk.CopyFrom(msg.topk)
     before_id, after_id = before.SerializeToString(), after.SerializeToString()
     rid = pb.MatmulRequest(request_id=msg.request_id).SerializeToString()
-    if len(rid) > 2 + 0x7F or b"".join((head, x.tobytes(), before_id, rid, after_id)) != raw:
+    tail = before_id + rid + after_id  # (x's data between: its length is in the head)
+    if len(rid) > 2 + 0x7F or len(raw) != len(head) + x.nbytes + len(tail) or not (
+            raw.startswith(head) and raw.endswith(tail)):
         return
     s = _Skeleton(head, x.nbytes, before_id, after_id,
                   len(head) + x.nbytes + len(before_id) + len(after_id), x.dtype, x.shape,
@@ -274,7 +277,12 @@ def read_matmul_request(raw: bytes, zero_copy_min: int = ZERO_COPY_MIN,
     except Unusual:
         return pb.MatmulRequest.FromString(raw)
     msg = pb.MatmulRequest.FromString(rest)
-    return msg if data is None else MatmulIn(msg, data, raw)
+    if data is None:
+        return msg
+    got = MatmulIn(msg, data, raw)
+    if kind is not None:
+        _learn(raw, kind, got)
+    return got
 
 
 def message(req: pb.MatmulRequest | MatmulIn | MatmulSeen) -> pb.MatmulRequest:

@@ -199,3 +199,19 @@ def test_skeletons_are_kept_only_for_requests_that_pass_the_checks() -> None:
         with pytest.raises(InvalidArgument, match="unknown precision"):
             wire.matmul_call(read, None)
     assert not wire._SKELETONS
+
+
+def test_a_big_request_like_one_seen_keeps_x_in_place() -> None:
+    """The walker's request (from ZERO_COPY_MIN bytes) leaves its skeleton too: the next one
+    of its kind is read through it, x still a view of the bytes gRPC read."""
+    wire._SKELETONS.clear()
+    rows = wire.ZERO_COPY_MIN // (2 * 1024) + 1
+    first = _raw(np.ones((rows, 1024), np.float16), weight="w", request_id="1")
+    assert isinstance(wire.read_matmul_request(first), wire.MatmulIn)
+    x = np.arange(rows * 1024, dtype=np.float16).reshape(rows, 1024)
+    big = _raw(x, weight="w", request_id="2")
+    read = wire.read_matmul_request(big)
+    assert isinstance(read, wire.MatmulSeen) and read.request_id == "2"
+    call = wire.matmul_call(read, None)
+    assert np.shares_memory(call.x, np.frombuffer(big, np.uint8))
+    assert np.array_equal(call.x, x)
