@@ -93,6 +93,8 @@ ABLATE = {
                "(observe_stream_request) not recorded",
     "encode": "every reply the same 64 ready bytes (wire.stream_reply not run)",
     "cost": "the window's cost a constant (Q6ServeServicer._cost not run)",
+    "skeletons": "every request parsed by upb, none read through a skeleton (wire.SKELETONS "
+                 "off: the worker before session 27)",
 }
 
 
@@ -113,6 +115,8 @@ def ablate(names: list[str]) -> None:
             servicer.wire.stream_reply = _fixed_reply  # type: ignore[assignment]
         elif name == "cost":
             servicer.Q6ServeServicer._cost = lambda self, req, call=None: 1 << 16  # type: ignore[method-assign]
+        elif name == "skeletons":
+            servicer.wire.SKELETONS = False
         else:
             raise SystemExit(f"--ablate: {name!r}: one of {', '.join(ABLATE)}")
 
