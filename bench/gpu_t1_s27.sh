@@ -22,7 +22,12 @@ if [[ $PHASE == a || $PHASE == b ]]; then
   base=/tmp/t1base_$$
   rm -rf "$base" && mkdir -p "$base"
   cp -r kernels service client proto "$base/"
-  cp bench/gpu_t1_s27.wire_main.txt "$base/service/wire.py"
+  # (the base's wire.py lives on branch wt-t1 only: a copy of a product file stays off main)
+  if [[ -f bench/gpu_t1_s27.wire_main.txt ]]; then
+    cp bench/gpu_t1_s27.wire_main.txt "$base/service/wire.py"
+  else
+    echo "# no bench/gpu_t1_s27.wire_main.txt: main and new run the same wire.py"
+  fi
   base_tree "$base"
   PYTHONPATH=$BASEPP python3 -c "import q6serve.service.wire as w; print('# main wire has \
 skeletons:', hasattr(w, 'MatmulSeen'))"
