@@ -8,11 +8,12 @@
 #      on the targets' shapes, kernel_ref), the 7B decode replay (S = 8 first: the target; then
 #      1, 64; with and without multi-weight calls; one process, its JSON written after each run,
 #      so a cut replay keeps the S it finished), the lm-head top-k in one process, through 4
-#      front ends and with busy polling off, T2/T3 of the data plane (DP_VARIANTS, each a step);
+#      front ends and with busy polling off, T2/T3 of the data plane (DP_VARIANTS, each a step),
+#      with LANE=1 the fast lane (one caller's latency, then T3's shape);
 #   2. suites: q6serve demo, the launch sequences' GPU tests, the service and issue-18 tests on
 #      CUDA, the data plane's GPU tests, the kernels' GPU tests (the longest, last);
 #   3. extras (each off by a switch): T1 and the S=8 replay with the worker pinned (PIN), the
-#      data plane pinned, the loop-trip timeline (trips), the data plane's probes, the lane.
+#      data plane pinned, the loop-trip timeline (trips), the data plane's probes.
 # Every step has its own limit and is cut to what is left of BOUND (default 440 s from the
 # start, so run it under `timeout 450`), keeping RESERVE (8) s for the table; a step cut or
 # skipped by the bound reads "cut" in the targets table (bench/check_targets.py, from
@@ -122,6 +123,19 @@ if [[ -z ${SKIP_DATAPLANE:-} ]]; then  # T2 and T3, one step per variant
   done
 fi
 
+# the lane (issue 15's T3 through it and the stretch target) before the suites: target rows,
+# which the suites (pass/fail, ~200 s) starved at the bound in session 26's check
+if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
+  # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
+  step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
+    --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
+  step lane 90 env -u VARIANTS SKIP_TESTS=1 SKIP_INSTALL=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" \
+    bench/gpu_dataplane_lane.sh
+  # its JSONs sit inside its archive; bench/check_targets.py reads OUT/lane/lane_f*.json (the
+  # check's T3-through-the-lane row, missed in session 25's device run without this)
+  tar -xzf "$OUT/lane/dataplane_lane.tgz" -C "$OUT/lane" --wildcards './lane_f*.json' 2>/dev/null
+fi
+
 # -- 2. the suites ----------------------------------------------------------------------------
 [[ -z ${SKIP_SUITES:-} ]] && suites
 
@@ -139,17 +153,6 @@ fi
 # the data plane's probes (device path, lane latency, device IPC): its script, no variants
 [[ -n ${SKIP_PROBES:-} || -n ${SKIP_DATAPLANE:-} ]] || step dataplane_probes 150 env VARIANTS= \
   SKIP_TESTS=1 SKIP_INSTALL=1 OUT="$OUT/dataplane" bench/gpu_dataplane_run.sh
-if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
-  # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked), first: the
-  # shorter step (session 26's check cut it at the bound after the lane's 25 s)
-  step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
-    --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
-  step lane 90 env -u VARIANTS SKIP_TESTS=1 SKIP_INSTALL=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" \
-    bench/gpu_dataplane_lane.sh
-  # its JSONs sit inside its archive; bench/check_targets.py reads OUT/lane/lane_f*.json (the
-  # check's T3-through-the-lane row, missed in session 25's device run without this)
-  tar -xzf "$OUT/lane/dataplane_lane.tgz" -C "$OUT/lane" --wildcards './lane_f*.json' 2>/dev/null
-fi
 [[ -n ${KERNELS_LAST:-} && $KERNELS_LAST != 0 ]] && kernels "$KERNELS_LAST"
 {
   echo "# gpu_check $(tree_commit) total $(elapsed) (bound $BOUND s)"
