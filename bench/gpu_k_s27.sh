@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# k's device command, session 27 (issue 16: the N <= 16 cells of the 48-56 MB shapes, and N=64
+# on the 11-14 MB weights), bounded by BOUND (s); PHASE picks the bundle's part. Session 26's
+# script (the cluster-sum forms of the wgmma tile) is in git history (commit 6fb1383).
+# PHASE=a (bound 100):
+# 1. wgab: where the ~5 us of fixed cost inside a 20-25 us N = 8/16 call goes, and two changes
+#    aimed at it, on the table's own K-slice cells (src 4) of 4096x14336 and 18944x3584 at N = 8
+#    and 16 (bench/wg_ab.py, alternated twice in one process, bits compared, AUTO beside):
+#    --trace now: one call with per-warp stamps (start spread, activation staging, first tile,
+#    per block, span); su8: the activation staging at 1/2 n-tiles with 8 loads in flight per
+#    thread instead of 4 (Q6SERVE_STAGE_U_SMALL; an N=8 slice of 7 blocks is 7 items per thread:
+#    one L2 round trip instead of two before the first weight math); ns: today's tile without
+#    the split-K sum launch (y incomplete: the sum's whole cost at these N).
+# 2. cfgab (ask 3): src 7 (the cluster-sum K-slice tile) nt 8 at N=64 on 3584x3584 (K split 7,
+#    4) and 4096x4096 (8, 4), 8 warps with the prefetch and 12 without, against today's AUTO
+#    (src 4 + its PDL-launched sum: 17.2 / 17.8 us, 0.72 / 0.83x torch in session 26's check);
+#    a K split the shape does not cut into is reported as a failed candidate.
+set -uo pipefail
+source bench/gpu_lib.sh
+gpu_session /tmp/k
+BOUND=${BOUND:-100}
+note "# setup done $(elapsed)"
+INC='#include "q6k_matmul.cu"'
+
+ab_report() {
+  echo "# $1: shape N cfg variant us | now us, now/variant, bits, rel | AUTO us, AUTO/variant"
+  grep -E "^# [0-9]+x[0-9]+ N=|^ *[0-9]+x[0-9]+ +[0-9]+ |trace|warps [0-9]+ on" \
+    "$OUT/$1.log" 2>/dev/null | sed -E 's/ +/ /g'
+}
+
+if [[ ${PHASE:-a} == a ]]; then
+  V=(--variant "su8|$INC|#define Q6SERVE_STAGE_U_SMALL 8
+$INC" --variant "ns||")
+  C="4096x14336:8,18944x3584:8,4096x14336:16,18944x3584:16"
+  step wgab 55 python3 bench/wg_ab.py "${V[@]}" --nopost ns --auto --trace now,su8 \
+    --cells "$C" --rounds 2 --iters 30 --json "$OUT/wgab.json"
+  A="64:nt=8,src=7,pf=1,warps=8,ksplit=7;64:nt=8,src=7,pf=1,warps=8,ksplit=4"
+  A+=";64:nt=8,src=7,pf=1,warps=8,ksplit=8;64:nt=8,src=7,warps=12,ksplit=4"
+  step cfgab 35 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 3584x3584,4096x4096 \
+    --json "$OUT/cfgab.json"
+  { echo "== k session 27 PHASE=a (tree $(tree_commit)), $(elapsed)"; steps; ab_report wgab
+    echo "# cfgab: shape N AUTO us candidate us AUTO/cand rel torch"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/cfgab.log" 2>/dev/null | sed -E 's/ +/ /g'; } | table
+  exit 0
+fi
+echo "PHASE=${PHASE} not written yet"
+exit 2
