@@ -6,7 +6,7 @@
 # 1. wgab: where the ~5 us of fixed cost inside a 20-25 us N = 8/16 call goes, and two changes
 #    aimed at it, on the table's own K-slice cells (src 4) of 4096x14336 and 18944x3584 at N = 8
 #    and 16 (bench/wg_ab.py, alternated twice in one process, bits compared, AUTO beside):
-#    --trace now: one call with per-warp stamps (start spread, activation staging, first tile,
+#    --trace now: one call (today's kernel) with per-warp stamps (start spread, activation staging, first tile,
 #    per block, span); su8: the activation staging at 1/2 n-tiles with 8 loads in flight per
 #    thread instead of 4 (Q6SERVE_STAGE_U_SMALL; an N=8 slice of 7 blocks is 7 items per thread:
 #    one L2 round trip instead of two before the first weight math); ns: today's tile without
@@ -32,11 +32,11 @@ if [[ ${PHASE:-a} == a ]]; then
   V=(--variant "su8|$INC|#define Q6SERVE_STAGE_U_SMALL 8
 $INC" --variant "ns||")
   C="4096x14336:8,18944x3584:8,4096x14336:16,18944x3584:16"
-  step wgab 55 python3 bench/wg_ab.py "${V[@]}" --nopost ns --auto --trace now,su8 \
+  step wgab 55 python3 bench/wg_ab.py "${V[@]}" --nopost ns --auto --trace now \
     --cells "$C" --rounds 2 --iters 30 --json "$OUT/wgab.json"
   A="64:nt=8,src=7,pf=1,warps=8,ksplit=7;64:nt=8,src=7,pf=1,warps=8,ksplit=4"
   A+=";64:nt=8,src=7,pf=1,warps=8,ksplit=8;64:nt=8,src=7,warps=12,ksplit=4"
-  step cfgab 35 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 3584x3584,4096x4096 \
+  step cfgab 30 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 3584x3584,4096x4096 \
     --json "$OUT/cfgab.json"
   { echo "== k session 27 PHASE=a (tree $(tree_commit)), $(elapsed)"; steps; ab_report wgab
     echo "# cfgab: shape N AUTO us candidate us AUTO/cand rel torch"
