@@ -7,7 +7,8 @@ for bit with today's (a variant may change the bits: the line says so). Since se
 may also be a K-slice tile's (src 4): q6k_matmul.cu is inlined into the variant's text, so its
 kernels compile from it too (for sm_90a, where the product builds them for sm_90: a variant
 with no replacement is the control for that); since session 23 the cluster-sum tile's (src 7)
-as well.
+as well, and since session 27 the f16 tile's with staged activations (src 2, q6k_mma_f16: the
+table's N = 1..4 cells; not traced).
 
     python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
                           [--rounds 3] [--iters 30] [--auto] [--json f]
@@ -281,8 +282,8 @@ def main() -> int:
         ch = be.choose(n, Precision.AUTO, flags, rows, k)
         if own:
             ch = replace(ch, path="mma_f16", cfg=_bk.cfg_from_label(own[0]))
-        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src not in (4, 7, 8):
-            print(f"{shape:>12} {n:>3} not a src 4 / 7 / 8 cell: {ch.path} {ch.cfg}")
+        if ch.path != "mma_f16" or ch.cfg is None or ch.cfg.src not in (2, 4, 7, 8):
+            print(f"{shape:>12} {n:>3} not a src 2 / 4 / 7 / 8 cell: {ch.path} {ch.cfg}")
             continue
         ws = _bk.load_copies(be, rng, rows, k, Layout.SOA)
         with be.ctx.dev, be.stream:
@@ -333,7 +334,8 @@ def main() -> int:
 
             traces = {}
             if trbuf is not None:
-                for lab in [lb for lb in plans if lb in a.trace.split(",")]:
+                for lab in [lb for lb in plans if lb in a.trace.split(",")
+                            and ch.cfg.src != 2]:  # (no trace points in src 2's tile)
                     fo = compile_text(be, f"q6k_wgmma_{lab}_trace.cu",
                                       traced(texts[lab], int(trbuf.data.ptr),
                                              ks=ch.cfg.src != 8), name)

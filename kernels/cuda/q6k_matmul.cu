@@ -68,6 +68,39 @@ __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) load_raw_part<SOA, P>(dst[mt][hr], rr[mt][hr], kb, t);
 }
+// Session 27 (experiment, bench/wg_ab.py; 0 = off, the product's PTX): Q6SERVE_KS_RAMP = P
+// > 0 makes each warp of a K-slice tile (src 4 / 7) and of the f16 tile with its first block
+// early (src 2 PF), right after its first block's register loads, ask L2 for the next P blocks
+// of its first tile (src 2 without PF: its first P blocks, before the staging) (SoA / pair planes: one bulk prefetch
+// per row and plane, the TMA unit making the requests: no registers, no load slots), so that
+// the opening DRAM burst covers more than one block per warp while the CTA stages its
+// activations (session 23's traces: 3.4-3.7 us at N=16), and those blocks' loads after the
+// staging hit L2. Lane t of a row's four takes plane t (ql, qh, scales; d by a line prefetch).
+// The data read is unchanged: the same bits. (Session 10 prefetched a whole slice in the loop
+// and lost 0-25%; this is only the ramp.)
+#ifndef Q6SERVE_KS_RAMP
+#define Q6SERVE_KS_RAMP 0
+#endif
+template <int SOA, int MT>
+__device__ __forceinline__ void warp_ramp_l2(const RowRef (&rr)[MT][2], int kb, int nb, int t) {
+#if __CUDA_ARCH__ >= 900
+    if (SOA == 0 || nb <= 0) return;  // (AoS: the kill switch's layout, not worth the lines)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const RowRef& r = rr[mt][hr];
+            if (t == 3) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(r.base + r.d + (u32)kb * 2u));
+                continue;
+            }
+            const u32 unit = t == 0 ? 128u : t == 1 ? 64u : 16u;
+            const u32 off = t == 0 ? r.ql : t == 1 ? r.qh : r.sc;
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                         ::"l"(r.base + off + (u32)kb * unit), "r"(unit * (u32)nb) : "memory");
+        }
+#endif
+}
 template <int MT>
 __device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT][2]) {
 #pragma unroll
@@ -292,6 +325,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 
     RowRef rr[MT][2];
     warp_rows<SOA>(w, wrow, g, rr);
+    if (SRC == 2 && !PF && Q6SERVE_KS_RAMP > 0)  // (session 27's experiment: the first P blocks)
+        warp_ramp_l2<SOA, MT>(rr, kb0, min(Q6SERVE_KS_RAMP, kb1 - kb0), t);
     float acc[MT][NT][4];
     zero_acc(acc);
     static_assert(SRC == 2 || SRC == 3, "activation sources: 2 staged, 3 streamed prepass");
@@ -315,6 +350,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
         if (kb0 < kb1) {
             Raw first[MT][2];
             warp_load<SOA>(first, rr, kb0, t);
+            if (Q6SERVE_KS_RAMP > 0)  // (session 27's experiment: the next P blocks)
+                warp_ramp_l2<SOA, MT>(rr, kb0 + 1, min(Q6SERVE_KS_RAMP, kb1 - kb0 - 1), t);
             stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
             __syncthreads();
             block_mma<NT, MT, SOA>(acc, first, t, bx(kb0));
@@ -588,6 +625,8 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
         if (PF) warp_load<SOA>(nxt, rr, kb0, t);
+        if (PF && Q6SERVE_KS_RAMP > 0)
+            warp_ramp_l2<SOA, MT>(rr, kb0 + 1, min(Q6SERVE_KS_RAMP, nblk - 1), t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
