@@ -5,23 +5,26 @@
 # PHASE=a (bound 100):
 # 1. wgab: where the ~5 us of fixed cost inside a 20-25 us N = 8/16 call goes, and two changes
 #    aimed at it, on the table's own K-slice cells (src 4) of 4096x14336 and 18944x3584 at N = 8
-#    and 16 (bench/wg_ab.py, alternated twice in one process, bits compared, AUTO beside):
-#    --trace now: one call (today's kernel) with per-warp stamps (start spread, activation staging, first tile,
-#    per block, span); su8: the activation staging at 1/2 n-tiles with 8 loads in flight per
-#    thread instead of 4 (Q6SERVE_STAGE_U_SMALL; an N=8 slice of 7 blocks is 7 items per thread:
+#    and of 4096x14336 at N = 16 (bench/wg_ab.py, alternated twice in one process, bits
+#    compared, AUTO beside): --trace now: one call (today's kernel) with per-warp stamps (start
+#    spread, activation staging, first tile, per block, span); su8: the activation staging
+#    at 1/2 n-tiles with 8 loads in flight per thread instead of 4 (Q6SERVE_STAGE_U_SMALL; an N=8 slice of 7 blocks is 7 items per thread:
 #    one L2 round trip instead of two before the first weight math); rp1 / rp2
 #    (Q6SERVE_KS_RAMP, q6k_matmul.cu): each warp, right after its first block's register loads,
 #    bulk-prefetches its next 1 / 2 blocks into L2, so the opening DRAM burst covers more than
 #    one block per warp while the CTA stages its activations (no registers; the same bits);
 #    c0: today's text compiled as the variants are (sm_90a: the control for now's sm_90 module);
-#    ns: that without the split-K sum launch (y incomplete: the sum's whole cost).
-# 2. cfgab (ask 3): src 7 (the cluster-sum K-slice tile) nt 8 at N=64 on 3584x3584 (K split 7,
+#    ns: that without the split-K sum launch (y incomplete: the sum's whole cost); xf
+#    (Q6SERVE_KS_XFIRST): the first block's register loads after the staging instead of before
+#    (the staging's L2 reads then queue behind no DRAM burst); xr1: xf with the first 2 blocks
+#    bulk-prefetched into L2 at the start (RAMP 1 from the first block).
+# 2. wg2: rp1 / rp2 on the N=1 cells of the f16 tile (src 2; 18944x3584 with its first block
+#    early, PF: the next 1 / 2 blocks; 4096x14336 and 3584x18944 without: the CTA's first 1 / 2
+#    blocks, before the staging) and c0, AUTO = the cell itself, alternated twice in one process.
+# 3. cfgab (ask 3): src 7 (the cluster-sum K-slice tile) nt 8 at N=64 on 3584x3584 (K split 7,
 #    4) and 4096x4096 (8, 4), 8 warps with the prefetch and 12 without, against today's AUTO
 #    (src 4 + its PDL-launched sum: 17.2 / 17.8 us, 0.72 / 0.83x torch in session 26's check);
 #    a K split the shape does not cut into is reported as a failed candidate.
-# 3. wg2: rp1 / rp2 on the N=1 cells of the f16 tile (src 2; 18944x3584 with its first block
-#    early, PF: the next 1 / 2 blocks; 4096x14336 and 3584x18944 without: the CTA's first 1 / 2
-#    blocks, before the staging) and c0, AUTO = the cell itself, alternated twice in one process.
 set -uo pipefail
 source bench/gpu_lib.sh
 gpu_session /tmp/k
@@ -39,16 +42,19 @@ if [[ ${PHASE:-a} == a ]]; then
   V=(--variant "su8|$INC|#define Q6SERVE_STAGE_U_SMALL 8
 $INC" --variant "rp1|$INC|#define Q6SERVE_KS_RAMP 1
 $INC" --variant "rp2|$INC|#define Q6SERVE_KS_RAMP 2
-$INC" --variant "c0||" --variant "ns||")
-  C="4096x14336:8,18944x3584:8,4096x14336:16,18944x3584:16"
-  step wgab 50 python3 bench/wg_ab.py "${V[@]}" --nopost ns --auto --trace now \
+$INC" --variant "c0||" --variant "ns||" --variant "xf|$INC|#define Q6SERVE_KS_XFIRST 1
+$INC" --variant "xr1|$INC|#define Q6SERVE_KS_XFIRST 1
+#define Q6SERVE_KS_RAMP 1
+$INC")
+  C="4096x14336:8,18944x3584:8,4096x14336:16"
+  step wgab 55 python3 bench/wg_ab.py "${V[@]}" --nopost ns --auto --trace now \
     --cells "$C" --rounds 2 --iters 30 --json "$OUT/wgab.json"
+  step wg2 22 python3 bench/wg_ab.py "${V[@]:2:6}" --auto --rounds 2 --iters 30 \
+    --cells 4096x14336:1,18944x3584:1,3584x18944:1 --json "$OUT/wg2.json"
   A="64:nt=8,src=7,pf=1,warps=8,ksplit=7;64:nt=8,src=7,pf=1,warps=8,ksplit=4"
   A+=";64:nt=8,src=7,pf=1,warps=8,ksplit=8;64:nt=8,src=7,warps=12,ksplit=4"
-  step cfgab 22 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 3584x3584,4096x4096 \
+  step cfgab 20 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 3584x3584,4096x4096 \
     --json "$OUT/cfgab.json"
-  step wg2 25 python3 bench/wg_ab.py "${V[@]:2:6}" --auto --rounds 2 --iters 30 \
-    --cells 4096x14336:1,18944x3584:1,3584x18944:1 --json "$OUT/wg2.json"
   { echo "== k session 27 PHASE=a (tree $(tree_commit)), $(elapsed)"; steps; ab_report wgab
     echo "# cfgab: shape N AUTO us candidate us AUTO/cand rel torch"
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/cfgab.log" 2>/dev/null | sed -E 's/ +/ /g'

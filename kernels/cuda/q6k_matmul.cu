@@ -81,6 +81,13 @@ __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (
 #ifndef Q6SERVE_KS_RAMP
 #define Q6SERVE_KS_RAMP 0
 #endif
+// Q6SERVE_KS_XFIRST = 1 (same session, same kind of experiment): the K-slice tiles issue their
+// first block's register loads after the activation staging instead of before it (session 23
+// read the staging's 3.4-3.7 us at N=16 as its L2 reads queued behind every warp's opening DRAM
+// requests); with RAMP = P the L2 prefetch then starts at the first block (P blocks from it).
+#ifndef Q6SERVE_KS_XFIRST
+#define Q6SERVE_KS_XFIRST 0
+#endif
 template <int SOA, int MT>
 __device__ __forceinline__ void warp_ramp_l2(const RowRef (&rr)[MT][2], int kb, int nb, int t) {
 #if __CUDA_ARCH__ >= 900
@@ -622,14 +629,16 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
 
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
+    constexpr int XF = Q6SERVE_KS_XFIRST ? 1 : 0;
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
-        if (PF) warp_load<SOA>(nxt, rr, kb0, t);
+        if (PF && !XF) warp_load<SOA>(nxt, rr, kb0, t);
         if (PF && Q6SERVE_KS_RAMP > 0)
-            warp_ramp_l2<SOA, MT>(rr, kb0 + 1, min(Q6SERVE_KS_RAMP, nblk - 1), t);
+            warp_ramp_l2<SOA, MT>(rr, kb0 + 1 - XF, min(Q6SERVE_KS_RAMP, nblk - 1 + XF), t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
+    if (PF && XF && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
