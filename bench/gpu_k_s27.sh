@@ -9,7 +9,8 @@
 #    compared, AUTO beside): --trace now: one call (today's kernel) with per-warp stamps (start
 #    spread, activation staging, first tile, per block, span); su8: the activation staging
 #    at 1/2 n-tiles with 8 loads in flight per thread instead of 4 (Q6SERVE_STAGE_U_SMALL; an
-#    N=8 slice of 7 blocks is 7 items per thread: one L2 round trip instead of two before the first weight math); rp1 / rp2
+#    N=8 slice of 7 blocks is 7 items per thread: one L2 round trip instead of two before the
+#    first weight math); rp1 / rp2
 #    (Q6SERVE_KS_RAMP, q6k_matmul.cu): each warp, right after its first block's register loads,
 #    bulk-prefetches its next 1 / 2 blocks into L2, so the opening DRAM burst covers more than
 #    one block per warp while the CTA stages its activations (no registers; the same bits);
