@@ -84,9 +84,11 @@ __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (
 // Q6SERVE_KS_XFIRST = 1 (same session, same kind of experiment): the K-slice tiles issue their
 // first block's register loads after the activation staging instead of before it (session 23
 // read the staging's 3.4-3.7 us at N=16 as its L2 reads queued behind every warp's opening DRAM
-// requests); with RAMP = P the L2 prefetch then starts at the first block (P blocks from it).
+// requests); 2: after the staging's first U loads are issued, before they are stored (the
+// activations' requests first, the weights' DRAM latency under the staging's wait); with RAMP =
+// P the L2 prefetch then starts at the first block (P blocks from it).
 #ifndef Q6SERVE_KS_XFIRST
-#define Q6SERVE_KS_XFIRST 0
+#define Q6SERVE_KS_XFIRST 1
 #endif
 template <int SOA, int MT>
 __device__ __forceinline__ void warp_ramp_l2(const RowRef (&rr)[MT][2], int kb, int nb, int t) {
@@ -150,11 +152,17 @@ struct Walk {
 // load behind a branch cannot be hoisted), st(row, c, v) stores it; rows nload.. (tokens past
 // n_tok) are zero-filled without loads. (A plain strided loop compiles to one load and its
 // dependent store per iteration, a whole L2 round trip each: q6k_ks_f16<8> staged its 164 KB
-// as 40 such steps per thread on the H200.)
-template <int U, class Ld, class St>
-__device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld, St st) {
+// as 40 such steps per thread on the H200.) mid() runs once, after the first U loads are issued
+// (before any is stored; or before the zero-fill in a thread without loads).
+struct NoMid {
+    __device__ __forceinline__ void operator()() const {}
+};
+template <int U, class Ld, class St, class Mid = NoMid>
+__device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld, St st,
+                                            Mid mid = Mid()) {
     typedef decltype(ld(0, 0)) V;
     Walk w(per);
+    bool first = true;
     while (w.row < nload) {
         V v[U];
         int vr[U], vc[U];
@@ -165,10 +173,15 @@ __device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld
             v[u] = ld(min(w.row, nload - 1), w.c);  // past the end: a valid item, not stored
             w.next();
         }
+        if (first) {
+            mid();
+            first = false;
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (vr[u] < nload) st(vr[u], vc[u], v[u]);
     }
+    if (first) mid();
     for (Walk z(per); z.row < nrows - nload; z.next()) st(nload + z.row, z.c, V{});
 }
 
@@ -202,17 +215,19 @@ template <int NT>
 __host__ __device__ constexpr int stage_u() {
     return NT >= 4 ? Q6SERVE_STAGE_U : Q6SERVE_STAGE_U_SMALL;
 }
-template <int NT, class In, bool BATCH>
+// mid: as stage_items' (BATCH only; the plain loop runs it first).
+template <int NT, class In, bool BATCH, class Mid = NoMid>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
-                                            int kb0, int nblk) {
+                                            int kb0, int nblk, Mid mid = Mid()) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
+    if (!BATCH) mid();
     if (BATCH) {
         stage_items<stage_u<NT>()>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok,
                                    [&](int tk, int c) -> uint4 {
             const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
             return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 +
                                    quad_x_off(sp, tt));
-        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
+        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; }, mid);
     } else {
         for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
             const int tk = i / per_tok, rem = i - tk * per_tok;
@@ -226,9 +241,6 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
     }
 }
 
-struct NoMid {
-    __device__ __forceinline__ void operator()() const {}
-};
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
@@ -629,16 +641,18 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
 
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
-    constexpr int XF = Q6SERVE_KS_XFIRST ? 1 : 0;
+    constexpr int XF = Q6SERVE_KS_XFIRST, XB = XF ? 1 : 0;
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
         if (PF && !XF) warp_load<SOA>(nxt, rr, kb0, t);
         if (PF && Q6SERVE_KS_RAMP > 0)
-            warp_ramp_l2<SOA, MT>(rr, kb0 + 1 - XF, min(Q6SERVE_KS_RAMP, nblk - 1 + XF), t);
+            warp_ramp_l2<SOA, MT>(rr, kb0 + 1 - XB, min(Q6SERVE_KS_RAMP, nblk - 1 + XB), t);
     }
     // The first weight loads are in flight while the CTA stages its activations.
-    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
-    if (PF && XF && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk, [&] {
+        if (PF && XF == 2 && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
+    });
+    if (PF && XF == 1 && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
