@@ -648,7 +648,9 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
         if (PF && Q6SERVE_KS_RAMP > 0)
             warp_ramp_l2<SOA, MT>(rr, kb0 + 1 - XB, min(Q6SERVE_KS_RAMP, nblk - 1 + XB), t);
     }
-    // The first weight loads are in flight while the CTA stages its activations.
+    // The first block's weight loads: before the staging (XFIRST 0, sessions 4-26: in flight
+    // while the CTA stages its activations), after it (1, session 27) or between the staging's
+    // first loads and its stores (2).
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk, [&] {
         if (PF && XF == 2 && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
     });
