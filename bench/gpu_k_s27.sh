@@ -69,43 +69,30 @@ fi
 # default now), the table's 3584x3584 N=64 cell on src 7 k4.
 # 1. xa: every K-slice launch shape of the table at N <= 16 (its cells on the 48-56 MB shapes,
 #    3584x3584, 4096x4096 and an lm-head), now (this tree's product module) against old
-#    (XFIRST 0: main's order), c0 (this text compiled as the variants are: the control), xm
-#    (XFIRST 2: the weight loads after the staging's first loads are issued, before they are
-#    stored) and xs8 (xf with 8 staging loads in flight at 1/2 n-tiles, 1.03x on 4096x14336 N=8
-#    in A), AUTO beside, bench/wg_ab.py alternated twice in one process, bits compared.
+#    (XFIRST 0: main's order) and c0 (this text compiled as old is: the control, so old / c0
+#    reads the change with the compile held equal), AUTO beside, bench/wg_ab.py alternated twice
+#    in one process, bits compared.
 # 2. tests: the GPU tests of the K-slice tiles on this tree (test_cuda_ks.py, test_cuda_ksc.py,
 #    test_cuda_ks14.py, test_cuda_pairs.py::test_every_table_shape).
-# 3. xb: as xa at N = 32/64 (4 and 8 n-tiles: 16 staging loads in flight), old and c0; and the
-#    table's previous 3584x3584 N=64 cell (src 4) beside its new one (AUTO).
-# 4. clu: the split-K sum inside a cluster (src 7) at the K splits of AUTO's N = 8/16 cells on
-#    4096x14336, 18944x3584 and 3584x18944 (--cfg-ab; the plan runs src 4 where the clusters do
-#    not all co-reside; a split the shape does not cut into fails).
+# 3. xb: as xa at N = 32/64 (4 and 8 n-tiles: 16 staging loads in flight); and the table's
+#    previous 3584x3584 N=64 cell (src 4) beside its new one (AUTO).
 if [[ ${PHASE} == b ]]; then
   V=(--variant "old|$INC|#define Q6SERVE_KS_XFIRST 0
-$INC" --variant "c0||" --variant "xm|$INC|#define Q6SERVE_KS_XFIRST 2
-$INC" --variant "xs8|$INC|#define Q6SERVE_STAGE_U_SMALL 8
-$INC")
+$INC" --variant "c0||")
   C="4096x14336:4,4096x14336:8,4096x14336:16,18944x3584:8,18944x3584:16,3584x18944:8"
   C+=",3584x18944:16,14336x4096:1,14336x4096:8,14336x4096:16,3584x3584:8,3584x3584:16"
   C+=",4096x4096:8,4096x4096:16,128256x4096:8"
-  step xa 36 python3 bench/wg_ab.py "${V[@]}" --auto --cells "$C" --rounds 2 --iters 30 \
+  step xa 40 python3 bench/wg_ab.py "${V[@]}" --auto --cells "$C" --rounds 2 --iters 30 \
     --json "$OUT/xa.json"
   step tests 30 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_cuda_ks.py \
     tests/kernels/test_cuda_ksc.py tests/kernels/test_cuda_ks14.py \
     "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
   C="4096x14336:32,18944x3584:32,3584x18944:32,14336x4096:32,3584x3584:32,3584x3584:64"
   C+=",3584x3584:64:nt8.m1.w8.s4.pf,4096x4096:64"
-  step xb 20 python3 bench/wg_ab.py "${V[@]:0:4}" --auto --cells "$C" --rounds 2 --iters 30 \
+  step xb 25 python3 bench/wg_ab.py "${V[@]}" --auto --cells "$C" --rounds 2 --iters 30 \
     --json "$OUT/xb.json"
-  A="8:nt=1,src=7,pf=1,warps=8,ksplit=8;8:nt=1,src=7,pf=1,warps=8,ksplit=7"
-  A+=";8:nt=1,src=7,pf=1,warps=16,ksplit=8;16:nt=2,src=7,pf=1,warps=16,ksplit=8"
-  A+=";16:nt=2,src=7,pf=1,warps=8,ksplit=7"
-  step clu 15 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 \
-    --shapes 4096x14336,18944x3584,3584x18944 --json "$OUT/clu.json"
   { echo "== k session 27 PHASE=b (tree $(tree_commit)), $(elapsed)"; steps; ab_report xa
-    echo "# tests"; tail -3 "$OUT/tests.log"; ab_report xb
-    echo "# clu: shape N AUTO us candidate us AUTO/cand rel torch"
-    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/clu.log" 2>/dev/null | sed -E 's/ +/ /g'; } | table
+    echo "# tests"; tail -3 "$OUT/tests.log"; ab_report xb; } | table
   exit 0
 fi
 echo "PHASE=${PHASE} not written yet"

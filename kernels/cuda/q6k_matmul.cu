@@ -68,48 +68,16 @@ __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) load_raw_part<SOA, P>(dst[mt][hr], rr[mt][hr], kb, t);
 }
-// Session 27 (experiment, bench/wg_ab.py; 0 = off, the product's PTX): Q6SERVE_KS_RAMP = P
-// > 0 makes each warp of a K-slice tile (src 4 / 7) and of the f16 tile with its first block
-// early (src 2 PF), right after its first block's register loads, ask L2 for the next P blocks
-// of its first tile (src 2 without PF: its first P blocks, before the staging) (SoA / pair planes: one bulk prefetch
-// per row and plane, the TMA unit making the requests: no registers, no load slots), so that
-// the opening DRAM burst covers more than one block per warp while the CTA stages its
-// activations (session 23's traces: 3.4-3.7 us at N=16), and those blocks' loads after the
-// staging hit L2. Lane t of a row's four takes plane t (ql, qh, scales; d by a line prefetch).
-// The data read is unchanged: the same bits. (Session 10 prefetched a whole slice in the loop
-// and lost 0-25%; this is only the ramp.)
-#ifndef Q6SERVE_KS_RAMP
-#define Q6SERVE_KS_RAMP 0
-#endif
-// Q6SERVE_KS_XFIRST = 1 (same session, same kind of experiment): the K-slice tiles issue their
-// first block's register loads after the activation staging instead of before it (session 23
-// read the staging's 3.4-3.7 us at N=16 as its L2 reads queued behind every warp's opening DRAM
-// requests); 2: after the staging's first U loads are issued, before they are stored (the
-// activations' requests first, the weights' DRAM latency under the staging's wait); with RAMP =
-// P the L2 prefetch then starts at the first block (P blocks from it).
+// The K-slice tiles' first block: its register loads after the activation staging
+// (Q6SERVE_KS_XFIRST 1, session 27; 0: before it, sessions 4-26, kept for bench A/Bs). Session
+// 23 read the staging's 3.4-3.7 us at N=16 as its L2 reads waiting behind every warp's opening
+// DRAM requests; bench/wg_ab.py on the H200 (session 27, bundle A): 1.010-1.056x on the N = 8/16
+// cells, the same bits (docs/KERNELS.md "Session 27": there also a form that issued them
+// between the staging's loads and stores, and an L2 prefetch of the next blocks at the start,
+// both left out).
 #ifndef Q6SERVE_KS_XFIRST
 #define Q6SERVE_KS_XFIRST 1
 #endif
-template <int SOA, int MT>
-__device__ __forceinline__ void warp_ramp_l2(const RowRef (&rr)[MT][2], int kb, int nb, int t) {
-#if __CUDA_ARCH__ >= 900
-    if (SOA == 0 || nb <= 0) return;  // (AoS: the kill switch's layout, not worth the lines)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const RowRef& r = rr[mt][hr];
-            if (t == 3) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(r.base + r.d + (u32)kb * 2u));
-                continue;
-            }
-            const u32 unit = t == 0 ? 128u : t == 1 ? 64u : 16u;
-            const u32 off = t == 0 ? r.ql : t == 1 ? r.qh : r.sc;
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                         ::"l"(r.base + off + (u32)kb * unit), "r"(unit * (u32)nb) : "memory");
-        }
-#endif
-}
 template <int MT>
 __device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT][2]) {
 #pragma unroll
@@ -152,17 +120,11 @@ struct Walk {
 // load behind a branch cannot be hoisted), st(row, c, v) stores it; rows nload.. (tokens past
 // n_tok) are zero-filled without loads. (A plain strided loop compiles to one load and its
 // dependent store per iteration, a whole L2 round trip each: q6k_ks_f16<8> staged its 164 KB
-// as 40 such steps per thread on the H200.) mid() runs once, after the first U loads are issued
-// (before any is stored; or before the zero-fill in a thread without loads).
-struct NoMid {
-    __device__ __forceinline__ void operator()() const {}
-};
-template <int U, class Ld, class St, class Mid = NoMid>
-__device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld, St st,
-                                            Mid mid = Mid()) {
+// as 40 such steps per thread on the H200.)
+template <int U, class Ld, class St>
+__device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld, St st) {
     typedef decltype(ld(0, 0)) V;
     Walk w(per);
-    bool first = true;
     while (w.row < nload) {
         V v[U];
         int vr[U], vc[U];
@@ -173,15 +135,10 @@ __device__ __forceinline__ void stage_items(int nload, int nrows, int per, Ld ld
             v[u] = ld(min(w.row, nload - 1), w.c);  // past the end: a valid item, not stored
             w.next();
         }
-        if (first) {
-            mid();
-            first = false;
-        }
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (vr[u] < nload) st(vr[u], vc[u], v[u]);
     }
-    if (first) mid();
     for (Walk z(per); z.row < nrows - nload; z.next()) st(nload + z.row, z.c, V{});
 }
 
@@ -215,19 +172,17 @@ template <int NT>
 __host__ __device__ constexpr int stage_u() {
     return NT >= 4 ? Q6SERVE_STAGE_U : Q6SERVE_STAGE_U_SMALL;
 }
-// mid: as stage_items' (BATCH only; the plain loop runs it first).
-template <int NT, class In, bool BATCH, class Mid = NoMid>
+template <int NT, class In, bool BATCH>
 __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int n_tok, int tok0,
-                                            int kb0, int nblk, Mid mid = Mid()) {
+                                            int kb0, int nblk) {
     const int per_tok = nblk * 32, tstride = per_tok + 4;
-    if (!BATCH) mid();
     if (BATCH) {
         stage_items<stage_u<NT>()>(min(8 * NT, n_tok - tok0), 8 * NT, per_tok,
                                    [&](int tk, int c) -> uint4 {
             const int b = c >> 5, sp = (c >> 2) & 7, tt = c & 3;
             return load_x8_f16<In>(x + (size_t)(tok0 + tk) * K + (kb0 + b) * 256 +
                                    quad_x_off(sp, tt));
-        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; }, mid);
+        }, [&](int tk, int c, const uint4& v) { smem_x[tk * tstride + c] = v; });
     } else {
         for (int i = threadIdx.x; i < 8 * NT * per_tok; i += blockDim.x) {
             const int tk = i / per_tok, rem = i - tk * per_tok;
@@ -241,6 +196,9 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
     }
 }
 
+struct NoMid {
+    __device__ __forceinline__ void operator()() const {}
+};
 // One 256-block of a warp's MT m-tiles x NT n-tiles: acc = d * (acc / d + A.B) per row, with
 // A = f16(sc*(q-32)) built once per weight from `raw` (lane quad order) and B = bx(sp, nt),
 // the lane's 16-byte activation fragment of step pair sp. A zero d masks the block. mid() runs
@@ -344,8 +302,6 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
 
     RowRef rr[MT][2];
     warp_rows<SOA>(w, wrow, g, rr);
-    if (SRC == 2 && !PF && Q6SERVE_KS_RAMP > 0)  // (session 27's experiment: the first P blocks)
-        warp_ramp_l2<SOA, MT>(rr, kb0, min(Q6SERVE_KS_RAMP, kb1 - kb0), t);
     float acc[MT][NT][4];
     zero_acc(acc);
     static_assert(SRC == 2 || SRC == 3, "activation sources: 2 staged, 3 streamed prepass");
@@ -369,8 +325,6 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
         if (kb0 < kb1) {
             Raw first[MT][2];
             warp_load<SOA>(first, rr, kb0, t);
-            if (Q6SERVE_KS_RAMP > 0)  // (session 27's experiment: the next P blocks)
-                warp_ramp_l2<SOA, MT>(rr, kb0 + 1, min(Q6SERVE_KS_RAMP, kb1 - kb0 - 1), t);
             stage_x_f16<NT, In, false>(x, K, o.n_tok, tok0, kb0, kb1 - kb0);
             __syncthreads();
             block_mma<NT, MT, SOA>(acc, first, t, bx(kb0));
@@ -641,20 +595,15 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
 
     RowRef rr[MT][2], rn[MT][2];
     Raw nxt[MT][2];
-    constexpr int XF = Q6SERVE_KS_XFIRST, XB = XF ? 1 : 0;
+    constexpr bool XF = Q6SERVE_KS_XFIRST;
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
         if (PF && !XF) warp_load<SOA>(nxt, rr, kb0, t);
-        if (PF && Q6SERVE_KS_RAMP > 0)
-            warp_ramp_l2<SOA, MT>(rr, kb0 + 1 - XB, min(Q6SERVE_KS_RAMP, nblk - 1 + XB), t);
     }
     // The first block's weight loads: before the staging (XFIRST 0, sessions 4-26: in flight
-    // while the CTA stages its activations), after it (1, session 27) or between the staging's
-    // first loads and its stores (2).
-    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk, [&] {
-        if (PF && XF == 2 && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
-    });
-    if (PF && XF == 1 && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
+    // while the CTA stages its activations) or after it (1, session 27).
+    stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
+    if (PF && XF && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
