@@ -105,7 +105,7 @@ def test_stream_cost_same_from_view_and_message(fields: dict[str, object], extra
 
 
 def test_small_requests_are_parsed_whole_big_ones_keep_x_in_place() -> None:
-    wire._SKELETONS.clear()  # (a first request of its kind: upb's)
+    wire.clear_skeletons()  # (a first request of its kind: upb's)
     small = _raw(np.ones((1, 64), np.float16), weight="w")
     assert isinstance(wire.read_matmul_request(small), pb.MatmulRequest)
     rows = wire.ZERO_COPY_MIN // (2 * 1024) + 1
@@ -131,7 +131,7 @@ def _fields(call: object) -> tuple[object, ...]:
 @pytest.mark.parametrize("rid", ["", "r1", "é" * 40])
 def test_a_request_like_one_seen_is_read_through_its_skeleton(fields: dict[str, object],
                                                               rid: str) -> None:
-    wire._SKELETONS.clear()
+    wire.clear_skeletons()
     rng = np.random.default_rng(0)
     first = _raw(rng.standard_normal((2, 40)).astype(np.float16), request_id="a", **fields)
     assert not isinstance(wire.read_matmul_request(first), wire.MatmulSeen)  # upb's, kept
@@ -154,7 +154,7 @@ def test_a_request_like_one_seen_is_read_through_its_skeleton(fields: dict[str, 
     "long id", "x region", "two ids",
 ])
 def test_a_request_unlike_its_skeleton_is_parsed_by_upb(change: str) -> None:
-    wire._SKELETONS.clear()
+    wire.clear_skeletons()
     x = np.ones((1, 32), np.float16)
     wire.read_matmul_request(_raw(x, weight="wa", request_id="1"))  # the skeleton
     assert isinstance(wire.read_matmul_request(_raw(x, weight="wa", request_id="2")),
@@ -191,7 +191,7 @@ def test_a_request_unlike_its_skeleton_is_parsed_by_upb(change: str) -> None:
 
 
 def test_skeletons_are_kept_only_for_requests_that_pass_the_checks() -> None:
-    wire._SKELETONS.clear()
+    wire.clear_skeletons()
     raw = _raw(np.ones((1, 8), np.float16), weight="w", precision=99)  # an unknown enum
     for _ in range(2):
         read = wire.read_matmul_request(raw)
@@ -204,7 +204,7 @@ def test_skeletons_are_kept_only_for_requests_that_pass_the_checks() -> None:
 def test_a_big_request_like_one_seen_keeps_x_in_place() -> None:
     """The walker's request (from ZERO_COPY_MIN bytes) leaves its skeleton too: the next one
     of its kind is read through it, x still a view of the bytes gRPC read."""
-    wire._SKELETONS.clear()
+    wire.clear_skeletons()
     rows = wire.ZERO_COPY_MIN // (2 * 1024) + 1
     first = _raw(np.ones((rows, 1024), np.float16), weight="w", request_id="1")
     assert isinstance(wire.read_matmul_request(first), wire.MatmulIn)
@@ -215,3 +215,20 @@ def test_a_big_request_like_one_seen_keeps_x_in_place() -> None:
     call = wire.matmul_call(read, None)
     assert np.shares_memory(call.x, np.frombuffer(big, np.uint8))
     assert np.array_equal(call.x, x)
+
+
+def test_a_kind_is_not_tried_again_for_learn_gap_requests() -> None:
+    """After an attempt, a kind's requests that no skeleton reads are parsed by upb for
+    LEARN_GAP of them before the next attempt: a caller whose shapes keep changing does not
+    pay an attempt a request."""
+    wire.clear_skeletons()
+    a = _raw(np.ones((1, 32), np.float16), weight="wg", request_id="1")
+    b = _raw(np.ones((2, 32), np.float16), weight="wg", request_id="1")
+    wire.read_matmul_request(a)  # kept: a's skeleton
+    assert isinstance(wire.read_matmul_request(a), wire.MatmulSeen)
+    for _ in range(wire.LEARN_GAP):  # b's kind held: not kept
+        assert not isinstance(wire.read_matmul_request(b), wire.MatmulSeen)
+    assert isinstance(wire.read_matmul_request(a), wire.MatmulSeen)  # (a hit holds nothing)
+    wire.read_matmul_request(b)  # the next attempt: kept
+    assert isinstance(wire.read_matmul_request(b), wire.MatmulSeen)
+    assert isinstance(wire.read_matmul_request(a), wire.MatmulSeen)
