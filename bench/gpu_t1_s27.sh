@@ -3,8 +3,8 @@
 # S=1 multi-vs-single worker window).
 # A: T1 (one caller, N=1 f16 ffn_down, MatmulStream, f32 y) with this tree's worker against
 #    main 6fb1383's (`main`: this tree with service/wire.py as it was there, shipped as
-#    bench/gpu_t1_s27.wire_main.txt; this tree's only worker-side change is wire.py's request
-#    skeletons), alternated by bench/service_t1ab.py (one worker per variant, ffn_down uploaded
+#    bench/gpu_t1_s27.wire_main.txt; this tree's worker-side changes are all in wire.py: the
+#    request skeletons, the reply writer's kept head), alternated by bench/service_t1ab.py (one worker per variant, ffn_down uploaded
 #    once, each run's load its own process; the busy-polling echo of T1's sizes first). Then
 #    the 28-layer replay at S=1 with multi-weight calls (mul) and without (one), alternated on
 #    this tree's one worker by bench/replay_ab.py (host.multi), for the per-call table.
