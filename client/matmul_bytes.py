@@ -22,6 +22,8 @@ from q6serve.v1 import q6serve_pb2 as pb
 MAX_CACHED = 1024  # (weights, shape, dtype, options) combinations kept; the table starts over
 _F_X = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
 _F_ID = pb.MatmulRequest.DESCRIPTOR.fields_by_name["request_id"].number
+_T_ID = bytes((_F_ID << 3 | 2,))  # the request id's tag (length-delimited)
+_LEN1 = tuple(bytes((n,)) for n in range(0x80))  # a length below 128: one varint byte
 
 
 def _only(req: pb.MatmulRequest, keep: Callable[[int], bool]) -> bytes:
@@ -58,7 +60,11 @@ class Splice:
     def join(self, data: Any, request_id: str) -> bytes:
         if not request_id:
             return b"".join((self.head, data, self.before_id, self.after_id))
-        rid = pb.MatmulRequest(request_id=request_id).SerializeToString()
+        if len(request_id) < 0x80 and request_id.isascii():  # its record written here: tag,
+            # a one-byte length, the id (upb's bytes; ~0.7 -> ~0.2 us on the VM)
+            rid = _T_ID + _LEN1[len(request_id)] + request_id.encode()
+        else:
+            rid = pb.MatmulRequest(request_id=request_id).SerializeToString()
         return b"".join((self.head, data, self.before_id, rid, self.after_id))
 
 

@@ -29,7 +29,8 @@ def test_bytes_equal_protobufs_serialization(weight: object, dtype: object,
                                              shape: tuple[int, int]) -> None:
     x = _x(shape, dtype)
     for precision, out_dtype, rid, topk in itertools.product(
-            ("auto", "f16"), ("f32", "bf16"), ("", "7.3", "é" * 200), (None, 0, 5)):
+            ("auto", "f16"), ("f32", "bf16"), ("", "7.3", "a" * 127, "a" * 128, "é" * 200),
+            (None, 0, 5)):
         want = core.matmul_request(weight, x, precision, out_dtype, rid,  # type: ignore[arg-type]
                                    topk=topk).SerializeToString()
         got = core.matmul_request_bytes(weight, x, precision, out_dtype, rid,  # type: ignore[arg-type]
