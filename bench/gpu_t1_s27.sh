@@ -4,14 +4,20 @@
 # A: T1 (one caller, N=1 f16 ffn_down, MatmulStream, f32 y) with this tree's worker against
 #    main 6fb1383's (`main`: this tree with service/wire.py as it was there, shipped as
 #    bench/gpu_t1_s27.wire_main.txt; this tree's worker-side changes are all in wire.py: the
-#    request skeletons, the reply writer's kept head), alternated by bench/service_t1ab.py (one worker per variant, ffn_down uploaded
-#    once, each run's load its own process; the busy-polling echo of T1's sizes first). Then
+#    request skeletons, the reply writer's kept head), alternated by bench/service_t1ab.py
+#    (one worker per variant, ffn_down uploaded once, each run's load its own process; the
+#    busy-polling echo of T1's sizes first). Then
 #    the 28-layer replay at S=1 with multi-weight calls (mul) and without (one), alternated on
 #    this tree's one worker by bench/replay_ab.py (host.multi), for the per-call table.
 #   PHASE=a bash bench/gpu_t1_s27.sh   env: BOUND (100), BACKEND (cuda), ORDER, SECONDS_RUN (0.8),
-#     ROW_SCALE (1), LAYERS (28), SCALE (1), RORDER, SEQS (1)
-# B: as A, the orders mirrored (new first).
-#   PHASE=b bash bench/gpu_t1_s27.sh
+#     ROW_SCALE (1), LAYERS (28), SCALE (1), RORDER, RVARIANTS, SEQS (1)
+# B: T1's A/B again, the order mirrored (new first), then the 28-layer replay (multi-weight,
+#    top-64, f16) at S=1 and S=8 with this tree's worker against main's (the same base as T1's),
+#    alternated by bench/replay_ab.py (a worker each, the model uploaded to both at once).
+#   PHASE=b bash bench/gpu_t1_s27.sh   env: as A (RORDER: new,main,main,new; SEQS: 1,8)
+#   Bundle A (H200, tree 5a1dbfd: the small requests' skeletons only): T1 p50 - kernel median
+#   of 6 runs 342.8 (main) -> 234.0 us (new), server decode 28.9 -> 11.7 (mean of runs'
+#   means); the replay S=1 mul 47.71 / one 57.10 ms a step (3 runs each).
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -36,12 +42,16 @@ hasattr(w, 'MatmulSeen'))"
   if [[ $PHASE == a ]]; then
     order=main,new,new,main,main,new,new,main,main,new,new,main
     rorder=one,mul,mul,one,one,mul
+    rvariants="mul:host.multi=on,host.precision=f16 one:host.multi=off,host.precision=f16"
+    seqs=1
+    t1end=$(bound 62 30)  # T1 first, its own bound (the replay's worker and upload ~17 s)
   else
     order=new,main,main,new,new,main,main,new,new,main,main,new
-    rorder=mul,one,one,mul,mul,one
+    rorder=new,main,main,new
+    rvariants="main:PYTHONPATH=$BASEPP,host.precision=f16 new:host.precision=f16"
+    seqs=1,8
+    t1end=$(bound 40 50)  # (12 runs took 34 s in bundle A)
   fi
-  # T1 first, its own bound: ~60 s of the call (the replay's workers start and upload ~15 s)
-  t1end=$(bound 62 30)
   step t1ab "$t1end" python3 bench/service_t1ab.py --backend "${BACKEND:-cuda}" \
     --variants "main:PYTHONPATH=$BASEPP new:" --order "${ORDER:-$order}" \
     --seconds "${SECONDS_RUN:-0.8}" --warmup 0.3 --row-scale "${ROW_SCALE:-1}" --floor \
@@ -50,8 +60,8 @@ hasattr(w, 'MatmulSeen'))"
   if left 25; then
     step replay "$(bound 60 4)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
       --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
-      --variants "mul:host.multi=on,host.precision=f16 one:host.multi=off,host.precision=f16" \
-      --order "${RORDER:-$rorder}" --seqs "${SEQS:-1}" --seconds 1.0 --warmup 0.4 \
+      --variants "${RVARIANTS:-$rvariants}" \
+      --order "${RORDER:-$rorder}" --seqs "${SEQS:-$seqs}" --seconds 1.0 --warmup 0.4 \
       --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   else
     note "# replay not run at $(elapsed) (bound $BOUND s)"
