@@ -11,7 +11,8 @@
 #    this tree's one worker by bench/replay_ab.py (host.multi), for the per-call table.
 #   PHASE=a bash bench/gpu_t1_s27.sh   env: BOUND (100), BACKEND (cuda), ORDER, SECONDS_RUN (0.8),
 #     ROW_SCALE (1), LAYERS (28), SCALE (1), RORDER, RVARIANTS, SEQS (1)
-# B: T1's A/B again, the order mirrored (new first), then the 28-layer replay (multi-weight,
+# B: T1's A/B again, the order mirrored (new first) and two workers of each tree (main2, new2:
+#    an A/A beside it, 4 runs each), then the 28-layer replay (multi-weight,
 #    top-64, f16) at S=1 and S=8 with this tree's worker against main's (the same base as T1's),
 #    alternated by bench/replay_ab.py (a worker each, the model uploaded to both at once).
 #   PHASE=b bash bench/gpu_t1_s27.sh   env: as A (RORDER: new,main,main,new; SEQS: 1,8)
@@ -46,14 +47,18 @@ hasattr(w, 'MatmulSeen'))"
     seqs=1
     t1end=$(bound 62 30)  # T1 first, its own bound (the replay's worker and upload ~17 s)
   else
-    order=new,main,main,new,new,main,main,new,new,main,main,new
+    # two workers of each tree (main2, new2: the same code in another process, an A/A beside
+    # the A/B: bundle A's runs of main were slower in every part, the caller's own included)
+    order=new,main,main2,new2,new2,main2,main,new,new,main,main2,new2,new2,main2,main,new
     rorder=new,main,main,new
     rvariants="main:PYTHONPATH=$BASEPP,host.precision=f16 new:host.precision=f16"
     seqs=1,8
-    t1end=$(bound 40 50)  # (12 runs took 34 s in bundle A)
+    t1end=$(bound 44 50)  # (12 runs and 2 workers took 34 s in bundle A)
   fi
+  t1variants="main:PYTHONPATH=$BASEPP new:"
+  [[ $PHASE == b ]] && t1variants="$t1variants main2:PYTHONPATH=$BASEPP new2:"
   step t1ab "$t1end" python3 bench/service_t1ab.py --backend "${BACKEND:-cuda}" \
-    --variants "main:PYTHONPATH=$BASEPP new:" --order "${ORDER:-$order}" \
+    --variants "${T1VARIANTS:-$t1variants}" --order "${ORDER:-$order}" \
     --seconds "${SECONDS_RUN:-0.8}" --warmup 0.3 --row-scale "${ROW_SCALE:-1}" --floor \
     --bound "$((t1end - 2))" --out-dir "$OUT" --json "$OUT/t1ab.json"
   rest=$(($(bound 1000 6) - 1))

@@ -13,7 +13,9 @@ echo of T1's sizes first, for scale).
 
 Per run: p50, kernel p50, p50 - kernel and the mean us of each part of bench/service.py's
 split (client_encode, transport, server_decode, queue, kernel, device_other, server_other,
-client_decode); last, per variant, the median over its runs of each.
+client_decode); last, per variant, the median over its runs of each, and per group of
+variants whose names differ in trailing digits only (main, main2: two workers of one tree, an
+A/A beside the A/B) the same over all their runs.
 ``--bound S``: no run starts that would end past S seconds from the start (skipped, said so).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -165,6 +168,15 @@ def table(doc: dict[str, Any]) -> str:
                      f"{np.median([r['gap_us'] for r in rs]):.1f} us (each "
                      + ", ".join(f"{r['gap_us']:.0f}" for r in rs) + "); mean parts "
                      + " ".join(f"{short[p]} {med[p]:.1f}" for p in PARTS))
+    groups: dict[str, list[dict[str, Any]]] = {}  # main, main2 -> main: the same code
+    for r in doc["runs"]:
+        groups.setdefault(re.sub(r"\d+$", "", r["variant"]), []).append(r)
+    for g, rs in groups.items():
+        if len({r["variant"] for r in rs}) > 1:
+            med = {p: float(np.median([r["parts_mean_us"][p] for r in rs])) for p in PARTS}
+            lines.append(f"# {g}* pooled, {len(rs)} runs: p50 - kernel "
+                         f"{np.median([r['gap_us'] for r in rs]):.1f} us; mean parts "
+                         + " ".join(f"{short[p]} {med[p]:.1f}" for p in PARTS))
     return "\n".join(lines)
 
 
