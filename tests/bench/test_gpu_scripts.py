@@ -46,7 +46,7 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_run.sh": [("modes", {"SKIP_INSTALL": "1", "BUNDLE": "1",
                               "ENVAB_ENV": "Q6SERVE_X=1"}, GPU_RUN_MODES.split())],
     "gpu_dataplane_run.sh": [("variants", {"VARIANTS": "4 8@200 8:0 8:m0 6rr"}, [])],
-    "gpu_hp_s26.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
+    "gpu_hp_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
     "gpu_t1_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
     "gpu_k_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
     "gpu_dp_s26.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],

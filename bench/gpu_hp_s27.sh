@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Session 27, helper hp (issue 14, the host path). Ask 1: a single-weight call's device job in
+# the worker grows 5-8 us at S=1 when the multi-weight calls are one backend call
+# (Q6SERVE_MULTI_LAUNCH=1: o after q+k+v's launch_many, down after gate+up's), session 26's
+# bundles A-C (relative to the lm-head's, S=1 o's beyond-kernel share +8-15% in every bundle).
+# Ask 2: T1's device job in situ, ~40 us beyond its kernel against ~17 back to back.
+# PHASE=a (bound ~95 s):
+# 1. layer: bench/layer_wall.py, one decode layer's calls (q+k+v, o, gate+up, down; S=1, 8; f16,
+#    F16, the worker's launch_ieee / launch_many_ieee) in one process, the multi-weight calls in
+#    parts (off) / as launch_many (on) / launch_many then a tiny single call (on+s), alternated,
+#    with no host work between calls and with ~150 us of it (gap), per call wall / launch /
+#    kernel / the GPU's pre (launch event -> kernel start) and tail (kernel end -> after launch);
+# 2. replay: the 2-layer replay (S=1, 8; multi, top-64, F16) on two workers, off /
+#    Q6SERVE_MULTI_LAUNCH=1, order off,on,on,off,off,on, every direct job stamped
+#    (bench/job_stamps.py: pre, x in, graph launch, record, wait, post per role);
+# 3. t1: T1 (one caller, N=1 f16 ffn_down, stream), its worker's jobs stamped (ask 2).
+set -uo pipefail
+# shellcheck source=bench/gpu_lib.sh
+source "$(dirname "$0")/gpu_lib.sh"
+PHASE=${PHASE:-a}
+gpu_session /tmp/hp
+SITE=$PWD/bench/trips_site
+PP=$SITE${PYTHONPATH:+:$PYTHONPATH}
+LAYERS=${LAYERS:-2}
+RV=${RV:-"off:host.precision=f16 on:Q6SERVE_MULTI_LAUNCH=1,host.precision=f16"}
+RORDER=${RORDER:-off,on,on,off,off,on}
+report() {  # the short table
+  echo "# hp bundle $PHASE, tree $(tree_commit), $(elapsed)"
+  echo "## layer_wall: host = wall - kernel (wall, launch, kernel, gpu_pre, gpu_tail), us"
+  grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-260
+  echo "## replay ($LAYERS layers), step p50 and per role handler / device / kernel"
+  sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" 2>/dev/null | cut -c1-300
+  echo "## job stamps (replay workers, T1's worker)"
+  python3 bench/job_stamps.py "$OUT"/js_*.json 2>&1 | grep -v "?" | cut -c1-260
+  for f in "$OUT"/t1*.log; do
+    [[ -f $f ]] || continue
+    grep -hE "^T1 |mean us|^# T1 stream" "$f" | tr -s ' ' | cut -c1-200
+  done
+  machine_summary
+  steps
+}
+if [[ $PHASE == a ]]; then
+  BOUND=${BOUND:-95}
+  step layer "$(bound 30 50)" python3 bench/layer_wall.py --seqs 1,8 --steps 200 --rounds 4 \
+    --gap-us 0,150 --variants off,on,on+s --bound 26 --json "$OUT/layer.json"
+  if left 40; then
+    limit=$(bound 36 16)
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \
+      python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
+      --variants "$RV" --order "$RORDER" --seqs 1,8 --seconds 1.0 --warmup 0.3 \
+      --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
+  fi
+  if left 14; then
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_t1.json" step t1 "$(bound 24 2)" \
+      python3 bench/service.py --backend "${BACKEND:-cuda}" --target-report --targets T1 \
+      --modes stream --weights ffn_down --seconds 1.5 --warmup 0.3 --json "$OUT/t1.json"
+  fi
+  report | table
+elif [[ $PHASE == b ]]; then
+  BOUND=${BOUND:-95}
+  step layer "$(bound 40 30)" python3 bench/layer_wall.py --seqs 1,8 --steps 200 --rounds 4 \
+    --gap-us "${GAPS:-0,150}" --variants "${LV:-off,on,on+s}" --bound 36 \
+    --json "$OUT/layer.json"
+  if left 30; then
+    limit=$(bound 60 4)
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \
+      python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
+      --variants "$RV" --order "$RORDER" --seqs 1,8 --seconds 1.0 --warmup 0.3 \
+      --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
+  fi
+  report | table
+fi
+exit 0

@@ -1,0 +1,238 @@
+"""One decode layer's backend calls in one process, multi-weight calls as one call or in parts
+(issue 14, session 27: why a single-weight call is dearer after a ``launch_many``; run on a GPU).
+
+A step is the replay's layer as the worker's direct path calls the backend (S tokens, f16 x and
+y, precision F16, through ``api.launch_ieee`` / ``api.launch_many_ieee`` with the engine's one
+flags object): q+k+v (3584x3584 + 512x3584 + 512x3584) on one x, o (3584x3584), gate+up (2 x
+18944x3584), down (3584x18944). A variant decides how the two multi-weight calls run:
+
+- ``off``: each part's launch and wait in turn (``Q6SERVE_MULTI_LAUNCH`` off: the engine runs
+  every part as its own direct job);
+- ``on``: ``launch_many_ieee`` (``Q6SERVE_MULTI_LAUNCH=1``: one backend call);
+- ``on+s``: ``on`` and a tiny single call (the k weight's, on the same x) right after each
+  multi-weight call, before the next single: whether o / down pay for what ran just before them
+  on the device or on the host (the same calls in ``off`` follow k/v's and up's single calls).
+
+Variants alternate per round (order reversed every other round). ``--gap-us G``: before every
+call the host does ~G us of other Python work over a few MB (the worker's gRPC, decode and
+reply between two device jobs, which evict the caches a back-to-back loop keeps warm).
+
+Per call role (q+k+v, o, gate+up, down): wall (launch .. wait returned), launch (launch's own
+return), wait, kernel (the calls' reported kernel time, the parts' summed), host = wall -
+kernel, and for the singles ``gpu_pre``: from a CUDA event recorded right before the launch to
+the call's start event (its graph's upload of x and launch latency on the GPU), ``gpu_tail``:
+from its end event to an event recorded right after the launch returned (y's f16 conversion,
+its download, the completion event; both bench events cost the singles' wall a host call each,
+in every variant alike). Medians per
+round; the table prints the median over rounds per (S, gap, role, variant). Every variant's
+y's are compared bit for bit with ``off``'s on the first step's x.
+
+    python bench/layer_wall.py [--seqs 1,8] [--steps 200] [--rounds 4] [--gap-us 0,150]
+                               [--variants off,on,on+s] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from q6serve.kernels import q6k
+from q6serve.kernels.api import KernelFlags, Precision, launch_ieee, launch_many_ieee
+
+LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584),
+         "gate": (18944, 3584), "up": (18944, 3584), "down": (3584, 18944)}
+ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
+         ("gate+up", ("gate", "up"), 3584), ("down", ("down",), 18944))
+VARIANTS = ("off", "on", "on+s")
+FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
+F16 = np.dtype(np.float16)
+
+
+class Gap:
+    """~``us`` microseconds of host work over a few MB of its own (0: none)."""
+
+    def __init__(self, us: float) -> None:
+        self.us = us
+        self.src = np.random.default_rng(1).integers(0, 255, 4 << 20, np.uint8)
+        self.dst = np.empty_like(self.src)
+        self.at = 0
+
+    def __call__(self) -> None:
+        if not self.us:
+            return
+        end = time.perf_counter() + self.us * 1e-6
+        while time.perf_counter() < end:  # copy 256 KiB slices of 4 MiB round and round
+            a = self.at
+            self.dst[a : a + (256 << 10)] = self.src[a : a + (256 << 10)]
+            self.at = (a + (256 << 10)) % (4 << 20)
+            bytes(64)  # (and a little Python allocation, as a handler has)
+
+
+def single(be: Any, w: Any, x: np.ndarray, ev: tuple[Any, Any], gpu: bool) -> tuple:
+    """One single-weight call: (results, wall, launch, kernel, gpu_pre, gpu_tail) in s."""
+    if gpu:
+        ev[0].record(be.stream)
+    t0 = time.perf_counter()
+    launched = launch_ieee(be, w, x, precision=Precision.F16, flags=FLAGS, out_dtype=F16)
+    t1 = time.perf_counter()
+    if gpu:
+        ev[1].record(be.stream)
+    r = launched.wait()
+    t2 = time.perf_counter()
+    pre = tail = float("nan")
+    if gpu:
+        call = w.data.plans.get((x.shape, 0))
+        if call is not None and hasattr(call, "b"):
+            el = be.ctx.cp.cuda.get_elapsed_time
+            ev[1].synchronize()
+            pre = el(ev[0], call.b.start) * 1e-3
+            tail = el(call.b.end, ev[1]) * 1e-3
+    return ([r], t2 - t0, t1 - t0, r.timing.seconds(wait=True) or float("nan"), pre, tail)
+
+
+def multi(be: Any, ws: list, x: np.ndarray, way: str) -> tuple:
+    """One multi-weight call ``way``: (results, wall, launch, kernel summed, nan, nan)."""
+    t0 = time.perf_counter()
+    if way == "off":  # each part's launch and wait (the engine's run_direct per part)
+        rs, t1 = [], None
+        for w in ws:
+            la = launch_ieee(be, w, x, precision=Precision.F16, flags=FLAGS, out_dtype=F16)
+            t1 = t1 or time.perf_counter()
+            rs.append(la.wait())
+    else:
+        la = launch_many_ieee(be, ws, x, precision=Precision.F16, flags=[FLAGS] * len(ws),
+                              out_dtype=F16)
+        t1 = time.perf_counter()
+        rs = la.wait()
+    t2 = time.perf_counter()
+    ks = [r.timing.seconds(wait=True) for r in rs]
+    nan = float("nan")
+    return rs, t2 - t0, t1 - t0, sum(ks) if None not in ks else nan, nan, nan
+
+
+def step(be: Any, w: dict, xs: tuple[np.ndarray, np.ndarray], way: str, gap: Gap,
+         ev: tuple[Any, Any], out: dict[str, list] | None) -> list:
+    """One layer's calls; their timings appended to ``out[role]`` (None: not kept)."""
+    ys = []
+    for role, names, _ in ROLES:
+        x = xs[1] if role == "down" else xs[0]
+        gap()
+        if len(names) == 1:
+            got = single(be, w[names[0]], x, ev, out is not None)
+        else:
+            got = multi(be, [w[n] for n in names], x, way)
+        ys += [r.y for r in got[0]]
+        if out is not None:
+            out.setdefault(role, []).append(got[1:])
+        if len(names) > 1 and way == "on+s":  # a tiny single call right after it
+            launch_ieee(be, w["k"], xs[0], precision=Precision.F16, flags=FLAGS,
+                        out_dtype=F16).wait()
+    return ys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="1,8")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--gap-us", default="0,150")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--bound", type=float, default=0,
+                    help="seconds: start no round that would end past it (0: none)")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    variants = a.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {bad} (of {', '.join(VARIANTS)})")
+    from backend_wall import load
+
+    from q6serve.kernels.cuda_backend import CudaBackend
+
+    be = CudaBackend(0)
+    rng = np.random.default_rng(0)
+    w = {n: load(be, q6k.random_blocks(r, k, rng), r, k) for n, (r, k) in LAYER.items()}
+    ev = (be.ctx.cp.cuda.Event(), be.ctx.cp.cuda.Event())
+    print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  layer: "
+          + ", ".join(f"{n} {r}x{k}" for n, (r, k) in LAYER.items()) + f"; f16 x and y, F16; "
+          f"{a.steps} steps a round, {a.rounds} rounds", flush=True)
+    rows: list[dict] = []
+    equal = True
+    for s in map(int, a.seqs.split(",")):
+        xs = [(rng.standard_normal((s, 3584)).astype(F16),
+               rng.standard_normal((s, 18944)).astype(F16)) for _ in range(4)]
+        ref = None
+        for v in variants:  # warm-up (bind, capture) and the bit check on xs[0]
+            for _ in range(3):
+                step(be, w, xs[0], v, Gap(0), ev, None)
+            ys = step(be, w, xs[0], v, Gap(0), ev, None)
+            ys = [y.copy() for y in ys]
+            if ref is None:
+                ref = ys
+            elif not all(np.array_equal(p, q) for p, q in zip(ys, ref, strict=True)):
+                print(f"# S={s} {v}: y DIFFERS from {variants[0]}'s", flush=True)
+                equal = False
+        for g in map(float, a.gap_us.split(",")):
+            gap = Gap(g)
+            for rnd in range(a.rounds):
+                for v in (variants[::-1] if rnd % 2 else variants):
+                    t_r = time.perf_counter()
+                    got: dict[str, list] = {}
+                    for i in range(a.steps):
+                        step(be, w, xs[i % len(xs)], v, gap, ev, got)
+                    for role, vals in got.items():
+                        cols = list(zip(*vals, strict=True))
+                        wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
+                                                         for c in cols)
+                        host = statistics.median((x - y) * 1e6 for x, y in zip(cols[0], cols[2],
+                                                                                 strict=True))
+                        rows.append({"seqs": s, "gap_us": g, "variant": v, "round": rnd,
+                                     "role": role, "wall": wall, "launch": launch,
+                                     "wait": wall - launch, "kernel": kern, "host": host,
+                                     "gpu_pre": pre, "gpu_tail": tail})
+                    took = time.perf_counter() - t_r
+                    if a.bound and time.perf_counter() - t_start + took > a.bound:
+                        print(f"# bound: stopped after S={s} gap {g} round {rnd} {v}",
+                              flush=True)
+                        return report(rows, a.json, equal)
+    return report(rows, a.json, equal)
+
+
+def report(rows: list[dict], path: str | None, equal: bool) -> int:
+    print("# per call, us, median over rounds of each round's median: host = wall - kernel "
+          "(wall, launch, kernel, gpu_pre, gpu_tail)")
+    keys = sorted({(r["seqs"], r["gap_us"], r["role"]) for r in rows},
+                  key=lambda k: (k[0], k[1], [x[0] for x in ROLES].index(k[2])))
+    for s, g, role in keys:
+        cells = []
+        for v in VARIANTS:
+            rs = [r for r in rows if (r["seqs"], r["gap_us"], r["role"], r["variant"]) ==
+                  (s, g, role, v)]
+            if not rs:
+                continue
+            m = {f: statistics.median(r[f] for r in rs)
+                 for f in ("host", "wall", "launch", "kernel", "gpu_pre", "gpu_tail")}
+            pre = ("" if m["gpu_pre"] != m["gpu_pre"] else
+                   f", {m['gpu_pre']:.1f}, {m['gpu_tail']:.1f}")
+            cells.append(f"{v} {m['host']:.1f} ({m['wall']:.1f}, {m['launch']:.1f}, "
+                         f"{m['kernel']:.1f}{pre}) x{len(rs)}")
+        print(f"S={s} gap {g:.0f} {role:>8}: " + "  ".join(cells), flush=True)
+    if not equal:
+        print("# y DIFFERS between variants")
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"rows": rows, "equal": equal}, fh, indent=1)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (backend_wall's load)
+    sys.exit(main())
