@@ -5,8 +5,8 @@
 # bundles A-C (relative to the lm-head's, S=1 o's beyond-kernel share +8-15% in every bundle).
 # Ask 2: T1's device job in situ, ~40 us beyond its kernel against ~17 back to back.
 # PHASE=a (bound ~95 s):
-# 1. layer: bench/layer_wall.py, one decode layer's calls (q+k+v, o, gate+up, down; S=1, 8; f16,
-#    F16, the worker's launch_ieee / launch_many_ieee) in one process, the multi-weight calls in
+# 1. layer: bench/layer_wall.py, 3 decode layers' calls (each its own weights; q+k+v, o,
+#    gate+up, down; S=1, 8; f16, F16, the worker's launch_ieee / launch_many_ieee) in one process, the multi-weight calls in
 #    parts (off) / as launch_many (on) / launch_many then a tiny single call (on+s), alternated,
 #    with no host work between calls and with ~150 us of it (gap), per call wall / launch /
 #    kernel / the GPU's pre (launch event -> kernel start) and tail (kernel end -> after launch);
@@ -41,8 +41,8 @@ report() {  # the short table
 }
 if [[ $PHASE == a ]]; then
   BOUND=${BOUND:-95}
-  step layer "$(bound 30 50)" python3 bench/layer_wall.py --seqs 1,8 --steps 200 --rounds 4 \
-    --gap-us 0,150 --variants off,on,on+s --bound 26 --json "$OUT/layer.json"
+  step layer "$(bound 30 50)" python3 bench/layer_wall.py --seqs 1,8 --steps 100 --layers 3 \
+    --rounds 4 --gap-us 0,150 --variants off,on,on+s --bound 26 --json "$OUT/layer.json"
   if left 40; then
     limit=$(bound 36 16)
     PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \

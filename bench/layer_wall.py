@@ -27,7 +27,7 @@ in every variant alike). Medians per
 round; the table prints the median over rounds per (S, gap, role, variant). Every variant's
 y's are compared bit for bit with ``off``'s on the first step's x.
 
-    python bench/layer_wall.py [--seqs 1,8] [--steps 200] [--rounds 4] [--gap-us 0,150]
+    python bench/layer_wall.py [--seqs 1,8] [--steps 200] [--layers 1] [--rounds 4] [--gap-us 0,150]
                                [--variants off,on,on+s] [--json out.json]
 """
 
@@ -117,11 +117,12 @@ def multi(be: Any, ws: list, x: np.ndarray, way: str) -> tuple:
     return rs, t2 - t0, t1 - t0, sum(ks) if None not in ks else nan, nan, nan
 
 
-def step(be: Any, w: dict, xs: tuple[np.ndarray, np.ndarray], way: str, gap: Gap,
+def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: str, gap: Gap,
          ev: tuple[Any, Any], out: dict[str, list] | None) -> list:
-    """One layer's calls; their timings appended to ``out[role]`` (None: not kept)."""
+    """Every layer's calls in turn; their timings appended to ``out[role]`` (None: not
+    kept)."""
     ys = []
-    for role, names, _ in ROLES:
+    for w, (role, names, _) in ((w, r) for w in layers for r in ROLES):
         x = xs[1] if role == "down" else xs[0]
         gap()
         if len(names) == 1:
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="1,8")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers a step (each its own copy of the weights: its own cached "
+                    "calls and graphs, as in the replay)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap-us", default="0,150")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -159,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 
     be = CudaBackend(0)
     rng = np.random.default_rng(0)
-    w = {n: load(be, q6k.random_blocks(r, k, rng), r, k) for n, (r, k) in LAYER.items()}
+    blocks = {n: q6k.random_blocks(r, k, rng) for n, (r, k) in LAYER.items()}
+    w = [{n: load(be, blocks[n], r, k) for n, (r, k) in LAYER.items()}
+         for _ in range(a.layers)]  # (each layer its own weights, as the replay's)
     ev = (be.ctx.cp.cuda.Event(), be.ctx.cp.cuda.Event())
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  layer: "
           + ", ".join(f"{n} {r}x{k}" for n, (r, k) in LAYER.items()) + f"; f16 x and y, F16; "
-          f"{a.steps} steps a round, {a.rounds} rounds", flush=True)
+          f"{a.layers} layers x {a.steps} steps a round, {a.rounds} rounds", flush=True)
     rows: list[dict] = []
     equal = True
     for s in map(int, a.seqs.split(",")):
