@@ -303,7 +303,7 @@ ENGINE_FLAGS = KernelFlags()
 
 def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int, mode: str,
             topk: int = 0, probe: bool = False, fill: str = "copy", parts: bool = False,
-            precision: Precision | None = None) -> dict:
+            precision: Precision | None = None, out: np.dtype | None = None) -> dict:
     """``precision`` given: every call goes through ``api.launch_ieee`` at that precision with
     one flags object, as the worker's batcher calls the backend (service/engine.py); None: the
     backend's ``launch`` / ``matmul`` at its default (AUTO), as before."""
@@ -341,9 +341,9 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
             t00 = time.perf_counter()  # (the loop's own time, bench events included: ``loop``)
             e0.record(be.stream)  # the GPU's span of the call: from here to after its last copy
             t0 = time.perf_counter()  # the wall: launch .. the result (no bench event in it)
-            launched = (be.launch(w, st, topk=topk) if precision is None else
+            launched = (be.launch(w, st, topk=topk, out_dtype=out) if precision is None else
                         launch_ieee(be, w, st, precision=precision, flags=ENGINE_FLAGS,
-                                    topk=topk))
+                                    topk=topk, out_dtype=out))
             t1 = time.perf_counter()  # the host's launch (its part before the GPU starts)
             e1.record(be.stream)
             ys = be.launcher._y_stream  # (a split call's first part's y goes down on it)
@@ -378,9 +378,9 @@ def measure(be: CudaBackend, w: ResidentWeight, xs: list[np.ndarray], calls: int
                         gpu["y1"].append(cp.cuda.get_elapsed_time(e0, ey) * 1e3)
             wall = t2 - t0
         else:
-            res = (be.matmul(w, x, topk=topk) if precision is None else
+            res = (be.matmul(w, x, topk=topk, out_dtype=out) if precision is None else
                    launch_ieee(be, w, x, precision=precision, flags=ENGINE_FLAGS,
-                               topk=topk).wait())
+                               topk=topk, out_dtype=out).wait())
             ks = res.timing.seconds(wait=True)
             ks = float("nan") if ks is None else ks  # no figure: shows as nan, run goes on
             wall = time.perf_counter() - t0
@@ -615,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--many-staged", action="store_true",
                     help="--many: x built in CudaBackend.staging (the fill not in the wall)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out-dtype", default="f32", choices=("f32", "f16"),
+                    help="the single calls' y dtype (f16: a small y converted on the device, "
+                    "launch.Y16_COPY's way out)")
     ap.add_argument("--many-out", default="f32", choices=("f32", "f16"),
                     help="--many: the calls' y dtype")
     a = ap.parse_args(argv)
@@ -653,14 +656,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.many:
         return run_many(a, variants, apply)
     modes = a.modes.split(",")
+    ydt = None if a.out_dtype == "f32" else np.dtype(np.float16)
     bes = {"graph": CudaBackend(0), "direct": CudaBackend(0, graphs=False)}
     bes["naive"] = bes["direct"]
     bes["staged"] = bes["graph"]
     rng = np.random.default_rng(0)
     out = []
     print(f"# device: {bes['graph'].device_name()}  date: {time.strftime('%Y-%m-%d')}  "
-          f"activations: {a.dtype}, {f'top-{a.topk}' if a.topk else 'y f32'}, {a.calls} calls "
-          f"per row (us), fill: {a.fill}")
+          f"activations: {a.dtype}, {f'top-{a.topk}' if a.topk else 'y ' + a.out_dtype}, "
+          f"{a.calls} calls per row (us), fill: {a.fill}")
     print(f"{'shape':>12} {'N':>3} {'mode':>7} {'wall p50':>9} {'kernel p50':>10} "
           f"{'host p50':>9} {'host p90':>9}")
     for shape_s in a.shapes.split(","):
@@ -676,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
             xs = [rng.standard_normal((n, k)).astype(DTYPES[a.dtype]) for _ in range(4)]
             b0 = bes[modes[0]]  # y of xs[0] under the defaults: each row's y is checked on it
             ref = (None if a.topk else
-                   b0.matmul(ws[id(b0), variants[0][1].get("SLAB_ROWS", a.slab_rows)], xs[0]).y)
+                   b0.matmul(ws[id(b0), variants[0][1].get("SLAB_ROWS", a.slab_rows)], xs[0],
+                             out_dtype=ydt).y)
             # (the variants' order reversed every other round: a drift weighs on all alike)
             for rnd, (label, sets), m in ((i, v, m) for i in range(a.rounds)
                                           for v in (variants[::-1] if i % 2 else variants)
@@ -684,20 +689,20 @@ def main(argv: list[str] | None = None) -> int:
                 apply(sets)
                 be = bes[m]
                 # bound per variant (x's buffer, the halves' tiles, the copies' way): rebind
-                if {"STAGING_WC_MIN", "X_SPLIT_FIT", "COPY_KERNEL_MAX"} & set(defaults):
+                if {"STAGING_WC_MIN", "X_SPLIT_FIT", "COPY_KERNEL_MAX", "Y16_COPY"} & set(defaults):
                     be.launcher.ws.gen += 1
                 w = ws[id(be), sets.get("SLAB_ROWS", a.slab_rows)]
                 if sets.get("ASK_PLAN"):  # (an instance attribute over the class's: removed)
                     from q6serve.kernels.api import Backend
                     be.no_q8_1 = Backend.no_q8_1 if hasattr(Backend, "no_q8_1") else frozenset()
                 r = measure(be, w, xs, a.calls, m, a.topk, a.probe, a.fill, a.parts,
-                            precisions.get(label))
+                            precisions.get(label), ydt)
                 be.__dict__.pop("no_q8_1", None)
                 # the split this row's calls took (an idle launcher, the staging slot)
                 state = be.launcher.chunks_for(w.data, 0, n * rows, xs[0].nbytes, n)
                 # (after calls on other x: a copy that ran before its kernels would show)
                 r["equal"] = None if ref is None else bool(np.array_equal(
-                    be.matmul(w, xs[0]).y, ref))
+                    be.matmul(w, xs[0], out_dtype=ydt).y, ref))
                 r.update(shape=shape_s, n=n, mode=m, dtype=a.dtype, topk=a.topk, fill=a.fill,
                          variant=label, round=rnd, chunks=chunks_of(be, w, n, state),
                          tokens=tokens_of(w, n, state))

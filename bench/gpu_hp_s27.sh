@@ -14,6 +14,9 @@
 #    Q6SERVE_MULTI_LAUNCH=1, order off,on,on,off,off,on, every direct job stamped
 #    (bench/job_stamps.py: pre, x in, graph launch, record, wait, post per role);
 # 3. t1: T1 (one caller, N=1 f16 ffn_down, stream), its worker's jobs stamped (ask 2).
+# (1b. wall: a small f16 y's way out in one kernel, launch.Y16_COPY 0/1, backend_wall.py
+#    --out-dtype f16 on 3584x18944 / 3584x3584 N=1, 8, graph and staged, alternated; and
+#    on:Y16_COPY=1 in step 1.)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -23,11 +26,13 @@ SITE=$PWD/bench/trips_site
 PP=$SITE${PYTHONPATH:+:$PYTHONPATH}
 LAYERS=${LAYERS:-2}
 RV=${RV:-"off:host.precision=f16 on:Q6SERVE_MULTI_LAUNCH=1,host.precision=f16"}
-RORDER=${RORDER:-off,on,on,off,off,on}
 report() {  # the short table
   echo "# hp bundle $PHASE, tree $(tree_commit), $(elapsed)"
   echo "## layer_wall: host = wall - kernel (wall, launch, kernel, gpu_pre, gpu_tail), us"
-  grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-260
+  grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-420
+  echo "## backend_wall, f16 y, Y16_COPY 0/1: host p50 (wall p50, kernel p50), median of rounds"
+  grep -h -A10 "^# variants" "$OUT/wall.log" 2>/dev/null | cut -c1-200
+  grep -c DIFFERS "$OUT/wall.log" 2>/dev/null | sed 's/^/wall rows with y differing: /'
   echo "## replay ($LAYERS layers), step p50 and per role handler / device / kernel"
   sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" 2>/dev/null | cut -c1-300
   echo "## job stamps (replay workers, T1's worker)"
@@ -41,17 +46,21 @@ report() {  # the short table
 }
 if [[ $PHASE == a ]]; then
   BOUND=${BOUND:-95}
-  step layer "$(bound 30 50)" python3 bench/layer_wall.py --seqs 1,8 --steps 100 --layers 3 \
-    --rounds 4 --gap-us 0,150 --variants off,on,on+s --bound 26 --json "$OUT/layer.json"
+  step layer "$(bound 30 60)" python3 bench/layer_wall.py --seqs 1,8 --steps 80 --layers 3 \
+    --rounds 4 --gap-us 0,150 --variants "${LV:-off,on,on+s,on:Y16_COPY=1}" --bound 26 \
+    --json "$OUT/layer.json"
+  step wall "$(bound 12 46)" python3 bench/backend_wall.py --shapes 3584x18944,3584x3584 \
+    --ns 1,8 --modes graph,staged --calls 120 --rounds 4 --out-dtype f16 \
+    --variants "y0:Y16_COPY=0;y1:Y16_COPY=1" --json "$OUT/wall.json"
   if left 40; then
-    limit=$(bound 36 16)
+    limit=$(bound 30 16)
     PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \
       python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
-      --variants "$RV" --order "$RORDER" --seqs 1,8 --seconds 1.0 --warmup 0.3 \
-      --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
+      --variants "$RV" --order "${RORDER:-off,on,on,off}" --seqs 1,8 --seconds 1.0 \
+      --warmup 0.3 --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
   fi
   if left 14; then
-    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_t1.json" step t1 "$(bound 24 2)" \
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_t1.json" step t1 "$(bound 22 2)" \
       python3 bench/service.py --backend "${BACKEND:-cuda}" --target-report --targets T1 \
       --modes stream --weights ffn_down --seconds 1.5 --warmup 0.3 --json "$OUT/t1.json"
   fi
@@ -65,8 +74,8 @@ elif [[ $PHASE == b ]]; then
     limit=$(bound 60 4)
     PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \
       python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
-      --variants "$RV" --order "$RORDER" --seqs 1,8 --seconds 1.0 --warmup 0.3 \
-      --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
+      --variants "$RV" --order "${RORDER:-off,on,on,off,off,on}" --seqs 1,8 --seconds 1.0 \
+      --warmup 0.3 --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
   fi
   report | table
 fi

@@ -13,7 +13,9 @@ flags object): q+k+v (3584x3584 + 512x3584 + 512x3584) on one x, o (3584x3584), 
   multi-weight call, before the next single: whether o / down pay for what ran just before them
   on the device or on the host (the same calls in ``off`` follow k/v's and up's single calls).
 
-Variants alternate per round (order reversed every other round). ``--gap-us G``: before every
+A variant ``WAY:NAME=INT[+NAME=INT...]`` also sets constants of kernels/cuda/launch.py for its
+rounds (e.g. ``on:Y16_COPY=1``; each switch rebinds the sequences, two steps unmeasured after
+it). Variants alternate per round (order reversed every other round). ``--gap-us G``: before every
 call the host does ~G us of other Python work over a few MB (the worker's gRPC, decode and
 reply between two device jobs, which evict the caches a back-to-back loop keeps warm).
 
@@ -50,7 +52,7 @@ LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584
          "gate": (18944, 3584), "up": (18944, 3584), "down": (3584, 18944)}
 ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
          ("gate+up", ("gate", "up"), 3584), ("down", ("down",), 18944))
-VARIANTS = ("off", "on", "on+s")
+WAYS = ("off", "on", "on+s")
 FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
 F16 = np.dtype(np.float16)
 
@@ -147,19 +149,42 @@ def main(argv: list[str] | None = None) -> int:
                     "calls and graphs, as in the replay)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap-us", default="0,150")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(WAYS),
+                    help="WAY[:NAME=INT[+NAME=INT...]] comma separated (WAY: off, on, on+s; "
+                    "NAME: a constant of kernels/cuda/launch.py set for that variant's rounds, "
+                    "e.g. on:Y16_COPY=1; every switch rebinds the sequences)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--bound", type=float, default=0,
                     help="seconds: start no round that would end past it (0: none)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
-    variants = a.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        ap.error(f"--variants: unknown {bad} (of {', '.join(VARIANTS)})")
     from backend_wall import load
 
+    from q6serve.kernels.cuda import launch as launch_mod
     from q6serve.kernels.cuda_backend import CudaBackend
+
+    variants: list[str] = a.variants.split(",")
+    spec: dict[str, tuple[str, dict[str, int]]] = {}
+    for v in variants:
+        way, _, sets = v.partition(":")
+        pairs = dict(kv.split("=") for kv in filter(None, sets.split("+")))
+        if way not in WAYS or not all(hasattr(launch_mod, k) for k in pairs):
+            ap.error(f"--variants: {v!r} (a way of {', '.join(WAYS)}, then constants of "
+                     "kernels/cuda/launch.py)")
+        spec[v] = (way, {k: int(x) for k, x in pairs.items()})
+    defaults = {k: getattr(launch_mod, k) for _, sets in spec.values() for k in sets}
+    now: list[dict[str, int]] = [{}]
+
+    def use(v: str) -> str:
+        """Variant ``v``'s constants set (a change rebinds every sequence); its way."""
+        way, sets = spec[v]
+        want = {**defaults, **sets}
+        if want != now[0]:
+            for k, x in want.items():
+                setattr(launch_mod, k, x)
+            be.launcher.ws.gen += 1
+            now[0] = want
+        return way
 
     be = CudaBackend(0)
     rng = np.random.default_rng(0)
@@ -177,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                rng.standard_normal((s, 18944)).astype(F16)) for _ in range(4)]
         ref = None
         for v in variants:  # warm-up (bind, capture) and the bit check on xs[0]
+            way = use(v)
             for _ in range(3):
-                step(be, w, xs[0], v, Gap(0), ev, None)
-            ys = step(be, w, xs[0], v, Gap(0), ev, None)
+                step(be, w, xs[0], way, Gap(0), ev, None)
+            ys = step(be, w, xs[0], way, Gap(0), ev, None)
             ys = [y.copy() for y in ys]
             if ref is None:
                 ref = ys
@@ -191,9 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(a.rounds):
                 for v in (variants[::-1] if rnd % 2 else variants):
                     t_r = time.perf_counter()
+                    way = use(v)
+                    for _ in range(2):  # (after a rebind: bound and captured again)
+                        step(be, w, xs[1], way, gap, ev, None)
                     got: dict[str, list] = {}
                     for i in range(a.steps):
-                        step(be, w, xs[i % len(xs)], v, gap, ev, got)
+                        step(be, w, xs[i % len(xs)], way, gap, ev, got)
                     for role, vals in got.items():
                         cols = list(zip(*vals, strict=True))
                         wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
@@ -208,18 +237,18 @@ def main(argv: list[str] | None = None) -> int:
                     if a.bound and time.perf_counter() - t_start + took > a.bound:
                         print(f"# bound: stopped after S={s} gap {g} round {rnd} {v}",
                               flush=True)
-                        return report(rows, a.json, equal)
-    return report(rows, a.json, equal)
+                        return report(rows, variants, a.json, equal)
+    return report(rows, variants, a.json, equal)
 
 
-def report(rows: list[dict], path: str | None, equal: bool) -> int:
+def report(rows: list[dict], variants: list[str], path: str | None, equal: bool) -> int:
     print("# per call, us, median over rounds of each round's median: host = wall - kernel "
           "(wall, launch, kernel, gpu_pre, gpu_tail)")
     keys = sorted({(r["seqs"], r["gap_us"], r["role"]) for r in rows},
                   key=lambda k: (k[0], k[1], [x[0] for x in ROLES].index(k[2])))
     for s, g, role in keys:
         cells = []
-        for v in VARIANTS:
+        for v in variants:
             rs = [r for r in rows if (r["seqs"], r["gap_us"], r["role"], r["variant"]) ==
                   (s, g, role, v)]
             if not rs:

@@ -464,6 +464,39 @@ COPY_SRC = r"""extern "C" __global__ void q6_copy(const unsigned char* __restric
         reinterpret_cast<int4*>(dst)[j] = reinterpret_cast<const int4*>(src)[j];
     if (i < (n & 15)) dst[(words << 4) + i] = src[(words << 4) + i];
 }"""
+# A small f16 y's way out in one kernel (Y16_COPY): the workspace's f32 y converted to f16 (PTX
+# cvt.rn.f16.f32: IEEE round to nearest even, CuPy's conversion's bits but a NaN's payload) and
+# written straight into the pinned out buffer, 8 values (16 bytes) a thread and step, the last
+# n % 8 one a thread; in place of CuPy's conversion kernel into "y16b" and then COPY_SRC's copy:
+# one kernel node fewer in every small-f16-y graph (the decode's usual call), on the GPU after
+# the end event (not kernel time), serial with the call's wait.
+COPY_H_SRC = r"""__device__ __forceinline__ unsigned int q6_h2(float lo, float hi) {
+    unsigned short l, h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(lo));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(hi));
+    return (unsigned int)l | ((unsigned int)h << 16);
+}
+extern "C" __global__ void q6_copy_h(const float* __restrict__ src,
+                                     unsigned short* __restrict__ dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x, words = n >> 3;
+    for (long long j = i; j < words; j += stride) {
+        const float4 a = reinterpret_cast<const float4*>(src)[2 * j];
+        const float4 b = reinterpret_cast<const float4*>(src)[2 * j + 1];
+        reinterpret_cast<uint4*>(dst)[j] = make_uint4(q6_h2(a.x, a.y), q6_h2(a.z, a.w),
+                                                      q6_h2(b.x, b.y), q6_h2(b.z, b.w));
+    }
+    if (i < (n & 7)) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(src[(words << 3) + i]));
+        dst[(words << 3) + i] = h;
+    }
+}"""
+# 1: a small f16 y leaves by COPY_H_SRC where the copy kernel would copy it (copy_limit, 16-byte
+# aligned addresses); 0: conversion kernel, then the copy (the default until measured on the
+# H200: session 27). Read when a sequence is bound (a bench's variants rebind:
+# bench/backend_wall.py, bench/layer_wall.py)
+Y16_COPY = 0
 COPY_THREADS = 256
 COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
 # copies of at most this many bytes go by COPY_SRC (0: none, the copy engine, as before session
@@ -1353,6 +1386,7 @@ class Launcher:
         # without one (the host tests' fake device) has none
         self.copy_kernel_max = copy_max
         self._copy_fn: Any = None
+        self._copy_h_fn: Any = None
         self._dev_ptr: Any = None
 
     def chunks_wanted(self, cw: CudaWeight | None = None) -> int:
@@ -2098,6 +2132,8 @@ class Launcher:
             return
         y16, host = out
         src = b.extra["y"]
+        if y16 and self._y16_out(host.ctypes.data, src, host.size):  # (one kernel: Y16_COPY)
+            return
         if y16:  # ("y16b": bound, unlike _finish's "y16"; at the bound size: nothing grows)
             cp.copyto(self.ws.array("y16b", host.shape, np.float16),
                       self.ws.array("y", host.shape, np.float32), casting="same_kind")
@@ -2172,6 +2208,21 @@ class Launcher:
         blocks = max(1, min(COPY_MAX_BLOCKS, -(-(nbytes >> 4) // COPY_THREADS)))
         self._copy_fn((blocks,), (COPY_THREADS,), (np.uint64(src), np.uint64(dst),
                                                     np.int64(nbytes)), stream=stream)
+
+    def _y16_out(self, dst: int, src: int, count: int) -> bool:
+        """A small f16 y's way out: ``count`` f32 values of the device y at ``src`` into the
+        host buffer at ``dst`` as f16 by COPY_H_SRC (True), where ``Y16_COPY`` is on and the
+        copy kernel would take those bytes (:meth:`by_kernel`); False: nothing done (convert,
+        then :meth:`_copy`)."""
+        if not Y16_COPY or not self.by_kernel(2 * count, dst, src):
+            return False
+        if self._copy_h_fn is None:
+            self._copy_h_fn = self.ctx.cp.RawKernel(COPY_H_SRC, "q6_copy_h")
+        blocks = max(1, min(COPY_MAX_BLOCKS, -(-(count >> 3) // COPY_THREADS)))
+        self._copy_h_fn((blocks,), (COPY_THREADS,), (np.uint64(src), np.uint64(dst),
+                                                      np.int64(count)),
+                        stream=self.ctx.stream)
+        return True
 
     def device_ptr(self, host: int) -> int | None:
         """The device's address of registered page-locked host memory at ``host`` (a region:
@@ -2477,6 +2528,9 @@ class Launcher:
             i += count
         record(b.events[-1])
         size = b.n * sum(b.rows)
+        if (b.y16 and b.out is not None
+                and self._y16_out(b.out.ctypes.data, b.y, size)):  # (one kernel: Y16_COPY)
+            return
         if b.y16:  # ("y16b" at the bound size: nothing grows)
             cp.copyto(ws.array("y16b", (size,), np.float16),
                       ws.array("y", (size,), np.float32), casting="same_kind")
