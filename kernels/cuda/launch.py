@@ -483,8 +483,12 @@ extern "C" __global__ void q6_copy_h(const float* __restrict__ src,
     for (long long j = i; j < words; j += stride) {
         const float4 a = reinterpret_cast<const float4*>(src)[2 * j];
         const float4 b = reinterpret_cast<const float4*>(src)[2 * j + 1];
-        reinterpret_cast<uint4*>(dst)[j] = make_uint4(q6_h2(a.x, a.y), q6_h2(a.z, a.w),
-                                                      q6_h2(b.x, b.y), q6_h2(b.z, b.w));
+        uint4 o;
+        o.x = q6_h2(a.x, a.y);
+        o.y = q6_h2(a.z, a.w);
+        o.z = q6_h2(b.x, b.y);
+        o.w = q6_h2(b.z, b.w);
+        reinterpret_cast<uint4*>(dst)[j] = o;
     }
     if (i < (n & 7)) {
         unsigned short h;
