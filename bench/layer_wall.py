@@ -140,6 +140,10 @@ def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: st
     return ys
 
 
+class _Bound(Exception):
+    """--bound reached: no more rounds."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="1,8")
@@ -197,47 +201,53 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.layers} layers x {a.steps} steps a round, {a.rounds} rounds", flush=True)
     rows: list[dict] = []
     equal = True
-    for s in map(int, a.seqs.split(",")):
-        xs = [(rng.standard_normal((s, 3584)).astype(F16),
-               rng.standard_normal((s, 18944)).astype(F16)) for _ in range(4)]
-        ref = None
-        for v in variants:  # warm-up (bind, capture) and the bit check on xs[0]
-            way = use(v)
-            for _ in range(3):
-                step(be, w, xs[0], way, Gap(0), ev, None)
-            ys = step(be, w, xs[0], way, Gap(0), ev, None)
-            ys = [y.copy() for y in ys]
-            if ref is None:
-                ref = ys
-            elif not all(np.array_equal(p, q) for p, q in zip(ys, ref, strict=True)):
-                print(f"# S={s} {v}: y DIFFERS from {variants[0]}'s", flush=True)
-                equal = False
-        for g in map(float, a.gap_us.split(",")):
-            gap = Gap(g)
-            for rnd in range(a.rounds):
-                for v in (variants[::-1] if rnd % 2 else variants):
-                    t_r = time.perf_counter()
-                    way = use(v)
-                    for _ in range(2):  # (after a rebind: bound and captured again)
-                        step(be, w, xs[1], way, gap, ev, None)
-                    got: dict[str, list] = {}
-                    for i in range(a.steps):
-                        step(be, w, xs[i % len(xs)], way, gap, ev, got)
-                    for role, vals in got.items():
-                        cols = list(zip(*vals, strict=True))
-                        wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
-                                                         for c in cols)
-                        host = statistics.median((x - y) * 1e6 for x, y in zip(cols[0], cols[2],
-                                                                                 strict=True))
-                        rows.append({"seqs": s, "gap_us": g, "variant": v, "round": rnd,
-                                     "role": role, "wall": wall, "launch": launch,
-                                     "wait": wall - launch, "kernel": kern, "host": host,
-                                     "gpu_pre": pre, "gpu_tail": tail})
-                    took = time.perf_counter() - t_r
-                    if a.bound and time.perf_counter() - t_start + took > a.bound:
-                        print(f"# bound: stopped after S={s} gap {g} round {rnd} {v}",
-                              flush=True)
-                        return report(rows, variants, a.json, equal)
+    try:
+        for s in map(int, a.seqs.split(",")):
+            xs = [(rng.standard_normal((s, 3584)).astype(F16),
+                   rng.standard_normal((s, 18944)).astype(F16)) for _ in range(4)]
+            ref = None
+            for v in variants:  # warm-up (bind, capture) and the bit check on xs[0]
+                way = use(v)
+                for _ in range(3):
+                    step(be, w, xs[0], way, Gap(0), ev, None)
+                ys = step(be, w, xs[0], way, Gap(0), ev, None)
+                ys = [y.copy() for y in ys]
+                if ref is None:
+                    ref = ys
+                elif not all(np.array_equal(p, q) for p, q in zip(ys, ref, strict=True)):
+                    print(f"# S={s} {v}: y DIFFERS from {variants[0]}'s", flush=True)
+                    equal = False
+            for g in map(float, a.gap_us.split(",")):
+                gap = Gap(g)
+                for rnd in range(a.rounds):
+                    for v in (variants[::-1] if rnd % 2 else variants):
+                        t_r = time.perf_counter()
+                        way = use(v)
+                        for _ in range(2):  # (after a rebind: bound and captured again)
+                            step(be, w, xs[1], way, gap, ev, None)
+                        got: dict[str, list] = {}
+                        for i in range(a.steps):
+                            step(be, w, xs[i % len(xs)], way, gap, ev, got)
+                        for role, vals in got.items():
+                            cols = list(zip(*vals, strict=True))
+                            wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
+                                                             for c in cols)
+                            host = statistics.median((x - y) * 1e6 for x, y in zip(cols[0], cols[2],
+                                                                                     strict=True))
+                            rows.append({"seqs": s, "gap_us": g, "variant": v, "round": rnd,
+                                         "role": role, "wall": wall, "launch": launch,
+                                         "wait": wall - launch, "kernel": kern, "host": host,
+                                         "gpu_pre": pre, "gpu_tail": tail})
+                        took = time.perf_counter() - t_r
+                        if a.bound and time.perf_counter() - t_start + took > a.bound:
+                            print(f"# bound: stopped after S={s} gap {g} round {rnd} {v}",
+                                  flush=True)
+                            raise _Bound
+    except _Bound:
+        pass
+    finally:
+        for k, x in defaults.items():  # (the module as it was)
+            setattr(launch_mod, k, x)
     return report(rows, variants, a.json, equal)
 
 

@@ -1,0 +1,104 @@
+"""bench/layer_wall.py on the fake CUDA device (tests/kernels/test_cuda_backend_host.py): every
+variant's rounds give a row per call role, the multi-weight calls go the variant's way (parts
+each their own launch, or one launch_many), a variant's launch constants hold for its rounds
+only, and the bound stops it early."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def lw(monkeypatch):
+    """layer_wall with the fake device's backend and weights (no blocks made)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import backend_wall
+    import layer_wall
+
+    import q6serve.kernels.cuda_backend as cb
+    from q6serve.kernels.cuda import launch as launch_mod
+    from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
+
+    be, _ = fake_backend(monkeypatch)
+    be.device_name = lambda: "fake"
+    calls = {"many": 0, "single": 0, "y16": []}
+    many, single = type(be).launch_many, type(be).launch
+
+    def launch_many(self, *a, **k):
+        calls["many"] += 1
+        calls["y16"].append(launch_mod.Y16_COPY)
+        return many(self, *a, **k)
+
+    def launch(self, *a, **k):
+        calls["single"] += 1
+        return single(self, *a, **k)
+
+    monkeypatch.setattr(type(be), "launch_many", launch_many)
+    monkeypatch.setattr(type(be), "launch", launch)
+    monkeypatch.setattr(cb, "CudaBackend", lambda device: be)
+    monkeypatch.setattr(backend_wall, "load", lambda be_, blocks, r, k: fake_weight(be_, r, k))
+    monkeypatch.setattr(layer_wall.q6k, "random_blocks", lambda r, k, rng: None)
+    return layer_wall, calls, launch_mod
+
+
+def test_rows_per_variant_and_role(lw, tmp_path, capsys):
+    layer_wall, calls, launch_mod = lw
+    out = tmp_path / "lw.json"
+    before = launch_mod.Y16_COPY
+    rc = layer_wall.main(["--seqs", "1", "--steps", "3", "--rounds", "2", "--gap-us", "0,20",
+                          "--layers", "2", "--variants", "off,on,on:Y16_COPY=1",
+                          "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["equal"] is True
+    rows = doc["rows"]
+    roles = {"q+k+v", "o", "gate+up", "down"}
+    for v in ("off", "on", "on:Y16_COPY=1"):
+        for g in (0.0, 20.0):
+            got = [r for r in rows if r["variant"] == v and r["gap_us"] == g]
+            assert {r["role"] for r in got} == roles and len(got) == 2 * len(roles)
+    singles = [r for r in rows if r["role"] in ("o", "down")]
+    assert all(np.isfinite(r["gpu_pre"]) and np.isfinite(r["gpu_tail"]) for r in singles)
+    assert all(not np.isfinite(r["gpu_pre"]) for r in rows if r["role"] == "q+k+v")
+    assert all(r["kernel"] > 0 and r["wall"] > 0 for r in rows)
+    # the launch_many calls: "on" variants only, Y16_COPY set only in its variant's rounds
+    assert calls["many"] > 0 and set(calls["y16"]) == {0, 1}
+    assert before == launch_mod.Y16_COPY  # (restored)
+    text = capsys.readouterr().out
+    assert "S=1 gap 0" in text and "on:Y16_COPY=1" in text
+
+
+def test_off_runs_parts_as_single_calls(lw):
+    layer_wall, calls, _ = lw
+    layer_wall.main(["--seqs", "1", "--steps", "2", "--rounds", "1", "--gap-us", "0",
+                     "--variants", "off"])
+    assert calls["many"] == 0 and calls["single"] > 0
+
+
+def test_bound_stops_after_a_round(lw, tmp_path, capsys):
+    layer_wall, _, _ = lw
+    out = tmp_path / "lw.json"
+    layer_wall.main(["--seqs", "1,8", "--steps", "2", "--rounds", "3", "--gap-us", "0",
+                     "--variants", "off,on", "--bound", "1e-9", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["variant"], r["round"], r["seqs"]) for r in rows} == {("off", 0, 1)}
+    assert "# bound: stopped" in capsys.readouterr().out
+
+
+def test_unknown_variant_refused(lw):
+    layer_wall, _, _ = lw
+    with pytest.raises(SystemExit):
+        layer_wall.main(["--variants", "sideways"])
+    with pytest.raises(SystemExit):
+        layer_wall.main(["--variants", "on:NO_SUCH_CONSTANT=1"])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
