@@ -66,17 +66,46 @@ if [[ $PHASE == a ]]; then
   fi
   report | table
 elif [[ $PHASE == b ]]; then
+  # the flip's A/B (ask 1): the 28-layer replay (S=1, 8; multi, top-64, F16), one worker each,
+  # Q6SERVE_MULTI_LAUNCH off / on, alternated (ORDERB), as t1's session-26 bundle C
   BOUND=${BOUND:-95}
-  step layer "$(bound 40 30)" python3 bench/layer_wall.py --seqs 1,8 --steps 200 --rounds 4 \
-    --gap-us "${GAPS:-0,150}" --variants "${LV:-off,on,on+s}" --bound 36 \
-    --json "$OUT/layer.json"
-  if left 30; then
-    limit=$(bound 60 4)
-    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_replay_{pid}.json" step replay "$limit" \
-      python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
-      --variants "$RV" --order "${RORDER:-off,on,on,off,off,on}" --seqs 1,8 --seconds 1.0 \
-      --warmup 0.3 --bound "$((limit - 5))" --out-dir "$OUT" --json "$OUT/replay.json"
-  fi
-  report | table
+  rest=$(($(bound 1000 6) - 1))
+  step replay "$(bound 92 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "${LAYERSB:-28}" --variants "$RV" \
+    --order "${ORDERB:-off,on,on,off,off,on,on,off,off,on,on,off}" --seqs "${SEQS:-1,8}" \
+    --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  {
+    echo "# hp bundle b, tree $(tree_commit), $(elapsed)"
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED" "$OUT/replay.log" 2>/dev/null | cut -c1-160
+    python3 - "$OUT/replay.json" <<'PY' 2>&1 | cut -c1-300
+import json, statistics, sys
+try:
+    doc = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"no replay.json ({type(e).__name__})")
+by = {}
+for r in doc["runs"]:
+    by.setdefault((r["seqs"], r["variant"]), []).append(r)
+for (s, v), runs in sorted(by.items()):
+    steps = [r["step_p50_ms"] for r in runs]
+    roles = {}
+    for r in runs:
+        for role, f in r.get("roles_p50_us", {}).items():
+            roles.setdefault(role, []).append(f)
+    med = {role: {k: statistics.median(f[k] for f in fs) for k in ("handler", "device", "kernel")}
+           for role, fs in roles.items()}
+    rel = [(x["o"]["device"] - x["o"]["kernel"]) / (x["lm_head"]["device"] - x["lm_head"]["kernel"])
+           for x in (r["roles_p50_us"] for r in runs) if "o" in x and "lm_head" in x]
+    print(f"S={s} {v} ({len(runs)} runs): step p50 median {statistics.median(steps):.2f} ms "
+          f"[{', '.join(f'{x:.2f}' for x in steps)}]; worker "
+          f"{statistics.median(r['step_parts_p50_ms'].get('handler', 0) for r in runs):.2f} "
+          f"(device {statistics.median(r['step_parts_p50_ms'].get('device', 0) for r in runs):.2f}) ms; "
+          + ", ".join(f"{role} {m['handler']:.0f}/{m['device']:.0f}/{m['kernel']:.0f}"
+                      for role, m in med.items())
+          + (f"; o other / lm-head other {statistics.median(rel):.3f}" if rel else ""))
+PY
+    machine_summary
+    steps
+  } | table
 fi
 exit 0
