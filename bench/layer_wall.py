@@ -11,7 +11,12 @@ flags object): q+k+v (3584x3584 + 512x3584 + 512x3584) on one x, o (3584x3584), 
 - ``on``: ``launch_many_ieee`` (``Q6SERVE_MULTI_LAUNCH=1``: one backend call);
 - ``on+s``: ``on`` and a tiny single call (the k weight's, on the same x) right after each
   multi-weight call, before the next single: whether o / down pay for what ran just before them
-  on the device or on the host (the same calls in ``off`` follow k/v's and up's single calls).
+  on the device or on the host (the same calls in ``off`` follow k/v's and up's single calls);
+- ``on+g`` / ``on+e`` / ``on+k``: ``on`` and, right after each multi-weight call, one driver
+  call on the backend's stream without a wait: the launch of a captured graph of one empty
+  kernel / an event's record / that empty kernel launched directly (which of a single call's
+  steps leaves what the next single call's launch finds cheaper); ``on+G``: that graph launched
+  between the multi-weight call's launch and its wait (where the host only waits for the GPU).
 
 A variant ``WAY:NAME=INT[+NAME=INT...]`` also sets constants of kernels/cuda/launch.py for its
 rounds (e.g. ``on:Y16_COPY=1``; each switch rebinds the sequences, two steps unmeasured after
@@ -52,7 +57,7 @@ LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584
          "gate": (18944, 3584), "up": (18944, 3584), "down": (3584, 18944)}
 ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
          ("gate+up", ("gate", "up"), 3584), ("down", ("down",), 18944))
-WAYS = ("off", "on", "on+s")
+WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+k")
 FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
 F16 = np.dtype(np.float16)
 
@@ -99,7 +104,42 @@ def single(be: Any, w: Any, x: np.ndarray, ev: tuple[Any, Any], gpu: bool) -> tu
     return ([r], t2 - t0, t1 - t0, r.timing.seconds(wait=True) or float("nan"), pre, tail)
 
 
-def multi(be: Any, ws: list, x: np.ndarray, way: str) -> tuple:
+class Poke:
+    """The diagnostic ways' driver calls (``on+g``, ``on+G``, ``on+e``, ``on+k``): a graph of one
+    empty kernel, that kernel, an event; made on first use."""
+
+    SRC = 'extern "C" __global__ void q6_lw_nop() {}'
+
+    def __init__(self, be: Any) -> None:
+        self.be, self.made = be, False
+
+    def _make(self) -> None:
+        be = self.be
+        cp, st = be.ctx.cp, be.ctx.stream
+        with be.ctx.dev, st:
+            self.kern = cp.RawKernel(self.SRC, "q6_lw_nop")
+            self.kern((1,), (1,), (), stream=st)  # (compiled, loaded)
+            st.synchronize()
+            st.begin_capture(getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2))
+            self.kern((1,), (1,), (), stream=st)
+            self.graph = st.end_capture()
+            self.ev = cp.cuda.Event(disable_timing=True)
+        self.made = True
+
+    def __call__(self, what: str) -> None:
+        if not self.made:
+            self._make()
+        st = self.be.ctx.stream
+        with self.be.ctx.dev:
+            if what in ("g", "G"):
+                self.graph.launch(st)
+            elif what == "e":
+                self.ev.record(st)
+            else:
+                self.kern((1,), (1,), (), stream=st)
+
+
+def multi(be: Any, ws: list, x: np.ndarray, way: str, poke: Poke | None = None) -> tuple:
     """One multi-weight call ``way``: (results, wall, launch, kernel summed, nan, nan)."""
     t0 = time.perf_counter()
     if way == "off":  # each part's launch and wait (the engine's run_direct per part)
@@ -112,6 +152,8 @@ def multi(be: Any, ws: list, x: np.ndarray, way: str) -> tuple:
         la = launch_many_ieee(be, ws, x, precision=Precision.F16, flags=[FLAGS] * len(ws),
                               out_dtype=F16)
         t1 = time.perf_counter()
+        if way == "on+G" and poke is not None:  # (the host only waits for the GPU here)
+            poke("G")
         rs = la.wait()
     t2 = time.perf_counter()
     ks = [r.timing.seconds(wait=True) for r in rs]
@@ -120,7 +162,7 @@ def multi(be: Any, ws: list, x: np.ndarray, way: str) -> tuple:
 
 
 def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: str, gap: Gap,
-         ev: tuple[Any, Any], out: dict[str, list] | None) -> list:
+         ev: tuple[Any, Any], out: dict[str, list] | None, poke: Poke | None = None) -> list:
     """Every layer's calls in turn; their timings appended to ``out[role]`` (None: not
     kept)."""
     ys = []
@@ -130,13 +172,15 @@ def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: st
         if len(names) == 1:
             got = single(be, w[names[0]], x, ev, out is not None)
         else:
-            got = multi(be, [w[n] for n in names], x, way)
+            got = multi(be, [w[n] for n in names], x, way, poke)
         ys += [r.y for r in got[0]]
         if out is not None:
             out.setdefault(role, []).append(got[1:])
         if len(names) > 1 and way == "on+s":  # a tiny single call right after it
             launch_ieee(be, w["k"], xs[0], precision=Precision.F16, flags=FLAGS,
                         out_dtype=F16).wait()
+        elif len(names) > 1 and way in ("on+g", "on+e", "on+k") and poke is not None:
+            poke(way[-1])
     return ys
 
 
@@ -154,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--gap-us", default="0,150")
     ap.add_argument("--variants", default=",".join(WAYS),
-                    help="WAY[:NAME=INT[+NAME=INT...]] comma separated (WAY: off, on, on+s; "
+                    help="WAY[:NAME=INT[+NAME=INT...]] comma separated (WAY: off, on, on+s, on+g, "
+                    "on+G, on+e, on+k; "
                     "NAME: a constant of kernels/cuda/launch.py set for that variant's rounds, "
                     "e.g. on:Y16_COPY=1; every switch rebinds the sequences)")
     ap.add_argument("--json", default=None)
@@ -196,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     w = [{n: load(be, blocks[n], r, k) for n, (r, k) in LAYER.items()}
          for _ in range(a.layers)]  # (each layer its own weights, as the replay's)
     ev = (be.ctx.cp.cuda.Event(), be.ctx.cp.cuda.Event())
+    poke = Poke(be)
     print(f"# device: {be.device_name()}  date: {time.strftime('%Y-%m-%d %H:%M')}  layer: "
           + ", ".join(f"{n} {r}x{k}" for n, (r, k) in LAYER.items()) + f"; f16 x and y, F16; "
           f"{a.layers} layers x {a.steps} steps a round, {a.rounds} rounds", flush=True)
@@ -209,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants:  # warm-up (bind, capture) and the bit check on xs[0]
                 way = use(v)
                 for _ in range(3):
-                    step(be, w, xs[0], way, Gap(0), ev, None)
-                ys = step(be, w, xs[0], way, Gap(0), ev, None)
+                    step(be, w, xs[0], way, Gap(0), ev, None, poke)
+                ys = step(be, w, xs[0], way, Gap(0), ev, None, poke)
                 ys = [y.copy() for y in ys]
                 if ref is None:
                     ref = ys
@@ -224,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                         t_r = time.perf_counter()
                         way = use(v)
                         for _ in range(2):  # (after a rebind: bound and captured again)
-                            step(be, w, xs[1], way, gap, ev, None)
+                            step(be, w, xs[1], way, gap, ev, None, poke)
                         got: dict[str, list] = {}
                         for i in range(a.steps):
-                            step(be, w, xs[i % len(xs)], way, gap, ev, got)
+                            step(be, w, xs[i % len(xs)], way, gap, ev, got, poke)
                         for role, vals in got.items():
                             cols = list(zip(*vals, strict=True))
                             wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
@@ -256,6 +302,7 @@ def report(rows: list[dict], variants: list[str], path: str | None, equal: bool)
           "(wall, launch, kernel, gpu_pre, gpu_tail)")
     keys = sorted({(r["seqs"], r["gap_us"], r["role"]) for r in rows},
                   key=lambda k: (k[0], k[1], [x[0] for x in ROLES].index(k[2])))
+    wide = max(map(len, variants))
     for s, g, role in keys:
         cells = []
         for v in variants:
@@ -269,7 +316,13 @@ def report(rows: list[dict], variants: list[str], path: str | None, equal: bool)
                    f", {m['gpu_pre']:.1f}, {m['gpu_tail']:.1f}")
             cells.append(f"{v} {m['host']:.1f} ({m['wall']:.1f}, {m['launch']:.1f}, "
                          f"{m['kernel']:.1f}{pre}) x{len(rs)}")
-        print(f"S={s} gap {g:.0f} {role:>8}: " + "  ".join(cells), flush=True)
+        head = f"S={s} gap {g:.0f} {role:>8}:"
+        if len(variants) <= 3:  # one line a role
+            print(f"{head} " + "  ".join(cells), flush=True)
+        else:  # one line a variant
+            for c in cells:
+                v, _, rest = c.partition(" ")
+                print(f"{head} {v:>{wide}} {rest}", flush=True)
     if not equal:
         print("# y DIFFERS between variants")
     if path:

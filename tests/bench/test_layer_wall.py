@@ -26,8 +26,11 @@ def lw(monkeypatch):
     from q6serve.kernels.cuda import launch as launch_mod
     from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
 
-    be, _ = fake_backend(monkeypatch)
+    be, cp = fake_backend(monkeypatch)
     be.device_name = lambda: "fake"
+    # the diagnostic ways' empty kernel (layer_wall.Poke): counted where it runs
+    cp.RawKernel = lambda src, name: (
+        lambda grid, block, args, stream=None: cp.op(lambda: cp.count(name)))
     calls = {"many": 0, "single": 0, "y16": []}
     many, single = type(be).launch_many, type(be).launch
 
@@ -45,7 +48,24 @@ def lw(monkeypatch):
     monkeypatch.setattr(cb, "CudaBackend", lambda device: be)
     monkeypatch.setattr(backend_wall, "load", lambda be_, blocks, r, k: fake_weight(be_, r, k))
     monkeypatch.setattr(layer_wall.q6k, "random_blocks", lambda r, k, rng: None)
+    calls["cp"] = cp
     return layer_wall, calls, launch_mod
+
+
+@pytest.mark.parametrize("way,kernel", [("on+g", True), ("on+G", True), ("on+k", True),
+                                        ("on+e", False)])
+def test_poke_ways(lw, way, kernel):
+    """The diagnostic ways make their one driver call after (on+G: inside) each multi-weight
+    call; the empty kernel runs once more when made (its graph's capture runs nothing), an
+    event's record runs none."""
+    layer_wall, calls, _ = lw
+    cp = calls["cp"]
+    layer_wall.main(["--seqs", "1", "--steps", "1", "--rounds", "1", "--gap-us", "0",
+                     "--layers", "2", "--variants", way])
+    # warm-up: 3 + 1 steps, the round: 2 + 1 steps: 7 steps x 4 multi-weight calls
+    per_step = 4
+    assert cp.counts.get("q6_lw_nop", 0) == (7 * per_step if kernel else 0) + 1
+    assert calls["many"] == 7 * per_step
 
 
 def test_rows_per_variant_and_role(lw, tmp_path, capsys):
