@@ -15,8 +15,9 @@ flags object): q+k+v (3584x3584 + 512x3584 + 512x3584) on one x, o (3584x3584), 
 - ``on+g`` / ``on+e`` / ``on+k``: ``on`` and, right after each multi-weight call, one driver
   call on the backend's stream without a wait: the launch of a captured graph of one empty
   kernel / an event's record / that empty kernel launched directly (which of a single call's
-  steps leaves what the next single call's launch finds cheaper); ``on+G``: that graph launched
-  between the multi-weight call's launch and its wait (where the host only waits for the GPU).
+  steps leaves what the next single call's launch finds cheaper); ``on+w``: an event's record
+  and its synchronize (a host wait on the stream); ``on+G``: that graph launched between the
+  multi-weight call's launch and its wait (where the host only waits for the GPU).
 
 A variant ``WAY:NAME=INT[+NAME=INT...]`` also sets constants of kernels/cuda/launch.py for its
 rounds (e.g. ``on:Y16_COPY=1``; each switch rebinds the sequences, two steps unmeasured after
@@ -57,7 +58,7 @@ LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584
          "gate": (18944, 3584), "up": (18944, 3584), "down": (3584, 18944)}
 ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
          ("gate+up", ("gate", "up"), 3584), ("down", ("down",), 18944))
-WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+k")
+WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+w", "on+k")
 FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
 F16 = np.dtype(np.float16)
 
@@ -105,8 +106,8 @@ def single(be: Any, w: Any, x: np.ndarray, ev: tuple[Any, Any], gpu: bool) -> tu
 
 
 class Poke:
-    """The diagnostic ways' driver calls (``on+g``, ``on+G``, ``on+e``, ``on+k``): a graph of one
-    empty kernel, that kernel, an event; made on first use."""
+    """The diagnostic ways' driver calls (``on+g``, ``on+G``, ``on+e``, ``on+w``, ``on+k``): a
+    graph of one empty kernel, that kernel, an event; made on first use."""
 
     SRC = 'extern "C" __global__ void q6_lw_nop() {}'
 
@@ -135,6 +136,9 @@ class Poke:
                 self.graph.launch(st)
             elif what == "e":
                 self.ev.record(st)
+            elif what == "w":
+                self.ev.record(st)
+                self.ev.synchronize()
             else:
                 self.kern((1,), (1,), (), stream=st)
 
@@ -179,7 +183,7 @@ def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: st
         if len(names) > 1 and way == "on+s":  # a tiny single call right after it
             launch_ieee(be, w["k"], xs[0], precision=Precision.F16, flags=FLAGS,
                         out_dtype=F16).wait()
-        elif len(names) > 1 and way in ("on+g", "on+e", "on+k") and poke is not None:
+        elif len(names) > 1 and way in ("on+g", "on+e", "on+w", "on+k") and poke is not None:
             poke(way[-1])
     return ys
 
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap-us", default="0,150")
     ap.add_argument("--variants", default=",".join(WAYS),
                     help="WAY[:NAME=INT[+NAME=INT...]] comma separated (WAY: off, on, on+s, on+g, "
-                    "on+G, on+e, on+k; "
+                    "on+G, on+e, on+w, on+k; "
                     "NAME: a constant of kernels/cuda/launch.py set for that variant's rounds, "
                     "e.g. on:Y16_COPY=1; every switch rebinds the sequences)")
     ap.add_argument("--json", default=None)

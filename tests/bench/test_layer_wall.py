@@ -53,7 +53,7 @@ def lw(monkeypatch):
 
 
 @pytest.mark.parametrize("way,kernel", [("on+g", True), ("on+G", True), ("on+k", True),
-                                        ("on+e", False)])
+                                        ("on+e", False), ("on+w", False)])
 def test_poke_ways(lw, way, kernel):
     """The diagnostic ways make their one driver call after (on+G: inside) each multi-weight
     call; the empty kernel runs once more when made (its graph's capture runs nothing), an
