@@ -83,10 +83,57 @@ class Gap:
             bytes(64)  # (and a little Python allocation, as a handler has)
 
 
+STAMPS: dict[str, float] = {}  # a single call's stamps inside its launch (Stamped*)
+
+
+class StampedGraph:
+    """A cached single call's graph with the host's clock read around its launch (g0, g1)."""
+
+    def __init__(self, g: Any) -> None:
+        self.g = g
+
+    def launch(self, stream: Any) -> None:
+        STAMPS["g0"] = time.perf_counter()
+        self.g.launch(stream)
+        STAMPS["g1"] = time.perf_counter()
+
+
+class StampedEvent:
+    """A cached single call's completion event with its record stamped (r0, r1)."""
+
+    def __init__(self, ev: Any) -> None:
+        self.ev, self.ptr = ev, ev.ptr
+
+    def record(self, stream: Any = None) -> None:
+        STAMPS["r0"] = time.perf_counter()
+        self.ev.record(stream)
+        STAMPS["r1"] = time.perf_counter()
+
+    def synchronize(self) -> None:
+        self.ev.synchronize()
+
+
+def stamp_calls(layers: list[dict], s: int) -> None:
+    """Put the stamps on the singles' cached calls (o, down at S=s, slot 0): after a binding,
+    the calls are new objects."""
+    for w in layers:
+        for name in ("o", "down"):
+            call = w[name].data.plans.get(((s, LAYER[name][1]), 0))
+            if call is None or not hasattr(call, "b"):
+                continue
+            if call.b.graph and type(call.b.graph) is not StampedGraph:
+                call.b.graph = StampedGraph(call.b.graph)
+            if type(call.done) is not StampedEvent:
+                call.done = StampedEvent(call.done)
+
+
 def single(be: Any, w: Any, x: np.ndarray, ev: tuple[Any, Any], gpu: bool) -> tuple:
-    """One single-weight call: (results, wall, launch, kernel, gpu_pre, gpu_tail) in s."""
+    """One single-weight call: (results, wall, launch, kernel, gpu_pre, gpu_tail, to_graph,
+    graph, record) in s: the last three inside the launch where its call is stamped
+    (:func:`stamp_calls`: launch .. graph launch, the graph launch, the event's record)."""
     if gpu:
         ev[0].record(be.stream)
+    STAMPS.clear()
     t0 = time.perf_counter()
     launched = launch_ieee(be, w, x, precision=Precision.F16, flags=FLAGS, out_dtype=F16)
     t1 = time.perf_counter()
@@ -102,7 +149,10 @@ def single(be: Any, w: Any, x: np.ndarray, ev: tuple[Any, Any], gpu: bool) -> tu
             ev[1].synchronize()
             pre = el(ev[0], call.b.start) * 1e-3
             tail = el(call.b.end, ev[1]) * 1e-3
-    return ([r], t2 - t0, t1 - t0, r.timing.seconds(wait=True) or float("nan"), pre, tail)
+    st, nan = STAMPS, float("nan")
+    parts = ((st["g0"] - t0, st["g1"] - st["g0"], st["r1"] - st["r0"]) if len(st) == 4 else
+             (nan, nan, nan))
+    return ([r], t2 - t0, t1 - t0, r.timing.seconds(wait=True) or nan, pre, tail, *parts)
 
 
 class Poke:
@@ -162,7 +212,7 @@ def multi(be: Any, ws: list, x: np.ndarray, way: str, poke: Poke | None = None) 
     t2 = time.perf_counter()
     ks = [r.timing.seconds(wait=True) for r in rs]
     nan = float("nan")
-    return rs, t2 - t0, t1 - t0, sum(ks) if None not in ks else nan, nan, nan
+    return rs, t2 - t0, t1 - t0, sum(ks) if None not in ks else nan, nan, nan, nan, nan, nan
 
 
 def step(be: Any, layers: list[dict], xs: tuple[np.ndarray, np.ndarray], way: str, gap: Gap,
@@ -275,19 +325,21 @@ def main(argv: list[str] | None = None) -> int:
                         way = use(v)
                         for _ in range(2):  # (after a rebind: bound and captured again)
                             step(be, w, xs[1], way, gap, ev, None, poke)
+                        stamp_calls(w, s)
                         got: dict[str, list] = {}
                         for i in range(a.steps):
                             step(be, w, xs[i % len(xs)], way, gap, ev, got, poke)
                         for role, vals in got.items():
                             cols = list(zip(*vals, strict=True))
-                            wall, launch, kern, pre, tail = (statistics.median(c) * 1e6
-                                                             for c in cols)
+                            wall, launch, kern, pre, tail, to_g, graph, rec = (
+                                statistics.median(c) * 1e6 for c in cols)
                             host = statistics.median((x - y) * 1e6 for x, y in zip(cols[0], cols[2],
                                                                                      strict=True))
                             rows.append({"seqs": s, "gap_us": g, "variant": v, "round": rnd,
                                          "role": role, "wall": wall, "launch": launch,
                                          "wait": wall - launch, "kernel": kern, "host": host,
-                                         "gpu_pre": pre, "gpu_tail": tail})
+                                         "gpu_pre": pre, "gpu_tail": tail, "to_graph": to_g,
+                                         "graph": graph, "record": rec})
                         took = time.perf_counter() - t_r
                         if a.bound and time.perf_counter() - t_start + took > a.bound:
                             print(f"# bound: stopped after S={s} gap {g} round {rnd} {v}",
@@ -303,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(rows: list[dict], variants: list[str], path: str | None, equal: bool) -> int:
     print("# per call, us, median over rounds of each round's median: host = wall - kernel "
-          "(wall, launch, kernel, gpu_pre, gpu_tail)")
+          "(wall, launch, kernel, gpu_pre, gpu_tail; in the launch: to the graph launch / the "
+          "graph launch / the event record)")
     keys = sorted({(r["seqs"], r["gap_us"], r["role"]) for r in rows},
                   key=lambda k: (k[0], k[1], [x[0] for x in ROLES].index(k[2])))
     wide = max(map(len, variants))
@@ -314,10 +367,13 @@ def report(rows: list[dict], variants: list[str], path: str | None, equal: bool)
                   (s, g, role, v)]
             if not rs:
                 continue
-            m = {f: statistics.median(r[f] for r in rs)
-                 for f in ("host", "wall", "launch", "kernel", "gpu_pre", "gpu_tail")}
+            m = {f: statistics.median(r.get(f, float("nan")) for r in rs)
+                 for f in ("host", "wall", "launch", "kernel", "gpu_pre", "gpu_tail", "to_graph",
+                           "graph", "record")}
             pre = ("" if m["gpu_pre"] != m["gpu_pre"] else
                    f", {m['gpu_pre']:.1f}, {m['gpu_tail']:.1f}")
+            if m["to_graph"] == m["to_graph"]:
+                pre += f"; {m['to_graph']:.1f} / {m['graph']:.1f} / {m['record']:.1f}"
             cells.append(f"{v} {m['host']:.1f} ({m['wall']:.1f}, {m['launch']:.1f}, "
                          f"{m['kernel']:.1f}{pre}) x{len(rs)}")
         head = f"S={s} gap {g:.0f} {role:>8}:"

@@ -86,6 +86,9 @@ def test_rows_per_variant_and_role(lw, tmp_path, capsys):
             assert {r["role"] for r in got} == roles and len(got) == 2 * len(roles)
     singles = [r for r in rows if r["role"] in ("o", "down")]
     assert all(np.isfinite(r["gpu_pre"]) and np.isfinite(r["gpu_tail"]) for r in singles)
+    # the singles' launch split by the stamps on their cached calls (also after a rebind)
+    assert all(0 < r["to_graph"] < r["launch"] and 0 < r["graph"] and 0 < r["record"]
+               for r in singles)
     assert all(not np.isfinite(r["gpu_pre"]) for r in rows if r["role"] == "q+k+v")
     assert all(r["kernel"] > 0 and r["wall"] > 0 for r in rows)
     # the launch_many calls: "on" variants only, Y16_COPY set only in its variant's rounds
