@@ -546,6 +546,22 @@ def fill_x(dst: np.ndarray, src: np.ndarray) -> None:
     dst[: src.nbytes] = src.reshape(-1).view(np.uint8)
 
 
+def stage_into(call: Any, x: np.ndarray) -> None:
+    """x into a cached call's (``BoundCall``, ``ManyCall``) pinned staging buffer ``call.host``:
+    from ``NT_FILL_MIN`` bytes by :func:`fill_x` (non-temporal stores), else by one NumPy
+    assignment into a typed view of x's place in the buffer made on the call's first such x
+    (``call.xv``; the call's key holds x's shape and dtype, so it is checked, not assumed):
+    no byte views, slices or reshapes of either per call (fake device, VM: 1.92 -> 0.70 us
+    for a 7 KB x, 2.62 -> 1.59 for 37 KB, warm)."""
+    if NT_FILL_MIN and call.x_bytes >= NT_FILL_MIN:
+        fill_x(call.host, x)
+        return
+    xv = call.xv
+    if xv is None or xv.shape != x.shape or xv.dtype is not x.dtype:
+        xv = call.xv = call.host[: x.nbytes].view(x.dtype).reshape(x.shape)
+    xv[...] = x
+
+
 def copy_kernel_from_env(env: Any = None) -> int | None:
     """``Q6SERVE_COPY_KERNEL_MAX`` (unset or empty: None, the module's ``COPY_KERNEL_MAX``):
     x's upload and a small y's download of at most this many bytes are done by a copy kernel
@@ -911,7 +927,7 @@ class BoundCall:
     __slots__ = ("_elapsed", "_memcpy", "asked", "b", "bf16", "big", "chunked", "chunks",
                  "dev", "done", "dtype", "flags", "half", "host", "kernel", "layout", "lc", "n",
                  "nbytes", "out", "out_dtype", "precision", "rows", "slot", "stream", "topk",
-                 "ws", "x_bytes", "y", "y16")
+                 "ws", "x_bytes", "xv", "y", "y16")
 
     def __init__(self, lc: Launcher, b: Bound, slot: int, n: int, rows: int,
                  out_dtype: np.dtype | None, topk: int, kernel: str, layout: Layout,
@@ -927,6 +943,7 @@ class BoundCall:
         self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
         self.done = lc.ws.done_event(slot)
         self.host = lc.ws.host(b.x_bytes, slot)
+        self.xv: np.ndarray | None = None  # x's place in it, typed (stage_into)
         self.out = None if b.extra["out"] is None else b.extra["out"][1]  # in-graph download
         self.topk, self.rows, self.n, self.y = topk, rows, n, b.extra["y"]
         self.y16 = b.extra.get("y16")  # y's f16 conversion bound into the graph (y16_graph)
@@ -970,7 +987,7 @@ class BoundCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            fill_x(self.host, x)
+            stage_into(self, x)
         ws._held[slot] = True
         try:
             with self.dev:
@@ -1286,7 +1303,7 @@ class ManyCall:
     event; after the sync each part's kernel time and result."""
 
     __slots__ = ("_elapsed", "_memcpy", "b", "bf16", "dev", "done", "host", "key",
-                 "lc", "parts", "slot", "stream", "ws")
+                 "lc", "parts", "slot", "stream", "ws", "x_bytes", "xv")
 
     def __init__(self, lc: Launcher, b: ManyBound, slot: int, key: tuple,
                  parts: list[tuple[str, Layout, Precision]], out_dtype: np.dtype | None) -> None:
@@ -1295,6 +1312,7 @@ class ManyCall:
         self.stream, self.dev = lc.ctx.stream, lc.ctx.dev
         self.done = lc.ws.done_event(slot)
         self.host = lc.ws.host(b.x_bytes, slot)
+        self.x_bytes, self.xv = b.x_bytes, None  # (stage_into)
         self.parts = parts
         self.bf16 = out_dtype is not None and np.dtype(out_dtype) == BFLOAT16
         self._memcpy = cp.cuda.runtime.memcpyAsync
@@ -1315,7 +1333,7 @@ class ManyCall:
         if ws._held[slot]:
             raise DeviceError("x was staged in a buffer a launch in flight still uses")
         if x is not None:
-            fill_x(self.host, x)
+            stage_into(self, x)
         ws._held[slot] = True
         try:
             with self.dev:
