@@ -71,14 +71,14 @@ elif [[ $PHASE == b ]]; then
   #    all of it in the launch's host time, and a tiny single call in between took it away;
   #    which driver call does (on+g: a one-kernel graph launched after the multi-weight call,
   #    on+G: inside its wait, on+e: an event record, on+w: a record and its synchronize,
-  #    on+k: the kernel launched directly), the product's switch for on+G
-  #    (launch.MANY_WARM=1), and Y16_COPY=1 on either way (S=1).
+  #    on+k: the kernel launched directly), and Y16_COPY=1 on either way (S=1). (Bundle B also
+  #    ran launch.MANY_WARM=1, on+G's way in the product, at fc36764: no gain; removed.)
   # 2. the flip's A/B (ask 1): the 28-layer replay (S=1, 8; multi, top-64, F16), one worker
   #    each, Q6SERVE_MULTI_LAUNCH off / on, alternated (ORDERB), as t1's session-26 bundle C.
   BOUND=${BOUND:-95}
   step layer "$(bound 30 62)" python3 bench/layer_wall.py --seqs 1 --steps 60 --layers 3 \
     --rounds 4 --gap-us 0,150 --bound 26 --json "$OUT/layer.json" --variants \
-    "${LVB:-off,on,on+s,on+g,on+G,on+e,on+w,on+k,on:MANY_WARM=1,on:Y16_COPY=1,off:Y16_COPY=1}"
+    "${LVB:-off,on,on+s,on+g,on+G,on+e,on+w,on+k,on:Y16_COPY=1,off:Y16_COPY=1}"
   rest=$(($(bound 1000 6) - 1))
   step replay "$(bound 92 2)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --layers "${LAYERSB:-28}" --variants "$RV" \

@@ -501,12 +501,6 @@ extern "C" __global__ void q6_copy_h(const float* __restrict__ src,
 # H200: session 27). Read when a sequence is bound (a bench's variants rebind:
 # bench/backend_wall.py, bench/layer_wall.py)
 Y16_COPY = 0
-# 1: a cached multi-weight call (ManyCall) launches, after its completion event's record, a
-# captured graph of one empty kernel (Launcher.warm_graph): session 27's in-process A/B
-# (bench/layer_wall.py) found the single-weight call right after a launch_many 2-5 us dearer
-# to launch than after a single call; a test of whether one more graph launch there (in the
-# multi-weight call's wait for the GPU, after its event) takes that away. 0: none (default)
-MANY_WARM = 0
 COPY_THREADS = 256
 COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
 # copies of at most this many bytes go by COPY_SRC (0: none, the copy engine, as before session
@@ -1340,8 +1334,6 @@ class ManyCall:
                 b.graph.launch(stream)
                 flat = None if b.out is not None else self.lc._many_y_out(b)
                 self.done.record(stream)
-                if MANY_WARM:  # (after the event: the wait is not longer for it)
-                    self.lc.warm_graph()
         except BaseException:
             ws._held[slot] = False
             raise
@@ -1410,7 +1402,6 @@ class Launcher:
         # value; a launcher built without one (the host tests' fake device) has none
         self.timing_anchor = anchor
         self._anchor: Any = None
-        self._warm: Any = None  # warm_graph's graph (None: not made yet; False: refused)
         # x's upload / a small y's download by a kernel up to this many bytes (None: the
         # module's COPY_KERNEL_MAX at each binding; see COPY_SRC); compiled on first use.
         # CudaBackend passes Q6SERVE_COPY_KERNEL_MAX's value (unset: None); a launcher built
@@ -2281,27 +2272,6 @@ class Launcher:
         if self._anchor is None:
             self._anchor = self.ctx.cp.RawKernel(ANCHOR_SRC, "q6_timing_anchor")
         self._anchor((1,), (1,), ())
-
-    def warm_graph(self) -> None:
-        """Launch a captured graph of one empty kernel on the stream (``MANY_WARM``; made on
-        first use, under the device; a capture refused: nothing from then on)."""
-        g = self._warm
-        if g is None:
-            st = self.ctx.stream
-            kern = self.ctx.cp.RawKernel(ANCHOR_SRC, "q6_timing_anchor")
-            try:
-                getattr(kern, "kernel", None)  # (compiled and loaded before the capture)
-                st.begin_capture(getattr(self.ctx.cp.cuda.runtime,
-                                         "streamCaptureModeRelaxed", 2))
-                try:
-                    kern((1,), (1,), (), stream=st)
-                finally:
-                    g = st.end_capture()
-            except Exception:
-                g = False
-            self._warm = g = g or False
-        if g:
-            g.launch(self.ctx.stream)
 
     def _kernels(self, b: Bound, record: Callable[[Any], None]) -> None:
         """b's launches between its timing events, with each row chunk's event after its

@@ -72,22 +72,23 @@ def test_rows_per_variant_and_role(lw, tmp_path, capsys):
     layer_wall, calls, launch_mod = lw
     out = tmp_path / "lw.json"
     before = launch_mod.Y16_COPY
+    other = f"on:Y16_COPY={1 - before}"  # (the default's other value)
     rc = layer_wall.main(["--seqs", "1", "--steps", "3", "--rounds", "2", "--gap-us", "0,20",
-                          "--layers", "2", "--variants", "off,on,on:Y16_COPY=1",
+                          "--layers", "2", "--variants", f"off,on,{other}",
                           "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["equal"] is True
     rows = doc["rows"]
     roles = {"q+k+v", "o", "gate+up", "down"}
-    for v in ("off", "on", "on:Y16_COPY=1"):
+    for v in ("off", "on", other):
         for g in (0.0, 20.0):
             got = [r for r in rows if r["variant"] == v and r["gap_us"] == g]
             assert {r["role"] for r in got} == roles and len(got) == 2 * len(roles)
     singles = [r for r in rows if r["role"] in ("o", "down")]
     assert all(np.isfinite(r["gpu_pre"]) and np.isfinite(r["gpu_tail"]) for r in singles)
     # the singles' launch split by the stamps on their cached calls (also after a rebind)
-    assert all(0 < r["to_graph"] < r["launch"] and 0 < r["graph"] and 0 < r["record"]
+    assert all(0 < r["to_graph"] < r["launch"] and r["graph"] > 0 and r["record"] > 0
                for r in singles)
     assert all(not np.isfinite(r["gpu_pre"]) for r in rows if r["role"] == "q+k+v")
     assert all(r["kernel"] > 0 and r["wall"] > 0 for r in rows)
@@ -95,7 +96,7 @@ def test_rows_per_variant_and_role(lw, tmp_path, capsys):
     assert calls["many"] > 0 and set(calls["y16"]) == {0, 1}
     assert before == launch_mod.Y16_COPY  # (restored)
     text = capsys.readouterr().out
-    assert "S=1 gap 0" in text and "on:Y16_COPY=1" in text
+    assert "S=1 gap 0" in text and other in text
 
 
 def test_off_runs_parts_as_single_calls(lw):
