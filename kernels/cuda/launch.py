@@ -497,10 +497,13 @@ extern "C" __global__ void q6_copy_h(const float* __restrict__ src,
     }
 }"""
 # 1: a small f16 y leaves by COPY_H_SRC where the copy kernel would copy it (copy_limit, 16-byte
-# aligned addresses); 0: conversion kernel, then the copy (the default until measured on the
-# H200: session 27). Read when a sequence is bound (a bench's variants rebind:
-# bench/backend_wall.py, bench/layer_wall.py)
-Y16_COPY = 0
+# aligned addresses); 0: conversion kernel, then the copy. Read when a sequence is bound (a
+# bench's variants rebind: bench/backend_wall.py, bench/layer_wall.py). H200, session 27 bundle
+# B (bench/layer_wall.py, 3 layers S=1 f16, 4 rounds alternated, y bit-equal): the GPU's tail
+# after the kernel 5.0 -> 3.6 us; host (wall - kernel) o 20.2 -> 18.9 / 22.2 -> 20.9 us (parts /
+# launch_many), down 23.4 -> 22.0 / 25.5 -> 24.2, q+k+v 60.4 -> 54.7 / 32.6 -> 30.9, gate+up in
+# parts 45.7 -> 41.2 (with 150 us of host work between calls 0-2 us, 9 of 10 cells less)
+Y16_COPY = 1
 COPY_THREADS = 256
 COPY_MAX_BLOCKS = 264  # 2 a SM on the H200: a larger copy loops (reads of host memory in flight)
 # copies of at most this many bytes go by COPY_SRC (0: none, the copy engine, as before session
