@@ -495,6 +495,16 @@ def _copy_kernel_fake(monkeypatch, limit: int):
                                                  * launch_mod.COPY_THREADS)
                 assert stream is be.ctx.stream  # (the backend's stream, captured or not)
                 cp.op(lambda: ctypes.memmove(dst, src_, n))
+            elif name == "q6_copy_h":  # (f32 src, f16 dst, values): a small f16 y's way out
+                src_, dst, n = int(args[0]), int(args[1]), int(args[2])
+                assert stream is be.ctx.stream
+
+                def run() -> None:
+                    f = np.ctypeslib.as_array((ctypes.c_float * n).from_address(src_))
+                    np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(dst))[:] = (
+                        f.astype(np.float16).view(np.uint16))
+
+                cp.op(run)
 
         return launch
 
@@ -541,6 +551,8 @@ def test_copy_kernel_moves_x_and_y_in_the_captured_sequence(monkeypatch, limit, 
         assert res.y.dtype == want_y.dtype and np.array_equal(res.y, want_y)
         ws = be.launcher.ws
         assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+    if out is not None and limit and launch_mod.Y16_COPY:  # (a small f16 y: one kernel)
+        want = [*want[:-1], "q6_copy_h"]
     assert order == want
     assert cp.counts["graph"] == 4
 
