@@ -400,12 +400,12 @@ class Engine:
         # backend call (MULTI_LAUNCH) is off or declined (H200, session 14, the 28-layer
         # replay: no gain, S=1 69.6 -> 69.9 ms, S=8 115.4 -> 121.6)
         self.multi_pipeline = bool(envvars.MULTI_PIPELINE.read())
-        # Q6SERVE_MULTI_LAUNCH=1 (off by default): a multi-weight call's parts that run
-        # together (the direct path; a group job of the same requests) are one backend call
-        # (Backend.launch_many: x uploaded once, every part's kernel, one sync). H200, session
-        # 14, the 28-layer replay: one host for it (S=8 step p50 115.4 -> 101.1 ms, the
-        # worker's share of a step -25%), a second, noisy one against it (S=1 92.3 -> 124.5
-        # ms, its transport higher); bench/RESULTS.md
+        # Q6SERVE_MULTI_LAUNCH (on by default since session 27; =0: each part its own
+        # launch and wait): a multi-weight call's parts that run together (the direct path; a
+        # group job of the same requests) are one backend call (Backend.launch_many: x
+        # uploaded once, every part's kernel, one sync). H200, session 27, the 28-layer replay
+        # alternated (11 runs): S=1 step p50 38.19 -> 34.24 ms, S=8 80.71 -> 70.35, the
+        # worker's window -8% / -19%; earlier A/Bs tied or split by host (bench/RESULTS.md)
         self.multi_launch = bool(envvars.MULTI_LAUNCH.read())
         self._loop = asyncio.get_running_loop()
         self._poller = self._spawn(self._poll_metrics())

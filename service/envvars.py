@@ -90,7 +90,7 @@ DEFER_NOW = Var("Q6SERVE_DEFER_NOW", "switch", True,
                 "launch a deferred batch's successor in the trip that hears of its end")
 MULTI_PIPELINE = Var("Q6SERVE_MULTI_PIPELINE", "switch", False,
                      "a multi-weight call's direct path launches its parts behind each other")
-MULTI_LAUNCH = Var("Q6SERVE_MULTI_LAUNCH", "switch", False,
+MULTI_LAUNCH = Var("Q6SERVE_MULTI_LAUNCH", "switch", True,
                    "a multi-weight call's parts that run together are one backend call "
                    "(Backend.launch_many: x uploaded once, one sync)")
 PIPELINE_SHORT = Var("Q6SERVE_PIPELINE_SHORT", "switch", False,
