@@ -960,6 +960,9 @@ class FrontendsWorker(Worker):
         # Q6SERVE_DP_ARENA_GATHER (with pinned arenas): the backend's ``gathered`` (a merged
         # batch's x DMA'd from its calls' slots), or None: x's rows concatenated (``_staged``)
         self._gather: Callable[..., np.ndarray | None] | None = None
+        # the same for merged system-region calls whose x lies in a page-locked region (the
+        # region table's HostIO: Q6SERVE_PIN_REGIONS), whatever the arenas' switches
+        self._region_gather: Callable[..., np.ndarray | None] | None = None
         self.gathered = 0  # merged batches launched so (tests)
 
     # -- start ------------------------------------------------------------------------------
@@ -980,6 +983,8 @@ class FrontendsWorker(Worker):
             self._arena_io = getattr(self.backend, "hostio", None)
             if self._arena_io is not None and envvars.DP_ARENA_GATHER.read():
                 self._gather = getattr(self.backend, "gathered", None)
+        if self.regions.hostio is not None:
+            self._region_gather = getattr(self.backend, "gathered", None)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
         if envvars.FRONTEND_ROUND_ROBIN.read():
@@ -1214,10 +1219,7 @@ class FrontendsWorker(Worker):
         (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
         x, engine = call.x, self.engine
         assert engine is not None
-        if (not self.merge or call.topk or x.ndim != 2
-                # (a full one merges with nothing: to the engine)
-                or not 0 < x.shape[0] < self._merge_rows
-                or not engine.flags.state.dynamic_batching):  # (batching off: one by one)
+        if call.topk or not self._merges(x):
             engine.start_matmul(call, sink)
             return
         self._flush_due()
@@ -1226,6 +1228,13 @@ class FrontendsWorker(Worker):
             self._merging[key] = [(call, sink)]
         else:
             got.append((call, sink))
+
+    def _merges(self, x: np.ndarray) -> bool:
+        """Would a single-weight call of ``x`` (no top-k) wait for the trip's end to merge
+        (``_queue_call``)? Not with merging or dynamic batching off (one by one), not a full
+        one (it merges with nothing)."""
+        return (self.merge and x.ndim == 2 and 0 < x.shape[0] < self._merge_rows
+                and self.engine.flags.state.dynamic_batching)  # type: ignore[union-attr]
 
     def _flush_due(self) -> None:
         """A call for the trip's end (``_flush_calls``, scheduled once a trip)."""
@@ -1261,7 +1270,10 @@ class FrontendsWorker(Worker):
 
     def _start_merged(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> None:
         if len(parts) == 1:
-            self._start_alone(*parts[0])
+            call, sink = parts[0]
+            if getattr(sink, "func", None) == self._region_done:  # alone after all: routed
+                sink = self._region_routed(call, sink)
+            self._start_alone(call, sink)
             return
         timeout = _longest(parts)
         try:
@@ -1325,33 +1337,46 @@ class FrontendsWorker(Worker):
                  rows: int) -> np.ndarray:
         """``_staged``, as a method: a stage of its own for the stage timers (T2's merged
         batch: x's rows copied into the upload buffer, ``_DeviceStats._stages``); with the
-        arenas pinned, ``_gathered`` first."""
-        if self._gather is not None and (x := self._gathered(parts, rows)) is not None:
+        arenas (or the regions) pinned, ``_gathered`` first."""
+        if ((self._gather is not None or self._region_gather is not None)
+                and (x := self._gathered(parts, rows)) is not None):
             return x
         return _staged(engine, parts, rows)
 
     def _gathered(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> np.ndarray | None:
-        """The merged calls' x as the backend's placeholder for their slots' bytes
-        (``CudaBackend.gathered``: each call's rows DMA'd from its slot in its pinned arena
-        into the device's x at the launch, instead of ~36 us of concatenation a batch on the
-        H200 under T2: session 21, bundle B), or None (a call whose x is not at the start of
-        its slot, e.g. sent in its message; a Q8_1-capable precision, whose launch reads x on
-        the host; an arena not pinned)."""
+        """The merged calls' x as the backend's placeholder for their bytes where they lie
+        (``CudaBackend.gathered``: each call's rows DMA'd from its slot in its pinned arena,
+        or from its page-locked system region, into the device's x at the launch, instead of
+        ~36 us of concatenation a batch on the H200 under T2: session 21, bundle B), or None
+        (a call whose x is not at the start of its slot, e.g. sent in its message; a Q8_1-
+        capable precision, whose launch reads x on the host; an arena not pinned; a region
+        call with the regions' gather off; a piece outside the page-locked ranges: the
+        backend's refusal). A batch of region calls and plain calls takes both gathers."""
         first = parts[0][0]
         if first.precision not in _GATHER_PRECISIONS:
             return None
         pieces = []
-        done = self._matmul_done
+        done, region_done = self._matmul_done, self._region_done
+        plain = False
         for call, sink in parts:
-            if getattr(sink, "func", None) != done:
+            func = getattr(sink, "func", None)
+            x = call.x
+            if func == region_done:
+                if self._region_gather is None or not x.flags.c_contiguous:
+                    return None
+                pieces.append((x.ctypes.data, x.nbytes))
+                continue
+            if func != done or self._gather is None:
                 return None
             fe, _, slot = sink.args
             a = fe.arena
-            if call.x.base is not a.base or not a.pinned:  # (x in its slot, at offset 0)
+            if x.base is not a.base or not a.pinned:  # (x in its slot, at offset 0)
                 return None
-            pieces.append((a.addr + slot * a.slot_bytes, call.x.nbytes))
+            plain = True
+            pieces.append((a.addr + slot * a.slot_bytes, x.nbytes))
         x0 = first.x
-        x = self._gather(pieces, rows, x0.shape[1], x0.dtype)  # type: ignore[misc]
+        gather = self._gather if plain else self._region_gather
+        x = gather(pieces, rows, x0.shape[1], x0.dtype)  # type: ignore[misc]
         if x is not None:
             self.gathered += 1
         return x
@@ -1509,16 +1534,22 @@ class FrontendsWorker(Worker):
         """Each merged call's sink with its rows of ``r.y``."""
         fields = head = None  # the merged reply's fields: the same for every part
         row = 0
-        done = self._matmul_done
+        done, region_done = self._matmul_done, self._region_done
         for call, sink in parts:
             n = call.x.shape[0]
             y = r.y[row : row + n]
             row += n
-            if getattr(sink, "func", None) == done:  # a plain call: answered here
-                if fields is None:
-                    fields = _fields(r)
+            func = getattr(sink, "func", None)
+            if func == done:  # a plain call: answered here
+                if head is None:
+                    fields = fields or _fields(r)
                     head = _mmok_head(fields)
                 self._answer_mm(*sink.args, fields, y, head)  # (no reply object or future)
+                continue
+            if func == region_done:  # a system-region call: y into its region, "rmok"
+                if fields is None:
+                    fields = _fields(r)
+                self._region_answer(*sink.args, fields, y)  # (no reply object or future)
                 continue
             sink(_settled(MatmulReply(y, r.kernel, r.layout, r.precision, r.queue_seconds,
                                       r.kernel_seconds, r.batch_rows, r.batch_requests,
@@ -1628,7 +1659,10 @@ class FrontendsWorker(Worker):
             # y's place, for the backend to write straight into (kernels/hostio.py); one
             # region for x and y (the usual case): its backing object was checked just now
             dest = yr.array(ys[1], call.out_dtype, shape, "y", writable=True, alive=yr is xr)
-            key = table.route(call.x, dest)
+            # a call that merges with the trip's others (``_queue_call``) is not routed: the
+            # batch's x is not its x, so the backend would never take the route (one left
+            # alone at the trip's end is routed then, ``_region_routed``)
+            key = None if self._merges(call.x) else table.route(call.x, dest)
             try:
                 self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
                                                          ys[1], dest, key))
@@ -1785,6 +1819,33 @@ class FrontendsWorker(Worker):
             regions_mod.place_y(yr, y_off, y, dest, taken)
             fe.send(("rmok", rid, _fields(reply), (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                                    y.shape)))
+        except Exception as e:
+            fe.send(("err", rid, _portable_error(e)))
+        finally:
+            self._region_call_ended(fe, xr, yr)
+
+    def _region_routed(self, call: MatmulCall, sink: Any) -> Any:
+        """A system-region call's sink (``_region_done``) with its y routed into its region
+        (the backend DMAs it there), for a call that did not merge (``_region_matmul``
+        routes only the calls that will not)."""
+        fe, rid, xr, yr, y_off, dest, key = sink.args
+        if key is not None:
+            return sink
+        key = self.regions.route(call.x, dest)  # type: ignore[union-attr]
+        return functools.partial(self._region_done, fe, rid, xr, yr, y_off, dest, key)
+
+    def _region_answer(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
+                       dest: np.ndarray, key: Any, fields: tuple[Any, ...],
+                       y: np.ndarray) -> None:
+        """``_region_done`` for a merged batch's system-region call (``_answer_merged``): its
+        rows ``y`` of the batch's y and the batch's reply ``fields``, no reply object or
+        future. A merged call's y is never the backend's to route (the batch's x is not
+        this call's), so it is copied into place."""
+        try:
+            self.regions.unroute(key)  # type: ignore[union-attr]  # (None: never routed)
+            regions_mod.place_y(yr, y_off, y, dest, False)
+            fe.send(("rmok", rid, fields, (_NAME.get(y.dtype) or dtype_name(y.dtype),
+                                           y.shape)))
         except Exception as e:
             fe.send(("err", rid, _portable_error(e)))
         finally:
