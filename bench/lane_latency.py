@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
+    # `timeout` sends SIGTERM: leave through the finally blocks and the context managers, so
+    # the worker is stopped and the caller's region unregistered and unlinked (session 26's
+    # check cut this step and left its region to the resource tracker: "leaked shared_memory")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from q6serve.client.client import Client
 
     paths = [p for p in a.paths.split(",") if p]
