@@ -694,6 +694,8 @@ class _DeviceStats:
         # (inside start_merged: T2's merged batch, x's rows staged, the job, the answers)
         t(worker, "_stage_x", "stage_x")
         t(worker, "_answer_merged", "answer_merged")
+        t(worker, "_region_answer", "region_answer")  # (inside answer_merged: a region call)
+        t(worker, "_start_alone", "start_alone")  # (a trip's lone call: its job, its answer)
         if worker.regions is not None:
             t(worker.regions, "hold", "hold")
             t(worker.regions, "let_go", "let_go")
@@ -706,6 +708,7 @@ class _DeviceStats:
         if worker.engine is not None:
             t(worker.engine, "launch_now", "engine_launch_now")
             t(worker.engine, "run_direct", "run_direct")  # (the merged batch's inline job)
+            t(worker.engine, "run_now", "run_now")  # (a lone call's inline job)
 
     def lanes(self, server: lane_mod.LaneServer) -> None:
         """Time the fast lanes' stages (once, when the first lane opens): a request record
@@ -946,6 +949,7 @@ class FrontendsWorker(Worker):
         self.pipelined = [0, 0.0]  # calls launched so, and the loop's seconds in their waits
         self._merge_rows = min(config.max_batch_rows, config.max_request_rows)
         self.merged = [0, 0]  # engine requests that merged several calls, and those calls
+        self.merged_direct = 0  # of those requests, run on the direct path (tests)
         # Q6SERVE_DP_LANE_PIPE: the fast lanes' full batches through the same pipeline
         # (LaneServer.pipe), not waited for inline in the lane's flush
         self.lane_pipe = bool(envvars.DP_LANE_PIPE.read())
@@ -1324,6 +1328,7 @@ class FrontendsWorker(Worker):
         if len(parts) > 1:
             self.merged[0] += 1
             self.merged[1] += len(parts)
+            self.merged_direct += 1
         call = MatmulCall(probe.weight, x, probe.precision, probe.out_dtype, timeout)
         try:
             reply = engine.run_direct(got[0], call, key)

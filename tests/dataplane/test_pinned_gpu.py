@@ -315,3 +315,39 @@ def test_full_region_calls_through_frontends_pipelined_and_planned(
         _nothing_left(w, backend, [], regions)
     finally:
         w.stop()
+
+
+def test_small_region_calls_merged_and_gathered_through_frontends(
+        backend: Any, rng: np.random.Generator) -> None:
+    """T2's shape over system regions (8 callers of 1-3 row calls through front ends, x and
+    y in each caller's page-locked region): the device process merges a trip's calls, their
+    x DMA'd from the regions (``gathered``: no concatenation on the host), each y written
+    into its caller's region from the batch's y, equal to the bytes path's y for that x up to
+    the kernel's rounding at another N; a call left alone is routed; nothing is left held,
+    routed or pinned."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w, clients, _, _, regions = _eight_callers(backend, rng, 9)
+    try:
+        xs = [rng.standard_normal((1 + i % 3, K)).astype(np.float16) for i in range(8)]
+        wants = [clients[0].matmul_full("w", x, precision="f16").y for x in xs]
+
+        def caller(i: int) -> None:
+            c, r = clients[i], regions[i]
+            for j in range(40):
+                r.put(0, xs[i])
+                y = c.matmul("w", r.ndarray(0, np.float16, xs[i].shape), precision="f16",
+                             x_region=(r, 0), y_region=(r, (1 << 20) + 65536 * (j % 2)))
+                want = wants[i].astype(np.float32)
+                np.testing.assert_allclose(np.array(y, np.float32), want, rtol=1e-2,
+                                           atol=2e-2 * float(np.abs(want).max()))
+
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(5):  # (calls merge when they meet in a trip: a few rounds)
+                list(pool.map(caller, range(8)))
+                if w.worker.gathered:
+                    break
+        assert w.worker.gathered > 0, (w.worker.merged, w.worker.gathered)
+        _nothing_left(w, backend, [], regions)
+    finally:
+        w.stop()
