@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 27, issue 15 (dp), one script for the bundles (session 26's T2 timeline and lane row:
 # `git show 6fb1383:bench/gpu_dp_s26.sh`, docs/SCALEOUT.md "Session 26").
-#  a (bound 100 s, bundle A): the merged start of system-region calls, this tree against main
+#  a (bound 100 s, bundle A): GPU tests of the change first (test_pinned_gpu.py's merged small
+#    region calls, GPUTEST=0: not), then the merged start of system-region calls, this tree against main
 #    6fb1383 (service/frontends.py only: bench/dp_s27/frontends_6fb1383.py.txt, main's file,
 #    on a PYTHONPATH overlay of this tree: ab_runs' "base" variants), then the lane latency.
 #    1. lat: bench/lane_latency.py (one caller of N=1 on ffn_down, gRPC bytes and the fast
@@ -15,7 +16,7 @@
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s27.sh   env: PHASE (a), BOUND (95), NEED (18), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), AB (new base base new), T2_S (1.5),
-#                         REGIONS (system), LAT (1: the lane latency first; 0: not)
+#                         REGIONS (system), LAT (1: the lane latency first; 0: not), GPUTEST (1)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -37,6 +38,13 @@ lat() {  # lat: bench/lane_latency.py as gpu_check.sh's lane_latency step, short
   note "# lat (lane latency) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
 }
+gputest() {  # gputest: the GPU tests of the merged system-region calls (and the region DMA)
+  local t=$SECONDS
+  timeout "$(bound 25 1)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    tests/dataplane/test_pinned_gpu.py -k "small_region_calls or x_and_y_dma" \
+    >"$OUT/gputest.log" 2>&1
+  note "# gputest rc=$? in $((SECONDS - t)) s ($(tail -1 "$OUT/gputest.log")) at $(elapsed)"
+}
 t2() {  # t2 RUN NAME: T2 over REGIONS through 6 front ends round robin, the stage timers on
   local t=$SECONDS
   Q6SERVE_FRONTEND_ROUND_ROBIN=1 Q6SERVE_DP_STATS=$OUT/dpstats_$1.jsonl timeout "$(bound 40 1)" \
@@ -48,6 +56,7 @@ t2() {  # t2 RUN NAME: T2 over REGIONS through 6 front ends round robin, the sta
 }
 case $PHASE in
   a)
+    [[ ${GPUTEST:-1} != 0 ]] && gputest
     [[ ${LAT:-1} != 0 ]] && lat
     # shellcheck disable=SC2086  # (run names)
     ab_runs "${NEED:-18}" t2 ${AB-new base base new}
@@ -60,6 +69,7 @@ case $PHASE in
 esac
 {
   echo "# phase $PHASE"
+  [[ -f $OUT/gputest.log ]] && grep -E "passed|failed|error" "$OUT/gputest.log" | tail -3
   [[ -f $OUT/lat.log ]] && grep -E "^lane|^grpc|check:" "$OUT/lat.log" | cut -c1-220
   for f in "$OUT"/new_*.log "$OUT"/base_*.log; do
     [[ -f $f ]] && { echo "# ${f##*/} $(grep -h -E "^# T2 " "$f" | cut -c1-200 | tr -s ' ')"; grep -h "^T2 fe=" "$f" | cut -c1-220; }
