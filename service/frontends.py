@@ -1366,10 +1366,10 @@ class FrontendsWorker(Worker):
         for call, sink in parts:
             func = getattr(sink, "func", None)
             x = call.x
-            if func == region_done:
-                if self._region_gather is None or not x.flags.c_contiguous:
+            if func == region_done:  # (x is the region's view at x_at: C-contiguous)
+                if self._region_gather is None or (at := sink.args[7]) < 0:
                     return None
-                pieces.append((x.ctypes.data, x.nbytes))
+                pieces.append((at, x.nbytes))
                 continue
             if func != done or self._gather is None:
                 return None
@@ -1669,8 +1669,11 @@ class FrontendsWorker(Worker):
             # alone at the trip's end is routed then, ``_region_routed``)
             key = None if self._merges(call.x) else table.route(call.x, dest)
             try:
+                # (x's address, -1: unknown; a merged batch's gather, ``_gathered``)
+                at = getattr(xr.mapping, "addr", None)
                 self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
-                                                         ys[1], dest, key))
+                                                         ys[1], dest, key,
+                                                         -1 if at is None else at + x_off))
             except BaseException:
                 table.unroute(key)
                 raise
@@ -1812,7 +1815,7 @@ class FrontendsWorker(Worker):
             self._region_call_ended(fe, p.region, p.region)
 
     def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
-                     dest: np.ndarray, key: Any, fut: asyncio.Future[Any]) -> None:
+                     dest: np.ndarray, key: Any, x_at: int, fut: asyncio.Future[Any]) -> None:
         table = self.regions
         assert table is not None
         try:
@@ -1833,22 +1836,28 @@ class FrontendsWorker(Worker):
         """A system-region call's sink (``_region_done``) with its y routed into its region
         (the backend DMAs it there), for a call that did not merge (``_region_matmul``
         routes only the calls that will not)."""
-        fe, rid, xr, yr, y_off, dest, key = sink.args
+        fe, rid, xr, yr, y_off, dest, key, x_at = sink.args
         if key is not None:
             return sink
         key = self.regions.route(call.x, dest)  # type: ignore[union-attr]
-        return functools.partial(self._region_done, fe, rid, xr, yr, y_off, dest, key)
+        return functools.partial(self._region_done, fe, rid, xr, yr, y_off, dest, key, x_at)
 
     def _region_answer(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
-                       dest: np.ndarray, key: Any, fields: tuple[Any, ...],
+                       dest: np.ndarray, key: Any, x_at: int, fields: tuple[Any, ...],
                        y: np.ndarray) -> None:
         """``_region_done`` for a merged batch's system-region call (``_answer_merged``): its
         rows ``y`` of the batch's y and the batch's reply ``fields``, no reply object or
         future. A merged call's y is never the backend's to route (the batch's x is not
-        this call's), so it is copied into place."""
+        this call's), so it is copied into place: into ``dest`` (its view, made when the
+        call came) once the backing object is checked again (a shrunk one is refused, not
+        written: SIGBUS), else as ``place_y`` does."""
         try:
             self.regions.unroute(key)  # type: ignore[union-attr]  # (None: never routed)
-            regions_mod.place_y(yr, y_off, y, dest, False)
+            if y.shape == dest.shape and y.dtype == dest.dtype:
+                yr.mapping.check_alive(f"y region {yr.name!r}")
+                dest[...] = y
+            else:
+                regions_mod.place_y(yr, y_off, y, dest, False)
             fe.send(("rmok", rid, fields, (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                            y.shape)))
         except Exception as e:
