@@ -535,6 +535,15 @@ def _mmok_head(f: tuple[Any, ...]) -> tuple[tuple[Any, ...], bytes] | None:
              _opt(f[7])), f[0].encode())
 
 
+def _rmok_head(f: tuple[Any, ...]) -> tuple[tuple[Any, ...], bytes] | None:
+    """``_mmok_head`` for the "K" frames (``_RMOK``) of region calls' replies with fields
+    ``f``; None: not that layout (top-k)."""
+    if f[8] is not None:
+        return None
+    return ((_LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], _opt(f[3]), _opt(f[4]), f[5], f[6],
+             _opt(f[7])), f[0].encode())
+
+
 def _strip(reply: Any) -> Any:
     """The reply without its y arrays (they travel as ``Outs``), as plain values."""
     if isinstance(reply, MatmulReply):
@@ -964,9 +973,6 @@ class FrontendsWorker(Worker):
         # Q6SERVE_DP_ARENA_GATHER (with pinned arenas): the backend's ``gathered`` (a merged
         # batch's x DMA'd from its calls' slots), or None: x's rows concatenated (``_staged``)
         self._gather: Callable[..., np.ndarray | None] | None = None
-        # the same for merged system-region calls whose x lies in a page-locked region (the
-        # region table's HostIO: Q6SERVE_PIN_REGIONS), whatever the arenas' switches
-        self._region_gather: Callable[..., np.ndarray | None] | None = None
         self.gathered = 0  # merged batches launched so (tests)
 
     # -- start ------------------------------------------------------------------------------
@@ -987,8 +993,6 @@ class FrontendsWorker(Worker):
             self._arena_io = getattr(self.backend, "hostio", None)
             if self._arena_io is not None and envvars.DP_ARENA_GATHER.read():
                 self._gather = getattr(self.backend, "gathered", None)
-        if self.regions.hostio is not None:
-            self._region_gather = getattr(self.backend, "gathered", None)
         self.plane = RegionPlane(self.regions, self.engine)
         self.port = self._reserve_port()
         if envvars.FRONTEND_ROUND_ROBIN.read():
@@ -1342,46 +1346,33 @@ class FrontendsWorker(Worker):
                  rows: int) -> np.ndarray:
         """``_staged``, as a method: a stage of its own for the stage timers (T2's merged
         batch: x's rows copied into the upload buffer, ``_DeviceStats._stages``); with the
-        arenas (or the regions) pinned, ``_gathered`` first."""
-        if ((self._gather is not None or self._region_gather is not None)
-                and (x := self._gathered(parts, rows)) is not None):
+        arenas pinned, ``_gathered`` first."""
+        if self._gather is not None and (x := self._gathered(parts, rows)) is not None:
             return x
         return _staged(engine, parts, rows)
 
     def _gathered(self, parts: list[tuple[MatmulCall, Any]], rows: int) -> np.ndarray | None:
-        """The merged calls' x as the backend's placeholder for their bytes where they lie
-        (``CudaBackend.gathered``: each call's rows DMA'd from its slot in its pinned arena,
-        or from its page-locked system region, into the device's x at the launch, instead of
-        ~36 us of concatenation a batch on the H200 under T2: session 21, bundle B), or None
-        (a call whose x is not at the start of its slot, e.g. sent in its message; a Q8_1-
-        capable precision, whose launch reads x on the host; an arena not pinned; a region
-        call with the regions' gather off; a piece outside the page-locked ranges: the
-        backend's refusal). A batch of region calls and plain calls takes both gathers."""
+        """The merged calls' x as the backend's placeholder for their slots' bytes
+        (``CudaBackend.gathered``: each call's rows DMA'd from its slot in its pinned arena
+        into the device's x at the launch, instead of ~36 us of concatenation a batch on the
+        H200 under T2: session 21, bundle B), or None (a call whose x is not at the start of
+        its slot, e.g. sent in its message; a Q8_1-capable precision, whose launch reads x on
+        the host; an arena not pinned)."""
         first = parts[0][0]
         if first.precision not in _GATHER_PRECISIONS:
             return None
         pieces = []
-        done, region_done = self._matmul_done, self._region_done
-        plain = False
+        done = self._matmul_done
         for call, sink in parts:
-            func = getattr(sink, "func", None)
-            x = call.x
-            if func == region_done:  # (x is the region's view at x_at: C-contiguous)
-                if self._region_gather is None or (at := sink.args[7]) < 0:
-                    return None
-                pieces.append((at, x.nbytes))
-                continue
-            if func != done or self._gather is None:
+            if getattr(sink, "func", None) != done:
                 return None
             fe, _, slot = sink.args
             a = fe.arena
-            if x.base is not a.base or not a.pinned:  # (x in its slot, at offset 0)
+            if call.x.base is not a.base or not a.pinned:  # (x in its slot, at offset 0)
                 return None
-            plain = True
-            pieces.append((a.addr + slot * a.slot_bytes, x.nbytes))
+            pieces.append((a.addr + slot * a.slot_bytes, call.x.nbytes))
         x0 = first.x
-        gather = self._gather if plain else self._region_gather
-        x = gather(pieces, rows, x0.shape[1], x0.dtype)  # type: ignore[misc]
+        x = self._gather(pieces, rows, x0.shape[1], x0.dtype)  # type: ignore[misc]
         if x is not None:
             self.gathered += 1
         return x
@@ -1537,7 +1528,7 @@ class FrontendsWorker(Worker):
 
     def _answer_merged(self, parts: list[tuple[MatmulCall, Any]], r: MatmulReply) -> None:
         """Each merged call's sink with its rows of ``r.y``."""
-        fields = head = None  # the merged reply's fields: the same for every part
+        fields = head = rhead = None  # the merged reply's fields: the same for every part
         row = 0
         done, region_done = self._matmul_done, self._region_done
         for call, sink in parts:
@@ -1552,9 +1543,10 @@ class FrontendsWorker(Worker):
                 self._answer_mm(*sink.args, fields, y, head)  # (no reply object or future)
                 continue
             if func == region_done:  # a system-region call: y into its region, "rmok"
-                if fields is None:
-                    fields = _fields(r)
-                self._region_answer(*sink.args, fields, y)  # (no reply object or future)
+                if rhead is None:
+                    fields = fields or _fields(r)
+                    rhead = _rmok_head(fields)
+                self._region_answer(*sink.args, fields, y, rhead)  # (no reply or future)
                 continue
             sink(_settled(MatmulReply(y, r.kernel, r.layout, r.precision, r.queue_seconds,
                                       r.kernel_seconds, r.batch_rows, r.batch_requests,
@@ -1669,11 +1661,8 @@ class FrontendsWorker(Worker):
             # alone at the trip's end is routed then, ``_region_routed``)
             key = None if self._merges(call.x) else table.route(call.x, dest)
             try:
-                # (x's address, -1: unknown; a merged batch's gather, ``_gathered``)
-                at = getattr(xr.mapping, "addr", None)
                 self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
-                                                         ys[1], dest, key,
-                                                         -1 if at is None else at + x_off))
+                                                         ys[1], dest, key))
             except BaseException:
                 table.unroute(key)
                 raise
@@ -1815,7 +1804,7 @@ class FrontendsWorker(Worker):
             self._region_call_ended(fe, p.region, p.region)
 
     def _region_done(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
-                     dest: np.ndarray, key: Any, x_at: int, fut: asyncio.Future[Any]) -> None:
+                     dest: np.ndarray, key: Any, fut: asyncio.Future[Any]) -> None:
         table = self.regions
         assert table is not None
         try:
@@ -1836,21 +1825,22 @@ class FrontendsWorker(Worker):
         """A system-region call's sink (``_region_done``) with its y routed into its region
         (the backend DMAs it there), for a call that did not merge (``_region_matmul``
         routes only the calls that will not)."""
-        fe, rid, xr, yr, y_off, dest, key, x_at = sink.args
+        fe, rid, xr, yr, y_off, dest, key = sink.args
         if key is not None:
             return sink
         key = self.regions.route(call.x, dest)  # type: ignore[union-attr]
-        return functools.partial(self._region_done, fe, rid, xr, yr, y_off, dest, key, x_at)
+        return functools.partial(self._region_done, fe, rid, xr, yr, y_off, dest, key)
 
     def _region_answer(self, fe: _Front, rid: int, xr: Region, yr: Region, y_off: int,
-                       dest: np.ndarray, key: Any, x_at: int, fields: tuple[Any, ...],
-                       y: np.ndarray) -> None:
+                       dest: np.ndarray, key: Any, fields: tuple[Any, ...],
+                       y: np.ndarray, head: tuple[tuple[Any, ...], bytes] | None) -> None:
         """``_region_done`` for a merged batch's system-region call (``_answer_merged``): its
         rows ``y`` of the batch's y and the batch's reply ``fields``, no reply object or
         future. A merged call's y is never the backend's to route (the batch's x is not
         this call's), so it is copied into place: into ``dest`` (its view, made when the
         call came) once the backing object is checked again (a shrunk one is refused, not
-        written: SIGBUS), else as ``place_y`` does."""
+        written: SIGBUS), else as ``place_y`` does. ``head``: ``_rmok_head(fields)``, made
+        once for the batch (None: the message is encoded as usual)."""
         try:
             self.regions.unroute(key)  # type: ignore[union-attr]  # (None: never routed)
             if y.shape == dest.shape and y.dtype == dest.dtype:
@@ -1858,6 +1848,11 @@ class FrontendsWorker(Worker):
                 dest[...] = y
             else:
                 regions_mod.place_y(yr, y_off, y, dest, False)
+            dt = _DTYPE_CODE.get(_NAME.get(y.dtype))  # type: ignore[arg-type]
+            if head is not None and dt is not None and y.ndim == 2:  # _encode's "K" frame
+                if fe.alive:
+                    fe.out.send_bytes(_RMOK.pack(b"K", rid, *head[0], dt, *y.shape) + head[1])
+                return
             fe.send(("rmok", rid, fields, (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                            y.shape)))
         except Exception as e:

@@ -204,19 +204,21 @@ def test_front_ends_merged_batches_gathered(start: Any,  # noqa: F811
     w.stop()
 
 
-def test_front_ends_merged_region_calls_gathered(start: Any,  # noqa: F811
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                rng: np.random.Generator) -> None:
+def test_front_ends_merged_region_calls_answered_from_the_batch(
+        start: Any,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     """System-region calls of several callers through two front ends (x and y in each
-    caller's page-locked region, arenas not pinned): the device process's merged batches go
-    to the backend as the calls' region bytes (``gathered``), each caller's y lands in its
-    region (answered from the batch's end, ``_region_answer``), and no y route is left; a
-    call left alone is routed (its y written in place by the backend)."""
+    caller's page-locked region, arenas not pinned): the device process merges them (x
+    concatenated: a batch of T2's ~20 calls gathered from their regions lost on the H200,
+    session 27 bundle A, the per-piece DMAs dearer than the copy), each caller's y lands in
+    its region from the batch's y (``_region_answer``: no reply object or future), only a
+    call left alone is routed (its y written in place by the backend), and no y route is
+    left."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.dataplane.test_pinned_regions import _routes
 
-    monkeypatch.setenv("Q6SERVE_DP_PIN_ARENA", "0")  # (the gathers counted are the regions')
+    monkeypatch.setenv("Q6SERVE_DP_PIN_ARENA", "0")
     rows, k = 96, 512
     blocks = random_q6k(rows, k, 17)
     backend = GatherBackend(Recorder())
@@ -240,7 +242,10 @@ def test_front_ends_merged_region_calls_gathered(start: Any,  # noqa: F811
             list(pool.map(caller, range(8)))
             if w.worker.merged_direct and backend.direct_y:
                 break
-    _gathered_all(w, backend)
+    wk = w.worker
+    if not wk.merged_direct:
+        pytest.skip(f"no merged batch took the direct path here (merged {wk.merged})")
+    assert wk.gathered == 0 and not backend.gathers
     assert backend.direct_y > 0  # calls left alone: y routed into place
     assert w.call(_routes(backend)) == 0
     for r in regions:

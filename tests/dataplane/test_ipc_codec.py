@@ -63,6 +63,25 @@ def test_hot_messages_use_the_fixed_layouts() -> None:
     assert fe._encode(MESSAGES[10])[:1] == b"\x80"  # pickle
 
 
+def test_shared_heads_build_the_fixed_layouts_bytes() -> None:
+    """A merged batch's answers are packed from one head made for the batch (``_mmok_head``,
+    ``_rmok_head``): the same bytes as ``_encode`` of each answer; a top-k reply has none."""
+    for msg in (MESSAGES[2], MESSAGES[3]):
+        _, rid, f, outs = msg
+        head = fe._mmok_head(f)
+        assert head is not None
+        off, dt, (r, c) = outs[0]
+        assert (fe._MMOK.pack(b"R", rid, *head[0], off, fe._DTYPE_CODE[dt], r, c) + head[1]
+                == fe._encode(msg))
+    for msg in (MESSAGES[6], MESSAGES[7]):
+        _, rid, f, (dt, (r, c)) = msg
+        head = fe._rmok_head(f)
+        assert head is not None
+        assert (fe._RMOK.pack(b"K", rid, *head[0], fe._DTYPE_CODE[dt], r, c) + head[1]
+                == fe._encode(msg))
+    assert fe._rmok_head(MESSAGES[9][2]) is None and fe._mmok_head(MESSAGES[9][2]) is None
+
+
 class _Capture(fe._Peer):
     def __init__(self) -> None:
         super().__init__()

@@ -317,14 +317,13 @@ def test_full_region_calls_through_frontends_pipelined_and_planned(
         w.stop()
 
 
-def test_small_region_calls_merged_and_gathered_through_frontends(
+def test_small_region_calls_merged_through_frontends(
         backend: Any, rng: np.random.Generator) -> None:
     """T2's shape over system regions (8 callers of 1-3 row calls through front ends, x and
-    y in each caller's page-locked region): the device process merges a trip's calls, their
-    x DMA'd from the regions (``gathered``: no concatenation on the host), each y written
-    into its caller's region from the batch's y, equal to the bytes path's y for that x up to
-    the kernel's rounding at another N; a call left alone is routed; nothing is left held,
-    routed or pinned."""
+    y in each caller's page-locked region): the device process merges a trip's calls, each
+    y written into its caller's region from the batch's y (``_region_answer``), equal to the
+    bytes path's y for that x up to the kernel's rounding at another N; a call left alone is
+    routed; nothing is left held, routed or pinned."""
     from concurrent.futures import ThreadPoolExecutor
 
     w, clients, _, _, regions = _eight_callers(backend, rng, 9)
@@ -345,9 +344,9 @@ def test_small_region_calls_merged_and_gathered_through_frontends(
         with ThreadPoolExecutor(8) as pool:
             for _ in range(5):  # (calls merge when they meet in a trip: a few rounds)
                 list(pool.map(caller, range(8)))
-                if w.worker.gathered:
+                if w.worker.merged_direct:
                     break
-        assert w.worker.gathered > 0, (w.worker.merged, w.worker.gathered)
+        assert w.worker.merged_direct > 0, w.worker.merged
         _nothing_left(w, backend, [], regions)
     finally:
         w.stop()
