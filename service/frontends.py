@@ -1214,7 +1214,8 @@ class FrontendsWorker(Worker):
         self._answer_mm(fe, rid, slot, _fields(reply), reply.y, placed=True)
 
     # -- the calls of one loop trip as one engine request ------------------------------------
-    def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None]) -> None:
+    def _queue_call(self, call: MatmulCall, sink: Callable[[Any], None],
+                    merges: bool | None = None) -> None:
         """Queue a single-weight call whose answer goes to ``sink(fut)``. A plain one (no
         top-k, fewer than ``_merge_rows`` rows) waits for the end of this loop trip and goes to
         the engine together with the others of its weight, dtypes and K read in the same trip
@@ -1224,10 +1225,11 @@ class FrontendsWorker(Worker):
         device, once a like job is measured, that request takes the engine's direct path at
         the end of the trip (``_run_merged_now``: no queue, future or timer; -27% of the
         device process's CPU per call under T2, session 9). Not with dynamic batching off
-        (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0."""
+        (Q6SERVE_DYNAMIC_BATCHING) or Q6SERVE_DEVICE_MERGE=0. ``merges``: ``_merges(x)``,
+        where the caller knows it already."""
         x, engine = call.x, self.engine
         assert engine is not None
-        if call.topk or not self._merges(x):
+        if call.topk or not (self._merges(x) if merges is None else merges):
             engine.start_matmul(call, sink)
             return
         self._flush_due()
@@ -1634,13 +1636,13 @@ class FrontendsWorker(Worker):
         table = self.regions
         assert table is not None
         x_name, x_off, x_dtype, x_shape = xs
-        xref, yref = RegionRef(x_name, x_off), RegionRef(*ys)
         xr = yr = None
         try:
-            xr, yr = table.hold(owner, xref), table.hold(owner, yref)
-            assert xr is not None and yr is not None
+            # (one at a time: x's hold is let go below if y's is refused)
+            xr = table.hold_name(owner, x_name)
+            yr = table.hold_name(owner, ys[0])
             if CUDA in (xr.kind, yr.kind):  # on the device end to end (cuda_regions.py)
-                io = RegionIO(xref, _LE[x_dtype], x_shape, yref)
+                io = RegionIO(RegionRef(x_name, x_off), _LE[x_dtype], x_shape, RegionRef(*ys))
                 self._cuda_region_matmul(fe, rid, xr, yr, io, weight, precision, out_dtype,
                                          timeout)
                 self._count_pending(fe)
@@ -1659,10 +1661,11 @@ class FrontendsWorker(Worker):
             # a call that merges with the trip's others (``_queue_call``) is not routed: the
             # batch's x is not its x, so the backend would never take the route (one left
             # alone at the trip's end is routed then, ``_region_routed``)
-            key = None if self._merges(call.x) else table.route(call.x, dest)
+            merges = self._merges(call.x)
+            key = None if merges else table.route(call.x, dest)
             try:
                 self._queue_call(call, functools.partial(self._region_done, fe, rid, xr, yr,
-                                                         ys[1], dest, key))
+                                                         ys[1], dest, key), merges)
             except BaseException:
                 table.unroute(key)
                 raise

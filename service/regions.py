@@ -398,6 +398,13 @@ class RegionTable:
         region.users += 1
         return region
 
+    def hold_name(self, owner: str, name: str) -> Region:
+        """:meth:`hold` of the region called ``name`` (no RegionRef made: per call of the
+        device process's region calls)."""
+        region = self._owned(owner, name)
+        region.users += 1
+        return region
+
     def let_go(self, region: Region | None) -> None:
         """The end of one :meth:`hold`."""
         if region is None:

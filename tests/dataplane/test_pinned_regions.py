@@ -318,3 +318,26 @@ async def _pinned(backend: DmaBackend) -> int:
 
 async def _routes(backend: DmaBackend) -> int:
     return backend.hostio.routes
+
+
+def test_a_refused_y_region_lets_x_region_go(start: Any,  # noqa: F811
+                                             rng: np.random.Generator) -> None:
+    """Through front ends: a call whose x region is good and whose y region is refused (not
+    registered) is answered NOT_FOUND, and x's region is let go (its hold was taken first: a
+    hold of both in one expression left x's counted, so its unregister never closed it)."""
+    backend = DmaBackend(Recorder())
+    w = start(backend=backend)
+    c = w.client()
+    c.upload("w", random_q6k(ROWS, K, 8), ROWS, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    region = c.register_shm("good", 1 << 16)
+    other = ShmRegion.create("nope", 1 << 16)  # (never registered)
+    code, _ = code_of(lambda: c.matmul("w", x, x_region=region, y_region=(other, 0)))
+    other.close()
+    assert code == grpc.StatusCode.NOT_FOUND
+
+    async def users() -> int:
+        return w.worker.regions._regions["good"].users  # type: ignore[no-any-return]
+
+    assert w.call(users()) == 0
+    region.close()
