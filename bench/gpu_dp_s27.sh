@@ -12,9 +12,11 @@
 #       callers of N=1, 6 front ends round robin, one run of T2_S s) alternated AB (new base
 #       base new), the device process's counters and stage timers on (Q6SERVE_DP_STATS,
 #       bench/device_stats_table.py --stages).
-#  b (bound 100 s, bundle B): AB_B (default "new base base new") of T2 over REGIONS_B (system).
+#  b (bound 100 s, bundle B): the GPU tests; the lane latency with its stamped parts (--stamps);
+#    T2 over system regions alternated AB_B (new base base new new base); then T2 over gRPC
+#    bytes AB_BYTES (bytesnew basebytes: the bytes path's merged start is shared code).
 # No run starts past BOUND - NEED s; a table last.
-#   bench/gpu_dp_s27.sh   env: PHASE (a), BOUND (95), NEED (18), BACKEND (cuda; numpy: a CPU
+#   bench/gpu_dp_s27.sh   env: PHASE (a), BOUND (95), NEED (18; b: 12), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), AB (new base base new), T2_S (1.5),
 #                         REGIONS (system), LAT (1: the lane latency first; 0: not), GPUTEST (1)
 set -uo pipefail
@@ -34,7 +36,7 @@ lat() {  # lat: bench/lane_latency.py as gpu_check.sh's lane_latency step, short
   local t=$SECONDS
   timeout "$(bound 40 1)" python3 bench/lane_latency.py --backend "$BACKEND" --rows $ROWS \
     --k $K --paths grpc,lane --check --seconds 1 --warmup 0.2 --json "$OUT/lat.json" \
-    >"$OUT/lat.log" 2>&1
+    ${LAT_ARGS:-} >"$OUT/lat.log" 2>&1
   note "# lat (lane latency) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
 }
@@ -62,16 +64,20 @@ case $PHASE in
     ab_runs "${NEED:-18}" t2 ${AB-new base base new}
     ;;
   b)
+    [[ ${GPUTEST:-1} != 0 ]] && gputest
+    [[ ${LAT:-1} != 0 ]] && LAT_ARGS="--stamps" lat
     # shellcheck disable=SC2086  # (run names)
-    REGIONS=${REGIONS_B:-system} ab_runs "${NEED:-18}" t2 ${AB_B-new base base new}
+    ab_runs "${NEED:-12}" t2 ${AB_B-new base base new new base}
+    # shellcheck disable=SC2086  # (run names; t2's runs over gRPC bytes)
+    REGIONS=bytes ab_runs "${NEED:-12}" t2 ${AB_BYTES-bytesnew basebytes}
     ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
 {
   echo "# phase $PHASE"
   [[ -f $OUT/gputest.log ]] && grep -E "passed|failed|error" "$OUT/gputest.log" | tail -3
-  [[ -f $OUT/lat.log ]] && grep -E "^lane|^grpc|check:" "$OUT/lat.log" | cut -c1-220
-  for f in "$OUT"/new_*.log "$OUT"/base_*.log; do
+  [[ -f $OUT/lat.log ]] && grep -E -A1 "^lane|^grpc|check:" "$OUT/lat.log" | cut -c1-220
+  for f in "$OUT"/new_*.log "$OUT"/base_*.log "$OUT"/bytesnew_*.log "$OUT"/basebytes_*.log; do
     [[ -f $f ]] && { echo "# ${f##*/} $(grep -h -E "^# T2 " "$f" | cut -c1-200 | tr -s ' ')"; grep -h "^T2 fe=" "$f" | cut -c1-220; }
   done
   echo "# device process (Q6SERVE_DP_STATS, the busiest second), then its stages a call"
