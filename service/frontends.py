@@ -535,13 +535,15 @@ def _mmok_head(f: tuple[Any, ...]) -> tuple[tuple[Any, ...], bytes] | None:
              _opt(f[7])), f[0].encode())
 
 
-def _rmok_head(f: tuple[Any, ...]) -> tuple[tuple[Any, ...], bytes] | None:
+def _rmok_head(f: tuple[Any, ...], y: Any) -> tuple[tuple[Any, ...], bytes] | None:
     """``_mmok_head`` for the "K" frames (``_RMOK``) of region calls' replies with fields
-    ``f``; None: not that layout (top-k)."""
-    if f[8] is not None:
+    ``f`` and rows of ``y``: the values between the request id and y's rows, with y's dtype
+    code last; None: not that layout (top-k, a y of another rank or dtype)."""
+    dt = _DTYPE_CODE.get(_NAME.get(y.dtype)) if isinstance(y, np.ndarray) else None
+    if f[8] is not None or dt is None or y.ndim != 2:  # type: ignore[union-attr]
         return None
     return ((_LAYOUT_CODE[f[1]], _PRECISION_CODE[f[2]], _opt(f[3]), _opt(f[4]), f[5], f[6],
-             _opt(f[7])), f[0].encode())
+             _opt(f[7]), dt), f[0].encode())
 
 
 def _strip(reply: Any) -> Any:
@@ -1547,7 +1549,7 @@ class FrontendsWorker(Worker):
             if func == region_done:  # a system-region call: y into its region, "rmok"
                 if rhead is None:
                     fields = fields or _fields(r)
-                    rhead = _rmok_head(fields)
+                    rhead = _rmok_head(fields, r.y)
                 self._region_answer(*sink.args, fields, y, rhead)  # (no reply or future)
                 continue
             sink(_settled(MatmulReply(y, r.kernel, r.layout, r.precision, r.queue_seconds,
@@ -1842,19 +1844,19 @@ class FrontendsWorker(Worker):
         future. A merged call's y is never the backend's to route (the batch's x is not
         this call's), so it is copied into place: into ``dest`` (its view, made when the
         call came) once the backing object is checked again (a shrunk one is refused, not
-        written: SIGBUS), else as ``place_y`` does. ``head``: ``_rmok_head(fields)``, made
-        once for the batch (None: the message is encoded as usual)."""
+        written: SIGBUS), else as ``place_y`` does. ``head``: ``_rmok_head(fields, y of the
+        batch)``, made once for the batch (None: the message is encoded as usual)."""
         try:
-            self.regions.unroute(key)  # type: ignore[union-attr]  # (None: never routed)
+            if key is not None:  # (None: never routed)
+                self.regions.unroute(key)  # type: ignore[union-attr]
             if y.shape == dest.shape and y.dtype == dest.dtype:
                 yr.mapping.check_alive(f"y region {yr.name!r}")
                 dest[...] = y
             else:
                 regions_mod.place_y(yr, y_off, y, dest, False)
-            dt = _DTYPE_CODE.get(_NAME.get(y.dtype))  # type: ignore[arg-type]
-            if head is not None and dt is not None and y.ndim == 2:  # _encode's "K" frame
+            if head is not None:  # _encode's "K" frame
                 if fe.alive:
-                    fe.out.send_bytes(_RMOK.pack(b"K", rid, *head[0], dt, *y.shape) + head[1])
+                    fe.out.send_bytes(_RMOK.pack(b"K", rid, *head[0], *y.shape) + head[1])
                 return
             fe.send(("rmok", rid, fields, (_NAME.get(y.dtype) or dtype_name(y.dtype),
                                            y.shape)))

@@ -75,11 +75,13 @@ def test_shared_heads_build_the_fixed_layouts_bytes() -> None:
                 == fe._encode(msg))
     for msg in (MESSAGES[6], MESSAGES[7]):
         _, rid, f, (dt, (r, c)) = msg
-        head = fe._rmok_head(f)
+        y = np.zeros((r, c), fe._LE[dt])
+        head = fe._rmok_head(f, y)
         assert head is not None
-        assert (fe._RMOK.pack(b"K", rid, *head[0], fe._DTYPE_CODE[dt], r, c) + head[1]
-                == fe._encode(msg))
-    assert fe._rmok_head(MESSAGES[9][2]) is None and fe._mmok_head(MESSAGES[9][2]) is None
+        assert fe._RMOK.pack(b"K", rid, *head[0], r, c) + head[1] == fe._encode(msg)
+    y = np.zeros((1, 8), np.float32)
+    assert fe._rmok_head(MESSAGES[9][2], y) is None and fe._mmok_head(MESSAGES[9][2]) is None
+    assert fe._rmok_head(MESSAGES[6][2], np.zeros((1, 2, 8), np.float32)) is None  # 3-D
 
 
 class _Capture(fe._Peer):
