@@ -30,7 +30,12 @@ ROWS=3584 K=18944
 mkdir -p /tmp/dp_base
 for d in kernels client proto; do ln -sfn "$PWD/$d" "/tmp/dp_base/$d"; done
 rm -rf /tmp/dp_base/service && cp -r service /tmp/dp_base/service
-cp bench/dp_s27/frontends_6fb1383.py.txt /tmp/dp_base/service/frontends.py
+# (main's frontends.py copy lives on branch wt-dp only: a copy of a product file stays off main)
+if [[ -f bench/dp_s27/frontends_6fb1383.py.txt ]]; then
+  cp bench/dp_s27/frontends_6fb1383.py.txt /tmp/dp_base/service/frontends.py
+else
+  echo "# no bench/dp_s27/frontends_6fb1383.py.txt: base and new run the same frontends.py"
+fi
 base_tree /tmp/dp_base
 lat() {  # lat: bench/lane_latency.py as gpu_check.sh's lane_latency step, shorter
   local t=$SECONDS
