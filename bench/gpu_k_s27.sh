@@ -95,5 +95,16 @@ $INC" --variant "c0||")
     echo "# tests"; tail -3 "$OUT/tests.log"; ab_report xb; } | table
   exit 0
 fi
+# PHASE=c (bound 90): bundle B's tests step was cut at its 30 s after 12 passed (test_cuda_ks.py
+# 8, test_cuda_ksc.py 3, test_cuda_ks14.py 1): the one it did not reach, every table cell's
+# launch shape on pair weights against the reference (the new 3584x3584 N=64 src 7 k4 cell and
+# the K-slice tiles with XFIRST 1 among them).
+if [[ ${PHASE} == c ]]; then
+  step tests 85 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+    "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
+  { echo "== k session 27 PHASE=c (tree $(tree_commit)), $(elapsed)"; steps
+    tail -3 "$OUT/tests.log"; } | table
+  exit 0
+fi
 echo "PHASE=${PHASE} not written yet"
 exit 2

@@ -48,7 +48,8 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_dataplane_run.sh": [("variants", {"VARIANTS": "4 8@200 8:0 8:m0 6rr"}, [])],
     "gpu_hp_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
     "gpu_t1_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
-    "gpu_k_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
+    "gpu_k_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
+                     ("c", {"PHASE": "c"}, [])],
     "gpu_dp_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
 }
 # what a shell prints when a script is broken (a bad name, an unset variable, a parse error)
