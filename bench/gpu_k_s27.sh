@@ -96,14 +96,26 @@ $INC" --variant "c0||")
   exit 0
 fi
 # PHASE=c (bound 90): bundle B's tests step was cut at its 30 s after 12 passed (test_cuda_ks.py
-# 8, test_cuda_ksc.py 3, test_cuda_ks14.py 1): the one it did not reach, every table cell's
-# launch shape on pair weights against the reference (the new 3584x3584 N=64 src 7 k4 cell and
-# the K-slice tiles with XFIRST 1 among them).
+# 8, test_cuda_ksc.py 3, test_cuda_ks14.py 1): 1. tests: the one it did not reach, every table
+# cell's launch shape on pair weights against the reference (the new 3584x3584 N=64 src 7 k4
+# cell and the K-slice tiles with XFIRST 1 among them). If time is left (for the next session):
+# 2. trace: per-warp stamps of today's kernel (XFIRST 1) on the N=8/16 cells bundle A traced
+# (where the staging stands now); 3. clu: the split-K sum inside a cluster (src 7) at the K
+# splits of AUTO's N = 8/16 cells of 4096x14336 / 18944x3584 (the sum launch costs 1.9-2.7 us
+# there; the plan runs src 4 where the clusters do not all co-reside).
 if [[ ${PHASE} == c ]]; then
-  step tests 85 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+  step tests 55 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
     "tests/kernels/test_cuda_pairs.py::test_every_table_shape"
+  step trace 18 python3 bench/wg_ab.py --variant "c0||" --trace now --rounds 1 --iters 10 \
+    --cells 4096x14336:8,18944x3584:8,4096x14336:16 --json "$OUT/trace.json"
+  A="8:nt=1,src=7,pf=1,warps=8,ksplit=8;8:nt=1,src=7,pf=1,warps=8,ksplit=7"
+  A+=";16:nt=2,src=7,pf=1,warps=16,ksplit=8;16:nt=2,src=7,pf=1,warps=8,ksplit=7"
+  step clu 15 python3 bench/kernels.py --cfg-ab "$A" --rounds 2 --shapes 4096x14336,18944x3584 \
+    --json "$OUT/clu.json"
   { echo "== k session 27 PHASE=c (tree $(tree_commit)), $(elapsed)"; steps
-    tail -3 "$OUT/tests.log"; } | table
+    tail -3 "$OUT/tests.log"; ab_report trace
+    echo "# clu: shape N AUTO us candidate us AUTO/cand rel torch"
+    grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/clu.log" 2>/dev/null | sed -E 's/ +/ /g'; } | table
   exit 0
 fi
 echo "PHASE=${PHASE} not written yet"
