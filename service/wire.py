@@ -125,13 +125,17 @@ ZERO_COPY_MIN = 128 << 10
 # call is the skeleton's with x a view of ``raw`` (T1's 37 KB request on the 2-core VM: read +
 # region_io + matmul_call 6.6 -> ~1.5 us). Anything else goes to upb, as before.
 SKELETONS = True  # False: every request parsed by upb (an A/B in process)
-MAX_SKELETONS = 8  # per kind (x's N, dtype, options: the most recent first)
+MAX_SKELETONS = 4  # per kind (x's N, dtype, options: the most recent first)
 # After an attempt to keep a skeleton (kept or not), a kind's next this many requests that no
 # skeleton reads are parsed without one: an attempt costs ~16 us (N=1) to ~30 (N=64) on the VM
 # beside upb's 6-14, so a caller whose requests of one weight change shape every time, or whose
 # bytes are not the canonical ones, pays ~1-2 us a request for it, not the whole attempt
 LEARN_GAP = 16
-MAX_KINDS = 4096  # kinds kept; the table starts over beyond
+MAX_KINDS = 1024  # kinds kept; the table starts over beyond
+# a skeleton's bytes besides x's data (names, shape, options; a multi-weight request's names
+# are in it): a larger one is not kept, so the table holds at most ~MAX_KINDS x MAX_SKELETONS
+# x 1 KiB (made-up weight names pass matmul_call's checks: only the engine knows the names)
+MAX_SKELETON_BYTES = 1024
 _TAIL_KEY = 16  # a weightless (multi-weight) request's kind: its last bytes (weights' names)
 
 
@@ -263,8 +267,9 @@ def _learn(raw: bytes, kind: bytes, req: pb.MatmulRequest | MatmulIn) -> None:
     before_id, after_id = before.SerializeToString(), after.SerializeToString()
     rid = pb.MatmulRequest(request_id=msg.request_id).SerializeToString()
     tail = before_id + rid + after_id  # (x's data between: its length is in the head)
-    if len(rid) > 2 + 0x7F or len(raw) != len(head) + x.nbytes + len(tail) or not (
-            raw.startswith(head) and raw.endswith(tail)):
+    if len(rid) > 2 + 0x7F or len(head) + len(before_id) + len(after_id) > MAX_SKELETON_BYTES \
+            or len(raw) != len(head) + x.nbytes + len(tail) or not (
+                raw.startswith(head) and raw.endswith(tail)):
         return
     s = _Skeleton(head, x.nbytes, before_id, after_id,
                   len(head) + x.nbytes + len(before_id) + len(after_id), x.dtype, x.shape,

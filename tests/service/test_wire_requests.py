@@ -232,3 +232,14 @@ def test_a_kind_is_not_tried_again_for_learn_gap_requests() -> None:
     wire.read_matmul_request(b)  # the next attempt: kept
     assert isinstance(wire.read_matmul_request(b), wire.MatmulSeen)
     assert isinstance(wire.read_matmul_request(a), wire.MatmulSeen)
+
+
+def test_a_skeleton_larger_than_the_limit_is_not_kept() -> None:
+    """A request whose bytes besides x's data pass MAX_SKELETON_BYTES (long names: made-up
+    names pass the checks) leaves no skeleton: the table stays small whatever is sent."""
+    wire.clear_skeletons()
+    names = [f"{i}" + "n" * 200 for i in range(6)]
+    raw = _raw(np.ones((1, 32), np.float16), weights=names, request_id="1")
+    for _ in range(2):
+        assert not isinstance(wire.read_matmul_request(raw), wire.MatmulSeen)
+    assert not wire._SKELETONS
