@@ -184,6 +184,10 @@ class MatmulSeen:
 
 _SKELETONS: dict[bytes, list[_Skeleton]] = {}
 _HOLD: dict[bytes, int] = {}  # kind -> its requests still to parse before the next attempt
+# weightless kinds seen once: such a kind (a request's last bytes) is tried on its second
+# request only, as its last bytes hold x's data or the request id when the names are short
+# (under _TAIL_KEY bytes with their tags), a kind that never comes again
+_ONCE: dict[bytes, None] = {}
 _F_REQ_ID = pb.MatmulRequest.DESCRIPTOR.fields_by_name["request_id"].number
 _T_RID = bytes((_F_REQ_ID << 3 | 2,))
 
@@ -192,6 +196,7 @@ def clear_skeletons() -> None:
     """Forget every skeleton and attempt (tests; an A/B in process)."""
     _SKELETONS.clear()
     _HOLD.clear()
+    _ONCE.clear()
 
 
 def _kind(raw: bytes) -> bytes | None:
@@ -239,6 +244,11 @@ def _learn(raw: bytes, kind: bytes, req: pb.MatmulRequest | MatmulIn) -> None:
     hold = _HOLD.get(kind)
     if hold:
         _HOLD[kind] = hold - 1
+        return
+    if hold is None and raw[:1] != b"\n" and kind not in _ONCE:  # (weightless: see _ONCE)
+        if len(_ONCE) >= MAX_KINDS:
+            _ONCE.clear()
+        _ONCE[kind] = None
         return
     if len(_HOLD) >= MAX_KINDS:
         _HOLD.clear()
