@@ -45,7 +45,10 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
   --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
-git log -1 --format='commit %H %s' 2>/dev/null | tee "$OUT/commit.txt"
+# the tree's commit: the sender's COMMIT file where there is one (a copied tree's .git may be
+# another checkout's: session 27's check wrote session 26's commit here), else git's
+if [[ -f COMMIT ]]; then echo "commit $(cat COMMIT) (the sender's COMMIT file)"
+else git log -1 --format='commit %H %s' 2>/dev/null; fi | tee "$OUT/commit.txt"
 rc=0
 if want kstest; then  # the K-slice tile's GPU tests, before a tune may put it in the table
   # shellcheck disable=SC2086
