@@ -106,6 +106,16 @@ def parse_variants(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
+def variants_and_order(ap: argparse.ArgumentParser, variants_text: str,
+                       order_text: str) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """--variants parsed and --order checked against them (an unknown name: ap.error)."""
+    variants = parse_variants(variants_text)
+    order = [v for v in order_text.split(",") if v]
+    if unknown := [v for v in order if v not in variants]:
+        ap.error(f"--order names {unknown} not in --variants")
+    return variants, order
+
+
 def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """A variant's worker environment and its host options (HOST_KEYS, typed)."""
     worker = {k: v for k, v in env.items() if not k.startswith("host.")}
@@ -196,10 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
-    variants = parse_variants(a.variants)
-    order = [v for v in a.order.split(",") if v]
-    if unknown := [v for v in order if v not in variants]:
-        ap.error(f"--order names {unknown} not in --variants")
+    variants, order = variants_and_order(ap, a.variants, a.order)
     seqs = [int(s) for s in a.seqs.split(",") if s]
     a.out_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"argv": sys.argv, "variants": variants, "runs": [], "errors": [],

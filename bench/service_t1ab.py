@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from replay_ab import parse_variants, start, worker_env  # bench/ is sys.path[0]
+from replay_ab import start, variants_and_order, worker_env  # bench/ is sys.path[0]
 from service_load import LoadSpec, grpc_floor, run_load
 
 from service import PARTS, WARM_NS, WEIGHTS, parts, random_q6k
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
-    variants = parse_variants(a.variants)
-    order = [v for v in a.order.split(",") if v]
-    if unknown := [v for v in order if v not in variants]:
-        ap.error(f"--order names {unknown} not in --variants")
+    variants, order = variants_and_order(ap, a.variants, a.order)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     rows, k = WEIGHTS[WEIGHT]
     rows = max(1, round(rows * a.row_scale))

@@ -79,16 +79,14 @@ def tensor_spec(t: pb.Tensor, what: str = "x") -> tuple[np.dtype, tuple[int, int
     return dt, (n, k)
 
 
-class MatmulIn:
-    """A MatmulRequest as the worker reads it (:func:`read_matmul_request`): the message
-    without ``x.data`` (``msg``; every other field is read through this object) and
-    ``x.data`` as a view of the bytes gRPC read (``x_data``). ``ByteSize`` and
-    ``SerializeToString`` answer for the whole request, as read."""
+class _ReadRequest:
+    """What the worker's two request readers share: the request's bytes as gRPC read them
+    (``raw``: ``ByteSize`` and ``SerializeToString`` answer for the whole request) and a
+    parsed message (``msg``) that any field not kept on the reader is read from."""
 
-    __slots__ = ("msg", "raw", "x_data")
-
-    def __init__(self, msg: pb.MatmulRequest, x_data: memoryview, raw: bytes) -> None:
-        self.msg, self.x_data, self.raw = msg, x_data, raw
+    __slots__ = ()
+    raw: bytes
+    msg: pb.MatmulRequest
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.msg, name)
@@ -98,6 +96,17 @@ class MatmulIn:
 
     def SerializeToString(self) -> bytes:
         return self.raw
+
+
+class MatmulIn(_ReadRequest):
+    """A MatmulRequest as the worker reads it (:func:`read_matmul_request`): the message
+    without ``x.data`` (``msg``; every other field is read through this object) and
+    ``x.data`` as a view of the bytes gRPC read (``x_data``)."""
+
+    __slots__ = ("msg", "raw", "x_data")
+
+    def __init__(self, msg: pb.MatmulRequest, x_data: memoryview, raw: bytes) -> None:
+        self.msg, self.x_data, self.raw = msg, x_data, raw
 
 
 _F_REQ_X = pb.MatmulRequest.DESCRIPTOR.fields_by_name["x"].number
@@ -154,7 +163,7 @@ class _Skeleton(NamedTuple):
     weights: tuple[str, ...]
 
 
-class MatmulSeen:
+class MatmulSeen(_ReadRequest):
     """A request read through a skeleton (:func:`read_matmul_request`): its call's fields,
     x as an array (``x_array``, a view of ``raw``) and request id; any other field (``x``
     too) is read from ``raw`` parsed by upb on first use (nothing on the worker's path
@@ -171,15 +180,6 @@ class MatmulSeen:
         if self._msg is None:
             self._msg = pb.MatmulRequest.FromString(self.raw)
         return self._msg
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.msg, name)
-
-    def ByteSize(self) -> int:
-        return len(self.raw)
-
-    def SerializeToString(self) -> bytes:
-        return self.raw
 
 
 _SKELETONS: dict[bytes, list[_Skeleton]] = {}
