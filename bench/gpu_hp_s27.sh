@@ -14,6 +14,8 @@
 #    Q6SERVE_MULTI_LAUNCH=1, order off,on,on,off,off,on, every direct job stamped
 #    (bench/job_stamps.py: pre, x in, graph launch, record, wait, post per role);
 # 3. t1: T1 (one caller, N=1 f16 ffn_down, stream), its worker's jobs stamped (ask 2).
+# PHASE=b: see below; PHASE=c (bound ~70 s): stage_into vs fill_x (layer_wall OLD_FILL=1) and
+# T1 stamped again on main's tree.
 # (1b. wall: a small f16 y's way out in one kernel, launch.Y16_COPY 0/1, backend_wall.py
 #    --out-dtype f16 on 3584x18944 / 3584x3584 N=1, 8, graph and staged, alternated; and
 #    on:Y16_COPY=1 in step 1.)
@@ -116,6 +118,29 @@ for (s, v), runs in sorted(by.items()):
                       for role, m in med.items())
           + (f"; o other / lm-head other {statistics.median(rel):.3f}" if rel else ""))
 PY
+    machine_summary
+    steps
+  } | table
+elif [[ $PHASE == c ]]; then
+  # on main's tree (MULTI_LAUNCH and Y16_COPY on, stage_into): 1. stage_into against fill_x as
+  # before (layer_wall OLD_FILL=1), both ways of the multi-weight calls, S=1 and 8, with and
+  # without host work between calls; 2. T1's device job in situ again (job stamps), ask 2
+  BOUND=${BOUND:-70}
+  step layer "$(bound 30 32)" python3 bench/layer_wall.py --seqs 1,8 --steps 60 --layers 3 \
+    --rounds 4 --gap-us 0,150 --bound 26 --json "$OUT/layer.json" \
+    --variants "${LVC:-on,on:OLD_FILL=1,off,off:OLD_FILL=1}"
+  if left 14; then
+    PYTHONPATH=$PP Q6SERVE_JOB_STAMPS="$OUT/js_t1.json" step t1 "$(bound 30 2)" \
+      python3 bench/service.py --backend "${BACKEND:-cuda}" --target-report --targets T1 \
+      --modes stream --weights ffn_down --seconds 1.5 --warmup 0.3 --json "$OUT/t1.json"
+  fi
+  {
+    echo "# hp bundle c, tree $(tree_commit), $(elapsed)"
+    echo "## layer_wall: host = wall - kernel (wall, launch, kernel, gpu_pre, gpu_tail; split), us"
+    grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-200
+    echo "## job stamps (T1's worker)"
+    python3 bench/job_stamps.py "$OUT"/js_*.json 2>&1 | grep -v "?" | cut -c1-260
+    grep -hE "^T1 |mean us|^# T1 stream" "$OUT/t1.log" 2>/dev/null | tr -s ' ' | cut -c1-200
     machine_summary
     steps
   } | table

@@ -21,9 +21,11 @@ flags object): q+k+v (3584x3584 + 512x3584 + 512x3584) on one x, o (3584x3584), 
 
 A variant ``WAY:NAME=INT[+NAME=INT...]`` also sets constants of kernels/cuda/launch.py for its
 rounds (e.g. ``on:Y16_COPY=1``; each switch rebinds the sequences, two steps unmeasured after
-it). Variants alternate per round (order reversed every other round). ``--gap-us G``: before every
-call the host does ~G us of other Python work over a few MB (the worker's gRPC, decode and
-reply between two device jobs, which evict the caches a back-to-back loop keeps warm).
+it); ``OLD_FILL=1``: a cached call's x into its staging by ``fill_x`` (byte views, slice,
+reshape) as before ``launch.stage_into``. Variants alternate per round (order reversed every
+other round). ``--gap-us G``: before every call the host does ~G us of other Python work over a
+few MB (the worker's gRPC, decode and reply between two device jobs, which evict the caches a
+back-to-back loop keeps warm).
 
 Per call role (q+k+v, o, gate+up, down): wall (launch .. wait returned), launch (launch's own
 return), wait, kernel (the calls' reported kernel time, the parts' summed), host = wall -
@@ -59,6 +61,9 @@ LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (3584, 3584
 ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
          ("gate+up", ("gate", "up"), 3584), ("down", ("down",), 18944))
 WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+w", "on+k")
+# variant keys that are not launch.py constants (their defaults): OLD_FILL=1, a cached call's
+# unstaged x copied into its staging by fill_x as before session 27's launch.stage_into
+LOCAL = {"OLD_FILL": 0}
 FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
 F16 = np.dtype(np.float16)
 
@@ -271,12 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         way, _, sets = v.partition(":")
         pairs = dict(kv.split("=") for kv in filter(None, sets.split("+")))
-        if way not in WAYS or not all(hasattr(launch_mod, k) for k in pairs):
+        if way not in WAYS or not all(hasattr(launch_mod, k) or k in LOCAL for k in pairs):
             ap.error(f"--variants: {v!r} (a way of {', '.join(WAYS)}, then constants of "
                      "kernels/cuda/launch.py)")
         spec[v] = (way, {k: int(x) for k, x in pairs.items()})
-    defaults = {k: getattr(launch_mod, k) for _, sets in spec.values() for k in sets}
+    defaults = {k: LOCAL[k] if k in LOCAL else getattr(launch_mod, k)
+                for _, sets in spec.values() for k in sets}
     now: list[dict[str, int]] = [{}]
+    stage_into = launch_mod.stage_into
+
+    def old_fill(call: Any, x: np.ndarray) -> None:  # (OLD_FILL=1: before stage_into)
+        launch_mod.fill_x(call.host, x)
 
     def use(v: str) -> str:
         """Variant ``v``'s constants set (a change rebinds every sequence); its way."""
@@ -284,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         want = {**defaults, **sets}
         if want != now[0]:
             for k, x in want.items():
-                setattr(launch_mod, k, x)
+                if k == "OLD_FILL":
+                    launch_mod.stage_into = old_fill if x else stage_into
+                else:
+                    setattr(launch_mod, k, x)
             be.launcher.ws.gen += 1
             now[0] = want
         return way
@@ -349,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         for k, x in defaults.items():  # (the module as it was)
-            setattr(launch_mod, k, x)
+            if k not in LOCAL:
+                setattr(launch_mod, k, x)
+        launch_mod.stage_into = stage_into
     return report(rows, variants, a.json, equal)
 
 

@@ -116,6 +116,31 @@ def test_bound_stops_after_a_round(lw, tmp_path, capsys):
     assert "# bound: stopped" in capsys.readouterr().out
 
 
+def test_old_fill_variant(lw):
+    """OLD_FILL=1 (a bench key): that variant's cached calls fill x by fill_x as before
+    launch.stage_into; the module's stage_into is put back after."""
+    layer_wall, _, launch_mod = lw
+    used = []
+    fill_x, stage_into = launch_mod.fill_x, launch_mod.stage_into
+
+    def counted(dst, src):
+        used.append(src.nbytes)
+        fill_x(dst, src)
+
+    launch_mod.fill_x = counted
+    try:
+        args = ["--seqs", "1", "--steps", "4", "--rounds", "1", "--gap-us", "0", "--variants"]
+        layer_wall.main([*args, "on"])  # (fill_x: only the first, uncached calls')
+        on = len(used)
+        layer_wall.main([*args, "on:OLD_FILL=1"])
+        # the cached calls' too: 4 calls a step x (4 + 2 + 1) steps, less the uncached ones
+        assert len(used) - on >= on + 4 * 4
+        assert set(used) <= {3584 * 2, 18944 * 2}
+    finally:
+        launch_mod.fill_x = fill_x
+    assert launch_mod.stage_into is stage_into
+
+
 def test_unknown_variant_refused(lw):
     layer_wall, _, _ = lw
     with pytest.raises(SystemExit):
