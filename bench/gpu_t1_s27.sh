@@ -80,4 +80,33 @@ hasattr(w, 'MatmulSeen'))"
     [[ -f $OUT/replay.log ]] && sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-900
   } | table
 fi
+if [[ $PHASE == d ]]; then
+  # D: the replay's caller decoding its replies (issue 14, the caller's CPU at S=8: client 8.32
+  # ms a step in main 1290b84's closing check, of which gate+up's 606 KB reply ~120 us a call):
+  # upb and the arrays (arr: bench/service.py --replay's host up to main 1290b84, y copied twice)
+  # against the q6serve client's own stream decoding (cli: core.stream_outcome, what
+  # Client.matmul_stream yields: replies >= 256 KiB read as views, every MatmulOutput field) and
+  # the client's views from 32 KiB (v32: client/reply_bytes.VIEW_MIN=32768, every S=8 y reply
+  # but lm-head's top-k), alternated on one worker (main's code), 28 layers, multi-weight,
+  # top-64, f16, S=8; the first run (v32) also compiles the kernels.
+  #   PHASE=d bash bench/gpu_t1_s27.sh   env: BOUND (100), BACKEND (cuda), LAYERS (28), SCALE (1),
+  #     RORDER, RVARIANTS, SEQS (8), RSECONDS (1.5)
+  BOUND=${BOUND:-100}
+  rorder=v32,arr,cli,v32,cli,v32,arr,v32,arr,cli,arr,cli,v32,cli,v32,arr,v32,arr,cli
+  rvariants="arr:host.decode=arrays,host.precision=f16 cli:host.decode=client,host.precision=f16"
+  rvariants="$rvariants v32:host.decode=client,host.view_min=32768,host.precision=f16"
+  rest=$(($(bound 1000 6) - 1))
+  step replay "$(bound 1000 4)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
+    --variants "${RVARIANTS:-$rvariants}" \
+    --order "${RORDER:-$rorder}" --seqs "${SEQS:-8}" --seconds "${RSECONDS:-1.5}" --warmup 0.4 \
+    --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  {
+    echo "# gpu_t1_s27 PHASE=$PHASE $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    grep -hE "FAILED|skipped" "$OUT"/*.log | cut -c1-200
+    [[ -f $OUT/replay.log ]] && sed -n '/^# replay A\/B/,$p' "$OUT/replay.log" | cut -c1-900
+  } | table
+fi
 exit 0

@@ -582,7 +582,7 @@ def model_replay(b: Bench) -> None:
                                   a.replay_out, spin, transport=a.replay_transport,
                                   # a client session's replies as its calls return them
                                   decode="client" if a.replay_transport in SESSIONS
-                                  else "arrays")
+                                  else a.replay_decode)
                 try:
                     if a.replay_floor and (spin, multi) not in floors:
                         got = replay_floors(plans, s_, itemsize, a, spin)
@@ -849,6 +849,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "runs it, spinning for each reply on 8+ cores: session 22's default), the "
                     "sync stub, ... (bench/svc_util_transport.py); the floor's echo caller "
                     "uses the same, its loop spinning as the host's")
+    ap.add_argument("--replay-decode", default="arrays", choices=("arrays", "client"),
+                    help="--replay (aio / sync hosts; a session's replies are always the "
+                    "client's): how a host reads its replies: arrays (upb parses the reply, "
+                    "then y / the top-k as arrays: y copied twice) or client (the q6serve "
+                    "client's own stream decoding, core.stream_outcome: what "
+                    "Client.matmul_stream yields, large replies' arrays as views of the reply)")
     ap.add_argument("--multi", default="both", choices=("both", "on", "off"),
                     help="--replay: multi-weight calls for q/k/v and gate/up, or not, or both")
     ap.add_argument("--replay-out", default="f16", choices=("f16", "f32"),
