@@ -87,24 +87,21 @@ if [[ $PHASE == d ]]; then
   # against the q6serve client's own stream decoding (cli: core.stream_outcome, what
   # Client.matmul_stream yields: replies >= 256 KiB read as views, every MatmulOutput field) and
   # the client's views from 32 KiB (v32: client/reply_bytes.VIEW_MIN=32768, every S=8 y reply
-  # but lm-head's top-k) and cli with the host channel's TCP reads in larger chunks (rc: gRPC's
-  # tcp_read_chunk_size 1 MiB, min 128 KiB, against 8 KiB and 256 B: gate+up's reply is 606 KB),
-  # alternated on one worker (main's code), 28 layers, multi-weight, top-64, f16, S=8
-  # (arr 6 runs, cli 6, v32 4, rc 4); the first run (v32) also compiles the kernels.
+  # but lm-head's top-k), alternated on one worker (main's code), 28 layers, multi-weight,
+  # top-64, f16, S=8 and S=1 (at S=1 every reply is under 256 KiB: the client's decoding
+  # without views, every MatmulOutput field, against upb and y alone), 1 s a run (arr 6
+  # runs, cli 6, v32 3); the first run (v32) also compiles the kernels.
   #   PHASE=d bash bench/gpu_t1_s27.sh   env: BOUND (100), BACKEND (cuda), LAYERS (28), SCALE (1),
-  #     RORDER, RVARIANTS, SEQS (8), RSECONDS (1.5)
+  #     RORDER, RVARIANTS, SEQS (8,1), RSECONDS (1.0)
   BOUND=${BOUND:-100}
-  rorder=v32,arr,cli,rc,cli,arr,v32,arr,cli,rc,cli,arr,v32,arr,cli,rc,cli,arr,v32,rc
+  rorder=v32,arr,cli,cli,arr,v32,arr,cli,cli,arr,v32,arr,cli,cli,arr
   rvariants="arr:host.decode=arrays,host.precision=f16 cli:host.decode=client,host.precision=f16"
   rvariants="$rvariants v32:host.decode=client,host.view_min=32768,host.precision=f16"
-  rcargs=host.grpc.experimental.tcp_read_chunk_size=1048576
-  rcargs=$rcargs,host.grpc.experimental.tcp_min_read_chunk_size=131072
-  rvariants="$rvariants rc:host.decode=client,$rcargs,host.precision=f16"
   rest=$(($(bound 1000 6) - 1))
   step replay "$(bound 1000 4)" python3 bench/replay_ab.py --backend "${BACKEND:-cuda}" \
     --layers "${LAYERS:-28}" --scale "${SCALE:-1}" \
     --variants "${RVARIANTS:-$rvariants}" \
-    --order "${RORDER:-$rorder}" --seqs "${SEQS:-8}" --seconds "${RSECONDS:-1.5}" --warmup 0.4 \
+    --order "${RORDER:-$rorder}" --seqs "${SEQS:-8,1}" --seconds "${RSECONDS:-1.0}" --warmup 0.4 \
     --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   {
     echo "# gpu_t1_s27 PHASE=$PHASE $(tree_commit) total $(elapsed)"
