@@ -480,6 +480,9 @@ def test_replay_floor_uses_the_replays_caller_transport(monkeypatch: pytest.Monk
     # the replay's host: grpc.aio on the host's loop (session 23's 28-layer A/B: the spinning
     # Client.session(), session 22's default, was no faster)
     assert bench_service.parse_args(["--replay"]).replay_transport == "aio"
+    # its replies read as upb and y alone (session 27's bundle D: the client's own decoding,
+    # views from 256 KiB, moved neither S=8 nor S=1)
+    assert bench_service.parse_args(["--replay"]).replay_decode == "arrays"
 
 
 def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
@@ -488,11 +491,11 @@ def test_tiny_model_replay_sync_unary(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "bench/service.py"), "--backend", "numpy", "--replay",
            "--layers", "1", "--scale", "0.002", "--replay-seqs", "2", "--topk", "8",
            "--multi", "on", "--replay-transport", "sync", "--replay-mode", "unary",
-           "--seconds", "0.3", "--warmup", "0.1", "--json", str(out)]
+           "--replay-decode", "client", "--seconds", "0.3", "--warmup", "0.1", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (r,) = json.loads(out.read_text())["replay"]
-    assert (r["transport"], r["mode"]) == ("sync", "unary")
+    assert (r["transport"], r["mode"], r["decode"]) == ("sync", "unary", "client")
     assert r["steps"] > 0 and r["floor_step_ms"] > 0 and r["limit_ms"] is not None
     assert "caller gRPC sync unary" in done.stdout
 
