@@ -124,26 +124,28 @@ fi
 # that takes the last adds the tile's K-slice partials in slice order (q6k_sum_parts' adds: the
 # same bits expected) and writes y. No waiting, no co-residency (sessions 24-26's forms needed a
 # CTA to add a whole row group alone, or the group's CTAs / a cluster resident together).
-# ws1: a warp takes its tiles' tickets at its end (one fence, lane i on tile i); ws2: after each
-# tile. Both run without the sum launch (--nopost); ns = today's tile without it (y incomplete:
-# the sum's whole cost, 1.9-2.7 us at N = 8/16 in bundle A); c0 = today's text compiled as the
-# variants are (the control); --recheck 2: two more calls each on a fresh x, bits against now
-# (stale counters would show). 1. wsa: the src 4 cells at N <= 16 (the 48-56 MB shapes,
-# 4096x4096, an lm-head at N=8: many tiles per warp); 2. wsb: N = 32/64 (src 4; the sum's bytes
-# grow with N); 3. tests: the K-slice GPU tests on this tree (the product's text is unchanged
-# with WSUM 0).
+# ws1: a warp takes its tiles' tickets at its end (one fence, nothing in flight then; lane i on
+# its i-th tile, so the atomics overlap), fences __threadfence (fence.sc.gpu); ws1a: the same
+# with fence.acq_rel.gpu (Q6SERVE_KS_WSUM_AR). Both run without the sum launch (--nopost); ns =
+# today's tile without it (y incomplete: the sum's whole cost, 1.9-2.7 us at N = 8/16 in bundle
+# A); c0 = today's text compiled as the variants are (the control); --recheck 2: two more calls
+# each on a fresh x, bits against now (stale counters would show).
+# 1. wsa: the src 4 cells at N <= 16 (the 48-56 MB shapes, 4096x4096, an lm-head at N=8: many
+#    tiles per warp); 2. wsb: N = 32/64 (src 4; the sum's bytes grow with N); 3. tests: the
+#    K-slice GPU tests on this tree (the product's PTX is main's with WSUM 0: nvcc -ptx equal).
 if [[ ${PHASE} == d ]]; then
   V=(--variant "c0||" --variant "ns||" --variant "ws1|$INC|#define Q6SERVE_KS_WSUM 1
-$INC" --variant "ws2|$INC|#define Q6SERVE_KS_WSUM 2
+$INC" --variant "ws1a|$INC|#define Q6SERVE_KS_WSUM 1
+#define Q6SERVE_KS_WSUM_AR 1
 $INC")
-  C="4096x14336:8,4096x14336:16,18944x3584:8,18944x3584:16,3584x18944:8,3584x18944:16"
-  C+=",4096x4096:8,4096x4096:16,4096x14336:4,128256x4096:8"
-  step wsa 50 python3 bench/wg_ab.py "${V[@]}" --nopost ns,ws1,ws2 --auto --recheck 2 \
+  C="4096x14336:16,4096x14336:8,18944x3584:8,3584x18944:16,18944x3584:16,3584x18944:8"
+  C+=",4096x4096:16,4096x4096:8,128256x4096:8,4096x14336:4"
+  step wsa 55 python3 bench/wg_ab.py "${V[@]}" --nopost ns,ws1,ws1a --auto --recheck 2 \
     --cells "$C" --rounds 2 --iters 30 --json "$OUT/wsa.json"
   C="4096x14336:32,18944x3584:32,3584x18944:32,14336x4096:32,4096x4096:64,14336x4096:64"
-  step wsb 25 python3 bench/wg_ab.py "${V[@]}" --nopost ns,ws1,ws2 --auto --recheck 2 \
+  step wsb 27 python3 bench/wg_ab.py "${V[@]}" --nopost ns,ws1,ws1a --auto --recheck 2 \
     --cells "$C" --rounds 2 --iters 30 --json "$OUT/wsb.json"
-  step tests 15 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_cuda_ks.py
+  step tests 12 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/kernels/test_cuda_ks.py
   { echo "== k session 27 PHASE=d (tree $(tree_commit)), $(elapsed)"; steps; ab_report wsa
     ab_report wsb; echo "# tests"; tail -3 "$OUT/tests.log"; } | table
   exit 0

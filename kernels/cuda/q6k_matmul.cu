@@ -584,10 +584,9 @@ __device__ __forceinline__ void ks_cluster_emit(const Out& o, int rows, int wt0,
 // partials written, fences them and counts itself in on a counter per (warp tile, token chunk)
 // (q6k_ws_cnt, module memory, zero between launches: the last arrival resets it); the warp that
 // takes the last ticket adds the tile's ks partials in slice order from 0.f (q6k_sum_parts' adds:
-// the same bits) and writes y. 1: a warp counts in all its tiles at its end (one fence, nothing
-// in flight; lane i takes tile i's ticket, so the atomics of a warp's tiles overlap); 2: after
-// each tile (the fence may wait for the next block's loads in flight). Session 4's version (a
-// ticket after every tile, with the adds behind it) ran 140-270 us at N=64; sessions 24-25's
+// the same bits) and writes y. A warp counts in all its tiles at its end (one fence, nothing in
+// flight then; lane i takes the i-th tile's ticket, so a warp's atomics overlap). Session 4's
+// version (a ticket after every tile, the adds behind it) ran 140-270 us at N=64; sessions 24-25's
 // CTA-grained forms (one CTA adds a row group's outputs alone; or waits for its group and adds a
 // share) lost 5-26% / 0.3-4 us. The run's launch plan has no sum launch (bench/wg_ab.py --nopost).
 #ifndef Q6SERVE_KS_WSUM
@@ -595,6 +594,18 @@ __device__ __forceinline__ void ks_cluster_emit(const Out& o, int rows, int wt0,
 #endif
 #if Q6SERVE_KS_WSUM
 __device__ u32 q6k_ws_cnt[1 << 17];
+// The fences around the tickets: __threadfence (membar.gl = fence.sc.gpu), or with
+// Q6SERVE_KS_WSUM_AR 1 fence.acq_rel.gpu (enough for the release / acquire of the partials).
+#ifndef Q6SERVE_KS_WSUM_AR
+#define Q6SERVE_KS_WSUM_AR 0
+#endif
+__device__ __forceinline__ void ws_fence() {
+#if Q6SERVE_KS_WSUM_AR
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
 // The sum of warp tile wt (16*MT rows from wt*16*MT, the chunk's 8*NT tokens from tok0): each
 // lane adds the ks partials of the outputs it holds in the mma fragment order, slice order.
 template <int NT, int MT>
@@ -647,7 +658,7 @@ __device__ __forceinline__ void ks_wsum(const Out& o, int rows, int bpr, int wt0
     // plans give every slice blocks, which q6k_sum_parts, adding all gridDim.y, needs too)
     const int per = (bpr + gridDim.y - 1) / gridDim.y;
     const int ks = (bpr + per - 1) / per;
-    __threadfence();  // this lane's partials before the ticket (the classic last-block pattern)
+    ws_fence();  // this lane's partials before the ticket (the classic last-block pattern)
     __syncwarp();
     for (int base = wt0; base < wtiles; base += 32 * wstride) {
         const int wt = base + lane * wstride;
@@ -659,7 +670,7 @@ __device__ __forceinline__ void ks_wsum(const Out& o, int rows, int bpr, int wt0
         }
         u32 m = __ballot_sync(0xffffffffu, last);
         if (!m) continue;
-        __threadfence();  // the other slices' partials after their tickets
+        ws_fence();  // the other slices' partials after their tickets
         while (m) {
             const int j = __ffs(m) - 1;
             m &= m - 1;
@@ -753,18 +764,14 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
                 warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
             }
         }
-        if (KC == 0) {
+        if (KC == 0)
             ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
-#if Q6SERVE_KS_WSUM == 2
-            if (gridDim.y > 1) ks_wsum<NT, MT>(o, w.rows, w.bpr, wt, wtiles);
-#endif
-        }
         else
             ks_cluster_put<NT, MT>(acc, warp, lane, w.bpr);
       }  // (a warp without a tile puts nothing: its rows are past w.rows, never written)
       if (KC > 0) ks_cluster_emit<NT, MT, NW, KC>(o, w.rows, wt - warp, tok0, w.bpr);
     }
-#if Q6SERVE_KS_WSUM == 1
+#if Q6SERVE_KS_WSUM
     if (KC == 0 && gridDim.y > 1)
         ks_wsum<NT, MT>(o, w.rows, w.bpr, blockIdx.x * NW + (threadIdx.x >> 5), gridDim.x * NW);
 #endif
