@@ -626,7 +626,7 @@ __device__ __forceinline__ void ks_wsum_tile(const Out& o, int rows, int wt, int
                 s[mt][nt][i] = 0.f;
                 off[mt][nt][i] = row < rows && tok < o.n_tok ? tok * rows + row : -1;
             }
-#pragma unroll(NT * MT <= 2 ? 4 : 1)
+#pragma unroll(NT * MT <= 2 ? 4 : 2)
     for (int k = 0; k < ks; ++k) {
         const float* pk = o.part + k * slice;
 #pragma unroll
@@ -648,16 +648,18 @@ __device__ __forceinline__ void ks_wsum_tile(const Out& o, int rows, int wt, int
 // Count this warp in on its tiles wt0, wt0 + wstride, ... (< wtiles; 32 at a time: lane i takes
 // the i-th one's ticket) and add those whose last ticket it took. Call with the tiles' partials
 // written by the whole warp.
-// tok0 and lane from the built-ins here, wt0 / wstride from them in the caller (nothing more
-// live across the tiles: nvcc sm_90 spilled 4-176 bytes when the caller's were passed in).
+// tok0 and lane from the built-ins here, wt0 / wstride from them in the caller, and not inlined,
+// so nothing more is live across the tiles (nvcc sm_90a: inlined, it spilled 4 B at nt 2 / 128
+// registers, 176 B at nt 8 with the caller's values passed in; a call: 0 B spilled, a 32 B
+// stack frame at the kernel's end).
 template <int NT, int MT>
-__device__ __forceinline__ void ks_wsum(const Out& o, int rows, int bpr, int wt0, int wstride) {
+__device__ __noinline__ void ks_wsum(const Out& o, int rows, int wt0, int wstride) {
     const int lane = threadIdx.x & 31, tok0 = blockIdx.z * 8 * NT;
     const int wtiles = (rows + 16 * MT - 1) / (16 * MT);
-    // the slices that have blocks (k_range: a CTA without any leaves before its tiles; the
-    // plans give every slice blocks, which q6k_sum_parts, adding all gridDim.y, needs too)
-    const int per = (bpr + gridDim.y - 1) / gridDim.y;
-    const int ks = (bpr + per - 1) / per;
+    // every K slice arrives: the plans give each blocks (a CTA without any leaves before its
+    // tiles), which q6k_sum_parts, adding all gridDim.y slices, needs as well (bpr is not kept
+    // live for this: nvcc sm_90 spilled 4 B at nt 2 when it was)
+    const int ks = gridDim.y;
     ws_fence();  // this lane's partials before the ticket (the classic last-block pattern)
     __syncwarp();
     for (int base = wt0; base < wtiles; base += 32 * wstride) {
@@ -773,7 +775,7 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     }
 #if Q6SERVE_KS_WSUM
     if (KC == 0 && gridDim.y > 1)
-        ks_wsum<NT, MT>(o, w.rows, w.bpr, blockIdx.x * NW + (threadIdx.x >> 5), gridDim.x * NW);
+        ks_wsum<NT, MT>(o, w.rows, blockIdx.x * NW + (threadIdx.x >> 5), gridDim.x * NW);
 #endif
 }
 
