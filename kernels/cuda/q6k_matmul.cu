@@ -578,110 +578,6 @@ __device__ __forceinline__ void ks_cluster_emit(const Out& o, int rows, int wt0,
 // KC: 0, the kernel q6k_ks_f16 (ks == 1 writes y, else partial sums for q6k_sum_parts); > 0,
 // q6k_ksc_f16 (below): the KC K slices of a row group are one thread-block cluster and add
 // their partial sums through distributed shared memory (ks_cluster_emit), no second launch.
-// Q6SERVE_KS_WSUM (session 27, bench A/B only; 0 = the product, q6k_sum_parts adds the
-// partials in a second launch): the split-K sum at the granularity of a warp tile, by whichever
-// slice's warp finishes a tile last, with no waiting and no co-residency: every warp, its tile's
-// partials written, fences them and counts itself in on a counter per (warp tile, token chunk)
-// (q6k_ws_cnt, module memory, zero between launches: the last arrival resets it); the warp that
-// takes the last ticket adds the tile's ks partials in slice order from 0.f (q6k_sum_parts' adds:
-// the same bits) and writes y. A warp counts in all its tiles at its end (one fence, nothing in
-// flight then; lane i takes the i-th tile's ticket, so a warp's atomics overlap). Session 4's
-// version (a ticket after every tile, the adds behind it) ran 140-270 us at N=64; sessions 24-25's
-// CTA-grained forms (one CTA adds a row group's outputs alone; or waits for its group and adds a
-// share) lost 5-26% / 0.3-4 us. The run's launch plan has no sum launch (bench/wg_ab.py --nopost).
-#ifndef Q6SERVE_KS_WSUM
-#define Q6SERVE_KS_WSUM 0
-#endif
-#if Q6SERVE_KS_WSUM
-__device__ u32 q6k_ws_cnt[1 << 17];
-// The fences around the tickets: __threadfence (membar.gl = fence.sc.gpu), or with
-// Q6SERVE_KS_WSUM_AR 1 fence.acq_rel.gpu (enough for the release / acquire of the partials).
-#ifndef Q6SERVE_KS_WSUM_AR
-#define Q6SERVE_KS_WSUM_AR 0
-#endif
-__device__ __forceinline__ void ws_fence() {
-#if Q6SERVE_KS_WSUM_AR
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#else
-    __threadfence();
-#endif
-}
-// The sum of warp tile wt (16*MT rows from wt*16*MT, the chunk's 8*NT tokens from tok0): each
-// lane adds the ks partials of the outputs it holds in the mma fragment order, slice order.
-template <int NT, int MT>
-__device__ __forceinline__ void ks_wsum_tile(const Out& o, int rows, int wt, int tok0, int ks,
-                                             int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    const size_t slice = (size_t)o.n_tok * rows;
-    float s[MT][NT][4];
-    int off[MT][NT][4];  // tok * rows + row (< 2^31: the plans' N * rows), -1 past rows / n_tok
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = wt * 16 * MT + mt * 16 + g + 8 * (i >> 1);
-                const int tok = tok0 + nt * 8 + 2 * t + (i & 1);
-                s[mt][nt][i] = 0.f;
-                off[mt][nt][i] = row < rows && tok < o.n_tok ? tok * rows + row : -1;
-            }
-#pragma unroll(NT * MT <= 2 ? 4 : 2)
-    for (int k = 0; k < ks; ++k) {
-        const float* pk = o.part + k * slice;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    if (off[mt][nt][i] >= 0) s[mt][nt][i] += __ldcg(pk + off[mt][nt][i]);
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (off[mt][nt][i] >= 0) o.y[off[mt][nt][i]] = s[mt][nt][i];
-}
-// Count this warp in on its tiles wt0, wt0 + wstride, ... (< wtiles; 32 at a time: lane i takes
-// the i-th one's ticket) and add those whose last ticket it took. Call with the tiles' partials
-// written by the whole warp.
-// tok0 and lane from the built-ins here, wt0 / wstride from them in the caller, and not inlined,
-// so nothing more is live across the tiles (nvcc sm_90a: inlined, it spilled 4 B at nt 2 / 128
-// registers, 176 B at nt 8 with the caller's values passed in; a call: 0 B spilled, a 32 B
-// stack frame at the kernel's end).
-template <int NT, int MT>
-__device__ __noinline__ void ks_wsum(const Out& o, int rows, int wt0, int wstride) {
-    const int lane = threadIdx.x & 31, tok0 = blockIdx.z * 8 * NT;
-    const int wtiles = (rows + 16 * MT - 1) / (16 * MT);
-    // every K slice arrives: the plans give each blocks (a CTA without any leaves before its
-    // tiles), which q6k_sum_parts, adding all gridDim.y slices, needs as well (bpr is not kept
-    // live for this: nvcc sm_90 spilled 4 B at nt 2 when it was)
-    const int ks = gridDim.y;
-    ws_fence();  // this lane's partials before the ticket (the classic last-block pattern)
-    __syncwarp();
-    for (int base = wt0; base < wtiles; base += 32 * wstride) {
-        const int wt = base + lane * wstride;
-        bool last = false;
-        if (wt < wtiles) {
-            u32* c = q6k_ws_cnt + (size_t)blockIdx.z * wtiles + wt;
-            last = atomicAdd(c, 1u) == (u32)ks - 1;
-            if (last) *c = 0;  // ready for the next launch (stream order)
-        }
-        u32 m = __ballot_sync(0xffffffffu, last);
-        if (!m) continue;
-        ws_fence();  // the other slices' partials after their tickets
-        while (m) {
-            const int j = __ffs(m) - 1;
-            m &= m - 1;
-            ks_wsum_tile<NT, MT>(o, rows, base + j * wstride, tok0, ks, lane);
-        }
-    }
-}
-#endif
-
 template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
 __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K,
                                         PARAMS_OUT) {
@@ -773,10 +669,6 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
       }  // (a warp without a tile puts nothing: its rows are past w.rows, never written)
       if (KC > 0) ks_cluster_emit<NT, MT, NW, KC>(o, w.rows, wt - warp, tok0, w.bpr);
     }
-#if Q6SERVE_KS_WSUM
-    if (KC == 0 && gridDim.y > 1)
-        ks_wsum<NT, MT>(o, w.rows, blockIdx.x * NW + (threadIdx.x >> 5), gridDim.x * NW);
-#endif
 }
 
 template <int NT, int MT, int SOA, class In, bool PF, int NW>
