@@ -118,7 +118,11 @@ if [[ ${PHASE} == c ]]; then
     grep -E "^ *[0-9]+x[0-9]+ +[0-9]+ " "$OUT/clu.log" 2>/dev/null | sed -E 's/ +/ /g'; } | table
   exit 0
 fi
-# PHASE=d (bound 100; second shift): the split-K sum without its second launch, at the grain of
+# PHASE=d (bound 100; second shift; ran in bundle D on tree b4c3af6, LOST: 0.75-0.96x at N <= 16,
+# 0.51-0.67x at N = 32/64, the same bits; docs/KERNELS.md "Session 27, second shift"). The
+# switch it sets is not on main: it lives on branch k-s27-wsum (b4c3af6); on main's text its
+# #defines do nothing (ws1 / ws1a then run today's tile without the sum: y incomplete).
+# It measured the split-K sum without its second launch, at the grain of
 # a warp tile (Q6SERVE_KS_WSUM, q6k_matmul.cu; 0 = the product): every warp, its tile's partials
 # written, fences them and takes a ticket on a counter per (warp tile, token chunk); the warp
 # that takes the last adds the tile's K-slice partials in slice order (q6k_sum_parts' adds: the
