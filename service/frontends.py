@@ -159,6 +159,9 @@ _RM = struct.Struct("<cQQIIQBBBdHHH")
 # "rmok" of a 2-D y (no top-k): b"K", request id, layout, precision, queue s, kernel s, batch
 # rows, batch requests, device s (NaN: None), y dtype, y rows, y columns; then the kernel's name
 _RMOK = struct.Struct("<cQBBddIIdBII")
+# the frames the device process's connections parse themselves (_Peer.plain: plain_mm,
+# region_mm), undecoded: b"M" and b"G"
+_UNDECODED = frozenset((0x4D, 0x47))
 _NAN = float("nan")
 
 
@@ -302,6 +305,9 @@ class _Peer(asyncio.Protocol):
     def plain_mm(self, payload: memoryview) -> None:
         raise NotImplementedError
 
+    def region_mm(self, payload: memoryview) -> None:
+        raise NotImplementedError
+
     def lost(self) -> None:
         """The connection is gone (called once)."""
 
@@ -331,10 +337,13 @@ class _Peer(asyncio.Protocol):
                     self._need = FRAME.size + n
                     return pos
                 start, pos = pos + FRAME.size, pos + FRAME.size + n
-                if self.plain and data[start] == 0x4D:  # b"M"
+                if self.plain and data[start] in _UNDECODED:  # b"M", b"G"
                     try:
                         with mv[start:pos] as payload:
-                            self.plain_mm(payload)
+                            if data[start] == 0x4D:
+                                self.plain_mm(payload)
+                            else:
+                                self.region_mm(payload)
                     except Exception:
                         log.exception("device-socket plain matmul failed; closing the "
                                       "connection")
@@ -657,6 +666,14 @@ class _DeviceStats:
             plain(fe, b)
 
         worker._plain_mm = counted_plain  # type: ignore[method-assign]
+        region_frame = worker._region_frame
+
+        def counted_region(fe: _Front, b: memoryview) -> None:
+            c["msg_rm"] += 1
+            c["region_rows"] += _RM.unpack_from(b)[3]
+            region_frame(fe, b)
+
+        worker._region_frame = counted_region  # type: ignore[method-assign]
         self._stages(worker)
         for fe in worker._fronts.values():  # connected while the worker started
             self.connection(fe.transport.get_protocol())  # type: ignore[arg-type]
@@ -1625,6 +1642,19 @@ class FrontendsWorker(Worker):
         fe.done_one()
         self._pending -= 1
 
+    def _region_frame(self, fe: _Front, b: memoryview) -> None:
+        """A region call's frame (``_RM``: x and y in system or CUDA regions, x 2-D), parsed
+        here: ``_decode`` and ``_dispatch``'s work for that one case, without the decoded
+        message tuple, then ``_region_matmul``."""
+        (_, rid, xo, rows, k, yo, xdt, out, prec, timeout, lo, lx,
+         ly) = _RM.unpack_from(b)
+        raw = bytes(b[_RM.size :])
+        xe, ye = lo + lx, lo + lx + ly
+        self._region_matmul(fe, rid, raw[:lo].decode(),
+                            (raw[lo:xe].decode(), xo, _DTYPE_NAMES[xdt], (rows, k)),
+                            (raw[xe:ye].decode(), yo), raw[ye:].decode(), _PRECISIONS[prec],
+                            _DTYPE_NAMES[out], _unopt(timeout))
+
     def _region_matmul(self, fe: _Front, rid: int, owner: str, xs: tuple[Any, ...],
                        ys: tuple[str, int], weight: str, precision: str, out_dtype: str,
                        timeout: float | None) -> None:
@@ -2020,6 +2050,10 @@ class _FrontConnection(_Peer):
     def plain_mm(self, payload: memoryview) -> None:
         assert self.fe is not None
         self.worker._plain_mm(self.fe, payload)
+
+    def region_mm(self, payload: memoryview) -> None:
+        assert self.fe is not None
+        self.worker._region_frame(self.fe, payload)
 
     def lost(self) -> None:
         if self.fe is not None:

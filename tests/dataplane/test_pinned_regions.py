@@ -341,3 +341,40 @@ def test_a_refused_y_region_lets_x_region_go(start: Any,  # noqa: F811
 
     assert w.call(users()) == 0
     region.close()
+
+
+def test_region_frames_parsed_undecoded_and_counted(start: Any,  # noqa: F811
+                                                    rng: np.random.Generator, tmp_path: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device process parses a region call's frame itself (b"G": ``_region_frame``, no
+    decoded tuple or dispatch), and Q6SERVE_DP_STATS counts it as a message of its rows."""
+    from q6serve.service import frontends
+
+    monkeypatch.setenv("Q6SERVE_DP_STATS", str(tmp_path / "stats.jsonl"))
+    decoded: list[int] = []  # the tags decoded anywhere in this process (front ends are not)
+    decode = frontends._decode
+
+    def counted(b: Any) -> tuple[Any, ...]:
+        decoded.append(b[0])
+        return decode(b)
+
+    monkeypatch.setattr(frontends, "_decode", counted)
+    w = start(backend=DmaBackend(Recorder()))
+    c = w.client()
+    blocks = random_q6k(ROWS, K, 9)
+    c.upload("w", blocks, ROWS, K)
+    region = c.register_shm("r", 1 << 16)
+    for n in (1, 3, 2):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        assert_ref(c.matmul("w", x, x_region=region, y_region=(region, 16384)),
+                   reference(blocks, ROWS, K, x))
+
+    async def snap() -> dict[str, Any]:
+        assert w.worker.stats is not None
+        return w.worker.stats.snapshot()  # type: ignore[no-any-return]
+
+    got = w.call(snap())
+    assert got["msg_rm"] == 3 and got["region_rows"] == 6
+    assert got["st_region_mm_n"] == 3 and not got.get("msg_mm")
+    assert 0x47 not in decoded and decoded  # (the hello and the device calls are decoded)
+    region.close()
