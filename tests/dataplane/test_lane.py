@@ -72,6 +72,32 @@ def test_lane_matmuls_equal_the_rpc_path(worker: Any, rng: np.random.Generator) 
         assert lane.matmul("w", x).shape == (3, ROWS)
 
 
+def test_lane_copies_x_unless_it_is_the_regions_x(worker: Any,
+                                                 rng: np.random.Generator) -> None:
+    """x is copied into the region unless it is the region's own x at x_offset (the caller
+    wrote it there): a plain array, and a view of the same region at another place (it shares
+    the region's memory, not x's address), are copied; the region's x is used as it is."""
+    _w, c, _blocks = worker
+    with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
+        x = rng.standard_normal((2, K)).astype(np.float32)
+        want = c.matmul("w", x)
+        np.testing.assert_array_equal(lane.matmul("w", x), want)  # a plain array: copied
+        np.testing.assert_array_equal(region.ndarray(0, np.float32, (2, K)), x)
+        other = region.ndarray(1024, np.float32, (2, K))  # the region: overlaps x, elsewhere
+        other[...] = rng.standard_normal((2, K))
+        was = np.array(other)  # (the copy into x's place overwrites part of it)
+        got = lane.matmul("w", other, x_offset=0, y_offset=16384)
+        np.testing.assert_array_equal(got, c.matmul("w", was))
+        np.testing.assert_array_equal(region.ndarray(0, np.float32, (2, K)), was)
+        own = region.ndarray(0, np.float32, (2, K))  # the region's x: used in place
+        own[...] = x
+        np.testing.assert_array_equal(lane.matmul("w", own, y_offset=16384), want)
+        # the same bytes again, x changed in between (the kept place is not a stale copy)
+        x2 = rng.standard_normal((2, K)).astype(np.float32)
+        np.testing.assert_array_equal(lane.matmul("w", x2), c.matmul("w", x2))
+        assert lane.last is not None and lane.last.batch_rows >= 2
+
+
 def test_lane_refusals(worker: Any, rng: np.random.Generator) -> None:
     w, admin, _ = worker
     user = w.client(token="u-secret")
