@@ -1734,7 +1734,7 @@ class FrontendsWorker(Worker):
         plan = plans.get(pkey) if plans and (timeout is None or timeout > 0) else None
         flags = engine.flags
         if plan is not None:
-            r.mapping.check_alive(f"x region {r.name!r}")  # (checked when it was made)
+            r.mapping.check_alive("x", r.name)  # (checked when it was made)
             if plan.live(flags):
                 if not engine.serving:
                     raise Unavailable("the worker is draining and takes no new requests")
@@ -1880,7 +1880,7 @@ class FrontendsWorker(Worker):
             if key is not None:  # (None: never routed)
                 self.regions.unroute(key)  # type: ignore[union-attr]
             if y.shape == dest.shape and y.dtype == dest.dtype:
-                yr.mapping.check_alive(f"y region {yr.name!r}")
+                yr.mapping.check_alive("y", yr.name)
                 dest[...] = y
             else:
                 regions_mod.place_y(yr, y_off, y, dest, False)

@@ -179,7 +179,7 @@ class LaneServer:
             plan = plans.get(pkey) if plans else None
             full = n >= self._full_rows and self._launch_now
             if plan is not None:  # a repeat of a request planned before: its fields
-                region.mapping.check_alive(f"x region {region.name!r}")  # checked then
+                region.mapping.check_alive("x", region.name)  # checked then
                 if not engine.serving:
                     raise Unavailable("the worker is draining and takes no new requests")
                 if full:
@@ -475,6 +475,8 @@ class LaneServer:
         """Whether another lane's bytes wait to be read in this loop trip (its read handle is
         in asyncio's ready queue): its request could join this one's batch, so this one is
         queued (``start_matmul``: launched at the trip's end) rather than run now."""
+        if len(self._lanes) < 2:  # (one lane open: no other's bytes can wait)
+            return False
         for h in getattr(asyncio.get_running_loop(), "_ready", ()):
             t = getattr(h._callback, "__self__", None)
             if t is not None and t is not conn.transport and t in self._lanes:

@@ -117,8 +117,9 @@ class Mapping:
         of host memory, a CuPy array of device memory."""
         raise NotImplementedError
 
-    def check_alive(self, what: str) -> None:
-        """Raise FailedPrecondition when the backing object went away or shrank."""
+    def check_alive(self, what: str, name: str | None = None) -> None:
+        """Raise FailedPrecondition when the backing object went away or shrank; the message
+        names ``what`` (with ``name``: "<what> region '<name>'", formatted only then)."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -177,8 +178,12 @@ class _ShmMapping(Mapping):
             raise FailedPrecondition(f"shared-memory object {self.key!r} is closed")
         return np.ndarray(shape, dtype.newbyteorder("<"), base, offset)
 
-    def check_alive(self, what: str) -> None:
+    def check_alive(self, what: str, name: str | None = None) -> None:
         st = os.fstat(self._fd)
+        if st.st_nlink and st.st_size >= self.end:
+            return  # (per call: no message made)
+        if name is not None:
+            what = f"{what} region {name!r}"
         if st.st_nlink == 0:
             raise FailedPrecondition(f"{what}: its shared-memory object {self.key!r} was "
                                      "unlinked; unregister the region")
@@ -269,7 +274,7 @@ class Region:
         if views is None:
             nbytes = self.span(offset, dtype, shape, what)
             if not alive:
-                self.mapping.check_alive(f"{what} region {self.name!r}")
+                self.mapping.check_alive(what, self.name)
             return self.mapping.view(offset, nbytes, dtype, shape, writable)
         if type(shape) is not tuple:
             shape = tuple(shape)
@@ -278,7 +283,7 @@ class Region:
         if a is None:
             nbytes = self.span(offset, dtype, shape, what)
         if not alive:
-            self.mapping.check_alive(f"{what} region {self.name!r}")
+            self.mapping.check_alive(what, self.name)
         if a is None:
             a = self.mapping.view(offset, nbytes, dtype, shape, writable)
             if len(views) >= VIEW_CACHE:

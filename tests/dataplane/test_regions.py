@@ -179,6 +179,7 @@ def test_region_unlinked_under_the_worker(weight: Any, rng: np.random.Generator)
     region.owned = False
     code, msg = code_of(lambda: c.matmul("w", x, x_region=region))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "unlinked" in msg, msg
+    assert "x region 'gone'" in msg, msg  # (what and which region: Mapping.check_alive)
     # shrunk under the worker: caught before any read (no SIGBUS)
     shm2 = shared_memory.SharedMemory(create=True, size=8192)
     r2 = ShmRegion("shrunk", shm2, owned=True)
@@ -186,6 +187,7 @@ def test_region_unlinked_under_the_worker(weight: Any, rng: np.random.Generator)
     os.truncate(f"/dev/shm/{shm2.name}", 4096)
     code, msg = code_of(lambda: c.matmul("w", x, y_region=r2))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "shrank" in msg, msg
+    assert "y region 'shrunk'" in msg, msg
     c.unregister_region("gone")
     c.unregister_region("shrunk")
     shm.close()
