@@ -52,7 +52,7 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
                      ("d", {"PHASE": "d"}, [])],
     "gpu_k_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                      ("c", {"PHASE": "c"}, []), ("d", {"PHASE": "d"}, [])],
-    "gpu_dp_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
+    "gpu_dp_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
 }
 # what a shell prints when a script is broken (a bad name, an unset variable, a parse error)
 BROKEN = re.compile(r"command not found|unbound variable|syntax error|"
