@@ -13,10 +13,11 @@ table's N = 1..4 cells; not traced).
     python bench/wg_ab.py --variant 'w3|wg_wait<2>();|wg_wait<3>();' [--cells 4096x14336:64,..]
                           [--rounds 3] [--iters 30] [--auto] [--json f]
 
-A variant may name another base file and shared memory of its own (session 22's weight ring,
-bench/ab/q6k_wgmma_ring.cu): ``LABEL|OLD|NEW|FILE|EXTRA`` compiles FILE (OLD -> NEW; OLD empty:
-no replacement) and launches it with the plan's shared memory plus EXTRA bytes per warp (a
-cell whose plan leaves too little is skipped for that variant). ``--auto`` times AUTO's own
+(Session 22's weight ring and session 26's cluster-sum wgmma tiles ran as variants of files of
+their own, ``LABEL|OLD|NEW|FILE|EXTRA`` with shared memory of their own and clusters of the K
+split; all three lost, and the files and that support left in session 28: the ring
+bench/ab/q6k_wgmma_ring.cu is at commit e2e693c, the cluster forms q6k_wgmma_cl.cu / _cp.cu at
+2e03cbb / e3ccc7c.) ``--auto`` times AUTO's own
 launch (the table's kernel and plan, whatever its src) in the same alternation, so a variant
 reads against the product's cell too, not only against today's src 8 on the same plan.
 ``--trace now,LABEL`` (session 22) runs one more call of today's kernel / those variants,
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -81,7 +81,7 @@ def compile_text(be, file: str, text: str, name: str):
 
 TRACE_WORDS = 8  # per warp: see traced()
 TRACE_WARPS = 1 << 16
-# The trace points (anchors present in today's q6k_wgmma.cu and in bench/ab/q6k_wgmma_ring.cu).
+# The trace points (anchors present in today's q6k_wgmma.cu).
 TRACE_HEAD = r"""
 #define WGT_REC ((unsigned long long*)(WG_TRACE_PTR) + 8ull * min(TRACE_WARPS - 1u, \
     ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * (blockDim.x >> 5) + \
@@ -174,47 +174,15 @@ def trace_summary(rec: np.ndarray) -> str:
             f"{int(r[:, 1].max())} | clock {ghz:.2f} GHz")
 
 
-SMEM_MAX = 232448  # dynamic shared memory a CTA may opt into on sm_90 (227 KB)
-
-
-def cluster_size(text: str) -> int:
-    """The K slices per cluster a variant text is built for (session 26's cluster-sum wgmma
-    tile, bench/ab/q6k_wgmma_cl.cu: ``#define WG_KC n``), 0 for a plain text. A cell runs such
-    a variant only where its plan's K split is n (the cluster is the grid's K slices)."""
-    m = re.search(r"^#define WG_KC (\d+)$", text, re.M)
-    return int(m.group(1)) if m else 0
-
-
-def max_clusters(fn, grid: tuple[int, int, int], block: int, smem: int) -> int:
-    """cuOccupancyMaxActiveClusters of ``fn`` (its compile-time cluster size) at this grid,
-    block and shared memory: how many clusters run at once (-1 where the driver cannot say)."""
-    import ctypes
-
-    from q6serve.kernels.cuda import launch as _launch
-
-    f = _launch._driver_max_clusters()
-    if f is None:
-        return -1
-    cfg = _launch._LaunchConfig()
-    for i, v in enumerate(grid):
-        cfg.grid[i] = v
-    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
-    cfg.smem = smem
-    got = ctypes.c_int(0)
-    rc = f(ctypes.byref(got), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
-    return got.value if rc == 0 else -1
-
-
-def variant_text(spec: str) -> tuple[str, str, int]:
-    """``LABEL|OLD|NEW[|FILE[|EXTRA]]`` -> (label, FILE's text (default today's q6k_wgmma.cu)
-    with OLD replaced by NEW (OLD empty: as it is), EXTRA shared-memory bytes per warp)."""
-    label, old, new, *rest = spec.split("|")
-    path = Path(rest[0]) if rest and rest[0] else loader.CUDA_DIR / "q6k_wgmma.cu"
-    extra = int(rest[1]) if len(rest) > 1 else 0
+def variant_text(spec: str) -> tuple[str, str]:
+    """``LABEL|OLD|NEW`` -> (label, today's q6k_wgmma.cu with OLD replaced by NEW (OLD empty:
+    as it is))."""
+    label, old, new = spec.split("|")
+    path = loader.CUDA_DIR / "q6k_wgmma.cu"
     text = path.read_text()
     if old and old not in text:
         raise SystemExit(f"variant {label}: {old!r} is not in {path}")
-    return label, text.replace(old, new) if old else text, extra
+    return label, text.replace(old, new) if old else text
 
 
 def plan_for(label: str, lp, nopost: str, pdl: str):
@@ -237,8 +205,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--variant", action="append", default=[],
-                    help="LABEL|OLD TEXT|NEW TEXT[|FILE[|EXTRA SMEM PER WARP]]: today's file "
-                    "(or FILE) with a replacement")
+                    help="LABEL|OLD TEXT|NEW TEXT: today's q6k_wgmma.cu with a replacement")
     ap.add_argument("--trace", default="", metavar="LABELS",
                     help="one traced call per cell of these kernels (now and variant labels)")
     ap.add_argument("--auto", action="store_true",
@@ -271,7 +238,7 @@ def main() -> int:
     if a.trace and a.trace.split(",")[0] not in ("now", *(lab for lab, _, _ in variants)):
         raise SystemExit(f"--trace {a.trace}: not now or a variant label")
     texts = {"now": (loader.CUDA_DIR / "q6k_wgmma.cu").read_text()}
-    texts.update({lab: text for lab, text, _ in variants})
+    texts.update(dict(variants))
     out = []
     print(f"{'shape':>12} {'N':>3} {'cfg':>22} {'kernel':>10} {'us':>8} {'now us':>8} "
           f"{'now/it':>7} bits against now  (auto: AUTO's us, auto/it)")
@@ -291,32 +258,11 @@ def main() -> int:
                                   be.storage.pairs)
             name = kernel_name("mma_f16", ch.cfg, 2 if be.storage.pairs else True, "InF16")
             plans = {"now": lp}
-            for lab, text, extra in variants:
-                smem = lp.smem + extra * ch.cfg.warps
-                if smem > SMEM_MAX:
-                    print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} skipped: plan "
-                          f"{lp.smem} + ring {extra * ch.cfg.warps} B > {SMEM_MAX}", flush=True)
-                    continue
-                kc = cluster_size(text)
-                if kc and kc != lp.ks:
-                    print(f"{shape:>12} {n:>3} {ch.cfg.label():>22} {lab:>10} skipped: "
-                          f"clusters of {kc}, K split {lp.ks}", flush=True)
-                    continue
+            for lab, text in variants:
                 fo = compile_text(be, f"q6k_wgmma_{lab}.cu", text, name)
-                if smem > int(fo.max_dynamic_shared_size_bytes):
-                    fo.max_dynamic_shared_size_bytes = smem
-                vp = replace(lp, fn=fo, smem=smem)
-                if kc:
-                    need = lp.grid[0] * lp.grid[2]
-                    fit = max_clusters(fo, lp.grid, lp.threads, smem)
-                    # (session 26) a grid whose clusters do not all co-reside runs a second
-                    # wave (0.52-0.64x in bundle A): such a variant takes as many CTAs along
-                    # rows as co-reside (more rounds; the kernel strides over the row tiles)
-                    if 0 < fit < need:
-                        vp = replace(vp, grid=(max(1, fit // lp.grid[2]), *lp.grid[1:]))
-                    print(f"# {shape} N={n} {lab}: grid {lp.grid} x {lp.threads}, smem {smem}, "
-                          f"{need} clusters of {kc}, at once {fit}; runs grid {vp.grid}",
-                          flush=True)
+                if lp.smem > int(fo.max_dynamic_shared_size_bytes):
+                    fo.max_dynamic_shared_size_bytes = lp.smem
+                vp = replace(lp, fn=fo)
                 plans[lab] = plan_for(lab, vp, a.nopost, a.pdl)
             if a.auto:  # the table's own cell (its kernel's module, as the backend loads it)
                 au = be.choose(n, Precision.AUTO, flags, rows, k)
