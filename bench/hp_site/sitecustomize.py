@@ -1,0 +1,27 @@
+"""Loaded by Python at start-up when this folder is on PYTHONPATH (hp's device-job A/Bs in the
+replay, issue 14, session 28; a bench hook, never in the product): first bench/trips_site's
+hooks as that folder's sitecustomize would run them (job stamps, loop trips, ...), then, for
+every ``HP_SET_<NAME>=<INT>`` in the environment, kernels/cuda/launch.py's constant NAME set to
+INT in this process before any call binds (e.g. ``HP_SET_NT_FILL_MIN=0``: x's staging fill by
+NumPy at every size). A variant of bench/replay_ab.py gives its worker these in its env; the
+worker's own start check reads Q6SERVE_ names only, so these pass it. A NAME that is not an int
+constant of launch.py stops the process (a typo must not read as the default)."""
+
+import os
+import runpy
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+runpy.run_path(os.path.join(os.path.dirname(_here), "trips_site", "sitecustomize.py"))
+
+_sets = {k[len("HP_SET_"):]: v for k, v in os.environ.items() if k.startswith("HP_SET_")}
+if _sets:
+    from q6serve.kernels.cuda import launch as _launch
+
+    for _name, _raw in sorted(_sets.items()):
+        _old = getattr(_launch, _name, None)
+        if not isinstance(_old, int) or isinstance(_old, bool):
+            raise SystemExit(f"HP_SET_{_name}: launch.{_name} is not an int constant")
+        setattr(_launch, _name, int(_raw))
+        print(f"# hp_site: launch.{_name} {_old} -> {int(_raw)} (pid {os.getpid()})",
+              file=sys.stderr, flush=True)
