@@ -3,9 +3,12 @@ replay, issue 14, session 28; a bench hook, never in the product): first bench/t
 hooks as that folder's sitecustomize would run them (job stamps, loop trips, ...), then, for
 every ``HP_SET_<NAME>=<INT>`` in the environment, kernels/cuda/launch.py's constant NAME set to
 INT in this process before any call binds (e.g. ``HP_SET_NT_FILL_MIN=0``: x's staging fill by
-NumPy at every size). A variant of bench/replay_ab.py gives its worker these in its env; the
-worker's own start check reads Q6SERVE_ names only, so these pass it. A NAME that is not an int
-constant of launch.py stops the process (a typo must not read as the default)."""
+NumPy at every size). With the job stamps on (Q6SERVE_JOB_STAMPS), a multi-weight call's row is
+named by its part count and x's bytes too (``many3:57344B``; job_stamps names it ``many3``
+alone, so one worker's S=1 and S=8 calls of a kind would share a row). A variant of
+bench/replay_ab.py gives its worker these in its env; the worker's own start check reads
+Q6SERVE_ names only, so these pass it. A NAME that is not an int constant of launch.py stops the
+process (a typo must not read as the default)."""
 
 import os
 import runpy
@@ -13,6 +16,29 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 runpy.run_path(os.path.join(os.path.dirname(_here), "trips_site", "sitecustomize.py"))
+
+
+def _many_role_by_x() -> None:
+    """ManyCall.launch (job_stamps' stamped one) wrapped: the job's row named first by part
+    count and x's bytes (the stamped launch keeps a role already set: ``setdefault``)."""
+    from q6serve.kernels.cuda import launch as L
+
+    stamped = L.ManyCall.launch
+    cells = dict(zip(stamped.__code__.co_freevars, stamped.__closure__ or (), strict=True))
+    row = cells["row"].cell_contents
+
+    def launch(self, *args):
+        row().setdefault("role", f"many{len(self.parts)}:{self.b.x_bytes}B")
+        return stamped(self, *args)
+
+    L.ManyCall.launch = launch
+
+
+if os.environ.get("Q6SERVE_JOB_STAMPS"):
+    try:
+        _many_role_by_x()
+    except (ImportError, KeyError, AttributeError, ValueError) as _e:
+        print(f"# hp_site: multi-weight rows by x not set ({_e!r})", file=sys.stderr, flush=True)
 
 _sets = {k[len("HP_SET_"):]: v for k, v in os.environ.items() if k.startswith("HP_SET_")}
 if _sets:
