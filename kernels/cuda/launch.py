@@ -530,8 +530,14 @@ COPY_KERNEL_MAX = 2 << 20
 # as the NumPy fill); bench/backend_wall.py N=64 wall, NumPy / non-temporal, 3 rounds
 # alternated: 14336x4096 staged 140.4 -> 127.5 us, graph (the fill in the wall) 173.3 ->
 # 165.1; 4096x14336 136.1 -> 132.8, 272.7 -> 270.5; y bit-equal. The non-temporal fill itself:
-# 512 KiB 32 us against NumPy's 19 (NumPy's stays in the cache), 1.8 MB 134 against 152
-NT_FILL_MIN = 256 << 10
+# 512 KiB 32 us against NumPy's 19 (NumPy's stays in the cache), 1.8 MB 134 against 152.
+# 1 MiB since session 28 (256 KiB before): in the worker, between gRPC's work, the
+# non-temporal fill of the replay's S=8 down x (303 KB) took 66 us of a 163 us device job
+# against 34 by NumPy (H200, bundle A, 28-layer replay, job stamps), and bench/layer_wall.py
+# read down's host time at S=8 120.3 -> 90.8 us with ~150 us of host work between calls,
+# 70.2 -> 60.1 back to back (the GPU's part before the kernel shorter too: 100.4 -> 72.1 /
+# 54.5 -> 44.0; y bit-equal); N=64's 1.8 MB x keeps the non-temporal fill (faster there).
+NT_FILL_MIN = 1 << 20
 
 
 def fill_x(dst: np.ndarray, src: np.ndarray) -> None:

@@ -858,6 +858,24 @@ def test_fill_x_by_non_temporal_stores_from_its_size(monkeypatch):
         assert not dst[x.nbytes :].any()
 
 
+def test_the_default_fills_a_down_x_of_8_tokens_by_numpy(monkeypatch):
+    """NT_FILL_MIN's default (1 MiB, session 28): the replay's S=8 down x (8 x 18944 f16,
+    303 KB) goes by NumPy's copy, N=64's 1.8 MB x (K=14336) by the non-temporal stores."""
+    from q6serve.kernels.cuda import hostcopy
+
+    calls = []
+    real = hostcopy.copy_into
+    monkeypatch.setattr(hostcopy, "copy_into", lambda d, s: calls.append(s.nbytes) or real(d, s))
+    rng = np.random.default_rng(1)
+    for n, k, want in ((8, 18944, []), (64, 14336, [64 * 14336 * 2])):
+        calls.clear()
+        x = rng.standard_normal((n, k)).astype(np.float16)
+        dst = np.zeros(x.nbytes + 64, np.uint8)
+        launch_mod.fill_x(dst, x)
+        assert calls == want
+        assert np.array_equal(dst[: x.nbytes].view(np.float16).reshape(x.shape), x)
+
+
 def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
     """A cached call (BoundCall, the graph's third call on the fake device) and a multi-weight
     one (ManyCall) with NT_FILL_MIN at 1 byte (0 before: none by hostcopy): each unstaged x
@@ -889,7 +907,7 @@ def test_a_cached_call_fills_its_staging_by_non_temporal_stores(monkeypatch):
     assert calls == [x.nbytes] * 2
     monkeypatch.setattr(launch_mod, "NT_FILL_MIN", default)
     be.launch(w, _x(be, rng, 64, 14336, False)).wait()
-    assert default == 256 << 10 and calls[-1] == x.nbytes == 64 * 14336 * 2
+    assert default == 1 << 20 and calls[-1] == x.nbytes == 64 * 14336 * 2
     calls.clear()
     monkeypatch.setattr(launch_mod, "NT_FILL_MIN", 1)
     be, _, _, wts, rng = _many_counted(monkeypatch, GATE_UP, 12)
