@@ -13,7 +13,7 @@
 #    every direct job stamped (bench/job_stamps.py: pre, x in, graph launch, y out, record,
 #    wait, post per call kind): def (main 1e0f9dc's code), nt0 (HP_SET_NT_FILL_MIN=0 through
 #    bench/hp_site), sy (HP_SET_SMALL_Y=98304), alternated (RORDER).
-# PHASE=b: the cut bundle A points at (see below).
+# PHASE=b (bound ~98 s): bundle A's cut judged on one worker switched between runs (below).
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -76,19 +76,23 @@ if [[ $PHASE == a ]]; then
     steps
   } | table
 elif [[ $PHASE == b ]]; then
-  BOUND=${BOUND:-95}
+  # the judge of bundle A's cut (NT_FILL_MIN 1 MiB, this tree's default) on ONE worker: the
+  # 28-layer replay (S=1, 8; multi, top-64, F16), the worker switched between runs by a signal
+  # (bench/hp_toggle_ab.py: def = this tree, alt = HP_ALT_NT_FILL_MIN=262144, main 1e0f9dc's
+  # value), alternated; no stamps. (Bundle A's three workers differed by 10-15% in call kinds
+  # no variant touched, so a one-worker-per-variant A/B reads the workers.) S=1 has no x of
+  # 256 KiB or more: an A/A of the switch.
+  BOUND=${BOUND:-98}
   rest=$(($(bound 1000 4) - 1))
-  PYTHONPATH=$PP step replay "$(bound 92 2)" python3 bench/replay_ab.py \
-    --backend "${BACKEND:-cuda}" --layers "$LAYERS" \
-    --variants "${RVB:-def:host.precision=f16 nt0:HP_SET_NT_FILL_MIN=0,host.precision=f16}" \
-    --order "${ORDERB:-def,nt0,nt0,def,def,nt0,nt0,def,def,nt0}" --seqs "${SEQS:-1,8}" \
+  PYTHONPATH=$PP step replay "$(bound 96 2)" python3 bench/hp_toggle_ab.py \
+    --backend "${BACKEND:-cuda}" --layers "$LAYERS" --alt "${ALT:-NT_FILL_MIN=262144}" \
+    --order "${ORDERB:-def,alt,alt,def,def,alt,alt,def,def,alt,alt,def}" --seqs "${SEQS:-1,8}" \
     --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   {
     echo "# hp bundle b, tree $(tree_commit), $(elapsed)"
-    grep -hE "^# [a-z0-9]+_[0-9]+ S=|given|FAILED" "$OUT/replay.log" 2>/dev/null | cut -c1-160
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle" "$OUT/replay.log" 2>/dev/null \
+      | cut -c1-330
     grep -h "hp_site" "$OUT"/*.log 2>/dev/null | sort -u
-    replay_summary
-    python3 bench/job_stamps.py "$OUT"/js_*.json 2>&1 | grep -v "?" | cut -c1-260
     machine_summary
     steps
   } | table

@@ -51,3 +51,28 @@ if _sets:
         setattr(_launch, _name, int(_raw))
         print(f"# hp_site: launch.{_name} {_old} -> {int(_raw)} (pid {os.getpid()})",
               file=sys.stderr, flush=True)
+
+# HP_ALT_<NAME>=<INT>: launch.NAME switched to INT on SIGUSR1 and back to its value at start on
+# SIGUSR2 (bench/hp_toggle_ab.py: one worker, two states, alternated between replay runs; for
+# constants read per call, e.g. NT_FILL_MIN: a bound sequence is not rebound)
+_alts = {k[len("HP_ALT_"):]: int(v) for k, v in os.environ.items() if k.startswith("HP_ALT_")}
+if _alts:
+    import signal
+
+    from q6serve.kernels.cuda import launch as _launch2
+
+    _base = {}
+    for _name in _alts:
+        _old = getattr(_launch2, _name, None)
+        if not isinstance(_old, int) or isinstance(_old, bool):
+            raise SystemExit(f"HP_ALT_{_name}: launch.{_name} is not an int constant")
+        _base[_name] = _old
+
+    def _to(values: dict) -> None:
+        for name, v in values.items():
+            setattr(_launch2, name, v)
+
+    signal.signal(signal.SIGUSR1, lambda *_: _to(_alts))
+    signal.signal(signal.SIGUSR2, lambda *_: _to(_base))
+    print(f"# hp_site: SIGUSR1 sets {_alts}, SIGUSR2 {_base} (pid {os.getpid()})",
+          file=sys.stderr, flush=True)

@@ -1,0 +1,176 @@
+"""An A/B of two states of one worker on the decode replay (issue 14, hp, session 28): one
+worker, started with bench/hp_site on its PYTHONPATH and ``HP_ALT_<NAME>=<INT>`` (launch.py
+constants read per call, e.g. NT_FILL_MIN), is switched before each run by a signal: ``alt``
+(SIGUSR1, the HP_ALT values) or ``def`` (SIGUSR2, the tree's values). Same calls, host and
+figures as ``bench/replay_ab.py`` (bench/service_replay.run_replay; its helpers), but no
+second worker: replay_ab's one-worker-per-variant A/Bs read a worker's own speed (workers of
+one tree differed by 10-15% in every call kind in session 28's bundle A), this one does not.
+
+    PYTHONPATH=bench/hp_site python3 bench/hp_toggle_ab.py --alt NT_FILL_MIN=262144 \
+        --order def,alt,alt,def --seqs 1,8 --seconds 1.0 --json out.json
+    a CPU rehearsal: --backend numpy --layers 2 --scale 0.002
+
+``--bound S``: no run starts after S seconds from the start; a table of what ran is printed
+last (per S and state: each run's step p50, the median, the worker's window and device jobs a
+step, per call kind the handler / device / kernel p50 us, medians of the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from replay_ab import HOST_EE, ROLE_FIELDS, start, worker_env
+from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
+
+from q6serve.kernels import q6k
+
+SIGNALS = {"def": signal.SIGUSR2, "alt": signal.SIGUSR1}
+
+
+def table(doc: dict[str, Any]) -> str:
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        by.setdefault((r["seqs"], r["state"]), []).append(r)
+    lines = [f"# toggle A/B: alt {doc['alt']}, order {','.join(doc['order'])}"]
+    for (s, v), runs in sorted(by.items()):
+        steps = [r["step_p50_ms"] for r in runs]
+
+        def part(k: str, runs: list[dict[str, Any]] = runs) -> float:
+            return statistics.median(r["step_parts_p50_ms"].get(k, 0) for r in runs)
+
+        roles: dict[str, list[dict[str, float]]] = {}
+        for r in runs:
+            for role, f in r["roles_p50_us"].items():
+                roles.setdefault(role, []).append(f)
+        med = ", ".join(
+            f"{role} " + "/".join(f"{statistics.median(f.get(k, 0) for f in fs):.0f}"
+                                  for k in ("handler", "device", "kernel"))
+            for role, fs in roles.items())
+        lines.append(f"S={s} {v} ({len(runs)} runs): step p50 median {statistics.median(steps):.2f}"
+                     f" ms [{', '.join(f'{x:.2f}' for x in steps)}]; worker "
+                     f"{part('handler'):.2f} (device {part('device'):.2f}) ms; per kind "
+                     f"handler/device/kernel us: {med}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from q6serve.client.client import PRECISIONS, Client
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--alt", required=True, help="NAME=INT[,NAME=INT]: the alt state")
+    ap.add_argument("--order", default="def,alt,alt,def")
+    ap.add_argument("--seqs", default="1,8")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--multi", default="on", choices=("on", "off"))
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--precision", default="f16")
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--warmup", type=float, default=0.4)
+    ap.add_argument("--bound", type=float, default=1e9)
+    ap.add_argument("--out-dir", type=Path, default=Path("."))
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    order = [v for v in a.order.split(",") if v]
+    if not order or any(v not in SIGNALS for v in order):
+        ap.error(f"--order {a.order!r}: def and alt only")
+    alt = {}
+    for kv in filter(None, a.alt.split(",")):
+        k, sep, v = kv.partition("=")
+        if not sep:
+            ap.error(f"--alt {kv!r}: NAME=INT")
+        alt[f"HP_ALT_{k}"] = str(int(v))
+    if "hp_site" not in os.environ.get("PYTHONPATH", ""):
+        ap.error("bench/hp_site must be on PYTHONPATH (the worker's switch)")
+    seqs = [int(s) for s in a.seqs.split(",") if s]
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"argv": sys.argv, "alt": alt, "order": order, "runs": [],
+                           "errors": [], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                               time.gmtime())}
+
+    def save() -> None:
+        if a.json is not None:
+            doc["wall_seconds"] = time.perf_counter() - t_start
+            a.json.write_text(json.dumps(doc, indent=1))
+
+    w = start(a.backend, alt, a.out_dir / "worker_toggle.log")
+    client = Client(w.target, timeout=600.0)
+    doc["worker_env"] = worker_env(w)
+    try:
+        st = client.status()
+        doc["backend"], doc["device"] = st.backend, st.device
+        weights = model_weights(a.layers, a.scale)
+        data = {}
+        for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
+            data[(rows, k)] = q6k.random_blocks(rows, k, np.random.default_rng(100 + i))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda j: client.upload(j[0], data[(j[1], j[2])], j[1], j[2]),
+                          weights))
+        print(f"# worker given {len(weights)} weights in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        client.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
+        rows = {name: r for name, r, _ in weights}
+        plan = tuple(step_plan(a.layers, rows, a.multi == "on", a.topk))
+        need: dict[int, float] = {}
+        seen: dict[str, int] = {}
+        for v in order:
+            seen[v] = seen.get(v, 0) + 1
+            os.kill(w.proc.pid, SIGNALS[v])  # type: ignore[union-attr]
+            time.sleep(0.05)
+            for s in seqs:
+                label = f"{v}_{seen[v]} S={s}"
+                t_run = time.perf_counter()
+                if t_run - t_start + need.get(s, a.seconds + a.warmup + 4.0) > a.bound:
+                    print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}",
+                          flush=True)
+                    doc["errors"].append({"run": label, "error": "skipped (bound)"})
+                    continue
+                spec = ReplaySpec(w.target, plan, s, a.seconds, a.warmup, WARM_STEPS, "stream",
+                                  "f16", PRECISIONS[a.precision], "f16", 0.0, "arrays", 0,
+                                  "aio", (), 1, HOST_EE.get(""))
+                try:
+                    st_, _, roles = run_replay(spec, 1, {})
+                    if doc["runs"]:
+                        need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
+                except Exception as e:
+                    print(f"# {label} FAILED: {e}", flush=True)
+                    doc["errors"].append({"run": label, "error": repr(e)[:2000]})
+                    save()
+                    continue
+                ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
+                      if f not in ("kernel_missing", "stamped")}
+                r = {"state": v, "round": seen[v], "seqs": s, "label": label,
+                     "calls_per_step": len(plan), "steps": int(st_["e2e"].size),
+                     "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
+                     "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
+                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
+                     "roles_p50_us": {role: {f: (x if f == "calls" else x * 1e6)
+                                             for f, x in got.items() if f in ROLE_FIELDS}
+                                      for role, got in roles.items()}}
+                doc["runs"].append(r)
+                save()
+                print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps, "
+                      f"at {r['t']:.0f} s)", flush=True)
+    finally:
+        client.close()
+        w.stop()
+        save()
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
