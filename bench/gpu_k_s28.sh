@@ -187,5 +187,27 @@ $INC" --trace now,old --cells 4096x14336:16,3584x3584:64 --rounds 1 --iters 10 \
     echo "# tests"; tail -3 "$OUT/tests.log"; ab_report xa; ab_report xb; ab_report tr; } | table
   exit 0
 fi
+# PHASE=c (bound 70; bundle C): ask 1 by the sweep (table cells count where they come from it):
+# bench/kernels.py --cfg-ab at N=64, alternated 3 times with AUTO, torch beside.
+# 1. n64w: the wgmma tile (src 8, nt 8) on the tall weights at K splits 3-8, 12 and 8 warps
+#    (AUTO: 18944x3584 w12 k5, 14336x4096 w8 k4; session 26's bundle A timed 18944x3584 w12 k4 at
+#    40.3 us against AUTO's 41.4, never put in the table). 2. n64k: the K-slice tiles (src 4 / 7,
+#    nt 8, 8 warps) on 3584x3584 / 4096x4096 at K splits 2-7 (AUTO: src 7 k4 / src 4 at the
+#    model's split).
+if [[ ${PHASE} == c ]]; then
+  A=""
+  for k in 3 4 5 6 7 8; do A+="64:nt=8,src=8,pf=1,warps=12,ksplit=$k;"; done
+  for k in 3 4 5 6; do A+="64:nt=8,src=8,pf=1,warps=8,ksplit=$k;"; done
+  step n64w 34 python3 bench/kernels.py --cfg-ab "$A" --rounds 3 --shapes 18944x3584,14336x4096 \
+    --json "$OUT/n64w.json"
+  A=""
+  for k in 2 3 4 5 6 7; do A+="64:nt=8,src=4,pf=1,warps=8,ksplit=$k;"; done
+  for k in 2 4 7; do A+="64:nt=8,src=7,pf=1,warps=8,ksplit=$k;"; done
+  step n64k 26 python3 bench/kernels.py --cfg-ab "$A" --rounds 3 --shapes 3584x3584,4096x4096 \
+    --json "$OUT/n64k.json"
+  { echo "== k session 28 PHASE=c (tree $(tree_commit)), $(elapsed)"; steps; cfgab_report n64w
+    cfgab_report n64k; } | table
+  exit 0
+fi
 echo "PHASE=${PHASE} not written yet"
 exit 2

@@ -49,7 +49,8 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_hp_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
     "gpu_t1_s27.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                      ("d", {"PHASE": "d"}, [])],
-    "gpu_k_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
+    "gpu_k_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
+                     ("c", {"PHASE": "c"}, [])],
     "gpu_dp_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
 }
 # what a shell prints when a script is broken (a bad name, an unset variable, a parse error)
