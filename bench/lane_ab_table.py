@@ -2,10 +2,11 @@
 variant (its medians), from the JSONs in one folder.
 
 A lane latency run (bench/lane_latency.py --json: results.lane) gives p50, p99, the kernel's
-p50 and p50 - kernel (issue 15's stretch, <= 50 us); a T3-through-the-lane run
-(bench/frontend_cpu.py --lane --json) gives rows/s, its fraction of the kernel alone (0.5
-asked) and the device process's CPU a call in the timed window. A run is NAME_I.json (ab_runs'
-names); the variant is NAME.
+p50, p50 - kernel (issue 15's stretch, <= 50 us) and p50 - device (without the device job, whose
+length moves from worker to worker: session 28's bundle B resolved the lane's cuts there); a
+T3-through-the-lane run (bench/frontend_cpu.py --lane --json) gives rows/s, its fraction of the
+kernel alone (0.5 asked) and the device process's CPU a call in the timed window. A run is
+NAME_I.json (ab_runs' names); the variant is NAME.
 
     python bench/lane_ab_table.py OUT_DIR
 """
@@ -35,6 +36,8 @@ def rows_of(folder: Path) -> list[tuple[str, str, dict[str, float]]]:
             got.append((run, variant, {"p50": lane["p50_us"], "p99": lane["p99_us"],
                                        "kernel": lane.get("kernel_p50_us", float("nan")),
                                        "p50-kernel": lane.get("p50_minus_kernel_us",
+                                                              float("nan")),
+                                       "p50-device": lane.get("p50_minus_device_us",
                                                               float("nan"))}))
         elif isinstance(d, dict) and d.get("path") == "lane" and "rows_per_s" in d:
             got.append((run, variant, {"rows/s": d["rows_per_s"],
