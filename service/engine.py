@@ -94,6 +94,7 @@ LOOP_STEP = 64  # per-weight work on the event loop yields after this many weigh
 # closed (made again when next used). 65536 weights with a batcher each made full
 # collections of ~0.4 s on the event loop (docs/RELIABILITY.md, "Many weights").
 MAX_LIVE_BATCHERS = 4096
+MAX_MANY_GOS = 256  # _launch_many's functions kept (one per multi-weight call kind)
 RETIRE_STEP = 8  # batchers looked at per new one beyond the cap (busy ones go to the back)
 
 
@@ -408,6 +409,10 @@ class Engine:
         # worker's window -8% / -19%; earlier A/Bs tied or split by host (bench/RESULTS.md)
         self.multi_launch = bool(envvars.MULTI_LAUNCH.read())
         self._loop = asyncio.get_running_loop()
+        self._batch_stats: list[BatchStats] = []  # recorded in the next trip (_defer_batch)
+        # _launch_many's function per (key, entries): (the workspace it needs, it); let go
+        # when any weight is freed (its entries are not reached again), bounded
+        self._many_gos: dict[tuple[Any, ...], tuple[int, Callable[[np.ndarray], Launched]]] = {}
         self._poller = self._spawn(self._poll_metrics())
         self._trimmer = self._spawn(self._trim_heap())
         self._publish()
@@ -634,8 +639,8 @@ class Engine:
             return job
 
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
-                       self._on_batch, self.backend.staging, launch, bind,
-                       self._launch_many if self.multi_launch else None, e)
+                       self._defer_batch, self.backend.staging, launch, bind,
+                       self._launch_many if self.multi_launch else None, e, deferred=True)
 
     def _launch_many(self, batchers: Sequence[Batcher], key: BatchKey,
                      ) -> Callable[[np.ndarray], Launched] | None:
@@ -649,6 +654,10 @@ class Engine:
         budget, None: the parts run each as usual. A device error marks the worker
         unhealthy, as a part's own launch does."""
         entries = [b.entry for b in batchers]
+        ck = (key, *entries)
+        got = self._many_gos.get(ck)  # (per multi-weight direct call on the loop: the
+        if got is not None and got[0] <= self._scratch:  # closure made once a kind)
+            return got[1]
         need = self._workspace(sum(e.rows for e in entries), entries[0].k)
         if need > self._scratch:
             try:
@@ -673,6 +682,9 @@ class Engine:
                 raise
             return _watched(started, failed)
 
+        if len(self._many_gos) >= MAX_MANY_GOS:
+            self._many_gos.clear()
+        self._many_gos[ck] = (need, go)
         return go
 
     def _failed_anywhere(self, err: DeviceError) -> None:
@@ -721,12 +733,28 @@ class Engine:
         for fn in self._health_listeners:
             fn(False)
 
+    def _defer_batch(self, stats: BatchStats) -> None:
+        """A batch's stats (every batcher's ``on_batch``, called on the loop as its replies
+        are resolved): kept, and recorded by :meth:`_flush_batches` in the next loop trip,
+        one trip for every batch of this one (off the replies' path: a direct call's reply
+        is written before it; the histograms stay exact, only later by a trip)."""
+        pending = self._batch_stats
+        pending.append(stats)
+        if len(pending) == 1:
+            self._loop.call_soon(self._flush_batches)
+
+    def _flush_batches(self) -> None:
+        pending, self._batch_stats = self._batch_stats, []
+        for stats in pending:
+            self._on_batch(stats)
+
     def _on_batch(self, stats: BatchStats) -> None:
         if self.metrics is not None:
             self.metrics.observe_batch(stats)
 
     async def _free(self, e: WeightEntry) -> None:
         b, e.batcher = e.batcher, None  # also breaks the entry <-> batcher (closure) cycle
+        self._many_gos.clear()
         self._live.pop(e, None)
         if not self._live:
             self._live = collections.OrderedDict()  # nor keep its largest table
