@@ -229,3 +229,28 @@ def test_a_refused_group_job_runs_part_by_part() -> None:
         dev.close()
 
     asyncio.run(main())
+
+
+def test_kept_many_function_rechecks_the_workspace(
+        start_worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The function a multi-weight call's one backend call runs through is kept per kind
+    (Engine._launch_many), but the workspace it needs is checked on every call: after the
+    largest weight is unloaded (the reservation shrinks to the largest left), the next q/k/v
+    call grows it again to its y (N x 48 rows), as the first did."""
+    worker, backend, blocks = _setup(start_worker, monkeypatch, "1")
+    eng = worker.engine
+    c = worker.client()
+    c.upload("big", random_q6k(200, K, 9), 200, K)
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((2, K)).astype(np.float32) for _ in range(4)]
+    with matmul_stream(worker.target) as (ask, _):
+        for j, x in enumerate(xs[:2]):
+            _check(ask(_multi(x, str(j), QKV)).result, x, blocks)
+        assert worker.run(lambda: eng.vram.used("scratch")) == eng._workspace(200, K)
+        c.unload("big")
+        wait_until(lambda: worker.run(lambda: eng.vram.used("scratch"))
+                   == eng._workspace(max(ROWS.values()), K), what="scratch shrunk")
+        for j, x in enumerate(xs[2:]):
+            _check(ask(_multi(x, f"after{j}", QKV)).result, x, blocks)
+    assert len(backend.many) == len(xs)
+    assert worker.run(lambda: eng.vram.used("scratch")) == eng._workspace(sum(ROWS.values()), K)
