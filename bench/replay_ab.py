@@ -22,6 +22,8 @@ own, e.g. host.grpc.enable_retries=0), ``host.chains=C`` (the host's S sequences
 concurrent chains of S / C rows, a stream each; an S that C does not divide is not run),
 ``host.multi=on|off`` (this variant's calls with or without multi-weight requests, in place of
 ``--multi``: multi-weight and single calls alternated on one worker),
+``host.ahead=on|off`` (the host's stream reads each reply before its request's write has
+completed: the write started at once, service/servicer.start_now; off by default),
 ``host.precision=auto|exact|f16|q8_1`` (the requests' precision: auto by default,
 bench/service.py --replay's default is f16), ``host.ee=off|def`` (the host processes'
 GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve worker` runs it, client/grpc_env.py, or
@@ -77,6 +79,7 @@ HOST_KEYS: dict[str, Any] = {"host.spin": float, "host.decode": _decode_mode,
                              "host.chains": int,
                              "host.multi": _choice("host.multi", ("on", "off")),
                              "host.ee": _choice("host.ee", ("off", "def")),
+                             "host.ahead": _choice("host.ahead", ("on", "off")),
                              "host.precision": _choice("host.precision",
                                                        ("auto", "exact", "f16", "q8_1"))}
 # host.ee: the replay host's GRPC_EXPERIMENTS (its gRPC's EventEngine off as `q6serve worker`
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                                   host.get("host.transport", "aio"),
                                   tuple(sorted(host.get("host.grpc", {}).items())),
                                   chains,
-                                  HOST_EE.get(host.get("host.ee", "")))
+                                  HOST_EE.get(host.get("host.ee", "")),
+                                  host.get("host.ahead", "off") == "on")
                 info: dict[str, Any] = {}
                 try:
                     st_, wall, roles = run_replay(spec, 1, info)

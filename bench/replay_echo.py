@@ -9,6 +9,7 @@ does the same after each run with that run's windows).
     python3 bench/replay_echo.py --seqs 1,8 \\
         --holds "1:q+k+v=207,o=89,gate+up=198,down=123,lm_head=258;8:q+k+v=288,o=130,..."
     python3 bench/replay_echo.py --seqs 1,8 --holds-from replay_ab.json --holds-variant def
+    python3 bench/replay_echo.py --seqs 8 --holds "8:q+k+v=86,o=36" --hold-sides server,client
 
 ``--holds-from``: a bench/replay_ab.py JSON of the same call; each role is held for the
 median over that variant's runs of the worker's handler p50, and the replay's own round trip
@@ -17,7 +18,10 @@ window costs what the replay's call costs, the rest of the call is Python gRPC's
 ``--hold-fields kernel,device,handler`` holds each call, in turn, for the worker's kernel, its
 device job and its whole window: what a step would cost through Python gRPC if the worker's
 window were only its kernel (the least any worker can hold a call), only its device job, or
-what it is.
+what it is. ``--hold-sides server,client``: each held kind also held by the caller before it
+writes each call (the echo answering at once; the round trip timed after the hold): if the
+caller-held round trip is the bare one, the surcharge is paid where the window is (the
+server's side), else by the gap itself, on either side.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from replay_ab import ROLE_FIELDS, role_medians
-from service_replay import LAYERS, ladder_echo, model_weights, step_plan
+from service_replay import CLIENT_HELD, LAYERS, ladder_echo, model_weights, step_plan
 from svc_util_transport import TRANSPORTS
 
 
@@ -78,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-fields", default="handler",
                     help="with --holds-from: one held kind per figure, e.g. kernel,device,"
                     "handler (the window at its least: the kernel; the device job; all of it)")
+    ap.add_argument("--hold-sides", default="server",
+                    help="server, client or both (server,client): who holds each call, the "
+                    "echo before it answers (a worker's window) or the caller before it writes "
+                    "(the same gap on the other side of the wire; its round trip excludes the "
+                    "hold): which side pays the surcharge a held call brings")
+    ap.add_argument("--ahead", action="store_true",
+                    help="the echo reads each next request before its reply's write completes "
+                    "(service/servicer.start_now), not after it")
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--spin", type=float, default=0.0, help="the caller's loop busy-polls (us)")
     ap.add_argument("--transport", default="aio", choices=TRANSPORTS,
@@ -98,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# no {a.holds_variant} run at S = {missing} in {a.holds_from}: not echoed",
                   flush=True)
             ss = [s for s in ss if s in holds]
+    sides = [x for x in a.hold_sides.split(",") if x]
+    if not sides or set(sides) - {"server", "client"}:
+        ap.error(f"--hold-sides {a.hold_sides!r}: server, client or server,client")
+    for s in list(holds):  # each held kind on either side: "k" (the echo's), "k@client"
+        holds[s] = {f"{k}{'' if side == 'server' else CLIENT_HELD}": h
+                    for side in sides for k, h in holds[s].items()}
     rows = {name: r for name, r, _ in model_weights(a.layers, a.scale)}
     doc: dict[str, Any] = {"argv": sys.argv, "runs": [], "replay_roles_p50_us": replay}
     styles = [m for m in a.multi.split(",") if m]
@@ -112,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # one echo and one caller process for every plan and sequence (their starts cost more
     # than a run)
     got = ladder_echo([(plans[m], s, holds.get(s, {"held": {}})) for m, s in cases], 2, 2,
-                      a.mode, a.seconds, a.spin, a.transport)
+                      a.mode, a.seconds, a.spin, a.transport, a.ahead)
     for (m, s), res in zip(cases, got, strict=True):
         plan = plans[m]
         hs = holds.get(s, {"held": {}})
@@ -134,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             line = f"S={s:<3} {role:<12} bare {rt:7.1f}"
             for k in kinds:
                 held, hold = res[k]["rt_us"][role], hs[k].get(role, 0)
-                line += f" | {k} {held:7.1f} - {hold:6.1f} = {held - hold:6.1f}"
-            if role in replay.get(s, {}):
+                if k.endswith(CLIENT_HELD):  # the caller held it: its round trip is the
+                    line += f" | {k} {held:7.1f} (held {hold:6.1f})"  # transport
+                else:
+                    line += f" | {k} {held:7.1f} - {hold:6.1f} = {held - hold:6.1f}"
+            if role in replay.get(s, {}):  # against the last kind the echo held
+                ref = next((k for k in reversed(kinds) if not k.endswith(CLIENT_HELD)), None)
                 rpc = replay[s][role]["rpc"]
-                line += f" | replay {rpc:7.1f} = x{rpc / res[kinds[-1]]['rt_us'][role]:.2f}"
+                line += f" | replay {rpc:7.1f}" + (
+                    f" = x{rpc / res[ref]['rt_us'][role]:.2f}" if ref is not None else "")
             print(line, flush=True)
     if a.json is not None:
         a.json.write_text(json.dumps(doc, indent=1))

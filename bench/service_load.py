@@ -384,13 +384,16 @@ def _start_as_worker(proc: Any) -> None:
 
 
 def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False,
-                       hold: bool = False) -> None:
+                       hold: bool = False, ahead: bool = False) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
     answer with (replies cached per size); nothing else is done. ``cpus``: run there (as the
     worker does with --cpus); ``spin``: its loop busy-polls as the worker's does by default
     (service/threads.py: the same rule, so the same cores decide); ``hold``: the next 8 bytes
     say for how many ns the handler busy-waits on the loop, GIL held, before it answers (a
-    worker's window: its inline job and Python; :func:`echo_sequence`)."""
+    worker's window: its inline job and Python; :func:`echo_sequence`); ``ahead``: the stream
+    handler reads the next request before its reply's write has completed (the write started
+    at once by servicer.start_now, the next read posted behind it), not after it as a
+    generator's yield does."""
     import asyncio
     import os
 
@@ -419,13 +422,25 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = Fals
         async for req in it:
             yield reply(req)
 
+    async def stream_ahead(it: Any, ctx: Any) -> None:
+        from q6serve.service.servicer import start_now
+
+        writing = None
+        while (req := await ctx.read()) is not grpc.aio.EOF:
+            out = reply(req)
+            if writing is not None and not writing.done():
+                await writing  # (one write at a time)
+            writing = start_now(ctx.write(out))
+        if writing is not None:
+            await writing
+
     async def serve() -> None:
         from q6serve.client.channel import channel_options
 
         server = grpc.aio.server(options=channel_options())
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("echo.Echo", {
             "U": grpc.unary_unary_rpc_method_handler(unary),
-            "S": grpc.stream_stream_rpc_method_handler(stream)})])
+            "S": grpc.stream_stream_rpc_method_handler(stream_ahead if ahead else stream)})])
         ports.put(server.add_insecure_port("127.0.0.1:0"))
         if spin:
             from q6serve.service.threads import busy_poll
@@ -552,7 +567,10 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
     """Per sequence of ``seqs`` ((request bytes, reply bytes, hold ns) per call, a replay
     step's calls in order), closed-loop passes over it on one stream for ``seconds``: p50
     seconds of a pass and of each position's round trip (the first fifth of the passes:
-    warm-up); ``transport``: the caller's gRPC (bench/svc_util_transport.py)."""
+    warm-up); ``transport``: the caller's gRPC (bench/svc_util_transport.py). A negative
+    hold is the caller's: it busy-waits that long (GIL held) before it writes the call, whose
+    round trip is timed after it, and the echo answers at once (the window on the other
+    side of the wire: which side pays the surcharge a held call brings)."""
     import asyncio
 
     from svc_util_transport import Channel, floor_transport
@@ -563,8 +581,10 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
     transport = floor_transport(transport)
 
     async def one(ch: Any, seq: list[tuple[int, int, int]]) -> dict[str, Any]:
-        reqs = [reply.to_bytes(8, "little") + ns.to_bytes(8, "little")
+        reqs = [reply.to_bytes(8, "little") + max(ns, 0).to_bytes(8, "little")
                 + b"\1" * max(0, req - 16) for req, reply, ns in seq]
+        # a negative hold: the caller's own, before it writes (the echo answers at once)
+        before = [-ns if ns < 0 else 0 for _, _, ns in seq]
         passes: list[float] = []
         each: list[list[float]] = [[] for _ in seq]
         unary = ch.unary("/echo.Echo/U")
@@ -573,6 +593,10 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
         while time.perf_counter() < end or len(passes) < 5:
             t_pass = time.perf_counter()
             for i, req in enumerate(reqs):
+                if before[i]:
+                    until = time.perf_counter_ns() + before[i]
+                    while time.perf_counter_ns() < until:
+                        pass
                 t0 = time.perf_counter()
                 if call is None:
                     await unary(req)
@@ -600,16 +624,16 @@ def _echo_sequence_client(port: int, seqs: list[list[tuple[int, int, int]]], mod
 
 def echo_sequence(seqs: list[list[tuple[int, int, int]]], mode: str, seconds: float,
                   spin: bool = True, client_spin_us: float = 0.0,
-                  transport: str = "aio") -> list[dict[str, Any]]:
+                  transport: str = "aio", ahead: bool = False) -> list[dict[str, Any]]:
     """Replay steps' calls in order (one list per sequence, run one after the other by one
     caller against one echo) answered with each call's reply size after holding it its hold
     (ns; the worker's window of that call, or 0): how much of the replay's transport a bare
     server with the same sizes, order and windows pays too. The echo's loop busy-polls as the
-    worker's does (``spin``)."""
+    worker's does (``spin``); ``ahead``: see :func:`_sized_echo_server`."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    server = ctx.Process(target=_sized_echo_server, args=(ports, SERVER_CPUS, spin, True),
-                         daemon=True)
+    server = ctx.Process(target=_sized_echo_server,
+                         args=(ports, SERVER_CPUS, spin, True, ahead), daemon=True)
     _start_as_worker(server)
     try:
         port = ports.get(timeout=60)

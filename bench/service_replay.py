@@ -155,6 +155,11 @@ class ReplaySpec:
     # EventEngine off as the worker runs it; "": gRPC's defaults); None: as the bench's own
     # environment has it (a caller on gRPC's defaults unless set)
     grpc_experiments: str | None = None
+    # a stream's read of each reply posted before its request's write has completed (the
+    # write started at once, service/servicer.start_now, and waited for after the read), not
+    # after it: the write's completion coming back through gRPC's poller is then off the
+    # round trip's path, as the worker's reads ahead of its writes
+    ahead: bool = False
 
 
 def _timings(r: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -255,6 +260,9 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 for f in CALL_FIELDS:
                     got[f].append(one[f])
 
+        if spec.ahead:  # (this tree's: a base tree's host does not read ahead)
+            from q6serve.service.servicer import start_now
+
         async def chain(c: int, out: list[tuple[Any, ...]]) -> None:
             """One chain's calls of a step, in order; each call's figures into ``out``."""
             x_of = xs if spec.chains == 1 else {
@@ -267,6 +275,10 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 t1 = time.perf_counter()
                 if streams is None:
                     raw = await unary(req, timeout=120.0)
+                elif spec.ahead:
+                    writing = start_now(streams[c].write(req))
+                    raw = await streams[c].read()
+                    await writing
                 else:
                     await streams[c].write(req)
                     raw = await streams[c].read()
@@ -412,12 +424,17 @@ def held_echo(plans: list[tuple[list[Call], int, dict[str, float]]], itemsize: i
                        out_itemsize, mode, seconds, client_spin_us, transport)
 
 
+CLIENT_HELD = "@client"  # a held kind so named is held by the caller (before each write)
+
+
 def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]], itemsize: int,
                 out_itemsize: int, mode: str, seconds: float, client_spin_us: float = 0.0,
-                transport: str = "aio") -> list[dict[str, Any]]:
+                transport: str = "aio", ahead: bool = False) -> list[dict[str, Any]]:
     """As :func:`held_echo`, with several held kinds per plan (name -> hold us per role, e.g.
     each role held for the worker's kernel, its device job, its whole handler): run bare, each
-    kind in turn, the kinds again in reverse, bare. Per plan {"bare": ..., kind: ...}."""
+    kind in turn, the kinds again in reverse, bare. Per plan {"bare": ..., kind: ...}. A kind
+    whose name ends in CLIENT_HELD is held by the caller before each write, not by the echo
+    (its round trips exclude the hold: its transport_us is the round trip)."""
     out_order: list[list[str]] = []
     seqs = []
     for plan, n, holds in plans:
@@ -426,10 +443,11 @@ def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]]
         out_order.append(order)
         for kind in order:
             hold = holds.get(kind, {})
+            sign = -1 if kind.endswith(CLIENT_HELD) else 1  # held by the caller
             seqs.append([(*floor_sizes(c, n, itemsize, out_itemsize),
-                          int(hold.get(c.role, 0) * 1e3)) for c in plan])
+                          sign * int(hold.get(c.role, 0) * 1e3)) for c in plan])
     results = iter(echo_sequence(seqs, mode, seconds, client_spin_us=client_spin_us,
-                                 transport=transport))
+                                 transport=transport, ahead=ahead))
     out = []
     for (plan, _, holds), order in zip(plans, out_order, strict=True):
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -445,7 +463,8 @@ def ladder_echo(plans: list[tuple[list[Call], int, dict[str, dict[str, float]]]]
                          "passes": sum(g["passes"] for g in got),
                          "rt_us": {role: float(np.median(v)) * 1e6 for role, v in per.items()}}
         for kind, hold in holds.items():
-            res[kind]["transport_us"] = {role: rt - int(hold.get(role, 0) * 1e3) * 1e-3
+            mine = 0 if kind.endswith(CLIENT_HELD) else 1  # (a caller's hold is not timed)
+            res[kind]["transport_us"] = {role: rt - mine * int(hold.get(role, 0) * 1e3) * 1e-3
                                          for role, rt in res[kind]["rt_us"].items()}
         out.append(res)
     return out
