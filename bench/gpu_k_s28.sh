@@ -193,7 +193,9 @@ fi
 #    (AUTO: 18944x3584 w12 k5, 14336x4096 w8 k4; session 26's bundle A timed 18944x3584 w12 k4 at
 #    40.3 us against AUTO's 41.4, never put in the table). 2. n64k: the K-slice tiles (src 4 / 7,
 #    nt 8, 8 warps) on 3584x3584 / 4096x4096 at K splits 2-7 (AUTO: src 7 k4 / src 4 at the
-#    model's split).
+#    model's split). Ran in bundle C (tree e5b8cb9, 25 s): 18944x3584 w12 k4 1.033 (39.9 vs 41.2
+#    us) but not tabled (it loses the two-slab row chunks: docs/KERNELS.md "Session 28"); the
+#    rest within 1% or slower.
 if [[ ${PHASE} == c ]]; then
   A=""
   for k in 3 4 5 6 7 8; do A+="64:nt=8,src=8,pf=1,warps=12,ksplit=$k;"; done
