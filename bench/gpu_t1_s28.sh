@@ -2,7 +2,8 @@
 # t1's device script, session 28 (issue 14, ask 1: the worker's Python window per call; ask 2:
 # the transport's surcharge at S=8; ask 3: T1 robust).
 # new: the batch stats once a loop trip and the multi-weight launch function kept (engine.py,
-# batcher.py), and a direct reply's write not waited for before the next read (servicer.py).
+# batcher.py), and (bundles A-C only; reverted after C lost on T1, 7 of 8 pairs) a direct
+# reply's write not waited for before the next read (servicer.py: mid = without it).
 # The base ("main") is this tree with the product files this branch changed as they are on
 # main 1e0f9dc: copies shipped as bench/t1_s28_base/<file>.py.txt (service/<file>.py), on
 # branch wt-t1 only; without them main and new run the same code (said so).

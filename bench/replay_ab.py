@@ -23,7 +23,7 @@ concurrent chains of S / C rows, a stream each; an S that C does not divide is n
 ``host.multi=on|off`` (this variant's calls with or without multi-weight requests, in place of
 ``--multi``: multi-weight and single calls alternated on one worker),
 ``host.ahead=on|off`` (the host's stream reads each reply before its request's write has
-completed: the write started at once, service/servicer.start_now; off by default),
+completed: the write started at once, service_load.start_now; off by default),
 ``host.precision=auto|exact|f16|q8_1`` (the requests' precision: auto by default,
 bench/service.py --replay's default is f16), ``host.ee=off|def`` (the host processes'
 GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve worker` runs it, client/grpc_env.py, or

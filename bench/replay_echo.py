@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     "hold): which side pays the surcharge a held call brings")
     ap.add_argument("--ahead", action="store_true",
                     help="the echo reads each next request before its reply's write completes "
-                    "(service/servicer.start_now), not after it")
+                    "(service_load.start_now), not after it")
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--spin", type=float, default=0.0, help="the caller's loop busy-polls (us)")
     ap.add_argument("--transport", default="aio", choices=TRANSPORTS,

@@ -7,6 +7,7 @@ this module by name (bench/ is on their sys.path, as it is on the parent's).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import multiprocessing as mp
@@ -383,6 +384,42 @@ def _start_as_worker(proc: Any) -> None:
             os.environ.pop(grpc_env.VAR, None)
 
 
+def start_now(coro: Any) -> asyncio.Future[Any]:
+    """Run ``coro`` here, now, up to its first wait, and on from there as what it waits for
+    completes (each step in a done callback, as a task's steps; no task, no loop trip before
+    its first step, unlike ``ensure_future``); returns the future of its outcome. For a
+    stream's write: gRPC's send is started now and the caller goes on to read while it
+    completes (the read posted before the write's completion comes back). Tried in the
+    worker's MatmulStream in session 28 and lost on T1 (bundle C, 7 of 8 pairs, docs/SERVICE.md);
+    kept here for the echo's and the replay host's variants."""
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def step(fut: Any = None, exc: BaseException | None = None) -> None:
+        try:
+            waited = coro.send(None) if exc is None else coro.throw(exc)
+        except StopIteration as e:
+            if not done.done():
+                done.set_result(e.value)
+            return
+        except asyncio.CancelledError:
+            done.cancel()
+            return
+        except BaseException as e:  # the outcome is the future's
+            if not done.done():
+                done.set_exception(e)
+            return
+        if getattr(waited, "_asyncio_future_blocking", None):  # an asyncio future
+            waited._asyncio_future_blocking = False
+            waited.add_done_callback(step)
+        elif waited is None:  # a bare yield: go on in the next trip
+            done.get_loop().call_soon(step)
+        else:
+            step(exc=RuntimeError(f"start_now: cannot wait for {waited!r}"))
+
+    step()
+    return done
+
+
 def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = False,
                        hold: bool = False, ahead: bool = False) -> None:
     """A grpc.aio echo (unary and stream): each message's first 8 bytes say how many bytes to
@@ -392,7 +429,7 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = Fals
     say for how many ns the handler busy-waits on the loop, GIL held, before it answers (a
     worker's window: its inline job and Python; :func:`echo_sequence`); ``ahead``: the stream
     handler reads the next request before its reply's write has completed (the write started
-    at once by servicer.start_now, the next read posted behind it), not after it as a
+    at once by :func:`start_now`, the next read posted behind it), not after it as a
     generator's yield does."""
     import asyncio
     import os
@@ -423,8 +460,6 @@ def _sized_echo_server(ports: Any, cpus: tuple[int, ...] = (), spin: bool = Fals
             yield reply(req)
 
     async def stream_ahead(it: Any, ctx: Any) -> None:
-        from q6serve.service.servicer import start_now
-
         writing = None
         while (req := await ctx.read()) is not grpc.aio.EOF:
             out = reply(req)

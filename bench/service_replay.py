@@ -33,6 +33,7 @@ from service_load import (
     reply_arrays,
     request_bytes,
     spawn_hosts,
+    start_now,
 )
 
 from q6serve.client import core
@@ -156,7 +157,7 @@ class ReplaySpec:
     # environment has it (a caller on gRPC's defaults unless set)
     grpc_experiments: str | None = None
     # a stream's read of each reply posted before its request's write has completed (the
-    # write started at once, service/servicer.start_now, and waited for after the read), not
+    # write started at once, service_load.start_now, and waited for after the read), not
     # after it: the write's completion coming back through gRPC's poller is then off the
     # round trip's path, as the worker's reads ahead of its writes
     ahead: bool = False
@@ -259,9 +260,6 @@ async def _host(spec: ReplaySpec, barrier: Any) -> dict[str, list[float]]:
                 got = calls.setdefault(call.role, {f: [] for f in CALL_FIELDS})
                 for f in CALL_FIELDS:
                     got[f].append(one[f])
-
-        if spec.ahead:  # (this tree's: a base tree's host does not read ahead)
-            from q6serve.service.servicer import start_now
 
         async def chain(c: int, out: list[tuple[Any, ...]]) -> None:
             """One chain's calls of a step, in order; each call's figures into ``out``."""
