@@ -14,6 +14,8 @@
 #    wait, post per call kind): def (main 1e0f9dc's code), nt0 (HP_SET_NT_FILL_MIN=0 through
 #    bench/hp_site), sy (HP_SET_SMALL_Y=98304), alternated (RORDER).
 # PHASE=b (bound ~98 s): bundle A's cut judged on one worker switched between runs (below).
+# PHASE=c (bound ~70 s, tree 4c2311a): the multi-weight calls' identity lookup (launch.HOT_MANY,
+# lost, reverted) in layer_wall and on one worker's replay, switched between runs.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -90,6 +92,32 @@ elif [[ $PHASE == b ]]; then
     --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   {
     echo "# hp bundle b, tree $(tree_commit), $(elapsed)"
+    echo "## the replay on one worker, def (this tree) / alt (NT_FILL_MIN=262144)"
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle" "$OUT/replay.log" 2>/dev/null \
+      | cut -c1-330
+    grep -h "hp_site" "$OUT"/*.log 2>/dev/null | sort -u
+    machine_summary
+    steps
+  } | table
+elif [[ $PHASE == c ]]; then
+  # (runs at tree 4c2311a only: launch.HOT_MANY lost in bundle C and was reverted after it)
+  # the multi-weight calls' identity lookup (launch.HOT_MANY, this tree) against the keyed
+  # one (HOT_MANY=0): 1. bench/layer_wall.py S=1, 8 in one process, alternated; 2. the 28-layer
+  # replay on ONE worker switched between runs (bench/hp_toggle_ab.py, alt HOT_MANY=0).
+  BOUND=${BOUND:-70}
+  step layer "$(bound 16 52)" python3 bench/layer_wall.py --seqs 1,8 --steps 40 --layers 3 \
+    --rounds 3 --gap-us 0,150 --variants "${LVC:-on,on:HOT_MANY=0}" --bound 13 \
+    --json "$OUT/layer.json"
+  rest=$(($(bound 1000 4) - 1))
+  PYTHONPATH=$PP step replay "$(bound 70 2)" python3 bench/hp_toggle_ab.py \
+    --backend "${BACKEND:-cuda}" --layers "$LAYERS" --alt "${ALTC:-HOT_MANY=0}" \
+    --order "${ORDERC:-def,alt,alt,def,def,alt,alt,def}" --seqs "${SEQS:-1,8}" \
+    --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  {
+    echo "# hp bundle c, tree $(tree_commit), $(elapsed)"
+    echo "## layer_wall: host = wall - kernel (wall, launch, kernel[, gpu_pre, gpu_tail]), us"
+    grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-200
+    echo "## the replay on one worker, def (this tree) / alt (HOT_MANY=0)"
     grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle" "$OUT/replay.log" 2>/dev/null \
       | cut -c1-330
     grep -h "hp_site" "$OUT"/*.log 2>/dev/null | sort -u
