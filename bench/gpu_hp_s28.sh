@@ -15,7 +15,8 @@
 #    bench/hp_site), sy (HP_SET_SMALL_Y=98304), alternated (RORDER).
 # PHASE=b (bound ~98 s): bundle A's cut judged on one worker switched between runs (below).
 # PHASE=c (bound ~70 s, tree 4c2311a): the multi-weight calls' identity lookup (launch.HOT_MANY,
-# lost, reverted) in layer_wall and on one worker's replay, switched between runs.
+# lost, reverted) in layer_wall and on one worker's replay, switched between runs. PHASE=d
+# (bound ~40 s): the landed tree's device job stamped, and a large y's pinned block probed.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -121,6 +122,26 @@ elif [[ $PHASE == c ]]; then
     grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle" "$OUT/replay.log" 2>/dev/null \
       | cut -c1-330
     grep -h "hp_site" "$OUT"/*.log 2>/dev/null | sort -u
+    machine_summary
+    steps
+  } | table
+elif [[ $PHASE == d ]]; then
+  # the landed tree's device job in its parts (NT_FILL_MIN 1 MiB on main since 0567bd5): one
+  # worker, the 28-layer replay once (S=1, 8), every direct job stamped, and a large y's
+  # pinned block probed (HP_YB_PROBE: kept blocks reused vs CuPy's pool per call: is a
+  # multi-weight call's "y out", 22 us in situ, the pool's fallback?)
+  BOUND=${BOUND:-40}
+  rest=$(($(bound 1000 3) - 1))
+  Q6SERVE_JOB_STAMPS="$OUT/js_{pid}.json" HP_YB_PROBE="$OUT/yb_{pid}.json" PYTHONPATH=$PP \
+    step replay "$(bound 38 1)" python3 bench/hp_toggle_ab.py --backend "${BACKEND:-cuda}" \
+    --layers "$LAYERS" --alt NT_FILL_MIN=262144 --order def --seqs "${SEQS:-1,8}" \
+    --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  {
+    echo "# hp bundle d, tree $(tree_commit), $(elapsed)"
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=" "$OUT/replay.log" 2>/dev/null | cut -c1-330
+    python3 bench/job_stamps.py "$OUT"/js_*.json 2>&1 | grep -v "?" | grep -v handler \
+      | cut -c1-200
+    for f in "$OUT"/yb_*.json; do [[ -f $f ]] && echo "y_block $(basename "$f"): $(cat "$f")"; done
     machine_summary
     steps
   } | table

@@ -76,3 +76,49 @@ if _alts:
     signal.signal(signal.SIGUSR2, lambda *_: _to(_base))
     print(f"# hp_site: SIGUSR1 sets {_alts}, SIGUSR2 {_base} (pid {os.getpid()})",
           file=sys.stderr, flush=True)
+
+# HP_YB_PROBE=<path> ({pid} replaced): Workspace.y_block (a large y's pinned block) timed and
+# counted per size: kept blocks reused vs a block from CuPy's pool (every kept one still held
+# by an array, or none large enough yet); written as JSON at exit (session 28: is a
+# multi-weight call's "y out", 22 us in situ, the pool's fallback?)
+if os.environ.get("HP_YB_PROBE"):
+    import atexit
+    import json
+    import time
+
+    from q6serve.kernels.cuda import launch as _launch3
+
+    _yb_path = os.environ["HP_YB_PROBE"].replace("{pid}", str(os.getpid()))
+    _yb_rows: dict = {}
+    _yb_orig = _launch3.Workspace.y_block
+
+    def _y_block(self, nbytes):
+        t0 = time.perf_counter()
+        kept = list(self._yb_ptr)
+        out = _yb_orig(self, nbytes)
+        dt = time.perf_counter() - t0
+        r = _yb_rows.setdefault(str(nbytes), {"n": 0, "kept": 0, "new_kept": 0, "us": []})
+        r["n"] += 1
+        if out[0] in kept:
+            r["kept"] += 1
+        elif out[0] in self._yb_ptr:
+            r["new_kept"] += 1
+        if len(r["us"]) < 20000:
+            r["us"].append(dt * 1e6)
+        return out
+
+    _launch3.Workspace.y_block = _y_block
+
+    def _yb_dump() -> None:
+        if not _yb_rows:
+            return
+        rows = {}
+        for k, r in _yb_rows.items():
+            us = sorted(r["us"])
+            rows[k] = {"n": r["n"], "kept": r["kept"], "new_kept": r["new_kept"],
+                       "pool": r["n"] - r["kept"] - r["new_kept"],
+                       "p50_us": us[len(us) // 2] if us else None}
+        with open(_yb_path, "w") as f:
+            json.dump(rows, f)
+
+    atexit.register(_yb_dump)

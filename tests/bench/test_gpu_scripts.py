@@ -47,7 +47,7 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
                               "ENVAB_ENV": "Q6SERVE_X=1"}, GPU_RUN_MODES.split())],
     "gpu_dataplane_run.sh": [("variants", {"VARIANTS": "4 8@200 8:0 8:m0 6rr"}, [])],
     "gpu_hp_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
-                      ("c", {"PHASE": "c"}, [])],
+                      ("c", {"PHASE": "c"}, []), ("d", {"PHASE": "d"}, [])],
     "gpu_t1_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                      ("c", {"PHASE": "c"}, [])],
     "gpu_k_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
