@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import socket
 import struct
 import time
@@ -40,6 +41,17 @@ from .spin import caller_spin_us
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
+# the ring (service/lane.py's layout; opt-in: ring=True or Q6SERVE_LANE_RING=1 here, and the
+# worker started with Q6SERVE_LANE_RING=1): the last RING_BYTES of the region, 64-aligned
+R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64
+R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192
+R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048
+RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
+RING_ENV = "Q6SERVE_LANE_RING"
+RING_RECHECK_S = 20e-6  # the ring re-checked after this side's sleep flag is set
+RING_WAKE_MS = 5  # the longest block before the ring is looked at again
+SEQ = struct.Struct("<Q")
+FLAG = struct.Struct("<I")
 SPIN_ENV = "Q6SERVE_LANE_SPIN_US"
 LANE_SPIN_US = 1000.0  # default spin where the caller may run on SPIN_MIN_CPUS cores or more
 MAX_KEPT = 64  # record codes and region views a lane keeps (cleared beyond)
@@ -71,7 +83,8 @@ class Lane:
     blocking."""
 
     def __init__(self, region: Region, path: str, ticket: bytes,
-                 timeout: float | None = 60.0, spin_us: float | None = None) -> None:
+                 timeout: float | None = 60.0, spin_us: float | None = None,
+                 ring: bool | None = None) -> None:
         self.region, self.path = region, path
         self.spin_us = lane_spin_us() if spin_us is None else float(spin_us)
         self.spun = self.slept = 0
@@ -83,6 +96,12 @@ class Lane:
         self._last: tuple[float, float, float, int, int] | None = None  # (``last``)
         self._xs: dict[tuple[Any, ...], tuple[np.ndarray, int]] = {}  # x's places (_x_place)
         self._head = bytearray(REPLY.size)
+        self._ring: memoryview | None = None  # the ring block (ring lanes)
+        self._ring_name = b""
+        self.ring_offset = -1
+        self._timeout = timeout
+        if ring is None:
+            ring = os.environ.get(RING_ENV, "").strip().lower() in ("1", "on", "true", "yes")
         try:
             self.sock.connect(path)
             self.sock.sendall(ticket)
@@ -90,6 +109,8 @@ class Lane:
                 raise core.Q6ServeError(grpc.StatusCode.PERMISSION_DENIED,
                                         "the worker refused the lane (ticket used, expired or "
                                         "from another user)")
+            if ring:
+                self._ring_setup()
         except OSError as e:
             self.sock.close()
             raise core.Q6ServeError(grpc.StatusCode.UNAVAILABLE,
@@ -97,6 +118,96 @@ class Lane:
         except BaseException:
             self.sock.close()
             raise
+
+    @property
+    def ring(self) -> bool:
+        """Whether requests and replies go through the ring (else the socket)."""
+        return self._ring is not None
+
+    def _ring_setup(self) -> None:
+        """The ring at the region's last RING_BYTES (64-aligned), zeroed, named to the worker
+        in a setup record; its answer read on the socket (a refusal raises)."""
+        if not isinstance(self.region, ShmRegion):
+            raise ValueError("a lane's ring needs a system (shared-memory) region")
+        off = (self.region.size - RING_BYTES) // 64 * 64
+        if off < 0:
+            raise ValueError(f"a region of {self.region.size} bytes has no room for the "
+                             f"ring's {RING_BYTES}")
+        arr = self.region.ndarray(off, np.uint8, (RING_BYTES,))
+        arr[...] = 0
+        self.sock.sendall(REQUEST.pack(0, 0, 0, off, 0, 0, 0, 0, 1, 0, 0))
+        self._read_into(self._head)
+        _, code, msg_len, *_ = REPLY.unpack(self._head)
+        msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
+        if code:
+            raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
+        self._ring, self.ring_offset = memoryview(arr), off
+        self._poll = select.poll()
+        self._poll.register(self.sock.fileno(), select.POLLIN)
+
+    def _ring_call(self, rec: bytes, wname: bytes) -> tuple[Any, ...]:
+        """One request through the ring: the record (the name only when it changed), its
+        seq last, the doorbell if the worker's flag says it sleeps; the reply waited for
+        (:meth:`_ring_wait`) and returned unpacked, with its message."""
+        mv = self._ring
+        assert mv is not None
+        if wname != self._ring_name:
+            if len(wname) > RING_NAME_MAX:
+                raise ValueError(f"a weight name of {len(wname)} bytes: a ring takes at most "
+                                 f"{RING_NAME_MAX}")
+            mv[R_NAME : R_NAME + len(wname)] = wname
+            self._ring_name = wname
+        mv[R_REQ : R_REQ + REQUEST.size] = rec
+        SEQ.pack_into(mv, R_SEQ, self._seq)
+        if FLAG.unpack_from(mv, R_WSLEEP)[0]:
+            os.write(self.sock.fileno(), b"\x01")  # the doorbell
+        self._ring_wait()
+        seq, code, msg_len, cols, rows, reqs, _, queue, kernel, device = REPLY.unpack_from(
+            mv, R_REP)
+        n = min(msg_len, RING_MSG_MAX)
+        msg = bytes(mv[R_MSG : R_MSG + n]).decode("utf-8", "replace") if n else ""
+        return seq, code, cols, rows, reqs, queue, kernel, device, msg
+
+    def _ring_wait(self) -> None:
+        """The reply seq spun on for up to ``spin_us``; then this side's flag set (the worker
+        rings the doorbell), the ring re-checked for RING_RECHECK_S, and the socket waited on
+        RING_WAKE_MS at a time (the ring looked at after each) until the lane's timeout."""
+        mv, seq, unpack, now = self._ring, self._seq, SEQ.unpack_from, time.perf_counter
+        assert mv is not None
+        if unpack(mv, R_RSEQ)[0] == seq:
+            self.spun += 1
+            return
+        t0 = now()
+        if self.spin_us > 0:
+            end = t0 + self.spin_us * 1e-6
+            while now() < end:
+                if unpack(mv, R_RSEQ)[0] == seq:
+                    self.spun += 1
+                    return
+        self.slept += 1
+        FLAG.pack_into(mv, R_CSLEEP, 1)
+        try:
+            end = now() + RING_RECHECK_S
+            while now() < end:
+                if unpack(mv, R_RSEQ)[0] == seq:
+                    return
+            fd = self.sock.fileno()
+            limit = None if self._timeout is None else t0 + self._timeout
+            while unpack(mv, R_RSEQ)[0] != seq:
+                wait = RING_WAKE_MS
+                if limit is not None:
+                    left = limit - now()
+                    if left <= 0:
+                        raise TimeoutError("no reply on the lane's ring in time")
+                    wait = min(wait, math.ceil(left * 1000))
+                if self._poll.poll(wait):
+                    try:
+                        if not os.read(fd, 64):  # doorbells (stale ones too): drained
+                            raise ConnectionError("the worker closed the lane")
+                    except BlockingIOError:
+                        pass
+        finally:
+            FLAG.pack_into(mv, R_CSLEEP, 0)
 
     def matmul(self, weight: str, x: Any = None, *, x_offset: int = 0,
                y_offset: int | None = None, shape: tuple[int, int] | None = None,
@@ -131,17 +242,11 @@ class Lane:
         req = REQUEST.pack(self._seq, n, k, x_offset, y_offset, x_code, out_code, prec_code, 0,
                            len(wname), 0)
         try:
-            data = req + wname
-            try:  # one write(2): sendall on a socket with a timeout would poll() first
-                sent = os.write(self.sock.fileno(), data)
-            except BlockingIOError:
-                sent = 0
-            if sent < len(data):
-                self.sock.sendall(data[sent:])
-            self._read_head()
-            seq, code, msg_len, cols, rows, reqs, _, queue, kernel, device = REPLY.unpack(
-                self._head)
-            msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
+            if self._ring is not None:
+                got = self._ring_call(req, wname)
+            else:
+                got = self._sock_call(req, wname)
+            seq, code, cols, rows, reqs, queue, kernel, device, msg = got
         except OSError as e:
             raise core.Q6ServeError(grpc.StatusCode.UNAVAILABLE,
                                     f"the lane broke: {e}") from None
@@ -152,6 +257,21 @@ class Lane:
             raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
         self._last = (queue, kernel, device, rows, reqs)  # (LaneTiming made when read)
         return self._view(y_offset, core.DTYPES[out_dtype], (n, cols)).view()
+
+    def _sock_call(self, req: bytes, wname: bytes) -> tuple[Any, ...]:
+        """One request over the socket: the record written, the reply read."""
+        data = req + wname
+        try:  # one write(2): sendall on a socket with a timeout would poll() first
+            sent = os.write(self.sock.fileno(), data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self.sock.sendall(data[sent:])
+        self._read_head()
+        seq, code, msg_len, cols, rows, reqs, _, queue, kernel, device = REPLY.unpack(
+            self._head)
+        msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
+        return seq, code, cols, rows, reqs, queue, kernel, device, msg
 
     @property
     def last(self) -> LaneTiming | None:
@@ -244,6 +364,9 @@ class Lane:
         return bytes(buf)
 
     def close(self) -> None:
+        if self._ring is not None:
+            self._ring.release()
+            self._ring = None
         self._views.clear()
         self._xs.clear()  # (the region's mapping may close once nothing views it)
         self.sock.close()

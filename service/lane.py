@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -42,12 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from q6serve.kernels.errors import Q6Error, ResourceExhausted, Unavailable
+from q6serve.kernels.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Q6Error,
+    ResourceExhausted,
+    Unavailable,
+)
 
 from . import regions, wire
 from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
-from .threads import outcome
+from .threads import outcome, ring_poll, ring_unpoll
 
 log = logging.getLogger("q6serve.lane")
 
@@ -59,6 +66,26 @@ TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
+# The ring (opt-in: Q6SERVE_LANE_RING on the worker, ``Lane(ring=True)`` or the same variable
+# on the caller): after the ticket, a request record with seq 0 and flags 1 (its 9th field)
+# names a RING_BYTES block at x_off in the lane's system region (64-byte aligned); the worker
+# answers it on the socket (a reply record, seq 0), and from then on requests and replies go
+# through the block, the socket carrying only doorbells (any byte: "look at the ring"), each
+# sent only when the other side's flag says it sleeps. The block, little-endian:
+R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64  # request seq (written last), request record, caller sleeps
+R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply record, worker sleeps
+R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message
+RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
+RING_SETUP = 1  # the setup record's flags
+RING_ENV = "Q6SERVE_LANE_RING"
+SEQ = struct.Struct("<Q")
+FLAG = struct.Struct("<I")
+
+
+def ring_allowed(env: Any = None) -> bool:
+    """Whether this worker takes ring lanes (``Q6SERVE_LANE_RING`` = 1/on/true/yes)."""
+    v = (os.environ if env is None else env).get(RING_ENV, "")
+    return v.strip().lower() in ("1", "on", "true", "yes")
 
 
 @dataclass(frozen=True)
@@ -98,6 +125,10 @@ class LaneServer:
         self._flags = getattr(engine, "flags", None)  # (its state: a plan's validity)
         self._rows_of = (engine.rows_of if hasattr(engine, "rows_of")
                          else lambda name: engine.get(name).rows)
+        self.ring_ok = ring_allowed()
+        self._rings: dict[_LaneConn, _Ring] = {}  # ring lanes, polled by the loop's selector
+        self._polled = False  # (this server is one of the selector's rings)
+        self.rung = 0  # ring requests taken (tests, benches)
 
     async def start(self) -> None:
         self._server = await asyncio.get_running_loop().create_unix_server(
@@ -123,9 +154,105 @@ class LaneServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._polled:
+            with contextlib.suppress(RuntimeError):  # (no loop running: nothing polls)
+                ring_unpoll(asyncio.get_running_loop(), self)
+            self._polled = False
         for w in list(self._lanes):
             w.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the ring ------------------------------------------------------------------------
+    def _ring_setup(self, conn: _LaneConn, off: int) -> None:
+        """The setup record: ``conn``'s lane over a ring at ``off`` of its region (held for
+        the lane's life, let go in ``_ring_drop``), answered on the socket."""
+        assert conn.ticket is not None and conn.transport is not None
+        region = None
+        try:
+            if not self.ring_ok:
+                raise FailedPrecondition(f"this worker takes no ring lanes (start it with "
+                                         f"{RING_ENV}=1)")
+            if conn.ring is not None:
+                raise InvalidArgument("this lane has a ring already")
+            region = self.table.hold_name(conn.ticket.owner, conn.ticket.region)
+            if region.kind != regions.SYSTEM:
+                raise InvalidArgument("a lane's ring must lie in a system region")
+            if off + RING_BYTES > region.byte_size:
+                raise InvalidArgument(f"a ring of {RING_BYTES} bytes at offset {off} overruns "
+                                      f"region {region.name!r} of {region.byte_size} bytes")
+            if (region.mapping.addr + off) % 64:  # (a system region's addr: set)
+                raise InvalidArgument(f"a ring at offset {off} is not 64-byte aligned")
+            region.mapping.check_alive("the ring", region.name)
+            arr = region.mapping.view(off, RING_BYTES, np.dtype(np.uint8), (RING_BYTES,),
+                                      True)
+            ring = _Ring(region, arr)
+            if not self._polled:
+                if not ring_poll(asyncio.get_running_loop(), self):
+                    raise FailedPrecondition("this worker's event loop cannot poll a ring")
+                self._polled = True
+        except Exception as e:
+            self.table.let_go(region)
+            conn.transport.write(_failed(0, e))
+            return
+        conn.ring = ring
+        self._rings[conn] = ring
+        conn.transport.write(REPLY.pack(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0))
+
+    def _ring_drop(self, conn: _LaneConn) -> None:
+        """``conn``'s ring let go (its lane closed): the view dropped, then the region."""
+        ring = self._rings.pop(conn, None)
+        conn.ring = None
+        if ring is not None:
+            region = ring.close()
+            self.table.let_go(region)
+
+    def poll(self) -> bool:
+        """The selector's look at the rings (threads.RingPoller): a new request seq on a
+        lane with nothing in the worker is taken in this loop trip (``_ring_take``)."""
+        got = None
+        unpack = SEQ.unpack_from
+        for conn, ring in self._rings.items():
+            if conn.inflight:
+                continue  # (one request at a time on a ring: its next waits for the reply)
+            s = unpack(ring.mv, R_SEQ)[0]
+            if s != ring.seen:
+                ring.seen = s
+                if got is None:
+                    got = []
+                got.append((conn, s))
+        if got is None:
+            return False
+        for conn, _ in got:
+            conn.inflight += 1  # (taken: not polled again until answered)
+        asyncio.get_running_loop().call_soon(self._ring_take, got)
+        return True
+
+    def sleeping(self, on: bool) -> None:
+        flag = 1 if on else 0
+        for ring in self._rings.values():
+            FLAG.pack_into(ring.mv, R_WSLEEP, flag)
+
+    def _ring_take(self, got: list[tuple[_LaneConn, int]]) -> None:
+        """The ring requests the selector saw, each as a socket record is (``_request``);
+        the last one ``alone`` (the ones before it may join its batch). A record that cannot
+        be one (its name too long) is refused with a status; the rest is ``_direct``'s."""
+        last = len(got) - 1
+        for i, (conn, s) in enumerate(got):
+            ring = conn.ring
+            if ring is None:  # (its lane closed in between)
+                continue
+            self.rung += 1
+            try:
+                mv = ring.mv
+                head = REQUEST.unpack_from(mv, R_REQ)
+                name_len = head[9]
+                if name_len > RING_NAME_MAX:
+                    raise InvalidArgument(f"a ring record's weight name of {name_len} bytes: "
+                                          f"at most {RING_NAME_MAX}")
+                name = bytes(mv[R_NAME : R_NAME + name_len]).decode("utf-8", "replace")
+                self._request(conn, (s, *head[1:]), name, i == last)
+            except Exception as e:
+                conn.answer(_failed(s, e))
 
     def _request(self, conn: _LaneConn, head: tuple[int, ...], name: str,
                  alone: bool = False) -> None:
@@ -559,6 +686,7 @@ class _LaneConn(asyncio.Protocol):
         self.paused = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests run in a task (_one)
         self._timer: asyncio.TimerHandle | None = None
+        self.ring: _Ring | None = None  # requests and replies through a ring (LaneServer)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -591,6 +719,10 @@ class _LaneConn(asyncio.Protocol):
                 return
             self.ticket = t
             self.transport.write(ACCEPTED)
+        if self.ring is not None:  # doorbells: the selector looks at the ring now
+            del buf[:]
+            self.server.poll()
+            return
         pos = 0
         while not self.paused and len(buf) - pos >= REQUEST.size:
             head = REQUEST.unpack_from(buf, pos)
@@ -606,6 +738,12 @@ class _LaneConn(asyncio.Protocol):
                 break
             name = bytes(buf[pos + REQUEST.size : end]).decode("utf-8", "replace")
             pos = end
+            if head[0] == 0 and head[8] == RING_SETUP:
+                self.server._ring_setup(self, head[3])
+                if self.ring is not None:  # what follows it: doorbells
+                    del buf[:]
+                    return
+                continue
             self.inflight += 1
             if self.inflight >= MAX_PIPELINED:
                 self.paused = True
@@ -615,6 +753,12 @@ class _LaneConn(asyncio.Protocol):
         del buf[:pos]
 
     def write(self, rec: bytes) -> None:
+        ring = self.ring
+        if ring is not None:
+            if ring.put(rec) and self.transport is not None \
+                    and not self.transport.is_closing():
+                self.transport.write(b"\x01")  # the doorbell: the caller sleeps
+            return
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(rec)
 
@@ -641,6 +785,39 @@ class _LaneConn(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self.server._lanes.discard(self.transport)  # type: ignore[arg-type]
+        self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
+
+
+class _Ring:
+    """A lane's ring block in its (held) region: a view kept for the lane's life."""
+
+    __slots__ = ("arr", "mv", "region", "seen")
+
+    def __init__(self, region: Any, arr: np.ndarray) -> None:
+        self.region, self.arr = region, arr
+        self.mv = memoryview(arr)
+        self.seen = SEQ.unpack_from(self.mv, R_SEQ)[0]  # (what is there now is no request)
+
+    def put(self, rec: bytes) -> bool:
+        """A reply record (its message cut to RING_MSG_MAX) into the ring, its seq last;
+        True: the caller's flag says it sleeps (ring its doorbell)."""
+        mv = self.mv
+        if len(rec) == REPLY.size:
+            mv[R_REP : R_REP + REPLY.size] = rec
+        else:
+            f = list(REPLY.unpack_from(rec))
+            msg = rec[REPLY.size : REPLY.size + RING_MSG_MAX]
+            f[2] = len(msg)
+            REPLY.pack_into(mv, R_REP, *f)
+            mv[R_MSG : R_MSG + len(msg)] = msg
+        SEQ.pack_into(mv, R_RSEQ, SEQ.unpack_from(rec)[0])
+        return FLAG.unpack_from(mv, R_CSLEEP)[0] != 0
+
+    def close(self) -> Any:
+        """The view let go; returns the region (to let go)."""
+        self.mv.release()
+        self.arr = None  # type: ignore[assignment]
+        return self.region
 
 
 _CODES: dict[tuple[int, int, int], tuple[np.dtype, np.dtype, Any]] = {}

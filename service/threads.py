@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from q6serve.kernels.errors import Unavailable
 
@@ -94,10 +94,14 @@ class _BusyPoll:
         self.spin_s = spin_s
         self.may_spin: list[Callable[[], bool]] = []
         self.spun = 0  # selects that found an event while spinning
+        self.rings: list[RingPoller] = []  # shared-memory rings polled with the selector
 
     def select(self, timeout: float | None = None) -> Any:
+        rings = self.rings
+        if rings and _polled(rings):
+            return []  # (the rings' work was scheduled on the loop: run in this trip)
         if timeout == 0 or not all(ok() for ok in self.may_spin):
-            return self._inner.select(timeout)
+            return self._sleep(timeout)
         now = time.perf_counter
         t0 = now()
         spin = self.spin_s if timeout is None else min(self.spin_s, timeout)
@@ -106,12 +110,83 @@ class _BusyPoll:
             if events:
                 self.spun += 1
                 return events
+            if rings and _polled(rings):
+                self.spun += 1
+                return []
             if now() - t0 >= spin:
                 break
-        return self._inner.select(None if timeout is None else max(0.0, timeout - spin))
+        return self._sleep(None if timeout is None else max(0.0, timeout - spin))
+
+    def _sleep(self, timeout: float | None) -> Any:
+        """The blocking select. With rings: each ring's flag says this side sleeps (the
+        other side then rings the doorbell: a byte on its socket), the rings re-checked for
+        RING_RECHECK_S first (a request stored just before the flag was seen: x86 may let
+        the other side's flag load pass its own store), and the sleep capped at
+        RING_SLEEP_MAX_S (a doorbell missed all the same costs at most that)."""
+        rings = self.rings
+        if not rings or timeout == 0:
+            return self._inner.select(timeout)
+        for r in rings:
+            r.sleeping(True)
+        try:
+            now = time.perf_counter
+            end = now() + RING_RECHECK_S
+            while True:
+                if _polled(rings):
+                    return []
+                if now() >= end:
+                    break
+            cap = RING_SLEEP_MAX_S
+            return self._inner.select(cap if timeout is None else min(timeout, cap))
+        finally:
+            for r in rings:
+                r.sleeping(False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class RingPoller(Protocol):
+    """A shared-memory ring the event loop polls (service/lane.py's ring lanes)."""
+
+    def poll(self) -> bool:
+        """New work scheduled on the loop (``call_soon``)? Called in the selector."""
+        ...
+
+    def sleeping(self, on: bool) -> None:
+        """The loop is about to block (True) / awake again (False)."""
+        ...
+
+
+RING_RECHECK_S = 20e-6  # the rings re-checked after the sleep flags are set
+RING_SLEEP_MAX_S = 0.005  # the longest blocking select while rings are polled
+
+
+def _polled(rings: list[RingPoller]) -> bool:
+    found = False
+    for r in rings:
+        if r.poll():
+            found = True
+    return found
+
+
+def ring_poll(loop: asyncio.AbstractEventLoop, ring: RingPoller) -> bool:
+    """Poll ``ring`` in ``loop``'s selector (wrapped as :func:`busy_poll` does, without a
+    spin where none was set); False: a loop without a selector to wrap."""
+    selector = getattr(loop, "_selector", None)
+    if selector is None:
+        return False
+    if not isinstance(selector, _BusyPoll):
+        selector = loop._selector = _BusyPoll(selector, 0.0)  # type: ignore[attr-defined]
+    if ring not in selector.rings:
+        selector.rings.append(ring)
+    return True
+
+
+def ring_unpoll(loop: asyncio.AbstractEventLoop, ring: RingPoller) -> None:
+    selector = getattr(loop, "_selector", None)
+    if isinstance(selector, _BusyPoll) and ring in selector.rings:
+        selector.rings.remove(ring)
 
 
 def busy_poll(loop: asyncio.AbstractEventLoop, may_spin: Callable[[], bool],
@@ -126,5 +201,6 @@ def busy_poll(loop: asyncio.AbstractEventLoop, may_spin: Callable[[], bool],
         return None
     if not isinstance(selector, _BusyPoll):
         selector = loop._selector = _BusyPoll(selector, spin_us * 1e-6)  # type: ignore[attr-defined]
+    selector.spin_s = max(selector.spin_s, spin_us * 1e-6)  # (a ring's wrapper: spinless)
     selector.may_spin.append(may_spin)
     return selector

@@ -1,0 +1,217 @@
+"""The fast lane's shared-memory ring (opt-in: Q6SERVE_LANE_RING) on the NumPy backend: answers
+equal the socket lane's, a sleeping worker and a sleeping caller are woken by the doorbell
+alone, a closed caller or an unlinked region leaks nothing, hostile ring contents and bad
+setups are refused with a status (the worker and the lane go on), and a worker without the
+option refuses a ring."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.client import core
+from q6serve.client import lane as clane
+from q6serve.client.lane import REPLY, REQUEST, Lane
+from q6serve.service import lane as slane
+from q6serve.service import threads
+from tests.dataplane.test_lane import BASE, ROWS, C, K, code_of
+from tests.service.svc_util import RunningWorker, random_q6k
+
+SEQ = struct.Struct("<Q")
+
+
+SERVERS: list[slane.LaneServer] = []  # the lane servers started (a plain Worker keeps none)
+
+
+@pytest.fixture
+def ring_worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[RunningWorker, Any]]:
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
+    start = slane.LaneServer.start
+
+    async def kept(self: slane.LaneServer) -> None:
+        SERVERS.append(self)
+        await start(self)
+
+    monkeypatch.setattr(slane.LaneServer, "start", kept)
+    w = RunningWorker(dataclasses.replace(BASE, token="u-secret", admin_token="a-secret"))
+    c = w.client(token="a-secret")
+    c.upload("w", random_q6k(ROWS, K, 3), ROWS, K)
+    try:
+        yield w, c
+    finally:
+        w.stop()
+
+
+def _lane(c: Any, region: Any, **kw: Any) -> Lane:
+    path, ticket = c._run(core.open_lane_call(region.name), 10)
+    return Lane(region, path, ticket, **kw)
+
+
+def _held(w: RunningWorker) -> list[int]:
+    return w.run(lambda: [r.users for r in w.worker.regions._regions.values()])
+
+
+def test_the_config_is_the_same_on_both_sides() -> None:
+    for name in ("R_SEQ", "R_REQ", "R_CSLEEP", "R_RSEQ", "R_REP", "R_WSLEEP", "R_NAME",
+                 "R_MSG", "RING_BYTES", "RING_ENV"):
+        assert getattr(clane, name) == getattr(slane, name), name
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 2000.0])
+def test_ring_answers_equal_the_socket_lane(ring_worker: Any, rng: np.random.Generator,
+                                            spin_us: float) -> None:
+    w, c = ring_worker
+    with c.register_shm("io", 1 << 16) as region, c.register_shm("io2", 1 << 16) as r2, \
+            c.open_lane(region) as ring, _lane(c, r2, ring=False, spin_us=spin_us) as sock:
+        ring.spin_us = spin_us
+        assert ring.ring and not sock.ring
+        assert ring.ring_offset == (1 << 16) - slane.RING_BYTES
+        for dtype, out in ((np.float16, "f32"), (np.float32, "f16"), (np.float32, "bf16")):
+            for n in (1, 3):
+                x = rng.standard_normal((n, K)).astype(dtype)
+                np.testing.assert_array_equal(ring.matmul("w", x, out_dtype=out),
+                                              sock.matmul("w", x, out_dtype=out))
+                assert ring.last is not None and ring.last.batch_rows >= n
+        # errors with the socket lane's status and message; the ring lane goes on
+        assert code_of(lambda: ring.matmul("nope", x)) == code_of(lambda: sock.matmul("nope",
+                                                                                       x))
+        code, msg = code_of(lambda: ring.matmul("w", x, y_offset=(1 << 16) - 64))
+        assert code == C.INVALID_ARGUMENT and "overruns region 'io'" in msg, msg
+        np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
+        server = SERVERS[-1]
+        assert server is not None and server.rung == 9
+    assert _held(w) == []  # (unregistered; nothing held)
+
+
+def test_a_sleeping_worker_and_caller_are_woken_by_the_doorbell(
+        ring_worker: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the sleep caps far beyond the lane's timeout only the doorbells can wake either
+    side: every call answers at once (a lost doorbell would wait for the lane's timeout)."""
+    _w, c = ring_worker
+    monkeypatch.setattr(threads, "RING_SLEEP_MAX_S", 600.0)
+    monkeypatch.setattr(clane, "RING_WAKE_MS", 600_000)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    with c.register_shm("io", 1 << 16) as region, _lane(c, region, timeout=5.0,
+                                                         spin_us=0.0) as lane:
+        want = c.matmul("w", x)
+        for i in range(12):
+            if i % 3 == 0:
+                time.sleep(0.05)  # the worker blocks: its flag says so
+                assert slane.FLAG.unpack_from(lane._ring, slane.R_WSLEEP)[0] == 1
+            t0 = time.perf_counter()
+            np.testing.assert_array_equal(lane.matmul("w", x), want)
+            assert time.perf_counter() - t0 < 2.0  # (not the lane's timeout: woken)
+        assert lane.slept >= 1  # (the caller blocked, woken by the worker's doorbell)
+        assert slane.FLAG.unpack_from(lane._ring, slane.R_CSLEEP)[0] == 0
+
+
+def test_hostile_ring_contents_are_refused(ring_worker: Any,
+                                           rng: np.random.Generator) -> None:
+    w, c = ring_worker
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
+
+        def raw(rec: bytes, name: bytes = b"w") -> tuple[Any, ...]:
+            lane._seq += 1
+            lane._ring_name = b""
+            return lane._ring_call(rec[:REQUEST.size], name)
+
+        # a name longer than the ring's room
+        got = raw(REQUEST.pack(1, 1, K, 0, 4096, 2, 1, 0, 0, 5000, 0))
+        assert got[1] == C.INVALID_ARGUMENT.value[0] and "weight name" in got[-1], got
+        # x or y beyond the region, sizes that overflow, bad dtype / precision codes
+        for rec in (REQUEST.pack(1, 1, K, 1 << 40, 4096, 2, 1, 0, 0, 1, 0),
+                    REQUEST.pack(1, 1, K, 0, (1 << 16) - 8, 2, 1, 0, 0, 1, 0),
+                    REQUEST.pack(1, 1 << 31, 1 << 31, 0, 4096, 2, 1, 0, 0, 1, 0),
+                    REQUEST.pack(1, 1, K, 0, 4096, 99, 1, 0, 0, 1, 0),
+                    REQUEST.pack(1, 1, K, 0, 4096, 2, 1, 77, 0, 1, 0)):
+            got = raw(rec)
+            assert got[0] == lane._seq and got[1] == C.INVALID_ARGUMENT.value[0], got
+        # random records: each answered with a status, none crashes the worker
+        for _ in range(200):
+            got = raw(rng.bytes(REQUEST.size), rng.bytes(int(rng.integers(0, 40))))
+            assert got[0] == lane._seq and got[1] != 0, got
+        # the reply area scribbled on by the caller: the next call's reply is whole again
+        lane._ring[slane.R_REP : slane.R_MSG] = rng.bytes(slane.R_MSG - slane.R_REP)
+        np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+    assert _held(w) == []
+
+
+def test_bad_ring_setups_and_a_worker_without_the_option(ring_worker: Any,
+                                                         rng: np.random.Generator,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         ) -> None:
+    w, c = ring_worker
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    with c.register_shm("io", 1 << 16) as region:
+        with _lane(c, region, ring=False) as lane:
+            for off, want in ((100, "not 64-byte aligned"), ((1 << 16) - 64, "overruns"),
+                              (1 << 62, "overruns")):
+                lane.sock.sendall(REQUEST.pack(0, 0, 0, off, 0, 0, 0, 0, 1, 0, 0))
+                lane._read_into(lane._head)
+                seq, code, msg_len, *_ = REPLY.unpack(lane._head)
+                msg = lane._read(msg_len).decode()
+                assert seq == 0 and code == C.INVALID_ARGUMENT.value[0] and want in msg, msg
+            # still a socket lane
+            np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+        with pytest.raises(ValueError, match="room"):
+            small = c.register_shm("tiny", 1024)
+            try:
+                _lane(c, small, ring=True)
+            finally:
+                small.close()
+    assert _held(w) == []
+    monkeypatch.delenv("Q6SERVE_LANE_RING")
+    off = RunningWorker(dataclasses.replace(BASE))
+    try:
+        c2 = off.client()
+        c2.upload("w", random_q6k(ROWS, K, 3), ROWS, K)
+        with c2.register_shm("io", 1 << 16) as region:
+            code, msg = code_of(lambda: _lane(c2, region, ring=True))
+            assert code == C.FAILED_PRECONDITION and "Q6SERVE_LANE_RING=1" in msg, msg
+            with c2.open_lane(region) as lane:  # (the env off here too: a socket lane)
+                assert not lane.ring and lane.matmul("w", x).shape == (1, ROWS)
+    finally:
+        off.stop()
+
+
+def test_a_gone_caller_or_unlinked_region_leaks_nothing(ring_worker: Any,
+                                                        rng: np.random.Generator) -> None:
+    w, c = ring_worker
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    table = w.worker.regions
+    # a caller gone without a word (its socket closed, the region left registered)
+    region = c.register_shm("io", 1 << 16)
+    lane = c.open_lane(region)
+    lane.matmul("w", x)
+    assert _held(w) == [1]  # (the ring holds its region while the lane is open)
+    lane.sock.close()
+    deadline = time.monotonic() + 10
+    while _held(w) != [0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _held(w) == [0]
+    server = SERVERS[-1]
+    assert server is not None and w.run(lambda: len(server._rings)) == 0
+    lane._ring = None  # (this side's view: let go without the socket)
+    region.close()  # unregistered: unmapped in the worker
+    assert w.run(lambda: table.mapped_bytes) == 0
+    # the region's object unlinked under an open ring lane: a clear status, then no leak
+    region = c.register_shm("io", 1 << 16)
+    lane = c.open_lane(region)
+    lane.matmul("w", x)
+    region.shm.unlink()
+    region.owned = False
+    code, msg = code_of(lambda: lane.matmul("w", x))
+    assert code == C.FAILED_PRECONDITION and "unlinked" in msg, msg
+    lane.close()
+    region.close()
+    deadline = time.monotonic() + 10
+    while w.run(lambda: table.mapped_bytes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.run(lambda: table.mapped_bytes) == 0 and _held(w) == []
