@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spins", default="",
                     help="the lane caller's spins to run, us, comma-separated (empty: the "
                          "client's default; ignored by a client without a spin)")
+    ap.add_argument("--rings", default="",
+                    help="the lane over the socket and over its shared-memory ring alternated "
+                         "on one worker (started with Q6SERVE_LANE_RING=1), e.g. "
+                         "sock,ring,ring,sock: one run of --seconds each")
     ap.add_argument("--stamps", action="store_true", help="per-stage breakdown of lane calls")
     ap.add_argument("--check", action="store_true", help="lane y vs the NumPy reference")
     ap.add_argument("--client-cpu", type=int, default=None,
@@ -177,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["Q6SERVE_LANE_STAMPS"] = str(stamp_file)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(SITE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    rings = [r for r in a.rings.split(",") if r]
+    if any(r not in ("sock", "ring") for r in rings):
+        ap.error("--rings takes sock and ring")
+    if rings:  # the worker (a child) takes ring lanes; each lane says which it is
+        os.environ["Q6SERVE_LANE_RING"] = "1"
     worker = start_worker(a.backend, out_dir / f"worker{'_' + a.label if a.label else ''}.log",
                           extra)
     if a.client_cpu is not None:
@@ -208,7 +217,34 @@ def main(argv: list[str] | None = None) -> int:
                                               np.full_like(walls, np.nan)], axis=1)}
                     results[name] = summarize(name, run, None)
                 ref = None
-                if "lane" in paths:
+                if "lane" in paths and rings:
+                    from q6serve.client import core as ccore
+                    from q6serve.client.lane import Lane
+
+                    region2 = c.register_shm("io2", 1 << 22)
+                    path2, ticket2 = c._run(ccore.open_lane_call("io2"), 10)
+                    # the lane opened above is the ring one (this process has the variable)
+                    lanes = {"ring": lane, "sock": Lane(region2, path2, ticket2, ring=False)}
+                    assert lanes["ring"].ring and not lanes["sock"].ring
+                    try:
+                        for r in rings:
+                            ln = lanes[r]
+                            i = sum(n.startswith(f"lane {r} ") for n in lane_runs) + 1
+                            name = f"lane {r} #{i}"
+                            spun0 = ln.spun, ln.slept
+                            run = lane_run(ln, x, y_off, a.seconds, a.warmup, False)
+                            run["spun"], run["slept"] = ln.spun - spun0[0], ln.slept - spun0[1]
+                            run["spin_us"] = ln.spin_us
+                            lane_runs[name] = run
+                            if a.check:
+                                y = np.array(ln.matmul("w", x, y_offset=y_off))
+                                if ref is None:
+                                    ref = reference(blocks, a.rows, a.k, x)
+                                run["check"] = check(y[:, : ref.shape[1]], ref)
+                    finally:
+                        lanes["sock"].close()
+                        region2.close()
+                elif "lane" in paths:
                     has_spin = hasattr(lane, "spin_us")
                     spins = [float(s) for s in a.spins.split(",") if s] if has_spin else []
                     for spin in spins or [None]:
@@ -240,6 +276,18 @@ def main(argv: list[str] | None = None) -> int:
         if "check" in run:
             results[name]["check"] = run["check"]
             print(f"{'':17}check: y vs NumPy reference {run['check']}", flush=True)
+    if rings:  # medians a variant, and the pairs (in order) the ring won
+        by: dict[str, list[dict[str, Any]]] = {}
+        for name, r in results.items():
+            if name.startswith("lane "):
+                by.setdefault(name.split()[1], []).append(r)
+        for key in ("p50_us", "p50_minus_kernel_us", "p50_minus_device_us", "p99_us"):
+            med = {v: float(np.median([r[key] for r in rs])) for v, rs in by.items()}
+            pairs = list(zip(by.get("sock", []), by.get("ring", []), strict=False))
+            won = sum(r[key] < s_[key] for s_, r in pairs)
+            print(f"rings {key:<20} " + "  ".join(f"{v} {m:7.1f}" for v, m in med.items())
+                  + f"  (ring lower in {won} of {len(pairs)} runs paired in order)", flush=True)
+            results[f"rings_{key}"] = med
     if a.json:
         a.json.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else argv,
                                       "label": a.label, "results": results}, indent=1))

@@ -215,3 +215,31 @@ def test_a_gone_caller_or_unlinked_region_leaks_nothing(ring_worker: Any,
     while w.run(lambda: table.mapped_bytes) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert w.run(lambda: table.mapped_bytes) == 0 and _held(w) == []
+
+
+def test_ring_lanes_through_frontends_and_drain(rng: np.random.Generator,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --frontends worker's device process serves ring lanes as the socket's; drained, a
+    ring lane's call is UNAVAILABLE (the socket closed), not left waiting."""
+    from tests.dataplane.test_frontends import Running
+
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
+    w = Running(dataclasses.replace(BASE, frontends=2))
+    try:
+        c = w.client()
+        c.upload("w", random_q6k(ROWS, K, 4), ROWS, K)
+        region = c.register_shm("io", 1 << 16)
+        lane = c.open_lane(region)
+        assert lane.ring
+        for n in (1, 4, 1):
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+        assert code_of(lambda: lane.matmul("nope", x))[0] == C.NOT_FOUND
+        assert w.worker.plane.lanes is not None and w.worker.plane.lanes.rung == 4
+        w.stop()
+        assert code_of(lambda: lane.matmul("w", x))[0] == C.UNAVAILABLE
+        lane.close()
+        region.on_close = None  # the worker is gone: nothing to unregister
+        region.close()
+    finally:
+        w.stop()
