@@ -20,6 +20,11 @@
 #    through the lane this tree / main's alternated AB_T3 (lnew baselane baselane lnew), then
 #    bench/lane_ring_probe.py (the lane's socket against a shm ring, an echo for the job) at
 #    RING_CALLERS (8) callers.
+#  d (bound 45 s, bundle D): the lane's shared-memory ring (opt-in Q6SERVE_LANE_RING=1)
+#    against its socket: 1. one worker, one caller of N=1 on ffn_down, the lane over the socket
+#    and over the ring alternated in one process (bench/lane_latency.py --rings RINGS: no
+#    worker-to-worker spread between the two; RINGW workers, each a run); 2. T3's shape through
+#    the lane, socket against ring (AB_T3R: lsock lring; T3_S 1), while the bound allows.
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s28.sh   env: PHASE (a), BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), AB_LAT, AB_T3, T3ST, RING_CALLERS, LAT_S (1),
@@ -83,7 +88,22 @@ t3() {  # t3 RUN NAME: T3's shape through the lane (8 hosts x 1 caller of N=64, 
   note "# $1 (T3 lane) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
 }
+latr() {  # latr RUN NAME: the lane over its socket and its ring alternated on one worker
+  local t=$SECONDS
+  PYTHONPATH=$(newpp "$2") timeout "$(bound 30 1)" python3 bench/lane_latency.py --backend "$BACKEND" --rows $ROWS \
+    --k $K --paths lane --check --seconds "${LAT_S:-1}" --warmup 0.2 --label "$1" \
+    --rings "${RINGS:-sock,ring,ring,sock,sock,ring}" --json "$OUT/$1.json" \
+    >"$OUT/$1.log" 2>&1
+  note "# $1 (lane socket vs ring, one worker) rc=$? in $((SECONDS - t)) s at $(elapsed)"
+}
 case $PHASE in
+  d)
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs "${NEED:-12}" latr ${RINGW-rw}
+    archive 2>/dev/null
+    # shellcheck disable=SC2086  # (run names)
+    T3_S=${T3_S:-1} ab_runs "${NEED:-12}" t3 ${AB_T3R-lsock:Q6SERVE_LANE_RING=0 lring:Q6SERVE_LANE_RING=1}
+    ;;
   a)
     # shellcheck disable=SC2086  # (run names)
     ab_runs "${NEED:-12}" lat ${AB_LAT-spare new base base new new base}
@@ -122,6 +142,9 @@ esac
   echo "# phase $PHASE"
   python3 bench/lane_ab_table.py "$OUT" 2>&1
   for f in "$OUT"/ring_c*.log; do [[ -f $f ]] && grep -E "^(socket|ring)" "$f"; done
+  for f in "$OUT"/rw*.log; do
+    [[ -f $f ]] && { echo "# ${f##*/}"; grep -E "^(lane (sock|ring)|rings )" "$f" | cut -c1-200; }
+  done
   for f in "$OUT"/st*.log "$OUT"/basest*.log; do
     [[ -f $f ]] && { echo "# ${f##*/}"; grep -E -A3 "^lane|stamp|pre_job|client_pre" "$f" | cut -c1-240; }
   done
