@@ -151,12 +151,15 @@ DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,
 DP_LANE_PIPE = Var("Q6SERVE_DP_LANE_PIPE", "switch", True,
                    "a --frontends worker's fast lanes launch their full batches through the "
                    "device process's pipeline and answer them a loop trip later, not inline")
+LANE_RING = Var("Q6SERVE_LANE_RING", "switch", False,
+                "fast lanes may run over a shared-memory ring in their region, the socket "
+                "kept for setup, errors and doorbells (opt-in)")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
                          FRONTEND_ROUND_ROBIN, FRONTEND_GC_FREEZE, HANDOFF_YIELD, PIPELINE,
                          DEFER_SLOTS, DEFER_NOW, MULTI_PIPELINE, MULTI_LAUNCH, PIPELINE_SHORT,
-                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS,
+                         DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS, LANE_RING,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
                          HOT_CALLS, DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
                          DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER, DP_LANE_PIPE)

@@ -51,7 +51,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
-from . import regions, wire
+from . import envvars, regions, wire
 from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
 from .threads import outcome, ring_poll, ring_unpoll
@@ -83,9 +83,8 @@ FLAG = struct.Struct("<I")
 
 
 def ring_allowed(env: Any = None) -> bool:
-    """Whether this worker takes ring lanes (``Q6SERVE_LANE_RING`` = 1/on/true/yes)."""
-    v = (os.environ if env is None else env).get(RING_ENV, "")
-    return v.strip().lower() in ("1", "on", "true", "yes")
+    """Whether this worker takes ring lanes (``Q6SERVE_LANE_RING``, envvars.LANE_RING)."""
+    return bool(envvars.LANE_RING.read(env))
 
 
 @dataclass(frozen=True)
