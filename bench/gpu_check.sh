@@ -22,7 +22,8 @@
 #   env: BOUND (440), SKIP_SUITES=1 (the targets only), SKIP_DATAPLANE=1, SKIP_REPLAY=1,
 #   SKIP_PINNED=1 (no pinned runs), SKIP_TRIPS=1, SKIP_PROBES=1 (the data plane's probes),
 #   LANE=1 (the fast lane at T3's shape, bench/gpu_dataplane_lane.sh, and one caller's latency,
-#   bench/lane_latency.py), REPLAY_SECONDS (2), REPLAY_SEQS (8,1,64), REPLAY_SPINS (0: the
+#   bench/lane_latency.py; LANE_RINGS: its runs over the lane's socket and its shared-memory
+#   ring, "sock,ring,ring,sock,sock,ring"), REPLAY_SECONDS (2), REPLAY_SEQS (8,1,64), REPLAY_SPINS (0: the
 #   replay host's loop busy-polling, bench/service.py --replay-spins), REPLAY_TRANSPORT (aio:
 #   grpc.aio on the host's loop, as up to session 21 and again from session 23; session:
 #   Client.session() as a user runs it, spinning for its replies on 8+ cores, session 22's) and REPLAY_MODE (stream): the replay hosts' gRPC and
@@ -126,9 +127,11 @@ fi
 # the lane (issue 15's T3 through it and the stretch target) before the suites: target rows,
 # which the suites (pass/fail, ~200 s) starved at the bound in session 26's check
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
-  # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked)
+  # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked), over
+  # the lane's socket and over its shared-memory ring (opt-in) alternated on one worker
   step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
-    --paths grpc,lane --check --seconds 2 --warmup 0.3 --json "$OUT/lane_latency.json"
+    --paths grpc,lane --check --rings "${LANE_RINGS:-sock,ring,ring,sock,sock,ring}" \
+    --seconds 1.5 --warmup 0.3 --json "$OUT/lane_latency.json"
   step lane 90 env -u VARIANTS SKIP_TESTS=1 SKIP_INSTALL=1 SECONDS_PER_RUN=2 OUT="$OUT/lane" \
     bench/gpu_dataplane_lane.sh
   # its JSONs sit inside its archive; bench/check_targets.py reads OUT/lane/lane_f*.json (the
@@ -178,7 +181,7 @@ fi
   grep -E "median|loop trips" "$OUT/trips.log" 2>/dev/null | cut -c1-160
   grep "^# " "$OUT/dataplane_probes.log" 2>/dev/null | tail -6
   grep "^# lane_" "$OUT/lane.log" 2>/dev/null | cut -c1-220
-  grep -E "^lane|^grpc|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -4 | cut -c1-200
+  grep -E "^lane|^grpc|^rings|check:" "$OUT/lane_latency.log" 2>/dev/null | tail -12 | cut -c1-200
   # one row per issue 14 / 15 target: figure, limit, met / missed / cut (for bench/RESULTS.md)
   python3 bench/check_targets.py "$OUT"
 } | table

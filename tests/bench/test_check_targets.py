@@ -197,3 +197,22 @@ def test_t3_through_the_lane_row_per_front_end_count(tmp_path: Path) -> None:
                "regions), of the kernel alone"][2] == "cut"
     (tmp_path / "steps.tsv").unlink()
     assert not any(k.startswith("T3 through the fast lane") for k in run(tmp_path))
+
+
+def test_the_stretch_rows_over_the_socket_and_the_ring(tmp_path: Path) -> None:
+    """bench/lane_latency.py --rings: a row per way (socket, ring), each its runs' median p50 -
+    kernel against 50 us; a single lane run (no --rings) stays one row."""
+    res = {f"lane sock #{i}": {"p50_minus_kernel_us": v} for i, v in enumerate((55, 60, 58), 1)}
+    res |= {f"lane ring #{i}": {"p50_minus_kernel_us": v} for i, v in enumerate((45, 49, 52), 1)}
+    res["rings_p50_minus_kernel_us"] = {"sock": 58.0, "ring": 49.0}
+    write(tmp_path, "lane_latency", {"results": res})
+    got = {k: v for k, v in run(tmp_path).items() if k.startswith("stretch")}
+    assert got == {
+        "stretch: one caller N=1 ffn_down on the lane over its socket, p50 - kernel "
+        "(median of 3 runs)": ["58.0 us", "50 us", "missed"],
+        "stretch: one caller N=1 ffn_down on the lane over its shared-memory ring (opt-in), "
+        "p50 - kernel (median of 3 runs)": ["49.0 us", "50 us", "**met**"]}
+    write(tmp_path, "lane_latency", {"results": {"lane": {"p50_minus_kernel_us": 51.5}}})
+    got = {k: v for k, v in run(tmp_path).items() if k.startswith("stretch")}
+    assert got == {"stretch: one caller N=1 ffn_down on the lane, p50 - kernel":
+                   ["51.5 us", "50 us", "missed"]}
