@@ -30,6 +30,9 @@
 #     HSPIN (2000)
 # C: T1 A/B of mid (no read-ahead) against new, two workers each, 16 runs alternated.
 #   PHASE=c bash bench/gpu_t1_s28.sh   env: BOUND (70), BACKEND, ORDER, SECONDS_RUN (0.8)
+# D: bundle A's held echo (either side) with the caller asleep and busy-polling 2000 us.
+#   PHASE=d bash bench/gpu_t1_s28.sh   env: BOUND (40), HOLDS, DSPINS ("0 2000"), ESEQS (8),
+#     LAYERS (28), SCALE (1), ESECONDS (0.5)
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -172,6 +175,29 @@ s.__file__, 'reads ahead:', hasattr(s, 'start_now'))"
     machine_summary
     grep -hE "^# mid|FAILED|skipped|failed" "$OUT"/*.log | cut -c1-200
     [[ -f $OUT/t1ab.log ]] && sed -n '/^# T1 A\/B/,$p' "$OUT/t1ab.log" | cut -c1-400
+  } | table
+fi
+if [[ $PHASE == d ]]; then
+  # D (ask 2): the held echo of bundle A (the replay's 113 calls, each held for new's handler
+  # p50 per role, by the echo or by the caller) with the caller's loop asleep between its write
+  # and the reply (spin 0, as the replay's aio host) and busy-polling 2000 us: if the echo-held
+  # surcharge goes with the caller's spin, it is the caller's wake-up.
+  BOUND=${BOUND:-40}
+  holds=${HOLDS:-"8:q+k+v=270.7,o=156.7,gate+up=263.7,down=259.8,lm_head=356.1;\
+1:q+k+v=184.2,o=98.0,gate+up=192.0,down=120.1,lm_head=286.2"}
+  for sp in ${DSPINS:-0 2000}; do
+    step "echo_s$sp" "$(bound 30 1)" python3 bench/replay_echo.py --seqs "${ESEQS:-8}" \
+      --layers "${LAYERS:-28}" --scale "${SCALE:-1}" --holds "$holds" \
+      --hold-sides server,client --seconds "${ESECONDS:-0.5}" --spin "$sp" \
+      --json "$OUT/echo_s$sp.json"
+  done
+  {
+    echo "# gpu_t1_s28 PHASE=$PHASE $(tree_commit) total $(elapsed)"
+    steps
+    machine_summary
+    for f in "$OUT"/echo_s*.log; do
+      grep -E "^(# |S=)" "$f" | cut -c1-300 | sed "s/^/$(basename "$f" .log) /"
+    done
   } | table
 fi
 exit 0
