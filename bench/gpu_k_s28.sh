@@ -211,5 +211,53 @@ if [[ ${PHASE} == c ]]; then
     cfgab_report n64k; } | table
   exit 0
 fi
+# PHASE=d (bound 80; bundle D, the second shift's asks). Bundle C's K-split sweep at N=64 read
+# through a model (device-less Launcher.plan): time ~ 2.6 us x rounds x blocks a slice (the
+# critical path of a warpgroup) + 0.43 us a MB of split-K partials (k4 .. k8 of w12 on
+# 18944x3584 all have 12 such units: 39.9 .. 46.1 us with 19 .. 34 MB of partials; k3 has 15).
+# Ran in bundle D (tree 7e15493, 29 s): wgh lost (h1 / c0 0.965-1.016, 0.972 where it slices as
+# today: the per-half branch costs ~3%, the skipped steps save nothing: the boundary blocks'
+# loads stay), so Q6SERVE_WG_HALF is not on main (branch k-s28-half, commit 7e15493; on main the
+# h1 variant's text is not found and wg_ab stops); wall: k4 whole ties k5 whole and loses to
+# main's k5 chunks (N=64 0.94-0.97, N=48 0.93), k4 in 3 chunks of one round 1.04 / 1.005 of main
+# (docs/KERNELS.md "Session 28, second shift").
+# (steps run wall, then wgh with the rest of the bound)
+# 1. wgh (ask 1, what is buildable now): Q6SERVE_WG_HALF 1 (q6k_wgmma.cu, bench-only, 0 = the
+#    product's PTX: nvcc -ptx sm_90a equal to main's): K slices in half blocks, so 18944x3584 at
+#    K split 4 takes 3.5 blocks a slice (model: 12 -> 10.5 units, ~36 us), 14336x4096 at split 3
+#    5.5 (w12: 2 rounds, 12 -> 11); each slice stages and loads the whole blocks it touches and
+#    skips the wgmma steps of a half outside it. bench/wg_ab.py on the same launch plans, h1
+#    against now (the product module at that launch shape), c0 (today's text compiled as the
+#    variants are) and AUTO, alternated twice, 30 calls each; y against AUTO's (rel: other K
+#    slices round otherwise, ~2-3e-4 as k4 vs k5); the AUTO cell (k5: half slices = its block
+#    slices) must give now's bits (same). nvcc sm_90a, pair streams: 163 / 165 registers at 12 /
+#    8 warps (main 159 / 163), 0 spills.
+# 2. wall (ask 2): the k4 cell (33 CTAs x 3 rounds of 6336 rows) cannot be cut into row chunks of
+#    whole rounds on the two storage slabs (9472 rows each: Launcher.row_chunks refuses 2 + 2
+#    rounds), so its 4.8 MB y would go down after the whole kernel; a copy in 3 slabs of one
+#    round (6336 rows) can: 2 chunks 12672 | 6272 (2 + 1 rounds) or 3 of one round each (no
+#    product rule: such slabs cost the K-slice cells at N = 16/32 their chunks, 4736 rows a
+#    round; it measures whether chunk cuts inside a slab are worth building).
+#    bench/table_wall.py staged calls, alternated forward and back twice in one process: old (k4:
+#    2 slabs, whole), new (main: k5 in 2 slab chunks), k4s3 / k4c3 (k4 on the 3-slab copy, 2 / 3
+#    chunks), whole (k5 unsplit); N = 64, 48. Same pick, same bits (DIFFER: rc 1).
+if [[ ${PHASE} == d ]]; then
+  step wall 30 python3 bench/table_wall.py --shapes 18944x3584 --ns 64,48 \
+    --old 18944x3584:64:nt8.m1.w12.s8.pf.k4 --variant "k4s3:old:SLAB_ROWS=6336,Y_CHUNKS=2" \
+    --variant "k4c3:old:SLAB_ROWS=6336,Y_CHUNKS=3" --variant "whole:new:Y_CHUNKS=0" \
+    --rounds 2 --calls 200 --json "$OUT/wall.json"
+  # 12-warp cells first (one kernel per variant), then 8 warps, then the small weights
+  C="18944x3584:64:nt8.m1.w12.s8.pf.k4,18944x3584:64,14336x4096:64:nt8.m1.w12.s8.pf.k3"
+  C+=",18944x3584:48:nt8.m1.w12.s8.pf.k4,14336x4096:64:nt8.m1.w8.s8.pf.k3"
+  C+=",18944x3584:64:nt8.m1.w8.s8.pf.k4,4096x4096:64:nt8.m1.w8.s8.pf.k3"
+  C+=",3584x3584:64:nt8.m1.w8.s8.pf.k4"
+  step wgh 70 python3 bench/wg_ab.py --variant "c0||" --variant "h1|#define Q6SERVE_WG_HALF 0|#define Q6SERVE_WG_HALF 1" \
+    --auto --cells "$C" --rounds 2 --iters 30 --json "$OUT/wgh.json"
+  { echo "== k session 28 PHASE=d (tree $(tree_commit)), $(elapsed)"; steps; ab_report wgh
+    echo "# wall: shape N variant pick wall kernel host span pre tail y1 | split, y"
+    grep -E "^ *[0-9]+x[0-9]+ |^# per|DIFFER" "$OUT/wall.log" 2>/dev/null | sed -E 's/ +/ /g'
+  } | table
+  exit 0
+fi
 echo "PHASE=${PHASE} not written yet"
 exit 2

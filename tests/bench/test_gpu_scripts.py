@@ -51,7 +51,7 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_t1_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                      ("c", {"PHASE": "c"}, []), ("d", {"PHASE": "d"}, [])],
     "gpu_k_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
-                     ("c", {"PHASE": "c"}, [])],
+                     ("c", {"PHASE": "c"}, []), ("d", {"PHASE": "d"}, [])],
     "gpu_dp_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                       ("d", {"PHASE": "d", "BOUND": "45"}, [])],
 }
