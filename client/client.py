@@ -233,11 +233,15 @@ class Client(core.Transport):
         region.on_close = lambda: self._unregister_quietly(name)
         return region
 
-    def open_lane(self, region: Region, timeout: float | None = None) -> Lane:
+    def open_lane(self, region: Region, timeout: float | None = None,
+                  ring: bool | None = None) -> Lane:
         """A fast lane on ``region`` (one of this caller's registered regions): matmuls over
-        the worker's Unix socket without RPCs, x and y in the region (client/lane.py)."""
+        the worker's Unix socket without RPCs, x and y in the region (client/lane.py).
+        ``ring``: requests and replies through a shared-memory ring at the region's end, the
+        socket kept for doorbells (a worker started with ``Q6SERVE_LANE_RING=1``; None: this
+        process's ``Q6SERVE_LANE_RING``)."""
         path, ticket = self._run(core.open_lane_call(region.name), timeout)
-        return Lane(region, path, ticket)
+        return Lane(region, path, ticket, ring=ring)
 
     def register_region(self, region: Region, timeout: float | None = None) -> RegionInfo:
         """Register an already mapped region (e.g. ``ShmRegion.attach``, a CudaRegion)."""

@@ -243,3 +243,19 @@ def test_ring_lanes_through_frontends_and_drain(rng: np.random.Generator,
         region.close()
     finally:
         w.stop()
+
+
+def test_open_lane_chooses_the_ring_over_the_callers_variable(
+        ring_worker: Any, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Client.open_lane(region, ring=...)`` decides the lane's way whatever this process's
+    Q6SERVE_LANE_RING says; None leaves it to the variable (the fixture sets it to 1)."""
+    _w, c = ring_worker
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    with c.register_shm("io", 1 << 16) as r1, c.register_shm("io2", 1 << 16) as r2, \
+            c.register_shm("io3", 1 << 16) as r3, c.open_lane(r1, ring=False) as sock, \
+            c.open_lane(r2) as by_env:
+        assert not sock.ring and by_env.ring
+        monkeypatch.setenv("Q6SERVE_LANE_RING", "0")
+        with c.open_lane(r3, ring=True) as ring:
+            assert ring.ring
+            np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
