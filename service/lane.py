@@ -31,6 +31,7 @@ import functools
 import logging
 import math
 import os
+import platform
 import secrets
 import shutil
 import socket
@@ -82,9 +83,16 @@ SEQ = struct.Struct("<Q")
 FLAG = struct.Struct("<I")
 
 
+# The ring's records are published by storing their sequence last, which another process sees
+# in that order only where stores are not reordered with stores (x86-64's TSO); elsewhere (Arm)
+# it would need release/acquire fences that Python cannot issue, so no ring lanes there.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
 def ring_allowed(env: Any = None) -> bool:
-    """Whether this worker takes ring lanes (``Q6SERVE_LANE_RING``, envvars.LANE_RING)."""
-    return bool(envvars.LANE_RING.read(env))
+    """Whether this worker takes ring lanes (``Q6SERVE_LANE_RING``, envvars.LANE_RING, on an
+    x86-64 host)."""
+    return bool(envvars.LANE_RING.read(env)) and ORDERED_STORES
 
 
 @dataclass(frozen=True)
@@ -169,8 +177,10 @@ class LaneServer:
         region = None
         try:
             if not self.ring_ok:
-                raise FailedPrecondition(f"this worker takes no ring lanes (start it with "
-                                         f"{RING_ENV}=1)")
+                raise FailedPrecondition(
+                    f"this worker takes no ring lanes (start it with {RING_ENV}=1)"
+                    if ORDERED_STORES else "this worker takes no ring lanes: its host "
+                    f"({platform.machine()}) may reorder the ring's stores")
             if conn.ring is not None:
                 raise InvalidArgument("this lane has a ring already")
             region = self.table.hold_name(conn.ticket.owner, conn.ticket.region)

@@ -259,3 +259,27 @@ def test_open_lane_chooses_the_ring_over_the_callers_variable(
         with c.open_lane(r3, ring=True) as ring:
             assert ring.ring
             np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
+
+
+def test_a_host_that_may_reorder_stores_takes_no_ring(monkeypatch: pytest.MonkeyPatch,
+                                                     rng: np.random.Generator) -> None:
+    """The ring publishes a record by storing its sequence last: only on x86-64 (ordered
+    stores) does the worker take ring lanes, even with Q6SERVE_LANE_RING=1; elsewhere the setup
+    is refused with a message that says why and the lane stays a socket lane."""
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
+    monkeypatch.setattr(slane, "ORDERED_STORES", False)
+    monkeypatch.setattr(slane.platform, "machine", lambda: "aarch64")
+    assert not slane.ring_allowed()
+    w = RunningWorker(dataclasses.replace(BASE))
+    try:
+        c = w.client()
+        c.upload("w", random_q6k(ROWS, K, 3), ROWS, K)
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        with c.register_shm("io", 1 << 16) as region:
+            code, msg = code_of(lambda: _lane(c, region, ring=True))
+            assert code == C.FAILED_PRECONDITION and "aarch64" in msg, msg
+            with c.open_lane(region, ring=False) as lane:
+                np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+        assert _held(w) == []
+    finally:
+        w.stop()
