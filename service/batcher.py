@@ -566,8 +566,7 @@ class Batcher:
                  dynamic: Callable[[], bool], on_batch: Callable[[BatchStats], None],
                  staging: Staging | None = None, launch: LaunchBatch | None = None,
                  bind: Callable[[BatchKey], Callable[[np.ndarray], MatmulResult]] | None = None,
-                 many: LaunchMany | None = None, entry: Any = None,
-                 deferred: bool = False) -> None:
+                 many: LaunchMany | None = None, entry: Any = None) -> None:
         self.name = name
         self._device = device
         # one backend call for the same x on several weights (a multi-weight call's parts:
@@ -584,11 +583,10 @@ class Batcher:
         self._staging = staging
         self._s = settings
         self._dynamic = dynamic
-        # a batch's stats go to ``on_batch`` in a later loop trip, behind the replies' handlers:
-        # ``deferred`` says it defers its own work (the engine's: one trip for every batch of
-        # a trip, not one per batch: a multi-weight direct call's parts were one each)
+        # a batch's stats, given to ``on_batch`` as its replies are resolved: the callee keeps
+        # its own work off the replies' path (the engine's _defer_batch: one later loop trip
+        # for every batch of a trip)
         self._on_batch = on_batch
-        self._deferred = deferred
         self._queue: collections.deque[_Pending] = collections.deque()
         self.queued_rows = 0
         self._wake = asyncio.Event()
@@ -757,13 +755,6 @@ class Batcher:
         return [b._now_reply(r, rows, key, t0, share)
                 for (b, _), r in zip(ds, results, strict=True)]
 
-    def _stats(self, stats: BatchStats) -> None:
-        """A batch's stats for ``on_batch``, after its replies (see ``deferred``)."""
-        if self._deferred:
-            self._on_batch(stats)
-        else:
-            self._loop_.call_soon(self._on_batch, stats)
-
     def _now_end(self) -> None:
         """A direct job (run_now, launch_now) is over: its place given back."""
         self._unfinished -= 1
@@ -785,7 +776,7 @@ class Batcher:
         self._job_s[kb] = job_s
         if kernel_s is not None:
             self._kernel_s[kb] = kernel_s
-        self._stats(BatchStats(result, rows, 1, (0.0,)))
+        self._on_batch(BatchStats(result, rows, 1, (0.0,)))
         return MatmulReply(result.y, result.kernel, result.layout, result.precision, 0.0,
                            kernel_s, rows, 1, job_s, result.topk)
 
@@ -1206,7 +1197,7 @@ class Batcher:
                     self._resolve(p, MatmulReply(r.y, r.kernel, r.layout, r.precision, q,
                                                  r.timing.seconds(), p.rows, 1, t1 - t0,
                                                  r.topk))
-                    self._stats(BatchStats(r, p.rows, 1, (q,)))
+                    self._on_batch(BatchStats(r, p.rows, 1, (q,)))
             return
         rows = int(x.shape[0])
         kernel_s = result.timing.seconds()  # once per batch; None until device events are done
@@ -1228,8 +1219,8 @@ class Batcher:
             else:
                 self._untime(p)  # cancelled or expired while its batch ran
             off += p.rows
-        # after the replies: their handlers are woken first, metrics run behind them
-        self._stats(BatchStats(result, rows, len(live), queued))
+        # after the replies: their handlers are woken first (on_batch defers the metrics)
+        self._on_batch(BatchStats(result, rows, len(live), queued))
 
     async def close(self) -> None:
         """Finish launched batches; fail what is still queued."""

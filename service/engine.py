@@ -640,7 +640,7 @@ class Engine:
 
         return Batcher(e.name, self.device, run, self._settings, self._dynamic_batching,
                        self._defer_batch, self.backend.staging, launch, bind,
-                       self._launch_many if self.multi_launch else None, e, deferred=True)
+                       self._launch_many if self.multi_launch else None, e)
 
     def _launch_many(self, batchers: Sequence[Batcher], key: BatchKey,
                      ) -> Callable[[np.ndarray], Launched] | None:
