@@ -194,7 +194,7 @@ class LaneServer:
             region.mapping.check_alive("the ring", region.name)
             arr = region.mapping.view(off, RING_BYTES, np.dtype(np.uint8), (RING_BYTES,),
                                       True)
-            ring = _Ring(region, arr)
+            ring = _Ring(region, arr, off)
             if not self._polled:
                 if not ring_poll(asyncio.get_running_loop(), self):
                     raise FailedPrecondition("this worker's event loop cannot poll a ring")
@@ -331,6 +331,11 @@ class LaneServer:
                 raise Unavailable("the worker is draining and takes no new requests")
             rows = self._rows_of(name)
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
+            ring = conn.ring  # (checked once a plan: a repeat reuses it)
+            if (ring is not None and y_off < ring.off + RING_BYTES
+                    and ring.off < y_off + dest.nbytes):
+                raise InvalidArgument(f"y at offset {y_off} ({dest.nbytes} bytes) overlaps the "
+                                      f"lane's ring at {ring.off} ({RING_BYTES} bytes)")
             base = region.mapping.addr  # (a system region's: set)
             key = table.route(call.x, dest, base + x_off, base + y_off)
             held = region
@@ -800,10 +805,10 @@ class _LaneConn(asyncio.Protocol):
 class _Ring:
     """A lane's ring block in its (held) region: a view kept for the lane's life."""
 
-    __slots__ = ("arr", "mv", "region", "seen")
+    __slots__ = ("arr", "mv", "off", "region", "seen")
 
-    def __init__(self, region: Any, arr: np.ndarray) -> None:
-        self.region, self.arr = region, arr
+    def __init__(self, region: Any, arr: np.ndarray, off: int) -> None:
+        self.region, self.arr, self.off = region, arr, off
         self.mv = memoryview(arr)
         self.seen = SEQ.unpack_from(self.mv, R_SEQ)[0]  # (what is there now is no request)
 

@@ -83,9 +83,12 @@ def test_ring_answers_equal_the_socket_lane(ring_worker: Any, rng: np.random.Gen
                                                                                        x))
         code, msg = code_of(lambda: ring.matmul("w", x, y_offset=(1 << 16) - 64))
         assert code == C.INVALID_ARGUMENT and "overruns region 'io'" in msg, msg
+        # a y inside the region but over the ring itself would overwrite the ring's records
+        code, msg = code_of(lambda: ring.matmul("w", x, y_offset=ring.ring_offset - 64))
+        assert code == C.INVALID_ARGUMENT and "overlaps the lane's ring" in msg, msg
         np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
         server = SERVERS[-1]
-        assert server is not None and server.rung == 9
+        assert server is not None and server.rung == 10
     assert _held(w) == []  # (unregistered; nothing held)
 
 
