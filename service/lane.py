@@ -214,6 +214,10 @@ class LaneServer:
         if ring is not None:
             region = ring.close()
             self.table.let_go(region)
+        if not self._rings and self._polled:  # the last ring gone: the loop's sleeps uncapped
+            with contextlib.suppress(RuntimeError):  # (no loop running: nothing polls)
+                ring_unpoll(asyncio.get_running_loop(), self)
+            self._polled = False
 
     def poll(self) -> bool:
         """The selector's look at the rings (threads.RingPoller): a new request seq on a

@@ -220,6 +220,40 @@ def test_a_gone_caller_or_unlinked_region_leaks_nothing(ring_worker: Any,
     assert w.run(lambda: table.mapped_bytes) == 0 and _held(w) == []
 
 
+def _polled_rings(w: RunningWorker) -> int:
+    """How many ring pollers the worker loop's selector looks at (each caps its sleeps)."""
+    import asyncio
+
+    return w.run(lambda: len(getattr(asyncio.get_running_loop()._selector, "rings", [])))
+
+
+def test_the_loop_stops_polling_when_the_last_ring_lane_closes(
+        ring_worker: Any, rng: np.random.Generator) -> None:
+    w, c = ring_worker
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    assert _polled_rings(w) == 0
+    with c.register_shm("io", 1 << 16) as r1, c.register_shm("io2", 1 << 16) as r2:
+        a, b = c.open_lane(r1), c.open_lane(r2)
+        a.matmul("w", x)
+        b.matmul("w", x)
+        assert _polled_rings(w) == 1  # (one poller, the lane server, for all its rings)
+        a.close()
+        deadline = time.monotonic() + 10
+        while w.run(lambda: len(SERVERS[-1]._rings)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _polled_rings(w) == 1  # (b's ring still open: still polled)
+        ref = b.matmul("w", x).copy()
+        b.close()
+        deadline = time.monotonic() + 10
+        while _polled_rings(w) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # no ring lane open: the selector sleeps uncapped again (an idle worker stays idle)
+        assert _polled_rings(w) == 0
+        with c.open_lane(r2) as again:  # a new ring lane: polled again, answered as before
+            assert again.ring and _polled_rings(w) == 1
+            np.testing.assert_array_equal(again.matmul("w", x), ref)
+
+
 def test_ring_lanes_through_frontends_and_drain(rng: np.random.Generator,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A --frontends worker's device process serves ring lanes as the socket's; drained, a
