@@ -12,8 +12,9 @@
 #       idle, none / socket / ring alternated, IDLE_S s each): the worker's CPU and switches.
 #    3. T3 through the lane over the socket against the ring (AB_T3R "lsock lring lring
 #       lsock", T3_S s a run).
-#    4. py-spy (1000 Hz, by function, SPY_S s) on the device process under T3 over system
-#       regions (SPY "t3s"; "t3s t3": the lane row too), bench/spy_summary.py.
+#    4. py-spy (1000 Hz, by function, SPY_S s) on the device process and one front end at once
+#       under T3 over system regions (SPY "t3s"; "t3s t3": the lane row too),
+#       bench/spy_summary.py.
 #  b (bound 100 s, bundle B): this tree against main 3fa8b61 (copies of main's files on a
 #    PYTHONPATH overlay: bench/dp_s29/<dir>__<file>.py.txt -> <dir>/<file>.py; without them
 #    both variants run this tree's), T3 over system regions alternated (AB_T3S "t3new t3base
@@ -29,7 +30,7 @@ gpu_session /tmp/dp
 PHASE=${PHASE:-a} BOUND=${BOUND:-95} BACKEND=${BACKEND:-cuda}
 ROWS=3584 K=18944
 [[ $BACKEND == numpy ]] && ROWS=256 K=3584
-SPY_BIN=/tmp/site/bin/py-spy
+SPY_BIN=${SPY_BIN:-/tmp/site/bin/py-spy}
 [[ -x $SPY_BIN ]] || SPY_BIN=$(command -v py-spy || true)
 # both variants from copies on a PYTHONPATH overlay, alike but for main's files in the base:
 # /tmp/dp_new is this tree's service/ and client/, /tmp/dp_base the same with main's files on
@@ -103,7 +104,7 @@ idle() {  # idle RUN NAME: what 8 idle lanes cost the worker, none / socket / ri
 }
 spy() {  # spy WHAT (t3s, t3): WHAT's run, its device process under py-spy for SPY_S s once its
   # counters (Q6SERVE_DP_STATS, a line a second) show the load's calls
-  local what=$1 stem=spy_$1 pat='"lane_requests": [1-9]' pid dev i
+  local what=$1 stem=spy_$1 pat='"lane_requests": [1-9]' pid dev fe="" fspy="" i
   [[ $what == t3s ]] && pat='"msg_rm": [1-9]'
   left 16 || { note "# $stem skipped at $(elapsed) (bound $BOUND s)"; return 0; }
   SECONDS_PER_RUN=3.5 T3_S=3.5 "$what" "$stem" new &
@@ -114,14 +115,28 @@ spy() {  # spy WHAT (t3s, t3): WHAT's run, its device process under py-spy for S
   done
   dev=$(worker_pid 4)
   if [[ -n $SPY_BIN && -n $dev ]] && ((i < 150)); then
+    fe=$(pgrep -P "$dev" | head -1)  # a front end (the device process's children) beside it
+    if [[ -n $fe ]]; then
+      timeout 20 "$SPY_BIN" record --pid "$fe" --duration "${SPY_S:-2}" --rate 1000 \
+        --nonblocking --threads --function --format raw --output "$OUT/${stem}_fe.txt" \
+        >"$OUT/${stem}_fe.spylog" 2>&1 &
+      fspy=$!
+    fi
     timeout 20 "$SPY_BIN" record --pid "$dev" --duration "${SPY_S:-2}" --rate 1000 --nonblocking \
       --threads --function --format raw --output "$OUT/$stem.txt" >"$OUT/$stem.spylog" 2>&1
-    note "# $stem py-spy rc=$? (pid $dev) at $(elapsed)"
+    note "# $stem py-spy rc=$? (pid $dev; front end ${fe:-none}) at $(elapsed)"
+    [[ -n $fspy ]] && wait "$fspy"
   else
     note "# $stem: no profile (py-spy '${SPY_BIN:-none}', device process '${dev:-none}', load \
 seen: $((i < 150)))"
   fi
   wait "$pid"
+  if [[ -f $OUT/${stem}_fe.txt ]]; then  # the front end: every thread, then its loop's callbacks
+    timeout 20 python3 bench/spy_summary.py "$OUT/${stem}_fe.txt" --top 40 \
+      >"$OUT/${stem}_fe.summary" 2>&1
+    timeout 20 python3 bench/spy_summary.py "$OUT/${stem}_fe.txt" --top 30 --thread MainThread \
+      --under asyncio/events.py --depth 2 | sed -n '/^under/,$p' >>"$OUT/${stem}_fe.summary" 2>&1
+  fi
   if [[ -f $OUT/$stem.txt ]]; then  # the loop thread: frames, then the loop's callbacks
     timeout 20 python3 bench/spy_summary.py "$OUT/$stem.txt" --top 40 --thread MainThread \
       >"$OUT/$stem.summary" 2>&1
@@ -171,7 +186,7 @@ esac
     python3 bench/device_stats_table.py "$OUT" --stages 2>&1
   fi
   for f in "$OUT"/spy_*.summary; do
-    [[ -f $f ]] && { echo "# ${f##*/}"; head -60 "$f" | cut -c1-160; }
+    [[ -f $f ]] && { echo "# ${f##*/}"; head -45 "$f" | cut -c1-160; }
   done
   true  # (no logs: the table still ends the script with status 0)
 } | table
