@@ -220,6 +220,8 @@ class Lane:
             if not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
                 x = np.asarray(x)
             shape, dtype = (int(x.shape[0]), int(x.shape[1])), x.dtype
+            if self._ring is not None:  # (before x is written: over the ring it would break it)
+                self._off_ring(x_offset, shape[0] * shape[1] * np.dtype(dtype).itemsize)
             if isinstance(x, np.ndarray) and isinstance(self.region, ShmRegion):
                 dst, addr = self._x_place(x_offset, x.dtype, shape)  # (region.put, kept)
                 # x copied unless it is the region's x already: may_share_memory (~0.2 us)
@@ -231,6 +233,8 @@ class Lane:
                 self.region.put(x_offset, x)
         if shape is None or dtype is None:
             raise ValueError("lane matmul needs x, or shape and dtype of the x in the region")
+        if x is None and self._ring is not None:
+            self._off_ring(x_offset, int(shape[0]) * int(shape[1]) * np.dtype(dtype).itemsize)
         codes = self._codes.get((weight, dtype, out_dtype, precision))
         if codes is None:
             codes = self._record_codes(weight, dtype, out_dtype, precision)
@@ -257,6 +261,16 @@ class Lane:
             raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
         self._last = (queue, kernel, device, rows, reqs)  # (LaneTiming made when read)
         return self._view(y_offset, core.DTYPES[out_dtype], (n, cols)).view()
+
+    def _off_ring(self, x_offset: int, nbytes: int) -> None:
+        """Refuse an x that overlaps this lane's ring block (INVALID_ARGUMENT, as the worker
+        refuses such a y): the request's record, written after x, would overwrite x's bytes,
+        and x the ring's records and kept weight name."""
+        off = self.ring_offset
+        if x_offset < off + RING_BYTES and off < x_offset + nbytes:
+            raise core.Q6ServeError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"x at offset {x_offset} ({nbytes} bytes) overlaps the "
+                                    f"lane's ring at {off} ({RING_BYTES} bytes)")
 
     def _sock_call(self, req: bytes, wname: bytes) -> tuple[Any, ...]:
         """One request over the socket: the record written, the reply read."""

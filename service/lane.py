@@ -336,10 +336,12 @@ class LaneServer:
             rows = self._rows_of(name)
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
             ring = conn.ring  # (checked once a plan: a repeat reuses it)
-            if (ring is not None and y_off < ring.off + RING_BYTES
-                    and ring.off < y_off + dest.nbytes):
-                raise InvalidArgument(f"y at offset {y_off} ({dest.nbytes} bytes) overlaps the "
-                                      f"lane's ring at {ring.off} ({RING_BYTES} bytes)")
+            if ring is not None:  # x or y over the ring: its records and x's bytes collide
+                for what, off, nb in (("x", x_off, call.x.nbytes), ("y", y_off, dest.nbytes)):
+                    if off < ring.off + RING_BYTES and ring.off < off + nb:
+                        raise InvalidArgument(f"{what} at offset {off} ({nb} bytes) overlaps "
+                                              f"the lane's ring at {ring.off} ({RING_BYTES} "
+                                              "bytes)")
             base = region.mapping.addr  # (a system region's: set)
             key = table.route(call.x, dest, base + x_off, base + y_off)
             held = region

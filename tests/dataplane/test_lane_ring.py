@@ -86,6 +86,13 @@ def test_ring_answers_equal_the_socket_lane(ring_worker: Any, rng: np.random.Gen
         # a y inside the region but over the ring itself would overwrite the ring's records
         code, msg = code_of(lambda: ring.matmul("w", x, y_offset=ring.ring_offset - 64))
         assert code == C.INVALID_ARGUMENT and "overlaps the lane's ring" in msg, msg
+        # so would an x over the ring: the record written after x would overwrite x's bytes
+        # (a silently wrong y), so it is refused the same way
+        x1 = rng.standard_normal((1, K)).astype(np.float32)
+        code, msg = code_of(lambda: ring.matmul("w", x1, x_offset=ring.ring_offset - 64,
+                                                y_offset=0))
+        assert code == C.INVALID_ARGUMENT and "x at offset" in msg, msg
+        assert "overlaps the lane's ring" in msg, msg
         np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
         server = SERVERS[-1]
         assert server is not None and server.rung == 10
@@ -136,6 +143,10 @@ def test_hostile_ring_contents_are_refused(ring_worker: Any,
                     REQUEST.pack(1, 1, K, 0, 4096, 2, 1, 77, 0, 1, 0)):
             got = raw(rec)
             assert got[0] == lane._seq and got[1] == C.INVALID_ARGUMENT.value[0], got
+        # an x over the ring block (a caller other than client/lane.py, which refuses it
+        # before writing x): refused by the worker too
+        got = raw(REQUEST.pack(1, 1, K, lane.ring_offset - 64, 0, 2, 1, 0, 0, 1, 0))
+        assert got[1] == C.INVALID_ARGUMENT.value[0] and "x at offset" in got[-1], got
         # random records: each answered with a status, none crashes the worker
         for _ in range(200):
             got = raw(rng.bytes(REQUEST.size), rng.bytes(int(rng.integers(0, 40))))
