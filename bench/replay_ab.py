@@ -28,6 +28,9 @@ completed: the write started at once, service_load.start_now; off by default),
 bench/service.py --replay's default is f16), ``host.ee=off|def`` (the host processes'
 GRPC_EXPERIMENTS: gRPC's EventEngine off as `q6serve worker` runs it, client/grpc_env.py, or
 gRPC's defaults; not given: this process's environment).
+``sys.hold=dma|idlespin``: a machine-wide hold this process keeps around the variant's runs only
+(bench/cpu_hold.py: /dev/cpu_dma_latency at 0, or a SCHED_IDLE spinner per CPU), neither the
+worker's nor the host's option: every worker is up under it alike.
 Variants whose worker environments are equal share one worker, so
 host-side variants alternate on one worker.
 ``--bound S``: no run starts after S seconds from the start (what would end past it is
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cpu_hold import SystemHold, idle_text
 from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
 from svc_util_transport import TRANSPORTS
 
@@ -121,7 +125,7 @@ def variants_and_order(ap: argparse.ArgumentParser, variants_text: str,
 
 def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """A variant's worker environment and its host options (HOST_KEYS, typed)."""
-    worker = {k: v for k, v in env.items() if not k.startswith("host.")}
+    worker = {k: v for k, v in env.items() if not k.startswith(("host.", "sys."))}
     host: dict[str, Any] = {}
     for k, v in env.items():
         if k.startswith("host.grpc."):  # a channel argument of the host's gRPC channel
@@ -129,6 +133,10 @@ def split_variant(env: dict[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
                 host.setdefault("host.grpc", {})[k[len("host."):]] = int(v)
             except ValueError:
                 raise SystemExit(f"--variants: {k}={v!r}: an integer") from None
+        elif k == "sys.hold":
+            host[k] = v
+        elif k.startswith("sys."):
+            raise SystemExit(f"--variants: unknown machine option {k!r} (known: sys.hold)")
         elif k.startswith("host."):
             if k not in HOST_KEYS:
                 raise SystemExit(f"--variants: unknown host option {k!r} (known: "
@@ -291,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                                   HOST_EE.get(host.get("host.ee", "")),
                                   host.get("host.ahead", "off") == "on")
                 info: dict[str, Any] = {}
+                held = SystemHold(host.get("sys.hold", ""))
                 try:
-                    st_, wall, roles = run_replay(spec, 1, info)
+                    with held:
+                        st_, wall, roles = run_replay(spec, 1, info)
                     if doc["runs"]:  # (this run is not yet in them: not the first)
                         need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
                 except Exception as e:
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                      "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
                      "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
                      "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
-                     "run_s": time.perf_counter() - t_run,
+                     "run_s": time.perf_counter() - t_run, "hold": held.info,
                      # the host's GRPC_EXPERIMENTS as its gRPC read it (None: unset)
                      "host_grpc_experiments": info.get("grpc_experiments", [None])[0],
                      # per call role, the p50 us of a call's parts (what bench/replay_echo.py
@@ -320,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps; "
                       f"run {r['run_s']:.1f} s, at {r['t']:.0f} s; host gRPC "
-                      f"{ee_name(r['host_grpc_experiments'])})", flush=True)
+                      f"{ee_name(r['host_grpc_experiments'])}; hold {held.info['kind']}: "
+                      f"{held.info.get('message', '-')}; idle {idle_text(held.info)})",
+                      flush=True)
     finally:
         for c in clients.values():
             c.close()
@@ -348,7 +360,9 @@ def table(doc: dict[str, Any], a: argparse.Namespace) -> str:
             cells.append(f"S={r['seqs']}: {r['step_p50_ms']:6.2f} / {r['step_p99_ms']:6.2f}  "
                          f"w {p['handler']:5.2f} ({p['device']:5.2f}) tr {p['transport']:5.2f} "
                          f"cl {p['client']:4.2f} ccpu {p.get('ccpu', nan):5.2f} n {r['steps']}")
-        lines.append(f"{v + '_' + str(rnd):<10} " + " | ".join(cells))
+        hold = rs[0].get("hold") or {}
+        lines.append(f"{v + '_' + str(rnd):<10} " + " | ".join(cells)
+                     + (f" | {hold['kind']}: idle {idle_text(hold)}" if hold else ""))
     for s in sorted({r["seqs"] for r in doc["runs"]}):
         med = {v: float(np.median([r["step_p50_ms"] for r in doc["runs"]
                                    if r["variant"] == v and r["seqs"] == s]))

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cpu_hold import KINDS, SystemHold, idle_text
 from replay_ab import ROLE_FIELDS, role_medians
 from service_replay import CLIENT_HELD, LAYERS, ladder_echo, model_weights, step_plan
 from svc_util_transport import TRANSPORTS
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="aio", choices=TRANSPORTS,
                     help="the caller's gRPC (bench/svc_util_transport.py): as the replay's host")
     ap.add_argument("--mode", default="stream", choices=("stream", "unary"))
+    ap.add_argument("--hold", default="", choices=KINDS,
+                    help="a machine-wide hold kept while the echo runs (bench/cpu_hold.py: "
+                    "dma = /dev/cpu_dma_latency at 0, idlespin = a SCHED_IDLE spinner a CPU)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     ss = [int(x) for x in a.seqs.split(",") if x]
@@ -129,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(m, s) for m in styles for s in ss]
     # one echo and one caller process for every plan and sequence (their starts cost more
     # than a run)
-    got = ladder_echo([(plans[m], s, holds.get(s, {"held": {}})) for m, s in cases], 2, 2,
-                      a.mode, a.seconds, a.spin, a.transport, a.ahead)
+    held = SystemHold(a.hold)
+    with held:
+        got = ladder_echo([(plans[m], s, holds.get(s, {"held": {}})) for m, s in cases], 2, 2,
+                          a.mode, a.seconds, a.spin, a.transport, a.ahead)
+    doc["hold"] = held.info
+    print(f"# hold {held.info['kind']}: {held.info.get('message', '-')}; idle "
+          f"{idle_text(held.info)}", flush=True)
     for (m, s), res in zip(cases, got, strict=True):
         plan = plans[m]
         hs = holds.get(s, {"held": {}})

@@ -19,7 +19,9 @@ Per run: p50, kernel p50, p50 - kernel and the mean us of each part of bench/ser
 split (client_encode, transport, server_decode, queue, kernel, device_other, server_other,
 client_decode); last, per variant, the median over its runs of each, and per group of
 variants whose names differ in trailing digits only (main, main2: two workers of one tree, an
-A/A beside the A/B) the same over all their runs.
+A/A beside the A/B) the same over all their runs. A variant's ``sys.hold=dma|idlespin``: a
+machine-wide hold kept around its runs only (bench/cpu_hold.py; not the worker's environment:
+such a variant runs on the worker of the variant with its environment and no hold, worker_of).
 ``--bound S``: no run starts that would end past S seconds from the start (skipped, said so).
 """
 
@@ -35,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from replay_ab import start, variants_and_order, worker_env  # bench/ is sys.path[0]
+from cpu_hold import SystemHold, idle_text
+from replay_ab import (  # bench/ is sys.path[0]
+    split_variant,
+    start,
+    variants_and_order,
+    worker_env,
+)
 from service_load import LoadSpec, grpc_floor, run_load
 
 from service import PARTS, WARM_NS, WEIGHTS, parts, random_q6k
@@ -56,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", type=float, default=1e9)
     ap.add_argument("--floor", action="store_true",
                     help="the busy-polling bare echo of T1's sizes first (p50 us)")
+    ap.add_argument("--floor-each", type=float, default=0.0, metavar="SECONDS",
+                    help="after each run, inside its hold (sys.hold), the busy-polling bare "
+                    "echo of T1's sizes for SECONDS: its floor beside its p50 - kernel (a "
+                    "machine-wide hold moves the floor too)")
     ap.add_argument("--spare", action=argparse.BooleanOptionalAction, default=True,
                     help="first a spare worker compiles the kernels (warm calls) and stops: "
                     "the first measured worker would otherwise (H200, session 27: that "
@@ -88,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             spare.stop()
         print(f"# a spare worker compiled and warmed in {time.perf_counter() - t0:.1f} s",
               flush=True)
-    names = list(variants)
+    on = worker_of(variants)  # variant -> the worker it runs on
+    names = list(dict.fromkeys(on.values()))
     with ThreadPoolExecutor(len(names)) as pool:
         workers = dict(zip(names, pool.map(
-            lambda v: start(a.backend, variants[v], a.out_dir / f"worker_{v}.log"), names),
+            lambda v: start(a.backend, split_variant(variants[v])[0],
+                            a.out_dir / f"worker_{v}.log"), names),
             strict=True))
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
     doc["worker_env"] = {v: worker_env(w) for v, w in workers.items()}
@@ -123,10 +137,16 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 doc["errors"].append({"run": label, "error": "skipped (bound)"})
                 continue
-            spec = LoadSpec(workers[v].target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup,
+            spec = LoadSpec(workers[on[v]].target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup,
                             "stream", "f16", PRECISIONS["f16"], 0, "", rows, False)
+            held = SystemHold(split_variant(variants[v])[1].get("sys.hold", ""))
+            floor_us = None
             try:
-                samples, _ = run_load(spec, 1)
+                with held:
+                    samples, _ = run_load(spec, 1)
+                    if a.floor_each > 0:
+                        floor_us = grpc_floor(k * 2 + 40, rows * 4 + 60, ["stream"],
+                                              a.floor_each, spin=True)["stream"]
                 s = samples[WEIGHT]
             except Exception as e:
                 print(f"# {label} FAILED: {e}", flush=True)
@@ -142,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
                  "p50_us": p50, "kernel_p50_us": kp50, "gap_us": p50 - kp50,
                  "parts_mean_us": {p: float(np.mean(pt[p]) * 1e6) for p in PARTS},
                  "parts_p50_us": {p: float(np.median(pt[p]) * 1e6) for p in PARTS},
-                 "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run}
+                 "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run,
+                 "hold": held.info, "floor_us": floor_us}
             doc["runs"].append(r)
             save()
             print(f"# {label}: p50 {p50:.1f} us, kernel {kp50:.1f}, p50 - kernel "
-                  f"{p50 - kp50:.1f} ({r['calls']} calls; run {r['run_s']:.1f} s)", flush=True)
+                  f"{p50 - kp50:.1f}" + (f", floor {floor_us:.1f}" if floor_us else "")
+                  + f" ({r['calls']} calls; run {r['run_s']:.1f} s; hold "
+                  f"{held.info['kind']}: {held.info.get('message', '-')}; idle "
+                  f"{idle_text(held.info)})", flush=True)
     finally:
         for c in clients.values():
             c.close()
@@ -155,6 +179,23 @@ def main(argv: list[str] | None = None) -> int:
         save()
     print(table(doc))
     return 0
+
+
+def worker_of(variants: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Variant -> the variant whose worker it runs on. Each variant has a worker of its own
+    (main, main2: two workers of one tree, an A/A), but one with a machine-wide hold
+    (``sys.hold``) runs on the worker of a variant with the same worker environment and no
+    hold where there is one (else of the first such held variant): the hold alternates on one
+    worker."""
+    envs = {v: split_variant(env) for v, env in variants.items()}
+    on: dict[str, str] = {}
+    for v, (w, extra) in envs.items():
+        if "sys.hold" not in extra:
+            on[v] = v
+            continue
+        same = [u for u, (wu, _) in envs.items() if wu == w]
+        on[v] = next((u for u in same if "sys.hold" not in envs[u][1]), same[0])
+    return on
 
 
 def warm(c: Any, blocks: np.ndarray, rows: int, k: int) -> None:
@@ -176,16 +217,21 @@ def table(doc: dict[str, Any]) -> str:
                 if "floor_spin_us" in doc else "")]
     for r in doc["runs"]:
         pm = r["parts_mean_us"]
+        fl = r.get("floor_us")
         lines.append(f"{r['label']:<10} {r['p50_us']:7.1f} {r['kernel_p50_us']:6.1f} "
                      f"{r['gap_us']:7.1f}  " + " ".join(f"{short[p]} {pm[p]:.1f}"
-                                                       for p in PARTS))
+                                                       for p in PARTS)
+                     + (f"  floor {fl:.1f} margin {r['gap_us'] - fl:.1f}" if fl else ""))
     for v in doc["variants"]:
         rs = [r for r in doc["runs"] if r["variant"] == v]
         if not rs:
             continue
         med = {p: float(np.median([r["parts_mean_us"][p] for r in rs])) for p in PARTS}
+        fls = [r["gap_us"] - r["floor_us"] for r in rs if r.get("floor_us")]
         lines.append(f"# {v} median of {len(rs)} runs: p50 - kernel "
-                     f"{np.median([r['gap_us'] for r in rs]):.1f} us (each "
+                     f"{np.median([r['gap_us'] for r in rs]):.1f} us"
+                     + (f", p50 - kernel - floor {np.median(fls):.1f}" if fls else "")
+                     + " (each "
                      + ", ".join(f"{r['gap_us']:.0f}" for r in rs) + "); mean parts "
                      + " ".join(f"{short[p]} {med[p]:.1f}" for p in PARTS))
     groups: dict[str, list[dict[str, Any]]] = {}  # main, main2 -> main: the same code

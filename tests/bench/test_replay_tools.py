@@ -356,3 +356,25 @@ def test_replay_echo_holds_the_mlp_call_for_both_windows(monkeypatch: pytest.Mon
     assert [len(p) for p, _, _ in seen] == [5, 4]
     assert seen[1][2]["held"]["gate+up+down"] == 300
     assert "multi mlp (4 calls)" in capsys.readouterr().out
+
+
+def test_machine_holds_are_neither_the_workers_nor_the_hosts() -> None:
+    """sys.hold: a machine-wide hold the A/B keeps around a variant's runs (bench/cpu_hold.py),
+    out of the worker's environment; replay_ab's variants differing only in it share a
+    worker, and so do service_t1ab's, whose other variants keep a worker each (an A/A)."""
+    import service_t1ab
+
+    v = replay_ab.parse_variants("off: spin:sys.hold=idlespin g:Q6SERVE_X=1,sys.hold=dma")
+    assert replay_ab.split_variant(v["g"]) == ({"Q6SERVE_X": "1"}, {"sys.hold": "dma"})
+    assert replay_ab.worker_keys(v) == {"off": "off", "spin": "off", "g": "g"}
+    with pytest.raises(SystemExit, match="unknown machine option"):
+        replay_ab.split_variant({"sys.nope": "1"})
+    t = replay_ab.parse_variants("a: a2: h:sys.hold=idlespin x:Q6SERVE_X=1,sys.hold=dma")
+    assert service_t1ab.worker_of(t) == {"a": "a", "a2": "a2", "h": "a", "x": "x"}
+    from cpu_hold import SystemHold
+
+    with pytest.raises(SystemExit, match="cpu hold 'warm'"):
+        SystemHold("warm")
+    with SystemHold("") as h:
+        pass
+    assert h.info["kind"] == "none" and "idle_delta" in h.info
