@@ -10,6 +10,10 @@ one tree differed by 10-15% in every call kind in session 28's bundle A), this o
         --order def,alt,alt,def --seqs 1,8 --seconds 1.0 --json out.json
     a CPU rehearsal: --backend numpy --layers 2 --scale 0.002
 
+``--alt DMA_LAT=1`` (session 29; alone or beside constants): no constant, the machine's state:
+in alt's runs this process holds /dev/cpu_dma_latency open with 0 written (the kernel's PM
+QoS, system-wide: no CPU enters an idle state deeper than polling; needs root), let go in def's.
+
 ``--bound S``: no run starts after S seconds from the start; a table of what ran is printed
 last (per S and state: each run's step p50, the median, the worker's window and device jobs a
 step, per call kind the handler / device / kernel p50 us, medians of the runs).
@@ -35,6 +39,30 @@ from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_re
 from q6serve.kernels import q6k
 
 SIGNALS = {"def": signal.SIGUSR2, "alt": signal.SIGUSR1}
+DMA_PATH = "/dev/cpu_dma_latency"
+
+
+class DmaHold:
+    """/dev/cpu_dma_latency held at 0 while ``hold(True)``; a failure to open it is said once
+    (printed) and the runs go on unheld."""
+
+    def __init__(self, path: str = DMA_PATH) -> None:
+        self.path, self.fd, self.said = path, -1, False
+
+    def hold(self, on: bool) -> None:
+        if on and self.fd < 0:
+            try:
+                fd = os.open(self.path, os.O_WRONLY)
+            except OSError as e:
+                if not self.said:
+                    print(f"# DMA_LAT: {self.path} not held ({e})", flush=True)
+                    self.said = True
+                return
+            os.write(fd, (0).to_bytes(4, sys.byteorder))
+            self.fd = fd
+        elif not on and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -87,16 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     if not order or any(v not in SIGNALS for v in order):
         ap.error(f"--order {a.order!r}: def and alt only")
     alt = {}
+    dma_alt = False
     for kv in filter(None, a.alt.split(",")):
         k, sep, v = kv.partition("=")
         if not sep:
             ap.error(f"--alt {kv!r}: NAME=INT")
+        if k == "DMA_LAT":
+            dma_alt = bool(int(v))
+            continue
         alt[f"HP_ALT_{k}"] = str(int(v))
+    dma = DmaHold()
     if "hp_site" not in os.environ.get("PYTHONPATH", ""):
         ap.error("bench/hp_site must be on PYTHONPATH (the worker's switch)")
     seqs = [int(s) for s in a.seqs.split(",") if s]
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"argv": sys.argv, "alt": alt, "order": order, "runs": [],
+    shown = {**alt, **({"DMA_LAT": "1"} if dma_alt else {})}
+    doc: dict[str, Any] = {"argv": sys.argv, "alt": shown, "order": order, "runs": [],
                            "errors": [], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime())}
 
@@ -128,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         seen: dict[str, int] = {}
         for v in order:
             seen[v] = seen.get(v, 0) + 1
-            os.kill(w.proc.pid, SIGNALS[v])  # type: ignore[union-attr]
+            if alt:  # (no HP_ALT_ constant: the worker has no handler, a signal would end it)
+                os.kill(w.proc.pid, SIGNALS[v])  # type: ignore[union-attr]
+            if dma_alt:
+                dma.hold(v == "alt")
             time.sleep(0.05)
             for s in seqs:
                 label = f"{v}_{seen[v]} S={s}"
@@ -165,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps, "
                       f"at {r['t']:.0f} s)", flush=True)
     finally:
+        dma.hold(False)
         client.close()
         w.stop()
         save()

@@ -25,7 +25,11 @@ it); ``OLD_FILL=1``: a cached call's x into its staging by ``fill_x`` (byte view
 reshape) as before ``launch.stage_into``. Variants alternate per round (order reversed every
 other round). ``--gap-us G``: before every call the host does ~G us of other Python work over a
 few MB (the worker's gRPC, decode and reply between two device jobs, which evict the caches a
-back-to-back loop keeps warm).
+back-to-back loop keeps warm); ``G+Z``: that work, then Z us asleep (the worker's loop idle in
+its poll while the reply and the next request travel: the CPU may enter an idle state, as in
+the replay). ``DMA_LAT=1`` in a variant (session 29): while its rounds run, this process holds
+/dev/cpu_dma_latency open with 0 written (the kernel's PM QoS: no CPU enters an idle state
+deeper than polling; the file needs root), let go when a variant without it runs.
 
 Per call role (q+k+v, o, gate+up, down): wall (launch .. wait returned), launch (launch's own
 return), wait, kernel (the calls' reported kernel time, the parts' summed), host = wall -
@@ -63,23 +67,52 @@ ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
 WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+w", "on+k")
 # variant keys that are not launch.py constants (their defaults): OLD_FILL=1, a cached call's
 # unstaged x copied into its staging by fill_x as before session 27's launch.stage_into
-LOCAL = {"OLD_FILL": 0}
+# DMA_LAT=1: /dev/cpu_dma_latency held at 0 while the variant runs (CPUs kept out of deep idle)
+LOCAL = {"OLD_FILL": 0, "DMA_LAT": 0}
+DMA_PATH = "/dev/cpu_dma_latency"
+DMA: list[int] = []  # the descriptor held open while a DMA_LAT=1 variant runs
+
+
+def hold_dma(on: bool) -> None:
+    """DMA_PATH held open with 0 written (on) or let go; a failure to open it is printed."""
+    if on and not DMA:
+        try:
+            fd = os.open(DMA_PATH, os.O_WRONLY)
+        except OSError as e:
+            print(f"# DMA_LAT=1: {DMA_PATH} not held ({e})", flush=True)
+            return
+        os.write(fd, (0).to_bytes(4, sys.byteorder))
+        DMA.append(fd)
+    elif not on and DMA:
+        os.close(DMA.pop())
+
+
 FLAGS = KernelFlags()  # the engine's one flags object (a cached call's identity checks hold)
 F16 = np.dtype(np.float16)
 
 
 class Gap:
-    """~``us`` microseconds of host work over a few MB of its own (0: none)."""
+    """~``us`` microseconds of host work over a few MB of its own (0: none), then ``sleep_us``
+    asleep."""
 
-    def __init__(self, us: float) -> None:
-        self.us = us
+    def __init__(self, us: float, sleep_us: float = 0.0) -> None:
+        self.us, self.sleep_us = us, sleep_us
         self.src = np.random.default_rng(1).integers(0, 255, 4 << 20, np.uint8)
         self.dst = np.empty_like(self.src)
         self.at = 0
 
+    @classmethod
+    def parse(cls, text: str) -> Gap:
+        work, _, sleep = text.partition("+")
+        return cls(float(work), float(sleep or 0))
+
     def __call__(self) -> None:
-        if not self.us:
-            return
+        if self.us:
+            self.work()
+        if self.sleep_us:
+            time.sleep(self.sleep_us * 1e-6)
+
+    def work(self) -> None:
         end = time.perf_counter() + self.us * 1e-6
         while time.perf_counter() < end:  # copy 256 KiB slices of 4 MiB round and round
             a = self.at
@@ -284,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
                 for _, sets in spec.values() for k in sets}
     now: list[dict[str, int]] = [{}]
     stage_into = launch_mod.stage_into
-
     def old_fill(call: Any, x: np.ndarray) -> None:  # (OLD_FILL=1: before stage_into)
         launch_mod.fill_x(call.host, x)
 
@@ -296,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, x in want.items():
                 if k == "OLD_FILL":
                     launch_mod.stage_into = old_fill if x else stage_into
+                elif k == "DMA_LAT":
+                    hold_dma(bool(x))
                 else:
                     setattr(launch_mod, k, x)
             be.launcher.ws.gen += 1
@@ -330,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif not all(np.array_equal(p, q) for p, q in zip(ys, ref, strict=True)):
                     print(f"# S={s} {v}: y DIFFERS from {variants[0]}'s", flush=True)
                     equal = False
-            for g in map(float, a.gap_us.split(",")):
-                gap = Gap(g)
+            for gtext in a.gap_us.split(","):
+                gap = Gap.parse(gtext)
+                g = f"{gap.us:g}" + (f"+{gap.sleep_us:g}" if gap.sleep_us else "")
                 for rnd in range(a.rounds):
                     for v in (variants[::-1] if rnd % 2 else variants):
                         t_r = time.perf_counter()
@@ -348,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                                 statistics.median(c) * 1e6 for c in cols)
                             host = statistics.median((x - y) * 1e6 for x, y in zip(cols[0], cols[2],
                                                                                      strict=True))
-                            rows.append({"seqs": s, "gap_us": g, "variant": v, "round": rnd,
+                            rows.append({"seqs": s, "gap": g, "gap_us": gap.us,
+                                         "sleep_us": gap.sleep_us, "variant": v, "round": rnd,
                                          "role": role, "wall": wall, "launch": launch,
                                          "wait": wall - launch, "kernel": kern, "host": host,
                                          "gpu_pre": pre, "gpu_tail": tail, "to_graph": to_g,
@@ -365,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             if k not in LOCAL:
                 setattr(launch_mod, k, x)
         launch_mod.stage_into = stage_into
+        hold_dma(False)
     return report(rows, variants, a.json, equal)
 
 
@@ -372,13 +409,14 @@ def report(rows: list[dict], variants: list[str], path: str | None, equal: bool)
     print("# per call, us, median over rounds of each round's median: host = wall - kernel "
           "(wall, launch, kernel, gpu_pre, gpu_tail; in the launch: to the graph launch / the "
           "graph launch / the event record)")
-    keys = sorted({(r["seqs"], r["gap_us"], r["role"]) for r in rows},
-                  key=lambda k: (k[0], k[1], [x[0] for x in ROLES].index(k[2])))
+    gaps = list(dict.fromkeys(r["gap"] for r in rows))  # (in the order run)
+    keys = sorted({(r["seqs"], r["gap"], r["role"]) for r in rows},
+                  key=lambda k: (k[0], gaps.index(k[1]), [x[0] for x in ROLES].index(k[2])))
     wide = max(map(len, variants))
     for s, g, role in keys:
         cells = []
         for v in variants:
-            rs = [r for r in rows if (r["seqs"], r["gap_us"], r["role"], r["variant"]) ==
+            rs = [r for r in rows if (r["seqs"], r["gap"], r["role"], r["variant"]) ==
                   (s, g, role, v)]
             if not rs:
                 continue
@@ -391,7 +429,7 @@ def report(rows: list[dict], variants: list[str], path: str | None, equal: bool)
                 pre += f"; {m['to_graph']:.1f} / {m['graph']:.1f} / {m['record']:.1f}"
             cells.append(f"{v} {m['host']:.1f} ({m['wall']:.1f}, {m['launch']:.1f}, "
                          f"{m['kernel']:.1f}{pre}) x{len(rs)}")
-        head = f"S={s} gap {g:.0f} {role:>8}:"
+        head = f"S={s} gap {g} {role:>8}:"
         if len(variants) <= 3:  # one line a role
             print(f"{head} " + "  ".join(cells), flush=True)
         else:  # one line a variant

@@ -31,12 +31,13 @@ def lw(monkeypatch):
     # the diagnostic ways' empty kernel (layer_wall.Poke): counted where it runs
     cp.RawKernel = lambda src, name: (
         lambda grid, block, args, stream=None: cp.op(lambda: cp.count(name)))
-    calls = {"many": 0, "single": 0, "y16": []}
+    calls = {"many": 0, "single": 0, "y16": [], "dma": []}
     many, single = type(be).launch_many, type(be).launch
 
     def launch_many(self, *a, **k):
         calls["many"] += 1
         calls["y16"].append(launch_mod.Y16_COPY)
+        calls["dma"].append(bool(layer_wall.DMA))
         return many(self, *a, **k)
 
     def launch(self, *a, **k):
@@ -139,6 +140,32 @@ def test_old_fill_variant(lw):
     finally:
         launch_mod.fill_x = fill_x
     assert launch_mod.stage_into is stage_into
+
+
+def test_sleep_gap_and_dma_hold(lw, tmp_path, monkeypatch):
+    """A gap ``W+Z`` sleeps Z us before every call (rows keep work and sleep apart); DMA_LAT=1
+    holds the QoS file open with a 0 written during that variant's rounds only (the Y16_COPY
+    beside it marks them), and lets it go at the end."""
+    layer_wall, calls, launch_mod = lw
+    qos = tmp_path / "cpu_dma_latency"
+    qos.write_bytes(b"")
+    monkeypatch.setattr(layer_wall, "DMA_PATH", str(qos))
+    slept = []
+    monkeypatch.setattr(layer_wall.time, "sleep", lambda s: slept.append(s))
+    before = launch_mod.Y16_COPY
+    out = tmp_path / "lw.json"
+    rc = layer_wall.main(["--seqs", "1", "--steps", "2", "--rounds", "2", "--gap-us", "0+300",
+                          "--variants", f"on,on:DMA_LAT=1+Y16_COPY={1 - before}",
+                          "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["gap"] == "0+300" and r["gap_us"] == 0 and r["sleep_us"] == 300
+                        for r in rows)
+    assert slept and set(slept) == {300e-6}
+    pairs = set(zip(calls["y16"], calls["dma"], strict=True))
+    assert pairs == {(before, False), (1 - before, True)}
+    assert qos.read_bytes().startswith(b"\0\0\0\0")
+    assert layer_wall.DMA == []  # (let go)
 
 
 def test_unknown_variant_refused(lw):
