@@ -12,9 +12,16 @@
 #    asleep, as the worker's loop idles while its reply and the next request travel; and the
 #    work alone, no sleep: an A/A of the hold), on vs on:DMA_LAT=1 (/dev/cpu_dma_latency held
 #    at 0 while that variant runs), alternated per round; the cpuidle driver and states printed.
-# PHASE=b (bound ~100 s): the hold on the 28-layer replay (S=1, 8; multi, top-64, f16): one
-#    worker, the hold switched between runs (bench/hp_toggle_ab.py --alt DMA_LAT=1: the bench
-#    process holds the descriptor in alt's runs), alternated.
+# PHASE=b (bound ~100 s; bundle A: no cpuidle driver on the H200 VM, so the hold has nothing
+#    to act on; a 300 us sleep between calls cost +10-31 us a call):
+# 1. layer: bench/layer_wall.py S=1, 8 (3 layers, 150 us of host work before each call), four
+#    variants alternated per round: spin (300 us busy-polling an empty selector after the work,
+#    as the worker's loop does between requests), sleep (300 us asleep), sleep+dma (asleep,
+#    /dev/cpu_dma_latency held), spin with MANY_Y_GRAPH=0 (a multi-weight call's large y copied
+#    by a copy enqueued after its graph, main's way; this tree: by its own graph, one driver
+#    call a call instead of two);
+# 2. replay: MANY_Y_GRAPH on (def) / off (alt) on ONE worker's 28-layer replay (S=1, 8; multi,
+#    top-64, f16) switched between runs by a signal (bench/hp_toggle_ab.py), alternated.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -61,18 +68,24 @@ if [[ $PHASE == a ]]; then
 elif [[ $PHASE == b ]]; then
   BOUND=${BOUND:-100}
   cpuidle start >"$OUT/cpuidle.log"
+  SP=on:SPIN_US=300
+  step layer "$(bound 34 40)" python3 bench/layer_wall.py --seqs 1,8 --steps 30 --layers 3 \
+    --rounds 4 --gap-us 150 --bound "$(($(bound 34 40) - 4))" --json "$OUT/layer.json" \
+    --variants "${LVB:-$SP,on:SLEEP_US=300,on:SLEEP_US=300+DMA_LAT=1,$SP+MANY_Y_GRAPH=0}"
   rest=$(($(bound 1000 4) - 1))
   PYTHONPATH=$PP step replay "$(bound 96 2)" python3 bench/hp_toggle_ab.py \
-    --backend "${BACKEND:-cuda}" --layers "$LAYERS" --alt "${ALT:-DMA_LAT=1}" \
-    --order "${ORDERB:-def,alt,alt,def,def,alt,alt,def,def,alt,alt,def}" --seqs "${SEQS:-1,8}" \
+    --backend "${BACKEND:-cuda}" --layers "$LAYERS" --alt "${ALT:-MANY_Y_GRAPH=0}" \
+    --order "${ORDERB:-def,alt,alt,def,def,alt,alt,def,def,alt,alt,def}" --seqs "${SEQS:-8,1}" \
     --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
   cpuidle end >>"$OUT/cpuidle.log"
   {
     echo "# hp bundle b, tree $(tree_commit), $(elapsed)"
-    echo "## the replay on one worker, def / alt (${ALT:-DMA_LAT=1})"
-    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle|DMA_LAT" "$OUT/replay.log" \
+    echo "## layer_wall: host = wall - kernel (wall, launch, kernel, gpu_pre, gpu_tail), us"
+    grep -hE "^S=|DIFFERS|bound|DMA_LAT" "$OUT/layer.log" 2>/dev/null | cut -c1-200
+    echo "## the replay on one worker, def (MANY_Y_GRAPH=1) / alt (${ALT:-MANY_Y_GRAPH=0})"
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle|hp_site" "$OUT/replay.log" \
       2>/dev/null | cut -c1-330
-    cut -c1-400 "$OUT/cpuidle.log"
+    cut -c1-300 "$OUT/cpuidle.log"
     machine_summary
     steps
   } | table

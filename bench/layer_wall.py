@@ -29,7 +29,10 @@ back-to-back loop keeps warm); ``G+Z``: that work, then Z us asleep (the worker'
 its poll while the reply and the next request travel: the CPU may enter an idle state, as in
 the replay). ``DMA_LAT=1`` in a variant (session 29): while its rounds run, this process holds
 /dev/cpu_dma_latency open with 0 written (the kernel's PM QoS: no CPU enters an idle state
-deeper than polling; the file needs root), let go when a variant without it runs.
+deeper than polling; the file needs root), let go when a variant without it runs;
+``SLEEP_US=Z`` / ``SPIN_US=Z``: after each gap's work, Z us asleep / busy-polling an empty
+selector (as the worker's loop spins between requests), per variant (alternated with the
+rest, so the machine's drift weighs on both).
 
 Per call role (q+k+v, o, gate+up, down): wall (launch .. wait returned), launch (launch's own
 return), wait, kernel (the calls' reported kernel time, the parts' summed), host = wall -
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
 import statistics
 import sys
 import time
@@ -67,8 +71,12 @@ ROLES = (("q+k+v", ("q", "k", "v"), 3584), ("o", ("o",), 3584),
 WAYS = ("off", "on", "on+s", "on+g", "on+G", "on+e", "on+w", "on+k")
 # variant keys that are not launch.py constants (their defaults): OLD_FILL=1, a cached call's
 # unstaged x copied into its staging by fill_x as before session 27's launch.stage_into
-# DMA_LAT=1: /dev/cpu_dma_latency held at 0 while the variant runs (CPUs kept out of deep idle)
-LOCAL = {"OLD_FILL": 0, "DMA_LAT": 0}
+# DMA_LAT=1: /dev/cpu_dma_latency held at 0 while the variant runs (CPUs kept out of deep idle);
+# SLEEP_US / SPIN_US: after the gap's work, that long asleep / busy-polling an empty selector
+# without blocking, as the worker's loop spins between requests (service/threads.py)
+LOCAL = {"OLD_FILL": 0, "DMA_LAT": 0, "SLEEP_US": 0, "SPIN_US": 0}
+IDLE = {"SLEEP_US": 0, "SPIN_US": 0}  # the running variant's
+SELECTOR = selectors.DefaultSelector()  # (SPIN_US: polled empty)
 DMA_PATH = "/dev/cpu_dma_latency"
 DMA: list[int] = []  # the descriptor held open while a DMA_LAT=1 variant runs
 
@@ -109,8 +117,13 @@ class Gap:
     def __call__(self) -> None:
         if self.us:
             self.work()
-        if self.sleep_us:
-            time.sleep(self.sleep_us * 1e-6)
+        sleep = self.sleep_us or IDLE["SLEEP_US"]
+        if sleep:
+            time.sleep(sleep * 1e-6)
+        if IDLE["SPIN_US"]:
+            end = time.perf_counter() + IDLE["SPIN_US"] * 1e-6
+            while time.perf_counter() < end:
+                SELECTOR.select(0)
 
     def work(self) -> None:
         end = time.perf_counter() + self.us * 1e-6
@@ -330,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     launch_mod.stage_into = old_fill if x else stage_into
                 elif k == "DMA_LAT":
                     hold_dma(bool(x))
+                elif k in IDLE:
+                    IDLE[k] = x
                 else:
                     setattr(launch_mod, k, x)
             be.launcher.ws.gen += 1
@@ -402,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(launch_mod, k, x)
         launch_mod.stage_into = stage_into
         hold_dma(False)
+        IDLE.update(SLEEP_US=0, SPIN_US=0)
     return report(rows, variants, a.json, equal)
 
 

@@ -168,6 +168,25 @@ def test_sleep_gap_and_dma_hold(lw, tmp_path, monkeypatch):
     assert layer_wall.DMA == []  # (let go)
 
 
+def test_idle_per_variant(lw, monkeypatch):
+    """SLEEP_US / SPIN_US: each gap sleeps / polls the empty selector in that variant's rounds
+    only (its Y16_COPY marks them), and nothing after the run."""
+    layer_wall, _, launch_mod = lw
+    seen = []
+    monkeypatch.setattr(layer_wall.time, "sleep",
+                        lambda s: seen.append(("sleep", s, launch_mod.Y16_COPY)))
+    monkeypatch.setattr(layer_wall, "SELECTOR", type("S", (), {"select": staticmethod(
+        lambda t: seen.append(("spin", t, launch_mod.Y16_COPY)) or [])})())
+    before = launch_mod.Y16_COPY
+    rc = layer_wall.main(["--seqs", "1", "--steps", "2", "--rounds", "2", "--gap-us", "0",
+                          "--variants", f"on:SLEEP_US=250,on:SPIN_US=40+Y16_COPY={1 - before}"])
+    assert rc == 0
+    assert {(k, y) for k, _, y in seen} == {("sleep", before), ("spin", 1 - before)}
+    assert {s for k, s, _ in seen if k == "sleep"} == {250e-6}
+    assert {t for k, t, _ in seen if k == "spin"} == {0}
+    assert layer_wall.IDLE == {"SLEEP_US": 0, "SPIN_US": 0}
+
+
 def test_unknown_variant_refused(lw):
     layer_wall, _, _ = lw
     with pytest.raises(SystemExit):
