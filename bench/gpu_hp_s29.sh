@@ -22,6 +22,11 @@
 #    call a call instead of two);
 # 2. replay: MANY_Y_GRAPH on (def) / off (alt) on ONE worker's 28-layer replay (S=1, 8; multi,
 #    top-64, f16) switched between runs by a signal (bench/hp_toggle_ab.py), alternated.
+#    (Bundle B, tree 9a3d402: MANY_Y_GRAPH's graph was captured off the backend's stream from
+#    the cached call, so its kernels ran outside it: y differed, kernel times ~3 us. Fixed.)
+# PHASE=c (bound ~60 s, bundle C): MANY_Y_GRAPH judged again with the fix: layer_wall S=1, 8
+#    (150 us work + 300 us spin before each call, as the worker's loop) on / off alternated per
+#    round, y compared bit for bit; then the one-worker replay toggle, S=8, while the bound allows.
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -86,6 +91,27 @@ elif [[ $PHASE == b ]]; then
     grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle|hp_site" "$OUT/replay.log" \
       2>/dev/null | cut -c1-330
     cut -c1-300 "$OUT/cpuidle.log"
+    machine_summary
+    steps
+  } | table
+elif [[ $PHASE == c ]]; then
+  BOUND=${BOUND:-60}
+  SP=on:SPIN_US=300
+  step layer "$(bound 22 36)" python3 bench/layer_wall.py --seqs 1,8 --steps 30 --layers 3 \
+    --rounds 4 --gap-us 150 --bound "$(($(bound 22 36) - 4))" --json "$OUT/layer.json" \
+    --variants "${LVC:-$SP,$SP+MANY_Y_GRAPH=0}"
+  rest=$(($(bound 1000 3) - 1))
+  PYTHONPATH=$PP step replay "$(bound 60 2)" python3 bench/hp_toggle_ab.py \
+    --backend "${BACKEND:-cuda}" --layers "$LAYERS" --alt "${ALT:-MANY_Y_GRAPH=0}" \
+    --order "${ORDERC:-def,alt,alt,def,def,alt,alt,def,def,alt,alt,def}" --seqs "${SEQS:-8}" \
+    --seconds 1.0 --warmup 0.4 --bound "$rest" --out-dir "$OUT" --json "$OUT/replay.json"
+  {
+    echo "# hp bundle c, tree $(tree_commit), $(elapsed)"
+    echo "## layer_wall: host = wall - kernel (wall, launch, kernel, gpu_pre, gpu_tail), us"
+    grep -hE "^S=|DIFFERS|bound" "$OUT/layer.log" 2>/dev/null | cut -c1-200
+    echo "## the replay on one worker, def (MANY_Y_GRAPH=1) / alt (${ALT:-MANY_Y_GRAPH=0})"
+    grep -hE "^# [a-z]+_[0-9]+ S=|given|FAILED|^S=|toggle|hp_site" "$OUT/replay.log" \
+      2>/dev/null | cut -c1-330
     machine_summary
     steps
   } | table

@@ -48,6 +48,8 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_dataplane_run.sh": [("variants", {"VARIANTS": "4 8@200 8:0 8:m0 6rr"}, [])],
     "gpu_hp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                       ("c", {"PHASE": "c"}, [])],
+    "gpu_hp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
+                      ("c", {"PHASE": "c"}, [])],
     "gpu_t1_s29.sh": [("a", {"PHASE": "a"}, []), ("a_spin", {"PHASE": "a", "HOLD": "idlespin"},
                                                       []), ("b", {"PHASE": "b"}, []),
                       ("c", {"PHASE": "c"}, [])],
