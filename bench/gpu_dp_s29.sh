@@ -8,21 +8,34 @@
 #       T3's shape through the lane (bench/frontend_cpu.py --lane, --frontends 2), the device
 #       process's counters and stage timers on (Q6SERVE_DP_STATS; bench/device_stats_table.py
 #       --stages): one run each (RUNS "t3sst lanest"), the same host.
-#    2. The idle cost of the lane's ring (bench/lane_idle.py: one worker, 8 lanes open and
-#       idle, none / socket / ring alternated, IDLE_S s each): the worker's CPU and switches.
-#    3. T3 through the lane over the socket against the ring (AB_T3R "lsock lring lring
-#       lsock", T3_S s a run).
-#    4. py-spy (1000 Hz, by function, SPY_S s) on the device process and one front end at once
+#    2. py-spy (1000 Hz, by function, SPY_S s) on the device process and one front end at once
 #       under T3 over system regions (SPY "t3s"; "t3s t3": the lane row too),
 #       bench/spy_summary.py.
-#  b (bound 100 s, bundle B): this tree against main 3fa8b61 (copies of main's files on a
+#    3. The idle cost of the lane's ring (bench/lane_idle.py: one worker, 8 lanes open and
+#       idle, none / ring / socket / ring, IDLE_S s each): the worker's CPU and switches, this
+#       tree (IDLE "idle idlebase") against main's service/threads.py and lane.py (the spin
+#       after each idle 5 ms wake, the poll kept after the last ring lane closed).
+#    4. T3 through the lane over the socket against the ring (AB_T3R "lsock lring lring
+#       lsock", T3_S s a run), while the bound allows.
+#  b (bound 100 s, bundle B): this tree against main aef7928 (copies of main's files on a
 #    PYTHONPATH overlay: bench/dp_s29/<dir>__<file>.py.txt -> <dir>/<file>.py; without them
-#    both variants run this tree's), T3 over system regions alternated (AB_T3S "t3new t3base
-#    t3base t3new t3new t3base"), then T2 over system regions (AB_T2S "t2new t2base").
+#    both variants run this tree's; "new" also has bench/dp_s29/*.patch applied: t1's
+#    service/servicer.py taking a region call through the front end's
+#    _PlaneProxy.start_matmul, no task a call), alternated (AB_DP "dnew dbase dbase dnew dnew
+#    dbase"): one worker a run, T2 over system regions, T3 over system and over CUDA regions
+#    (bench/service.py --dataplane --targets T2,T3 --regions system --cuda-regions, 6 front
+#    ends round robin, SECONDS_PER_RUN 1 s each); AB_T3S / AB_T2S: T3 / T2 alone, after.
+#  c (bound 60 s, bundle C): the ring's idle cost with this tree's fixes (IDLE "idle"), then
+#    T3 over system regions through 6 front ends against 2 alternated, the device process's
+#    counters on (AB_FE "t3f6st:FE=6 t3f2st:FE=2 t3f2st:FE=2 t3f6st:FE=6"), then AB_T3R (T3
+#    through the lane, e.g. "lsock:Q6SERVE_LANE_RING=0 lring:Q6SERVE_LANE_RING=1"; none by
+#    default) while the bound allows.
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s29.sh   env: PHASE (a), BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
-#                         rehearsal with DRY_RUN=1), RUNS, AB_T3R, T3_S (1), IDLE_S (2), SPY,
-#                         SPY_S (2), AB_T3S, AB_T2S, HOSTS (8)
+#                         rehearsal with DRY_RUN=1), RUNS, AB_T3R, T3_S (1), SPY,
+#                         SPY_S (2), IDLE, IDLE_S (1.5), IDLE_PHASES, AB_DP,
+#                         AB_T3S, AB_T2S, AB_FE, FE (6), HOSTS (8),
+#                         SECONDS_PER_RUN
 set -uo pipefail
 # shellcheck source=bench/gpu_lib.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -51,6 +64,12 @@ for f in bench/dp_s29/*__*.py.txt; do
   echo "# base: ${g%%__*}/${g#*__} from $f"
 done
 ((found)) || echo "# no bench/dp_s29/*.py.txt: base and new run the same code"
+# another helper's file changed for "new" only: bench/dp_s29/*.patch onto /tmp/dp_new (a
+# proposal measured, its file left as it is in this tree)
+for f in bench/dp_s29/*.patch; do  # (phase b's "new" only)
+  [[ -f $f && $PHASE == b ]] || continue
+  patch -s -d /tmp/dp_new -p1 <"$f" && echo "# new: $f applied" || echo "# new: $f FAILED"
+done
 mkdir -p /tmp/dp_newpath/q6serve
 for d in kernels service client; do ln -sfn "/tmp/dp_new/$d" "/tmp/dp_newpath/q6serve/$d"; done
 ln -sfn "$PWD/proto/q6serve/v1" /tmp/dp_newpath/q6serve/v1
@@ -68,10 +87,10 @@ t3s() {  # t3s RUN NAME: bench/service.py's T3 over system regions (or T3_REGION
   st=$(stats "$1")
   PYTHONPATH=$(newpp "$2") env ${st:+"$st"} Q6SERVE_FRONTEND_ROUND_ROBIN=1 \
     timeout "$(bound "${T3S_LIMIT:-30}" 1)" python3 bench/service.py --backend "$BACKEND" \
-    --dataplane --modes stream --frontends 6 --t3-hosts "${HOSTS:-8}" \
+    --dataplane --modes stream --frontends "${FE:-6}" --t3-hosts "${HOSTS:-8}" \
     --seconds "${SECONDS_PER_RUN:-1.5}" --warmup 0.3 --targets T3 --regions "${T3_REGIONS:-system}" \
     ${T3_ARGS:-} --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
-  note "# $1 (T3 ${T3_REGIONS:-system} regions, 6 front ends) rc=$? in $((SECONDS - t)) s at $(elapsed)"
+  note "# $1 (T3 ${T3_REGIONS:-system} regions, ${FE:-6} front ends) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
 }
 t2s() {  # t2s RUN NAME: bench/service.py's T2 over system regions, 6 front ends round robin
@@ -93,11 +112,23 @@ t3() {  # t3 RUN NAME: T3's shape through the lane (8 hosts x 1 caller of N=64, 
   note "# $1 (T3 lane${Q6SERVE_LANE_RING:+, ring $Q6SERVE_LANE_RING}) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
 }
+dpx() {  # dpx RUN NAME: bench/service.py's T2 and T3 over system regions and T3 over CUDA
+  # regions, 6 front ends round robin, one worker (ask 1's judges in one run)
+  local t=$SECONDS st
+  st=$(stats "$1")
+  PYTHONPATH=$(newpp "$2") env ${st:+"$st"} Q6SERVE_FRONTEND_ROUND_ROBIN=1 \
+    timeout "$(bound 40 1)" python3 bench/service.py --backend "$BACKEND" \
+    --dataplane --modes stream --frontends 6 --t3-hosts "${HOSTS:-8}" \
+    --seconds "${SECONDS_PER_RUN:-1}" --warmup 0.3 --targets T2,T3 --regions system \
+    $([[ $BACKEND == cuda ]] && echo --cuda-regions) --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
+  note "# $1 (T2 + T3 system, T3 cuda; 6 front ends) rc=$? in $((SECONDS - t)) s at $(elapsed)"
+  archive 2>/dev/null
+}
 idle() {  # idle RUN NAME: what 8 idle lanes cost the worker, none / socket / ring alternated
   local t=$SECONDS
   PYTHONPATH=$(newpp "$2") timeout "$(bound 40 1)" python3 bench/lane_idle.py --backend "$BACKEND" \
-    --rows $ROWS --k $K --lanes 8 --seconds "${IDLE_S:-2}" \
-    --phases "${IDLE_PHASES:-none,sock,ring,ring,sock,none}" --json "$OUT/$1.json" \
+    --rows $ROWS --k $K --lanes 8 --seconds "${IDLE_S:-1.5}" \
+    --phases "${IDLE_PHASES:-none,ring,sock,ring}" --json "$OUT/$1.json" \
     >"$OUT/$1.log" 2>&1
   note "# $1 (idle lanes) rc=$? in $((SECONDS - t)) s at $(elapsed)"
   archive 2>/dev/null
@@ -154,17 +185,30 @@ case $PHASE in
         *) t3 "${r}_1" new ;;
       esac
     done
+    for w in ${SPY-t3s}; do spy "$w"; done
     # shellcheck disable=SC2086  # (run names)
-    left 25 && ab_runs 25 idle ${IDLE-idle}
+    ab_runs 14 idle ${IDLE-idle idlebase}
     # shellcheck disable=SC2086  # (run names)
     ab_runs "${NEED:-12}" t3 ${AB_T3R-lsock:Q6SERVE_LANE_RING=0 lring:Q6SERVE_LANE_RING=1 lring:Q6SERVE_LANE_RING=1 lsock:Q6SERVE_LANE_RING=0}
-    for w in ${SPY-t3s}; do spy "$w"; done
     ;;
   b)
     # shellcheck disable=SC2086  # (run names)
-    ab_runs "${NEED:-14}" t3s ${AB_T3S-t3new t3base t3base t3new t3new t3base}
+    ab_runs "${NEED:-16}" dpx ${AB_DP-dnew dbase dbase dnew dnew dbase}
     # shellcheck disable=SC2086  # (run names)
-    ab_runs "${NEED:-14}" t2s ${AB_T2S-t2new t2base}
+    ab_runs "${NEED:-14}" t3s ${AB_T3S-}
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs "${NEED:-14}" t2s ${AB_T2S-}
+    ;;
+  c)
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs 14 idle ${IDLE-idle}
+    # T3 over system regions through 6 front ends and through 2 (4 calls in flight a front
+    # end: a read and a trip of the device process carry several calls), counters on: whether
+    # the per-call reads and trips are what a front-end call costs the device process more
+    # shellcheck disable=SC2086  # (run names)
+    SECONDS_PER_RUN=${SECONDS_PER_RUN:-1} ab_runs "${NEED:-11}" t3s ${AB_FE-t3f6st:FE=6 t3f2st:FE=2 t3f2st:FE=2 t3f6st:FE=6}
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs "${NEED:-9}" t3 ${AB_T3R-}
     ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
@@ -172,13 +216,14 @@ esac
   echo "# phase $PHASE"
   for f in "$OUT"/*.log; do
     case ${f##*/} in
-      t3s*|t3new*|t3base*|t2*|spy_t3s*)
-        echo "# ${f##*/}: $(grep -h -E "^# T[23] stream" "$f" | cut -c1-200)"
-        grep -h -E "mean us:" "$f" | head -2 | cut -c1-200 ;;
+      t3s*|t3f*|t3new*|t3base*|t2*|spy_t3s*|dnew*|dbase*)
+        echo "# ${f##*/}"
+        grep -h -E "^# T[23] stream" "$f" | cut -c1-200
+        grep -h -E -A1 "^T[23] fe=" "$f" | grep -v "^--" | cut -c1-200 | tr -s ' ' ;;
       lane*|lsock*|lring*|spy_t3*)
         echo "# ${f##*/}: $(grep -h -A1 "lane load" "$f" | cut -c1-260 | tr -s ' ')"
         grep -h "cpu (cores\|CPU " "$f" | head -2 | cut -c1-200 ;;
-      idle*) grep -h "^idle" "$f" ;;
+      idle*) echo "# ${f##*/}"; grep -h "^idle" "$f" ;;
     esac
   done
   if compgen -G "$OUT/dpstats_*.jsonl" >/dev/null; then

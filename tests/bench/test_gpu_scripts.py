@@ -48,14 +48,13 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_dataplane_run.sh": [("variants", {"VARIANTS": "4 8@200 8:0 8:m0 6rr"}, [])],
     "gpu_hp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                       ("c", {"PHASE": "c"}, [])],
-    "gpu_hp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
-                      ("c", {"PHASE": "c"}, [])],
     "gpu_t1_s29.sh": [("a", {"PHASE": "a"}, []), ("a_spin", {"PHASE": "a", "HOLD": "idlespin"},
                                                       []), ("b", {"PHASE": "b"}, []),
                       ("c", {"PHASE": "c"}, [])],
     "gpu_k_s28.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
                      ("c", {"PHASE": "c"}, []), ("d", {"PHASE": "d"}, [])],
-    "gpu_dp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
+    "gpu_dp_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
+                      ("c", {"PHASE": "c", "BOUND": "60"}, [])],
 }
 # what a shell prints when a script is broken (a bad name, an unset variable, a parse error)
 BROKEN = re.compile(r"command not found|unbound variable|syntax error|"
