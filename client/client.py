@@ -238,8 +238,9 @@ class Client(core.Transport):
         """A fast lane on ``region`` (one of this caller's registered regions): matmuls over
         the worker's Unix socket without RPCs, x and y in the region (client/lane.py).
         ``ring``: requests and replies through a shared-memory ring at the region's end, the
-        socket kept for doorbells (a worker started with ``Q6SERVE_LANE_RING=1``; None: this
-        process's ``Q6SERVE_LANE_RING``)."""
+        socket kept for doorbells (x86-64 workers take them unless started with
+        ``Q6SERVE_LANE_RING=0``; None: on only if this process's ``Q6SERVE_LANE_RING`` is
+        set on)."""
         path, ticket = self._run(core.open_lane_call(region.name), timeout)
         return Lane(region, path, ticket, ring=ring)
 

@@ -41,8 +41,9 @@ from .spin import caller_spin_us
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
-# the ring (service/lane.py's layout; opt-in: ring=True or Q6SERVE_LANE_RING=1 here, and the
-# worker started with Q6SERVE_LANE_RING=1): the last RING_BYTES of the region, 64-aligned
+# the ring (service/lane.py's layout; the caller opts in: ring=True or Q6SERVE_LANE_RING=1 here;
+# x86-64 workers take it unless started with Q6SERVE_LANE_RING=0): the last RING_BYTES of the
+# region, 64-aligned
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048

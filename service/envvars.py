@@ -151,9 +151,10 @@ DP_ARENA_GATHER = Var("Q6SERVE_DP_ARENA_GATHER", "switch", True,
 DP_LANE_PIPE = Var("Q6SERVE_DP_LANE_PIPE", "switch", True,
                    "a --frontends worker's fast lanes launch their full batches through the "
                    "device process's pipeline and answer them a loop trip later, not inline")
-LANE_RING = Var("Q6SERVE_LANE_RING", "switch", False,
+LANE_RING = Var("Q6SERVE_LANE_RING", "switch", True,
                 "fast lanes may run over a shared-memory ring in their region, the socket "
-                "kept for setup, errors and doorbells (opt-in)")
+                "kept for setup, errors and doorbells (x86-64 workers; a caller asks with "
+                "ring=True)")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,

@@ -67,12 +67,13 @@ TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
-# The ring (opt-in: Q6SERVE_LANE_RING on the worker, ``Lane(ring=True)`` or the same variable
-# on the caller): after the ticket, a request record with seq 0 and flags 1 (its 9th field)
-# names a RING_BYTES block at x_off in the lane's system region (64-byte aligned); the worker
-# answers it on the socket (a reply record, seq 0), and from then on requests and replies go
-# through the block, the socket carrying only doorbells (any byte: "look at the ring"), each
-# sent only when the other side's flag says it sleeps. The block, little-endian:
+# The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller asks with
+# ``Lane(ring=True)`` or Q6SERVE_LANE_RING=1 in its own environment): after the ticket, a
+# request record with seq 0 and flags 1 (its 9th field) names a RING_BYTES block at x_off in
+# the lane's system region (64-byte aligned); the worker answers it on the socket (a reply
+# record, seq 0), and from then on requests and replies go through the block, the socket
+# carrying only doorbells (any byte: "look at the ring"), each sent only when the other side's
+# flag says it sleeps. The block, little-endian:
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64  # request seq (written last), request record, caller sleeps
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply record, worker sleeps
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message

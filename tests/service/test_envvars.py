@@ -78,3 +78,13 @@ def test_the_worker_refuses_a_bad_variable_in_one_line() -> None:
     assert r.stderr.strip() == ("q6serve worker: error: Q6SERVE_BUSY_POLL_US='soon': give "
                                 "microseconds the loop polls before it sleeps (0: never), "
                                 "0 or more")
+
+
+def test_an_x86_worker_takes_ring_lanes_unless_told_not_to() -> None:
+    # the worker's side of the lane ring is on by default (it costs nothing until a caller asks
+    # for a ring with Lane(ring=True)); Q6SERVE_LANE_RING=0 turns it off; other hosts never
+    from q6serve.service import lane
+
+    assert lane.ring_allowed({}) is lane.ORDERED_STORES
+    assert lane.ring_allowed({"Q6SERVE_LANE_RING": "0"}) is False
+    assert lane.ring_allowed({"Q6SERVE_LANE_RING": "1"}) is lane.ORDERED_STORES
