@@ -6,9 +6,10 @@ is system-wide, so an A/B toggles it around each run, on whatever workers are up
   while the fd is open; the cpuidle governor then picks only exit-latency-0 states, polling).
   Only a cpuidle driver reads it: the H200 VM of session 29 has none (idle is a halt), so
   there it changes nothing;
-- ``idlespin``: one SCHED_IDLE busy-loop process per CPU (no cpuidle needed: a CPU running one
-  never enters the idle loop, so on a VM its vCPU never halts; any other thread that wakes
-  there preempts it at once; each dies with this process, PR_SET_PDEATHSIG);
+- ``idlespin``: one SCHED_IDLE busy-loop process per CPU, the worker's --keep-cpus-awake
+  (q6serve.service.keep_awake; no cpuidle needed: a CPU running one never enters the idle
+  loop, so on a VM its vCPU never halts; any other thread that wakes there preempts it at
+  once; each dies with this process, PR_SET_PDEATHSIG);
 - ``haltpoll``: the haltpoll cpuidle governor's poll ceiling (a KVM guest's;
   /sys/module/haltpoll/parameters/guest_halt_poll_ns) raised to HALTPOLL_NS for the hold, put
   back after: an idle CPU polls up to that long (grown adaptively from grow_start) before it
@@ -25,27 +26,17 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from q6serve.service.keep_awake import KeepAwake
 
 KINDS = ("", "dma", "idlespin", "haltpoll")
 DEVICE = Path("/dev/cpu_dma_latency")
 CPU_SYS = Path("/sys/devices/system/cpu")
 HALTPOLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
 HALTPOLL_NS = 1_000_000
-SPINNER = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[2]):
-    sys.exit(0)
-os.sched_setaffinity(0, {int(sys.argv[1])})
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True:
-    pass
-"""
 
 
 def _read(p: Path) -> str:
@@ -98,7 +89,7 @@ class SystemHold:
         self.kind, self.device, self.cpu = kind, device, cpu
         self.info: dict[str, Any] = {"kind": kind or "none"}
         self._fd: int | None = None
-        self._spin: list[subprocess.Popen[bytes]] = []
+        self._spin: KeepAwake | None = None
         self._halt_was: str | None = None
 
     def __enter__(self) -> SystemHold:
@@ -112,14 +103,11 @@ class SystemHold:
             except OSError as e:
                 msg = f"{self.device}: {e.strerror or e}: nothing held"
             self.info["held"], self.info["message"] = self._fd is not None, msg
-        elif self.kind == "idlespin":
-            cpus = range(os.cpu_count() or 1)
-            self._spin = [subprocess.Popen([sys.executable, "-c", SPINNER, str(c),
-                                            str(os.getpid())], stdin=subprocess.DEVNULL)
-                          for c in cpus]
+        elif self.kind == "idlespin":  # the worker's --keep-cpus-awake, on every CPU
+            self._spin = KeepAwake(range(os.cpu_count() or 1))
             time.sleep(0.3)  # started, each on its CPU
             self.info["held"] = True
-            self.info["message"] = f"idlespin: {len(self._spin)} SCHED_IDLE spinners"
+            self.info["message"] = self._spin.message
         elif self.kind == "haltpoll":
             try:
                 self._halt_was = HALTPOLL.read_text().strip()
@@ -143,15 +131,13 @@ class SystemHold:
         if self._halt_was is not None:
             HALTPOLL.write_text(self._halt_was)
             self._halt_was = None
-        for p in self._spin:
-            p.kill()
-        for p in self._spin:
-            p.wait()
-        self._spin = []
+        if self._spin is not None:
+            self._spin.close()
+            self._spin = None
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._spin]
+        return [] if self._spin is None else self._spin.pids
 
 
 def idle_text(info: dict[str, Any]) -> str:

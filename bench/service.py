@@ -213,6 +213,8 @@ class Bench:
             extra += ["--frontends", str(args.frontends)]
         if args.dataplane:  # issue 15: callers' regions (one per caller, all at once)
             extra += ["--allow-shm", "--max-regions", "1024"]
+        if args.keep_cpus_awake:  # its SCHED_IDLE spinners, one per CPU, for its life
+            extra += ["--keep-cpus-awake"]
         self.args = args
         self.worker = start_worker(args.backend, out_dir / "worker.log", extra)
         self.client = Client(self.worker.target, timeout=600.0)
@@ -887,6 +889,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--t3-hosts", default="1,4,8", help="T3: host counts tried (best kept)")
     ap.add_argument("--targets", default="T1,T2,T3",
                     help="--target-report / --dataplane: which of T1, T2, T3 to measure")
+    ap.add_argument("--keep-cpus-awake", action="store_true",
+                    help="the worker runs with --keep-cpus-awake: a SCHED_IDLE spinner on "
+                    "every CPU for its life (no vCPU halts; the callers and floors run under "
+                    "it too; service/keep_awake.py)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     a = ap.parse_args(argv)
     a.weights = [w for w in a.weights.split(",") if w]
@@ -929,6 +935,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{os.environ.get('Q6SERVE_BUSY_POLL_US')}", flush=True)
     pins = pin_parts(a.pin) if a.pin else None  # (refused before a worker starts)
     b = Bench(a, out_dir)
+    if a.keep_cpus_awake:  # the worker's line about it
+        said = [x.split(": ", 1)[-1] for x in b.worker.log().splitlines() if "keep awake:" in x]
+        print(f"# worker: {said[0] if said else '?'}", flush=True)
     if pins is not None:  # load processes and floor clients are spawned from here: they
         server, load = pins  # inherit it
         service_load.SERVER_CPUS = server

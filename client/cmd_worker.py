@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -137,6 +138,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     a("--frontend-shm-bytes", type=int,
       help="shared-memory arena of each front end for activations and results "
            "(default 64MiB; committed in /dev/shm at start)")
+    a("--keep-cpus-awake", action="store_true", default=None,
+      help="a spinner of the lowest scheduling class (SCHED_IDLE) on every CPU the worker may "
+           "use while it runs: no CPU ever idles, so on a VM no vCPU halts between calls (for "
+           "a host without a cpuidle driver, where /dev/cpu_dma_latency changes nothing); any "
+           "thread preempts a spinner at once. Burns every idle CPU (default: "
+           "$Q6SERVE_KEEP_CPUS_AWAKE, else off; docs/SERVICE.md)")
     a("--log-level", default=os.environ.get("Q6SERVE_LOG_LEVEL", "INFO"),
       help="logging level (default INFO)")
     p.set_defaults(func=run)
@@ -145,6 +152,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 # the worker's --cpus when the option is not given (a deployment's environment, as a container
 # sets it)
 CPUS_ENV = "Q6SERVE_CPUS"
+# the worker's --keep-cpus-awake when the option is not given (read at start, after
+# envvars.check: a bad value is refused there in one line, as the table's are)
+KEEP_CPUS_AWAKE = envvars.Var("Q6SERVE_KEEP_CPUS_AWAKE", "switch", False,
+                              "a SCHED_IDLE spinner on every CPU while the worker runs")
 
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "inline_device_us",
@@ -234,6 +245,16 @@ def _gil_switch_interval(env: Mapping[str, str]) -> None:
         sys.setswitchinterval(float(us) * 1e-6)
 
 
+def _keep_awake(cpus: list[int] | None) -> contextlib.AbstractContextManager[object]:
+    """--keep-cpus-awake (else Q6SERVE_KEEP_CPUS_AWAKE): a SCHED_IDLE spinner on each of
+    ``cpus`` for the worker's life (service/keep_awake.py; its line logged); None: nothing."""
+    if not cpus:
+        return contextlib.nullcontext()
+    from q6serve.service.keep_awake import keep_awake
+
+    return keep_awake(cpus)
+
+
 class PortInUse(Exception):
     """The worker cannot listen where it was told to."""
 
@@ -243,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     grpc_tuned = grpc_env.apply()
     first = _setup_logging(args.log_level)
     envvars.check()  # a bad tuning variable: one line naming it, before anything starts
+    awake = KEEP_CPUS_AWAKE.read() if args.keep_cpus_awake is None else args.keep_cpus_awake
+    all_cpus = sorted(os.sched_getaffinity(0))  # (before --cpus narrows this process's)
     from q6serve.kernels.backends import make_backend
     from q6serve.service.affinity import check_cpus, cores_of, pin_process
     from q6serve.service.config import config_from
@@ -280,8 +303,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("q6serve.worker").info(  # (held until "listening on" is logged)
             "gRPC: %s=%r%s", grpc_env.VAR, os.environ.get(grpc_env.VAR, ""),
             "" if grpc_tuned else " (gRPC was imported before the worker set it: not read)")
-        if not asyncio.run(run_worker(config, backend, worker)):
-            return EXIT_FAILED  # the drain abandoned work (logged): not a clean stop
+        with _keep_awake(all_cpus if awake else None):
+            if not asyncio.run(run_worker(config, backend, worker)):
+                return EXIT_FAILED  # the drain abandoned work (logged): not a clean stop
     except PortInUse as e:
         first.flush_held()
         print(f"q6serve worker: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -189,3 +190,43 @@ def test_worker_cpus_from_the_environment(tmp_path: Path) -> None:
                        env={CPUS_ENV: str(first)}) as w:
         assert w.proc is not None
         assert _allowed_cpus(w.proc.pid) == {last}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def test_worker_keep_cpus_awake_runs_idle_class_spinners_for_its_life(tmp_path: Path) -> None:
+    """--keep-cpus-awake (or Q6SERVE_KEEP_CPUS_AWAKE=1): a SCHED_IDLE spinner child on each
+    CPU the worker may use (its --cpus narrowing only its own threads), gone when it stops."""
+    from q6serve.client.worker_process import WorkerProcess
+
+    cpus = sorted(os.sched_getaffinity(0))
+    for args, env in ((["--keep-cpus-awake", "--cpus", str(cpus[0])], {}),
+                      ([], {"Q6SERVE_KEEP_CPUS_AWAKE": "1"})):
+        with WorkerProcess(["--backend", "numpy", *args], tmp_path / "w.log", env=env) as w:
+            assert w.proc is not None
+            kids = _children(w.proc.pid)
+            deadline = time.monotonic() + 10  # (each sets its class and CPU first thing)
+            while time.monotonic() < deadline and any(
+                    os.sched_getscheduler(k) != os.SCHED_IDLE for k in kids):
+                time.sleep(0.05)
+            assert {os.sched_getscheduler(k) for k in kids} == {os.SCHED_IDLE}, w.log()
+            assert sorted(os.sched_getaffinity(k).pop() for k in kids) == cpus, w.log()
+            assert f"a SCHED_IDLE spinner on each of {len(cpus)} CPUs" in w.log()
+        for k in kids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(k, 0)
+
+
+def test_worker_refuses_a_bad_keep_cpus_awake_value_in_one_line() -> None:
+    env = {"Q6SERVE_KEEP_CPUS_AWAKE": "maybe", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("q6serve worker: error: Q6SERVE_KEEP_CPUS_AWAKE='maybe': "
+                                       "write 0 or 1"), r.stderr
