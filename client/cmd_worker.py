@@ -152,10 +152,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 # the worker's --cpus when the option is not given (a deployment's environment, as a container
 # sets it)
 CPUS_ENV = "Q6SERVE_CPUS"
-# the worker's --keep-cpus-awake when the option is not given (read at start, after
-# envvars.check: a bad value is refused there in one line, as the table's are)
-KEEP_CPUS_AWAKE = envvars.Var("Q6SERVE_KEEP_CPUS_AWAKE", "switch", False,
-                              "a SCHED_IDLE spinner on every CPU while the worker runs")
 
 CONFIG_KEYS = ("host", "port", "metrics_port", "metrics_host", "backend", "model_dir",
                "vram_budget", "max_batch_rows", "max_batch_delay_us", "inline_device_us",
@@ -264,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     grpc_tuned = grpc_env.apply()
     first = _setup_logging(args.log_level)
     envvars.check()  # a bad tuning variable: one line naming it, before anything starts
-    awake = KEEP_CPUS_AWAKE.read() if args.keep_cpus_awake is None else args.keep_cpus_awake
+    awake = envvars.KEEP_CPUS_AWAKE.read() if args.keep_cpus_awake is None else args.keep_cpus_awake
     all_cpus = sorted(os.sched_getaffinity(0))  # (before --cpus narrows this process's)
     from q6serve.kernels.backends import make_backend
     from q6serve.service.affinity import check_cpus, cores_of, pin_process

@@ -155,6 +155,9 @@ LANE_RING = Var("Q6SERVE_LANE_RING", "switch", True,
                 "fast lanes may run over a shared-memory ring in their region, the socket "
                 "kept for setup, errors and doorbells (x86-64 workers; a caller asks with "
                 "ring=True)")
+# the worker's --keep-cpus-awake when the option is not given (service/keep_awake.py)
+KEEP_CPUS_AWAKE = Var("Q6SERVE_KEEP_CPUS_AWAKE", "switch", False,
+                      "a SCHED_IDLE spinner on every CPU while the worker runs")
 
 VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRESHOLD,
                          JOB_BATCHES, FRONTEND_STACKS, FRONTEND_BUSY_POLL_US,
@@ -163,7 +166,8 @@ VARS: tuple[Var, ...] = (BUSY_POLL_US, DEFER_KERNEL_US, GIL_SWITCH_US, MMAP_THRE
                          DEVICE_MERGE, PIN_REGIONS, PDL, REGION_STREAMS, LANE_RING,
                          Y_CHUNKS, LAUNCH_SLOTS, Q6K_PAIRS, TIMING_ANCHOR, COPY_KERNEL_MAX,
                          HOT_CALLS, DP_LEAN, DP_SYS_PIPE, DP_READY_POLL,
-                         DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER, DP_LANE_PIPE)
+                         DP_PLACE_GRAPH, DP_PIN_ARENA, DP_ARENA_GATHER, DP_LANE_PIPE,
+                         KEEP_CPUS_AWAKE)
 
 
 # A process's own spin (the worker's loop; a lane caller's, client/lane.py, keeps its own copy
