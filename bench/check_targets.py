@@ -192,18 +192,26 @@ def lm_rows(out: Path, steps: Steps) -> list[Row]:
              "5 ms, 100x", absent(steps, ["lm_head"]) if oks[0] is None else verdict(oks[0]))]
 
 
-def replay_rows(rep: dict[str, Any], steps: Steps) -> list[Row]:
+def replay_rows(rep: dict[str, Any], steps: Steps, step: str = "replay",
+                how: str = "") -> list[Row]:
+    """The replay's rows, S = 1, 8, 64; ``step``/``how``: another run of it (e.g. the worker
+    with --keep-cpus-awake), named in each row, which has rows only for the S it was asked."""
     rows = []
     runs = rep.get("replay") or []
     argv = rep.get("argv") or []  # the S the run was asked for (bench/service.py's default)
     asked = next((argv[i + 1] for i, x in enumerate(argv[:-1]) if x == "--replay-seqs"),
                  "1,8,64")
+    if how and not rep and absent(steps, [step]) == "not run":
+        return []  # an extra run that was not asked for
     for s in (1, 8, 64):
         got = {("multi" if r.get("multi") else "single"): r for r in runs
                if r.get("seqs") == s and r.get("hosts", 1) == 1}
         what = f"replay S={s} step p50, multi / single{' (the target)' if s == 8 else ''}"
+        what += f", {how}" if how else ""
         if not got:
-            rows.append((what, "-", "1.5 x (floor + kernel)", absent(steps, ["replay"])
+            if how and str(s) not in asked.split(","):
+                continue
+            rows.append((what, "-", "1.5 x (floor + kernel)", absent(steps, [step])
                          if str(s) in asked.split(",") else "not run"))
             continue
         keys = [k for k in ("multi", "single") if k in got]
@@ -219,7 +227,7 @@ def replay_rows(rep: dict[str, Any], steps: Steps) -> list[Row]:
                                            " / ".join(verdict(o) for o in oks))
         if len(keys) == 1:  # the other style did not run (--multi on/off, or cut)
             fig = f"{keys[0]} {fig}"
-            if absent(steps, ["replay"]) == "cut":
+            if absent(steps, [step]) == "cut":
                 res += f"; {'single' if keys[0] == 'multi' else 'multi'} cut"
         rows.append((what, fig, lim, res))
     return rows
@@ -307,7 +315,9 @@ def table(out: Path, kernels: Path | None, dataplane: list[Path]) -> str:
     # the targets first, as the check runs them; the suites after
     rows = [*t1_rows(load(out / "t1.json"), kern, steps),
             *wall_rows(load(out / "wall.json"), kern, steps),
-            *replay_rows(load(out / "replay.json"), steps), *lm_rows(out, steps),
+            *replay_rows(load(out / "replay.json"), steps),
+            *replay_rows(load(out / "replay_awake.json"), steps, "replay_awake",
+                         "the worker with --keep-cpus-awake"), *lm_rows(out, steps),
             *dataplane_rows(dp_docs, steps), *lane_t3_rows(out, steps),
             *lane_rows(load(out / "lane_latency.json")),
             *suite_rows(out, steps)]

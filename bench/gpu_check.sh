@@ -13,7 +13,9 @@
 #   2. suites: q6serve demo, the launch sequences' GPU tests, the service and issue-18 tests on
 #      CUDA, the data plane's GPU tests, the kernels' GPU tests (the longest, last);
 #   3. extras (each off by a switch): T1 and the S=8 replay with the worker pinned (PIN), the
-#      data plane pinned, the loop-trip timeline (trips), the data plane's probes.
+#      data plane pinned, the loop-trip timeline (trips), the data plane's probes; with
+#      AWAKE_REPLAY=1 the replay again (S = AWAKE_REPLAY_SEQS, default 8,1) on a worker with
+#      --keep-cpus-awake, its own rows.
 # Every step has its own limit and is cut to what is left of BOUND (default 440 s from the
 # start, so run it under `timeout 450`), keeping RESERVE (8) s for the table; a step cut or
 # skipped by the bound reads "cut" in the targets table (bench/check_targets.py, from
@@ -147,6 +149,11 @@ fi
 [[ -n ${SKIP_PINNED:-} || -n ${SKIP_REPLAY:-} ]] || step replay_pinned 100 python3 \
   bench/service.py --backend cuda --replay --replay-seqs 8 --multi on --seconds 2 --warmup 0.5 \
   --pin "$PIN" --json "$OUT/replay_pinned.json"
+# the replay again on a worker with --keep-cpus-awake (opt-in: a SCHED_IDLE spinner per CPU, so
+# no vCPU halts between calls; the plain replay above stays the comparable figure)
+[[ -z ${AWAKE_REPLAY:-} || -n ${SKIP_REPLAY:-} ]] || step replay_awake 90 python3 \
+  bench/service.py --backend cuda --replay --replay-seqs "${AWAKE_REPLAY_SEQS:-8,1}" --multi on \
+  --keep-cpus-awake --seconds 2 --warmup 0.5 --json "$OUT/replay_awake.json"
 # T2/T3 with --frontends 4 pinned: the device process on core 2, a front end on each of 3-6
 [[ -n ${SKIP_PINNED:-} || -n ${SKIP_DATAPLANE:-} ]] || step dataplane_pinned 150 python3 \
   bench/service.py --backend cuda --dataplane --modes stream --frontends 4 --t3-hosts 8 \

@@ -216,3 +216,24 @@ def test_the_stretch_rows_over_the_socket_and_the_ring(tmp_path: Path) -> None:
     got = {k: v for k, v in run(tmp_path).items() if k.startswith("stretch")}
     assert got == {"stretch: one caller N=1 ffn_down on the lane, p50 - kernel":
                    ["51.5 us", "50 us", "missed"]}
+
+
+def test_the_awake_replay_has_rows_only_where_it_ran(tmp_path: Path) -> None:
+    """The replay on a --keep-cpus-awake worker (AWAKE_REPLAY=1): rows of its own, named, only
+    for the S it was asked for; none at all when it was not asked."""
+    replay = {"argv": ["--replay", "--replay-seqs", "8,1"], "replay": [
+        {"seqs": 8, "hosts": 1, "multi": True, "step_p50_ms": 60.0, "floor_step_ms": 20.0,
+         "limit_ms": 30.0, "met": False}]}
+    write(tmp_path, "replay", replay)
+    steps_tsv(tmp_path, ("replay", 0, "ok"))
+    assert not [k for k in run(tmp_path) if "keep-cpus-awake" in k]
+    write(tmp_path, "replay_awake", replay)
+    steps_tsv(tmp_path, ("replay", 0, "ok"), ("replay_awake", 124, "cut"))
+    got = {k: v for k, v in run(tmp_path).items() if "keep-cpus-awake" in k}
+    assert set(got) == {
+        "replay S=8 step p50, multi / single (the target), the worker with --keep-cpus-awake",
+        "replay S=1 step p50, multi / single, the worker with --keep-cpus-awake"}
+    assert got["replay S=1 step p50, multi / single, the worker with --keep-cpus-awake"][2] \
+        == "cut"
+    assert got["replay S=8 step p50, multi / single (the target), the worker with "
+               "--keep-cpus-awake"][0].startswith("multi 60.00 ms")

@@ -33,7 +33,8 @@ GPU_RUN_MODES = ("kstest wgtest retune envab tune wall tests bench record varian
                  "ncu stalls kstall")
 RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_check.sh": [
-        ("full", {"LANE": "1", "KERNELS_LAST": "30", "DP_VARIANTS": "4 6rr"}, []),
+        ("full", {"LANE": "1", "KERNELS_LAST": "30", "DP_VARIANTS": "4 6rr",
+                  "AWAKE_REPLAY": "1"}, []),
         ("closing", {"SKIP_PINNED": "1", "SKIP_TRIPS": "1", "SKIP_PROBES": "1", "WALL": "1",
                      "DP_VARIANTS": "6rr"}, []),
         ("tests_only", {"TESTS_ONLY": "1", "WALL": "1"}, []),
