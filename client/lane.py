@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import select
 import socket
 import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import grpc
@@ -41,14 +43,16 @@ from .spin import caller_spin_us
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
-# the ring (service/lane.py's layout; the caller opts in: ring=True or Q6SERVE_LANE_RING=1 here;
-# x86-64 workers take it unless started with Q6SERVE_LANE_RING=0): the last RING_BYTES of the
-# region, 64-aligned
+# the ring (service/lane.py's layout): a RING_BYTES shared-memory object of the lane's own, named
+# to the worker in a setup record (the worker maps it and unlinks its name). A lane asks for one
+# unless ring=False or Q6SERVE_LANE_RING=0 here; x86-64 workers take it unless started with
+# Q6SERVE_LANE_RING=0 (a refusal: a socket lane then, unless ring=True asked for the ring)
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_ENV = "Q6SERVE_LANE_RING"
+RING_PREFIX, RING_SETUP = "q6ring_", 2
 RING_RECHECK_S = 20e-6  # the ring re-checked after this side's sleep flag is set
 RING_WAKE_MS = 5  # the longest block before the ring is looked at again
 SEQ = struct.Struct("<Q")
@@ -98,11 +102,13 @@ class Lane:
         self._xs: dict[tuple[Any, ...], tuple[np.ndarray, int]] = {}  # x's places (_x_place)
         self._head = bytearray(REPLY.size)
         self._ring: memoryview | None = None  # the ring block (ring lanes)
+        self._ring_shm: shared_memory.SharedMemory | None = None  # (its object, mapped)
         self._ring_name = b""
-        self.ring_offset = -1
         self._timeout = timeout
+        asked = ring
         if ring is None:
-            ring = os.environ.get(RING_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+            ring = os.environ.get(RING_ENV, "").strip().lower() not in ("0", "off", "false",
+                                                                         "no")
         try:
             self.sock.connect(path)
             self.sock.sendall(ticket)
@@ -111,7 +117,12 @@ class Lane:
                                         "the worker refused the lane (ticket used, expired or "
                                         "from another user)")
             if ring:
-                self._ring_setup()
+                try:
+                    self._ring_setup()
+                except core.Q6ServeError:
+                    if asked:  # (asked for: the refusal is the caller's to see)
+                        raise
+                    # (by default: a socket lane where the worker or this host takes no ring)
         except OSError as e:
             self.sock.close()
             raise core.Q6ServeError(grpc.StatusCode.UNAVAILABLE,
@@ -126,23 +137,36 @@ class Lane:
         return self._ring is not None
 
     def _ring_setup(self) -> None:
-        """The ring at the region's last RING_BYTES (64-aligned), zeroed, named to the worker
-        in a setup record; its answer read on the socket (a refusal raises)."""
-        if not isinstance(self.region, ShmRegion):
-            raise ValueError("a lane's ring needs a system (shared-memory) region")
-        off = (self.region.size - RING_BYTES) // 64 * 64
-        if off < 0:
-            raise ValueError(f"a region of {self.region.size} bytes has no room for the "
-                             f"ring's {RING_BYTES}")
-        arr = self.region.ndarray(off, np.uint8, (RING_BYTES,))
-        arr[...] = 0
-        self.sock.sendall(REQUEST.pack(0, 0, 0, off, 0, 0, 0, 0, 1, 0, 0))
-        self._read_into(self._head)
-        _, code, msg_len, *_ = REPLY.unpack(self._head)
-        msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
-        if code:
-            raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
-        self._ring, self.ring_offset = memoryview(arr), off
+        """The ring: a zeroed RING_BYTES shared-memory object of its own, named to the worker
+        in a setup record, its answer read on the socket (a refusal raises). The worker
+        unlinks the name once mapped; this side unlinks it too if it is still there (a
+        refusal): from then on only the two mappings hold the object."""
+        try:
+            shm = shared_memory.SharedMemory(name=RING_PREFIX + secrets.token_hex(8),
+                                             create=True, size=RING_BYTES)
+        except OSError as e:
+            raise core.Q6ServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"cannot create the lane's ring: {e}") from None
+        try:
+            try:
+                key = shm.name.encode()
+                self.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(key), 0)
+                                  + key)
+                self._read_into(self._head)
+                _, code, msg_len, *_ = REPLY.unpack(self._head)
+                msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
+            finally:
+                try:
+                    shm.unlink()  # (the worker unlinked it if it took the ring)
+                except FileNotFoundError:
+                    resource_tracker.unregister(shm._name,  # type: ignore[attr-defined]
+                                                "shared_memory")
+            if code:
+                raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
+        except BaseException:
+            shm.close()
+            raise
+        self._ring, self._ring_shm = shm.buf, shm
         self._poll = select.poll()
         self._poll.register(self.sock.fileno(), select.POLLIN)
 
@@ -221,8 +245,6 @@ class Lane:
             if not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
                 x = np.asarray(x)
             shape, dtype = (int(x.shape[0]), int(x.shape[1])), x.dtype
-            if self._ring is not None:  # (before x is written: over the ring it would break it)
-                self._off_ring(x_offset, shape[0] * shape[1] * np.dtype(dtype).itemsize)
             if isinstance(x, np.ndarray) and isinstance(self.region, ShmRegion):
                 dst, addr = self._x_place(x_offset, x.dtype, shape)  # (region.put, kept)
                 # x copied unless it is the region's x already: may_share_memory (~0.2 us)
@@ -234,8 +256,6 @@ class Lane:
                 self.region.put(x_offset, x)
         if shape is None or dtype is None:
             raise ValueError("lane matmul needs x, or shape and dtype of the x in the region")
-        if x is None and self._ring is not None:
-            self._off_ring(x_offset, int(shape[0]) * int(shape[1]) * np.dtype(dtype).itemsize)
         codes = self._codes.get((weight, dtype, out_dtype, precision))
         if codes is None:
             codes = self._record_codes(weight, dtype, out_dtype, precision)
@@ -262,16 +282,6 @@ class Lane:
             raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
         self._last = (queue, kernel, device, rows, reqs)  # (LaneTiming made when read)
         return self._view(y_offset, core.DTYPES[out_dtype], (n, cols)).view()
-
-    def _off_ring(self, x_offset: int, nbytes: int) -> None:
-        """Refuse an x that overlaps this lane's ring block (INVALID_ARGUMENT, as the worker
-        refuses such a y): the request's record, written after x, would overwrite x's bytes,
-        and x the ring's records and kept weight name."""
-        off = self.ring_offset
-        if x_offset < off + RING_BYTES and off < x_offset + nbytes:
-            raise core.Q6ServeError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"x at offset {x_offset} ({nbytes} bytes) overlaps the "
-                                    f"lane's ring at {off} ({RING_BYTES} bytes)")
 
     def _sock_call(self, req: bytes, wname: bytes) -> tuple[Any, ...]:
         """One request over the socket: the record written, the reply read."""
@@ -379,9 +389,10 @@ class Lane:
         return bytes(buf)
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.release()
-            self._ring = None
+        self._ring = None
+        if self._ring_shm is not None:
+            self._ring_shm.close()  # (its view and mapping; the object has no name left)
+            self._ring_shm = None
         self._views.clear()
         self._xs.clear()  # (the region's mapping may close once nothing views it)
         self.sock.close()

@@ -30,11 +30,14 @@ import contextlib
 import functools
 import logging
 import math
+import mmap
 import os
 import platform
+import re
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -47,6 +50,7 @@ import numpy as np
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Q6Error,
     ResourceExhausted,
     Unavailable,
@@ -67,18 +71,23 @@ TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
-# The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller asks with
-# ``Lane(ring=True)`` or Q6SERVE_LANE_RING=1 in its own environment): after the ticket, a
-# request record with seq 0 and flags 1 (its 9th field) names a RING_BYTES block at x_off in
-# the lane's system region (64-byte aligned); the worker answers it on the socket (a reply
-# record, seq 0), and from then on requests and replies go through the block, the socket
-# carrying only doorbells (any byte: "look at the ring"), each sent only when the other side's
-# flag says it sleeps. The block, little-endian:
+# The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks
+# for one unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the
+# ticket, a request record with seq 0 and flags 1 (its 9th field) whose name (name_len bytes)
+# is a POSIX shared-memory object of the caller's, RING_BYTES long, named RING_PREFIX + 8..64
+# letters or digits: the ring's own block (never the caller's region's bytes). The worker
+# maps it, unlinks its name (from then on both sides' mappings are all that is left of it:
+# nothing leaks when either side dies) and answers on the socket (a reply record, seq 0); from
+# then on requests and replies go through the block, the socket carrying only doorbells (any
+# byte: "look at the ring"), each sent only when the other side's flag says it sleeps. The
+# block, little-endian:
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64  # request seq (written last), request record, caller sleeps
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply record, worker sleeps
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
-RING_SETUP = 1  # the setup record's flags
+RING_SETUP = 2  # the setup record's flags (1: the ring in the region's tail, until s29)
+RING_PREFIX = "q6ring_"
+_RING_KEY = re.compile(r"^/?(q6ring_[A-Za-z0-9]{8,64})$")
 RING_ENV = "Q6SERVE_LANE_RING"
 SEQ = struct.Struct("<Q")
 FLAG = struct.Struct("<I")
@@ -171,11 +180,11 @@ class LaneServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- the ring ------------------------------------------------------------------------
-    def _ring_setup(self, conn: _LaneConn, off: int) -> None:
-        """The setup record: ``conn``'s lane over a ring at ``off`` of its region (held for
-        the lane's life, let go in ``_ring_drop``), answered on the socket."""
+    def _ring_setup(self, conn: _LaneConn, key: str) -> None:
+        """The setup record: ``conn``'s lane over the ring in shared-memory object ``key``
+        (mapped for the lane's life, its name unlinked now; let go in ``_ring_drop``),
+        answered on the socket."""
         assert conn.ticket is not None and conn.transport is not None
-        region = None
         try:
             if not self.ring_ok:
                 raise FailedPrecondition(
@@ -184,24 +193,13 @@ class LaneServer:
                     f"({platform.machine()}) may reorder the ring's stores")
             if conn.ring is not None:
                 raise InvalidArgument("this lane has a ring already")
-            region = self.table.hold_name(conn.ticket.owner, conn.ticket.region)
-            if region.kind != regions.SYSTEM:
-                raise InvalidArgument("a lane's ring must lie in a system region")
-            if off + RING_BYTES > region.byte_size:
-                raise InvalidArgument(f"a ring of {RING_BYTES} bytes at offset {off} overruns "
-                                      f"region {region.name!r} of {region.byte_size} bytes")
-            if (region.mapping.addr + off) % 64:  # (a system region's addr: set)
-                raise InvalidArgument(f"a ring at offset {off} is not 64-byte aligned")
-            region.mapping.check_alive("the ring", region.name)
-            arr = region.mapping.view(off, RING_BYTES, np.dtype(np.uint8), (RING_BYTES,),
-                                      True)
-            ring = _Ring(region, arr, off)
+            ring = _Ring(_map_ring(key))
             if not self._polled:
                 if not ring_poll(asyncio.get_running_loop(), self):
+                    ring.close()
                     raise FailedPrecondition("this worker's event loop cannot poll a ring")
                 self._polled = True
         except Exception as e:
-            self.table.let_go(region)
             conn.transport.write(_failed(0, e))
             return
         conn.ring = ring
@@ -209,12 +207,11 @@ class LaneServer:
         conn.transport.write(REPLY.pack(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0))
 
     def _ring_drop(self, conn: _LaneConn) -> None:
-        """``conn``'s ring let go (its lane closed): the view dropped, then the region."""
+        """``conn``'s ring let go (its lane closed): its mapping closed."""
         ring = self._rings.pop(conn, None)
         conn.ring = None
         if ring is not None:
-            region = ring.close()
-            self.table.let_go(region)
+            ring.close()
         if not self._rings and self._polled:  # the last ring gone: the loop's sleeps uncapped
             with contextlib.suppress(RuntimeError):  # (no loop running: nothing polls)
                 ring_unpoll(asyncio.get_running_loop(), self)
@@ -336,13 +333,6 @@ class LaneServer:
                 raise Unavailable("the worker is draining and takes no new requests")
             rows = self._rows_of(name)
             dest = region.array(y_off, out, (n, rows), "y", writable=True, alive=True)
-            ring = conn.ring  # (checked once a plan: a repeat reuses it)
-            if ring is not None:  # x or y over the ring: its records and x's bytes collide
-                for what, off, nb in (("x", x_off, call.x.nbytes), ("y", y_off, dest.nbytes)):
-                    if off < ring.off + RING_BYTES and ring.off < off + nb:
-                        raise InvalidArgument(f"{what} at offset {off} ({nb} bytes) overlaps "
-                                              f"the lane's ring at {ring.off} ({RING_BYTES} "
-                                              "bytes)")
             base = region.mapping.addr  # (a system region's: set)
             key = table.route(call.x, dest, base + x_off, base + y_off)
             held = region
@@ -760,7 +750,7 @@ class _LaneConn(asyncio.Protocol):
             name = bytes(buf[pos + REQUEST.size : end]).decode("utf-8", "replace")
             pos = end
             if head[0] == 0 and head[8] == RING_SETUP:
-                self.server._ring_setup(self, head[3])
+                self.server._ring_setup(self, name)
                 if self.ring is not None:  # what follows it: doorbells
                     del buf[:]
                     return
@@ -809,14 +799,46 @@ class _LaneConn(asyncio.Protocol):
         self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
 
 
+def _map_ring(key: str) -> mmap.mmap:
+    """The caller's ring object ``key`` mapped (RING_BYTES, a regular file of this user's) and
+    its name unlinked; a name or object that is not a ring's is refused (INVALID_ARGUMENT,
+    NOT_FOUND), and nothing of it is kept then."""
+    m = _RING_KEY.match(key)
+    if m is None:
+        raise InvalidArgument(f"a ring's shared-memory name {key[:80]!r} must be {RING_PREFIX!r} "
+                              "and 8..64 letters or digits, after an optional '/'")
+    path = regions.SHM_DIR / m.group(1)
+    try:
+        # O_NOFOLLOW: a symlink planted in /dev/shm cannot redirect the worker elsewhere
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(f"no shared-memory object {m.group(1)!r} for the ring") from None
+    except OSError as e:
+        raise FailedPrecondition(f"cannot open the ring's object {m.group(1)!r}: "
+                                 f"{e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise InvalidArgument(f"{m.group(1)!r} is not a shared-memory object of this user")
+        if st.st_size != RING_BYTES:
+            raise InvalidArgument(f"a ring's object must be {RING_BYTES} bytes, not "
+                                  f"{st.st_size}")
+        mm = mmap.mmap(fd, RING_BYTES)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # (mapped: its name is not needed any more)
+        os.unlink(path)
+    return mm
+
+
 class _Ring:
-    """A lane's ring block in its (held) region: a view kept for the lane's life."""
+    """A lane's ring block: its own shared-memory object, mapped for the lane's life."""
 
-    __slots__ = ("arr", "mv", "off", "region", "seen")
+    __slots__ = ("mm", "mv", "seen")
 
-    def __init__(self, region: Any, arr: np.ndarray, off: int) -> None:
-        self.region, self.arr, self.off = region, arr, off
-        self.mv = memoryview(arr)
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        self.mv = memoryview(mm)
         self.seen = SEQ.unpack_from(self.mv, R_SEQ)[0]  # (what is there now is no request)
 
     def put(self, rec: bytes) -> bool:
@@ -834,11 +856,10 @@ class _Ring:
         SEQ.pack_into(mv, R_RSEQ, SEQ.unpack_from(rec)[0])
         return FLAG.unpack_from(mv, R_CSLEEP)[0] != 0
 
-    def close(self) -> Any:
-        """The view let go; returns the region (to let go)."""
+    def close(self) -> None:
+        """The mapping closed (the view first)."""
         self.mv.release()
-        self.arr = None  # type: ignore[assignment]
-        return self.region
+        self.mm.close()
 
 
 _CODES: dict[tuple[int, int, int], tuple[np.dtype, np.dtype, Any]] = {}

@@ -1,7 +1,10 @@
 """The fast lane (issue 15 item 3) on the NumPy backend: results equal the gRPC path, errors
 come back on the lane with their status (and the lane stays usable), bad tickets and
 malformed records close the lane without harming the worker, other callers' regions are
-refused, lanes work through --frontends (served by the device process) and end at drain."""
+refused, lanes work through --frontends (served by the device process) and end at drain.
+These are the socket lane's tests (the ring's fallback: Q6SERVE_LANE_RING=0 here, on both sides)
+but for the two marked ``ring`` that also run over the ring (the default on both sides);
+test_lane_ring.py has the ring's own."""
 
 from __future__ import annotations
 
@@ -34,6 +37,21 @@ def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
     return e.value.code, e.value.message
 
 
+@pytest.fixture(autouse=True)
+def socket_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Socket lanes on both sides (each lane server reads it when it starts, at the worker's
+    first OpenLane); a test taking ``ring`` sets it again before its first lane."""
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "0")
+
+
+@pytest.fixture(params=[False, True], ids=["socket", "ring"])
+def ring(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The lane over the socket, or over the ring (both sides' default: the env unset)."""
+    if request.param:
+        monkeypatch.delenv("Q6SERVE_LANE_RING")
+    return bool(request.param)
+
+
 @pytest.fixture
 def worker() -> Iterator[tuple[RunningWorker, Client, np.ndarray]]:
     w = RunningWorker(dataclasses.replace(BASE, token="u-secret", admin_token="a-secret"))
@@ -46,9 +64,11 @@ def worker() -> Iterator[tuple[RunningWorker, Client, np.ndarray]]:
         w.stop()
 
 
-def test_lane_matmuls_equal_the_rpc_path(worker: Any, rng: np.random.Generator) -> None:
+def test_lane_matmuls_equal_the_rpc_path(worker: Any, rng: np.random.Generator,
+                                         ring: bool) -> None:
     _w, c, blocks = worker
     with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
+        assert lane.ring == ring
         for dtype, out in ((np.float16, "f32"), (np.float32, "f16"), (np.float32, "bf16")):
             x = rng.standard_normal((3, K)).astype(dtype)
             y = lane.matmul("w", x, out_dtype=out)
@@ -252,7 +272,7 @@ def test_full_batches_read_together_are_pipelined(rng: np.random.Generator,
         w.stop()
 
 
-def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
+def test_lane_through_frontends_and_drain(rng: np.random.Generator, ring: bool) -> None:
     from tests.dataplane.test_frontends import Running
 
     w = Running(dataclasses.replace(BASE, frontends=2))
@@ -263,6 +283,7 @@ def test_lane_through_frontends_and_drain(rng: np.random.Generator) -> None:
         x = rng.standard_normal((4, K)).astype(np.float32)
         region = c.register_shm("io", 1 << 16)
         lane = c.open_lane(region)
+        assert lane.ring == ring
         np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
         # a system region's lane calls run as the front ends' "rm" calls do: no task each
         assert w.worker.plane.lanes is not None and w.worker.plane.lanes.direct >= 1

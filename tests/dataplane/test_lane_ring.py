@@ -1,8 +1,10 @@
-"""The fast lane's shared-memory ring (opt-in: Q6SERVE_LANE_RING) on the NumPy backend: answers
-equal the socket lane's, a sleeping worker and a sleeping caller are woken by the doorbell
-alone, a closed caller or an unlinked region leaks nothing, hostile ring contents and bad
-setups are refused with a status (the worker and the lane go on), and a worker without the
-option refuses a ring."""
+"""The fast lane's shared-memory ring (a small object of the lane's own; the default on both
+sides, Q6SERVE_LANE_RING=0 turns it off) on the NumPy backend: answers equal the socket lane's
+and the whole region is the caller's, a sleeping worker and a sleeping caller are woken by the
+doorbell alone, a closed caller or an unlinked region leaks nothing (no ring object left in
+/dev/shm either), hostile ring contents and bad setups are refused with a status (the worker
+and the lane go on), and a worker without the option refuses a ring (the default lane falls
+back to the socket)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import dataclasses
 import struct
 import time
 from collections.abc import Iterator
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -59,7 +62,7 @@ def _held(w: RunningWorker) -> list[int]:
 
 def test_the_config_is_the_same_on_both_sides() -> None:
     for name in ("R_SEQ", "R_REQ", "R_CSLEEP", "R_RSEQ", "R_REP", "R_WSLEEP", "R_NAME",
-                 "R_MSG", "RING_BYTES", "RING_ENV"):
+                 "R_MSG", "RING_BYTES", "RING_ENV", "RING_PREFIX", "RING_SETUP"):
         assert getattr(clane, name) == getattr(slane, name), name
 
 
@@ -71,7 +74,6 @@ def test_ring_answers_equal_the_socket_lane(ring_worker: Any, rng: np.random.Gen
             c.open_lane(region) as ring, _lane(c, r2, ring=False, spin_us=spin_us) as sock:
         ring.spin_us = spin_us
         assert ring.ring and not sock.ring
-        assert ring.ring_offset == (1 << 16) - slane.RING_BYTES
         for dtype, out in ((np.float16, "f32"), (np.float32, "f16"), (np.float32, "bf16")):
             for n in (1, 3):
                 x = rng.standard_normal((n, K)).astype(dtype)
@@ -83,19 +85,15 @@ def test_ring_answers_equal_the_socket_lane(ring_worker: Any, rng: np.random.Gen
                                                                                        x))
         code, msg = code_of(lambda: ring.matmul("w", x, y_offset=(1 << 16) - 64))
         assert code == C.INVALID_ARGUMENT and "overruns region 'io'" in msg, msg
-        # a y inside the region but over the ring itself would overwrite the ring's records
-        code, msg = code_of(lambda: ring.matmul("w", x, y_offset=ring.ring_offset - 64))
-        assert code == C.INVALID_ARGUMENT and "overlaps the lane's ring" in msg, msg
-        # so would an x over the ring: the record written after x would overwrite x's bytes
-        # (a silently wrong y), so it is refused the same way
+        # the region's last 2 KiB held the ring until session 29: x and y there now work
+        tail = (1 << 16) - 2048
         x1 = rng.standard_normal((1, K)).astype(np.float32)
-        code, msg = code_of(lambda: ring.matmul("w", x1, x_offset=ring.ring_offset - 64,
-                                                y_offset=0))
-        assert code == C.INVALID_ARGUMENT and "x at offset" in msg, msg
-        assert "overlaps the lane's ring" in msg, msg
+        for x_off, y_off in ((tail, 0), (0, tail), (tail - 64, (1 << 16) - ROWS * 4)):
+            np.testing.assert_array_equal(ring.matmul("w", x1, x_offset=x_off, y_offset=y_off),
+                                          sock.matmul("w", x1))
         np.testing.assert_array_equal(ring.matmul("w", x), sock.matmul("w", x))
         server = SERVERS[-1]
-        assert server is not None and server.rung == 10
+        assert server is not None and server.rung == 12
     assert _held(w) == []  # (unregistered; nothing held)
 
 
@@ -143,10 +141,6 @@ def test_hostile_ring_contents_are_refused(ring_worker: Any,
                     REQUEST.pack(1, 1, K, 0, 4096, 2, 1, 77, 0, 1, 0)):
             got = raw(rec)
             assert got[0] == lane._seq and got[1] == C.INVALID_ARGUMENT.value[0], got
-        # an x over the ring block (a caller other than client/lane.py, which refuses it
-        # before writing x): refused by the worker too
-        got = raw(REQUEST.pack(1, 1, K, lane.ring_offset - 64, 0, 2, 1, 0, 0, 1, 0))
-        assert got[1] == C.INVALID_ARGUMENT.value[0] and "x at offset" in got[-1], got
         # random records: each answered with a status, none crashes the worker
         for _ in range(200):
             got = raw(rng.bytes(REQUEST.size), rng.bytes(int(rng.integers(0, 40))))
@@ -163,23 +157,50 @@ def test_bad_ring_setups_and_a_worker_without_the_option(ring_worker: Any,
                                                          ) -> None:
     w, c = ring_worker
     x = rng.standard_normal((1, K)).astype(np.float32)
+    mine = shared_memory.SharedMemory(name=slane.RING_PREFIX + "big00000", create=True,
+                                      size=2 * slane.RING_BYTES)
+    link = slane.regions.SHM_DIR / (slane.RING_PREFIX + "link0000")
     with c.register_shm("io", 1 << 16) as region:
-        with _lane(c, region, ring=False) as lane:
-            for off, want in ((100, "not 64-byte aligned"), ((1 << 16) - 64, "overruns"),
-                              (1 << 62, "overruns")):
-                lane.sock.sendall(REQUEST.pack(0, 0, 0, off, 0, 0, 0, 0, 1, 0, 0))
+        rkey = region.shm.name.lstrip("/")
+        link.symlink_to(slane.regions.SHM_DIR / rkey)  # (O_NOFOLLOW: not followed)
+        try:
+            with _lane(c, region, ring=False) as lane:
+                for key, code_want, want in (
+                        ("", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
+                        (rkey, C.INVALID_ARGUMENT, "must be 'q6ring_'"),
+                        ("../../etc/passwd", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
+                        ("q6ring_../../x", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
+                        ("q6ring_" + "a" * 65, C.INVALID_ARGUMENT, "must be 'q6ring_'"),
+                        ("q6ring_nothere0", C.NOT_FOUND, "no shared-memory object"),
+                        (mine.name, C.INVALID_ARGUMENT, "must be 2048 bytes"),
+                        (link.name, C.FAILED_PRECONDITION, "cannot open")):
+                    raw = key.encode()
+                    lane.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, slane.RING_SETUP,
+                                                   len(raw), 0) + raw)
+                    lane._read_into(lane._head)
+                    seq, code, msg_len, *_ = REPLY.unpack(lane._head)
+                    msg = lane._read(msg_len).decode()
+                    assert seq == 0 and code == code_want.value[0] and want in msg, (key, msg)
+                # the old setup (flags 1: a ring at x_off in the region) is no setup any more:
+                # answered as a request (a bad one), the lane still a socket lane
+                lane.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0))
                 lane._read_into(lane._head)
                 seq, code, msg_len, *_ = REPLY.unpack(lane._head)
                 msg = lane._read(msg_len).decode()
-                assert seq == 0 and code == C.INVALID_ARGUMENT.value[0] and want in msg, msg
-            # still a socket lane
-            np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
-        with pytest.raises(ValueError, match="room"):
-            small = c.register_shm("tiny", 1024)
-            try:
-                _lane(c, small, ring=True)
-            finally:
-                small.close()
+                assert seq == 0 and code == C.INVALID_ARGUMENT.value[0], msg
+                # still a socket lane; the refused objects are where they were (not unlinked)
+                np.testing.assert_array_equal(lane.matmul("w", x), c.matmul("w", x))
+                assert (slane.regions.SHM_DIR / mine.name.lstrip("/")).exists()
+                assert (slane.regions.SHM_DIR / rkey).exists()
+        finally:
+            link.unlink()
+            mine.close()
+            mine.unlink()
+    # a region too small for the old tail ring takes a ring lane: the region is all the caller's
+    with c.register_shm("tiny", 4096) as small, _lane(c, small, ring=True) as lane:
+        assert lane.ring
+        np.testing.assert_array_equal(lane.matmul("w", x, y_offset=4096 - ROWS * 4),
+                                      c.matmul("w", x))
     assert _held(w) == []
     monkeypatch.setenv("Q6SERVE_LANE_RING", "0")  # (off whatever envvars' default is)
     off = RunningWorker(dataclasses.replace(BASE))
@@ -190,6 +211,10 @@ def test_bad_ring_setups_and_a_worker_without_the_option(ring_worker: Any,
             code, msg = code_of(lambda: _lane(c2, region, ring=True))
             assert code == C.FAILED_PRECONDITION and "Q6SERVE_LANE_RING=1" in msg, msg
             with c2.open_lane(region) as lane:  # (the env off here too: a socket lane)
+                assert not lane.ring and lane.matmul("w", x).shape == (1, ROWS)
+            # this process's default (env unset): asks for the ring, falls back to the socket
+            monkeypatch.delenv("Q6SERVE_LANE_RING")
+            with c2.open_lane(region) as lane:
                 assert not lane.ring and lane.matmul("w", x).shape == (1, ROWS)
     finally:
         off.stop()
@@ -204,15 +229,20 @@ def test_a_gone_caller_or_unlinked_region_leaks_nothing(ring_worker: Any,
     region = c.register_shm("io", 1 << 16)
     lane = c.open_lane(region)
     lane.matmul("w", x)
-    assert _held(w) == [1]  # (the ring holds its region while the lane is open)
+    server = SERVERS[-1]
+    assert lane.ring and w.run(lambda: len(server._rings)) == 1
+    # the ring's object has no name left once the worker took it (the two mappings are all
+    # there is: a killed caller or worker leaves nothing in /dev/shm), and holds no region
+    assert lane._ring_shm is not None
+    assert not (slane.regions.SHM_DIR / lane._ring_shm.name.lstrip("/")).exists()
+    assert _held(w) == [0]
     lane.sock.close()
     deadline = time.monotonic() + 10
-    while _held(w) != [0] and time.monotonic() < deadline:
+    while w.run(lambda: len(server._rings)) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _held(w) == [0]
-    server = SERVERS[-1]
-    assert server is not None and w.run(lambda: len(server._rings)) == 0
+    assert w.run(lambda: len(server._rings)) == 0 and _held(w) == [0]
     lane._ring = None  # (this side's view: let go without the socket)
+    lane._ring_shm.close()
     region.close()  # unregistered: unmapped in the worker
     assert w.run(lambda: table.mapped_bytes) == 0
     # the region's object unlinked under an open ring lane: a clear status, then no leak

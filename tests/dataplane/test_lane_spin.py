@@ -29,6 +29,13 @@ from tests.service.svc_util import RunningWorker, random_q6k, reference
 ROWS, K = 8, 256
 
 
+@pytest.fixture(autouse=True)
+def socket_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket lane's spin (FakeWorker answers on the socket only): no ring asked for (the
+    ring's own wait is test_lane_ring.py's)."""
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "0")
+
+
 class FakeWorker:
     """A lane socket answering each request after ``delay_s`` (None: never), optionally in two
     pieces ``split_s`` apart; y is written into the region as ones before the reply."""
