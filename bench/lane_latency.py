@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Client(worker.target) as c:
             c.upload("w", blocks, a.rows, a.k)
-            with c.register_shm("io", 1 << 22) as region, c.open_lane(region) as lane:
+            # the lane: the caller's default (its ring where the worker takes one) or, with
+            # --stamps and no --rings, the socket (the stamps' caller hooks are the socket's)
+            ring = False if a.stamps and not rings else None
+            with c.register_shm("io", 1 << 22) as region, c.open_lane(region, ring=ring) as lane:
                 y_off = 1 << 21
 
                 def rpc() -> float | None:
