@@ -30,6 +30,11 @@
 #    counters on (AB_FE "t3f6st:FE=6 t3f2st:FE=2 t3f2st:FE=2 t3f6st:FE=6"), then AB_T3R (T3
 #    through the lane, e.g. "lsock:Q6SERVE_LANE_RING=0 lring:Q6SERVE_LANE_RING=1"; none by
 #    default) while the bound allows.
+#  d (bound 40 s, bundle D): the ring in an object of its own and the caller's default ring
+#    (second shift) on the device: bench/lane_latency.py --check over the lane's socket and its
+#    ring alternated (LL_RINGS "sock,ring,ring,sock", LL_S s each: y checked against the
+#    reference, p50 - kernel a way), then AB_T3R (T3 through the lane: default "ldef", the
+#    caller's default = the ring) while the bound allows.
 # No run starts past BOUND - NEED s; a table last.
 #   bench/gpu_dp_s29.sh   env: PHASE (a), BOUND (95), NEED (12), BACKEND (cuda; numpy: a CPU
 #                         rehearsal with DRY_RUN=1), RUNS, AB_T3R, T3_S (1), SPY,
@@ -210,6 +215,16 @@ case $PHASE in
     # shellcheck disable=SC2086  # (run names)
     ab_runs "${NEED:-9}" t3 ${AB_T3R-}
     ;;
+  d)
+    t=$SECONDS
+    PYTHONPATH=$NEWPP timeout "$(bound 30 2)" python3 bench/lane_latency.py --backend "$BACKEND" \
+      --rows $ROWS --k $K --paths lane --check --rings "${LL_RINGS:-sock,ring,ring,sock}" \
+      --seconds "${LL_S:-1}" --warmup 0.3 --json "$OUT/ll_rings.json" >"$OUT/ll_rings.log" 2>&1
+    note "# ll_rings (lane_latency --rings) rc=$? in $((SECONDS - t)) s at $(elapsed)"
+    archive 2>/dev/null
+    # shellcheck disable=SC2086  # (run names)
+    ab_runs "${NEED:-9}" t3 ${AB_T3R-ldef}
+    ;;
   *) echo "PHASE=$PHASE: not a phase of this script" >&2; exit 2 ;;
 esac
 {
@@ -220,7 +235,10 @@ esac
         echo "# ${f##*/}"
         grep -h -E "^# T[23] stream" "$f" | cut -c1-200
         grep -h -E -A1 "^T[23] fe=" "$f" | grep -v "^--" | cut -c1-200 | tr -s ' ' ;;
-      lane*|lsock*|lring*|spy_t3*)
+      ll_*)
+        echo "# ${f##*/}"
+        grep -h -E "^lane |^rings |check:" "$f" | cut -c1-200 | tr -s ' ' ;;
+      lane*|lsock*|lring*|ldef*|spy_t3*)
         echo "# ${f##*/}: $(grep -h -A1 "lane load" "$f" | cut -c1-260 | tr -s ' ')"
         grep -h "cpu (cores\|CPU " "$f" | head -2 | cut -c1-200 ;;
       idle*) echo "# ${f##*/}"; grep -h "^idle" "$f" ;;
