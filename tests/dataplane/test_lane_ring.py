@@ -413,3 +413,44 @@ def test_a_host_that_may_reorder_stores_takes_no_ring(monkeypatch: pytest.Monkey
         assert _held(w) == []
     finally:
         w.stop()
+
+
+def test_a_killed_caller_leaves_no_ring_behind(ring_worker: Any) -> None:
+    """A caller process killed (SIGKILL) with a ring lane open: the worker drops the ring (its
+    mapping closed) and nothing of the ring is left in /dev/shm (its name was unlinked when the
+    worker took it). (The child's resource tracker warns of its region's object, which it
+    unlinks: the region's, not the ring's.)"""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    w, _c = ring_worker
+    code = textwrap.dedent(f"""
+        import time
+        from q6serve.client.client import Client
+        c = Client({w.target!r}, token="a-secret")
+        r = c.register_shm("killed", 1 << 16)
+        lane = c.open_lane(r)
+        print(lane.ring, lane._ring_shm.name, flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        took, name = p.stdout.readline().split()
+        assert took == "True"
+        server = SERVERS[-1]  # (started by the child's OpenLane)
+        assert w.run(lambda: len(server._rings)) == 1
+        assert not (slane.regions.SHM_DIR / name.lstrip("/")).exists()
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while w.run(lambda: len(server._rings)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.run(lambda: len(server._rings)) == 0
+        assert not (slane.regions.SHM_DIR / name.lstrip("/")).exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
