@@ -6,7 +6,10 @@ caller, over the worker's Unix socket, x and y in one of the caller's regions.
         y = lane.matmul("blk.0.ffn_down.weight", x)   # a view of the region, as with y_region
 
 The record layouts are in the .proto's "Fast lane" section (service/lane.py is the worker's
-side). One call at a time per Lane (it is not thread-safe); open one lane per thread.
+side). One call at a time per Lane (it is not thread-safe); open one lane per thread. By default
+the records go through a 2 KiB shared-memory ring of the lane's own (service/lane.py, "The
+ring"; the socket kept for setup and wake-ups), over the socket where the worker takes no ring
+or with ``ring=False`` / ``Q6SERVE_LANE_RING=0``.
 
 Waiting for a reply, the caller first polls the socket without blocking for up to ``spin_us``
 (busy polling, as the worker's loop does before it sleeps: service/threads.py), then blocks in
@@ -85,7 +88,8 @@ class Lane:
     """An open lane on ``region``; ``matmul`` returns y as a view of the region.
     ``spin_us``: how long a call polls for its reply before it blocks (None: the default of
     :func:`lane_spin_us`); ``spun`` / ``slept`` count the replies read while spinning / after
-    blocking."""
+    blocking. ``ring``: True asks for the ring (a refusal raises), False the socket, None
+    (default) the ring unless ``Q6SERVE_LANE_RING`` is off here, the socket where refused."""
 
     def __init__(self, region: Region, path: str, ticket: bytes,
                  timeout: float | None = 60.0, spin_us: float | None = None,
