@@ -264,13 +264,14 @@ def dataplane_rows(docs: list[dict[str, Any]], steps: Steps) -> list[Row]:
 
 def lane_rows(lane: dict[str, Any]) -> list[Row]:
     """The stretch target's rows (bench/lane_latency.py): one lane run, or with ``--rings``
-    the median p50 - kernel of the socket's runs and of the ring's (opt-in
-    Q6SERVE_LANE_RING), alternated on one worker, a row each."""
+    the median p50 - kernel of the socket's runs and of the ring's (a lane's default since
+    session 29; Q6SERVE_LANE_RING=0 or ring=False: the socket), alternated on one worker, a
+    row each."""
     res = lane.get("results", {})
     med = res.get("rings_p50_minus_kernel_us")
     if med:
         runs = {v: sum(n.startswith(f"lane {v} #") for n in res) for v in med}
-        how = {"sock": "over its socket", "ring": "over its shared-memory ring (opt-in)"}
+        how = {"sock": "over its socket", "ring": "over its shared-memory ring (the default)"}
         return [(f"stretch: one caller N=1 ffn_down on the lane {how.get(v, v)}, p50 - kernel "
                  f"(median of {runs[v]} runs)", f"{m:.1f} us", "50 us", verdict(m <= 50.0))
                 for v, m in med.items()]

@@ -130,7 +130,7 @@ fi
 # which the suites (pass/fail, ~200 s) starved at the bound in session 26's check
 if [[ -n ${LANE:-} ]]; then  # T3's shape through the fast lane (1 and 2 calls in flight a host)
   # the stretch target: one caller N=1 ffn_down on the lane, p50 - kernel (y checked), over
-  # the lane's socket and over its shared-memory ring (opt-in) alternated on one worker
+  # the lane's socket and over its shared-memory ring (the default) alternated on one worker
   step lane_latency 60 python3 bench/lane_latency.py --backend cuda --rows 3584 --k 18944 \
     --paths grpc,lane --check --rings "${LANE_RINGS:-sock,ring,ring,sock,sock,ring}" \
     --seconds 1.5 --warmup 0.3 --json "$OUT/lane_latency.json"

@@ -237,10 +237,11 @@ class Client(core.Transport):
                   ring: bool | None = None) -> Lane:
         """A fast lane on ``region`` (one of this caller's registered regions): matmuls over
         the worker's Unix socket without RPCs, x and y in the region (client/lane.py).
-        ``ring``: requests and replies through a shared-memory ring at the region's end, the
-        socket kept for doorbells (x86-64 workers take them unless started with
-        ``Q6SERVE_LANE_RING=0``; None: on only if this process's ``Q6SERVE_LANE_RING`` is
-        set on)."""
+        ``ring``: requests and replies through a 2 KiB shared-memory ring of the lane's own,
+        the socket kept for doorbells (x86-64 workers take it unless started with
+        ``Q6SERVE_LANE_RING=0``). None: the ring unless this process's ``Q6SERVE_LANE_RING``
+        is off, a socket lane where the worker refuses it; True: a refusal raises; False:
+        the socket."""
         path, ticket = self._run(core.open_lane_call(region.name), timeout)
         return Lane(region, path, ticket, ring=ring)
 

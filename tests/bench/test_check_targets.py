@@ -210,7 +210,7 @@ def test_the_stretch_rows_over_the_socket_and_the_ring(tmp_path: Path) -> None:
     assert got == {
         "stretch: one caller N=1 ffn_down on the lane over its socket, p50 - kernel "
         "(median of 3 runs)": ["58.0 us", "50 us", "missed"],
-        "stretch: one caller N=1 ffn_down on the lane over its shared-memory ring (opt-in), "
+        "stretch: one caller N=1 ffn_down on the lane over its shared-memory ring (the default), "
         "p50 - kernel (median of 3 runs)": ["49.0 us", "50 us", "**met**"]}
     write(tmp_path, "lane_latency", {"results": {"lane": {"p50_minus_kernel_us": 51.5}}})
     got = {k: v for k, v in run(tmp_path).items() if k.startswith("stretch")}
