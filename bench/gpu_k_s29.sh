@@ -158,6 +158,8 @@ fi
 # Q6SERVE_SK_LATE_RN 1: the next segment's rows and d loaded at the last unit; 84-108 B without), 2
 # warpgroups (w2) 190 registers, none. 1. d: sk2, sk2.w2, sk2.d1, sk1 against AUTO on the tall
 # weights at N = 64 / 32 / 16 and 3584x18944 N=64, torch beside; 2. ref: odd shapes (sk2).
+# Ran in bundle D (tree 91f082f, 43 s): right everywhere, still lost - sk2 0.83-0.88 of AUTO at
+# N=64 on the tall weights, 0.60-0.77 at N = 16/32 (docs/KERNELS.md "Session 29").
 if [[ ${PHASE} == d ]]; then
   C="18944x3584:64,14336x4096:64,18944x3584:16,14336x4096:32,3584x18944:64,4096x14336:16"
   step d 30 python3 bench/sk_ab.py --cells "$C" --variants sk2,sk2.w2,sk2.d1,sk1 --rounds 2 \
