@@ -24,7 +24,9 @@ log = logging.getLogger("q6serve.keep_awake")
 # when nothing else would (any other thread waking on its CPU preempts it at once, and the
 # scheduler counts its CPU as idle when placing a woken thread), so the CPU never enters the idle
 # loop and, on a VM, its vCPU never halts: a wake-up there is a preemption, not a halted vCPU's
-# resumption by the host. It dies with its parent (PR_SET_PDEATHSIG), however that ends.
+# resumption by the host. It dies with its parent (PR_SET_PDEATHSIG), however that ends - with
+# the parent's *thread* that started it, in fact (the kernel's rule): start it from a thread that
+# lives as long as it should (the worker's main thread does).
 _SPINNER = """
 import ctypes, os, signal, sys
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
