@@ -37,6 +37,9 @@ DEVICE = Path("/dev/cpu_dma_latency")
 CPU_SYS = Path("/sys/devices/system/cpu")
 HALTPOLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
 HALTPOLL_NS = 1_000_000
+# the CPUs this process may use as it starts (an A/B that pins its hosts later, replay_ab
+# --pin, narrows its own affinity: the spinners still cover every CPU it was given)
+CPUS = sorted(os.sched_getaffinity(0))
 
 
 def _read(p: Path) -> str:
@@ -104,7 +107,7 @@ class SystemHold:
                 msg = f"{self.device}: {e.strerror or e}: nothing held"
             self.info["held"], self.info["message"] = self._fd is not None, msg
         elif self.kind == "idlespin":  # the worker's --keep-cpus-awake, on every CPU
-            self._spin = KeepAwake(range(os.cpu_count() or 1))
+            self._spin = KeepAwake(CPUS)
             time.sleep(0.3)  # started, each on its CPU
             self.info["held"] = True
             self.info["message"] = self._spin.message
