@@ -37,7 +37,6 @@ import re
 import secrets
 import shutil
 import socket
-import stat
 import struct
 import tempfile
 import time
@@ -50,7 +49,6 @@ import numpy as np
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     Q6Error,
     ResourceExhausted,
     Unavailable,
@@ -808,17 +806,9 @@ def _map_ring(key: str) -> mmap.mmap:
         raise InvalidArgument(f"a ring's shared-memory name {key[:80]!r} must be {RING_PREFIX!r} "
                               "and 8..64 letters or digits, after an optional '/'")
     path = regions.SHM_DIR / m.group(1)
+    fd, st = regions.open_shm_object(m.group(1))
     try:
-        # O_NOFOLLOW: a symlink planted in /dev/shm cannot redirect the worker elsewhere
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(f"no shared-memory object {m.group(1)!r} for the ring") from None
-    except OSError as e:
-        raise FailedPrecondition(f"cannot open the ring's object {m.group(1)!r}: "
-                                 f"{e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        if st.st_uid != os.getuid():
             raise InvalidArgument(f"{m.group(1)!r} is not a shared-memory object of this user")
         if st.st_size != RING_BYTES:
             raise InvalidArgument(f"a ring's object must be {RING_BYTES} bytes, not "

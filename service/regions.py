@@ -125,6 +125,25 @@ class Mapping:
         raise NotImplementedError
 
 
+def open_shm_object(key: str) -> tuple[int, os.stat_result]:
+    """``SHM_DIR/key`` opened for reading and writing, with its stat: a regular file (NOT_FOUND
+    where there is none, FAILED_PRECONDITION where it cannot be opened, INVALID_ARGUMENT where
+    it is no plain object). The caller closes the descriptor."""
+    try:
+        # O_NOFOLLOW: a symlink planted in /dev/shm cannot redirect the worker elsewhere
+        fd = os.open(SHM_DIR / key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(f"no shared-memory object {key!r} (in {SHM_DIR})") from None
+    except OSError as e:
+        raise FailedPrecondition(f"cannot open shared-memory object {key!r}: "
+                                 f"{e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InvalidArgument(f"{key!r} is not a shared-memory object")
+    return fd, st
+
+
 class _ShmMapping(Mapping):
     def __init__(self, src: ShmSource, hostio: HostIO | None = None) -> None:
         m = _KEY.match(src.key)
@@ -133,18 +152,8 @@ class _ShmMapping(Mapping):
                                   "characters of [A-Za-z0-9._-] after an optional '/'")
         self.key = m.group(1)
         self.end = src.offset + src.byte_size
+        fd, st = open_shm_object(self.key)
         try:
-            # O_NOFOLLOW: a symlink planted in /dev/shm cannot redirect the worker elsewhere
-            fd = os.open(SHM_DIR / self.key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFound(f"no shared-memory object {self.key!r} (in {SHM_DIR})") from None
-        except OSError as e:
-            raise FailedPrecondition(f"cannot open shared-memory object {self.key!r}: "
-                                     f"{e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidArgument(f"{self.key!r} is not a shared-memory object")
             if st.st_size < self.end:
                 raise InvalidArgument(f"region [{src.offset}, {self.end}) does not fit "
                                       f"shared-memory object {self.key!r} of {st.st_size} "
