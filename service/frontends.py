@@ -2520,24 +2520,9 @@ class _PlaneProxy:
         """x and y both in regions: one "rm" message of plain values (the device process
         answers from the engine's sink, FrontendsWorker._region_matmul); otherwise (x or y
         inline) the request itself goes as a device call."""
-        started = self.start_matmul(owner, io, req, timeout, t0)
-        if started is None:
+        if io.x is None or io.y is None:
             return await self.link.call("region", "matmul", owner, io,
                                         req.SerializeToString(), timeout, t0)
-        fut, took = started
-        return await fut, took
-
-    def start_matmul(self, owner: str, io: RegionIO, req: Any, timeout: float | None,
-                     t0: float, sink: Callable[[Any], None] | None = None,
-                     ) -> tuple[asyncio.Future[Any], wire.Took] | None:
-        """:meth:`matmul` without a coroutine, for a request whose x and y are both in
-        regions: its "rm" message sent now, (the future of its reply, its ``Took``);
-        ``sink(fut)`` runs in the loop trip that answers it (as ``EngineProxy.start_matmul``'s
-        sink: the stream answers from there, no task a call and no trips to wake one). The
-        reply's y is a ``YSpec`` (y is in the caller's region). None: x or y inline (take
-        :meth:`matmul`). Raises what refuses the request (its checks, x aside)."""
-        if io.x is None or io.y is None:
-            return None
         call = wire.matmul_call(req, timeout, _NO_X)  # the request's checks, x aside
         assert io.x_dtype is not None and io.x_shape is not None
         decoded = time.perf_counter()
@@ -2545,8 +2530,8 @@ class _PlaneProxy:
             "rm", owner, (io.x.region, io.x.offset, _NAME.get(io.x_dtype) or
                           dtype_name(io.x_dtype), tuple(io.x_shape)),
             (io.y.region, io.y.offset), call.weight, call.precision.value,
-            _NAME.get(call.out_dtype) or dtype_name(call.out_dtype), timeout), sink=sink)
-        return fut, wire.Took(t0, decoded)
+            _NAME.get(call.out_dtype) or dtype_name(call.out_dtype), timeout))
+        return await fut, wire.Took(t0, decoded)
 
 
 class _MetricsForwarder:
