@@ -69,16 +69,15 @@ TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
-# The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks
-# for one unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the
-# ticket, a request record with seq 0 and flags 1 (its 9th field) whose name (name_len bytes)
-# is a POSIX shared-memory object of the caller's, RING_BYTES long, named RING_PREFIX + 8..64
-# letters or digits: the ring's own block (never the caller's region's bytes). The worker
-# maps it, unlinks its name (from then on both sides' mappings are all that is left of it:
-# nothing leaks when either side dies) and answers on the socket (a reply record, seq 0); from
-# then on requests and replies go through the block, the socket carrying only doorbells (any
-# byte: "look at the ring"), each sent only when the other side's flag says it sleeps. The
-# block, little-endian:
+# The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks for one
+# unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the ticket, a
+# request record with seq 0 and flags RING_SETUP (its 9th field) whose name (name_len bytes) is a
+# POSIX shared-memory object of the caller's, RING_BYTES long, named RING_PREFIX + 8..64 letters
+# or digits: the ring's own block (never the caller's region's bytes). The worker maps it, unlinks
+# its name (from then on both sides' mappings are all that is left of it: nothing leaks when
+# either side dies) and answers on the socket (a reply record, seq 0); from then on requests and
+# replies go through the block, the socket carrying only doorbells (any byte: "look at the ring"),
+# each sent only when the other side's flag says it sleeps. The block, little-endian:
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64  # request seq (written last), request record, caller sleeps
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply record, worker sleeps
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message
