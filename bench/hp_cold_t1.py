@@ -36,12 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from replay_ab import start  # bench/ is sys.path[0]
 from service_load import LoadSpec, run_load
-from service_t1ab import WEIGHT, table, warm
+from service_t1ab import WEIGHT, run_figures, table, warm
 
-from service import PARTS, WEIGHTS, parts, random_q6k
+from service import PARTS, WEIGHTS, random_q6k
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -202,19 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                     for w in names if w != v}
             busy = {t: round(x, 3) for t, x in list(thread_delta(pre[v], post[v]).items())[:4]}
             need = max(need if doc["runs"] else 0.0, time.perf_counter() - t_run + 0.5)
-            pt = parts(s)
-            kern = s["kernel"][~np.isnan(s["kernel"])]
-            p50 = float(np.percentile(s["e2e"], 50) * 1e6)
-            kp50 = float(np.percentile(kern, 50) * 1e6) if kern.size else 0.0
-            r = {"variant": v, "round": seen[v], "label": label, "calls": int(s["e2e"].size),
-                 "p50_us": p50, "kernel_p50_us": kp50, "gap_us": p50 - kp50,
-                 "parts_mean_us": {p: float(np.mean(pt[p]) * 1e6) for p in PARTS},
-                 "parts_p50_us": {p: float(np.median(pt[p]) * 1e6) for p in PARTS},
+            r = {"variant": v, "round": seen[v], "label": label, **run_figures(s),
                  "others_cpu_s": idle, "threads_cpu_s": busy,
                  "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run}
             doc["runs"].append(r)
             save()
-            print(f"# {label}: p50 {p50:.1f} us, kernel {kp50:.1f}, p50 - kernel {p50 - kp50:.1f}"
+            print(f"# {label}: p50 {r['p50_us']:.1f} us, kernel {r['kernel_p50_us']:.1f}, "
+                  f"p50 - kernel {r['gap_us']:.1f}"
                   f" ({r['calls']} calls); its busiest threads (cpu s) {busy}; the idle workers' "
                   f"cpu s {idle}", flush=True)
         for w in names:

@@ -154,20 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 continue
             need = max(need if doc["runs"] else 0.0, time.perf_counter() - t_run + 0.5)
-            pt = parts(s)
-            kern = s["kernel"][~np.isnan(s["kernel"])]
-            p50 = float(np.percentile(s["e2e"], 50) * 1e6)
-            kp50 = float(np.percentile(kern, 50) * 1e6) if kern.size else 0.0
-            r = {"variant": v, "round": seen[v], "label": label, "calls": int(s["e2e"].size),
-                 "p50_us": p50, "kernel_p50_us": kp50, "gap_us": p50 - kp50,
-                 "parts_mean_us": {p: float(np.mean(pt[p]) * 1e6) for p in PARTS},
-                 "parts_p50_us": {p: float(np.median(pt[p]) * 1e6) for p in PARTS},
+            r = {"variant": v, "round": seen[v], "label": label, **run_figures(s),
                  "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run,
                  "hold": held.info, "floor_us": floor_us}
             doc["runs"].append(r)
             save()
-            print(f"# {label}: p50 {p50:.1f} us, kernel {kp50:.1f}, p50 - kernel "
-                  f"{p50 - kp50:.1f}" + (f", floor {floor_us:.1f}" if floor_us else "")
+            print(f"# {label}: p50 {r['p50_us']:.1f} us, kernel {r['kernel_p50_us']:.1f}, "
+                  f"p50 - kernel {r['gap_us']:.1f}"
+                  + (f", floor {floor_us:.1f}" if floor_us else "")
                   + f" ({r['calls']} calls; run {r['run_s']:.1f} s; hold "
                   f"{held.info['kind']}: {held.info.get('message', '-')}; idle "
                   f"{idle_text(held.info)})", flush=True)
@@ -179,6 +173,19 @@ def main(argv: list[str] | None = None) -> int:
         save()
     print(table(doc))
     return 0
+
+
+def run_figures(s: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One T1 run's figures from its samples (bench/service_load's arrays, seconds): calls,
+    p50, kernel p50, their gap, and each part's mean and median, in us."""
+    pt = parts(s)
+    kern = s["kernel"][~np.isnan(s["kernel"])]
+    p50 = float(np.percentile(s["e2e"], 50) * 1e6)
+    kp50 = float(np.percentile(kern, 50) * 1e6) if kern.size else 0.0
+    return {"calls": int(s["e2e"].size), "p50_us": p50, "kernel_p50_us": kp50,
+            "gap_us": p50 - kp50,
+            "parts_mean_us": {p: float(np.mean(pt[p]) * 1e6) for p in PARTS},
+            "parts_p50_us": {p: float(np.median(pt[p]) * 1e6) for p in PARTS}}
 
 
 def worker_of(variants: dict[str, dict[str, str]]) -> dict[str, str]:
