@@ -364,8 +364,10 @@ def proxy_cpu(callers: int, calls: int = 20000) -> float:
     import asyncio
     import struct
 
-    from q6serve.service import frontends as fe
+    from q6serve.service import frontends_ipc as ipc
+    from q6serve.service import frontends_proxy as fe
     from q6serve.service.engine import MatmulCall
+    from q6serve.service.frontends_arena import Arena
 
     class Transport:  # what the link writes to: kept for the device's side of the bench
         def __init__(self) -> None:
@@ -378,7 +380,7 @@ def proxy_cpu(callers: int, calls: int = 20000) -> float:
             return False
 
     async def run() -> float:
-        arena = fe.Arena.create(8, 1 << 16)
+        arena = Arena.create(8, 1 << 16)
         arena.unlink()
         link, out = fe._Link(arena), Transport()
         link.connection_made(out)  # type: ignore[arg-type]
@@ -391,12 +393,12 @@ def proxy_cpu(callers: int, calls: int = 20000) -> float:
                     for _ in range(callers)]
             while not out.data:  # the proxy's flush
                 await asyncio.sleep(0)
-            (n,) = fe.FRAME.unpack_from(out.data)
-            msg = fe._decode(bytes(out.data[8 : 8 + n]))
+            (n,) = ipc.FRAME.unpack_from(out.data)
+            msg = ipc._decode(bytes(out.data[8 : 8 + n]))
             out.data.clear()
             rows, slot = msg[8][1][0], msg[9]
             arena.array(slot, np.dtype("<f2"), (rows, 16), writable=True)[...] = 1
-            answer = fe._encode(("mmok", msg[1], ("numpy", "soa", "q8_1", 1e-4, 1e-5, rows,
+            answer = ipc._encode(("mmok", msg[1], ("numpy", "soa", "q8_1", 1e-4, 1e-5, rows,
                                                   1, 2e-5, None), [(0, "f16", (rows, 16))]))
             link.data_received(struct.pack("<Q", len(answer)) + answer)
             if len(told) < callers:  # sinks run as done callbacks (before 2026-12-01)

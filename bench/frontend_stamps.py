@@ -108,7 +108,7 @@ def install_stalls(folder: str, role: str) -> None:
 
 def install_front() -> None:
     """Stamp each stream reply's request_id in this front end (module docstring)."""
-    from q6serve.service import frontends, rawmsg, servicer, wire
+    from q6serve.service import frontends_proxy, rawmsg, servicer, wire
 
     pc = time.perf_counter
     pid = os.getpid()
@@ -118,7 +118,7 @@ def install_front() -> None:
     now: list[tuple[float, ...] | None] = [None]  # (IN, SENT, READ, RESOLVED) of the sink
     tags: dict[int, str] = {}  # id(encoded reply) -> its stamps until SEND
 
-    start_matmul = frontends.EngineProxy.start_matmul
+    start_matmul = frontends_proxy.EngineProxy.start_matmul
 
     def stamped_start(self: Any, call: Any, sink: Any = None) -> Any:
         t = pc()
@@ -126,13 +126,13 @@ def install_front() -> None:
         calls[id(fut)] = [t, 0.0]
         return fut
 
-    send_group = frontends.EngineProxy._send_group
+    send_group = frontends_proxy.EngineProxy._send_group
 
     def stamped_group(self: Any, key: Any, members: Any, rows: int) -> None:
         flushed.extend(f for _, f, _ in members)
         send_group(self, key, members, rows)
 
-    flush = frontends.EngineProxy._flush
+    flush = frontends_proxy.EngineProxy._flush
 
     def stamped_flush(self: Any) -> None:
         try:
@@ -144,13 +144,13 @@ def install_front() -> None:
                     c[1] = t
             flushed.clear()
 
-    answer = frontends._Link._answer
+    answer = frontends_proxy._Link._answer
 
     def stamped_answer(self: Any, msg: Any) -> None:
         read[0] = pc()
         answer(self, msg)
 
-    resolve = frontends._resolve
+    resolve = frontends_proxy._resolve
 
     def stamped_resolve(fut: Any, sink: Any, outcome: Any) -> None:
         c = calls.pop(id(fut), None)
@@ -182,11 +182,11 @@ def install_front() -> None:
 
         replies_init(self, stamped_send, window)
 
-    frontends.EngineProxy.start_matmul = stamped_start  # type: ignore[method-assign]
-    frontends.EngineProxy._send_group = stamped_group  # type: ignore[method-assign]
-    frontends.EngineProxy._flush = stamped_flush  # type: ignore[method-assign]
-    frontends._Link._answer = stamped_answer  # type: ignore[method-assign]
-    frontends._resolve = stamped_resolve
+    frontends_proxy.EngineProxy.start_matmul = stamped_start  # type: ignore[method-assign]
+    frontends_proxy.EngineProxy._send_group = stamped_group  # type: ignore[method-assign]
+    frontends_proxy.EngineProxy._flush = stamped_flush  # type: ignore[method-assign]
+    frontends_proxy._Link._answer = stamped_answer  # type: ignore[method-assign]
+    frontends_proxy._resolve = stamped_resolve
     wire.stream_reply = stamped_reply
     servicer._Replies.__init__ = stamped_init  # type: ignore[method-assign]
 

@@ -21,6 +21,7 @@ from q6serve.kernels.api import DTYPES, Launched
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import batcher
 from q6serve.service import frontends as fe
+from q6serve.service import frontends_ipc as ipc
 from q6serve.service.config import WorkerConfig
 from q6serve.service.engine import UploadSpec
 from tests.dataplane.test_device_merge import BAD, ROWS, K, Picky, Transport
@@ -84,7 +85,7 @@ class Device:
         self.arena = fe.Arena.create(self.slots, 1 << 18)
         self.out = Transport()
         self.conn = conn = fe._FrontConnection(w)
-        fe._Peer.connection_made(conn, self.out)  # type: ignore[arg-type]  # (no peer pid)
+        ipc._Peer.connection_made(conn, self.out)  # type: ignore[arg-type]  # (no peer pid)
         conn.message(("hello", 0, os.getpid(), self.arena.name, self.slots, 1 << 18))
         self.arena.unlink()
 
@@ -93,9 +94,9 @@ class Device:
         frames = b""
         for slot, x in enumerate(xs, slot0):
             self.arena.array(slot, x.dtype.newbyteorder("<"), x.shape, writable=True)[...] = x
-            payload = fe._encode(("mm", rid0 + slot - slot0, "w", (), 0, self.precision, "f32",
+            payload = ipc._encode(("mm", rid0 + slot - slot0, "w", (), 0, self.precision, "f32",
                                   None, (self.dtype, x.shape), slot))
-            frames += fe.FRAME.pack(len(payload)) + payload
+            frames += ipc.FRAME.pack(len(payload)) + payload
         return frames
 
     async def trip(self, xs: list[np.ndarray], rid0: int,
@@ -217,12 +218,12 @@ def test_an_answer_frame_is_encodes_frame() -> None:
     """The "R" frame ``_answer_mm`` packs from the batch's shared head is byte for byte
     what ``_encode`` makes of the same answer."""
     fields = ("q6k_ks_f16", "soa", "f16", 1.5e-4, None, 32, 1, 2.5e-4, None)
-    head = fe._mmok_head(fields)
+    head = ipc._mmok_head(fields)
     assert head is not None
     y = np.zeros((3, 3584), np.float32)
-    fast = fe._MMOK.pack(b"R", 9, *head[0], 0, fe._DTYPE_CODE["f32"], *y.shape) + head[1]
-    assert fast == fe._encode(("mmok", 9, fields, [(0, "f32", (3, 3584))]))
-    assert fe._mmok_head(("k", "soa", "f16", 0.0, None, 1, 1, None, "top")) is None
+    fast = ipc._MMOK.pack(b"R", 9, *head[0], 0, ipc._DTYPE_CODE["f32"], *y.shape) + head[1]
+    assert fast == ipc._encode(("mmok", 9, fields, [(0, "f32", (3, 3584))]))
+    assert ipc._mmok_head(("k", "soa", "f16", 0.0, None, 1, 1, None, "top")) is None
 
 
 def test_arena_put_writes_little_endian_and_checks_the_slot() -> None:
@@ -247,7 +248,7 @@ def test_arena_put_writes_little_endian_and_checks_the_slot() -> None:
         arena.close()
 
 
-class _Plain(fe._Peer):
+class _Plain(ipc._Peer):
     """A peer taking plain matmul frames undecoded (as the device end does)."""
 
     def __init__(self, fail: bool = False) -> None:
@@ -261,7 +262,7 @@ class _Plain(fe._Peer):
     def plain_mm(self, payload: memoryview) -> None:
         if self.fail:
             raise RuntimeError("cannot take this")
-        self.got.append(("plain", fe._decode(bytes(payload))))
+        self.got.append(("plain", ipc._decode(bytes(payload))))
 
 
 class _Transport:
@@ -279,7 +280,7 @@ def test_plain_frames_reach_plain_mm_in_order(cut: int) -> None:
     mm = ("mm", 7, "blk.0.ffn_down", (), 0, "auto", "f32", None, ("f16", (3, 256)), 2)
     other = ("mm", 4, "w", (), 8, "auto", "f32", 1.0, ("f32", (1, 256)), 1)  # top-k: pickled
     msgs = [mm, other, mm, ("ready",)]
-    data = b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, msgs))
+    data = b"".join(ipc.FRAME.pack(len(d)) + d for d in map(ipc._encode, msgs))
     peer = _Plain()
 
     async def main() -> None:
@@ -293,7 +294,7 @@ def test_plain_frames_reach_plain_mm_in_order(cut: int) -> None:
 
 def test_a_failing_plain_frame_closes_the_connection() -> None:
     mm = ("mm", 7, "w", (), 0, "auto", "f32", None, ("f16", (3, 256)), 2)
-    data = b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, [("ready",), mm,
+    data = b"".join(ipc.FRAME.pack(len(d)) + d for d in map(ipc._encode, [("ready",), mm,
                                                                          ("ready",)]))
     peer, transport = _Plain(fail=True), _Transport()
 

@@ -17,6 +17,7 @@ import pytest
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service import frontends as fe
+from q6serve.service import frontends_ipc as ipc
 from q6serve.service.config import WorkerConfig
 from q6serve.service.engine import UploadSpec
 from tests.dataplane.tol import assert_ref
@@ -45,9 +46,9 @@ class Transport:
     def write(self, data: bytes) -> None:
         pos = 0
         while pos < len(data):
-            (n,) = fe.FRAME.unpack_from(data, pos)
-            msg = fe._decode(data[pos + fe.FRAME.size : pos + fe.FRAME.size + n])
-            pos += fe.FRAME.size + n
+            (n,) = ipc.FRAME.unpack_from(data, pos)
+            msg = ipc._decode(data[pos + ipc.FRAME.size : pos + ipc.FRAME.size + n])
+            pos += ipc.FRAME.size + n
             if msg[0] != "ack":
                 self.answers[msg[1]] = msg
 
@@ -75,15 +76,15 @@ async def _device(merge: bool, xs: list[np.ndarray],
     arena = fe.Arena.create(len(xs), 1 << 16)
     out = Transport()
     conn = fe._FrontConnection(worker)
-    fe._Peer.connection_made(conn, out)  # type: ignore[arg-type]  # (no peer pid)
+    ipc._Peer.connection_made(conn, out)  # type: ignore[arg-type]  # (no peer pid)
     conn.fe = worker._hello(conn, ("hello", 0, os.getpid(), arena.name, len(xs), 1 << 16))
     arena.unlink()
     frames = b""
     for slot, x in enumerate(xs):  # one message per call, all read in one trip
         arena.array(slot, np.dtype("<f4"), x.shape, writable=True)[...] = x
-        payload = fe._encode(("mm", slot + 1, "w", (), 0, "exact", "f32", None,
+        payload = ipc._encode(("mm", slot + 1, "w", (), 0, "exact", "f32", None,
                               ("f32", x.shape), slot))
-        frames += fe.FRAME.pack(len(payload)) + payload
+        frames += ipc.FRAME.pack(len(payload)) + payload
     Picky.launches = 0
     conn.data_received(frames)
     for _ in range(200):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 
 from q6serve.service import envvars
-from q6serve.service.frontends import freeze_startup
+from q6serve.service.frontends_front import freeze_startup
 
 
 def test_off_by_default_and_on_with_the_switch() -> None:

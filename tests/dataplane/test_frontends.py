@@ -269,7 +269,7 @@ def test_admission_holds_for_the_whole_worker(start: Callable[..., Running],
     """--max-inflight-rpcs bounds the worker, not each front end: with 2 front ends and a
     limit of 3, twelve callers on their own connections never have more than 3 matmuls in
     the device process at once (before the split each front end admitted 3)."""
-    from q6serve.service.frontends import frontend_limits
+    from q6serve.service.frontends_front import frontend_limits
 
     cfg = WorkerConfig(frontends=3, max_inflight_rpcs=10, max_stream_bytes_total=1000,
                        max_streams=20)
@@ -310,7 +310,7 @@ class _Writer:
     def messages(self) -> list[tuple[Any, ...]]:
         import struct
 
-        from q6serve.service.frontends import _decode
+        from q6serve.service.frontends_ipc import _decode
 
         out, at = [], 0
         while at < len(self.data):
@@ -323,7 +323,8 @@ class _Writer:
 
 def _proxy(slots: int) -> tuple[Any, _Writer, Any, Any]:
     """A front end's EngineProxy over a link whose writes are captured (call in a loop)."""
-    from q6serve.service.frontends import Arena, EngineProxy, _Link
+    from q6serve.service.frontends_arena import Arena
+    from q6serve.service.frontends_proxy import EngineProxy, _Link
 
     arena = Arena.create(slots, 1 << 16)
     arena.unlink()
@@ -344,14 +345,14 @@ def test_front_end_stacks_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from q6serve.kernels.api import Precision
     from q6serve.kernels.errors import InvalidArgument, NotFound
-    from q6serve.service import frontends
+    from q6serve.service import frontends_proxy
     from q6serve.service.engine import MatmulCall
 
     async def main() -> None:
         arena, w, link, proxy = _proxy(4)
         xs = [np.full((n, K), i + 1, np.float32) for i, n in enumerate((1, 2, 1))]
         for copy_max in (1 << 16, 0):  # y copied out of the slot, then y viewed in it
-            monkeypatch.setattr(frontends, "COPY_Y_BYTES", copy_max)
+            monkeypatch.setattr(frontends_proxy, "COPY_Y_BYTES", copy_max)
             told: list[asyncio.Future[Any]] = []
             futs = [proxy.start_matmul(MatmulCall("w", x), told.append) for x in xs]
             odd = proxy.start_matmul(MatmulCall("w", np.ones((1, K), np.float16)))  # dtype
@@ -422,7 +423,7 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
     held; when the device process goes away the waiting calls fail UNAVAILABLE."""
     from q6serve.kernels.errors import InvalidArgument, Unavailable
     from q6serve.service.engine import MatmulCall
-    from q6serve.service.frontends import stacks_in_flight
+    from q6serve.service.frontends_proxy import stacks_in_flight
 
     assert stacks_in_flight({}) == 2 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
     assert stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "0"}) > 1 << 20  # no limit
@@ -479,7 +480,7 @@ def test_front_end_sinks_run_in_the_answering_trip() -> None:
     device's; a cancelled caller's sink is not called."""
     from q6serve.kernels.errors import NotFound, Unavailable
     from q6serve.service.engine import MatmulCall
-    from q6serve.service.frontends import FRAME, _encode
+    from q6serve.service.frontends_ipc import FRAME, _encode
 
     async def main() -> None:
         arena, w, link, proxy = _proxy(4)
@@ -660,7 +661,7 @@ def test_another_callers_region_through_frontends(start: Callable[..., Running])
 @pytest.mark.parametrize("raw", ["soon", "-5", "inf", "nan"])
 def test_a_bad_frontend_busy_poll_value_is_refused_by_name(raw: str) -> None:
     from q6serve.kernels.errors import InvalidArgument
-    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
+    from q6serve.service.frontends_front import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
 
     with pytest.raises(InvalidArgument, match=f"{FRONTEND_BUSY_POLL_ENV}={raw!r}"):
         frontend_busy_poll_us({FRONTEND_BUSY_POLL_ENV: raw})
@@ -668,7 +669,7 @@ def test_a_bad_frontend_busy_poll_value_is_refused_by_name(raw: str) -> None:
 
 def test_frontend_busy_poll_is_off_unless_asked() -> None:
     """Off by default, whatever the worker's own busy polling (Q6SERVE_BUSY_POLL_US)."""
-    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
+    from q6serve.service.frontends_front import FRONTEND_BUSY_POLL_ENV, frontend_busy_poll_us
 
     assert frontend_busy_poll_us({}) == 0
     assert frontend_busy_poll_us({"Q6SERVE_BUSY_POLL_US": "1000"}) == 0
@@ -682,7 +683,7 @@ def test_busy_polling_front_ends_serve(start: Callable[..., Running],
     whose loop wakes for its 200 ms metrics flush then spins the whole interval: CPU time
     while idle shows it; off, it sleeps) and every call is answered as without; a bad value
     fails the worker's start, not its front ends one by one."""
-    from q6serve.service.frontends import FRONTEND_BUSY_POLL_ENV
+    from q6serve.service.frontends_front import FRONTEND_BUSY_POLL_ENV
 
     def cpu(pids: list[int]) -> float:
         return sum(sum(int(v) for v in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1]

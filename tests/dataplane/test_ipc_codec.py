@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from q6serve.service import frontends as fe
+from q6serve.service import frontends_ipc as ipc
 
 MESSAGES: list[tuple[Any, ...]] = [
     # fixed layouts: a plain matmul with x in a slot, and its one-part reply in the slot
@@ -50,17 +50,17 @@ def _same(a: Any, b: Any) -> bool:
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: str(m[0]))
 def test_messages_round_trip(msg: tuple[Any, ...]) -> None:
-    data = fe._encode(msg)
-    assert _same(fe._decode(data), msg)
-    assert _same(fe._decode(memoryview(data)), msg)
+    data = ipc._encode(msg)
+    assert _same(ipc._decode(data), msg)
+    assert _same(ipc._decode(memoryview(data)), msg)
 
 
 def test_hot_messages_use_the_fixed_layouts() -> None:
-    assert fe._encode(MESSAGES[0])[:1] == b"M" and fe._encode(MESSAGES[2])[:1] == b"R"
-    assert len(fe._encode(MESSAGES[0])) == fe._MM.size + len("blk.0.ffn_down")
-    assert fe._encode(MESSAGES[4])[:1] == b"G" and fe._encode(MESSAGES[6])[:1] == b"K"
-    assert fe._encode(MESSAGES[8])[:1] == b"\x80" and fe._encode(MESSAGES[9])[:1] == b"\x80"
-    assert fe._encode(MESSAGES[10])[:1] == b"\x80"  # pickle
+    assert ipc._encode(MESSAGES[0])[:1] == b"M" and ipc._encode(MESSAGES[2])[:1] == b"R"
+    assert len(ipc._encode(MESSAGES[0])) == ipc._MM.size + len("blk.0.ffn_down")
+    assert ipc._encode(MESSAGES[4])[:1] == b"G" and ipc._encode(MESSAGES[6])[:1] == b"K"
+    assert ipc._encode(MESSAGES[8])[:1] == b"\x80" and ipc._encode(MESSAGES[9])[:1] == b"\x80"
+    assert ipc._encode(MESSAGES[10])[:1] == b"\x80"  # pickle
 
 
 def test_shared_heads_build_the_fixed_layouts_bytes() -> None:
@@ -68,23 +68,23 @@ def test_shared_heads_build_the_fixed_layouts_bytes() -> None:
     ``_rmok_head``): the same bytes as ``_encode`` of each answer; a top-k reply has none."""
     for msg in (MESSAGES[2], MESSAGES[3]):
         _, rid, f, outs = msg
-        head = fe._mmok_head(f)
+        head = ipc._mmok_head(f)
         assert head is not None
         off, dt, (r, c) = outs[0]
-        assert (fe._MMOK.pack(b"R", rid, *head[0], off, fe._DTYPE_CODE[dt], r, c) + head[1]
-                == fe._encode(msg))
+        assert (ipc._MMOK.pack(b"R", rid, *head[0], off, ipc._DTYPE_CODE[dt], r, c) + head[1]
+                == ipc._encode(msg))
     for msg in (MESSAGES[6], MESSAGES[7]):
         _, rid, f, (dt, (r, c)) = msg
-        y = np.zeros((r, c), fe._LE[dt])
-        head = fe._rmok_head(f, y)
+        y = np.zeros((r, c), ipc._LE[dt])
+        head = ipc._rmok_head(f, y)
         assert head is not None
-        assert fe._RMOK.pack(b"K", rid, *head[0], r, c) + head[1] == fe._encode(msg)
+        assert ipc._RMOK.pack(b"K", rid, *head[0], r, c) + head[1] == ipc._encode(msg)
     y = np.zeros((1, 8), np.float32)
-    assert fe._rmok_head(MESSAGES[9][2], y) is None and fe._mmok_head(MESSAGES[9][2]) is None
-    assert fe._rmok_head(MESSAGES[6][2], np.zeros((1, 2, 8), np.float32)) is None  # 3-D
+    assert ipc._rmok_head(MESSAGES[9][2], y) is None and ipc._mmok_head(MESSAGES[9][2]) is None
+    assert ipc._rmok_head(MESSAGES[6][2], np.zeros((1, 2, 8), np.float32)) is None  # 3-D
 
 
-class _Capture(fe._Peer):
+class _Capture(ipc._Peer):
     def __init__(self) -> None:
         super().__init__()
         self.got: list[tuple[Any, ...]] = []
@@ -105,7 +105,7 @@ class _Transport:
 
 
 def _frames(msgs: list[tuple[Any, ...]]) -> bytes:
-    return b"".join(fe.FRAME.pack(len(d)) + d for d in map(fe._encode, msgs))
+    return b"".join(ipc.FRAME.pack(len(d)) + d for d in map(ipc._encode, msgs))
 
 
 @pytest.mark.parametrize("cut", [1, 3, 8, 9, 100, 65536, 10**9])
@@ -167,7 +167,7 @@ def test_flush_now_writes_pending_messages_once_in_order() -> None:
 
     async def main() -> None:
         t = Writes()
-        out = fe._Out(t)  # type: ignore[arg-type]
+        out = ipc._Out(t)  # type: ignore[arg-type]
         out.send(MESSAGES[0])
         out.send(MESSAGES[2])
         assert t.writes == []  # waiting for the end of this iteration

@@ -348,17 +348,17 @@ def test_region_frames_parsed_undecoded_and_counted(start: Any,  # noqa: F811
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The device process parses a region call's frame itself (b"G": ``_region_frame``, no
     decoded tuple or dispatch), and Q6SERVE_DP_STATS counts it as a message of its rows."""
-    from q6serve.service import frontends
+    from q6serve.service import frontends_ipc
 
     monkeypatch.setenv("Q6SERVE_DP_STATS", str(tmp_path / "stats.jsonl"))
     decoded: list[int] = []  # the tags decoded anywhere in this process (front ends are not)
-    decode = frontends._decode
+    decode = frontends_ipc._decode
 
     def counted(b: Any) -> tuple[Any, ...]:
         decoded.append(b[0])
         return decode(b)
 
-    monkeypatch.setattr(frontends, "_decode", counted)
+    monkeypatch.setattr(frontends_ipc, "_decode", counted)
     w = start(backend=DmaBackend(Recorder()))
     c = w.client()
     blocks = random_q6k(ROWS, K, 9)
