@@ -267,6 +267,7 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
     from q6serve.kernels import q6k
     from q6serve.kernels.backends import make_backend
     from q6serve.service import frontends as fe
+    from q6serve.service import frontends_ipc as ipc
     from q6serve.service.config import WorkerConfig
     from q6serve.service.engine import UploadSpec
 
@@ -313,14 +314,14 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
         x[...] = np.random.default_rng(slot).uniform(-1, 1, x.shape)
         if a.region:
             regions[slot].ndarray(0, np.dtype("<f2"), x.shape)[...] = x
-            payload = fe._encode(("rm", slot, "", (regions[slot].name, 0, "f16",
+            payload = ipc._encode(("rm", slot, "", (regions[slot].name, 0, "f16",
                                                    (a.stack, a.k)),
                                   (regions[slot].name, slot_bytes), "w", a.precision, "f32",
                                   None))
         else:
-            payload = fe._encode(("mm", slot, "w", (), 0, a.precision, "f32", None,
+            payload = ipc._encode(("mm", slot, "w", (), 0, a.precision, "f32", None,
                                   ("f16", (a.stack, a.k)), slot))
-        frames.append(fe.FRAME.pack(len(payload)) + payload)
+        frames.append(ipc.FRAME.pack(len(payload)) + payload)
     del x
 
     lane = None
@@ -337,10 +338,10 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
             def write(self, data: bytes) -> None:
                 pos = 0
                 while pos < len(data):
-                    (n,) = fe.FRAME.unpack_from(data, pos)
-                    start, pos = pos + fe.FRAME.size, pos + fe.FRAME.size + n
+                    (n,) = ipc.FRAME.unpack_from(data, pos)
+                    start, pos = pos + ipc.FRAME.size, pos + ipc.FRAME.size + n
                     if data[start] != 0x52:  # not b"R", an answer in the slot: the hello's ack,
-                        msg = fe._decode(data[start:pos])  # a region call's answer, or, once
+                        msg = ipc._decode(data[start:pos])  # a region call's answer, or, once
                         if msg[0] == "rmok":  # stopped, a refusal
                             rid = msg[1]
                         else:

@@ -488,7 +488,7 @@ UNSAFE = re.compile(r"\b(pickle|cPickle|marshal|shelve|dill|cloudpickle|jsonpick
 # The one exception: messages between a --frontends worker's own processes (pickled over a
 # Unix socket in a 0700 directory; the device process accepts only its children's pids,
 # checked with SO_PEERCRED). Nothing a client sends is unpickled.
-FRONTEND_IPC = "service/frontends.py"
+FRONTEND_IPC = "service/frontends_ipc.py"
 
 
 def test_no_unsafe_deserialisation_in_the_worker() -> None:
