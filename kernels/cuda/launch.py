@@ -130,6 +130,7 @@ from ..epilogue import TopK
 from ..errors import DeviceError, FormatError
 from . import hostcopy
 from .dispatch import Cfg
+from .driver import _driver_launch_ex, _external_record, _host_device_ptr, clusters_fit, launch_pdl
 from .loader import arch_specific
 from .storage import CudaWeight
 
@@ -403,22 +404,6 @@ class Step:
             self.fn(self.grid, (self.block,), self.args, shared_mem=self.smem)
 
 
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4),
-                ("value", ctypes.c_ubyte * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-_CTYPES = {("u", 8): ctypes.c_uint64, ("i", 8): ctypes.c_int64, ("i", 4): ctypes.c_int32,
-           ("u", 4): ctypes.c_uint32}
-
-
 def pdl_from_env(env: Any = None) -> bool:
     """``Q6SERVE_PDL`` (unset or empty: on). A kernels-level variable, read where a backend is
     built (the worker builds its backends at start, so a bad value stops it there), because the
@@ -588,101 +573,11 @@ def _env_int(env: Any, name: str, lo: int, hi: int | None, expected: str) -> int
     return v
 
 
-def _host_device_ptr() -> Any:
-    """``cuMemHostGetDevicePointer_v2``: the device address of page-locked host memory (a
-    region registered by ``HostIO``), or None where the driver has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
 def y_chunks_from_env(env: Any = None) -> int | None:
     """``Q6SERVE_Y_CHUNKS`` (unset or empty: None, the module's ``Y_CHUNKS``, by default each
     weight's own): row chunks a large y is computed and downloaded in (0 or 1: off; at most
     16). Read where a backend is built, as ``Q6SERVE_PDL``."""
     return _env_int(env, "Q6SERVE_Y_CHUNKS", 0, 16, "a whole number 0..16")
-
-
-def _driver_launch_ex() -> Any:
-    """The driver's ``cuLaunchKernelEx`` (ctypes), or None where it has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    f.restype = ctypes.c_int
-    return f
-
-
-def _driver_max_clusters() -> Any:
-    """The driver's ``cuOccupancyMaxActiveClusters`` (ctypes), or None where it has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    f.restype = ctypes.c_int
-    return f
-
-
-def clusters_fit(fn: Any, grid: tuple[int, int, int], block: int, smem: int,
-                 clusters: int) -> bool:
-    """Whether ``clusters`` clusters of ``fn``'s compile-time size run at once on the device
-    (``cuOccupancyMaxActiveClusters``: the GPCs' SMs bound how many co-reside; the cluster-sum
-    tile's grid is planned as one wave, and a second wave of clusters cost it 0.58-0.76x on
-    the H200). True without a device (a device-less launcher's stand-in functions), False
-    where the driver cannot answer."""
-    kern = getattr(fn, "kernel", None)
-    if kern is None:
-        return True
-    f = _driver_max_clusters()
-    if f is None:
-        return False
-    cfg = _LaunchConfig()
-    for i, v in enumerate(grid):
-        cfg.grid[i] = v
-    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
-    cfg.smem = smem
-    got = ctypes.c_int(0)
-    try:
-        rc = f(ctypes.byref(got), ctypes.c_void_p(kern.ptr), ctypes.byref(cfg))
-    except (ctypes.ArgumentError, AttributeError, TypeError):
-        return False
-    return rc == 0 and got.value >= clusters
-
-
-def launch_pdl(launch_ex: Any, fn: Any, grid: tuple[int, ...], block: int, args: tuple,
-               smem: int) -> None:
-    """``fn<<<grid, block, smem>>>(args)`` on the current stream through ``cuLaunchKernelEx``
-    with programmatic stream serialization (PDL, sm_90): the launch before it on the stream
-    lets it start once all its CTAs ran ``griddepcontrol.launch_dependents`` (or exited), so
-    this kernel's launch and CTA start overlap that kernel's tail; ``fn`` must begin with
-    ``griddepcontrol.wait`` before it reads what that kernel wrote. ``args``: NumPy scalars.
-    Under stream capture the driver records it as a programmatic graph edge."""
-    import cupy
-
-    vals = [_CTYPES[(np.dtype(type(a)).kind, np.dtype(type(a)).itemsize)](int(a)) for a in args]
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # .programmaticStreamSerializationAllowed (an int at offset 0)
-    cfg = _LaunchConfig()
-    for i, v in enumerate(tuple(grid) + (1,) * (3 - len(grid))):
-        cfg.grid[i] = v
-    cfg.block[0], cfg.block[1], cfg.block[2] = block, 1, 1
-    cfg.smem = smem
-    cfg.stream = cupy.cuda.get_current_stream().ptr or None
-    cfg.attrs = ctypes.pointer(attr)
-    cfg.nattrs = 1
-    # a cupy.RawKernel (its Function for the current device) or a loader.ArchKernel
-    func = fn.kernel.ptr
-    rc = launch_ex(ctypes.byref(cfg), ctypes.c_void_p(func), params, None)
-    if rc != 0:
-        raise DeviceError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {rc}")
 
 
 @dataclass
@@ -901,20 +796,6 @@ def _small_out(n: int, rows: int, out_dtype: np.dtype | None, topk: int, y16: bo
     if n * rows * 2 > SMALL_Y:
         return "y16" if y16 else None
     return dt
-
-
-def _external_record() -> Any:
-    """``cuEventRecordWithFlags(.., CU_EVENT_RECORD_EXTERNAL)``: an event record that stream
-    capture keeps as a graph node (a plain record inside a capture is only a dependency).
-    None where the driver has no such entry point (then no graphs)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        f = lib.cuEventRecordWithFlags
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
 
 
 class BoundCall:

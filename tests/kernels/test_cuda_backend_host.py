@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from q6serve.kernels.api import BFLOAT16, KernelFlags, Layout, Precision, ResidentWeight
+from q6serve.kernels.cuda import driver
 from q6serve.kernels.cuda import launch as launch_mod
 from q6serve.kernels.cuda.dispatch import Dispatch, load_default_table
 from q6serve.kernels.cuda.launch import Launcher
@@ -204,8 +205,10 @@ def fake_backend(monkeypatch, graphs: bool = True):
     # The fake device has no driver: on a GPU host the real libcuda's entry points would take
     # the fake kernels (PDL's cuLaunchKernelEx reads a real function handle), so the launcher
     # sees what a host without libcuda sees.
-    for name in ("_driver_launch_ex", "_driver_max_clusters", "_host_device_ptr"):
+    # (each where its caller looks it up: the launcher's in launch.py, clusters_fit's in driver.py)
+    for name in ("_driver_launch_ex", "_host_device_ptr"):
         monkeypatch.setattr(launch_mod, name, lambda: None)
+    monkeypatch.setattr(driver, "_driver_max_clusters", lambda: None)
     cp = _FakeCuda()
     ctx = SimpleNamespace(cp=cp, sm_count=132, smem_sm=233472, cc="90", fn=cp.fn,
                           dev=contextlib.nullcontext(), stream=_Stream(cp))

@@ -1,5 +1,5 @@
 """Host side of the programmatic dependent launch (PDL) of the K-slice tiles' split-K sum
-(kernels/cuda/launch.py ``launch_pdl``), without a device: the ctypes mirrors of the driver's
+(kernels/cuda/driver.py ``launch_pdl``), without a device: the ctypes mirrors of the driver's
 CUlaunchConfig / CUlaunchAttribute have the C layout, and a launch hands cuLaunchKernelEx the
 grid, block, shared memory, current stream, the one attribute and pointers to the argument
 values; the launcher uses it by default on compute capability 9.0+ (Q6SERVE_PDL=0: never)."""
@@ -13,16 +13,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from q6serve.kernels.cuda import driver
 from q6serve.kernels.cuda import launch as lm
 from q6serve.kernels.errors import InvalidArgument
 
 
 def test_struct_layouts_match_the_driver_headers():
     # CUlaunchAttribute: 4-byte id, 4 bytes of padding, a 64-byte value union
-    assert ctypes.sizeof(lm._LaunchAttr) == 72 and lm._LaunchAttr.value.offset == 8
+    assert ctypes.sizeof(driver._LaunchAttr) == 72 and driver._LaunchAttr.value.offset == 8
     # CUlaunchConfig: 7 unsigned ints, padding, stream, attrs, numAttrs (+ tail padding)
-    assert lm._LaunchConfig.stream.offset == 32 and lm._LaunchConfig.attrs.offset == 40
-    assert lm._LaunchConfig.nattrs.offset == 48 and ctypes.sizeof(lm._LaunchConfig) == 56
+    assert driver._LaunchConfig.stream.offset == 32 and driver._LaunchConfig.attrs.offset == 40
+    assert driver._LaunchConfig.nattrs.offset == 48 and ctypes.sizeof(driver._LaunchConfig) == 56
 
 
 def test_launch_pdl_passes_config_attribute_and_argument_values(monkeypatch):
@@ -43,13 +44,13 @@ def test_launch_pdl_passes_config_attribute_and_argument_values(monkeypatch):
         return 0
 
     fn = SimpleNamespace(kernel=SimpleNamespace(ptr=0xF00D))
-    lm.launch_pdl(launch_ex, fn, (7,), 256,
+    driver.launch_pdl(launch_ex, fn, (7,), 256,
                   (np.uint64(1 << 40), np.int32(-3), np.int64(5 << 33)), 1024)
     assert seen == dict(grid=(7, 1, 1), block=(256, 1, 1), smem=1024, stream=0x5150, n=1,
                         id=6, allowed=1, func=0xF00D, extra=None, u=1 << 40, i=-3, q=5 << 33)
 
     with pytest.raises(lm.DeviceError, match="cuLaunchKernelEx"):
-        lm.launch_pdl(lambda *a: 1, fn, (1, 2, 3), 32, (np.int32(0),), 0)
+        driver.launch_pdl(lambda *a: 1, fn, (1, 2, 3), 32, (np.int32(0),), 0)
 
 
 @pytest.mark.parametrize("env, cc, want", [("1", "90", True), ("0", "90", False),
