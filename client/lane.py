@@ -24,16 +24,16 @@ busy-polling rule), else none; ``Q6SERVE_LANE_SPIN_US`` (microseconds, 0: never)
 
 from __future__ import annotations
 
+import fcntl
 import math
+import mmap
 import os
-import secrets
 import select
 import socket
 import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import grpc
@@ -46,16 +46,16 @@ from .spin import caller_spin_us
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
-# the ring (service/lane.py's layout): a RING_BYTES shared-memory object of the lane's own, named
-# to the worker in a setup record (the worker maps it and unlinks its name). A lane asks for one
-# unless ring=False or Q6SERVE_LANE_RING=0 here; x86-64 workers take it unless started with
-# Q6SERVE_LANE_RING=0 (a refusal: a socket lane then, unless ring=True asked for the ring)
+# the ring (service/lane.py's layout): a RING_BYTES memfd of the lane's own, sealed against
+# shrinking, named to the worker in a setup record as "fd:N" (the worker maps it). A lane asks
+# for one unless ring=False or Q6SERVE_LANE_RING=0 here; x86-64 workers take it unless started
+# with Q6SERVE_LANE_RING=0 (a refusal: a socket lane then, unless ring=True asked for the ring)
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64
 R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_ENV = "Q6SERVE_LANE_RING"
-RING_PREFIX, RING_SETUP = "q6ring_", 2
+RING_SETUP = 2
 RING_RECHECK_S = 20e-6  # the ring re-checked after this side's sleep flag is set
 RING_WAKE_MS = 5  # the longest block before the ring is looked at again
 SEQ = struct.Struct("<Q")
@@ -64,6 +64,21 @@ SPIN_ENV = "Q6SERVE_LANE_SPIN_US"
 LANE_SPIN_US = 1000.0  # default spin where the caller may run on SPIN_MIN_CPUS cores or more
 MAX_KEPT = 64  # record codes and region views a lane keeps (cleared beyond)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def ring_memfd() -> int:
+    """A new ring block's descriptor (the caller closes it): a zeroed memfd of RING_BYTES,
+    sealed against shrinking and growing, and against further seals (service/lane.py
+    refuses a ring that could shrink under its mapping)."""
+    fd = os.memfd_create("q6ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, RING_BYTES)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,7 @@ class Lane:
         self._xs: dict[tuple[Any, ...], tuple[np.ndarray, int]] = {}  # x's places (_x_place)
         self._head = bytearray(REPLY.size)
         self._ring: memoryview | None = None  # the ring block (ring lanes)
-        self._ring_shm: shared_memory.SharedMemory | None = None  # (its object, mapped)
+        self._ring_mm: mmap.mmap | None = None  # (its mapping)
         self._ring_name = b""
         self._timeout = timeout
         asked = ring
@@ -141,36 +156,33 @@ class Lane:
         return self._ring is not None
 
     def _ring_setup(self) -> None:
-        """The ring: a zeroed RING_BYTES shared-memory object of its own, named to the worker
-        in a setup record, its answer read on the socket (a refusal raises). The worker
-        unlinks the name once mapped; this side unlinks it too if it is still there (a
-        refusal): from then on only the two mappings hold the object."""
+        """The ring: a zeroed RING_BYTES memfd of its own, sealed (``ring_memfd``: no one can
+        shrink it under the worker's mapping), named to the worker in a setup record as this
+        process's descriptor ("fd:N", which the worker opens while this side waits for its
+        answer, read on the socket; a refusal raises). The descriptor is closed then: the two
+        mappings are all there is of the block."""
         try:
-            shm = shared_memory.SharedMemory(name=RING_PREFIX + secrets.token_hex(8),
-                                             create=True, size=RING_BYTES)
-        except OSError as e:
+            fd = ring_memfd()
+        except (OSError, AttributeError) as e:  # (no memfd on this host)
             raise core.Q6ServeError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"cannot create the lane's ring: {e}") from None
         try:
+            mm = mmap.mmap(fd, RING_BYTES)
+            key = f"fd:{fd}".encode()
             try:
-                key = shm.name.encode()
                 self.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(key), 0)
                                   + key)
                 self._read_into(self._head)
                 _, code, msg_len, *_ = REPLY.unpack(self._head)
                 msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
-            finally:
-                try:
-                    shm.unlink()  # (the worker unlinked it if it took the ring)
-                except FileNotFoundError:
-                    resource_tracker.unregister(shm._name,  # type: ignore[attr-defined]
-                                                "shared_memory")
-            if code:
-                raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
-        except BaseException:
-            shm.close()
-            raise
-        self._ring, self._ring_shm = shm.buf, shm
+                if code:
+                    raise core.Q6ServeError(_CODES.get(code, grpc.StatusCode.UNKNOWN), msg)
+            except BaseException:
+                mm.close()
+                raise
+        finally:
+            os.close(fd)  # (the worker opened its own, or refused)
+        self._ring_mm, self._ring = mm, memoryview(mm)
         self._poll = select.poll()
         self._poll.register(self.sock.fileno(), select.POLLIN)
 
@@ -393,10 +405,12 @@ class Lane:
         return bytes(buf)
 
     def close(self) -> None:
-        self._ring = None
-        if self._ring_shm is not None:
-            self._ring_shm.close()  # (its view and mapping; the object has no name left)
-            self._ring_shm = None
+        if self._ring is not None:
+            self._ring.release()
+            self._ring = None
+        if self._ring_mm is not None:
+            self._ring_mm.close()  # (the block has no descriptor or name left)
+            self._ring_mm = None
         self._views.clear()
         self._xs.clear()  # (the region's mapping may close once nothing views it)
         self.sock.close()

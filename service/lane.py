@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import functools
 import logging
 import math
@@ -37,6 +38,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import time
@@ -49,6 +51,7 @@ import numpy as np
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Q6Error,
     ResourceExhausted,
     Unavailable,
@@ -71,11 +74,14 @@ MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
 # The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks for one
 # unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the ticket, a
-# request record with seq 0 and flags RING_SETUP (its 9th field) whose name (name_len bytes) is a
-# POSIX shared-memory object of the caller's, RING_BYTES long, named RING_PREFIX + 8..64 letters
-# or digits: the ring's own block (never the caller's region's bytes). The worker maps it, unlinks
-# its name (from then on both sides' mappings are all that is left of it: nothing leaks when
-# either side dies) and answers on the socket (a reply record, seq 0); from then on requests and
+# request record with seq 0 and flags RING_SETUP (its 9th field) whose name (name_len bytes) is
+# "fd:N": N is the caller's descriptor of a memfd of RING_BYTES sealed against shrinking
+# (F_SEAL_SHRINK; the worker opens it as /proc/<the caller's pid>/fd/N while the caller waits
+# for the answer): the ring's own block (never the caller's region's bytes). Sealed, no one can
+# shrink the block under the worker's mapping (until session 30 the ring was a /dev/shm object
+# the caller could truncate: the worker's next look at it was a SIGBUS). The worker maps it and
+# answers on the socket (a reply record, seq 0); both sides' mappings are all there is of it
+# (nothing leaks when either side dies); from then on requests and
 # replies go through the block, the socket carrying only doorbells (any byte: "look at the ring"),
 # each sent only when the other side's flag says it sleeps. The block, little-endian:
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64  # request seq (written last), request record, caller sleeps
@@ -83,8 +89,7 @@ R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply recor
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_SETUP = 2  # the setup record's flags (1: the ring in the region's tail, until s29)
-RING_PREFIX = "q6ring_"
-_RING_KEY = re.compile(r"^/?(q6ring_[A-Za-z0-9]{8,64})$")
+_RING_FD = re.compile(r"^fd:([0-9]{1,9})$")
 RING_ENV = "Q6SERVE_LANE_RING"
 SEQ = struct.Struct("<Q")
 FLAG = struct.Struct("<I")
@@ -178,9 +183,10 @@ class LaneServer:
 
     # -- the ring ------------------------------------------------------------------------
     def _ring_setup(self, conn: _LaneConn, key: str) -> None:
-        """The setup record: ``conn``'s lane over the ring in shared-memory object ``key``
-        (mapped for the lane's life, its name unlinked now; let go in ``_ring_drop``),
-        answered on the socket."""
+        """The setup record: ``conn``'s lane over the ring its caller names in ``key`` (a
+        sealed memfd, ``_map_ring``; mapped for the lane's life, let go in ``_ring_drop``),
+        answered on the socket. A block that is another lane's ring already is refused (two
+        lanes taking each other's requests and replies)."""
         assert conn.ticket is not None and conn.transport is not None
         try:
             if not self.ring_ok:
@@ -190,7 +196,10 @@ class LaneServer:
                     f"({platform.machine()}) may reorder the ring's stores")
             if conn.ring is not None:
                 raise InvalidArgument("this lane has a ring already")
-            ring = _Ring(_map_ring(key))
+            ring = _Ring(*_map_ring(key, conn.pid))
+            if any(r.inode == ring.inode for r in self._rings.values()):
+                ring.close()
+                raise InvalidArgument("that ring serves another lane already")
             if not self._polled:
                 if not ring_poll(asyncio.get_running_loop(), self):
                     ring.close()
@@ -689,7 +698,7 @@ class _LaneConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.ticket: Ticket | None = None
-        self.uid = -1
+        self.uid = self.pid = -1  # the caller's (SO_PEERCRED, when it connected)
         self.inflight = 0  # requests read and not yet answered
         self.paused = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests run in a task (_one)
@@ -700,8 +709,8 @@ class _LaneConn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.server._lanes.add(transport)
         sock = transport.get_extra_info("socket")
-        self.uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                       12))[1]
+        self.pid, self.uid, _ = struct.unpack("3i", sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         # a connection that never sends its ticket is dropped, not kept forever
         self._timer = asyncio.get_running_loop().call_later(TICKET_WAIT_S, transport.close)
 
@@ -796,37 +805,63 @@ class _LaneConn(asyncio.Protocol):
         self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
 
 
-def _map_ring(key: str) -> mmap.mmap:
-    """The caller's ring object ``key`` mapped (RING_BYTES, a regular file of this user's) and
-    its name unlinked; a name or object that is not a ring's is refused (INVALID_ARGUMENT,
-    NOT_FOUND), and nothing of it is kept then."""
-    m = _RING_KEY.match(key)
+def _map_ring(key: str, pid: int) -> tuple[mmap.mmap, tuple[int, int]]:
+    """The ring the caller (process ``pid``) names in ``key``, "fd:N": its descriptor N of a
+    memfd of this user, RING_BYTES long and sealed against shrinking, mapped; with the block's
+    (device, inode). Opened through /proc/``pid``/fd/N first as a path only (O_PATH: whatever
+    N is, nothing of it runs, e.g. a device's open), then, a plain file, reopened read-write
+    from that path descriptor (the same file, whatever the caller's N becomes meanwhile).
+    Anything else is refused (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) and nothing of
+    it is kept."""
+    m = _RING_FD.match(key)
     if m is None:
-        raise InvalidArgument(f"a ring's shared-memory name {key[:80]!r} must be {RING_PREFIX!r} "
-                              "and 8..64 letters or digits, after an optional '/'")
-    path = regions.SHM_DIR / m.group(1)
-    fd, st = regions.open_shm_object(m.group(1))
+        raise InvalidArgument(f"a ring's setup names {key[:80]!r}: it must be 'fd:N', N the "
+                              f"caller's descriptor of a memfd of {RING_BYTES} bytes sealed "
+                              "against shrinking (F_SEAL_SHRINK)")
+    n = int(m.group(1))
     try:
+        path_fd = os.open(f"/proc/{pid}/fd/{n}", os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(f"the caller (pid {pid}) has no descriptor {n}") from None
+    except OSError as e:
+        raise FailedPrecondition(f"cannot open the caller's descriptor {n}: "
+                                 f"{e.strerror}") from None
+    try:
+        st = os.fstat(path_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"the caller's descriptor {n} is no memfd")
         if st.st_uid != os.getuid():
-            raise InvalidArgument(f"{m.group(1)!r} is not a shared-memory object of this user")
-        if st.st_size != RING_BYTES:
-            raise InvalidArgument(f"a ring's object must be {RING_BYTES} bytes, not "
-                                  f"{st.st_size}")
-        mm = mmap.mmap(fd, RING_BYTES)
+            raise InvalidArgument(f"the caller's descriptor {n} is not a file of this user")
+        try:
+            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot open the caller's descriptor {n}: "
+                                     f"{e.strerror}") from None
+    finally:
+        os.close(path_fd)
+    try:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # (not a memfd)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InvalidArgument(f"the caller's descriptor {n} is no memfd sealed against "
+                                  "shrinking (F_SEAL_SHRINK): a ring must be one")
+        size = os.fstat(fd).st_size  # (after the seal: it cannot shrink from now on)
+        if size != RING_BYTES:
+            raise InvalidArgument(f"a ring's memfd must be {RING_BYTES} bytes, not {size}")
+        return mmap.mmap(fd, RING_BYTES), (st.st_dev, st.st_ino)
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError):  # (mapped: its name is not needed any more)
-        os.unlink(path)
-    return mm
 
 
 class _Ring:
     """A lane's ring block: its own shared-memory object, mapped for the lane's life."""
 
-    __slots__ = ("mm", "mv", "seen")
+    __slots__ = ("inode", "mm", "mv", "seen")
 
-    def __init__(self, mm: mmap.mmap) -> None:
-        self.mm = mm
+    def __init__(self, mm: mmap.mmap, inode: tuple[int, int] = (0, 0)) -> None:
+        self.mm, self.inode = mm, inode
         self.mv = memoryview(mm)
         self.seen = SEQ.unpack_from(self.mv, R_SEQ)[0]  # (what is there now is no request)
 

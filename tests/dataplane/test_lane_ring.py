@@ -9,6 +9,8 @@ back to the socket)."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
 import struct
 import time
 from collections.abc import Iterator
@@ -62,7 +64,7 @@ def _held(w: RunningWorker) -> list[int]:
 
 def test_the_config_is_the_same_on_both_sides() -> None:
     for name in ("R_SEQ", "R_REQ", "R_CSLEEP", "R_RSEQ", "R_REP", "R_WSLEEP", "R_NAME",
-                 "R_MSG", "RING_BYTES", "RING_ENV", "RING_PREFIX", "RING_SETUP"):
+                 "R_MSG", "RING_BYTES", "RING_ENV", "RING_SETUP"):
         assert getattr(clane, name) == getattr(slane, name), name
 
 
@@ -157,23 +159,37 @@ def test_bad_ring_setups_and_a_worker_without_the_option(ring_worker: Any,
                                                          ) -> None:
     w, c = ring_worker
     x = rng.standard_normal((1, K)).astype(np.float32)
-    mine = shared_memory.SharedMemory(name=slane.RING_PREFIX + "big00000", create=True,
-                                      size=2 * slane.RING_BYTES)
-    link = slane.regions.SHM_DIR / (slane.RING_PREFIX + "link0000")
+    mine = shared_memory.SharedMemory(name="q6ring_big00000", create=True,
+                                      size=slane.RING_BYTES)
+    link = slane.regions.SHM_DIR / "q6ring_link0000"
+    rd, wr = os.pipe()
+    tmp = os.open("/tmp", os.O_RDONLY)
+    big = clane.ring_memfd()  # (sealed, the ring's size: a memfd twice that size is made below)
+    os.close(big)
+    big = os.memfd_create("big", os.MFD_ALLOW_SEALING)
+    os.ftruncate(big, 2 * slane.RING_BYTES)
+    fcntl.fcntl(big, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     with c.register_shm("io", 1 << 16) as region:
         rkey = region.shm.name.lstrip("/")
         link.symlink_to(slane.regions.SHM_DIR / rkey)  # (O_NOFOLLOW: not followed)
         try:
             with _lane(c, region, ring=False) as lane:
                 for key, code_want, want in (
-                        ("", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
-                        (rkey, C.INVALID_ARGUMENT, "must be 'q6ring_'"),
-                        ("../../etc/passwd", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
-                        ("q6ring_../../x", C.INVALID_ARGUMENT, "must be 'q6ring_'"),
-                        ("q6ring_" + "a" * 65, C.INVALID_ARGUMENT, "must be 'q6ring_'"),
-                        ("q6ring_nothere0", C.NOT_FOUND, "no shared-memory object"),
-                        (mine.name, C.INVALID_ARGUMENT, "must be 2048 bytes"),
-                        (link.name, C.FAILED_PRECONDITION, "cannot open")):
+                        ("", C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        (rkey, C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        ("../../etc/passwd", C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        ("fd:../../x", C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        ("fd:" + "9" * 10, C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        ("fd:-1", C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        # a /dev/shm object by name (the ring until session 30), or a link
+                        (mine.name, C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        (link.name, C.INVALID_ARGUMENT, "must be 'fd:N'"),
+                        ("fd:999999", C.NOT_FOUND, "has no descriptor"),
+                        (f"fd:{rd}", C.INVALID_ARGUMENT, "no memfd"),  # a pipe (a FIFO)
+                        (f"fd:{tmp}", C.INVALID_ARGUMENT, "no memfd"),  # a directory
+                        # a /dev/shm object's descriptor: no seals (it could shrink)
+                        (f"fd:{mine._fd}", C.INVALID_ARGUMENT, "sealed against shrinking"),
+                        (f"fd:{big}", C.INVALID_ARGUMENT, "must be 2048 bytes")):
                     raw = key.encode()
                     lane.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, slane.RING_SETUP,
                                                    len(raw), 0) + raw)
@@ -196,6 +212,8 @@ def test_bad_ring_setups_and_a_worker_without_the_option(ring_worker: Any,
             link.unlink()
             mine.close()
             mine.unlink()
+            for fd in (rd, wr, tmp, big):
+                os.close(fd)
     # a region too small for the old tail ring takes a ring lane: the region is all the caller's
     with c.register_shm("tiny", 4096) as small, _lane(c, small, ring=True) as lane:
         assert lane.ring
@@ -231,18 +249,19 @@ def test_a_gone_caller_or_unlinked_region_leaks_nothing(ring_worker: Any,
     lane.matmul("w", x)
     server = SERVERS[-1]
     assert lane.ring and w.run(lambda: len(server._rings)) == 1
-    # the ring's object has no name left once the worker took it (the two mappings are all
-    # there is: a killed caller or worker leaves nothing in /dev/shm), and holds no region
-    assert lane._ring_shm is not None
-    assert not (slane.regions.SHM_DIR / lane._ring_shm.name.lstrip("/")).exists()
+    # the ring is a memfd (no name anywhere; the two mappings are all there is: a killed
+    # caller or worker leaves nothing in /dev/shm), and holds no region
+    assert lane._ring_mm is not None
+    assert not list(slane.regions.SHM_DIR.glob("q6ring*"))
     assert _held(w) == [0]
     lane.sock.close()
     deadline = time.monotonic() + 10
     while w.run(lambda: len(server._rings)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert w.run(lambda: len(server._rings)) == 0 and _held(w) == [0]
-    lane._ring = None  # (this side's view: let go without the socket)
-    lane._ring_shm.close()
+    lane._ring.release()  # (this side's view: let go without the socket)
+    lane._ring = None
+    lane._ring_mm.close()
     region.close()  # unregistered: unmapped in the worker
     assert w.run(lambda: table.mapped_bytes) == 0
     # the region's object unlinked under an open ring lane: a clear status, then no leak
@@ -417,8 +436,8 @@ def test_a_host_that_may_reorder_stores_takes_no_ring(monkeypatch: pytest.Monkey
 
 def test_a_killed_caller_leaves_no_ring_behind(ring_worker: Any) -> None:
     """A caller process killed (SIGKILL) with a ring lane open: the worker drops the ring (its
-    mapping closed) and nothing of the ring is left in /dev/shm (its name was unlinked when the
-    worker took it). (The child's resource tracker warns of its region's object, which it
+    mapping closed) and nothing of the ring is left in /dev/shm (a memfd has no name). (The
+    child's resource tracker warns of its region's object, which it
     unlinks: the region's, not the ring's.)"""
     import signal
     import subprocess
@@ -432,24 +451,24 @@ def test_a_killed_caller_leaves_no_ring_behind(ring_worker: Any) -> None:
         c = Client({w.target!r}, token="a-secret")
         r = c.register_shm("killed", 1 << 16)
         lane = c.open_lane(r)
-        print(lane.ring, lane._ring_shm.name, flush=True)
+        print(lane.ring, lane._ring_mm is not None, flush=True)
         time.sleep(120)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
-        took, name = p.stdout.readline().split()
-        assert took == "True"
+        took, mapped = p.stdout.readline().split()
+        assert took == mapped == "True"
         server = SERVERS[-1]  # (started by the child's OpenLane)
         assert w.run(lambda: len(server._rings)) == 1
-        assert not (slane.regions.SHM_DIR / name.lstrip("/")).exists()
+        assert not list(slane.regions.SHM_DIR.glob("q6ring*"))
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 10
         while w.run(lambda: len(server._rings)) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert w.run(lambda: len(server._rings)) == 0
-        assert not (slane.regions.SHM_DIR / name.lstrip("/")).exists()
+        assert not list(slane.regions.SHM_DIR.glob("q6ring*"))
     finally:
         if p.poll() is None:
             p.kill()

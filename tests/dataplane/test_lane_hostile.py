@@ -1,0 +1,138 @@
+"""Hostile callers of the fast lane and of regions (issue 15, session 30's red-team), against a
+worker in a process of its own (a SIGBUS there fails the test instead of ending pytest): a ring
+the caller could shrink under the worker is refused (only a memfd sealed against shrinking is
+a ring), a caller that never reads its replies stops being read from instead of growing the
+worker's buffers, and many lanes opened and dropped leave no descriptor, thread, ring or
+ticket behind."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import pytest
+
+from q6serve.client import core
+from q6serve.client.client import Client
+from q6serve.client.lane import REPLY, REQUEST, RING_BYTES, RING_SETUP, Lane
+from q6serve.service import lane as slane
+from tests.service.svc_util import random_q6k
+
+ROWS, K = 64, 256
+pytestmark = pytest.mark.skipif(not slane.ORDERED_STORES, reason="ring lanes: x86-64 only")
+
+
+class Worker:
+    """``q6serve worker`` (NumPy backend, regions allowed, ring lanes on) in its own process."""
+
+    def __init__(self, *extra: str) -> None:
+        env = dict(os.environ, Q6SERVE_LANE_RING="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "q6serve.client.cli", "worker", "--port", "0", "--backend",
+             "numpy", "--vram-budget", "64MiB", "--allow-shm", "--grace-period", "1", *extra],
+            stderr=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stderr is not None
+        first = self.proc.stderr.readline()
+        m = re.search(r"listening on (\S+:\d+)$", first.strip())
+        assert m, first
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        self.client = Client(m.group(1))
+        self.client.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+def _socket_lane(c: Client, region: Any) -> Lane:
+    path, ticket = c._run(core.open_lane_call(region.name), 10)
+    return Lane(region, path, ticket, ring=False)
+
+
+def _setup(lane: Lane, name: str) -> tuple[int, str]:
+    """A ring setup record naming ``name`` on a socket lane: the reply's (code, message)."""
+    raw = name.encode()
+    lane.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(raw), 0) + raw)
+    lane._read_into(lane._head)
+    _, code, msg_len, *_ = REPLY.unpack(lane._head)
+    return code, lane._read(msg_len).decode() if msg_len else ""
+
+
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("q6ring_test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_ring_the_caller_could_shrink_is_refused(worker: Worker) -> None:
+    """Each way a caller could hand the worker a ring and shrink it afterwards (a /dev/shm
+    object, as until session 30; an unsealed memfd): the setup is refused, or, taken, the
+    shrink fails; the worker answers on (before session 30 a shrunk ring's next look by the
+    worker's loop was a SIGBUS: the device process died)."""
+    c = worker.client
+    x = np.ones((1, K), np.float32)
+    want = c.matmul("w", x)
+    shm = shared_memory.SharedMemory(name="q6ring_hostile0", create=True,
+                                     size=RING_BYTES)
+    fds = {"unsealed": _memfd(RING_BYTES, 0),
+           "sealed_wrong_size": _memfd(RING_BYTES * 2, fcntl.F_SEAL_SHRINK),
+           "grow_only": _memfd(RING_BYTES, fcntl.F_SEAL_GROW)}
+    taken = []
+    try:
+        with c.register_shm("io", 1 << 16) as region:
+            for what, name, fd in (("shm", shm.name, shm._fd),  # type: ignore[attr-defined]
+                                   *((k, f"fd:{v}", v) for k, v in fds.items())):
+                with _socket_lane(c, region) as lane:
+                    code, msg = _setup(lane, name)
+                    assert code == 0 or (code == 3 and msg), (what, code, msg)  # INVALID_ARGUMENT
+                    if code == 0:
+                        taken.append(what)
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, 0)  # (shrinking a ring the worker maps)
+                        time.sleep(0.2)  # (the worker's loop looks at its rings)
+                    assert worker.alive(), (what, "".join(worker.log[-5:]))
+                    np.testing.assert_array_equal(c.matmul("w", x), want)
+            assert taken == [], taken
+            # a sealed memfd of the ring's size is a ring, and it cannot shrink
+            with c.open_lane(region) as lane:
+                assert lane.ring
+                np.testing.assert_array_equal(lane.matmul("w", x), want)
+    finally:
+        shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+        for fd in fds.values():
+            os.close(fd)
+    assert worker.alive()
