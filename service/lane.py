@@ -125,6 +125,7 @@ class LaneServer:
         self.direct = 0  # requests run by _direct (tests, benches)
         self.now = 0  # of which run here and now, on the direct path (Engine.run_now)
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
+        self.blocks = 0  # times a lane's unsent replies passed the high-water mark (tests)
         self.piped = 0  # of the direct ones, full batches run by _flush's pipeline (tests)
         self.cuda = 0  # of the direct ones, on a CUDA IPC region (_cuda) (tests)
         self.planned = 0  # of the piped ones, launched by their region's plan (_Plan) (tests)
@@ -229,7 +230,7 @@ class LaneServer:
         got = None
         unpack = SEQ.unpack_from
         for conn, ring in self._rings.items():
-            if conn.inflight:
+            if conn.inflight or conn.blocked:
                 continue  # (one request at a time on a ring: its next waits for the reply)
             s = unpack(ring.mv, R_SEQ)[0]
             if s != ring.seen:
@@ -700,7 +701,10 @@ class _LaneConn(asyncio.Protocol):
         self.ticket: Ticket | None = None
         self.uid = self.pid = -1  # the caller's (SO_PEERCRED, when it connected)
         self.inflight = 0  # requests read and not yet answered
-        self.paused = False
+        self.paused = False  # MAX_PIPELINED requests in the worker: reading paused
+        # the replies not yet sent past the transport's high-water mark (a caller that does
+        # not read them): reading paused, and a ring lane's ring not looked at, until they go
+        self.blocked = False
         self.tasks: set[asyncio.Task[None]] = set()  # requests run in a task (_one)
         self._timer: asyncio.TimerHandle | None = None
         self.ring: _Ring | None = None  # requests and replies through a ring (LaneServer)
@@ -741,7 +745,7 @@ class _LaneConn(asyncio.Protocol):
             self.server.poll()
             return
         pos = 0
-        while not self.paused and len(buf) - pos >= REQUEST.size:
+        while not (self.paused or self.blocked) and len(buf) - pos >= REQUEST.size:
             head = REQUEST.unpack_from(buf, pos)
             name_len = head[9]
             if name_len > MAX_NAME_BYTES:
@@ -793,9 +797,29 @@ class _LaneConn(asyncio.Protocol):
         self.inflight -= 1
         if self.paused and self.inflight < MAX_PIPELINED:
             self.paused = False
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
-                asyncio.get_running_loop().call_soon(self._parse)  # what waits in the buffer
+            self._resume()
+
+    def _resume(self) -> None:
+        """Reading again, unless paused for another reason (what waits in the buffer next)."""
+        if (not self.paused and not self.blocked and self.transport is not None
+                and not self.transport.is_closing()):
+            self.transport.resume_reading()
+            asyncio.get_running_loop().call_soon(self._parse)
+
+    def pause_writing(self) -> None:
+        """The replies not sent yet passed the high-water mark (the caller does not read
+        them): no more requests of this lane are read (a ring lane's ring is not looked at)
+        until they drain; its requests wait in the caller's socket or ring."""
+        self.blocked = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self.server.blocks += 1
+
+    def resume_writing(self) -> None:
+        self.blocked = False
+        self._resume()
+        if self.ring is not None:  # (a request may wait in the ring: look now)
+            self.server.poll()
 
     def connection_lost(self, exc: Exception | None) -> None:
         # requests in flight finish on the device (their regions let go); replies are dropped

@@ -136,3 +136,61 @@ def test_a_ring_the_caller_could_shrink_is_refused(worker: Worker) -> None:
         for fd in fds.values():
             os.close(fd)
     assert worker.alive()
+
+
+def test_a_caller_that_never_reads_its_replies_is_not_read_from(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket lane's caller that sends requests and never reads the replies: once the
+    worker's buffered replies pass the transport's high-water mark the worker stops reading
+    that lane (its requests wait in the caller's socket) instead of buffering replies without
+    end; read, every request is answered and the lane goes on (before session 30 the worker
+    kept reading and held every reply: ~56 bytes a request, without bound)."""
+    import dataclasses
+
+    from tests.dataplane.test_lane import BASE
+    from tests.service.svc_util import RunningWorker
+
+    servers: list[slane.LaneServer] = []
+    start = slane.LaneServer.start
+
+    async def kept(self: slane.LaneServer) -> None:
+        servers.append(self)
+        await start(self)
+
+    monkeypatch.setattr(slane.LaneServer, "start", kept)
+    w = RunningWorker(dataclasses.replace(BASE))
+    try:
+        c = w.client()
+        k = 512
+        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+        n = 20000
+        with c.register_shm("io", 1 << 16) as region:
+            region.ndarray(0, np.float32, (1, k))[...] = 1
+            lane = _socket_lane(c, region)
+            rec = REQUEST.pack(1, 1, k, 0, 8192, 2, 1, 0, 0, 1, 0) + b"w"
+            sent = threading.Thread(target=lambda: lane.sock.sendall(rec * n), daemon=True)
+            sent.start()
+            server = servers[0]
+            peak = 0
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                peak = max(peak, w.run(lambda: max(
+                    (t.get_write_buffer_size() for t in server._lanes), default=0)))
+                time.sleep(0.05)
+            # (asyncio's high-water mark, 64 KiB, and the replies of the requests in the
+            # worker when it passed: at most MAX_PIPELINED)
+            assert peak <= 65536 + slane.MAX_PIPELINED * REPLY.size, peak
+            assert w.run(lambda: server.blocks) >= 1
+            got = 0
+            while got < n:  # every request answered, in order, once read
+                lane._read_into(lane._head)
+                seq, code, msg_len, *_ = REPLY.unpack(lane._head)
+                assert seq == 1 and code == 0 and msg_len == 0, lane._read(msg_len)
+                got += 1
+            sent.join(10)
+            assert not sent.is_alive()
+            y = lane.matmul("w", np.ones((1, k), np.float32))
+            np.testing.assert_array_equal(y, c.matmul("w", np.ones((1, k), np.float32)))
+            lane.close()
+    finally:
+        w.stop()
