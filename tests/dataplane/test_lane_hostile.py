@@ -194,3 +194,68 @@ def test_a_caller_that_never_reads_its_replies_is_not_read_from(
             lane.close()
     finally:
         w.stop()
+
+
+def test_a_thousand_lanes_opened_and_dropped_leave_nothing(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """1,000 lanes (ring and socket, every fourth dropped with a request in flight, every
+    third without a word: its socket closed under it) opened and dropped: the worker is left
+    with no lane, ring, ticket or held region, and this process (worker and callers) with the
+    descriptors, threads and /dev/shm names it had before."""
+    import dataclasses
+    import gc
+
+    from tests.dataplane.test_lane import BASE
+    from tests.service.svc_util import RunningWorker
+
+    servers: list[slane.LaneServer] = []
+    start = slane.LaneServer.start
+
+    async def kept(self: slane.LaneServer) -> None:
+        servers.append(self)
+        await start(self)
+
+    monkeypatch.setattr(slane.LaneServer, "start", kept)
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
+    w = RunningWorker(dataclasses.replace(BASE))
+    try:
+        c = w.client()
+        k = 512
+        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+        x = np.ones((1, k), np.float32)
+        with c.register_shm("io", 1 << 16) as region:
+            want = c.matmul("w", x)
+            with c.open_lane(region) as lane:  # (the lane server started, its thread(s) too)
+                lane.matmul("w", x)
+            gc.collect()
+            fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+            shm = sorted(os.listdir("/dev/shm"))
+            for i in range(1000):
+                lane = c.open_lane(region, ring=i % 2 == 0)
+                assert lane.ring == (i % 2 == 0)
+                if i % 4 == 3:  # a request in flight when the caller goes
+                    rec = REQUEST.pack(1, 1, k, 0, 8192, 2, 1, 0, 0, 1, 0) + b"w"
+                    lane.sock.sendall(rec)
+                else:
+                    np.testing.assert_array_equal(lane.matmul("w", x), want)
+                if i % 3 == 0:
+                    lane.sock.close()  # without a word (its ring mapping left to close())
+                lane.close()
+            server = servers[0]
+
+            def left() -> tuple[int, ...]:
+                return (len(server._lanes), len(server._rings), len(server._tickets),
+                        sum(r.users for r in w.worker.regions._regions.values()))
+
+            deadline = time.monotonic() + 20
+            while w.run(left) != (0, 0, 0, 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert w.run(left) == (0, 0, 0, 0)
+            gc.collect()
+            assert len(os.listdir("/proc/self/fd")) <= fds
+            assert threading.active_count() <= threads
+            assert sorted(os.listdir("/dev/shm")) == shm
+            with c.open_lane(region) as lane:  # and lanes still open and serve
+                np.testing.assert_array_equal(lane.matmul("w", x), want)
+    finally:
+        w.stop()
