@@ -79,14 +79,42 @@ def check(y: np.ndarray, ref: np.ndarray) -> dict[str, Any]:
     return {"ok": ok, "max_rel_err": rel}
 
 
+def switches(pid: int | str, main: bool = False) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches so far of every thread of process ``pid``
+    ("self": this one), or (``main``) of its main thread only (a worker's event loop): a
+    voluntary one is a thread that blocked (and was woken since)."""
+    vol = inv = 0
+    task = Path(f"/proc/{pid}/task")
+    threads = [task / str(pid)] if main else (list(task.iterdir()) if task.exists() else [])
+    for t in threads:
+        try:
+            text = (t / "status").read_text()
+        except OSError:
+            continue  # (a thread gone meanwhile)
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                vol += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                inv += int(line.split()[1])
+    return vol, inv
+
+
 def lane_run(lane: Any, x: np.ndarray, y_off: int, seconds: float, warmup: float,
-             stamps: bool) -> dict[str, Any]:
+             stamps: bool, worker_pid: int | None = None) -> dict[str, Any]:
     """Closed-loop lane calls: walls, device and kernel seconds, and per call (seq) the
-    caller's stamps (t0, send, wake, end)."""
+    caller's stamps (t0, send, wake, end); over the timed calls, the worker's and this
+    process's context switches (``switches``) and this process's GC collections by
+    generation (``gc``)."""
+    import gc
+
     marks = lane_stamps.client_hooks(lane) if stamps else {}
     end = time.perf_counter() + warmup
     while time.perf_counter() < end:
         lane.matmul("w", x, y_offset=y_off)
+    gc0 = [g["collections"] for g in gc.get_stats()]
+    me0, w0 = switches("self"), switches(worker_pid) if worker_pid else (0, 0)
+    loop0 = switches(worker_pid, main=True) if worker_pid else (0, 0)
+    wall0 = time.time()
     rows: list[tuple[float, ...]] = []
     now = time.perf_counter
     end = now() + seconds
@@ -99,22 +127,44 @@ def lane_run(lane: Any, x: np.ndarray, y_off: int, seconds: float, warmup: float
         rows.append((lane._seq, t0, marks.get("send", np.nan), marks.get("wake", np.nan), t1,
                      np.nan if last.device_seconds is None else last.device_seconds,
                      np.nan if last.kernel_seconds is None else last.kernel_seconds))
-    return {"calls": np.asarray(rows)}
+    me1, w1 = switches("self"), switches(worker_pid) if worker_pid else (0, 0)
+    loop1 = switches(worker_pid, main=True) if worker_pid else (0, 0)
+    return {"calls": np.asarray(rows),
+            "gc": [g["collections"] - c for g, c in zip(gc.get_stats(), gc0, strict=True)],
+            "wall": (wall0, time.time()),  # (to match the worker's own logs)
+            "caller_switches": (me1[0] - me0[0], me1[1] - me0[1]),
+            "worker_switches": (w1[0] - w0[0], w1[1] - w0[1]) if worker_pid else None,
+            "loop_switches": (loop1[0] - loop0[0], loop1[1] - loop0[1]) if worker_pid else None}
 
 
 def summarize(name: str, run: dict[str, Any], worker_stamps: dict[int, Any] | None,
               ) -> dict[str, Any]:
     a = run["calls"]
     walls, dev, ker = a[:, 4] - a[:, 1], a[:, 5], a[:, 6]
-    p50, p99 = (float(np.percentile(walls, q) * 1e6) for q in (50, 99))
+    p50, p99, p999 = (float(np.percentile(walls, q) * 1e6) for q in (50, 99, 99.9))
     d50 = float(np.nanmedian(dev) * 1e6) if np.isfinite(dev).any() else 0.0
     k50 = float(np.nanmedian(ker) * 1e6) if np.isfinite(ker).any() else 0.0
     out: dict[str, Any] = {"calls": int(walls.size), "p50_us": p50, "p99_us": p99,
+                           "p999_us": p999, "max_us": float(walls.max() * 1e6),
                            "device_p50_us": d50, "kernel_p50_us": k50,
                            "p50_minus_device_us": p50 - d50, "p50_minus_kernel_us": p50 - k50}
     line = (f"{name:<16} calls {walls.size:>7}  p50 {p50:8.1f} us  p99 {p99:8.1f} us  device "
             f"p50 {d50:7.1f}  kernel p50 {k50:6.1f}  p50 - device {p50 - d50:7.1f}  p50 - "
-            f"kernel {p50 - k50:7.1f}")
+            f"kernel {p50 - k50:7.1f}  p99.9 {p999:8.1f}  max {out['max_us']:8.1f}")
+    if "caller_switches" in run:  # per call: wake-ups (voluntary switches), preemptions
+        n = max(walls.size, 1)
+        cs, ws = run["caller_switches"], run.get("worker_switches")
+        out["caller_switches_per_call"] = [cs[0] / n, cs[1] / n]
+        out["gc_collections"] = run["gc"]
+        out["wall"] = run["wall"]
+        line += (f"\n{'':17}per call: caller wakes {cs[0] / n:.2f} preempted {cs[1] / n:.3f}")
+        if ws is not None:
+            ls = run["loop_switches"]
+            out["worker_switches_per_call"] = [ws[0] / n, ws[1] / n]
+            out["loop_switches_per_call"] = [ls[0] / n, ls[1] / n]
+            line += (f"  worker wakes {ws[0] / n:.2f} preempted {ws[1] / n:.3f} (its loop "
+                     f"{ls[0] / n:.2f} / {ls[1] / n:.3f})")
+        line += f"  caller gc {'/'.join(map(str, run['gc']))} (gen 0/1/2 in the run)"
     for key in ("spun", "slept"):
         if key in run:
             out[key] = run[key]
@@ -161,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cpu", type=int, default=None,
                     help="pin this caller to that CPU (after starting the worker)")
     ap.add_argument("--worker-cpus", default="", help="the worker's --cpus (e.g. 0-6,8-14)")
+    ap.add_argument("--caller-gc", choices=("on", "off"), default="on",
+                    help="off: this process's cyclic GC disabled (gc.freeze, gc.disable) "
+                    "while the lanes run")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -190,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
                           extra)
     if a.client_cpu is not None:
         os.sched_setaffinity(0, {a.client_cpu})
+    worker_pid = worker.proc.pid if worker.proc is not None else None
+    if a.caller_gc == "off":
+        import gc
+
+        gc.freeze()
+        gc.disable()
     results: dict[str, Any] = {}
     lane_runs: dict[str, dict[str, Any]] = {}
     blocks = random_q6k(a.rows, a.k, 1)
@@ -235,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                             i = sum(n.startswith(f"lane {r} ") for n in lane_runs) + 1
                             name = f"lane {r} #{i}"
                             spun0 = ln.spun, ln.slept
-                            run = lane_run(ln, x, y_off, a.seconds, a.warmup, False)
+                            run = lane_run(ln, x, y_off, a.seconds, a.warmup, False,
+                                           worker_pid)
                             run["spun"], run["slept"] = ln.spun - spun0[0], ln.slept - spun0[1]
                             run["spin_us"] = ln.spin_us
                             lane_runs[name] = run
@@ -257,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                         if spin is not None:
                             lane.spin_us = spin
                         spun0 = getattr(lane, "spun", 0), getattr(lane, "slept", 0)
-                        run = lane_run(lane, x, y_off, a.seconds, a.warmup, a.stamps)
+                        run = lane_run(lane, x, y_off, a.seconds, a.warmup, a.stamps,
+                                       worker_pid)
                         if has_spin:
                             run["spun"] = lane.spun - spun0[0]
                             run["slept"] = lane.slept - spun0[1]
@@ -284,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in results.items():
             if name.startswith("lane "):
                 by.setdefault(name.split()[1], []).append(r)
-        for key in ("p50_us", "p50_minus_kernel_us", "p50_minus_device_us", "p99_us"):
+        for key in ("p50_us", "p50_minus_kernel_us", "p50_minus_device_us", "p99_us",
+                    "p999_us"):
             med = {v: float(np.median([r[key] for r in rs])) for v, rs in by.items()}
             pairs = list(zip(by.get("sock", []), by.get("ring", []), strict=False))
             won = sum(r[key] < s_[key] for s_, r in pairs)
