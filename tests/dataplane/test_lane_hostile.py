@@ -259,3 +259,21 @@ def test_a_thousand_lanes_opened_and_dropped_leave_nothing(monkeypatch: pytest.M
                 np.testing.assert_array_equal(lane.matmul("w", x), want)
     finally:
         w.stop()
+
+
+def test_one_ring_for_two_lanes_is_refused(worker: Worker) -> None:
+    """The same sealed block named by a second lane's setup (two lanes would take each
+    other's requests and replies): refused; the first lane's ring serves on."""
+    from q6serve.client.lane import ring_memfd
+
+    c = worker.client
+    fd = ring_memfd()
+    try:
+        with c.register_shm("io", 1 << 16) as region, _socket_lane(c, region) as one, \
+                _socket_lane(c, region) as two:
+            assert _setup(one, f"fd:{fd}") == (0, "")
+            code, msg = _setup(two, f"fd:{fd}")
+            assert code == 3 and "another lane" in msg, (code, msg)
+    finally:
+        os.close(fd)
+    assert worker.alive()
