@@ -154,6 +154,12 @@ class _ShmMapping(Mapping):
         self.end = src.offset + src.byte_size
         fd, st = open_shm_object(self.key)
         try:
+            # another user's object: its owner could shrink it under a call, and the worker's
+            # next access to the lost pages is a SIGBUS (the device process dies: session 30)
+            if st.st_uid != os.getuid():
+                raise InvalidArgument(f"shared-memory object {self.key!r} belongs to uid "
+                                      f"{st.st_uid}, not to this worker's user "
+                                      f"({os.getuid()}): a region must be its user's")
             if st.st_size < self.end:
                 raise InvalidArgument(f"region [{src.offset}, {self.end}) does not fit "
                                       f"shared-memory object {self.key!r} of {st.st_size} "

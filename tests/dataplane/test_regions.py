@@ -402,3 +402,24 @@ def test_region_views_cached_yet_checked_every_call() -> None:
         assert r._views == {} and r.mapping._mm.closed  # no view kept it mapped
     finally:
         shm.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's object takes root")
+def test_another_users_object_is_no_region(weight: Any) -> None:
+    """A shared-memory object of another user (here: made by root, handed to uid 65534) is
+    refused at registration: its owner could shrink it under a call, and the worker's next
+    access to the lost pages would be a SIGBUS (session 30); the worker's own user's object
+    registers."""
+    _w, c, _ = weight
+    shm = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        os.fchown(shm._fd, 65534, 65534)  # type: ignore[attr-defined]
+        region = ShmRegion("theirs", shm, owned=False)
+        code, msg = code_of(lambda: c.register_region(region))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "uid 65534" in msg, msg
+        os.fchown(shm._fd, 0, 0)  # type: ignore[attr-defined]
+        c.register_region(region)
+        c.unregister_region("theirs")
+    finally:
+        shm.close()
+        shm.unlink()
