@@ -48,7 +48,8 @@ class Worker:
         assert m, first
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        self.client = Client(m.group(1))
+        self.target = m.group(1)
+        self.client = Client(self.target)
         self.client.upload("w", random_q6k(ROWS, K, 1), ROWS, K)
 
     def alive(self) -> bool:
@@ -277,3 +278,49 @@ def test_one_ring_for_two_lanes_is_refused(worker: Worker) -> None:
     finally:
         os.close(fd)
     assert worker.alive()
+
+
+def test_a_scribbled_ring_and_a_caller_killed_mid_call(worker: Worker) -> None:
+    """A ring whose request half (seq, record, flag, name) is overwritten with random bytes
+    as fast as a thread can for half a second (racing seqs, torn records), then a caller
+    process SIGKILLed in the middle of its ring calls: the worker lives and serves new lanes."""
+    c = worker.client
+    x = np.ones((1, K), np.float32)
+    want = c.matmul("w", x)
+    rng = np.random.default_rng(5)
+    with c.register_shm("io", 1 << 16) as region:
+        lane = c.open_lane(region)
+        assert lane.ring
+        lane.matmul("w", x)
+        ring, stop = lane._ring, time.monotonic() + 0.5
+        assert ring is not None
+        junk = rng.bytes(1 << 16)
+        i = 0
+        while time.monotonic() < stop:
+            at = i % ((1 << 16) - 256)
+            ring[0 : slane.R_RSEQ] = junk[at : at + slane.R_RSEQ]
+            ring[slane.R_NAME : slane.R_NAME + 64] = junk[at : at + 64]
+            i += 97
+        time.sleep(0.2)
+        assert worker.alive(), "".join(worker.log[-5:])
+        lane.close()
+        with c.open_lane(region) as again:
+            np.testing.assert_array_equal(again.matmul("w", x), want)
+    code = (f"import numpy as np\nfrom q6serve.client.client import Client\n"
+            f"c = Client({worker.target!r})\nr = c.register_shm('killed', 1 << 16)\n"
+            f"lane = c.open_lane(r)\nprint(lane.ring, flush=True)\n"
+            f"x = np.ones((1, {K}), np.float32)\nwhile True:\n    lane.matmul('w', x)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "True"
+        time.sleep(0.3)  # (calls in flight)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    time.sleep(0.2)
+    assert worker.alive(), "".join(worker.log[-5:])
+    with c.register_shm("io2", 1 << 16) as region, c.open_lane(region) as lane:
+        np.testing.assert_array_equal(lane.matmul("w", x), want)
