@@ -75,6 +75,20 @@ def worker() -> Iterator[Worker]:
         w.stop()
 
 
+@pytest.fixture
+def servers(monkeypatch: pytest.MonkeyPatch) -> list[slane.LaneServer]:
+    """The lane servers an in-process worker starts (a plain Worker keeps none)."""
+    got: list[slane.LaneServer] = []
+    start = slane.LaneServer.start
+
+    async def kept(self: slane.LaneServer) -> None:
+        got.append(self)
+        await start(self)
+
+    monkeypatch.setattr(slane.LaneServer, "start", kept)
+    return got
+
+
 def _socket_lane(c: Client, region: Any) -> Lane:
     path, ticket = c._run(core.open_lane_call(region.name), 10)
     return Lane(region, path, ticket, ring=False)
@@ -140,7 +154,7 @@ def test_a_ring_the_caller_could_shrink_is_refused(worker: Worker) -> None:
 
 
 def test_a_caller_that_never_reads_its_replies_is_not_read_from(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        servers: list[slane.LaneServer]) -> None:
     """A socket lane's caller that sends requests and never reads the replies: once the
     worker's buffered replies pass the transport's high-water mark the worker stops reading
     that lane (its requests wait in the caller's socket) instead of buffering replies without
@@ -151,14 +165,6 @@ def test_a_caller_that_never_reads_its_replies_is_not_read_from(
     from tests.dataplane.test_lane import BASE
     from tests.service.svc_util import RunningWorker
 
-    servers: list[slane.LaneServer] = []
-    start = slane.LaneServer.start
-
-    async def kept(self: slane.LaneServer) -> None:
-        servers.append(self)
-        await start(self)
-
-    monkeypatch.setattr(slane.LaneServer, "start", kept)
     w = RunningWorker(dataclasses.replace(BASE))
     try:
         c = w.client()
@@ -197,8 +203,8 @@ def test_a_caller_that_never_reads_its_replies_is_not_read_from(
         w.stop()
 
 
-def test_a_thousand_lanes_opened_and_dropped_leave_nothing(monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
+def test_a_thousand_lanes_opened_and_dropped_leave_nothing(
+        servers: list[slane.LaneServer], monkeypatch: pytest.MonkeyPatch) -> None:
     """1,000 lanes (ring and socket, every fourth dropped with a request in flight, every
     third without a word: its socket closed under it) opened and dropped: the worker is left
     with no lane, ring, ticket or held region, and this process (worker and callers) with the
@@ -209,14 +215,6 @@ def test_a_thousand_lanes_opened_and_dropped_leave_nothing(monkeypatch: pytest.M
     from tests.dataplane.test_lane import BASE
     from tests.service.svc_util import RunningWorker
 
-    servers: list[slane.LaneServer] = []
-    start = slane.LaneServer.start
-
-    async def kept(self: slane.LaneServer) -> None:
-        servers.append(self)
-        await start(self)
-
-    monkeypatch.setattr(slane.LaneServer, "start", kept)
     monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
     w = RunningWorker(dataclasses.replace(BASE))
     try:
