@@ -301,6 +301,7 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
     from q6serve.client.client import Client
 
     counts = [0] * callers
+    rings = [False] * callers  # (each lane: over its ring, or the socket)
     lat: list[list[float]] = [[] for _ in range(callers)]
     kern: list[list[float]] = [[] for _ in range(callers)]  # the replies' kernel seconds
     start = threading.Barrier(callers)
@@ -311,6 +312,7 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
         with Client(target) as c, (c.register_cuda_ipc(f"lane{idx}_{i}", size) if cuda else
                                    c.register_shm(f"lane{idx}_{i}", size)) as region, \
                 c.open_lane(region) as lane:
+            rings[i] = lane.ring
             x: Any = np.ones((n, k), np.float16)
             if cuda:
                 import cupy
@@ -335,14 +337,14 @@ def _lane_host(target: str, callers: int, seconds: float, warmup: float, n: int,
     for t in threads:
         t.join()
     out.put((sum(counts), seconds, [v for li in lat for v in li],
-             [v for li in kern for v in li]))
+             [v for li in kern for v in li], sum(rings)))
 
 
 def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: float, n: int,
                k: int, rows: int, cuda: bool = False,
-               ) -> tuple[int, float, np.ndarray, np.ndarray]:
-    """(calls in the timed window, its seconds, latencies, the replies' kernel seconds) of
-    ``hosts`` load processes."""
+               ) -> tuple[int, float, np.ndarray, np.ndarray, int]:
+    """(calls in the timed window, its seconds, latencies, the replies' kernel seconds, the
+    lanes over a ring) of ``hosts`` load processes."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -356,7 +358,7 @@ def _lane_load(target: str, hosts: int, callers: int, seconds: float, warmup: fl
     for p in procs:
         p.join(30)
     return (sum(g[0] for g in got), seconds, np.array([v for g in got for v in g[2]]),
-            np.array([v for g in got for v in g[3]]))
+            np.array([v for g in got for v in g[3]]), sum(g[4] for g in got))
 
 
 def proxy_cpu(callers: int, calls: int = 20000) -> float:
@@ -439,9 +441,11 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
     reply_bytes = 0.0
     part_p99: dict[str, float] = {}
     kernel_p50 = float("nan")  # (--lane: the replies' kernel p50, as bench/service.py's T3)
+    ring_lanes = -1  # (--lane: how many of the lanes went over their ring)
     if a.lane:  # calls/s of the timed window; CPU includes the setup and the warm-up
-        calls, wall, lat, kern = _lane_load(target, hosts, callers, a.seconds, a.warmup, a.n, a.k,
-                                      a.rows, a.region == "cuda")
+        calls, wall, lat, kern, ring_lanes = _lane_load(target, hosts, callers, a.seconds,
+                                                        a.warmup, a.n, a.k, a.rows,
+                                                        a.region == "cuda")
         if np.isfinite(kern).any():
             kernel_p50 = float(np.nanpercentile(kern, 50))
     else:
@@ -478,7 +482,9 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
           f"NumPy kernel {kernel * 1e6:.0f}, the rest {(device - kernel) * 1e6:.0f}), "
           f"front ends {sum(used[p] for p in fronts) / calls * 1e6:.0f} us; "
           f"{b1 - b0:.0f} batches of {(r1 - r0) / n_batches:.1f} rows; latency p50 "
-          f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s", flush=True)
+          f"{p50:,.0f} us, p99 {p99:,.0f} us; {calls * a.n / wall:,.0f} rows/s"
+          + (f"; ring lanes {ring_lanes} of {hosts * callers}" if ring_lanes >= 0 else ""),
+          flush=True)
     if np.isfinite(kernel_p50):  # T3's fraction as bench/service.py counts it
         print(f"#   kernel p50 {kernel_p50 * 1e6:.1f} us: the kernel alone "
               f"{a.n / kernel_p50:,.0f} rows/s, this load {calls * kernel_p50 / wall:.3f} of it",
@@ -494,6 +500,7 @@ def one_load(a: argparse.Namespace, target: str, metrics_url: str, spawned: int,
                                                       for k, v in part_p99.items()), flush=True)
     result: dict[str, Any] = {
         "backend": a.backend, "frontends": a.frontends, "path": path, "hosts": hosts,
+        "ring_lanes": ring_lanes,
         "callers": callers, "calls": calls, "calls_per_s": calls / wall,
         "device_cpu_us_per_call": device * 1e6, "device_window_cpu_us_per_call": window * 1e6,
         "frontends_cpu_us_per_call": sum(used[p] for p in fronts) / calls * 1e6,
