@@ -19,6 +19,8 @@ import numpy as np
 
 from ..errors import DeviceError
 
+_H2D, _D2H, _D2D = 1, 2, 3  # cudaMemcpyKind
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1  # cuBLAS
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4),

@@ -15,7 +15,7 @@ import pytest
 
 from q6serve.kernels.cuda import driver
 from q6serve.kernels.cuda import launch as lm
-from q6serve.kernels.errors import InvalidArgument
+from q6serve.kernels.errors import DeviceError, InvalidArgument
 
 
 def test_struct_layouts_match_the_driver_headers():
@@ -49,7 +49,7 @@ def test_launch_pdl_passes_config_attribute_and_argument_values(monkeypatch):
     assert seen == dict(grid=(7, 1, 1), block=(256, 1, 1), smem=1024, stream=0x5150, n=1,
                         id=6, allowed=1, func=0xF00D, extra=None, u=1 << 40, i=-3, q=5 << 33)
 
-    with pytest.raises(lm.DeviceError, match="cuLaunchKernelEx"):
+    with pytest.raises(DeviceError, match="cuLaunchKernelEx"):
         driver.launch_pdl(lambda *a: 1, fn, (1, 2, 3), 32, (np.int32(0),), 0)
 
 
