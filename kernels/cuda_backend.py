@@ -7,9 +7,11 @@
 - ``kernels/cuda/dispatch.py`` - **which kernel and launch shape a call gets**: the measured
   table ``kernels/cuda/dispatch_h200.json`` (``bench/kernels.py --tune``) and the heuristics
   for shapes far from it, under the kill switches;
-- ``kernels/cuda/launch.py`` - launch plans (grid, K split), the per-backend pinned/device
-  buffers, the launch sequence per (weight, N) (a CUDA graph from its second call), the
-  kernel-only events and the one sync per batch.
+- ``kernels/cuda/launcher.py`` - how a call runs: launch plans (grid, K split; plans.py),
+  the per-backend pinned/device buffers (workspace.py), the launch sequence per (weight, N)
+  (a CUDA graph from its second call; sequence.py), the kernel-only events and the one sync
+  per batch, and the cached calls (bound_call.py, region_call.py, many.py); its design and
+  measured settings are ``kernels/cuda/launch.py``'s.
 
 Kernel names carry the layout (``cuda.mma_f16.soa``); the AoS twins run the same code with
 the AoS address arithmetic and the same grid, so their results are bit-identical.
@@ -56,7 +58,9 @@ from .cuda.dispatch import (
     default_cfg,
     load_default_table,
 )
-from .cuda.launch import BATCH_SLOTS, IN_TYPES, SLOTS, Launcher, RegionCall
+from .cuda.launch import BATCH_SLOTS, IN_TYPES, SLOTS
+from .cuda.launcher import Launcher
+from .cuda.region_call import RegionCall
 from .cuda.storage import CudaWeight, Storage, pairs_from_env, weight_data
 from .errors import DeviceError, FormatError
 from .hostio import HostIO
