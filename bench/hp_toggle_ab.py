@@ -2,9 +2,10 @@
 worker, started with bench/hp_site on its PYTHONPATH and ``HP_ALT_<NAME>=<INT>`` (launch.py
 constants read per call, e.g. NT_FILL_MIN), is switched before each run by a signal: ``alt``
 (SIGUSR1, the HP_ALT values) or ``def`` (SIGUSR2, the tree's values). Same calls, host and
-figures as ``bench/replay_ab.py`` (bench/service_replay.run_replay; its helpers), but no
-second worker: replay_ab's one-worker-per-variant A/Bs read a worker's own speed (workers of
-one tree differed by 10-15% in every call kind in session 28's bundle A), this one does not.
+figures as ``bench/replay_ab.py`` (bench/service_replay.run_replay; replay_ab's model upload,
+give_model, and run, one_run), but no second worker: replay_ab's one-worker-per-variant A/Bs
+read a worker's own speed (workers of one tree differed by 10-15% in every call kind in
+session 28's bundle A), this one does not.
 
     PYTHONPATH=bench/hp_site python3 bench/hp_toggle_ab.py --alt NT_FILL_MIN=262144 \
         --order def,alt,alt,def --seqs 1,8 --seconds 1.0 --json out.json
@@ -28,15 +29,11 @@ import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from replay_ab import HOST_EE, ROLE_FIELDS, start, worker_env
-from service_replay import LAYERS, WARM_STEPS, ReplaySpec, model_weights, run_replay, step_plan
-
-from q6serve.kernels import q6k
+from replay_ab import HOST_EE, give_model, one_run, start, worker_env
+from service_replay import LAYERS, WARM_STEPS, ReplaySpec, run_replay, step_plan
 
 SIGNALS = {"def": signal.SIGUSR2, "alt": signal.SIGUSR1}
 DMA_PATH = "/dev/cpu_dma_latency"
@@ -145,16 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         st = client.status()
         doc["backend"], doc["device"] = st.backend, st.device
-        weights = model_weights(a.layers, a.scale)
-        data = {}
-        for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
-            data[(rows, k)] = q6k.random_blocks(rows, k, np.random.default_rng(100 + i))
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda j: client.upload(j[0], data[(j[1], j[2])], j[1], j[2]),
-                          weights))
-        print(f"# worker given {len(weights)} weights in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        weights = give_model([client], a.layers, a.scale)
         client.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
         rows = {name: r for name, r, _ in weights}
         plan = tuple(step_plan(a.layers, rows, a.multi == "on", a.topk))
@@ -169,34 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
             for s in seqs:
                 label = f"{v}_{seen[v]} S={s}"
-                t_run = time.perf_counter()
-                if t_run - t_start + need.get(s, a.seconds + a.warmup + 4.0) > a.bound:
-                    print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}",
-                          flush=True)
-                    doc["errors"].append({"run": label, "error": "skipped (bound)"})
-                    continue
                 spec = ReplaySpec(w.target, plan, s, a.seconds, a.warmup, WARM_STEPS, "stream",
                                   "f16", PRECISIONS[a.precision], "f16", 0.0, "arrays", 0,
                                   "aio", (), 1, HOST_EE.get(""))
-                try:
-                    st_, _, roles = run_replay(spec, 1, {})
-                    if doc["runs"]:
-                        need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
-                except Exception as e:
-                    print(f"# {label} FAILED: {e}", flush=True)
-                    doc["errors"].append({"run": label, "error": repr(e)[:2000]})
-                    save()
+                fig = one_run(doc, label, s, need, t_start, a, save,
+                              lambda spec=spec: run_replay(spec, 1, {}))
+                if fig is None:
                     continue
-                ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
-                      if f not in ("kernel_missing", "stamped")}
-                r = {"state": v, "round": seen[v], "seqs": s, "label": label,
-                     "calls_per_step": len(plan), "steps": int(st_["e2e"].size),
-                     "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
-                     "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
-                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
-                     "roles_p50_us": {role: {f: (x if f == "calls" else x * 1e6)
-                                             for f, x in got.items() if f in ROLE_FIELDS}
-                                      for role, got in roles.items()}}
+                r = {"state": v, "round": seen[v], "calls_per_step": len(plan), **fig}
                 doc["runs"].append(r)
                 save()
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps, "

@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,68 @@ def worker_env(w: WorkerProcess) -> dict[str, str]:
     return {k: v for k, _, v in pairs if k.startswith("Q6SERVE_") or k == "GLIBC_TUNABLES"}
 
 
+def give_model(clients: list[Any], layers: int, scale: float) -> list[tuple[str, int, int]]:
+    """The synthetic model (service_replay.model_weights: (name, rows, K) per weight) uploaded
+    to every one of ``clients`` (q6serve Clients), 4 uploads a client at once; said in one
+    line."""
+    weights = model_weights(layers, scale)
+    data = {}
+    for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
+        data[(rows, k)] = q6k.random_blocks(rows, k, np.random.default_rng(100 + i))
+    t0 = time.perf_counter()
+    jobs = [(c, name, rows, k) for c in clients for name, rows, k in weights]
+    with ThreadPoolExecutor(4 * len(clients)) as pool:
+        list(pool.map(lambda j: j[0].upload(j[1], data[(j[2], j[3])], j[2], j[3]), jobs))
+    total = sum(data[(r, k)].nbytes for _, r, k in weights)
+    print(f"# {len(clients)} workers given {len(weights)} weights each ({total / 1e9:.2f} GB "
+          f"of Q6_K) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return weights
+
+
+def one_run(doc: dict[str, Any], label: str, seqs: int, need: dict[int, float],
+            t_start: float, a: argparse.Namespace, save: Callable[[], None],
+            run: Callable[[], tuple[dict[str, Any], float, dict[str, Any]]],
+            ) -> dict[str, Any] | None:
+    """One replay run of an A/B's loop (this file's, bench/hp_toggle_ab.py's): not started
+    where it would end past ``a.bound`` s after ``t_start`` (said, noted in ``doc["errors"]``;
+    None), else ``run()`` (service_replay.run_replay's (stats, wall, roles)); a failure is said
+    and noted (None); else the run's figures: step p50 / p99 and steps/s, each step part's
+    p50 (ms), per call role each ROLE_FIELDS p50 (us). ``need`` (per S): what a run takes,
+    its host process's start included: a guess until one has run, then the shortest seen and
+    1 s, the call's first run left out (a fixed guess of 4 s over the timed part skipped runs
+    that fitted: a run's start and warm-up take ~1-1.5 s on the H200; so did the longest or
+    the last seen: the call's first run took 5.0-6.4 s against 2.1-2.9 for every later one,
+    session 18 bundles B and C; a run longer than its estimate ends inside the reserve the
+    scripts keep after --bound)."""
+    t_run = time.perf_counter()
+    if t_run - t_start + need.get(seqs, a.seconds + a.warmup + 4.0) > a.bound:
+        print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}", flush=True)
+        doc["errors"].append({"run": label, "error": "skipped (bound)"})
+        return None
+    try:
+        st_, wall, roles = run()
+        if doc["runs"]:  # (this run is not yet in them: not the first)
+            need[seqs] = min(need.get(seqs, 1e9), time.perf_counter() - t_run + 1.0)
+    except Exception as e:
+        print(f"# {label} FAILED: {e}", flush=True)
+        doc["errors"].append({"run": label, "error": repr(e)[:2000]})
+        save()
+        return None
+    ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
+          if f not in ("kernel_missing", "stamped")}
+    return {"seqs": seqs, "label": label, "steps": int(st_["e2e"].size),
+            "steps_per_s": st_["e2e"].size / wall,
+            "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
+            "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
+            "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
+            "run_s": time.perf_counter() - t_run,
+            # per call role, the p50 us of a call's parts (what bench/replay_echo.py
+            # --holds-from holds an echo's calls for, and sets its round trips beside)
+            "roles_p50_us": {role: {f: (x if f == "calls" else x * 1e6)
+                                    for f, x in got.items() if f in ROLE_FIELDS}
+                             for role, got in roles.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     from q6serve.client.client import PRECISIONS, Client
 
@@ -246,40 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         st = next(iter(clients.values())).status()
         doc["backend"], doc["device"] = st.backend, st.device
-        weights = model_weights(a.layers, a.scale)
-        data = {}
-        for i, (rows, k) in enumerate(sorted({(r, k) for _, r, k in weights})):
-            data[(rows, k)] = q6k.random_blocks(rows, k, np.random.default_rng(100 + i))
-        t0 = time.perf_counter()
-        jobs = [(v, name, rows, k) for v in clients for name, rows, k in weights]
-        with ThreadPoolExecutor(4 * len(clients)) as pool:
-            list(pool.map(lambda j: clients[j[0]].upload(j[1], data[(j[2], j[3])], j[2], j[3]),
-                          jobs))
-        total = sum(data[(r, k)].nbytes for _, r, k in weights)
-        print(f"# {len(clients)} workers given {len(weights)} weights each ({total / 1e9:.2f} GB "
-              f"of Q6_K) in {time.perf_counter() - t0:.1f} s", flush=True)
+        weights = give_model(list(clients.values()), a.layers, a.scale)
         for c in clients.values():
             c.flags({"Q6SERVE_DYNAMIC_BATCHING": True})
         rows = {name: r for name, r, _ in weights}
         plans = {m: tuple(step_plan(a.layers, rows, m == "on", a.topk)) for m in ("on", "off")}
-        # what a run at S takes, its host process's start included: a guess until one has
-        # run, then the shortest seen and 1 s, the call's first run left out (a fixed guess of
-        # 4 s over the timed part skipped runs that fitted: a run's start and warm-up take
-        # ~1-1.5 s on the H200; so did the longest or the last seen: the call's first run took
-        # 5.0-6.4 s against 2.1-2.9 for every later one, session 18 bundles B and C; a run
-        # longer than its estimate ends inside the reserve the scripts keep after --bound)
-        need: dict[int, float] = {}
+        need: dict[int, float] = {}  # what a run at S takes (one_run)
         seen: dict[str, int] = {}
         for v in order:
             seen[v] = seen.get(v, 0) + 1
             for s in seqs:
                 label = f"{v}_{seen[v]} S={s}"
-                t_run = time.perf_counter()
-                if t_run - t_start + need.get(s, a.seconds + a.warmup + 4.0) > a.bound:
-                    print(f"# {label} skipped: {time.perf_counter() - t_start:.0f} s of "
-                          f"{a.bound:.0f}", flush=True)
-                    doc["errors"].append({"run": label, "error": "skipped (bound)"})
-                    continue
                 host = split_variant(variants[v])[1]
                 plan = plans[host.get("host.multi", a.multi)]
                 chains = host.get("host.chains", 1)
@@ -300,32 +340,19 @@ def main(argv: list[str] | None = None) -> int:
                                   host.get("host.ahead", "off") == "on")
                 info: dict[str, Any] = {}
                 held = SystemHold(host.get("sys.hold", ""))
-                try:
+
+                def go(spec: ReplaySpec = spec, held: SystemHold = held,
+                       info: dict[str, Any] = info) -> tuple[dict[str, Any], float, Any]:
                     with held:
-                        st_, wall, roles = run_replay(spec, 1, info)
-                    if doc["runs"]:  # (this run is not yet in them: not the first)
-                        need[s] = min(need.get(s, 1e9), time.perf_counter() - t_run + 1.0)
-                except Exception as e:
-                    print(f"# {label} FAILED: {e}", flush=True)
-                    doc["errors"].append({"run": label, "error": repr(e)[:2000]})
-                    save()
+                        return run_replay(spec, 1, info)
+
+                fig = one_run(doc, label, s, need, t_start, a, save, go)
+                if fig is None:
                     continue
-                ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
-                      if f not in ("kernel_missing", "stamped")}
-                r = {"variant": v, "round": seen[v], "seqs": s, "label": label,
-                     "calls_per_step": len(plan), "steps": int(st_["e2e"].size),
-                     "steps_per_s": st_["e2e"].size / wall,
-                     "step_p50_ms": float(np.percentile(st_["e2e"], 50) * 1e3),
-                     "step_p99_ms": float(np.percentile(st_["e2e"], 99) * 1e3),
-                     "step_parts_p50_ms": ms, "t": time.perf_counter() - t_start,
-                     "run_s": time.perf_counter() - t_run, "hold": held.info,
+                r = {"variant": v, "round": seen[v], "calls_per_step": len(plan), **fig,
+                     "hold": held.info,
                      # the host's GRPC_EXPERIMENTS as its gRPC read it (None: unset)
-                     "host_grpc_experiments": info.get("grpc_experiments", [None])[0],
-                     # per call role, the p50 us of a call's parts (what bench/replay_echo.py
-                     # --holds-from holds an echo's calls for, and sets its round trips beside)
-                     "roles_p50_us": {role: {f: (v if f == "calls" else v * 1e6)
-                                             for f, v in got.items() if f in ROLE_FIELDS}
-                                      for role, got in roles.items()}}
+                     "host_grpc_experiments": info.get("grpc_experiments", [None])[0]}
                 doc["runs"].append(r)
                 save()
                 print(f"# {label}: step p50 {r['step_p50_ms']:.2f} ms ({r['steps']} steps; "
