@@ -6,6 +6,7 @@
 #   gpu_session /tmp/NAME                 # install; logs in $OUT=/tmp/NAME, results in $FINAL
 #   BOUND=${BOUND:-100}                   # the bundle's bound, s from the start (unset: none)
 #   step NAME LIMIT CMD...                # one command, cut to LIMIT s and to the bound
+#   step_if NEED NAME LIMIT CMD...        # the same where NEED s are still left in the bound
 #   ab_runs NEED FN "a" "b:Q6SERVE_X=1" "b:Q6SERVE_X=1" "a"   # alternated variants
 #   { grep ... "$OUT"/*.log; } | table    # the short table, printed last; every log archived
 #
@@ -140,6 +141,20 @@ step() {
   return "$rc"
 }
 steps() { printf '%s\n' "${STEPS[@]}"; }
+# step_if NEED NAME LIMIT CMD...: `step NAME LIMIT CMD...` where NEED more seconds still end
+# inside BOUND (`left NEED`), else not started and recorded as step records one with no time
+# left (rc 124, "skipped" in steps.tsv, STEPS and progress.txt), so what did not fit shows in
+# the table. In place of `left N && step ...` (nothing recorded) and `if left N; then step ...;
+# else note ...; fi`.
+step_if() {
+  local need=$1
+  shift
+  if left "$need"; then
+    step "$@"
+  else
+    step "$1" 0 "${@:3}"
+  fi
+}
 
 # ab_runs NEED FN VARIANT...: an alternated A/B. Calls `FN RUN NAME` once per VARIANT, in the
 # order given (e.g. "a b b a": a drift of the machine then weighs on both sides alike), RUN =
