@@ -322,3 +322,75 @@ def test_a_scribbled_ring_and_a_caller_killed_mid_call(worker: Worker) -> None:
     assert worker.alive(), "".join(worker.log[-5:])
     with c.register_shm("io2", 1 << 16) as region, c.open_lane(region) as lane:
         np.testing.assert_array_equal(lane.matmul("w", x), want)
+
+
+def test_a_ring_caller_that_never_reads_its_doorbells_is_not_polled(
+        servers: list[slane.LaneServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring lane's caller that says it sleeps (its flag set) and never reads the doorbells
+    the worker writes for it: once the unsent doorbells pass the high-water mark (made small
+    here, and the sockets' buffers too, so that it comes within a few thousand requests) the
+    worker stops taking that ring's requests instead of buffering a doorbell per reply
+    without end; the doorbells read, the waiting request is answered."""
+    import dataclasses
+    import socket as so
+
+    from q6serve.client.lane import FLAG, R_CSLEEP, R_NAME, R_REQ, R_RSEQ, R_SEQ, R_WSLEEP
+    from tests.dataplane.test_lane import BASE
+    from tests.service.svc_util import RunningWorker
+
+    monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
+    w = RunningWorker(dataclasses.replace(BASE))
+    try:
+        c = w.client()
+        k = 512
+        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+        with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
+            region.ndarray(0, np.float32, (1, k))[...] = 1
+            assert lane.ring
+            lane.matmul("w", np.ones((1, k), np.float32))
+            server = servers[0]
+            conn = w.run(lambda: next(iter(server._rings)))
+
+            def small() -> None:
+                conn.transport.set_write_buffer_limits(high=64)
+                conn.transport.get_extra_info("socket").setsockopt(so.SOL_SOCKET,
+                                                                   so.SO_SNDBUF, 1)
+
+            w.run(small)
+            lane.sock.setsockopt(so.SOL_SOCKET, so.SO_RCVBUF, 1)
+            mv = lane._ring
+            assert mv is not None
+            FLAG.pack_into(mv, R_CSLEEP, 1)  # "asleep": a doorbell for every reply
+            mv[R_NAME : R_NAME + 1] = b"w"
+            mv[R_REQ : R_REQ + REQUEST.size] = REQUEST.pack(0, 1, k, 0, 8192, 2, 1, 0, 0, 1, 0)
+            seq, blocked = lane._seq, False
+
+            def is_blocked() -> bool:
+                return bool(getattr(conn, "blocked", False))
+
+            while not blocked and seq < lane._seq + 100000:
+                seq += 1
+                slane.SEQ.pack_into(mv, R_SEQ, seq)
+                if FLAG.unpack_from(mv, R_WSLEEP)[0]:
+                    os.write(lane.sock.fileno(), b"\x01")
+                t0 = time.monotonic()
+                while slane.SEQ.unpack_from(mv, R_RSEQ)[0] != seq:
+                    waited = time.monotonic() - t0
+                    if waited > 0.2 and w.run(is_blocked):
+                        blocked = True  # (not taken: the worker stopped looking)
+                        break
+                    assert waited < 30, f"request {seq} neither answered nor held back"
+            assert blocked, "every request was taken: no back-pressure"
+            assert w.run(lambda: server.blocks) == 1
+            time.sleep(0.3)
+            assert slane.SEQ.unpack_from(mv, R_RSEQ)[0] != seq  # (held back while blocked)
+            # the doorbells read: the worker writes again, looks at the ring, answers
+            end = time.monotonic() + 10
+            lane.sock.setblocking(False)
+            while slane.SEQ.unpack_from(mv, R_RSEQ)[0] != seq and time.monotonic() < end:
+                with contextlib.suppress(BlockingIOError):
+                    lane.sock.recv(65536)
+            assert slane.SEQ.unpack_from(mv, R_RSEQ)[0] == seq
+            assert not w.run(lambda: conn.blocked)
+    finally:
+        w.stop()
