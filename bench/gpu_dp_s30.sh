@@ -10,11 +10,15 @@
 # thread apart) and preemptions, the caller's GC collections in the run.
 #  a (bound 100 s): 1. LL_PAIRS pairs (default 4: sock ring ring sock x 2), LL_S s a run, the
 #    caller's defaults (spin 1000 us on >= 8 cores): the answer (ring lower in how many pairs,
-#    p50 / p99 / p99.9 medians a way). 2. the same, 2 pairs, the caller's GC off (gc.freeze,
-#    gc.disable: is a collection in the caller the ring's tail?). 3. the same, 2 pairs, the
-#    caller's spin 5000 us (Q6SERVE_LANE_SPIN_US: does the caller's sleep path, flag + 20 us
-#    re-check + poll + doorbell, make the ring's tail?). Read: wakes per call ~0 with the spin
-#    = the reply came within it; a ring tail that stays with no wakes is the worker's side.
+#    p50 / p99 / p99.9 medians a way). 2. 2 pairs stamped on both sides (--stamps, bench/
+#    lane_stamps.py: each call's up / pre_job / job / post_job / down, and the slowest 1%'s
+#    mean of each: WHICH part makes the ring's tail; on CPU, session 30, the ring's slowest 1%
+#    was "down" and "up", the worker's reply to the caller's wake and back). 3. 2 pairs with
+#    the caller's spin 5000 us (Q6SERVE_LANE_SPIN_US: does the caller's sleep path, flag + 20
+#    us re-check + poll + doorbell, make the ring's tail?). 4. 2 pairs with the caller's GC off
+#    (gc.freeze, gc.disable; on CPU no collection came near the tail). Read: wakes per call ~0
+#    with the spin = the reply came within it; a ring tail that stays with no wakes is the
+#    worker's side.
 #  b (bound 100 s): 1. LL_PAIRS pairs with the caller pinned away from the worker
 #    (--client-cpu CLIENT_CPU, --worker-cpus WORKER_CPUS: two spinning threads sharing a core or
 #    its sibling?). 2. T3's shape through the lane on the caller's default (now the sealed-memfd
@@ -61,8 +65,9 @@ t3() {  # t3 RUN NAME: T3's shape through the lane (8 hosts x 1 caller of N=64, 
 case $PHASE in
   a)
     ll ll_pairs "${LL_PAIRS:-4}"
-    ll ll_gcoff 2 --caller-gc off
+    ll ll_stamps 2 --stamps
     Q6SERVE_LANE_SPIN_US=5000 ll ll_spin5000 2
+    ll ll_gcoff 2 --caller-gc off
     ;;
   b)
     ll ll_pinned "${LL_PAIRS:-4}" --client-cpu "${CLIENT_CPU:-15}" --worker-cpus "${WORKER_CPUS:-0-7}"
@@ -78,7 +83,8 @@ esac
     case ${f##*/} in
       ll_*)
         echo "# ${f##*/}"
-        grep -h -E "^lane |per call:|^rings |check:" "$f" | cut -c1-230 | tr -s ' ' ;;
+        grep -h -E "^lane |per call:|p50 us:|slowest 1%|^rings |check:" "$f" | cut -c1-230 |
+          tr -s ' ' ;;
       ldef*|lsock*)
         echo "# ${f##*/}: $(grep -h -A1 "lane load" "$f" | cut -c1-260 | tr -s ' ')" ;;
       hostile*) echo "# ${f##*/}"; tail -3 "$f" ;;

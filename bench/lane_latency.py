@@ -182,9 +182,15 @@ def summarize(name: str, run: dict[str, Any], worker_stamps: dict[int, Any] | No
                      "client_post": t1 - wake}
             out["parts_p50_us"] = {k: float(np.nanmedian(v) * 1e6) for k, v in parts.items()}
             out["parts_mean_us"] = {k: float(np.nanmean(v) * 1e6) for k, v in parts.items()}
+            # what the tail is made of: the slowest 1% of the stamped calls, each part's mean
+            slow = (t1 - t0) >= np.percentile(t1 - t0, 99)
+            out["parts_slow1_mean_us"] = {k: float(np.nanmean(v[slow]) * 1e6)
+                                          for k, v in parts.items()}
             out["stamped_calls"] = len(got)
             line += "\n" + " " * 17 + "p50 us: " + "  ".join(
                 f"{k} {out['parts_p50_us'][k]:.1f}" for k in PARTS)
+            line += "\n" + " " * 17 + "slowest 1% mean us: " + "  ".join(
+                f"{k} {out['parts_slow1_mean_us'][k]:.1f}" for k in PARTS)
     print(line, flush=True)
     return out
 
@@ -288,13 +294,15 @@ def main(argv: list[str] | None = None) -> int:
                     # the lane opened above is the ring one (this process has the variable)
                     lanes = {"ring": lane, "sock": Lane(region2, path2, ticket2, ring=False)}
                     assert lanes["ring"].ring and not lanes["sock"].ring
+                    # (the worker's stamps are by seq: the ring lane's from 2**40 on)
+                    lanes["ring"]._seq = 1 << 40
                     try:
                         for r in rings:
                             ln = lanes[r]
                             i = sum(n.startswith(f"lane {r} ") for n in lane_runs) + 1
                             name = f"lane {r} #{i}"
                             spun0 = ln.spun, ln.slept
-                            run = lane_run(ln, x, y_off, a.seconds, a.warmup, False,
+                            run = lane_run(ln, x, y_off, a.seconds, a.warmup, a.stamps,
                                            worker_pid)
                             run["spun"], run["slept"] = ln.spun - spun0[0], ln.slept - spun0[1]
                             run["spin_us"] = ln.spin_us

@@ -3,15 +3,19 @@ item 3; a bench diagnostic, never in the product).
 
 Worker side, ``install(path)`` (through bench/trips_site/sitecustomize.py when
 ``Q6SERVE_LANE_STAMPS`` names the output file): per reply record, perf_counter() when the
-lane's bytes were read (``_LaneConn.data_received``), when the last device job before the reply
+lane's bytes were read (``_LaneConn.data_received``; a ring lane's: when the loop took its
+ring's request, ``LaneServer._ring_take``, a loop trip after its selector saw it), when the last
+device job before the reply
 called ``launch_ieee`` or its region plan's launch (``lane._Plan.launch``: a repeated call's
 graph; the job's start, give or take its Python before the launch) and when
 the reply was written (``_LaneConn.write``), by the request's seq; written as JSON at exit
 (the worker drains on SIGTERM, then exits: atexit sees it). Caller side, ``client_hooks(lane)``:
 perf_counter() just before the request's write and after the read that completed the reply's
 head, whichever client code the lane runs (a ``spin_us`` client's os.write/os.readv, or an
-older client's socket methods). perf_counter is CLOCK_MONOTONIC on Linux, one clock for every
-process of the host, so the two sides subtract. Each stamp costs ~0.3-1 us.
+older client's socket methods); on a ring lane when the request's seq was stored (its
+publication) and when the wait for the reply returned. perf_counter is CLOCK_MONOTONIC on
+Linux, one clock for every process of the host, so the two sides subtract. Each stamp costs
+~0.3-1 us.
 """
 
 from __future__ import annotations
@@ -31,11 +35,18 @@ def install(path: str) -> None:
     launched = [0.0]
     conn_cls = lane._LaneConn
     received, write = conn_cls.data_received, conn_cls.write
+    take = lane.LaneServer._ring_take
     launch, plan_launch = engine.launch_ieee, lane._Plan.launch
 
     def stamped_received(self: Any, data: bytes) -> None:
         self._t_read = now()
         received(self, data)
+
+    def stamped_take(self: Any, got: list[tuple[Any, int]]) -> None:
+        t = now()
+        for conn, _ in got:
+            conn._t_read = t
+        take(self, got)
 
     def stamped_launch(*args: Any, **kw: Any) -> Any:
         launched[0] = now()
@@ -54,6 +65,7 @@ def install(path: str) -> None:
                                                       launched[0], t)
 
     conn_cls.data_received = stamped_received
+    lane.LaneServer._ring_take = stamped_take  # type: ignore[method-assign]
     conn_cls.write = stamped_write
     engine.launch_ieee = stamped_launch
     lane._Plan.launch = stamped_plan_launch  # type: ignore[method-assign]
@@ -79,7 +91,8 @@ class _Os:
         self._inner, self._marks = inner, marks
 
     def write(self, fd: int, data: Any) -> int:
-        self._marks["send"] = now()
+        # (the first write of a call: a ring lane's doorbell comes after its publication)
+        self._marks.setdefault("send", now())
         return self._inner.write(fd, data)
 
     def readv(self, fd: int, bufs: Any) -> int:
@@ -110,12 +123,42 @@ class _Sock:
         return getattr(self._inner, name)
 
 
+class _Seq:
+    """client/lane.py's ring sequence struct, its store of a request's seq stamped ("send")."""
+
+    def __init__(self, inner: Any, marks: dict[str, float], at: int) -> None:
+        self._inner, self._marks, self._at = inner, marks, at
+        self.unpack_from = inner.unpack_from  # (the wait's spin: not stamped, not slowed)
+
+    def pack_into(self, buf: Any, offset: int, *v: Any) -> None:
+        if offset == self._at:
+            self._marks["send"] = now()
+        self._inner.pack_into(buf, offset, *v)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def client_hooks(lane_obj: Any) -> dict[str, float]:
-    """Stamp ``lane_obj``'s sends and reads; returns the dict that gets "send" and "wake"
-    (clear it before each call)."""
+    """Stamp ``lane_obj``'s sends and reads (a ring lane's publications and the returns of
+    its waits); returns the dict that gets "send" and "wake" (clear it before each call)."""
     import q6serve.client.lane as lane_mod
 
     marks: dict[str, float] = {}
+    if getattr(lane_obj, "ring", False):
+        seq = lane_mod.SEQ
+        if isinstance(seq, _Seq):
+            seq._marks = marks
+        else:
+            lane_mod.SEQ = _Seq(seq, marks, lane_mod.R_SEQ)  # type: ignore[attr-defined]
+        wait = lane_obj._ring_wait
+
+        def stamped_wait() -> None:
+            wait()
+            marks["wake"] = now()
+
+        lane_obj._ring_wait = stamped_wait
+        return marks
     os_mod = getattr(lane_mod, "os", None)  # (an older client imports no os)
     if isinstance(os_mod, _Os):
         os_mod._marks = marks

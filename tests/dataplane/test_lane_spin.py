@@ -259,3 +259,29 @@ def test_lane_latency_bench_breaks_a_round_trip_down(tmp_path: Path) -> None:
         assert all(np.isfinite(v) for v in parts.values()) and parts["job"] > 0
         assert got["check"]["ok"] and got["spin_us"] == float(name.split()[-1])
         assert got["spun"] + got["slept"] >= got["calls"]
+
+
+def test_lane_latency_bench_stamps_the_ring_and_the_socket(tmp_path: Path) -> None:
+    """bench/lane_latency.py --rings sock,ring --stamps: both lanes' calls stamped on both
+    sides (the ring's by its publication and its wait, the worker's ring take), the parts all
+    there for every call, the slowest 1%'s parts, the wake-ups per call, y checked."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "lane.json"
+    r = subprocess.run([sys.executable, str(root / "bench/lane_latency.py"), "--backend",
+                        "numpy", "--rows", "64", "--k", "512", "--paths", "lane", "--rings",
+                        "sock,ring", "--stamps", "--check", "--seconds", "0.3", "--warmup",
+                        "0.05", "--json", str(out)], capture_output=True, text=True,
+                       timeout=120, cwd=root / "bench")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())["results"]
+    for name in ("lane sock #1", "lane ring #1"):
+        got = res[name]
+        assert got["calls"] > 0 and got["stamped_calls"] == got["calls"], (name, got)
+        for key in ("parts_p50_us", "parts_slow1_mean_us"):
+            assert all(np.isfinite(v) for v in got[key].values()), (name, key, got[key])
+        assert got["parts_p50_us"]["job"] > 0 and got["check"]["ok"]
+        assert got["caller_switches_per_call"][0] >= 0 and got["p999_us"] >= got["p99_us"]
