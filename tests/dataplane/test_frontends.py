@@ -177,6 +177,56 @@ async def _in_flight(w: Running) -> int:
     return sum(v.in_flight for v in w.worker.engine.list())
 
 
+def test_frontend_killed_mid_region_call_leaks_nothing(start: Callable[..., Running],
+                                                       rng: np.random.Generator) -> None:
+    """SIGKILL a front end while region calls (x and y in the callers' regions) run through it:
+    those calls fail UNAVAILABLE or finish; once the device is done, the device process holds
+    no region, no call and no arena of the dead front end (its arena closed when its last call
+    ended), and the regions serve on through the other front end and the replacement."""
+    w = start(backend=InstrumentedBackend(matmul_delay=0.3))
+    clients = [w.client(retry=RetryPolicy(attempts=1)) for _ in range(6)]
+    blocks = random_q6k(ROWS, K, 3)
+    clients[0].upload("w", blocks, ROWS, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    regions = [c.register_shm(f"r{i}", 1 << 16) for i, c in enumerate(clients)]
+    for c, r in zip(clients, regions, strict=True):
+        c.matmul("w", x, x_region=r, y_region=(r, 8192))  # each connected to a front end
+    victim = w.worker.frontend_pids[0]
+    dead = w.worker._fronts[0]
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futs = [pool.submit(c.matmul, "w", x, x_region=r, y_region=(r, 8192))
+                for c, r in zip(clients, regions, strict=True)]
+        time.sleep(0.15)  # the calls are on the device now
+        os.kill(victim, signal.SIGKILL)
+        outcomes = []
+        for f in futs:
+            try:
+                f.result(30)
+                outcomes.append("OK")
+            except Q6ServeError as e:
+                outcomes.append(e.code.name)
+    assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
+    deadline = time.monotonic() + 60
+    while w.worker.frontend_pids[0] == victim or 0 not in w.worker.frontend_calls:
+        assert time.monotonic() < deadline, "no replacement front end"
+        time.sleep(0.1)
+
+    async def left() -> tuple[Any, ...]:
+        table = w.worker.regions
+        return (sum(r.users for r in table._regions.values()), w.worker._pending,
+                dead.alive, dead.pending, dead.arena.base is None)
+
+    deadline = time.monotonic() + 10
+    while w.call(left()) != (0, 0, False, 0, True):
+        assert time.monotonic() < deadline, w.call(left())
+        time.sleep(0.05)
+    assert w.call(_in_flight(w)) == 0
+    for c, r in zip(clients, regions, strict=True):  # every region serves on
+        assert_ref(c.matmul("w", x, x_region=r, y_region=(r, 8192)),
+                   reference(blocks, ROWS, K, x))
+        r.close()
+
+
 def test_drain_finishes_in_flight_calls(start: Callable[..., Running],
                                         rng: np.random.Generator) -> None:
     w = start(backend=InstrumentedBackend(matmul_delay=0.4))
