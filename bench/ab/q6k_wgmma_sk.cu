@@ -252,9 +252,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     float* my_part = part + (((size_t)blockIdx.z * G + c) * (128 * NWG) + threadIdx.x) * (4 * NT);
     u32* fl = flags + (size_t)blockIdx.z * G;
 
-    u32 sbase;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(sbase) : "l"(smem_x));
+    const u32 sbase = smem_u32(smem_x);
     const int nu = u1 - u0;
     const u32 bars = sbase + 4u * (u32)(S * SW);  // XB 2: full[S], empty[S] (8 bytes each)
     // the ring's first two units, before any weight load

@@ -48,6 +48,7 @@ OPTIONS = ("-cubin", "-std=c++17", "-ftz=true")
 JOBS = ("matmul", "wgmma", "requested", "topk", "repack", "sk")
 _FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)\s*$")
 _RES = re.compile(r"^\s*Function\s+(\S+):\s*$")
+_REG = re.compile(r"\bR\d+\b|/\* 0x[0-9a-f]{16} \*/")  # registers, and the encodings naming them
 
 
 def find_cuobjdump() -> str | None:
@@ -246,7 +247,9 @@ def run(base: Path, new: Path, jobs: list[str], cache: Path, show: int = 3) -> b
               f" gone {len(v.gone):3}", flush=True)
         for k in v.changed[:show]:
             b, n = got[(job, "base")], got[(job, "new")]
-            print(f"  changed: {k[:140]}\n    res {b.res.get(k)} -> {n.res.get(k)}")
+            renamed = _REG.sub("R", b.sass[k]) == _REG.sub("R", n.sass[k])
+            print(f"  changed: {k[:140]}\n    res {b.res.get(k)} -> {n.res.get(k)}"
+                  + (" (only registers renumbered)" if renamed else ""))
             print(first_difference(b.sass[k], n.sass[k]))
         for k in v.gone[:show]:
             print(f"  gone: {k[:140]}")

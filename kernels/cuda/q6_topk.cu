@@ -29,6 +29,18 @@ __device__ __forceinline__ unsigned int q6_order_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Warp-wide max of m and or of nan, and sum of s (every lane gets the result).
+__device__ __forceinline__ void q6_warp_max_or(float& m, int& nan) {
+    for (int o = 16; o > 0; o >>= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+}
+__device__ __forceinline__ double q6_warp_sum(double s) {
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
 // Columns tid, tid + B, ... (B = blockDim.x) visited Q6_TOPK_UNROLL at a time, all loads of a
 // group issued before any is used. One CTA per row runs one CTA per SM on at most N SMs; with one
 // load in flight per warp a pass over a 152064-column row is latency-bound (~90 us; the whole
@@ -73,10 +85,7 @@ __device__ void q6_row_stats(const float* __restrict__ row, int cols, Q6TopkShar
         if (v != v) nan = 1;
         else m = fmaxf(m, v);
     });
-    for (int o = 16; o > 0; o >>= 1) {
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
-    }
+    q6_warp_max_or(m, nan);
     if (lane == 0) {
         sh.red_f[warp] = m;
         sh.red_i[warp] = nan;
@@ -85,10 +94,7 @@ __device__ void q6_row_stats(const float* __restrict__ row, int cols, Q6TopkShar
     if (warp == 0) {
         m = lane < nwarps ? sh.red_f[lane] : NEG_INF;
         nan = lane < nwarps ? sh.red_i[lane] : 0;
-        for (int o = 16; o > 0; o >>= 1) {
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            nan |= __shfl_xor_sync(0xffffffffu, nan, o);
-        }
+        q6_warp_max_or(m, nan);
         if (lane == 0) {
             sh.row_max = m;
             sh.row_nan = nan;
@@ -101,12 +107,12 @@ __device__ void q6_row_stats(const float* __restrict__ row, int cols, Q6TopkShar
     q6_each(row, cols, [&](int, float v) {
         if (v == v) s += (double)expf(v - shift);
     });
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = q6_warp_sum(s);
     if (lane == 0) sh.red_d[warp] = s;
     __syncthreads();
     if (warp == 0) {
         s = lane < nwarps ? sh.red_d[lane] : 0.0;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        s = q6_warp_sum(s);
         if (lane == 0) sh.row_sum = s;
     }
     __syncthreads();
@@ -316,10 +322,7 @@ __device__ __forceinline__ int q6_group_col(int g, int i) {
 __device__ __forceinline__ void q6_block_max_or(float& m, int& nan, float* red_f, int* red_i) {
     const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
     const int nwarps = (int)(blockDim.x >> 5);
-    for (int o = 16; o > 0; o >>= 1) {
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
-    }
+    q6_warp_max_or(m, nan);
     if (lane == 0) {
         red_f[warp] = m;
         red_i[warp] = nan;
@@ -391,7 +394,7 @@ __device__ __forceinline__ void q6_topk_scan_impl(const float* __restrict__ y, i
 #pragma unroll
     for (int i = 0; i < 16; ++i)
         if (ok[i] && v[i] == v[i]) s += (double)expf(v[i] - shift);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = q6_warp_sum(s);
     const int lane = t & 31, warp = t >> 5;
     if (lane == 0) red_d[warp] = s;
     __syncthreads();
@@ -430,16 +433,13 @@ __device__ __forceinline__ float q6_chunks_lse(const float* __restrict__ cmax,
         M = fmaxf(M, cmax[c]);
         nan |= cnan[c];
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        nan |= __shfl_xor_sync(0xffffffffu, nan, o);
-    }
+    q6_warp_max_or(M, nan);
     if (nan) return __int_as_float(0x7fc00000);
     if (M == POS_INF || M == NEG_INF) return M;  // a +inf term: +inf; a row of -inf sums to 0
     double s = 0.0;
     for (int c = lane; c < chunks; c += 32)
         if (cmax[c] != NEG_INF) s += csum[c] * exp((double)cmax[c] - (double)M);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = q6_warp_sum(s);
     return (float)((double)M + log(s));
 }
 

@@ -78,8 +78,8 @@ __device__ __forceinline__ void warp_load_part(Raw (&dst)[MT][2], const RowRef (
 #ifndef Q6SERVE_KS_XFIRST
 #define Q6SERVE_KS_XFIRST 1
 #endif
-template <int MT>
-__device__ __forceinline__ void warp_take(Raw (&dst)[MT][2], const Raw (&src)[MT][2]) {
+template <class T, int MT>
+__device__ __forceinline__ void warp_take(T (&dst)[MT][2], const T (&src)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -196,6 +196,55 @@ __device__ __forceinline__ void stage_x_f16(const typename In::T* x, int K, int 
     }
 }
 
+// Where a thread of a row-split tile (q6k_mma_f16, q6k_mmq_q8) stands: lane, warp,
+// fragment coordinates (g, t), the CTA's rows [row0, row0 + rows_cta) (blockDim.x/32 warps of
+// MT m-tiles), the warp's first row, the token chunk's first token (toks_cta a chunk) and the
+// CTA's K blocks [kb0, kb1).
+struct TilePos {
+    int lane, warp, g, t, rows_cta, row0, wrow, tok0, kb0, kb1;
+};
+template <int MT>
+__device__ __forceinline__ TilePos tile_pos(int bpr, int toks_cta) {
+    TilePos p;
+    p.lane = threadIdx.x & 31;
+    p.warp = threadIdx.x >> 5;
+    p.g = p.lane >> 2;
+    p.t = p.lane & 3;
+    p.rows_cta = (blockDim.x >> 5) * 16 * MT;
+    p.row0 = blockIdx.x * p.rows_cta;
+    p.wrow = p.row0 + p.warp * 16 * MT;
+    p.tok0 = blockIdx.z * toks_cta;
+    k_range(bpr, p.kb0, p.kb1);
+    return p;
+}
+
+// A row-split tile's start: the thread's position, its warp's row references and zeroed
+// accumulators.
+template <int SOA, int MT, int NT>
+__device__ __forceinline__ TilePos tile_start(const Weight& w, int toks_cta, RowRef (&rr)[MT][2],
+                                              float (&acc)[MT][NT][4]) {
+    const TilePos tp = tile_pos<MT>(w.bpr, toks_cta);
+    warp_rows<SOA>(w, tp.wrow, tp.g, rr);
+    zero_acc(acc);
+    return tp;
+}
+
+// The end of a warp tile of the tensor-core tiles (MT m-tiles x NT n-tiles from row wrow and
+// token tok0, the mma.sync C layout): y, or with K slices this slice's partial sums (emit).
+template <int NT, int MT>
+__device__ __forceinline__ void ks_emit(const Out& o, int rows, int wrow, int tok0,
+                                        const float (&acc)[MT][NT][4], int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                emit(o, rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
+                     acc[mt][nt][i]);
+}
+
 struct NoMid {
     __device__ __forceinline__ void operator()() const {}
 };
@@ -291,19 +340,11 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
                                                     const uint4* xp, PARAMS_OUT) {
     MAKE_W;
     MAKE_OUT;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int rows_cta = nw * 16 * MT;
-    const int row0 = blockIdx.x * rows_cta;
-    const int wrow = row0 + warp * 16 * MT;
-    const int tok0 = blockIdx.z * 8 * NT;
-    int kb0, kb1;
-    k_range(w.bpr, kb0, kb1);
-
     RowRef rr[MT][2];
-    warp_rows<SOA>(w, wrow, g, rr);
     float acc[MT][NT][4];
-    zero_acc(acc);
+    const TilePos tp = tile_start<SOA>(w, 8 * NT, rr, acc);
+    const int lane = tp.lane, g = tp.g, t = tp.t, wrow = tp.wrow, tok0 = tp.tok0;
+    const int kb0 = tp.kb0, kb1 = tp.kb1;
     static_assert(SRC == 2 || SRC == 3, "activation sources: 2 staged, 3 streamed prepass");
     constexpr int STAGE = NT * 256;  // uint4 of one block's activations (SRC 3)
     const uint4* xpz = xp + (size_t)blockIdx.z * w.bpr * STAGE;
@@ -370,16 +411,8 @@ __global__ void __launch_bounds__(256) q6k_mma_f16(PARAMS_W, const typename In::
             if (SRC == 3) __syncthreads();  // every warp is done with this stage before its refill
         }
     }
-
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                emit(o, w.rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
-                     acc[mt][nt][i]);
-    finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
+    ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
+    finish_split(o, w.rows, tp.row0, tp.rows_cta, tok0, 8 * NT);
 }
 
 // Where a thread of a K-slice tile stands: lane, warp, fragment coordinates (g, t), the token
@@ -404,24 +437,11 @@ __device__ __forceinline__ KsPos ks_pos(int bpr) {
     return p;
 }
 
-// The end of a warp tile of the K-slice tiles: y directly (one K slice), else this slice's
+// The K-slice tiles end a warp tile with ks_emit: y directly (one K slice), else this slice's
 // partial sums part[ky][n_tok][rows], added by q6k_sum_parts after the kernel. (A first
 // version let the last warp of each tile's slices add them, behind an atomic ticket: every
 // tile then waited an atomic round trip and the adding warp a chain of L2 loads; on the H200
 // the K-slice tiles took 140-270 us at N=64 on 4096x14336, ncu: 4-7% DRAM throughput.)
-template <int NT, int MT>
-__device__ __forceinline__ void ks_emit(const Out& o, int rows, int wrow, int tok0,
-                                        const float (&acc)[MT][NT][4], int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                emit(o, rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
-                     acc[mt][nt][i]);
-}
 
 // Split-K epilogue of the K-slice tiles: y[i] = part[0][i] + ... + part[ks-1][i] in slice order
 // (results never depend on timing), i < total = n_tok * rows; four slices' loads in flight
@@ -499,9 +519,8 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ float2 ld_cluster_f2(const float2* p, u32 rank) {
     float2 v = make_float2(0.f, 0.f);
 #if __CUDA_ARCH__ >= 900
-    u32 a, ra;
-    asm("{ .reg .u64 s; cvta.to.shared.u64 s, %1; cvt.u32.u64 %0, s; }" : "=r"(a) : "l"(p));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    u32 ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(smem_u32(p)), "r"(rank));
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(ra)
                  : "memory");
 #endif
@@ -653,11 +672,7 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
         }
         if (more) {
             if (PF) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    rr[mt][0] = rn[mt][0];
-                    rr[mt][1] = rn[mt][1];
-                }
+                warp_take(rr, rn);
             } else {
                 warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
             }
@@ -963,18 +978,11 @@ __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, con
                                                    const float2* d8, PARAMS_OUT) {
     MAKE_W;
     MAKE_OUT;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int rows_cta = nw * 16 * MT;
-    const int row0 = blockIdx.x * rows_cta;
-    const int wrow = row0 + warp * 16 * MT;
-    const int tok0 = blockIdx.z * 8 * NT;
-    int kb0, kb1;
-    k_range(w.bpr, kb0, kb1);
     RowRef rr[MT][2];
-    warp_rows<SOA>(w, wrow, g, rr);
     float acc[MT][NT][4];
-    zero_acc(acc);
+    const TilePos tp = tile_start<SOA>(w, 8 * NT, rr, acc);
+    const int lane = tp.lane, t = tp.t, wrow = tp.wrow, tok0 = tp.tok0;
+    const int kb0 = tp.kb0, kb1 = tp.kb1;
 
     for (int kb = kb0; kb < kb1; ++kb) {
         Raw8 raw[MT][2];
@@ -1016,15 +1024,8 @@ __global__ void __launch_bounds__(256) q6k_mmq_q8(PARAMS_W, const uint4* xq, con
             }
         }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                emit(o, w.rows, wrow + mt * 16 + g + 8 * (i >> 1), tok0 + nt * 8 + 2 * t + (i & 1),
-                     acc[mt][nt][i]);
-    finish_split(o, w.rows, row0, rows_cta, tok0, 8 * NT);
+    ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
+    finish_split(o, w.rows, tp.row0, tp.rows_cta, tok0, 8 * NT);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -75,18 +75,21 @@ __device__ __forceinline__ float rcp_approx(float x) {
     return r;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+// The shared-state-space address (what cp.async, wgmma descriptors and mapa take) of a generic
+// pointer into this CTA's shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
-                 : "=r"(a) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(gmem)
+                 : "memory");
 }
 // 4-byte copy through L1 (cp.async.cg only moves 16 bytes).
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    u32 a;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
-                 : "=r"(a) : "l"(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(gmem) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem)), "l"(gmem)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");

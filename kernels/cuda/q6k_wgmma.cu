@@ -159,9 +159,7 @@ __device__ __forceinline__ void cp_async4z(u32 sdst, const void* g, int src_byte
 template <int NT>
 __device__ __forceinline__ void wg_stage_x_async(const unsigned short* x, int K, int n_tok,
                                                  int tok0, int kb0, int nblk) {
-    u32 sbase;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(sbase) : "l"(smem_x));
+    const u32 sbase = smem_u32(smem_x);
     const int last = min(8 * NT, n_tok - tok0) - 1;  // >= 0: a chunk has at least one token
     constexpr int per = NT * 256;                     // items per block
     for (int b = 0; b < nblk; ++b)
@@ -303,9 +301,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
     fence_async_shared();
     __syncthreads();
 
-    u32 sbase;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-        : "=r"(sbase) : "l"(smem_x));
+    const u32 sbase = smem_u32(smem_x);
     // No swizzle; LBO 128 bytes (k halves), SBO 256 bytes (token groups); step S at S*256*NT.
     const u64 desc0 = (u64)((sbase & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) |
                       ((u64)(256 >> 4) << 32);
