@@ -233,8 +233,8 @@ def tune_candidates(n: int, rows: int, k: int, sm_count: int,
     mma += {16: [Cfg(nt=1, src=4, pf=True, warps=w) for w in (8, 16)],
             32: [Cfg(nt=2, src=4, pf=True, warps=w) for w in (12, 16)],
             64: [Cfg(nt=4, src=4, pf=True, warps=12)]}.get(n, [])
-    # session 14: 8 n-tiles at 12 warps and 4 at 16, without the prefetch (no spills there)
-    mma += {32: [Cfg(nt=4, src=4, warps=16)], 64: [Cfg(nt=8, src=4, warps=12)]}.get(n, [])
+    # (session 14's 8 n-tiles at 12 warps and 4 at 16 without the prefetch left in session 30:
+    # no tune since picked them, bench/kernels_reach.py)
     # the wgmma tile (src 8, sm_90; src 6 until session 21): 8 n-tiles, and 4 again since
     # session 21 (src 6's 2/4 n-tile widths lost every cell of the session 13/14 tunes);
     # 12 warps won, 8 sometimes; the grid model's K split can leave SMs idle with 12 warps, so

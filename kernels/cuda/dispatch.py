@@ -91,9 +91,9 @@ class Cfg:
     #                 picked them; so did 5 (src 4 with a warp-private cp.async weight ring,
     #                 q6k_ksr_f16) once its one cell went to src 8 nt 4
     pf: bool = False  # prefetch the next block's weights (double buffer in registers: the exact
-    #                   kernel and src 4, always on at src 8; src 3 has none since session
-    #                   15); src 2 (session 17): the first block's loads issued before the
-    #                   activations are staged
+    #                   kernel; always on at src 4, 7 (session 30) and 8; src 3 has none since
+    #                   session 15); src 2 (session 17): the first block's loads issued before
+    #                   the activations are staged
     ksplit: int = 0  # CTAs along K (0: choose from the occupancy and grid size)
 
     def check(self, path: str) -> None:
@@ -107,9 +107,12 @@ class Cfg:
             self.mt != 1 or self.src != 2 or self.warps != 8))
         ok = ok and not (self.src >= 4 and (path != "mma_f16" or self.warps not in (
             (4, 8, 12) if wg else (8, 12, 16))))
-        ok = ok and not (self.src in (4, 7) and self.warps != 8 and (self.mt != 1 or (
-            self.warps == 16 and self.nt > 4)))  # the instantiations (q6k_matmul.cu; nt8 at 12
-        #                                         warps and nt4 at 16 since session 14)
+        # the K-slice tiles (q6k_matmul.cu): one m-tile a warp, the register prefetch, at 12
+        # warps up to 4 n-tiles and at 16 up to 2 (session 30: the session-14 shapes without
+        # the prefetch, nt 8 at 12 warps and nt 4 at 16, and 2 m-tiles a warp left; no table
+        # cell or heuristic picked them, bench/kernels_reach.py)
+        ok = ok and not (self.src in (4, 7) and (self.mt != 1 or not self.pf or self.nt > {
+            8: 8, 12: 4, 16: 2}.get(self.warps, 0)))
         ok = ok and not (self.src == 7 and (self.mt != 1 or not 2 <= self.ksplit <= 8))
         ok = ok and not (self.src == 8 and (self.mt != 1 or not self.pf or self.nt < 4))
         ok = ok and not (path == "mma_f16" and self.src == 2 and self.nt > 2)

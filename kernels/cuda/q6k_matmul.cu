@@ -597,7 +597,7 @@ __device__ __forceinline__ void ks_cluster_emit(const Out& o, int rows, int wt0,
 // KC: 0, the kernel q6k_ks_f16 (ks == 1 writes y, else partial sums for q6k_sum_parts); > 0,
 // q6k_ksc_f16 (below): the KC K slices of a row group are one thread-block cluster and add
 // their partial sums through distributed shared memory (ks_cluster_emit), no second launch.
-template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
+template <int NT, int MT, int SOA, class In, int NW, int KC>
 __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K,
                                         PARAMS_OUT) {
     MAKE_W;
@@ -617,24 +617,24 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
     constexpr bool XF = Q6SERVE_KS_XFIRST;
     if (wt < wtiles) {
         warp_rows<SOA>(w, wt * 16 * MT, g, rr);
-        if (PF && !XF) warp_load<SOA>(nxt, rr, kb0, t);
+        if (!XF) warp_load<SOA>(nxt, rr, kb0, t);
     }
     // The first block's weight loads: before the staging (XFIRST 0, sessions 4-26: in flight
     // while the CTA stages its activations) or after it (1, session 27).
     stage_x_f16<NT, In, true>(x, K, o.n_tok, tok0, kb0, nblk);
-    if (PF && XF && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
+    if (XF && wt < wtiles) warp_load<SOA>(nxt, rr, kb0, t);
     __syncthreads();
     const int tstride = nblk * 32 + 4;
 
     // SPLIT: the next block in two parts (load_raw_part), 4 and 8 n-tiles only (see there).
-    constexpr bool SPLIT = PF && NT >= 4;
+    constexpr bool SPLIT = NT >= 4;
     // KC > 0: every warp runs the CTA's rounds (wt - warp is the CTA's first warp tile of the
     // round), a warp without a tile in the last round only joins its cluster's sum
     for (; (KC > 0 ? wt - warp : wt) < wtiles; wt += wstride) {
       if (KC == 0 || wt < wtiles) {
         const int wrow = wt * 16 * MT;
         const bool more = wt + wstride < wtiles;
-        if (PF && !SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
+        if (!SPLIT && more) warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rn);
         float acc[MT][NT][4];
         zero_acc(acc);
         for (int b = 0; b < nblk; ++b) {
@@ -659,24 +659,14 @@ __device__ __forceinline__ void ks_body(PARAMS_W, const typename In::T* x, int K
                 });
                 continue;
             }
-            if (PF) {
-                warp_take(raw, nxt);
-                if (in_tile)
-                    warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
-                else if (more)
-                    warp_load<SOA>(nxt, rn, kb0, t);
-            } else {
-                warp_load<SOA>(raw, rr, kb0 + b, t);
-            }
+            warp_take(raw, nxt);
+            if (in_tile)
+                warp_load<SOA>(nxt, rr, kb0 + b + 1, t);
+            else if (more)
+                warp_load<SOA>(nxt, rn, kb0, t);
             block_mma<NT, MT, SOA>(acc, raw, t, bx);
         }
-        if (more) {
-            if (PF) {
-                warp_take(rr, rn);
-            } else {
-                warp_rows<SOA>(w, (wt + wstride) * 16 * MT, g, rr);
-            }
-        }
+        if (more) warp_take(rr, rn);
         if (KC == 0)
             ks_emit<NT, MT>(o, w.rows, wrow, tok0, acc, lane);
         else
@@ -690,7 +680,8 @@ template <int NT, int MT, int SOA, class In, bool PF, int NW>
 __global__ void __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ks_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     (void)xp;  // the kernel reads x itself (same signature as q6k_mma_f16)
-    ks_body<NT, MT, SOA, In, PF, NW, 0>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
+    static_assert(PF, "the K-slice tile always has its register prefetch (session 30)");
+    ks_body<NT, MT, SOA, In, NW, 0>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
 }
 
 // The K-slice tile with its split-K sum inside a thread-block cluster (src 7; sm_90+; session
@@ -711,7 +702,8 @@ template <int NT, int MT, int SOA, class In, bool PF, int NW, int KC>
 __global__ void Q6_CLUSTER_DIMS(1, KC, 1) __launch_bounds__(32 * NW, NW == 8 && NT * MT <= 2 ? 2 : 1)
     q6k_ksc_f16(PARAMS_W, const typename In::T* x, int K, const uint4* xp, PARAMS_OUT) {
     (void)xp;
-    ks_body<NT, MT, SOA, In, PF, NW, KC>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
+    static_assert(PF, "the K-slice tile always has its register prefetch (session 30)");
+    ks_body<NT, MT, SOA, In, NW, KC>(slabs, rows, bpr, rps, x, K, y, part, tickets, n_tok);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1190,65 +1182,54 @@ extern "C" __global__ void __launch_bounds__(256) q6k_unpack_pairs(u8* slab, int
 }
 
 #ifdef Q6SERVE_NVCC_CHECK
-// Explicit instantiations so an offline nvcc build checks (and reports registers for) every
-// variant the backend can ask NVRTC for.
-#define INST_MMA(NT, MT, SOA, SRC, IN)                                                      \
-    template __global__ void q6k_mma_f16<NT, MT, SOA, SRC, IN>(                               \
+// Explicit instantiations so an offline nvcc build checks (and reports registers for) the
+// variants the dispatch can launch (bench/kernels_reach.py lists them; tests/kernels/
+// test_nvcc_compile.py fails on one listed here that no call can reach, and builds every
+// reachable name from the loader's text as well). The f32/bf16 twins of the K-slice tile
+// differ only in stage_x_f16's load: f16 activations only here, to keep CI's three-arch build
+// short.
+#define INST_MMA(NT, MT, SOA, SRC, IN, PF)                                                  \
+    template __global__ void q6k_mma_f16<NT, MT, SOA, SRC, IN, PF>(                           \
         const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-#define INST_MMA_IN(NT, MT, SOA, SRC) \
-    INST_MMA(NT, MT, SOA, SRC, InF32) INST_MMA(NT, MT, SOA, SRC, InF16) INST_MMA(NT, MT, SOA, SRC, InBF16)
-INST_MMA_IN(1, 1, true, 2) INST_MMA_IN(2, 1, true, 2)
-INST_MMA_IN(1, 1, false, 2) INST_MMA_IN(2, 1, false, 2)
-INST_MMA(2, 1, true, 3, InF16) INST_MMA(4, 1, true, 3, InF16) INST_MMA(8, 1, true, 3, InF16)
-INST_MMA(2, 1, false, 3, InF16) INST_MMA(4, 1, false, 3, InF16) INST_MMA(8, 1, false, 3, InF16)
-#define INST_KS2(NT, MT, SOA, IN, PF, NW)                                                    \
-    template __global__ void q6k_ks_f16<NT, MT, SOA, IN, PF, NW>(                             \
-        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-// (f16 activations only here, to keep CI's three-arch build short: the f32/bf16 twins differ
-// only in stage_x_f16's load and are compiled through the backend's requested names.)
-#define INST_KS(NT, MT, PF, NW) \
-    INST_KS2(NT, MT, true, InF16, PF, NW) INST_KS2(NT, MT, false, InF16, PF, NW)
-INST_KS(1, 1, true, 8) INST_KS(2, 1, true, 8) INST_KS(4, 1, true, 8) INST_KS(8, 1, true, 8)
-INST_KS(1, 1, true, 12) INST_KS(2, 1, true, 12) INST_KS(4, 1, true, 12)
-INST_KS(1, 1, true, 16) INST_KS(2, 1, true, 16)
-#define INST_PREP(NT, IN) \
-    template __global__ void q6k_prep_f16<NT, IN>(const IN::T*, int, int, int, uint4*); \
-    template __global__ void q6k_prep_q8_1<NT, IN>(const IN::T*, int, int, int, u32*, int*, float*);
-#define INST_PREP_IN(NT) INST_PREP(NT, InF32) INST_PREP(NT, InF16) INST_PREP(NT, InBF16)
-INST_PREP_IN(1) INST_PREP_IN(2) INST_PREP_IN(4) INST_PREP_IN(8)
+#define INST_MMA_IN(SOA, PF) \
+    INST_MMA(1, 1, SOA, 2, InF32, PF) INST_MMA(1, 1, SOA, 2, InF16, PF) INST_MMA(1, 1, SOA, 2, InBF16, PF)
+// src 2 (session 17: PF, the first block's loads ahead of the staging, per table cell)
+INST_MMA_IN(true, false) INST_MMA_IN(false, false) INST_MMA_IN(true, true) INST_MMA_IN(false, true)
+INST_MMA(1, 1, 2, 2, InF16, false) INST_MMA(1, 1, 2, 2, InF16, true)
+// src 3 on pair-stream weights (two m-tiles of the SoA / AoS shape as one: launch.pair_cfg)
+INST_MMA(2, 1, 2, 3, InF16, false) INST_MMA(4, 1, 2, 3, InF16, false) INST_MMA(8, 1, 2, 3, InF16, false)
+#define INST_KS2(NT, SOA, NW)                                                                \
+    template __global__ void q6k_ks_f16<NT, 1, SOA, InF16, true, NW>(                         \
+        const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
+#define INST_KS(NT, NW) INST_KS2(NT, true, NW) INST_KS2(NT, false, NW) INST_KS2(NT, 2, NW)
+INST_KS(1, 8) INST_KS(2, 8) INST_KS(4, 8) INST_KS(8, 8)
+INST_KS(1, 12) INST_KS(2, 12) INST_KS(4, 12)
+INST_KS(1, 16) INST_KS(2, 16)
+#define INST_PREP_IN(NAME, NT, ...) \
+    template __global__ void NAME<NT, InF32>(const InF32::T*, __VA_ARGS__); \
+    template __global__ void NAME<NT, InF16>(const InF16::T*, __VA_ARGS__); \
+    template __global__ void NAME<NT, InBF16>(const InBF16::T*, __VA_ARGS__);
+INST_PREP_IN(q6k_prep_f16, 2, int, int, int, uint4*) INST_PREP_IN(q6k_prep_f16, 4, int, int, int, uint4*)
+INST_PREP_IN(q6k_prep_f16, 8, int, int, int, uint4*)
+INST_PREP_IN(q6k_prep_q8_1, 1, int, int, int, u32*, int*, float*)
+INST_PREP_IN(q6k_prep_q8_1, 2, int, int, int, u32*, int*, float*)
+INST_PREP_IN(q6k_prep_q8_1, 4, int, int, int, u32*, int*, float*)
+INST_PREP_IN(q6k_prep_q8_1, 8, int, int, int, u32*, int*, float*)
 #define INST_EXACT2(TOK, SOA, IN, PF) \
     template __global__ void q6k_exact<TOK, SOA, IN, PF>(const u64*, int, int, int, const IN::T*, int, float*, float*, u32*, int);
 #define INST_EXACT(TOK, SOA, IN) INST_EXACT2(TOK, SOA, IN, true) INST_EXACT2(TOK, SOA, IN, false)
 #define INST_EXACT_IN(TOK, SOA) INST_EXACT(TOK, SOA, InF32) INST_EXACT(TOK, SOA, InF16) INST_EXACT(TOK, SOA, InBF16)
-INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(4, true)
-INST_EXACT_IN(1, false) INST_EXACT_IN(2, false) INST_EXACT_IN(4, false)
-#define INST_MMQ(NT, MT, SOA) \
-    template __global__ void q6k_mmq_q8<NT, MT, SOA>(const u64*, int, int, int, const uint4*, const int2*, const float2*, float*, float*, u32*, int);
-INST_MMQ(1, 1, true) INST_MMQ(2, 1, true) INST_MMQ(4, 1, true) INST_MMQ(8, 1, true)
-INST_MMQ(1, 1, false) INST_MMQ(2, 1, false) INST_MMQ(4, 1, false) INST_MMQ(8, 1, false)
+INST_EXACT_IN(1, true) INST_EXACT_IN(2, true) INST_EXACT_IN(1, false) INST_EXACT_IN(2, false)
+INST_EXACT(1, 2, InF16) INST_EXACT(2, 2, InF16)
+// four tokens a CTA: no register prefetch (pf is the exact kernel's N = 1 / 2 shape)
+INST_EXACT2(4, true, InF32, false) INST_EXACT2(4, true, InF16, false) INST_EXACT2(4, true, InBF16, false)
+INST_EXACT2(4, false, InF32, false) INST_EXACT2(4, false, InF16, false) INST_EXACT2(4, false, InBF16, false)
+INST_EXACT2(4, 2, InF16, false)
+#define INST_MMQ(NT, SOA) \
+    template __global__ void q6k_mmq_q8<NT, 1, SOA>(const u64*, int, int, int, const uint4*, const int2*, const float2*, float*, float*, u32*, int);
+#define INST_MMQ_L(NT) INST_MMQ(NT, true) INST_MMQ(NT, false) INST_MMQ(NT, 2)
+INST_MMQ_L(1) INST_MMQ_L(2) INST_MMQ_L(4) INST_MMQ_L(8)
 template __global__ void q6k_dequant_f16<true>(const u64*, int, int, int, int, int, u16*);
 template __global__ void q6k_dequant_f16<false>(const u64*, int, int, int, int, int, u16*);
-// Layout 2 (pair streams), f16 activations: every reader the dispatch can send a pair weight to.
-// (Two m-tiles of q6k_mma_f16 run as one with twice the warps on pair weights: launch.pair_cfg.)
-INST_MMA(1, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 2, InF16) INST_MMA(2, 1, 2, 3, InF16)
-// Session 17: src 2 with its first block's loads ahead of the staging (PF), per table cell
-#define INST_MMA_PF(NT, SOA, IN)                                                             \
-    template __global__ void q6k_mma_f16<NT, 1, SOA, 2, IN, true>(                            \
-        const u64*, int, int, int, const IN::T*, int, const uint4*, float*, float*, u32*, int);
-INST_MMA_PF(1, 2, InF16) INST_MMA_PF(1, true, InF16) INST_MMA_PF(1, false, InF16)
-INST_MMA_PF(1, true, InF32) INST_MMA_PF(1, true, InBF16)
-INST_MMA(4, 1, 2, 3, InF16) INST_MMA(8, 1, 2, 3, InF16)
-INST_KS2(1, 1, 2, InF16, true, 8) INST_KS2(2, 1, 2, InF16, true, 8)
-INST_KS2(4, 1, 2, InF16, true, 8) INST_KS2(8, 1, 2, InF16, true, 8)
-INST_KS2(1, 1, 2, InF16, true, 12) INST_KS2(2, 1, 2, InF16, true, 12)
-INST_KS2(4, 1, 2, InF16, true, 12) INST_KS2(1, 1, 2, InF16, true, 16)
-INST_KS2(2, 1, 2, InF16, true, 16) INST_KS2(2, 2, 2, InF16, true, 8)
-// Session 14 (the table's 4096x14336 N=64 cell; tune candidates): 8 n-tiles at 12 warps and
-// 4 at 16, without the register prefetch (ptxas sm_90 pair: 166 and 128 registers, no spills;
-// 8 n-tiles at 12 warps with it: 168 and 56 bytes of spills, 0.86-0.96x of AUTO)
-INST_KS2(8, 1, 2, InF16, false, 12) INST_KS2(4, 1, 2, InF16, false, 16)
-INST_KS(8, 1, false, 12) INST_KS(4, 1, false, 16)
-INST_EXACT(1, 2, InF16) INST_EXACT(2, 2, InF16) INST_EXACT(4, 2, InF16)
-INST_MMQ(1, 1, 2) INST_MMQ(2, 1, 2) INST_MMQ(4, 1, 2) INST_MMQ(8, 1, 2)
 template __global__ void q6k_dequant_f16<2>(const u64*, int, int, int, int, int, u16*);
 #endif

@@ -374,6 +374,5 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
     template __global__ void q6k_wg_f16<NT, SOA, InF16, NWG>(                                 \
         const u64*, int, int, int, const InF16::T*, int, const uint4*, float*, float*, u32*, int);
 #define INST_WG(NT, NWG) INST_WG2(NT, true, NWG) INST_WG2(NT, false, NWG) INST_WG2(NT, 2, NWG)
-INST_WG(8, 1) INST_WG(8, 2) INST_WG(8, 3)  // (layout 2: pair streams)
-INST_WG(4, 2) INST_WG(4, 3)
+INST_WG(8, 2) INST_WG(8, 3) INST_WG(4, 3)  // (layout 2: pair streams; the reachable widths)
 #endif

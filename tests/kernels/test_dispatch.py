@@ -397,6 +397,33 @@ def test_cluster_sum_tile_plans_its_k_split_or_refuses():
             bad.check("mma_f16")
 
 
+def test_the_k_slice_tiles_have_one_shape_family():
+    """Session 30 (issue 16 item 2): the K-slice tiles (src 4 / 7) take one m-tile a warp and
+    the register prefetch, at 12 warps up to 4 n-tiles and at 16 up to 2: session 14's shapes
+    without the prefetch (nt 8 at 12 warps, nt 4 at 16) and 2 m-tiles a warp left, as no table
+    cell or heuristic picked them; their tune candidates went with them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("_bench_kernels", path)
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    for good in (Cfg(nt=8, src=4, pf=True), Cfg(nt=4, src=4, pf=True, warps=12),
+                 Cfg(nt=2, src=4, pf=True, warps=16), Cfg(nt=2, src=7, pf=True, warps=16,
+                                                          ksplit=2)):
+        good.check("mma_f16")
+    for bad in (Cfg(nt=8, src=4, warps=12), Cfg(nt=4, src=4, warps=16), Cfg(nt=1, src=4),
+                Cfg(nt=8, src=4, pf=True, warps=12), Cfg(nt=4, src=4, pf=True, warps=16),
+                Cfg(nt=2, mt=2, src=4, pf=True), Cfg(nt=1, src=7, ksplit=2)):
+        with pytest.raises(FormatError):
+            bad.check("mma_f16")
+    for n in (16, 32, 64):
+        for p, cfg in bk.tune_candidates(n, 14336, 4096, 132, wg=True):
+            if cfg is not None:
+                cfg.check(p)
+
+
 def test_cluster_sum_cells_of_the_table():
     """The committed table's src 7 cells (session 15: 14336x4096 and 3584x3584 at N = 8/16)
     name the K split the grid model gives src 4 there on the H200 (the measured, bit-identical
