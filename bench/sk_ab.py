@@ -8,10 +8,13 @@ copies as in bench/kernels.py), torch f16 beside.
 A variant is ``LABEL`` = ``sk`` + XB (0: each unit's activation block staged from x by 4-byte
 copies; 1: from a prepacked copy in the B layout, ``q6k_sk_xb`` launched first, 16-byte
 copies; both with a barrier of the CTA a unit; 2: the prepacked block by one bulk copy a unit
-on an mbarrier ring, no barrier of the CTA a unit), optionally ``.wN`` (warpgroups a CTA, 3 by
-default), ``.sS`` (ring stages, 4; sk2 6), ``.dU`` (d loads a lane and row in registers,
-2: 8 blocks; more are read where dmax is taken) and the probes ``.nofix`` / ``.nomma`` /
-``.nodeq`` (timing only, y wrong: no fix-up wait, no wgmma, no decode). Its grid is one
+on an mbarrier ring, no barrier of the CTA a unit; 3: stream-K v2 (session 30,
+``q6k_wgsk3_f16``): sk2's ring and partition with nothing divergent between a segment's units,
+so two wgmma groups stay in flight across units, and a parallel fix-up), optionally
+``.wN`` (warpgroups a CTA, 3 by default), ``.sS`` (ring stages, 4; sk2 and sk3 6), ``.dU``
+(d loads a lane and row in registers, 2: 8 blocks; more are read where dmax is taken) and the
+probes ``.nofix`` / ``.nomma`` / ``.nodeq`` (timing only, y wrong: no fix-up wait, no wgmma,
+no decode; sk3: nofix only). Its grid is one
 CTA per SM (``--grid`` to change), each a contiguous run of the (row group, K block) units,
 the row groups split between CTAs fixed up by their owner in a fixed order (docs/KERNELS.md
 "Session 29").
@@ -48,10 +51,10 @@ INC = '#include "q6k_wgmma.cu"'
 def parse_variant(label: str) -> dict:
     """``sk0`` / ``sk1.w2.s5.d4`` -> its template and #define values."""
     head, *opts = label.split(".")
-    if not head.startswith("sk") or head[2:] not in ("0", "1", "2"):
-        raise SystemExit(f"variant {label!r}: sk0, sk1 or sk2, then .wN .sS .dU")
-    v = {"label": label, "xb": int(head[2:]), "nwg": 3, "stages": 6 if head == "sk2" else 4,
-         "du": 2, "probes": []}
+    if not head.startswith("sk") or head[2:] not in ("0", "1", "2", "3"):
+        raise SystemExit(f"variant {label!r}: sk0, sk1, sk2 or sk3, then .wN .sS .dU")
+    v = {"label": label, "xb": int(head[2:]), "nwg": 3,
+         "stages": 6 if head in ("sk2", "sk3") else 4, "du": 2, "probes": []}
     for o in opts:
         if o in ("nofix", "nomma", "nodeq"):  # Q6SERVE_SK_<PROBE> 1: timing only, wrong y
             v["probes"].append(o.upper())
@@ -60,8 +63,11 @@ def parse_variant(label: str) -> dict:
         if key is None or not o[1:].isdigit():
             raise SystemExit(f"variant {label!r}: bad option {o!r}")
         v[key] = int(o[1:])
-    if v["nwg"] not in (1, 2, 3) or v["stages"] < 4 + (v["xb"] == 2) or not 1 <= v["du"] <= 4:
-        raise SystemExit(f"variant {label!r}: 1-3 warpgroups, >= 4 stages (sk2: 5), d loads 1/2/4")
+    if v["nwg"] not in (1, 2, 3) or v["stages"] < 4 + (v["xb"] >= 2) or not 1 <= v["du"] <= 4:
+        raise SystemExit(f"variant {label!r}: 1-3 warpgroups, >= 4 stages (sk2, sk3: 5), "
+                         "d loads 1/2/4")
+    if v["xb"] == 3 and {"NOMMA", "NODEQ"} & set(v["probes"]):
+        raise SystemExit(f"variant {label!r}: sk3 has the nofix probe only")
     return v
 
 
@@ -81,7 +87,8 @@ _built: dict = {}
 def sk_functions(be, v: dict, nt: int, lay: str):
     """(tile, prepass) functions of variant ``v`` at ``nt`` n-tiles, one build per source."""
     text = sk_text(v)
-    tile = f"q6k_wgsk_f16<{nt}, {lay}, {v['nwg']}, {v['xb']}>"
+    tile = (f"q6k_wgsk3_f16<{nt}, {lay}, {v['nwg']}>" if v["xb"] == 3
+            else f"q6k_wgsk_f16<{nt}, {lay}, {v['nwg']}, {v['xb']}>")
     prep = f"q6k_sk_xb<{nt}>"
     key = (text, tile)
     if key not in _built:
@@ -111,7 +118,7 @@ class SkCall:
         units = -(-gtiles // v["nwg"]) * self.bpr
         self.grid = min(grid, units)
         self.threads = 128 * v["nwg"]
-        self.smem = v["stages"] * 16 * 64 * self.nt * 4 + (16 * v["stages"] if v["xb"] == 2 else 0)
+        self.smem = v["stages"] * 16 * 64 * self.nt * 4 + (16 * v["stages"] if v["xb"] >= 2 else 0)
         if self.smem > int(self.fn.max_dynamic_shared_size_bytes):
             self.fn.max_dynamic_shared_size_bytes = self.smem
         self.part = cp.zeros(self.nz * self.grid * self.threads * 4 * self.nt, cp.float32)

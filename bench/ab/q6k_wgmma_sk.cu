@@ -462,6 +462,239 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Stream-K v2 (sk3, session 30; compile-checked, not yet run): sk2's units, partition, ring of
+// prepacked blocks and fix-up order (so the same sums: the same bits as sk2), but nothing
+// between two units of a segment that ptxas must treat as divergent, so that it keeps the
+// previous unit's last two wgmma groups in flight across the unit's head as q6k_wg_f16 does
+// across its blocks (sk2 drains every unit: Q6SERVE_SK_DRAIN; without the drain ptxas
+// serialized every wgmma, C7518). What changed against sk2:
+// - no `live`: a warpgroup past the last 64-row tile decodes the last row's blocks (warp_rows
+//   clamps the rows) and writes nothing (its rows fail emit's bound): the wgmmas sit in no
+//   branch on the warp index;
+// - the next unit's weights by selects (the segment's next block, or the next segment's
+//   first), one warp_load a unit, no branch;
+// - the next segment's rows and d loads at the segment's start (sk2's LATE_RN 0), before its
+//   first wgmma;
+// - the ring: every thread arrives on a stage's empty barrier (count 128 NWG) and every thread
+//   waits for it before the refill, whose expect_tx and bulk copy thread 0 issues under a
+//   predicate inside one asm (no branch on the thread index);
+// - the fix-up in parallel: thread i waits for the flag of the i-th CTA below (all at once,
+//   not one after the other by thread 0), and each thread loads its fragment of P partials
+//   before adding them in the fixed order (own, then the nearest CTA below down).
+// The segment's end (wg_wait<0>, the scale, the partial or the fix-up and y) runs with no
+// wgmma in flight, as q6k_wg_f16's tile end.
+#ifdef Q6SERVE_WGMMA
+// Thread 0 (issuer): expect `bytes` on `full` and copy them from `src` to `dst` (cp.async.bulk);
+// every other thread runs the same instructions with the predicate off.
+__device__ __forceinline__ void sk3_issue(bool issuer, u32 full, u32 dst, const void* src,
+                                          u32 bytes) {
+    asm volatile(
+        "{\n.reg .pred p;\n.reg .b64 st;\nsetp.ne.u32 p, %0, 0;\n"
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [%1], %4;\n"
+        "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3], %4, "
+        "[%1];\n}\n" ::"r"((u32)issuer), "r"(full), "r"(dst), "l"(src), "r"(bytes)
+        : "memory");
+}
+
+template <int NT, int SOA, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1)
+    q6k_wgsk3_f16(PARAMS_W, const unsigned short* x, int K, const u32* xb, float* y, float* part,
+                  u32* flags, int n_tok, u32 epoch) {
+    static_assert(NT == 8 || NT == 4 || NT == 2 || NT == 1, "q6k_wgsk3_f16: 8, 4, 2 or 1 n-tiles");
+    MAKE_W;
+    (void)x;
+    (void)K;
+    (void)epoch;
+    constexpr int S = Q6SERVE_SK_STAGES;
+    static_assert(S >= 5, "the refill of unit j + 2 waits for the readers of unit j + 2 - S, "
+                          "released at unit j + 4 - S's head (S = 6: two units of slack)");
+    constexpr int SW = 16 * 64 * NT;  // u32 words a stage
+    constexpr int P = NT == 8 ? 2 : 4;  // partials loaded together in the fix-up
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int tok0 = blockIdx.z * 8 * NT;
+    const int gtiles = (w.rows + 63) >> 6;
+    const int rgroups = (gtiles + NWG - 1) / NWG;
+    const long long U = (long long)rgroups * bpr;
+    const int G = gridDim.x, c = blockIdx.x;
+    const int u0 = (int)(U * c / G), u1 = (int)(U * (c + 1) / G);
+    if (u0 >= u1) return;  // CTA-uniform
+    const int rg_lo = u0 / bpr;
+    float* my_part = part + (((size_t)blockIdx.z * G + c) * (128 * NWG) + threadIdx.x) * (4 * NT);
+    u32* fl = flags + (size_t)blockIdx.z * G;
+    const int tid = threadIdx.x;
+    const bool issuer = tid == 0;
+
+    const u32 sbase = smem_u32(smem_x);
+    const int nu = u1 - u0;
+    const u32 bars = sbase + 4u * (u32)(S * SW);  // full[S], empty[S] (8 bytes each)
+    const u32* xbz = xb + (size_t)blockIdx.z * bpr * SW;
+    if (issuer) {
+        for (int st = 0; st < S; ++st) {
+            sk_mbar_init(bars + 8u * st, 1u);
+            sk_mbar_init(bars + 8u * (S + st), 128u * NWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    for (int u = 0; u < 2 && u < nu; ++u)  // the ring's first two units, before any weight load
+        sk3_issue(issuer, bars + 8u * u, sbase + 4u * (u32)(u * SW),
+                  xbz + (size_t)sk_unit(u, u0, u1, bpr).y * SW, (u32)(SW * 4));
+
+    const u64 desc0 = (u64)((sbase & 0x3FFFFu) >> 4) | ((u64)(128 >> 4) << 16) |
+                      ((u64)(256 >> 4) << 32);
+    const int qsh = 2 * (t >> 1);
+    const u32 scsel = 0x4040u | (u32)t | ((u32)t << 8);
+    constexpr int DU = Q6SERVE_SK_DU;
+
+    // the first segment: the CTA's last row group
+    int rg = (u1 - 1) / bpr;
+    int a = max(u0, rg * bpr) - rg * bpr, e = min(u1, rg * bpr + bpr) - rg * bpr;
+    int gt = rg * NWG + wg;
+    RowRef rr[1][2], rn[1][2];
+    Raw nxt[1][2];
+    warp_rows<SOA>(w, gt * 64 + wq * 16, g, rr);
+    warp_load<SOA>(nxt, rr, a, t);
+    DLoad<DU> dl = wg_dload<SOA, DU>(rr, a, e - a, t);
+    int j = 0;  // units done
+    for (;;) {
+        const bool more = rg > rg_lo;  // CTA-uniform, as every segment bound below
+        const int rgn = more ? rg - 1 : rg;
+        const int an = more ? max(u0, rgn * bpr) - rgn * bpr : a;
+        const int en = more ? bpr : e;  // a row group below the last is held to its end
+        const int gtn = rgn * NWG + wg;
+        warp_rows<SOA>(w, gtn * 64 + wq * 16, g, rn);  // (the last segment: its own rows again)
+        const float2 dmx = wg_dmax(dl);
+        if (more) dl = wg_dload<SOA, DU>(rn, an, en - an, t);
+        float rinv[2];
+        rinv[0] = dmx.x > 0.f ? 1.f / dmx.x : 0.f;
+        rinv[1] = dmx.y > 0.f ? 1.f / dmx.y : 0.f;
+        float acc[1][NT][4];
+        zero_acc(acc);
+        for (int kb = a; kb < e; ++kb, ++j) {
+            // ring: unit j - 2's stage released (wg_wait<2> in unit j - 1 retired its wgmmas),
+            // unit j + 2 into its stage once the readers of unit j + 2 - S released it, then
+            // unit j's bytes awaited
+            if (j >= 2) sk_mbar_arrive(bars + 8u * (S + (j - 2) % S));
+            if (j + 2 < nu) {
+                const int u = j + 2, st = u % S;
+                if (u >= S) sk_mbar_wait(bars + 8u * (S + st), (u32)((u / S - 1) & 1));
+                sk3_issue(issuer, bars + 8u * st, sbase + 4u * (u32)(st * SW),
+                          xbz + (size_t)sk_unit(u, u0, u1, bpr).y * SW, (u32)(SW * 4));
+            }
+            sk_mbar_wait(bars + 8u * (j % S), (u32)((j / S) & 1));
+            Raw raw[2];
+            raw[0] = nxt[0][0];
+            raw[1] = nxt[0][1];
+            {  // the next unit's weights: this segment's next block, or the next one's first
+                const bool in = kb + 1 < e;
+                RowRef rs[1][2];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    rs[0][hr].base = in ? rr[0][hr].base : rn[0][hr].base;
+                    rs[0][hr].ql = in ? rr[0][hr].ql : rn[0][hr].ql;
+                    rs[0][hr].qh = in ? rr[0][hr].qh : rn[0][hr].qh;
+                    rs[0][hr].sc = in ? rr[0][hr].sc : rn[0][hr].sc;
+                    rs[0][hr].d = in ? rr[0][hr].d : rn[0][hr].d;
+                }
+                warp_load<SOA>(nxt, rs, in ? kb + 1 : an, t);
+            }
+            u32 sc2[2][4];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const u32 rh = f16_bits(f16_to_f32(raw[hr].d) * rinv[hr]);
+                const u32 r2 = rh | (rh << 16);
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    sc2[hr][k] = hmul2(sc_pair(word4(raw[hr].sc, k), scsel), r2);
+            }
+            const u64 dblk = desc0 + (u64)((j % S) * (SW * 4 / 16));
+#pragma unroll
+            for (int s = 0; s < 16; ++s) {
+                const int hn = s >> 2, jq = s & 3;
+                const uint2 a02 = wg_deq<SOA>(raw[0], hn, jq, qsh, sc2[0][hn]);
+                const uint2 a13 = wg_deq<SOA>(raw[1], hn, jq, qsh, sc2[1][hn]);
+                wg_fence();
+                wgmma_rs<NT>(acc, a02.x, a13.x, a02.y, a13.y, dblk + (u64)(s * 16 * NT));
+                wg_commit();
+                wg_wait<2>();
+            }
+        }
+        wg_wait<0>();
+        wg_fence_acc(acc);
+        const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
+        // owner: this CTA holds the row group's last unit
+        const bool owner = rg < (u1 - 1) / bpr || u1 == rg * bpr + bpr;
+        if (!owner) {  // the head of the CTA's last row group: a partial for the owner above
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                reinterpret_cast<float4*>(my_part)[nt] =
+                    make_float4(acc[0][nt][0], acc[0][nt][1], acc[0][nt][2], acc[0][nt][3]);
+            __threadfence();
+            __syncthreads();
+            if (issuer) sk_st_release(fl + c, SK_FLAG);
+        } else {
+            if (a > 0 && !Q6SERVE_SK_NOFIX) {  // the CTAs below hold the row group's other units
+                int nlow = 0;  // c - 1, c - 2, .., c - nlow (CTA-uniform)
+                while (c - 1 - nlow >= 0 && (int)(U * (c - nlow) / G) > rg * bpr) ++nlow;
+                if (tid < nlow)  // all flags awaited at once
+                    for (int spin = 0; sk_ld_acquire(fl + c - 1 - tid) != SK_FLAG;
+                         ++spin) {
+                        asm volatile("nanosleep.u32 64;");
+                        if (spin == (1 << 24)) {  // ~1 s: counted, not hung (the bench says)
+                            atomicAdd(flags + (size_t)gridDim.z * G, 1u);
+                            break;
+                        }
+                    }
+                __syncthreads();
+                __threadfence();
+                const float* pbase =
+                    part + ((size_t)blockIdx.z * G * (128 * NWG) + threadIdx.x) * (4 * NT);
+                for (int i0 = 0; i0 < nlow; i0 += P) {  // P partials' loads, then their adds
+                    float4 v[P][NT];
+#pragma unroll
+                    for (int p = 0; p < P; ++p) {
+                        const int cl = c - 1 - min(i0 + p, nlow - 1);
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            v[p][nt] = sk_ldcg4(pbase + (size_t)cl * (128 * NWG) * (4 * NT) +
+                                                4 * nt);
+                    }
+#pragma unroll
+                    for (int p = 0; p < P; ++p)
+                        if (i0 + p < nlow)
+#pragma unroll
+                            for (int nt = 0; nt < NT; ++nt) {
+                                acc[0][nt][0] += v[p][nt].x;
+                                acc[0][nt][1] += v[p][nt].y;
+                                acc[0][nt][2] += v[p][nt].z;
+                                acc[0][nt][3] += v[p][nt].w;
+                            }
+                }
+                if (Q6SERVE_SK_RESET) {  // every partial read: the slots' flags back to 0
+                    __syncthreads();
+                    if (tid < nlow) fl[c - 1 - tid] = 0u;
+                }
+            }
+            ks_emit<NT, 1>(Out{y, nullptr, nullptr, n_tok}, w.rows, gt * 64 + wq * 16, tok0, acc,
+                           lane);
+        }
+        if (!more) break;
+        rg = rgn;
+        a = an;
+        e = en;
+        gt = gtn;
+        rr[0][0] = rn[0][0];
+        rr[0][1] = rn[0][1];
+    }
+}
+#endif
+
 #ifdef Q6SERVE_SK_CHECK
 #define INST_SK(NT, SOA, NWG, XB)                                                               \
     template __global__ void q6k_wgsk_f16<NT, SOA, NWG, XB>(                                   \
@@ -473,6 +706,14 @@ INST_SK(8, 2, 3, 2) INST_SK(4, 2, 3, 2) INST_SK(2, 2, 3, 2) INST_SK(1, 2, 3, 2)
 #endif
 INST_SK(8, 2, 2, 0) INST_SK(8, 2, 2, 1) INST_SK(2, 2, 3, 0) INST_SK(1, 2, 3, 0)
 INST_SK(8, true, 3, 0) INST_SK(8, false, 3, 0)
+#if Q6SERVE_SK_STAGES >= 5  // sk3 (stream-K v2): the widths and layouts sk_ab may ask for
+#define INST_SK3(NT, SOA, NWG)                                                                  \
+    template __global__ void q6k_wgsk3_f16<NT, SOA, NWG>(                                      \
+        const u64*, int, int, int, const unsigned short*, int, const u32*, float*, float*,      \
+        u32*, int, u32);
+INST_SK3(8, 2, 3) INST_SK3(8, 2, 2) INST_SK3(4, 2, 3) INST_SK3(4, 2, 2) INST_SK3(2, 2, 3)
+INST_SK3(1, 2, 3) INST_SK3(8, true, 3) INST_SK3(8, false, 3)
+#endif
 template __global__ void q6k_sk_xb<8>(const unsigned short*, int, int, int, u32*);
 template __global__ void q6k_sk_xb<4>(const unsigned short*, int, int, int, u32*);
 #endif

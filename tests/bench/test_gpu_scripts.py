@@ -51,9 +51,8 @@ RUNS: dict[str, list[tuple[str, dict[str, str], list[str]]]] = {
     "gpu_t1_s29.sh": [("a", {"PHASE": "a"}, []), ("a_spin", {"PHASE": "a", "HOLD": "idlespin"},
                                                       []), ("b", {"PHASE": "b"}, []),
                       ("c", {"PHASE": "c"}, [])],
-    "gpu_k_s29.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
-                     ("c", {"PHASE": "c", "BOUND": "60"}, []),
-                     ("d", {"PHASE": "d", "BOUND": "45"}, [])],
+    "gpu_k_s30.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, []),
+                     ("c", {"PHASE": "c", "BOUND": "60"}, [])],
     "gpu_dp_s30.sh": [("a", {"PHASE": "a"}, []), ("b", {"PHASE": "b"}, [])],
 }
 # what a shell prints when a script is broken (a bad name, an unset variable, a parse error)

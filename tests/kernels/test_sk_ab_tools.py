@@ -1,10 +1,12 @@
 """bench/sk_ab.py's CPU parts (session 29): the variant labels, the source it compiles (the
 stream-K tile of bench/ab/q6k_wgmma_sk.cu with q6k_wgmma.cu inlined and the variant's
 #defines) and, where nvcc is, that every instantiation it launches builds for sm_90a, so a
-broken kernel fails here rather than in a bundle's device time."""
+broken kernel fails here rather than in a bundle's device time; and (session 30) that ptxas
+keeps stream-K v2's wgmma groups in flight across units, where cuobjdump is to read its SASS."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import sk_ab  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench" / "ab"))
+import sass_same  # noqa: E402
 
 NVCC = next((p for p in ("nvcc", "/usr/local/cuda/bin/nvcc")
              if subprocess.run(["which", p], capture_output=True).returncode == 0
@@ -27,7 +32,11 @@ def test_variant_labels() -> None:
     v = sk_ab.parse_variant("sk1.w2.s5.d4")
     assert (v["xb"], v["nwg"], v["stages"], v["du"]) == (1, 2, 5, 4)
     assert sk_ab.parse_variant("sk2")["stages"] == 6  # the mbarrier ring: two units of slack
-    for bad in ("sk3", "wg0", "sk0.s3", "sk2.s4", "sk1.w4", "sk0.x1", "sk0.d5"):
+    assert sk_ab.parse_variant("sk3") == {"label": "sk3", "xb": 3, "nwg": 3, "stages": 6,
+                                          "du": 2, "probes": []}
+    assert sk_ab.parse_variant("sk3.w2.nofix")["probes"] == ["NOFIX"]
+    for bad in ("sk4", "wg0", "sk0.s3", "sk2.s4", "sk3.s4", "sk1.w4", "sk0.x1", "sk0.d5",
+                "sk3.nomma", "sk3.nodeq"):
         with pytest.raises(SystemExit):
             sk_ab.parse_variant(bad)
 
@@ -40,7 +49,7 @@ def test_source_inlines_the_wgmma_file() -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("label", ["sk0", "sk1", "sk2", "sk2.d3.nofix.nomma.nodeq"])
+@pytest.mark.parametrize("label", ["sk0", "sk1", "sk2", "sk2.d3.nofix.nomma.nodeq", "sk3"])
 def test_instantiations_build_for_sm90a(tmp_path, label) -> None:
     src = tmp_path / "sk.cu"
     src.write_text("#define Q6SERVE_SK_CHECK\n" + sk_ab.sk_text(sk_ab.parse_variant(label)))
@@ -52,3 +61,23 @@ def test_instantiations_build_for_sm90a(tmp_path, label) -> None:
     # path (C7518): bundles A-C of session 29 ran so (Q6SERVE_SK_DRAIN 0 fails here)
     out = res.stdout + res.stderr
     assert "wgsk_f16" in out and "serialized" not in out, out[-3000:]
+    if label != "sk3":
+        return
+    # stream-K v2: every build, no spills; where cuobjdump is, its SASS keeps two wgmma groups
+    # in flight across units (a wait for 2 after each of a unit's 16 wgmmas and a wait for 0
+    # only at a segment's end; sk2 drains every unit: two waits for 0, the serialized form
+    # 16)
+    built = re.findall(r"Compiling entry function '(_Z13q6k_wgsk3_f16\w+)'", out)
+    assert len(built) == 8, out[-3000:]
+    assert not re.search(r"wgsk3[^\n]*\n[^\n]*[1-9]\d* bytes spill stores", out), out[-3000:]
+    cuobjdump = sass_same.find_cuobjdump()
+    if cuobjdump is None:
+        return
+    dump = sass_same.dump(tmp_path / "sk.cubin", cuobjdump)
+    for name in built:
+        sass = dump.sass[name]
+        assert sass.count("HGMMA.") == 16, name
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2", sass)) == 16, name
+        assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1, name
+    sk2 = [k for k in dump.sass if k.startswith("_Z12q6k_wgsk_f16ILi8ELi2ELi3ELi2E")]
+    assert sk2 and len(re.findall(r"DEPBAR\.LE gsb0, 0x0", dump.sass[sk2[0]])) == 2
