@@ -70,7 +70,7 @@ async def _round(calls: int, deadline: float | None = None, job: tuple[float, fl
 
 async def _engine_round(calls: int, deadline: float | None = None) -> tuple[float, float]:
     from q6serve.kernels.backends import make_backend
-    from q6serve.service import wire
+    from q6serve.service import wire_replies, wire_requests
     from q6serve.service.config import WorkerConfig
     from q6serve.service.engine import Engine, UploadSpec
     from q6serve.v1 import q6serve_pb2 as pb
@@ -98,10 +98,10 @@ async def _engine_round(calls: int, deadline: float | None = None) -> tuple[floa
     for _ in range(calls):
         t0 = time.perf_counter()
         msg = pb.MatmulRequest.FromString(raw)
-        call = wire.matmul_call(msg, deadline)
-        took = wire.Took(t0, time.perf_counter())
+        call = wire_requests.matmul_call(msg, deadline)
+        took = wire_replies.Took(t0, time.perf_counter())
         reply = await eng.matmul(call)
-        wire.matmul_response(reply, msg.request_id, took).SerializeToString()
+        wire_replies.matmul_response(reply, msg.request_id, took).SerializeToString()
         lat.append(time.perf_counter() - t0)
         queue.append(reply.queue_seconds)
     await eng.close()
@@ -152,7 +152,7 @@ async def _engine_with(weights: dict[str, int], k: int) -> Any:
 
 
 async def _stages_round(calls: int, rows: int) -> dict[str, float]:
-    from q6serve.service import wire
+    from q6serve.service import wire_replies, wire_requests
     from q6serve.v1 import q6serve_pb2 as pb
 
     k = 256
@@ -168,13 +168,13 @@ async def _stages_round(calls: int, rows: int) -> dict[str, float]:
         t = [time.perf_counter()]
         msg = pb.MatmulRequest.FromString(raw)
         t.append(time.perf_counter())
-        call = wire.matmul_call(msg, 60.0)
+        call = wire_requests.matmul_call(msg, 60.0)
         t.append(time.perf_counter())
         fut = eng.start_matmul(call)
         t.append(time.perf_counter())
         reply = await fut
         t.append(time.perf_counter())
-        out = wire.stream_reply(reply, msg.request_id, wire.Took(t[0], t[2]))
+        out = wire_replies.stream_reply(reply, msg.request_id, wire_replies.Took(t[0], t[2]))
         t.append(time.perf_counter())
         if not isinstance(out, bytes):
             out.SerializeToString()

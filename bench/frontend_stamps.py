@@ -13,8 +13,8 @@ the decoded call to the EngineProxy (``start_matmul``); SENT, when its stack lef
 device process (the end of ``EngineProxy._flush``, whose last step writes the socket); READ,
 when the front end began reading the device process's answer (``_Link._answer``); RESOLVED,
 when this caller's future was settled (``_resolve``: the answer's earlier callers' sinks ran
-before); END, when its reply was encoded (``wire.stream_reply``, in its sink); SEND, when the
-stream's writer handed it to gRPC (``_Replies.send``). Calls that miss a stamp (the direct path,
+before); END, when its reply was encoded (``wire_replies.stream_reply``, in its sink); SEND, when
+the stream's writer handed it to gRPC (``_Replies.send``). Calls that miss a stamp (the direct path,
 errors) keep their request_id.
 
 In every worker process (``install_stalls``: the device process and each front end) the
@@ -108,7 +108,7 @@ def install_stalls(folder: str, role: str) -> None:
 
 def install_front() -> None:
     """Stamp each stream reply's request_id in this front end (module docstring)."""
-    from q6serve.service import frontends_proxy, rawmsg, servicer, wire
+    from q6serve.service import frontends_proxy, rawmsg, servicer, wire_replies
 
     pc = time.perf_counter
     pid = os.getpid()
@@ -160,7 +160,7 @@ def install_front() -> None:
         finally:
             now[0] = None
 
-    stream_reply = wire.stream_reply
+    stream_reply = wire_replies.stream_reply
 
     def stamped_reply(r: Any, request_id: str, took: Any = None) -> Any:
         out = stream_reply(r, request_id, took)
@@ -187,7 +187,7 @@ def install_front() -> None:
     frontends_proxy.EngineProxy._flush = stamped_flush  # type: ignore[method-assign]
     frontends_proxy._Link._answer = stamped_answer  # type: ignore[method-assign]
     frontends_proxy._resolve = stamped_resolve
-    wire.stream_reply = stamped_reply
+    wire_replies.stream_reply = stamped_reply
     servicer._Replies.__init__ = stamped_init  # type: ignore[method-assign]
 
 

@@ -8,7 +8,7 @@ l1; inside it the graph's launch, g0 .. g1, and the completion event's record, r
 through proxies put on the call), ``BoundCall._wait`` / ``ManyCall._wait`` (w0 .. w1; whether
 the event was already done at w0, by cuEventQuery) and the event's synchronize (s0 .. s1, with
 the thread's CPU time across it). The kernel's seconds come from the result; a stream reply's
-window (wire.stream_reply: the request taken and decoded, ``Took``, the reply encoded) is
+window (wire_replies.stream_reply: the request taken and decoded, ``Took``, the reply encoded) is
 joined to the direct jobs run since the last reply. Per job one row; at exit (the worker
 drains on SIGTERM, then exits: atexit sees it) the rows' medians per part and per role and the
 rows themselves go to ``path`` as JSON, and :func:`summary` prints them. Each stamp costs
@@ -49,7 +49,7 @@ def install(path: str) -> None:
     replaced by the process id (workers of one run: one file each)."""
     path = path.replace("{pid}", str(os.getpid()))
     from q6serve.kernels.cuda import launch as L
-    from q6serve.service import batcher, wire
+    from q6serve.service import batcher, wire_replies
 
     if os.environ.get("Q6SERVE_JOB_Y_BLOCKS"):  # (an A/B of Workspace.y_block, session 20)
         L.Y_BLOCKS = int(os.environ["Q6SERVE_JOB_Y_BLOCKS"])
@@ -165,7 +165,7 @@ def install(path: str) -> None:
         cls.launch = stamped_launch(cls.launch)  # type: ignore[method-assign]
         cls._wait = stamped_wait(cls._wait)  # type: ignore[method-assign]
     handler: collections.deque[dict[str, Any]] = collections.deque(maxlen=RING)
-    stream_reply = wire.stream_reply
+    stream_reply = wire_replies.stream_reply
 
     def stamped_reply(r: Any, request_id: str, took: Any = None) -> Any:
         e0 = now()
@@ -182,7 +182,7 @@ def install(path: str) -> None:
         local.pending = []
         return out
 
-    wire.stream_reply = stamped_reply
+    wire_replies.stream_reply = stamped_reply
 
     def dump() -> None:
         if not rows:  # a child that inherited the variable

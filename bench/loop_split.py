@@ -35,7 +35,7 @@ async def split(calls: int, warmup: int, k: int = K, rows: int = ROWS) -> dict[s
     import grpc
     from prometheus_client import CollectorRegistry
 
-    from q6serve.service import wire
+    from q6serve.service import wire, wire_requests
     from q6serve.service.interceptor import ErrorInterceptor
     from q6serve.service.metrics import Metrics
     from q6serve.service.servicer import Q6ServeServicer
@@ -45,7 +45,7 @@ async def split(calls: int, warmup: int, k: int = K, rows: int = ROWS) -> dict[s
     worker = await so._noop_worker(rows, k)
     inner = grpc.stream_stream_rpc_method_handler(
         Q6ServeServicer(worker.engine).MatmulStream,
-        request_deserializer=wire.read_matmul_request,
+        request_deserializer=wire_requests.read_matmul_request,
         response_serializer=wire._bytes_or(pb.MatmulStreamResponse.SerializeToString))
     details = namedtuple("Details", "method invocation_metadata")(so.METHOD, ())
 

@@ -170,14 +170,14 @@ def _mark_medians(step_marks: Any) -> dict[str, float]:
 
 def install_marks() -> None:
     """Mark the worker's steps inside a request's loop callback (see :func:`mark`):
-    "decoded" when ``wire.matmul_call`` returns, "job" and "job_end" around the direct job
+    "decoded" when ``wire_requests.matmul_call`` returns, "job" and "job_end" around the direct job
     (``Device.run_now``: the backend's launch and wait), "send" when the handler hands its
     reply to the interceptor's write (``ErrorInterceptor._send_reply``; after it, up to the
     step's end: the write's submission to gRPC). Patches this process's classes and module
     (before any stream starts: it binds ``_send_reply`` at its start)."""
-    from q6serve.service import batcher, interceptor, wire
+    from q6serve.service import batcher, interceptor, wire_requests
 
-    matmul_call = wire.matmul_call
+    matmul_call = wire_requests.matmul_call
 
     def marked_call(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -185,7 +185,7 @@ def install_marks() -> None:
         finally:
             mark("decoded")
 
-    wire.matmul_call = marked_call
+    wire_requests.matmul_call = marked_call
     run_now = batcher.Device.run_now
 
     def marked_run_now(self: Any, fn: Any, *args: Any) -> Any:

@@ -91,10 +91,10 @@ async def _drive(handler: Any, reqs: list[bytes], calls: int,
 ABLATE = {
     "metrics": "the batch metrics (Engine._on_batch) and the stream request's "
                "(observe_stream_request) not recorded",
-    "encode": "every reply the same 64 ready bytes (wire.stream_reply not run)",
+    "encode": "every reply the same 64 ready bytes (wire_replies.stream_reply not run)",
     "cost": "the window's cost a constant (Q6ServeServicer._cost not run)",
-    "skeletons": "every request parsed by upb, none read through a skeleton (wire.SKELETONS "
-                 "off: the worker before session 27)",
+    "skeletons": "every request parsed by upb, none read through a skeleton "
+                 "(wire_requests.SKELETONS off: the worker before session 27)",
 }
 
 
@@ -112,11 +112,11 @@ def ablate(names: list[str]) -> None:
             engine.Engine._on_batch = lambda self, stats: None  # type: ignore[method-assign]
             servicer.observe_stream_request = lambda code, end=None: None  # type: ignore[assignment]
         elif name == "encode":
-            servicer.wire.stream_reply = _fixed_reply  # type: ignore[assignment]
+            servicer.wire_replies.stream_reply = _fixed_reply  # type: ignore[assignment]
         elif name == "cost":
             servicer.Q6ServeServicer._cost = lambda self, req, call=None: 1 << 16  # type: ignore[method-assign]
         elif name == "skeletons":
-            servicer.wire.SKELETONS = False
+            servicer.wire_requests.SKELETONS = False
         else:
             raise SystemExit(f"--ablate: {name!r}: one of {', '.join(ABLATE)}")
 

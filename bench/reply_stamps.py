@@ -1,8 +1,8 @@
 """Absolute times in a MatmulStream reply, for splitting a round trip's "transport" into the
 way up and the way down (issue 14 T1; a bench diagnostic, never in the product).
 
-``install()`` wraps ``q6serve.service.wire.stream_reply`` in this process so that every stream
-reply's request_id becomes ``"START END"``: perf_counter() when the worker took the request's
+``install()`` wraps ``q6serve.service.wire_replies.stream_reply`` in this process so that every
+stream reply's request_id becomes ``"START END"``: perf_counter() when the worker took the request's
 raw bytes (RPC_START, Took.start) and when the reply was encoded. perf_counter is
 CLOCK_MONOTONIC, one clock for every process of the host, so the caller subtracts its own
 times: up = START - the caller's write, down = the caller's read done - END. The worker gets it
@@ -18,9 +18,9 @@ from typing import Any
 
 
 def install() -> None:
-    from q6serve.service import rawmsg, wire
+    from q6serve.service import rawmsg, wire_replies
 
-    inner = wire.stream_reply
+    inner = wire_replies.stream_reply
 
     def stamped(r: Any, request_id: str, took: Any = None) -> Any:
         out = inner(r, request_id, took)
@@ -36,7 +36,7 @@ def install() -> None:
         out.request_id = tag
         return out
 
-    wire.stream_reply = stamped
+    wire_replies.stream_reply = stamped
 
 
 def stamp(start: float) -> str:

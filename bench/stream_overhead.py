@@ -6,7 +6,7 @@ kernel is a few µs and is subtracted anyway). Each variant is a server in its o
 process; this process is the client (raw bytes both ways, nothing decoded in the timed part):
 
   bare    bytes echo, generic handler, ``async for req in it: yield reply``: gRPC's floor
-  proto   + the MatmulRequest decoded (wire.read_matmul_request) and a MatmulStreamResponse
+  proto   + the MatmulRequest decoded (wire_requests.read_matmul_request) and a MatmulStreamResponse
           built and serialized per reply
   struct  proto + the servicer's structure: a reader task, the reply made a loop trip later
           (the batcher's sink) and put on an asyncio.Queue, a response generator yielding
@@ -37,11 +37,12 @@ On grpc's synchronous server (``grpc.server`` + a thread pool; the stream's hand
 generator on a pool thread that blocks in the request iterator; no event loop):
 
   sbare   bytes echo, ``for req in it: yield reply``: the sync server's floor
-  sync    a MatmulStream prototype: each request decoded (wire.read_matmul_request,
-          wire.matmul_call), the worker's direct job run on the handler thread (what
+  sync    a MatmulStream prototype: each request decoded (wire_requests.read_matmul_request,
+          wire_requests.matmul_call), the worker's direct job run on the handler thread (what
           Engine._make_batcher's ``run`` does: ``launch_ieee`` on the backend + the wait, the
           weight loaded as the worker loads it, the worker's kernel flags), the reply encoded
-          by wire.stream_reply (stamped); none of the worker's admission, batcher bookkeeping,
+          by wire_replies.stream_reply (stamped); none of the worker's admission, batcher
+          bookkeeping,
           metrics or interceptor. Figure: p50 of (round trip - kernel_seconds), as worker's
 
 ``bare+FEATURE[+FEATURE...]`` (the ladder, a bisection of what the worker's server has beyond
@@ -57,7 +58,7 @@ idle threads and background tasks, its heap threshold, logging and imports), e.g
 (LABEL~keep, alternated with the plain run): what idle CPUs cost a round trip's wake-ups.
 
 ``ZERO_COPY_MIN=BYTES`` (env): the servicer variants read x as a view of the request from that
-size up (wire.read_matmul_request's walker; 0: always).
+size up (wire_requests.read_matmul_request's walker; 0: always).
 
 ``--trips``: every server counts its event-loop trips and the callbacks they run
 (bench/loop_trips.py); the table then gives loop trips per round trip and the callbacks that
@@ -143,7 +144,7 @@ def _echo_handler(variant: str, rows: int, itemsize: int = 2) -> Any:
     ``itemsize`` bytes)."""
     import grpc
 
-    from q6serve.service import wire
+    from q6serve.service import wire_requests
     from q6serve.v1 import q6serve_pb2 as pb
 
     y = b"\0" * (itemsize * rows)
@@ -174,7 +175,7 @@ def _echo_handler(variant: str, rows: int, itemsize: int = 2) -> Any:
 
     handler = struct if variant == "struct" else proto
     return grpc.stream_stream_rpc_method_handler(
-        handler, request_deserializer=wire.read_matmul_request,
+        handler, request_deserializer=wire_requests.read_matmul_request,
         response_serializer=pb.MatmulStreamResponse.SerializeToString)
 
 
@@ -253,10 +254,11 @@ async def _noop_worker(rows: int, k: int, port: int = 0) -> Any:
 FEATURES = {
     "wopts": "the worker's server options (service/worker.py build_server) instead of the "
              "client's channel options",
-    "hr": "health and reflection services beside (wire.add_health_and_reflection)",
+    "hr": "health and reflection services beside (wire_standard.add_health_and_reflection)",
     "icpt": "the worker's ErrorInterceptor as Worker.start builds it (metrics, auth, "
             "admission, read gate, stream slots)",
-    "proto": "the request decoded (wire.read_matmul_request), a MatmulStreamResponse built",
+    "proto": "the request decoded (wire_requests.read_matmul_request), a MatmulStreamResponse "
+             "built",
     "coro": "the handler a coroutine writing each reply with context.write (through the "
             "interceptor's send_reply with icpt), as MatmulStream's direct path does",
     "threads": "the worker's idle threads: a device thread (batcher.Device) and the "
@@ -273,7 +275,8 @@ FEATURES = {
             "the way up and down grow with the window alone (gRPC's threads idle longer)?",
     "job": "the request decoded and run as the worker's direct job on --backend (_direct_job: "
            "launch_ieee, x staged, the (weight, N)'s captured launch graph from its second "
-           "call, the wait on its event), the reply written by wire.stream_reply: the least "
+           "call, the wait on its event), the reply written by wire_replies.stream_reply: the "
+           "least "
            "Python a worker needs for T1's call (with spin: the floor probe of session 19); its "
            "figure is p50 of round trip - the kernel its reply reports",
     "spin": "the loop's busy polling as the worker has it (service/threads.busy_poll: "
@@ -320,7 +323,7 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
     from prometheus_client import CollectorRegistry
 
     from q6serve.client.channel import channel_options
-    from q6serve.service import wire
+    from q6serve.service import wire, wire_replies, wire_requests, wire_standard
     from q6serve.service.config import WorkerConfig
     from q6serve.service.interceptor import RPC_START
     from q6serve.service.metrics import Metrics
@@ -413,9 +416,9 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
 
     def reply(req: Any, start: float) -> Any:
         if job is not None:  # (no error path: the bench's requests are all valid)
-            call = wire.matmul_call(req, None)
-            return wire.stream_reply(job(call), req.request_id,
-                                     wire.Took(start, time.perf_counter()))
+            call = wire_requests.matmul_call(req, None)
+            return wire_replies.stream_reply(job(call), req.request_id,
+                                     wire_replies.Took(start, time.perf_counter()))
         if work is not None:
             work()
         while time.perf_counter() - start < hold:  # (start: the raw request's time)
@@ -435,14 +438,14 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
             async for req in it:
                 yield reply(req, taken())
     method = grpc.stream_stream_rpc_method_handler(
-        handler, request_deserializer=wire.read_matmul_request if decode else None,
+        handler, request_deserializer=wire_requests.read_matmul_request if decode else None,
         response_serializer=(wire._bytes_or(pb.MatmulStreamResponse.SerializeToString)
                              if decode else None))
     service, _, name = METHOD.lstrip("/").rpartition("/")
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service,
                                                                           {name: method})])
     if "hr" in feats:
-        wire.add_health_and_reflection(server, wire.health_servicer())
+        wire_standard.add_health_and_reflection(server, wire_standard.health_servicer())
     port = server.add_insecure_port("127.0.0.1:0")
     return server, port, keep
 
@@ -460,9 +463,10 @@ def _echo_server(variant: str, rows: int, ports: Any, trips: str = "", k: int = 
 
     reply_stamps.install()  # direct, engine: their replies say when (servicer's own wire)
     if (zc := os.environ.get("ZERO_COPY_MIN")) is not None:  # x as a view of the request
-        from q6serve.service import wire  # from this size up (wire.read_matmul_request)
+        # from this size up (wire_requests.read_matmul_request)
+        from q6serve.service import wire_requests
 
-        wire.read_matmul_request.__defaults__ = (int(zc),)
+        wire_requests.read_matmul_request.__defaults__ = (int(zc),)
 
     if trips:
         import loop_trips
@@ -553,10 +557,10 @@ def _sync_server(variant: str, rows: int, ports: Any, k: int = 0, backend: str =
     import reply_stamps
 
     from q6serve.client.channel import channel_options
-    from q6serve.service import wire
+    from q6serve.service import wire, wire_replies, wire_requests
     from q6serve.service.servicer import _stream_error
 
-    reply_stamps.install()  # sync: its replies say when (wire.stream_reply)
+    reply_stamps.install()  # sync: its replies say when (wire_replies.stream_reply)
     if variant == "sbare":
         y = b"\0" * (itemsize * rows)
 
@@ -568,15 +572,15 @@ def _sync_server(variant: str, rows: int, ports: Any, k: int = 0, backend: str =
         job = _direct_job(rows, k, backend)
 
         def read(raw: bytes) -> Any:  # (the raw request's time, as the interceptor's RPC_START)
-            return time.perf_counter(), wire.read_matmul_request(raw)
+            return time.perf_counter(), wire_requests.read_matmul_request(raw)
 
         def matmul_stream(it: Any, ctx: Any) -> Any:
             for t0, req in it:
                 rid = req.request_id
                 try:
-                    call = wire.matmul_call(req, None)
-                    took = wire.Took(t0, time.perf_counter())
-                    item = wire.stream_reply(job(call), rid, took)
+                    call = wire_requests.matmul_call(req, None)
+                    took = wire_replies.Took(t0, time.perf_counter())
+                    item = wire_replies.stream_reply(job(call), rid, took)
                 except Exception as e:
                     item = _stream_error(rid, e)
                 del req
@@ -656,12 +660,12 @@ async def stream_handler(servicer: Any) -> Any:
     import grpc
     from prometheus_client import CollectorRegistry
 
-    from q6serve.service import wire
+    from q6serve.service import wire, wire_requests
     from q6serve.service.interceptor import ErrorInterceptor
     from q6serve.service.metrics import Metrics
 
     inner = grpc.stream_stream_rpc_method_handler(
-        servicer.MatmulStream, request_deserializer=wire.read_matmul_request,
+        servicer.MatmulStream, request_deserializer=wire_requests.read_matmul_request,
         response_serializer=wire._bytes_or(wire.pb.MatmulStreamResponse.SerializeToString))
     metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
     details = namedtuple("Details", "method invocation_metadata")(METHOD, ())

@@ -77,7 +77,7 @@ from q6serve.kernels.api import Backend
 from q6serve.kernels.errors import InvalidArgument, Unavailable
 from q6serve.kernels.hostio import HostIO
 
-from . import envvars, reuseport, wire
+from . import envvars, reuseport, wire_requests
 from .config import WorkerConfig
 from .engine import MatmulCall
 from .frontends_arena import SLOT_BYTES, Arena
@@ -489,7 +489,7 @@ async def _dev_set_flags(w: FrontendsWorker, changes: dict[str, bool]) -> Any:
 async def _dev_region(w: FrontendsWorker, op: str, *a: Any) -> Any:
     if op == "matmul":
         owner, io, req_bytes, timeout, t0 = a
-        reply, took = await w.plane.matmul(owner, io, wire.parse_matmul_request(req_bytes),
+        reply, took = await w.plane.matmul(owner, io, wire_requests.parse_matmul_request(req_bytes),
                                            timeout, t0)
         return reply, took
     if op not in ("register", "unregister", "list", "open_lane"):

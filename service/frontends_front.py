@@ -20,7 +20,7 @@ from typing import Any
 
 from q6serve.kernels.errors import FailedPrecondition
 
-from . import envvars, reuseport, wire
+from . import envvars, reuseport, wire, wire_standard
 from .admission import Admission, StreamBudget, StreamSlots
 from .affinity import cores_of, pin_process
 from .auth import TokenAuth
@@ -178,7 +178,7 @@ async def _frontend(index: int, cfg: WorkerConfig, port: int, sock_path: str, sl
 
     async def set_health(ok: bool) -> None:
         for service in ("", wire.SERVICE_NAME):
-            await health.set(service, wire.health_status(ok))
+            await health.set(service, wire_standard.health_status(ok))
 
     await set_health(True)
     health_tasks: set[asyncio.Task[None]] = set()

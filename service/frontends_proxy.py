@@ -21,7 +21,7 @@ import numpy as np
 from q6serve.kernels.api import dtype_name
 from q6serve.kernels.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
-from . import envvars, wire
+from . import envvars, wire_replies, wire_requests
 from .engine import MatmulCall, MatmulReply
 from .frontends_arena import Arena
 from .frontends_ipc import (
@@ -439,7 +439,8 @@ class _Rows:
     rows: int
 
 
-_NO_X = np.empty((0, 0), np.float32)  # wire.matmul_call's x for a request whose x is in a region
+# wire_requests.matmul_call's x for a request whose x is in a region
+_NO_X = np.empty((0, 0), np.float32)
 
 
 class _PlaneProxy:
@@ -468,7 +469,7 @@ class _PlaneProxy:
         if io.x is None or io.y is None:
             return await self.link.call("region", "matmul", owner, io,
                                         req.SerializeToString(), timeout, t0)
-        call = wire.matmul_call(req, timeout, _NO_X)  # the request's checks, x aside
+        call = wire_requests.matmul_call(req, timeout, _NO_X)  # the request's checks, x aside
         assert io.x_dtype is not None and io.x_shape is not None
         decoded = time.perf_counter()
         _, fut = self.link.request((
@@ -476,4 +477,4 @@ class _PlaneProxy:
                           dtype_name(io.x_dtype), tuple(io.x_shape)),
             (io.y.region, io.y.offset), call.weight, call.precision.value,
             _NAME.get(call.out_dtype) or dtype_name(call.out_dtype), timeout))
-        return await fut, wire.Took(t0, decoded)
+        return await fut, wire_replies.Took(t0, decoded)

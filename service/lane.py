@@ -57,7 +57,7 @@ from q6serve.kernels.errors import (
     Unavailable,
 )
 
-from . import envvars, regions, wire
+from . import envvars, regions, wire_requests
 from .engine import Engine, MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
 from .threads import outcome, ring_poll, ring_unpoll
@@ -631,10 +631,10 @@ class LaneServer:
     async def _one(self, conn: _LaneConn, t: Ticket, seq: int, name: str, n: int, k: int,
                    x_off: int, y_off: int, x_dt: int, out_dt: int, prec: int) -> None:
         try:
-            io = RegionIO(RegionRef(t.region, x_off), wire.lane_dtype(x_dt, "x_dtype"), (n, k),
-                          RegionRef(t.region, y_off))
-            out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)
-            precision = wire.lane_precision(prec)
+            io = RegionIO(RegionRef(t.region, x_off), wire_requests.lane_dtype(x_dt, "x_dtype"),
+                          (n, k), RegionRef(t.region, y_off))
+            out = wire_requests.lane_dtype(out_dt, "out_dtype", default_f32=True)
+            precision = wire_requests.lane_precision(prec)
 
             def make_call(x: Any) -> MatmulCall:
                 return MatmulCall(name, x, precision, out)
@@ -918,8 +918,9 @@ def _codes(x_dt: int, out_dt: int, prec: int) -> tuple[np.dtype, np.dtype, Any]:
     combination: only valid ones are kept, a few dozen at most (~1.3 us a request less)."""
     got = _CODES.get((x_dt, out_dt, prec))
     if got is None:
-        out = wire.lane_dtype(out_dt, "out_dtype", default_f32=True)  # (checked first, as
-        got = (wire.lane_dtype(x_dt, "x_dtype"), out, wire.lane_precision(prec))  # before)
+        # (out's checked first, as before)
+        out = wire_requests.lane_dtype(out_dt, "out_dtype", default_f32=True)
+        got = (wire_requests.lane_dtype(x_dt, "x_dtype"), out, wire_requests.lane_precision(prec))
         _CODES[(x_dt, out_dt, prec)] = got
     return got
 

@@ -3,7 +3,7 @@
 A caller creates a POSIX shared-memory object, registers (a byte range of) it once under a
 name, then names ``(region, offset)`` for a request's activations and/or output instead of
 sending bytes. This module maps, checks and releases those regions; it knows nothing of gRPC
-(``wire.py`` converts, ``servicer.py`` delegates here, the engine sees plain arrays).
+(the ``wire*.py`` modules convert, ``servicer.py`` delegates here, the engine sees plain arrays).
 
 Rules, one place each (the .proto comments state them for callers):
 - refused unless the worker runs with ``--allow-shm`` (FAILED_PRECONDITION);

@@ -20,7 +20,7 @@ import grpc
 from q6serve.kernels.epilogue import MAX_K
 from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 
-from . import gcfreeze, lane, regions, wire
+from . import gcfreeze, lane, regions, wire, wire_enums, wire_replies, wire_requests
 from .admission import StreamBudget
 from .auth import TokenAuth
 from .engine import Engine, MatmulCall
@@ -39,9 +39,9 @@ def _timeout(context: grpc.aio.ServicerContext) -> float | None:
 def _stream_error(request_id: str, e: BaseException) -> Any:
     """A failed stream request's reply: its status (INTERNAL for what is not ours, logged)."""
     if isinstance(e, Q6Error):
-        return wire.stream_error(request_id, status_code(e).value[0], str(e))
+        return wire_replies.stream_error(request_id, status_code(e).value[0], str(e))
     log.error("MatmulStream request %r failed", request_id[:64], exc_info=e)
-    return wire.stream_error(request_id, grpc.StatusCode.INTERNAL.value[0],
+    return wire_replies.stream_error(request_id, grpc.StatusCode.INTERNAL.value[0],
                              "internal error (logged by the worker)")
 
 
@@ -247,18 +247,18 @@ class RegionPlane:
         return path, ticket
 
     async def matmul(self, owner: str, io: RegionIO, req: Any, timeout: float | None,
-                     t0: float) -> tuple[Any, wire.Took]:
+                     t0: float) -> tuple[Any, wire_replies.Took]:
         """A Matmul whose x and/or y live in regions (regions.py): the regions are held open
         for the whole request, so this one is a coroutine."""
         decoded: list[float] = []
 
         def make_call(x: Any) -> Any:
-            call = wire.matmul_call(req, timeout, x)
+            call = wire_requests.matmul_call(req, timeout, x)
             decoded.append(time.perf_counter())
             return call
 
         reply = await regions.matmul(self.table, self.engine, owner, io, make_call)
-        return reply, wire.Took(t0, decoded[0])
+        return reply, wire_replies.Took(t0, decoded[0])
 
 
 class Q6ServeServicer:
@@ -282,7 +282,7 @@ class Q6ServeServicer:
         return self.auth.identity(context.invocation_metadata())
 
     async def _region_matmul(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
-                             t0: float) -> tuple[Any, wire.Took]:
+                             t0: float) -> tuple[Any, wire_replies.Took]:
         return await self.plane.matmul(self._caller(context), io, req, _timeout(context), t0)
 
     async def LoadWeights(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -323,7 +323,7 @@ class Q6ServeServicer:
                ) -> asyncio.Future[Any]:
         """Queue a decoded request: its weight's part, or every part of a multi-weight
         request (service/multi.py; a front end's engine proxy leaves that to the device
-        process); the future's result is what wire.Replies encodes.
+        process); the future's result is what wire_replies.Replies encodes.
         ``sink``: see ``Engine.start_matmul`` (and ``multi.start_matmul_weights``)."""
         if call.weights and not getattr(self.engine, "takes_multi_weight", False):
             return start_matmul_weights(self.engine, call, sink)
@@ -347,19 +347,19 @@ class Q6ServeServicer:
 
     async def Matmul(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         t0 = RPC_START.get(None) or time.perf_counter()
-        io = wire.region_io(request)
+        io = wire_requests.region_io(request)
         if io is not None:
             reply, took = await self._region_matmul(request, io, context, t0)
             if io.y is None:  # y comes back in the reply: the same encoder as without regions
-                return wire.matmul_reply(reply, request.request_id, took)
-            return wire.matmul_response(reply, request.request_id, took, y_bytes=False)
-        call = wire.matmul_call(request, _timeout(context))
+                return wire_replies.matmul_reply(reply, request.request_id, took)
+            return wire_replies.matmul_response(reply, request.request_id, took, y_bytes=False)
+        call = wire_requests.matmul_call(request, _timeout(context))
         decoded = time.perf_counter()
         direct = self._direct()  # the direct path, as in MatmulStream
         reply = None if direct is None else direct(call, asyncio.current_task())
         if reply is None:
             reply = await self._start(call)
-        return wire.matmul_reply(reply, request.request_id, wire.Took(t0, decoded))
+        return wire_replies.matmul_reply(reply, request.request_id, wire_replies.Took(t0, decoded))
 
     def _cost(self, req: Any, call: MatmulCall | None = None) -> int:
         """Bytes a stream request holds until its reply is written: the request message and
@@ -371,7 +371,8 @@ class Q6ServeServicer:
             size = req.ByteSize()
         if call is not None:
             return self._call_cost(call, size)
-        msg = wire.message(req)  # fields read once, from the message (this runs per request)
+        # fields read once, from the message (this runs per request)
+        msg = wire_requests.message(req)
         names = msg.weights or (msg.weight,)  # a multi-weight reply holds one y per weight
         if len(names) > MAX_REQUEST_WEIGHTS:
             return size
@@ -383,7 +384,7 @@ class Q6ServeServicer:
             rows_of = getattr(self.engine, "rows_of", None)
             rows = (sum(rows_of(name) for name in names) if rows_of is not None
                     else sum(self.engine.get(name).rows for name in names))
-            return size + n * rows * wire.dtype_from_pb(msg.out_dtype).itemsize
+            return size + n * rows * wire_enums.dtype_from_pb(msg.out_dtype).itemsize
         except Q6Error:
             return size
 
@@ -427,7 +428,7 @@ class Q6ServeServicer:
         rpc = asyncio.current_task()  # this coroutine's: it queues no request while running
         deadline = _Deadline(context)
 
-        def answer(rid: str, took: wire.Took | None, cost: int, answered: list[bool],
+        def answer(rid: str, took: wire_replies.Took | None, cost: int, answered: list[bool],
                    ctx: contextvars.Context, fut: asyncio.Future[Any]) -> None:
             """``took`` None: a region request, whose future gives (reply, took). Called as the
             request's sink (in the trip that resolves it) and again as its done callback (for
@@ -439,7 +440,7 @@ class Q6ServeServicer:
             answered[0] = True
             ctx.run(_answer, rid, took, cost, fut)
 
-        def _answer(rid: str, took: wire.Took | None, cost: int,
+        def _answer(rid: str, took: wire_replies.Took | None, cost: int,
                     fut: asyncio.Future[Any]) -> None:
             pending.discard(fut)
             if fut.cancelled():  # only at the stream's end: nobody reads any more
@@ -451,13 +452,13 @@ class Q6ServeServicer:
                     item = _stream_error(rid, exc)
                 elif took is None:
                     reply, region_took, y_bytes = fut.result()
-                    item = (wire.stream_reply(reply, rid, region_took) if y_bytes
-                            else wire.stream_result(reply, rid, region_took, y_bytes=False))
+                    item = (wire_replies.stream_reply(reply, rid, region_took) if y_bytes
+                            else wire_replies.stream_result(reply, rid, region_took, y_bytes=False))
                 else:
-                    item = wire.stream_reply(fut.result(), rid, took)
+                    item = wire_replies.stream_reply(fut.result(), rid, took)
             except Exception as e:  # encoding failed: the request still gets an answer
                 item = _stream_error(rid, e)
-            observe_stream_request(wire.stream_reply_code(item))  # as its caller sees it
+            observe_stream_request(wire_replies.stream_reply_code(item))  # as its caller sees it
             replies.open -= 1
             replies.put(item, cost)
 
@@ -485,12 +486,12 @@ class Q6ServeServicer:
                 # from the call (its fields read once); a refusal is answered below
                 call = io = refused = None
                 try:
-                    io = wire.region_io(req)
+                    io = wire_requests.region_io(req)
                     if io is None:
-                        call = wire.matmul_call(req, None)
+                        call = wire_requests.matmul_call(req, None)
                 except Exception as e:
                     refused = e
-                took = wire.Took(t0, time.perf_counter())
+                took = wire_replies.Took(t0, time.perf_counter())
                 cost = self._cost(req, call)
                 if not window.take(cost):
                     await window.acquire(cost)
@@ -509,7 +510,7 @@ class Q6ServeServicer:
                     call.timeout = deadline.left()  # (after a wait for the window, if any)
                     if (direct is not None and replies.idle()
                             and (reply := direct(call, rpc)) is not None):
-                        item = wire.stream_reply(reply, rid, took)
+                        item = wire_replies.stream_reply(reply, rid, took)
                     else:
                         answered = [False]
                         done = functools.partial(answer, rid, took, cost, answered,
@@ -531,7 +532,7 @@ class Q6ServeServicer:
                     del req  # the queued call holds what it needs (x); nothing else
                 # answered here and now (the direct path, or refused): written by this
                 # coroutine when nothing is out, else queued for the writer
-                code = wire.stream_reply_code(item)
+                code = wire_replies.stream_reply_code(item)
                 if replies.idle():
                     t_reply = time.perf_counter()
                     writing = replies.write(item, cost)
@@ -556,7 +557,7 @@ class Q6ServeServicer:
             ended()
 
     async def _stream_region(self, req: Any, io: RegionIO, context: grpc.aio.ServicerContext,
-                             t0: float) -> tuple[Any, wire.Took, bool]:
+                             t0: float) -> tuple[Any, wire_replies.Took, bool]:
         reply, took = await self._region_matmul(req, io, context, t0)
         return reply, took, io.y is None
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from q6serve.kernels.api import Backend
 from q6serve.kernels.errors import Unavailable
 
-from . import wire
+from . import wire, wire_standard
 from .admission import Admission, StreamBudget, StreamSlots
 from .auth import TokenAuth
 from .config import WorkerConfig
@@ -64,8 +64,8 @@ def build_server(cfg: WorkerConfig, servicer: object, interceptor: ErrorIntercep
             ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
     server = grpc.aio.server(interceptors=[interceptor], options=opts)
     wire.add_to_server(servicer, server)
-    health = wire.health_servicer()
-    wire.add_health_and_reflection(server, health)
+    health = wire_standard.health_servicer()
+    wire_standard.add_health_and_reflection(server, health)
     address = f"{cfg.host}:{cfg.port}"
     creds = _credentials(cfg)
     port = (server.add_secure_port(address, creds) if creds
@@ -160,7 +160,7 @@ class Worker:
 
     async def _set_health(self, ok: bool) -> None:
         for service in ("", wire.SERVICE_NAME):
-            await self._health.set(service, wire.health_status(ok))
+            await self._health.set(service, wire_standard.health_status(ok))
 
     def _spawn_health(self, ok: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._set_health(ok))

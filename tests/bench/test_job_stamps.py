@@ -1,6 +1,6 @@
 """bench/job_stamps.py: the direct device job's stamps, on stand-ins for the cached call (no
 GPU): in a subprocess (``install`` patches the process's classes), jobs of known durations run
-through ``Device.run_now`` and answered by ``wire.stream_reply``; the file written at exit
+through ``Device.run_now`` and answered by ``wire_replies.stream_reply``; the file written at exit
 must give each part its duration and join each reply's window to its jobs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ SCRIPT = r"""
 import sys, time
 sys.path.insert(0, {bench!r})
 from q6serve.kernels.cuda import launch as L
-from q6serve.service import batcher, wire
+from q6serve.service import batcher, wire_replies
 
 def spin(s):  # (a busy wait: sleep's granularity is too coarse for these parts)
     end = time.perf_counter() + s
@@ -59,7 +59,7 @@ class Many(Call):
     parts = (1, 2)
 
 L.BoundCall, L.ManyCall = Call, Many
-wire.stream_reply = lambda r, rid, took=None: spin(80e-6)
+wire_replies.stream_reply = lambda r, rid, took=None: spin(80e-6)
 import job_stamps
 job_stamps.install({path!r})
 dev = object.__new__(batcher.Device)
@@ -69,11 +69,11 @@ q, k = Call(3584), Call(512)
 for i in range(30):
     t0 = time.perf_counter()
     spin(50e-6)
-    took = wire.Took(t0, time.perf_counter())
+    took = wire_replies.Took(t0, time.perf_counter())
     dev.run_now(lambda: q.launch()())
     if i % 2:  # a two-part call: two jobs, one reply
         dev.run_now(lambda: k.launch()())
-    wire.stream_reply(None, "r", took)
+    wire_replies.stream_reply(None, "r", took)
 """
 
 

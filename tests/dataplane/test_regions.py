@@ -356,7 +356,7 @@ def test_cli_bench_through_regions(weight: Any, mode: str,
 
 def test_x_region_with_a_large_y_in_the_reply(weight: Any, rng: np.random.Generator) -> None:
     """x from a region, y (>= 64 KiB) back in the reply: the spliced encoder of the bytes
-    path (wire.matmul_reply / stream_reply) serves region replies too."""
+    path (wire_replies.matmul_reply / stream_reply) serves region replies too."""
     _w, c, _ = weight
     x = rng.standard_normal((200, K)).astype(np.float16)  # y: 200 x 96 f32 = 76,800 bytes
     want = c.matmul("w", x)

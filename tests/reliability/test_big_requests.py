@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from q6serve.client.client import matmul_request
-from q6serve.service import rawmsg, wire
+from q6serve.service import rawmsg, wire_requests
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
@@ -33,9 +33,9 @@ LIMIT = 1 << 20  # the worker's receive limit in these tests
 EXAMPLES = int(os.environ.get("Q6SERVE_FUZZ_EXAMPLES", "300"))
 
 
-def fields_of(m: pb.MatmulRequest | wire.MatmulIn) -> tuple[bytes, bytes]:
+def fields_of(m: pb.MatmulRequest | wire_requests.MatmulIn) -> tuple[bytes, bytes]:
     """(the message without x.data, x.data) of a request read either way."""
-    if isinstance(m, wire.MatmulIn):
+    if isinstance(m, wire_requests.MatmulIn):
         return m.msg.SerializeToString(deterministic=True), bytes(m.x_data)
     rest = pb.MatmulRequest()
     rest.CopyFrom(m)
@@ -49,7 +49,8 @@ def read_both(raw: bytes) -> tuple[object, object]:
     """What read_matmul_request and upb's whole parse make of ``raw``: (fields, fields), or
     the DecodeError class when it is refused."""
     out = []
-    for parse in (functools.partial(wire.read_matmul_request, zero_copy_min=0),  # the walker
+    # the walker, then upb
+    for parse in (functools.partial(wire_requests.read_matmul_request, zero_copy_min=0),
                   pb.MatmulRequest.FromString):
         try:
             out.append(fields_of(parse(raw)))
@@ -100,7 +101,7 @@ def test_what_the_walker_does_not_take_is_parsed_whole():
     for raw in (many, group):
         with pytest.raises(rawmsg.Unusual):
             rawmsg.take_bytes_field(raw, 2, 3)
-        m = wire.read_matmul_request(raw, zero_copy_min=0)
+        m = wire_requests.read_matmul_request(raw, zero_copy_min=0)
         assert isinstance(m, pb.MatmulRequest) and m.x.data == x.data
         ours, upb = read_both(raw)
         assert ours == upb
@@ -112,8 +113,8 @@ def test_x_is_a_view_of_the_bytes_grpc_read():
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        req = wire.read_matmul_request(raw)
-        call = wire.matmul_call(req, None)
+        req = wire_requests.read_matmul_request(raw)
+        call = wire_requests.matmul_call(req, None)
         grew = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from q6serve.kernels.errors import InvalidArgument
-from q6serve.service import wire
+from q6serve.service import wire, wire_requests
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2 as pb
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
@@ -489,7 +489,7 @@ def test_fuzz_matmul_request_decoding(t: pb.Tensor, precision: int, out: int,
     req = pb.MatmulRequest(weight=weight, x=t, precision=precision, out_dtype=out)
     req = pb.MatmulRequest.FromString(req.SerializeToString())  # the bytes the worker sees
     try:
-        call = wire.matmul_call(req, None)
+        call = wire_requests.matmul_call(req, None)
     except InvalidArgument as e:
         assert str(e)
         return
@@ -503,7 +503,7 @@ def test_fuzz_raw_bytes_decoding(raw: bytes) -> None:
     """Arbitrary bytes: protobuf either refuses them or wire refuses/accepts cleanly."""
     from google.protobuf.message import DecodeError
 
-    for cls, convert in ((pb.MatmulRequest, lambda m: wire.matmul_call(m, None)),
+    for cls, convert in ((pb.MatmulRequest, lambda m: wire_requests.matmul_call(m, None)),
                          (pb.UploadHeader, wire.upload_spec),
                          (pb.SetFlagsRequest, wire.flag_changes)):
         try:

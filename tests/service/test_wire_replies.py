@@ -1,4 +1,4 @@
-"""Matmul replies serialized with y spliced in (wire.matmul_reply / stream_reply at or above
+"""Matmul replies serialized with y spliced in (wire_replies.matmul_reply / stream_reply at or above
 SPLICE_MIN_BYTES of y) parse to exactly the message the protobuf path builds."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from q6serve.kernels.api import BFLOAT16, Layout, Precision
 from q6serve.kernels.epilogue import TopK
-from q6serve.service import wire
+from q6serve.service import wire_replies
 from q6serve.service.batcher import MatmulReply
 from q6serve.v1 import q6serve_pb2 as pb
 
 
 @pytest.fixture(autouse=True)
 def splice_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "SPLICE_MIN_BYTES", 0)  # small shapes take the spliced path too
+    # small shapes take the spliced path too
+    monkeypatch.setattr(wire_replies, "SPLICE_MIN_BYTES", 0)
 
 
 def _ser(m: pb.MatmulResponse | pb.MatmulStreamResponse | bytes) -> bytes:
@@ -52,12 +53,12 @@ def _same(a: pb.MatmulResponse, b: pb.MatmulResponse) -> None:
 def test_single_and_stream_replies_parse_to_the_message(dtype: np.dtype, n: int,
                                                         rows: int) -> None:
     r = _reply(n, rows, np.dtype(dtype))
-    took = wire.Took(1.0, 1.5)
-    got = pb.MatmulResponse.FromString(_ser(wire.matmul_reply(r, "id-1", took)))
-    _same(got, wire.matmul_response(r, "id-1", took))
+    took = wire_replies.Took(1.0, 1.5)
+    got = pb.MatmulResponse.FromString(_ser(wire_replies.matmul_reply(r, "id-1", took)))
+    _same(got, wire_replies.matmul_response(r, "id-1", took))
     assert got.y.data == np.ascontiguousarray(r.y).tobytes()
-    s = pb.MatmulStreamResponse.FromString(_ser(wire.stream_reply(r, "id-2", took)))
-    want = wire.stream_result(r, "id-2", took)
+    s = pb.MatmulStreamResponse.FromString(_ser(wire_replies.stream_reply(r, "id-2", took)))
+    want = wire_replies.stream_result(r, "id-2", took)
     assert s.request_id == "id-2" and s.WhichOneof("outcome") == "result"
     _same(s.result, want.result)
 
@@ -66,24 +67,24 @@ def test_multi_weight_and_topk_replies_parse_to_the_message() -> None:
     parts = [("q", _reply(2, 48, np.dtype(np.float16), 1)),
              ("k", _reply(2, 300, np.dtype(np.float32), 2)),
              ("lm", _reply(2, 500, np.dtype(np.float32), 3, topk=5))]
-    got = pb.MatmulResponse.FromString(_ser(wire.matmul_reply(parts, "m")))
-    _same(got, wire.matmul_response(parts, "m"))
+    got = pb.MatmulResponse.FromString(_ser(wire_replies.matmul_reply(parts, "m")))
+    _same(got, wire_replies.matmul_response(parts, "m"))
     assert [o.weight for o in got.outputs] == ["q", "k", "lm"]
     assert got.outputs[2].HasField("topk") and not got.outputs[2].HasField("y")
-    one = pb.MatmulStreamResponse.FromString(_ser(wire.stream_reply(parts[2][1], "t")))
-    _same(one.result, wire.stream_result(parts[2][1], "t").result)
-    assert wire.stream_reply_code(wire.stream_reply(parts[0][1], "x")).name == "OK"
+    one = pb.MatmulStreamResponse.FromString(_ser(wire_replies.stream_reply(parts[2][1], "t")))
+    _same(one.result, wire_replies.stream_result(parts[2][1], "t").result)
+    assert wire_replies.stream_reply_code(wire_replies.stream_reply(parts[0][1], "x")).name == "OK"
 
 
 def test_small_multi_and_topk_replies_stay_messages() -> None:
-    wire.SPLICE_MIN_BYTES = 64 << 10  # (restored by the fixture)
+    wire_replies.SPLICE_MIN_BYTES = 64 << 10  # (restored by the fixture)
     top = _reply(1, 3584, np.dtype(np.float32), topk=4)
-    assert isinstance(wire.stream_reply(top, "s"), pb.MatmulStreamResponse)
+    assert isinstance(wire_replies.stream_reply(top, "s"), pb.MatmulStreamResponse)
     multi = [("q", _reply(1, 300, np.dtype(np.float16)))]
-    assert isinstance(wire.matmul_reply(multi, "m"), pb.MatmulResponse)
+    assert isinstance(wire_replies.matmul_reply(multi, "m"), pb.MatmulResponse)
     # one weight's y: bytes at every size
-    assert isinstance(wire.stream_reply(_reply(1, 3584, np.dtype(np.float16)), "s"), bytes)
-    assert isinstance(wire.matmul_reply(_reply(1, 16384, np.dtype(np.float32)), "b"), bytes)
+    assert isinstance(wire_replies.stream_reply(_reply(1, 3584, np.dtype(np.float16)), "s"), bytes)
+    assert isinstance(wire_replies.matmul_reply(_reply(1, 16384, np.dtype(np.float32)), "b"), bytes)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
@@ -93,32 +94,33 @@ def test_small_multi_and_topk_replies_stay_messages() -> None:
     (0.0, None, 1, 1, None),  # a zero left out, kernel and device time unknown
     (-0.0, 0.0, 300, 200, 0.0),  # -0.0 kept, zeros with presence kept, 2-byte varints
     (float("nan"), float("inf"), 0, 0, -1.0),
-    # wire._TIMING6 (every field but the queue set, counts below 128) at its edges
+    # wire_replies._TIMING6 (every field but the queue set, counts below 128) at its edges
     (0.0, 0.0, 127, 1, 0.0),
     (float("nan"), float("nan"), 1, 127, float("inf")),
     (2e-6, -0.0, 128, 127, 1e300),  # rows' varint 2 bytes: the field-by-field path
 ])
-@pytest.mark.parametrize(("rid", "took"), [("id-7", wire.Took(1.0, 1.5)), ("", None),
-                                           ("é" * 100, wire.Took(2.0, 2.0))])
+@pytest.mark.parametrize(("rid", "took"), [("id-7", wire_replies.Took(1.0, 1.5)), ("", None),
+                                           ("é" * 100, wire_replies.Took(2.0, 2.0))])
 def test_one_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, dtype: np.dtype,
                                            n: int, rows: int, timing: tuple, rid: str,
-                                           took: wire.Took | None) -> None:
+                                           took: wire_replies.Took | None) -> None:
     """A plain reply (one weight's y) is written by wire itself: byte for byte what upb
     serializes for the message the protobuf path builds (handler time on a fixed clock)."""
-    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
+    monkeypatch.setattr(wire_replies.time, "perf_counter", lambda: 9.25)
     y = np.random.default_rng(n).standard_normal((2 * n, rows)).astype(np.float32)
     y = y.astype(dtype)[n:]  # a row slice of a batch's output
     for kernel, layout, prec in (("cuda.gemv.soa", Layout.SOA, Precision.F16),
                                  ("", Layout.AOS, Precision.AUTO)):
         r = MatmulReply(y, kernel, layout, prec, *timing[:2], *timing[2:4], timing[4])
-        got = wire.stream_reply(r, rid, took)
+        got = wire_replies.stream_reply(r, rid, took)
         assert isinstance(got, bytes)
-        assert got == wire.stream_result(r, rid, took).SerializeToString()
-        assert wire.matmul_reply(r, rid, took) == \
-            wire.matmul_response(r, rid, took).SerializeToString()
+        assert got == wire_replies.stream_result(r, rid, took).SerializeToString()
+        assert wire_replies.matmul_reply(r, rid, took) == \
+            wire_replies.matmul_response(r, rid, took).SerializeToString()
     wide = np.zeros((1, 4), np.dtype(dtype).newbyteorder(">"))  # big-endian y: written LE
     r = MatmulReply(wide + 1, "k", Layout.SOA, Precision.EXACT, 0.0, None, 1, 1)
-    assert wire.stream_reply(r, rid, took) == wire.stream_result(r, rid, took).SerializeToString()
+    want = wire_replies.stream_result(r, rid, took).SerializeToString()
+    assert wire_replies.stream_reply(r, rid, took) == want
 
 
 def test_spliced_replies_over_grpc(worker) -> None:  # type: ignore[no-untyped-def]
@@ -165,12 +167,12 @@ def test_y_is_one_whole_record_for_last_wins_parsers() -> None:
     out_num = pb.MatmulResponse.DESCRIPTOR.fields_by_name["outputs"].number
     out_y = pb.WeightOutput.DESCRIPTOR.fields_by_name["y"].number
     r = _reply(5, 300, np.dtype(np.float32))
-    ys = [v for f, v in _fields(_ser(wire.matmul_reply(r, "a"))) if f == y_num]
+    ys = [v for f, v in _fields(_ser(wire_replies.matmul_reply(r, "a"))) if f == y_num]
     assert len(ys) == 1
     t = pb.Tensor.FromString(ys[0])  # the record alone is the whole tensor
     assert list(t.shape) == [5, 300] and t.data == np.ascontiguousarray(r.y).tobytes()
     multi = [("q", r), ("k", _reply(5, 40, np.dtype(np.float16), seed=1))]
-    outs = [v for f, v in _fields(_ser(wire.matmul_reply(multi, "b"))) if f == out_num]
+    outs = [v for f, v in _fields(_ser(wire_replies.matmul_reply(multi, "b"))) if f == out_num]
     assert len(outs) == 2
     for (_name, part), rec in zip(multi, outs, strict=True):
         ys = [v for f, v in _fields(rec) if f == out_y]
@@ -185,15 +187,15 @@ def test_y_is_one_whole_record_for_last_wins_parsers() -> None:
     (0.0, None, 1, 1, 1e-5),  # kernel time unknown: upb's path
     (0.0, 1e-5, 128, 1, 1e-5),  # a two-byte count: upb's path
 ])
-@pytest.mark.parametrize(("rid", "took"), [("id-7", wire.Took(1.0, 1.5)), ("", None),
-                                           ("é" * 100, wire.Took(2.0, 2.0))])
+@pytest.mark.parametrize(("rid", "took"), [("id-7", wire_replies.Took(1.0, 1.5)), ("", None),
+                                           ("é" * 100, wire_replies.Took(2.0, 2.0))])
 def test_multi_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, splice: int,
                                              timing: tuple, rid: str,
-                                             took: wire.Took | None) -> None:
-    """A multi-weight reply of y parts is written by wire itself (wire._multi_stream_bytes):
+                                             took: wire_replies.Took | None) -> None:
+    """A multi-weight reply of y parts is written by wire itself (wire_replies._multi_stream_bytes):
     byte for byte what upb serializes for the message the protobuf path builds."""
-    monkeypatch.setattr(wire, "SPLICE_MIN_BYTES", splice)
-    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
+    monkeypatch.setattr(wire_replies, "SPLICE_MIN_BYTES", splice)
+    monkeypatch.setattr(wire_replies.time, "perf_counter", lambda: 9.25)
     rng = np.random.default_rng(len(rid))
     parts = []
     for name, rows, dtype in (("q", 3584, np.float16), ("k", 70, np.float32),
@@ -203,8 +205,8 @@ def test_multi_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, sp
                                         *timing[:2], *timing[2:4], timing[4])))
     parts[1] = ("k", MatmulReply(parts[1][1].y, "", Layout.AOS, Precision.AUTO, *timing[:2],
                                  *timing[2:4], timing[4]))
-    got = wire.stream_reply(parts, rid, took)
-    want = wire.stream_result(parts, rid, took).SerializeToString()
+    got = wire_replies.stream_reply(parts, rid, took)
+    want = wire_replies.stream_result(parts, rid, took).SerializeToString()
     if took is not None and timing[1] is not None and timing[2] < 128:  # written here
         assert got == want
     else:  # as before: upb's message, or (spliced) the same message when parsed
@@ -212,16 +214,17 @@ def test_multi_weight_replies_are_upbs_bytes(monkeypatch: pytest.MonkeyPatch, sp
         assert pb.MatmulStreamResponse.FromString(msg) == \
             pb.MatmulStreamResponse.FromString(want)
     top = _reply(2, 500, np.dtype(np.float32), 3, topk=5)  # a top-k part: upb's path
-    assert wire._multi_stream_bytes([("lm", top), *parts], b"t", wire.Took(1.0, 1.5)) is None
+    took = wire_replies.Took(1.0, 1.5)
+    assert wire_replies._multi_stream_bytes([("lm", top), *parts], b"t", took) is None
 
 
 def test_multi_weight_part_records_follow_a_changed_part(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The part records kept per weight name (wire._PART_LAST) are remade when the same name
+    """The part records kept per weight name (wire_replies._PART_LAST) are remade when the same name
     comes back with another shape, dtype, kernel, layout or precision: every reply is upb's
     bytes."""
-    monkeypatch.setattr(wire.time, "perf_counter", lambda: 9.25)
-    took = wire.Took(1.0, 1.5)
+    monkeypatch.setattr(wire_replies.time, "perf_counter", lambda: 9.25)
+    took = wire_replies.Took(1.0, 1.5)
     rng = np.random.default_rng(3)
     cases = [(3584, np.float16, "cuda.a", Layout.SOA, Precision.F16),
              (3584, np.float16, "cuda.a", Layout.SOA, Precision.F16),  # kept
@@ -238,5 +241,5 @@ def test_multi_weight_part_records_follow_a_changed_part(
         parts.append(("blk.0.v", MatmulReply(np.ones((2, 7), np.float16), "cuda.a",
                                              Layout.SOA, Precision.F16, 0.0, 1e-5, 2, 1,
                                              2e-5)))
-        got = wire.stream_reply(parts, "r", took)
-        assert got == wire.stream_result(parts, "r", took).SerializeToString()
+        got = wire_replies.stream_reply(parts, "r", took)
+        assert got == wire_replies.stream_result(parts, "r", took).SerializeToString()
