@@ -13,7 +13,7 @@ p50 per stage (parse, wire call, start_matmul, device round trip, encode, serial
 service/multi.py, submit -> the call's sink.
 ``--job-py-us P --job-wait-us W --loop-us L``: a CUDA-shaped job (P us of Python holding the
 GIL, then W us without it, as a device sync) and L us of loop work after each submit (the rest
-of a handler's trip); with ``--handoff-yield`` (batcher.Device) or ``--switch-us``
+of a handler's trip); with ``--handoff-yield`` (device_thread.Device) or ``--switch-us``
 (sys.setswitchinterval) to compare how soon the device thread gets the GIL.
 """
 
@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
-from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device
+from q6serve.service.batcher import Batcher, BatchKey, BatchSettings
+from q6serve.service.device_thread import Device
 
 
 def _run(x: np.ndarray, key: BatchKey) -> MatmulResult:
@@ -229,7 +230,7 @@ def main() -> None:
     ap.add_argument("--loop-us", type=float, default=0.0,
                     help="loop work after each submit in us")
     ap.add_argument("--handoff-yield", action="store_true",
-                    help="the device yields the GIL on a hand-off (batcher.Device)")
+                    help="the device yields the GIL on a hand-off (device_thread.Device)")
     ap.add_argument("--switch-us", type=float, default=0.0,
                     help="sys.setswitchinterval in us (0: Python's default)")
     a = ap.parse_args()

@@ -49,7 +49,7 @@ def install(path: str) -> None:
     replaced by the process id (workers of one run: one file each)."""
     path = path.replace("{pid}", str(os.getpid()))
     from q6serve.kernels.cuda import launch as L
-    from q6serve.service import batcher, wire_replies
+    from q6serve.service import device_thread, wire_replies
 
     if os.environ.get("Q6SERVE_JOB_Y_BLOCKS"):  # (an A/B of Workspace.y_block, session 20)
         L.Y_BLOCKS = int(os.environ["Q6SERVE_JOB_Y_BLOCKS"])
@@ -62,7 +62,7 @@ def install(path: str) -> None:
         query = None
     rows: collections.deque[dict[str, Any]] = collections.deque(maxlen=RING)
     local = threading.local()  # per thread: the job being stamped, whether inside run_now
-    run_now = batcher.Device.run_now
+    run_now = device_thread.Device.run_now
 
     def row() -> dict[str, Any]:
         cur = getattr(local, "cur", None)
@@ -160,7 +160,7 @@ def install(path: str) -> None:
             return out
         return wait
 
-    batcher.Device.run_now = stamped_run_now  # type: ignore[method-assign]
+    device_thread.Device.run_now = stamped_run_now  # type: ignore[method-assign]
     for cls in (L.BoundCall, L.ManyCall):
         cls.launch = stamped_launch(cls.launch)  # type: ignore[method-assign]
         cls._wait = stamped_wait(cls._wait)  # type: ignore[method-assign]

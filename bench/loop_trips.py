@@ -175,7 +175,7 @@ def install_marks() -> None:
     reply to the interceptor's write (``ErrorInterceptor._send_reply``; after it, up to the
     step's end: the write's submission to gRPC). Patches this process's classes and module
     (before any stream starts: it binds ``_send_reply`` at its start)."""
-    from q6serve.service import batcher, interceptor, wire_requests
+    from q6serve.service import device_thread, interceptor, wire_requests
 
     matmul_call = wire_requests.matmul_call
 
@@ -186,7 +186,7 @@ def install_marks() -> None:
             mark("decoded")
 
     wire_requests.matmul_call = marked_call
-    run_now = batcher.Device.run_now
+    run_now = device_thread.Device.run_now
 
     def marked_run_now(self: Any, fn: Any, *args: Any) -> Any:
         mark("job")
@@ -195,7 +195,7 @@ def install_marks() -> None:
         finally:
             mark("job_end")
 
-    batcher.Device.run_now = marked_run_now  # type: ignore[method-assign]
+    device_thread.Device.run_now = marked_run_now  # type: ignore[method-assign]
     send_reply = interceptor.ErrorInterceptor._send_reply
 
     def marked_send(self: Any, *args: Any) -> Any:

@@ -261,7 +261,7 @@ FEATURES = {
              "built",
     "coro": "the handler a coroutine writing each reply with context.write (through the "
             "interceptor's send_reply with icpt), as MatmulStream's direct path does",
-    "threads": "the worker's idle threads: a device thread (batcher.Device) and the "
+    "threads": "the worker's idle threads: a device thread (device_thread.Device) and the "
                "Prometheus HTTP server",
     "tasks": "the engine's background tasks: the 0.25 s metrics poll and the heap trim loop",
     "heap": "the worker's fixed mmap threshold (engine.fix_heap_thresholds, 32 MiB)",
@@ -355,7 +355,7 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
         fix_heap_thresholds(MMAP_THRESHOLD)
     metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
     if "threads" in feats:
-        from q6serve.service.batcher import Device
+        from q6serve.service.device_thread import Device
 
         keep += [Device("bench"), metrics.serve_http("127.0.0.1", 0)]
     if "tasks" in feats:

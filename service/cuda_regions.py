@@ -33,7 +33,8 @@ from q6serve.kernels.cuda_ipc import allocation_range
 from q6serve.kernels.errors import FormatError, InvalidArgument, Unavailable
 
 from . import envvars
-from .batcher import DeadlineExceeded, Deferred, MatmulReply
+from .batcher import DeadlineExceeded, MatmulReply
+from .device_thread import Deferred
 from .regions import CudaIpcSource, Mapping
 from .threads import settle
 

@@ -227,7 +227,7 @@ class MultiDeviceEngine:
             m = (DeviceMetrics(metrics, self._families, i, self)
                  if metrics is not None and self._families is not None else None)
             e = Engine(b, config, m)  # type: ignore[arg-type]
-            # no GIL hand-off yield (batcher.Device): a sharded call queues a job on every
+            # no GIL hand-off yield (device_thread.Device): a sharded call queues a job on every
             # device in one loop trip, and yielding after the first would run that device's
             # host path before the next device's job is even queued
             e.device.handoff_yield = len(backends) == 1 and e.device.handoff_yield

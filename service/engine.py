@@ -59,13 +59,12 @@ from .batcher import (
     BatchSettings,
     BatchStats,
     DeadlineExceeded,
-    Device,
     DirectCall,
     Group,
     MatmulReply,
-    handoff_yield_for,
 )
 from .config import WorkerConfig
+from .device_thread import Device, handoff_yield_for
 from .flags import Flags, FlagState
 from .metrics import Metrics
 from .registry import (

@@ -16,7 +16,7 @@ SCRIPT = r"""
 import sys, time
 sys.path.insert(0, {bench!r})
 from q6serve.kernels.cuda import launch as L
-from q6serve.service import batcher, wire_replies
+from q6serve.service import device_thread, wire_replies
 
 def spin(s):  # (a busy wait: sleep's granularity is too coarse for these parts)
     end = time.perf_counter() + s
@@ -62,7 +62,7 @@ L.BoundCall, L.ManyCall = Call, Many
 wire_replies.stream_reply = lambda r, rid, took=None: spin(80e-6)
 import job_stamps
 job_stamps.install({path!r})
-dev = object.__new__(batcher.Device)
+dev = object.__new__(device_thread.Device)
 dev.inflight = dev.jobs = dev.inline_jobs = dev.direct_jobs = 0
 dev._idle_waiters = []
 q, k = Call(3584), Call(512)

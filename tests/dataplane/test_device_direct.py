@@ -19,7 +19,7 @@ import pytest
 
 from q6serve.kernels.api import DTYPES, Launched
 from q6serve.kernels.errors import InvalidArgument
-from q6serve.service import batcher
+from q6serve.service import batcher, device_thread
 from q6serve.service import frontends as fe
 from q6serve.service import frontends_ipc as ipc
 from q6serve.service.config import WorkerConfig
@@ -369,7 +369,7 @@ def test_a_job_that_comes_while_a_launch_is_out_is_held() -> None:
     them, in order."""
 
     async def main() -> None:
-        dev = batcher.Device("t", inline_s=1.0)
+        dev = device_thread.Device("t", inline_s=1.0)
         loop = asyncio.get_running_loop()
         ran: list[str] = []
         finish = dev.launch_now(lambda: Launched(lambda: ran.append("wait") or "r"))

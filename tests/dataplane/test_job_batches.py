@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from q6serve.service.batcher import Batcher, BatchSettings, Device, job_batches
+from q6serve.service.batcher import Batcher, BatchSettings
+from q6serve.service.device_thread import Device, job_batches
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_pinned_regions import Recorder
 from tests.dataplane.test_pipeline_short import (

@@ -344,7 +344,7 @@ def test_device_launch_now_keeps_its_launches_within_the_slots() -> None:
     import threading
 
     from q6serve.kernels.api import Launched
-    from q6serve.service.batcher import Device
+    from q6serve.service.device_thread import Device
 
     def launch(v: str) -> Launched:
         if v == "bad":

@@ -24,7 +24,8 @@ from q6serve.client.client import Q6ServeError
 from q6serve.client.retry import RetryPolicy
 from q6serve.kernels.api import KernelTiming, Launched, MatmulResult, Precision
 from q6serve.kernels.errors import InvalidArgument
-from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device
+from q6serve.service.batcher import Batcher, BatchKey, BatchSettings
+from q6serve.service.device_thread import Device
 from tests.dataplane.test_frontends import start  # noqa: F401  (fixture)
 from tests.dataplane.test_pinned_regions import DmaBackend, Recorder
 from tests.dataplane.test_regions import ROWS, K, code_of

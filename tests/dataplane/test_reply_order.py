@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
-from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device
+from q6serve.service.batcher import Batcher, BatchKey, BatchSettings
+from q6serve.service.device_thread import Device
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
 

@@ -18,10 +18,10 @@ from q6serve.service.batcher import (
     BatchKey,
     BatchSettings,
     DeadlineExceeded,
-    Device,
     Group,
     MatmulReply,
 )
+from q6serve.service.device_thread import Device
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
 
@@ -195,7 +195,7 @@ def test_a_group_runs_as_one_device_job_and_each_part_batches_with_its_weight() 
 def test_handoff_yield_serves_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GIL yield on a hand-off to an idle device thread changes when a job starts, never
     what it returns; only CUDA devices yield by default, and the env switch turns it off."""
-    from q6serve.service.batcher import HANDOFF_ENV, handoff_yield_for
+    from q6serve.service.device_thread import HANDOFF_ENV, handoff_yield_for
 
     assert handoff_yield_for("cuda") and not handoff_yield_for("numpy")
     monkeypatch.setenv(HANDOFF_ENV, "0")

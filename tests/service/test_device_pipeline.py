@@ -13,7 +13,8 @@ import pytest
 
 from q6serve.kernels.api import KernelTiming, Launched, Layout, MatmulResult, Precision
 from q6serve.service import batcher
-from q6serve.service.batcher import DEFER_KERNEL_S, Batcher, BatchKey, BatchSettings, Device
+from q6serve.service.batcher import DEFER_KERNEL_S, Batcher, BatchKey, BatchSettings
+from q6serve.service.device_thread import Device
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")
 

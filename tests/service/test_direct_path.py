@@ -27,14 +27,8 @@ from q6serve.client.core import Q6ServeError
 from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
 from q6serve.kernels.errors import FailedPrecondition, InvalidArgument
 from q6serve.service import batcher
-from q6serve.service.batcher import (
-    Batcher,
-    BatchKey,
-    BatchSettings,
-    BatchStats,
-    Device,
-    Group,
-)
+from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, BatchStats, Group
+from q6serve.service.device_thread import Device
 from q6serve.v1 import q6serve_pb2 as pb
 
 KEY = BatchKey("f32", Precision.EXACT, "f32")

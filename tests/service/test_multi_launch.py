@@ -191,7 +191,8 @@ def test_a_refused_group_job_runs_part_by_part() -> None:
     import asyncio
 
     from q6serve.kernels.api import KernelTiming, Layout, MatmulResult, Precision
-    from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Device, Group
+    from q6serve.service.batcher import Batcher, BatchKey, BatchSettings, Group
+    from q6serve.service.device_thread import Device
 
     key = BatchKey("f32", Precision.EXACT, "f32")
 
