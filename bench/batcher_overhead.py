@@ -73,7 +73,8 @@ async def _engine_round(calls: int, deadline: float | None = None) -> tuple[floa
     from q6serve.kernels.backends import make_backend
     from q6serve.service import wire_replies, wire_requests
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import Engine, UploadSpec
+    from q6serve.service.engine import Engine
+    from q6serve.service.engine_types import UploadSpec
     from q6serve.v1 import q6serve_pb2 as pb
 
     rows, k = 4, 256
@@ -128,7 +129,7 @@ async def upload_random(eng: Any, name: str, rows: int, k: int) -> None:
     """Upload random Q6_K blocks (scale 1e-3) as weight ``name`` of ``rows`` x ``k``."""
     import hashlib
 
-    from q6serve.service.engine import UploadSpec
+    from q6serve.service.engine_types import UploadSpec
 
     blocks = np.random.default_rng(0).integers(0, 256, size=(rows * k // 256, 210),
                                                dtype=np.uint8)
@@ -188,7 +189,7 @@ async def _stages_round(calls: int, rows: int) -> dict[str, float]:
 
 
 async def _multi_round(calls: int) -> float:
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
     from q6serve.service.multi import start_matmul_weights
 
     eng = await _engine_with({"q": 3584, "k": 512, "v": 512}, 256)

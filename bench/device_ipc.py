@@ -269,7 +269,7 @@ async def run(a: argparse.Namespace, parts: Parts | None = None) -> dict[str, An
     from q6serve.service import frontends as fe
     from q6serve.service import frontends_ipc as ipc
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import UploadSpec
+    from q6serve.service.engine_types import UploadSpec
 
     cfg = WorkerConfig(max_batch_rows=64, frontends=1)
     backend = make_backend(a.backend)

@@ -36,7 +36,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     from q6serve.kernels.api import Precision
     from q6serve.kernels.backends import make_backend
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import Engine, MatmulCall, UploadSpec
+    from q6serve.service.engine import Engine
+    from q6serve.service.engine_types import MatmulCall, UploadSpec
 
     cfg = WorkerConfig(max_batch_rows=64)
     if a.inline_us is not None:

@@ -368,7 +368,7 @@ def proxy_cpu(callers: int, calls: int = 20000) -> float:
 
     from q6serve.service import frontends_ipc as ipc
     from q6serve.service import frontends_proxy as fe
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
     from q6serve.service.frontends_arena import Arena
 
     class Transport:  # what the link writes to: kept for the device's side of the bench

@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from q6serve.service.config import Budget, WorkerConfig
-from q6serve.service.engine import MatmulCall
+from q6serve.service.engine_types import MatmulCall
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
 from tests.reliability.harness import RunningWorker
 

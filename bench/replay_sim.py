@@ -67,7 +67,7 @@ def _worker_main(port_q: Any, kernel_us: float, weights: list[tuple[str, int, in
     import hashlib
 
     from q6serve.service.config import WorkerConfig
-    from q6serve.service.engine import UploadSpec
+    from q6serve.service.engine_types import UploadSpec
     from q6serve.service.worker import Worker
 
     async def serve() -> None:

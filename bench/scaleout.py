@@ -31,7 +31,7 @@ from q6serve.kernels import q6k
 from q6serve.kernels.backends import make_backend
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.devices import MultiDeviceEngine, parse_devices
-from q6serve.service.engine import MatmulCall, UploadSpec
+from q6serve.service.engine_types import MatmulCall, UploadSpec
 
 LM_HEAD = (152064, 3584)
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from q6serve.client import core, grpc_env
-from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
+from q6serve.service.heap import MMAP_THRESHOLD, fix_heap_thresholds
 from q6serve.v1 import q6serve_pb2 as pb
 
 FIELDS = ("e2e", "encode", "rpc", "decode", "queue", "kernel", "device", "srv_decode",

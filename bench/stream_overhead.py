@@ -264,7 +264,7 @@ FEATURES = {
     "threads": "the worker's idle threads: a device thread (device_thread.Device) and the "
                "Prometheus HTTP server",
     "tasks": "the engine's background tasks: the 0.25 s metrics poll and the heap trim loop",
-    "heap": "the worker's fixed mmap threshold (engine.fix_heap_thresholds, 32 MiB)",
+    "heap": "the worker's fixed mmap threshold (heap.fix_heap_thresholds, 32 MiB)",
     "log": "the worker's logging (root logger at INFO to stderr, warnings captured)",
     "work": "WORK_US (default 150) us of Python per request in the handler (objects made and "
             "dropped), the worker's handler time without its code: does gRPC's own path slow "
@@ -350,7 +350,7 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
 
             import q6serve.kernels.cuda_backend  # noqa: F401
     if "heap" in feats:
-        from q6serve.service.engine import MMAP_THRESHOLD, fix_heap_thresholds
+        from q6serve.service.heap import MMAP_THRESHOLD, fix_heap_thresholds
 
         fix_heap_thresholds(MMAP_THRESHOLD)
     metrics = Metrics(CollectorRegistry(), version="bench", backend="numpy", device="cpu")
@@ -359,7 +359,8 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
 
         keep += [Device("bench"), metrics.serve_http("127.0.0.1", 0)]
     if "tasks" in feats:
-        from q6serve.service.engine import TRIM_EVERY_S, _malloc_trim
+        from q6serve.service.engine import TRIM_EVERY_S
+        from q6serve.service.heap import malloc_trim
         from q6serve.service.threads import run_in_thread
 
         async def poll() -> None:
@@ -370,7 +371,7 @@ async def _ladder_server(variant: str, rows: int, backend: str, itemsize: int = 
         async def trim() -> None:
             while True:
                 await asyncio.sleep(TRIM_EVERY_S)
-                await run_in_thread(_malloc_trim, 0)
+                await run_in_thread(malloc_trim, 0)
 
         loop = asyncio.get_running_loop()
         keep += [loop.create_task(poll()), loop.create_task(trim())]

@@ -42,23 +42,15 @@ from q6serve.kernels.errors import (
 
 from .batcher import BatchStats
 from .config import WorkerConfig
-from .engine import (
-    Engine,
-    MatmulCall,
-    MatmulReply,
-    StatusView,
-    UploadSpec,
-    WeightSource,
-    WeightView,
-    check_upload_spec,
-    gguf_sources,
-)
+from .engine import Engine, MatmulReply
+from .engine_types import MatmulCall, StatusView, UploadSpec, WeightView, check_upload_spec
 from .flags import FlagState
 from .metrics import LATENCY_BUCKETS, ROW_BUCKETS, Metrics
 from .registry import Registry
 from .shards import RowRange, RowSelect, even_split
 from .uploads import UploadBuffer
 from .vram import VramStats
+from .weight_sources import WeightSource, gguf_sources
 from .worker import Worker
 
 log = logging.getLogger("q6serve.devices")

@@ -12,20 +12,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from importlib import metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from q6serve.kernels import gguf_io, q6k  # gguf_io at import: ~0.2 s, never on the loop
 from q6serve.kernels.api import (
     DTYPES,
     Backend,
@@ -46,7 +42,6 @@ from q6serve.kernels.errors import (
     FormatError,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     Q6Error,
     ResourceExhausted,
     Unavailable,
@@ -65,26 +60,27 @@ from .batcher import (
 )
 from .config import WorkerConfig
 from .device_thread import Device, handoff_yield_for
+from .engine_types import MatmulCall, StatusView, UploadSpec, WeightView, check_upload_spec
 from .flags import Flags, FlagState
+from .heap import fix_heap_thresholds, malloc_trim, mmap_threshold
 from .metrics import Metrics
 from .registry import (
     BATCHER_HOST_BYTES,
     WEIGHT_HOST_BYTES,
     Registry,
     WeightEntry,
-    check_name,
 )
-from .shards import RowRange, RowSelect, slice_tensor
+from .shards import RowSelect
 from .threads import busy_poll, run_in_thread
 from .uploads import UploadBuffer
-from .vram import VramAccountant, VramStats
+from .vram import VramAccountant
+from .weight_sources import WeightSource, gguf_sources
 
 if TYPE_CHECKING:
-    from q6serve.kernels.gguf_io import Q6KTensor
+    pass
 
 log = logging.getLogger("q6serve.engine")
 
-UPLOAD_FORMATS = ("q6_k", "f32", "f16")
 LOG_EACH = 16  # loads of more weights log these one by one, then one line for the rest
 LOOP_STEP = 64  # per-weight work on the event loop yields after this many weights
 # Weights that have a batcher at once. A batcher (its task, queue, events, closures) is ~25
@@ -97,53 +93,7 @@ MAX_MANY_GOS = 256  # _launch_many's functions kept (one per multi-weight call k
 RETIRE_STEP = 8  # batchers looked at per new one beyond the cap (busy ones go to the back)
 
 
-TRIM_EVERY_S = 5.0
-
-
-# Blocks from this size up get their own mapping, given back to the OS when freed; smaller
-# ones come from the heap arenas, whose free pages the trim loop (_trim_heap, every
-# TRIM_EVERY_S) hands back. Fixed, because glibc's default threshold moves up to the largest
-# block freed. It was 1 MiB (so that MiB-sized requests and replies never stayed in RSS), but
-# each such block is page-faulted in fresh on first touch and unmapped when freed: ~4,000
-# page faults per layer of the 7B replay at S=64 (4.8 MB replies; bench/replay_sim.py). At
-# 32 MiB the H200 replay at S=64 took 720 -> 559 ms a step (single-weight calls), 902 -> 727
-# (multi-weight), and RSS after bench/attacks.py's big-buffer attacks came back as with 1 MiB
-# (bench/RESULTS.md, "session 7"). Env Q6SERVE_MMAP_THRESHOLD (bytes, read when the engine
-# starts) sets another fixed value; 0 leaves glibc's own (moving) threshold.
-MMAP_THRESHOLD = int(envvars.MMAP_THRESHOLD.default)
-MMAP_ENV = envvars.MMAP_THRESHOLD.name
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter numbers (malloc.h)
-_M_TRIM_THRESHOLD = -1
-
-
-def mmap_threshold() -> int:
-    """The worker's fixed mmap threshold in bytes (0: glibc's moving one), from the env."""
-    return int(envvars.MMAP_THRESHOLD.read())
-
-
-def _libc(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
-    try:
-        fn = getattr(ctypes.CDLL(None), name)  # glibc only
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
-_mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
-
-
-def fix_heap_thresholds(mmap_bytes: int, trim_bytes: int = 0) -> bool:
-    """Fix glibc's mmap threshold at ``mmap_bytes`` (blocks from there up get their own
-    mapping; smaller ones come from the heap) and, with ``trim_bytes``, the free space at the
-    heap's top kept before it is given back. The worker fixes only the first (its trim loop
-    gives pages back); a caller's process that receives MB-sized replies (bench hosts, the
-    replay) fixes both, or each reply is page-faulted in anew. False where mallopt is missing."""
-    if _mallopt is None:
-        return False
-    ok = _mallopt(_M_MMAP_THRESHOLD, mmap_bytes) == 1
-    return ok and (not trim_bytes or _mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1)
+TRIM_EVERY_S = 5.0  # the heap trim loop's period (_trim_heap; service/heap.py)
 
 
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
@@ -183,175 +133,6 @@ def version() -> str:
     except metadata.PackageNotFoundError:
         return "0+unknown"
 
-
-@dataclass(frozen=True)
-class WeightView:
-    name: str
-    rows: int
-    k: int
-    nbytes: int
-    layout: Layout
-    sha256: str
-    source: str
-    in_flight: int
-    row_begin: int = 0  # global rows [row_begin, row_begin + rows) of the source tensor
-    tensor_rows: int = 0  # rows of the whole source tensor
-
-    @property
-    def row_end(self) -> int:
-        return self.row_begin + self.rows
-
-
-@dataclass(slots=True, eq=False)  # made per request on the loop: a frozen init costs 2x
-class MatmulCall:
-    weight: str
-    x: np.ndarray  # [N, K] f32/f16/bf16 (may be a read-only view of the request bytes)
-    precision: Precision = Precision.AUTO
-    out_dtype: np.dtype = DTYPES["f32"]
-    timeout: float | None = None  # seconds left of the caller's deadline
-    topk: int = 0  # > 0: the top-k epilogue (kernels/epilogue.py) replaces y
-    weights: tuple[str, ...] = ()  # a multi-weight request (service/multi.py): not ``weight``
-
-
-@dataclass(frozen=True)
-class UploadSpec:
-    name: str
-    rows: int
-    k: int
-    fmt: str  # one of UPLOAD_FORMATS
-    total_bytes: int
-    sha256: str
-
-
-def check_upload_spec(spec: UploadSpec, max_upload_bytes: int) -> int:
-    """Validate an upload header before any data is read; return the byte count it promises."""
-    check_name(spec.name)
-    if spec.fmt not in UPLOAD_FORMATS:
-        raise InvalidArgument(f"upload format {spec.fmt!r}; use one of {UPLOAD_FORMATS}")
-    if spec.rows < 1:
-        raise InvalidArgument(f"upload of {spec.name!r} has rows={spec.rows}")
-    q6k.check_k(spec.k)
-    itemsize = {"q6_k": None, "f32": 4, "f16": 2}[spec.fmt]
-    want = (q6k.aos_nbytes(spec.rows, spec.k) if itemsize is None
-            else spec.rows * spec.k * itemsize)
-    if spec.total_bytes != want:
-        raise InvalidArgument(f"upload {spec.name!r} {spec.rows}x{spec.k} {spec.fmt} must "
-                              f"be {want} bytes, header says {spec.total_bytes}")
-    if want > max_upload_bytes:
-        raise ResourceExhausted(f"upload of {want} bytes exceeds the limit of "
-                                f"{max_upload_bytes}")
-    if len(spec.sha256) != 64:
-        raise InvalidArgument("upload header needs the hex sha256 of the data (64 digits)")
-    return want
-
-
-@dataclass(frozen=True)
-class StatusView:
-    backend: str
-    device: str
-    version: str
-    vram: VramStats
-    flags: FlagState
-    weights_loaded: int
-    serving: bool
-    max_batch_rows: int
-    max_batch_delay_us: int
-    relayout_in_progress: bool
-    devices: tuple[object, ...] = ()  # multi-device workers: service.devices.DeviceStatus
-    max_weights: int = 0
-    host_overhead_bytes: int = 0  # weights' bookkeeping outside the VRAM budget (fixed costs)
-
-
-@dataclass(frozen=True)
-class WeightSource:
-    """One weight to load: its name, shape, where it came from, and how to read its AoS rows
-    as whole-row chunks (from a GGUF memory map or an upload's buffer). A multi-device worker
-    loads a :meth:`part` of one source on each device: the file or upload is read once."""
-
-    name: str
-    rows: int
-    k: int
-    source: str
-    read: Callable[[int, int, int], Iterable[np.ndarray]]  # (row, end row, chunk bytes)
-    row_begin: int = 0  # a row-sharded load holds rows [row_begin, row_begin + rows)
-    tensor_rows: int = 0  # of the whole tensor (0: same as rows)
-    first: int = 0  # this source's rows are [first, first + rows) of what ``read`` reads
-
-    @property
-    def whole_rows(self) -> int:
-        return self.tensor_rows or self.rows
-
-    def chunks(self, chunk_bytes: int) -> Iterable[np.ndarray]:
-        return self.read(self.first, self.first + self.rows, chunk_bytes)
-
-    def part(self, r: RowRange) -> WeightSource:
-        """Rows ``r`` of this source (``r`` counted from its first row)."""
-        return replace(self, rows=r.rows, first=self.first + r.begin,
-                       row_begin=self.row_begin + r.begin, tensor_rows=self.whole_rows)
-
-
-async def gguf_sources(model_dir: Path | None, rel_path: str, tensors: list[str],
-                       prefix: str = "", rows: RowSelect | None = None,
-                       cancelled: Callable[[], bool] | None = None) -> list[WeightSource]:
-    """The Q6_K tensors of a GGUF file under ``model_dir`` (all, or ``tensors``), each narrowed
-    to ``rows``; the file is opened once and its memory map read as the parts load. The
-    header is parsed in a daemon thread polling ``cancelled`` (service/threads.py)."""
-    path = confine(model_dir, rel_path)
-    select = rows or RowSelect()
-
-    def sources() -> list[WeightSource]:  # in the thread too: 65536 tensors are work
-        out: list[WeightSource] = []
-        where = f"gguf:{rel_path}"  # one string for all the file's weights
-        found = gguf_io.read_q6k_tensors(path, tensors or None, cancelled)
-        for t in found:
-            if len(out) % gcfreeze.FREEZE_AT == 0 and len(found) >= gcfreeze.FREEZE_AT:
-                gcfreeze.freeze()  # ~10 objects per tensor until loaded: keep GC walks short
-            r: RowRange = select.resolve(t.name, t.rows)
-
-            def read(r0: int, r1: int, chunk_bytes: int, t: Q6KTensor = t,
-                     ) -> Iterable[np.ndarray]:
-                return slice_tensor(t, RowRange(r0, r1)).iter_row_chunks(chunk_bytes)
-
-            out.append(WeightSource(prefix + t.name, r.rows, t.k, where, read,
-                                    r.begin, t.rows, first=r.begin))
-        return out
-
-    return await run_in_thread(sources)
-
-
-MAX_PATH_LEN = 1024
-MAX_PATH_PART = 255
-
-
-def _short(text: str) -> str:
-    return repr(text if len(text) <= 80 else text[:60] + "...")
-
-
-def confine(model_dir: Path | None, rel: str) -> Path:
-    """``rel`` inside ``model_dir``: absolute paths, ``..`` and symlink escapes are refused;
-    paths that cannot be resolved (loops, overlong) are INVALID_ARGUMENT."""
-    if model_dir is None:
-        raise FailedPrecondition("this worker has no --model-dir; upload weights instead")
-    if not rel:
-        raise InvalidArgument("gguf path is empty")
-    if "\x00" in rel:
-        raise InvalidArgument(f"gguf path {_short(rel)} contains a NUL byte")
-    p = Path(rel)
-    if len(rel) > MAX_PATH_LEN or any(len(part) > MAX_PATH_PART for part in p.parts):
-        raise InvalidArgument(f"gguf path of {len(rel)} characters is too long "
-                              f"(at most {MAX_PATH_LEN}, {MAX_PATH_PART} per component)")
-    if p.is_absolute() or ".." in p.parts:
-        raise PermissionDenied(f"gguf path {_short(rel)} must be relative to the model dir "
-                               "without '..'")
-    root = model_dir.resolve()
-    try:
-        full = (root / p).resolve()
-    except (OSError, RuntimeError) as e:  # symlink loops raise RuntimeError here
-        raise InvalidArgument(f"gguf path {_short(rel)} cannot be resolved: "
-                              f"{type(e).__name__}") from None
-    if not full.is_relative_to(root):
-        raise PermissionDenied(f"gguf path {_short(rel)} leaves the model dir (symlink?)")
-    return full
 
 
 class Engine:
@@ -456,12 +237,12 @@ class Engine:
         was back (docs/RELIABILITY.md, "The targets, measured")."""
         if self._mmap_threshold:
             fix_heap_thresholds(self._mmap_threshold)
-        if _malloc_trim is None:
+        if malloc_trim is None:
             return
         while True:
             await asyncio.sleep(TRIM_EVERY_S)
             gcfreeze.collect_if_asked()  # abandoned calls' cycles first, then the trim
-            await run_in_thread(_malloc_trim, 0)
+            await run_in_thread(malloc_trim, 0)
 
     async def _poll_metrics(self) -> None:
         while True:

@@ -79,7 +79,7 @@ from q6serve.kernels.hostio import HostIO
 
 from . import envvars, reuseport, wire_requests
 from .config import WorkerConfig
-from .engine import MatmulCall
+from .engine_types import MatmulCall
 from .frontends_arena import SLOT_BYTES, Arena
 from .frontends_calls import PlainCalls
 from .frontends_front import frontend_busy_poll_us

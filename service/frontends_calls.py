@@ -20,7 +20,8 @@ from q6serve.kernels.api import DTYPES, Precision
 from q6serve.kernels.errors import FailedPrecondition, InvalidArgument
 from q6serve.kernels.hostio import Route
 
-from .engine import Engine, MatmulCall, MatmulReply
+from .engine import Engine, MatmulReply
+from .engine_types import MatmulCall
 from .frontends_ipc import (
     _DTYPE_BY_CODE,
     _DTYPE_CODE,

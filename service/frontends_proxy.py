@@ -22,7 +22,8 @@ from q6serve.kernels.api import dtype_name
 from q6serve.kernels.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 from . import envvars, wire_replies, wire_requests
-from .engine import MatmulCall, MatmulReply
+from .engine import MatmulReply
+from .engine_types import MatmulCall
 from .frontends_arena import Arena
 from .frontends_ipc import (
     _LAYOUT_OF,

@@ -24,7 +24,7 @@ from q6serve.kernels.errors import Unavailable
 
 from . import lane as lane_mod
 from . import regions as regions_mod
-from .engine import MatmulCall
+from .engine_types import MatmulCall
 from .frontends_calls import _told_failure
 from .frontends_ipc import (
     _DTYPE_NAMES,

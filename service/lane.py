@@ -58,7 +58,8 @@ from q6serve.kernels.errors import (
 )
 
 from . import envvars, regions, wire_requests
-from .engine import Engine, MatmulCall
+from .engine import Engine
+from .engine_types import MatmulCall
 from .regions import RegionIO, RegionRef, RegionTable
 from .threads import outcome, ring_poll, ring_unpoll
 

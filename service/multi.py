@@ -26,7 +26,8 @@ from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import FormatError, InvalidArgument, Q6Error
 
 from .batcher import MatmulReply
-from .engine import Engine, MatmulCall, WeightView
+from .engine import Engine
+from .engine_types import MatmulCall, WeightView
 from .registry import MAX_NAME_LEN
 
 MAX_REQUEST_WEIGHTS = 16  # weights of one multi-weight request

@@ -23,7 +23,8 @@ from q6serve.kernels.errors import InvalidArgument, Q6Error, Unavailable
 from . import gcfreeze, lane, regions, wire, wire_enums, wire_replies, wire_requests
 from .admission import StreamBudget
 from .auth import TokenAuth
-from .engine import Engine, MatmulCall
+from .engine import Engine
+from .engine_types import MatmulCall
 from .interceptor import RPC_BYTES, RPC_START, observe_stream_request, status_code
 from .multi import MAX_REQUEST_WEIGHTS, run_weights_now, start_matmul_weights
 from .regions import RegionIO, RegionTable

@@ -17,7 +17,7 @@ from q6serve.kernels.errors import InvalidArgument
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 
-from .engine import StatusView, UploadSpec, WeightView
+from .engine_types import StatusView, UploadSpec, WeightView
 from .flags import FlagState
 from .regions import CudaIpcSource, RegionView, ShmSource
 from .shards import RowRange, RowSelect

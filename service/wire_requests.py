@@ -20,7 +20,7 @@ from q6serve.kernels.epilogue import check_k
 from q6serve.kernels.errors import InvalidArgument
 from q6serve.v1 import q6serve_pb2 as pb
 
-from .engine import MatmulCall
+from .engine_types import MatmulCall
 from .rawmsg import Unusual, record, take_bytes_field
 from .regions import RegionIO, RegionRef
 from .wire_enums import (

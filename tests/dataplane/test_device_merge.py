@@ -19,7 +19,7 @@ from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service import frontends as fe
 from q6serve.service import frontends_ipc as ipc
 from q6serve.service.config import WorkerConfig
-from q6serve.service.engine import UploadSpec
+from q6serve.service.engine_types import UploadSpec
 from tests.dataplane.tol import assert_ref
 from tests.service.svc_util import random_q6k, reference
 

@@ -396,7 +396,7 @@ def test_front_end_stacks_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     from q6serve.kernels.api import Precision
     from q6serve.kernels.errors import InvalidArgument, NotFound
     from q6serve.service import frontends_proxy
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
 
     async def main() -> None:
         arena, w, link, proxy = _proxy(4)
@@ -472,7 +472,7 @@ def test_front_end_holds_calls_behind_stacks_in_flight() -> None:
     that key wait and go out as ONE stack when the first is answered; other keys are not
     held; when the device process goes away the waiting calls fail UNAVAILABLE."""
     from q6serve.kernels.errors import InvalidArgument, Unavailable
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
     from q6serve.service.frontends_proxy import stacks_in_flight
 
     assert stacks_in_flight({}) == 2 and stacks_in_flight({"Q6SERVE_FRONTEND_STACKS": "3"}) == 3
@@ -529,7 +529,7 @@ def test_front_end_sinks_run_in_the_answering_trip() -> None:
     raises is logged and the link stays up for the other callers; y read from the slot is the
     device's; a cancelled caller's sink is not called."""
     from q6serve.kernels.errors import NotFound, Unavailable
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
     from q6serve.service.frontends_ipc import FRAME, _encode
 
     async def main() -> None:

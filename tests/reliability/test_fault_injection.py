@@ -24,7 +24,7 @@ from q6serve.client.client import Q6ServeError, matmul_request
 from q6serve.kernels.errors import DeviceError, NotFound, ResourceExhausted
 from q6serve.service.batcher import DeadlineExceeded
 from q6serve.service.config import Budget, WorkerConfig
-from q6serve.service.engine import MatmulCall, UploadSpec
+from q6serve.service.engine_types import MatmulCall, UploadSpec
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.gguf_corpus import File, Tensor

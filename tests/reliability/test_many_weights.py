@@ -25,7 +25,8 @@ from q6serve.kernels.errors import InvalidArgument
 from q6serve.service import engine as engine_mod
 from q6serve.service import gcfreeze
 from q6serve.service.config import Budget, WorkerConfig
-from q6serve.service.engine import Engine, MatmulCall
+from q6serve.service.engine import Engine
+from q6serve.service.engine_types import MatmulCall
 from q6serve.service.registry import Registry
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks
 
@@ -189,7 +190,7 @@ def test_a_load_naming_many_weights_checks_them_in_linear_time():
 
 def test_max_weights_bounds_the_bookkeeping_and_status_shows_it(tmp_path):
     from q6serve.kernels.errors import ResourceExhausted
-    from q6serve.service.engine import UploadSpec
+    from q6serve.service.engine_types import UploadSpec
     from q6serve.service.registry import BATCHER_HOST_BYTES, WEIGHT_HOST_BYTES
 
     path = many(tmp_path / "many.gguf", 6)

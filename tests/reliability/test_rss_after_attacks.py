@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from q6serve.client.client import matmul_request
-from q6serve.service import engine, gcfreeze
+from q6serve.service import gcfreeze, heap
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
 from tests.reliability.harness import RunningWorker, random_q6k
@@ -132,9 +132,9 @@ def _check_mapping(size: int, threshold: str | None) -> tuple[int, int]:
     twice as big was freed) mapped on its own, and how many its free unmapped."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
-    env.pop(engine.MMAP_ENV, None)
+    env.pop(heap.MMAP_ENV, None)
     if threshold is not None:
-        env[engine.MMAP_ENV] = threshold
+        env[heap.MMAP_ENV] = threshold
     out = subprocess.run([sys.executable, "-c", CHECK_MAPPING, str(size)], cwd=root,
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -149,9 +149,9 @@ def test_big_transient_buffers_get_their_own_mapping():
     time; the trim loop hands its free pages back). Q6SERVE_MMAP_THRESHOLD sets the bound. In
     a fresh process: the threshold only decides how the heap *grows*, and a long test session
     has free heap chunks big enough to serve the block without growing."""
-    if engine._mallopt is None or mmapped_bytes() is None:
+    if heap._mallopt is None or mmapped_bytes() is None:
         return  # not glibc (>= 2.33 for mallinfo2): nothing to check
-    for size, threshold, own in ((engine.MMAP_THRESHOLD + (1 << 20), None, True),
+    for size, threshold, own in ((heap.MMAP_THRESHOLD + (1 << 20), None, True),
                                  (2 << 20, None, False),
                                  (2 << 20, str(1 << 20), True)):
         mapped, unmapped = _check_mapping(size, threshold)
@@ -164,13 +164,13 @@ def test_big_transient_buffers_get_their_own_mapping():
 
 
 def test_the_mmap_threshold_from_the_env(monkeypatch):
-    monkeypatch.setenv(engine.MMAP_ENV, "lots")
+    monkeypatch.setenv(heap.MMAP_ENV, "lots")
     with pytest.raises(ValueError, match=r"Q6SERVE_MMAP_THRESHOLD='lots': give .* bytes"):
-        engine.mmap_threshold()
-    monkeypatch.setenv(engine.MMAP_ENV, "-1")
+        heap.mmap_threshold()
+    monkeypatch.setenv(heap.MMAP_ENV, "-1")
     with pytest.raises(ValueError, match=r"Q6SERVE_MMAP_THRESHOLD='-1'.* 0 or more"):
-        engine.mmap_threshold()
-    monkeypatch.setenv(engine.MMAP_ENV, "0")
-    assert engine.mmap_threshold() == 0  # glibc's own
-    monkeypatch.delenv(engine.MMAP_ENV)
-    assert engine.mmap_threshold() == engine.MMAP_THRESHOLD
+        heap.mmap_threshold()
+    monkeypatch.setenv(heap.MMAP_ENV, "0")
+    assert heap.mmap_threshold() == 0  # glibc's own
+    monkeypatch.delenv(heap.MMAP_ENV)
+    assert heap.mmap_threshold() == heap.MMAP_THRESHOLD

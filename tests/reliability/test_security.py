@@ -24,7 +24,7 @@ from q6serve.service import auth as auth_mod
 from q6serve.service import wire
 from q6serve.service.auth import TokenAuth
 from q6serve.service.config import Budget, WorkerConfig, config_from
-from q6serve.service.engine import confine
+from q6serve.service.weight_sources import confine
 from q6serve.v1 import q6serve_pb2 as pb
 from tests.reliability.faulty import FaultyBackend
 from tests.reliability.gguf_corpus import File, Tensor, q6k_blocks

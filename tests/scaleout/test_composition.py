@@ -22,7 +22,7 @@ from q6serve.kernels.errors import AlreadyExists, ResourceExhausted
 from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.devices import MultiDeviceEngine
-from q6serve.service.engine import UploadSpec
+from q6serve.service.engine_types import UploadSpec
 from q6serve.service.metrics import Metrics
 
 ROWS, K = 37, 512
@@ -130,7 +130,7 @@ def test_gguf_is_opened_once_for_every_device(base_config: WorkerConfig, model_d
 
 
 def eng_call(name: str, x: np.ndarray) -> Any:
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
 
     return MatmulCall(name, x)
 

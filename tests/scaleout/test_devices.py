@@ -19,7 +19,7 @@ from q6serve.kernels.errors import AlreadyExists, InvalidArgument, NotFound, Res
 from q6serve.kernels.numpy_backend import NumpyBackend
 from q6serve.service.config import Budget, WorkerConfig
 from q6serve.service.devices import MultiDeviceEngine, parse_devices
-from q6serve.service.engine import MatmulCall, UploadSpec
+from q6serve.service.engine_types import MatmulCall, UploadSpec
 from q6serve.service.metrics import Metrics
 
 ROWS, K = 37, 512  # 37 rows over 2 devices: 19 + 18

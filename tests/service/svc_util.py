@@ -35,7 +35,8 @@ async def numpy_engine(name: str, rows: int, k: int) -> Any:
     import hashlib
 
     from q6serve.kernels.numpy_backend import NumpyBackend
-    from q6serve.service.engine import Engine, UploadSpec
+    from q6serve.service.engine import Engine
+    from q6serve.service.engine_types import UploadSpec
 
     eng = Engine(NumpyBackend(), WorkerConfig(inline_device_us=10**9))
     data = q6k.random_blocks(rows, k, np.random.default_rng(0)).tobytes()

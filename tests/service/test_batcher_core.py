@@ -341,7 +341,7 @@ def test_a_kernel_flag_flip_sends_the_next_batches_to_the_device_thread() -> Non
     it has run on the device thread (the new kernels may still have to compile)."""
     from svc_util import numpy_engine
 
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
 
     async def main() -> None:
         # (what is tested is the flip forgetting costs, not the inline limit)

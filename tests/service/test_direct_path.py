@@ -312,7 +312,7 @@ def test_a_direct_call_still_checks_each_request_after_a_like_one_passed(
     from svc_util import numpy_engine
 
     from q6serve.kernels.errors import FormatError, Unavailable
-    from q6serve.service.engine import MatmulCall
+    from q6serve.service.engine_types import MatmulCall
 
     monkeypatch.setattr(batcher, "DEFER_KERNEL_S", 1.0)  # (see above)
 

@@ -386,7 +386,7 @@ def test_multi_device_topk_and_multi_weight(base_config, placement: str) -> None
 
     from q6serve.kernels.numpy_backend import NumpyBackend
     from q6serve.service.devices import MultiDeviceEngine
-    from q6serve.service.engine import MatmulCall, UploadSpec
+    from q6serve.service.engine_types import MatmulCall, UploadSpec
     from q6serve.service.metrics import Metrics
     from q6serve.service.multi import start_matmul_weights
 
