@@ -36,9 +36,15 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES, *,
 def tls_credentials(tls: bool = False, root_certificates: bytes | None = None,
                     private_key: bytes | None = None,
                     certificate_chain: bytes | None = None) -> grpc.ChannelCredentials | None:
-    """TLS credentials when asked for (``tls`` or any PEM given), else None (plaintext)."""
-    if not (tls or root_certificates or private_key or certificate_chain):
+    """TLS credentials when asked for (``tls`` or any PEM given), else None (plaintext). A PEM
+    given empty is refused: read as "none given", it sent the channel out in plaintext."""
+    pems = {"root_certificates": root_certificates, "private_key": private_key,
+            "certificate_chain": certificate_chain}
+    if not tls and all(v is None for v in pems.values()):
         return None
+    for name, v in pems.items():
+        if v is not None and not v:
+            raise ValueError(f"{name} is empty: give PEM bytes, or None")
     if (private_key is None) != (certificate_chain is None):
         raise ValueError("mutual TLS needs both private_key and certificate_chain")
     return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
@@ -61,7 +67,7 @@ def make_channel(target: str, *, aio: bool = False,
     check_target(target)
     if credentials is None:
         credentials = tls_credentials(tls, root_certificates, private_key, certificate_chain)
-    elif tls or root_certificates or private_key or certificate_chain:
+    elif tls or any(v is not None for v in (root_certificates, private_key, certificate_chain)):
         raise ValueError("give credentials or the TLS PEM arguments, not both")
     opts = channel_options(max_message_bytes, round_robin=round_robin)
     mod = grpc.aio if aio else grpc

@@ -69,13 +69,21 @@ def client_kwargs(args: argparse.Namespace, admin: bool = False) -> dict[str, An
     token = (env.get("Q6SERVE_ADMIN_TOKEN") if admin else None) or env.get("Q6SERVE_TOKEN")
     kw: dict[str, Any] = {"token": token or None, "timeout": args.timeout}
     if args.tls_ca:
-        kw["root_certificates"] = args.tls_ca.read_bytes()
+        kw["root_certificates"] = _pem(args.tls_ca, "--tls-ca")
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
             raise UsageError("--tls-cert and --tls-key go together")
-        kw["certificate_chain"] = args.tls_cert.read_bytes()
-        kw["private_key"] = args.tls_key.read_bytes()
+        kw["certificate_chain"] = _pem(args.tls_cert, "--tls-cert")
+        kw["private_key"] = _pem(args.tls_key, "--tls-key")
     return kw
+
+
+def _pem(path: Path, option: str) -> bytes:
+    """The PEM file an option names; an empty one is refused (it read as "no TLS" once)."""
+    data = path.read_bytes()
+    if not data:
+        raise UsageError(f"{option} {path}: the file is empty: give a PEM file")
+    return data
 
 
 # -- errors -> one line and an exit code ---------------------------------------------------------

@@ -65,3 +65,36 @@ def test_mutual_tls(pki: dict[str, Path], start_worker: Callable[..., Any],
 def test_half_a_client_certificate_is_refused() -> None:
     with pytest.raises(ValueError, match="both"):
         tls_credentials(private_key=b"key only")
+
+
+@pytest.mark.parametrize("field", ["root_certificates", "private_key", "certificate_chain"])
+def test_an_empty_pem_is_refused_not_read_as_plaintext(field: str) -> None:
+    """An empty PEM (``--tls-ca /dev/null``, an empty file) used to read as "no TLS": the
+    channel went out in plaintext, the bearer token with it. It is refused, naming the field."""
+    from q6serve.client.channel import make_channel
+
+    pems = {"root_certificates": b"-", "private_key": b"-", "certificate_chain": b"-"}
+    pems[field] = b""
+    if field == "root_certificates":
+        pems.pop("private_key"), pems.pop("certificate_chain")
+    with pytest.raises(ValueError, match=f"{field} is empty"):
+        tls_credentials(**pems)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"{field} is empty"):
+        make_channel("127.0.0.1:1", **pems)  # type: ignore[arg-type]
+
+
+def test_cli_tls_options_refuse_an_empty_file(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from q6serve.client.cli import main
+
+    empty = tmp_path / "empty.pem"
+    empty.write_bytes(b"")
+    full = tmp_path / "x.pem"
+    full.write_bytes(b"-")
+    for opts, name in ((["--tls-ca", str(empty)], "--tls-ca"),
+                       (["--tls-cert", str(empty), "--tls-key", str(full)], "--tls-cert"),
+                       (["--tls-cert", str(full), "--tls-key", str(empty)], "--tls-key")):
+        assert main(["list", "--target", "127.0.0.1:1", "--timeout", "2", *opts]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith("q6serve list: ") and f"{name} {empty}: the file is empty" in err
