@@ -66,3 +66,63 @@ def test_keep_awake_spinners_die_with_their_parent(tmp_path: Path) -> None:
 def test_span() -> None:
     assert keep_awake._span([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
     assert keep_awake._span([5]) == "5"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: each process's parent)."""
+    kids = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        if ppid == pid:
+            kids += [int(p), *_descendants(int(p))]
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("frontends", [0, 2])
+def test_a_worker_killed_with_sigkill_takes_its_spinners_along(tmp_path: Path,
+                                                               frontends: int) -> None:
+    """``q6serve worker --keep-cpus-awake`` (alone, and with front-end processes) killed with
+    SIGKILL - no drain, no close - leaves no spinner and no front end behind."""
+    import signal
+    import time
+
+    from q6serve.client.worker_process import WorkerProcess
+
+    args = ["--backend", "numpy", "--keep-cpus-awake"]
+    args += ["--frontends", str(frontends)] if frontends else []
+    w = WorkerProcess(args, tmp_path / "worker.log").start()
+    assert w.proc is not None
+    kids: list[int] = []
+    try:
+        want = len(os.sched_getaffinity(0)) + frontends  # a spinner per CPU, the front ends
+        deadline = time.monotonic() + 20
+        while len(kids := _descendants(w.proc.pid)) < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(kids) >= want, (kids, w.log()[-2000:])
+        assert "keep awake: a SCHED_IDLE spinner on each of" in w.log()
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.wait()
+        deadline = time.monotonic() + 10
+        while (left := [k for k in kids if not _gone(k)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"outlived the worker's SIGKILL: {left}"
+    finally:  # (a failed test's leftovers: only the processes this worker started)
+        for k in kids:
+            if not _gone(k):
+                os.kill(k, signal.SIGKILL)
+        w.stop()
