@@ -9,6 +9,7 @@ out of shell history and process lists). No gRPC import here: parsing stays ligh
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,6 +50,18 @@ def port_arg(text: str) -> int:
     return port
 
 
+def seconds_arg(text: str) -> float:
+    """A --timeout: seconds, finite and > 0 (nan and inf reached gRPC as a deadline already
+    passed, 0 as a race with the call)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds > 0 (a finite number)")
+    return v
+
+
 def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0,
                        sharded: bool = False) -> None:
     p.add_argument("--target", type=target_arg,
@@ -56,7 +69,7 @@ def add_target_options(p: argparse.ArgumentParser, timeout: float = 60.0,
                    help=f"worker address H:P (default $Q6SERVE_TARGET or {DEFAULT_TARGET})"
                         + ("; A,B,... for a weight row-sharded over several workers"
                            if sharded else ""))
-    p.add_argument("--timeout", type=float, default=timeout,
+    p.add_argument("--timeout", type=seconds_arg, default=timeout,
                    help=f"deadline of each call in seconds (default {timeout:g})")
     p.add_argument("--tls-ca", type=Path, help="PEM root certificate(s): use TLS")
     p.add_argument("--tls-cert", type=Path, help="PEM client certificate (mutual TLS)")

@@ -130,6 +130,8 @@ def cmd_matmul(args: argparse.Namespace) -> int:
     if args.topk is not None and not all(o.endswith(".npz") for o in outputs):
         raise UsageError("--topk writes values, indices and lse to an .npz: name each "
                          "--output FILE.npz")
+    for o in outputs:
+        _check_output(o)
     x = float_matrix(load_array(args.input), args.input,
                      to=DTYPES[args.dtype] if args.dtype else None,
                      hint="give --dtype f32, f16 or bf16 to convert it")
@@ -141,7 +143,8 @@ def cmd_matmul(args: argparse.Namespace) -> int:
         if o.topk is not None:
             import numpy as np
 
-            np.savez(path, values=o.topk.values, indices=o.topk.indices, lse=o.topk.lse)
+            with open(path, "wb") as f:  # (a file: np.savez would add a suffix to a name)
+                np.savez(f, values=o.topk.values, indices=o.topk.indices, lse=o.topk.lse)
             what = f"top-{o.topk.k} values/indices/lse of {o.topk.values.shape[0]} rows"
         else:
             assert o.y is not None
@@ -153,6 +156,20 @@ def cmd_matmul(args: argparse.Namespace) -> int:
               f"queue {o.queue_seconds * 1e6:.1f} us, batch {o.batch_rows} rows / "
               f"{o.batch_requests} requests")
     return 0
+
+
+def _check_output(path: str) -> None:
+    """An --output the result can be written to, checked before the call: np.save wrote a
+    directory's name + '.npy' and '' as '.npy' in the working directory, and a missing
+    folder failed only once the worker had answered."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not path or p.is_dir():
+        raise UsageError(f"--output {path!r} is {'a directory' if path else 'empty'}: name "
+                         "the file to write")
+    if not p.parent.is_dir():
+        raise UsageError(f"--output {path}: folder {p.parent} does not exist")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

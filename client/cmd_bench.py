@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -89,12 +90,14 @@ class Samples:
     worker: list[float] = field(default_factory=list)  # the worker's handler time per call
     batch_rows: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    messages: dict[str, str] = field(default_factory=dict)  # each code's first message
 
     def add(self, seconds: float, out: Any) -> None:
         from q6serve.client.client import Q6ServeError
 
         if isinstance(out, Q6ServeError):
             self.errors[out.code.name] = self.errors.get(out.code.name, 0) + 1
+            self.messages.setdefault(out.code.name, f"{out.code.name}: {out.message}")
             return
         self.latency.append(seconds)
         self.queue.append(out.queue_seconds)
@@ -113,6 +116,7 @@ class CellResult:
     seconds: float
     calls: int
     errors: dict[str, int]
+    messages: dict[str, str]  # each error code's first message
     rows_per_s: float
     calls_per_s: float
     p50_ms: float | None
@@ -131,7 +135,7 @@ class CellResult:
                 return None
             return float(np.percentile(v, q) if q is not None else np.mean(v)) * 1e3
 
-        return cls(c, n, mode, seconds, len(s.latency), s.errors,
+        return cls(c, n, mode, seconds, len(s.latency), s.errors, s.messages,
                    len(s.latency) * n / seconds, len(s.latency) / seconds,
                    ms(s.latency, 50), ms(s.latency, 90), ms(s.latency, 99), ms(s.queue),
                    ms(s.kernel), ms(s.worker),
@@ -383,8 +387,10 @@ def run(args: argparse.Namespace) -> int:
     if args.preset:
         return run_preset(args)
 
-    if min(args.concurrency) < 1 or min(args.n) < 1 or args.duration <= 0 or args.warmup < 0:
-        raise UsageError("--concurrency and --n must be >= 1, --duration > 0, --warmup >= 0")
+    if (min(args.concurrency) < 1 or min(args.n) < 1 or not 0 < args.duration < math.inf
+            or not 0 <= args.warmup < math.inf):  # (nan fails both)
+        raise UsageError("--concurrency and --n must be >= 1, --duration > 0, --warmup >= 0 "
+                         "(seconds: finite numbers)")
     if args.plot and _matplotlib_missing():
         raise UsageError("--plot needs matplotlib (pip install 'q6serve[plot]')")
     console = Console(stderr=True)  # progress on stderr keeps --json's stdout clean
@@ -411,4 +417,18 @@ def run(args: argparse.Namespace) -> int:
               "cells (the table holds those)", file=sys.stderr)
         return EXIT_INTERRUPTED
     failed = sum(sum(r["errors"].values()) for r in doc["cells"])
-    return EXIT_FAILED if failed else EXIT_OK
+    empty = [f"C={r['concurrency']} N={r['n']}" for r in doc["cells"]
+             if not r["calls"] and not r["errors"]]
+    if failed:
+        codes = {}
+        for r in doc["cells"]:
+            for code, n in r["errors"].items():
+                codes[code] = codes.get(code, 0) + n
+        first = next(m for r in doc["cells"] for m in r["messages"].values())
+        print(f"q6serve bench: {failed} calls failed ("
+              + ", ".join(f"{c} {n}" for c, n in codes.items()) + f"); first: {first}",
+              file=sys.stderr)
+    if empty:  # a cell that measured nothing is no result (its figures read n/a)
+        print(f"q6serve bench: no call finished in {len(empty)} cell(s) ({', '.join(empty)}) "
+              f"within --duration {args.duration:g} s", file=sys.stderr)
+    return EXIT_FAILED if failed or empty else EXIT_OK

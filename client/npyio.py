@@ -89,9 +89,11 @@ def float_matrix(a: np.ndarray, what: str, *, rows_of_1d: bool = True,
 
 
 def save_array(path: str | Path, a: np.ndarray) -> None:
-    """``np.save``, except that bf16 is written with the header type ``bfloat16`` (above)."""
+    """``np.save`` to ``path`` as named (np.save adds '.npy' to a name without it), except
+    that bf16 is written with the header type ``bfloat16`` (above)."""
     if a.dtype != BF16:
-        np.save(path, a, allow_pickle=False)
+        with open(path, "wb") as f:
+            np.save(f, a, allow_pickle=False)
         return
     a = np.ascontiguousarray(a)
     with open(path, "wb") as f:

@@ -244,3 +244,74 @@ def test_status_and_flags_take_several_targets(start_worker: Any,
     assert main(["flags", "--target", targets]) == 1  # the shards disagree: say so
     line = one_line(capsys.readouterr().err)
     assert "FAILED_PRECONDITION: flags differ" in line and b.target in line
+
+
+# -- the CLI sweep of session 30 (every subcommand, bad values for its options) ---------------
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e309"])
+def test_timeout_must_be_finite_seconds(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout nan/inf/<= 0 used to reach gRPC: every call 'took longer than --timeout inf s'
+    (DEADLINE_EXCEEDED, rc 1), and 0 raced the call (rc 0 or 1)."""
+    with pytest.raises(SystemExit) as e:
+        main(["list", "--target", "127.0.0.1:1", "--timeout", value])
+    assert e.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--timeout" in line and "seconds > 0" in line, line
+
+
+@pytest.mark.parametrize("opts", [["--duration", "nan"], ["--duration", "inf"],
+                                  ["--warmup", "nan"], ["--warmup", "inf"]])
+def test_bench_durations_must_be_finite(opts: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench --duration nan measured nothing and said rc 0; inf never ended."""
+    assert main(["bench", "--target", "127.0.0.1:1", *opts]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--duration" in line and "finite" in line, line
+
+
+def test_bench_cell_without_a_call_fails(served: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cell that finished no call (its duration over before the first one) measured nothing:
+    it used to print 'n/a' and exit 0."""
+    rc = main(["bench", "--target", served.target, "--duration", "1e-9", "--warmup", "0",
+               "--concurrency", "1", "--n", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("q6serve bench: ") and "no call" in last
+
+
+def test_bench_failed_calls_say_why(served: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--target", served.target, "--duration", "0.1", "--warmup", "0",
+               "--concurrency", "1", "--n", "300"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("q6serve bench: ") and "INVALID_ARGUMENT" in last, err
+    assert "N=300 exceeds" in last, last
+
+
+@pytest.mark.parametrize("output", ["", "DIR", "missing/y.npy"])
+def test_matmul_output_is_checked_before_the_call(served: Any, tmp_path: Path, output: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--output DIR used to write DIR.npy and --output '' a file '.npy' in the working
+    directory (np.save adds the suffix), both rc 0; a missing folder failed after the call."""
+    np.save(tmp_path / "x.npy", np.ones((1, K), np.float32))
+    out = {"": "", "DIR": str(tmp_path), "missing/y.npy": str(tmp_path / "missing/y.npy")}[output]
+    before = set(tmp_path.parent.iterdir()) | set(tmp_path.iterdir())
+    calls = served.client().status().weights_loaded  # (a cheap call: the worker is up)
+    assert calls == 1
+    rc = main(["matmul", "--target", served.target, "--weight", "w", "--input",
+               str(tmp_path / "x.npy"), "--output", out])
+    assert rc == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--output" in line, line
+    assert set(tmp_path.parent.iterdir()) | set(tmp_path.iterdir()) == before
+    assert not Path(".npy").exists()
+
+
+def test_matmul_writes_the_output_named(served: Any, tmp_path: Path) -> None:
+    """An --output without the .npy suffix is written as named (np.save added '.npy')."""
+    np.save(tmp_path / "x.npy", np.ones((2, K), np.float32))
+    assert main(["matmul", "--target", served.target, "--weight", "w", "--input",
+                 str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.bin")]) == 0
+    assert np.load(tmp_path / "y.bin").shape == (2, 16)
+    assert not (tmp_path / "y.bin.npy").exists()
