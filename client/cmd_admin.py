@@ -59,8 +59,15 @@ def _row_ranges(text: str) -> list[tuple[int, int]]:
         if not sep or not begin.isdigit() or not end.isdigit():
             raise argparse.ArgumentTypeError(f"{text!r}: write BEGIN:END (rows [BEGIN, END)), "
                                              "comma-separated for several targets")
-        out.append((int(begin), int(end)))
+        b, e = int(begin), int(end)
+        if not b < e <= MAX_ROW:  # (the wire's uint64 refused a larger one in its own words)
+            raise argparse.ArgumentTypeError(f"{part!r}: BEGIN < END <= {MAX_ROW} (rows "
+                                             "[BEGIN, END))")
+        out.append((b, e))
     return out
+
+
+MAX_ROW = (1 << 63) - 1
 
 
 def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -70,7 +77,12 @@ def _shard_of(args: argparse.Namespace) -> tuple[int, int] | None:
         return None
     if args.rows is not None:
         raise UsageError("give --rows or --shard-index/--shard-count, not both")
-    return args.shard_index, args.shard_count
+    i, n = args.shard_index, args.shard_count
+    if not 1 <= n <= MAX_ROW:
+        raise UsageError(f"--shard-count {n}: give 1 or more")
+    if not 0 <= i < n:
+        raise UsageError(f"--shard-index {i}: give 0..{n - 1} (of --shard-count {n})")
+    return i, n
 
 
 def cmd_load(args: argparse.Namespace) -> int:

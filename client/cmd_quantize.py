@@ -48,6 +48,16 @@ def parse_pairs(items: list[str], name: str | None) -> list[tuple[Path, str]]:
     return pairs
 
 
+def _check_out(out: str, inputs: list[Path]) -> None:
+    """The last positional is OUT.gguf: one that is an input, or named like one, is refused
+    (`quantize a.npy b.npy`, the OUT forgotten, wrote the GGUF over b.npy)."""
+    p = Path(out)
+    if p.suffix in (".npy", ".npz") or any(p.exists() and p.samefile(i) for i in inputs
+                                           if i.exists()):
+        raise UsageError(f"{out} is an input, not the OUT.gguf: name the GGUF file to write "
+                         "last")
+
+
 def run(args: argparse.Namespace) -> int:
     from q6serve.client.npyio import float_matrix, load_array
     from q6serve.kernels.gguf_io import write_q6k_gguf
@@ -57,10 +67,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("need at least one IN.npy and the OUT.gguf")
     *ins, out = args.inputs
     pairs = parse_pairs(ins, args.name)
+    _check_out(out, [p for p, _ in pairs])
     tensors = {}
     for path, tensor in pairs:
         x = float_matrix(load_array(path), str(path), rows_of_1d=False,
                          hint="save it as float32")
+        if not x.shape[0]:
+            raise UsageError(f"{path}: the matrix {list(x.shape)} has no rows")
         # refuses values Q6_K cannot hold (an f16 scale overflowing from |x| ~ 2.7e8, blocks
         # zeroed by an overflowing scale search), naming the row, column and value
         tensors[tensor] = (quantize_q6_k(x, what=f"{path} ({tensor})"), x.shape[0], x.shape[1])

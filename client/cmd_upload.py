@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())
     with Client(args.target, **client_kwargs(args, admin=True)) as client, \
-            Progress(*columns, console=console) as progress:
+            Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         for t in tensors:
             name = args.prefix + t.name
             task = progress.add_task(name, total=t.nbytes)

@@ -3,6 +3,7 @@ line on stderr (what is wrong, what to do) and a documented exit code."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -315,3 +316,59 @@ def test_matmul_writes_the_output_named(served: Any, tmp_path: Path) -> None:
                  str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.bin")]) == 0
     assert np.load(tmp_path / "y.bin").shape == (2, 16)
     assert not (tmp_path / "y.bin.npy").exists()
+
+
+def test_quantize_never_writes_over_an_input(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`quantize a.npy b.npy` (OUT.gguf forgotten) used to write the GGUF over b.npy, rc 0."""
+    x = np.ones((4, 256), np.float32)
+    for name in ("a.npy", "b.npy", "c.npz"):
+        (np.savez if name.endswith("npz") else np.save)(tmp_path / name, x)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    for argv in ([str(tmp_path / "a.npy:w"), str(tmp_path / "b.npy")],
+                 [str(tmp_path / "a.npy:w"), str(tmp_path / "c.npz")],
+                 ["--name", "w", str(tmp_path / "a.npy"), str(tmp_path / "a.npy")]):
+        assert main(["quantize", *argv]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "OUT.gguf" in line, line
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_quantize_refuses_a_matrix_without_rows(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "x.npy", np.ones((0, 256), np.float32))
+    assert main(["quantize", "--name", "w", str(tmp_path / "x.npy"),
+                 str(tmp_path / "o.gguf")]) == 2
+    assert "no rows" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("opts,option", [
+    (["--shard-index", "-1", "--shard-count", "2"], "--shard-index"),
+    (["--shard-index", "2", "--shard-count", "2"], "--shard-index"),
+    (["--shard-index", "0", "--shard-count", "0"], "--shard-count"),
+    (["--rows", "5:3"], "--rows"),
+    (["--rows", "3:3"], "--rows"),
+    (["--rows", "99999999999999999999:99999999999999999999999"], "--rows"),
+])
+def test_load_row_options_are_checked_here(opts: list[str], option: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Used to read 'error: Value out of range: -1' (protobuf's words, no option named), or to
+    go to the worker."""
+    with pytest.raises(SystemExit) if option == "--rows" else contextlib.nullcontext():
+        rc = main(["load", "--target", "127.0.0.1:1", "--timeout", "2", "--gguf", "m.gguf",
+                   *opts])
+        assert rc == 2
+    line = one_line(capsys.readouterr().err)
+    assert option in line and "Value out of range" not in line, line
+
+
+def test_upload_failure_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The upload's progress bar stayed on stderr above the error when stderr is no terminal."""
+    np.save(tmp_path / "x.npy", np.ones((4, 256), np.float32))
+    assert main(["quantize", "--name", "w", str(tmp_path / "x.npy"),
+                 str(tmp_path / "m.gguf")]) == 0
+    capsys.readouterr()
+    assert main(["upload", "--target", "127.0.0.1:1", "--timeout", "2",
+                 str(tmp_path / "m.gguf")]) == 1
+    assert "UNAVAILABLE" in one_line(capsys.readouterr().err)
