@@ -16,7 +16,7 @@ from q6serve.service import config_limits as lim
 from q6serve.service import envvars
 
 from . import grpc_env
-from .cli_target import EXIT_FAILED, UsageError, port_arg
+from .cli_target import EXIT_FAILED, UsageError, port_arg, seconds_arg
 
 EXAMPLE = """example:
   q6serve worker --port 50051 --metrics-port 9400 --model-dir /models --vram-budget 0.9
@@ -97,10 +97,10 @@ def register(sub: argparse._SubParsersAction) -> None:
       help="unary calls whose request is read at once (default "
            f"{lim.MAX_READING_RPCS}): each big request is copied into the worker in one step "
            "of its event loop, so this bounds how many such copies can delay a health check")
-    a("--read-timeout", dest="read_timeout_s", type=float,
+    a("--read-timeout", dest="read_timeout_s", type=seconds_arg,
       help="seconds a request may take to arrive once its read began, while other calls "
            f"wait to be read; then it is cancelled (default {lim.READ_TIMEOUT_S:g})")
-    a("--reply-timeout", dest="reply_timeout_s", type=float,
+    a("--reply-timeout", dest="reply_timeout_s", type=seconds_arg,
       help="seconds a computed reply may wait for its client to take it while other calls "
            "wait for a place; then it is dropped (CANCELLED) and its place given to them "
            f"(default {lim.REPLY_TIMEOUT_S:g})")
@@ -118,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
       help=f"resident weights (default {lim.MAX_WEIGHTS}); more are RESOURCE_EXHAUSTED. Each "
            "holds ~2 KiB of host memory outside --vram-budget, +4 KiB while it has a batcher "
            "(GetStatus host_overhead_bytes)")
-    a("--grace-period", dest="grace_period_s", type=float,
+    a("--grace-period", dest="grace_period_s", type=_grace_arg,
       help="seconds to drain in-flight work on SIGTERM (default 10)")
     a("--devices", metavar="I,J,...",
       help="serve several devices (e.g. 0,1): one backend, executor and VRAM accountant "
@@ -204,16 +204,33 @@ def _setup_logging(level: str) -> _ListeningFirst:
     return first
 
 
-def check_free(host: str, port: int | None, what: str) -> None:
-    """Refuse, in one line, a port another process holds before the worker starts (gRPC's own
-    failure is a C-core log line plus a RuntimeError from deep inside the server)."""
-    if not port:
-        return
+def _grace_arg(text: str) -> float:
+    """--grace-period: seconds, finite and >= 0 (0: no drain)."""
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):  # (nan fails it too)
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds >= 0 (a finite number)")
+    return v
+
+
+def check_free(host: str, port: int | None, what: str, host_option: str = "--host") -> None:
+    """Refuse, in one line, before the worker starts: a host that is no address to listen on
+    (``host_option`` named; with port 0 too, where gRPC's failure read as a port in use) and a
+    port another process holds (gRPC's own failure is a C-core log line plus a RuntimeError
+    from deep inside the server)."""
+    if not host.strip("[]"):
+        raise UsageError(f"{host_option} {host!r} is empty: give an address to listen on "
+                         "(127.0.0.1, 0.0.0.0, ::)")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port or 0, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise UsageError(f"cannot resolve {what} host {host!r}: {e.strerror}") from None
+        raise UsageError(f"{host_option} {host!r} is no address to listen on: "
+                         f"{e.strerror}") from None
+    if not port:
+        return
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener
@@ -278,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
         check_free(config.host, config.port, "--port")
         if config.metrics_port is not None:
             check_free(config.metrics_host or config.host, config.metrics_port,
-                       "--metrics-port")
+                       "--metrics-port", "--metrics-host" if config.metrics_host else "--host")
+        if config.model_dir is not None and not config.model_dir.is_dir():
+            raise UsageError(f"--model-dir {config.model_dir} is not a directory")
         worker = None
         if args.devices and config.frontends > 1:
             raise UsageError("--frontends with --devices is not supported yet: run one worker "
@@ -310,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
         if "Failed to bind" not in str(e):  # lost a race for the port after the check above
             raise
         first.flush_held()
-        print(f"q6serve worker: cannot listen on {config.host}:{config.port}: the port is in "
-              "use: pick another --port (0 = a free one)", file=sys.stderr)
+        print(f"q6serve worker: cannot listen on {config.host}:{config.port}: gRPC could not "
+              "bind it (the port taken since the check, or the address not this machine's): "
+              "check --host and --port (0 = a free one)", file=sys.stderr)
         return EXIT_FAILED
     finally:
         first.flush_held()

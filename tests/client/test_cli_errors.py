@@ -372,3 +372,31 @@ def test_upload_failure_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["upload", "--target", "127.0.0.1:1", "--timeout", "2",
                  str(tmp_path / "m.gguf")]) == 1
     assert "UNAVAILABLE" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("opts,want", [
+    (["--host", "bogus host"], "--host 'bogus host'"),
+    (["--host", ""], "--host ''"),
+    (["--port", "0", "--metrics-port", "0", "--metrics-host", "no such.host"],
+     "--metrics-host 'no such.host'"),
+    (["--model-dir", "/nonexistent/models"], "--model-dir /nonexistent/models"),
+    (["--model-dir", "/etc/hostname"], "--model-dir /etc/hostname"),
+    (["--read-timeout", "nan"], "--read-timeout"),
+    (["--read-timeout", "0"], "--read-timeout"),
+    (["--reply-timeout", "-1"], "--reply-timeout"),
+    (["--reply-timeout", "inf"], "--reply-timeout"),
+    (["--grace-period", "-1"], "--grace-period"),
+    (["--grace-period", "nan"], "--grace-period"),
+])
+def test_worker_refuses_bad_values_in_one_line(opts: list[str], want: str) -> None:
+    """A host that is no address here (with --port 0 it reached gRPC, whose failure was
+    reported as 'the port is in use'), a --model-dir that is no directory (the worker started,
+    and every LoadWeights failed), timeouts that are no finite seconds (the worker started)."""
+    args = ["--port", "0", *opts] if "--port" not in opts else opts
+    r = subprocess.run([*CLI, "worker", "--backend", "numpy", *args], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode in (1, 2), r.stderr
+    assert "Traceback" not in r.stderr and "listening on" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("q6serve worker: ") and want in last, last
+    assert "in use" not in last, last
