@@ -5,6 +5,7 @@ them, a front end killed mid-call, drain, and the `q6serve worker --frontends 2`
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import signal
@@ -138,6 +139,28 @@ def test_every_frontend_serves_the_whole_contract(start: Callable[..., Running],
     assert ok is not None and ok >= len(w.clients), ok
 
 
+def _killed_mid_call(w: Running, calls: list[Callable[[], Any]]) -> list[str]:
+    """``calls`` started on threads, front end 0 SIGKILLed while they run on the device: their
+    outcomes ("OK" or the status' name), once a replacement front end serves."""
+    victim = w.worker.frontend_pids[0]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futs = [pool.submit(fn) for fn in calls]
+        time.sleep(0.15)  # the calls are on the device now
+        os.kill(victim, signal.SIGKILL)
+        outcomes = []
+        for f in futs:
+            try:
+                f.result(30)
+                outcomes.append("OK")
+            except Q6ServeError as e:
+                outcomes.append(e.code.name)
+    deadline = time.monotonic() + 60
+    while w.worker.frontend_pids[0] == victim or 0 not in w.worker.frontend_calls:
+        assert time.monotonic() < deadline, "no replacement front end"
+        time.sleep(0.1)
+    return outcomes
+
+
 def test_frontend_killed_mid_call(start: Callable[..., Running],
                                   rng: np.random.Generator) -> None:
     """SIGKILL a front end while calls run through it: those calls fail UNAVAILABLE, the
@@ -150,22 +173,8 @@ def test_frontend_killed_mid_call(start: Callable[..., Running],
     for c in clients:
         c.matmul("w", x)  # every client connected (to some front end)
     victim = w.worker.frontend_pids[0]
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futs = [pool.submit(c.matmul, "w", x) for c in clients]
-        time.sleep(0.15)  # the calls are on the device now
-        os.kill(victim, signal.SIGKILL)
-        outcomes = []
-        for f in futs:
-            try:
-                f.result(30)
-                outcomes.append("OK")
-            except Q6ServeError as e:
-                outcomes.append(e.code.name)
+    outcomes = _killed_mid_call(w, [functools.partial(c.matmul, "w", x) for c in clients])
     assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
-    deadline = time.monotonic() + 60
-    while w.worker.frontend_pids[0] == victim or 0 not in w.worker.frontend_calls:
-        assert time.monotonic() < deadline, "no replacement front end"
-        time.sleep(0.1)
     fresh = w.client()
     assert_ref(fresh.matmul("w", x), reference(blocks, ROWS, K, x))
     assert fresh.status().serving
@@ -191,25 +200,11 @@ def test_frontend_killed_mid_region_call_leaks_nothing(start: Callable[..., Runn
     regions = [c.register_shm(f"r{i}", 1 << 16) for i, c in enumerate(clients)]
     for c, r in zip(clients, regions, strict=True):
         c.matmul("w", x, x_region=r, y_region=(r, 8192))  # each connected to a front end
-    victim = w.worker.frontend_pids[0]
     dead = w.worker._fronts[0]
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futs = [pool.submit(c.matmul, "w", x, x_region=r, y_region=(r, 8192))
-                for c, r in zip(clients, regions, strict=True)]
-        time.sleep(0.15)  # the calls are on the device now
-        os.kill(victim, signal.SIGKILL)
-        outcomes = []
-        for f in futs:
-            try:
-                f.result(30)
-                outcomes.append("OK")
-            except Q6ServeError as e:
-                outcomes.append(e.code.name)
+    outcomes = _killed_mid_call(w, [functools.partial(c.matmul, "w", x, x_region=r,
+                                                      y_region=(r, 8192))
+                                    for c, r in zip(clients, regions, strict=True)])
     assert set(outcomes) <= {"OK", "UNAVAILABLE"}, outcomes
-    deadline = time.monotonic() + 60
-    while w.worker.frontend_pids[0] == victim or 0 not in w.worker.frontend_calls:
-        assert time.monotonic() < deadline, "no replacement front end"
-        time.sleep(0.1)
 
     async def left() -> tuple[Any, ...]:
         table = w.worker.regions
