@@ -46,6 +46,7 @@ from .spin import caller_spin_us
 REQUEST = struct.Struct("<QIIQQBBBBHH")
 REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
+FULL = b"\x02"  # the worker's answer to the ticket when --max-regions lanes are open
 # the ring (service/lane.py's layout): a RING_BYTES memfd of the lane's own, sealed against
 # shrinking, named to the worker in a setup record as "fd:N" (the worker maps it). A lane asks
 # for one unless ring=False or Q6SERVE_LANE_RING=0 here; x86-64 workers take it unless started
@@ -131,7 +132,12 @@ class Lane:
         try:
             self.sock.connect(path)
             self.sock.sendall(ticket)
-            if self.sock.recv(1) != ACCEPTED:
+            answer = self.sock.recv(1)
+            if answer == FULL:
+                raise core.Q6ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "the worker has --max-regions lanes open; close a "
+                                        "lane first")
+            if answer != ACCEPTED:
                 raise core.Q6ServeError(grpc.StatusCode.PERMISSION_DENIED,
                                         "the worker refused the lane (ticket used, expired or "
                                         "from another user)")

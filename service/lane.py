@@ -73,6 +73,7 @@ TICKET_WAIT_S = 10.0  # from connecting to the ticket
 MAX_PIPELINED = 64  # requests of one lane in the worker at once; the reader waits beyond
 MAX_NAME_BYTES = 1024
 ACCEPTED = b"\x00"
+FULL = b"\x02"  # the answer to a ticket when --max-regions lanes are open (then closed)
 # The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks for one
 # unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the ticket, a
 # request record with seq 0 and flags RING_SETUP (its 9th field) whose name (name_len bytes) is
@@ -123,6 +124,7 @@ class LaneServer:
         self._tickets: dict[bytes, Ticket] = {}
         self._server: asyncio.base_events.Server | None = None
         self._lanes: set[asyncio.BaseTransport] = set()
+        self.open_lanes = 0  # lanes whose ticket was taken (and not closed since)
         self.direct = 0  # requests run by _direct (tests, benches)
         self.now = 0  # of which run here and now, on the direct path (Engine.run_now)
         self.pauses = 0  # times a lane had MAX_PIPELINED requests in the worker (tests)
@@ -158,18 +160,29 @@ class LaneServer:
         log.info("fast lane socket %s", self.path)
 
     def ticket(self, owner: str, region: str) -> bytes:
-        """A one-time ticket; lanes open or promised are at most --max-regions (each holds at
-        most MAX_PIPELINED requests: what lanes add to the worker's load stays bounded)."""
+        """A one-time ticket. Lanes open are at most --max-regions (each holds at most
+        MAX_PIPELINED requests: what lanes add to the worker's load stays bounded), checked
+        here and again when a lane comes with its ticket (``_LaneConn``: the FULL answer).
+        Unused tickets hold no lane: an owner keeps at most --max-regions of them, its oldest
+        dropped for a new one (until session 30 they counted against the lanes' limit for
+        their TICKET_TTL_S, so one owner's unused tickets kept everyone else out)."""
         now = time.monotonic()
         for t in [t for t, v in self._tickets.items() if v.expires < now]:
             del self._tickets[t]  # unused tickets expire
-        if len(self._lanes) + len(self._tickets) >= self.table.max_regions:
-            raise ResourceExhausted(f"{len(self._lanes)} lanes open and {len(self._tickets)} "
-                                    f"tickets unused: at most {self.table.max_regions} "
-                                    "(--max-regions); close a lane first")
+        self._full()
+        mine = [t for t, v in self._tickets.items() if v.owner == owner]
+        if len(mine) >= self.table.max_regions:
+            del self._tickets[mine[0]]  # (its oldest: dicts keep their insertion order)
         t = secrets.token_bytes(TICKET_BYTES)
         self._tickets[t] = Ticket(owner, region, now + TICKET_TTL_S)
         return t
+
+    def _full(self) -> None:
+        """RESOURCE_EXHAUSTED where --max-regions lanes are open."""
+        if self.open_lanes >= self.table.max_regions:
+            raise ResourceExhausted(f"{self.open_lanes} lanes open: at most "
+                                    f"{self.table.max_regions} (--max-regions); close a lane "
+                                    "first")
 
     def close(self) -> None:
         if self._server is not None:
@@ -739,7 +752,12 @@ class _LaneConn(asyncio.Protocol):
                             "no valid" if t is None else "an expired")
                 self.transport.close()
                 return
+            if self.server.open_lanes >= self.server.table.max_regions:
+                self.transport.write(FULL)  # (--max-regions lanes open: this one is not)
+                self.transport.close()
+                return
             self.ticket = t
+            self.server.open_lanes += 1
             self.transport.write(ACCEPTED)
         if self.ring is not None:  # doorbells: the selector looks at the ring now
             del buf[:]
@@ -827,6 +845,8 @@ class _LaneConn(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self.server._lanes.discard(self.transport)  # type: ignore[arg-type]
+        if self.ticket is not None:  # (one of the lanes open)
+            self.server.open_lanes -= 1
         self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -87,6 +88,27 @@ def servers(monkeypatch: pytest.MonkeyPatch) -> list[slane.LaneServer]:
 
     monkeypatch.setattr(slane.LaneServer, "start", kept)
     return got
+
+
+K2 = 512  # K of the in-process workers' weight
+
+
+@contextlib.contextmanager
+def _inproc(as_token: str | None = None, **cfg: Any) -> Iterator[tuple[Any, Client]]:
+    """A worker on a thread of this process (tests.dataplane.test_lane's BASE with ``cfg``),
+    weight "w" [ROWS, K2] uploaded by a client (of ``as_token``), which comes with it."""
+    import dataclasses
+
+    from tests.dataplane.test_lane import BASE
+    from tests.service.svc_util import RunningWorker
+
+    w = RunningWorker(dataclasses.replace(BASE, **cfg))
+    try:
+        c = w.client(token=as_token) if as_token else w.client()
+        c.upload("w", random_q6k(ROWS, K2, 2), ROWS, K2)
+        yield w, c
+    finally:
+        w.stop()
 
 
 def _socket_lane(c: Client, region: Any) -> Lane:
@@ -160,16 +182,8 @@ def test_a_caller_that_never_reads_its_replies_is_not_read_from(
     that lane (its requests wait in the caller's socket) instead of buffering replies without
     end; read, every request is answered and the lane goes on (before session 30 the worker
     kept reading and held every reply: ~56 bytes a request, without bound)."""
-    import dataclasses
-
-    from tests.dataplane.test_lane import BASE
-    from tests.service.svc_util import RunningWorker
-
-    w = RunningWorker(dataclasses.replace(BASE))
-    try:
-        c = w.client()
-        k = 512
-        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+    with _inproc() as (w, c):
+        k = K2
         n = 20000
         with c.register_shm("io", 1 << 16) as region:
             region.ndarray(0, np.float32, (1, k))[...] = 1
@@ -199,8 +213,6 @@ def test_a_caller_that_never_reads_its_replies_is_not_read_from(
             y = lane.matmul("w", np.ones((1, k), np.float32))
             np.testing.assert_array_equal(y, c.matmul("w", np.ones((1, k), np.float32)))
             lane.close()
-    finally:
-        w.stop()
 
 
 def test_a_thousand_lanes_opened_and_dropped_leave_nothing(
@@ -209,18 +221,12 @@ def test_a_thousand_lanes_opened_and_dropped_leave_nothing(
     third without a word: its socket closed under it) opened and dropped: the worker is left
     with no lane, ring, ticket or held region, and this process (worker and callers) with the
     descriptors, threads and /dev/shm names it had before."""
-    import dataclasses
     import gc
 
-    from tests.dataplane.test_lane import BASE
-    from tests.service.svc_util import RunningWorker
 
     monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
-    w = RunningWorker(dataclasses.replace(BASE))
-    try:
-        c = w.client()
-        k = 512
-        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+    with _inproc() as (w, c):
+        k = K2
         x = np.ones((1, k), np.float32)
         with c.register_shm("io", 1 << 16) as region:
             want = c.matmul("w", x)
@@ -243,21 +249,20 @@ def test_a_thousand_lanes_opened_and_dropped_leave_nothing(
             server = servers[0]
 
             def left() -> tuple[int, ...]:
-                return (len(server._lanes), len(server._rings), len(server._tickets),
+                return (len(server._lanes), server.open_lanes, len(server._rings),
+                        len(server._tickets),
                         sum(r.users for r in w.worker.regions._regions.values()))
 
             deadline = time.monotonic() + 20
-            while w.run(left) != (0, 0, 0, 0) and time.monotonic() < deadline:
+            while w.run(left) != (0, 0, 0, 0, 0) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert w.run(left) == (0, 0, 0, 0)
+            assert w.run(left) == (0, 0, 0, 0, 0)
             gc.collect()
             assert len(os.listdir("/proc/self/fd")) <= fds
             assert threading.active_count() <= threads
             assert sorted(os.listdir("/dev/shm")) == shm
             with c.open_lane(region) as lane:  # and lanes still open and serve
                 np.testing.assert_array_equal(lane.matmul("w", x), want)
-    finally:
-        w.stop()
 
 
 def test_one_ring_for_two_lanes_is_refused(worker: Worker) -> None:
@@ -331,19 +336,13 @@ def test_a_ring_caller_that_never_reads_its_doorbells_is_not_polled(
     here, and the sockets' buffers too, so that it comes within a few thousand requests) the
     worker stops taking that ring's requests instead of buffering a doorbell per reply
     without end; the doorbells read, the waiting request is answered."""
-    import dataclasses
     import socket as so
 
     from q6serve.client.lane import FLAG, R_CSLEEP, R_NAME, R_REQ, R_RSEQ, R_SEQ, R_WSLEEP
-    from tests.dataplane.test_lane import BASE
-    from tests.service.svc_util import RunningWorker
 
     monkeypatch.setenv("Q6SERVE_LANE_RING", "1")
-    w = RunningWorker(dataclasses.replace(BASE))
-    try:
-        c = w.client()
-        k = 512
-        c.upload("w", random_q6k(ROWS, k, 2), ROWS, k)
+    with _inproc() as (w, c):
+        k = K2
         with c.register_shm("io", 1 << 16) as region, c.open_lane(region) as lane:
             region.ndarray(0, np.float32, (1, k))[...] = 1
             assert lane.ring
@@ -392,5 +391,32 @@ def test_a_ring_caller_that_never_reads_its_doorbells_is_not_polled(
                     lane.sock.recv(65536)
             assert slane.SEQ.unpack_from(mv, R_RSEQ)[0] == seq
             assert not w.run(lambda: conn.blocked)
-    finally:
-        w.stop()
+
+
+def test_unused_tickets_of_one_caller_keep_no_one_else_out() -> None:
+    """One identity asks for many OpenLane tickets and uses none: its oldest unused ones are
+    dropped (at most --max-regions of its own), another identity still opens a lane, and the
+    lanes open stay bounded by --max-regions (RESOURCE_EXHAUSTED when the lane connects).
+    Before session 30 unused tickets counted against --max-regions for their 60 s: one
+    identity's tickets kept everyone's OpenLane at RESOURCE_EXHAUSTED."""
+    with _inproc("a-secret", token="u-secret", admin_token="a-secret",
+                 max_regions=4) as (w, admin):
+        user = w.client(token="u-secret")
+        k = K2
+        x = np.ones((1, k), np.float32)
+        with admin.register_shm("a", 1 << 16) as ra, user.register_shm("u", 1 << 16) as ru:
+            tickets = [admin._run(core.open_lane_call("a"), 10) for _ in range(20)]
+            with user.open_lane(ru) as lane:  # another identity gets in
+                np.testing.assert_array_equal(lane.matmul("w", x), user.matmul("w", x))
+            with pytest.raises(core.Q6ServeError) as gone:  # the oldest: dropped
+                Lane(ra, *tickets[0])
+            assert gone.value.code == grpc.StatusCode.PERMISSION_DENIED
+            lanes = [Lane(ra, *t) for t in tickets[-3:]]  # the newest: good
+            with user.open_lane(ru):  # the 4th lane open
+                with pytest.raises(core.Q6ServeError) as full:  # a 5th: over --max-regions
+                    Lane(ra, *tickets[-4])
+                assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-regions" in full.value.message
+            for ln in lanes:
+                np.testing.assert_array_equal(ln.matmul("w", x), admin.matmul("w", x))
+                ln.close()
