@@ -308,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=130)
     if min(args.n) < 1 or args.callers < 1 or args.calls < 1:
         raise UsageError("--n, --callers and --calls must be >= 1")
+    mib = args.max_weight_mib
+    if mib is not None and not 0 <= mib < float("inf"):  # (nan fails it too)
+        raise UsageError(f"--max-weight-mib {mib:g}: give MiB >= 0 (0 = full size)")
     say = (lambda *a, **k: None) if args.json else console.print
     with tempfile.TemporaryDirectory(prefix="q6serve-demo-") as tmp:
         gguf = args.gguf.resolve() if args.gguf is not None else None

@@ -43,6 +43,12 @@ def parse_pairs(items: list[str], name: str | None) -> list[tuple[Path, str]]:
     if missing:
         raise UsageError(f"no tensor name for {', '.join(missing)}: write IN.npy:NAME")
     names = [t for _, t in pairs]
+    from q6serve.kernels.gguf_io import MAX_TENSOR_NAME_BYTES
+
+    for t in names:  # (the GGUF readers refuse a longer one: a file nothing can load)
+        if len(t.encode()) > MAX_TENSOR_NAME_BYTES:
+            raise UsageError(f"tensor name {t[:40]!r}... is {len(t.encode())} bytes: at most "
+                             f"{MAX_TENSOR_NAME_BYTES} bytes")
     if len(set(names)) != len(names):
         raise UsageError(f"duplicate tensor names in {names}")
     return pairs

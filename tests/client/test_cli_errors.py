@@ -400,3 +400,26 @@ def test_worker_refuses_bad_values_in_one_line(opts: list[str], want: str) -> No
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("q6serve worker: ") and want in last, last
     assert "in use" not in last, last
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_demo_max_weight_mib_is_checked(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """-1 read as 0 (full size: the 7B shapes on NumPy, minutes), nan failed as 'cannot
+    convert float NaN to integer' after the worker had started."""
+    assert main(["demo", "--backend", "numpy", "--max-weight-mib", value]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "--max-weight-mib" in line, line
+
+
+def test_quantize_refuses_a_name_the_reader_refuses(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A 100,000-byte --name was written; every reader of ours (upload, load, demo) then
+    refused the file ('name length 100000 exceeds the limit of 1024 bytes')."""
+    from q6serve.kernels.gguf_io import MAX_TENSOR_NAME_BYTES
+
+    np.save(tmp_path / "x.npy", np.ones((4, 256), np.float32))
+    name = "n" * (MAX_TENSOR_NAME_BYTES + 1)
+    assert main(["quantize", "--name", name, str(tmp_path / "x.npy"),
+                 str(tmp_path / "o.gguf")]) == 2
+    assert f"at most {MAX_TENSOR_NAME_BYTES} bytes" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "o.gguf").exists()
