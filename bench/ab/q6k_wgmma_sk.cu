@@ -380,15 +380,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #endif
             }
         }
-        if (live) {
-            wg_wait<0>();
-            wg_fence_acc(acc);
-            const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
-        }
+        if (live) wg_tile_end(acc, dmx);
         // owner: this CTA holds the row group's last unit
         const bool owner = rg < (u1 - 1) / bpr || u1 == rg * bpr + bpr;
         if (!owner) {  // the head of the CTA's last row group: a partial for the owner above
@@ -601,33 +593,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
                 warp_load<SOA>(nxt, rs, in ? kb + 1 : an, t);
             }
             u32 sc2[2][4];
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const u32 rh = f16_bits(f16_to_f32(raw[hr].d) * rinv[hr]);
-                const u32 r2 = rh | (rh << 16);
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    sc2[hr][k] = hmul2(sc_pair(word4(raw[hr].sc, k), scsel), r2);
-            }
-            const u64 dblk = desc0 + (u64)((j % S) * (SW * 4 / 16));
-#pragma unroll
-            for (int s = 0; s < 16; ++s) {
-                const int hn = s >> 2, jq = s & 3;
-                const uint2 a02 = wg_deq<SOA>(raw[0], hn, jq, qsh, sc2[0][hn]);
-                const uint2 a13 = wg_deq<SOA>(raw[1], hn, jq, qsh, sc2[1][hn]);
-                wg_fence();
-                wgmma_rs<NT>(acc, a02.x, a13.x, a02.y, a13.y, dblk + (u64)(s * 16 * NT));
-                wg_commit();
-                wg_wait<2>();
-            }
+            wg_scales(raw, rinv, scsel, sc2);
+            wg_steps<NT, SOA>(acc, raw, sc2, qsh, desc0 + (u64)((j % S) * (SW * 4 / 16)));
         }
-        wg_wait<0>();
-        wg_fence_acc(acc);
-        const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
+        wg_tile_end(acc, dmx);
         // owner: this CTA holds the row group's last unit
         const bool owner = rg < (u1 - 1) / bpr || u1 == rg * bpr + bpr;
         if (!owner) {  // the head of the CTA's last row group: a partial for the owner above

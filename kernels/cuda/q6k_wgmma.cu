@@ -254,6 +254,49 @@ __device__ __forceinline__ float2 wg_dmax(const DLoad<U>& l) {
     return make_float2(m[0], m[1]);
 }
 
+#ifdef Q6SERVE_WGMMA
+// One K block of a warpgroup's 64-row tile (q6k_wg_f16 below; the stream-K bench tiles use
+// these too): the scale pairs sc2 = f16(sc * f16(d * rinv)) of rows g and g + 8 (rinv = 1 /
+// dmax of the row, 0 for a row whose blocks all have d = 0), then A from `raw` with them folded
+// in, as 16 k16 steps of wgmma on the B tiles from descriptor dblk, two groups left in flight;
+// the tile's end: its wgmmas retired and the accumulators scaled by dmax / 4 (A held 4 (q - 32)
+// sc r; the power of two is exact).
+__device__ __forceinline__ void wg_scales(const Raw (&raw)[2], const float (&rinv)[2], u32 scsel,
+                                          u32 (&sc2)[2][4]) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const u32 rh = f16_bits(f16_to_f32(raw[hr].d) * rinv[hr]);  // |r| <= 1, 0 for d 0
+        const u32 r2 = rh | (rh << 16);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sc2[hr][k] = hmul2(sc_pair(word4(raw[hr].sc, k), scsel), r2);
+    }
+}
+template <int NT, int SOA>
+__device__ __forceinline__ void wg_steps(float (&acc)[1][NT][4], const Raw (&raw)[2],
+                                         const u32 (&sc2)[2][4], int qsh, u64 dblk) {
+#pragma unroll
+    for (int s = 0; s < 16; ++s) {
+        const int hn = s >> 2, j = s & 3;
+        const uint2 a02 = wg_deq<SOA>(raw[0], hn, j, qsh, sc2[0][hn]);  // row g
+        const uint2 a13 = wg_deq<SOA>(raw[1], hn, j, qsh, sc2[1][hn]);  // row g + 8
+        wg_fence();
+        wgmma_rs<NT>(acc, a02.x, a13.x, a02.y, a13.y, dblk + (u64)(s * 16 * NT));
+        wg_commit();
+        wg_wait<2>();
+    }
+}
+template <int NT>
+__device__ __forceinline__ void wg_tile_end(float (&acc)[1][NT][4], float2 dmx) {
+    wg_wait<0>();
+    wg_fence_acc(acc);
+    const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
+}
+#endif  // Q6SERVE_WGMMA
+
 // CTA = NWG warpgroups (blockDim.x = 128 * NWG). Registers: the accumulators (4*NT), two
 // blocks of raw weights (this one and the prefetched next) and three k16 steps of A fragments
 // are live (152-163 on sm_90a with pair streams at NWG 2 / 3, no spills; one CTA per SM).
@@ -330,34 +373,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) q6k_wg_f16(PARAMS_W, const typen
             else if (more)
                 warp_load<SOA>(nxt, rn, kb0, t);
             u32 sc2[2][4];  // f16(sc * f16(r)) pairs per sub-block
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const u32 rh = f16_bits(f16_to_f32(raw[hr].d) * rinv[hr]);  // |r| <= 1, 0 for d 0
-                const u32 r2 = rh | (rh << 16);
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-                    sc2[hr][k] = hmul2(sc_pair(word4(raw[hr].sc, k), scsel), r2);
-            }
-            const u64 dblk = desc0 + (u64)(b * 16 * 16 * NT);  // 16 steps of 256*NT bytes
-#pragma unroll
-            for (int s = 0; s < 16; ++s) {
-                const int hn = s >> 2, j = s & 3;
-                const uint2 a02 = wg_deq<SOA>(raw[0], hn, j, qsh, sc2[0][hn]);  // row g
-                const uint2 a13 = wg_deq<SOA>(raw[1], hn, j, qsh, sc2[1][hn]);  // row g + 8
-                wg_fence();
-                wgmma_rs<NT>(acc, a02.x, a13.x, a02.y, a13.y, dblk + (u64)(s * 16 * NT));
-                wg_commit();
-                wg_wait<2>();
-            }
+            wg_scales(raw, rinv, scsel, sc2);
+            // 16 steps of 256*NT bytes a block
+            wg_steps<NT, SOA>(acc, raw, sc2, qsh, desc0 + (u64)(b * 16 * 16 * NT));
         }
-        wg_wait<0>();
-        wg_fence_acc(acc);
-        // A held 4 (q - 32) sc r; the power of two is exact
-        const float dl0 = 0.25f * dmx.x, dl1 = 0.25f * dmx.y;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[0][nt][i] *= (i >> 1) ? dl1 : dl0;
+        wg_tile_end(acc, dmx);
         if (more) {
             rr[0][0] = rn[0][0];
             rr[0][1] = rn[0][1];
