@@ -81,3 +81,60 @@ def test_instantiations_build_for_sm90a(tmp_path, label) -> None:
         assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", sass)) == 1, name
     sk2 = [k for k in dump.sass if k.startswith("_Z12q6k_wgsk_f16ILi8ELi2ELi3ELi2E")]
     assert sk2 and len(re.findall(r"DEPBAR\.LE gsb0, 0x0", dump.sass[sk2[0]])) == 2
+
+
+def _sk_schedule(rows: int, k: int, nwg: int, grid: int) -> dict:
+    """The stream-K tiles' schedule as q6k_wgsk_f16 / q6k_wgsk3_f16 compute it (row groups of
+    nwg 64-row tiles x K blocks, CTA c's run [U c / G, U (c + 1) / G), its row groups last-first,
+    owner = the CTA holding a row group's last unit, nlow = the CTAs below it with units of that
+    row group): {c: [(rg, a, e, owner, nlow)]}."""
+    bpr = k // 256
+    rgroups = -(-((rows + 63) // 64) // nwg)
+    units = rgroups * bpr
+    g = min(grid, units)
+    out = {}
+    for c in range(g):
+        u0, u1 = units * c // g, units * (c + 1) // g
+        segs, rg = [], (u1 - 1) // bpr
+        while True:
+            a, e = max(u0, rg * bpr) - rg * bpr, min(u1, rg * bpr + bpr) - rg * bpr
+            owner = rg < (u1 - 1) // bpr or u1 == rg * bpr + bpr
+            nlow = 0
+            while c - 1 - nlow >= 0 and units * (c - nlow) // g > rg * bpr:
+                nlow += 1
+            segs.append((rg, a, e, owner, nlow if owner and a > 0 else 0))
+            if rg <= u0 // bpr:
+                break
+            rg -= 1
+        out[c] = segs
+    return out
+
+
+@pytest.mark.parametrize(("rows", "k", "nwg"), [
+    (18944, 3584, 3), (14336, 4096, 3), (3584, 18944, 3), (4096, 14336, 2), (300, 2304, 3),
+    (33, 9472, 3), (1000, 512, 3), (64, 1024, 3), (152064, 3584, 3), (3584, 3584, 2)])
+def test_stream_k_schedule_covers_every_unit_once_with_one_partial_per_cta(rows, k, nwg):
+    """The fix-up's invariants sk3 keeps from sk2 (its owner and nlow loops, written again):
+    every (row group, K block) unit in exactly one CTA; one owner a row group, whose nlow CTAs
+    below are exactly the other CTAs with units of it; each of those holds it as its first
+    segment (the partial is written at the CTA's start, before it could wait on anyone) and
+    writes at most one partial (one workspace slot a CTA)."""
+    sched = _sk_schedule(rows, k, nwg, 132)
+    seen: dict = {}
+    for c, segs in sched.items():
+        assert sum(1 for s in segs if not s[3]) <= 1
+        assert all(s[3] for s in segs[1:])  # only the first segment may be a partial
+        for rg, a, e, _owner, _nlow in segs:
+            for kb in range(a, e):
+                assert (rg, kb) not in seen
+                seen[(rg, kb)] = c
+    bpr = k // 256
+    rgroups = -(-((rows + 63) // 64) // nwg)
+    assert len(seen) == rgroups * bpr
+    for rg in range(rgroups):
+        holders = sorted({c for (r, _), c in seen.items() if r == rg})
+        owners = [(c, s) for c in holders for s in sched[c] if s[0] == rg and s[3]]
+        assert len(owners) == 1
+        c, (_, a, _, _, nlow) = owners[0]
+        assert c == holders[-1] and nlow == len(holders) - 1 and (a > 0) == (nlow > 0)
+        assert holders == list(range(c - nlow, c + 1))
