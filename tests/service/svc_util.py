@@ -284,3 +284,38 @@ def matmul_stream(target: str) -> Iterator[tuple[Callable[[Any], Any], Any]]:
         finally:
             sent.put(None)  # (on an error too: the stream ends instead of waiting)
         assert list(replies) == []
+
+
+def matmul_request(weight: str | list[str], x: np.ndarray, topk: int | None = None,
+                   **kw: Any) -> Any:
+    """A raw MatmulRequest (exact precision): one weight, or several (a multi-weight one),
+    with the top-k epilogue when ``topk`` is given (0 included); ``kw``: other fields."""
+    from q6serve.client.client import fill_tensor
+    from q6serve.v1 import q6serve_pb2 as pb
+
+    req = pb.MatmulRequest(precision=pb.PRECISION_EXACT, **kw)
+    if isinstance(weight, str):
+        req.weight = weight
+    else:
+        req.weights.extend(weight)
+    if topk is not None:
+        req.topk.k = topk
+    fill_tensor(req.x, x)
+    return req
+
+
+def process_tree(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: each process's parent), ``pid`` not
+    included."""
+    kids = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+        if ppid == pid:
+            kids += [int(p), *process_tree(int(p))]
+    return kids

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from svc_util import process_tree
 
 from q6serve.service import keep_awake
 
@@ -68,22 +69,6 @@ def test_span() -> None:
     assert keep_awake._span([5]) == "5"
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc: each process's parent)."""
-    kids = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().split(")")[-1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            continue
-        if ppid == pid:
-            kids += [int(p), *_descendants(int(p))]
-    return kids
-
-
 def _gone(pid: int) -> bool:
     """Exited (a zombie waiting for init to reap it counts as gone)."""
     try:
@@ -111,7 +96,7 @@ def test_a_worker_killed_with_sigkill_takes_its_spinners_along(tmp_path: Path,
     try:
         want = len(os.sched_getaffinity(0)) + frontends  # a spinner per CPU, the front ends
         deadline = time.monotonic() + 20
-        while len(kids := _descendants(w.proc.pid)) < want and time.monotonic() < deadline:
+        while len(kids := process_tree(w.proc.pid)) < want and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(kids) >= want, (kids, w.log()[-2000:])
         assert "keep awake: a SCHED_IDLE spinner on each of" in w.log()

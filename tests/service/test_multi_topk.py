@@ -16,12 +16,13 @@ from svc_util import (
     InstrumentedBackend,
     RunningWorker,
     assert_close,
+    matmul_request,
     random_q6k,
     reference,
     wait_until,
 )
 
-from q6serve.client.client import decode_tensor, fill_tensor
+from q6serve.client.client import decode_tensor
 from q6serve.kernels.epilogue import LSE_RTOL, topk_reference
 from q6serve.v1 import q6serve_pb2 as pb
 from q6serve.v1 import q6serve_pb2_grpc as pb_grpc
@@ -59,17 +60,7 @@ def _x(n: int, k: int = K, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
 
 
-def _req(weight: str | list[str], x: np.ndarray, topk: int | None = None,
-         **kw: Any) -> pb.MatmulRequest:
-    req = pb.MatmulRequest(precision=pb.PRECISION_EXACT, **kw)
-    if isinstance(weight, str):
-        req.weight = weight
-    else:
-        req.weights.extend(weight)
-    if topk is not None:
-        req.topk.k = topk
-    fill_tensor(req.x, x)
-    return req
+_req = matmul_request
 
 
 def _stub(worker: RunningWorker) -> Any:

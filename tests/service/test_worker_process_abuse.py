@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from svc_util import matmul_request, process_tree
 
-from q6serve.client.client import Client, fill_tensor
+from q6serve.client.client import Client
 from q6serve.client.worker_process import WorkerProcess
 from q6serve.kernels import q6k
 from q6serve.v1 import q6serve_pb2 as pb
@@ -41,15 +42,7 @@ def _x(n: int, k: int = K, seed: int = 0, fill: float | None = None) -> np.ndarr
 
 def _req(weights: str | list[str], x: np.ndarray, topk: int | None = None,
          rid: str = "") -> pb.MatmulRequest:
-    r = pb.MatmulRequest(precision=pb.PRECISION_EXACT, request_id=rid)
-    if isinstance(weights, str):
-        r.weight = weights
-    else:
-        r.weights.extend(weights)
-    if topk is not None:
-        r.topk.k = topk
-    fill_tensor(r.x, x)
-    return r
+    return matmul_request(weights, x, topk, request_id=rid)  # type: ignore[no-any-return]
 
 
 # (id, weights, x, k, code, message fragment)
@@ -71,25 +64,10 @@ BAD = [
 ]
 
 
-def _tree(pid: int) -> list[int]:
-    out = [pid]
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().split(")")[-1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            continue
-        if ppid == pid:
-            out += _tree(int(p))
-    return out
-
-
 def _held(pid: int) -> tuple[int, int]:
     """File descriptors and threads of the worker's processes (spinners have none of note)."""
     fds = threads = 0
-    for p in _tree(pid):
+    for p in [pid, *process_tree(pid)]:
         try:
             fds += len(os.listdir(f"/proc/{p}/fd"))
             threads += len(os.listdir(f"/proc/{p}/task"))
