@@ -11,7 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .cli_target import add_target_options, client_kwargs
+from .cli_target import UsageError, add_target_options, client_kwargs
 
 EXAMPLE = """example:
   q6serve upload --target 10.0.0.7:50051 model.gguf --tensor output.weight
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from q6serve.kernels.gguf_io import read_q6k_tensors
 
     console = Console(stderr=True)
+    if Path(args.gguf).is_dir():  # (the reader's words: "GGUF file DIR does not exist")
+        raise UsageError(f"{args.gguf}: a directory, not a GGUF file")
     tensors = read_q6k_tensors(args.gguf, args.tensor)  # a bad file or name: exit 2
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn())

@@ -31,6 +31,8 @@ class InputError(ValueError):
 def load_array(spec: str | Path) -> np.ndarray:
     """The array in ``FILE.npy``, ``FILE.npz`` (holding one array) or ``FILE.npz:NAME``."""
     path, name = _split(str(spec))
+    if not path:
+        raise InputError("'' is empty: name a .npy or .npz file")
     try:
         with open(path, "rb") as f:
             magic = f.read(6)

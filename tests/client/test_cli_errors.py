@@ -423,3 +423,16 @@ def test_quantize_refuses_a_name_the_reader_refuses(tmp_path: Path,
                  str(tmp_path / "o.gguf")]) == 2
     assert f"at most {MAX_TENSOR_NAME_BYTES} bytes" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_empty_or_directory_paths_say_so(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """'error: : no such file' for an empty --input, and 'GGUF file DIR does not exist' for
+    a directory given to upload, named the wrong thing."""
+    assert main(["matmul", "--target", "127.0.0.1:1", "--weight", "w", "--input", "",
+                 "--output", str(tmp_path / "y.npy")]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "''" in line and "empty" in line, line
+    assert main(["upload", "--target", "127.0.0.1:1", str(tmp_path)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "a directory" in line and "does not exist" not in line, line
