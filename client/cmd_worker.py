@@ -268,6 +268,16 @@ def _keep_awake(cpus: list[int] | None) -> contextlib.AbstractContextManager[obj
     return keep_awake(cpus)
 
 
+def _check_pems(config: object) -> None:
+    """The worker's TLS files (Q6SERVE_TLS_CERT/KEY/CLIENT_CA) hold PEM text: an empty or
+    garbage one made gRPC's server fail to bind, which read as a host or port problem."""
+    for field, var in (("tls_cert", "Q6SERVE_TLS_CERT"), ("tls_key", "Q6SERVE_TLS_KEY"),
+                       ("tls_client_ca", "Q6SERVE_TLS_CLIENT_CA")):
+        path = getattr(config, field)
+        if path is not None and b"-----BEGIN " not in path.read_bytes():
+            raise UsageError(f"{var}={path} is not a PEM file (no '-----BEGIN' line)")
+
+
 class PortInUse(Exception):
     """The worker cannot listen where it was told to."""
 
@@ -298,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
                        "--metrics-port", "--metrics-host" if config.metrics_host else "--host")
         if config.model_dir is not None and not config.model_dir.is_dir():
             raise UsageError(f"--model-dir {config.model_dir} is not a directory")
+        _check_pems(config)
         worker = None
         if args.devices and config.frontends > 1:
             raise UsageError("--frontends with --devices is not supported yet: run one worker "

@@ -436,3 +436,17 @@ def test_empty_or_directory_paths_say_so(tmp_path: Path,
     assert main(["upload", "--target", "127.0.0.1:1", str(tmp_path)]) == 2
     line = one_line(capsys.readouterr().err)
     assert "a directory" in line and "does not exist" not in line, line
+
+
+@pytest.mark.parametrize("content", [b"", b"not a certificate\n"])
+def test_worker_refuses_tls_files_that_are_no_pem(tmp_path: Path, content: bytes) -> None:
+    """Empty or garbage Q6SERVE_TLS_CERT/KEY made gRPC fail to bind, reported as a bind
+    failure of host and port."""
+    bad = tmp_path / "bad.pem"
+    bad.write_bytes(content)
+    env = {**os.environ, "Q6SERVE_TLS_CERT": str(bad), "Q6SERVE_TLS_KEY": str(bad)}
+    r = subprocess.run([*CLI, "worker", "--backend", "numpy", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "Q6SERVE_TLS_CERT" in last and str(bad) in last and "PEM" in last, last
