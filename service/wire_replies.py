@@ -19,7 +19,7 @@ from q6serve.kernels.api import dtype_name
 from q6serve.kernels.epilogue import TopK
 from q6serve.v1 import q6serve_pb2 as pb
 
-from .engine import MatmulReply
+from .batcher import MatmulReply
 from .rawmsg import encode_varint, record
 from .wire_enums import _DTYPE_TO_PB, _LAYOUT_TO_PB, _LITTLE, _PB_OF_DTYPE, _PREC_TO_PB
 from .wire_requests import _F_TENSOR_DATA
