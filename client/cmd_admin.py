@@ -214,7 +214,7 @@ def _print_status(status: dict[str, Any], indent: str = "") -> None:
 
 def _flag_assignment(text: str) -> tuple[str, bool]:
     name, sep, value = text.partition("=")
-    if not sep or value not in ("0", "1"):
+    if not name or not sep or value not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"{text!r}: write NAME=0 or NAME=1")
     if not name.startswith("Q6SERVE_"):
         name = "Q6SERVE_" + name
@@ -223,6 +223,10 @@ def _flag_assignment(text: str) -> tuple[str, bool]:
 
 def cmd_flags(args: argparse.Namespace) -> int:
     changes = dict(args.assignments)
+    if len(changes) != len(args.assignments):  # (dict() kept the last one without a word)
+        twice = sorted({n for n, _ in args.assignments
+                        if sum(m == n for m, _ in args.assignments) > 1})
+        raise UsageError(f"{', '.join(twice)} given twice: set each flag once")
     state = _client(args, admin=bool(changes)).flags(changes or None)
     for name, on in state.items():
         print(f"{name}={int(on)}")

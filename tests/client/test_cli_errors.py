@@ -450,3 +450,17 @@ def test_worker_refuses_tls_files_that_are_no_pem(tmp_path: Path, content: bytes
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert "Q6SERVE_TLS_CERT" in last and str(bad) in last and "PEM" in last, last
+
+
+@pytest.mark.parametrize("assignments,want", [
+    (["=1"], "write NAME=0 or NAME=1"),
+    (["Q6SERVE_Q6K_SOA=1", "Q6K_SOA=0"], "Q6SERVE_Q6K_SOA given twice"),
+])
+def test_flags_assignments_are_checked_here(assignments: list[str], want: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """'=1' went to the worker as the flag 'Q6SERVE_' (unknown flag(s) Q6SERVE_); a flag given
+    twice was collapsed to its last value without a word (the worker refuses it twice)."""
+    with contextlib.suppress(SystemExit):
+        assert main(["flags", "--target", "127.0.0.1:1", "--timeout", "2", *assignments]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert want in line and "UNAVAILABLE" not in line, line
