@@ -18,6 +18,17 @@
 extern __shared__ uint4 smem_x[];
 
 // ---------------------------------------------------------------------------------------------
+// The prepasses' item i (a grid-stride loop over n_chunks x bpr x NT groups of 2^SH items) ->
+// its token chunk z, K block kb and n-tile nt.
+template <int NT, int SH>
+__device__ __forceinline__ void prep_pos(long long i, int bpr, int& z, int& kb, int& nt) {
+    long long rest = i >> SH;
+    nt = (int)(rest % NT);
+    rest /= NT;
+    kb = (int)(rest % bpr);
+    z = (int)(rest / bpr);
+}
+
 // f16 activations in fragment order: xp[z][kb][nt][sp][lane] = 8 f16 (16 bytes), token
 // z*8*NT + nt*8 + (lane>>2), zero for tokens >= n_tok.
 template <int NT, class In>
@@ -28,10 +39,8 @@ __global__ void __launch_bounds__(256) q6k_prep_f16(const typename In::T* x, int
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int lane = (int)(i & 31), sp = (int)((i >> 5) & 7);
-        long long rest = i >> 8;
-        const int nt = (int)(rest % NT);
-        rest /= NT;
-        const int kb = (int)(rest % bpr), z = (int)(rest / bpr);
+        int z, kb, nt;
+        prep_pos<NT, 8>(i, bpr, z, kb, nt);
         const int tok = z * 8 * NT + nt * 8 + (lane >> 2);
         uint4 v = make_uint4(0, 0, 0, 0);
         if (tok < n_tok)
@@ -832,10 +841,8 @@ __global__ void __launch_bounds__(256) q6k_prep_q8_1(const typename In::T* x, in
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int g = (int)(i & 7), qb = (int)((i >> 3) & 7);
-        long long rest = i >> 6;
-        const int nt = (int)(rest % NT);
-        rest /= NT;
-        const int kb = (int)(rest % bpr), z = (int)(rest / bpr);
+        int z, kb, nt;
+        prep_pos<NT, 6>(i, bpr, z, kb, nt);
         const int tok = z * 8 * NT + nt * 8 + g;
         const size_t base = ((size_t)z * bpr + kb) * NT + nt;
         float v[32];
