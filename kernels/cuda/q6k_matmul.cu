@@ -1125,33 +1125,44 @@ __host__ __device__ __forceinline__ void pairs_unpack_quarter(const u32 (&W)[12]
         }
 }
 
+// Thread g of the repack kernels below: quarter t = g & 3 of block b0 + g / 4 (on: b < b1) and
+// the block's ql / qh planes in the slab of nb blocks.
+struct PairQuarter {
+    int t;
+    bool on;
+    u8* ql;
+    u8* qh;
+};
+__device__ __forceinline__ PairQuarter pair_quarter(u8* slab, int nb, int b0, int b1) {
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = b0 + (g >> 2);
+    return {g & 3, b < b1, slab + (size_t)b * 128u, slab + (size_t)nb * 128u + (size_t)b * 64u};
+}
+
 // One thread per quarter of a block (4 * (b1 - b0) threads, blockDim a multiple of 32: a
 // block's four quarters sit in one warp, whose __syncwarp orders their reads before any write
 // of the in-place rewrite). Loads and stores are 16 bytes; a warp covers 8 whole blocks.
 extern "C" __global__ void __launch_bounds__(256) q6k_repack_pairs(u8* slab, int nb, int b0,
                                                                     int b1) {
-    const int g = blockIdx.x * blockDim.x + threadIdx.x;
-    const int b = b0 + (g >> 2), t = g & 3;
-    const bool on = b < b1;
-    u8* ql = slab + (size_t)b * 128u;
-    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
+    const PairQuarter q = pair_quarter(slab, nb, b0, b1);
+    const int t = q.t;
     u32 qa[2][4], qb[2][4];
-    if (on) {
+    if (q.on) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint4 a = *(const uint4*)(ql + 64 * h + 16 * t);
-            const uint4 c = *(const uint4*)(qh + 32 * h + 16 * (t & 1));
+            const uint4 a = *(const uint4*)(q.ql + 64 * h + 16 * t);
+            const uint4 c = *(const uint4*)(q.qh + 32 * h + 16 * (t & 1));
             qa[h][0] = a.x, qa[h][1] = a.y, qa[h][2] = a.z, qa[h][3] = a.w;
             qb[h][0] = c.x, qb[h][1] = c.y, qb[h][2] = c.z, qb[h][3] = c.w;
         }
     }
     __syncwarp();  // the block's bytes read by all four quarters before any is rewritten
-    if (!on) return;
+    if (!q.on) return;
     u32 W[12];
     pairs_pack_quarter(qa, qb, t, W);
-    *(uint4*)(ql + 32 * t) = make_uint4(W[0], W[1], W[2], W[3]);
-    *(uint4*)(ql + 32 * t + 16) = make_uint4(W[4], W[5], W[6], W[7]);
-    *(uint4*)(qh + 16 * t) = make_uint4(W[8], W[9], W[10], W[11]);
+    *(uint4*)(q.ql + 32 * t) = make_uint4(W[0], W[1], W[2], W[3]);
+    *(uint4*)(q.ql + 32 * t + 16) = make_uint4(W[4], W[5], W[6], W[7]);
+    *(uint4*)(q.qh + 16 * t) = make_uint4(W[8], W[9], W[10], W[11]);
 }
 
 // The inverse, in place: pair streams back to ggml's ql/qh planes (relayout to AoS, read_aos),
@@ -1159,16 +1170,13 @@ extern "C" __global__ void __launch_bounds__(256) q6k_repack_pairs(u8* slab, int
 // halves through a shuffle.
 extern "C" __global__ void __launch_bounds__(256) q6k_unpack_pairs(u8* slab, int nb, int b0,
                                                                     int b1) {
-    const int g = blockIdx.x * blockDim.x + threadIdx.x;
-    const int b = b0 + (g >> 2), t = g & 3;
-    const bool on = b < b1;
-    u8* ql = slab + (size_t)b * 128u;
-    u8* qh = slab + (size_t)nb * 128u + (size_t)b * 64u;
+    const PairQuarter q = pair_quarter(slab, nb, b0, b1);
+    const int t = q.t;
     uint4 l0 = make_uint4(0u, 0u, 0u, 0u), l1 = l0, hq = l0;
-    if (on) {
-        l0 = *(const uint4*)(ql + 32 * t);
-        l1 = *(const uint4*)(ql + 32 * t + 16);
-        hq = *(const uint4*)(qh + 16 * t);
+    if (q.on) {
+        l0 = *(const uint4*)(q.ql + 32 * t);
+        l1 = *(const uint4*)(q.ql + 32 * t + 16);
+        hq = *(const uint4*)(q.qh + 16 * t);
     }
     const u32 W[12] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w, hq.x, hq.y, hq.z, hq.w};
     u32 qa[2][4], qb[2][4];
@@ -1178,12 +1186,12 @@ extern "C" __global__ void __launch_bounds__(256) q6k_unpack_pairs(u8* slab, int
 #pragma unroll
         for (int w = 0; w < 4; ++w) qb[h][w] |= __shfl_xor_sync(0xffffffffu, qb[h][w], 2);
     __syncwarp();  // the block's bytes read by all four quarters before any is rewritten
-    if (!on) return;
+    if (!q.on) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        *(uint4*)(ql + 64 * h + 16 * t) = make_uint4(qa[h][0], qa[h][1], qa[h][2], qa[h][3]);
+        *(uint4*)(q.ql + 64 * h + 16 * t) = make_uint4(qa[h][0], qa[h][1], qa[h][2], qa[h][3]);
     const bool hi = t >> 1;  // quarter t writes qh[32(t>>1) + 16(t&1), +16)
-    *(uint4*)(qh + 32 * (t >> 1) + 16 * (t & 1)) =
+    *(uint4*)(q.qh + 32 * (t >> 1) + 16 * (t & 1)) =
         hi ? make_uint4(qb[1][0], qb[1][1], qb[1][2], qb[1][3])
            : make_uint4(qb[0][0], qb[0][1], qb[0][2], qb[0][3]);
 }
