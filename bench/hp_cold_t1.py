@@ -26,19 +26,17 @@ mean of each part; per class (cold*, warm*) the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from replay_ab import start  # bench/ is sys.path[0]
-from service_load import LoadSpec, run_load
-from service_t1ab import WEIGHT, run_figures, table, warm
+from replay_ab import bounded, saver, start_all, stop_all  # bench/ is sys.path[0]
+from service_load import run_load
+from service_t1ab import WEIGHT, run_figures, spare_warm, t1_spec, table, warm
 
 from service import PARTS, WEIGHTS, random_q6k
 
@@ -101,7 +99,7 @@ def brief(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from q6serve.client.client import PRECISIONS, Client
+    from q6serve.client.client import Client
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="cuda")
@@ -136,29 +134,18 @@ def main(argv: list[str] | None = None) -> int:
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "warm_s": {}, "procs": {}}
 
-    def save() -> None:
-        if a.json is not None:
-            doc["wall_seconds"] = time.perf_counter() - t_start
-            a.json.write_text(json.dumps(doc, indent=1))
+    save = saver(doc, a.json, t_start)
 
     def files(d: Path) -> int:
         return sum(1 for p in d.rglob("*") if p.is_file())
 
     blocks = random_q6k(rows, k, 1)
-    t0 = time.perf_counter()
-    spare = start(a.backend, {"CUPY_CACHE_DIR": str(root / "warm")}, a.out_dir / "worker_spare.log")
-    try:
-        with Client(spare.target, timeout=600.0) as c:
-            warm(c, blocks, rows, k)
-    finally:
-        spare.stop()
-    doc["spare_s"] = time.perf_counter() - t0
+    doc["spare_s"] = spare_warm(a.backend, {"CUPY_CACHE_DIR": str(root / "warm")}, a.out_dir,
+                                blocks, rows, k)
     print(f"# spare: compiled into {root / 'warm'} ({files(root / 'warm')} files) and warmed in "
           f"{doc['spare_s']:.1f} s", flush=True)
-    with ThreadPoolExecutor(len(names)) as pool:
-        workers = dict(zip(names, pool.map(
-            lambda w: start(a.backend, {"CUPY_CACHE_DIR": str(cache[w])},
-                            a.out_dir / f"worker_{w}.log"), names), strict=True))
+    workers = start_all(a.backend, {w: {"CUPY_CACHE_DIR": str(cache[w])} for w in names},
+                        a.out_dir)
     clients = {w: Client(p.target, timeout=600.0) for w, p in workers.items()}
     pids = {w: p.proc.pid for w, p in workers.items()}  # type: ignore[union-attr]
     snaps: dict[str, dict[str, Any]] = {}
@@ -175,32 +162,22 @@ def main(argv: list[str] | None = None) -> int:
         for w in names:
             snaps[w] = proc_snapshot(pids[w])
             print(f"# {w} after warm-up: {brief(snaps[w])}", flush=True)
-        need = a.seconds + a.warmup + 4.0
+        need: dict[int, float] = {}  # what a run takes (replay_ab.bounded)
         seen: dict[str, int] = {}
         for v in order:
             seen[v] = seen.get(v, 0) + 1
             label = f"{v}_{seen[v]}"
-            t_run = time.perf_counter()
-            if t_run - t_start + need > a.bound:
-                print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}", flush=True)
-                doc["errors"].append({"run": label, "error": "skipped (bound)"})
-                continue
-            spec = LoadSpec(workers[v].target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup,
-                            "stream", "f16", PRECISIONS["f16"], 0, "", rows, False)
+            spec = t1_spec(workers[v].target, rows, k, a)
             pre = {w: proc_snapshot(pids[w]) for w in names}
-            try:
-                samples, _ = run_load(spec, 1)
-                s = samples[WEIGHT]
-            except Exception as e:
-                print(f"# {label} FAILED: {e}", flush=True)
-                doc["errors"].append({"run": label, "error": repr(e)[:2000]})
-                save()
+            got = bounded(doc, label, 1, need, t_start, a, save,
+                          lambda spec=spec: run_load(spec, 1)[0][WEIGHT])
+            if got is None:
                 continue
+            s, t_run = got
             post = {w: proc_snapshot(pids[w]) for w in names}
             idle = {w: round(sum(thread_delta(pre[w], post[w]).values()), 3)
                     for w in names if w != v}
             busy = {t: round(x, 3) for t, x in list(thread_delta(pre[v], post[v]).items())[:4]}
-            need = max(need if doc["runs"] else 0.0, time.perf_counter() - t_run + 0.5)
             r = {"variant": v, "round": seen[v], "label": label, **run_figures(s),
                  "others_cpu_s": idle, "threads_cpu_s": busy,
                  "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run}
@@ -216,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                "threads_cpu_s": thread_delta({}, end)}
             print(f"# {w} at the end: {brief(end)}", flush=True)
     finally:
-        for c in clients.values():
-            c.close()
-        for p in workers.values():
-            p.stop()
-        save()
+        stop_all(clients.values(), workers.values(), save)
     print(table(doc))
     return 0
 

@@ -23,7 +23,6 @@ step, per call kind the handler / device / kernel p50 us, medians of the runs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replay_ab import HOST_EE, give_model, one_run, start, worker_env
+from replay_ab import HOST_EE, give_model, one_run, saver, start, stop_all, worker_env
 from service_replay import LAYERS, WARM_STEPS, ReplaySpec, run_replay, step_plan
 
 SIGNALS = {"def": signal.SIGUSR2, "alt": signal.SIGUSR1}
@@ -131,11 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                            "errors": [], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                time.gmtime())}
 
-    def save() -> None:
-        if a.json is not None:
-            doc["wall_seconds"] = time.perf_counter() - t_start
-            a.json.write_text(json.dumps(doc, indent=1))
-
+    save = saver(doc, a.json, t_start)
     w = start(a.backend, alt, a.out_dir / "worker_toggle.log")
     client = Client(w.target, timeout=600.0)
     doc["worker_env"] = worker_env(w)
@@ -171,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"at {r['t']:.0f} s)", flush=True)
     finally:
         dma.hold(False)
-        client.close()
-        w.stop()
-        save()
+        stop_all([client], [w], save)
     print(table(doc))
     return 0
 

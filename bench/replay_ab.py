@@ -165,6 +165,36 @@ def start(backend: str, env: dict[str, str], log: Path,
     return WorkerProcess(args, log, env=env).start()
 
 
+def start_all(backend: str, envs: dict[str, dict[str, str]], out_dir: Path,
+              cpus: dict[str, tuple[int, ...]] | None = None) -> dict[str, WorkerProcess]:
+    """A worker per name of ``envs``, all started at once (start: that name's environment,
+    its log ``out_dir/worker_<name>.log``, its ``cpus`` where given)."""
+    with ThreadPoolExecutor(len(envs)) as pool:
+        return dict(zip(envs, pool.map(
+            lambda v: start(backend, envs[v], out_dir / f"worker_{v}.log",
+                            (cpus or {}).get(v, ())), envs), strict=True))
+
+
+def saver(doc: dict[str, Any], path: Path | None, t_start: float) -> Callable[[], None]:
+    """What saves an A/B's ``doc``: as JSON to ``path`` (None: nowhere), with its wall seconds
+    since ``t_start``."""
+    def save() -> None:
+        if path is not None:
+            doc["wall_seconds"] = time.perf_counter() - t_start
+            path.write_text(json.dumps(doc, indent=1))
+    return save
+
+
+def stop_all(clients: Any, workers: Any, save: Callable[[], None]) -> None:
+    """An A/B's end (its ``finally``): every client (an iterable) closed, every worker
+    stopped, the document saved."""
+    for c in clients:
+        c.close()
+    for w in workers:
+        w.stop()
+    save()
+
+
 def pin_plan(text: str, variants: list[str]) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...]]:
     """``--pin WORKER_CPUS:LOAD_CPUS`` -> each variant's worker cores and the hosts' cores.
     As many worker cores as variants: one core each (an idle worker's threads then never share
@@ -211,35 +241,49 @@ def give_model(clients: list[Any], layers: int, scale: float) -> list[tuple[str,
     return weights
 
 
-def one_run(doc: dict[str, Any], label: str, seqs: int, need: dict[int, float],
+def bounded(doc: dict[str, Any], label: str, key: int, need: dict[int, float],
             t_start: float, a: argparse.Namespace, save: Callable[[], None],
-            run: Callable[[], tuple[dict[str, Any], float, dict[str, Any]]],
-            ) -> dict[str, Any] | None:
-    """One replay run of an A/B's loop (this file's, bench/hp_toggle_ab.py's): not started
-    where it would end past ``a.bound`` s after ``t_start`` (said, noted in ``doc["errors"]``;
-    None), else ``run()`` (service_replay.run_replay's (stats, wall, roles)); a failure is said
-    and noted (None); else the run's figures: step p50 / p99 and steps/s, each step part's
-    p50 (ms), per call role each ROLE_FIELDS p50 (us). ``need`` (per S): what a run takes,
-    its host process's start included: a guess until one has run, then the shortest seen and
-    1 s, the call's first run left out (a fixed guess of 4 s over the timed part skipped runs
-    that fitted: a run's start and warm-up take ~1-1.5 s on the H200; so did the longest or
-    the last seen: the call's first run took 5.0-6.4 s against 2.1-2.9 for every later one,
-    session 18 bundles B and C; a run longer than its estimate ends inside the reserve the
-    scripts keep after --bound)."""
+            run: Callable[[], Any]) -> tuple[Any, float] | None:
+    """One run of an A/B's loop (bench/replay_ab.py's, hp_toggle_ab's, service_t1ab's,
+    hp_cold_t1's): not started where it would end past ``a.bound`` s after ``t_start`` (said,
+    noted in ``doc["errors"]``; None), else ``run()``; a failure is said, noted and saved
+    (None); else (what ``run()`` gave, the perf_counter the run started at). ``need`` (per
+    ``key``, e.g. S): what a run takes, its host process's start included: a guess until one
+    has run (``a.seconds + a.warmup`` + 4 s), then the shortest seen and 1 s, the call's
+    first run left out (a fixed guess of 4 s over the timed part skipped runs that fitted: a
+    run's start and warm-up take ~1-1.5 s on the H200; so did the longest or the last seen:
+    the call's first run took 5.0-6.4 s against 2.1-2.9 for every later one, session 18
+    bundles B and C; a run longer than its estimate ends inside the reserve the scripts keep
+    after --bound)."""
     t_run = time.perf_counter()
-    if t_run - t_start + need.get(seqs, a.seconds + a.warmup + 4.0) > a.bound:
+    if t_run - t_start + need.get(key, a.seconds + a.warmup + 4.0) > a.bound:
         print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}", flush=True)
         doc["errors"].append({"run": label, "error": "skipped (bound)"})
         return None
     try:
-        st_, wall, roles = run()
+        got = run()
         if doc["runs"]:  # (this run is not yet in them: not the first)
-            need[seqs] = min(need.get(seqs, 1e9), time.perf_counter() - t_run + 1.0)
+            need[key] = min(need.get(key, 1e9), time.perf_counter() - t_run + 1.0)
     except Exception as e:
         print(f"# {label} FAILED: {e}", flush=True)
         doc["errors"].append({"run": label, "error": repr(e)[:2000]})
         save()
         return None
+    return got, t_run
+
+
+def one_run(doc: dict[str, Any], label: str, seqs: int, need: dict[int, float],
+            t_start: float, a: argparse.Namespace, save: Callable[[], None],
+            run: Callable[[], tuple[dict[str, Any], float, dict[str, Any]]],
+            ) -> dict[str, Any] | None:
+    """One replay run of an A/B's loop (this file's, bench/hp_toggle_ab.py's), as ``bounded``
+    runs it (None: skipped or failed), ``run()`` service_replay.run_replay's (stats, wall,
+    roles); its figures: step p50 / p99 and steps/s, each step part's p50 (ms), per call role
+    each ROLE_FIELDS p50 (us)."""
+    got = bounded(doc, label, seqs, need, t_start, a, save, run)
+    if got is None:
+        return None
+    (st_, wall, roles), t_run = got
     ms = {f: float(np.median(x) * 1e3) for f, x in st_.items()
           if f not in ("kernel_missing", "stamped")}
     return {"seqs": seqs, "label": label, "steps": int(st_["e2e"].size),
@@ -286,21 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"argv": sys.argv, "variants": variants, "runs": [], "errors": [],
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
-    def save() -> None:
-        if a.json is not None:
-            doc["wall_seconds"] = time.perf_counter() - t_start
-            a.json.write_text(json.dumps(doc, indent=1))
-
+    save = saver(doc, a.json, t_start)
     on = worker_keys(variants)  # variant -> its worker's name
     names = list(dict.fromkeys(on.values()))
     cpus, load_cpus = pin_plan(a.pin, names)
     doc["pin"] = {"workers": cpus, "hosts": load_cpus}
     doc["worker_of"] = on
-    with ThreadPoolExecutor(len(names)) as pool:
-        workers = dict(zip(names, pool.map(
-            lambda v: start(a.backend, split_variant(variants[v])[0],
-                            a.out_dir / f"worker_{v}.log", cpus[v]),
-            names), strict=True))
+    workers = start_all(a.backend, {v: split_variant(variants[v])[0] for v in names},
+                        a.out_dir, cpus)
     if load_cpus:  # the hosts are spawned from here (after the workers: not theirs)
         os.sched_setaffinity(0, load_cpus)
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
@@ -361,11 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{held.info.get('message', '-')}; idle {idle_text(held.info)})",
                       flush=True)
     finally:
-        for c in clients.values():
-            c.close()
-        for w in workers.values():
-            w.stop()
-        save()
+        stop_all(clients.values(), workers.values(), save)
     print(table(doc, a))
     return 0
 

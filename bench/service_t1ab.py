@@ -28,19 +28,21 @@ such a variant runs on the worker of the variant with its environment and no hol
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from cpu_hold import SystemHold, idle_text
 from replay_ab import (  # bench/ is sys.path[0]
+    bounded,
+    saver,
     split_variant,
     start,
+    start_all,
+    stop_all,
     variants_and_order,
     worker_env,
 )
@@ -52,7 +54,7 @@ WEIGHT = "ffn_down"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from q6serve.client.client import PRECISIONS, Client
+    from q6serve.client.client import Client
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="cuda")
@@ -84,29 +86,15 @@ def main(argv: list[str] | None = None) -> int:
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "shape": [rows, k], "parts": PARTS}
 
-    def save() -> None:
-        if a.json is not None:
-            doc["wall_seconds"] = time.perf_counter() - t_start
-            a.json.write_text(json.dumps(doc, indent=1))
-
+    save = saver(doc, a.json, t_start)
     blocks = random_q6k(rows, k, 1)  # (bench/service.py's ffn_down: its seed)
     if a.spare:  # the kernels compiled by a worker of its own, gone before the measured ones
-        t0 = time.perf_counter()
-        spare = start(a.backend, {}, a.out_dir / "worker_spare.log")
-        try:
-            with Client(spare.target, timeout=600.0) as c:
-                warm(c, blocks, rows, k)
-        finally:
-            spare.stop()
-        print(f"# a spare worker compiled and warmed in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        print(f"# a spare worker compiled and warmed in "
+              f"{spare_warm(a.backend, {}, a.out_dir, blocks, rows, k):.1f} s", flush=True)
     on = worker_of(variants)  # variant -> the worker it runs on
     names = list(dict.fromkeys(on.values()))
-    with ThreadPoolExecutor(len(names)) as pool:
-        workers = dict(zip(names, pool.map(
-            lambda v: start(a.backend, split_variant(variants[v])[0],
-                            a.out_dir / f"worker_{v}.log"), names),
-            strict=True))
+    workers = start_all(a.backend, {v: split_variant(variants[v])[0] for v in names},
+                        a.out_dir)
     clients = {v: Client(w.target, timeout=600.0) for v, w in workers.items()}
     doc["worker_env"] = {v: worker_env(w) for v, w in workers.items()}
     print(f"# the workers' Q6SERVE_ variables: {doc['worker_env']}", flush=True)
@@ -126,34 +114,26 @@ def main(argv: list[str] | None = None) -> int:
                       f"{doc['floor_spin_us']:.1f}", flush=True)
             except Exception as e:
                 doc["errors"].append({"run": "floor", "error": repr(e)[:2000]})
-        need = a.seconds + a.warmup + 4.0  # a guess until one has run, then the longest
+        need: dict[int, float] = {}  # what a run takes (replay_ab.bounded)
         seen: dict[str, int] = {}
         for v in order:
             seen[v] = seen.get(v, 0) + 1
             label = f"{v}_{seen[v]}"
-            t_run = time.perf_counter()
-            if t_run - t_start + need > a.bound:
-                print(f"# {label} skipped: {t_run - t_start:.0f} s of {a.bound:.0f}",
-                      flush=True)
-                doc["errors"].append({"run": label, "error": "skipped (bound)"})
-                continue
-            spec = LoadSpec(workers[on[v]].target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup,
-                            "stream", "f16", PRECISIONS["f16"], 0, "", rows, False)
+            spec = t1_spec(workers[on[v]].target, rows, k, a)
             held = SystemHold(split_variant(variants[v])[1].get("sys.hold", ""))
-            floor_us = None
-            try:
+
+            def go(spec: LoadSpec = spec, held: SystemHold = held,
+                   ) -> tuple[dict[str, np.ndarray], float | None]:
                 with held:
                     samples, _ = run_load(spec, 1)
-                    if a.floor_each > 0:
-                        floor_us = grpc_floor(k * 2 + 40, rows * 4 + 60, ["stream"],
-                                              a.floor_each, spin=True)["stream"]
-                s = samples[WEIGHT]
-            except Exception as e:
-                print(f"# {label} FAILED: {e}", flush=True)
-                doc["errors"].append({"run": label, "error": repr(e)[:2000]})
-                save()
+                    floor = (grpc_floor(k * 2 + 40, rows * 4 + 60, ["stream"], a.floor_each,
+                                        spin=True)["stream"] if a.floor_each > 0 else None)
+                return samples[WEIGHT], floor
+
+            got = bounded(doc, label, 1, need, t_start, a, save, go)
+            if got is None:
                 continue
-            need = max(need if doc["runs"] else 0.0, time.perf_counter() - t_run + 0.5)
+            (s, floor_us), t_run = got
             r = {"variant": v, "round": seen[v], "label": label, **run_figures(s),
                  "t": time.perf_counter() - t_start, "run_s": time.perf_counter() - t_run,
                  "hold": held.info, "floor_us": floor_us}
@@ -166,13 +146,34 @@ def main(argv: list[str] | None = None) -> int:
                   f"{held.info['kind']}: {held.info.get('message', '-')}; idle "
                   f"{idle_text(held.info)})", flush=True)
     finally:
-        for c in clients.values():
-            c.close()
-        for w in workers.values():
-            w.stop()
-        save()
+        stop_all(clients.values(), workers.values(), save)
     print(table(doc))
     return 0
+
+
+def t1_spec(target: str, rows: int, k: int, a: argparse.Namespace) -> LoadSpec:
+    """T1's load on ``target``: one caller, N=1 f16 x on ffn_down (``rows`` x ``k``),
+    MatmulStream, ``a.seconds`` timed after ``a.warmup`` (bench/service.py's LoadSpec)."""
+    from q6serve.client.client import PRECISIONS
+
+    return LoadSpec(target, ((WEIGHT, k),), 1, 1, a.seconds, a.warmup, "stream", "f16",
+                    PRECISIONS["f16"], 0, "", rows, False)
+
+
+def spare_warm(backend: str, env: dict[str, str], out_dir: Path, blocks: np.ndarray,
+               rows: int, k: int) -> float:
+    """A spare worker (``env``; log ``out_dir/worker_spare.log``) given ffn_down (``blocks``,
+    ``rows`` x ``k``) and warmed (warm: every kernel compiled), then stopped: its seconds."""
+    from q6serve.client.client import Client
+
+    t0 = time.perf_counter()
+    spare = start(backend, env, out_dir / "worker_spare.log")
+    try:
+        with Client(spare.target, timeout=600.0) as c:
+            warm(c, blocks, rows, k)
+    finally:
+        spare.stop()
+    return time.perf_counter() - t0
 
 
 def run_figures(s: dict[str, np.ndarray]) -> dict[str, Any]:
