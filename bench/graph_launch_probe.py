@@ -34,6 +34,27 @@ import numpy as np
 _H2D = 1  # cudaMemcpyHostToDevice
 
 
+def copy_kernel() -> tuple[Any, Any, Any, str]:
+    """CuPy, the launcher's copy kernel (kernels/cuda/launch.py COPY_SRC) as a RawKernel, a
+    non-blocking stream, and the head of a probe's first line (device, date); this probe's and
+    bench/x_dma_probe.py's."""
+    import cupy as cp
+
+    from q6serve.kernels.cuda.launch import COPY_SRC
+
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return (cp, cp.RawKernel(COPY_SRC, "q6_copy"), cp.cuda.Stream(non_blocking=True),
+            f"# device: {name}  date: {time.strftime('%Y-%m-%d')}")
+
+
+def copy_blocks(size: int) -> int:
+    """The copy kernel's blocks for ``size`` bytes, as the launcher's (kernels/cuda/copies.py):
+    16 bytes a thread, COPY_THREADS a block, at most COPY_MAX_BLOCKS (a larger copy loops)."""
+    from q6serve.kernels.cuda.launch import COPY_MAX_BLOCKS, COPY_THREADS
+
+    return max(1, min(COPY_MAX_BLOCKS, -(-(size >> 4) // COPY_THREADS)))
+
+
 def graph_of(stream: Any, enqueue: Any) -> Any:
     """``enqueue()`` captured on ``stream`` as a graph (relaxed mode, as the launcher's)."""
     stream.begin_capture(2)  # cudaStreamCaptureModeRelaxed
@@ -48,14 +69,17 @@ def graphs(cp: Any, stream: Any, copy_fn: Any, src: int, dst: int, size: int,
            ) -> tuple[Any, Any]:
     """The two graphs of one upload of ``size`` bytes from ``src`` (pinned) to ``dst``: a
     memcpy node, and the copy kernel (loaded before the capture)."""
-    blocks = max(1, min(264, -(-(size >> 4) // 256)))
+    from q6serve.kernels.cuda.launch import COPY_THREADS
+
+    blocks = copy_blocks(size)
     args = (np.uint64(src), np.uint64(dst), np.int64(size))
     with stream:
-        copy_fn((blocks,), (256,), args, stream=stream)
+        copy_fn((blocks,), (COPY_THREADS,), args, stream=stream)
         stream.synchronize()
         g_mem = graph_of(stream, lambda: cp.cuda.runtime.memcpyAsync(dst, src, size, _H2D,
                                                                      stream.ptr))
-        g_ker = graph_of(stream, lambda: copy_fn((blocks,), (256,), args, stream=stream))
+        g_ker = graph_of(stream, lambda: copy_fn((blocks,), (COPY_THREADS,), args,
+                                                 stream=stream))
     return g_mem, g_ker
 
 
@@ -85,15 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    import cupy as cp
-
-    from q6serve.kernels.cuda.launch import COPY_SRC
-
-    copy_fn = cp.RawKernel(COPY_SRC, "q6_copy")
-    stream = cp.cuda.Stream(non_blocking=True)
-    print(f"# device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}  date: "
-          f"{time.strftime('%Y-%m-%d')}  {a.calls} launches a row; us, median: host time of "
-          "Graph.launch / GPU span")
+    cp, copy_fn, stream, head = copy_kernel()
+    print(f"{head}  {a.calls} launches a row; us, median: host time of Graph.launch / GPU "
+          "span")
     print(f"{'bytes':>9} {'memcpy clean':>15} {'memcpy filled':>15} {'kernel clean':>15} "
           f"{'kernel filled':>15}")
     out = []

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import numpy as np
+from graph_launch_probe import copy_blocks, copy_kernel  # bench/ is sys.path[0]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 CONDS = ("clean", "idle", "filled", "other", "nt", "late", "wc")
@@ -55,7 +56,7 @@ class Size:
 
     def __init__(self, cp: Any, size: int, rng: np.random.Generator, copy_fn: Any,
                  stream: Any) -> None:
-        from q6serve.kernels.cuda.launch import COPY_MAX_BLOCKS, COPY_THREADS, _WriteCombined
+        from q6serve.kernels.cuda.launch import COPY_THREADS, _WriteCombined
 
         self.cp, self.size, self.copy_fn, self.stream = cp, size, copy_fn, stream
         self.host, self.other = (np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)
@@ -66,7 +67,7 @@ class Size:
         for b in (self.host, self.other, self.wc):
             b[...] = self.src
         self.dev = cp.empty(size, cp.uint8)
-        self.blocks = max(1, min(COPY_MAX_BLOCKS, -(-(size >> 4) // COPY_THREADS)))
+        self.blocks = copy_blocks(size)
         self.threads = COPY_THREADS
         self.ev0, self.ev1 = cp.cuda.Event(), cp.cuda.Event()
         fills = []
@@ -117,15 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    import cupy as cp
-
     from q6serve.kernels.cuda import hostcopy
-    from q6serve.kernels.cuda.launch import COPY_SRC
 
-    copy_fn = cp.RawKernel(COPY_SRC, "q6_copy")
-    stream = cp.cuda.Stream(non_blocking=True)
-    print(f"# device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}  date: "
-          f"{time.strftime('%Y-%m-%d')}  non-temporal fill: {hostcopy.available()}; "
+    cp, copy_fn, stream, head = copy_kernel()
+    print(f"{head}  non-temporal fill: {hostcopy.available()}; "
           f"{a.calls} copies x {a.rounds} rounds a cell; GPU span of one upload, us, median "
           "(fill us after)")
     print(f"{'bytes':>8} {'cond':>7} " + " ".join(f"{w:>8}" for w in WAYS) + f" {'fill':>7}")
