@@ -270,6 +270,48 @@ def test_wgmma_halves_by_y_fall_back_to_whole_or_halves(monkeypatch):
     be.matmul(w, _x(be, rng, 64, 4096, True))
     assert _halves(w, 64) == [(0, 32), (32, 64)]
 
+def _gpu_weight(rng, rows, k):
+    """The device backend, a random ``rows`` x ``k`` weight on it as storage keeps it (its
+    slabs, their own row chunks) and the staged-x maker (test_cuda_backend_host.staged_copy)."""
+    from q6serve.kernels.api import Layout, iter_aos_chunks
+    from tests.conftest import random_blocks
+    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
+
+    be = _gpu_backend()(0)
+    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
+                rows, k, Layout.SOA)
+    return be, w, functools.partial(staged_copy, be)
+
+
+def _calls_as_whole(be, w, x, out, staged, staged_x, monkeypatch, y_min):
+    """The reference: the call's y run whole (no halves by y, no row chunks); then, with
+    X_SPLIT_Y_MIN at ``y_min``, 4 launches (staged x or copied) each give it bit for bit
+    (direct, capture, graph, the cached call). Returns the reference."""
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
+    be.launcher.y_chunks = 0
+    ref = be.matmul(w, x, out_dtype=out).y
+    be.launcher.y_chunks = None
+    monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", y_min)
+    for _ in range(4):
+        xi = staged_x(x) if staged else x
+        np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+    return ref
+
+
+def _beside_one_in_flight(be, w, x, out, ref, staged_x):
+    """3 times the call beside a launch in flight (an N=1 one): still ``ref`` bit for bit."""
+    for _ in range(3):
+        a = be.launch(w, staged_x(x[:1]))
+        np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
+        a.wait()
+
+
+def _gpu_done(be, w):
+    be.launcher.y_chunks = None
+    be.free(w)
+    be.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_rows", [0, 1])
 @pytest.mark.parametrize("rows,k", [(14336, 4096), (18944, 3584)])
@@ -280,30 +322,14 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
     bit for bit on every kind of call (direct, capture, graph, the cached BoundCall; staged
     and copied x; f32 and bf16 y); beside a launch in flight: plain. (The N=64 cells on the
     K-slice tile, as before session 25: ``_k_slice_n64``.)"""
-    from q6serve.kernels.api import Layout, iter_aos_chunks
-    from tests.conftest import random_blocks
-    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
-
-    be = _gpu_backend()(0)
+    be, w, staged_x = _gpu_weight(rng, rows, k)
     _k_slice_n64(be)
-    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
-                rows, k, Layout.SOA)
-
-    staged_x = functools.partial(staged_copy, be)
-
+    monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", split_rows)  # (no part in the whole call)
     try:
         for n, out, staged in ((64, None, True), (64, None, False), (64, BFLOAT16, True),
                                (32, None, True)):
             x = rng.standard_normal((n, k)).astype(np.float16)
-            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
-            be.launcher.y_chunks = 0
-            ref = be.matmul(w, x, out_dtype=out).y
-            be.launcher.y_chunks = None
-            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", Y_MIN)
-            monkeypatch.setattr(launch_mod, "X_SPLIT_ROWS", split_rows)
-            for _ in range(4):
-                xi = staged_x(x) if staged else x
-                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+            ref = _calls_as_whole(be, w, x, out, staged, staged_x, monkeypatch, Y_MIN)
             assert _halves(w, n) == [(0, n // 2), (n // 2, n)], (rows, n)
             want = ("tokens", 2, 2) if split_rows else ("tokens", 2)
             bound = [b for key, b in w.data.plans.items()
@@ -321,14 +347,9 @@ def test_halves_by_y_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k, spl
                     cut += [(t0, t1, r0, r1) for r0, r1, _ in rcs or ()]
                 assert bound[0].extra["token_rows"] == cut
                 print(f"{rows}x{k} N={n}: parts {cut or 'halves only'}")
-            for _ in range(3):  # beside a launch in flight: the plain sequence
-                a = be.launch(w, staged_x(x[:1]))
-                np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
-                a.wait()
+            _beside_one_in_flight(be, w, x, out, ref, staged_x)  # there: the plain sequence
     finally:
-        be.launcher.y_chunks = None
-        be.free(w)
-        be.close()
+        _gpu_done(be, w)
 
 
 @pytest.mark.gpu
@@ -340,15 +361,8 @@ def test_wgmma_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k
     for bit on every kind of call (direct, capture, graph, the cached BoundCall; staged and
     copied x; f32 and bf16 y); beside a launch in flight: whole.
     (The whole call's own values: test_cuda_pairs.py's test_every_table_shape.)"""
-    from q6serve.kernels.api import Layout, iter_aos_chunks
-    from tests.conftest import random_blocks
-    from tests.kernels.test_cuda_backend_host import _gpu_backend, staged_copy
-
-    be = _gpu_backend()(0)
+    be, w, staged_x = _gpu_weight(rng, rows, k)
     _n64_cells(be, WGMMA_N64)
-    w = be.load(iter_aos_chunks(random_blocks(rng, rows * (k // 256)), rows, k, 64 << 20),
-                rows, k, Layout.SOA)
-    staged_x = functools.partial(staged_copy, be)
     y_min, cuts = launch_mod.X_SPLIT_Y_MIN, [(0, rows // 2), (rows // 2, rows)]
     try:
         assert (w.data.rps, w.data.y_chunks) == (rows // 2, 2)
@@ -358,23 +372,11 @@ def test_wgmma_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k
             if be.launcher.tile_cfg(c.path, c.cfg).src != 8:
                 pytest.skip(f"the table's cell runs {c.cfg.label()} here (no wgmma tile)")
             x = rng.standard_normal((n, k)).astype(np.float16)
-            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", 0)
-            be.launcher.y_chunks = 0
-            ref = be.matmul(w, x, out_dtype=out).y
-            be.launcher.y_chunks = None
-            monkeypatch.setattr(launch_mod, "X_SPLIT_Y_MIN", y_min)
-            for _ in range(4):
-                xi = staged_x(x) if staged else x
-                np.testing.assert_array_equal(be.launch(w, xi, out_dtype=out).wait().y, ref)
+            ref = _calls_as_whole(be, w, x, out, staged, staged_x, monkeypatch, y_min)
             assert _chunks(w, n) == cuts and _halves(w, n) is None, (rows, n)
-            for _ in range(3):  # beside a launch in flight: the whole call
-                a = be.launch(w, staged_x(x[:1]))
-                np.testing.assert_array_equal(be.launch(w, x, out_dtype=out).wait().y, ref)
-                a.wait()
+            _beside_one_in_flight(be, w, x, out, ref, staged_x)  # there: the whole call
     finally:
-        be.launcher.y_chunks = None
-        be.free(w)
-        be.close()
+        _gpu_done(be, w)
 
 @pytest.mark.parametrize("anchor", [0, 1, 2])
 @pytest.mark.parametrize("staged", [True, False])
