@@ -241,6 +241,31 @@ def _x(be, rng, n: int, k: int, staged: bool) -> np.ndarray:
     return x
 
 
+def _device_y_call(be, w, rng, n: int, k: int, staged: bool, out, i: int):
+    """One launch (x staged or copied) after known values went into the fake device's y
+    (``_set_y``, ``i``): it hands them back in ``out``'s dtype (None: f32) and x reached the
+    device unchanged. Returns the launch's result."""
+    y = _set_y(be, w, n, i)
+    x = _x(be, rng, n, k, staged)
+    xb = x.copy()
+    res = be.launch(w, x, out_dtype=out).wait()
+    want = y if out is None else y.astype(out)
+    assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+    dev_x = be.launcher.ws._dev["x"].a[: xb.nbytes]
+    assert np.array_equal(dev_x, xb.reshape(-1).view(np.uint8))
+    return res
+
+
+def _every_slot_captured(launch) -> None:
+    """3 rounds of SLOTS launches in flight at once (``launch()`` each), each then waited:
+    every launch slot captured."""
+    from q6serve.kernels.cuda.launch import SLOTS
+
+    for _ in range(3):
+        for h in [launch() for _ in range(SLOTS)]:
+            h.wait()
+
+
 @pytest.mark.parametrize("rows,n,out", [(4096, 1, None), (14336, 1, None), (4096, 16, None),
                                         (4096, 64, None), (4096, 16, np.float16),
                                         (4096, 1, np.float16), (4096, 8, BFLOAT16)])
@@ -254,14 +279,7 @@ def test_calls_return_the_device_y(monkeypatch, rows, n, out, staged):
     rng = np.random.default_rng(1)
     be.matmul(w, _x(be, rng, n, k, staged), out_dtype=out)  # binds: the buffers exist now
     for i in range(5):
-        y = _set_y(be, w, n, i)
-        x = _x(be, rng, n, k, staged)
-        xb = x.copy()
-        res = be.launch(w, x, out_dtype=out).wait()
-        want = y if out is None else y.astype(out)
-        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
-        ws = be.launcher.ws
-        assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+        res = _device_y_call(be, w, rng, n, k, staged, out, i)
         assert res.timing.seconds() == pytest.approx(25e-6)
         assert res.kernel == f"cuda.{be.choose(n, Precision.AUTO, KernelFlags(), rows, k).path}.soa"
     assert cp.counts["graph"] == 4  # the first two calls ran direct launches, then captured
@@ -327,9 +345,7 @@ def test_bound_calls_keep_the_slots_and_the_checks(monkeypatch):
     from q6serve.kernels.errors import DeviceError, FormatError
 
     be, _, full, w, rng = _counted(monkeypatch, 3)
-    for _ in range(3):  # every slot captured
-        for h in [be.launch(w, _x(be, rng, 8, 14336, True)) for _ in range(SLOTS)]:
-            h.wait()
+    _every_slot_captured(lambda: be.launch(w, _x(be, rng, 8, 14336, True)))
     full.clear()
     ya = _set_y(be, w, 8, 1)
     a = be.launch(w, _x(be, rng, 8, 14336, True))
@@ -1096,9 +1112,7 @@ def test_launch_many_holds_one_slot(monkeypatch):
 
     be, _, full, ws, rng = _many_counted(monkeypatch, GATE_UP, 14)
     rows = [w.rows for w in ws]
-    for _ in range(3):
-        for h in [be.launch_many(ws, _x(be, rng, 2, 3584, True)) for _ in range(SLOTS)]:
-            h.wait()
+    _every_slot_captured(lambda: be.launch_many(ws, _x(be, rng, 2, 3584, True)))
     full.clear()
     ya = _set_many_y(be, rows, 2, 1)
     a = be.launch_many(ws, _x(be, rng, 2, 3584, True))

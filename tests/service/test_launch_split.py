@@ -16,6 +16,7 @@ from q6serve.kernels.cuda.dispatch import Cfg, Dispatch, DispatchTable
 from q6serve.kernels.cuda.storage import CudaWeight
 from tests.kernels.test_cuda_backend_host import (
     _chunks,
+    _device_y_call,
     _halves,
     _set_y,
     _set_y_chunked,
@@ -545,14 +546,7 @@ def test_copy_kernel_moves_x_and_y_in_the_captured_sequence(monkeypatch, limit, 
     rng = np.random.default_rng(5)
     be.matmul(w, _x(be, rng, 1, 14336, staged), out_dtype=out)  # binds
     for i in range(5):
-        y = _set_y(be, w, 1, i)
-        x = _x(be, rng, 1, 14336, staged)
-        xb = x.copy()
-        res = be.launch(w, x, out_dtype=out).wait()
-        want_y = y if out is None else y.astype(out)
-        assert res.y.dtype == want_y.dtype and np.array_equal(res.y, want_y)
-        ws = be.launcher.ws
-        assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
+        _device_y_call(be, w, rng, 1, 14336, staged, out, i)
     if out is not None and limit and launch_mod.Y16_COPY:  # (a small f16 y: one kernel)
         want = [*want[:-1], "q6_copy_h"]
     assert order == want
