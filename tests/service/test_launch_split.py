@@ -379,6 +379,7 @@ def test_wgmma_row_chunks_on_the_gpu_are_bit_identical(rng, monkeypatch, rows, k
     finally:
         _gpu_done(be, w)
 
+
 @pytest.mark.parametrize("anchor", [0, 1, 2])
 @pytest.mark.parametrize("staged", [True, False])
 def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, anchor, staged):
@@ -387,27 +388,10 @@ def test_timing_anchor_runs_between_the_upload_and_the_start_event(monkeypatch, 
     not on direct launches); 2, also one after its end event node, before y's download; 0,
     none. y is the device y either way, on every kind of call (direct
     launches, the capture, graph replays, the cached call)."""
-    from tests.kernels.test_cuda_backend_host import fake_backend, fake_weight
+    from tests.kernels.test_cuda_backend_host import fake_weight
 
-    be, cp = fake_backend(monkeypatch)
+    be, cp, order = _copy_kernel_fake(monkeypatch, 0, every_kernel=True)
     be.launcher.timing_anchor = anchor
-    order: list[str] = []
-
-    def raw_kernel(src: str, name: str):
-        assert name in src
-        return lambda grid, block, args: order.append(name)
-
-    cp.RawKernel = raw_kernel
-    memcpy = cp.cuda.runtime.memcpyAsync
-
-    def copy(dst: int, src: int, n: int, kind: int, stream: int) -> None:
-        if cp.capturing is not None:  # (what a capture records, in order)
-            order.append(("", "h2d", "d2h", "d2d")[kind])
-        memcpy(dst, src, n, kind, stream)
-
-    cp.cuda.runtime.memcpyAsync = copy
-    monkeypatch.setattr(launch_mod, "_external_record",
-                        lambda: (lambda ev, st, flags: order.append("event") or 0))
     w = fake_weight(be, 4096, 14336)
     rng = np.random.default_rng(2)
     be.matmul(w, _x(be, rng, 1, 14336, staged))  # binds
@@ -474,10 +458,11 @@ def test_timing_anchor_default_and_values() -> None:
         launch_mod.timing_anchor_from_env({"Q6SERVE_TIMING_ANCHOR": "3"})
 
 
-def _copy_kernel_fake(monkeypatch, limit: int):
+def _copy_kernel_fake(monkeypatch, limit: int, every_kernel: bool = False):
     """A fake backend whose launcher moves copies of up to ``limit`` bytes by the copy kernel
-    (``copy_kernel_max``), the fake's kernels doing the copy (or recording it under capture),
-    and ``order``: what each capture recorded (copy-engine copies, kernels, event nodes)."""
+    (``copy_kernel_max``; 0: none), the fake's kernels doing the copy (or recording it under
+    capture), and ``order``: what each capture recorded (copy-engine copies, kernels, event
+    nodes); ``every_kernel``: each kernel launched outside a capture too (a direct launch's)."""
     import ctypes
 
     from tests.kernels.test_cuda_backend_host import fake_backend
@@ -490,7 +475,7 @@ def _copy_kernel_fake(monkeypatch, limit: int):
         assert name in src
 
         def launch(grid, block, args, stream=None) -> None:
-            if cp.capturing is not None:
+            if every_kernel or cp.capturing is not None:
                 order.append(name)
             if name == "q6_copy":  # (src, dst, bytes): as many threads as 16-byte words
                 src_, dst, n = int(args[0]), int(args[1]), int(args[2])
