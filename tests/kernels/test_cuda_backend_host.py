@@ -241,19 +241,22 @@ def _x(be, rng, n: int, k: int, staged: bool) -> np.ndarray:
     return x
 
 
-def _device_y_call(be, w, rng, n: int, k: int, staged: bool, out, i: int):
-    """One launch (x staged or copied) after known values went into the fake device's y
-    (``_set_y``, ``i``): it hands them back in ``out``'s dtype (None: f32) and x reached the
-    device unchanged. Returns the launch's result."""
-    y = _set_y(be, w, n, i)
+def _device_y_call(be, w, rng, n: int, k: int, staged: bool, out, y, cp=None):
+    """One launch (x staged or copied) after ``y`` went into the fake device's y (``_set_y``
+    and its kin; None: not checked): it hands ``y`` back in ``out``'s dtype (None: f32) and x
+    reached the device unchanged. Returns the launch's result and, with ``cp`` (the fake
+    CuPy), by how much each of its counts (copies by kind, waits, ...) grew in the call."""
     x = _x(be, rng, n, k, staged)
     xb = x.copy()
+    before = dict(cp.counts) if cp is not None else {}
     res = be.launch(w, x, out_dtype=out).wait()
-    want = y if out is None else y.astype(out)
-    assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
+    if y is not None:
+        want = y if out is None else y.astype(out)
+        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
     dev_x = be.launcher.ws._dev["x"].a[: xb.nbytes]
     assert np.array_equal(dev_x, xb.reshape(-1).view(np.uint8))
-    return res
+    grew = {} if cp is None else {c: v - before.get(c, 0) for c, v in cp.counts.items()}
+    return res, grew
 
 
 def _every_slot_captured(launch) -> None:
@@ -279,7 +282,7 @@ def test_calls_return_the_device_y(monkeypatch, rows, n, out, staged):
     rng = np.random.default_rng(1)
     be.matmul(w, _x(be, rng, n, k, staged), out_dtype=out)  # binds: the buffers exist now
     for i in range(5):
-        res = _device_y_call(be, w, rng, n, k, staged, out, i)
+        res, _ = _device_y_call(be, w, rng, n, k, staged, out, _set_y(be, w, n, i))
         assert res.timing.seconds() == pytest.approx(25e-6)
         assert res.kernel == f"cuda.{be.choose(n, Precision.AUTO, KernelFlags(), rows, k).path}.soa"
     assert cp.counts["graph"] == 4  # the first two calls ran direct launches, then captured
@@ -566,15 +569,12 @@ def test_row_chunked_y_comes_back_whole(monkeypatch, rows, k, n, out, staged):
     assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
     assert all(r0 % 512 == 0 for r0, _ in cuts)  # whole slabs
     for i in range(5):
-        y = _set_y_chunked(be, w, n, i, cuts)
-        before = dict(cp.counts)
-        res = be.launch(w, _x(be, rng, n, k, staged), out_dtype=out).wait()
-        want = y if out is None else y.astype(out)
-        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
-        assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == len(cuts)
-        assert cp.counts.get("d2h", 0) == before.get("d2h", 0)  # no whole-y copy
+        _, grew = _device_y_call(be, w, rng, n, k, staged, out,
+                                 _set_y_chunked(be, w, n, i, cuts), cp)
+        assert grew["d2h2d"] == len(cuts)
+        assert grew.get("d2h", 0) == 0  # no whole-y copy
         # the copy stream waits for each chunk but the last, the stream for the copy stream
-        assert cp.counts["wait"] - before.get("wait", 0) == len(cuts)
+        assert grew["wait"] == len(cuts)
     assert cp.counts["graph"] == 4
 
 
@@ -884,23 +884,12 @@ def test_token_halves_upload_x_and_return_y_whole(monkeypatch, n, out, staged):
     h = -(-n // 16) * 8
     assert _halves(w, n) == [(0, h), (h, n)]
     for i in range(5):
-        y = _set_y(be, w, n, i)
-        x = _x(be, rng, n, k, staged)
-        xb = x.copy()
-        before = dict(cp.counts)
-        res = be.launch(w, x, out_dtype=out).wait()
-        want = y if out is None else y.astype(out)
-        assert res.y.dtype == want.dtype and np.array_equal(res.y, want)
-        ws = be.launcher.ws
-        assert np.array_equal(ws._dev["x"].a[: xb.nbytes], xb.reshape(-1).view(np.uint8))
-        assert cp.counts["d2h2d"] - before.get("d2h2d", 0) == 2
-        assert cp.counts.get("d2h", 0) == before.get("d2h", 0)  # no whole-y copy
-        assert cp.counts["h2d"] - before.get("h2d", 0) == 2
+        _, grew = _device_y_call(be, w, rng, n, k, staged, out, _set_y(be, w, n, i), cp)
+        assert (grew["d2h2d"], grew.get("d2h", 0), grew["h2d"]) == (2, 0, 2)  # no whole-y copy
         # per call: the y stream waits for the first half's kernels, the stream for the y
         # stream; bound in the sequence (the fake counts them when enqueued, not replayed):
         # the x stream for the fork, the stream for the second x half
-        waits = cp.counts["wait"] - before.get("wait", 0)
-        assert waits == (6 if i == 0 else 2), waits  # (i == 0: direct, then the capture)
+        assert grew["wait"] == (6 if i == 0 else 2), grew  # (i == 0: direct, then the capture)
     assert cp.counts["graph"] == 4
 
 
