@@ -38,39 +38,35 @@ _CTYPES = {("u", 8): ctypes.c_uint64, ("i", 8): ctypes.c_int64, ("i", 4): ctypes
            ("u", 4): ctypes.c_uint32}
 
 
+def _driver_fn(name: str, *argtypes: Any) -> Any:
+    """The driver's entry point ``name`` (ctypes: these ``argtypes``, a CUresult back), or
+    None where there is no driver or it has no such entry point."""
+    try:
+        f = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = list(argtypes)
+    f.restype = ctypes.c_int
+    return f
+
+
 def _host_device_ptr() -> Any:
     """``cuMemHostGetDevicePointer_v2``: the device address of page-locked host memory (a
     region registered by ``HostIO``), or None where the driver has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
+    return _driver_fn("cuMemHostGetDevicePointer_v2", ctypes.POINTER(ctypes.c_uint64),
+                      ctypes.c_void_p, ctypes.c_uint)
 
 
 def _driver_launch_ex() -> Any:
     """The driver's ``cuLaunchKernelEx`` (ctypes), or None where it has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    f.restype = ctypes.c_int
-    return f
+    return _driver_fn("cuLaunchKernelEx", ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 
 
 def _driver_max_clusters() -> Any:
     """The driver's ``cuOccupancyMaxActiveClusters`` (ctypes), or None where it has none."""
-    try:
-        f = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    f.restype = ctypes.c_int
-    return f
+    return _driver_fn("cuOccupancyMaxActiveClusters", ctypes.POINTER(ctypes.c_int),
+                      ctypes.c_void_p, ctypes.POINTER(_LaunchConfig))
 
 
 def clusters_fit(fn: Any, grid: tuple[int, int, int], block: int, smem: int,
@@ -132,11 +128,5 @@ def _external_record() -> Any:
     """``cuEventRecordWithFlags(.., CU_EVENT_RECORD_EXTERNAL)``: an event record that stream
     capture keeps as a graph node (a plain record inside a capture is only a dependency).
     None where the driver has no such entry point (then no graphs)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        f = lib.cuEventRecordWithFlags
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
+    return _driver_fn("cuEventRecordWithFlags", ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_uint)

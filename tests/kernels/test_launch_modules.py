@@ -169,3 +169,31 @@ def test_a_setting_set_on_launch_reaches_a_part(monkeypatch):
     monkeypatch.setattr(launch, "Y_BLOCKS", 8)
     _, blk = ws.y_block(4096)
     assert len(ws._yb) == 1 and isinstance(blk, np.ndarray)
+
+
+def test_driver_lookups_type_the_entry_point_or_give_none(monkeypatch):
+    """kernels/cuda/driver.py's lookups (one helper, _driver_fn): the entry point with its
+    argument types and an int (CUresult) back; None where the library has no such entry point
+    or there is no library (a device-less host). Here on libc, as the driver is absent."""
+    import ctypes
+    import ctypes.util
+
+    from q6serve.kernels.cuda import driver
+
+    libc = ctypes.util.find_library("c")
+    if libc is None:
+        pytest.skip("no libc to stand in for the driver")
+    real = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: real(libc))
+    f = driver._driver_fn("strlen", ctypes.c_char_p)
+    assert f(b"q6serve") == 7 and f.argtypes == [ctypes.c_char_p] and f.restype is ctypes.c_int
+    assert driver._driver_fn("cuNoSuchEntryPoint") is None
+    for hook in (driver._host_device_ptr, driver._driver_launch_ex,
+                 driver._driver_max_clusters, driver._external_record):
+        assert hook() is None  # (libc has none of the driver's)
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert driver._driver_fn("strlen", ctypes.c_char_p) is None
