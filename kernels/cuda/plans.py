@@ -12,6 +12,7 @@ launcher. The thresholds it reads are kernels/cuda/launch.py's, read there per c
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -84,6 +85,15 @@ def pair_cfg(path: str, cfg: Cfg) -> Cfg:
 def kernel_file(path: str, cfg: Cfg) -> str:
     """The source file that holds a tile path's kernel."""
     return launch.WG_FILE if path == "mma_f16" and cfg.src in launch.WG_SRCS else launch.MATMUL_FILE
+
+
+def _k_splits(cfg: Cfg, bpr: int) -> Iterator[tuple[int, int]]:
+    """The K splits a grid search weighs for a weight of ``bpr`` blocks a row: (blocks per
+    slice, slices) for each asked count, 1 to 64 (no more than ``bpr``), or ``cfg.ksplit``
+    alone where the cell forces one."""
+    for ks in [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1):
+        per = -(-bpr // min(ks, bpr))
+        yield per, -(-bpr // per)
 
 
 @dataclass(frozen=True)
@@ -177,10 +187,7 @@ class Planner:
         regs = -(-max(int(fn.num_regs), 1) // 8) * 8
         occ_regs = max(1, min(2048 // threads, 65536 // (threads * regs)))
         best: tuple[float, int] | None = None
-        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
-        for ks in choices:
-            per = -(-bpr // min(ks, bpr))
-            ks_eff = -(-bpr // per)
+        for per, ks_eff in _k_splits(cfg, bpr):
             smem = smem_bytes(path, cfg, per)
             if smem > launch.KS_SMEM_MAX or (smem > launch.SMEM_LIMIT and cfg.src == 2
                                              and cfg.ksplit <= 0):
@@ -219,10 +226,7 @@ class Planner:
         wtiles = -(-rows // (16 * cfg.mt))
         toks = min(n, 8 * cfg.nt)
         best: tuple[float, int, int] | None = None
-        choices = [cfg.ksplit] if cfg.ksplit > 0 else range(1, min(bpr, 64) + 1)
-        for ks in choices:
-            per = -(-bpr // min(ks, bpr))
-            ks_eff = -(-bpr // per)
+        for per, ks_eff in _k_splits(cfg, bpr):
             smem = smem_bytes("mma_f16", cfg, per)
             if smem > launch.KS_SMEM_MAX:
                 continue
