@@ -310,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--model-dir {config.model_dir} is not a directory")
         _check_pems(config)
         worker = None
+        if args.devices is not None and not args.devices.strip():
+            raise UsageError("--devices '' names no device: give indices like 0,1")
         if args.devices and config.frontends > 1:
             raise UsageError("--frontends with --devices is not supported yet: run one worker "
                              "per device")

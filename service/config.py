@@ -42,7 +42,11 @@ class Budget:
             if not 0.0 < value <= 1.0:
                 raise InvalidArgument(f"--vram-budget fraction {value} is not in (0, 1]")
             return cls(fraction=value)
-        return cls(nbytes=int(value * lim.UNITS[unit]))
+        nbytes = int(value * lim.UNITS[unit])
+        if nbytes < 1:  # (0 bytes: nothing could ever load)
+            raise InvalidArgument(f"--vram-budget {text!r}: give bytes >= 1 (8GiB, 500M, "
+                                  "123456) or a fraction of free memory in (0, 1]")
+        return cls(nbytes=nbytes)
 
     def resolve(self, device_free: int) -> int:
         if self.nbytes is not None:
@@ -126,6 +130,13 @@ class WorkerConfig:
         for name in ("max_batch_delay_us", "inline_device_us"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name}={getattr(self, name)} must be >= 0")
+        if self.frontends > lim.MAX_FRONTENDS:
+            raise InvalidArgument(f"frontends={self.frontends} must be <= {lim.MAX_FRONTENDS} "
+                                  "(each is a process with its own shared-memory arena)")
+        if self.frontend_shm_bytes < lim.MIN_FRONTEND_SHM_BYTES:
+            raise InvalidArgument(
+                f"frontend_shm_bytes={self.frontend_shm_bytes} must be >= "
+                f"{lim.show_size(lim.MIN_FRONTEND_SHM_BYTES)}: a smaller arena holds no call")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("TLS needs both a certificate and a key")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -179,4 +190,20 @@ def config_from(args: Mapping[str, object], env: Mapping[str, str]) -> WorkerCon
     unknown = set(kw) - known
     if unknown:
         raise InvalidArgument(f"unknown config keys: {sorted(unknown)}")
-    return WorkerConfig(**kw)  # type: ignore[arg-type]
+    cfg = WorkerConfig(**kw)  # type: ignore[arg-type]
+    _check_given(cfg, kw)
+    return cfg
+
+
+def _check_given(cfg: WorkerConfig, given: Mapping[str, object]) -> None:
+    """Limits given above the limit that caps them (a default that caps one stays a cap: the
+    worker takes the smaller, as before): --max-request-bytes above --max-message-bytes, and
+    --min-inflight-rpcs-per-connection above --max-inflight-rpcs-per-connection."""
+    if "max_request_bytes" in given and cfg.max_request_bytes > cfg.max_message_bytes:
+        raise InvalidArgument(f"max_request_bytes={cfg.max_request_bytes} must be <= "
+                              f"max_message_bytes={cfg.max_message_bytes}, its ceiling")
+    if ("min_inflight_rpcs_per_connection" in given and cfg.min_inflight_rpcs_per_connection
+            > cfg.max_inflight_rpcs_per_connection):
+        raise InvalidArgument(
+            f"min_inflight_rpcs_per_connection={cfg.min_inflight_rpcs_per_connection} must be "
+            f"<= max_inflight_rpcs_per_connection={cfg.max_inflight_rpcs_per_connection}")

@@ -48,6 +48,12 @@ MAX_STREAM_BYTES_TOTAL = 1 * 2**30
 # --max-streams-per-connection and --max-streams.
 MAX_STREAMS_PER_CONNECTION = 256
 MAX_STREAMS = 4096
+# --frontends: front-end processes, each committing its --frontend-shm-bytes arena in /dev/shm at
+# start (1000 were taken on a 2-core VM: 64 GB of arenas asked, ~180 processes spawned before it
+# was stopped); --frontend-shm-bytes: below one MiB the arena holds no decode call's x and y
+# (they travel in the message instead, and the arena only costs).
+MAX_FRONTENDS = 64
+MIN_FRONTEND_SHM_BYTES = 1 << 20
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

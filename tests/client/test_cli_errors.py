@@ -387,6 +387,14 @@ def test_upload_failure_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--reply-timeout", "inf"], "--reply-timeout"),
     (["--grace-period", "-1"], "--grace-period"),
     (["--grace-period", "nan"], "--grace-period"),
+    # taken without a word until session 30's second sweep
+    (["--frontend-shm-bytes", "1"], "frontend_shm_bytes=1"),
+    (["--frontends", "1000"], "frontends=1000"),
+    (["--vram-budget", "0"], "--vram-budget '0'"),
+    (["--max-request-bytes", "32MiB", "--max-message-bytes", "16MiB"], "max_request_bytes"),
+    (["--max-request-bytes", "300MiB"], "max_request_bytes"),
+    (["--min-inflight-rpcs-per-connection", "100"], "min_inflight_rpcs_per_connection=100"),
+    (["--devices", ""], "--devices ''"),
 ])
 def test_worker_refuses_bad_values_in_one_line(opts: list[str], want: str) -> None:
     """A host that is no address here (with --port 0 it reached gRPC, whose failure was
