@@ -5,9 +5,8 @@ as packed SoA (or AoS when the SOA flag is off). Slabs keep every transient boun
 never holds more than one chunk besides the weight, and a relayout swaps one slab at a time.
 
 Matmul dequantizes a few hundred rows at a time into a float32 tile and hands it to BLAS.
-To keep the unpacking to long contiguous uint64 operations, the tile's columns are in a
-*permuted* order inside each block (see :data:`PERM`) and the activations are permuted the
-same way once per call; the dot products are unchanged (up to f32 summation order).
+The unpacking runs as long contiguous uint64 operations on sub-tiles transposed to
+``[word, block]`` (see :func:`unpack_q`); the tile comes out in the weight's own column order.
 """
 
 from __future__ import annotations
@@ -49,18 +48,6 @@ _B60 = np.uint64(0x6060606060606060)
 _B80 = np.uint64(0x8080808080808080)
 
 
-def _perm() -> np.ndarray:
-    """Tile column o (0..255) of a block holds element PERM[o]: o = s*64 + h*32 + l."""
-    o = np.arange(q6k.QK_K)
-    s, h, lane = o // 64, (o // 32) % 2, o % 32
-    return h * 128 + s * 32 + lane
-
-
-PERM = _perm()
-# Group (0..15) of each 16-column run of the permuted tile.
-_PERM_GROUPS = PERM.reshape(-1, q6k.GROUP)[:, 0] // q6k.GROUP
-
-
 GEMV_MAX_N = 4  # up to this N a tile is N GEMVs, above it one W @ x.T GEMM
 SUB = 128  # blocks per transposed sub-tile: short strides for the transposes
 
@@ -83,9 +70,9 @@ class Workspace:
         self.w = np.empty((n, q6k.QK_K), dtype=np.float32)
 
 
-def unpack_q_permuted(ql: np.ndarray, qh: np.ndarray, ws: Workspace | None = None,
-                      centered: bool = False) -> np.ndarray:
-    """6-bit quants ``[n, 256]`` uint8 in PERM order, using only whole-word operations;
+def unpack_q(ql: np.ndarray, qh: np.ndarray, ws: Workspace | None = None,
+             centered: bool = False) -> np.ndarray:
+    """6-bit quants ``[n, 256]`` uint8, using only whole-word operations;
     with ``centered``, int8 ``q - 32`` instead (two more word operations, which cost less
     than a float subtract pass: the caller then only casts).
 
@@ -109,10 +96,11 @@ def unpack_q_permuted(ql: np.ndarray, qh: np.ndarray, ws: Workspace | None = Non
         qh_t[-1, :, :rem] = qh64[full * SUB :].T
     ql4 = ql_t.reshape(big, 2, 2, 4, SUB)  # half h, quarter m, word
     qh2 = qh_t.reshape(big, 2, 4, SUB)  # half h, word
-    out = out_t.reshape(big, 4, 2, 4, SUB)  # s, h, word
+    # Element h*128 + s*32 + l is in word h*16 + s*4 + l//8: for one s, two runs of 4 * SUB.
+    out = out_t.reshape(big, 2, 4, 4, SUB)  # h, s, word
     for s in range(4):
         # s selects ql's low (s<2) or high nibble of quarter m = s % 2, and qh bits 2s..2s+1.
-        o = out[:, s]
+        o = out[:, :, s]
         if s < 2:
             np.bitwise_and(ql4[:, :, s], _M4, out=o)
         else:
@@ -130,12 +118,12 @@ def unpack_q_permuted(ql: np.ndarray, qh: np.ndarray, ws: Workspace | None = Non
     return q[:n].view(np.int8 if centered else np.uint8)
 
 
-def dequantize_permuted(f: dict[str, np.ndarray], ws: Workspace | None = None) -> np.ndarray:
-    """float32 ``[n, 256]`` weights in PERM order; each value bit-identical to gguf's."""
+def dequantize(f: dict[str, np.ndarray], ws: Workspace | None = None) -> np.ndarray:
+    """float32 ``[n, 256]`` weights; each value bit-identical to gguf's."""
     n = f["ql"].shape[0]
     ws = ws or Workspace(n)
-    q = unpack_q_permuted(f["ql"], f["qh"], ws, centered=True)  # int8 q - 32
-    scales = q6k.group_scales(f["scales"], f["d"])[:, _PERM_GROUPS]  # [n, 16] runs
+    q = unpack_q(f["ql"], f["qh"], ws, centered=True)  # int8 q - 32
+    scales = q6k.group_scales(f["scales"], f["d"])  # [n, 16]
     out = ws.w[:n]
     np.copyto(out, q, casting="unsafe")  # int8 -> f32 is exact: the same values as before
     out.reshape(n * 16, 16)[:] *= scales.reshape(n * 16, 1)
@@ -343,15 +331,13 @@ class NumpyBackend(Backend):
 
     def _matmul_float(self, w: ResidentWeight, slabs: list[Slab], x: np.ndarray) -> np.ndarray:
         n = x.shape[0]
-        nb = w.k // q6k.QK_K
-        # Permute activations to the tile's column order once per call.
-        xp = np.ascontiguousarray(x.reshape(n, nb, q6k.QK_K)[:, :, PERM].reshape(n, w.k))
+        xp = np.ascontiguousarray(x)
         y = np.empty((n, w.rows), dtype=np.float32)
 
         def run(tile) -> None:
             s, b0, b1, row0, rows = tile
             f = _slice_fields(s.fields(w.k), b0, b1)
-            wt = dequantize_permuted(f, self._workspace(b1 - b0)).reshape(rows, w.k)
+            wt = dequantize(f, self._workspace(b1 - b0)).reshape(rows, w.k)
             out = y[:, row0 : row0 + rows]
             # OpenBLAS packs the big operand for x @ Wt.T even at N = 2 (9x slower than
             # GEMVs there); W @ x.T packs x instead. Measured on a 146 x 3584 tile.
