@@ -41,7 +41,7 @@ from .epilogue import topk_reference
 from .errors import FormatError
 
 _M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
-_M2 = np.uint64(0x0303030303030303)
+_M30 = np.uint64(0x3030303030303030)
 # int8(q - 32) for a byte q in 0..63 is (q + 0x60) ^ 0x80: q + 0x60 <= 0x9f never carries into
 # the next byte, so both run on whole uint64 words.
 _B60 = np.uint64(0x6060606060606060)
@@ -106,9 +106,14 @@ def unpack_q(ql: np.ndarray, qh: np.ndarray, ws: Workspace | None = None,
         else:
             np.right_shift(ql4[:, :, s - 2], np.uint64(4), out=o)
             o &= _M4
-        np.right_shift(qh2, np.uint64(2 * s), out=tmp)
-        tmp &= _M2
-        tmp <<= np.uint64(4)
+        # qh bits 2s..2s+1 to bits 4..5 of each byte: one shift (none at s = 2) and a mask;
+        # bits shifted in from the next byte land outside the mask.
+        if s == 2:
+            np.bitwise_and(qh2, _M30, out=tmp)
+        else:
+            shift = np.left_shift if s < 2 else np.right_shift
+            shift(qh2, np.uint64(abs(4 - 2 * s)), out=tmp)
+            tmp &= _M30
         o |= tmp
     if centered:
         out_t += _B60
