@@ -125,8 +125,7 @@ class _Replies:
     reply's window share is released once it is written. ``open``: requests queued or
     running whose reply is not queued yet."""
 
-    __slots__ = ("busy", "done", "error", "open", "out", "send", "task", "wait_open", "wake",
-                 "window")
+    __slots__ = ("busy", "done", "error", "open", "out", "send", "task", "wake", "window")
 
     def __init__(self, send: Callable[[Any], Any], window: _Window) -> None:
         self.send = send
@@ -138,7 +137,6 @@ class _Replies:
         self.wake: asyncio.Future[None] | None = None  # the writer waits for a reply
         self.done: asyncio.Future[None] | None = None  # finish() waits for the last write
         self.error: BaseException | None = None  # a write that failed (the writer stops)
-        self.wait_open = True  # finish() waits for the open requests too
 
     def idle(self) -> bool:
         return self.open == 0 and not self.busy and not self.out and self.error is None
@@ -184,8 +182,7 @@ class _Replies:
                     finally:
                         self.busy = False
                     self.window.release(cost)
-                if (self.done is not None and not self.out
-                        and (self.open == 0 or not self.wait_open)):
+                if self.done is not None and not self.out and self.open == 0:
                     if not self.done.done():
                         self.done.set_result(None)
                     return
@@ -199,13 +196,11 @@ class _Replies:
             if not isinstance(e, Exception):
                 raise
 
-    async def finish(self, wait_open: bool = True) -> None:
-        """Wait until every open request is answered and every reply written (``wait_open``
-        False: only the replies queued already)."""
+    async def finish(self) -> None:
+        """Wait until every open request is answered and every reply written."""
         if self.error is not None:
             raise self.error
-        self.wait_open = wait_open
-        if (self.open == 0 or not wait_open) and not self.out and not self.busy:
+        if self.open == 0 and not self.out and not self.busy:
             return
         self.done = asyncio.get_running_loop().create_future()
         self._kick()
@@ -547,10 +542,13 @@ class Q6ServeServicer:
                     replies.put(item, cost)
                     del item
         except Exception:
-            # the request stream failed (e.g. a message that cannot be decoded): the replies
-            # queued already go out first, then the failure ends the call
+            # the request stream failed (e.g. a message that cannot be decoded): every request
+            # read before it is answered first (its reply, or its own error; each runs under
+            # the stream's deadline), then the failure ends the call. (Only the replies queued
+            # already went out: behind front ends, where every request is still open at the
+            # device process when the bad message comes, none of them.)
             with contextlib.suppress(Exception):
-                await replies.finish(wait_open=False)
+                await replies.finish()
             raise
         else:
             await replies.finish()  # every request answered and its reply written
