@@ -48,7 +48,9 @@ REPLY = struct.Struct("<QIIIIIIddd")
 ACCEPTED = b"\x00"
 FULL = b"\x02"  # the worker's answer to the ticket when --max-regions lanes are open
 # the ring (service/lane.py's layout): a RING_BYTES memfd of the lane's own, sealed against
-# shrinking, named to the worker in a setup record as "fd:N" (the worker maps it). A lane asks
+# shrinking, passed to the worker with a setup record named "fd" (SCM_RIGHTS on the lane's
+# socket: no /proc, so a caller in another pid namespace sharing the socket gets one too; the
+# worker maps it). A lane asks
 # for one unless ring=False or Q6SERVE_LANE_RING=0 here; x86-64 workers take it unless started
 # with Q6SERVE_LANE_RING=0 (a refusal: a socket lane then, unless ring=True asked for the ring)
 R_SEQ, R_REQ, R_CSLEEP = 0, 8, 64
@@ -57,6 +59,7 @@ R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_ENV = "Q6SERVE_LANE_RING"
 RING_SETUP = 2
+RING_PASSED = b"fd"  # the setup record's name: the memfd comes with it (SCM_RIGHTS)
 RING_RECHECK_S = 20e-6  # the ring re-checked after this side's sleep flag is set
 RING_WAKE_MS = 5  # the longest block before the ring is looked at again
 SEQ = struct.Struct("<Q")
@@ -163,10 +166,10 @@ class Lane:
 
     def _ring_setup(self) -> None:
         """The ring: a zeroed RING_BYTES memfd of its own, sealed (``ring_memfd``: no one can
-        shrink it under the worker's mapping), named to the worker in a setup record as this
-        process's descriptor ("fd:N", which the worker opens while this side waits for its
-        answer, read on the socket; a refusal raises). The descriptor is closed then: the two
-        mappings are all there is of the block."""
+        shrink it under the worker's mapping), passed to the worker with a setup record named
+        "fd" (SCM_RIGHTS) and closed here at once (in flight, the passed one holds the block);
+        the worker's answer is read on the socket (a refusal raises). The two mappings are all
+        there is of the block then."""
         try:
             fd = ring_memfd()
         except (OSError, AttributeError) as e:  # (no memfd on this host)
@@ -174,10 +177,13 @@ class Lane:
                                     f"cannot create the lane's ring: {e}") from None
         try:
             mm = mmap.mmap(fd, RING_BYTES)
-            key = f"fd:{fd}".encode()
             try:
-                self.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(key), 0)
-                                  + key)
+                rec = REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(RING_PASSED), 0)
+                sent = socket.send_fds(self.sock, [rec + RING_PASSED], [fd])
+                os.close(fd)  # (the worker has its own now: in flight, the descriptor is held)
+                fd = -1
+                if sent < len(rec) + len(RING_PASSED):
+                    self.sock.sendall((rec + RING_PASSED)[sent:])
                 self._read_into(self._head)
                 _, code, msg_len, *_ = REPLY.unpack(self._head)
                 msg = self._read(msg_len).decode("utf-8", "replace") if msg_len else ""
@@ -187,7 +193,8 @@ class Lane:
                 mm.close()
                 raise
         finally:
-            os.close(fd)  # (the worker opened its own, or refused)
+            if fd >= 0:
+                os.close(fd)
         self._ring_mm, self._ring = mm, memoryview(mm)
         self._poll = select.poll()
         self._poll.register(self.sock.fileno(), select.POLLIN)

@@ -77,9 +77,13 @@ FULL = b"\x02"  # the answer to a ticket when --max-regions lanes are open (then
 # The ring (the worker takes ring lanes unless Q6SERVE_LANE_RING=0; the caller's lane asks for one
 # unless Q6SERVE_LANE_RING=0 in its own environment or ``Lane(ring=False)``): after the ticket, a
 # request record with seq 0 and flags RING_SETUP (its 9th field) whose name (name_len bytes) is
-# "fd:N": N is the caller's descriptor of a memfd of RING_BYTES sealed against shrinking
-# (F_SEAL_SHRINK; the worker opens it as /proc/<the caller's pid>/fd/N while the caller waits
-# for the answer): the ring's own block (never the caller's region's bytes). Sealed, no one can
+# "fd" and which comes, the first bytes after ACCEPTED, with the caller's descriptor of a memfd
+# of RING_BYTES sealed against shrinking (F_SEAL_SHRINK) passed on the socket (SCM_RIGHTS: read
+# with recvmsg, ``_LaneConn._read_first``; no /proc, so a caller in another pid namespace that
+# shares the socket passes it too; the caller may close its own at once). Until session 30 the
+# name was "fd:N", N the caller's descriptor, opened as /proc/<the caller's pid>/fd/N while the
+# caller waited for the answer (still taken this session). The memfd is
+# the ring's own block (never the caller's region's bytes). Sealed, no one can
 # shrink the block under the worker's mapping (until session 30 the ring was a /dev/shm object
 # the caller could truncate: the worker's next look at it was a SIGBUS). The worker maps it and
 # answers on the socket (a reply record, seq 0); both sides' mappings are all there is of it
@@ -92,6 +96,7 @@ R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), erro
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_SETUP = 2  # the setup record's flags (1: the ring in the region's tail, until s29)
 _RING_FD = re.compile(r"^fd:([0-9]{1,9})$")
+RING_PASSED = "fd"  # a setup record's name when the memfd comes with it (SCM_RIGHTS)
 RING_ENV = "Q6SERVE_LANE_RING"
 SEQ = struct.Struct("<Q")
 FLAG = struct.Struct("<I")
@@ -211,7 +216,8 @@ class LaneServer:
                     f"({platform.machine()}) may reorder the ring's stores")
             if conn.ring is not None:
                 raise InvalidArgument("this lane has a ring already")
-            ring = _Ring(*_map_ring(key, conn.pid))
+            ring = _Ring(*(_map_passed(conn.take_passed()) if key == RING_PASSED
+                           else _map_ring(key, conn.pid)))
             if any(r.inode == ring.inode for r in self._rings.values()):
                 ring.close()
                 raise InvalidArgument("that ring serves another lane already")
@@ -722,6 +728,10 @@ class _LaneConn(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()  # requests run in a task (_one)
         self._timer: asyncio.TimerHandle | None = None
         self.ring: _Ring | None = None  # requests and replies through a ring (LaneServer)
+        # the descriptor that came (SCM_RIGHTS) with the first bytes after ACCEPTED: the ring's
+        # memfd of a setup record named RING_PASSED (closed unless its setup takes it)
+        self.passed = -1
+        self._first: socket.socket | None = None  # that first read's socket (a dup), waiting
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -759,6 +769,9 @@ class _LaneConn(asyncio.Protocol):
             self.ticket = t
             self.server.open_lanes += 1
             self.transport.write(ACCEPTED)
+            if not buf:  # the caller waits for ACCEPTED: its next bytes may carry its ring's fd
+                self._read_first()
+                return
         if self.ring is not None:  # doorbells: the selector looks at the ring now
             del buf[:]
             self.server.poll()
@@ -780,6 +793,7 @@ class _LaneConn(asyncio.Protocol):
             pos = end
             if head[0] == 0 and head[8] == RING_SETUP:
                 self.server._ring_setup(self, name)
+                self._drop_passed()  # (a setup that did not take it)
                 if self.ring is not None:  # what follows it: doorbells
                     del buf[:]
                     return
@@ -791,6 +805,60 @@ class _LaneConn(asyncio.Protocol):
                 self.transport.pause_reading()
             self.server._request(self, head, name, len(buf) - pos < REQUEST.size)
         del buf[:pos]
+
+    def _read_first(self) -> None:
+        """The first read after ACCEPTED done with recvmsg (asyncio's transport reads with
+        recv, which drops a passed descriptor): the transport's reading paused, a dup of the
+        socket read once when readable (``_first_ready``), then the transport reads again."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        sock = self.transport.get_extra_info("socket")
+        self._first = socket.socket(fileno=os.dup(sock.fileno()))
+        self._first.setblocking(False)
+        asyncio.get_running_loop().add_reader(self._first.fileno(), self._first_ready)
+
+    def _first_ready(self) -> None:
+        first = self._first
+        if first is None:
+            return
+        try:
+            data, fds, _, _ = socket.recv_fds(first, 1 << 16, 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, fds = b"", []
+        self._end_first()
+        for fd in fds[1:]:  # (at most one asked for; the kernel closes any beyond)
+            os.close(fd)
+        if fds:
+            self.passed = fds[0]
+        if self.transport is None or self.transport.is_closing():
+            self._drop_passed()
+            return
+        if not data:  # the caller hung up
+            self._drop_passed()
+            self.transport.close()
+            return
+        self.buf += data
+        self._parse()
+        self._drop_passed()  # (the first record was no ring setup)
+        self._resume()
+
+    def _end_first(self) -> None:
+        first, self._first = self._first, None
+        if first is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(first.fileno())
+            first.close()
+
+    def take_passed(self) -> int:
+        """The passed descriptor, now the caller's of this call (-1: none came)."""
+        fd, self.passed = self.passed, -1
+        return fd
+
+    def _drop_passed(self) -> None:
+        if self.passed >= 0:
+            os.close(self.take_passed())
 
     def write(self, rec: bytes) -> None:
         ring = self.ring
@@ -848,6 +916,8 @@ class _LaneConn(asyncio.Protocol):
         if self.ticket is not None:  # (one of the lanes open)
             self.server.open_lanes -= 1
         self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
+        self._end_first()
+        self._drop_passed()
 
 
 def _map_ring(key: str, pid: int) -> tuple[mmap.mmap, tuple[int, int]]:
@@ -896,6 +966,40 @@ def _map_ring(key: str, pid: int) -> tuple[mmap.mmap, tuple[int, int]]:
         if size != RING_BYTES:
             raise InvalidArgument(f"a ring's memfd must be {RING_BYTES} bytes, not {size}")
         return mmap.mmap(fd, RING_BYTES), (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+def _map_passed(fd: int) -> tuple[mmap.mmap, tuple[int, int]]:
+    """The ring whose descriptor came with its setup record (SCM_RIGHTS; -1: none came): a
+    memfd of this user, RING_BYTES long and sealed against shrinking, mapped read-write; with
+    the block's (device, inode). No path is opened (no /proc: a caller in another pid
+    namespace that shares the lane's socket passes it the same way). Anything else is refused
+    (INVALID_ARGUMENT, FAILED_PRECONDITION); the descriptor is closed either way."""
+    if fd < 0:
+        raise InvalidArgument(f"no descriptor came with the ring's setup {RING_PASSED!r}: "
+                              "send the ring's memfd with it (SCM_RIGHTS)")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument("the ring's passed descriptor is no memfd")
+        if st.st_uid != os.getuid():
+            raise InvalidArgument("the ring's passed descriptor is not a file of this user")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # (not a memfd)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InvalidArgument("the ring's passed descriptor is no memfd sealed against "
+                                  "shrinking (F_SEAL_SHRINK): a ring must be one")
+        size = os.fstat(fd).st_size  # (after the seal: it cannot shrink from now on)
+        if size != RING_BYTES:
+            raise InvalidArgument(f"a ring's memfd must be {RING_BYTES} bytes, not {size}")
+        try:
+            return mmap.mmap(fd, RING_BYTES), (st.st_dev, st.st_ino)
+        except OSError as e:  # (e.g. passed read-only)
+            raise FailedPrecondition(f"cannot map the ring's passed descriptor read-write: "
+                                     f"{e.strerror}") from None
     finally:
         os.close(fd)
 
