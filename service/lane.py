@@ -34,7 +34,6 @@ import math
 import mmap
 import os
 import platform
-import re
 import secrets
 import shutil
 import socket
@@ -51,7 +50,6 @@ import numpy as np
 from q6serve.kernels.errors import (
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     Q6Error,
     ResourceExhausted,
     Unavailable,
@@ -82,7 +80,7 @@ FULL = b"\x02"  # the answer to a ticket when --max-regions lanes are open (then
 # with recvmsg, ``_LaneConn._read_first``; no /proc, so a caller in another pid namespace that
 # shares the socket passes it too; the caller may close its own at once). Until session 30 the
 # name was "fd:N", N the caller's descriptor, opened as /proc/<the caller's pid>/fd/N while the
-# caller waited for the answer (still taken this session). The memfd is
+# caller waited for the answer (a caller in another pid namespace got none). The memfd is
 # the ring's own block (never the caller's region's bytes). Sealed, no one can
 # shrink the block under the worker's mapping (until session 30 the ring was a /dev/shm object
 # the caller could truncate: the worker's next look at it was a SIGBUS). The worker maps it and
@@ -95,7 +93,6 @@ R_RSEQ, R_REP, R_WSLEEP = 128, 136, 192  # reply seq (written last), reply recor
 R_NAME, R_MSG, RING_BYTES = 256, 1280, 2048  # weight name (<= 1024 bytes), error message
 RING_NAME_MAX, RING_MSG_MAX = R_MSG - R_NAME, RING_BYTES - R_MSG
 RING_SETUP = 2  # the setup record's flags (1: the ring in the region's tail, until s29)
-_RING_FD = re.compile(r"^fd:([0-9]{1,9})$")
 RING_PASSED = "fd"  # a setup record's name when the memfd comes with it (SCM_RIGHTS)
 RING_ENV = "Q6SERVE_LANE_RING"
 SEQ = struct.Struct("<Q")
@@ -204,7 +201,7 @@ class LaneServer:
     # -- the ring ------------------------------------------------------------------------
     def _ring_setup(self, conn: _LaneConn, key: str) -> None:
         """The setup record: ``conn``'s lane over the ring its caller names in ``key`` (a
-        sealed memfd, ``_map_ring``; mapped for the lane's life, let go in ``_ring_drop``),
+        sealed memfd, ``_map_passed``; mapped for the lane's life, let go in ``_ring_drop``),
         answered on the socket. A block that is another lane's ring already is refused (two
         lanes taking each other's requests and replies)."""
         assert conn.ticket is not None and conn.transport is not None
@@ -216,8 +213,12 @@ class LaneServer:
                     f"({platform.machine()}) may reorder the ring's stores")
             if conn.ring is not None:
                 raise InvalidArgument("this lane has a ring already")
-            ring = _Ring(*(_map_passed(conn.take_passed()) if key == RING_PASSED
-                           else _map_ring(key, conn.pid)))
+            if key != RING_PASSED:
+                raise InvalidArgument(f"a ring's setup names {key[:80]!r}: it must be "
+                                      f"{RING_PASSED!r}, sent with the caller's memfd of "
+                                      f"{RING_BYTES} bytes sealed against shrinking "
+                                      "(F_SEAL_SHRINK) passed on the socket (SCM_RIGHTS)")
+            ring = _Ring(*_map_passed(conn.take_passed()))
             if any(r.inode == ring.inode for r in self._rings.values()):
                 ring.close()
                 raise InvalidArgument("that ring serves another lane already")
@@ -918,56 +919,6 @@ class _LaneConn(asyncio.Protocol):
         self.server._ring_drop(self)  # (a killed caller's ring: let go, nothing kept)
         self._end_first()
         self._drop_passed()
-
-
-def _map_ring(key: str, pid: int) -> tuple[mmap.mmap, tuple[int, int]]:
-    """The ring the caller (process ``pid``) names in ``key``, "fd:N": its descriptor N of a
-    memfd of this user, RING_BYTES long and sealed against shrinking, mapped; with the block's
-    (device, inode). Opened through /proc/``pid``/fd/N first as a path only (O_PATH: whatever
-    N is, nothing of it runs, e.g. a device's open), then, a plain file, reopened read-write
-    from that path descriptor (the same file, whatever the caller's N becomes meanwhile).
-    Anything else is refused (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION) and nothing of
-    it is kept."""
-    m = _RING_FD.match(key)
-    if m is None:
-        raise InvalidArgument(f"a ring's setup names {key[:80]!r}: it must be 'fd:N', N the "
-                              f"caller's descriptor of a memfd of {RING_BYTES} bytes sealed "
-                              "against shrinking (F_SEAL_SHRINK)")
-    n = int(m.group(1))
-    try:
-        path_fd = os.open(f"/proc/{pid}/fd/{n}", os.O_PATH | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(f"the caller (pid {pid}) has no descriptor {n}") from None
-    except OSError as e:
-        raise FailedPrecondition(f"cannot open the caller's descriptor {n}: "
-                                 f"{e.strerror}") from None
-    try:
-        st = os.fstat(path_fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgument(f"the caller's descriptor {n} is no memfd")
-        if st.st_uid != os.getuid():
-            raise InvalidArgument(f"the caller's descriptor {n} is not a file of this user")
-        try:
-            fd = os.open(f"/proc/self/fd/{path_fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise FailedPrecondition(f"cannot open the caller's descriptor {n}: "
-                                     f"{e.strerror}") from None
-    finally:
-        os.close(path_fd)
-    try:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0  # (not a memfd)
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise InvalidArgument(f"the caller's descriptor {n} is no memfd sealed against "
-                                  "shrinking (F_SEAL_SHRINK): a ring must be one")
-        size = os.fstat(fd).st_size  # (after the seal: it cannot shrink from now on)
-        if size != RING_BYTES:
-            raise InvalidArgument(f"a ring's memfd must be {RING_BYTES} bytes, not {size}")
-        return mmap.mmap(fd, RING_BYTES), (st.st_dev, st.st_ino)
-    finally:
-        os.close(fd)
 
 
 def _map_passed(fd: int) -> tuple[mmap.mmap, tuple[int, int]]:

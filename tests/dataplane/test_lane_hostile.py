@@ -12,6 +12,7 @@ import fcntl
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -116,10 +117,15 @@ def _socket_lane(c: Client, region: Any) -> Lane:
     return Lane(region, path, ticket, ring=False)
 
 
-def _setup(lane: Lane, name: str) -> tuple[int, str]:
-    """A ring setup record naming ``name`` on a socket lane: the reply's (code, message)."""
+def _setup(lane: Lane, name: str, fd: int = -1) -> tuple[int, str]:
+    """A ring setup record naming ``name`` on a socket lane (``fd`` passed with it, SCM_RIGHTS,
+    unless -1): the reply's (code, message)."""
     raw = name.encode()
-    lane.sock.sendall(REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(raw), 0) + raw)
+    rec = REQUEST.pack(0, 0, 0, 0, 0, 0, 0, 0, RING_SETUP, len(raw), 0) + raw
+    if fd >= 0:
+        assert socket.send_fds(lane.sock, [rec], [fd]) == len(rec)
+    else:
+        lane.sock.sendall(rec)
     lane._read_into(lane._head)
     _, code, msg_len, *_ = REPLY.unpack(lane._head)
     return code, lane._read(msg_len).decode() if msg_len else ""
@@ -150,9 +156,9 @@ def test_a_ring_the_caller_could_shrink_is_refused(worker: Worker) -> None:
     try:
         with c.register_shm("io", 1 << 16) as region:
             for what, name, fd in (("shm", shm.name, shm._fd),  # type: ignore[attr-defined]
-                                   *((k, f"fd:{v}", v) for k, v in fds.items())):
+                                   *((k, "fd", v) for k, v in fds.items())):
                 with _socket_lane(c, region) as lane:
-                    code, msg = _setup(lane, name)
+                    code, msg = _setup(lane, name, fd if name == "fd" else -1)
                     assert code == 0 or (code == 3 and msg), (what, code, msg)  # INVALID_ARGUMENT
                     if code == 0:
                         taken.append(what)
@@ -275,8 +281,8 @@ def test_one_ring_for_two_lanes_is_refused(worker: Worker) -> None:
     try:
         with c.register_shm("io", 1 << 16) as region, _socket_lane(c, region) as one, \
                 _socket_lane(c, region) as two:
-            assert _setup(one, f"fd:{fd}") == (0, "")
-            code, msg = _setup(two, f"fd:{fd}")
+            assert _setup(one, "fd", fd) == (0, "")
+            code, msg = _setup(two, "fd", fd)
             assert code == 3 and "another lane" in msg, (code, msg)
     finally:
         os.close(fd)
