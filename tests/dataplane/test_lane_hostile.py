@@ -264,6 +264,11 @@ def test_a_thousand_lanes_opened_and_dropped_leave_nothing(
                 time.sleep(0.05)
             assert w.run(left) == (0, 0, 0, 0, 0)
             gc.collect()
+            # a dropped lane's socket is closed by the worker's loop a trip after its lane goes
+            # (CI run 85 read 37 against 36 once): wait for the count, a leak still fails here
+            while len(os.listdir("/proc/self/fd")) > fds and time.monotonic() < deadline + 5:
+                time.sleep(0.05)
+                gc.collect()
             assert len(os.listdir("/proc/self/fd")) <= fds
             assert threading.active_count() <= threads
             assert sorted(os.listdir("/dev/shm")) == shm
